@@ -1,0 +1,253 @@
+//! `out = x · Wᵀ`, batch-invariant.
+//!
+//! Each output element `out[t][j]` is a dot product accumulated in 8 lanes, in order along
+//! `k`, then reduced in a fixed tree and finished with the `k % 8` tail. Tiles (how many rows
+//! and tokens are computed together) only change which dot products share loads, never the
+//! operations inside one dot product, so a token's result is the same whether it is alone,
+//! in a batch of 16, or one of 512 prefill tokens.
+
+use rayon::prelude::*;
+
+const LANES: usize = 8;
+
+/// How one multiply-accumulate is done. The fused form is used only inside functions compiled
+/// with FMA enabled; the split form is the portable fallback. One process always uses one of
+/// them, so results are stable within a run.
+trait MulAdd {
+    fn mul_add(a: f32, b: f32, acc: f32) -> f32;
+}
+
+struct Fused;
+impl MulAdd for Fused {
+    #[inline(always)]
+    fn mul_add(a: f32, b: f32, acc: f32) -> f32 {
+        a.mul_add(b, acc)
+    }
+}
+
+struct Split;
+impl MulAdd for Split {
+    #[inline(always)]
+    fn mul_add(a: f32, b: f32, acc: f32) -> f32 {
+        a * b + acc
+    }
+}
+
+/// Dot products of `R` weight rows with `C` token rows, each of length `k`.
+#[inline(always)]
+fn tile<M: MulAdd, const R: usize, const C: usize>(
+    w: [&[f32]; R],
+    x: [&[f32]; C],
+    k: usize,
+) -> [[f32; C]; R] {
+    let n = k / LANES;
+    let wc: [&[[f32; LANES]]; R] = std::array::from_fn(|r| w[r].as_chunks::<LANES>().0);
+    let xc: [&[[f32; LANES]]; C] = std::array::from_fn(|c| x[c].as_chunks::<LANES>().0);
+    let mut acc = [[[0.0f32; LANES]; C]; R];
+    for i in 0..n {
+        for r in 0..R {
+            let wv = &wc[r][i];
+            for c in 0..C {
+                let xv = &xc[c][i];
+                for l in 0..LANES {
+                    acc[r][c][l] = M::mul_add(wv[l], xv[l], acc[r][c][l]);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            let a = &acc[r][c];
+            let mut s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+            for kk in n * LANES..k {
+                s = M::mul_add(w[r][kk], x[c][kk], s);
+            }
+            out[r][c] = s;
+        }
+    }
+    out
+}
+
+/// Computes rows `j0..j0 + rows` of `W` against all tokens into `out_t` (`[rows][tokens]`).
+#[inline(always)]
+fn rows_block<M: MulAdd>(
+    x: &[f32],
+    tokens: usize,
+    w: &[f32],
+    k: usize,
+    j0: usize,
+    rows: usize,
+    out_t: &mut [f32],
+) {
+    let wrow = |j: usize| &w[(j0 + j) * k..(j0 + j + 1) * k];
+    let xrow = |t: usize| &x[t * k..(t + 1) * k];
+    let mut t = 0;
+    // Groups of four tokens share each loaded weight row (prefill and batched decode).
+    while t + 4 <= tokens {
+        let xs = [xrow(t), xrow(t + 1), xrow(t + 2), xrow(t + 3)];
+        let mut j = 0;
+        while j + 2 <= rows {
+            let r = tile::<M, 2, 4>([wrow(j), wrow(j + 1)], xs, k);
+            for (dr, vals) in r.iter().enumerate() {
+                out_t[(j + dr) * tokens + t..(j + dr) * tokens + t + 4].copy_from_slice(vals);
+            }
+            j += 2;
+        }
+        if j < rows {
+            let r = tile::<M, 1, 4>([wrow(j)], xs, k);
+            out_t[j * tokens + t..j * tokens + t + 4].copy_from_slice(&r[0]);
+        }
+        t += 4;
+    }
+    // Remaining tokens one at a time, eight weight rows at once to keep the FMA units busy.
+    while t < tokens {
+        let xs = [xrow(t)];
+        let mut j = 0;
+        while j + 8 <= rows {
+            let r = tile::<M, 8, 1>(std::array::from_fn(|i| wrow(j + i)), xs, k);
+            for (dr, v) in r.iter().enumerate() {
+                out_t[(j + dr) * tokens + t] = v[0];
+            }
+            j += 8;
+        }
+        while j < rows {
+            out_t[j * tokens + t] = tile::<M, 1, 1>([wrow(j)], xs, k)[0][0];
+            j += 1;
+        }
+        t += 1;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn rows_block_avx2(
+    x: &[f32],
+    tokens: usize,
+    w: &[f32],
+    k: usize,
+    j0: usize,
+    rows: usize,
+    out_t: &mut [f32],
+) {
+    rows_block::<Fused>(x, tokens, w, k, j0, rows, out_t)
+}
+
+fn has_avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+fn run_rows(
+    x: &[f32],
+    tokens: usize,
+    w: &[f32],
+    k: usize,
+    j0: usize,
+    rows: usize,
+    out_t: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // Safety: the CPU supports AVX2 and FMA (checked at run time just above), which is the
+        // only requirement `rows_block_avx2` adds over a plain function.
+        unsafe { rows_block_avx2(x, tokens, w, k, j0, rows, out_t) };
+        return;
+    }
+    rows_block::<Split>(x, tokens, w, k, j0, rows, out_t)
+}
+
+/// `out[t * m + j] = Σ_kk x[t * k + kk] · w[j * k + kk]` for `tokens` rows of `x` and the `m`
+/// rows of `w` (`[m, k]`, the HF `Linear` layout).
+///
+/// # Panics
+/// If a slice is shorter than its stated shape (a programming error, not a request error).
+pub fn matmul_t(x: &[f32], tokens: usize, w: &[f32], m: usize, k: usize, out: &mut [f32]) {
+    assert!(x.len() >= tokens * k && w.len() >= m * k && out.len() >= tokens * m);
+    if tokens == 0 || m == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads().max(1);
+    let rows_per_task = m.div_ceil(threads * 4).next_multiple_of(8).max(8);
+    if tokens == 1 {
+        // One token: the transposed buffer is the output itself.
+        out[..m]
+            .par_chunks_mut(rows_per_task)
+            .enumerate()
+            .for_each(|(i, chunk)| run_rows(x, 1, w, k, i * rows_per_task, chunk.len(), chunk));
+        return;
+    }
+    let mut out_t = vec![0.0f32; m * tokens];
+    out_t
+        .par_chunks_mut(rows_per_task * tokens)
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            run_rows(
+                x,
+                tokens,
+                w,
+                k,
+                i * rows_per_task,
+                chunk.len() / tokens,
+                chunk,
+            )
+        });
+    for j in 0..m {
+        for t in 0..tokens {
+            out[t * m + j] = out_t[j * tokens + t];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+    }
+
+    #[test]
+    fn matches_naive_and_is_batch_invariant() {
+        let mut s = 7u64;
+        for &(m, k) in &[(1usize, 1usize), (13, 37), (64, 64), (130, 203)] {
+            let tokens = 11;
+            let x: Vec<f32> = (0..tokens * k).map(|_| lcg(&mut s)).collect();
+            let w: Vec<f32> = (0..m * k).map(|_| lcg(&mut s)).collect();
+            let mut out = vec![0.0; tokens * m];
+            matmul_t(&x, tokens, &w, m, k, &mut out);
+            for t in 0..tokens {
+                for j in 0..m {
+                    let naive: f64 = (0..k)
+                        .map(|i| x[t * k + i] as f64 * w[j * k + i] as f64)
+                        .sum();
+                    assert!((out[t * m + j] as f64 - naive).abs() < 1e-4, "m={m} k={k}");
+                }
+                // The same token alone, or in a batch of a different size, gives identical bits.
+                let mut alone = vec![0.0; m];
+                matmul_t(&x[t * k..(t + 1) * k], 1, &w, m, k, &mut alone);
+                assert_eq!(&alone[..], &out[t * m..(t + 1) * m]);
+                let first = t.min(tokens - 5);
+                let mut five = vec![0.0; 5 * m];
+                matmul_t(&x[first * k..(first + 5) * k], 5, &w, m, k, &mut five);
+                assert_eq!(
+                    &five[(t - first) * m..(t - first + 1) * m],
+                    &out[t * m..(t + 1) * m]
+                );
+            }
+        }
+    }
+}

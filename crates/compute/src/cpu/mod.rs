@@ -1,0 +1,51 @@
+//! CPU kernels over `f32` slices.
+//!
+//! - [`matmul_t`]: `x · Wᵀ` for HF `Linear` weights (`[out, in]` row-major), threaded with
+//!   rayon, SIMD picked at run time (AVX2+FMA when the CPU has it).
+//! - [`rms_norm`], [`add_inplace`], [`silu_mul`]: the elementwise pieces of a block.
+//! - [`RopeTable`] and [`apply_rope`]: rotary embeddings (HF "rotate half" convention).
+//! - [`paged_attention`]: causal attention of queries against keys/values read from the
+//!   paged [`KvCache`](crate::KvCache).
+//!
+//! Every kernel computes each output element with a fixed sequence of operations, whatever
+//! the batch size or thread split, so results are batch-invariant (see the crate docs).
+
+mod attention;
+mod matmul;
+mod ops;
+mod rope;
+
+pub use attention::{paged_attention, AttnSeq};
+pub use matmul::matmul_t;
+pub use ops::{add_inplace, rms_norm, rms_norm_inplace, silu_mul};
+pub use rope::{apply_rope, RopeScaling, RopeTable};
+
+/// Best-of-`repeats` streaming read rate over a buffer of about `bytes`, in bytes/second,
+/// using all rayon threads (as a decode step does).
+pub(crate) fn measure_read_bandwidth(bytes: usize, repeats: usize) -> f64 {
+    use rayon::prelude::*;
+    let n = (bytes / 4).max(1 << 16);
+    let buf: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+    let mut best = f64::INFINITY;
+    let mut sink = 0.0f32;
+    for _ in 0..repeats.max(1) {
+        let start = std::time::Instant::now();
+        let s: f32 = buf
+            .par_chunks(1 << 16)
+            .map(|c| {
+                let mut acc = [0.0f32; 8];
+                let (chunks, rest) = c.as_chunks::<8>();
+                for ch in chunks {
+                    for l in 0..8 {
+                        acc[l] += ch[l];
+                    }
+                }
+                acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
+            })
+            .sum();
+        best = best.min(start.elapsed().as_secs_f64());
+        sink += s;
+    }
+    std::hint::black_box(sink);
+    (n * 4) as f64 / best
+}

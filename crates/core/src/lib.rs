@@ -1,0 +1,17 @@
+//! The vocabulary every tandem crate shares: request ids, sampling parameters, finish reasons.
+//!
+//! This crate holds plain data and validation only: no I/O, no threads, no model math. Types
+//! here cross crate boundaries (server -> engine, engine -> server), so each one states its
+//! invariants and is checked once, at the edge where it is built ([`SamplingParams::validate`]).
+//!
+//! Sibling crates: `tandem-compute` (CPU kernels and the paged KV storage), `tandem-model`
+//! (loading and running transformers, tokenizers), `tandem-engine` (scheduler, block pool,
+//! engine loop), `tandem-server` (the OpenAI HTTP API), `tandem-bench` (benchmarks) and the
+//! `tandem` binary (wiring).
+#![deny(missing_docs)]
+
+mod ids;
+mod sampling;
+
+pub use ids::{BlockId, RequestId};
+pub use sampling::{FinishReason, InvalidSampling, SamplingParams};

@@ -1,0 +1,325 @@
+//! `config.json` (the HF file format) to [`ModelConfig`] (what the runtime needs).
+//!
+//! Unsupported options are rejected here, in one place, so nothing later has to check.
+
+use std::path::Path;
+
+use serde::Deserialize;
+use serde_json::Value;
+use tandem_compute::cpu::RopeScaling;
+
+use crate::ModelError;
+
+/// Transformer families tandem runs. They differ only in a few switches, listed on
+/// [`ModelConfig`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    /// `Qwen3ForCausalLM`: RMSNorm on each q and k head, no biases.
+    Qwen3,
+    /// `Qwen2ForCausalLM`: biases on q, k and v.
+    Qwen2,
+    /// `LlamaForCausalLM` (also SmolLM): optional biases, optional Llama 3 RoPE scaling.
+    Llama,
+}
+
+impl Architecture {
+    /// The HF class name.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Llama => "LlamaForCausalLM",
+        }
+    }
+}
+
+/// The runtime view of a model's shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    /// Family.
+    pub architecture: Architecture,
+    /// Rows of the embedding and output matrices.
+    pub vocab_size: usize,
+    /// Residual stream width.
+    pub hidden_size: usize,
+    /// MLP inner width.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (`num_heads` must be a multiple).
+    pub num_kv_heads: usize,
+    /// Elements per head (may differ from `hidden_size / num_heads`, as in Qwen3).
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// RoPE frequency scaling.
+    pub rope_scaling: RopeScaling,
+    /// The output projection reuses the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Longest context the model supports.
+    pub max_position_embeddings: usize,
+    /// Biases on the q, k, v projections.
+    pub qkv_bias: bool,
+    /// Bias on the output projection.
+    pub o_bias: bool,
+    /// Biases on the MLP projections.
+    pub mlp_bias: bool,
+    /// Per-head RMSNorm on q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// End-of-sequence ids named by config.json.
+    pub eos_token_ids: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+struct HfConfig {
+    architectures: Option<Vec<String>>,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<Value>,
+    rope_parameters: Option<Value>,
+    tie_word_embeddings: Option<bool>,
+    max_position_embeddings: Option<usize>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    hidden_act: Option<String>,
+    use_sliding_window: Option<bool>,
+    eos_token_id: Option<Value>,
+}
+
+impl ModelConfig {
+    /// Reads and checks `dir/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+        Self::from_json(&text).map_err(|e| match e {
+            ConfigParseError::Json(source) => ModelError::Json { path, source },
+            ConfigParseError::Model(e) => e,
+        })
+    }
+
+    /// The config of a built-in preset (parsed from the same JSON `model init` writes).
+    pub fn from_preset(preset: &crate::Preset) -> Result<Self, ModelError> {
+        Self::from_json(&preset.config_json().to_string()).map_err(|e| match e {
+            ConfigParseError::Json(e) => ModelError::UnsupportedConfig(e.to_string()),
+            ConfigParseError::Model(e) => e,
+        })
+    }
+
+    /// Parses and checks a config.json text.
+    fn from_json(text: &str) -> Result<Self, ConfigParseError> {
+        let hf: HfConfig = serde_json::from_str(text).map_err(ConfigParseError::Json)?;
+        Ok(Self::from_hf(hf)?)
+    }
+
+    fn from_hf(hf: HfConfig) -> Result<Self, ModelError> {
+        let arch_name = hf
+            .architectures
+            .as_ref()
+            .and_then(|a| a.first().cloned())
+            .ok_or_else(|| {
+                ModelError::UnsupportedConfig("config.json has no `architectures`".into())
+            })?;
+        let architecture = match arch_name.as_str() {
+            "Qwen3ForCausalLM" => Architecture::Qwen3,
+            "Qwen2ForCausalLM" => Architecture::Qwen2,
+            "LlamaForCausalLM" => Architecture::Llama,
+            _ => return Err(ModelError::UnsupportedArchitecture { name: arch_name }),
+        };
+        if let Some(act) = &hf.hidden_act {
+            if act != "silu" {
+                return Err(ModelError::UnsupportedConfig(format!(
+                    "hidden_act `{act}` (only silu)"
+                )));
+            }
+        }
+        if hf.use_sliding_window == Some(true) {
+            return Err(ModelError::UnsupportedConfig(
+                "use_sliding_window = true".into(),
+            ));
+        }
+        let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
+        if num_kv_heads == 0 || hf.num_attention_heads % num_kv_heads != 0 {
+            return Err(ModelError::UnsupportedConfig(format!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {num_kv_heads}",
+                hf.num_attention_heads
+            )));
+        }
+        let head_dim = hf
+            .head_dim
+            .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1));
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(ModelError::UnsupportedConfig(format!(
+                "head_dim {head_dim} must be even"
+            )));
+        }
+        let (rope_theta, rope_scaling) = parse_rope(&hf)?;
+        let attention_bias = hf.attention_bias.unwrap_or(false);
+        let (qkv_bias, o_bias, qk_norm) = match architecture {
+            Architecture::Qwen3 => (attention_bias, attention_bias, true),
+            Architecture::Qwen2 => (true, false, false),
+            Architecture::Llama => (attention_bias, attention_bias, false),
+        };
+        Ok(Self {
+            architecture,
+            vocab_size: hf.vocab_size,
+            hidden_size: hf.hidden_size,
+            intermediate_size: hf.intermediate_size,
+            num_layers: hf.num_hidden_layers,
+            num_heads: hf.num_attention_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
+            max_position_embeddings: hf.max_position_embeddings.unwrap_or(2048),
+            qkv_bias,
+            o_bias,
+            mlp_bias: hf.mlp_bias.unwrap_or(false),
+            qk_norm,
+            eos_token_ids: token_id_list(hf.eos_token_id.as_ref()),
+        })
+    }
+
+    /// Parameters in the checkpoint (tied embeddings counted once).
+    pub fn num_params(&self) -> usize {
+        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let q = self.num_heads * self.head_dim;
+        let kv = self.num_kv_heads * self.head_dim;
+        let mut layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h;
+        if self.qk_norm {
+            layer += 2 * self.head_dim;
+        }
+        if self.qkv_bias {
+            layer += q + 2 * kv;
+        }
+        let head = if self.tie_word_embeddings { 0 } else { v * h };
+        v * h + self.num_layers * layer + h + head
+    }
+
+    /// KV cache bytes per token, stored as f32.
+    pub fn kv_bytes_per_token_f32(&self) -> usize {
+        self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
+    }
+}
+
+enum ConfigParseError {
+    Json(serde_json::Error),
+    Model(ModelError),
+}
+
+impl From<ModelError> for ConfigParseError {
+    fn from(e: ModelError) -> Self {
+        Self::Model(e)
+    }
+}
+
+/// `eos_token_id` may be an int or a list of ints.
+pub(crate) fn token_id_list(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// transformers 4.x writes `rope_theta` + `rope_scaling`; 5.x writes `rope_parameters`
+/// holding both. Accept either.
+fn parse_rope(hf: &HfConfig) -> Result<(f32, RopeScaling), ModelError> {
+    let params = hf.rope_parameters.as_ref().or(hf.rope_scaling.as_ref());
+    let field = |k: &str| params.and_then(|p| p.get(k)).and_then(Value::as_f64);
+    let theta = field("rope_theta").or(hf.rope_theta).unwrap_or(10_000.0) as f32;
+    let kind = params
+        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "llama3" => {
+            let need = |k: &str| {
+                field(k).map(|v| v as f32).ok_or_else(|| {
+                    ModelError::UnsupportedConfig(format!("llama3 rope scaling without `{k}`"))
+                })
+            };
+            RopeScaling::Llama3 {
+                factor: need("factor")?,
+                low_freq_factor: need("low_freq_factor")?,
+                high_freq_factor: need("high_freq_factor")?,
+                original_max_position_embeddings: need("original_max_position_embeddings")?,
+            }
+        }
+        other => {
+            return Err(ModelError::UnsupportedConfig(format!(
+                "rope_type `{other}`"
+            )))
+        }
+    };
+    Ok((theta, scaling))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<ModelConfig, ModelError> {
+        ModelConfig::from_json(text).map_err(|e| match e {
+            ConfigParseError::Json(e) => ModelError::UnsupportedConfig(e.to_string()),
+            ConfigParseError::Model(e) => e,
+        })
+    }
+
+    const BASE: &str = r#""vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1"#;
+
+    #[test]
+    fn old_and_new_rope_formats_agree() {
+        let old = parse(&format!(r#"{{"architectures":["LlamaForCausalLM"], {BASE}, "rope_theta": 500000.0,
+            "rope_scaling": {{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":64}}}}"#)).unwrap();
+        let new = parse(&format!(r#"{{"architectures":["LlamaForCausalLM"], {BASE},
+            "rope_parameters": {{"rope_theta": 500000.0, "rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":64}}}}"#)).unwrap();
+        assert_eq!(old, new);
+        assert_eq!(old.rope_theta, 500000.0);
+        assert!(matches!(old.rope_scaling, RopeScaling::Llama3 { .. }));
+    }
+
+    #[test]
+    fn rejects_unknown_architecture_and_options_by_name() {
+        let e = parse(&format!(
+            r#"{{"architectures":["GPT2LMHeadModel"], {BASE}}}"#
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
+        let e = parse(&format!(
+            r#"{{"architectures":["LlamaForCausalLM"], {BASE}, "hidden_act":"gelu"}}"#
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("gelu"), "{e}");
+        let e = parse(&format!(r#"{{"architectures":["LlamaForCausalLM"], {BASE}, "rope_scaling":{{"rope_type":"yarn","factor":4.0}}}}"#)).unwrap_err();
+        assert!(e.to_string().contains("yarn"), "{e}");
+    }
+
+    #[test]
+    fn eos_may_be_int_or_list() {
+        let c = parse(&format!(
+            r#"{{"architectures":["Qwen2ForCausalLM"], {BASE}, "eos_token_id":[3,4]}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.eos_token_ids, vec![3, 4]);
+        assert!(c.qkv_bias && !c.o_bias && !c.qk_norm);
+    }
+}

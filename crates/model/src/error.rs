@@ -1,0 +1,99 @@
+//! Errors from loading a model or using its tokenizer.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong between a model path and a runnable [`crate::Transformer`].
+/// Every variant names the file, tensor or field at fault.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A JSON file did not parse or lacked a required field.
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parse error.
+        source: serde_json::Error,
+    },
+    /// `architectures` names a model tandem does not implement.
+    #[error("unsupported architecture `{name}` (supported: Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)")]
+    UnsupportedArchitecture {
+        /// The architecture from config.json.
+        name: String,
+    },
+    /// A config option tandem does not implement (sliding window, other activations, ...).
+    #[error("unsupported model config: {0}")]
+    UnsupportedConfig(String),
+    /// A tensor the architecture needs is absent from the checkpoint.
+    #[error("missing tensor `{name}` in the checkpoint")]
+    MissingTensor {
+        /// The HF tensor name.
+        name: String,
+    },
+    /// A tensor has a different shape than config.json implies.
+    #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    ShapeMismatch {
+        /// The HF tensor name.
+        name: String,
+        /// Shape implied by the config.
+        expected: Vec<usize>,
+        /// Shape in the file.
+        found: Vec<usize>,
+    },
+    /// A tensor is stored in a dtype other than f32, bf16 or f16.
+    #[error("tensor `{name}` has unsupported dtype {dtype} (supported: F32, BF16, F16)")]
+    UnsupportedDtype {
+        /// The HF tensor name.
+        name: String,
+        /// The dtype found.
+        dtype: String,
+    },
+    /// A safetensors file is malformed.
+    #[error("{path}: {message}")]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What the safetensors reader said.
+        message: String,
+    },
+    /// No model files at the given path.
+    #[error("{path}: not a model directory (expected config.json and model.safetensors or model.safetensors.index.json)")]
+    NotAModel {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// `preset:NAME` with an unknown name.
+    #[error("unknown preset `{name}` (known: {known})")]
+    UnknownPreset {
+        /// The name asked for.
+        name: String,
+        /// Comma-separated known names.
+        known: String,
+    },
+    /// The tokenizer failed to load, encode or decode.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The chat template failed to compile or render.
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    /// Text input given to a model that has no tokenizer.
+    #[error("this model has no tokenizer (token-ids mode): send prompts as token id lists")]
+    NoTokenizer,
+}
+
+impl ModelError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

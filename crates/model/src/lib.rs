@@ -1,0 +1,34 @@
+//! Models for tandem: load a Hugging Face checkpoint, run it over a paged KV cache, and turn
+//! text into tokens and back.
+//!
+//! # Brief overview
+//! [`LoadedModel::load`] takes a [`ModelSource`] (an HF directory, or `preset:NAME` for a
+//! built-in shape with seeded random weights) and returns the [`Transformer`], its
+//! [`TextTokenizer`] (absent in token-ids mode), the end-of-sequence ids and the max length.
+//! [`Transformer::forward`] runs one batch of tokens from many sequences, reading and writing
+//! keys and values in a `tandem_compute::KvCache` through each sequence's block table.
+//!
+//! Supported: Qwen3, Qwen2 and Llama (SmolLM too) with GQA, RoPE (plus Llama 3 scaling), tied
+//! embeddings, f32/bf16/f16 safetensors, single-file or sharded. Anything else fails at load
+//! with a message naming what is unsupported ([`ModelError`]).
+//!
+//! This crate owns no request state and does no scheduling: that is `tandem-engine`.
+#![deny(missing_docs)]
+
+mod config;
+mod detokenize;
+mod error;
+mod presets;
+mod source;
+mod tokenizer;
+mod transformer;
+mod weights;
+
+pub use config::{Architecture, ModelConfig};
+pub use detokenize::{IncrementalDetokenizer, StopMatcher, StopOutcome};
+pub use error::ModelError;
+pub use presets::{Preset, PRESETS};
+pub use source::{LoadedModel, ModelSource};
+pub use tokenizer::{ChatMessage, TextTokenizer};
+pub use transformer::{SeqBatch, Transformer};
+pub use weights::{Tensor, WeightMap};

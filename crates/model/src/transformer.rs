@@ -1,0 +1,320 @@
+//! The decoder-only transformer shared by Qwen3, Qwen2 and Llama, run over a paged KV cache.
+//!
+//! Follows transformers' `modeling_qwen3.py`, `modeling_qwen2.py` and `modeling_llama.py`
+//! (eager attention, f32): greedy outputs must match them token for token (fixtures/).
+//!
+//! Weights are immutable (`&self`); all per-sequence state (the KV cache and each sequence's
+//! block table) is passed in. The model knows nothing about requests or scheduling.
+
+use tandem_compute::cpu::{
+    add_inplace, apply_rope, matmul_t, paged_attention, rms_norm, rms_norm_inplace, silu_mul,
+    AttnSeq, RopeTable,
+};
+use tandem_compute::{KvCache, KvLayout};
+
+use crate::config::ModelConfig;
+use crate::weights::WeightMap;
+use crate::ModelError;
+
+/// One sequence's slice of a forward batch.
+///
+/// Tokens `token_start..token_start + num_tokens` of the batch belong to this sequence and sit
+/// at positions `first_pos..first_pos + num_tokens`. Keys and values for positions before
+/// `first_pos` must already be in the cache; the forward writes the new ones. `block_table`
+/// must cover every position up to `first_pos + num_tokens`.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqBatch<'a> {
+    /// First token of this sequence in the batch.
+    pub token_start: usize,
+    /// Tokens of this sequence in the batch.
+    pub num_tokens: usize,
+    /// Position of the first token.
+    pub first_pos: usize,
+    /// Physical blocks, in position order.
+    pub block_table: &'a [u32],
+    /// Whether to compute logits for the last token.
+    pub want_logits: bool,
+}
+
+/// A `[out, in]` weight matrix with an optional bias.
+struct Linear {
+    weight: Vec<f32>,
+    bias: Option<Vec<f32>>,
+    out_dim: usize,
+    in_dim: usize,
+}
+
+impl Linear {
+    fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
+        let mut y = vec![0.0; tokens * self.out_dim];
+        matmul_t(x, tokens, &self.weight, self.out_dim, self.in_dim, &mut y);
+        if let Some(b) = &self.bias {
+            for row in y.chunks_exact_mut(self.out_dim) {
+                add_inplace(row, b);
+            }
+        }
+        y
+    }
+}
+
+struct Layer {
+    input_norm: Vec<f32>,
+    /// q, k and v projections stacked into one matrix: one pass over the input.
+    qkv: Linear,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    o: Linear,
+    post_norm: Vec<f32>,
+    /// gate and up projections stacked: `[gate; up]`.
+    gate_up: Linear,
+    down: Linear,
+}
+
+/// A loaded model, ready to run forwards.
+pub struct Transformer {
+    cfg: ModelConfig,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    /// `None` when tied to `embed`.
+    lm_head: Option<Vec<f32>>,
+    rope: RopeTable,
+}
+
+impl Transformer {
+    /// Builds the model from HF-named tensors, checking every shape against `cfg`. `max_positions`
+    /// bounds the RoPE table (the engine's max model length).
+    pub fn from_weights(
+        cfg: ModelConfig,
+        mut w: WeightMap,
+        max_positions: usize,
+    ) -> Result<Self, ModelError> {
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let q_dim = cfg.num_heads * hd;
+        let kv_dim = cfg.num_kv_heads * hd;
+        let embed = w.take("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            let mut stacked = |names: &[(&str, usize)],
+                               in_dim: usize,
+                               bias: bool|
+             -> Result<Linear, ModelError> {
+                let mut weight = Vec::new();
+                let mut b = Vec::new();
+                for (n, rows) in names {
+                    weight.extend(w.take(&format!("{p}.{n}.weight"), &[*rows, in_dim])?);
+                    if bias {
+                        b.extend(w.take(&format!("{p}.{n}.bias"), &[*rows])?);
+                    }
+                }
+                let out_dim = names.iter().map(|(_, r)| r).sum();
+                Ok(Linear {
+                    weight,
+                    bias: bias.then_some(b),
+                    out_dim,
+                    in_dim,
+                })
+            };
+            let qkv = stacked(
+                &[
+                    ("self_attn.q_proj", q_dim),
+                    ("self_attn.k_proj", kv_dim),
+                    ("self_attn.v_proj", kv_dim),
+                ],
+                h,
+                cfg.qkv_bias,
+            )?;
+            let o = stacked(&[("self_attn.o_proj", h)], q_dim, cfg.o_bias)?;
+            let gate_up = stacked(
+                &[
+                    ("mlp.gate_proj", cfg.intermediate_size),
+                    ("mlp.up_proj", cfg.intermediate_size),
+                ],
+                h,
+                cfg.mlp_bias,
+            )?;
+            let down = stacked(&[("mlp.down_proj", h)], cfg.intermediate_size, cfg.mlp_bias)?;
+            let (q_norm, k_norm) = if cfg.qk_norm {
+                (
+                    Some(w.take(&format!("{p}.self_attn.q_norm.weight"), &[hd])?),
+                    Some(w.take(&format!("{p}.self_attn.k_norm.weight"), &[hd])?),
+                )
+            } else {
+                (None, None)
+            };
+            layers.push(Layer {
+                input_norm: w.take(&format!("{p}.input_layernorm.weight"), &[h])?,
+                qkv,
+                q_norm,
+                k_norm,
+                o,
+                post_norm: w.take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                gate_up,
+                down,
+            });
+        }
+        let norm = w.take("model.norm.weight", &[h])?;
+        let lm_head = if cfg.tie_word_embeddings && !w.contains("lm_head.weight") {
+            None
+        } else {
+            Some(w.take("lm_head.weight", &[cfg.vocab_size, h])?)
+        };
+        let rope = RopeTable::new(hd, cfg.rope_theta, cfg.rope_scaling, max_positions);
+        Ok(Self {
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Positions the RoPE table covers (the longest sequence this instance can run).
+    pub fn max_positions(&self) -> usize {
+        self.rope.max_positions()
+    }
+
+    /// The KV cache shape this model needs for `num_blocks` blocks of `block_size` tokens.
+    pub fn kv_layout(&self, block_size: usize, num_blocks: usize) -> KvLayout {
+        KvLayout {
+            num_layers: self.cfg.num_layers,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+            block_size,
+            num_blocks,
+        }
+    }
+
+    /// Bytes of weights a forward reads (f32), the numerator of the decode floor.
+    pub fn weight_bytes(&self) -> usize {
+        let layer_bytes: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.qkv, &l.o, &l.gate_up, &l.down]
+                    .iter()
+                    .map(|lin| lin.weight.len() + lin.bias.as_ref().map_or(0, Vec::len))
+                    .sum::<usize>()
+                    + l.input_norm.len()
+                    + l.post_norm.len()
+            })
+            .sum();
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed).len();
+        (layer_bytes + head + self.norm.len()) * 4
+    }
+
+    /// Runs one batched forward over `token_ids` (all sequences' tokens, concatenated) and
+    /// returns logits (`vocab_size` each) for the sequences with `want_logits`, in order.
+    ///
+    /// Token ids must be `< vocab_size` and positions `< max_positions()`; the engine checks
+    /// both when it admits a request.
+    pub fn forward(&self, token_ids: &[u32], seqs: &[SeqBatch<'_>], kv: &mut KvCache) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let (h, hd, nh, nkv) = (
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+        );
+        let (q_dim, kv_dim) = (nh * hd, nkv * hd);
+        let t = token_ids.len();
+        let block_size = kv.layout().block_size;
+
+        let mut positions = vec![0usize; t];
+        let mut slots = vec![(0usize, 0usize); t];
+        for s in seqs {
+            for i in 0..s.num_tokens {
+                let pos = s.first_pos + i;
+                positions[s.token_start + i] = pos;
+                slots[s.token_start + i] =
+                    (s.block_table[pos / block_size] as usize, pos % block_size);
+            }
+        }
+        let attn_seqs: Vec<AttnSeq<'_>> = seqs
+            .iter()
+            .map(|s| AttnSeq {
+                query_start: s.token_start,
+                num_queries: s.num_tokens,
+                first_pos: s.first_pos,
+                block_table: s.block_table,
+            })
+            .collect();
+
+        let mut x = vec![0.0f32; t * h];
+        for (row, &id) in x.chunks_exact_mut(h).zip(token_ids) {
+            let id = id as usize;
+            row.copy_from_slice(&self.embed[id * h..(id + 1) * h]);
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut normed = vec![0.0f32; t * h];
+        let mut q = vec![0.0f32; t * q_dim];
+        let mut k = vec![0.0f32; t * kv_dim];
+        let mut v = vec![0.0f32; t * kv_dim];
+        let mut attn = vec![0.0f32; t * q_dim];
+        let mut act = vec![0.0f32; t * cfg.intermediate_size];
+        for (li, layer) in self.layers.iter().enumerate() {
+            rms_norm(&x, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
+            let qkv = layer.qkv.forward(&normed, t);
+            for (r, row) in qkv.chunks_exact(q_dim + 2 * kv_dim).enumerate() {
+                q[r * q_dim..(r + 1) * q_dim].copy_from_slice(&row[..q_dim]);
+                k[r * kv_dim..(r + 1) * kv_dim].copy_from_slice(&row[q_dim..q_dim + kv_dim]);
+                v[r * kv_dim..(r + 1) * kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
+            }
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                rms_norm_inplace(&mut q, qn, cfg.rms_norm_eps);
+                rms_norm_inplace(&mut k, kn, cfg.rms_norm_eps);
+            }
+            apply_rope(&mut q, nh, hd, &positions, &self.rope);
+            apply_rope(&mut k, nkv, hd, &positions, &self.rope);
+            for (r, &(block, slot)) in slots.iter().enumerate() {
+                kv.write_token(
+                    li,
+                    block,
+                    slot,
+                    &k[r * kv_dim..(r + 1) * kv_dim],
+                    &v[r * kv_dim..(r + 1) * kv_dim],
+                );
+            }
+            paged_attention(&q, nh, kv, li, &attn_seqs, scale, &mut attn);
+            let o = layer.o.forward(&attn, t);
+            add_inplace(&mut x, &o);
+
+            rms_norm(&x, &layer.post_norm, cfg.rms_norm_eps, &mut normed);
+            let gu = layer.gate_up.forward(&normed, t);
+            silu_mul(&gu, cfg.intermediate_size, &mut act);
+            let d = layer.down.forward(&act, t);
+            add_inplace(&mut x, &d);
+        }
+
+        // Only the last token of sequences that sample needs the (large) output projection.
+        let picked: Vec<usize> = seqs
+            .iter()
+            .filter(|s| s.want_logits && s.num_tokens > 0)
+            .map(|s| s.token_start + s.num_tokens - 1)
+            .collect();
+        let mut last = vec![0.0f32; picked.len() * h];
+        for (dst, &row) in last.chunks_exact_mut(h).zip(&picked) {
+            dst.copy_from_slice(&x[row * h..(row + 1) * h]);
+        }
+        let mut last_normed = vec![0.0f32; last.len()];
+        rms_norm(&last, &self.norm, cfg.rms_norm_eps, &mut last_normed);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0.0f32; picked.len() * cfg.vocab_size];
+        matmul_t(
+            &last_normed,
+            picked.len(),
+            head,
+            cfg.vocab_size,
+            h,
+            &mut logits,
+        );
+        logits
+    }
+}
