@@ -248,6 +248,11 @@ impl Preset {
     }
 
     /// Every tensor's HF name, shape and init standard deviation (0 means "all ones", for norms).
+    ///
+    /// Projections use 1/sqrt(fan_in) so each layer's output is as large as its input; with the
+    /// tiny 0.02 of HF's init, a random model with tied embeddings only ever repeats its last
+    /// input token. Embeddings use 3/sqrt(hidden) so logits spread over a few units and
+    /// sampling parameters visibly matter.
     fn tensor_specs(&self) -> Vec<(String, Vec<usize>, f32)> {
         let (h, i, v, hd) = (
             self.hidden_size,
@@ -256,20 +261,24 @@ impl Preset {
             self.head_dim,
         );
         let (q, kv) = (self.num_heads * hd, self.num_kv_heads * hd);
-        let lin = 0.02;
-        let mut specs = vec![("model.embed_tokens.weight".to_string(), vec![v, h], 0.5)];
+        let fan = |n: usize| 1.0 / (n as f32).sqrt();
+        let mut specs = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![v, h],
+            3.0 * fan(h),
+        )];
         for l in 0..self.num_layers {
             let p = format!("model.layers.{l}");
             specs.extend([
                 (format!("{p}.input_layernorm.weight"), vec![h], 0.0),
                 (format!("{p}.post_attention_layernorm.weight"), vec![h], 0.0),
-                (format!("{p}.self_attn.q_proj.weight"), vec![q, h], lin),
-                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h], lin),
-                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h], lin),
-                (format!("{p}.self_attn.o_proj.weight"), vec![h, q], lin),
-                (format!("{p}.mlp.gate_proj.weight"), vec![i, h], lin),
-                (format!("{p}.mlp.up_proj.weight"), vec![i, h], lin),
-                (format!("{p}.mlp.down_proj.weight"), vec![h, i], lin),
+                (format!("{p}.self_attn.q_proj.weight"), vec![q, h], fan(h)),
+                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h], fan(h)),
+                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h], fan(h)),
+                (format!("{p}.self_attn.o_proj.weight"), vec![h, q], fan(q)),
+                (format!("{p}.mlp.gate_proj.weight"), vec![i, h], fan(h)),
+                (format!("{p}.mlp.up_proj.weight"), vec![i, h], fan(h)),
+                (format!("{p}.mlp.down_proj.weight"), vec![h, i], fan(i)),
             ]);
             if self.architecture == Architecture::Qwen3 {
                 specs.push((format!("{p}.self_attn.q_norm.weight"), vec![hd], 0.0));
@@ -278,7 +287,7 @@ impl Preset {
         }
         specs.push(("model.norm.weight".to_string(), vec![h], 0.0));
         if !self.tie_word_embeddings {
-            specs.push(("lm_head.weight".to_string(), vec![v, h], lin));
+            specs.push(("lm_head.weight".to_string(), vec![v, h], fan(h)));
         }
         specs
     }

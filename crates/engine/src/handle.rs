@@ -1,0 +1,270 @@
+//! The engine thread and the handle other threads use to reach it.
+//!
+//! The engine loop runs on its own OS thread (it is CPU-bound and must not sit on an async
+//! runtime). Callers hold an [`EngineHandle`], a cheap clone that sends typed commands over a
+//! channel; each request's events come back on its own channel as a [`RequestStream`].
+//! Aborts are applied at one fixed point: between steps, when the loop drains its commands.
+//!
+//! Shutdown: when every handle and stream is dropped the command channel closes; the loop
+//! aborts what is left and exits.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tandem_core::RequestId;
+use tandem_model::Transformer;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use crate::core::{EngineCore, EngineLimits, RequestRejected};
+use crate::request::{EngineEvent, EngineRequest};
+use crate::EngineConfig;
+
+enum Command {
+    Add(
+        EngineRequest,
+        tokio::sync::mpsc::UnboundedSender<EngineEvent>,
+    ),
+    Abort(RequestId),
+}
+
+/// Live counters the engine thread publishes after every step (read by `/metrics`).
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    running: AtomicUsize,
+    waiting: AtomicUsize,
+    free_blocks: AtomicUsize,
+    preemptions: AtomicU64,
+    steps: AtomicU64,
+    rejected: AtomicU64,
+}
+
+/// A copy of [`EngineStats`] at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    /// Requests in the running set.
+    pub running: usize,
+    /// Requests queued.
+    pub waiting: usize,
+    /// Free KV blocks.
+    pub free_blocks: usize,
+    /// KV blocks in the pool.
+    pub total_blocks: usize,
+    /// Preemptions so far.
+    pub preemptions: u64,
+    /// Engine steps so far.
+    pub steps: u64,
+    /// Requests the engine thread refused (e.g. duplicate ids).
+    pub rejected: u64,
+}
+
+/// Why a request could not be submitted.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// The request is invalid for this engine.
+    #[error(transparent)]
+    Rejected(#[from] RequestRejected),
+    /// The engine thread has stopped; nothing can be submitted.
+    #[error("the engine has stopped")]
+    EngineStopped,
+}
+
+/// A cheap, cloneable way to reach the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: mpsc::Sender<Command>,
+    limits: Arc<EngineLimits>,
+    stats: Arc<EngineStats>,
+    alive: Arc<AtomicBool>,
+}
+
+/// Starts the engine thread with `model` and a KV cache sized by `config`.
+pub fn spawn(
+    model: Transformer,
+    eos_token_ids: Vec<u32>,
+    max_model_len: usize,
+    config: EngineConfig,
+) -> std::io::Result<EngineHandle> {
+    let core = EngineCore::new(model, eos_token_ids, max_model_len, &config);
+    let limits = Arc::new(core.limits().clone());
+    let stats = Arc::new(EngineStats::default());
+    stats
+        .free_blocks
+        .store(core.num_free_blocks(), Ordering::Relaxed);
+    let alive = Arc::new(AtomicBool::new(true));
+    let (tx, rx) = mpsc::channel();
+    let (s, a) = (stats.clone(), alive.clone());
+    std::thread::Builder::new()
+        .name("tandem-engine".into())
+        .spawn(move || run_loop(core, rx, s, a))?;
+    Ok(EngineHandle {
+        commands: tx,
+        limits,
+        stats,
+        alive,
+    })
+}
+
+/// Marks the engine dead when the loop exits, by return or by panic.
+struct AliveGuard(Arc<AtomicBool>);
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
+fn run_loop(
+    mut core: EngineCore,
+    rx: mpsc::Receiver<Command>,
+    stats: Arc<EngineStats>,
+    alive: Arc<AtomicBool>,
+) {
+    let _guard = AliveGuard(alive);
+    let apply = |core: &mut EngineCore, cmd: Command| match cmd {
+        Command::Add(req, events) => {
+            let id = req.id.clone();
+            if let Err(e) = core.add_request(req, events.clone()) {
+                tracing::warn!(request_id = %id, error = %e, "request refused by the engine");
+                stats.rejected.fetch_add(1, Ordering::Relaxed);
+                let _ = events.send(EngineEvent::Failed(e.to_string()));
+            }
+        }
+        Command::Abort(id) => {
+            if core.abort(&id) {
+                tracing::debug!(request_id = %id, "aborted");
+            }
+        }
+    };
+    loop {
+        // Drain commands between steps; when idle, wait for one (bounded, so the loop can
+        // notice a closed channel even if no command ever arrives).
+        loop {
+            let cmd = if core.has_work() {
+                match rx.try_recv() {
+                    Ok(c) => c,
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => return,
+                }
+            } else {
+                match rx.recv_timeout(Duration::from_millis(100)) {
+                    Ok(c) => c,
+                    Err(RecvTimeoutError::Timeout) => break,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            };
+            apply(&mut core, cmd);
+        }
+        if core.has_work() {
+            core.step();
+            stats.steps.fetch_add(1, Ordering::Relaxed);
+        }
+        stats.running.store(core.num_running(), Ordering::Relaxed);
+        stats.waiting.store(core.num_waiting(), Ordering::Relaxed);
+        stats
+            .free_blocks
+            .store(core.num_free_blocks(), Ordering::Relaxed);
+        stats
+            .preemptions
+            .store(core.num_preemptions(), Ordering::Relaxed);
+    }
+}
+
+impl EngineHandle {
+    /// Validates and queues a request. The returned stream yields its events; dropping the
+    /// stream before the last event aborts the request.
+    pub fn submit(&self, req: EngineRequest) -> Result<RequestStream, SubmitError> {
+        self.limits.check(&req)?;
+        let (tx, rx) = unbounded_channel();
+        let id = req.id.clone();
+        self.commands
+            .send(Command::Add(req, tx))
+            .map_err(|_| SubmitError::EngineStopped)?;
+        Ok(RequestStream {
+            id,
+            events: rx,
+            commands: self.commands.clone(),
+            done: false,
+        })
+    }
+
+    /// Asks the engine to end a request (no effect if it already ended).
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.commands.send(Command::Abort(id));
+    }
+
+    /// The engine's limits, for validating requests.
+    pub fn limits(&self) -> &EngineLimits {
+        &self.limits
+    }
+
+    /// Whether the engine thread is running.
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        let s = &self.stats;
+        StatsSnapshot {
+            running: s.running.load(Ordering::Relaxed),
+            waiting: s.waiting.load(Ordering::Relaxed),
+            free_blocks: s.free_blocks.load(Ordering::Relaxed),
+            total_blocks: self.limits.num_blocks,
+            preemptions: s.preemptions.load(Ordering::Relaxed),
+            steps: s.steps.load(Ordering::Relaxed),
+            rejected: s.rejected.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// One request's events. Dropping it before the final event aborts the request (this is how a
+/// client disconnect reaches the engine).
+pub struct RequestStream {
+    id: RequestId,
+    events: UnboundedReceiver<EngineEvent>,
+    commands: mpsc::Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    /// The request's id.
+    pub fn id(&self) -> &RequestId {
+        &self.id
+    }
+
+    fn observe(&mut self, ev: Option<EngineEvent>) -> Option<EngineEvent> {
+        match &ev {
+            Some(EngineEvent::Tokens {
+                finish: Some(_), ..
+            })
+            | Some(EngineEvent::Failed(_))
+            | None => self.done = true,
+            _ => {}
+        }
+        ev
+    }
+
+    /// The next event; `None` once the engine dropped the request (stopped engine).
+    ///
+    /// Cancel safety: safe; an event not yet received stays queued.
+    pub async fn next(&mut self) -> Option<EngineEvent> {
+        let ev = self.events.recv().await;
+        self.observe(ev)
+    }
+
+    /// The next event, blocking the calling (non-async) thread.
+    pub fn blocking_next(&mut self) -> Option<EngineEvent> {
+        let ev = self.events.blocking_recv();
+        self.observe(ev)
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.commands.send(Command::Abort(self.id.clone()));
+        }
+    }
+}

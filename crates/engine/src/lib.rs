@@ -1,0 +1,72 @@
+//! The tandem engine: turns queued requests into tokens, many at a time.
+//!
+//! # Brief overview
+//! [`spawn`] starts the engine loop on its own thread and returns an [`EngineHandle`]. A
+//! caller [`submit`](EngineHandle::submit)s an [`EngineRequest`] (token ids plus
+//! [`SamplingParams`](tandem_core::SamplingParams)) and reads [`EngineEvent`]s from the
+//! returned [`RequestStream`]; dropping the stream aborts the request.
+//!
+//! Each step of the loop: the scheduler picks tokens for running and waiting requests within
+//! a token budget (continuous batching, chunked prefill, preemption by recompute), the model
+//! runs one batched forward over the paged KV cache, the sampler picks tokens, events go out.
+//! KV blocks are owned by values that return them on drop ([`BlockAllocation`]), so after any
+//! run the free-block count returns to its starting value.
+//!
+//! This crate does not tokenize, detokenize or match stop strings: it sees token ids only.
+//! Text lives in `tandem-server` (and `tandem-model`'s tokenizer). See README.md beside this
+//! crate for a reading order.
+#![deny(missing_docs)]
+
+mod block_pool;
+mod core;
+mod handle;
+mod request;
+mod sampler;
+mod scheduler;
+
+pub use block_pool::{BlockAllocation, BlockPool, NoFreeBlocks};
+pub use core::{EngineCore, EngineLimits, RequestRejected, StepReport};
+pub use handle::{spawn, EngineHandle, EngineStats, RequestStream, StatsSnapshot, SubmitError};
+pub use request::{EngineEvent, EngineRequest};
+pub use sampler::sample;
+pub use scheduler::{ScheduledChunk, SchedulerOutput};
+
+/// How an engine is sized. Resolved once from the command line (the KV block count already
+/// computed from memory) and handed to [`spawn`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool.
+    pub num_blocks: usize,
+    /// Most requests running at once.
+    pub max_num_seqs: usize,
+    /// Most tokens in one step (prefill chunks plus decode tokens).
+    pub max_num_batched_tokens: usize,
+}
+
+impl EngineConfig {
+    /// Blocks that fit in `bytes` of KV cache memory for a model with `kv_bytes_per_token`.
+    pub fn blocks_for_memory(bytes: usize, block_size: usize, kv_bytes_per_token: usize) -> usize {
+        bytes / (block_size * kv_bytes_per_token).max(1)
+    }
+
+    /// Checks the sizes are usable.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.block_size == 0 {
+            return Err("--block-size must be at least 1".into());
+        }
+        if self.num_blocks == 0 {
+            return Err(
+                "the KV cache has no blocks: raise --kv-cache-memory or --num-kv-blocks".into(),
+            );
+        }
+        if self.max_num_seqs == 0 {
+            return Err("--max-num-seqs must be at least 1".into());
+        }
+        if self.max_num_batched_tokens == 0 {
+            return Err("--max-num-batched-tokens must be at least 1".into());
+        }
+        Ok(())
+    }
+}

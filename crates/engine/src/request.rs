@@ -1,0 +1,90 @@
+//! What the engine knows about one request, and what it sends back.
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use tandem_core::{FinishReason, RequestId, SamplingParams};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::block_pool::BlockAllocation;
+
+/// A request as the engine accepts it: tokens, not text. Built by the server (or the CLI)
+/// after validation; [`crate::EngineLimits::check`] repeats the checks that need engine facts.
+#[derive(Clone, Debug)]
+pub struct EngineRequest {
+    /// Unique among in-flight requests.
+    pub id: RequestId,
+    /// The prompt's token ids.
+    pub prompt_token_ids: Vec<u32>,
+    /// How to sample and when to stop.
+    pub params: SamplingParams,
+}
+
+/// What the engine sends about a request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineEvent {
+    /// Newly generated tokens; `finish` is set on the request's last event.
+    Tokens {
+        /// Token ids generated since the previous event.
+        token_ids: Vec<u32>,
+        /// Why the request ended, on its last event.
+        finish: Option<FinishReason>,
+    },
+    /// The engine could not run the request; nothing more will come.
+    Failed(String),
+}
+
+/// Where a live request is. Finished requests leave the engine at once (their blocks with
+/// them), so there is no finished state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RequestStatus {
+    /// Queued; holds no blocks. Preempted requests come back here and recompute.
+    Waiting,
+    /// Scheduled each step until it finishes; holds blocks for its computed tokens.
+    Running,
+}
+
+/// The engine's record of a live request.
+pub(crate) struct Request {
+    pub id: RequestId,
+    /// Prompt followed by the tokens generated so far.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose keys and values are in the cache (`<= tokens.len()`).
+    pub num_computed: usize,
+    pub params: SamplingParams,
+    /// The request's own random stream, so sampling does not depend on other requests.
+    pub rng: ChaCha8Rng,
+    pub blocks: BlockAllocation,
+    pub events: UnboundedSender<EngineEvent>,
+    pub status: RequestStatus,
+    pub num_preemptions: u32,
+}
+
+impl Request {
+    pub fn new(
+        req: EngineRequest,
+        blocks: BlockAllocation,
+        events: UnboundedSender<EngineEvent>,
+    ) -> Self {
+        let rng = match req.params.seed {
+            Some(seed) => ChaCha8Rng::seed_from_u64(seed),
+            None => ChaCha8Rng::from_os_rng(),
+        };
+        Self {
+            id: req.id,
+            prompt_len: req.prompt_token_ids.len(),
+            tokens: req.prompt_token_ids,
+            num_computed: 0,
+            params: req.params,
+            rng,
+            blocks,
+            events,
+            status: RequestStatus::Waiting,
+            num_preemptions: 0,
+        }
+    }
+
+    pub fn num_output_tokens(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}

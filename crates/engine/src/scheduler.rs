@@ -1,0 +1,205 @@
+//! The scheduler: which requests run in the next step, and how many tokens each.
+//!
+//! There is no separate prefill or decode phase. Each request has tokens it knows (prompt plus
+//! generated) and tokens whose keys and values are computed; each step gives every request
+//! tokens so its computed count catches up with its known count, within a token budget
+//! (`max_num_batched_tokens`). A new prompt is therefore prefilled in chunks across steps
+//! while running requests keep decoding one token per step in the same batches (continuous
+//! batching with chunked prefill).
+//!
+//! Order: running requests first, oldest first, each allocating the blocks its new tokens
+//! need. When the pool is empty, the newest running request is preempted: its blocks are
+//! freed and it goes back to the front of the waiting queue to recompute later (its tokens,
+//! generated ones included, are kept). Then waiting requests are admitted in arrival order
+//! while budget, `max_num_seqs` and blocks allow; none are admitted in a step that preempted.
+//!
+//! The scheduler owns every live request. What it hands the model runner is a
+//! [`SchedulerOutput`]: plain data, copied, so the runner needs no access to requests.
+
+use std::collections::{HashMap, VecDeque};
+
+use tandem_core::RequestId;
+
+use crate::block_pool::BlockPool;
+use crate::request::{Request, RequestStatus};
+
+/// One request's share of a step.
+#[derive(Clone, Debug)]
+pub struct ScheduledChunk {
+    /// Whose tokens.
+    pub id: RequestId,
+    /// Position of the first token (= the request's computed count before this step).
+    pub first_pos: usize,
+    /// The tokens to compute, `tokens[first_pos..first_pos + len]`.
+    pub token_ids: Vec<u32>,
+    /// The request's blocks; covers every position up to `first_pos + token_ids.len()`.
+    pub block_table: Vec<u32>,
+    /// This chunk reaches the end of the known tokens, so a new token is sampled after it.
+    pub sample: bool,
+}
+
+/// Everything the model runner needs for one step.
+#[derive(Clone, Debug, Default)]
+pub struct SchedulerOutput {
+    /// Chunks in batch order.
+    pub chunks: Vec<ScheduledChunk>,
+    /// Requests preempted while scheduling this step.
+    pub preempted: Vec<RequestId>,
+}
+
+impl SchedulerOutput {
+    /// Tokens in the step.
+    pub fn num_tokens(&self) -> usize {
+        self.chunks.iter().map(|c| c.token_ids.len()).sum()
+    }
+}
+
+/// Owns the live requests and decides each step's batch.
+pub(crate) struct Scheduler {
+    pub requests: HashMap<RequestId, Request>,
+    pub waiting: VecDeque<RequestId>,
+    pub running: Vec<RequestId>,
+    pub pool: BlockPool,
+    block_size: usize,
+    max_num_seqs: usize,
+    max_num_batched_tokens: usize,
+    pub num_preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(
+        pool: BlockPool,
+        block_size: usize,
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+    ) -> Self {
+        Self {
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pool,
+            block_size,
+            max_num_seqs,
+            max_num_batched_tokens,
+            num_preemptions: 0,
+        }
+    }
+
+    pub fn add(&mut self, req: Request) {
+        self.waiting.push_back(req.id.clone());
+        self.requests.insert(req.id.clone(), req);
+    }
+
+    /// Removes a request wherever it is; its blocks return to the pool.
+    pub fn remove(&mut self, id: &RequestId) -> Option<Request> {
+        let req = self.requests.remove(id)?;
+        match req.status {
+            RequestStatus::Waiting => self.waiting.retain(|w| w != id),
+            RequestStatus::Running => self.running.retain(|r| r != id),
+        }
+        Some(req)
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+    /// Frees the newest running request's blocks and puts it at the front of the queue.
+    fn preempt_last(&mut self, out: &mut SchedulerOutput) -> Option<RequestId> {
+        let id = self.running.pop()?;
+        if let Some(req) = self.requests.get_mut(&id) {
+            req.blocks.release();
+            req.num_computed = 0;
+            req.status = RequestStatus::Waiting;
+            req.num_preemptions += 1;
+        }
+        self.waiting.push_front(id.clone());
+        self.num_preemptions += 1;
+        tracing::debug!(request_id = %id, "preempted (recompute)");
+        out.preempted.push(id.clone());
+        Some(id)
+    }
+
+    /// Plans the next step (see the module docs for the algorithm).
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut out = SchedulerOutput::default();
+        let mut budget = self.max_num_batched_tokens;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i].clone();
+            let (computed, known, held) = match self.requests.get(&id) {
+                Some(r) => (r.num_computed, r.tokens.len(), r.blocks.len()),
+                None => {
+                    self.running.remove(i);
+                    continue;
+                }
+            };
+            let n = (known - computed).min(budget);
+            let need = self.blocks_for(computed + n).saturating_sub(held);
+            let mut scheduled = true;
+            while self.pool.num_free() < need {
+                match self.preempt_last(&mut out) {
+                    Some(victim) if victim == id => {
+                        scheduled = false;
+                        break;
+                    }
+                    Some(_) => {}
+                    None => {
+                        scheduled = false;
+                        break;
+                    }
+                }
+            }
+            if !scheduled {
+                break;
+            }
+            if let Some(req) = self.requests.get_mut(&id) {
+                if req.blocks.grow(need).is_err() {
+                    break;
+                }
+                out.chunks.push(chunk(req, n));
+                budget -= n;
+            }
+            i += 1;
+        }
+        if out.preempted.is_empty() {
+            while budget > 0 && self.running.len() < self.max_num_seqs {
+                let Some(id) = self.waiting.front().cloned() else {
+                    break;
+                };
+                let Some(req) = self.requests.get_mut(&id) else {
+                    self.waiting.pop_front();
+                    continue;
+                };
+                let n = (req.tokens.len() - req.num_computed).min(budget);
+                let need = (req.num_computed + n)
+                    .div_ceil(self.block_size)
+                    .saturating_sub(req.blocks.len());
+                if req.blocks.grow(need).is_err() {
+                    break;
+                }
+                req.status = RequestStatus::Running;
+                out.chunks.push(chunk(req, n));
+                budget -= n;
+                self.waiting.pop_front();
+                self.running.push(id);
+            }
+        }
+        out
+    }
+}
+
+fn chunk(req: &Request, n: usize) -> ScheduledChunk {
+    let first = req.num_computed;
+    ScheduledChunk {
+        id: req.id.clone(),
+        first_pos: first,
+        token_ids: req.tokens[first..first + n].to_vec(),
+        block_table: req.blocks.table(),
+        sample: first + n == req.tokens.len(),
+    }
+}
