@@ -385,3 +385,40 @@ async fn dropping_a_stream_aborts_and_frees_blocks_on_the_engine_thread() {
     assert_eq!(n, 3);
     assert!(engine.is_alive());
 }
+
+#[tokio::test]
+async fn dropping_a_stream_mid_prefill_stops_the_prefill() {
+    // Budget 1: the 2000-token prompt needs 2000 steps before its first token, so only the
+    // explicit abort sent on drop (not a failed token send) can stop it early.
+    let p = Preset::find("tiny-llama").unwrap();
+    let m = LoadedModel::load(&ModelSource::Preset { preset: p, seed: 1 }, None).unwrap();
+    let cfg = EngineConfig {
+        block_size: 16,
+        num_blocks: 256,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 1,
+    };
+    let engine = spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
+    let stream = engine
+        .submit(EngineRequest {
+            id: RequestId::new("p"),
+            prompt_token_ids: vec![3; 2000],
+            params: greedy_ignore_eos(1),
+        })
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while engine.stats().steps < 5 {
+        assert!(std::time::Instant::now() < deadline);
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    drop(stream);
+    while engine.stats().free_blocks != 256 || engine.stats().running != 0 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", engine.stats());
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    assert!(
+        engine.stats().steps < 1000,
+        "prefill ran on after the abort: {:?}",
+        engine.stats()
+    );
+}

@@ -149,7 +149,7 @@ impl ModelConfig {
             ));
         }
         let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
-        if num_kv_heads == 0 || hf.num_attention_heads % num_kv_heads != 0 {
+        if num_kv_heads == 0 || !hf.num_attention_heads.is_multiple_of(num_kv_heads) {
             return Err(ModelError::UnsupportedConfig(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {num_kv_heads}",
                 hf.num_attention_heads
@@ -158,7 +158,7 @@ impl ModelConfig {
         let head_dim = hf
             .head_dim
             .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1));
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(ModelError::UnsupportedConfig(format!(
                 "head_dim {head_dim} must be even"
             )));

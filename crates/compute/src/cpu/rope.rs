@@ -51,7 +51,7 @@ impl RopeTable {
                 } else {
                     *f
                 };
-                let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
                 *f = if medium {
                     let smooth =
                         (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);

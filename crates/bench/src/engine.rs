@@ -1,0 +1,250 @@
+//! `tandem bench engine`: decode and prefill throughput of one engine against its floor.
+//!
+//! Requests are driven through [`EngineCore`] directly (no HTTP, no threads besides the
+//! compute pool), so the numbers are the engine step itself: scheduling, forward, sampling.
+
+use std::time::Instant;
+
+use serde::Serialize;
+use tandem_core::{RequestId, SamplingParams};
+use tandem_engine::{EngineConfig, EngineCore, EngineRequest};
+use tandem_model::LoadedModel;
+use tokio::sync::mpsc::unbounded_channel;
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct EngineBenchConfig {
+    /// Decode batch sizes to measure.
+    pub decode_batches: Vec<usize>,
+    /// Decode steps timed per batch size (after warm-up).
+    pub decode_steps: usize,
+    /// Prompt length for the prefill measurement (one request, one step).
+    pub prefill_tokens: usize,
+    /// Prefill repetitions; the best is reported.
+    pub prefill_repeats: usize,
+    /// Bytes streamed to measure read bandwidth.
+    pub bandwidth_bytes: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+}
+
+impl Default for EngineBenchConfig {
+    fn default() -> Self {
+        Self {
+            decode_batches: vec![1, 16],
+            decode_steps: 32,
+            prefill_tokens: 512,
+            prefill_repeats: 3,
+            bandwidth_bytes: 1 << 30,
+            block_size: 16,
+        }
+    }
+}
+
+/// One decode measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodeResult {
+    /// Sequences per step.
+    pub batch: usize,
+    /// Median step time, milliseconds.
+    pub median_step_ms: f64,
+    /// Output tokens per second at the median step time.
+    pub tokens_per_s: f64,
+    /// Floor step time (weights / bandwidth), milliseconds.
+    pub floor_step_ms: f64,
+    /// floor / measured step time.
+    pub fraction_of_floor: f64,
+}
+
+/// The whole report.
+#[derive(Clone, Debug, Serialize)]
+pub struct EngineBenchReport {
+    /// The `--model` argument.
+    pub model: String,
+    /// Weight bytes a forward reads.
+    pub weight_bytes: usize,
+    /// Parameters.
+    pub params: usize,
+    /// Measured streaming-read bandwidth, GB/s.
+    pub read_bandwidth_gb_s: f64,
+    /// Compute threads.
+    pub threads: usize,
+    /// Decode results by batch size.
+    pub decode: Vec<DecodeResult>,
+    /// Prefill prompt length.
+    pub prefill_tokens: usize,
+    /// Best prefill time, milliseconds.
+    pub prefill_ms: f64,
+    /// Prefill tokens per second.
+    pub prefill_tokens_per_s: f64,
+    /// Achieved GFLOP/s in prefill, counting 2 x params x tokens (attention excluded).
+    pub prefill_gflop_s: f64,
+}
+
+fn request(id: String, prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
+    EngineRequest {
+        id: RequestId::new(id),
+        prompt_token_ids: prompt,
+        params: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(max_tokens)
+        },
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs the benchmark. `progress` receives one line per phase.
+pub fn run(
+    model_name: &str,
+    model: LoadedModel,
+    cfg: &EngineBenchConfig,
+    mut progress: impl FnMut(&str),
+) -> EngineBenchReport {
+    let weight_bytes = model.transformer.weight_bytes();
+    let params = model.transformer.config().num_params();
+    let vocab = model.transformer.config().vocab_size as u32;
+    progress("measuring read bandwidth");
+    let bw = tandem_compute::measure_read_bandwidth(cfg.bandwidth_bytes, 5);
+    let floor_s = weight_bytes as f64 / bw;
+    let max_batch = cfg.decode_batches.iter().copied().max().unwrap_or(1);
+    let prompt_len = 16;
+    let decode_len = cfg.decode_steps + 4;
+    let tokens_needed = max_batch * (prompt_len + decode_len).div_ceil(cfg.block_size)
+        + cfg.prefill_tokens.div_ceil(cfg.block_size)
+        + 4;
+    let engine_cfg = EngineConfig {
+        block_size: cfg.block_size,
+        num_blocks: tokens_needed,
+        max_num_seqs: max_batch.max(1),
+        max_num_batched_tokens: cfg.prefill_tokens.max(max_batch * prompt_len),
+    };
+    let max_model_len = model.max_model_len;
+    let mut core = EngineCore::new(model.transformer, Vec::new(), max_model_len, &engine_cfg);
+    let prompt = |seed: u32, len: usize| -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| (i * 7919 + seed * 104_729) % vocab)
+            .collect()
+    };
+
+    let mut decode = Vec::new();
+    for &batch in &cfg.decode_batches {
+        progress(&format!("decode, batch {batch}"));
+        let mut rxs = Vec::new();
+        for b in 0..batch {
+            let (tx, rx) = unbounded_channel();
+            // Only bench-built requests reach this engine; they fit its limits by construction.
+            let _ = core.add_request(
+                request(
+                    format!("d{batch}-{b}"),
+                    prompt(b as u32, prompt_len),
+                    decode_len,
+                ),
+                tx,
+            );
+            rxs.push(rx);
+        }
+        // First step prefills all prompts; then two warm-up decode steps.
+        for _ in 0..3 {
+            core.step();
+        }
+        let mut times = Vec::new();
+        for _ in 0..cfg.decode_steps {
+            let t = Instant::now();
+            let r = core.step();
+            if r.num_seqs == batch && r.num_tokens == batch {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        while core.has_work() {
+            core.step();
+        }
+        let step = median(times);
+        decode.push(DecodeResult {
+            batch,
+            median_step_ms: step * 1e3,
+            tokens_per_s: batch as f64 / step,
+            floor_step_ms: floor_s * 1e3,
+            fraction_of_floor: floor_s / step,
+        });
+    }
+
+    progress(&format!("prefill, {} tokens", cfg.prefill_tokens));
+    let mut best = f64::INFINITY;
+    for r in 0..cfg.prefill_repeats.max(1) {
+        let (tx, _rx) = unbounded_channel();
+        let _ = core.add_request(
+            request(
+                format!("p{r}"),
+                prompt(1000 + r as u32, cfg.prefill_tokens),
+                1,
+            ),
+            tx,
+        );
+        let t = Instant::now();
+        core.step();
+        best = best.min(t.elapsed().as_secs_f64());
+        while core.has_work() {
+            core.step();
+        }
+    }
+    EngineBenchReport {
+        model: model_name.to_string(),
+        weight_bytes,
+        params,
+        read_bandwidth_gb_s: bw / 1e9,
+        threads: rayon_threads(),
+        decode,
+        prefill_tokens: cfg.prefill_tokens,
+        prefill_ms: best * 1e3,
+        prefill_tokens_per_s: cfg.prefill_tokens as f64 / best,
+        prefill_gflop_s: 2.0 * params as f64 * cfg.prefill_tokens as f64 / best / 1e9,
+    }
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+impl std::fmt::Display for EngineBenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "model {}: {:.1} M params, {:.1} MB of f32 weights read per step",
+            self.model,
+            self.params as f64 / 1e6,
+            self.weight_bytes as f64 / 1e6
+        )?;
+        writeln!(
+            f,
+            "read bandwidth (floor basis): {:.2} GB/s over {} threads",
+            self.read_bandwidth_gb_s, self.threads
+        )?;
+        writeln!(
+            f,
+            "{:<14} {:>12} {:>12} {:>14} {:>10}",
+            "decode batch", "step ms", "tokens/s", "floor step ms", "of floor"
+        )?;
+        for d in &self.decode {
+            writeln!(
+                f,
+                "{:<14} {:>12.2} {:>12.1} {:>14.2} {:>9.0}%",
+                d.batch,
+                d.median_step_ms,
+                d.tokens_per_s,
+                d.floor_step_ms,
+                d.fraction_of_floor * 100.0
+            )?;
+        }
+        writeln!(
+            f,
+            "prefill {} tokens: {:.1} ms, {:.0} tokens/s, {:.1} GFLOP/s (2 x params x tokens)",
+            self.prefill_tokens, self.prefill_ms, self.prefill_tokens_per_s, self.prefill_gflop_s
+        )
+    }
+}

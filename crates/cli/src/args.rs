@@ -1,0 +1,225 @@
+//! Command-line arguments as typed, then resolved once into component configs.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+/// tandem: an LLM serving engine with an OpenAI-compatible API (prefill/decode
+/// disaggregation with push and pull KV transfer is being built on top).
+#[derive(Parser, Debug)]
+#[command(name = "tandem", version, about, long_about = None)]
+pub struct Cli {
+    /// Log filter (tracing's EnvFilter syntax), e.g. `info` or `tandem_engine=debug`.
+    #[arg(long, global = true, env = "TANDEM_LOG", default_value = "info")]
+    pub log: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics, ...).
+    Serve(ServeArgs),
+    /// Generate one completion on this machine and print it.
+    Generate(GenerateArgs),
+    /// Make or look at model directories.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// Which model to load.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A Hugging Face model directory (config.json + safetensors [+ tokenizer.json]) or
+    /// `preset:NAME` for a built-in shape with seeded random weights (see `tandem model list`).
+    #[arg(long, env = "TANDEM_MODEL", default_value = "preset:tiny-qwen3")]
+    pub model: String,
+    /// Weight seed for `preset:` models (same seed, same weights).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Longest prompt + output to accept; defaults to the model's max_position_embeddings.
+    /// Lower it to shrink the RoPE table and reject long requests early.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+}
+
+/// How the engine is sized.
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// Tokens per KV cache block. Smaller blocks waste less memory on partly filled blocks;
+    /// larger ones mean fewer, bigger KV transfers.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Memory for the KV cache, e.g. `512MiB`, `2GiB`. Ignored if --num-kv-blocks is given.
+    /// Pages are touched only as blocks are used.
+    #[arg(long, default_value = "1GiB")]
+    pub kv_cache_memory: String,
+    /// Exact number of KV blocks (overrides --kv-cache-memory).
+    #[arg(long)]
+    pub num_kv_blocks: Option<usize>,
+    /// Most requests running at once; more wait in the queue.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget of one engine step (prefill chunks plus decode tokens). Longer prompts are
+    /// prefilled in chunks of at most this many tokens, interleaved with decoding. Lower keeps
+    /// decode latency steady under long prompts; higher prefills faster.
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Name clients use in the `model` field (default: the --model argument).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Prompt text (needs a tokenizer).
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
+    pub prompt: Option<String>,
+    /// Prompt as comma-separated token ids, e.g. `1,2,3` (works without a tokenizer).
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 (the default here) is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep only the k most likely tokens (0 disables).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Seed for sampling (same seed, same output).
+    #[arg(long)]
+    pub sample_seed: Option<u64>,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Print a JSON object (token_ids, text, finish_reason, timings) instead of the text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ModelCommand {
+    /// Write a preset as a Hugging Face model directory with seeded random weights.
+    Init {
+        /// Preset name (see `tandem model list`).
+        #[arg(long)]
+        preset: String,
+        /// Directory to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// Weight seed (same seed, same bytes).
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Print a model's shape, parameter count and KV bytes per token.
+    Inspect {
+        #[command(flatten)]
+        model: ModelArgs,
+    },
+    /// List the built-in presets.
+    List,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Decode and prefill throughput of one engine, against the memory-bandwidth floor
+    /// measured in the same run.
+    Engine(BenchEngineArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchEngineArgs {
+    /// Model to measure.
+    #[arg(long, default_value = "preset:smollm2-135m")]
+    pub model: String,
+    /// Weight seed for presets.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Decode batch sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    pub batch: Vec<usize>,
+    /// Timed decode steps per batch size.
+    #[arg(long, default_value_t = 32)]
+    pub decode_steps: usize,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_tokens: usize,
+    /// Write the report as JSON here too.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+}
+
+/// Parses sizes like `512MiB`, `2GiB`, `1.5G`, `1000000` (bytes).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let value: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (try 512MiB or 2GiB)"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "kib" => 1024.0,
+        "m" | "mb" => 1e6,
+        "mib" => 1024.0 * 1024.0,
+        "g" | "gb" => 1e9,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => return Err(format!("unknown size unit `{other}` in `{s}`")),
+    };
+    if value.is_nan() || value < 0.0 {
+        return Err(format!("`{s}` is not a size"));
+    }
+    Ok((value * mult) as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_bytes("1.5G"), Ok(1_500_000_000));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+    }
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

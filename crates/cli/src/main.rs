@@ -1,0 +1,293 @@
+//! The `tandem` binary: parses arguments, builds components from the library crates, and maps
+//! errors to exit codes. No logic of its own beyond wiring.
+
+mod args;
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use tandem_core::{RequestId, SamplingParams};
+use tandem_engine::{EngineConfig, EngineEvent, EngineRequest};
+use tandem_model::{LoadedModel, ModelSource, Preset, PRESETS};
+
+use args::{
+    BenchCommand, Cli, Command, EngineArgs, GenerateArgs, ModelArgs, ModelCommand, ServeArgs,
+};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Command::Serve(a) => serve(a),
+        Command::Generate(a) => generate(a),
+        Command::Model(c) => model_command(c),
+        Command::Bench(BenchCommand::Engine(a)) => bench_engine(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load_model(m: &ModelArgs) -> Result<LoadedModel> {
+    let source = ModelSource::parse(&m.model, m.seed)?;
+    let t = Instant::now();
+    let model = LoadedModel::load(&source, m.max_model_len)
+        .with_context(|| format!("loading model `{}`", m.model))?;
+    let cfg = model.transformer.config();
+    tracing::info!(
+        model = %m.model,
+        architecture = cfg.architecture.hf_name(),
+        params_m = cfg.num_params() as f64 / 1e6,
+        tokenizer = model.tokenizer.is_some(),
+        max_model_len = model.max_model_len,
+        secs = t.elapsed().as_secs_f64(),
+        "model loaded"
+    );
+    if model.tokenizer.is_none() {
+        tracing::info!("no tokenizer.json: token-ids mode (prompts must be token id lists)");
+    }
+    Ok(model)
+}
+
+/// Resolves the engine's size: KV blocks from memory unless given exactly.
+fn engine_config(e: &EngineArgs, model: &LoadedModel) -> Result<EngineConfig> {
+    let per_token = model.transformer.config().kv_bytes_per_token_f32();
+    let num_blocks = match e.num_kv_blocks {
+        Some(n) => n,
+        None => {
+            let bytes = args::parse_bytes(&e.kv_cache_memory).map_err(anyhow::Error::msg)?;
+            EngineConfig::blocks_for_memory(bytes, e.block_size.max(1), per_token)
+        }
+    };
+    let cfg = EngineConfig {
+        block_size: e.block_size,
+        num_blocks,
+        max_num_seqs: e.max_num_seqs,
+        max_num_batched_tokens: e.max_num_batched_tokens,
+    };
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    tracing::info!(
+        block_size = cfg.block_size,
+        num_blocks = cfg.num_blocks,
+        kv_tokens = cfg.num_blocks * cfg.block_size,
+        kv_mib = (cfg.num_blocks * cfg.block_size * per_token) as f64 / (1 << 20) as f64,
+        "KV cache sized"
+    );
+    Ok(cfg)
+}
+
+fn serve(a: ServeArgs) -> Result<()> {
+    let model = load_model(&a.model)?;
+    let cfg = engine_config(&a.engine, &model)?;
+    let tokenizer = model.tokenizer.map(Arc::new);
+    let engine = tandem_engine::spawn(
+        model.transformer,
+        model.eos_token_ids,
+        model.max_model_len,
+        cfg,
+    )
+    .context("starting the engine thread")?;
+    let name = a.served_model_name.unwrap_or_else(|| a.model.model.clone());
+    let state = Arc::new(tandem_server::AppState::new(
+        engine,
+        tokenizer,
+        name.clone(),
+    ));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", a.host, a.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        tracing::info!(%addr, model = %name, "serving the OpenAI API (Ctrl-C to stop)");
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("shutting down");
+        };
+        tandem_server::serve(listener, state, shutdown)
+            .await
+            .context("serving")
+    })
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let model = load_model(&a.model)?;
+    let cfg = engine_config(&a.engine, &model)?;
+    let prompt_ids = match (&a.prompt, &a.prompt_ids) {
+        (Some(text), _) => match &model.tokenizer {
+            Some(tok) => tok.encode(text, true)?,
+            None => bail!("this model has no tokenizer (token-ids mode): use --prompt-ids"),
+        },
+        (None, Some(ids)) => ids.clone(),
+        (None, None) => bail!("give --prompt or --prompt-ids"),
+    };
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: (a.top_k > 0).then_some(a.top_k),
+        seed: a.sample_seed,
+        max_tokens: a.max_tokens,
+        ignore_eos: a.ignore_eos,
+        ..SamplingParams::default()
+    };
+    let tokenizer = model.tokenizer;
+    let engine = tandem_engine::spawn(
+        model.transformer,
+        model.eos_token_ids,
+        model.max_model_len,
+        cfg,
+    )
+    .context("starting the engine thread")?;
+    let prompt_len = prompt_ids.len();
+    let start = Instant::now();
+    let mut stream = engine.submit(EngineRequest {
+        id: RequestId::new("generate"),
+        prompt_token_ids: prompt_ids,
+        params,
+    })?;
+    let mut token_ids = Vec::new();
+    let mut first_token_s = None;
+    let mut finish = None;
+    let mut detok = tandem_model::IncrementalDetokenizer::new();
+    let mut text = String::new();
+    let stdout = std::io::stdout();
+    while let Some(ev) = stream.blocking_next() {
+        match ev {
+            EngineEvent::Tokens {
+                token_ids: new,
+                finish: f,
+            } => {
+                first_token_s.get_or_insert(start.elapsed().as_secs_f64());
+                if let Some(tok) = &tokenizer {
+                    let piece = detok.push(tok, &new)?;
+                    if !a.json {
+                        let mut out = stdout.lock();
+                        let _ = write!(out, "{piece}");
+                        let _ = out.flush();
+                    }
+                    text.push_str(&piece);
+                }
+                token_ids.extend(new);
+                if f.is_some() {
+                    finish = f;
+                    break;
+                }
+            }
+            EngineEvent::Failed(e) => bail!("generation failed: {e}"),
+        }
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    if a.json {
+        let out = serde_json::json!({
+            "prompt_tokens": prompt_len,
+            "token_ids": token_ids,
+            "text": text,
+            "finish_reason": finish.map(|f| f.as_str()),
+            "time_to_first_token_s": first_token_s,
+            "elapsed_s": elapsed,
+        });
+        println!("{out}");
+    } else if tokenizer.is_some() {
+        println!();
+    } else {
+        println!(
+            "{}",
+            token_ids
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+    }
+    Ok(())
+}
+
+fn model_command(c: ModelCommand) -> Result<()> {
+    match c {
+        ModelCommand::Init { preset, out, seed } => {
+            let p = Preset::find(&preset)?;
+            let t = Instant::now();
+            eprintln!(
+                "writing preset `{}` (seed {seed}) to {} ...",
+                p.name,
+                out.display()
+            );
+            p.write_dir(&out, seed)?;
+            eprintln!("done in {:.1}s", t.elapsed().as_secs_f64());
+            Ok(())
+        }
+        ModelCommand::Inspect { model } => {
+            let m = load_model(&model)?;
+            let c = m.transformer.config();
+            let info = serde_json::json!({
+                "architecture": c.architecture.hf_name(),
+                "params": c.num_params(),
+                "vocab_size": c.vocab_size,
+                "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size,
+                "num_layers": c.num_layers,
+                "num_heads": c.num_heads,
+                "num_kv_heads": c.num_kv_heads,
+                "head_dim": c.head_dim,
+                "tie_word_embeddings": c.tie_word_embeddings,
+                "max_model_len": m.max_model_len,
+                "kv_bytes_per_token_f32": c.kv_bytes_per_token_f32(),
+                "weight_bytes_f32": m.transformer.weight_bytes(),
+                "eos_token_ids": m.eos_token_ids,
+                "tokenizer": m.tokenizer.is_some(),
+            });
+            println!("{}", serde_json::to_string_pretty(&info)?);
+            Ok(())
+        }
+        ModelCommand::List => {
+            for p in PRESETS {
+                let params = tandem_model::ModelConfig::from_preset(p)?.num_params();
+                println!(
+                    "{:<14} {:>9.1}M  {:<18} {}",
+                    p.name,
+                    params as f64 / 1e6,
+                    p.architecture.hf_name(),
+                    p.description
+                );
+            }
+            Ok(())
+        }
+    }
+}
+
+fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
+    let model = load_model(&ModelArgs {
+        model: a.model.clone(),
+        seed: a.seed,
+        max_model_len: None,
+    })?;
+    let cfg = tandem_bench::engine::EngineBenchConfig {
+        decode_batches: a.batch,
+        decode_steps: a.decode_steps,
+        prefill_tokens: a.prefill_tokens,
+        ..Default::default()
+    };
+    let report = tandem_bench::engine::run(&a.model, model, &cfg, |phase| eprintln!("... {phase}"));
+    print!("{report}");
+    if let Some(path) = a.json_out {
+        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}

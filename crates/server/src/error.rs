@@ -1,0 +1,100 @@
+//! API errors and their one mapping to HTTP: an OpenAI-shaped JSON body with a status.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use tandem_engine::SubmitError;
+use tandem_model::ModelError;
+
+/// An error a handler returns; becomes `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ApiError {
+    /// The request is malformed or asks for something impossible (400).
+    #[error("{message}")]
+    BadRequest {
+        /// What is wrong, for the client.
+        message: String,
+        /// The offending field, when one is to blame.
+        param: Option<&'static str>,
+    },
+    /// The `model` field names a model this server does not serve (404).
+    #[error("The model `{0}` does not exist.")]
+    ModelNotFound(String),
+    /// The engine thread has stopped (503).
+    #[error("the engine has stopped")]
+    EngineStopped,
+    /// The engine failed while running the request (500).
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// A 400 blaming `param`.
+    pub fn bad(param: &'static str, message: impl Into<String>) -> Self {
+        Self::BadRequest {
+            message: message.into(),
+            param: Some(param),
+        }
+    }
+
+    /// A 400 without a field to blame.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::BadRequest {
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::EngineStopped => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Stable label for the JSON `type` field and for metrics.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            ApiError::BadRequest { .. } => "BadRequestError",
+            ApiError::ModelNotFound(_) => "NotFoundError",
+            ApiError::EngineStopped => "ServiceUnavailableError",
+            ApiError::Internal(_) => "InternalServerError",
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        let param = match self {
+            ApiError::BadRequest { param, .. } => *param,
+            _ => None,
+        };
+        json!({"error": {"message": self.to_string(), "type": self.error_type(), "param": param, "code": self.status().as_u16()}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status(), axum::Json(self.body())).into_response()
+    }
+}
+
+impl From<SubmitError> for ApiError {
+    fn from(e: SubmitError) -> Self {
+        match e {
+            SubmitError::Rejected(r) => ApiError::invalid(r.to_string()),
+            SubmitError::EngineStopped => ApiError::EngineStopped,
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+}
+
+impl From<ModelError> for ApiError {
+    fn from(e: ModelError) -> Self {
+        // Tokenizer and template errors come from the request's text or messages.
+        ApiError::invalid(e.to_string())
+    }
+}

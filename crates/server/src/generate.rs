@@ -1,0 +1,512 @@
+//! The path every generation request takes: validate, build an engine request, then stream
+//! SSE chunks or collect one response. Completions and chat differ only in how the prompt is
+//! built and how chunks are shaped ([`Api`]).
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::stream::Stream;
+use tandem_core::{FinishReason, InvalidSampling, RequestId, SamplingParams};
+use tandem_engine::{EngineEvent, EngineRequest, RequestStream};
+use tandem_model::{ChatMessage, IncrementalDetokenizer, StopMatcher};
+use tokio::sync::mpsc;
+
+use crate::protocol::*;
+use crate::{ApiError, AppState};
+
+/// Which OpenAI endpoint a request came through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Api {
+    Completion,
+    Chat,
+}
+
+/// A validated request, ready for the engine.
+pub(crate) struct Prepared {
+    api: Api,
+    request_id: RequestId,
+    prompt_ids: Vec<u32>,
+    params: SamplingParams,
+    stops: Vec<String>,
+    stream: bool,
+    include_usage: bool,
+}
+
+pub(crate) fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != &state.model_name => Err(ApiError::ModelNotFound(m.clone())),
+        _ => Ok(()),
+    }
+}
+
+pub(crate) fn prepare_completion(
+    state: &AppState,
+    req: CompletionRequest,
+    request_id: RequestId,
+) -> Result<Prepared, ApiError> {
+    check_model(state, &req.model)?;
+    if req.echo == Some(true) {
+        return Err(ApiError::bad("echo", "echo is not supported"));
+    }
+    let prompt_ids = match req.prompt {
+        Prompt::Text(text) => state.tokenizer()?.encode(&text, true)?,
+        Prompt::Ids(ids) => ids,
+        Prompt::Texts(mut v) if v.len() == 1 => state.tokenizer()?.encode(&v.remove(0), true)?,
+        Prompt::IdLists(mut v) if v.len() == 1 => v.remove(0),
+        _ => {
+            return Err(ApiError::bad(
+                "prompt",
+                "batched prompts are not supported: send one prompt per request",
+            ))
+        }
+    };
+    prepare(
+        state,
+        Api::Completion,
+        request_id,
+        prompt_ids,
+        req.sampling,
+        Some(16),
+    )
+}
+
+pub(crate) fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad("messages", "messages must not be empty"));
+    }
+    messages
+        .into_iter()
+        .map(|m| {
+            let content =
+                match m.content {
+                    None => String::new(),
+                    Some(MessageContent::Text(t)) => t,
+                    Some(MessageContent::Parts(parts)) => {
+                        let mut text = String::new();
+                        for p in parts {
+                            match (p.kind.as_str(), p.text) {
+                                ("text", Some(t)) => text.push_str(&t),
+                                (kind, _) => return Err(ApiError::bad(
+                                    "messages",
+                                    format!(
+                                        "content part type `{kind}` is not supported (text only)"
+                                    ),
+                                )),
+                            }
+                        }
+                        text
+                    }
+                };
+            Ok(ChatMessage {
+                role: m.role,
+                content,
+            })
+        })
+        .collect()
+}
+
+pub(crate) fn prepare_chat(
+    state: &AppState,
+    req: ChatCompletionRequest,
+    request_id: RequestId,
+) -> Result<Prepared, ApiError> {
+    check_model(state, &req.model)?;
+    let tok = state.tokenizer()?;
+    let text = tok.apply_chat_template(
+        &chat_messages(req.messages)?,
+        req.add_generation_prompt.unwrap_or(true),
+    )?;
+    let prompt_ids = tok.encode(&text, false)?;
+    prepare(state, Api::Chat, request_id, prompt_ids, req.sampling, None)
+}
+
+/// Turns the OpenAI sampling fields into engine parameters. `default_max_tokens` of `None`
+/// means "whatever room the context leaves", as vLLM does for chat.
+fn prepare(
+    state: &AppState,
+    api: Api,
+    request_id: RequestId,
+    prompt_ids: Vec<u32>,
+    f: SamplingFields,
+    default_max_tokens: Option<usize>,
+) -> Result<Prepared, ApiError> {
+    if let Some(n) = f.n {
+        if n != 1 {
+            return Err(ApiError::bad(
+                "n",
+                format!("only n=1 is supported, got {n}"),
+            ));
+        }
+    }
+    let max_tokens = match f.max_completion_tokens.or(f.max_tokens) {
+        Some(m) if m < 1 => {
+            return Err(ApiError::bad(
+                "max_tokens",
+                format!("max_tokens must be at least 1, got {m}"),
+            ))
+        }
+        Some(m) => m as usize,
+        None => default_max_tokens
+            .unwrap_or_else(|| state.max_model_len.saturating_sub(prompt_ids.len()).max(1)),
+    };
+    let min_tokens = match f.min_tokens {
+        Some(m) if m < 0 => {
+            return Err(ApiError::bad(
+                "min_tokens",
+                format!("min_tokens must be >= 0, got {m}"),
+            ))
+        }
+        Some(m) => m as usize,
+        None => 0,
+    };
+    let top_k = match f.top_k {
+        None | Some(-1) | Some(0) => None,
+        Some(k) if k < -1 => {
+            return Err(ApiError::bad(
+                "top_k",
+                format!("top_k must be -1 (disabled) or at least 1, got {k}"),
+            ))
+        }
+        Some(k) => Some(k.min(u32::MAX as i64) as u32),
+    };
+    let params = SamplingParams {
+        temperature: f.temperature.unwrap_or(1.0) as f32,
+        top_p: f.top_p.unwrap_or(1.0) as f32,
+        top_k,
+        seed: f.seed.map(|s| s as u64),
+        max_tokens,
+        min_tokens,
+        ignore_eos: f.ignore_eos.unwrap_or(false),
+        stop_token_ids: f.stop_token_ids.unwrap_or_default(),
+    };
+    params.validate().map_err(|e| {
+        let param = match e {
+            InvalidSampling::Temperature(_) => "temperature",
+            InvalidSampling::TopP(_) => "top_p",
+            InvalidSampling::TopK => "top_k",
+            InvalidSampling::MaxTokens => "max_tokens",
+            _ => "min_tokens",
+        };
+        ApiError::bad(param, e.to_string())
+    })?;
+    let stops = match f.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    if !stops.is_empty() && state.tokenizer.is_none() {
+        return Err(ApiError::bad(
+            "stop",
+            "stop strings need a tokenizer; this model runs in token-ids mode (use stop_token_ids)",
+        ));
+    }
+    let stream = f.stream.unwrap_or(false);
+    let include_usage = f.stream_options.map(|o| o.include_usage).unwrap_or(false);
+    Ok(Prepared {
+        api,
+        request_id,
+        prompt_ids,
+        params,
+        stops,
+        stream,
+        include_usage,
+    })
+}
+
+/// One step of output, after detokenizing and stop strings.
+struct Piece {
+    text: String,
+    token_ids: Vec<u32>,
+    finish: Option<FinishReason>,
+}
+
+/// Drives one request's engine stream and turns tokens into text.
+struct Generation {
+    state: Arc<AppState>,
+    stream: Option<RequestStream>,
+    detok: IncrementalDetokenizer,
+    stops: StopMatcher,
+    start: Instant,
+    first_token: Option<Instant>,
+    prompt_tokens: usize,
+    output_tokens: usize,
+}
+
+impl Generation {
+    /// The next piece; `None` after the last. Cancel safe: the only await is the engine
+    /// stream's `next`, which keeps undelivered events queued.
+    async fn next_piece(&mut self) -> Option<Result<Piece, ApiError>> {
+        let stream = self.stream.as_mut()?;
+        let event = stream.next().await;
+        Some(match event {
+            Some(EngineEvent::Tokens { token_ids, finish }) => {
+                if self.first_token.is_none() && !token_ids.is_empty() {
+                    self.first_token = Some(Instant::now());
+                }
+                self.output_tokens += token_ids.len();
+                self.state.metrics.record_generated(token_ids.len());
+                let mut text = String::new();
+                let mut finish = finish;
+                if let Some(tok) = self.state.tokenizer.as_deref() {
+                    let delta = match self.detok.push(tok, &token_ids) {
+                        Ok(d) => d,
+                        Err(e) => return Some(Err(self.fail(ApiError::Internal(e.to_string())))),
+                    };
+                    let out = self.stops.feed(&delta);
+                    text = out.emit;
+                    if out.stopped {
+                        finish = Some(FinishReason::Stop);
+                    } else if finish.is_some() {
+                        text.push_str(&self.stops.flush());
+                    }
+                }
+                if let Some(reason) = finish {
+                    // Dropping the engine stream aborts the request if it is still running
+                    // (a stop string matched before the engine's own stop).
+                    self.stream = None;
+                    let e2e = self.start.elapsed().as_secs_f64();
+                    let ttft = self.first_token.map(|t| (t - self.start).as_secs_f64());
+                    self.state.metrics.record_finished(
+                        reason.as_str(),
+                        ttft,
+                        e2e,
+                        self.output_tokens,
+                    );
+                }
+                Ok(Piece {
+                    text,
+                    token_ids,
+                    finish,
+                })
+            }
+            Some(EngineEvent::Failed(msg)) => Err(self.fail(ApiError::Internal(msg))),
+            None => Err(self.fail(ApiError::EngineStopped)),
+        })
+    }
+
+    /// Ends the generation with an error (counted by whoever reports it to the client).
+    fn fail(&mut self, e: ApiError) -> ApiError {
+        self.stream = None;
+        e
+    }
+
+    fn usage(&self) -> Usage {
+        Usage::new(self.prompt_tokens, self.output_tokens)
+    }
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Submits a prepared request and answers it, streaming or not.
+pub(crate) async fn run(state: Arc<AppState>, p: Prepared) -> Result<Response, ApiError> {
+    let prompt_tokens = p.prompt_ids.len();
+    let engine_stream = state.engine.submit(EngineRequest {
+        id: p.request_id.clone(),
+        prompt_token_ids: p.prompt_ids,
+        params: p.params,
+    })?;
+    state.metrics.record_admitted(prompt_tokens);
+    tracing::debug!(request_id = %p.request_id, prompt_tokens, stream = p.stream, "admitted");
+    let gen = Generation {
+        state: state.clone(),
+        stream: Some(engine_stream),
+        detok: IncrementalDetokenizer::new(),
+        stops: StopMatcher::new(p.stops),
+        start: Instant::now(),
+        first_token: None,
+        prompt_tokens,
+        output_tokens: 0,
+    };
+    let shape = ChunkShape {
+        api: p.api,
+        id: match p.api {
+            Api::Completion => format!("cmpl-{}", p.request_id),
+            Api::Chat => format!("chatcmpl-{}", p.request_id),
+        },
+        created: now_unix(),
+        model: state.model_name.clone(),
+    };
+    if p.stream {
+        Ok(Sse::new(sse_events(gen, shape, p.include_usage)).into_response())
+    } else {
+        collect(gen, shape).await
+    }
+}
+
+/// Fields every chunk of one response shares.
+struct ChunkShape {
+    api: Api,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl ChunkShape {
+    fn chunk(&self, piece: &Piece, first: bool) -> serde_json::Result<String> {
+        let finish_reason = piece.finish.map(|f| f.as_str().to_string());
+        match self.api {
+            Api::Completion => serde_json::to_string(&CompletionResponse {
+                id: self.id.clone(),
+                object: "text_completion".into(),
+                created: self.created,
+                model: self.model.clone(),
+                choices: vec![CompletionChoice {
+                    index: 0,
+                    text: piece.text.clone(),
+                    logprobs: None,
+                    finish_reason,
+                    token_ids: piece.token_ids.clone(),
+                }],
+                usage: None,
+            }),
+            Api::Chat => serde_json::to_string(&ChatChunk {
+                id: self.id.clone(),
+                object: "chat.completion.chunk".into(),
+                created: self.created,
+                model: self.model.clone(),
+                choices: vec![ChatChunkChoice {
+                    index: 0,
+                    delta: ChatDelta {
+                        role: first.then(|| "assistant".to_string()),
+                        content: Some(piece.text.clone()),
+                    },
+                    logprobs: None,
+                    finish_reason,
+                }],
+                usage: None,
+            }),
+        }
+    }
+
+    fn usage_chunk(&self, usage: Usage) -> serde_json::Result<String> {
+        match self.api {
+            Api::Completion => serde_json::to_string(&CompletionResponse {
+                id: self.id.clone(),
+                object: "text_completion".into(),
+                created: self.created,
+                model: self.model.clone(),
+                choices: Vec::new(),
+                usage: Some(usage),
+            }),
+            Api::Chat => serde_json::to_string(&ChatChunk {
+                id: self.id.clone(),
+                object: "chat.completion.chunk".into(),
+                created: self.created,
+                model: self.model.clone(),
+                choices: Vec::new(),
+                usage: Some(usage),
+            }),
+        }
+    }
+}
+
+/// SSE events for one request. A task drives the generation and feeds a channel; the HTTP
+/// body reads it. When the client goes away the body (and the channel's receiver) is dropped;
+/// the task notices at once, even mid-prefill, and drops the engine stream, which aborts the
+/// request and frees its blocks.
+fn sse_events(
+    mut gen: Generation,
+    shape: ChunkShape,
+    include_usage: bool,
+) -> impl Stream<Item = Result<Event, std::convert::Infallible>> {
+    let (tx, rx) = mpsc::channel::<Event>(64);
+    tokio::spawn(async move {
+        let mut first = true;
+        loop {
+            let piece = tokio::select! {
+                p = gen.next_piece() => p,
+                _ = tx.closed() => return,
+            };
+            let event = match piece {
+                None => break,
+                Some(Ok(piece)) => {
+                    // An empty interim piece (text held back, no finish) carries no news.
+                    if piece.token_ids.is_empty() && piece.finish.is_none() {
+                        continue;
+                    }
+                    match shape.chunk(&piece, first) {
+                        Ok(json) => Event::default().data(json),
+                        Err(e) => Event::default()
+                            .data(ApiError::Internal(e.to_string()).body().to_string()),
+                    }
+                }
+                Some(Err(e)) => {
+                    // Headers are already sent: the error travels as a data chunk.
+                    gen.state.metrics.record_error(e.error_type());
+                    Event::default().data(e.body().to_string())
+                }
+            };
+            first = false;
+            if tx.send(event).await.is_err() {
+                return;
+            }
+        }
+        if include_usage {
+            if let Ok(json) = shape.usage_chunk(gen.usage()) {
+                let _ = tx.send(Event::default().data(json)).await;
+            }
+        }
+        let _ = tx.send(Event::default().data("[DONE]")).await;
+    });
+    futures::stream::unfold(
+        rx,
+        |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) },
+    )
+}
+
+/// Collects the whole answer. If the client disconnects, the server drops this future and
+/// with it the engine stream, which aborts the request.
+async fn collect(mut gen: Generation, shape: ChunkShape) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut token_ids = Vec::new();
+    let mut finish = None;
+    while let Some(piece) = gen.next_piece().await {
+        let piece = piece?;
+        text.push_str(&piece.text);
+        token_ids.extend(piece.token_ids);
+        finish = piece.finish.or(finish);
+    }
+    let finish_reason = finish.map(|f| f.as_str().to_string());
+    let usage = gen.usage();
+    Ok(match shape.api {
+        Api::Completion => axum::Json(CompletionResponse {
+            id: shape.id,
+            object: "text_completion".into(),
+            created: shape.created,
+            model: shape.model,
+            choices: vec![CompletionChoice {
+                index: 0,
+                text,
+                logprobs: None,
+                finish_reason,
+                token_ids,
+            }],
+            usage: Some(usage),
+        })
+        .into_response(),
+        Api::Chat => axum::Json(ChatResponse {
+            id: shape.id,
+            object: "chat.completion".into(),
+            created: shape.created,
+            model: shape.model,
+            choices: vec![ChatChoice {
+                index: 0,
+                message: ChatMessageOut {
+                    role: "assistant".into(),
+                    content: text,
+                },
+                logprobs: None,
+                finish_reason,
+            }],
+            usage,
+        })
+        .into_response(),
+    })
+}

@@ -1,0 +1,259 @@
+//! The OpenAI-compatible HTTP API in front of one tandem engine.
+//!
+//! # Brief overview
+//! [`AppState`] holds an [`EngineHandle`](tandem_engine::EngineHandle) (the only way in to the
+//! engine), the tokenizer, the served model name and the [`Metrics`]. [`router`] builds the
+//! axum routes and [`serve`] runs them:
+//!
+//! | route | what |
+//! |---|---|
+//! | `POST /v1/completions` | text or token-id prompts; streaming (SSE) or not |
+//! | `POST /v1/chat/completions` | messages through the model's chat template |
+//! | `GET /v1/models` | the served model |
+//! | `GET /health` | 200 while the engine thread runs, 503 after |
+//! | `GET /metrics` | Prometheus text |
+//! | `POST /tokenize`, `POST /detokenize` | the model's tokenizer |
+//!
+//! Text lives here: prompts are tokenized and outputs detokenized (with stop strings) in the
+//! handlers; the engine sees only token ids. Errors are OpenAI-shaped JSON ([`ApiError`]).
+//! A client that disconnects cancels its request: the engine stream is dropped with the
+//! response, which aborts the request and frees its KV blocks.
+#![deny(missing_docs)]
+
+mod error;
+mod generate;
+mod metrics;
+pub mod protocol;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+use tandem_core::RequestId;
+use tandem_engine::EngineHandle;
+use tandem_model::TextTokenizer;
+
+pub use error::ApiError;
+pub use metrics::Metrics;
+
+use protocol::{ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest};
+
+/// Everything the handlers share.
+pub struct AppState {
+    /// The engine.
+    pub engine: EngineHandle,
+    /// `None` in token-ids mode.
+    pub tokenizer: Option<Arc<TextTokenizer>>,
+    /// The name clients must use in `model` (or omit).
+    pub model_name: String,
+    /// Longest prompt + output.
+    pub max_model_len: usize,
+    /// Prometheus metrics.
+    pub metrics: Metrics,
+    next_id: AtomicU64,
+    /// Random per-process prefix so ids do not repeat across restarts.
+    id_prefix: String,
+}
+
+impl AppState {
+    /// State for one engine.
+    pub fn new(
+        engine: EngineHandle,
+        tokenizer: Option<Arc<TextTokenizer>>,
+        model_name: String,
+    ) -> Self {
+        let max_model_len = engine.limits().max_model_len;
+        Self {
+            engine,
+            tokenizer,
+            model_name,
+            max_model_len,
+            metrics: Metrics::new(),
+            next_id: AtomicU64::new(0),
+            id_prefix: format!("{:08x}", rand::random::<u32>()),
+        }
+    }
+
+    pub(crate) fn tokenizer(&self) -> Result<&TextTokenizer, ApiError> {
+        self.tokenizer.as_deref().ok_or_else(|| {
+            ApiError::bad("prompt", "this model has no tokenizer (token-ids mode): send the prompt as a list of token ids")
+        })
+    }
+
+    /// A fresh engine-unique request id.
+    fn new_request_id(&self) -> RequestId {
+        RequestId::new(format!(
+            "{}-{}",
+            self.id_prefix,
+            self.next_id.fetch_add(1, Ordering::Relaxed)
+        ))
+    }
+}
+
+/// The API routes over `state`.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .with_state(state)
+}
+
+/// Serves the API on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Parses a JSON body into `T`; malformed JSON or a wrongly typed field is a 400 that says so.
+fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))
+}
+
+/// The client's `X-Request-Id`, echoed on the response; generated when absent.
+fn request_id_header(headers: &HeaderMap, generated: &RequestId) -> HeaderValue {
+    headers.get("x-request-id").cloned().unwrap_or_else(|| {
+        HeaderValue::from_str(generated.as_str()).unwrap_or(HeaderValue::from_static("tandem"))
+    })
+}
+
+fn with_request_id(mut resp: Response, value: HeaderValue) -> Response {
+    resp.headers_mut().insert("x-request-id", value);
+    resp
+}
+
+fn record(state: &AppState, r: Result<Response, ApiError>) -> Response {
+    match r {
+        Ok(resp) => resp,
+        Err(e) => {
+            state.metrics.record_error(e.error_type());
+            tracing::info!(error = %e, status = %e.status(), "request refused");
+            e.into_response()
+        }
+    }
+}
+
+/// Cancel safety: dropping this future (client disconnect) drops the engine stream it holds,
+/// which aborts the request in the engine.
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let id = state.new_request_id();
+    let header = request_id_header(&headers, &id);
+    let result = match parse_body::<CompletionRequest>(&body)
+        .and_then(|req| generate::prepare_completion(&state, req, id))
+    {
+        Ok(p) => generate::run(state.clone(), p).await,
+        Err(e) => Err(e),
+    };
+    with_request_id(record(&state, result), header)
+}
+
+/// Cancel safety: as [`completions`].
+async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let id = state.new_request_id();
+    let header = request_id_header(&headers, &id);
+    let result = match parse_body::<ChatCompletionRequest>(&body)
+        .and_then(|req| generate::prepare_chat(&state, req, id))
+    {
+        Ok(p) => generate::run(state.clone(), p).await,
+        Err(e) => Err(e),
+    };
+    with_request_id(record(&state, result), header)
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tandem",
+            "root": state.model_name,
+            "max_model_len": state.max_model_len,
+        }]
+    }))
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> StatusCode {
+    if state.engine.is_alive() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn metrics_text(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    let text = state.metrics.render(&state.engine.stats());
+    ([("content-type", "text/plain; version=0.0.4")], text)
+}
+
+async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = (|| {
+        let req: TokenizeRequest = parse_body(&body)?;
+        generate::check_model(&state, &req.model)?;
+        let tok = state.tokenizer()?;
+        let tokens = match (req.prompt, req.messages) {
+            (Some(p), None) => tok.encode(&p, req.add_special_tokens.unwrap_or(true))?,
+            (None, Some(m)) => {
+                let text = tok.apply_chat_template(
+                    &generate::chat_messages(m)?,
+                    req.add_generation_prompt.unwrap_or(true),
+                )?;
+                tok.encode(&text, false)?
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "give exactly one of `prompt` or `messages`",
+                ))
+            }
+        };
+        Ok(Json(
+            json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens}),
+        )
+        .into_response())
+    })();
+    record(&state, result)
+}
+
+async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = (|| {
+        let req: DetokenizeRequest = parse_body(&body)?;
+        generate::check_model(&state, &req.model)?;
+        let tok = state.tokenizer()?;
+        let vocab = state.engine.limits().vocab_size;
+        if let Some(bad) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::bad(
+                "tokens",
+                format!("token id {bad} is out of range (vocabulary size {vocab})"),
+            ));
+        }
+        Ok(Json(json!({"prompt": tok.decode(&req.tokens, false)?})).into_response())
+    })();
+    record(&state, result)
+}

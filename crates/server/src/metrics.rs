@@ -1,0 +1,174 @@
+//! Prometheus metrics, each described once here. Engine gauges are read from the engine's
+//! live stats at scrape time; request metrics are recorded by the handlers through
+//! [`Metrics::record_finished`]. Labels are low-cardinality constants (never request ids).
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+use tandem_engine::StatsSnapshot;
+
+/// All of the server's metrics and their registry.
+pub struct Metrics {
+    registry: Registry,
+    running: IntGauge,
+    waiting: IntGauge,
+    kv_blocks_used: IntGauge,
+    kv_blocks_free: IntGauge,
+    kv_blocks_total: IntGauge,
+    preemptions: IntGauge,
+    prompt_tokens: IntCounter,
+    generation_tokens: IntCounter,
+    ttft: Histogram,
+    tpot: Histogram,
+    e2e: Histogram,
+    finished: IntCounterVec,
+    errors: IntCounterVec,
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+const TPOT_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1.0, 2.5,
+];
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("metric definitions are static and valid");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("each metric is registered once");
+            g
+        };
+        let counter = |name: &str, help: &str| {
+            let c = IntCounter::new(name, help).expect("metric definitions are static and valid");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("each metric is registered once");
+            c
+        };
+        let histogram = |name: &str, help: &str, buckets: &[f64]| {
+            let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
+                .expect("metric definitions are static and valid");
+            registry
+                .register(Box::new(h.clone()))
+                .expect("each metric is registered once");
+            h
+        };
+        let counter_vec = |name: &str, help: &str, label: &str| {
+            let c = IntCounterVec::new(Opts::new(name, help), &[label])
+                .expect("metric definitions are static and valid");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("each metric is registered once");
+            c
+        };
+        Self {
+            running: gauge(
+                "tandem:num_requests_running",
+                "Requests in the engine's running set.",
+            ),
+            waiting: gauge(
+                "tandem:num_requests_waiting",
+                "Requests queued in the engine (including preempted).",
+            ),
+            kv_blocks_used: gauge("tandem:kv_blocks_used", "KV cache blocks held by requests."),
+            kv_blocks_free: gauge("tandem:kv_blocks_free", "KV cache blocks free."),
+            kv_blocks_total: gauge("tandem:kv_blocks_total", "KV cache blocks in the pool."),
+            preemptions: gauge(
+                "tandem:num_preemptions_total",
+                "Requests preempted (recomputed) so far.",
+            ),
+            prompt_tokens: counter(
+                "tandem:prompt_tokens_total",
+                "Prompt tokens of admitted requests.",
+            ),
+            generation_tokens: counter("tandem:generation_tokens_total", "Tokens generated."),
+            ttft: histogram(
+                "tandem:time_to_first_token_seconds",
+                "Request arrival to first token.",
+                LATENCY_BUCKETS,
+            ),
+            tpot: histogram(
+                "tandem:time_per_output_token_seconds",
+                "Mean gap between output tokens after the first, per request.",
+                TPOT_BUCKETS,
+            ),
+            e2e: histogram(
+                "tandem:e2e_request_latency_seconds",
+                "Request arrival to last token.",
+                LATENCY_BUCKETS,
+            ),
+            finished: counter_vec(
+                "tandem:request_success_total",
+                "Requests finished, by finish reason.",
+                "finished_reason",
+            ),
+            errors: counter_vec(
+                "tandem:request_errors_total",
+                "Requests refused or failed, by error type.",
+                "type",
+            ),
+            registry,
+        }
+    }
+
+    /// Counts prompt tokens of an admitted request.
+    pub fn record_admitted(&self, prompt_tokens: usize) {
+        self.prompt_tokens.inc_by(prompt_tokens as u64);
+    }
+
+    /// Counts generated tokens as they stream.
+    pub fn record_generated(&self, n: usize) {
+        self.generation_tokens.inc_by(n as u64);
+    }
+
+    /// Records a finished request's latencies (seconds) and finish reason.
+    pub fn record_finished(
+        &self,
+        reason: &'static str,
+        ttft: Option<f64>,
+        e2e: f64,
+        output_tokens: usize,
+    ) {
+        self.finished.with_label_values(&[reason]).inc();
+        if let Some(ttft) = ttft {
+            self.ttft.observe(ttft);
+            if output_tokens > 1 {
+                self.tpot.observe((e2e - ttft) / (output_tokens - 1) as f64);
+            }
+        }
+        self.e2e.observe(e2e);
+    }
+
+    /// Counts a refused or failed request.
+    pub fn record_error(&self, error_type: &'static str) {
+        self.errors.with_label_values(&[error_type]).inc();
+    }
+
+    /// The Prometheus text exposition, with engine gauges from `stats`.
+    pub fn render(&self, stats: &StatsSnapshot) -> String {
+        self.running.set(stats.running as i64);
+        self.waiting.set(stats.waiting as i64);
+        self.kv_blocks_free.set(stats.free_blocks as i64);
+        self.kv_blocks_total.set(stats.total_blocks as i64);
+        self.kv_blocks_used
+            .set(stats.total_blocks.saturating_sub(stats.free_blocks) as i64);
+        self.preemptions.set(stats.preemptions as i64);
+        let mut buf = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
+            tracing::warn!(error = %e, "metrics encoding failed");
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
