@@ -79,26 +79,27 @@ pub(crate) fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMess
     messages
         .into_iter()
         .map(|m| {
-            let content =
-                match m.content {
-                    None => String::new(),
-                    Some(MessageContent::Text(t)) => t,
-                    Some(MessageContent::Parts(parts)) => {
-                        let mut text = String::new();
-                        for p in parts {
-                            match (p.kind.as_str(), p.text) {
-                                ("text", Some(t)) => text.push_str(&t),
-                                (kind, _) => return Err(ApiError::bad(
+            let content = match m.content {
+                None => String::new(),
+                Some(MessageContent::Text(t)) => t,
+                Some(MessageContent::Parts(parts)) => {
+                    let mut text = String::new();
+                    for p in parts {
+                        match (p.kind.as_str(), p.text) {
+                            ("text", Some(t)) => text.push_str(&t),
+                            (kind, _) => {
+                                return Err(ApiError::bad(
                                     "messages",
                                     format!(
                                         "content part type `{kind}` is not supported (text only)"
                                     ),
-                                )),
+                                ))
                             }
                         }
-                        text
                     }
-                };
+                    text
+                }
+            };
             Ok(ChatMessage {
                 role: m.role,
                 content,

@@ -33,24 +33,68 @@ impl MulAdd for Split {
     }
 }
 
-/// Dot products of `R` weight rows with `C` token rows, each of length `k`.
+/// Computes a tile of dot products: `R` weight rows against `C` token rows, each of length `k`.
+/// Implementations differ in instructions only, never in the order of operations inside one
+/// dot product.
+trait Kernel {
+    fn tile<const R: usize, const C: usize>(
+        w: [&[f32]; R],
+        x: [&[f32]; C],
+        k: usize,
+    ) -> [[f32; C]; R];
+}
+
+/// Any CPU: plain Rust, multiply then add.
+struct Portable;
+impl Kernel for Portable {
+    #[inline(always)]
+    fn tile<const R: usize, const C: usize>(
+        w: [&[f32]; R],
+        x: [&[f32]; C],
+        k: usize,
+    ) -> [[f32; C]; R] {
+        tile_portable::<Split, R, C>(w, x, k)
+    }
+}
+
+/// x86-64 with AVX2 and FMA: explicit 256-bit fused multiply-adds.
+#[cfg(target_arch = "x86_64")]
+struct Avx2Fma;
+#[cfg(target_arch = "x86_64")]
+impl Kernel for Avx2Fma {
+    #[inline(always)]
+    fn tile<const R: usize, const C: usize>(
+        w: [&[f32]; R],
+        x: [&[f32]; C],
+        k: usize,
+    ) -> [[f32; C]; R] {
+        // Safety: `Avx2Fma` is used only by `rows_block_avx2`, which `run_rows` calls only after
+        // detecting AVX2 and FMA at run time.
+        unsafe { avx2::tile::<R, C>(w, x, k) }
+    }
+}
+
+/// Dot products of `R` weight rows with `C` token rows, each of length `k`, in portable Rust.
+/// The reference for the order of operations every kernel follows.
 #[inline(always)]
-fn tile<M: MulAdd, const R: usize, const C: usize>(
+fn tile_portable<M: MulAdd, const R: usize, const C: usize>(
     w: [&[f32]; R],
     x: [&[f32]; C],
     k: usize,
 ) -> [[f32; C]; R] {
     let n = k / LANES;
-    let wc: [&[[f32; LANES]]; R] = std::array::from_fn(|r| w[r].as_chunks::<LANES>().0);
-    let xc: [&[[f32; LANES]]; C] = std::array::from_fn(|c| x[c].as_chunks::<LANES>().0);
+    // Every operand sliced to exactly `n` chunks, so the loop's index checks are provably
+    // redundant and the compiler keeps the accumulators in registers.
+    let wc: [&[[f32; LANES]]; R] = std::array::from_fn(|r| &w[r].as_chunks::<LANES>().0[..n]);
+    let xc: [&[[f32; LANES]]; C] = std::array::from_fn(|c| &x[c].as_chunks::<LANES>().0[..n]);
     let mut acc = [[[0.0f32; LANES]; C]; R];
     for i in 0..n {
+        let wv: [[f32; LANES]; R] = std::array::from_fn(|r| wc[r][i]);
+        let xv: [[f32; LANES]; C] = std::array::from_fn(|c| xc[c][i]);
         for r in 0..R {
-            let wv = &wc[r][i];
             for c in 0..C {
-                let xv = &xc[c][i];
                 for l in 0..LANES {
-                    acc[r][c][l] = M::mul_add(wv[l], xv[l], acc[r][c][l]);
+                    acc[r][c][l] = M::mul_add(wv[r][l], xv[c][l], acc[r][c][l]);
                 }
             }
         }
@@ -71,7 +115,7 @@ fn tile<M: MulAdd, const R: usize, const C: usize>(
 
 /// Computes rows `j0..j0 + rows` of `W` against all tokens into `out_t` (`[rows][tokens]`).
 #[inline(always)]
-fn rows_block<M: MulAdd>(
+fn rows_block<K: Kernel>(
     x: &[f32],
     tokens: usize,
     w: &[f32],
@@ -82,40 +126,52 @@ fn rows_block<M: MulAdd>(
 ) {
     let wrow = |j: usize| &w[(j0 + j) * k..(j0 + j + 1) * k];
     let xrow = |t: usize| &x[t * k..(t + 1) * k];
-    let mut t = 0;
-    // Groups of four tokens share each loaded weight row (prefill and batched decode).
-    while t + 4 <= tokens {
-        let xs = [xrow(t), xrow(t + 1), xrow(t + 2), xrow(t + 3)];
+    // Tokens in blocks of 64 (their rows stay in L2); inside a block, each pair of weight rows
+    // is loaded once and stays in L1 while every group of four tokens passes over it. Weights
+    // are therefore streamed from memory once per 64 tokens, which is what decode needs.
+    const TOKEN_BLOCK: usize = 64;
+    let mut tb = 0;
+    while tb < tokens {
+        let te = (tb + TOKEN_BLOCK).min(tokens);
+        let groups_end = tb + (te - tb) / 4 * 4;
         let mut j = 0;
-        while j + 2 <= rows {
-            let r = tile::<M, 2, 4>([wrow(j), wrow(j + 1)], xs, k);
-            for (dr, vals) in r.iter().enumerate() {
-                out_t[(j + dr) * tokens + t..(j + dr) * tokens + t + 4].copy_from_slice(vals);
-            }
-            j += 2;
-        }
-        if j < rows {
-            let r = tile::<M, 1, 4>([wrow(j)], xs, k);
-            out_t[j * tokens + t..j * tokens + t + 4].copy_from_slice(&r[0]);
-        }
-        t += 4;
-    }
-    // Remaining tokens one at a time, eight weight rows at once to keep the FMA units busy.
-    while t < tokens {
-        let xs = [xrow(t)];
-        let mut j = 0;
-        while j + 8 <= rows {
-            let r = tile::<M, 8, 1>(std::array::from_fn(|i| wrow(j + i)), xs, k);
-            for (dr, v) in r.iter().enumerate() {
-                out_t[(j + dr) * tokens + t] = v[0];
-            }
-            j += 8;
-        }
         while j < rows {
-            out_t[j * tokens + t] = tile::<M, 1, 1>([wrow(j)], xs, k)[0][0];
-            j += 1;
+            let pair = j + 2 <= rows;
+            let mut t = tb;
+            while t < groups_end {
+                let xs = [xrow(t), xrow(t + 1), xrow(t + 2), xrow(t + 3)];
+                if pair {
+                    let r = K::tile::<2, 4>([wrow(j), wrow(j + 1)], xs, k);
+                    for (dr, vals) in r.iter().enumerate() {
+                        out_t[(j + dr) * tokens + t..(j + dr) * tokens + t + 4]
+                            .copy_from_slice(vals);
+                    }
+                } else {
+                    let r = K::tile::<1, 4>([wrow(j)], xs, k);
+                    out_t[j * tokens + t..j * tokens + t + 4].copy_from_slice(&r[0]);
+                }
+                t += 4;
+            }
+            j += if pair { 2 } else { 1 };
         }
-        t += 1;
+        // Tokens left over from the groups of four, one at a time, eight weight rows at once
+        // to keep the FMA units busy (this is the whole of a batch-1 decode step).
+        for t in groups_end..te {
+            let xs = [xrow(t)];
+            let mut j = 0;
+            while j + 8 <= rows {
+                let r = K::tile::<8, 1>(std::array::from_fn(|i| wrow(j + i)), xs, k);
+                for (dr, v) in r.iter().enumerate() {
+                    out_t[(j + dr) * tokens + t] = v[0];
+                }
+                j += 8;
+            }
+            while j < rows {
+                out_t[j * tokens + t] = K::tile::<1, 1>([wrow(j)], xs, k)[0][0];
+                j += 1;
+            }
+        }
+        tb = te;
     }
 }
 
@@ -130,7 +186,7 @@ fn rows_block_avx2(
     rows: usize,
     out_t: &mut [f32],
 ) {
-    rows_block::<Fused>(x, tokens, w, k, j0, rows, out_t)
+    rows_block::<Avx2Fma>(x, tokens, w, k, j0, rows, out_t)
 }
 
 fn has_avx2_fma() -> bool {
@@ -164,7 +220,7 @@ fn run_rows(
         unsafe { rows_block_avx2(x, tokens, w, k, j0, rows, out_t) };
         return;
     }
-    rows_block::<Split>(x, tokens, w, k, j0, rows, out_t)
+    rows_block::<Portable>(x, tokens, w, k, j0, rows, out_t)
 }
 
 /// `out[t * m + j] = Σ_kk x[t * k + kk] · w[j * k + kk]` for `tokens` rows of `x` and the `m`
@@ -209,6 +265,63 @@ pub fn matmul_t(x: &[f32], tokens: usize, w: &[f32], m: usize, k: usize, out: &m
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::{
+        __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+    };
+
+    use super::{Fused, MulAdd, LANES};
+
+    /// The AVX2+FMA tile: lane `l` of each accumulator sums elements `l, l + 8, ...` with fused
+    /// multiply-adds, then the lanes are reduced in the same tree as `tile_portable` and the
+    /// `k % 8` tail is added with fused multiply-adds.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile<const R: usize, const C: usize>(
+        w: [&[f32]; R],
+        x: [&[f32]; C],
+        k: usize,
+    ) -> [[f32; C]; R] {
+        for row in w.iter().chain(x.iter()) {
+            assert!(row.len() >= k, "tile operand shorter than k");
+        }
+        let n = k / LANES;
+        let mut acc: [[__m256; C]; R] = [[_mm256_setzero_ps(); C]; R];
+        let mut xv: [__m256; C] = [_mm256_setzero_ps(); C];
+        for i in 0..n {
+            let off = i * LANES;
+            for c in 0..C {
+                // Safety: off + 8 <= n * 8 <= k <= x[c].len() (asserted above).
+                xv[c] = unsafe { _mm256_loadu_ps(x[c].as_ptr().add(off)) };
+            }
+            for r in 0..R {
+                // Safety: as above, for w[r].
+                let wv = unsafe { _mm256_loadu_ps(w[r].as_ptr().add(off)) };
+                for c in 0..C {
+                    acc[r][c] = _mm256_fmadd_ps(wv, xv[c], acc[r][c]);
+                }
+            }
+        }
+        let mut out = [[0.0f32; C]; R];
+        for r in 0..R {
+            for c in 0..C {
+                let mut a = [0.0f32; LANES];
+                // Safety: `a` holds exactly 8 f32s.
+                unsafe { _mm256_storeu_ps(a.as_mut_ptr(), acc[r][c]) };
+                let mut s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+                for kk in n * LANES..k {
+                    s = Fused::mul_add(w[r][kk], x[c][kk], s);
+                }
+                out[r][c] = s;
+            }
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,6 +361,28 @@ mod tests {
                     &out[t * m..(t + 1) * m]
                 );
             }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_tile_is_bit_identical_to_the_portable_fused_order() {
+        if !has_avx2_fma() {
+            return;
+        }
+        let mut s = 11u64;
+        for k in [1usize, 7, 8, 37, 576] {
+            let w: Vec<Vec<f32>> = (0..2)
+                .map(|_| (0..k).map(|_| lcg(&mut s)).collect())
+                .collect();
+            let x: Vec<Vec<f32>> = (0..4)
+                .map(|_| (0..k).map(|_| lcg(&mut s)).collect())
+                .collect();
+            let wr = [&w[0][..], &w[1][..]];
+            let xr = [&x[0][..], &x[1][..], &x[2][..], &x[3][..]];
+            // Safety: AVX2 and FMA were detected above.
+            let fast = unsafe { avx2::tile::<2, 4>(wr, xr, k) };
+            assert_eq!(fast, tile_portable::<Fused, 2, 4>(wr, xr, k), "k={k}");
         }
     }
 }
