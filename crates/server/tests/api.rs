@@ -453,7 +453,14 @@ async fn client_disconnect_cancels_and_frees_blocks() {
         .await
         .unwrap();
     assert!(r.chunk().await.unwrap().is_some());
-    assert!(s.state.engine.stats().running == 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while s.state.engine.stats().running != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the streamed request never showed as running"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     drop(r);
     s.wait_idle().await;
     // Not streaming: send the request on a raw socket and close it mid-generation.
@@ -523,6 +530,8 @@ async fn models_health_tokenize_request_id_and_metrics() {
         !r.headers()["x-request-id"].is_empty(),
         "an id is generated when none is sent"
     );
+    // Engine gauges are published after each step, a moment after the last token is sent.
+    s.wait_idle().await;
     let m = s
         .http
         .get(format!("{}/metrics", s.base))
