@@ -37,9 +37,9 @@ pub struct ModelArgs {
     /// `preset:NAME` for a built-in shape with seeded random weights (see `tandem model list`).
     #[arg(long, env = "TANDEM_MODEL", default_value = "preset:tiny-qwen3")]
     pub model: String,
-    /// Weight seed for `preset:` models (same seed, same weights).
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Weight seed for `preset:` models (same seed, same weights as `model init --seed`).
+    #[arg(long, env = "TANDEM_MODEL_SEED", default_value_t = 0)]
+    pub model_seed: u64,
     /// Longest prompt + output to accept; defaults to the model's max_position_embeddings.
     /// Lower it to shrink the RoPE table and reject long requests early.
     #[arg(long)]
@@ -115,9 +115,9 @@ pub struct GenerateArgs {
     /// Keep only the k most likely tokens (0 disables).
     #[arg(long, default_value_t = 0)]
     pub top_k: u32,
-    /// Seed for sampling (same seed, same output).
+    /// Sampling seed (same seed, same output).
     #[arg(long)]
-    pub sample_seed: Option<u64>,
+    pub seed: Option<u64>,
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,
@@ -163,7 +163,7 @@ pub struct BenchEngineArgs {
     pub model: String,
     /// Weight seed for presets.
     #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    pub model_seed: u64,
     /// Decode batch sizes.
     #[arg(long, value_delimiter = ',', default_value = "1,16")]
     pub batch: Vec<usize>,

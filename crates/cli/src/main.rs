@@ -42,7 +42,7 @@ fn main() -> ExitCode {
 }
 
 fn load_model(m: &ModelArgs) -> Result<LoadedModel> {
-    let source = ModelSource::parse(&m.model, m.seed)?;
+    let source = ModelSource::parse(&m.model, m.model_seed)?;
     let t = Instant::now();
     let model = LoadedModel::load(&source, m.max_model_len)
         .with_context(|| format!("loading model `{}`", m.model))?;
@@ -141,7 +141,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         temperature: a.temperature,
         top_p: a.top_p,
         top_k: (a.top_k > 0).then_some(a.top_k),
-        seed: a.sample_seed,
+        seed: a.seed,
         max_tokens: a.max_tokens,
         ignore_eos: a.ignore_eos,
         ..SamplingParams::default()
@@ -274,7 +274,7 @@ fn model_command(c: ModelCommand) -> Result<()> {
 fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
     let model = load_model(&ModelArgs {
         model: a.model.clone(),
-        seed: a.seed,
+        model_seed: a.model_seed,
         max_model_len: None,
     })?;
     let cfg = tandem_bench::engine::EngineBenchConfig {

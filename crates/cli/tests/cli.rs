@@ -121,7 +121,7 @@ fn model_init_is_deterministic_and_loads_back_to_the_preset() {
     let from_preset = generate_json(&[
         "--model",
         "preset:tiny-llama",
-        "--seed",
+        "--model-seed",
         "5",
         "--prompt",
         "the cat sat",
@@ -134,7 +134,7 @@ fn model_init_is_deterministic_and_loads_back_to_the_preset() {
     let other_seed = generate_json(&[
         "--model",
         "preset:tiny-llama",
-        "--seed",
+        "--model-seed",
         "6",
         "--prompt",
         "the cat sat",
@@ -194,4 +194,24 @@ fn bad_input_fails_with_a_message() {
         );
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
+}
+
+#[test]
+fn generate_seed_makes_sampling_repeatable() {
+    let run = |seed: &str| {
+        generate_json(&[
+            "--prompt",
+            "a b c",
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "1.0",
+            "--seed",
+            seed,
+            "--ignore-eos",
+        ])["token_ids"]
+            .clone()
+    };
+    assert_eq!(run("3"), run("3"));
+    assert_ne!(run("3"), run("4"));
 }

@@ -101,7 +101,9 @@ impl EngineLimits {
             });
         }
         let max_tokens = req.params.max_tokens;
-        if prompt_len + max_tokens > self.max_model_len {
+        // Saturating: max_tokens comes from the client and may be near usize::MAX.
+        let total = prompt_len.saturating_add(max_tokens);
+        if total > self.max_model_len {
             return Err(RequestRejected::ExceedsContext {
                 prompt_len,
                 max_tokens,
@@ -109,7 +111,7 @@ impl EngineLimits {
             });
         }
         // The last sampled token is never fed back, so the cache holds at most len - 1 tokens.
-        let needed = (prompt_len + max_tokens - 1).div_ceil(self.block_size);
+        let needed = (total - 1).div_ceil(self.block_size);
         if needed > self.num_blocks {
             return Err(RequestRejected::ExceedsKvCapacity {
                 needed,

@@ -354,6 +354,18 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         ),
         (
             "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": 9223372036854775807}"#,
+            400,
+            "maximum context length",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt": "hi", "max_tokens": 1e400}"#,
+            400,
+            "invalid request body",
+        ),
+        (
+            "/v1/completions",
             r#"{"prompt": "hi", "max_tokens": 300}"#,
             400,
             "KV blocks",
