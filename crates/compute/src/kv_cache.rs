@@ -1,4 +1,21 @@
-//! The paged KV cache storage, block-major.
+//! The paged KV cache storage, block-major, shared between the engine and the KV connector.
+//!
+//! # Ownership and soundness
+//! The memory is one allocation ([`KvRegion`]) that two threads use at once: the engine loop
+//! (forward passes write and read the blocks of the requests it schedules) and the KV
+//! connector's background thread (transfers read or write the blocks of requests it has been
+//! handed). Which blocks each side may touch is decided by block ownership, which the
+//! engine's block pool tracks: a block belongs to exactly one request, and a request is either
+//! schedulable (engine side) or in transfer (connector side), never both. So the two threads
+//! always touch disjoint blocks.
+//!
+//! To keep that sound in Rust terms, nothing here ever forms a reference to the whole buffer:
+//! the engine gets per-plane slices ([`KvCache::plane`]) and per-slot writes, the connector
+//! gets slices of the block runs it names ([`KvRegion::blocks`]). The `unsafe` lives in this
+//! module only.
+
+use std::ptr::NonNull;
+use std::sync::Arc;
 
 /// Shape of a paged KV cache. Block `b` occupies
 /// `[b * block_elems, (b + 1) * block_elems)` and inside it the order is
@@ -41,8 +58,13 @@ impl KvLayout {
     /// 1 for values. Slots follow at stride `head_dim`.
     #[inline]
     pub fn plane_offset(&self, block: usize, layer: usize, kv: usize, head: usize) -> usize {
-        block * self.block_elems()
-            + ((layer * 2 + kv) * self.num_kv_heads + head) * self.head_plane()
+        block * self.block_elems() + self.plane_offset_in_block(layer, kv, head)
+    }
+
+    /// Offset of `(layer, kv, head)` inside one block.
+    #[inline]
+    pub fn plane_offset_in_block(&self, layer: usize, kv: usize, head: usize) -> usize {
+        ((layer * 2 + kv) * self.num_kv_heads + head) * self.head_plane()
     }
 
     /// Blocks needed to hold `tokens` tokens.
@@ -51,59 +73,144 @@ impl KvLayout {
     }
 }
 
-/// Host storage for the paged KV cache: one `f32` allocation of `num_blocks` blocks.
-///
-/// The cache does not track which blocks are in use; the engine's block pool does. It is
-/// plain memory addressed through [`KvLayout`].
-pub struct KvCache {
+/// The KV cache memory: `num_blocks` blocks of `f32`, zero-initialised, shared by reference
+/// count between the engine and the connector. See the module docs for who may touch what.
+pub struct KvRegion {
     layout: KvLayout,
-    data: Vec<f32>,
+    ptr: NonNull<f32>,
+    len: usize,
+}
+
+// Safety: the region is plain memory; concurrent use is governed by block ownership (module
+// docs): each block is accessed by one thread at a time, through slices this module hands out
+// for that block only.
+unsafe impl Send for KvRegion {}
+// Safety: as above; `&KvRegion` only gives out slices through `unsafe fn`s whose callers
+// promise exclusive (or read-only) ownership of the blocks named.
+unsafe impl Sync for KvRegion {}
+
+impl KvRegion {
+    fn new(layout: KvLayout) -> Self {
+        let len = layout.num_blocks * layout.block_elems();
+        let boxed: Box<[f32]> = vec![0.0f32; len].into_boxed_slice();
+        // Box::into_raw never returns null.
+        let ptr = NonNull::new(Box::into_raw(boxed) as *mut f32).unwrap_or(NonNull::dangling());
+        Self { layout, ptr, len }
+    }
+
+    /// The region's shape.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn check_run(&self, first: usize, count: usize) -> (usize, usize) {
+        let n = self.layout.block_elems();
+        assert!(
+            first + count <= self.layout.num_blocks,
+            "block run {first}+{count} outside the cache"
+        );
+        (first * n, count * n)
+    }
+
+    /// Blocks `first..first + count`, read-only.
+    ///
+    /// # Safety
+    /// No other thread may write these blocks while the slice lives (the caller owns them,
+    /// or holds them for a transfer the engine will not schedule).
+    ///
+    /// # Panics
+    /// If the run is outside the cache.
+    pub unsafe fn blocks(&self, first: usize, count: usize) -> &[f32] {
+        let (off, len) = self.check_run(first, count);
+        // Safety: in bounds (checked); no concurrent writer (caller's obligation).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
+    }
+
+    /// Blocks `first..first + count`, writable.
+    ///
+    /// # Safety
+    /// No other thread may read or write these blocks while the slice lives, and the caller
+    /// holds no other slice overlapping them.
+    ///
+    /// # Panics
+    /// If the run is outside the cache.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn blocks_mut(&self, first: usize, count: usize) -> &mut [f32] {
+        let (off, len) = self.check_run(first, count);
+        // Safety: in bounds (checked); exclusive (caller's obligation).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) }
+    }
+}
+
+impl Drop for KvRegion {
+    fn drop(&mut self) {
+        // Safety: `ptr`/`len` came from `Box::<[f32]>::into_raw` in `new` and are freed once.
+        unsafe {
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.ptr.as_ptr(),
+                self.len,
+            )))
+        };
+    }
+}
+
+/// The engine's view of the KV cache: writes of new tokens and reads of attention planes, for
+/// the blocks of scheduled requests only.
+pub struct KvCache {
+    region: Arc<KvRegion>,
 }
 
 impl KvCache {
     /// Allocates a zeroed cache.
     pub fn new(layout: KvLayout) -> Self {
-        let data = vec![0.0f32; layout.num_blocks * layout.block_elems()];
-        Self { layout, data }
+        Self {
+            region: Arc::new(KvRegion::new(layout)),
+        }
     }
 
     /// The cache's shape.
     pub fn layout(&self) -> &KvLayout {
-        &self.layout
+        &self.region.layout
     }
 
-    /// All elements, block-major.
-    pub fn data(&self) -> &[f32] {
-        &self.data
+    /// The shared memory, for the KV connector.
+    pub fn region(&self) -> Arc<KvRegion> {
+        self.region.clone()
     }
 
-    /// All elements, block-major, writable.
-    pub fn data_mut(&mut self) -> &mut [f32] {
-        &mut self.data
-    }
-
-    /// One block's elements (all layers, K and V).
-    pub fn block(&self, block: usize) -> &[f32] {
-        let n = self.layout.block_elems();
-        &self.data[block * n..(block + 1) * n]
-    }
-
-    /// One block's elements, writable.
-    pub fn block_mut(&mut self, block: usize) -> &mut [f32] {
-        let n = self.layout.block_elems();
-        &mut self.data[block * n..(block + 1) * n]
+    /// One `(block, layer, kv, head)` plane: `block_size` slots of `head_dim`.
+    ///
+    /// The engine calls this only for blocks in the block tables of requests it is running,
+    /// which the connector does not touch (module docs).
+    #[inline]
+    pub fn plane(&self, block: usize, layer: usize, kv: usize, head: usize) -> &[f32] {
+        let l = &self.region.layout;
+        assert!(block < l.num_blocks && layer < l.num_layers && kv < 2 && head < l.num_kv_heads);
+        let off = l.plane_offset(block, layer, kv, head);
+        // Safety: in bounds (asserted); the block belongs to a running request, so the
+        // connector thread is not writing it, and the engine writes only through `&mut self`.
+        unsafe { std::slice::from_raw_parts(self.region.ptr.as_ptr().add(off), l.head_plane()) }
     }
 
     /// Stores one token's keys and values for `layer` at `(block, slot)`. `k` and `v` hold
     /// `num_kv_heads * head_dim` elements, head-major.
     pub fn write_token(&mut self, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32]) {
-        let l = self.layout;
+        let l = self.region.layout;
+        assert!(block < l.num_blocks && layer < l.num_layers && slot < l.block_size);
+        assert!(k.len() >= l.num_kv_heads * l.head_dim && v.len() >= l.num_kv_heads * l.head_dim);
         for h in 0..l.num_kv_heads {
-            let src = h * l.head_dim..(h + 1) * l.head_dim;
-            let kd = l.plane_offset(block, layer, 0, h) + slot * l.head_dim;
-            self.data[kd..kd + l.head_dim].copy_from_slice(&k[src.clone()]);
-            let vd = l.plane_offset(block, layer, 1, h) + slot * l.head_dim;
-            self.data[vd..vd + l.head_dim].copy_from_slice(&v[src]);
+            for (kv, src) in [(0, k), (1, v)] {
+                let dst = l.plane_offset(block, layer, kv, h) + slot * l.head_dim;
+                // Safety: in bounds (asserted above); the block belongs to a running request,
+                // so no other thread touches it, and `&mut self` excludes engine-side readers.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src[h * l.head_dim..].as_ptr(),
+                        self.region.ptr.as_ptr().add(dst),
+                        l.head_dim,
+                    )
+                };
+            }
         }
     }
 }
@@ -131,7 +238,7 @@ mod tests {
     }
 
     #[test]
-    fn write_token_lands_in_its_plane() {
+    fn write_token_lands_in_its_plane_and_nowhere_else() {
         let l = KvLayout {
             num_layers: 2,
             num_kv_heads: 2,
@@ -141,10 +248,29 @@ mod tests {
         };
         let mut c = KvCache::new(l);
         c.write_token(1, 2, 3, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0]);
-        let k1 = l.plane_offset(2, 1, 0, 1) + 3 * 2;
-        assert_eq!(&c.data()[k1..k1 + 2], &[3.0, 4.0]);
-        let v0 = l.plane_offset(2, 1, 1, 0) + 3 * 2;
-        assert_eq!(&c.data()[v0..v0 + 2], &[5.0, 6.0]);
-        assert_eq!(c.data().iter().filter(|x| **x != 0.0).count(), 8);
+        assert_eq!(&c.plane(2, 1, 0, 1)[6..8], &[3.0, 4.0]);
+        assert_eq!(&c.plane(2, 1, 1, 0)[6..8], &[5.0, 6.0]);
+        let region = c.region();
+        // Safety: single-threaded test; nothing writes while we read.
+        let all = unsafe { region.blocks(0, 3) };
+        assert_eq!(all.iter().filter(|x| **x != 0.0).count(), 8);
+        // The connector's view of block 2 sees the same bytes.
+        let b2 = unsafe { region.blocks(2, 1) };
+        assert_eq!(b2[l.plane_offset_in_block(1, 0, 1) + 6], 3.0);
+    }
+
+    #[test]
+    #[should_panic(expected = "outside the cache")]
+    fn runs_outside_the_cache_are_refused() {
+        let l = KvLayout {
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 2,
+            block_size: 2,
+            num_blocks: 3,
+        };
+        let c = KvCache::new(l);
+        // Safety: single-threaded test.
+        let _ = unsafe { c.region().blocks(2, 2) };
     }
 }

@@ -46,7 +46,6 @@ pub fn paged_attention(
             row_info[s.query_start + i] = (si, s.first_pos + i);
         }
     }
-    let data = cache.data();
     out[..rows * num_heads * hd]
         .par_chunks_mut(hd)
         .enumerate()
@@ -60,9 +59,9 @@ pub fn paged_attention(
             scores.clear();
             let mut max = f32::NEG_INFINITY;
             for p in 0..n {
-                let base = l.plane_offset(table[p / l.block_size] as usize, layer, 0, kvh)
-                    + (p % l.block_size) * hd;
-                let s = dot(qv, &data[base..base + hd]) * scale;
+                let plane = cache.plane(table[p / l.block_size] as usize, layer, 0, kvh);
+                let slot = (p % l.block_size) * hd;
+                let s = dot(qv, &plane[slot..slot + hd]) * scale;
                 max = max.max(s);
                 scores.push(s);
             }
@@ -74,9 +73,9 @@ pub fn paged_attention(
             o.fill(0.0);
             for (p, s) in scores.iter().enumerate() {
                 let w = s / sum;
-                let base = l.plane_offset(table[p / l.block_size] as usize, layer, 1, kvh)
-                    + (p % l.block_size) * hd;
-                for (od, vd) in o.iter_mut().zip(&data[base..base + hd]) {
+                let plane = cache.plane(table[p / l.block_size] as usize, layer, 1, kvh);
+                let slot = (p % l.block_size) * hd;
+                for (od, vd) in o.iter_mut().zip(&plane[slot..slot + hd]) {
                     *od += w * vd;
                 }
             }
