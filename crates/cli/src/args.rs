@@ -154,6 +154,25 @@ pub enum BenchCommand {
     /// Decode and prefill throughput of one engine, against the memory-bandwidth floor
     /// measured in the same run.
     Engine(BenchEngineArgs),
+    /// Throughput of the TCP KV transport moving a KV set to another process, against raw
+    /// loopback TCP measured in the same run.
+    Kv(BenchKvArgs),
+    /// The peer process `bench kv` starts (internal).
+    #[command(hide = true)]
+    KvPeer(BenchKvArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchKvArgs {
+    /// Size of the KV set moved per transfer, e.g. 256MiB.
+    #[arg(long, default_value = "256MiB")]
+    pub size: String,
+    /// Transfers of each kind (raw and KV); median and best are reported.
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// Write the report as JSON here too.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]

@@ -31,6 +31,8 @@ fn main() -> ExitCode {
         Command::Generate(a) => generate(a),
         Command::Model(c) => model_command(c),
         Command::Bench(BenchCommand::Engine(a)) => bench_engine(a),
+        Command::Bench(BenchCommand::Kv(a)) => bench_kv(a),
+        Command::Bench(BenchCommand::KvPeer(a)) => bench_kv_peer(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -289,5 +291,73 @@ fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
         std::fs::write(&path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    Ok(())
+}
+
+fn kv_bench_config(a: &args::BenchKvArgs) -> Result<tandem_bench::kv::KvBenchConfig> {
+    let bytes = args::parse_bytes(&a.size).map_err(anyhow::Error::msg)?;
+    if bytes == 0 {
+        bail!("--size must be more than 0 bytes");
+    }
+    Ok(tandem_bench::kv::KvBenchConfig {
+        bytes,
+        repeats: a.repeats.max(1),
+        ..Default::default()
+    })
+}
+
+/// Starts the peer as a second process (this same binary), reads its port, measures, and
+/// waits for the peer to exit.
+fn bench_kv(a: args::BenchKvArgs) -> Result<()> {
+    use std::io::BufRead;
+    let cfg = kv_bench_config(&a)?;
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let mut child = std::process::Command::new(exe)
+        .args([
+            "--log",
+            "warn",
+            "bench",
+            "kv-peer",
+            "--size",
+            &a.size,
+            "--repeats",
+            &a.repeats.to_string(),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the peer process")?;
+    let stdout = child.stdout.take().context("peer stdout")?;
+    let mut line = String::new();
+    std::io::BufReader::new(stdout)
+        .read_line(&mut line)
+        .context("reading the peer's address")?;
+    let addr = line.trim().to_string();
+    eprintln!(
+        "... peer process {} listening on {addr}; moving {} x {} each way",
+        child.id(),
+        a.repeats,
+        a.size
+    );
+    let report = tandem_bench::kv::measure(&addr, &cfg);
+    let status = child.wait().context("waiting for the peer")?;
+    let report = report?;
+    if !status.success() {
+        bail!("the peer process failed ({status})");
+    }
+    print!("{report}");
+    if let Some(path) = a.json_out {
+        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn bench_kv_peer(a: args::BenchKvArgs) -> Result<()> {
+    let cfg = kv_bench_config(&a)?;
+    let listener =
+        std::net::TcpListener::bind("127.0.0.1:0").context("binding the peer listener")?;
+    println!("{}", listener.local_addr()?);
+    std::io::stdout().flush()?;
+    tandem_bench::kv::serve_peer(listener, &cfg)?;
     Ok(())
 }

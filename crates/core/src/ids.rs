@@ -42,3 +42,47 @@ impl BlockId {
         self.0 as usize
     }
 }
+
+/// Names one attempt to move one request's KV between a prefill and a decode engine. Made by
+/// the router; a retried request gets a new one. Pairing is by this id plus the peer's epoch,
+/// exactly.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct TransferId(pub String);
+
+impl fmt::Display for TransferId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for TransferId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TransferId({})", self.0)
+    }
+}
+
+/// Names one engine instance (stable across restarts; see [`Epoch`] for the incarnation).
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct EngineId(pub String);
+
+impl fmt::Display for EngineId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for EngineId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "EngineId({})", self.0)
+    }
+}
+
+/// One incarnation of an engine: changes on every restart, so a peer that cached the old one
+/// knows to handshake again and that transfers named under the old epoch are void.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(transparent)]
+pub struct Epoch(pub u64);

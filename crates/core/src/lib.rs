@@ -13,5 +13,5 @@
 mod ids;
 mod sampling;
 
-pub use ids::{BlockId, RequestId};
+pub use ids::{BlockId, EngineId, Epoch, RequestId, TransferId};
 pub use sampling::{FinishReason, InvalidSampling, SamplingParams};

@@ -1,0 +1,166 @@
+//! Block lists as contiguous runs, and moving token ranges between block layouts.
+//!
+//! A request's blocks are listed in token order; consecutive ids form one contiguous region
+//! of the KV memory (block-major layout), so a transfer is a handful of large copies. When the
+//! two sides use different block sizes, the receiver scatters the sender's layout into its own
+//! by token position ([`scatter_tokens`]).
+
+use tandem_compute::{KvLayout, KvRegion};
+
+/// Blocks `start..start + len`, contiguous in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockRun {
+    /// First block.
+    pub start: u32,
+    /// Blocks in the run.
+    pub len: u32,
+}
+
+/// Merges consecutive ids (in the given order) into runs: `[4, 5, 6, 9, 10, 2]` becomes
+/// `[4..7, 9..11, 2..3]`.
+pub fn coalesce(blocks: &[u32]) -> Vec<BlockRun> {
+    let mut runs: Vec<BlockRun> = Vec::new();
+    for &b in blocks {
+        match runs.last_mut() {
+            Some(r) if r.start.checked_add(r.len) == Some(b) => r.len += 1,
+            _ => runs.push(BlockRun { start: b, len: 1 }),
+        }
+    }
+    runs
+}
+
+/// Bytes a sender with `layout` sends for `num_tokens` tokens: whole blocks.
+pub fn wire_bytes(layout: &KvLayout, num_tokens: usize) -> u64 {
+    (layout.blocks_for(num_tokens) * layout.block_bytes_f32()) as u64
+}
+
+/// Copies the KV of tokens `0..num_tokens` from `src`, which holds whole blocks of
+/// `src_block_size` tokens in token order (the sender's layout, same layers/heads/head_dim as
+/// `dst`), into the destination blocks `dst_blocks` of `dst`.
+///
+/// # Safety
+/// The caller must own `dst_blocks` exclusively (no other thread reads or writes them).
+///
+/// # Panics
+/// If `src` or `dst_blocks` is too short for `num_tokens`.
+pub unsafe fn scatter_tokens(
+    src: &[f32],
+    src_block_size: usize,
+    dst: &KvRegion,
+    dst_blocks: &[u32],
+    num_tokens: usize,
+) {
+    let dl = *dst.layout();
+    let sl = KvLayout {
+        block_size: src_block_size,
+        num_blocks: num_tokens.div_ceil(src_block_size),
+        ..dl
+    };
+    assert!(
+        src.len() >= sl.num_blocks * sl.block_elems(),
+        "source too short"
+    );
+    assert!(
+        dst_blocks.len() >= dl.blocks_for(num_tokens),
+        "too few destination blocks"
+    );
+    let hd = dl.head_dim;
+    for layer in 0..dl.num_layers {
+        for kv in 0..2 {
+            for head in 0..dl.num_kv_heads {
+                let mut t = 0;
+                while t < num_tokens {
+                    let (sb, ss) = (t / sl.block_size, t % sl.block_size);
+                    let (db, ds) = (t / dl.block_size, t % dl.block_size);
+                    let n = (sl.block_size - ss)
+                        .min(dl.block_size - ds)
+                        .min(num_tokens - t);
+                    let s = sl.plane_offset(sb, layer, kv, head) + ss * hd;
+                    // Safety: the caller owns the destination blocks exclusively.
+                    let block = unsafe { dst.blocks_mut(dst_blocks[db] as usize, 1) };
+                    let d = dl.plane_offset_in_block(layer, kv, head) + ds * hd;
+                    block[d..d + n * hd].copy_from_slice(&src[s..s + n * hd]);
+                    t += n;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_compute::KvCache;
+
+    #[test]
+    fn coalesce_merges_only_ascending_neighbours() {
+        let r = coalesce(&[4, 5, 6, 9, 10, 2, 3, 3]);
+        assert_eq!(
+            r,
+            vec![
+                BlockRun { start: 4, len: 3 },
+                BlockRun { start: 9, len: 2 },
+                BlockRun { start: 2, len: 2 },
+                BlockRun { start: 3, len: 1 }
+            ]
+        );
+        assert!(coalesce(&[]).is_empty());
+        assert_eq!(coalesce(&[u32::MAX, 0]).len(), 2);
+    }
+
+    /// Fills a source cache with a value unique to (token, layer, kv, head, d), moves it into a
+    /// destination with another block size and scattered blocks, and checks every element.
+    #[test]
+    fn scatter_between_block_sizes_preserves_every_token() {
+        for (src_bs, dst_bs, tokens) in [(16, 16, 40), (16, 5, 37), (4, 16, 33), (7, 3, 1)] {
+            let base = KvLayout {
+                num_layers: 2,
+                num_kv_heads: 2,
+                head_dim: 3,
+                block_size: src_bs,
+                num_blocks: 20,
+            };
+            let val = |t: usize, l: usize, kv: usize, h: usize, d: usize| {
+                (t * 1000 + l * 100 + kv * 10 + h) as f32 + d as f32 / 10.0
+            };
+            let mut src = KvCache::new(base);
+            let src_table: Vec<u32> = (0..base.blocks_for(tokens) as u32).collect();
+            for t in 0..tokens {
+                for l in 0..2 {
+                    let k: Vec<f32> = (0..6).map(|i| val(t, l, 0, i / 3, i % 3)).collect();
+                    let v: Vec<f32> = (0..6).map(|i| val(t, l, 1, i / 3, i % 3)).collect();
+                    src.write_token(l, src_table[t / src_bs] as usize, t % src_bs, &k, &v);
+                }
+            }
+            let dl = KvLayout {
+                block_size: dst_bs,
+                ..base
+            };
+            let dst = KvCache::new(dl);
+            let dst_table: Vec<u32> = (0..dl.blocks_for(tokens) as u32)
+                .rev()
+                .map(|b| b + 2)
+                .collect();
+            let region = src.region();
+            // Safety: single-threaded test owns every block.
+            let src_bytes = unsafe { region.blocks(0, src_table.len()) };
+            unsafe { scatter_tokens(src_bytes, src_bs, &dst.region(), &dst_table, tokens) };
+            for t in 0..tokens {
+                for l in 0..2 {
+                    for kv in 0..2 {
+                        for h in 0..2 {
+                            let plane = dst.plane(dst_table[t / dst_bs] as usize, l, kv, h);
+                            for d in 0..3 {
+                                assert_eq!(
+                                    plane[(t % dst_bs) * 3 + d],
+                                    val(t, l, kv, h, d),
+                                    "bs {src_bs}->{dst_bs} token {t}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! The TCP data path: connect with bounded waits, handshake, and move KV block bytes straight
+//! between a socket and the KV memory.
+//!
+//! Sending reads the sender's blocks run by run and writes them to the socket with no staging
+//! copy. Receiving reads straight into the destination blocks when both sides use the same
+//! block size, and through one staging buffer plus [`scatter_tokens`] when they differ.
+
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use tandem_compute::KvRegion;
+
+use crate::agent_info::AgentInfo;
+use crate::blocks::{coalesce, scatter_tokens, wire_bytes};
+use crate::wire::{read_message, write_message, Message, PROTOCOL_VERSION};
+use crate::KvError;
+
+/// Timeouts for the side channel. Every socket operation is bounded by one of these.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Establishing a TCP connection.
+    pub connect: Duration,
+    /// Any single read or write (a stalled peer fails the operation after this long).
+    pub io: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(5),
+            io: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Opens a connection to `addr` with bounded connect, read and write times.
+pub fn connect(addr: &str, t: Timeouts) -> Result<TcpStream, KvError> {
+    let mut last = None;
+    let addrs = addr.to_socket_addrs().map_err(|e| KvError::Unreachable {
+        addr: addr.to_string(),
+        reason: e.to_string(),
+    })?;
+    for a in addrs {
+        match TcpStream::connect_timeout(&a, t.connect) {
+            Ok(s) => {
+                configure(&s, t)?;
+                return Ok(s);
+            }
+            Err(e) => last = Some(e.to_string()),
+        }
+    }
+    Err(KvError::Unreachable {
+        addr: addr.to_string(),
+        reason: last.unwrap_or_else(|| "no address".into()),
+    })
+}
+
+/// Applies the bounded timeouts and disables Nagle (control frames are small and latency
+/// matters).
+pub fn configure(s: &TcpStream, t: Timeouts) -> Result<(), KvError> {
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(t.io))?;
+    s.set_write_timeout(Some(t.io))?;
+    Ok(())
+}
+
+/// Connecting side: sends our info, returns the peer's once it accepts.
+pub fn handshake(stream: &mut TcpStream, ours: &AgentInfo) -> Result<AgentInfo, KvError> {
+    write_message(
+        stream,
+        &Message::Handshake {
+            version: PROTOCOL_VERSION,
+            info: ours.clone(),
+        },
+    )?;
+    match read_message(stream)? {
+        Message::HandshakeOk { info } => {
+            ours.check_pairing(&info)?;
+            Ok(info)
+        }
+        Message::HandshakeRefused { reason } => Err(KvError::Refused(reason)),
+        other => Err(KvError::Protocol(format!(
+            "expected a handshake reply, got {other:?}"
+        ))),
+    }
+}
+
+/// Accepting side: reads the peer's handshake, checks version and compatibility, answers.
+pub fn accept_handshake(stream: &mut TcpStream, ours: &AgentInfo) -> Result<AgentInfo, KvError> {
+    let (version, info) = match read_message(stream)? {
+        Message::Handshake { version, info } => (version, info),
+        other => {
+            return Err(KvError::Protocol(format!(
+                "expected a handshake, got {other:?}"
+            )))
+        }
+    };
+    let verdict = if version != PROTOCOL_VERSION {
+        Err(KvError::Incompatible(crate::Incompatible::Version {
+            local: PROTOCOL_VERSION,
+            remote: version,
+        }))
+    } else {
+        ours.check_pairing(&info).map_err(KvError::Incompatible)
+    };
+    match verdict {
+        Ok(()) => {
+            write_message(stream, &Message::HandshakeOk { info: ours.clone() })?;
+            Ok(info)
+        }
+        Err(e) => {
+            let _ = write_message(
+                stream,
+                &Message::HandshakeRefused {
+                    reason: e.to_string(),
+                },
+            );
+            Err(e)
+        }
+    }
+}
+
+/// Writes the raw bytes of the blocks holding tokens `0..num_tokens` (whole blocks, in token
+/// order) to `w`. Returns the bytes written ([`wire_bytes`]).
+///
+/// # Safety
+/// No other thread may write `blocks` while this runs (the caller holds them for the transfer).
+pub unsafe fn send_blocks(
+    w: &mut impl Write,
+    region: &KvRegion,
+    blocks: &[u32],
+    num_tokens: usize,
+) -> Result<u64, KvError> {
+    let layout = region.layout();
+    let needed = layout.blocks_for(num_tokens);
+    if blocks.len() < needed {
+        return Err(KvError::Protocol(format!(
+            "{num_tokens} tokens need {needed} blocks, {} given",
+            blocks.len()
+        )));
+    }
+    for run in coalesce(&blocks[..needed]) {
+        // Safety: caller holds these blocks; nobody writes them meanwhile.
+        let data = unsafe { region.blocks(run.start as usize, run.len as usize) };
+        w.write_all(bytemuck::cast_slice(data))?;
+    }
+    Ok(wire_bytes(layout, num_tokens))
+}
+
+/// Reads `bytes` raw bytes (the sender's layout, `src_block_size` tokens per block, tokens
+/// `0..num_tokens`) from `r` into the destination blocks.
+///
+/// # Safety
+/// The caller must own `dst_blocks` exclusively while this runs.
+pub unsafe fn recv_blocks(
+    r: &mut impl Read,
+    bytes: u64,
+    src_block_size: usize,
+    region: &KvRegion,
+    dst_blocks: &[u32],
+    num_tokens: usize,
+) -> Result<(), KvError> {
+    let dl = *region.layout();
+    if src_block_size == 0 {
+        return Err(KvError::Protocol("source block size 0".into()));
+    }
+    let src_layout = tandem_compute::KvLayout {
+        block_size: src_block_size,
+        ..dl
+    };
+    let expected = wire_bytes(&src_layout, num_tokens);
+    if bytes != expected {
+        return Err(KvError::Protocol(format!(
+            "{bytes} bytes announced for {num_tokens} tokens, expected {expected}"
+        )));
+    }
+    let needed = dl.blocks_for(num_tokens);
+    if dst_blocks.len() < needed || dst_blocks.iter().any(|&b| b as usize >= dl.num_blocks) {
+        return Err(KvError::Protocol(format!(
+            "destination blocks do not cover {num_tokens} tokens"
+        )));
+    }
+    if src_block_size == dl.block_size {
+        for run in coalesce(&dst_blocks[..needed]) {
+            // Safety: the caller owns the destination blocks exclusively.
+            let dst = unsafe { region.blocks_mut(run.start as usize, run.len as usize) };
+            r.read_exact(bytemuck::cast_slice_mut(dst))?;
+        }
+    } else {
+        let mut staging = vec![0.0f32; (bytes / 4) as usize];
+        r.read_exact(bytemuck::cast_slice_mut(&mut staging))?;
+        // Safety: the caller owns the destination blocks exclusively.
+        unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens) };
+    }
+    Ok(())
+}

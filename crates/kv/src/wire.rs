@@ -1,0 +1,274 @@
+//! The side channel's messages and their framing.
+//!
+//! Every message is one frame: a 4-byte big-endian length, then that many bytes of JSON.
+//! Frames that announce bulk data (`WriteBlocks`, `BlockData`) are followed on the same stream
+//! by exactly the announced number of raw bytes (little-endian `f32`s of KV blocks). TCP keeps
+//! order, so a notification sent after a data frame is delivered after the data has landed.
+//!
+//! # Versions
+//! [`PROTOCOL_VERSION`] is checked first in every handshake; peers with another version are
+//! refused before anything else is decoded. Bump it when a message changes shape or meaning.
+//! - 1: first version (handshake, register, done, failed, heartbeat, abort, block data).
+
+use std::io::{Read, Write};
+
+use serde::{Deserialize, Serialize};
+use tandem_core::{EngineId, Epoch, TransferId};
+
+use crate::agent_info::AgentInfo;
+use crate::KvError;
+
+/// The side-channel protocol version.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest control frame accepted (a block-id list for a very long prompt fits easily).
+pub const MAX_FRAME_BYTES: usize = 16 << 20;
+
+/// How a transfer ended, as told by `Done`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DoneStatus {
+    /// The data landed.
+    Ok,
+    /// The sender gave up; the receiver must not use the blocks.
+    Failed(String),
+}
+
+/// A side-channel message. Who sends each and what it means is on the variant.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type")]
+pub enum Message {
+    /// Opens a connection: the connecting side's version and metadata.
+    Handshake {
+        /// Sender's [`PROTOCOL_VERSION`].
+        version: u32,
+        /// Sender's metadata.
+        info: AgentInfo,
+    },
+    /// The accepting side agrees and sends its own metadata.
+    HandshakeOk {
+        /// Acceptor's metadata.
+        info: AgentInfo,
+    },
+    /// The accepting side refuses to pair; the reason names what differs.
+    HandshakeRefused {
+        /// Why.
+        reason: String,
+    },
+    /// Push, decode -> prefill: "write transfer `transfer_id`'s KV into these blocks of mine".
+    Register {
+        /// The attempt.
+        transfer_id: TransferId,
+        /// The decode engine registering.
+        decode_engine: EngineId,
+        /// The decode engine's epoch; writes are void if it changes.
+        epoch: Epoch,
+        /// Destination blocks, in token order.
+        block_ids: Vec<u32>,
+        /// Tokens whose KV is wanted.
+        num_tokens: usize,
+    },
+    /// After a push write (prefill -> decode) the data landed; after a pull read
+    /// (decode -> prefill) the source blocks may be released.
+    Done {
+        /// The attempt.
+        transfer_id: TransferId,
+        /// Producer tensor-parallel rank.
+        rank: u32,
+        /// The first token prefill sampled (push), so decode emits it without recomputing.
+        first_token: Option<u32>,
+        /// Outcome.
+        status: DoneStatus,
+    },
+    /// Either way: the attempt failed; free what it holds.
+    Failed {
+        /// The attempt.
+        transfer_id: TransferId,
+        /// Why.
+        reason: String,
+    },
+    /// Decode -> prefill (pull): still coming for these; extend their leases.
+    Heartbeat {
+        /// Attempts to keep.
+        transfer_ids: Vec<TransferId>,
+    },
+    /// Either way: the request was cancelled; stop and release.
+    Abort {
+        /// The attempt.
+        transfer_id: TransferId,
+    },
+    /// Bulk write into the receiver's blocks; followed by `bytes` raw bytes laid out as
+    /// `src_block_size`-token blocks of the sender, covering `num_tokens` tokens.
+    WriteBlocks {
+        /// The attempt (the receiver checks the blocks are registered to it).
+        transfer_id: TransferId,
+        /// Receiver's destination blocks, in token order.
+        blocks: Vec<u32>,
+        /// Tokens per block in the sender's layout of the bytes.
+        src_block_size: usize,
+        /// Tokens covered.
+        num_tokens: usize,
+        /// Raw bytes that follow.
+        bytes: u64,
+    },
+    /// Bulk read request (pull): send these blocks of yours.
+    ReadBlocks {
+        /// The attempt (the holder checks the blocks are leased to it).
+        transfer_id: TransferId,
+        /// Holder's source blocks, in token order.
+        blocks: Vec<u32>,
+        /// Tokens wanted.
+        num_tokens: usize,
+    },
+    /// Reply to `ReadBlocks`; followed by `bytes` raw bytes in the sender's block layout.
+    BlockData {
+        /// The attempt.
+        transfer_id: TransferId,
+        /// Tokens per block in the bytes' layout.
+        src_block_size: usize,
+        /// Raw bytes that follow (0 when refused).
+        bytes: u64,
+        /// Why the read was refused, if it was.
+        error: Option<String>,
+    },
+    /// Reply to `WriteBlocks`: the bytes were written (or why not).
+    WriteAck {
+        /// The attempt.
+        transfer_id: TransferId,
+        /// Why the write was refused, if it was.
+        error: Option<String>,
+    },
+}
+
+/// Writes one frame.
+pub fn write_message(w: &mut impl Write, msg: &Message) -> Result<(), KvError> {
+    let body = serde_json::to_vec(msg).map_err(|e| KvError::Protocol(format!("encoding {e}")))?;
+    if body.len() > MAX_FRAME_BYTES {
+        return Err(KvError::Protocol(format!(
+            "frame of {} bytes exceeds {MAX_FRAME_BYTES}",
+            body.len()
+        )));
+    }
+    w.write_all(&(body.len() as u32).to_be_bytes())?;
+    w.write_all(&body)?;
+    Ok(())
+}
+
+/// Reads one frame. The reader's own timeout bounds the wait; an oversized or malformed
+/// frame is a protocol error, never a panic.
+pub fn read_message(r: &mut impl Read) -> Result<Message, KvError> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let len = u32::from_be_bytes(len) as usize;
+    if len > MAX_FRAME_BYTES {
+        return Err(KvError::Protocol(format!(
+            "peer announced a {len}-byte frame (limit {MAX_FRAME_BYTES})"
+        )));
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body)?;
+    serde_json::from_slice(&body).map_err(|e| KvError::Protocol(format!("undecodable frame: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_message_round_trips() {
+        let t = TransferId("t-1".into());
+        let msgs = vec![
+            Message::Handshake {
+                version: PROTOCOL_VERSION,
+                info: AgentInfo::example(),
+            },
+            Message::HandshakeOk {
+                info: AgentInfo::example(),
+            },
+            Message::HandshakeRefused {
+                reason: "no".into(),
+            },
+            Message::Register {
+                transfer_id: t.clone(),
+                decode_engine: EngineId("d".into()),
+                epoch: Epoch(7),
+                block_ids: vec![3, 4, 9],
+                num_tokens: 40,
+            },
+            Message::Done {
+                transfer_id: t.clone(),
+                rank: 0,
+                first_token: Some(17),
+                status: DoneStatus::Ok,
+            },
+            Message::Done {
+                transfer_id: t.clone(),
+                rank: 0,
+                first_token: None,
+                status: DoneStatus::Failed("x".into()),
+            },
+            Message::Failed {
+                transfer_id: t.clone(),
+                reason: "r".into(),
+            },
+            Message::Heartbeat {
+                transfer_ids: vec![t.clone()],
+            },
+            Message::Abort {
+                transfer_id: t.clone(),
+            },
+            Message::WriteBlocks {
+                transfer_id: t.clone(),
+                blocks: vec![1],
+                src_block_size: 16,
+                num_tokens: 9,
+                bytes: 64,
+            },
+            Message::ReadBlocks {
+                transfer_id: t.clone(),
+                blocks: vec![2, 3],
+                num_tokens: 20,
+            },
+            Message::BlockData {
+                transfer_id: t.clone(),
+                src_block_size: 8,
+                bytes: 0,
+                error: Some("expired".into()),
+            },
+            Message::WriteAck {
+                transfer_id: t,
+                error: None,
+            },
+        ];
+        let mut buf = Vec::new();
+        for m in &msgs {
+            write_message(&mut buf, m).unwrap();
+        }
+        let mut r = &buf[..];
+        for m in &msgs {
+            assert_eq!(&read_message(&mut r).unwrap(), m);
+        }
+        assert!(r.is_empty());
+    }
+
+    #[test]
+    fn oversized_truncated_and_garbage_frames_are_errors() {
+        let mut huge = Vec::new();
+        huge.extend_from_slice(&(u32::MAX).to_be_bytes());
+        assert!(matches!(
+            read_message(&mut &huge[..]),
+            Err(KvError::Protocol(_))
+        ));
+        let mut garbage = Vec::new();
+        garbage.extend_from_slice(&5u32.to_be_bytes());
+        garbage.extend_from_slice(b"{{{{{");
+        assert!(matches!(
+            read_message(&mut &garbage[..]),
+            Err(KvError::Protocol(_))
+        ));
+        let truncated = [0u8, 0, 0, 9, b'{'];
+        assert!(matches!(
+            read_message(&mut &truncated[..]),
+            Err(KvError::Io(_))
+        ));
+    }
+}

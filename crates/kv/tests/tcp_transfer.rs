@@ -1,0 +1,191 @@
+//! The TCP data path between two endpoints over loopback: handshake, block bytes landing in
+//! the right place for equal and different block sizes, refusals and bounded waits.
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use tandem_compute::{KvCache, KvLayout};
+use tandem_core::{EngineId, TransferId};
+use tandem_kv::tcp::{accept_handshake, connect, handshake, recv_blocks, send_blocks, Timeouts};
+use tandem_kv::wire::{read_message, write_message, Message};
+use tandem_kv::{AgentInfo, KvError, KvMode, Role};
+
+fn infos(block_p: usize, block_d: usize) -> (AgentInfo, AgentInfo) {
+    let p = AgentInfo {
+        block_size: block_p,
+        ..AgentInfo::example()
+    };
+    let d = AgentInfo {
+        engine_id: EngineId("decode-0".into()),
+        role: Role::Decode,
+        block_size: block_d,
+        ..p.clone()
+    };
+    (p, d)
+}
+
+fn layout(bs: usize) -> KvLayout {
+    KvLayout {
+        num_layers: 4,
+        num_kv_heads: 2,
+        head_dim: 32,
+        block_size: bs,
+        num_blocks: 64,
+    }
+}
+
+fn fill(cache: &mut KvCache, table: &[u32], tokens: usize) {
+    let l = *cache.layout();
+    for t in 0..tokens {
+        for layer in 0..l.num_layers {
+            let k: Vec<f32> = (0..64).map(|i| (t * 7 + layer * 3 + i) as f32).collect();
+            let v: Vec<f32> = (0..64).map(|i| -((t * 5 + layer + i) as f32)).collect();
+            cache.write_token(
+                layer,
+                table[t / l.block_size] as usize,
+                t % l.block_size,
+                &k,
+                &v,
+            );
+        }
+    }
+}
+
+#[test]
+fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
+    for (bs_p, bs_d, tokens) in [(16, 16, 100), (16, 8, 77), (8, 16, 5)] {
+        let (p_info, d_info) = infos(bs_p, bs_d);
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let d_table: Vec<u32> = (0..layout(bs_d).blocks_for(tokens) as u32)
+            .map(|b| 63 - b * 2)
+            .collect();
+        let d_table2 = d_table.clone();
+        // Decode side: accepts, checks the handshake, receives one write into its blocks.
+        let decode = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            tandem_kv::tcp::configure(&s, Timeouts::default()).unwrap();
+            let peer = accept_handshake(&mut s, &d_info).unwrap();
+            assert_eq!(peer.engine_id.0, "prefill-0");
+            let cache = KvCache::new(layout(bs_d));
+            match read_message(&mut s).unwrap() {
+                Message::WriteBlocks {
+                    transfer_id,
+                    blocks,
+                    src_block_size,
+                    num_tokens,
+                    bytes,
+                } => {
+                    assert_eq!(blocks, d_table2);
+                    // Safety: the test owns every block of this cache.
+                    unsafe {
+                        recv_blocks(
+                            &mut s,
+                            bytes,
+                            src_block_size,
+                            &cache.region(),
+                            &blocks,
+                            num_tokens,
+                        )
+                        .unwrap()
+                    };
+                    write_message(
+                        &mut s,
+                        &Message::WriteAck {
+                            transfer_id,
+                            error: None,
+                        },
+                    )
+                    .unwrap();
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+            cache
+        });
+        // Prefill side: fills scattered blocks, connects, writes them.
+        let mut p_cache = KvCache::new(layout(bs_p));
+        let p_table: Vec<u32> = (0..layout(bs_p).blocks_for(tokens) as u32)
+            .map(|b| (b * 3) % 64)
+            .collect();
+        fill(&mut p_cache, &p_table, tokens);
+        let mut s = connect(&addr, Timeouts::default()).unwrap();
+        assert_eq!(handshake(&mut s, &p_info).unwrap().role, Role::Decode);
+        let region = p_cache.region();
+        let bytes = tandem_kv::blocks::wire_bytes(region.layout(), tokens);
+        let t = TransferId("t".into());
+        write_message(
+            &mut s,
+            &Message::WriteBlocks {
+                transfer_id: t.clone(),
+                blocks: d_table.clone(),
+                src_block_size: bs_p,
+                num_tokens: tokens,
+                bytes,
+            },
+        )
+        .unwrap();
+        // Safety: the test owns every block of this cache.
+        let sent = unsafe { send_blocks(&mut s, &region, &p_table, tokens).unwrap() };
+        assert_eq!(sent, bytes);
+        assert_eq!(
+            read_message(&mut s).unwrap(),
+            Message::WriteAck {
+                transfer_id: t,
+                error: None
+            }
+        );
+        let d_cache = decode.join().unwrap();
+        let (lp, ld) = (layout(bs_p), layout(bs_d));
+        for tok in 0..tokens {
+            for layer in 0..4 {
+                for kv in 0..2 {
+                    for h in 0..2 {
+                        let a = &p_cache.plane(p_table[tok / lp.block_size] as usize, layer, kv, h)
+                            [(tok % bs_p) * 32..][..32];
+                        let b = &d_cache.plane(d_table[tok / ld.block_size] as usize, layer, kv, h)
+                            [(tok % bs_d) * 32..][..32];
+                        assert_eq!(a, b, "bs {bs_p}->{bs_d}, token {tok} layer {layer}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn incompatible_peers_are_refused_at_handshake_with_the_reason() {
+    let (p_info, d_info) = infos(16, 16);
+    let d_info = AgentInfo {
+        kv_mode: KvMode::Pull,
+        ..d_info
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        accept_handshake(&mut s, &d_info).unwrap_err().to_string()
+    });
+    let mut s = connect(&addr, Timeouts::default()).unwrap();
+    let err = handshake(&mut s, &p_info).unwrap_err();
+    assert!(matches!(err, KvError::Refused(_)), "{err}");
+    assert!(err.to_string().contains("kv_mode differs"), "{err}");
+    assert!(server.join().unwrap().contains("kv_mode differs"));
+}
+
+#[test]
+fn a_silent_peer_times_out_within_the_bound_and_an_absent_one_is_unreachable() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let t = Timeouts {
+        connect: Duration::from_millis(500),
+        io: Duration::from_millis(200),
+    };
+    let mut s = connect(&addr, t).unwrap();
+    let start = Instant::now();
+    let err = handshake(&mut s, &AgentInfo::example()).unwrap_err();
+    assert!(err.is_timeout(), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(2));
+    drop(listener);
+    let err = connect(&addr, t).unwrap_err();
+    assert!(matches!(err, KvError::Unreachable { .. }), "{err}");
+}
