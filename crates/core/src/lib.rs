@@ -11,7 +11,9 @@
 #![deny(missing_docs)]
 
 mod ids;
+mod kv_params;
 mod sampling;
 
 pub use ids::{BlockId, EngineId, Epoch, RequestId, TransferId};
+pub use kv_params::{KvTransferParams, RemoteKv, TransferMode};
 pub use sampling::{FinishReason, InvalidSampling, SamplingParams};

@@ -12,18 +12,24 @@
 //! - [`tcp`]: bounded connect/read/write, the handshake, and block bytes straight between a
 //!   socket and the shared KV memory (`tandem_compute::KvRegion`).
 //!
-//! Coming next (issue 3): the background agent thread that owns transfer state (push
-//! rendezvous, pull leases), the engine-side hooks, and the `local` transport.
+//! - [`KvConnector`]: the engine's handle (hooks in, events out) on the background agent
+//!   that owns all transfer state: push rendezvous in either order, pull leases with
+//!   heartbeats, deadlines on everything, dead-peer detection.
 //!
 //! This crate never runs on the engine loop: the engine only enqueues work for the agent and
 //! polls for results.
 #![deny(missing_docs)]
 
+mod agent;
 mod agent_info;
 pub mod blocks;
+mod connector;
 mod error;
 pub mod tcp;
 pub mod wire;
 
 pub use agent_info::{AgentInfo, Incompatible, KvMode, Role, TransportOffer};
+pub use connector::{
+    ConnectorConfig, ConnectorEvent, ConnectorStats, FaultInjection, HeldBlocks, KvConnector,
+};
 pub use error::KvError;
