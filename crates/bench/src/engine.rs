@@ -82,14 +82,7 @@ pub struct EngineBenchReport {
 }
 
 fn request(id: String, prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
-    EngineRequest {
-        id: RequestId::new(id),
-        prompt_token_ids: prompt,
-        params: SamplingParams {
-            ignore_eos: true,
-            ..SamplingParams::greedy(max_tokens)
-        },
-    }
+    EngineRequest::new(RequestId::new(id), prompt, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -124,11 +117,8 @@ pub fn run(
     };
     let max_model_len = model.max_model_len;
     let mut core = EngineCore::new(model.transformer, Vec::new(), max_model_len, &engine_cfg);
-    let prompt = |seed: u32, len: usize| -> Vec<u32> {
-        (0..len as u32)
-            .map(|i| (i * 7919 + seed * 104_729) % vocab)
-            .collect()
-    };
+    let prompt =
+        |seed: u32, len: usize| -> Vec<u32> { (0..len as u32).map(|i| (i * 7919 + seed * 104_729) % vocab).collect() };
 
     let mut decode = Vec::new();
     for &batch in &cfg.decode_batches {
@@ -137,14 +127,7 @@ pub fn run(
         for b in 0..batch {
             let (tx, rx) = unbounded_channel();
             // Only bench-built requests reach this engine; they fit its limits by construction.
-            let _ = core.add_request(
-                request(
-                    format!("d{batch}-{b}"),
-                    prompt(b as u32, prompt_len),
-                    decode_len,
-                ),
-                tx,
-            );
+            let _ = core.add_request(request(format!("d{batch}-{b}"), prompt(b as u32, prompt_len), decode_len), tx);
             rxs.push(rx);
         }
         // First step prefills all prompts; then two warm-up decode steps.
@@ -176,14 +159,7 @@ pub fn run(
     let mut best = f64::INFINITY;
     for r in 0..cfg.prefill_repeats.max(1) {
         let (tx, _rx) = unbounded_channel();
-        let _ = core.add_request(
-            request(
-                format!("p{r}"),
-                prompt(1000 + r as u32, cfg.prefill_tokens),
-                1,
-            ),
-            tx,
-        );
+        let _ = core.add_request(request(format!("p{r}"), prompt(1000 + r as u32, cfg.prefill_tokens), 1), tx);
         let t = Instant::now();
         core.step();
         best = best.min(t.elapsed().as_secs_f64());
@@ -206,9 +182,7 @@ pub fn run(
 }
 
 fn rayon_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
 impl std::fmt::Display for EngineBenchReport {

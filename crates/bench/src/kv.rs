@@ -14,9 +14,7 @@ use std::time::Instant;
 use serde::Serialize;
 use tandem_compute::{KvCache, KvLayout};
 use tandem_core::{EngineId, TransferId};
-use tandem_kv::tcp::{
-    accept_handshake, configure, connect, handshake, recv_blocks, send_blocks, Timeouts,
-};
+use tandem_kv::tcp::{accept_handshake, configure, connect, handshake, recv_blocks, send_blocks, Timeouts};
 use tandem_kv::wire::{read_message, write_message, Message};
 use tandem_kv::{AgentInfo, KvError, Role};
 
@@ -35,19 +33,8 @@ pub struct KvBenchConfig {
 
 impl Default for KvBenchConfig {
     fn default() -> Self {
-        let layout = KvLayout {
-            num_layers: 30,
-            num_kv_heads: 3,
-            head_dim: 64,
-            block_size: 16,
-            num_blocks: 0,
-        };
-        Self {
-            bytes: 256 << 20,
-            repeats: 5,
-            layout,
-            runs: 8,
-        }
+        let layout = KvLayout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, num_blocks: 0 };
+        Self { bytes: 256 << 20, repeats: 5, layout, runs: 8 }
     }
 }
 
@@ -58,10 +45,7 @@ impl KvBenchConfig {
 
     /// The layout with enough blocks for the transfer plus the gaps between runs.
     pub fn pool_layout(&self) -> KvLayout {
-        KvLayout {
-            num_blocks: self.blocks() + 2 * self.runs + 2,
-            ..self.layout
-        }
+        KvLayout { num_blocks: self.blocks() + 2 * self.runs + 2, ..self.layout }
     }
 
     fn agent(&self, role: Role) -> AgentInfo {
@@ -119,16 +103,8 @@ impl std::fmt::Display for KvBenchReport {
             self.runs
         )?;
         writeln!(f, "{:<28} {:>10} {:>10}", "", "best GB/s", "median")?;
-        writeln!(
-            f,
-            "{:<28} {:>10.2} {:>10.2}",
-            "raw loopback TCP (floor)", self.raw_best_gb_s, self.raw_median_gb_s
-        )?;
-        writeln!(
-            f,
-            "{:<28} {:>10.2} {:>10.2}",
-            "tcp KV transport", self.kv_best_gb_s, self.kv_median_gb_s
-        )?;
+        writeln!(f, "{:<28} {:>10.2} {:>10.2}", "raw loopback TCP (floor)", self.raw_best_gb_s, self.raw_median_gb_s)?;
+        writeln!(f, "{:<28} {:>10.2} {:>10.2}", "tcp KV transport", self.kv_best_gb_s, self.kv_median_gb_s)?;
         writeln!(f, "transport / raw (median): {:.0}%", self.ratio * 100.0)
     }
 }
@@ -164,25 +140,11 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
             Err(e) => return Err(e),
         };
         match msg {
-            Message::WriteBlocks {
-                transfer_id,
-                blocks,
-                src_block_size,
-                num_tokens,
-                bytes,
-            } => {
+            Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes } => {
                 // Safety: this process's cache exists only for this benchmark; nothing else
                 // touches its blocks.
-                let result = unsafe {
-                    recv_blocks(&mut s, bytes, src_block_size, &region, &blocks, num_tokens)
-                };
-                write_message(
-                    &mut s,
-                    &Message::WriteAck {
-                        transfer_id,
-                        error: result.err().map(|e| e.to_string()),
-                    },
-                )?;
+                let result = unsafe { recv_blocks(&mut s, bytes, src_block_size, &region, &blocks, num_tokens) };
+                write_message(&mut s, &Message::WriteAck { transfer_id, error: result.err().map(|e| e.to_string()) })?;
             }
             other => return Err(KvError::Protocol(format!("bench peer got {other:?}"))),
         }
@@ -244,11 +206,7 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         match read_message(&mut s)? {
             Message::WriteAck { error: None, .. } => {}
             Message::WriteAck { error: Some(e), .. } => return Err(KvError::Transfer(e)),
-            other => {
-                return Err(KvError::Protocol(format!(
-                    "expected WriteAck, got {other:?}"
-                )))
-            }
+            other => return Err(KvError::Protocol(format!("expected WriteAck, got {other:?}"))),
         }
         kv_rates.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
     }
@@ -287,11 +245,7 @@ mod tests {
 
     #[test]
     fn small_run_completes_and_reports_sane_rates() {
-        let cfg = KvBenchConfig {
-            bytes: 4 << 20,
-            repeats: 2,
-            ..Default::default()
-        };
+        let cfg = KvBenchConfig { bytes: 4 << 20, repeats: 2, ..Default::default() };
         let r = measure_in_process(&cfg).unwrap();
         assert_eq!(r.runs, r.blocks.min(8));
         assert!(r.bytes >= 4 << 20);

@@ -94,11 +94,7 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Prompt text (needs a tokenizer).
-    #[arg(
-        long,
-        conflicts_with = "prompt_ids",
-        required_unless_present = "prompt_ids"
-    )]
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
     pub prompt: Option<String>,
     /// Prompt as comma-separated token ids, e.g. `1,2,3` (works without a tokenizer).
     #[arg(long, value_delimiter = ',')]
@@ -202,10 +198,7 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
     let s = s.trim();
     let split = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let value: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size (try 512MiB or 2GiB)"))?;
+    let value: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size (try 512MiB or 2GiB)"))?;
     let mult = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kb" => 1e3,

@@ -14,18 +14,13 @@ use tandem_core::{RequestId, SamplingParams};
 use tandem_engine::{EngineConfig, EngineEvent, EngineRequest};
 use tandem_model::{LoadedModel, ModelSource, Preset, PRESETS};
 
-use args::{
-    BenchCommand, Cli, Command, EngineArgs, GenerateArgs, ModelArgs, ModelCommand, ServeArgs,
-};
+use args::{BenchCommand, Cli, Command, EngineArgs, GenerateArgs, ModelArgs, ModelCommand, ServeArgs};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    let filter =
+        tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let result = match cli.command {
         Command::Serve(a) => serve(a),
         Command::Generate(a) => generate(a),
@@ -46,8 +41,7 @@ fn main() -> ExitCode {
 fn load_model(m: &ModelArgs) -> Result<LoadedModel> {
     let source = ModelSource::parse(&m.model, m.model_seed)?;
     let t = Instant::now();
-    let model = LoadedModel::load(&source, m.max_model_len)
-        .with_context(|| format!("loading model `{}`", m.model))?;
+    let model = LoadedModel::load(&source, m.max_model_len).with_context(|| format!("loading model `{}`", m.model))?;
     let cfg = model.transformer.config();
     tracing::info!(
         model = %m.model,
@@ -95,36 +89,20 @@ fn serve(a: ServeArgs) -> Result<()> {
     let model = load_model(&a.model)?;
     let cfg = engine_config(&a.engine, &model)?;
     let tokenizer = model.tokenizer.map(Arc::new);
-    let engine = tandem_engine::spawn(
-        model.transformer,
-        model.eos_token_ids,
-        model.max_model_len,
-        cfg,
-    )
-    .context("starting the engine thread")?;
+    let engine = tandem_engine::spawn(model.transformer, model.eos_token_ids, model.max_model_len, cfg)
+        .context("starting the engine thread")?;
     let name = a.served_model_name.unwrap_or_else(|| a.model.model.clone());
-    let state = Arc::new(tandem_server::AppState::new(
-        engine,
-        tokenizer,
-        name.clone(),
-    ));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let state = Arc::new(tandem_server::AppState::new(engine, tokenizer, name.clone()));
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     rt.block_on(async move {
         let addr = format!("{}:{}", a.host, a.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("binding {addr}"))?;
+        let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
         tracing::info!(%addr, model = %name, "serving the OpenAI API (Ctrl-C to stop)");
         let shutdown = async {
             let _ = tokio::signal::ctrl_c().await;
             tracing::info!("shutting down");
         };
-        tandem_server::serve(listener, state, shutdown)
-            .await
-            .context("serving")
+        tandem_server::serve(listener, state, shutdown).await.context("serving")
     })
 }
 
@@ -149,20 +127,12 @@ fn generate(a: GenerateArgs) -> Result<()> {
         ..SamplingParams::default()
     };
     let tokenizer = model.tokenizer;
-    let engine = tandem_engine::spawn(
-        model.transformer,
-        model.eos_token_ids,
-        model.max_model_len,
-        cfg,
-    )
-    .context("starting the engine thread")?;
+    let engine = tandem_engine::spawn(model.transformer, model.eos_token_ids, model.max_model_len, cfg)
+        .context("starting the engine thread")?;
     let prompt_len = prompt_ids.len();
     let start = Instant::now();
-    let mut stream = engine.submit(EngineRequest {
-        id: RequestId::new("generate"),
-        prompt_token_ids: prompt_ids,
-        params,
-    })?;
+    let mut stream =
+        engine.submit(EngineRequest::new(RequestId::new("generate"), prompt_ids, params))?;
     let mut token_ids = Vec::new();
     let mut first_token_s = None;
     let mut finish = None;
@@ -171,10 +141,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let stdout = std::io::stdout();
     while let Some(ev) = stream.blocking_next() {
         match ev {
-            EngineEvent::Tokens {
-                token_ids: new,
-                finish: f,
-            } => {
+            EngineEvent::Tokens { token_ids: new, finish: f } => {
                 first_token_s.get_or_insert(start.elapsed().as_secs_f64());
                 if let Some(tok) = &tokenizer {
                     let piece = detok.push(tok, &new)?;
@@ -192,6 +159,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
                 }
             }
             EngineEvent::Failed(e) => bail!("generation failed: {e}"),
+            // generate runs colocated: no KV is handed to a connector.
+            EngineEvent::KvProduced { .. } => {}
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
@@ -208,14 +177,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     } else if tokenizer.is_some() {
         println!();
     } else {
-        println!(
-            "{}",
-            token_ids
-                .iter()
-                .map(u32::to_string)
-                .collect::<Vec<_>>()
-                .join(",")
-        );
+        println!("{}", token_ids.iter().map(u32::to_string).collect::<Vec<_>>().join(","));
     }
     Ok(())
 }
@@ -225,11 +187,7 @@ fn model_command(c: ModelCommand) -> Result<()> {
         ModelCommand::Init { preset, out, seed } => {
             let p = Preset::find(&preset)?;
             let t = Instant::now();
-            eprintln!(
-                "writing preset `{}` (seed {seed}) to {} ...",
-                p.name,
-                out.display()
-            );
+            eprintln!("writing preset `{}` (seed {seed}) to {} ...", p.name, out.display());
             p.write_dir(&out, seed)?;
             eprintln!("done in {:.1}s", t.elapsed().as_secs_f64());
             Ok(())
@@ -274,11 +232,7 @@ fn model_command(c: ModelCommand) -> Result<()> {
 }
 
 fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
-    let model = load_model(&ModelArgs {
-        model: a.model.clone(),
-        model_seed: a.model_seed,
-        max_model_len: None,
-    })?;
+    let model = load_model(&ModelArgs { model: a.model.clone(), model_seed: a.model_seed, max_model_len: None })?;
     let cfg = tandem_bench::engine::EngineBenchConfig {
         decode_batches: a.batch,
         decode_steps: a.decode_steps,
@@ -299,11 +253,7 @@ fn kv_bench_config(a: &args::BenchKvArgs) -> Result<tandem_bench::kv::KvBenchCon
     if bytes == 0 {
         bail!("--size must be more than 0 bytes");
     }
-    Ok(tandem_bench::kv::KvBenchConfig {
-        bytes,
-        repeats: a.repeats.max(1),
-        ..Default::default()
-    })
+    Ok(tandem_bench::kv::KvBenchConfig { bytes, repeats: a.repeats.max(1), ..Default::default() })
 }
 
 /// Starts the peer as a second process (this same binary), reads its port, measures, and
@@ -313,31 +263,15 @@ fn bench_kv(a: args::BenchKvArgs) -> Result<()> {
     let cfg = kv_bench_config(&a)?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut child = std::process::Command::new(exe)
-        .args([
-            "--log",
-            "warn",
-            "bench",
-            "kv-peer",
-            "--size",
-            &a.size,
-            "--repeats",
-            &a.repeats.to_string(),
-        ])
+        .args(["--log", "warn", "bench", "kv-peer", "--size", &a.size, "--repeats", &a.repeats.to_string()])
         .stdout(std::process::Stdio::piped())
         .spawn()
         .context("starting the peer process")?;
     let stdout = child.stdout.take().context("peer stdout")?;
     let mut line = String::new();
-    std::io::BufReader::new(stdout)
-        .read_line(&mut line)
-        .context("reading the peer's address")?;
+    std::io::BufReader::new(stdout).read_line(&mut line).context("reading the peer's address")?;
     let addr = line.trim().to_string();
-    eprintln!(
-        "... peer process {} listening on {addr}; moving {} x {} each way",
-        child.id(),
-        a.repeats,
-        a.size
-    );
+    eprintln!("... peer process {} listening on {addr}; moving {} x {} each way", child.id(), a.repeats, a.size);
     let report = tandem_bench::kv::measure(&addr, &cfg);
     let status = child.wait().context("waiting for the peer")?;
     let report = report?;
@@ -354,8 +288,7 @@ fn bench_kv(a: args::BenchKvArgs) -> Result<()> {
 
 fn bench_kv_peer(a: args::BenchKvArgs) -> Result<()> {
     let cfg = kv_bench_config(&a)?;
-    let listener =
-        std::net::TcpListener::bind("127.0.0.1:0").context("binding the peer listener")?;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("binding the peer listener")?;
     println!("{}", listener.local_addr()?);
     std::io::stdout().flush()?;
     tandem_bench::kv::serve_peer(listener, &cfg)?;

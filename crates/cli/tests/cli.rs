@@ -16,26 +16,13 @@ fn fixtures() -> PathBuf {
 }
 
 fn generate_json(args: &[&str]) -> serde_json::Value {
-    let out = tandem()
-        .arg("generate")
-        .args(args)
-        .arg("--json")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = tandem().arg("generate").args(args).arg("--json").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u64> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap())
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
 }
 
 #[test]
@@ -43,13 +30,9 @@ fn generate_matches_transformers_on_every_fixture_with_chunked_prefill() {
     for name in ["qwen3", "qwen2", "llama"] {
         let dir = fixtures().join(name);
         let expected: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
-                .unwrap();
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
         for case in expected["cases"].as_array().unwrap() {
-            let prompt: Vec<String> = ids(&case["prompt_ids"])
-                .iter()
-                .map(u64::to_string)
-                .collect();
+            let prompt: Vec<String> = ids(&case["prompt_ids"]).iter().map(u64::to_string).collect();
             let want = ids(&case["greedy_ids"]);
             // The 100-token prompt exceeds the 32-token budget: it is prefilled in 4 chunks.
             let got = generate_json(&[
@@ -65,12 +48,7 @@ fn generate_matches_transformers_on_every_fixture_with_chunked_prefill() {
                 "--block-size",
                 "16",
             ]);
-            assert_eq!(
-                ids(&got["token_ids"]),
-                want,
-                "{name}, prompt of {} tokens",
-                prompt.len()
-            );
+            assert_eq!(ids(&got["token_ids"]), want, "{name}, prompt of {} tokens", prompt.len());
             assert_eq!(got["finish_reason"], "length");
         }
     }
@@ -82,27 +60,13 @@ fn model_init_is_deterministic_and_loads_back_to_the_preset() {
     let (a, b) = (base.join("a"), base.join("b"));
     for dir in [&a, &b] {
         let st = tandem()
-            .args([
-                "model",
-                "init",
-                "--preset",
-                "tiny-llama",
-                "--seed",
-                "5",
-                "--out",
-            ])
+            .args(["model", "init", "--preset", "tiny-llama", "--seed", "5", "--out"])
             .arg(dir)
             .status()
             .unwrap();
         assert!(st.success());
     }
-    for f in [
-        "config.json",
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "model.safetensors",
-    ] {
+    for f in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"] {
         assert_eq!(
             std::fs::read(a.join(f)).unwrap(),
             std::fs::read(b.join(f)).unwrap(),
@@ -150,48 +114,18 @@ fn model_init_is_deterministic_and_loads_back_to_the_preset() {
 fn bad_input_fails_with_a_message() {
     let qwen3 = fixtures().join("qwen3");
     let cases: &[(&[&str], &str)] = &[
-        (
-            &["generate", "--model", "preset:nope", "--prompt", "x"],
-            "unknown preset `nope`",
-        ),
-        (
-            &[
-                "generate",
-                "--model",
-                "/definitely/not/here",
-                "--prompt",
-                "x",
-            ],
-            "not a model directory",
-        ),
-        (
-            &[
-                "generate",
-                "--model",
-                qwen3.to_str().unwrap(),
-                "--prompt",
-                "x",
-            ],
-            "no tokenizer",
-        ),
+        (&["generate", "--model", "preset:nope", "--prompt", "x"], "unknown preset `nope`"),
+        (&["generate", "--model", "/definitely/not/here", "--prompt", "x"], "not a model directory"),
+        (&["generate", "--model", qwen3.to_str().unwrap(), "--prompt", "x"], "no tokenizer"),
         (&["generate", "--prompt-ids", "1,2,99999"], "out of range"),
-        (
-            &["generate", "--prompt", "x", "--kv-cache-memory", "lots"],
-            "not a size",
-        ),
-        (
-            &["generate", "--prompt", "x", "--num-kv-blocks", "0"],
-            "no blocks",
-        ),
+        (&["generate", "--prompt", "x", "--kv-cache-memory", "lots"], "not a size"),
+        (&["generate", "--prompt", "x", "--num-kv-blocks", "0"], "no blocks"),
     ];
     for (args, needle) in cases {
         let out = tandem().args(*args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} should fail");
-        assert!(
-            err.contains(needle),
-            "{args:?}: expected `{needle}` in: {err}"
-        );
+        assert!(err.contains(needle), "{args:?}: expected `{needle}` in: {err}");
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
 }

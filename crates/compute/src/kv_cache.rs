@@ -105,10 +105,7 @@ impl KvRegion {
 
     fn check_run(&self, first: usize, count: usize) -> (usize, usize) {
         let n = self.layout.block_elems();
-        assert!(
-            first + count <= self.layout.num_blocks,
-            "block run {first}+{count} outside the cache"
-        );
+        assert!(first + count <= self.layout.num_blocks, "block run {first}+{count} outside the cache");
         (first * n, count * n)
     }
 
@@ -145,12 +142,7 @@ impl KvRegion {
 impl Drop for KvRegion {
     fn drop(&mut self) {
         // Safety: `ptr`/`len` came from `Box::<[f32]>::into_raw` in `new` and are freed once.
-        unsafe {
-            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
-                self.ptr.as_ptr(),
-                self.len,
-            )))
-        };
+        unsafe { drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len))) };
     }
 }
 
@@ -163,9 +155,7 @@ pub struct KvCache {
 impl KvCache {
     /// Allocates a zeroed cache.
     pub fn new(layout: KvLayout) -> Self {
-        Self {
-            region: Arc::new(KvRegion::new(layout)),
-        }
+        Self { region: Arc::new(KvRegion::new(layout)) }
     }
 
     /// The cache's shape.
@@ -221,13 +211,7 @@ mod tests {
 
     #[test]
     fn consecutive_blocks_are_one_region() {
-        let l = KvLayout {
-            num_layers: 3,
-            num_kv_heads: 2,
-            head_dim: 4,
-            block_size: 8,
-            num_blocks: 5,
-        };
+        let l = KvLayout { num_layers: 3, num_kv_heads: 2, head_dim: 4, block_size: 8, num_blocks: 5 };
         // The last element of block 1 is immediately followed by the first of block 2.
         let end_of_1 = l.plane_offset(1, 2, 1, 1) + l.head_plane();
         assert_eq!(end_of_1, l.plane_offset(2, 0, 0, 0));
@@ -239,13 +223,7 @@ mod tests {
 
     #[test]
     fn write_token_lands_in_its_plane_and_nowhere_else() {
-        let l = KvLayout {
-            num_layers: 2,
-            num_kv_heads: 2,
-            head_dim: 2,
-            block_size: 4,
-            num_blocks: 3,
-        };
+        let l = KvLayout { num_layers: 2, num_kv_heads: 2, head_dim: 2, block_size: 4, num_blocks: 3 };
         let mut c = KvCache::new(l);
         c.write_token(1, 2, 3, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0]);
         assert_eq!(&c.plane(2, 1, 0, 1)[6..8], &[3.0, 4.0]);
@@ -262,13 +240,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "outside the cache")]
     fn runs_outside_the_cache_are_refused() {
-        let l = KvLayout {
-            num_layers: 1,
-            num_kv_heads: 1,
-            head_dim: 2,
-            block_size: 2,
-            num_blocks: 3,
-        };
+        let l = KvLayout { num_layers: 1, num_kv_heads: 1, head_dim: 2, block_size: 2, num_blocks: 3 };
         let c = KvCache::new(l);
         // Safety: single-threaded test.
         let _ = unsafe { c.region().blocks(2, 2) };

@@ -81,8 +81,6 @@ impl fmt::Debug for EngineId {
 
 /// One incarnation of an engine: changes on every restart, so a peer that cached the old one
 /// knows to handshake again and that transfers named under the old epoch are void.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[serde(transparent)]
 pub struct Epoch(pub u64);

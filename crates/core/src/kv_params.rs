@@ -121,22 +121,17 @@ impl KvTransferParams {
         };
         match (self.do_remote_decode, self.do_remote_prefill) {
             (false, false) => Ok(None),
-            (true, true) => Err(
-                "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true"
-                    .into(),
-            ),
-            (true, false) => Ok(Some(RemoteKv::Produce {
-                transfer_id: transfer_id()?,
-            })),
+            (true, true) => {
+                Err("kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true".into())
+            }
+            (true, false) => Ok(Some(RemoteKv::Produce { transfer_id: transfer_id()? })),
             (false, true) => {
                 let host = self
                     .remote_host
                     .clone()
                     .filter(|h| !h.is_empty())
                     .ok_or("kv_transfer_params.remote_host is required")?;
-                let port = self
-                    .remote_port
-                    .ok_or("kv_transfer_params.remote_port is required")?;
+                let port = self.remote_port.ok_or("kv_transfer_params.remote_port is required")?;
                 let peer = if host.contains(':') && !host.starts_with('[') {
                     format!("[{host}]:{port}")
                 } else {
@@ -145,24 +140,19 @@ impl KvTransferParams {
                 let peer_engine = self.remote_engine_id.clone().map(EngineId);
                 let transfer_id = transfer_id()?;
                 match mode {
-                    TransferMode::Push => Ok(Some(RemoteKv::PushFrom {
-                        transfer_id,
-                        peer,
-                        peer_engine,
-                    })),
+                    TransferMode::Push => Ok(Some(RemoteKv::PushFrom { transfer_id, peer, peer_engine })),
                     TransferMode::Pull => {
-                        let blocks = self.remote_block_ids.clone().ok_or(
-                            "kv_transfer_params.remote_block_ids is required in pull mode",
-                        )?;
-                        let num_tokens = self.remote_num_tokens.ok_or(
-                            "kv_transfer_params.remote_num_tokens is required in pull mode",
-                        )?;
-                        let epoch = self
-                            .remote_epoch
-                            .ok_or("kv_transfer_params.remote_epoch is required in pull mode")?;
-                        let first_token = self
-                            .first_token_id
-                            .ok_or("kv_transfer_params.first_token_id is required in pull mode")?;
+                        let blocks = self
+                            .remote_block_ids
+                            .clone()
+                            .ok_or("kv_transfer_params.remote_block_ids is required in pull mode")?;
+                        let num_tokens = self
+                            .remote_num_tokens
+                            .ok_or("kv_transfer_params.remote_num_tokens is required in pull mode")?;
+                        let epoch =
+                            self.remote_epoch.ok_or("kv_transfer_params.remote_epoch is required in pull mode")?;
+                        let first_token =
+                            self.first_token_id.ok_or("kv_transfer_params.first_token_id is required in pull mode")?;
                         Ok(Some(RemoteKv::PullFrom {
                             transfer_id,
                             peer,
@@ -191,12 +181,7 @@ mod tests {
     fn resolves_each_leg_and_names_missing_fields() {
         assert_eq!(parse("{}").resolve(TransferMode::Push), Ok(None));
         let p = parse(r#"{"do_remote_decode": true, "transfer_id": "t1", "unknown": 5}"#);
-        assert_eq!(
-            p.resolve(TransferMode::Pull),
-            Ok(Some(RemoteKv::Produce {
-                transfer_id: TransferId("t1".into())
-            }))
-        );
+        assert_eq!(p.resolve(TransferMode::Pull), Ok(Some(RemoteKv::Produce { transfer_id: TransferId("t1".into()) })));
         let push = parse(
             r#"{"do_remote_prefill": true, "remote_host": "10.0.0.1", "remote_port": 5600, "transfer_id": "t2"}"#,
         );
@@ -206,30 +191,15 @@ mod tests {
         let e = push.resolve(TransferMode::Pull).unwrap_err();
         assert!(e.contains("remote_block_ids"), "{e}");
         for (json, field) in [
-            (
-                r#"{"do_remote_prefill": true, "remote_port": 1, "transfer_id": "t"}"#,
-                "remote_host",
-            ),
-            (
-                r#"{"do_remote_prefill": true, "remote_host": "h", "transfer_id": "t"}"#,
-                "remote_port",
-            ),
-            (
-                r#"{"do_remote_prefill": true, "remote_host": "h", "remote_port": 1}"#,
-                "transfer_id",
-            ),
+            (r#"{"do_remote_prefill": true, "remote_port": 1, "transfer_id": "t"}"#, "remote_host"),
+            (r#"{"do_remote_prefill": true, "remote_host": "h", "transfer_id": "t"}"#, "remote_port"),
+            (r#"{"do_remote_prefill": true, "remote_host": "h", "remote_port": 1}"#, "transfer_id"),
             (r#"{"do_remote_decode": true}"#, "transfer_id"),
-            (
-                r#"{"do_remote_decode": true, "do_remote_prefill": true}"#,
-                "both",
-            ),
+            (r#"{"do_remote_decode": true, "do_remote_prefill": true}"#, "both"),
         ] {
             let e = parse(json).resolve(TransferMode::Push).unwrap_err();
             assert!(e.contains(field), "{json}: {e}");
         }
-        assert!(
-            serde_json::from_str::<KvTransferParams>(r#"{"remote_port": "x"}"#).is_err(),
-            "ill-typed is an error"
-        );
+        assert!(serde_json::from_str::<KvTransferParams>(r#"{"remote_port": "x"}"#).is_err(), "ill-typed is an error");
     }
 }

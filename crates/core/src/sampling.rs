@@ -45,11 +45,7 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Greedy decoding of at most `max_tokens` tokens.
     pub fn greedy(max_tokens: usize) -> Self {
-        Self {
-            temperature: 0.0,
-            max_tokens,
-            ..Self::default()
-        }
+        Self { temperature: 0.0, max_tokens, ..Self::default() }
     }
 
     /// True when sampling reduces to argmax.
@@ -72,10 +68,7 @@ impl SamplingParams {
             return Err(InvalidSampling::MaxTokens);
         }
         if self.min_tokens > self.max_tokens {
-            return Err(InvalidSampling::MinTokens {
-                min_tokens: self.min_tokens,
-                max_tokens: self.max_tokens,
-            });
+            return Err(InvalidSampling::MinTokens { min_tokens: self.min_tokens, max_tokens: self.max_tokens });
         }
         Ok(())
     }
@@ -140,34 +133,13 @@ mod tests {
         let ok = SamplingParams::greedy(4);
         assert!(ok.validate().is_ok());
         let bad = [
-            SamplingParams {
-                temperature: -0.5,
-                ..ok.clone()
-            },
-            SamplingParams {
-                temperature: f32::NAN,
-                ..ok.clone()
-            },
-            SamplingParams {
-                top_p: 0.0,
-                ..ok.clone()
-            },
-            SamplingParams {
-                top_p: 1.5,
-                ..ok.clone()
-            },
-            SamplingParams {
-                top_k: Some(0),
-                ..ok.clone()
-            },
-            SamplingParams {
-                max_tokens: 0,
-                ..ok.clone()
-            },
-            SamplingParams {
-                min_tokens: 5,
-                ..ok.clone()
-            },
+            SamplingParams { temperature: -0.5, ..ok.clone() },
+            SamplingParams { temperature: f32::NAN, ..ok.clone() },
+            SamplingParams { top_p: 0.0, ..ok.clone() },
+            SamplingParams { top_p: 1.5, ..ok.clone() },
+            SamplingParams { top_k: Some(0), ..ok.clone() },
+            SamplingParams { max_tokens: 0, ..ok.clone() },
+            SamplingParams { min_tokens: 5, ..ok.clone() },
         ];
         for p in bad {
             assert!(p.validate().is_err(), "{p:?} should be rejected");

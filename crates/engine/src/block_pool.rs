@@ -42,12 +42,7 @@ impl BlockPool {
     /// A pool of blocks `0..num_blocks`, all free.
     pub fn new(num_blocks: usize) -> Self {
         let free = (0..num_blocks as u32).map(BlockId).collect();
-        Self {
-            inner: Arc::new(Mutex::new(PoolInner {
-                free,
-                total: num_blocks,
-            })),
-        }
+        Self { inner: Arc::new(Mutex::new(PoolInner { free, total: num_blocks })) }
     }
 
     fn lock(&self) -> MutexGuard<'_, PoolInner> {
@@ -69,10 +64,7 @@ impl BlockPool {
 
     /// An allocation holding no blocks yet.
     pub fn empty_allocation(&self) -> BlockAllocation {
-        BlockAllocation {
-            blocks: Vec::new(),
-            pool: self.clone(),
-        }
+        BlockAllocation { blocks: Vec::new(), pool: self.clone() }
     }
 }
 
@@ -88,10 +80,7 @@ impl BlockAllocation {
     pub fn grow(&mut self, n: usize) -> Result<(), NoFreeBlocks> {
         let mut inner = self.pool.lock();
         if inner.free.len() < n {
-            return Err(NoFreeBlocks {
-                needed: n,
-                free: inner.free.len(),
-            });
+            return Err(NoFreeBlocks { needed: n, free: inner.free.len() });
         }
         self.blocks.extend(inner.free.drain(..n));
         Ok(())

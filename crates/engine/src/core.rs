@@ -3,12 +3,15 @@
 //! [`EngineCore`] is synchronous and single-threaded; [`crate::spawn`] runs it on its own OS
 //! thread. Tests drive it directly, step by step.
 
+use std::collections::HashMap;
+
 use tandem_compute::KvCache;
-use tandem_core::{FinishReason, InvalidSampling, RequestId};
+use tandem_core::{FinishReason, InvalidSampling, RemoteKv, RequestId};
+use tandem_kv::{AgentInfo, ConnectorConfig, ConnectorEvent, ConnectorStats, KvConnector, KvError};
 use tandem_model::{SeqBatch, Transformer};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::block_pool::BlockPool;
+use crate::block_pool::{BlockAllocation, BlockPool};
 use crate::request::{EngineEvent, EngineRequest, Request, RequestStatus};
 use crate::sampler::sample;
 use crate::scheduler::{Scheduler, SchedulerOutput};
@@ -61,7 +64,9 @@ pub enum RequestRejected {
         max_model_len: usize,
     },
     /// The request could never fit in the KV cache, even alone.
-    #[error("the request needs {needed} KV blocks but the cache has {total}; lower max_tokens or raise --kv-cache-memory")]
+    #[error(
+        "the request needs {needed} KV blocks but the cache has {total}; lower max_tokens or raise --kv-cache-memory"
+    )]
     ExceedsKvCapacity {
         /// Blocks the full sequence needs.
         needed: usize,
@@ -74,6 +79,29 @@ pub enum RequestRejected {
     /// Another live request has the same id.
     #[error("request id `{0}` is already in use")]
     DuplicateId(RequestId),
+    /// `kv_transfer_params` asks for a remote prefill or decode, but this engine has no KV
+    /// connector (it was started with `--role both`) or has the other role.
+    #[error("this engine cannot take part in disaggregated serving this way: {0}")]
+    NotDisaggregated(&'static str),
+}
+
+/// What a decode engine does when a request's KV cannot be loaded from prefill.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvLoadFailure {
+    /// Compute the prompt locally instead (same tokens, later).
+    #[default]
+    Recompute,
+    /// End the request with an error.
+    Fail,
+}
+
+/// Everything needed to attach a KV connector to an engine.
+#[derive(Clone, Debug)]
+pub struct KvSetup {
+    /// The connector's configuration (role, mode, listen address, timeouts...).
+    pub connector: ConnectorConfig,
+    /// Decode: what to do when KV cannot be loaded.
+    pub load_failure: KvLoadFailure,
 }
 
 impl EngineLimits {
@@ -84,39 +112,22 @@ impl EngineLimits {
         if prompt_len == 0 {
             return Err(RequestRejected::EmptyPrompt);
         }
-        if let Some(&id) = req
-            .prompt_token_ids
-            .iter()
-            .find(|&&id| id as usize >= self.vocab_size)
-        {
-            return Err(RequestRejected::TokenOutOfRange {
-                id,
-                vocab_size: self.vocab_size,
-            });
+        if let Some(&id) = req.prompt_token_ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            return Err(RequestRejected::TokenOutOfRange { id, vocab_size: self.vocab_size });
         }
         if prompt_len >= self.max_model_len {
-            return Err(RequestRejected::PromptTooLong {
-                prompt_len,
-                max_model_len: self.max_model_len,
-            });
+            return Err(RequestRejected::PromptTooLong { prompt_len, max_model_len: self.max_model_len });
         }
         let max_tokens = req.params.max_tokens;
         // Saturating: max_tokens comes from the client and may be near usize::MAX.
         let total = prompt_len.saturating_add(max_tokens);
         if total > self.max_model_len {
-            return Err(RequestRejected::ExceedsContext {
-                prompt_len,
-                max_tokens,
-                max_model_len: self.max_model_len,
-            });
+            return Err(RequestRejected::ExceedsContext { prompt_len, max_tokens, max_model_len: self.max_model_len });
         }
         // The last sampled token is never fed back, so the cache holds at most len - 1 tokens.
         let needed = (total - 1).div_ceil(self.block_size);
         if needed > self.num_blocks {
-            return Err(RequestRejected::ExceedsKvCapacity {
-                needed,
-                total: self.num_blocks,
-            });
+            return Err(RequestRejected::ExceedsKvCapacity { needed, total: self.num_blocks });
         }
         Ok(())
     }
@@ -140,16 +151,16 @@ pub struct EngineCore {
     scheduler: Scheduler,
     limits: EngineLimits,
     eos_token_ids: Vec<u32>,
+    connector: Option<KvConnector>,
+    load_failure: KvLoadFailure,
+    /// Blocks of aborted decode legs that a prefill engine might still write, held until the
+    /// connector reports them released.
+    quarantine: HashMap<RequestId, BlockAllocation>,
 }
 
 impl EngineCore {
     /// Allocates the KV cache (`config.num_blocks` blocks) for `model`.
-    pub fn new(
-        model: Transformer,
-        eos_token_ids: Vec<u32>,
-        max_model_len: usize,
-        config: &EngineConfig,
-    ) -> Self {
+    pub fn new(model: Transformer, eos_token_ids: Vec<u32>, max_model_len: usize, config: &EngineConfig) -> Self {
         let layout = model.kv_layout(config.block_size, config.num_blocks);
         let limits = EngineLimits {
             vocab_size: model.config().vocab_size,
@@ -160,16 +171,28 @@ impl EngineCore {
         let pool = BlockPool::new(config.num_blocks);
         Self {
             kv: KvCache::new(layout),
-            scheduler: Scheduler::new(
-                pool,
-                config.block_size,
-                config.max_num_seqs,
-                config.max_num_batched_tokens,
-            ),
+            scheduler: Scheduler::new(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens),
             model,
             limits,
             eos_token_ids,
+            connector: None,
+            load_failure: KvLoadFailure::default(),
+            quarantine: HashMap::new(),
         }
+    }
+
+    /// Starts a KV connector over this engine's KV memory (prefill or decode role).
+    pub fn attach_connector(&mut self, setup: KvSetup) -> Result<AgentInfo, KvError> {
+        let connector = KvConnector::start(setup.connector, self.kv.region())?;
+        let info = connector.info().clone();
+        self.connector = Some(connector);
+        self.load_failure = setup.load_failure;
+        Ok(info)
+    }
+
+    /// The connector's counters, if one is attached.
+    pub fn connector_stats(&self) -> Option<ConnectorStats> {
+        self.connector.as_ref().map(KvConnector::stats)
     }
 
     /// The engine's limits.
@@ -180,35 +203,82 @@ impl EngineCore {
     /// Queues a request; its events go to `events`.
     pub fn add_request(
         &mut self,
-        req: EngineRequest,
+        mut req: EngineRequest,
         events: UnboundedSender<EngineEvent>,
     ) -> Result<(), RequestRejected> {
+        if let Some(RemoteKv::Produce { .. }) = req.remote {
+            // A prefill leg samples exactly one token; its KV then goes to the decoder.
+            req.params.max_tokens = 1;
+            req.params.min_tokens = 0;
+        }
         self.limits.check(&req)?;
         if self.scheduler.requests.contains_key(&req.id) {
             return Err(RequestRejected::DuplicateId(req.id));
         }
+        let role = self.connector.as_ref().map(|c| c.info().role);
+        let remote_decode = matches!(req.remote, Some(RemoteKv::PushFrom { .. } | RemoteKv::PullFrom { .. }));
+        match (&req.remote, role) {
+            (None, _) => {}
+            (Some(_), None) => {
+                return Err(RequestRejected::NotDisaggregated("no KV connector (start with --role prefill or decode)"))
+            }
+            (Some(RemoteKv::Produce { .. }), Some(tandem_kv::Role::Decode)) => {
+                return Err(RequestRejected::NotDisaggregated(
+                    "a decode engine cannot serve a prefill leg (do_remote_decode)",
+                ))
+            }
+            (Some(_), Some(tandem_kv::Role::Prefill)) if remote_decode => {
+                return Err(RequestRejected::NotDisaggregated(
+                    "a prefill engine cannot serve a decode leg (do_remote_prefill)",
+                ))
+            }
+            _ => {}
+        }
         let blocks = self.scheduler.pool.empty_allocation();
-        self.scheduler.add(Request::new(req, blocks, events));
+        let request = Request::new(req, blocks, events);
+        if remote_decode {
+            self.scheduler.add_remote(request);
+        } else {
+            self.scheduler.add(request);
+        }
         Ok(())
     }
 
-    /// Ends a request now, freeing its blocks. Returns false if it was not live.
+    /// Ends a request now, freeing its blocks (or quarantining them while a prefill engine
+    /// may still write them). Returns false if it was not live.
     pub fn abort(&mut self, id: &RequestId) -> bool {
         match self.scheduler.remove(id) {
-            Some(req) => {
-                let _ = req.events.send(EngineEvent::Tokens {
-                    token_ids: Vec::new(),
-                    finish: Some(FinishReason::Abort),
-                });
+            Some(mut req) => {
+                if let Some(c) = &self.connector {
+                    match (&req.remote, req.status) {
+                        (Some(_), RequestStatus::WaitingForRemoteKvs) => {
+                            let blocks = std::mem::replace(&mut req.blocks, self.scheduler.pool.empty_allocation());
+                            self.quarantine.insert(req.id.clone(), blocks);
+                            c.abort(req.id.clone());
+                        }
+                        (Some(RemoteKv::Produce { transfer_id }), _) => {
+                            c.abandon(transfer_id.clone(), "prefill request aborted".into())
+                        }
+                        _ => {}
+                    }
+                }
+                let _ =
+                    req.events.send(EngineEvent::Tokens { token_ids: Vec::new(), finish: Some(FinishReason::Abort) });
                 true
             }
             None => false,
         }
     }
 
-    /// Whether any request is waiting or running.
+    /// Whether any request is live or any blocks are quarantined.
     pub fn has_work(&self) -> bool {
-        self.scheduler.has_work()
+        self.scheduler.has_work() || !self.quarantine.is_empty()
+    }
+
+    /// Whether a step would compute something now (otherwise the loop may wait briefly for
+    /// connector events or commands).
+    pub fn has_runnable(&self) -> bool {
+        self.scheduler.has_runnable() || !self.scheduler.remote_queue.is_empty()
     }
 
     /// Requests running / waiting.
@@ -231,8 +301,11 @@ impl EngineCore {
         self.scheduler.num_preemptions
     }
 
-    /// Runs one step: schedule, forward, sample, emit.
+    /// Runs one step: apply connector events, start remote loads, schedule, forward, sample,
+    /// emit.
     pub fn step(&mut self) -> StepReport {
+        self.apply_connector_events();
+        self.start_remote_loads();
         let plan = self.scheduler.schedule();
         if plan.chunks.is_empty() {
             return StepReport::default();
@@ -259,11 +332,7 @@ impl EngineCore {
 
     fn update(&mut self, plan: &SchedulerOutput, logits: &[f32]) -> StepReport {
         let vocab = self.limits.vocab_size;
-        let mut report = StepReport {
-            num_tokens: plan.num_tokens(),
-            num_seqs: plan.chunks.len(),
-            num_finished: 0,
-        };
+        let mut report = StepReport { num_tokens: plan.num_tokens(), num_seqs: plan.chunks.len(), num_finished: 0 };
         let mut row = 0;
         let mut finished = Vec::new();
         for c in &plan.chunks {
@@ -277,38 +346,31 @@ impl EngineCore {
             let mut l = logits[row * vocab..(row + 1) * vocab].to_vec();
             row += 1;
             let banned: Vec<u32> = if req.num_output_tokens() < req.params.min_tokens {
-                let eos = if req.params.ignore_eos {
-                    &[][..]
-                } else {
-                    &self.eos_token_ids[..]
-                };
-                eos.iter()
-                    .chain(&req.params.stop_token_ids)
-                    .copied()
-                    .collect()
+                let eos = if req.params.ignore_eos { &[][..] } else { &self.eos_token_ids[..] };
+                eos.iter().chain(&req.params.stop_token_ids).copied().collect()
             } else {
                 Vec::new()
             };
             let token = sample(&mut l, &req.params, &banned, &mut req.rng);
             req.tokens.push(token);
-            let finish = if !req.params.ignore_eos && self.eos_token_ids.contains(&token)
-                || req.params.stop_token_ids.contains(&token)
-            {
-                Some(FinishReason::Stop)
-            } else if req.num_output_tokens() >= req.params.max_tokens
-                || req.tokens.len() >= self.limits.max_model_len
-            {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            let delivered = req
-                .events
-                .send(EngineEvent::Tokens {
-                    token_ids: vec![token],
-                    finish,
-                })
-                .is_ok();
+            let finish = finish_reason(req, token, &self.eos_token_ids, self.limits.max_model_len);
+            if finish.is_some() {
+                if let (Some(RemoteKv::Produce { transfer_id }), Some(c)) = (&req.remote, &self.connector) {
+                    // The prompt's KV now belongs to the connector, which frees it after the
+                    // push write or when the pull lease ends.
+                    let blocks = std::mem::replace(&mut req.blocks, self.scheduler.pool.empty_allocation());
+                    let table = blocks.table();
+                    let num_tokens = req.num_computed;
+                    let _ = req.events.send(EngineEvent::KvProduced {
+                        transfer_id: transfer_id.clone(),
+                        block_ids: table.clone(),
+                        num_tokens,
+                        first_token: token,
+                    });
+                    c.produced(transfer_id.clone(), Box::new(blocks), table, num_tokens, token);
+                }
+            }
+            let delivered = req.events.send(EngineEvent::Tokens { token_ids: vec![token], finish }).is_ok();
             if finish.is_some() || !delivered {
                 // A closed receiver means the caller is gone: stop spending compute on it.
                 finished.push(c.id.clone());
@@ -321,5 +383,98 @@ impl EngineCore {
             }
         }
         report
+    }
+}
+
+/// Why generation ends after `token`, if it does.
+fn finish_reason(req: &Request, token: u32, eos: &[u32], max_model_len: usize) -> Option<FinishReason> {
+    if !req.params.ignore_eos && eos.contains(&token) || req.params.stop_token_ids.contains(&token) {
+        Some(FinishReason::Stop)
+    } else if req.num_output_tokens() >= req.params.max_tokens || req.tokens.len() >= max_model_len {
+        Some(FinishReason::Length)
+    } else {
+        None
+    }
+}
+
+impl EngineCore {
+    /// Gives queued decode legs their blocks and asks the connector for their KV.
+    fn start_remote_loads(&mut self) {
+        let Some(connector) = &self.connector else { return };
+        while let Some(id) = self.scheduler.remote_queue.front().cloned() {
+            let Some(req) = self.scheduler.requests.get_mut(&id) else {
+                self.scheduler.remote_queue.pop_front();
+                continue;
+            };
+            if req.blocks.grow_to(req.prompt_len.div_ceil(self.limits.block_size)).is_err() {
+                break; // wait for blocks to free up
+            }
+            self.scheduler.remote_queue.pop_front();
+            req.status = RequestStatus::WaitingForRemoteKvs;
+            self.scheduler.remote_waiting.push(id.clone());
+            if let Some(source) = req.remote.clone() {
+                tracing::debug!(request_id = %id, transfer_id = %source.transfer_id(), "waiting for remote KV");
+                connector.expect(id, source, req.blocks.table(), req.prompt_len);
+            }
+        }
+    }
+
+    /// Applies what the connector reported since the last step (one fixed point per step).
+    fn apply_connector_events(&mut self) {
+        let Some(connector) = &self.connector else { return };
+        for ev in connector.poll() {
+            match ev {
+                ConnectorEvent::Released { request_id } => {
+                    self.quarantine.remove(&request_id);
+                }
+                ConnectorEvent::Ready { request_id, first_token } => {
+                    let Some(req) = self.scheduler.requests.get_mut(&request_id) else { continue };
+                    if req.status != RequestStatus::WaitingForRemoteKvs {
+                        continue;
+                    }
+                    self.scheduler.remote_waiting.retain(|r| r != &request_id);
+                    req.status = RequestStatus::Running;
+                    req.num_computed = req.prompt_len;
+                    let mut finish = None;
+                    match first_token {
+                        Some(t) => {
+                            req.tokens.push(t);
+                            finish = finish_reason(req, t, &self.eos_token_ids, self.limits.max_model_len);
+                            let _ = req.events.send(EngineEvent::Tokens { token_ids: vec![t], finish });
+                        }
+                        // No token came with the KV: recompute the last prompt token to sample.
+                        None => req.num_computed = req.prompt_len - 1,
+                    }
+                    if finish.is_some() {
+                        self.scheduler.requests.remove(&request_id);
+                    } else {
+                        self.scheduler.running.push(request_id);
+                    }
+                }
+                ConnectorEvent::Failed { request_id, reason } => {
+                    let Some(req) = self.scheduler.requests.get_mut(&request_id) else { continue };
+                    if req.status != RequestStatus::WaitingForRemoteKvs {
+                        continue;
+                    }
+                    self.scheduler.remote_waiting.retain(|r| r != &request_id);
+                    match self.load_failure {
+                        KvLoadFailure::Recompute => {
+                            tracing::warn!(request_id = %request_id, %reason, "remote KV failed; recomputing locally");
+                            req.blocks.release();
+                            req.num_computed = 0;
+                            req.remote = None;
+                            req.status = RequestStatus::Waiting;
+                            self.scheduler.waiting.push_back(request_id);
+                        }
+                        KvLoadFailure::Fail => {
+                            let _ = req.events.send(EngineEvent::Failed(format!(
+                                "loading the prompt's KV from prefill failed: {reason}"
+                            )));
+                            self.scheduler.requests.remove(&request_id);
+                        }
+                    }
+                }
+            }
+        }
     }
 }

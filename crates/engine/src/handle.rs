@@ -14,18 +14,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tandem_core::RequestId;
+use tandem_kv::{AgentInfo, ConnectorStats, KvError};
 use tandem_model::Transformer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::core::{EngineCore, EngineLimits, RequestRejected};
+use crate::core::{EngineCore, EngineLimits, KvSetup, RequestRejected};
 use crate::request::{EngineEvent, EngineRequest};
 use crate::EngineConfig;
 
 enum Command {
-    Add(
-        EngineRequest,
-        tokio::sync::mpsc::UnboundedSender<EngineEvent>,
-    ),
+    Add(Box<EngineRequest>, tokio::sync::mpsc::UnboundedSender<EngineEvent>),
     Abort(RequestId),
 }
 
@@ -38,6 +36,7 @@ pub struct EngineStats {
     preemptions: AtomicU64,
     steps: AtomicU64,
     rejected: AtomicU64,
+    kv: std::sync::Mutex<Option<ConnectorStats>>,
 }
 
 /// A copy of [`EngineStats`] at one moment.
@@ -57,6 +56,8 @@ pub struct StatsSnapshot {
     pub steps: u64,
     /// Requests the engine thread refused (e.g. duplicate ids).
     pub rejected: u64,
+    /// KV connector counters (prefill and decode roles).
+    pub kv: Option<ConnectorStats>,
 }
 
 /// Why a request could not be submitted.
@@ -78,6 +79,7 @@ pub struct EngineHandle {
     limits: Arc<EngineLimits>,
     stats: Arc<EngineStats>,
     alive: Arc<AtomicBool>,
+    kv_info: Option<Arc<AgentInfo>>,
 }
 
 /// Starts the engine thread with `model` and a KV cache sized by `config`.
@@ -87,24 +89,33 @@ pub fn spawn(
     max_model_len: usize,
     config: EngineConfig,
 ) -> std::io::Result<EngineHandle> {
-    let core = EngineCore::new(model, eos_token_ids, max_model_len, &config);
+    spawn_with(model, eos_token_ids, max_model_len, config, None).map_err(|e| match e {
+        KvError::Io(io) => io,
+        other => std::io::Error::other(other.to_string()),
+    })
+}
+
+/// Like [`spawn`], with a KV connector for the prefill or decode role.
+pub fn spawn_with(
+    model: Transformer,
+    eos_token_ids: Vec<u32>,
+    max_model_len: usize,
+    config: EngineConfig,
+    kv: Option<KvSetup>,
+) -> Result<EngineHandle, KvError> {
+    let mut core = EngineCore::new(model, eos_token_ids, max_model_len, &config);
+    let kv_info = match kv {
+        Some(setup) => Some(Arc::new(core.attach_connector(setup)?)),
+        None => None,
+    };
     let limits = Arc::new(core.limits().clone());
     let stats = Arc::new(EngineStats::default());
-    stats
-        .free_blocks
-        .store(core.num_free_blocks(), Ordering::Relaxed);
+    stats.free_blocks.store(core.num_free_blocks(), Ordering::Relaxed);
     let alive = Arc::new(AtomicBool::new(true));
     let (tx, rx) = mpsc::channel();
     let (s, a) = (stats.clone(), alive.clone());
-    std::thread::Builder::new()
-        .name("tandem-engine".into())
-        .spawn(move || run_loop(core, rx, s, a))?;
-    Ok(EngineHandle {
-        commands: tx,
-        limits,
-        stats,
-        alive,
-    })
+    std::thread::Builder::new().name("tandem-engine".into()).spawn(move || run_loop(core, rx, s, a))?;
+    Ok(EngineHandle { commands: tx, limits, stats, alive, kv_info })
 }
 
 /// Marks the engine dead when the loop exits, by return or by panic.
@@ -115,17 +126,12 @@ impl Drop for AliveGuard {
     }
 }
 
-fn run_loop(
-    mut core: EngineCore,
-    rx: mpsc::Receiver<Command>,
-    stats: Arc<EngineStats>,
-    alive: Arc<AtomicBool>,
-) {
+fn run_loop(mut core: EngineCore, rx: mpsc::Receiver<Command>, stats: Arc<EngineStats>, alive: Arc<AtomicBool>) {
     let _guard = AliveGuard(alive);
     let apply = |core: &mut EngineCore, cmd: Command| match cmd {
         Command::Add(req, events) => {
             let id = req.id.clone();
-            if let Err(e) = core.add_request(req, events.clone()) {
+            if let Err(e) = core.add_request(*req, events.clone()) {
                 tracing::warn!(request_id = %id, error = %e, "request refused by the engine");
                 stats.rejected.fetch_add(1, Ordering::Relaxed);
                 let _ = events.send(EngineEvent::Failed(e.to_string()));
@@ -141,11 +147,19 @@ fn run_loop(
         // Drain commands between steps; when idle, wait for one (bounded, so the loop can
         // notice a closed channel even if no command ever arrives).
         loop {
-            let cmd = if core.has_work() {
+            let cmd = if core.has_runnable() {
                 match rx.try_recv() {
                     Ok(c) => c,
                     Err(mpsc::TryRecvError::Empty) => break,
                     Err(mpsc::TryRecvError::Disconnected) => return,
+                }
+            } else if core.has_work() {
+                // Only remote loads (or quarantined blocks) are pending: poll the connector
+                // again soon without spinning.
+                match rx.recv_timeout(Duration::from_millis(2)) {
+                    Ok(c) => c,
+                    Err(RecvTimeoutError::Timeout) => break,
+                    Err(RecvTimeoutError::Disconnected) => return,
                 }
             } else {
                 match rx.recv_timeout(Duration::from_millis(100)) {
@@ -162,12 +176,11 @@ fn run_loop(
         }
         stats.running.store(core.num_running(), Ordering::Relaxed);
         stats.waiting.store(core.num_waiting(), Ordering::Relaxed);
-        stats
-            .free_blocks
-            .store(core.num_free_blocks(), Ordering::Relaxed);
-        stats
-            .preemptions
-            .store(core.num_preemptions(), Ordering::Relaxed);
+        stats.free_blocks.store(core.num_free_blocks(), Ordering::Relaxed);
+        stats.preemptions.store(core.num_preemptions(), Ordering::Relaxed);
+        if let Some(kv) = core.connector_stats() {
+            *stats.kv.lock().unwrap_or_else(|p| p.into_inner()) = Some(kv);
+        }
     }
 }
 
@@ -178,15 +191,8 @@ impl EngineHandle {
         self.limits.check(&req)?;
         let (tx, rx) = unbounded_channel();
         let id = req.id.clone();
-        self.commands
-            .send(Command::Add(req, tx))
-            .map_err(|_| SubmitError::EngineStopped)?;
-        Ok(RequestStream {
-            id,
-            events: rx,
-            commands: self.commands.clone(),
-            done: false,
-        })
+        self.commands.send(Command::Add(Box::new(req), tx)).map_err(|_| SubmitError::EngineStopped)?;
+        Ok(RequestStream { id, events: rx, commands: self.commands.clone(), done: false })
     }
 
     /// Asks the engine to end a request (no effect if it already ended).
@@ -197,6 +203,11 @@ impl EngineHandle {
     /// The engine's limits, for validating requests.
     pub fn limits(&self) -> &EngineLimits {
         &self.limits
+    }
+
+    /// The KV connector's metadata (engine id, epoch, side-channel address), if any.
+    pub fn kv_info(&self) -> Option<&AgentInfo> {
+        self.kv_info.as_deref()
     }
 
     /// Whether the engine thread is running.
@@ -215,6 +226,7 @@ impl EngineHandle {
             preemptions: s.preemptions.load(Ordering::Relaxed),
             steps: s.steps.load(Ordering::Relaxed),
             rejected: s.rejected.load(Ordering::Relaxed),
+            kv: *s.kv.lock().unwrap_or_else(|p| p.into_inner()),
         }
     }
 }
@@ -236,11 +248,7 @@ impl RequestStream {
 
     fn observe(&mut self, ev: Option<EngineEvent>) -> Option<EngineEvent> {
         match &ev {
-            Some(EngineEvent::Tokens {
-                finish: Some(_), ..
-            })
-            | Some(EngineEvent::Failed(_))
-            | None => self.done = true,
+            Some(EngineEvent::Tokens { finish: Some(_), .. }) | Some(EngineEvent::Failed(_)) | None => self.done = true,
             _ => {}
         }
         ev

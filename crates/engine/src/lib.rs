@@ -25,8 +25,8 @@ mod sampler;
 mod scheduler;
 
 pub use block_pool::{BlockAllocation, BlockPool, NoFreeBlocks};
-pub use core::{EngineCore, EngineLimits, RequestRejected, StepReport};
-pub use handle::{spawn, EngineHandle, EngineStats, RequestStream, StatsSnapshot, SubmitError};
+pub use core::{EngineCore, EngineLimits, KvLoadFailure, KvSetup, RequestRejected, StepReport};
+pub use handle::{spawn, spawn_with, EngineHandle, EngineStats, RequestStream, StatsSnapshot, SubmitError};
 pub use request::{EngineEvent, EngineRequest};
 pub use sampler::sample;
 pub use scheduler::{ScheduledChunk, SchedulerOutput};
@@ -57,9 +57,7 @@ impl EngineConfig {
             return Err("--block-size must be at least 1".into());
         }
         if self.num_blocks == 0 {
-            return Err(
-                "the KV cache has no blocks: raise --kv-cache-memory or --num-kv-blocks".into(),
-            );
+            return Err("the KV cache has no blocks: raise --kv-cache-memory or --num-kv-blocks".into());
         }
         if self.max_num_seqs == 0 {
             return Err("--max-num-seqs must be at least 1".into());

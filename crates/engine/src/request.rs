@@ -2,7 +2,7 @@
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use tandem_core::{FinishReason, RequestId, SamplingParams};
+use tandem_core::{FinishReason, RemoteKv, RequestId, SamplingParams, TransferId};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::block_pool::BlockAllocation;
@@ -17,6 +17,15 @@ pub struct EngineRequest {
     pub prompt_token_ids: Vec<u32>,
     /// How to sample and when to stop.
     pub params: SamplingParams,
+    /// Its part in a disaggregated request, if any (from `kv_transfer_params`).
+    pub remote: Option<RemoteKv>,
+}
+
+impl EngineRequest {
+    /// An ordinary (colocated) request.
+    pub fn new(id: RequestId, prompt_token_ids: Vec<u32>, params: SamplingParams) -> Self {
+        Self { id, prompt_token_ids, params, remote: None }
+    }
 }
 
 /// What the engine sends about a request.
@@ -31,6 +40,18 @@ pub enum EngineEvent {
     },
     /// The engine could not run the request; nothing more will come.
     Failed(String),
+    /// Prefill leg: the prompt's KV was handed to the connector (sent just before the final
+    /// `Tokens`). Pull-mode decode engines read these blocks.
+    KvProduced {
+        /// The attempt.
+        transfer_id: TransferId,
+        /// Blocks holding the KV, in token order.
+        block_ids: Vec<u32>,
+        /// Tokens of KV.
+        num_tokens: usize,
+        /// The token sampled after the prompt.
+        first_token: u32,
+    },
 }
 
 /// Where a live request is. Finished requests leave the engine at once (their blocks with
@@ -41,6 +62,10 @@ pub(crate) enum RequestStatus {
     Waiting,
     /// Scheduled each step until it finishes; holds blocks for its computed tokens.
     Running,
+    /// Decode leg: its blocks are allocated and the connector is filling them with the
+    /// prompt's KV from a prefill engine. Never scheduled; leaves this state on the connector's
+    /// `Ready` (to running), `Failed` (recompute or fail) or, after an abort, `Released`.
+    WaitingForRemoteKvs,
 }
 
 /// The engine's record of a live request.
@@ -58,14 +83,11 @@ pub(crate) struct Request {
     pub events: UnboundedSender<EngineEvent>,
     pub status: RequestStatus,
     pub num_preemptions: u32,
+    pub remote: Option<RemoteKv>,
 }
 
 impl Request {
-    pub fn new(
-        req: EngineRequest,
-        blocks: BlockAllocation,
-        events: UnboundedSender<EngineEvent>,
-    ) -> Self {
+    pub fn new(req: EngineRequest, blocks: BlockAllocation, events: UnboundedSender<EngineEvent>) -> Self {
         let rng = match req.params.seed {
             Some(seed) => ChaCha8Rng::seed_from_u64(seed),
             None => ChaCha8Rng::from_os_rng(),
@@ -81,6 +103,7 @@ impl Request {
             events,
             status: RequestStatus::Waiting,
             num_preemptions: 0,
+            remote: req.remote,
         }
     }
 

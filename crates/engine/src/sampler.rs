@@ -7,12 +7,7 @@ use tandem_core::SamplingParams;
 /// Chooses a token. `banned` ids (end-of-sequence while `min_tokens` is not met) are never
 /// chosen. Greedy picks the highest logit, ties to the lowest id; otherwise temperature, then
 /// top-k, then top-p, then one draw from `rng` (the request's own stream).
-pub fn sample(
-    logits: &mut [f32],
-    params: &SamplingParams,
-    banned: &[u32],
-    rng: &mut ChaCha8Rng,
-) -> u32 {
+pub fn sample(logits: &mut [f32], params: &SamplingParams, banned: &[u32], rng: &mut ChaCha8Rng) -> u32 {
     for &id in banned {
         if let Some(l) = logits.get_mut(id as usize) {
             *l = f32::NEG_INFINITY;
@@ -23,12 +18,8 @@ pub fn sample(
     }
     let inv_t = 1.0 / params.temperature;
     // Candidates sorted by logit, descending; ties by id so the order is deterministic.
-    let mut cand: Vec<(u32, f32)> = logits
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| l.is_finite())
-        .map(|(i, l)| (i as u32, l * inv_t))
-        .collect();
+    let mut cand: Vec<(u32, f32)> =
+        logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, l)| (i as u32, l * inv_t)).collect();
     if cand.is_empty() {
         return argmax(logits);
     }
@@ -86,35 +77,14 @@ mod tests {
     use rand::SeedableRng;
 
     fn params(t: f32, top_k: Option<u32>, top_p: f32) -> SamplingParams {
-        SamplingParams {
-            temperature: t,
-            top_k,
-            top_p,
-            ..SamplingParams::greedy(1)
-        }
+        SamplingParams { temperature: t, top_k, top_p, ..SamplingParams::greedy(1) }
     }
 
     #[test]
     fn greedy_ties_to_lowest_id_and_respects_bans() {
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        assert_eq!(
-            sample(
-                &mut [1.0, 3.0, 3.0, 0.0],
-                &params(0.0, None, 1.0),
-                &[],
-                &mut rng
-            ),
-            1
-        );
-        assert_eq!(
-            sample(
-                &mut [1.0, 3.0, 3.0, 0.0],
-                &params(0.0, None, 1.0),
-                &[1],
-                &mut rng
-            ),
-            2
-        );
+        assert_eq!(sample(&mut [1.0, 3.0, 3.0, 0.0], &params(0.0, None, 1.0), &[], &mut rng), 1);
+        assert_eq!(sample(&mut [1.0, 3.0, 3.0, 0.0], &params(0.0, None, 1.0), &[1], &mut rng), 2);
     }
 
     #[test]
@@ -122,18 +92,10 @@ mod tests {
         let logits = [0.0, 1.0, 2.0, 3.0, 4.0];
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         for _ in 0..200 {
-            let t = sample(
-                &mut logits.clone(),
-                &params(1.0, Some(2), 1.0),
-                &[],
-                &mut rng,
-            );
+            let t = sample(&mut logits.clone(), &params(1.0, Some(2), 1.0), &[], &mut rng);
             assert!(t == 3 || t == 4);
             // p(4) ~ 0.64, p(3) ~ 0.24: top_p 0.5 keeps only token 4.
-            assert_eq!(
-                sample(&mut logits.clone(), &params(1.0, None, 0.5), &[], &mut rng),
-                4
-            );
+            assert_eq!(sample(&mut logits.clone(), &params(1.0, None, 0.5), &[], &mut rng), 4);
         }
     }
 
@@ -142,9 +104,7 @@ mod tests {
         let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
         let draw = |seed| {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
-            (0..20)
-                .map(|_| sample(&mut logits.clone(), &params(1.0, None, 0.9), &[], &mut rng))
-                .collect::<Vec<_>>()
+            (0..20).map(|_| sample(&mut logits.clone(), &params(1.0, None, 0.9), &[], &mut rng)).collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
         assert_ne!(draw(5), draw(6));

@@ -59,6 +59,10 @@ pub(crate) struct Scheduler {
     pub requests: HashMap<RequestId, Request>,
     pub waiting: VecDeque<RequestId>,
     pub running: Vec<RequestId>,
+    /// Decode legs not yet given blocks (admitted in order as blocks free up).
+    pub remote_queue: VecDeque<RequestId>,
+    /// Decode legs whose blocks the connector is filling.
+    pub remote_waiting: Vec<RequestId>,
     pub pool: BlockPool,
     block_size: usize,
     max_num_seqs: usize,
@@ -67,16 +71,13 @@ pub(crate) struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(
-        pool: BlockPool,
-        block_size: usize,
-        max_num_seqs: usize,
-        max_num_batched_tokens: usize,
-    ) -> Self {
+    pub fn new(pool: BlockPool, block_size: usize, max_num_seqs: usize, max_num_batched_tokens: usize) -> Self {
         Self {
             requests: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            remote_queue: VecDeque::new(),
+            remote_waiting: Vec::new(),
             pool,
             block_size,
             max_num_seqs,
@@ -90,18 +91,33 @@ impl Scheduler {
         self.requests.insert(req.id.clone(), req);
     }
 
+    /// Queues a decode leg whose KV comes from a prefill engine.
+    pub fn add_remote(&mut self, req: Request) {
+        self.remote_queue.push_back(req.id.clone());
+        self.requests.insert(req.id.clone(), req);
+    }
+
     /// Removes a request wherever it is; its blocks return to the pool.
     pub fn remove(&mut self, id: &RequestId) -> Option<Request> {
         let req = self.requests.remove(id)?;
         match req.status {
-            RequestStatus::Waiting => self.waiting.retain(|w| w != id),
+            RequestStatus::Waiting => {
+                self.waiting.retain(|w| w != id);
+                self.remote_queue.retain(|w| w != id);
+            }
             RequestStatus::Running => self.running.retain(|r| r != id),
+            RequestStatus::WaitingForRemoteKvs => self.remote_waiting.retain(|r| r != id),
         }
         Some(req)
     }
 
     pub fn has_work(&self) -> bool {
         !self.requests.is_empty()
+    }
+
+    /// Whether a step could compute anything (requests waiting only for remote KV can't).
+    pub fn has_runnable(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
     }
 
     fn blocks_for(&self, tokens: usize) -> usize {
@@ -176,9 +192,7 @@ impl Scheduler {
                     continue;
                 };
                 let n = (req.tokens.len() - req.num_computed).min(budget);
-                let need = (req.num_computed + n)
-                    .div_ceil(self.block_size)
-                    .saturating_sub(req.blocks.len());
+                let need = (req.num_computed + n).div_ceil(self.block_size).saturating_sub(req.blocks.len());
                 if req.blocks.grow(need).is_err() {
                     break;
                 }

@@ -5,9 +5,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use tandem_core::{FinishReason, RequestId, SamplingParams};
-use tandem_engine::{
-    spawn, EngineConfig, EngineCore, EngineEvent, EngineRequest, RequestRejected, SubmitError,
-};
+use tandem_engine::{spawn, EngineConfig, EngineCore, EngineEvent, EngineRequest, RequestRejected, SubmitError};
 use tandem_model::{LoadedModel, ModelSource, Preset};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -17,44 +15,23 @@ struct Case {
 }
 
 fn fixture(name: &str) -> (LoadedModel, Vec<Case>) {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(name);
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name);
     let model = LoadedModel::load(&ModelSource::Dir(dir.clone()), None).unwrap();
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
-    let ids = |x: &serde_json::Value| {
-        x.as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect()
-    };
+    let ids = |x: &serde_json::Value| x.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
     let cases = v["cases"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|c| Case {
-            prompt: ids(&c["prompt_ids"]),
-            expected: ids(&c["greedy_ids"]),
-        })
+        .map(|c| Case { prompt: ids(&c["prompt_ids"]), expected: ids(&c["greedy_ids"]) })
         .collect();
     (model, cases)
 }
 
 fn core(model: LoadedModel, block_size: usize, num_blocks: usize, budget: usize) -> EngineCore {
-    let cfg = EngineConfig {
-        block_size,
-        num_blocks,
-        max_num_seqs: 64,
-        max_num_batched_tokens: budget,
-    };
-    EngineCore::new(
-        model.transformer,
-        model.eos_token_ids,
-        model.max_model_len,
-        &cfg,
-    )
+    let cfg = EngineConfig { block_size, num_blocks, max_num_seqs: 64, max_num_batched_tokens: budget };
+    EngineCore::new(model.transformer, model.eos_token_ids, model.max_model_len, &cfg)
 }
 
 /// Runs until idle; returns each request's tokens and finish reason.
@@ -79,6 +56,7 @@ fn run(
                     fin = finish.or(fin);
                 }
                 EngineEvent::Failed(e) => panic!("{id}: {e}"),
+                EngineEvent::KvProduced { .. } => panic!("{id}: a colocated engine produced remote KV"),
             }
         }
         out.insert(id.clone(), (toks, fin));
@@ -87,10 +65,7 @@ fn run(
 }
 
 fn greedy_ignore_eos(n: usize) -> SamplingParams {
-    SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(n)
-    }
+    SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) }
 }
 
 #[test]
@@ -107,11 +82,7 @@ fn batched_chunked_and_preempted_runs_match_transformers() {
                 let (tx, rx) = unbounded_channel();
                 let id = RequestId::new(format!("{name}-{i}"));
                 core.add_request(
-                    EngineRequest {
-                        id: id.clone(),
-                        prompt_token_ids: c.prompt.clone(),
-                        params: greedy_ignore_eos(c.expected.len()),
-                    },
+                    EngineRequest::new(id.clone(), c.prompt.clone(), greedy_ignore_eos(c.expected.len())),
                     tx,
                 )
                 .unwrap();
@@ -129,16 +100,9 @@ fn batched_chunked_and_preempted_runs_match_transformers() {
                 assert_eq!(*fin, Some(FinishReason::Length));
             }
             if blocks == 40 {
-                assert!(
-                    core.num_preemptions() > 0,
-                    "{name}: the tight pool should have forced preemption"
-                );
+                assert!(core.num_preemptions() > 0, "{name}: the tight pool should have forced preemption");
             }
-            assert_eq!(
-                core.num_free_blocks(),
-                blocks,
-                "{name}: every block back in the pool"
-            );
+            assert_eq!(core.num_free_blocks(), blocks, "{name}: every block back in the pool");
         }
     }
 }
@@ -159,43 +123,22 @@ fn seeded_sampling_repeats_regardless_of_batch() {
     // Alone.
     let mut c = core(load(), 16, 64, 512);
     let (tx, rx) = unbounded_channel();
-    c.add_request(
-        EngineRequest {
-            id: RequestId::new("a"),
-            prompt_token_ids: prompt.clone(),
-            params: params(7),
-        },
-        tx,
-    )
-    .unwrap();
-    let alone = run(&mut c, vec![(RequestId::new("a"), rx)])
-        .remove(&RequestId::new("a"))
-        .unwrap()
-        .0;
+    c.add_request(EngineRequest::new(RequestId::new("a"), prompt.clone(), params(7)), tx)
+        .unwrap();
+    let alone = run(&mut c, vec![(RequestId::new("a"), rx)]).remove(&RequestId::new("a")).unwrap().0;
     // Beside other requests with other seeds.
     let mut c = core(load(), 16, 64, 512);
     let mut rxs = Vec::new();
     for (i, seed) in [3u64, 7, 9].into_iter().enumerate() {
         let (tx, rx) = unbounded_channel();
         let id = RequestId::new(format!("r{i}"));
-        c.add_request(
-            EngineRequest {
-                id: id.clone(),
-                prompt_token_ids: prompt.clone(),
-                params: params(seed),
-            },
-            tx,
-        )
-        .unwrap();
+        c.add_request(EngineRequest::new(id.clone(), prompt.clone(), params(seed)), tx)
+            .unwrap();
         rxs.push((id, rx));
     }
     let out = run(&mut c, rxs);
     assert_eq!(out[&RequestId::new("r1")].0, alone);
-    assert_ne!(
-        out[&RequestId::new("r0")].0,
-        alone,
-        "a different seed should differ"
-    );
+    assert_ne!(out[&RequestId::new("r0")].0, alone, "a different seed should differ");
 }
 
 #[test]
@@ -203,184 +146,83 @@ fn eos_min_tokens_stop_ids_and_max_tokens() {
     let (model, cases) = fixture("qwen3");
     let c = &cases[1];
     let eos = c.expected[3]; // make the 4th greedy token an end-of-sequence token
-    let cfg = EngineConfig {
-        block_size: 16,
-        num_blocks: 64,
-        max_num_seqs: 8,
-        max_num_batched_tokens: 256,
-    };
+    let cfg = EngineConfig { block_size: 16, num_blocks: 64, max_num_seqs: 8, max_num_batched_tokens: 256 };
     let mut core = EngineCore::new(model.transformer, vec![eos], model.max_model_len, &cfg);
     let mut submit = |id: &str, params: SamplingParams| {
         let (tx, rx) = unbounded_channel();
-        core.add_request(
-            EngineRequest {
-                id: RequestId::new(id),
-                prompt_token_ids: c.prompt.clone(),
-                params,
-            },
-            tx,
-        )
-        .unwrap();
+        core.add_request(EngineRequest::new(RequestId::new(id), c.prompt.clone(), params), tx)
+            .unwrap();
         (RequestId::new(id), rx)
     };
     let rx = vec![
         submit("eos", SamplingParams::greedy(20)),
         submit("ignore", greedy_ignore_eos(6)),
-        submit(
-            "min",
-            SamplingParams {
-                min_tokens: 5,
-                ..SamplingParams::greedy(20)
-            },
-        ),
-        submit(
-            "stopid",
-            SamplingParams {
-                stop_token_ids: vec![c.expected[1]],
-                ..SamplingParams::greedy(20)
-            },
-        ),
+        submit("min", SamplingParams { min_tokens: 5, ..SamplingParams::greedy(20) }),
+        submit("stopid", SamplingParams { stop_token_ids: vec![c.expected[1]], ..SamplingParams::greedy(20) }),
     ];
     let out = run(&mut core, rx);
-    assert_eq!(
-        out[&RequestId::new("eos")],
-        (c.expected[..4].to_vec(), Some(FinishReason::Stop))
-    );
-    assert_eq!(
-        out[&RequestId::new("ignore")],
-        (c.expected[..6].to_vec(), Some(FinishReason::Length))
-    );
+    assert_eq!(out[&RequestId::new("eos")], (c.expected[..4].to_vec(), Some(FinishReason::Stop)));
+    assert_eq!(out[&RequestId::new("ignore")], (c.expected[..6].to_vec(), Some(FinishReason::Length)));
     let min = &out[&RequestId::new("min")].0;
-    assert!(
-        min.len() >= 5 && !min[..4].contains(&eos),
-        "eos suppressed until min_tokens: {min:?}"
-    );
-    assert_eq!(
-        out[&RequestId::new("stopid")],
-        (c.expected[..2].to_vec(), Some(FinishReason::Stop))
-    );
+    assert!(min.len() >= 5 && !min[..4].contains(&eos), "eos suppressed until min_tokens: {min:?}");
+    assert_eq!(out[&RequestId::new("stopid")], (c.expected[..2].to_vec(), Some(FinishReason::Stop)));
     assert_eq!(core.num_free_blocks(), 64);
 }
 
 #[test]
 fn invalid_requests_are_refused_with_reasons() {
     let (model, _) = fixture("llama");
-    let cfg = EngineConfig {
-        block_size: 16,
-        num_blocks: 4,
-        max_num_seqs: 8,
-        max_num_batched_tokens: 64,
-    };
+    let cfg = EngineConfig { block_size: 16, num_blocks: 4, max_num_seqs: 8, max_num_batched_tokens: 64 };
     let mut core = EngineCore::new(model.transformer, model.eos_token_ids, 1024, &cfg);
     let mut add = |prompt: Vec<u32>, params: SamplingParams| {
         let (tx, _rx) = unbounded_channel();
-        core.add_request(
-            EngineRequest {
-                id: RequestId::new("x"),
-                prompt_token_ids: prompt,
-                params,
-            },
-            tx,
-        )
+        core.add_request(EngineRequest::new(RequestId::new("x"), prompt, params), tx)
     };
-    assert_eq!(
-        add(vec![], SamplingParams::greedy(1)),
-        Err(RequestRejected::EmptyPrompt)
-    );
+    assert_eq!(add(vec![], SamplingParams::greedy(1)), Err(RequestRejected::EmptyPrompt));
     assert!(matches!(
         add(vec![5, 512], SamplingParams::greedy(1)),
         Err(RequestRejected::TokenOutOfRange { id: 512, .. })
     ));
-    assert!(matches!(
-        add(vec![5; 1024], SamplingParams::greedy(1)),
-        Err(RequestRejected::PromptTooLong { .. })
-    ));
-    assert!(matches!(
-        add(vec![5; 1000], SamplingParams::greedy(30)),
-        Err(RequestRejected::ExceedsContext { .. })
-    ));
+    assert!(matches!(add(vec![5; 1024], SamplingParams::greedy(1)), Err(RequestRejected::PromptTooLong { .. })));
+    assert!(matches!(add(vec![5; 1000], SamplingParams::greedy(30)), Err(RequestRejected::ExceedsContext { .. })));
     assert!(matches!(
         add(vec![5; 60], SamplingParams::greedy(10)),
-        Err(RequestRejected::ExceedsKvCapacity {
-            needed: 5,
-            total: 4
-        })
+        Err(RequestRejected::ExceedsKvCapacity { needed: 5, total: 4 })
     ));
     assert!(matches!(
-        add(
-            vec![5],
-            SamplingParams {
-                temperature: -1.0,
-                ..SamplingParams::greedy(1)
-            }
-        ),
+        add(vec![5], SamplingParams { temperature: -1.0, ..SamplingParams::greedy(1) }),
         Err(RequestRejected::Sampling(_))
     ));
     assert!(add(vec![5; 60], SamplingParams::greedy(4)).is_ok());
-    assert!(matches!(
-        add(vec![5], SamplingParams::greedy(4)),
-        Err(RequestRejected::DuplicateId(_))
-    ));
+    assert!(matches!(add(vec![5], SamplingParams::greedy(4)), Err(RequestRejected::DuplicateId(_))));
 }
 
 #[tokio::test]
 async fn dropping_a_stream_aborts_and_frees_blocks_on_the_engine_thread() {
     let p = Preset::find("tiny-llama").unwrap();
     let m = LoadedModel::load(&ModelSource::Preset { preset: p, seed: 1 }, None).unwrap();
-    let cfg = EngineConfig {
-        block_size: 16,
-        num_blocks: 128,
-        max_num_seqs: 8,
-        max_num_batched_tokens: 256,
-    };
+    let cfg = EngineConfig { block_size: 16, num_blocks: 128, max_num_seqs: 8, max_num_batched_tokens: 256 };
     let engine = spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let mut long = engine
-        .submit(EngineRequest {
-            id: RequestId::new("long"),
-            prompt_token_ids: vec![7; 40],
-            params: greedy_ignore_eos(2000),
-        })
+        .submit(EngineRequest::new(RequestId::new("long"), vec![7; 40], greedy_ignore_eos(2000)))
         .unwrap();
-    assert!(matches!(
-        long.next().await,
-        Some(EngineEvent::Tokens { .. })
-    ));
+    assert!(matches!(long.next().await, Some(EngineEvent::Tokens { .. })));
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     // Stats are published after each step, a moment after its events are sent.
     while engine.stats().free_blocks == 128 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the request never held blocks"
-        );
+        assert!(std::time::Instant::now() < deadline, "the request never held blocks");
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
     drop(long);
     while engine.stats().free_blocks != 128 || engine.stats().running != 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "blocks not freed after abort: {:?}",
-            engine.stats()
-        );
+        assert!(std::time::Instant::now() < deadline, "blocks not freed after abort: {:?}", engine.stats());
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
     // The engine still serves after the abort, and refuses bad input without dying.
-    let err = engine.submit(EngineRequest {
-        id: RequestId::new("bad"),
-        prompt_token_ids: vec![9999],
-        params: SamplingParams::greedy(1),
-    });
-    assert!(matches!(
-        err,
-        Err(SubmitError::Rejected(
-            RequestRejected::TokenOutOfRange { .. }
-        ))
-    ));
+    let err = engine.submit(EngineRequest::new(RequestId::new("bad"), vec![9999], SamplingParams::greedy(1)));
+    assert!(matches!(err, Err(SubmitError::Rejected(RequestRejected::TokenOutOfRange { .. }))));
     let mut ok = engine
-        .submit(EngineRequest {
-            id: RequestId::new("ok"),
-            prompt_token_ids: vec![7; 3],
-            params: greedy_ignore_eos(3),
-        })
+        .submit(EngineRequest::new(RequestId::new("ok"), vec![7; 3], greedy_ignore_eos(3)))
         .unwrap();
     let mut n = 0;
     while let Some(EngineEvent::Tokens { token_ids, finish }) = ok.next().await {
@@ -399,19 +241,10 @@ async fn dropping_a_stream_mid_prefill_stops_the_prefill() {
     // explicit abort sent on drop (not a failed token send) can stop it early.
     let p = Preset::find("tiny-llama").unwrap();
     let m = LoadedModel::load(&ModelSource::Preset { preset: p, seed: 1 }, None).unwrap();
-    let cfg = EngineConfig {
-        block_size: 16,
-        num_blocks: 256,
-        max_num_seqs: 8,
-        max_num_batched_tokens: 1,
-    };
+    let cfg = EngineConfig { block_size: 16, num_blocks: 256, max_num_seqs: 8, max_num_batched_tokens: 1 };
     let engine = spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let stream = engine
-        .submit(EngineRequest {
-            id: RequestId::new("p"),
-            prompt_token_ids: vec![3; 2000],
-            params: greedy_ignore_eos(1),
-        })
+        .submit(EngineRequest::new(RequestId::new("p"), vec![3; 2000], greedy_ignore_eos(1)))
         .unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while engine.stats().steps < 5 {
@@ -423,9 +256,5 @@ async fn dropping_a_stream_mid_prefill_stops_the_prefill() {
         assert!(std::time::Instant::now() < deadline, "{:?}", engine.stats());
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
-    assert!(
-        engine.stats().steps < 1000,
-        "prefill ran on after the abort: {:?}",
-        engine.stats()
-    );
+    assert!(engine.stats().steps < 1000, "prefill ran on after the abort: {:?}", engine.stats());
 }

@@ -35,26 +35,10 @@ use crate::wire::{read_message, write_message, DoneStatus, Message};
 use crate::{AgentInfo, KvError, TransportOffer};
 
 pub(crate) enum Command {
-    Expect {
-        request_id: RequestId,
-        source: RemoteKv,
-        blocks: Vec<u32>,
-        num_tokens: usize,
-    },
-    Produced {
-        transfer_id: TransferId,
-        held: HeldBlocks,
-        blocks: Vec<u32>,
-        num_tokens: usize,
-        first_token: u32,
-    },
-    Abort {
-        request_id: RequestId,
-    },
-    Abandon {
-        transfer_id: TransferId,
-        reason: String,
-    },
+    Expect { request_id: RequestId, source: RemoteKv, blocks: Vec<u32>, num_tokens: usize },
+    Produced { transfer_id: TransferId, held: HeldBlocks, blocks: Vec<u32>, num_tokens: usize, first_token: u32 },
+    Abort { request_id: RequestId },
+    Abandon { transfer_id: TransferId, reason: String },
 }
 
 /// One side-channel connection (either direction).
@@ -175,12 +159,7 @@ impl Shared {
     }
 
     /// Removes a decode-side entry and reports its end.
-    fn finish_incoming(
-        &self,
-        t: &mut Tables,
-        tid: &TransferId,
-        ev: impl FnOnce(RequestId) -> ConnectorEvent,
-    ) {
+    fn finish_incoming(&self, t: &mut Tables, tid: &TransferId, ev: impl FnOnce(RequestId) -> ConnectorEvent) {
         if let Some(inc) = t.incoming.remove(tid) {
             t.by_request.remove(&inc.request_id);
             self.emit(ev(inc.request_id));
@@ -188,26 +167,14 @@ impl Shared {
     }
 }
 
-pub(crate) type Started = (
-    mpsc::Sender<Command>,
-    mpsc::Receiver<ConnectorEvent>,
-    AgentInfo,
-    Arc<Shared>,
-);
+pub(crate) type Started = (mpsc::Sender<Command>, mpsc::Receiver<ConnectorEvent>, AgentInfo, Arc<Shared>);
 
 pub(crate) fn start(cfg: ConnectorConfig, region: Arc<KvRegion>) -> Result<Started, KvError> {
-    let listener = TcpListener::bind(&cfg.listen).map_err(|e| KvError::Unreachable {
-        addr: cfg.listen.clone(),
-        reason: format!("cannot listen: {e}"),
-    })?;
+    let listener = TcpListener::bind(&cfg.listen)
+        .map_err(|e| KvError::Unreachable { addr: cfg.listen.clone(), reason: format!("cannot listen: {e}") })?;
     let port = listener.local_addr()?.port();
     let l = *region.layout();
-    let epoch = Epoch(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0),
-    );
+    let epoch = Epoch(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0));
     let info = AgentInfo {
         engine_id: cfg.engine_id.clone(),
         epoch,
@@ -223,9 +190,7 @@ pub(crate) fn start(cfg: ConnectorConfig, region: Arc<KvRegion>) -> Result<Start
         block_size: l.block_size,
         block_bytes: l.block_bytes_f32(),
         num_blocks: l.num_blocks,
-        transports: vec![TransportOffer::Tcp {
-            addr: format!("{}:{port}", cfg.advertise_host),
-        }],
+        transports: vec![TransportOffer::Tcp { addr: format!("{}:{port}", cfg.advertise_host) }],
     };
     let (cmd_tx, cmd_rx) = mpsc::channel();
     let (ev_tx, ev_rx) = mpsc::channel();
@@ -239,13 +204,9 @@ pub(crate) fn start(cfg: ConnectorConfig, region: Arc<KvRegion>) -> Result<Start
         counters: Counters::default(),
     });
     let s = shared.clone();
-    std::thread::Builder::new()
-        .name("tandem-kv-accept".into())
-        .spawn(move || accept_loop(listener, s))?;
+    std::thread::Builder::new().name("tandem-kv-accept".into()).spawn(move || accept_loop(listener, s))?;
     let s = shared.clone();
-    std::thread::Builder::new()
-        .name("tandem-kv-agent".into())
-        .spawn(move || control_loop(cmd_rx, s))?;
+    std::thread::Builder::new().name("tandem-kv-agent".into()).spawn(move || control_loop(cmd_rx, s))?;
     tracing::info!(engine_id = %info.engine_id, epoch = info.epoch.0, port, role = ?info.role, mode = ?info.kv_mode, "KV connector listening");
     Ok((cmd_tx, ev_rx, info, shared))
 }
@@ -273,21 +234,12 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 }
 
 fn new_conn(stream: &TcpStream, peer: AgentInfo) -> Result<Arc<Conn>, KvError> {
-    Ok(Arc::new(Conn {
-        writer: Mutex::new(stream.try_clone()?),
-        peer,
-        alive: AtomicBool::new(true),
-    }))
+    Ok(Arc::new(Conn { writer: Mutex::new(stream.try_clone()?), peer, alive: AtomicBool::new(true) }))
 }
 
 /// The open connection to `addr`, or a new one (connect + handshake + reader thread).
 fn peer_conn(shared: &Arc<Shared>, addr: &str) -> Result<Arc<Conn>, KvError> {
-    if let Some(c) = shared
-        .peers
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(addr)
-    {
+    if let Some(c) = shared.peers.lock().unwrap_or_else(|p| p.into_inner()).get(addr) {
         if c.alive.load(Ordering::SeqCst) {
             return Ok(c.clone());
         }
@@ -295,15 +247,9 @@ fn peer_conn(shared: &Arc<Shared>, addr: &str) -> Result<Arc<Conn>, KvError> {
     let mut stream = connect(addr, shared.cfg.timeouts)?;
     let peer = handshake(&mut stream, &shared.info)?;
     let conn = new_conn(&stream, peer)?;
-    shared
-        .peers
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(addr.to_string(), conn.clone());
+    shared.peers.lock().unwrap_or_else(|p| p.into_inner()).insert(addr.to_string(), conn.clone());
     let (s, c) = (shared.clone(), conn.clone());
-    std::thread::Builder::new()
-        .name("tandem-kv-conn".into())
-        .spawn(move || reader_loop(stream, c, s))?;
+    std::thread::Builder::new().name("tandem-kv-conn".into()).spawn(move || reader_loop(stream, c, s))?;
     Ok(conn)
 }
 
@@ -326,32 +272,16 @@ fn control_loop(rx: mpsc::Receiver<Command>, shared: Arc<Shared>) {
 
 fn handle_command(shared: &Arc<Shared>, cmd: Command) {
     match cmd {
-        Command::Expect {
-            request_id,
-            source,
-            blocks,
-            num_tokens,
-        } => expect(shared, request_id, source, blocks, num_tokens),
-        Command::Produced {
-            transfer_id,
-            held,
-            blocks,
-            num_tokens,
-            first_token,
-        } => {
+        Command::Expect { request_id, source, blocks, num_tokens } => {
+            expect(shared, request_id, source, blocks, num_tokens)
+        }
+        Command::Produced { transfer_id, held, blocks, num_tokens, first_token } => {
             let deadline = Instant::now()
                 + match shared.cfg.mode {
                     crate::KvMode::Push => shared.cfg.transfer_timeout,
                     crate::KvMode::Pull => shared.cfg.lease,
                 };
-            let produced = Produced {
-                held,
-                blocks,
-                num_tokens,
-                first_token,
-                deadline,
-                reading: false,
-            };
+            let produced = Produced { held, blocks, num_tokens, first_token, deadline, reading: false };
             let mut t = shared.tables();
             if t.produced.contains_key(&transfer_id) {
                 bump(&shared.counters.duplicate_ids, 1);
@@ -384,65 +314,36 @@ fn handle_command(shared: &Arc<Shared>, cmd: Command) {
                     i.aborted = true;
                 }
             } else {
-                shared.finish_incoming(&mut t, &tid, |request_id| ConnectorEvent::Released {
-                    request_id,
-                });
+                shared.finish_incoming(&mut t, &tid, |request_id| ConnectorEvent::Released { request_id });
             }
             drop(t);
             if let Some(c) = conn {
                 let _ = c.send(&Message::Abort { transfer_id: tid });
             }
         }
-        Command::Abandon {
-            transfer_id,
-            reason,
-        } => {
+        Command::Abandon { transfer_id, reason } => {
             let reg = {
                 let mut t = shared.tables();
                 t.produced.remove(&transfer_id);
                 t.registrations.remove(&transfer_id)
             };
             if let Some(reg) = reg {
-                let _ = reg.conn.send(&Message::Failed {
-                    transfer_id,
-                    reason,
-                });
+                let _ = reg.conn.send(&Message::Failed { transfer_id, reason });
             }
         }
     }
 }
 
 /// Decode side: register (push) or read (pull).
-fn expect(
-    shared: &Arc<Shared>,
-    request_id: RequestId,
-    source: RemoteKv,
-    blocks: Vec<u32>,
-    num_tokens: usize,
-) {
+fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks: Vec<u32>, num_tokens: usize) {
     let deadline = Instant::now() + shared.cfg.transfer_timeout;
     let (tid, peer_addr, pull) = match &source {
-        RemoteKv::PushFrom {
-            transfer_id, peer, ..
-        } => (transfer_id.clone(), peer.clone(), None),
+        RemoteKv::PushFrom { transfer_id, peer, .. } => (transfer_id.clone(), peer.clone(), None),
         RemoteKv::PullFrom {
-            transfer_id,
-            peer,
-            epoch,
-            blocks: remote,
-            num_tokens: remote_tokens,
-            first_token,
-            ..
-        } => (
-            transfer_id.clone(),
-            peer.clone(),
-            Some((*epoch, remote.clone(), *remote_tokens, *first_token)),
-        ),
+            transfer_id, peer, epoch, blocks: remote, num_tokens: remote_tokens, first_token, ..
+        } => (transfer_id.clone(), peer.clone(), Some((*epoch, remote.clone(), *remote_tokens, *first_token))),
         RemoteKv::Produce { .. } => {
-            shared.emit(ConnectorEvent::Failed {
-                request_id,
-                reason: "a produce request cannot expect KV".into(),
-            });
+            shared.emit(ConnectorEvent::Failed { request_id, reason: "a produce request cannot expect KV".into() });
             return;
         }
     };
@@ -451,10 +352,8 @@ fn expect(
         if t.incoming.contains_key(&tid) {
             bump(&shared.counters.duplicate_ids, 1);
             drop(t);
-            shared.emit(ConnectorEvent::Failed {
-                request_id,
-                reason: format!("transfer id `{tid}` is already in use"),
-            });
+            shared
+                .emit(ConnectorEvent::Failed { request_id, reason: format!("transfer id `{tid}` is already in use") });
             return;
         }
         t.by_request.insert(request_id.clone(), tid.clone());
@@ -476,10 +375,7 @@ fn expect(
     }
     let fail = |reason: String| {
         let mut t = shared.tables();
-        shared.finish_incoming(&mut t, &tid, |request_id| ConnectorEvent::Failed {
-            request_id,
-            reason,
-        });
+        shared.finish_incoming(&mut t, &tid, |request_id| ConnectorEvent::Failed { request_id, reason });
     };
     let conn = match peer_conn(shared, &peer_addr) {
         Ok(c) => c,
@@ -508,15 +404,9 @@ fn expect(
                 ));
             }
             if remote_tokens != num_tokens {
-                return fail(format!(
-                    "prefill holds {remote_tokens} tokens of KV, this request needs {num_tokens}"
-                ));
+                return fail(format!("prefill holds {remote_tokens} tokens of KV, this request needs {num_tokens}"));
             }
-            conn.send(&Message::ReadBlocks {
-                transfer_id: tid.clone(),
-                blocks: remote_blocks,
-                num_tokens,
-            })
+            conn.send(&Message::ReadBlocks { transfer_id: tid.clone(), blocks: remote_blocks, num_tokens })
         }
     };
     if let Err(e) = sent {
@@ -526,77 +416,60 @@ fn expect(
 
 fn spawn_push_write(shared: &Arc<Shared>, tid: TransferId, reg: Registration, produced: Produced) {
     let s = shared.clone();
-    let _ = std::thread::Builder::new()
-        .name("tandem-kv-push".into())
-        .spawn(move || {
-            let Produced {
-                held,
-                blocks,
-                num_tokens,
-                first_token,
-                ..
-            } = produced;
-            if reg.num_tokens != num_tokens {
-                let reason = format!(
-                    "decode registered {} tokens, prefill produced {num_tokens}",
-                    reg.num_tokens
-                );
-                let _ = reg.conn.send(&Message::Failed {
-                    transfer_id: tid,
-                    reason,
-                });
-                bump(&s.counters.transfers_failed, 1);
-                return;
-            }
-            let bytes = wire_bytes(s.region.layout(), num_tokens);
-            let result = (|| -> Result<(), KvError> {
-                let mut w = reg.conn.writer.lock().unwrap_or_else(|p| p.into_inner());
+    let _ = std::thread::Builder::new().name("tandem-kv-push".into()).spawn(move || {
+        let Produced { held, blocks, num_tokens, first_token, .. } = produced;
+        if reg.num_tokens != num_tokens {
+            let reason = format!("decode registered {} tokens, prefill produced {num_tokens}", reg.num_tokens);
+            let _ = reg.conn.send(&Message::Failed { transfer_id: tid, reason });
+            bump(&s.counters.transfers_failed, 1);
+            return;
+        }
+        let bytes = wire_bytes(s.region.layout(), num_tokens);
+        let result = (|| -> Result<(), KvError> {
+            let mut w = reg.conn.writer.lock().unwrap_or_else(|p| p.into_inner());
+            write_message(
+                &mut *w,
+                &Message::WriteBlocks {
+                    transfer_id: tid.clone(),
+                    blocks: reg.blocks.clone(),
+                    src_block_size: s.region.layout().block_size,
+                    num_tokens,
+                    bytes,
+                },
+            )?;
+            // Safety: the connector owns these blocks (`held`) until this thread drops them; the
+            // engine does not schedule a finished request's blocks.
+            unsafe { send_blocks(&mut *w, &s.region, &blocks, num_tokens)? };
+            if !s.cfg.faults.drop_done {
                 write_message(
                     &mut *w,
-                    &Message::WriteBlocks {
+                    &Message::Done {
                         transfer_id: tid.clone(),
-                        blocks: reg.blocks.clone(),
-                        src_block_size: s.region.layout().block_size,
-                        num_tokens,
-                        bytes,
+                        rank: 0,
+                        first_token: Some(first_token),
+                        status: DoneStatus::Ok,
                     },
                 )?;
-                // Safety: the connector owns these blocks (`held`) until this thread drops them; the
-                // engine does not schedule a finished request's blocks.
-                unsafe { send_blocks(&mut *w, &s.region, &blocks, num_tokens)? };
-                if !s.cfg.faults.drop_done {
-                    write_message(
-                        &mut *w,
-                        &Message::Done {
-                            transfer_id: tid.clone(),
-                            rank: 0,
-                            first_token: Some(first_token),
-                            status: DoneStatus::Ok,
-                        },
-                    )?;
-                }
-                Ok(())
-            })();
-            // The bytes have left our memory (or the write failed): the blocks can go back.
-            drop(held);
-            match result {
-                Ok(()) => {
-                    bump(&s.counters.bytes_sent, bytes);
-                    bump(
-                        &s.counters.regions,
-                        coalesce(
-                            &blocks[..s.region.layout().blocks_for(num_tokens).min(blocks.len())],
-                        )
-                        .len() as u64,
-                    );
-                    bump(&s.counters.transfers_ok, 1);
-                }
-                Err(e) => {
-                    tracing::warn!(transfer_id = %tid, error = %e, "push write failed");
-                    bump(&s.counters.transfers_failed, 1);
-                }
             }
-        });
+            Ok(())
+        })();
+        // The bytes have left our memory (or the write failed): the blocks can go back.
+        drop(held);
+        match result {
+            Ok(()) => {
+                bump(&s.counters.bytes_sent, bytes);
+                bump(
+                    &s.counters.regions,
+                    coalesce(&blocks[..s.region.layout().blocks_for(num_tokens).min(blocks.len())]).len() as u64,
+                );
+                bump(&s.counters.transfers_ok, 1);
+            }
+            Err(e) => {
+                tracing::warn!(transfer_id = %tid, error = %e, "push write failed");
+                bump(&s.counters.transfers_failed, 1);
+            }
+        }
+    });
 }
 
 /// Reads `bytes` from the stream and throws them away (data for a transfer we refuse).
@@ -614,11 +487,7 @@ fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
     // Reads wait for the next message indefinitely (an idle connection is fine); bulk data is
     // read under the configured timeout once its header has arrived.
     let idle = |s: &TcpStream, on: bool| {
-        let _ = s.set_read_timeout(if on {
-            None
-        } else {
-            Some(shared.cfg.timeouts.io)
-        });
+        let _ = s.set_read_timeout(if on { None } else { Some(shared.cfg.timeouts.io) });
     };
     loop {
         idle(&stream, true);
@@ -650,10 +519,7 @@ fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
             if aborted {
                 ConnectorEvent::Released { request_id }
             } else {
-                ConnectorEvent::Failed {
-                    request_id,
-                    reason: format!("connection to `{}` lost", conn.peer.engine_id),
-                }
+                ConnectorEvent::Failed { request_id, reason: format!("connection to `{}` lost", conn.peer.engine_id) }
             }
         });
     }
@@ -674,11 +540,7 @@ fn receive_into(
     let target = {
         let mut t = shared.tables();
         match t.incoming.get_mut(tid) {
-            Some(inc)
-                if !inc.aborted
-                    && inc.num_tokens == num_tokens
-                    && dst.is_none_or(|d| d == inc.blocks) =>
-            {
+            Some(inc) if !inc.aborted && inc.num_tokens == num_tokens && dst.is_none_or(|d| d == inc.blocks) => {
                 inc.writing = true;
                 Some(inc.blocks.clone())
             }
@@ -691,22 +553,11 @@ fn receive_into(
     };
     let Some(blocks) = target else {
         drain(stream, bytes)?;
-        return Ok(Err(format!(
-            "transfer `{tid}` is unknown, aborted or does not match"
-        )));
+        return Ok(Err(format!("transfer `{tid}` is unknown, aborted or does not match")));
     };
     // Safety: these blocks are registered to this transfer; the engine keeps them out of the
     // schedule until the connector reports, and an abort waits for `writing` to clear.
-    let result = unsafe {
-        recv_blocks(
-            stream,
-            bytes,
-            src_block_size,
-            &shared.region,
-            &blocks,
-            num_tokens,
-        )
-    };
+    let result = unsafe { recv_blocks(stream, bytes, src_block_size, &shared.region, &blocks, num_tokens) };
     let mut t = shared.tables();
     let aborted = match t.incoming.get_mut(tid) {
         Some(inc) => {
@@ -717,9 +568,7 @@ fn receive_into(
         None => false,
     };
     if aborted {
-        shared.finish_incoming(&mut t, tid, |request_id| ConnectorEvent::Released {
-            request_id,
-        });
+        shared.finish_incoming(&mut t, tid, |request_id| ConnectorEvent::Released { request_id });
     }
     match result {
         Ok(()) => {
@@ -737,21 +586,10 @@ fn receive_into(
     }
 }
 
-fn handle_message(
-    stream: &mut TcpStream,
-    conn: &Arc<Conn>,
-    shared: &Arc<Shared>,
-    msg: Message,
-) -> Result<(), KvError> {
+fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>, msg: Message) -> Result<(), KvError> {
     match msg {
         // ---- prefill side ----
-        Message::Register {
-            transfer_id,
-            epoch,
-            block_ids,
-            num_tokens,
-            ..
-        } => {
+        Message::Register { transfer_id, epoch, block_ids, num_tokens, .. } => {
             if epoch != conn.peer.epoch {
                 conn.send(&Message::Failed {
                     transfer_id,
@@ -769,10 +607,7 @@ fn handle_message(
             if t.registrations.contains_key(&transfer_id) {
                 bump(&shared.counters.duplicate_ids, 1);
                 drop(t);
-                conn.send(&Message::Failed {
-                    transfer_id,
-                    reason: "duplicate registration".into(),
-                })?;
+                conn.send(&Message::Failed { transfer_id, reason: "duplicate registration".into() })?;
                 return Ok(());
             }
             match t.produced.remove(&transfer_id) {
@@ -785,19 +620,11 @@ fn handle_message(
                 }
             }
         }
-        Message::ReadBlocks {
-            transfer_id,
-            blocks,
-            num_tokens,
-        } => {
+        Message::ReadBlocks { transfer_id, blocks, num_tokens } => {
             let ok = {
                 let mut t = shared.tables();
                 match t.produced.get_mut(&transfer_id) {
-                    Some(p)
-                        if p.blocks.starts_with(&blocks)
-                            && p.num_tokens == num_tokens
-                            && !p.reading =>
-                    {
+                    Some(p) if p.blocks.starts_with(&blocks) && p.num_tokens == num_tokens && !p.reading => {
                         p.reading = true;
                         Ok(p.blocks.clone())
                     }
@@ -867,56 +694,19 @@ fn handle_message(
             }
         }
         // ---- decode side ----
-        Message::WriteBlocks {
-            transfer_id,
-            blocks,
-            src_block_size,
-            num_tokens,
-            bytes,
-        } => {
-            let result = receive_into(
-                stream,
-                shared,
-                &transfer_id,
-                Some(&blocks),
-                src_block_size,
-                num_tokens,
-                bytes,
-            )?;
-            conn.send(&Message::WriteAck {
-                transfer_id,
-                error: result.err(),
-            })?;
+        Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes } => {
+            let result = receive_into(stream, shared, &transfer_id, Some(&blocks), src_block_size, num_tokens, bytes)?;
+            conn.send(&Message::WriteAck { transfer_id, error: result.err() })?;
         }
-        Message::BlockData {
-            transfer_id,
-            src_block_size,
-            bytes,
-            error,
-        } => {
+        Message::BlockData { transfer_id, src_block_size, bytes, error } => {
             if let Some(reason) = error {
                 let mut t = shared.tables();
-                shared.finish_incoming(&mut t, &transfer_id, |request_id| ConnectorEvent::Failed {
-                    request_id,
-                    reason,
-                });
+                shared
+                    .finish_incoming(&mut t, &transfer_id, |request_id| ConnectorEvent::Failed { request_id, reason });
                 return Ok(());
             }
-            let num_tokens = shared
-                .tables()
-                .incoming
-                .get(&transfer_id)
-                .map(|i| i.num_tokens)
-                .unwrap_or(0);
-            let landed = receive_into(
-                stream,
-                shared,
-                &transfer_id,
-                None,
-                src_block_size,
-                num_tokens,
-                bytes,
-            )?;
+            let num_tokens = shared.tables().incoming.get(&transfer_id).map(|i| i.num_tokens).unwrap_or(0);
+            let landed = receive_into(stream, shared, &transfer_id, None, src_block_size, num_tokens, bytes)?;
             // Release prefill's blocks whatever happened here: we will not read them again.
             conn.send(&Message::Done {
                 transfer_id: transfer_id.clone(),
@@ -933,12 +723,7 @@ fn handle_message(
                 });
             }
         }
-        Message::Done {
-            transfer_id,
-            first_token,
-            status,
-            ..
-        } => {
+        Message::Done { transfer_id, first_token, status, .. } => {
             let mut t = shared.tables();
             if let Some(p) = t.produced.remove(&transfer_id) {
                 // Pull release from decode.
@@ -951,55 +736,33 @@ fn handle_message(
                 Some(inc) => {
                     let landed = inc.landed;
                     match status {
-                        DoneStatus::Ok if landed => {
-                            shared.finish_incoming(&mut t, &transfer_id, |request_id| {
-                                ConnectorEvent::Ready {
-                                    request_id,
-                                    first_token,
-                                }
-                            })
-                        }
-                        DoneStatus::Ok => {
-                            shared.finish_incoming(&mut t, &transfer_id, |request_id| {
-                                ConnectorEvent::Failed {
-                                    request_id,
-                                    reason: "completion arrived without data".into(),
-                                }
-                            })
-                        }
-                        DoneStatus::Failed(reason) => {
-                            shared.finish_incoming(&mut t, &transfer_id, |request_id| {
-                                ConnectorEvent::Failed { request_id, reason }
-                            })
-                        }
+                        DoneStatus::Ok if landed => shared.finish_incoming(&mut t, &transfer_id, |request_id| {
+                            ConnectorEvent::Ready { request_id, first_token }
+                        }),
+                        DoneStatus::Ok => shared.finish_incoming(&mut t, &transfer_id, |request_id| {
+                            ConnectorEvent::Failed { request_id, reason: "completion arrived without data".into() }
+                        }),
+                        DoneStatus::Failed(reason) => shared.finish_incoming(&mut t, &transfer_id, |request_id| {
+                            ConnectorEvent::Failed { request_id, reason }
+                        }),
                     }
                 }
                 None => bump(&shared.counters.unknown_ids, 1),
             }
         }
-        Message::Failed {
-            transfer_id,
-            reason,
-        } => {
+        Message::Failed { transfer_id, reason } => {
             let mut t = shared.tables();
             t.registrations.remove(&transfer_id);
             t.produced.remove(&transfer_id);
-            shared.finish_incoming(&mut t, &transfer_id, |request_id| ConnectorEvent::Failed {
-                request_id,
-                reason,
-            });
+            shared.finish_incoming(&mut t, &transfer_id, |request_id| ConnectorEvent::Failed { request_id, reason });
         }
         Message::WriteAck { transfer_id, error } => {
             if let Some(e) = error {
                 tracing::warn!(%transfer_id, error = %e, "decode refused a push write");
             }
         }
-        other @ (Message::Handshake { .. }
-        | Message::HandshakeOk { .. }
-        | Message::HandshakeRefused { .. }) => {
-            return Err(KvError::Protocol(format!(
-                "unexpected {other:?} after the handshake"
-            )));
+        other @ (Message::Handshake { .. } | Message::HandshakeOk { .. } | Message::HandshakeRefused { .. }) => {
+            return Err(KvError::Protocol(format!("unexpected {other:?} after the handshake")));
         }
     }
     Ok(())
@@ -1014,16 +777,9 @@ fn expire(shared: &Arc<Shared>) {
         let before = t.produced.len() + t.registrations.len();
         t.produced.retain(|_, p| p.reading || p.deadline > now);
         t.registrations.retain(|_, r| r.deadline > now);
-        bump(
-            &shared.counters.expired,
-            (before - t.produced.len() - t.registrations.len()) as u64,
-        );
-        let late: Vec<TransferId> = t
-            .incoming
-            .iter()
-            .filter(|(_, i)| !i.writing && i.deadline <= now)
-            .map(|(k, _)| k.clone())
-            .collect();
+        bump(&shared.counters.expired, (before - t.produced.len() - t.registrations.len()) as u64);
+        let late: Vec<TransferId> =
+            t.incoming.iter().filter(|(_, i)| !i.writing && i.deadline <= now).map(|(k, _)| k.clone()).collect();
         for tid in late {
             if let Some(c) = t.incoming.get(&tid).and_then(|i| i.conn.clone()) {
                 to_notify.push((c, tid.clone()));
@@ -1033,10 +789,7 @@ fn expire(shared: &Arc<Shared>) {
                 if aborted {
                     ConnectorEvent::Released { request_id }
                 } else {
-                    ConnectorEvent::Failed {
-                        request_id,
-                        reason: "timed out waiting for the KV".into(),
-                    }
+                    ConnectorEvent::Failed { request_id, reason: "timed out waiting for the KV".into() }
                 }
             });
         }

@@ -116,24 +116,17 @@ impl AgentInfo {
     pub fn check_pairing(&self, peer: &AgentInfo) -> Result<(), Incompatible> {
         let roles_ok = matches!(
             (self.role, peer.role),
-            (Role::Prefill, Role::Decode)
-                | (Role::Decode, Role::Prefill)
-                | (Role::Both, _)
-                | (_, Role::Both)
+            (Role::Prefill, Role::Decode) | (Role::Decode, Role::Prefill) | (Role::Both, _) | (_, Role::Both)
         );
         if !roles_ok {
-            return Err(Incompatible::Roles {
-                local: self.role,
-                remote: peer.role,
-            });
+            return Err(Incompatible::Roles { local: self.role, remote: peer.role });
         }
-        let mismatch =
-            |field: &'static str, local: String, remote: String| Incompatible::Mismatch {
-                field,
-                local,
-                remote,
-                peer: peer.engine_id.0.clone(),
-            };
+        let mismatch = |field: &'static str, local: String, remote: String| Incompatible::Mismatch {
+            field,
+            local,
+            remote,
+            peer: peer.engine_id.0.clone(),
+        };
         if self.kv_mode != peer.kv_mode {
             return Err(mismatch(
                 "kv_mode",
@@ -142,21 +135,13 @@ impl AgentInfo {
             ));
         }
         if self.model_fingerprint != peer.model_fingerprint {
-            return Err(mismatch(
-                "model_fingerprint",
-                self.model_fingerprint.clone(),
-                peer.model_fingerprint.clone(),
-            ));
+            return Err(mismatch("model_fingerprint", self.model_fingerprint.clone(), peer.model_fingerprint.clone()));
         }
         if self.dtype != peer.dtype {
             return Err(mismatch("dtype", self.dtype.clone(), peer.dtype.clone()));
         }
         if self.tp_size != peer.tp_size {
-            return Err(mismatch(
-                "tp_size",
-                self.tp_size.to_string(),
-                peer.tp_size.to_string(),
-            ));
+            return Err(mismatch("tp_size", self.tp_size.to_string(), peer.tp_size.to_string()));
         }
         for (field, a, b) in [
             ("num_layers", self.num_layers, peer.num_layers),
@@ -187,9 +172,7 @@ impl AgentInfo {
             block_size: 16,
             block_bytes: 4 * 2 * 2 * 16 * 32 * 4,
             num_blocks: 100,
-            transports: vec![TransportOffer::Tcp {
-                addr: "127.0.0.1:5600".into(),
-            }],
+            transports: vec![TransportOffer::Tcp { addr: "127.0.0.1:5600".into() }],
         }
     }
 }
@@ -201,63 +184,16 @@ mod tests {
     #[test]
     fn pairing_checks_name_the_field() {
         let p = AgentInfo::example();
-        let d = AgentInfo {
-            engine_id: EngineId("decode-0".into()),
-            role: Role::Decode,
-            block_size: 8,
-            ..p.clone()
-        };
+        let d = AgentInfo { engine_id: EngineId("decode-0".into()), role: Role::Decode, block_size: 8, ..p.clone() };
         assert_eq!(p.check_pairing(&d), Ok(()), "block sizes may differ");
         let cases: Vec<(AgentInfo, &str)> = vec![
-            (
-                AgentInfo {
-                    kv_mode: KvMode::Pull,
-                    ..d.clone()
-                },
-                "kv_mode differs: push here, pull",
-            ),
-            (
-                AgentInfo {
-                    model_fingerprint: "other".into(),
-                    ..d.clone()
-                },
-                "model_fingerprint differs",
-            ),
-            (
-                AgentInfo {
-                    dtype: "bf16".into(),
-                    ..d.clone()
-                },
-                "dtype differs: f32 here, bf16",
-            ),
-            (
-                AgentInfo {
-                    num_layers: 5,
-                    ..d.clone()
-                },
-                "num_layers differs: 4 here, 5",
-            ),
-            (
-                AgentInfo {
-                    head_dim: 64,
-                    ..d.clone()
-                },
-                "head_dim differs",
-            ),
-            (
-                AgentInfo {
-                    tp_size: 2,
-                    ..d.clone()
-                },
-                "tp_size differs",
-            ),
-            (
-                AgentInfo {
-                    role: Role::Prefill,
-                    ..d.clone()
-                },
-                "cannot pair",
-            ),
+            (AgentInfo { kv_mode: KvMode::Pull, ..d.clone() }, "kv_mode differs: push here, pull"),
+            (AgentInfo { model_fingerprint: "other".into(), ..d.clone() }, "model_fingerprint differs"),
+            (AgentInfo { dtype: "bf16".into(), ..d.clone() }, "dtype differs: f32 here, bf16"),
+            (AgentInfo { num_layers: 5, ..d.clone() }, "num_layers differs: 4 here, 5"),
+            (AgentInfo { head_dim: 64, ..d.clone() }, "head_dim differs"),
+            (AgentInfo { tp_size: 2, ..d.clone() }, "tp_size differs"),
+            (AgentInfo { role: Role::Prefill, ..d.clone() }, "cannot pair"),
         ];
         for (peer, needle) in cases {
             let e = p.check_pairing(&peer).unwrap_err().to_string();

@@ -51,19 +51,9 @@ pub unsafe fn scatter_tokens(
     num_tokens: usize,
 ) {
     let dl = *dst.layout();
-    let sl = KvLayout {
-        block_size: src_block_size,
-        num_blocks: num_tokens.div_ceil(src_block_size),
-        ..dl
-    };
-    assert!(
-        src.len() >= sl.num_blocks * sl.block_elems(),
-        "source too short"
-    );
-    assert!(
-        dst_blocks.len() >= dl.blocks_for(num_tokens),
-        "too few destination blocks"
-    );
+    let sl = KvLayout { block_size: src_block_size, num_blocks: num_tokens.div_ceil(src_block_size), ..dl };
+    assert!(src.len() >= sl.num_blocks * sl.block_elems(), "source too short");
+    assert!(dst_blocks.len() >= dl.blocks_for(num_tokens), "too few destination blocks");
     let hd = dl.head_dim;
     for layer in 0..dl.num_layers {
         for kv in 0..2 {
@@ -72,9 +62,7 @@ pub unsafe fn scatter_tokens(
                 while t < num_tokens {
                     let (sb, ss) = (t / sl.block_size, t % sl.block_size);
                     let (db, ds) = (t / dl.block_size, t % dl.block_size);
-                    let n = (sl.block_size - ss)
-                        .min(dl.block_size - ds)
-                        .min(num_tokens - t);
+                    let n = (sl.block_size - ss).min(dl.block_size - ds).min(num_tokens - t);
                     let s = sl.plane_offset(sb, layer, kv, head) + ss * hd;
                     // Safety: the caller owns the destination blocks exclusively.
                     let block = unsafe { dst.blocks_mut(dst_blocks[db] as usize, 1) };
@@ -113,13 +101,7 @@ mod tests {
     #[test]
     fn scatter_between_block_sizes_preserves_every_token() {
         for (src_bs, dst_bs, tokens) in [(16, 16, 40), (16, 5, 37), (4, 16, 33), (7, 3, 1)] {
-            let base = KvLayout {
-                num_layers: 2,
-                num_kv_heads: 2,
-                head_dim: 3,
-                block_size: src_bs,
-                num_blocks: 20,
-            };
+            let base = KvLayout { num_layers: 2, num_kv_heads: 2, head_dim: 3, block_size: src_bs, num_blocks: 20 };
             let val = |t: usize, l: usize, kv: usize, h: usize, d: usize| {
                 (t * 1000 + l * 100 + kv * 10 + h) as f32 + d as f32 / 10.0
             };
@@ -132,15 +114,9 @@ mod tests {
                     src.write_token(l, src_table[t / src_bs] as usize, t % src_bs, &k, &v);
                 }
             }
-            let dl = KvLayout {
-                block_size: dst_bs,
-                ..base
-            };
+            let dl = KvLayout { block_size: dst_bs, ..base };
             let dst = KvCache::new(dl);
-            let dst_table: Vec<u32> = (0..dl.blocks_for(tokens) as u32)
-                .rev()
-                .map(|b| b + 2)
-                .collect();
+            let dst_table: Vec<u32> = (0..dl.blocks_for(tokens) as u32).rev().map(|b| b + 2).collect();
             let region = src.region();
             // Safety: single-threaded test owns every block.
             let src_bytes = unsafe { region.blocks(0, src_table.len()) };

@@ -121,12 +121,7 @@ impl KvConnector {
     /// Binds the side channel and starts the agent's threads over the engine's KV memory.
     pub fn start(cfg: ConnectorConfig, region: Arc<KvRegion>) -> Result<Self, KvError> {
         let (commands, events, info, shared) = agent::start(cfg, region)?;
-        Ok(Self {
-            commands,
-            events,
-            info,
-            shared,
-        })
+        Ok(Self { commands, events, info, shared })
     }
 
     /// This engine's metadata (as sent at handshake), including the bound address.
@@ -135,19 +130,8 @@ impl KvConnector {
     }
 
     /// Decode: fetch the KV for `request_id` into `blocks` (already allocated, in token order).
-    pub fn expect(
-        &self,
-        request_id: RequestId,
-        source: RemoteKv,
-        blocks: Vec<u32>,
-        num_tokens: usize,
-    ) {
-        let _ = self.commands.send(Command::Expect {
-            request_id,
-            source,
-            blocks,
-            num_tokens,
-        });
+    pub fn expect(&self, request_id: RequestId, source: RemoteKv, blocks: Vec<u32>, num_tokens: usize) {
+        let _ = self.commands.send(Command::Expect { request_id, source, blocks, num_tokens });
     }
 
     /// Prefill: a remote-decode request finished; its blocks now belong to the connector.
@@ -159,13 +143,7 @@ impl KvConnector {
         num_tokens: usize,
         first_token: u32,
     ) {
-        let _ = self.commands.send(Command::Produced {
-            transfer_id,
-            held,
-            blocks,
-            num_tokens,
-            first_token,
-        });
+        let _ = self.commands.send(Command::Produced { transfer_id, held, blocks, num_tokens, first_token });
     }
 
     /// Decode: the request was cancelled while waiting for its KV.
@@ -175,10 +153,7 @@ impl KvConnector {
 
     /// Prefill: a remote-decode request ended before producing KV; tell its decoder.
     pub fn abandon(&self, transfer_id: TransferId, reason: String) {
-        let _ = self.commands.send(Command::Abandon {
-            transfer_id,
-            reason,
-        });
+        let _ = self.commands.send(Command::Abandon { transfer_id, reason });
     }
 
     /// Events since the last poll (never blocks).

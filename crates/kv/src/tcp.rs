@@ -27,20 +27,15 @@ pub struct Timeouts {
 
 impl Default for Timeouts {
     fn default() -> Self {
-        Self {
-            connect: Duration::from_secs(5),
-            io: Duration::from_secs(30),
-        }
+        Self { connect: Duration::from_secs(5), io: Duration::from_secs(30) }
     }
 }
 
 /// Opens a connection to `addr` with bounded connect, read and write times.
 pub fn connect(addr: &str, t: Timeouts) -> Result<TcpStream, KvError> {
     let mut last = None;
-    let addrs = addr.to_socket_addrs().map_err(|e| KvError::Unreachable {
-        addr: addr.to_string(),
-        reason: e.to_string(),
-    })?;
+    let addrs =
+        addr.to_socket_addrs().map_err(|e| KvError::Unreachable { addr: addr.to_string(), reason: e.to_string() })?;
     for a in addrs {
         match TcpStream::connect_timeout(&a, t.connect) {
             Ok(s) => {
@@ -50,10 +45,7 @@ pub fn connect(addr: &str, t: Timeouts) -> Result<TcpStream, KvError> {
             Err(e) => last = Some(e.to_string()),
         }
     }
-    Err(KvError::Unreachable {
-        addr: addr.to_string(),
-        reason: last.unwrap_or_else(|| "no address".into()),
-    })
+    Err(KvError::Unreachable { addr: addr.to_string(), reason: last.unwrap_or_else(|| "no address".into()) })
 }
 
 /// Applies the bounded timeouts and disables Nagle (control frames are small and latency
@@ -67,22 +59,14 @@ pub fn configure(s: &TcpStream, t: Timeouts) -> Result<(), KvError> {
 
 /// Connecting side: sends our info, returns the peer's once it accepts.
 pub fn handshake(stream: &mut TcpStream, ours: &AgentInfo) -> Result<AgentInfo, KvError> {
-    write_message(
-        stream,
-        &Message::Handshake {
-            version: PROTOCOL_VERSION,
-            info: ours.clone(),
-        },
-    )?;
+    write_message(stream, &Message::Handshake { version: PROTOCOL_VERSION, info: ours.clone() })?;
     match read_message(stream)? {
         Message::HandshakeOk { info } => {
             ours.check_pairing(&info)?;
             Ok(info)
         }
         Message::HandshakeRefused { reason } => Err(KvError::Refused(reason)),
-        other => Err(KvError::Protocol(format!(
-            "expected a handshake reply, got {other:?}"
-        ))),
+        other => Err(KvError::Protocol(format!("expected a handshake reply, got {other:?}"))),
     }
 }
 
@@ -90,17 +74,10 @@ pub fn handshake(stream: &mut TcpStream, ours: &AgentInfo) -> Result<AgentInfo, 
 pub fn accept_handshake(stream: &mut TcpStream, ours: &AgentInfo) -> Result<AgentInfo, KvError> {
     let (version, info) = match read_message(stream)? {
         Message::Handshake { version, info } => (version, info),
-        other => {
-            return Err(KvError::Protocol(format!(
-                "expected a handshake, got {other:?}"
-            )))
-        }
+        other => return Err(KvError::Protocol(format!("expected a handshake, got {other:?}"))),
     };
     let verdict = if version != PROTOCOL_VERSION {
-        Err(KvError::Incompatible(crate::Incompatible::Version {
-            local: PROTOCOL_VERSION,
-            remote: version,
-        }))
+        Err(KvError::Incompatible(crate::Incompatible::Version { local: PROTOCOL_VERSION, remote: version }))
     } else {
         ours.check_pairing(&info).map_err(KvError::Incompatible)
     };
@@ -110,12 +87,7 @@ pub fn accept_handshake(stream: &mut TcpStream, ours: &AgentInfo) -> Result<Agen
             Ok(info)
         }
         Err(e) => {
-            let _ = write_message(
-                stream,
-                &Message::HandshakeRefused {
-                    reason: e.to_string(),
-                },
-            );
+            let _ = write_message(stream, &Message::HandshakeRefused { reason: e.to_string() });
             Err(e)
         }
     }
@@ -135,10 +107,7 @@ pub unsafe fn send_blocks(
     let layout = region.layout();
     let needed = layout.blocks_for(num_tokens);
     if blocks.len() < needed {
-        return Err(KvError::Protocol(format!(
-            "{num_tokens} tokens need {needed} blocks, {} given",
-            blocks.len()
-        )));
+        return Err(KvError::Protocol(format!("{num_tokens} tokens need {needed} blocks, {} given", blocks.len())));
     }
     for run in coalesce(&blocks[..needed]) {
         // Safety: caller holds these blocks; nobody writes them meanwhile.
@@ -165,21 +134,14 @@ pub unsafe fn recv_blocks(
     if src_block_size == 0 {
         return Err(KvError::Protocol("source block size 0".into()));
     }
-    let src_layout = tandem_compute::KvLayout {
-        block_size: src_block_size,
-        ..dl
-    };
+    let src_layout = tandem_compute::KvLayout { block_size: src_block_size, ..dl };
     let expected = wire_bytes(&src_layout, num_tokens);
     if bytes != expected {
-        return Err(KvError::Protocol(format!(
-            "{bytes} bytes announced for {num_tokens} tokens, expected {expected}"
-        )));
+        return Err(KvError::Protocol(format!("{bytes} bytes announced for {num_tokens} tokens, expected {expected}")));
     }
     let needed = dl.blocks_for(num_tokens);
     if dst_blocks.len() < needed || dst_blocks.iter().any(|&b| b as usize >= dl.num_blocks) {
-        return Err(KvError::Protocol(format!(
-            "destination blocks do not cover {num_tokens} tokens"
-        )));
+        return Err(KvError::Protocol(format!("destination blocks do not cover {num_tokens} tokens")));
     }
     if src_block_size == dl.block_size {
         for run in coalesce(&dst_blocks[..needed]) {

@@ -143,10 +143,7 @@ pub enum Message {
 pub fn write_message(w: &mut impl Write, msg: &Message) -> Result<(), KvError> {
     let body = serde_json::to_vec(msg).map_err(|e| KvError::Protocol(format!("encoding {e}")))?;
     if body.len() > MAX_FRAME_BYTES {
-        return Err(KvError::Protocol(format!(
-            "frame of {} bytes exceeds {MAX_FRAME_BYTES}",
-            body.len()
-        )));
+        return Err(KvError::Protocol(format!("frame of {} bytes exceeds {MAX_FRAME_BYTES}", body.len())));
     }
     w.write_all(&(body.len() as u32).to_be_bytes())?;
     w.write_all(&body)?;
@@ -160,9 +157,7 @@ pub fn read_message(r: &mut impl Read) -> Result<Message, KvError> {
     r.read_exact(&mut len)?;
     let len = u32::from_be_bytes(len) as usize;
     if len > MAX_FRAME_BYTES {
-        return Err(KvError::Protocol(format!(
-            "peer announced a {len}-byte frame (limit {MAX_FRAME_BYTES})"
-        )));
+        return Err(KvError::Protocol(format!("peer announced a {len}-byte frame (limit {MAX_FRAME_BYTES})")));
     }
     let mut body = vec![0u8; len];
     r.read_exact(&mut body)?;
@@ -177,16 +172,9 @@ mod tests {
     fn every_message_round_trips() {
         let t = TransferId("t-1".into());
         let msgs = vec![
-            Message::Handshake {
-                version: PROTOCOL_VERSION,
-                info: AgentInfo::example(),
-            },
-            Message::HandshakeOk {
-                info: AgentInfo::example(),
-            },
-            Message::HandshakeRefused {
-                reason: "no".into(),
-            },
+            Message::Handshake { version: PROTOCOL_VERSION, info: AgentInfo::example() },
+            Message::HandshakeOk { info: AgentInfo::example() },
+            Message::HandshakeRefused { reason: "no".into() },
             Message::Register {
                 transfer_id: t.clone(),
                 decode_engine: EngineId("d".into()),
@@ -194,28 +182,16 @@ mod tests {
                 block_ids: vec![3, 4, 9],
                 num_tokens: 40,
             },
-            Message::Done {
-                transfer_id: t.clone(),
-                rank: 0,
-                first_token: Some(17),
-                status: DoneStatus::Ok,
-            },
+            Message::Done { transfer_id: t.clone(), rank: 0, first_token: Some(17), status: DoneStatus::Ok },
             Message::Done {
                 transfer_id: t.clone(),
                 rank: 0,
                 first_token: None,
                 status: DoneStatus::Failed("x".into()),
             },
-            Message::Failed {
-                transfer_id: t.clone(),
-                reason: "r".into(),
-            },
-            Message::Heartbeat {
-                transfer_ids: vec![t.clone()],
-            },
-            Message::Abort {
-                transfer_id: t.clone(),
-            },
+            Message::Failed { transfer_id: t.clone(), reason: "r".into() },
+            Message::Heartbeat { transfer_ids: vec![t.clone()] },
+            Message::Abort { transfer_id: t.clone() },
             Message::WriteBlocks {
                 transfer_id: t.clone(),
                 blocks: vec![1],
@@ -223,21 +199,9 @@ mod tests {
                 num_tokens: 9,
                 bytes: 64,
             },
-            Message::ReadBlocks {
-                transfer_id: t.clone(),
-                blocks: vec![2, 3],
-                num_tokens: 20,
-            },
-            Message::BlockData {
-                transfer_id: t.clone(),
-                src_block_size: 8,
-                bytes: 0,
-                error: Some("expired".into()),
-            },
-            Message::WriteAck {
-                transfer_id: t,
-                error: None,
-            },
+            Message::ReadBlocks { transfer_id: t.clone(), blocks: vec![2, 3], num_tokens: 20 },
+            Message::BlockData { transfer_id: t.clone(), src_block_size: 8, bytes: 0, error: Some("expired".into()) },
+            Message::WriteAck { transfer_id: t, error: None },
         ];
         let mut buf = Vec::new();
         for m in &msgs {
@@ -254,21 +218,12 @@ mod tests {
     fn oversized_truncated_and_garbage_frames_are_errors() {
         let mut huge = Vec::new();
         huge.extend_from_slice(&(u32::MAX).to_be_bytes());
-        assert!(matches!(
-            read_message(&mut &huge[..]),
-            Err(KvError::Protocol(_))
-        ));
+        assert!(matches!(read_message(&mut &huge[..]), Err(KvError::Protocol(_))));
         let mut garbage = Vec::new();
         garbage.extend_from_slice(&5u32.to_be_bytes());
         garbage.extend_from_slice(b"{{{{{");
-        assert!(matches!(
-            read_message(&mut &garbage[..]),
-            Err(KvError::Protocol(_))
-        ));
+        assert!(matches!(read_message(&mut &garbage[..]), Err(KvError::Protocol(_))));
         let truncated = [0u8, 0, 0, 9, b'{'];
-        assert!(matches!(
-            read_message(&mut &truncated[..]),
-            Err(KvError::Io(_))
-        ));
+        assert!(matches!(read_message(&mut &truncated[..]), Err(KvError::Io(_))));
     }
 }

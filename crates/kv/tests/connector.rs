@@ -12,13 +12,7 @@ use tandem_kv::tcp::Timeouts;
 use tandem_kv::{ConnectorConfig, ConnectorEvent, FaultInjection, KvConnector, KvMode, Role};
 
 fn layout(bs: usize) -> KvLayout {
-    KvLayout {
-        num_layers: 2,
-        num_kv_heads: 2,
-        head_dim: 8,
-        block_size: bs,
-        num_blocks: 32,
-    }
+    KvLayout { num_layers: 2, num_kv_heads: 2, head_dim: 8, block_size: bs, num_blocks: 32 }
 }
 
 fn config(role: Role, mode: KvMode) -> ConnectorConfig {
@@ -29,10 +23,7 @@ fn config(role: Role, mode: KvMode) -> ConnectorConfig {
         listen: "127.0.0.1:0".into(),
         advertise_host: "127.0.0.1".into(),
         model_fingerprint: "test".into(),
-        timeouts: Timeouts {
-            connect: Duration::from_secs(2),
-            io: Duration::from_secs(2),
-        },
+        timeouts: Timeouts { connect: Duration::from_secs(2), io: Duration::from_secs(2) },
         lease: Duration::from_millis(600),
         transfer_timeout: Duration::from_millis(800),
         faults: FaultInjection::default(),
@@ -64,22 +55,9 @@ fn pair(mode: KvMode, p_bs: usize, d_bs: usize, faults: FaultInjection) -> Pair 
             p_cache.write_token(l, 3 + t / p_bs, t % p_bs, &k, &k);
         }
     }
-    let p = KvConnector::start(
-        ConnectorConfig {
-            faults,
-            ..config(Role::Prefill, mode)
-        },
-        p_cache.region(),
-    )
-    .unwrap();
+    let p = KvConnector::start(ConnectorConfig { faults, ..config(Role::Prefill, mode) }, p_cache.region()).unwrap();
     let d = KvConnector::start(config(Role::Decode, mode), d_cache.region()).unwrap();
-    Pair {
-        p,
-        d,
-        p_cache,
-        d_cache,
-        freed: Arc::new(AtomicUsize::new(0)),
-    }
+    Pair { p, d, p_cache, d_cache, freed: Arc::new(AtomicUsize::new(0)) }
 }
 
 impl Pair {
@@ -92,13 +70,7 @@ impl Pair {
     fn produce(&self, tid: &str, tokens: usize) {
         let bs = self.p_cache.layout().block_size;
         let blocks: Vec<u32> = (0..tokens.div_ceil(bs) as u32).map(|b| b + 3).collect();
-        self.p.produced(
-            TransferId(tid.into()),
-            Box::new(Held(self.freed.clone())),
-            blocks,
-            tokens,
-            77,
-        );
+        self.p.produced(TransferId(tid.into()), Box::new(Held(self.freed.clone())), blocks, tokens, 77);
     }
 
     fn d_blocks(&self, tokens: usize) -> Vec<u32> {
@@ -126,16 +98,12 @@ impl Pair {
     }
 
     fn assert_landed(&self, tokens: usize, d_blocks: &[u32]) {
-        let (pb, db) = (
-            self.p_cache.layout().block_size,
-            self.d_cache.layout().block_size,
-        );
+        let (pb, db) = (self.p_cache.layout().block_size, self.d_cache.layout().block_size);
         for t in 0..tokens {
             for l in 0..2 {
                 for kv in 0..2 {
                     let a = &self.p_cache.plane(3 + t / pb, l, kv, 1)[(t % pb) * 8..][..8];
-                    let b = &self.d_cache.plane(d_blocks[t / db] as usize, l, kv, 1)
-                        [(t % db) * 8..][..8];
+                    let b = &self.d_cache.plane(d_blocks[t / db] as usize, l, kv, 1)[(t % db) * 8..][..8];
                     assert_eq!(a, b, "token {t}");
                 }
             }
@@ -144,11 +112,7 @@ impl Pair {
 }
 
 fn push_source(p: &Pair, tid: &str) -> RemoteKv {
-    RemoteKv::PushFrom {
-        transfer_id: TransferId(tid.into()),
-        peer: p.p_addr(),
-        peer_engine: None,
-    }
+    RemoteKv::PushFrom { transfer_id: TransferId(tid.into()), peer: p.p_addr(), peer_engine: None }
 }
 
 #[test]
@@ -156,39 +120,17 @@ fn push_in_both_orders_with_different_block_sizes() {
     let p = pair(KvMode::Push, 16, 4, FaultInjection::default());
     let (tokens, blocks) = (37, p.d_blocks(37));
     // Registration first.
-    p.d.expect(
-        RequestId::new("r1"),
-        push_source(&p, "t1"),
-        blocks.clone(),
-        tokens,
-    );
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens);
     std::thread::sleep(Duration::from_millis(100));
     p.produce("t1", tokens);
-    assert_eq!(
-        p.wait_event(),
-        ConnectorEvent::Ready {
-            request_id: RequestId::new("r1"),
-            first_token: Some(77)
-        }
-    );
+    assert_eq!(p.wait_event(), ConnectorEvent::Ready { request_id: RequestId::new("r1"), first_token: Some(77) });
     p.assert_landed(tokens, &blocks);
     p.wait_freed(1);
     // Produced first.
     p.produce("t2", tokens);
     std::thread::sleep(Duration::from_millis(100));
-    p.d.expect(
-        RequestId::new("r2"),
-        push_source(&p, "t2"),
-        blocks.clone(),
-        tokens,
-    );
-    assert_eq!(
-        p.wait_event(),
-        ConnectorEvent::Ready {
-            request_id: RequestId::new("r2"),
-            first_token: Some(77)
-        }
-    );
+    p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), tokens);
+    assert_eq!(p.wait_event(), ConnectorEvent::Ready { request_id: RequestId::new("r2"), first_token: Some(77) });
     p.wait_freed(2);
     let s = p.p.stats();
     assert_eq!((s.transfers_ok, s.regions), (2, 2), "{s:?}");
@@ -210,13 +152,7 @@ fn pull_reads_then_releases_and_an_expired_lease_refuses_a_late_read() {
     p.produce("t1", 40);
     let blocks = p.d_blocks(40);
     p.d.expect(RequestId::new("r1"), src("t1", epoch), blocks.clone(), 40);
-    assert_eq!(
-        p.wait_event(),
-        ConnectorEvent::Ready {
-            request_id: RequestId::new("r1"),
-            first_token: Some(77)
-        }
-    );
+    assert_eq!(p.wait_event(), ConnectorEvent::Ready { request_id: RequestId::new("r1"), first_token: Some(77) });
     p.assert_landed(40, &blocks);
     p.wait_freed(1); // released by decode's Done
                      // A lease that expires before decode reads: the read is refused, the blocks were freed.
@@ -234,12 +170,7 @@ fn pull_reads_then_releases_and_an_expired_lease_refuses_a_late_read() {
     assert!(p.p.stats().expired >= 1);
     // A stale epoch (prefill restarted) is refused before any read.
     p.produce("t3", 40);
-    p.d.expect(
-        RequestId::new("r3"),
-        src("t3", Epoch(epoch.0 + 1)),
-        blocks,
-        40,
-    );
+    p.d.expect(RequestId::new("r3"), src("t3", Epoch(epoch.0 + 1)), blocks, 40);
     match p.wait_event() {
         ConnectorEvent::Failed { reason, .. } => assert!(reason.contains("restarted"), "{reason}"),
         other => panic!("expected a refusal, got {other:?}"),
@@ -251,42 +182,21 @@ fn a_dropped_completion_fails_within_the_deadline_and_aborts_release() {
     let p = pair(KvMode::Push, 16, 16, FaultInjection { drop_done: true });
     let blocks = p.d_blocks(20);
     let start = Instant::now();
-    p.d.expect(
-        RequestId::new("r1"),
-        push_source(&p, "t1"),
-        blocks.clone(),
-        20,
-    );
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20);
     p.produce("t1", 20);
     match p.wait_event() {
         ConnectorEvent::Failed { reason, .. } => assert!(reason.contains("timed out"), "{reason}"),
         other => panic!("expected a timeout, got {other:?}"),
     }
-    assert!(
-        start.elapsed() < Duration::from_secs(3),
-        "bounded by the transfer timeout"
-    );
+    assert!(start.elapsed() < Duration::from_secs(3), "bounded by the transfer timeout");
     // Abort while waiting: released at once, and prefill's registration is dropped.
-    p.d.expect(
-        RequestId::new("r2"),
-        push_source(&p, "t2"),
-        blocks.clone(),
-        20,
-    );
+    p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), 20);
     std::thread::sleep(Duration::from_millis(100));
     p.d.abort(RequestId::new("r2"));
-    assert_eq!(
-        p.wait_event(),
-        ConnectorEvent::Released {
-            request_id: RequestId::new("r2")
-        }
-    );
+    assert_eq!(p.wait_event(), ConnectorEvent::Released { request_id: RequestId::new("r2") });
     // Unreachable prefill: a clear failure, not a hang.
-    let gone = RemoteKv::PushFrom {
-        transfer_id: TransferId("t3".into()),
-        peer: "127.0.0.1:1".into(),
-        peer_engine: None,
-    };
+    let gone =
+        RemoteKv::PushFrom { transfer_id: TransferId("t3".into()), peer: "127.0.0.1:1".into(), peer_engine: None };
     p.d.expect(RequestId::new("r3"), gone, blocks, 20);
     match p.wait_event() {
         ConnectorEvent::Failed { reason, .. } => {

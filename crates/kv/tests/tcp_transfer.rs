@@ -11,27 +11,13 @@ use tandem_kv::wire::{read_message, write_message, Message};
 use tandem_kv::{AgentInfo, KvError, KvMode, Role};
 
 fn infos(block_p: usize, block_d: usize) -> (AgentInfo, AgentInfo) {
-    let p = AgentInfo {
-        block_size: block_p,
-        ..AgentInfo::example()
-    };
-    let d = AgentInfo {
-        engine_id: EngineId("decode-0".into()),
-        role: Role::Decode,
-        block_size: block_d,
-        ..p.clone()
-    };
+    let p = AgentInfo { block_size: block_p, ..AgentInfo::example() };
+    let d = AgentInfo { engine_id: EngineId("decode-0".into()), role: Role::Decode, block_size: block_d, ..p.clone() };
     (p, d)
 }
 
 fn layout(bs: usize) -> KvLayout {
-    KvLayout {
-        num_layers: 4,
-        num_kv_heads: 2,
-        head_dim: 32,
-        block_size: bs,
-        num_blocks: 64,
-    }
+    KvLayout { num_layers: 4, num_kv_heads: 2, head_dim: 32, block_size: bs, num_blocks: 64 }
 }
 
 fn fill(cache: &mut KvCache, table: &[u32], tokens: usize) {
@@ -40,13 +26,7 @@ fn fill(cache: &mut KvCache, table: &[u32], tokens: usize) {
         for layer in 0..l.num_layers {
             let k: Vec<f32> = (0..64).map(|i| (t * 7 + layer * 3 + i) as f32).collect();
             let v: Vec<f32> = (0..64).map(|i| -((t * 5 + layer + i) as f32)).collect();
-            cache.write_token(
-                layer,
-                table[t / l.block_size] as usize,
-                t % l.block_size,
-                &k,
-                &v,
-            );
+            cache.write_token(layer, table[t / l.block_size] as usize, t % l.block_size, &k, &v);
         }
     }
 }
@@ -57,9 +37,7 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
         let (p_info, d_info) = infos(bs_p, bs_d);
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let d_table: Vec<u32> = (0..layout(bs_d).blocks_for(tokens) as u32)
-            .map(|b| 63 - b * 2)
-            .collect();
+        let d_table: Vec<u32> = (0..layout(bs_d).blocks_for(tokens) as u32).map(|b| 63 - b * 2).collect();
         let d_table2 = d_table.clone();
         // Decode side: accepts, checks the handshake, receives one write into its blocks.
         let decode = std::thread::spawn(move || {
@@ -69,34 +47,13 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
             assert_eq!(peer.engine_id.0, "prefill-0");
             let cache = KvCache::new(layout(bs_d));
             match read_message(&mut s).unwrap() {
-                Message::WriteBlocks {
-                    transfer_id,
-                    blocks,
-                    src_block_size,
-                    num_tokens,
-                    bytes,
-                } => {
+                Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes } => {
                     assert_eq!(blocks, d_table2);
                     // Safety: the test owns every block of this cache.
                     unsafe {
-                        recv_blocks(
-                            &mut s,
-                            bytes,
-                            src_block_size,
-                            &cache.region(),
-                            &blocks,
-                            num_tokens,
-                        )
-                        .unwrap()
+                        recv_blocks(&mut s, bytes, src_block_size, &cache.region(), &blocks, num_tokens).unwrap()
                     };
-                    write_message(
-                        &mut s,
-                        &Message::WriteAck {
-                            transfer_id,
-                            error: None,
-                        },
-                    )
-                    .unwrap();
+                    write_message(&mut s, &Message::WriteAck { transfer_id, error: None }).unwrap();
                 }
                 other => panic!("unexpected {other:?}"),
             }
@@ -104,9 +61,7 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
         });
         // Prefill side: fills scattered blocks, connects, writes them.
         let mut p_cache = KvCache::new(layout(bs_p));
-        let p_table: Vec<u32> = (0..layout(bs_p).blocks_for(tokens) as u32)
-            .map(|b| (b * 3) % 64)
-            .collect();
+        let p_table: Vec<u32> = (0..layout(bs_p).blocks_for(tokens) as u32).map(|b| (b * 3) % 64).collect();
         fill(&mut p_cache, &p_table, tokens);
         let mut s = connect(&addr, Timeouts::default()).unwrap();
         assert_eq!(handshake(&mut s, &p_info).unwrap().role, Role::Decode);
@@ -127,13 +82,7 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
         // Safety: the test owns every block of this cache.
         let sent = unsafe { send_blocks(&mut s, &region, &p_table, tokens).unwrap() };
         assert_eq!(sent, bytes);
-        assert_eq!(
-            read_message(&mut s).unwrap(),
-            Message::WriteAck {
-                transfer_id: t,
-                error: None
-            }
-        );
+        assert_eq!(read_message(&mut s).unwrap(), Message::WriteAck { transfer_id: t, error: None });
         let d_cache = decode.join().unwrap();
         let (lp, ld) = (layout(bs_p), layout(bs_d));
         for tok in 0..tokens {
@@ -155,10 +104,7 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
 #[test]
 fn incompatible_peers_are_refused_at_handshake_with_the_reason() {
     let (p_info, d_info) = infos(16, 16);
-    let d_info = AgentInfo {
-        kv_mode: KvMode::Pull,
-        ..d_info
-    };
+    let d_info = AgentInfo { kv_mode: KvMode::Pull, ..d_info };
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let server = std::thread::spawn(move || {
@@ -176,10 +122,7 @@ fn incompatible_peers_are_refused_at_handshake_with_the_reason() {
 fn a_silent_peer_times_out_within_the_bound_and_an_absent_one_is_unreachable() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let t = Timeouts {
-        connect: Duration::from_millis(500),
-        io: Duration::from_millis(200),
-    };
+    let t = Timeouts { connect: Duration::from_millis(500), io: Duration::from_millis(200) };
     let mut s = connect(&addr, t).unwrap();
     let start = Instant::now();
     let err = handshake(&mut s, &AgentInfo::example()).unwrap_err();

@@ -127,9 +127,7 @@ impl ModelConfig {
             .architectures
             .as_ref()
             .and_then(|a| a.first().cloned())
-            .ok_or_else(|| {
-                ModelError::UnsupportedConfig("config.json has no `architectures`".into())
-            })?;
+            .ok_or_else(|| ModelError::UnsupportedConfig("config.json has no `architectures`".into()))?;
         let architecture = match arch_name.as_str() {
             "Qwen3ForCausalLM" => Architecture::Qwen3,
             "Qwen2ForCausalLM" => Architecture::Qwen2,
@@ -138,15 +136,11 @@ impl ModelConfig {
         };
         if let Some(act) = &hf.hidden_act {
             if act != "silu" {
-                return Err(ModelError::UnsupportedConfig(format!(
-                    "hidden_act `{act}` (only silu)"
-                )));
+                return Err(ModelError::UnsupportedConfig(format!("hidden_act `{act}` (only silu)")));
             }
         }
         if hf.use_sliding_window == Some(true) {
-            return Err(ModelError::UnsupportedConfig(
-                "use_sliding_window = true".into(),
-            ));
+            return Err(ModelError::UnsupportedConfig("use_sliding_window = true".into()));
         }
         let num_kv_heads = hf.num_key_value_heads.unwrap_or(hf.num_attention_heads);
         if num_kv_heads == 0 || !hf.num_attention_heads.is_multiple_of(num_kv_heads) {
@@ -155,13 +149,9 @@ impl ModelConfig {
                 hf.num_attention_heads
             )));
         }
-        let head_dim = hf
-            .head_dim
-            .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1));
+        let head_dim = hf.head_dim.unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1));
         if head_dim == 0 || !head_dim.is_multiple_of(2) {
-            return Err(ModelError::UnsupportedConfig(format!(
-                "head_dim {head_dim} must be even"
-            )));
+            return Err(ModelError::UnsupportedConfig(format!("head_dim {head_dim} must be even")));
         }
         let (rope_theta, rope_scaling) = parse_rope(&hf)?;
         let attention_bias = hf.attention_bias.unwrap_or(false);
@@ -229,11 +219,7 @@ impl From<ModelError> for ConfigParseError {
 pub(crate) fn token_id_list(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .map(|x| x as u32)
-            .collect(),
+        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
         _ => Vec::new(),
     }
 }
@@ -244,17 +230,15 @@ fn parse_rope(hf: &HfConfig) -> Result<(f32, RopeScaling), ModelError> {
     let params = hf.rope_parameters.as_ref().or(hf.rope_scaling.as_ref());
     let field = |k: &str| params.and_then(|p| p.get(k)).and_then(Value::as_f64);
     let theta = field("rope_theta").or(hf.rope_theta).unwrap_or(10_000.0) as f32;
-    let kind = params
-        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
+    let kind =
+        params.and_then(|p| p.get("rope_type").or_else(|| p.get("type"))).and_then(Value::as_str).unwrap_or("default");
     let scaling = match kind {
         "default" => RopeScaling::None,
         "llama3" => {
             let need = |k: &str| {
-                field(k).map(|v| v as f32).ok_or_else(|| {
-                    ModelError::UnsupportedConfig(format!("llama3 rope scaling without `{k}`"))
-                })
+                field(k)
+                    .map(|v| v as f32)
+                    .ok_or_else(|| ModelError::UnsupportedConfig(format!("llama3 rope scaling without `{k}`")))
             };
             RopeScaling::Llama3 {
                 factor: need("factor")?,
@@ -263,11 +247,7 @@ fn parse_rope(hf: &HfConfig) -> Result<(f32, RopeScaling), ModelError> {
                 original_max_position_embeddings: need("original_max_position_embeddings")?,
             }
         }
-        other => {
-            return Err(ModelError::UnsupportedConfig(format!(
-                "rope_type `{other}`"
-            )))
-        }
+        other => return Err(ModelError::UnsupportedConfig(format!("rope_type `{other}`"))),
     };
     Ok((theta, scaling))
 }
@@ -299,26 +279,21 @@ mod tests {
 
     #[test]
     fn rejects_unknown_architecture_and_options_by_name() {
-        let e = parse(&format!(
-            r#"{{"architectures":["GPT2LMHeadModel"], {BASE}}}"#
-        ))
-        .unwrap_err();
+        let e = parse(&format!(r#"{{"architectures":["GPT2LMHeadModel"], {BASE}}}"#)).unwrap_err();
         assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
+        let e =
+            parse(&format!(r#"{{"architectures":["LlamaForCausalLM"], {BASE}, "hidden_act":"gelu"}}"#)).unwrap_err();
+        assert!(e.to_string().contains("gelu"), "{e}");
         let e = parse(&format!(
-            r#"{{"architectures":["LlamaForCausalLM"], {BASE}, "hidden_act":"gelu"}}"#
+            r#"{{"architectures":["LlamaForCausalLM"], {BASE}, "rope_scaling":{{"rope_type":"yarn","factor":4.0}}}}"#
         ))
         .unwrap_err();
-        assert!(e.to_string().contains("gelu"), "{e}");
-        let e = parse(&format!(r#"{{"architectures":["LlamaForCausalLM"], {BASE}, "rope_scaling":{{"rope_type":"yarn","factor":4.0}}}}"#)).unwrap_err();
         assert!(e.to_string().contains("yarn"), "{e}");
     }
 
     #[test]
     fn eos_may_be_int_or_list() {
-        let c = parse(&format!(
-            r#"{{"architectures":["Qwen2ForCausalLM"], {BASE}, "eos_token_id":[3,4]}}"#
-        ))
-        .unwrap();
+        let c = parse(&format!(r#"{{"architectures":["Qwen2ForCausalLM"], {BASE}, "eos_token_id":[3,4]}}"#)).unwrap();
         assert_eq!(c.eos_token_ids, vec![3, 4]);
         assert!(c.qkv_bias && !c.o_bias && !c.qk_norm);
     }

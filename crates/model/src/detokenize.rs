@@ -57,33 +57,20 @@ pub struct StopOutcome {
 impl StopMatcher {
     /// Matches any of `stops` (empty strings are ignored).
     pub fn new(stops: Vec<String>) -> Self {
-        Self {
-            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
-            held: String::new(),
-        }
+        Self { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new() }
     }
 
     /// Feeds new text.
     pub fn feed(&mut self, delta: &str) -> StopOutcome {
         if self.stops.is_empty() {
-            return StopOutcome {
-                emit: delta.to_string(),
-                stopped: false,
-            };
+            return StopOutcome { emit: delta.to_string(), stopped: false };
         }
         self.held.push_str(delta);
-        let earliest = self
-            .stops
-            .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min();
+        let earliest = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
         if let Some(at) = earliest {
             let emit = self.held[..at].to_string();
             self.held.clear();
-            return StopOutcome {
-                emit,
-                stopped: true,
-            };
+            return StopOutcome { emit, stopped: true };
         }
         // Hold back the longest suffix that is a proper prefix of some stop string.
         let mut keep = 0;
@@ -97,10 +84,7 @@ impl StopMatcher {
         let cut = self.held.len() - keep;
         let emit = self.held[..cut].to_string();
         self.held.drain(..cut);
-        StopOutcome {
-            emit,
-            stopped: false,
-        }
+        StopOutcome { emit, stopped: false }
     }
 
     /// Text still held back when generation ends for another reason.
@@ -133,49 +117,13 @@ mod tests {
     #[test]
     fn stop_string_split_across_pieces_is_held_then_cut() {
         let mut m = StopMatcher::new(vec!["STOP".into(), "\n\n".into()]);
-        assert_eq!(
-            m.feed("abc S"),
-            StopOutcome {
-                emit: "abc ".into(),
-                stopped: false
-            }
-        );
-        assert_eq!(
-            m.feed("T"),
-            StopOutcome {
-                emit: "".into(),
-                stopped: false
-            }
-        );
-        assert_eq!(
-            m.feed("OPxyz"),
-            StopOutcome {
-                emit: "".into(),
-                stopped: true
-            }
-        );
+        assert_eq!(m.feed("abc S"), StopOutcome { emit: "abc ".into(), stopped: false });
+        assert_eq!(m.feed("T"), StopOutcome { emit: "".into(), stopped: false });
+        assert_eq!(m.feed("OPxyz"), StopOutcome { emit: "".into(), stopped: true });
         let mut m = StopMatcher::new(vec!["STOP".into()]);
-        assert_eq!(
-            m.feed("ST"),
-            StopOutcome {
-                emit: "".into(),
-                stopped: false
-            }
-        );
-        assert_eq!(
-            m.feed("AY"),
-            StopOutcome {
-                emit: "STAY".into(),
-                stopped: false
-            }
-        );
-        assert_eq!(
-            m.feed("end S"),
-            StopOutcome {
-                emit: "end ".into(),
-                stopped: false
-            }
-        );
+        assert_eq!(m.feed("ST"), StopOutcome { emit: "".into(), stopped: false });
+        assert_eq!(m.feed("AY"), StopOutcome { emit: "STAY".into(), stopped: false });
+        assert_eq!(m.feed("end S"), StopOutcome { emit: "end ".into(), stopped: false });
         assert_eq!(m.flush(), "S");
     }
 }

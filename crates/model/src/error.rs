@@ -65,7 +65,9 @@ pub enum ModelError {
         message: String,
     },
     /// No model files at the given path.
-    #[error("{path}: not a model directory (expected config.json and model.safetensors or model.safetensors.index.json)")]
+    #[error(
+        "{path}: not a model directory (expected config.json and model.safetensors or model.safetensors.index.json)"
+    )]
     NotAModel {
         /// The path given.
         path: PathBuf,
@@ -91,9 +93,6 @@ pub enum ModelError {
 
 impl ModelError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Self::Io {
-            path: path.into(),
-            source,
-        }
+        Self::Io { path: path.into(), source }
     }
 }

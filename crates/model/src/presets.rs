@@ -132,43 +132,11 @@ pub const PRESETS: &[Preset] = &[
         tie_word_embeddings: true,
         rms_norm_eps: 1e-5,
     },
-    qwen3(
-        "qwen3-0.6b",
-        "the Qwen3-0.6B shape",
-        1024,
-        3072,
-        28,
-        16,
-        true,
-    ),
-    qwen3(
-        "qwen3-1.7b",
-        "the Qwen3-1.7B shape",
-        2048,
-        6144,
-        28,
-        16,
-        true,
-    ),
+    qwen3("qwen3-0.6b", "the Qwen3-0.6B shape", 1024, 3072, 28, 16, true),
+    qwen3("qwen3-1.7b", "the Qwen3-1.7B shape", 2048, 6144, 28, 16, true),
     qwen3("qwen3-4b", "the Qwen3-4B shape", 2560, 9728, 36, 32, true),
-    qwen3(
-        "qwen3-8b",
-        "the Qwen3-8B shape",
-        4096,
-        12_288,
-        36,
-        32,
-        false,
-    ),
-    qwen3(
-        "qwen3-32b",
-        "the Qwen3-32B shape",
-        5120,
-        25_600,
-        64,
-        64,
-        false,
-    ),
+    qwen3("qwen3-8b", "the Qwen3-8B shape", 4096, 12_288, 36, 32, false),
+    qwen3("qwen3-32b", "the Qwen3-32B shape", 5120, 25_600, 64, 64, false),
 ];
 
 /// Special tokens every preset tokenizer has, at the top of the vocabulary.
@@ -180,17 +148,10 @@ pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}{{ '<|im_start|
 impl Preset {
     /// Looks a preset up by name.
     pub fn find(name: &str) -> Result<&'static Preset, ModelError> {
-        PRESETS
-            .iter()
-            .find(|p| p.name == name)
-            .ok_or_else(|| ModelError::UnknownPreset {
-                name: name.to_string(),
-                known: PRESETS
-                    .iter()
-                    .map(|p| p.name)
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            })
+        PRESETS.iter().find(|p| p.name == name).ok_or_else(|| ModelError::UnknownPreset {
+            name: name.to_string(),
+            known: PRESETS.iter().map(|p| p.name).collect::<Vec<_>>().join(", "),
+        })
     }
 
     fn special_id(&self, token: &str) -> u32 {
@@ -254,19 +215,10 @@ impl Preset {
     /// input token. Embeddings use 3/sqrt(hidden) so logits spread over a few units and
     /// sampling parameters visibly matter.
     fn tensor_specs(&self) -> Vec<(String, Vec<usize>, f32)> {
-        let (h, i, v, hd) = (
-            self.hidden_size,
-            self.intermediate_size,
-            self.vocab_size,
-            self.head_dim,
-        );
+        let (h, i, v, hd) = (self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim);
         let (q, kv) = (self.num_heads * hd, self.num_kv_heads * hd);
         let fan = |n: usize| 1.0 / (n as f32).sqrt();
-        let mut specs = vec![(
-            "model.embed_tokens.weight".to_string(),
-            vec![v, h],
-            3.0 * fan(h),
-        )];
+        let mut specs = vec![("model.embed_tokens.weight".to_string(), vec![v, h], 3.0 * fan(h))];
         for l in 0..self.num_layers {
             let p = format!("model.layers.{l}");
             specs.extend([
@@ -331,15 +283,11 @@ impl Preset {
         // Merge pieces from lowercase letters and the byte-level space marker, so the text of a
         // random model looks like words.
         let space = byte_chars[b' ' as usize].to_string();
-        let mut pool: Vec<String> = (b'a'..=b'z')
-            .map(|b| byte_chars[b as usize].to_string())
-            .collect();
+        let mut pool: Vec<String> = (b'a'..=b'z').map(|b| byte_chars[b as usize].to_string()).collect();
         pool.push(space.clone());
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
         let mut next = |n: usize| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             ((state >> 33) as usize) % n
         };
         while vocab.len() < n_bpe {
@@ -357,11 +305,8 @@ impl Preset {
             vocab.push(merged.clone());
             pool.push(merged);
         }
-        let vocab_obj: serde_json::Map<String, Value> = vocab
-            .into_iter()
-            .enumerate()
-            .map(|(i, t)| (t, json!(i)))
-            .collect();
+        let vocab_obj: serde_json::Map<String, Value> =
+            vocab.into_iter().enumerate().map(|(i, t)| (t, json!(i))).collect();
         let added: Vec<Value> = SPECIAL_TOKENS
             .iter()
             .map(|t| {
@@ -394,25 +339,13 @@ impl Preset {
         };
         let pretty = |v: Value| serde_json::to_string_pretty(&v).unwrap_or_else(|_| v.to_string());
         write("config.json", pretty(self.config_json()))?;
-        write(
-            "generation_config.json",
-            pretty(self.generation_config_json()),
-        )?;
-        write(
-            "tokenizer_config.json",
-            pretty(self.tokenizer_config_json()),
-        )?;
+        write("generation_config.json", pretty(self.generation_config_json()))?;
+        write("tokenizer_config.json", pretty(self.tokenizer_config_json()))?;
         write("tokenizer.json", self.tokenizer_json())?;
         let weights = self.random_weights(seed);
         let mut named: Vec<(String, Vec<usize>, Vec<u8>)> = weights
             .iter()
-            .map(|(n, t)| {
-                (
-                    n.clone(),
-                    t.shape.clone(),
-                    t.data.iter().flat_map(|x| x.to_le_bytes()).collect(),
-                )
-            })
+            .map(|(n, t)| (n.clone(), t.shape.clone(), t.data.iter().flat_map(|x| x.to_le_bytes()).collect()))
             .collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));
         let views = named
@@ -422,26 +355,18 @@ impl Preset {
                     .map(|v| (n.clone(), v))
             })
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| ModelError::Safetensors {
-                path: dir.join("model.safetensors"),
-                message: e.to_string(),
-            })?;
+            .map_err(|e| ModelError::Safetensors { path: dir.join("model.safetensors"), message: e.to_string() })?;
         let path = dir.join("model.safetensors");
         let mut meta = std::collections::HashMap::new();
         meta.insert("format".to_string(), "pt".to_string());
-        safetensors::tensor::serialize_to_file(views, Some(meta), &path).map_err(|e| {
-            ModelError::Safetensors {
-                path,
-                message: e.to_string(),
-            }
-        })
+        safetensors::tensor::serialize_to_file(views, Some(meta), &path)
+            .map_err(|e| ModelError::Safetensors { path, message: e.to_string() })
     }
 }
 
 /// GPT-2's reversible byte -> printable character map, indexed by byte.
 fn bytes_to_unicode() -> Vec<char> {
-    let printable =
-        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
     let mut extra = 0u32;
     (0u32..256)
         .map(|b| {

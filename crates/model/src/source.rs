@@ -27,10 +27,7 @@ impl ModelSource {
     /// Parses `preset:NAME` (seed from `seed`) or a directory path.
     pub fn parse(spec: &str, seed: u64) -> Result<Self, ModelError> {
         match spec.strip_prefix("preset:") {
-            Some(name) => Ok(Self::Preset {
-                preset: Preset::find(name)?,
-                seed,
-            }),
+            Some(name) => Ok(Self::Preset { preset: Preset::find(name)?, seed }),
             None => Ok(Self::Dir(PathBuf::from(spec))),
         }
     }
@@ -68,12 +65,7 @@ impl LoadedModel {
                 }
                 let cfg = ModelConfig::from_dir(dir)?;
                 let weights = WeightMap::load_dir(dir)?;
-                (
-                    cfg,
-                    weights,
-                    TextTokenizer::from_dir(dir)?,
-                    generation_eos(dir)?,
-                )
+                (cfg, weights, TextTokenizer::from_dir(dir)?, generation_eos(dir)?)
             }
         };
         let limit = cfg.max_position_embeddings;
@@ -83,11 +75,7 @@ impl LoadedModel {
                     "--max-model-len {n} exceeds the model's max_position_embeddings {limit}"
                 )))
             }
-            Some(0) => {
-                return Err(ModelError::UnsupportedConfig(
-                    "--max-model-len must be at least 1".into(),
-                ))
-            }
+            Some(0) => return Err(ModelError::UnsupportedConfig("--max-model-len must be at least 1".into())),
             Some(n) => n,
             None => limit,
         };
@@ -97,12 +85,7 @@ impl LoadedModel {
         let mut seen = std::collections::HashSet::new();
         eos.retain(|id| *id < cfg.vocab_size as u32 && seen.insert(*id));
         let transformer = Transformer::from_weights(cfg, weights, max_model_len)?;
-        Ok(Self {
-            transformer,
-            tokenizer,
-            eos_token_ids: eos,
-            max_model_len,
-        })
+        Ok(Self { transformer, tokenizer, eos_token_ids: eos, max_model_len })
     }
 }
 
@@ -112,7 +95,6 @@ fn generation_eos(dir: &Path) -> Result<Vec<u32>, ModelError> {
         return Ok(Vec::new());
     }
     let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|source| ModelError::Json { path, source })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|source| ModelError::Json { path, source })?;
     Ok(token_id_list(v.get("eos_token_id")))
 }

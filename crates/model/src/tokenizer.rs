@@ -36,14 +36,8 @@ impl TextTokenizer {
         let bytes = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
         let cfg_path = dir.join("tokenizer_config.json");
         let config = if cfg_path.is_file() {
-            let text =
-                std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
-            Some(
-                serde_json::from_str(&text).map_err(|source| ModelError::Json {
-                    path: cfg_path,
-                    source,
-                })?,
-            )
+            let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
+            Some(serde_json::from_str(&text).map_err(|source| ModelError::Json { path: cfg_path, source })?)
         } else {
             None
         };
@@ -52,8 +46,8 @@ impl TextTokenizer {
 
     /// Builds a tokenizer from tokenizer.json bytes and an optional tokenizer_config.json value.
     pub fn from_parts(tokenizer_json: &[u8], config: Option<&Value>) -> Result<Self, ModelError> {
-        let inner = tokenizers::Tokenizer::from_bytes(tokenizer_json)
-            .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(tokenizer_json).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         let token_text = |key: &str| {
             config.and_then(|c| c.get(key)).and_then(|v| match v {
                 Value::String(s) => Some(s.clone()),
@@ -72,12 +66,7 @@ impl TextTokenizer {
                 .transpose()?,
             _ => None,
         };
-        Ok(Self {
-            inner,
-            template,
-            bos_token: token_text("bos_token"),
-            eos_token: token_text("eos_token"),
-        })
+        Ok(Self { inner, template, bos_token: token_text("bos_token"), eos_token: token_text("eos_token") })
     }
 
     /// Token ids of `text`. `add_special_tokens` applies the tokenizer's post-processor
@@ -91,14 +80,8 @@ impl TextTokenizer {
 
     /// Text of `ids`; ids the tokenizer does not know decode to nothing.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, ModelError> {
-        let known: Vec<u32> = ids
-            .iter()
-            .copied()
-            .filter(|&id| self.inner.id_to_token(id).is_some())
-            .collect();
-        self.inner
-            .decode(&known, skip_special_tokens)
-            .map_err(|e| ModelError::Tokenizer(e.to_string()))
+        let known: Vec<u32> = ids.iter().copied().filter(|&id| self.inner.id_to_token(id).is_some()).collect();
+        self.inner.decode(&known, skip_special_tokens).map_err(|e| ModelError::Tokenizer(e.to_string()))
     }
 
     /// The id of a token string, if it is in the vocabulary.
@@ -122,13 +105,9 @@ impl TextTokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ModelError> {
-        let env = self
-            .template
-            .as_ref()
-            .ok_or_else(|| ModelError::ChatTemplate("this model has no chat template".into()))?;
-        let tmpl = env
-            .get_template("chat")
-            .map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
+        let env =
+            self.template.as_ref().ok_or_else(|| ModelError::ChatTemplate("this model has no chat template".into()))?;
+        let tmpl = env.get_template("chat").map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -143,17 +122,10 @@ fn compile_template(source: String) -> Result<minijinja::Environment<'static>, M
     let mut env = minijinja::Environment::new();
     // HF templates are Jinja written for Python: they call str methods like .strip().
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        },
-    );
-    env.add_template_owned("chat", source)
-        .map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
+    env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+    });
+    env.add_template_owned("chat", source).map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
     Ok(env)
 }
 
@@ -164,46 +136,26 @@ mod tests {
 
     fn tiny() -> TextTokenizer {
         let p = Preset::find("tiny-qwen3").unwrap();
-        TextTokenizer::from_parts(
-            p.tokenizer_json().as_bytes(),
-            Some(&p.tokenizer_config_json()),
-        )
-        .unwrap()
+        TextTokenizer::from_parts(p.tokenizer_json().as_bytes(), Some(&p.tokenizer_config_json())).unwrap()
     }
 
     #[test]
     fn preset_tokenizer_round_trips_any_text() {
         let t = tiny();
-        for text in [
-            "hello world",
-            "Grüße, 世界! 123\n\ttabs",
-            " leading space",
-            "",
-        ] {
+        for text in ["hello world", "Grüße, 世界! 123\n\ttabs", " leading space", ""] {
             let ids = t.encode(text, false).unwrap();
             assert_eq!(t.decode(&ids, false).unwrap(), text);
         }
         // Merges compress lowercase words below one token per byte.
-        assert!(
-            t.encode("the quick brown fox jumps over the lazy dog", false)
-                .unwrap()
-                .len()
-                < 43
-        );
+        assert!(t.encode("the quick brown fox jumps over the lazy dog", false).unwrap().len() < 43);
     }
 
     #[test]
     fn chatml_template_renders_and_specials_are_single_tokens() {
         let t = tiny();
-        let msgs = [ChatMessage {
-            role: "user".into(),
-            content: "hi".into(),
-        }];
+        let msgs = [ChatMessage { role: "user".into(), content: "hi".into() }];
         let text = t.apply_chat_template(&msgs, true).unwrap();
-        assert_eq!(
-            text,
-            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-        );
+        assert_eq!(text, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
         let ids = t.encode(&text, false).unwrap();
         assert_eq!(ids[0], t.token_to_id("<|im_start|>").unwrap());
         assert_eq!(t.eos_token_id(), t.token_to_id("<|im_end|>"));

@@ -7,8 +7,7 @@
 //! block table) is passed in. The model knows nothing about requests or scheduling.
 
 use tandem_compute::cpu::{
-    add_inplace, apply_rope, matmul_t, paged_attention, rms_norm, rms_norm_inplace, silu_mul,
-    AttnSeq, RopeTable,
+    add_inplace, apply_rope, matmul_t, paged_attention, rms_norm, rms_norm_inplace, silu_mul, AttnSeq, RopeTable,
 };
 use tandem_compute::{KvCache, KvLayout};
 
@@ -84,11 +83,7 @@ pub struct Transformer {
 impl Transformer {
     /// Builds the model from HF-named tensors, checking every shape against `cfg`. `max_positions`
     /// bounds the RoPE table (the engine's max model length).
-    pub fn from_weights(
-        cfg: ModelConfig,
-        mut w: WeightMap,
-        max_positions: usize,
-    ) -> Result<Self, ModelError> {
+    pub fn from_weights(cfg: ModelConfig, mut w: WeightMap, max_positions: usize) -> Result<Self, ModelError> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let q_dim = cfg.num_heads * hd;
         let kv_dim = cfg.num_kv_heads * hd;
@@ -96,10 +91,7 @@ impl Transformer {
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
-            let mut stacked = |names: &[(&str, usize)],
-                               in_dim: usize,
-                               bias: bool|
-             -> Result<Linear, ModelError> {
+            let mut stacked = |names: &[(&str, usize)], in_dim: usize, bias: bool| -> Result<Linear, ModelError> {
                 let mut weight = Vec::new();
                 let mut b = Vec::new();
                 for (n, rows) in names {
@@ -109,28 +101,16 @@ impl Transformer {
                     }
                 }
                 let out_dim = names.iter().map(|(_, r)| r).sum();
-                Ok(Linear {
-                    weight,
-                    bias: bias.then_some(b),
-                    out_dim,
-                    in_dim,
-                })
+                Ok(Linear { weight, bias: bias.then_some(b), out_dim, in_dim })
             };
             let qkv = stacked(
-                &[
-                    ("self_attn.q_proj", q_dim),
-                    ("self_attn.k_proj", kv_dim),
-                    ("self_attn.v_proj", kv_dim),
-                ],
+                &[("self_attn.q_proj", q_dim), ("self_attn.k_proj", kv_dim), ("self_attn.v_proj", kv_dim)],
                 h,
                 cfg.qkv_bias,
             )?;
             let o = stacked(&[("self_attn.o_proj", h)], q_dim, cfg.o_bias)?;
             let gate_up = stacked(
-                &[
-                    ("mlp.gate_proj", cfg.intermediate_size),
-                    ("mlp.up_proj", cfg.intermediate_size),
-                ],
+                &[("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)],
                 h,
                 cfg.mlp_bias,
             )?;
@@ -161,14 +141,7 @@ impl Transformer {
             Some(w.take("lm_head.weight", &[cfg.vocab_size, h])?)
         };
         let rope = RopeTable::new(hd, cfg.rope_theta, cfg.rope_scaling, max_positions);
-        Ok(Self {
-            cfg,
-            embed,
-            layers,
-            norm,
-            lm_head,
-            rope,
-        })
+        Ok(Self { cfg, embed, layers, norm, lm_head, rope })
     }
 
     /// The model's shape.
@@ -217,12 +190,7 @@ impl Transformer {
     /// both when it admits a request.
     pub fn forward(&self, token_ids: &[u32], seqs: &[SeqBatch<'_>], kv: &mut KvCache) -> Vec<f32> {
         let cfg = &self.cfg;
-        let (h, hd, nh, nkv) = (
-            cfg.hidden_size,
-            cfg.head_dim,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-        );
+        let (h, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
         let (q_dim, kv_dim) = (nh * hd, nkv * hd);
         let t = token_ids.len();
         let block_size = kv.layout().block_size;
@@ -233,8 +201,7 @@ impl Transformer {
             for i in 0..s.num_tokens {
                 let pos = s.first_pos + i;
                 positions[s.token_start + i] = pos;
-                slots[s.token_start + i] =
-                    (s.block_table[pos / block_size] as usize, pos % block_size);
+                slots[s.token_start + i] = (s.block_table[pos / block_size] as usize, pos % block_size);
             }
         }
         let attn_seqs: Vec<AttnSeq<'_>> = seqs
@@ -274,13 +241,7 @@ impl Transformer {
             apply_rope(&mut q, nh, hd, &positions, &self.rope);
             apply_rope(&mut k, nkv, hd, &positions, &self.rope);
             for (r, &(block, slot)) in slots.iter().enumerate() {
-                kv.write_token(
-                    li,
-                    block,
-                    slot,
-                    &k[r * kv_dim..(r + 1) * kv_dim],
-                    &v[r * kv_dim..(r + 1) * kv_dim],
-                );
+                kv.write_token(li, block, slot, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim]);
             }
             paged_attention(&q, nh, kv, li, &attn_seqs, scale, &mut attn);
             let o = layer.o.forward(&attn, t);
@@ -307,14 +268,7 @@ impl Transformer {
         rms_norm(&last, &self.norm, cfg.rms_norm_eps, &mut last_normed);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0.0f32; picked.len() * cfg.vocab_size];
-        matmul_t(
-            &last_normed,
-            picked.len(),
-            head,
-            cfg.vocab_size,
-            h,
-            &mut logits,
-        );
+        matmul_t(&last_normed, picked.len(), head, cfg.vocab_size, h, &mut logits);
         logits
     }
 }

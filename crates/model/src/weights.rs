@@ -42,18 +42,9 @@ impl WeightMap {
 
     /// Removes and returns `name`, checking its shape.
     pub fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
-        let t = self
-            .tensors
-            .remove(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_string(),
-            })?;
+        let t = self.tensors.remove(name).ok_or_else(|| ModelError::MissingTensor { name: name.to_string() })?;
         if t.shape != shape {
-            return Err(ModelError::ShapeMismatch {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                found: t.shape,
-            });
+            return Err(ModelError::ShapeMismatch { name: name.to_string(), expected: shape.to_vec(), found: t.shape });
         }
         Ok(t.data)
     }
@@ -80,19 +71,11 @@ impl WeightMap {
         // another process is the one hazard mmap carries, and reading a checkpoint that is
         // being rewritten is wrong in any case.
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
-        let st = SafeTensors::deserialize(&mmap).map_err(|e| ModelError::Safetensors {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let st = SafeTensors::deserialize(&mmap)
+            .map_err(|e| ModelError::Safetensors { path: path.to_path_buf(), message: e.to_string() })?;
         for (name, view) in st.tensors() {
             let data = to_f32(&name, view.dtype(), view.data())?;
-            self.insert(
-                name,
-                Tensor {
-                    shape: view.shape().to_vec(),
-                    data,
-                },
-            );
+            self.insert(name, Tensor { shape: view.shape().to_vec(), data });
         }
         Ok(())
     }
@@ -106,27 +89,16 @@ fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     }
     let index = dir.join("model.safetensors.index.json");
     if !index.is_file() {
-        return Err(ModelError::NotAModel {
-            path: dir.to_path_buf(),
-        });
+        return Err(ModelError::NotAModel { path: dir.to_path_buf() });
     }
     let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
     let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|source| ModelError::Json {
-            path: index.clone(),
-            source,
-        })?;
+        serde_json::from_str(&text).map_err(|source| ModelError::Json { path: index.clone(), source })?;
     let map = json
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| ModelError::Safetensors {
-            path: index.clone(),
-            message: "no `weight_map` object".into(),
-        })?;
-    let mut files: Vec<String> = map
-        .values()
-        .filter_map(|v| v.as_str().map(str::to_string))
-        .collect();
+        .ok_or_else(|| ModelError::Safetensors { path: index.clone(), message: "no `weight_map` object".into() })?;
+    let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
     files.sort();
     files.dedup();
     Ok(files.into_iter().map(|f| dir.join(f)).collect())
@@ -134,23 +106,9 @@ fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
 
 fn to_f32(name: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>, ModelError> {
     Ok(match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        other => {
-            return Err(ModelError::UnsupportedDtype {
-                name: name.to_string(),
-                dtype: format!("{other:?}"),
-            })
-        }
+        Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        other => return Err(ModelError::UnsupportedDtype { name: name.to_string(), dtype: format!("{other:?}") }),
     })
 }

@@ -28,23 +28,12 @@ fn greedy(model: &LoadedModel, prompt: &[u32], new_tokens: usize, block_size: us
         }
         best as u32
     };
-    let seq = SeqBatch {
-        token_start: 0,
-        num_tokens: prompt.len(),
-        first_pos: 0,
-        block_table: &table,
-        want_logits: true,
-    };
+    let seq =
+        SeqBatch { token_start: 0, num_tokens: prompt.len(), first_pos: 0, block_table: &table, want_logits: true };
     let mut out = vec![argmax(&t.forward(prompt, &[seq], &mut kv))];
     while out.len() < new_tokens {
         let pos = prompt.len() + out.len() - 1;
-        let seq = SeqBatch {
-            token_start: 0,
-            num_tokens: 1,
-            first_pos: pos,
-            block_table: &table,
-            want_logits: true,
-        };
+        let seq = SeqBatch { token_start: 0, num_tokens: 1, first_pos: pos, block_table: &table, want_logits: true };
         let last = *out.last().unwrap();
         out.push(argmax(&t.forward(&[last], &[seq], &mut kv)));
     }
@@ -58,17 +47,11 @@ fn greedy_matches_transformers_for_every_fixture() {
         let model = LoadedModel::load(&ModelSource::Dir(dir.clone()), None).unwrap();
         assert!(model.tokenizer.is_none(), "fixtures run in token-ids mode");
         let expected: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
-                .unwrap();
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
         let n = expected["new_tokens"].as_u64().unwrap() as usize;
         for case in expected["cases"].as_array().unwrap() {
             let ids = |k: &str| -> Vec<u32> {
-                case[k]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.as_u64().unwrap() as u32)
-                    .collect()
+                case[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
             };
             let prompt = ids("prompt_ids");
             for block_size in [16, 5] {
@@ -88,30 +71,14 @@ fn greedy_matches_transformers_for_every_fixture() {
 fn missing_tensor_and_unknown_dir_fail_with_names() {
     let tmp = std::env::temp_dir().join(format!("tandem-missing-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
-    std::fs::copy(
-        fixtures().join("qwen3/config.json"),
-        tmp.join("config.json"),
-    )
-    .unwrap();
+    std::fs::copy(fixtures().join("qwen3/config.json"), tmp.join("config.json")).unwrap();
     // A checkpoint holding one unrelated tensor: the first needed one is reported by name.
     let data = vec![0u8; 16];
-    let view =
-        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4], &data).unwrap();
-    safetensors::tensor::serialize_to_file(
-        vec![("other", view)],
-        None,
-        &tmp.join("model.safetensors"),
-    )
-    .unwrap();
-    let err = LoadedModel::load(&ModelSource::Dir(tmp.clone()), None)
-        .err()
-        .unwrap()
-        .to_string();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4], &data).unwrap();
+    safetensors::tensor::serialize_to_file(vec![("other", view)], None, &tmp.join("model.safetensors")).unwrap();
+    let err = LoadedModel::load(&ModelSource::Dir(tmp.clone()), None).err().unwrap().to_string();
     assert!(err.contains("model.embed_tokens.weight"), "{err}");
-    let err = LoadedModel::load(&ModelSource::Dir(tmp.join("nope")), None)
-        .err()
-        .unwrap()
-        .to_string();
+    let err = LoadedModel::load(&ModelSource::Dir(tmp.join("nope")), None).err().unwrap().to_string();
     assert!(err.contains("not a model directory"), "{err}");
     std::fs::remove_dir_all(&tmp).ok();
 }

@@ -32,18 +32,12 @@ pub enum ApiError {
 impl ApiError {
     /// A 400 blaming `param`.
     pub fn bad(param: &'static str, message: impl Into<String>) -> Self {
-        Self::BadRequest {
-            message: message.into(),
-            param: Some(param),
-        }
+        Self::BadRequest { message: message.into(), param: Some(param) }
     }
 
     /// A 400 without a field to blame.
     pub fn invalid(message: impl Into<String>) -> Self {
-        Self::BadRequest {
-            message: message.into(),
-            param: None,
-        }
+        Self::BadRequest { message: message.into(), param: None }
     }
 
     /// HTTP status.

@@ -8,7 +8,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::stream::Stream;
-use tandem_core::{FinishReason, InvalidSampling, RequestId, SamplingParams};
+use tandem_core::{FinishReason, InvalidSampling, KvTransferParams, RemoteKv, RequestId, SamplingParams, TransferMode};
 use tandem_engine::{EngineEvent, EngineRequest, RequestStream};
 use tandem_model::{ChatMessage, IncrementalDetokenizer, StopMatcher};
 use tokio::sync::mpsc;
@@ -32,6 +32,7 @@ pub(crate) struct Prepared {
     stops: Vec<String>,
     stream: bool,
     include_usage: bool,
+    remote: Option<RemoteKv>,
 }
 
 pub(crate) fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
@@ -55,21 +56,9 @@ pub(crate) fn prepare_completion(
         Prompt::Ids(ids) => ids,
         Prompt::Texts(mut v) if v.len() == 1 => state.tokenizer()?.encode(&v.remove(0), true)?,
         Prompt::IdLists(mut v) if v.len() == 1 => v.remove(0),
-        _ => {
-            return Err(ApiError::bad(
-                "prompt",
-                "batched prompts are not supported: send one prompt per request",
-            ))
-        }
+        _ => return Err(ApiError::bad("prompt", "batched prompts are not supported: send one prompt per request")),
     };
-    prepare(
-        state,
-        Api::Completion,
-        request_id,
-        prompt_ids,
-        req.sampling,
-        Some(16),
-    )
+    prepare(state, Api::Completion, request_id, prompt_ids, req.sampling, Some(16))
 }
 
 pub(crate) fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ApiError> {
@@ -90,9 +79,7 @@ pub(crate) fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMess
                             (kind, _) => {
                                 return Err(ApiError::bad(
                                     "messages",
-                                    format!(
-                                        "content part type `{kind}` is not supported (text only)"
-                                    ),
+                                    format!("content part type `{kind}` is not supported (text only)"),
                                 ))
                             }
                         }
@@ -100,10 +87,7 @@ pub(crate) fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMess
                     text
                 }
             };
-            Ok(ChatMessage {
-                role: m.role,
-                content,
-            })
+            Ok(ChatMessage { role: m.role, content })
         })
         .collect()
 }
@@ -115,10 +99,7 @@ pub(crate) fn prepare_chat(
 ) -> Result<Prepared, ApiError> {
     check_model(state, &req.model)?;
     let tok = state.tokenizer()?;
-    let text = tok.apply_chat_template(
-        &chat_messages(req.messages)?,
-        req.add_generation_prompt.unwrap_or(true),
-    )?;
+    let text = tok.apply_chat_template(&chat_messages(req.messages)?, req.add_generation_prompt.unwrap_or(true))?;
     let prompt_ids = tok.encode(&text, false)?;
     prepare(state, Api::Chat, request_id, prompt_ids, req.sampling, None)
 }
@@ -135,40 +116,23 @@ fn prepare(
 ) -> Result<Prepared, ApiError> {
     if let Some(n) = f.n {
         if n != 1 {
-            return Err(ApiError::bad(
-                "n",
-                format!("only n=1 is supported, got {n}"),
-            ));
+            return Err(ApiError::bad("n", format!("only n=1 is supported, got {n}")));
         }
     }
     let max_tokens = match f.max_completion_tokens.or(f.max_tokens) {
-        Some(m) if m < 1 => {
-            return Err(ApiError::bad(
-                "max_tokens",
-                format!("max_tokens must be at least 1, got {m}"),
-            ))
-        }
+        Some(m) if m < 1 => return Err(ApiError::bad("max_tokens", format!("max_tokens must be at least 1, got {m}"))),
         Some(m) => m as usize,
-        None => default_max_tokens
-            .unwrap_or_else(|| state.max_model_len.saturating_sub(prompt_ids.len()).max(1)),
+        None => default_max_tokens.unwrap_or_else(|| state.max_model_len.saturating_sub(prompt_ids.len()).max(1)),
     };
     let min_tokens = match f.min_tokens {
-        Some(m) if m < 0 => {
-            return Err(ApiError::bad(
-                "min_tokens",
-                format!("min_tokens must be >= 0, got {m}"),
-            ))
-        }
+        Some(m) if m < 0 => return Err(ApiError::bad("min_tokens", format!("min_tokens must be >= 0, got {m}"))),
         Some(m) => m as usize,
         None => 0,
     };
     let top_k = match f.top_k {
         None | Some(-1) | Some(0) => None,
         Some(k) if k < -1 => {
-            return Err(ApiError::bad(
-                "top_k",
-                format!("top_k must be -1 (disabled) or at least 1, got {k}"),
-            ))
+            return Err(ApiError::bad("top_k", format!("top_k must be -1 (disabled) or at least 1, got {k}")))
         }
         Some(k) => Some(k.min(u32::MAX as i64) as u32),
     };
@@ -205,15 +169,16 @@ fn prepare(
     }
     let stream = f.stream.unwrap_or(false);
     let include_usage = f.stream_options.map(|o| o.include_usage).unwrap_or(false);
-    Ok(Prepared {
-        api,
-        request_id,
-        prompt_ids,
-        params,
-        stops,
-        stream,
-        include_usage,
-    })
+    let remote = match f.kv_transfer_params {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => {
+            let params: KvTransferParams = serde_json::from_value(v)
+                .map_err(|e| ApiError::bad("kv_transfer_params", format!("invalid kv_transfer_params: {e}")))?;
+            let mode = state.kv_mode().unwrap_or(TransferMode::Push);
+            params.resolve(mode).map_err(|e| ApiError::bad("kv_transfer_params", e))?
+        }
+    };
+    Ok(Prepared { api, request_id, prompt_ids, params, stops, stream, include_usage, remote })
 }
 
 /// One step of output, after detokenizing and stop strings.
@@ -233,6 +198,16 @@ struct Generation {
     first_token: Option<Instant>,
     prompt_tokens: usize,
     output_tokens: usize,
+    /// Prefill leg: where the prompt's KV went (for the response's `kv_transfer_params`).
+    produced: Option<Produced>,
+}
+
+/// The engine's `KvProduced` event, kept for the response.
+struct Produced {
+    transfer_id: tandem_core::TransferId,
+    block_ids: Vec<u32>,
+    num_tokens: usize,
+    first_token: u32,
 }
 
 impl Generation {
@@ -240,7 +215,11 @@ impl Generation {
     /// stream's `next`, which keeps undelivered events queued.
     async fn next_piece(&mut self) -> Option<Result<Piece, ApiError>> {
         let stream = self.stream.as_mut()?;
-        let event = stream.next().await;
+        let mut event = stream.next().await;
+        while let Some(EngineEvent::KvProduced { transfer_id, block_ids, num_tokens, first_token }) = event {
+            self.produced = Some(Produced { transfer_id, block_ids, num_tokens, first_token });
+            event = stream.next().await;
+        }
         Some(match event {
             Some(EngineEvent::Tokens { token_ids, finish }) => {
                 if self.first_token.is_none() && !token_ids.is_empty() {
@@ -269,20 +248,12 @@ impl Generation {
                     self.stream = None;
                     let e2e = self.start.elapsed().as_secs_f64();
                     let ttft = self.first_token.map(|t| (t - self.start).as_secs_f64());
-                    self.state.metrics.record_finished(
-                        reason.as_str(),
-                        ttft,
-                        e2e,
-                        self.output_tokens,
-                    );
+                    self.state.metrics.record_finished(reason.as_str(), ttft, e2e, self.output_tokens);
                 }
-                Ok(Piece {
-                    text,
-                    token_ids,
-                    finish,
-                })
+                Ok(Piece { text, token_ids, finish })
             }
             Some(EngineEvent::Failed(msg)) => Err(self.fail(ApiError::Internal(msg))),
+            Some(EngineEvent::KvProduced { .. }) => Ok(Piece { text: String::new(), token_ids: Vec::new(), finish: None }),
             None => Err(self.fail(ApiError::EngineStopped)),
         })
     }
@@ -296,13 +267,44 @@ impl Generation {
     fn usage(&self) -> Usage {
         Usage::new(self.prompt_tokens, self.output_tokens)
     }
+
+    /// The prefill leg's answer for the decode leg, in vLLM's field names (plus tandem's).
+    fn kv_transfer_params(&self) -> Option<KvTransferParams> {
+        let p = self.produced.as_ref()?;
+        let info = self.state.engine.kv_info()?;
+        let addr = info.transports.iter().map(|t| match t {
+            tandem_kv::TransportOffer::Tcp { addr } => addr.clone(),
+        }).next()?;
+        let (host, port) = addr.rsplit_once(':')?;
+        let tid = p.transfer_id.0.clone();
+        Some(match info.kv_mode {
+            tandem_kv::KvMode::Pull => KvTransferParams {
+                do_remote_prefill: true,
+                do_remote_decode: false,
+                remote_engine_id: Some(info.engine_id.0.clone()),
+                remote_block_ids: Some(p.block_ids.clone()),
+                remote_host: Some(host.trim_matches(|c| c == '[' || c == ']').to_string()),
+                remote_port: port.parse().ok(),
+                remote_request_id: Some(tid.clone()),
+                tp_size: Some(info.tp_size),
+                pp_size: Some(1),
+                transfer_id: Some(tid),
+                remote_epoch: Some(info.epoch.0),
+                remote_num_tokens: Some(p.num_tokens),
+                first_token_id: Some(p.first_token),
+            },
+            tandem_kv::KvMode::Push => KvTransferParams {
+                transfer_id: Some(tid),
+                remote_engine_id: Some(info.engine_id.0.clone()),
+                first_token_id: Some(p.first_token),
+                ..Default::default()
+            },
+        })
+    }
 }
 
 fn now_unix() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// Submits a prepared request and answers it, streaming or not.
@@ -312,6 +314,7 @@ pub(crate) async fn run(state: Arc<AppState>, p: Prepared) -> Result<Response, A
         id: p.request_id.clone(),
         prompt_token_ids: p.prompt_ids,
         params: p.params,
+        remote: p.remote,
     })?;
     state.metrics.record_admitted(prompt_tokens);
     tracing::debug!(request_id = %p.request_id, prompt_tokens, stream = p.stream, "admitted");
@@ -324,6 +327,7 @@ pub(crate) async fn run(state: Arc<AppState>, p: Prepared) -> Result<Response, A
         first_token: None,
         prompt_tokens,
         output_tokens: 0,
+        produced: None,
     };
     let shape = ChunkShape {
         api: p.api,
@@ -366,6 +370,7 @@ impl ChunkShape {
                     token_ids: piece.token_ids.clone(),
                 }],
                 usage: None,
+                kv_transfer_params: None,
             }),
             Api::Chat => serde_json::to_string(&ChatChunk {
                 id: self.id.clone(),
@@ -395,6 +400,7 @@ impl ChunkShape {
                 model: self.model.clone(),
                 choices: Vec::new(),
                 usage: Some(usage),
+                kv_transfer_params: None,
             }),
             Api::Chat => serde_json::to_string(&ChatChunk {
                 id: self.id.clone(),
@@ -434,8 +440,7 @@ fn sse_events(
                     }
                     match shape.chunk(&piece, first) {
                         Ok(json) => Event::default().data(json),
-                        Err(e) => Event::default()
-                            .data(ApiError::Internal(e.to_string()).body().to_string()),
+                        Err(e) => Event::default().data(ApiError::Internal(e.to_string()).body().to_string()),
                     }
                 }
                 Some(Err(e)) => {
@@ -456,10 +461,7 @@ fn sse_events(
         }
         let _ = tx.send(Event::default().data("[DONE]")).await;
     });
-    futures::stream::unfold(
-        rx,
-        |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) },
-    )
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) })
 }
 
 /// Collects the whole answer. If the client disconnects, the server drops this future and
@@ -476,20 +478,16 @@ async fn collect(mut gen: Generation, shape: ChunkShape) -> Result<Response, Api
     }
     let finish_reason = finish.map(|f| f.as_str().to_string());
     let usage = gen.usage();
+    let kv_transfer_params = gen.kv_transfer_params();
     Ok(match shape.api {
         Api::Completion => axum::Json(CompletionResponse {
             id: shape.id,
             object: "text_completion".into(),
             created: shape.created,
             model: shape.model,
-            choices: vec![CompletionChoice {
-                index: 0,
-                text,
-                logprobs: None,
-                finish_reason,
-                token_ids,
-            }],
+            choices: vec![CompletionChoice { index: 0, text, logprobs: None, finish_reason, token_ids }],
             usage: Some(usage),
+            kv_transfer_params,
         })
         .into_response(),
         Api::Chat => axum::Json(ChatResponse {
@@ -499,14 +497,12 @@ async fn collect(mut gen: Generation, shape: ChunkShape) -> Result<Response, Api
             model: shape.model,
             choices: vec![ChatChoice {
                 index: 0,
-                message: ChatMessageOut {
-                    role: "assistant".into(),
-                    content: text,
-                },
+                message: ChatMessageOut { role: "assistant".into(), content: text },
                 logprobs: None,
                 finish_reason,
             }],
             usage,
+            kv_transfer_params,
         })
         .into_response(),
     })

@@ -65,11 +65,7 @@ pub struct AppState {
 
 impl AppState {
     /// State for one engine.
-    pub fn new(
-        engine: EngineHandle,
-        tokenizer: Option<Arc<TextTokenizer>>,
-        model_name: String,
-    ) -> Self {
+    pub fn new(engine: EngineHandle, tokenizer: Option<Arc<TextTokenizer>>, model_name: String) -> Self {
         let max_model_len = engine.limits().max_model_len;
         Self {
             engine,
@@ -82,19 +78,26 @@ impl AppState {
         }
     }
 
+    /// The engine's KV transfer mode, when it has a connector.
+    pub(crate) fn kv_mode(&self) -> Option<tandem_core::TransferMode> {
+        self.engine.kv_info().map(|i| match i.kv_mode {
+            tandem_kv::KvMode::Push => tandem_core::TransferMode::Push,
+            tandem_kv::KvMode::Pull => tandem_core::TransferMode::Pull,
+        })
+    }
+
     pub(crate) fn tokenizer(&self) -> Result<&TextTokenizer, ApiError> {
         self.tokenizer.as_deref().ok_or_else(|| {
-            ApiError::bad("prompt", "this model has no tokenizer (token-ids mode): send the prompt as a list of token ids")
+            ApiError::bad(
+                "prompt",
+                "this model has no tokenizer (token-ids mode): send the prompt as a list of token ids",
+            )
         })
     }
 
     /// A fresh engine-unique request id.
     fn new_request_id(&self) -> RequestId {
-        RequestId::new(format!(
-            "{}-{}",
-            self.id_prefix,
-            self.next_id.fetch_add(1, Ordering::Relaxed)
-        ))
+        RequestId::new(format!("{}-{}", self.id_prefix, self.next_id.fetch_add(1, Ordering::Relaxed)))
     }
 }
 
@@ -108,6 +111,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics_text))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/kv/info", get(kv_info))
         .with_state(state)
 }
 
@@ -117,22 +121,20 @@ pub async fn serve(
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
 }
 
 /// Parses a JSON body into `T`; malformed JSON or a wrongly typed field is a 400 that says so.
 fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))
+    serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))
 }
 
 /// The client's `X-Request-Id`, echoed on the response; generated when absent.
 fn request_id_header(headers: &HeaderMap, generated: &RequestId) -> HeaderValue {
-    headers.get("x-request-id").cloned().unwrap_or_else(|| {
-        HeaderValue::from_str(generated.as_str()).unwrap_or(HeaderValue::from_static("tandem"))
-    })
+    headers
+        .get("x-request-id")
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from_str(generated.as_str()).unwrap_or(HeaderValue::from_static("tandem")))
 }
 
 fn with_request_id(mut resp: Response, value: HeaderValue) -> Response {
@@ -153,36 +155,26 @@ fn record(state: &AppState, r: Result<Response, ApiError>) -> Response {
 
 /// Cancel safety: dropping this future (client disconnect) drops the engine stream it holds,
 /// which aborts the request in the engine.
-async fn completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let id = state.new_request_id();
     let header = request_id_header(&headers, &id);
-    let result = match parse_body::<CompletionRequest>(&body)
-        .and_then(|req| generate::prepare_completion(&state, req, id))
-    {
-        Ok(p) => generate::run(state.clone(), p).await,
-        Err(e) => Err(e),
-    };
+    let result =
+        match parse_body::<CompletionRequest>(&body).and_then(|req| generate::prepare_completion(&state, req, id)) {
+            Ok(p) => generate::run(state.clone(), p).await,
+            Err(e) => Err(e),
+        };
     with_request_id(record(&state, result), header)
 }
 
 /// Cancel safety: as [`completions`].
-async fn chat_completions(
-    State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let id = state.new_request_id();
     let header = request_id_header(&headers, &id);
-    let result = match parse_body::<ChatCompletionRequest>(&body)
-        .and_then(|req| generate::prepare_chat(&state, req, id))
-    {
-        Ok(p) => generate::run(state.clone(), p).await,
-        Err(e) => Err(e),
-    };
+    let result =
+        match parse_body::<ChatCompletionRequest>(&body).and_then(|req| generate::prepare_chat(&state, req, id)) {
+            Ok(p) => generate::run(state.clone(), p).await,
+            Err(e) => Err(e),
+        };
     with_request_id(record(&state, result), header)
 }
 
@@ -198,6 +190,15 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
             "max_model_len": state.max_model_len,
         }]
     }))
+}
+
+/// The KV side channel of this engine (404 when it has none): what a router needs to send
+/// decode legs to this prefill engine.
+async fn kv_info(State(state): State<Arc<AppState>>) -> Response {
+    match state.engine.kv_info() {
+        Some(info) => Json(info.clone()).into_response(),
+        None => ApiError::invalid("this engine has no KV connector (--role both)").into_response(),
+    }
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> StatusCode {
@@ -221,22 +222,13 @@ async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         let tokens = match (req.prompt, req.messages) {
             (Some(p), None) => tok.encode(&p, req.add_special_tokens.unwrap_or(true))?,
             (None, Some(m)) => {
-                let text = tok.apply_chat_template(
-                    &generate::chat_messages(m)?,
-                    req.add_generation_prompt.unwrap_or(true),
-                )?;
+                let text =
+                    tok.apply_chat_template(&generate::chat_messages(m)?, req.add_generation_prompt.unwrap_or(true))?;
                 tok.encode(&text, false)?
             }
-            _ => {
-                return Err(ApiError::invalid(
-                    "give exactly one of `prompt` or `messages`",
-                ))
-            }
+            _ => return Err(ApiError::invalid("give exactly one of `prompt` or `messages`")),
         };
-        Ok(Json(
-            json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens}),
-        )
-        .into_response())
+        Ok(Json(json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens})).into_response())
     })();
     record(&state, result)
 }
@@ -248,10 +240,7 @@ async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response
         let tok = state.tokenizer()?;
         let vocab = state.engine.limits().vocab_size;
         if let Some(bad) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ApiError::bad(
-                "tokens",
-                format!("token id {bad} is out of range (vocabulary size {vocab})"),
-            ));
+            return Err(ApiError::bad("tokens", format!("token id {bad} is out of range (vocabulary size {vocab})")));
         }
         Ok(Json(json!({"prompt": tok.decode(&req.tokens, false)?})).into_response())
     })();

@@ -2,10 +2,7 @@
 //! live stats at scrape time; request metrics are recorded by the handlers through
 //! [`Metrics::record_finished`]. Labels are low-cardinality constants (never request ids).
 
-use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
-};
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
 use tandem_engine::StatsSnapshot;
 
 /// All of the server's metrics and their registry.
@@ -24,14 +21,12 @@ pub struct Metrics {
     e2e: Histogram,
     finished: IntCounterVec,
     errors: IntCounterVec,
+    kv: prometheus::IntGaugeVec,
 }
 
-const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0,
-];
-const TPOT_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1.0, 2.5,
-];
+const LATENCY_BUCKETS: &[f64] =
+    &[0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0];
+const TPOT_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1.0, 2.5];
 
 impl Metrics {
     /// Creates and registers every metric.
@@ -39,80 +34,57 @@ impl Metrics {
         let registry = Registry::new();
         let gauge = |name: &str, help: &str| {
             let g = IntGauge::new(name, help).expect("metric definitions are static and valid");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("each metric is registered once");
+            registry.register(Box::new(g.clone())).expect("each metric is registered once");
             g
         };
         let counter = |name: &str, help: &str| {
             let c = IntCounter::new(name, help).expect("metric definitions are static and valid");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("each metric is registered once");
+            registry.register(Box::new(c.clone())).expect("each metric is registered once");
             c
         };
         let histogram = |name: &str, help: &str, buckets: &[f64]| {
             let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
                 .expect("metric definitions are static and valid");
-            registry
-                .register(Box::new(h.clone()))
-                .expect("each metric is registered once");
+            registry.register(Box::new(h.clone())).expect("each metric is registered once");
             h
         };
         let counter_vec = |name: &str, help: &str, label: &str| {
-            let c = IntCounterVec::new(Opts::new(name, help), &[label])
-                .expect("metric definitions are static and valid");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("each metric is registered once");
+            let c =
+                IntCounterVec::new(Opts::new(name, help), &[label]).expect("metric definitions are static and valid");
+            registry.register(Box::new(c.clone())).expect("each metric is registered once");
             c
         };
         Self {
-            running: gauge(
-                "tandem:num_requests_running",
-                "Requests in the engine's running set.",
-            ),
-            waiting: gauge(
-                "tandem:num_requests_waiting",
-                "Requests queued in the engine (including preempted).",
-            ),
+            running: gauge("tandem:num_requests_running", "Requests in the engine's running set."),
+            waiting: gauge("tandem:num_requests_waiting", "Requests queued in the engine (including preempted)."),
             kv_blocks_used: gauge("tandem:kv_blocks_used", "KV cache blocks held by requests."),
             kv_blocks_free: gauge("tandem:kv_blocks_free", "KV cache blocks free."),
             kv_blocks_total: gauge("tandem:kv_blocks_total", "KV cache blocks in the pool."),
-            preemptions: gauge(
-                "tandem:num_preemptions_total",
-                "Requests preempted (recomputed) so far.",
-            ),
-            prompt_tokens: counter(
-                "tandem:prompt_tokens_total",
-                "Prompt tokens of admitted requests.",
-            ),
+            preemptions: gauge("tandem:num_preemptions_total", "Requests preempted (recomputed) so far."),
+            prompt_tokens: counter("tandem:prompt_tokens_total", "Prompt tokens of admitted requests."),
             generation_tokens: counter("tandem:generation_tokens_total", "Tokens generated."),
-            ttft: histogram(
-                "tandem:time_to_first_token_seconds",
-                "Request arrival to first token.",
-                LATENCY_BUCKETS,
-            ),
+            ttft: histogram("tandem:time_to_first_token_seconds", "Request arrival to first token.", LATENCY_BUCKETS),
             tpot: histogram(
                 "tandem:time_per_output_token_seconds",
                 "Mean gap between output tokens after the first, per request.",
                 TPOT_BUCKETS,
             ),
-            e2e: histogram(
-                "tandem:e2e_request_latency_seconds",
-                "Request arrival to last token.",
-                LATENCY_BUCKETS,
-            ),
+            e2e: histogram("tandem:e2e_request_latency_seconds", "Request arrival to last token.", LATENCY_BUCKETS),
             finished: counter_vec(
                 "tandem:request_success_total",
                 "Requests finished, by finish reason.",
                 "finished_reason",
             ),
-            errors: counter_vec(
-                "tandem:request_errors_total",
-                "Requests refused or failed, by error type.",
-                "type",
-            ),
+            errors: counter_vec("tandem:request_errors_total", "Requests refused or failed, by error type.", "type"),
+            kv: {
+                let g = prometheus::IntGaugeVec::new(
+                    Opts::new("tandem:kv_connector", "KV connector counters (transfers, bytes, regions, expiries, unknown and duplicate ids), by counter."),
+                    &["counter"],
+                )
+                .expect("metric definitions are static and valid");
+                registry.register(Box::new(g.clone())).expect("each metric is registered once");
+                g
+            },
             registry,
         }
     }
@@ -128,13 +100,7 @@ impl Metrics {
     }
 
     /// Records a finished request's latencies (seconds) and finish reason.
-    pub fn record_finished(
-        &self,
-        reason: &'static str,
-        ttft: Option<f64>,
-        e2e: f64,
-        output_tokens: usize,
-    ) {
+    pub fn record_finished(&self, reason: &'static str, ttft: Option<f64>, e2e: f64, output_tokens: usize) {
         self.finished.with_label_values(&[reason]).inc();
         if let Some(ttft) = ttft {
             self.ttft.observe(ttft);
@@ -156,9 +122,22 @@ impl Metrics {
         self.waiting.set(stats.waiting as i64);
         self.kv_blocks_free.set(stats.free_blocks as i64);
         self.kv_blocks_total.set(stats.total_blocks as i64);
-        self.kv_blocks_used
-            .set(stats.total_blocks.saturating_sub(stats.free_blocks) as i64);
+        self.kv_blocks_used.set(stats.total_blocks.saturating_sub(stats.free_blocks) as i64);
         self.preemptions.set(stats.preemptions as i64);
+        if let Some(kv) = &stats.kv {
+            for (name, v) in [
+                ("transfers_ok", kv.transfers_ok),
+                ("transfers_failed", kv.transfers_failed),
+                ("bytes_sent", kv.bytes_sent),
+                ("bytes_received", kv.bytes_received),
+                ("regions", kv.regions),
+                ("expired", kv.expired),
+                ("unknown_ids", kv.unknown_ids),
+                ("duplicate_ids", kv.duplicate_ids),
+            ] {
+                self.kv.with_label_values(&[name]).set(v as i64);
+            }
+        }
         let mut buf = Vec::new();
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
             tracing::warn!(error = %e, "metrics encoding failed");

@@ -142,11 +142,7 @@ pub struct Usage {
 impl Usage {
     /// Usage for a prompt and an output length.
     pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
-        Self {
-            prompt_tokens,
-            completion_tokens,
-            total_tokens: prompt_tokens + completion_tokens,
-        }
+        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
     }
 }
 
@@ -205,6 +201,9 @@ pub struct CompletionResponse {
     /// Token counts (full response; final chunk when asked).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub usage: Option<Usage>,
+    /// Prefill leg: what the decode leg needs (vLLM's `kv_transfer_params`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub kv_transfer_params: Option<tandem_core::KvTransferParams>,
 }
 
 /// An assistant message in a full chat response.
@@ -244,6 +243,9 @@ pub struct ChatResponse {
     pub choices: Vec<ChatChoice>,
     /// Token counts.
     pub usage: Usage,
+    /// Prefill leg: what the decode leg needs (vLLM's `kv_transfer_params`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub kv_transfer_params: Option<tandem_core::KvTransferParams>,
 }
 
 /// The change a chat stream chunk carries.

@@ -19,64 +19,29 @@ struct Server {
 async fn start(num_blocks: usize, budget: usize) -> Server {
     let preset = Preset::find("tiny-qwen3").unwrap();
     let m = LoadedModel::load(&ModelSource::Preset { preset, seed: 0 }, None).unwrap();
-    let cfg = EngineConfig {
-        block_size: 4,
-        num_blocks,
-        max_num_seqs: 64,
-        max_num_batched_tokens: budget,
-    };
-    let engine =
-        tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
-    let state = Arc::new(AppState::new(
-        engine,
-        m.tokenizer.map(Arc::new),
-        MODEL.into(),
-    ));
+    let cfg = EngineConfig { block_size: 4, num_blocks, max_num_seqs: 64, max_num_batched_tokens: budget };
+    let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
+    let state = Arc::new(AppState::new(engine, m.tokenizer.map(Arc::new), MODEL.into()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(tandem_server::serve(
-        listener,
-        state.clone(),
-        std::future::pending(),
-    ));
-    Server {
-        base,
-        state,
-        http: reqwest::Client::new(),
-    }
+    tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
+    Server { base, state, http: reqwest::Client::new() }
 }
 
 impl Server {
     async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let r = self.http.post(format!("{}{path}", self.base)).json(&body).send().await.unwrap();
         let status = r.status().as_u16();
         (status, r.json().await.unwrap_or(Value::Null))
     }
 
     /// The SSE `data:` payloads of a streamed request, `[DONE]` included.
     async fn stream(&self, path: &str, body: Value) -> Vec<String> {
-        let r = self
-            .http
-            .post(format!("{}{path}", self.base))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let r = self.http.post(format!("{}{path}", self.base)).json(&body).send().await.unwrap();
         assert_eq!(r.status(), 200);
-        assert!(r.headers()["content-type"]
-            .to_str()
-            .unwrap()
-            .starts_with("text/event-stream"));
+        assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
         let text = r.text().await.unwrap();
-        text.split("\n\n")
-            .filter_map(|ev| ev.strip_prefix("data: ").map(str::to_string))
-            .collect()
+        text.split("\n\n").filter_map(|ev| ev.strip_prefix("data: ").map(str::to_string)).collect()
     }
 
     async fn wait_idle(&self) {
@@ -86,21 +51,14 @@ impl Server {
             if s.running == 0 && s.waiting == 0 && s.free_blocks == s.total_blocks {
                 return;
             }
-            assert!(
-                Instant::now() < deadline,
-                "engine not idle with all blocks free: {s:?}"
-            );
+            assert!(Instant::now() < deadline, "engine not idle with all blocks free: {s:?}");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 }
 
 fn token_ids(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap())
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
 }
 
 fn streamed_ids(events: &[String]) -> Vec<u64> {
@@ -121,10 +79,7 @@ async fn concurrent_streams_equal_one_at_a_time_and_blocks_return() {
     let prompts: Vec<(Vec<u32>, usize)> = (0..40)
         .map(|i| {
             let len = [1, 3, 4, 5, 17, 40, 90][i % 7];
-            (
-                (0..len).map(|j| ((i * 31 + j * 7) % 500) as u32).collect(),
-                4 + i % 9,
-            )
+            ((0..len).map(|j| ((i * 31 + j * 7) % 500) as u32).collect(), 4 + i % 9)
         })
         .collect();
     let body = |p: &Vec<u32>, n: usize, stream: bool| json!({"model": MODEL, "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": true, "stream": stream});
@@ -137,25 +92,11 @@ async fn concurrent_streams_equal_one_at_a_time_and_blocks_return() {
     let tasks: Vec<_> = prompts
         .iter()
         .map(|(p, n)| {
-            let (http, url, b) = (
-                s.http.clone(),
-                format!("{}/v1/completions", s.base),
-                body(p, *n, true),
-            );
+            let (http, url, b) = (s.http.clone(), format!("{}/v1/completions", s.base), body(p, *n, true));
             tokio::spawn(async move {
-                let text = http
-                    .post(url)
-                    .json(&b)
-                    .send()
-                    .await
-                    .unwrap()
-                    .text()
-                    .await
-                    .unwrap();
-                let events: Vec<String> = text
-                    .split("\n\n")
-                    .filter_map(|ev| ev.strip_prefix("data: ").map(str::to_string))
-                    .collect();
+                let text = http.post(url).json(&b).send().await.unwrap().text().await.unwrap();
+                let events: Vec<String> =
+                    text.split("\n\n").filter_map(|ev| ev.strip_prefix("data: ").map(str::to_string)).collect();
                 streamed_ids(&events)
             })
         })
@@ -171,7 +112,8 @@ async fn concurrent_streams_equal_one_at_a_time_and_blocks_return() {
 #[tokio::test]
 async fn completion_stream_shape_usage_and_text_match_non_streaming() {
     let s = start(500, 256).await;
-    let req = json!({"model": MODEL, "prompt": "once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    let req =
+        json!({"model": MODEL, "prompt": "once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": true});
     let (status, full) = s.post("/v1/completions", req.clone()).await;
     assert_eq!(status, 200);
     assert_eq!(full["object"], "text_completion");
@@ -179,20 +121,14 @@ async fn completion_stream_shape_usage_and_text_match_non_streaming() {
     assert_eq!(full["choices"][0]["finish_reason"], "length");
     let usage = &full["usage"];
     assert_eq!(usage["completion_tokens"], 12);
-    assert_eq!(
-        usage["total_tokens"],
-        usage["prompt_tokens"].as_u64().unwrap() + 12
-    );
+    assert_eq!(usage["total_tokens"], usage["prompt_tokens"].as_u64().unwrap() + 12);
 
     let mut sreq = req.clone();
     sreq["stream"] = json!(true);
     sreq["stream_options"] = json!({"include_usage": true});
     let events = s.stream("/v1/completions", sreq).await;
     assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
     let (usage_chunk, token_chunks) = chunks.split_last().unwrap();
     assert_eq!(usage_chunk["choices"], json!([]));
     assert_eq!(&usage_chunk["usage"], usage);
@@ -203,11 +139,7 @@ async fn completion_stream_shape_usage_and_text_match_non_streaming() {
         assert_eq!(c["id"], token_chunks[0]["id"]);
         assert!(c.get("usage").is_none());
         let fin = &c["choices"][0]["finish_reason"];
-        assert_eq!(
-            *fin == json!("length"),
-            i == 11,
-            "finish_reason only on the last chunk"
-        );
+        assert_eq!(*fin == json!("length"), i == 11, "finish_reason only on the last chunk");
         text.push_str(c["choices"][0]["text"].as_str().unwrap());
     }
     assert_eq!(text, full["choices"][0]["text"].as_str().unwrap());
@@ -229,22 +161,12 @@ async fn chat_completions_stream_and_not() {
     let mut sreq = req.clone();
     sreq["stream"] = json!(true);
     let events = s.stream("/v1/chat/completions", sreq).await;
-    let chunks: Vec<Value> = events
-        .iter()
-        .filter(|e| *e != "[DONE]")
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks: Vec<Value> =
+        events.iter().filter(|e| *e != "[DONE]").map(|e| serde_json::from_str(e).unwrap()).collect();
     assert_eq!(chunks[0]["object"], "chat.completion.chunk");
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let text: String = chunks
-        .iter()
-        .map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap_or(""))
-        .collect();
-    assert_eq!(
-        text,
-        full["choices"][0]["message"]["content"].as_str().unwrap(),
-        "same seed, same answer"
-    );
+    let text: String = chunks.iter().map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap_or("")).collect();
+    assert_eq!(text, full["choices"][0]["message"]["content"].as_str().unwrap(), "same seed, same answer");
 }
 
 #[tokio::test]
@@ -267,12 +189,7 @@ async fn stop_strings_cut_the_text_and_end_the_request() {
     let streamed: String = events
         .iter()
         .filter(|e| *e != "[DONE]")
-        .map(|e| {
-            serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"]
-                .as_str()
-                .unwrap_or("")
-                .to_string()
-        })
+        .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().unwrap_or("").to_string())
         .collect();
     assert_eq!(streamed, cut, "no part of the stop string is ever streamed");
     s.wait_idle().await;
@@ -284,116 +201,31 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     let long_prompt: Vec<u32> = vec![5; 4096];
     let cases = [
         ("/v1/completions", "{not json", 400, "invalid request body"),
-        (
-            "/v1/completions",
-            r#"{"prompt": "hi", "max_tokens": "many"}"#,
-            400,
-            "invalid type",
-        ),
-        (
-            "/v1/completions",
-            r#"{"max_tokens": 3}"#,
-            400,
-            "invalid request body",
-        ),
-        (
-            "/v1/completions",
-            r#"{"model": "gpt-9", "prompt": "hi"}"#,
-            404,
-            "The model `gpt-9` does not exist.",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": "hi", "temperature": -1}"#,
-            400,
-            "temperature",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": "hi", "top_p": 0}"#,
-            400,
-            "top_p",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": "hi", "top_k": -5}"#,
-            400,
-            "top_k",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": "hi", "max_tokens": 0}"#,
-            400,
-            "max_tokens",
-        ),
+        ("/v1/completions", r#"{"prompt": "hi", "max_tokens": "many"}"#, 400, "invalid type"),
+        ("/v1/completions", r#"{"max_tokens": 3}"#, 400, "invalid request body"),
+        ("/v1/completions", r#"{"model": "gpt-9", "prompt": "hi"}"#, 404, "The model `gpt-9` does not exist."),
+        ("/v1/completions", r#"{"prompt": "hi", "temperature": -1}"#, 400, "temperature"),
+        ("/v1/completions", r#"{"prompt": "hi", "top_p": 0}"#, 400, "top_p"),
+        ("/v1/completions", r#"{"prompt": "hi", "top_k": -5}"#, 400, "top_k"),
+        ("/v1/completions", r#"{"prompt": "hi", "max_tokens": 0}"#, 400, "max_tokens"),
         ("/v1/completions", r#"{"prompt": "hi", "n": 2}"#, 400, "n=1"),
-        (
-            "/v1/completions",
-            r#"{"prompt": "hi", "min_tokens": 9, "max_tokens": 3}"#,
-            400,
-            "min_tokens",
-        ),
+        ("/v1/completions", r#"{"prompt": "hi", "min_tokens": 9, "max_tokens": 3}"#, 400, "min_tokens"),
         ("/v1/completions", r#"{"prompt": ""}"#, 400, "empty"),
-        (
-            "/v1/completions",
-            r#"{"prompt": [1, 2, 100000]}"#,
-            400,
-            "out of range",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": ["a", "b"]}"#,
-            400,
-            "batched",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": "hi", "max_tokens": 5000}"#,
-            400,
-            "maximum context length",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": "hi", "max_tokens": 9223372036854775807}"#,
-            400,
-            "maximum context length",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": "hi", "max_tokens": 1e400}"#,
-            400,
-            "invalid request body",
-        ),
-        (
-            "/v1/completions",
-            r#"{"prompt": "hi", "max_tokens": 300}"#,
-            400,
-            "KV blocks",
-        ),
-        (
-            "/v1/chat/completions",
-            r#"{"messages": []}"#,
-            400,
-            "messages",
-        ),
+        ("/v1/completions", r#"{"prompt": [1, 2, 100000]}"#, 400, "out of range"),
+        ("/v1/completions", r#"{"prompt": ["a", "b"]}"#, 400, "batched"),
+        ("/v1/completions", r#"{"prompt": "hi", "max_tokens": 5000}"#, 400, "maximum context length"),
+        ("/v1/completions", r#"{"prompt": "hi", "max_tokens": 9223372036854775807}"#, 400, "maximum context length"),
+        ("/v1/completions", r#"{"prompt": "hi", "max_tokens": 1e400}"#, 400, "invalid request body"),
+        ("/v1/completions", r#"{"prompt": "hi", "max_tokens": 300}"#, 400, "KV blocks"),
+        ("/v1/chat/completions", r#"{"messages": []}"#, 400, "messages"),
         (
             "/v1/chat/completions",
             r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#,
             400,
             "image_url",
         ),
-        (
-            "/tokenize",
-            r#"{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}"#,
-            400,
-            "exactly one",
-        ),
-        (
-            "/detokenize",
-            r#"{"tokens": [1, 99999]}"#,
-            400,
-            "out of range",
-        ),
+        ("/tokenize", r#"{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}"#, 400, "exactly one"),
+        ("/detokenize", r#"{"tokens": [1, 99999]}"#, 400, "out of range"),
     ];
     for (path, body, status, needle) in cases {
         let r = s
@@ -411,44 +243,15 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         assert_eq!(v["error"]["code"], status);
         assert!(v["error"]["type"].as_str().unwrap().ends_with("Error"));
     }
-    let (status, v) = s
-        .post("/v1/completions", json!({"prompt": long_prompt}))
-        .await;
+    let (status, v) = s.post("/v1/completions", json!({"prompt": long_prompt})).await;
     assert_eq!(status, 400);
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("maximum context length is 4096"),
-        "{v}"
-    );
+    assert!(v["error"]["message"].as_str().unwrap().contains("maximum context length is 4096"), "{v}");
     // Still healthy and serving.
-    assert_eq!(
-        s.http
-            .get(format!("{}/health", s.base))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
-    let (status, _) = s
-        .post("/v1/completions", json!({"prompt": "ok", "max_tokens": 2}))
-        .await;
+    assert_eq!(s.http.get(format!("{}/health", s.base)).send().await.unwrap().status(), 200);
+    let (status, _) = s.post("/v1/completions", json!({"prompt": "ok", "max_tokens": 2})).await;
     assert_eq!(status, 200);
-    let metrics = s
-        .http
-        .get(format!("{}/metrics", s.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert!(
-        metrics.contains("tandem:request_errors_total{type=\"BadRequestError\"}"),
-        "{metrics}"
-    );
+    let metrics = s.http.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("tandem:request_errors_total{type=\"BadRequestError\"}"), "{metrics}");
     s.wait_idle().await;
 }
 
@@ -457,20 +260,11 @@ async fn client_disconnect_cancels_and_frees_blocks() {
     let s = start(1200, 256).await;
     let long = json!({"prompt": "go", "max_tokens": 3000, "ignore_eos": true, "stream": true});
     // Streaming: read the first chunk, then hang up.
-    let mut r = s
-        .http
-        .post(format!("{}/v1/completions", s.base))
-        .json(&long)
-        .send()
-        .await
-        .unwrap();
+    let mut r = s.http.post(format!("{}/v1/completions", s.base)).json(&long).send().await.unwrap();
     assert!(r.chunk().await.unwrap().is_some());
     let deadline = Instant::now() + Duration::from_secs(5);
     while s.state.engine.stats().running != 1 {
-        assert!(
-            Instant::now() < deadline,
-            "the streamed request never showed as running"
-        );
+        assert!(Instant::now() < deadline, "the streamed request never showed as running");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     drop(r);
@@ -478,9 +272,7 @@ async fn client_disconnect_cancels_and_frees_blocks() {
     // Not streaming: send the request on a raw socket and close it mid-generation.
     use tokio::io::AsyncWriteExt;
     let body = json!({"prompt": "go", "max_tokens": 3000, "ignore_eos": true}).to_string();
-    let mut sock = tokio::net::TcpStream::connect(s.base.trim_start_matches("http://"))
-        .await
-        .unwrap();
+    let mut sock = tokio::net::TcpStream::connect(s.base.trim_start_matches("http://")).await.unwrap();
     let req = format!("POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len());
     sock.write_all(req.as_bytes()).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -490,36 +282,18 @@ async fn client_disconnect_cancels_and_frees_blocks() {
     }
     drop(sock);
     s.wait_idle().await;
-    let m = s
-        .http
-        .get(format!("{}/metrics", s.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = s.http.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
     assert!(m.contains("tandem:kv_blocks_used 0"), "{m}");
 }
 
 #[tokio::test]
 async fn models_health_tokenize_request_id_and_metrics() {
     let s = start(500, 256).await;
-    let models: Value = s
-        .http
-        .get(format!("{}/v1/models", s.base))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: Value = s.http.get(format!("{}/v1/models", s.base)).send().await.unwrap().json().await.unwrap();
     assert_eq!(models["data"][0]["id"], MODEL);
     assert_eq!(models["data"][0]["max_model_len"], 4096);
     let (_, tok) = s.post("/tokenize", json!({"prompt": "hello world"})).await;
-    let (_, detok) = s
-        .post("/detokenize", json!({"tokens": tok["tokens"]}))
-        .await;
+    let (_, detok) = s.post("/detokenize", json!({"tokens": tok["tokens"]})).await;
     assert_eq!(detok["prompt"], "hello world");
     assert_eq!(tok["count"], tok["tokens"].as_array().unwrap().len());
     let r = s
@@ -538,21 +312,10 @@ async fn models_health_tokenize_request_id_and_metrics() {
         .send()
         .await
         .unwrap();
-    assert!(
-        !r.headers()["x-request-id"].is_empty(),
-        "an id is generated when none is sent"
-    );
+    assert!(!r.headers()["x-request-id"].is_empty(), "an id is generated when none is sent");
     // Engine gauges are published after each step, a moment after the last token is sent.
     s.wait_idle().await;
-    let m = s
-        .http
-        .get(format!("{}/metrics", s.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = s.http.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
     for name in [
         "tandem:num_requests_running 0",
         "tandem:num_requests_waiting 0",

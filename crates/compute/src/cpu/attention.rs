@@ -46,10 +46,9 @@ pub fn paged_attention(
             row_info[s.query_start + i] = (si, s.first_pos + i);
         }
     }
-    out[..rows * num_heads * hd]
-        .par_chunks_mut(hd)
-        .enumerate()
-        .for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
+    out[..rows * num_heads * hd].par_chunks_mut(hd).enumerate().for_each_init(
+        Vec::new,
+        |scores: &mut Vec<f32>, (idx, o)| {
             let (row, head) = (idx / num_heads, idx % num_heads);
             let (si, pos) = row_info[row];
             let table = seqs[si].block_table;
@@ -79,7 +78,8 @@ pub fn paged_attention(
                     *od += w * vd;
                 }
             }
-        });
+        },
+    );
 }
 
 #[inline]
@@ -106,10 +106,7 @@ mod tests {
 
     /// Dense reference: keys/values given per position, no paging.
     fn reference(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], scale: f32) -> Vec<f32> {
-        let s: Vec<f32> = k
-            .iter()
-            .map(|kk| kk.iter().zip(q).map(|(a, b)| a * b).sum::<f32>() * scale)
-            .collect();
+        let s: Vec<f32> = k.iter().map(|kk| kk.iter().zip(q).map(|(a, b)| a * b).sum::<f32>() * scale).collect();
         let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
         let z: f32 = e.iter().sum();
@@ -125,50 +122,28 @@ mod tests {
     #[test]
     fn paged_matches_dense_with_gqa_and_scattered_blocks() {
         let (heads, kv_heads, hd, bs) = (4, 2, 8, 4);
-        let layout = KvLayout {
-            num_layers: 2,
-            num_kv_heads: kv_heads,
-            head_dim: hd,
-            block_size: bs,
-            num_blocks: 8,
-        };
+        let layout = KvLayout { num_layers: 2, num_kv_heads: kv_heads, head_dim: hd, block_size: bs, num_blocks: 8 };
         let mut cache = KvCache::new(layout);
         let table = [5u32, 1, 6]; // non-contiguous on purpose
         let len = 10; // not a multiple of the block size
-        let val = |p: usize, h: usize, d: usize, kv: usize| {
-            ((p * 31 + h * 7 + d * 3 + kv * 11) % 17) as f32 / 17.0 - 0.5
-        };
+        let val =
+            |p: usize, h: usize, d: usize, kv: usize| ((p * 31 + h * 7 + d * 3 + kv * 11) % 17) as f32 / 17.0 - 0.5;
         for p in 0..len {
-            let k: Vec<f32> = (0..kv_heads * hd)
-                .map(|i| val(p, i / hd, i % hd, 0))
-                .collect();
-            let v: Vec<f32> = (0..kv_heads * hd)
-                .map(|i| val(p, i / hd, i % hd, 1))
-                .collect();
+            let k: Vec<f32> = (0..kv_heads * hd).map(|i| val(p, i / hd, i % hd, 0)).collect();
+            let v: Vec<f32> = (0..kv_heads * hd).map(|i| val(p, i / hd, i % hd, 1)).collect();
             cache.write_token(1, table[p / bs] as usize, p % bs, &k, &v);
         }
         // Queries for the last 3 positions (a chunk that starts mid-sequence).
-        let q: Vec<f32> = (0..3 * heads * hd)
-            .map(|i| (i % 13) as f32 / 13.0 - 0.4)
-            .collect();
-        let seq = AttnSeq {
-            query_start: 0,
-            num_queries: 3,
-            first_pos: len - 3,
-            block_table: &table,
-        };
+        let q: Vec<f32> = (0..3 * heads * hd).map(|i| (i % 13) as f32 / 13.0 - 0.4).collect();
+        let seq = AttnSeq { query_start: 0, num_queries: 3, first_pos: len - 3, block_table: &table };
         let mut out = vec![0.0; q.len()];
         paged_attention(&q, heads, &cache, 1, &[seq], 0.35, &mut out);
         for r in 0..3 {
             let pos = len - 3 + r;
             for h in 0..heads {
                 let g = h / (heads / kv_heads);
-                let ks: Vec<Vec<f32>> = (0..=pos)
-                    .map(|p| (0..hd).map(|d| val(p, g, d, 0)).collect())
-                    .collect();
-                let vs: Vec<Vec<f32>> = (0..=pos)
-                    .map(|p| (0..hd).map(|d| val(p, g, d, 1)).collect())
-                    .collect();
+                let ks: Vec<Vec<f32>> = (0..=pos).map(|p| (0..hd).map(|d| val(p, g, d, 0)).collect()).collect();
+                let vs: Vec<Vec<f32>> = (0..=pos).map(|p| (0..hd).map(|d| val(p, g, d, 1)).collect()).collect();
                 let qi = &q[(r * heads + h) * hd..(r * heads + h + 1) * hd];
                 let want = reference(qi, &ks, &vs, 0.35);
                 let got = &out[(r * heads + h) * hd..(r * heads + h + 1) * hd];

@@ -37,22 +37,14 @@ impl MulAdd for Split {
 /// Implementations differ in instructions only, never in the order of operations inside one
 /// dot product.
 trait Kernel {
-    fn tile<const R: usize, const C: usize>(
-        w: [&[f32]; R],
-        x: [&[f32]; C],
-        k: usize,
-    ) -> [[f32; C]; R];
+    fn tile<const R: usize, const C: usize>(w: [&[f32]; R], x: [&[f32]; C], k: usize) -> [[f32; C]; R];
 }
 
 /// Any CPU: plain Rust, multiply then add.
 struct Portable;
 impl Kernel for Portable {
     #[inline(always)]
-    fn tile<const R: usize, const C: usize>(
-        w: [&[f32]; R],
-        x: [&[f32]; C],
-        k: usize,
-    ) -> [[f32; C]; R] {
+    fn tile<const R: usize, const C: usize>(w: [&[f32]; R], x: [&[f32]; C], k: usize) -> [[f32; C]; R] {
         tile_portable::<Split, R, C>(w, x, k)
     }
 }
@@ -63,11 +55,7 @@ struct Avx2Fma;
 #[cfg(target_arch = "x86_64")]
 impl Kernel for Avx2Fma {
     #[inline(always)]
-    fn tile<const R: usize, const C: usize>(
-        w: [&[f32]; R],
-        x: [&[f32]; C],
-        k: usize,
-    ) -> [[f32; C]; R] {
+    fn tile<const R: usize, const C: usize>(w: [&[f32]; R], x: [&[f32]; C], k: usize) -> [[f32; C]; R] {
         // Safety: `Avx2Fma` is used only by `rows_block_avx2`, which `run_rows` calls only after
         // detecting AVX2 and FMA at run time.
         unsafe { avx2::tile::<R, C>(w, x, k) }
@@ -77,11 +65,7 @@ impl Kernel for Avx2Fma {
 /// Dot products of `R` weight rows with `C` token rows, each of length `k`, in portable Rust.
 /// The reference for the order of operations every kernel follows.
 #[inline(always)]
-fn tile_portable<M: MulAdd, const R: usize, const C: usize>(
-    w: [&[f32]; R],
-    x: [&[f32]; C],
-    k: usize,
-) -> [[f32; C]; R] {
+fn tile_portable<M: MulAdd, const R: usize, const C: usize>(w: [&[f32]; R], x: [&[f32]; C], k: usize) -> [[f32; C]; R] {
     let n = k / LANES;
     // Every operand sliced to exactly `n` chunks, so the loop's index checks are provably
     // redundant and the compiler keeps the accumulators in registers.
@@ -115,15 +99,7 @@ fn tile_portable<M: MulAdd, const R: usize, const C: usize>(
 
 /// Computes rows `j0..j0 + rows` of `W` against all tokens into `out_t` (`[rows][tokens]`).
 #[inline(always)]
-fn rows_block<K: Kernel>(
-    x: &[f32],
-    tokens: usize,
-    w: &[f32],
-    k: usize,
-    j0: usize,
-    rows: usize,
-    out_t: &mut [f32],
-) {
+fn rows_block<K: Kernel>(x: &[f32], tokens: usize, w: &[f32], k: usize, j0: usize, rows: usize, out_t: &mut [f32]) {
     let wrow = |j: usize| &w[(j0 + j) * k..(j0 + j + 1) * k];
     let xrow = |t: usize| &x[t * k..(t + 1) * k];
     // Tokens in blocks of 64 (their rows stay in L2); inside a block, each pair of weight rows
@@ -143,8 +119,7 @@ fn rows_block<K: Kernel>(
                 if pair {
                     let r = K::tile::<2, 4>([wrow(j), wrow(j + 1)], xs, k);
                     for (dr, vals) in r.iter().enumerate() {
-                        out_t[(j + dr) * tokens + t..(j + dr) * tokens + t + 4]
-                            .copy_from_slice(vals);
+                        out_t[(j + dr) * tokens + t..(j + dr) * tokens + t + 4].copy_from_slice(vals);
                     }
                 } else {
                     let r = K::tile::<1, 4>([wrow(j)], xs, k);
@@ -177,15 +152,7 @@ fn rows_block<K: Kernel>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn rows_block_avx2(
-    x: &[f32],
-    tokens: usize,
-    w: &[f32],
-    k: usize,
-    j0: usize,
-    rows: usize,
-    out_t: &mut [f32],
-) {
+fn rows_block_avx2(x: &[f32], tokens: usize, w: &[f32], k: usize, j0: usize, rows: usize, out_t: &mut [f32]) {
     rows_block::<Avx2Fma>(x, tokens, w, k, j0, rows, out_t)
 }
 
@@ -193,10 +160,8 @@ fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *DETECTED.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-        })
+        *DETECTED
+            .get_or_init(|| std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -204,15 +169,7 @@ fn has_avx2_fma() -> bool {
     }
 }
 
-fn run_rows(
-    x: &[f32],
-    tokens: usize,
-    w: &[f32],
-    k: usize,
-    j0: usize,
-    rows: usize,
-    out_t: &mut [f32],
-) {
+fn run_rows(x: &[f32], tokens: usize, w: &[f32], k: usize, j0: usize, rows: usize, out_t: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // Safety: the CPU supports AVX2 and FMA (checked at run time just above), which is the
@@ -247,17 +204,7 @@ pub fn matmul_t(x: &[f32], tokens: usize, w: &[f32], m: usize, k: usize, out: &m
     out_t
         .par_chunks_mut(rows_per_task * tokens)
         .enumerate()
-        .for_each(|(i, chunk)| {
-            run_rows(
-                x,
-                tokens,
-                w,
-                k,
-                i * rows_per_task,
-                chunk.len() / tokens,
-                chunk,
-            )
-        });
+        .for_each(|(i, chunk)| run_rows(x, tokens, w, k, i * rows_per_task, chunk.len() / tokens, chunk));
     for j in 0..m {
         for t in 0..tokens {
             out[t * m + j] = out_t[j * tokens + t];
@@ -267,9 +214,7 @@ pub fn matmul_t(x: &[f32], tokens: usize, w: &[f32], m: usize, k: usize, out: &m
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use std::arch::x86_64::{
-        __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
-    };
+    use std::arch::x86_64::{__m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps};
 
     use super::{Fused, MulAdd, LANES};
 
@@ -327,9 +272,7 @@ mod tests {
     use super::*;
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
     }
 
@@ -344,9 +287,7 @@ mod tests {
             matmul_t(&x, tokens, &w, m, k, &mut out);
             for t in 0..tokens {
                 for j in 0..m {
-                    let naive: f64 = (0..k)
-                        .map(|i| x[t * k + i] as f64 * w[j * k + i] as f64)
-                        .sum();
+                    let naive: f64 = (0..k).map(|i| x[t * k + i] as f64 * w[j * k + i] as f64).sum();
                     assert!((out[t * m + j] as f64 - naive).abs() < 1e-4, "m={m} k={k}");
                 }
                 // The same token alone, or in a batch of a different size, gives identical bits.
@@ -356,10 +297,7 @@ mod tests {
                 let first = t.min(tokens - 5);
                 let mut five = vec![0.0; 5 * m];
                 matmul_t(&x[first * k..(first + 5) * k], 5, &w, m, k, &mut five);
-                assert_eq!(
-                    &five[(t - first) * m..(t - first + 1) * m],
-                    &out[t * m..(t + 1) * m]
-                );
+                assert_eq!(&five[(t - first) * m..(t - first + 1) * m], &out[t * m..(t + 1) * m]);
             }
         }
     }
@@ -372,12 +310,8 @@ mod tests {
         }
         let mut s = 11u64;
         for k in [1usize, 7, 8, 37, 576] {
-            let w: Vec<Vec<f32>> = (0..2)
-                .map(|_| (0..k).map(|_| lcg(&mut s)).collect())
-                .collect();
-            let x: Vec<Vec<f32>> = (0..4)
-                .map(|_| (0..k).map(|_| lcg(&mut s)).collect())
-                .collect();
+            let w: Vec<Vec<f32>> = (0..2).map(|_| (0..k).map(|_| lcg(&mut s)).collect()).collect();
+            let x: Vec<Vec<f32>> = (0..4).map(|_| (0..k).map(|_| lcg(&mut s)).collect()).collect();
             let wr = [&w[0][..], &w[1][..]];
             let xr = [&x[0][..], &x[1][..], &x[2][..], &x[3][..]];
             // Safety: AVX2 and FMA were detected above.

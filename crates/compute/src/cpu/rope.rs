@@ -32,9 +32,7 @@ impl RopeTable {
     /// `angle = pos · inv_freq` rounded to f32, then cos/sin.
     pub fn new(head_dim: usize, theta: f32, scaling: RopeScaling, max_positions: usize) -> Self {
         let half = head_dim / 2;
-        let mut inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
-            .collect();
+        let mut inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
         if let RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -46,15 +44,10 @@ impl RopeTable {
             let high_wavelen = old / high_freq_factor;
             for f in inv_freq.iter_mut() {
                 let wavelen = 2.0 * std::f32::consts::PI / *f;
-                let scaled = if wavelen > low_wavelen {
-                    *f / factor
-                } else {
-                    *f
-                };
+                let scaled = if wavelen > low_wavelen { *f / factor } else { *f };
                 let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
                 *f = if medium {
-                    let smooth =
-                        (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                    let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                     (1.0 - smooth) * scaled / factor + smooth * scaled
                 } else {
                     scaled
@@ -84,13 +77,7 @@ impl RopeTable {
 ///
 /// # Panics
 /// If a position is outside the table (the engine never schedules past `max_model_len`).
-pub fn apply_rope(
-    x: &mut [f32],
-    num_heads: usize,
-    head_dim: usize,
-    positions: &[usize],
-    table: &RopeTable,
-) {
+pub fn apply_rope(x: &mut [f32], num_heads: usize, head_dim: usize, positions: &[usize], table: &RopeTable) {
     let half = table.half;
     debug_assert_eq!(half * 2, head_dim);
     for (row, &pos) in x.chunks_exact_mut(num_heads * head_dim).zip(positions) {
