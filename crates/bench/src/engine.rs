@@ -82,7 +82,11 @@ pub struct EngineBenchReport {
 }
 
 fn request(id: String, prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
-    EngineRequest::new(RequestId::new(id), prompt, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) })
+    EngineRequest::new(
+        RequestId::new(id),
+        prompt,
+        SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) },
+    )
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

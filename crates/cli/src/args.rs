@@ -18,8 +18,11 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics, ...).
+    /// Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics, ...),
+    /// colocated or as the prefill or decode half of a disaggregated pair.
     Serve(ServeArgs),
+    /// The proxy in front of prefill and decode engines (push or pull KV transfer).
+    Router(RouterArgs),
     /// Generate one completion on this machine and print it.
     Generate(GenerateArgs),
     /// Make or look at model directories.
@@ -79,12 +82,103 @@ pub struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
-    /// Port to listen on.
-    #[arg(long, default_value_t = 8000)]
-    pub port: u16,
+    /// Port to listen on (default: 8000 colocated, 8100 prefill, 8200 decode).
+    #[arg(long)]
+    pub port: Option<u16>,
     /// Name clients use in the `model` field (default: the --model argument).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+/// An engine's part in disaggregated serving.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RoleArg {
+    /// Prefill and decode in one engine (no KV transfer).
+    Both,
+    /// Prefill only: hands each prompt's KV to a decode engine.
+    Prefill,
+    /// Decode only: receives each prompt's KV from a prefill engine.
+    Decode,
+}
+
+/// How KV moves between prefill and decode.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvModeArg {
+    /// Decode registers its blocks when it allocates them; prefill writes into them as soon as
+    /// the prompt is done (the router sends both legs at once). Lower TTFT under load.
+    Push,
+    /// Prefill holds its blocks under a lease; decode reads them after prefill answers (the
+    /// router sends the legs one after the other, and may pick decode late).
+    Pull,
+}
+
+/// What a decode engine does when a prompt's KV cannot be loaded.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvLoadFailureArg {
+    /// Compute the prompt locally instead (same tokens, later).
+    Recompute,
+    /// Answer the request with an error.
+    Fail,
+}
+
+/// Disaggregation settings (ignored with --role both).
+#[derive(Args, Debug, Clone)]
+pub struct KvArgs {
+    /// both, prefill or decode.
+    #[arg(long, value_enum, default_value = "both")]
+    pub role: RoleArg,
+    /// push or pull; prefill and decode must agree (they refuse to pair otherwise).
+    #[arg(long, value_enum, default_value = "push")]
+    pub kv_mode: KvModeArg,
+    /// This engine's id on the KV side channel (default: role and port).
+    #[arg(long)]
+    pub engine_id: Option<String>,
+    /// Host the KV side channel binds and advertises.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub kv_host: String,
+    /// Port of the KV side channel (default: 5600 prefill, 5601 decode; 0 picks a free one).
+    #[arg(long)]
+    pub kv_port: Option<u16>,
+    /// Decode: recompute locally or fail when a prompt's KV cannot be loaded.
+    #[arg(long, value_enum, default_value = "recompute")]
+    pub kv_load_failure: KvLoadFailureArg,
+    /// Pull: seconds prefill holds a finished prompt's blocks without a decode heartbeat.
+    #[arg(long, default_value_t = 30.0)]
+    pub kv_lease_secs: f64,
+    /// Longest wait for a transfer (decode waiting for KV; push prefill waiting for a
+    /// registration), seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub kv_transfer_timeout_secs: f64,
+    /// Test only: prefill drops push completion notifications (exercises the timeout path).
+    #[arg(long, hide = true)]
+    pub fault_drop_done: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct RouterArgs {
+    /// push or pull (must match the engines).
+    #[arg(long, value_enum, default_value = "push")]
+    pub mode: KvModeArg,
+    /// Prefill engine base URLs, e.g. http://127.0.0.1:8100 (repeat or comma-separate).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub prefill: Vec<String>,
+    /// Decode engine base URLs, e.g. http://127.0.0.1:8200 (repeat or comma-separate).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub decode: Vec<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Seconds to wait for every engine to report healthy at start.
+    #[arg(long, default_value_t = 120)]
+    pub ready_timeout_secs: u64,
+    /// Seconds a prefill leg may take.
+    #[arg(long, default_value_t = 300)]
+    pub prefill_timeout_secs: u64,
 }
 
 #[derive(Args, Debug)]

@@ -23,6 +23,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let result = match cli.command {
         Command::Serve(a) => serve(a),
+        Command::Router(a) => router(a),
         Command::Generate(a) => generate(a),
         Command::Model(c) => model_command(c),
         Command::Bench(BenchCommand::Engine(a)) => bench_engine(a),
@@ -85,17 +86,67 @@ fn engine_config(e: &EngineArgs, model: &LoadedModel) -> Result<EngineConfig> {
     Ok(cfg)
 }
 
+/// The connector setup for `--role prefill|decode`, or `None` for colocated serving.
+fn kv_setup(k: &args::KvArgs, port: u16, model: &LoadedModel) -> Result<Option<tandem_engine::KvSetup>> {
+    use args::{KvLoadFailureArg, KvModeArg, RoleArg};
+    let role = match k.role {
+        RoleArg::Both => return Ok(None),
+        RoleArg::Prefill => tandem_kv::Role::Prefill,
+        RoleArg::Decode => tandem_kv::Role::Decode,
+    };
+    let kv_port = k.kv_port.unwrap_or(if role == tandem_kv::Role::Prefill { 5600 } else { 5601 });
+    let secs = |s: f64, name: &str| {
+        if s.is_finite() && s > 0.0 {
+            Ok(std::time::Duration::from_secs_f64(s))
+        } else {
+            Err(anyhow::anyhow!("{name} must be a positive number of seconds"))
+        }
+    };
+    Ok(Some(tandem_engine::KvSetup {
+        connector: tandem_kv::ConnectorConfig {
+            engine_id: tandem_core::EngineId(
+                k.engine_id.clone().unwrap_or_else(|| format!("{}-{port}", format!("{role:?}").to_lowercase())),
+            ),
+            role,
+            mode: match k.kv_mode {
+                KvModeArg::Push => tandem_kv::KvMode::Push,
+                KvModeArg::Pull => tandem_kv::KvMode::Pull,
+            },
+            listen: format!("{}:{kv_port}", k.kv_host),
+            advertise_host: k.kv_host.clone(),
+            model_fingerprint: model.transformer.fingerprint(),
+            timeouts: tandem_kv::tcp::Timeouts::default(),
+            lease: secs(k.kv_lease_secs, "--kv-lease-secs")?,
+            transfer_timeout: secs(k.kv_transfer_timeout_secs, "--kv-transfer-timeout-secs")?,
+            faults: tandem_kv::FaultInjection { drop_done: k.fault_drop_done },
+        },
+        load_failure: match k.kv_load_failure {
+            KvLoadFailureArg::Recompute => tandem_engine::KvLoadFailure::Recompute,
+            KvLoadFailureArg::Fail => tandem_engine::KvLoadFailure::Fail,
+        },
+    }))
+}
+
 fn serve(a: ServeArgs) -> Result<()> {
+    let port = a.port.unwrap_or(match a.kv.role {
+        args::RoleArg::Both => 8000,
+        args::RoleArg::Prefill => 8100,
+        args::RoleArg::Decode => 8200,
+    });
     let model = load_model(&a.model)?;
     let cfg = engine_config(&a.engine, &model)?;
+    let kv = kv_setup(&a.kv, port, &model)?;
     let tokenizer = model.tokenizer.map(Arc::new);
-    let engine = tandem_engine::spawn(model.transformer, model.eos_token_ids, model.max_model_len, cfg)
-        .context("starting the engine thread")?;
+    let engine = tandem_engine::spawn_with(model.transformer, model.eos_token_ids, model.max_model_len, cfg, kv)
+        .context("starting the engine (and its KV side channel)")?;
+    if let Some(info) = engine.kv_info() {
+        tracing::info!(role = ?info.role, mode = ?info.kv_mode, engine_id = %info.engine_id, epoch = info.epoch.0, transports = ?info.transports, "KV side channel up");
+    }
     let name = a.served_model_name.unwrap_or_else(|| a.model.model.clone());
     let state = Arc::new(tandem_server::AppState::new(engine, tokenizer, name.clone()));
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     rt.block_on(async move {
-        let addr = format!("{}:{}", a.host, a.port);
+        let addr = format!("{}:{port}", a.host);
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
         tracing::info!(%addr, model = %name, "serving the OpenAI API (Ctrl-C to stop)");
         let shutdown = async {
@@ -103,6 +154,31 @@ fn serve(a: ServeArgs) -> Result<()> {
             tracing::info!("shutting down");
         };
         tandem_server::serve(listener, state, shutdown).await.context("serving")
+    })
+}
+
+fn router(a: args::RouterArgs) -> Result<()> {
+    let mode = match a.mode {
+        args::KvModeArg::Push => tandem_core::TransferMode::Push,
+        args::KvModeArg::Pull => tandem_core::TransferMode::Pull,
+    };
+    let router = tandem_router::Router::new(tandem_router::RouterConfig {
+        mode,
+        prefill: a.prefill.clone(),
+        decode: a.decode.clone(),
+        prefill_timeout: std::time::Duration::from_secs(a.prefill_timeout_secs),
+    })?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    rt.block_on(async move {
+        tracing::info!(prefill = ?a.prefill, decode = ?a.decode, ?mode, "waiting for engines to become healthy");
+        router.wait_ready(std::time::Duration::from_secs(a.ready_timeout_secs)).await?;
+        let addr = format!("{}:{}", a.host, a.port);
+        let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
+        tracing::info!(%addr, ?mode, "router ready (Ctrl-C to stop)");
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        tandem_router::serve(listener, Arc::new(router), shutdown).await.context("serving")
     })
 }
 
@@ -131,8 +207,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         .context("starting the engine thread")?;
     let prompt_len = prompt_ids.len();
     let start = Instant::now();
-    let mut stream =
-        engine.submit(EngineRequest::new(RequestId::new("generate"), prompt_ids, params))?;
+    let mut stream = engine.submit(EngineRequest::new(RequestId::new("generate"), prompt_ids, params))?;
     let mut token_ids = Vec::new();
     let mut first_token_s = None;
     let mut finish = None;

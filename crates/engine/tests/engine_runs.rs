@@ -123,8 +123,7 @@ fn seeded_sampling_repeats_regardless_of_batch() {
     // Alone.
     let mut c = core(load(), 16, 64, 512);
     let (tx, rx) = unbounded_channel();
-    c.add_request(EngineRequest::new(RequestId::new("a"), prompt.clone(), params(7)), tx)
-        .unwrap();
+    c.add_request(EngineRequest::new(RequestId::new("a"), prompt.clone(), params(7)), tx).unwrap();
     let alone = run(&mut c, vec![(RequestId::new("a"), rx)]).remove(&RequestId::new("a")).unwrap().0;
     // Beside other requests with other seeds.
     let mut c = core(load(), 16, 64, 512);
@@ -132,8 +131,7 @@ fn seeded_sampling_repeats_regardless_of_batch() {
     for (i, seed) in [3u64, 7, 9].into_iter().enumerate() {
         let (tx, rx) = unbounded_channel();
         let id = RequestId::new(format!("r{i}"));
-        c.add_request(EngineRequest::new(id.clone(), prompt.clone(), params(seed)), tx)
-            .unwrap();
+        c.add_request(EngineRequest::new(id.clone(), prompt.clone(), params(seed)), tx).unwrap();
         rxs.push((id, rx));
     }
     let out = run(&mut c, rxs);
@@ -150,8 +148,7 @@ fn eos_min_tokens_stop_ids_and_max_tokens() {
     let mut core = EngineCore::new(model.transformer, vec![eos], model.max_model_len, &cfg);
     let mut submit = |id: &str, params: SamplingParams| {
         let (tx, rx) = unbounded_channel();
-        core.add_request(EngineRequest::new(RequestId::new(id), c.prompt.clone(), params), tx)
-            .unwrap();
+        core.add_request(EngineRequest::new(RequestId::new(id), c.prompt.clone(), params), tx).unwrap();
         (RequestId::new(id), rx)
     };
     let rx = vec![
@@ -203,9 +200,8 @@ async fn dropping_a_stream_aborts_and_frees_blocks_on_the_engine_thread() {
     let m = LoadedModel::load(&ModelSource::Preset { preset: p, seed: 1 }, None).unwrap();
     let cfg = EngineConfig { block_size: 16, num_blocks: 128, max_num_seqs: 8, max_num_batched_tokens: 256 };
     let engine = spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
-    let mut long = engine
-        .submit(EngineRequest::new(RequestId::new("long"), vec![7; 40], greedy_ignore_eos(2000)))
-        .unwrap();
+    let mut long =
+        engine.submit(EngineRequest::new(RequestId::new("long"), vec![7; 40], greedy_ignore_eos(2000))).unwrap();
     assert!(matches!(long.next().await, Some(EngineEvent::Tokens { .. })));
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     // Stats are published after each step, a moment after its events are sent.
@@ -221,9 +217,7 @@ async fn dropping_a_stream_aborts_and_frees_blocks_on_the_engine_thread() {
     // The engine still serves after the abort, and refuses bad input without dying.
     let err = engine.submit(EngineRequest::new(RequestId::new("bad"), vec![9999], SamplingParams::greedy(1)));
     assert!(matches!(err, Err(SubmitError::Rejected(RequestRejected::TokenOutOfRange { .. }))));
-    let mut ok = engine
-        .submit(EngineRequest::new(RequestId::new("ok"), vec![7; 3], greedy_ignore_eos(3)))
-        .unwrap();
+    let mut ok = engine.submit(EngineRequest::new(RequestId::new("ok"), vec![7; 3], greedy_ignore_eos(3))).unwrap();
     let mut n = 0;
     while let Some(EngineEvent::Tokens { token_ids, finish }) = ok.next().await {
         n += token_ids.len();
@@ -243,9 +237,7 @@ async fn dropping_a_stream_mid_prefill_stops_the_prefill() {
     let m = LoadedModel::load(&ModelSource::Preset { preset: p, seed: 1 }, None).unwrap();
     let cfg = EngineConfig { block_size: 16, num_blocks: 256, max_num_seqs: 8, max_num_batched_tokens: 1 };
     let engine = spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
-    let stream = engine
-        .submit(EngineRequest::new(RequestId::new("p"), vec![3; 2000], greedy_ignore_eos(1)))
-        .unwrap();
+    let stream = engine.submit(EngineRequest::new(RequestId::new("p"), vec![3; 2000], greedy_ignore_eos(1))).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while engine.stats().steps < 5 {
         assert!(std::time::Instant::now() < deadline);

@@ -36,7 +36,6 @@ use crate::{AgentInfo, KvError, TransportOffer};
 
 pub(crate) enum Command {
     Expect { request_id: RequestId, source: RemoteKv, blocks: Vec<u32>, num_tokens: usize },
-    Produced { transfer_id: TransferId, held: HeldBlocks, blocks: Vec<u32>, num_tokens: usize, first_token: u32 },
     Abort { request_id: RequestId },
     Abandon { transfer_id: TransferId, reason: String },
 }
@@ -270,33 +269,43 @@ fn control_loop(rx: mpsc::Receiver<Command>, shared: Arc<Shared>) {
     }
 }
 
+/// Prefill: records produced KV (called on the engine thread: a table insert, no I/O) and, if
+/// decode already registered, starts the push write on its own thread.
+pub(crate) fn produced(
+    shared: &Arc<Shared>,
+    transfer_id: TransferId,
+    held: HeldBlocks,
+    blocks: Vec<u32>,
+    num_tokens: usize,
+    first_token: u32,
+) {
+    let deadline = Instant::now()
+        + match shared.cfg.mode {
+            crate::KvMode::Push => shared.cfg.transfer_timeout,
+            crate::KvMode::Pull => shared.cfg.lease,
+        };
+    let produced = Produced { held, blocks, num_tokens, first_token, deadline, reading: false };
+    let mut t = shared.tables();
+    if t.produced.contains_key(&transfer_id) {
+        bump(&shared.counters.duplicate_ids, 1);
+        tracing::warn!(%transfer_id, "KV produced twice under one transfer id; dropping the second");
+        return;
+    }
+    match t.registrations.remove(&transfer_id) {
+        Some(reg) => {
+            drop(t);
+            spawn_push_write(shared, transfer_id, reg, produced);
+        }
+        None => {
+            t.produced.insert(transfer_id, produced);
+        }
+    }
+}
+
 fn handle_command(shared: &Arc<Shared>, cmd: Command) {
     match cmd {
         Command::Expect { request_id, source, blocks, num_tokens } => {
             expect(shared, request_id, source, blocks, num_tokens)
-        }
-        Command::Produced { transfer_id, held, blocks, num_tokens, first_token } => {
-            let deadline = Instant::now()
-                + match shared.cfg.mode {
-                    crate::KvMode::Push => shared.cfg.transfer_timeout,
-                    crate::KvMode::Pull => shared.cfg.lease,
-                };
-            let produced = Produced { held, blocks, num_tokens, first_token, deadline, reading: false };
-            let mut t = shared.tables();
-            if t.produced.contains_key(&transfer_id) {
-                bump(&shared.counters.duplicate_ids, 1);
-                tracing::warn!(%transfer_id, "KV produced twice under one transfer id; dropping the second");
-                return;
-            }
-            match t.registrations.remove(&transfer_id) {
-                Some(reg) => {
-                    drop(t);
-                    spawn_push_write(shared, transfer_id, reg, produced);
-                }
-                None => {
-                    t.produced.insert(transfer_id, produced);
-                }
-            }
         }
         Command::Abort { request_id } => {
             let mut t = shared.tables();

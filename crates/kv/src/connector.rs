@@ -143,7 +143,9 @@ impl KvConnector {
         num_tokens: usize,
         first_token: u32,
     ) {
-        let _ = self.commands.send(Command::Produced { transfer_id, held, blocks, num_tokens, first_token });
+        // Recorded before this returns (a table insert, no I/O), so a decode engine that learns of
+        // the KV from the response that follows finds it here.
+        agent::produced(&self.shared, transfer_id, held, blocks, num_tokens, first_token);
     }
 
     /// Decode: the request was cancelled while waiting for its KV.

@@ -165,6 +165,32 @@ impl Transformer {
         }
     }
 
+    /// Identifies these weights for KV compatibility checks: the architecture, the shape and a
+    /// hash of a sample of the embedding and first layer. Engines whose KV would mean different
+    /// things get different fingerprints.
+    pub fn fingerprint(&self) -> String {
+        let c = &self.cfg;
+        let mut h = 0xcbf29ce484222325u64;
+        let mut feed = |xs: &[f32]| {
+            for x in xs.iter().step_by((xs.len() / 4096).max(1)) {
+                h = (h ^ x.to_bits() as u64).wrapping_mul(0x100000001b3);
+            }
+        };
+        feed(&self.embed);
+        if let Some(l) = self.layers.first() {
+            feed(&l.qkv.weight);
+        }
+        format!(
+            "{}/l{}h{}kv{}d{}v{}/{h:016x}",
+            c.architecture.hf_name(),
+            c.num_layers,
+            c.hidden_size,
+            c.num_kv_heads,
+            c.head_dim,
+            c.vocab_size
+        )
+    }
+
     /// Bytes of weights a forward reads (f32), the numerator of the decode floor.
     pub fn weight_bytes(&self) -> usize {
         let layer_bytes: usize = self

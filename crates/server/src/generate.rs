@@ -253,7 +253,9 @@ impl Generation {
                 Ok(Piece { text, token_ids, finish })
             }
             Some(EngineEvent::Failed(msg)) => Err(self.fail(ApiError::Internal(msg))),
-            Some(EngineEvent::KvProduced { .. }) => Ok(Piece { text: String::new(), token_ids: Vec::new(), finish: None }),
+            Some(EngineEvent::KvProduced { .. }) => {
+                Ok(Piece { text: String::new(), token_ids: Vec::new(), finish: None })
+            }
             None => Err(self.fail(ApiError::EngineStopped)),
         })
     }
@@ -272,9 +274,13 @@ impl Generation {
     fn kv_transfer_params(&self) -> Option<KvTransferParams> {
         let p = self.produced.as_ref()?;
         let info = self.state.engine.kv_info()?;
-        let addr = info.transports.iter().map(|t| match t {
-            tandem_kv::TransportOffer::Tcp { addr } => addr.clone(),
-        }).next()?;
+        let addr = info
+            .transports
+            .iter()
+            .map(|t| match t {
+                tandem_kv::TransportOffer::Tcp { addr } => addr.clone(),
+            })
+            .next()?;
         let (host, port) = addr.rsplit_once(':')?;
         let tid = p.transfer_id.0.clone();
         Some(match info.kv_mode {

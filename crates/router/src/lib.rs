@@ -1,0 +1,25 @@
+//! The router: one OpenAI endpoint in front of prefill and decode engines.
+//!
+//! # Brief overview
+//! [`Router`] holds the backends and the mode; [`app`] serves `/v1/completions`,
+//! `/v1/chat/completions`, `/v1/models` and `/health`. Each request is split into two legs:
+//!
+//! - **Pull**: the prefill leg runs first (one token, not streamed, `do_remote_decode`); its
+//!   answer's `kv_transfer_params` (prefill's block ids, epoch, first token) go on the decode
+//!   leg, which streams back to the client. Pull lets the router choose the decode engine
+//!   after prefill, but decode can only start fetching once prefill is done.
+//! - **Push**: the router makes a `transfer_id`, picks both engines up front, and sends both
+//!   legs at once: the decode leg names the prefill engine's side channel, so decode registers
+//!   its blocks while prefill is still computing and prefill writes them the moment it
+//!   finishes. This overlap is why push must dispatch the two legs concurrently.
+//!
+//! Backends are chosen by fewest outstanding requests (round-robin among ties). A failed
+//! prefill leg ends the request with its 4xx (a bad request) or a 502 naming the leg; a client
+//! disconnect drops both legs, which cancels them on both engines.
+#![deny(missing_docs)]
+
+mod backend;
+mod proxy;
+
+pub use backend::{Backend, KvEndpoint};
+pub use proxy::{app, serve, Router, RouterConfig, RouterError};
