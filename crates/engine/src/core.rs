@@ -216,24 +216,8 @@ impl EngineCore {
             return Err(RequestRejected::DuplicateId(req.id));
         }
         let role = self.connector.as_ref().map(|c| c.info().role);
+        check_role(&req, role)?;
         let remote_decode = matches!(req.remote, Some(RemoteKv::PushFrom { .. } | RemoteKv::PullFrom { .. }));
-        match (&req.remote, role) {
-            (None, _) => {}
-            (Some(_), None) => {
-                return Err(RequestRejected::NotDisaggregated("no KV connector (start with --role prefill or decode)"))
-            }
-            (Some(RemoteKv::Produce { .. }), Some(tandem_kv::Role::Decode)) => {
-                return Err(RequestRejected::NotDisaggregated(
-                    "a decode engine cannot serve a prefill leg (do_remote_decode)",
-                ))
-            }
-            (Some(_), Some(tandem_kv::Role::Prefill)) if remote_decode => {
-                return Err(RequestRejected::NotDisaggregated(
-                    "a prefill engine cannot serve a decode leg (do_remote_prefill)",
-                ))
-            }
-            _ => {}
-        }
         let blocks = self.scheduler.pool.empty_allocation();
         let request = Request::new(req, blocks, events);
         if remote_decode {
@@ -383,6 +367,24 @@ impl EngineCore {
             }
         }
         report
+    }
+}
+
+/// Refuses a request whose `kv_transfer_params` ask for a part this engine does not play.
+pub(crate) fn check_role(req: &EngineRequest, role: Option<tandem_kv::Role>) -> Result<(), RequestRejected> {
+    let remote_decode = matches!(req.remote, Some(RemoteKv::PushFrom { .. } | RemoteKv::PullFrom { .. }));
+    match (&req.remote, role) {
+        (None, _) => Ok(()),
+        (Some(_), None) => {
+            Err(RequestRejected::NotDisaggregated("no KV connector (start with --role prefill or decode)"))
+        }
+        (Some(RemoteKv::Produce { .. }), Some(tandem_kv::Role::Decode)) => {
+            Err(RequestRejected::NotDisaggregated("a decode engine cannot serve a prefill leg (do_remote_decode)"))
+        }
+        (Some(_), Some(tandem_kv::Role::Prefill)) if remote_decode => {
+            Err(RequestRejected::NotDisaggregated("a prefill engine cannot serve a decode leg (do_remote_prefill)"))
+        }
+        _ => Ok(()),
     }
 }
 

@@ -189,6 +189,7 @@ impl EngineHandle {
     /// stream before the last event aborts the request.
     pub fn submit(&self, req: EngineRequest) -> Result<RequestStream, SubmitError> {
         self.limits.check(&req)?;
+        crate::core::check_role(&req, self.kv_info.as_ref().map(|i| i.role))?;
         let (tx, rx) = unbounded_channel();
         let id = req.id.clone();
         self.commands.send(Command::Add(Box::new(req), tx)).map_err(|_| SubmitError::EngineStopped)?;

@@ -1,0 +1,182 @@
+//! Helpers shared by the P/D integration tests: in-process engines and routers on loopback.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tandem_core::{EngineId, TransferMode};
+use tandem_engine::{EngineConfig, KvLoadFailure, KvSetup};
+use tandem_kv::tcp::Timeouts;
+use tandem_kv::{ConnectorConfig, FaultInjection, KvMode, Role};
+use tandem_model::{LoadedModel, ModelSource, Preset};
+use tandem_router::{Router, RouterConfig};
+use tandem_server::AppState;
+
+pub struct Engine {
+    pub url: String,
+    pub state: Arc<AppState>,
+}
+
+/// Knobs the fault tests turn.
+#[derive(Clone)]
+pub struct Knobs {
+    pub faults: FaultInjection,
+    pub lease: Duration,
+    pub transfer_timeout: Duration,
+    pub load_failure: KvLoadFailure,
+    pub budget: usize,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Self {
+            faults: FaultInjection::default(),
+            lease: Duration::from_secs(30),
+            transfer_timeout: Duration::from_secs(10),
+            load_failure: KvLoadFailure::Fail,
+            budget: 96,
+        }
+    }
+}
+
+pub async fn engine(role: Option<(Role, KvMode)>, block_size: usize, faults: FaultInjection) -> Engine {
+    engine_with(role, block_size, Knobs { faults, ..Knobs::default() }).await
+}
+
+pub async fn engine_with(role: Option<(Role, KvMode)>, block_size: usize, k: Knobs) -> Engine {
+    let m =
+        LoadedModel::load(&ModelSource::Preset { preset: Preset::find("tiny-qwen3").unwrap(), seed: 0 }, None).unwrap();
+    start_engine(m, role, block_size, k).await
+}
+
+pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_size: usize, k: Knobs) -> Engine {
+    let cfg =
+        EngineConfig { block_size, num_blocks: 3000 / block_size, max_num_seqs: 64, max_num_batched_tokens: k.budget };
+    let kv = role.map(|(role, mode)| KvSetup {
+        connector: ConnectorConfig {
+            engine_id: EngineId(format!("{role:?}-{block_size}").to_lowercase()),
+            role,
+            mode,
+            listen: "127.0.0.1:0".into(),
+            advertise_host: "127.0.0.1".into(),
+            model_fingerprint: m.transformer.fingerprint(),
+            timeouts: Timeouts { connect: Duration::from_secs(2), io: Duration::from_secs(5) },
+            lease: k.lease,
+            transfer_timeout: k.transfer_timeout,
+            faults: k.faults.clone(),
+        },
+        load_failure: k.load_failure,
+    });
+    let handle = tandem_engine::spawn_with(m.transformer, m.eos_token_ids, m.max_model_len, cfg, kv).unwrap();
+    let state = Arc::new(AppState::new(handle, m.tokenizer.map(Arc::new), "tiny".into()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
+    Engine { url, state }
+}
+
+pub async fn router(mode: TransferMode, p: &Engine, d: &Engine) -> String {
+    let r = Router::new(RouterConfig {
+        mode,
+        prefill: vec![p.url.clone()],
+        decode: vec![d.url.clone()],
+        prefill_timeout: Duration::from_secs(30),
+    })
+    .unwrap();
+    r.wait_ready(Duration::from_secs(10)).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(tandem_router::serve(listener, Arc::new(r), std::future::pending()));
+    url
+}
+
+/// Mixed prompts: 1 token, shorter than a block, several blocks, longer than the step budget.
+pub fn workload() -> Vec<Value> {
+    (0..50)
+        .map(|i| {
+            let len = [1, 3, 7, 8, 9, 16, 17, 40, 130][i % 9];
+            let prompt: Vec<u32> = (0..len).map(|j| ((i * 37 + j * 11) % 500) as u32).collect();
+            json!({"model": "tiny", "prompt": prompt, "max_tokens": 3 + i % 8, "temperature": 0,
+                   "ignore_eos": true, "stream": i % 2 == 0})
+        })
+        .collect()
+}
+
+pub async fn run_all(http: &reqwest::Client, base: &str, reqs: &[Value]) -> Vec<Vec<u64>> {
+    let tasks: Vec<_> = reqs
+        .iter()
+        .map(|b| {
+            let (http, url, b) = (http.clone(), format!("{base}/v1/completions"), b.clone());
+            tokio::spawn(async move {
+                let resp = http.post(url).json(&b).send().await.unwrap();
+                assert_eq!(resp.status(), 200);
+                let text = resp.text().await.unwrap();
+                let mut ids = Vec::new();
+                let bodies: Vec<String> = if b["stream"] == json!(true) {
+                    text.split("\n\n")
+                        .filter_map(|e| e.strip_prefix("data: "))
+                        .filter(|e| *e != "[DONE]")
+                        .map(str::to_string)
+                        .collect()
+                } else {
+                    vec![text]
+                };
+                for body in bodies {
+                    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+                    assert!(v.get("error").is_none(), "{v}");
+                    for id in v["choices"][0]["token_ids"].as_array().unwrap() {
+                        ids.push(id.as_u64().unwrap());
+                    }
+                }
+                ids
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+pub async fn wait_idle(engines: &[&Engine]) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    for e in engines {
+        loop {
+            let s = e.state.engine.stats();
+            if s.running == 0 && s.waiting == 0 && s.free_blocks == s.total_blocks {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{} not idle with all blocks free: {s:?}", e.url);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// An engine whose preset weights use another seed (a different model of the same shape).
+pub async fn engine_seeded(role: Option<(Role, KvMode)>, block_size: usize, seed: u64) -> Engine {
+    let m =
+        LoadedModel::load(&ModelSource::Preset { preset: Preset::find("tiny-qwen3").unwrap(), seed }, None).unwrap();
+    start_engine(m, role, block_size, Knobs::default()).await
+}
+
+/// Waits (bounded) until this engine's published connector counters satisfy `pred`; they are
+/// published by the engine loop, a moment after the events they count.
+pub async fn kv_stats_until(
+    e: &Engine,
+    what: &str,
+    pred: impl Fn(&tandem_kv::ConnectorStats) -> bool,
+) -> tandem_kv::ConnectorStats {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(s) = e.state.engine.stats().kv {
+            if pred(&s) {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "{}: {what} never held: {s:?}", e.url);
+        }
+        assert!(Instant::now() < deadline, "{}: no connector stats", e.url);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

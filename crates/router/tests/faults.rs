@@ -1,0 +1,225 @@
+//! Failure paths of disaggregated serving. Each test is bounded in time, checks no engine
+//! died, and ends with every engine's free-block count back at its starting value.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+use tandem_core::TransferMode;
+use tandem_engine::KvLoadFailure;
+use tandem_kv::{FaultInjection, KvMode, Role};
+
+fn prompt(len: usize, salt: usize) -> Vec<u32> {
+    (0..len).map(|j| ((salt * 31 + j * 7) % 500) as u32).collect()
+}
+
+async fn post(http: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
+    let r = http.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v["choices"][0]["token_ids"].as_array().map(|a| a.iter().map(|x| x.as_u64().unwrap()).collect()).unwrap_or_default()
+}
+
+fn alive(engines: &[&Engine]) {
+    for e in engines {
+        assert!(e.state.engine.is_alive(), "{} engine thread died", e.url);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dropped_completion_is_bounded_and_recompute_gives_the_same_tokens() {
+    let http = reqwest::Client::new();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let p = engine_with(
+        Some((Role::Prefill, KvMode::Push)),
+        16,
+        Knobs { faults: FaultInjection { drop_done: true }, ..Knobs::default() },
+    )
+    .await;
+    let d = engine_with(
+        Some((Role::Decode, KvMode::Push)),
+        8,
+        Knobs {
+            transfer_timeout: Duration::from_millis(400),
+            load_failure: KvLoadFailure::Recompute,
+            ..Knobs::default()
+        },
+    )
+    .await;
+    let base = router(TransferMode::Push, &p, &d).await;
+    let start = Instant::now();
+    for i in 0..4 {
+        let body = json!({"prompt": prompt(20 + i * 9, i), "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+        let (s1, want) = post(&http, &colocated.url, body.clone()).await;
+        let (s2, got) = post(&http, &base, body).await;
+        assert_eq!((s1, s2), (200, 200), "{got}");
+        assert_eq!(ids(&got), ids(&want), "request {i}: recompute must give the colocated tokens");
+    }
+    assert!(start.elapsed() < Duration::from_secs(20), "each lost notification costs one bounded timeout");
+    kv_stats_until(&d, "4 failed transfers", |s| s.transfers_failed == 4).await;
+    wait_idle(&[&p, &d, &colocated]).await;
+    alive(&[&p, &d]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn client_disconnect_during_prefill_cancels_both_legs() {
+    let http = reqwest::Client::new();
+    // One token per step: the 1500-token prompt keeps prefill busy long enough to hang up.
+    let p = engine_with(Some((Role::Prefill, KvMode::Push)), 16, Knobs { budget: 1, ..Knobs::default() }).await;
+    let d = engine(Some((Role::Decode, KvMode::Push)), 8, FaultInjection::default()).await;
+    let base = router(TransferMode::Push, &p, &d).await;
+    let body = json!({"prompt": prompt(1500, 1), "max_tokens": 5, "temperature": 0, "stream": true});
+    let resp = http.post(format!("{base}/v1/completions")).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while p.state.engine.stats().running == 0
+        || d.state.engine.stats().free_blocks == d.state.engine.stats().total_blocks
+    {
+        assert!(Instant::now() < deadline, "both legs should be in flight");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(resp);
+    wait_idle(&[&p, &d]).await;
+    let steps = p.state.engine.stats().steps;
+    assert!(steps < 1500, "prefill ran to the end after the client left ({steps} steps)");
+    assert_eq!(kv_stats_until(&p, "stats", |_| true).await.transfers_ok, 0);
+    alive(&[&p, &d]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_expiry_then_a_late_read_recomputes_with_correct_tokens() {
+    let http = reqwest::Client::new();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let p = engine_with(
+        Some((Role::Prefill, KvMode::Pull)),
+        16,
+        Knobs { lease: Duration::from_millis(200), ..Knobs::default() },
+    )
+    .await;
+    let d = engine_with(
+        Some((Role::Decode, KvMode::Pull)),
+        8,
+        Knobs { load_failure: KvLoadFailure::Recompute, ..Knobs::default() },
+    )
+    .await;
+    let body = json!({"prompt": prompt(37, 3), "max_tokens": 7, "temperature": 0, "ignore_eos": true});
+    let mut pb = body.clone();
+    pb["max_tokens"] = json!(1);
+    pb["kv_transfer_params"] = json!({"do_remote_decode": true, "transfer_id": "late-1"});
+    let (status, pv) = post(&http, &p.url, pb).await;
+    assert_eq!(status, 200, "{pv}");
+    let kv = pv["kv_transfer_params"].clone();
+    assert_eq!(kv["remote_block_ids"].as_array().unwrap().len(), 3, "37 tokens in 16-token blocks");
+    // Let the lease lapse: prefill frees (and may reuse) those blocks.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(
+        p.state.engine.stats().free_blocks,
+        p.state.engine.stats().total_blocks,
+        "expired lease freed its blocks"
+    );
+    let mut db = body.clone();
+    db["kv_transfer_params"] = kv;
+    let (s1, got) = post(&http, &d.url, db).await;
+    let (_, want) = post(&http, &colocated.url, body).await;
+    assert_eq!(s1, 200, "{got}");
+    assert_eq!(ids(&got), ids(&want), "never tokens from stale KV");
+    kv_stats_until(&p, "an expired lease and a refused late read", |s| s.expired >= 1 && s.unknown_ids >= 1).await;
+    wait_idle(&[&p, &d, &colocated]).await;
+    alive(&[&p, &d]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unknown_and_duplicate_transfer_ids_are_refused_and_counted() {
+    let http = reqwest::Client::new();
+    let p = engine_with(
+        Some((Role::Prefill, KvMode::Pull)),
+        16,
+        Knobs { lease: Duration::from_millis(300), ..Knobs::default() },
+    )
+    .await;
+    let d = engine(Some((Role::Decode, KvMode::Pull)), 16, FaultInjection::default()).await;
+    let epoch = p.state.engine.kv_info().unwrap().epoch.0;
+    let port = match &p.state.engine.kv_info().unwrap().transports[0] {
+        tandem_kv::TransportOffer::Tcp { addr } => addr.rsplit_once(':').unwrap().1.parse::<u16>().unwrap(),
+    };
+    // A decode leg naming a transfer prefill never produced: refused (load_failure = fail).
+    let bogus = json!({"prompt": prompt(20, 4), "max_tokens": 3, "kv_transfer_params": {
+        "do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port, "transfer_id": "never-made",
+        "remote_block_ids": [1, 2], "remote_epoch": epoch, "remote_num_tokens": 20, "first_token_id": 5}});
+    let (status, v) = post(&http, &d.url, bogus).await;
+    assert_eq!(status, 500, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("no KV held for transfer `never-made`"), "{v}");
+    kv_stats_until(&p, "one unknown id", |s| s.unknown_ids == 1).await;
+    // Two prefill legs under one transfer id: both answer, the second's KV is refused.
+    let leg = json!({"prompt": prompt(20, 5), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "dup"}});
+    let (a, b) = tokio::join!(post(&http, &p.url, leg.clone()), post(&http, &p.url, leg));
+    assert_eq!((a.0, b.0), (200, 200));
+    kv_stats_until(&p, "one duplicate id", |s| s.duplicate_ids == 1).await;
+    wait_idle(&[&p, &d]).await;
+    alive(&[&p, &d]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn malformed_params_wrong_roles_and_failed_legs_are_clear_errors() {
+    let http = reqwest::Client::new();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let p = engine(Some((Role::Prefill, KvMode::Push)), 16, FaultInjection::default()).await;
+    let d = engine(Some((Role::Decode, KvMode::Push)), 16, FaultInjection::default()).await;
+    let with = |kv: Value| json!({"prompt": [1, 2, 3], "max_tokens": 2, "kv_transfer_params": kv});
+    let cases = [
+        (&d, with(json!({"do_remote_prefill": true})), 400, "remote_host"),
+        (&d, with(json!({"do_remote_prefill": true, "remote_host": "h"})), 400, "remote_port"),
+        (&d, with(json!("not an object")), 400, "invalid kv_transfer_params"),
+        (&d, with(json!({"remote_port": "x"})), 400, "invalid kv_transfer_params"),
+        (&d, with(json!({"do_remote_decode": true, "do_remote_prefill": true})), 400, "both"),
+        (
+            &d,
+            with(json!({"do_remote_decode": true, "transfer_id": "t"})),
+            400,
+            "decode engine cannot serve a prefill leg",
+        ),
+        (
+            &p,
+            with(json!({"do_remote_prefill": true, "remote_host": "h", "remote_port": 1, "transfer_id": "t"})),
+            400,
+            "prefill engine cannot serve a decode leg",
+        ),
+        (&colocated, with(json!({"do_remote_decode": true, "transfer_id": "t"})), 400, "no KV connector"),
+    ];
+    for (e, body, status, needle) in cases {
+        let (s, v) = post(&http, &e.url, body.clone()).await;
+        assert_eq!(s, status, "{body} -> {v}");
+        assert!(v["error"]["message"].as_str().unwrap_or("").contains(needle), "{body}: `{needle}` not in {v}");
+    }
+    // A prefill leg the prefill engine refuses: the router answers with that 400 at once, and
+    // the decode leg it had already sent is cancelled.
+    let base = router(TransferMode::Push, &p, &d).await;
+    let start = Instant::now();
+    let (s, v) = post(&http, &base, json!({"prompt": [1, 2, 99999], "max_tokens": 2})).await;
+    assert_eq!(s, 400, "{v}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    wait_idle(&[&p, &d, &colocated]).await;
+    alive(&[&p, &d, &colocated]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn peers_with_another_model_are_refused_at_handshake_naming_the_field() {
+    let http = reqwest::Client::new();
+    let p = engine(Some((Role::Prefill, KvMode::Push)), 16, FaultInjection::default()).await;
+    // Same shape, other weights: decode's connector refuses prefill at handshake.
+    let d = engine_seeded(Some((Role::Decode, KvMode::Push)), 16, 7).await;
+    let port = match &p.state.engine.kv_info().unwrap().transports[0] {
+        tandem_kv::TransportOffer::Tcp { addr } => addr.rsplit_once(':').unwrap().1.parse::<u16>().unwrap(),
+    };
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 2, "kv_transfer_params": {
+        "do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port, "transfer_id": "x1"}});
+    let (s, v) = post(&http, &d.url, body).await;
+    assert_eq!(s, 500, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("model_fingerprint differs"), "{v}");
+    wait_idle(&[&p, &d]).await;
+}
