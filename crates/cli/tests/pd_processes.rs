@@ -1,0 +1,151 @@
+//! Disaggregated serving across separate processes (the `tandem` binary): prefill, decode and
+//! router as their own processes, KV over TCP. Push and pull equal a colocated process, and a
+//! prefill process killed mid-prefill ends the request with a clear error within a bound while
+//! decode gets every block back.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn tandem(args: &[String]) -> Proc {
+    Proc(
+        Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["--log", "warn"])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+fn args(s: &str) -> Vec<String> {
+    s.split_whitespace().map(str::to_string).collect()
+}
+
+fn wait_healthy(http: &reqwest::blocking::Client, url: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !matches!(http.get(format!("{url}/health")).send(), Ok(r) if r.status().is_success()) {
+        assert!(Instant::now() < deadline, "{url} never became healthy");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn complete(http: &reqwest::blocking::Client, url: &str, body: &Value) -> (u16, Value) {
+    let r = http.post(format!("{url}/v1/completions")).json(body).send().unwrap();
+    (r.status().as_u16(), r.json().unwrap_or(Value::Null))
+}
+
+fn metric(http: &reqwest::blocking::Client, url: &str, name: &str) -> Option<f64> {
+    let text = http.get(format!("{url}/metrics")).send().ok()?.text().ok()?;
+    text.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+struct System {
+    p: Proc,
+    _d: Proc,
+    _r: Proc,
+    p_url: String,
+    d_url: String,
+    r_url: String,
+}
+
+fn system(mode: &str, extra_p: &str, extra_d: &str) -> System {
+    let (pp, dp, rp, pk, dk) = (free_port(), free_port(), free_port(), free_port(), free_port());
+    let p = tandem(&args(&format!(
+        "serve --role prefill --kv-mode {mode} --port {pp} --kv-port {pk} --block-size 16 {extra_p}"
+    )));
+    let d = tandem(&args(&format!(
+        "serve --role decode --kv-mode {mode} --port {dp} --kv-port {dk} --block-size 8 {extra_d}"
+    )));
+    let r = tandem(&args(&format!(
+        "router --mode {mode} --prefill http://127.0.0.1:{pp} --decode http://127.0.0.1:{dp} --port {rp}"
+    )));
+    let (p_url, d_url, r_url) =
+        (format!("http://127.0.0.1:{pp}"), format!("http://127.0.0.1:{dp}"), format!("http://127.0.0.1:{rp}"));
+    let http = reqwest::blocking::Client::new();
+    wait_healthy(&http, &r_url);
+    System { p, _d: d, _r: r, p_url, d_url, r_url }
+}
+
+#[test]
+fn push_and_pull_across_processes_equal_colocated() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let cp = free_port();
+    let _c = tandem(&args(&format!("serve --port {cp}")));
+    let c_url = format!("http://127.0.0.1:{cp}");
+    wait_healthy(&http, &c_url);
+    let bodies: Vec<Value> = [1usize, 5, 16, 17, 60]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            let prompt: Vec<u32> = (0..n).map(|j| ((i * 13 + j * 5) % 500) as u32).collect();
+            json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true})
+        })
+        .chain([json!({"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": true})])
+        .collect();
+    let want: Vec<Value> =
+        bodies.iter().map(|b| complete(&http, &c_url, b).1["choices"][0]["token_ids"].clone()).collect();
+    for mode in ["push", "pull"] {
+        let s = system(mode, "", "");
+        for (b, w) in bodies.iter().zip(&want) {
+            let (status, v) = complete(&http, &s.r_url, b);
+            assert_eq!(status, 200, "{mode}: {v}");
+            assert_eq!(&v["choices"][0]["token_ids"], w, "{mode}: {b}");
+        }
+        // Counters are published by the engine loop a moment after the transfer.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while metric(&http, &s.p_url, "tandem:kv_connector{counter=\"transfers_ok\"}") != Some(bodies.len() as f64) {
+            assert!(Instant::now() < deadline, "{mode}: prefill did not count {} transfers", bodies.len());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn a_prefill_process_killed_mid_prefill_ends_the_request_and_frees_decode_blocks() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    // One token per prefill step: the long prompt keeps prefill busy while we kill it.
+    let mut s = system("push", "--max-num-batched-tokens 1", "--kv-load-failure fail --kv-transfer-timeout-secs 5");
+    let prompt: Vec<u32> = (0..3000).map(|j| (j % 500) as u32).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0});
+    let r_url = s.r_url.clone();
+    let client = std::thread::spawn(move || {
+        let start = Instant::now();
+        let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+        let (status, v) = complete(&http, &r_url, &body);
+        (status, v, start.elapsed())
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(&http, &s.p_url, "tandem:num_requests_running") != Some(1.0) {
+        assert!(Instant::now() < deadline, "prefill never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    s.p.0.kill().unwrap();
+    let (status, v, took) = client.join().unwrap();
+    assert!(status >= 500, "expected a 5xx, got {status}: {v}");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("prefill")), "{v}");
+    assert!(took < Duration::from_secs(30), "bounded: {took:?}");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while metric(&http, &s.d_url, "tandem:kv_blocks_used") != Some(0.0) {
+        assert!(Instant::now() < deadline, "decode kept blocks after prefill died");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The decode engine is still alive and serving.
+    assert_eq!(http.get(format!("{}/health", s.d_url)).send().unwrap().status(), 200);
+    let (status, _) = complete(&http, &s.d_url, &json!({"prompt": [1, 2, 3], "max_tokens": 2}));
+    assert_eq!(status, 200);
+}
