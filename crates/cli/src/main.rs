@@ -235,7 +235,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             }
             EngineEvent::Failed(e) => bail!("generation failed: {e}"),
             // generate runs colocated: no KV is handed to a connector.
-            EngineEvent::KvProduced { .. } => {}
+            EngineEvent::KvProduced { .. } | EngineEvent::KvLoaded { .. } => {}
         }
     }
     let elapsed = start.elapsed().as_secs_f64();

@@ -12,7 +12,7 @@ use tandem_model::{SeqBatch, Transformer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::block_pool::{BlockAllocation, BlockPool};
-use crate::request::{EngineEvent, EngineRequest, Request, RequestStatus};
+use crate::request::{EngineEvent, EngineRequest, KvLoadTimeline, Request, RequestStatus};
 use crate::sampler::sample;
 use crate::scheduler::{Scheduler, SchedulerOutput};
 use crate::EngineConfig;
@@ -413,6 +413,7 @@ impl EngineCore {
             }
             self.scheduler.remote_queue.pop_front();
             req.status = RequestStatus::WaitingForRemoteKvs;
+            req.kv_requested = Some(std::time::Instant::now());
             self.scheduler.remote_waiting.push(id.clone());
             if let Some(source) = req.remote.clone() {
                 tracing::debug!(request_id = %id, transfer_id = %source.transfer_id(), "waiting for remote KV");
@@ -429,7 +430,7 @@ impl EngineCore {
                 ConnectorEvent::Released { request_id } => {
                     self.quarantine.remove(&request_id);
                 }
-                ConnectorEvent::Ready { request_id, first_token } => {
+                ConnectorEvent::Ready { request_id, first_token, timeline } => {
                     let Some(req) = self.scheduler.requests.get_mut(&request_id) else { continue };
                     if req.status != RequestStatus::WaitingForRemoteKvs {
                         continue;
@@ -437,6 +438,15 @@ impl EngineCore {
                     self.scheduler.remote_waiting.retain(|r| r != &request_id);
                     req.status = RequestStatus::Running;
                     req.num_computed = req.prompt_len;
+                    let us = |d: std::time::Duration| d.as_micros() as u64;
+                    let queued = req.kv_requested.map(|t| t.duration_since(req.arrived)).unwrap_or_default();
+                    let _ = req.events.send(EngineEvent::KvLoaded {
+                        timeline: KvLoadTimeline {
+                            queued_us: us(queued),
+                            transfer: timeline,
+                            ready_us: us(req.arrived.elapsed()),
+                        },
+                    });
                     let mut finish = None;
                     match first_token {
                         Some(t) => {

@@ -27,7 +27,7 @@ mod scheduler;
 pub use block_pool::{BlockAllocation, BlockPool, NoFreeBlocks};
 pub use core::{EngineCore, EngineLimits, KvLoadFailure, KvSetup, RequestRejected, StepReport};
 pub use handle::{spawn, spawn_with, EngineHandle, EngineStats, RequestStream, StatsSnapshot, SubmitError};
-pub use request::{EngineEvent, EngineRequest};
+pub use request::{EngineEvent, EngineRequest, KvLoadTimeline};
 pub use sampler::sample;
 pub use scheduler::{ScheduledChunk, SchedulerOutput};
 

@@ -40,6 +40,11 @@ pub enum EngineEvent {
     },
     /// The engine could not run the request; nothing more will come.
     Failed(String),
+    /// Decode leg: the prompt's KV arrived from prefill (sent just before the first token).
+    KvLoaded {
+        /// Where the time went.
+        timeline: KvLoadTimeline,
+    },
     /// Prefill leg: the prompt's KV was handed to the connector (sent just before the final
     /// `Tokens`). Pull-mode decode engines read these blocks.
     KvProduced {
@@ -52,6 +57,17 @@ pub enum EngineEvent {
         /// The token sampled after the prompt.
         first_token: u32,
     },
+}
+
+/// A decode leg's path to its first token, in microseconds from its arrival at the engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvLoadTimeline {
+    /// Waiting for KV blocks to allocate (arrival -> KV requested from prefill).
+    pub queued_us: u64,
+    /// The transfer, measured from when the KV was requested.
+    pub transfer: tandem_kv::TransferTimeline,
+    /// Arrival -> the engine applied the completion (the first token goes out now).
+    pub ready_us: u64,
 }
 
 /// Where a live request is. Finished requests leave the engine at once (their blocks with
@@ -84,6 +100,9 @@ pub(crate) struct Request {
     pub status: RequestStatus,
     pub num_preemptions: u32,
     pub remote: Option<RemoteKv>,
+    /// When the engine accepted the request, and when it asked for remote KV.
+    pub arrived: std::time::Instant,
+    pub kv_requested: Option<std::time::Instant>,
 }
 
 impl Request {
@@ -104,6 +123,8 @@ impl Request {
             status: RequestStatus::Waiting,
             num_preemptions: 0,
             remote: req.remote,
+            arrived: std::time::Instant::now(),
+            kv_requested: None,
         }
     }
 

@@ -56,7 +56,9 @@ fn run(
                     fin = finish.or(fin);
                 }
                 EngineEvent::Failed(e) => panic!("{id}: {e}"),
-                EngineEvent::KvProduced { .. } => panic!("{id}: a colocated engine produced remote KV"),
+                EngineEvent::KvProduced { .. } | EngineEvent::KvLoaded { .. } => {
+                    panic!("{id}: a colocated engine moved remote KV")
+                }
             }
         }
         out.insert(id.clone(), (toks, fin));

@@ -29,7 +29,7 @@ use tandem_compute::KvRegion;
 use tandem_core::{Epoch, RemoteKv, RequestId, TransferId};
 
 use crate::blocks::{coalesce, wire_bytes};
-use crate::connector::{ConnectorConfig, ConnectorEvent, ConnectorStats, HeldBlocks};
+use crate::connector::{ConnectorConfig, ConnectorEvent, ConnectorStats, HeldBlocks, TransferTimeline};
 use crate::tcp::{accept_handshake, configure, connect, handshake, recv_blocks, send_blocks};
 use crate::wire::{read_message, write_message, DoneStatus, Message};
 use crate::{AgentInfo, KvError, TransportOffer};
@@ -68,6 +68,15 @@ struct Incoming {
     /// Pull: known from the params. Push: comes with `Done`.
     first_token: Option<u32>,
     pull: bool,
+    /// When the engine asked, and the stages since (for the timeline).
+    started: Instant,
+    timeline: TransferTimeline,
+}
+
+impl Incoming {
+    fn since(&self) -> u64 {
+        self.started.elapsed().as_micros() as u64
+    }
 }
 
 /// Prefill side, push: decode's destination, waiting for the KV to be produced.
@@ -158,10 +167,10 @@ impl Shared {
     }
 
     /// Removes a decode-side entry and reports its end.
-    fn finish_incoming(&self, t: &mut Tables, tid: &TransferId, ev: impl FnOnce(RequestId) -> ConnectorEvent) {
+    fn finish_incoming(&self, t: &mut Tables, tid: &TransferId, ev: impl FnOnce(Incoming) -> ConnectorEvent) {
         if let Some(inc) = t.incoming.remove(tid) {
             t.by_request.remove(&inc.request_id);
-            self.emit(ev(inc.request_id));
+            self.emit(ev(inc));
         }
     }
 }
@@ -323,7 +332,7 @@ fn handle_command(shared: &Arc<Shared>, cmd: Command) {
                     i.aborted = true;
                 }
             } else {
-                shared.finish_incoming(&mut t, &tid, |request_id| ConnectorEvent::Released { request_id });
+                shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Released { request_id: inc.request_id });
             }
             drop(t);
             if let Some(c) = conn {
@@ -379,12 +388,14 @@ fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks:
                 aborted: false,
                 first_token: pull.as_ref().map(|p| p.3),
                 pull: pull.is_some(),
+                started: Instant::now(),
+                timeline: TransferTimeline::default(),
             },
         );
     }
     let fail = |reason: String| {
         let mut t = shared.tables();
-        shared.finish_incoming(&mut t, &tid, |request_id| ConnectorEvent::Failed { request_id, reason });
+        shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Failed { request_id: inc.request_id, reason });
     };
     let conn = match peer_conn(shared, &peer_addr) {
         Ok(c) => c,
@@ -418,8 +429,13 @@ fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks:
             conn.send(&Message::ReadBlocks { transfer_id: tid.clone(), blocks: remote_blocks, num_tokens })
         }
     };
-    if let Err(e) = sent {
-        fail(format!("sending to prefill engine: {e}"));
+    match sent {
+        Err(e) => fail(format!("sending to prefill engine: {e}")),
+        Ok(()) => {
+            if let Some(inc) = shared.tables().incoming.get_mut(&tid) {
+                inc.timeline.request_sent_us = inc.since();
+            }
+        }
     }
 }
 
@@ -524,7 +540,8 @@ fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
         .collect();
     for tid in dead {
         let aborted = t.incoming.get(&tid).is_some_and(|i| i.aborted);
-        shared.finish_incoming(&mut t, &tid, |request_id| {
+        shared.finish_incoming(&mut t, &tid, |inc| {
+            let request_id = inc.request_id;
             if aborted {
                 ConnectorEvent::Released { request_id }
             } else {
@@ -551,6 +568,7 @@ fn receive_into(
         match t.incoming.get_mut(tid) {
             Some(inc) if !inc.aborted && inc.num_tokens == num_tokens && dst.is_none_or(|d| d == inc.blocks) => {
                 inc.writing = true;
+                inc.timeline.data_start_us = inc.since();
                 Some(inc.blocks.clone())
             }
             Some(_) => None,
@@ -572,12 +590,16 @@ fn receive_into(
         Some(inc) => {
             inc.writing = false;
             inc.landed = result.is_ok();
+            inc.timeline.data_end_us = inc.since();
+            inc.timeline.bytes = bytes;
+            inc.timeline.regions =
+                coalesce(&blocks[..shared.region.layout().blocks_for(num_tokens).min(blocks.len())]).len() as u32;
             inc.aborted
         }
         None => false,
     };
     if aborted {
-        shared.finish_incoming(&mut t, tid, |request_id| ConnectorEvent::Released { request_id });
+        shared.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Released { request_id: inc.request_id });
     }
     match result {
         Ok(()) => {
@@ -586,8 +608,8 @@ fn receive_into(
         }
         Err(e) => {
             let reason = format!("receiving KV: {e}");
-            shared.finish_incoming(&mut t, tid, |request_id| ConnectorEvent::Failed {
-                request_id,
+            shared.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Failed {
+                request_id: inc.request_id,
                 reason: reason.clone(),
             });
             Err(e)
@@ -696,8 +718,8 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             t.registrations.remove(&transfer_id);
             if t.produced.remove(&transfer_id).is_none() {
                 // Decode-side abort from prefill: fail the waiting request.
-                shared.finish_incoming(&mut t, &transfer_id, |request_id| ConnectorEvent::Failed {
-                    request_id,
+                shared.finish_incoming(&mut t, &transfer_id, |inc| ConnectorEvent::Failed {
+                    request_id: inc.request_id,
                     reason: "prefill aborted the transfer".into(),
                 });
             }
@@ -710,8 +732,10 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
         Message::BlockData { transfer_id, src_block_size, bytes, error } => {
             if let Some(reason) = error {
                 let mut t = shared.tables();
-                shared
-                    .finish_incoming(&mut t, &transfer_id, |request_id| ConnectorEvent::Failed { request_id, reason });
+                shared.finish_incoming(&mut t, &transfer_id, |inc| ConnectorEvent::Failed {
+                    request_id: inc.request_id,
+                    reason,
+                });
                 return Ok(());
             }
             let num_tokens = shared.tables().incoming.get(&transfer_id).map(|i| i.num_tokens).unwrap_or(0);
@@ -726,8 +750,9 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             if landed.is_ok() {
                 let mut t = shared.tables();
                 let first = t.incoming.get(&transfer_id).and_then(|i| i.first_token);
-                shared.finish_incoming(&mut t, &transfer_id, |request_id| ConnectorEvent::Ready {
-                    request_id,
+                shared.finish_incoming(&mut t, &transfer_id, |inc| ConnectorEvent::Ready {
+                    timeline: TransferTimeline { ready_us: inc.since(), ..inc.timeline },
+                    request_id: inc.request_id,
                     first_token: first,
                 });
             }
@@ -745,14 +770,19 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
                 Some(inc) => {
                     let landed = inc.landed;
                     match status {
-                        DoneStatus::Ok if landed => shared.finish_incoming(&mut t, &transfer_id, |request_id| {
-                            ConnectorEvent::Ready { request_id, first_token }
+                        DoneStatus::Ok if landed => {
+                            shared.finish_incoming(&mut t, &transfer_id, |inc| ConnectorEvent::Ready {
+                                timeline: TransferTimeline { ready_us: inc.since(), ..inc.timeline },
+                                request_id: inc.request_id,
+                                first_token,
+                            })
+                        }
+                        DoneStatus::Ok => shared.finish_incoming(&mut t, &transfer_id, |inc| ConnectorEvent::Failed {
+                            request_id: inc.request_id,
+                            reason: "completion arrived without data".into(),
                         }),
-                        DoneStatus::Ok => shared.finish_incoming(&mut t, &transfer_id, |request_id| {
-                            ConnectorEvent::Failed { request_id, reason: "completion arrived without data".into() }
-                        }),
-                        DoneStatus::Failed(reason) => shared.finish_incoming(&mut t, &transfer_id, |request_id| {
-                            ConnectorEvent::Failed { request_id, reason }
+                        DoneStatus::Failed(reason) => shared.finish_incoming(&mut t, &transfer_id, |inc| {
+                            ConnectorEvent::Failed { request_id: inc.request_id, reason }
                         }),
                     }
                 }
@@ -763,7 +793,10 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             let mut t = shared.tables();
             t.registrations.remove(&transfer_id);
             t.produced.remove(&transfer_id);
-            shared.finish_incoming(&mut t, &transfer_id, |request_id| ConnectorEvent::Failed { request_id, reason });
+            shared.finish_incoming(&mut t, &transfer_id, |inc| ConnectorEvent::Failed {
+                request_id: inc.request_id,
+                reason,
+            });
         }
         Message::WriteAck { transfer_id, error } => {
             if let Some(e) = error {
@@ -794,7 +827,8 @@ fn expire(shared: &Arc<Shared>) {
                 to_notify.push((c, tid.clone()));
             }
             let aborted = t.incoming.get(&tid).is_some_and(|i| i.aborted);
-            shared.finish_incoming(&mut t, &tid, |request_id| {
+            shared.finish_incoming(&mut t, &tid, |inc| {
+                let request_id = inc.request_id;
                 if aborted {
                     ConnectorEvent::Released { request_id }
                 } else {

@@ -73,6 +73,8 @@ pub enum ConnectorEvent {
         request_id: RequestId,
         /// The first token prefill sampled.
         first_token: Option<u32>,
+        /// When each stage happened.
+        timeline: TransferTimeline,
     },
     /// The KV will not come; no write to the request's blocks can land any more.
     Failed {
@@ -86,6 +88,25 @@ pub enum ConnectorEvent {
         /// The request.
         request_id: RequestId,
     },
+}
+
+/// One decode-side transfer, stage by stage, in microseconds since the engine asked for the
+/// KV (`expect`). In push mode prefill starts writing as soon as its prompt is done (decode
+/// registered earlier), so `data_start_us` is also when prefill finished, on decode's clock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TransferTimeline {
+    /// Registration (push) or read request (pull) sent to prefill.
+    pub request_sent_us: u64,
+    /// First KV bytes arrived.
+    pub data_start_us: u64,
+    /// All KV bytes in place.
+    pub data_end_us: u64,
+    /// Completion seen; the request can decode.
+    pub ready_us: u64,
+    /// KV bytes moved.
+    pub bytes: u64,
+    /// Contiguous block regions written.
+    pub regions: u32,
 }
 
 /// Counters for `/metrics`.

@@ -29,5 +29,7 @@ pub mod tcp;
 pub mod wire;
 
 pub use agent_info::{AgentInfo, Incompatible, KvMode, Role, TransportOffer};
-pub use connector::{ConnectorConfig, ConnectorEvent, ConnectorStats, FaultInjection, HeldBlocks, KvConnector};
+pub use connector::{
+    ConnectorConfig, ConnectorEvent, ConnectorStats, FaultInjection, HeldBlocks, KvConnector, TransferTimeline,
+};
 pub use error::KvError;

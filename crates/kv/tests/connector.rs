@@ -111,6 +111,19 @@ impl Pair {
     }
 }
 
+/// The event is `Ready` for `id` with prefill's first token, and its timeline is coherent:
+/// bytes moved, at least one region, stages in order.
+fn assert_ready(ev: ConnectorEvent, id: &str) {
+    match ev {
+        ConnectorEvent::Ready { request_id, first_token, timeline: t } => {
+            assert_eq!((request_id, first_token), (RequestId::new(id), Some(77)));
+            assert!(t.bytes > 0 && t.regions >= 1, "{t:?}");
+            assert!(t.data_start_us <= t.data_end_us && t.data_end_us <= t.ready_us, "{t:?}");
+        }
+        other => panic!("expected Ready for {id}, got {other:?}"),
+    }
+}
+
 fn push_source(p: &Pair, tid: &str) -> RemoteKv {
     RemoteKv::PushFrom { transfer_id: TransferId(tid.into()), peer: p.p_addr(), peer_engine: None }
 }
@@ -123,14 +136,14 @@ fn push_in_both_orders_with_different_block_sizes() {
     p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens);
     std::thread::sleep(Duration::from_millis(100));
     p.produce("t1", tokens);
-    assert_eq!(p.wait_event(), ConnectorEvent::Ready { request_id: RequestId::new("r1"), first_token: Some(77) });
+    assert_ready(p.wait_event(), "r1");
     p.assert_landed(tokens, &blocks);
     p.wait_freed(1);
     // Produced first.
     p.produce("t2", tokens);
     std::thread::sleep(Duration::from_millis(100));
     p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), tokens);
-    assert_eq!(p.wait_event(), ConnectorEvent::Ready { request_id: RequestId::new("r2"), first_token: Some(77) });
+    assert_ready(p.wait_event(), "r2");
     p.wait_freed(2);
     let s = p.p.stats();
     assert_eq!((s.transfers_ok, s.regions), (2, 2), "{s:?}");
@@ -152,7 +165,7 @@ fn pull_reads_then_releases_and_an_expired_lease_refuses_a_late_read() {
     p.produce("t1", 40);
     let blocks = p.d_blocks(40);
     p.d.expect(RequestId::new("r1"), src("t1", epoch), blocks.clone(), 40);
-    assert_eq!(p.wait_event(), ConnectorEvent::Ready { request_id: RequestId::new("r1"), first_token: Some(77) });
+    assert_ready(p.wait_event(), "r1");
     p.assert_landed(40, &blocks);
     p.wait_freed(1); // released by decode's Done
                      // A lease that expires before decode reads: the read is refused, the blocks were freed.

@@ -35,3 +35,37 @@ async fn push_and_pull_equal_colocated_token_for_token() {
     }
     wait_idle(&[&colocated]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn decode_answers_carry_the_transfer_timeline_and_metrics_count_it() {
+    let http = reqwest::Client::new();
+    let p = engine(Some((Role::Prefill, KvMode::Push)), 16, FaultInjection::default()).await;
+    let d = engine(Some((Role::Decode, KvMode::Push)), 16, FaultInjection::default()).await;
+    let base = router(TransferMode::Push, &p, &d).await;
+    let body = serde_json::json!({"prompt": (0..40).collect::<Vec<u32>>(), "max_tokens": 4, "ignore_eos": true});
+    let v: serde_json::Value =
+        http.post(format!("{base}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap();
+    let t = &v["kv_timeline"];
+    // 40 tokens in 16-token blocks: 3 blocks, one contiguous region, whole blocks on the wire.
+    let block_bytes = 4 * 2 * 2 * 16 * 32 * 4;
+    assert_eq!(t["transfer"]["bytes"], 3 * block_bytes, "{v}");
+    assert_eq!(t["transfer"]["regions"], 1, "{v}");
+    assert!(t["ready_us"].as_u64().unwrap() >= t["transfer"]["ready_us"].as_u64().unwrap(), "{v}");
+    let mut sb = body.clone();
+    sb["stream"] = serde_json::json!(true);
+    let text = http.post(format!("{base}/v1/completions")).json(&sb).send().await.unwrap().text().await.unwrap();
+    let chunks: Vec<serde_json::Value> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert_eq!(last["kv_timeline"]["transfer"]["bytes"], 3 * block_bytes, "timeline rides on the final chunk: {last}");
+    assert!(chunks[..chunks.len() - 1].iter().all(|c| c.get("kv_timeline").is_none()));
+    let m = http.get(format!("{}/metrics", d.url)).send().await.unwrap().text().await.unwrap();
+    assert!(m.contains("tandem:kv_load_wait_seconds_count 2"), "{m}");
+    assert!(m.contains(&format!("tandem:kv_load_bytes_total {}", 6 * block_bytes)), "{m}");
+    wait_idle(&[&p, &d]).await;
+}

@@ -9,7 +9,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::stream::Stream;
 use tandem_core::{FinishReason, InvalidSampling, KvTransferParams, RemoteKv, RequestId, SamplingParams, TransferMode};
-use tandem_engine::{EngineEvent, EngineRequest, RequestStream};
+use tandem_engine::{EngineEvent, EngineRequest, KvLoadTimeline, RequestStream};
 use tandem_model::{ChatMessage, IncrementalDetokenizer, StopMatcher};
 use tokio::sync::mpsc;
 
@@ -200,6 +200,8 @@ struct Generation {
     output_tokens: usize,
     /// Prefill leg: where the prompt's KV went (for the response's `kv_transfer_params`).
     produced: Option<Produced>,
+    /// Decode leg: how the prompt's KV arrived.
+    kv_timeline: Option<KvLoadTimeline>,
 }
 
 /// The engine's `KvProduced` event, kept for the response.
@@ -216,8 +218,17 @@ impl Generation {
     async fn next_piece(&mut self) -> Option<Result<Piece, ApiError>> {
         let stream = self.stream.as_mut()?;
         let mut event = stream.next().await;
-        while let Some(EngineEvent::KvProduced { transfer_id, block_ids, num_tokens, first_token }) = event {
-            self.produced = Some(Produced { transfer_id, block_ids, num_tokens, first_token });
+        loop {
+            match event {
+                Some(EngineEvent::KvProduced { transfer_id, block_ids, num_tokens, first_token }) => {
+                    self.produced = Some(Produced { transfer_id, block_ids, num_tokens, first_token });
+                }
+                Some(EngineEvent::KvLoaded { timeline }) => {
+                    self.state.metrics.record_kv_load(&timeline);
+                    self.kv_timeline = Some(timeline);
+                }
+                _ => break,
+            }
             event = stream.next().await;
         }
         Some(match event {
@@ -253,7 +264,7 @@ impl Generation {
                 Ok(Piece { text, token_ids, finish })
             }
             Some(EngineEvent::Failed(msg)) => Err(self.fail(ApiError::Internal(msg))),
-            Some(EngineEvent::KvProduced { .. }) => {
+            Some(EngineEvent::KvProduced { .. } | EngineEvent::KvLoaded { .. }) => {
                 Ok(Piece { text: String::new(), token_ids: Vec::new(), finish: None })
             }
             None => Err(self.fail(ApiError::EngineStopped)),
@@ -334,6 +345,7 @@ pub(crate) async fn run(state: Arc<AppState>, p: Prepared) -> Result<Response, A
         prompt_tokens,
         output_tokens: 0,
         produced: None,
+        kv_timeline: None,
     };
     let shape = ChunkShape {
         api: p.api,
@@ -360,7 +372,7 @@ struct ChunkShape {
 }
 
 impl ChunkShape {
-    fn chunk(&self, piece: &Piece, first: bool) -> serde_json::Result<String> {
+    fn chunk(&self, piece: &Piece, first: bool, kv_timeline: Option<KvLoadTimeline>) -> serde_json::Result<String> {
         let finish_reason = piece.finish.map(|f| f.as_str().to_string());
         match self.api {
             Api::Completion => serde_json::to_string(&CompletionResponse {
@@ -377,6 +389,7 @@ impl ChunkShape {
                 }],
                 usage: None,
                 kv_transfer_params: None,
+                kv_timeline,
             }),
             Api::Chat => serde_json::to_string(&ChatChunk {
                 id: self.id.clone(),
@@ -393,6 +406,7 @@ impl ChunkShape {
                     finish_reason,
                 }],
                 usage: None,
+                kv_timeline,
             }),
         }
     }
@@ -407,6 +421,7 @@ impl ChunkShape {
                 choices: Vec::new(),
                 usage: Some(usage),
                 kv_transfer_params: None,
+                kv_timeline: None,
             }),
             Api::Chat => serde_json::to_string(&ChatChunk {
                 id: self.id.clone(),
@@ -415,6 +430,7 @@ impl ChunkShape {
                 model: self.model.clone(),
                 choices: Vec::new(),
                 usage: Some(usage),
+                kv_timeline: None,
             }),
         }
     }
@@ -444,7 +460,7 @@ fn sse_events(
                     if piece.token_ids.is_empty() && piece.finish.is_none() {
                         continue;
                     }
-                    match shape.chunk(&piece, first) {
+                    match shape.chunk(&piece, first, if piece.finish.is_some() { gen.kv_timeline } else { None }) {
                         Ok(json) => Event::default().data(json),
                         Err(e) => Event::default().data(ApiError::Internal(e.to_string()).body().to_string()),
                     }
@@ -494,6 +510,7 @@ async fn collect(mut gen: Generation, shape: ChunkShape) -> Result<Response, Api
             choices: vec![CompletionChoice { index: 0, text, logprobs: None, finish_reason, token_ids }],
             usage: Some(usage),
             kv_transfer_params,
+            kv_timeline: gen.kv_timeline,
         })
         .into_response(),
         Api::Chat => axum::Json(ChatResponse {
@@ -509,6 +526,7 @@ async fn collect(mut gen: Generation, shape: ChunkShape) -> Result<Response, Api
             }],
             usage,
             kv_transfer_params,
+            kv_timeline: gen.kv_timeline,
         })
         .into_response(),
     })

@@ -22,6 +22,10 @@ pub struct Metrics {
     finished: IntCounterVec,
     errors: IntCounterVec,
     kv: prometheus::IntGaugeVec,
+    kv_queue: Histogram,
+    kv_wait: Histogram,
+    kv_transfer: Histogram,
+    kv_bytes: IntCounter,
 }
 
 const LATENCY_BUCKETS: &[f64] =
@@ -76,6 +80,22 @@ impl Metrics {
                 "finished_reason",
             ),
             errors: counter_vec("tandem:request_errors_total", "Requests refused or failed, by error type.", "type"),
+            kv_queue: histogram(
+                "tandem:kv_load_queue_seconds",
+                "Decode legs: arrival to KV requested from prefill (waiting for blocks).",
+                LATENCY_BUCKETS,
+            ),
+            kv_wait: histogram(
+                "tandem:kv_load_wait_seconds",
+                "Decode legs: KV requested to KV ready (prefill time plus transfer).",
+                LATENCY_BUCKETS,
+            ),
+            kv_transfer: histogram(
+                "tandem:kv_transfer_seconds",
+                "Decode legs: first to last KV byte landing.",
+                LATENCY_BUCKETS,
+            ),
+            kv_bytes: counter("tandem:kv_load_bytes_total", "Decode legs: KV bytes received."),
             kv: {
                 let g = prometheus::IntGaugeVec::new(
                     Opts::new("tandem:kv_connector", "KV connector counters (transfers, bytes, regions, expiries, unknown and duplicate ids), by counter."),
@@ -109,6 +129,15 @@ impl Metrics {
             }
         }
         self.e2e.observe(e2e);
+    }
+
+    /// Records how a decode leg's KV arrived.
+    pub fn record_kv_load(&self, t: &tandem_engine::KvLoadTimeline) {
+        let s = |us: u64| us as f64 / 1e6;
+        self.kv_queue.observe(s(t.queued_us));
+        self.kv_wait.observe(s(t.transfer.ready_us));
+        self.kv_transfer.observe(s(t.transfer.data_end_us.saturating_sub(t.transfer.data_start_us)));
+        self.kv_bytes.inc_by(t.transfer.bytes);
     }
 
     /// Counts a refused or failed request.

@@ -204,6 +204,9 @@ pub struct CompletionResponse {
     /// Prefill leg: what the decode leg needs (vLLM's `kv_transfer_params`).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub kv_transfer_params: Option<tandem_core::KvTransferParams>,
+    /// Decode leg: where the time to the first token went (queue, transfer, ready).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub kv_timeline: Option<tandem_engine::KvLoadTimeline>,
 }
 
 /// An assistant message in a full chat response.
@@ -246,6 +249,9 @@ pub struct ChatResponse {
     /// Prefill leg: what the decode leg needs (vLLM's `kv_transfer_params`).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub kv_transfer_params: Option<tandem_core::KvTransferParams>,
+    /// Decode leg: where the time to the first token went (queue, transfer, ready).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub kv_timeline: Option<tandem_engine::KvLoadTimeline>,
 }
 
 /// The change a chat stream chunk carries.
@@ -288,4 +294,7 @@ pub struct ChatChunk {
     /// Token counts, final chunk only when asked.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub usage: Option<Usage>,
+    /// Decode leg: where the time to the first token went (queue, transfer, ready).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub kv_timeline: Option<tandem_engine::KvLoadTimeline>,
 }
