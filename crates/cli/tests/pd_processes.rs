@@ -56,6 +56,7 @@ fn metric(http: &reqwest::blocking::Client, url: &str, name: &str) -> Option<f64
 
 struct System {
     p: Proc,
+    p_args: Vec<String>,
     _d: Proc,
     _r: Proc,
     p_url: String,
@@ -65,9 +66,9 @@ struct System {
 
 fn system(mode: &str, extra_p: &str, extra_d: &str) -> System {
     let (pp, dp, rp, pk, dk) = (free_port(), free_port(), free_port(), free_port(), free_port());
-    let p = tandem(&args(&format!(
-        "serve --role prefill --kv-mode {mode} --port {pp} --kv-port {pk} --block-size 16 {extra_p}"
-    )));
+    let p_args =
+        args(&format!("serve --role prefill --kv-mode {mode} --port {pp} --kv-port {pk} --block-size 16 {extra_p}"));
+    let p = tandem(&p_args);
     let d = tandem(&args(&format!(
         "serve --role decode --kv-mode {mode} --port {dp} --kv-port {dk} --block-size 8 {extra_d}"
     )));
@@ -78,7 +79,7 @@ fn system(mode: &str, extra_p: &str, extra_d: &str) -> System {
         (format!("http://127.0.0.1:{pp}"), format!("http://127.0.0.1:{dp}"), format!("http://127.0.0.1:{rp}"));
     let http = reqwest::blocking::Client::new();
     wait_healthy(&http, &r_url);
-    System { p, _d: d, _r: r, p_url, d_url, r_url }
+    System { p, p_args, _d: d, _r: r, p_url, d_url, r_url }
 }
 
 #[test]
@@ -148,4 +149,13 @@ fn a_prefill_process_killed_mid_prefill_ends_the_request_and_frees_decode_blocks
     assert_eq!(http.get(format!("{}/health", s.d_url)).send().unwrap().status(), 200);
     let (status, _) = complete(&http, &s.d_url, &json!({"prompt": [1, 2, 3], "max_tokens": 2}));
     assert_eq!(status, 200);
+    // A new prefill process on the same ports (a new epoch): decode must not trust its cached
+    // connection to the dead one; it re-handshakes and the next request goes through.
+    s.p.0.wait().ok();
+    s.p = tandem(&s.p_args);
+    wait_healthy(&http, &s.p_url);
+    let (status, v) = complete(&http, &s.r_url, &json!({"prompt": [5, 6, 7, 8], "max_tokens": 3, "ignore_eos": true}));
+    assert_eq!(status, 200, "after the prefill restart: {v}");
+    assert_eq!(v["choices"][0]["token_ids"].as_array().map(Vec::len), Some(3));
+    assert!(v["kv_timeline"]["transfer"]["bytes"].as_u64().unwrap_or(0) > 0, "the KV came from the new prefill: {v}");
 }
