@@ -119,6 +119,8 @@ fn kv_setup(k: &args::KvArgs, port: u16, model: &LoadedModel) -> Result<Option<t
             lease: secs(k.kv_lease_secs, "--kv-lease-secs")?,
             transfer_timeout: secs(k.kv_transfer_timeout_secs, "--kv-transfer-timeout-secs")?,
             faults: tandem_kv::FaultInjection { drop_done: k.fault_drop_done },
+            // Separate processes: the local transport only applies within one process.
+            local_transport: false,
         },
         load_failure: match k.kv_load_failure {
             KvLoadFailureArg::Recompute => tandem_engine::KvLoadFailure::Recompute,

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tandem_compute::KvRegion;
 use tandem_core::{Epoch, RemoteKv, RequestId, TransferId};
 
-use crate::blocks::{coalesce, wire_bytes};
+use crate::blocks::{coalesce, copy_tokens, wire_bytes};
 use crate::connector::{ConnectorConfig, ConnectorEvent, ConnectorStats, HeldBlocks, TransferTimeline};
 use crate::tcp::{accept_handshake, configure, connect, handshake, recv_blocks, send_blocks};
 use crate::wire::{read_message, write_message, DoneStatus, Message};
@@ -175,6 +175,84 @@ impl Shared {
     }
 }
 
+/// Connectors of this process that offer the local transport, by registry key.
+static LOCAL_AGENTS: std::sync::OnceLock<Mutex<HashMap<String, std::sync::Weak<Shared>>>> = std::sync::OnceLock::new();
+
+fn local_registry() -> MutexGuard<'static, HashMap<String, std::sync::Weak<Shared>>> {
+    LOCAL_AGENTS.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The peer's connector, when both sides offer the local transport and live in this process.
+fn local_peer(ours: &Shared, peer: &AgentInfo) -> Option<Arc<Shared>> {
+    if !ours.cfg.local_transport {
+        return None;
+    }
+    peer.transports.iter().find_map(|t| match t {
+        TransportOffer::Local { process, key } if *process == std::process::id() => {
+            local_registry().get(key)?.upgrade()
+        }
+        _ => None,
+    })
+}
+
+impl Shared {
+    /// Local transport, receiving side: copies transfer `tid`'s KV from another engine's memory
+    /// straight into this engine's registered blocks, with the same checks and ownership flags
+    /// as a TCP receive.
+    fn receive_local(
+        &self,
+        tid: &TransferId,
+        src: &KvRegion,
+        src_blocks: &[u32],
+        num_tokens: usize,
+    ) -> Result<(), String> {
+        let blocks = {
+            let mut t = self.tables();
+            match t.incoming.get_mut(tid) {
+                Some(inc) if !inc.aborted && inc.num_tokens == num_tokens => {
+                    inc.writing = true;
+                    inc.timeline.data_start_us = inc.since();
+                    inc.blocks.clone()
+                }
+                other => {
+                    if other.is_none() {
+                        bump(&self.counters.unknown_ids, 1);
+                    }
+                    return Err(format!("transfer `{tid}` is unknown, aborted or does not match"));
+                }
+            }
+        };
+        let needed = self.region.layout().blocks_for(num_tokens);
+        let ok = src_blocks.len() >= src.layout().blocks_for(num_tokens) && blocks.len() >= needed;
+        if ok {
+            // Safety: the sender holds its source blocks for this call; the destination blocks
+            // are registered to this transfer and `writing` keeps an abort from freeing them.
+            unsafe { copy_tokens(src, src_blocks, &self.region, &blocks, num_tokens) };
+        }
+        let mut t = self.tables();
+        let aborted = match t.incoming.get_mut(tid) {
+            Some(inc) => {
+                inc.writing = false;
+                inc.landed = ok;
+                inc.timeline.data_end_us = inc.since();
+                inc.timeline.bytes = wire_bytes(src.layout(), num_tokens);
+                inc.timeline.regions = coalesce(&blocks[..needed.min(blocks.len())]).len() as u32;
+                inc.aborted
+            }
+            None => false,
+        };
+        if aborted {
+            self.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Released { request_id: inc.request_id });
+        }
+        if ok {
+            bump(&self.counters.bytes_received, wire_bytes(src.layout(), num_tokens));
+            Ok(())
+        } else {
+            Err("block lists do not cover the tokens".into())
+        }
+    }
+}
+
 pub(crate) type Started = (mpsc::Sender<Command>, mpsc::Receiver<ConnectorEvent>, AgentInfo, Arc<Shared>);
 
 pub(crate) fn start(cfg: ConnectorConfig, region: Arc<KvRegion>) -> Result<Started, KvError> {
@@ -198,7 +276,16 @@ pub(crate) fn start(cfg: ConnectorConfig, region: Arc<KvRegion>) -> Result<Start
         block_size: l.block_size,
         block_bytes: l.block_bytes_f32(),
         num_blocks: l.num_blocks,
-        transports: vec![TransportOffer::Tcp { addr: format!("{}:{port}", cfg.advertise_host) }],
+        transports: {
+            let mut t = vec![TransportOffer::Tcp { addr: format!("{}:{port}", cfg.advertise_host) }];
+            if cfg.local_transport {
+                t.push(TransportOffer::Local {
+                    process: std::process::id(),
+                    key: format!("{}@{}", cfg.engine_id, epoch.0),
+                });
+            }
+            t
+        },
     };
     let (cmd_tx, cmd_rx) = mpsc::channel();
     let (ev_tx, ev_rx) = mpsc::channel();
@@ -211,6 +298,11 @@ pub(crate) fn start(cfg: ConnectorConfig, region: Arc<KvRegion>) -> Result<Start
         events: ev_tx,
         counters: Counters::default(),
     });
+    if let Some(TransportOffer::Local { key, .. }) =
+        info.transports.iter().find(|t| matches!(t, TransportOffer::Local { .. }))
+    {
+        local_registry().insert(key.clone(), Arc::downgrade(&shared));
+    }
     let s = shared.clone();
     std::thread::Builder::new().name("tandem-kv-accept".into()).spawn(move || accept_loop(listener, s))?;
     let s = shared.clone();
@@ -450,7 +542,24 @@ fn spawn_push_write(shared: &Arc<Shared>, tid: TransferId, reg: Registration, pr
             return;
         }
         let bytes = wire_bytes(s.region.layout(), num_tokens);
+        let local = local_peer(&s, &reg.conn.peer);
         let result = (|| -> Result<(), KvError> {
+            if let Some(peer) = &local {
+                // Same process: copy straight into decode's blocks, then notify as usual.
+                let status = match peer.receive_local(&tid, &s.region, &blocks, num_tokens) {
+                    Ok(()) => DoneStatus::Ok,
+                    Err(e) => DoneStatus::Failed(e),
+                };
+                if !s.cfg.faults.drop_done {
+                    reg.conn.send(&Message::Done {
+                        transfer_id: tid.clone(),
+                        rank: 0,
+                        first_token: Some(first_token),
+                        status,
+                    })?;
+                }
+                return Ok(());
+            }
             let mut w = reg.conn.writer.lock().unwrap_or_else(|p| p.into_inner());
             write_message(
                 &mut *w,
@@ -670,7 +779,19 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             match ok {
                 Ok(src) => {
                     let bytes = wire_bytes(&layout, num_tokens);
+                    let local = local_peer(shared, &conn.peer);
                     let sent = (|| -> Result<(), KvError> {
+                        if let Some(peer) = &local {
+                            // Same process: copy straight into decode's blocks; no bytes follow.
+                            let error = peer.receive_local(&transfer_id, &shared.region, &src, num_tokens).err();
+                            return conn.send(&Message::BlockData {
+                                transfer_id: transfer_id.clone(),
+                                src_block_size: layout.block_size,
+                                bytes: 0,
+                                error,
+                                local: true,
+                            });
+                        }
                         let mut w = conn.writer.lock().unwrap_or_else(|p| p.into_inner());
                         write_message(
                             &mut *w,
@@ -679,6 +800,7 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
                                 src_block_size: layout.block_size,
                                 bytes,
                                 error: None,
+                                local: false,
                             },
                         )?;
                         // Safety: the lease holds these blocks and `reading` keeps it from expiring
@@ -701,6 +823,7 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
                     src_block_size: layout.block_size,
                     bytes: 0,
                     error: Some(error),
+                    local: false,
                 })?,
             }
         }
@@ -729,7 +852,7 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             let result = receive_into(stream, shared, &transfer_id, Some(&blocks), src_block_size, num_tokens, bytes)?;
             conn.send(&Message::WriteAck { transfer_id, error: result.err() })?;
         }
-        Message::BlockData { transfer_id, src_block_size, bytes, error } => {
+        Message::BlockData { transfer_id, src_block_size, bytes, error, local } => {
             if let Some(reason) = error {
                 let mut t = shared.tables();
                 shared.finish_incoming(&mut t, &transfer_id, |inc| ConnectorEvent::Failed {
@@ -739,7 +862,15 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
                 return Ok(());
             }
             let num_tokens = shared.tables().incoming.get(&transfer_id).map(|i| i.num_tokens).unwrap_or(0);
-            let landed = receive_into(stream, shared, &transfer_id, None, src_block_size, num_tokens, bytes)?;
+            let landed = if local {
+                // The holder already copied the blocks in (local transport).
+                match shared.tables().incoming.get(&transfer_id) {
+                    Some(inc) if inc.landed => Ok(()),
+                    _ => Err("local copy did not land".to_string()),
+                }
+            } else {
+                receive_into(stream, shared, &transfer_id, None, src_block_size, num_tokens, bytes)?
+            };
             // Release prefill's blocks whatever happened here: we will not read them again.
             conn.send(&Message::Done {
                 transfer_id: transfer_id.clone(),

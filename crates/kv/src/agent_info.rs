@@ -39,6 +39,14 @@ pub enum TransportOffer {
         /// `host:port` of the engine's KV listener.
         addr: String,
     },
+    /// Direct copies between KV memories, for engines in one process (tests, single-host
+    /// setups). Control messages still use the side channel.
+    Local {
+        /// Process id the engine lives in.
+        process: u32,
+        /// The engine's key in that process's registry.
+        key: String,
+    },
 }
 
 /// An engine's identity and KV shape, exchanged at handshake.
@@ -112,6 +120,14 @@ pub enum Incompatible {
 }
 
 impl AgentInfo {
+    /// The TCP side-channel address this engine offers.
+    pub fn tcp_addr(&self) -> Option<&str> {
+        self.transports.iter().find_map(|t| match t {
+            TransportOffer::Tcp { addr } => Some(addr.as_str()),
+            TransportOffer::Local { .. } => None,
+        })
+    }
+
     /// Checks that `self` (this engine) can exchange KV with `peer`.
     pub fn check_pairing(&self, peer: &AgentInfo) -> Result<(), Incompatible> {
         let roles_ok = matches!(

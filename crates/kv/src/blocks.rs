@@ -75,6 +75,36 @@ pub unsafe fn scatter_tokens(
     }
 }
 
+/// Copies the KV of tokens `0..num_tokens` from `src_blocks` of `src` into `dst_blocks` of
+/// `dst` (the local transport): block by block when the block sizes match, through one
+/// staging buffer and [`scatter_tokens`] when they differ.
+///
+/// # Safety
+/// The caller must hold `src_blocks` (nobody writes them) and own `dst_blocks` exclusively.
+///
+/// # Panics
+/// If a block list is too short for `num_tokens`.
+pub unsafe fn copy_tokens(src: &KvRegion, src_blocks: &[u32], dst: &KvRegion, dst_blocks: &[u32], num_tokens: usize) {
+    let (sl, dl) = (*src.layout(), *dst.layout());
+    let n_src = sl.blocks_for(num_tokens);
+    if sl.block_size == dl.block_size {
+        for (&s, &d) in src_blocks[..n_src].iter().zip(&dst_blocks[..n_src]) {
+            // Safety: the caller holds the source blocks and owns the destination blocks.
+            let from = unsafe { src.blocks(s as usize, 1) };
+            let to = unsafe { dst.blocks_mut(d as usize, 1) };
+            to.copy_from_slice(from);
+        }
+    } else {
+        let mut staging = Vec::with_capacity(n_src * sl.block_elems());
+        for &s in &src_blocks[..n_src] {
+            // Safety: the caller holds the source blocks.
+            staging.extend_from_slice(unsafe { src.blocks(s as usize, 1) });
+        }
+        // Safety: the caller owns the destination blocks exclusively.
+        unsafe { scatter_tokens(&staging, sl.block_size, dst, dst_blocks, num_tokens) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -62,6 +62,9 @@ pub struct ConnectorConfig {
     pub transfer_timeout: Duration,
     /// Test-only failure switches.
     pub faults: FaultInjection,
+    /// Offer (and use, when the peer offers it too) direct copies between engines of this
+    /// process instead of TCP bytes.
+    pub local_transport: bool,
 }
 
 /// What the connector tells the engine.

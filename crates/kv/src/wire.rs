@@ -9,6 +9,7 @@
 //! [`PROTOCOL_VERSION`] is checked first in every handshake; peers with another version are
 //! refused before anything else is decoded. Bump it when a message changes shape or meaning.
 //! - 1: first version (handshake, register, done, failed, heartbeat, abort, block data).
+//! - 2: `BlockData.local` (the holder copied the blocks directly; no bytes follow).
 
 use std::io::{Read, Write};
 
@@ -19,7 +20,7 @@ use crate::agent_info::AgentInfo;
 use crate::KvError;
 
 /// The side-channel protocol version.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Largest control frame accepted (a block-id list for a very long prompt fits easily).
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -129,6 +130,9 @@ pub enum Message {
         bytes: u64,
         /// Why the read was refused, if it was.
         error: Option<String>,
+        /// The holder already copied the blocks into the reader's memory (local transport).
+        #[serde(default)]
+        local: bool,
     },
     /// Reply to `WriteBlocks`: the bytes were written (or why not).
     WriteAck {
@@ -200,7 +204,13 @@ mod tests {
                 bytes: 64,
             },
             Message::ReadBlocks { transfer_id: t.clone(), blocks: vec![2, 3], num_tokens: 20 },
-            Message::BlockData { transfer_id: t.clone(), src_block_size: 8, bytes: 0, error: Some("expired".into()) },
+            Message::BlockData {
+                transfer_id: t.clone(),
+                src_block_size: 8,
+                bytes: 0,
+                error: Some("expired".into()),
+                local: false,
+            },
             Message::WriteAck { transfer_id: t, error: None },
         ];
         let mut buf = Vec::new();

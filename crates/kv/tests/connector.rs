@@ -27,6 +27,7 @@ fn config(role: Role, mode: KvMode) -> ConnectorConfig {
         lease: Duration::from_millis(600),
         transfer_timeout: Duration::from_millis(800),
         faults: FaultInjection::default(),
+        local_transport: false,
     }
 }
 
@@ -62,9 +63,7 @@ fn pair(mode: KvMode, p_bs: usize, d_bs: usize, faults: FaultInjection) -> Pair 
 
 impl Pair {
     fn p_addr(&self) -> String {
-        match &self.p.info().transports[0] {
-            tandem_kv::TransportOffer::Tcp { addr } => addr.clone(),
-        }
+        self.p.info().tcp_addr().unwrap().to_string()
     }
 
     fn produce(&self, tid: &str, tokens: usize) {

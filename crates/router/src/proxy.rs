@@ -136,10 +136,7 @@ impl Router {
         if mode != self.cfg.mode {
             return Err(bad(format!("runs in {mode:?} mode, the router in {:?} mode", self.cfg.mode)));
         }
-        let addr = info.transports.iter().map(|t| match t {
-            tandem_kv::TransportOffer::Tcp { addr } => addr.clone(),
-        });
-        let addr = addr.into_iter().next().ok_or_else(|| bad("offers no transport".into()))?;
+        let addr = info.tcp_addr().ok_or_else(|| bad("offers no TCP side channel".into()))?.to_string();
         let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad(format!("bad address {addr}")))?;
         let kv = KvEndpoint {
             engine_id: info.engine_id.0,

@@ -144,9 +144,7 @@ async fn unknown_and_duplicate_transfer_ids_are_refused_and_counted() {
     .await;
     let d = engine(Some((Role::Decode, KvMode::Pull)), 16, FaultInjection::default()).await;
     let epoch = p.state.engine.kv_info().unwrap().epoch.0;
-    let port = match &p.state.engine.kv_info().unwrap().transports[0] {
-        tandem_kv::TransportOffer::Tcp { addr } => addr.rsplit_once(':').unwrap().1.parse::<u16>().unwrap(),
-    };
+    let port: u16 = p.state.engine.kv_info().unwrap().tcp_addr().unwrap().rsplit_once(':').unwrap().1.parse().unwrap();
     // A decode leg naming a transfer prefill never produced: refused (load_failure = fail).
     let bogus = json!({"prompt": prompt(20, 4), "max_tokens": 3, "kv_transfer_params": {
         "do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port, "transfer_id": "never-made",
@@ -213,9 +211,7 @@ async fn peers_with_another_model_are_refused_at_handshake_naming_the_field() {
     let p = engine(Some((Role::Prefill, KvMode::Push)), 16, FaultInjection::default()).await;
     // Same shape, other weights: decode's connector refuses prefill at handshake.
     let d = engine_seeded(Some((Role::Decode, KvMode::Push)), 16, 7).await;
-    let port = match &p.state.engine.kv_info().unwrap().transports[0] {
-        tandem_kv::TransportOffer::Tcp { addr } => addr.rsplit_once(':').unwrap().1.parse::<u16>().unwrap(),
-    };
+    let port: u16 = p.state.engine.kv_info().unwrap().tcp_addr().unwrap().rsplit_once(':').unwrap().1.parse().unwrap();
     let body = json!({"prompt": [1, 2, 3], "max_tokens": 2, "kv_transfer_params": {
         "do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port, "transfer_id": "x1"}});
     let (s, v) = post(&http, &d.url, body).await;

@@ -18,13 +18,24 @@ async fn push_and_pull_equal_colocated_token_for_token() {
     for (i, w) in want.iter().enumerate() {
         assert_eq!(w.len(), reqs[i]["max_tokens"].as_u64().unwrap() as usize);
     }
-    for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
-        let p = engine(Some((Role::Prefill, kv_mode)), 16, FaultInjection::default()).await;
-        let d = engine(Some((Role::Decode, kv_mode)), 8, FaultInjection::default()).await;
+    for (mode, kv_mode, local) in [
+        (TransferMode::Push, KvMode::Push, false),
+        (TransferMode::Pull, KvMode::Pull, false),
+        (TransferMode::Push, KvMode::Push, true),
+        (TransferMode::Pull, KvMode::Pull, true),
+    ] {
+        let k = Knobs { local, ..Knobs::default() };
+        let p = engine_with(Some((Role::Prefill, kv_mode)), 16, k.clone()).await;
+        let d = engine_with(Some((Role::Decode, kv_mode)), 8, k).await;
         let base = router(mode, &p, &d).await;
         let got = run_all(&http, &base, &reqs).await;
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g, w, "{mode:?}: request {i} ({} prompt tokens)", reqs[i]["prompt"].as_array().unwrap().len());
+            assert_eq!(
+                g,
+                w,
+                "{mode:?} local={local}: request {i} ({} prompt tokens)",
+                reqs[i]["prompt"].as_array().unwrap().len()
+            );
         }
         wait_idle(&[&p, &d]).await;
         let ds = kv_stats_until(&d, "50 transfers", |s| s.transfers_ok == 50).await;

@@ -285,13 +285,7 @@ impl Generation {
     fn kv_transfer_params(&self) -> Option<KvTransferParams> {
         let p = self.produced.as_ref()?;
         let info = self.state.engine.kv_info()?;
-        let addr = info
-            .transports
-            .iter()
-            .map(|t| match t {
-                tandem_kv::TransportOffer::Tcp { addr } => addr.clone(),
-            })
-            .next()?;
+        let addr = info.tcp_addr()?.to_string();
         let (host, port) = addr.rsplit_once(':')?;
         let tid = p.transfer_id.0.clone();
         Some(match info.kv_mode {

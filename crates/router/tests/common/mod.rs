@@ -26,6 +26,8 @@ pub struct Knobs {
     pub transfer_timeout: Duration,
     pub load_failure: KvLoadFailure,
     pub budget: usize,
+    /// Use the local transport (direct copies) instead of TCP bytes.
+    pub local: bool,
 }
 
 impl Default for Knobs {
@@ -36,6 +38,7 @@ impl Default for Knobs {
             transfer_timeout: Duration::from_secs(10),
             load_failure: KvLoadFailure::Fail,
             budget: 96,
+            local: false,
         }
     }
 }
@@ -65,6 +68,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             lease: k.lease,
             transfer_timeout: k.transfer_timeout,
             faults: k.faults.clone(),
+            local_transport: k.local,
         },
         load_failure: k.load_failure,
     });
