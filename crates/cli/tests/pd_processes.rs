@@ -49,6 +49,40 @@ fn complete(http: &reqwest::blocking::Client, url: &str, body: &Value) -> (u16, 
     (r.status().as_u16(), r.json().unwrap_or(Value::Null))
 }
 
+/// Sends every body at once (one thread each) and returns each answer's token ids, streamed
+/// or not.
+fn run_concurrently(url: &str, bodies: &[Value]) -> Vec<Vec<u64>> {
+    let handles: Vec<_> = bodies
+        .iter()
+        .map(|b| {
+            let (url, b) = (url.to_string(), b.clone());
+            std::thread::spawn(move || {
+                let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+                let r = http.post(format!("{url}/v1/completions")).json(&b).send().unwrap();
+                assert_eq!(r.status(), 200);
+                let text = r.text().unwrap();
+                let parts: Vec<String> = if b["stream"] == json!(true) {
+                    text.split("\n\n")
+                        .filter_map(|e| e.strip_prefix("data: "))
+                        .filter(|e| *e != "[DONE]")
+                        .map(str::to_string)
+                        .collect()
+                } else {
+                    vec![text]
+                };
+                let mut ids = Vec::new();
+                for p in parts {
+                    let v: Value = serde_json::from_str(&p).unwrap();
+                    assert!(v.get("error").is_none(), "{v}");
+                    ids.extend(v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()));
+                }
+                ids
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 fn metric(http: &reqwest::blocking::Client, url: &str, name: &str) -> Option<f64> {
     let text = http.get(format!("{url}/metrics")).send().ok()?.text().ok()?;
     text.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()?.parse().ok())
@@ -89,23 +123,25 @@ fn push_and_pull_across_processes_equal_colocated() {
     let _c = tandem(&args(&format!("serve --port {cp}")));
     let c_url = format!("http://127.0.0.1:{cp}");
     wait_healthy(&http, &c_url);
-    let bodies: Vec<Value> = [1usize, 5, 16, 17, 60]
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| {
-            let prompt: Vec<u32> = (0..n).map(|j| ((i * 13 + j * 5) % 500) as u32).collect();
-            json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true})
+    // 50 mixed requests (1 token to several blocks, token ids and text, half streamed), all
+    // in flight at once.
+    let bodies: Vec<Value> = (0..50)
+        .map(|i| {
+            let n = [1usize, 5, 16, 17, 60, 130][i % 6];
+            let prompt: Value = if i % 10 == 9 {
+                json!(format!("request number {i} about foxes"))
+            } else {
+                json!((0..n).map(|j| ((i * 13 + j * 5) % 500) as u32).collect::<Vec<_>>())
+            };
+            json!({"prompt": prompt, "max_tokens": 3 + i % 6, "temperature": 0, "ignore_eos": true, "stream": i % 2 == 0})
         })
-        .chain([json!({"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": true})])
         .collect();
-    let want: Vec<Value> =
-        bodies.iter().map(|b| complete(&http, &c_url, b).1["choices"][0]["token_ids"].clone()).collect();
+    let want = run_concurrently(&c_url, &bodies);
     for mode in ["push", "pull"] {
         let s = system(mode, "", "");
-        for (b, w) in bodies.iter().zip(&want) {
-            let (status, v) = complete(&http, &s.r_url, b);
-            assert_eq!(status, 200, "{mode}: {v}");
-            assert_eq!(&v["choices"][0]["token_ids"], w, "{mode}: {b}");
+        let got = run_concurrently(&s.r_url, &bodies);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "{mode}: request {i}: {}", bodies[i]);
         }
         // Counters are published by the engine loop a moment after the transfer.
         let deadline = Instant::now() + Duration::from_secs(5);
