@@ -23,6 +23,9 @@ pub enum Command {
     Serve(ServeArgs),
     /// The proxy in front of prefill and decode engines (push or pull KV transfer).
     Router(RouterArgs),
+    /// The whole disaggregated system on this machine: prefill (8100), decode (8200) and the
+    /// router (8000), on an embedded default model. Ctrl-C stops all three.
+    Up(UpArgs),
     /// Generate one completion on this machine and print it.
     Generate(GenerateArgs),
     /// Make or look at model directories.
@@ -154,6 +157,36 @@ pub struct KvArgs {
     /// Test only: prefill drops push completion notifications (exercises the timeout path).
     #[arg(long, hide = true)]
     pub fault_drop_done: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// push or pull.
+    #[arg(long, value_enum, default_value = "push")]
+    pub kv_mode: KvModeArg,
+    /// Router port (the OpenAI endpoint).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Prefill engine port.
+    #[arg(long, default_value_t = 8100)]
+    pub prefill_port: u16,
+    /// Decode engine port.
+    #[arg(long, default_value_t = 8200)]
+    pub decode_port: u16,
+    /// KV side-channel port of prefill (decode uses the next one).
+    #[arg(long, default_value_t = 5600)]
+    pub kv_port: u16,
+    /// Model name clients use.
+    #[arg(long, default_value = "tandem")]
+    pub served_model_name: String,
+    /// Seconds to wait for all three to become healthy.
+    #[arg(long, default_value_t = 120)]
+    pub ready_timeout_secs: u64,
+    /// Log filter for the three processes.
+    #[arg(long = "child-log", default_value = "info")]
+    pub log: String,
 }
 
 #[derive(Args, Debug)]

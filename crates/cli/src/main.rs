@@ -2,6 +2,7 @@
 //! errors to exit codes. No logic of its own beyond wiring.
 
 mod args;
+mod up;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -24,6 +25,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(a) => serve(a),
         Command::Router(a) => router(a),
+        Command::Up(a) => up::up(a),
         Command::Generate(a) => generate(a),
         Command::Model(c) => model_command(c),
         Command::Bench(BenchCommand::Engine(a)) => bench_engine(a),

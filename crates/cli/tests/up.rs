@@ -1,0 +1,56 @@
+//! `tandem up` brings the whole system up on the embedded default model, answers through the
+//! router, and stops all three processes on Ctrl-C.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn up_serves_through_the_router_and_ctrl_c_stops_everything() {
+    let (port, pp, dp, kp) = (free_port(), free_port(), free_port(), free_port());
+    let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["up", "--child-log", "warn", "--port", &port.to_string(), "--prefill-port", &pp.to_string()])
+        .args(["--decode-port", &dp.to_string(), "--kv-port", &kp.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !matches!(http.get(format!("{url}/health")).send(), Ok(r) if r.status().is_success()) {
+        assert!(up.try_wait().unwrap().is_none(), "tandem up exited during start-up");
+        assert!(Instant::now() < deadline, "tandem up never became healthy");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let v: serde_json::Value = http
+        .post(format!("{url}/v1/completions"))
+        .json(&serde_json::json!({"model": "tandem", "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": true}))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
+    assert!(v["kv_timeline"]["transfer"]["bytes"].as_u64().unwrap() > 0, "the answer went through prefill and decode: {v}");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(up.id() as i32), nix::sys::signal::Signal::SIGINT).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = up.try_wait().unwrap() {
+            assert!(status.success(), "tandem up exited with {status}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "tandem up did not stop on Ctrl-C");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // All three children are gone: their ports accept no connections.
+    for p in [port, pp, dp, kp, kp + 1] {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::net::TcpStream::connect(("127.0.0.1", p)).is_ok() {
+            assert!(Instant::now() < deadline, "port {p} still served after tandem up stopped");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
