@@ -10,3 +10,5 @@
 
 pub mod engine;
 pub mod kv;
+pub mod metrics;
+pub mod serve;

@@ -277,12 +277,104 @@ pub enum BenchCommand {
     /// Decode and prefill throughput of one engine, against the memory-bandwidth floor
     /// measured in the same run.
     Engine(BenchEngineArgs),
+    /// Load-test an OpenAI-compatible server (ours or vLLM's) and report vLLM's serving
+    /// metrics (TTFT, TPOT, ITL, E2EL, throughput, goodput).
+    Serve(Box<BenchServeArgs>),
     /// Throughput of the TCP KV transport moving a KV set to another process, against raw
     /// loopback TCP measured in the same run.
     Kv(BenchKvArgs),
     /// The peer process `bench kv` starts (internal).
     #[command(hide = true)]
     KvPeer(BenchKvArgs),
+}
+
+/// Datasets for `bench serve`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DatasetName {
+    /// Random prompts of fixed length (see --random-*).
+    Random,
+    /// A local ShareGPT-format JSON file (--dataset-path).
+    Sharegpt,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchServeArgs {
+    /// Server base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub base_url: String,
+    /// API path.
+    #[arg(long, default_value = "/v1/completions")]
+    pub endpoint: String,
+    /// Model name (default: the first one /v1/models lists).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Label stored as `backend` in the result.
+    #[arg(long, default_value = "tandem")]
+    pub backend: String,
+    /// Where prompts come from.
+    #[arg(long, value_enum, default_value = "random")]
+    pub dataset_name: DatasetName,
+    /// ShareGPT JSON file.
+    #[arg(long)]
+    pub dataset_path: Option<PathBuf>,
+    /// Random dataset: prompt tokens.
+    #[arg(long, default_value_t = 1024)]
+    pub random_input_len: usize,
+    /// Random dataset: output tokens (also the ShareGPT output length when given).
+    #[arg(long, default_value_t = 128)]
+    pub random_output_len: usize,
+    /// Random dataset: lengths drawn from [len*(1-r), len*(1+r)].
+    #[arg(long, default_value_t = 0.0)]
+    pub random_range_ratio: f64,
+    /// Random dataset: token ids are drawn below this (keep it within the model's vocabulary).
+    #[arg(long, default_value_t = 256)]
+    pub random_vocab_size: u32,
+    /// Random dataset: send prompts as text (random words) instead of token ids.
+    #[arg(long)]
+    pub random_prompt_text: bool,
+    /// Requests to send.
+    #[arg(long, default_value_t = 1000)]
+    pub num_prompts: usize,
+    /// Requests per second; `inf` sends all at once.
+    #[arg(long, default_value = "inf")]
+    pub request_rate: f64,
+    /// Gamma shape of arrival gaps: 1 is Poisson, lower is burstier.
+    #[arg(long, default_value_t = 1.0)]
+    pub burstiness: f64,
+    /// Seed for prompts and arrivals.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Most requests in flight.
+    #[arg(long)]
+    pub max_concurrency: Option<usize>,
+    /// Unmeasured requests first.
+    #[arg(long, default_value_t = 0)]
+    pub num_warmups: usize,
+    /// Do not ask the server to ignore end-of-sequence tokens (on by default, as vLLM's random
+    /// dataset does, so outputs have the requested length).
+    #[arg(long)]
+    pub no_ignore_eos: bool,
+    /// Percentiles to report, e.g. 50,90,99.
+    #[arg(long, alias = "metric-percentiles", value_delimiter = ',', default_value = "99")]
+    pub percentiles: Vec<f64>,
+    /// SLOs for goodput, e.g. `--goodput ttft:500 tpot:50`.
+    #[arg(long, num_args = 1..)]
+    pub goodput: Vec<String>,
+    /// Write the result JSON.
+    #[arg(long)]
+    pub save_result: bool,
+    /// Add per-request arrays (input_lens, output_lens, ttfts, itls, errors) to the JSON.
+    #[arg(long)]
+    pub save_detailed: bool,
+    /// Directory for the result JSON.
+    #[arg(long, default_value = ".")]
+    pub result_dir: PathBuf,
+    /// File name for the result JSON (default: BACKEND-RATEqps-MODEL-DATE.json).
+    #[arg(long)]
+    pub result_filename: Option<String>,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
 }
 
 #[derive(Args, Debug, Clone)]

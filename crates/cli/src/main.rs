@@ -30,6 +30,7 @@ fn main() -> ExitCode {
         Command::Model(c) => model_command(c),
         Command::Bench(BenchCommand::Engine(a)) => bench_engine(a),
         Command::Bench(BenchCommand::Kv(a)) => bench_kv(a),
+        Command::Bench(BenchCommand::Serve(a)) => bench_serve(*a),
         Command::Bench(BenchCommand::KvPeer(a)) => bench_kv_peer(a),
     };
     match result {
@@ -371,5 +372,69 @@ fn bench_kv_peer(a: args::BenchKvArgs) -> Result<()> {
     println!("{}", listener.local_addr()?);
     std::io::stdout().flush()?;
     tandem_bench::kv::serve_peer(listener, &cfg)?;
+    Ok(())
+}
+
+fn bench_serve(a: args::BenchServeArgs) -> Result<()> {
+    use tandem_bench::serve::{Dataset, ServeConfig};
+    let dataset = match a.dataset_name {
+        args::DatasetName::Random => Dataset::Random {
+            input_len: a.random_input_len,
+            output_len: a.random_output_len,
+            range_ratio: a.random_range_ratio,
+            vocab_size: a.random_vocab_size,
+            as_text: a.random_prompt_text,
+        },
+        args::DatasetName::Sharegpt => Dataset::ShareGpt {
+            path: a.dataset_path.clone().context("--dataset-name sharegpt needs --dataset-path")?,
+            output_len: None,
+        },
+    };
+    let slo = if a.goodput.is_empty() {
+        None
+    } else {
+        Some(tandem_bench::metrics::Slo::parse(&a.goodput).map_err(anyhow::Error::msg)?)
+    };
+    let cfg = ServeConfig {
+        base_url: a.base_url.clone(),
+        endpoint: a.endpoint.clone(),
+        model: a.model.clone(),
+        backend: a.backend.clone(),
+        dataset,
+        num_prompts: a.num_prompts,
+        request_rate: a.request_rate,
+        burstiness: a.burstiness,
+        seed: a.seed,
+        max_concurrency: a.max_concurrency,
+        num_warmups: a.num_warmups,
+        ignore_eos: !a.no_ignore_eos,
+        percentiles: a.percentiles.clone(),
+        slo,
+        progress: !a.no_progress,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    eprintln!(
+        "bench serve: {} prompts to {}{} at {} req/s",
+        cfg.num_prompts, cfg.base_url, cfg.endpoint, cfg.request_rate
+    );
+    let run = rt.block_on(tandem_bench::serve::run(&cfg)).map_err(anyhow::Error::msg)?;
+    print!("{}", run.summary.table(&cfg.percentiles));
+    let failed: Vec<&String> = run.outcomes.iter().filter(|o| !o.success).map(|o| &o.error).collect();
+    if let Some(first) = failed.first() {
+        eprintln!("{} requests failed; first error: {first}", failed.len());
+    }
+    if a.save_result || a.save_detailed {
+        let json = run.result_json(&cfg, a.save_detailed);
+        let name = a.result_filename.clone().unwrap_or_else(|| {
+            let rate = if cfg.request_rate.is_infinite() { "inf".to_string() } else { cfg.request_rate.to_string() };
+            let model = run.model.rsplit('/').next().unwrap_or(&run.model).replace(':', "-");
+            format!("{}-{rate}qps-{model}-{}.json", cfg.backend, tandem_bench::serve::utc_stamp())
+        });
+        std::fs::create_dir_all(&a.result_dir).with_context(|| format!("creating {}", a.result_dir.display()))?;
+        let path = a.result_dir.join(name);
+        std::fs::write(&path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("result written to {}", path.display());
+    }
     Ok(())
 }

@@ -28,13 +28,18 @@ fn up_serves_through_the_router_and_ctrl_c_stops_everything() {
     }
     let v: serde_json::Value = http
         .post(format!("{url}/v1/completions"))
-        .json(&serde_json::json!({"model": "tandem", "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": true}))
+        .json(
+            &serde_json::json!({"model": "tandem", "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": true}),
+        )
         .send()
         .unwrap()
         .json()
         .unwrap();
     assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
-    assert!(v["kv_timeline"]["transfer"]["bytes"].as_u64().unwrap() > 0, "the answer went through prefill and decode: {v}");
+    assert!(
+        v["kv_timeline"]["transfer"]["bytes"].as_u64().unwrap() > 0,
+        "the answer went through prefill and decode: {v}"
+    );
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(up.id() as i32), nix::sys::signal::Signal::SIGINT).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
