@@ -11,4 +11,6 @@
 pub mod engine;
 pub mod kv;
 pub mod metrics;
+pub mod plot;
 pub mod serve;
+pub mod sweep;

@@ -32,6 +32,8 @@ pub struct RequestOutcome {
     pub latency: f64,
     /// The error, for failed requests.
     pub error: String,
+    /// tandem decode engines: where the time to the first token went (`kv_timeline`).
+    pub kv_timeline: Option<serde_json::Value>,
 }
 
 /// Service-level objectives for goodput, milliseconds.
@@ -261,7 +263,7 @@ mod tests {
             ttft,
             itl: itl.to_vec(),
             latency,
-            error: String::new(),
+            ..Default::default()
         }
     }
 

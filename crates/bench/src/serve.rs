@@ -231,6 +231,9 @@ async fn send(http: &reqwest::Client, url: &str, body: &Value, fallback_prompt_l
                 out.error = err.to_string();
                 return out;
             }
+            if let Some(t) = v.get("kv_timeline").filter(|t| !t.is_null()) {
+                out.kv_timeline = Some(t.clone());
+            }
             if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                 usage_tokens = u.get("completion_tokens").and_then(Value::as_u64);
                 if let Some(p) = u.get("prompt_tokens").and_then(Value::as_u64) {
@@ -375,6 +378,12 @@ impl ServeRun {
             m.insert("ttfts".into(), json!(self.outcomes.iter().map(|o| o.ttft).collect::<Vec<_>>()));
             m.insert("itls".into(), json!(self.outcomes.iter().map(|o| o.itl.clone()).collect::<Vec<_>>()));
             m.insert("errors".into(), json!(self.outcomes.iter().map(|o| o.error.clone()).collect::<Vec<_>>()));
+            if self.outcomes.iter().any(|o| o.kv_timeline.is_some()) {
+                m.insert(
+                    "kv_timelines".into(),
+                    json!(self.outcomes.iter().map(|o| o.kv_timeline.clone()).collect::<Vec<_>>()),
+                );
+            }
         }
         Value::Object(m)
     }

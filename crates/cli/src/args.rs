@@ -187,6 +187,13 @@ pub struct UpArgs {
     /// Log filter for the three processes.
     #[arg(long = "child-log", default_value = "info")]
     pub log: String,
+    /// Once up, run a short sweep against the router (this mode; 2 request rates x 2 input
+    /// lengths), print the table and the figure paths, then stop.
+    #[arg(long)]
+    pub bench: bool,
+    /// Where `--bench` writes its results and figures.
+    #[arg(long, default_value = "results-up")]
+    pub bench_dir: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -280,12 +287,80 @@ pub enum BenchCommand {
     /// Load-test an OpenAI-compatible server (ours or vLLM's) and report vLLM's serving
     /// metrics (TTFT, TPOT, ITL, E2EL, throughput, goodput).
     Serve(Box<BenchServeArgs>),
+    /// The P/D experiment: modes x request rates x input lengths, one vLLM-style JSON per point
+    /// plus summary.csv, against given URLs or servers it launches itself (--launch).
+    Sweep(SweepArgs),
+    /// Figures from a sweep: the four-panel metric-vs-rate figure and the TTFT breakdown.
+    Plot(PlotArgs),
     /// Throughput of the TCP KV transport moving a KV set to another process, against raw
     /// loopback TCP measured in the same run.
     Kv(BenchKvArgs),
     /// The peer process `bench kv` starts (internal).
     #[command(hide = true)]
     KvPeer(BenchKvArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct SweepArgs {
+    /// Modes to run: push, pull, colocated.
+    #[arg(long, value_delimiter = ',', default_value = "push,pull,colocated")]
+    pub modes: Vec<String>,
+    /// Request rates (req/s).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub qps: Vec<f64>,
+    /// Prompt lengths.
+    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    pub input_lens: Vec<usize>,
+    /// Output length.
+    #[arg(long, default_value_t = 32)]
+    pub output_len: usize,
+    /// Repetitions of each point.
+    #[arg(long, default_value_t = 1)]
+    pub iterations: usize,
+    /// Requests per point.
+    #[arg(long, default_value_t = 20)]
+    pub num_prompts: usize,
+    /// Token ids are drawn below this (keep within the model's vocabulary).
+    #[arg(long, default_value_t = 256)]
+    pub vocab_size: u32,
+    /// Where results go.
+    #[arg(long, default_value = "results")]
+    pub result_dir: PathBuf,
+    /// Start the servers for each mode on this machine (and stop them after).
+    #[arg(long)]
+    pub launch: bool,
+    /// With --launch: the model.
+    #[arg(long, default_value = "preset:tiny-qwen3")]
+    pub model: String,
+    /// With --launch: router (or colocated server) port; prefill +100, decode +200, KV +300/+301.
+    #[arg(long, default_value_t = 18000)]
+    pub base_port: u16,
+    /// Without --launch: URL for each mode, e.g. push=http://127.0.0.1:8000 (repeatable).
+    #[arg(long = "url", value_parser = parse_mode_url)]
+    pub urls: Vec<(String, String)>,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Also draw the figures into the result directory at the end.
+    #[arg(long)]
+    pub plot: bool,
+}
+
+fn parse_mode_url(s: &str) -> Result<(String, String), String> {
+    s.split_once('=').map(|(m, u)| (m.to_string(), u.to_string())).ok_or_else(|| format!("`{s}` is not MODE=URL"))
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct PlotArgs {
+    /// A sweep's result directory.
+    #[arg(long, default_value = "results")]
+    pub results_dir: PathBuf,
+    /// ttft, tpot, itl or e2el (repeat or comma-separate for several figures).
+    #[arg(long, value_delimiter = ',', default_value = "ttft,tpot")]
+    pub metric: Vec<String>,
+    /// Where the figures go (default: the results directory).
+    #[arg(long)]
+    pub out_dir: Option<PathBuf>,
 }
 
 /// Datasets for `bench serve`.

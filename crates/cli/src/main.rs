@@ -31,6 +31,8 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Engine(a)) => bench_engine(a),
         Command::Bench(BenchCommand::Kv(a)) => bench_kv(a),
         Command::Bench(BenchCommand::Serve(a)) => bench_serve(*a),
+        Command::Bench(BenchCommand::Sweep(a)) => bench_sweep(a),
+        Command::Bench(BenchCommand::Plot(a)) => bench_plot(a),
         Command::Bench(BenchCommand::KvPeer(a)) => bench_kv_peer(a),
     };
     match result {
@@ -435,6 +437,65 @@ fn bench_serve(a: args::BenchServeArgs) -> Result<()> {
         std::fs::write(&path, serde_json::to_string_pretty(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("result written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn bench_sweep(a: args::SweepArgs) -> Result<()> {
+    for m in &a.modes {
+        if !["push", "pull", "colocated"].contains(&m.as_str()) {
+            bail!("unknown mode `{m}` (push, pull, colocated)");
+        }
+    }
+    let cfg = tandem_bench::sweep::SweepConfig {
+        qps: a.qps.clone(),
+        input_lens: a.input_lens.clone(),
+        output_len: a.output_len,
+        iterations: a.iterations.max(1),
+        num_prompts: a.num_prompts,
+        vocab_size: a.vocab_size,
+        percentiles: vec![50.0, 90.0, 99.0],
+        result_dir: a.result_dir.clone(),
+        seed: a.seed,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    let total = a.modes.len() * a.qps.len() * a.input_lens.len() * cfg.iterations;
+    eprintln!("bench sweep: {total} points ({} modes x {} rates x {} input lengths x {} iterations), {} prompts each, results in {}",
+        a.modes.len(), a.qps.len(), a.input_lens.len(), cfg.iterations, cfg.num_prompts, a.result_dir.display());
+    for mode in &a.modes {
+        let (url, mut procs) = if a.launch {
+            eprintln!("... starting {mode} servers ({})", a.model);
+            let (u, p) = up::launch_mode(mode, &a.model, a.base_port, "warn")?;
+            (u, p)
+        } else {
+            let url = a.urls.iter().find(|(m, _)| m == mode).map(|(_, u)| u.clone());
+            (url.with_context(|| format!("no --url {mode}=URL given (or use --launch)"))?, Vec::new())
+        };
+        let result = rt.block_on(tandem_bench::sweep::run_mode(&cfg, mode, &url, |line| eprintln!("{line}")));
+        up::stop_all(&mut procs, std::time::Duration::from_secs(10));
+        result.map_err(anyhow::Error::msg)?;
+    }
+    println!("{}", std::fs::read_to_string(a.result_dir.join("summary.csv")).unwrap_or_default());
+    if a.plot {
+        bench_plot(args::PlotArgs {
+            results_dir: a.result_dir.clone(),
+            metric: vec!["ttft".into(), "tpot".into()],
+            out_dir: None,
+        })?;
+    }
+    Ok(())
+}
+
+fn bench_plot(a: args::PlotArgs) -> Result<()> {
+    let out = a.out_dir.clone().unwrap_or_else(|| a.results_dir.clone());
+    for m in &a.metric {
+        let metric = tandem_bench::plot::Metric::parse(m).map_err(anyhow::Error::msg)?;
+        let (png, svg) = tandem_bench::plot::four_panel(&a.results_dir, metric, &out).map_err(anyhow::Error::msg)?;
+        println!("{}\n{}", png.display(), svg.display());
+    }
+    match tandem_bench::plot::ttft_breakdown(&a.results_dir, &out).map_err(anyhow::Error::msg)? {
+        Some((png, svg)) => println!("{}\n{}", png.display(), svg.display()),
+        None => eprintln!("no transfer timelines in the results (colocated only): no TTFT breakdown figure"),
     }
     Ok(())
 }

@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::args::{KvModeArg, UpArgs};
 
-struct Role {
+pub(crate) struct Role {
     name: &'static str,
     child: Child,
 }
@@ -46,7 +46,7 @@ fn signal(r: &Role, sig: nix::sys::signal::Signal) {
 }
 
 /// Stops every child: SIGINT (their graceful shutdown), then SIGKILL after `grace`.
-fn stop_all(roles: &mut [Role], grace: Duration) {
+pub(crate) fn stop_all(roles: &mut [Role], grace: Duration) {
     for r in roles.iter() {
         signal(r, nix::sys::signal::Signal::SIGINT);
     }
@@ -66,7 +66,7 @@ fn stop_all(roles: &mut [Role], grace: Duration) {
     }
 }
 
-fn healthy(url: &str) -> bool {
+pub(crate) fn healthy(url: &str) -> bool {
     matches!(reqwest::blocking::Client::new().get(format!("{url}/health")).timeout(Duration::from_secs(2)).send(), Ok(r) if r.status().is_success())
 }
 
@@ -158,6 +158,11 @@ pub fn up(a: UpArgs) -> Result<()> {
             );
             eprintln!();
             eprintln!("Metrics: {p_url}/metrics (prefill), {d_url}/metrics (decode). Ctrl-C stops all three.");
+            if a.bench {
+                let result = short_bench(&a, mode, &r_url);
+                stop_all(&mut roles, Duration::from_secs(10));
+                return result;
+            }
         }
         if !ready && Instant::now() > deadline {
             stop_all(&mut roles, Duration::from_secs(5));
@@ -168,5 +173,100 @@ pub fn up(a: UpArgs) -> Result<()> {
     eprintln!("tandem up: stopping prefill, decode and router ...");
     stop_all(&mut roles, Duration::from_secs(10));
     eprintln!("tandem up: stopped");
+    Ok(())
+}
+
+/// The processes of one sweep mode, started on `base_port` (router or colocated server there,
+/// prefill +100, decode +200, KV side channels +300 and +301). Returns the URL to load and the
+/// processes to stop.
+pub(crate) fn launch_mode(mode: &str, model: &str, base_port: u16, log: &str) -> Result<(String, Vec<Role>)> {
+    let host = "127.0.0.1";
+    let url = format!("http://{host}:{base_port}");
+    let serve = |port: u16| -> Vec<String> {
+        [
+            "--log",
+            log,
+            "serve",
+            "--model",
+            model,
+            "--host",
+            host,
+            "--port",
+            &port.to_string(),
+            "--served-model-name",
+            "tandem",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let mut roles = Vec::new();
+    if mode == "colocated" {
+        roles.push(start("serve", &serve(base_port))?);
+    } else {
+        let (pp, dp, kp) = (base_port + 100, base_port + 200, base_port + 300);
+        let mut p = serve(pp);
+        p.extend(["--role", "prefill", "--kv-mode", mode, "--kv-port", &kp.to_string()].map(String::from));
+        let mut d = serve(dp);
+        d.extend(["--role", "decode", "--kv-mode", mode, "--kv-port", &(kp + 1).to_string()].map(String::from));
+        roles.push(start("prefill", &p)?);
+        roles.push(start("decode", &d)?);
+        let r: Vec<String> = ["--log", log, "router", "--mode", mode, "--prefill", &format!("http://{host}:{pp}")]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([
+                "--decode".to_string(),
+                format!("http://{host}:{dp}"),
+                "--host".into(),
+                host.into(),
+                "--port".into(),
+                base_port.to_string(),
+            ])
+            .collect();
+        roles.push(start("router", &r)?);
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !healthy(&url) {
+        if let Some(name) = roles.iter_mut().find_map(|r| matches!(r.child.try_wait(), Ok(Some(_))).then_some(r.name)) {
+            stop_all(&mut roles, Duration::from_secs(5));
+            bail!("the {name} process exited during start-up");
+        }
+        if Instant::now() > deadline {
+            stop_all(&mut roles, Duration::from_secs(5));
+            bail!("{mode}: not healthy after 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok((url, roles))
+}
+
+/// `up --bench`: a short sweep against the running router, then the figures.
+fn short_bench(a: &UpArgs, mode: &str, url: &str) -> Result<()> {
+    let cfg = tandem_bench::sweep::SweepConfig {
+        qps: vec![2.0, 4.0],
+        input_lens: vec![64, 256],
+        output_len: 16,
+        iterations: 1,
+        num_prompts: 12,
+        vocab_size: 256,
+        percentiles: vec![50.0, 90.0, 99.0],
+        result_dir: a.bench_dir.clone(),
+        seed: 0,
+    };
+    let _ = std::fs::remove_file(a.bench_dir.join("summary.csv"));
+    eprintln!("\ntandem up --bench: {mode} sweep (request rates 2, 4 x input lengths 64, 256; 12 prompts each)");
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(tandem_bench::sweep::run_mode(&cfg, mode, url, |line| eprintln!("{line}")))
+        .map_err(anyhow::Error::msg)?;
+    println!("{}", std::fs::read_to_string(a.bench_dir.join("summary.csv")).unwrap_or_default());
+    for m in [tandem_bench::plot::Metric::Ttft, tandem_bench::plot::Metric::Tpot] {
+        let (png, svg) = tandem_bench::plot::four_panel(&a.bench_dir, m, &a.bench_dir).map_err(anyhow::Error::msg)?;
+        println!("figure: {} ({})", png.display(), svg.display());
+    }
+    if let Some((png, svg)) =
+        tandem_bench::plot::ttft_breakdown(&a.bench_dir, &a.bench_dir).map_err(anyhow::Error::msg)?
+    {
+        println!("figure: {} ({})", png.display(), svg.display());
+    }
     Ok(())
 }

@@ -1,0 +1,355 @@
+//! `tandem bench plot`: figures from a sweep's result files.
+//!
+//! - [`four_panel`]: one panel per input length, the chosen metric against request rate, one
+//!   line per mode (median), with a shaded band from the median up to p99.
+//! - [`ttft_breakdown`]: for the disaggregated modes, where the time to the first token went,
+//!   from the per-request `kv_timeline`s the decode engine reports: waiting for blocks,
+//!   registration until the first KV byte (prefill compute included), the KV transfer itself,
+//!   and the rest (completion, first decode step, network).
+//!
+//! Both are written as PNG and SVG. Text uses the bundled DejaVu Sans, so figures look the same
+//! on any machine.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use serde_json::Value;
+
+static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+
+fn font() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
+    });
+}
+
+/// A latency metric of the sweep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Metric {
+    /// Time to first token.
+    Ttft,
+    /// Time per output token.
+    Tpot,
+    /// Inter-token latency.
+    Itl,
+    /// End-to-end latency.
+    E2el,
+}
+
+impl Metric {
+    /// Parses `ttft|tpot|itl|e2el`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "ttft" => Metric::Ttft,
+            "tpot" => Metric::Tpot,
+            "itl" => Metric::Itl,
+            "e2el" => Metric::E2el,
+            other => return Err(format!("unknown metric `{other}` (ttft, tpot, itl, e2el)")),
+        })
+    }
+
+    fn key(self) -> &'static str {
+        match self {
+            Metric::Ttft => "ttft",
+            Metric::Tpot => "tpot",
+            Metric::Itl => "itl",
+            Metric::E2el => "e2el",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Metric::Ttft => "TTFT",
+            Metric::Tpot => "TPOT",
+            Metric::Itl => "ITL",
+            Metric::E2el => "E2E latency",
+        }
+    }
+}
+
+/// One result file, identified by its name (`<mode>_qps<q>_in<in>_out<out>_iter<i>.json`).
+#[derive(Clone, Debug)]
+struct ResultFile {
+    mode: String,
+    qps: f64,
+    input_len: usize,
+    json: Value,
+}
+
+fn parse_name(name: &str) -> Option<(String, f64, usize)> {
+    let stem = name.strip_suffix(".json")?;
+    let parts: Vec<&str> = stem.split('_').collect();
+    if parts.len() < 5 {
+        return None;
+    }
+    let n = parts.len();
+    let qps = parts[n - 4].strip_prefix("qps")?;
+    let qps = if qps == "inf" { f64::INFINITY } else { qps.parse().ok()? };
+    let input_len = parts[n - 3].strip_prefix("in")?.parse().ok()?;
+    parts[n - 2].strip_prefix("out")?;
+    parts[n - 1].strip_prefix("iter")?;
+    Some((parts[..n - 4].join("_"), qps, input_len))
+}
+
+fn load(dir: &Path) -> Result<Vec<ResultFile>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let Some((mode, qps, input_len)) = parse_name(&name) else { continue };
+        if qps.is_infinite() {
+            continue; // no position on a request-rate axis
+        }
+        let text = std::fs::read_to_string(e.path()).map_err(|err| format!("{name}: {err}"))?;
+        let json = serde_json::from_str(&text).map_err(|err| format!("{name}: {err}"))?;
+        out.push(ResultFile { mode, qps, input_len, json });
+    }
+    if out.is_empty() {
+        return Err(format!("{}: no sweep results (<mode>_qps<q>_in<in>_out<out>_iter<i>.json)", dir.display()));
+    }
+    Ok(out)
+}
+
+fn mode_color(mode: &str) -> RGBColor {
+    match mode {
+        "push" => RGBColor(31, 119, 180),
+        "pull" => RGBColor(255, 127, 14),
+        "colocated" => RGBColor(100, 100, 100),
+        _ => RGBColor(44, 160, 44),
+    }
+}
+
+/// (input_len -> mode -> [(qps, median, p99)]), iterations averaged.
+type Panels = BTreeMap<usize, BTreeMap<String, Vec<(f64, f64, f64)>>>;
+
+fn panels(files: &[ResultFile], metric: Metric) -> Panels {
+    let mut acc: BTreeMap<(usize, String, u64), (f64, f64, usize)> = BTreeMap::new();
+    for f in files {
+        let get = |k: String| f.json.get(&k).and_then(Value::as_f64).unwrap_or(0.0);
+        let (med, p99) = (get(format!("median_{}_ms", metric.key())), get(format!("p99_{}_ms", metric.key())));
+        let e = acc.entry((f.input_len, f.mode.clone(), f.qps.to_bits())).or_insert((0.0, 0.0, 0));
+        e.0 += med;
+        e.1 += p99.max(med);
+        e.2 += 1;
+    }
+    let mut out: Panels = BTreeMap::new();
+    for ((input_len, mode, qbits), (med, p99, n)) in acc {
+        out.entry(input_len).or_default().entry(mode).or_default().push((
+            f64::from_bits(qbits),
+            med / n as f64,
+            p99 / n as f64,
+        ));
+    }
+    for modes in out.values_mut() {
+        for pts in modes.values_mut() {
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+    }
+    out
+}
+
+fn err<E: std::fmt::Debug>(e: E) -> String {
+    format!("drawing: {e:?}")
+}
+
+fn draw_panels<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, metric: Metric, data: &Panels) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE).map_err(err)?;
+    let area = root
+        .titled(&format!("{} vs request rate (line: median, band: up to p99)", metric.label()), ("sans-serif", 26))
+        .map_err(err)?;
+    let rows = data.len().div_ceil(2).max(1);
+    let cols = if data.len() == 1 { 1 } else { 2 };
+    let cells = area.split_evenly((rows, cols));
+    for ((input_len, modes), cell) in data.iter().zip(cells.iter()) {
+        let xmax = modes.values().flatten().map(|p| p.0).fold(0.0, f64::max) * 1.08 + 1e-9;
+        let ymax = modes.values().flatten().map(|p| p.2).fold(0.0, f64::max) * 1.12 + 1e-9;
+        let mut chart = ChartBuilder::on(cell)
+            .caption(format!("input {input_len} tokens"), ("sans-serif", 20))
+            .margin(14)
+            .x_label_area_size(44)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0f64..xmax, 0f64..ymax)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc("request rate (req/s)")
+            .y_desc(format!("{} (ms)", metric.label()))
+            .label_style(("sans-serif", 14))
+            .axis_desc_style(("sans-serif", 15))
+            .draw()
+            .map_err(err)?;
+        for (mode, pts) in modes {
+            let color = mode_color(mode);
+            let mut band: Vec<(f64, f64)> = pts.iter().map(|p| (p.0, p.1)).collect();
+            band.extend(pts.iter().rev().map(|p| (p.0, p.2)));
+            chart.draw_series(std::iter::once(Polygon::new(band, color.mix(0.18)))).map_err(err)?;
+            chart
+                .draw_series(LineSeries::new(pts.iter().map(|p| (p.0, p.1)), color.stroke_width(3)))
+                .map_err(err)?
+                .label(mode.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 22, y)], color.stroke_width(3)));
+            chart.draw_series(pts.iter().map(|p| Circle::new((p.0, p.1), 4, color.filled()))).map_err(err)?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .label_font(("sans-serif", 15))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+    }
+    root.present().map_err(err)
+}
+
+/// Draws the four-panel figure for `metric` from the results in `dir`, as
+/// `<out_dir>/<metric>.png` and `.svg`.
+pub fn four_panel(dir: &Path, metric: Metric, out_dir: &Path) -> Result<(PathBuf, PathBuf), String> {
+    font();
+    let data = panels(&load(dir)?, metric);
+    std::fs::create_dir_all(out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
+    let (png, svg) = (out_dir.join(format!("{}.png", metric.key())), out_dir.join(format!("{}.svg", metric.key())));
+    let size = (1400, if data.len() > 2 { 1000 } else { 560 });
+    draw_panels(&BitMapBackend::new(&png, size).into_drawing_area(), metric, &data)?;
+    draw_panels(&SVGBackend::new(&svg, size).into_drawing_area(), metric, &data)?;
+    Ok((png, svg))
+}
+
+/// Mean TTFT components (ms) per (mode, input_len, qps).
+type Breakdown = Vec<(String, [f64; 5])>;
+
+const PARTS: [&str; 5] = [
+    "decode: waiting for KV blocks",
+    "KV requested -> first byte (push: prefill compute)",
+    "KV transfer",
+    "completion -> decode ready",
+    "outside decode (router; pull: the prefill leg; network)",
+];
+
+fn breakdown(files: &[ResultFile]) -> Breakdown {
+    let mut acc: BTreeMap<(String, usize, u64), ([f64; 5], usize)> = BTreeMap::new();
+    for f in files {
+        let (Some(tl), Some(ttfts)) =
+            (f.json.get("kv_timelines").and_then(Value::as_array), f.json.get("ttfts").and_then(Value::as_array))
+        else {
+            continue;
+        };
+        for (t, ttft) in tl.iter().zip(ttfts) {
+            let (Some(ttft), false) = (ttft.as_f64(), t.is_null()) else { continue };
+            let us = |v: &Value| v.as_f64().unwrap_or(0.0) / 1000.0;
+            let queue = us(&t["queued_us"]);
+            let to_data = us(&t["transfer"]["data_start_us"]);
+            let transfer = (us(&t["transfer"]["data_end_us"]) - to_data).max(0.0);
+            let ready = us(&t["ready_us"]);
+            let to_ready = (ready - queue - to_data - transfer).max(0.0);
+            let outside = (ttft * 1000.0 - ready).max(0.0);
+            let e = acc.entry((f.mode.clone(), f.input_len, f.qps.to_bits())).or_insert(([0.0; 5], 0));
+            for (i, v) in [queue, to_data, transfer, to_ready, outside].into_iter().enumerate() {
+                e.0[i] += v;
+            }
+            e.1 += 1;
+        }
+    }
+    acc.into_iter()
+        .map(|((mode, input_len, q), (sum, n))| {
+            (format!("{mode} {input_len}/{}", f64::from_bits(q)), sum.map(|v| v / n as f64))
+        })
+        .collect()
+}
+
+fn draw_breakdown<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, data: &Breakdown) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE).map_err(err)?;
+    let ymax = data.iter().map(|(_, p)| p.iter().sum::<f64>()).fold(0.0, f64::max) * 1.15 + 1e-9;
+    let n = data.len();
+    let labels: Vec<String> = data.iter().map(|(l, _)| l.clone()).collect();
+    let mut chart = ChartBuilder::on(root)
+        .caption("Where TTFT goes (decode's view, mean per point)", ("sans-serif", 26))
+        .margin(16)
+        .x_label_area_size(60)
+        .y_label_area_size(70)
+        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..ymax)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(n.max(1))
+        .x_label_formatter(&|x| {
+            let i = x.round();
+            if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < labels.len() {
+                labels[i as usize].clone()
+            } else {
+                String::new()
+            }
+        })
+        .x_label_style(("sans-serif", 13))
+        .x_desc("mode input tokens / request rate")
+        .y_desc("ms")
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(err)?;
+    let colors = [
+        RGBColor(160, 160, 160),
+        RGBColor(31, 119, 180),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+        RGBColor(44, 160, 44),
+    ];
+    for (k, name) in PARTS.iter().enumerate() {
+        let color = colors[k];
+        chart
+            .draw_series(data.iter().enumerate().map(|(i, (_, parts))| {
+                let base: f64 = parts[..k].iter().sum();
+                Rectangle::new([(i as f64 - 0.35, base), (i as f64 + 0.35, base + parts[k])], color.filled())
+            }))
+            .map_err(err)?
+            .label(*name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 14, y + 6)], color.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .label_font(("sans-serif", 15))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)
+}
+
+/// Draws the TTFT breakdown (disaggregated modes only) as `<out_dir>/ttft_breakdown.png` and
+/// `.svg`. `Ok(None)` when no result carries transfer timelines.
+pub fn ttft_breakdown(dir: &Path, out_dir: &Path) -> Result<Option<(PathBuf, PathBuf)>, String> {
+    font();
+    let data = breakdown(&load(dir)?);
+    if data.is_empty() {
+        return Ok(None);
+    }
+    std::fs::create_dir_all(out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
+    let (png, svg) = (out_dir.join("ttft_breakdown.png"), out_dir.join("ttft_breakdown.svg"));
+    let size = ((260 + 95 * data.len() as u32).max(900), 680);
+    draw_breakdown(&BitMapBackend::new(&png, size).into_drawing_area(), &data)?;
+    draw_breakdown(&SVGBackend::new(&svg, size).into_drawing_area(), &data)?;
+    Ok(Some((png, svg)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back() {
+        assert_eq!(parse_name("push_qps8_in16384_out128_iter0.json"), Some(("push".into(), 8.0, 16384)));
+        assert_eq!(parse_name("my_mode_qps0.5_in4_out2_iter1.json"), Some(("my_mode".into(), 0.5, 4)));
+        assert_eq!(parse_name("summary.csv"), None);
+        assert_eq!(parse_name("push_qpsX_in1_out1_iter0.json"), None);
+    }
+}

@@ -1,0 +1,150 @@
+//! `tandem bench sweep`: the experiment users judge P/D systems by: TTFT and TPOT for each
+//! mode (push, pull, and colocated as a baseline) across request rate x input length, with a
+//! fixed output length, repeated. One vLLM-style JSON per point, named
+//! `<mode>_qps<q>_in<in>_out<out>_iter<i>.json`, and a CSV summary of all points.
+//!
+//! This module runs the points against URLs it is given; starting and stopping the servers for
+//! each mode (`--launch`) is the binary's job.
+
+use std::path::{Path, PathBuf};
+
+use crate::serve::{run, Dataset, ServeConfig};
+
+/// The grid.
+#[derive(Clone, Debug)]
+pub struct SweepConfig {
+    /// Request rates (req/s).
+    pub qps: Vec<f64>,
+    /// Prompt lengths.
+    pub input_lens: Vec<usize>,
+    /// Output length.
+    pub output_len: usize,
+    /// Repetitions of each point.
+    pub iterations: usize,
+    /// Requests per point.
+    pub num_prompts: usize,
+    /// Token ids are drawn below this.
+    pub vocab_size: u32,
+    /// Percentiles reported.
+    pub percentiles: Vec<f64>,
+    /// Where results go.
+    pub result_dir: PathBuf,
+    /// Seed (each iteration adds its index).
+    pub seed: u64,
+}
+
+/// One point's file name (the sweep's naming contract; `bench plot` reads it back).
+pub fn point_file(mode: &str, qps: f64, input_len: usize, output_len: usize, iter: usize) -> String {
+    format!("{mode}_qps{}_in{input_len}_out{output_len}_iter{iter}.json", fmt_qps(qps))
+}
+
+fn fmt_qps(q: f64) -> String {
+    if q.is_infinite() {
+        "inf".into()
+    } else if q.fract() == 0.0 {
+        format!("{}", q as i64)
+    } else {
+        format!("{q}")
+    }
+}
+
+/// The CSV header of `summary.csv`.
+pub const CSV_HEADER: &str = "mode,qps,input_len,output_len,iter,completed,failed,mean_ttft_ms,median_ttft_ms,p99_ttft_ms,mean_tpot_ms,median_tpot_ms,p99_tpot_ms,mean_itl_ms,mean_e2el_ms,output_throughput";
+
+/// Runs every point of the grid for one mode against `base_url`, writing each result, and
+/// appends the points' rows to `<result_dir>/summary.csv`. `progress` gets one line per point.
+pub async fn run_mode(
+    cfg: &SweepConfig,
+    mode: &str,
+    base_url: &str,
+    mut progress: impl FnMut(&str),
+) -> Result<Vec<PathBuf>, String> {
+    std::fs::create_dir_all(&cfg.result_dir).map_err(|e| format!("{}: {e}", cfg.result_dir.display()))?;
+    let csv = cfg.result_dir.join("summary.csv");
+    if !csv.exists() {
+        std::fs::write(&csv, format!("{CSV_HEADER}\n")).map_err(|e| format!("{}: {e}", csv.display()))?;
+    }
+    let mut written = Vec::new();
+    for &input_len in &cfg.input_lens {
+        for &qps in &cfg.qps {
+            for iter in 0..cfg.iterations {
+                let sc = ServeConfig {
+                    base_url: base_url.to_string(),
+                    endpoint: "/v1/completions".into(),
+                    model: None,
+                    backend: mode.to_string(),
+                    dataset: Dataset::Random {
+                        input_len,
+                        output_len: cfg.output_len,
+                        range_ratio: 0.0,
+                        vocab_size: cfg.vocab_size,
+                        as_text: false,
+                    },
+                    num_prompts: cfg.num_prompts,
+                    request_rate: qps,
+                    burstiness: 1.0,
+                    seed: cfg.seed + iter as u64,
+                    max_concurrency: None,
+                    num_warmups: 1,
+                    ignore_eos: true,
+                    percentiles: cfg.percentiles.clone(),
+                    slo: None,
+                    progress: false,
+                };
+                let r = run(&sc).await?;
+                let path = cfg.result_dir.join(point_file(mode, qps, input_len, cfg.output_len, iter));
+                let json = serde_json::to_string_pretty(&r.result_json(&sc, true)).map_err(|e| e.to_string())?;
+                std::fs::write(&path, json).map_err(|e| format!("{}: {e}", path.display()))?;
+                let s = &r.summary;
+                let p = |stat: &crate::metrics::Stat| {
+                    stat.percentiles.iter().find(|(q, _)| *q == 99.0).map(|x| x.1).unwrap_or(0.0)
+                };
+                let row = format!(
+                    "{mode},{},{input_len},{},{iter},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3}\n",
+                    fmt_qps(qps),
+                    cfg.output_len,
+                    s.completed,
+                    s.failed,
+                    s.ttft.mean,
+                    s.ttft.median,
+                    p(&s.ttft),
+                    s.tpot.mean,
+                    s.tpot.median,
+                    p(&s.tpot),
+                    s.itl.mean,
+                    s.e2el.mean,
+                    s.output_throughput
+                );
+                append(&csv, &row)?;
+                progress(&format!(
+                    "{mode:>10} qps {:>5} in {input_len:>6} iter {iter}: {} ok, {} failed, median TTFT {:.1} ms, median TPOT {:.2} ms",
+                    fmt_qps(qps),
+                    s.completed,
+                    s.failed,
+                    s.ttft.median,
+                    s.tpot.median
+                ));
+                written.push(path);
+            }
+        }
+    }
+    Ok(written)
+}
+
+fn append(path: &Path, row: &str) -> Result<(), String> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new().append(true).open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    f.write_all(row.as_bytes()).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn point_files_follow_the_naming_contract() {
+        assert_eq!(point_file("push", 8.0, 16384, 128, 0), "push_qps8_in16384_out128_iter0.json");
+        assert_eq!(point_file("pull", 0.5, 1024, 128, 2), "pull_qps0.5_in1024_out128_iter2.json");
+        assert_eq!(point_file("colocated", f64::INFINITY, 1, 1, 0), "colocated_qpsinf_in1_out1_iter0.json");
+    }
+}
