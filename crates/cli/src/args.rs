@@ -308,8 +308,8 @@ pub struct SweepArgs {
     /// Request rates (req/s).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub qps: Vec<f64>,
-    /// Prompt lengths.
-    #[arg(long, value_delimiter = ',', default_value = "128,512")]
+    /// Prompt lengths (one figure panel each).
+    #[arg(long, value_delimiter = ',', default_value = "64,128,256,512")]
     pub input_lens: Vec<usize>,
     /// Output length.
     #[arg(long, default_value_t = 32)]
