@@ -13,10 +13,10 @@ use std::time::Instant;
 
 use serde::Serialize;
 use tandem_compute::{KvCache, KvLayout};
-use tandem_core::{EngineId, TransferId};
+use tandem_core::{EngineId, Epoch, TransferId};
 use tandem_kv::tcp::{accept_handshake, configure, connect, handshake, recv_blocks, send_blocks, Timeouts};
 use tandem_kv::wire::{read_message, write_message, Message};
-use tandem_kv::{AgentInfo, KvError, Role};
+use tandem_kv::{AgentInfo, KvError, KvMode, Role, TransportOffer};
 
 /// What to move.
 #[derive(Clone, Debug)]
@@ -49,19 +49,9 @@ impl KvBenchConfig {
     }
 
     fn agent(&self, role: Role) -> AgentInfo {
-        let l = self.pool_layout();
-        AgentInfo {
-            engine_id: EngineId(format!("bench-{role:?}").to_lowercase()),
-            role,
-            num_layers: l.num_layers,
-            num_kv_heads: l.num_kv_heads,
-            head_dim: l.head_dim,
-            block_size: l.block_size,
-            block_bytes: l.block_bytes_f32(),
-            num_blocks: l.num_blocks,
-            model_fingerprint: "bench".into(),
-            ..AgentInfo::example()
-        }
+        let name = EngineId(format!("bench-{role:?}").to_lowercase());
+        let transports = vec![TransportOffer::Tcp { addr: "127.0.0.1:0".into() }];
+        AgentInfo::for_layout(name, Epoch(1), role, KvMode::Push, "bench".into(), &self.pool_layout(), transports)
     }
 
     /// Block ids split into `runs` contiguous runs with one-block gaps.

@@ -261,32 +261,20 @@ pub(crate) fn start(cfg: ConnectorConfig, region: Arc<KvRegion>) -> Result<Start
     let port = listener.local_addr()?.port();
     let l = *region.layout();
     let epoch = Epoch(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0));
-    let info = AgentInfo {
-        engine_id: cfg.engine_id.clone(),
+    let mut transports = vec![TransportOffer::Tcp { addr: format!("{}:{port}", cfg.advertise_host) }];
+    if cfg.local_transport {
+        transports
+            .push(TransportOffer::Local { process: std::process::id(), key: format!("{}@{}", cfg.engine_id, epoch.0) });
+    }
+    let info = AgentInfo::for_layout(
+        cfg.engine_id.clone(),
         epoch,
-        role: cfg.role,
-        kv_mode: cfg.mode,
-        tp_rank: 0,
-        tp_size: 1,
-        model_fingerprint: cfg.model_fingerprint.clone(),
-        dtype: "f32".into(),
-        num_layers: l.num_layers,
-        num_kv_heads: l.num_kv_heads,
-        head_dim: l.head_dim,
-        block_size: l.block_size,
-        block_bytes: l.block_bytes_f32(),
-        num_blocks: l.num_blocks,
-        transports: {
-            let mut t = vec![TransportOffer::Tcp { addr: format!("{}:{port}", cfg.advertise_host) }];
-            if cfg.local_transport {
-                t.push(TransportOffer::Local {
-                    process: std::process::id(),
-                    key: format!("{}@{}", cfg.engine_id, epoch.0),
-                });
-            }
-            t
-        },
-    };
+        cfg.role,
+        cfg.mode,
+        cfg.model_fingerprint.clone(),
+        &l,
+        transports,
+    );
     let (cmd_tx, cmd_rx) = mpsc::channel();
     let (ev_tx, ev_rx) = mpsc::channel();
     let shared = Arc::new(Shared {

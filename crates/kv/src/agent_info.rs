@@ -120,6 +120,35 @@ pub enum Incompatible {
 }
 
 impl AgentInfo {
+    /// The metadata of a TP-1 engine with f32 KV in `layout` (the CPU engines of today).
+    pub fn for_layout(
+        engine_id: EngineId,
+        epoch: Epoch,
+        role: Role,
+        kv_mode: KvMode,
+        model_fingerprint: String,
+        layout: &tandem_compute::KvLayout,
+        transports: Vec<TransportOffer>,
+    ) -> Self {
+        Self {
+            engine_id,
+            epoch,
+            role,
+            kv_mode,
+            tp_rank: 0,
+            tp_size: 1,
+            model_fingerprint,
+            dtype: "f32".into(),
+            num_layers: layout.num_layers,
+            num_kv_heads: layout.num_kv_heads,
+            head_dim: layout.head_dim,
+            block_size: layout.block_size,
+            block_bytes: layout.block_bytes_f32(),
+            num_blocks: layout.num_blocks,
+            transports,
+        }
+    }
+
     /// The TCP side-channel address this engine offers.
     pub fn tcp_addr(&self) -> Option<&str> {
         self.transports.iter().find_map(|t| match t {
