@@ -52,7 +52,7 @@ pub struct StatsSnapshot {
     pub total_blocks: usize,
     /// Preemptions so far.
     pub preemptions: u64,
-    /// Engine steps so far.
+    /// Engine steps that computed tokens so far.
     pub steps: u64,
     /// Requests the engine thread refused (e.g. duplicate ids).
     pub rejected: u64,
@@ -171,8 +171,11 @@ fn run_loop(mut core: EngineCore, rx: mpsc::Receiver<Command>, stats: Arc<Engine
             apply(&mut core, cmd);
         }
         if core.has_work() {
-            core.step();
-            stats.steps.fetch_add(1, Ordering::Relaxed);
+            // Count steps that computed something, not the polls made while only remote KV
+            // loads are pending.
+            if core.step().num_tokens > 0 {
+                stats.steps.fetch_add(1, Ordering::Relaxed);
+            }
         }
         stats.running.store(core.num_running(), Ordering::Relaxed);
         stats.waiting.store(core.num_waiting(), Ordering::Relaxed);
