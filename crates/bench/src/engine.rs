@@ -7,8 +7,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use tandem_core::{RequestId, SamplingParams};
-use tandem_engine::{EngineConfig, EngineCore, EngineRequest};
-use tandem_model::LoadedModel;
+use tandem_engine::{EngineConfig, EngineCore, EngineModel, EngineRequest};
 use tokio::sync::mpsc::unbounded_channel;
 
 /// What to measure.
@@ -56,6 +55,31 @@ pub struct DecodeResult {
     pub fraction_of_floor: f64,
 }
 
+/// A model built for the benchmark's engine config, with the floors to compare it against.
+pub struct BenchModel {
+    /// The model.
+    pub model: EngineModel,
+    /// Its context limit.
+    pub max_model_len: usize,
+    /// Bytes of weights one decode step reads.
+    pub weight_bytes: usize,
+    /// Parameters.
+    pub params: usize,
+    /// Parameters in matrix products per token (everything but the embedding gather).
+    pub matmul_params: usize,
+    /// Attention FLOPs per (query, key) pair: 4 x layers x heads x head_dim (QK and PV).
+    pub attn_flops_per_pair: f64,
+    /// Where it runs.
+    pub device: String,
+    /// Memory bandwidth the decode floor divides by, bytes/s.
+    pub bandwidth: f64,
+    /// What `bandwidth` is (streaming read on CPU; device copy, read + write, on GPU).
+    pub bandwidth_basis: String,
+    /// Matrix-product rate the prefill floor divides by, FLOP/s (measured cuBLAS bf16 GEMM on
+    /// GPU; none on CPU).
+    pub gemm_flops: Option<f64>,
+}
+
 /// The whole report.
 #[derive(Clone, Debug, Serialize)]
 pub struct EngineBenchReport {
@@ -65,8 +89,12 @@ pub struct EngineBenchReport {
     pub weight_bytes: usize,
     /// Parameters.
     pub params: usize,
-    /// Measured streaming-read bandwidth, GB/s.
+    /// Where it ran.
+    pub device: String,
+    /// Measured bandwidth of the decode floor, GB/s.
     pub read_bandwidth_gb_s: f64,
+    /// What that bandwidth is.
+    pub bandwidth_basis: String,
     /// Compute threads.
     pub threads: usize,
     /// Decode results by batch size.
@@ -79,6 +107,12 @@ pub struct EngineBenchReport {
     pub prefill_tokens_per_s: f64,
     /// Achieved GFLOP/s in prefill, counting 2 x params x tokens (attention excluded).
     pub prefill_gflop_s: f64,
+    /// Prefill FLOPs counting matrix-product params and causal attention.
+    pub prefill_flops: f64,
+    /// Measured GEMM rate (GPU), TFLOP/s.
+    pub gemm_tflop_s: Option<f64>,
+    /// Prefill time at the GEMM rate, milliseconds (GPU).
+    pub prefill_floor_ms: Option<f64>,
 }
 
 fn request(id: String, prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
@@ -94,33 +128,44 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Runs the benchmark. `progress` receives one line per phase.
+/// The engine config the benchmark needs: blocks for every decode sequence and the prefill.
+pub fn engine_config(cfg: &EngineBenchConfig) -> EngineConfig {
+    let max_batch = cfg.decode_batches.iter().copied().max().unwrap_or(1);
+    let decode_len = cfg.decode_steps + 4;
+    let num_blocks = max_batch * (BENCH_PROMPT + decode_len).div_ceil(cfg.block_size)
+        + cfg.prefill_tokens.div_ceil(cfg.block_size)
+        + 4;
+    EngineConfig {
+        block_size: cfg.block_size,
+        num_blocks,
+        max_num_seqs: max_batch.max(1),
+        max_num_batched_tokens: cfg.prefill_tokens.max(max_batch * BENCH_PROMPT),
+    }
+}
+
+/// Prompt length of each decode sequence.
+const BENCH_PROMPT: usize = 16;
+
+/// Runs the benchmark on a model built for [`engine_config`]. `progress` receives one line
+/// per phase.
 pub fn run(
     model_name: &str,
-    model: LoadedModel,
+    model: BenchModel,
     cfg: &EngineBenchConfig,
     mut progress: impl FnMut(&str),
 ) -> EngineBenchReport {
-    let weight_bytes = model.transformer.weight_bytes();
-    let params = model.transformer.config().num_params();
-    let vocab = model.transformer.config().vocab_size as u32;
-    progress("measuring read bandwidth");
-    let bw = tandem_compute::measure_read_bandwidth(cfg.bandwidth_bytes, 5);
+    let weight_bytes = model.weight_bytes;
+    let params = model.params;
+    let bw = model.bandwidth;
     let floor_s = weight_bytes as f64 / bw;
-    let max_batch = cfg.decode_batches.iter().copied().max().unwrap_or(1);
-    let prompt_len = 16;
+    let engine_cfg = engine_config(cfg);
+    let prompt_len = BENCH_PROMPT;
     let decode_len = cfg.decode_steps + 4;
-    let tokens_needed = max_batch * (prompt_len + decode_len).div_ceil(cfg.block_size)
-        + cfg.prefill_tokens.div_ceil(cfg.block_size)
-        + 4;
-    let engine_cfg = EngineConfig {
-        block_size: cfg.block_size,
-        num_blocks: tokens_needed,
-        max_num_seqs: max_batch.max(1),
-        max_num_batched_tokens: cfg.prefill_tokens.max(max_batch * prompt_len),
-    };
     let max_model_len = model.max_model_len;
-    let mut core = EngineCore::new(model.transformer, Vec::new(), max_model_len, &engine_cfg);
+    let (device, basis, gemm) = (model.device.clone(), model.bandwidth_basis.clone(), model.gemm_flops);
+    let (matmul_params, attn_pair) = (model.matmul_params, model.attn_flops_per_pair);
+    let mut core = EngineCore::new(model.model, Vec::new(), max_model_len, &engine_cfg);
+    let vocab = core.limits().vocab_size as u32;
     let prompt =
         |seed: u32, len: usize| -> Vec<u32> { (0..len as u32).map(|i| (i * 7919 + seed * 104_729) % vocab).collect() };
 
@@ -171,17 +216,24 @@ pub fn run(
             core.step();
         }
     }
+    let n = cfg.prefill_tokens as f64;
+    let prefill_flops = 2.0 * matmul_params as f64 * n + attn_pair * n * (n + 1.0) / 2.0;
     EngineBenchReport {
         model: model_name.to_string(),
         weight_bytes,
         params,
+        device,
         read_bandwidth_gb_s: bw / 1e9,
+        bandwidth_basis: basis,
         threads: rayon_threads(),
         decode,
         prefill_tokens: cfg.prefill_tokens,
         prefill_ms: best * 1e3,
         prefill_tokens_per_s: cfg.prefill_tokens as f64 / best,
         prefill_gflop_s: 2.0 * params as f64 * cfg.prefill_tokens as f64 / best / 1e9,
+        prefill_flops,
+        gemm_tflop_s: gemm.map(|g| g / 1e12),
+        prefill_floor_ms: gemm.map(|g| prefill_flops / g * 1e3),
     }
 }
 
@@ -193,15 +245,16 @@ impl std::fmt::Display for EngineBenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "model {}: {:.1} M params, {:.1} MB of f32 weights read per step",
+            "model {} on {}: {:.1} M params, {:.1} MB of weights read per step",
             self.model,
+            self.device,
             self.params as f64 / 1e6,
             self.weight_bytes as f64 / 1e6
         )?;
         writeln!(
             f,
-            "read bandwidth (floor basis): {:.2} GB/s over {} threads",
-            self.read_bandwidth_gb_s, self.threads
+            "{} (floor basis): {:.2} GB/s; {} host threads",
+            self.bandwidth_basis, self.read_bandwidth_gb_s, self.threads
         )?;
         writeln!(
             f,
@@ -223,6 +276,18 @@ impl std::fmt::Display for EngineBenchReport {
             f,
             "prefill {} tokens: {:.1} ms, {:.0} tokens/s, {:.1} GFLOP/s (2 x params x tokens)",
             self.prefill_tokens, self.prefill_ms, self.prefill_tokens_per_s, self.prefill_gflop_s
-        )
+        )?;
+        if let (Some(g), Some(floor)) = (self.gemm_tflop_s, self.prefill_floor_ms) {
+            writeln!(
+                f,
+                "prefill {:.1} TFLOP (matmul params + causal attention): {:.1} TFLOP/s achieved, cuBLAS GEMM {:.1} TFLOP/s, floor {:.1} ms, {:.0}% of floor",
+                self.prefill_flops / 1e12,
+                self.prefill_flops / (self.prefill_ms / 1e3) / 1e12,
+                g,
+                floor,
+                floor / self.prefill_ms * 100.0
+            )?;
+        }
+        Ok(())
     }
 }

@@ -74,6 +74,19 @@ pub struct EngineArgs {
     /// decode latency steady under long prompts; higher prefills faster.
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
+    /// Where the model runs: `cpu` (f32), `cuda:N` (bf16 on GPU N; needs the NVIDIA driver
+    /// and the CUDA 13 cuBLAS and NVRTC libraries on LD_LIBRARY_PATH), or `auto` (GPU 0 if
+    /// CUDA works here, else CPU, saying which).
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// GPU only: fraction of the GPU's memory this engine may use in total (weights,
+    /// activations and KV cache); the KV cache gets what is left. Ignored with --num-kv-blocks.
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
+    /// GPU only: launch every kernel on every step instead of replaying decode steps from
+    /// CUDA graphs (slower; for debugging and comparison).
+    #[arg(long)]
+    pub enforce_eager: bool,
 }
 
 #[derive(Args, Debug)]
@@ -485,6 +498,16 @@ pub struct BenchEngineArgs {
     /// Write the report as JSON here too.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
+    /// `cpu` or `cuda:N` (see `tandem serve --help`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// GPU only: launch every kernel instead of replaying CUDA graphs.
+    #[arg(long)]
+    pub enforce_eager: bool,
+    /// GPU only: also print device time per op for decode (batch 1 and the largest batch) and
+    /// for the prefill.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// Parses sizes like `512MiB`, `2GiB`, `1.5G`, `1000000` (bytes).

@@ -11,9 +11,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use tandem_compute::cuda::DeviceSpec;
 use tandem_core::{RequestId, SamplingParams};
 use tandem_engine::{EngineConfig, EngineEvent, EngineRequest};
-use tandem_model::{LoadedModel, ModelSource, Preset, PRESETS};
+use tandem_model::{CudaModel, CudaOptions, LoadedModel, ModelRunner, ModelSource, ModelSpec, Preset, PRESETS};
 
 use args::{BenchCommand, Cli, Command, EngineArgs, GenerateArgs, ModelArgs, ModelCommand, ServeArgs};
 
@@ -64,6 +65,94 @@ fn load_model(m: &ModelArgs) -> Result<LoadedModel> {
     Ok(model)
 }
 
+/// A model ready for an engine on the chosen device, with what the engine and server need.
+struct EngineParts {
+    model: tandem_engine::EngineModel,
+    tokenizer: Option<tandem_model::TextTokenizer>,
+    eos_token_ids: Vec<u32>,
+    max_model_len: usize,
+    config: EngineConfig,
+    fingerprint: String,
+}
+
+/// `cpu`, `cuda:N`, or `auto` (GPU 0 when CUDA works here, else CPU, saying why).
+fn resolve_device(spec: &str) -> Result<DeviceSpec> {
+    if spec == "auto" {
+        return Ok(match tandem_compute::cuda::libraries_present() {
+            Ok(()) => DeviceSpec::Cuda(0),
+            Err(e) => {
+                tracing::warn!("--device auto: {e}; running on CPU");
+                DeviceSpec::Cpu
+            }
+        });
+    }
+    spec.parse().map_err(anyhow::Error::msg)
+}
+
+/// Loads the model onto `--device` and sizes the engine around it.
+fn build_engine(m: &ModelArgs, e: &EngineArgs) -> Result<EngineParts> {
+    match resolve_device(&e.device)? {
+        DeviceSpec::Cpu => {
+            let model = load_model(m)?;
+            let config = engine_config(e, &model)?;
+            let fingerprint = model.transformer.fingerprint();
+            Ok(EngineParts {
+                model: model.transformer.into(),
+                tokenizer: model.tokenizer,
+                eos_token_ids: model.eos_token_ids,
+                max_model_len: model.max_model_len,
+                config,
+                fingerprint,
+            })
+        }
+        DeviceSpec::Cuda(ordinal) => {
+            let source = ModelSource::parse(&m.model, m.model_seed)?;
+            let spec =
+                ModelSpec::load(&source, m.max_model_len).with_context(|| format!("loading model `{}`", m.model))?;
+            if !(e.gpu_memory_utilization > 0.0 && e.gpu_memory_utilization <= 1.0) {
+                bail!("--gpu-memory-utilization must be in (0, 1]");
+            }
+            let opts = CudaOptions {
+                ordinal,
+                block_size: e.block_size,
+                max_tokens: e.max_num_batched_tokens,
+                max_seqs: e.max_num_seqs,
+                memory_utilization: e.gpu_memory_utilization,
+                num_blocks: e.num_kv_blocks,
+                cuda_graphs: !e.enforce_eager,
+            };
+            let t = Instant::now();
+            let model =
+                CudaModel::load(&spec, &opts).with_context(|| format!("loading `{}` onto cuda:{ordinal}", m.model))?;
+            let config = EngineConfig {
+                block_size: e.block_size,
+                num_blocks: model.kv_layout().num_blocks,
+                max_num_seqs: e.max_num_seqs,
+                max_num_batched_tokens: e.max_num_batched_tokens,
+            };
+            config.validate().map_err(anyhow::Error::msg)?;
+            tracing::info!(
+                model = %m.model,
+                device = %model.describe(),
+                num_blocks = config.num_blocks,
+                kv_tokens = config.num_blocks * config.block_size,
+                secs = t.elapsed().as_secs_f64(),
+                "model ready on the GPU"
+            );
+            let fingerprint = model.fingerprint();
+            let runner: Box<dyn ModelRunner> = Box::new(model);
+            Ok(EngineParts {
+                model: runner.into(),
+                tokenizer: spec.tokenizer,
+                eos_token_ids: spec.eos_token_ids,
+                max_model_len: spec.max_model_len,
+                config,
+                fingerprint,
+            })
+        }
+    }
+}
+
 /// Resolves the engine's size: KV blocks from memory unless given exactly.
 fn engine_config(e: &EngineArgs, model: &LoadedModel) -> Result<EngineConfig> {
     let per_token = model.transformer.config().kv_bytes_per_token_f32();
@@ -92,7 +181,7 @@ fn engine_config(e: &EngineArgs, model: &LoadedModel) -> Result<EngineConfig> {
 }
 
 /// The connector setup for `--role prefill|decode`, or `None` for colocated serving.
-fn kv_setup(k: &args::KvArgs, port: u16, model: &LoadedModel) -> Result<Option<tandem_engine::KvSetup>> {
+fn kv_setup(k: &args::KvArgs, port: u16, fingerprint: &str) -> Result<Option<tandem_engine::KvSetup>> {
     use args::{KvLoadFailureArg, KvModeArg, RoleArg};
     let role = match k.role {
         RoleArg::Both => return Ok(None),
@@ -119,7 +208,7 @@ fn kv_setup(k: &args::KvArgs, port: u16, model: &LoadedModel) -> Result<Option<t
             },
             listen: format!("{}:{kv_port}", k.kv_host),
             advertise_host: k.kv_host.clone(),
-            model_fingerprint: model.transformer.fingerprint(),
+            model_fingerprint: fingerprint.to_string(),
             timeouts: tandem_kv::tcp::Timeouts::default(),
             lease: secs(k.kv_lease_secs, "--kv-lease-secs")?,
             transfer_timeout: secs(k.kv_transfer_timeout_secs, "--kv-transfer-timeout-secs")?,
@@ -140,11 +229,16 @@ fn serve(a: ServeArgs) -> Result<()> {
         args::RoleArg::Prefill => 8100,
         args::RoleArg::Decode => 8200,
     });
-    let model = load_model(&a.model)?;
-    let cfg = engine_config(&a.engine, &model)?;
-    let kv = kv_setup(&a.kv, port, &model)?;
-    let tokenizer = model.tokenizer.map(Arc::new);
-    let engine = tandem_engine::spawn_with(model.transformer, model.eos_token_ids, model.max_model_len, cfg, kv)
+    if a.kv.role != args::RoleArg::Both && resolve_device(&a.engine.device)? != DeviceSpec::Cpu {
+        bail!(
+            "--role {} needs --device cpu for now: the KV connector moves KV from host memory, and on a GPU it lives in device memory",
+            format!("{:?}", a.kv.role).to_lowercase()
+        );
+    }
+    let parts = build_engine(&a.model, &a.engine)?;
+    let kv = kv_setup(&a.kv, port, &parts.fingerprint)?;
+    let tokenizer = parts.tokenizer.map(Arc::new);
+    let engine = tandem_engine::spawn_with(parts.model, parts.eos_token_ids, parts.max_model_len, parts.config, kv)
         .context("starting the engine (and its KV side channel)")?;
     if let Some(info) = engine.kv_info() {
         tracing::info!(role = ?info.role, mode = ?info.kv_mode, engine_id = %info.engine_id, epoch = info.epoch.0, transports = ?info.transports, "KV side channel up");
@@ -190,10 +284,9 @@ fn router(a: args::RouterArgs) -> Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    let model = load_model(&a.model)?;
-    let cfg = engine_config(&a.engine, &model)?;
+    let parts = build_engine(&a.model, &a.engine)?;
     let prompt_ids = match (&a.prompt, &a.prompt_ids) {
-        (Some(text), _) => match &model.tokenizer {
+        (Some(text), _) => match &parts.tokenizer {
             Some(tok) => tok.encode(text, true)?,
             None => bail!("this model has no tokenizer (token-ids mode): use --prompt-ids"),
         },
@@ -209,8 +302,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
         ignore_eos: a.ignore_eos,
         ..SamplingParams::default()
     };
-    let tokenizer = model.tokenizer;
-    let engine = tandem_engine::spawn(model.transformer, model.eos_token_ids, model.max_model_len, cfg)
+    let tokenizer = parts.tokenizer;
+    let engine = tandem_engine::spawn(parts.model, parts.eos_token_ids, parts.max_model_len, parts.config)
         .context("starting the engine thread")?;
     let prompt_len = prompt_ids.len();
     let start = Instant::now();
@@ -314,20 +407,100 @@ fn model_command(c: ModelCommand) -> Result<()> {
 }
 
 fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
-    let model = load_model(&ModelArgs { model: a.model.clone(), model_seed: a.model_seed, max_model_len: None })?;
     let cfg = tandem_bench::engine::EngineBenchConfig {
         decode_batches: a.batch,
         decode_steps: a.decode_steps,
         prefill_tokens: a.prefill_tokens,
         ..Default::default()
     };
-    let report = tandem_bench::engine::run(&a.model, model, &cfg, |phase| eprintln!("... {phase}"));
+    let engine_cfg = tandem_bench::engine::engine_config(&cfg);
+    let margs = ModelArgs { model: a.model.clone(), model_seed: a.model_seed, max_model_len: None };
+    let bench_model = match resolve_device(&a.device)? {
+        DeviceSpec::Cpu => {
+            let model = load_model(&margs)?;
+            let c = model.transformer.config();
+            let (params, matmul_params, pair) = (c.num_params(), matmul_params(c), attn_flops_per_pair(c));
+            let weight_bytes = model.transformer.weight_bytes();
+            eprintln!("... measuring read bandwidth");
+            tandem_bench::engine::BenchModel {
+                model: model.transformer.into(),
+                max_model_len: model.max_model_len,
+                weight_bytes,
+                params,
+                matmul_params,
+                attn_flops_per_pair: pair,
+                device: "cpu (f32)".into(),
+                bandwidth: tandem_compute::measure_read_bandwidth(cfg.bandwidth_bytes, 5),
+                bandwidth_basis: "streaming read".into(),
+                gemm_flops: None,
+            }
+        }
+        DeviceSpec::Cuda(ordinal) => {
+            let source = ModelSource::parse(&a.model, a.model_seed)?;
+            let spec = ModelSpec::load(&source, None)?;
+            let opts = CudaOptions {
+                ordinal,
+                block_size: engine_cfg.block_size,
+                max_tokens: engine_cfg.max_num_batched_tokens,
+                max_seqs: engine_cfg.max_num_seqs,
+                num_blocks: Some(engine_cfg.num_blocks),
+                cuda_graphs: !a.enforce_eager,
+                ..CudaOptions::default()
+            };
+            eprintln!("... building {} on cuda:{ordinal}", a.model);
+            let model =
+                CudaModel::load(&spec, &opts).with_context(|| format!("loading `{}` onto cuda:{ordinal}", a.model))?;
+            eprintln!("... measuring device copy bandwidth and the cuBLAS bf16 GEMM rate");
+            let bandwidth = tandem_compute::cuda::measure_copy_bandwidth(model.device(), 2 << 30, 10)?;
+            let gemm = tandem_compute::cuda::measure_gemm_rate(model.device(), 8192, 8192, 8192, 10)?;
+            let mut model = model;
+            if a.profile {
+                let max_batch = engine_cfg.max_num_seqs;
+                for (label, seqs, tokens, ctx) in [
+                    ("decode, batch 1, context 64".to_string(), 1, 1, 64),
+                    (format!("decode, batch {max_batch}, context 64"), max_batch, 1, 64),
+                    (format!("prefill of {} tokens", cfg.prefill_tokens), 1, cfg.prefill_tokens, 0),
+                ] {
+                    println!("device time per forward by op: {label}");
+                    for (op, ms) in model.profile_ops(seqs, tokens, ctx)? {
+                        println!("  {op:<40} {ms:>10.3} ms");
+                    }
+                }
+            }
+            let c = &spec.config;
+            tandem_bench::engine::BenchModel {
+                max_model_len: spec.max_model_len,
+                weight_bytes: model.weight_bytes(),
+                params: c.num_params(),
+                matmul_params: matmul_params(c),
+                attn_flops_per_pair: attn_flops_per_pair(c),
+                device: model.describe(),
+                bandwidth,
+                bandwidth_basis: "device copy bandwidth (read + write)".into(),
+                gemm_flops: Some(gemm),
+                model: (Box::new(model) as Box<dyn ModelRunner>).into(),
+            }
+        }
+    };
+    let report = tandem_bench::engine::run(&a.model, bench_model, &cfg, |phase| eprintln!("... {phase}"));
     print!("{report}");
     if let Some(path) = a.json_out {
         std::fs::write(&path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// Parameters in the matrix products every prompt token goes through: the decoder layers (the
+/// embedding is a gather, and the output projection runs for the last token only).
+fn matmul_params(c: &tandem_model::ModelConfig) -> usize {
+    let embedding_matrices = if c.tie_word_embeddings { 1 } else { 2 };
+    c.num_params() - embedding_matrices * c.vocab_size * c.hidden_size
+}
+
+/// Attention FLOPs per (query, key) pair: QK and PV, 2 each, per head and layer.
+fn attn_flops_per_pair(c: &tandem_model::ModelConfig) -> f64 {
+    4.0 * (c.num_layers * c.num_heads * c.head_dim) as f64
 }
 
 fn kv_bench_config(a: &args::BenchKvArgs) -> Result<tandem_bench::kv::KvBenchConfig> {

@@ -120,6 +120,8 @@ fn bad_input_fails_with_a_message() {
         (&["generate", "--prompt-ids", "1,2,99999"], "out of range"),
         (&["generate", "--prompt", "x", "--kv-cache-memory", "lots"], "not a size"),
         (&["generate", "--prompt", "x", "--num-kv-blocks", "0"], "no blocks"),
+        (&["generate", "--prompt", "x", "--device", "tpu:0"], "unknown device `tpu:0`"),
+        (&["serve", "--role", "prefill", "--device", "cuda:0"], "--role prefill needs --device cpu"),
     ];
     for (args, needle) in cases {
         let out = tandem().args(*args).output().unwrap();
@@ -127,6 +129,21 @@ fn bad_input_fails_with_a_message() {
         assert!(!out.status.success(), "{args:?} should fail");
         assert!(err.contains(needle), "{args:?}: expected `{needle}` in: {err}");
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    }
+}
+
+/// `--device cuda:0` either runs (a GPU is here) or says why CUDA is unusable, naming what is
+/// missing, without a panic; `--device auto` falls back to the CPU and still answers.
+#[test]
+fn cuda_device_runs_or_explains_and_auto_falls_back() {
+    let out =
+        tandem().args(["generate", "--prompt", "the cat", "--max-tokens", "4", "--device", "cuda:0"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    if !out.status.success() {
+        assert!(err.contains("CUDA is not available") || err.contains("GPU"), "unhelpful error: {err}");
+        let auto = generate_json(&["--prompt", "the cat", "--max-tokens", "4", "--device", "auto"]);
+        assert_eq!(ids(&auto["token_ids"]).len(), 4);
     }
 }
 

@@ -15,13 +15,15 @@
 //! floating-point operations.
 //!
 //! This crate does not know about requests, schedulers or models; it sees shapes and slices.
-//! A CUDA backend joins it later behind the same shapes.
+//! [`cuda`] is the GPU backend (bf16 storage, cuBLAS, kernels compiled with NVRTC); it keeps
+//! the same block-major KV layout.
 //!
 //! Sibling crates: `tandem-core` (ids, sampling params), `tandem-model` (transformer forward
 //! built on these kernels), `tandem-engine` (scheduling and the block pool).
 #![deny(missing_docs)]
 
 pub mod cpu;
+pub mod cuda;
 mod kv_cache;
 
 pub use kv_cache::{KvCache, KvLayout, KvRegion};

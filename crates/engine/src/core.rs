@@ -5,15 +5,14 @@
 
 use std::collections::HashMap;
 
-use tandem_compute::KvCache;
+use rand::Rng;
 use tandem_core::{FinishReason, InvalidSampling, RemoteKv, RequestId};
 use tandem_kv::{AgentInfo, ConnectorConfig, ConnectorEvent, ConnectorStats, KvConnector, KvError};
-use tandem_model::{SeqBatch, Transformer};
+use tandem_model::{CpuRunner, ModelRunner, SampleSpec, SeqBatch, Transformer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::block_pool::{BlockAllocation, BlockPool};
 use crate::request::{EngineEvent, EngineRequest, KvLoadTimeline, Request, RequestStatus};
-use crate::sampler::sample;
 use crate::scheduler::{Scheduler, SchedulerOutput};
 use crate::EngineConfig;
 
@@ -144,10 +143,30 @@ pub struct StepReport {
     pub num_finished: usize,
 }
 
-/// Model, KV cache and scheduler: everything one engine step touches.
+/// The model an engine runs: the CPU transformer (the engine allocates its KV cache from the
+/// config's block count) or a ready [`ModelRunner`] that owns its KV cache (a GPU model).
+pub enum EngineModel {
+    /// The f32 CPU transformer.
+    Cpu(Box<Transformer>),
+    /// Any runner; its KV layout must have the config's block size and block count.
+    Runner(Box<dyn ModelRunner>),
+}
+
+impl From<Transformer> for EngineModel {
+    fn from(t: Transformer) -> Self {
+        Self::Cpu(Box::new(t))
+    }
+}
+
+impl From<Box<dyn ModelRunner>> for EngineModel {
+    fn from(r: Box<dyn ModelRunner>) -> Self {
+        Self::Runner(r)
+    }
+}
+
+/// Model (with its KV cache) and scheduler: everything one engine step touches.
 pub struct EngineCore {
-    model: Transformer,
-    kv: KvCache,
+    model: Box<dyn ModelRunner>,
     scheduler: Scheduler,
     limits: EngineLimits,
     eos_token_ids: Vec<u32>,
@@ -159,9 +178,30 @@ pub struct EngineCore {
 }
 
 impl EngineCore {
-    /// Allocates the KV cache (`config.num_blocks` blocks) for `model`.
-    pub fn new(model: Transformer, eos_token_ids: Vec<u32>, max_model_len: usize, config: &EngineConfig) -> Self {
-        let layout = model.kv_layout(config.block_size, config.num_blocks);
+    /// Sets up an engine over `model`; a CPU transformer gets a KV cache of `config.num_blocks`
+    /// blocks.
+    ///
+    /// # Panics
+    /// If a runner's KV layout disagrees with `config` (a wiring error, not a request error).
+    pub fn new(
+        model: impl Into<EngineModel>,
+        eos_token_ids: Vec<u32>,
+        max_model_len: usize,
+        config: &EngineConfig,
+    ) -> Self {
+        let model: Box<dyn ModelRunner> = match model.into() {
+            EngineModel::Cpu(t) => Box::new(CpuRunner::new(*t, config.block_size, config.num_blocks)),
+            EngineModel::Runner(r) => r,
+        };
+        let layout = model.kv_layout();
+        assert!(
+            layout.block_size == config.block_size && layout.num_blocks == config.num_blocks,
+            "the model's KV cache ({} blocks of {}) does not match the engine config ({} of {})",
+            layout.num_blocks,
+            layout.block_size,
+            config.num_blocks,
+            config.block_size
+        );
         let limits = EngineLimits {
             vocab_size: model.config().vocab_size,
             max_model_len: max_model_len.min(model.max_positions()),
@@ -170,7 +210,6 @@ impl EngineCore {
         };
         let pool = BlockPool::new(config.num_blocks);
         Self {
-            kv: KvCache::new(layout),
             scheduler: Scheduler::new(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens),
             model,
             limits,
@@ -181,9 +220,20 @@ impl EngineCore {
         }
     }
 
+    /// Where the model runs (`cpu (f32)`, `cuda:0 (...) bf16`).
+    pub fn device(&self) -> String {
+        self.model.describe()
+    }
+
     /// Starts a KV connector over this engine's KV memory (prefill or decode role).
     pub fn attach_connector(&mut self, setup: KvSetup) -> Result<AgentInfo, KvError> {
-        let connector = KvConnector::start(setup.connector, self.kv.region())?;
+        let region = self.model.kv_region().ok_or_else(|| {
+            KvError::Unsupported(format!(
+                "KV transfer needs the KV cache in host memory; this engine keeps it on {}",
+                self.model.describe()
+            ))
+        })?;
+        let connector = KvConnector::start(setup.connector, region)?;
         let info = connector.info().clone();
         self.connector = Some(connector);
         self.load_failure = setup.load_failure;
@@ -294,13 +344,16 @@ impl EngineCore {
         if plan.chunks.is_empty() {
             return StepReport::default();
         }
-        let logits = self.execute(&plan);
-        self.update(&plan, &logits)
+        match self.execute(&plan) {
+            Ok(tokens) => self.update(&plan, &tokens),
+            Err(e) => self.fail_batch(&plan, &e.to_string()),
+        }
     }
 
-    fn execute(&mut self, plan: &SchedulerOutput) -> Vec<f32> {
+    fn execute(&mut self, plan: &SchedulerOutput) -> Result<Vec<u32>, tandem_model::ModelError> {
         let mut token_ids = Vec::with_capacity(plan.num_tokens());
         let mut seqs = Vec::with_capacity(plan.chunks.len());
+        let mut samples = Vec::new();
         for c in &plan.chunks {
             seqs.push(SeqBatch {
                 token_start: token_ids.len(),
@@ -310,12 +363,45 @@ impl EngineCore {
                 want_logits: c.sample,
             });
             token_ids.extend_from_slice(&c.token_ids);
+            if c.sample && !c.token_ids.is_empty() {
+                samples.push(self.sample_spec(&c.id));
+            }
         }
-        self.model.forward(&token_ids, &seqs, &mut self.kv)
+        self.model.execute(&token_ids, &seqs, &samples)
     }
 
-    fn update(&mut self, plan: &SchedulerOutput, logits: &[f32]) -> StepReport {
-        let vocab = self.limits.vocab_size;
+    /// How to pick `id`'s next token; draws its uniform from the request's own stream (one
+    /// draw per non-greedy token, so a seed replays the same way on every backend).
+    fn sample_spec(&mut self, id: &RequestId) -> SampleSpec {
+        let Some(req) = self.scheduler.requests.get_mut(id) else { return SampleSpec::greedy() };
+        let p = &req.params;
+        let banned: Vec<u32> = if req.num_output_tokens() < p.min_tokens {
+            let eos = if p.ignore_eos { &[][..] } else { &self.eos_token_ids[..] };
+            eos.iter().chain(&p.stop_token_ids).copied().collect()
+        } else {
+            Vec::new()
+        };
+        let greedy = p.is_greedy();
+        let (temperature, top_k, top_p) = (p.temperature, p.top_k.unwrap_or(0), p.top_p);
+        let uniform = if greedy { 0.0 } else { req.rng.random::<f32>() };
+        SampleSpec { temperature: if greedy { 0.0 } else { temperature }, top_k, top_p, uniform, banned }
+    }
+
+    /// A forward failed (a device error): every request in the batch ends with the error,
+    /// the engine keeps serving.
+    fn fail_batch(&mut self, plan: &SchedulerOutput, reason: &str) -> StepReport {
+        tracing::error!(%reason, requests = plan.chunks.len(), "forward failed; failing the batch");
+        let mut report = StepReport { num_tokens: 0, num_seqs: plan.chunks.len(), num_finished: 0 };
+        for c in &plan.chunks {
+            if let Some(req) = self.scheduler.remove(&c.id) {
+                let _ = req.events.send(EngineEvent::Failed(format!("the model failed: {reason}")));
+                report.num_finished += 1;
+            }
+        }
+        report
+    }
+
+    fn update(&mut self, plan: &SchedulerOutput, tokens: &[u32]) -> StepReport {
         let mut report = StepReport { num_tokens: plan.num_tokens(), num_seqs: plan.chunks.len(), num_finished: 0 };
         let mut row = 0;
         let mut finished = Vec::new();
@@ -327,15 +413,8 @@ impl EngineCore {
             if !c.sample {
                 continue;
             }
-            let mut l = logits[row * vocab..(row + 1) * vocab].to_vec();
+            let token = tokens[row];
             row += 1;
-            let banned: Vec<u32> = if req.num_output_tokens() < req.params.min_tokens {
-                let eos = if req.params.ignore_eos { &[][..] } else { &self.eos_token_ids[..] };
-                eos.iter().chain(&req.params.stop_token_ids).copied().collect()
-            } else {
-                Vec::new()
-            };
-            let token = sample(&mut l, &req.params, &banned, &mut req.rng);
             req.tokens.push(token);
             let finish = finish_reason(req, token, &self.eos_token_ids, self.limits.max_model_len);
             if finish.is_some() {

@@ -15,10 +15,9 @@ use std::time::Duration;
 
 use tandem_core::RequestId;
 use tandem_kv::{AgentInfo, ConnectorStats, KvError};
-use tandem_model::Transformer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::core::{EngineCore, EngineLimits, KvSetup, RequestRejected};
+use crate::core::{EngineCore, EngineLimits, EngineModel, KvSetup, RequestRejected};
 use crate::request::{EngineEvent, EngineRequest};
 use crate::EngineConfig;
 
@@ -82,9 +81,10 @@ pub struct EngineHandle {
     kv_info: Option<Arc<AgentInfo>>,
 }
 
-/// Starts the engine thread with `model` and a KV cache sized by `config`.
+/// Starts the engine thread with `model` (a CPU transformer gets a KV cache sized by
+/// `config`; a runner brings its own).
 pub fn spawn(
-    model: Transformer,
+    model: impl Into<EngineModel>,
     eos_token_ids: Vec<u32>,
     max_model_len: usize,
     config: EngineConfig,
@@ -97,7 +97,7 @@ pub fn spawn(
 
 /// Like [`spawn`], with a KV connector for the prefill or decode role.
 pub fn spawn_with(
-    model: Transformer,
+    model: impl Into<EngineModel>,
     eos_token_ids: Vec<u32>,
     max_model_len: usize,
     config: EngineConfig,

@@ -21,14 +21,12 @@ mod block_pool;
 mod core;
 mod handle;
 mod request;
-mod sampler;
 mod scheduler;
 
 pub use block_pool::{BlockAllocation, BlockPool, NoFreeBlocks};
-pub use core::{EngineCore, EngineLimits, KvLoadFailure, KvSetup, RequestRejected, StepReport};
+pub use core::{EngineCore, EngineLimits, EngineModel, KvLoadFailure, KvSetup, RequestRejected, StepReport};
 pub use handle::{spawn, spawn_with, EngineHandle, EngineStats, RequestStream, StatsSnapshot, SubmitError};
 pub use request::{EngineEvent, EngineRequest, KvLoadTimeline};
-pub use sampler::sample;
 pub use scheduler::{ScheduledChunk, SchedulerOutput};
 
 /// How an engine is sized. Resolved once from the command line (the KV block count already

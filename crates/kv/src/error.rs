@@ -27,6 +27,9 @@ pub enum KvError {
     /// The peer refused the handshake.
     #[error("KV peer refused the handshake: {0}")]
     Refused(String),
+    /// This engine cannot take part in KV transfer as configured.
+    #[error("KV transfer unsupported: {0}")]
+    Unsupported(String),
     /// A transfer failed on the peer's side.
     #[error("transfer failed: {0}")]
     Transfer(String),

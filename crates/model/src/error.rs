@@ -86,6 +86,9 @@ pub enum ModelError {
     /// The chat template failed to compile or render.
     #[error("chat template: {0}")]
     ChatTemplate(String),
+    /// The GPU backend failed (CUDA unavailable, out of memory, a launch error).
+    #[error("GPU: {0}")]
+    Device(String),
     /// Text input given to a model that has no tokenizer.
     #[error("this model has no tokenizer (token-ids mode): send prompts as token id lists")]
     NoTokenizer,

@@ -16,19 +16,23 @@
 #![deny(missing_docs)]
 
 mod config;
+mod cuda_model;
 mod detokenize;
 mod error;
 mod presets;
+mod runner;
 mod source;
 mod tokenizer;
 mod transformer;
 mod weights;
 
 pub use config::{Architecture, ModelConfig};
+pub use cuda_model::{preset_element, CudaModel, CudaOptions};
 pub use detokenize::{IncrementalDetokenizer, StopMatcher, StopOutcome};
 pub use error::ModelError;
 pub use presets::{Preset, PRESETS};
-pub use source::{LoadedModel, ModelSource};
+pub use runner::{sample, CpuRunner, ModelRunner, SampleSpec};
+pub use source::{LoadedModel, ModelSource, ModelSpec};
 pub use tokenizer::{ChatMessage, TextTokenizer};
 pub use transformer::{SeqBatch, Transformer};
 pub use weights::{Tensor, WeightMap};

@@ -12,9 +12,6 @@
 use std::collections::HashSet;
 use std::path::Path;
 
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, Normal};
 use rayon::prelude::*;
 use serde_json::{json, Value};
 
@@ -214,7 +211,7 @@ impl Preset {
     /// tiny 0.02 of HF's init, a random model with tied embeddings only ever repeats its last
     /// input token. Embeddings use 3/sqrt(hidden) so logits spread over a few units and
     /// sampling parameters visibly matter.
-    fn tensor_specs(&self) -> Vec<(String, Vec<usize>, f32)> {
+    pub(crate) fn tensor_specs(&self) -> Vec<(String, Vec<usize>, f32)> {
         let (h, i, v, hd) = (self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim);
         let (q, kv) = (self.num_heads * hd, self.num_kv_heads * hd);
         let fan = |n: usize| 1.0 / (n as f32).sqrt();
@@ -245,7 +242,9 @@ impl Preset {
     }
 
     /// Seeded random weights. Each tensor has its own random stream derived from the seed and
-    /// its name, so tensors are generated in parallel and the result does not depend on order.
+    /// its name, and element `i` depends only on that stream and `i` ([`preset_value`]), so
+    /// tensors are generated in parallel, in any order, and the CUDA backend builds the very same
+    /// values on the device.
     pub fn random_weights(&self, seed: u64) -> WeightMap {
         let tensors: Vec<(String, Tensor)> = self
             .tensor_specs()
@@ -255,13 +254,8 @@ impl Preset {
                 let data = if std == 0.0 {
                     vec![1.0f32; n]
                 } else {
-                    let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, &name));
-                    // std is a positive constant above, so Normal::new cannot fail; fall back to
-                    // zeros rather than panic if that ever changes.
-                    match Normal::new(0.0f32, std) {
-                        Ok(dist) => (0..n).map(|_| dist.sample(&mut rng)).collect(),
-                        Err(_) => vec![0.0; n],
-                    }
+                    let (stream, amp) = (tensor_stream(seed, &name), uniform_amplitude(std));
+                    (0..n as u64).into_par_iter().map(|i| preset_value(stream, i, amp)).collect()
                 };
                 (name, Tensor { shape, data })
             })
@@ -381,6 +375,28 @@ fn bytes_to_unicode() -> Vec<char> {
 }
 
 /// SplitMix64 over the seed and an FNV-1a hash of the name.
+/// The random stream of tensor `name` under `seed`.
+pub(crate) fn tensor_stream(seed: u64, name: &str) -> u64 {
+    mix(seed, name)
+}
+
+/// Half-width of the uniform distribution with standard deviation `std`.
+pub(crate) fn uniform_amplitude(std: f32) -> f32 {
+    std * 3.0f32.sqrt()
+}
+
+/// Element `i` of a preset tensor: the `i`-th output of a splitmix64 stream started at `stream`,
+/// as a uniform value in `[-amp, amp)`. Mirrors `preset_uniform` in the CUDA kernels operation
+/// for operation (integer hash, exact 24-bit conversion, then two rounded f32 operations).
+pub(crate) fn preset_value(stream: u64, i: u64, amp: f32) -> f32 {
+    let mut z = stream.wrapping_add((i + 1).wrapping_mul(0x9e3779b97f4a7c15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+    z ^= z >> 31;
+    let u = (z >> 40) as f32 * (1.0 / 16_777_216.0);
+    (u * 2.0 - 1.0) * amp
+}
+
 fn mix(seed: u64, name: &str) -> u64 {
     let mut h = 0xcbf29ce484222325u64;
     for b in name.bytes() {

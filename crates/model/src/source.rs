@@ -33,10 +33,13 @@ impl ModelSource {
     }
 }
 
-/// A model ready to serve: the transformer, its tokenizer (if any) and stopping ids.
-pub struct LoadedModel {
-    /// The transformer.
-    pub transformer: Transformer,
+/// Everything about a model except its weights: enough to size an engine and to build the
+/// weights on either backend ([`LoadedModel`] on CPU, `CudaModel` on a GPU).
+pub struct ModelSpec {
+    /// Where it comes from.
+    pub source: ModelSource,
+    /// Its shape.
+    pub config: ModelConfig,
     /// `None` in token-ids mode.
     pub tokenizer: Option<TextTokenizer>,
     /// Ids that end generation unless `ignore_eos` (config, generation_config and tokenizer).
@@ -45,27 +48,27 @@ pub struct LoadedModel {
     pub max_model_len: usize,
 }
 
-impl LoadedModel {
-    /// Loads a model. `max_model_len` overrides the config's `max_position_embeddings`
-    /// downwards (a shorter limit means a smaller RoPE table and earlier rejection).
+impl ModelSpec {
+    /// Reads the config and tokenizer. `max_model_len` overrides the config's
+    /// `max_position_embeddings` downwards (a shorter limit means a smaller RoPE table and
+    /// earlier rejection).
     pub fn load(source: &ModelSource, max_model_len: Option<usize>) -> Result<Self, ModelError> {
-        let (cfg, weights, tokenizer, gen_eos) = match source {
-            ModelSource::Preset { preset, seed } => {
+        let (cfg, tokenizer, gen_eos) = match source {
+            ModelSource::Preset { preset, .. } => {
                 let cfg = ModelConfig::from_preset(preset)?;
                 let tok = TextTokenizer::from_parts(
                     preset.tokenizer_json().as_bytes(),
                     Some(&preset.tokenizer_config_json()),
                 )?;
                 let gen_eos = token_id_list(preset.generation_config_json().get("eos_token_id"));
-                (cfg, preset.random_weights(*seed), Some(tok), gen_eos)
+                (cfg, Some(tok), gen_eos)
             }
             ModelSource::Dir(dir) => {
                 if !dir.join("config.json").is_file() {
                     return Err(ModelError::NotAModel { path: dir.clone() });
                 }
                 let cfg = ModelConfig::from_dir(dir)?;
-                let weights = WeightMap::load_dir(dir)?;
-                (cfg, weights, TextTokenizer::from_dir(dir)?, generation_eos(dir)?)
+                (cfg, TextTokenizer::from_dir(dir)?, generation_eos(dir)?)
             }
         };
         let limit = cfg.max_position_embeddings;
@@ -84,8 +87,46 @@ impl LoadedModel {
         eos.extend(tokenizer.as_ref().and_then(TextTokenizer::eos_token_id));
         let mut seen = std::collections::HashSet::new();
         eos.retain(|id| *id < cfg.vocab_size as u32 && seen.insert(*id));
-        let transformer = Transformer::from_weights(cfg, weights, max_model_len)?;
-        Ok(Self { transformer, tokenizer, eos_token_ids: eos, max_model_len })
+        Ok(Self { source: source.clone(), config: cfg, tokenizer, eos_token_ids: eos, max_model_len })
+    }
+
+    /// The weights as f32 on the host (read from disk, or generated for a preset).
+    pub fn host_weights(&self) -> Result<WeightMap, ModelError> {
+        match &self.source {
+            ModelSource::Preset { preset, seed } => Ok(preset.random_weights(*seed)),
+            ModelSource::Dir(dir) => WeightMap::load_dir(dir),
+        }
+    }
+}
+
+/// A model ready to serve on CPU: the transformer, its tokenizer (if any) and stopping ids.
+pub struct LoadedModel {
+    /// The transformer.
+    pub transformer: Transformer,
+    /// `None` in token-ids mode.
+    pub tokenizer: Option<TextTokenizer>,
+    /// Ids that end generation unless `ignore_eos` (config, generation_config and tokenizer).
+    pub eos_token_ids: Vec<u32>,
+    /// Longest prompt + output this instance accepts.
+    pub max_model_len: usize,
+}
+
+impl LoadedModel {
+    /// Loads a model for the CPU backend (see [`ModelSpec::load`] for `max_model_len`).
+    pub fn load(source: &ModelSource, max_model_len: Option<usize>) -> Result<Self, ModelError> {
+        Self::from_spec(ModelSpec::load(source, max_model_len)?)
+    }
+
+    /// Builds the CPU transformer for `spec`.
+    pub fn from_spec(spec: ModelSpec) -> Result<Self, ModelError> {
+        let weights = spec.host_weights()?;
+        let transformer = Transformer::from_weights(spec.config, weights, spec.max_model_len)?;
+        Ok(Self {
+            transformer,
+            tokenizer: spec.tokenizer,
+            eos_token_ids: spec.eos_token_ids,
+            max_model_len: spec.max_model_len,
+        })
     }
 }
 

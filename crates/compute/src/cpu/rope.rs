@@ -66,6 +66,16 @@ impl RopeTable {
         Self { half, cos, sin }
     }
 
+    /// `cos` table, `[position][head_dim / 2]`.
+    pub fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+
+    /// `sin` table, same shape as [`Self::cos`].
+    pub fn sin(&self) -> &[f32] {
+        &self.sin
+    }
+
     /// Positions the table covers.
     pub fn max_positions(&self) -> usize {
         self.cos.len() / self.half.max(1)

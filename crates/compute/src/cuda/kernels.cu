@@ -1,0 +1,767 @@
+// tandem's CUDA kernels: everything in a forward pass except the matrix products (cuBLAS).
+//
+// Compiled at start-up with NVRTC (no headers needed: bf16 is handled as raw 16-bit values and
+// tensor-core instructions are written as inline PTX), then cached on disk by source hash and
+// GPU arch. Storage types: weights, activations between kernels and the KV cache are bf16;
+// the residual stream, RMSNorm statistics, softmax and logits are f32.
+//
+// KV cache layout (shared with the CPU backend and the connector): block-major,
+// [block][layer][k|v][kv_head][slot][head_dim]. A token's cache slot is given as
+// block * block_size + slot_in_block; -1 means "do not write" (padding rows of a CUDA graph).
+
+typedef unsigned short bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
+
+// Round to nearest even, NaN kept NaN (same rule as the `half` crate on the host).
+__device__ __forceinline__ bf16 f2bf(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+__device__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : NEG_INF;
+    return warp_max(t);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Seeded weights for `preset:` models, built on the device. Element i of a tensor is the i-th
+// output of a splitmix64 stream started at `stream_seed`, mapped to a uniform value in
+// [-amp, amp). The host (presets.rs) computes the very same f32 values, so a preset has the
+// same weights on CPU and GPU (up to the bf16 rounding here).
+
+__device__ __forceinline__ u64 splitmix64(u64 z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void preset_uniform(bf16* out, u64 n, u64 stream_seed, float amp) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u64 z = splitmix64(stream_seed + (i + 1) * 0x9e3779b97f4a7c15ull);
+        float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+        float v = __fmul_rn(__fsub_rn(__fmul_rn(u, 2.0f), 1.0f), amp);
+        out[i] = f2bf(v);
+    }
+}
+
+extern "C" __global__ void fill_bf16(bf16* out, u64 n, float value) {
+    bf16 v = f2bf(value);
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) out[i] = v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding, norms, activation.
+
+// x[t, :] = table[ids[t], :] (as f32: the residual stream). Grid: tokens.
+extern "C" __global__ void embed_gather(const bf16* table, const int* ids, float* x, int hidden) {
+    int t = blockIdx.x;
+    const bf16* row = table + (u64)ids[t] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) x[(u64)t * hidden + i] = bf2f(row[i]);
+}
+
+// out[r] = rms_norm(x[rows[r]]) * w, rows == null meaning r itself. If `delta` is given,
+// x[row] += delta[row] first (the residual add fused in front of the norm) and written back.
+// Deltas (attention and MLP outputs) arrive in f32, so the residual stream never goes through
+// bf16.
+// Grid: output rows. Block: 256 (hidden <= 256 * 32), 1024 beyond; hidden % 4 == 0.
+extern "C" __global__ void add_rms_norm(float* x, const float* delta, const int* rows, const bf16* w, bf16* out,
+                                        int hidden, float eps) {
+    __shared__ float scratch[32];
+    int r = blockIdx.x;
+    int row = rows ? rows[r] : r;
+    float* xr = x + (u64)row * hidden;
+    const float* dr = delta ? delta + (u64)row * hidden : 0;
+    // Four elements per thread per step (hidden % 4 == 0) with 16-byte accesses; a fixed trip
+    // count keeps the row in registers (hidden <= 32 * blockDim).
+    float4 vals[8];
+    float ss = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        int i = (threadIdx.x + n * blockDim.x) * 4;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (i < hidden) {
+            v = *reinterpret_cast<const float4*>(xr + i);
+            if (dr) {
+                float4 d = *reinterpret_cast<const float4*>(dr + i);
+                v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
+                *reinterpret_cast<float4*>(xr + i) = v;
+            }
+        }
+        vals[n] = v;
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    ss = block_sum(ss, scratch);
+    float inv = rsqrtf(ss / (float)hidden + eps);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        int i = (threadIdx.x + n * blockDim.x) * 4;
+        if (i < hidden) {
+            uint2 wv = *reinterpret_cast<const uint2*>(w + i);
+            float4 v = vals[n];
+            *reinterpret_cast<uint2*>(out + (u64)r * hidden + i) =
+                make_uint2(pack_bf16x2(v.x * inv * __uint_as_float(wv.x << 16), v.y * inv * __uint_as_float(wv.x & 0xffff0000u)),
+                           pack_bf16x2(v.z * inv * __uint_as_float(wv.y << 16), v.w * inv * __uint_as_float(wv.y & 0xffff0000u)));
+        }
+    }
+}
+
+// out[t, i] = silu(gu[t, i]) * gu[t, inter + i], two elements per thread (inter is even).
+// Grid: (ceil(inter / 512), tokens). Block: 256.
+extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter) {
+    int t = blockIdx.y;
+    int i = (blockIdx.x * blockDim.x + threadIdx.x) * 2;
+    if (i >= inter) return;
+    const bf16* row = gu + (u64)t * 2 * inter;
+    u32 g2 = *reinterpret_cast<const u32*>(row + i), u2 = *reinterpret_cast<const u32*>(row + inter + i);
+    float g0 = __uint_as_float(g2 << 16), g1 = __uint_as_float(g2 & 0xffff0000u);
+    float u0 = __uint_as_float(u2 << 16), u1 = __uint_as_float(u2 & 0xffff0000u);
+    *reinterpret_cast<u32*>(out + (u64)t * inter + i) =
+        pack_bf16x2(g0 / (1.0f + __expf(-g0)) * u0, g1 / (1.0f + __expf(-g1)) * u1);
+}
+
+// y[t, j] += bias[j] (projections with a bias); y is bf16, or f32 when `f32_y`. Grid-stride.
+extern "C" __global__ void add_bias(void* y, const bf16* bias, int cols, u64 total, int f32_y) {
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
+        float b = bf2f(bias[e % cols]);
+        if (f32_y) reinterpret_cast<float*>(y)[e] += b;
+        else reinterpret_cast<bf16*>(y)[e] = f2bf(bf2f(reinterpret_cast<bf16*>(y)[e]) + b);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Eight bf16 values packed in 16 bytes, as f32.
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        f[2 * j] = __uint_as_float(w[j] << 16);
+        f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+}
+
+// Element offset of (block, layer, k|v, kv_head, slot) in the block-major cache.
+__device__ __forceinline__ u64 kv_offset(int block, int slot, int layer, int kv, int kh, int num_layers,
+                                         int num_kv_heads, int block_size, int head_dim) {
+    u64 plane = (u64)block_size * head_dim;
+    return (((u64)block * num_layers + layer) * 2 + kv) * num_kv_heads * plane + (u64)kh * plane +
+           (u64)slot * head_dim;
+}
+
+// ---------------------------------------------------------------------------------------------
+// q/k RMSNorm (Qwen3), RoPE and the paged KV-cache write, fused: one pass over the qkv
+// projection's output. One warp per (token, head); lane l holds elements [l * E, l * E + E)
+// with E = head_dim / 32, so the rotate-half partner of lane l's elements sits in lane l ^ 16.
+// `cos`/`sin` are the RoPE tables [position][head_dim / 2] (neox convention).
+// Grid: (tokens, ceil(all heads / 4)). Block: 128. head_dim: a multiple of 32, at most 256.
+
+// Loads / stores E (1, 2, 4 or 8) consecutive bf16 values with one access.
+__device__ __forceinline__ void load_e(const bf16* p, float* v, int e) {
+    if (e == 8) {
+        unpack8(*reinterpret_cast<const uint4*>(p), v);
+    } else if (e == 4) {
+        uint2 u = *reinterpret_cast<const uint2*>(p);
+        v[0] = __uint_as_float(u.x << 16); v[1] = __uint_as_float(u.x & 0xffff0000u);
+        v[2] = __uint_as_float(u.y << 16); v[3] = __uint_as_float(u.y & 0xffff0000u);
+    } else if (e == 2) {
+        u32 u = *reinterpret_cast<const u32*>(p);
+        v[0] = __uint_as_float(u << 16); v[1] = __uint_as_float(u & 0xffff0000u);
+    } else {
+        v[0] = bf2f(p[0]);
+    }
+}
+
+__device__ __forceinline__ void store_e(bf16* p, const float* v, int e) {
+    if (e == 8) {
+        *reinterpret_cast<uint4*>(p) =
+            make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
+    } else if (e == 4) {
+        *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]));
+    } else if (e == 2) {
+        *reinterpret_cast<u32*>(p) = pack_bf16x2(v[0], v[1]);
+    } else {
+        p[0] = f2bf(v[0]);
+    }
+}
+
+extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm,
+                                          const bf16* k_norm, const float* cos_t, const float* sin_t,
+                                          const int* positions, const int* slots, bf16* q_out, bf16* cache,
+                                          int num_heads, int num_kv_heads, int head_dim, int layer,
+                                          int num_layers, int block_size, float eps) {
+    int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int h = blockIdx.y * 4 + warp;
+    if (h >= num_heads + 2 * num_kv_heads) return;
+    int E = head_dim / 32, half = head_dim / 2, base = lane * E;
+    int pos = positions[t], slot = slots[t];
+    bool is_q = h < num_heads, is_k = !is_q && h < num_heads + num_kv_heads;
+    u64 qkv_dim = (u64)(num_heads + 2 * num_kv_heads) * head_dim;
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    load_e(qkv + t * qkv_dim + h * head_dim + base, v, E);
+    if (qkv_bias) {
+        float b[8];
+        load_e(qkv_bias + h * head_dim + base, b, E);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if (e < E) v[e] = bf2f(f2bf(v[e] + b[e]));
+    }
+    const bf16* nw = is_q ? q_norm : (is_k ? k_norm : 0);
+    if (nw) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if (e < E) ss += v[e] * v[e];
+        ss = warp_sum(ss);
+        float inv = rsqrtf(ss / (float)head_dim + eps);
+        float wn[8];
+        load_e(nw + base, wn, E);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if (e < E) v[e] = v[e] * inv * wn[e];
+    }
+    if (is_q || is_k) {
+        int j0 = base < half ? base : base - half;
+        const float* c = cos_t + (u64)pos * half + j0;
+        const float* sn = sin_t + (u64)pos * half + j0;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            float partner = __shfl_xor_sync(0xffffffffu, v[e], 16);
+            if (e < E) v[e] = base < half ? v[e] * c[e] - partner * sn[e] : v[e] * c[e] + partner * sn[e];
+        }
+    }
+    if (is_q) {
+        store_e(q_out + ((u64)t * num_heads + h) * head_dim + base, v, E);
+    } else if (slot >= 0) {
+        int kv = is_k ? 0 : 1;
+        int kh = h - num_heads - kv * num_kv_heads;
+        store_e(cache + kv_offset(slot / block_size, slot % block_size, layer, kv, kh, num_layers, num_kv_heads,
+                                  block_size, head_dim) + base,
+                v, E);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention over the paged cache.
+//
+// Per-token metadata: positions[t] (the token's position; it attends keys 0..=position),
+// tok_seq[t] (its sequence, the row of the block table). block_tables is [seq][stride] with
+// the stride in meta_stride[0], so CUDA graphs can replay with tables of any width.
+
+
+// One query token and one KV head per block (decode, and the fallback for any shape): the block
+// scores every query head of the GQA group against each key, so keys and values are read once
+// per group. Keys go in chunks of ATTN_CHUNK with an online softmax: thread j scores key j for
+// all heads of the group, one warp per head keeps that head's softmax state, and thread d
+// accumulates output dimension d of every head. Grid: (tokens, kv heads). Block: 128.
+#define ATTN_CHUNK 128
+#define ATTN_MAX_GROUP 8
+extern "C" __global__ void __launch_bounds__(128) attention_rows(
+    const bf16* q, const bf16* cache, bf16* out, const int* positions, const int* tok_seq, const int* block_tables,
+    const int* meta_stride, const int* token_list, int num_heads, int num_kv_heads, int head_dim, int layer,
+    int num_layers, int block_size, float scale) {
+    __shared__ float qs[ATTN_MAX_GROUP][256];
+    __shared__ float ps[ATTN_MAX_GROUP][ATTN_CHUNK];
+    __shared__ u64 vrow[ATTN_CHUNK];
+    __shared__ float m_s[ATTN_MAX_GROUP], l_s[ATTN_MAX_GROUP], alpha_s[ATTN_MAX_GROUP];
+    int t = token_list ? token_list[blockIdx.x] : blockIdx.x;
+    int kh = blockIdx.y;
+    int group = num_heads / num_kv_heads;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int ctx = positions[t] + 1;
+    const int* table = block_tables + (u64)tok_seq[t] * meta_stride[0];
+    for (int i = tid; i < group * head_dim; i += blockDim.x) {
+        int g = i / head_dim, d = i % head_dim;
+        qs[g][d] = bf2f(q[((u64)t * num_heads + kh * group + g) * head_dim + d]) * scale;
+    }
+    if (tid < ATTN_MAX_GROUP) {
+        m_s[tid] = NEG_INF;
+        l_s[tid] = 0.0f;
+    }
+    __syncthreads();
+    float acc[ATTN_MAX_GROUP][2];
+#pragma unroll
+    for (int g = 0; g < ATTN_MAX_GROUP; ++g) acc[g][0] = acc[g][1] = 0.0f;
+    for (int start = 0; start < ctx; start += ATTN_CHUNK) {
+        int n = min(ATTN_CHUNK, ctx - start);
+        if (tid < n) {
+            int key = start + tid;
+            int blk = table[key / block_size], slot = key % block_size;
+            const bf16* k = cache + kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, head_dim);
+            vrow[tid] = kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, head_dim);
+            float dot[ATTN_MAX_GROUP];
+#pragma unroll
+            for (int g = 0; g < ATTN_MAX_GROUP; ++g) dot[g] = 0.0f;
+#pragma unroll 4
+            for (int i = 0; i < head_dim; i += 8) {
+                uint4 v = *reinterpret_cast<const uint4*>(k + i);
+                u32 w[4] = {v.x, v.y, v.z, v.w};
+                float kf[8];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    kf[2 * j] = __uint_as_float(w[j] << 16);
+                    kf[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+                }
+#pragma unroll
+                for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
+                    if (g < group) {
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) dot[g] += qs[g][i + j] * kf[j];
+                    }
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < ATTN_MAX_GROUP; ++g)
+                if (g < group) ps[g][tid] = dot[g];
+        }
+        __syncthreads();
+        // Softmax bookkeeping: warp w for heads w, w + 4.
+        for (int g = warp; g < group; g += 4) {
+            float mx = NEG_INF;
+            for (int j = lane; j < n; j += 32) mx = fmaxf(mx, ps[g][j]);
+            mx = warp_max(mx);
+            float m_old = m_s[g], m_new = fmaxf(m_old, mx);
+            float sum = 0.0f;
+            for (int j = lane; j < n; j += 32) {
+                float p = __expf(ps[g][j] - m_new);
+                ps[g][j] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                float alpha = __expf(m_old - m_new);
+                alpha_s[g] = alpha;
+                l_s[g] = l_s[g] * alpha + sum;
+                m_s[g] = m_new;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            int d = tid + r * 128;
+            if (d < head_dim) {
+#pragma unroll
+                for (int g = 0; g < ATTN_MAX_GROUP; ++g)
+                    if (g < group) acc[g][r] *= alpha_s[g];
+#pragma unroll 8
+                for (int j = 0; j < n; ++j) {
+                    float v = bf2f(cache[vrow[j] + d]);
+#pragma unroll
+                    for (int g = 0; g < ATTN_MAX_GROUP; ++g)
+                        if (g < group) acc[g][r] += ps[g][j] * v;
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int d = tid + r * 128;
+        if (d < head_dim) {
+#pragma unroll
+            for (int g = 0; g < ATTN_MAX_GROUP; ++g)
+                if (g < group) {
+                    float inv = l_s[g] > 0.0f ? 1.0f / l_s[g] : 0.0f;
+                    out[((u64)t * num_heads + kh * group + g) * head_dim + d] = f2bf(acc[g][r] * inv);
+                }
+        }
+    }
+}
+
+// Prefill attention with tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash
+// style: a block of 4 warps takes 64 consecutive query tokens of one sequence and one head;
+// each warp owns 16 query rows and keeps its scores, softmax state and output in registers.
+// K and V tiles of 64 keys are gathered from the paged cache into shared memory.
+//
+// Work items: work[2 * i] = sequence, work[2 * i + 1] = first query of the tile (relative to
+// the sequence). Sequences: seq_tok[s] (first token in the batch), seq_len[s] (its tokens in
+// the batch), seq_pos[s] (position of that first token). Grid: (heads, work items).
+#define FA_ROWS 64
+#define FA_KEYS 64
+// Dynamic shared memory of flash_prefill_hd<HD>: two stages of a K and a V tile.
+#define FLASH_SMEM_BYTES(HD) (2 * 2 * FA_KEYS * ((HD) + 8) * 2)
+
+__device__ __forceinline__ void mma_bf16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const bf16* p) {
+    u32 addr = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const bf16* p) {
+    u32 addr = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+template <int HD>
+__device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
+                              const int* seq_len, const int* seq_pos, const int* block_tables,
+                              const int* meta_stride, int num_heads, int num_kv_heads, int layer, int num_layers,
+                              int block_size, float scale_log2) {
+    constexpr int STRIDE = HD + 8;  // padded rows: ldmatrix rows fall in different banks
+    constexpr int TILE = FA_KEYS * STRIDE;
+    // Two stages of K and V tiles (dynamic shared memory, FLASH_SMEM_BYTES(HD)): the next
+    // tile's copy runs while this one is multiplied.
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    bf16* tiles = reinterpret_cast<bf16*>(fa_smem);
+    // Heads vary fastest across blocks, so the query heads sharing a KV head run together and
+    // its tiles come from L2.
+    int h = blockIdx.x, kh = h / (num_heads / num_kv_heads);
+    int seq = work[2 * blockIdx.y], q0 = work[2 * blockIdx.y + 1];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    int n_q = seq_len[seq], first_pos = seq_pos[seq], tok0 = seq_tok[seq];
+    const int* table = block_tables + (u64)seq * meta_stride[0];
+
+    // This warp's rows: queries q0 + warp*16 + {g, g+8}.
+    int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+    int pos_a = first_pos + row_a, pos_b = first_pos + row_b;
+    bool valid_a = row_a < n_q, valid_b = row_b < n_q;
+
+    // Q fragments for all HD/16 k-steps, straight from global memory.
+    u32 qf[HD / 16][4];
+#pragma unroll
+    for (int ks_i = 0; ks_i < HD / 16; ++ks_i) {
+        int c = ks_i * 16 + tq * 2;
+        const bf16* qa = q + ((u64)(tok0 + row_a) * num_heads + h) * HD;
+        const bf16* qb = q + ((u64)(tok0 + row_b) * num_heads + h) * HD;
+        qf[ks_i][0] = valid_a ? *reinterpret_cast<const u32*>(qa + c) : 0u;
+        qf[ks_i][1] = valid_b ? *reinterpret_cast<const u32*>(qb + c) : 0u;
+        qf[ks_i][2] = valid_a ? *reinterpret_cast<const u32*>(qa + c + 8) : 0u;
+        qf[ks_i][3] = valid_b ? *reinterpret_cast<const u32*>(qb + c + 8) : 0u;
+    }
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+
+    int last_row = min(q0 + FA_ROWS, n_q) - 1;
+    int ctx = first_pos + last_row + 1;  // keys this tile needs
+    auto load_tile = [&](int stage, int k0) {
+        bf16* ks = tiles + stage * 2 * TILE;
+        bf16* vs = ks + TILE;
+        for (int c = threadIdx.x; c < FA_KEYS * (HD / 8); c += blockDim.x) {
+            int r = c / (HD / 8), part = (c % (HD / 8)) * 8;
+            int key = k0 + r;
+            const bf16* ksrc = cache;
+            const bf16* vsrc = cache;
+            int bytes = 0;
+            if (key < ctx) {
+                int blk = table[key / block_size], slot = key % block_size;
+                ksrc = cache + kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, HD) + part;
+                vsrc = cache + kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, HD) + part;
+                bytes = 16;
+            }
+            // Past the context: zero-fill (src-size 0 reads nothing).
+            u32 kd = (u32)__cvta_generic_to_shared(&ks[r * STRIDE + part]);
+            u32 vd = (u32)__cvta_generic_to_shared(&vs[r * STRIDE + part]);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(kd), "l"(ksrc), "r"(bytes));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(vd), "l"(vsrc), "r"(bytes));
+        }
+    };
+    load_tile(0, 0);
+    asm volatile("cp.async.commit_group;\n" ::);
+    for (int kt = 0, k0 = 0; k0 < ctx; ++kt, k0 += FA_KEYS) {
+        if (k0 + FA_KEYS < ctx) load_tile((kt + 1) & 1, k0 + FA_KEYS);
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+        __syncthreads();
+        const bf16* ks = tiles + (kt & 1) * 2 * TILE;
+        const bf16* vs = ks + TILE;
+        // Every key here is after this warp's rows: nothing to add (the barrier below is
+        // still reached by all warps).
+        if (k0 <= first_pos + q0 + warp * 16 + 15) {
+
+        // S = Q K^T for 16 rows x 64 keys: 8 n-tiles of 8 keys.
+        float s[FA_KEYS / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int ks_i = 0; ks_i < HD / 16; ++ks_i) {
+#pragma unroll
+            for (int nt = 0; nt < FA_KEYS / 8; nt += 2) {
+                int mi = lane >> 3, r = lane & 7;
+                u32 b[4];
+                ldmatrix_x4(b, &ks[((nt + (mi >> 1)) * 8 + r) * STRIDE + ks_i * 16 + (mi & 1) * 8]);
+                mma_bf16(s[nt], qf[ks_i], b[0], b[1]);
+                mma_bf16(s[nt + 1], qf[ks_i], b[2], b[3]);
+            }
+        }
+        // Mask (causal and past-the-end) and online softmax, in log2 units.
+        float mx_a = NEG_INF, mx_b = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int key = k0 + nt * 8 + tq * 2 + e;
+                s[nt][e] = (valid_a && key <= pos_a) ? s[nt][e] * scale_log2 : NEG_INF;
+                s[nt][2 + e] = (valid_b && key <= pos_b) ? s[nt][2 + e] * scale_log2 : NEG_INF;
+                mx_a = fmaxf(mx_a, s[nt][e]);
+                mx_b = fmaxf(mx_b, s[nt][2 + e]);
+            }
+        }
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+        float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+        // A row with no visible key yet keeps m = -inf; use 0 as the base so exp2 gives 0, not NaN.
+        float base_a = mn_a == NEG_INF ? 0.0f : mn_a, base_b = mn_b == NEG_INF ? 0.0f : mn_b;
+        float alpha_a = exp2f(m_a - base_a), alpha_b = exp2f(m_b - base_b);
+        m_a = mn_a;
+        m_b = mn_b;
+        l_a *= alpha_a;
+        l_b *= alpha_b;
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) {
+            o[i][0] *= alpha_a;
+            o[i][1] *= alpha_a;
+            o[i][2] *= alpha_b;
+            o[i][3] *= alpha_b;
+        }
+        u32 pf[FA_KEYS / 16][4];
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; ++nt) {
+            float p0 = exp2f(s[nt][0] - base_a), p1 = exp2f(s[nt][1] - base_a);
+            float p2 = exp2f(s[nt][2] - base_b), p3 = exp2f(s[nt][3] - base_b);
+            l_a += p0 + p1;
+            l_b += p2 + p3;
+            // C-fragment of S tile nt -> A-fragment of P for k-step nt/2.
+            pf[nt / 2][(nt & 1) * 2 + 0] = pack_bf16x2(p0, p1);
+            pf[nt / 2][(nt & 1) * 2 + 1] = pack_bf16x2(p2, p3);
+        }
+        // O += P V: k = keys (4 steps of 16), n = head dims (HD/8 tiles).
+#pragma unroll
+        for (int kk = 0; kk < FA_KEYS / 16; ++kk) {
+#pragma unroll
+            for (int nd = 0; nd < HD / 8; nd += 2) {
+                int mi = lane >> 3, r = lane & 7;
+                u32 b[4];
+                ldmatrix_x4_trans(b, &vs[(kk * 16 + (mi & 1) * 8 + r) * STRIDE + (nd + (mi >> 1)) * 8]);
+                mma_bf16(o[nd], pf[kk], b[0], b[1]);
+                mma_bf16(o[nd + 1], pf[kk], b[2], b[3]);
+            }
+        }
+        }
+        // All warps are done with this stage before the next iteration refills it.
+        __syncthreads();
+    }
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f, inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+#pragma unroll
+    for (int nd = 0; nd < HD / 8; ++nd) {
+        int c = nd * 8 + tq * 2;
+        if (valid_a)
+            *reinterpret_cast<u32*>(out + ((u64)(tok0 + row_a) * num_heads + h) * HD + c) =
+                pack_bf16x2(o[nd][0] * inv_a, o[nd][1] * inv_a);
+        if (valid_b)
+            *reinterpret_cast<u32*>(out + ((u64)(tok0 + row_b) * num_heads + h) * HD + c) =
+                pack_bf16x2(o[nd][2] * inv_b, o[nd][3] * inv_b);
+    }
+}
+
+#define FLASH_PREFILL(HD)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) flash_prefill_hd##HD(                                     \
+        const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok, const int* seq_len,     \
+        const int* seq_pos, const int* block_tables, const int* meta_stride, int num_heads, int num_kv_heads,     \
+        int layer, int num_layers, int block_size, float scale_log2) {                                          \
+        flash_prefill<HD>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads, \
+                          num_kv_heads, layer, num_layers, block_size, scale_log2);                             \
+    }
+FLASH_PREFILL(64)
+FLASH_PREFILL(128)
+
+// ---------------------------------------------------------------------------------------------
+// Sampling. One block (1024 threads) per row of f32 logits.
+//
+// params[r] = {temperature, top_p, uniform} as floats and top_k in ints[r] (0 = all).
+// temperature 0 is greedy: the highest logit, ties to the lowest id. Otherwise: logits /
+// temperature, keep the top_k largest, then the smallest set of largest whose probability
+// mass reaches top_p, and draw `uniform` (in [0, 1), from the request's own seeded stream)
+// over what is kept, in id order.
+
+// Monotone map from float to unsigned (larger float -> larger key).
+__device__ __forceinline__ u32 fkey(float f) {
+    u32 u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+extern "C" __global__ void ban_tokens(float* logits, int vocab, const int* ban_row, const int* ban_tok, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n && ban_tok[i] >= 0 && ban_tok[i] < vocab) logits[(u64)ban_row[i] * vocab + ban_tok[i]] = NEG_INF;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logits, int vocab, const float* params,
+                                                                const int* top_ks, int* tokens) {
+    __shared__ float fscratch[32];
+    __shared__ float prefix[1024];
+    int r = blockIdx.x;
+    const float* row = logits + (u64)r * vocab;
+    float temperature = params[3 * r], top_p = params[3 * r + 1], uniform = params[3 * r + 2];
+    int top_k = top_ks[r];
+    int tid = threadIdx.x, nt = blockDim.x;
+
+    // Greedy / the row maximum: best value, lowest index on ties.
+    float best = NEG_INF;
+    int best_i = 0x7fffffff;
+    for (int i = tid; i < vocab; i += nt) {
+        float v = row[i];
+        if (v > best) { best = v; best_i = i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+        if (ov > best || (ov == best && oi < best_i)) { best = ov; best_i = oi; }
+    }
+    __shared__ float wbest[32];
+    __shared__ int wbest_i[32];
+    if ((tid & 31) == 0) { wbest[tid >> 5] = best; wbest_i[tid >> 5] = best_i; }
+    __syncthreads();
+    if (tid < 32) {
+        best = tid < nt / 32 ? wbest[tid] : NEG_INF;
+        best_i = tid < nt / 32 ? wbest_i[tid] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+            if (ov > best || (ov == best && oi < best_i)) { best = ov; best_i = oi; }
+        }
+        if (tid == 0) { wbest[0] = best; wbest_i[0] = best_i; }
+    }
+    __syncthreads();
+    float row_max = wbest[0];
+    int argmax = wbest_i[0];
+    if (temperature <= 0.0f || row_max == NEG_INF) {
+        if (tid == 0) tokens[r] = argmax == 0x7fffffff ? 0 : argmax;
+        return;
+    }
+    float inv_t = 1.0f / temperature;
+
+    // Top-k threshold: the largest key K with count(key >= K) >= top_k, bit by bit.
+    u32 kth = 0;
+    if (top_k > 0 && top_k < vocab) {
+        for (int bit = 31; bit >= 0; --bit) {
+            u32 cand = kth | (1u << bit);
+            float c = 0.0f;
+            for (int i = tid; i < vocab; i += nt) c += fkey(row[i]) >= cand ? 1.0f : 0.0f;
+            c = block_sum(c, fscratch);
+            if (c >= (float)top_k) kth = cand;
+        }
+    }
+    // Probability mass (unnormalised) of what top-k keeps.
+    float z = 0.0f;
+    for (int i = tid; i < vocab; i += nt) {
+        float v = row[i];
+        if (fkey(v) >= kth) z += __expf((v - row_max) * inv_t);
+    }
+    z = block_sum(z, fscratch);
+    // Top-p threshold: the largest key P with mass(key >= max(P, kth)) >= top_p * z.
+    u32 pth = kth;
+    if (top_p < 1.0f) {
+        u32 p = 0;
+        for (int bit = 31; bit >= 0; --bit) {
+            u32 cand = p | (1u << bit);
+            u32 floor_key = cand > kth ? cand : kth;
+            float mass = 0.0f;
+            for (int i = tid; i < vocab; i += nt) {
+                float v = row[i];
+                if (fkey(v) >= floor_key) mass += __expf((v - row_max) * inv_t);
+            }
+            mass = block_sum(mass, fscratch);
+            if (mass >= top_p * z) p = cand;
+        }
+        pth = p > kth ? p : kth;
+    }
+    // Draw over the kept tokens in id order: each thread owns a contiguous range of ids, thread
+    // 0 finds the range the draw falls in, its owner walks it.
+    int per = (vocab + nt - 1) / nt;
+    int begin = min(vocab, tid * per), end = min(vocab, begin + per);
+    float mine = 0.0f;
+    for (int i = begin; i < end; ++i) {
+        float v = row[i];
+        if (fkey(v) >= pth) mine += __expf((v - row_max) * inv_t);
+    }
+    prefix[tid] = mine;
+    __shared__ int owner;
+    __shared__ float owner_start, target;
+    __syncthreads();
+    if (tid == 0) {
+        float total = 0.0f;
+        for (int i = 0; i < nt; ++i) total += prefix[i];
+        target = uniform * total;
+        float run = 0.0f;
+        owner = -1;
+        owner_start = 0.0f;
+        for (int i = 0; i < nt; ++i) {
+            // The last non-empty range starting at or before the target owns it (so rounding
+            // past the end still lands on a kept token).
+            if (prefix[i] > 0.0f && run <= target) {
+                owner = i;
+                owner_start = run;
+            }
+            run += prefix[i];
+        }
+        if (owner < 0) tokens[r] = argmax;
+    }
+    __syncthreads();
+    if (tid == owner) {
+        float run = owner_start;
+        int pick = -1;
+        for (int i = begin; i < end; ++i) {
+            float v = row[i];
+            if (fkey(v) >= pth) {
+                pick = i;
+                run += __expf((v - row_max) * inv_t);
+                if (run > target) break;
+            }
+        }
+        tokens[r] = pick;
+    }
+}

@@ -1,0 +1,518 @@
+//! The CUDA backend: a device, its stream, cuBLAS for the matrix products and this project's
+//! own kernels (`kernels.cu`) for everything else.
+//!
+//! CUDA libraries are loaded at run time (cudarc's dynamic loading): a build made on a machine
+//! without CUDA runs there on CPU, and [`CudaDevice::open`] says why a GPU is not usable instead
+//! of failing to start. Kernels are compiled with NVRTC on first use and the compiled image
+//! is cached on disk, keyed by the source hash and the GPU arch ([`kernel_cache_path`]).
+//!
+//! Everything runs on one stream. Buffers are handed to kernels as raw device addresses
+//! ([`DevBuf::ptr`]); the owner of a [`DevBuf`] keeps it alive for as long as work that uses it
+//! may be queued (the model owns its buffers for its whole life and synchronizes before it
+//! returns results), which is what makes the launches in [`ops`] sound.
+
+pub mod ops;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use cudarc::nvrtc::Ptx;
+
+/// The kernels' CUDA C source, embedded in the binary.
+pub const KERNEL_SOURCE: &str = include_str!("kernels.cu");
+
+/// Every kernel `kernels.cu` defines (the loader checks each one is present).
+pub const KERNEL_NAMES: &[&str] = &[
+    "preset_uniform",
+    "fill_bf16",
+    "embed_gather",
+    "add_rms_norm",
+    "silu_mul",
+    "add_bias",
+    "qkv_rope_cache",
+    "attention_rows",
+    "flash_prefill_hd64",
+    "flash_prefill_hd128",
+    "ban_tokens",
+    "sample_rows",
+];
+
+/// Why the CUDA backend could not do something.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaError {
+    /// A CUDA library is missing or no device is present.
+    #[error("CUDA is not available: {0}")]
+    Unavailable(String),
+    /// The driver API failed.
+    #[error("CUDA driver error: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    /// cuBLAS failed.
+    #[error("cuBLAS error: {0}")]
+    Blas(#[from] cudarc::cublas::result::CublasError),
+    /// NVRTC could not compile the kernels.
+    #[error("compiling the CUDA kernels for {arch} failed:\n{log}")]
+    Compile {
+        /// Target arch, e.g. `sm_90`.
+        arch: String,
+        /// The compiler's log.
+        log: String,
+    },
+    /// Not enough device memory.
+    #[error("out of GPU memory: {0}")]
+    OutOfMemory(String),
+}
+
+/// Checks that the CUDA driver, cuBLAS and NVRTC libraries can be loaded, without touching a
+/// device. The message names what is missing.
+pub fn libraries_present() -> Result<(), CudaError> {
+    // Safety: these only try to dlopen the libraries by name.
+    let (driver, blas, nvrtc) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::cublas::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+        )
+    };
+    let missing: Vec<&str> = [(driver, "libcuda (the NVIDIA driver)"), (blas, "libcublas"), (nvrtc, "libnvrtc")]
+        .iter()
+        .filter(|(ok, _)| !ok)
+        .map(|(_, n)| *n)
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(CudaError::Unavailable(format!(
+            "cannot load {} (set LD_LIBRARY_PATH to the CUDA 13 libraries)",
+            missing.join(", ")
+        )))
+    }
+}
+
+/// Whether NVRTC alone can be loaded (enough to compile kernels, e.g. in CI without a GPU).
+pub fn nvrtc_present() -> bool {
+    // Safety: only tries to dlopen the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+fn source_hash() -> u64 {
+    // FNV-1a: stable across builds and platforms (std's hasher is not).
+    let mut h = 0xcbf29ce484222325u64;
+    for b in KERNEL_SOURCE.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// Where the compiled image for `arch` (e.g. `sm_90`) is cached:
+/// `$TANDEM_CACHE_DIR` or `$XDG_CACHE_HOME/tandem` or `~/.cache/tandem`, then
+/// `kernels-<source hash>-<arch>.cubin`.
+pub fn kernel_cache_path(arch: &str) -> Option<PathBuf> {
+    let dir = std::env::var_os("TANDEM_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("tandem")))
+        .or_else(|| std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/tandem")))?;
+    Some(dir.join(format!("kernels-{:016x}-{arch}.cubin", source_hash())))
+}
+
+/// Compiles [`KERNEL_SOURCE`] for `arch` (e.g. `sm_90`) with NVRTC and returns the CUBIN.
+/// Needs only the NVRTC library, not a GPU.
+pub fn compile_kernels(arch: &str) -> Result<Vec<u8>, CudaError> {
+    use cudarc::nvrtc::{result, sys};
+    let fail = |log: String| CudaError::Compile { arch: arch.to_string(), log };
+    let src = std::ffi::CString::new(KERNEL_SOURCE).map_err(|e| fail(e.to_string()))?;
+    let name = std::ffi::CString::new("tandem_kernels.cu").map_err(|e| fail(e.to_string()))?;
+    let prog = result::create_program(&src, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
+    let mut opts = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--use_fast_math".to_string(),
+        "--fmad=true".to_string(),
+    ];
+    // TANDEM_NVRTC_VERBOSE=1 prints ptxas' register / shared memory / spill report.
+    let verbose = std::env::var_os("TANDEM_NVRTC_VERBOSE").is_some();
+    if verbose {
+        opts.push("--ptxas-options=-v".to_string());
+    }
+    // Safety: `prog` is a live program created above and destroyed once at the end; the
+    // buffers handed to NVRTC are sized from the sizes it reports.
+    unsafe {
+        let compiled = result::compile_program(prog, &opts);
+        let out = match compiled {
+            Err(e) => {
+                let log = result::get_program_log(prog)
+                    .map(|l| std::ffi::CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                Err(fail(format!("{e:?}\n{log}")))
+            }
+            Ok(()) => {
+                if verbose {
+                    if let Ok(l) = result::get_program_log(prog) {
+                        eprintln!("{}", std::ffi::CStr::from_ptr(l.as_ptr()).to_string_lossy());
+                    }
+                }
+                let mut size = 0usize;
+                let status = sys::nvrtcGetCUBINSize(prog, &mut size);
+                if status != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+                    Err(fail(format!("no CUBIN produced ({status:?})")))
+                } else {
+                    let mut cubin = vec![0u8; size];
+                    let status = sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast());
+                    if status == sys::nvrtcResult::NVRTC_SUCCESS {
+                        Ok(cubin)
+                    } else {
+                        Err(fail(format!("reading the CUBIN failed ({status:?})")))
+                    }
+                }
+            }
+        };
+        let _ = result::destroy_program(prog);
+        out
+    }
+}
+
+/// A device allocation with its raw address, for kernel arguments.
+pub struct DevBuf<T> {
+    slice: CudaSlice<T>,
+    ptr: u64,
+}
+
+impl<T: DeviceRepr> DevBuf<T> {
+    fn wrap(slice: CudaSlice<T>, stream: &CudaStream) -> Self {
+        let ptr = {
+            let (ptr, _sync) = slice.device_ptr(stream);
+            ptr
+        };
+        Self { slice, ptr }
+    }
+
+    /// Device address of element 0.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Device address of element `i`.
+    pub fn ptr_at(&self, i: usize) -> u64 {
+        self.ptr + (i * std::mem::size_of::<T>()) as u64
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.slice.len() == 0
+    }
+}
+
+/// Loaded kernels, by name.
+pub struct Kernels {
+    _module: Arc<CudaModule>,
+    funcs: std::collections::HashMap<&'static str, CudaFunction>,
+}
+
+impl Kernels {
+    /// The kernel `name` (one of [`KERNEL_NAMES`]).
+    pub(crate) fn get(&self, name: &str) -> &CudaFunction {
+        // Every name is loaded (and checked) in `CudaDevice::open`; asking for another is a
+        // programming error in this crate.
+        &self.funcs[name]
+    }
+}
+
+/// One GPU: context, stream, cuBLAS handle and the compiled kernels.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    _blas_workspace: CudaSlice<u8>,
+    kernels: Kernels,
+    ordinal: usize,
+    name: String,
+    arch: String,
+    sm_count: u32,
+}
+
+// Safety: the device is used from one thread at a time (the engine thread owns its model);
+// cudarc's handles are Send, and the raw cuBLAS handle is bound to our own stream.
+unsafe impl Send for CudaDevice {}
+
+impl CudaDevice {
+    /// Opens GPU `ordinal`: loads the libraries, creates the stream and cuBLAS handle, and
+    /// loads the kernels (compiling them with NVRTC if no cached image matches).
+    pub fn open(ordinal: usize) -> Result<Self, CudaError> {
+        libraries_present()?;
+        let count = CudaContext::device_count().map_err(|e| CudaError::Unavailable(format!("{e:?}")))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(CudaError::Unavailable(format!("cuda:{ordinal} requested but {count} GPU(s) are visible")));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // One stream, every buffer owned for the model's life: cudarc's per-buffer event
+        // tracking would only add overhead (and break graph capture).
+        // Safety: we use a single stream; see the module docs.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let blas = CudaBlas::new(stream.clone())?;
+        // A fixed cuBLAS workspace, so no allocation happens inside a CUDA graph capture.
+        let workspace_bytes = 32 << 20;
+        let workspace = stream.alloc_zeros::<u8>(workspace_bytes)?;
+        {
+            let (wptr, _s) = workspace.device_ptr(&stream);
+            // Safety: the workspace lives as long as the handle (both owned by self).
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), wptr as *mut _, workspace_bytes).result()?;
+            }
+        }
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = format!("sm_{major}{minor}");
+        let name = ctx.name()?;
+        let sm_count =
+            ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let module = ctx.load_module(Ptx::from_binary(Self::cubin(&arch)?))?;
+        let mut funcs = std::collections::HashMap::new();
+        for &n in KERNEL_NAMES {
+            funcs.insert(n, module.load_function(n)?);
+        }
+        // The prefill kernels keep two stages of K/V tiles in more than the default 48 KiB.
+        for (name, hd) in [("flash_prefill_hd64", 64), ("flash_prefill_hd128", 128)] {
+            funcs[name].set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                ops::flash_smem_bytes(hd) as i32,
+            )?;
+        }
+        Ok(Self {
+            ctx,
+            stream,
+            blas,
+            _blas_workspace: workspace,
+            kernels: Kernels { _module: module, funcs },
+            ordinal,
+            name,
+            arch,
+            sm_count,
+        })
+    }
+
+    fn cubin(arch: &str) -> Result<Vec<u8>, CudaError> {
+        let path = kernel_cache_path(arch);
+        if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
+            tracing::debug!(path = %path.as_ref().map(|p| p.display().to_string()).unwrap_or_default(), "cached kernels");
+            return Ok(bytes);
+        }
+        let started = std::time::Instant::now();
+        let cubin = compile_kernels(arch)?;
+        tracing::info!(arch, ms = started.elapsed().as_millis() as u64, "compiled CUDA kernels with NVRTC");
+        if let Some(p) = path {
+            // A cache that cannot be written only costs a compile next time.
+            let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+            let written = p.parent().map(std::fs::create_dir_all).transpose().is_ok()
+                && std::fs::write(&tmp, &cubin).is_ok()
+                && std::fs::rename(&tmp, &p).is_ok();
+            if !written {
+                tracing::warn!(path = %p.display(), "could not cache the compiled kernels");
+            }
+        }
+        Ok(cubin)
+    }
+
+    /// `cuda:N (NAME, sm_XY)`.
+    pub fn describe(&self) -> String {
+        format!("cuda:{} ({}, {})", self.ordinal, self.name, self.arch)
+    }
+
+    /// The GPU's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Multiprocessors (for sizing grid-stride launches).
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize), CudaError> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// The stream all work goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// A zeroed buffer of `n` elements.
+    pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, n: usize) -> Result<DevBuf<T>, CudaError> {
+        let s = self.stream.alloc_zeros::<T>(n.max(1)).map_err(|e| oom(e, n * std::mem::size_of::<T>()))?;
+        Ok(DevBuf::wrap(s, &self.stream))
+    }
+
+    /// A buffer holding a copy of `data`.
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<DevBuf<T>, CudaError> {
+        let s = if data.is_empty() {
+            // Safety: a one-element allocation nobody reads; keeps pointers non-null.
+            unsafe { self.stream.alloc::<T>(1)? }
+        } else {
+            self.stream.clone_htod(data).map_err(|e| oom(e, std::mem::size_of_val(data)))?
+        };
+        Ok(DevBuf::wrap(s, &self.stream))
+    }
+
+    /// Copies `data` into `dst` starting at element `offset`. The copy is from pageable host
+    /// memory, so it has completed (been staged) when this returns and `data` may change.
+    pub fn write<T: DeviceRepr>(&self, dst: &mut DevBuf<T>, offset: usize, data: &[T]) -> Result<(), CudaError> {
+        assert!(offset + data.len() <= dst.len(), "write of {}+{} elements into {}", offset, data.len(), dst.len());
+        if data.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.slice.slice_mut(offset..offset + data.len());
+        self.stream.memcpy_htod(data, &mut view)?;
+        Ok(())
+    }
+
+    /// Copies the first `n` elements of `src` to the host (waits for queued work).
+    pub fn read<T: DeviceRepr + Default + Clone>(&self, src: &DevBuf<T>, n: usize) -> Result<Vec<T>, CudaError> {
+        let mut out = vec![T::default(); n];
+        if n > 0 {
+            self.stream.memcpy_dtoh(&src.slice.slice(0..n), &mut out)?;
+        }
+        self.stream.synchronize()?;
+        Ok(out)
+    }
+
+    pub(crate) fn blas(&self) -> &CudaBlas {
+        &self.blas
+    }
+
+    pub(crate) fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+
+    /// Starts capturing the stream's work into a CUDA graph.
+    pub fn begin_capture(&self) -> Result<(), CudaError> {
+        Ok(self.stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?)
+    }
+
+    /// Ends a capture and instantiates the graph.
+    pub fn end_capture(&self) -> Result<Graph, CudaError> {
+        let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
+        let graph = self
+            .stream
+            .end_capture(flags)?
+            .ok_or_else(|| CudaError::Unavailable("stream capture produced no graph".into()))?;
+        Ok(Graph(graph))
+    }
+
+    /// Times `f` on the stream with CUDA events, in milliseconds.
+    pub fn time_ms(&self, f: impl FnOnce() -> Result<(), CudaError>) -> Result<f64, CudaError> {
+        let start = self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        let end = self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        start.record(&self.stream)?;
+        f()?;
+        end.record(&self.stream)?;
+        end.synchronize()?;
+        Ok(start.elapsed_ms(&end)? as f64)
+    }
+
+    /// Device-to-device copy of `bytes` from `src` to `dst` (raw addresses).
+    pub fn copy_d2d(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
+        // Safety: callers pass addresses of live allocations at least `bytes` long.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())?;
+        }
+        Ok(())
+    }
+}
+
+/// A captured, instantiated CUDA graph that replays on the device's stream.
+pub struct Graph(cudarc::driver::CudaGraph);
+
+// Safety: a graph is used by the thread that owns its device (the engine thread); the handle
+// moves with the model when the engine starts, it is never shared.
+unsafe impl Send for Graph {}
+
+impl Graph {
+    /// Queues one replay.
+    pub fn launch(&self) -> Result<(), CudaError> {
+        Ok(self.0.launch()?)
+    }
+}
+
+/// Device copy bandwidth in bytes per second, counting bytes read plus bytes written, over a
+/// `bytes`-sized device-to-device copy (median of `repeats`). The decode floor's denominator.
+pub fn measure_copy_bandwidth(dev: &CudaDevice, bytes: usize, repeats: usize) -> Result<f64, CudaError> {
+    let src = dev.zeros::<u8>(bytes)?;
+    let dst = dev.zeros::<u8>(bytes)?;
+    dev.copy_d2d(dst.ptr(), src.ptr(), bytes)?;
+    let mut times: Vec<f64> = (0..repeats.max(1))
+        .map(|_| dev.time_ms(|| dev.copy_d2d(dst.ptr(), src.ptr(), bytes)))
+        .collect::<Result<_, _>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok(2.0 * bytes as f64 / (times[times.len() / 2] / 1e3))
+}
+
+/// cuBLAS bf16 matrix-product rate in FLOP/s for `m x n x k` (median of `repeats`) on random
+/// (not zero) inputs. The prefill floor's denominator.
+pub fn measure_gemm_rate(dev: &CudaDevice, m: usize, n: usize, k: usize, repeats: usize) -> Result<f64, CudaError> {
+    let a = dev.zeros::<u16>(m * k)?;
+    let b = dev.zeros::<u16>(n * k)?;
+    let c = dev.zeros::<u16>(m * n)?;
+    ops::preset_uniform(dev, a.ptr(), (m * k) as u64, 1, 1.0)?;
+    ops::preset_uniform(dev, b.ptr(), (n * k) as u64, 2, 1.0)?;
+    ops::matmul_t(dev, a.ptr(), b.ptr(), c.ptr(), m, n, k, false)?;
+    let mut times: Vec<f64> = (0..repeats.max(1))
+        .map(|_| dev.time_ms(|| ops::matmul_t(dev, a.ptr(), b.ptr(), c.ptr(), m, n, k, false)))
+        .collect::<Result<_, _>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok(2.0 * (m * n * k) as f64 / (times[times.len() / 2] / 1e3))
+}
+
+fn oom(e: cudarc::driver::DriverError, bytes: usize) -> CudaError {
+    if format!("{e:?}").contains("OUT_OF_MEMORY") {
+        CudaError::OutOfMemory(format!("allocating {:.1} MiB", bytes as f64 / (1 << 20) as f64))
+    } else {
+        CudaError::Driver(e)
+    }
+}
+
+/// Parses `cpu`, `cuda` or `cuda:N`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    /// The CPU backend (f32).
+    #[default]
+    Cpu,
+    /// GPU `N` (bf16).
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" | "gpu" => Ok(Self::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| format!("unknown device `{s}`: use cpu, cuda or cuda:N")),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}

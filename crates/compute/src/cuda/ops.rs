@@ -1,0 +1,386 @@
+//! Typed launches of the kernels in `kernels.cu` and the cuBLAS matrix product.
+//!
+//! Arguments are raw device addresses ([`super::DevBuf::ptr`]); 0 stands for "none" where a
+//! kernel takes an optional input. Every function only queues work on the device's stream.
+
+use cudarc::cublas::sys as blas;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{CudaDevice, CudaError};
+
+fn cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn grid_stride(dev: &CudaDevice, total: u64) -> LaunchConfig {
+    let blocks = total.div_ceil(256).min(dev.sm_count() as u64 * 16).max(1) as u32;
+    cfg((blocks, 1), 256)
+}
+
+macro_rules! launch {
+    (@push $b:ident;) => {};
+    (@push $b:ident; $x:expr $(, $rest:expr)*) => {
+        // Each argument gets its own binding that lives until the launch below.
+        let value = $x;
+        $b.arg(&value);
+        launch!(@push $b; $($rest),*);
+    };
+    ($dev:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        let f = $dev.kernels().get($name);
+        let mut b = $dev.stream().launch_builder(f);
+        launch!(@push b; $($arg),+);
+        // Safety: argument types and order match the kernel's signature in kernels.cu, and
+        // every address points into a live allocation sized for the launch (callers' contract,
+        // see the module docs of `cuda`).
+        unsafe { b.launch($cfg) }.map(|_| ()).map_err(CudaError::from)
+    }};
+}
+
+/// Matrix product `y[t, n] = x[t, k] · w[n, k]ᵀ`, bf16 inputs, f32 accumulation, output bf16
+/// (or f32 when `f32_out`).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_t(
+    dev: &CudaDevice,
+    x: u64,
+    w: u64,
+    y: u64,
+    t: usize,
+    n: usize,
+    k: usize,
+    f32_out: bool,
+) -> Result<(), CudaError> {
+    if t == 0 {
+        return Ok(());
+    }
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let out_type = if f32_out { blas::cudaDataType::CUDA_R_32F } else { blas::cudaDataType::CUDA_R_16BF };
+    // Column-major view: y^T (n x t) = w (as k x n, transposed) times x^T (k x t).
+    // Safety: the addresses are live device allocations of the stated shapes (caller), alpha
+    // and beta are host scalars that outlive the call.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *dev.blas().handle(),
+            blas::cublasOperation_t::CUBLAS_OP_T,
+            blas::cublasOperation_t::CUBLAS_OP_N,
+            n as i32,
+            t as i32,
+            k as i32,
+            (&alpha as *const f32).cast(),
+            w as *const _,
+            blas::cudaDataType::CUDA_R_16BF,
+            k as i32,
+            x as *const _,
+            blas::cudaDataType::CUDA_R_16BF,
+            k as i32,
+            (&beta as *const f32).cast(),
+            y as *mut _,
+            out_type,
+            n as i32,
+            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )?;
+    }
+    Ok(())
+}
+
+/// Fills `n` bf16 elements at `out` with the seeded uniform values of `preset_uniform`.
+pub fn preset_uniform(dev: &CudaDevice, out: u64, n: u64, stream_seed: u64, amp: f32) -> Result<(), CudaError> {
+    launch!(dev, "preset_uniform", grid_stride(dev, n), out, n, stream_seed, amp)
+}
+
+/// Fills `n` bf16 elements with `value`.
+pub fn fill_bf16(dev: &CudaDevice, out: u64, n: u64, value: f32) -> Result<(), CudaError> {
+    launch!(dev, "fill_bf16", grid_stride(dev, n), out, n, value)
+}
+
+/// `x[t] = table[ids[t]]` as f32, for `tokens` rows of `hidden`.
+pub fn embed_gather(
+    dev: &CudaDevice,
+    table: u64,
+    ids: u64,
+    x: u64,
+    tokens: usize,
+    hidden: usize,
+) -> Result<(), CudaError> {
+    launch!(dev, "embed_gather", cfg((tokens as u32, 1), 256), table, ids, x, hidden as i32)
+}
+
+/// `out[r] = rms_norm(x[rows[r]]) * w` for `num_rows` rows (rows = 0: row r itself), after
+/// `x += delta` when `delta` is non-zero.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm(
+    dev: &CudaDevice,
+    x: u64,
+    delta: u64,
+    rows: u64,
+    w: u64,
+    out: u64,
+    num_rows: usize,
+    hidden: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    if num_rows == 0 {
+        return Ok(());
+    }
+    // Each thread keeps up to 32 values of its row in registers.
+    let block = if hidden <= 256 * 32 { 256 } else { 1024 };
+    assert!(
+        hidden <= 1024 * 32 && hidden.is_multiple_of(4),
+        "hidden size {hidden} is not supported by the norm kernel"
+    );
+    launch!(dev, "add_rms_norm", cfg((num_rows as u32, 1), block), x, delta, rows, w, out, hidden as i32, eps)
+}
+
+/// `out[t, i] = silu(gu[t, i]) * gu[t, inter + i]` (`inter` even).
+pub fn silu_mul(dev: &CudaDevice, gu: u64, out: u64, tokens: usize, inter: usize) -> Result<(), CudaError> {
+    if tokens == 0 {
+        return Ok(());
+    }
+    assert!(inter.is_multiple_of(2), "intermediate size {inter} must be even");
+    launch!(dev, "silu_mul", cfg((inter.div_ceil(512) as u32, tokens as u32), 256), gu, out, inter as i32)
+}
+
+/// `y[t, j] += bias[j]`, y bf16 or f32.
+pub fn add_bias(dev: &CudaDevice, y: u64, bias: u64, tokens: usize, cols: usize, f32_y: bool) -> Result<(), CudaError> {
+    let total = (tokens * cols) as u64;
+    launch!(dev, "add_bias", grid_stride(dev, total), y, bias, cols as i32, total, f32_y as i32)
+}
+
+/// Shapes of one attention layer over the paged cache.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// This layer.
+    pub layer: usize,
+    /// Layers in the cache.
+    pub num_layers: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+/// Inputs of the fused q/k-norm + RoPE + cache-write kernel.
+#[derive(Clone, Copy, Debug)]
+pub struct QkvRope {
+    /// `[t, (heads + 2 kv_heads) * head_dim]` bf16.
+    pub qkv: u64,
+    /// Optional qkv bias.
+    pub bias: u64,
+    /// Optional q and k RMSNorm weights (Qwen3).
+    pub q_norm: u64,
+    /// See `q_norm`.
+    pub k_norm: u64,
+    /// RoPE cos table `[position][head_dim / 2]`.
+    pub cos: u64,
+    /// RoPE sin table.
+    pub sin: u64,
+    /// `[t]` positions.
+    pub positions: u64,
+    /// `[t]` cache slots (block * block_size + slot, -1 to skip).
+    pub slots: u64,
+    /// `[t, heads, head_dim]` output queries.
+    pub q_out: u64,
+    /// The KV cache.
+    pub cache: u64,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+}
+
+/// Normalises (Qwen3), rotates and stores one layer's keys and values into the paged cache,
+/// and writes the rotated queries to `q_out`.
+pub fn qkv_rope_cache(dev: &CudaDevice, a: &QkvRope, s: &AttnShape, tokens: usize) -> Result<(), CudaError> {
+    if tokens == 0 {
+        return Ok(());
+    }
+    assert!(s.head_dim <= 256 && s.head_dim.is_multiple_of(32), "head_dim {} not supported", s.head_dim);
+    launch!(
+        dev,
+        "qkv_rope_cache",
+        cfg((tokens as u32, (s.num_heads + 2 * s.num_kv_heads).div_ceil(4) as u32), 128),
+        a.qkv,
+        a.bias,
+        a.q_norm,
+        a.k_norm,
+        a.cos,
+        a.sin,
+        a.positions,
+        a.slots,
+        a.q_out,
+        a.cache,
+        s.num_heads as i32,
+        s.num_kv_heads as i32,
+        s.head_dim as i32,
+        s.layer as i32,
+        s.num_layers as i32,
+        s.block_size as i32,
+        a.eps
+    )
+}
+
+/// Per-token metadata the attention kernels read.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnMeta {
+    /// `[t]` positions.
+    pub positions: u64,
+    /// `[t]` sequence index of each token (its block-table row).
+    pub tok_seq: u64,
+    /// `[seq][stride]` block tables.
+    pub block_tables: u64,
+    /// One int: the block tables' row stride.
+    pub stride: u64,
+}
+
+/// Most query heads per KV head the row kernel takes.
+pub const ATTN_MAX_GROUP: usize = 8;
+
+/// Attention for the tokens listed in `token_list` (or tokens `0..count` when 0), one block per
+/// (token, KV head): decode, and any shape the tensor-core kernel does not take.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_rows(
+    dev: &CudaDevice,
+    q: u64,
+    cache: u64,
+    out: u64,
+    m: &AttnMeta,
+    token_list: u64,
+    count: usize,
+    s: &AttnShape,
+) -> Result<(), CudaError> {
+    if count == 0 {
+        return Ok(());
+    }
+    assert!(s.head_dim <= 256 && s.head_dim.is_multiple_of(8), "head_dim {} not supported", s.head_dim);
+    assert!(s.num_heads / s.num_kv_heads <= ATTN_MAX_GROUP, "more than {ATTN_MAX_GROUP} query heads per KV head");
+    let scale = 1.0 / (s.head_dim as f32).sqrt();
+    launch!(
+        dev,
+        "attention_rows",
+        cfg((count as u32, s.num_kv_heads as u32), 128),
+        q,
+        cache,
+        out,
+        m.positions,
+        m.tok_seq,
+        m.block_tables,
+        m.stride,
+        token_list,
+        s.num_heads as i32,
+        s.num_kv_heads as i32,
+        s.head_dim as i32,
+        s.layer as i32,
+        s.num_layers as i32,
+        s.block_size as i32,
+        scale
+    )
+}
+
+/// Whether the tensor-core prefill kernel takes this head size.
+pub fn flash_supported(head_dim: usize) -> bool {
+    matches!(head_dim, 64 | 128)
+}
+
+/// Sequence tables for the prefill kernel.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillSeqs {
+    /// `[2 * items]` (sequence, first query of the 64-query tile).
+    pub work: u64,
+    /// Work items.
+    pub num_items: usize,
+    /// `[seq]` first token in the batch.
+    pub seq_tok: u64,
+    /// `[seq]` tokens in the batch.
+    pub seq_len: u64,
+    /// `[seq]` position of the first token.
+    pub seq_pos: u64,
+}
+
+/// Dynamic shared memory of the prefill kernel for `head_dim` (FLASH_SMEM_BYTES in kernels.cu).
+pub fn flash_smem_bytes(head_dim: usize) -> u32 {
+    (2 * 2 * 64 * (head_dim + 8) * 2) as u32
+}
+
+/// Rows of queries one prefill work item covers.
+pub const FLASH_ROWS: usize = 64;
+
+/// Causal attention of prefill chunks over the paged cache with tensor cores.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_prefill(
+    dev: &CudaDevice,
+    q: u64,
+    cache: u64,
+    out: u64,
+    p: &PrefillSeqs,
+    m: &AttnMeta,
+    s: &AttnShape,
+) -> Result<(), CudaError> {
+    if p.num_items == 0 {
+        return Ok(());
+    }
+    let name = match s.head_dim {
+        64 => "flash_prefill_hd64",
+        128 => "flash_prefill_hd128",
+        d => panic!("flash_prefill called for head_dim {d}; check flash_supported first"),
+    };
+    let scale_log2 = std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt();
+    let config = LaunchConfig {
+        grid_dim: (s.num_heads as u32, p.num_items as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: flash_smem_bytes(s.head_dim),
+    };
+    launch!(
+        dev,
+        name,
+        config,
+        q,
+        cache,
+        out,
+        p.work,
+        p.seq_tok,
+        p.seq_len,
+        p.seq_pos,
+        m.block_tables,
+        m.stride,
+        s.num_heads as i32,
+        s.num_kv_heads as i32,
+        s.layer as i32,
+        s.num_layers as i32,
+        s.block_size as i32,
+        scale_log2
+    )
+}
+
+/// Sets `logits[ban_row[i], ban_tok[i]] = -inf` for `n` pairs.
+pub fn ban_tokens(
+    dev: &CudaDevice,
+    logits: u64,
+    vocab: usize,
+    ban_row: u64,
+    ban_tok: u64,
+    n: usize,
+) -> Result<(), CudaError> {
+    if n == 0 {
+        return Ok(());
+    }
+    launch!(dev, "ban_tokens", cfg((n.div_ceil(256) as u32, 1), 256), logits, vocab as i32, ban_row, ban_tok, n as i32)
+}
+
+/// Picks one token per row of f32 logits: `params` holds `[temperature, top_p, uniform]` per
+/// row and `top_ks` one int per row (0 = no limit); temperature 0 is greedy.
+pub fn sample_rows(
+    dev: &CudaDevice,
+    logits: u64,
+    vocab: usize,
+    params: u64,
+    top_ks: u64,
+    tokens: u64,
+    rows: usize,
+) -> Result<(), CudaError> {
+    if rows == 0 {
+        return Ok(());
+    }
+    launch!(dev, "sample_rows", cfg((rows as u32, 1), 1024), logits, vocab as i32, params, top_ks, tokens)
+}

@@ -1,0 +1,265 @@
+//! The CUDA attention and sampling kernels against straightforward CPU references, on random
+//! inputs of many shapes. Runs where a GPU is present (scripts/gpu/run.sh); elsewhere each test
+//! says it skipped, unless `TANDEM_REQUIRE_CUDA=1` makes a missing GPU a failure.
+
+use tandem_compute::cuda::ops::{self, AttnMeta, AttnShape, PrefillSeqs, FLASH_ROWS};
+use tandem_compute::cuda::CudaDevice;
+
+fn device() -> Option<CudaDevice> {
+    match CudaDevice::open(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            assert!(std::env::var("TANDEM_REQUIRE_CUDA").map_or(true, |v| v != "1"), "no usable GPU: {e}");
+            eprintln!("skipping: {e}");
+            None
+        }
+    }
+}
+
+/// A small deterministic generator (tests need reproducible random inputs, not quality).
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 >> 11
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() as f64 / (1u64 << 53) as f64) as f32 * 2.0 - 1.0
+    }
+}
+
+fn bf16(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+fn f32_of(b: u16) -> f32 {
+    half::bf16::from_bits(b).to_f32()
+}
+
+struct Case {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    /// (tokens in the batch, position of the first) per sequence.
+    seqs: Vec<(usize, usize)>,
+}
+
+/// Runs one case through `attention_rows` (every token) and, where supported, `flash_prefill`
+/// (sequences with more than one token), and checks both against an f64 reference.
+fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
+    let (nh, nkv, hd, bs) = (case.heads, case.kv_heads, case.head_dim, case.block_size);
+    let num_layers = 2;
+    let layer = 1;
+    let total_tokens: usize = case.seqs.iter().map(|s| s.0).sum();
+    let blocks_per_seq: Vec<usize> = case.seqs.iter().map(|(n, p)| (n + p).div_ceil(bs)).collect();
+    let num_blocks: usize = blocks_per_seq.iter().sum::<usize>() + 3;
+    // Shuffled physical blocks, so tables are not contiguous.
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    let block_elems = num_layers * 2 * nkv * bs * hd;
+    let cache: Vec<u16> = (0..num_blocks * block_elems).map(|_| bf16(rng.uniform())).collect();
+    let q: Vec<u16> = (0..total_tokens * nh * hd).map(|_| bf16(rng.uniform() * 2.0)).collect();
+    let width = blocks_per_seq.iter().copied().max().unwrap_or(1);
+    let mut tables = vec![0i32; case.seqs.len() * width];
+    let mut next = 0;
+    let (mut positions, mut tok_seq, mut seq_tok, mut seq_len, mut seq_pos, mut work) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (si, &(n, p)) in case.seqs.iter().enumerate() {
+        for j in 0..blocks_per_seq[si] {
+            tables[si * width + j] = ids[next] as i32;
+            next += 1;
+        }
+        seq_tok.push(positions.len() as i32);
+        seq_len.push(n as i32);
+        seq_pos.push(p as i32);
+        for k in 0..n {
+            positions.push((p + k) as i32);
+            tok_seq.push(si as i32);
+        }
+        if n > 1 {
+            for q0 in (0..n).step_by(FLASH_ROWS) {
+                work.extend([si as i32, q0 as i32]);
+            }
+        }
+    }
+    let kv_at = |block: usize, slot: usize, kv: usize, kh: usize, d: usize| -> f64 {
+        let off = ((block * num_layers + layer) * 2 + kv) * nkv * bs * hd + kh * bs * hd + slot * hd + d;
+        f32_of(cache[off]) as f64
+    };
+    // Reference: causal softmax attention per token and head in f64.
+    let mut reference = vec![0.0f64; total_tokens * nh * hd];
+    for t in 0..total_tokens {
+        let si = tok_seq[t] as usize;
+        let ctx = positions[t] as usize + 1;
+        for h in 0..nh {
+            let kh = h / (nh / nkv);
+            let qv: Vec<f64> = (0..hd).map(|d| f32_of(q[(t * nh + h) * hd + d]) as f64).collect();
+            let scores: Vec<f64> = (0..ctx)
+                .map(|key| {
+                    let b = tables[si * width + key / bs] as usize;
+                    (0..hd).map(|d| qv[d] * kv_at(b, key % bs, 0, kh, d)).sum::<f64>() / (hd as f64).sqrt()
+                })
+                .collect();
+            let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
+            let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+            let z: f64 = w.iter().sum();
+            for d in 0..hd {
+                let mut acc = 0.0;
+                for (key, wk) in w.iter().enumerate() {
+                    let b = tables[si * width + key / bs] as usize;
+                    acc += wk * kv_at(b, key % bs, 1, kh, d);
+                }
+                reference[(t * nh + h) * hd + d] = acc / z;
+            }
+        }
+    }
+    let d_cache = dev.upload(&cache).unwrap();
+    let d_q = dev.upload(&q).unwrap();
+    let d_pos = dev.upload(&positions).unwrap();
+    let d_tok_seq = dev.upload(&tok_seq).unwrap();
+    let d_tables = dev.upload(&tables).unwrap();
+    let d_stride = dev.upload(&[width as i32]).unwrap();
+    let meta = AttnMeta {
+        positions: d_pos.ptr(),
+        tok_seq: d_tok_seq.ptr(),
+        block_tables: d_tables.ptr(),
+        stride: d_stride.ptr(),
+    };
+    let shape = AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, layer, num_layers, block_size: bs };
+    let poison = vec![bf16(f32::NAN); total_tokens * nh * hd];
+    let rel_err = |out: &[u16], only: &dyn Fn(usize) -> bool| -> f64 {
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for t in (0..total_tokens).filter(|t| only(*t)) {
+            for i in t * nh * hd..(t + 1) * nh * hd {
+                let o = f32_of(out[i]) as f64;
+                assert!(o.is_finite(), "element {i} (token {t}) not written or not finite");
+                num += (o - reference[i]).powi(2);
+                den += reference[i].powi(2);
+            }
+        }
+        (num / den.max(1e-30)).sqrt()
+    };
+    let label = format!("heads {nh}/{nkv} head_dim {hd} block {bs} seqs {:?}", case.seqs);
+
+    let mut d_out = dev.upload(&poison).unwrap();
+    ops::attention_rows(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &meta, 0, total_tokens, &shape).unwrap();
+    let out = dev.read(&d_out, poison.len()).unwrap();
+    let err = rel_err(&out, &|_| true);
+    assert!(err < 1e-2, "attention_rows, {label}: relative error {err:.2e}");
+
+    if ops::flash_supported(hd) && !work.is_empty() {
+        dev.write(&mut d_out, 0, &poison).unwrap();
+        let d_work = dev.upload(&work).unwrap();
+        let (d_st, d_sl, d_sp) =
+            (dev.upload(&seq_tok).unwrap(), dev.upload(&seq_len).unwrap(), dev.upload(&seq_pos).unwrap());
+        let p = PrefillSeqs {
+            work: d_work.ptr(),
+            num_items: work.len() / 2,
+            seq_tok: d_st.ptr(),
+            seq_len: d_sl.ptr(),
+            seq_pos: d_sp.ptr(),
+        };
+        ops::flash_prefill(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &p, &meta, &shape).unwrap();
+        let out = dev.read(&d_out, poison.len()).unwrap();
+        let in_prefill = |t: usize| case.seqs[tok_seq[t] as usize].0 > 1;
+        let err = rel_err(&out, &in_prefill);
+        assert!(err < 1e-2, "flash_prefill, {label}: relative error {err:.2e}");
+        eprintln!("{label}: flash ok ({err:.1e})");
+    }
+}
+
+#[test]
+fn attention_kernels_match_the_reference_over_many_shapes() {
+    let Some(dev) = device() else { return };
+    let mut rng = Lcg(7);
+    let mut n = 0;
+    for &(heads, kv_heads) in &[(4, 4), (8, 2), (32, 8), (16, 8)] {
+        for &head_dim in &[32, 64, 128] {
+            for &block_size in &[1, 8, 16, 32] {
+                if block_size == 1 && head_dim != 64 {
+                    continue;
+                }
+                // Decode tokens, a fresh prompt, a chunk continuing at position 33, lengths off
+                // block and tile boundaries.
+                let seqs = vec![(1, 0), (1, 40), (17, 0), (100, 33), (1, 130), (64, 0), (70, 5)];
+                check_attention(&dev, &Case { heads, kv_heads, head_dim, block_size, seqs }, &mut rng);
+                n += 1;
+            }
+        }
+    }
+    // One long prompt over many key tiles.
+    check_attention(
+        &dev,
+        &Case { heads: 8, kv_heads: 2, head_dim: 128, block_size: 16, seqs: vec![(700, 0), (300, 513)] },
+        &mut rng,
+    );
+    eprintln!("{} shapes checked", n + 1);
+}
+
+#[test]
+fn sampling_kernel_follows_its_rules() {
+    let Some(dev) = device() else { return };
+    let vocab = 50_000;
+    let mut rng = Lcg(3);
+    let rows = 6;
+    let mut logits: Vec<f32> = (0..rows * vocab).map(|_| rng.uniform() * 4.0).collect();
+    // Row 0: a tie for the maximum at ids 10 and 20 -> greedy takes 10.
+    logits[10] = 9.0;
+    logits[20] = 9.0;
+    // Rows 1..: a clear top-3 at ids 7, 8, 9 (others far below).
+    for r in 1..rows {
+        logits[r * vocab + 7] = 30.0;
+        logits[r * vocab + 8] = 29.0;
+        logits[r * vocab + 9] = 28.0;
+    }
+    let d_logits = dev.upload(&logits).unwrap();
+    let params: Vec<f32> = vec![
+        0.0, 1.0, 0.5, // greedy
+        1.0, 1.0, 0.0, // top-k 1 -> 7
+        1.0, 1.0, 0.99, // top-k 3, draw near the end -> one of 7, 8, 9
+        1.0, 0.5, 0.9, // top-p 0.5: only 7 (p ~ 0.67)
+        1.0, 1.0, 0.5, // no limits: essentially 7/8/9
+        0.0, 1.0, 0.0, // greedy
+    ];
+    let top_k: Vec<i32> = vec![0, 1, 3, 0, 0, 0];
+    let d_params = dev.upload(&params).unwrap();
+    let d_topk = dev.upload(&top_k).unwrap();
+    let d_tokens = dev.zeros::<i32>(rows).unwrap();
+    ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows).unwrap();
+    let t = dev.read(&d_tokens, rows).unwrap();
+    assert_eq!(t[0], 10, "greedy ties go to the lowest id");
+    assert_eq!(t[1], 7);
+    assert!([7, 8, 9].contains(&t[2]), "top-k 3 picked {}", t[2]);
+    assert_eq!(t[3], 7);
+    assert!([7, 8, 9].contains(&t[4]));
+    assert_eq!(t[5], 7);
+    // Banning 7 on row 5 moves greedy to 8.
+    let d_row = dev.upload(&[5i32]).unwrap();
+    let d_tok = dev.upload(&[7i32]).unwrap();
+    ops::ban_tokens(&dev, d_logits.ptr(), vocab, d_row.ptr(), d_tok.ptr(), 1).unwrap();
+    ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows).unwrap();
+    assert_eq!(dev.read(&d_tokens, rows).unwrap()[5], 8);
+
+    // Frequencies: a uniform sweep of draws over logits [0, 1, 2, 3] at temperature 1 lands
+    // on each token in proportion to its probability.
+    let small = vec![0.0f32, 1.0, 2.0, 3.0];
+    let n = 400;
+    let rows_l: Vec<f32> = (0..n).flat_map(|_| small.clone()).collect();
+    let ps: Vec<f32> = (0..n).flat_map(|i| [1.0, 1.0, (i as f32 + 0.5) / n as f32]).collect();
+    let (d_l, d_p, d_k, d_t) = (
+        dev.upload(&rows_l).unwrap(),
+        dev.upload(&ps).unwrap(),
+        dev.upload(&vec![0i32; n]).unwrap(),
+        dev.zeros::<i32>(n).unwrap(),
+    );
+    ops::sample_rows(&dev, d_l.ptr(), 4, d_p.ptr(), d_k.ptr(), d_t.ptr(), n).unwrap();
+    let picks = dev.read(&d_t, n).unwrap();
+    let z: f32 = small.iter().map(|l| l.exp()).sum();
+    for (tok, logit) in small.iter().enumerate() {
+        let freq = picks.iter().filter(|&&p| p == tok as i32).count() as f32 / n as f32;
+        let p = logit.exp() / z;
+        assert!((freq - p).abs() < 0.01, "token {tok}: frequency {freq} vs probability {p}");
+    }
+}

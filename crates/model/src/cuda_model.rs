@@ -1,0 +1,996 @@
+//! The transformer on an NVIDIA GPU: bf16 weights and KV cache in device memory, cuBLAS for
+//! the projections, this project's kernels for the rest, sampling on the device, and decode
+//! steps replayed from CUDA graphs.
+//!
+//! The forward mirrors [`crate::Transformer::forward`] step for step (same weights layout with
+//! q/k/v and gate/up stacked, same RoPE table, same block-major KV layout); the residual stream
+//! and all reductions stay in f32, storage is bf16.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tandem_compute::cpu::RopeTable;
+use tandem_compute::cuda::ops::{self, AttnMeta, AttnShape, PrefillSeqs, QkvRope, FLASH_ROWS};
+use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf};
+use tandem_compute::{KvLayout, KvRegion};
+
+use crate::config::ModelConfig;
+use crate::presets::{preset_value, tensor_stream, uniform_amplitude};
+use crate::runner::{ModelRunner, SampleSpec};
+use crate::source::{ModelSource, ModelSpec};
+use crate::transformer::SeqBatch;
+use crate::ModelError;
+
+/// How to size a [`CudaModel`].
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    /// GPU index.
+    pub ordinal: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Most tokens in one forward (the engine's `max_num_batched_tokens`).
+    pub max_tokens: usize,
+    /// Most sequences in one forward (the engine's `max_num_seqs`).
+    pub max_seqs: usize,
+    /// Fraction of the GPU's memory this instance may use in total (weights, activations and
+    /// KV cache), like vLLM's `--gpu-memory-utilization`.
+    pub memory_utilization: f64,
+    /// Use exactly this many KV blocks instead of sizing from memory.
+    pub num_blocks: Option<usize>,
+    /// Replay decode steps from CUDA graphs (off: launch every kernel each step).
+    pub cuda_graphs: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            ordinal: 0,
+            block_size: 16,
+            max_tokens: 2048,
+            max_seqs: 64,
+            memory_utilization: 0.9,
+            num_blocks: None,
+            cuda_graphs: true,
+        }
+    }
+}
+
+impl From<CudaError> for ModelError {
+    fn from(e: CudaError) -> Self {
+        ModelError::Device(e.to_string())
+    }
+}
+
+/// A `[out, in]` bf16 weight with an optional bias.
+struct Linear {
+    weight: DevBuf<u16>,
+    bias: Option<DevBuf<u16>>,
+    out_dim: usize,
+    in_dim: usize,
+}
+
+struct Layer {
+    input_norm: DevBuf<u16>,
+    qkv: Linear,
+    q_norm: Option<DevBuf<u16>>,
+    k_norm: Option<DevBuf<u16>>,
+    o: Linear,
+    post_norm: DevBuf<u16>,
+    gate_up: Linear,
+    down: Linear,
+}
+
+/// Per-step activations, sized for `max_tokens` tokens and `max_seqs` sequences.
+struct Activations {
+    x: DevBuf<f32>,
+    normed: DevBuf<u16>,
+    qkv: DevBuf<u16>,
+    q: DevBuf<u16>,
+    attn: DevBuf<u16>,
+    /// Attention and MLP outputs in f32: the residual stream never passes through bf16.
+    proj: DevBuf<f32>,
+    gate_up: DevBuf<u16>,
+    act: DevBuf<u16>,
+    last: DevBuf<u16>,
+    logits: DevBuf<f32>,
+    tokens: DevBuf<i32>,
+    params: DevBuf<f32>,
+    bans: DevBuf<i32>,
+}
+
+/// Offsets (in ints) of the step metadata inside one device buffer, so each step uploads it
+/// with one copy and CUDA graphs see fixed addresses.
+#[derive(Clone, Copy, Debug)]
+struct MetaLayout {
+    stride: usize,
+    tokens: usize,
+    positions: usize,
+    slots: usize,
+    tok_seq: usize,
+    decode_list: usize,
+    work: usize,
+    rows: usize,
+    seq_tok: usize,
+    seq_len: usize,
+    seq_pos: usize,
+    top_k: usize,
+    /// End of the fixed part; the block tables follow.
+    tables: usize,
+}
+
+impl MetaLayout {
+    fn new(max_tokens: usize, max_seqs: usize) -> Self {
+        let (t, s) = (max_tokens, max_seqs);
+        let tokens = 4;
+        let positions = tokens + t;
+        let slots = positions + t;
+        let tok_seq = slots + t;
+        let decode_list = tok_seq + t;
+        let work = decode_list + t;
+        let rows = work + 2 * (t.div_ceil(FLASH_ROWS) + s);
+        let seq_tok = rows + s;
+        let seq_len = seq_tok + s;
+        let seq_pos = seq_len + s;
+        let top_k = seq_pos + s;
+        let tables = top_k + s;
+        Self {
+            stride: 0,
+            tokens,
+            positions,
+            slots,
+            tok_seq,
+            decode_list,
+            work,
+            rows,
+            seq_tok,
+            seq_len,
+            seq_pos,
+            top_k,
+            tables,
+        }
+    }
+}
+
+/// The transformer on one GPU, with its KV cache.
+pub struct CudaModel {
+    dev: CudaDevice,
+    cfg: ModelConfig,
+    embed: DevBuf<u16>,
+    layers: Vec<Layer>,
+    norm: DevBuf<u16>,
+    lm_head: Option<DevBuf<u16>>,
+    rope_cos: DevBuf<f32>,
+    rope_sin: DevBuf<f32>,
+    max_positions: usize,
+    kv: DevBuf<u16>,
+    layout: KvLayout,
+    act: Activations,
+    meta: DevBuf<i32>,
+    meta_layout: MetaLayout,
+    meta_host: Vec<i32>,
+    table_width: usize,
+    max_tokens: usize,
+    max_seqs: usize,
+    graphs: HashMap<usize, tandem_compute::cuda::Graph>,
+    use_graphs: bool,
+    weight_bytes: usize,
+    fingerprint: String,
+    counts: StepCounts,
+}
+
+/// Batch sizes decode graphs are captured for (a step pads up to the next one).
+fn graph_buckets(max_seqs: usize) -> Vec<usize> {
+    let mut b: Vec<usize> =
+        [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512].into_iter().filter(|&n| n < max_seqs).collect();
+    b.push(max_seqs);
+    b
+}
+
+fn to_bf16_bits(xs: &[f32]) -> Vec<u16> {
+    xs.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect()
+}
+
+impl CudaModel {
+    /// Builds the model on GPU `opts.ordinal`: a `preset:` model's seeded weights are generated
+    /// on the device; a checkpoint is read on the host, converted to bf16 and uploaded. Then
+    /// activations are allocated and the KV cache takes what `memory_utilization` leaves.
+    pub fn load(spec: &ModelSpec, opts: &CudaOptions) -> Result<Self, ModelError> {
+        let dev = CudaDevice::open(opts.ordinal)?;
+        let cfg = spec.config.clone();
+        if !cfg.hidden_size.is_multiple_of(4) {
+            return Err(ModelError::UnsupportedConfig(format!(
+                "hidden size {} on CUDA (must be a multiple of 4)",
+                cfg.hidden_size
+            )));
+        }
+        if cfg.head_dim > 256 || !cfg.head_dim.is_multiple_of(32) {
+            return Err(ModelError::UnsupportedConfig(format!(
+                "head_dim {} on CUDA (supported: multiples of 32 up to 256)",
+                cfg.head_dim
+            )));
+        }
+        if !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) || cfg.num_heads / cfg.num_kv_heads > ops::ATTN_MAX_GROUP {
+            return Err(ModelError::UnsupportedConfig(format!(
+                "{} query heads over {} KV heads on CUDA (at most {} per KV head)",
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                ops::ATTN_MAX_GROUP
+            )));
+        }
+        let started = std::time::Instant::now();
+        let mut builder = WeightBuilder::new(&dev, spec)?;
+        let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+        let (q_dim, kv_dim) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let embed = builder.tensor(&["model.embed_tokens.weight"], &[cfg.vocab_size], h)?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            let n = |s: &str| format!("{p}.{s}");
+            let linear = |b: &mut WeightBuilder<'_>, names: &[(&str, usize)], in_dim: usize, bias: bool| {
+                let ws: Vec<String> = names.iter().map(|(s, _)| n(&format!("{s}.weight"))).collect();
+                let rows: Vec<usize> = names.iter().map(|(_, r)| *r).collect();
+                let wrefs: Vec<&str> = ws.iter().map(String::as_str).collect();
+                let weight = b.tensor(&wrefs, &rows, in_dim)?;
+                let bias = if bias {
+                    let bs: Vec<String> = names.iter().map(|(s, _)| n(&format!("{s}.bias"))).collect();
+                    let brefs: Vec<&str> = bs.iter().map(String::as_str).collect();
+                    Some(b.tensor(&brefs, &rows, 1)?)
+                } else {
+                    None
+                };
+                Ok::<_, ModelError>(Linear { weight, bias, out_dim: rows.iter().sum(), in_dim })
+            };
+            let qkv = linear(
+                &mut builder,
+                &[("self_attn.q_proj", q_dim), ("self_attn.k_proj", kv_dim), ("self_attn.v_proj", kv_dim)],
+                h,
+                cfg.qkv_bias,
+            )?;
+            let o = linear(&mut builder, &[("self_attn.o_proj", h)], q_dim, cfg.o_bias)?;
+            let gate_up = linear(&mut builder, &[("mlp.gate_proj", i), ("mlp.up_proj", i)], h, cfg.mlp_bias)?;
+            let down = linear(&mut builder, &[("mlp.down_proj", h)], i, cfg.mlp_bias)?;
+            let (q_norm, k_norm) = if cfg.qk_norm {
+                (
+                    Some(builder.tensor(&[&n("self_attn.q_norm.weight")], &[hd], 1)?),
+                    Some(builder.tensor(&[&n("self_attn.k_norm.weight")], &[hd], 1)?),
+                )
+            } else {
+                (None, None)
+            };
+            layers.push(Layer {
+                input_norm: builder.tensor(&[&n("input_layernorm.weight")], &[h], 1)?,
+                qkv,
+                q_norm,
+                k_norm,
+                o,
+                post_norm: builder.tensor(&[&n("post_attention_layernorm.weight")], &[h], 1)?,
+                gate_up,
+                down,
+            });
+        }
+        let norm = builder.tensor(&["model.norm.weight"], &[h], 1)?;
+        let lm_head = if cfg.tie_word_embeddings && !builder.has("lm_head.weight") {
+            None
+        } else {
+            Some(builder.tensor(&["lm_head.weight"], &[cfg.vocab_size], h)?)
+        };
+        let weight_bytes = builder.bytes;
+        drop(builder);
+        tracing::info!(
+            device = %dev.describe(),
+            weights_gib = format!("{:.2}", weight_bytes as f64 / (1u64 << 30) as f64),
+            secs = format!("{:.1}", started.elapsed().as_secs_f64()),
+            "weights on the GPU"
+        );
+
+        let rope = RopeTable::new(hd, cfg.rope_theta, cfg.rope_scaling, spec.max_model_len);
+        let rope_cos = dev.upload(rope.cos())?;
+        let rope_sin = dev.upload(rope.sin())?;
+
+        let max_tokens = opts.max_tokens.max(opts.max_seqs).max(1);
+        let max_seqs = opts.max_seqs.max(1);
+        let t = max_tokens;
+        let qkv_dim = q_dim + 2 * kv_dim;
+        let act = Activations {
+            x: dev.zeros(t * h)?,
+            normed: dev.zeros(t * h)?,
+            qkv: dev.zeros(t * qkv_dim)?,
+            q: dev.zeros(t * q_dim)?,
+            attn: dev.zeros(t * q_dim)?,
+            proj: dev.zeros(t * h)?,
+            gate_up: dev.zeros(t * 2 * i)?,
+            act: dev.zeros(t * i)?,
+            last: dev.zeros(max_seqs * h)?,
+            logits: dev.zeros(max_seqs * cfg.vocab_size)?,
+            tokens: dev.zeros(max_seqs)?,
+            params: dev.zeros(3 * max_seqs)?,
+            bans: dev.zeros(1024)?,
+        };
+        let table_width = spec.max_model_len.div_ceil(opts.block_size).max(1);
+        let meta_layout = MetaLayout::new(max_tokens, max_seqs);
+        let meta = dev.zeros(meta_layout.tables + max_seqs * table_width)?;
+
+        // The KV cache takes what the memory budget leaves, keeping room for cuBLAS and graphs.
+        let block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * hd * opts.block_size * 2;
+        let num_blocks = match opts.num_blocks {
+            Some(n) => n,
+            None => {
+                let (free, total) = dev.memory()?;
+                let used = total - free;
+                let budget = (total as f64 * opts.memory_utilization) as usize;
+                let reserve = 512 << 20;
+                let kv_bytes = budget.saturating_sub(used + reserve);
+                kv_bytes / block_bytes.max(1)
+            }
+        };
+        if num_blocks == 0 {
+            return Err(ModelError::Device(format!(
+                "no memory left for the KV cache on {} (raise --gpu-memory-utilization or lower --max-num-batched-tokens)",
+                dev.describe()
+            )));
+        }
+        let layout = KvLayout {
+            num_layers: cfg.num_layers,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: hd,
+            block_size: opts.block_size,
+            num_blocks,
+        };
+        let kv = dev.zeros::<u16>(num_blocks * layout.block_elems())?;
+        tracing::info!(
+            num_blocks,
+            kv_tokens = num_blocks * opts.block_size,
+            kv_gib = format!("{:.2}", (num_blocks * block_bytes) as f64 / (1u64 << 30) as f64),
+            "KV cache on the GPU"
+        );
+        let fingerprint = {
+            let sample = dev.read(&embed, embed.len().min(1 << 16))?;
+            let mut hsh = 0xcbf29ce484222325u64;
+            for x in sample.iter().step_by(16) {
+                hsh = (hsh ^ *x as u64).wrapping_mul(0x100000001b3);
+            }
+            format!(
+                "{}/l{}h{}kv{}d{}v{}/bf16-{hsh:016x}",
+                cfg.architecture.hf_name(),
+                cfg.num_layers,
+                cfg.hidden_size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.vocab_size
+            )
+        };
+        Ok(Self {
+            dev,
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope_cos,
+            rope_sin,
+            max_positions: spec.max_model_len,
+            kv,
+            layout,
+            act,
+            meta,
+            meta_layout,
+            meta_host: vec![0; meta_layout.tables],
+            table_width,
+            max_tokens,
+            max_seqs,
+            graphs: HashMap::new(),
+            use_graphs: opts.cuda_graphs,
+            weight_bytes,
+            fingerprint,
+            counts: StepCounts::default(),
+        })
+    }
+
+    /// `y = x · wᵀ` through cuBLAS. (A hand-written skinny GEMV for decode batches was tried
+    /// and measured: it beat cuBLAS on 2 to 4 of 40 decode shapes, by less than the run-to-run
+    /// spread, and choosing kernels by timing made greedy output depend on the run.)
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(&self, x: u64, w: u64, y: u64, t: usize, n: usize, k: usize, f32_out: bool) -> Result<(), CudaError> {
+        ops::matmul_t(&self.dev, x, w, y, t, n, k, f32_out)
+    }
+
+    fn linear(&self, l: &Linear, x: u64, y: u64, t: usize, f32_out: bool) -> Result<(), ModelError> {
+        self.matmul(x, l.weight.ptr(), y, t, l.out_dim, l.in_dim, f32_out)?;
+        if let Some(b) = &l.bias {
+            ops::add_bias(&self.dev, y, b.ptr(), t, l.out_dim, f32_out)?;
+        }
+        Ok(())
+    }
+
+    /// The device.
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    /// Bytes of weights one forward reads (bf16), the numerator of the decode floor.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Runs a forward and returns the f32 logits of the sequences with `want_logits` (for
+    /// tests and comparisons with the CPU backend; serving uses [`ModelRunner::execute`]).
+    pub fn forward_logits(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, ModelError> {
+        let rows = self.prepare(token_ids, seqs)?;
+        self.run_forward(token_ids.len(), rows, None)?;
+        Ok(self.dev.read(&self.act.logits, rows * self.cfg.vocab_size)?)
+    }
+
+    fn check_batch(&self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Result<usize, ModelError> {
+        let rows = seqs.iter().filter(|s| s.want_logits && s.num_tokens > 0).count();
+        if token_ids.len() > self.max_tokens || seqs.len() > self.max_seqs {
+            return Err(ModelError::Device(format!(
+                "batch of {} tokens / {} sequences exceeds this GPU instance's {} / {}",
+                token_ids.len(),
+                seqs.len(),
+                self.max_tokens,
+                self.max_seqs
+            )));
+        }
+        Ok(rows)
+    }
+
+    /// Fills and uploads the step metadata. Returns the number of logit rows.
+    fn prepare(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Result<usize, ModelError> {
+        let rows = self.check_batch(token_ids, seqs)?;
+        self.fill_meta(token_ids, seqs, token_ids.len(), seqs.len())?;
+        Ok(rows)
+    }
+
+    /// Writes the metadata for the real batch and pads tokens up to `padded_tokens` (and
+    /// sequences up to `padded_seqs`) with rows that write nothing and read block 0.
+    fn fill_meta(
+        &mut self,
+        token_ids: &[u32],
+        seqs: &[SeqBatch<'_>],
+        padded_tokens: usize,
+        padded_seqs: usize,
+    ) -> Result<(), ModelError> {
+        let m = self.meta_layout;
+        let bs = self.layout.block_size;
+        let width = seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(1).max(1);
+        if width > self.table_width {
+            return Err(ModelError::Device(format!("block table of {width} blocks exceeds {}", self.table_width)));
+        }
+        let hm = &mut self.meta_host;
+        hm[m.stride] = width as i32;
+        let mut tables = vec![0i32; padded_seqs.max(1) * width];
+        let mut n_decode = 0;
+        let mut n_work = 0;
+        let mut n_rows = 0;
+        let flash = ops::flash_supported(self.cfg.head_dim);
+        for (si, s) in seqs.iter().enumerate() {
+            for (j, &b) in s.block_table.iter().enumerate() {
+                tables[si * width + j] = b as i32;
+            }
+            hm[m.seq_tok + si] = s.token_start as i32;
+            hm[m.seq_len + si] = s.num_tokens as i32;
+            hm[m.seq_pos + si] = s.first_pos as i32;
+            for k in 0..s.num_tokens {
+                let t = s.token_start + k;
+                let pos = s.first_pos + k;
+                if pos >= self.max_positions || pos / bs >= s.block_table.len() {
+                    return Err(ModelError::Device(format!("position {pos} outside the block table or RoPE table")));
+                }
+                hm[m.tokens + t] = token_ids[t] as i32;
+                hm[m.positions + t] = pos as i32;
+                hm[m.slots + t] = (s.block_table[pos / bs] as usize * bs + pos % bs) as i32;
+                hm[m.tok_seq + t] = si as i32;
+            }
+            if flash && s.num_tokens > 1 {
+                // Latest tiles first: they see the most keys, and starting the longest work
+                // first keeps the last wave short.
+                for q0 in (0..s.num_tokens).step_by(FLASH_ROWS).rev() {
+                    hm[m.work + 2 * n_work] = si as i32;
+                    hm[m.work + 2 * n_work + 1] = q0 as i32;
+                    n_work += 1;
+                }
+            } else {
+                for k in 0..s.num_tokens {
+                    hm[m.decode_list + n_decode] = (s.token_start + k) as i32;
+                    n_decode += 1;
+                }
+            }
+            if s.want_logits && s.num_tokens > 0 {
+                hm[m.rows + n_rows] = (s.token_start + s.num_tokens - 1) as i32;
+                n_rows += 1;
+            }
+        }
+        for t in token_ids.len()..padded_tokens {
+            hm[m.tokens + t] = 0;
+            hm[m.positions + t] = 0;
+            hm[m.slots + t] = -1;
+            hm[m.tok_seq + t] = t as i32;
+            hm[m.decode_list + n_decode] = t as i32;
+            n_decode += 1;
+            hm[m.rows + n_rows] = t as i32;
+            n_rows += 1;
+        }
+        self.counts = StepCounts { decode: n_decode, work: n_work };
+        self.dev.write(&mut self.meta, 0, &self.meta_host)?;
+        self.dev.write(&mut self.meta, m.tables, &tables)?;
+        Ok(())
+    }
+
+    fn attn_meta(&self) -> AttnMeta {
+        let m = self.meta_layout;
+        AttnMeta {
+            positions: self.meta.ptr_at(m.positions),
+            tok_seq: self.meta.ptr_at(m.tok_seq),
+            block_tables: self.meta.ptr_at(m.tables),
+            stride: self.meta.ptr_at(m.stride),
+        }
+    }
+
+    /// Queues the forward for `t` tokens (metadata already uploaded) up to the logits of
+    /// `rows` rows. Everything it launches depends only on `t`, `rows` and the step counts, so
+    /// a decode step of a given size can be captured once and replayed.
+    fn run_forward(&self, t: usize, rows: usize, counts: Option<StepCounts>) -> Result<(), ModelError> {
+        let dev = &self.dev;
+        let cfg = &self.cfg;
+        let a = &self.act;
+        let m = self.meta_layout;
+        let counts = counts.unwrap_or(self.counts);
+        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let eps = cfg.rms_norm_eps;
+        let meta = self.attn_meta();
+        ops::embed_gather(dev, self.embed.ptr(), self.meta.ptr_at(m.tokens), a.x.ptr(), t, h)?;
+        ops::add_rms_norm(dev, a.x.ptr(), 0, 0, self.layers[0].input_norm.ptr(), a.normed.ptr(), t, h, eps)?;
+        let prefill = PrefillSeqs {
+            work: self.meta.ptr_at(m.work),
+            num_items: counts.work,
+            seq_tok: self.meta.ptr_at(m.seq_tok),
+            seq_len: self.meta.ptr_at(m.seq_len),
+            seq_pos: self.meta.ptr_at(m.seq_pos),
+        };
+        for (li, layer) in self.layers.iter().enumerate() {
+            self.linear(&layer.qkv, a.normed.ptr(), a.qkv.ptr(), t, false)?;
+            let shape = AttnShape {
+                num_heads: cfg.num_heads,
+                num_kv_heads: cfg.num_kv_heads,
+                head_dim: hd,
+                layer: li,
+                num_layers: cfg.num_layers,
+                block_size: self.layout.block_size,
+            };
+            let rope = QkvRope {
+                qkv: a.qkv.ptr(),
+                bias: layer.qkv.bias.as_ref().map_or(0, DevBuf::ptr),
+                q_norm: layer.q_norm.as_ref().map_or(0, DevBuf::ptr),
+                k_norm: layer.k_norm.as_ref().map_or(0, DevBuf::ptr),
+                cos: self.rope_cos.ptr(),
+                sin: self.rope_sin.ptr(),
+                positions: meta.positions,
+                slots: self.meta.ptr_at(m.slots),
+                q_out: a.q.ptr(),
+                cache: self.kv.ptr(),
+                eps,
+            };
+            ops::qkv_rope_cache(dev, &rope, &shape, t)?;
+            ops::attention_rows(
+                dev,
+                a.q.ptr(),
+                self.kv.ptr(),
+                a.attn.ptr(),
+                &meta,
+                self.meta.ptr_at(m.decode_list),
+                counts.decode,
+                &shape,
+            )?;
+            ops::flash_prefill(dev, a.q.ptr(), self.kv.ptr(), a.attn.ptr(), &prefill, &meta, &shape)?;
+            self.linear(&layer.o, a.attn.ptr(), a.proj.ptr(), t, true)?;
+            ops::add_rms_norm(dev, a.x.ptr(), a.proj.ptr(), 0, layer.post_norm.ptr(), a.normed.ptr(), t, h, eps)?;
+            self.linear(&layer.gate_up, a.normed.ptr(), a.gate_up.ptr(), t, false)?;
+            ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, cfg.intermediate_size)?;
+            self.linear(&layer.down, a.act.ptr(), a.proj.ptr(), t, true)?;
+            match self.layers.get(li + 1) {
+                Some(next) => ops::add_rms_norm(
+                    dev,
+                    a.x.ptr(),
+                    a.proj.ptr(),
+                    0,
+                    next.input_norm.ptr(),
+                    a.normed.ptr(),
+                    t,
+                    h,
+                    eps,
+                )?,
+                // Only the rows that sample need the last residual add, the final norm and
+                // the (large) output projection.
+                None => ops::add_rms_norm(
+                    dev,
+                    a.x.ptr(),
+                    a.proj.ptr(),
+                    self.meta.ptr_at(m.rows),
+                    self.norm.ptr(),
+                    a.last.ptr(),
+                    rows,
+                    h,
+                    eps,
+                )?,
+            }
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        self.matmul(a.last.ptr(), head.ptr(), a.logits.ptr(), rows, cfg.vocab_size, h, true)?;
+        Ok(())
+    }
+
+    /// Samples `specs.len()` rows of logits on the device and returns the tokens.
+    fn sample(&mut self, specs: &[SampleSpec]) -> Result<Vec<u32>, ModelError> {
+        let n = specs.len();
+        let vocab = self.cfg.vocab_size;
+        let mut params = Vec::with_capacity(3 * n);
+        let mut top_k = Vec::with_capacity(n);
+        let mut ban_rows = Vec::new();
+        let mut ban_toks = Vec::new();
+        for (r, s) in specs.iter().enumerate() {
+            params.extend([s.temperature, s.top_p, s.uniform.clamp(0.0, 0.999_999_9)]);
+            top_k.push(s.top_k.min(i32::MAX as u32) as i32);
+            for &b in &s.banned {
+                ban_rows.push(r as i32);
+                ban_toks.push(b as i32);
+            }
+        }
+        self.dev.write(&mut self.act.params, 0, &params)?;
+        self.dev.write(&mut self.meta, self.meta_layout.top_k, &top_k)?;
+        let nb = ban_rows.len();
+        if nb > 0 {
+            if 2 * nb > self.act.bans.len() {
+                self.act.bans = self.dev.zeros(4 * nb)?;
+            }
+            ban_rows.extend(ban_toks);
+            self.dev.write(&mut self.act.bans, 0, &ban_rows)?;
+            ops::ban_tokens(
+                &self.dev,
+                self.act.logits.ptr(),
+                vocab,
+                self.act.bans.ptr(),
+                self.act.bans.ptr_at(nb),
+                nb,
+            )?;
+        }
+        ops::sample_rows(
+            &self.dev,
+            self.act.logits.ptr(),
+            vocab,
+            self.act.params.ptr(),
+            self.meta.ptr_at(self.meta_layout.top_k),
+            self.act.tokens.ptr(),
+            n,
+        )?;
+        let tokens = self.dev.read(&self.act.tokens, n)?;
+        Ok(tokens.into_iter().map(|t| t.clamp(0, vocab as i32 - 1) as u32).collect())
+    }
+
+    /// Device time per op of one forward over `seqs` sequences of `tokens_per_seq` tokens each,
+    /// the first at position `ctx` (decode: `tokens_per_seq` 1), in milliseconds. Each op is
+    /// timed alone, repeated between CUDA events, and per-layer ops are counted once per layer;
+    /// the last rows time the whole forward launched op by op and, for decode, replayed from its
+    /// CUDA graph. The difference between the sum and the whole is launch gaps. Overwrites KV
+    /// blocks from 0 up: only for benchmarks, with no requests running.
+    pub fn profile_ops(
+        &mut self,
+        seqs: usize,
+        tokens_per_seq: usize,
+        ctx: usize,
+    ) -> Result<Vec<(String, f64)>, ModelError> {
+        let bs = self.layout.block_size;
+        let per_seq = (ctx + tokens_per_seq).div_ceil(bs);
+        if per_seq * seqs > self.layout.num_blocks || seqs * tokens_per_seq > self.max_tokens || seqs > self.max_seqs {
+            return Err(ModelError::Device("profile shape does not fit this instance".into()));
+        }
+        let tables: Vec<Vec<u32>> =
+            (0..seqs).map(|s| (0..per_seq).map(|b| (s * per_seq + b) as u32).collect()).collect();
+        let token_ids: Vec<u32> = (0..seqs * tokens_per_seq).map(|i| (i * 7919 % self.cfg.vocab_size) as u32).collect();
+        let batch: Vec<SeqBatch<'_>> = tables
+            .iter()
+            .enumerate()
+            .map(|(i, table)| SeqBatch {
+                token_start: i * tokens_per_seq,
+                num_tokens: tokens_per_seq,
+                first_pos: ctx,
+                block_table: table,
+                want_logits: true,
+            })
+            .collect();
+        let t = token_ids.len();
+        self.fill_meta(&token_ids, &batch, t, seqs)?;
+        let rows = seqs;
+        let reps = if t > 256 { 3 } else { 20 };
+        let layers = self.cfg.num_layers as f64;
+        let (h, hd, inter) = (self.cfg.hidden_size, self.cfg.head_dim, self.cfg.intermediate_size);
+        let eps = self.cfg.rms_norm_eps;
+        let m = self.meta_layout;
+        let meta = self.attn_meta();
+        let counts = self.counts;
+        let dev = &self.dev;
+        let a = &self.act;
+        let l0 = &self.layers[0];
+        let shape = AttnShape {
+            num_heads: self.cfg.num_heads,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: hd,
+            layer: 0,
+            num_layers: self.cfg.num_layers,
+            block_size: bs,
+        };
+        let rope = QkvRope {
+            qkv: a.qkv.ptr(),
+            bias: 0,
+            q_norm: l0.q_norm.as_ref().map_or(0, DevBuf::ptr),
+            k_norm: l0.k_norm.as_ref().map_or(0, DevBuf::ptr),
+            cos: self.rope_cos.ptr(),
+            sin: self.rope_sin.ptr(),
+            positions: meta.positions,
+            slots: self.meta.ptr_at(m.slots),
+            q_out: a.q.ptr(),
+            cache: self.kv.ptr(),
+            eps,
+        };
+        let prefill = PrefillSeqs {
+            work: self.meta.ptr_at(m.work),
+            num_items: counts.work,
+            seq_tok: self.meta.ptr_at(m.seq_tok),
+            seq_len: self.meta.ptr_at(m.seq_len),
+            seq_pos: self.meta.ptr_at(m.seq_pos),
+        };
+        let time = |f: &dyn Fn() -> Result<(), CudaError>| -> Result<f64, ModelError> {
+            f()?;
+            Ok(dev.time_ms(|| (0..reps).try_for_each(|_| f()))? / reps as f64)
+        };
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut out: Vec<(String, f64)> = vec![
+            (
+                "embedding gather".into(),
+                time(&|| ops::embed_gather(dev, self.embed.ptr(), self.meta.ptr_at(m.tokens), a.x.ptr(), t, h))?,
+            ),
+            (
+                "qkv projection".into(),
+                layers
+                    * time(&|| {
+                        self.matmul(a.normed.ptr(), l0.qkv.weight.ptr(), a.qkv.ptr(), t, l0.qkv.out_dim, h, false)
+                    })?,
+            ),
+            ("q/k norm + RoPE + KV write".into(), layers * time(&|| ops::qkv_rope_cache(dev, &rope, &shape, t))?),
+            (
+                "attention (row kernel)".into(),
+                layers
+                    * time(&|| {
+                        ops::attention_rows(
+                            dev,
+                            a.q.ptr(),
+                            self.kv.ptr(),
+                            a.attn.ptr(),
+                            &meta,
+                            self.meta.ptr_at(m.decode_list),
+                            counts.decode,
+                            &shape,
+                        )
+                    })?,
+            ),
+            (
+                "attention (tensor-core prefill)".into(),
+                layers
+                    * time(&|| {
+                        ops::flash_prefill(dev, a.q.ptr(), self.kv.ptr(), a.attn.ptr(), &prefill, &meta, &shape)
+                    })?,
+            ),
+            (
+                "o projection".into(),
+                layers * time(&|| self.matmul(a.attn.ptr(), l0.o.weight.ptr(), a.proj.ptr(), t, h, l0.o.in_dim, true))?,
+            ),
+            (
+                "residual add + RMSNorm (x2)".into(),
+                2.0 * layers
+                    * time(&|| {
+                        ops::add_rms_norm(
+                            dev,
+                            a.x.ptr(),
+                            a.proj.ptr(),
+                            0,
+                            l0.post_norm.ptr(),
+                            a.normed.ptr(),
+                            t,
+                            h,
+                            eps,
+                        )
+                    })?,
+            ),
+            (
+                "gate/up projection".into(),
+                layers
+                    * time(&|| {
+                        self.matmul(a.normed.ptr(), l0.gate_up.weight.ptr(), a.gate_up.ptr(), t, 2 * inter, h, false)
+                    })?,
+            ),
+            ("SiLU x up".into(), layers * time(&|| ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, inter))?),
+            (
+                "down projection".into(),
+                layers * time(&|| self.matmul(a.act.ptr(), l0.down.weight.ptr(), a.proj.ptr(), t, h, inter, true))?,
+            ),
+            (
+                "output projection".into(),
+                time(&|| self.matmul(a.last.ptr(), head.ptr(), a.logits.ptr(), rows, self.cfg.vocab_size, h, true))?,
+            ),
+        ];
+        let sum: f64 = out.iter().map(|(_, v)| v).sum();
+        out.push(("sum of ops".into(), sum));
+        out.push((
+            "whole forward, launched op by op".into(),
+            time(&|| self.run_forward(t, rows, None).map_err(|e| CudaError::Unavailable(e.to_string())))?,
+        ));
+        if tokens_per_seq == 1 && self.use_graphs {
+            if let Some(bucket) = graph_buckets(self.max_seqs).into_iter().find(|&b| b >= seqs) {
+                self.fill_meta(&token_ids, &batch, bucket, bucket)?;
+                self.run_graph(bucket)?;
+                let g = &self.graphs[&bucket];
+                let dev = &self.dev;
+                out.push((format!("whole forward, CUDA graph (bucket {bucket})"), {
+                    dev.time_ms(|| (0..reps).try_for_each(|_| g.launch()))? / reps as f64
+                }));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The decode-graph bucket for a step, if it is a pure decode step graphs can serve.
+    fn graph_bucket(&self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Option<usize> {
+        if !self.use_graphs || seqs.len() != token_ids.len() || seqs.iter().any(|s| s.num_tokens != 1 || !s.want_logits)
+        {
+            return None;
+        }
+        graph_buckets(self.max_seqs).into_iter().find(|&b| b >= seqs.len() && b <= self.max_tokens)
+    }
+
+    fn run_graph(&mut self, bucket: usize) -> Result<(), ModelError> {
+        if !self.graphs.contains_key(&bucket) {
+            let started = std::time::Instant::now();
+            let counts = StepCounts { decode: bucket, work: 0 };
+            self.dev.begin_capture()?;
+            let captured = self.run_forward(bucket, bucket, Some(counts));
+            // End the capture even if a launch failed, so the stream is usable again.
+            let graph = self.dev.end_capture();
+            captured?;
+            let graph = graph?;
+            tracing::debug!(bucket, ms = started.elapsed().as_millis() as u64, "captured decode graph");
+            self.graphs.insert(bucket, graph);
+        }
+        if let Some(g) = self.graphs.get(&bucket) {
+            g.launch()?;
+        }
+        Ok(())
+    }
+}
+
+impl ModelRunner for CudaModel {
+    fn describe(&self) -> String {
+        format!("{} bf16", self.dev.describe())
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn kv_region(&self) -> Option<Arc<KvRegion>> {
+        None
+    }
+
+    fn fingerprint(&self) -> String {
+        self.fingerprint.clone()
+    }
+
+    fn execute(
+        &mut self,
+        token_ids: &[u32],
+        seqs: &[SeqBatch<'_>],
+        samples: &[SampleSpec],
+    ) -> Result<Vec<u32>, ModelError> {
+        let rows = self.check_batch(token_ids, seqs)?;
+        if rows != samples.len() {
+            return Err(ModelError::Device(format!("{rows} sequences sample but {} sample specs", samples.len())));
+        }
+        match self.graph_bucket(token_ids, seqs) {
+            Some(bucket) => {
+                self.fill_meta(token_ids, seqs, bucket, bucket)?;
+                self.run_graph(bucket)?;
+            }
+            None => {
+                self.fill_meta(token_ids, seqs, token_ids.len(), seqs.len())?;
+                self.run_forward(token_ids.len(), rows, None)?;
+            }
+        }
+        self.sample(samples)
+    }
+}
+
+/// Puts weights on the device: generated there for a preset, uploaded from the host for a
+/// checkpoint. Tensors named together are stacked row-wise into one buffer.
+struct WeightBuilder<'a> {
+    dev: &'a CudaDevice,
+    preset: Option<(u64, HashMap<String, f32>)>,
+    host: Option<crate::WeightMap>,
+    bytes: usize,
+}
+
+impl<'a> WeightBuilder<'a> {
+    fn new(dev: &'a CudaDevice, spec: &ModelSpec) -> Result<Self, ModelError> {
+        match &spec.source {
+            ModelSource::Preset { preset, seed } => {
+                let stds = preset.tensor_specs().into_iter().map(|(n, _, std)| (n, std)).collect();
+                Ok(Self { dev, preset: Some((*seed, stds)), host: None, bytes: 0 })
+            }
+            ModelSource::Dir(_) => Ok(Self { dev, preset: None, host: Some(spec.host_weights()?), bytes: 0 }),
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        match (&self.preset, &self.host) {
+            (Some((_, stds)), _) => stds.contains_key(name),
+            (_, Some(w)) => w.contains(name),
+            _ => false,
+        }
+    }
+
+    /// Stacks tensors `names` (with `rows[i]` rows of `cols` each) into one bf16 buffer.
+    fn tensor(&mut self, names: &[&str], rows: &[usize], cols: usize) -> Result<DevBuf<u16>, ModelError> {
+        let total: usize = rows.iter().sum::<usize>() * cols;
+        let mut buf = self.dev.zeros::<u16>(total)?;
+        let mut offset = 0;
+        for (name, &r) in names.iter().zip(rows) {
+            let n = r * cols;
+            match (&self.preset, &mut self.host) {
+                (Some((seed, stds)), _) => {
+                    let std =
+                        *stds.get(*name).ok_or_else(|| ModelError::MissingTensor { name: (*name).to_string() })?;
+                    let ptr = buf.ptr_at(offset);
+                    if std == 0.0 {
+                        ops::fill_bf16(self.dev, ptr, n as u64, 1.0)?;
+                    } else {
+                        ops::preset_uniform(
+                            self.dev,
+                            ptr,
+                            n as u64,
+                            tensor_stream(*seed, name),
+                            uniform_amplitude(std),
+                        )?;
+                    }
+                }
+                (_, Some(w)) => {
+                    let shape: Vec<usize> = if cols == 1 { vec![r] } else { vec![r, cols] };
+                    let data = w.take(name, &shape)?;
+                    self.dev.write(&mut buf, offset, &to_bf16_bits(&data))?;
+                }
+                _ => unreachable!("a builder has a preset or host weights"),
+            }
+            offset += n;
+        }
+        self.bytes += total * 2;
+        Ok(buf)
+    }
+}
+
+/// Counts of the last prepared step.
+#[derive(Clone, Copy, Debug, Default)]
+struct StepCounts {
+    /// Tokens for the row-wise attention kernel.
+    decode: usize,
+    /// Work items for the tensor-core prefill kernel.
+    work: usize,
+}
+
+/// The value the CPU backend would generate for element `i` of preset tensor `name` (tests).
+pub fn preset_element(seed: u64, name: &str, std: f32, i: u64) -> f32 {
+    preset_value(tensor_stream(seed, name), i, uniform_amplitude(std))
+}

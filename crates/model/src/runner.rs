@@ -1,0 +1,222 @@
+//! What the engine drives: a model plus its KV cache on one device, running a batched forward
+//! and picking each sequence's next token.
+//!
+//! Sampling happens where the logits are (on the GPU for the CUDA backend, so a step returns
+//! token ids, not a `batch x vocab` matrix). Randomness stays with the request: the engine
+//! draws one uniform number per sampled token from the request's own seeded stream and passes
+//! it in [`SampleSpec::uniform`], so a seed means the same thing on every backend.
+
+use std::sync::Arc;
+
+use tandem_compute::{KvCache, KvLayout, KvRegion};
+
+use crate::config::ModelConfig;
+use crate::transformer::{SeqBatch, Transformer};
+use crate::ModelError;
+
+/// How to pick one sequence's next token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SampleSpec {
+    /// 0 is greedy (highest logit, ties to the lowest id).
+    pub temperature: f32,
+    /// Keep only the `top_k` highest logits (0 = no limit).
+    pub top_k: u32,
+    /// Then keep the smallest set of highest-probability tokens whose mass reaches `top_p`.
+    pub top_p: f32,
+    /// A draw in `[0, 1)` from the request's own stream (ignored when greedy).
+    pub uniform: f32,
+    /// Ids that must not be chosen (end-of-sequence while `min_tokens` is not met).
+    pub banned: Vec<u32>,
+}
+
+impl SampleSpec {
+    /// Greedy, nothing banned.
+    pub fn greedy() -> Self {
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, uniform: 0.0, banned: Vec::new() }
+    }
+}
+
+/// A model with its KV cache, ready to run engine steps.
+pub trait ModelRunner: Send {
+    /// Where it runs, for logs: `cpu (f32)` or `cuda:0 (NVIDIA H200, sm_90, bf16)`.
+    fn describe(&self) -> String;
+    /// The model's shape.
+    fn config(&self) -> &ModelConfig;
+    /// Positions the model can run (its RoPE table).
+    fn max_positions(&self) -> usize;
+    /// The KV cache's shape (including its number of blocks).
+    fn kv_layout(&self) -> KvLayout;
+    /// The KV memory as the connector sees it, when it lives in host memory. `None` for device
+    /// memory (KV transfer from GPU memory is not implemented yet).
+    fn kv_region(&self) -> Option<Arc<KvRegion>>;
+    /// Identifies the weights for KV compatibility checks.
+    fn fingerprint(&self) -> String;
+    /// Runs one batched forward over `token_ids` (all sequences' tokens, concatenated) and
+    /// returns one sampled token per sequence with `want_logits`, in order; `samples` has one
+    /// entry per such sequence.
+    fn execute(
+        &mut self,
+        token_ids: &[u32],
+        seqs: &[SeqBatch<'_>],
+        samples: &[SampleSpec],
+    ) -> Result<Vec<u32>, ModelError>;
+}
+
+/// The CPU backend: the f32 [`Transformer`] over a host [`KvCache`].
+pub struct CpuRunner {
+    model: Transformer,
+    kv: KvCache,
+}
+
+impl CpuRunner {
+    /// Allocates a KV cache of `num_blocks` blocks of `block_size` tokens for `model`.
+    pub fn new(model: Transformer, block_size: usize, num_blocks: usize) -> Self {
+        let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
+        Self { model, kv }
+    }
+
+    /// The transformer.
+    pub fn model(&self) -> &Transformer {
+        &self.model
+    }
+}
+
+impl ModelRunner for CpuRunner {
+    fn describe(&self) -> String {
+        "cpu (f32)".into()
+    }
+
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    fn max_positions(&self) -> usize {
+        self.model.max_positions()
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        *self.kv.layout()
+    }
+
+    fn kv_region(&self) -> Option<Arc<KvRegion>> {
+        Some(self.kv.region())
+    }
+
+    fn fingerprint(&self) -> String {
+        self.model.fingerprint()
+    }
+
+    fn execute(
+        &mut self,
+        token_ids: &[u32],
+        seqs: &[SeqBatch<'_>],
+        samples: &[SampleSpec],
+    ) -> Result<Vec<u32>, ModelError> {
+        let mut logits = self.model.forward(token_ids, seqs, &mut self.kv);
+        let vocab = self.model.config().vocab_size;
+        Ok(logits.chunks_exact_mut(vocab).zip(samples).map(|(row, spec)| sample(row, spec)).collect())
+    }
+}
+
+/// Picks a token from one row of logits (modified in place). Greedy picks the highest logit,
+/// ties to the lowest id; otherwise temperature, then top-k, then top-p, then `uniform` walks
+/// the kept tokens from the most likely down.
+pub fn sample(logits: &mut [f32], spec: &SampleSpec) -> u32 {
+    for &id in &spec.banned {
+        if let Some(l) = logits.get_mut(id as usize) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+    if spec.temperature <= 0.0 {
+        return argmax(logits);
+    }
+    let inv_t = 1.0 / spec.temperature;
+    // Candidates sorted by logit, descending; ties by id so the order is deterministic.
+    let mut cand: Vec<(u32, f32)> =
+        logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, l)| (i as u32, l * inv_t)).collect();
+    if cand.is_empty() {
+        return argmax(logits);
+    }
+    let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if spec.top_k > 0 {
+        let k = (spec.top_k as usize).min(cand.len());
+        if k < cand.len() {
+            cand.select_nth_unstable_by(k - 1, by_logit);
+            cand.truncate(k);
+        }
+    }
+    cand.sort_unstable_by(by_logit);
+    let max = cand[0].1;
+    let mut probs: Vec<f32> = cand.iter().map(|(_, l)| (l - max).exp()).collect();
+    let total: f32 = probs.iter().sum();
+    for p in probs.iter_mut() {
+        *p /= total;
+    }
+    if spec.top_p < 1.0 {
+        let mut mass = 0.0;
+        let mut keep = probs.len();
+        for (i, p) in probs.iter().enumerate() {
+            mass += p;
+            if mass >= spec.top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+        probs.truncate(keep);
+    }
+    let total: f32 = probs.iter().sum();
+    let mut r = spec.uniform * total;
+    for (i, p) in probs.iter().enumerate() {
+        r -= p;
+        if r <= 0.0 {
+            return cand[i].0;
+        }
+    }
+    cand[probs.len() - 1].0
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in logits.iter().enumerate() {
+        if *v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(t: f32, top_k: u32, top_p: f32, uniform: f32) -> SampleSpec {
+        SampleSpec { temperature: t, top_k, top_p, uniform, banned: Vec::new() }
+    }
+
+    #[test]
+    fn greedy_ties_to_lowest_id_and_respects_bans() {
+        assert_eq!(sample(&mut [1.0, 3.0, 3.0, 0.0], &spec(0.0, 0, 1.0, 0.5)), 1);
+        let banned = SampleSpec { banned: vec![1], ..spec(0.0, 0, 1.0, 0.5) };
+        assert_eq!(sample(&mut [1.0, 3.0, 3.0, 0.0], &banned), 2);
+    }
+
+    #[test]
+    fn top_k_and_top_p_limit_the_support() {
+        let logits = [0.0, 1.0, 2.0, 3.0, 4.0];
+        for i in 0..200 {
+            let u = i as f32 / 200.0;
+            let t = sample(&mut logits.clone(), &spec(1.0, 2, 1.0, u));
+            assert!(t == 3 || t == 4);
+            // p(4) ~ 0.64, p(3) ~ 0.24: top_p 0.5 keeps only token 4.
+            assert_eq!(sample(&mut logits.clone(), &spec(1.0, 0, 0.5, u)), 4);
+        }
+    }
+
+    #[test]
+    fn the_draw_walks_from_the_most_likely_token() {
+        let logits = [0.0, 1.0, 2.0, 3.0, 4.0];
+        // Small draws land on the most likely token, draws near 1 on the least likely.
+        assert_eq!(sample(&mut logits.clone(), &spec(1.0, 0, 1.0, 0.01)), 4);
+        assert_eq!(sample(&mut logits.clone(), &spec(1.0, 0, 1.0, 0.9999)), 0);
+    }
+}

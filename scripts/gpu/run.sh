@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of tandem in one call of the lent GPU machine.
+#
+# Here (no GPU):   scripts/gpu/build.sh            # release binary + GPU test binaries in gpu-bin/
+# There (device):  scripts/gpu/run.sh [full|bench|quick]   # carry: gpu-bin
+#   full (default): tests, tandem bench, PyTorch; bench: tests and tandem bench; quick: tests.
+#
+# Runs the kernel, model and engine GPU tests (failing if no GPU is usable), the transformers
+# comparison, `tandem bench engine` on preset:qwen3-4b with its floors, and the same shapes in
+# PyTorch; prints a short table last. Full logs go to $OUT (or ./gpu-out).
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
+export TANDEM_REQUIRE_CUDA=1 TANDEM_CACHE_DIR=/tmp/tandem-cache RUST_BACKTRACE=1
+BIN=gpu-bin
+status=0
+note() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+
+for t in cuda_kernels cuda_model cuda_engine; do
+  if [ "$t" = cuda_model ]; then
+    python3 scripts/gpu/make_hf_reference.py /tmp/hfref > "$OUT/hfref.log" 2>&1 || { note "make_hf_reference failed"; tail -20 "$OUT/hfref.log"; }
+    export TANDEM_HF_REFERENCE=/tmp/hfref
+  fi
+  if timeout 300 "$BIN/$t" --test-threads=1 --nocapture > /tmp/test_$t.log 2>&1; then
+    note "test $t: ok"
+  else
+    note "test $t: FAILED"; status=1
+    grep -B2 -A6 "panicked" /tmp/test_$t.log | head -30 >> "$OUT/summary.txt"
+  fi
+  cat /tmp/test_$t.log >> "$OUT/tests.log"
+done
+grep -h "relative error\|tokens equal\|diverged\|shapes checked" "$OUT/tests.log" | tail -40
+
+MODE=${1:-full}
+if [ "$MODE" != quick ]; then
+  timeout 400 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
+    --decode-steps 32 --prefill-tokens 4096 --profile --json-out "$OUT/bench_qwen3_4b.json" > "$OUT/bench.log" 2>&1 \
+    || { note "bench engine failed"; status=1; tail -30 "$OUT/bench.log"; }
+  if [ "$MODE" = bench ]; then
+    # Kernel durations of decode steps in isolation (Nsight Compute; Firecracker machines only).
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$NCU" ] && timeout 200 "$NCU" --clock-control none -k 'regex:attention_rows|add_rms_norm|qkv_rope_cache|silu_mul|gemv' \
+      --launch-skip 200 --launch-count 14 --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+      "$BIN/tandem" generate --device cuda:0 --model preset:qwen3-4b --prompt-ids 1,2,3 --max-tokens 8 \
+      --enforce-eager --max-num-seqs 1 --max-num-batched-tokens 64 --max-model-len 1024 > "$OUT/ncu.log" 2>&1
+    grep -E "attention_rows|add_rms_norm|qkv_rope|silu_mul|gemv|gpu__time|dram__bytes" "$OUT/ncu.log" | head -60
+  fi
+  if [ "$MODE" = full ]; then
+    timeout 300 python3 scripts/gpu/torch_baseline.py "$OUT/torch_qwen3_4b.json" > "$OUT/torch.log" 2>&1 \
+      || { note "torch baseline failed"; tail -20 "$OUT/torch.log"; }
+  fi
+  echo; grep -v "^\.\.\." "$OUT/bench.log"
+  python3 - "$OUT" <<'PY'
+import json, sys, os
+out = sys.argv[1]
+try:
+    t = json.load(open(f"{out}/bench_qwen3_4b.json"))
+except Exception as e:
+    print("no tandem bench result:", e); sys.exit(0)
+p = json.load(open(f"{out}/torch_qwen3_4b.json")) if os.path.exists(f"{out}/torch_qwen3_4b.json") else {}
+print(f"\n{'preset:qwen3-4b, one H200':<34}{'tandem':>12}{'floor':>12}{'PyTorch':>12}{'torch/tandem':>14}")
+for d in t["decode"]:
+    pt = p.get(f"decode_b{d['batch']}_ms")
+    print(f"{'decode step b' + str(d['batch']) + ' (ms)':<34}{d['median_step_ms']:>12.3f}{d['floor_step_ms']:>12.3f}"
+          f"{pt if pt is None else round(pt, 3)!s:>12}{'' if pt is None else f'{pt / d['median_step_ms']:.2f}x':>14}")
+    print(f"{'  tokens/s':<34}{d['tokens_per_s']:>12.0f}{'':>12}{'' if pt is None else round(d['batch'] * 1e3 / pt):>12}")
+pf = p.get("prefill_4096_ms")
+print(f"{'prefill 4096 (ms)':<34}{t['prefill_ms']:>12.1f}{t['prefill_floor_ms']:>12.1f}"
+      f"{pf if pf is None else round(pf, 1)!s:>12}{'' if pf is None else f'{pf / t['prefill_ms']:.2f}x':>14}")
+print(f"decode b1 floor/measured {t['decode'][0]['fraction_of_floor'] * 100:.0f}% (need >= 77%: within 1.3x); "
+      f"prefill at {t['prefill_floor_ms'] / t['prefill_ms'] * 100:.0f}% of the cuBLAS GEMM rate {t['gemm_tflop_s']:.0f} TFLOP/s (need >= 50%); "
+      f"copy bandwidth {t['read_bandwidth_gb_s']:.0f} GB/s")
+PY
+fi
+cat "$OUT/summary.txt"
+exit $status
