@@ -440,6 +440,23 @@ mod tests {
     }
 
     #[test]
+    fn preset_values_are_uniform_with_the_requested_spread() {
+        // The CUDA kernel `preset_uniform` computes the same function; this pins its shape.
+        let std = 0.05f32;
+        let (stream, amp) = (tensor_stream(7, "model.layers.0.mlp.up_proj.weight"), uniform_amplitude(std));
+        let xs: Vec<f64> = (0..200_000u64).map(|i| preset_value(stream, i, amp) as f64).collect();
+        assert!(xs.iter().all(|x| x.abs() <= amp as f64));
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
+        assert!(mean.abs() < 1e-3, "mean {mean}");
+        assert!((var.sqrt() / std as f64 - 1.0).abs() < 0.01, "std {} for {std}", var.sqrt());
+        // Element i depends on (stream, i) only: the same element twice, a different stream
+        // differs.
+        assert_eq!(preset_value(stream, 12_345, amp), xs[12_345] as f32);
+        assert_ne!(preset_value(stream ^ 1, 12_345, amp), xs[12_345] as f32);
+    }
+
+    #[test]
     fn unknown_preset_lists_known_ones() {
         let e = Preset::find("gpt5").unwrap_err().to_string();
         assert!(e.contains("gpt5") && e.contains("tiny-qwen3"), "{e}");
