@@ -450,67 +450,16 @@ impl CudaModel {
         padded_tokens: usize,
         padded_seqs: usize,
     ) -> Result<(), ModelError> {
+        let limits = MetaLimits {
+            block_size: self.layout.block_size,
+            max_positions: self.max_positions,
+            table_width: self.table_width,
+            flash: ops::flash_supported(self.cfg.head_dim),
+        };
         let m = self.meta_layout;
-        let bs = self.layout.block_size;
-        let width = seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(1).max(1);
-        if width > self.table_width {
-            return Err(ModelError::Device(format!("block table of {width} blocks exceeds {}", self.table_width)));
-        }
-        let hm = &mut self.meta_host;
-        hm[m.stride] = width as i32;
-        let mut tables = vec![0i32; padded_seqs.max(1) * width];
-        let mut n_decode = 0;
-        let mut n_work = 0;
-        let mut n_rows = 0;
-        let flash = ops::flash_supported(self.cfg.head_dim);
-        for (si, s) in seqs.iter().enumerate() {
-            for (j, &b) in s.block_table.iter().enumerate() {
-                tables[si * width + j] = b as i32;
-            }
-            hm[m.seq_tok + si] = s.token_start as i32;
-            hm[m.seq_len + si] = s.num_tokens as i32;
-            hm[m.seq_pos + si] = s.first_pos as i32;
-            for k in 0..s.num_tokens {
-                let t = s.token_start + k;
-                let pos = s.first_pos + k;
-                if pos >= self.max_positions || pos / bs >= s.block_table.len() {
-                    return Err(ModelError::Device(format!("position {pos} outside the block table or RoPE table")));
-                }
-                hm[m.tokens + t] = token_ids[t] as i32;
-                hm[m.positions + t] = pos as i32;
-                hm[m.slots + t] = (s.block_table[pos / bs] as usize * bs + pos % bs) as i32;
-                hm[m.tok_seq + t] = si as i32;
-            }
-            if flash && s.num_tokens > 1 {
-                // Latest tiles first: they see the most keys, and starting the longest work
-                // first keeps the last wave short.
-                for q0 in (0..s.num_tokens).step_by(FLASH_ROWS).rev() {
-                    hm[m.work + 2 * n_work] = si as i32;
-                    hm[m.work + 2 * n_work + 1] = q0 as i32;
-                    n_work += 1;
-                }
-            } else {
-                for k in 0..s.num_tokens {
-                    hm[m.decode_list + n_decode] = (s.token_start + k) as i32;
-                    n_decode += 1;
-                }
-            }
-            if s.want_logits && s.num_tokens > 0 {
-                hm[m.rows + n_rows] = (s.token_start + s.num_tokens - 1) as i32;
-                n_rows += 1;
-            }
-        }
-        for t in token_ids.len()..padded_tokens {
-            hm[m.tokens + t] = 0;
-            hm[m.positions + t] = 0;
-            hm[m.slots + t] = -1;
-            hm[m.tok_seq + t] = t as i32;
-            hm[m.decode_list + n_decode] = t as i32;
-            n_decode += 1;
-            hm[m.rows + n_rows] = t as i32;
-            n_rows += 1;
-        }
-        self.counts = StepCounts { decode: n_decode, work: n_work };
+        let (tables, counts) =
+            build_meta(&m, &mut self.meta_host, &limits, token_ids, seqs, padded_tokens, padded_seqs)?;
+        self.counts = counts;
         self.dev.write(&mut self.meta, 0, &self.meta_host)?;
         self.dev.write(&mut self.meta, m.tables, &tables)?;
         Ok(())
@@ -981,6 +930,93 @@ impl<'a> WeightBuilder<'a> {
     }
 }
 
+/// What the step metadata is checked against.
+#[derive(Clone, Copy, Debug)]
+struct MetaLimits {
+    block_size: usize,
+    max_positions: usize,
+    table_width: usize,
+    /// Whether multi-token chunks go to the tensor-core prefill kernel (else the row kernel).
+    flash: bool,
+}
+
+/// Fills the fixed part of the step metadata (`header`, laid out by `m`) for a batch, padded
+/// with rows that write no KV and read block 0 up to `padded_tokens` tokens and
+/// `padded_seqs` sequences, and returns the block tables (`padded_seqs` rows of the batch's
+/// widest table) and the kernels' work counts. Host-side only, so it is tested without a GPU.
+fn build_meta(
+    m: &MetaLayout,
+    header: &mut [i32],
+    limits: &MetaLimits,
+    token_ids: &[u32],
+    seqs: &[SeqBatch<'_>],
+    padded_tokens: usize,
+    padded_seqs: usize,
+) -> Result<(Vec<i32>, StepCounts), ModelError> {
+    let bs = limits.block_size;
+    let width = seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(1).max(1);
+    if width > limits.table_width {
+        return Err(ModelError::Device(format!("block table of {width} blocks exceeds {}", limits.table_width)));
+    }
+    let hm = header;
+    hm[m.stride] = width as i32;
+    let mut tables = vec![0i32; padded_seqs.max(seqs.len()).max(1) * width];
+    let mut n_decode = 0;
+    let mut n_work = 0;
+    let mut n_rows = 0;
+    for (si, s) in seqs.iter().enumerate() {
+        if s.token_start + s.num_tokens > token_ids.len() {
+            return Err(ModelError::Device(format!("sequence {si} runs past the batch's {} tokens", token_ids.len())));
+        }
+        for (j, &b) in s.block_table.iter().enumerate() {
+            tables[si * width + j] = b as i32;
+        }
+        hm[m.seq_tok + si] = s.token_start as i32;
+        hm[m.seq_len + si] = s.num_tokens as i32;
+        hm[m.seq_pos + si] = s.first_pos as i32;
+        for k in 0..s.num_tokens {
+            let t = s.token_start + k;
+            let pos = s.first_pos + k;
+            if pos >= limits.max_positions || pos / bs >= s.block_table.len() {
+                return Err(ModelError::Device(format!("position {pos} outside the block table or RoPE table")));
+            }
+            hm[m.tokens + t] = token_ids[t] as i32;
+            hm[m.positions + t] = pos as i32;
+            hm[m.slots + t] = (s.block_table[pos / bs] as usize * bs + pos % bs) as i32;
+            hm[m.tok_seq + t] = si as i32;
+        }
+        if limits.flash && s.num_tokens > 1 {
+            // Latest tiles first: they see the most keys, and starting the longest work first
+            // keeps the last wave short.
+            for q0 in (0..s.num_tokens).step_by(FLASH_ROWS).rev() {
+                hm[m.work + 2 * n_work] = si as i32;
+                hm[m.work + 2 * n_work + 1] = q0 as i32;
+                n_work += 1;
+            }
+        } else {
+            for k in 0..s.num_tokens {
+                hm[m.decode_list + n_decode] = (s.token_start + k) as i32;
+                n_decode += 1;
+            }
+        }
+        if s.want_logits && s.num_tokens > 0 {
+            hm[m.rows + n_rows] = (s.token_start + s.num_tokens - 1) as i32;
+            n_rows += 1;
+        }
+    }
+    for t in token_ids.len()..padded_tokens {
+        hm[m.tokens + t] = 0;
+        hm[m.positions + t] = 0;
+        hm[m.slots + t] = -1;
+        hm[m.tok_seq + t] = t as i32;
+        hm[m.decode_list + n_decode] = t as i32;
+        n_decode += 1;
+        hm[m.rows + n_rows] = t as i32;
+        n_rows += 1;
+    }
+    Ok((tables, StepCounts { decode: n_decode, work: n_work }))
+}
+
 /// Counts of the last prepared step.
 #[derive(Clone, Copy, Debug, Default)]
 struct StepCounts {
@@ -993,4 +1029,74 @@ struct StepCounts {
 /// The value the CPU backend would generate for element `i` of preset tensor `name` (tests).
 pub fn preset_element(seed: u64, name: &str, std: f32, i: u64) -> f32 {
     preset_value(tensor_stream(seed, name), i, uniform_amplitude(std))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(flash: bool) -> MetaLimits {
+        MetaLimits { block_size: 4, max_positions: 1000, table_width: 64, flash }
+    }
+
+    #[test]
+    fn meta_maps_positions_to_slots_and_splits_prefill_from_decode() {
+        let m = MetaLayout::new(256, 8);
+        let mut header = vec![0; m.tables];
+        let (t0, t1) = (vec![7u32, 3], vec![2u32, 9, 5, 1, 6, 8, 4, 0, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]);
+        // A decode token at position 5 and a 70-token chunk continuing at position 6.
+        let ids: Vec<u32> = std::iter::once(42).chain(0..70).collect();
+        let seqs = [
+            SeqBatch { token_start: 0, num_tokens: 1, first_pos: 5, block_table: &t0, want_logits: true },
+            SeqBatch { token_start: 1, num_tokens: 70, first_pos: 6, block_table: &t1, want_logits: true },
+        ];
+        let (tables, counts) = build_meta(&m, &mut header, &limits(true), &ids, &seqs, ids.len(), 2).unwrap();
+        assert_eq!(header[m.stride], t1.len() as i32);
+        assert_eq!(&tables[..2], &[7, 3]);
+        assert_eq!(tables[t1.len()], 2);
+        // Position 5 of sequence 0 is block t0[1] = 3, slot 1.
+        assert_eq!(header[m.slots], 3 * 4 + 1);
+        // Token 1 is position 6 of sequence 1: block t1[1] = 9, slot 2; token 70 is position 75.
+        assert_eq!(header[m.slots + 1], 9 * 4 + 2);
+        assert_eq!(header[m.positions + 70], 75);
+        assert_eq!(header[m.slots + 70], t1[75 / 4] as i32 * 4 + 3);
+        // The decode token goes to the row kernel, the chunk to two tensor-core tiles, latest first.
+        assert_eq!(counts.decode, 1);
+        assert_eq!(header[m.decode_list], 0);
+        assert_eq!(counts.work, 2);
+        assert_eq!(&header[m.work..m.work + 4], &[1, 64, 1, 0]);
+        // Logits come from each sequence's last token.
+        assert_eq!(&header[m.rows..m.rows + 2], &[0, 70]);
+        // Without the tensor-core kernel every token goes to the row kernel.
+        let (_, counts) = build_meta(&m, &mut header, &limits(false), &ids, &seqs, ids.len(), 2).unwrap();
+        assert_eq!((counts.decode, counts.work), (71, 0));
+    }
+
+    #[test]
+    fn graph_padding_writes_nothing_and_reads_block_zero() {
+        let m = MetaLayout::new(16, 8);
+        let mut header = vec![0; m.tables];
+        let table = [5u32, 6];
+        let seqs = [SeqBatch { token_start: 0, num_tokens: 1, first_pos: 6, block_table: &table, want_logits: true }];
+        let (tables, counts) = build_meta(&m, &mut header, &limits(true), &[9], &seqs, 4, 4).unwrap();
+        assert_eq!(counts.decode, 4);
+        for t in 1..4 {
+            assert_eq!(header[m.slots + t], -1, "padding row {t} must not write KV");
+            assert_eq!(header[m.positions + t], 0);
+            assert_eq!(header[m.tok_seq + t], t as i32);
+            assert_eq!(&tables[t * 2..t * 2 + 2], &[0, 0]);
+        }
+        assert_eq!(&header[m.rows..m.rows + 4], &[0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn meta_refuses_positions_outside_the_tables() {
+        let m = MetaLayout::new(16, 8);
+        let mut header = vec![0; m.tables];
+        let table = [1u32];
+        let seqs = [SeqBatch { token_start: 0, num_tokens: 1, first_pos: 4, block_table: &table, want_logits: true }];
+        assert!(build_meta(&m, &mut header, &limits(true), &[1], &seqs, 1, 1).is_err());
+        let short = [SeqBatch { token_start: 0, num_tokens: 3, first_pos: 0, block_table: &table, want_logits: true }];
+        assert!(build_meta(&m, &mut header, &limits(true), &[1], &short, 1, 1).is_err());
+    }
 }
