@@ -15,6 +15,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 export TANDEM_REQUIRE_CUDA=1 TANDEM_CACHE_DIR=/tmp/tandem-cache RUST_BACKTRACE=1
 BIN=gpu-bin
+[ -x "$BIN/tandem" ] || { echo "no $BIN/tandem: run scripts/gpu/build.sh first and carry gpu-bin"; exit 2; }
 status=0
 note() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 
@@ -24,6 +25,14 @@ for t in cuda_kernels cuda_model cuda_engine; do
   if [ "$t" = cuda_model ]; then
     python3 scripts/gpu/make_hf_reference.py /tmp/hfref > "$OUT/hfref.log" 2>&1 || { note "make_hf_reference failed"; tail -20 "$OUT/hfref.log"; }
     export TANDEM_HF_REFERENCE=/tmp/hfref
+  fi
+  if [ "$t" = cuda_model ] && [ -s /tmp/hfref/expected.json ]; then
+    # The same comparison against transformers computing in f32 on the same bf16 weights
+    # (no bf16 rounding of transformers' logits): reported, not a gate.
+    REFERENCE_DTYPE=float32 python3 scripts/gpu/make_hf_reference.py /tmp/hfref32 >> "$OUT/hfref.log" 2>&1 \
+      && TANDEM_HF_REFERENCE=/tmp/hfref32 timeout 120 "$BIN/$t" greedy --nocapture > /tmp/test_hf32.log 2>&1
+    note "transformers f32 reference: $(grep -c '40/40 tokens equal' /tmp/test_hf32.log) of 8 prompts equal for 40 tokens"
+    cat /tmp/test_hf32.log >> "$OUT/tests.log"
   fi
   if timeout 300 "$BIN/$t" --test-threads=1 --nocapture > /tmp/test_$t.log 2>&1; then
     note "test $t: ok"
