@@ -15,7 +15,7 @@ use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf};
 use tandem_compute::{KvLayout, KvRegion};
 
 use crate::config::ModelConfig;
-use crate::presets::{preset_value, tensor_stream, uniform_amplitude};
+use crate::presets::{tensor_stream, uniform_amplitude};
 use crate::runner::{ModelRunner, SampleSpec};
 use crate::source::{ModelSource, ModelSpec};
 use crate::transformer::SeqBatch;
@@ -1024,11 +1024,6 @@ struct StepCounts {
     decode: usize,
     /// Work items for the tensor-core prefill kernel.
     work: usize,
-}
-
-/// The value the CPU backend would generate for element `i` of preset tensor `name` (tests).
-pub fn preset_element(seed: u64, name: &str, std: f32, i: u64) -> f32 {
-    preset_value(tensor_stream(seed, name), i, uniform_amplitude(std))
 }
 
 #[cfg(test)]

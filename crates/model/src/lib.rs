@@ -27,7 +27,7 @@ mod transformer;
 mod weights;
 
 pub use config::{Architecture, ModelConfig};
-pub use cuda_model::{preset_element, CudaModel, CudaOptions};
+pub use cuda_model::{CudaModel, CudaOptions};
 pub use detokenize::{IncrementalDetokenizer, StopMatcher, StopOutcome};
 pub use error::ModelError;
 pub use presets::{Preset, PRESETS};

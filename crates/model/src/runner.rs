@@ -74,11 +74,6 @@ impl CpuRunner {
         let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
         Self { model, kv }
     }
-
-    /// The transformer.
-    pub fn model(&self) -> &Transformer {
-        &self.model
-    }
 }
 
 impl ModelRunner for CpuRunner {
