@@ -252,3 +252,83 @@ async fn dropping_a_stream_mid_prefill_stops_the_prefill() {
     }
     assert!(engine.stats().steps < 1000, "prefill ran on after the abort: {:?}", engine.stats());
 }
+
+/// Fault injection around the real CPU runner: its `n`-th forward fails (as a GPU launch
+/// error would), every other call runs the model.
+struct FailingOnce {
+    inner: tandem_model::CpuRunner,
+    calls: usize,
+    fail_at: usize,
+}
+
+impl tandem_model::ModelRunner for FailingOnce {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn config(&self) -> &tandem_model::ModelConfig {
+        self.inner.config()
+    }
+    fn max_positions(&self) -> usize {
+        self.inner.max_positions()
+    }
+    fn kv_layout(&self) -> tandem_compute::KvLayout {
+        self.inner.kv_layout()
+    }
+    fn kv_region(&self) -> Option<std::sync::Arc<tandem_compute::KvRegion>> {
+        self.inner.kv_region()
+    }
+    fn fingerprint(&self) -> String {
+        self.inner.fingerprint()
+    }
+    fn execute(
+        &mut self,
+        token_ids: &[u32],
+        seqs: &[tandem_model::SeqBatch<'_>],
+        samples: &[tandem_model::SampleSpec],
+    ) -> Result<Vec<u32>, tandem_model::ModelError> {
+        self.calls += 1;
+        if self.calls == self.fail_at {
+            return Err(tandem_model::ModelError::Device("injected launch failure".into()));
+        }
+        self.inner.execute(token_ids, seqs, samples)
+    }
+}
+
+/// A failed forward ends the requests of that batch with the error, returns their blocks, and
+/// the engine serves the next request with the right tokens.
+#[test]
+fn a_failed_forward_fails_its_batch_and_the_engine_keeps_serving() {
+    let (model, cases) = fixture("qwen3");
+    let cfg = EngineConfig { block_size: 16, num_blocks: 64, max_num_seqs: 8, max_num_batched_tokens: 4096 };
+    let runner = FailingOnce { inner: tandem_model::CpuRunner::new(model.transformer, 16, 64), calls: 0, fail_at: 2 };
+    let boxed: Box<dyn tandem_model::ModelRunner> = Box::new(runner);
+    let mut core = EngineCore::new(boxed, model.eos_token_ids, model.max_model_len, &cfg);
+    let case = &cases[1];
+    let submit = |core: &mut EngineCore, id: &str| {
+        let (tx, rx) = unbounded_channel();
+        core.add_request(EngineRequest::new(RequestId::new(id), case.prompt.clone(), greedy_ignore_eos(4)), tx)
+            .unwrap();
+        rx
+    };
+    // Step 1 prefills, step 2 (the first decode) fails.
+    let mut first = submit(&mut core, "first");
+    let mut steps = 0;
+    while core.has_work() {
+        core.step();
+        steps += 1;
+        assert!(steps < 100);
+    }
+    let mut failed = None;
+    while let Ok(ev) = first.try_recv() {
+        if let EngineEvent::Failed(e) = ev {
+            failed = Some(e);
+        }
+    }
+    let failed = failed.expect("the request in the failed batch gets an error");
+    assert!(failed.contains("injected launch failure"), "{failed}");
+    assert_eq!(core.num_free_blocks(), 64, "its blocks come back");
+    // The next request runs normally and matches transformers.
+    let second = submit(&mut core, "second");
+    let out = run(&mut core, vec![(RequestId::new("second"), second)]);
+    assert_eq!(out[&RequestId::new("second")].0, case.expected[..4].to_vec());
+}
