@@ -50,16 +50,6 @@ __device__ float block_sum(float v, float* scratch) {
     return warp_sum(t);
 }
 
-__device__ float block_max(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float t = lane < warps ? scratch[lane] : NEG_INF;
-    return warp_max(t);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Seeded weights for `preset:` models, built on the device. Element i of a tensor is the i-th
 // output of a splitmix64 stream started at `stream_seed`, mapped to a uniform value in
