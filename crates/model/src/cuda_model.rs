@@ -465,6 +465,45 @@ impl CudaModel {
         Ok(())
     }
 
+    fn attn_shape(&self, layer: usize) -> AttnShape {
+        AttnShape {
+            num_heads: self.cfg.num_heads,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+            layer,
+            num_layers: self.cfg.num_layers,
+            block_size: self.layout.block_size,
+        }
+    }
+
+    /// Arguments of the fused q/k-norm + RoPE + cache-write kernel for `layer`.
+    fn rope_args(&self, layer: &Layer) -> QkvRope {
+        QkvRope {
+            qkv: self.act.qkv.ptr(),
+            bias: layer.qkv.bias.as_ref().map_or(0, DevBuf::ptr),
+            q_norm: layer.q_norm.as_ref().map_or(0, DevBuf::ptr),
+            k_norm: layer.k_norm.as_ref().map_or(0, DevBuf::ptr),
+            cos: self.rope_cos.ptr(),
+            sin: self.rope_sin.ptr(),
+            positions: self.meta.ptr_at(self.meta_layout.positions),
+            slots: self.meta.ptr_at(self.meta_layout.slots),
+            q_out: self.act.q.ptr(),
+            cache: self.kv.ptr(),
+            eps: self.cfg.rms_norm_eps,
+        }
+    }
+
+    fn prefill_seqs(&self, counts: StepCounts) -> PrefillSeqs {
+        let m = self.meta_layout;
+        PrefillSeqs {
+            work: self.meta.ptr_at(m.work),
+            num_items: counts.work,
+            seq_tok: self.meta.ptr_at(m.seq_tok),
+            seq_len: self.meta.ptr_at(m.seq_len),
+            seq_pos: self.meta.ptr_at(m.seq_pos),
+        }
+    }
+
     fn attn_meta(&self) -> AttnMeta {
         let m = self.meta_layout;
         AttnMeta {
@@ -484,42 +523,16 @@ impl CudaModel {
         let a = &self.act;
         let m = self.meta_layout;
         let counts = counts.unwrap_or(self.counts);
-        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
+        let h = cfg.hidden_size;
         let eps = cfg.rms_norm_eps;
         let meta = self.attn_meta();
         ops::embed_gather(dev, self.embed.ptr(), self.meta.ptr_at(m.tokens), a.x.ptr(), t, h)?;
         ops::add_rms_norm(dev, a.x.ptr(), 0, 0, self.layers[0].input_norm.ptr(), a.normed.ptr(), t, h, eps)?;
-        let prefill = PrefillSeqs {
-            work: self.meta.ptr_at(m.work),
-            num_items: counts.work,
-            seq_tok: self.meta.ptr_at(m.seq_tok),
-            seq_len: self.meta.ptr_at(m.seq_len),
-            seq_pos: self.meta.ptr_at(m.seq_pos),
-        };
+        let prefill = self.prefill_seqs(counts);
         for (li, layer) in self.layers.iter().enumerate() {
             self.linear(&layer.qkv, a.normed.ptr(), a.qkv.ptr(), t, false)?;
-            let shape = AttnShape {
-                num_heads: cfg.num_heads,
-                num_kv_heads: cfg.num_kv_heads,
-                head_dim: hd,
-                layer: li,
-                num_layers: cfg.num_layers,
-                block_size: self.layout.block_size,
-            };
-            let rope = QkvRope {
-                qkv: a.qkv.ptr(),
-                bias: layer.qkv.bias.as_ref().map_or(0, DevBuf::ptr),
-                q_norm: layer.q_norm.as_ref().map_or(0, DevBuf::ptr),
-                k_norm: layer.k_norm.as_ref().map_or(0, DevBuf::ptr),
-                cos: self.rope_cos.ptr(),
-                sin: self.rope_sin.ptr(),
-                positions: meta.positions,
-                slots: self.meta.ptr_at(m.slots),
-                q_out: a.q.ptr(),
-                cache: self.kv.ptr(),
-                eps,
-            };
-            ops::qkv_rope_cache(dev, &rope, &shape, t)?;
+            let shape = self.attn_shape(li);
+            ops::qkv_rope_cache(dev, &self.rope_args(layer), &shape, t)?;
             ops::attention_rows(
                 dev,
                 a.q.ptr(),
@@ -651,7 +664,7 @@ impl CudaModel {
         let rows = seqs;
         let reps = if t > 256 { 3 } else { 20 };
         let layers = self.cfg.num_layers as f64;
-        let (h, hd, inter) = (self.cfg.hidden_size, self.cfg.head_dim, self.cfg.intermediate_size);
+        let (h, inter) = (self.cfg.hidden_size, self.cfg.intermediate_size);
         let eps = self.cfg.rms_norm_eps;
         let m = self.meta_layout;
         let meta = self.attn_meta();
@@ -659,34 +672,9 @@ impl CudaModel {
         let dev = &self.dev;
         let a = &self.act;
         let l0 = &self.layers[0];
-        let shape = AttnShape {
-            num_heads: self.cfg.num_heads,
-            num_kv_heads: self.cfg.num_kv_heads,
-            head_dim: hd,
-            layer: 0,
-            num_layers: self.cfg.num_layers,
-            block_size: bs,
-        };
-        let rope = QkvRope {
-            qkv: a.qkv.ptr(),
-            bias: 0,
-            q_norm: l0.q_norm.as_ref().map_or(0, DevBuf::ptr),
-            k_norm: l0.k_norm.as_ref().map_or(0, DevBuf::ptr),
-            cos: self.rope_cos.ptr(),
-            sin: self.rope_sin.ptr(),
-            positions: meta.positions,
-            slots: self.meta.ptr_at(m.slots),
-            q_out: a.q.ptr(),
-            cache: self.kv.ptr(),
-            eps,
-        };
-        let prefill = PrefillSeqs {
-            work: self.meta.ptr_at(m.work),
-            num_items: counts.work,
-            seq_tok: self.meta.ptr_at(m.seq_tok),
-            seq_len: self.meta.ptr_at(m.seq_len),
-            seq_pos: self.meta.ptr_at(m.seq_pos),
-        };
+        let shape = self.attn_shape(0);
+        let rope = self.rope_args(l0);
+        let prefill = self.prefill_seqs(counts);
         let time = |f: &dyn Fn() -> Result<(), CudaError>| -> Result<f64, ModelError> {
             f()?;
             Ok(dev.time_ms(|| (0..reps).try_for_each(|_| f()))? / reps as f64)
