@@ -71,3 +71,42 @@ for n in [1, 5, 17, 40, 64, 100, 150, 200]:
 with open(f"{out}/expected.json", "w") as f:
     json.dump({"transformers": __import__("transformers").__version__, "cases": cases}, f)
 print(f"reference: {len(cases)} prompts, {sum(len(c['tokens']) for c in cases)} tokens -> {out}")
+
+# Diagnostic (printed to the log, not used by the test): how much transformers' own prompt
+# logits move with its attention implementation and GEMM settings, per prompt length. tandem
+# agrees with the default to ~1.6e-3 on prompts up to 40 tokens and ~1e-2 beyond 64; if one of
+# these settings moves transformers by that much on long prompts only, it names the cause.
+def prompt_logits(m, prompt):
+    with torch.no_grad():
+        return m(torch.tensor([prompt], device=DEV)).logits[0, -1].float()
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+variants = {}
+for impl in ["eager"]:
+    variants[f"attn_implementation={impl}"] = Qwen3ForCausalLM.from_pretrained(
+        out, dtype=DTYPE, attn_implementation=impl).to(DEV).eval()
+print(f"torch {torch.__version__}, default SDPA flags: flash {torch.backends.cuda.flash_sdp_enabled()}, "
+      f"mem-efficient {torch.backends.cuda.mem_efficient_sdp_enabled()}, cudnn {torch.backends.cuda.cudnn_sdp_enabled()}, "
+      f"bf16 reduced-precision reduction {torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}")
+for case in cases:
+    p = case["prompt"]
+    base = prompt_logits(model, p)
+    row = [f"{len(p):>4} tokens: generate vs forward {rel(base, torch.tensor(case['first_logits'], device=DEV)):.1e}"]
+    for name, m in variants.items():
+        row.append(f"{name} {rel(prompt_logits(m, p), base):.1e}")
+    if DEV == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for backend in [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]:
+            try:
+                with sdpa_kernel(backend):
+                    row.append(f"{backend.name} {rel(prompt_logits(model, p), base):.1e}")
+            except Exception as e:  # a backend that does not take this shape
+                row.append(f"{backend.name} n/a ({type(e).__name__})")
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        row.append(f"no reduced-precision reduction {rel(prompt_logits(model, p), base):.1e}")
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    print("diagnostic " + ", ".join(row))

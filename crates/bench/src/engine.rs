@@ -280,7 +280,7 @@ impl std::fmt::Display for EngineBenchReport {
         if let (Some(g), Some(floor)) = (self.gemm_tflop_s, self.prefill_floor_ms) {
             writeln!(
                 f,
-                "prefill {:.1} TFLOP (matmul params + causal attention): {:.1} TFLOP/s achieved, cuBLAS GEMM {:.1} TFLOP/s, floor {:.1} ms, {:.0}% of floor",
+                "prefill {:.1} TFLOP (matmul params + causal attention): {:.1} TFLOP/s achieved, cuBLAS GEMM {:.1} TFLOP/s, floor {:.1} ms, {:.1}% of floor",
                 self.prefill_flops / 1e12,
                 self.prefill_flops / (self.prefill_ms / 1e3) / 1e12,
                 g,

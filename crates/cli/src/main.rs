@@ -120,6 +120,7 @@ fn build_engine(m: &ModelArgs, e: &EngineArgs) -> Result<EngineParts> {
                 memory_utilization: e.gpu_memory_utilization,
                 num_blocks: e.num_kv_blocks,
                 cuda_graphs: !e.enforce_eager,
+                ..CudaOptions::default()
             };
             let t = Instant::now();
             let model =

@@ -2,7 +2,7 @@
 //! inputs of many shapes. Runs where a GPU is present (scripts/gpu/run.sh); elsewhere each test
 //! says it skipped, unless `TANDEM_REQUIRE_CUDA=1` makes a missing GPU a failure.
 
-use tandem_compute::cuda::ops::{self, AttnMeta, AttnShape, PrefillSeqs, FLASH_ROWS};
+use tandem_compute::cuda::ops::{self, AttnMeta, AttnShape, GemvInput, GemvOutput, PrefillSeqs, FLASH_ROWS};
 use tandem_compute::cuda::CudaDevice;
 
 fn device() -> Option<CudaDevice> {
@@ -175,7 +175,7 @@ fn attention_kernels_match_the_reference_over_many_shapes() {
     let Some(dev) = device() else { return };
     let mut rng = Lcg(7);
     let mut n = 0;
-    for &(heads, kv_heads) in &[(4, 4), (8, 2), (32, 8), (16, 8)] {
+    for &(heads, kv_heads) in &[(4, 4), (8, 2), (32, 8), (16, 8), (8, 1)] {
         for &head_dim in &[32, 64, 128] {
             for &block_size in &[1, 8, 16, 32] {
                 if block_size == 1 && head_dim != 64 {
@@ -188,6 +188,19 @@ fn attention_kernels_match_the_reference_over_many_shapes() {
                 n += 1;
             }
         }
+    }
+    // Head sizes the tensor-core kernel does not take (the row kernel does all of it).
+    for head_dim in [96, 256] {
+        let seqs = vec![(1, 0), (1, 130), (17, 0), (40, 33)];
+        check_attention(&dev, &Case { heads: 8, kv_heads: 2, head_dim, block_size: 16, seqs }, &mut rng);
+        n += 1;
+    }
+    // Decode batches large enough that the row kernel scores whole GQA groups per block (8 and
+    // 4 heads), next to the small batches above that take one head per block.
+    for (heads, kv_heads) in [(16, 2), (32, 8)] {
+        let seqs: Vec<(usize, usize)> = (0..150).map(|i| (1, 37 + i)).collect();
+        check_attention(&dev, &Case { heads, kv_heads, head_dim: 128, block_size: 16, seqs }, &mut rng);
+        n += 1;
     }
     // One long prompt over many key tiles.
     check_attention(
@@ -262,4 +275,183 @@ fn sampling_kernel_follows_its_rules() {
         let p = logit.exp() / z;
         assert!((freq - p).abs() < 0.01, "token {tok}: frequency {freq} vs probability {p}");
     }
+}
+
+/// Which prologue / epilogue a decode-projection check uses.
+#[derive(Clone, Copy, Debug)]
+enum GemvMode {
+    NormToBf16,
+    NormToF32,
+    Bf16ToResidual,
+    SiluToResidual,
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// `x` rounded to bf16.
+fn round(x: f32) -> f32 {
+    f32_of(bf16(x))
+}
+
+/// The distance between `x` and the next bf16 value away from zero.
+fn bf16_step(x: f32) -> f32 {
+    let b = bf16(x.abs().max(f32::MIN_POSITIVE));
+    f32_of(b + 1) - f32_of(b)
+}
+
+/// One decode projection against an f64 reference built from the same bf16 inputs, with
+/// the prologue's and epilogue's bf16 rounding done on the host. Returns what the kernel
+/// produced per row (outputs, or the updated residual rows).
+fn check_gemv(
+    dev: &CudaDevice,
+    mode: GemvMode,
+    pipelined: bool,
+    n: usize,
+    k: usize,
+    tokens: usize,
+    rng: &mut Lcg,
+) -> Vec<Vec<f64>> {
+    let w: Vec<u16> = (0..n * k).map(|_| bf16(rng.uniform() * 0.05)).collect();
+    let bias: Vec<u16> = (0..n).map(|_| bf16(rng.uniform())).collect();
+    // Inputs are drawn for the most tokens, whatever `tokens` is, so runs with different token
+    // counts share their first rows. Residual rows: more than the tokens, read through a
+    // shuffled row list by the norm.
+    let most = ops::GEMV_MAX_TOKENS;
+    let res_rows = most + 3;
+    // The residual stream holds bf16 values.
+    let residual: Vec<f32> = (0..res_rows * k).map(|_| f32_of(bf16(rng.uniform() * 4.0))).collect();
+    let rows: Vec<i32> = (0..most).map(|m| ((m * 5 + 2) % res_rows) as i32).collect();
+    let norm_w: Vec<u16> = (0..k).map(|_| bf16(1.0 + rng.uniform() * 0.5)).collect();
+    let xb: Vec<u16> = (0..most * k).map(|_| bf16(rng.uniform())).collect();
+    let gu: Vec<u16> = (0..most * 2 * k).map(|_| bf16(rng.uniform() * 3.0)).collect();
+    let inputs: Vec<Vec<f32>> = (0..tokens)
+        .map(|m| match mode {
+            GemvMode::NormToBf16 | GemvMode::NormToF32 => {
+                let r = &residual[rows[m] as usize * k..][..k];
+                let ss: f32 = r.iter().map(|v| v * v).sum();
+                let inv = 1.0 / (ss / k as f32 + 1e-6).sqrt();
+                r.iter().zip(&norm_w).map(|(v, w)| round(round(v * inv) * f32_of(*w))).collect()
+            }
+            GemvMode::Bf16ToResidual => xb[m * k..][..k].iter().map(|b| f32_of(*b)).collect(),
+            GemvMode::SiluToResidual => (0..k)
+                .map(|i| {
+                    let (g, u) = (f32_of(gu[m * 2 * k + i]), f32_of(gu[m * 2 * k + k + i]));
+                    round(round(silu(g)) * u)
+                })
+                .collect(),
+        })
+        .collect();
+    let with_bias = matches!(mode, GemvMode::Bf16ToResidual | GemvMode::NormToBf16);
+    let want: Vec<Vec<f64>> = inputs
+        .iter()
+        .map(|x| {
+            (0..n)
+                .map(|j| {
+                    let dot: f64 = (0..k).map(|i| f32_of(w[j * k + i]) as f64 * x[i] as f64).sum();
+                    dot + if with_bias { f32_of(bias[j]) as f64 } else { 0.0 }
+                })
+                .collect()
+        })
+        .collect();
+
+    let d_w = dev.upload(&w).unwrap();
+    let d_bias = dev.upload(&bias).unwrap();
+    let bias_ptr = if with_bias { d_bias.ptr() } else { 0 };
+    let d_res = dev.upload(&residual).unwrap();
+    let d_rows = dev.upload(&rows).unwrap();
+    let d_norm = dev.upload(&norm_w).unwrap();
+    let d_x = dev.upload(&xb).unwrap();
+    let d_gu = dev.upload(&gu).unwrap();
+    // One row past `tokens` is poisoned: the kernel must not write it.
+    let poison_f32 = vec![f32::from_bits(0x7fc0_0001); (tokens + 1) * n];
+    let d_out32 = dev.upload(&poison_f32).unwrap();
+    let d_out16 = dev.upload(&vec![0x7fc1u16; (tokens + 1) * n]).unwrap();
+    let norm = GemvInput::Norm { residual: d_res.ptr(), rows: d_rows.ptr(), weight: d_norm.ptr(), eps: 1e-6 };
+    // The residual add writes into the first `tokens` rows of the residual itself.
+    let (input, output) = match mode {
+        GemvMode::NormToBf16 => (norm, GemvOutput::Bf16(d_out16.ptr())),
+        GemvMode::NormToF32 => (norm, GemvOutput::F32(d_out32.ptr())),
+        GemvMode::Bf16ToResidual => (GemvInput::Bf16(d_x.ptr()), GemvOutput::AddTo(d_res.ptr())),
+        GemvMode::SiluToResidual => (GemvInput::Silu(d_gu.ptr()), GemvOutput::AddTo(d_res.ptr())),
+    };
+    ops::gemv_variant(dev, d_w.ptr(), n, k, input, output, bias_ptr, tokens, pipelined).unwrap();
+    let got: Vec<Vec<f64>> = match mode {
+        GemvMode::NormToBf16 => {
+            let out = dev.read(&d_out16, (tokens + 1) * n).unwrap();
+            assert!(out[tokens * n..].iter().all(|&b| b == 0x7fc1), "{mode:?}: wrote past {tokens} rows");
+            out.chunks(n).take(tokens).map(|r| r.iter().map(|b| f32_of(*b) as f64).collect()).collect()
+        }
+        GemvMode::NormToF32 => {
+            let out = dev.read(&d_out32, (tokens + 1) * n).unwrap();
+            assert!(out[tokens * n..].iter().all(|v| v.to_bits() == 0x7fc0_0001), "{mode:?}: wrote past {tokens} rows");
+            out.chunks(n).take(tokens).map(|r| r.iter().map(|v| *v as f64).collect()).collect()
+        }
+        GemvMode::Bf16ToResidual | GemvMode::SiluToResidual => {
+            assert_eq!(k, n, "the residual add needs a square projection in this test");
+            let out = dev.read(&d_res, res_rows * k).unwrap();
+            assert_eq!(&out[tokens * k..], &residual[tokens * k..], "{mode:?}: changed residual rows past {tokens}");
+            out.chunks(n).take(tokens).map(|r| r.iter().map(|v| *v as f64).collect()).collect()
+        }
+    };
+    for (m, (g, w)) in got.iter().zip(&want).enumerate() {
+        match mode {
+            GemvMode::NormToF32 => {
+                // Summation order, and an input element rounded one bf16 step apart now and then.
+                let scale = w.iter().fold(1e-3f64, |a, v| a.max(v.abs()));
+                let err = g.iter().zip(w).fold(0.0f64, |a, (x, y)| a.max((x - y).abs())) / scale;
+                assert!(err < 1e-3, "{mode:?} n {n} k {k} tokens {tokens} row {m}: error {err:.2e}");
+            }
+            _ => {
+                // bf16 results: the rounding of a value the two sides computed a hair apart may
+                // land one bf16 step apart, and an input element the prologue rounded one step
+                // apart moves a sum by a little of the row's scale (visible where the sum
+                // nearly cancels). The residual add is bf16(x + bf16(y)).
+                let scale = w.iter().fold(1e-3f64, |a, v| a.max(v.abs()));
+                for (j, (x, y)) in g.iter().zip(w).enumerate() {
+                    let want = match mode {
+                        GemvMode::NormToBf16 => round(*y as f32) as f64,
+                        _ => round(residual[m * n + j] + round(*y as f32)) as f64,
+                    };
+                    let step = bf16_step(want as f32) as f64 + 1e-3 * scale;
+                    assert!(
+                        (x - want).abs() <= step,
+                        "{mode:?} n {n} k {k} tokens {tokens} row {m} col {j}: {x} vs {want} (step {step})"
+                    );
+                }
+            }
+        }
+    }
+    got
+}
+
+#[test]
+fn decode_projection_kernels_match_the_reference() {
+    let Some(dev) = device() else { return };
+    let mut n_checked = 0;
+    for mode in [GemvMode::NormToBf16, GemvMode::NormToF32, GemvMode::Bf16ToResidual, GemvMode::SiluToResidual] {
+        let square = matches!(mode, GemvMode::Bf16ToResidual | GemvMode::SiluToResidual);
+        // K not a multiple of 256 (a partial last load round), N odd (a warp's second row
+        // past the end), N small (fewer blocks than multiprocessors, K split eight ways in the
+        // pipelined build) and large (blocks looping over several row groups).
+        let shapes: &[(usize, usize)] = if square {
+            &[(64, 64), (1032, 1032), (2048, 2048)]
+        } else {
+            &[(37, 64), (3001, 1032), (40, 2048), (20011, 256)]
+        };
+        for pipelined in [false, true] {
+            for &(n, k) in shapes {
+                for tokens in [1, 2, 3, 5, 8] {
+                    // The same inputs for every token count: row 0's result must not depend on
+                    // how many rows ride along (CUDA graphs pad decode steps).
+                    let first = check_gemv(&dev, mode, pipelined, n, k, tokens, &mut Lcg(11 + n as u64));
+                    let alone = check_gemv(&dev, mode, pipelined, n, k, 1, &mut Lcg(11 + n as u64));
+                    assert_eq!(first[0], alone[0], "{mode:?} n {n} k {k}: row 0 changed with {tokens} rows");
+                    n_checked += 1;
+                }
+            }
+        }
+    }
+    eprintln!("{n_checked} decode projection shapes checked");
 }

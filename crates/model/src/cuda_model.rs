@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use tandem_compute::cpu::RopeTable;
-use tandem_compute::cuda::ops::{self, AttnMeta, AttnShape, PrefillSeqs, QkvRope, FLASH_ROWS};
+use tandem_compute::cuda::ops::{self, AttnMeta, AttnShape, GemvInput, GemvOutput, PrefillSeqs, QkvRope, FLASH_ROWS};
 use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf};
 use tandem_compute::{KvLayout, KvRegion};
 
@@ -39,6 +39,10 @@ pub struct CudaOptions {
     pub num_blocks: Option<usize>,
     /// Replay decode steps from CUDA graphs (off: launch every kernel each step).
     pub cuda_graphs: bool,
+    /// Run decode steps of up to 8 tokens through the fused decode projections (RMSNorm,
+    /// SiLU and the residual add folded into hand-written GEMV kernels) instead of cuBLAS and
+    /// separate kernels. Off only to compare the two paths.
+    pub fused_decode: bool,
 }
 
 impl Default for CudaOptions {
@@ -51,6 +55,7 @@ impl Default for CudaOptions {
             memory_utilization: 0.9,
             num_blocks: None,
             cuda_graphs: true,
+            fused_decode: true,
         }
     }
 }
@@ -87,8 +92,8 @@ struct Activations {
     qkv: DevBuf<u16>,
     q: DevBuf<u16>,
     attn: DevBuf<u16>,
-    /// Attention and MLP outputs in f32: the residual stream never passes through bf16.
-    proj: DevBuf<f32>,
+    /// Attention and MLP outputs (bf16, rounded as transformers rounds its projections).
+    proj: DevBuf<u16>,
     gate_up: DevBuf<u16>,
     act: DevBuf<u16>,
     last: DevBuf<u16>,
@@ -173,6 +178,8 @@ pub struct CudaModel {
     max_seqs: usize,
     graphs: HashMap<usize, tandem_compute::cuda::Graph>,
     use_graphs: bool,
+    /// Most tokens a step may have to take the fused decode path (0: never).
+    fused_tokens: usize,
     weight_bytes: usize,
     fingerprint: String,
     counts: StepCounts,
@@ -209,12 +216,10 @@ impl CudaModel {
                 cfg.head_dim
             )));
         }
-        if !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) || cfg.num_heads / cfg.num_kv_heads > ops::ATTN_MAX_GROUP {
+        if !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
             return Err(ModelError::UnsupportedConfig(format!(
-                "{} query heads over {} KV heads on CUDA (at most {} per KV head)",
-                cfg.num_heads,
-                cfg.num_kv_heads,
-                ops::ATTN_MAX_GROUP
+                "{} query heads over {} KV heads on CUDA (must divide evenly)",
+                cfg.num_heads, cfg.num_kv_heads
             )));
         }
         let started = std::time::Instant::now();
@@ -359,6 +364,14 @@ impl CudaModel {
                 cfg.vocab_size
             )
         };
+        // The fused decode projections load 8 input elements at a time and stage up to 8 input
+        // rows in shared memory.
+        let fused_tokens =
+            if opts.fused_decode && [h, q_dim, i].iter().all(|d| d.is_multiple_of(8)) && h <= ops::GEMV_NORM_MAX_K {
+                ops::gemv_max_tokens(&dev, h.max(q_dim).max(i))
+            } else {
+                0
+            };
         Ok(Self {
             dev,
             cfg,
@@ -380,6 +393,7 @@ impl CudaModel {
             max_seqs,
             graphs: HashMap::new(),
             use_graphs: opts.cuda_graphs,
+            fused_tokens,
             weight_bytes,
             fingerprint,
             counts: StepCounts::default(),
@@ -518,6 +532,17 @@ impl CudaModel {
     /// `rows` rows. Everything it launches depends only on `t`, `rows` and the step counts, so
     /// a decode step of a given size can be captured once and replayed.
     fn run_forward(&self, t: usize, rows: usize, counts: Option<StepCounts>) -> Result<(), ModelError> {
+        self.run_forward_path(t, rows, counts, true)
+    }
+
+    /// [`Self::run_forward`], optionally kept off the fused decode path (to compare the two).
+    fn run_forward_path(
+        &self,
+        t: usize,
+        rows: usize,
+        counts: Option<StepCounts>,
+        allow_fused: bool,
+    ) -> Result<(), ModelError> {
         let dev = &self.dev;
         let cfg = &self.cfg;
         let a = &self.act;
@@ -527,28 +552,21 @@ impl CudaModel {
         let eps = cfg.rms_norm_eps;
         let meta = self.attn_meta();
         ops::embed_gather(dev, self.embed.ptr(), self.meta.ptr_at(m.tokens), a.x.ptr(), t, h)?;
+        if allow_fused && counts.work == 0 && t <= self.fused_tokens {
+            return self.run_decode_layers(t, rows, counts);
+        }
         ops::add_rms_norm(dev, a.x.ptr(), 0, 0, self.layers[0].input_norm.ptr(), a.normed.ptr(), t, h, eps)?;
         let prefill = self.prefill_seqs(counts);
         for (li, layer) in self.layers.iter().enumerate() {
-            self.linear(&layer.qkv, a.normed.ptr(), a.qkv.ptr(), t, false)?;
-            let shape = self.attn_shape(li);
-            ops::qkv_rope_cache(dev, &self.rope_args(layer), &shape, t)?;
-            ops::attention_rows(
-                dev,
-                a.q.ptr(),
-                self.kv.ptr(),
-                a.attn.ptr(),
-                &meta,
-                self.meta.ptr_at(m.decode_list),
-                counts.decode,
-                &shape,
-            )?;
+            // The qkv bias is added by the RoPE kernel.
+            self.matmul(a.normed.ptr(), layer.qkv.weight.ptr(), a.qkv.ptr(), t, layer.qkv.out_dim, h, false)?;
+            let shape = self.rope_and_row_attention(li, layer, t, counts)?;
             ops::flash_prefill(dev, a.q.ptr(), self.kv.ptr(), a.attn.ptr(), &prefill, &meta, &shape)?;
-            self.linear(&layer.o, a.attn.ptr(), a.proj.ptr(), t, true)?;
+            self.linear(&layer.o, a.attn.ptr(), a.proj.ptr(), t, false)?;
             ops::add_rms_norm(dev, a.x.ptr(), a.proj.ptr(), 0, layer.post_norm.ptr(), a.normed.ptr(), t, h, eps)?;
             self.linear(&layer.gate_up, a.normed.ptr(), a.gate_up.ptr(), t, false)?;
             ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, cfg.intermediate_size)?;
-            self.linear(&layer.down, a.act.ptr(), a.proj.ptr(), t, true)?;
+            self.linear(&layer.down, a.act.ptr(), a.proj.ptr(), t, false)?;
             match self.layers.get(li + 1) {
                 Some(next) => ops::add_rms_norm(
                     dev,
@@ -578,6 +596,72 @@ impl CudaModel {
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         self.matmul(a.last.ptr(), head.ptr(), a.logits.ptr(), rows, cfg.vocab_size, h, true)?;
+        Ok(())
+    }
+
+    /// Layer `li`'s q/k norm, RoPE and cache write for all `t` tokens, then attention for the
+    /// tokens on the decode list (the row kernel). Returns the layer's attention shape.
+    fn rope_and_row_attention(
+        &self,
+        li: usize,
+        layer: &Layer,
+        t: usize,
+        counts: StepCounts,
+    ) -> Result<AttnShape, ModelError> {
+        let a = &self.act;
+        let shape = self.attn_shape(li);
+        ops::qkv_rope_cache(&self.dev, &self.rope_args(layer), &shape, t)?;
+        let decode_list = self.meta.ptr_at(self.meta_layout.decode_list);
+        let meta = self.attn_meta();
+        ops::attention_rows(
+            &self.dev,
+            a.q.ptr(),
+            self.kv.ptr(),
+            a.attn.ptr(),
+            &meta,
+            decode_list,
+            counts.decode,
+            &shape,
+        )?;
+        Ok(shape)
+    }
+
+    /// The layers and output head of a decode step of at most `fused_tokens` tokens (the
+    /// embedding already in the residual stream): per layer, qkv (with the input RMSNorm),
+    /// RoPE/cache write, attention, o (adding into the residual), gate/up (with the
+    /// post-attention RMSNorm) and down (with SiLU-and-multiply, adding into the residual).
+    /// Six launches per layer instead of nine, and no deltas through memory.
+    fn run_decode_layers(&self, t: usize, rows: usize, counts: StepCounts) -> Result<(), ModelError> {
+        let dev = &self.dev;
+        let cfg = &self.cfg;
+        let a = &self.act;
+        let m = self.meta_layout;
+        let h = cfg.hidden_size;
+        let norm = |weight: &DevBuf<u16>, rows: u64| GemvInput::Norm {
+            residual: a.x.ptr(),
+            rows,
+            weight: weight.ptr(),
+            eps: cfg.rms_norm_eps,
+        };
+        let bias = |l: &Linear| l.bias.as_ref().map_or(0, DevBuf::ptr);
+        for (li, layer) in self.layers.iter().enumerate() {
+            let (qkv, o, gate_up, down) = (&layer.qkv, &layer.o, &layer.gate_up, &layer.down);
+            // The qkv bias is added by the RoPE kernel, as on the unfused path.
+            let input = norm(&layer.input_norm, 0);
+            ops::gemv(dev, qkv.weight.ptr(), qkv.out_dim, h, input, GemvOutput::Bf16(a.qkv.ptr()), 0, t)?;
+            self.rope_and_row_attention(li, layer, t, counts)?;
+            let residual = GemvOutput::AddTo(a.x.ptr());
+            ops::gemv(dev, o.weight.ptr(), h, o.in_dim, GemvInput::Bf16(a.attn.ptr()), residual, bias(o), t)?;
+            let post = norm(&layer.post_norm, 0);
+            let gu_out = GemvOutput::Bf16(a.gate_up.ptr());
+            ops::gemv(dev, gate_up.weight.ptr(), gate_up.out_dim, h, post, gu_out, bias(gate_up), t)?;
+            let act = GemvInput::Silu(a.gate_up.ptr());
+            ops::gemv(dev, down.weight.ptr(), h, down.in_dim, act, residual, bias(down), t)?;
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let input = norm(&self.norm, self.meta.ptr_at(m.rows));
+        let logits = GemvOutput::F32(a.logits.ptr());
+        ops::gemv(dev, head.ptr(), cfg.vocab_size, h, input, logits, 0, rows)?;
         Ok(())
     }
 
@@ -718,7 +802,8 @@ impl CudaModel {
             ),
             (
                 "o projection".into(),
-                layers * time(&|| self.matmul(a.attn.ptr(), l0.o.weight.ptr(), a.proj.ptr(), t, h, l0.o.in_dim, true))?,
+                layers
+                    * time(&|| self.matmul(a.attn.ptr(), l0.o.weight.ptr(), a.proj.ptr(), t, h, l0.o.in_dim, false))?,
             ),
             (
                 "residual add + RMSNorm (x2)".into(),
@@ -747,19 +832,105 @@ impl CudaModel {
             ("SiLU x up".into(), layers * time(&|| ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, inter))?),
             (
                 "down projection".into(),
-                layers * time(&|| self.matmul(a.act.ptr(), l0.down.weight.ptr(), a.proj.ptr(), t, h, inter, true))?,
+                layers * time(&|| self.matmul(a.act.ptr(), l0.down.weight.ptr(), a.proj.ptr(), t, h, inter, false))?,
             ),
             (
                 "output projection".into(),
                 time(&|| self.matmul(a.last.ptr(), head.ptr(), a.logits.ptr(), rows, self.cfg.vocab_size, h, true))?,
             ),
         ];
-        let sum: f64 = out.iter().map(|(_, v)| v).sum();
-        out.push(("sum of ops".into(), sum));
+        let fused = counts.work == 0 && t <= self.fused_tokens;
+        if fused {
+            // The decode path this step takes: cuBLAS and the separate norm / SiLU kernels above
+            // are replaced by the fused projections below (RoPE and attention are shared).
+            let norm = |weight: &DevBuf<u16>, rows: u64| GemvInput::Norm {
+                residual: a.x.ptr(),
+                rows,
+                weight: weight.ptr(),
+                eps,
+            };
+            let x = GemvOutput::AddTo(a.x.ptr());
+            let (qkv, o, gu, down) = (&l0.qkv, &l0.o, &l0.gate_up, &l0.down);
+            let vocab = self.cfg.vocab_size;
+            let rows_at = self.meta.ptr_at(m.rows);
+            // (name, weight, n, k, input, output, rows): the decode step's projections.
+            let projections = [
+                (
+                    "RMSNorm + qkv projection",
+                    &qkv.weight,
+                    qkv.out_dim,
+                    h,
+                    norm(&l0.input_norm, 0),
+                    GemvOutput::Bf16(a.qkv.ptr()),
+                    t,
+                ),
+                ("o projection + residual add", &o.weight, h, o.in_dim, GemvInput::Bf16(a.attn.ptr()), x, t),
+                (
+                    "RMSNorm + gate/up projection",
+                    &gu.weight,
+                    gu.out_dim,
+                    h,
+                    norm(&l0.post_norm, 0),
+                    GemvOutput::Bf16(a.gate_up.ptr()),
+                    t,
+                ),
+                (
+                    "SiLU + down projection + residual add",
+                    &down.weight,
+                    h,
+                    inter,
+                    GemvInput::Silu(a.gate_up.ptr()),
+                    x,
+                    t,
+                ),
+                (
+                    "RMSNorm + output projection",
+                    head,
+                    vocab,
+                    h,
+                    norm(&self.norm, rows_at),
+                    GemvOutput::F32(a.logits.ptr()),
+                    rows,
+                ),
+            ];
+            // Each projection in the build the forward uses, then in the pipelined one.
+            for pipelined in [false, true] {
+                for (name, w, n, k, input, output, count) in &projections {
+                    let per_step = if name.contains("output") { 1.0 } else { layers };
+                    let build = if pipelined { "fused, pipelined build (comparison)" } else { "fused" };
+                    let ms = per_step
+                        * time(&|| ops::gemv_variant(dev, w.ptr(), *n, *k, *input, *output, 0, *count, pipelined))?;
+                    out.push((format!("{build}: {name}"), ms));
+                }
+            }
+        }
+        let path_ops = |(name, _): &&(String, f64)| {
+            let unfused_only = [
+                "qkv projection",
+                "o projection",
+                "residual add",
+                "gate/up projection",
+                "SiLU x up",
+                "down projection",
+                "output projection",
+            ];
+            let other_path = if fused { unfused_only.iter().any(|u| name.starts_with(u)) } else { false };
+            !other_path && !name.starts_with("fused, pipelined")
+        };
+        let sum: f64 = out.iter().filter(path_ops).map(|(_, v)| v).sum();
+        out.push(("sum of ops on this path".into(), sum));
         out.push((
             "whole forward, launched op by op".into(),
             time(&|| self.run_forward(t, rows, None).map_err(|e| CudaError::Unavailable(e.to_string())))?,
         ));
+        if fused {
+            out.push((
+                "whole forward, unfused path (cuBLAS), op by op".into(),
+                time(&|| {
+                    self.run_forward_path(t, rows, None, false).map_err(|e| CudaError::Unavailable(e.to_string()))
+                })?,
+            ));
+        }
         if tokens_per_seq == 1 && self.use_graphs {
             if let Some(bucket) = graph_buckets(self.max_seqs).into_iter().find(|&b| b >= seqs) {
                 self.fill_meta(&token_ids, &batch, bucket, bucket)?;

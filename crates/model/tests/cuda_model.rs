@@ -85,8 +85,12 @@ fn logits_agree_with_the_cpu_backend_tiny() {
     if !cuda_usable() {
         return;
     }
+    // The GPU rounds where transformers and vLLM do (a bf16 residual stream, bf16 RoPE; see
+    // kernels.cu), the CPU computes in f32: what separates them is bf16 inference itself.
     compare_with_cpu("tiny-qwen3", 40, 25, 1e-2);
-    compare_with_cpu("tiny-llama", 40, 25, 1e-2);
+    // Llama's RoPE base (1e4) turns faster at these positions, so its bf16 rotation rounds a
+    // little further from f32.
+    compare_with_cpu("tiny-llama", 40, 25, 1.5e-2);
 }
 
 #[test]
@@ -95,9 +99,82 @@ fn logits_agree_with_the_cpu_backend_qwen3_head_dim_128() {
         return;
     }
     // Head dim 128 takes the tensor-core prefill kernel; 150 tokens span three query tiles.
-    // 28 layers of bf16 activations (GEMM inputs, q/k/v, attention output) accumulate to about
-    // 1.1e-2 here, so this deeper check allows 2e-2; the small models above hold 1e-2.
-    compare_with_cpu("qwen3-0.6b", 150, 90, 2e-2);
+    // 28 layers of a bf16 residual stream and bf16 activations accumulate to about 1.9e-2 here,
+    // so this deeper check allows 3e-2; the small Qwen3 above holds 1e-2.
+    compare_with_cpu("qwen3-0.6b", 150, 90, 3e-2);
+}
+
+/// Decode steps through the fused decode projections (hand-written GEMV with the norm, SiLU
+/// and residual add folded in) against the cuBLAS path with separate kernels, on the same
+/// weights and cache contents: three sequences of different lengths decoding together
+/// (padded to four rows inside the kernels).
+#[test]
+fn fused_decode_agrees_with_the_cublas_path() {
+    if !cuda_usable() {
+        return;
+    }
+    for preset in ["tiny-qwen3", "qwen3-0.6b"] {
+        let source = ModelSource::parse(&format!("preset:{preset}"), 3).unwrap();
+        let spec = ModelSpec::load(&source, Some(1024)).unwrap();
+        let opts = |fused_decode| CudaOptions {
+            block_size: 16,
+            max_tokens: 256,
+            max_seqs: 8,
+            num_blocks: Some(32),
+            fused_decode,
+            ..CudaOptions::default()
+        };
+        let mut fused = CudaModel::load(&spec, &opts(true)).unwrap();
+        let mut plain = CudaModel::load(&spec, &opts(false)).unwrap();
+        let vocab = spec.config.vocab_size as u32;
+        let tables: Vec<Vec<u32>> = (0..3u32).map(|s| (0..8).map(|b| s * 8 + b).collect()).collect();
+        let mut ids: Vec<Vec<u32>> = [23usize, 40, 9]
+            .iter()
+            .enumerate()
+            .map(|(s, &n)| (0..n as u32).map(|i| (i * 31 + s as u32 * 7 + 1) % vocab).collect())
+            .collect();
+        for (s, prompt) in ids.iter().enumerate() {
+            let seq = SeqBatch {
+                token_start: 0,
+                num_tokens: prompt.len(),
+                first_pos: 0,
+                block_table: &tables[s],
+                want_logits: true,
+            };
+            let a = fused.forward_logits(prompt, &[seq]).unwrap();
+            let b = plain.forward_logits(prompt, &[seq]).unwrap();
+            assert_eq!(a, b, "{preset}: prefill does not take the fused path, so it must be identical");
+        }
+        let mut worst = 0.0f64;
+        for step in 0..4 {
+            let last: Vec<u32> = ids.iter().map(|v| *v.last().unwrap()).collect();
+            let seqs: Vec<SeqBatch<'_>> = (0..3)
+                .map(|s| SeqBatch {
+                    token_start: s,
+                    num_tokens: 1,
+                    first_pos: ids[s].len() - 1,
+                    block_table: &tables[s],
+                    want_logits: true,
+                })
+                .collect();
+            // Re-run the last token (its KV is rewritten with the same values) so both models
+            // see the same step.
+            let a = fused.forward_logits(&last, &seqs).unwrap();
+            let b = plain.forward_logits(&last, &seqs).unwrap();
+            let v = vocab as usize;
+            for s in 0..3 {
+                let err = rel_err(&a[s * v..(s + 1) * v], &b[s * v..(s + 1) * v]);
+                worst = worst.max(err);
+                // Summation orders differ; on 28 layers with a bf16 residual stream a rounding
+                // that lands one bf16 step apart now and then adds up to about 1.5e-2. A wrong
+                // row, bias, norm or activation is off by far more.
+                let tolerance = if preset == "tiny-qwen3" { 1e-3 } else { 3e-2 };
+                assert!(err < tolerance, "{preset} step {step} sequence {s}: fused vs cuBLAS relative error {err:.2e}");
+                ids[s].push(argmax(&b[s * v..(s + 1) * v]));
+            }
+        }
+        eprintln!("{preset}: fused decode vs cuBLAS path, worst logits relative error {worst:.2e}");
+    }
 }
 
 /// Greedy continuations of a seeded random Qwen3 checkpoint that transformers generated in
@@ -123,6 +200,7 @@ fn greedy_matches_transformers_bf16() {
     let table: Vec<u32> = (0..32).collect();
     let cases = expected["cases"].as_array().unwrap();
     let mut long_matches = 0;
+    let mut unexplained = Vec::new();
     for (ci, case) in cases.iter().enumerate() {
         let prompt: Vec<u32> = serde_json::from_value(case["prompt"].clone()).unwrap();
         let want: Vec<u32> = serde_json::from_value(case["tokens"].clone()).unwrap();
@@ -141,8 +219,7 @@ fn greedy_matches_transformers_bf16() {
             if pos == 0 {
                 let err = rel_err(&logits, &hf_logits);
                 prompt_err = err;
-                // A diagnostic: transformers keeps its residual stream in bf16, so it is the
-                // noisier side; the token checks below are the criterion.
+                // A diagnostic; the token checks below are the criterion.
                 eprintln!("case {ci}: prompt logits relative error vs transformers {err:.2e}");
             }
             pos = ids.len();
@@ -158,25 +235,32 @@ fn greedy_matches_transformers_bf16() {
         if matched >= 32.min(want.len()) {
             long_matches += 1;
         } else {
-            // A divergence is explained when transformers' own top two were closer than the
-            // disagreement the two implementations show on the prompt's logits (relative error
-            // times the size of the top logit, doubled).
+            // A divergence is explained when transformers' own top two were near-tied: closer
+            // than the disagreement the two implementations show on the prompt's logits
+            // (relative error times the size of the top logit, doubled), or at most two bf16
+            // steps apart at that size. Transformers' logits are bf16, so a margin of one or
+            // two steps stands for a true margin anywhere from 0 to three steps: it cannot say
+            // which of the two is larger.
             let margin = margins[matched];
             let top5: Vec<(u32, f64)> = serde_json::from_value(case["top5"][matched].clone()).unwrap();
             for (id, v) in &top5 {
                 eprintln!("  token {id}: transformers {v:.4}, tandem {:.4}", last_logits[*id as usize]);
             }
             let noise = 2.0 * prompt_err * top5[0].1.abs();
+            let top = half::bf16::from_f64(top5[0].1.abs());
+            let step = half::bf16::from_bits(top.to_bits() + 1).to_f64() - top.to_f64();
             eprintln!(
-                "case {ci}: diverged at token {matched}; transformers' top-2 margin there {margin:.4}, noise {noise:.4}"
+                "case {ci}: diverged at token {matched}; transformers' top-2 margin there {margin:.4}, noise {noise:.4}, \
+                 bf16 step {step:.4}"
             );
-            assert!(
-                margin < noise,
-                "case {ci}: diverged at token {matched} where transformers' margin {margin:.4} exceeds the noise {noise:.4}"
-            );
+            if margin >= noise && margin > 2.0 * step + 1e-9 {
+                unexplained.push(format!("case {ci} at token {matched}: margin {margin:.4}, noise {noise:.4}"));
+            }
         }
         eprintln!("case {ci}: {matched}/{} tokens equal", want.len());
     }
+    eprintln!("{long_matches}/{} prompts matched 32+ tokens", cases.len());
+    assert!(unexplained.is_empty(), "divergences without a near-tie: {unexplained:?}");
     assert!(long_matches * 2 > cases.len(), "only {long_matches}/{} prompts matched 32+ tokens", cases.len());
     let _ = gpu.describe();
 }

@@ -1,9 +1,11 @@
-// tandem's CUDA kernels: everything in a forward pass except the matrix products (cuBLAS).
+// tandem's CUDA kernels: everything in a forward pass except the large matrix products
+// (cuBLAS), plus the decode projections of a few tokens.
 //
 // Compiled at start-up with NVRTC (no headers needed: bf16 is handled as raw 16-bit values and
 // tensor-core instructions are written as inline PTX), then cached on disk by source hash and
 // GPU arch. Storage types: weights, activations between kernels and the KV cache are bf16;
-// the residual stream, RMSNorm statistics, softmax and logits are f32.
+// the residual stream is held in f32 buffers but rounded to bf16 values (see "Rounding
+// points"); RMSNorm statistics, softmax and logits are f32.
 //
 // KV cache layout (shared with the CPU backend and the connector): block-major,
 // [block][layer][k|v][kv_head][slot][head_dim]. A token's cache slot is given as
@@ -28,6 +30,9 @@ __device__ __forceinline__ bf16 f2bf(float f) {
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
 }
+
+// x rounded to the nearest bf16, kept as f32.
+__device__ __forceinline__ float round_bf16(float x) { return bf2f(f2bf(x)); }
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -86,18 +91,39 @@ extern "C" __global__ void embed_gather(const bf16* table, const int* ids, float
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) x[(u64)t * hidden + i] = bf2f(row[i]);
 }
 
+// Rounding points. The bf16 path rounds where transformers and vLLM do, so greedy output
+// follows theirs as far as bf16 allows: the residual stream is bf16 (each residual add rounds
+// the delta and the sum), RMSNorm rounds x * rsqrt(mean(x^2) + eps) before the weight multiply
+// and again after, SiLU rounds before the multiply by up, and RoPE multiplies and adds in bf16
+// with bf16 cos/sin. Sums inside a kernel (dot products, norms, softmax) stay in f32.
+
+// bf16(bf16(x * inv) * w) for two elements, w packed as two bf16 in a u32 (the RMSNorm output).
+__device__ __forceinline__ u32 norm_pack(float x0, float x1, float inv, u32 w2) {
+    return pack_bf16x2(round_bf16(x0 * inv) * __uint_as_float(w2 << 16),
+                       round_bf16(x1 * inv) * __uint_as_float(w2 & 0xffff0000u));
+}
+
+// bf16(bf16(silu(g)) * u) for two elements of gate and up, each packed as two bf16 in a u32.
+__device__ __forceinline__ u32 silu_mul_pack(u32 g2, u32 u2) {
+    float g0 = __uint_as_float(g2 << 16), g1 = __uint_as_float(g2 & 0xffff0000u);
+    float u0 = __uint_as_float(u2 << 16), u1 = __uint_as_float(u2 & 0xffff0000u);
+    return pack_bf16x2(round_bf16(g0 / (1.0f + expf(-g0))) * u0, round_bf16(g1 / (1.0f + expf(-g1))) * u1);
+}
+
+// The residual stream plus a delta, in bf16.
+__device__ __forceinline__ float residual_add(float x, float delta) { return round_bf16(x + round_bf16(delta)); }
+
 // out[r] = rms_norm(x[rows[r]]) * w, rows == null meaning r itself. If `delta` is given,
 // x[row] += delta[row] first (the residual add fused in front of the norm) and written back.
-// Deltas (attention and MLP outputs) arrive in f32, so the residual stream never goes through
-// bf16.
+// Deltas (attention and MLP outputs) are bf16, as transformers' projections return them.
 // Grid: output rows. Block: 256 (hidden <= 256 * 32), 1024 beyond; hidden % 4 == 0.
-extern "C" __global__ void add_rms_norm(float* x, const float* delta, const int* rows, const bf16* w, bf16* out,
+extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const int* rows, const bf16* w, bf16* out,
                                         int hidden, float eps) {
     __shared__ float scratch[32];
     int r = blockIdx.x;
     int row = rows ? rows[r] : r;
     float* xr = x + (u64)row * hidden;
-    const float* dr = delta ? delta + (u64)row * hidden : 0;
+    const bf16* dr = delta ? delta + (u64)row * hidden : 0;
     // Four elements per thread per step (hidden % 4 == 0) with 16-byte accesses; a fixed trip
     // count keeps the row in registers (hidden <= 32 * blockDim).
     float4 vals[8];
@@ -109,8 +135,11 @@ extern "C" __global__ void add_rms_norm(float* x, const float* delta, const int*
         if (i < hidden) {
             v = *reinterpret_cast<const float4*>(xr + i);
             if (dr) {
-                float4 d = *reinterpret_cast<const float4*>(dr + i);
-                v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
+                uint2 d = *reinterpret_cast<const uint2*>(dr + i);
+                v.x = residual_add(v.x, __uint_as_float(d.x << 16));
+                v.y = residual_add(v.y, __uint_as_float(d.x & 0xffff0000u));
+                v.z = residual_add(v.z, __uint_as_float(d.y << 16));
+                v.w = residual_add(v.w, __uint_as_float(d.y & 0xffff0000u));
                 *reinterpret_cast<float4*>(xr + i) = v;
             }
         }
@@ -126,8 +155,7 @@ extern "C" __global__ void add_rms_norm(float* x, const float* delta, const int*
             uint2 wv = *reinterpret_cast<const uint2*>(w + i);
             float4 v = vals[n];
             *reinterpret_cast<uint2*>(out + (u64)r * hidden + i) =
-                make_uint2(pack_bf16x2(v.x * inv * __uint_as_float(wv.x << 16), v.y * inv * __uint_as_float(wv.x & 0xffff0000u)),
-                           pack_bf16x2(v.z * inv * __uint_as_float(wv.y << 16), v.w * inv * __uint_as_float(wv.y & 0xffff0000u)));
+                make_uint2(norm_pack(v.x, v.y, inv, wv.x), norm_pack(v.z, v.w, inv, wv.y));
         }
     }
 }
@@ -139,11 +167,8 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter) {
     int i = (blockIdx.x * blockDim.x + threadIdx.x) * 2;
     if (i >= inter) return;
     const bf16* row = gu + (u64)t * 2 * inter;
-    u32 g2 = *reinterpret_cast<const u32*>(row + i), u2 = *reinterpret_cast<const u32*>(row + inter + i);
-    float g0 = __uint_as_float(g2 << 16), g1 = __uint_as_float(g2 & 0xffff0000u);
-    float u0 = __uint_as_float(u2 << 16), u1 = __uint_as_float(u2 & 0xffff0000u);
     *reinterpret_cast<u32*>(out + (u64)t * inter + i) =
-        pack_bf16x2(g0 / (1.0f + __expf(-g0)) * u0, g1 / (1.0f + __expf(-g1)) * u1);
+        silu_mul_pack(*reinterpret_cast<const u32*>(row + i), *reinterpret_cast<const u32*>(row + inter + i));
 }
 
 // y[t, j] += bias[j] (projections with a bias); y is bf16, or f32 when `f32_y`. Grid-stride.
@@ -166,6 +191,251 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Decode projections (a few tokens): y[m, n] = sum_k x[m, k] * W[n, k] for m < mcount <= M.
+// At batch 1-8 a projection is a stream over its weight matrix, so the kernel keeps many 16-byte
+// weight loads in flight per thread and folds the small kernels around the projection into it:
+// the input row(s) are formed in shared memory by a prologue that every block repeats (cheap:
+// they come from L2), and the result leaves through an epilogue.
+//   IN_BF16: x = bf16 rows of `in` ([mcount][K]).
+//   IN_NORM: x = bf16(rms_norm(res[r]) * norm_w), res the f32 residual stream, r = rows[m] (or
+//            m when rows is null): the RMSNorm in front of qkv / gate-up / the output head.
+//   IN_SILU: x = bf16(silu(gu[m, k]) * gu[m, K + k]): SiLU-and-multiply in front of down.
+//   OUT_BF16: y -> bf16 [mcount][N]; OUT_F32: y -> f32 (logits); OUT_ADD: res[m, n] += y, the
+//            residual add (each element has exactly one writer, so no race).
+// The rounding points are those of the unfused path (norm / activation outputs in bf16), and a
+// row's arithmetic does not depend on mcount, so a padded CUDA-graph step gives the same values.
+// A group of `ksplit` warps (1, 2, 4 or 8) owns GEMV_ROWS output rows at a time, each warp one
+// slice of K read 8 elements per lane per load; slices are added in a fixed order, so results
+// do not vary between runs. Block: 256. Dynamic shared memory: M * K * 2 bytes. K % 8 == 0.
+#define IN_BF16 0
+#define IN_NORM 1
+#define IN_SILU 2
+#define OUT_BF16 0
+#define OUT_F32 1
+#define OUT_ADD 2
+#define GEMV_ROWS 2
+#define GEMV_UNROLL 4
+
+// 16 bytes of a weight row, read once per step: through the read-only path, not kept in L1.
+__device__ __forceinline__ uint4 ld_stream(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Stores row n of token m of a decode projection (see OUT_*), bias added.
+template <int OUT>
+__device__ __forceinline__ void gemv_store(void* out, const bf16* bias, int N, int n, int m, int mcount, float v) {
+    if (n >= N || m >= mcount) return;
+    if (bias) v += bf2f(bias[n]);
+    u64 i = (u64)m * N + n;
+    if (OUT == OUT_BF16) reinterpret_cast<bf16*>(out)[i] = f2bf(v);
+    else if (OUT == OUT_F32) reinterpret_cast<float*>(out)[i] = v;
+    else reinterpret_cast<float*>(out)[i] = residual_add(reinterpret_cast<float*>(out)[i], v);
+}
+
+// 16 read-only bytes through the non-coherent path. The prologue's inputs are never written
+// while the kernel runs, and these loads (unlike plain ones through a generic pointer) may be
+// issued as a batch ahead of the shared-memory stores between them.
+__device__ __forceinline__ uint4 ld_nc16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Forms input row m of a decode projection in shared memory (see IN_*). Loads go out in
+// batches (four or eight per thread) before any is used: the prologue is a few round trips to L2,
+// not one per element. IN_NORM keeps its row in registers: K <= 8 * 4 * blockDim (8192).
+template <int IN>
+__device__ __forceinline__ void gemv_prologue(bf16* xm, int K, const void* in, const int* rows, const bf16* norm_w,
+                                              float eps, int m, int mcount, float* scratch) {
+    int tid = threadIdx.x, nt = blockDim.x;
+    if (m >= mcount) {
+        for (int i = tid * 8; i < K; i += nt * 8) *reinterpret_cast<uint4*>(xm + i) = make_uint4(0, 0, 0, 0);
+    } else if (IN == IN_BF16) {
+        const bf16* src = reinterpret_cast<const bf16*>(in) + (u64)m * K;
+        for (int seg = 0; seg < K; seg += nt * 64) {
+            uint4 v[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                int i = seg + (tid + j * nt) * 8;
+                if (i < K) v[j] = ld_nc16(src + i);
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                int i = seg + (tid + j * nt) * 8;
+                if (i < K) *reinterpret_cast<uint4*>(xm + i) = v[j];
+            }
+        }
+    } else if (IN == IN_NORM) {
+        int r = rows ? rows[m] : m;
+        const float* src = reinterpret_cast<const float*>(in) + (u64)r * K;
+        float4 v[8];
+        uint2 w[8];
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            int i = (tid + j * nt) * 4;
+            if (i < K) {
+                uint4 raw = ld_nc16(src + i);
+                v[j] = make_float4(__uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z),
+                                   __uint_as_float(raw.w));
+                w[j] = *reinterpret_cast<const uint2*>(norm_w + i);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if ((tid + j * nt) * 4 < K) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+        ss = block_sum(ss, scratch);
+        float inv = rsqrtf(ss / (float)K + eps);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            int i = (tid + j * nt) * 4;
+            if (i < K)
+                *reinterpret_cast<uint2*>(xm + i) =
+                    make_uint2(norm_pack(v[j].x, v[j].y, inv, w[j].x), norm_pack(v[j].z, v[j].w, inv, w[j].y));
+        }
+    } else {
+        const bf16* src = reinterpret_cast<const bf16*>(in) + (u64)m * 2 * K;
+        for (int seg = 0; seg < K; seg += nt * 32) {
+            uint4 g[4], u[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                int i = seg + (tid + j * nt) * 8;
+                if (i < K) {
+                    g[j] = ld_nc16(src + i);
+                    u[j] = ld_nc16(src + K + i);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                int i = seg + (tid + j * nt) * 8;
+                if (i < K)
+                    *reinterpret_cast<uint4*>(xm + i) = make_uint4(silu_mul_pack(g[j].x, u[j].x), silu_mul_pack(g[j].y, u[j].y),
+                                                                   silu_mul_pack(g[j].z, u[j].z), silu_mul_pack(g[j].w, u[j].w));
+            }
+        }
+    }
+}
+
+template <int M, int IN, int OUT, bool PIPE>
+__device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, int ksplit, const void* in,
+                                     const int* rows, const bf16* norm_w, float eps, void* out, const bf16* bias,
+                                     int mcount) {
+    extern __shared__ __align__(16) unsigned char gemv_smem[];
+    __shared__ float scratch[32];
+    __shared__ float partial[8][GEMV_ROWS][M];
+    bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // The block's 8 warps form groups of `ksplit`: a group owns GEMV_ROWS rows, each of its
+    // warps one slice of K (short, wide matrices need the extra loads in flight).
+    int groups = 8 / ksplit, grp = warp / ksplit, slice = warp % ksplit;
+    int rows_per_block = groups * GEMV_ROWS;
+    int slice_len = ((K / 8 + ksplit - 1) / ksplit) * 8;
+    int k_begin = slice * slice_len, k_end = min(K, k_begin + slice_len);
+    int row_base = blockIdx.x * rows_per_block;
+    // PIPE: two register buffers, so that while one batch is multiplied the next is in flight
+    // (the rest of this row group's slice, or the block's next row group), and the first batch
+    // goes out before the prologue. Otherwise one buffer, loaded at the top of each batch: fewer
+    // registers, more warps per multiprocessor.
+    uint4 wv[GEMV_UNROLL][GEMV_ROWS], nx[GEMV_UNROLL][GEMV_ROWS];
+    auto load_batch = [&](uint4 (&dst)[GEMV_UNROLL][GEMV_ROWS], int n0, int base) {
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r)
+                if (base + u * 256 < k_end) dst[u][r] = ld_stream(W + (u64)min(n0 + r, N - 1) * K + base + u * 256);
+    };
+    int stride = gridDim.x * rows_per_block;
+    if (PIPE) load_batch(wv, row_base + grp * GEMV_ROWS, k_begin + lane * 8);
+    for (int m = 0; m < M; ++m) gemv_prologue<IN>(xs + (u64)m * K, K, in, rows, norm_w, eps, m, mcount, scratch);
+    __syncthreads();
+    for (; row_base < N; row_base += stride) {
+        int n0 = row_base + grp * GEMV_ROWS;
+        float acc[GEMV_ROWS][M];
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+        for (int base = k_begin + lane * 8; base < k_end; base += 256 * GEMV_UNROLL) {
+            if (PIPE) {
+                if (base + 256 * GEMV_UNROLL < k_end) load_batch(nx, n0, base + 256 * GEMV_UNROLL);
+                else if (row_base + stride < N) load_batch(nx, row_base + stride + grp * GEMV_ROWS, k_begin + lane * 8);
+            } else {
+                load_batch(wv, n0, base);
+            }
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                int k = base + u * 256;
+                if (k < k_end) {
+                    float wf[GEMV_ROWS][8];
+#pragma unroll
+                    for (int r = 0; r < GEMV_ROWS; ++r) unpack8(wv[u][r], wf[r]);
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        float xf[8];
+                        unpack8(*reinterpret_cast<const uint4*>(xs + (u64)m * K + k), xf);
+#pragma unroll
+                        for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) acc[r][m] = fmaf(wf[r][j], xf[j], acc[r][m]);
+                    }
+                }
+            }
+            if (PIPE) {
+#pragma unroll
+                for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+                    for (int r = 0; r < GEMV_ROWS; ++r) wv[u][r] = nx[u][r];
+            }
+        }
+        // Sum each row over the warp, then over the group's K slices in slice order.
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                float v = warp_sum(acc[r][m]);
+                if (lane == ((r * M + m) & 31)) {
+                    if (ksplit == 1) gemv_store<OUT>(out, bias, N, n0 + r, m, mcount, v);
+                    else partial[warp][r][m] = v;
+                }
+            }
+        if (ksplit > 1) {
+            __syncthreads();
+            if (tid < groups * GEMV_ROWS * M) {
+                int g = tid / (GEMV_ROWS * M), r = (tid / M) % GEMV_ROWS, m = tid % M;
+                float v = 0.0f;
+                for (int s = 0; s < ksplit; ++s) v += partial[g * ksplit + s][r][m];
+                gemv_store<OUT>(out, bias, N, row_base + g * GEMV_ROWS + r, m, mcount, v);
+            }
+            __syncthreads();
+        }
+    }
+}
+
+#define GEMV_KERNEL(NAME, M, IN, OUT, PIPE, MIN_BLOCKS)                                                       \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                          \
+        const bf16* W, int N, int K, int ksplit, const void* in, const int* rows, const bf16* norm_w, float eps, \
+        void* out, const bf16* bias, int mcount) {                                                              \
+        gemv<M, IN, OUT, PIPE>(W, N, K, ksplit, in, rows, norm_w, eps, out, bias, mcount);                       \
+    }
+#define GEMV_ALL_M(NAME, IN, OUT)                          \
+    GEMV_KERNEL(NAME##_m1, 1, IN, OUT, false, 4)           \
+    GEMV_KERNEL(NAME##_m2, 2, IN, OUT, false, 3)           \
+    GEMV_KERNEL(NAME##_m4, 4, IN, OUT, false, 2)           \
+    GEMV_KERNEL(NAME##_m8, 8, IN, OUT, false, 2)           \
+    GEMV_KERNEL(NAME##_m1_pipe, 1, IN, OUT, true, 2)       \
+    GEMV_KERNEL(NAME##_m2_pipe, 2, IN, OUT, true, 2)       \
+    GEMV_KERNEL(NAME##_m4_pipe, 4, IN, OUT, true, 2)       \
+    GEMV_KERNEL(NAME##_m8_pipe, 8, IN, OUT, true, 2)
+GEMV_ALL_M(gemv_norm_bf16, IN_NORM, OUT_BF16)
+GEMV_ALL_M(gemv_norm_f32, IN_NORM, OUT_F32)
+GEMV_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
+GEMV_ALL_M(gemv_silu_add, IN_SILU, OUT_ADD)
+
 // Element offset of (block, layer, k|v, kv_head, slot) in the block-major cache.
 __device__ __forceinline__ u64 kv_offset(int block, int slot, int layer, int kv, int kh, int num_layers,
                                          int num_kv_heads, int block_size, int head_dim) {
@@ -181,7 +451,7 @@ __device__ __forceinline__ u64 kv_offset(int block, int slot, int layer, int kv,
 // `cos`/`sin` are the RoPE tables [position][head_dim / 2] (neox convention).
 // Grid: (tokens, ceil(all heads / 4)). Block: 128. head_dim: a multiple of 32, at most 256.
 
-// Loads / stores E (1, 2, 4 or 8) consecutive bf16 values with one access.
+// Loads / stores E (1 to 8) consecutive bf16 values, with one access when E is 2, 4 or 8.
 __device__ __forceinline__ void load_e(const bf16* p, float* v, int e) {
     if (e == 8) {
         unpack8(*reinterpret_cast<const uint4*>(p), v);
@@ -193,7 +463,9 @@ __device__ __forceinline__ void load_e(const bf16* p, float* v, int e) {
         u32 u = *reinterpret_cast<const u32*>(p);
         v[0] = __uint_as_float(u << 16); v[1] = __uint_as_float(u & 0xffff0000u);
     } else {
-        v[0] = bf2f(p[0]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (i < e) v[i] = bf2f(p[i]);
     }
 }
 
@@ -206,7 +478,9 @@ __device__ __forceinline__ void store_e(bf16* p, const float* v, int e) {
     } else if (e == 2) {
         *reinterpret_cast<u32*>(p) = pack_bf16x2(v[0], v[1]);
     } else {
-        p[0] = f2bf(v[0]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (i < e) p[i] = f2bf(v[i]);
     }
 }
 
@@ -243,7 +517,7 @@ extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias,
         load_e(nw + base, wn, E);
 #pragma unroll
         for (int e = 0; e < 8; ++e)
-            if (e < E) v[e] = v[e] * inv * wn[e];
+            if (e < E) v[e] = round_bf16(round_bf16(v[e] * inv) * wn[e]);
     }
     if (is_q || is_k) {
         int j0 = base < half ? base : base - half;
@@ -252,7 +526,10 @@ extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias,
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             float partner = __shfl_xor_sync(0xffffffffu, v[e], 16);
-            if (e < E) v[e] = base < half ? v[e] * c[e] - partner * sn[e] : v[e] * c[e] + partner * sn[e];
+            if (e < E) {
+                float a = round_bf16(v[e] * round_bf16(c[e])), b = round_bf16(partner * round_bf16(sn[e]));
+                v[e] = round_bf16(base < half ? a - b : a + b);
+            }
         }
     }
     if (is_q) {
@@ -274,74 +551,84 @@ extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias,
 // the stride in meta_stride[0], so CUDA graphs can replay with tables of any width.
 
 
-// One query token and one KV head per block (decode, and the fallback for any shape): the block
-// scores every query head of the GQA group against each key, so keys and values are read once
-// per group. Keys go in chunks of ATTN_CHUNK with an online softmax: thread j scores key j for
-// all heads of the group, one warp per head keeps that head's softmax state, and thread d
-// accumulates output dimension d of every head. Grid: (tokens, kv heads). Block: 128.
+// Decode attention (and the fallback for any shape): one block per query token and G query
+// heads of one GQA group (G = the whole group when there are many tokens, so keys and values
+// are read once per group; G = 1 at small batches, so more blocks share the work). Keys go in
+// chunks of ATTN_CHUNK with an online softmax. A decode step is latency bound, so each phase
+// keeps its loads independent and its instruction count small (head size and G are template
+// parameters: no predicated-off work): thread j scores key j with the key's row loaded at once;
+// one warp per head keeps that head's softmax state; for P.V the four warps take every fourth
+// key (lane l holds output dimensions [l * E, l * E + E)), and their partial sums are added in
+// warp order at the end (a fixed order, so results do not vary from run to run).
+// Grid: (tokens, heads / G). Block: 128. head_dim = 32 * E.
 #define ATTN_CHUNK 128
-#define ATTN_MAX_GROUP 8
-extern "C" __global__ void __launch_bounds__(128) attention_rows(
-    const bf16* q, const bf16* cache, bf16* out, const int* positions, const int* tok_seq, const int* block_tables,
-    const int* meta_stride, const int* token_list, int num_heads, int num_kv_heads, int head_dim, int layer,
-    int num_layers, int block_size, float scale) {
-    __shared__ float qs[ATTN_MAX_GROUP][256];
-    __shared__ float ps[ATTN_MAX_GROUP][ATTN_CHUNK];
+#define ATTN_WARPS 4
+template <int G, int E>
+__device__ __forceinline__ void attention_rows(const bf16* q, const bf16* cache, bf16* out, const int* positions,
+                                               const int* tok_seq, const int* block_tables, const int* meta_stride,
+                                               const int* token_list, int num_heads, int num_kv_heads, int layer,
+                                               int num_layers, int block_size, float scale) {
+    constexpr int HD = 32 * E;
+    // Scaled queries; reused at the end to add up the warps' partial outputs.
+    __shared__ float qs[G][HD];
+    __shared__ float ps[G][ATTN_CHUNK];
     __shared__ u64 vrow[ATTN_CHUNK];
-    __shared__ float m_s[ATTN_MAX_GROUP], l_s[ATTN_MAX_GROUP], alpha_s[ATTN_MAX_GROUP];
+    __shared__ float m_s[G], l_s[G], alpha_s[G];
     int t = token_list ? token_list[blockIdx.x] : blockIdx.x;
-    int kh = blockIdx.y;
-    int group = num_heads / num_kv_heads;
+    int h0 = blockIdx.y * G;
+    int kh = h0 / (num_heads / num_kv_heads);
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int ctx = positions[t] + 1;
     const int* table = block_tables + (u64)tok_seq[t] * meta_stride[0];
-    for (int i = tid; i < group * head_dim; i += blockDim.x) {
-        int g = i / head_dim, d = i % head_dim;
-        qs[g][d] = bf2f(q[((u64)t * num_heads + kh * group + g) * head_dim + d]) * scale;
+    for (int i = tid; i < G * HD; i += blockDim.x) {
+        int g = i / HD, d = i % HD;
+        qs[g][d] = bf2f(q[((u64)t * num_heads + h0 + g) * HD + d]) * scale;
     }
-    if (tid < ATTN_MAX_GROUP) {
+    if (tid < G) {
         m_s[tid] = NEG_INF;
         l_s[tid] = 0.0f;
     }
     __syncthreads();
-    float acc[ATTN_MAX_GROUP][2];
+    float acc[G][E];
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_GROUP; ++g) acc[g][0] = acc[g][1] = 0.0f;
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
     for (int start = 0; start < ctx; start += ATTN_CHUNK) {
         int n = min(ATTN_CHUNK, ctx - start);
         if (tid < n) {
             int key = start + tid;
             int blk = table[key / block_size], slot = key % block_size;
-            const bf16* k = cache + kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, head_dim);
-            vrow[tid] = kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, head_dim);
-            float dot[ATTN_MAX_GROUP];
+            const bf16* k = cache + kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, HD);
+            vrow[tid] = kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, HD);
+            float dot[G];
 #pragma unroll
-            for (int g = 0; g < ATTN_MAX_GROUP; ++g) dot[g] = 0.0f;
-#pragma unroll 4
-            for (int i = 0; i < head_dim; i += 8) {
-                uint4 v = *reinterpret_cast<const uint4*>(k + i);
-                u32 w[4] = {v.x, v.y, v.z, v.w};
-                float kf[8];
+            for (int g = 0; g < G; ++g) dot[g] = 0.0f;
+            // At most 128 elements (16 loads) in flight at a time.
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    kf[2 * j] = __uint_as_float(w[j] << 16);
-                    kf[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-                }
+            for (int i0 = 0; i0 < HD; i0 += 128) {
+                constexpr int C = HD < 128 ? HD / 8 : 16;
+                uint4 kv8[C];
 #pragma unroll
-                for (int g = 0; g < ATTN_MAX_GROUP; ++g) {
-                    if (g < group) {
+                for (int c = 0; c < C; ++c)
+                    if (i0 + c * 8 < HD) kv8[c] = *reinterpret_cast<const uint4*>(k + i0 + c * 8);
 #pragma unroll
-                        for (int j = 0; j < 8; ++j) dot[g] += qs[g][i + j] * kf[j];
-                    }
+                for (int c = 0; c < C; ++c) {
+                    if (i0 + c * 8 >= HD) break;
+                    float kf[8];
+                    unpack8(kv8[c], kf);
+#pragma unroll
+                    for (int g = 0; g < G; ++g)
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) dot[g] = fmaf(qs[g][i0 + c * 8 + j], kf[j], dot[g]);
                 }
             }
 #pragma unroll
-            for (int g = 0; g < ATTN_MAX_GROUP; ++g)
-                if (g < group) ps[g][tid] = dot[g];
+            for (int g = 0; g < G; ++g) ps[g][tid] = dot[g];
         }
         __syncthreads();
         // Softmax bookkeeping: warp w for heads w, w + 4.
-        for (int g = warp; g < group; g += 4) {
+        for (int g = warp; g < G; g += ATTN_WARPS) {
             float mx = NEG_INF;
             for (int j = lane; j < n; j += 32) mx = fmaxf(mx, ps[g][j]);
             mx = warp_max(mx);
@@ -362,36 +649,66 @@ extern "C" __global__ void __launch_bounds__(128) attention_rows(
         }
         __syncthreads();
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            int d = tid + r * 128;
-            if (d < head_dim) {
+        for (int g = 0; g < G; ++g) {
+            float alpha = alpha_s[g];
 #pragma unroll
-                for (int g = 0; g < ATTN_MAX_GROUP; ++g)
-                    if (g < group) acc[g][r] *= alpha_s[g];
-#pragma unroll 8
-                for (int j = 0; j < n; ++j) {
-                    float v = bf2f(cache[vrow[j] + d]);
+            for (int e = 0; e < E; ++e) acc[g][e] *= alpha;
+        }
+        // P.V: warp w takes keys w, w + 4, ...; four keys' loads in flight.
+        for (int j0 = warp; j0 < n; j0 += 4 * ATTN_WARPS) {
+            float vf[4][8];
 #pragma unroll
-                    for (int g = 0; g < ATTN_MAX_GROUP; ++g)
-                        if (g < group) acc[g][r] += ps[g][j] * v;
+            for (int u = 0; u < 4; ++u) {
+                int j = j0 + u * ATTN_WARPS;
+                if (j < n) load_e(cache + vrow[j] + lane * E, vf[u], E);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                int j = j0 + u * ATTN_WARPS;
+                if (j < n) {
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        float p = ps[g][j];
+#pragma unroll
+                        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p, vf[u][e], acc[g][e]);
+                    }
                 }
             }
         }
         __syncthreads();
     }
+    // Add the warps' partial outputs in warp order, then normalise.
+    for (int w = 0; w < ATTN_WARPS; ++w) {
+        if (warp == w) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        int d = tid + r * 128;
-        if (d < head_dim) {
+            for (int g = 0; g < G; ++g)
 #pragma unroll
-            for (int g = 0; g < ATTN_MAX_GROUP; ++g)
-                if (g < group) {
-                    float inv = l_s[g] > 0.0f ? 1.0f / l_s[g] : 0.0f;
-                    out[((u64)t * num_heads + kh * group + g) * head_dim + d] = f2bf(acc[g][r] * inv);
-                }
+                for (int e = 0; e < E; ++e) qs[g][lane * E + e] = (w == 0 ? 0.0f : qs[g][lane * E + e]) + acc[g][e];
         }
+        __syncthreads();
+    }
+    for (int i = tid; i < G * HD; i += blockDim.x) {
+        int g = i / HD, d = i % HD;
+        float inv = l_s[g] > 0.0f ? 1.0f / l_s[g] : 0.0f;
+        out[((u64)t * num_heads + h0 + g) * HD + d] = f2bf(qs[g][d] * inv);
     }
 }
+
+#define ATTENTION_ROWS(G, E)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) attention_rows_g##G##_e##E(                                \
+        const bf16* q, const bf16* cache, bf16* out, const int* positions, const int* tok_seq,                   \
+        const int* block_tables, const int* meta_stride, const int* token_list, int num_heads, int num_kv_heads, \
+        int layer, int num_layers, int block_size, float scale) {                                                \
+        attention_rows<G, E>(q, cache, out, positions, tok_seq, block_tables, meta_stride, token_list, num_heads, \
+                             num_kv_heads, layer, num_layers, block_size, scale);                                \
+    }
+#define ATTENTION_ROWS_ALL_E(G)                                                                                \
+    ATTENTION_ROWS(G, 1) ATTENTION_ROWS(G, 2) ATTENTION_ROWS(G, 3) ATTENTION_ROWS(G, 4) ATTENTION_ROWS(G, 5) \
+    ATTENTION_ROWS(G, 6) ATTENTION_ROWS(G, 7) ATTENTION_ROWS(G, 8)
+// One head per block for every head size; whole groups for the common sizes 64 and 128.
+ATTENTION_ROWS_ALL_E(1)
+ATTENTION_ROWS(2, 2) ATTENTION_ROWS(2, 4) ATTENTION_ROWS(4, 2) ATTENTION_ROWS(4, 4) ATTENTION_ROWS(8, 2)
+ATTENTION_ROWS(8, 4)
 
 // Prefill attention with tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash
 // style: a block of 4 warps takes 64 consecutive query tokens of one sequence and one head;

@@ -31,8 +31,53 @@ pub const KERNEL_NAMES: &[&str] = &[
     "add_rms_norm",
     "silu_mul",
     "add_bias",
+    "gemv_norm_bf16_m1",
+    "gemv_norm_bf16_m1_pipe",
+    "gemv_norm_bf16_m2",
+    "gemv_norm_bf16_m2_pipe",
+    "gemv_norm_bf16_m4",
+    "gemv_norm_bf16_m4_pipe",
+    "gemv_norm_bf16_m8",
+    "gemv_norm_bf16_m8_pipe",
+    "gemv_norm_f32_m1",
+    "gemv_norm_f32_m1_pipe",
+    "gemv_norm_f32_m2",
+    "gemv_norm_f32_m2_pipe",
+    "gemv_norm_f32_m4",
+    "gemv_norm_f32_m4_pipe",
+    "gemv_norm_f32_m8",
+    "gemv_norm_f32_m8_pipe",
+    "gemv_bf16_add_m1",
+    "gemv_bf16_add_m1_pipe",
+    "gemv_bf16_add_m2",
+    "gemv_bf16_add_m2_pipe",
+    "gemv_bf16_add_m4",
+    "gemv_bf16_add_m4_pipe",
+    "gemv_bf16_add_m8",
+    "gemv_bf16_add_m8_pipe",
+    "gemv_silu_add_m1",
+    "gemv_silu_add_m1_pipe",
+    "gemv_silu_add_m2",
+    "gemv_silu_add_m2_pipe",
+    "gemv_silu_add_m4",
+    "gemv_silu_add_m4_pipe",
+    "gemv_silu_add_m8",
+    "gemv_silu_add_m8_pipe",
     "qkv_rope_cache",
-    "attention_rows",
+    "attention_rows_g1_e1",
+    "attention_rows_g1_e2",
+    "attention_rows_g1_e3",
+    "attention_rows_g1_e4",
+    "attention_rows_g1_e5",
+    "attention_rows_g1_e6",
+    "attention_rows_g1_e7",
+    "attention_rows_g1_e8",
+    "attention_rows_g2_e2",
+    "attention_rows_g2_e4",
+    "attention_rows_g4_e2",
+    "attention_rows_g4_e4",
+    "attention_rows_g8_e2",
+    "attention_rows_g8_e4",
     "flash_prefill_hd64",
     "flash_prefill_hd128",
     "ban_tokens",
@@ -235,6 +280,10 @@ pub struct CudaDevice {
     name: String,
     arch: String,
     sm_count: u32,
+    /// Dynamic shared memory a decode-projection block may use.
+    gemv_smem: usize,
+    /// Shared memory per multiprocessor.
+    smem_per_sm: usize,
 }
 
 // Safety: the device is used from one thread at a time (the engine thread owns its model);
@@ -272,6 +321,11 @@ impl CudaDevice {
         let name = ctx.name()?;
         let sm_count =
             ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let attr = |a| ctx.attribute(a).map(|v| v.max(0) as usize);
+        let smem_block_optin =
+            attr(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let smem_per_sm =
+            attr(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
         let module = ctx.load_module(Ptx::from_binary(Self::cubin(&arch)?))?;
         let mut funcs = std::collections::HashMap::new();
         for &n in KERNEL_NAMES {
@@ -284,6 +338,14 @@ impl CudaDevice {
                 ops::flash_smem_bytes(hd) as i32,
             )?;
         }
+        // The decode projections stage their input rows in shared memory (M x K bf16).
+        let gemv_smem = smem_block_optin.saturating_sub(ops::GEMV_STATIC_SMEM);
+        for name in KERNEL_NAMES.iter().filter(|n| n.starts_with("gemv_")) {
+            funcs[name].set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                gemv_smem as i32,
+            )?;
+        }
         Ok(Self {
             ctx,
             stream,
@@ -294,6 +356,8 @@ impl CudaDevice {
             name,
             arch,
             sm_count,
+            gemv_smem,
+            smem_per_sm,
         })
     }
 
@@ -332,6 +396,12 @@ impl CudaDevice {
     /// Multiprocessors (for sizing grid-stride launches).
     pub fn sm_count(&self) -> u32 {
         self.sm_count
+    }
+
+    /// Dynamic shared memory one decode-projection block may use, and shared memory per
+    /// multiprocessor (for its occupancy).
+    pub(crate) fn gemv_smem(&self) -> (usize, usize) {
+        (self.gemv_smem, self.smem_per_sm)
     }
 
     /// (free, total) device memory in bytes.

@@ -106,7 +106,7 @@ pub fn embed_gather(
 }
 
 /// `out[r] = rms_norm(x[rows[r]]) * w` for `num_rows` rows (rows = 0: row r itself), after
-/// `x += delta` when `delta` is non-zero.
+/// `x += delta` (bf16 deltas, rounded to bf16 like the residual stream) when `delta` is non-zero.
 #[allow(clippy::too_many_arguments)]
 pub fn add_rms_norm(
     dev: &CudaDevice,
@@ -144,6 +144,160 @@ pub fn silu_mul(dev: &CudaDevice, gu: u64, out: u64, tokens: usize, inter: usize
 pub fn add_bias(dev: &CudaDevice, y: u64, bias: u64, tokens: usize, cols: usize, f32_y: bool) -> Result<(), CudaError> {
     let total = (tokens * cols) as u64;
     launch!(dev, "add_bias", grid_stride(dev, total), y, bias, cols as i32, total, f32_y as i32)
+}
+
+/// Static shared memory of the decode-projection kernels (norm scratch and K-slice partials).
+pub const GEMV_STATIC_SMEM: usize = 32 * 4 + 8 * 2 * GEMV_MAX_TOKENS * 4;
+
+/// Most tokens the decode-projection kernels take in one launch.
+pub const GEMV_MAX_TOKENS: usize = 8;
+
+/// Longest row the RMSNorm prologue of a decode projection takes (it keeps the row in
+/// registers: eight float4 per thread of 256).
+pub const GEMV_NORM_MAX_K: usize = 8 * 4 * 256;
+
+/// Where a decode projection's input rows come from.
+#[derive(Clone, Copy, Debug)]
+pub enum GemvInput {
+    /// `[tokens, K]` bf16 rows.
+    Bf16(u64),
+    /// `bf16(rms_norm(residual[r]) * weight)`, residual `[.., K]` f32, `r = rows[m]` (or `m`
+    /// when `rows` is 0): the RMSNorm in front of a projection.
+    Norm {
+        /// The f32 residual stream.
+        residual: u64,
+        /// Optional `[tokens]` i32 row indices into the residual.
+        rows: u64,
+        /// `[K]` bf16 norm weight.
+        weight: u64,
+        /// RMSNorm epsilon.
+        eps: f32,
+    },
+    /// `bf16(silu(gu[m, k]) * gu[m, K + k])` from `[tokens, 2K]` bf16 gate/up rows.
+    Silu(u64),
+}
+
+/// Where a decode projection's result goes.
+#[derive(Clone, Copy, Debug)]
+pub enum GemvOutput {
+    /// `[tokens, N]` bf16.
+    Bf16(u64),
+    /// `[tokens, N]` f32.
+    F32(u64),
+    /// Added into the `[tokens, N]` f32 residual stream.
+    AddTo(u64),
+}
+
+/// Largest token count (1, 2, 4 or 8) the decode-projection kernels take for inputs of up to
+/// `max_k` elements on this device; 0 when even one row does not fit in shared memory.
+pub fn gemv_max_tokens(dev: &CudaDevice, max_k: usize) -> usize {
+    let (limit, _) = dev.gemv_smem();
+    [8, 4, 2, 1].into_iter().find(|m| m * max_k * 2 <= limit).unwrap_or(0)
+}
+
+/// Decode projection `y[m] = x[m] · wᵀ` for `tokens` (at most [`GEMV_MAX_TOKENS`]) rows, with the
+/// input formed by `input` and the result stored by `output`, plus an optional bf16 bias.
+/// `w` is `[n, k]` bf16, `k % 8 == 0`. Supported pairs: norm -> bf16, norm -> f32,
+/// bf16 -> residual add, SiLU -> residual add.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv(
+    dev: &CudaDevice,
+    w: u64,
+    n: usize,
+    k: usize,
+    input: GemvInput,
+    output: GemvOutput,
+    bias: u64,
+    tokens: usize,
+) -> Result<(), CudaError> {
+    gemv_variant(dev, w, n, k, input, output, bias, tokens, false)
+}
+
+/// [`gemv`] in one of its two builds: `pipelined` double-buffers the weight loads and splits K
+/// so each warp's slice is one batch (fewer warps, each with a second batch in flight); the
+/// plain build keeps one buffer and more warps. On an H200 the plain build was as fast or
+/// faster on every Qwen3-4B projection summed over two runs (docs/PERFORMANCE.md), so [`gemv`]
+/// uses it; the other stays for `bench engine --profile` to compare on other devices.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_variant(
+    dev: &CudaDevice,
+    w: u64,
+    n: usize,
+    k: usize,
+    input: GemvInput,
+    output: GemvOutput,
+    bias: u64,
+    tokens: usize,
+    pipelined: bool,
+) -> Result<(), CudaError> {
+    if tokens == 0 {
+        return Ok(());
+    }
+    let m = tokens.next_power_of_two();
+    let smem = m * k * 2;
+    let (limit, per_sm) = dev.gemv_smem();
+    let norm_too_long = matches!(input, GemvInput::Norm { .. }) && k > GEMV_NORM_MAX_K;
+    if m > GEMV_MAX_TOKENS || smem > limit || !k.is_multiple_of(8) || norm_too_long {
+        return Err(CudaError::Unavailable(format!("decode projection of {tokens} rows x {k} is not supported")));
+    }
+    let (kind, x, rows, weight, eps, y) = match (input, output) {
+        (GemvInput::Norm { residual, rows, weight, eps }, GemvOutput::Bf16(y)) => {
+            ("gemv_norm_bf16", residual, rows, weight, eps, y)
+        }
+        (GemvInput::Norm { residual, rows, weight, eps }, GemvOutput::F32(y)) => {
+            ("gemv_norm_f32", residual, rows, weight, eps, y)
+        }
+        (GemvInput::Bf16(x), GemvOutput::AddTo(y)) => ("gemv_bf16_add", x, 0, 0, 0.0, y),
+        (GemvInput::Silu(x), GemvOutput::AddTo(y)) => ("gemv_silu_add", x, 0, 0, 0.0, y),
+        (i, o) => return Err(CudaError::Unavailable(format!("no decode projection kernel for {i:?} -> {o:?}"))),
+    };
+    let (ksplit, blocks) = if pipelined {
+        gemv_grid(dev.sm_count() as usize, per_sm, smem, n, k)
+    } else {
+        // Two rows per warp over all of K, up to eight blocks per multiprocessor.
+        let resident = (per_sm / (smem + GEMV_STATIC_SMEM + 1024)).clamp(1, 8);
+        (1, n.div_ceil(16).min(dev.sm_count() as usize * resident).max(1))
+    };
+    let config =
+        LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 };
+    let name = format!("{kind}_m{m}{}", if pipelined { "_pipe" } else { "" });
+    launch!(
+        dev,
+        name.as_str(),
+        config,
+        w,
+        n as i32,
+        k as i32,
+        ksplit as i32,
+        x,
+        rows,
+        weight,
+        eps,
+        y,
+        bias,
+        tokens as i32
+    )
+}
+
+/// How the pipelined decode projection of `n` rows by `k` spreads over the device: warps per
+/// row pair (K split into that many slices) and blocks.
+fn gemv_grid(sm_count: usize, smem_per_sm: usize, smem: usize, n: usize, k: usize) -> (usize, usize) {
+    // A warp's slice of K should be one batch of loads (GEMV_UNROLL x 256 elements), so that
+    // its next batch is the next row group's and streaming never waits on a reduction; and
+    // there should be enough warps to fill every multiprocessor.
+    let pairs = n.div_ceil(2);
+    let resident = (smem_per_sm / (smem + GEMV_STATIC_SMEM + 1024)).clamp(1, 2);
+    let ksplit = [1, 2, 4, 8]
+        .into_iter()
+        .find(|&s| k.div_ceil(8 * s) * 8 <= 1024 && pairs * s >= sm_count * resident * 8)
+        .unwrap_or(8);
+    let rows_per_block = 8 / ksplit * 2;
+    let needed = n.div_ceil(rows_per_block);
+    // No more blocks than fit at once (two of 256 threads by registers, fewer if shared memory
+    // says so): each block repeats the input prologue, so extra waves would repeat it. Equal
+    // row-group counts per block avoid a ragged last round.
+    let rounds = needed.div_ceil(sm_count * resident);
+    (ksplit, needed.div_ceil(rounds).max(1))
 }
 
 /// Shapes of one attention layer over the paged cache.
@@ -234,8 +388,17 @@ pub struct AttnMeta {
     pub stride: u64,
 }
 
-/// Most query heads per KV head the row kernel takes.
-pub const ATTN_MAX_GROUP: usize = 8;
+/// Query heads one block of the row kernel scores together: the whole GQA group (keys and
+/// values read once per group) when there are blocks enough to fill the device, else one (more,
+/// lighter blocks: a small decode batch is latency bound). Always divides the group, at most 8.
+/// (Compiled for head sizes 64 and 128; other sizes always take one head per block.)
+fn attention_heads_per_block(sm_count: usize, tokens: usize, num_heads: usize, num_kv_heads: usize) -> usize {
+    let group = num_heads / num_kv_heads.max(1);
+    if tokens * num_kv_heads < 2 * sm_count {
+        return 1;
+    }
+    [8, 4, 2, 1].into_iter().find(|g| group.is_multiple_of(*g)).unwrap_or(1)
+}
 
 /// Attention for the tokens listed in `token_list` (or tokens `0..count` when 0), one block per
 /// (token, KV head): decode, and any shape the tensor-core kernel does not take.
@@ -253,13 +416,18 @@ pub fn attention_rows(
     if count == 0 {
         return Ok(());
     }
-    assert!(s.head_dim <= 256 && s.head_dim.is_multiple_of(8), "head_dim {} not supported", s.head_dim);
-    assert!(s.num_heads / s.num_kv_heads <= ATTN_MAX_GROUP, "more than {ATTN_MAX_GROUP} query heads per KV head");
+    let e = s.head_dim / 32;
+    assert!(s.head_dim.is_multiple_of(32) && (1..=8).contains(&e), "head_dim {} not supported", s.head_dim);
+    let g = match e {
+        2 | 4 => attention_heads_per_block(dev.sm_count() as usize, count, s.num_heads, s.num_kv_heads),
+        _ => 1,
+    };
     let scale = 1.0 / (s.head_dim as f32).sqrt();
+    let name = format!("attention_rows_g{g}_e{e}");
     launch!(
         dev,
-        "attention_rows",
-        cfg((count as u32, s.num_kv_heads as u32), 128),
+        name.as_str(),
+        cfg((count as u32, (s.num_heads / g) as u32), 128),
         q,
         cache,
         out,
@@ -270,7 +438,6 @@ pub fn attention_rows(
         token_list,
         s.num_heads as i32,
         s.num_kv_heads as i32,
-        s.head_dim as i32,
         s.layer as i32,
         s.num_layers as i32,
         s.block_size as i32,
@@ -383,4 +550,33 @@ pub fn sample_rows(
         return Ok(());
     }
     launch!(dev, "sample_rows", cfg((rows as u32, 1), 1024), logits, vocab as i32, params, top_ks, tokens)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_projection_grids_cover_every_row_and_split_short_matrices() {
+        let (sms, smem_sm) = (132, 233_472);
+        // (n, k) of Qwen3-4B's qkv, o, gate/up, down and output projections, and tiny ones.
+        for &(n, k) in &[(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (151_936, 2560), (37, 64), (512, 128)]
+        {
+            for m in [1, 2, 4, 8] {
+                let smem = m * k * 2;
+                let (ksplit, blocks) = gemv_grid(sms, smem_sm, smem, n, k);
+                let rows_per_round = blocks * (8 / ksplit) * 2;
+                assert!(blocks >= 1 && [1, 2, 4, 8].contains(&ksplit), "{n}x{k}: {ksplit} {blocks}");
+                assert!(k.div_ceil(ksplit) <= 1024 || ksplit == 8, "{n}x{k}: slices of {} elements", k / ksplit);
+                // Blocks loop over row groups, so any count covers the rows; no block idles.
+                assert!(blocks <= n.div_ceil(8 / ksplit * 2), "{n}x{k}: {blocks} blocks, some without rows");
+                assert!(rows_per_round > 0);
+            }
+        }
+        // Slices of one batch (1024 elements) where K allows; the longest split eight ways.
+        assert_eq!(gemv_grid(sms, smem_sm, 8192, 2560, 4096).0, 4);
+        assert_eq!(gemv_grid(sms, smem_sm, 19456, 2560, 9728).0, 8);
+        assert_eq!(gemv_grid(sms, smem_sm, 5120, 19456, 2560).0, 4);
+        assert_eq!(gemv_grid(sms, smem_sm, 2048, 151_936, 1024).0, 1);
+    }
 }
