@@ -6,8 +6,9 @@
 #   full (default): tests, tandem bench, PyTorch; bench: tests and tandem bench; quick: tests.
 #
 # Runs the kernel, model and engine GPU tests (failing if no GPU is usable), the transformers
-# comparison, `tandem bench engine` on preset:qwen3-4b with its floors, and the same shapes in
-# PyTorch; prints a short table last. Full logs go to $OUT (or ./gpu-out).
+# comparison, `tandem bench engine` on preset:qwen3-4b with its floors, the tests and the bench
+# again with programmatic dependent launch (TANDEM_CUDA_PDL=1, experimental), and the same shapes
+# in PyTorch; prints a short table last. Full logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -58,14 +59,23 @@ if [ "$MODE" != quick ]; then
       "$BIN/tandem" generate --device cuda:0 --model preset:qwen3-4b --prompt-ids 1,2,3 --max-tokens 8 \
       --enforce-eager --max-num-seqs 1 --max-num-batched-tokens 64 --max-model-len 1024 > "$OUT/ncu.log" 2>&1
     grep -E "attention_rows|add_rms_norm|qkv_rope|silu_mul|gemv|gpu__time|dram__bytes" "$OUT/ncu.log" | head -60
-    # Where the decode attention kernel waits (64-token context, batch 1).
-    PROMPT=$(seq -s, 1 60)
-    [ -n "$NCU" ] && timeout 200 "$NCU" --clock-control none -k 'regex:attention_rows' --launch-skip 72 --launch-count 2 \
-      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section SpeedOfLight \
-      "$BIN/tandem" generate --device cuda:0 --model preset:qwen3-4b --prompt-ids "$PROMPT" --max-tokens 6 \
-      --enforce-eager --max-num-seqs 1 --max-num-batched-tokens 64 --max-model-len 1024 > "$OUT/ncu_attn.log" 2>&1
-    grep -E "attention_rows|Duration|Stall|Warp Cycles|Issued|Eligible|Memory Throughput|L1/TEX Hit|L2 Hit|Active Warps" "$OUT/ncu_attn.log" | head -50
   fi
+  # Programmatic dependent launch (experimental, off by default): the GPU tests and the
+  # benchmark again with it on.
+  for t in cuda_kernels cuda_model cuda_engine; do
+    if TANDEM_CUDA_PDL=1 timeout 300 "$BIN/$t" --test-threads=1 --nocapture > /tmp/pdl_$t.log 2>&1; then
+      note "test $t with programmatic launch: ok"
+    else
+      note "test $t with programmatic launch: FAILED"
+      grep -B2 -A6 "panicked" /tmp/pdl_$t.log | head -20 >> "$OUT/summary.txt"
+    fi
+    cat /tmp/pdl_$t.log >> "$OUT/tests.log"
+  done
+  TANDEM_CUDA_PDL=1 timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
+    --decode-steps 32 --prefill-tokens 4096 --profile > /tmp/bench_pdl.log 2>&1
+  note "with programmatic launch: $(grep -E '^(1|64) +[0-9]' /tmp/bench_pdl.log | tr -s ' ' | tr '\n' ';')" \
+    "$(grep -o 'floor [0-9.]* ms, [0-9.]*% of floor' /tmp/bench_pdl.log)"
+  { echo "== with TANDEM_CUDA_PDL=1"; cat /tmp/bench_pdl.log; } >> "$OUT/bench.log"
   if [ "$MODE" = full ]; then
     timeout 300 python3 scripts/gpu/torch_baseline.py "$OUT/torch_qwen3_4b.json" > "$OUT/torch.log" 2>&1 \
       || { note "torch baseline failed"; tail -20 "$OUT/torch.log"; }

@@ -44,6 +44,25 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Programmatic dependent launch (Hopper and later; off unless the host launches with it, see
+// `CudaDevice::programmatic_launch`). A kernel launched that way may start while the previous
+// one is still running: it must wait before touching anything an earlier kernel writes or
+// reads, and it lets the next kernel launch early. Every kernel here enters with PDL_ENTER
+// before its first such access (the pipelined decode projection first starts fetching its
+// weights, which nothing writes). Without the launch attribute both return at once.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;\n" ::: "memory")
+#define PDL_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;\n" :::)
+#else
+#define PDL_WAIT()
+#define PDL_LAUNCH_DEPENDENTS()
+#endif
+#define PDL_ENTER()              \
+    do {                         \
+        PDL_WAIT();              \
+        PDL_LAUNCH_DEPENDENTS(); \
+    } while (0)
+
 // Sum over the block; every thread gets the result. `scratch` holds 32 floats.
 __device__ float block_sum(float v, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
@@ -68,6 +87,7 @@ __device__ __forceinline__ u64 splitmix64(u64 z) {
 }
 
 extern "C" __global__ void preset_uniform(bf16* out, u64 n, u64 stream_seed, float amp) {
+    PDL_ENTER();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         u64 z = splitmix64(stream_seed + (i + 1) * 0x9e3779b97f4a7c15ull);
         float u = (float)(z >> 40) * (1.0f / 16777216.0f);
@@ -77,6 +97,7 @@ extern "C" __global__ void preset_uniform(bf16* out, u64 n, u64 stream_seed, flo
 }
 
 extern "C" __global__ void fill_bf16(bf16* out, u64 n, float value) {
+    PDL_ENTER();
     bf16 v = f2bf(value);
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) out[i] = v;
 }
@@ -86,6 +107,7 @@ extern "C" __global__ void fill_bf16(bf16* out, u64 n, float value) {
 
 // x[t, :] = table[ids[t], :] (as f32: the residual stream). Grid: tokens.
 extern "C" __global__ void embed_gather(const bf16* table, const int* ids, float* x, int hidden) {
+    PDL_ENTER();
     int t = blockIdx.x;
     const bf16* row = table + (u64)ids[t] * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) x[(u64)t * hidden + i] = bf2f(row[i]);
@@ -119,6 +141,7 @@ __device__ __forceinline__ float residual_add(float x, float delta) { return rou
 // Grid: output rows. Block: 256 (hidden <= 256 * 32), 1024 beyond; hidden % 4 == 0.
 extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const int* rows, const bf16* w, bf16* out,
                                         int hidden, float eps) {
+    PDL_ENTER();
     __shared__ float scratch[32];
     int r = blockIdx.x;
     int row = rows ? rows[r] : r;
@@ -163,6 +186,7 @@ extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const int* 
 // out[t, i] = silu(gu[t, i]) * gu[t, inter + i], two elements per thread (inter is even).
 // Grid: (ceil(inter / 512), tokens). Block: 256.
 extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter) {
+    PDL_ENTER();
     int t = blockIdx.y;
     int i = (blockIdx.x * blockDim.x + threadIdx.x) * 2;
     if (i >= inter) return;
@@ -173,6 +197,7 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter) {
 
 // y[t, j] += bias[j] (projections with a bias); y is bf16, or f32 when `f32_y`. Grid-stride.
 extern "C" __global__ void add_bias(void* y, const bf16* bias, int cols, u64 total, int f32_y) {
+    PDL_ENTER();
     for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
         float b = bf2f(bias[e % cols]);
         if (f32_y) reinterpret_cast<float*>(y)[e] += b;
@@ -350,7 +375,10 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, i
                 if (base + u * 256 < k_end) dst[u][r] = ld_stream(W + (u64)min(n0 + r, N - 1) * K + base + u * 256);
     };
     int stride = gridDim.x * rows_per_block;
+    // The pipelined build's first batch of weights goes out before waiting on the previous
+    // kernel (weights are never written).
     if (PIPE) load_batch(wv, row_base + grp * GEMV_ROWS, k_begin + lane * 8);
+    PDL_ENTER();
     for (int m = 0; m < M; ++m) gemv_prologue<IN>(xs + (u64)m * K, K, in, rows, norm_w, eps, m, mcount, scratch);
     __syncthreads();
     for (; row_base < N; row_base += stride) {
@@ -489,6 +517,7 @@ extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias,
                                           const int* positions, const int* slots, bf16* q_out, bf16* cache,
                                           int num_heads, int num_kv_heads, int head_dim, int layer,
                                           int num_layers, int block_size, float eps) {
+    PDL_ENTER();
     int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int h = blockIdx.y * 4 + warp;
     if (h >= num_heads + 2 * num_kv_heads) return;
@@ -699,6 +728,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, const bf16* cache,
         const bf16* q, const bf16* cache, bf16* out, const int* positions, const int* tok_seq,                   \
         const int* block_tables, const int* meta_stride, const int* token_list, int num_heads, int num_kv_heads, \
         int layer, int num_layers, int block_size, float scale) {                                                \
+        PDL_ENTER();                                                                                             \
         attention_rows<G, E>(q, cache, out, positions, tok_seq, block_tables, meta_stride, token_list, num_heads, \
                              num_kv_heads, layer, num_layers, block_size, scale);                                \
     }
@@ -920,6 +950,7 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
         const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok, const int* seq_len,     \
         const int* seq_pos, const int* block_tables, const int* meta_stride, int num_heads, int num_kv_heads,     \
         int layer, int num_layers, int block_size, float scale_log2) {                                          \
+        PDL_ENTER();                                                                                            \
         flash_prefill<HD>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads, \
                           num_kv_heads, layer, num_layers, block_size, scale_log2);                             \
     }
@@ -942,12 +973,14 @@ __device__ __forceinline__ u32 fkey(float f) {
 }
 
 extern "C" __global__ void ban_tokens(float* logits, int vocab, const int* ban_row, const int* ban_tok, int n) {
+    PDL_ENTER();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n && ban_tok[i] >= 0 && ban_tok[i] < vocab) logits[(u64)ban_row[i] * vocab + ban_tok[i]] = NEG_INF;
 }
 
 extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logits, int vocab, const float* params,
                                                                 const int* top_ks, int* tokens) {
+    PDL_ENTER();
     __shared__ float fscratch[32];
     __shared__ float prefix[1024];
     int r = blockIdx.x;

@@ -284,6 +284,8 @@ pub struct CudaDevice {
     gemv_smem: usize,
     /// Shared memory per multiprocessor.
     smem_per_sm: usize,
+    /// Launch kernels with programmatic stream serialization (see `programmatic_launch`).
+    programmatic_launch: bool,
 }
 
 // Safety: the device is used from one thread at a time (the engine thread owns its model);
@@ -358,6 +360,8 @@ impl CudaDevice {
             sm_count,
             gemv_smem,
             smem_per_sm,
+            // Experimental until measured on a GPU: `TANDEM_CUDA_PDL=1` turns it on (Hopper and later).
+            programmatic_launch: major >= 9 && std::env::var("TANDEM_CUDA_PDL").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -385,7 +389,8 @@ impl CudaDevice {
 
     /// `cuda:N (NAME, sm_XY)`.
     pub fn describe(&self) -> String {
-        format!("cuda:{} ({}, {})", self.ordinal, self.name, self.arch)
+        let pdl = if self.programmatic_launch { ", programmatic launch" } else { "" };
+        format!("cuda:{} ({}, {}{pdl})", self.ordinal, self.name, self.arch)
     }
 
     /// The GPU's name.
@@ -396,6 +401,14 @@ impl CudaDevice {
     /// Multiprocessors (for sizing grid-stride launches).
     pub fn sm_count(&self) -> u32 {
         self.sm_count
+    }
+
+    /// Whether kernels are launched with programmatic dependent launch: each may start while
+    /// the previous one finishes (its launch and set-up overlap the other's tail) and waits
+    /// in-kernel before touching earlier kernels' data (`PDL_ENTER` in kernels.cu). Off unless
+    /// `TANDEM_CUDA_PDL=1` on a Hopper or later GPU, until it has been measured.
+    pub fn programmatic_launch(&self) -> bool {
+        self.programmatic_launch
     }
 
     /// Dynamic shared memory one decode-projection block may use, and shared memory per

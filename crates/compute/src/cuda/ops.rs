@@ -27,13 +27,78 @@ macro_rules! launch {
     };
     ($dev:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
         let f = $dev.kernels().get($name);
-        let mut b = $dev.stream().launch_builder(f);
-        launch!(@push b; $($arg),+);
-        // Safety: argument types and order match the kernel's signature in kernels.cu, and
-        // every address points into a live allocation sized for the launch (callers' contract,
-        // see the module docs of `cuda`).
-        unsafe { b.launch($cfg) }.map(|_| ()).map_err(CudaError::from)
+        if $dev.programmatic_launch() {
+            let args = [$(RawArg::raw($arg)),+];
+            launch_programmatic($dev, f, $cfg, &args)
+        } else {
+            let mut b = $dev.stream().launch_builder(f);
+            launch!(@push b; $($arg),+);
+            // Safety: argument types and order match the kernel's signature in kernels.cu, and
+            // every address points into a live allocation sized for the launch (callers'
+            // contract, see the module docs of `cuda`).
+            unsafe { b.launch($cfg) }.map(|_| ()).map_err(CudaError::from)
+        }
     }};
+}
+
+/// A kernel argument as the bytes the driver copies (it reads as many as the parameter's size
+/// from the start, so 4-byte values sit in the first four).
+trait RawArg: Copy {
+    fn raw(self) -> [u8; 8];
+}
+impl RawArg for u64 {
+    fn raw(self) -> [u8; 8] {
+        self.to_ne_bytes()
+    }
+}
+impl RawArg for i32 {
+    fn raw(self) -> [u8; 8] {
+        let mut b = [0; 8];
+        b[..4].copy_from_slice(&self.to_ne_bytes());
+        b
+    }
+}
+impl RawArg for f32 {
+    fn raw(self) -> [u8; 8] {
+        let mut b = [0; 8];
+        b[..4].copy_from_slice(&self.to_ne_bytes());
+        b
+    }
+}
+
+/// Launches `f` with programmatic stream serialization allowed (see
+/// [`CudaDevice::programmatic_launch`]).
+fn launch_programmatic(
+    dev: &CudaDevice,
+    f: &cudarc::driver::CudaFunction,
+    cfg: LaunchConfig,
+    args: &[[u8; 8]],
+) -> Result<(), CudaError> {
+    use cudarc::driver::sys;
+    let mut values = args.to_vec();
+    let mut params: Vec<*mut std::ffi::c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+    // Safety: an all-zero launch attribute is a valid value of this plain C struct/union.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: dev.stream().cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    dev.stream().context().bind_to_thread()?;
+    // Safety: `params` holds one pointer per kernel parameter, in the kernel's order (the
+    // launch! macro passes the same arguments the safe path would), each to 8 live bytes whose
+    // first bytes are the value; `config` and `attr` outlive the call, which copies them.
+    unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()? };
+    Ok(())
 }
 
 /// Matrix product `y[t, n] = x[t, k] · w[n, k]ᵀ`, bf16 inputs, f32 accumulation, output bf16
