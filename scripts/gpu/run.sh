@@ -99,7 +99,8 @@ pf = p.get("prefill_4096_ms")
 print(f"{'prefill 4096 (ms)':<34}{t['prefill_ms']:>12.1f}{t['prefill_floor_ms']:>12.1f}"
       f"{pf if pf is None else round(pf, 1)!s:>12}{'' if pf is None else f'{pf / t['prefill_ms']:.2f}x':>14}")
 print(f"decode b1 floor/measured {t['decode'][0]['fraction_of_floor'] * 100:.1f}% (need >= 77%: within 1.3x); "
-      f"prefill at {t['prefill_floor_ms'] / t['prefill_ms'] * 100:.1f}% of the cuBLAS GEMM rate {t['gemm_tflop_s']:.0f} TFLOP/s (need >= 50%); "
+      f"prefill at {t['prefill_floor_ms'] / t['prefill_ms'] * 100:.1f}% of the cuBLAS GEMM rate {t['gemm_tflop_s']:.0f} TFLOP/s "
+      f"({t['prefill_flops_all_params'] / (t['gemm_tflop_s'] * 1e9) / t['prefill_ms'] * 100:.1f}% counting all params; need >= 50%); "
       f"copy bandwidth {t['read_bandwidth_gb_s']:.0f} GB/s")
 PY
 fi

@@ -37,7 +37,8 @@ pub struct CudaOptions {
     pub memory_utilization: f64,
     /// Use exactly this many KV blocks instead of sizing from memory.
     pub num_blocks: Option<usize>,
-    /// Replay decode steps from CUDA graphs (off: launch every kernel each step).
+    /// Replay decode steps from CUDA graphs, captured at load for every batch bucket (off:
+    /// launch every kernel each step).
     pub cuda_graphs: bool,
     /// Run decode steps of up to 8 tokens through the fused decode projections (RMSNorm,
     /// SiLU and the residual add folded into hand-written GEMV kernels) instead of cuBLAS and
@@ -372,7 +373,7 @@ impl CudaModel {
             } else {
                 0
             };
-        Ok(Self {
+        let mut model = Self {
             dev,
             cfg,
             embed,
@@ -397,7 +398,31 @@ impl CudaModel {
             weight_bytes,
             fingerprint,
             counts: StepCounts::default(),
-        })
+        };
+        model.capture_decode_graphs()?;
+        Ok(model)
+    }
+
+    /// Captures the decode graph of every batch bucket now, so that no request pays for a
+    /// capture on the first step at a new batch size (a TPOT spike under changing load).
+    /// Capturing records launches without running them: nothing is read or written.
+    fn capture_decode_graphs(&mut self) -> Result<(), ModelError> {
+        if !self.use_graphs {
+            return Ok(());
+        }
+        // Weight generation and cache set-up finish first; captures then start on an idle stream.
+        self.dev.synchronize()?;
+        let started = std::time::Instant::now();
+        let buckets: Vec<usize> = graph_buckets(self.max_seqs).into_iter().filter(|&b| b <= self.max_tokens).collect();
+        for &bucket in &buckets {
+            self.capture_graph(bucket)?;
+        }
+        tracing::info!(
+            buckets = ?buckets,
+            ms = started.elapsed().as_millis() as u64,
+            "captured the decode CUDA graphs"
+        );
+        Ok(())
     }
 
     /// `y = x · wᵀ` through cuBLAS. (A hand-written skinny GEMV for decode batches was tried
@@ -954,19 +979,23 @@ impl CudaModel {
         graph_buckets(self.max_seqs).into_iter().find(|&b| b >= seqs.len() && b <= self.max_tokens)
     }
 
-    fn run_graph(&mut self, bucket: usize) -> Result<(), ModelError> {
-        if !self.graphs.contains_key(&bucket) {
-            let started = std::time::Instant::now();
-            let counts = StepCounts { decode: bucket, work: 0 };
-            self.dev.begin_capture()?;
-            let captured = self.run_forward(bucket, bucket, Some(counts));
-            // End the capture even if a launch failed, so the stream is usable again.
-            let graph = self.dev.end_capture();
-            captured?;
-            let graph = graph?;
-            tracing::debug!(bucket, ms = started.elapsed().as_millis() as u64, "captured decode graph");
-            self.graphs.insert(bucket, graph);
+    /// Captures the decode graph for `bucket` sequences, unless it exists.
+    fn capture_graph(&mut self, bucket: usize) -> Result<(), ModelError> {
+        if self.graphs.contains_key(&bucket) {
+            return Ok(());
         }
+        let counts = StepCounts { decode: bucket, work: 0 };
+        self.dev.begin_capture()?;
+        let captured = self.run_forward(bucket, bucket, Some(counts));
+        // End the capture even if a launch failed, so the stream is usable again.
+        let graph = self.dev.end_capture();
+        captured?;
+        self.graphs.insert(bucket, graph?);
+        Ok(())
+    }
+
+    fn run_graph(&mut self, bucket: usize) -> Result<(), ModelError> {
+        self.capture_graph(bucket)?;
         if let Some(g) = self.graphs.get(&bucket) {
             g.launch()?;
         }
