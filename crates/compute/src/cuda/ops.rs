@@ -77,7 +77,8 @@ fn launch_programmatic(
     use cudarc::driver::sys;
     let mut values = args.to_vec();
     let mut params: Vec<*mut std::ffi::c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
-    // Safety: an all-zero launch attribute is a valid value of this plain C struct/union.
+    // Safety: all-zero bytes are a valid launch attribute (id 0 is CU_LAUNCH_ATTRIBUTE_IGNORE,
+    // the value a plain C union of integers).
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr.value.programmaticStreamSerializationAllowed = 1;
