@@ -624,6 +624,12 @@ impl CudaModel {
         Ok(())
     }
 
+    /// A decode projection's input: the RMSNorm (weight `weight`) of the residual stream's rows
+    /// (`rows`: an index list, or 0 for rows 0..).
+    fn residual_norm(&self, weight: &DevBuf<u16>, rows: u64) -> GemvInput {
+        GemvInput::Norm { residual: self.act.x.ptr(), rows, weight: weight.ptr(), eps: self.cfg.rms_norm_eps }
+    }
+
     /// Layer `li`'s q/k norm, RoPE and cache write for all `t` tokens, then attention for the
     /// tokens on the decode list (the row kernel). Returns the layer's attention shape.
     fn rope_and_row_attention(
@@ -662,12 +668,7 @@ impl CudaModel {
         let a = &self.act;
         let m = self.meta_layout;
         let h = cfg.hidden_size;
-        let norm = |weight: &DevBuf<u16>, rows: u64| GemvInput::Norm {
-            residual: a.x.ptr(),
-            rows,
-            weight: weight.ptr(),
-            eps: cfg.rms_norm_eps,
-        };
+        let norm = |weight: &DevBuf<u16>, rows: u64| self.residual_norm(weight, rows);
         let bias = |l: &Linear| l.bias.as_ref().map_or(0, DevBuf::ptr);
         for (li, layer) in self.layers.iter().enumerate() {
             let (qkv, o, gate_up, down) = (&layer.qkv, &layer.o, &layer.gate_up, &layer.down);
@@ -868,12 +869,7 @@ impl CudaModel {
         if fused {
             // The decode path this step takes: cuBLAS and the separate norm / SiLU kernels above
             // are replaced by the fused projections below (RoPE and attention are shared).
-            let norm = |weight: &DevBuf<u16>, rows: u64| GemvInput::Norm {
-                residual: a.x.ptr(),
-                rows,
-                weight: weight.ptr(),
-                eps,
-            };
+            let norm = |weight: &DevBuf<u16>, rows: u64| self.residual_norm(weight, rows);
             let x = GemvOutput::AddTo(a.x.ptr());
             let (qkv, o, gu, down) = (&l0.qkv, &l0.o, &l0.gate_up, &l0.down);
             let vocab = self.cfg.vocab_size;
