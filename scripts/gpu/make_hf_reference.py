@@ -110,3 +110,38 @@ for case in cases:
         row.append(f"no reduced-precision reduction {rel(prompt_logits(model, p), base):.1e}")
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     print("diagnostic " + ", ".join(row))
+
+
+# Diagnostic: transformers against itself. The greedy tokens of the reference (SDPA, DTYPE)
+# against transformers' eager attention and against computing in f32 on the same weights:
+# how many prompts two correct implementations keep equal for 32+ tokens on this checkpoint.
+def greedy(m, prompt):
+    with torch.no_grad():
+        res = m.generate(torch.tensor([prompt], device=DEV), max_new_tokens=40, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    return res[0, len(prompt):].tolist()
+
+
+def agreement(m):
+    prefixes = []
+    for case in cases:
+        other = greedy(m, case["prompt"])
+        prefixes.append(next((i for i, (a, b) in enumerate(zip(other, case["tokens"])) if a != b), len(other)))
+    return sum(p >= 32 for p in prefixes), prefixes
+
+
+others = dict(variants)
+if DTYPE != torch.float32:
+    others["float32"] = Qwen3ForCausalLM.from_pretrained(out, dtype=torch.float32).to(DEV).eval()
+self_agreement = {}
+for name, m in others.items():
+    long, prefixes = agreement(m)
+    self_agreement[name] = long
+    print(f"diagnostic transformers {name} vs the reference: {long}/{len(cases)} prompts equal for 32+ tokens "
+          f"(equal prefixes {prefixes})")
+# The test compares tandem's count with these (see greedy_matches_transformers_bf16).
+with open(f"{out}/expected.json") as f:
+    expected = json.load(f)
+expected["self_agreement"] = self_agreement
+with open(f"{out}/expected.json", "w") as f:
+    json.dump(expected, f)

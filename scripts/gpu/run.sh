@@ -3,12 +3,13 @@
 #
 # Here (no GPU):   scripts/gpu/build.sh            # release binary + GPU test binaries in gpu-bin/
 # There (device):  scripts/gpu/run.sh [full|bench|quick]   # carry: gpu-bin
-#   full (default): tests, tandem bench, PyTorch; bench: tests and tandem bench; quick: tests.
+#   full (default): tests, tandem bench, PyTorch; bench: tests and tandem bench; quick: tests;
+#   tune: kernel tests and the decode-projection plan sweep (TANDEM_GEMV_SWEEP=1).
 #
 # Runs the kernel, model and engine GPU tests (failing if no GPU is usable), the transformers
-# comparison, `tandem bench engine` on preset:qwen3-4b with its floors, the tests and the bench
-# again with programmatic dependent launch (TANDEM_CUDA_PDL=1, experimental), and the same shapes
-# in PyTorch; prints a short table last. Full logs go to $OUT (or ./gpu-out).
+# comparison, `tandem bench engine` on preset:qwen3-4b with its floors, and the same shapes in
+# PyTorch; prints a short table last. Full logs go to $OUT (or ./gpu-out). `tune` also measures
+# programmatic dependent launch (TANDEM_CUDA_PDL=1, experimental: no gain measured so far).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -22,6 +23,22 @@ note() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
+MODE=${1:-full}
+if [ "$MODE" = tune ]; then
+  # Decode-projection tuning: the kernel tests, then the batch-1 profile with every plan of the
+  # sweep (TANDEM_GEMV_SWEEP), with programmatic launch off and on.
+  timeout 300 "$BIN/cuda_kernels" --test-threads=1 > "$OUT/tests.log" 2>&1 && note "test cuda_kernels: ok" \
+    || { note "test cuda_kernels: FAILED"; grep -B2 -A6 "panicked" "$OUT/tests.log" | head -30; status=1; }
+  for pdl in 0 1; do
+    TANDEM_CUDA_PDL=$pdl TANDEM_GEMV_SWEEP=1 timeout 250 "$BIN/tandem" bench engine --device cuda:0 \
+      --model preset:qwen3-4b --batch 1 --decode-steps 32 --prefill-tokens 512 --profile > "$OUT/tune_pdl$pdl.log" 2>&1
+    note "programmatic launch $pdl: $(grep -E '^1 +[0-9]' "$OUT/tune_pdl$pdl.log" | tr -s ' ')"
+    grep -E "fused|plan sweep|CUDA graph|rope|attention \(row" "$OUT/tune_pdl$pdl.log" | head -120 | sed "s/^/pdl$pdl /"
+  done
+  cat "$OUT/summary.txt"
+  exit $status
+fi
+
 for t in cuda_kernels cuda_model cuda_engine; do
   if [ "$t" = cuda_model ]; then
     python3 scripts/gpu/make_hf_reference.py /tmp/hfref > "$OUT/hfref.log" 2>&1 || { note "make_hf_reference failed"; tail -20 "$OUT/hfref.log"; }
@@ -33,6 +50,7 @@ for t in cuda_kernels cuda_model cuda_engine; do
     REFERENCE_DTYPE=float32 python3 scripts/gpu/make_hf_reference.py /tmp/hfref32 >> "$OUT/hfref.log" 2>&1 \
       && TANDEM_HF_REFERENCE=/tmp/hfref32 timeout 120 "$BIN/$t" greedy --nocapture > /tmp/test_hf32.log 2>&1
     note "transformers f32 reference: $(grep -c '40/40 tokens equal' /tmp/test_hf32.log) of 8 prompts equal for 40 tokens"
+    grep -h "^diagnostic transformers" "$OUT/hfref.log" | head -2 | while read -r line; do note "$line"; done
     cat /tmp/test_hf32.log >> "$OUT/tests.log"
   fi
   if timeout 300 "$BIN/$t" --test-threads=1 --nocapture > /tmp/test_$t.log 2>&1; then
@@ -43,10 +61,9 @@ for t in cuda_kernels cuda_model cuda_engine; do
   fi
   cat /tmp/test_$t.log >> "$OUT/tests.log"
 done
-grep -h "^diagnostic" "$OUT/hfref.log" | head -8
+grep -h "^diagnostic" "$OUT/hfref.log" | head -8; grep -h "^diagnostic transformers" "$OUT/hfref.log"
 grep -h "relative error\|tokens equal\|diverged\|shapes checked\|prompts matched\|worst logits" "$OUT/tests.log" | tail -50
 
-MODE=${1:-full}
 if [ "$MODE" != quick ]; then
   timeout 400 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
     --decode-steps 32 --prefill-tokens 4096 --profile --json-out "$OUT/bench_qwen3_4b.json" > "$OUT/bench.log" 2>&1 \
@@ -60,22 +77,6 @@ if [ "$MODE" != quick ]; then
       --enforce-eager --max-num-seqs 1 --max-num-batched-tokens 64 --max-model-len 1024 > "$OUT/ncu.log" 2>&1
     grep -E "attention_rows|add_rms_norm|qkv_rope|silu_mul|gemv|gpu__time|dram__bytes" "$OUT/ncu.log" | head -60
   fi
-  # Programmatic dependent launch (experimental, off by default): the GPU tests and the
-  # benchmark again with it on.
-  for t in cuda_kernels cuda_model cuda_engine; do
-    if TANDEM_CUDA_PDL=1 timeout 300 "$BIN/$t" --test-threads=1 --nocapture > /tmp/pdl_$t.log 2>&1; then
-      note "test $t with programmatic launch: ok"
-    else
-      note "test $t with programmatic launch: FAILED"
-      grep -B2 -A6 "panicked" /tmp/pdl_$t.log | head -20 >> "$OUT/summary.txt"
-    fi
-    cat /tmp/pdl_$t.log >> "$OUT/tests.log"
-  done
-  TANDEM_CUDA_PDL=1 timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
-    --decode-steps 32 --prefill-tokens 4096 --profile > /tmp/bench_pdl.log 2>&1
-  note "with programmatic launch: $(grep -E '^(1|64) +[0-9]' /tmp/bench_pdl.log | tr -s ' ' | tr '\n' ';')" \
-    "$(grep -o 'floor [0-9.]* ms, [0-9.]*% of floor' /tmp/bench_pdl.log)"
-  { echo "== with TANDEM_CUDA_PDL=1"; cat /tmp/bench_pdl.log; } >> "$OUT/bench.log"
   if [ "$MODE" = full ]; then
     timeout 300 python3 scripts/gpu/torch_baseline.py "$OUT/torch_qwen3_4b.json" > "$OUT/torch.log" 2>&1 \
       || { note "torch baseline failed"; tail -20 "$OUT/torch.log"; }

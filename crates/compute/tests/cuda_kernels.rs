@@ -2,7 +2,9 @@
 //! inputs of many shapes. Runs where a GPU is present (scripts/gpu/run.sh); elsewhere each test
 //! says it skipped, unless `TANDEM_REQUIRE_CUDA=1` makes a missing GPU a failure.
 
-use tandem_compute::cuda::ops::{self, AttnMeta, AttnShape, GemvInput, GemvOutput, PrefillSeqs, FLASH_ROWS};
+use tandem_compute::cuda::ops::{
+    self, AttnMeta, AttnShape, GemvBuild, GemvInput, GemvOutput, GemvPlan, PrefillSeqs, QkvRope, FLASH_ROWS,
+};
 use tandem_compute::cuda::CudaDevice;
 
 fn device() -> Option<CudaDevice> {
@@ -144,7 +146,7 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
     let label = format!("heads {nh}/{nkv} head_dim {hd} block {bs} seqs {:?}", case.seqs);
 
     let mut d_out = dev.upload(&poison).unwrap();
-    ops::attention_rows(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &meta, 0, total_tokens, &shape).unwrap();
+    ops::attention_rows(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &meta, 0, total_tokens, &shape, None).unwrap();
     let out = dev.read(&d_out, poison.len()).unwrap();
     let err = rel_err(&out, &|_| true);
     assert!(err < 1e-2, "attention_rows, {label}: relative error {err:.2e}");
@@ -209,6 +211,113 @@ fn attention_kernels_match_the_reference_over_many_shapes() {
         &mut rng,
     );
     eprintln!("{} shapes checked", n + 1);
+}
+
+/// Decode attention doing the q/k norm, RoPE and cache write itself must give exactly what the
+/// separate kernel followed by plain decode attention gives: the same outputs and the same
+/// cache, bit for bit, for one token per sequence at assorted positions.
+#[test]
+fn decode_attention_with_fused_rope_equals_the_two_kernels() {
+    let Some(dev) = device() else { return };
+    let mut rng = Lcg(99);
+    let mut checked = 0;
+    // (heads, kv heads, head size, block size, bias, q/k norms)
+    let shapes = [
+        (8, 2, 128, 16, false, true),
+        (4, 4, 64, 5, true, false),
+        (6, 2, 96, 16, true, true),
+        (2, 1, 256, 8, false, true),
+        (4, 1, 32, 3, false, false),
+    ];
+    for &(nh, nkv, hd, bs, with_bias, with_norms) in &shapes {
+        for tokens in [1, 3, 5] {
+            let (num_layers, layer) = (2, 1);
+            let max_pos = 300;
+            let width = (max_pos + 1usize).div_ceil(bs);
+            let num_blocks = tokens * width + 2;
+            let block_elems = num_layers * 2 * nkv * bs * hd;
+            let cache: Vec<u16> = (0..num_blocks * block_elems).map(|_| bf16(rng.uniform())).collect();
+            let qkv_dim = (nh + 2 * nkv) * hd;
+            let qkv: Vec<u16> = (0..tokens * qkv_dim).map(|_| bf16(rng.uniform() * 3.0)).collect();
+            let bias: Vec<u16> = (0..qkv_dim).map(|_| bf16(rng.uniform() * 0.5)).collect();
+            let norm_w: Vec<u16> = (0..2 * hd).map(|_| bf16(1.0 + rng.uniform() * 0.5)).collect();
+            let half = hd / 2;
+            let (mut cos, mut sin) = (Vec::new(), Vec::new());
+            for p in 0..=max_pos {
+                for j in 0..half {
+                    let angle = p as f32 / 10000f32.powf(2.0 * j as f32 / hd as f32);
+                    cos.push(angle.cos());
+                    sin.push(angle.sin());
+                }
+            }
+            // Token i: its own sequence (table row i, blocks i * width ..), at a random position;
+            // the last one with no cache slot (a padded graph row).
+            let positions: Vec<i32> = (0..tokens).map(|_| (rng.next() % (max_pos as u64 + 1)) as i32).collect();
+            let tables: Vec<i32> = (0..tokens * width).map(|i| i as i32).collect();
+            let slots: Vec<i32> = (0..tokens)
+                .map(|i| {
+                    let p = positions[i] as usize;
+                    if i == tokens - 1 && tokens > 1 {
+                        -1
+                    } else {
+                        (tables[i * width + p / bs] as usize * bs + p % bs) as i32
+                    }
+                })
+                .collect();
+            let tok_seq: Vec<i32> = (0..tokens as i32).collect();
+            let d = |v: &[u16]| dev.upload(v).unwrap();
+            let (d_qkv, d_bias, d_norm) = (d(&qkv), d(&bias), d(&norm_w));
+            let (d_cos, d_sin) = (dev.upload(&cos).unwrap(), dev.upload(&sin).unwrap());
+            let (d_pos, d_slots, d_seq) =
+                (dev.upload(&positions).unwrap(), dev.upload(&slots).unwrap(), dev.upload(&tok_seq).unwrap());
+            let (d_tables, d_stride) = (dev.upload(&tables).unwrap(), dev.upload(&[width as i32]).unwrap());
+            let meta = AttnMeta {
+                positions: d_pos.ptr(),
+                tok_seq: d_seq.ptr(),
+                block_tables: d_tables.ptr(),
+                stride: d_stride.ptr(),
+            };
+            let shape = AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, layer, num_layers, block_size: bs };
+            let run = |fused: bool| {
+                let d_cache = dev.upload(&cache).unwrap();
+                let d_q = dev.upload(&vec![0u16; tokens * nh * hd]).unwrap();
+                let d_out = dev.upload(&vec![bf16(f32::NAN); tokens * nh * hd]).unwrap();
+                let rope = QkvRope {
+                    qkv: d_qkv.ptr(),
+                    bias: if with_bias { d_bias.ptr() } else { 0 },
+                    q_norm: if with_norms { d_norm.ptr() } else { 0 },
+                    k_norm: if with_norms { d_norm.ptr_at(hd) } else { 0 },
+                    cos: d_cos.ptr(),
+                    sin: d_sin.ptr(),
+                    positions: d_pos.ptr(),
+                    slots: d_slots.ptr(),
+                    q_out: d_q.ptr(),
+                    cache: d_cache.ptr(),
+                    eps: 1e-6,
+                };
+                if !fused {
+                    ops::qkv_rope_cache(&dev, &rope, &shape, tokens).unwrap();
+                }
+                let r = fused.then_some(&rope);
+                ops::attention_rows(&dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &meta, 0, tokens, &shape, r).unwrap();
+                (dev.read(&d_out, tokens * nh * hd).unwrap(), dev.read(&d_cache, cache.len()).unwrap())
+            };
+            let (out_a, cache_a) = run(false);
+            let (out_b, cache_b) = run(true);
+            let label = format!("heads {nh}/{nkv} head_dim {hd} block {bs} bias {with_bias} tokens {tokens}");
+            assert!(out_a.iter().all(|&b| f32_of(b).is_finite()), "{label}: output not written");
+            // A token without a slot (a padded row) sees a stale key in the two-kernel path.
+            let per_token = nh * hd;
+            for i in (0..tokens).filter(|&i| slots[i] >= 0) {
+                let (a, b) = (&out_a[i * per_token..(i + 1) * per_token], &out_b[i * per_token..(i + 1) * per_token]);
+                assert!(a == b, "{label}: fused attention output of token {i} differs");
+            }
+            assert!(cache_a == cache_b, "{label}: fused cache write differs");
+            assert!(cache_a != cache, "{label}: nothing written to the cache");
+            checked += 1;
+        }
+    }
+    eprintln!("{checked} fused RoPE + decode attention cases equal the two kernels");
 }
 
 #[test]
@@ -307,7 +416,7 @@ fn bf16_step(x: f32) -> f32 {
 fn check_gemv(
     dev: &CudaDevice,
     mode: GemvMode,
-    pipelined: bool,
+    plan: GemvPlan,
     n: usize,
     k: usize,
     tokens: usize,
@@ -376,7 +485,7 @@ fn check_gemv(
         GemvMode::Bf16ToResidual => (GemvInput::Bf16(d_x.ptr()), GemvOutput::AddTo(d_res.ptr())),
         GemvMode::SiluToResidual => (GemvInput::Silu(d_gu.ptr()), GemvOutput::AddTo(d_res.ptr())),
     };
-    ops::gemv_variant(dev, d_w.ptr(), n, k, input, output, bias_ptr, tokens, pipelined).unwrap();
+    ops::gemv_with(dev, d_w.ptr(), n, k, input, output, bias_ptr, tokens, plan).unwrap();
     let got: Vec<Vec<f64>> = match mode {
         GemvMode::NormToBf16 => {
             let out = dev.read(&d_out16, (tokens + 1) * n).unwrap();
@@ -440,14 +549,27 @@ fn decode_projection_kernels_match_the_reference() {
         } else {
             &[(37, 64), (3001, 1032), (40, 2048), (20011, 256)]
         };
-        for pipelined in [false, true] {
+        // The plans `gemv` picks in both builds, and plain-build plans with K split across
+        // warps (partial sums through shared memory) and with few blocks looping over rows.
+        let plans: [&dyn Fn(usize, usize, usize) -> GemvPlan; 4] = [
+            &|n, k, tokens| ops::gemv_plan(&dev, n, k, tokens, GemvBuild::Plain),
+            &|n, k, tokens| ops::gemv_plan(&dev, n, k, tokens, GemvBuild::Pipelined),
+            &|_, _, _| GemvPlan { build: GemvBuild::Plain, ksplit: 4, blocks: 3 },
+            &|n, _, _| GemvPlan { build: GemvBuild::Plain, ksplit: 8, blocks: n.div_ceil(2) },
+        ];
+        for plan in plans {
             for &(n, k) in shapes {
                 for tokens in [1, 2, 3, 5, 8] {
                     // The same inputs for every token count: row 0's result must not depend on
                     // how many rows ride along (CUDA graphs pad decode steps).
-                    let first = check_gemv(&dev, mode, pipelined, n, k, tokens, &mut Lcg(11 + n as u64));
-                    let alone = check_gemv(&dev, mode, pipelined, n, k, 1, &mut Lcg(11 + n as u64));
-                    assert_eq!(first[0], alone[0], "{mode:?} n {n} k {k}: row 0 changed with {tokens} rows");
+                    let (many, one) = (plan(n, k, tokens), plan(n, k, 1));
+                    let first = check_gemv(&dev, mode, many, n, k, tokens, &mut Lcg(11 + n as u64));
+                    let alone = check_gemv(&dev, mode, one, n, k, 1, &mut Lcg(11 + n as u64));
+                    // (A plan may switch builds with the token count; within one it must not.)
+                    let same_build = std::mem::discriminant(&many.build) == std::mem::discriminant(&one.build);
+                    if same_build && many.ksplit == one.ksplit {
+                        assert_eq!(first[0], alone[0], "{mode:?} n {n} k {k}: row 0 changed with {tokens} rows");
+                    }
                     n_checked += 1;
                 }
             }

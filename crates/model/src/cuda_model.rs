@@ -86,6 +86,35 @@ struct Layer {
     down: Linear,
 }
 
+/// One projection of a decode step on the fused path (see [`ops::gemv`]).
+#[derive(Clone, Copy, Debug)]
+struct DecodeProjection {
+    weight: u64,
+    n: usize,
+    k: usize,
+    input: GemvInput,
+    output: GemvOutput,
+    bias: u64,
+}
+
+impl DecodeProjection {
+    fn launch(&self, dev: &CudaDevice, tokens: usize) -> Result<(), CudaError> {
+        ops::gemv(dev, self.weight, self.n, self.k, self.input, self.output, self.bias, tokens)
+    }
+
+    fn launch_with(&self, dev: &CudaDevice, tokens: usize, plan: ops::GemvPlan) -> Result<(), CudaError> {
+        ops::gemv_with(dev, self.weight, self.n, self.k, self.input, self.output, self.bias, tokens, plan)
+    }
+}
+
+/// What each of a layer's decode projections computes, in [`CudaModel::decode_projections`] order.
+const DECODE_PROJECTIONS: [&str; 4] = [
+    "RMSNorm + qkv projection",
+    "o projection + residual add",
+    "RMSNorm + gate/up projection",
+    "SiLU + down projection + residual add",
+];
+
 /// Per-step activations, sized for `max_tokens` tokens and `max_seqs` sequences.
 struct Activations {
     x: DevBuf<f32>,
@@ -585,7 +614,7 @@ impl CudaModel {
         for (li, layer) in self.layers.iter().enumerate() {
             // The qkv bias is added by the RoPE kernel.
             self.matmul(a.normed.ptr(), layer.qkv.weight.ptr(), a.qkv.ptr(), t, layer.qkv.out_dim, h, false)?;
-            let shape = self.rope_and_row_attention(li, layer, t, counts)?;
+            let shape = self.rope_and_row_attention(li, layer, t, counts, false)?;
             ops::flash_prefill(dev, a.q.ptr(), self.kv.ptr(), a.attn.ptr(), &prefill, &meta, &shape)?;
             self.linear(&layer.o, a.attn.ptr(), a.proj.ptr(), t, false)?;
             ops::add_rms_norm(dev, a.x.ptr(), a.proj.ptr(), 0, layer.post_norm.ptr(), a.normed.ptr(), t, h, eps)?;
@@ -631,17 +660,24 @@ impl CudaModel {
     }
 
     /// Layer `li`'s q/k norm, RoPE and cache write for all `t` tokens, then attention for the
-    /// tokens on the decode list (the row kernel). Returns the layer's attention shape.
+    /// tokens on the decode list (the row kernel). With `fuse_rope` (decode steps of one token
+    /// per sequence only), the attention kernel does the first part itself: one launch, and
+    /// the queries never go through memory. Returns the layer's attention shape.
     fn rope_and_row_attention(
         &self,
         li: usize,
         layer: &Layer,
         t: usize,
         counts: StepCounts,
+        fuse_rope: bool,
     ) -> Result<AttnShape, ModelError> {
         let a = &self.act;
         let shape = self.attn_shape(li);
-        ops::qkv_rope_cache(&self.dev, &self.rope_args(layer), &shape, t)?;
+        let rope = self.rope_args(layer);
+        let fuse_rope = fuse_rope && counts.one_token_each && counts.work == 0;
+        if !fuse_rope {
+            ops::qkv_rope_cache(&self.dev, &rope, &shape, t)?;
+        }
         let decode_list = self.meta.ptr_at(self.meta_layout.decode_list);
         let meta = self.attn_meta();
         ops::attention_rows(
@@ -653,6 +689,7 @@ impl CudaModel {
             decode_list,
             counts.decode,
             &shape,
+            fuse_rope.then_some(&rope),
         )?;
         Ok(shape)
     }
@@ -663,32 +700,75 @@ impl CudaModel {
     /// post-attention RMSNorm) and down (with SiLU-and-multiply, adding into the residual).
     /// Six launches per layer instead of nine, and no deltas through memory.
     fn run_decode_layers(&self, t: usize, rows: usize, counts: StepCounts) -> Result<(), ModelError> {
-        let dev = &self.dev;
-        let cfg = &self.cfg;
-        let a = &self.act;
-        let m = self.meta_layout;
-        let h = cfg.hidden_size;
-        let norm = |weight: &DevBuf<u16>, rows: u64| self.residual_norm(weight, rows);
-        let bias = |l: &Linear| l.bias.as_ref().map_or(0, DevBuf::ptr);
         for (li, layer) in self.layers.iter().enumerate() {
-            let (qkv, o, gate_up, down) = (&layer.qkv, &layer.o, &layer.gate_up, &layer.down);
-            // The qkv bias is added by the RoPE kernel, as on the unfused path.
-            let input = norm(&layer.input_norm, 0);
-            ops::gemv(dev, qkv.weight.ptr(), qkv.out_dim, h, input, GemvOutput::Bf16(a.qkv.ptr()), 0, t)?;
-            self.rope_and_row_attention(li, layer, t, counts)?;
-            let residual = GemvOutput::AddTo(a.x.ptr());
-            ops::gemv(dev, o.weight.ptr(), h, o.in_dim, GemvInput::Bf16(a.attn.ptr()), residual, bias(o), t)?;
-            let post = norm(&layer.post_norm, 0);
-            let gu_out = GemvOutput::Bf16(a.gate_up.ptr());
-            ops::gemv(dev, gate_up.weight.ptr(), gate_up.out_dim, h, post, gu_out, bias(gate_up), t)?;
-            let act = GemvInput::Silu(a.gate_up.ptr());
-            ops::gemv(dev, down.weight.ptr(), h, down.in_dim, act, residual, bias(down), t)?;
+            let [qkv, o, gate_up, down] = self.decode_projections(layer);
+            qkv.launch(&self.dev, t)?;
+            self.rope_and_row_attention(li, layer, t, counts, true)?;
+            o.launch(&self.dev, t)?;
+            gate_up.launch(&self.dev, t)?;
+            down.launch(&self.dev, t)?;
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let input = norm(&self.norm, self.meta.ptr_at(m.rows));
-        let logits = GemvOutput::F32(a.logits.ptr());
-        ops::gemv(dev, head.ptr(), cfg.vocab_size, h, input, logits, 0, rows)?;
+        self.head_projection().launch(&self.dev, rows)?;
         Ok(())
+    }
+
+    /// A layer's qkv (with the input RMSNorm), o (adding into the residual), gate/up (with the
+    /// post-attention RMSNorm) and down (with SiLU-and-multiply, adding into the residual)
+    /// projections of a decode step. The qkv bias is added by the RoPE kernel, as on the
+    /// unfused path.
+    fn decode_projections(&self, layer: &Layer) -> [DecodeProjection; 4] {
+        let a = &self.act;
+        let h = self.cfg.hidden_size;
+        let bias = |l: &Linear| l.bias.as_ref().map_or(0, DevBuf::ptr);
+        let residual = GemvOutput::AddTo(a.x.ptr());
+        let (qkv, o, gate_up, down) = (&layer.qkv, &layer.o, &layer.gate_up, &layer.down);
+        [
+            DecodeProjection {
+                weight: qkv.weight.ptr(),
+                n: qkv.out_dim,
+                k: h,
+                input: self.residual_norm(&layer.input_norm, 0),
+                output: GemvOutput::Bf16(a.qkv.ptr()),
+                bias: 0,
+            },
+            DecodeProjection {
+                weight: o.weight.ptr(),
+                n: h,
+                k: o.in_dim,
+                input: GemvInput::Bf16(a.attn.ptr()),
+                output: residual,
+                bias: bias(o),
+            },
+            DecodeProjection {
+                weight: gate_up.weight.ptr(),
+                n: gate_up.out_dim,
+                k: h,
+                input: self.residual_norm(&layer.post_norm, 0),
+                output: GemvOutput::Bf16(a.gate_up.ptr()),
+                bias: bias(gate_up),
+            },
+            DecodeProjection {
+                weight: down.weight.ptr(),
+                n: h,
+                k: down.in_dim,
+                input: GemvInput::Silu(a.gate_up.ptr()),
+                output: residual,
+                bias: bias(down),
+            },
+        ]
+    }
+
+    /// The output head of a decode step, with the final RMSNorm of the rows that want logits.
+    fn head_projection(&self) -> DecodeProjection {
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        DecodeProjection {
+            weight: head.ptr(),
+            n: self.cfg.vocab_size,
+            k: self.cfg.hidden_size,
+            input: self.residual_norm(&self.norm, self.meta.ptr_at(self.meta_layout.rows)),
+            output: GemvOutput::F32(self.act.logits.ptr()),
+            bias: 0,
+        }
     }
 
     /// Samples `specs.len()` rows of logits on the device and returns the tokens.
@@ -789,6 +869,9 @@ impl CudaModel {
             f()?;
             Ok(dev.time_ms(|| (0..reps).try_for_each(|_| f()))? / reps as f64)
         };
+        // Projections run over every layer's weights in turn, as in a step: one layer's alone
+        // could be served from L2 on repeats.
+        let time_layers = |f: &dyn Fn(&Layer) -> Result<(), CudaError>| time(&|| self.layers.iter().try_for_each(f));
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut out: Vec<(String, f64)> = vec![
             (
@@ -797,10 +880,9 @@ impl CudaModel {
             ),
             (
                 "qkv projection".into(),
-                layers
-                    * time(&|| {
-                        self.matmul(a.normed.ptr(), l0.qkv.weight.ptr(), a.qkv.ptr(), t, l0.qkv.out_dim, h, false)
-                    })?,
+                time_layers(&|l| {
+                    self.matmul(a.normed.ptr(), l.qkv.weight.ptr(), a.qkv.ptr(), t, l.qkv.out_dim, h, false)
+                })?,
             ),
             ("q/k norm + RoPE + KV write".into(), layers * time(&|| ops::qkv_rope_cache(dev, &rope, &shape, t))?),
             (
@@ -816,6 +898,7 @@ impl CudaModel {
                             self.meta.ptr_at(m.decode_list),
                             counts.decode,
                             &shape,
+                            None,
                         )
                     })?,
             ),
@@ -828,8 +911,7 @@ impl CudaModel {
             ),
             (
                 "o projection".into(),
-                layers
-                    * time(&|| self.matmul(a.attn.ptr(), l0.o.weight.ptr(), a.proj.ptr(), t, h, l0.o.in_dim, false))?,
+                time_layers(&|l| self.matmul(a.attn.ptr(), l.o.weight.ptr(), a.proj.ptr(), t, h, l.o.in_dim, false))?,
             ),
             (
                 "residual add + RMSNorm (x2)".into(),
@@ -850,15 +932,14 @@ impl CudaModel {
             ),
             (
                 "gate/up projection".into(),
-                layers
-                    * time(&|| {
-                        self.matmul(a.normed.ptr(), l0.gate_up.weight.ptr(), a.gate_up.ptr(), t, 2 * inter, h, false)
-                    })?,
+                time_layers(&|l| {
+                    self.matmul(a.normed.ptr(), l.gate_up.weight.ptr(), a.gate_up.ptr(), t, 2 * inter, h, false)
+                })?,
             ),
             ("SiLU x up".into(), layers * time(&|| ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, inter))?),
             (
                 "down projection".into(),
-                layers * time(&|| self.matmul(a.act.ptr(), l0.down.weight.ptr(), a.proj.ptr(), t, h, inter, false))?,
+                time_layers(&|l| self.matmul(a.act.ptr(), l.down.weight.ptr(), a.proj.ptr(), t, h, inter, false))?,
             ),
             (
                 "output projection".into(),
@@ -868,60 +949,62 @@ impl CudaModel {
         let fused = counts.work == 0 && t <= self.fused_tokens;
         if fused {
             // The decode path this step takes: cuBLAS and the separate norm / SiLU kernels above
-            // are replaced by the fused projections below (RoPE and attention are shared).
-            let norm = |weight: &DevBuf<u16>, rows: u64| self.residual_norm(weight, rows);
-            let x = GemvOutput::AddTo(a.x.ptr());
-            let (qkv, o, gu, down) = (&l0.qkv, &l0.o, &l0.gate_up, &l0.down);
-            let vocab = self.cfg.vocab_size;
-            let rows_at = self.meta.ptr_at(m.rows);
-            // (name, weight, n, k, input, output, rows): the decode step's projections.
-            let projections = [
-                (
-                    "RMSNorm + qkv projection",
-                    &qkv.weight,
-                    qkv.out_dim,
-                    h,
-                    norm(&l0.input_norm, 0),
-                    GemvOutput::Bf16(a.qkv.ptr()),
-                    t,
-                ),
-                ("o projection + residual add", &o.weight, h, o.in_dim, GemvInput::Bf16(a.attn.ptr()), x, t),
-                (
-                    "RMSNorm + gate/up projection",
-                    &gu.weight,
-                    gu.out_dim,
-                    h,
-                    norm(&l0.post_norm, 0),
-                    GemvOutput::Bf16(a.gate_up.ptr()),
-                    t,
-                ),
-                (
-                    "SiLU + down projection + residual add",
-                    &down.weight,
-                    h,
-                    inter,
-                    GemvInput::Silu(a.gate_up.ptr()),
-                    x,
-                    t,
-                ),
-                (
-                    "RMSNorm + output projection",
-                    head,
-                    vocab,
-                    h,
-                    norm(&self.norm, rows_at),
-                    GemvOutput::F32(a.logits.ptr()),
-                    rows,
-                ),
+            // are replaced by the fused projections below (RoPE and attention are shared). Each
+            // runs over every layer's weights in turn, as in a step (one layer's would sit in L2).
+            let layer_plans = |i: usize, plan: &dyn Fn(&DecodeProjection) -> ops::GemvPlan| {
+                time_layers(&|l| {
+                    let p = self.decode_projections(l)[i];
+                    p.launch_with(dev, t, plan(&p))
+                })
+            };
+            if counts.one_token_each {
+                let fused_rope = || {
+                    let (list, n) = (self.meta.ptr_at(m.decode_list), counts.decode);
+                    ops::attention_rows(dev, 0, self.kv.ptr(), a.attn.ptr(), &meta, list, n, &shape, Some(&rope))
+                };
+                out.push(("fused: q/k norm + RoPE + KV write + attention".into(), layers * time(&fused_rope)?));
+            }
+            let head_p = self.head_projection();
+            // The plan the step uses, then the pipelined build for comparison.
+            type PlanFn<'a> = &'a dyn Fn(usize, usize, usize) -> ops::GemvPlan;
+            let builds: [(&str, PlanFn<'_>); 2] = [
+                ("fused", &|n, k, t| ops::gemv_plan(dev, n, k, t, ops::GemvBuild::Plain)),
+                ("fused, pipelined build (comparison)", &|n, k, t| {
+                    ops::gemv_plan(dev, n, k, t, ops::GemvBuild::Pipelined)
+                }),
             ];
-            // Each projection in the build the forward uses, then in the pipelined one.
-            for pipelined in [false, true] {
-                for (name, w, n, k, input, output, count) in &projections {
-                    let per_step = if name.contains("output") { 1.0 } else { layers };
-                    let build = if pipelined { "fused, pipelined build (comparison)" } else { "fused" };
-                    let ms = per_step
-                        * time(&|| ops::gemv_variant(dev, w.ptr(), *n, *k, *input, *output, 0, *count, pipelined))?;
-                    out.push((format!("{build}: {name}"), ms));
+            for (build, plan_of) in builds {
+                for (i, name) in DECODE_PROJECTIONS.iter().enumerate() {
+                    out.push((format!("{build}: {name}"), layer_plans(i, &|p| plan_of(p.n, p.k, t))?));
+                }
+                let plan = plan_of(head_p.n, head_p.k, rows);
+                out.push((
+                    format!("{build}: RMSNorm + output projection"),
+                    time(&|| head_p.launch_with(dev, rows, plan))?,
+                ));
+            }
+            // TANDEM_GEMV_SWEEP=1: every projection under other plans, to tune `ops::gemv_plan`
+            // on a new device.
+            if std::env::var_os("TANDEM_GEMV_SWEEP").is_some() {
+                let sms = dev.sm_count() as usize;
+                let p0 = self.decode_projections(l0);
+                for (i, name) in DECODE_PROJECTIONS.iter().enumerate() {
+                    let mut plans = vec![];
+                    for ksplit in [1, 2, 4, 8] {
+                        let needed = p0[i].n.div_ceil(16 / ksplit);
+                        let mut counts: Vec<usize> =
+                            [needed, sms, 2 * sms, 4 * sms].into_iter().filter(|&b| b <= needed).collect();
+                        counts.dedup();
+                        plans.extend(counts.into_iter().map(|blocks| ops::GemvPlan {
+                            build: ops::GemvBuild::Plain,
+                            ksplit,
+                            blocks,
+                        }));
+                    }
+                    for plan in plans {
+                        let ms = layer_plans(i, &|_| plan)?;
+                        out.push((format!("plan sweep: {name}, {plan:?}"), ms));
+                    }
                 }
             }
         }
@@ -935,8 +1018,10 @@ impl CudaModel {
                 "down projection",
                 "output projection",
             ];
-            let other_path = if fused { unfused_only.iter().any(|u| name.starts_with(u)) } else { false };
-            !other_path && !name.starts_with("fused, pipelined")
+            let rope_fused = fused && counts.one_token_each;
+            let other_path = (fused && unfused_only.iter().any(|u| name.starts_with(u)))
+                || (rope_fused && (name.starts_with("q/k norm") || name.starts_with("attention (row")));
+            !other_path && !name.contains("(comparison)") && !name.starts_with("plan sweep")
         };
         let sum: f64 = out.iter().filter(path_ops).map(|(_, v)| v).sum();
         out.push(("sum of ops on this path".into(), sum));
@@ -980,7 +1065,7 @@ impl CudaModel {
         if self.graphs.contains_key(&bucket) {
             return Ok(());
         }
-        let counts = StepCounts { decode: bucket, work: 0 };
+        let counts = StepCounts { decode: bucket, work: 0, one_token_each: true };
         self.dev.begin_capture()?;
         let captured = self.run_forward(bucket, bucket, Some(counts));
         // End the capture even if a launch failed, so the stream is usable again.
@@ -1198,7 +1283,8 @@ fn build_meta(
         hm[m.rows + n_rows] = t as i32;
         n_rows += 1;
     }
-    Ok((tables, StepCounts { decode: n_decode, work: n_work }))
+    let one_token_each = seqs.iter().all(|s| s.num_tokens <= 1);
+    Ok((tables, StepCounts { decode: n_decode, work: n_work, one_token_each }))
 }
 
 /// Counts of the last prepared step.
@@ -1208,6 +1294,8 @@ struct StepCounts {
     decode: usize,
     /// Work items for the tensor-core prefill kernel.
     work: usize,
+    /// Every sequence brings at most one token (a pure decode step).
+    one_token_each: bool,
 }
 
 #[cfg(test)]

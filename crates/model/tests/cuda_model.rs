@@ -261,6 +261,18 @@ fn greedy_matches_transformers_bf16() {
     }
     eprintln!("{long_matches}/{} prompts matched 32+ tokens", cases.len());
     assert!(unexplained.is_empty(), "divergences without a near-tie: {unexplained:?}");
-    assert!(long_matches * 2 > cases.len(), "only {long_matches}/{} prompts matched 32+ tokens", cases.len());
+    // Most prompts should match. On a checkpoint whose logits are near-tied so often that
+    // transformers itself (eager attention instead of SDPA, at the same precision) keeps fewer
+    // prompts equal to its own reference, tandem must do at least as well as that.
+    let eager = expected["self_agreement"]["attn_implementation=eager"].as_u64().map(|v| v as usize);
+    if let Some(eager) = eager {
+        eprintln!("transformers eager attention vs the reference: {eager}/{} prompts matched 32+ tokens", cases.len());
+    }
+    let most = long_matches * 2 > cases.len();
+    assert!(
+        most || eager.is_some_and(|e| long_matches >= e),
+        "only {long_matches}/{} prompts matched 32+ tokens (transformers eager: {eager:?})",
+        cases.len()
+    );
     let _ = gpu.describe();
 }

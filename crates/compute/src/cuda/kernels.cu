@@ -376,7 +376,8 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, i
     };
     int stride = gridDim.x * rows_per_block;
     // The pipelined build's first batch of weights goes out before waiting on the previous
-    // kernel (weights are never written).
+    // kernel (weights are never written). (Asking L2 for the plain build's first row group with
+    // Hopper's bulk prefetch instead made a Qwen3-4B decode step 12% slower on an H200.)
     if (PIPE) load_batch(wv, row_base + grp * GEMV_ROWS, k_begin + lane * 8);
     PDL_ENTER();
     for (int m = 0; m < M; ++m) gemv_prologue<IN>(xs + (u64)m * K, K, in, rows, norm_w, eps, m, mcount, scratch);
@@ -512,20 +513,19 @@ __device__ __forceinline__ void store_e(bf16* p, const float* v, int e) {
     }
 }
 
-extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm,
-                                          const bf16* k_norm, const float* cos_t, const float* sin_t,
-                                          const int* positions, const int* slots, bf16* q_out, bf16* cache,
-                                          int num_heads, int num_kv_heads, int head_dim, int layer,
-                                          int num_layers, int block_size, float eps) {
-    PDL_ENTER();
-    int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int h = blockIdx.y * 4 + warp;
-    if (h >= num_heads + 2 * num_kv_heads) return;
+// Head h of token t (at position pos) from the qkv projection's output, warp-cooperatively:
+// bias added, RMSNorm'd (q and k heads, where the model has q/k norms) and rotated (q and k
+// heads); lane l ends with elements [l * E, l * E + E) in v, E = head_dim / 32.
+__device__ __forceinline__ void rope_head(const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm,
+                                          const bf16* k_norm, const float* cos_t, const float* sin_t, int t, int h,
+                                          int pos, int num_heads, int num_kv_heads, int head_dim, float eps,
+                                          float* v) {
+    int lane = threadIdx.x & 31;
     int E = head_dim / 32, half = head_dim / 2, base = lane * E;
-    int pos = positions[t], slot = slots[t];
     bool is_q = h < num_heads, is_k = !is_q && h < num_heads + num_kv_heads;
     u64 qkv_dim = (u64)(num_heads + 2 * num_kv_heads) * head_dim;
-    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = 0.0f;
     load_e(qkv + t * qkv_dim + h * head_dim + base, v, E);
     if (qkv_bias) {
         float b[8];
@@ -561,10 +561,26 @@ extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias,
             }
         }
     }
-    if (is_q) {
+}
+
+extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm,
+                                          const bf16* k_norm, const float* cos_t, const float* sin_t,
+                                          const int* positions, const int* slots, bf16* q_out, bf16* cache,
+                                          int num_heads, int num_kv_heads, int head_dim, int layer,
+                                          int num_layers, int block_size, float eps) {
+    PDL_ENTER();
+    int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int h = blockIdx.y * 4 + warp;
+    if (h >= num_heads + 2 * num_kv_heads) return;
+    int E = head_dim / 32, base = lane * E;
+    int slot = slots[t];
+    float v[8];
+    rope_head(qkv, qkv_bias, q_norm, k_norm, cos_t, sin_t, t, h, positions[t], num_heads, num_kv_heads, head_dim,
+              eps, v);
+    if (h < num_heads) {
         store_e(q_out + ((u64)t * num_heads + h) * head_dim + base, v, E);
     } else if (slot >= 0) {
-        int kv = is_k ? 0 : 1;
+        int kv = h < num_heads + num_kv_heads ? 0 : 1;
         int kh = h - num_heads - kv * num_kv_heads;
         store_e(cache + kv_offset(slot / block_size, slot % block_size, layer, kv, kh, num_layers, num_kv_heads,
                                   block_size, head_dim) + base,
@@ -592,26 +608,63 @@ extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias,
 // Grid: (tokens, heads / G). Block: 128. head_dim = 32 * E.
 #define ATTN_CHUNK 128
 #define ATTN_WARPS 4
+// With `rope.qkv` set (decode steps where every sequence brings one token), the block also does
+// qkv_rope_cache's work for its query heads and their KV head straight from the qkv
+// projection: the new token's key and value stay in shared memory for its own (last)
+// position, and the group's first block writes them to the cache. Earlier positions come
+// from the cache, written by earlier steps, so blocks of one group do not race.
+struct RopeIn {
+    const bf16 *qkv, *bias, *q_norm, *k_norm;
+    const float *cos_t, *sin_t;
+    const int* slots;
+    float eps;
+};
+
 template <int G, int E>
-__device__ __forceinline__ void attention_rows(const bf16* q, const bf16* cache, bf16* out, const int* positions,
+__device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16* out, const int* positions,
                                                const int* tok_seq, const int* block_tables, const int* meta_stride,
                                                const int* token_list, int num_heads, int num_kv_heads, int layer,
-                                               int num_layers, int block_size, float scale) {
+                                               int num_layers, int block_size, float scale, RopeIn rope) {
     constexpr int HD = 32 * E;
     // Scaled queries; reused at the end to add up the warps' partial outputs.
     __shared__ float qs[G][HD];
     __shared__ float ps[G][ATTN_CHUNK];
-    __shared__ u64 vrow[ATTN_CHUNK];
+    __shared__ const bf16* vrow[ATTN_CHUNK];
+    __shared__ __align__(16) bf16 new_kv[2][HD];
     __shared__ float m_s[G], l_s[G], alpha_s[G];
     int t = token_list ? token_list[blockIdx.x] : blockIdx.x;
     int h0 = blockIdx.y * G;
-    int kh = h0 / (num_heads / num_kv_heads);
+    int group = num_heads / num_kv_heads, kh = h0 / group;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int ctx = positions[t] + 1;
     const int* table = block_tables + (u64)tok_seq[t] * meta_stride[0];
-    for (int i = tid; i < G * HD; i += blockDim.x) {
-        int g = i / HD, d = i % HD;
-        qs[g][d] = bf2f(q[((u64)t * num_heads + h0 + g) * HD + d]) * scale;
+    bool fused = rope.qkv != nullptr;
+    if (fused) {
+        // Warp w < G: query head h0 + w; then the key head and the value head.
+        int slot = rope.slots[t];
+        for (int task = warp; task < G + 2; task += ATTN_WARPS) {
+            int h = task < G ? h0 + task : num_heads + (task - G) * num_kv_heads + kh;
+            float v[8];
+            rope_head(rope.qkv, rope.bias, rope.q_norm, rope.k_norm, rope.cos_t, rope.sin_t, t, h, ctx - 1, num_heads,
+                      num_kv_heads, HD, rope.eps, v);
+            if (task < G) {
+#pragma unroll
+                for (int e = 0; e < E; ++e) qs[task][lane * E + e] = round_bf16(v[e]) * scale;
+            } else {
+                int kv = task - G;
+                store_e(&new_kv[kv][lane * E], v, E);
+                if (slot >= 0 && h0 % group == 0)
+                    store_e(cache + kv_offset(slot / block_size, slot % block_size, layer, kv, kh, num_layers,
+                                              num_kv_heads, block_size, HD) +
+                                lane * E,
+                            v, E);
+            }
+        }
+    } else {
+        for (int i = tid; i < G * HD; i += blockDim.x) {
+            int g = i / HD, d = i % HD;
+            qs[g][d] = bf2f(q[((u64)t * num_heads + h0 + g) * HD + d]) * scale;
+        }
     }
     if (tid < G) {
         m_s[tid] = NEG_INF;
@@ -629,7 +682,11 @@ __device__ __forceinline__ void attention_rows(const bf16* q, const bf16* cache,
             int key = start + tid;
             int blk = table[key / block_size], slot = key % block_size;
             const bf16* k = cache + kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, HD);
-            vrow[tid] = kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, HD);
+            vrow[tid] = cache + kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, HD);
+            if (fused && key == ctx - 1) {
+                k = new_kv[0];
+                vrow[tid] = new_kv[1];
+            }
             float dot[G];
 #pragma unroll
             for (int g = 0; g < G; ++g) dot[g] = 0.0f;
@@ -689,7 +746,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, const bf16* cache,
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 int j = j0 + u * ATTN_WARPS;
-                if (j < n) load_e(cache + vrow[j] + lane * E, vf[u], E);
+                if (j < n) load_e(vrow[j] + lane * E, vf[u], E);
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
@@ -725,12 +782,14 @@ __device__ __forceinline__ void attention_rows(const bf16* q, const bf16* cache,
 
 #define ATTENTION_ROWS(G, E)                                                                                     \
     extern "C" __global__ void __launch_bounds__(128) attention_rows_g##G##_e##E(                                \
-        const bf16* q, const bf16* cache, bf16* out, const int* positions, const int* tok_seq,                   \
-        const int* block_tables, const int* meta_stride, const int* token_list, int num_heads, int num_kv_heads, \
-        int layer, int num_layers, int block_size, float scale) {                                                \
+        const bf16* q, bf16* cache, bf16* out, const int* positions, const int* tok_seq, const int* block_tables, \
+        const int* meta_stride, const int* token_list, int num_heads, int num_kv_heads, int layer, int num_layers, \
+        int block_size, float scale, const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, \
+        const float* cos_t, const float* sin_t, const int* slots, float eps) {                                    \
         PDL_ENTER();                                                                                             \
+        RopeIn rope = {qkv, qkv_bias, q_norm, k_norm, cos_t, sin_t, slots, eps};                                 \
         attention_rows<G, E>(q, cache, out, positions, tok_seq, block_tables, meta_stride, token_list, num_heads, \
-                             num_kv_heads, layer, num_layers, block_size, scale);                                \
+                             num_kv_heads, layer, num_layers, block_size, scale, rope);                          \
     }
 #define ATTENTION_ROWS_ALL_E(G)                                                                                \
     ATTENTION_ROWS(G, 1) ATTENTION_ROWS(G, 2) ATTENTION_ROWS(G, 3) ATTENTION_ROWS(G, 4) ATTENTION_ROWS(G, 5) \

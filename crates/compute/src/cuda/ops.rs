@@ -261,6 +261,26 @@ pub fn gemv_max_tokens(dev: &CudaDevice, max_k: usize) -> usize {
     [8, 4, 2, 1].into_iter().find(|m| m * max_k * 2 <= limit).unwrap_or(0)
 }
 
+/// Which build of the decode projection runs (see `kernels.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvBuild {
+    /// One batch of weight loads in flight per warp at a time; more warps.
+    Plain,
+    /// Double-buffered weight loads; fewer warps (a comparison build).
+    Pipelined,
+}
+
+/// How a decode projection spreads over the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemvPlan {
+    /// The kernel build.
+    pub build: GemvBuild,
+    /// Warps sharing each pair of rows, each one slice of K (1, 2, 4 or 8).
+    pub ksplit: usize,
+    /// Blocks of 256 threads; they loop over row groups, so any count covers every row.
+    pub blocks: usize,
+}
+
 /// Decode projection `y[m] = x[m] · wᵀ` for `tokens` (at most [`GEMV_MAX_TOKENS`]) rows, with the
 /// input formed by `input` and the result stored by `output`, plus an optional bf16 bias.
 /// `w` is `[n, k]` bf16, `k % 8 == 0`. Supported pairs: norm -> bf16, norm -> f32,
@@ -276,16 +296,55 @@ pub fn gemv(
     bias: u64,
     tokens: usize,
 ) -> Result<(), CudaError> {
-    gemv_variant(dev, w, n, k, input, output, bias, tokens, false)
+    gemv_with(dev, w, n, k, input, output, bias, tokens, gemv_plan(dev, n, k, tokens, GemvBuild::Plain))
 }
 
-/// [`gemv`] in one of its two builds: `pipelined` double-buffers the weight loads and splits K
-/// so each warp's slice is one batch (fewer warps, each with a second batch in flight); the
-/// plain build keeps one buffer and more warps. On an H200 the plain build was as fast or
-/// faster on every Qwen3-4B projection summed over two runs (docs/PERFORMANCE.md), so [`gemv`]
-/// uses it; the other stays for `bench engine --profile` to compare on other devices.
+/// The plan for `n` rows by `k` at `tokens` in `build` ([`gemv`] uses the plain build: on an
+/// H200 it was as fast or faster on every Qwen3-4B projection, docs/PERFORMANCE.md; the
+/// pipelined one stays for `bench engine --profile`).
+///
+/// Plain: one wave of blocks (as many as fit at once by registers, the kernels' launch
+/// bounds, and by shared memory), looping over row groups. K is split over the fewest warps
+/// that give between half and all of one token's resident-block slots one row group each (so
+/// every multiprocessor streams, with no second round); a matrix too tall for that splits K
+/// four ways (slices of at least 512 elements). Measured on an H200 over Qwen3-4B's projections
+/// with `TANDEM_GEMV_SWEEP` (docs/PERFORMANCE.md).
+pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: GemvBuild) -> GemvPlan {
+    let (_, per_sm) = dev.gemv_smem();
+    let sms = dev.sm_count() as usize;
+    if build == GemvBuild::Pipelined {
+        let smem = tokens.max(1).next_power_of_two() * k * 2;
+        let (ksplit, blocks) = gemv_grid(sms, per_sm, smem, n, k);
+        return GemvPlan { build, ksplit, blocks };
+    }
+    let (ksplit, blocks) = plain_grid(sms, per_sm, n, k, tokens);
+    GemvPlan { build, ksplit, blocks }
+}
+
+/// (K split, blocks) of the plain build; see [`gemv_plan`].
+fn plain_grid(sms: usize, per_sm: usize, n: usize, k: usize, tokens: usize) -> (usize, usize) {
+    let by_registers = match tokens.next_power_of_two() {
+        1 => 4,
+        2 => 3,
+        _ => 2,
+    };
+    let slots_for = |m: usize, regs: usize| sms * (per_sm / (m * k * 2 + GEMV_STATIC_SMEM + 1024)).clamp(1, regs);
+    // The split is chosen as for one token, so a row's sums (and result) do not depend on how
+    // many tokens ride along.
+    let one_token_slots = slots_for(1, 4);
+    let mut splits = [1, 2, 4].into_iter().filter(|s| *s == 1 || k / s >= 512);
+    let groups = |s: usize| n.div_ceil(8 / s * 2);
+    let ksplit = splits
+        .clone()
+        .find(|&s| (one_token_slots / 2..=one_token_slots).contains(&groups(s)))
+        .unwrap_or_else(|| splits.next_back().unwrap_or(1));
+    let slots = slots_for(tokens.max(1).next_power_of_two(), by_registers);
+    (ksplit, groups(ksplit).min(slots).max(1))
+}
+
+/// [`gemv`] with an explicit plan (for comparing plans and builds).
 #[allow(clippy::too_many_arguments)]
-pub fn gemv_variant(
+pub fn gemv_with(
     dev: &CudaDevice,
     w: u64,
     n: usize,
@@ -294,17 +353,20 @@ pub fn gemv_variant(
     output: GemvOutput,
     bias: u64,
     tokens: usize,
-    pipelined: bool,
+    plan: GemvPlan,
 ) -> Result<(), CudaError> {
     if tokens == 0 {
         return Ok(());
     }
     let m = tokens.next_power_of_two();
     let smem = m * k * 2;
-    let (limit, per_sm) = dev.gemv_smem();
+    let (limit, _) = dev.gemv_smem();
     let norm_too_long = matches!(input, GemvInput::Norm { .. }) && k > GEMV_NORM_MAX_K;
     if m > GEMV_MAX_TOKENS || smem > limit || !k.is_multiple_of(8) || norm_too_long {
         return Err(CudaError::Unavailable(format!("decode projection of {tokens} rows x {k} is not supported")));
+    }
+    if ![1, 2, 4, 8].contains(&plan.ksplit) || plan.blocks == 0 {
+        return Err(CudaError::Unavailable(format!("bad decode projection plan {plan:?}")));
     }
     let (kind, x, rows, weight, eps, y) = match (input, output) {
         (GemvInput::Norm { residual, rows, weight, eps }, GemvOutput::Bf16(y)) => {
@@ -317,16 +379,9 @@ pub fn gemv_variant(
         (GemvInput::Silu(x), GemvOutput::AddTo(y)) => ("gemv_silu_add", x, 0, 0, 0.0, y),
         (i, o) => return Err(CudaError::Unavailable(format!("no decode projection kernel for {i:?} -> {o:?}"))),
     };
-    let (ksplit, blocks) = if pipelined {
-        gemv_grid(dev.sm_count() as usize, per_sm, smem, n, k)
-    } else {
-        // Two rows per warp over all of K, up to eight blocks per multiprocessor.
-        let resident = (per_sm / (smem + GEMV_STATIC_SMEM + 1024)).clamp(1, 8);
-        (1, n.div_ceil(16).min(dev.sm_count() as usize * resident).max(1))
-    };
     let config =
-        LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 };
-    let name = format!("{kind}_m{m}{}", if pipelined { "_pipe" } else { "" });
+        LaunchConfig { grid_dim: (plan.blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 };
+    let name = format!("{kind}_m{m}{}", if plan.build == GemvBuild::Pipelined { "_pipe" } else { "" });
     launch!(
         dev,
         name.as_str(),
@@ -334,7 +389,7 @@ pub fn gemv_variant(
         w,
         n as i32,
         k as i32,
-        ksplit as i32,
+        plan.ksplit as i32,
         x,
         rows,
         weight,
@@ -468,6 +523,11 @@ fn attention_heads_per_block(sm_count: usize, tokens: usize, num_heads: usize, n
 
 /// Attention for the tokens listed in `token_list` (or tokens `0..count` when 0), one block per
 /// (token, KV head): decode, and any shape the tensor-core kernel does not take.
+///
+/// With `rope`, the kernel also does [`qkv_rope_cache`]'s work for the listed tokens (their
+/// queries are not written to `rope.q_out`): only for steps where every sequence brings exactly
+/// one token, that token being its last position, so no block reads a key another block of the
+/// same launch writes.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_rows(
     dev: &CudaDevice,
@@ -478,6 +538,7 @@ pub fn attention_rows(
     token_list: u64,
     count: usize,
     s: &AttnShape,
+    rope: Option<&QkvRope>,
 ) -> Result<(), CudaError> {
     if count == 0 {
         return Ok(());
@@ -485,9 +546,25 @@ pub fn attention_rows(
     let e = s.head_dim / 32;
     assert!(s.head_dim.is_multiple_of(32) && (1..=8).contains(&e), "head_dim {} not supported", s.head_dim);
     let g = match e {
-        2 | 4 => attention_heads_per_block(dev.sm_count() as usize, count, s.num_heads, s.num_kv_heads),
+        2 | 4 if rope.is_none() => {
+            attention_heads_per_block(dev.sm_count() as usize, count, s.num_heads, s.num_kv_heads)
+        }
         _ => 1,
     };
+    let none = QkvRope {
+        qkv: 0,
+        bias: 0,
+        q_norm: 0,
+        k_norm: 0,
+        cos: 0,
+        sin: 0,
+        positions: 0,
+        slots: 0,
+        q_out: 0,
+        cache: 0,
+        eps: 0.0,
+    };
+    let r = rope.unwrap_or(&none);
     let scale = 1.0 / (s.head_dim as f32).sqrt();
     let name = format!("attention_rows_g{g}_e{e}");
     launch!(
@@ -507,7 +584,15 @@ pub fn attention_rows(
         s.layer as i32,
         s.num_layers as i32,
         s.block_size as i32,
-        scale
+        scale,
+        r.qkv,
+        r.bias,
+        r.q_norm,
+        r.k_norm,
+        r.cos,
+        r.sin,
+        r.slots,
+        r.eps
     )
 }
 
@@ -621,6 +706,30 @@ pub fn sample_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plain_decode_projection_plans_fill_one_wave_and_keep_the_split_for_any_token_count() {
+        let (sms, smem_sm) = (132, 233_472);
+        // Qwen3-4B on an H200: the plans the sweep found fastest (docs/PERFORMANCE.md).
+        assert_eq!(plain_grid(sms, smem_sm, 6144, 2560, 1), (1, 384), "qkv");
+        assert_eq!(plain_grid(sms, smem_sm, 2560, 4096, 1), (2, 320), "o");
+        assert_eq!(plain_grid(sms, smem_sm, 19456, 2560, 1), (4, 528), "gate/up");
+        assert_eq!(plain_grid(sms, smem_sm, 2560, 9728, 1), (2, 320), "down");
+        for &(n, k) in &[(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (151_936, 2560), (37, 64), (512, 128)]
+        {
+            let (split1, _) = plain_grid(sms, smem_sm, n, k, 1);
+            for tokens in 1..=8 {
+                let (split, blocks) = plain_grid(sms, smem_sm, n, k, tokens);
+                assert_eq!(split, split1, "{n}x{k}: the split changed at {tokens} tokens");
+                let regs = [4, 3, 2, 2][tokens.next_power_of_two().trailing_zeros() as usize];
+                assert!(
+                    blocks >= 1 && blocks <= sms * regs,
+                    "{n}x{k} at {tokens}: {blocks} blocks, more than one wave"
+                );
+                assert!(k / split >= 512 || split == 1, "{n}x{k}: slices of {} elements", k / split);
+            }
+        }
+    }
 
     #[test]
     fn decode_projection_grids_cover_every_row_and_split_short_matrices() {
