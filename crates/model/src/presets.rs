@@ -114,6 +114,22 @@ pub const PRESETS: &[Preset] = &[
         rms_norm_eps: 1e-5,
     },
     Preset {
+        name: "tiny-qwen2",
+        description: "a few MB Qwen2 (biased q/k/v projections) for tests",
+        architecture: Architecture::Qwen2,
+        vocab_size: 512,
+        hidden_size: 128,
+        intermediate_size: 384,
+        num_layers: 4,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 32,
+        max_position_embeddings: 4096,
+        rope_theta: 1_000_000.0,
+        tie_word_embeddings: true,
+        rms_norm_eps: 1e-6,
+    },
+    Preset {
         name: "smollm2-135m",
         description: "the SmolLM2-135M Llama shape, for CPU benchmarks",
         architecture: Architecture::Llama,
@@ -232,6 +248,12 @@ impl Preset {
             if self.architecture == Architecture::Qwen3 {
                 specs.push((format!("{p}.self_attn.q_norm.weight"), vec![hd], 0.0));
                 specs.push((format!("{p}.self_attn.k_norm.weight"), vec![hd], 0.0));
+            }
+            if self.architecture == Architecture::Qwen2 {
+                // Qwen2 always has q/k/v biases; large enough to move every attention score.
+                specs.push((format!("{p}.self_attn.q_proj.bias"), vec![q], 0.5));
+                specs.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], 0.5));
+                specs.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], 0.5));
             }
         }
         specs.push(("model.norm.weight".to_string(), vec![h], 0.0));

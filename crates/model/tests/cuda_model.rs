@@ -91,6 +91,8 @@ fn logits_agree_with_the_cpu_backend_tiny() {
     // Llama's RoPE base (1e4) turns faster at these positions, so its bf16 rotation rounds a
     // little further from f32.
     compare_with_cpu("tiny-llama", 40, 25, 1.5e-2);
+    // Qwen2's q/k/v biases: added once, before RoPE (the GPU once added them twice).
+    compare_with_cpu("tiny-qwen2", 40, 25, 1e-2);
 }
 
 #[test]
@@ -113,7 +115,7 @@ fn fused_decode_agrees_with_the_cublas_path() {
     if !cuda_usable() {
         return;
     }
-    for preset in ["tiny-qwen3", "qwen3-0.6b"] {
+    for preset in ["tiny-qwen3", "tiny-qwen2", "qwen3-0.6b"] {
         let source = ModelSource::parse(&format!("preset:{preset}"), 3).unwrap();
         let spec = ModelSpec::load(&source, Some(1024)).unwrap();
         let opts = |fused_decode| CudaOptions {
