@@ -19,16 +19,30 @@ typedef unsigned long long u64;
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
 
-// Round to nearest even, NaN kept NaN (same rule as the `half` crate on the host).
+// Round to nearest even, NaN kept NaN (same rule as the `half` crate on the host): one
+// conversion instruction from Ampere on, the integer sequence before.
 __device__ __forceinline__ bf16 f2bf(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(f));
+    return r;
+#else
     u32 u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)0x7fc0;
     u += 0x7fffu + ((u >> 16) & 1u);
     return (bf16)(u >> 16);
+#endif
 }
 
+// lo in the low half, hi in the high half.
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
     return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16);
+#endif
 }
 
 // x rounded to the nearest bf16, kept as f32.
