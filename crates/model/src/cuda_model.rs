@@ -696,9 +696,10 @@ impl CudaModel {
 
     /// The layers and output head of a decode step of at most `fused_tokens` tokens (the
     /// embedding already in the residual stream): per layer, qkv (with the input RMSNorm),
-    /// RoPE/cache write, attention, o (adding into the residual), gate/up (with the
-    /// post-attention RMSNorm) and down (with SiLU-and-multiply, adding into the residual).
-    /// Six launches per layer instead of nine, and no deltas through memory.
+    /// attention (with RoPE and the cache write on one-token-per-sequence steps), o (adding
+    /// into the residual), gate/up (with the post-attention RMSNorm) and down (with
+    /// SiLU-and-multiply, adding into the residual). Five or six launches per layer instead of
+    /// nine, and no deltas through memory.
     fn run_decode_layers(&self, t: usize, rows: usize, counts: StepCounts) -> Result<(), ModelError> {
         for (li, layer) in self.layers.iter().enumerate() {
             let [qkv, o, gate_up, down] = self.decode_projections(layer);
@@ -949,7 +950,8 @@ impl CudaModel {
         let fused = counts.work == 0 && t <= self.fused_tokens;
         if fused {
             // The decode path this step takes: cuBLAS and the separate norm / SiLU kernels above
-            // are replaced by the fused projections below (RoPE and attention are shared). Each
+            // are replaced by the fused projections below (and, on one-token-per-sequence steps,
+            // RoPE + attention by the fused attention row). Each
             // runs over every layer's weights in turn, as in a step (one layer's would sit in L2).
             let layer_plans = |i: usize, plan: &dyn Fn(&DecodeProjection) -> ops::GemvPlan| {
                 time_layers(&|l| {
