@@ -3,7 +3,7 @@
 //! says it skipped, unless `TANDEM_REQUIRE_CUDA=1` makes a missing GPU a failure.
 
 use tandem_compute::cuda::ops::{
-    self, AttnMeta, AttnShape, GemvBuild, GemvInput, GemvOutput, GemvPlan, PrefillSeqs, QkvRope, FLASH_ROWS,
+    self, AttnMeta, AttnShape, Gemv, GemvBuild, GemvInput, GemvOutput, GemvPlan, PrefillSeqs, QkvRope, FLASH_ROWS,
 };
 use tandem_compute::cuda::CudaDevice;
 
@@ -485,7 +485,7 @@ fn check_gemv(
         GemvMode::Bf16ToResidual => (GemvInput::Bf16(d_x.ptr()), GemvOutput::AddTo(d_res.ptr())),
         GemvMode::SiluToResidual => (GemvInput::Silu(d_gu.ptr()), GemvOutput::AddTo(d_res.ptr())),
     };
-    ops::gemv_with(dev, d_w.ptr(), n, k, input, output, bias_ptr, tokens, plan).unwrap();
+    Gemv { weight: d_w.ptr(), n, k, input, output, bias: bias_ptr }.launch_with(dev, tokens, plan).unwrap();
     let got: Vec<Vec<f64>> = match mode {
         GemvMode::NormToBf16 => {
             let out = dev.read(&d_out16, (tokens + 1) * n).unwrap();

@@ -10,7 +10,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use tandem_compute::cpu::RopeTable;
-use tandem_compute::cuda::ops::{self, AttnMeta, AttnShape, GemvInput, GemvOutput, PrefillSeqs, QkvRope, FLASH_ROWS};
+use tandem_compute::cuda::ops::{
+    self, AttnMeta, AttnShape, Gemv, GemvInput, GemvOutput, PrefillSeqs, QkvRope, FLASH_ROWS,
+};
 use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf};
 use tandem_compute::{KvLayout, KvRegion};
 
@@ -84,27 +86,6 @@ struct Layer {
     post_norm: DevBuf<u16>,
     gate_up: Linear,
     down: Linear,
-}
-
-/// One projection of a decode step on the fused path (see [`ops::gemv`]).
-#[derive(Clone, Copy, Debug)]
-struct DecodeProjection {
-    weight: u64,
-    n: usize,
-    k: usize,
-    input: GemvInput,
-    output: GemvOutput,
-    bias: u64,
-}
-
-impl DecodeProjection {
-    fn launch(&self, dev: &CudaDevice, tokens: usize) -> Result<(), CudaError> {
-        ops::gemv(dev, self.weight, self.n, self.k, self.input, self.output, self.bias, tokens)
-    }
-
-    fn launch_with(&self, dev: &CudaDevice, tokens: usize, plan: ops::GemvPlan) -> Result<(), CudaError> {
-        ops::gemv_with(dev, self.weight, self.n, self.k, self.input, self.output, self.bias, tokens, plan)
-    }
 }
 
 /// What each of a layer's decode projections computes, in [`CudaModel::decode_projections`] order.
@@ -717,14 +698,14 @@ impl CudaModel {
     /// post-attention RMSNorm) and down (with SiLU-and-multiply, adding into the residual)
     /// projections of a decode step. The qkv bias is added by the RoPE kernel, as on the
     /// unfused path.
-    fn decode_projections(&self, layer: &Layer) -> [DecodeProjection; 4] {
+    fn decode_projections(&self, layer: &Layer) -> [Gemv; 4] {
         let a = &self.act;
         let h = self.cfg.hidden_size;
         let bias = |l: &Linear| l.bias.as_ref().map_or(0, DevBuf::ptr);
         let residual = GemvOutput::AddTo(a.x.ptr());
         let (qkv, o, gate_up, down) = (&layer.qkv, &layer.o, &layer.gate_up, &layer.down);
         [
-            DecodeProjection {
+            Gemv {
                 weight: qkv.weight.ptr(),
                 n: qkv.out_dim,
                 k: h,
@@ -732,7 +713,7 @@ impl CudaModel {
                 output: GemvOutput::Bf16(a.qkv.ptr()),
                 bias: 0,
             },
-            DecodeProjection {
+            Gemv {
                 weight: o.weight.ptr(),
                 n: h,
                 k: o.in_dim,
@@ -740,7 +721,7 @@ impl CudaModel {
                 output: residual,
                 bias: bias(o),
             },
-            DecodeProjection {
+            Gemv {
                 weight: gate_up.weight.ptr(),
                 n: gate_up.out_dim,
                 k: h,
@@ -748,7 +729,7 @@ impl CudaModel {
                 output: GemvOutput::Bf16(a.gate_up.ptr()),
                 bias: bias(gate_up),
             },
-            DecodeProjection {
+            Gemv {
                 weight: down.weight.ptr(),
                 n: h,
                 k: down.in_dim,
@@ -760,9 +741,9 @@ impl CudaModel {
     }
 
     /// The output head of a decode step, with the final RMSNorm of the rows that want logits.
-    fn head_projection(&self) -> DecodeProjection {
+    fn head_projection(&self) -> Gemv {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        DecodeProjection {
+        Gemv {
             weight: head.ptr(),
             n: self.cfg.vocab_size,
             k: self.cfg.hidden_size,
@@ -953,7 +934,7 @@ impl CudaModel {
             // are replaced by the fused projections below (and, on one-token-per-sequence steps,
             // RoPE + attention by the fused attention row). Each
             // runs over every layer's weights in turn, as in a step (one layer's would sit in L2).
-            let layer_plans = |i: usize, plan: &dyn Fn(&DecodeProjection) -> ops::GemvPlan| {
+            let layer_plans = |i: usize, plan: &dyn Fn(&Gemv) -> ops::GemvPlan| {
                 time_layers(&|l| {
                     let p = self.decode_projections(l)[i];
                     p.launch_with(dev, t, plan(&p))

@@ -281,25 +281,85 @@ pub struct GemvPlan {
     pub blocks: usize,
 }
 
-/// Decode projection `y[m] = x[m] · wᵀ` for `tokens` (at most [`GEMV_MAX_TOKENS`]) rows, with the
-/// input formed by `input` and the result stored by `output`, plus an optional bf16 bias.
-/// `w` is `[n, k]` bf16, `k % 8 == 0`. Supported pairs: norm -> bf16, norm -> f32,
-/// bf16 -> residual add, SiLU -> residual add.
-#[allow(clippy::too_many_arguments)]
-pub fn gemv(
-    dev: &CudaDevice,
-    w: u64,
-    n: usize,
-    k: usize,
-    input: GemvInput,
-    output: GemvOutput,
-    bias: u64,
-    tokens: usize,
-) -> Result<(), CudaError> {
-    gemv_with(dev, w, n, k, input, output, bias, tokens, gemv_plan(dev, n, k, tokens, GemvBuild::Plain))
+/// One decode projection: `y[m] = x[m] · wᵀ` for up to [`GEMV_MAX_TOKENS`] rows, with the input
+/// formed by `input` and the result stored by `output`, plus an optional bf16 bias. `weight`
+/// is `[n, k]` bf16, `k % 8 == 0`. Supported pairs: norm -> bf16, norm -> f32, bf16 -> residual
+/// add, SiLU -> residual add.
+#[derive(Clone, Copy, Debug)]
+pub struct Gemv {
+    /// `[n, k]` bf16 weight.
+    pub weight: u64,
+    /// Output rows.
+    pub n: usize,
+    /// Input length.
+    pub k: usize,
+    /// How the input rows are formed.
+    pub input: GemvInput,
+    /// Where the result goes.
+    pub output: GemvOutput,
+    /// Optional `[n]` bf16 bias (0 for none).
+    pub bias: u64,
 }
 
-/// The plan for `n` rows by `k` at `tokens` in `build` ([`gemv`] uses the plain build: on an
+impl Gemv {
+    /// Runs the projection for `tokens` rows with the plain build's plan ([`gemv_plan`]).
+    pub fn launch(&self, dev: &CudaDevice, tokens: usize) -> Result<(), CudaError> {
+        self.launch_with(dev, tokens, gemv_plan(dev, self.n, self.k, tokens, GemvBuild::Plain))
+    }
+
+    /// Runs the projection with an explicit plan (for comparing plans and builds).
+    pub fn launch_with(&self, dev: &CudaDevice, tokens: usize, plan: GemvPlan) -> Result<(), CudaError> {
+        let Gemv { weight: w, n, k, input, output, bias } = *self;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let m = tokens.next_power_of_two();
+        let smem = m * k * 2;
+        let (limit, _) = dev.gemv_smem();
+        let norm_too_long = matches!(input, GemvInput::Norm { .. }) && k > GEMV_NORM_MAX_K;
+        if m > GEMV_MAX_TOKENS || smem > limit || !k.is_multiple_of(8) || norm_too_long {
+            return Err(CudaError::Unavailable(format!("decode projection of {tokens} rows x {k} is not supported")));
+        }
+        if ![1, 2, 4, 8].contains(&plan.ksplit) || plan.blocks == 0 {
+            return Err(CudaError::Unavailable(format!("bad decode projection plan {plan:?}")));
+        }
+        let (kind, x, rows, weight, eps, y) = match (input, output) {
+            (GemvInput::Norm { residual, rows, weight, eps }, GemvOutput::Bf16(y)) => {
+                ("gemv_norm_bf16", residual, rows, weight, eps, y)
+            }
+            (GemvInput::Norm { residual, rows, weight, eps }, GemvOutput::F32(y)) => {
+                ("gemv_norm_f32", residual, rows, weight, eps, y)
+            }
+            (GemvInput::Bf16(x), GemvOutput::AddTo(y)) => ("gemv_bf16_add", x, 0, 0, 0.0, y),
+            (GemvInput::Silu(x), GemvOutput::AddTo(y)) => ("gemv_silu_add", x, 0, 0, 0.0, y),
+            (i, o) => return Err(CudaError::Unavailable(format!("no decode projection kernel for {i:?} -> {o:?}"))),
+        };
+        let config = LaunchConfig {
+            grid_dim: (plan.blocks as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let name = format!("{kind}_m{m}{}", if plan.build == GemvBuild::Pipelined { "_pipe" } else { "" });
+        launch!(
+            dev,
+            name.as_str(),
+            config,
+            w,
+            n as i32,
+            k as i32,
+            plan.ksplit as i32,
+            x,
+            rows,
+            weight,
+            eps,
+            y,
+            bias,
+            tokens as i32
+        )
+    }
+}
+
+/// The plan for `n` rows by `k` at `tokens` in `build` ([`Gemv::launch`] uses the plain build: on an
 /// H200 it was as fast or faster on every Qwen3-4B projection, docs/PERFORMANCE.md; the
 /// pipelined one stays for `bench engine --profile`).
 ///
@@ -340,64 +400,6 @@ fn plain_grid(sms: usize, per_sm: usize, n: usize, k: usize, tokens: usize) -> (
         .unwrap_or_else(|| splits.next_back().unwrap_or(1));
     let slots = slots_for(tokens.max(1).next_power_of_two(), by_registers);
     (ksplit, groups(ksplit).min(slots).max(1))
-}
-
-/// [`gemv`] with an explicit plan (for comparing plans and builds).
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_with(
-    dev: &CudaDevice,
-    w: u64,
-    n: usize,
-    k: usize,
-    input: GemvInput,
-    output: GemvOutput,
-    bias: u64,
-    tokens: usize,
-    plan: GemvPlan,
-) -> Result<(), CudaError> {
-    if tokens == 0 {
-        return Ok(());
-    }
-    let m = tokens.next_power_of_two();
-    let smem = m * k * 2;
-    let (limit, _) = dev.gemv_smem();
-    let norm_too_long = matches!(input, GemvInput::Norm { .. }) && k > GEMV_NORM_MAX_K;
-    if m > GEMV_MAX_TOKENS || smem > limit || !k.is_multiple_of(8) || norm_too_long {
-        return Err(CudaError::Unavailable(format!("decode projection of {tokens} rows x {k} is not supported")));
-    }
-    if ![1, 2, 4, 8].contains(&plan.ksplit) || plan.blocks == 0 {
-        return Err(CudaError::Unavailable(format!("bad decode projection plan {plan:?}")));
-    }
-    let (kind, x, rows, weight, eps, y) = match (input, output) {
-        (GemvInput::Norm { residual, rows, weight, eps }, GemvOutput::Bf16(y)) => {
-            ("gemv_norm_bf16", residual, rows, weight, eps, y)
-        }
-        (GemvInput::Norm { residual, rows, weight, eps }, GemvOutput::F32(y)) => {
-            ("gemv_norm_f32", residual, rows, weight, eps, y)
-        }
-        (GemvInput::Bf16(x), GemvOutput::AddTo(y)) => ("gemv_bf16_add", x, 0, 0, 0.0, y),
-        (GemvInput::Silu(x), GemvOutput::AddTo(y)) => ("gemv_silu_add", x, 0, 0, 0.0, y),
-        (i, o) => return Err(CudaError::Unavailable(format!("no decode projection kernel for {i:?} -> {o:?}"))),
-    };
-    let config =
-        LaunchConfig { grid_dim: (plan.blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 };
-    let name = format!("{kind}_m{m}{}", if plan.build == GemvBuild::Pipelined { "_pipe" } else { "" });
-    launch!(
-        dev,
-        name.as_str(),
-        config,
-        w,
-        n as i32,
-        k as i32,
-        plan.ksplit as i32,
-        x,
-        rows,
-        weight,
-        eps,
-        y,
-        bias,
-        tokens as i32
-    )
 }
 
 /// How the pipelined decode projection of `n` rows by `k` spreads over the device: warps per
