@@ -4,7 +4,9 @@
 # Here (no GPU):   scripts/gpu/build.sh            # release binary + GPU test binaries in gpu-bin/
 # There (device):  scripts/gpu/run.sh [full|bench|quick]   # carry: gpu-bin
 #   full (default): tests, tandem bench, PyTorch; bench: tests and tandem bench; quick: tests;
-#   tune: kernel tests and the decode-projection plan sweep (TANDEM_GEMV_SWEEP=1).
+#   tune: kernel tests and the decode-projection plan sweep (TANDEM_GEMV_SWEEP=1);
+#   matrix "label:VAR=value ..." ...: kernel tests, then the decode step under each setting
+#   (PROFILE=1 among the settings adds the step's kernel profile).
 #
 # Runs the kernel, model and engine GPU tests (failing if no GPU is usable), the transformers
 # comparison, `tandem bench engine` on preset:qwen3-4b with its floors, and the same shapes in
@@ -24,6 +26,22 @@ note() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 MODE=${1:-full}
+if [ "$MODE" = matrix ]; then
+  # Decode step under several settings in one call: each further argument is
+  # "label:VAR=value VAR=value" (TANDEM_EXE=path picks another tandem binary).
+  shift
+  timeout 300 "$BIN/cuda_kernels" --test-threads=1 > "$OUT/tests.log" 2>&1 && note "test cuda_kernels: ok" \
+    || { note "test cuda_kernels: FAILED"; grep -B2 -A6 "panicked" "$OUT/tests.log" | head -30; status=1; }
+  for spec in "$@"; do
+    label=${spec%%:*}
+    ( export ${spec#*:}
+      timeout 150 "${TANDEM_EXE:-$BIN/tandem}" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
+        --decode-steps 64 --prefill-tokens 512 ${PROFILE:+--profile} > "$OUT/matrix_$label.log" 2>&1 )
+    note "$label: $(grep -E '^(1|64) +[0-9]' "$OUT/matrix_$label.log" | tr -s ' ' | tr '\n' '|')"
+    grep -E "^ *fused" "$OUT/matrix_$label.log" | grep -v pipelined | sed "s/^/  $label /"
+  done
+  exit $status
+fi
 if [ "$MODE" = tune ]; then
   # Decode-projection tuning: the kernel tests, then the batch-1 profile with every plan of the
   # sweep (TANDEM_GEMV_SWEEP), with programmatic launch off and on.

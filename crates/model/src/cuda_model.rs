@@ -191,9 +191,45 @@ pub struct CudaModel {
     use_graphs: bool,
     /// Most tokens a step may have to take the fused decode path (0: never).
     fused_tokens: usize,
+    /// Measurement only: decode-step kernels left out or run twice.
+    variant: StepVariant,
     weight_bytes: usize,
     fingerprint: String,
     counts: StepCounts,
+}
+
+/// Measurement only: kernels of the fused decode step (`qkv`, `attn`, `o`, `gate_up`, `down`)
+/// left out (`TANDEM_DECODE_OMIT`) or run twice (`TANDEM_DECODE_TWICE`), comma-separated, so
+/// that differences of graph step times give each kernel's share of a step (docs/PERFORMANCE.md).
+/// Either makes the model's output wrong; a warning says so at load.
+#[derive(Clone, Debug, Default)]
+struct StepVariant {
+    omit: Vec<String>,
+    twice: Vec<String>,
+}
+
+impl StepVariant {
+    fn from_env() -> Self {
+        let list = |name: &str| -> Vec<String> {
+            std::env::var(name).map(|v| v.split(',').map(|s| s.trim().to_string()).collect()).unwrap_or_default()
+        };
+        let v = StepVariant { omit: list("TANDEM_DECODE_OMIT"), twice: list("TANDEM_DECODE_TWICE") };
+        if !v.omit.is_empty() || !v.twice.is_empty() {
+            tracing::warn!(omit = ?v.omit, twice = ?v.twice, "decode steps altered for measurement: outputs are wrong");
+        }
+        v
+    }
+
+    /// How many times the step runs kernel `name` (0, 1 or 2).
+    fn runs(&self, name: &str) -> usize {
+        if self.omit.iter().any(|n| n == name) {
+            0
+        } else if self.twice.iter().any(|n| n == name) {
+            2
+        } else {
+            1
+        }
+    }
 }
 
 /// Batch sizes decode graphs are captured for (a step pads up to the next one).
@@ -405,6 +441,7 @@ impl CudaModel {
             graphs: HashMap::new(),
             use_graphs: opts.cuda_graphs,
             fused_tokens,
+            variant: StepVariant::from_env(),
             weight_bytes,
             fingerprint,
             counts: StepCounts::default(),
@@ -682,13 +719,20 @@ impl CudaModel {
     /// SiLU-and-multiply, adding into the residual). Five or six launches per layer instead of
     /// nine, and no deltas through memory.
     fn run_decode_layers(&self, t: usize, rows: usize, counts: StepCounts) -> Result<(), ModelError> {
+        let v = &self.variant;
         for (li, layer) in self.layers.iter().enumerate() {
             let [qkv, o, gate_up, down] = self.decode_projections(layer);
-            qkv.launch(&self.dev, t)?;
-            self.rope_and_row_attention(li, layer, t, counts, true)?;
-            o.launch(&self.dev, t)?;
-            gate_up.launch(&self.dev, t)?;
-            down.launch(&self.dev, t)?;
+            for _ in 0..v.runs("qkv") {
+                qkv.launch(&self.dev, t)?;
+            }
+            for _ in 0..v.runs("attn") {
+                self.rope_and_row_attention(li, layer, t, counts, true)?;
+            }
+            for (name, p) in [("o", o), ("gate_up", gate_up), ("down", down)] {
+                for _ in 0..v.runs(name) {
+                    p.launch(&self.dev, t)?;
+                }
+            }
         }
         self.head_projection().launch(&self.dev, rows)?;
         Ok(())

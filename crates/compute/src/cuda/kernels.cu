@@ -613,15 +613,20 @@ extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias,
 // Decode attention (and the fallback for any shape): one block per query token and G query
 // heads of one GQA group (G = the whole group when there are many tokens, so keys and values
 // are read once per group; G = 1 at small batches, so more blocks share the work). Keys go in
-// chunks of ATTN_CHUNK with an online softmax. A decode step is latency bound, so each phase
-// keeps its loads independent and its instruction count small (head size and G are template
-// parameters: no predicated-off work): thread j scores key j with the key's row loaded at once;
-// one warp per head keeps that head's softmax state; for P.V the four warps take every fourth
-// key (lane l holds output dimensions [l * E, l * E + E)), and their partial sums are added in
-// warp order at the end (a fixed order, so results do not vary from run to run).
-// Grid: (tokens, heads / G). Block: 128. head_dim = 32 * E.
-#define ATTN_CHUNK 128
+// chunks of ATTN_CHUNK with an online softmax. A decode step is latency bound, so the kernel
+// keeps its memory round trips few: a chunk's keys and values are copied into shared memory
+// together (cp.async; the first chunk's before anything else, so the copy overlaps the query's
+// own loads), then thread j scores key j from shared memory (rows padded by 16 bytes: no bank
+// conflicts), one warp per head keeps that head's softmax state, and for P.V the four warps
+// take every fourth key (lane l holds output dimensions [l * E, l * E + E)); their partial
+// sums are added in warp order at the end (a fixed order, so results do not vary from run to
+// run). Head size and G are template parameters: no predicated-off work.
+// Grid: (tokens, heads / G). Block: 128. head_dim = 32 * E. Dynamic shared memory:
+// ATTN_SMEM_BYTES(head_dim).
+#define ATTN_CHUNK 64
 #define ATTN_WARPS 4
+#define ATTN_STRIDE(HD) ((HD) + 8)
+#define ATTN_SMEM_BYTES(HD) (2 * ATTN_CHUNK * ATTN_STRIDE(HD) * 2)
 // With `rope.qkv` set (decode steps where every sequence brings one token), the block also does
 // qkv_rope_cache's work for its query heads and their KV head straight from the qkv
 // projection: the new token's key and value stay in shared memory for its own (last)
@@ -634,16 +639,23 @@ struct RopeIn {
     float eps;
 };
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    u32 d = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem));
+}
+
 template <int G, int E>
 __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16* out, const int* positions,
                                                const int* tok_seq, const int* block_tables, const int* meta_stride,
                                                const int* token_list, int num_heads, int num_kv_heads, int layer,
                                                int num_layers, int block_size, float scale, RopeIn rope) {
-    constexpr int HD = 32 * E;
+    constexpr int HD = 32 * E, STRIDE = ATTN_STRIDE(HD);
+    extern __shared__ __align__(16) unsigned char attn_smem[];
+    bf16* ks = reinterpret_cast<bf16*>(attn_smem);
+    bf16* vs = ks + ATTN_CHUNK * STRIDE;
     // Scaled queries; reused at the end to add up the warps' partial outputs.
     __shared__ float qs[G][HD];
     __shared__ float ps[G][ATTN_CHUNK];
-    __shared__ const bf16* vrow[ATTN_CHUNK];
     __shared__ __align__(16) bf16 new_kv[2][HD];
     __shared__ float m_s[G], l_s[G], alpha_s[G];
     int t = token_list ? token_list[blockIdx.x] : blockIdx.x;
@@ -653,6 +665,23 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     int ctx = positions[t] + 1;
     const int* table = block_tables + (u64)tok_seq[t] * meta_stride[0];
     bool fused = rope.qkv != nullptr;
+    // Keys read from the cache: all of the context, but for the new token's when fused (this
+    // launch writes it; the block has it in new_kv).
+    int cached = fused ? ctx - 1 : ctx;
+    auto stage = [&](int start) {
+        int n = min(ATTN_CHUNK, cached - start);
+        for (int c = tid; c < n * (HD / 8); c += blockDim.x) {
+            int r = c / (HD / 8), part = (c % (HD / 8)) * 8;
+            int key = start + r;
+            int blk = table[key / block_size], slot = key % block_size;
+            cp_async16(ks + r * STRIDE + part,
+                       cache + kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, HD) + part);
+            cp_async16(vs + r * STRIDE + part,
+                       cache + kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, HD) + part);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    stage(0);
     if (fused) {
         // Warp w < G: query head h0 + w; then the key head and the value head.
         int slot = rope.slots[t];
@@ -684,7 +713,6 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         m_s[tid] = NEG_INF;
         l_s[tid] = 0.0f;
     }
-    __syncthreads();
     float acc[G][E];
 #pragma unroll
     for (int g = 0; g < G; ++g)
@@ -692,36 +720,21 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
     for (int start = 0; start < ctx; start += ATTN_CHUNK) {
         int n = min(ATTN_CHUNK, ctx - start);
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        __syncthreads();
         if (tid < n) {
-            int key = start + tid;
-            int blk = table[key / block_size], slot = key % block_size;
-            const bf16* k = cache + kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, HD);
-            vrow[tid] = cache + kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, HD);
-            if (fused && key == ctx - 1) {
-                k = new_kv[0];
-                vrow[tid] = new_kv[1];
-            }
+            const bf16* k = fused && start + tid == ctx - 1 ? new_kv[0] : ks + tid * STRIDE;
             float dot[G];
 #pragma unroll
             for (int g = 0; g < G; ++g) dot[g] = 0.0f;
-            // At most 128 elements (16 loads) in flight at a time.
 #pragma unroll
-            for (int i0 = 0; i0 < HD; i0 += 128) {
-                constexpr int C = HD < 128 ? HD / 8 : 16;
-                uint4 kv8[C];
+            for (int c = 0; c < HD / 8; ++c) {
+                float kf[8];
+                unpack8(*reinterpret_cast<const uint4*>(k + c * 8), kf);
 #pragma unroll
-                for (int c = 0; c < C; ++c)
-                    if (i0 + c * 8 < HD) kv8[c] = *reinterpret_cast<const uint4*>(k + i0 + c * 8);
+                for (int g = 0; g < G; ++g)
 #pragma unroll
-                for (int c = 0; c < C; ++c) {
-                    if (i0 + c * 8 >= HD) break;
-                    float kf[8];
-                    unpack8(kv8[c], kf);
-#pragma unroll
-                    for (int g = 0; g < G; ++g)
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) dot[g] = fmaf(qs[g][i0 + c * 8 + j], kf[j], dot[g]);
-                }
+                    for (int j = 0; j < 8; ++j) dot[g] = fmaf(qs[g][c * 8 + j], kf[j], dot[g]);
             }
 #pragma unroll
             for (int g = 0; g < G; ++g) ps[g][tid] = dot[g];
@@ -754,28 +767,21 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
 #pragma unroll
             for (int e = 0; e < E; ++e) acc[g][e] *= alpha;
         }
-        // P.V: warp w takes keys w, w + 4, ...; four keys' loads in flight.
-        for (int j0 = warp; j0 < n; j0 += 4 * ATTN_WARPS) {
-            float vf[4][8];
+        // P.V: warp w takes keys w, w + 4, ...
+#pragma unroll 4
+        for (int j = warp; j < n; j += ATTN_WARPS) {
+            const bf16* v = fused && start + j == ctx - 1 ? new_kv[1] : vs + j * STRIDE;
+            float vf[8];
+            load_e(v + lane * E, vf, E);
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                int j = j0 + u * ATTN_WARPS;
-                if (j < n) load_e(vrow[j] + lane * E, vf[u], E);
-            }
+            for (int g = 0; g < G; ++g) {
+                float p = ps[g][j];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                int j = j0 + u * ATTN_WARPS;
-                if (j < n) {
-#pragma unroll
-                    for (int g = 0; g < G; ++g) {
-                        float p = ps[g][j];
-#pragma unroll
-                        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p, vf[u][e], acc[g][e]);
-                    }
-                }
+                for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
             }
         }
         __syncthreads();
+        if (start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK);
     }
     // Add the warps' partial outputs in warp order, then normalise.
     for (int w = 0; w < ATTN_WARPS; ++w) {

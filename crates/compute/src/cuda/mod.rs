@@ -340,6 +340,14 @@ impl CudaDevice {
                 ops::flash_smem_bytes(hd) as i32,
             )?;
         }
+        // The decode attention stages a chunk of keys and values (over 48 KiB for head size 256).
+        for name in KERNEL_NAMES.iter().filter(|n| n.starts_with("attention_rows_")) {
+            let e: usize = name.rsplit("_e").next().and_then(|e| e.parse().ok()).unwrap_or(8);
+            funcs[name].set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                ops::attention_rows_smem_bytes(32 * e) as i32,
+            )?;
+        }
         // The decode projections stage their input rows in shared memory (M x K bf16).
         let gemv_smem = smem_block_optin.saturating_sub(ops::GEMV_STATIC_SMEM);
         for name in KERNEL_NAMES.iter().filter(|n| n.starts_with("gemv_")) {

@@ -569,10 +569,15 @@ pub fn attention_rows(
     let r = rope.unwrap_or(&none);
     let scale = 1.0 / (s.head_dim as f32).sqrt();
     let name = format!("attention_rows_g{g}_e{e}");
+    let config = LaunchConfig {
+        grid_dim: (count as u32, (s.num_heads / g) as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: attention_rows_smem_bytes(s.head_dim),
+    };
     launch!(
         dev,
         name.as_str(),
-        cfg((count as u32, (s.num_heads / g) as u32), 128),
+        config,
         q,
         cache,
         out,
@@ -616,6 +621,12 @@ pub struct PrefillSeqs {
     pub seq_len: u64,
     /// `[seq]` position of the first token.
     pub seq_pos: u64,
+}
+
+/// Dynamic shared memory of the decode attention kernel for `head_dim` (ATTN_SMEM_BYTES in
+/// kernels.cu: one chunk of 64 keys and values, rows padded by 8 elements).
+pub fn attention_rows_smem_bytes(head_dim: usize) -> u32 {
+    (2 * 64 * (head_dim + 8) * 2) as u32
 }
 
 /// Dynamic shared memory of the prefill kernel for `head_dim` (FLASH_SMEM_BYTES in kernels.cu).
