@@ -30,15 +30,17 @@ if [ "$MODE" = matrix ]; then
   # Decode step under several settings in one call: each further argument is
   # "label:VAR=value VAR=value" (TANDEM_EXE=path picks another tandem binary).
   shift
-  timeout 300 "$BIN/cuda_kernels" --test-threads=1 > "$OUT/tests.log" 2>&1 && note "test cuda_kernels: ok" \
-    || { note "test cuda_kernels: FAILED"; grep -B2 -A6 "panicked" "$OUT/tests.log" | head -30; status=1; }
+  for t in cuda_kernels cuda_model; do
+    timeout 300 "$BIN/$t" --test-threads=1 > "$OUT/tests_$t.log" 2>&1 && note "test $t: ok" \
+      || { note "test $t: FAILED"; grep -B2 -A6 "panicked" "$OUT/tests_$t.log" | head -30; status=1; }
+  done
   for spec in "$@"; do
     label=${spec%%:*}
     ( export ${spec#*:}
       timeout 150 "${TANDEM_EXE:-$BIN/tandem}" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
         --decode-steps 64 --prefill-tokens 512 ${PROFILE:+--profile} > "$OUT/matrix_$label.log" 2>&1 )
     note "$label: $(grep -E '^(1|64) +[0-9]' "$OUT/matrix_$label.log" | tr -s ' ' | tr '\n' '|')"
-    grep -E "^ *fused" "$OUT/matrix_$label.log" | grep -v pipelined | sed "s/^/  $label /"
+    grep -E "^ *fused|plan sweep: down" "$OUT/matrix_$label.log" | grep -v pipelined | sed "s/^/  $label /"
   done
   exit $status
 fi

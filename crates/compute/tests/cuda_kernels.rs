@@ -387,12 +387,13 @@ fn sampling_kernel_follows_its_rules() {
 }
 
 /// Which prologue / epilogue a decode-projection check uses.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum GemvMode {
     NormToBf16,
     NormToF32,
     Bf16ToResidual,
-    SiluToResidual,
+    /// RMSNorm in, SiLU-and-multiply of (gate, up) row pairs out.
+    NormToSilu,
 }
 
 fn silu(x: f32) -> f32 {
@@ -434,25 +435,18 @@ fn check_gemv(
     let rows: Vec<i32> = (0..most).map(|m| ((m * 5 + 2) % res_rows) as i32).collect();
     let norm_w: Vec<u16> = (0..k).map(|_| bf16(1.0 + rng.uniform() * 0.5)).collect();
     let xb: Vec<u16> = (0..most * k).map(|_| bf16(rng.uniform())).collect();
-    let gu: Vec<u16> = (0..most * 2 * k).map(|_| bf16(rng.uniform() * 3.0)).collect();
     let inputs: Vec<Vec<f32>> = (0..tokens)
         .map(|m| match mode {
-            GemvMode::NormToBf16 | GemvMode::NormToF32 => {
+            GemvMode::NormToBf16 | GemvMode::NormToF32 | GemvMode::NormToSilu => {
                 let r = &residual[rows[m] as usize * k..][..k];
                 let ss: f32 = r.iter().map(|v| v * v).sum();
                 let inv = 1.0 / (ss / k as f32 + 1e-6).sqrt();
                 r.iter().zip(&norm_w).map(|(v, w)| round(round(v * inv) * f32_of(*w))).collect()
             }
             GemvMode::Bf16ToResidual => xb[m * k..][..k].iter().map(|b| f32_of(*b)).collect(),
-            GemvMode::SiluToResidual => (0..k)
-                .map(|i| {
-                    let (g, u) = (f32_of(gu[m * 2 * k + i]), f32_of(gu[m * 2 * k + k + i]));
-                    round(round(silu(g)) * u)
-                })
-                .collect(),
         })
         .collect();
-    let with_bias = matches!(mode, GemvMode::Bf16ToResidual | GemvMode::NormToBf16);
+    let with_bias = matches!(mode, GemvMode::Bf16ToResidual | GemvMode::NormToBf16 | GemvMode::NormToSilu);
     let want: Vec<Vec<f64>> = inputs
         .iter()
         .map(|x| {
@@ -472,7 +466,6 @@ fn check_gemv(
     let d_rows = dev.upload(&rows).unwrap();
     let d_norm = dev.upload(&norm_w).unwrap();
     let d_x = dev.upload(&xb).unwrap();
-    let d_gu = dev.upload(&gu).unwrap();
     // One row past `tokens` is poisoned: the kernel must not write it.
     let poison_f32 = vec![f32::from_bits(0x7fc0_0001); (tokens + 1) * n];
     let d_out32 = dev.upload(&poison_f32).unwrap();
@@ -483,7 +476,7 @@ fn check_gemv(
         GemvMode::NormToBf16 => (norm, GemvOutput::Bf16(d_out16.ptr())),
         GemvMode::NormToF32 => (norm, GemvOutput::F32(d_out32.ptr())),
         GemvMode::Bf16ToResidual => (GemvInput::Bf16(d_x.ptr()), GemvOutput::AddTo(d_res.ptr())),
-        GemvMode::SiluToResidual => (GemvInput::Silu(d_gu.ptr()), GemvOutput::AddTo(d_res.ptr())),
+        GemvMode::NormToSilu => (norm, GemvOutput::SiluMul(d_out16.ptr())),
     };
     Gemv { weight: d_w.ptr(), n, k, input, output, bias: bias_ptr }.launch_with(dev, tokens, plan).unwrap();
     let got: Vec<Vec<f64>> = match mode {
@@ -497,7 +490,13 @@ fn check_gemv(
             assert!(out[tokens * n..].iter().all(|v| v.to_bits() == 0x7fc0_0001), "{mode:?}: wrote past {tokens} rows");
             out.chunks(n).take(tokens).map(|r| r.iter().map(|v| *v as f64).collect()).collect()
         }
-        GemvMode::Bf16ToResidual | GemvMode::SiluToResidual => {
+        GemvMode::NormToSilu => {
+            let out = dev.read(&d_out16, (tokens + 1) * n).unwrap();
+            let half = n / 2;
+            assert!(out[tokens * half..].iter().all(|&b| b == 0x7fc1), "{mode:?}: wrote past {tokens} rows");
+            out.chunks(half).take(tokens).map(|r| r.iter().map(|b| f32_of(*b) as f64).collect()).collect()
+        }
+        GemvMode::Bf16ToResidual => {
             assert_eq!(k, n, "the residual add needs a square projection in this test");
             let out = dev.read(&d_res, res_rows * k).unwrap();
             assert_eq!(&out[tokens * k..], &residual[tokens * k..], "{mode:?}: changed residual rows past {tokens}");
@@ -511,6 +510,26 @@ fn check_gemv(
                 let scale = w.iter().fold(1e-3f64, |a, v| a.max(v.abs()));
                 let err = g.iter().zip(w).fold(0.0f64, |a, (x, y)| a.max((x - y).abs())) / scale;
                 assert!(err < 1e-3, "{mode:?} n {n} k {k} tokens {tokens} row {m}: error {err:.2e}");
+            }
+            GemvMode::NormToSilu => {
+                // act = bf16(bf16(silu(bf16(gate))) * bf16(up)), gate and up the row pair's
+                // results: each may round one bf16 step apart (and move by a little of the
+                // row's scale where a sum nearly cancels), which moves act by its derivatives.
+                let scale = w.iter().fold(1e-3f64, |a, v| a.max(v.abs()));
+                for (i, x) in g.iter().enumerate() {
+                    let (gate, up) = (round(w[2 * i] as f32), round(w[2 * i + 1] as f32));
+                    let want = round(round(silu(gate)) * up) as f64;
+                    let sig = 1.0 / (1.0 + (-gate as f64).exp());
+                    let dsilu = sig * (1.0 + gate as f64 * (1.0 - sig));
+                    let (dg, du) = (bf16_step(gate) as f64 + 1e-3 * scale, bf16_step(up) as f64 + 1e-3 * scale);
+                    let tol = 2.0 * bf16_step(want as f32) as f64
+                        + (dsilu * up as f64).abs() * dg
+                        + (silu(gate) as f64).abs() * du;
+                    assert!(
+                        (x - want).abs() <= tol,
+                        "{mode:?} n {n} k {k} tokens {tokens} row {m} col {i}: {x} vs {want} (tolerance {tol})"
+                    );
+                }
             }
             _ => {
                 // bf16 results: the rounding of a value the two sides computed a hair apart may
@@ -539,13 +558,16 @@ fn check_gemv(
 fn decode_projection_kernels_match_the_reference() {
     let Some(dev) = device() else { return };
     let mut n_checked = 0;
-    for mode in [GemvMode::NormToBf16, GemvMode::NormToF32, GemvMode::Bf16ToResidual, GemvMode::SiluToResidual] {
-        let square = matches!(mode, GemvMode::Bf16ToResidual | GemvMode::SiluToResidual);
+    for mode in [GemvMode::NormToBf16, GemvMode::NormToF32, GemvMode::Bf16ToResidual, GemvMode::NormToSilu] {
+        let square = matches!(mode, GemvMode::Bf16ToResidual);
         // K not a multiple of 256 (a partial last load round), N odd (a warp's second row
         // past the end), N small (fewer blocks than multiprocessors, K split eight ways in the
         // pipelined build) and large (blocks looping over several row groups).
         let shapes: &[(usize, usize)] = if square {
             &[(64, 64), (1032, 1032), (2048, 2048)]
+        } else if mode == GemvMode::NormToSilu {
+            // (gate, up) row pairs: N even.
+            &[(38, 64), (3002, 1032), (40, 2048), (20012, 256)]
         } else {
             &[(37, 64), (3001, 1032), (40, 2048), (20011, 256)]
         };
@@ -576,4 +598,38 @@ fn decode_projection_kernels_match_the_reference() {
         }
     }
     eprintln!("{n_checked} decode projection shapes checked");
+}
+
+#[test]
+fn gate_up_interleave_and_silu_mul() {
+    let Some(dev) = device() else { return };
+    let mut rng = Lcg(5);
+    // Row widths with and without 16-byte pieces; a bias is a one-column matrix.
+    for (half, cols) in [(3, 1), (5, 8), (7, 24), (4, 13), (300, 256)] {
+        let src: Vec<u16> = (0..2 * half * cols).map(|_| bf16(rng.uniform())).collect();
+        let d_src = dev.upload(&src).unwrap();
+        let d_dst = dev.upload(&vec![0u16; src.len()]).unwrap();
+        ops::interleave_rows(&dev, d_src.ptr(), d_dst.ptr(), half, cols).unwrap();
+        let dst = dev.read(&d_dst, src.len()).unwrap();
+        for i in 0..half {
+            assert_eq!(dst[2 * i * cols..][..cols], src[i * cols..][..cols], "gate row {i} ({half} x {cols})");
+            assert_eq!(dst[(2 * i + 1) * cols..][..cols], src[(half + i) * cols..][..cols], "up row {i}");
+        }
+    }
+    // silu_mul reads the interleaved layout: out[t, i] = silu(gu[t, 2i]) * gu[t, 2i + 1].
+    let (tokens, inter) = (3, 1030);
+    let gu: Vec<u16> = (0..tokens * 2 * inter).map(|_| bf16(rng.uniform() * 6.0)).collect();
+    let d_gu = dev.upload(&gu).unwrap();
+    let d_out = dev.upload(&vec![0u16; tokens * inter]).unwrap();
+    ops::silu_mul(&dev, d_gu.ptr(), d_out.ptr(), tokens, inter).unwrap();
+    let out = dev.read(&d_out, tokens * inter).unwrap();
+    for t in 0..tokens {
+        for i in 0..inter {
+            let (g, u) = (f32_of(gu[t * 2 * inter + 2 * i]), f32_of(gu[t * 2 * inter + 2 * i + 1]));
+            let want = round(round(silu(g)) * u);
+            let got = f32_of(out[t * inter + i]);
+            // The device's expf and the host's exp may differ in the last bit.
+            assert!((got - want).abs() <= bf16_step(want), "token {t} element {i}: {got} vs {want}");
+        }
+    }
 }

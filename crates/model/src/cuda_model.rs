@@ -84,6 +84,7 @@ struct Layer {
     k_norm: Option<DevBuf<u16>>,
     o: Linear,
     post_norm: DevBuf<u16>,
+    /// Gate and up rows interleaved ([`ops::interleave_rows`]).
     gate_up: Linear,
     down: Linear,
 }
@@ -92,8 +93,8 @@ struct Layer {
 const DECODE_PROJECTIONS: [&str; 4] = [
     "RMSNorm + qkv projection",
     "o projection + residual add",
-    "RMSNorm + gate/up projection",
-    "SiLU + down projection + residual add",
+    "RMSNorm + gate/up projection + SiLU x up",
+    "down projection + residual add",
 ];
 
 /// Per-step activations, sized for `max_tokens` tokens and `max_seqs` sequences.
@@ -198,6 +199,25 @@ pub struct CudaModel {
     counts: StepCounts,
 }
 
+/// `l` (gate rows, then up rows) with its rows (and bias) interleaved: gate row i, up row i, ...
+/// so that a decode projection's warp holds both and applies SiLU-and-multiply itself.
+fn interleave_gate_up(dev: &CudaDevice, l: Linear) -> Result<Linear, ModelError> {
+    let half = l.out_dim / 2;
+    let weight = dev.zeros::<u16>(l.out_dim * l.in_dim)?;
+    ops::interleave_rows(dev, l.weight.ptr(), weight.ptr(), half, l.in_dim)?;
+    let bias = match &l.bias {
+        Some(b) => {
+            let out = dev.zeros::<u16>(l.out_dim)?;
+            ops::interleave_rows(dev, b.ptr(), out.ptr(), half, 1)?;
+            Some(out)
+        }
+        None => None,
+    };
+    // The copies are queued on the device's stream; finish them before `l`'s buffers go.
+    dev.synchronize()?;
+    Ok(Linear { weight, bias, out_dim: l.out_dim, in_dim: l.in_dim })
+}
+
 /// Measurement only: kernels of the fused decode step (`qkv`, `attn`, `o`, `gate_up`, `down`)
 /// left out (`TANDEM_DECODE_OMIT`) or run twice (`TANDEM_DECODE_TWICE`), comma-separated, so
 /// that differences of graph step times give each kernel's share of a step (docs/PERFORMANCE.md).
@@ -299,7 +319,10 @@ impl CudaModel {
                 cfg.qkv_bias,
             )?;
             let o = linear(&mut builder, &[("self_attn.o_proj", h)], q_dim, cfg.o_bias)?;
-            let gate_up = linear(&mut builder, &[("mlp.gate_proj", i), ("mlp.up_proj", i)], h, cfg.mlp_bias)?;
+            let gate_up = interleave_gate_up(
+                &dev,
+                linear(&mut builder, &[("mlp.gate_proj", i), ("mlp.up_proj", i)], h, cfg.mlp_bias)?,
+            )?;
             let down = linear(&mut builder, &[("mlp.down_proj", h)], i, cfg.mlp_bias)?;
             let (q_norm, k_norm) = if cfg.qk_norm {
                 (
@@ -715,9 +738,9 @@ impl CudaModel {
     /// The layers and output head of a decode step of at most `fused_tokens` tokens (the
     /// embedding already in the residual stream): per layer, qkv (with the input RMSNorm),
     /// attention (with RoPE and the cache write on one-token-per-sequence steps), o (adding
-    /// into the residual), gate/up (with the post-attention RMSNorm) and down (with
-    /// SiLU-and-multiply, adding into the residual). Five or six launches per layer instead of
-    /// nine, and no deltas through memory.
+    /// into the residual), gate/up (with the post-attention RMSNorm and SiLU-and-multiply) and
+    /// down (adding into the residual). Five or six launches per layer instead of nine, and no
+    /// deltas through memory.
     fn run_decode_layers(&self, t: usize, rows: usize, counts: StepCounts) -> Result<(), ModelError> {
         let v = &self.variant;
         for (li, layer) in self.layers.iter().enumerate() {
@@ -739,8 +762,8 @@ impl CudaModel {
     }
 
     /// A layer's qkv (with the input RMSNorm), o (adding into the residual), gate/up (with the
-    /// post-attention RMSNorm) and down (with SiLU-and-multiply, adding into the residual)
-    /// projections of a decode step. The qkv bias is added by the RoPE kernel, as on the
+    /// post-attention RMSNorm, SiLU-and-multiply in its epilogue) and down (adding into the
+    /// residual) projections of a decode step. The qkv bias is added by the RoPE kernel, as on the
     /// unfused path.
     fn decode_projections(&self, layer: &Layer) -> [Gemv; 4] {
         let a = &self.act;
@@ -770,14 +793,14 @@ impl CudaModel {
                 n: gate_up.out_dim,
                 k: h,
                 input: self.residual_norm(&layer.post_norm, 0),
-                output: GemvOutput::Bf16(a.gate_up.ptr()),
+                output: GemvOutput::SiluMul(a.act.ptr()),
                 bias: bias(gate_up),
             },
             Gemv {
                 weight: down.weight.ptr(),
                 n: h,
                 k: down.in_dim,
-                input: GemvInput::Silu(a.gate_up.ptr()),
+                input: GemvInput::Bf16(a.act.ptr()),
                 output: residual,
                 bias: bias(down),
             },

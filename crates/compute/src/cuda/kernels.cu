@@ -197,16 +197,36 @@ extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const int* 
     }
 }
 
-// out[t, i] = silu(gu[t, i]) * gu[t, inter + i], two elements per thread (inter is even).
+// out[t, i] = silu(gu[t, 2i]) * gu[t, 2i + 1]: the gate/up projection's rows come interleaved
+// (gate row i, then up row i; see `interleave_rows`). Two outputs per thread (inter is even).
 // Grid: (ceil(inter / 512), tokens). Block: 256.
 extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter) {
     PDL_ENTER();
     int t = blockIdx.y;
     int i = (blockIdx.x * blockDim.x + threadIdx.x) * 2;
     if (i >= inter) return;
-    const bf16* row = gu + (u64)t * 2 * inter;
-    *reinterpret_cast<u32*>(out + (u64)t * inter + i) =
-        silu_mul_pack(*reinterpret_cast<const u32*>(row + i), *reinterpret_cast<const u32*>(row + inter + i));
+    // gate i, up i, gate i + 1, up i + 1.
+    uint2 v = *reinterpret_cast<const uint2*>(gu + (u64)t * 2 * inter + 2 * i);
+    u32 g2 = (v.x & 0xffffu) | (v.y << 16), u2 = (v.x >> 16) | (v.y & 0xffff0000u);
+    *reinterpret_cast<u32*>(out + (u64)t * inter + i) = silu_mul_pack(g2, u2);
+}
+
+// dst row 2i = src row i, dst row 2i + 1 = src row half + i (rows of `cols` bf16): the gate/up
+// weight (and bias) laid out so that one warp of a decode projection owns a gate row and its up
+// row, and SiLU-and-multiply happens in its epilogue. Grid-stride over 16-byte pieces
+// (cols % 8 == 0) or elements.
+extern "C" __global__ void interleave_rows(const bf16* src, bf16* dst, u64 half, u64 cols) {
+    PDL_ENTER();
+    bool wide = cols % 8 == 0;
+    u64 unit = wide ? 8 : 1;
+    u64 per_row = cols / unit, total = 2 * half * per_row;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
+        u64 row = e / per_row, piece = e % per_row;
+        u64 from = (row % 2 == 0 ? row / 2 : half + row / 2) * cols + piece * unit;
+        u64 to = row * cols + piece * unit;
+        if (wide) *reinterpret_cast<uint4*>(dst + to) = *reinterpret_cast<const uint4*>(src + from);
+        else dst[to] = src[from];
+    }
 }
 
 // y[t, j] += bias[j] (projections with a bias); y is bf16, or f32 when `f32_y`. Grid-stride.
@@ -239,9 +259,10 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
 //   IN_BF16: x = bf16 rows of `in` ([mcount][K]).
 //   IN_NORM: x = bf16(rms_norm(res[r]) * norm_w), res the f32 residual stream, r = rows[m] (or
 //            m when rows is null): the RMSNorm in front of qkv / gate-up / the output head.
-//   IN_SILU: x = bf16(silu(gu[m, k]) * gu[m, K + k]): SiLU-and-multiply in front of down.
 //   OUT_BF16: y -> bf16 [mcount][N]; OUT_F32: y -> f32 (logits); OUT_ADD: res[m, n] += y, the
-//            residual add (each element has exactly one writer, so no race).
+//            residual add (each element has exactly one writer, so no race); OUT_SILU: rows come
+//            in (gate, up) pairs (see interleave_rows) and act[m, n / 2] = bf16(silu(bf16(gate))
+//            * bf16(up)) -> bf16 [mcount][N / 2]: SiLU-and-multiply behind gate/up.
 // The rounding points are those of the unfused path (norm / activation outputs in bf16), and a
 // row's arithmetic does not depend on mcount, so a padded CUDA-graph step gives the same values.
 // A group of `ksplit` warps (1, 2, 4 or 8) owns GEMV_ROWS output rows at a time, each warp one
@@ -249,10 +270,10 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
 // do not vary between runs. Block: 256. Dynamic shared memory: M * K * 2 bytes. K % 8 == 0.
 #define IN_BF16 0
 #define IN_NORM 1
-#define IN_SILU 2
 #define OUT_BF16 0
 #define OUT_F32 1
 #define OUT_ADD 2
+#define OUT_SILU 3
 #define GEMV_ROWS 2
 #define GEMV_UNROLL 4
 
@@ -265,10 +286,21 @@ __device__ __forceinline__ uint4 ld_stream(const bf16* p) {
     return v;
 }
 
-// Stores row n of token m of a decode projection (see OUT_*), bias added.
+// Stores row n of token m of a decode projection (see OUT_*), bias added. OUT_SILU: n is even
+// and `up` row n + 1's sum.
 template <int OUT>
-__device__ __forceinline__ void gemv_store(void* out, const bf16* bias, int N, int n, int m, int mcount, float v) {
+__device__ __forceinline__ void gemv_store(void* out, const bf16* bias, int N, int n, int m, int mcount, float v,
+                                           float up = 0.0f) {
     if (n >= N || m >= mcount) return;
+    if (OUT == OUT_SILU) {
+        if (bias) {
+            v += bf2f(bias[n]);
+            up += bf2f(bias[n + 1]);
+        }
+        reinterpret_cast<bf16*>(out)[(u64)m * (N / 2) + n / 2] =
+            (bf16)(silu_mul_pack(f2bf(v), f2bf(up)) & 0xffffu);
+        return;
+    }
     if (bias) v += bf2f(bias[n]);
     u64 i = (u64)m * N + n;
     if (OUT == OUT_BF16) reinterpret_cast<bf16*>(out)[i] = f2bf(v);
@@ -336,26 +368,6 @@ __device__ __forceinline__ void gemv_prologue(bf16* xm, int K, const void* in, c
             if (i < K)
                 *reinterpret_cast<uint2*>(xm + i) =
                     make_uint2(norm_pack(v[j].x, v[j].y, inv, w[j].x), norm_pack(v[j].z, v[j].w, inv, w[j].y));
-        }
-    } else {
-        const bf16* src = reinterpret_cast<const bf16*>(in) + (u64)m * 2 * K;
-        for (int seg = 0; seg < K; seg += nt * 32) {
-            uint4 g[4], u[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                int i = seg + (tid + j * nt) * 8;
-                if (i < K) {
-                    g[j] = ld_nc16(src + i);
-                    u[j] = ld_nc16(src + K + i);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                int i = seg + (tid + j * nt) * 8;
-                if (i < K)
-                    *reinterpret_cast<uint4*>(xm + i) = make_uint4(silu_mul_pack(g[j].x, u[j].x), silu_mul_pack(g[j].y, u[j].y),
-                                                                   silu_mul_pack(g[j].z, u[j].z), silu_mul_pack(g[j].w, u[j].w));
-            }
         }
     }
 }
@@ -435,24 +447,34 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, i
                     for (int r = 0; r < GEMV_ROWS; ++r) wv[u][r] = nx[u][r];
             }
         }
-        // Sum each row over the warp, then over the group's K slices in slice order.
+        // Sum each row over the warp, then over the group's K slices in slice order. OUT_SILU
+        // stores the pair of rows (gate, up) as one value.
+        constexpr int R_OUT = OUT == OUT_SILU ? 1 : GEMV_ROWS;
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; ++r)
 #pragma unroll
+            for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
+#pragma unroll
+        for (int r = 0; r < R_OUT; ++r)
+#pragma unroll
             for (int m = 0; m < M; ++m) {
-                float v = warp_sum(acc[r][m]);
                 if (lane == ((r * M + m) & 31)) {
-                    if (ksplit == 1) gemv_store<OUT>(out, bias, N, n0 + r, m, mcount, v);
-                    else partial[warp][r][m] = v;
+                    if (ksplit == 1) gemv_store<OUT>(out, bias, N, n0 + r, m, mcount, acc[r][m], acc[GEMV_ROWS - 1][m]);
+                    else
+#pragma unroll
+                        for (int rr = r; rr < (OUT == OUT_SILU ? GEMV_ROWS : r + 1); ++rr) partial[warp][rr][m] = acc[rr][m];
                 }
             }
         if (ksplit > 1) {
             __syncthreads();
-            if (tid < groups * GEMV_ROWS * M) {
-                int g = tid / (GEMV_ROWS * M), r = (tid / M) % GEMV_ROWS, m = tid % M;
-                float v = 0.0f;
-                for (int s = 0; s < ksplit; ++s) v += partial[g * ksplit + s][r][m];
-                gemv_store<OUT>(out, bias, N, row_base + g * GEMV_ROWS + r, m, mcount, v);
+            if (tid < groups * R_OUT * M) {
+                int g = tid / (R_OUT * M), r = (tid / M) % R_OUT, m = tid % M;
+                float v = 0.0f, up = 0.0f;
+                for (int s = 0; s < ksplit; ++s) {
+                    v += partial[g * ksplit + s][r][m];
+                    if (OUT == OUT_SILU) up += partial[g * ksplit + s][1][m];
+                }
+                gemv_store<OUT>(out, bias, N, row_base + g * GEMV_ROWS + r, m, mcount, v, up);
             }
             __syncthreads();
         }
@@ -476,8 +498,8 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, i
     GEMV_KERNEL(NAME##_m8_pipe, 8, IN, OUT, true, 2)
 GEMV_ALL_M(gemv_norm_bf16, IN_NORM, OUT_BF16)
 GEMV_ALL_M(gemv_norm_f32, IN_NORM, OUT_F32)
+GEMV_ALL_M(gemv_norm_silu, IN_NORM, OUT_SILU)
 GEMV_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
-GEMV_ALL_M(gemv_silu_add, IN_SILU, OUT_ADD)
 
 // Element offset of (block, layer, k|v, kv_head, slot) in the block-major cache.
 __device__ __forceinline__ u64 kv_offset(int block, int slot, int layer, int kv, int kh, int num_layers,

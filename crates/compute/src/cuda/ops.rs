@@ -197,13 +197,22 @@ pub fn add_rms_norm(
     launch!(dev, "add_rms_norm", cfg((num_rows as u32, 1), block), x, delta, rows, w, out, hidden as i32, eps)
 }
 
-/// `out[t, i] = silu(gu[t, i]) * gu[t, inter + i]` (`inter` even).
+/// `out[t, i] = silu(gu[t, 2i]) * gu[t, 2i + 1]` (`inter` even): gate/up rows interleaved, as
+/// [`interleave_rows`] lays out the weight.
 pub fn silu_mul(dev: &CudaDevice, gu: u64, out: u64, tokens: usize, inter: usize) -> Result<(), CudaError> {
     if tokens == 0 {
         return Ok(());
     }
     assert!(inter.is_multiple_of(2), "intermediate size {inter} must be even");
     launch!(dev, "silu_mul", cfg((inter.div_ceil(512) as u32, tokens as u32), 256), gu, out, inter as i32)
+}
+
+/// `dst` row `2i` = `src` row `i`, row `2i + 1` = `src` row `half + i` (`2 * half` rows of `cols`
+/// bf16; distinct buffers): a gate/up weight or bias made of the gate rows then the up rows,
+/// laid out for [`GemvOutput::SiluMul`] and [`silu_mul`].
+pub fn interleave_rows(dev: &CudaDevice, src: u64, dst: u64, half: usize, cols: usize) -> Result<(), CudaError> {
+    let units = if cols.is_multiple_of(8) { 2 * half * cols / 8 } else { 2 * half * cols };
+    launch!(dev, "interleave_rows", grid_stride(dev, units as u64), src, dst, half as u64, cols as u64)
 }
 
 /// `y[t, j] += bias[j]`, y bf16 or f32.
@@ -239,8 +248,6 @@ pub enum GemvInput {
         /// RMSNorm epsilon.
         eps: f32,
     },
-    /// `bf16(silu(gu[m, k]) * gu[m, K + k])` from `[tokens, 2K]` bf16 gate/up rows.
-    Silu(u64),
 }
 
 /// Where a decode projection's result goes.
@@ -252,6 +259,9 @@ pub enum GemvOutput {
     F32(u64),
     /// Added into the `[tokens, N]` f32 residual stream.
     AddTo(u64),
+    /// SiLU-and-multiply of row pairs: the weight's rows are (gate, up) pairs (see
+    /// [`interleave_rows`]) and `[tokens, N / 2]` bf16 gets `bf16(silu(bf16(gate)) * bf16(up))`.
+    SiluMul(u64),
 }
 
 /// Largest token count (1, 2, 4 or 8) the decode-projection kernels take for inputs of up to
@@ -283,8 +293,8 @@ pub struct GemvPlan {
 
 /// One decode projection: `y[m] = x[m] · wᵀ` for up to [`GEMV_MAX_TOKENS`] rows, with the input
 /// formed by `input` and the result stored by `output`, plus an optional bf16 bias. `weight`
-/// is `[n, k]` bf16, `k % 8 == 0`. Supported pairs: norm -> bf16, norm -> f32, bf16 -> residual
-/// add, SiLU -> residual add.
+/// is `[n, k]` bf16, `k % 8 == 0`. Supported pairs: norm -> bf16, norm -> f32, norm -> SiLU of
+/// row pairs (`n` even), bf16 -> residual add.
 #[derive(Clone, Copy, Debug)]
 pub struct Gemv {
     /// `[n, k]` bf16 weight.
@@ -330,8 +340,10 @@ impl Gemv {
             (GemvInput::Norm { residual, rows, weight, eps }, GemvOutput::F32(y)) => {
                 ("gemv_norm_f32", residual, rows, weight, eps, y)
             }
+            (GemvInput::Norm { residual, rows, weight, eps }, GemvOutput::SiluMul(y)) if n % 2 == 0 => {
+                ("gemv_norm_silu", residual, rows, weight, eps, y)
+            }
             (GemvInput::Bf16(x), GemvOutput::AddTo(y)) => ("gemv_bf16_add", x, 0, 0, 0.0, y),
-            (GemvInput::Silu(x), GemvOutput::AddTo(y)) => ("gemv_silu_add", x, 0, 0, 0.0, y),
             (i, o) => return Err(CudaError::Unavailable(format!("no decode projection kernel for {i:?} -> {o:?}"))),
         };
         let config = LaunchConfig {
