@@ -379,8 +379,7 @@ impl Gemv {
 /// bounds, and by shared memory), looping over row groups. K is split over the fewest warps
 /// that give between half and all of one token's resident-block slots one row group each (so
 /// every multiprocessor streams, with no second round); a matrix too tall for that splits K
-/// four ways (slices of at least 512 elements), over as few blocks as share its rounds
-/// evenly. Measured on an H200 over Qwen3-4B's projections
+/// four ways (slices of at least 512 elements). Measured on an H200 over Qwen3-4B's projections
 /// with `TANDEM_GEMV_SWEEP` (docs/PERFORMANCE.md).
 pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: GemvBuild) -> GemvPlan {
     let (_, per_sm) = dev.gemv_smem();
@@ -411,13 +410,8 @@ fn plain_grid(sms: usize, per_sm: usize, n: usize, k: usize, tokens: usize) -> (
         .clone()
         .find(|&s| (one_token_slots / 2..=one_token_slots).contains(&groups(s)))
         .unwrap_or_else(|| splits.next_back().unwrap_or(1));
-    let slots = slots_for(tokens.max(1).next_power_of_two(), by_registers).max(1);
-    // A matrix with more row groups than slots takes several rounds; as few blocks as give
-    // every block the same number of rounds (give or take one) keep the memory busy to the
-    // end, where a full wave would leave its last round to a few blocks.
-    let total = groups(ksplit);
-    let rounds = total.div_ceil(slots);
-    (ksplit, total.div_ceil(rounds).max(1))
+    let slots = slots_for(tokens.max(1).next_power_of_two(), by_registers);
+    (ksplit, groups(ksplit).min(slots).max(1))
 }
 
 /// How the pipelined decode projection of `n` rows by `k` spreads over the device: warps per
@@ -744,9 +738,7 @@ mod tests {
         // Qwen3-4B on an H200: the plans the sweep found fastest (docs/PERFORMANCE.md).
         assert_eq!(plain_grid(sms, smem_sm, 6144, 2560, 1), (1, 384), "qkv");
         assert_eq!(plain_grid(sms, smem_sm, 2560, 4096, 1), (2, 320), "o");
-        // 4864 row groups: ten rounds over 487 blocks (a full wave of 528 would leave its tenth
-        // round to 112 of them).
-        assert_eq!(plain_grid(sms, smem_sm, 19456, 2560, 1), (4, 487), "gate/up");
+        assert_eq!(plain_grid(sms, smem_sm, 19456, 2560, 1), (4, 528), "gate/up");
         assert_eq!(plain_grid(sms, smem_sm, 2560, 9728, 1), (2, 320), "down");
         for &(n, k) in &[(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (151_936, 2560), (37, 64), (512, 128)]
         {
