@@ -318,7 +318,7 @@ __device__ __forceinline__ uint4 ld_nc16(const void* p) {
 }
 
 // Forms input row m of a decode projection in shared memory (see IN_*). Loads go out in
-// batches (four or eight per thread) before any is used: the prologue is a few round trips to L2,
+// batches (eight per thread) before any is used: the prologue is a few round trips to L2,
 // not one per element. IN_NORM keeps its row in registers: K <= 8 * 4 * blockDim (8192).
 template <int IN>
 __device__ __forceinline__ void gemv_prologue(bf16* xm, int K, const void* in, const int* rows, const bf16* norm_w,
