@@ -17,6 +17,8 @@ pub struct EngineBenchConfig {
     pub decode_batches: Vec<usize>,
     /// Decode steps timed per batch size (after warm-up).
     pub decode_steps: usize,
+    /// Prompt length of each decode sequence (the context its decode steps attend over).
+    pub decode_prompt_tokens: usize,
     /// Prompt length for the prefill measurement (one request, one step).
     pub prefill_tokens: usize,
     /// Prefill repetitions; the best is reported.
@@ -32,6 +34,7 @@ impl Default for EngineBenchConfig {
         Self {
             decode_batches: vec![1, 16],
             decode_steps: 32,
+            decode_prompt_tokens: 16,
             prefill_tokens: 512,
             prefill_repeats: 3,
             bandwidth_bytes: 1 << 30,
@@ -97,6 +100,8 @@ pub struct EngineBenchReport {
     pub bandwidth_basis: String,
     /// Compute threads.
     pub threads: usize,
+    /// Prompt length of each decode sequence.
+    pub decode_prompt_tokens: usize,
     /// Decode results by batch size.
     pub decode: Vec<DecodeResult>,
     /// Prefill prompt length.
@@ -135,19 +140,16 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn engine_config(cfg: &EngineBenchConfig) -> EngineConfig {
     let max_batch = cfg.decode_batches.iter().copied().max().unwrap_or(1);
     let decode_len = cfg.decode_steps + 4;
-    let num_blocks = max_batch * (BENCH_PROMPT + decode_len).div_ceil(cfg.block_size)
-        + cfg.prefill_tokens.div_ceil(cfg.block_size)
-        + 4;
+    let prompt = cfg.decode_prompt_tokens.max(1);
+    let num_blocks =
+        max_batch * (prompt + decode_len).div_ceil(cfg.block_size) + cfg.prefill_tokens.div_ceil(cfg.block_size) + 4;
     EngineConfig {
         block_size: cfg.block_size,
         num_blocks,
         max_num_seqs: max_batch.max(1),
-        max_num_batched_tokens: cfg.prefill_tokens.max(max_batch * BENCH_PROMPT),
+        max_num_batched_tokens: cfg.prefill_tokens.max(max_batch * prompt),
     }
 }
-
-/// Prompt length of each decode sequence.
-const BENCH_PROMPT: usize = 16;
 
 /// Runs the benchmark on a model built for [`engine_config`]. `progress` receives one line
 /// per phase.
@@ -162,7 +164,7 @@ pub fn run(
     let bw = model.bandwidth;
     let floor_s = weight_bytes as f64 / bw;
     let engine_cfg = engine_config(cfg);
-    let prompt_len = BENCH_PROMPT;
+    let prompt_len = cfg.decode_prompt_tokens.max(1);
     let decode_len = cfg.decode_steps + 4;
     let max_model_len = model.max_model_len;
     let (device, basis, gemm) = (model.device.clone(), model.bandwidth_basis.clone(), model.gemm_flops);
@@ -230,6 +232,7 @@ pub fn run(
         read_bandwidth_gb_s: bw / 1e9,
         bandwidth_basis: basis,
         threads: rayon_threads(),
+        decode_prompt_tokens: prompt_len,
         decode,
         prefill_tokens: cfg.prefill_tokens,
         prefill_ms: best * 1e3,
@@ -261,6 +264,7 @@ impl std::fmt::Display for EngineBenchReport {
             "{} (floor basis): {:.2} GB/s; {} host threads",
             self.bandwidth_basis, self.read_bandwidth_gb_s, self.threads
         )?;
+        writeln!(f, "decode sequences: {}-token prompts", self.decode_prompt_tokens)?;
         writeln!(
             f,
             "{:<14} {:>12} {:>12} {:>14} {:>10}",

@@ -492,6 +492,10 @@ pub struct BenchEngineArgs {
     /// Timed decode steps per batch size.
     #[arg(long, default_value_t = 32)]
     pub decode_steps: usize,
+    /// Prompt length of each decode sequence: the context its decode steps attend over (vLLM's
+    /// random dataset uses 1024).
+    #[arg(long, default_value_t = 16)]
+    pub decode_prompt_tokens: usize,
     /// Prompt length for the prefill measurement.
     #[arg(long, default_value_t = 512)]
     pub prefill_tokens: usize,

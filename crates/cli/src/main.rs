@@ -411,6 +411,7 @@ fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
     let cfg = tandem_bench::engine::EngineBenchConfig {
         decode_batches: a.batch,
         decode_steps: a.decode_steps,
+        decode_prompt_tokens: a.decode_prompt_tokens,
         prefill_tokens: a.prefill_tokens,
         ..Default::default()
     };
@@ -457,9 +458,10 @@ fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
             let mut model = model;
             if a.profile {
                 let max_batch = engine_cfg.max_num_seqs;
+                let ctx = a.decode_prompt_tokens.max(64);
                 for (label, seqs, tokens, ctx) in [
-                    ("decode, batch 1, context 64".to_string(), 1, 1, 64),
-                    (format!("decode, batch {max_batch}, context 64"), max_batch, 1, 64),
+                    (format!("decode, batch 1, context {ctx}"), 1, 1, ctx),
+                    (format!("decode, batch {max_batch}, context {ctx}"), max_batch, 1, ctx),
                     (format!("prefill of {} tokens", cfg.prefill_tokens), 1, cfg.prefill_tokens, 0),
                 ] {
                     println!("device time per forward by op: {label}");
