@@ -3,9 +3,10 @@
 #
 # Here (no GPU):   scripts/gpu/build.sh            # release binary + GPU test binaries in gpu-bin/
 # There (device):  scripts/gpu/run.sh [full|bench|quick]   # carry: gpu-bin
-#   full (default): tests, tandem bench, PyTorch; bench: tests and tandem bench; quick: tests;
+#   full (default): tests, tandem bench (also decode at a 1024-token context), PyTorch;
+#   bench: tests and tandem bench; quick: tests;
 #   tune: kernel tests and the decode-projection plan sweep (TANDEM_GEMV_SWEEP=1);
-#   matrix "label:VAR=value ..." ...: kernel tests, then the decode step under each setting
+#   matrix "label:VAR=value ..." ...: kernel and model tests, then the decode step under each setting
 #   (PROFILE=1 among the settings adds the step's kernel profile).
 #
 # Runs the kernel, model and engine GPU tests (failing if no GPU is usable), the transformers
@@ -88,6 +89,11 @@ if [ "$MODE" != quick ]; then
   timeout 400 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
     --decode-steps 32 --prefill-tokens 4096 --profile --json-out "$OUT/bench_qwen3_4b.json" > "$OUT/bench.log" 2>&1 \
     || { note "bench engine failed"; status=1; tail -30 "$OUT/bench.log"; }
+  # Decode over a 1024-token context (vLLM's random-dataset prompt length): attention's share.
+  timeout 200 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
+    --decode-steps 32 --decode-prompt-tokens 1024 --prefill-tokens 512 > "$OUT/bench_ctx1024.log" 2>&1 \
+    && note "decode at 1024-token context: $(grep -E '^(1|64) +[0-9]' "$OUT/bench_ctx1024.log" | tr -s ' ' | tr '\n' '|')" \
+    || { note "bench at 1024-token context failed"; tail -10 "$OUT/bench_ctx1024.log"; }
   if [ "$MODE" = bench ]; then
     # Kernel durations of decode steps in isolation (Nsight Compute; Firecracker machines only).
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
