@@ -7,7 +7,8 @@
 #   bench: tests and tandem bench; quick: tests;
 #   tune: kernel tests and the decode-projection plan sweep (TANDEM_GEMV_SWEEP=1);
 #   matrix "label:VAR=value ..." ...: kernel and model tests, then the decode step under each setting
-#   (PROFILE=1 among the settings adds the step's kernel profile).
+#   (PROFILE=1 among the settings adds the step's kernel profile, DECODE_PROMPT=n sets the decode
+#   sequences' prompt length, TANDEM_EXE=path runs another tandem binary).
 #
 # Runs the kernel, model and engine GPU tests (failing if no GPU is usable), the transformers
 # comparison, `tandem bench engine` on preset:qwen3-4b with its floors, and the same shapes in
@@ -39,7 +40,8 @@ if [ "$MODE" = matrix ]; then
     label=${spec%%:*}
     ( export ${spec#*:}
       timeout 150 "${TANDEM_EXE:-$BIN/tandem}" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
-        --decode-steps 64 --prefill-tokens 512 ${PROFILE:+--profile} > "$OUT/matrix_$label.log" 2>&1 )
+        --decode-steps 64 --decode-prompt-tokens "${DECODE_PROMPT:-16}" --prefill-tokens 512 ${PROFILE:+--profile} \
+        > "$OUT/matrix_$label.log" 2>&1 )
     note "$label: $(grep -E '^(1|64) +[0-9]' "$OUT/matrix_$label.log" | tr -s ' ' | tr '\n' '|')"
     grep -E "^ *fused|plan sweep: down" "$OUT/matrix_$label.log" | grep -v pipelined | sed "s/^/  $label /"
   done
