@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 use tandem_core::{RequestId, SamplingParams};
-use tandem_engine::{EngineConfig, EngineCore, EngineModel, EngineRequest};
-use tokio::sync::mpsc::unbounded_channel;
+use tandem_engine::{EngineConfig, EngineCore, EngineEvent, EngineModel, EngineRequest};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -158,7 +158,7 @@ pub fn run(
     model: BenchModel,
     cfg: &EngineBenchConfig,
     mut progress: impl FnMut(&str),
-) -> EngineBenchReport {
+) -> Result<EngineBenchReport, String> {
     let weight_bytes = model.weight_bytes;
     let params = model.params;
     let bw = model.bandwidth;
@@ -199,6 +199,14 @@ pub fn run(
         while core.has_work() {
             core.step();
         }
+        if let Some(reason) = rxs.iter_mut().find_map(first_failure) {
+            return Err(format!(
+                "decode at batch {batch} ({prompt_len}-token prompts): the engine failed it: {reason}"
+            ));
+        }
+        if times.is_empty() {
+            return Err(format!("decode at batch {batch}: no step ran the whole batch (too few KV blocks?)"));
+        }
         let step = median(times);
         decode.push(DecodeResult {
             batch,
@@ -212,7 +220,7 @@ pub fn run(
     progress(&format!("prefill, {} tokens", cfg.prefill_tokens));
     let mut best = f64::INFINITY;
     for r in 0..cfg.prefill_repeats.max(1) {
-        let (tx, _rx) = unbounded_channel();
+        let (tx, mut rx) = unbounded_channel();
         let _ = core.add_request(request(format!("p{r}"), prompt(1000 + r as u32, cfg.prefill_tokens), 1), tx);
         let t = Instant::now();
         core.step();
@@ -220,11 +228,14 @@ pub fn run(
         while core.has_work() {
             core.step();
         }
+        if let Some(reason) = first_failure(&mut rx) {
+            return Err(format!("prefill of {} tokens: the engine failed it: {reason}", cfg.prefill_tokens));
+        }
     }
     let n = cfg.prefill_tokens as f64;
     let attention_flops = attn_pair * n * (n + 1.0) / 2.0;
     let prefill_flops = 2.0 * matmul_params as f64 * n + attention_flops;
-    EngineBenchReport {
+    Ok(EngineBenchReport {
         model: model_name.to_string(),
         weight_bytes,
         params,
@@ -242,7 +253,15 @@ pub fn run(
         prefill_flops_all_params: 2.0 * params as f64 * n + attention_flops,
         gemm_tflop_s: gemm.map(|g| g / 1e12),
         prefill_floor_ms: gemm.map(|g| prefill_flops / g * 1e3),
-    }
+    })
+}
+
+/// The reason of the first `Failed` event already sent on `rx`, if any.
+fn first_failure(rx: &mut UnboundedReceiver<EngineEvent>) -> Option<String> {
+    std::iter::from_fn(|| rx.try_recv().ok()).find_map(|event| match event {
+        EngineEvent::Failed(reason) => Some(reason),
+        _ => None,
+    })
 }
 
 fn rayon_threads() -> usize {

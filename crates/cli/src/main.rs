@@ -485,7 +485,8 @@ fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
             }
         }
     };
-    let report = tandem_bench::engine::run(&a.model, bench_model, &cfg, |phase| eprintln!("... {phase}"));
+    let report = tandem_bench::engine::run(&a.model, bench_model, &cfg, |phase| eprintln!("... {phase}"))
+        .map_err(|e| anyhow::anyhow!("engine benchmark: {e}"))?;
     print!("{report}");
     if let Some(path) = a.json_out {
         std::fs::write(&path, serde_json::to_string_pretty(&report)?)

@@ -617,19 +617,24 @@ fn gate_up_interleave_and_silu_mul() {
         }
     }
     // silu_mul reads the interleaved layout: out[t, i] = silu(gu[t, 2i]) * gu[t, 2i + 1].
-    let (tokens, inter) = (3, 1030);
-    let gu: Vec<u16> = (0..tokens * 2 * inter).map(|_| bf16(rng.uniform() * 6.0)).collect();
-    let d_gu = dev.upload(&gu).unwrap();
-    let d_out = dev.upload(&vec![0u16; tokens * inter]).unwrap();
-    ops::silu_mul(&dev, d_gu.ptr(), d_out.ptr(), tokens, inter).unwrap();
-    let out = dev.read(&d_out, tokens * inter).unwrap();
-    for t in 0..tokens {
-        for i in 0..inter {
-            let (g, u) = (f32_of(gu[t * 2 * inter + 2 * i]), f32_of(gu[t * 2 * inter + 2 * i + 1]));
-            let want = round(round(silu(g)) * u);
-            let got = f32_of(out[t * inter + i]);
-            // The device's expf and the host's exp may differ in the last bit.
-            assert!((got - want).abs() <= bf16_step(want), "token {t} element {i}: {got} vs {want}");
+    // 70000 tokens: more than a launch grid's y or z dimension holds (a 64 x 1024 prefill chunk).
+    for (tokens, inter) in [(3, 1030), (70_000, 6)] {
+        let gu: Vec<u16> = (0..tokens * 2 * inter).map(|_| bf16(rng.uniform() * 6.0)).collect();
+        let d_gu = dev.upload(&gu).unwrap();
+        let d_out = dev.upload(&vec![0u16; tokens * inter]).unwrap();
+        ops::silu_mul(&dev, d_gu.ptr(), d_out.ptr(), tokens, inter).unwrap();
+        let out = dev.read(&d_out, tokens * inter).unwrap();
+        for t in 0..tokens {
+            for i in 0..inter {
+                let (g, u) = (f32_of(gu[t * 2 * inter + 2 * i]), f32_of(gu[t * 2 * inter + 2 * i + 1]));
+                let want = round(round(silu(g)) * u);
+                let got = f32_of(out[t * inter + i]);
+                // The device's expf and the host's exp may differ in the last bit.
+                assert!(
+                    (got - want).abs() <= bf16_step(want),
+                    "{tokens} tokens, token {t} element {i}: {got} vs {want}"
+                );
+            }
         }
     }
 }

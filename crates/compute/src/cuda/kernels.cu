@@ -202,8 +202,9 @@ extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const int* 
 // Grid: (ceil(inter / 512), tokens). Block: 256.
 extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter) {
     PDL_ENTER();
-    int t = blockIdx.y;
-    int i = (blockIdx.x * blockDim.x + threadIdx.x) * 2;
+    // Tokens on grid x: a long prefill chunk has more tokens than grid y allows (65535).
+    int t = blockIdx.x;
+    int i = (blockIdx.y * blockDim.x + threadIdx.x) * 2;
     if (i >= inter) return;
     // gate i, up i, gate i + 1, up i + 1.
     uint2 v = *reinterpret_cast<const uint2*>(gu + (u64)t * 2 * inter + 2 * i);

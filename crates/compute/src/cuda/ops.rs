@@ -204,7 +204,7 @@ pub fn silu_mul(dev: &CudaDevice, gu: u64, out: u64, tokens: usize, inter: usize
         return Ok(());
     }
     assert!(inter.is_multiple_of(2), "intermediate size {inter} must be even");
-    launch!(dev, "silu_mul", cfg((inter.div_ceil(512) as u32, tokens as u32), 256), gu, out, inter as i32)
+    launch!(dev, "silu_mul", cfg((tokens as u32, inter.div_ceil(512) as u32), 256), gu, out, inter as i32)
 }
 
 /// `dst` row `2i` = `src` row `i`, row `2i + 1` = `src` row `half + i` (`2 * half` rows of `cols`
