@@ -146,10 +146,40 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
     let label = format!("heads {nh}/{nkv} head_dim {hd} block {bs} seqs {:?}", case.seqs);
 
     let mut d_out = dev.upload(&poison).unwrap();
-    ops::attention_rows(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &meta, 0, total_tokens, &shape, None).unwrap();
+    ops::attention_rows(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &meta, 0, total_tokens, &shape, None, None)
+        .unwrap();
     let out = dev.read(&d_out, poison.len()).unwrap();
     let err = rel_err(&out, &|_| true);
     assert!(err < 1e-2, "attention_rows, {label}: relative error {err:.2e}");
+
+    // Key ranges split over blocks: up to 2 and 16 ranges of at least 48 keys against the
+    // reference; and with ranges longer than any context (one range each), the unsplit output
+    // bit for bit.
+    let max_ctx = case.seqs.iter().map(|&(n, p)| n + p).max().unwrap_or(1);
+    for (most, split_keys) in [(2, 48), (16, 48), (4, max_ctx)] {
+        let d_part = dev.upload(&vec![0f32; ops::attention_split_floats(total_tokens, nh, hd, most)]).unwrap();
+        let split = ops::AttnSplit { part: d_part.ptr(), most, split_keys };
+        dev.write(&mut d_out, 0, &poison).unwrap();
+        ops::attention_rows(
+            dev,
+            d_q.ptr(),
+            d_cache.ptr(),
+            d_out.ptr(),
+            &meta,
+            0,
+            total_tokens,
+            &shape,
+            None,
+            Some(split),
+        )
+        .unwrap();
+        let split_out = dev.read(&d_out, poison.len()).unwrap();
+        let err = rel_err(&split_out, &|_| true);
+        assert!(err < 1e-2, "split attention ({most} x {split_keys}), {label}: relative error {err:.2e}");
+        if split_keys >= max_ctx {
+            assert!(split_out == out, "split attention with one range per token, {label}: differs from unsplit");
+        }
+    }
 
     if ops::flash_supported(hd) && !work.is_empty() {
         dev.write(&mut d_out, 0, &poison).unwrap();
@@ -278,7 +308,8 @@ fn decode_attention_with_fused_rope_equals_the_two_kernels() {
                 stride: d_stride.ptr(),
             };
             let shape = AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, layer, num_layers, block_size: bs };
-            let run = |fused: bool| {
+            let d_part = dev.upload(&vec![0f32; ops::attention_split_floats(tokens, nh, hd, 4)]).unwrap();
+            let run = |fused: bool, split: bool| {
                 let d_cache = dev.upload(&cache).unwrap();
                 let d_q = dev.upload(&vec![0u16; tokens * nh * hd]).unwrap();
                 let d_out = dev.upload(&vec![bf16(f32::NAN); tokens * nh * hd]).unwrap();
@@ -299,22 +330,29 @@ fn decode_attention_with_fused_rope_equals_the_two_kernels() {
                     ops::qkv_rope_cache(&dev, &rope, &shape, tokens).unwrap();
                 }
                 let r = fused.then_some(&rope);
-                ops::attention_rows(&dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &meta, 0, tokens, &shape, r).unwrap();
+                // Contexts split into ranges of 16 keys (up to 4), as long decode contexts are.
+                let split = split.then(|| ops::AttnSplit { part: d_part.ptr(), most: 4, split_keys: 16 });
+                ops::attention_rows(&dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &meta, 0, tokens, &shape, r, split)
+                    .unwrap();
                 (dev.read(&d_out, tokens * nh * hd).unwrap(), dev.read(&d_cache, cache.len()).unwrap())
             };
-            let (out_a, cache_a) = run(false);
-            let (out_b, cache_b) = run(true);
-            let label = format!("heads {nh}/{nkv} head_dim {hd} block {bs} bias {with_bias} tokens {tokens}");
-            assert!(out_a.iter().all(|&b| f32_of(b).is_finite()), "{label}: output not written");
-            // A token without a slot (a padded row) sees a stale key in the two-kernel path.
-            let per_token = nh * hd;
-            for i in (0..tokens).filter(|&i| slots[i] >= 0) {
-                let (a, b) = (&out_a[i * per_token..(i + 1) * per_token], &out_b[i * per_token..(i + 1) * per_token]);
-                assert!(a == b, "{label}: fused attention output of token {i} differs");
+            for split in [false, true] {
+                let (out_a, cache_a) = run(false, split);
+                let (out_b, cache_b) = run(true, split);
+                let label =
+                    format!("heads {nh}/{nkv} head_dim {hd} block {bs} bias {with_bias} tokens {tokens} split {split}");
+                assert!(out_a.iter().all(|&b| f32_of(b).is_finite()), "{label}: output not written");
+                // A token without a slot (a padded row) sees a stale key in the two-kernel path.
+                let per_token = nh * hd;
+                for i in (0..tokens).filter(|&i| slots[i] >= 0) {
+                    let (a, b) =
+                        (&out_a[i * per_token..(i + 1) * per_token], &out_b[i * per_token..(i + 1) * per_token]);
+                    assert!(a == b, "{label}: fused attention output of token {i} differs");
+                }
+                assert!(cache_a == cache_b, "{label}: fused cache write differs");
+                assert!(cache_a != cache, "{label}: nothing written to the cache");
+                checked += 1;
             }
-            assert!(cache_a == cache_b, "{label}: fused cache write differs");
-            assert!(cache_a != cache, "{label}: nothing written to the cache");
-            checked += 1;
         }
     }
     eprintln!("{checked} fused RoPE + decode attention cases equal the two kernels");

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use tandem_compute::cpu::RopeTable;
 use tandem_compute::cuda::ops::{
-    self, AttnMeta, AttnShape, Gemv, GemvInput, GemvOutput, PrefillSeqs, QkvRope, FLASH_ROWS,
+    self, AttnMeta, AttnShape, AttnSplit, Gemv, GemvInput, GemvOutput, PrefillSeqs, QkvRope, FLASH_ROWS,
 };
 use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf};
 use tandem_compute::{KvLayout, KvRegion};
@@ -113,6 +113,8 @@ struct Activations {
     tokens: DevBuf<i32>,
     params: DevBuf<f32>,
     bans: DevBuf<i32>,
+    /// Partials of split row attention (at most 16 token ranges per head in all).
+    attn_part: DevBuf<f32>,
 }
 
 /// Offsets (in ints) of the step metadata inside one device buffer, so each step uploads it
@@ -188,7 +190,8 @@ pub struct CudaModel {
     table_width: usize,
     max_tokens: usize,
     max_seqs: usize,
-    graphs: HashMap<usize, tandem_compute::cuda::Graph>,
+    /// Decode graphs by (batch bucket, split row attention).
+    graphs: HashMap<(usize, bool), tandem_compute::cuda::Graph>,
     use_graphs: bool,
     /// Most tokens a step may have to take the fused decode path (0: never).
     fused_tokens: usize,
@@ -380,6 +383,7 @@ impl CudaModel {
             tokens: dev.zeros(max_seqs)?,
             params: dev.zeros(3 * max_seqs)?,
             bans: dev.zeros(1024)?,
+            attn_part: dev.zeros(ops::attention_split_floats(16, cfg.num_heads, cfg.head_dim, 1))?,
         };
         let table_width = spec.max_model_len.div_ceil(opts.block_size).max(1);
         let meta_layout = MetaLayout::new(max_tokens, max_seqs);
@@ -485,7 +489,10 @@ impl CudaModel {
         let started = std::time::Instant::now();
         let buckets: Vec<usize> = graph_buckets(self.max_seqs).into_iter().filter(|&b| b <= self.max_tokens).collect();
         for &bucket in &buckets {
-            self.capture_graph(bucket)?;
+            self.capture_graph(bucket, false)?;
+            if attention_split_most(bucket) > 1 {
+                self.capture_graph(bucket, true)?;
+            }
         }
         tracing::info!(
             buckets = ?buckets,
@@ -721,6 +728,11 @@ impl CudaModel {
         }
         let decode_list = self.meta.ptr_at(self.meta_layout.decode_list);
         let meta = self.attn_meta();
+        let split = counts.split.then(|| AttnSplit {
+            part: a.attn_part.ptr(),
+            most: attention_split_most(counts.decode),
+            split_keys: SPLIT_KEYS,
+        });
         ops::attention_rows(
             &self.dev,
             a.q.ptr(),
@@ -731,6 +743,7 @@ impl CudaModel {
             counts.decode,
             &shape,
             fuse_rope.then_some(&rope),
+            split,
         )?;
         Ok(shape)
     }
@@ -948,6 +961,7 @@ impl CudaModel {
                             counts.decode,
                             &shape,
                             None,
+                            None,
                         )
                     })?,
             ),
@@ -1010,7 +1024,7 @@ impl CudaModel {
             if counts.one_token_each {
                 let fused_rope = || {
                     let (list, n) = (self.meta.ptr_at(m.decode_list), counts.decode);
-                    ops::attention_rows(dev, 0, self.kv.ptr(), a.attn.ptr(), &meta, list, n, &shape, Some(&rope))
+                    ops::attention_rows(dev, 0, self.kv.ptr(), a.attn.ptr(), &meta, list, n, &shape, Some(&rope), None)
                 };
                 out.push(("fused: q/k norm + RoPE + KV write + attention".into(), layers * time(&fused_rope)?));
             }
@@ -1091,7 +1105,7 @@ impl CudaModel {
             if let Some(bucket) = graph_buckets(self.max_seqs).into_iter().find(|&b| b >= seqs) {
                 self.fill_meta(&token_ids, &batch, bucket, bucket)?;
                 self.run_graph(bucket)?;
-                let g = &self.graphs[&bucket];
+                let g = &self.graphs[&(bucket, self.counts.split)];
                 let dev = &self.dev;
                 out.push((format!("whole forward, CUDA graph (bucket {bucket})"), {
                     dev.time_ms(|| (0..reps).try_for_each(|_| g.launch()))? / reps as f64
@@ -1111,23 +1125,25 @@ impl CudaModel {
     }
 
     /// Captures the decode graph for `bucket` sequences, unless it exists.
-    fn capture_graph(&mut self, bucket: usize) -> Result<(), ModelError> {
-        if self.graphs.contains_key(&bucket) {
+    fn capture_graph(&mut self, bucket: usize, split: bool) -> Result<(), ModelError> {
+        if self.graphs.contains_key(&(bucket, split)) {
             return Ok(());
         }
-        let counts = StepCounts { decode: bucket, work: 0, one_token_each: true };
+        let counts = StepCounts { decode: bucket, work: 0, one_token_each: true, split };
         self.dev.begin_capture()?;
         let captured = self.run_forward(bucket, bucket, Some(counts));
         // End the capture even if a launch failed, so the stream is usable again.
         let graph = self.dev.end_capture();
         captured?;
-        self.graphs.insert(bucket, graph?);
+        self.graphs.insert((bucket, split), graph?);
         Ok(())
     }
 
+    /// Replays the decode graph for `bucket` and the prepared step's attention split.
     fn run_graph(&mut self, bucket: usize) -> Result<(), ModelError> {
-        self.capture_graph(bucket)?;
-        if let Some(g) = self.graphs.get(&bucket) {
+        let split = self.counts.split;
+        self.capture_graph(bucket, split)?;
+        if let Some(g) = self.graphs.get(&(bucket, split)) {
             g.launch()?;
         }
         Ok(())
@@ -1334,7 +1350,10 @@ fn build_meta(
         n_rows += 1;
     }
     let one_token_each = seqs.iter().all(|s| s.num_tokens <= 1);
-    Ok((tables, StepCounts { decode: n_decode, work: n_work, one_token_each }))
+    // Split the row attention when a listed token's context is long enough to take two ranges.
+    let longest = (0..n_decode).map(|i| hm[m.positions + hm[m.decode_list + i] as usize] as usize + 1).max();
+    let split = attention_split_most(n_decode) > 1 && longest.is_some_and(|ctx| ctx > SPLIT_KEYS);
+    Ok((tables, StepCounts { decode: n_decode, work: n_work, one_token_each, split }))
 }
 
 /// Counts of the last prepared step.
@@ -1346,6 +1365,19 @@ struct StepCounts {
     work: usize,
     /// Every sequence brings at most one token (a pure decode step).
     one_token_each: bool,
+    /// The row-wise attention splits long contexts over several blocks ([`attention_split_most`]).
+    split: bool,
+}
+
+/// Keys per range of a split decode attention before a token's context gets another range.
+const SPLIT_KEYS: usize = 256;
+
+/// Most key ranges per token for a row-attention launch over `decode` tokens: enough blocks
+/// for about 16 ranges' worth per head in all, so batch 1 splits up to 16 ways and batches of
+/// 16 or more not at all. Taken on the power of two at or above `decode`, so a CUDA-graph
+/// step (padded to its bucket) and the same step launched kernel by kernel agree.
+fn attention_split_most(decode: usize) -> usize {
+    (16 / decode.max(1).next_power_of_two()).max(1)
 }
 
 #[cfg(test)]
@@ -1404,6 +1436,37 @@ mod tests {
             assert_eq!(&tables[t * 2..t * 2 + 2], &[0, 0]);
         }
         assert_eq!(&header[m.rows..m.rows + 4], &[0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn long_decode_contexts_split_the_row_attention_at_small_batches() {
+        let m = MetaLayout::new(64, 32);
+        let mut header = vec![0; m.tables];
+        let table: Vec<u32> = (0..100).collect();
+        let limits = MetaLimits { block_size: 4, max_positions: 1000, table_width: 100, flash: true };
+        let step = |header: &mut Vec<i32>, pos: usize, seqs_n: usize| {
+            let seqs: Vec<SeqBatch<'_>> = (0..seqs_n)
+                .map(|i| SeqBatch {
+                    token_start: i,
+                    num_tokens: 1,
+                    first_pos: pos,
+                    block_table: &table,
+                    want_logits: true,
+                })
+                .collect();
+            let ids = vec![1u32; seqs_n];
+            build_meta(&m, header, &limits, &ids, &seqs, seqs_n, seqs_n).unwrap().1
+        };
+        // Context SPLIT_KEYS (position SPLIT_KEYS - 1) fits one range; one more key takes two.
+        assert!(!step(&mut header, SPLIT_KEYS - 1, 1).split);
+        assert!(step(&mut header, SPLIT_KEYS, 1).split);
+        assert!(step(&mut header, SPLIT_KEYS, 8).split);
+        // From 16 sequences on, one block per head is already plenty.
+        assert!(!step(&mut header, SPLIT_KEYS, 16).split);
+        assert_eq!(
+            (1..=16).map(attention_split_most).collect::<Vec<_>>(),
+            [16, 8, 4, 4, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1]
+        );
     }
 
     #[test]

@@ -643,13 +643,17 @@ extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias,
 // conflicts), one warp per head keeps that head's softmax state, and for P.V the four warps
 // take every fourth key (lane l holds output dimensions [l * E, l * E + E)); their partial
 // sums are added in warp order at the end (a fixed order, so results do not vary from run to
-// run). Head size and G are template parameters: no predicated-off work.
-// Grid: (tokens, heads / G). Block: 128. head_dim = 32 * E. Dynamic shared memory:
-// ATTN_SMEM_BYTES(head_dim).
+// run). Head size and G are template parameters: no predicated-off work. Launched with shared
+// memory for two chunks (head size <= 128), the block double-buffers: the next chunk's copy
+// goes out as soon as the current one has arrived, so on long contexts it overlaps the current
+// chunk's arithmetic. The launch chooses (ops::attention_stages): two buffers halve the blocks
+// that fit on a multiprocessor, which costs a second wave on a full grid.
+// Grid: (tokens, heads / G). Block: 128. head_dim = 32 * E. Dynamic shared memory: one or two
+// times ATTN_STAGE_BYTES(head_dim).
 #define ATTN_CHUNK 64
 #define ATTN_WARPS 4
 #define ATTN_STRIDE(HD) ((HD) + 8)
-#define ATTN_SMEM_BYTES(HD) (2 * ATTN_CHUNK * ATTN_STRIDE(HD) * 2)
+#define ATTN_STAGE_BYTES(HD) (2 * ATTN_CHUNK * ATTN_STRIDE(HD) * 2)
 // With `rope.qkv` set (decode steps where every sequence brings one token), the block also does
 // qkv_rope_cache's work for its query heads and their KV head straight from the qkv
 // projection: the new token's key and value stay in shared memory for its own (last)
@@ -662,6 +666,16 @@ struct RopeIn {
     float eps;
 };
 
+// Split key ranges (`part` set; grid z = the most splits): token t's context is cut into
+// attn_splits(ctx) ranges of about equal length, one per block along z (blocks past it exit),
+// and each block leaves its unnormalised partial [m, l, acc[head_dim]] per head in `part`
+// ([list index][head][z][head_dim + 2] f32); attention_combine merges them in split order. A
+// token's splits depend only on its own context (and the grid's z), so its result does not
+// depend on its neighbours; with one split the merge gives the unsplit kernel's values.
+__device__ __forceinline__ int attn_splits(int ctx, int most, int split_keys) {
+    return max(1, min(most, (ctx + split_keys - 1) / split_keys));
+}
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     u32 d = (u32)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem));
@@ -671,11 +685,15 @@ template <int G, int E>
 __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16* out, const int* positions,
                                                const int* tok_seq, const int* block_tables, const int* meta_stride,
                                                const int* token_list, int num_heads, int num_kv_heads, int layer,
-                                               int num_layers, int block_size, float scale, RopeIn rope) {
+                                               int num_layers, int block_size, float scale, RopeIn rope, float* part,
+                                               int split_keys) {
     constexpr int HD = 32 * E, STRIDE = ATTN_STRIDE(HD);
     extern __shared__ __align__(16) unsigned char attn_smem[];
-    bf16* ks = reinterpret_cast<bf16*>(attn_smem);
-    bf16* vs = ks + ATTN_CHUNK * STRIDE;
+    u32 dynamic_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem));
+    const int stages = HD <= 128 && dynamic_smem >= 2 * ATTN_STAGE_BYTES(HD) ? 2 : 1;
+    // Buffer b: keys at kbuf(b), values ATTN_CHUNK rows further.
+    auto kbuf = [&](int b) { return reinterpret_cast<bf16*>(attn_smem) + b * 2 * ATTN_CHUNK * STRIDE; };
     // Scaled queries; reused at the end to add up the warps' partial outputs.
     __shared__ float qs[G][HD];
     __shared__ float ps[G][ATTN_CHUNK];
@@ -686,12 +704,22 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     int group = num_heads / num_kv_heads, kh = h0 / group;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int ctx = positions[t] + 1;
+    // This block's keys: [k0, k1).
+    int k0 = 0, k1 = ctx;
+    if (part) {
+        int splits = attn_splits(ctx, gridDim.z, split_keys), len = (ctx + splits - 1) / splits;
+        if ((int)blockIdx.z >= splits) return;
+        k0 = blockIdx.z * len;
+        k1 = min(ctx, k0 + len);
+    }
     const int* table = block_tables + (u64)tok_seq[t] * meta_stride[0];
     bool fused = rope.qkv != nullptr;
-    // Keys read from the cache: all of the context, but for the new token's when fused (this
+    // Keys read from the cache: all of the range, but for the new token's when fused (this
     // launch writes it; the block has it in new_kv).
-    int cached = fused ? ctx - 1 : ctx;
-    auto stage = [&](int start) {
+    int cached = fused ? min(k1, ctx - 1) : k1;
+    auto stage = [&](int start, int b) {
+        bf16* ks = kbuf(b);
+        bf16* vs = ks + ATTN_CHUNK * STRIDE;
         int n = min(ATTN_CHUNK, cached - start);
         for (int c = tid; c < n * (HD / 8); c += blockDim.x) {
             int r = c / (HD / 8), part = (c % (HD / 8)) * 8;
@@ -704,7 +732,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
-    stage(0);
+    stage(k0, 0);
     if (fused) {
         // Warp w < G: query head h0 + w; then the key head and the value head.
         int slot = rope.slots[t];
@@ -719,7 +747,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
             } else {
                 int kv = task - G;
                 store_e(&new_kv[kv][lane * E], v, E);
-                if (slot >= 0 && h0 % group == 0)
+                if (slot >= 0 && h0 % group == 0 && blockIdx.z == 0)
                     store_e(cache + kv_offset(slot / block_size, slot % block_size, layer, kv, kh, num_layers,
                                               num_kv_heads, block_size, HD) +
                                 lane * E,
@@ -741,10 +769,15 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     for (int g = 0; g < G; ++g)
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
-    for (int start = 0; start < ctx; start += ATTN_CHUNK) {
-        int n = min(ATTN_CHUNK, ctx - start);
+    for (int start = k0, chunk = 0; start < k1; start += ATTN_CHUNK, ++chunk) {
+        int n = min(ATTN_CHUNK, k1 - start);
+        int b = stages == 2 ? chunk & 1 : 0;
+        const bf16* ks = kbuf(b);
+        const bf16* vs = ks + ATTN_CHUNK * STRIDE;
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         __syncthreads();
+        // The other buffer was last read before the barrier that ended the previous chunk.
+        if (stages == 2 && start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK, b ^ 1);
         if (tid < n) {
             const bf16* k = fused && start + tid == ctx - 1 ? new_kv[0] : ks + tid * STRIDE;
             float dot[G];
@@ -804,7 +837,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
             }
         }
         __syncthreads();
-        if (start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK);
+        if (stages == 1 && start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK, 0);
     }
     // Add the warps' partial outputs in warp order, then normalise.
     for (int w = 0; w < ATTN_WARPS; ++w) {
@@ -816,6 +849,14 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         }
         __syncthreads();
     }
+    if (part) {
+        for (int i = tid; i < G * (HD + 2); i += blockDim.x) {
+            int g = i / (HD + 2), d = i % (HD + 2);
+            float* p = part + (((u64)blockIdx.x * num_heads + h0 + g) * gridDim.z + blockIdx.z) * (HD + 2);
+            p[d] = d == 0 ? m_s[g] : (d == 1 ? l_s[g] : qs[g][d - 2]);
+        }
+        return;
+    }
     for (int i = tid; i < G * HD; i += blockDim.x) {
         int g = i / HD, d = i % HD;
         float inv = l_s[g] > 0.0f ? 1.0f / l_s[g] : 0.0f;
@@ -823,16 +864,40 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     }
 }
 
+// Merges split attention partials (see attn_splits) in split order: out = sum_s acc_s w_s /
+// sum_s l_s w_s with w_s = exp(m_s - max m). With one split, w = 1 and this is the unsplit
+// kernel's out = acc * (1 / l), bit for bit. Grid: (listed tokens, heads). Block: head_dim.
+extern "C" __global__ void attention_combine(const float* part, bf16* out, const int* positions,
+                                             const int* token_list, int num_heads, int head_dim, int most,
+                                             int split_keys) {
+    PDL_ENTER();
+    int t = token_list ? token_list[blockIdx.x] : blockIdx.x;
+    int h = blockIdx.y, d = threadIdx.x;
+    int splits = attn_splits(positions[t] + 1, most, split_keys);
+    const float* p = part + ((u64)blockIdx.x * num_heads + h) * most * (head_dim + 2);
+    float m = NEG_INF;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, p[s * (head_dim + 2)]);
+    float sum = 0.0f, l = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const float* ps = p + s * (head_dim + 2);
+        float w = __expf(ps[0] - m);
+        sum += ps[2 + d] * w;
+        l += ps[1] * w;
+    }
+    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    out[((u64)t * num_heads + h) * head_dim + d] = f2bf(sum * inv);
+}
+
 #define ATTENTION_ROWS(G, E)                                                                                     \
     extern "C" __global__ void __launch_bounds__(128) attention_rows_g##G##_e##E(                                \
         const bf16* q, bf16* cache, bf16* out, const int* positions, const int* tok_seq, const int* block_tables, \
         const int* meta_stride, const int* token_list, int num_heads, int num_kv_heads, int layer, int num_layers, \
         int block_size, float scale, const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, \
-        const float* cos_t, const float* sin_t, const int* slots, float eps) {                                    \
+        const float* cos_t, const float* sin_t, const int* slots, float eps, float* part, int split_keys) {       \
         PDL_ENTER();                                                                                             \
         RopeIn rope = {qkv, qkv_bias, q_norm, k_norm, cos_t, sin_t, slots, eps};                                 \
         attention_rows<G, E>(q, cache, out, positions, tok_seq, block_tables, meta_stride, token_list, num_heads, \
-                             num_kv_heads, layer, num_layers, block_size, scale, rope);                          \
+                             num_kv_heads, layer, num_layers, block_size, scale, rope, part, split_keys);        \
     }
 #define ATTENTION_ROWS_ALL_E(G)                                                                                \
     ATTENTION_ROWS(G, 1) ATTENTION_ROWS(G, 2) ATTENTION_ROWS(G, 3) ATTENTION_ROWS(G, 4) ATTENTION_ROWS(G, 5) \

@@ -31,6 +31,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "add_rms_norm",
     "silu_mul",
     "interleave_rows",
+    "attention_combine",
     "add_bias",
     "gemv_norm_bf16_m1",
     "gemv_norm_bf16_m1_pipe",
@@ -346,7 +347,7 @@ impl CudaDevice {
             let e: usize = name.rsplit("_e").next().and_then(|e| e.parse().ok()).unwrap_or(8);
             funcs[name].set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                ops::attention_rows_smem_bytes(32 * e) as i32,
+                ops::attention_rows_smem_bytes(32 * e, ops::attention_max_stages(32 * e)) as i32,
             )?;
         }
         // The decode projections stage their input rows in shared memory (M x K bf16).

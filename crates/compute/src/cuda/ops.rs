@@ -452,6 +452,25 @@ pub struct AttnShape {
     pub block_size: usize,
 }
 
+/// Split key ranges for [`attention_rows`] (see `attn_splits` in kernels.cu): a token with a
+/// context of `ctx` keys is cut into `min(most, ceil(ctx / split_keys))` ranges worked by
+/// separate blocks, whose partials in `part` a second kernel merges. For long contexts at small
+/// batches, where one block per head walking the whole context leaves the device idle.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnSplit {
+    /// `[listed tokens][heads][most][head_dim + 2]` f32 scratch ([`attention_split_floats`]).
+    pub part: u64,
+    /// Most ranges per token (the launch's grid z).
+    pub most: usize,
+    /// Keys per range before a token gets another.
+    pub split_keys: usize,
+}
+
+/// f32 elements of [`AttnSplit::part`] for `tokens` listed tokens.
+pub fn attention_split_floats(tokens: usize, num_heads: usize, head_dim: usize, most: usize) -> usize {
+    tokens * num_heads * most * (head_dim + 2)
+}
+
 /// Inputs of the fused q/k-norm + RoPE + cache-write kernel.
 #[derive(Clone, Copy, Debug)]
 pub struct QkvRope {
@@ -553,6 +572,7 @@ pub fn attention_rows(
     count: usize,
     s: &AttnShape,
     rope: Option<&QkvRope>,
+    split: Option<AttnSplit>,
 ) -> Result<(), CudaError> {
     if count == 0 {
         return Ok(());
@@ -581,10 +601,13 @@ pub fn attention_rows(
     let r = rope.unwrap_or(&none);
     let scale = 1.0 / (s.head_dim as f32).sqrt();
     let name = format!("attention_rows_g{g}_e{e}");
+    let (part, most, split_keys) = split.map_or((0, 1, 0), |sp| (sp.part, sp.most.max(1), sp.split_keys.max(1)));
+    let (_, smem_per_sm) = dev.gemv_smem();
+    let stages = attention_stages(dev.sm_count() as usize, smem_per_sm, count * (s.num_heads / g), s.head_dim);
     let config = LaunchConfig {
-        grid_dim: (count as u32, (s.num_heads / g) as u32, 1),
+        grid_dim: (count as u32, (s.num_heads / g) as u32, most as u32),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: attention_rows_smem_bytes(s.head_dim),
+        shared_mem_bytes: attention_rows_smem_bytes(s.head_dim, stages),
     };
     launch!(
         dev,
@@ -611,7 +634,25 @@ pub fn attention_rows(
         r.cos,
         r.sin,
         r.slots,
-        r.eps
+        r.eps,
+        part,
+        split_keys as i32
+    )?;
+    if part == 0 {
+        return Ok(());
+    }
+    launch!(
+        dev,
+        "attention_combine",
+        cfg((count as u32, s.num_heads as u32), s.head_dim as u32),
+        part,
+        out,
+        m.positions,
+        token_list,
+        s.num_heads as i32,
+        s.head_dim as i32,
+        most as i32,
+        split_keys as i32
     )
 }
 
@@ -635,10 +676,39 @@ pub struct PrefillSeqs {
     pub seq_pos: u64,
 }
 
-/// Dynamic shared memory of the decode attention kernel for `head_dim` (ATTN_SMEM_BYTES in
-/// kernels.cu: one chunk of 64 keys and values, rows padded by 8 elements).
-pub fn attention_rows_smem_bytes(head_dim: usize) -> u32 {
-    (2 * 64 * (head_dim + 8) * 2) as u32
+/// Dynamic shared memory of the decode attention kernel for `head_dim` with `stages` chunk
+/// buffers (ATTN_STAGE_BYTES in kernels.cu: 64 keys and values, rows padded by 8 elements).
+pub fn attention_rows_smem_bytes(head_dim: usize, stages: usize) -> u32 {
+    (stages * 2 * 64 * (head_dim + 8) * 2) as u32
+}
+
+/// The most chunk buffers the decode attention kernel uses for `head_dim` (two up to 128).
+pub fn attention_max_stages(head_dim: usize) -> usize {
+    if head_dim <= 128 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Chunk buffers for a decode attention launch of `blocks` (token, head group) blocks: two
+/// (copies overlap arithmetic) when every block still fits on the device at once with them,
+/// else one (twice the blocks per multiprocessor: a full grid runs in one wave). Split ranges
+/// are not counted: the splits a context needs are not known at capture, and the blocks past
+/// them exit at once. `TANDEM_ATTN_STAGES=1|2` overrides the choice (for measurement).
+fn attention_stages(sm_count: usize, smem_per_sm: usize, blocks: usize, head_dim: usize) -> usize {
+    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let max = attention_max_stages(head_dim);
+    if let Some(forced) = *OVERRIDE.get_or_init(|| std::env::var("TANDEM_ATTN_STAGES").ok()?.parse().ok()) {
+        return forced.clamp(1, max);
+    }
+    // Static shared memory (queries, scores, the new key and value) stays under 4 KiB per block.
+    let per_sm = smem_per_sm / (attention_rows_smem_bytes(head_dim, 2) as usize + 4096);
+    if max == 2 && blocks <= per_sm * sm_count {
+        2
+    } else {
+        1
+    }
 }
 
 /// Dynamic shared memory of the prefill kernel for `head_dim` (FLASH_SMEM_BYTES in kernels.cu).
