@@ -18,6 +18,10 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
     }
     for arch in ["sm_90", "sm_80"] {
         let cubin = cuda::compile_kernels(arch).unwrap_or_else(|e| panic!("{e}"));
+        // scripts/dev/sass_loops.sh reads the image (spills inside loops, per kernel).
+        if let Some(dir) = std::env::var_os("TANDEM_DUMP_CUBIN") {
+            std::fs::write(std::path::Path::new(&dir).join(format!("kernels_{arch}.cubin")), &cubin).unwrap();
+        }
         // An ELF image that names every kernel the loader will ask for.
         assert_eq!(&cubin[..4], b"\x7fELF", "{arch}: not a CUBIN");
         let text = String::from_utf8_lossy(&cubin);
