@@ -180,8 +180,10 @@ pub fn run(
         let mut rxs = Vec::new();
         for b in 0..batch {
             let (tx, rx) = unbounded_channel();
-            // Only bench-built requests reach this engine; they fit its limits by construction.
-            let _ = core.add_request(request(format!("d{batch}-{b}"), prompt(b as u32, prompt_len), decode_len), tx);
+            let req = request(format!("d{batch}-{b}"), prompt(b as u32, prompt_len), decode_len);
+            if let Err(e) = core.add_request(req, tx) {
+                return Err(format!("decode at batch {batch}: the engine refused a {prompt_len}-token prompt: {e}"));
+            }
             rxs.push(rx);
         }
         // First step prefills all prompts; then two warm-up decode steps.
@@ -221,7 +223,10 @@ pub fn run(
     let mut best = f64::INFINITY;
     for r in 0..cfg.prefill_repeats.max(1) {
         let (tx, mut rx) = unbounded_channel();
-        let _ = core.add_request(request(format!("p{r}"), prompt(1000 + r as u32, cfg.prefill_tokens), 1), tx);
+        let req = request(format!("p{r}"), prompt(1000 + r as u32, cfg.prefill_tokens), 1);
+        if let Err(e) = core.add_request(req, tx) {
+            return Err(format!("prefill: the engine refused a {}-token prompt: {e}", cfg.prefill_tokens));
+        }
         let t = Instant::now();
         core.step();
         best = best.min(t.elapsed().as_secs_f64());

@@ -122,6 +122,10 @@ fn bad_input_fails_with_a_message() {
         (&["generate", "--prompt", "x", "--num-kv-blocks", "0"], "no blocks"),
         (&["generate", "--prompt", "x", "--device", "tpu:0"], "unknown device `tpu:0`"),
         (&["serve", "--role", "prefill", "--device", "cuda:0"], "--role prefill needs --device cpu"),
+        (
+            &["bench", "engine", "--model", "preset:tiny-qwen3", "--batch", "1", "--decode-prompt-tokens", "5000"],
+            "the engine refused a 5000-token prompt",
+        ),
     ];
     for (args, needle) in cases {
         let out = tandem().args(*args).output().unwrap();
