@@ -9,7 +9,11 @@
 #   matrix "label:VAR=value ..." ...: kernel and model tests, then the decode step under each setting
 #   (PROFILE=1 among the settings adds the step's kernel profile, DECODE_PROMPT=n sets the decode
 #   sequences' prompt length, TANDEM_EXE=path runs another tandem binary; SKIP_TESTS=1 in the
-#   environment skips the tests).
+#   environment skips the tests);
+#   ncu "label:VAR=value ..." ...: Nsight Compute on a batch-1 decode under each setting (the first
+#   NCU_COUNT, default 40, launches of kernels matching NCU_KERNELS, default gemv, attention and
+#   the persistent kernel): per kernel its duration, DRAM throughput, occupancy, hit rates and
+#   top warp stall reasons (scripts/gpu/ncu_table.py; raw CSV in $OUT/ncu_LABEL.csv).
 #
 # Runs the kernel, model and engine GPU tests (failing if no GPU is usable), the transformers
 # comparison, `tandem bench engine` on preset:qwen3-4b with its floors, and the same shapes in
@@ -46,6 +50,26 @@ if [ "$MODE" = matrix ]; then
         > "$OUT/matrix_$label.log" 2>&1 )
     note "$label: $(grep -E '^(1|64) +[0-9]' "$OUT/matrix_$label.log" | tr -s ' ' | tr '\n' '|')"
     grep -E "^ *fused|plan sweep: down" "$OUT/matrix_$label.log" | grep -v pipelined | sed "s/^/  $label /"
+  done
+  exit $status
+fi
+if [ "$MODE" = ncu ]; then
+  shift
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 2; }
+  for spec in "$@"; do
+    label=${spec%%:*}
+    ( export ${spec#*:}
+      timeout 500 "$NCU" --clock-control none --graph-profiling node \
+        -k "regex:${NCU_KERNELS:-gemv|attention|decode_persistent}" --launch-count "${NCU_COUNT:-40}" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        --section LaunchStats --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        --csv --page details --print-units base \
+        "${TANDEM_EXE:-$BIN/tandem}" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1 --decode-steps 4 \
+        --decode-prompt-tokens "${DECODE_PROMPT:-16}" --prefill-tokens 16 > "$OUT/ncu_$label.csv" 2> "$OUT/ncu_$label.err" ) \
+      || { note "ncu $label failed"; tail -5 "$OUT/ncu_$label.err"; tail -5 "$OUT/ncu_$label.csv"; status=1; }
+    note "ncu $label:"
+    python3 scripts/gpu/ncu_table.py "$OUT/ncu_$label.csv" | tee -a "$OUT/summary.txt"
   done
   exit $status
 fi
