@@ -13,7 +13,9 @@
 #   ncu "label:VAR=value ..." ...: Nsight Compute on a batch-1 decode under each setting (the first
 #   NCU_COUNT, default 40, launches of kernels matching NCU_KERNELS, default gemv, attention and
 #   the persistent kernel): per kernel its duration, DRAM throughput, occupancy, hit rates and
-#   top warp stall reasons (scripts/gpu/ncu_table.py; raw CSV in $OUT/ncu_LABEL.csv).
+#   top warp stall reasons (scripts/gpu/ncu_table.py; raw CSV in $OUT/ncu_LABEL.csv);
+#   sanitize [TOOL [TEST_FILTER]]: the kernel tests (those matching TEST_FILTER) under
+#   compute-sanitizer's TOOL (memcheck, the default; racecheck, initcheck, synccheck).
 #
 # Runs the kernel, model and engine GPU tests (failing if no GPU is usable), the transformers
 # comparison, `tandem bench engine` on preset:qwen3-4b with its floors, and the same shapes in
@@ -72,6 +74,17 @@ if [ "$MODE" = ncu ]; then
     python3 scripts/gpu/ncu_table.py "$OUT/ncu_$label.csv" | tee -a "$OUT/summary.txt"
   done
   exit $status
+fi
+if [ "$MODE" = sanitize ]; then
+  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  [ -n "$SAN" ] || { echo "no compute-sanitizer on this machine"; exit 2; }
+  tool=${2:-memcheck}
+  timeout 580 "$SAN" --tool "$tool" --error-exitcode 99 "$BIN/cuda_kernels" ${3:-} --test-threads=1 \
+    > "$OUT/sanitize_$tool.log" 2>&1
+  rc=$?
+  note "compute-sanitizer $tool on cuda_kernels ${3:-}: exit $rc ($(grep -c '^=========  *[A-Z]' "$OUT/sanitize_$tool.log") report lines)"
+  grep -m 20 -A4 "^========= [A-Z]" "$OUT/sanitize_$tool.log"; tail -3 "$OUT/sanitize_$tool.log"
+  exit $rc
 fi
 if [ "$MODE" = tune ]; then
   # Decode-projection tuning: the kernel tests, then the batch-1 profile with every plan of the
