@@ -55,23 +55,29 @@ if [ "$MODE" = matrix ]; then
   done
   exit $status
 fi
+# Nsight Compute on a batch-1 decode (the first NCU_COUNT launches of kernels matching
+# NCU_KERNELS), summarised per kernel. Arguments: a label, then VAR=value settings.
+ncu_decode() {
+  local label=$1; shift
+  local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$NCU" ] || { note "no ncu on this machine"; return 2; }
+  ( [ $# -gt 0 ] && export "$@"
+    timeout 500 "$NCU" --clock-control none --graph-profiling node \
+      -k "regex:${NCU_KERNELS:-gemv|attention|decode_persistent}" --launch-count "${NCU_COUNT:-40}" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+      --section LaunchStats --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+      --csv --page details --print-units base \
+      "${TANDEM_EXE:-$BIN/tandem}" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1 --decode-steps 4 \
+      --decode-prompt-tokens "${DECODE_PROMPT:-16}" --prefill-tokens 16 > "$OUT/ncu_$label.csv" 2> "$OUT/ncu_$label.err" ) \
+    || { note "ncu $label failed"; tail -5 "$OUT/ncu_$label.err"; tail -5 "$OUT/ncu_$label.csv"; return 1; }
+  note "ncu $label:"
+  python3 scripts/gpu/ncu_table.py "$OUT/ncu_$label.csv" | tee -a "$OUT/summary.txt"
+}
 if [ "$MODE" = ncu ]; then
   shift
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 2; }
   for spec in "$@"; do
-    label=${spec%%:*}
-    ( export ${spec#*:}
-      timeout 500 "$NCU" --clock-control none --graph-profiling node \
-        -k "regex:${NCU_KERNELS:-gemv|attention|decode_persistent}" --launch-count "${NCU_COUNT:-40}" \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-        --section LaunchStats --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-        --csv --page details --print-units base \
-        "${TANDEM_EXE:-$BIN/tandem}" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1 --decode-steps 4 \
-        --decode-prompt-tokens "${DECODE_PROMPT:-16}" --prefill-tokens 16 > "$OUT/ncu_$label.csv" 2> "$OUT/ncu_$label.err" ) \
-      || { note "ncu $label failed"; tail -5 "$OUT/ncu_$label.err"; tail -5 "$OUT/ncu_$label.csv"; status=1; }
-    note "ncu $label:"
-    python3 scripts/gpu/ncu_table.py "$OUT/ncu_$label.csv" | tee -a "$OUT/summary.txt"
+    # shellcheck disable=SC2086  # the settings split into VAR=value words
+    ncu_decode "${spec%%:*}" ${spec#*:} || status=1
   done
   exit $status
 fi
@@ -136,13 +142,7 @@ if [ "$MODE" != quick ]; then
     && note "decode at 1024-token context: $(grep -E '^(1|64) +[0-9]' "$OUT/bench_ctx1024.log" | tr -s ' ' | tr '\n' '|')" \
     || { note "bench at 1024-token context failed"; tail -10 "$OUT/bench_ctx1024.log"; }
   if [ "$MODE" = bench ]; then
-    # Kernel durations of decode steps in isolation (Nsight Compute; Firecracker machines only).
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    [ -n "$NCU" ] && timeout 200 "$NCU" --clock-control none -k 'regex:attention_rows|add_rms_norm|qkv_rope_cache|silu_mul|gemv' \
-      --launch-skip 200 --launch-count 14 --metrics gpu__time_duration.sum,dram__bytes_read.sum \
-      "$BIN/tandem" generate --device cuda:0 --model preset:qwen3-4b --prompt-ids 1,2,3 --max-tokens 8 \
-      --enforce-eager --max-num-seqs 1 --max-num-batched-tokens 64 --max-model-len 1024 > "$OUT/ncu.log" 2>&1
-    grep -E "attention_rows|add_rms_norm|qkv_rope|silu_mul|gemv|gpu__time|dram__bytes" "$OUT/ncu.log" | head -60
+    ncu_decode default || true  # per-kernel counters of the decode step (Firecracker machines)
   fi
   if [ "$MODE" = full ]; then
     timeout 300 python3 scripts/gpu/torch_baseline.py "$OUT/torch_qwen3_4b.json" > "$OUT/torch.log" 2>&1 \
