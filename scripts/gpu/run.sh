@@ -14,6 +14,9 @@
 #   NCU_COUNT, default 40, launches of kernels matching NCU_KERNELS, default gemv, attention and
 #   the persistent kernel): per kernel its duration, DRAM throughput, occupancy, hit rates and
 #   top warp stall reasons (scripts/gpu/ncu_table.py; raw CSV in $OUT/ncu_LABEL.csv);
+#   ncu-src KERNEL_REGEX "VAR=value ...": Nsight Compute's per-instruction warp stall samples of
+#   one launch of the matching kernel in a batch-1 decode, summarised by SASS basic block
+#   (scripts/gpu/ncu_hot.py; raw CSV in $OUT/ncu_src.csv): where its warps wait;
 #   sanitize [TOOL [TEST_FILTER]]: the kernel tests (those matching TEST_FILTER) under
 #   compute-sanitizer's TOOL (memcheck, the default; racecheck, initcheck, synccheck).
 #
@@ -63,7 +66,7 @@ ncu_decode() {
   [ -n "$NCU" ] || { note "no ncu on this machine"; return 2; }
   ( [ $# -gt 0 ] && export "$@"
     timeout 500 "$NCU" --clock-control none --graph-profiling node \
-      -k "regex:${NCU_KERNELS:-gemv|attention|decode_persistent}" --launch-count "${NCU_COUNT:-40}" \
+      -k "regex:${NCU_KERNELS:-gemv|attention|decode_persistent|decode_ring}" --launch-count "${NCU_COUNT:-40}" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
       --section LaunchStats --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
       --csv --page details --print-units base \
@@ -80,6 +83,19 @@ if [ "$MODE" = ncu ]; then
     ncu_decode "${spec%%:*}" ${spec#*:} || status=1
   done
   exit $status
+fi
+if [ "$MODE" = ncu-src ]; then
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 2; }
+  # shellcheck disable=SC2086  # the settings split into VAR=value words
+  ( [ -n "${3:-}" ] && export ${3}
+    timeout 500 "$NCU" --clock-control none -k "regex:${2:?kernel regex}" --launch-skip 2 --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+      "${TANDEM_EXE:-$BIN/tandem}" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1 --decode-steps 4 \
+      --decode-prompt-tokens "${DECODE_PROMPT:-16}" --prefill-tokens 16 > "$OUT/ncu_src.csv" 2> "$OUT/ncu_src.err" ) \
+    || { note "ncu-src failed"; tail -5 "$OUT/ncu_src.err"; exit 1; }
+  python3 scripts/gpu/ncu_hot.py "$OUT/ncu_src.csv" 25 | tee -a "$OUT/summary.txt"
+  exit 0
 fi
 if [ "$MODE" = sanitize ]; then
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
