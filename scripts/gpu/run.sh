@@ -17,6 +17,8 @@
 #   ncu-src KERNEL_REGEX "VAR=value ...": Nsight Compute's per-instruction warp stall samples of
 #   one launch of the matching kernel in a batch-1 decode, summarised by SASS basic block
 #   (scripts/gpu/ncu_hot.py; raw CSV in $OUT/ncu_src.csv): where its warps wait;
+#   pd: only disaggregated serving on the GPU (scripts/gpu/pd_check.py; also part of every mode
+#   that runs the tests);
 #   sanitize [TOOL [TEST_FILTER]]: the kernel tests (those matching TEST_FILTER) under
 #   compute-sanitizer's TOOL (memcheck, the default; racecheck, initcheck, synccheck).
 #
@@ -76,6 +78,15 @@ ncu_decode() {
   note "ncu $label:"
   python3 scripts/gpu/ncu_table.py "$OUT/ncu_$label.csv" | tee -a "$OUT/summary.txt"
 }
+# Disaggregated serving on the GPU, as separate processes (prefill, decode, router; KV through
+# each engine's host copy of its GPU cache), against a colocated engine, push and pull.
+pd_check() {
+  timeout 400 python3 scripts/gpu/pd_check.py "$BIN/tandem" "$OUT" > "$OUT/pd.log" 2>&1 || status=1
+  while read -r line; do note "$line"; done < "$OUT/pd.log"
+}
+if [ "$MODE" = pd ]; then
+  pd_check; cat "$OUT/summary.txt"; exit $status
+fi
 if [ "$MODE" = ncu ]; then
   shift
   for spec in "$@"; do
@@ -147,6 +158,8 @@ for t in cuda_kernels cuda_model cuda_engine; do
 done
 grep -h "^diagnostic" "$OUT/hfref.log" | head -8; grep -h "^diagnostic transformers" "$OUT/hfref.log"
 grep -h "relative error\|tokens equal\|diverged\|shapes checked\|prompts matched\|worst logits" "$OUT/tests.log" | tail -50
+
+pd_check
 
 if [ "$MODE" != quick ]; then
   timeout 400 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \

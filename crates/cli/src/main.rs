@@ -89,8 +89,9 @@ fn resolve_device(spec: &str) -> Result<DeviceSpec> {
     spec.parse().map_err(anyhow::Error::msg)
 }
 
-/// Loads the model onto `--device` and sizes the engine around it.
-fn build_engine(m: &ModelArgs, e: &EngineArgs) -> Result<EngineParts> {
+/// Loads the model onto `--device` and sizes the engine around it. `host_kv_bytes`: a GPU
+/// engine keeps a host copy of its KV cache of at most this size, for the KV connector.
+fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<usize>) -> Result<EngineParts> {
     match resolve_device(&e.device)? {
         DeviceSpec::Cpu => {
             let model = load_model(m)?;
@@ -120,6 +121,7 @@ fn build_engine(m: &ModelArgs, e: &EngineArgs) -> Result<EngineParts> {
                 memory_utilization: e.gpu_memory_utilization,
                 num_blocks: e.num_kv_blocks,
                 cuda_graphs: !e.enforce_eager,
+                host_kv_bytes,
                 ..CudaOptions::default()
             };
             let t = Instant::now();
@@ -230,13 +232,16 @@ fn serve(a: ServeArgs) -> Result<()> {
         args::RoleArg::Prefill => 8100,
         args::RoleArg::Decode => 8200,
     });
-    if a.kv.role != args::RoleArg::Both && resolve_device(&a.engine.device)? != DeviceSpec::Cpu {
-        bail!(
-            "--role {} needs --device cpu for now: the KV connector moves KV from host memory, and on a GPU it lives in device memory",
-            format!("{:?}", a.kv.role).to_lowercase()
-        );
-    }
-    let parts = build_engine(&a.model, &a.engine)?;
+    // Prefill and decode on a GPU: transfers go through a host copy of the KV cache.
+    let host_kv_bytes = if a.kv.role == args::RoleArg::Both {
+        None
+    } else {
+        if !(a.kv.kv_host_gib.is_finite() && a.kv.kv_host_gib > 0.0) {
+            bail!("--kv-host-gib must be a positive number of GiB");
+        }
+        Some((a.kv.kv_host_gib * (1u64 << 30) as f64) as usize)
+    };
+    let parts = build_engine(&a.model, &a.engine, host_kv_bytes)?;
     let kv = kv_setup(&a.kv, port, &parts.fingerprint)?;
     let tokenizer = parts.tokenizer.map(Arc::new);
     let engine = tandem_engine::spawn_with(parts.model, parts.eos_token_ids, parts.max_model_len, parts.config, kv)
@@ -285,7 +290,7 @@ fn router(a: args::RouterArgs) -> Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    let parts = build_engine(&a.model, &a.engine)?;
+    let parts = build_engine(&a.model, &a.engine, None)?;
     let prompt_ids = match (&a.prompt, &a.prompt_ids) {
         (Some(text), _) => match &parts.tokenizer {
             Some(tok) => tok.encode(text, true)?,

@@ -121,7 +121,7 @@ fn bad_input_fails_with_a_message() {
         (&["generate", "--prompt", "x", "--kv-cache-memory", "lots"], "not a size"),
         (&["generate", "--prompt", "x", "--num-kv-blocks", "0"], "no blocks"),
         (&["generate", "--prompt", "x", "--device", "tpu:0"], "unknown device `tpu:0`"),
-        (&["serve", "--role", "prefill", "--device", "cuda:0"], "--role prefill needs --device cpu"),
+        (&["serve", "--role", "prefill", "--kv-host-gib", "0"], "--kv-host-gib must be a positive"),
         (
             &["bench", "engine", "--model", "preset:tiny-qwen3", "--batch", "1", "--decode-prompt-tokens", "5000"],
             "the engine refused a 5000-token prompt",

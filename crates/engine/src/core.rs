@@ -418,11 +418,20 @@ impl EngineCore {
             req.tokens.push(token);
             let finish = finish_reason(req, token, &self.eos_token_ids, self.limits.max_model_len);
             if finish.is_some() {
-                if let (Some(RemoteKv::Produce { transfer_id }), Some(c)) = (&req.remote, &self.connector) {
+                if let (Some(RemoteKv::Produce { transfer_id }), Some(connector)) = (&req.remote, &self.connector) {
                     // The prompt's KV now belongs to the connector, which frees it after the
                     // push write or when the pull lease ends.
                     let blocks = std::mem::replace(&mut req.blocks, self.scheduler.pool.empty_allocation());
                     let table = blocks.table();
+                    // A device cache: the connector reads the host copy, brought up to date first.
+                    if let Err(e) = self.model.kv_to_host(&table) {
+                        let reason = format!("copying the prompt's KV to host memory failed: {e}");
+                        tracing::error!(request_id = %c.id, %reason);
+                        connector.abandon(transfer_id.clone(), reason.clone());
+                        let _ = req.events.send(EngineEvent::Failed(reason));
+                        finished.push(c.id.clone());
+                        continue; // `blocks` goes back to the pool here
+                    }
                     let num_tokens = req.num_computed;
                     let _ = req.events.send(EngineEvent::KvProduced {
                         transfer_id: transfer_id.clone(),
@@ -430,7 +439,7 @@ impl EngineCore {
                         num_tokens,
                         first_token: token,
                     });
-                    c.produced(transfer_id.clone(), Box::new(blocks), table, num_tokens, token);
+                    connector.produced(transfer_id.clone(), Box::new(blocks), table, num_tokens, token);
                 }
             }
             let delivered = req.events.send(EngineEvent::Tokens { token_ids: vec![token], finish }).is_ok();
@@ -515,6 +524,14 @@ impl EngineCore {
                         continue;
                     }
                     self.scheduler.remote_waiting.retain(|r| r != &request_id);
+                    // A device cache: the KV landed in the host copy; load it (the blocks are the
+                    // engine's again: the connector sent `Ready` after its last write).
+                    if let Err(e) = self.model.kv_from_host(&req.blocks.table()) {
+                        let reason = format!("copying the prompt's KV from host memory failed: {e}");
+                        Self::remote_load_failed(&mut self.scheduler, self.load_failure, request_id, &reason);
+                        continue;
+                    }
+                    let Some(req) = self.scheduler.requests.get_mut(&request_id) else { continue };
                     req.status = RequestStatus::Running;
                     req.num_computed = req.prompt_len;
                     let us = |d: std::time::Duration| d.as_micros() as u64;
@@ -548,23 +565,30 @@ impl EngineCore {
                         continue;
                     }
                     self.scheduler.remote_waiting.retain(|r| r != &request_id);
-                    match self.load_failure {
-                        KvLoadFailure::Recompute => {
-                            tracing::warn!(request_id = %request_id, %reason, "remote KV failed; recomputing locally");
-                            req.blocks.release();
-                            req.num_computed = 0;
-                            req.remote = None;
-                            req.status = RequestStatus::Waiting;
-                            self.scheduler.waiting.push_back(request_id);
-                        }
-                        KvLoadFailure::Fail => {
-                            let _ = req.events.send(EngineEvent::Failed(format!(
-                                "loading the prompt's KV from prefill failed: {reason}"
-                            )));
-                            self.scheduler.requests.remove(&request_id);
-                        }
-                    }
+                    Self::remote_load_failed(&mut self.scheduler, self.load_failure, request_id, &reason);
                 }
+            }
+        }
+    }
+
+    /// A decode leg's KV will not come (or could not be loaded): recompute the prompt here, or
+    /// fail the request, as `--kv-load-failure` says. The connector no longer writes its blocks.
+    fn remote_load_failed(scheduler: &mut Scheduler, policy: KvLoadFailure, request_id: RequestId, reason: &str) {
+        let Some(req) = scheduler.requests.get_mut(&request_id) else { return };
+        match policy {
+            KvLoadFailure::Recompute => {
+                tracing::warn!(request_id = %request_id, %reason, "remote KV failed; recomputing locally");
+                req.blocks.release();
+                req.num_computed = 0;
+                req.remote = None;
+                req.status = RequestStatus::Waiting;
+                scheduler.waiting.push_back(request_id);
+            }
+            KvLoadFailure::Fail => {
+                let _ = req
+                    .events
+                    .send(EngineEvent::Failed(format!("loading the prompt's KV from prefill failed: {reason}")));
+                scheduler.requests.remove(&request_id);
             }
         }
     }

@@ -9,12 +9,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use rayon::prelude::*;
 use tandem_compute::cpu::RopeTable;
 use tandem_compute::cuda::ops::{
     self, AttnMeta, AttnShape, AttnSplit, Gemv, GemvInput, GemvOutput, PrefillSeqs, QkvRope, FLASH_ROWS,
 };
 use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf};
-use tandem_compute::{KvLayout, KvRegion};
+use tandem_compute::{KvCache, KvLayout, KvRegion};
 
 use crate::config::ModelConfig;
 use crate::presets::{tensor_stream, uniform_amplitude};
@@ -46,6 +47,10 @@ pub struct CudaOptions {
     /// SiLU and the residual add folded into hand-written GEMV kernels) instead of cuBLAS and
     /// separate kernels. Off only to compare the two paths.
     pub fused_decode: bool,
+    /// Keep a host copy of the KV cache for the KV connector (prefill and decode roles), of at
+    /// most this many bytes (f32, the connector's element type): the device cache is capped to
+    /// the blocks the copy can hold. `None`: no copy, and no KV transfer.
+    pub host_kv_bytes: Option<usize>,
 }
 
 impl Default for CudaOptions {
@@ -59,6 +64,7 @@ impl Default for CudaOptions {
             num_blocks: None,
             cuda_graphs: true,
             fused_decode: true,
+            host_kv_bytes: None,
         }
     }
 }
@@ -183,6 +189,8 @@ pub struct CudaModel {
     max_positions: usize,
     kv: DevBuf<u16>,
     layout: KvLayout,
+    /// The KV connector's host copy of the cache (P/D roles), f32.
+    host_kv: Option<KvCache>,
     act: Activations,
     meta: DevBuf<i32>,
     meta_layout: MetaLayout,
@@ -391,6 +399,7 @@ impl CudaModel {
 
         // The KV cache takes what the memory budget leaves, keeping room for cuBLAS and graphs.
         let block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * hd * opts.block_size * 2;
+        let host_cap = opts.host_kv_bytes.map(|bytes| bytes / (2 * block_bytes).max(1));
         let num_blocks = match opts.num_blocks {
             Some(n) => n,
             None => {
@@ -408,6 +417,20 @@ impl CudaModel {
                 dev.describe()
             )));
         }
+        // The host copy (f32: twice a bf16 block) bounds the device cache.
+        let num_blocks = match host_cap {
+            Some(0) => {
+                return Err(ModelError::Device(format!(
+                    "the host KV copy holds no block of {} bytes (raise --kv-host-gib)",
+                    2 * block_bytes
+                )))
+            }
+            Some(cap) if cap < num_blocks => {
+                tracing::info!(num_blocks, cap, "KV cache capped to what its host copy holds");
+                cap
+            }
+            _ => num_blocks,
+        };
         let layout = KvLayout {
             num_layers: cfg.num_layers,
             num_kv_heads: cfg.num_kv_heads,
@@ -416,6 +439,8 @@ impl CudaModel {
             num_blocks,
         };
         let kv = dev.zeros::<u16>(num_blocks * layout.block_elems())?;
+        // Zeroed lazily by the OS: pages are only backed once a transfer touches them.
+        let host_kv = opts.host_kv_bytes.map(|_| KvCache::new(layout));
         tracing::info!(
             num_blocks,
             kv_tokens = num_blocks * opts.block_size,
@@ -458,6 +483,7 @@ impl CudaModel {
             max_positions: spec.max_model_len,
             kv,
             layout,
+            host_kv,
             act,
             meta,
             meta_layout,
@@ -1168,7 +1194,53 @@ impl ModelRunner for CudaModel {
     }
 
     fn kv_region(&self) -> Option<Arc<KvRegion>> {
-        None
+        self.host_kv.as_ref().map(KvCache::region)
+    }
+
+    fn kv_to_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
+        let Some(host) = &self.host_kv else { return Ok(()) };
+        let region = host.region();
+        let n = self.layout.block_elems();
+        let mut bits = Vec::new();
+        for (first, count) in block_runs(blocks) {
+            check_run(&self.layout, first, count)?;
+            bits.resize(count * n, 0u16);
+            // Ordered after the forwards that wrote these blocks (same stream; waits for them).
+            self.dev.read_at(&self.kv, first * n, &mut bits)?;
+            // Safety: the engine owns these blocks (the trait's contract): the connector does not
+            // touch them until they are handed over after this returns.
+            let dst = unsafe { region.blocks_mut(first, count) };
+            // On the engine thread: spread over the host's cores (a long prompt is 1e8+ elements).
+            dst.par_chunks_mut(1 << 16).zip(bits.par_chunks(1 << 16)).for_each(|(d, b)| {
+                for (d, b) in d.iter_mut().zip(b) {
+                    *d = half::bf16::from_bits(*b).to_f32();
+                }
+            });
+        }
+        Ok(())
+    }
+
+    fn kv_from_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
+        let Some(host) = &self.host_kv else { return Ok(()) };
+        let region = host.region();
+        let n = self.layout.block_elems();
+        let mut bits = Vec::new();
+        for (first, count) in block_runs(blocks) {
+            check_run(&self.layout, first, count)?;
+            // Safety: the connector reported these blocks ready, so its writes are done and the
+            // engine owns them again (the trait's contract).
+            let src = unsafe { region.blocks(first, count) };
+            // Exact for KV that left a bf16 cache; anything else rounds as the cache would.
+            bits.resize(src.len(), 0);
+            bits.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(b, s)| {
+                for (b, s) in b.iter_mut().zip(s) {
+                    *b = half::bf16::from_f32(*s).to_bits();
+                }
+            });
+            // Stream-ordered before the next forward that reads these blocks.
+            self.dev.write(&mut self.kv, first * n, &bits)?;
+        }
+        Ok(())
     }
 
     fn fingerprint(&self) -> String {
@@ -1380,6 +1452,31 @@ fn attention_split_most(decode: usize) -> usize {
     (16 / decode.max(1).next_power_of_two()).max(1)
 }
 
+/// Runs of consecutive block ids in `blocks` (in order): `(first, count)`, so that a request's
+/// KV moves as a few large copies.
+fn block_runs(blocks: &[u32]) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &b in blocks {
+        match runs.last_mut() {
+            Some((first, count)) if *first + *count == b as usize => *count += 1,
+            _ => runs.push((b as usize, 1)),
+        }
+    }
+    runs
+}
+
+/// A run outside the cache is an engine bug; say so instead of panicking in the region.
+fn check_run(layout: &KvLayout, first: usize, count: usize) -> Result<(), ModelError> {
+    if first + count > layout.num_blocks {
+        return Err(ModelError::Device(format!(
+            "KV blocks {first}..{} are outside the cache of {} blocks",
+            first + count,
+            layout.num_blocks
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1478,5 +1575,12 @@ mod tests {
         assert!(build_meta(&m, &mut header, &limits(true), &[1], &seqs, 1, 1).is_err());
         let short = [SeqBatch { token_start: 0, num_tokens: 3, first_pos: 0, block_table: &table, want_logits: true }];
         assert!(build_meta(&m, &mut header, &limits(true), &[1], &short, 1, 1).is_err());
+    }
+
+    #[test]
+    fn block_runs_join_consecutive_ids() {
+        assert_eq!(block_runs(&[]), vec![]);
+        assert_eq!(block_runs(&[4, 5, 6, 9, 2, 3]), vec![(4, 3), (9, 1), (2, 2)]);
+        assert_eq!(block_runs(&[7, 7]), vec![(7, 1), (7, 1)]);
     }
 }

@@ -46,9 +46,21 @@ pub trait ModelRunner: Send {
     fn max_positions(&self) -> usize;
     /// The KV cache's shape (including its number of blocks).
     fn kv_layout(&self) -> KvLayout;
-    /// The KV memory as the connector sees it, when it lives in host memory. `None` for device
-    /// memory (KV transfer from GPU memory is not implemented yet).
+    /// The KV memory as the connector sees it: the cache itself when it lives in host memory,
+    /// or a host copy of a device cache (see [`ModelRunner::kv_to_host`]). `None`: this runner
+    /// offers none (a device cache set up without a host copy).
     fn kv_region(&self) -> Option<Arc<KvRegion>>;
+    /// Makes `kv_region`'s copy of `blocks` current, before the connector reads or sends them
+    /// (prefill, when a request's KV passes to the connector). Nothing to do where the region
+    /// is the cache itself. The caller owns the blocks: no forward uses them meanwhile.
+    fn kv_to_host(&mut self, _blocks: &[u32]) -> Result<(), ModelError> {
+        Ok(())
+    }
+    /// Loads `blocks` from `kv_region`'s copy into the cache, after the connector wrote them
+    /// (decode, when a request's KV has arrived). Nothing to do where the region is the cache.
+    fn kv_from_host(&mut self, _blocks: &[u32]) -> Result<(), ModelError> {
+        Ok(())
+    }
     /// Identifies the weights for KV compatibility checks.
     fn fingerprint(&self) -> String;
     /// Runs one batched forward over `token_ids` (all sequences' tokens, concatenated) and

@@ -47,6 +47,33 @@ async fn push_and_pull_equal_colocated_token_for_token() {
     wait_idle(&[&colocated]).await;
 }
 
+/// Engines whose KV cache is not the memory the connector moves (a GPU's: device memory with a
+/// host copy) give the colocated tokens too: prefill brings the host copy up to date before its
+/// KV passes to the connector, decode loads it once it arrived. Without either copy the decode
+/// side would run on stale or zero KV and these tokens would differ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn engines_with_a_host_kv_copy_equal_colocated_token_for_token() {
+    let http = reqwest::Client::new();
+    let reqs: Vec<_> = workload().into_iter().take(12).collect();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let want = run_all(&http, &colocated.url, &reqs).await;
+    for (mode, kv_mode, local) in [(TransferMode::Push, KvMode::Push, false), (TransferMode::Pull, KvMode::Pull, true)]
+    {
+        let k = Knobs { local, host_copied: true, ..Knobs::default() };
+        let p = engine_with(Some((Role::Prefill, kv_mode)), 16, k.clone()).await;
+        let d = engine_with(Some((Role::Decode, kv_mode)), 16, k).await;
+        let base = router(mode, &p, &d).await;
+        let got = run_all(&http, &base, &reqs).await;
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "{mode:?} local={local}: request {i}");
+        }
+        wait_idle(&[&p, &d]).await;
+        let ds = kv_stats_until(&d, "12 transfers", |s| s.transfers_ok == 12).await;
+        assert_eq!(ds.transfers_failed, 0);
+    }
+    wait_idle(&[&colocated]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn decode_answers_carry_the_transfer_timeline_and_metrics_count_it() {
     let http = reqwest::Client::new();

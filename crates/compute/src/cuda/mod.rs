@@ -481,6 +481,17 @@ impl CudaDevice {
         Ok(out)
     }
 
+    /// Copies `out.len()` elements of `src`, from element `offset`, to the host (waits for
+    /// queued work, so it sees every earlier write on the stream).
+    pub fn read_at<T: DeviceRepr>(&self, src: &DevBuf<T>, offset: usize, out: &mut [T]) -> Result<(), CudaError> {
+        assert!(offset + out.len() <= src.len(), "read of {}+{} elements from {}", offset, out.len(), src.len());
+        if !out.is_empty() {
+            self.stream.memcpy_dtoh(&src.slice.slice(offset..offset + out.len()), out)?;
+        }
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
     pub(crate) fn blas(&self) -> &CudaBlas {
         &self.blas
     }

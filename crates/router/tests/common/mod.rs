@@ -5,11 +5,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tandem_compute::{KvCache, KvLayout, KvRegion};
 use tandem_core::{EngineId, TransferMode};
 use tandem_engine::{EngineConfig, KvLoadFailure, KvSetup};
 use tandem_kv::tcp::Timeouts;
 use tandem_kv::{ConnectorConfig, FaultInjection, KvMode, Role};
-use tandem_model::{LoadedModel, ModelSource, Preset};
+use tandem_model::{
+    CpuRunner, LoadedModel, ModelConfig, ModelError, ModelRunner, ModelSource, Preset, SampleSpec, SeqBatch,
+};
 use tandem_router::{Router, RouterConfig};
 use tandem_server::AppState;
 
@@ -28,6 +31,12 @@ pub struct Knobs {
     pub budget: usize,
     /// Use the local transport (direct copies) instead of TCP bytes.
     pub local: bool,
+    /// Run the model through [`HostCopied`]: KV transfers see a host copy of the cache, as a
+    /// GPU engine's do.
+    pub host_copied: bool,
+    /// With `host_copied`: every copy between the cache and the host copy fails (as a device
+    /// copy error would).
+    pub host_copy_fails: bool,
 }
 
 impl Default for Knobs {
@@ -39,6 +48,8 @@ impl Default for Knobs {
             load_failure: KvLoadFailure::Fail,
             budget: 96,
             local: false,
+            host_copied: false,
+            host_copy_fails: false,
         }
     }
 }
@@ -72,7 +83,14 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
         },
         load_failure: k.load_failure,
     });
-    let handle = tandem_engine::spawn_with(m.transformer, m.eos_token_ids, m.max_model_len, cfg, kv).unwrap();
+    let model: tandem_engine::EngineModel = if k.host_copied {
+        let mut runner = HostCopied::new(CpuRunner::new(m.transformer, cfg.block_size, cfg.num_blocks));
+        runner.fail = k.host_copy_fails;
+        (Box::new(runner) as Box<dyn ModelRunner>).into()
+    } else {
+        m.transformer.into()
+    };
+    let handle = tandem_engine::spawn_with(model, m.eos_token_ids, m.max_model_len, cfg, kv).unwrap();
     let state = Arc::new(AppState::new(handle, m.tokenizer.map(Arc::new), "tiny".into()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -182,5 +200,78 @@ pub async fn kv_stats_until(
         }
         assert!(Instant::now() < deadline, "{}: no connector stats", e.url);
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The CPU runner with its KV cache standing in for a GPU's device memory: the KV connector
+/// gets a separate host copy (as a GPU engine's does), which only `kv_to_host` and
+/// `kv_from_host` move KV through. A disaggregated run is right only if the engine calls them
+/// at the right points: prefill before its KV passes to the connector, decode once it arrived.
+pub struct HostCopied {
+    inner: CpuRunner,
+    host: KvCache,
+    /// Fault injection: every copy fails.
+    pub fail: bool,
+}
+
+impl HostCopied {
+    pub fn new(inner: CpuRunner) -> Self {
+        let host = KvCache::new(inner.kv_layout());
+        Self { inner, host, fail: false }
+    }
+
+    /// Copies whole blocks from one region to another.
+    fn copy(from: &KvRegion, to: &KvRegion, blocks: &[u32]) {
+        for &b in blocks {
+            // Safety: the engine owns these blocks while it calls the hooks (the trait's
+            // contract): no forward and no transfer touches them meanwhile.
+            let (src, dst) = unsafe { (from.blocks(b as usize, 1), to.blocks_mut(b as usize, 1)) };
+            dst.copy_from_slice(src);
+        }
+    }
+}
+
+impl ModelRunner for HostCopied {
+    fn describe(&self) -> String {
+        format!("{} with a host KV copy", self.inner.describe())
+    }
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn max_positions(&self) -> usize {
+        self.inner.max_positions()
+    }
+    fn kv_layout(&self) -> KvLayout {
+        self.inner.kv_layout()
+    }
+    fn kv_region(&self) -> Option<Arc<KvRegion>> {
+        Some(self.host.region())
+    }
+    fn kv_to_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
+        if self.fail {
+            return Err(ModelError::Device("injected copy failure (to host)".into()));
+        }
+        let device = self.inner.kv_region().expect("the CPU runner's cache is host memory");
+        Self::copy(&device, &self.host.region(), blocks);
+        Ok(())
+    }
+    fn kv_from_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
+        if self.fail {
+            return Err(ModelError::Device("injected copy failure (from host)".into()));
+        }
+        let device = self.inner.kv_region().expect("the CPU runner's cache is host memory");
+        Self::copy(&self.host.region(), &device, blocks);
+        Ok(())
+    }
+    fn fingerprint(&self) -> String {
+        self.inner.fingerprint()
+    }
+    fn execute(
+        &mut self,
+        token_ids: &[u32],
+        seqs: &[SeqBatch<'_>],
+        samples: &[SampleSpec],
+    ) -> Result<Vec<u32>, ModelError> {
+        self.inner.execute(token_ids, seqs, samples)
     }
 }
