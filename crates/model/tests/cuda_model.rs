@@ -278,3 +278,59 @@ fn greedy_matches_transformers_bf16() {
     );
     let _ = gpu.describe();
 }
+
+/// The host KV copy of a GPU engine in a P/D role, as the KV connector uses it: a prompt
+/// prefilled on one engine goes out with `kv_to_host`, its blocks are moved between the two
+/// engines' host copies (the connector's part), come in on the other engine with
+/// `kv_from_host` under other block ids, and the second engine's next decode steps give the
+/// first engine's logits bit for bit. Stale device blocks (prefilled with another prompt first)
+/// make sure the copy in is what the decode reads.
+#[test]
+fn host_kv_copy_moves_a_prompt_between_engines_bit_for_bit() {
+    if !cuda_usable() {
+        return;
+    }
+    let spec = ModelSpec::load(&ModelSource::parse("preset:tiny-qwen3", 3).unwrap(), Some(1024)).unwrap();
+    let opts = CudaOptions {
+        block_size: 16,
+        max_tokens: 256,
+        max_seqs: 8,
+        num_blocks: Some(16),
+        host_kv_bytes: Some(64 << 20),
+        ..CudaOptions::default()
+    };
+    let mut prefill = CudaModel::load(&spec, &opts).unwrap();
+    let mut decode = CudaModel::load(&spec, &opts).unwrap();
+    let vocab = spec.config.vocab_size as u32;
+    let mut ids: Vec<u32> = (0..37u32).map(|i| (i * 29 + 3) % vocab).collect();
+    let (p_table, d_table): (Vec<u32>, Vec<u32>) = ((0..8).collect(), (8..16).collect());
+    let seq = |table, start, n| SeqBatch {
+        token_start: 0,
+        num_tokens: n,
+        first_pos: start,
+        block_table: table,
+        want_logits: true,
+    };
+    // Decode's blocks hold another prompt's KV first.
+    let stale: Vec<u32> = (0..37u32).map(|i| (i * 11 + 1) % vocab).collect();
+    decode.forward_logits(&stale, &[seq(&d_table, 0, stale.len())]).unwrap();
+    let logits = prefill.forward_logits(&ids, &[seq(&p_table, 0, ids.len())]).unwrap();
+    ids.push(argmax(&logits));
+    let used = ids.len().div_ceil(16) as u32; // blocks the prompt and its next token touch
+    prefill.kv_to_host(&p_table[..used as usize]).unwrap();
+    let (from, to) = (prefill.kv_region().unwrap(), decode.kv_region().unwrap());
+    for b in 0..used as usize {
+        // Safety: both engines are idle on this thread; nothing else touches the regions.
+        let (src, dst) = unsafe { (from.blocks(p_table[b] as usize, 1), to.blocks_mut(d_table[b] as usize, 1)) };
+        dst.copy_from_slice(src);
+    }
+    decode.kv_from_host(&d_table[..used as usize]).unwrap();
+    for step in 0..6 {
+        let pos = ids.len() - 1;
+        let a = prefill.forward_logits(&ids[pos..], &[seq(&p_table, pos, 1)]).unwrap();
+        let b = decode.forward_logits(&ids[pos..], &[seq(&d_table, pos, 1)]).unwrap();
+        assert_eq!(a, b, "decode step {step} after the move");
+        ids.push(argmax(&a));
+    }
+    eprintln!("host KV copy: {used} blocks moved between engines; 6 decode steps equal bit for bit");
+}
