@@ -10,6 +10,7 @@ or an error. Logs: OUT_DIR/pd_*.log.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,7 +27,8 @@ procs = []
 
 def start(name, args):
     log = open(os.path.join(out, f"pd_{name}.log"), "w")
-    p = subprocess.Popen([exe, "--log", "info"] + args, stdout=log, stderr=subprocess.STDOUT)
+    # The engines log each KV copy between the GPU cache and its host copy (its duration).
+    p = subprocess.Popen([exe, "--log", "info,tandem_model=debug"] + args, stdout=log, stderr=subprocess.STDOUT)
     procs.append(p)
     return p
 
@@ -100,8 +102,16 @@ try:
                 errors.append(f"request {i} ({len(b['prompt'])} prompt tokens): {ans['choices'][0]['token_ids']} "
                               f"!= colocated {want[i]}")
         secs = time.time() - t0
+        copies = []
+        for role in ("prefill", "decode"):
+            for line in open(os.path.join(out, f"pd_{mode}_{role}.log"), errors="replace"):
+                line = re.sub(r"\x1b\[[0-9;]*m", "", line)  # the log's colours
+                found = re.search(r"host copy.* ms=([0-9.]+)", line)
+                if found:
+                    copies.append(float(found.group(1)))
+        copy_note = f", host KV copies: {len(copies)}, longest {max(copies):.1f} ms" if copies else ""
         print(f"P/D on {device} ({model}), {mode}: {same}/{len(bodies)} answers equal colocated token for token, "
-              f"{secs:.1f} s")
+              f"{secs:.1f} s{copy_note}")
         for e in errors[:5]:
             print("   ", e)
         if errors:

@@ -1199,6 +1199,7 @@ impl ModelRunner for CudaModel {
 
     fn kv_to_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
         let Some(host) = &self.host_kv else { return Ok(()) };
+        let started = std::time::Instant::now();
         let region = host.region();
         let n = self.layout.block_elems();
         let mut bits = Vec::new();
@@ -1217,11 +1218,18 @@ impl ModelRunner for CudaModel {
                 }
             });
         }
+        // The engine loop waits for this copy (docs/PERFORMANCE.md has its cost when measured).
+        tracing::debug!(
+            blocks = blocks.len(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "KV copied to the host copy"
+        );
         Ok(())
     }
 
     fn kv_from_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
         let Some(host) = &self.host_kv else { return Ok(()) };
+        let started = std::time::Instant::now();
         let region = host.region();
         let n = self.layout.block_elems();
         let mut bits = Vec::new();
@@ -1240,6 +1248,11 @@ impl ModelRunner for CudaModel {
             // Stream-ordered before the next forward that reads these blocks.
             self.dev.write(&mut self.kv, first * n, &bits)?;
         }
+        tracing::debug!(
+            blocks = blocks.len(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "KV loaded from the host copy"
+        );
         Ok(())
     }
 
