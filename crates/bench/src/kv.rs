@@ -51,7 +51,16 @@ impl KvBenchConfig {
     fn agent(&self, role: Role) -> AgentInfo {
         let name = EngineId(format!("bench-{role:?}").to_lowercase());
         let transports = vec![TransportOffer::Tcp { addr: "127.0.0.1:0".into() }];
-        AgentInfo::for_layout(name, Epoch(1), role, KvMode::Push, "bench".into(), &self.pool_layout(), transports)
+        AgentInfo::for_layout(
+            name,
+            Epoch(1),
+            role,
+            KvMode::Push,
+            "bench".into(),
+            &self.pool_layout(),
+            tandem_compute::KvDtype::F32,
+            transports,
+        )
     }
 
     /// Block ids split into `runs` contiguous runs with one-block gaps.
@@ -152,7 +161,7 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
     let layout = cfg.pool_layout();
     let table = cfg.table();
     let tokens = table.len() * layout.block_size;
-    let bytes = tandem_kv::blocks::wire_bytes(&layout, tokens);
+    let bytes = tandem_kv::blocks::wire_bytes(&layout, tandem_compute::KvDtype::F32, tokens);
 
     let mut raw = connect(addr, t)?;
     let payload = vec![7u8; bytes as usize];

@@ -168,8 +168,8 @@ pub struct KvArgs {
     #[arg(long, default_value_t = 30.0)]
     pub kv_transfer_timeout_secs: f64,
     /// On a GPU (prefill and decode roles): host memory for the KV connector's copy of the KV
-    /// cache, GiB (f32, twice the GPU's bf16 bytes). Transfers go through it, and the GPU's KV
-    /// cache is capped to the blocks it holds.
+    /// cache, GiB (the GPU's bf16 bytes). Transfers go through it, and the GPU's KV cache is
+    /// capped to the blocks it holds.
     #[arg(long, default_value_t = 16.0)]
     pub kv_host_gib: f64,
     /// Test only: prefill drops push completion notifications (exercises the timeout path).

@@ -73,12 +73,43 @@ impl KvLayout {
     }
 }
 
-/// The KV cache memory: `num_blocks` blocks of `f32`, zero-initialised, shared by reference
-/// count between the engine and the connector. See the module docs for who may touch what.
+/// Element type of a [`KvRegion`]: `f32` for the CPU engine's cache, `bf16` for the host copy
+/// of a GPU engine's cache (the GPU keeps bf16, and the copy moves its bytes unchanged).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    /// 4-byte floats.
+    F32,
+    /// bfloat16, 2 bytes.
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+
+    /// Its name on the KV side channel's handshake.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The KV cache memory (or a GPU cache's host copy): `num_blocks` blocks of `dtype` elements,
+/// zero-initialised, shared by reference count between the engine and the KV connector. See
+/// the module docs for who may touch what.
 pub struct KvRegion {
     layout: KvLayout,
-    ptr: NonNull<f32>,
-    len: usize,
+    dtype: KvDtype,
+    /// 4-byte words (so `f32` and `bf16` elements are aligned), `words` of them.
+    ptr: NonNull<u32>,
+    words: usize,
 }
 
 // Safety: the region is plain memory; concurrent use is governed by block ownership (module
@@ -90,17 +121,34 @@ unsafe impl Send for KvRegion {}
 unsafe impl Sync for KvRegion {}
 
 impl KvRegion {
-    fn new(layout: KvLayout) -> Self {
-        let len = layout.num_blocks * layout.block_elems();
-        let boxed: Box<[f32]> = vec![0.0f32; len].into_boxed_slice();
+    fn new(layout: KvLayout, dtype: KvDtype) -> Self {
+        let words = (layout.num_blocks * layout.block_elems() * dtype.bytes()).div_ceil(4);
+        // Zeroed by the allocator: a large region's pages are only backed once written.
+        let boxed: Box<[u32]> = vec![0u32; words].into_boxed_slice();
         // Box::into_raw never returns null.
-        let ptr = NonNull::new(Box::into_raw(boxed) as *mut f32).unwrap_or(NonNull::dangling());
-        Self { layout, ptr, len }
+        let ptr = NonNull::new(Box::into_raw(boxed) as *mut u32).unwrap_or(NonNull::dangling());
+        Self { layout, dtype, ptr, words }
+    }
+
+    /// A zeroed region of `dtype` elements in `layout`, for the host copy of a cache that lives
+    /// elsewhere (a GPU's), which the KV connector moves.
+    pub fn host_copy(layout: KvLayout, dtype: KvDtype) -> Arc<Self> {
+        Arc::new(Self::new(layout, dtype))
     }
 
     /// The region's shape.
     pub fn layout(&self) -> &KvLayout {
         &self.layout
+    }
+
+    /// The region's element type.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+
+    /// Bytes of one block.
+    pub fn block_bytes(&self) -> usize {
+        self.layout.block_elems() * self.dtype.bytes()
     }
 
     fn check_run(&self, first: usize, count: usize) -> (usize, usize) {
@@ -109,40 +157,75 @@ impl KvRegion {
         (first * n, count * n)
     }
 
-    /// Blocks `first..first + count`, read-only.
+    fn f32_ptr(&self) -> *mut f32 {
+        assert_eq!(self.dtype, KvDtype::F32, "f32 access to a {} region", self.dtype.name());
+        self.ptr.as_ptr() as *mut f32
+    }
+
+    /// Blocks `first..first + count` as raw bytes, read-only.
+    ///
+    /// # Safety
+    /// As [`KvRegion::blocks`].
+    ///
+    /// # Panics
+    /// If the run is outside the cache.
+    pub unsafe fn bytes(&self, first: usize, count: usize) -> &[u8] {
+        let (off, len) = self.check_run(first, count);
+        let b = self.dtype.bytes();
+        // Safety: in bounds (checked; the allocation holds num_blocks whole blocks); no
+        // concurrent writer (caller's obligation).
+        unsafe { std::slice::from_raw_parts((self.ptr.as_ptr() as *const u8).add(off * b), len * b) }
+    }
+
+    /// Blocks `first..first + count` as raw bytes, writable.
+    ///
+    /// # Safety
+    /// As [`KvRegion::blocks_mut`].
+    ///
+    /// # Panics
+    /// If the run is outside the cache.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn bytes_mut(&self, first: usize, count: usize) -> &mut [u8] {
+        let (off, len) = self.check_run(first, count);
+        let b = self.dtype.bytes();
+        // Safety: in bounds (checked); exclusive (caller's obligation).
+        unsafe { std::slice::from_raw_parts_mut((self.ptr.as_ptr() as *mut u8).add(off * b), len * b) }
+    }
+
+    /// Blocks `first..first + count` of an `f32` region, read-only.
     ///
     /// # Safety
     /// No other thread may write these blocks while the slice lives (the caller owns them,
     /// or holds them for a transfer the engine will not schedule).
     ///
     /// # Panics
-    /// If the run is outside the cache.
+    /// If the run is outside the cache, or the region is not `f32`.
     pub unsafe fn blocks(&self, first: usize, count: usize) -> &[f32] {
         let (off, len) = self.check_run(first, count);
         // Safety: in bounds (checked); no concurrent writer (caller's obligation).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) }
+        unsafe { std::slice::from_raw_parts(self.f32_ptr().add(off), len) }
     }
 
-    /// Blocks `first..first + count`, writable.
+    /// Blocks `first..first + count` of an `f32` region, writable.
     ///
     /// # Safety
     /// No other thread may read or write these blocks while the slice lives, and the caller
     /// holds no other slice overlapping them.
     ///
     /// # Panics
-    /// If the run is outside the cache.
+    /// If the run is outside the cache, or the region is not `f32`.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn blocks_mut(&self, first: usize, count: usize) -> &mut [f32] {
         let (off, len) = self.check_run(first, count);
         // Safety: in bounds (checked); exclusive (caller's obligation).
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) }
+        unsafe { std::slice::from_raw_parts_mut(self.f32_ptr().add(off), len) }
     }
 }
 
 impl Drop for KvRegion {
     fn drop(&mut self) {
-        // Safety: `ptr`/`len` came from `Box::<[f32]>::into_raw` in `new` and are freed once.
-        unsafe { drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len))) };
+        // Safety: `ptr`/`words` came from `Box::<[u32]>::into_raw` in `new` and are freed once.
+        unsafe { drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.words))) };
     }
 }
 
@@ -155,7 +238,7 @@ pub struct KvCache {
 impl KvCache {
     /// Allocates a zeroed cache.
     pub fn new(layout: KvLayout) -> Self {
-        Self { region: Arc::new(KvRegion::new(layout)) }
+        Self { region: Arc::new(KvRegion::new(layout, KvDtype::F32)) }
     }
 
     /// The cache's shape.
@@ -179,7 +262,7 @@ impl KvCache {
         let off = l.plane_offset(block, layer, kv, head);
         // Safety: in bounds (asserted); the block belongs to a running request, so the
         // connector thread is not writing it, and the engine writes only through `&mut self`.
-        unsafe { std::slice::from_raw_parts(self.region.ptr.as_ptr().add(off), l.head_plane()) }
+        unsafe { std::slice::from_raw_parts(self.region.f32_ptr().add(off), l.head_plane()) }
     }
 
     /// Stores one token's keys and values for `layer` at `(block, slot)`. `k` and `v` hold
@@ -196,7 +279,7 @@ impl KvCache {
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         src[h * l.head_dim..].as_ptr(),
-                        self.region.ptr.as_ptr().add(dst),
+                        self.region.f32_ptr().add(dst),
                         l.head_dim,
                     )
                 };

@@ -235,7 +235,7 @@ impl Shared {
                 inc.writing = false;
                 inc.landed = ok;
                 inc.timeline.data_end_us = inc.since();
-                inc.timeline.bytes = wire_bytes(src.layout(), num_tokens);
+                inc.timeline.bytes = wire_bytes(src.layout(), src.dtype(), num_tokens);
                 inc.timeline.regions = coalesce(&blocks[..needed.min(blocks.len())]).len() as u32;
                 inc.aborted
             }
@@ -245,7 +245,7 @@ impl Shared {
             self.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Released { request_id: inc.request_id });
         }
         if ok {
-            bump(&self.counters.bytes_received, wire_bytes(src.layout(), num_tokens));
+            bump(&self.counters.bytes_received, wire_bytes(src.layout(), src.dtype(), num_tokens));
             Ok(())
         } else {
             Err("block lists do not cover the tokens".into())
@@ -273,6 +273,7 @@ pub(crate) fn start(cfg: ConnectorConfig, region: Arc<KvRegion>) -> Result<Start
         cfg.mode,
         cfg.model_fingerprint.clone(),
         &l,
+        region.dtype(),
         transports,
     );
     let (cmd_tx, cmd_rx) = mpsc::channel();
@@ -529,7 +530,7 @@ fn spawn_push_write(shared: &Arc<Shared>, tid: TransferId, reg: Registration, pr
             bump(&s.counters.transfers_failed, 1);
             return;
         }
-        let bytes = wire_bytes(s.region.layout(), num_tokens);
+        let bytes = wire_bytes(s.region.layout(), s.region.dtype(), num_tokens);
         let local = local_peer(&s, &reg.conn.peer);
         let result = (|| -> Result<(), KvError> {
             if let Some(peer) = &local {
@@ -766,7 +767,7 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             let layout = *shared.region.layout();
             match ok {
                 Ok(src) => {
-                    let bytes = wire_bytes(&layout, num_tokens);
+                    let bytes = wire_bytes(&layout, shared.region.dtype(), num_tokens);
                     let local = local_peer(shared, &conn.peer);
                     let sent = (|| -> Result<(), KvError> {
                         if let Some(peer) = &local {

@@ -120,7 +120,9 @@ pub enum Incompatible {
 }
 
 impl AgentInfo {
-    /// The metadata of a TP-1 engine with f32 KV in `layout` (the CPU engines of today).
+    /// The metadata of a TP-1 engine whose connector moves `dtype` KV in `layout` (f32 for
+    /// CPU engines, bf16 for a GPU engine's host copy).
+    #[allow(clippy::too_many_arguments)]
     pub fn for_layout(
         engine_id: EngineId,
         epoch: Epoch,
@@ -128,6 +130,7 @@ impl AgentInfo {
         kv_mode: KvMode,
         model_fingerprint: String,
         layout: &tandem_compute::KvLayout,
+        dtype: tandem_compute::KvDtype,
         transports: Vec<TransportOffer>,
     ) -> Self {
         Self {
@@ -138,12 +141,12 @@ impl AgentInfo {
             tp_rank: 0,
             tp_size: 1,
             model_fingerprint,
-            dtype: "f32".into(),
+            dtype: dtype.name().into(),
             num_layers: layout.num_layers,
             num_kv_heads: layout.num_kv_heads,
             head_dim: layout.head_dim,
             block_size: layout.block_size,
-            block_bytes: layout.block_bytes_f32(),
+            block_bytes: layout.block_elems() * dtype.bytes(),
             num_blocks: layout.num_blocks,
             transports,
         }

@@ -5,7 +5,7 @@
 //! two sides use different block sizes, the receiver scatters the sender's layout into its own
 //! by token position ([`scatter_tokens`]).
 
-use tandem_compute::{KvLayout, KvRegion};
+use tandem_compute::{KvDtype, KvLayout, KvRegion};
 
 /// Blocks `start..start + len`, contiguous in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,32 +29,28 @@ pub fn coalesce(blocks: &[u32]) -> Vec<BlockRun> {
     runs
 }
 
-/// Bytes a sender with `layout` sends for `num_tokens` tokens: whole blocks.
-pub fn wire_bytes(layout: &KvLayout, num_tokens: usize) -> u64 {
-    (layout.blocks_for(num_tokens) * layout.block_bytes_f32()) as u64
+/// Bytes a sender with `layout` and `dtype` elements sends for `num_tokens` tokens: whole blocks.
+pub fn wire_bytes(layout: &KvLayout, dtype: KvDtype, num_tokens: usize) -> u64 {
+    (layout.blocks_for(num_tokens) * layout.block_elems() * dtype.bytes()) as u64
 }
 
-/// Copies the KV of tokens `0..num_tokens` from `src`, which holds whole blocks of
-/// `src_block_size` tokens in token order (the sender's layout, same layers/heads/head_dim as
-/// `dst`), into the destination blocks `dst_blocks` of `dst`.
+/// Copies the KV of tokens `0..num_tokens` from `src`, the raw bytes of whole blocks of
+/// `src_block_size` tokens in token order (the sender's layout, same layers/heads/head_dim and
+/// element type as `dst`), into the destination blocks `dst_blocks` of `dst`.
 ///
 /// # Safety
 /// The caller must own `dst_blocks` exclusively (no other thread reads or writes them).
 ///
 /// # Panics
 /// If `src` or `dst_blocks` is too short for `num_tokens`.
-pub unsafe fn scatter_tokens(
-    src: &[f32],
-    src_block_size: usize,
-    dst: &KvRegion,
-    dst_blocks: &[u32],
-    num_tokens: usize,
-) {
+pub unsafe fn scatter_tokens(src: &[u8], src_block_size: usize, dst: &KvRegion, dst_blocks: &[u32], num_tokens: usize) {
     let dl = *dst.layout();
     let sl = KvLayout { block_size: src_block_size, num_blocks: num_tokens.div_ceil(src_block_size), ..dl };
-    assert!(src.len() >= sl.num_blocks * sl.block_elems(), "source too short");
+    let eb = dst.dtype().bytes();
+    assert!(src.len() >= sl.num_blocks * sl.block_elems() * eb, "source too short");
     assert!(dst_blocks.len() >= dl.blocks_for(num_tokens), "too few destination blocks");
-    let hd = dl.head_dim;
+    // Bytes of one token's row in a (layer, k|v, head) plane.
+    let hd = dl.head_dim * eb;
     for layer in 0..dl.num_layers {
         for kv in 0..2 {
             for head in 0..dl.num_kv_heads {
@@ -63,10 +59,10 @@ pub unsafe fn scatter_tokens(
                     let (sb, ss) = (t / sl.block_size, t % sl.block_size);
                     let (db, ds) = (t / dl.block_size, t % dl.block_size);
                     let n = (sl.block_size - ss).min(dl.block_size - ds).min(num_tokens - t);
-                    let s = sl.plane_offset(sb, layer, kv, head) + ss * hd;
+                    let s = sl.plane_offset(sb, layer, kv, head) * eb + ss * hd;
                     // Safety: the caller owns the destination blocks exclusively.
-                    let block = unsafe { dst.blocks_mut(dst_blocks[db] as usize, 1) };
-                    let d = dl.plane_offset_in_block(layer, kv, head) + ds * hd;
+                    let block = unsafe { dst.bytes_mut(dst_blocks[db] as usize, 1) };
+                    let d = dl.plane_offset_in_block(layer, kv, head) * eb + ds * hd;
                     block[d..d + n * hd].copy_from_slice(&src[s..s + n * hd]);
                     t += n;
                 }
@@ -83,22 +79,24 @@ pub unsafe fn scatter_tokens(
 /// The caller must hold `src_blocks` (nobody writes them) and own `dst_blocks` exclusively.
 ///
 /// # Panics
-/// If a block list is too short for `num_tokens`.
+/// If a block list is too short for `num_tokens`, or the element types differ (the handshake
+/// refuses such peers).
 pub unsafe fn copy_tokens(src: &KvRegion, src_blocks: &[u32], dst: &KvRegion, dst_blocks: &[u32], num_tokens: usize) {
+    assert_eq!(src.dtype(), dst.dtype(), "KV element types differ");
     let (sl, dl) = (*src.layout(), *dst.layout());
     let n_src = sl.blocks_for(num_tokens);
     if sl.block_size == dl.block_size {
         for (&s, &d) in src_blocks[..n_src].iter().zip(&dst_blocks[..n_src]) {
             // Safety: the caller holds the source blocks and owns the destination blocks.
-            let from = unsafe { src.blocks(s as usize, 1) };
-            let to = unsafe { dst.blocks_mut(d as usize, 1) };
+            let from = unsafe { src.bytes(s as usize, 1) };
+            let to = unsafe { dst.bytes_mut(d as usize, 1) };
             to.copy_from_slice(from);
         }
     } else {
-        let mut staging = Vec::with_capacity(n_src * sl.block_elems());
+        let mut staging = Vec::with_capacity(n_src * src.block_bytes());
         for &s in &src_blocks[..n_src] {
             // Safety: the caller holds the source blocks.
-            staging.extend_from_slice(unsafe { src.blocks(s as usize, 1) });
+            staging.extend_from_slice(unsafe { src.bytes(s as usize, 1) });
         }
         // Safety: the caller owns the destination blocks exclusively.
         unsafe { scatter_tokens(&staging, sl.block_size, dst, dst_blocks, num_tokens) };
@@ -149,7 +147,7 @@ mod tests {
             let dst_table: Vec<u32> = (0..dl.blocks_for(tokens) as u32).rev().map(|b| b + 2).collect();
             let region = src.region();
             // Safety: single-threaded test owns every block.
-            let src_bytes = unsafe { region.blocks(0, src_table.len()) };
+            let src_bytes = unsafe { region.bytes(0, src_table.len()) };
             unsafe { scatter_tokens(src_bytes, src_bs, &dst.region(), &dst_table, tokens) };
             for t in 0..tokens {
                 for l in 0..2 {
@@ -165,6 +163,42 @@ mod tests {
                             }
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The same move between bf16 regions (a GPU engine's host copy): 2-byte elements, each
+    /// tagged with its (token, layer, kv, head, d), land at the destination's positions, through
+    /// the local transport's copy with matching and with different block sizes.
+    #[test]
+    fn bf16_regions_move_every_token_between_block_sizes() {
+        let tag = |t: usize, l: usize, kv: usize, h: usize, d: usize| (t * 64 + l * 16 + kv * 8 + h * 4 + d) as u16;
+        for (src_bs, dst_bs, tokens) in [(16, 16, 40), (16, 5, 37), (4, 16, 33)] {
+            let sl = KvLayout { num_layers: 2, num_kv_heads: 2, head_dim: 3, block_size: src_bs, num_blocks: 20 };
+            let dl = KvLayout { block_size: dst_bs, ..sl };
+            let (src, dst) = (KvRegion::host_copy(sl, KvDtype::Bf16), KvRegion::host_copy(dl, KvDtype::Bf16));
+            let src_table: Vec<u32> = (0..sl.blocks_for(tokens) as u32).map(|b| b + 1).collect();
+            let dst_table: Vec<u32> = (0..dl.blocks_for(tokens) as u32).rev().map(|b| b + 2).collect();
+            let at = |layout: &KvLayout, table: &[u32], t: usize, l: usize, kv: usize, h: usize, d: usize| {
+                let b = table[t / layout.block_size] as usize;
+                (b, layout.plane_offset_in_block(l, kv, h) + (t % layout.block_size) * 3 + d)
+            };
+            for t in 0..tokens {
+                for (l, kv, h, d) in (0..24).map(|i| (i / 12, i / 6 % 2, i / 3 % 2, i % 3)) {
+                    let (b, off) = at(&sl, &src_table, t, l, kv, h, d);
+                    // Safety: single-threaded test owns every block.
+                    let block: &mut [u16] = bytemuck::cast_slice_mut(unsafe { src.bytes_mut(b, 1) });
+                    block[off] = tag(t, l, kv, h, d);
+                }
+            }
+            // Safety: single-threaded test owns every block.
+            unsafe { copy_tokens(&src, &src_table, &dst, &dst_table, tokens) };
+            for t in 0..tokens {
+                for (l, kv, h, d) in (0..24).map(|i| (i / 12, i / 6 % 2, i / 3 % 2, i % 3)) {
+                    let (b, off) = at(&dl, &dst_table, t, l, kv, h, d);
+                    let block: &[u16] = bytemuck::cast_slice(unsafe { dst.bytes(b, 1) });
+                    assert_eq!(block[off], tag(t, l, kv, h, d), "bs {src_bs}->{dst_bs} token {t}");
                 }
             }
         }

@@ -111,10 +111,10 @@ pub unsafe fn send_blocks(
     }
     for run in coalesce(&blocks[..needed]) {
         // Safety: caller holds these blocks; nobody writes them meanwhile.
-        let data = unsafe { region.blocks(run.start as usize, run.len as usize) };
-        w.write_all(bytemuck::cast_slice(data))?;
+        let data = unsafe { region.bytes(run.start as usize, run.len as usize) };
+        w.write_all(data)?;
     }
-    Ok(wire_bytes(layout, num_tokens))
+    Ok(wire_bytes(layout, region.dtype(), num_tokens))
 }
 
 /// Reads `bytes` raw bytes (the sender's layout, `src_block_size` tokens per block, tokens
@@ -135,7 +135,7 @@ pub unsafe fn recv_blocks(
         return Err(KvError::Protocol("source block size 0".into()));
     }
     let src_layout = tandem_compute::KvLayout { block_size: src_block_size, ..dl };
-    let expected = wire_bytes(&src_layout, num_tokens);
+    let expected = wire_bytes(&src_layout, region.dtype(), num_tokens);
     if bytes != expected {
         return Err(KvError::Protocol(format!("{bytes} bytes announced for {num_tokens} tokens, expected {expected}")));
     }
@@ -146,12 +146,12 @@ pub unsafe fn recv_blocks(
     if src_block_size == dl.block_size {
         for run in coalesce(&dst_blocks[..needed]) {
             // Safety: the caller owns the destination blocks exclusively.
-            let dst = unsafe { region.blocks_mut(run.start as usize, run.len as usize) };
-            r.read_exact(bytemuck::cast_slice_mut(dst))?;
+            let dst = unsafe { region.bytes_mut(run.start as usize, run.len as usize) };
+            r.read_exact(dst)?;
         }
     } else {
-        let mut staging = vec![0.0f32; (bytes / 4) as usize];
-        r.read_exact(bytemuck::cast_slice_mut(&mut staging))?;
+        let mut staging = vec![0u8; bytes as usize];
+        r.read_exact(&mut staging)?;
         // Safety: the caller owns the destination blocks exclusively.
         unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens) };
     }

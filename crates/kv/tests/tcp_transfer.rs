@@ -66,7 +66,7 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
         let mut s = connect(&addr, Timeouts::default()).unwrap();
         assert_eq!(handshake(&mut s, &p_info).unwrap().role, Role::Decode);
         let region = p_cache.region();
-        let bytes = tandem_kv::blocks::wire_bytes(region.layout(), tokens);
+        let bytes = tandem_kv::blocks::wire_bytes(region.layout(), region.dtype(), tokens);
         let t = TransferId("t".into());
         write_message(
             &mut s,

@@ -9,13 +9,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use rayon::prelude::*;
 use tandem_compute::cpu::RopeTable;
 use tandem_compute::cuda::ops::{
     self, AttnMeta, AttnShape, AttnSplit, Gemv, GemvInput, GemvOutput, PrefillSeqs, QkvRope, FLASH_ROWS,
 };
 use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf};
-use tandem_compute::{KvCache, KvLayout, KvRegion};
+use tandem_compute::{KvDtype, KvLayout, KvRegion};
 
 use crate::config::ModelConfig;
 use crate::presets::{tensor_stream, uniform_amplitude};
@@ -48,8 +47,8 @@ pub struct CudaOptions {
     /// separate kernels. Off only to compare the two paths.
     pub fused_decode: bool,
     /// Keep a host copy of the KV cache for the KV connector (prefill and decode roles), of at
-    /// most this many bytes (f32, the connector's element type): the device cache is capped to
-    /// the blocks the copy can hold. `None`: no copy, and no KV transfer.
+    /// most this many bytes (bf16, as on the device): the device cache is capped to the blocks
+    /// the copy can hold. `None`: no copy, and no KV transfer.
     pub host_kv_bytes: Option<usize>,
 }
 
@@ -189,8 +188,8 @@ pub struct CudaModel {
     max_positions: usize,
     kv: DevBuf<u16>,
     layout: KvLayout,
-    /// The KV connector's host copy of the cache (P/D roles), f32.
-    host_kv: Option<KvCache>,
+    /// The KV connector's host copy of the cache (P/D roles): the same bf16 bytes.
+    host_kv: Option<Arc<KvRegion>>,
     act: Activations,
     meta: DevBuf<i32>,
     meta_layout: MetaLayout,
@@ -399,7 +398,7 @@ impl CudaModel {
 
         // The KV cache takes what the memory budget leaves, keeping room for cuBLAS and graphs.
         let block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * hd * opts.block_size * 2;
-        let host_cap = opts.host_kv_bytes.map(|bytes| bytes / (2 * block_bytes).max(1));
+        let host_cap = opts.host_kv_bytes.map(|bytes| bytes / block_bytes.max(1));
         let num_blocks = match opts.num_blocks {
             Some(n) => n,
             None => {
@@ -417,12 +416,12 @@ impl CudaModel {
                 dev.describe()
             )));
         }
-        // The host copy (f32: twice a bf16 block) bounds the device cache.
+        // The host copy bounds the device cache.
         let num_blocks = match host_cap {
             Some(0) => {
                 return Err(ModelError::Device(format!(
                     "the host KV copy holds no block of {} bytes (raise --kv-host-gib)",
-                    2 * block_bytes
+                    block_bytes
                 )))
             }
             Some(cap) if cap < num_blocks => {
@@ -440,7 +439,7 @@ impl CudaModel {
         };
         let kv = dev.zeros::<u16>(num_blocks * layout.block_elems())?;
         // Zeroed lazily by the OS: pages are only backed once a transfer touches them.
-        let host_kv = opts.host_kv_bytes.map(|_| KvCache::new(layout));
+        let host_kv = opts.host_kv_bytes.map(|_| KvRegion::host_copy(layout, KvDtype::Bf16));
         tracing::info!(
             num_blocks,
             kv_tokens = num_blocks * opts.block_size,
@@ -1194,29 +1193,21 @@ impl ModelRunner for CudaModel {
     }
 
     fn kv_region(&self) -> Option<Arc<KvRegion>> {
-        self.host_kv.as_ref().map(KvCache::region)
+        self.host_kv.clone()
     }
 
     fn kv_to_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
-        let Some(host) = &self.host_kv else { return Ok(()) };
+        let Some(region) = &self.host_kv else { return Ok(()) };
         let started = std::time::Instant::now();
-        let region = host.region();
         let n = self.layout.block_elems();
-        let mut bits = Vec::new();
         for (first, count) in block_runs(blocks) {
             check_run(&self.layout, first, count)?;
-            bits.resize(count * n, 0u16);
-            // Ordered after the forwards that wrote these blocks (same stream; waits for them).
-            self.dev.read_at(&self.kv, first * n, &mut bits)?;
             // Safety: the engine owns these blocks (the trait's contract): the connector does not
             // touch them until they are handed over after this returns.
-            let dst = unsafe { region.blocks_mut(first, count) };
-            // On the engine thread: spread over the host's cores (a long prompt is 1e8+ elements).
-            dst.par_chunks_mut(1 << 16).zip(bits.par_chunks(1 << 16)).for_each(|(d, b)| {
-                for (d, b) in d.iter_mut().zip(b) {
-                    *d = half::bf16::from_bits(*b).to_f32();
-                }
-            });
+            let dst: &mut [u16] = bytemuck::cast_slice_mut(unsafe { region.bytes_mut(first, count) });
+            // The bf16 bytes as they are; ordered after the forwards that wrote these blocks
+            // (same stream; waits for them).
+            self.dev.read_at(&self.kv, first * n, dst)?;
         }
         // The engine loop waits for this copy (docs/PERFORMANCE.md has its cost when measured).
         tracing::debug!(
@@ -1228,25 +1219,16 @@ impl ModelRunner for CudaModel {
     }
 
     fn kv_from_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
-        let Some(host) = &self.host_kv else { return Ok(()) };
+        let Some(region) = self.host_kv.clone() else { return Ok(()) };
         let started = std::time::Instant::now();
-        let region = host.region();
         let n = self.layout.block_elems();
-        let mut bits = Vec::new();
         for (first, count) in block_runs(blocks) {
             check_run(&self.layout, first, count)?;
             // Safety: the connector reported these blocks ready, so its writes are done and the
             // engine owns them again (the trait's contract).
-            let src = unsafe { region.blocks(first, count) };
-            // Exact for KV that left a bf16 cache; anything else rounds as the cache would.
-            bits.resize(src.len(), 0);
-            bits.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(b, s)| {
-                for (b, s) in b.iter_mut().zip(s) {
-                    *b = half::bf16::from_f32(*s).to_bits();
-                }
-            });
+            let src: &[u16] = bytemuck::cast_slice(unsafe { region.bytes(first, count) });
             // Stream-ordered before the next forward that reads these blocks.
-            self.dev.write(&mut self.kv, first * n, &bits)?;
+            self.dev.write(&mut self.kv, first * n, src)?;
         }
         tracing::debug!(
             blocks = blocks.len(),

@@ -321,7 +321,7 @@ fn host_kv_copy_moves_a_prompt_between_engines_bit_for_bit() {
     let (from, to) = (prefill.kv_region().unwrap(), decode.kv_region().unwrap());
     for b in 0..used as usize {
         // Safety: both engines are idle on this thread; nothing else touches the regions.
-        let (src, dst) = unsafe { (from.blocks(p_table[b] as usize, 1), to.blocks_mut(d_table[b] as usize, 1)) };
+        let (src, dst) = unsafe { (from.bytes(p_table[b] as usize, 1), to.bytes_mut(d_table[b] as usize, 1)) };
         dst.copy_from_slice(src);
     }
     decode.kv_from_host(&d_table[..used as usize]).unwrap();
