@@ -101,6 +101,28 @@ impl KvDtype {
     }
 }
 
+/// Blocks `start..start + len`, contiguous in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockRun {
+    /// First block.
+    pub start: u32,
+    /// Blocks in the run.
+    pub len: u32,
+}
+
+/// Merges consecutive ids (in the given order) into runs: `[4, 5, 6, 9, 10, 2]` becomes
+/// `[4..7, 9..11, 2..3]`.
+pub fn coalesce(blocks: &[u32]) -> Vec<BlockRun> {
+    let mut runs: Vec<BlockRun> = Vec::new();
+    for &b in blocks {
+        match runs.last_mut() {
+            Some(r) if r.start.checked_add(r.len) == Some(b) => r.len += 1,
+            _ => runs.push(BlockRun { start: b, len: 1 }),
+        }
+    }
+    runs
+}
+
 /// The KV cache memory (or a GPU cache's host copy): `num_blocks` blocks of `dtype` elements,
 /// zero-initialised, shared by reference count between the engine and the KV connector. See
 /// the module docs for who may touch what.
@@ -291,6 +313,22 @@ impl KvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn coalesce_merges_only_ascending_neighbours() {
+        let r = coalesce(&[4, 5, 6, 9, 10, 2, 3, 3]);
+        assert_eq!(
+            r,
+            vec![
+                BlockRun { start: 4, len: 3 },
+                BlockRun { start: 9, len: 2 },
+                BlockRun { start: 2, len: 2 },
+                BlockRun { start: 3, len: 1 }
+            ]
+        );
+        assert!(coalesce(&[]).is_empty());
+        assert_eq!(coalesce(&[u32::MAX, 0]).len(), 2);
+    }
 
     #[test]
     fn consecutive_blocks_are_one_region() {

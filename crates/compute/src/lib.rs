@@ -26,7 +26,7 @@ pub mod cpu;
 pub mod cuda;
 mod kv_cache;
 
-pub use kv_cache::{KvCache, KvDtype, KvLayout, KvRegion};
+pub use kv_cache::{coalesce, BlockRun, KvCache, KvDtype, KvLayout, KvRegion};
 
 /// Reads memory as fast as this machine streams it, over `bytes` of data, and returns the rate
 /// in bytes per second. This is the floor decode on CPU is measured against: a decode step

@@ -5,29 +5,8 @@
 //! two sides use different block sizes, the receiver scatters the sender's layout into its own
 //! by token position ([`scatter_tokens`]).
 
+pub use tandem_compute::{coalesce, BlockRun};
 use tandem_compute::{KvDtype, KvLayout, KvRegion};
-
-/// Blocks `start..start + len`, contiguous in memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BlockRun {
-    /// First block.
-    pub start: u32,
-    /// Blocks in the run.
-    pub len: u32,
-}
-
-/// Merges consecutive ids (in the given order) into runs: `[4, 5, 6, 9, 10, 2]` becomes
-/// `[4..7, 9..11, 2..3]`.
-pub fn coalesce(blocks: &[u32]) -> Vec<BlockRun> {
-    let mut runs: Vec<BlockRun> = Vec::new();
-    for &b in blocks {
-        match runs.last_mut() {
-            Some(r) if r.start.checked_add(r.len) == Some(b) => r.len += 1,
-            _ => runs.push(BlockRun { start: b, len: 1 }),
-        }
-    }
-    runs
-}
 
 /// Bytes a sender with `layout` and `dtype` elements sends for `num_tokens` tokens: whole blocks.
 pub fn wire_bytes(layout: &KvLayout, dtype: KvDtype, num_tokens: usize) -> u64 {
@@ -107,22 +86,6 @@ pub unsafe fn copy_tokens(src: &KvRegion, src_blocks: &[u32], dst: &KvRegion, ds
 mod tests {
     use super::*;
     use tandem_compute::KvCache;
-
-    #[test]
-    fn coalesce_merges_only_ascending_neighbours() {
-        let r = coalesce(&[4, 5, 6, 9, 10, 2, 3, 3]);
-        assert_eq!(
-            r,
-            vec![
-                BlockRun { start: 4, len: 3 },
-                BlockRun { start: 9, len: 2 },
-                BlockRun { start: 2, len: 2 },
-                BlockRun { start: 3, len: 1 }
-            ]
-        );
-        assert!(coalesce(&[]).is_empty());
-        assert_eq!(coalesce(&[u32::MAX, 0]).len(), 2);
-    }
 
     /// Fills a source cache with a value unique to (token, layer, kv, head, d), moves it into a
     /// destination with another block size and scattered blocks, and checks every element.

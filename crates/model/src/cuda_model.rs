@@ -14,7 +14,7 @@ use tandem_compute::cuda::ops::{
     self, AttnMeta, AttnShape, AttnSplit, Gemv, GemvInput, GemvOutput, PrefillSeqs, QkvRope, FLASH_ROWS,
 };
 use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf};
-use tandem_compute::{KvDtype, KvLayout, KvRegion};
+use tandem_compute::{coalesce, KvDtype, KvLayout, KvRegion};
 
 use crate::config::ModelConfig;
 use crate::presets::{tensor_stream, uniform_amplitude};
@@ -1200,7 +1200,8 @@ impl ModelRunner for CudaModel {
         let Some(region) = &self.host_kv else { return Ok(()) };
         let started = std::time::Instant::now();
         let n = self.layout.block_elems();
-        for (first, count) in block_runs(blocks) {
+        for run in coalesce(blocks) {
+            let (first, count) = (run.start as usize, run.len as usize);
             check_run(&self.layout, first, count)?;
             // Safety: the engine owns these blocks (the trait's contract): the connector does not
             // touch them until they are handed over after this returns.
@@ -1222,7 +1223,8 @@ impl ModelRunner for CudaModel {
         let Some(region) = self.host_kv.clone() else { return Ok(()) };
         let started = std::time::Instant::now();
         let n = self.layout.block_elems();
-        for (first, count) in block_runs(blocks) {
+        for run in coalesce(blocks) {
+            let (first, count) = (run.start as usize, run.len as usize);
             check_run(&self.layout, first, count)?;
             // Safety: the connector reported these blocks ready, so its writes are done and the
             // engine owns them again (the trait's contract).
@@ -1447,19 +1449,6 @@ fn attention_split_most(decode: usize) -> usize {
     (16 / decode.max(1).next_power_of_two()).max(1)
 }
 
-/// Runs of consecutive block ids in `blocks` (in order): `(first, count)`, so that a request's
-/// KV moves as a few large copies.
-fn block_runs(blocks: &[u32]) -> Vec<(usize, usize)> {
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for &b in blocks {
-        match runs.last_mut() {
-            Some((first, count)) if *first + *count == b as usize => *count += 1,
-            _ => runs.push((b as usize, 1)),
-        }
-    }
-    runs
-}
-
 /// A run outside the cache is an engine bug; say so instead of panicking in the region.
 fn check_run(layout: &KvLayout, first: usize, count: usize) -> Result<(), ModelError> {
     if first + count > layout.num_blocks {
@@ -1570,12 +1559,5 @@ mod tests {
         assert!(build_meta(&m, &mut header, &limits(true), &[1], &seqs, 1, 1).is_err());
         let short = [SeqBatch { token_start: 0, num_tokens: 3, first_pos: 0, block_table: &table, want_logits: true }];
         assert!(build_meta(&m, &mut header, &limits(true), &[1], &short, 1, 1).is_err());
-    }
-
-    #[test]
-    fn block_runs_join_consecutive_ids() {
-        assert_eq!(block_runs(&[]), vec![]);
-        assert_eq!(block_runs(&[4, 5, 6, 9, 2, 3]), vec![(4, 3), (9, 1), (2, 2)]);
-        assert_eq!(block_runs(&[7, 7]), vec![(7, 1), (7, 1)]);
     }
 }
