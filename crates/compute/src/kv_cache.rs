@@ -158,6 +158,12 @@ impl KvRegion {
         Arc::new(Self::new(layout, dtype))
     }
 
+    /// The whole allocation as (start, bytes), for page-locking it (`CudaDevice::pin_region`).
+    /// Valid while the region lives.
+    pub(crate) fn raw_bytes(&self) -> (*mut u8, usize) {
+        (self.ptr.as_ptr() as *mut u8, self.words * 4)
+    }
+
     /// The region's shape.
     pub fn layout(&self) -> &KvLayout {
         &self.layout

@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use tandem_compute::cpu::RopeTable;
 use tandem_compute::cuda::ops::{
-    self, AttnMeta, AttnShape, AttnSplit, Gemv, GemvInput, GemvOutput, PrefillSeqs, QkvRope, FLASH_ROWS,
+    self, AttnMeta, AttnO, AttnShape, AttnSplit, Gemv, GemvInput, GemvOutput, PrefillSeqs, QkvRope, FLASH_ROWS,
 };
-use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf};
+use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf, PinnedRegion};
 use tandem_compute::{coalesce, KvDtype, KvLayout, KvRegion};
 
 use crate::config::ModelConfig;
@@ -50,6 +50,12 @@ pub struct CudaOptions {
     /// most this many bytes (bf16, as on the device): the device cache is capped to the blocks
     /// the copy can hold. `None`: no copy, and no KV transfer.
     pub host_kv_bytes: Option<usize>,
+    /// On fused decode steps of one token per sequence, do the o projection inside the
+    /// attention kernel ([`ops::attention_o`]): four launches per layer instead of five, the o
+    /// weights streaming while the attention runs, at the cost of a head-major copy of every o
+    /// weight. Off by default: measured slower on an H200 (docs/PERFORMANCE.md, runs AB-AF).
+    /// `TANDEM_ATTN_O=1` (or `0`) overrides it, for measurement.
+    pub attention_o: bool,
 }
 
 impl Default for CudaOptions {
@@ -64,6 +70,7 @@ impl Default for CudaOptions {
             cuda_graphs: true,
             fused_decode: true,
             host_kv_bytes: None,
+            attention_o: false,
         }
     }
 }
@@ -88,6 +95,9 @@ struct Layer {
     q_norm: Option<DevBuf<u16>>,
     k_norm: Option<DevBuf<u16>>,
     o: Linear,
+    /// The o weight head-major, `[heads][hidden][head_dim]`, for [`ops::attention_o`] (each
+    /// block's slice one contiguous copy).
+    o_heads: Option<DevBuf<u16>>,
     post_norm: DevBuf<u16>,
     /// Gate and up rows interleaved ([`ops::interleave_rows`]).
     gate_up: Linear,
@@ -190,6 +200,8 @@ pub struct CudaModel {
     layout: KvLayout,
     /// The KV connector's host copy of the cache (P/D roles): the same bf16 bytes.
     host_kv: Option<Arc<KvRegion>>,
+    /// `host_kv` page-locked while the model lives.
+    _host_kv_pinned: Option<PinnedRegion>,
     act: Activations,
     meta: DevBuf<i32>,
     meta_layout: MetaLayout,
@@ -202,11 +214,20 @@ pub struct CudaModel {
     use_graphs: bool,
     /// Most tokens a step may have to take the fused decode path (0: never).
     fused_tokens: usize,
+    /// Attention with the o projection on fused one-token-per-sequence steps.
+    attention_o: Option<AttentionO>,
     /// Measurement only: decode-step kernels left out or run twice.
     variant: StepVariant,
     weight_bytes: usize,
     fingerprint: String,
     counts: StepCounts,
+}
+
+/// Scratch and split of [`ops::attention_o`] (for up to `fused_tokens` tokens).
+struct AttentionO {
+    chunks: (usize, usize),
+    partial: DevBuf<f32>,
+    counters: DevBuf<i32>,
 }
 
 /// `l` (gate rows, then up rows) with its rows (and bias) interleaved: gate row i, up row i, ...
@@ -304,6 +325,23 @@ impl CudaModel {
         let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
         let (q_dim, kv_dim) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
         let embed = builder.tensor(&["model.embed_tokens.weight"], &[cfg.vocab_size], h)?;
+        // The fused decode projections load 8 input elements at a time and stage up to 8 input
+        // rows in shared memory.
+        let fused_tokens =
+            if opts.fused_decode && [h, q_dim, i].iter().all(|d| d.is_multiple_of(8)) && h <= ops::GEMV_NORM_MAX_K {
+                ops::gemv_max_tokens(&dev, h.max(q_dim).max(i))
+            } else {
+                0
+            };
+        // Attention with the o projection (see `AttentionO`), where its weight slices fit.
+        let attention_o_chunks = ops::attention_o_chunks(&dev, cfg.num_heads, hd, h).filter(|_| {
+            let wanted = match std::env::var("TANDEM_ATTN_O").as_deref() {
+                Ok("1") => true,
+                Ok("0") => false,
+                _ => opts.attention_o,
+            };
+            fused_tokens > 0 && wanted
+        });
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
@@ -329,6 +367,14 @@ impl CudaModel {
                 cfg.qkv_bias,
             )?;
             let o = linear(&mut builder, &[("self_attn.o_proj", h)], q_dim, cfg.o_bias)?;
+            let o_heads = match attention_o_chunks {
+                Some(_) => {
+                    let heads = dev.zeros::<u16>(h * q_dim)?;
+                    ops::head_major(&dev, o.weight.ptr(), heads.ptr(), h, cfg.num_heads, hd)?;
+                    Some(heads)
+                }
+                None => None,
+            };
             let gate_up = interleave_gate_up(
                 &dev,
                 linear(&mut builder, &[("mlp.gate_proj", i), ("mlp.up_proj", i)], h, cfg.mlp_bias)?,
@@ -348,6 +394,7 @@ impl CudaModel {
                 q_norm,
                 k_norm,
                 o,
+                o_heads,
                 post_norm: builder.tensor(&[&n("post_attention_layernorm.weight")], &[h], 1)?,
                 gate_up,
                 down,
@@ -440,6 +487,32 @@ impl CudaModel {
         let kv = dev.zeros::<u16>(num_blocks * layout.block_elems())?;
         // Zeroed lazily by the OS: pages are only backed once a transfer touches them.
         let host_kv = opts.host_kv_bytes.map(|_| KvRegion::host_copy(layout, KvDtype::Bf16));
+        // Page-locked, device <-> host copies run at PCIe speed: pageable, a copy to a fresh
+        // region ran at about 1.3 GB/s on an H200 machine (docs/PERFORMANCE.md). Without it
+        // (the OS refuses), copies still work, slower.
+        let host_kv_pinned = match &host_kv {
+            Some(region) => {
+                let t = std::time::Instant::now();
+                match dev.pin_region(region) {
+                    Ok(pinned) => {
+                        tracing::info!(
+                            gib = format!(
+                                "{:.2}",
+                                (region.block_bytes() * layout.num_blocks) as f64 / (1u64 << 30) as f64
+                            ),
+                            secs = format!("{:.1}", t.elapsed().as_secs_f64()),
+                            "host KV copy page-locked"
+                        );
+                        Some(pinned)
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not page-lock the host KV copy; its copies will be slower");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
         tracing::info!(
             num_blocks,
             kv_tokens = num_blocks * opts.block_size,
@@ -462,14 +535,13 @@ impl CudaModel {
                 cfg.vocab_size
             )
         };
-        // The fused decode projections load 8 input elements at a time and stage up to 8 input
-        // rows in shared memory.
-        let fused_tokens =
-            if opts.fused_decode && [h, q_dim, i].iter().all(|d| d.is_multiple_of(8)) && h <= ops::GEMV_NORM_MAX_K {
-                ops::gemv_max_tokens(&dev, h.max(q_dim).max(i))
-            } else {
-                0
-            };
+        let attention_o = match attention_o_chunks {
+            Some(chunks) => {
+                let (floats, ints) = ops::attention_o_scratch(fused_tokens, cfg.num_heads, h, chunks.0);
+                Some(AttentionO { chunks, partial: dev.zeros(floats)?, counters: dev.zeros(ints)? })
+            }
+            _ => None,
+        };
         let mut model = Self {
             dev,
             cfg,
@@ -483,6 +555,7 @@ impl CudaModel {
             kv,
             layout,
             host_kv,
+            _host_kv_pinned: host_kv_pinned,
             act,
             meta,
             meta_layout,
@@ -493,6 +566,7 @@ impl CudaModel {
             graphs: HashMap::new(),
             use_graphs: opts.cuda_graphs,
             fused_tokens,
+            attention_o,
             variant: StepVariant::from_env(),
             weight_bytes,
             fingerprint,
@@ -773,6 +847,43 @@ impl CudaModel {
         Ok(shape)
     }
 
+    /// Layer `li`'s attention (RoPE and the cache write included) and o projection, adding into
+    /// the residual stream, in one launch ([`ops::attention_o`]): fused steps of one token per
+    /// sequence without split attention.
+    fn attention_with_o(
+        &self,
+        li: usize,
+        layer: &Layer,
+        counts: StepCounts,
+        plan: &AttentionO,
+    ) -> Result<(), ModelError> {
+        let a = &self.act;
+        let Some(o_heads) = &layer.o_heads else {
+            return Err(ModelError::UnsupportedConfig("attention with the o projection without its weights".into()));
+        };
+        let o = AttnO {
+            weight: o_heads.ptr(),
+            bias: layer.o.bias.as_ref().map_or(0, DevBuf::ptr),
+            hidden: self.cfg.hidden_size,
+            residual: a.x.ptr(),
+            partial: plan.partial.ptr(),
+            counters: plan.counters.ptr(),
+        };
+        ops::attention_o(
+            &self.dev,
+            self.kv.ptr(),
+            a.attn.ptr(),
+            &self.attn_meta(),
+            self.meta.ptr_at(self.meta_layout.decode_list),
+            counts.decode,
+            &self.attn_shape(li),
+            &self.rope_args(layer),
+            &o,
+            plan.chunks,
+        )?;
+        Ok(())
+    }
+
     /// The layers and output head of a decode step of at most `fused_tokens` tokens (the
     /// embedding already in the residual stream): per layer, qkv (with the input RMSNorm),
     /// attention (with RoPE and the cache write on one-token-per-sequence steps), o (adding
@@ -781,15 +892,28 @@ impl CudaModel {
     /// deltas through memory.
     fn run_decode_layers(&self, t: usize, rows: usize, counts: StepCounts) -> Result<(), ModelError> {
         let v = &self.variant;
+        let attention_o = self.attention_o.as_ref().filter(|_| counts.one_token_each && !counts.split);
         for (li, layer) in self.layers.iter().enumerate() {
             let [qkv, o, gate_up, down] = self.decode_projections(layer);
             for _ in 0..v.runs("qkv") {
                 qkv.launch(&self.dev, t)?;
             }
-            for _ in 0..v.runs("attn") {
-                self.rope_and_row_attention(li, layer, t, counts, true)?;
+            match attention_o {
+                Some(plan) => {
+                    for _ in 0..v.runs("attn") {
+                        self.attention_with_o(li, layer, counts, plan)?;
+                    }
+                }
+                None => {
+                    for _ in 0..v.runs("attn") {
+                        self.rope_and_row_attention(li, layer, t, counts, true)?;
+                    }
+                }
             }
             for (name, p) in [("o", o), ("gate_up", gate_up), ("down", down)] {
+                if name == "o" && attention_o.is_some() {
+                    continue;
+                }
                 for _ in 0..v.runs(name) {
                     p.launch(&self.dev, t)?;
                 }
@@ -1052,6 +1176,15 @@ impl CudaModel {
                     ops::attention_rows(dev, 0, self.kv.ptr(), a.attn.ptr(), &meta, list, n, &shape, Some(&rope), None)
                 };
                 out.push(("fused: q/k norm + RoPE + KV write + attention".into(), layers * time(&fused_rope)?));
+                if let Some(plan) = self.attention_o.as_ref().filter(|_| !counts.split) {
+                    let with_o = || -> Result<(), CudaError> {
+                        self.layers.iter().enumerate().try_for_each(|(li, l)| {
+                            self.attention_with_o(li, l, counts, plan)
+                                .map_err(|e| CudaError::Unavailable(e.to_string()))
+                        })
+                    };
+                    out.push(("fused: attention + o projection (one launch)".into(), time(&with_o)?));
+                }
             }
             let head_p = self.head_projection();
             // The plan the step uses, then the pipelined build for comparison.

@@ -216,6 +216,18 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter) {
 // weight (and bias) laid out so that one warp of a decode projection owns a gate row and its up
 // row, and SiLU-and-multiply happens in its epilogue. Grid-stride over 16-byte pieces
 // (cols % 8 == 0) or elements.
+// dst[h][r][d] = src[r][h * hd + d] (16-byte pieces; hd % 8 == 0): the o weight head-major,
+// so that attention_o's slices are contiguous. Grid-stride over dst's pieces.
+extern "C" __global__ void head_major(const bf16* src, bf16* dst, u64 rows, u64 heads, u64 hd) {
+    PDL_ENTER();
+    u64 per_row = hd / 8, total = rows * heads * per_row;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
+        u64 h = e / (rows * per_row), r = (e / per_row) % rows, piece = e % per_row;
+        *reinterpret_cast<uint4*>(dst + e * 8) =
+            *reinterpret_cast<const uint4*>(src + (r * heads + h) * hd + piece * 8);
+    }
+}
+
 extern "C" __global__ void interleave_rows(const bf16* src, bf16* dst, u64 half, u64 cols) {
     PDL_ENTER();
     bool wide = cols % 8 == 0;
@@ -681,17 +693,27 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem));
 }
 
-template <int G, int E>
+// The attention's barriers: the whole block, or (NAMED) barrier 1 over the first ATTN_WARPS
+// warps only, for a kernel whose other warps do other work meanwhile (attention_o).
+template <bool NAMED>
+__device__ __forceinline__ void attn_sync() {
+    if (NAMED) asm volatile("bar.sync 1, %0;\n" ::"n"(ATTN_WARPS * 32) : "memory");
+    else __syncthreads();
+}
+
+template <int G, int E, bool NAMED = false>
 __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16* out, const int* positions,
                                                const int* tok_seq, const int* block_tables, const int* meta_stride,
                                                const int* token_list, int num_heads, int num_kv_heads, int layer,
                                                int num_layers, int block_size, float scale, RopeIn rope, float* part,
-                                               int split_keys) {
+                                               int split_keys, bool one_stage = false, float* out_s = nullptr) {
     constexpr int HD = 32 * E, STRIDE = ATTN_STRIDE(HD);
+    // NAMED: only the block's first ATTN_WARPS warps run this (see attn_sync).
+    const int nthreads = NAMED ? ATTN_WARPS * 32 : blockDim.x;
     extern __shared__ __align__(16) unsigned char attn_smem[];
     u32 dynamic_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem));
-    const int stages = HD <= 128 && dynamic_smem >= 2 * ATTN_STAGE_BYTES(HD) ? 2 : 1;
+    const int stages = !one_stage && HD <= 128 && dynamic_smem >= 2 * ATTN_STAGE_BYTES(HD) ? 2 : 1;
     // Buffer b: keys at kbuf(b), values ATTN_CHUNK rows further.
     auto kbuf = [&](int b) { return reinterpret_cast<bf16*>(attn_smem) + b * 2 * ATTN_CHUNK * STRIDE; };
     // Scaled queries; reused at the end to add up the warps' partial outputs.
@@ -721,7 +743,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         bf16* ks = kbuf(b);
         bf16* vs = ks + ATTN_CHUNK * STRIDE;
         int n = min(ATTN_CHUNK, cached - start);
-        for (int c = tid; c < n * (HD / 8); c += blockDim.x) {
+        for (int c = tid; c < n * (HD / 8); c += nthreads) {
             int r = c / (HD / 8), part = (c % (HD / 8)) * 8;
             int key = start + r;
             int blk = table[key / block_size], slot = key % block_size;
@@ -755,7 +777,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
             }
         }
     } else {
-        for (int i = tid; i < G * HD; i += blockDim.x) {
+        for (int i = tid; i < G * HD; i += nthreads) {
             int g = i / HD, d = i % HD;
             qs[g][d] = bf2f(q[((u64)t * num_heads + h0 + g) * HD + d]) * scale;
         }
@@ -775,7 +797,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         const bf16* ks = kbuf(b);
         const bf16* vs = ks + ATTN_CHUNK * STRIDE;
         asm volatile("cp.async.wait_all;\n" ::: "memory");
-        __syncthreads();
+        attn_sync<NAMED>();
         // The other buffer was last read before the barrier that ended the previous chunk.
         if (stages == 2 && start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK, b ^ 1);
         if (tid < n) {
@@ -795,7 +817,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
 #pragma unroll
             for (int g = 0; g < G; ++g) ps[g][tid] = dot[g];
         }
-        __syncthreads();
+        attn_sync<NAMED>();
         // Softmax bookkeeping: warp w for heads w, w + 4.
         for (int g = warp; g < G; g += ATTN_WARPS) {
             float mx = NEG_INF;
@@ -816,7 +838,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
                 m_s[g] = m_new;
             }
         }
-        __syncthreads();
+        attn_sync<NAMED>();
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             float alpha = alpha_s[g];
@@ -836,7 +858,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
                 for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
             }
         }
-        __syncthreads();
+        attn_sync<NAMED>();
         if (stages == 1 && start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK, 0);
     }
     // Add the warps' partial outputs in warp order, then normalise.
@@ -847,20 +869,22 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
 #pragma unroll
                 for (int e = 0; e < E; ++e) qs[g][lane * E + e] = (w == 0 ? 0.0f : qs[g][lane * E + e]) + acc[g][e];
         }
-        __syncthreads();
+        attn_sync<NAMED>();
     }
     if (part) {
-        for (int i = tid; i < G * (HD + 2); i += blockDim.x) {
+        for (int i = tid; i < G * (HD + 2); i += nthreads) {
             int g = i / (HD + 2), d = i % (HD + 2);
             float* p = part + (((u64)blockIdx.x * num_heads + h0 + g) * gridDim.z + blockIdx.z) * (HD + 2);
             p[d] = d == 0 ? m_s[g] : (d == 1 ? l_s[g] : qs[g][d - 2]);
         }
         return;
     }
-    for (int i = tid; i < G * HD; i += blockDim.x) {
+    for (int i = tid; i < G * HD; i += nthreads) {
         int g = i / HD, d = i % HD;
         float inv = l_s[g] > 0.0f ? 1.0f / l_s[g] : 0.0f;
-        out[((u64)t * num_heads + h0 + g) * HD + d] = f2bf(qs[g][d] * inv);
+        bf16 o = f2bf(qs[g][d] * inv);
+        out[((u64)t * num_heads + h0 + g) * HD + d] = o;
+        if (out_s) out_s[i] = bf2f(o);
     }
 }
 
@@ -906,6 +930,168 @@ extern "C" __global__ void attention_combine(const float* part, bf16* out, const
 ATTENTION_ROWS_ALL_E(1)
 ATTENTION_ROWS(2, 2) ATTENTION_ROWS(2, 4) ATTENTION_ROWS(4, 2) ATTENTION_ROWS(4, 4) ATTENTION_ROWS(8, 2)
 ATTENTION_ROWS(8, 4)
+
+// Decode attention and the o projection in one launch, for steps of one token per sequence
+// (fused RoPE, no key split). Block (token, head h, row chunk c) first asks for its slice of
+// the o weights, rows [c * chunk_rows, +chunk_rows) of head h (one contiguous piece of the
+// head-major weight, see head_major), as bulk copies into shared memory that stream while the
+// attention runs (weights never depend on an earlier kernel); then does the head's attention
+// (attention_rows, so the same output bits), multiplies the slice by it and writes one f32
+// partial per row. The last of a chunk's head blocks to finish adds the partials in head
+// order, the bias, and the sum into the residual stream, as the o projection's epilogue would.
+// What the o projection's own launch cost (its prologue and first round trips to memory) is
+// gone. Dynamic shared memory: one K/V stage, then the slice. `counters` [tokens][chunks] start
+// at 0 and are left at 0. `chunk_rows` is a multiple of 4.
+#define AO_PIECE 16384
+// Threads of an attention_o block: ATTN_WARPS warps do the attention, all multiply.
+#define AO_THREADS 384
+template <int E>
+__device__ __forceinline__ void attention_o(bf16* cache, bf16* out, const int* positions, const int* tok_seq,
+                                            const int* block_tables, const int* meta_stride, const int* token_list,
+                                            int num_heads, int num_kv_heads, int layer, int num_layers,
+                                            int block_size, float scale, RopeIn rope, const bf16* wo, int hidden,
+                                            int chunk_rows, const bf16* o_bias, float* x, float* partial,
+                                            int* counters) {
+    constexpr int HD = 32 * E;
+    // Lanes per row: 16-byte pieces of a row go to consecutive lanes, so that a quarter warp's
+    // loads cover 128 contiguous bytes (no bank conflicts); PER_LANE pieces each.
+    constexpr int LPR = E % 2 == 0 ? 8 : 4, PER_LANE = 4 * E / LPR, ROWS_PER_PASS = 32 / LPR;
+    extern __shared__ __align__(16) unsigned char attn_smem[];
+    __shared__ float att[HD];
+    __shared__ __align__(8) u64 wbar;
+    __shared__ int last;
+    int t = token_list ? token_list[blockIdx.x] : blockIdx.x;
+    int h = blockIdx.y, c = blockIdx.z, tid = threadIdx.x;
+    int r0 = c * chunk_rows, nrows = min(chunk_rows, hidden - r0);
+    bf16* ws = reinterpret_cast<bf16*>(attn_smem + ATTN_STAGE_BYTES(HD));
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(wo + ((u64)h * hidden + r0) * HD);
+    u32 bytes = (u32)nrows * HD * 2;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 bar = (u32)__cvta_generic_to_shared(&wbar);
+    if (tid == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+    }
+    __syncthreads();
+    for (u32 off = tid * AO_PIECE; off < bytes; off += blockDim.x * AO_PIECE)
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                (u32)__cvta_generic_to_shared(reinterpret_cast<unsigned char*>(ws) + off)),
+            "l"(src + off), "r"(min((u32)AO_PIECE, bytes - off)), "r"(bar)
+            : "memory");
+#else
+    for (u32 off = tid * 16; off < bytes; off += blockDim.x * 16)
+        cp_async16(reinterpret_cast<unsigned char*>(ws) + off, src + off);
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+    // Launched with programmatic dependent launch, the block gets here while the qkv
+    // projection still runs; everything below reads what it writes.
+    PDL_ENTER();
+    // Four warps do the attention; the others wait for it (and the weights) at the barrier.
+    if (tid < ATTN_WARPS * 32)
+        attention_rows<1, E, true>(nullptr, cache, out, positions, tok_seq, block_tables, meta_stride, token_list,
+                                   num_heads, num_kv_heads, layer, num_layers, block_size, scale, rope, nullptr, 0,
+                                   true, att);
+    __syncthreads();
+    int lane = tid & 31, warp = tid >> 5, q = lane % LPR, rl = lane / LPR;
+    // Lane q's inputs: the pieces q, q + LPR, ... of the head's output.
+    float xv[PER_LANE * 8];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xv[i * 8 + j] = att[(q + i * LPR) * 8 + j];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 arrived = 0;
+    while (!arrived)
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(arrived)
+            : "r"(bar)
+            : "memory");
+#else
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+#endif
+    float* part_t = partial + (u64)t * num_heads * hidden;
+    for (int base = warp * ROWS_PER_PASS; base < nrows; base += (blockDim.x / 32) * ROWS_PER_PASS) {
+        int r = base + rl;
+        float acc = 0.0f;
+        if (r < nrows) {
+            // One sum per 16 bytes (independent chains), added in order.
+            const bf16* wr = ws + r * HD + q * 8;
+            float sums[PER_LANE];
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) {
+                float wf[8];
+                unpack8(*reinterpret_cast<const uint4*>(wr + i * LPR * 8), wf);
+                sums[i] = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) sums[i] = fmaf(wf[j], xv[i * 8 + j], sums[i]);
+            }
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) acc += sums[i];
+        }
+#pragma unroll
+        for (int m = 1; m < LPR; m *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+        if (q == 0 && r < nrows) part_t[(u64)h * hidden + r0 + r] = acc;
+    }
+    // Release the partials, count this head in; the chunk's last head block sums them.
+    __threadfence();
+    __syncthreads();
+    int* counter = counters + t * gridDim.z + c;
+    if (tid == 0) last = atomicAdd(counter, 1) == num_heads - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // Four rows per thread (chunks start at multiples of 4 rows), sixteen heads' partials in
+    // flight at a time: a few round trips to L2, not one per head.
+    for (int f = tid * 4; f < nrows; f += blockDim.x * 4) {
+        int n = min(4, nrows - f);
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int h0 = 0; h0 < num_heads; h0 += 16) {
+            float4 p[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const float* src_p = part_t + (u64)(h0 + j) * hidden + r0 + f;
+                if (h0 + j >= num_heads) p[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                else if (n == 4 && (hidden & 3) == 0) p[j] = __ldcg(reinterpret_cast<const float4*>(src_p));
+                else
+                    p[j] = make_float4(__ldcg(src_p), n > 1 ? __ldcg(src_p + 1) : 0.0f, n > 2 ? __ldcg(src_p + 2) : 0.0f,
+                                       n > 3 ? __ldcg(src_p + 3) : 0.0f);
+            }
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                if (h0 + j < num_heads) {
+                    v[0] += p[j].x;
+                    v[1] += p[j].y;
+                    v[2] += p[j].z;
+                    v[3] += p[j].w;
+                }
+            }
+        }
+        for (int i = 0; i < n; ++i) {
+            float sum = o_bias ? v[i] + bf2f(o_bias[r0 + f + i]) : v[i];
+            float* xr = x + (u64)t * hidden + r0 + f + i;
+            *xr = residual_add(*xr, sum);
+        }
+    }
+    if (tid == 0) *counter = 0;
+}
+
+#define ATTENTION_O(E)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(AO_THREADS) attention_o_e##E(                                           \
+        bf16* cache, bf16* out, const int* positions, const int* tok_seq, const int* block_tables,                 \
+        const int* meta_stride, const int* token_list, int num_heads, int num_kv_heads, int layer, int num_layers, \
+        int block_size, float scale, const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, \
+        const float* cos_t, const float* sin_t, const int* slots, float eps, const bf16* wo, int hidden,            \
+        int chunk_rows, const bf16* o_bias, float* x, float* partial, int* counters) {                             \
+        RopeIn rope = {qkv, qkv_bias, q_norm, k_norm, cos_t, sin_t, slots, eps};                                  \
+        attention_o<E>(cache, out, positions, tok_seq, block_tables, meta_stride, token_list, num_heads,          \
+                       num_kv_heads, layer, num_layers, block_size, scale, rope, wo, hidden, chunk_rows, o_bias,   \
+                       x, partial, counters);                                                                     \
+    }
+ATTENTION_O(1) ATTENTION_O(2) ATTENTION_O(3) ATTENTION_O(4) ATTENTION_O(5) ATTENTION_O(6) ATTENTION_O(7) ATTENTION_O(8)
 
 // Prefill attention with tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash
 // style: a block of 4 warps takes 64 consecutive query tokens of one sequence and one head;

@@ -80,11 +80,36 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attention_rows_g4_e4",
     "attention_rows_g8_e2",
     "attention_rows_g8_e4",
+    "head_major",
+    "attention_o_e1",
+    "attention_o_e2",
+    "attention_o_e3",
+    "attention_o_e4",
+    "attention_o_e5",
+    "attention_o_e6",
+    "attention_o_e7",
+    "attention_o_e8",
     "flash_prefill_hd64",
     "flash_prefill_hd128",
     "ban_tokens",
     "sample_rows",
 ];
+
+/// A host KV region page-locked for device copies ([`CudaDevice::pin_region`]).
+pub struct PinnedRegion {
+    region: Arc<crate::KvRegion>,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for PinnedRegion {
+    fn drop(&mut self) {
+        let (ptr, _) = self.region.raw_bytes();
+        // Nothing useful to do on failure: the memory is freed (and so unpinned) with the region.
+        let _ = self.ctx.bind_to_thread();
+        // Safety: the range was registered by `pin_region` and is still allocated (we hold it).
+        let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(ptr.cast()) };
+    }
+}
 
 /// Why the CUDA backend could not do something.
 #[derive(Debug, thiserror::Error)]
@@ -284,10 +309,14 @@ pub struct CudaDevice {
     sm_count: u32,
     /// Dynamic shared memory a decode-projection block may use.
     gemv_smem: usize,
+    /// Dynamic shared memory an attention + o projection block may use.
+    attention_o_smem: usize,
     /// Shared memory per multiprocessor.
     smem_per_sm: usize,
     /// Launch kernels with programmatic stream serialization (see `programmatic_launch`).
     programmatic_launch: bool,
+    /// Hopper or later: programmatic dependent launch is available.
+    pdl_capable: bool,
 }
 
 // Safety: the device is used from one thread at a time (the engine thread owns its model);
@@ -350,6 +379,14 @@ impl CudaDevice {
                 ops::attention_rows_smem_bytes(32 * e, ops::attention_max_stages(32 * e)) as i32,
             )?;
         }
+        // Attention with the o projection keeps a slice of the o weights in shared memory.
+        let attention_o_smem = smem_block_optin.saturating_sub(ops::ATTENTION_O_STATIC_SMEM);
+        for name in KERNEL_NAMES.iter().filter(|n| n.starts_with("attention_o_")) {
+            funcs[name].set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                attention_o_smem as i32,
+            )?;
+        }
         // The decode projections stage their input rows in shared memory (M x K bf16).
         let gemv_smem = smem_block_optin.saturating_sub(ops::GEMV_STATIC_SMEM);
         for name in KERNEL_NAMES.iter().filter(|n| n.starts_with("gemv_")) {
@@ -369,9 +406,11 @@ impl CudaDevice {
             arch,
             sm_count,
             gemv_smem,
+            attention_o_smem,
             smem_per_sm,
             // Experimental until measured on a GPU: `TANDEM_CUDA_PDL=1` turns it on (Hopper and later).
             programmatic_launch: major >= 9 && std::env::var("TANDEM_CUDA_PDL").is_ok_and(|v| v == "1"),
+            pdl_capable: major >= 9,
         })
     }
 
@@ -421,10 +460,33 @@ impl CudaDevice {
         self.programmatic_launch
     }
 
+    /// Whether programmatic dependent launch is available (Hopper or later), for kernels that
+    /// ask for it themselves.
+    pub fn pdl_capable(&self) -> bool {
+        self.pdl_capable
+    }
+
     /// Dynamic shared memory one decode-projection block may use, and shared memory per
     /// multiprocessor (for its occupancy).
     pub(crate) fn gemv_smem(&self) -> (usize, usize) {
         (self.gemv_smem, self.smem_per_sm)
+    }
+
+    /// Dynamic shared memory one block of the attention + o projection kernel may use.
+    pub(crate) fn attention_o_smem(&self) -> usize {
+        self.attention_o_smem
+    }
+
+    /// Page-locks `region` (a GPU cache's host copy) so that copies between it and the device
+    /// go by DMA at PCIe speed instead of through the driver's staging buffer (and first-touch
+    /// page faults); unlocked when the returned guard drops. Touches every page of the region.
+    pub fn pin_region(&self, region: &Arc<crate::KvRegion>) -> Result<PinnedRegion, CudaError> {
+        let (ptr, bytes) = region.raw_bytes();
+        self.ctx.bind_to_thread()?;
+        // Safety: ptr..ptr + bytes is the region's live allocation; the guard keeps the region
+        // alive (its Arc) until it unregisters the range in Drop.
+        unsafe { cudarc::driver::sys::cuMemHostRegister_v2(ptr.cast(), bytes, 0).result()? };
+        Ok(PinnedRegion { region: region.clone(), ctx: self.ctx.clone() })
     }
 
     /// (free, total) device memory in bytes.

@@ -25,9 +25,14 @@ macro_rules! launch {
         $b.arg(&value);
         launch!(@push $b; $($rest),*);
     };
-    ($dev:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+    ($dev:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {
+        launch!(@with false; $dev, $name, $cfg, $($arg),+)
+    };
+    // `pdl`: with programmatic dependent launch even when the device does not launch every
+    // kernel so (the kernel must enter with PDL_ENTER before reading earlier kernels' data).
+    (@with $pdl:expr; $dev:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
         let f = $dev.kernels().get($name);
-        if $dev.programmatic_launch() {
+        if $pdl || $dev.programmatic_launch() {
             let args = [$(RawArg::raw($arg)),+];
             launch_programmatic($dev, f, $cfg, &args)
         } else {
@@ -213,6 +218,20 @@ pub fn silu_mul(dev: &CudaDevice, gu: u64, out: u64, tokens: usize, inter: usize
 pub fn interleave_rows(dev: &CudaDevice, src: u64, dst: u64, half: usize, cols: usize) -> Result<(), CudaError> {
     let units = if cols.is_multiple_of(8) { 2 * half * cols / 8 } else { 2 * half * cols };
     launch!(dev, "interleave_rows", grid_stride(dev, units as u64), src, dst, half as u64, cols as u64)
+}
+
+/// `dst[h][r][d] = src[r][h * head_dim + d]`: a `[rows, heads * head_dim]` bf16 matrix laid out
+/// head-major (the o weight for [`attention_o`]). head_dim is a multiple of 8.
+pub fn head_major(
+    dev: &CudaDevice,
+    src: u64,
+    dst: u64,
+    rows: usize,
+    heads: usize,
+    head_dim: usize,
+) -> Result<(), CudaError> {
+    let units = (rows * heads * head_dim / 8) as u64;
+    launch!(dev, "head_major", grid_stride(dev, units), src, dst, rows as u64, heads as u64, head_dim as u64)
 }
 
 /// `y[t, j] += bias[j]`, y bf16 or f32.
@@ -653,6 +672,128 @@ pub fn attention_rows(
         s.head_dim as i32,
         most as i32,
         split_keys as i32
+    )
+}
+
+/// Static shared memory of the attention + o projection kernel, with room to spare (the
+/// attention's queries, scores and new key/value, the head's output, a barrier).
+pub const ATTENTION_O_STATIC_SMEM: usize = 8 << 10;
+
+/// The o projection done inside decode attention ([`attention_o`]).
+#[derive(Clone, Copy, Debug)]
+pub struct AttnO {
+    /// `[heads, hidden, head_dim]` bf16 o weight, head-major ([`head_major`]).
+    pub weight: u64,
+    /// Optional `[hidden]` bf16 bias (0 for none).
+    pub bias: u64,
+    /// Output rows (the model's hidden size).
+    pub hidden: usize,
+    /// `[tokens, hidden]` f32 residual stream the result is added into.
+    pub residual: u64,
+    /// `[tokens][heads][hidden]` f32 scratch ([`attention_o_scratch`]).
+    pub partial: u64,
+    /// `[tokens][chunks]` i32 counters, zero before the first launch (each launch leaves them so).
+    pub counters: u64,
+}
+
+/// Row chunks of [`attention_o`] (grid z) and rows per chunk: about one block per
+/// multiprocessor at one token, each chunk's weight slice (rows x head_dim) fitting in shared
+/// memory beside one K/V stage. None if no split fits.
+pub fn attention_o_chunks(
+    dev: &CudaDevice,
+    num_heads: usize,
+    head_dim: usize,
+    hidden: usize,
+) -> Option<(usize, usize)> {
+    let room = dev.attention_o_smem().checked_sub(attention_rows_smem_bytes(head_dim, 1) as usize)?;
+    let row_bytes = head_dim * 2;
+    let mut chunks = (dev.sm_count() as usize / num_heads.max(1)).clamp(1, hidden.max(1));
+    while chunks <= hidden {
+        // Whole groups of four rows (the kernel sums partials four rows at a time).
+        let rows = hidden.div_ceil(chunks).next_multiple_of(4);
+        if rows * row_bytes <= room {
+            return Some((hidden.div_ceil(rows), rows));
+        }
+        chunks += 1;
+    }
+    None
+}
+
+/// (f32 partials, i32 counters) [`attention_o`] needs for `tokens` tokens.
+pub fn attention_o_scratch(tokens: usize, num_heads: usize, hidden: usize, chunks: usize) -> (usize, usize) {
+    (tokens * num_heads * hidden, tokens * chunks)
+}
+
+/// Decode attention with RoPE and the cache write ([`attention_rows`] with `rope`) and then the
+/// o projection, adding into the residual stream, in one launch: each (token, head, row chunk)
+/// block streams its slice of the o weights into shared memory while it does the head's
+/// attention. Steps of one token per sequence only (as `rope` in [`attention_rows`]); no key
+/// split. `chunks`/`rows` from [`attention_o_chunks`]. The attention output is also written to
+/// `out`, as [`attention_rows`] writes it. Measured slower than the two kernels on an H200
+/// (docs/PERFORMANCE.md, runs AB-AF), so models use it only when asked. `TANDEM_ATTN_O_PDL=1`
+/// launches it with programmatic dependent launch (its weight copies start while the qkv
+/// projection runs).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_o(
+    dev: &CudaDevice,
+    cache: u64,
+    out: u64,
+    m: &AttnMeta,
+    token_list: u64,
+    count: usize,
+    s: &AttnShape,
+    rope: &QkvRope,
+    o: &AttnO,
+    (chunks, rows): (usize, usize),
+) -> Result<(), CudaError> {
+    if count == 0 {
+        return Ok(());
+    }
+    let e = s.head_dim / 32;
+    assert!(s.head_dim.is_multiple_of(32) && (1..=8).contains(&e), "head_dim {} not supported", s.head_dim);
+    let smem = attention_rows_smem_bytes(s.head_dim, 1) as usize + rows * s.head_dim * 2;
+    assert!(smem <= dev.attention_o_smem(), "attention_o: {rows} rows do not fit in shared memory");
+    let name = format!("attention_o_e{e}");
+    let config = LaunchConfig {
+        grid_dim: (count as u32, s.num_heads as u32, chunks as u32),
+        // AO_THREADS in kernels.cu.
+        block_dim: (384, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    static PDL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let pdl = *PDL.get_or_init(|| std::env::var("TANDEM_ATTN_O_PDL").is_ok_and(|v| v == "1"));
+    launch!(@with pdl && dev.pdl_capable();
+        dev,
+        name.as_str(),
+        config,
+        cache,
+        out,
+        m.positions,
+        m.tok_seq,
+        m.block_tables,
+        m.stride,
+        token_list,
+        s.num_heads as i32,
+        s.num_kv_heads as i32,
+        s.layer as i32,
+        s.num_layers as i32,
+        s.block_size as i32,
+        1.0 / (s.head_dim as f32).sqrt(),
+        rope.qkv,
+        rope.bias,
+        rope.q_norm,
+        rope.k_norm,
+        rope.cos,
+        rope.sin,
+        rope.slots,
+        rope.eps,
+        o.weight,
+        o.hidden as i32,
+        rows as i32,
+        o.bias,
+        o.residual,
+        o.partial,
+        o.counters
     )
 }
 
