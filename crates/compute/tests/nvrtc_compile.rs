@@ -29,4 +29,15 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
             assert!(text.contains(name), "{arch}: kernel `{name}` missing from the image");
         }
     }
+    // The measurement builds kernels.cu knows (TANDEM_KERNEL_DEFINES) compile too, to other code.
+    let plain = cuda::compile_kernels_with("sm_90", &[]).unwrap_or_else(|e| panic!("{e}"));
+    for define in ["TANDEM_STREAM_EVICT_FIRST"] {
+        for arch in ["sm_90", "sm_80"] {
+            let cubin = cuda::compile_kernels_with(arch, &[define.to_string()]).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(&cubin[..4], b"\x7fELF", "{arch} with {define}: not a CUBIN");
+            if arch == "sm_90" {
+                assert!(cubin != plain, "{define} changes nothing");
+            }
+        }
+    }
 }

@@ -291,11 +291,21 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
 #define GEMV_UNROLL 4
 
 // 16 bytes of a weight row, read once per step: through the read-only path, not kept in L1.
+// TANDEM_STREAM_EVICT_FIRST (a measurement build, TANDEM_KERNEL_DEFINES): also first out of
+// L2, so that what is reused across layers (step metadata, RoPE tables, recent KV) stays there.
 __device__ __forceinline__ uint4 ld_stream(const bf16* p) {
     uint4 v;
+#if defined(TANDEM_STREAM_EVICT_FIRST) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u64 policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(policy));
+#else
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
+#endif
     return v;
 }
 

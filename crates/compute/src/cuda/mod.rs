@@ -170,12 +170,39 @@ pub fn nvrtc_present() -> bool {
 }
 
 fn source_hash() -> u64 {
-    // FNV-1a: stable across builds and platforms (std's hasher is not).
+    // FNV-1a: stable across builds and platforms (std's hasher is not). The defines change the
+    // image as much as the source does.
     let mut h = 0xcbf29ce484222325u64;
-    for b in KERNEL_SOURCE.bytes() {
+    for b in KERNEL_SOURCE.bytes().chain(kernel_defines().join(",").into_bytes()) {
         h = (h ^ b as u64).wrapping_mul(0x100000001b3);
     }
     h
+}
+
+/// Preprocessor defines for measurement builds of the kernels: `TANDEM_KERNEL_DEFINES`, a
+/// comma-separated list of `NAME` or `NAME=VALUE` (letters, digits, `_`, `.`; anything else is
+/// ignored with a warning). kernels.cu says which names it knows.
+pub fn kernel_defines() -> Vec<String> {
+    static DEFINES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    DEFINES
+        .get_or_init(|| {
+            let raw = std::env::var("TANDEM_KERNEL_DEFINES").unwrap_or_default();
+            let ok = |d: &&str| {
+                let name = d.split('=').next().unwrap_or("");
+                name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+                    && d.chars().all(|c| c.is_ascii_alphanumeric() || "_=.".contains(c))
+            };
+            let defines: Vec<String> =
+                raw.split(',').map(str::trim).filter(|d| !d.is_empty()).filter(ok).map(String::from).collect();
+            if defines.len() != raw.split(',').filter(|d| !d.trim().is_empty()).count() {
+                tracing::warn!(raw, "TANDEM_KERNEL_DEFINES: entries other than NAME or NAME=VALUE ignored");
+            }
+            if !defines.is_empty() {
+                tracing::warn!(?defines, "CUDA kernels compiled with measurement defines");
+            }
+            defines
+        })
+        .clone()
 }
 
 /// Where the compiled image for `arch` (e.g. `sm_90`) is cached:
@@ -189,9 +216,14 @@ pub fn kernel_cache_path(arch: &str) -> Option<PathBuf> {
     Some(dir.join(format!("kernels-{:016x}-{arch}.cubin", source_hash())))
 }
 
-/// Compiles [`KERNEL_SOURCE`] for `arch` (e.g. `sm_90`) with NVRTC and returns the CUBIN.
-/// Needs only the NVRTC library, not a GPU.
+/// Compiles [`KERNEL_SOURCE`] for `arch` (e.g. `sm_90`) with NVRTC and returns the CUBIN, with
+/// [`kernel_defines`]. Needs only the NVRTC library, not a GPU.
 pub fn compile_kernels(arch: &str) -> Result<Vec<u8>, CudaError> {
+    compile_kernels_with(arch, &kernel_defines())
+}
+
+/// [`compile_kernels`] with the given preprocessor defines (`NAME` or `NAME=VALUE`).
+pub fn compile_kernels_with(arch: &str, defines: &[String]) -> Result<Vec<u8>, CudaError> {
     use cudarc::nvrtc::{result, sys};
     let fail = |log: String| CudaError::Compile { arch: arch.to_string(), log };
     let src = std::ffi::CString::new(KERNEL_SOURCE).map_err(|e| fail(e.to_string()))?;
@@ -203,6 +235,7 @@ pub fn compile_kernels(arch: &str) -> Result<Vec<u8>, CudaError> {
         "--use_fast_math".to_string(),
         "--fmad=true".to_string(),
     ];
+    opts.extend(defines.iter().map(|d| format!("-D{d}")));
     // TANDEM_NVRTC_VERBOSE=1 prints ptxas' register / shared memory / spill report.
     let verbose = std::env::var_os("TANDEM_NVRTC_VERBOSE").is_some();
     if verbose {
