@@ -664,11 +664,14 @@ fn decode_projection_kernels_match_the_reference() {
         };
         // The plans `gemv` picks in both builds, and plain-build plans with K split across
         // warps (partial sums through shared memory) and with few blocks looping over rows.
-        let plans: [&dyn Fn(usize, usize, usize) -> GemvPlan; 4] = [
+        // The tensor-core build too: its plan, and K split two ways over 3 blocks (partials).
+        let plans: [&dyn Fn(usize, usize, usize) -> GemvPlan; 6] = [
             &|n, k, tokens| ops::gemv_plan(&dev, n, k, tokens, GemvBuild::Plain),
             &|n, k, tokens| ops::gemv_plan(&dev, n, k, tokens, GemvBuild::Pipelined),
             &|_, _, _| GemvPlan { build: GemvBuild::Plain, ksplit: 4, blocks: 3 },
             &|n, _, _| GemvPlan { build: GemvBuild::Plain, ksplit: 8, blocks: n.div_ceil(2) },
+            &|n, k, tokens| ops::gemv_plan(&dev, n, k, tokens, GemvBuild::Mma),
+            &|_, _, _| GemvPlan { build: GemvBuild::Mma, ksplit: 2, blocks: 3 },
         ];
         for plan in plans {
             for &(n, k) in shapes {

@@ -1187,13 +1187,14 @@ impl CudaModel {
                 }
             }
             let head_p = self.head_projection();
-            // The plan the step uses, then the pipelined build for comparison.
+            // The plan the step uses, then the pipelined and tensor-core builds for comparison.
             type PlanFn<'a> = &'a dyn Fn(usize, usize, usize) -> ops::GemvPlan;
-            let builds: [(&str, PlanFn<'_>); 2] = [
+            let builds: [(&str, PlanFn<'_>); 3] = [
                 ("fused", &|n, k, t| ops::gemv_plan(dev, n, k, t, ops::GemvBuild::Plain)),
                 ("fused, pipelined build (comparison)", &|n, k, t| {
                     ops::gemv_plan(dev, n, k, t, ops::GemvBuild::Pipelined)
                 }),
+                ("fused, tensor-core build (comparison)", &|n, k, t| ops::gemv_plan(dev, n, k, t, ops::GemvBuild::Mma)),
             ];
             for (build, plan_of) in builds {
                 for (i, name) in DECODE_PROJECTIONS.iter().enumerate() {

@@ -1335,6 +1335,109 @@ __device__ __forceinline__ u32 fkey(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// Decode projection on tensor cores (a measurement build, `GemvBuild::Mma`): a warp owns 16
+// rows (mma.sync m16n8k16, the weight tile as A, up to 8 tokens' inputs as B), its lanes each
+// load 16 bytes of two rows (g and g + 8, g = lane / 4) per 32 columns and use them as A
+// fragments as they are: the mma's k order is a permutation of the columns, and B takes the
+// same columns of each token's input, so each 32 columns cost two 16-byte loads, one shared
+// memory load and two mma instructions per lane instead of sixteen FMAs and the unpacking.
+// Sums come out whole per row (no warp shuffles); K slices of ksplit warps add in slice order,
+// and a token's sums never depend on the other tokens (B's columns are independent).
+#define MMA_ROWS 16
+#define MMA_UNROLL 4
+template <int M, int IN, int OUT>
+__device__ __forceinline__ void gemv_mma(const bf16* __restrict__ W, int N, int K, int ksplit, const void* in,
+                                         const int* rows, const bf16* norm_w, float eps, void* out,
+                                         const bf16* bias, int mcount) {
+    extern __shared__ __align__(16) unsigned char gemv_smem[];
+    __shared__ float scratch[32];
+    __shared__ float partial[8][MMA_ROWS][8];
+    bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+    int groups = 8 / ksplit, grp = warp / ksplit, slice = warp % ksplit;
+    int rows_per_block = groups * MMA_ROWS;
+    // Slices of whole 32-column pieces, so a lane's 8 columns never straddle two slices.
+    int slice_len = ((K + 31) / 32 + ksplit - 1) / ksplit * 32;
+    int k_begin = slice * slice_len, k_end = min(K, k_begin + slice_len);
+    PDL_ENTER();
+    for (int m = 0; m < M; ++m) gemv_prologue<IN>(xs + (u64)m * K, K, in, rows, norm_w, eps, m, mcount, scratch);
+    __syncthreads();
+    const bf16* xrow = xs + (u64)(g < M ? g : 0) * K;
+    int stride = gridDim.x * rows_per_block;
+    for (int row_base = blockIdx.x * rows_per_block; row_base < N; row_base += stride) {
+        int n0 = row_base + grp * MMA_ROWS;
+        const bf16* w_lo = W + (u64)min(n0 + g, N - 1) * K;
+        const bf16* w_hi = W + (u64)min(n0 + g + 8, N - 1) * K;
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        // The trip count is the warp's (mma.sync needs every lane); lanes past K load zeros.
+        for (int kb = k_begin; kb < k_end; kb += 32 * MMA_UNROLL) {
+            int base = kb + q * 8;
+            uint4 lo[MMA_UNROLL], hi[MMA_UNROLL];
+#pragma unroll
+            for (int u = 0; u < MMA_UNROLL; ++u) {
+                int k = base + u * 32;
+                if (k < k_end) {
+                    lo[u] = ld_stream(w_lo + k);
+                    hi[u] = ld_stream(w_hi + k);
+                } else {
+                    lo[u] = make_uint4(0, 0, 0, 0);
+                    hi[u] = make_uint4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < MMA_UNROLL; ++u) {
+                int k = base + u * 32;
+                uint4 xv = g < M && k < k_end ? *reinterpret_cast<const uint4*>(xrow + k) : make_uint4(0, 0, 0, 0);
+                u32 a0[4] = {lo[u].x, hi[u].x, lo[u].y, hi[u].y};
+                mma_bf16(d, a0, xv.x, xv.y);
+                u32 a1[4] = {lo[u].z, hi[u].z, lo[u].w, hi[u].w};
+                mma_bf16(d, a1, xv.z, xv.w);
+            }
+        }
+        // d: rows g and g + 8, tokens 2q and 2q + 1. OUT_SILU: the (gate, up) pair of rows
+        // 2i, 2i + 1 sits in lanes l (g even) and l + 4.
+        float up[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) up[i] = __shfl_down_sync(0xffffffffu, d[i], 4);
+        if (ksplit == 1) {
+            if (OUT != OUT_SILU || g % 2 == 0) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    gemv_store<OUT>(out, bias, N, n0 + g + (i / 2) * 8, 2 * q + i % 2, mcount, d[i], up[i]);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) partial[warp][g + (i / 2) * 8][2 * q + i % 2] = d[i];
+            __syncthreads();
+            for (int i = tid; i < groups * MMA_ROWS * M; i += blockDim.x) {
+                int gg = i / (MMA_ROWS * M), r = (i / M) % MMA_ROWS, m = i % M;
+                if (OUT == OUT_SILU && r % 2 == 1) continue;
+                float v = 0.0f, u = 0.0f;
+                for (int sl = 0; sl < ksplit; ++sl) {
+                    v += partial[gg * ksplit + sl][r][m];
+                    if (OUT == OUT_SILU) u += partial[gg * ksplit + sl][r + 1][m];
+                }
+                gemv_store<OUT>(out, bias, N, row_base + gg * MMA_ROWS + r, m, mcount, v, u);
+            }
+            __syncthreads();
+        }
+    }
+}
+
+#define GEMV_MMA_KERNEL(NAME, M, IN, OUT)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 3) NAME##_m##M##_mma(                                     \
+        const bf16* W, int N, int K, int ksplit, const void* in, const int* rows, const bf16* norm_w, float eps, \
+        void* out, const bf16* bias, int mcount) {                                                              \
+        gemv_mma<M, IN, OUT>(W, N, K, ksplit, in, rows, norm_w, eps, out, bias, mcount);                         \
+    }
+#define GEMV_MMA_ALL_M(NAME, IN, OUT) \
+    GEMV_MMA_KERNEL(NAME, 1, IN, OUT) \
+    GEMV_MMA_KERNEL(NAME, 2, IN, OUT) GEMV_MMA_KERNEL(NAME, 4, IN, OUT) GEMV_MMA_KERNEL(NAME, 8, IN, OUT)
+GEMV_MMA_ALL_M(gemv_norm_bf16, IN_NORM, OUT_BF16)
+GEMV_MMA_ALL_M(gemv_norm_f32, IN_NORM, OUT_F32)
+GEMV_MMA_ALL_M(gemv_norm_silu, IN_NORM, OUT_SILU)
+GEMV_MMA_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
+
 extern "C" __global__ void ban_tokens(float* logits, int vocab, const int* ban_row, const int* ban_tok, int n) {
     PDL_ENTER();
     int i = blockIdx.x * blockDim.x + threadIdx.x;

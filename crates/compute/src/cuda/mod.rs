@@ -65,6 +65,22 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_norm_silu_m4_pipe",
     "gemv_norm_silu_m8",
     "gemv_norm_silu_m8_pipe",
+    "gemv_bf16_add_m1_mma",
+    "gemv_bf16_add_m2_mma",
+    "gemv_bf16_add_m4_mma",
+    "gemv_bf16_add_m8_mma",
+    "gemv_norm_bf16_m1_mma",
+    "gemv_norm_bf16_m2_mma",
+    "gemv_norm_bf16_m4_mma",
+    "gemv_norm_bf16_m8_mma",
+    "gemv_norm_f32_m1_mma",
+    "gemv_norm_f32_m2_mma",
+    "gemv_norm_f32_m4_mma",
+    "gemv_norm_f32_m8_mma",
+    "gemv_norm_silu_m1_mma",
+    "gemv_norm_silu_m2_mma",
+    "gemv_norm_silu_m4_mma",
+    "gemv_norm_silu_m8_mma",
     "qkv_rope_cache",
     "attention_rows_g1_e1",
     "attention_rows_g1_e2",
@@ -344,6 +360,8 @@ pub struct CudaDevice {
     gemv_smem: usize,
     /// Dynamic shared memory an attention + o projection block may use.
     attention_o_smem: usize,
+    /// Dynamic shared memory a tensor-core decode-projection block may use.
+    gemv_mma_smem: usize,
     /// Shared memory per multiprocessor.
     smem_per_sm: usize,
     /// Launch kernels with programmatic stream serialization (see `programmatic_launch`).
@@ -423,9 +441,15 @@ impl CudaDevice {
         // The decode projections stage their input rows in shared memory (M x K bf16).
         let gemv_smem = smem_block_optin.saturating_sub(ops::GEMV_STATIC_SMEM);
         for name in KERNEL_NAMES.iter().filter(|n| n.starts_with("gemv_")) {
+            // The tensor-core build's partial sums take more static shared memory.
+            let limit = if name.ends_with("_mma") {
+                smem_block_optin.saturating_sub(ops::GEMV_MMA_STATIC_SMEM)
+            } else {
+                gemv_smem
+            };
             funcs[name].set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                gemv_smem as i32,
+                limit as i32,
             )?;
         }
         Ok(Self {
@@ -440,6 +464,7 @@ impl CudaDevice {
             sm_count,
             gemv_smem,
             attention_o_smem,
+            gemv_mma_smem: smem_block_optin.saturating_sub(ops::GEMV_MMA_STATIC_SMEM),
             smem_per_sm,
             // Experimental until measured on a GPU: `TANDEM_CUDA_PDL=1` turns it on (Hopper and later).
             programmatic_launch: major >= 9 && std::env::var("TANDEM_CUDA_PDL").is_ok_and(|v| v == "1"),
@@ -503,6 +528,11 @@ impl CudaDevice {
     /// multiprocessor (for its occupancy).
     pub(crate) fn gemv_smem(&self) -> (usize, usize) {
         (self.gemv_smem, self.smem_per_sm)
+    }
+
+    /// Dynamic shared memory one block of the tensor-core decode projection may use.
+    pub(crate) fn gemv_mma_smem(&self) -> usize {
+        self.gemv_mma_smem
     }
 
     /// Dynamic shared memory one block of the attention + o projection kernel may use.

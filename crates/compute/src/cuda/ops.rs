@@ -243,6 +243,10 @@ pub fn add_bias(dev: &CudaDevice, y: u64, bias: u64, tokens: usize, cols: usize,
 /// Static shared memory of the decode-projection kernels (norm scratch and K-slice partials).
 pub const GEMV_STATIC_SMEM: usize = 32 * 4 + 8 * 2 * GEMV_MAX_TOKENS * 4;
 
+/// Static shared memory of the tensor-core decode projection (norm scratch and the K slices'
+/// 16-row partials).
+pub const GEMV_MMA_STATIC_SMEM: usize = 32 * 4 + 8 * 16 * GEMV_MAX_TOKENS * 4;
+
 /// Most tokens the decode-projection kernels take in one launch.
 pub const GEMV_MAX_TOKENS: usize = 8;
 
@@ -297,6 +301,9 @@ pub enum GemvBuild {
     Plain,
     /// Double-buffered weight loads; fewer warps (a comparison build).
     Pipelined,
+    /// Tensor cores (`mma.sync`), 16 rows per warp: a measurement build, used for every decode
+    /// projection when `TANDEM_GEMV_MMA=1`.
+    Mma,
 }
 
 /// How a decode projection spreads over the device.
@@ -331,9 +338,13 @@ pub struct Gemv {
 }
 
 impl Gemv {
-    /// Runs the projection for `tokens` rows with the plain build's plan ([`gemv_plan`]).
+    /// Runs the projection for `tokens` rows with the plain build's plan ([`gemv_plan`]), or the
+    /// tensor-core build's with `TANDEM_GEMV_MMA=1` (measurement).
     pub fn launch(&self, dev: &CudaDevice, tokens: usize) -> Result<(), CudaError> {
-        self.launch_with(dev, tokens, gemv_plan(dev, self.n, self.k, tokens, GemvBuild::Plain))
+        static MMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let mma = *MMA.get_or_init(|| std::env::var("TANDEM_GEMV_MMA").is_ok_and(|v| v == "1"));
+        let build = if mma { GemvBuild::Mma } else { GemvBuild::Plain };
+        self.launch_with(dev, tokens, gemv_plan(dev, self.n, self.k, tokens, build))
     }
 
     /// Runs the projection with an explicit plan (for comparing plans and builds).
@@ -345,6 +356,7 @@ impl Gemv {
         let m = tokens.next_power_of_two();
         let smem = m * k * 2;
         let (limit, _) = dev.gemv_smem();
+        let limit = if plan.build == GemvBuild::Mma { limit.min(dev.gemv_mma_smem()) } else { limit };
         let norm_too_long = matches!(input, GemvInput::Norm { .. }) && k > GEMV_NORM_MAX_K;
         if m > GEMV_MAX_TOKENS || smem > limit || !k.is_multiple_of(8) || norm_too_long {
             return Err(CudaError::Unavailable(format!("decode projection of {tokens} rows x {k} is not supported")));
@@ -370,7 +382,12 @@ impl Gemv {
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let name = format!("{kind}_m{m}{}", if plan.build == GemvBuild::Pipelined { "_pipe" } else { "" });
+        let suffix = match plan.build {
+            GemvBuild::Plain => "",
+            GemvBuild::Pipelined => "_pipe",
+            GemvBuild::Mma => "_mma",
+        };
+        let name = format!("{kind}_m{m}{suffix}");
         launch!(
             dev,
             name.as_str(),
@@ -408,8 +425,24 @@ pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: Gem
         let (ksplit, blocks) = gemv_grid(sms, per_sm, smem, n, k);
         return GemvPlan { build, ksplit, blocks };
     }
+    if build == GemvBuild::Mma {
+        let (ksplit, blocks) = mma_grid(sms, per_sm, n, k, tokens);
+        return GemvPlan { build, ksplit, blocks };
+    }
     let (ksplit, blocks) = plain_grid(sms, per_sm, n, k, tokens);
     GemvPlan { build, ksplit, blocks }
+}
+
+/// (K split, blocks) of the tensor-core build: warps own 16 rows, K split over the most warps
+/// (up to 8) that leave each at least 256 columns (chosen as for one token, like the plain
+/// build), blocks up to one wave (three per multiprocessor by the launch bounds, fewer if the
+/// input rows fill shared memory), looping over row groups. Untuned.
+fn mma_grid(sms: usize, per_sm: usize, n: usize, k: usize, tokens: usize) -> (usize, usize) {
+    let ksplit = [8, 4, 2, 1].into_iter().find(|s| k / s >= 256).unwrap_or(1);
+    let row_groups = n.div_ceil(8 / ksplit * 16);
+    let smem = tokens.max(1).next_power_of_two() * k * 2;
+    let slots = sms * (per_sm / (smem + GEMV_MMA_STATIC_SMEM + 1024)).clamp(1, 3);
+    (ksplit, row_groups.min(slots).max(1))
 }
 
 /// (K split, blocks) of the plain build; see [`gemv_plan`].
