@@ -203,15 +203,9 @@ pub fn kernel_defines() -> Vec<String> {
     DEFINES
         .get_or_init(|| {
             let raw = std::env::var("TANDEM_KERNEL_DEFINES").unwrap_or_default();
-            let ok = |d: &&str| {
-                let name = d.split('=').next().unwrap_or("");
-                name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
-                    && d.chars().all(|c| c.is_ascii_alphanumeric() || "_=.".contains(c))
-            };
-            let defines: Vec<String> =
-                raw.split(',').map(str::trim).filter(|d| !d.is_empty()).filter(ok).map(String::from).collect();
-            if defines.len() != raw.split(',').filter(|d| !d.trim().is_empty()).count() {
-                tracing::warn!(raw, "TANDEM_KERNEL_DEFINES: entries other than NAME or NAME=VALUE ignored");
+            let (defines, ignored) = parse_defines(&raw);
+            if ignored > 0 {
+                tracing::warn!(raw, ignored, "TANDEM_KERNEL_DEFINES: entries other than NAME or NAME=VALUE ignored");
             }
             if !defines.is_empty() {
                 tracing::warn!(?defines, "CUDA kernels compiled with measurement defines");
@@ -219,6 +213,22 @@ pub fn kernel_defines() -> Vec<String> {
             defines
         })
         .clone()
+}
+
+/// The well-formed `NAME` / `NAME=VALUE` entries of a comma-separated list, and how many
+/// others there were.
+fn parse_defines(raw: &str) -> (Vec<String>, usize) {
+    let ok = |d: &&str| {
+        let name = d.split('=').next().unwrap_or("");
+        name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            && d.chars().all(|c| c.is_ascii_alphanumeric() || "_=.".contains(c))
+            && d.matches('=').count() <= 1
+    };
+    let entries: Vec<&str> = raw.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
+    let defines: Vec<String> = entries.iter().copied().filter(ok).map(String::from).collect();
+    let ignored = entries.len() - defines.len();
+    (defines, ignored)
 }
 
 /// Where the compiled image for `arch` (e.g. `sm_90`) is cached:
@@ -743,5 +753,31 @@ impl std::fmt::Display for DeviceSpec {
             Self::Cpu => write!(f, "cpu"),
             Self::Cuda(n) => write!(f, "cuda:{n}"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_defines_take_names_and_values_and_drop_anything_else() {
+        let (defines, ignored) = parse_defines(" TANDEM_STREAM_EVICT_FIRST, A=1.5 ,,_B=x");
+        assert_eq!(defines, ["TANDEM_STREAM_EVICT_FIRST", "A=1.5", "_B=x"]);
+        assert_eq!(ignored, 0);
+        // Option injection, shell-ish characters, a leading digit, two `=`: all ignored.
+        let (defines, ignored) = parse_defines("--use_fast_math,A B,1X,C=D=E,E;rm,OK");
+        assert_eq!(defines, ["OK"]);
+        assert_eq!(ignored, 5);
+        assert_eq!(parse_defines(""), (Vec::new(), 0));
+    }
+
+    #[test]
+    fn device_specs_parse_and_print() {
+        for (text, spec) in [("cpu", DeviceSpec::Cpu), ("cuda", DeviceSpec::Cuda(0)), ("cuda:3", DeviceSpec::Cuda(3))] {
+            assert_eq!(text.parse::<DeviceSpec>(), Ok(spec));
+        }
+        assert_eq!(DeviceSpec::Cuda(1).to_string(), "cuda:1");
+        assert!("tpu".parse::<DeviceSpec>().unwrap_err().contains("unknown device"));
     }
 }

@@ -738,9 +738,21 @@ pub fn attention_o_chunks(
     head_dim: usize,
     hidden: usize,
 ) -> Option<(usize, usize)> {
-    let room = dev.attention_o_smem().checked_sub(attention_rows_smem_bytes(head_dim, 1) as usize)?;
+    attention_o_split(dev.sm_count() as usize, dev.attention_o_smem(), num_heads, head_dim, hidden)
+}
+
+/// [`attention_o_chunks`] for `sms` multiprocessors and `smem` bytes of dynamic shared memory
+/// per block.
+fn attention_o_split(
+    sms: usize,
+    smem: usize,
+    num_heads: usize,
+    head_dim: usize,
+    hidden: usize,
+) -> Option<(usize, usize)> {
+    let room = smem.checked_sub(attention_rows_smem_bytes(head_dim, 1) as usize)?;
     let row_bytes = head_dim * 2;
-    let mut chunks = (dev.sm_count() as usize / num_heads.max(1)).clamp(1, hidden.max(1));
+    let mut chunks = (sms / num_heads.max(1)).clamp(1, hidden.max(1));
     while chunks <= hidden {
         // Whole groups of four rows (the kernel sums partials four rows at a time).
         let rows = hidden.div_ceil(chunks).next_multiple_of(4);
@@ -1022,5 +1034,42 @@ mod tests {
         assert_eq!(gemv_grid(sms, smem_sm, 19456, 2560, 9728).0, 8);
         assert_eq!(gemv_grid(sms, smem_sm, 5120, 19456, 2560).0, 4);
         assert_eq!(gemv_grid(sms, smem_sm, 2048, 151_936, 1024).0, 1);
+    }
+
+    #[test]
+    fn tensor_core_plans_keep_their_split_and_one_wave() {
+        let (sms, smem_sm) = (132, 233_472);
+        for &(n, k) in &[(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (151_936, 2560), (37, 64), (40, 2048)]
+        {
+            let (split1, _) = mma_grid(sms, smem_sm, n, k, 1);
+            for tokens in 1..=8 {
+                let (split, blocks) = mma_grid(sms, smem_sm, n, k, tokens);
+                assert_eq!(split, split1, "{n}x{k}: the split changed at {tokens} tokens");
+                assert!(k / split >= 256 || split == 1, "{n}x{k}: slices of {} columns", k / split);
+                assert!(blocks >= 1 && blocks <= sms * 3, "{n}x{k} at {tokens}: {blocks} blocks");
+                assert!(blocks <= n.div_ceil(8 / split * 16), "{n}x{k}: {blocks} blocks, some without rows");
+            }
+        }
+        // Qwen3-4B's o projection: 4096 columns over 8 warps, 16 rows each; 160 blocks.
+        assert_eq!(mma_grid(sms, smem_sm, 2560, 4096, 1), (8, 160));
+    }
+
+    #[test]
+    fn attention_o_chunks_fit_shared_memory_and_cover_every_row() {
+        let smem = 232_448 - ATTENTION_O_STATIC_SMEM;
+        // Qwen3-4B on an H200: 32 heads x 4 chunks of 640 rows (one block per multiprocessor).
+        assert_eq!(attention_o_split(132, smem, 32, 128, 2560), Some((4, 640)));
+        for &(heads, hd, hidden) in &[(32, 128, 2560), (16, 128, 1024), (8, 64, 72), (4, 32, 72), (2, 256, 4096)] {
+            let (chunks, rows) = attention_o_split(132, smem, heads, hd, hidden).expect("a split fits");
+            assert!(rows.is_multiple_of(4), "{heads}x{hd}x{hidden}: {rows} rows per chunk");
+            assert!(
+                chunks * rows >= hidden && (chunks - 1) * rows < hidden,
+                "{heads}x{hd}x{hidden}: {chunks} x {rows}"
+            );
+            let bytes = attention_rows_smem_bytes(hd, 1) as usize + rows * hd * 2;
+            assert!(bytes <= smem, "{heads}x{hd}x{hidden}: {bytes} bytes of shared memory");
+        }
+        // No room for even one K/V stage: no split.
+        assert_eq!(attention_o_split(132, 1024, 32, 128, 2560), None);
     }
 }
