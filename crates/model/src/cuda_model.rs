@@ -485,7 +485,6 @@ impl CudaModel {
             num_blocks,
         };
         let kv = dev.zeros::<u16>(num_blocks * layout.block_elems())?;
-        // Zeroed lazily by the OS: pages are only backed once a transfer touches them.
         let host_kv = opts.host_kv_bytes.map(|_| KvRegion::host_copy(layout, KvDtype::Bf16));
         // Page-locked, device <-> host copies run at PCIe speed: pageable, a copy to a fresh
         // region ran at about 1.3 GB/s on an H200 machine (docs/PERFORMANCE.md). Without it
@@ -898,22 +897,15 @@ impl CudaModel {
             for _ in 0..v.runs("qkv") {
                 qkv.launch(&self.dev, t)?;
             }
-            match attention_o {
-                Some(plan) => {
-                    for _ in 0..v.runs("attn") {
-                        self.attention_with_o(li, layer, counts, plan)?;
-                    }
-                }
-                None => {
-                    for _ in 0..v.runs("attn") {
-                        self.rope_and_row_attention(li, layer, t, counts, true)?;
-                    }
+            for _ in 0..v.runs("attn") {
+                match attention_o {
+                    Some(plan) => self.attention_with_o(li, layer, counts, plan)?,
+                    None => drop(self.rope_and_row_attention(li, layer, t, counts, true)?),
                 }
             }
-            for (name, p) in [("o", o), ("gate_up", gate_up), ("down", down)] {
-                if name == "o" && attention_o.is_some() {
-                    continue;
-                }
+            // With attention_o the o projection ran in the attention launch.
+            let o = attention_o.is_none().then_some(("o", o));
+            for (name, p) in o.into_iter().chain([("gate_up", gate_up), ("down", down)]) {
                 for _ in 0..v.runs(name) {
                     p.launch(&self.dev, t)?;
                 }

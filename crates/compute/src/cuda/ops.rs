@@ -420,16 +420,11 @@ impl Gemv {
 pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: GemvBuild) -> GemvPlan {
     let (_, per_sm) = dev.gemv_smem();
     let sms = dev.sm_count() as usize;
-    if build == GemvBuild::Pipelined {
-        let smem = tokens.max(1).next_power_of_two() * k * 2;
-        let (ksplit, blocks) = gemv_grid(sms, per_sm, smem, n, k);
-        return GemvPlan { build, ksplit, blocks };
-    }
-    if build == GemvBuild::Mma {
-        let (ksplit, blocks) = mma_grid(sms, per_sm, n, k, tokens);
-        return GemvPlan { build, ksplit, blocks };
-    }
-    let (ksplit, blocks) = plain_grid(sms, per_sm, n, k, tokens);
+    let (ksplit, blocks) = match build {
+        GemvBuild::Plain => plain_grid(sms, per_sm, n, k, tokens),
+        GemvBuild::Pipelined => gemv_grid(sms, per_sm, tokens.max(1).next_power_of_two() * k * 2, n, k),
+        GemvBuild::Mma => mma_grid(sms, per_sm, n, k, tokens),
+    };
     GemvPlan { build, ksplit, blocks }
 }
 
