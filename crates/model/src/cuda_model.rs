@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use tandem_compute::cpu::RopeTable;
 use tandem_compute::cuda::ops::{
-    self, AttnMeta, AttnO, AttnShape, AttnSplit, Gemv, GemvInput, GemvOutput, PrefillSeqs, QkvRope, FLASH_ROWS,
+    self, AttnMeta, AttnO, AttnShape, AttnSplit, Gemv, GemvBuild, GemvInput, GemvOutput, PrefillSeqs, QkvRope,
+    FLASH_ROWS,
 };
 use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf, PinnedRegion};
 use tandem_compute::{coalesce, KvDtype, KvLayout, KvRegion};
@@ -56,6 +57,15 @@ pub struct CudaOptions {
     /// weight. Off by default: measured slower on an H200 (docs/PERFORMANCE.md, runs AB-AF).
     /// `TANDEM_ATTN_O=1` (or `0`) overrides it, for measurement.
     pub attention_o: bool,
+    /// Run one-token decode steps (batch 1, no split attention) as one launch of the ring
+    /// decode kernel ([`ops::decode_ring`]): weights streaming into shared memory through
+    /// every stage's wait. Hopper or later. Implies `tensor_core_projections`, so that a
+    /// sequence's logits do not depend on whether it decodes alone. `TANDEM_DECODE_RING=1`
+    /// (or `0`) overrides it.
+    pub decode_ring: bool,
+    /// Run the fused decode projections on tensor cores ([`ops::GemvBuild::Mma`]) instead of
+    /// the FMA build. `TANDEM_GEMV_MMA=1` turns it on.
+    pub tensor_core_projections: bool,
 }
 
 impl Default for CudaOptions {
@@ -71,6 +81,8 @@ impl Default for CudaOptions {
             fused_decode: true,
             host_kv_bytes: None,
             attention_o: false,
+            decode_ring: false,
+            tensor_core_projections: false,
         }
     }
 }
@@ -216,11 +228,24 @@ pub struct CudaModel {
     fused_tokens: usize,
     /// Attention with the o projection on fused one-token-per-sequence steps.
     attention_o: Option<AttentionO>,
+    /// The ring decode kernel for one-token steps.
+    ring: Option<DecodeRing>,
+    /// The fused decode projections' build.
+    gemv_build: GemvBuild,
     /// Measurement only: decode-step kernels left out or run twice.
     variant: StepVariant,
     weight_bytes: usize,
     fingerprint: String,
     counts: StepCounts,
+}
+
+/// The ring decode kernel's argument block and shared memory ([`ops::decode_ring_plan`]) and
+/// the layers' projections in its order (qkv, o, gate/up, down); its two sync words are the
+/// last two ints of `Activations::tokens`, read back with every step's sampled tokens.
+struct DecodeRing {
+    args: DevBuf<u64>,
+    smem: u32,
+    _tiles: Vec<[DevBuf<u16>; 4]>,
 }
 
 /// Scratch and split of [`ops::attention_o`] (for up to `fused_tokens` tokens).
@@ -414,6 +439,22 @@ impl CudaModel {
             secs = format!("{:.1}", started.elapsed().as_secs_f64()),
             "weights on the GPU"
         );
+        // The ring decode kernel streams a second copy of the layers' projections, in its order.
+        let ring_wanted = match std::env::var("TANDEM_DECODE_RING").as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => opts.decode_ring,
+        };
+        let ring_tiles = match ring_wanted && fused_tokens > 0 {
+            true => match Self::ring_tiles(&dev, &cfg, &layers, opts.block_size) {
+                Ok(tiles) => Some(tiles),
+                Err(e) => {
+                    tracing::warn!(error = %e, "ring decode kernel not available; decode steps use five kernels per layer");
+                    None
+                }
+            },
+            false => None,
+        };
 
         let rope = RopeTable::new(hd, cfg.rope_theta, cfg.rope_scaling, spec.max_model_len);
         let rope_cos = dev.upload(rope.cos())?;
@@ -434,7 +475,8 @@ impl CudaModel {
             act: dev.zeros(t * i)?,
             last: dev.zeros(max_seqs * h)?,
             logits: dev.zeros(max_seqs * cfg.vocab_size)?,
-            tokens: dev.zeros(max_seqs)?,
+            // Sampled tokens, then the ring decode kernel's two sync words.
+            tokens: dev.zeros(max_seqs + 2)?,
             params: dev.zeros(3 * max_seqs)?,
             bans: dev.zeros(1024)?,
             attn_part: dev.zeros(ops::attention_split_floats(16, cfg.num_heads, cfg.head_dim, 1))?,
@@ -541,6 +583,28 @@ impl CudaModel {
             }
             _ => None,
         };
+        let ring = match ring_tiles {
+            Some(tiles) => {
+                let block_size = layout.block_size;
+                Some(Self::plan_ring(
+                    &dev,
+                    &cfg,
+                    &layers,
+                    tiles,
+                    &act,
+                    &meta,
+                    meta_layout,
+                    &rope_cos,
+                    &rope_sin,
+                    &kv,
+                    block_size,
+                )?)
+            }
+            None => None,
+        };
+        let tensor_cores =
+            ring.is_some() || opts.tensor_core_projections || std::env::var("TANDEM_GEMV_MMA").is_ok_and(|v| v == "1");
+        let gemv_build = if tensor_cores { GemvBuild::Mma } else { GemvBuild::Plain };
         let mut model = Self {
             dev,
             cfg,
@@ -566,6 +630,8 @@ impl CudaModel {
             use_graphs: opts.cuda_graphs,
             fused_tokens,
             attention_o,
+            ring,
+            gemv_build,
             variant: StepVariant::from_env(),
             weight_bytes,
             fingerprint,
@@ -573,6 +639,119 @@ impl CudaModel {
         };
         model.capture_decode_graphs()?;
         Ok(model)
+    }
+
+    /// The ring decode kernel's plan for this model, uploaded ([`ops::decode_ring_plan`]).
+    #[allow(clippy::too_many_arguments)]
+    fn plan_ring(
+        dev: &CudaDevice,
+        cfg: &ModelConfig,
+        layers: &[Layer],
+        tiles: Vec<[DevBuf<u16>; 4]>,
+        act: &Activations,
+        meta: &DevBuf<i32>,
+        m: MetaLayout,
+        rope_cos: &DevBuf<f32>,
+        rope_sin: &DevBuf<f32>,
+        kv: &DevBuf<u16>,
+        block_size: usize,
+    ) -> Result<DecodeRing, ModelError> {
+        let opt = |b: &Option<DevBuf<u16>>| b.as_ref().map_or(0, DevBuf::ptr);
+        let ring_layers: Vec<ops::RingLayer> = layers
+            .iter()
+            .zip(&tiles)
+            .map(|(l, [qkv, o, gate_up, down])| ops::RingLayer {
+                qkv: qkv.ptr(),
+                o: o.ptr(),
+                gate_up: gate_up.ptr(),
+                down: down.ptr(),
+                input_norm: l.input_norm.ptr(),
+                post_norm: l.post_norm.ptr(),
+                q_norm: opt(&l.q_norm),
+                k_norm: opt(&l.k_norm),
+                qkv_bias: opt(&l.qkv.bias),
+                o_bias: opt(&l.o.bias),
+                gate_up_bias: opt(&l.gate_up.bias),
+                down_bias: opt(&l.down.bias),
+            })
+            .collect();
+        let step = ops::RingStep {
+            residual: act.x.ptr(),
+            qkv: act.qkv.ptr(),
+            attn: act.attn.ptr(),
+            act: act.act.ptr(),
+            cache: kv.ptr(),
+            meta: AttnMeta {
+                positions: meta.ptr_at(m.positions),
+                tok_seq: meta.ptr_at(m.tok_seq),
+                block_tables: meta.ptr_at(m.tables),
+                stride: meta.ptr_at(m.stride),
+            },
+            token_list: meta.ptr_at(m.decode_list),
+            cos: rope_cos.ptr(),
+            sin: rope_sin.ptr(),
+            slots: meta.ptr_at(m.slots),
+            sync: act.tokens.ptr_at(act.tokens.len() - 2),
+            hidden: cfg.hidden_size,
+            intermediate: cfg.intermediate_size,
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size,
+            eps: cfg.rms_norm_eps,
+        };
+        let (words, smem) = ops::decode_ring_plan(dev, &step, &ring_layers)?;
+        tracing::info!(smem_kib = smem / 1024, "ring decode kernel for one-token steps");
+        Ok(DecodeRing { args: dev.upload(&words)?, smem, _tiles: tiles })
+    }
+
+    /// The layers' projections copied in the ring decode kernel's order, after checking that
+    /// this device and model can run it (an error says why not).
+    fn ring_tiles(
+        dev: &CudaDevice,
+        cfg: &ModelConfig,
+        layers: &[Layer],
+        block_size: usize,
+    ) -> Result<Vec<[DevBuf<u16>; 4]>, ModelError> {
+        let shape_only = ops::RingStep {
+            residual: 0,
+            qkv: 0,
+            attn: 0,
+            act: 0,
+            cache: 0,
+            meta: AttnMeta { positions: 0, tok_seq: 0, block_tables: 0, stride: 0 },
+            token_list: 0,
+            cos: 0,
+            sin: 0,
+            slots: 0,
+            sync: 0,
+            hidden: cfg.hidden_size,
+            intermediate: cfg.intermediate_size,
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size,
+            eps: cfg.rms_norm_eps,
+        };
+        ops::decode_ring_plan(dev, &shape_only, &[])?;
+        let started = std::time::Instant::now();
+        let mut bytes = 0;
+        let mut tiles = Vec::with_capacity(layers.len());
+        for l in layers {
+            let mut tile = |w: &Linear| -> Result<DevBuf<u16>, ModelError> {
+                let dst = dev.zeros::<u16>(ops::ring_tile_elems(w.out_dim, w.in_dim))?;
+                ops::ring_tile(dev, w.weight.ptr(), dst.ptr(), w.out_dim, w.in_dim)?;
+                bytes += dst.len() * 2;
+                Ok(dst)
+            };
+            tiles.push([tile(&l.qkv)?, tile(&l.o)?, tile(&l.gate_up)?, tile(&l.down)?]);
+        }
+        tracing::info!(
+            gib = format!("{:.2}", bytes as f64 / (1u64 << 30) as f64),
+            secs = format!("{:.1}", started.elapsed().as_secs_f64()),
+            "projections copied in ring order"
+        );
+        Ok(tiles)
     }
 
     /// Captures the decode graph of every batch bucket now, so that no request pays for a
@@ -891,11 +1070,16 @@ impl CudaModel {
     /// deltas through memory.
     fn run_decode_layers(&self, t: usize, rows: usize, counts: StepCounts) -> Result<(), ModelError> {
         let v = &self.variant;
+        if let Some(ring) = self.ring.as_ref().filter(|_| t == 1 && counts.one_token_each && !counts.split) {
+            ops::decode_ring(&self.dev, ring.args.ptr(), self.cfg.head_dim, ring.smem)?;
+            self.project(&self.head_projection(), rows)?;
+            return Ok(());
+        }
         let attention_o = self.attention_o.as_ref().filter(|_| counts.one_token_each && !counts.split);
         for (li, layer) in self.layers.iter().enumerate() {
             let [qkv, o, gate_up, down] = self.decode_projections(layer);
             for _ in 0..v.runs("qkv") {
-                qkv.launch(&self.dev, t)?;
+                self.project(&qkv, t)?;
             }
             for _ in 0..v.runs("attn") {
                 match attention_o {
@@ -907,11 +1091,22 @@ impl CudaModel {
             let o = attention_o.is_none().then_some(("o", o));
             for (name, p) in o.into_iter().chain([("gate_up", gate_up), ("down", down)]) {
                 for _ in 0..v.runs(name) {
-                    p.launch(&self.dev, t)?;
+                    self.project(&p, t)?;
                 }
             }
         }
-        self.head_projection().launch(&self.dev, rows)?;
+        self.project(&self.head_projection(), rows)?;
+        Ok(())
+    }
+
+    /// Whether one-token decode steps run as the ring decode kernel ([`CudaOptions::decode_ring`]).
+    pub fn decode_ring_active(&self) -> bool {
+        self.ring.is_some()
+    }
+
+    /// Runs a fused decode projection for `t` tokens in the model's build.
+    fn project(&self, g: &Gemv, t: usize) -> Result<(), ModelError> {
+        g.launch_with(&self.dev, t, ops::gemv_plan(&self.dev, g.n, g.k, t, self.gemv_build))?;
         Ok(())
     }
 
@@ -1017,8 +1212,18 @@ impl CudaModel {
             self.act.tokens.ptr(),
             n,
         )?;
-        let tokens = self.dev.read(&self.act.tokens, n)?;
-        Ok(tokens.into_iter().map(|t| t.clamp(0, vocab as i32 - 1) as u32).collect())
+        // With the ring decode kernel, its failure word comes back in the same copy.
+        let read = if self.ring.is_some() { self.act.tokens.len() } else { n };
+        let tokens = self.dev.read(&self.act.tokens, read)?;
+        if self.ring.is_some() && tokens[read - 1] != 0 {
+            self.dev.write(&mut self.act.tokens, read - 2, &[0, 0])?;
+            return Err(ModelError::Device(
+                "ring decode kernel: a wait ran past 2 s (its blocks must all be resident: is another process using \
+                 this GPU?); the step's tokens are lost"
+                    .into(),
+            ));
+        }
+        Ok(tokens.into_iter().take(n).map(|t| t.clamp(0, vocab as i32 - 1) as u32).collect())
     }
 
     /// Device time per op of one forward over `seqs` sequences of `tokens_per_seq` tokens each,

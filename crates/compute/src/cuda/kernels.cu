@@ -77,13 +77,25 @@ __device__ __forceinline__ float warp_max(float v) {
         PDL_LAUNCH_DEPENDENTS(); \
     } while (0)
 
-// Sum over the block; every thread gets the result. `scratch` holds 32 floats.
+// Threads of the ring decode kernel that do the arithmetic (its last warp copies weights).
+#define RING_CONSUMERS 256
+
+// A barrier over the block, or (RING) over the ring kernel's consumer threads only (barrier 2).
+template <bool RING>
+__device__ __forceinline__ void consumer_sync() {
+    if (RING) asm volatile("bar.sync 2, %0;\n" ::"n"(RING_CONSUMERS) : "memory");
+    else __syncthreads();
+}
+
+// Sum over the block (RING: over the ring kernel's consumer threads); every thread gets the
+// result. `scratch` holds 32 floats.
+template <bool RING = false>
 __device__ float block_sum(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = ((RING ? RING_CONSUMERS : blockDim.x) + 31) >> 5;
     v = warp_sum(v);
-    __syncthreads();
+    consumer_sync<RING>();
     if (lane == 0) scratch[warp] = v;
-    __syncthreads();
+    consumer_sync<RING>();
     float t = lane < warps ? scratch[lane] : 0.0f;
     return warp_sum(t);
 }
@@ -340,13 +352,23 @@ __device__ __forceinline__ uint4 ld_nc16(const void* p) {
     return v;
 }
 
+// 16 bytes from L2, for data written earlier in the same launch (the ring kernel's inputs).
+__device__ __forceinline__ uint4 ld_cg16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
 // Forms input row m of a decode projection in shared memory (see IN_*). Loads go out in
 // batches (eight per thread) before any is used: the prologue is a few round trips to L2,
 // not one per element. IN_NORM keeps its row in registers: K <= 8 * 4 * blockDim (8192).
-template <int IN>
+// RING: run by the ring kernel's 256 consumer threads (the same sums as a 256-thread block),
+// reading inputs that earlier stages of the same launch wrote.
+template <int IN, bool RING = false>
 __device__ __forceinline__ void gemv_prologue(bf16* xm, int K, const void* in, const int* rows, const bf16* norm_w,
                                               float eps, int m, int mcount, float* scratch) {
-    int tid = threadIdx.x, nt = blockDim.x;
+    int tid = threadIdx.x, nt = RING ? RING_CONSUMERS : blockDim.x;
+    auto ld_in = [](const void* p) { return RING ? ld_cg16(p) : ld_nc16(p); };
     if (m >= mcount) {
         for (int i = tid * 8; i < K; i += nt * 8) *reinterpret_cast<uint4*>(xm + i) = make_uint4(0, 0, 0, 0);
     } else if (IN == IN_BF16) {
@@ -356,7 +378,7 @@ __device__ __forceinline__ void gemv_prologue(bf16* xm, int K, const void* in, c
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 int i = seg + (tid + j * nt) * 8;
-                if (i < K) v[j] = ld_nc16(src + i);
+                if (i < K) v[j] = ld_in(src + i);
             }
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -374,7 +396,7 @@ __device__ __forceinline__ void gemv_prologue(bf16* xm, int K, const void* in, c
         for (int j = 0; j < 8; ++j) {
             int i = (tid + j * nt) * 4;
             if (i < K) {
-                uint4 raw = ld_nc16(src + i);
+                uint4 raw = ld_in(src + i);
                 v[j] = make_float4(__uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z),
                                    __uint_as_float(raw.w));
                 w[j] = *reinterpret_cast<const uint2*>(norm_w + i);
@@ -383,7 +405,7 @@ __device__ __forceinline__ void gemv_prologue(bf16* xm, int K, const void* in, c
 #pragma unroll
         for (int j = 0; j < 8; ++j)
             if ((tid + j * nt) * 4 < K) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-        ss = block_sum(ss, scratch);
+        ss = block_sum<RING>(ss, scratch);
         float inv = rsqrtf(ss / (float)K + eps);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -716,8 +738,13 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
                                                const int* tok_seq, const int* block_tables, const int* meta_stride,
                                                const int* token_list, int num_heads, int num_kv_heads, int layer,
                                                int num_layers, int block_size, float scale, RopeIn rope, float* part,
-                                               int split_keys, bool one_stage = false, float* out_s = nullptr) {
+                                               int split_keys, bool one_stage = false, float* out_s = nullptr,
+                                               int head_block = -1) {
     constexpr int HD = 32 * E, STRIDE = ATTN_STRIDE(HD);
+    // The block's (listed token, head group, key split): its launch coordinates, or with
+    // `head_block` (the ring kernel, one token) listed token 0 and that head group.
+    const int bx = head_block >= 0 ? 0 : blockIdx.x, by = head_block >= 0 ? head_block : blockIdx.y,
+              bz = head_block >= 0 ? 0 : blockIdx.z;
     // NAMED: only the block's first ATTN_WARPS warps run this (see attn_sync).
     const int nthreads = NAMED ? ATTN_WARPS * 32 : blockDim.x;
     extern __shared__ __align__(16) unsigned char attn_smem[];
@@ -731,8 +758,8 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     __shared__ float ps[G][ATTN_CHUNK];
     __shared__ __align__(16) bf16 new_kv[2][HD];
     __shared__ float m_s[G], l_s[G], alpha_s[G];
-    int t = token_list ? token_list[blockIdx.x] : blockIdx.x;
-    int h0 = blockIdx.y * G;
+    int t = token_list ? token_list[bx] : bx;
+    int h0 = by * G;
     int group = num_heads / num_kv_heads, kh = h0 / group;
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int ctx = positions[t] + 1;
@@ -740,8 +767,8 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     int k0 = 0, k1 = ctx;
     if (part) {
         int splits = attn_splits(ctx, gridDim.z, split_keys), len = (ctx + splits - 1) / splits;
-        if ((int)blockIdx.z >= splits) return;
-        k0 = blockIdx.z * len;
+        if ((int)bz >= splits) return;
+        k0 = bz * len;
         k1 = min(ctx, k0 + len);
     }
     const int* table = block_tables + (u64)tok_seq[t] * meta_stride[0];
@@ -779,7 +806,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
             } else {
                 int kv = task - G;
                 store_e(&new_kv[kv][lane * E], v, E);
-                if (slot >= 0 && h0 % group == 0 && blockIdx.z == 0)
+                if (slot >= 0 && h0 % group == 0 && bz == 0)
                     store_e(cache + kv_offset(slot / block_size, slot % block_size, layer, kv, kh, num_layers,
                                               num_kv_heads, block_size, HD) +
                                 lane * E,
@@ -884,7 +911,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     if (part) {
         for (int i = tid; i < G * (HD + 2); i += nthreads) {
             int g = i / (HD + 2), d = i % (HD + 2);
-            float* p = part + (((u64)blockIdx.x * num_heads + h0 + g) * gridDim.z + blockIdx.z) * (HD + 2);
+            float* p = part + (((u64)bx * num_heads + h0 + g) * gridDim.z + bz) * (HD + 2);
             p[d] = d == 0 ? m_s[g] : (d == 1 ? l_s[g] : qs[g][d - 2]);
         }
         return;
@@ -1368,8 +1395,14 @@ __device__ __forceinline__ void gemv_mma(const bf16* __restrict__ W, int N, int 
         int n0 = row_base + grp * MMA_ROWS;
         const bf16* w_lo = W + (u64)min(n0 + g, N - 1) * K;
         const bf16* w_hi = W + (u64)min(n0 + g + 8, N - 1) * K;
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        // The trip count is the warp's (mma.sync needs every lane); lanes past K load zeros.
+        // Piece p of the slice goes into acc[p % MMA_UNROLL] (independent chains), added up in
+        // order at the end. The trip count is the warp's (mma.sync needs every lane); lanes past
+        // K load zeros.
+        float acc[MMA_UNROLL][4];
+#pragma unroll
+        for (int u = 0; u < MMA_UNROLL; ++u)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[u][e] = 0.0f;
         for (int kb = k_begin; kb < k_end; kb += 32 * MMA_UNROLL) {
             int base = kb + q * 8;
             uint4 lo[MMA_UNROLL], hi[MMA_UNROLL];
@@ -1389,10 +1422,17 @@ __device__ __forceinline__ void gemv_mma(const bf16* __restrict__ W, int N, int 
                 int k = base + u * 32;
                 uint4 xv = g < M && k < k_end ? *reinterpret_cast<const uint4*>(xrow + k) : make_uint4(0, 0, 0, 0);
                 u32 a0[4] = {lo[u].x, hi[u].x, lo[u].y, hi[u].y};
-                mma_bf16(d, a0, xv.x, xv.y);
+                mma_bf16(acc[u], a0, xv.x, xv.y);
                 u32 a1[4] = {lo[u].z, hi[u].z, lo[u].w, hi[u].w};
-                mma_bf16(d, a1, xv.z, xv.w);
+                mma_bf16(acc[u], a1, xv.z, xv.w);
             }
+        }
+        float d[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            d[e] = acc[0][e];
+#pragma unroll
+            for (int u = 1; u < MMA_UNROLL; ++u) d[e] += acc[u][e];
         }
         // d: rows g and g + 8, tokens 2q and 2q + 1. OUT_SILU: the (gate, up) pair of rows
         // 2i, 2i + 1 sits in lanes l (g even) and l + 4.
@@ -1437,6 +1477,445 @@ GEMV_MMA_ALL_M(gemv_norm_bf16, IN_NORM, OUT_BF16)
 GEMV_MMA_ALL_M(gemv_norm_f32, IN_NORM, OUT_F32)
 GEMV_MMA_ALL_M(gemv_norm_silu, IN_NORM, OUT_SILU)
 GEMV_MMA_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
+
+// ---------------------------------------------------------------------------------------------
+// The ring decode kernel: every layer of a one-token decode step in one launch, one block per
+// multiprocessor. Weights never depend on an earlier stage, only inputs do, so a producer warp
+// streams the block's share of every projection (qkv, o, gate/up, down, next layer's qkv, ...)
+// into a ring of shared memory with large bulk copies, as far ahead as the ring allows, while
+// the consumer warps wait for a stage's input (grid-wide counters), form it (the projections'
+// prologues) and multiply what has arrived on tensor cores. Attention runs on the first four
+// consumer warps of blocks 0..heads-1 while the ring keeps filling. So HBM streams through the
+// waits, launch boundaries and attention that cost the five-kernel step ~0.6 ms.
+//
+// The weights are streamed from a copy in ring order (ring_tile): for each projection, block
+// b's units back to back, a unit being 16 rows x one K slice of the tensor-core plan (rows past
+// N and columns past K zero). Each block's share of a stage is then one contiguous region, and
+// the producer copies the concatenation of its regions in chunks of RA_CHUNK bytes (the ring is
+// a whole number of chunks; chunk i completes full[i % chunks]). A consumer warp owns whole row
+// groups (every `warp`-th of the block's), takes their slices in order and multiplies each
+// exactly as a gemv_mma warp multiplies its slice (same fragments, same accumulators, same
+// order), then adds the slices in slice order: results equal the tensor-core build of the
+// five-kernel step bit for bit. progress[w] is the stream position of warp w's next unit; the
+// producer reuses a chunk's bytes only once every warp's progress is past it.
+//
+// Stages end with the block's consumers meeting, then one release-add to sync[0]; a stage
+// waits until sync[0] counts every block through the previous one. Every wait is bounded:
+// after RING_WAIT_NS the waiter sets sync[1] (the host reports the step as failed) and all
+// waits stop, so the launch ends. The block arriving last at the final stage puts sync[0]
+// back to 0.
+#define RING_WARPS (RING_CONSUMERS / 32)
+#define RING_THREADS (RING_CONSUMERS + 32)
+#define RING_MAX_CHUNKS 32
+#define RING_WAIT_NS 2000000000ull
+
+// Word offsets into the kernel's argument block (u64 words; ops::decode_ring_plan writes them).
+// Pointers, then integers, then f32 bits; each layer has RL_WORDS words from RA_LAYER0.
+#define RA_X 0
+#define RA_QKV 1
+#define RA_ATTN 2
+#define RA_ACT 3
+#define RA_CACHE 4
+#define RA_POSITIONS 5
+#define RA_TOK_SEQ 6
+#define RA_TABLES 7
+#define RA_STRIDE 8
+#define RA_LIST 9
+#define RA_COS 10
+#define RA_SIN 11
+#define RA_SLOTS 12
+#define RA_SYNC 13
+#define RA_LAYERS 14
+#define RA_HIDDEN 15
+#define RA_QKV_N 16
+#define RA_GU_N 17
+#define RA_INTER 18
+#define RA_O_K 19
+#define RA_HEADS 20
+#define RA_KV_HEADS 21
+#define RA_BLOCK_SIZE 22
+#define RA_EPS 23
+#define RA_SCALE 24
+#define RA_RING_BYTES 25
+#define RA_X_BYTES 26
+#define RA_DEBUG 27
+#define RA_CHUNK 28
+#define RA_LAYER0 32
+// Per layer: the four projections in ring order (ring_tile), then norms and biases.
+#define RL_QKV 0
+#define RL_O 1
+#define RL_GU 2
+#define RL_DOWN 3
+#define RL_IN_NORM 4
+#define RL_POST_NORM 5
+#define RL_Q_NORM 6
+#define RL_K_NORM 7
+#define RL_QKV_BIAS 8
+#define RL_O_BIAS 9
+#define RL_GU_BIAS 10
+#define RL_DOWN_BIAS 11
+#define RL_WORDS 16
+
+// The tensor-core plan's K split for input length k (as ops::mma_grid chooses it) and its
+// slice length (whole 32-column pieces).
+__device__ __host__ __forceinline__ int mma_ksplit(int k) {
+    return k / 8 >= 256 ? 8 : (k / 4 >= 256 ? 4 : (k / 2 >= 256 ? 2 : 1));
+}
+__device__ __host__ __forceinline__ int mma_slice_len(int k, int ksplit) {
+    return ((k + 31) / 32 + ksplit - 1) / ksplit * 32;
+}
+
+// Units (row group x slice) before block b's in ring order, for `groups` row groups dealt
+// b, b + blocks, ... over `blocks` blocks.
+__device__ __forceinline__ u64 ring_units_before(int b, int groups, int blocks, int ksplit) {
+    int q = groups / blocks, r = groups % blocks;
+    return (u64)ksplit * ((u64)b * q + min(b, r));
+}
+
+// dst = src [n][k] in ring order (see above), for `blocks` ring blocks. Grid: row groups x
+// slices; block 256.
+extern "C" __global__ void ring_tile(const bf16* src, bf16* dst, int n, int k, int blocks) {
+    int ksplit = mma_ksplit(k), slice_len = mma_slice_len(k, ksplit);
+    int groups = (n + 15) / 16, rg = blockIdx.x / ksplit, s = blockIdx.x % ksplit;
+    int b = rg % blocks, i = rg / blocks;
+    u64 unit = ring_units_before(b, groups, blocks, ksplit) + (u64)i * ksplit + s;
+    bf16* out = dst + unit * 16 * slice_len;
+    int per_row = slice_len / 8;
+    for (int p = threadIdx.x; p < 16 * per_row; p += blockDim.x) {
+        int r = p / per_row, col = s * slice_len + (p % per_row) * 8, row = rg * 16 + r;
+        uint4 v = row < n && col < k ? *reinterpret_cast<const uint4*>(src + (u64)row * k + col) : make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(out + (u64)r * slice_len + (p % per_row) * 8) = v;
+    }
+}
+
+// One projection stage as block b sees it: its region of the ring-order copy and its units.
+struct RingProj {
+    const unsigned char* region;
+    int n, k, ksplit, slice_len, groups;  // groups: this block's row groups
+    u32 unit_bytes;
+};
+
+__device__ __forceinline__ RingProj ring_proj(u64 tiled, int n, int k) {
+    RingProj p;
+    p.n = n;
+    p.k = k;
+    p.ksplit = mma_ksplit(k);
+    p.slice_len = mma_slice_len(k, p.ksplit);
+    p.unit_bytes = 16 * p.slice_len * 2;
+    int all = (n + 15) / 16, b = blockIdx.x;
+    p.groups = all > b ? (all - 1 - b) / (int)gridDim.x + 1 : 0;
+    p.region = reinterpret_cast<const unsigned char*>(tiled) +
+               ring_units_before(b, all, gridDim.x, p.ksplit) * p.unit_bytes;
+    return p;
+}
+
+// Stage p (0 qkv, 1 o, 2 gate/up, 3 down) of a layer.
+__device__ __forceinline__ RingProj ring_stage(const u64* a, const u64* la, int p) {
+    int hidden = (int)a[RA_HIDDEN];
+    switch (p) {
+    case 0: return ring_proj(la[RL_QKV], (int)a[RA_QKV_N], hidden);
+    case 1: return ring_proj(la[RL_O], hidden, (int)a[RA_O_K]);
+    case 2: return ring_proj(la[RL_GU], (int)a[RA_GU_N], hidden);
+    default: return ring_proj(la[RL_DOWN], hidden, (int)a[RA_INTER]);
+    }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
+}
+
+// Marks the step failed (sync[1]): a wait ran past RING_WAIT_NS. Every wait then stops
+// waiting, so the launch ends (with wrong results, which the host discards).
+__device__ __forceinline__ bool ring_failed(u32* sync, u64 t0) {
+    u32 failed;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(failed) : "l"(sync + 1) : "memory");
+    if (failed) return true;
+    if (global_ns() - t0 <= RING_WAIT_NS) return false;
+    atomicExch(sync + 1, 1u);
+    return true;
+}
+
+// Waits for phase `parity` of the barrier at `bar`, within the ring's time bound.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, u32* sync) {
+    u64 t0 = 0;
+    for (u32 tries = 0;; ++tries) {
+        u32 done;
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+        if (done) return;
+        // try_wait itself suspends a while: look at the clock only now and then.
+        if (tries % 64 == 0) {
+            if (tries == 0) t0 = global_ns();
+            else if (ring_failed(sync, t0)) return;
+        }
+    }
+}
+
+// The producer (lane 0 of the last warp): the block's regions of every stage, in the
+// consumers' order, chunk by chunk.
+__device__ __forceinline__ void ring_producer(const u64* a, u32 ring, u32 ring_bytes, u32 chunk, u32 full0,
+                                              const volatile u32* progress, u32* sync) {
+    int layers = (int)a[RA_LAYERS];
+    bool copy = !(a[RA_DEBUG] & 4);
+    u32 chunks = ring_bytes / chunk;
+    u32 total = 0;
+    for (int l = 0; l < layers; ++l)
+        for (int p = 0; p < 4; ++p) {
+            RingProj pr = ring_stage(a, a + RA_LAYER0 + l * RL_WORDS, p);
+            total += pr.groups * pr.ksplit * pr.unit_bytes;
+        }
+    u32 v = 0;
+    for (int l = 0; l < layers; ++l) {
+        for (int p = 0; p < 4; ++p) {
+            RingProj pr = ring_stage(a, a + RA_LAYER0 + l * RL_WORDS, p);
+            u32 len = pr.groups * pr.ksplit * pr.unit_bytes;
+            for (u32 done = 0; done < len;) {
+                u32 i = v / chunk, slot = i % chunks;
+                if (v % chunk == 0) {
+                    // Chunk i overwrites chunk i - chunks: wait until every warp is past it.
+                    if (i >= chunks) {
+                        u32 need = (i - chunks + 1) * chunk;
+                        u64 t0 = global_ns();
+                        for (u32 tries = 0;; ++tries) {
+                            u32 least = 0xffffffffu;
+#pragma unroll
+                            for (int w = 0; w < RING_WARPS; ++w) least = min(least, progress[w]);
+                            if (least >= need || (tries % 64 == 63 && ring_failed(sync, t0))) break;
+                            __nanosleep(64);
+                        }
+                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                    }
+                    u32 bytes = copy ? min(chunk, total - v) : 0;
+                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full0 + 8 * slot),
+                                 "r"(bytes)
+                                 : "memory");
+                }
+                u32 n = min(len - done, (i + 1) * chunk - v);
+                if (copy)
+                    asm volatile(
+                        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                            ring + slot * chunk + v % chunk),
+                        "l"(pr.region + done), "r"(n), "r"(full0 + 8 * slot)
+                        : "memory");
+                v += n;
+                done += n;
+            }
+        }
+    }
+}
+
+// Waits (thread 0 polling, the consumers meeting after) until sync[0] reaches `target`.
+__device__ __forceinline__ void ring_grid_wait(u32* sync, u32 target, bool skip) {
+    if (threadIdx.x == 0 && target > 0 && !skip) {
+        u64 t0 = global_ns();
+        for (;;) {
+            u32 seen;
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(sync) : "memory");
+            if (seen >= target || ring_failed(sync, t0)) break;
+        }
+        __threadfence();
+    }
+    consumer_sync<true>();
+}
+
+// After the consumers met: this block is through a stage. The last block through the last
+// stage (`total` arrivals) resets the counter.
+__device__ __forceinline__ void ring_arrive(u32* sync, u32 total) {
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(sync, 1u) == total - 1) atomicExch(sync, 0u);
+    }
+}
+
+// Where the ring's stream position v is in shared memory.
+struct RingPos {
+    u32 ring_bytes, chunk;
+};
+
+// One projection stage on the consumer side (see gemv_mma for the arithmetic and IN_/OUT_).
+// `v` is the stream position of the stage's region.
+template <int IN, int OUT>
+__device__ __forceinline__ void ring_consume(const RingProj& pr, const void* in, const bf16* norm_w, float eps,
+                                             void* out, const bf16* bias, bf16* xs, const unsigned char* ring,
+                                             RingPos rp, u32 full0, volatile u32* progress, float* scratch, u32& v,
+                                             bool arith, u32* sync) {
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+    u32 chunks = rp.ring_bytes / rp.chunk, ub = pr.unit_bytes, stride = pr.slice_len * 2;
+    u32 stage_end = v + pr.groups * pr.ksplit * ub;
+    // This warp's next unit is its first row group's first slice: the producer may fill the
+    // ring up to there (and a ring's length past the least of the warps' positions).
+    if (lane == 0) progress[warp] = warp < pr.groups ? v + warp * pr.ksplit * ub : stage_end;
+    gemv_prologue<IN, true>(xs, pr.k, in, nullptr, norm_w, eps, 0, 1, scratch);
+    consumer_sync<true>();
+    for (int i = warp; i < pr.groups; i += RING_WARPS) {
+        int row0 = (blockIdx.x + i * gridDim.x) * 16;
+        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int s = 0; s < pr.ksplit; ++s) {
+            u32 at = v + (i * pr.ksplit + s) * ub;
+            for (u32 c = at / rp.chunk; c <= (at + ub - 1) / rp.chunk; ++c)
+                mbar_wait(full0 + 8 * (c % chunks), (c / chunks) & 1, sync);
+            int col0 = s * pr.slice_len, cols = min(pr.k - col0, pr.slice_len);
+            u32 base = at % rp.ring_bytes;
+            // gemv_mma's accumulators (piece p into acc[p % MMA_UNROLL]) and trip count.
+            float acc[MMA_UNROLL][4];
+#pragma unroll
+            for (int a_ = 0; a_ < MMA_UNROLL; ++a_)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[a_][e] = 0.0f;
+            int span = (cols + 32 * MMA_UNROLL - 1) / (32 * MMA_UNROLL) * (32 * MMA_UNROLL);
+            if (arith) {
+                for (int kb = 0; kb < span; kb += 32 * MMA_UNROLL) {
+#pragma unroll
+                    for (int u = 0; u < MMA_UNROLL; ++u) {
+                        int c = kb + u * 32 + q * 8;
+                        uint4 lo = make_uint4(0, 0, 0, 0), hi = lo, xv = lo;
+                        if (c < cols) {
+                            u32 p_lo = base + g * stride + c * 2, p_hi = p_lo + 8 * stride;
+                            if (p_lo >= rp.ring_bytes) p_lo -= rp.ring_bytes;
+                            if (p_hi >= rp.ring_bytes) p_hi -= rp.ring_bytes;
+                            lo = *reinterpret_cast<const uint4*>(ring + p_lo);
+                            hi = *reinterpret_cast<const uint4*>(ring + p_hi);
+                            if (g == 0) xv = *reinterpret_cast<const uint4*>(xs + col0 + c);
+                        }
+                        u32 a0[4] = {lo.x, hi.x, lo.y, hi.y};
+                        mma_bf16(acc[u], a0, xv.x, xv.y);
+                        u32 a1[4] = {lo.z, hi.z, lo.w, hi.w};
+                        mma_bf16(acc[u], a1, xv.z, xv.w);
+                    }
+                }
+            }
+            // This warp is done with the unit's bytes: its next unit is the next slice, or
+            // its next row group's first (or the next stage's region).
+            __syncwarp();
+            if (lane == 0) {
+                u32 next = s + 1 < pr.ksplit ? at + ub
+                                             : (i + RING_WARPS < pr.groups ? v + (i + RING_WARPS) * pr.ksplit * ub
+                                                                           : stage_end);
+                __threadfence_block();
+                progress[warp] = next;
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float d = acc[0][e];
+#pragma unroll
+                for (int a_ = 1; a_ < MMA_UNROLL; ++a_) d += acc[a_][e];
+                // As gemv_mma: one slice stored as it is, several added to 0 in slice order.
+                sum[e] = pr.ksplit == 1 ? d : sum[e] + d;
+            }
+        }
+        if (!arith) continue;
+        // sum: rows g and g + 8 of token 2q (and 2q + 1). OUT_SILU: the (gate, up) pair of
+        // rows 2i, 2i + 1 sits in lanes l (g even) and l + 4.
+        float up[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) up[e] = __shfl_down_sync(0xffffffffu, sum[e], 4);
+        if (OUT != OUT_SILU || g % 2 == 0) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) gemv_store<OUT>(out, bias, pr.n, row0 + g + (e / 2) * 8, 2 * q + e % 2, 1, sum[e], up[e]);
+        }
+    }
+    // Warps without a further row group here: their next unit is in a later stage.
+    if (lane == 0) progress[warp] = stage_end;
+    v = stage_end;
+    consumer_sync<true>();
+}
+#endif
+
+template <int E>
+__device__ __forceinline__ void decode_ring(const u64* a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char ring_smem[];
+    __shared__ __align__(8) u64 full_bar[RING_MAX_CHUNKS];
+    __shared__ u32 progress[RING_WARPS];
+    __shared__ float scratch[32];
+    int tid = threadIdx.x;
+    RingPos rp = {(u32)a[RA_RING_BYTES], (u32)a[RA_CHUNK]};
+    u32 x_bytes = (u32)a[RA_X_BYTES];
+    u32 full0 = (u32)__cvta_generic_to_shared(full_bar);
+    if (tid < RING_MAX_CHUNKS) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full0 + 8 * tid) : "memory");
+    if (tid < RING_WARPS) progress[tid] = 0;
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    if (tid >= RING_CONSUMERS) {
+        if (tid == RING_CONSUMERS)
+            ring_producer(a, (u32)__cvta_generic_to_shared(ring_smem + x_bytes), rp.ring_bytes, rp.chunk, full0,
+                          progress, reinterpret_cast<u32*>(a[RA_SYNC]));
+        return;
+    }
+    bf16* xs = reinterpret_cast<bf16*>(ring_smem);
+    const unsigned char* ring = ring_smem + x_bytes;
+    float* x = reinterpret_cast<float*>(a[RA_X]);
+    bf16 *qkv = reinterpret_cast<bf16*>(a[RA_QKV]), *attn = reinterpret_cast<bf16*>(a[RA_ATTN]);
+    bf16* act = reinterpret_cast<bf16*>(a[RA_ACT]);
+    u32* sync = reinterpret_cast<u32*>(a[RA_SYNC]);
+    int layers = (int)a[RA_LAYERS], heads = (int)a[RA_HEADS];
+    float eps = __uint_as_float((u32)a[RA_EPS]), scale = __uint_as_float((u32)a[RA_SCALE]);
+    u32 blocks = gridDim.x, total = blocks * 5 * layers, stage = 0, v = 0;
+    // Measurement switches (wrong results): 1 skips the grid waits, 2 the consumers' arithmetic
+    // and the attention, 4 the producer's copies (TANDEM_RING_DEBUG).
+    u64 debug = a[RA_DEBUG];
+    bool nowait = debug & 1, arith = !(debug & 2);
+    volatile u32* prog = progress;
+    auto bias = [](u64 p) { return reinterpret_cast<const bf16*>(p); };
+    for (int l = 0; l < layers; ++l) {
+        const u64* la = a + RA_LAYER0 + l * RL_WORDS;
+        ring_grid_wait(sync, stage * blocks, nowait);
+        ring_consume<IN_NORM, OUT_BF16>(ring_stage(a, la, 0), x, bias(la[RL_IN_NORM]), eps, qkv, nullptr, xs, ring,
+                                        rp, full0, prog, scratch, v, arith, sync);
+        ring_arrive(sync, total);
+        ++stage;
+        ring_grid_wait(sync, stage * blocks, nowait);
+        if (arith && (int)blockIdx.x < heads && tid < ATTN_WARPS * 32) {
+            RopeIn rope = {qkv,
+                           bias(la[RL_QKV_BIAS]),
+                           bias(la[RL_Q_NORM]),
+                           bias(la[RL_K_NORM]),
+                           reinterpret_cast<const float*>(a[RA_COS]),
+                           reinterpret_cast<const float*>(a[RA_SIN]),
+                           reinterpret_cast<const int*>(a[RA_SLOTS]),
+                           eps};
+            attention_rows<1, E, true>(nullptr, reinterpret_cast<bf16*>(a[RA_CACHE]), attn,
+                                       reinterpret_cast<const int*>(a[RA_POSITIONS]),
+                                       reinterpret_cast<const int*>(a[RA_TOK_SEQ]),
+                                       reinterpret_cast<const int*>(a[RA_TABLES]),
+                                       reinterpret_cast<const int*>(a[RA_STRIDE]),
+                                       reinterpret_cast<const int*>(a[RA_LIST]), heads, (int)a[RA_KV_HEADS], l,
+                                       layers, (int)a[RA_BLOCK_SIZE], scale, rope, nullptr, 0, true, nullptr,
+                                       blockIdx.x);
+        }
+        consumer_sync<true>();
+        ring_arrive(sync, total);
+        ++stage;
+        ring_grid_wait(sync, stage * blocks, nowait);
+        ring_consume<IN_BF16, OUT_ADD>(ring_stage(a, la, 1), attn, nullptr, eps, x, bias(la[RL_O_BIAS]), xs, ring, rp,
+                                       full0, prog, scratch, v, arith, sync);
+        ring_arrive(sync, total);
+        ++stage;
+        ring_grid_wait(sync, stage * blocks, nowait);
+        ring_consume<IN_NORM, OUT_SILU>(ring_stage(a, la, 2), x, bias(la[RL_POST_NORM]), eps, act,
+                                        bias(la[RL_GU_BIAS]), xs, ring, rp, full0, prog, scratch, v, arith, sync);
+        ring_arrive(sync, total);
+        ++stage;
+        ring_grid_wait(sync, stage * blocks, nowait);
+        ring_consume<IN_BF16, OUT_ADD>(ring_stage(a, la, 3), act, nullptr, eps, x, bias(la[RL_DOWN_BIAS]), xs, ring,
+                                       rp, full0, prog, scratch, v, arith, sync);
+        ring_arrive(sync, total);
+        ++stage;
+    }
+#endif
+}
+
+#define DECODE_RING(E)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(RING_THREADS, 1) decode_ring_e##E(const u64* args) {            \
+        decode_ring<E>(args);                                                                                    \
+    }
+DECODE_RING(1) DECODE_RING(2) DECODE_RING(4)
 
 extern "C" __global__ void ban_tokens(float* logits, int vocab, const int* ban_row, const int* ban_tok, int n) {
     PDL_ENTER();

@@ -105,6 +105,10 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attention_o_e6",
     "attention_o_e7",
     "attention_o_e8",
+    "ring_tile",
+    "decode_ring_e1",
+    "decode_ring_e2",
+    "decode_ring_e4",
     "flash_prefill_hd64",
     "flash_prefill_hd128",
     "ban_tokens",
@@ -372,6 +376,8 @@ pub struct CudaDevice {
     attention_o_smem: usize,
     /// Dynamic shared memory a tensor-core decode-projection block may use.
     gemv_mma_smem: usize,
+    /// Dynamic shared memory a ring decode block may use.
+    decode_ring_smem: usize,
     /// Shared memory per multiprocessor.
     smem_per_sm: usize,
     /// Launch kernels with programmatic stream serialization (see `programmatic_launch`).
@@ -448,6 +454,14 @@ impl CudaDevice {
                 attention_o_smem as i32,
             )?;
         }
+        // The ring decode kernel keeps its input row (or a K/V stage) and the weight ring there.
+        let decode_ring_smem = smem_block_optin.saturating_sub(ops::DECODE_RING_STATIC_SMEM);
+        for name in KERNEL_NAMES.iter().filter(|n| n.starts_with("decode_ring_")) {
+            funcs[name].set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                decode_ring_smem as i32,
+            )?;
+        }
         // The decode projections stage their input rows in shared memory (M x K bf16).
         let gemv_smem = smem_block_optin.saturating_sub(ops::GEMV_STATIC_SMEM);
         for name in KERNEL_NAMES.iter().filter(|n| n.starts_with("gemv_")) {
@@ -474,6 +488,7 @@ impl CudaDevice {
             sm_count,
             gemv_smem,
             attention_o_smem,
+            decode_ring_smem,
             gemv_mma_smem: smem_block_optin.saturating_sub(ops::GEMV_MMA_STATIC_SMEM),
             smem_per_sm,
             // Experimental until measured on a GPU: `TANDEM_CUDA_PDL=1` turns it on (Hopper and later).
@@ -543,6 +558,11 @@ impl CudaDevice {
     /// Dynamic shared memory one block of the tensor-core decode projection may use.
     pub(crate) fn gemv_mma_smem(&self) -> usize {
         self.gemv_mma_smem
+    }
+
+    /// Dynamic shared memory one block of the ring decode kernel may use.
+    pub(crate) fn decode_ring_smem(&self) -> usize {
+        self.decode_ring_smem
     }
 
     /// Dynamic shared memory one block of the attention + o projection kernel may use.

@@ -433,7 +433,7 @@ pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: Gem
 /// build), blocks up to one wave (three per multiprocessor by the launch bounds, fewer if the
 /// input rows fill shared memory), looping over row groups. Untuned.
 fn mma_grid(sms: usize, per_sm: usize, n: usize, k: usize, tokens: usize) -> (usize, usize) {
-    let ksplit = [8, 4, 2, 1].into_iter().find(|s| k / s >= 256).unwrap_or(1);
+    let (ksplit, _) = mma_slices(k);
     let row_groups = n.div_ceil(8 / ksplit * 16);
     let smem = tokens.max(1).next_power_of_two() * k * 2;
     let slots = sms * (per_sm / (smem + GEMV_MMA_STATIC_SMEM + 1024)).clamp(1, 3);
@@ -979,6 +979,228 @@ pub fn sample_rows(
     launch!(dev, "sample_rows", cfg((rows as u32, 1), 1024), logits, vocab as i32, params, top_ks, tokens)
 }
 
+/// Static shared memory of the ring decode kernel, with room to spare (its barriers, partial
+/// sums and the attention's queries, scores and new key/value: about 4.5 KiB).
+pub const DECODE_RING_STATIC_SMEM: usize = 8 << 10;
+
+/// One layer's weights for [`decode_ring`] (device addresses; 0 for an absent bias or norm).
+/// The four projections are their copies in ring order ([`ring_tile`]); the gate/up weight is
+/// interleaved ([`interleave_rows`]) before that, as for the fused decode projections.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RingLayer {
+    /// `[qkv_n, hidden]` bf16, in ring order.
+    pub qkv: u64,
+    /// `[hidden, heads * head_dim]` bf16, in ring order.
+    pub o: u64,
+    /// `[2 * intermediate, hidden]` bf16, (gate, up) rows interleaved, in ring order.
+    pub gate_up: u64,
+    /// `[hidden, intermediate]` bf16, in ring order.
+    pub down: u64,
+    /// `[hidden]` RMSNorm weight in front of qkv.
+    pub input_norm: u64,
+    /// `[hidden]` RMSNorm weight in front of gate/up.
+    pub post_norm: u64,
+    /// Optional `[head_dim]` q RMSNorm weight (Qwen3).
+    pub q_norm: u64,
+    /// Optional `[head_dim]` k RMSNorm weight.
+    pub k_norm: u64,
+    /// Optional qkv bias (added with RoPE, as on the fused path).
+    pub qkv_bias: u64,
+    /// Optional o bias.
+    pub o_bias: u64,
+    /// Optional gate/up bias (interleaved).
+    pub gate_up_bias: u64,
+    /// Optional down bias.
+    pub down_bias: u64,
+}
+
+/// The buffers and shapes of a one-token decode step for [`decode_ring`].
+#[derive(Clone, Copy, Debug)]
+pub struct RingStep {
+    /// `[1, hidden]` f32 residual stream (the embedding on entry).
+    pub residual: u64,
+    /// `[qkv_n]` bf16 qkv projection output.
+    pub qkv: u64,
+    /// `[heads * head_dim]` bf16 attention output.
+    pub attn: u64,
+    /// `[intermediate]` bf16 SiLU-and-multiply output.
+    pub act: u64,
+    /// The KV cache.
+    pub cache: u64,
+    /// Attention metadata (the step's token is listed first in `token_list`).
+    pub meta: AttnMeta,
+    /// `[t]` listed tokens.
+    pub token_list: u64,
+    /// RoPE cos table.
+    pub cos: u64,
+    /// RoPE sin table.
+    pub sin: u64,
+    /// `[t]` cache slots.
+    pub slots: u64,
+    /// Two u32 the kernel synchronises on, zero before the first launch (and left so).
+    pub sync: u64,
+    /// Hidden size.
+    pub hidden: usize,
+    /// MLP intermediate size.
+    pub intermediate: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Tokens per cache block.
+    pub block_size: usize,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+}
+
+/// The ring decode kernel's argument block (its `RA_*` / `RL_*` words) and dynamic shared
+/// memory, or why this device or model cannot run it: Hopper or later (bulk copies), head size
+/// 32, 64 or 128, at least one block per query head, and a ring holding two of the largest
+/// units.
+pub fn decode_ring_plan(dev: &CudaDevice, s: &RingStep, layers: &[RingLayer]) -> Result<(Vec<u64>, u32), CudaError> {
+    let no = |why: String| Err(CudaError::Unavailable(format!("ring decode kernel: {why}")));
+    if !dev.pdl_capable() {
+        return no("needs a Hopper or later GPU (bulk copies)".into());
+    }
+    if ![32, 64, 128].contains(&s.head_dim) {
+        return no(format!("head size {} not built", s.head_dim));
+    }
+    if s.num_heads > dev.sm_count() as usize {
+        return no(format!("{} heads but {} multiprocessors", s.num_heads, dev.sm_count()));
+    }
+    let (qkv_n, o_k) = ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.num_heads * s.head_dim);
+    let ks = [s.hidden, o_k, s.intermediate];
+    if ks.iter().any(|k| !k.is_multiple_of(8)) || s.hidden > GEMV_NORM_MAX_K {
+        return no(format!("unsupported sizes (hidden {}, intermediate {})", s.hidden, s.intermediate));
+    }
+    let chunk: usize = std::env::var("TANDEM_RING_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(16 << 10);
+    let (x_bytes, ring_bytes, chunk) = match ring_smem_layout(dev.decode_ring_smem(), chunk, s.head_dim, ks) {
+        Ok(layout) => layout,
+        Err(why) => return no(why),
+    };
+    let mut words = vec![0u64; 32 + 16 * layers.len()];
+    let f32_bits = |v: f32| u64::from(v.to_bits());
+    let head = [
+        s.residual,
+        s.qkv,
+        s.attn,
+        s.act,
+        s.cache,
+        s.meta.positions,
+        s.meta.tok_seq,
+        s.meta.block_tables,
+        s.meta.stride,
+        s.token_list,
+        s.cos,
+        s.sin,
+        s.slots,
+        s.sync,
+        layers.len() as u64,
+        s.hidden as u64,
+        qkv_n as u64,
+        2 * s.intermediate as u64,
+        s.intermediate as u64,
+        o_k as u64,
+        s.num_heads as u64,
+        s.num_kv_heads as u64,
+        s.block_size as u64,
+        f32_bits(s.eps),
+        f32_bits(1.0 / (s.head_dim as f32).sqrt()),
+        ring_bytes as u64,
+        x_bytes as u64,
+        // Measurement switches that leave parts out (wrong results; see decode_ring in kernels.cu).
+        std::env::var("TANDEM_RING_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
+        chunk as u64,
+    ];
+    words[..head.len()].copy_from_slice(&head);
+    for (l, w) in layers.iter().enumerate() {
+        let at = 32 + 16 * l;
+        words[at..at + 12].copy_from_slice(&[
+            w.qkv,
+            w.o,
+            w.gate_up,
+            w.down,
+            w.input_norm,
+            w.post_norm,
+            w.q_norm,
+            w.k_norm,
+            w.qkv_bias,
+            w.o_bias,
+            w.gate_up_bias,
+            w.down_bias,
+        ]);
+    }
+    Ok((words, (x_bytes + ring_bytes) as u32))
+}
+
+/// The ring decode kernel's shared memory out of `smem` bytes: (input row / K-V stage bytes,
+/// ring bytes, chunk bytes). The ring is whole chunks (a chunk lands as one barrier phase) and
+/// must hold the largest unit with a chunk to spare. `ks`: the projections' input lengths.
+fn ring_smem_layout(
+    smem: usize,
+    chunk: usize,
+    head_dim: usize,
+    ks: [usize; 3],
+) -> Result<(usize, usize, usize), String> {
+    let x_bytes = ks.iter().map(|k| k * 2).max().unwrap_or(0).max(attention_rows_smem_bytes(head_dim, 1) as usize);
+    let x_bytes = x_bytes.next_multiple_of(128);
+    let chunk = chunk.next_multiple_of(1024).max(1024);
+    let ring_bytes = (smem.saturating_sub(x_bytes) / chunk).min(RING_MAX_CHUNKS) * chunk;
+    let largest = ks.iter().map(|&k| ring_unit_bytes(k)).max().unwrap_or(0);
+    if ring_bytes < largest + chunk {
+        return Err(format!("a {ring_bytes}-byte ring cannot hold a {largest}-byte unit"));
+    }
+    Ok((x_bytes, ring_bytes, chunk))
+}
+
+/// Chunk barriers of the ring decode kernel (RING_MAX_CHUNKS in kernels.cu).
+const RING_MAX_CHUNKS: usize = 32;
+
+/// The tensor-core plan's (K split, slice length) for input length `k` (`mma_ksplit` and
+/// `mma_slice_len` in kernels.cu; [`mma_grid`] splits the same way).
+fn mma_slices(k: usize) -> (usize, usize) {
+    let ksplit = [8, 4, 2, 1].into_iter().find(|s| k / s >= 256).unwrap_or(1);
+    (ksplit, k.div_ceil(32).div_ceil(ksplit) * 32)
+}
+
+/// Bytes of a ring decode unit for input length `k`: 16 rows of one K slice.
+fn ring_unit_bytes(k: usize) -> usize {
+    16 * mma_slices(k).1 * 2
+}
+
+/// Elements of an `[n, k]` weight's copy in ring order ([`ring_tile`]): whole row groups of 16
+/// and whole slices, zero-padded.
+pub fn ring_tile_elems(n: usize, k: usize) -> usize {
+    let (ksplit, slice) = mma_slices(k);
+    n.div_ceil(16) * 16 * ksplit * slice
+}
+
+/// Copies `[n, k]` bf16 `src` into `dst` ([`ring_tile_elems`]) in the ring decode kernel's
+/// order for this device (block b's units, 16 rows x one K slice each, back to back).
+pub fn ring_tile(dev: &CudaDevice, src: u64, dst: u64, n: usize, k: usize) -> Result<(), CudaError> {
+    let (ksplit, _) = mma_slices(k);
+    let units = n.div_ceil(16) * ksplit;
+    launch!(dev, "ring_tile", cfg((units as u32, 1), 256), src, dst, n as i32, k as i32, dev.sm_count() as i32)
+}
+
+/// Every layer of a one-token decode step in one launch ([`decode_ring_plan`]'s words uploaded
+/// at `args`): one block per multiprocessor, weights streaming into a shared-memory ring
+/// independently of the stages' waits. Results equal the tensor-core build of the fused decode
+/// projections ([`GemvBuild::Mma`]) with [`attention_rows`] bit for bit. Its blocks wait on
+/// each other, so they must all be resident: nothing else may run on the device meanwhile.
+pub fn decode_ring(dev: &CudaDevice, args: u64, head_dim: usize, smem: u32) -> Result<(), CudaError> {
+    let name = format!("decode_ring_e{}", head_dim / 32);
+    let config = LaunchConfig {
+        grid_dim: (dev.sm_count(), 1, 1),
+        // RING_THREADS in kernels.cu: 8 consumer warps and the producer.
+        block_dim: (288, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    launch!(dev, name.as_str(), config, args)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1066,5 +1288,32 @@ mod tests {
         }
         // No room for even one K/V stage: no split.
         assert_eq!(attention_o_split(132, 1024, 32, 128, 2560), None);
+    }
+
+    #[test]
+    fn ring_units_and_shared_memory_follow_the_tensor_core_plan() {
+        // Qwen3-4B: every projection split 8 ways, as the five-kernel tensor-core build splits it.
+        assert_eq!(mma_slices(2560), (8, 320));
+        assert_eq!(mma_slices(4096), (8, 512));
+        assert_eq!(mma_slices(9728), (8, 1216));
+        assert_eq!(mma_slices(1024), (4, 256));
+        assert_eq!(mma_slices(100), (1, 128));
+        for &(n, k) in &[(6144, 2560), (2560, 9728), (37, 100), (19456, 2560)] {
+            let (ksplit, slice) = mma_slices(k);
+            assert_eq!(ksplit, mma_grid(132, 233_472, n, k, 1).0, "{n}x{k}: the ring must split as the plan does");
+            assert!(ksplit * slice >= k && (ksplit - 1) * slice < k, "{n}x{k}: slices {ksplit} x {slice}");
+            assert!(ring_tile_elems(n, k) >= n * k);
+            assert_eq!(ring_tile_elems(n, k), n.div_ceil(16) * ksplit * ring_unit_bytes(k) / 2);
+        }
+        // On an H200 (227 KiB per block, less the static reserve): the K/V stage of head size
+        // 128 is the larger first region; eleven 16 KiB chunks; the down projection's 38 KiB
+        // unit fits with room.
+        let smem = 232_448 - DECODE_RING_STATIC_SMEM;
+        assert_eq!(ring_smem_layout(smem, 16 << 10, 128, [2560, 4096, 9728]), Ok((34_816, 11 * 16_384, 16_384)));
+        let (x, ring, chunk) = ring_smem_layout(smem, 32 << 10, 128, [2560, 4096, 9728]).unwrap();
+        assert!(x + ring <= smem && ring == 5 * chunk);
+        // A Qwen3-32B-sized MLP input (25 600) still fits; a unit larger than the ring does not.
+        assert!(ring_smem_layout(smem, 16 << 10, 128, [5120, 8192, 25_600]).is_ok());
+        assert!(ring_smem_layout(smem, 16 << 10, 128, [5120, 8192, 120_000]).is_err());
     }
 }
