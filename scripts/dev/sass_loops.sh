@@ -21,6 +21,9 @@ nvrtc=target/ci-nvrtc
 out=$(mktemp -d)
 TANDEM_DUMP_CUBIN=$out LD_LIBRARY_PATH="$PWD/$nvrtc/nvidia/cu13/lib" TANDEM_REQUIRE_NVRTC=1 \
   cargo test -q -p tandem-compute --test nvrtc_compile > /dev/null
-PATH="$PWD/$tools/bin:$PATH" "$tools/bin/cuobjdump" -sass -fun "$kernel" "$out/kernels_sm_90.cubin" > "$out/k.sass"
+# One image per kernel group: the kernel is in one of them.
+for img in "$out"/kernels_sm_90_g*.cubin; do
+  PATH="$PWD/$tools/bin:$PATH" "$tools/bin/cuobjdump" -sass -fun "$kernel" "$img" 2>/dev/null || true
+done > "$out/k.sass"
 echo "$kernel: $(grep -c 'LDL' "$out/k.sass") spill loads, $(grep -c 'STL' "$out/k.sass") spill stores in all"
 python3 scripts/dev/sass_loops.py "$out/k.sass"

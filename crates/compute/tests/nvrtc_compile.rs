@@ -17,26 +17,33 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
         return;
     }
     for arch in ["sm_90", "sm_80"] {
-        let cubin = cuda::compile_kernels(arch).unwrap_or_else(|e| panic!("{e}"));
-        // scripts/dev/sass_loops.sh reads the image (spills inside loops, per kernel).
-        if let Some(dir) = std::env::var_os("TANDEM_DUMP_CUBIN") {
-            std::fs::write(std::path::Path::new(&dir).join(format!("kernels_{arch}.cubin")), &cubin).unwrap();
+        let images = cuda::compile_kernels(arch).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(images.len(), cuda::KERNEL_GROUPS, "{arch}: one image per kernel group");
+        for (group, cubin) in images.iter().enumerate() {
+            // scripts/dev/sass_loops.sh reads the images (spills inside loops, per kernel).
+            if let Some(dir) = std::env::var_os("TANDEM_DUMP_CUBIN") {
+                std::fs::write(std::path::Path::new(&dir).join(format!("kernels_{arch}_g{group}.cubin")), cubin)
+                    .unwrap();
+            }
+            // ELF images, together naming every kernel the loader will ask for, each once.
+            assert_eq!(&cubin[..4], b"\x7fELF", "{arch} group {group}: not a CUBIN");
         }
-        // An ELF image that names every kernel the loader will ask for.
-        assert_eq!(&cubin[..4], b"\x7fELF", "{arch}: not a CUBIN");
-        let text = String::from_utf8_lossy(&cubin);
+        let texts: Vec<String> = images.iter().map(|c| String::from_utf8_lossy(c).into_owned()).collect();
         for name in cuda::KERNEL_NAMES {
-            assert!(text.contains(name), "{arch}: kernel `{name}` missing from the image");
+            // Whole names: `gemv_norm_bf16_m1` is also the start of `gemv_norm_bf16_m1_pipe`.
+            let defined = |t: &String| t.split('\0').any(|sym| sym == *name || sym == format!(".text.{name}"));
+            let holders = texts.iter().filter(|t| defined(t)).count();
+            assert_eq!(holders, 1, "{arch}: kernel `{name}` is in {holders} images, not one");
         }
     }
     // The measurement builds kernels.cu knows (TANDEM_KERNEL_DEFINES) compile too, to other code.
     let plain = cuda::compile_kernels_with("sm_90", &[]).unwrap_or_else(|e| panic!("{e}"));
     for define in ["TANDEM_STREAM_EVICT_FIRST"] {
         for arch in ["sm_90", "sm_80"] {
-            let cubin = cuda::compile_kernels_with(arch, &[define.to_string()]).unwrap_or_else(|e| panic!("{e}"));
-            assert_eq!(&cubin[..4], b"\x7fELF", "{arch} with {define}: not a CUBIN");
+            let images = cuda::compile_kernels_with(arch, &[define.to_string()]).unwrap_or_else(|e| panic!("{e}"));
+            assert!(images.iter().all(|c| &c[..4] == b"\x7fELF"), "{arch} with {define}: not a CUBIN");
             if arch == "sm_90" {
-                assert!(cubin != plain, "{define} changes nothing");
+                assert!(images != plain, "{define} changes nothing");
             }
         }
     }

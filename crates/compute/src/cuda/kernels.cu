@@ -15,6 +15,15 @@ typedef unsigned short bf16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// The kernels compile as KERNEL_GROUPS separate programs, in parallel (cuda::compile_kernels):
+// TANDEM_GROUP=n keeps group n's kernels; without it, every kernel compiles.
+#define KERNEL_GROUPS 8
+#ifdef TANDEM_GROUP
+#define KERNEL_GROUP(n) (TANDEM_GROUP == (n))
+#else
+#define KERNEL_GROUP(n) 1
+#endif
+
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
@@ -112,6 +121,7 @@ __device__ __forceinline__ u64 splitmix64(u64 z) {
     return z ^ (z >> 31);
 }
 
+#if KERNEL_GROUP(0)
 extern "C" __global__ void preset_uniform(bf16* out, u64 n, u64 stream_seed, float amp) {
     PDL_ENTER();
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
@@ -121,23 +131,28 @@ extern "C" __global__ void preset_uniform(bf16* out, u64 n, u64 stream_seed, flo
         out[i] = f2bf(v);
     }
 }
+#endif
 
+#if KERNEL_GROUP(0)
 extern "C" __global__ void fill_bf16(bf16* out, u64 n, float value) {
     PDL_ENTER();
     bf16 v = f2bf(value);
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) out[i] = v;
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Embedding, norms, activation.
 
 // x[t, :] = table[ids[t], :] (as f32: the residual stream). Grid: tokens.
+#if KERNEL_GROUP(0)
 extern "C" __global__ void embed_gather(const bf16* table, const int* ids, float* x, int hidden) {
     PDL_ENTER();
     int t = blockIdx.x;
     const bf16* row = table + (u64)ids[t] * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) x[(u64)t * hidden + i] = bf2f(row[i]);
 }
+#endif
 
 // Rounding points. The bf16 path rounds where transformers and vLLM do, so greedy output
 // follows theirs as far as bf16 allows: the residual stream is bf16 (each residual add rounds
@@ -165,6 +180,7 @@ __device__ __forceinline__ float residual_add(float x, float delta) { return rou
 // x[row] += delta[row] first (the residual add fused in front of the norm) and written back.
 // Deltas (attention and MLP outputs) are bf16, as transformers' projections return them.
 // Grid: output rows. Block: 256 (hidden <= 256 * 32), 1024 beyond; hidden % 4 == 0.
+#if KERNEL_GROUP(0)
 extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const int* rows, const bf16* w, bf16* out,
                                         int hidden, float eps) {
     PDL_ENTER();
@@ -208,10 +224,12 @@ extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const int* 
         }
     }
 }
+#endif
 
 // out[t, i] = silu(gu[t, 2i]) * gu[t, 2i + 1]: the gate/up projection's rows come interleaved
 // (gate row i, then up row i; see `interleave_rows`). Two outputs per thread (inter is even).
 // Grid: (ceil(inter / 512), tokens). Block: 256.
+#if KERNEL_GROUP(0)
 extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter) {
     PDL_ENTER();
     // Tokens on grid x: a long prefill chunk has more tokens than grid y allows (65535).
@@ -223,6 +241,7 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter) {
     u32 g2 = (v.x & 0xffffu) | (v.y << 16), u2 = (v.x >> 16) | (v.y & 0xffff0000u);
     *reinterpret_cast<u32*>(out + (u64)t * inter + i) = silu_mul_pack(g2, u2);
 }
+#endif
 
 // dst row 2i = src row i, dst row 2i + 1 = src row half + i (rows of `cols` bf16): the gate/up
 // weight (and bias) laid out so that one warp of a decode projection owns a gate row and its up
@@ -230,6 +249,7 @@ extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter) {
 // (cols % 8 == 0) or elements.
 // dst[h][r][d] = src[r][h * hd + d] (16-byte pieces; hd % 8 == 0): the o weight head-major,
 // so that attention_o's slices are contiguous. Grid-stride over dst's pieces.
+#if KERNEL_GROUP(0)
 extern "C" __global__ void head_major(const bf16* src, bf16* dst, u64 rows, u64 heads, u64 hd) {
     PDL_ENTER();
     u64 per_row = hd / 8, total = rows * heads * per_row;
@@ -239,7 +259,9 @@ extern "C" __global__ void head_major(const bf16* src, bf16* dst, u64 rows, u64 
             *reinterpret_cast<const uint4*>(src + (r * heads + h) * hd + piece * 8);
     }
 }
+#endif
 
+#if KERNEL_GROUP(0)
 extern "C" __global__ void interleave_rows(const bf16* src, bf16* dst, u64 half, u64 cols) {
     PDL_ENTER();
     bool wide = cols % 8 == 0;
@@ -253,8 +275,10 @@ extern "C" __global__ void interleave_rows(const bf16* src, bf16* dst, u64 half,
         else dst[to] = src[from];
     }
 }
+#endif
 
 // y[t, j] += bias[j] (projections with a bias); y is bf16, or f32 when `f32_y`. Grid-stride.
+#if KERNEL_GROUP(0)
 extern "C" __global__ void add_bias(void* y, const bf16* bias, int cols, u64 total, int f32_y) {
     PDL_ENTER();
     for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
@@ -263,6 +287,7 @@ extern "C" __global__ void add_bias(void* y, const bf16* bias, int cols, u64 tot
         else reinterpret_cast<bf16*>(y)[e] = f2bf(bf2f(reinterpret_cast<bf16*>(y)[e]) + b);
     }
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Eight bf16 values packed in 16 bytes, as f32.
@@ -541,10 +566,14 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, i
     GEMV_KERNEL(NAME##_m2_pipe, 2, IN, OUT, true, 2)       \
     GEMV_KERNEL(NAME##_m4_pipe, 4, IN, OUT, true, 2)       \
     GEMV_KERNEL(NAME##_m8_pipe, 8, IN, OUT, true, 2)
+#if KERNEL_GROUP(1)
 GEMV_ALL_M(gemv_norm_bf16, IN_NORM, OUT_BF16)
 GEMV_ALL_M(gemv_norm_f32, IN_NORM, OUT_F32)
+#endif
+#if KERNEL_GROUP(2)
 GEMV_ALL_M(gemv_norm_silu, IN_NORM, OUT_SILU)
 GEMV_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
+#endif
 
 // Element offset of (block, layer, k|v, kv_head, slot) in the block-major cache.
 __device__ __forceinline__ u64 kv_offset(int block, int slot, int layer, int kv, int kh, int num_layers,
@@ -644,6 +673,7 @@ __device__ __forceinline__ void rope_head(const bf16* qkv, const bf16* qkv_bias,
     }
 }
 
+#if KERNEL_GROUP(0)
 extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm,
                                           const bf16* k_norm, const float* cos_t, const float* sin_t,
                                           const int* positions, const int* slots, bf16* q_out, bf16* cache,
@@ -668,6 +698,7 @@ extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias,
                 v, E);
     }
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Attention over the paged cache.
@@ -928,6 +959,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
 // Merges split attention partials (see attn_splits) in split order: out = sum_s acc_s w_s /
 // sum_s l_s w_s with w_s = exp(m_s - max m). With one split, w = 1 and this is the unsplit
 // kernel's out = acc * (1 / l), bit for bit. Grid: (listed tokens, heads). Block: head_dim.
+#if KERNEL_GROUP(0)
 extern "C" __global__ void attention_combine(const float* part, bf16* out, const int* positions,
                                              const int* token_list, int num_heads, int head_dim, int most,
                                              int split_keys) {
@@ -948,6 +980,7 @@ extern "C" __global__ void attention_combine(const float* part, bf16* out, const
     float inv = l > 0.0f ? 1.0f / l : 0.0f;
     out[((u64)t * num_heads + h) * head_dim + d] = f2bf(sum * inv);
 }
+#endif
 
 #define ATTENTION_ROWS(G, E)                                                                                     \
     extern "C" __global__ void __launch_bounds__(128) attention_rows_g##G##_e##E(                                \
@@ -964,9 +997,11 @@ extern "C" __global__ void attention_combine(const float* part, bf16* out, const
     ATTENTION_ROWS(G, 1) ATTENTION_ROWS(G, 2) ATTENTION_ROWS(G, 3) ATTENTION_ROWS(G, 4) ATTENTION_ROWS(G, 5) \
     ATTENTION_ROWS(G, 6) ATTENTION_ROWS(G, 7) ATTENTION_ROWS(G, 8)
 // One head per block for every head size; whole groups for the common sizes 64 and 128.
+#if KERNEL_GROUP(3)
 ATTENTION_ROWS_ALL_E(1)
 ATTENTION_ROWS(2, 2) ATTENTION_ROWS(2, 4) ATTENTION_ROWS(4, 2) ATTENTION_ROWS(4, 4) ATTENTION_ROWS(8, 2)
 ATTENTION_ROWS(8, 4)
+#endif
 
 // Decode attention and the o projection in one launch, for steps of one token per sequence
 // (fused RoPE, no key split). Block (token, head h, row chunk c) first asks for its slice of
@@ -1128,7 +1163,9 @@ __device__ __forceinline__ void attention_o(bf16* cache, bf16* out, const int* p
                        num_kv_heads, layer, num_layers, block_size, scale, rope, wo, hidden, chunk_rows, o_bias,   \
                        x, partial, counters);                                                                     \
     }
+#if KERNEL_GROUP(4)
 ATTENTION_O(1) ATTENTION_O(2) ATTENTION_O(3) ATTENTION_O(4) ATTENTION_O(5) ATTENTION_O(6) ATTENTION_O(7) ATTENTION_O(8)
+#endif
 
 // Prefill attention with tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash
 // style: a block of 4 warps takes 64 consecutive query tokens of one sequence and one head;
@@ -1344,8 +1381,10 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
         flash_prefill<HD>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads, \
                           num_kv_heads, layer, num_layers, block_size, scale_log2);                             \
     }
+#if KERNEL_GROUP(5)
 FLASH_PREFILL(64)
 FLASH_PREFILL(128)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Sampling. One block (1024 threads) per row of f32 logits.
@@ -1473,10 +1512,12 @@ __device__ __forceinline__ void gemv_mma(const bf16* __restrict__ W, int N, int 
 #define GEMV_MMA_ALL_M(NAME, IN, OUT) \
     GEMV_MMA_KERNEL(NAME, 1, IN, OUT) \
     GEMV_MMA_KERNEL(NAME, 2, IN, OUT) GEMV_MMA_KERNEL(NAME, 4, IN, OUT) GEMV_MMA_KERNEL(NAME, 8, IN, OUT)
+#if KERNEL_GROUP(6)
 GEMV_MMA_ALL_M(gemv_norm_bf16, IN_NORM, OUT_BF16)
 GEMV_MMA_ALL_M(gemv_norm_f32, IN_NORM, OUT_F32)
 GEMV_MMA_ALL_M(gemv_norm_silu, IN_NORM, OUT_SILU)
 GEMV_MMA_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // The ring decode kernel: every layer of a one-token decode step in one launch, one block per
@@ -1574,6 +1615,7 @@ __device__ __forceinline__ u64 ring_units_before(int b, int groups, int blocks, 
 
 // dst = src [n][k] in ring order (see above), for `blocks` ring blocks. Grid: row groups x
 // slices; block 256.
+#if KERNEL_GROUP(0)
 extern "C" __global__ void ring_tile(const bf16* src, bf16* dst, int n, int k, int blocks) {
     int ksplit = mma_ksplit(k), slice_len = mma_slice_len(k, ksplit);
     int groups = (n + 15) / 16, rg = blockIdx.x / ksplit, s = blockIdx.x % ksplit;
@@ -1587,6 +1629,7 @@ extern "C" __global__ void ring_tile(const bf16* src, bf16* dst, int n, int k, i
         *reinterpret_cast<uint4*>(out + (u64)r * slice_len + (p % per_row) * 8) = v;
     }
 }
+#endif
 
 // One projection stage as block b sees it: its region of the ring-order copy and its units.
 struct RingProj {
@@ -1915,14 +1958,19 @@ __device__ __forceinline__ void decode_ring(const u64* a) {
     extern "C" __global__ void __launch_bounds__(RING_THREADS, 1) decode_ring_e##E(const u64* args) {            \
         decode_ring<E>(args);                                                                                    \
     }
+#if KERNEL_GROUP(7)
 DECODE_RING(1) DECODE_RING(2) DECODE_RING(4)
+#endif
 
+#if KERNEL_GROUP(0)
 extern "C" __global__ void ban_tokens(float* logits, int vocab, const int* ban_row, const int* ban_tok, int n) {
     PDL_ENTER();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n && ban_tok[i] >= 0 && ban_tok[i] < vocab) logits[(u64)ban_row[i] * vocab + ban_tok[i]] = NEG_INF;
 }
+#endif
 
+#if KERNEL_GROUP(0)
 extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logits, int vocab, const float* params,
                                                                 const int* top_ks, int* tokens) {
     PDL_ENTER();
@@ -2050,3 +2098,4 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logi
         tokens[r] = pick;
     }
 }
+#endif

@@ -235,25 +235,51 @@ fn parse_defines(raw: &str) -> (Vec<String>, usize) {
     (defines, ignored)
 }
 
-/// Where the compiled image for `arch` (e.g. `sm_90`) is cached:
+/// The kernels compile as this many separate programs (KERNEL_GROUPS in kernels.cu), in
+/// parallel: a cold start on a 16-core GPU machine waits for the largest group, not for all.
+pub const KERNEL_GROUPS: usize = 8;
+
+/// Where the compiled image of kernel group `group` for `arch` (e.g. `sm_90`) is cached:
 /// `$TANDEM_CACHE_DIR` or `$XDG_CACHE_HOME/tandem` or `~/.cache/tandem`, then
-/// `kernels-<source hash>-<arch>.cubin`.
-pub fn kernel_cache_path(arch: &str) -> Option<PathBuf> {
+/// `kernels-<source hash>-<arch>-g<group>.cubin`.
+pub fn kernel_cache_path(arch: &str, group: usize) -> Option<PathBuf> {
     let dir = std::env::var_os("TANDEM_CACHE_DIR")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("tandem")))
         .or_else(|| std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/tandem")))?;
-    Some(dir.join(format!("kernels-{:016x}-{arch}.cubin", source_hash())))
+    Some(dir.join(format!("kernels-{:016x}-{arch}-g{group}.cubin", source_hash())))
 }
 
-/// Compiles [`KERNEL_SOURCE`] for `arch` (e.g. `sm_90`) with NVRTC and returns the CUBIN, with
-/// [`kernel_defines`]. Needs only the NVRTC library, not a GPU.
-pub fn compile_kernels(arch: &str) -> Result<Vec<u8>, CudaError> {
+/// Compiles [`KERNEL_SOURCE`] for `arch` (e.g. `sm_90`) with NVRTC, with [`kernel_defines`]:
+/// one CUBIN per kernel group, compiled on parallel threads. Needs only the NVRTC library, not
+/// a GPU.
+pub fn compile_kernels(arch: &str) -> Result<Vec<Vec<u8>>, CudaError> {
     compile_kernels_with(arch, &kernel_defines())
 }
 
 /// [`compile_kernels`] with the given preprocessor defines (`NAME` or `NAME=VALUE`).
-pub fn compile_kernels_with(arch: &str, defines: &[String]) -> Result<Vec<u8>, CudaError> {
+pub fn compile_kernels_with(arch: &str, defines: &[String]) -> Result<Vec<Vec<u8>>, CudaError> {
+    compile_groups(arch, defines, &(0..KERNEL_GROUPS).collect::<Vec<_>>())
+}
+
+/// The CUBINs of kernel `groups` for `arch`, compiled on one thread each (NVRTC programs are
+/// independent), in the order asked.
+fn compile_groups(arch: &str, defines: &[String], groups: &[usize]) -> Result<Vec<Vec<u8>>, CudaError> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = groups.iter().map(|&g| scope.spawn(move || compile_group(arch, defines, g))).collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(CudaError::Compile { arch: arch.to_string(), log: "the NVRTC thread panicked".into() })
+                })
+            })
+            .collect()
+    })
+}
+
+/// Compiles kernel group `group` of [`KERNEL_SOURCE`] for `arch`.
+fn compile_group(arch: &str, defines: &[String], group: usize) -> Result<Vec<u8>, CudaError> {
     use cudarc::nvrtc::{result, sys};
     let fail = |log: String| CudaError::Compile { arch: arch.to_string(), log };
     let src = std::ffi::CString::new(KERNEL_SOURCE).map_err(|e| fail(e.to_string()))?;
@@ -266,6 +292,7 @@ pub fn compile_kernels_with(arch: &str, defines: &[String]) -> Result<Vec<u8>, C
         "--fmad=true".to_string(),
     ];
     opts.extend(defines.iter().map(|d| format!("-D{d}")));
+    opts.push(format!("-DTANDEM_GROUP={group}"));
     // TANDEM_NVRTC_VERBOSE=1 prints ptxas' register / shared memory / spill report.
     let verbose = std::env::var_os("TANDEM_NVRTC_VERBOSE").is_some();
     if verbose {
@@ -346,7 +373,7 @@ impl<T: DeviceRepr> DevBuf<T> {
 
 /// Loaded kernels, by name.
 pub struct Kernels {
-    _module: Arc<CudaModule>,
+    _modules: Vec<Arc<CudaModule>>,
     funcs: std::collections::HashMap<&'static str, CudaFunction>,
 }
 
@@ -426,10 +453,17 @@ impl CudaDevice {
             attr(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let smem_per_sm =
             attr(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
-        let module = ctx.load_module(Ptx::from_binary(Self::cubin(&arch)?))?;
+        let modules = Self::cubins(&arch)?
+            .into_iter()
+            .map(|cubin| ctx.load_module(Ptx::from_binary(cubin)))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut funcs = std::collections::HashMap::new();
         for &n in KERNEL_NAMES {
-            funcs.insert(n, module.load_function(n)?);
+            // Each kernel is in exactly one group's image.
+            let f = modules.iter().find_map(|m| m.load_function(n).ok()).ok_or_else(|| {
+                CudaError::Unavailable(format!("kernel {n} is in none of the compiled images (stale cache?)"))
+            })?;
+            funcs.insert(n, f);
         }
         // The prefill kernels keep two stages of K/V tiles in more than the default 48 KiB.
         for (name, hd) in [("flash_prefill_hd64", 64), ("flash_prefill_hd128", 128)] {
@@ -481,7 +515,7 @@ impl CudaDevice {
             stream,
             blas,
             _blas_workspace: workspace,
-            kernels: Kernels { _module: module, funcs },
+            kernels: Kernels { _modules: modules, funcs },
             ordinal,
             name,
             arch,
@@ -497,26 +531,35 @@ impl CudaDevice {
         })
     }
 
-    fn cubin(arch: &str) -> Result<Vec<u8>, CudaError> {
-        let path = kernel_cache_path(arch);
-        if let Some(bytes) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
-            tracing::debug!(path = %path.as_ref().map(|p| p.display().to_string()).unwrap_or_default(), "cached kernels");
-            return Ok(bytes);
-        }
-        let started = std::time::Instant::now();
-        let cubin = compile_kernels(arch)?;
-        tracing::info!(arch, ms = started.elapsed().as_millis() as u64, "compiled CUDA kernels with NVRTC");
-        if let Some(p) = path {
-            // A cache that cannot be written only costs a compile next time.
-            let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-            let written = p.parent().map(std::fs::create_dir_all).transpose().is_ok()
-                && std::fs::write(&tmp, &cubin).is_ok()
-                && std::fs::rename(&tmp, &p).is_ok();
-            if !written {
-                tracing::warn!(path = %p.display(), "could not cache the compiled kernels");
+    /// Every kernel group's image for `arch`: from the cache, the missing ones compiled (in
+    /// parallel) and cached.
+    fn cubins(arch: &str) -> Result<Vec<Vec<u8>>, CudaError> {
+        let paths: Vec<Option<PathBuf>> = (0..KERNEL_GROUPS).map(|g| kernel_cache_path(arch, g)).collect();
+        let mut images: Vec<Option<Vec<u8>>> =
+            paths.iter().map(|p| p.as_ref().and_then(|p| std::fs::read(p).ok())).collect();
+        let missing: Vec<usize> = (0..KERNEL_GROUPS).filter(|&g| images[g].is_none()).collect();
+        if missing.is_empty() {
+            tracing::debug!(arch, "cached kernels");
+        } else {
+            let started = std::time::Instant::now();
+            tracing::info!(arch, groups = missing.len(), "compiling CUDA kernels with NVRTC (cached for later starts)");
+            let compiled = compile_groups(arch, &kernel_defines(), &missing)?;
+            tracing::info!(arch, ms = started.elapsed().as_millis() as u64, "compiled CUDA kernels with NVRTC");
+            for (g, cubin) in missing.into_iter().zip(compiled) {
+                if let Some(p) = &paths[g] {
+                    // A cache that cannot be written only costs a compile next time.
+                    let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+                    let written = p.parent().map(std::fs::create_dir_all).transpose().is_ok()
+                        && std::fs::write(&tmp, &cubin).is_ok()
+                        && std::fs::rename(&tmp, p).is_ok();
+                    if !written {
+                        tracing::warn!(path = %p.display(), "could not cache the compiled kernels");
+                    }
+                }
+                images[g] = Some(cubin);
             }
         }
-        Ok(cubin)
+        Ok(images.into_iter().flatten().collect())
     }
 
     /// `cuda:N (NAME, sm_XY)`.
