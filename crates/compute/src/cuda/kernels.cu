@@ -1713,41 +1713,48 @@ __device__ __forceinline__ void ring_producer(const u64* a, u32 ring, u32 ring_b
             RingProj pr = ring_stage(a, a + RA_LAYER0 + l * RL_WORDS, p);
             total += pr.groups * pr.ksplit * pr.unit_bytes;
         }
-    u32 v = 0;
+    // v: stream position; chunk i = v / chunk in ring slot i % chunks, `in_chunk` bytes filled.
+    // `least` caches the least warp position last read (positions only grow).
+    u32 v = 0, i = 0, slot = 0, in_chunk = 0, least = 0;
     for (int l = 0; l < layers; ++l) {
         for (int p = 0; p < 4; ++p) {
             RingProj pr = ring_stage(a, a + RA_LAYER0 + l * RL_WORDS, p);
             u32 len = pr.groups * pr.ksplit * pr.unit_bytes;
             for (u32 done = 0; done < len;) {
-                u32 i = v / chunk, slot = i % chunks;
-                if (v % chunk == 0) {
+                if (in_chunk == 0) {
                     // Chunk i overwrites chunk i - chunks: wait until every warp is past it.
-                    if (i >= chunks) {
-                        u32 need = (i - chunks + 1) * chunk;
+                    u32 need = (i - chunks + 1) * chunk;
+                    if (i >= chunks && least < need) {
                         u64 t0 = global_ns();
                         for (u32 tries = 0;; ++tries) {
-                            u32 least = 0xffffffffu;
+                            least = 0xffffffffu;
 #pragma unroll
                             for (int w = 0; w < RING_WARPS; ++w) least = min(least, progress[w]);
                             if (least >= need || (tries % 64 == 63 && ring_failed(sync, t0))) break;
                             __nanosleep(64);
                         }
-                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     }
+                    if (i >= chunks) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     u32 bytes = copy ? min(chunk, total - v) : 0;
                     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full0 + 8 * slot),
                                  "r"(bytes)
                                  : "memory");
                 }
-                u32 n = min(len - done, (i + 1) * chunk - v);
+                u32 n = min(len - done, chunk - in_chunk);
                 if (copy)
                     asm volatile(
                         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                            ring + slot * chunk + v % chunk),
+                            ring + slot * chunk + in_chunk),
                         "l"(pr.region + done), "r"(n), "r"(full0 + 8 * slot)
                         : "memory");
                 v += n;
                 done += n;
+                in_chunk += n;
+                if (in_chunk == chunk) {
+                    in_chunk = 0;
+                    ++i;
+                    slot = slot + 1 == chunks ? 0 : slot + 1;
+                }
             }
         }
     }
