@@ -583,27 +583,9 @@ impl CudaModel {
             }
             _ => None,
         };
-        let ring = match ring_tiles {
-            Some(tiles) => {
-                let block_size = layout.block_size;
-                Some(Self::plan_ring(
-                    &dev,
-                    &cfg,
-                    &layers,
-                    tiles,
-                    &act,
-                    &meta,
-                    meta_layout,
-                    &rope_cos,
-                    &rope_sin,
-                    &kv,
-                    block_size,
-                )?)
-            }
-            None => None,
-        };
-        let tensor_cores =
-            ring.is_some() || opts.tensor_core_projections || std::env::var("TANDEM_GEMV_MMA").is_ok_and(|v| v == "1");
+        let tensor_cores = ring_tiles.is_some()
+            || opts.tensor_core_projections
+            || std::env::var("TANDEM_GEMV_MMA").is_ok_and(|v| v == "1");
         let gemv_build = if tensor_cores { GemvBuild::Mma } else { GemvBuild::Plain };
         let mut model = Self {
             dev,
@@ -630,34 +612,26 @@ impl CudaModel {
             use_graphs: opts.cuda_graphs,
             fused_tokens,
             attention_o,
-            ring,
+            ring: None,
             gemv_build,
             variant: StepVariant::from_env(),
             weight_bytes,
             fingerprint,
             counts: StepCounts::default(),
         };
+        if let Some(tiles) = ring_tiles {
+            model.ring = Some(model.plan_ring(tiles)?);
+        }
         model.capture_decode_graphs()?;
         Ok(model)
     }
 
-    /// The ring decode kernel's plan for this model, uploaded ([`ops::decode_ring_plan`]).
-    #[allow(clippy::too_many_arguments)]
-    fn plan_ring(
-        dev: &CudaDevice,
-        cfg: &ModelConfig,
-        layers: &[Layer],
-        tiles: Vec<[DevBuf<u16>; 4]>,
-        act: &Activations,
-        meta: &DevBuf<i32>,
-        m: MetaLayout,
-        rope_cos: &DevBuf<f32>,
-        rope_sin: &DevBuf<f32>,
-        kv: &DevBuf<u16>,
-        block_size: usize,
-    ) -> Result<DecodeRing, ModelError> {
+    /// The ring decode kernel's plan for this model over `tiles` ([`Self::ring_tiles`]),
+    /// uploaded ([`ops::decode_ring_plan`]).
+    fn plan_ring(&self, tiles: Vec<[DevBuf<u16>; 4]>) -> Result<DecodeRing, ModelError> {
         let opt = |b: &Option<DevBuf<u16>>| b.as_ref().map_or(0, DevBuf::ptr);
-        let ring_layers: Vec<ops::RingLayer> = layers
+        let ring_layers: Vec<ops::RingLayer> = self
+            .layers
             .iter()
             .zip(&tiles)
             .map(|(l, [qkv, o, gate_up, down])| ops::RingLayer {
@@ -675,45 +649,29 @@ impl CudaModel {
                 down_bias: opt(&l.down.bias),
             })
             .collect();
+        let (a, m) = (&self.act, self.meta_layout);
         let step = ops::RingStep {
-            residual: act.x.ptr(),
-            qkv: act.qkv.ptr(),
-            attn: act.attn.ptr(),
-            act: act.act.ptr(),
-            cache: kv.ptr(),
-            meta: AttnMeta {
-                positions: meta.ptr_at(m.positions),
-                tok_seq: meta.ptr_at(m.tok_seq),
-                block_tables: meta.ptr_at(m.tables),
-                stride: meta.ptr_at(m.stride),
-            },
-            token_list: meta.ptr_at(m.decode_list),
-            cos: rope_cos.ptr(),
-            sin: rope_sin.ptr(),
-            slots: meta.ptr_at(m.slots),
-            sync: act.tokens.ptr_at(act.tokens.len() - 2),
-            hidden: cfg.hidden_size,
-            intermediate: cfg.intermediate_size,
-            num_heads: cfg.num_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-            block_size,
-            eps: cfg.rms_norm_eps,
+            residual: a.x.ptr(),
+            qkv: a.qkv.ptr(),
+            attn: a.attn.ptr(),
+            act: a.act.ptr(),
+            cache: self.kv.ptr(),
+            meta: self.attn_meta(),
+            token_list: self.meta.ptr_at(m.decode_list),
+            cos: self.rope_cos.ptr(),
+            sin: self.rope_sin.ptr(),
+            slots: self.meta.ptr_at(m.slots),
+            sync: a.tokens.ptr_at(a.tokens.len() - 2),
+            ..Self::ring_shape(&self.cfg, self.layout.block_size)
         };
-        let (words, smem) = ops::decode_ring_plan(dev, &step, &ring_layers)?;
+        let (words, smem) = ops::decode_ring_plan(&self.dev, &step, &ring_layers)?;
         tracing::info!(smem_kib = smem / 1024, "ring decode kernel for one-token steps");
-        Ok(DecodeRing { args: dev.upload(&words)?, smem, _tiles: tiles })
+        Ok(DecodeRing { args: self.dev.upload(&words)?, smem, _tiles: tiles })
     }
 
-    /// The layers' projections copied in the ring decode kernel's order, after checking that
-    /// this device and model can run it (an error says why not).
-    fn ring_tiles(
-        dev: &CudaDevice,
-        cfg: &ModelConfig,
-        layers: &[Layer],
-        block_size: usize,
-    ) -> Result<Vec<[DevBuf<u16>; 4]>, ModelError> {
-        let shape_only = ops::RingStep {
+    /// The model's shapes for the ring decode kernel (no buffers yet).
+    fn ring_shape(cfg: &ModelConfig, block_size: usize) -> ops::RingStep {
+        ops::RingStep {
             residual: 0,
             qkv: 0,
             attn: 0,
@@ -732,8 +690,19 @@ impl CudaModel {
             head_dim: cfg.head_dim,
             block_size,
             eps: cfg.rms_norm_eps,
-        };
-        ops::decode_ring_plan(dev, &shape_only, &[])?;
+        }
+    }
+
+    /// The layers' projections copied in the ring decode kernel's order, after checking that
+    /// this device and model can run it (an error says why not).
+    fn ring_tiles(
+        dev: &CudaDevice,
+        cfg: &ModelConfig,
+        layers: &[Layer],
+        block_size: usize,
+    ) -> Result<Vec<[DevBuf<u16>; 4]>, ModelError> {
+        ops::decode_ring_plan(dev, &Self::ring_shape(cfg, block_size), &[])?;
+
         let started = std::time::Instant::now();
         let mut bytes = 0;
         let mut tiles = Vec::with_capacity(layers.len());
