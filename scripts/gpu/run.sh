@@ -6,6 +6,7 @@
 #   full (default): tests, tandem bench (also decode at a 1024-token context), PyTorch;
 #   bench: tests and tandem bench; quick: tests;
 #   tune: kernel tests and the decode-projection plan sweep (TANDEM_GEMV_SWEEP=1);
+#   ring: the matrix below for the ring decode kernel (TANDEM_DECODE_RING) and its decomposition;
 #   matrix "label:VAR=value ..." ...: kernel and model tests, then the decode step under each setting
 #   (PROFILE=1 among the settings adds the step's kernel profile, DECODE_PROMPT=n sets the decode
 #   sequences' prompt length, TANDEM_EXE=path runs another tandem binary; SKIP_TESTS=1 in the
@@ -40,6 +41,14 @@ note() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 MODE=${1:-full}
+if [ "$MODE" = ring ]; then
+  # The ring decode kernel against the five-kernel step: kernel and model tests first (they
+  # fill the kernel cache and include the ring's bit-equality test), then its timing and the
+  # TANDEM_RING_DEBUG decomposition (1 no grid waits, 2 no arithmetic, 3 the stream alone).
+  exec "$0" matrix "fused:X=1" "ring:TANDEM_DECODE_RING=1" "ring_c32:TANDEM_DECODE_RING=1 TANDEM_RING_CHUNK=32768" \
+    "ring_nowait:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=1" "ring_noarith:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=2" \
+    "ring_stream:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=3" "ring200:TANDEM_DECODE_RING=1 DECODE_PROMPT=200"
+fi
 if [ "$MODE" = matrix ]; then
   # Decode step under several settings in one call: each further argument is
   # "label:VAR=value VAR=value" (TANDEM_EXE=path picks another tandem binary).
