@@ -255,6 +255,15 @@ struct AttentionO {
     counters: DevBuf<i32>,
 }
 
+/// A measurement switch: `name=1` turns it on, `name=0` off, anything else leaves `default`.
+fn env_switch(name: &str, default: bool) -> bool {
+    match std::env::var(name).as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => default,
+    }
+}
+
 /// `l` (gate rows, then up rows) with its rows (and bias) interleaved: gate row i, up row i, ...
 /// so that a decode projection's warp holds both and applies SiLU-and-multiply itself.
 fn interleave_gate_up(dev: &CudaDevice, l: Linear) -> Result<Linear, ModelError> {
@@ -359,14 +368,8 @@ impl CudaModel {
                 0
             };
         // Attention with the o projection (see `AttentionO`), where its weight slices fit.
-        let attention_o_chunks = ops::attention_o_chunks(&dev, cfg.num_heads, hd, h).filter(|_| {
-            let wanted = match std::env::var("TANDEM_ATTN_O").as_deref() {
-                Ok("1") => true,
-                Ok("0") => false,
-                _ => opts.attention_o,
-            };
-            fused_tokens > 0 && wanted
-        });
+        let attention_o_chunks = ops::attention_o_chunks(&dev, cfg.num_heads, hd, h)
+            .filter(|_| fused_tokens > 0 && env_switch("TANDEM_ATTN_O", opts.attention_o));
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
@@ -440,11 +443,7 @@ impl CudaModel {
             "weights on the GPU"
         );
         // The ring decode kernel streams a second copy of the layers' projections, in its order.
-        let ring_wanted = match std::env::var("TANDEM_DECODE_RING").as_deref() {
-            Ok("1") => true,
-            Ok("0") => false,
-            _ => opts.decode_ring,
-        };
+        let ring_wanted = env_switch("TANDEM_DECODE_RING", opts.decode_ring);
         let ring_tiles = match ring_wanted && fused_tokens > 0 {
             true => match Self::ring_tiles(&dev, &cfg, &layers, opts.block_size) {
                 Ok(tiles) => Some(tiles),
@@ -583,9 +582,7 @@ impl CudaModel {
             }
             _ => None,
         };
-        let tensor_cores = ring_tiles.is_some()
-            || opts.tensor_core_projections
-            || std::env::var("TANDEM_GEMV_MMA").is_ok_and(|v| v == "1");
+        let tensor_cores = ring_tiles.is_some() || env_switch("TANDEM_GEMV_MMA", opts.tensor_core_projections);
         let gemv_build = if tensor_cores { GemvBuild::Mma } else { GemvBuild::Plain };
         let mut model = Self {
             dev,

@@ -1783,7 +1783,7 @@ __device__ __forceinline__ void ring_arrive(u32* sync, u32 total) {
     }
 }
 
-// Where the ring's stream position v is in shared memory.
+// The ring's size and its chunk size, in bytes (stream position v lives at v % ring_bytes).
 struct RingPos {
     u32 ring_bytes, chunk;
 };

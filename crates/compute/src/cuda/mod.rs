@@ -465,50 +465,39 @@ impl CudaDevice {
             })?;
             funcs.insert(n, f);
         }
-        // The prefill kernels keep two stages of K/V tiles in more than the default 48 KiB.
-        for (name, hd) in [("flash_prefill_hd64", 64), ("flash_prefill_hd128", 128)] {
+        // Kernels that keep more than the default 48 KiB of dynamic shared memory.
+        let allow_smem = |name: &str, bytes: usize| {
             funcs[name].set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                ops::flash_smem_bytes(hd) as i32,
-            )?;
+                bytes as i32,
+            )
+        };
+        let named = |prefix: &'static str| KERNEL_NAMES.iter().copied().filter(move |n| n.starts_with(prefix));
+        // The prefill kernels keep two stages of K/V tiles.
+        for (name, hd) in [("flash_prefill_hd64", 64), ("flash_prefill_hd128", 128)] {
+            allow_smem(name, ops::flash_smem_bytes(hd) as usize)?;
         }
         // The decode attention stages a chunk of keys and values (over 48 KiB for head size 256).
-        for name in KERNEL_NAMES.iter().filter(|n| n.starts_with("attention_rows_")) {
+        for name in named("attention_rows_") {
             let e: usize = name.rsplit("_e").next().and_then(|e| e.parse().ok()).unwrap_or(8);
-            funcs[name].set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                ops::attention_rows_smem_bytes(32 * e, ops::attention_max_stages(32 * e)) as i32,
-            )?;
+            allow_smem(name, ops::attention_rows_smem_bytes(32 * e, ops::attention_max_stages(32 * e)) as usize)?;
         }
         // Attention with the o projection keeps a slice of the o weights in shared memory.
         let attention_o_smem = smem_block_optin.saturating_sub(ops::ATTENTION_O_STATIC_SMEM);
-        for name in KERNEL_NAMES.iter().filter(|n| n.starts_with("attention_o_")) {
-            funcs[name].set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                attention_o_smem as i32,
-            )?;
+        for name in named("attention_o_") {
+            allow_smem(name, attention_o_smem)?;
         }
         // The ring decode kernel keeps its input row (or a K/V stage) and the weight ring there.
         let decode_ring_smem = smem_block_optin.saturating_sub(ops::DECODE_RING_STATIC_SMEM);
-        for name in KERNEL_NAMES.iter().filter(|n| n.starts_with("decode_ring_")) {
-            funcs[name].set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                decode_ring_smem as i32,
-            )?;
+        for name in named("decode_ring_") {
+            allow_smem(name, decode_ring_smem)?;
         }
-        // The decode projections stage their input rows in shared memory (M x K bf16).
+        // The decode projections stage their input rows in shared memory (M x K bf16); the
+        // tensor-core build's partial sums take more static shared memory.
         let gemv_smem = smem_block_optin.saturating_sub(ops::GEMV_STATIC_SMEM);
-        for name in KERNEL_NAMES.iter().filter(|n| n.starts_with("gemv_")) {
-            // The tensor-core build's partial sums take more static shared memory.
-            let limit = if name.ends_with("_mma") {
-                smem_block_optin.saturating_sub(ops::GEMV_MMA_STATIC_SMEM)
-            } else {
-                gemv_smem
-            };
-            funcs[name].set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                limit as i32,
-            )?;
+        let gemv_mma_smem = smem_block_optin.saturating_sub(ops::GEMV_MMA_STATIC_SMEM);
+        for name in named("gemv_") {
+            allow_smem(name, if name.ends_with("_mma") { gemv_mma_smem } else { gemv_smem })?;
         }
         Ok(Self {
             ctx,
@@ -523,7 +512,7 @@ impl CudaDevice {
             gemv_smem,
             attention_o_smem,
             decode_ring_smem,
-            gemv_mma_smem: smem_block_optin.saturating_sub(ops::GEMV_MMA_STATIC_SMEM),
+            gemv_mma_smem,
             smem_per_sm,
             // Experimental until measured on a GPU: `TANDEM_CUDA_PDL=1` turns it on (Hopper and later).
             programmatic_launch: major >= 9 && std::env::var("TANDEM_CUDA_PDL").is_ok_and(|v| v == "1"),

@@ -338,16 +338,7 @@ pub struct Gemv {
 }
 
 impl Gemv {
-    /// Runs the projection for `tokens` rows with the plain build's plan ([`gemv_plan`]), or the
-    /// tensor-core build's with `TANDEM_GEMV_MMA=1` (measurement).
-    pub fn launch(&self, dev: &CudaDevice, tokens: usize) -> Result<(), CudaError> {
-        static MMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let mma = *MMA.get_or_init(|| std::env::var("TANDEM_GEMV_MMA").is_ok_and(|v| v == "1"));
-        let build = if mma { GemvBuild::Mma } else { GemvBuild::Plain };
-        self.launch_with(dev, tokens, gemv_plan(dev, self.n, self.k, tokens, build))
-    }
-
-    /// Runs the projection with an explicit plan (for comparing plans and builds).
+    /// Runs the projection for `tokens` rows under `plan` ([`gemv_plan`] for a build).
     pub fn launch_with(&self, dev: &CudaDevice, tokens: usize, plan: GemvPlan) -> Result<(), CudaError> {
         let Gemv { weight: w, n, k, input, output, bias } = *self;
         if tokens == 0 {
@@ -407,9 +398,9 @@ impl Gemv {
     }
 }
 
-/// The plan for `n` rows by `k` at `tokens` in `build` ([`Gemv::launch`] uses the plain build: on an
-/// H200 it was as fast or faster on every Qwen3-4B projection, docs/PERFORMANCE.md; the
-/// pipelined one stays for `bench engine --profile`).
+/// The plan for `n` rows by `k` at `tokens` in `build` (models use the plain build unless they
+/// run tensor-core projections: on an H200 it was as fast or faster on every Qwen3-4B
+/// projection, docs/PERFORMANCE.md; the pipelined one stays for `bench engine --profile`).
 ///
 /// Plain: one wave of blocks (as many as fit at once by registers, the kernels' launch
 /// bounds, and by shared memory), looping over row groups. K is split over the fewest warps
@@ -979,8 +970,8 @@ pub fn sample_rows(
     launch!(dev, "sample_rows", cfg((rows as u32, 1), 1024), logits, vocab as i32, params, top_ks, tokens)
 }
 
-/// Static shared memory of the ring decode kernel, with room to spare (its barriers, partial
-/// sums and the attention's queries, scores and new key/value: about 4.5 KiB).
+/// Static shared memory of the ring decode kernel, with room to spare (its chunk barriers,
+/// the warps' positions and the attention's queries, scores and new key/value: under 2 KiB).
 pub const DECODE_RING_STATIC_SMEM: usize = 8 << 10;
 
 /// One layer's weights for [`decode_ring`] (device addresses; 0 for an absent bias or norm).
