@@ -44,8 +44,9 @@ MODE=${1:-full}
 if [ "$MODE" = ring ]; then
   # The ring decode kernel against the five-kernel step: kernel and model tests first (they
   # fill the kernel cache and include the ring's bit-equality test), then its timing and the
-  # TANDEM_RING_DEBUG decomposition (1 no grid waits, 2 no arithmetic, 3 the stream alone).
-  exec "$0" matrix "fused:X=1" "ring:TANDEM_DECODE_RING=1" "ring_c32:TANDEM_DECODE_RING=1 TANDEM_RING_CHUNK=32768" \
+  # TANDEM_RING_DEBUG decomposition (8 no attention, 1 no grid waits, 2 no arithmetic, 3 the
+  # stream alone).
+  exec "$0" matrix "fused:X=1" "ring:TANDEM_DECODE_RING=1" "ring_noattn:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=8" \
     "ring_nowait:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=1" "ring_noarith:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=2" \
     "ring_stream:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=3" "ring200:TANDEM_DECODE_RING=1 DECODE_PROMPT=200"
 fi

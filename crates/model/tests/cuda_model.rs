@@ -339,13 +339,14 @@ fn host_kv_copy_moves_a_prompt_between_engines_bit_for_bit() {
 /// five-kernel step with tensor-core projections, on the same weights and cache: logits equal
 /// bit for bit at every step (the ring multiplies each K slice exactly as the projection kernel
 /// does and adds slices in the same order), through prompts whose attention spans one and
-/// several key chunks, with q/k norms, biases and head sizes 32, 64 and 128.
+/// several key chunks, with q/k norms, biases and head sizes 32, 64 and 128, and (Qwen3-4B)
+/// stages of several rounds and units wider than a ring chunk.
 #[test]
 fn ring_decode_equals_the_tensor_core_step_bit_for_bit() {
     if !cuda_usable() {
         return;
     }
-    for preset in ["tiny-qwen3", "tiny-qwen2", "smollm2-135m", "qwen3-0.6b"] {
+    for preset in ["tiny-qwen3", "tiny-qwen2", "smollm2-135m", "qwen3-0.6b", "qwen3-4b"] {
         let source = ModelSource::parse(&format!("preset:{preset}"), 3).unwrap();
         let spec = ModelSpec::load(&source, Some(1024)).unwrap();
         let opts = |decode_ring| CudaOptions {

@@ -1529,16 +1529,20 @@ GEMV_MMA_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
 // consumer warps of blocks 0..heads-1 while the ring keeps filling. So HBM streams through the
 // waits, launch boundaries and attention that cost the five-kernel step ~0.6 ms.
 //
-// The weights are streamed from a copy in ring order (ring_tile): for each projection, block
-// b's units back to back, a unit being 16 rows x one K slice of the tensor-core plan (rows past
-// N and columns past K zero). Each block's share of a stage is then one contiguous region, and
-// the producer copies the concatenation of its regions in chunks of RA_CHUNK bytes (the ring is
-// a whole number of chunks; chunk i completes full[i % chunks]). A consumer warp owns whole row
-// groups (every `warp`-th of the block's), takes their slices in order and multiplies each
-// exactly as a gemv_mma warp multiplies its slice (same fragments, same accumulators, same
-// order), then adds the slices in slice order: results equal the tensor-core build of the
-// five-kernel step bit for bit. progress[w] is the stream position of warp w's next unit; the
-// producer reuses a chunk's bytes only once every warp's progress is past it.
+// The weights are streamed from a copy in ring order (ring_tile). For each projection, block
+// b's units (16 rows x one K slice of the tensor-core plan; rows past N and columns past K
+// zero) form one contiguous region, so the producer copies the concatenation of its regions in
+// chunks of RA_CHUNK bytes (the ring is a whole number of chunks; chunk i completes
+// full[i % chunks]). Within a region the block's units go in rounds of 8, unit 8 j + w being
+// consumer warp w's in round j (a round: 8 / ksplit row groups, as gemv_mma's warps split a
+// block's rows), and a round is stored piece by piece: 16 rows x 256 columns (two trips of
+// gemv_mma's loop) of each of its units in warp order, then the next 256 columns. So the
+// eight warps read adjacent bytes at any moment and the ring need only hold a round of pieces
+// (64 KiB) ahead of the slowest warp. Each warp multiplies its pieces exactly as a gemv_mma
+// warp multiplies its slice (same fragments, same accumulators, same order); at the end of a
+// round the consumers meet and add each group's slices in slice order: results equal the
+// tensor-core build of the five-kernel step bit for bit. progress[w] is the stream position of
+// warp w's next piece; the producer reuses a chunk's bytes only once every warp is past it.
 //
 // Stages end with the block's consumers meeting, then one release-add to sync[0]; a stage
 // waits until sync[0] counts every block through the previous one. Every wait is bounded:
@@ -1613,53 +1617,92 @@ __device__ __forceinline__ u64 ring_units_before(int b, int groups, int blocks, 
     return (u64)ksplit * ((u64)b * q + min(b, r));
 }
 
+// Columns per piece: two trips of gemv_mma's loop (MMA_UNROLL pieces of 32 columns each).
+#define RING_TRIP_COLS (32 * MMA_UNROLL)
+#define RING_PIECE_COLS (2 * RING_TRIP_COLS)
+
+// Columns of piece t of a unit `slice_len` columns wide.
+__device__ __forceinline__ int ring_piece_cols(int slice_len, int t) {
+    return min(RING_PIECE_COLS, slice_len - RING_PIECE_COLS * t);
+}
+
+// Byte offset of piece t of unit u in a block's region of `units` units (see the ring order
+// above): round u / 8, then piece, then warp u % 8.
+__device__ __forceinline__ u32 ring_piece_offset(int u, int t, int units, int slice_len) {
+    int round = u / RING_WARPS, w = u % RING_WARPS, nw = min(RING_WARPS, units - round * RING_WARPS);
+    return (u32)round * RING_WARPS * 32 * slice_len + (u32)nw * 32 * RING_PIECE_COLS * t +
+           (u32)w * 32 * ring_piece_cols(slice_len, t);
+}
+
+// Where a piece `cols` wide keeps 16-byte vector j of row r: rows of 8 or 16 vectors swap
+// halves on odd rows, so the 8 lanes of a quarter warp (rows g, g + 1) hit distinct banks.
+__device__ __forceinline__ int ring_vec(int j, int r, int cols) {
+    return (cols / 8) % 8 == 0 ? j ^ ((r & 1) << 2) : j;
+}
+
 // dst = src [n][k] in ring order (see above), for `blocks` ring blocks. Grid: row groups x
-// slices; block 256.
+// slices (one unit each); block 256.
 #if KERNEL_GROUP(0)
 extern "C" __global__ void ring_tile(const bf16* src, bf16* dst, int n, int k, int blocks) {
     int ksplit = mma_ksplit(k), slice_len = mma_slice_len(k, ksplit);
     int groups = (n + 15) / 16, rg = blockIdx.x / ksplit, s = blockIdx.x % ksplit;
     int b = rg % blocks, i = rg / blocks;
-    u64 unit = ring_units_before(b, groups, blocks, ksplit) + (u64)i * ksplit + s;
-    bf16* out = dst + unit * 16 * slice_len;
-    int per_row = slice_len / 8;
-    for (int p = threadIdx.x; p < 16 * per_row; p += blockDim.x) {
-        int r = p / per_row, col = s * slice_len + (p % per_row) * 8, row = rg * 16 + r;
+    int units = ksplit * ((groups - 1 - b) / blocks + 1), u = i * ksplit + s;
+    bf16* region = dst + ring_units_before(b, groups, blocks, ksplit) * 16 * slice_len;
+    int vecs = slice_len / 8;
+    for (int p = threadIdx.x; p < 16 * vecs; p += blockDim.x) {
+        int r = p / vecs, t = (p % vecs) / (RING_PIECE_COLS / 8), j = (p % vecs) % (RING_PIECE_COLS / 8);
+        int cols = ring_piece_cols(slice_len, t), row = rg * 16 + r;
+        int col = s * slice_len + t * RING_PIECE_COLS + j * 8;
         uint4 v = row < n && col < k ? *reinterpret_cast<const uint4*>(src + (u64)row * k + col) : make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(out + (u64)r * slice_len + (p % per_row) * 8) = v;
+        bf16* piece = region + ring_piece_offset(u, t, units, slice_len) / 2;
+        *reinterpret_cast<uint4*>(piece + r * cols + ring_vec(j, r, cols) * 8) = v;
     }
 }
 #endif
 
 // One projection stage as block b sees it: its region of the ring-order copy and its units.
+// Regions are in rank order: rank r takes row groups r, r + blocks, ... (ring_tile's b).
 struct RingProj {
     const unsigned char* region;
     int n, k, ksplit, slice_len, groups;  // groups: this block's row groups
+    int rank;
     u32 unit_bytes;
 };
 
-__device__ __forceinline__ RingProj ring_proj(u64 tiled, int n, int k) {
+__device__ __forceinline__ RingProj ring_proj(u64 tiled, int n, int k, int rank) {
     RingProj p;
     p.n = n;
     p.k = k;
+    p.rank = rank;
     p.ksplit = mma_ksplit(k);
     p.slice_len = mma_slice_len(k, p.ksplit);
     p.unit_bytes = 16 * p.slice_len * 2;
-    int all = (n + 15) / 16, b = blockIdx.x;
-    p.groups = all > b ? (all - 1 - b) / (int)gridDim.x + 1 : 0;
+    int all = (n + 15) / 16;
+    p.groups = all > rank ? (all - 1 - rank) / (int)gridDim.x + 1 : 0;
     p.region = reinterpret_cast<const unsigned char*>(tiled) +
-               ring_units_before(b, all, gridDim.x, p.ksplit) * p.unit_bytes;
+               ring_units_before(rank, all, gridDim.x, p.ksplit) * p.unit_bytes;
     return p;
 }
 
-// Stage p (0 qkv, 1 o, 2 gate/up, 3 down) of a layer.
-__device__ __forceinline__ RingProj ring_stage(const u64* a, const u64* la, int p) {
-    int hidden = (int)a[RA_HIDDEN];
+// Stage p (0 qkv, 1 o, 2 gate/up, 3 down) of layer l. A stage's leftover row groups (groups
+// % blocks: one more for the first ranks) would otherwise fall to the same blocks in every
+// stage, which would then be the slowest in all of them; rank 0 is instead the block after
+// the previous stage's last leftover, so a block with an extra group in one stage is light in
+// the next few and has their weights in its ring before their grid waits end.
+__device__ __forceinline__ RingProj ring_stage(const u64* a, int l, int p) {
+    const u64* la = a + RA_LAYER0 + l * RL_WORDS;
+    int blocks = gridDim.x, hidden = (int)a[RA_HIDDEN];
+    int left[4] = {(int)((a[RA_QKV_N] + 15) / 16) % blocks, (hidden + 15) / 16 % blocks,
+                   (int)((a[RA_GU_N] + 15) / 16) % blocks, (hidden + 15) / 16 % blocks};
+    u32 first = (u32)l * (left[0] + left[1] + left[2] + left[3]);
+    for (int i = 0; i < p; ++i) first += left[i];
+    int rank = (int)((blockIdx.x + blocks - first % blocks) % blocks);
     switch (p) {
-    case 0: return ring_proj(la[RL_QKV], (int)a[RA_QKV_N], hidden);
-    case 1: return ring_proj(la[RL_O], hidden, (int)a[RA_O_K]);
-    case 2: return ring_proj(la[RL_GU], (int)a[RA_GU_N], hidden);
-    default: return ring_proj(la[RL_DOWN], hidden, (int)a[RA_INTER]);
+    case 0: return ring_proj(la[RL_QKV], (int)a[RA_QKV_N], hidden, rank);
+    case 1: return ring_proj(la[RL_O], hidden, (int)a[RA_O_K], rank);
+    case 2: return ring_proj(la[RL_GU], (int)a[RA_GU_N], hidden, rank);
+    default: return ring_proj(la[RL_DOWN], hidden, (int)a[RA_INTER], rank);
     }
 }
 
@@ -1681,17 +1724,22 @@ __device__ __forceinline__ bool ring_failed(u32* sync, u64 t0) {
     return true;
 }
 
+// Whether phase `parity` of the barrier at `bar` has completed (one try, which may suspend a
+// while in hardware).
+__device__ __forceinline__ bool mbar_try(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return done;
+}
+
 // Waits for phase `parity` of the barrier at `bar`, within the ring's time bound.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, u32* sync) {
     u64 t0 = 0;
     for (u32 tries = 0;; ++tries) {
-        u32 done;
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-        if (done) return;
+        if (mbar_try(bar, parity)) return;
         // try_wait itself suspends a while: look at the clock only now and then.
         if (tries % 64 == 0) {
             if (tries == 0) t0 = global_ns();
@@ -1700,8 +1748,20 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity, u32* sync) {
     }
 }
 
+// Waits for the copies into a chunk to land, whether or not the step failed (a block must not
+// end with copies into its shared memory in flight), within RING_DRAIN_NS.
+#define RING_DRAIN_NS 100000000ull
+__device__ __forceinline__ bool mbar_drain(u32 bar, u32 parity) {
+    if (mbar_try(bar, parity)) return true;
+    u64 t0 = global_ns();
+    while (!mbar_try(bar, parity))
+        if (global_ns() - t0 > RING_DRAIN_NS) return false;
+    return true;
+}
+
 // The producer (lane 0 of the last warp): the block's regions of every stage, in the
-// consumers' order, chunk by chunk.
+// consumers' order, chunk by chunk. It stops at a chunk boundary when the step fails, and
+// before returning waits for every chunk it started.
 __device__ __forceinline__ void ring_producer(const u64* a, u32 ring, u32 ring_bytes, u32 chunk, u32 full0,
                                               const volatile u32* progress, u32* sync) {
     int layers = (int)a[RA_LAYERS];
@@ -1710,31 +1770,44 @@ __device__ __forceinline__ void ring_producer(const u64* a, u32 ring, u32 ring_b
     u32 total = 0;
     for (int l = 0; l < layers; ++l)
         for (int p = 0; p < 4; ++p) {
-            RingProj pr = ring_stage(a, a + RA_LAYER0 + l * RL_WORDS, p);
+            RingProj pr = ring_stage(a, l, p);
             total += pr.groups * pr.ksplit * pr.unit_bytes;
         }
     // v: stream position; chunk i = v / chunk in ring slot i % chunks, `in_chunk` bytes filled.
     // `least` caches the least warp position last read (positions only grow).
     u32 v = 0, i = 0, slot = 0, in_chunk = 0, least = 0;
-    for (int l = 0; l < layers; ++l) {
-        for (int p = 0; p < 4; ++p) {
-            RingProj pr = ring_stage(a, a + RA_LAYER0 + l * RL_WORDS, p);
+    bool failed = false;
+    for (int l = 0; l < layers && !failed; ++l) {
+        for (int p = 0; p < 4 && !failed; ++p) {
+            RingProj pr = ring_stage(a, l, p);
             u32 len = pr.groups * pr.ksplit * pr.unit_bytes;
             for (u32 done = 0; done < len;) {
                 if (in_chunk == 0) {
-                    // Chunk i overwrites chunk i - chunks: wait until every warp is past it.
-                    u32 need = (i - chunks + 1) * chunk;
-                    if (i >= chunks && least < need) {
-                        u64 t0 = global_ns();
-                        for (u32 tries = 0;; ++tries) {
-                            least = 0xffffffffu;
+                    if (i >= chunks) {
+                        // Chunk i overwrites chunk i - chunks: wait until every warp is past it.
+                        u32 need = (i - chunks + 1) * chunk;
+                        if (least < need) {
+                            u64 t0 = global_ns();
+                            for (u32 tries = 0;; ++tries) {
+                                least = 0xffffffffu;
 #pragma unroll
-                            for (int w = 0; w < RING_WARPS; ++w) least = min(least, progress[w]);
-                            if (least >= need || (tries % 64 == 63 && ring_failed(sync, t0))) break;
-                            __nanosleep(64);
+                                for (int w = 0; w < RING_WARPS; ++w) least = min(least, progress[w]);
+                                if (least >= need) break;
+                                if (tries % 64 == 63 && ring_failed(sync, t0)) {
+                                    failed = true;
+                                    break;
+                                }
+                                __nanosleep(64);
+                            }
                         }
+                        // A warp waited for it, so it has landed; after a failure the warps
+                        // stop waiting, and a barrier must not be re-armed mid-phase.
+                        if (failed || !mbar_drain(full0 + 8 * slot, (i / chunks - 1) & 1)) {
+                            failed = true;
+                            break;
+                        }
+                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     }
-                    if (i >= chunks) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     u32 bytes = copy ? min(chunk, total - v) : 0;
                     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full0 + 8 * slot),
                                  "r"(bytes)
@@ -1758,6 +1831,11 @@ __device__ __forceinline__ void ring_producer(const u64* a, u32 ring, u32 ring_b
             }
         }
     }
+    // Chunks started: i, and the last one if partly filled (it is the stream's end, or the
+    // loop stopped at a chunk boundary).
+    u32 started = i + (in_chunk > 0 ? 1 : 0);
+    for (u32 c = started > chunks ? started - chunks : 0; c < started; ++c)
+        if (!mbar_drain(full0 + 8 * (c % chunks), (c / chunks) & 1)) atomicExch(sync + 1, 1u);
 }
 
 // Waits (thread 0 polling, the consumers meeting after) until sync[0] reaches `target`.
@@ -1789,88 +1867,131 @@ struct RingPos {
 };
 
 // One projection stage on the consumer side (see gemv_mma for the arithmetic and IN_/OUT_).
-// `v` is the stream position of the stage's region.
+// `v` is the stream position of the stage's region. Round j: warp w takes unit 8 j + w (row
+// group (8 j + w) / ksplit, slice (8 j + w) % ksplit, as gemv_mma's warps split a block's
+// rows), its pieces in order; then the consumers meet and add each group's slices in slice
+// order from `partial` (double-buffered by round, so one meeting per round suffices).
+// Chunk c of the stream as a consumer warp walks it (forward only): its ring slot and the
+// parity of the barrier phase it completes.
+struct RingCursor {
+    u32 c, slot, parity;
+    __device__ __forceinline__ void advance(u32 to, u32 chunks) {
+        for (; c < to; ++c)
+            if (++slot == chunks) {
+                slot = 0;
+                parity ^= 1;
+            }
+    }
+};
+
 template <int IN, int OUT>
 __device__ __forceinline__ void ring_consume(const RingProj& pr, const void* in, const bf16* norm_w, float eps,
                                              void* out, const bf16* bias, bf16* xs, const unsigned char* ring,
-                                             RingPos rp, u32 full0, volatile u32* progress, float* scratch, u32& v,
-                                             bool arith, u32* sync) {
+                                             RingPos rp, u32 full0, volatile u32* progress, float* scratch,
+                                             float (*partial)[RING_WARPS][16], RingCursor& cur, u32& v, bool arith,
+                                             u32* sync) {
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
-    u32 chunks = rp.ring_bytes / rp.chunk, ub = pr.unit_bytes, stride = pr.slice_len * 2;
-    u32 stage_end = v + pr.groups * pr.ksplit * ub;
-    // This warp's next unit is its first row group's first slice: the producer may fill the
-    // ring up to there (and a ring's length past the least of the warps' positions).
-    if (lane == 0) progress[warp] = warp < pr.groups ? v + warp * pr.ksplit * ub : stage_end;
+    int ksplit = pr.ksplit, slice_len = pr.slice_len, units = pr.groups * ksplit;
+    int rounds = (units + RING_WARPS - 1) / RING_WARPS, pieces = (slice_len + RING_PIECE_COLS - 1) / RING_PIECE_COLS;
+    u32 chunks = rp.ring_bytes / rp.chunk, shift = __ffs(rp.chunk) - 1, stage_end = v + units * pr.unit_bytes;
+    // Stream position of this warp's piece t in round j (or the stage's end if it has none):
+    // what it publishes in progress[warp] as the next bytes it needs.
+    auto piece_at = [&](int j, int t) -> u32 {
+        int u = j * RING_WARPS + warp;
+        return j < rounds && u < units ? v + ring_piece_offset(u, t, units, slice_len) : stage_end;
+    };
+    if (lane == 0) progress[warp] = piece_at(0, 0);
     gemv_prologue<IN, true>(xs, pr.k, in, nullptr, norm_w, eps, 0, 1, scratch);
     consumer_sync<true>();
-    for (int i = warp; i < pr.groups; i += RING_WARPS) {
-        int row0 = (blockIdx.x + i * gridDim.x) * 16;
-        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int s = 0; s < pr.ksplit; ++s) {
-            u32 at = v + (i * pr.ksplit + s) * ub;
-            for (u32 c = at / rp.chunk; c <= (at + ub - 1) / rp.chunk; ++c)
-                mbar_wait(full0 + 8 * (c % chunks), (c / chunks) & 1, sync);
-            int col0 = s * pr.slice_len, cols = min(pr.k - col0, pr.slice_len);
-            u32 base = at % rp.ring_bytes;
-            // gemv_mma's accumulators (piece p into acc[p % MMA_UNROLL]) and trip count.
+    for (int j = 0; j < rounds; ++j) {
+        int u = j * RING_WARPS + warp;
+        if (u < units) {
+            int col0 = (u % ksplit) * slice_len, cols = min(pr.k - col0, slice_len);
+            // gemv_mma's accumulators: 32-column piece p of the slice into acc[p % MMA_UNROLL].
             float acc[MMA_UNROLL][4];
 #pragma unroll
             for (int a_ = 0; a_ < MMA_UNROLL; ++a_)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[a_][e] = 0.0f;
-            int span = (cols + 32 * MMA_UNROLL - 1) / (32 * MMA_UNROLL) * (32 * MMA_UNROLL);
-            if (arith) {
-                for (int kb = 0; kb < span; kb += 32 * MMA_UNROLL) {
+            u32 at = piece_at(j, 0);
+            for (int t = 0; t < pieces; ++t) {
+                int pc = ring_piece_cols(slice_len, t), c0 = t * RING_PIECE_COLS;
+                // Wait for the chunks the piece lies in; `base`: its first byte in the ring.
+                cur.advance(at >> shift, chunks);
+                u32 base = cur.slot * rp.chunk + (at & (rp.chunk - 1));
+                mbar_wait(full0 + 8 * cur.slot, cur.parity, sync);
+                for (u32 last = (at + 32 * pc - 1) >> shift; cur.c < last;) {
+                    cur.advance(cur.c + 1, chunks);
+                    mbar_wait(full0 + 8 * cur.slot, cur.parity, sync);
+                }
+                if (arith) {
+                    u32 row_bytes = 2 * pc;
 #pragma unroll
-                    for (int u = 0; u < MMA_UNROLL; ++u) {
-                        int c = kb + u * 32 + q * 8;
-                        uint4 lo = make_uint4(0, 0, 0, 0), hi = lo, xv = lo;
-                        if (c < cols) {
-                            u32 p_lo = base + g * stride + c * 2, p_hi = p_lo + 8 * stride;
-                            if (p_lo >= rp.ring_bytes) p_lo -= rp.ring_bytes;
-                            if (p_hi >= rp.ring_bytes) p_hi -= rp.ring_bytes;
-                            lo = *reinterpret_cast<const uint4*>(ring + p_lo);
-                            hi = *reinterpret_cast<const uint4*>(ring + p_hi);
-                            if (g == 0) xv = *reinterpret_cast<const uint4*>(xs + col0 + c);
+                    for (int trip = 0; trip < 2; ++trip) {
+                        int k0 = trip * RING_TRIP_COLS;
+                        // A trip past the piece or past K adds nothing, as in gemv_mma.
+                        if (k0 >= pc || c0 + k0 >= cols) break;
+#pragma unroll
+                        for (int u_ = 0; u_ < MMA_UNROLL; ++u_) {
+                            int c = k0 + u_ * 32 + q * 8;
+                            uint4 lo = make_uint4(0, 0, 0, 0), hi = lo, xv = lo;
+                            if (c < pc && c0 + c < cols) {
+                                u32 p_lo = base + g * row_bytes + ring_vec(c / 8, g, pc) * 16,
+                                    p_hi = p_lo + 8 * row_bytes;
+                                if (p_lo >= rp.ring_bytes) p_lo -= rp.ring_bytes;
+                                if (p_hi >= rp.ring_bytes) p_hi -= rp.ring_bytes;
+                                lo = *reinterpret_cast<const uint4*>(ring + p_lo);
+                                hi = *reinterpret_cast<const uint4*>(ring + p_hi);
+                                if (g == 0) xv = *reinterpret_cast<const uint4*>(xs + col0 + c0 + c);
+                            }
+                            u32 a0[4] = {lo.x, hi.x, lo.y, hi.y};
+                            mma_bf16(acc[u_], a0, xv.x, xv.y);
+                            u32 a1[4] = {lo.z, hi.z, lo.w, hi.w};
+                            mma_bf16(acc[u_], a1, xv.z, xv.w);
                         }
-                        u32 a0[4] = {lo.x, hi.x, lo.y, hi.y};
-                        mma_bf16(acc[u], a0, xv.x, xv.y);
-                        u32 a1[4] = {lo.z, hi.z, lo.w, hi.w};
-                        mma_bf16(acc[u], a1, xv.z, xv.w);
                     }
                 }
+                // This warp is done with the piece's bytes.
+                u32 next = t + 1 < pieces ? piece_at(j, t + 1) : piece_at(j + 1, 0);
+                __syncwarp();
+                if (lane == 0) {
+                    __threadfence_block();
+                    progress[warp] = next;
+                }
+                at = next;
             }
-            // This warp is done with the unit's bytes: its next unit is the next slice, or
-            // its next row group's first (or the next stage's region).
-            __syncwarp();
-            if (lane == 0) {
-                u32 next = s + 1 < pr.ksplit ? at + ub
-                                             : (i + RING_WARPS < pr.groups ? v + (i + RING_WARPS) * pr.ksplit * ub
-                                                                           : stage_end);
-                __threadfence_block();
-                progress[warp] = next;
-            }
+            // Token 0's sums (lanes q == 0: rows g and g + 8) for the round's reduction.
+            if (q == 0) {
+                float d0 = acc[0][0], d2 = acc[0][2];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float d = acc[0][e];
-#pragma unroll
-                for (int a_ = 1; a_ < MMA_UNROLL; ++a_) d += acc[a_][e];
-                // As gemv_mma: one slice stored as it is, several added to 0 in slice order.
-                sum[e] = pr.ksplit == 1 ? d : sum[e] + d;
+                for (int a_ = 1; a_ < MMA_UNROLL; ++a_) {
+                    d0 += acc[a_][0];
+                    d2 += acc[a_][2];
+                }
+                partial[j & 1][warp][g] = d0;
+                partial[j & 1][warp][g + 8] = d2;
             }
         }
-        if (!arith) continue;
-        // sum: rows g and g + 8 of token 2q (and 2q + 1). OUT_SILU: the (gate, up) pair of
-        // rows 2i, 2i + 1 sits in lanes l (g even) and l + 4.
-        float up[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) up[e] = __shfl_down_sync(0xffffffffu, sum[e], 4);
-        if (OUT != OUT_SILU || g % 2 == 0) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) gemv_store<OUT>(out, bias, pr.n, row0 + g + (e / 2) * 8, 2 * q + e % 2, 1, sum[e], up[e]);
+        consumer_sync<true>();
+        // The round's whole groups (ksplit divides 8), a thread per row: slices added in order
+        // to 0 as gemv_mma adds them (one slice stored as it is). OUT_SILU: the thread of each
+        // even row stores the (gate, up) pair.
+        int in_round = min(RING_WARPS, units - j * RING_WARPS);
+        if (arith && tid < in_round * 16 / ksplit && (OUT != OUT_SILU || tid % 2 == 0)) {
+            int gi = tid / 16, r = tid % 16, w0 = gi * ksplit;
+            float val = partial[j & 1][w0][r], up = OUT == OUT_SILU ? partial[j & 1][w0][r + 1] : 0.0f;
+            if (ksplit > 1) {
+                val = 0.0f;
+                up = 0.0f;
+                for (int s = 0; s < ksplit; ++s) {
+                    val += partial[j & 1][w0 + s][r];
+                    if (OUT == OUT_SILU) up += partial[j & 1][w0 + s][r + 1];
+                }
+            }
+            int group = (j * RING_WARPS) / ksplit + gi;
+            gemv_store<OUT>(out, bias, pr.n, (pr.rank + group * gridDim.x) * 16 + r, 0, 1, val, up);
         }
     }
-    // Warps without a further row group here: their next unit is in a later stage.
     if (lane == 0) progress[warp] = stage_end;
     v = stage_end;
     consumer_sync<true>();
@@ -1884,6 +2005,7 @@ __device__ __forceinline__ void decode_ring(const u64* a) {
     __shared__ __align__(8) u64 full_bar[RING_MAX_CHUNKS];
     __shared__ u32 progress[RING_WARPS];
     __shared__ float scratch[32];
+    __shared__ float partial[2][RING_WARPS][16];
     int tid = threadIdx.x;
     RingPos rp = {(u32)a[RA_RING_BYTES], (u32)a[RA_CHUNK]};
     u32 x_bytes = (u32)a[RA_X_BYTES];
@@ -1907,8 +2029,9 @@ __device__ __forceinline__ void decode_ring(const u64* a) {
     int layers = (int)a[RA_LAYERS], heads = (int)a[RA_HEADS];
     float eps = __uint_as_float((u32)a[RA_EPS]), scale = __uint_as_float((u32)a[RA_SCALE]);
     u32 blocks = gridDim.x, total = blocks * 5 * layers, stage = 0, v = 0;
+    RingCursor cur = {0, 0, 0};
     // Measurement switches (wrong results): 1 skips the grid waits, 2 the consumers' arithmetic
-    // and the attention, 4 the producer's copies (TANDEM_RING_DEBUG).
+    // and the attention, 4 the producer's copies, 8 the attention (TANDEM_RING_DEBUG).
     u64 debug = a[RA_DEBUG];
     bool nowait = debug & 1, arith = !(debug & 2);
     volatile u32* prog = progress;
@@ -1916,12 +2039,12 @@ __device__ __forceinline__ void decode_ring(const u64* a) {
     for (int l = 0; l < layers; ++l) {
         const u64* la = a + RA_LAYER0 + l * RL_WORDS;
         ring_grid_wait(sync, stage * blocks, nowait);
-        ring_consume<IN_NORM, OUT_BF16>(ring_stage(a, la, 0), x, bias(la[RL_IN_NORM]), eps, qkv, nullptr, xs, ring,
-                                        rp, full0, prog, scratch, v, arith, sync);
+        ring_consume<IN_NORM, OUT_BF16>(ring_stage(a, l, 0), x, bias(la[RL_IN_NORM]), eps, qkv, nullptr, xs, ring,
+                                        rp, full0, prog, scratch, partial, cur, v, arith, sync);
         ring_arrive(sync, total);
         ++stage;
         ring_grid_wait(sync, stage * blocks, nowait);
-        if (arith && (int)blockIdx.x < heads && tid < ATTN_WARPS * 32) {
+        if (arith && !(debug & 8) && (int)blockIdx.x < heads && tid < ATTN_WARPS * 32) {
             RopeIn rope = {qkv,
                            bias(la[RL_QKV_BIAS]),
                            bias(la[RL_Q_NORM]),
@@ -1943,18 +2066,18 @@ __device__ __forceinline__ void decode_ring(const u64* a) {
         ring_arrive(sync, total);
         ++stage;
         ring_grid_wait(sync, stage * blocks, nowait);
-        ring_consume<IN_BF16, OUT_ADD>(ring_stage(a, la, 1), attn, nullptr, eps, x, bias(la[RL_O_BIAS]), xs, ring, rp,
-                                       full0, prog, scratch, v, arith, sync);
+        ring_consume<IN_BF16, OUT_ADD>(ring_stage(a, l, 1), attn, nullptr, eps, x, bias(la[RL_O_BIAS]), xs, ring, rp,
+                                       full0, prog, scratch, partial, cur, v, arith, sync);
         ring_arrive(sync, total);
         ++stage;
         ring_grid_wait(sync, stage * blocks, nowait);
-        ring_consume<IN_NORM, OUT_SILU>(ring_stage(a, la, 2), x, bias(la[RL_POST_NORM]), eps, act,
-                                        bias(la[RL_GU_BIAS]), xs, ring, rp, full0, prog, scratch, v, arith, sync);
+        ring_consume<IN_NORM, OUT_SILU>(ring_stage(a, l, 2), x, bias(la[RL_POST_NORM]), eps, act,
+                                        bias(la[RL_GU_BIAS]), xs, ring, rp, full0, prog, scratch, partial, cur, v, arith, sync);
         ring_arrive(sync, total);
         ++stage;
         ring_grid_wait(sync, stage * blocks, nowait);
-        ring_consume<IN_BF16, OUT_ADD>(ring_stage(a, la, 3), act, nullptr, eps, x, bias(la[RL_DOWN_BIAS]), xs, ring,
-                                       rp, full0, prog, scratch, v, arith, sync);
+        ring_consume<IN_BF16, OUT_ADD>(ring_stage(a, l, 3), act, nullptr, eps, x, bias(la[RL_DOWN_BIAS]), xs, ring,
+                                       rp, full0, prog, scratch, partial, cur, v, arith, sync);
         ring_arrive(sync, total);
         ++stage;
     }

@@ -1127,8 +1127,12 @@ pub fn decode_ring_plan(dev: &CudaDevice, s: &RingStep, layers: &[RingLayer]) ->
 }
 
 /// The ring decode kernel's shared memory out of `smem` bytes: (input row / K-V stage bytes,
-/// ring bytes, chunk bytes). The ring is whole chunks (a chunk lands as one barrier phase) and
-/// must hold the largest unit with a chunk to spare. `ks`: the projections' input lengths.
+/// ring bytes, chunk bytes). The ring is whole chunks (a chunk lands as one barrier phase).
+/// Chunks are a power of two (the kernel shifts, not divides). A warp waits for bytes at most
+/// one round of pieces (8 x 16 rows x 256 columns) past what has landed (the consumers meet
+/// between rounds): the ring holds that and two chunks, so a chunk's barrier is never awaited
+/// a whole ring ahead (its phase parity would be ambiguous).
+/// `ks`: the projections' input lengths.
 fn ring_smem_layout(
     smem: usize,
     chunk: usize,
@@ -1137,14 +1141,17 @@ fn ring_smem_layout(
 ) -> Result<(usize, usize, usize), String> {
     let x_bytes = ks.iter().map(|k| k * 2).max().unwrap_or(0).max(attention_rows_smem_bytes(head_dim, 1) as usize);
     let x_bytes = x_bytes.next_multiple_of(128);
-    let chunk = chunk.next_multiple_of(1024).max(1024);
+    let chunk = chunk.next_power_of_two().max(1024);
     let ring_bytes = (smem.saturating_sub(x_bytes) / chunk).min(RING_MAX_CHUNKS) * chunk;
-    let largest = ks.iter().map(|&k| ring_unit_bytes(k)).max().unwrap_or(0);
-    if ring_bytes < largest + chunk {
-        return Err(format!("a {ring_bytes}-byte ring cannot hold a {largest}-byte unit"));
+    let round = 8 * RING_PIECE_BYTES;
+    if ring_bytes < round + 2 * chunk {
+        return Err(format!("a {ring_bytes}-byte ring cannot hold a {round}-byte round and two {chunk}-byte chunks"));
     }
     Ok((x_bytes, ring_bytes, chunk))
 }
+
+/// Bytes of a ring decode piece: 16 rows x 256 columns (RING_PIECE_COLS in kernels.cu).
+const RING_PIECE_BYTES: usize = 16 * 256 * 2;
 
 /// Chunk barriers of the ring decode kernel (RING_MAX_CHUNKS in kernels.cu).
 const RING_MAX_CHUNKS: usize = 32;
@@ -1154,11 +1161,6 @@ const RING_MAX_CHUNKS: usize = 32;
 fn mma_slices(k: usize) -> (usize, usize) {
     let ksplit = [8, 4, 2, 1].into_iter().find(|s| k / s >= 256).unwrap_or(1);
     (ksplit, k.div_ceil(32).div_ceil(ksplit) * 32)
-}
-
-/// Bytes of a ring decode unit for input length `k`: 16 rows of one K slice.
-fn ring_unit_bytes(k: usize) -> usize {
-    16 * mma_slices(k).1 * 2
 }
 
 /// Elements of an `[n, k]` weight's copy in ring order ([`ring_tile`]): whole row groups of 16
@@ -1294,17 +1296,18 @@ mod tests {
             assert_eq!(ksplit, mma_grid(132, 233_472, n, k, 1).0, "{n}x{k}: the ring must split as the plan does");
             assert!(ksplit * slice >= k && (ksplit - 1) * slice < k, "{n}x{k}: slices {ksplit} x {slice}");
             assert!(ring_tile_elems(n, k) >= n * k);
-            assert_eq!(ring_tile_elems(n, k), n.div_ceil(16) * ksplit * ring_unit_bytes(k) / 2);
+            assert_eq!(ring_tile_elems(n, k), n.div_ceil(16) * 16 * ksplit * slice);
         }
         // On an H200 (227 KiB per block, less the static reserve): the K/V stage of head size
-        // 128 is the larger first region; eleven 16 KiB chunks; the down projection's 38 KiB
-        // unit fits with room.
+        // 128 is the larger first region; eleven 16 KiB chunks.
         let smem = 232_448 - DECODE_RING_STATIC_SMEM;
         assert_eq!(ring_smem_layout(smem, 16 << 10, 128, [2560, 4096, 9728]), Ok((34_816, 11 * 16_384, 16_384)));
         let (x, ring, chunk) = ring_smem_layout(smem, 32 << 10, 128, [2560, 4096, 9728]).unwrap();
         assert!(x + ring <= smem && ring == 5 * chunk);
-        // A Qwen3-32B-sized MLP input (25 600) still fits; a unit larger than the ring does not.
+        // A Qwen3-32B-sized MLP input (25 600) still fits; 64 KiB chunks leave no room for a
+        // round of pieces and two chunks; an input row larger than shared memory does not fit.
         assert!(ring_smem_layout(smem, 16 << 10, 128, [5120, 8192, 25_600]).is_ok());
+        assert!(ring_smem_layout(smem, 64 << 10, 128, [2560, 4096, 9728]).is_err());
         assert!(ring_smem_layout(smem, 16 << 10, 128, [5120, 8192, 120_000]).is_err());
     }
 }
