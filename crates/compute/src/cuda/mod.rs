@@ -235,6 +235,13 @@ fn parse_defines(raw: &str) -> (Vec<String>, usize) {
     (defines, ignored)
 }
 
+/// Whether a compiled image defines kernel `name`: its ELF string tables hold the whole name
+/// (`gemv_norm_bf16_m1` is also the start of `gemv_norm_bf16_m1_pipe`) or its `.text.` section.
+pub fn image_defines(cubin: &[u8], name: &str) -> bool {
+    let text = format!(".text.{name}");
+    cubin.split(|&b| b == 0).any(|sym| sym == name.as_bytes() || sym == text.as_bytes())
+}
+
 /// The kernels compile as this many separate programs (KERNEL_GROUPS in kernels.cu), in
 /// parallel: a cold start on a 16-core GPU machine waits for the largest group, not for all.
 pub const KERNEL_GROUPS: usize = 8;
@@ -453,14 +460,16 @@ impl CudaDevice {
             attr(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let smem_per_sm =
             attr(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
-        let modules = Self::cubins(&arch)?
-            .into_iter()
-            .map(|cubin| ctx.load_module(Ptx::from_binary(cubin)))
-            .collect::<Result<Vec<_>, _>>()?;
+        let cubins = Self::cubins(&arch)?;
+        // Each kernel is in exactly one group's image: ask that module only (a failed lookup
+        // in the others is an API error that compute-sanitizer reports).
+        let holders: Vec<Option<usize>> =
+            KERNEL_NAMES.iter().map(|n| cubins.iter().position(|c| image_defines(c, n))).collect();
+        let modules =
+            cubins.into_iter().map(|cubin| ctx.load_module(Ptx::from_binary(cubin))).collect::<Result<Vec<_>, _>>()?;
         let mut funcs = std::collections::HashMap::new();
-        for &n in KERNEL_NAMES {
-            // Each kernel is in exactly one group's image.
-            let f = modules.iter().find_map(|m| m.load_function(n).ok()).ok_or_else(|| {
+        for (&n, holder) in KERNEL_NAMES.iter().zip(holders) {
+            let f = holder.and_then(|g| modules[g].load_function(n).ok()).ok_or_else(|| {
                 CudaError::Unavailable(format!("kernel {n} is in none of the compiled images (stale cache?)"))
             })?;
             funcs.insert(n, f);
@@ -831,5 +840,14 @@ mod tests {
         }
         assert_eq!(DeviceSpec::Cuda(1).to_string(), "cuda:1");
         assert!("tpu".parse::<DeviceSpec>().unwrap_err().contains("unknown device"));
+    }
+
+    #[test]
+    fn a_kernel_is_found_in_an_image_by_its_whole_name_only() {
+        let image = b"\x7fELF\0.shstrtab\0.text.gemv_norm_bf16_m1_pipe\0gemv_norm_bf16_m1_pipe\0\0".as_slice();
+        assert!(image_defines(image, "gemv_norm_bf16_m1_pipe"));
+        assert!(!image_defines(image, "gemv_norm_bf16_m1"), "a name's prefix is not the name");
+        assert!(image_defines(b"\0.text.sample_rows\0", "sample_rows"));
+        assert!(!image_defines(b"\0text.sample_rows\0", "sample_rows"));
     }
 }
