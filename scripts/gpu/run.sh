@@ -44,9 +44,11 @@ MODE=${1:-full}
 if [ "$MODE" = ring ]; then
   # The ring decode kernel against the five-kernel step: kernel and model tests first (they
   # fill the kernel cache and include the ring's bit-equality test), then its timing and the
-  # TANDEM_RING_DEBUG decomposition (8 no attention, 1 no grid waits, 2 no arithmetic, 3 the
-  # stream alone).
-  exec "$0" matrix "fused:X=1" "ring:TANDEM_DECODE_RING=1" "ring_noattn:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=8" \
+  # per-stage clock trace (TANDEM_RING_TRACE: critical path, grid barrier, median and slowest
+  # block per stage kind) and the TANDEM_RING_DEBUG decomposition (8 no attention, 1 no grid
+  # waits, 2 no arithmetic, 3 the stream alone).
+  exec "$0" matrix "fused:X=1" "ring:TANDEM_DECODE_RING=1" "ring_trace:TANDEM_DECODE_RING=1 TANDEM_RING_TRACE=1" \
+    "ring_noattn:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=8" \
     "ring_nowait:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=1" "ring_noarith:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=2" \
     "ring_stream:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=3" "ring200:TANDEM_DECODE_RING=1 DECODE_PROMPT=200"
 fi
@@ -67,6 +69,7 @@ if [ "$MODE" = matrix ]; then
         > "$OUT/matrix_$label.log" 2>&1 )
     note "$label: $(grep -E '^(1|64) +[0-9]' "$OUT/matrix_$label.log" | tr -s ' ' | tr '\n' '|')"
     grep -E "^ *fused|plan sweep: down" "$OUT/matrix_$label.log" | grep -v pipelined | sed "s/^/  $label /"
+    grep -o "ring trace:.*" "$OUT/matrix_$label.log" | sed "s/^/  $label /"
   done
   exit $status
 fi

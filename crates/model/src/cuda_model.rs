@@ -246,6 +246,58 @@ struct DecodeRing {
     args: DevBuf<u64>,
     smem: u32,
     _tiles: Vec<[DevBuf<u16>; 4]>,
+    /// Per-stage clock stamps (`TANDEM_RING_TRACE`; [`ops::decode_ring_trace_len`]).
+    trace: Option<DevBuf<u64>>,
+    /// Steps sampled since load, while tracing.
+    sampled: usize,
+}
+
+/// The sampled step whose ring stamps `TANDEM_RING_TRACE` logs (past warm-up).
+const RING_TRACE_AT: usize = 24;
+
+/// Where a ring decode step's time goes, from its stamps (`[block][stage][begin, end]`, ns;
+/// five stages a layer): per stage kind summed over the layers, the critical path's share (the
+/// last block's end minus the previous stage's last end), the grid barrier (the first block's
+/// begin minus the previous stage's last end), and the median and slowest block's time in the
+/// stage.
+fn ring_trace_summary(stamps: &[u64], blocks: usize, layers: usize) -> Vec<String> {
+    const KINDS: [&str; 5] = ["qkv", "attention", "o", "gate/up", "down"];
+    let stages = 5 * layers;
+    if blocks == 0 || stamps.len() < blocks * stages * 2 {
+        return vec!["ring trace: no stamps".into()];
+    }
+    let at = |b: usize, s: usize, k: usize| stamps[(b * stages + s) * 2 + k] as i64;
+    let mut sums = [[0i64; 4]; 5];
+    let first_begin = (0..blocks).map(|b| at(b, 0, 0)).min().unwrap_or(0);
+    let mut last_end = first_begin;
+    for s in 0..stages {
+        let begin = (0..blocks).map(|b| at(b, s, 0)).min().unwrap_or(0);
+        let end = (0..blocks).map(|b| at(b, s, 1)).max().unwrap_or(0);
+        let mut work: Vec<i64> = (0..blocks).map(|b| at(b, s, 1) - at(b, s, 0)).collect();
+        work.sort_unstable();
+        let sum = &mut sums[s % 5];
+        sum[0] += end - last_end;
+        sum[1] += if s == 0 { 0 } else { begin - last_end };
+        sum[2] += work[blocks / 2];
+        sum[3] += work[blocks - 1];
+        last_end = end;
+    }
+    let us = |ns: i64| ns as f64 / 1000.0;
+    let mut lines = vec![format!(
+        "ring trace: step {:.1} us over {layers} layers; per stage kind, summed over the layers: critical path / \
+         grid barrier / median block / slowest block (us)",
+        us(last_end - first_begin)
+    )];
+    for (kind, sum) in KINDS.iter().zip(sums) {
+        lines.push(format!(
+            "ring trace: {kind:>9} {:8.1} {:8.1} {:8.1} {:8.1}",
+            us(sum[0]),
+            us(sum[1]),
+            us(sum[2]),
+            us(sum[3])
+        ));
+    }
+    lines
 }
 
 /// Scratch and split of [`ops::attention_o`] (for up to `fused_tokens` tokens).
@@ -646,6 +698,10 @@ impl CudaModel {
                 down_bias: opt(&l.down.bias),
             })
             .collect();
+        let trace = match std::env::var_os("TANDEM_RING_TRACE") {
+            Some(_) => Some(self.dev.zeros::<u64>(ops::decode_ring_trace_len(&self.dev, self.layers.len()))?),
+            None => None,
+        };
         let (a, m) = (&self.act, self.meta_layout);
         let step = ops::RingStep {
             residual: a.x.ptr(),
@@ -659,11 +715,12 @@ impl CudaModel {
             sin: self.rope_sin.ptr(),
             slots: self.meta.ptr_at(m.slots),
             sync: a.tokens.ptr_at(a.tokens.len() - 2),
+            trace: trace.as_ref().map_or(0, DevBuf::ptr),
             ..Self::ring_shape(&self.cfg, self.layout.block_size)
         };
         let (words, smem) = ops::decode_ring_plan(&self.dev, &step, &ring_layers)?;
         tracing::info!(smem_kib = smem / 1024, "ring decode kernel for one-token steps");
-        Ok(DecodeRing { args: self.dev.upload(&words)?, smem, _tiles: tiles })
+        Ok(DecodeRing { args: self.dev.upload(&words)?, smem, _tiles: tiles, trace, sampled: 0 })
     }
 
     /// The model's shapes for the ring decode kernel (no buffers yet).
@@ -680,6 +737,7 @@ impl CudaModel {
             sin: 0,
             slots: 0,
             sync: 0,
+            trace: 0,
             hidden: cfg.hidden_size,
             intermediate: cfg.intermediate_size,
             num_heads: cfg.num_heads,
@@ -1189,7 +1247,25 @@ impl CudaModel {
                     .into(),
             ));
         }
+        self.log_ring_trace()?;
         Ok(tokens.into_iter().take(n).map(|t| t.clamp(0, vocab as i32 - 1) as u32).collect())
+    }
+
+    /// With `TANDEM_RING_TRACE`, logs once where the ring decode kernel's time goes, from the
+    /// stamps of the latest ring step by the [`RING_TRACE_AT`]-th sampled step (a steady one).
+    fn log_ring_trace(&mut self) -> Result<(), ModelError> {
+        let Some(ring) = self.ring.as_mut() else { return Ok(()) };
+        let Some(trace) = ring.trace.as_ref() else { return Ok(()) };
+        ring.sampled += 1;
+        if ring.sampled != RING_TRACE_AT {
+            return Ok(());
+        }
+        let stamps = self.dev.read(trace, trace.len())?;
+        let (blocks, layers) = (trace.len() / (10 * self.layers.len()), self.layers.len());
+        for line in ring_trace_summary(&stamps, blocks, layers) {
+            tracing::info!("{line}");
+        }
+        Ok(())
     }
 
     /// Device time per op of one forward over `seqs` sequences of `tokens_per_seq` tokens each,
@@ -1761,6 +1837,27 @@ fn check_run(layout: &KvLayout, first: usize, count: usize) -> Result<(), ModelE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ring_trace_summary_splits_each_stage_into_barrier_and_work() {
+        // Two blocks, one layer: block 0 begins stage s at 10 s us and works 4 us, block 1
+        // begins 0.5 us later and works 6 us.
+        let mut stamps = vec![0u64; 2 * 5 * 2];
+        for s in 0..5u64 {
+            let at = |b: usize, k: usize| (b * 5 + s as usize) * 2 + k;
+            stamps[at(0, 0)] = 10_000 * s;
+            stamps[at(0, 1)] = 10_000 * s + 4_000;
+            stamps[at(1, 0)] = 10_000 * s + 500;
+            stamps[at(1, 1)] = 10_000 * s + 6_500;
+        }
+        let lines = ring_trace_summary(&stamps, 2, 1);
+        assert!(lines[0].contains("step 46.5 us over 1 layers"), "{}", lines[0]);
+        let cols = |l: &str| l.split_whitespace().skip(3).map(|v| v.parse::<f64>().unwrap()).collect::<Vec<_>>();
+        assert_eq!(cols(&lines[1]), [6.5, 0.0, 6.0, 6.0], "qkv: {}", lines[1]);
+        assert_eq!(cols(&lines[2]), [10.0, 3.5, 6.0, 6.0], "attention: {}", lines[2]);
+        assert_eq!(lines.len(), 6);
+        assert_eq!(ring_trace_summary(&stamps[..10], 2, 1), ["ring trace: no stamps"]);
+    }
 
     fn limits(flash: bool) -> MetaLimits {
         MetaLimits { block_size: 4, max_positions: 1000, table_width: 64, flash }

@@ -1585,6 +1585,7 @@ GEMV_MMA_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
 #define RA_X_BYTES 26
 #define RA_DEBUG 27
 #define RA_CHUNK 28
+#define RA_TRACE 29
 #define RA_LAYER0 32
 // Per layer: the four projections in ring order (ring_tile), then norms and biases.
 #define RL_QKV 0
@@ -2036,14 +2037,24 @@ __device__ __forceinline__ void decode_ring(const u64* a) {
     bool nowait = debug & 1, arith = !(debug & 2);
     volatile u32* prog = progress;
     auto bias = [](u64 p) { return reinterpret_cast<const bf16*>(p); };
+    // Optional per-stage clock stamps (RA_TRACE, `TANDEM_RING_TRACE`): [block][stage][2], the
+    // global time when the block began the stage (its grid wait over) and when it arrived at
+    // the end of it.
+    u64* trace = reinterpret_cast<u64*>(a[RA_TRACE]);
+    auto stamp = [&](int k) {
+        if (trace && tid == 0) trace[((u64)blockIdx.x * (5 * layers) + stage) * 2 + k] = global_ns();
+    };
     for (int l = 0; l < layers; ++l) {
         const u64* la = a + RA_LAYER0 + l * RL_WORDS;
         ring_grid_wait(sync, stage * blocks, nowait);
+        stamp(0);
         ring_consume<IN_NORM, OUT_BF16>(ring_stage(a, l, 0), x, bias(la[RL_IN_NORM]), eps, qkv, nullptr, xs, ring,
                                         rp, full0, prog, scratch, partial, cur, v, arith, sync);
+        stamp(1);
         ring_arrive(sync, total);
         ++stage;
         ring_grid_wait(sync, stage * blocks, nowait);
+        stamp(0);
         if (arith && !(debug & 8) && (int)blockIdx.x < heads && tid < ATTN_WARPS * 32) {
             RopeIn rope = {qkv,
                            bias(la[RL_QKV_BIAS]),
@@ -2063,21 +2074,28 @@ __device__ __forceinline__ void decode_ring(const u64* a) {
                                        blockIdx.x);
         }
         consumer_sync<true>();
+        stamp(1);
         ring_arrive(sync, total);
         ++stage;
         ring_grid_wait(sync, stage * blocks, nowait);
+        stamp(0);
         ring_consume<IN_BF16, OUT_ADD>(ring_stage(a, l, 1), attn, nullptr, eps, x, bias(la[RL_O_BIAS]), xs, ring, rp,
                                        full0, prog, scratch, partial, cur, v, arith, sync);
+        stamp(1);
         ring_arrive(sync, total);
         ++stage;
         ring_grid_wait(sync, stage * blocks, nowait);
+        stamp(0);
         ring_consume<IN_NORM, OUT_SILU>(ring_stage(a, l, 2), x, bias(la[RL_POST_NORM]), eps, act,
                                         bias(la[RL_GU_BIAS]), xs, ring, rp, full0, prog, scratch, partial, cur, v, arith, sync);
+        stamp(1);
         ring_arrive(sync, total);
         ++stage;
         ring_grid_wait(sync, stage * blocks, nowait);
+        stamp(0);
         ring_consume<IN_BF16, OUT_ADD>(ring_stage(a, l, 3), act, nullptr, eps, x, bias(la[RL_DOWN_BIAS]), xs, ring,
                                        rp, full0, prog, scratch, partial, cur, v, arith, sync);
+        stamp(1);
         ring_arrive(sync, total);
         ++stage;
     }

@@ -1030,6 +1030,8 @@ pub struct RingStep {
     pub slots: u64,
     /// Two u32 the kernel synchronises on, zero before the first launch (and left so).
     pub sync: u64,
+    /// 0, or [`decode_ring_trace_len`] u64 the kernel fills with per-stage clock stamps.
+    pub trace: u64,
     /// Hidden size.
     pub hidden: usize,
     /// MLP intermediate size.
@@ -1104,6 +1106,7 @@ pub fn decode_ring_plan(dev: &CudaDevice, s: &RingStep, layers: &[RingLayer]) ->
         // Measurement switches that leave parts out (wrong results; see decode_ring in kernels.cu).
         std::env::var("TANDEM_RING_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
         chunk as u64,
+        s.trace,
     ];
     words[..head.len()].copy_from_slice(&head);
     for (l, w) in layers.iter().enumerate() {
@@ -1124,6 +1127,13 @@ pub fn decode_ring_plan(dev: &CudaDevice, s: &RingStep, layers: &[RingLayer]) ->
         ]);
     }
     Ok((words, (x_bytes + ring_bytes) as u32))
+}
+
+/// u64 stamps the ring decode kernel writes when tracing ([`RingStep::trace`]): per block and
+/// stage (five a layer: qkv, attention, o, gate/up, down), the global time in ns when the block
+/// began the stage (its grid wait over) and when it finished it.
+pub fn decode_ring_trace_len(dev: &CudaDevice, layers: usize) -> usize {
+    dev.sm_count() as usize * 5 * layers * 2
 }
 
 /// The ring decode kernel's shared memory out of `smem` bytes: (input row / K-V stage bytes,
