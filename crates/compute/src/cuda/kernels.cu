@@ -1586,6 +1586,7 @@ GEMV_MMA_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
 #define RA_DEBUG 27
 #define RA_CHUNK 28
 #define RA_TRACE 29
+#define RA_PREFETCH 30
 #define RA_LAYER0 32
 // Per layer: the four projections in ring order (ring_tile), then norms and biases.
 #define RL_QKV 0
@@ -1778,6 +1779,30 @@ __device__ __forceinline__ void ring_producer(const u64* a, u32 ring, u32 ring_b
     // `least` caches the least warp position last read (positions only grow).
     u32 v = 0, i = 0, slot = 0, in_chunk = 0, least = 0;
     bool failed = false;
+    // With RA_PREFETCH bytes (TANDEM_RING_PREFETCH, measurement), a full ring asks L2 for the
+    // stream up to that far past v, so DRAM keeps streaming through grid waits and attention and
+    // the ring refills from L2. pf: the stream position prefetched to, at (pl, pp, po).
+    u32 ahead = (u32)a[RA_PREFETCH], pf = 0, po = 0;
+    int pl = 0, pp = 0;
+    auto prefetch_to = [&](u32 target) {
+        while (pf < target && pl < layers) {
+            RingProj pr = ring_stage(a, pl, pp);
+            u32 len = pr.groups * pr.ksplit * pr.unit_bytes, n = min(min(len - po, target - pf), chunk);
+            // Bytes before v are in the ring already: skip them.
+            if (n > 0 && pf >= v)
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(pr.region + po), "r"(n) : "memory");
+            if (pf < v) n = min(n, v - pf);
+            pf += n;
+            po += n;
+            if (po == len) {
+                po = 0;
+                if (++pp == 4) {
+                    pp = 0;
+                    ++pl;
+                }
+            }
+        }
+    };
     for (int l = 0; l < layers && !failed; ++l) {
         for (int p = 0; p < 4 && !failed; ++p) {
             RingProj pr = ring_stage(a, l, p);
@@ -1788,6 +1813,7 @@ __device__ __forceinline__ void ring_producer(const u64* a, u32 ring, u32 ring_b
                         // Chunk i overwrites chunk i - chunks: wait until every warp is past it.
                         u32 need = (i - chunks + 1) * chunk;
                         if (least < need) {
+                            if (ahead) prefetch_to(v + ahead);
                             u64 t0 = global_ns();
                             for (u32 tries = 0;; ++tries) {
                                 least = 0xffffffffu;

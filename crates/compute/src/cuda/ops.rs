@@ -1107,6 +1107,11 @@ pub fn decode_ring_plan(dev: &CudaDevice, s: &RingStep, layers: &[RingLayer]) ->
         std::env::var("TANDEM_RING_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
         chunk as u64,
         s.trace,
+        // Measurement: bytes of the stream a full ring asks L2 for past its end (0: none).
+        std::env::var("TANDEM_RING_PREFETCH")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |bytes| bytes.next_multiple_of(1024)),
     ];
     words[..head.len()].copy_from_slice(&head);
     for (l, w) in layers.iter().enumerate() {
