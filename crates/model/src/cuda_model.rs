@@ -698,10 +698,9 @@ impl CudaModel {
                 down_bias: opt(&l.down.bias),
             })
             .collect();
-        let trace = match std::env::var_os("TANDEM_RING_TRACE") {
-            Some(_) => Some(self.dev.zeros::<u64>(ops::decode_ring_trace_len(&self.dev, self.layers.len()))?),
-            None => None,
-        };
+        let trace = std::env::var_os("TANDEM_RING_TRACE")
+            .map(|_| self.dev.zeros::<u64>(ops::decode_ring_trace_len(&self.dev, self.layers.len())))
+            .transpose()?;
         let (a, m) = (&self.act, self.meta_layout);
         let step = ops::RingStep {
             residual: a.x.ptr(),
@@ -1261,8 +1260,7 @@ impl CudaModel {
             return Ok(());
         }
         let stamps = self.dev.read(trace, trace.len())?;
-        let (blocks, layers) = (trace.len() / (10 * self.layers.len()), self.layers.len());
-        for line in ring_trace_summary(&stamps, blocks, layers) {
+        for line in ring_trace_summary(&stamps, self.dev.sm_count() as usize, self.layers.len()) {
             tracing::info!("{line}");
         }
         Ok(())

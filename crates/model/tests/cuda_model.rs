@@ -106,6 +106,12 @@ fn logits_agree_with_the_cpu_backend_qwen3_head_dim_128() {
     compare_with_cpu("qwen3-0.6b", 150, 90, 3e-2);
 }
 
+/// Options for comparing two builds of a small model: 32 cache blocks of 16 tokens, steps of
+/// up to 256 tokens and 8 sequences.
+fn small_cache() -> CudaOptions {
+    CudaOptions { block_size: 16, max_tokens: 256, max_seqs: 8, num_blocks: Some(32), ..CudaOptions::default() }
+}
+
 /// Decode steps through the fused decode projections (hand-written GEMV with the norm, SiLU
 /// and residual add folded in) against the cuBLAS path with separate kernels, on the same
 /// weights and cache contents: three sequences of different lengths decoding together
@@ -118,14 +124,7 @@ fn fused_decode_agrees_with_the_cublas_path() {
     for preset in ["tiny-qwen3", "tiny-qwen2", "qwen3-0.6b"] {
         let source = ModelSource::parse(&format!("preset:{preset}"), 3).unwrap();
         let spec = ModelSpec::load(&source, Some(1024)).unwrap();
-        let opts = |fused_decode| CudaOptions {
-            block_size: 16,
-            max_tokens: 256,
-            max_seqs: 8,
-            num_blocks: Some(32),
-            fused_decode,
-            ..CudaOptions::default()
-        };
+        let opts = |fused_decode| CudaOptions { fused_decode, ..small_cache() };
         let mut fused = CudaModel::load(&spec, &opts(true)).unwrap();
         let mut plain = CudaModel::load(&spec, &opts(false)).unwrap();
         let vocab = spec.config.vocab_size as u32;
@@ -349,15 +348,7 @@ fn ring_decode_equals_the_tensor_core_step_bit_for_bit() {
     for preset in ["tiny-qwen3", "tiny-qwen2", "smollm2-135m", "qwen3-0.6b", "qwen3-4b"] {
         let source = ModelSource::parse(&format!("preset:{preset}"), 3).unwrap();
         let spec = ModelSpec::load(&source, Some(1024)).unwrap();
-        let opts = |decode_ring| CudaOptions {
-            block_size: 16,
-            max_tokens: 256,
-            max_seqs: 8,
-            num_blocks: Some(32),
-            decode_ring,
-            tensor_core_projections: true,
-            ..CudaOptions::default()
-        };
+        let opts = |decode_ring| CudaOptions { decode_ring, tensor_core_projections: true, ..small_cache() };
         let mut ring = CudaModel::load(&spec, &opts(true)).unwrap();
         if !ring.decode_ring_active() {
             eprintln!("skipping {preset}: the ring decode kernel is not available on this GPU");
