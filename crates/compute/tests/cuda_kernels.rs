@@ -521,8 +521,10 @@ fn check_gemv(
     // shuffled row list by the norm.
     let most = ops::GEMV_MAX_TOKENS;
     let res_rows = most + 3;
-    // The residual stream holds bf16 values.
-    let residual: Vec<f32> = (0..res_rows * k).map(|_| f32_of(bf16(rng.uniform() * 4.0))).collect();
+    // The residual stream holds bf16 values: rows of K for the norm to read, of N for the
+    // residual add to write.
+    let res_width = if mode == GemvMode::Bf16ToResidual { n } else { k };
+    let residual: Vec<f32> = (0..res_rows * res_width).map(|_| f32_of(bf16(rng.uniform() * 4.0))).collect();
     let rows: Vec<i32> = (0..most).map(|m| ((m * 5 + 2) % res_rows) as i32).collect();
     let norm_w: Vec<u16> = (0..k).map(|_| bf16(1.0 + rng.uniform() * 0.5)).collect();
     let xb: Vec<u16> = (0..most * k).map(|_| bf16(rng.uniform())).collect();
@@ -588,9 +590,8 @@ fn check_gemv(
             out.chunks(half).take(tokens).map(|r| r.iter().map(|b| f32_of(*b) as f64).collect()).collect()
         }
         GemvMode::Bf16ToResidual => {
-            assert_eq!(k, n, "the residual add needs a square projection in this test");
-            let out = dev.read(&d_res, res_rows * k).unwrap();
-            assert_eq!(&out[tokens * k..], &residual[tokens * k..], "{mode:?}: changed residual rows past {tokens}");
+            let out = dev.read(&d_res, res_rows * n).unwrap();
+            assert_eq!(&out[tokens * n..], &residual[tokens * n..], "{mode:?}: changed residual rows past {tokens}");
             out.chunks(n).take(tokens).map(|r| r.iter().map(|v| *v as f64).collect()).collect()
         }
     };
@@ -692,6 +693,37 @@ fn decode_projection_kernels_match_the_reference() {
         }
     }
     eprintln!("{n_checked} decode projection shapes checked");
+}
+
+/// The bulk build (weights bulk-copied into shared memory before the programmatic-launch wait,
+/// tensor cores) against the reference, on shapes with K a multiple of 256: N not a multiple of
+/// its 8 rows per block, one block, Qwen3-4B's o projection (2560 x 4096); row 0's result the
+/// same whatever the token count. Shapes it does not take are refused, not run.
+#[test]
+fn bulk_decode_projection_matches_the_reference() {
+    let Some(dev) = device() else { return };
+    if !dev.pdl_capable() {
+        eprintln!("bulk decode projection needs Hopper or later; skipped");
+        return;
+    }
+    let plan = |n, k, t| ops::gemv_plan(&dev, n, k, t, GemvBuild::Bulk);
+    let mut n_checked = 0;
+    for &(n, k) in &[(8, 256), (37, 512), (1001, 2048), (2560, 4096)] {
+        assert!(ops::gemv_bulk_supported(&dev, k, 8), "n {n} k {k}");
+        for tokens in [1, 2, 3, 5, 8] {
+            let first =
+                check_gemv(&dev, GemvMode::Bf16ToResidual, plan(n, k, tokens), n, k, tokens, &mut Lcg(7 + n as u64));
+            let alone = check_gemv(&dev, GemvMode::Bf16ToResidual, plan(n, k, 1), n, k, 1, &mut Lcg(7 + n as u64));
+            assert_eq!(first[0], alone[0], "bulk n {n} k {k}: row 0 changed with {tokens} rows");
+            n_checked += 1;
+        }
+    }
+    for k in [200, 384] {
+        assert!(!ops::gemv_bulk_supported(&dev, k, 1));
+        let g = Gemv { weight: 0, n: 8, k, input: GemvInput::Bf16(0), output: GemvOutput::AddTo(0), bias: 0 };
+        assert!(g.launch_with(&dev, 1, plan(8, k, 1)).is_err(), "k {k} must be refused");
+    }
+    eprintln!("{n_checked} bulk decode projection shapes checked");
 }
 
 #[test]

@@ -66,6 +66,11 @@ pub struct CudaOptions {
     /// Run the fused decode projections on tensor cores ([`ops::GemvBuild::Mma`]) instead of
     /// the FMA build. `TANDEM_GEMV_MMA=1` turns it on.
     pub tensor_core_projections: bool,
+    /// Run the fused decode steps' o projection in the bulk build ([`ops::GemvBuild::Bulk`]):
+    /// its weights stream into shared memory while the decode attention runs (Hopper or later,
+    /// o's input a multiple of 256 wide; otherwise, and with tensor-core projections, the
+    /// model's build). `TANDEM_BULK_O=1` (or `0`) overrides it.
+    pub bulk_o_projection: bool,
 }
 
 impl Default for CudaOptions {
@@ -83,6 +88,7 @@ impl Default for CudaOptions {
             attention_o: false,
             decode_ring: false,
             tensor_core_projections: false,
+            bulk_o_projection: true,
         }
     }
 }
@@ -232,6 +238,8 @@ pub struct CudaModel {
     ring: Option<DecodeRing>,
     /// The fused decode projections' build.
     gemv_build: GemvBuild,
+    /// The o projection's build in fused decode steps (see [`CudaOptions::bulk_o_projection`]).
+    o_build: GemvBuild,
     /// Measurement only: decode-step kernels left out or run twice.
     variant: StepVariant,
     weight_bytes: usize,
@@ -636,6 +644,16 @@ impl CudaModel {
         };
         let tensor_cores = ring_tiles.is_some() || env_switch("TANDEM_GEMV_MMA", opts.tensor_core_projections);
         let gemv_build = if tensor_cores { GemvBuild::Mma } else { GemvBuild::Plain };
+        // The same build for every token count, so a sequence's o sums do not depend on its batch.
+        let o_in = layers.first().map_or(0, |l| l.o.in_dim);
+        let o_build = if gemv_build == GemvBuild::Plain
+            && env_switch("TANDEM_BULK_O", opts.bulk_o_projection)
+            && ops::gemv_bulk_supported(&dev, o_in, fused_tokens)
+        {
+            GemvBuild::Bulk
+        } else {
+            gemv_build
+        };
         let mut model = Self {
             dev,
             cfg,
@@ -663,6 +681,7 @@ impl CudaModel {
             attention_o,
             ring: None,
             gemv_build,
+            o_build,
             variant: StepVariant::from_env(),
             weight_bytes,
             fingerprint,
@@ -1111,10 +1130,11 @@ impl CudaModel {
                 }
             }
             // With attention_o the o projection ran in the attention launch.
-            let o = attention_o.is_none().then_some(("o", o));
-            for (name, p) in o.into_iter().chain([("gate_up", gate_up), ("down", down)]) {
+            let o = attention_o.is_none().then_some(("o", o, self.o_build));
+            let rest = [("gate_up", gate_up, self.gemv_build), ("down", down, self.gemv_build)];
+            for (name, p, build) in o.into_iter().chain(rest) {
                 for _ in 0..v.runs(name) {
-                    self.project(&p, t)?;
+                    self.project_in(&p, t, build)?;
                 }
             }
         }
@@ -1129,7 +1149,12 @@ impl CudaModel {
 
     /// Runs a fused decode projection for `t` tokens in the model's build.
     fn project(&self, g: &Gemv, t: usize) -> Result<(), ModelError> {
-        g.launch_with(&self.dev, t, ops::gemv_plan(&self.dev, g.n, g.k, t, self.gemv_build))?;
+        self.project_in(g, t, self.gemv_build)
+    }
+
+    /// Runs a fused decode projection for `t` tokens in `build`.
+    fn project_in(&self, g: &Gemv, t: usize, build: GemvBuild) -> Result<(), ModelError> {
+        g.launch_with(&self.dev, t, ops::gemv_plan(&self.dev, g.n, g.k, t, build))?;
         Ok(())
     }
 

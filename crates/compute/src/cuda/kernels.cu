@@ -86,6 +86,26 @@ __device__ __forceinline__ float warp_max(float v) {
         PDL_LAUNCH_DEPENDENTS(); \
     } while (0)
 
+// TANDEM_PDL_TRACE (a measurement build, TANDEM_KERNEL_DEFINES): thread 0 of every block of the
+// PDL_TRACE_AT-th launch of the bulk decode projection prints global clock stamps (entry, the
+// programmatic wait over, i.e. the attention before it done, weights landed, exit), to see
+// whether the blocks are resident and copying while the attention runs and what is left after
+// it (scripts/gpu/pdl_trace.py summarises them).
+#ifdef TANDEM_PDL_TRACE
+#define PDL_TRACE_AT 1000
+__device__ unsigned pdl_trace_launches;
+__device__ __forceinline__ int trace_smid() {
+    int id;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
+    return id;
+}
+__device__ __forceinline__ u64 trace_now() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
+}
+#endif
+
 // Threads of the ring decode kernel that do the arithmetic (its last warp copies weights).
 #define RING_CONSUMERS 256
 
@@ -770,7 +790,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
                                                const int* token_list, int num_heads, int num_kv_heads, int layer,
                                                int num_layers, int block_size, float scale, RopeIn rope, float* part,
                                                int split_keys, bool one_stage = false, float* out_s = nullptr,
-                                               int head_block = -1) {
+                                               int head_block = -1, bool wait_after_first_keys = false) {
     constexpr int HD = 32 * E, STRIDE = ATTN_STRIDE(HD);
     // The block's (listed token, head group, key split): its launch coordinates, or with
     // `head_block` (the ring kernel, one token) listed token 0 and that head group.
@@ -823,6 +843,10 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         asm volatile("cp.async.commit_group;\n" ::);
     };
     stage(k0, 0);
+    // Launched with programmatic dependent launch (fused steps): the cached keys (earlier steps'
+    // and the metadata the host wrote) are on their way while the qkv projection finishes; only
+    // what follows reads its output.
+    if (wait_after_first_keys) PDL_ENTER();
     if (fused) {
         // Warp w < G: query head h0 + w; then the key head and the value head.
         int slot = rope.slots[t];
@@ -988,10 +1012,12 @@ extern "C" __global__ void attention_combine(const float* part, bf16* out, const
         const int* meta_stride, const int* token_list, int num_heads, int num_kv_heads, int layer, int num_layers, \
         int block_size, float scale, const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, \
         const float* cos_t, const float* sin_t, const int* slots, float eps, float* part, int split_keys) {       \
-        PDL_ENTER();                                                                                             \
+        /* Fused steps wait on the previous kernel inside, after the first cached keys. */                      \
+        if (!qkv) PDL_ENTER();                                                                                   \
         RopeIn rope = {qkv, qkv_bias, q_norm, k_norm, cos_t, sin_t, slots, eps};                                 \
         attention_rows<G, E>(q, cache, out, positions, tok_seq, block_tables, meta_stride, token_list, num_heads, \
-                             num_kv_heads, layer, num_layers, block_size, scale, rope, part, split_keys);        \
+                             num_kv_heads, layer, num_layers, block_size, scale, rope, part, split_keys, false,  \
+                             nullptr, -1, qkv != nullptr);                                                       \
     }
 #define ATTENTION_ROWS_ALL_E(G)                                                                                \
     ATTENTION_ROWS(G, 1) ATTENTION_ROWS(G, 2) ATTENTION_ROWS(G, 3) ATTENTION_ROWS(G, 4) ATTENTION_ROWS(G, 5) \
@@ -1517,6 +1543,150 @@ GEMV_MMA_ALL_M(gemv_norm_bf16, IN_NORM, OUT_BF16)
 GEMV_MMA_ALL_M(gemv_norm_f32, IN_NORM, OUT_F32)
 GEMV_MMA_ALL_M(gemv_norm_silu, IN_NORM, OUT_SILU)
 GEMV_MMA_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Decode projection, bulk build (bf16 input -> residual add: the o projection). Each block's
+// BULK_ROWS weight rows are copied whole into shared memory (cp.async.bulk, one per row) as the
+// block starts, *before* it waits on the previous kernel: launched with programmatic dependent
+// launch after the decode attention (which lets dependents launch as it enters), the blocks are
+// resident and their weights streaming while the attention runs, when the memory would
+// otherwise idle; once the attention is done only the multiply and the residual add are left.
+// Tensor cores: the weight rows are mma's B operand (n = 8 rows), up to 8 tokens its A
+// operand; warp w sums K slice w (K / 8 columns) into four accumulators taken in turn by k16
+// step, added in order, and the block adds the warps' slices in warp order. A token's sums do
+// not depend on the other tokens. K % 256 == 0. Dynamic shared memory: (BULK_ROWS + tokens)
+// rows of 2K + 16 bytes (the 16 put consecutive rows in distinct banks).
+#define BULK_ROWS 8
+#if KERNEL_GROUP(2)
+extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, int N, int K, const bf16* in,
+                                                                float* out, const bf16* bias, int mcount,
+                                                                int early_rows) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char bulk_smem[];
+    __shared__ __align__(8) u64 bar;
+    __shared__ float partial[8][8][BULK_ROWS];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+    u32 stride = (u32)K * 2 + 16;
+    unsigned char* ws = bulk_smem;
+    unsigned char* xs = bulk_smem + BULK_ROWS * stride;
+    int row0 = blockIdx.x * BULK_ROWS, rows = min(BULK_ROWS, N - row0);
+    u32 bar_s = (u32)__cvta_generic_to_shared(&bar);
+#ifdef TANDEM_PDL_TRACE
+    // Block 0 counts launches as it exits: a block entering after that reads the next count.
+    bool traced = tid == 0 && *(volatile unsigned*)&pdl_trace_launches == PDL_TRACE_AT;
+    u64 t_entry = traced ? trace_now() : 0, t_wait = 0, t_landed = 0;
+#endif
+    if (tid == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar_s) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        // The phase completes when all of the block's rows have landed, whenever each was issued.
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar_s), "r"(rows * K * 2)
+                     : "memory");
+    }
+    // Weights are never written: no need to wait on the previous kernel for them. The first
+    // `early_rows` rows go before the wait, the rest after it: a stream at full rate under the
+    // attention slows the attention's own round trips to memory.
+    auto copy_rows = [&](int from, int to) {
+        if (tid != 0) return;
+#ifdef TANDEM_STREAM_EVICT_FIRST
+        u64 policy;
+        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+        for (int r = from; r < to; ++r) {
+            u32 dst = (u32)__cvta_generic_to_shared(ws + r * stride);
+            const bf16* src = W + (u64)(row0 + r) * K;
+#ifdef TANDEM_STREAM_EVICT_FIRST
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+                "%4;\n" ::"r"(dst),
+                "l"(src), "r"(K * 2), "r"(bar_s), "l"(policy)
+                : "memory");
+#else
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                "l"(src), "r"(K * 2), "r"(bar_s)
+                : "memory");
+#endif
+        }
+    };
+    int early = min(max(early_rows, 0), rows);
+    copy_rows(0, early);
+    PDL_ENTER();
+    copy_rows(early, rows);
+#ifdef TANDEM_PDL_TRACE
+    if (traced) t_wait = trace_now();
+#endif
+    for (int i = tid * 8; i < mcount * K; i += 256 * 8)
+        *reinterpret_cast<uint4*>(xs + (i / K) * stride + (i % K) * 2) = ld_nc16(in + i);
+    __syncthreads();
+    // The copies always complete (valid addresses, sizes within the row); the wait is bounded
+    // anyway: past a second something is broken, and the launch fails instead of hanging.
+    u64 t0 = 0;
+    for (u32 tries = 0;; ++tries) {
+        u32 done;
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar_s)
+                     : "memory");
+        if (done) break;
+        u64 now;
+        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
+        if (tries == 0) t0 = now;
+        else if (now - t0 > 1000000000ull) __trap();
+    }
+#ifdef TANDEM_PDL_TRACE
+    if (traced) t_landed = trace_now();
+#endif
+    int slice = K / 8, k0 = warp * slice;
+    float acc[4][4];
+#pragma unroll
+    for (int a_ = 0; a_ < 4; ++a_)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[a_][e] = 0.0f;
+    // ldmatrix.x4: lanes 8j..8j+7 address rows 0-7 of the 8 columns at +8j (two k16 steps).
+    const unsigned char* wrow = ws + (lane & 7) * stride + (lane >> 3) * 16;
+    const unsigned char* xrow = xs + g * stride + q * 4;
+    bool has_token = g < mcount;
+    // 64 columns a trip: k16 step s of the slice into acc[s % 4].
+    for (int kk = k0; kk < k0 + slice; kk += 64) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int kh = kk + half * 32;
+            if (kh >= k0 + slice) break;
+            u32 b[4];
+            ldmatrix_x4(b, reinterpret_cast<const bf16*>(wrow + kh * 2));
+            u32 a0[4] = {0, 0, 0, 0}, a1[4] = {0, 0, 0, 0};
+            if (has_token) {
+                const unsigned char* xp = xrow + kh * 2;
+                a0[0] = *reinterpret_cast<const u32*>(xp);
+                a0[2] = *reinterpret_cast<const u32*>(xp + 16);
+                a1[0] = *reinterpret_cast<const u32*>(xp + 32);
+                a1[2] = *reinterpret_cast<const u32*>(xp + 48);
+            }
+            mma_bf16(acc[2 * half], a0, b[0], b[1]);
+            mma_bf16(acc[2 * half + 1], a1, b[2], b[3]);
+        }
+    }
+    // Lane (g, q) holds token g's sums of rows 2q and 2q + 1.
+    partial[warp][g][2 * q] = ((acc[0][0] + acc[1][0]) + acc[2][0]) + acc[3][0];
+    partial[warp][g][2 * q + 1] = ((acc[0][1] + acc[1][1]) + acc[2][1]) + acc[3][1];
+    __syncthreads();
+    if (tid < mcount * BULK_ROWS) {
+        int m = tid / BULK_ROWS, r = tid % BULK_ROWS;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) v += partial[w][m][r];
+        if (r < rows) gemv_store<OUT_ADD>(out, bias, N, row0 + r, m, mcount, v);
+    }
+#ifdef TANDEM_PDL_TRACE
+    if (traced)
+        printf("pdl_trace bulk %d %llu %llu %llu %llu %d\n", blockIdx.x, t_entry, t_wait, t_landed, trace_now(),
+               trace_smid());
+    if (blockIdx.x == 0 && tid == 0) atomicAdd(&pdl_trace_launches, 1u);
+#endif
+#endif
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------

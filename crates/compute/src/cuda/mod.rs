@@ -69,6 +69,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_bf16_add_m2_mma",
     "gemv_bf16_add_m4_mma",
     "gemv_bf16_add_m8_mma",
+    "gemv_bulk_add",
     "gemv_norm_bf16_m1_mma",
     "gemv_norm_bf16_m2_mma",
     "gemv_norm_bf16_m4_mma",
@@ -410,6 +411,8 @@ pub struct CudaDevice {
     attention_o_smem: usize,
     /// Dynamic shared memory a tensor-core decode-projection block may use.
     gemv_mma_smem: usize,
+    /// Dynamic shared memory a bulk-build decode-projection block may use.
+    gemv_bulk_smem: usize,
     /// Dynamic shared memory a ring decode block may use.
     decode_ring_smem: usize,
     /// Shared memory per multiprocessor.
@@ -505,8 +508,19 @@ impl CudaDevice {
         // tensor-core build's partial sums take more static shared memory.
         let gemv_smem = smem_block_optin.saturating_sub(ops::GEMV_STATIC_SMEM);
         let gemv_mma_smem = smem_block_optin.saturating_sub(ops::GEMV_MMA_STATIC_SMEM);
+        // The bulk build keeps its block's weight rows there too (what its static shared
+        // memory leaves, as the compiler laid it out).
+        let bulk_static = funcs["gemv_bulk_add"].shared_size_bytes()?.max(0) as usize;
+        let gemv_bulk_smem = smem_block_optin.saturating_sub(bulk_static);
         for name in named("gemv_") {
-            allow_smem(name, if name.ends_with("_mma") { gemv_mma_smem } else { gemv_smem })?;
+            let limit = if name.ends_with("_mma") {
+                gemv_mma_smem
+            } else if name.starts_with("gemv_bulk") {
+                gemv_bulk_smem
+            } else {
+                gemv_smem
+            };
+            allow_smem(name, limit)?;
         }
         Ok(Self {
             ctx,
@@ -522,6 +536,7 @@ impl CudaDevice {
             attention_o_smem,
             decode_ring_smem,
             gemv_mma_smem,
+            gemv_bulk_smem,
             smem_per_sm,
             // Experimental until measured on a GPU: `TANDEM_CUDA_PDL=1` turns it on (Hopper and later).
             programmatic_launch: major >= 9 && std::env::var("TANDEM_CUDA_PDL").is_ok_and(|v| v == "1"),
@@ -599,6 +614,11 @@ impl CudaDevice {
     /// Dynamic shared memory one block of the tensor-core decode projection may use.
     pub(crate) fn gemv_mma_smem(&self) -> usize {
         self.gemv_mma_smem
+    }
+
+    /// Dynamic shared memory one block of the bulk-build decode projection may use.
+    pub(crate) fn gemv_bulk_smem(&self) -> usize {
+        self.gemv_bulk_smem
     }
 
     /// Dynamic shared memory one block of the ring decode kernel may use.

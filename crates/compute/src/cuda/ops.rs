@@ -247,6 +247,39 @@ pub const GEMV_STATIC_SMEM: usize = 32 * 4 + 8 * 2 * GEMV_MAX_TOKENS * 4;
 /// 16-row partials).
 pub const GEMV_MMA_STATIC_SMEM: usize = 32 * 4 + 8 * 16 * GEMV_MAX_TOKENS * 4;
 
+/// Weight rows per block of the bulk-build decode projection.
+pub const GEMV_BULK_ROWS: usize = 8;
+
+/// Dynamic shared memory of a bulk-build decode projection block: its weight rows and the
+/// input rows, each `2k + 16` bytes.
+pub fn gemv_bulk_smem_bytes(k: usize, tokens: usize) -> usize {
+    (GEMV_BULK_ROWS + tokens) * (2 * k + 16)
+}
+
+/// Whether the bulk build ([`GemvBuild::Bulk`]) takes a bf16 -> residual-add projection of `k`
+/// columns for up to `tokens` tokens on this device: Hopper or later (bulk copies and
+/// programmatic dependent launch), `k % 256 == 0`, the block's rows in shared memory.
+pub fn gemv_bulk_supported(dev: &CudaDevice, k: usize, tokens: usize) -> bool {
+    dev.pdl_capable()
+        && k > 0
+        && k.is_multiple_of(256)
+        && (1..=GEMV_MAX_TOKENS).contains(&tokens)
+        && gemv_bulk_smem_bytes(k, tokens) <= dev.gemv_bulk_smem()
+}
+
+/// Weight rows of each bulk-build block copied before its programmatic wait (the rest after):
+/// `TANDEM_BULK_EARLY` (0 to [`GEMV_BULK_ROWS`]), for measurement; all of them by default.
+fn bulk_early_rows() -> usize {
+    static EARLY: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *EARLY.get_or_init(|| {
+        std::env::var("TANDEM_BULK_EARLY")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(GEMV_BULK_ROWS)
+            .min(GEMV_BULK_ROWS)
+    })
+}
+
 /// Most tokens the decode-projection kernels take in one launch.
 pub const GEMV_MAX_TOKENS: usize = 8;
 
@@ -304,6 +337,12 @@ pub enum GemvBuild {
     /// Tensor cores (`mma.sync`), 16 rows per warp: a measurement build, used for every decode
     /// projection when `TANDEM_GEMV_MMA=1`.
     Mma,
+    /// Bf16 input -> residual add only (the o projection; see [`gemv_bulk_supported`]): each
+    /// block bulk-copies its [`GEMV_BULK_ROWS`] weight rows into shared memory as it starts,
+    /// before waiting on the previous kernel, and is launched with programmatic dependent
+    /// launch, so the weights stream while the previous kernel (the decode attention) runs;
+    /// tensor cores multiply. K is split over the block's 8 warps (`ksplit` 8).
+    Bulk,
 }
 
 /// How a decode projection spreads over the device.
@@ -344,6 +383,9 @@ impl Gemv {
         if tokens == 0 {
             return Ok(());
         }
+        if plan.build == GemvBuild::Bulk {
+            return self.launch_bulk(dev, tokens);
+        }
         let m = tokens.next_power_of_two();
         let smem = m * k * 2;
         let (limit, _) = dev.gemv_smem();
@@ -374,7 +416,7 @@ impl Gemv {
             shared_mem_bytes: smem as u32,
         };
         let suffix = match plan.build {
-            GemvBuild::Plain => "",
+            GemvBuild::Plain | GemvBuild::Bulk => "",
             GemvBuild::Pipelined => "_pipe",
             GemvBuild::Mma => "_mma",
         };
@@ -396,6 +438,27 @@ impl Gemv {
             tokens as i32
         )
     }
+
+    /// [`GemvBuild::Bulk`]: one block per [`GEMV_BULK_ROWS`] rows, launched with programmatic
+    /// dependent launch.
+    fn launch_bulk(&self, dev: &CudaDevice, tokens: usize) -> Result<(), CudaError> {
+        let Gemv { weight: w, n, k, input, output, bias } = *self;
+        let (GemvInput::Bf16(x), GemvOutput::AddTo(y)) = (input, output) else {
+            return Err(CudaError::Unavailable(format!("no bulk decode projection for {input:?} -> {output:?}")));
+        };
+        if !gemv_bulk_supported(dev, k, tokens) {
+            return Err(CudaError::Unavailable(format!(
+                "bulk decode projection of {tokens} rows x {k} is not supported"
+            )));
+        }
+        let config = LaunchConfig {
+            grid_dim: (n.div_ceil(GEMV_BULK_ROWS) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: gemv_bulk_smem_bytes(k, tokens) as u32,
+        };
+        launch!(@with true;
+            dev, "gemv_bulk_add", config, w, n as i32, k as i32, x, y, bias, tokens as i32, bulk_early_rows() as i32)
+    }
 }
 
 /// The plan for `n` rows by `k` at `tokens` in `build` (models use the plain build unless they
@@ -415,6 +478,7 @@ pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: Gem
         GemvBuild::Plain => plain_grid(sms, per_sm, n, k, tokens),
         GemvBuild::Pipelined => gemv_grid(sms, per_sm, tokens.max(1).next_power_of_two() * k * 2, n, k),
         GemvBuild::Mma => mma_grid(sms, per_sm, n, k, tokens),
+        GemvBuild::Bulk => (8, n.div_ceil(GEMV_BULK_ROWS)),
     };
     GemvPlan { build, ksplit, blocks }
 }
@@ -592,6 +656,13 @@ fn attention_heads_per_block(sm_count: usize, tokens: usize, num_heads: usize, n
     [8, 4, 2, 1].into_iter().find(|g| group.is_multiple_of(*g)).unwrap_or(1)
 }
 
+/// Whether fused decode attention launches early ([`attention_rows`] with `rope`):
+/// `TANDEM_ATTN_EARLY=0` turns it off, for measurement.
+fn attention_early() -> bool {
+    static EARLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *EARLY.get_or_init(|| std::env::var("TANDEM_ATTN_EARLY").map_or(true, |v| v != "0"))
+}
+
 /// Attention for the tokens listed in `token_list` (or tokens `0..count` when 0), one block per
 /// (token, KV head): decode, and any shape the tensor-core kernel does not take.
 ///
@@ -647,7 +718,9 @@ pub fn attention_rows(
         block_dim: (128, 1, 1),
         shared_mem_bytes: attention_rows_smem_bytes(s.head_dim, stages),
     };
-    launch!(
+    // With `rope` the kernel copies its first cached keys before waiting on the qkv projection:
+    // launched with programmatic dependent launch, that happens while the projection runs.
+    launch!(@with rope.is_some() && dev.pdl_capable() && attention_early();
         dev,
         name.as_str(),
         config,
