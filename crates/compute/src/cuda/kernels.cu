@@ -693,6 +693,26 @@ __device__ __forceinline__ void rope_head(const bf16* qkv, const bf16* qkv_bias,
     }
 }
 
+// Measurement build (TANDEM_ATTN_EARLY_TABLES): asks L1 for what rope_head will read of
+// tables that no kernel writes (the bias, the q/k norm weights, the RoPE row at `pos`), so that
+// the decode attention can do it before its programmatic wait.
+__device__ __forceinline__ void rope_head_prefetch(const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm,
+                                                   const float* cos_t, const float* sin_t, int h, int pos,
+                                                   int num_heads, int num_kv_heads, int head_dim) {
+    int lane = threadIdx.x & 31;
+    int E = head_dim / 32, half = head_dim / 2, base = lane * E;
+    bool is_q = h < num_heads, is_k = !is_q && h < num_heads + num_kv_heads;
+    auto l1 = [](const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); };
+    if (qkv_bias) l1(qkv_bias + h * head_dim + base);
+    const bf16* nw = is_q ? q_norm : (is_k ? k_norm : 0);
+    if (nw) l1(nw + base);
+    if (is_q || is_k) {
+        int j0 = base < half ? base : base - half;
+        l1(cos_t + (u64)pos * half + j0);
+        l1(sin_t + (u64)pos * half + j0);
+    }
+}
+
 #if KERNEL_GROUP(0)
 extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm,
                                           const bf16* k_norm, const float* cos_t, const float* sin_t,
@@ -846,6 +866,14 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     // Launched with programmatic dependent launch (fused steps): the cached keys (earlier steps'
     // and the metadata the host wrote) are on their way while the qkv projection finishes; only
     // what follows reads its output.
+#ifdef TANDEM_ATTN_EARLY_TABLES
+    if (fused && wait_after_first_keys)
+        for (int task = warp; task < G + 2; task += ATTN_WARPS) {
+            int h = task < G ? h0 + task : num_heads + (task - G) * num_kv_heads + kh;
+            rope_head_prefetch(rope.bias, rope.q_norm, rope.k_norm, rope.cos_t, rope.sin_t, h, ctx - 1, num_heads,
+                               num_kv_heads, HD);
+        }
+#endif
     if (wait_after_first_keys) PDL_ENTER();
     if (fused) {
         // Warp w < G: query head h0 + w; then the key head and the value head.
@@ -1612,6 +1640,18 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, i
     };
     int early = min(max(early_rows, 0), rows);
     copy_rows(0, early);
+#ifdef TANDEM_BULK_EARLY_RESIDUAL
+    // Measurement build: the epilogue's residual value and bias read before the wait. The
+    // residual was last written by the down projection before the qkv projection began, which
+    // had completed before the attention this launch follows could start.
+    int epi_m = tid / BULK_ROWS, epi_r = tid % BULK_ROWS;
+    bool epilogue = tid < mcount * BULK_ROWS && epi_r < rows;
+    float epi_x = 0.0f, epi_b = 0.0f;
+    if (epilogue) {
+        epi_x = out[(u64)epi_m * N + row0 + epi_r];
+        if (bias) epi_b = bf2f(bias[row0 + epi_r]);
+    }
+#endif
     PDL_ENTER();
     copy_rows(early, rows);
 #ifdef TANDEM_PDL_TRACE
@@ -1677,7 +1717,12 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, i
         float v = 0.0f;
 #pragma unroll
         for (int w = 0; w < 8; ++w) v += partial[w][m][r];
+#ifdef TANDEM_BULK_EARLY_RESIDUAL
+        // gemv_store's arithmetic, on the values read early.
+        if (epilogue) out[(u64)m * N + row0 + r] = residual_add(epi_x, bias ? v + epi_b : v);
+#else
         if (r < rows) gemv_store<OUT_ADD>(out, bias, N, row0 + r, m, mcount, v);
+#endif
     }
 #ifdef TANDEM_PDL_TRACE
     if (traced)
