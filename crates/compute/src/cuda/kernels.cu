@@ -982,6 +982,27 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         if (stages == 1 && start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK, 0);
     }
     // Add the warps' partial outputs in warp order, then normalise.
+#ifdef TANDEM_ATTN_ONE_BARRIER_SUM
+    // Measurement build: the partials go to the K/V stage (free now; 16 G HD bytes fit in it),
+    // one barrier, then each thread adds its elements' partials in warp order from 0, as the
+    // warp-by-warp loop below does (the same bits) with one barrier per warp.
+    {
+        float* red = reinterpret_cast<float*>(kbuf(0));
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int e = 0; e < E; ++e) red[(warp * G + g) * HD + lane * E + e] = acc[g][e];
+        attn_sync<NAMED>();
+        for (int i = tid; i < G * HD; i += nthreads) {
+            float v = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ATTN_WARPS; ++w) v += red[w * G * HD + i];
+            qs[i / HD][i % HD] = v;
+        }
+        // The output loop below reads what this thread wrote; the split partials do not.
+        if (part) attn_sync<NAMED>();
+    }
+#else
     for (int w = 0; w < ATTN_WARPS; ++w) {
         if (warp == w) {
 #pragma unroll
@@ -991,6 +1012,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         }
         attn_sync<NAMED>();
     }
+#endif
     if (part) {
         for (int i = tid; i < G * (HD + 2); i += nthreads) {
             int g = i / (HD + 2), d = i % (HD + 2);
