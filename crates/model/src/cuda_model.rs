@@ -1458,9 +1458,16 @@ impl CudaModel {
                 }),
                 ("fused, tensor-core build (comparison)", &|n, k, t| ops::gemv_plan(dev, n, k, t, ops::GemvBuild::Mma)),
             ];
-            for (build, plan_of) in builds {
+            for (j, (build, plan_of)) in builds.into_iter().enumerate() {
                 for (i, name) in DECODE_PROJECTIONS.iter().enumerate() {
-                    out.push((format!("{build}: {name}"), layer_plans(i, &|p| plan_of(p.n, p.k, t))?));
+                    // The step's o projection may run in its own build (timed alone here, so
+                    // without the overlap with attention it gets in a step).
+                    let own = (j == 0 && i == 1 && self.o_build == ops::GemvBuild::Bulk).then_some(self.o_build);
+                    let ms = layer_plans(i, &|p| match own {
+                        Some(b) => ops::gemv_plan(dev, p.n, p.k, t, b),
+                        None => plan_of(p.n, p.k, t),
+                    })?;
+                    out.push((format!("{build}: {name}"), ms));
                 }
                 let plan = plan_of(head_p.n, head_p.k, rows);
                 out.push((
