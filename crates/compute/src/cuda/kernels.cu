@@ -86,6 +86,41 @@ __device__ __forceinline__ float warp_max(float v) {
         PDL_LAUNCH_DEPENDENTS(); \
     } while (0)
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
+}
+
+// Whether phase `parity` of the barrier at `bar` has completed (one try, which may suspend a
+// while in hardware).
+__device__ __forceinline__ bool mbar_try(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return done;
+}
+
+// One thread: the barrier at `bar` set up so that its first phase completes once `bytes` of
+// bulk copies (bulk_copy) have landed.
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory to shared
+// address `dst` by the copy engine, counted on the barrier at `bar` as they land.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+#endif
+
 // TANDEM_PDL_TRACE (a measurement build, TANDEM_KERNEL_DEFINES): thread 0 of every block of the
 // PDL_TRACE_AT-th launch of the bulk decode projection prints global clock stamps (entry, the
 // programmatic wait over, i.e. the attention before it done, weights landed, exit), to see
@@ -98,11 +133,6 @@ __device__ __forceinline__ int trace_smid() {
     int id;
     asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
     return id;
-}
-__device__ __forceinline__ u64 trace_now() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-    return t;
 }
 #endif
 
@@ -1116,18 +1146,11 @@ __device__ __forceinline__ void attention_o(bf16* cache, bf16* out, const int* p
     u32 bytes = (u32)nrows * HD * 2;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     u32 bar = (u32)__cvta_generic_to_shared(&wbar);
-    if (tid == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-    }
+    if (tid == 0) mbar_expect(bar, bytes);
     __syncthreads();
     for (u32 off = tid * AO_PIECE; off < bytes; off += blockDim.x * AO_PIECE)
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                (u32)__cvta_generic_to_shared(reinterpret_cast<unsigned char*>(ws) + off)),
-            "l"(src + off), "r"(min((u32)AO_PIECE, bytes - off)), "r"(bar)
-            : "memory");
+        bulk_copy((u32)__cvta_generic_to_shared(reinterpret_cast<unsigned char*>(ws) + off), src + off,
+                  min((u32)AO_PIECE, bytes - off), bar);
 #else
     for (u32 off = tid * 16; off < bytes; off += blockDim.x * 16)
         cp_async16(reinterpret_cast<unsigned char*>(ws) + off, src + off);
@@ -1625,40 +1648,17 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, i
 #ifdef TANDEM_PDL_TRACE
     // Block 0 counts launches as it exits: a block entering after that reads the next count.
     bool traced = tid == 0 && *(volatile unsigned*)&pdl_trace_launches == PDL_TRACE_AT;
-    u64 t_entry = traced ? trace_now() : 0, t_wait = 0, t_landed = 0;
+    u64 t_entry = traced ? global_ns() : 0, t_wait = 0, t_landed = 0;
 #endif
-    if (tid == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar_s) : "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        // The phase completes when all of the block's rows have landed, whenever each was issued.
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar_s), "r"(rows * K * 2)
-                     : "memory");
-    }
+    // The phase completes when all of the block's rows have landed, whenever each was issued.
+    if (tid == 0) mbar_expect(bar_s, rows * K * 2);
     // Weights are never written: no need to wait on the previous kernel for them. The first
     // `early_rows` rows go before the wait, the rest after it: a stream at full rate under the
     // attention slows the attention's own round trips to memory.
     auto copy_rows = [&](int from, int to) {
-        if (tid != 0) return;
-#ifdef TANDEM_STREAM_EVICT_FIRST
-        u64 policy;
-        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-#endif
-        for (int r = from; r < to; ++r) {
-            u32 dst = (u32)__cvta_generic_to_shared(ws + r * stride);
-            const bf16* src = W + (u64)(row0 + r) * K;
-#ifdef TANDEM_STREAM_EVICT_FIRST
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
-                "%4;\n" ::"r"(dst),
-                "l"(src), "r"(K * 2), "r"(bar_s), "l"(policy)
-                : "memory");
-#else
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                "l"(src), "r"(K * 2), "r"(bar_s)
-                : "memory");
-#endif
-        }
+        if (tid == 0)
+            for (int r = from; r < to; ++r)
+                bulk_copy((u32)__cvta_generic_to_shared(ws + r * stride), W + (u64)(row0 + r) * K, K * 2, bar_s);
     };
     int early = min(max(early_rows, 0), rows);
     copy_rows(0, early);
@@ -1677,28 +1677,17 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, i
     PDL_ENTER();
     copy_rows(early, rows);
 #ifdef TANDEM_PDL_TRACE
-    if (traced) t_wait = trace_now();
+    if (traced) t_wait = global_ns();
 #endif
     for (int i = tid * 8; i < mcount * K; i += 256 * 8)
         *reinterpret_cast<uint4*>(xs + (i / K) * stride + (i % K) * 2) = ld_nc16(in + i);
     __syncthreads();
     // The copies always complete (valid addresses, sizes within the row); the wait is bounded
     // anyway: past a second something is broken, and the launch fails instead of hanging.
-    u64 t0 = 0;
-    for (u32 tries = 0;; ++tries) {
-        u32 done;
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(bar_s)
-                     : "memory");
-        if (done) break;
-        u64 now;
-        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
-        if (tries == 0) t0 = now;
-        else if (now - t0 > 1000000000ull) __trap();
-    }
+    for (u64 t0 = global_ns(); !mbar_try(bar_s, 0);)
+        if (global_ns() - t0 > 1000000000ull) __trap();
 #ifdef TANDEM_PDL_TRACE
-    if (traced) t_landed = trace_now();
+    if (traced) t_landed = global_ns();
 #endif
     int slice = K / 8, k0 = warp * slice;
     float acc[4][4];
@@ -1748,7 +1737,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, i
     }
 #ifdef TANDEM_PDL_TRACE
     if (traced)
-        printf("pdl_trace bulk %d %llu %llu %llu %llu %d\n", blockIdx.x, t_entry, t_wait, t_landed, trace_now(),
+        printf("pdl_trace bulk %d %llu %llu %llu %llu %d\n", blockIdx.x, t_entry, t_wait, t_landed, global_ns(),
                trace_smid());
     if (blockIdx.x == 0 && tid == 0) atomicAdd(&pdl_trace_launches, 1u);
 #endif
@@ -1946,12 +1935,6 @@ __device__ __forceinline__ RingProj ring_stage(const u64* a, int l, int p) {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ u64 global_ns() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-    return t;
-}
-
 // Marks the step failed (sync[1]): a wait ran past RING_WAIT_NS. Every wait then stops
 // waiting, so the launch ends (with wrong results, which the host discards).
 __device__ __forceinline__ bool ring_failed(u32* sync, u64 t0) {
@@ -1961,17 +1944,6 @@ __device__ __forceinline__ bool ring_failed(u32* sync, u64 t0) {
     if (global_ns() - t0 <= RING_WAIT_NS) return false;
     atomicExch(sync + 1, 1u);
     return true;
-}
-
-// Whether phase `parity` of the barrier at `bar` has completed (one try, which may suspend a
-// while in hardware).
-__device__ __forceinline__ bool mbar_try(u32 bar, u32 parity) {
-    u32 done;
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
-    return done;
 }
 
 // Waits for phase `parity` of the barrier at `bar`, within the ring's time bound.
@@ -2078,12 +2050,7 @@ __device__ __forceinline__ void ring_producer(const u64* a, u32 ring, u32 ring_b
                                  : "memory");
                 }
                 u32 n = min(len - done, chunk - in_chunk);
-                if (copy)
-                    asm volatile(
-                        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                            ring + slot * chunk + in_chunk),
-                        "l"(pr.region + done), "r"(n), "r"(full0 + 8 * slot)
-                        : "memory");
+                if (copy) bulk_copy(ring + slot * chunk + in_chunk, pr.region + done, n, full0 + 8 * slot);
                 v += n;
                 done += n;
                 in_chunk += n;
