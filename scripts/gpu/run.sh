@@ -7,8 +7,6 @@
 #   bench: tests and tandem bench; quick: tests;
 #   tune: kernel tests and the decode-projection plan sweep (TANDEM_GEMV_SWEEP=1);
 #   ring: the matrix below for the ring decode kernel (TANDEM_DECODE_RING) and its decomposition;
-#   early: kernel tests and the decode step with three measurement builds of the early-launched
-#   kernels (see below);
 #   matrix "label:VAR=value ..." ...: kernel and model tests, then the decode step under each setting
 #   (PROFILE=1 among the settings adds the step's kernel profile, DECODE_PROMPT=n sets the decode
 #   sequences' prompt length, TANDEM_EXE=path runs another tandem binary; SKIP_TESTS=1 in the
@@ -54,21 +52,6 @@ if [ "$MODE" = ring ]; then
     "ring_pf256:TANDEM_DECODE_RING=1 TANDEM_RING_PREFETCH=262144" \
     "ring_noattn:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=8" \
     "ring_nowait:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=1" "ring200:TANDEM_DECODE_RING=1 DECODE_PROMPT=200"
-fi
-if [ "$MODE" = early ]; then
-  # Three measurement builds for the early-launched kernels' remaining round trips
-  # (TANDEM_KERNEL_DEFINES): the bulk o projection reading its epilogue's residual and bias
-  # before its wait; the decode attention asking L1 for its RoPE row and norm weights before its
-  # wait; the attention adding its warps' partial outputs after one barrier instead of four (the
-  # same bits). Kernel tests with all three first (the bulk projection against the reference,
-  # the fused attention bit-equal to the two kernels), then the decode step with none, all and
-  # each.
-  all=TANDEM_BULK_EARLY_RESIDUAL,TANDEM_ATTN_EARLY_TABLES,TANDEM_ATTN_ONE_BARRIER_SUM
-  TANDEM_KERNEL_DEFINES=$all timeout 300 "$BIN/cuda_kernels" --test-threads=1 > "$OUT/tests_early.log" 2>&1 \
-    && note "kernel tests with $all: ok" || { note "kernel tests with $all: FAILED"; tail -30 "$OUT/tests_early.log"; exit 1; }
-  SKIP_TESTS=1 exec "$0" matrix "base:X=1" "all:TANDEM_KERNEL_DEFINES=$all" \
-    "residual:TANDEM_KERNEL_DEFINES=TANDEM_BULK_EARLY_RESIDUAL" "tables:TANDEM_KERNEL_DEFINES=TANDEM_ATTN_EARLY_TABLES" \
-    "sum:TANDEM_KERNEL_DEFINES=TANDEM_ATTN_ONE_BARRIER_SUM"
 fi
 if [ "$MODE" = matrix ]; then
   # Decode step under several settings in one call: each further argument is

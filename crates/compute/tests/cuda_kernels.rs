@@ -455,6 +455,28 @@ fn sampling_kernel_follows_its_rules() {
     ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows).unwrap();
     assert_eq!(dev.read(&d_tokens, rows).unwrap()[5], 8);
 
+    // Greedy over both scans (16-byte batches when the vocabulary is a multiple of 4, one
+    // element at a time otherwise): ties inside one 16-byte load, across one thread's batches
+    // and across threads all go to the lowest id; the last id can win.
+    for vocab in [40_004, 40_003] {
+        let mut logits: Vec<f32> = (0..3 * vocab).map(|_| rng.uniform()).collect();
+        for i in [4 * 3 + 3, 4 * 3 + 2, 4 * (3 + 8 * 1024), 4 * 9] {
+            logits[i] = 5.0;
+        }
+        logits[vocab + 4 * (3 + 8 * 1024) + 1] = 5.0;
+        logits[vocab + 4 * 3 + 1] = 5.0;
+        logits[3 * vocab - 1] = 5.0;
+        let (d_l, d_p, d_k, d_t) = (
+            dev.upload(&logits).unwrap(),
+            dev.upload(&[0.0f32, 1.0, 0.5].repeat(3)).unwrap(),
+            dev.upload(&[0i32; 3]).unwrap(),
+            dev.zeros::<i32>(3).unwrap(),
+        );
+        ops::sample_rows(&dev, d_l.ptr(), vocab, d_p.ptr(), d_k.ptr(), d_t.ptr(), 3).unwrap();
+        let want = [4 * 3 + 2, 4 * 3 + 1, vocab as i32 - 1];
+        assert_eq!(dev.read(&d_t, 3).unwrap(), want, "greedy over {vocab} ids");
+    }
+
     // Frequencies: a uniform sweep of draws over logits [0, 1, 2, 3] at temperature 1 lands
     // on each token in proportion to its probability.
     let small = vec![0.0f32, 1.0, 2.0, 3.0];

@@ -723,26 +723,6 @@ __device__ __forceinline__ void rope_head(const bf16* qkv, const bf16* qkv_bias,
     }
 }
 
-// Measurement build (TANDEM_ATTN_EARLY_TABLES): asks L1 for what rope_head will read of
-// tables that no kernel writes (the bias, the q/k norm weights, the RoPE row at `pos`), so that
-// the decode attention can do it before its programmatic wait.
-__device__ __forceinline__ void rope_head_prefetch(const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm,
-                                                   const float* cos_t, const float* sin_t, int h, int pos,
-                                                   int num_heads, int num_kv_heads, int head_dim) {
-    int lane = threadIdx.x & 31;
-    int E = head_dim / 32, half = head_dim / 2, base = lane * E;
-    bool is_q = h < num_heads, is_k = !is_q && h < num_heads + num_kv_heads;
-    auto l1 = [](const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); };
-    if (qkv_bias) l1(qkv_bias + h * head_dim + base);
-    const bf16* nw = is_q ? q_norm : (is_k ? k_norm : 0);
-    if (nw) l1(nw + base);
-    if (is_q || is_k) {
-        int j0 = base < half ? base : base - half;
-        l1(cos_t + (u64)pos * half + j0);
-        l1(sin_t + (u64)pos * half + j0);
-    }
-}
-
 #if KERNEL_GROUP(0)
 extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm,
                                           const bf16* k_norm, const float* cos_t, const float* sin_t,
@@ -896,14 +876,6 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     // Launched with programmatic dependent launch (fused steps): the cached keys (earlier steps'
     // and the metadata the host wrote) are on their way while the qkv projection finishes; only
     // what follows reads its output.
-#ifdef TANDEM_ATTN_EARLY_TABLES
-    if (fused && wait_after_first_keys)
-        for (int task = warp; task < G + 2; task += ATTN_WARPS) {
-            int h = task < G ? h0 + task : num_heads + (task - G) * num_kv_heads + kh;
-            rope_head_prefetch(rope.bias, rope.q_norm, rope.k_norm, rope.cos_t, rope.sin_t, h, ctx - 1, num_heads,
-                               num_kv_heads, HD);
-        }
-#endif
     if (wait_after_first_keys) PDL_ENTER();
     if (fused) {
         // Warp w < G: query head h0 + w; then the key head and the value head.
@@ -1012,27 +984,6 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         if (stages == 1 && start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK, 0);
     }
     // Add the warps' partial outputs in warp order, then normalise.
-#ifdef TANDEM_ATTN_ONE_BARRIER_SUM
-    // Measurement build: the partials go to the K/V stage (free now; 16 G HD bytes fit in it),
-    // one barrier, then each thread adds its elements' partials in warp order from 0, as the
-    // warp-by-warp loop below does (the same bits) with one barrier per warp.
-    {
-        float* red = reinterpret_cast<float*>(kbuf(0));
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int e = 0; e < E; ++e) red[(warp * G + g) * HD + lane * E + e] = acc[g][e];
-        attn_sync<NAMED>();
-        for (int i = tid; i < G * HD; i += nthreads) {
-            float v = 0.0f;
-#pragma unroll
-            for (int w = 0; w < ATTN_WARPS; ++w) v += red[w * G * HD + i];
-            qs[i / HD][i % HD] = v;
-        }
-        // The output loop below reads what this thread wrote; the split partials do not.
-        if (part) attn_sync<NAMED>();
-    }
-#else
     for (int w = 0; w < ATTN_WARPS; ++w) {
         if (warp == w) {
 #pragma unroll
@@ -1042,7 +993,6 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         }
         attn_sync<NAMED>();
     }
-#endif
     if (part) {
         for (int i = tid; i < G * (HD + 2); i += nthreads) {
             int g = i / (HD + 2), d = i % (HD + 2);
@@ -1662,18 +1612,6 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, i
     };
     int early = min(max(early_rows, 0), rows);
     copy_rows(0, early);
-#ifdef TANDEM_BULK_EARLY_RESIDUAL
-    // Measurement build: the epilogue's residual value and bias read before the wait. The
-    // residual was last written by the down projection before the qkv projection began, which
-    // had completed before the attention this launch follows could start.
-    int epi_m = tid / BULK_ROWS, epi_r = tid % BULK_ROWS;
-    bool epilogue = tid < mcount * BULK_ROWS && epi_r < rows;
-    float epi_x = 0.0f, epi_b = 0.0f;
-    if (epilogue) {
-        epi_x = out[(u64)epi_m * N + row0 + epi_r];
-        if (bias) epi_b = bf2f(bias[row0 + epi_r]);
-    }
-#endif
     PDL_ENTER();
     copy_rows(early, rows);
 #ifdef TANDEM_PDL_TRACE
@@ -1728,12 +1666,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, i
         float v = 0.0f;
 #pragma unroll
         for (int w = 0; w < 8; ++w) v += partial[w][m][r];
-#ifdef TANDEM_BULK_EARLY_RESIDUAL
-        // gemv_store's arithmetic, on the values read early.
-        if (epilogue) out[(u64)m * N + row0 + r] = residual_add(epi_x, bias ? v + epi_b : v);
-#else
         if (r < rows) gemv_store<OUT_ADD>(out, bias, N, row0 + r, m, mcount, v);
-#endif
     }
 #ifdef TANDEM_PDL_TRACE
     if (traced)
@@ -2360,12 +2293,33 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logi
     int top_k = top_ks[r];
     int tid = threadIdx.x, nt = blockDim.x;
 
-    // Greedy / the row maximum: best value, lowest index on ties.
+    // Greedy / the row maximum: best value, lowest index on ties. Each thread visits its
+    // indices in increasing order. A 16-byte-aligned row goes in batches of four 16-byte
+    // loads per thread, so the scan is a few round trips to L2 instead of one per element.
     float best = NEG_INF;
     int best_i = 0x7fffffff;
-    for (int i = tid; i < vocab; i += nt) {
-        float v = row[i];
+    auto take = [&](float v, int i) {
         if (v > best) { best = v; best_i = i; }
+    };
+    if ((vocab & 3) == 0) {
+        const float4* row4 = reinterpret_cast<const float4*>(row);
+        int n4 = vocab >> 2;
+        for (int i0 = tid; i0 < n4; i0 += 4 * nt) {
+            float4 v[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                v[j] = i0 + j * nt < n4 ? row4[i0 + j * nt] : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                int i = (i0 + j * nt) * 4;
+                take(v[j].x, i);
+                take(v[j].y, i + 1);
+                take(v[j].z, i + 2);
+                take(v[j].w, i + 3);
+            }
+        }
+    } else {
+        for (int i = tid; i < vocab; i += nt) take(row[i], i);
     }
     for (int o = 16; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(0xffffffffu, best, o);

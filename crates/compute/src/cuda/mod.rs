@@ -506,7 +506,13 @@ impl CudaDevice {
         }
         // The decode projections stage their input rows in shared memory (M x K bf16); the
         // tensor-core build's partial sums take more static shared memory.
-        let gemv_smem = smem_block_optin.saturating_sub(ops::GEMV_STATIC_SMEM);
+        // (Their static part as the compiler laid it out, at least GEMV_STATIC_SMEM, which
+        // the plans count per block: setting a kernel's limit past what is left fails.)
+        let mut gemv_static = ops::GEMV_STATIC_SMEM;
+        for name in named("gemv_").filter(|n| !n.ends_with("_mma") && !n.starts_with("gemv_bulk")) {
+            gemv_static = gemv_static.max(funcs[name].shared_size_bytes()?.max(0) as usize);
+        }
+        let gemv_smem = smem_block_optin.saturating_sub(gemv_static);
         let gemv_mma_smem = smem_block_optin.saturating_sub(ops::GEMV_MMA_STATIC_SMEM);
         // The bulk build keeps its block's weight rows there too (what its static shared
         // memory leaves, as the compiler laid it out).
