@@ -1,23 +1,65 @@
 #!/usr/bin/env python3
-"""Summarises a TANDEM_PDL_TRACE build's stamps (kernels.cu): every block of one launch of the
-bulk o projection, which starts (programmatic dependent launch) while the decode attention
-before it runs. Microseconds from the first block's entry: when the blocks entered, when their
-wait for the attention ended, when their weights had landed, when they exited.
+"""Summarises a TANDEM_PDL_TRACE build's stamps (kernels.cu) of one layer of one decode step:
+every block of the early-launched decode attention, and of the bulk o projection, which starts
+(programmatic dependent launch) while that attention runs.
+
+Attention: how long each phase took (wait over, inputs ready, scores, softmax, P.V, partials
+added, output stored), median and slowest block. Bulk o: microseconds from the attention's first
+wait-over (or the first o block's entry without attention stamps) to when its blocks entered,
+saw the attention done, had their weights, exited. For both: how the blocks were placed
+(multiprocessors holding 1, 2, 3... of them: an early launch places blocks where the previous
+kernel's leave first).
 Usage: pdl_trace.py LOG"""
 import statistics
 import sys
 
-bulk = []
+bulk, attn = [], []
 for line in open(sys.argv[1], errors="replace"):
     f = line.split()
+    # pdl_trace bulk BLOCK ENTRY WAIT LANDED EXIT SMID
     if len(f) == 8 and f[:2] == ["pdl_trace", "bulk"]:
         bulk.append(tuple(int(x) for x in f[3:8]))
-if not bulk:
+    # pdl_trace attn HEAD_GROUP SMID 8 STAMPS
+    if len(f) == 12 and f[:2] == ["pdl_trace", "attn"]:
+        attn.append(tuple(int(x) for x in f[3:12]))
+if not bulk and not attn:
     print("pdl trace: no stamps (a TANDEM_KERNEL_DEFINES=TANDEM_PDL_TRACE build?)")
     sys.exit(0)
-t0 = min(b[0] for b in bulk)
-print(f"pdl trace: {len(bulk)} blocks of one bulk o projection launch; us from the first block's entry")
-print(f"pdl trace: {'':<24}{'min':>8}{'median':>8}{'max':>8}")
-for i, name in enumerate(["entry", "attention done", "weights landed", "exit"]):
-    v = sorted((b[i] - t0) / 1000.0 for b in bulk)
-    print(f"pdl trace: {name:<24}{v[0]:8.2f}{statistics.median(v):8.2f}{v[-1]:8.2f}")
+
+
+def placement(smids):
+    per_sm = {}
+    for s in smids:
+        per_sm[s] = per_sm.get(s, 0) + 1
+    spread = {}
+    for n in per_sm.values():
+        spread[n] = spread.get(n, 0) + 1
+    return f"{len(per_sm)} multiprocessors; holding n blocks: " + ", ".join(
+        f"{n}: {spread[n]}" for n in sorted(spread))
+
+
+def row(name, values):
+    v = sorted(values)
+    return f"{name:<26}{v[0]:8.2f}{statistics.median(v):8.2f}{v[-1]:8.2f}"
+
+
+if attn:
+    # attn tuples: (smid, entry, wait over, inputs, scores, softmax, P.V, sum, exit)
+    phases = ["wait over", "inputs ready", "scores", "softmax", "P.V", "partials added", "output stored"]
+    print(f"pdl trace: {len(attn)} blocks of one early decode attention; us per phase")
+    print(f"pdl trace: {'':<26}{'min':>8}{'median':>8}{'max':>8}")
+    for i, name in enumerate(phases):
+        print("pdl trace: " + row(name, [(a[i + 2] - a[i + 1]) / 1000.0 for a in attn]))
+    print("pdl trace: " + row("wait over -> stored", [(a[8] - a[2]) / 1000.0 for a in attn]))
+    print("pdl trace: attention placement: " + placement(a[0] for a in attn))
+if bulk:
+    # bulk tuples: (entry, wait over, landed, exit, smid)
+    t0 = min(a[2] for a in attn) if attn else min(b[0] for b in bulk)
+    origin = "the attention's first wait over" if attn else "the first block's entry"
+    print(f"pdl trace: {len(bulk)} blocks of one bulk o projection launch; us from {origin}")
+    print(f"pdl trace: {'':<26}{'min':>8}{'median':>8}{'max':>8}")
+    for i, name in enumerate(["entry", "attention done", "weights landed", "exit"]):
+        print("pdl trace: " + row(name, [(b[i] - t0) / 1000.0 for b in bulk]))
+    if attn:
+        print("pdl trace: " + row("attention stored (blocks)", [(a[8] - t0) / 1000.0 for a in attn]))
+    print("pdl trace: o placement: " + placement(b[4] for b in bulk))

@@ -125,10 +125,12 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 // PDL_TRACE_AT-th launch of the bulk decode projection prints global clock stamps (entry, the
 // programmatic wait over, i.e. the attention before it done, weights landed, exit), to see
 // whether the blocks are resident and copying while the attention runs and what is left after
-// it (scripts/gpu/pdl_trace.py summarises them).
+// it; and of the PDL_TRACE_AT-th early-launched decode attention (the same layer of the same
+// step), stamps between its phases, to see where its time after the qkv projection goes
+// (scripts/gpu/pdl_trace.py summarises both, with each kernel's placement).
 #ifdef TANDEM_PDL_TRACE
 #define PDL_TRACE_AT 1000
-__device__ unsigned pdl_trace_launches;
+__device__ unsigned pdl_trace_launches, attn_trace_launches;
 __device__ __forceinline__ int trace_smid() {
     int id;
     asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
@@ -872,11 +874,32 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
+#if defined(TANDEM_PDL_TRACE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Stamps: entry, wait over, inputs ready (RoPE'd query and new key/value, first keys
+    // landed), scores, softmax, P.V, partials added, output stored (first chunk's phases).
+    bool traced = wait_after_first_keys && tid == 0 && *(volatile unsigned*)&attn_trace_launches == PDL_TRACE_AT;
+    u64 stamps[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    auto stamp = [&](int i) {
+        if (traced) stamps[i] = global_ns();
+    };
+    auto trace_exit = [&]() {
+        stamp(7);
+        if (traced)
+            printf("pdl_trace attn %d %d %llu %llu %llu %llu %llu %llu %llu %llu\n", by, trace_smid(), stamps[0],
+                   stamps[1], stamps[2], stamps[3], stamps[4], stamps[5], stamps[6], stamps[7]);
+        if (wait_after_first_keys && bx == 0 && by == 0 && bz == 0 && tid == 0) atomicAdd(&attn_trace_launches, 1u);
+    };
+#else
+    auto stamp = [](int) {};
+    auto trace_exit = []() {};
+#endif
+    stamp(0);
     stage(k0, 0);
     // Launched with programmatic dependent launch (fused steps): the cached keys (earlier steps'
     // and the metadata the host wrote) are on their way while the qkv projection finishes; only
     // what follows reads its output.
     if (wait_after_first_keys) PDL_ENTER();
+    stamp(1);
     if (fused) {
         // Warp w < G: query head h0 + w; then the key head and the value head.
         int slot = rope.slots[t];
@@ -920,6 +943,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         const bf16* vs = ks + ATTN_CHUNK * STRIDE;
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         attn_sync<NAMED>();
+        if (chunk == 0) stamp(2);
         // The other buffer was last read before the barrier that ended the previous chunk.
         if (stages == 2 && start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK, b ^ 1);
         if (tid < n) {
@@ -940,6 +964,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
             for (int g = 0; g < G; ++g) ps[g][tid] = dot[g];
         }
         attn_sync<NAMED>();
+        if (chunk == 0) stamp(3);
         // Softmax bookkeeping: warp w for heads w, w + 4.
         for (int g = warp; g < G; g += ATTN_WARPS) {
             float mx = NEG_INF;
@@ -961,6 +986,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
             }
         }
         attn_sync<NAMED>();
+        if (chunk == 0) stamp(4);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             float alpha = alpha_s[g];
@@ -981,6 +1007,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
             }
         }
         attn_sync<NAMED>();
+        if (chunk == 0) stamp(5);
         if (stages == 1 && start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK, 0);
     }
     // Add the warps' partial outputs in warp order, then normalise.
@@ -993,12 +1020,14 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         }
         attn_sync<NAMED>();
     }
+    stamp(6);
     if (part) {
         for (int i = tid; i < G * (HD + 2); i += nthreads) {
             int g = i / (HD + 2), d = i % (HD + 2);
             float* p = part + (((u64)bx * num_heads + h0 + g) * gridDim.z + bz) * (HD + 2);
             p[d] = d == 0 ? m_s[g] : (d == 1 ? l_s[g] : qs[g][d - 2]);
         }
+        trace_exit();
         return;
     }
     for (int i = tid; i < G * HD; i += nthreads) {
@@ -1008,6 +1037,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         out[((u64)t * num_heads + h0 + g) * HD + d] = o;
         if (out_s) out_s[i] = bf2f(o);
     }
+    trace_exit();
 }
 
 // Merges split attention partials (see attn_splits) in split order: out = sum_s acc_s w_s /
