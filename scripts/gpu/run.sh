@@ -9,8 +9,9 @@
 #   ring: the matrix below for the ring decode kernel (TANDEM_DECODE_RING) and its decomposition;
 #   matrix "label:VAR=value ..." ...: kernel and model tests, then the decode step under each setting
 #   (PROFILE=1 among the settings adds the step's kernel profile, DECODE_PROMPT=n sets the decode
-#   sequences' prompt length, TANDEM_EXE=path runs another tandem binary; SKIP_TESTS=1 in the
-#   environment skips the tests);
+#   sequences' prompt length, PREFILL_TOKENS=n the prefill (and so the engine's batched-token
+#   limit, which sizes the per-step metadata upload), TANDEM_EXE=path runs another tandem binary;
+#   SKIP_TESTS=1 in the environment skips the tests);
 #   ncu "label:VAR=value ..." ...: Nsight Compute on a batch-1 decode under each setting (the first
 #   NCU_COUNT, default 40, launches of kernels matching NCU_KERNELS, default gemv, attention and
 #   the persistent kernel): per kernel its duration, DRAM throughput, occupancy, hit rates and
@@ -66,7 +67,8 @@ if [ "$MODE" = matrix ]; then
     label=${spec%%:*}
     ( export ${spec#*:}
       timeout 150 "${TANDEM_EXE:-$BIN/tandem}" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
-        --decode-steps 64 --decode-prompt-tokens "${DECODE_PROMPT:-16}" --prefill-tokens 512 ${PROFILE:+--profile} \
+        --decode-steps 64 --decode-prompt-tokens "${DECODE_PROMPT:-16}" --prefill-tokens "${PREFILL_TOKENS:-512}" \
+        ${PROFILE:+--profile} \
         > "$OUT/matrix_$label.log" 2>&1 )
     note "$label: $(grep -E '^(1|64) +[0-9]' "$OUT/matrix_$label.log" | tr -s ' ' | tr '\n' '|')"
     grep -E "^ *fused|plan sweep: down" "$OUT/matrix_$label.log" | grep -v pipelined | sed "s/^/  $label /"

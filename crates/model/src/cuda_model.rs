@@ -144,14 +144,13 @@ struct Activations {
     last: DevBuf<u16>,
     logits: DevBuf<f32>,
     tokens: DevBuf<i32>,
-    params: DevBuf<f32>,
     bans: DevBuf<i32>,
     /// Partials of split row attention (at most 16 token ranges per head in all).
     attn_part: DevBuf<f32>,
 }
 
 /// Offsets (in ints) of the step metadata inside one device buffer, so each step uploads it
-/// with one copy and CUDA graphs see fixed addresses.
+/// with one copy (the sampling parameters too) and CUDA graphs see fixed addresses.
 #[derive(Clone, Copy, Debug)]
 struct MetaLayout {
     stride: usize,
@@ -166,6 +165,8 @@ struct MetaLayout {
     seq_len: usize,
     seq_pos: usize,
     top_k: usize,
+    /// Per sequence (temperature, top_p, uniform draw) as f32 bits, read by the sampler as f32.
+    params: usize,
     /// End of the fixed part; the block tables follow.
     tables: usize,
 }
@@ -184,7 +185,8 @@ impl MetaLayout {
         let seq_len = seq_tok + s;
         let seq_pos = seq_len + s;
         let top_k = seq_pos + s;
-        let tables = top_k + s;
+        let params = top_k + s;
+        let tables = params + 3 * s;
         Self {
             stride: 0,
             tokens,
@@ -198,6 +200,7 @@ impl MetaLayout {
             seq_len,
             seq_pos,
             top_k,
+            params,
             tables,
         }
     }
@@ -536,7 +539,6 @@ impl CudaModel {
             logits: dev.zeros(max_seqs * cfg.vocab_size)?,
             // Sampled tokens, then the ring decode kernel's two sync words.
             tokens: dev.zeros(max_seqs + 2)?,
-            params: dev.zeros(3 * max_seqs)?,
             bans: dev.zeros(1024)?,
             attn_part: dev.zeros(ops::attention_split_floats(16, cfg.num_heads, cfg.head_dim, 1))?,
         };
@@ -872,18 +874,20 @@ impl CudaModel {
     /// Fills and uploads the step metadata. Returns the number of logit rows.
     fn prepare(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Result<usize, ModelError> {
         let rows = self.check_batch(token_ids, seqs)?;
-        self.fill_meta(token_ids, seqs, token_ids.len(), seqs.len())?;
+        self.fill_meta(token_ids, seqs, token_ids.len(), seqs.len(), &[])?;
         Ok(rows)
     }
 
     /// Writes the metadata for the real batch and pads tokens up to `padded_tokens` (and
-    /// sequences up to `padded_seqs`) with rows that write nothing and read block 0.
+    /// sequences up to `padded_seqs`) with rows that write nothing and read block 0; with the
+    /// sampling parameters of `samples` (one per logit row, or none), all in one upload.
     fn fill_meta(
         &mut self,
         token_ids: &[u32],
         seqs: &[SeqBatch<'_>],
         padded_tokens: usize,
         padded_seqs: usize,
+        samples: &[SampleSpec],
     ) -> Result<(), ModelError> {
         let limits = MetaLimits {
             block_size: self.layout.block_size,
@@ -892,12 +896,19 @@ impl CudaModel {
             flash: ops::flash_supported(self.cfg.head_dim),
         };
         let m = self.meta_layout;
+        if samples.len() > self.max_seqs {
+            return Err(ModelError::Device(format!("{} sample specs for {} sequences", samples.len(), self.max_seqs)));
+        }
         let (tables, counts) =
             build_meta(&m, &mut self.meta_host, &limits, token_ids, seqs, padded_tokens, padded_seqs)?;
         self.counts = counts;
-        self.dev.write(&mut self.meta, 0, &self.meta_host)?;
-        self.dev.write(&mut self.meta, m.tables, &tables)?;
-        Ok(())
+        put_sampling(&m, &mut self.meta_host, samples);
+        // The block tables follow the fixed part: one copy for both (each copy from pageable
+        // memory costs the engine thread a driver call and the stream a transfer).
+        self.meta_host.extend_from_slice(&tables);
+        let written = self.dev.write(&mut self.meta, 0, &self.meta_host);
+        self.meta_host.truncate(m.tables);
+        Ok(written?)
     }
 
     fn attn_shape(&self, layer: usize) -> AttnShape {
@@ -1217,24 +1228,19 @@ impl CudaModel {
         }
     }
 
-    /// Samples `specs.len()` rows of logits on the device and returns the tokens.
+    /// Samples `specs.len()` rows of logits on the device and returns the tokens. Their
+    /// parameters went up with the step's metadata (`fill_meta`).
     fn sample(&mut self, specs: &[SampleSpec]) -> Result<Vec<u32>, ModelError> {
         let n = specs.len();
         let vocab = self.cfg.vocab_size;
-        let mut params = Vec::with_capacity(3 * n);
-        let mut top_k = Vec::with_capacity(n);
         let mut ban_rows = Vec::new();
         let mut ban_toks = Vec::new();
         for (r, s) in specs.iter().enumerate() {
-            params.extend([s.temperature, s.top_p, s.uniform.clamp(0.0, 0.999_999_9)]);
-            top_k.push(s.top_k.min(i32::MAX as u32) as i32);
             for &b in &s.banned {
                 ban_rows.push(r as i32);
                 ban_toks.push(b as i32);
             }
         }
-        self.dev.write(&mut self.act.params, 0, &params)?;
-        self.dev.write(&mut self.meta, self.meta_layout.top_k, &top_k)?;
         let nb = ban_rows.len();
         if nb > 0 {
             if 2 * nb > self.act.bans.len() {
@@ -1255,7 +1261,7 @@ impl CudaModel {
             &self.dev,
             self.act.logits.ptr(),
             vocab,
-            self.act.params.ptr(),
+            self.meta.ptr_at(self.meta_layout.params),
             self.meta.ptr_at(self.meta_layout.top_k),
             self.act.tokens.ptr(),
             n,
@@ -1323,7 +1329,7 @@ impl CudaModel {
             })
             .collect();
         let t = token_ids.len();
-        self.fill_meta(&token_ids, &batch, t, seqs)?;
+        self.fill_meta(&token_ids, &batch, t, seqs, &[])?;
         let rows = seqs;
         let reps = if t > 256 { 3 } else { 20 };
         let layers = self.cfg.num_layers as f64;
@@ -1531,7 +1537,7 @@ impl CudaModel {
         }
         if tokens_per_seq == 1 && self.use_graphs {
             if let Some(bucket) = graph_buckets(self.max_seqs).into_iter().find(|&b| b >= seqs) {
-                self.fill_meta(&token_ids, &batch, bucket, bucket)?;
+                self.fill_meta(&token_ids, &batch, bucket, bucket, &[])?;
                 self.run_graph(bucket)?;
                 let g = &self.graphs[&(bucket, self.counts.split)];
                 let dev = &self.dev;
@@ -1659,11 +1665,11 @@ impl ModelRunner for CudaModel {
         }
         match self.graph_bucket(token_ids, seqs) {
             Some(bucket) => {
-                self.fill_meta(token_ids, seqs, bucket, bucket)?;
+                self.fill_meta(token_ids, seqs, bucket, bucket, samples)?;
                 self.run_graph(bucket)?;
             }
             None => {
-                self.fill_meta(token_ids, seqs, token_ids.len(), seqs.len())?;
+                self.fill_meta(token_ids, seqs, token_ids.len(), seqs.len(), samples)?;
                 self.run_forward(token_ids.len(), rows, None)?;
             }
         }
@@ -1745,6 +1751,18 @@ struct MetaLimits {
     table_width: usize,
     /// Whether multi-token chunks go to the tensor-core prefill kernel (else the row kernel).
     flash: bool,
+}
+
+/// Puts the sampling parameters of `samples` (row r: top-k, then temperature, top-p and the
+/// uniform draw as f32 bits) into the metadata header.
+fn put_sampling(m: &MetaLayout, header: &mut [i32], samples: &[SampleSpec]) {
+    for (r, s) in samples.iter().enumerate() {
+        header[m.top_k + r] = s.top_k.min(i32::MAX as u32) as i32;
+        let params = [s.temperature, s.top_p, s.uniform.clamp(0.0, 0.999_999_9)];
+        for (i, p) in params.into_iter().enumerate() {
+            header[m.params + 3 * r + i] = p.to_bits() as i32;
+        }
+    }
 }
 
 /// Fills the fixed part of the step metadata (`header`, laid out by `m`) for a batch, padded
@@ -1924,6 +1942,41 @@ mod tests {
         // Without the tensor-core kernel every token goes to the row kernel.
         let (_, counts) = build_meta(&m, &mut header, &limits(false), &ids, &seqs, ids.len(), 2).unwrap();
         assert_eq!((counts.decode, counts.work), (71, 0));
+    }
+
+    #[test]
+    fn sampling_parameters_ride_in_the_metadata_header() {
+        let m = MetaLayout::new(64, 3);
+        // Every region lies inside the header, none overlapping the next.
+        let regions = [
+            (m.stride, 1),
+            (m.tokens, 64),
+            (m.positions, 64),
+            (m.slots, 64),
+            (m.tok_seq, 64),
+            (m.decode_list, 64),
+            (m.work, 2 * (64usize.div_ceil(FLASH_ROWS) + 3)),
+            (m.rows, 3),
+            (m.seq_tok, 3),
+            (m.seq_len, 3),
+            (m.seq_pos, 3),
+            (m.top_k, 3),
+            (m.params, 9),
+        ];
+        for w in regions.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{:?} runs into {:?}", w[0], w[1]);
+        }
+        assert_eq!(m.params + 9, m.tables);
+        let mut header = vec![-7; m.tables];
+        let top = SampleSpec { temperature: 0.7, top_k: 40, top_p: 0.9, uniform: 1.5, banned: vec![2] };
+        let huge = SampleSpec { top_k: u32::MAX, ..SampleSpec::greedy() };
+        put_sampling(&m, &mut header, &[top, huge]);
+        assert_eq!(&header[m.top_k..m.top_k + 3], &[40, i32::MAX, -7]);
+        let param = |i: usize| f32::from_bits(header[m.params + i] as u32);
+        // The draw stays below 1 (the kernel's walk needs a target inside the mass).
+        assert_eq!([param(0), param(1), param(2)], [0.7, 0.9, 0.999_999_9]);
+        assert_eq!([param(3), param(4), param(5)], [0.0, 1.0, 0.0]);
+        assert_eq!(header[m.params + 6], -7, "a row without a spec is left alone");
     }
 
     #[test]
