@@ -12,5 +12,14 @@ for t in cuda_kernels cuda_model cuda_engine; do
   exe=$(grep -o "target/release/deps/$t-[0-9a-f]*" /tmp/gpu-build.log | tail -1)
   cp "$exe" "gpu-bin/$t"
 done
+# BASELINE=<git rev>: also that revision's tandem, as gpu-bin/tandem-base, to measure against in
+# the same GPU call (`scripts/gpu/run.sh matrix "base:TANDEM_EXE=gpu-bin/tandem-base" "new:X=1"`).
+if [ -n "${BASELINE:-}" ]; then
+  rm -rf target/baseline-src
+  git worktree add --force --detach target/baseline-src "$BASELINE"
+  (cd target/baseline-src && CARGO_TARGET_DIR="$PWD/../baseline-target" cargo build --release -p tandem)
+  cp target/baseline-target/release/tandem gpu-bin/tandem-base
+  git worktree remove --force target/baseline-src
+fi
 strip gpu-bin/*  # line tables make them too large to carry (64 MiB)
 ls -la gpu-bin

@@ -225,7 +225,11 @@ pub struct CudaModel {
     _host_kv_pinned: Option<PinnedRegion>,
     act: Activations,
     meta: DevBuf<i32>,
+    /// The layout the current step (or graph capture) uses: `full_meta_layout`, or a decode
+    /// graph's own (see [`CudaModel::graph_meta_layout`]).
     meta_layout: MetaLayout,
+    /// Sized for `max_tokens` tokens: any step.
+    full_meta_layout: MetaLayout,
     meta_host: Vec<i32>,
     table_width: usize,
     max_tokens: usize,
@@ -673,6 +677,7 @@ impl CudaModel {
             act,
             meta,
             meta_layout,
+            full_meta_layout: meta_layout,
             meta_host: vec![0; meta_layout.tables],
             table_width,
             max_tokens,
@@ -874,6 +879,7 @@ impl CudaModel {
     /// Fills and uploads the step metadata. Returns the number of logit rows.
     fn prepare(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Result<usize, ModelError> {
         let rows = self.check_batch(token_ids, seqs)?;
+        self.meta_layout = self.full_meta_layout;
         self.fill_meta(token_ids, seqs, token_ids.len(), seqs.len(), &[])?;
         Ok(rows)
     }
@@ -896,9 +902,18 @@ impl CudaModel {
             flash: ops::flash_supported(self.cfg.head_dim),
         };
         let m = self.meta_layout;
+        // (The layout's token regions hold `positions - tokens` entries.)
+        if padded_tokens.max(token_ids.len()) > m.positions - m.tokens {
+            return Err(ModelError::Device(format!(
+                "{} tokens for a metadata layout of {}",
+                padded_tokens.max(token_ids.len()),
+                m.positions - m.tokens
+            )));
+        }
         if samples.len() > self.max_seqs {
             return Err(ModelError::Device(format!("{} sample specs for {} sequences", samples.len(), self.max_seqs)));
         }
+        self.meta_host.resize(m.tables, 0);
         let (tables, counts) =
             build_meta(&m, &mut self.meta_host, &limits, token_ids, seqs, padded_tokens, padded_seqs)?;
         self.counts = counts;
@@ -1329,6 +1344,7 @@ impl CudaModel {
             })
             .collect();
         let t = token_ids.len();
+        self.meta_layout = self.full_meta_layout;
         self.fill_meta(&token_ids, &batch, t, seqs, &[])?;
         let rows = seqs;
         let reps = if t > 256 { 3 } else { 20 };
@@ -1537,6 +1553,7 @@ impl CudaModel {
         }
         if tokens_per_seq == 1 && self.use_graphs {
             if let Some(bucket) = graph_buckets(self.max_seqs).into_iter().find(|&b| b >= seqs) {
+                self.meta_layout = self.graph_meta_layout(bucket);
                 self.fill_meta(&token_ids, &batch, bucket, bucket, &[])?;
                 self.run_graph(bucket)?;
                 let g = &self.graphs[&(bucket, self.counts.split)];
@@ -1564,13 +1581,29 @@ impl CudaModel {
             return Ok(());
         }
         let counts = StepCounts { decode: bucket, work: 0, one_token_each: true, split };
+        let graph_layout = self.graph_meta_layout(bucket);
+        let step_layout = std::mem::replace(&mut self.meta_layout, graph_layout);
         self.dev.begin_capture()?;
         let captured = self.run_forward(bucket, bucket, Some(counts));
         // End the capture even if a launch failed, so the stream is usable again.
         let graph = self.dev.end_capture();
+        self.meta_layout = step_layout;
         captured?;
         self.graphs.insert((bucket, split), graph?);
         Ok(())
+    }
+
+    /// The metadata layout of the decode graph for `bucket`: sized for `bucket` tokens, so a
+    /// decode step uploads a few KB of header instead of one sized for the largest prefill
+    /// (85 KB at a 4096-token limit), from pageable memory, every step. Its steps define every
+    /// entry the graph reads (padding rows included). The ring decode kernel keeps the full
+    /// layout: its argument table holds metadata addresses from load time.
+    fn graph_meta_layout(&self, bucket: usize) -> MetaLayout {
+        if self.ring.is_some() {
+            self.full_meta_layout
+        } else {
+            MetaLayout::new(bucket, self.max_seqs)
+        }
     }
 
     /// Replays the decode graph for `bucket` and the prepared step's attention split.
@@ -1665,10 +1698,12 @@ impl ModelRunner for CudaModel {
         }
         match self.graph_bucket(token_ids, seqs) {
             Some(bucket) => {
+                self.meta_layout = self.graph_meta_layout(bucket);
                 self.fill_meta(token_ids, seqs, bucket, bucket, samples)?;
                 self.run_graph(bucket)?;
             }
             None => {
+                self.meta_layout = self.full_meta_layout;
                 self.fill_meta(token_ids, seqs, token_ids.len(), seqs.len(), samples)?;
                 self.run_forward(token_ids.len(), rows, None)?;
             }
@@ -1977,6 +2012,28 @@ mod tests {
         assert_eq!([param(0), param(1), param(2)], [0.7, 0.9, 0.999_999_9]);
         assert_eq!([param(3), param(4), param(5)], [0.0, 1.0, 0.0]);
         assert_eq!(header[m.params + 6], -7, "a row without a spec is left alone");
+    }
+
+    #[test]
+    fn a_decode_graph_step_defines_everything_its_graph_reads() {
+        // A bucket's layout is shared with other steps' leftovers (other layouts write other
+        // offsets of the same buffer): a graph step must set every entry its kernels read.
+        let m = MetaLayout::new(4, 8);
+        assert!(m.tables < MetaLayout::new(4096, 8).tables / 100, "the bucket's header is small");
+        let stale = i32::MIN;
+        let mut header = vec![stale; m.tables];
+        let (ta, tb) = ([5u32, 6], [9u32]);
+        let seqs = [
+            SeqBatch { token_start: 0, num_tokens: 1, first_pos: 6, block_table: &ta, want_logits: true },
+            SeqBatch { token_start: 1, num_tokens: 1, first_pos: 2, block_table: &tb, want_logits: true },
+        ];
+        let (tables, counts) = build_meta(&m, &mut header, &limits(true), &[3, 4], &seqs, 4, 4).unwrap();
+        assert_eq!((counts.decode, counts.work), (4, 0));
+        assert_ne!(header[m.stride], stale);
+        for region in [m.tokens, m.positions, m.slots, m.tok_seq, m.decode_list, m.rows] {
+            assert!(header[region..region + 4].iter().all(|&v| v != stale), "region at {region}: {header:?}");
+        }
+        assert_eq!(tables.len(), 4 * 2, "a table row for every padded sequence");
     }
 
     #[test]
