@@ -204,6 +204,11 @@ impl MetaLayout {
             tables,
         }
     }
+
+    /// Tokens its per-token regions hold.
+    fn token_capacity(&self) -> usize {
+        self.positions - self.tokens
+    }
 }
 
 /// The transformer on one GPU, with its KV cache.
@@ -879,22 +884,23 @@ impl CudaModel {
     /// Fills and uploads the step metadata. Returns the number of logit rows.
     fn prepare(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Result<usize, ModelError> {
         let rows = self.check_batch(token_ids, seqs)?;
-        self.meta_layout = self.full_meta_layout;
-        self.fill_meta(token_ids, seqs, token_ids.len(), seqs.len(), &[])?;
+        self.fill_meta(token_ids, seqs, None, &[])?;
         Ok(rows)
     }
 
-    /// Writes the metadata for the real batch and pads tokens up to `padded_tokens` (and
-    /// sequences up to `padded_seqs`) with rows that write nothing and read block 0; with the
-    /// sampling parameters of `samples` (one per logit row, or none), all in one upload.
+    /// Writes the metadata for the real batch, with the sampling parameters of `samples` (one
+    /// per logit row, or none), all in one upload, in the layout the step runs with: for the
+    /// decode graph of `graph_bucket`, its own layout, tokens and sequences padded to the bucket
+    /// with rows that write nothing and read block 0; otherwise the full layout.
     fn fill_meta(
         &mut self,
         token_ids: &[u32],
         seqs: &[SeqBatch<'_>],
-        padded_tokens: usize,
-        padded_seqs: usize,
+        graph_bucket: Option<usize>,
         samples: &[SampleSpec],
     ) -> Result<(), ModelError> {
+        let (padded_tokens, padded_seqs) = graph_bucket.map_or((token_ids.len(), seqs.len()), |b| (b, b));
+        self.meta_layout = graph_bucket.map_or(self.full_meta_layout, |b| self.graph_meta_layout(b));
         let limits = MetaLimits {
             block_size: self.layout.block_size,
             max_positions: self.max_positions,
@@ -902,12 +908,11 @@ impl CudaModel {
             flash: ops::flash_supported(self.cfg.head_dim),
         };
         let m = self.meta_layout;
-        // (The layout's token regions hold `positions - tokens` entries.)
-        if padded_tokens.max(token_ids.len()) > m.positions - m.tokens {
+        if padded_tokens.max(token_ids.len()) > m.token_capacity() {
             return Err(ModelError::Device(format!(
                 "{} tokens for a metadata layout of {}",
                 padded_tokens.max(token_ids.len()),
-                m.positions - m.tokens
+                m.token_capacity()
             )));
         }
         if samples.len() > self.max_seqs {
@@ -1344,8 +1349,7 @@ impl CudaModel {
             })
             .collect();
         let t = token_ids.len();
-        self.meta_layout = self.full_meta_layout;
-        self.fill_meta(&token_ids, &batch, t, seqs, &[])?;
+        self.fill_meta(&token_ids, &batch, None, &[])?;
         let rows = seqs;
         let reps = if t > 256 { 3 } else { 20 };
         let layers = self.cfg.num_layers as f64;
@@ -1553,8 +1557,7 @@ impl CudaModel {
         }
         if tokens_per_seq == 1 && self.use_graphs {
             if let Some(bucket) = graph_buckets(self.max_seqs).into_iter().find(|&b| b >= seqs) {
-                self.meta_layout = self.graph_meta_layout(bucket);
-                self.fill_meta(&token_ids, &batch, bucket, bucket, &[])?;
+                self.fill_meta(&token_ids, &batch, Some(bucket), &[])?;
                 self.run_graph(bucket)?;
                 let g = &self.graphs[&(bucket, self.counts.split)];
                 let dev = &self.dev;
@@ -1698,13 +1701,11 @@ impl ModelRunner for CudaModel {
         }
         match self.graph_bucket(token_ids, seqs) {
             Some(bucket) => {
-                self.meta_layout = self.graph_meta_layout(bucket);
-                self.fill_meta(token_ids, seqs, bucket, bucket, samples)?;
+                self.fill_meta(token_ids, seqs, Some(bucket), samples)?;
                 self.run_graph(bucket)?;
             }
             None => {
-                self.meta_layout = self.full_meta_layout;
-                self.fill_meta(token_ids, seqs, token_ids.len(), seqs.len(), samples)?;
+                self.fill_meta(token_ids, seqs, None, samples)?;
                 self.run_forward(token_ids.len(), rows, None)?;
             }
         }
