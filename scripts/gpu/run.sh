@@ -10,7 +10,8 @@
 #   matrix "label:VAR=value ..." ...: kernel and model tests, then the decode step under each setting
 #   (PROFILE=1 among the settings adds the step's kernel profile, DECODE_PROMPT=n sets the decode
 #   sequences' prompt length, PREFILL_TOKENS=n the prefill (and so the engine's batched-token
-#   limit, which sizes the per-step metadata upload), TANDEM_EXE=path runs another tandem binary;
+#   limit, which sizes the per-step metadata upload), TANDEM_EXE=path runs another tandem binary,
+#   BENCH_ARGS=--flag=value adds one bench argument (e.g. BENCH_ARGS=--async-scheduling=off);
 #   SKIP_TESTS=1 in the environment skips the tests);
 #   ncu "label:VAR=value ..." ...: Nsight Compute on a batch-1 decode under each setting (the first
 #   NCU_COUNT, default 40, launches of kernels matching NCU_KERNELS, default gemv, attention and
@@ -68,7 +69,7 @@ if [ "$MODE" = matrix ]; then
     ( export ${spec#*:}
       timeout 150 "${TANDEM_EXE:-$BIN/tandem}" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
         --decode-steps 64 --decode-prompt-tokens "${DECODE_PROMPT:-16}" --prefill-tokens "${PREFILL_TOKENS:-512}" \
-        ${PROFILE:+--profile} \
+        ${PROFILE:+--profile} ${BENCH_ARGS:-} \
         > "$OUT/matrix_$label.log" 2>&1 )
     note "$label: $(grep -E '^(1|64) +[0-9]' "$OUT/matrix_$label.log" | tr -s ' ' | tr '\n' '|')"
     grep -E "^ *fused|plan sweep: down" "$OUT/matrix_$label.log" | grep -v pipelined | sed "s/^/  $label /"

@@ -12,7 +12,13 @@ use tandem_model::{LoadedModel, ModelSource, Preset};
 async fn load_generator_measures_a_real_server() {
     let m =
         LoadedModel::load(&ModelSource::Preset { preset: Preset::find("tiny-qwen3").unwrap(), seed: 0 }, None).unwrap();
-    let cfg = EngineConfig { block_size: 16, num_blocks: 400, max_num_seqs: 64, max_num_batched_tokens: 256 };
+    let cfg = EngineConfig {
+        block_size: 16,
+        num_blocks: 400,
+        max_num_seqs: 64,
+        max_num_batched_tokens: 256,
+        async_scheduling: false,
+    };
     let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let state = Arc::new(tandem_server::AppState::new(engine, m.tokenizer.map(Arc::new), "tiny".into()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -87,6 +87,33 @@ pub struct EngineArgs {
     /// CUDA graphs (slower; for debugging and comparison).
     #[arg(long)]
     pub enforce_eager: bool,
+    /// Plan and submit each step before the previous step's tokens reach the host, so the GPU
+    /// goes from one step to the next without waiting for the engine thread. `auto`: on for
+    /// GPUs, off on CPU (where a step cannot overlap the host).
+    #[arg(long, value_enum, default_value_t = AsyncScheduling::Auto)]
+    pub async_scheduling: AsyncScheduling,
+}
+
+/// Whether the engine pipelines its steps (`--async-scheduling`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AsyncScheduling {
+    /// On for GPUs, off on CPU.
+    Auto,
+    /// Always (on CPU it only reorders the work; for tests).
+    On,
+    /// Never: each step waits for its tokens before the next is planned.
+    Off,
+}
+
+impl AsyncScheduling {
+    /// Whether to pipeline on a GPU (`gpu`) or the CPU.
+    pub fn enabled(self, gpu: bool) -> bool {
+        match self {
+            Self::Auto => gpu,
+            Self::On => true,
+            Self::Off => false,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -514,6 +541,9 @@ pub struct BenchEngineArgs {
     /// GPU only: launch every kernel instead of replaying CUDA graphs.
     #[arg(long)]
     pub enforce_eager: bool,
+    /// Pipelined engine steps (see `tandem serve --help`).
+    #[arg(long, value_enum, default_value_t = AsyncScheduling::Auto)]
+    pub async_scheduling: AsyncScheduling,
     /// GPU only: also print device time per op for decode (batch 1 and the largest batch) and
     /// for the prefill.
     #[arg(long)]

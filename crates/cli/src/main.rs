@@ -132,6 +132,7 @@ fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<usize>) -> 
                 num_blocks: model.kv_layout().num_blocks,
                 max_num_seqs: e.max_num_seqs,
                 max_num_batched_tokens: e.max_num_batched_tokens,
+                async_scheduling: e.async_scheduling.enabled(true),
             };
             config.validate().map_err(anyhow::Error::msg)?;
             tracing::info!(
@@ -171,6 +172,7 @@ fn engine_config(e: &EngineArgs, model: &LoadedModel) -> Result<EngineConfig> {
         num_blocks,
         max_num_seqs: e.max_num_seqs,
         max_num_batched_tokens: e.max_num_batched_tokens,
+        async_scheduling: e.async_scheduling.enabled(false),
     };
     cfg.validate().map_err(anyhow::Error::msg)?;
     tracing::info!(
@@ -420,9 +422,14 @@ fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
         prefill_tokens: a.prefill_tokens,
         ..Default::default()
     };
+    let device = resolve_device(&a.device)?;
+    let cfg = tandem_bench::engine::EngineBenchConfig {
+        async_scheduling: a.async_scheduling.enabled(matches!(device, DeviceSpec::Cuda(_))),
+        ..cfg
+    };
     let engine_cfg = tandem_bench::engine::engine_config(&cfg);
     let margs = ModelArgs { model: a.model.clone(), model_seed: a.model_seed, max_model_len: None };
-    let bench_model = match resolve_device(&a.device)? {
+    let bench_model = match device {
         DeviceSpec::Cpu => {
             let model = load_model(&margs)?;
             let c = model.transformer.config();

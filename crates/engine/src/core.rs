@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use rand::Rng;
 use tandem_core::{FinishReason, InvalidSampling, RemoteKv, RequestId};
 use tandem_kv::{AgentInfo, ConnectorConfig, ConnectorEvent, ConnectorStats, KvConnector, KvError};
-use tandem_model::{CpuRunner, ModelRunner, SampleSpec, SeqBatch, Transformer};
+use tandem_model::{carried_token, CpuRunner, ModelRunner, SampleSpec, SeqBatch, Transformer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::block_pool::{BlockAllocation, BlockPool};
@@ -175,6 +175,22 @@ pub struct EngineCore {
     /// Blocks of aborted decode legs that a prefill engine might still write, held until the
     /// connector reports them released.
     quarantine: HashMap<RequestId, BlockAllocation>,
+    /// Async scheduling: the next step is planned and submitted before the previous one's
+    /// tokens are back (see [`EngineCore::step`]).
+    pipelined: bool,
+    /// The submitted step whose tokens are not collected yet (pipelined only).
+    in_flight: Option<InFlight>,
+    /// Numbers requests in arrival order, so a collected token never lands in a later
+    /// request that reuses an ended one's id.
+    next_serial: u64,
+}
+
+/// A step submitted to the model whose tokens have not come back yet.
+struct InFlight {
+    plan: SchedulerOutput,
+    /// Per sampled row: the request (id and serial) and the index in its tokens where the
+    /// token goes (a placeholder holds it until then, unless the token is its last).
+    rows: Vec<(RequestId, u64, usize)>,
 }
 
 impl EngineCore {
@@ -193,6 +209,7 @@ impl EngineCore {
             EngineModel::Cpu(t) => Box::new(CpuRunner::new(*t, config.block_size, config.num_blocks)),
             EngineModel::Runner(r) => r,
         };
+        let runner_pipelines = model.can_pipeline();
         let layout = model.kv_layout();
         assert!(
             layout.block_size == config.block_size && layout.num_blocks == config.num_blocks,
@@ -217,7 +234,15 @@ impl EngineCore {
             connector: None,
             load_failure: KvLoadFailure::default(),
             quarantine: HashMap::new(),
+            pipelined: config.async_scheduling && runner_pipelines,
+            in_flight: None,
+            next_serial: 0,
         }
+    }
+
+    /// Whether steps are pipelined (async scheduling asked for and the runner supports it).
+    pub fn pipelined(&self) -> bool {
+        self.pipelined
     }
 
     /// Where the model runs (`cpu (f32)`, `cuda:0 (...) bf16`).
@@ -269,7 +294,9 @@ impl EngineCore {
         check_role(&req, role)?;
         let remote_decode = matches!(req.remote, Some(RemoteKv::PushFrom { .. } | RemoteKv::PullFrom { .. }));
         let blocks = self.scheduler.pool.empty_allocation();
-        let request = Request::new(req, blocks, events);
+        let mut request = Request::new(req, blocks, events);
+        request.serial = self.next_serial;
+        self.next_serial += 1;
         if remote_decode {
             self.scheduler.add_remote(request);
         } else {
@@ -304,15 +331,15 @@ impl EngineCore {
         }
     }
 
-    /// Whether any request is live or any blocks are quarantined.
+    /// Whether any request is live, any blocks are quarantined or a step is in flight.
     pub fn has_work(&self) -> bool {
-        self.scheduler.has_work() || !self.quarantine.is_empty()
+        self.scheduler.has_work() || !self.quarantine.is_empty() || self.in_flight.is_some()
     }
 
-    /// Whether a step would compute something now (otherwise the loop may wait briefly for
-    /// connector events or commands).
+    /// Whether a step would compute (or collect) something now (otherwise the loop may wait
+    /// briefly for connector events or commands).
     pub fn has_runnable(&self) -> bool {
-        self.scheduler.has_runnable() || !self.scheduler.remote_queue.is_empty()
+        self.scheduler.has_runnable() || !self.scheduler.remote_queue.is_empty() || self.in_flight.is_some()
     }
 
     /// Requests running / waiting.
@@ -337,20 +364,88 @@ impl EngineCore {
 
     /// Runs one step: apply connector events, start remote loads, schedule, forward, sample,
     /// emit.
+    ///
+    /// Pipelined (async scheduling), the forward of step N+1 is submitted before step N's
+    /// tokens are collected, so the device goes from one step to the next without waiting
+    /// for the host: scheduling N+1 treats N as done (computed counts advanced, a placeholder
+    /// for each sampled token, which the runner resolves on the device), then N's tokens are
+    /// collected and emitted. The report describes the collected step. A request whose
+    /// sampled token ends it by length is not scheduled again; one ended by a stop token in N
+    /// has run one more forward in N+1, whose output is dropped.
     pub fn step(&mut self) -> StepReport {
         self.apply_connector_events();
         self.start_remote_loads();
         let plan = self.scheduler.schedule();
-        if plan.chunks.is_empty() {
-            return StepReport::default();
+        if !self.pipelined {
+            if plan.chunks.is_empty() {
+                return StepReport::default();
+            }
+            return match self.execute(&plan) {
+                Ok(tokens) => self.update(&plan, &tokens),
+                Err(e) => self.fail_batch(&plan, &e.to_string()),
+            };
         }
-        match self.execute(&plan) {
-            Ok(tokens) => self.update(&plan, &tokens),
-            Err(e) => self.fail_batch(&plan, &e.to_string()),
+        let mut report = StepReport::default();
+        let submitted = if plan.chunks.is_empty() {
+            None
+        } else {
+            let (token_ids, seqs, samples) = self.model_inputs(&plan);
+            match self.model.submit(&token_ids, &seqs, &samples) {
+                Ok(()) => Some(self.advance(plan)),
+                Err(e) => {
+                    report = self.fail_batch(&plan, &e.to_string());
+                    None
+                }
+            }
+        };
+        if let Some(done) = std::mem::replace(&mut self.in_flight, submitted) {
+            let collected = match self.model.collect() {
+                Ok(tokens) => self.update_collected(&done, &tokens),
+                Err(e) => self.fail_batch(&done.plan, &e.to_string()),
+            };
+            report.num_tokens += collected.num_tokens;
+            report.num_seqs += collected.num_seqs;
+            report.num_finished += collected.num_finished;
         }
+        report
+    }
+
+    /// Pipelined: marks `plan` as computed the moment it is submitted, so the next schedule
+    /// builds on it; each sampled token gets a placeholder naming its sample row, unless it
+    /// ends its request by length (then the request has nothing more to schedule).
+    fn advance(&mut self, plan: SchedulerOutput) -> InFlight {
+        let mut rows = Vec::new();
+        for c in &plan.chunks {
+            let samples = c.sample && !c.token_ids.is_empty();
+            let Some(req) = self.scheduler.requests.get_mut(&c.id) else {
+                if samples {
+                    rows.push((c.id.clone(), u64::MAX, 0)); // keeps the rows aligned; matches no request
+                }
+                continue;
+            };
+            req.num_computed += c.token_ids.len();
+            if !samples {
+                continue;
+            }
+            let index = req.tokens.len();
+            let last_by_length =
+                index + 1 - req.prompt_len >= req.params.max_tokens || index + 1 >= self.limits.max_model_len;
+            if !last_by_length {
+                req.tokens.push(carried_token(rows.len()));
+            }
+            rows.push((c.id.clone(), req.serial, index));
+        }
+        InFlight { plan, rows }
     }
 
     fn execute(&mut self, plan: &SchedulerOutput) -> Result<Vec<u32>, tandem_model::ModelError> {
+        let (token_ids, seqs, samples) = self.model_inputs(plan);
+        self.model.execute(&token_ids, &seqs, &samples)
+    }
+
+    /// The runner's inputs for `plan`: all tokens concatenated, one `SeqBatch` per chunk, one
+    /// `SampleSpec` per sampling chunk.
+    fn model_inputs<'p>(&mut self, plan: &'p SchedulerOutput) -> (Vec<u32>, Vec<SeqBatch<'p>>, Vec<SampleSpec>) {
         let mut token_ids = Vec::with_capacity(plan.num_tokens());
         let mut seqs = Vec::with_capacity(plan.chunks.len());
         let mut samples = Vec::new();
@@ -367,7 +462,7 @@ impl EngineCore {
                 samples.push(self.sample_spec(&c.id));
             }
         }
-        self.model.execute(&token_ids, &seqs, &samples)
+        (token_ids, seqs, samples)
     }
 
     /// How to pick `id`'s next token; draws its uniform from the request's own stream (one
@@ -403,58 +498,86 @@ impl EngineCore {
 
     fn update(&mut self, plan: &SchedulerOutput, tokens: &[u32]) -> StepReport {
         let mut report = StepReport { num_tokens: plan.num_tokens(), num_seqs: plan.chunks.len(), num_finished: 0 };
-        let mut row = 0;
+        let mut sampled = tokens.iter();
         let mut finished = Vec::new();
         for c in &plan.chunks {
+            // Rows follow the sampling chunks, whether or not their request is still here.
+            let token = if c.sample && !c.token_ids.is_empty() { sampled.next().copied() } else { None };
             let Some(req) = self.scheduler.requests.get_mut(&c.id) else {
                 continue;
             };
             req.num_computed += c.token_ids.len();
-            if !c.sample {
-                continue;
-            }
-            let token = tokens[row];
-            row += 1;
-            req.tokens.push(token);
-            let finish = finish_reason(req, token, &self.eos_token_ids, self.limits.max_model_len);
-            if finish.is_some() {
-                if let (Some(RemoteKv::Produce { transfer_id }), Some(connector)) = (&req.remote, &self.connector) {
-                    // The prompt's KV now belongs to the connector, which frees it after the
-                    // push write or when the pull lease ends.
-                    let blocks = std::mem::replace(&mut req.blocks, self.scheduler.pool.empty_allocation());
-                    let table = blocks.table();
-                    // A device cache: the connector reads the host copy, brought up to date first.
-                    if let Err(e) = self.model.kv_to_host(&table) {
-                        let reason = format!("copying the prompt's KV to host memory failed: {e}");
-                        tracing::error!(request_id = %c.id, %reason);
-                        connector.abandon(transfer_id.clone(), reason.clone());
-                        let _ = req.events.send(EngineEvent::Failed(reason));
-                        finished.push(c.id.clone());
-                        continue; // `blocks` goes back to the pool here
-                    }
-                    let num_tokens = req.num_computed;
-                    let _ = req.events.send(EngineEvent::KvProduced {
-                        transfer_id: transfer_id.clone(),
-                        block_ids: table.clone(),
-                        num_tokens,
-                        first_token: token,
-                    });
-                    connector.produced(transfer_id.clone(), Box::new(blocks), table, num_tokens, token);
-                }
-            }
-            let delivered = req.events.send(EngineEvent::Tokens { token_ids: vec![token], finish }).is_ok();
-            if finish.is_some() || !delivered {
-                // A closed receiver means the caller is gone: stop spending compute on it.
-                finished.push(c.id.clone());
+            if let Some(token) = token {
+                let (index, serial) = (req.tokens.len(), req.serial);
+                self.emit_token(&c.id, serial, index, token, &mut finished);
             }
         }
-        for id in finished {
-            if let Some(req) = self.scheduler.remove(&id) {
-                debug_assert!(matches!(req.status, RequestStatus::Running));
-                report.num_finished += 1;
-            }
-        }
+        report.num_finished = self.finish(finished);
         report
+    }
+
+    /// Pipelined: emits a collected step's tokens where `advance` reserved them.
+    fn update_collected(&mut self, done: &InFlight, tokens: &[u32]) -> StepReport {
+        let plan = &done.plan;
+        let mut report = StepReport { num_tokens: plan.num_tokens(), num_seqs: plan.chunks.len(), num_finished: 0 };
+        let mut finished = Vec::new();
+        for ((id, serial, index), &token) in done.rows.iter().zip(tokens) {
+            self.emit_token(id, *serial, *index, token, &mut finished);
+        }
+        report.num_finished = self.finish(finished);
+        report
+    }
+
+    /// Ends the requests in `finished` (their blocks go back to the pool); returns how many.
+    fn finish(&mut self, finished: Vec<RequestId>) -> usize {
+        finished.into_iter().filter(|id| self.scheduler.remove(id).is_some()).count()
+    }
+
+    /// Puts `token` at `index` of request `id`'s tokens (replacing the placeholder there, or
+    /// appending), checks whether it ends the request, hands a finished prefill leg's KV to the
+    /// connector and sends the token. `serial` guards against a request that ended meanwhile
+    /// and a new one under the same id: such a token is dropped.
+    fn emit_token(&mut self, id: &RequestId, serial: u64, index: usize, token: u32, finished: &mut Vec<RequestId>) {
+        let Some(req) = self.scheduler.requests.get_mut(id).filter(|r| r.serial == serial) else { return };
+        match index.cmp(&req.tokens.len()) {
+            std::cmp::Ordering::Less => req.tokens[index] = token,
+            std::cmp::Ordering::Equal => req.tokens.push(token),
+            std::cmp::Ordering::Greater => {
+                tracing::error!(request_id = %id, index, len = req.tokens.len(), "a sampled token lands past the request's tokens; dropped");
+                return;
+            }
+        }
+        let finish = finish_reason(req, token, index, &self.eos_token_ids, self.limits.max_model_len);
+        if finish.is_some() {
+            if let (Some(RemoteKv::Produce { transfer_id }), Some(connector)) = (&req.remote, &self.connector) {
+                // The prompt's KV now belongs to the connector, which frees it after the
+                // push write or when the pull lease ends.
+                let blocks = std::mem::replace(&mut req.blocks, self.scheduler.pool.empty_allocation());
+                let table = blocks.table();
+                // A device cache: the connector reads the host copy, brought up to date first.
+                if let Err(e) = self.model.kv_to_host(&table) {
+                    let reason = format!("copying the prompt's KV to host memory failed: {e}");
+                    tracing::error!(request_id = %id, %reason);
+                    connector.abandon(transfer_id.clone(), reason.clone());
+                    let _ = req.events.send(EngineEvent::Failed(reason));
+                    finished.push(id.clone());
+                    return; // `blocks` goes back to the pool here
+                }
+                let num_tokens = req.num_computed;
+                let _ = req.events.send(EngineEvent::KvProduced {
+                    transfer_id: transfer_id.clone(),
+                    block_ids: table.clone(),
+                    num_tokens,
+                    first_token: token,
+                });
+                connector.produced(transfer_id.clone(), Box::new(blocks), table, num_tokens, token);
+            }
+        }
+        let delivered = req.events.send(EngineEvent::Tokens { token_ids: vec![token], finish }).is_ok();
+        if finish.is_some() || !delivered {
+            // A closed receiver means the caller is gone: stop spending compute on it.
+            finished.push(id.clone());
+        }
     }
 }
 
@@ -476,11 +599,13 @@ pub(crate) fn check_role(req: &EngineRequest, role: Option<tandem_kv::Role>) -> 
     }
 }
 
-/// Why generation ends after `token`, if it does.
-fn finish_reason(req: &Request, token: u32, eos: &[u32], max_model_len: usize) -> Option<FinishReason> {
+/// Why generation ends after `token`, the request's token at `index`, if it does. (Pipelined,
+/// a placeholder for the next token may already follow it, so lengths count from `index`.)
+fn finish_reason(req: &Request, token: u32, index: usize, eos: &[u32], max_model_len: usize) -> Option<FinishReason> {
+    let len = index + 1;
     if !req.params.ignore_eos && eos.contains(&token) || req.params.stop_token_ids.contains(&token) {
         Some(FinishReason::Stop)
-    } else if req.num_output_tokens() >= req.params.max_tokens || req.tokens.len() >= max_model_len {
+    } else if len.saturating_sub(req.prompt_len) >= req.params.max_tokens || len >= max_model_len {
         Some(FinishReason::Length)
     } else {
         None
@@ -547,7 +672,8 @@ impl EngineCore {
                     match first_token {
                         Some(t) => {
                             req.tokens.push(t);
-                            finish = finish_reason(req, t, &self.eos_token_ids, self.limits.max_model_len);
+                            let index = req.tokens.len() - 1;
+                            finish = finish_reason(req, t, index, &self.eos_token_ids, self.limits.max_model_len);
                             let _ = req.events.send(EngineEvent::Tokens { token_ids: vec![t], finish });
                         }
                         // No token came with the KV: recompute the last prompt token to sample.

@@ -9,6 +9,8 @@
 //! Each step of the loop: the scheduler picks tokens for running and waiting requests within
 //! a token budget (continuous batching, chunked prefill, preemption by recompute), the model
 //! runs one batched forward over the paged KV cache, the sampler picks tokens, events go out.
+//! With async scheduling (GPUs), the next step is planned and submitted before the current
+//! one's tokens reach the host, so the device never waits for the engine thread.
 //! KV blocks are owned by values that return them on drop ([`BlockAllocation`]), so after any
 //! run the free-block count returns to its starting value.
 //!
@@ -41,6 +43,10 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// Most tokens in one step (prefill chunks plus decode tokens).
     pub max_num_batched_tokens: usize,
+    /// Plan and submit each step before the previous one's tokens reach the host, where the
+    /// model runner can (the CUDA one): the device never waits for the engine thread between
+    /// decode steps. A request that stops on a stop token costs one discarded forward.
+    pub async_scheduling: bool,
 }
 
 impl EngineConfig {

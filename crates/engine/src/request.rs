@@ -87,6 +87,8 @@ pub(crate) enum RequestStatus {
 /// The engine's record of a live request.
 pub(crate) struct Request {
     pub id: RequestId,
+    /// Unique over the engine's life (ids may be reused once a request ends).
+    pub serial: u64,
     /// Prompt followed by the tokens generated so far.
     pub tokens: Vec<u32>,
     pub prompt_len: usize,
@@ -113,6 +115,7 @@ impl Request {
         };
         Self {
             id: req.id,
+            serial: 0,
             prompt_len: req.prompt_token_ids.len(),
             tokens: req.prompt_token_ids,
             num_computed: 0,

@@ -155,6 +155,11 @@ impl Scheduler {
                 }
             };
             let n = (known - computed).min(budget);
+            if n == 0 {
+                // Pipelined: its last token is being sampled and ends it; nothing to run.
+                i += 1;
+                continue;
+            }
             let need = self.blocks_for(computed + n).saturating_sub(held);
             let mut scheduled = true;
             while self.pool.num_free() < need {

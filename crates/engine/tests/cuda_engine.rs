@@ -1,6 +1,7 @@
 //! The engine on a GPU: decode steps replayed from CUDA graphs (padded to a batch bucket) give
 //! the same greedy tokens as launching every kernel, seeded sampling on the device repeats,
-//! and every KV block comes back. Runs where a GPU is present (scripts/gpu/run.sh); elsewhere
+//! pipelined steps (async scheduling: tokens carried on the device) give the same tokens as
+//! steps run one at a time, and every KV block comes back. Runs where a GPU is present (scripts/gpu/run.sh); elsewhere
 //! it says it skipped, unless `TANDEM_REQUIRE_CUDA=1`.
 
 use std::collections::HashMap;
@@ -11,13 +12,23 @@ use tandem_model::{CudaModel, CudaOptions, ModelRunner, ModelSource, ModelSpec};
 use tokio::sync::mpsc::unbounded_channel;
 
 fn engine(graphs: bool) -> Option<EngineCore> {
+    engine_with(graphs, false)
+}
+
+fn engine_with(graphs: bool, pipelined: bool) -> Option<EngineCore> {
     if let Err(e) = tandem_compute::cuda::CudaDevice::open(0) {
         assert!(std::env::var("TANDEM_REQUIRE_CUDA").map_or(true, |v| v != "1"), "no usable GPU: {e}");
         eprintln!("skipping: {e}");
         return None;
     }
     let spec = ModelSpec::load(&ModelSource::parse("preset:qwen3-0.6b", 1).unwrap(), Some(1024)).unwrap();
-    let cfg = EngineConfig { block_size: 16, num_blocks: 256, max_num_seqs: 16, max_num_batched_tokens: 512 };
+    let cfg = EngineConfig {
+        block_size: 16,
+        num_blocks: 256,
+        max_num_seqs: 16,
+        max_num_batched_tokens: 512,
+        async_scheduling: pipelined,
+    };
     let opts = CudaOptions {
         block_size: cfg.block_size,
         max_tokens: cfg.max_num_batched_tokens,
@@ -27,7 +38,9 @@ fn engine(graphs: bool) -> Option<EngineCore> {
         ..CudaOptions::default()
     };
     let model: Box<dyn ModelRunner> = Box::new(CudaModel::load(&spec, &opts).unwrap());
-    Some(EngineCore::new(model, spec.eos_token_ids, spec.max_model_len, &cfg))
+    let core = EngineCore::new(model, spec.eos_token_ids, spec.max_model_len, &cfg);
+    assert_eq!(core.pipelined(), pipelined, "the CUDA runner pipelines");
+    Some(core)
 }
 
 /// Five requests of different lengths at once (decode batches of 5, then fewer as they end:
@@ -86,4 +99,35 @@ fn graph_replay_equals_eager_launches_and_seeds_repeat() {
     let s2 = run(&mut graphs, seeded);
     assert_eq!(s1, s2, "same seeds, same tokens");
     assert_ne!(s1, a.iter().map(|(i, t)| (*i, t[..12.min(t.len())].to_vec())).collect::<HashMap<_, _>>());
+}
+
+#[test]
+fn pipelined_steps_equal_steps_run_one_at_a_time() {
+    let Some(mut pipelined) = engine_with(true, true) else { return };
+    let Some(mut alone) = engine_with(true, false) else { return };
+    let greedy = |i: usize| SamplingParams { ignore_eos: true, ..SamplingParams::greedy(8 + 6 * i) };
+    let reference = run(&mut alone, greedy);
+    assert_eq!(run(&mut pipelined, greedy), reference, "pipelined steps changed greedy tokens");
+    // Stop tokens that end requests while their next step is already on the device (its
+    // output dropped), and min_tokens bans counted with a token still in flight.
+    let stops: HashMap<usize, u32> = reference.iter().map(|(i, t)| (*i, t[3 + i % 3])).collect();
+    let stopping = |i: usize| SamplingParams {
+        stop_token_ids: vec![stops[&i]],
+        min_tokens: if i == 0 { 5 } else { 0 },
+        ..SamplingParams::greedy(8 + 6 * i)
+    };
+    let a = run(&mut alone, stopping);
+    assert_eq!(run(&mut pipelined, stopping), a, "stops and bans differ when pipelined");
+    for (i, t) in &a {
+        assert!(t.len() < reference[i].len() || *i == 0, "request {i} should have stopped early: {t:?}");
+    }
+    let seeded = |i: usize| SamplingParams {
+        temperature: 0.8,
+        top_p: 0.9,
+        top_k: Some(50),
+        seed: Some(100 + i as u64),
+        ignore_eos: true,
+        ..SamplingParams::greedy(12)
+    };
+    assert_eq!(run(&mut pipelined, seeded), run(&mut alone, seeded), "seeded sampling differs when pipelined");
 }

@@ -30,8 +30,23 @@ fn fixture(name: &str) -> (LoadedModel, Vec<Case>) {
 }
 
 fn core(model: LoadedModel, block_size: usize, num_blocks: usize, budget: usize) -> EngineCore {
-    let cfg = EngineConfig { block_size, num_blocks, max_num_seqs: 64, max_num_batched_tokens: budget };
-    EngineCore::new(model.transformer, model.eos_token_ids, model.max_model_len, &cfg)
+    core_with(model, block_size, num_blocks, budget, false)
+}
+
+/// `pipelined`: async scheduling, each step submitted before the previous one's tokens are
+/// collected (the CPU runner resolves the carried tokens; the engine's bookkeeping is what
+/// these tests check).
+fn core_with(model: LoadedModel, block_size: usize, num_blocks: usize, budget: usize, pipelined: bool) -> EngineCore {
+    let cfg = EngineConfig {
+        block_size,
+        num_blocks,
+        max_num_seqs: 64,
+        max_num_batched_tokens: budget,
+        async_scheduling: pipelined,
+    };
+    let core = EngineCore::new(model.transformer, model.eos_token_ids, model.max_model_len, &cfg);
+    assert_eq!(core.pipelined(), pipelined);
+    core
 }
 
 /// Runs until idle; returns each request's tokens and finish reason.
@@ -74,10 +89,13 @@ fn greedy_ignore_eos(n: usize) -> SamplingParams {
 fn batched_chunked_and_preempted_runs_match_transformers() {
     for name in ["qwen3", "qwen2", "llama"] {
         // (block size, blocks, token budget): roomy; chunked with odd blocks; so few blocks
-        // that requests must be preempted and recomputed.
-        for (bs, blocks, budget) in [(16, 256, 4096), (5, 200, 32), (4, 40, 24)] {
+        // that requests must be preempted and recomputed. Each also pipelined.
+        for (bs, blocks, budget, pipelined) in [(16, 256, 4096), (5, 200, 32), (4, 40, 24)]
+            .into_iter()
+            .flat_map(|(bs, blocks, budget)| [(bs, blocks, budget, false), (bs, blocks, budget, true)])
+        {
             let (model, cases) = fixture(name);
-            let mut core = core(model, bs, blocks, budget);
+            let mut core = core_with(model, bs, blocks, budget, pipelined);
             let mut rxs = Vec::new();
             // Every prompt twice, all at once: requests share batches.
             for (i, c) in cases.iter().chain(cases.iter()).enumerate() {
@@ -96,7 +114,7 @@ fn batched_chunked_and_preempted_runs_match_transformers() {
                 assert_eq!(
                     toks,
                     &c.expected,
-                    "{name} bs={bs} blocks={blocks} budget={budget} prompt of {}",
+                    "{name} bs={bs} blocks={blocks} budget={budget} pipelined={pipelined} prompt of {}",
                     c.prompt.len()
                 );
                 assert_eq!(*fin, Some(FinishReason::Length));
@@ -127,27 +145,44 @@ fn seeded_sampling_repeats_regardless_of_batch() {
     let (tx, rx) = unbounded_channel();
     c.add_request(EngineRequest::new(RequestId::new("a"), prompt.clone(), params(7)), tx).unwrap();
     let alone = run(&mut c, vec![(RequestId::new("a"), rx)]).remove(&RequestId::new("a")).unwrap().0;
-    // Beside other requests with other seeds.
-    let mut c = core(load(), 16, 64, 512);
-    let mut rxs = Vec::new();
-    for (i, seed) in [3u64, 7, 9].into_iter().enumerate() {
-        let (tx, rx) = unbounded_channel();
-        let id = RequestId::new(format!("r{i}"));
-        c.add_request(EngineRequest::new(id.clone(), prompt.clone(), params(seed)), tx).unwrap();
-        rxs.push((id, rx));
+    // Beside other requests with other seeds, then the same pipelined.
+    for pipelined in [false, true] {
+        let mut c = core_with(load(), 16, 64, 512, pipelined);
+        let mut rxs = Vec::new();
+        for (i, seed) in [3u64, 7, 9].into_iter().enumerate() {
+            let (tx, rx) = unbounded_channel();
+            let id = RequestId::new(format!("r{i}"));
+            c.add_request(EngineRequest::new(id.clone(), prompt.clone(), params(seed)), tx).unwrap();
+            rxs.push((id, rx));
+        }
+        let out = run(&mut c, rxs);
+        assert_eq!(out[&RequestId::new("r1")].0, alone, "pipelined={pipelined}");
+        assert_ne!(out[&RequestId::new("r0")].0, alone, "a different seed should differ");
+        assert_eq!(c.num_free_blocks(), 64);
     }
-    let out = run(&mut c, rxs);
-    assert_eq!(out[&RequestId::new("r1")].0, alone);
-    assert_ne!(out[&RequestId::new("r0")].0, alone, "a different seed should differ");
 }
 
 #[test]
 fn eos_min_tokens_stop_ids_and_max_tokens() {
+    // Pipelined, the stop tokens arrive while the next step of their request already runs.
+    for pipelined in [false, true] {
+        eos_min_tokens_stop_ids_and_max_tokens_in(pipelined);
+    }
+}
+
+fn eos_min_tokens_stop_ids_and_max_tokens_in(pipelined: bool) {
     let (model, cases) = fixture("qwen3");
     let c = &cases[1];
     let eos = c.expected[3]; // make the 4th greedy token an end-of-sequence token
-    let cfg = EngineConfig { block_size: 16, num_blocks: 64, max_num_seqs: 8, max_num_batched_tokens: 256 };
+    let cfg = EngineConfig {
+        block_size: 16,
+        num_blocks: 64,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 256,
+        async_scheduling: pipelined,
+    };
     let mut core = EngineCore::new(model.transformer, vec![eos], model.max_model_len, &cfg);
+    assert_eq!(core.pipelined(), pipelined);
     let mut submit = |id: &str, params: SamplingParams| {
         let (tx, rx) = unbounded_channel();
         core.add_request(EngineRequest::new(RequestId::new(id), c.prompt.clone(), params), tx).unwrap();
@@ -158,6 +193,7 @@ fn eos_min_tokens_stop_ids_and_max_tokens() {
         submit("ignore", greedy_ignore_eos(6)),
         submit("min", SamplingParams { min_tokens: 5, ..SamplingParams::greedy(20) }),
         submit("stopid", SamplingParams { stop_token_ids: vec![c.expected[1]], ..SamplingParams::greedy(20) }),
+        submit("one", greedy_ignore_eos(1)),
     ];
     let out = run(&mut core, rx);
     assert_eq!(out[&RequestId::new("eos")], (c.expected[..4].to_vec(), Some(FinishReason::Stop)));
@@ -165,13 +201,20 @@ fn eos_min_tokens_stop_ids_and_max_tokens() {
     let min = &out[&RequestId::new("min")].0;
     assert!(min.len() >= 5 && !min[..4].contains(&eos), "eos suppressed until min_tokens: {min:?}");
     assert_eq!(out[&RequestId::new("stopid")], (c.expected[..2].to_vec(), Some(FinishReason::Stop)));
+    assert_eq!(out[&RequestId::new("one")], (c.expected[..1].to_vec(), Some(FinishReason::Length)));
     assert_eq!(core.num_free_blocks(), 64);
 }
 
 #[test]
 fn invalid_requests_are_refused_with_reasons() {
     let (model, _) = fixture("llama");
-    let cfg = EngineConfig { block_size: 16, num_blocks: 4, max_num_seqs: 8, max_num_batched_tokens: 64 };
+    let cfg = EngineConfig {
+        block_size: 16,
+        num_blocks: 4,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 64,
+        async_scheduling: false,
+    };
     let mut core = EngineCore::new(model.transformer, model.eos_token_ids, 1024, &cfg);
     let mut add = |prompt: Vec<u32>, params: SamplingParams| {
         let (tx, _rx) = unbounded_channel();
@@ -198,9 +241,21 @@ fn invalid_requests_are_refused_with_reasons() {
 
 #[tokio::test]
 async fn dropping_a_stream_aborts_and_frees_blocks_on_the_engine_thread() {
+    for pipelined in [false, true] {
+        dropping_a_stream_aborts_in(pipelined).await;
+    }
+}
+
+async fn dropping_a_stream_aborts_in(pipelined: bool) {
     let p = Preset::find("tiny-llama").unwrap();
     let m = LoadedModel::load(&ModelSource::Preset { preset: p, seed: 1 }, None).unwrap();
-    let cfg = EngineConfig { block_size: 16, num_blocks: 128, max_num_seqs: 8, max_num_batched_tokens: 256 };
+    let cfg = EngineConfig {
+        block_size: 16,
+        num_blocks: 128,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 256,
+        async_scheduling: pipelined,
+    };
     let engine = spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let mut long =
         engine.submit(EngineRequest::new(RequestId::new("long"), vec![7; 40], greedy_ignore_eos(2000))).unwrap();
@@ -237,7 +292,13 @@ async fn dropping_a_stream_mid_prefill_stops_the_prefill() {
     // explicit abort sent on drop (not a failed token send) can stop it early.
     let p = Preset::find("tiny-llama").unwrap();
     let m = LoadedModel::load(&ModelSource::Preset { preset: p, seed: 1 }, None).unwrap();
-    let cfg = EngineConfig { block_size: 16, num_blocks: 256, max_num_seqs: 8, max_num_batched_tokens: 1 };
+    let cfg = EngineConfig {
+        block_size: 16,
+        num_blocks: 256,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 1,
+        async_scheduling: false,
+    };
     let engine = spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let stream = engine.submit(EngineRequest::new(RequestId::new("p"), vec![3; 2000], greedy_ignore_eos(1))).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -294,15 +355,94 @@ impl tandem_model::ModelRunner for FailingOnce {
     }
 }
 
+/// The same fault injection for a pipelining runner: its `fail_at`-th `collect` reports a
+/// failure (the step ran on the device, its tokens never arrive), or its `fail_at`-th `submit`
+/// is refused.
+struct PipelinedFailingOnce {
+    inner: FailingOnce,
+    fail_collect: bool,
+}
+
+impl tandem_model::ModelRunner for PipelinedFailingOnce {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn config(&self) -> &tandem_model::ModelConfig {
+        self.inner.config()
+    }
+    fn max_positions(&self) -> usize {
+        self.inner.max_positions()
+    }
+    fn kv_layout(&self) -> tandem_compute::KvLayout {
+        self.inner.kv_layout()
+    }
+    fn kv_region(&self) -> Option<std::sync::Arc<tandem_compute::KvRegion>> {
+        self.inner.kv_region()
+    }
+    fn fingerprint(&self) -> String {
+        self.inner.fingerprint()
+    }
+    fn execute(
+        &mut self,
+        token_ids: &[u32],
+        seqs: &[tandem_model::SeqBatch<'_>],
+        samples: &[tandem_model::SampleSpec],
+    ) -> Result<Vec<u32>, tandem_model::ModelError> {
+        self.inner.execute(token_ids, seqs, samples)
+    }
+    fn can_pipeline(&self) -> bool {
+        true
+    }
+    fn submit(
+        &mut self,
+        token_ids: &[u32],
+        seqs: &[tandem_model::SeqBatch<'_>],
+        samples: &[tandem_model::SampleSpec],
+    ) -> Result<(), tandem_model::ModelError> {
+        if !self.fail_collect {
+            self.inner.calls += 1;
+            if self.inner.calls == self.inner.fail_at {
+                return Err(tandem_model::ModelError::Device("injected launch failure".into()));
+            }
+        }
+        self.inner.inner.submit(token_ids, seqs, samples)
+    }
+    fn collect(&mut self) -> Result<Vec<u32>, tandem_model::ModelError> {
+        let tokens = self.inner.inner.collect();
+        if self.fail_collect {
+            self.inner.calls += 1;
+            if self.inner.calls == self.inner.fail_at {
+                return Err(tandem_model::ModelError::Device("injected launch failure".into()));
+            }
+        }
+        tokens
+    }
+}
+
 /// A failed forward ends the requests of that batch with the error, returns their blocks, and
-/// the engine serves the next request with the right tokens.
+/// the engine serves the next request with the right tokens: run one step at a time, and
+/// pipelined with the failure at submit or at collect.
 #[test]
 fn a_failed_forward_fails_its_batch_and_the_engine_keeps_serving() {
+    for (pipelined, fail_collect) in [(false, false), (true, false), (true, true)] {
+        a_failed_forward_fails_its_batch_in(pipelined, fail_collect);
+    }
+}
+
+fn a_failed_forward_fails_its_batch_in(pipelined: bool, fail_collect: bool) {
     let (model, cases) = fixture("qwen3");
-    let cfg = EngineConfig { block_size: 16, num_blocks: 64, max_num_seqs: 8, max_num_batched_tokens: 4096 };
+    let cfg = EngineConfig {
+        block_size: 16,
+        num_blocks: 64,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 4096,
+        async_scheduling: pipelined,
+    };
     let runner = FailingOnce { inner: tandem_model::CpuRunner::new(model.transformer, 16, 64), calls: 0, fail_at: 2 };
-    let boxed: Box<dyn tandem_model::ModelRunner> = Box::new(runner);
+    let boxed: Box<dyn tandem_model::ModelRunner> =
+        if pipelined { Box::new(PipelinedFailingOnce { inner: runner, fail_collect }) } else { Box::new(runner) };
     let mut core = EngineCore::new(boxed, model.eos_token_ids, model.max_model_len, &cfg);
+    assert_eq!(core.pipelined(), pipelined);
     let case = &cases[1];
     let submit = |core: &mut EngineCore, id: &str| {
         let (tx, rx) = unbounded_channel();
@@ -330,5 +470,36 @@ fn a_failed_forward_fails_its_batch_and_the_engine_keeps_serving() {
     // The next request runs normally and matches transformers.
     let second = submit(&mut core, "second");
     let out = run(&mut core, vec![(RequestId::new("second"), second)]);
-    assert_eq!(out[&RequestId::new("second")].0, case.expected[..4].to_vec());
+    assert_eq!(out[&RequestId::new("second")].0, case.expected[..4].to_vec(), "pipelined={pipelined}");
+}
+
+/// Pipelined, a step's report describes the step it collected: the first step only submits,
+/// and every later one reports the step before it. Aborting a request whose step is in flight
+/// and reusing its id at once gives the new request its own tokens (the late token of the old
+/// one is dropped), and every block comes back.
+#[test]
+fn pipelined_steps_report_the_collected_step_and_drop_tokens_of_ended_requests() {
+    let (model, cases) = fixture("qwen3");
+    let mut core = core_with(model, 16, 64, 4096, true);
+    let (a, b) = (&cases[0], &cases[1]);
+    let (tx, mut old_rx) = unbounded_channel();
+    core.add_request(EngineRequest::new(RequestId::new("x"), a.prompt.clone(), greedy_ignore_eos(8)), tx).unwrap();
+    let first = core.step();
+    assert_eq!(first.num_tokens, 0, "the first step is only submitted");
+    let second = core.step();
+    assert_eq!((second.num_tokens, second.num_seqs), (a.prompt.len(), 1), "the second reports the prefill");
+    let third = core.step();
+    assert_eq!((third.num_tokens, third.num_seqs), (1, 1), "then one decode token a step");
+    // "x" has its third token in flight; end it and start another "x" at once.
+    assert!(core.abort(&RequestId::new("x")));
+    let (tx, rx) = unbounded_channel();
+    core.add_request(EngineRequest::new(RequestId::new("x"), b.prompt.clone(), greedy_ignore_eos(6)), tx).unwrap();
+    let out = run(&mut core, vec![(RequestId::new("x"), rx)]);
+    assert_eq!(out[&RequestId::new("x")], (b.expected[..6].to_vec(), Some(FinishReason::Length)));
+    let mut old = Vec::new();
+    while let Ok(EngineEvent::Tokens { token_ids, .. }) = old_rx.try_recv() {
+        old.extend(token_ids);
+    }
+    assert_eq!(old, a.expected[..2].to_vec(), "the aborted request got the tokens collected before the abort");
+    assert_eq!(core.num_free_blocks(), 64);
 }

@@ -6,7 +6,7 @@
 //! q/k/v and gate/up stacked, same RoPE table, same block-major KV layout); the residual stream
 //! and all reductions stay in f32, storage is bf16.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use tandem_compute::cpu::RopeTable;
@@ -14,12 +14,12 @@ use tandem_compute::cuda::ops::{
     self, AttnMeta, AttnO, AttnShape, AttnSplit, Gemv, GemvBuild, GemvInput, GemvOutput, PrefillSeqs, QkvRope,
     FLASH_ROWS,
 };
-use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf, PinnedRegion};
+use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf, HostStaging, PinnedRegion};
 use tandem_compute::{coalesce, KvDtype, KvLayout, KvRegion};
 
 use crate::config::ModelConfig;
 use crate::presets::{tensor_stream, uniform_amplitude};
-use crate::runner::{ModelRunner, SampleSpec};
+use crate::runner::{carried_row, ModelRunner, SampleSpec};
 use crate::source::{ModelSource, ModelSpec};
 use crate::transformer::SeqBatch;
 use crate::ModelError;
@@ -236,6 +236,17 @@ pub struct CudaModel {
     /// Sized for `max_tokens` tokens: any step.
     full_meta_layout: MetaLayout,
     meta_host: Vec<i32>,
+    /// Page-locked copies of the header, alternating, so its upload returns at once even while
+    /// the previous step runs.
+    meta_staging: [HostStaging<i32>; 2],
+    /// Page-locked landing places of the sampled tokens, alternating between pipelined steps.
+    token_staging: [HostStaging<i32>; 2],
+    /// Which header copy the next upload uses.
+    meta_turn: usize,
+    /// Submitted steps whose tokens are not collected yet: (token staging slot, rows).
+    pending: VecDeque<(usize, usize)>,
+    /// Rows the last step sampled (what a carried token may name).
+    last_rows: usize,
     table_width: usize,
     max_tokens: usize,
     max_seqs: usize,
@@ -554,6 +565,8 @@ impl CudaModel {
         let table_width = spec.max_model_len.div_ceil(opts.block_size).max(1);
         let meta_layout = MetaLayout::new(max_tokens, max_seqs);
         let meta = dev.zeros(meta_layout.tables + max_seqs * table_width)?;
+        let meta_staging = [dev.host_staging(meta.len())?, dev.host_staging(meta.len())?];
+        let token_staging = [dev.host_staging(max_seqs)?, dev.host_staging(max_seqs)?];
 
         // The KV cache takes what the memory budget leaves, keeping room for cuBLAS and graphs.
         let block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * hd * opts.block_size * 2;
@@ -684,6 +697,11 @@ impl CudaModel {
             meta_layout,
             full_meta_layout: meta_layout,
             meta_host: vec![0; meta_layout.tables],
+            meta_staging,
+            token_staging,
+            meta_turn: 0,
+            pending: VecDeque::new(),
+            last_rows: 0,
             table_width,
             max_tokens,
             max_seqs,
@@ -926,9 +944,23 @@ impl CudaModel {
         // The block tables follow the fixed part: one copy for both (each copy from pageable
         // memory costs the engine thread a driver call and the stream a transfer).
         self.meta_host.extend_from_slice(&tables);
-        let written = self.dev.write(&mut self.meta, 0, &self.meta_host);
+        let written = self.upload_meta();
         self.meta_host.truncate(m.tables);
-        Ok(written?)
+        written
+    }
+
+    /// Queues the upload of `meta_host` through the next page-locked copy (waiting only if
+    /// the upload two steps back has not run yet).
+    fn upload_meta(&mut self) -> Result<(), ModelError> {
+        let n = self.meta_host.len();
+        let staging = &mut self.meta_staging[self.meta_turn];
+        if n > staging.len() || n > self.meta.len() {
+            return Err(ModelError::Device(format!("{n} metadata entries for a buffer of {}", self.meta.len())));
+        }
+        staging.host_mut()?[..n].copy_from_slice(&self.meta_host);
+        self.dev.upload_async(&self.meta, 0, staging, n)?;
+        self.meta_turn = (self.meta_turn + 1) % self.meta_staging.len();
+        Ok(())
     }
 
     fn attn_shape(&self, layer: usize) -> AttnShape {
@@ -1003,7 +1035,7 @@ impl CudaModel {
         let h = cfg.hidden_size;
         let eps = cfg.rms_norm_eps;
         let meta = self.attn_meta();
-        ops::embed_gather(dev, self.embed.ptr(), self.meta.ptr_at(m.tokens), a.x.ptr(), t, h)?;
+        ops::embed_gather(dev, self.embed.ptr(), self.meta.ptr_at(m.tokens), a.tokens.ptr(), a.x.ptr(), t, h)?;
         if allow_fused && counts.work == 0 && t <= self.fused_tokens {
             return self.run_decode_layers(t, rows, counts);
         }
@@ -1248,9 +1280,9 @@ impl CudaModel {
         }
     }
 
-    /// Samples `specs.len()` rows of logits on the device and returns the tokens. Their
-    /// parameters went up with the step's metadata (`fill_meta`).
-    fn sample(&mut self, specs: &[SampleSpec]) -> Result<Vec<u32>, ModelError> {
+    /// Queues the sampling of `specs.len()` rows of logits into `act.tokens`. Their parameters
+    /// went up with the step's metadata (`fill_meta`); banned ids go up here.
+    fn launch_sampling(&mut self, specs: &[SampleSpec]) -> Result<(), ModelError> {
         let n = specs.len();
         let vocab = self.cfg.vocab_size;
         let mut ban_rows = Vec::new();
@@ -1286,6 +1318,13 @@ impl CudaModel {
             self.act.tokens.ptr(),
             n,
         )?;
+        Ok(())
+    }
+
+    /// Reads back the tokens `launch_sampling` queued for `specs` (waits for the step).
+    fn sample(&mut self, specs: &[SampleSpec]) -> Result<Vec<u32>, ModelError> {
+        let n = specs.len();
+        let vocab = self.cfg.vocab_size;
         // With the ring decode kernel, its failure word comes back in the same copy.
         let read = if self.ring.is_some() { self.act.tokens.len() } else { n };
         let tokens = self.dev.read(&self.act.tokens, read)?;
@@ -1375,7 +1414,17 @@ impl CudaModel {
         let mut out: Vec<(String, f64)> = vec![
             (
                 "embedding gather".into(),
-                time(&|| ops::embed_gather(dev, self.embed.ptr(), self.meta.ptr_at(m.tokens), a.x.ptr(), t, h))?,
+                time(&|| {
+                    ops::embed_gather(
+                        dev,
+                        self.embed.ptr(),
+                        self.meta.ptr_at(m.tokens),
+                        a.tokens.ptr(),
+                        a.x.ptr(),
+                        t,
+                        h,
+                    )
+                })?,
             ),
             (
                 "qkv projection".into(),
@@ -1695,9 +1744,60 @@ impl ModelRunner for CudaModel {
         seqs: &[SeqBatch<'_>],
         samples: &[SampleSpec],
     ) -> Result<Vec<u32>, ModelError> {
+        if !self.pending.is_empty() {
+            return Err(ModelError::Pipeline("a step runs alone while submitted steps await collection".into()));
+        }
+        self.launch_step(token_ids, seqs, samples)?;
+        self.sample(samples)
+    }
+
+    // The ring decode kernel reports a stuck wait in the token copy; it runs one step at a time.
+    fn can_pipeline(&self) -> bool {
+        self.ring.is_none()
+    }
+
+    fn submit(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>], samples: &[SampleSpec]) -> Result<(), ModelError> {
+        if !self.can_pipeline() {
+            return Err(ModelError::Pipeline("the ring decode kernel runs one step at a time".into()));
+        }
+        if self.pending.len() >= self.token_staging.len() {
+            return Err(ModelError::Pipeline("two steps are already outstanding".into()));
+        }
+        self.launch_step(token_ids, seqs, samples)?;
+        let slot = self.pending.back().map_or(0, |&(s, _)| (s + 1) % self.token_staging.len());
+        self.dev.download_async(&self.act.tokens, samples.len(), &mut self.token_staging[slot])?;
+        self.pending.push_back((slot, samples.len()));
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<u32>, ModelError> {
+        let (slot, rows) =
+            self.pending.pop_front().ok_or_else(|| ModelError::Pipeline("no step was submitted".into()))?;
+        let vocab = self.cfg.vocab_size as i32;
+        let tokens = self.token_staging[slot].host()?;
+        Ok(tokens[..rows].iter().map(|&t| t.clamp(0, vocab - 1) as u32).collect())
+    }
+}
+
+impl CudaModel {
+    /// Queues one step up to its sampling kernels: metadata upload, the forward (a decode
+    /// graph where one fits) and the sampler writing `act.tokens`. A carried token (see
+    /// `crate::runner::CARRIED_TOKEN`) must name a row the previous step sampled.
+    fn launch_step(
+        &mut self,
+        token_ids: &[u32],
+        seqs: &[SeqBatch<'_>],
+        samples: &[SampleSpec],
+    ) -> Result<(), ModelError> {
         let rows = self.check_batch(token_ids, seqs)?;
         if rows != samples.len() {
             return Err(ModelError::Device(format!("{rows} sequences sample but {} sample specs", samples.len())));
+        }
+        if let Some(r) = token_ids.iter().filter_map(|&t| carried_row(t)).find(|&r| r >= self.last_rows) {
+            return Err(ModelError::Pipeline(format!(
+                "a carried token names sample row {r}, but the previous step sampled {} rows",
+                self.last_rows
+            )));
         }
         match self.graph_bucket(token_ids, seqs) {
             Some(bucket) => {
@@ -1709,7 +1809,9 @@ impl ModelRunner for CudaModel {
                 self.run_forward(token_ids.len(), rows, None)?;
             }
         }
-        self.sample(samples)
+        self.launch_sampling(samples)?;
+        self.last_rows = rows;
+        Ok(())
     }
 }
 

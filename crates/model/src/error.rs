@@ -89,6 +89,10 @@ pub enum ModelError {
     /// The GPU backend failed (CUDA unavailable, out of memory, a launch error).
     #[error("GPU: {0}")]
     Device(String),
+    /// A pipelined step was used wrongly: `collect` with nothing submitted, a carried token
+    /// naming a row the previous step did not sample, a runner that does not pipeline.
+    #[error("step pipeline: {0}")]
+    Pipeline(String),
     /// Text input given to a model that has no tokenizer.
     #[error("this model has no tokenizer (token-ids mode): send prompts as token id lists")]
     NoTokenizer,

@@ -6,6 +6,7 @@
 //! draws one uniform number per sampled token from the request's own seeded stream and passes
 //! it in [`SampleSpec::uniform`], so a seed means the same thing on every backend.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use tandem_compute::{KvCache, KvLayout, KvRegion};
@@ -34,6 +35,21 @@ impl SampleSpec {
     pub fn greedy() -> Self {
         Self { temperature: 0.0, top_k: 0, top_p: 1.0, uniform: 0.0, banned: Vec::new() }
     }
+}
+
+/// Token ids with this bit set stand for a token the runner sampled but the host has not seen
+/// yet: `CARRIED_TOKEN | r` is the token the previously submitted step sampled for its row `r`
+/// (see [`ModelRunner::submit`]). Vocabularies stay far below 2^31, so no real id has it.
+pub const CARRIED_TOKEN: u32 = 1 << 31;
+
+/// The token id standing for row `row` of the previous step's samples.
+pub fn carried_token(row: usize) -> u32 {
+    CARRIED_TOKEN | row as u32
+}
+
+/// The sample row a token id stands for, if it is a carried token.
+pub fn carried_row(token: u32) -> Option<usize> {
+    (token & CARRIED_TOKEN != 0).then_some((token & !CARRIED_TOKEN) as usize)
 }
 
 /// A model with its KV cache, ready to run engine steps.
@@ -72,19 +88,65 @@ pub trait ModelRunner: Send {
         seqs: &[SeqBatch<'_>],
         samples: &[SampleSpec],
     ) -> Result<Vec<u32>, ModelError>;
+
+    /// Whether this runner implements [`ModelRunner::submit`] and [`ModelRunner::collect`]:
+    /// one step queued while the previous one still runs, its decode tokens named by
+    /// [`carried_token`] instead of waiting for them to reach the host (async scheduling).
+    fn can_pipeline(&self) -> bool {
+        false
+    }
+
+    /// Queues the step [`ModelRunner::execute`] would run, without waiting for its tokens
+    /// ([`ModelRunner::collect`] returns them, oldest step first). A token id
+    /// `carried_token(r)` is the token the previously submitted step sampled for its row `r`.
+    /// At most two steps are outstanding.
+    fn submit(
+        &mut self,
+        _token_ids: &[u32],
+        _seqs: &[SeqBatch<'_>],
+        _samples: &[SampleSpec],
+    ) -> Result<(), ModelError> {
+        Err(ModelError::Pipeline(format!("{} runs one step at a time", self.describe())))
+    }
+
+    /// The sampled tokens of the oldest submitted step not yet collected (waits for it).
+    fn collect(&mut self) -> Result<Vec<u32>, ModelError> {
+        Err(ModelError::Pipeline(format!("{} runs one step at a time", self.describe())))
+    }
+}
+
+/// Replaces each carried token in `token_ids` with the sampled token it names; `previous`
+/// holds the previous step's samples. A runner resolving them on the host uses this.
+pub fn resolve_carried(token_ids: &[u32], previous: &[u32]) -> Result<Vec<u32>, ModelError> {
+    token_ids
+        .iter()
+        .map(|&t| match carried_row(t) {
+            None => Ok(t),
+            Some(r) => previous.get(r).copied().ok_or_else(|| {
+                ModelError::Pipeline(format!(
+                    "a carried token names sample row {r}, but the previous step sampled {} rows",
+                    previous.len()
+                ))
+            }),
+        })
+        .collect()
 }
 
 /// The CPU backend: the f32 [`Transformer`] over a host [`KvCache`].
 pub struct CpuRunner {
     model: Transformer,
     kv: KvCache,
+    /// Submitted steps' results, oldest first (a CPU step runs inside `submit`).
+    pending: VecDeque<Result<Vec<u32>, ModelError>>,
+    /// The last submitted step's samples, which carried tokens name.
+    last_sampled: Vec<u32>,
 }
 
 impl CpuRunner {
     /// Allocates a KV cache of `num_blocks` blocks of `block_size` tokens for `model`.
     pub fn new(model: Transformer, block_size: usize, num_blocks: usize) -> Self {
         let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
-        Self { model, kv }
+        Self { model, kv, pending: VecDeque::new(), last_sampled: Vec::new() }
     }
 }
 
@@ -122,6 +184,26 @@ impl ModelRunner for CpuRunner {
         let mut logits = self.model.forward(token_ids, seqs, &mut self.kv);
         let vocab = self.model.config().vocab_size;
         Ok(logits.chunks_exact_mut(vocab).zip(samples).map(|(row, spec)| sample(row, spec)).collect())
+    }
+
+    // The CPU forward runs inside `submit`, so nothing overlaps; the engine enables async
+    // scheduling here only when asked (its tests drive the pipelined path through this).
+    fn can_pipeline(&self) -> bool {
+        true
+    }
+
+    fn submit(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>], samples: &[SampleSpec]) -> Result<(), ModelError> {
+        if self.pending.len() >= 2 {
+            return Err(ModelError::Pipeline("two steps are already outstanding".into()));
+        }
+        let result = resolve_carried(token_ids, &self.last_sampled).and_then(|ids| self.execute(&ids, seqs, samples));
+        self.last_sampled = result.as_ref().map_or_else(|_| Vec::new(), Clone::clone);
+        self.pending.push_back(result);
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<u32>, ModelError> {
+        self.pending.pop_front().unwrap_or_else(|| Err(ModelError::Pipeline("no step was submitted".into())))
     }
 }
 
@@ -217,6 +299,49 @@ mod tests {
             // p(4) ~ 0.64, p(3) ~ 0.24: top_p 0.5 keeps only token 4.
             assert_eq!(sample(&mut logits.clone(), &spec(1.0, 0, 0.5, u)), 4);
         }
+    }
+
+    /// Pipelined CPU steps: a carried token is the previous step's sample, so a decode step
+    /// fed `carried_token(0)` gives what feeding the sampled id gives; misuse is an error.
+    #[test]
+    fn carried_tokens_stand_for_the_previous_steps_samples() {
+        let source = crate::ModelSource::Preset { preset: crate::Preset::find("tiny-qwen3").unwrap(), seed: 3 };
+        let runner = || {
+            let m = crate::LoadedModel::load(&source, None).unwrap();
+            CpuRunner::new(m.transformer, 16, 8)
+        };
+        let prompt: Vec<u32> = (5..17).collect();
+        let table = [0u32];
+        let seq = |start: usize, n: usize, pos: usize| SeqBatch {
+            token_start: start,
+            num_tokens: n,
+            first_pos: pos,
+            block_table: &table,
+            want_logits: true,
+        };
+        let greedy = [SampleSpec::greedy()];
+        // One step at a time, the host feeding back each token.
+        let mut alone = runner();
+        let first = alone.execute(&prompt, &[seq(0, prompt.len(), 0)], &greedy).unwrap();
+        let second = alone.execute(&first, &[seq(0, 1, prompt.len())], &greedy).unwrap();
+        // Pipelined: the second step is submitted before the first one's token is known.
+        let mut piped = runner();
+        assert!(piped.can_pipeline());
+        piped.submit(&prompt, &[seq(0, prompt.len(), 0)], &greedy).unwrap();
+        piped.submit(&[carried_token(0)], &[seq(0, 1, prompt.len())], &greedy).unwrap();
+        assert_eq!(piped.collect().unwrap(), first);
+        assert_eq!(piped.collect().unwrap(), second);
+        // Misuse: nothing to collect; a carried row the previous step did not sample; a third
+        // outstanding step.
+        assert!(matches!(piped.collect(), Err(ModelError::Pipeline(_))));
+        piped.submit(&[carried_token(1)], &[seq(0, 1, prompt.len() + 1)], &greedy).unwrap();
+        assert!(matches!(piped.collect(), Err(ModelError::Pipeline(_))));
+        let step = [seq(0, 1, 0)];
+        piped.submit(&[7], &step, &greedy).unwrap();
+        piped.submit(&[7], &step, &greedy).unwrap();
+        assert!(matches!(piped.submit(&[7], &step, &greedy), Err(ModelError::Pipeline(_))));
+        assert_eq!(carried_row(carried_token(5)), Some(5));
+        assert_eq!(carried_row(151_935), None);
     }
 
     #[test]

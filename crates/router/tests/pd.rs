@@ -50,7 +50,8 @@ async fn push_and_pull_equal_colocated_token_for_token() {
 /// Engines whose KV cache is not the memory the connector moves (a GPU's: device memory with a
 /// host copy) give the colocated tokens too: prefill brings the host copy up to date before its
 /// KV passes to the connector, decode loads it once it arrived. Without either copy the decode
-/// side would run on stale or zero KV and these tokens would differ.
+/// side would run on stale or zero KV and these tokens would differ. Both engines pipeline their
+/// steps, as GPU engines do by default.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn engines_with_a_host_kv_copy_equal_colocated_token_for_token() {
     let http = reqwest::Client::new();
@@ -59,7 +60,8 @@ async fn engines_with_a_host_kv_copy_equal_colocated_token_for_token() {
     let want = run_all(&http, &colocated.url, &reqs).await;
     for (mode, kv_mode, local) in [(TransferMode::Push, KvMode::Push, false), (TransferMode::Pull, KvMode::Pull, true)]
     {
-        let k = Knobs { local, host_copied: true, ..Knobs::default() };
+        // As a GPU engine runs: a host copy of the cache, pipelined steps.
+        let k = Knobs { local, host_copied: true, pipelined: true, ..Knobs::default() };
         let p = engine_with(Some((Role::Prefill, kv_mode)), 16, k.clone()).await;
         let d = engine_with(Some((Role::Decode, kv_mode)), 16, k).await;
         let base = router(mode, &p, &d).await;

@@ -19,7 +19,13 @@ struct Server {
 async fn start(num_blocks: usize, budget: usize) -> Server {
     let preset = Preset::find("tiny-qwen3").unwrap();
     let m = LoadedModel::load(&ModelSource::Preset { preset, seed: 0 }, None).unwrap();
-    let cfg = EngineConfig { block_size: 4, num_blocks, max_num_seqs: 64, max_num_batched_tokens: budget };
+    let cfg = EngineConfig {
+        block_size: 4,
+        num_blocks,
+        max_num_seqs: 64,
+        max_num_batched_tokens: budget,
+        async_scheduling: false,
+    };
     let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let state = Arc::new(AppState::new(engine, m.tokenizer.map(Arc::new), MODEL.into()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -300,15 +306,16 @@ async fn models_health_tokenize_request_id_and_metrics() {
         .http
         .post(format!("{}/v1/completions", s.base))
         .header("x-request-id", "my-req-42")
-        .json(&json!({"prompt": "x", "max_tokens": 2}))
+        .json(&json!({"prompt": "x", "max_tokens": 2, "ignore_eos": true}))
         .send()
         .await
         .unwrap();
     assert_eq!(r.headers()["x-request-id"], "my-req-42");
+    // ignore_eos: an unseeded draw could end either request with "stop" (counted below).
     let r = s
         .http
         .post(format!("{}/v1/completions", s.base))
-        .json(&json!({"prompt": "x", "max_tokens": 3}))
+        .json(&json!({"prompt": "x", "max_tokens": 3, "ignore_eos": true}))
         .send()
         .await
         .unwrap();

@@ -196,12 +196,16 @@ extern "C" __global__ void fill_bf16(bf16* out, u64 n, float value) {
 // ---------------------------------------------------------------------------------------------
 // Embedding, norms, activation.
 
-// x[t, :] = table[ids[t], :] (as f32: the residual stream). Grid: tokens.
+// x[t, :] = table[ids[t], :] (as f32: the residual stream). Grid: tokens. An id with the top
+// bit set is a carried token (async scheduling): the token sampled into carried[id & 0x7fffffff]
+// by the previous step, which the host has not seen yet.
 #if KERNEL_GROUP(0)
-extern "C" __global__ void embed_gather(const bf16* table, const int* ids, float* x, int hidden) {
+extern "C" __global__ void embed_gather(const bf16* table, const int* ids, const int* carried, float* x, int hidden) {
     PDL_ENTER();
     int t = blockIdx.x;
-    const bf16* row = table + (u64)ids[t] * hidden;
+    int id = ids[t];
+    if (id < 0) id = carried[id & 0x7fffffff];
+    const bf16* row = table + (u64)id * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) x[(u64)t * hidden + i] = bf2f(row[i]);
 }
 #endif

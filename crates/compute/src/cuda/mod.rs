@@ -379,6 +379,49 @@ impl<T: DeviceRepr> DevBuf<T> {
     }
 }
 
+/// Page-locked host memory for copies that return at once ([`CudaDevice::upload_async`],
+/// [`CudaDevice::download_async`]): a copy from pageable memory may make the host wait for the
+/// stream, which would let the engine thread stall on the previous step's kernels. One copy at
+/// a time: touching the host side ([`HostStaging::host`], [`HostStaging::host_mut`]) first
+/// waits for the last copy queued with it.
+pub struct HostStaging<T> {
+    host: cudarc::driver::PinnedHostSlice<T>,
+    /// Recorded on the stream after each copy; the host side is free once it has completed.
+    done: cudarc::driver::CudaEvent,
+}
+
+impl<T: DeviceRepr + cudarc::driver::ValidAsZeroBits> HostStaging<T> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.host.len()
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.host.is_empty()
+    }
+
+    /// Waits for the last copy queued with this buffer (spinning: the engine thread waits on
+    /// the step's tokens here), then gives the host side.
+    pub fn host(&self) -> Result<&[T], CudaError> {
+        self.done.synchronize()?;
+        Ok(self.host.as_slice()?)
+    }
+
+    /// Waits like [`HostStaging::host`], then gives the host side to fill.
+    pub fn host_mut(&mut self) -> Result<&mut [T], CudaError> {
+        self.done.synchronize()?;
+        Ok(self.host.as_mut_slice()?)
+    }
+}
+
+impl<T> Drop for HostStaging<T> {
+    fn drop(&mut self) {
+        // The pinned memory is freed after this: no copy may still be using it.
+        let _ = self.done.synchronize();
+    }
+}
+
 /// Loaded kernels, by name.
 pub struct Kernels {
     _modules: Vec<Arc<CudaModule>>,
@@ -690,6 +733,68 @@ impl CudaDevice {
         }
         let mut view = dst.slice.slice_mut(offset..offset + data.len());
         self.stream.memcpy_htod(data, &mut view)?;
+        Ok(())
+    }
+
+    /// A page-locked host buffer of `n` zeroed elements for copies that do not wait.
+    pub fn host_staging<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<HostStaging<T>, CudaError> {
+        // Flags 0, not write-combined: the host reads these back (sampled tokens).
+        // Safety: the memory is zeroed below before anything reads it.
+        let mut host = unsafe { self.ctx.alloc_pinned_with_flags::<T>(n.max(1), 0)? };
+        for v in host.as_mut_slice()? {
+            // Safety: T is ValidAsZeroBits.
+            *v = unsafe { std::mem::zeroed() };
+        }
+        // Default flags: synchronizing on it spins (the context's scheduling), where the
+        // pinned slice's own event would put the thread to sleep and wake it late.
+        let done = self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+        Ok(HostStaging { host, done })
+    }
+
+    /// Queues a copy of `staging`'s first `n` elements into `dst` from element `offset`;
+    /// returns at once (the stream runs it after the work queued before it).
+    pub fn upload_async<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        dst: &DevBuf<T>,
+        offset: usize,
+        staging: &mut HostStaging<T>,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        assert!(offset + n <= dst.len() && n <= staging.len(), "staged upload of {n} elements out of range");
+        if n == 0 {
+            return Ok(());
+        }
+        let src = &staging.host_mut()?[..n];
+        self.ctx.bind_to_thread()?;
+        // Safety: `src` is page-locked memory owned by `staging`, which nobody touches until
+        // `done` (recorded right after on the same stream) has completed, and whose Drop waits
+        // for it; the destination range lies inside `dst`.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr_at(offset), src, self.stream.cu_stream())? };
+        staging.done.record(&self.stream)?;
+        Ok(())
+    }
+
+    /// Queues a copy of `src`'s first `n` elements into `staging`; returns at once.
+    /// [`HostStaging::host`] waits for it.
+    pub fn download_async<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        src: &DevBuf<T>,
+        n: usize,
+        staging: &mut HostStaging<T>,
+    ) -> Result<(), CudaError> {
+        assert!(n <= src.len() && n <= staging.len(), "staged download of {n} elements out of range");
+        if n == 0 {
+            return Ok(());
+        }
+        let dst = &mut staging.host_mut()?[..n];
+        self.ctx.bind_to_thread()?;
+        // Safety: as in `upload_async`: page-locked memory owned by `staging`, untouched by
+        // the host until `done` completes, kept alive until then by its Drop.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr(), self.stream.cu_stream())? };
+        staging.done.record(&self.stream)?;
         Ok(())
     }
 

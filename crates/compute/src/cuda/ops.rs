@@ -164,16 +164,18 @@ pub fn fill_bf16(dev: &CudaDevice, out: u64, n: u64, value: f32) -> Result<(), C
     launch!(dev, "fill_bf16", grid_stride(dev, n), out, n, value)
 }
 
-/// `x[t] = table[ids[t]]` as f32, for `tokens` rows of `hidden`.
+/// `x[t] = table[ids[t]]` as f32, for `tokens` rows of `hidden`; an id with the top bit set
+/// stands for `carried[id & 0x7fffffff]` (a token sampled on the device by the previous step).
 pub fn embed_gather(
     dev: &CudaDevice,
     table: u64,
     ids: u64,
+    carried: u64,
     x: u64,
     tokens: usize,
     hidden: usize,
 ) -> Result<(), CudaError> {
-    launch!(dev, "embed_gather", cfg((tokens as u32, 1), 256), table, ids, x, hidden as i32)
+    launch!(dev, "embed_gather", cfg((tokens as u32, 1), 256), table, ids, carried, x, hidden as i32)
 }
 
 /// `out[r] = rms_norm(x[rows[r]]) * w` for `num_rows` rows (rows = 0: row r itself), after

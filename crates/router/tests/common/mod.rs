@@ -37,6 +37,8 @@ pub struct Knobs {
     /// With `host_copied`: every copy between the cache and the host copy fails (as a device
     /// copy error would).
     pub host_copy_fails: bool,
+    /// Async scheduling (pipelined steps), as GPU engines run by default.
+    pub pipelined: bool,
 }
 
 impl Default for Knobs {
@@ -50,6 +52,7 @@ impl Default for Knobs {
             local: false,
             host_copied: false,
             host_copy_fails: false,
+            pipelined: false,
         }
     }
 }
@@ -65,8 +68,13 @@ pub async fn engine_with(role: Option<(Role, KvMode)>, block_size: usize, k: Kno
 }
 
 pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_size: usize, k: Knobs) -> Engine {
-    let cfg =
-        EngineConfig { block_size, num_blocks: 3000 / block_size, max_num_seqs: 64, max_num_batched_tokens: k.budget };
+    let cfg = EngineConfig {
+        block_size,
+        num_blocks: 3000 / block_size,
+        max_num_seqs: 64,
+        max_num_batched_tokens: k.budget,
+        async_scheduling: k.pipelined,
+    };
     let kv = role.map(|(role, mode)| KvSetup {
         connector: ConnectorConfig {
             engine_id: EngineId(format!("{role:?}-{block_size}").to_lowercase()),
@@ -273,5 +281,14 @@ impl ModelRunner for HostCopied {
         samples: &[SampleSpec],
     ) -> Result<Vec<u32>, ModelError> {
         self.inner.execute(token_ids, seqs, samples)
+    }
+    fn can_pipeline(&self) -> bool {
+        self.inner.can_pipeline()
+    }
+    fn submit(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>], samples: &[SampleSpec]) -> Result<(), ModelError> {
+        self.inner.submit(token_ids, seqs, samples)
+    }
+    fn collect(&mut self) -> Result<Vec<u32>, ModelError> {
+        self.inner.collect()
     }
 }
