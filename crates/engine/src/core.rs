@@ -132,7 +132,7 @@ impl EngineLimits {
     }
 }
 
-/// Counts a step reports.
+/// Counts a step reports (pipelined: of the step or steps it collected).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StepReport {
     /// Tokens computed.
@@ -141,6 +141,14 @@ pub struct StepReport {
     pub num_seqs: usize,
     /// Requests that finished.
     pub num_finished: usize,
+}
+
+impl StepReport {
+    fn add(&mut self, other: StepReport) {
+        self.num_tokens += other.num_tokens;
+        self.num_seqs += other.num_seqs;
+        self.num_finished += other.num_finished;
+    }
 }
 
 /// The model an engine runs: the CPU transformer (the engine allocates its KV cache from the
@@ -191,6 +199,8 @@ struct InFlight {
     /// Per sampled row: the request (id and serial) and the index in its tokens where the
     /// token goes (a placeholder holds it until then, unless the token is its last).
     rows: Vec<(RequestId, u64, usize)>,
+    /// A prefill leg finishes with this step: its KV goes to the connector when collected.
+    hands_off_kv: bool,
 }
 
 impl EngineCore {
@@ -375,6 +385,13 @@ impl EngineCore {
     pub fn step(&mut self) -> StepReport {
         self.apply_connector_events();
         self.start_remote_loads();
+        let mut report = StepReport::default();
+        if self.in_flight.as_ref().is_some_and(|f| f.hands_off_kv) {
+            // Copying the prompt's KV to the host waits for the stream: with the next step
+            // queued behind it, the hand-off (and the decode engine's first token) would wait
+            // a whole step longer. Collect first; this step runs unpipelined.
+            self.collect_in_flight(&mut report);
+        }
         let plan = self.scheduler.schedule();
         if !self.pipelined {
             if plan.chunks.is_empty() {
@@ -385,7 +402,6 @@ impl EngineCore {
                 Err(e) => self.fail_batch(&plan, &e.to_string()),
             };
         }
-        let mut report = StepReport::default();
         let submitted = if plan.chunks.is_empty() {
             None
         } else {
@@ -393,21 +409,31 @@ impl EngineCore {
             match self.model.submit(&token_ids, &seqs, &samples) {
                 Ok(()) => Some(self.advance(plan)),
                 Err(e) => {
-                    report = self.fail_batch(&plan, &e.to_string());
+                    report.add(self.fail_batch(&plan, &e.to_string()));
                     None
                 }
             }
         };
-        if let Some(done) = std::mem::replace(&mut self.in_flight, submitted) {
-            let collected = match self.model.collect() {
-                Ok(tokens) => self.update_collected(&done, &tokens),
-                Err(e) => self.fail_batch(&done.plan, &e.to_string()),
-            };
-            report.num_tokens += collected.num_tokens;
-            report.num_seqs += collected.num_seqs;
-            report.num_finished += collected.num_finished;
+        let previous = std::mem::replace(&mut self.in_flight, submitted);
+        if let Some(done) = previous {
+            report.add(self.collect(done));
         }
         report
+    }
+
+    /// Collects the step in flight now, adding what it did to `report`.
+    fn collect_in_flight(&mut self, report: &mut StepReport) {
+        if let Some(done) = self.in_flight.take() {
+            report.add(self.collect(done));
+        }
+    }
+
+    /// Waits for `done`'s tokens and emits them (or fails its batch).
+    fn collect(&mut self, done: InFlight) -> StepReport {
+        match self.model.collect() {
+            Ok(tokens) => self.update_collected(&done, &tokens),
+            Err(e) => self.fail_batch(&done.plan, &e.to_string()),
+        }
     }
 
     /// Pipelined: marks `plan` as computed the moment it is submitted, so the next schedule
@@ -415,6 +441,7 @@ impl EngineCore {
     /// ends its request by length (then the request has nothing more to schedule).
     fn advance(&mut self, plan: SchedulerOutput) -> InFlight {
         let mut rows = Vec::new();
+        let mut hands_off_kv = false;
         for c in &plan.chunks {
             let samples = c.sample && !c.token_ids.is_empty();
             let Some(req) = self.scheduler.requests.get_mut(&c.id) else {
@@ -433,9 +460,10 @@ impl EngineCore {
             if !last_by_length {
                 req.tokens.push(carried_token(rows.len()));
             }
+            hands_off_kv |= last_by_length && matches!(req.remote, Some(RemoteKv::Produce { .. }));
             rows.push((c.id.clone(), req.serial, index));
         }
-        InFlight { plan, rows }
+        InFlight { plan, rows, hands_off_kv }
     }
 
     fn execute(&mut self, plan: &SchedulerOutput) -> Result<Vec<u32>, tandem_model::ModelError> {

@@ -63,7 +63,7 @@ async fn engines_with_a_host_kv_copy_equal_colocated_token_for_token() {
         // As a GPU engine runs: a host copy of the cache, pipelined steps.
         let k = Knobs { local, host_copied: true, pipelined: true, ..Knobs::default() };
         let p = engine_with(Some((Role::Prefill, kv_mode)), 16, k.clone()).await;
-        let d = engine_with(Some((Role::Decode, kv_mode)), 16, k).await;
+        let d = engine_with(Some((Role::Decode, kv_mode)), 16, k.clone()).await;
         let base = router(mode, &p, &d).await;
         let got = run_all(&http, &base, &reqs).await;
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -72,6 +72,8 @@ async fn engines_with_a_host_kv_copy_equal_colocated_token_for_token() {
         wait_idle(&[&p, &d]).await;
         let ds = kv_stats_until(&d, "12 transfers", |s| s.transfers_ok == 12).await;
         assert_eq!(ds.transfers_failed, 0);
+        // Pipelined prefill collects the step that ends a prompt before queueing the next.
+        assert_eq!(k.copies_behind_a_step.load(std::sync::atomic::Ordering::SeqCst), 0);
     }
     wait_idle(&[&colocated]).await;
 }

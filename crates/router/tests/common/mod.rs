@@ -1,6 +1,7 @@
 //! Helpers shared by the P/D integration tests: in-process engines and routers on loopback.
 #![allow(dead_code)]
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,6 +40,8 @@ pub struct Knobs {
     pub host_copy_fails: bool,
     /// Async scheduling (pipelined steps), as GPU engines run by default.
     pub pipelined: bool,
+    /// With `host_copied`: where the runner counts KV copies made behind an outstanding step.
+    pub copies_behind_a_step: Arc<AtomicUsize>,
 }
 
 impl Default for Knobs {
@@ -53,6 +56,7 @@ impl Default for Knobs {
             host_copied: false,
             host_copy_fails: false,
             pipelined: false,
+            copies_behind_a_step: Arc::default(),
         }
     }
 }
@@ -94,6 +98,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
     let model: tandem_engine::EngineModel = if k.host_copied {
         let mut runner = HostCopied::new(CpuRunner::new(m.transformer, cfg.block_size, cfg.num_blocks));
         runner.fail = k.host_copy_fails;
+        runner.copies_behind_a_step = k.copies_behind_a_step.clone();
         (Box::new(runner) as Box<dyn ModelRunner>).into()
     } else {
         m.transformer.into()
@@ -220,12 +225,17 @@ pub struct HostCopied {
     host: KvCache,
     /// Fault injection: every copy fails.
     pub fail: bool,
+    /// Pipelined steps submitted and not yet collected.
+    outstanding: usize,
+    /// Counts `kv_to_host` calls made while a step was outstanding: on a GPU that copy would
+    /// wait for the step, delaying the KV hand-off by a whole step.
+    pub copies_behind_a_step: Arc<AtomicUsize>,
 }
 
 impl HostCopied {
     pub fn new(inner: CpuRunner) -> Self {
         let host = KvCache::new(inner.kv_layout());
-        Self { inner, host, fail: false }
+        Self { inner, host, fail: false, outstanding: 0, copies_behind_a_step: Arc::default() }
     }
 
     /// Copies whole blocks from one region to another.
@@ -256,6 +266,9 @@ impl ModelRunner for HostCopied {
         Some(self.host.region())
     }
     fn kv_to_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
+        if self.outstanding > 0 {
+            self.copies_behind_a_step.fetch_add(1, Ordering::SeqCst);
+        }
         if self.fail {
             return Err(ModelError::Device("injected copy failure (to host)".into()));
         }
@@ -286,9 +299,12 @@ impl ModelRunner for HostCopied {
         self.inner.can_pipeline()
     }
     fn submit(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>], samples: &[SampleSpec]) -> Result<(), ModelError> {
-        self.inner.submit(token_ids, seqs, samples)
+        self.inner.submit(token_ids, seqs, samples)?;
+        self.outstanding += 1;
+        Ok(())
     }
     fn collect(&mut self) -> Result<Vec<u32>, ModelError> {
+        self.outstanding = self.outstanding.saturating_sub(1);
         self.inner.collect()
     }
 }
