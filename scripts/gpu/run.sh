@@ -193,6 +193,13 @@ if [ "$MODE" != quick ]; then
     --decode-steps 32 --decode-prompt-tokens 1024 --prefill-tokens 512 > "$OUT/bench_ctx1024.log" 2>&1 \
     && note "decode at 1024-token context: $(grep -E '^(1|64) +[0-9]' "$OUT/bench_ctx1024.log" | tr -s ' ' | tr '\n' '|')" \
     || { note "bench at 1024-token context failed"; tail -10 "$OUT/bench_ctx1024.log"; }
+  # What async scheduling (on by default on a GPU) gives at batch 1: without it, then with it.
+  for a in off on; do
+    timeout 150 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1 --decode-steps 64 \
+      --prefill-tokens 16 --async-scheduling "$a" > "$OUT/bench_async_$a.log" 2>&1 \
+      && note "decode b1, async scheduling $a: $(grep -E '^1 +[0-9]' "$OUT/bench_async_$a.log" | tr -s ' ')" \
+      || note "bench with async scheduling $a failed"
+  done
   if [ "$MODE" = bench ]; then
     ncu_decode default || true  # per-kernel counters of the decode step (Firecracker machines)
   fi
