@@ -440,8 +440,19 @@ fn sampling_kernel_follows_its_rules() {
     let d_params = dev.upload(&params).unwrap();
     let d_topk = dev.upload(&top_k).unwrap();
     let d_tokens = dev.zeros::<i32>(rows).unwrap();
-    ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows).unwrap();
+    // Greedy rows' scans shared by several blocks (the scratch) or one block each: the same.
+    let scratch = dev.zeros::<i32>(ops::sample_scratch_len(rows)).unwrap();
+    let split = Some((scratch.ptr(), rows));
+    ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows, None).unwrap();
     let t = dev.read(&d_tokens, rows).unwrap();
+    for _ in 0..3 {
+        // Repeated: the last block of each row must leave its counter at zero.
+        ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows, split)
+            .unwrap();
+        let s = dev.read(&d_tokens, rows).unwrap();
+        assert_eq!((s[0], s[1], s[3], s[5]), (t[0], t[1], t[3], t[5]), "split greedy rows differ");
+    }
+    assert!(dev.read(&scratch, rows).unwrap().iter().all(|&c| c == 0), "counters back at zero");
     assert_eq!(t[0], 10, "greedy ties go to the lowest id");
     assert_eq!(t[1], 7);
     assert!([7, 8, 9].contains(&t[2]), "top-k 3 picked {}", t[2]);
@@ -452,7 +463,9 @@ fn sampling_kernel_follows_its_rules() {
     let d_row = dev.upload(&[5i32]).unwrap();
     let d_tok = dev.upload(&[7i32]).unwrap();
     ops::ban_tokens(&dev, d_logits.ptr(), vocab, d_row.ptr(), d_tok.ptr(), 1).unwrap();
-    ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows).unwrap();
+    ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows, None).unwrap();
+    assert_eq!(dev.read(&d_tokens, rows).unwrap()[5], 8);
+    ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows, split).unwrap();
     assert_eq!(dev.read(&d_tokens, rows).unwrap()[5], 8);
 
     // Greedy over both scans (16-byte batches when the vocabulary is a multiple of 4, one
@@ -472,9 +485,24 @@ fn sampling_kernel_follows_its_rules() {
             dev.upload(&[0i32; 3]).unwrap(),
             dev.zeros::<i32>(3).unwrap(),
         );
-        ops::sample_rows(&dev, d_l.ptr(), vocab, d_p.ptr(), d_k.ptr(), d_t.ptr(), 3).unwrap();
         let want = [4 * 3 + 2, 4 * 3 + 1, vocab as i32 - 1];
+        ops::sample_rows(&dev, d_l.ptr(), vocab, d_p.ptr(), d_k.ptr(), d_t.ptr(), 3, None).unwrap();
         assert_eq!(dev.read(&d_t, 3).unwrap(), want, "greedy over {vocab} ids");
+        // Shared by several blocks per row (up to 16 with 3 rows), slice edges included: a
+        // maximum on the first and last id of a slice, and ties across slices.
+        let scratch = dev.zeros::<i32>(ops::sample_scratch_len(8)).unwrap();
+        ops::sample_rows(&dev, d_l.ptr(), vocab, d_p.ptr(), d_k.ptr(), d_t.ptr(), 3, Some((scratch.ptr(), 8))).unwrap();
+        assert_eq!(dev.read(&d_t, 3).unwrap(), want, "split greedy over {vocab} ids");
+        let parts = (dev.sm_count() as usize / 3).clamp(1, ops::SAMPLE_MAX_PARTS);
+        let per = vocab.div_ceil(4).div_ceil(parts) * 4;
+        let mut edges: Vec<f32> = (0..3 * vocab).map(|_| rng.uniform()).collect();
+        edges[per] = 7.0; // row 0: the first id of slice 1 ...
+        edges[3 * per] = 7.0; // ... tied with the first of slice 3
+        edges[vocab + 2 * per - 1] = 7.0; // row 1: the last id of slice 1
+        edges[2 * vocab] = 7.0; // row 2: id 0
+        let d_e = dev.upload(&edges).unwrap();
+        ops::sample_rows(&dev, d_e.ptr(), vocab, d_p.ptr(), d_k.ptr(), d_t.ptr(), 3, Some((scratch.ptr(), 8))).unwrap();
+        assert_eq!(dev.read(&d_t, 3).unwrap(), [per as i32, 2 * per as i32 - 1, 0], "slice edges over {vocab} ids");
     }
 
     // Frequencies: a uniform sweep of draws over logits [0, 1, 2, 3] at temperature 1 lands
@@ -489,7 +517,9 @@ fn sampling_kernel_follows_its_rules() {
         dev.upload(&vec![0i32; n]).unwrap(),
         dev.zeros::<i32>(n).unwrap(),
     );
-    ops::sample_rows(&dev, d_l.ptr(), 4, d_p.ptr(), d_k.ptr(), d_t.ptr(), n).unwrap();
+    // The scratch changes nothing for sampled rows (they run whole in one block).
+    let scratch = dev.zeros::<i32>(ops::sample_scratch_len(n)).unwrap();
+    ops::sample_rows(&dev, d_l.ptr(), 4, d_p.ptr(), d_k.ptr(), d_t.ptr(), n, Some((scratch.ptr(), n))).unwrap();
     let picks = dev.read(&d_t, n).unwrap();
     let z: f32 = small.iter().map(|l| l.exp()).sum();
     for (tok, logit) in small.iter().enumerate() {

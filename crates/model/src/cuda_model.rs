@@ -145,6 +145,9 @@ struct Activations {
     logits: DevBuf<f32>,
     tokens: DevBuf<i32>,
     bans: DevBuf<i32>,
+    /// Counters and partial bests of greedy rows whose scan several blocks share
+    /// ([`ops::sample_rows`]).
+    sample_scratch: DevBuf<i32>,
     /// Partials of split row attention (at most 16 token ranges per head in all).
     attn_part: DevBuf<f32>,
 }
@@ -560,6 +563,7 @@ impl CudaModel {
             // Sampled tokens, then the ring decode kernel's two sync words.
             tokens: dev.zeros(max_seqs + 2)?,
             bans: dev.zeros(1024)?,
+            sample_scratch: dev.zeros(ops::sample_scratch_len(max_seqs))?,
             attn_part: dev.zeros(ops::attention_split_floats(16, cfg.num_heads, cfg.head_dim, 1))?,
         };
         let table_width = spec.max_model_len.div_ceil(opts.block_size).max(1);
@@ -1317,6 +1321,7 @@ impl CudaModel {
             self.meta.ptr_at(self.meta_layout.top_k),
             self.act.tokens.ptr(),
             n,
+            Some((self.act.sample_scratch.ptr(), self.max_seqs)),
         )?;
         Ok(())
     }

@@ -2316,16 +2316,33 @@ extern "C" __global__ void ban_tokens(float* logits, int vocab, const int* ban_r
 #endif
 
 #if KERNEL_GROUP(0)
+// Grid (rows, parts). A greedy row's scan is shared by `parts` blocks (grid y), each taking one
+// slice; each writes its best (value, index) to `partials` (rows * parts floats, then as many
+// ints), and the last to finish, counted in `counters[row]` (zero at rest: that block resets
+// it), reduces them and writes the token. One block per row would read a 150k vocabulary's
+// 600 KB of logits through a single multiprocessor on every decode step's critical path.
+// Sampled rows run whole in block y == 0 (the others leave at once).
 extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logits, int vocab, const float* params,
-                                                                const int* top_ks, int* tokens) {
+                                                                const int* top_ks, int* tokens, unsigned* counters,
+                                                                int* partials) {
     PDL_ENTER();
     __shared__ float fscratch[32];
     __shared__ float prefix[1024];
-    int r = blockIdx.x;
+    __shared__ bool last_block;
+    int r = blockIdx.x, part = blockIdx.y, parts = gridDim.y;
     const float* row = logits + (u64)r * vocab;
     float temperature = params[3 * r], top_p = params[3 * r + 1], uniform = params[3 * r + 2];
     int top_k = top_ks[r];
     int tid = threadIdx.x, nt = blockDim.x;
+    bool split = parts > 1 && temperature <= 0.0f;
+    if (parts > 1 && !split && part != 0) return;
+    // This block's slice, on multiples of 4 so 16-byte loads stay aligned.
+    int lo = 0, hi = vocab;
+    if (split) {
+        int per = (((vocab + 3) >> 2) + parts - 1) / parts * 4;
+        lo = min(part * per, vocab);
+        hi = min(lo + per, vocab);
+    }
 
     // Greedy / the row maximum: best value, lowest index on ties. Each thread visits its
     // indices in increasing order. A 16-byte-aligned row goes in batches of four 16-byte
@@ -2337,12 +2354,12 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logi
     };
     if ((vocab & 3) == 0) {
         const float4* row4 = reinterpret_cast<const float4*>(row);
-        int n4 = vocab >> 2;
-        for (int i0 = tid; i0 < n4; i0 += 4 * nt) {
+        int b4 = lo >> 2, e4 = hi >> 2;
+        for (int i0 = b4 + tid; i0 < e4; i0 += 4 * nt) {
             float4 v[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j)
-                v[j] = i0 + j * nt < n4 ? row4[i0 + j * nt] : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+                v[j] = i0 + j * nt < e4 ? row4[i0 + j * nt] : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 int i = (i0 + j * nt) * 4;
@@ -2353,7 +2370,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logi
             }
         }
     } else {
-        for (int i = tid; i < vocab; i += nt) take(row[i], i);
+        for (int i = lo + tid; i < hi; i += nt) take(row[i], i);
     }
     for (int o = 16; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(0xffffffffu, best, o);
@@ -2377,6 +2394,31 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* logi
     __syncthreads();
     float row_max = wbest[0];
     int argmax = wbest_i[0];
+    if (split) {
+        volatile float* part_v = reinterpret_cast<volatile float*>(partials);
+        volatile int* part_i = partials + gridDim.x * parts;
+        if (tid == 0) {
+            part_v[r * parts + part] = row_max;
+            part_i[r * parts + part] = argmax;
+            __threadfence();  // the partial is visible before the count says so
+            last_block = atomicAdd(&counters[r], 1u) == (unsigned)parts - 1;
+        }
+        __syncthreads();
+        if (!last_block || tid >= 32) return;
+        __threadfence();
+        best = tid < parts ? part_v[r * parts + tid] : NEG_INF;
+        best_i = tid < parts ? part_i[r * parts + tid] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+            if (ov > best || (ov == best && oi < best_i)) { best = ov; best_i = oi; }
+        }
+        if (tid == 0) {
+            tokens[r] = best_i == 0x7fffffff ? 0 : best_i;
+            counters[r] = 0;
+        }
+        return;
+    }
     if (temperature <= 0.0f || row_max == NEG_INF) {
         if (tid == 0) tokens[r] = argmax == 0x7fffffff ? 0 : argmax;
         return;

@@ -1028,8 +1028,20 @@ pub fn ban_tokens(
     launch!(dev, "ban_tokens", cfg((n.div_ceil(256) as u32, 1), 256), logits, vocab as i32, ban_row, ban_tok, n as i32)
 }
 
+/// Most blocks that share one greedy row's scan in [`sample_rows`] (a warp reduces their bests).
+pub const SAMPLE_MAX_PARTS: usize = 16;
+
+/// Ints of the scratch [`sample_rows`] needs to split greedy rows, for up to `rows` rows.
+pub fn sample_scratch_len(rows: usize) -> usize {
+    rows * (1 + 2 * SAMPLE_MAX_PARTS)
+}
+
 /// Picks one token per row of f32 logits: `params` holds `[temperature, top_p, uniform]` per
-/// row and `top_ks` one int per row (0 = no limit); temperature 0 is greedy.
+/// row and `top_ks` one int per row (0 = no limit); temperature 0 is greedy. With `scratch`
+/// (a zeroed buffer of [`sample_scratch_len`]`(capacity)` ints, kept for later calls, and
+/// `rows <= capacity`), a greedy row's scan is shared by several blocks when few rows leave
+/// multiprocessors idle; the result is the same.
+#[allow(clippy::too_many_arguments)]
 pub fn sample_rows(
     dev: &CudaDevice,
     logits: u64,
@@ -1038,11 +1050,30 @@ pub fn sample_rows(
     top_ks: u64,
     tokens: u64,
     rows: usize,
+    scratch: Option<(u64, usize)>,
 ) -> Result<(), CudaError> {
     if rows == 0 {
         return Ok(());
     }
-    launch!(dev, "sample_rows", cfg((rows as u32, 1), 1024), logits, vocab as i32, params, top_ks, tokens)
+    let (parts, counters, partials) = match scratch {
+        Some((ptr, capacity)) if rows <= capacity => {
+            let parts = (dev.sm_count() as usize / rows).clamp(1, SAMPLE_MAX_PARTS);
+            (parts, ptr, ptr + 4 * capacity as u64)
+        }
+        _ => (1, 0, 0),
+    };
+    launch!(
+        dev,
+        "sample_rows",
+        cfg((rows as u32, parts as u32), 1024),
+        logits,
+        vocab as i32,
+        params,
+        top_ks,
+        tokens,
+        counters,
+        partials
+    )
 }
 
 /// Static shared memory of the ring decode kernel, with room to spare (its chunk barriers,
