@@ -188,6 +188,12 @@ if [ "$MODE" != quick ]; then
   timeout 400 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
     --decode-steps 32 --prefill-tokens 4096 --profile --json-out "$OUT/bench_qwen3_4b.json" > "$OUT/bench.log" 2>&1 \
     || { note "bench engine failed"; status=1; tail -30 "$OUT/bench.log"; }
+  # PyTorch right after tandem's bench: the whole call runs close to the 10-minute limit, and
+  # what comes after this is optional.
+  if [ "$MODE" = full ]; then
+    timeout 300 python3 scripts/gpu/torch_baseline.py "$OUT/torch_qwen3_4b.json" > "$OUT/torch.log" 2>&1 \
+      || { note "torch baseline failed"; tail -20 "$OUT/torch.log"; }
+  fi
   # Decode over a 1024-token context (vLLM's random-dataset prompt length): attention's share.
   timeout 200 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
     --decode-steps 32 --decode-prompt-tokens 1024 --prefill-tokens 512 > "$OUT/bench_ctx1024.log" 2>&1 \
@@ -202,10 +208,6 @@ if [ "$MODE" != quick ]; then
   done
   if [ "$MODE" = bench ]; then
     ncu_decode default || true  # per-kernel counters of the decode step (Firecracker machines)
-  fi
-  if [ "$MODE" = full ]; then
-    timeout 300 python3 scripts/gpu/torch_baseline.py "$OUT/torch_qwen3_4b.json" > "$OUT/torch.log" 2>&1 \
-      || { note "torch baseline failed"; tail -20 "$OUT/torch.log"; }
   fi
   echo; grep -v "^\.\.\." "$OUT/bench.log"
   python3 - "$OUT" <<'PY'
