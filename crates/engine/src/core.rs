@@ -199,7 +199,11 @@ struct InFlight {
     /// Per sampled row: the request (id and serial) and the index in its tokens where the
     /// token goes (a placeholder holds it until then, unless the token is its last).
     rows: Vec<(RequestId, u64, usize)>,
-    /// A prefill leg finishes with this step: its KV goes to the connector when collected.
+    /// The prefill legs this step finishes whose KV copy to the host was queued right behind
+    /// the step: (serial, the runner's ticket for the copy).
+    kv_queued: Vec<(u64, u64)>,
+    /// A prefill leg finishes with this step and its KV copy could not be queued: the step is
+    /// collected before the next is submitted (see `EngineCore::step`).
     hands_off_kv: bool,
 }
 
@@ -387,9 +391,9 @@ impl EngineCore {
         self.start_remote_loads();
         let mut report = StepReport::default();
         if self.in_flight.as_ref().is_some_and(|f| f.hands_off_kv) {
-            // Copying the prompt's KV to the host waits for the stream: with the next step
-            // queued behind it, the hand-off (and the decode engine's first token) would wait
-            // a whole step longer. Collect first; this step runs unpipelined.
+            // A synchronous copy of the prompt's KV to the host waits for the stream: with the
+            // next step queued behind it, the hand-off (and the decode engine's first token)
+            // would wait a whole step longer. Collect first; this step runs unpipelined.
             self.collect_in_flight(&mut report);
         }
         let plan = self.scheduler.schedule();
@@ -442,6 +446,7 @@ impl EngineCore {
     fn advance(&mut self, plan: SchedulerOutput) -> InFlight {
         let mut rows = Vec::new();
         let mut hands_off_kv = false;
+        let mut hand_offs = Vec::new();
         for c in &plan.chunks {
             let samples = c.sample && !c.token_ids.is_empty();
             let Some(req) = self.scheduler.requests.get_mut(&c.id) else {
@@ -460,10 +465,25 @@ impl EngineCore {
             if !last_by_length {
                 req.tokens.push(carried_token(rows.len()));
             }
-            hands_off_kv |= last_by_length && matches!(req.remote, Some(RemoteKv::Produce { .. }));
+            if last_by_length && matches!(req.remote, Some(RemoteKv::Produce { .. })) {
+                hand_offs.push((req.serial, req.blocks.table()));
+            }
             rows.push((c.id.clone(), req.serial, index));
         }
-        InFlight { plan, rows, hands_off_kv }
+        // The prompts this step finishes: their KV's copy to the host goes right behind it,
+        // ahead of the next step, so collecting it does not wait for that step.
+        let mut kv_queued = Vec::new();
+        for (serial, table) in hand_offs {
+            match self.model.kv_to_host_queue(&table) {
+                Ok(Some(ticket)) => kv_queued.push((serial, ticket)),
+                Ok(None) => hands_off_kv = true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "queueing a KV copy to the host failed; copying when collected");
+                    hands_off_kv = true;
+                }
+            }
+        }
+        InFlight { plan, rows, kv_queued, hands_off_kv }
     }
 
     fn execute(&mut self, plan: &SchedulerOutput) -> Result<Vec<u32>, tandem_model::ModelError> {
@@ -537,7 +557,7 @@ impl EngineCore {
             req.num_computed += c.token_ids.len();
             if let Some(token) = token {
                 let (index, serial) = (req.tokens.len(), req.serial);
-                self.emit_token(&c.id, serial, index, token, &mut finished);
+                self.emit_token(&c.id, serial, index, token, None, &mut finished);
             }
         }
         report.num_finished = self.finish(finished);
@@ -550,7 +570,8 @@ impl EngineCore {
         let mut report = StepReport { num_tokens: plan.num_tokens(), num_seqs: plan.chunks.len(), num_finished: 0 };
         let mut finished = Vec::new();
         for ((id, serial, index), &token) in done.rows.iter().zip(tokens) {
-            self.emit_token(id, *serial, *index, token, &mut finished);
+            let kv_ticket = done.kv_queued.iter().find(|(s, _)| s == serial).map(|&(_, t)| t);
+            self.emit_token(id, *serial, *index, token, kv_ticket, &mut finished);
         }
         report.num_finished = self.finish(finished);
         report
@@ -564,8 +585,17 @@ impl EngineCore {
     /// Puts `token` at `index` of request `id`'s tokens (replacing the placeholder there, or
     /// appending), checks whether it ends the request, hands a finished prefill leg's KV to the
     /// connector and sends the token. `serial` guards against a request that ended meanwhile
-    /// and a new one under the same id: such a token is dropped.
-    fn emit_token(&mut self, id: &RequestId, serial: u64, index: usize, token: u32, finished: &mut Vec<RequestId>) {
+    /// and a new one under the same id: such a token is dropped. `kv_ticket`: a prefill leg's
+    /// KV copy to the host is already queued under this ticket (wait for it, not copy).
+    fn emit_token(
+        &mut self,
+        id: &RequestId,
+        serial: u64,
+        index: usize,
+        token: u32,
+        kv_ticket: Option<u64>,
+        finished: &mut Vec<RequestId>,
+    ) {
         let Some(req) = self.scheduler.requests.get_mut(id).filter(|r| r.serial == serial) else { return };
         match index.cmp(&req.tokens.len()) {
             std::cmp::Ordering::Less => req.tokens[index] = token,
@@ -583,7 +613,11 @@ impl EngineCore {
                 let blocks = std::mem::replace(&mut req.blocks, self.scheduler.pool.empty_allocation());
                 let table = blocks.table();
                 // A device cache: the connector reads the host copy, brought up to date first.
-                if let Err(e) = self.model.kv_to_host(&table) {
+                let copied = match kv_ticket {
+                    Some(ticket) => self.model.kv_to_host_wait(ticket),
+                    None => self.model.kv_to_host(&table),
+                };
+                if let Err(e) = copied {
                     let reason = format!("copying the prompt's KV to host memory failed: {e}");
                     tracing::error!(request_id = %id, %reason);
                     connector.abandon(transfer_id.clone(), reason.clone());

@@ -14,7 +14,7 @@ use tandem_compute::cuda::ops::{
     self, AttnMeta, AttnO, AttnShape, AttnSplit, Gemv, GemvBuild, GemvInput, GemvOutput, PrefillSeqs, QkvRope,
     FLASH_ROWS,
 };
-use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf, HostStaging, PinnedRegion};
+use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf, Fence, HostStaging, PinnedRegion};
 use tandem_compute::{coalesce, KvDtype, KvLayout, KvRegion};
 
 use crate::config::ModelConfig;
@@ -250,6 +250,10 @@ pub struct CudaModel {
     pending: VecDeque<(usize, usize)>,
     /// Rows the last step sampled (what a carried token may name).
     last_rows: usize,
+    /// Copies to the host KV region queued by `kv_to_host_queue`, not yet waited on, by
+    /// ticket (the last one given out in `kv_tickets`).
+    kv_fences: VecDeque<(u64, Fence)>,
+    kv_tickets: u64,
     table_width: usize,
     max_tokens: usize,
     max_seqs: usize,
@@ -706,6 +710,8 @@ impl CudaModel {
             meta_turn: 0,
             pending: VecDeque::new(),
             last_rows: 0,
+            kv_fences: VecDeque::new(),
+            kv_tickets: 0,
             table_width,
             max_tokens,
             max_seqs,
@@ -1715,6 +1721,40 @@ impl ModelRunner for CudaModel {
             ms = started.elapsed().as_secs_f64() * 1e3,
             "KV copied to the host copy"
         );
+        Ok(())
+    }
+
+    fn kv_to_host_queue(&mut self, blocks: &[u32]) -> Result<Option<u64>, ModelError> {
+        self.kv_tickets += 1;
+        let ticket = self.kv_tickets;
+        // Copies nobody waited for (their request was aborted) are long done; keep few.
+        while self.kv_fences.len() >= 64 {
+            if let Some((_, fence)) = self.kv_fences.pop_front() {
+                fence.wait()?;
+            }
+        }
+        let Some(region) = &self.host_kv else { return Ok(Some(ticket)) };
+        let n = self.layout.block_elems();
+        for run in coalesce(blocks) {
+            let (first, count) = (run.start as usize, run.len as usize);
+            check_run(&self.layout, first, count)?;
+            // Safety: the engine owns these blocks (the trait's contract) and hands them to the
+            // connector only after `kv_to_host_wait`; the region is page-locked for the model's
+            // life (`_host_kv_pinned`), and the fence below is waited on before anyone reads it.
+            unsafe {
+                let dst: &mut [u16] = bytemuck::cast_slice_mut(region.bytes_mut(first, count));
+                self.dev.download_into_async(&self.kv, first * n, dst)?;
+            }
+        }
+        self.kv_fences.push_back((ticket, self.dev.fence()?));
+        tracing::debug!(blocks = blocks.len(), ticket, "KV copy to the host copy queued behind the step");
+        Ok(Some(ticket))
+    }
+
+    fn kv_to_host_wait(&mut self, ticket: u64) -> Result<(), ModelError> {
+        while let Some((_, fence)) = self.kv_fences.pop_front_if(|(t, _)| *t <= ticket) {
+            fence.wait()?;
+        }
         Ok(())
     }
 

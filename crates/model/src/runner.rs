@@ -77,6 +77,18 @@ pub trait ModelRunner: Send {
     fn kv_from_host(&mut self, _blocks: &[u32]) -> Result<(), ModelError> {
         Ok(())
     }
+    /// Queues [`ModelRunner::kv_to_host`] for `blocks` behind the steps submitted so far,
+    /// without waiting: it lands before any later-submitted step runs, and
+    /// [`ModelRunner::kv_to_host_wait`] with the returned ticket waits for it (not for steps
+    /// submitted after it). `Ok(None)`: this runner cannot queue it; the caller copies with
+    /// `kv_to_host` once the steps are done.
+    fn kv_to_host_queue(&mut self, _blocks: &[u32]) -> Result<Option<u64>, ModelError> {
+        Ok(None)
+    }
+    /// Waits for the copy `kv_to_host_queue` queued under `ticket` (and those before it).
+    fn kv_to_host_wait(&mut self, _ticket: u64) -> Result<(), ModelError> {
+        Ok(())
+    }
     /// Identifies the weights for KV compatibility checks.
     fn fingerprint(&self) -> String;
     /// Runs one batched forward over `token_ids` (all sequences' tokens, concatenated) and

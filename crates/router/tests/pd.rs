@@ -72,7 +72,9 @@ async fn engines_with_a_host_kv_copy_equal_colocated_token_for_token() {
         wait_idle(&[&p, &d]).await;
         let ds = kv_stats_until(&d, "12 transfers", |s| s.transfers_ok == 12).await;
         assert_eq!(ds.transfers_failed, 0);
-        // Pipelined prefill collects the step that ends a prompt before queueing the next.
+        // Pipelined prefill queues each finished prompt's KV copy right behind its step (12
+        // prompts), and never copies behind a later step.
+        assert_eq!(k.copies_queued.load(std::sync::atomic::Ordering::SeqCst), 12);
         assert_eq!(k.copies_behind_a_step.load(std::sync::atomic::Ordering::SeqCst), 0);
     }
     wait_idle(&[&colocated]).await;

@@ -422,6 +422,16 @@ impl<T> Drop for HostStaging<T> {
     }
 }
 
+/// A point in the stream's work ([`CudaDevice::fence`]).
+pub struct Fence(cudarc::driver::CudaEvent);
+
+impl Fence {
+    /// Waits until the stream has passed the point.
+    pub fn wait(&self) -> Result<(), CudaError> {
+        Ok(self.0.synchronize()?)
+    }
+}
+
 /// Loaded kernels, by name.
 pub struct Kernels {
     _modules: Vec<Arc<CudaModule>>,
@@ -796,6 +806,35 @@ impl CudaDevice {
         unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr(), self.stream.cu_stream())? };
         staging.done.record(&self.stream)?;
         Ok(())
+    }
+
+    /// Queues a copy of `dst.len()` elements of `src`, from element `offset`, into `dst`;
+    /// returns at once. [`CudaDevice::fence`] after it tells when it has landed.
+    ///
+    /// # Safety
+    /// `dst` must be page-locked (a [`PinnedRegion`]'s memory) and stay allocated and untouched
+    /// by the host until a fence recorded after this call has been waited on.
+    pub unsafe fn download_into_async<T: DeviceRepr>(
+        &self,
+        src: &DevBuf<T>,
+        offset: usize,
+        dst: &mut [T],
+    ) -> Result<(), CudaError> {
+        assert!(offset + dst.len() <= src.len(), "download of {}+{} elements from {}", offset, dst.len(), src.len());
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        // Safety: the source range lies inside `src`; the caller keeps `dst` alive and alone.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr_at(offset), self.stream.cu_stream())? };
+        Ok(())
+    }
+
+    /// A marker after everything queued so far; [`Fence::wait`] waits (spinning) for it.
+    pub fn fence(&self) -> Result<Fence, CudaError> {
+        let event = self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+        event.record(&self.stream)?;
+        Ok(Fence(event))
     }
 
     /// Copies the first `n` elements of `src` to the host (waits for queued work).

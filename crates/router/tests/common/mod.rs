@@ -40,8 +40,10 @@ pub struct Knobs {
     pub host_copy_fails: bool,
     /// Async scheduling (pipelined steps), as GPU engines run by default.
     pub pipelined: bool,
-    /// With `host_copied`: where the runner counts KV copies made behind an outstanding step.
+    /// With `host_copied`: where the runner counts KV copies made behind an outstanding step,
+    /// and copies queued behind a submitted step.
     pub copies_behind_a_step: Arc<AtomicUsize>,
+    pub copies_queued: Arc<AtomicUsize>,
 }
 
 impl Default for Knobs {
@@ -57,6 +59,7 @@ impl Default for Knobs {
             host_copy_fails: false,
             pipelined: false,
             copies_behind_a_step: Arc::default(),
+            copies_queued: Arc::default(),
         }
     }
 }
@@ -99,6 +102,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
         let mut runner = HostCopied::new(CpuRunner::new(m.transformer, cfg.block_size, cfg.num_blocks));
         runner.fail = k.host_copy_fails;
         runner.copies_behind_a_step = k.copies_behind_a_step.clone();
+        runner.copies_queued = k.copies_queued.clone();
         (Box::new(runner) as Box<dyn ModelRunner>).into()
     } else {
         m.transformer.into()
@@ -230,12 +234,21 @@ pub struct HostCopied {
     /// Counts `kv_to_host` calls made while a step was outstanding: on a GPU that copy would
     /// wait for the step, delaying the KV hand-off by a whole step.
     pub copies_behind_a_step: Arc<AtomicUsize>,
+    /// Counts copies queued behind a submitted step (`kv_to_host_queue`).
+    pub copies_queued: Arc<AtomicUsize>,
 }
 
 impl HostCopied {
     pub fn new(inner: CpuRunner) -> Self {
         let host = KvCache::new(inner.kv_layout());
-        Self { inner, host, fail: false, outstanding: 0, copies_behind_a_step: Arc::default() }
+        Self {
+            inner,
+            host,
+            fail: false,
+            outstanding: 0,
+            copies_behind_a_step: Arc::default(),
+            copies_queued: Arc::default(),
+        }
     }
 
     /// Copies whole blocks from one region to another.
@@ -275,6 +288,15 @@ impl ModelRunner for HostCopied {
         let device = self.inner.kv_region().expect("the CPU runner's cache is host memory");
         Self::copy(&device, &self.host.region(), blocks);
         Ok(())
+    }
+    // The CPU forward is done when `submit` returns, so a queued copy can be made at once.
+    fn kv_to_host_queue(&mut self, blocks: &[u32]) -> Result<Option<u64>, ModelError> {
+        if self.fail {
+            return Ok(None); // the synchronous path, which fails
+        }
+        let device = self.inner.kv_region().expect("the CPU runner's cache is host memory");
+        Self::copy(&device, &self.host.region(), blocks);
+        Ok(Some(self.copies_queued.fetch_add(1, Ordering::SeqCst) as u64))
     }
     fn kv_from_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
         if self.fail {
