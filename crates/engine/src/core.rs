@@ -460,8 +460,7 @@ impl EngineCore {
                 continue;
             }
             let index = req.tokens.len();
-            let last_by_length =
-                index + 1 - req.prompt_len >= req.params.max_tokens || index + 1 >= self.limits.max_model_len;
+            let last_by_length = ends_by_length(req, index, self.limits.max_model_len);
             if !last_by_length {
                 req.tokens.push(carried_token(rows.len()));
             }
@@ -664,14 +663,19 @@ pub(crate) fn check_role(req: &EngineRequest, role: Option<tandem_kv::Role>) -> 
 /// Why generation ends after `token`, the request's token at `index`, if it does. (Pipelined,
 /// a placeholder for the next token may already follow it, so lengths count from `index`.)
 fn finish_reason(req: &Request, token: u32, index: usize, eos: &[u32], max_model_len: usize) -> Option<FinishReason> {
-    let len = index + 1;
     if !req.params.ignore_eos && eos.contains(&token) || req.params.stop_token_ids.contains(&token) {
         Some(FinishReason::Stop)
-    } else if len.saturating_sub(req.prompt_len) >= req.params.max_tokens || len >= max_model_len {
+    } else if ends_by_length(req, index, max_model_len) {
         Some(FinishReason::Length)
     } else {
         None
     }
+}
+
+/// Whether the request's token at `index` is its last by length (`max_tokens` or the context).
+fn ends_by_length(req: &Request, index: usize, max_model_len: usize) -> bool {
+    let len = index + 1;
+    len.saturating_sub(req.prompt_len) >= req.params.max_tokens || len >= max_model_len
 }
 
 impl EngineCore {

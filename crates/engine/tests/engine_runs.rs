@@ -314,12 +314,40 @@ async fn dropping_a_stream_mid_prefill_stops_the_prefill() {
     assert!(engine.stats().steps < 1000, "prefill ran on after the abort: {:?}", engine.stats());
 }
 
-/// Fault injection around the real CPU runner: its `n`-th forward fails (as a GPU launch
-/// error would), every other call runs the model.
+/// Where [`FailingOnce`] fails.
+#[derive(Clone, Copy, PartialEq)]
+enum FailAt {
+    /// The `n`-th `execute` (a runner that runs one step at a time).
+    Execute,
+    /// The `n`-th `submit` is refused (a pipelining runner).
+    Submit,
+    /// The `n`-th `collect` reports a failure: the step ran on the device, its tokens never
+    /// arrive.
+    Collect,
+}
+
+/// Fault injection around the real CPU runner: its `fail_at`-th call of one kind fails (as a
+/// GPU launch error would), every other call runs the model.
 struct FailingOnce {
     inner: tandem_model::CpuRunner,
     calls: usize,
     fail_at: usize,
+    at: FailAt,
+}
+
+impl FailingOnce {
+    /// Counts a call of kind `at`; true when it is the one to fail.
+    fn fails(&mut self, at: FailAt) -> bool {
+        if self.at != at {
+            return false;
+        }
+        self.calls += 1;
+        self.calls == self.fail_at
+    }
+}
+
+fn injected() -> tandem_model::ModelError {
+    tandem_model::ModelError::Device("injected launch failure".into())
 }
 
 impl tandem_model::ModelRunner for FailingOnce {
@@ -347,51 +375,13 @@ impl tandem_model::ModelRunner for FailingOnce {
         seqs: &[tandem_model::SeqBatch<'_>],
         samples: &[tandem_model::SampleSpec],
     ) -> Result<Vec<u32>, tandem_model::ModelError> {
-        self.calls += 1;
-        if self.calls == self.fail_at {
-            return Err(tandem_model::ModelError::Device("injected launch failure".into()));
+        if self.fails(FailAt::Execute) {
+            return Err(injected());
         }
         self.inner.execute(token_ids, seqs, samples)
     }
-}
-
-/// The same fault injection for a pipelining runner: its `fail_at`-th `collect` reports a
-/// failure (the step ran on the device, its tokens never arrive), or its `fail_at`-th `submit`
-/// is refused.
-struct PipelinedFailingOnce {
-    inner: FailingOnce,
-    fail_collect: bool,
-}
-
-impl tandem_model::ModelRunner for PipelinedFailingOnce {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn config(&self) -> &tandem_model::ModelConfig {
-        self.inner.config()
-    }
-    fn max_positions(&self) -> usize {
-        self.inner.max_positions()
-    }
-    fn kv_layout(&self) -> tandem_compute::KvLayout {
-        self.inner.kv_layout()
-    }
-    fn kv_region(&self) -> Option<std::sync::Arc<tandem_compute::KvRegion>> {
-        self.inner.kv_region()
-    }
-    fn fingerprint(&self) -> String {
-        self.inner.fingerprint()
-    }
-    fn execute(
-        &mut self,
-        token_ids: &[u32],
-        seqs: &[tandem_model::SeqBatch<'_>],
-        samples: &[tandem_model::SampleSpec],
-    ) -> Result<Vec<u32>, tandem_model::ModelError> {
-        self.inner.execute(token_ids, seqs, samples)
-    }
     fn can_pipeline(&self) -> bool {
-        true
+        self.at != FailAt::Execute
     }
     fn submit(
         &mut self,
@@ -399,21 +389,15 @@ impl tandem_model::ModelRunner for PipelinedFailingOnce {
         seqs: &[tandem_model::SeqBatch<'_>],
         samples: &[tandem_model::SampleSpec],
     ) -> Result<(), tandem_model::ModelError> {
-        if !self.fail_collect {
-            self.inner.calls += 1;
-            if self.inner.calls == self.inner.fail_at {
-                return Err(tandem_model::ModelError::Device("injected launch failure".into()));
-            }
+        if self.fails(FailAt::Submit) {
+            return Err(injected());
         }
-        self.inner.inner.submit(token_ids, seqs, samples)
+        self.inner.submit(token_ids, seqs, samples)
     }
     fn collect(&mut self) -> Result<Vec<u32>, tandem_model::ModelError> {
-        let tokens = self.inner.inner.collect();
-        if self.fail_collect {
-            self.inner.calls += 1;
-            if self.inner.calls == self.inner.fail_at {
-                return Err(tandem_model::ModelError::Device("injected launch failure".into()));
-            }
+        let tokens = self.inner.collect();
+        if self.fails(FailAt::Collect) {
+            return Err(injected());
         }
         tokens
     }
@@ -424,12 +408,13 @@ impl tandem_model::ModelRunner for PipelinedFailingOnce {
 /// pipelined with the failure at submit or at collect.
 #[test]
 fn a_failed_forward_fails_its_batch_and_the_engine_keeps_serving() {
-    for (pipelined, fail_collect) in [(false, false), (true, false), (true, true)] {
-        a_failed_forward_fails_its_batch_in(pipelined, fail_collect);
+    for at in [FailAt::Execute, FailAt::Submit, FailAt::Collect] {
+        a_failed_forward_fails_its_batch_in(at);
     }
 }
 
-fn a_failed_forward_fails_its_batch_in(pipelined: bool, fail_collect: bool) {
+fn a_failed_forward_fails_its_batch_in(at: FailAt) {
+    let pipelined = at != FailAt::Execute;
     let (model, cases) = fixture("qwen3");
     let cfg = EngineConfig {
         block_size: 16,
@@ -438,9 +423,9 @@ fn a_failed_forward_fails_its_batch_in(pipelined: bool, fail_collect: bool) {
         max_num_batched_tokens: 4096,
         async_scheduling: pipelined,
     };
-    let runner = FailingOnce { inner: tandem_model::CpuRunner::new(model.transformer, 16, 64), calls: 0, fail_at: 2 };
-    let boxed: Box<dyn tandem_model::ModelRunner> =
-        if pipelined { Box::new(PipelinedFailingOnce { inner: runner, fail_collect }) } else { Box::new(runner) };
+    let runner =
+        FailingOnce { inner: tandem_model::CpuRunner::new(model.transformer, 16, 64), calls: 0, fail_at: 2, at };
+    let boxed: Box<dyn tandem_model::ModelRunner> = Box::new(runner);
     let mut core = EngineCore::new(boxed, model.eos_token_ids, model.max_model_len, &cfg);
     assert_eq!(core.pipelined(), pipelined);
     let case = &cases[1];

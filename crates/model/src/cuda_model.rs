@@ -19,7 +19,7 @@ use tandem_compute::{coalesce, KvDtype, KvLayout, KvRegion};
 
 use crate::config::ModelConfig;
 use crate::presets::{tensor_stream, uniform_amplitude};
-use crate::runner::{carried_row, ModelRunner, SampleSpec};
+use crate::runner::{check_carried, ModelRunner, SampleSpec};
 use crate::source::{ModelSource, ModelSpec};
 use crate::transformer::SeqBatch;
 use crate::ModelError;
@@ -951,8 +951,8 @@ impl CudaModel {
             build_meta(&m, &mut self.meta_host, &limits, token_ids, seqs, padded_tokens, padded_seqs)?;
         self.counts = counts;
         put_sampling(&m, &mut self.meta_host, samples);
-        // The block tables follow the fixed part: one copy for both (each copy from pageable
-        // memory costs the engine thread a driver call and the stream a transfer).
+        // The block tables follow the fixed part: one copy for both (each copy costs the engine
+        // thread a driver call and the stream a transfer).
         self.meta_host.extend_from_slice(&tables);
         let written = self.upload_meta();
         self.meta_host.truncate(m.tables);
@@ -1658,7 +1658,7 @@ impl CudaModel {
 
     /// The metadata layout of the decode graph for `bucket`: sized for `bucket` tokens, so a
     /// decode step uploads a few KB of header instead of one sized for the largest prefill
-    /// (85 KB at a 4096-token limit), from pageable memory, every step. Its steps define every
+    /// (85 KB at a 4096-token limit) every step. Its steps define every
     /// entry the graph reads (padding rows included). The ring decode kernel keeps the full
     /// layout: its argument table holds metadata addresses from load time.
     fn graph_meta_layout(&self, bucket: usize) -> MetaLayout {
@@ -1702,20 +1702,12 @@ impl ModelRunner for CudaModel {
     }
 
     fn kv_to_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
-        let Some(region) = &self.host_kv else { return Ok(()) };
         let started = std::time::Instant::now();
-        let n = self.layout.block_elems();
-        for run in coalesce(blocks) {
-            let (first, count) = (run.start as usize, run.len as usize);
-            check_run(&self.layout, first, count)?;
-            // Safety: the engine owns these blocks (the trait's contract): the connector does not
-            // touch them until they are handed over after this returns.
-            let dst: &mut [u16] = bytemuck::cast_slice_mut(unsafe { region.bytes_mut(first, count) });
-            // The bf16 bytes as they are; ordered after the forwards that wrote these blocks
-            // (same stream; waits for them).
-            self.dev.read_at(&self.kv, first * n, dst)?;
+        // The copy queued behind everything on the stream (the forwards that wrote these blocks
+        // included), then waited for: the engine loop waits here.
+        if let Some(ticket) = self.kv_to_host_queue(blocks)? {
+            self.kv_to_host_wait(ticket)?;
         }
-        // The engine loop waits for this copy (docs/PERFORMANCE.md has its cost when measured).
         tracing::debug!(
             blocks = blocks.len(),
             ms = started.elapsed().as_secs_f64() * 1e3,
@@ -1838,12 +1830,7 @@ impl CudaModel {
         if rows != samples.len() {
             return Err(ModelError::Device(format!("{rows} sequences sample but {} sample specs", samples.len())));
         }
-        if let Some(r) = token_ids.iter().filter_map(|&t| carried_row(t)).find(|&r| r >= self.last_rows) {
-            return Err(ModelError::Pipeline(format!(
-                "a carried token names sample row {r}, but the previous step sampled {} rows",
-                self.last_rows
-            )));
-        }
+        check_carried(token_ids, self.last_rows)?;
         match self.graph_bucket(token_ids, seqs) {
             Some(bucket) => {
                 self.fill_meta(token_ids, seqs, Some(bucket), samples)?;

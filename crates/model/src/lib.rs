@@ -31,9 +31,7 @@ pub use cuda_model::{CudaModel, CudaOptions};
 pub use detokenize::{IncrementalDetokenizer, StopMatcher, StopOutcome};
 pub use error::ModelError;
 pub use presets::{Preset, PRESETS};
-pub use runner::{
-    carried_row, carried_token, resolve_carried, sample, CpuRunner, ModelRunner, SampleSpec, CARRIED_TOKEN,
-};
+pub use runner::{carried_row, carried_token, sample, CpuRunner, ModelRunner, SampleSpec, CARRIED_TOKEN};
 pub use source::{LoadedModel, ModelSource, ModelSpec};
 pub use tokenizer::{ChatMessage, TextTokenizer};
 pub use transformer::{SeqBatch, Transformer};

@@ -127,21 +127,22 @@ pub trait ModelRunner: Send {
     }
 }
 
+/// Checks that every carried token in `token_ids` names one of the previous step's
+/// `previous_rows` sample rows.
+pub(crate) fn check_carried(token_ids: &[u32], previous_rows: usize) -> Result<(), ModelError> {
+    match token_ids.iter().filter_map(|&t| carried_row(t)).find(|&r| r >= previous_rows) {
+        Some(r) => Err(ModelError::Pipeline(format!(
+            "a carried token names sample row {r}, but the previous step sampled {previous_rows} rows"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Replaces each carried token in `token_ids` with the sampled token it names; `previous`
-/// holds the previous step's samples. A runner resolving them on the host uses this.
-pub fn resolve_carried(token_ids: &[u32], previous: &[u32]) -> Result<Vec<u32>, ModelError> {
-    token_ids
-        .iter()
-        .map(|&t| match carried_row(t) {
-            None => Ok(t),
-            Some(r) => previous.get(r).copied().ok_or_else(|| {
-                ModelError::Pipeline(format!(
-                    "a carried token names sample row {r}, but the previous step sampled {} rows",
-                    previous.len()
-                ))
-            }),
-        })
-        .collect()
+/// holds the previous step's samples.
+fn resolve_carried(token_ids: &[u32], previous: &[u32]) -> Result<Vec<u32>, ModelError> {
+    check_carried(token_ids, previous.len())?;
+    Ok(token_ids.iter().map(|&t| carried_row(t).map_or(t, |r| previous[r])).collect())
 }
 
 /// The CPU backend: the f32 [`Transformer`] over a host [`KvCache`].

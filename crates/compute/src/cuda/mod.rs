@@ -800,10 +800,9 @@ impl CudaDevice {
             return Ok(());
         }
         let dst = &mut staging.host_mut()?[..n];
-        self.ctx.bind_to_thread()?;
         // Safety: as in `upload_async`: page-locked memory owned by `staging`, untouched by
-        // the host until `done` completes, kept alive until then by its Drop.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr(), self.stream.cu_stream())? };
+        // the host until `done` (recorded next) completes, kept alive until then by its Drop.
+        unsafe { self.download_into_async(src, 0, dst)? };
         staging.done.record(&self.stream)?;
         Ok(())
     }
