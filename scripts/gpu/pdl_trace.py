@@ -13,16 +13,19 @@ Usage: pdl_trace.py LOG"""
 import statistics
 import sys
 
-bulk, attn = [], []
+bulk, attn, gemv = [], [], {}
 for line in open(sys.argv[1], errors="replace"):
     f = line.split()
+    # pdl_trace gemv KIND BLOCK ENTRY READY EXIT SMID (kind 0 qkv, 1 gate/up, 2 down, 3 head)
+    if len(f) == 8 and f[:2] == ["pdl_trace", "gemv"]:
+        gemv.setdefault(int(f[2]), []).append(tuple(int(x) for x in f[4:8]))
     # pdl_trace bulk BLOCK ENTRY WAIT LANDED EXIT SMID
     if len(f) == 8 and f[:2] == ["pdl_trace", "bulk"]:
         bulk.append(tuple(int(x) for x in f[3:8]))
     # pdl_trace attn HEAD_GROUP SMID 8 STAMPS
     if len(f) == 12 and f[:2] == ["pdl_trace", "attn"]:
         attn.append(tuple(int(x) for x in f[3:12]))
-if not bulk and not attn:
+if not bulk and not attn and not gemv:
     print("pdl trace: no stamps (a TANDEM_KERNEL_DEFINES=TANDEM_PDL_TRACE build?)")
     sys.exit(0)
 
@@ -63,3 +66,38 @@ if bulk:
     if attn:
         print("pdl trace: " + row("attention stored (blocks)", [(a[8] - t0) / 1000.0 for a in attn]))
     print("pdl trace: o placement: " + placement(b[4] for b in bulk))
+
+if gemv.get(0):
+    # One layer in launch order: when each kernel's blocks entered and exited, us from the qkv
+    # projection's first entry. "gap" is first entry minus the previous kernel's last exit
+    # (negative: launched early, programmatic dependent launch); "tail" is last exit minus
+    # median exit.
+    t0 = min(g[0] for g in gemv[0])
+    kernels = [("qkv", [(g[0], g[2]) for g in gemv[0]])]
+    if attn:
+        kernels.append(("attention", [(a[1], a[8]) for a in attn]))
+    if bulk:
+        kernels.append(("o (bulk)", [(b[0], b[3]) for b in bulk]))
+    for kind, name in [(1, "gate/up"), (2, "down")]:
+        if gemv.get(kind):
+            kernels.append((name, [(g[0], g[2]) for g in gemv[kind]]))
+    print("pdl trace: one layer, us from the qkv projection's first entry")
+    print(f"pdl trace: {'kernel':<12}{'blocks':>7}{'entry0':>8}{'entry1':>8}{'exit.5':>8}{'exit1':>8}{'gap':>7}"
+          f"{'tail':>7}{'ready.5':>8}")
+    prev_exit = None
+    for name, spans in kernels:
+        entries = sorted(e for e, _ in spans)
+        exits = sorted(x for _, x in spans)
+        us = lambda t: (t - t0) / 1000.0
+        gap = f"{us(entries[0]) - prev_exit:7.2f}" if prev_exit is not None else f"{'':>7}"
+        ready = ""
+        for kind, n in [(0, "qkv"), (1, "gate/up"), (2, "down")]:
+            if n == name:
+                ready = f"{us(statistics.median(g[1] for g in gemv[kind])):8.2f}"
+        print(f"pdl trace: {name:<12}{len(spans):>7}{us(entries[0]):8.2f}{us(entries[-1]):8.2f}"
+              f"{us(statistics.median(exits)):8.2f}{us(exits[-1]):8.2f}{gap}"
+              f"{us(exits[-1]) - us(statistics.median(exits)):7.2f}{ready}")
+        prev_exit = us(exits[-1])
+    for kind, name in [(0, "qkv"), (1, "gate/up"), (2, "down")]:
+        if gemv.get(kind):
+            print(f"pdl trace: {name} placement: " + placement(g[3] for g in gemv[kind]))

@@ -74,9 +74,9 @@ if [ "$MODE" = matrix ]; then
     note "$label: $(grep -E '^(1|64) +[0-9]' "$OUT/matrix_$label.log" | tr -s ' ' | tr '\n' '|')"
     grep -E "^ *fused|plan sweep: down" "$OUT/matrix_$label.log" | grep -v pipelined | sed "s/^/  $label /"
     grep -o "ring trace:.*" "$OUT/matrix_$label.log" | sed "s/^/  $label /"
-    # A TANDEM_KERNEL_DEFINES=TANDEM_PDL_TRACE build: the early decode attention's phases, and
-    # when the bulk o projection's blocks entered, saw the attention done, had their weights,
-    # exited; both kernels' placement.
+    # A TANDEM_KERNEL_DEFINES=TANDEM_PDL_TRACE build: the early decode attention's phases, when
+    # the bulk o projection's blocks entered, saw the attention done, had their weights, exited;
+    # one layer's timeline (every kernel's entries, exits, gaps and tails) and placement.
     if grep -q "^pdl_trace" "$OUT/matrix_$label.log"; then
       python3 scripts/gpu/pdl_trace.py "$OUT/matrix_$label.log" | sed "s/^/  $label /"
     fi

@@ -121,20 +121,62 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 }
 #endif
 
-// TANDEM_PDL_TRACE (a measurement build, TANDEM_KERNEL_DEFINES): thread 0 of every block of the
-// PDL_TRACE_AT-th launch of the bulk decode projection prints global clock stamps (entry, the
-// programmatic wait over, i.e. the attention before it done, weights landed, exit), to see
-// whether the blocks are resident and copying while the attention runs and what is left after
-// it; and of the PDL_TRACE_AT-th early-launched decode attention (the same layer of the same
-// step), stamps between its phases, to see where its time after the qkv projection goes
-// (scripts/gpu/pdl_trace.py summarises both, with each kernel's placement).
+// TANDEM_PDL_TRACE (a measurement build, TANDEM_KERNEL_DEFINES): thread 0 of every block of one
+// layer's decode kernels (qkv, early attention, bulk o, gate/up, down of the PDL_TRACE_AT-th
+// layer) records global clock stamps into device memory: entry, phases, exit, and its
+// multiprocessor; eight layers later one thread prints them (printing from the traced kernels
+// themselves would slow them). The kernels compile as separate programs (KERNEL_GROUP), each
+// with its own device variables, so each program has an anchor kernel counting its launches
+// (block 0 adds one at exit): the qkv projection, the attention, the bulk o. An anchor is
+// traced if its count at entry is PDL_TRACE_AT, and prints its program's stamps at entry when
+// the count is PDL_TRACE_AT + 8; gate/up and down (the bulk o's program) are traced if the
+// count at their exit is PDL_TRACE_AT + 1 (after the traced o, before the next one).
+// scripts/gpu/pdl_trace.py summarises: the attention's phases, the bulk o's, and the layer's
+// timeline (gaps between kernels, tails, placement).
 #ifdef TANDEM_PDL_TRACE
 #define PDL_TRACE_AT 1000
-__device__ unsigned pdl_trace_launches, attn_trace_launches;
+#define TRACE_BLOCKS 1024
+// Kinds: 0 qkv, 1 gate/up, 2 down (the plain projections' trace_kind), 4 attention, 5 bulk o.
+#define TRACE_ATTN 4
+#define TRACE_BULK 5
+__device__ unsigned trace_anchor;
+__device__ unsigned long long trace_stamps[6][TRACE_BLOCKS][8];
+__device__ int trace_sm[6][TRACE_BLOCKS];
+__device__ unsigned trace_blocks[6];
 __device__ __forceinline__ int trace_smid() {
     int id;
     asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
     return id;
+}
+// Whether a non-anchor kernel exiting now belongs to the traced layer.
+__device__ __forceinline__ bool trace_layer_now() {
+    return *(volatile unsigned*)&trace_anchor == PDL_TRACE_AT + 1;
+}
+__device__ __forceinline__ void trace_record(int kind, int block, const unsigned long long* stamps, int n) {
+    if (block >= TRACE_BLOCKS) return;
+    for (int i = 0; i < n; ++i) trace_stamps[kind][block][i] = stamps[i];
+    trace_sm[kind][block] = trace_smid();
+    atomicMax(&trace_blocks[kind], (unsigned)block + 1);
+}
+__device__ void trace_dump() {
+    for (int kind = 0; kind < 6; ++kind)
+        for (unsigned b = 0; b < trace_blocks[kind]; ++b) {
+            const unsigned long long* t = trace_stamps[kind][b];
+            int sm = trace_sm[kind][b];
+            if (kind == TRACE_ATTN)
+                printf("pdl_trace attn %u %d %llu %llu %llu %llu %llu %llu %llu %llu\n", b, sm, t[0], t[1], t[2], t[3],
+                       t[4], t[5], t[6], t[7]);
+            else if (kind == TRACE_BULK)
+                printf("pdl_trace bulk %u %llu %llu %llu %llu %d\n", b, t[0], t[1], t[2], t[3], sm);
+            else
+                printf("pdl_trace gemv %d %u %llu %llu %llu %d\n", kind, b, t[0], t[1], t[2], sm);
+        }
+}
+// An anchor's tracing at entry: whether this launch is traced; prints the stamps when due.
+__device__ __forceinline__ bool trace_anchor_entry(bool first_block) {
+    unsigned n = *(volatile unsigned*)&trace_anchor;
+    if (first_block && n == PDL_TRACE_AT + 8) trace_dump();
+    return n == PDL_TRACE_AT;
 }
 #endif
 
@@ -527,6 +569,12 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, i
                 if (base + u * 256 < k_end) dst[u][r] = ld_stream(W + (u64)min(n0 + r, N - 1) * K + base + u * 256);
     };
     int stride = gridDim.x * rows_per_block;
+#if defined(TANDEM_PDL_TRACE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Stamps: entry, prologue done, exit.
+    constexpr int trace_kind = OUT == OUT_SILU ? 1 : OUT == OUT_ADD ? 2 : OUT == OUT_F32 ? 3 : 0;
+    unsigned long long trace_t[3] = {tid == 0 ? global_ns() : 0, 0, 0};
+    bool traced = tid == 0 && trace_kind == 0 && trace_anchor_entry(blockIdx.x == 0);
+#endif
     // The pipelined build's first batch of weights goes out before waiting on the previous
     // kernel (weights are never written). (Asking L2 for the plain build's first row group with
     // Hopper's bulk prefetch instead made a Qwen3-4B decode step 12% slower on an H200.)
@@ -534,6 +582,9 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, i
     PDL_ENTER();
     for (int m = 0; m < M; ++m) gemv_prologue<IN>(xs + (u64)m * K, K, in, rows, norm_w, eps, m, mcount, scratch);
     __syncthreads();
+#if defined(TANDEM_PDL_TRACE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (tid == 0) trace_t[1] = global_ns();
+#endif
     for (; row_base < N; row_base += stride) {
         int n0 = row_base + grp * GEMV_ROWS;
         float acc[GEMV_ROWS][M];
@@ -605,6 +656,14 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, i
             __syncthreads();
         }
     }
+#if defined(TANDEM_PDL_TRACE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (tid == 0) {
+        trace_t[2] = global_ns();
+        if (trace_kind == 0 ? traced : trace_kind < 3 && trace_layer_now())
+            trace_record(trace_kind, blockIdx.x, trace_t, 3);
+        if (trace_kind == 0 && blockIdx.x == 0) atomicAdd(&trace_anchor, 1u);
+    }
+#endif
 }
 
 #define GEMV_KERNEL(NAME, M, IN, OUT, PIPE, MIN_BLOCKS)                                                       \
@@ -881,17 +940,16 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
 #if defined(TANDEM_PDL_TRACE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Stamps: entry, wait over, inputs ready (RoPE'd query and new key/value, first keys
     // landed), scores, softmax, P.V, partials added, output stored (first chunk's phases).
-    bool traced = wait_after_first_keys && tid == 0 && *(volatile unsigned*)&attn_trace_launches == PDL_TRACE_AT;
-    u64 stamps[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    bool first_block = bx == 0 && by == 0 && bz == 0;
+    bool traced = wait_after_first_keys && tid == 0 && trace_anchor_entry(first_block);
+    unsigned long long stamps[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     auto stamp = [&](int i) {
         if (traced) stamps[i] = global_ns();
     };
     auto trace_exit = [&]() {
         stamp(7);
-        if (traced)
-            printf("pdl_trace attn %d %d %llu %llu %llu %llu %llu %llu %llu %llu\n", by, trace_smid(), stamps[0],
-                   stamps[1], stamps[2], stamps[3], stamps[4], stamps[5], stamps[6], stamps[7]);
-        if (wait_after_first_keys && bx == 0 && by == 0 && bz == 0 && tid == 0) atomicAdd(&attn_trace_launches, 1u);
+        if (traced) trace_record(TRACE_ATTN, by + gridDim.y * (bx + gridDim.x * bz), stamps, 8);
+        if (wait_after_first_keys && tid == 0 && first_block) atomicAdd(&trace_anchor, 1u);
     };
 #else
     auto stamp = [](int) {};
@@ -1630,8 +1688,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, i
     int row0 = blockIdx.x * BULK_ROWS, rows = min(BULK_ROWS, N - row0);
     u32 bar_s = (u32)__cvta_generic_to_shared(&bar);
 #ifdef TANDEM_PDL_TRACE
-    // Block 0 counts launches as it exits: a block entering after that reads the next count.
-    bool traced = tid == 0 && *(volatile unsigned*)&pdl_trace_launches == PDL_TRACE_AT;
+    bool traced = tid == 0 && trace_anchor_entry(blockIdx.x == 0);
     u64 t_entry = traced ? global_ns() : 0, t_wait = 0, t_landed = 0;
 #endif
     // The phase completes when all of the block's rows have landed, whenever each was issued.
@@ -1703,10 +1760,11 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, i
         if (r < rows) gemv_store<OUT_ADD>(out, bias, N, row0 + r, m, mcount, v);
     }
 #ifdef TANDEM_PDL_TRACE
-    if (traced)
-        printf("pdl_trace bulk %d %llu %llu %llu %llu %d\n", blockIdx.x, t_entry, t_wait, t_landed, global_ns(),
-               trace_smid());
-    if (blockIdx.x == 0 && tid == 0) atomicAdd(&pdl_trace_launches, 1u);
+    if (traced) {
+        unsigned long long t[4] = {t_entry, t_wait, t_landed, global_ns()};
+        trace_record(TRACE_BULK, blockIdx.x, t, 4);
+    }
+    if (tid == 0 && blockIdx.x == 0) atomicAdd(&trace_anchor, 1u);
 #endif
 #endif
 }
