@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Summarises a TANDEM_PDL_TRACE build's stamps (kernels.cu) of one layer of one decode step:
-every block of the early-launched decode attention, and of the bulk o projection, which starts
+the layer's timeline (every block of its five kernels entering and leaving: gaps, tails,
+placement); every block of the early-launched decode attention, and of the bulk o projection, which starts
 (programmatic dependent launch) while that attention runs.
 
 Attention: how long each phase took (wait over, inputs ready, scores, softmax, P.V, partials
@@ -71,33 +72,35 @@ if gemv.get(0):
     # One layer in launch order: when each kernel's blocks entered and exited, us from the qkv
     # projection's first entry. "gap" is first entry minus the previous kernel's last exit
     # (negative: launched early, programmatic dependent launch); "tail" is last exit minus
-    # median exit.
+    # median exit; "ready.5" the projections' median end of prologue.
     t0 = min(g[0] for g in gemv[0])
-    kernels = [("qkv", [(g[0], g[2]) for g in gemv[0]])]
+    projections = {0: "qkv", 1: "gate/up", 2: "down"}
+
+    def us(t):
+        return (t - t0) / 1000.0
+
+    def projection(kind):
+        spans = [(g[0], g[2]) for g in gemv[kind]]
+        return projections[kind], spans, statistics.median(us(g[1]) for g in gemv[kind])
+
+    kernels = [projection(0)]
     if attn:
-        kernels.append(("attention", [(a[1], a[8]) for a in attn]))
+        kernels.append(("attention", [(a[1], a[8]) for a in attn], None))
     if bulk:
-        kernels.append(("o (bulk)", [(b[0], b[3]) for b in bulk]))
-    for kind, name in [(1, "gate/up"), (2, "down")]:
-        if gemv.get(kind):
-            kernels.append((name, [(g[0], g[2]) for g in gemv[kind]]))
+        kernels.append(("o (bulk)", [(b[0], b[3]) for b in bulk], None))
+    kernels += [projection(kind) for kind in (1, 2) if gemv.get(kind)]
     print("pdl trace: one layer, us from the qkv projection's first entry")
     print(f"pdl trace: {'kernel':<12}{'blocks':>7}{'entry0':>8}{'entry1':>8}{'exit.5':>8}{'exit1':>8}{'gap':>7}"
           f"{'tail':>7}{'ready.5':>8}")
     prev_exit = None
-    for name, spans in kernels:
-        entries = sorted(e for e, _ in spans)
-        exits = sorted(x for _, x in spans)
-        us = lambda t: (t - t0) / 1000.0
-        gap = f"{us(entries[0]) - prev_exit:7.2f}" if prev_exit is not None else f"{'':>7}"
-        ready = ""
-        for kind, n in [(0, "qkv"), (1, "gate/up"), (2, "down")]:
-            if n == name:
-                ready = f"{us(statistics.median(g[1] for g in gemv[kind])):8.2f}"
-        print(f"pdl trace: {name:<12}{len(spans):>7}{us(entries[0]):8.2f}{us(entries[-1]):8.2f}"
-              f"{us(statistics.median(exits)):8.2f}{us(exits[-1]):8.2f}{gap}"
-              f"{us(exits[-1]) - us(statistics.median(exits)):7.2f}{ready}")
-        prev_exit = us(exits[-1])
-    for kind, name in [(0, "qkv"), (1, "gate/up"), (2, "down")]:
+    for name, spans, ready in kernels:
+        entries = sorted(us(e) for e, _ in spans)
+        exits = sorted(us(x) for _, x in spans)
+        gap = f"{entries[0] - prev_exit:7.2f}" if prev_exit is not None else f"{'':>7}"
+        ready = f"{ready:8.2f}" if ready is not None else ""
+        print(f"pdl trace: {name:<12}{len(spans):>7}{entries[0]:8.2f}{entries[-1]:8.2f}"
+              f"{statistics.median(exits):8.2f}{exits[-1]:8.2f}{gap}{exits[-1] - statistics.median(exits):7.2f}{ready}")
+        prev_exit = exits[-1]
+    for kind, name in projections.items():
         if gemv.get(kind):
             print(f"pdl trace: {name} placement: " + placement(g[3] for g in gemv[kind]))
