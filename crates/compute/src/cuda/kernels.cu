@@ -960,17 +960,10 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     // Launched with programmatic dependent launch (fused steps): the cached keys (earlier steps'
     // and the metadata the host wrote) are on their way while the qkv projection finishes; only
     // what follows reads its output.
-#ifdef TANDEM_ATTN_TRIGGER_EARLY
-    // A measurement build: the bulk o projection may launch before this wait, not after it, so
-    // its weight copies (21 MB on Qwen3-4B) start while this waits on the qkv projection
-    // (1.1-1.6 us, run BL) and are further along when the attention's output is stored.
-    if (wait_after_first_keys) {
-        PDL_LAUNCH_DEPENDENTS();
-        PDL_WAIT();
-    }
-#else
+    // (Letting the bulk o projection launch before this wait instead of after it changes
+    // nothing: a programmatic launch also waits for the kernel two back, the qkv projection, to
+    // complete; run BP.)
     if (wait_after_first_keys) PDL_ENTER();
-#endif
     stamp(1);
     if (fused) {
         // Warp w < G: query head h0 + w; then the key head and the value head.
