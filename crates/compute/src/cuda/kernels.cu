@@ -487,6 +487,11 @@ __device__ __forceinline__ uint4 ld_cg16(const void* p) {
 // not one per element. IN_NORM keeps its row in registers: K <= 8 * 4 * blockDim (8192).
 // RING: run by the ring kernel's 256 consumer threads (the same sums as a 256-thread block),
 // reading inputs that earlier stages of the same launch wrote.
+// A measurement define (TANDEM_KERNEL_DEFINES=TANDEM_NORM_J=n): the norm prologue unrolled for
+// K <= 1024 n only (less code before the first weight load; wrong for longer rows).
+#ifndef TANDEM_NORM_J
+#define TANDEM_NORM_J 8
+#endif
 template <int IN, bool RING = false>
 __device__ __forceinline__ void gemv_prologue(bf16* xm, int K, const void* in, const int* rows, const bf16* norm_w,
                                               float eps, int m, int mcount, float* scratch) {
@@ -512,11 +517,11 @@ __device__ __forceinline__ void gemv_prologue(bf16* xm, int K, const void* in, c
     } else if (IN == IN_NORM) {
         int r = rows ? rows[m] : m;
         const float* src = reinterpret_cast<const float*>(in) + (u64)r * K;
-        float4 v[8];
-        uint2 w[8];
+        float4 v[TANDEM_NORM_J];
+        uint2 w[TANDEM_NORM_J];
         float ss = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < TANDEM_NORM_J; ++j) {
             int i = (tid + j * nt) * 4;
             if (i < K) {
                 uint4 raw = ld_in(src + i);
@@ -526,12 +531,12 @@ __device__ __forceinline__ void gemv_prologue(bf16* xm, int K, const void* in, c
             }
         }
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < TANDEM_NORM_J; ++j)
             if ((tid + j * nt) * 4 < K) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
         ss = block_sum<RING>(ss, scratch);
         float inv = rsqrtf(ss / (float)K + eps);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < TANDEM_NORM_J; ++j) {
             int i = (tid + j * nt) * 4;
             if (i < K)
                 *reinterpret_cast<uint2*>(xm + i) =
