@@ -707,13 +707,14 @@ fn decode_projection_kernels_match_the_reference() {
         // K not a multiple of 256 (a partial last load round), N odd (a warp's second row
         // past the end), N small (fewer blocks than multiprocessors, K split eight ways in the
         // pipelined build) and large (blocks looping over several row groups).
+        // Norm rows longer than the prologue's 3072-element piece (read in 2 and 3 pieces).
         let shapes: &[(usize, usize)] = if square {
             &[(64, 64), (1032, 1032), (2048, 2048)]
         } else if mode == GemvMode::NormToSilu {
             // (gate, up) row pairs: N even.
-            &[(38, 64), (3002, 1032), (40, 2048), (20012, 256)]
+            &[(38, 64), (3002, 1032), (40, 2048), (20012, 256), (42, 5128), (22, 7000)]
         } else {
-            &[(37, 64), (3001, 1032), (40, 2048), (20011, 256)]
+            &[(37, 64), (3001, 1032), (40, 2048), (20011, 256), (41, 5128), (21, 7000)]
         };
         // The plans `gemv` picks in both builds, and plain-build plans with K split across
         // warps (partial sums through shared memory) and with few blocks looping over rows.

@@ -451,12 +451,11 @@ impl CudaModel {
         let embed = builder.tensor(&["model.embed_tokens.weight"], &[cfg.vocab_size], h)?;
         // The fused decode projections load 8 input elements at a time and stage up to 8 input
         // rows in shared memory.
-        let fused_tokens =
-            if opts.fused_decode && [h, q_dim, i].iter().all(|d| d.is_multiple_of(8)) && h <= ops::GEMV_NORM_MAX_K {
-                ops::gemv_max_tokens(&dev, h.max(q_dim).max(i))
-            } else {
-                0
-            };
+        let fused_tokens = if opts.fused_decode && [h, q_dim, i].iter().all(|d| d.is_multiple_of(8)) {
+            ops::gemv_max_tokens(&dev, h.max(q_dim).max(i))
+        } else {
+            0
+        };
         // Attention with the o projection (see `AttentionO`), where its weight slices fit.
         let attention_o_chunks = ops::attention_o_chunks(&dev, cfg.num_heads, hd, h)
             .filter(|_| fused_tokens > 0 && env_switch("TANDEM_ATTN_O", opts.attention_o));

@@ -285,10 +285,6 @@ fn bulk_early_rows() -> usize {
 /// Most tokens the decode-projection kernels take in one launch.
 pub const GEMV_MAX_TOKENS: usize = 8;
 
-/// Longest row the RMSNorm prologue of a decode projection takes (it keeps the row in
-/// registers: eight float4 per thread of 256).
-pub const GEMV_NORM_MAX_K: usize = 8 * 4 * 256;
-
 /// Where a decode projection's input rows come from.
 #[derive(Clone, Copy, Debug)]
 pub enum GemvInput {
@@ -392,8 +388,7 @@ impl Gemv {
         let smem = m * k * 2;
         let (limit, _) = dev.gemv_smem();
         let limit = if plan.build == GemvBuild::Mma { limit.min(dev.gemv_mma_smem()) } else { limit };
-        let norm_too_long = matches!(input, GemvInput::Norm { .. }) && k > GEMV_NORM_MAX_K;
-        if m > GEMV_MAX_TOKENS || smem > limit || !k.is_multiple_of(8) || norm_too_long {
+        if m > GEMV_MAX_TOKENS || smem > limit || !k.is_multiple_of(8) {
             return Err(CudaError::Unavailable(format!("decode projection of {tokens} rows x {k} is not supported")));
         }
         if ![1, 2, 4, 8].contains(&plan.ksplit) || plan.blocks == 0 {
@@ -1171,7 +1166,7 @@ pub fn decode_ring_plan(dev: &CudaDevice, s: &RingStep, layers: &[RingLayer]) ->
     }
     let (qkv_n, o_k) = ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.num_heads * s.head_dim);
     let ks = [s.hidden, o_k, s.intermediate];
-    if ks.iter().any(|k| !k.is_multiple_of(8)) || s.hidden > GEMV_NORM_MAX_K {
+    if ks.iter().any(|k| !k.is_multiple_of(8)) {
         return no(format!("unsupported sizes (hidden {}, intermediate {})", s.hidden, s.intermediate));
     }
     let chunk: usize = std::env::var("TANDEM_RING_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(16 << 10);
