@@ -583,15 +583,21 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, i
     int row_base = blockIdx.x * rows_per_block;
     // PIPE: two register buffers, so that while one batch is multiplied the next is in flight
     // (the rest of this row group's slice, or the block's next row group), and the first batch
-    // goes out before the prologue. Otherwise one buffer, loaded at the top of each batch: fewer
-    // registers, more warps per multiprocessor.
+    // goes out before the prologue. Otherwise one buffer, loaded at the top of each batch (the
+    // first batch's first slice before the prologue, below): fewer registers, more warps per
+    // multiprocessor.
     uint4 wv[GEMV_UNROLL][GEMV_ROWS], nx[GEMV_UNROLL][GEMV_ROWS];
-    auto load_batch = [&](uint4 (&dst)[GEMV_UNROLL][GEMV_ROWS], int n0, int base) {
+    // Loads slices [u_from, u_to) of a batch.
+    auto load_slices = [&](uint4 (&dst)[GEMV_UNROLL][GEMV_ROWS], int n0, int base, int u_from, int u_to) {
 #pragma unroll
         for (int u = 0; u < GEMV_UNROLL; ++u)
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; ++r)
-                if (base + u * 256 < k_end) dst[u][r] = ld_stream(W + (u64)min(n0 + r, N - 1) * K + base + u * 256);
+                if (u >= u_from && u < u_to && base + u * 256 < k_end)
+                    dst[u][r] = ld_stream(W + (u64)min(n0 + r, N - 1) * K + base + u * 256);
+    };
+    auto load_batch = [&](uint4 (&dst)[GEMV_UNROLL][GEMV_ROWS], int n0, int base) {
+        load_slices(dst, n0, base, 0, GEMV_UNROLL);
     };
     int stride = gridDim.x * rows_per_block;
 #if defined(TANDEM_PDL_TRACE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -604,6 +610,16 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, i
     // kernel (weights are never written). (Asking L2 for the plain build's first row group with
     // Hopper's bulk prefetch instead made a Qwen3-4B decode step 12% slower on an H200.)
     if (PIPE) load_batch(wv, row_base + grp * GEMV_ROWS, k_begin + lane * 8);
+    // The plain build issues the first slice of its first batch before the prologue too (8
+    // registers), so the memory streams while the prologue's round trips run: a Qwen3-4B decode
+    // step 1% shorter on an H200. Two slices were 5% slower (the prologue spills, and twice the
+    // bytes queue ahead of its reads). TANDEM_KERNEL_DEFINES=TANDEM_GEMV_EARLY_U=n measures others.
+#ifndef TANDEM_GEMV_EARLY_U
+#define TANDEM_GEMV_EARLY_U 1
+#endif
+    constexpr int EARLY_U = PIPE ? 0 : TANDEM_GEMV_EARLY_U;
+    if (EARLY_U > 0) load_slices(wv, row_base + grp * GEMV_ROWS, k_begin + lane * 8, 0, EARLY_U);
+    int early_left = EARLY_U;  // slices of the next batch already in wv
     PDL_ENTER();
     for (int m = 0; m < M; ++m) gemv_prologue<IN>(xs + (u64)m * K, K, in, rows, norm_w, eps, m, mcount, scratch);
     __syncthreads();
@@ -622,7 +638,8 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, i
                 if (base + 256 * GEMV_UNROLL < k_end) load_batch(nx, n0, base + 256 * GEMV_UNROLL);
                 else if (row_base + stride < N) load_batch(nx, row_base + stride + grp * GEMV_ROWS, k_begin + lane * 8);
             } else {
-                load_batch(wv, n0, base);
+                load_slices(wv, n0, base, early_left, GEMV_UNROLL);
+                early_left = 0;
             }
 #pragma unroll
             for (int u = 0; u < GEMV_UNROLL; ++u) {
