@@ -25,7 +25,8 @@
 #   sanitize [TOOL [TEST_FILTER]]: the kernel tests (those matching TEST_FILTER) under
 #   compute-sanitizer's TOOL (memcheck, the default; racecheck, initcheck, synccheck).
 #
-# Runs the kernel, model and engine GPU tests (failing if no GPU is usable), the transformers
+# Runs the kernel, model and engine GPU tests (ignored by `cargo test` elsewhere, run here with
+# --include-ignored; failing if no GPU is usable or any test skips), the transformers
 # comparison, `tandem bench engine` on preset:qwen3-4b with its floors, and the same shapes in
 # PyTorch; prints a short table last. Full logs go to $OUT (or ./gpu-out). `tune` also measures
 # programmatic dependent launch (TANDEM_CUDA_PDL=1, experimental: no gain measured so far).
@@ -61,7 +62,7 @@ if [ "$MODE" = matrix ]; then
   shift
   for t in cuda_kernels cuda_model; do
     [ -n "${SKIP_TESTS:-}" ] && break
-    timeout 300 "$BIN/$t" --test-threads=1 > "$OUT/tests_$t.log" 2>&1 && note "test $t: ok" \
+    timeout 300 "$BIN/$t" --include-ignored --test-threads=1 > "$OUT/tests_$t.log" 2>&1 && note "test $t: ok" \
       || { note "test $t: FAILED"; grep -B2 -A6 "panicked" "$OUT/tests_$t.log" | head -30; status=1; }
   done
   for spec in "$@"; do
@@ -135,7 +136,7 @@ if [ "$MODE" = sanitize ]; then
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   [ -n "$SAN" ] || { echo "no compute-sanitizer on this machine"; exit 2; }
   tool=${2:-memcheck}
-  timeout 580 "$SAN" --tool "$tool" --error-exitcode 99 "$BIN/cuda_kernels" ${3:-} --test-threads=1 \
+  timeout 580 "$SAN" --tool "$tool" --error-exitcode 99 "$BIN/cuda_kernels" --include-ignored ${3:-} --test-threads=1 \
     > "$OUT/sanitize_$tool.log" 2>&1
   rc=$?
   note "compute-sanitizer $tool on cuda_kernels ${3:-}: exit $rc ($(grep -c '^=========  *[A-Z]' "$OUT/sanitize_$tool.log") report lines)"
@@ -145,7 +146,7 @@ fi
 if [ "$MODE" = tune ]; then
   # Decode-projection tuning: the kernel tests, then the batch-1 profile with every plan of the
   # sweep (TANDEM_GEMV_SWEEP), with programmatic launch off and on.
-  timeout 300 "$BIN/cuda_kernels" --test-threads=1 > "$OUT/tests.log" 2>&1 && note "test cuda_kernels: ok" \
+  timeout 300 "$BIN/cuda_kernels" --include-ignored --test-threads=1 > "$OUT/tests.log" 2>&1 && note "test cuda_kernels: ok" \
     || { note "test cuda_kernels: FAILED"; grep -B2 -A6 "panicked" "$OUT/tests.log" | head -30; status=1; }
   for pdl in 0 1; do
     TANDEM_CUDA_PDL=$pdl TANDEM_GEMV_SWEEP=1 timeout 250 "$BIN/tandem" bench engine --device cuda:0 \
@@ -166,13 +167,18 @@ for t in cuda_kernels cuda_model cuda_engine; do
     # The same comparison against transformers computing in f32 on the same bf16 weights
     # (no bf16 rounding of transformers' logits): reported, not a gate.
     REFERENCE_DTYPE=float32 python3 scripts/gpu/make_hf_reference.py /tmp/hfref32 >> "$OUT/hfref.log" 2>&1 \
-      && TANDEM_HF_REFERENCE=/tmp/hfref32 timeout 120 "$BIN/$t" greedy --nocapture > /tmp/test_hf32.log 2>&1
+      && TANDEM_HF_REFERENCE=/tmp/hfref32 timeout 120 "$BIN/$t" --include-ignored greedy --nocapture > /tmp/test_hf32.log 2>&1
     note "transformers f32 reference: $(grep -c '40/40 tokens equal' /tmp/test_hf32.log) of 8 prompts equal for 40 tokens"
     grep -h "^diagnostic transformers" "$OUT/hfref.log" | head -2 | while read -r line; do note "$line"; done
     cat /tmp/test_hf32.log >> "$OUT/tests.log"
   fi
-  if timeout 300 "$BIN/$t" --test-threads=1 --nocapture > /tmp/test_$t.log 2>&1; then
+  if timeout 300 "$BIN/$t" --include-ignored --test-threads=1 --nocapture > /tmp/test_$t.log 2>&1; then
     note "test $t: ok"
+    # On a GPU nothing may skip: a skipped check would count as passed.
+    if grep -qi "skipp" /tmp/test_$t.log; then
+      note "test $t: FAILED (tests skipped on a GPU)"; status=1
+      grep -i "skipp" /tmp/test_$t.log | head -5 >> "$OUT/summary.txt"
+    fi
   else
     note "test $t: FAILED"; status=1
     grep -B2 -A6 "panicked" /tmp/test_$t.log | head -30 >> "$OUT/summary.txt"

@@ -4,10 +4,13 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-/// tandem: an LLM serving engine with an OpenAI-compatible API (prefill/decode
-/// disaggregation with push and pull KV transfer is being built on top).
+/// tandem: an LLM serving engine with an OpenAI-compatible API and prefill/decode
+/// disaggregation, KV moving from prefill to decode in push or pull mode.
+///
+/// Start with `tandem up` (prefill, decode and router on this machine) or `tandem serve`
+/// (one engine). Logs go to stderr; NO_COLOR=1 turns their colours off.
 #[derive(Parser, Debug)]
-#[command(name = "tandem", version, about, long_about = None)]
+#[command(name = "tandem", version)]
 pub struct Cli {
     /// Log filter (tracing's EnvFilter syntax), e.g. `info` or `tandem_engine=debug`.
     #[arg(long, global = true, env = "TANDEM_LOG", default_value = "info")]
@@ -25,7 +28,7 @@ pub enum Command {
     Router(RouterArgs),
     /// The whole disaggregated system on this machine: prefill (8100), decode (8200) and the
     /// router (8000), on an embedded default model. Ctrl-C stops all three.
-    Up(UpArgs),
+    Up(Box<UpArgs>),
     /// Generate one completion on this machine and print it.
     Generate(GenerateArgs),
     /// Make or look at model directories.
@@ -38,6 +41,7 @@ pub enum Command {
 
 /// Which model to load.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Model")]
 pub struct ModelArgs {
     /// A Hugging Face model directory (config.json + safetensors [+ tokenizer.json]) or
     /// `preset:NAME` for a built-in shape with seeded random weights (see `tandem model list`).
@@ -54,6 +58,7 @@ pub struct ModelArgs {
 
 /// How the engine is sized.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Engine sizing")]
 pub struct EngineArgs {
     /// Tokens per KV cache block. Smaller blocks waste less memory on partly filled blocks;
     /// larger ones mean fewer, bigger KV transfers.
@@ -77,21 +82,62 @@ pub struct EngineArgs {
     /// Where the model runs: `cpu` (f32), `cuda:N` (bf16 on GPU N; needs the NVIDIA driver
     /// and the CUDA 13 cuBLAS and NVRTC libraries on LD_LIBRARY_PATH), or `auto` (GPU 0 if
     /// CUDA works here, else CPU, saying which).
-    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    #[arg(help_heading = "Device", long, env = "TANDEM_DEVICE", default_value = "cpu")]
     pub device: String,
     /// GPU only: fraction of the GPU's memory this engine may use in total (weights,
     /// activations and KV cache); the KV cache gets what is left. Ignored with --num-kv-blocks.
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(help_heading = "Device", long, default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
     /// GPU only: launch every kernel on every step instead of replaying decode steps from
     /// CUDA graphs (slower; for debugging and comparison).
-    #[arg(long)]
+    #[arg(help_heading = "Device", long)]
     pub enforce_eager: bool,
     /// Plan and submit each step before the previous step's tokens reach the host, so the GPU
     /// goes from one step to the next without waiting for the engine thread. `auto`: on for
     /// GPUs, off on CPU (where a step cannot overlap the host).
-    #[arg(long, value_enum, default_value_t = AsyncScheduling::Auto)]
+    #[arg(help_heading = "Device", long, value_enum, default_value_t = AsyncScheduling::Auto)]
     pub async_scheduling: AsyncScheduling,
+}
+
+impl ModelArgs {
+    /// The same settings as `serve` arguments (for the processes `up` starts).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = vec!["--model".into(), self.model.clone(), "--model-seed".into(), self.model_seed.to_string()];
+        if let Some(n) = self.max_model_len {
+            v.extend(["--max-model-len".into(), n.to_string()]);
+        }
+        v
+    }
+}
+
+impl EngineArgs {
+    /// The same settings as `serve` arguments (for the processes `up` starts).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v: Vec<String> = [
+            ("--block-size", self.block_size.to_string()),
+            ("--kv-cache-memory", self.kv_cache_memory.clone()),
+            ("--max-num-seqs", self.max_num_seqs.to_string()),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens.to_string()),
+            ("--device", self.device.clone()),
+            ("--gpu-memory-utilization", self.gpu_memory_utilization.to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_string(), v])
+        .collect();
+        if let Some(n) = self.num_kv_blocks {
+            v.extend(["--num-kv-blocks".into(), n.to_string()]);
+        }
+        if self.enforce_eager {
+            v.push("--enforce-eager".into());
+        }
+        let sched = match self.async_scheduling {
+            AsyncScheduling::Auto => "auto",
+            AsyncScheduling::On => "on",
+            AsyncScheduling::Off => "off",
+        };
+        v.extend(["--async-scheduling".into(), sched.into()]);
+        v
+    }
 }
 
 /// Whether the engine pipelines its steps (`--async-scheduling`).
@@ -131,6 +177,10 @@ pub struct ServeArgs {
     /// Name clients use in the `model` field (default: the --model argument).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// On Ctrl-C or SIGTERM, seconds to let requests in flight finish before ending them with
+    /// an error (a second signal ends them at once).
+    #[arg(long, default_value_t = 5.0)]
+    pub shutdown_timeout_secs: f64,
     #[command(flatten)]
     pub kv: KvArgs,
 }
@@ -168,6 +218,7 @@ pub enum KvLoadFailureArg {
 
 /// Disaggregation settings (ignored with --role both).
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Disaggregation (prefill and decode roles)")]
 pub struct KvArgs {
     /// both, prefill or decode.
     #[arg(long, value_enum, default_value = "both")]
@@ -209,6 +260,9 @@ pub struct KvArgs {
 pub struct UpArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Given to both engines.
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// push or pull.
     #[arg(long, value_enum, default_value = "push")]
     pub kv_mode: KvModeArg,
@@ -265,6 +319,13 @@ pub struct RouterArgs {
     /// Seconds a prefill leg may take.
     #[arg(long, default_value_t = 300)]
     pub prefill_timeout_secs: u64,
+    /// Seconds between checks of every engine's health, mode and model while serving.
+    #[arg(long, default_value_t = 2.0)]
+    pub check_interval_secs: f64,
+    /// On Ctrl-C or SIGTERM, seconds to let requests in flight finish before ending them with
+    /// an error (a second signal ends them at once).
+    #[arg(long, default_value_t = 5.0)]
+    pub shutdown_timeout_secs: f64,
 }
 
 #[derive(Args, Debug)]

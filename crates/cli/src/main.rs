@@ -22,11 +22,13 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter =
         tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    // Colours only on a terminal, and never with NO_COLOR set (the no-color.org convention).
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none();
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
     let result = match cli.command {
         Command::Serve(a) => serve(a),
         Command::Router(a) => router(a),
-        Command::Up(a) => up::up(a),
+        Command::Up(a) => up::up(*a),
         Command::Generate(a) => generate(a),
         Command::Model(c) => model_command(c),
         Command::Bench(BenchCommand::Engine(a)) => bench_engine(a),
@@ -253,17 +255,95 @@ fn serve(a: ServeArgs) -> Result<()> {
     }
     let name = a.served_model_name.unwrap_or_else(|| a.model.model.clone());
     let state = Arc::new(tandem_server::AppState::new(engine, tokenizer, name.clone()));
+    let drain = seconds(a.shutdown_timeout_secs, "--shutdown-timeout-secs")?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
-    rt.block_on(async move {
+    let result = rt.block_on(async move {
         let addr = format!("{}:{port}", a.host);
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
         tracing::info!(%addr, model = %name, "serving the OpenAI API (Ctrl-C to stop)");
-        let shutdown = async {
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(tandem_server::serve(listener, state.clone(), async {
+            let _ = stop_rx.await;
+        }));
+        let (s1, s2) = (state.clone(), state.clone());
+        serve_until_signalled(server, stop_tx, drain, move || s1.in_flight(), move || s2.abort_all()).await
+    });
+    // Threads still blocked in the runtime (none expected) must not hold the exit.
+    rt.shutdown_timeout(std::time::Duration::from_millis(100));
+    result
+}
+
+/// A finite number of seconds, 0 or more.
+fn seconds(s: f64, name: &str) -> Result<std::time::Duration> {
+    if s.is_finite() && s >= 0.0 {
+        Ok(std::time::Duration::from_secs_f64(s))
+    } else {
+        bail!("{name} must be a number of seconds >= 0")
+    }
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM (a process manager's stop).
+async fn stop_signal() {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
             let _ = tokio::signal::ctrl_c().await;
-            tracing::info!("shutting down");
-        };
-        tandem_server::serve(listener, state, shutdown).await.context("serving")
-    })
+        }
+    }
+}
+
+/// Runs `server` until a stop signal, then shuts down within a bound: no new connections;
+/// requests in flight get up to `drain` to finish; then (or at a second signal) the rest are
+/// ended with an error (`abort_all`) and the server gets one more second to send those.
+async fn serve_until_signalled(
+    mut server: tokio::task::JoinHandle<std::io::Result<()>>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    drain: std::time::Duration,
+    in_flight: impl Fn() -> usize,
+    abort_all: impl FnOnce(),
+) -> Result<()> {
+    tokio::select! {
+        r = &mut server => return r.context("the server task failed")?.context("serving"),
+        _ = stop_signal() => {}
+    }
+    let _ = stop.send(());
+    let n = in_flight();
+    if n == 0 {
+        tracing::info!("shutting down");
+    } else {
+        tracing::info!(
+            "shutting down: waiting up to {:.1} s for {n} request(s) in flight (Ctrl-C again to end them now)",
+            drain.as_secs_f64()
+        );
+    }
+    let ended = tokio::select! {
+        r = &mut server => Some(r),
+        _ = tokio::time::sleep(drain) => None,
+        _ = stop_signal() => None,
+    };
+    let r = match ended {
+        Some(r) => r,
+        None => {
+            tracing::warn!("ending {} request(s) still in flight", in_flight());
+            abort_all();
+            match tokio::time::timeout(std::time::Duration::from_secs(1), &mut server).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::warn!("connections still open after ending every request; exiting anyway");
+                    server.abort();
+                    return Ok(());
+                }
+            }
+        }
+    };
+    r.context("the server task failed")?.context("serving")?;
+    tracing::info!("stopped");
+    Ok(())
 }
 
 fn router(a: args::RouterArgs) -> Result<()> {
@@ -271,24 +351,34 @@ fn router(a: args::RouterArgs) -> Result<()> {
         args::KvModeArg::Push => tandem_core::TransferMode::Push,
         args::KvModeArg::Pull => tandem_core::TransferMode::Pull,
     };
+    let check_interval =
+        seconds(a.check_interval_secs, "--check-interval-secs")?.max(std::time::Duration::from_millis(50));
     let router = tandem_router::Router::new(tandem_router::RouterConfig {
-        mode,
-        prefill: a.prefill.clone(),
-        decode: a.decode.clone(),
         prefill_timeout: std::time::Duration::from_secs(a.prefill_timeout_secs),
+        check_interval,
+        ..tandem_router::RouterConfig::new(mode, a.prefill.clone(), a.decode.clone())
     })?;
+    let drain = seconds(a.shutdown_timeout_secs, "--shutdown-timeout-secs")?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
-    rt.block_on(async move {
+    let result = rt.block_on(async move {
         tracing::info!(prefill = ?a.prefill, decode = ?a.decode, ?mode, "waiting for engines to become healthy");
-        router.wait_ready(std::time::Duration::from_secs(a.ready_timeout_secs)).await?;
+        tokio::select! {
+            r = router.wait_ready(std::time::Duration::from_secs(a.ready_timeout_secs)) => r?,
+            _ = stop_signal() => return Ok(()),
+        }
         let addr = format!("{}:{}", a.host, a.port);
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
         tracing::info!(%addr, ?mode, "router ready (Ctrl-C to stop)");
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-        };
-        tandem_router::serve(listener, Arc::new(router), shutdown).await.context("serving")
-    })
+        let router = Arc::new(router);
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(tandem_router::serve(listener, router.clone(), async {
+            let _ = stop_rx.await;
+        }));
+        let (r1, r2) = (router.clone(), router.clone());
+        serve_until_signalled(server, stop_tx, drain, move || r1.in_flight(), move || r2.abort_all()).await
+    });
+    rt.shutdown_timeout(std::time::Duration::from_millis(100));
+    result
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
@@ -327,7 +417,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
             EngineEvent::Tokens { token_ids: new, finish: f } => {
                 first_token_s.get_or_insert(start.elapsed().as_secs_f64());
                 if let Some(tok) = &tokenizer {
-                    let piece = detok.push(tok, &new)?;
+                    let mut piece = detok.push(tok, &new)?;
+                    if f.is_some() {
+                        piece.push_str(&detok.finish(tok)?);
+                    }
                     if !a.json {
                         let mut out = stdout.lock();
                         let _ = write!(out, "{piece}");
@@ -376,8 +469,12 @@ fn model_command(c: ModelCommand) -> Result<()> {
             Ok(())
         }
         ModelCommand::Inspect { model } => {
-            let m = load_model(&model)?;
-            let c = m.transformer.config();
+            // The config and tokenizer only: a shape needs no weights (a preset's would be
+            // generated, gigabytes of them for the larger ones).
+            let source = ModelSource::parse(&model.model, model.model_seed)?;
+            let m = ModelSpec::load(&source, model.max_model_len)
+                .with_context(|| format!("reading model `{}`", model.model))?;
+            let c = &m.config;
             let info = serde_json::json!({
                 "architecture": c.architecture.hf_name(),
                 "params": c.num_params(),
@@ -391,7 +488,7 @@ fn model_command(c: ModelCommand) -> Result<()> {
                 "tie_word_embeddings": c.tie_word_embeddings,
                 "max_model_len": m.max_model_len,
                 "kv_bytes_per_token_f32": c.kv_bytes_per_token_f32(),
-                "weight_bytes_f32": m.transformer.weight_bytes(),
+                "weight_bytes_f32": c.num_params() * 4,
                 "eos_token_ids": m.eos_token_ids,
                 "tokenizer": m.tokenizer.is_some(),
             });

@@ -66,6 +66,14 @@ pub(crate) fn stop_all(roles: &mut [Role], grace: Duration) {
     }
 }
 
+/// The first child that has exited, and how.
+fn exited(roles: &mut [Role]) -> Option<(&'static str, String)> {
+    roles.iter_mut().find_map(|r| match r.child.try_wait() {
+        Ok(Some(status)) => Some((r.name, status.to_string())),
+        _ => None,
+    })
+}
+
 pub(crate) fn healthy(url: &str) -> bool {
     matches!(reqwest::blocking::Client::new().get(format!("{url}/health")).timeout(Duration::from_secs(2)).send(), Ok(r) if r.status().is_success())
 }
@@ -76,18 +84,29 @@ pub fn up(a: UpArgs) -> Result<()> {
         KvModeArg::Pull => "pull",
     };
     let host = "127.0.0.1";
+    // Every port must be free now: a server already there would answer our health checks.
+    for (port, what) in [
+        (a.port, "router port (--port)"),
+        (a.prefill_port, "prefill port (--prefill-port)"),
+        (a.decode_port, "decode port (--decode-port)"),
+        (a.kv_port, "prefill KV port (--kv-port)"),
+        (a.kv_port.wrapping_add(1), "decode KV port (--kv-port + 1)"),
+    ] {
+        if let Err(e) = std::net::TcpListener::bind((host, port)) {
+            bail!("{host}:{port}, the {what}, is not free ({e}): stop what uses it or pick another port");
+        }
+    }
     let common = |port: u16| {
-        let mut v = vec!["--log".to_string(), a.log.clone(), "serve".into(), "--model".into(), a.model.model.clone()];
-        v.extend([
-            "--model-seed".into(),
-            a.model.model_seed.to_string(),
-            "--host".into(),
-            host.into(),
-            "--port".into(),
-            port.to_string(),
-        ]);
+        let mut v = vec!["--log".to_string(), a.log.clone(), "serve".into()];
+        v.extend(a.model.to_args());
+        v.extend(a.engine.to_args());
+        v.extend(["--host".into(), host.into(), "--port".into(), port.to_string()]);
         v.extend(["--kv-mode".into(), mode.into(), "--served-model-name".into(), a.served_model_name.clone()]);
         v
+    };
+    let has_tokenizer = match tandem_model::ModelSource::parse(&a.model.model, a.model.model_seed)? {
+        tandem_model::ModelSource::Dir(dir) => dir.join("tokenizer.json").is_file(),
+        _ => true,
     };
     let mut p_args = common(a.prefill_port);
     p_args.extend(["--role".into(), "prefill".into(), "--kv-port".into(), a.kv_port.to_string()]);
@@ -140,9 +159,12 @@ pub fn up(a: UpArgs) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(a.ready_timeout_secs);
     let mut ready = false;
     while !interrupted.load(Ordering::SeqCst) {
-        if let Some(r) = roles.iter_mut().find_map(|r| matches!(r.child.try_wait(), Ok(Some(_))).then_some(r.name)) {
+        if let Some((name, status)) = exited(&mut roles) {
             stop_all(&mut roles, Duration::from_secs(5));
-            bail!("the {r} process exited during start-up (its log is above)");
+            if ready {
+                bail!("the {name} process stopped while serving ({status}; its log is above); stopped the others");
+            }
+            bail!("the {name} process exited during start-up ({status}; its log is above)");
         }
         if !ready && healthy(&r_url) {
             ready = true;
@@ -152,10 +174,18 @@ pub fn up(a: UpArgs) -> Result<()> {
                 a.served_model_name
             );
             eprintln!();
+            // A model without a tokenizer takes token ids only.
+            let prompt = if has_tokenizer { "\"Once upon a time\"" } else { "[1, 2, 3, 4]" };
             eprintln!(
-                "  curl -s {r_url}/v1/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"{}\", \"prompt\": \"Once upon a time\", \"max_tokens\": 16}}'",
+                "  curl -s {r_url}/v1/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"{}\", \"prompt\": {prompt}, \"max_tokens\": 16}}'",
                 a.served_model_name
             );
+            if a.model.model.starts_with("preset:") {
+                eprintln!(
+                    "  (`{}` has seeded random weights: expect gibberish; --model DIR serves a real checkpoint)",
+                    a.model.model
+                );
+            }
             eprintln!();
             eprintln!("Metrics: {p_url}/metrics (prefill), {d_url}/metrics (decode). Ctrl-C stops all three.");
             if a.bench {
@@ -227,9 +257,9 @@ pub(crate) fn launch_mode(mode: &str, model: &str, base_port: u16, log: &str) ->
     }
     let deadline = Instant::now() + Duration::from_secs(120);
     while !healthy(&url) {
-        if let Some(name) = roles.iter_mut().find_map(|r| matches!(r.child.try_wait(), Ok(Some(_))).then_some(r.name)) {
+        if let Some((name, status)) = exited(&mut roles) {
             stop_all(&mut roles, Duration::from_secs(5));
-            bail!("the {name} process exited during start-up");
+            bail!("the {name} process exited during start-up ({status})");
         }
         if Instant::now() > deadline {
             stop_all(&mut roles, Duration::from_secs(5));

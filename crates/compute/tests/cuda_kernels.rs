@@ -1,6 +1,6 @@
 //! The CUDA attention and sampling kernels against straightforward CPU references, on random
-//! inputs of many shapes. Runs where a GPU is present (scripts/gpu/run.sh); elsewhere each test
-//! says it skipped, unless `TANDEM_REQUIRE_CUDA=1` makes a missing GPU a failure.
+//! inputs of many shapes. Ignored by `cargo test`: they need a GPU. scripts/gpu/run.sh runs them
+//! with `--include-ignored`, where a missing GPU fails the test (`TANDEM_REQUIRE_CUDA=1`).
 
 use tandem_compute::cuda::ops::{
     self, AttnMeta, AttnShape, Gemv, GemvBuild, GemvInput, GemvOutput, GemvPlan, PrefillSeqs, QkvRope, FLASH_ROWS,
@@ -203,6 +203,7 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn attention_kernels_match_the_reference_over_many_shapes() {
     let Some(dev) = device() else { return };
     let mut rng = Lcg(7);
@@ -249,6 +250,7 @@ fn attention_kernels_match_the_reference_over_many_shapes() {
 /// the o projection (`attention_o`) too, and its residual rows must be what an f64 o projection
 /// of that attention output adds (within the bf16 rounding of the sum), its counters back at 0.
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn decode_attention_with_fused_rope_equals_the_two_kernels() {
     let Some(dev) = device() else { return };
     let mut rng = Lcg(99);
@@ -412,6 +414,7 @@ fn decode_attention_with_fused_rope_equals_the_two_kernels() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn sampling_kernel_follows_its_rules() {
     let Some(dev) = device() else { return };
     let vocab = 50_000;
@@ -699,6 +702,7 @@ fn check_gemv(
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn decode_projection_kernels_match_the_reference() {
     let Some(dev) = device() else { return };
     let mut n_checked = 0;
@@ -753,6 +757,7 @@ fn decode_projection_kernels_match_the_reference() {
 /// its 8 rows per block, one block, Qwen3-4B's o projection (2560 x 4096); row 0's result the
 /// same whatever the token count. Shapes it does not take are refused, not run.
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn bulk_decode_projection_matches_the_reference() {
     let Some(dev) = device() else { return };
     if !dev.pdl_capable() {
@@ -780,6 +785,7 @@ fn bulk_decode_projection_matches_the_reference() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn gate_up_interleave_and_silu_mul() {
     let Some(dev) = device() else { return };
     let mut rng = Lcg(5);

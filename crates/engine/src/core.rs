@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use rand::Rng;
-use tandem_core::{FinishReason, InvalidSampling, RemoteKv, RequestId};
+use tandem_core::{FinishReason, InvalidSampling, RemoteKv, RequestId, TransferId};
 use tandem_kv::{AgentInfo, ConnectorConfig, ConnectorEvent, ConnectorStats, KvConnector, KvError};
 use tandem_model::{carried_token, CpuRunner, ModelRunner, SampleSpec, SeqBatch, Transformer};
 use tokio::sync::mpsc::UnboundedSender;
@@ -342,6 +342,25 @@ impl EngineCore {
                 true
             }
             None => false,
+        }
+    }
+
+    /// Prefill: the KV produced under `transfer_id` will not be taken (the router saw its
+    /// decode leg fail). A prefill leg still computing is aborted; finished KV is freed now
+    /// instead of when its registration wait or lease runs out. Returns whether a live
+    /// request was aborted.
+    pub fn release_kv(&mut self, transfer_id: &TransferId) -> bool {
+        let leg = self.scheduler.requests.iter().find_map(|(id, r)| match &r.remote {
+            Some(RemoteKv::Produce { transfer_id: t }) if t == transfer_id => Some(id.clone()),
+            _ => None,
+        });
+        match (leg, &self.connector) {
+            (Some(id), _) => self.abort(&id),
+            (None, Some(c)) => {
+                c.abandon(transfer_id.clone(), "released: the decode leg failed".into());
+                false
+            }
+            (None, None) => false,
         }
     }
 
@@ -705,6 +724,7 @@ impl EngineCore {
     fn apply_connector_events(&mut self) {
         let Some(connector) = &self.connector else { return };
         for ev in connector.poll() {
+            let refused = matches!(ev, ConnectorEvent::Refused { .. });
             match ev {
                 ConnectorEvent::Released { request_id } => {
                     self.quarantine.remove(&request_id);
@@ -751,13 +771,16 @@ impl EngineCore {
                         self.scheduler.running.push(request_id);
                     }
                 }
-                ConnectorEvent::Failed { request_id, reason } => {
+                ConnectorEvent::Failed { request_id, reason } | ConnectorEvent::Refused { request_id, reason } => {
                     let Some(req) = self.scheduler.requests.get_mut(&request_id) else { continue };
                     if req.status != RequestStatus::WaitingForRemoteKvs {
                         continue;
                     }
                     self.scheduler.remote_waiting.retain(|r| r != &request_id);
-                    Self::remote_load_failed(&mut self.scheduler, self.load_failure, request_id, &reason);
+                    // A peer that cannot pair is a misconfiguration: recomputing would answer
+                    // every request while hiding it, so such a request always fails.
+                    let policy = if refused { KvLoadFailure::Fail } else { self.load_failure };
+                    Self::remote_load_failed(&mut self.scheduler, policy, request_id, &reason);
                 }
             }
         }

@@ -13,7 +13,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tandem_core::RequestId;
+use tandem_core::{RequestId, TransferId};
 use tandem_kv::{AgentInfo, ConnectorStats, KvError};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -24,6 +24,7 @@ use crate::EngineConfig;
 enum Command {
     Add(Box<EngineRequest>, tokio::sync::mpsc::UnboundedSender<EngineEvent>),
     Abort(RequestId),
+    ReleaseKv(TransferId),
 }
 
 /// Live counters the engine thread publishes after every step (read by `/metrics`).
@@ -142,6 +143,10 @@ fn run_loop(mut core: EngineCore, rx: mpsc::Receiver<Command>, stats: Arc<Engine
                 tracing::debug!(request_id = %id, "aborted");
             }
         }
+        Command::ReleaseKv(transfer_id) => {
+            core.release_kv(&transfer_id);
+            tracing::debug!(%transfer_id, "KV released");
+        }
     };
     loop {
         // Drain commands between steps; when idle, wait for one (bounded, so the loop can
@@ -202,6 +207,12 @@ impl EngineHandle {
     /// Asks the engine to end a request (no effect if it already ended).
     pub fn abort(&self, id: RequestId) {
         let _ = self.commands.send(Command::Abort(id));
+    }
+
+    /// Prefill: frees the KV produced (or being produced) under `transfer_id` now, because
+    /// no decode engine will take it. No effect for an unknown id.
+    pub fn release_kv(&self, transfer_id: TransferId) {
+        let _ = self.commands.send(Command::ReleaseKv(transfer_id));
     }
 
     /// The engine's limits, for validating requests.

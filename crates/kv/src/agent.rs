@@ -116,6 +116,7 @@ struct Counters {
     expired: AtomicU64,
     unknown_ids: AtomicU64,
     duplicate_ids: AtomicU64,
+    peers_refused: AtomicU64,
 }
 
 pub(crate) struct Shared {
@@ -146,6 +147,10 @@ impl Shared {
                 tracing::warn!(request_id = %request_id, %reason, "KV transfer failed");
                 bump(&self.counters.transfers_failed, 1)
             }
+            ConnectorEvent::Refused { request_id, reason } => {
+                tracing::warn!(request_id = %request_id, %reason, "prefill engine refused: cannot pair");
+                bump(&self.counters.transfers_failed, 1)
+            }
             ConnectorEvent::Released { .. } => {}
         }
         let _ = self.events.send(ev);
@@ -163,6 +168,7 @@ impl Shared {
             expired: g(&c.expired),
             unknown_ids: g(&c.unknown_ids),
             duplicate_ids: g(&c.duplicate_ids),
+            peers_refused: g(&c.peers_refused),
         }
     }
 
@@ -316,7 +322,12 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                         reader_loop(stream, conn, s);
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, "KV handshake refused"),
+                Err(e) => {
+                    if matches!(e, KvError::Incompatible(_) | KvError::Refused(_)) {
+                        bump(&s.counters.peers_refused, 1);
+                    }
+                    tracing::warn!(error = %e, "KV handshake refused")
+                }
             }
         });
     }
@@ -480,6 +491,13 @@ fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks:
     };
     let conn = match peer_conn(shared, &peer_addr) {
         Ok(c) => c,
+        Err(e @ (KvError::Incompatible(_) | KvError::Refused(_))) => {
+            bump(&shared.counters.peers_refused, 1);
+            let reason = format!("prefill engine at {peer_addr} cannot pair with this engine: {e}");
+            let mut t = shared.tables();
+            shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Refused { request_id: inc.request_id, reason });
+            return;
+        }
         Err(e) => return fail(format!("prefill engine at {peer_addr}: {e}")),
     };
     {

@@ -7,15 +7,18 @@
 //!   its blocks passes to the connector, which frees them after the push write, or when the
 //!   pull lease ends (decode's release, or expiry).
 //! - [`KvConnector::abort`] (decode, request cancelled while waiting for KV).
-//! - [`KvConnector::abandon`] (prefill, request cancelled before it produced KV).
+//! - [`KvConnector::abandon`] (prefill, request cancelled before it produced KV, or produced
+//!   KV no decode engine will take: the router saw the decode leg fail).
 //!
 //! Events (connector -> engine), drained by [`KvConnector::poll`] once per engine step:
 //! - `Ready`: the KV landed; the request can decode (its first token is included).
 //! - `Failed`: the KV will not come, and no write to the request's blocks can land any more.
 //! - `Released`: an abort is complete; the request's blocks may be freed.
+//! - `Refused`: the prefill engine cannot pair with this one (another model, mode or KV
+//!   shape): a misconfiguration, which recomputing locally would hide.
 //!
-//! Timing rule: for a request given to `expect`, exactly one of `Ready`, `Failed` or
-//! `Released` is eventually sent, within the configured transfer timeout (plus one I/O
+//! Timing rule: for a request given to `expect`, exactly one of `Ready`, `Failed`, `Refused`
+//! or `Released` is eventually sent, within the configured transfer timeout (plus one I/O
 //! timeout if a write was in flight). Until then its blocks belong to the connector.
 
 use std::sync::mpsc;
@@ -91,6 +94,13 @@ pub enum ConnectorEvent {
         /// The request.
         request_id: RequestId,
     },
+    /// The prefill engine refused to pair at handshake (or we refused it); nothing was written.
+    Refused {
+        /// The request.
+        request_id: RequestId,
+        /// What differs, naming the field.
+        reason: String,
+    },
 }
 
 /// One decode-side transfer, stage by stage, in microseconds since the engine asked for the
@@ -131,6 +141,8 @@ pub struct ConnectorStats {
     pub unknown_ids: u64,
     /// Transfer ids seen twice.
     pub duplicate_ids: u64,
+    /// Handshakes refused (either side): peers of another model, mode or KV shape.
+    pub peers_refused: u64,
 }
 
 /// The engine's handle. Dropping it stops the control thread (connections close with it).
@@ -177,7 +189,8 @@ impl KvConnector {
         let _ = self.commands.send(Command::Abort { request_id });
     }
 
-    /// Prefill: a remote-decode request ended before producing KV; tell its decoder.
+    /// Prefill: a remote-decode request ended before producing KV, or its KV will not be
+    /// taken; frees what is held under `transfer_id` and tells a registered decoder.
     pub fn abandon(&self, transfer_id: TransferId, reason: String) {
         let _ = self.commands.send(Command::Abandon { transfer_id, reason });
     }

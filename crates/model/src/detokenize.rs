@@ -35,6 +35,16 @@ impl IncrementalDetokenizer {
             Ok(String::new())
         }
     }
+
+    /// The text still held back when generation ends: bytes of a character that never
+    /// completed come out as U+FFFD, as vLLM sends them, instead of being lost.
+    pub fn finish(&mut self, tok: &TextTokenizer) -> Result<String, ModelError> {
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], true)?;
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        Ok(full.get(prefix.len()..).unwrap_or_default().to_string())
+    }
 }
 
 /// Finds stop strings in streamed text, holding back text that might be the start of one so
@@ -112,6 +122,26 @@ mod tests {
             out.push_str(&piece);
         }
         assert_eq!(out, text);
+    }
+
+    #[test]
+    fn an_incomplete_character_at_the_end_is_sent_as_a_replacement_character() {
+        let p = Preset::find("tiny-qwen3").unwrap();
+        let tok = TextTokenizer::from_parts(p.tokenizer_json().as_bytes(), None).unwrap();
+        // "世" is three bytes; its first byte alone never completes.
+        let ids = tok.encode("ok 世", false).unwrap();
+        let byte_ids = &ids[..ids.len() - 1];
+        assert!(tok.decode(byte_ids, true).unwrap().ends_with('\u{FFFD}'), "the test needs a split character");
+        let mut d = IncrementalDetokenizer::new();
+        let mut out = String::new();
+        for &id in byte_ids {
+            out.push_str(&d.push(&tok, &[id]).unwrap());
+        }
+        assert!(out.starts_with("ok") && !out.contains('\u{FFFD}'), "held back while it might complete: {out:?}");
+        out.push_str(&d.finish(&tok).unwrap());
+        assert_eq!(out, tok.decode(byte_ids, true).unwrap());
+        assert!(out.starts_with("ok ") && out.ends_with('\u{FFFD}'), "{out:?}");
+        assert_eq!(d.finish(&tok).unwrap(), "", "finish sends the rest once");
     }
 
     #[test]

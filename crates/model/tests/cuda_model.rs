@@ -1,6 +1,6 @@
-//! The CUDA backend against the CPU backend and against transformers. Runs where a GPU is
-//! present (scripts/gpu/run.sh); elsewhere each test says it skipped, unless
-//! `TANDEM_REQUIRE_CUDA=1` makes a missing GPU a failure.
+//! The CUDA backend against the CPU backend and against transformers.
+//! Ignored by `cargo test`: they need a GPU. scripts/gpu/run.sh runs them
+//! with `--include-ignored`, where a missing GPU fails the test (`TANDEM_REQUIRE_CUDA=1`).
 
 use tandem_compute::KvCache;
 use tandem_model::{CudaModel, CudaOptions, ModelRunner, ModelSource, ModelSpec, SeqBatch, Transformer, WeightMap};
@@ -81,6 +81,7 @@ fn compare_with_cpu(preset: &str, prompt_len: usize, chunk: usize, tolerance: f6
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn logits_agree_with_the_cpu_backend_tiny() {
     if !cuda_usable() {
         return;
@@ -96,6 +97,7 @@ fn logits_agree_with_the_cpu_backend_tiny() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn logits_agree_with_the_cpu_backend_qwen3_head_dim_128() {
     if !cuda_usable() {
         return;
@@ -117,6 +119,7 @@ fn small_cache() -> CudaOptions {
 /// weights and cache contents: three sequences of different lengths decoding together
 /// (padded to four rows inside the kernels).
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn fused_decode_agrees_with_the_cublas_path() {
     if !cuda_usable() {
         return;
@@ -183,6 +186,7 @@ fn fused_decode_agrees_with_the_cublas_path() {
 /// `TANDEM_HF_REFERENCE`). Most prompts must match for 32+ tokens; every divergence must sit
 /// on a near-tie of transformers' own logits.
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn greedy_matches_transformers_bf16() {
     let Some(dir) = std::env::var_os("TANDEM_HF_REFERENCE") else {
         eprintln!("skipping: TANDEM_HF_REFERENCE not set");
@@ -285,6 +289,7 @@ fn greedy_matches_transformers_bf16() {
 /// first engine's logits bit for bit. Stale device blocks (prefilled with another prompt first)
 /// make sure the copy in is what the decode reads.
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn host_kv_copy_moves_a_prompt_between_engines_bit_for_bit() {
     if !cuda_usable() {
         return;
@@ -341,6 +346,7 @@ fn host_kv_copy_moves_a_prompt_between_engines_bit_for_bit() {
 /// several key chunks, with q/k norms, biases and head sizes 32, 64 and 128, and (Qwen3-4B)
 /// stages of several rounds and units wider than a ring chunk.
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn ring_decode_equals_the_tensor_core_step_bit_for_bit() {
     if !cuda_usable() {
         return;

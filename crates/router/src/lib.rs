@@ -13,13 +13,22 @@
 //!   its blocks while prefill is still computing and prefill writes them the moment it
 //!   finishes. This overlap is why push must dispatch the two legs concurrently.
 //!
-//! Backends are chosen by fewest outstanding requests (round-robin among ties). A failed
-//! prefill leg ends the request with its 4xx (a bad request) or a 502 naming the leg; a client
-//! disconnect drops both legs, which cancels them on both engines.
+//! Backends are chosen by fewest outstanding requests (round-robin among ties). Every engine's
+//! health, role, mode and model are checked at start ([`Router::wait_ready`] refuses to start
+//! on a misconfiguration, naming it) and again every `check_interval` while serving; a
+//! misconfigured engine, or a prefill/decode pair that cannot exchange KV, is never sent a
+//! request (503 naming why; `/health` lists the problems).
+//!
+//! The router checks the fields it rewrites; prefill gets the client's fields as they are and
+//! validates them as decode will before computing anything. A failed prefill leg ends the
+//! request with its 4xx (a bad request) or a 502 naming the leg and the cause; a decode leg
+//! that fails after prefill has the prefill engine free the prompt's KV at once
+//! (`POST /kv/release`). A client disconnect drops both legs, which cancels them on both
+//! engines.
 #![deny(missing_docs)]
 
 mod backend;
 mod proxy;
 
-pub use backend::{Backend, KvEndpoint};
+pub use backend::{Backend, BackendState, KvEndpoint};
 pub use proxy::{app, serve, Router, RouterConfig, RouterError};

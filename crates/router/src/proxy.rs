@@ -1,10 +1,8 @@
 //! The two-leg dispatch (see the crate docs for push vs pull).
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -14,11 +12,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
 use bytes::Bytes;
-use futures::Stream;
+use futures::StreamExt;
 use serde_json::{json, Map, Value};
 use tandem_core::{KvTransferParams, TransferMode};
+use tandem_kv::{AgentInfo, KvMode, Role};
 
-use crate::backend::{choose, Backend, InFlight, KvEndpoint};
+use crate::backend::{choose, Backend, BackendState, InFlight, KvEndpoint};
 
 /// How the router runs.
 #[derive(Clone, Debug)]
@@ -31,6 +30,22 @@ pub struct RouterConfig {
     pub decode: Vec<String>,
     /// Longest a prefill leg may take (the decode leg streams for as long as it generates).
     pub prefill_timeout: Duration,
+    /// How often every engine's health, mode and model are checked again while serving (an
+    /// engine that restarts in another mode or with other weights is taken out of service).
+    pub check_interval: Duration,
+}
+
+impl RouterConfig {
+    /// A config with the default timeouts.
+    pub fn new(mode: TransferMode, prefill: Vec<String>, decode: Vec<String>) -> Self {
+        Self {
+            mode,
+            prefill,
+            decode,
+            prefill_timeout: Duration::from_secs(300),
+            check_interval: Duration::from_secs(2),
+        }
+    }
 }
 
 /// Why the router could not start.
@@ -50,14 +65,17 @@ pub enum RouterError {
         /// The last error.
         reason: String,
     },
-    /// A prefill engine has no KV side channel, or another mode than the router's.
-    #[error("prefill engine {url}: {reason}")]
-    BadPrefill {
+    /// An engine is healthy but cannot serve its part: no KV connector, another role or mode.
+    #[error("engine {url}: {reason}")]
+    Misconfigured {
         /// The backend.
         url: String,
         /// What is wrong.
         reason: String,
     },
+    /// A prefill and a decode engine cannot exchange KV (another model, dtype or KV shape).
+    #[error("{0}")]
+    Unpairable(String),
 }
 
 /// The router's state: backends, HTTP client, counters.
@@ -69,6 +87,48 @@ pub struct Router {
     turn: AtomicUsize,
     next_transfer: AtomicU64,
     id_prefix: String,
+    /// Set once by [`Router::abort_all`].
+    abort: tokio::sync::watch::Sender<bool>,
+}
+
+fn mode_name(m: TransferMode) -> &'static str {
+    match m {
+        TransferMode::Push => "push",
+        TransferMode::Pull => "pull",
+    }
+}
+
+fn role_name(r: Role) -> &'static str {
+    match r {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+        Role::Both => "colocated",
+    }
+}
+
+/// What went wrong with a request to an engine, with its cause (reqwest's own message is
+/// "error sending request for url", which hides whether the engine refused or timed out).
+pub(crate) fn describe(e: &reqwest::Error) -> String {
+    let kind = if e.is_timeout() {
+        "timed out"
+    } else if e.is_connect() {
+        "could not connect"
+    } else if e.is_body() || e.is_decode() {
+        "the answer broke off or could not be read"
+    } else {
+        "the request failed"
+    };
+    // The innermost cause is the one that says what happened ("Connection refused").
+    let mut cause = None;
+    let mut next = std::error::Error::source(e);
+    while let Some(c) = next {
+        cause = Some(c.to_string());
+        next = c.source();
+    }
+    match cause {
+        Some(c) if !c.is_empty() => format!("{kind}: {c}"),
+        _ => kind.to_string(),
+    }
 }
 
 impl Router {
@@ -78,85 +138,233 @@ impl Router {
             return Err(RouterError::NoBackends);
         }
         Ok(Self {
-            prefill: cfg.prefill.iter().map(|u| Arc::new(Backend::new(u))).collect(),
-            decode: cfg.decode.iter().map(|u| Arc::new(Backend::new(u))).collect(),
+            prefill: cfg.prefill.iter().map(|u| Arc::new(Backend::new(u, Role::Prefill))).collect(),
+            decode: cfg.decode.iter().map(|u| Arc::new(Backend::new(u, Role::Decode))).collect(),
             http: reqwest::Client::builder().connect_timeout(Duration::from_secs(5)).build().unwrap_or_default(),
             turn: AtomicUsize::new(0),
             next_transfer: AtomicU64::new(0),
             id_prefix: format!("{:08x}", rand::random::<u32>()),
+            abort: tokio::sync::watch::Sender::new(false),
             cfg,
         })
     }
 
-    /// Waits (bounded by `timeout`) until every backend answers `/health`, and learns each
-    /// prefill engine's KV side channel, checking its mode matches ours.
+    /// Waits (bounded by `timeout`) until every engine answers, then refuses to start if one
+    /// is misconfigured or a prefill and a decode engine cannot pair, naming what differs.
     pub async fn wait_ready(&self, timeout: Duration) -> Result<(), RouterError> {
         let start = Instant::now();
-        for b in self.prefill.iter().chain(&self.decode) {
-            loop {
-                let r = self.http.get(format!("{}/health", b.url)).timeout(Duration::from_secs(2)).send().await;
-                match r {
-                    Ok(r) if r.status().is_success() => break,
-                    other => {
-                        if start.elapsed() > timeout {
-                            let reason = match other {
-                                Ok(r) => format!("HTTP {}", r.status()),
-                                Err(e) => e.to_string(),
-                            };
-                            return Err(RouterError::NotReady { url: b.url.clone(), secs: timeout.as_secs(), reason });
-                        }
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
+        loop {
+            self.check_all().await;
+            let down = self.backends().find_map(|b| match b.state() {
+                BackendState::Down(reason) => Some((b.url.clone(), reason)),
+                BackendState::Unknown => Some((b.url.clone(), "not checked".into())),
+                _ => None,
+            });
+            match down {
+                None => break,
+                Some((url, reason)) if start.elapsed() > timeout => {
+                    return Err(RouterError::NotReady { url, secs: timeout.as_secs(), reason })
                 }
+                Some(_) => tokio::time::sleep(Duration::from_millis(200)).await,
             }
         }
-        for b in &self.prefill {
-            self.refresh_kv(b).await?;
+        for b in self.backends() {
+            if let BackendState::Misconfigured(reason) = b.state() {
+                return Err(RouterError::Misconfigured { url: b.url.clone(), reason });
+            }
+        }
+        if let Some(problem) = self.pair_problems().into_iter().next() {
+            return Err(RouterError::Unpairable(problem));
         }
         Ok(())
     }
 
-    async fn refresh_kv(&self, b: &Backend) -> Result<KvEndpoint, RouterError> {
-        let bad = |reason: String| RouterError::BadPrefill { url: b.url.clone(), reason };
-        let r = self
-            .http
-            .get(format!("{}/kv/info", b.url))
-            .timeout(Duration::from_secs(5))
-            .send()
-            .await
-            .map_err(|e| bad(e.to_string()))?;
-        if !r.status().is_success() {
-            return Err(bad("has no KV side channel (start it with --role prefill)".into()));
-        }
-        let info: tandem_kv::AgentInfo = r.json().await.map_err(|e| bad(format!("bad /kv/info: {e}")))?;
-        let mode = match info.kv_mode {
-            tandem_kv::KvMode::Push => TransferMode::Push,
-            tandem_kv::KvMode::Pull => TransferMode::Pull,
-        };
-        if mode != self.cfg.mode {
-            return Err(bad(format!("runs in {mode:?} mode, the router in {:?} mode", self.cfg.mode)));
-        }
-        let addr = info.tcp_addr().ok_or_else(|| bad("offers no TCP side channel".into()))?.to_string();
-        let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad(format!("bad address {addr}")))?;
-        let kv = KvEndpoint {
-            engine_id: info.engine_id.0,
-            host: host.trim_matches(|c| c == '[' || c == ']').to_string(),
-            port: port.parse().map_err(|_| bad(format!("bad port in {addr}")))?,
-        };
-        b.set_kv(kv.clone());
-        Ok(kv)
+    fn backends(&self) -> impl Iterator<Item = &Arc<Backend>> {
+        self.prefill.iter().chain(&self.decode)
     }
 
-    fn pick(&self) -> (Arc<Backend>, Arc<Backend>) {
+    /// Checks one engine: healthy, a KV connector in the role it was given as and the router's
+    /// mode.
+    async fn probe(&self, b: &Backend) -> BackendState {
+        let get = |path: &str| self.http.get(format!("{}{path}", b.url)).timeout(Duration::from_secs(5)).send();
+        match get("/health").await {
+            Ok(r) if r.status().is_success() => {}
+            Ok(r) => return BackendState::Down(format!("/health answers HTTP {}", r.status())),
+            Err(e) => return BackendState::Down(describe(&e)),
+        }
+        let wanted = role_name(b.role);
+        let r = match get("/kv/info").await {
+            Ok(r) => r,
+            Err(e) => return BackendState::Down(describe(&e)),
+        };
+        if matches!(r.status().as_u16(), 400 | 404) {
+            return BackendState::Misconfigured(format!(
+                "has no KV connector: start it with `tandem serve --role {wanted} --kv-mode {}`",
+                mode_name(self.cfg.mode)
+            ));
+        }
+        if !r.status().is_success() {
+            return BackendState::Down(format!("/kv/info answers HTTP {}", r.status()));
+        }
+        let info: AgentInfo = match r.json().await {
+            Ok(i) => i,
+            Err(e) => {
+                return BackendState::Misconfigured(format!("/kv/info is not a tandem engine's: {}", describe(&e)))
+            }
+        };
+        if info.role != b.role {
+            return BackendState::Misconfigured(format!(
+                "is a {} engine, but the router was given it as a {wanted} engine (--{wanted})",
+                role_name(info.role)
+            ));
+        }
+        let mode = match info.kv_mode {
+            KvMode::Push => TransferMode::Push,
+            KvMode::Pull => TransferMode::Pull,
+        };
+        if mode != self.cfg.mode {
+            return BackendState::Misconfigured(format!(
+                "runs in {} mode, the router in {} mode (give the engines' --kv-mode and the router's --mode the same value)",
+                mode_name(mode),
+                mode_name(self.cfg.mode)
+            ));
+        }
+        if b.role == Role::Prefill && KvEndpoint::of(&info).is_none() {
+            return BackendState::Misconfigured("offers no TCP KV side channel".into());
+        }
+        BackendState::Ready(Arc::new(info))
+    }
+
+    /// Checks every engine (concurrently) and logs what changed.
+    async fn check_all(&self) {
+        let states = futures::future::join_all(self.backends().map(|b| self.probe(b))).await;
+        for (b, new) in self.backends().zip(states) {
+            let old = b.set_state(new.clone());
+            match (&old, &new) {
+                (BackendState::Ready(a), BackendState::Ready(n)) if a.epoch != n.epoch => {
+                    tracing::info!(url = %b.url, epoch = n.epoch.0, "engine restarted; ready again")
+                }
+                (BackendState::Ready(_), BackendState::Ready(_)) => {}
+                (_, BackendState::Ready(n)) => tracing::info!(url = %b.url, engine_id = %n.engine_id, "engine ready"),
+                (BackendState::Down(a), BackendState::Down(n))
+                | (BackendState::Misconfigured(a), BackendState::Misconfigured(n))
+                    if a == n => {}
+                (_, BackendState::Down(reason)) => tracing::warn!(url = %b.url, %reason, "engine down"),
+                (_, BackendState::Misconfigured(reason)) => {
+                    tracing::error!(url = %b.url, %reason, "engine misconfigured: taken out of service")
+                }
+                (_, BackendState::Unknown) => {}
+            }
+        }
+        for problem in self.pair_problems() {
+            tracing::debug!(%problem, "engines that cannot pair");
+        }
+    }
+
+    /// Every ready prefill/decode pair that cannot exchange KV, in words.
+    fn pair_problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for p in &self.prefill {
+            for d in &self.decode {
+                if let (Some(pi), Some(di)) = (p.info(), d.info()) {
+                    if let Err(e) = di.check_pairing(&pi) {
+                        out.push(format!("prefill engine {} and decode engine {} cannot pair: {e}", p.url, d.url));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Everything that keeps requests from being served, in words (empty when all is well).
+    pub fn problems(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .backends()
+            .filter_map(|b| match b.state() {
+                BackendState::Down(r) => Some(format!("{} engine {} is down: {r}", role_name(b.role), b.url)),
+                BackendState::Misconfigured(r) => Some(format!("{} engine {} {r}", role_name(b.role), b.url)),
+                BackendState::Unknown => Some(format!("{} engine {} not checked yet", role_name(b.role), b.url)),
+                BackendState::Ready(_) => None,
+            })
+            .collect();
+        out.extend(self.pair_problems());
+        out
+    }
+
+    /// Checks every engine again every `check_interval` until the returned guard drops.
+    fn spawn_checks(self: &Arc<Self>) -> AbortOnDrop<()> {
+        let r = self.clone();
+        AbortOnDrop(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(r.cfg.check_interval).await;
+                r.check_all().await;
+            }
+        }))
+    }
+
+    /// A prefill engine and a decode engine that can pair with it, or why there is none.
+    fn pick(&self) -> Result<(Arc<Backend>, Arc<Backend>), String> {
         let t = self.turn.fetch_add(1, Ordering::Relaxed);
-        // `new` guarantees both lists are non-empty.
-        let p = choose(&self.prefill, t).unwrap_or_else(|| self.prefill[0].clone());
-        let d = choose(&self.decode, t).unwrap_or_else(|| self.decode[0].clone());
-        (p, d)
+        let unusable = |role: &str, list: &[Arc<Backend>]| {
+            let why: Vec<String> = list
+                .iter()
+                .map(|b| match b.state() {
+                    BackendState::Misconfigured(r) => format!("{} {r}", b.url),
+                    other => format!("{}: {other:?}", b.url),
+                })
+                .collect();
+            format!("no usable {role} engine: {}", why.join("; "))
+        };
+        let p = choose(&self.prefill, t, |_| true).ok_or_else(|| unusable("prefill", &self.prefill))?;
+        let p_info = p.info();
+        let pairs = |d: &Backend| match (&p_info, d.info()) {
+            (Some(pi), Some(di)) => di.check_pairing(pi).is_ok(),
+            _ => true,
+        };
+        let d = choose(&self.decode, t, pairs).ok_or_else(|| {
+            let problems = self.pair_problems();
+            if problems.is_empty() {
+                unusable("decode", &self.decode)
+            } else {
+                problems.join("; ")
+            }
+        })?;
+        Ok((p, d))
     }
 
     fn transfer_id(&self) -> String {
         format!("tx-{}-{}", self.id_prefix, self.next_transfer.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Requests being answered now (streams included).
+    pub fn in_flight(&self) -> usize {
+        self.decode.iter().map(|b| b.outstanding()).sum()
+    }
+
+    /// Ends every request now, for a bounded shutdown: a stream gets a final error chunk, a
+    /// waiting client a 503; both legs are dropped, which cancels them on the engines.
+    pub fn abort_all(&self) {
+        self.abort.send_replace(true);
+    }
+
+    /// Tells a prefill engine to free the KV it holds for `transfer_id` (its decode leg
+    /// failed), without making the client wait for the answer.
+    fn release(&self, p: &Backend, transfer_id: &str) {
+        let req = self
+            .http
+            .post(format!("{}/kv/release", p.url))
+            .json(&json!({"transfer_id": transfer_id}))
+            .timeout(Duration::from_secs(5));
+        let (url, tid) = (p.url.clone(), transfer_id.to_string());
+        tokio::spawn(async move {
+            match req.send().await {
+                Ok(r) if r.status().is_success() => tracing::debug!(%url, transfer_id = %tid, "prefill KV released"),
+                Ok(r) => {
+                    tracing::warn!(%url, transfer_id = %tid, status = %r.status(), "prefill refused the KV release")
+                }
+                Err(e) => tracing::warn!(%url, transfer_id = %tid, error = %describe(&e), "KV release not delivered"),
+            }
+        });
     }
 }
 
@@ -170,63 +378,98 @@ pub fn app(router: Arc<Router>) -> axum::Router {
         .with_state(router)
 }
 
-/// Serves the router on `listener` until `shutdown` resolves.
+/// Serves the router on `listener` until `shutdown` resolves, checking the engines again
+/// every `check_interval` meanwhile.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Arc<Router>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let _checks = router.spawn_checks();
     axum::serve(listener, app(router)).with_graceful_shutdown(shutdown).await
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    let kind = if status.is_client_error() { "BadRequestError" } else { "BadGatewayError" };
+    let kind = match status.as_u16() {
+        400..=499 => "BadRequestError",
+        503 => "ServiceUnavailableError",
+        _ => "BadGatewayError",
+    };
     (status, Json(json!({"error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}})))
         .into_response()
+}
+
+fn bad_request(param: &str, message: impl Into<String>) -> Response {
+    let body = json!({"error": {"message": message.into(), "type": "BadRequestError", "param": param, "code": 400}});
+    (StatusCode::BAD_REQUEST, Json(body)).into_response()
 }
 
 /// Cancel safety: dropping this future (client disconnect) drops both legs' requests, which
 /// the engines see as disconnects and cancel.
 async fn completions(State(r): State<Arc<Router>>, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(r, "/v1/completions", headers, body).await
+    dispatch_or_abort(r, "/v1/completions", headers, body).await
 }
 
 /// Cancel safety: as [`completions`].
 async fn chat_completions(State(r): State<Arc<Router>>, headers: HeaderMap, body: Bytes) -> Response {
-    dispatch(r, "/v1/chat/completions", headers, body).await
+    dispatch_or_abort(r, "/v1/chat/completions", headers, body).await
+}
+
+/// [`dispatch`], ended with a 503 when [`Router::abort_all`] is called before it answers.
+async fn dispatch_or_abort(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: Bytes) -> Response {
+    let mut abort = r.abort.subscribe();
+    if *abort.borrow() {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "the router is shutting down");
+    }
+    tokio::select! {
+        resp = dispatch(r.clone(), path, headers, body) => resp,
+        _ = abort.wait_for(|a| *a) => error(StatusCode::SERVICE_UNAVAILABLE, "the router is shutting down; the request was ended"),
+    }
 }
 
 async fn models(State(r): State<Arc<Router>>) -> Response {
-    match r.http.get(format!("{}/v1/models", r.decode[0].url)).send().await {
-        Ok(resp) => passthrough(resp, None, Vec::new()),
-        Err(e) => error(StatusCode::BAD_GATEWAY, format!("decode engine: {e}")),
+    let d = choose(&r.decode, 0, |_| true).unwrap_or_else(|| r.decode[0].clone());
+    match r.http.get(format!("{}/v1/models", d.url)).timeout(Duration::from_secs(10)).send().await {
+        Ok(resp) => passthrough(resp, None, Vec::new(), r.abort.subscribe()),
+        Err(e) => error(StatusCode::BAD_GATEWAY, format!("decode engine {}: {}", d.url, describe(&e))),
     }
 }
 
-async fn health(State(r): State<Arc<Router>>) -> StatusCode {
-    let mut all = true;
-    for b in r.prefill.iter().chain(&r.decode) {
-        let ok = matches!(r.http.get(format!("{}/health", b.url)).timeout(Duration::from_secs(2)).send().await, Ok(resp) if resp.status().is_success());
-        b.set_healthy(ok);
-        all &= ok;
-    }
-    if all {
-        StatusCode::OK
+/// 200 when every engine is ready and every prefill/decode pair can exchange KV; otherwise
+/// 503 with what is wrong, so a misconfiguration shows where operators look.
+async fn health(State(r): State<Arc<Router>>) -> Response {
+    r.check_all().await;
+    let problems = r.problems();
+    if problems.is_empty() {
+        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
     } else {
-        StatusCode::SERVICE_UNAVAILABLE
+        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unavailable", "problems": problems}))).into_response()
     }
 }
 
-/// The prefill leg's body: one token, not streamed, marked as the prefill of `transfer_id`.
+/// Checks the fields the router itself reads or rewrites before it sends either leg (the
+/// engines check the rest, prefill first, before computing anything).
+fn check_body(orig: &Map<String, Value>) -> Result<(), (&'static str, String)> {
+    let flag = |param: &'static str, v: Option<&Value>| match v {
+        None | Some(Value::Null) | Some(Value::Bool(_)) => Ok(()),
+        Some(v) => Err((param, format!("invalid `{param}`: expected true or false, got {v}"))),
+    };
+    flag("stream", orig.get("stream"))?;
+    match orig.get("stream_options") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::Object(o)) => flag("stream_options.include_usage", o.get("include_usage")),
+        Some(v) => Err(("stream_options", format!("invalid `stream_options`: expected an object, got {v}"))),
+    }
+}
+
+/// The prefill leg's body: the client's request, marked as the prefill of `transfer_id`,
+/// answered in one piece. Prefill validates every field as decode will (`max_tokens` against
+/// its context length included) and then samples one token, so a request decode would
+/// refuse is refused before any KV is computed.
 fn prefill_body(orig: &Map<String, Value>, transfer_id: &str) -> Value {
     let mut b = orig.clone();
-    b.insert("max_tokens".into(), json!(1));
-    if b.contains_key("max_completion_tokens") {
-        b.insert("max_completion_tokens".into(), json!(1));
-    }
     b.insert("stream".into(), json!(false));
     b.remove("stream_options");
-    b.remove("min_tokens");
     let kv =
         KvTransferParams { do_remote_decode: true, transfer_id: Some(transfer_id.to_string()), ..Default::default() };
     b.insert("kv_transfer_params".into(), serde_json::to_value(kv).unwrap_or(Value::Null));
@@ -237,9 +480,15 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
     let orig: Map<String, Value> = match serde_json::from_slice::<Value>(&body) {
         Ok(Value::Object(m)) => m,
         Ok(_) => return error(StatusCode::BAD_REQUEST, "invalid request body: expected a JSON object"),
-        Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid request body: {e}")),
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid request body (not valid JSON): {e}")),
     };
-    let (p, d) = r.pick();
+    if let Err((param, message)) = check_body(&orig) {
+        return bad_request(param, message);
+    }
+    let (p, d) = match r.pick() {
+        Ok(pair) => pair,
+        Err(why) => return error(StatusCode::SERVICE_UNAVAILABLE, why),
+    };
     let transfer_id = r.transfer_id();
     let request_id = headers.get("x-request-id").cloned();
     let post = |b: &Arc<Backend>, json: Value| {
@@ -256,16 +505,14 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
         TransferMode::Pull => {
             let presp = match p_req.send().await {
                 Ok(x) => x,
-                Err(e) => return error(StatusCode::BAD_GATEWAY, format!("prefill leg to {} failed: {e}", p.url)),
+                Err(e) => return leg_failed(&p, "prefill", &e),
             };
             if !presp.status().is_success() {
                 return leg_error("prefill", &p.url, presp).await;
             }
             let pjson: Value = match presp.json().await {
                 Ok(v) => v,
-                Err(e) => {
-                    return error(StatusCode::BAD_GATEWAY, format!("prefill leg to {}: unreadable answer: {e}", p.url))
-                }
+                Err(e) => return error(StatusCode::BAD_GATEWAY, format!("prefill leg to {}: {}", p.url, describe(&e))),
             };
             drop(p_guard);
             let Some(kv) = pjson.get("kv_transfer_params").filter(|v| !v.is_null()).cloned() else {
@@ -276,19 +523,27 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
             };
             let mut db = orig.clone();
             db.insert("kv_transfer_params".into(), kv);
-            match post(&d, Value::Object(db)).send().await {
-                Ok(resp) if resp.status().is_success() => passthrough(resp, Some(d_guard), Vec::new()),
+            let resp = match post(&d, Value::Object(db)).send().await {
+                Ok(resp) if resp.status().is_success() => {
+                    return passthrough(resp, Some(d_guard), Vec::new(), r.abort.subscribe())
+                }
                 Ok(resp) => leg_error("decode", &d.url, resp).await,
-                Err(e) => error(StatusCode::BAD_GATEWAY, format!("decode leg to {} failed: {e}", d.url)),
-            }
+                Err(e) => leg_failed(&d, "decode", &e),
+            };
+            // Prefill holds the prompt's blocks under a lease for a decode read that will
+            // not come: free them now.
+            r.release(&p, &transfer_id);
+            resp
         }
         TransferMode::Push => {
             let kv = match p.kv() {
                 Some(kv) => kv,
-                None => match r.refresh_kv(&p).await {
-                    Ok(kv) => kv,
-                    Err(e) => return error(StatusCode::BAD_GATEWAY, e.to_string()),
-                },
+                None => {
+                    return error(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("prefill engine {} has not been checked yet (its KV side channel is unknown)", p.url),
+                    )
+                }
             };
             let d_kv = KvTransferParams {
                 do_remote_prefill: true,
@@ -296,7 +551,7 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
                 remote_host: Some(kv.host),
                 remote_port: Some(kv.port),
                 transfer_id: Some(transfer_id.clone()),
-                remote_request_id: Some(transfer_id),
+                remote_request_id: Some(transfer_id.clone()),
                 tp_size: Some(1),
                 pp_size: Some(1),
                 ..Default::default()
@@ -304,7 +559,7 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
             let mut db = orig.clone();
             db.insert("kv_transfer_params".into(), serde_json::to_value(d_kv).unwrap_or(Value::Null));
             // Both legs at once: decode registers its blocks while prefill computes.
-            let prefill_url = p.url.clone();
+            let prefill = p.clone();
             let mut prefill_leg = AbortOnDrop(tokio::spawn(async move {
                 let _guard = p_guard;
                 match p_req.send().await {
@@ -312,8 +567,8 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
                         let _ = resp.bytes().await;
                         Ok(())
                     }
-                    Ok(resp) => Err(leg_error("prefill", &prefill_url, resp).await),
-                    Err(e) => Err(error(StatusCode::BAD_GATEWAY, format!("prefill leg to {prefill_url} failed: {e}"))),
+                    Ok(resp) => Err(leg_error("prefill", &prefill.url, resp).await),
+                    Err(e) => Err(leg_failed(&prefill, "prefill", &e)),
                 }
             }));
             let decode_leg = post(&d, Value::Object(db)).send();
@@ -327,28 +582,56 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
                     _ => decode_leg.await,
                 },
             };
-            match dresp {
-                Ok(resp) if resp.status().is_success() => passthrough(resp, Some(d_guard), vec![prefill_leg]),
+            let resp = match dresp {
+                Ok(resp) if resp.status().is_success() => {
+                    return passthrough(resp, Some(d_guard), vec![prefill_leg], r.abort.subscribe())
+                }
                 Ok(resp) => leg_error("decode", &d.url, resp).await,
-                Err(e) => error(StatusCode::BAD_GATEWAY, format!("decode leg to {} failed: {e}", d.url)),
-            }
+                Err(e) => leg_failed(&d, "decode", &e),
+            };
+            // No decode engine will register for this KV: dropping the prefill leg cancels a
+            // prompt still computing, and the release frees one already finished.
+            drop(prefill_leg);
+            r.release(&p, &transfer_id);
+            resp
         }
     }
 }
 
-/// A leg answered with an error: a 4xx passes through (the client's request is at fault);
-/// anything else becomes a 502 naming the leg.
+/// A leg could not be sent or its answer did not come: a 502 naming the leg and the cause.
+/// An engine that cannot be reached is marked down until the next check finds it again.
+fn leg_failed(b: &Backend, leg: &str, e: &reqwest::Error) -> Response {
+    let cause = describe(e);
+    if e.is_connect() {
+        b.set_state(BackendState::Down(cause.clone()));
+    }
+    error(StatusCode::BAD_GATEWAY, format!("{leg} leg to {} failed: {cause}", b.url))
+}
+
+/// A leg answered with an error. A 4xx passes through (the client's request is at fault),
+/// except one about `kv_transfer_params`, which the router wrote: that is a misconfiguration
+/// between router and engine, answered with a 502 that says so. Anything else becomes a 502
+/// naming the leg.
 async fn leg_error(leg: &str, url: &str, resp: reqwest::Response) -> Response {
     let status = resp.status();
     let body = resp.text().await.unwrap_or_default();
     if status.is_client_error() {
+        let parsed: Option<Value> = serde_json::from_str(&body).ok();
+        let param = parsed.as_ref().and_then(|v| v["error"]["param"].as_str());
+        if param == Some("kv_transfer_params") {
+            let message = parsed.as_ref().and_then(|v| v["error"]["message"].as_str()).unwrap_or(&body);
+            return error(
+                StatusCode::BAD_GATEWAY,
+                format!("the {leg} engine {url} refused the router's KV transfer parameters ({message}): the engines and the router are set up inconsistently"),
+            );
+        }
         let code = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_REQUEST);
         return (code, [("content-type", "application/json")], body).into_response();
     }
     error(StatusCode::BAD_GATEWAY, format!("{leg} leg to {url} failed with HTTP {status}: {body}"))
 }
 
-/// Aborts a spawned leg when the response that owns it is dropped (client gone).
+/// Aborts a spawned task when dropped (a leg whose response is gone, the engine checks).
 struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 
 impl<T> Drop for AbortOnDrop<T> {
@@ -357,25 +640,27 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
-/// The decode engine's response streamed to the client, holding the legs' guards until the
-/// body ends or the client goes away.
-struct Guarded<S> {
-    inner: Pin<Box<S>>,
+/// What the body of a passed-through response holds on to until it ends.
+struct Held {
     _in_flight: Option<InFlight>,
     _legs: Vec<AbortOnDrop<Result<(), Response>>>,
 }
 
-impl<S: Stream> Stream for Guarded<S> {
-    type Item = S::Item;
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
-        self.inner.as_mut().poll_next(cx)
-    }
+/// The final SSE event of a stream the router ends during shutdown.
+fn shutdown_chunk() -> Bytes {
+    let err = json!({"error": {"message": "the router is shutting down; the stream was ended",
+        "type": "ServiceUnavailableError", "param": null, "code": 503}});
+    Bytes::from(format!("data: {err}\n\ndata: [DONE]\n\n"))
 }
 
+/// The decode engine's response streamed to the client, holding the legs' guards until the
+/// body ends or the client goes away. [`Router::abort_all`] ends it with an error event (SSE)
+/// or by closing it.
 fn passthrough(
     resp: reqwest::Response,
     in_flight: Option<InFlight>,
     legs: Vec<AbortOnDrop<Result<(), Response>>>,
+    abort: tokio::sync::watch::Receiver<bool>,
 ) -> Response {
     let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::OK);
     let mut out = Response::builder().status(status);
@@ -384,6 +669,27 @@ fn passthrough(
             out = out.header(name, v.as_bytes());
         }
     }
-    let body = Guarded { inner: Box::pin(resp.bytes_stream()), _in_flight: in_flight, _legs: legs };
+    let sse = resp.headers().get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let held = Held { _in_flight: in_flight, _legs: legs };
+    let state = (Box::pin(resp.bytes_stream()), abort, Some(held));
+    let body = futures::stream::unfold(state, move |(mut inner, mut abort, held)| async move {
+        let held = held?;
+        let next = tokio::select! {
+            biased;
+            item = inner.next() => Ok(item),
+            // (`Ref` is not `Send`: keep only whether it came.)
+            a = abort.wait_for(|a| *a) => Err(a.is_ok()),
+        };
+        let aborted = match next {
+            Ok(item) => return item.map(|i| (i, (inner, abort, Some(held)))),
+            Err(aborted) => aborted,
+        };
+        if !aborted {
+            // The router is gone: pass the rest through unwatched.
+            return inner.next().await.map(|i| (i, (inner, abort, Some(held))));
+        }
+        drop(held);
+        sse.then(|| (Ok(shutdown_chunk()), (inner, abort, None)))
+    });
     out.body(Body::from_stream(body)).unwrap_or_else(|e| error(StatusCode::BAD_GATEWAY, e.to_string()))
 }

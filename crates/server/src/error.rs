@@ -16,7 +16,7 @@ pub enum ApiError {
         /// What is wrong, for the client.
         message: String,
         /// The offending field, when one is to blame.
-        param: Option<&'static str>,
+        param: Option<String>,
     },
     /// The `model` field names a model this server does not serve (404).
     #[error("The model `{0}` does not exist.")]
@@ -24,6 +24,18 @@ pub enum ApiError {
     /// The engine thread has stopped (503).
     #[error("the engine has stopped")]
     EngineStopped,
+    /// The server is shutting down and ended this request (503).
+    #[error("the server is shutting down; the request was ended before it finished")]
+    ShuttingDown,
+    /// This engine has no KV connector (404).
+    #[error("{0}")]
+    NotFound(String),
+    /// The request body is larger than the server accepts (413).
+    #[error("the request body is larger than the {limit_mib} MiB this server accepts")]
+    BodyTooLarge {
+        /// The limit in MiB.
+        limit_mib: usize,
+    },
     /// The engine failed while running the request (500).
     #[error("{0}")]
     Internal(String),
@@ -32,6 +44,11 @@ pub enum ApiError {
 impl ApiError {
     /// A 400 blaming `param`.
     pub fn bad(param: &'static str, message: impl Into<String>) -> Self {
+        Self::BadRequest { message: message.into(), param: Some(param.to_string()) }
+    }
+
+    /// A 400 blaming a field known only at run time (e.g. `messages[2].content`).
+    pub fn bad_field(param: String, message: impl Into<String>) -> Self {
         Self::BadRequest { message: message.into(), param: Some(param) }
     }
 
@@ -45,7 +62,9 @@ impl ApiError {
         match self {
             ApiError::BadRequest { .. } => StatusCode::BAD_REQUEST,
             ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::EngineStopped => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::EngineStopped | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -54,8 +73,9 @@ impl ApiError {
     pub fn error_type(&self) -> &'static str {
         match self {
             ApiError::BadRequest { .. } => "BadRequestError",
-            ApiError::ModelNotFound(_) => "NotFoundError",
-            ApiError::EngineStopped => "ServiceUnavailableError",
+            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => "NotFoundError",
+            ApiError::EngineStopped | ApiError::ShuttingDown => "ServiceUnavailableError",
+            ApiError::BodyTooLarge { .. } => "BadRequestError",
             ApiError::Internal(_) => "InternalServerError",
         }
     }
@@ -63,7 +83,7 @@ impl ApiError {
     /// The JSON body.
     pub fn body(&self) -> serde_json::Value {
         let param = match self {
-            ApiError::BadRequest { param, .. } => *param,
+            ApiError::BadRequest { param, .. } => param.clone(),
             _ => None,
         };
         json!({"error": {"message": self.to_string(), "type": self.error_type(), "param": param, "code": self.status().as_u16()}})
@@ -79,7 +99,18 @@ impl IntoResponse for ApiError {
 impl From<SubmitError> for ApiError {
     fn from(e: SubmitError) -> Self {
         match e {
-            SubmitError::Rejected(r) => ApiError::invalid(r.to_string()),
+            SubmitError::Rejected(r) => {
+                use tandem_engine::RequestRejected as R;
+                let param = match &r {
+                    R::EmptyPrompt | R::TokenOutOfRange { .. } | R::PromptTooLong { .. } => Some("prompt"),
+                    R::ExceedsContext { .. } | R::ExceedsKvCapacity { .. } => Some("max_tokens"),
+                    _ => None,
+                };
+                match param {
+                    Some(p) => ApiError::bad(p, r.to_string()),
+                    None => ApiError::invalid(r.to_string()),
+                }
+            }
             SubmitError::EngineStopped => ApiError::EngineStopped,
             other => ApiError::Internal(other.to_string()),
         }

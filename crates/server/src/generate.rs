@@ -188,9 +188,45 @@ struct Piece {
     finish: Option<FinishReason>,
 }
 
+/// Counts a generation in [`AppState::in_flight`] while it lives.
+struct InFlight(Arc<AppState>);
+
+impl InFlight {
+    fn new(state: Arc<AppState>) -> Self {
+        state.in_flight.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self(state)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The next engine event, or `Err` once [`AppState::abort_all`] ended every generation.
+async fn next_event(
+    stream: &mut RequestStream,
+    abort: &mut tokio::sync::watch::Receiver<bool>,
+) -> Result<Option<EngineEvent>, ApiError> {
+    let aborted = tokio::select! {
+        biased;
+        ev = stream.next() => return Ok(ev),
+        // (`Ref` is not `Send`: keep only whether it came.)
+        aborted = abort.wait_for(|a| *a) => aborted.is_ok(),
+    };
+    if aborted {
+        return Err(ApiError::ShuttingDown);
+    }
+    // The state is gone, so nobody can abort any more: wait for the engine alone.
+    Ok(stream.next().await)
+}
+
 /// Drives one request's engine stream and turns tokens into text.
 struct Generation {
     state: Arc<AppState>,
+    _in_flight: InFlight,
+    abort: tokio::sync::watch::Receiver<bool>,
     stream: Option<RequestStream>,
     detok: IncrementalDetokenizer,
     stops: StopMatcher,
@@ -213,11 +249,14 @@ struct Produced {
 }
 
 impl Generation {
-    /// The next piece; `None` after the last. Cancel safe: the only await is the engine
-    /// stream's `next`, which keeps undelivered events queued.
+    /// The next piece; `None` after the last. Cancel safe: the only awaits are the engine
+    /// stream's `next`, which keeps undelivered events queued, and the abort watch.
     async fn next_piece(&mut self) -> Option<Result<Piece, ApiError>> {
         let stream = self.stream.as_mut()?;
-        let mut event = stream.next().await;
+        let mut event = match next_event(stream, &mut self.abort).await {
+            Ok(ev) => ev,
+            Err(e) => return Some(Err(self.fail(e))),
+        };
         loop {
             match event {
                 Some(EngineEvent::KvProduced { transfer_id, block_ids, num_tokens, first_token }) => {
@@ -229,7 +268,10 @@ impl Generation {
                 }
                 _ => break,
             }
-            event = stream.next().await;
+            event = match next_event(stream, &mut self.abort).await {
+                Ok(ev) => ev,
+                Err(e) => return Some(Err(self.fail(e))),
+            };
         }
         Some(match event {
             Some(EngineEvent::Tokens { token_ids, finish }) => {
@@ -241,7 +283,15 @@ impl Generation {
                 let mut text = String::new();
                 let mut finish = finish;
                 if let Some(tok) = self.state.tokenizer.as_deref() {
-                    let delta = match self.detok.push(tok, &token_ids) {
+                    let detok = &mut self.detok;
+                    let delta = detok.push(tok, &token_ids).and_then(|mut d| {
+                        if finish.is_some() {
+                            // The last token may leave a character incomplete: send what is held.
+                            d.push_str(&detok.finish(tok)?);
+                        }
+                        Ok(d)
+                    });
+                    let delta = match delta {
                         Ok(d) => d,
                         Err(e) => return Some(Err(self.fail(ApiError::Internal(e.to_string())))),
                     };
@@ -320,6 +370,10 @@ fn now_unix() -> u64 {
 
 /// Submits a prepared request and answers it, streaming or not.
 pub(crate) async fn run(state: Arc<AppState>, p: Prepared) -> Result<Response, ApiError> {
+    let abort = state.abort.subscribe();
+    if *abort.borrow() {
+        return Err(ApiError::ShuttingDown);
+    }
     let prompt_tokens = p.prompt_ids.len();
     let engine_stream = state.engine.submit(EngineRequest {
         id: p.request_id.clone(),
@@ -331,6 +385,8 @@ pub(crate) async fn run(state: Arc<AppState>, p: Prepared) -> Result<Response, A
     tracing::debug!(request_id = %p.request_id, prompt_tokens, stream = p.stream, "admitted");
     let gen = Generation {
         state: state.clone(),
+        _in_flight: InFlight::new(state.clone()),
+        abort,
         stream: Some(engine_stream),
         detok: IncrementalDetokenizer::new(),
         stops: StopMatcher::new(p.stops),

@@ -13,6 +13,8 @@
 //! | `GET /health` | 200 while the engine thread runs, 503 after |
 //! | `GET /metrics` | Prometheus text |
 //! | `POST /tokenize`, `POST /detokenize` | the model's tokenizer |
+//! | `GET /kv/info` | the KV side channel of a prefill or decode engine (404 colocated) |
+//! | `POST /kv/release` | prefill: free the KV held for a transfer no decode will take |
 //!
 //! Text lives here: prompts are tokenized and outputs detokenized (with stop strings) in the
 //! handlers; the engine sees only token ids. Errors are OpenAI-shaped JSON ([`ApiError`]).
@@ -26,7 +28,7 @@ mod metrics;
 pub mod protocol;
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -61,6 +63,10 @@ pub struct AppState {
     next_id: AtomicU64,
     /// Random per-process prefix so ids do not repeat across restarts.
     id_prefix: String,
+    /// Generation requests being answered now.
+    in_flight: AtomicUsize,
+    /// Set once by [`AppState::abort_all`]; every generation watches it.
+    abort: tokio::sync::watch::Sender<bool>,
 }
 
 impl AppState {
@@ -75,7 +81,21 @@ impl AppState {
             metrics: Metrics::new(),
             next_id: AtomicU64::new(0),
             id_prefix: format!("{:08x}", rand::random::<u32>()),
+            in_flight: AtomicUsize::new(0),
+            abort: tokio::sync::watch::Sender::new(false),
         }
+    }
+
+    /// Generation requests being answered now (streams included).
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Ends every generation now, for a bounded shutdown: a stream gets a final error chunk,
+    /// a waiting client a 503, and each engine request is aborted (its blocks freed). New
+    /// requests are refused with 503 from here on.
+    pub fn abort_all(&self) {
+        self.abort.send_replace(true);
     }
 
     /// The engine's KV transfer mode, when it has a connector.
@@ -112,7 +132,21 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/kv/info", get(kv_info))
+        .route("/kv/release", post(kv_release))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::map_response(json_body_limit))
         .with_state(state)
+}
+
+/// Largest request body accepted: room for a token-id prompt of about a million tokens.
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+/// axum answers an oversize body with plain text; clients of an OpenAI API expect its JSON.
+async fn json_body_limit(resp: Response) -> Response {
+    if resp.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        return ApiError::BodyTooLarge { limit_mib: MAX_BODY_BYTES >> 20 }.into_response();
+    }
+    resp
 }
 
 /// Serves the API on `listener` until `shutdown` resolves.
@@ -124,9 +158,49 @@ pub async fn serve(
     axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
 }
 
-/// Parses a JSON body into `T`; malformed JSON or a wrongly typed field is a 400 that says so.
+/// Parses a JSON body into `T`; malformed JSON or a wrongly typed field is a 400 that says so,
+/// naming the field (`param`) in words a client can act on.
 fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.inner();
+        if inner.is_syntax() || inner.is_eof() {
+            return ApiError::invalid(format!("invalid request body (not valid JSON): {inner}"));
+        }
+        // serde's position counts in the body as parsed, which a proxy may have rewritten;
+        // the field's path says where the problem is.
+        let text = inner.to_string();
+        let what = text.rsplit_once(" at line ").map_or(text.as_str(), |(m, _)| m);
+        if path == "." {
+            return ApiError::invalid(format!("invalid request body: {what}"));
+        }
+        let field = path.rsplit('.').next().unwrap_or(&path);
+        let field = field.split('[').next().unwrap_or(field);
+        let message = if what.contains("untagged enum") {
+            match field {
+                "prompt" => "must be a string, a list of token ids (integers >= 0), or a one-element list of either",
+                "stop" => "must be a string or a list of strings",
+                "content" => "must be a string or a list of content parts ({\"type\": \"text\", \"text\": ...})",
+                _ => "has an unsupported shape",
+            }
+            .to_string()
+        } else {
+            what.to_string()
+        };
+        ApiError::bad_field(path.clone(), format!("invalid `{path}`: {message}"))
+    })
+}
+
+/// [`parse_body`] for a completions or chat request. Their sampling fields are flattened into
+/// the request, and serde loses the path of an error inside flattened fields: parse those
+/// alone to name the field.
+fn parse_generation<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    let req = parse_body::<T>(body);
+    if let Err(ApiError::BadRequest { param: None, .. }) = &req {
+        parse_body::<protocol::SamplingFields>(body)?;
+    }
+    req
 }
 
 /// The client's `X-Request-Id`, echoed on the response; generated when absent.
@@ -158,11 +232,12 @@ fn record(state: &AppState, r: Result<Response, ApiError>) -> Response {
 async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let id = state.new_request_id();
     let header = request_id_header(&headers, &id);
-    let result =
-        match parse_body::<CompletionRequest>(&body).and_then(|req| generate::prepare_completion(&state, req, id)) {
-            Ok(p) => generate::run(state.clone(), p).await,
-            Err(e) => Err(e),
-        };
+    let result = match parse_generation::<CompletionRequest>(&body)
+        .and_then(|req| generate::prepare_completion(&state, req, id))
+    {
+        Ok(p) => generate::run(state.clone(), p).await,
+        Err(e) => Err(e),
+    };
     with_request_id(record(&state, result), header)
 }
 
@@ -170,11 +245,12 @@ async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, bod
 async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let id = state.new_request_id();
     let header = request_id_header(&headers, &id);
-    let result =
-        match parse_body::<ChatCompletionRequest>(&body).and_then(|req| generate::prepare_chat(&state, req, id)) {
-            Ok(p) => generate::run(state.clone(), p).await,
-            Err(e) => Err(e),
-        };
+    let result = match parse_generation::<ChatCompletionRequest>(&body)
+        .and_then(|req| generate::prepare_chat(&state, req, id))
+    {
+        Ok(p) => generate::run(state.clone(), p).await,
+        Err(e) => Err(e),
+    };
     with_request_id(record(&state, result), header)
 }
 
@@ -197,8 +273,29 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
 async fn kv_info(State(state): State<Arc<AppState>>) -> Response {
     match state.engine.kv_info() {
         Some(info) => Json(info.clone()).into_response(),
-        None => ApiError::invalid("this engine has no KV connector (--role both)").into_response(),
+        None => {
+            ApiError::NotFound("this engine has no KV connector (it serves with --role both)".into()).into_response()
+        }
     }
+}
+
+/// Prefill: frees the KV held under `transfer_id` (a router whose decode leg failed says so,
+/// instead of leaving the blocks pinned until the lease or registration wait runs out).
+async fn kv_release(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = (|| {
+        let req: protocol::KvReleaseRequest = parse_body(&body)?;
+        match state.engine.kv_info() {
+            Some(info) if info.role == tandem_kv::Role::Prefill => {}
+            Some(_) => return Err(ApiError::invalid("only a prefill engine holds KV for others to release")),
+            None => {
+                return Err(ApiError::NotFound("this engine has no KV connector (it serves with --role both)".into()))
+            }
+        }
+        tracing::debug!(transfer_id = %req.transfer_id, "KV release asked for");
+        state.engine.release_kv(tandem_core::TransferId(req.transfer_id.clone()));
+        Ok(Json(json!({"transfer_id": req.transfer_id, "released": true})).into_response())
+    })();
+    record(&state, result)
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> StatusCode {

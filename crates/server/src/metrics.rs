@@ -98,7 +98,7 @@ impl Metrics {
             kv_bytes: counter("tandem:kv_load_bytes_total", "Decode legs: KV bytes received."),
             kv: {
                 let g = prometheus::IntGaugeVec::new(
-                    Opts::new("tandem:kv_connector", "KV connector counters (transfers, bytes, regions, expiries, unknown and duplicate ids), by counter."),
+                    Opts::new("tandem:kv_connector", "KV connector counters (transfers, bytes, regions, expiries, unknown and duplicate ids, refused peers), by counter."),
                     &["counter"],
                 )
                 .expect("metric definitions are static and valid");
@@ -163,6 +163,7 @@ impl Metrics {
                 ("expired", kv.expired),
                 ("unknown_ids", kv.unknown_ids),
                 ("duplicate_ids", kv.duplicate_ids),
+                ("peers_refused", kv.peers_refused),
             ] {
                 self.kv.with_label_values(&[name]).set(v as i64);
             }

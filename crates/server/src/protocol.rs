@@ -1,7 +1,7 @@
 //! OpenAI request and response bodies (and vLLM's extensions), as typed structs.
 //!
 //! Unknown request fields are ignored; known ones with the wrong type are a 400 naming the
-//! field (serde's message).
+//! field.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -159,6 +159,13 @@ pub struct TokenizeRequest {
     pub add_special_tokens: Option<bool>,
     /// For messages: append the assistant opener (default true).
     pub add_generation_prompt: Option<bool>,
+}
+
+/// `POST /kv/release`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct KvReleaseRequest {
+    /// The transfer whose KV no decode engine will take.
+    pub transfer_id: String,
 }
 
 /// `POST /detokenize`.

@@ -206,7 +206,7 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     let s = start(64, 256).await;
     let long_prompt: Vec<u32> = vec![5; 4096];
     let cases = [
-        ("/v1/completions", "{not json", 400, "invalid request body"),
+        ("/v1/completions", "{not json", 400, "invalid request body (not valid JSON)"),
         ("/v1/completions", r#"{"prompt": "hi", "max_tokens": "many"}"#, 400, "invalid type"),
         ("/v1/completions", r#"{"max_tokens": 3}"#, 400, "invalid request body"),
         ("/v1/completions", r#"{"model": "gpt-9", "prompt": "hi"}"#, 404, "The model `gpt-9` does not exist."),
@@ -249,6 +249,34 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         assert_eq!(v["error"]["code"], status);
         assert!(v["error"]["type"].as_str().unwrap().ends_with("Error"));
     }
+    // Wrongly typed fields are named, in words, without serde's positions or type names.
+    for (body, param, needle) in [
+        (json!({"prompt": "hi", "max_tokens": "ten"}), "max_tokens", "invalid `max_tokens`: invalid type: string"),
+        (json!({"prompt": {"text": "hi"}}), "prompt", "must be a string, a list of token ids"),
+        (json!({"prompt": [1, -2]}), "prompt", "must be a string, a list of token ids"),
+        (json!({"prompt": "hi", "stop": 5}), "stop", "must be a string or a list of strings"),
+    ] {
+        let (status, v) = s.post("/v1/completions", body.clone()).await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(v["error"]["param"], param, "{body}: {v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{body}: `{needle}` not in {msg}");
+        assert!(!msg.contains("line 1") && !msg.contains("untagged"), "{body}: {msg}");
+    }
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": 7}]})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages[0].content")), "{v}");
+    // An oversize body: OpenAI-shaped JSON, not axum's plain text.
+    let huge = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(tandem_server::MAX_BODY_BYTES + 10));
+    let r = s.http.post(format!("{}/v1/completions", s.base)).header("content-type", "application/json").body(huge);
+    let r = r.send().await.unwrap();
+    assert_eq!(r.status(), 413);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("MiB"), "{v}");
+    // A colocated engine has no KV side channel: 404, as documented.
+    let r = s.http.get(format!("{}/kv/info", s.base)).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    let (status, _) = s.post("/kv/release", json!({"transfer_id": "t"})).await;
+    assert_eq!(status, 404);
     let (status, v) = s.post("/v1/completions", json!({"prompt": long_prompt})).await;
     assert_eq!(status, 400);
     assert!(v["error"]["message"].as_str().unwrap().contains("maximum context length is 4096"), "{v}");
@@ -337,4 +365,64 @@ async fn models_health_tokenize_request_id_and_metrics() {
     ] {
         assert!(m.contains(name), "missing `{name}` in:\n{m}");
     }
+}
+
+#[tokio::test]
+async fn the_last_incomplete_character_is_sent_when_generation_ends() {
+    let s = start(64, 256).await;
+    // The random preset mostly emits single bytes of multi-byte characters: the held bytes
+    // must come out (as U+FFFD) when the request ends, streamed or not.
+    let body = json!({"prompt": "the cat", "max_tokens": 20, "temperature": 0, "ignore_eos": true});
+    let (status, v) = s.post("/v1/completions", body.clone()).await;
+    assert_eq!(status, 200, "{v}");
+    let ids = token_ids(&v["choices"][0]["token_ids"]);
+    let (_, detok) = s.post("/detokenize", json!({"tokens": ids})).await;
+    let want = detok["prompt"].as_str().unwrap();
+    assert!(!want.is_empty());
+    assert_eq!(v["choices"][0]["text"], want, "the text is the tokens' text: {v}");
+    let mut streamed = String::new();
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let events = s.stream("/v1/completions", streaming).await;
+    for e in events.iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        streamed.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
+    }
+    assert_eq!(streamed, want);
+    s.wait_idle().await;
+}
+
+#[tokio::test]
+async fn abort_all_ends_streams_with_an_error_and_frees_every_block() {
+    let s = start(64, 256).await;
+    let body = json!({"prompt": "x", "max_tokens": 200, "ignore_eos": true, "stream": true});
+    let r = s.http.post(format!("{}/v1/completions", s.base)).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let waiting = {
+        let http = s.http.clone();
+        let url = format!("{}/v1/completions", s.base);
+        tokio::spawn(async move {
+            let r = http.post(url).json(&json!({"prompt": "y", "max_tokens": 200, "ignore_eos": true})).send().await;
+            let r = r.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.state.in_flight() < 2 {
+        assert!(Instant::now() < deadline, "requests never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    s.state.abort_all();
+    let text = tokio::time::timeout(Duration::from_secs(5), r.text()).await.expect("the stream ended").unwrap();
+    let events: Vec<&str> = text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
+    let last: Value = serde_json::from_str(events[events.len() - 2]).unwrap();
+    assert_eq!(last["error"]["code"], 503, "{last}");
+    assert!(last["error"]["message"].as_str().unwrap().contains("shutting down"));
+    let (status, v) = tokio::time::timeout(Duration::from_secs(5), waiting).await.unwrap().unwrap();
+    assert_eq!(status, 503, "{v}");
+    s.wait_idle().await;
+    assert_eq!(s.state.in_flight(), 0);
+    let (status, _) = s.post("/v1/completions", json!({"prompt": "z", "max_tokens": 2})).await;
+    assert_eq!(status, 503, "new requests are refused once shutting down");
 }

@@ -117,10 +117,8 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
 
 pub async fn router(mode: TransferMode, p: &Engine, d: &Engine) -> String {
     let r = Router::new(RouterConfig {
-        mode,
-        prefill: vec![p.url.clone()],
-        decode: vec![d.url.clone()],
         prefill_timeout: Duration::from_secs(30),
+        ..RouterConfig::new(mode, vec![p.url.clone()], vec![d.url.clone()])
     })
     .unwrap();
     r.wait_ready(Duration::from_secs(10)).await.unwrap();
