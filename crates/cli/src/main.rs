@@ -472,8 +472,9 @@ fn model_command(c: ModelCommand) -> Result<()> {
             // The config and tokenizer only: a shape needs no weights (a preset's would be
             // generated, gigabytes of them for the larger ones).
             let source = ModelSource::parse(&model.model, model.model_seed)?;
-            let m = ModelSpec::load(&source, model.max_model_len)
+            let m = ModelSpec::load_shape(&source, model.max_model_len)
                 .with_context(|| format!("reading model `{}`", model.model))?;
+            let has_tokenizer = m.tokenizer.is_some() || matches!(source, ModelSource::Preset { .. });
             let c = &m.config;
             let info = serde_json::json!({
                 "architecture": c.architecture.hf_name(),
@@ -490,7 +491,7 @@ fn model_command(c: ModelCommand) -> Result<()> {
                 "kv_bytes_per_token_f32": c.kv_bytes_per_token_f32(),
                 "weight_bytes_f32": c.num_params() * 4,
                 "eos_token_ids": m.eos_token_ids,
-                "tokenizer": m.tokenizer.is_some(),
+                "tokenizer": has_tokenizer,
             });
             println!("{}", serde_json::to_string_pretty(&info)?);
             Ok(())

@@ -389,3 +389,18 @@ fn up_on_a_model_without_a_tokenizer_suggests_a_token_id_prompt_that_works() {
     up.exit_within(Duration::from_secs(20));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn model_inspect_reads_the_shape_without_building_weights() {
+    let start = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["--log", "warn", "model", "inspect", "--model", "preset:qwen3-4b"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Building 4B random weights (16 GB of f32) would take minutes and exhaust memory here.
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((v["num_layers"].as_u64(), v["hidden_size"].as_u64()), (Some(36), Some(2560)), "{v}");
+    assert_eq!(v["weight_bytes_f32"].as_u64(), v["params"].as_u64().map(|p| p * 4));
+}

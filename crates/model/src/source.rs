@@ -53,15 +53,34 @@ impl ModelSpec {
     /// `max_position_embeddings` downwards (a shorter limit means a smaller RoPE table and
     /// earlier rejection).
     pub fn load(source: &ModelSource, max_model_len: Option<usize>) -> Result<Self, ModelError> {
+        Self::load_with(source, max_model_len, true)
+    }
+
+    /// Like [`ModelSpec::load`], but a preset's tokenizer is not built (for a large vocabulary
+    /// that takes seconds): for looking at a model's shape. Its `tokenizer` is then `None`
+    /// and its EOS ids are those of the config and generation config.
+    pub fn load_shape(source: &ModelSource, max_model_len: Option<usize>) -> Result<Self, ModelError> {
+        Self::load_with(source, max_model_len, false)
+    }
+
+    fn load_with(
+        source: &ModelSource,
+        max_model_len: Option<usize>,
+        preset_tokenizer: bool,
+    ) -> Result<Self, ModelError> {
         let (cfg, tokenizer, gen_eos) = match source {
             ModelSource::Preset { preset, .. } => {
                 let cfg = ModelConfig::from_preset(preset)?;
-                let tok = TextTokenizer::from_parts(
-                    preset.tokenizer_json().as_bytes(),
-                    Some(&preset.tokenizer_config_json()),
-                )?;
+                let tok = preset_tokenizer
+                    .then(|| {
+                        TextTokenizer::from_parts(
+                            preset.tokenizer_json().as_bytes(),
+                            Some(&preset.tokenizer_config_json()),
+                        )
+                    })
+                    .transpose()?;
                 let gen_eos = token_id_list(preset.generation_config_json().get("eos_token_id"));
-                (cfg, Some(tok), gen_eos)
+                (cfg, tok, gen_eos)
             }
             ModelSource::Dir(dir) => {
                 if !dir.join("config.json").is_file() {
