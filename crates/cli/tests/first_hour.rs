@@ -306,6 +306,35 @@ fn shutdown_is_immediate_when_idle_and_bounded_with_streams_in_flight() {
     r.signal(Signal::SIGINT);
     let took = r.exit_within(Duration::from_secs(5));
     assert!(took < Duration::from_millis(500), "idle router took {took:?} to exit");
+
+    // The router with a stream through it: ended after its drain, with an error chunk, and
+    // decode frees the stream's blocks.
+    let port = free_port();
+    let mut r = tandem(&format!(
+        "router --mode push --prefill {} --decode {} --port {port} --shutdown-timeout-secs 1",
+        pe.url, de.url
+    ));
+    let r_url = format!("http://127.0.0.1:{port}");
+    wait_healthy(&r_url);
+    let u = r_url.clone();
+    let reader = std::thread::spawn(move || {
+        let body = json!({"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": true, "stream": true});
+        http().post(format!("{u}/v1/completions")).json(&body).send().unwrap().text().unwrap_or_default()
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&de.url, "tandem:num_requests_running") != 1.0 {
+        assert!(Instant::now() < deadline, "the stream never started on decode");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let start = Instant::now();
+    r.signal(Signal::SIGINT);
+    r.exit_within(Duration::from_secs(5));
+    let took = start.elapsed();
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(3), "router drain took {took:?}");
+    let text = reader.join().unwrap();
+    let (err, done) = last_events(&text);
+    assert_eq!((err["error"]["code"].as_u64(), done), (Some(503), "[DONE]"), "{err}");
+    wait_blocks_free(&de.url, Duration::from_secs(5), "decode after the router stopped");
 }
 
 #[test]
