@@ -273,7 +273,7 @@ fn shutdown_is_immediate_when_idle_and_bounded_with_streams_in_flight() {
     wait_healthy(&format!("http://127.0.0.1:{port}"));
     p.signal(Signal::SIGINT);
     let took = p.exit_within(Duration::from_secs(5));
-    assert!(took < Duration::from_millis(500), "idle serve took {took:?} to exit");
+    assert!(took < Duration::from_secs(1), "idle serve took {took:?} to exit");
 
     // A 3000-token stream: ended after the 1 s drain, with an error chunk and [DONE].
     let (mut p, _, reader) = serve_with_a_long_stream("--shutdown-timeout-secs 1");
@@ -305,7 +305,7 @@ fn shutdown_is_immediate_when_idle_and_bounded_with_streams_in_flight() {
     wait_healthy(&r_url);
     r.signal(Signal::SIGINT);
     let took = r.exit_within(Duration::from_secs(5));
-    assert!(took < Duration::from_millis(500), "idle router took {took:?} to exit");
+    assert!(took < Duration::from_secs(1), "idle router took {took:?} to exit");
 
     // The router with a stream through it: ended after its drain, with an error chunk, and
     // decode frees the stream's blocks.
