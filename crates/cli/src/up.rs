@@ -137,20 +137,8 @@ pub fn up(a: UpArgs) -> Result<()> {
     let flag = interrupted.clone();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     std::thread::spawn(move || {
-        rt.block_on(async {
-            // Ctrl-C in a terminal, or SIGTERM from a process manager.
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut term) => {
-                    tokio::select! {
-                        _ = tokio::signal::ctrl_c() => {}
-                        _ = term.recv() => {}
-                    }
-                }
-                Err(_) => {
-                    let _ = tokio::signal::ctrl_c().await;
-                }
-            }
-        });
+        // Ctrl-C in a terminal, or SIGTERM from a process manager.
+        rt.block_on(crate::stop_signal());
         flag.store(true, Ordering::SeqCst);
     });
 
