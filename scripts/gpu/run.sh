@@ -5,19 +5,17 @@
 # There (device):  scripts/gpu/run.sh [full|bench|quick]   # carry: gpu-bin
 #   full (default): tests, tandem bench (also decode at a 1024-token context), PyTorch;
 #   bench: tests and tandem bench; quick: tests;
-#   tune: kernel tests and the decode-projection plan sweep (TANDEM_GEMV_SWEEP=1);
-#   ring: the matrix below for the ring decode kernel (TANDEM_DECODE_RING) and its decomposition;
-#   matrix "label:VAR=value ..." ...: kernel and model tests, then the decode step under each setting
-#   (PROFILE=1 among the settings adds the step's kernel profile, DECODE_PROMPT=n sets the decode
-#   sequences' prompt length, PREFILL_TOKENS=n the prefill (and so the engine's batched-token
-#   limit, which sizes the per-step metadata upload), TANDEM_EXE=path runs another tandem binary,
-#   BENCH_ARGS=--flag=value adds one bench argument (e.g. BENCH_ARGS=--async-scheduling=off);
-#   SKIP_TESTS=1 in the environment skips the tests);
-#   ncu "label:VAR=value ..." ...: Nsight Compute on a batch-1 decode under each setting (the first
-#   NCU_COUNT, default 40, launches of kernels matching NCU_KERNELS, default gemv, attention and
-#   the persistent kernel): per kernel its duration, DRAM throughput, occupancy, hit rates and
+#   tune: kernel tests and the decode-projection plan sweep (bench engine --sweep-gemv-plans);
+#   matrix "label:SETTING ..." ...: kernel and model tests, then the decode step under each setting;
+#   a setting is exe=PATH (another tandem binary, e.g. gpu-bin/tandem-base), prompt=N (the decode
+#   sequences' prompt length), prefill=N (the prefill, and so the engine's batched-token limit),
+#   profile (the step's kernel profile), or a `tandem bench engine` argument such as
+#   --cuda-tune=programmatic_launch=1 or --async-scheduling=off (SKIP_TESTS=1 skips the tests);
+#   ncu "label:ARG ..." ...: Nsight Compute on a batch-1 decode with those bench arguments (the first
+#   NCU_COUNT, default 40, launches of kernels matching NCU_KERNELS, default gemv and
+#   attention): per kernel its duration, DRAM throughput, occupancy, hit rates and
 #   top warp stall reasons (scripts/gpu/ncu_table.py; raw CSV in $OUT/ncu_LABEL.csv);
-#   ncu-src KERNEL_REGEX "VAR=value ...": Nsight Compute's per-instruction warp stall samples of
+#   ncu-src KERNEL_REGEX "ARG ...": Nsight Compute's per-instruction warp stall samples of
 #   one launch of the matching kernel in a batch-1 decode, summarised by SASS basic block
 #   (scripts/gpu/ncu_hot.py; raw CSV in $OUT/ncu_src.csv): where its warps wait;
 #   pd: only disaggregated serving on the GPU (scripts/gpu/pd_check.py; also part of every mode
@@ -29,7 +27,7 @@
 # --include-ignored; failing if no GPU is usable or any test skips), the transformers
 # comparison, `tandem bench engine` on preset:qwen3-4b with its floors, and the same shapes in
 # PyTorch; prints a short table last. Full logs go to $OUT (or ./gpu-out). `tune` also measures
-# programmatic dependent launch (TANDEM_CUDA_PDL=1, experimental: no gain measured so far).
+# programmatic dependent launch (--cuda-tune programmatic_launch=1: no gain measured so far).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -44,21 +42,9 @@ note() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 MODE=${1:-full}
-if [ "$MODE" = ring ]; then
-  # The ring decode kernel against the five-kernel step: kernel and model tests first (they
-  # fill the kernel cache and include the ring's bit-equality test), then its timing and the
-  # per-stage clock trace (TANDEM_RING_TRACE: critical path, grid barrier, median and slowest
-  # block per stage kind), 256 KiB of L2 prefetch past a full ring (TANDEM_RING_PREFETCH) and
-  # the TANDEM_RING_DEBUG decomposition (8 no attention, 1 no grid waits; 2 no arithmetic and 3
-  # the stream alone were 2.63 and 2.20 ms in run AP).
-  exec "$0" matrix "fused:X=1" "ring:TANDEM_DECODE_RING=1" "ring_trace:TANDEM_DECODE_RING=1 TANDEM_RING_TRACE=1" \
-    "ring_pf256:TANDEM_DECODE_RING=1 TANDEM_RING_PREFETCH=262144" \
-    "ring_noattn:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=8" \
-    "ring_nowait:TANDEM_DECODE_RING=1 TANDEM_RING_DEBUG=1" "ring200:TANDEM_DECODE_RING=1 DECODE_PROMPT=200"
-fi
 if [ "$MODE" = matrix ]; then
   # Decode step under several settings in one call: each further argument is
-  # "label:VAR=value VAR=value" (TANDEM_EXE=path picks another tandem binary).
+  # "label:SETTING SETTING ..." (see the top of this file).
   shift
   for t in cuda_kernels cuda_model; do
     [ -n "${SKIP_TESTS:-}" ] && break
@@ -67,37 +53,35 @@ if [ "$MODE" = matrix ]; then
   done
   for spec in "$@"; do
     label=${spec%%:*}
-    ( export ${spec#*:}
-      timeout 150 "${TANDEM_EXE:-$BIN/tandem}" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
-        --decode-steps 64 --decode-prompt-tokens "${DECODE_PROMPT:-16}" --prefill-tokens "${PREFILL_TOKENS:-512}" \
-        ${PROFILE:+--profile} ${BENCH_ARGS:-} \
-        > "$OUT/matrix_$label.log" 2>&1 )
-    note "$label: $(grep -E '^(1|64) +[0-9]' "$OUT/matrix_$label.log" | tr -s ' ' | tr '\n' '|')"
+    exe=$BIN/tandem prompt=16 prefill=512 extra=()
+    # shellcheck disable=SC2086  # the settings split into words
+    for w in ${spec#*:}; do
+      case $w in
+        exe=*) exe=${w#exe=} ;; prompt=*) prompt=${w#prompt=} ;; prefill=*) prefill=${w#prefill=} ;;
+        profile) extra+=(--profile) ;; *) extra+=("$w") ;;
+      esac
+    done
+    timeout 150 "$exe" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
+      --decode-steps 64 --decode-prompt-tokens "$prompt" --prefill-tokens "$prefill" "${extra[@]}" \
+      > "$OUT/matrix_$label.log" 2>&1
+    note "$label: $(grep -E '^(1|64) +[0-9]' "$OUT/matrix_$label.log" | tr -s ' ' | tr '\n' '|')$(grep -oE '^prefill [0-9]+ tokens: [0-9.]+ ms' "$OUT/matrix_$label.log")"
     grep -E "^ *fused|plan sweep: down" "$OUT/matrix_$label.log" | grep -v pipelined | sed "s/^/  $label /"
-    grep -o "ring trace:.*" "$OUT/matrix_$label.log" | sed "s/^/  $label /"
-    # A TANDEM_KERNEL_DEFINES=TANDEM_PDL_TRACE build: the early decode attention's phases, when
-    # the bulk o projection's blocks entered, saw the attention done, had their weights, exited;
-    # one layer's timeline (every kernel's entries, exits, gaps and tails) and placement.
-    if grep -q "^pdl_trace" "$OUT/matrix_$label.log"; then
-      python3 scripts/gpu/pdl_trace.py "$OUT/matrix_$label.log" | sed "s/^/  $label /"
-    fi
   done
   exit $status
 fi
 # Nsight Compute on a batch-1 decode (the first NCU_COUNT launches of kernels matching
-# NCU_KERNELS), summarised per kernel. Arguments: a label, then VAR=value settings.
+# NCU_KERNELS), summarised per kernel. Arguments: a label, then bench engine arguments.
 ncu_decode() {
   local label=$1; shift
   local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$NCU" ] || { note "no ncu on this machine"; return 2; }
-  ( [ $# -gt 0 ] && export "$@"
-    timeout 500 "$NCU" --clock-control none --graph-profiling node \
-      -k "regex:${NCU_KERNELS:-gemv|attention|decode_persistent|decode_ring}" --launch-count "${NCU_COUNT:-40}" \
+  ( timeout 500 "$NCU" --clock-control none --graph-profiling node \
+      -k "regex:${NCU_KERNELS:-gemv|attention}" --launch-count "${NCU_COUNT:-40}" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
       --section LaunchStats --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
       --csv --page details --print-units base \
-      "${TANDEM_EXE:-$BIN/tandem}" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1 --decode-steps 4 \
-      --decode-prompt-tokens "${DECODE_PROMPT:-16}" --prefill-tokens 16 > "$OUT/ncu_$label.csv" 2> "$OUT/ncu_$label.err" ) \
+      "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1 --decode-steps 4 \
+      --prefill-tokens 16 "$@" > "$OUT/ncu_$label.csv" 2> "$OUT/ncu_$label.err" ) \
     || { note "ncu $label failed"; tail -5 "$OUT/ncu_$label.err"; tail -5 "$OUT/ncu_$label.csv"; return 1; }
   note "ncu $label:"
   python3 scripts/gpu/ncu_table.py "$OUT/ncu_$label.csv" | tee -a "$OUT/summary.txt"
@@ -114,7 +98,7 @@ fi
 if [ "$MODE" = ncu ]; then
   shift
   for spec in "$@"; do
-    # shellcheck disable=SC2086  # the settings split into VAR=value words
+    # shellcheck disable=SC2086  # the arguments split into words
     ncu_decode "${spec%%:*}" ${spec#*:} || status=1
   done
   exit $status
@@ -122,12 +106,11 @@ fi
 if [ "$MODE" = ncu-src ]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 2; }
-  # shellcheck disable=SC2086  # the settings split into VAR=value words
-  ( [ -n "${3:-}" ] && export ${3}
-    timeout 500 "$NCU" --clock-control none -k "regex:${2:?kernel regex}" --launch-skip 2 --launch-count 1 \
+  # shellcheck disable=SC2086  # the arguments split into words
+  ( timeout 500 "$NCU" --clock-control none -k "regex:${2:?kernel regex}" --launch-skip 2 --launch-count 1 \
       --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
-      "${TANDEM_EXE:-$BIN/tandem}" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1 --decode-steps 4 \
-      --decode-prompt-tokens "${DECODE_PROMPT:-16}" --prefill-tokens 16 > "$OUT/ncu_src.csv" 2> "$OUT/ncu_src.err" ) \
+      "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1 --decode-steps 4 \
+      --prefill-tokens 16 ${3:-} > "$OUT/ncu_src.csv" 2> "$OUT/ncu_src.err" ) \
     || { note "ncu-src failed"; tail -5 "$OUT/ncu_src.err"; exit 1; }
   python3 scripts/gpu/ncu_hot.py "$OUT/ncu_src.csv" 25 | tee -a "$OUT/summary.txt"
   exit 0
@@ -145,11 +128,11 @@ if [ "$MODE" = sanitize ]; then
 fi
 if [ "$MODE" = tune ]; then
   # Decode-projection tuning: the kernel tests, then the batch-1 profile with every plan of the
-  # sweep (TANDEM_GEMV_SWEEP), with programmatic launch off and on.
+  # sweep, with programmatic launch off and on.
   timeout 300 "$BIN/cuda_kernels" --include-ignored --test-threads=1 > "$OUT/tests.log" 2>&1 && note "test cuda_kernels: ok" \
     || { note "test cuda_kernels: FAILED"; grep -B2 -A6 "panicked" "$OUT/tests.log" | head -30; status=1; }
   for pdl in 0 1; do
-    TANDEM_CUDA_PDL=$pdl TANDEM_GEMV_SWEEP=1 timeout 250 "$BIN/tandem" bench engine --device cuda:0 \
+    timeout 250 "$BIN/tandem" bench engine --device cuda:0 --cuda-tune "programmatic_launch=$pdl" --sweep-gemv-plans \
       --model preset:qwen3-4b --batch 1 --decode-steps 32 --prefill-tokens 512 --profile > "$OUT/tune_pdl$pdl.log" 2>&1
     note "programmatic launch $pdl: $(grep -E '^1 +[0-9]' "$OUT/tune_pdl$pdl.log" | tr -s ' ')"
     grep -E "fused|plan sweep|CUDA graph|rope|attention \(row" "$OUT/tune_pdl$pdl.log" | head -120 | sed "s/^/pdl$pdl /"

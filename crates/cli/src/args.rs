@@ -97,6 +97,12 @@ pub struct EngineArgs {
     /// GPUs, off on CPU (where a step cannot overlap the host).
     #[arg(help_heading = "Device", long, value_enum, default_value_t = AsyncScheduling::Auto)]
     pub async_scheduling: AsyncScheduling,
+    /// GPU only: one kernel choice, `KEY=VALUE`, repeatable; the defaults are the fastest
+    /// measured on an H200. Keys: programmatic_launch=0|1 (0), attention_early=0|1 (1),
+    /// attention_stages=auto|1|2 (auto), bulk_early_rows=0..=8 (8), tensor_core_projections=0|1
+    /// (0), bulk_o_projection=0|1 (1).
+    #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
+    pub cuda_tune: Vec<String>,
 }
 
 impl ModelArgs {
@@ -136,6 +142,9 @@ impl EngineArgs {
             AsyncScheduling::Off => "off",
         };
         v.extend(["--async-scheduling".into(), sched.into()]);
+        for t in &self.cuda_tune {
+            v.extend(["--cuda-tune".into(), t.clone()]);
+        }
         v
     }
 }
@@ -609,6 +618,22 @@ pub struct BenchEngineArgs {
     /// for the prefill.
     #[arg(long)]
     pub profile: bool,
+    /// GPU only, with --profile: also time every decode projection under other launch plans
+    /// (to tune the plan choice on a new GPU).
+    #[arg(long, requires = "profile")]
+    pub sweep_gemv_plans: bool,
+    /// GPU only: one kernel choice, `KEY=VALUE`, repeatable; the defaults are the fastest
+    /// measured on an H200. Keys: programmatic_launch=0|1 (0), attention_early=0|1 (1),
+    /// attention_stages=auto|1|2 (auto), bulk_early_rows=0..=8 (8), tensor_core_projections=0|1
+    /// (0), bulk_o_projection=0|1 (1).
+    #[arg(long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
+    pub cuda_tune: Vec<String>,
+}
+
+/// One `--cuda-tune` setting, checked (the key known, the value in range).
+fn parse_cuda_tune(s: &str) -> Result<String, String> {
+    tandem_compute::cuda::CudaTuning::from_settings(&[s])?;
+    Ok(s.to_string())
 }
 
 /// Parses sizes like `512MiB`, `2GiB`, `1.5G`, `1000000` (bytes).

@@ -124,6 +124,7 @@ fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<usize>) -> 
                 num_blocks: e.num_kv_blocks,
                 cuda_graphs: !e.enforce_eager,
                 host_kv_bytes,
+                tuning: tuning(&e.cuda_tune)?,
                 ..CudaOptions::default()
             };
             let t = Instant::now();
@@ -271,6 +272,11 @@ fn serve(a: ServeArgs) -> Result<()> {
     // Threads still blocked in the runtime (none expected) must not hold the exit.
     rt.shutdown_timeout(std::time::Duration::from_millis(100));
     result
+}
+
+/// The CUDA tuning of `--cuda-tune` settings (each checked when parsed).
+fn tuning(settings: &[String]) -> Result<tandem_compute::cuda::CudaTuning> {
+    tandem_compute::cuda::CudaTuning::from_settings(settings).map_err(anyhow::Error::msg)
 }
 
 /// A finite number of seconds, 0 or more.
@@ -557,6 +563,7 @@ fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
                 max_seqs: engine_cfg.max_num_seqs,
                 num_blocks: Some(engine_cfg.num_blocks),
                 cuda_graphs: !a.enforce_eager,
+                tuning: tuning(&a.cuda_tune)?,
                 ..CudaOptions::default()
             };
             eprintln!("... building {} on cuda:{ordinal}", a.model);
@@ -575,7 +582,7 @@ fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
                     (format!("prefill of {} tokens", cfg.prefill_tokens), 1, cfg.prefill_tokens, 0),
                 ] {
                     println!("device time per forward by op: {label}");
-                    for (op, ms) in model.profile_ops(seqs, tokens, ctx)? {
+                    for (op, ms) in model.profile_ops(seqs, tokens, ctx, a.sweep_gemv_plans)? {
                         println!("  {op:<40} {ms:>10.3} ms");
                     }
                 }

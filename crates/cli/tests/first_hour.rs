@@ -158,6 +158,19 @@ fn stderr_of(mut p: Proc, bound: Duration) -> String {
     s
 }
 
+/// The lines `p` writes to its (piped) stderr, as they come; the channel closes at its exit.
+fn stderr_lines(p: &mut Proc) -> std::sync::mpsc::Receiver<String> {
+    let stderr = p.0.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    rx
+}
+
 impl Proc {
     /// Like [`Proc::exit_within`], for a process expected to fail; returns its status.
     fn exit_within_any(&mut self, bound: Duration) -> std::process::ExitStatus {
@@ -394,14 +407,7 @@ fn up_on_a_model_without_a_tokenizer_suggests_a_token_id_prompt_that_works() {
             .spawn()
             .unwrap(),
     );
-    let stderr = up.0.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let rx = stderr_lines(&mut up);
     let deadline = Instant::now() + Duration::from_secs(60);
     let curl = loop {
         let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("no curl suggested");
@@ -432,4 +438,58 @@ fn model_inspect_reads_the_shape_without_building_weights() {
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!((v["num_layers"].as_u64(), v["hidden_size"].as_u64()), (Some(36), Some(2560)), "{v}");
     assert_eq!(v["weight_bytes_f32"].as_u64(), v["params"].as_u64().map(|p| p * 4));
+}
+
+/// The children of `pid` whose command line holds `needle` (from /proc).
+#[cfg(target_os = "linux")]
+fn children_with(pid: u32, needle: &str) -> Vec<i32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        // "pid (comm) state ppid ...": comm may hold spaces, so split after its closing parenthesis.
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if ppid == Some(pid) && String::from_utf8_lossy(&cmdline).replace('\0', " ").contains(needle) {
+            found.push(child);
+        }
+    }
+    found
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn up_stops_everything_and_says_which_child_died_when_one_dies_while_serving() {
+    let (port, pp, dp, kp) = (free_port(), free_port(), free_port(), free_port());
+    let mut up = spawn(
+        &format!("up --child-log warn --port {port} --prefill-port {pp} --decode-port {dp} --kv-port {kp}"),
+        Stdio::piped(),
+    );
+    let rx = stderr_lines(&mut up);
+    // Serving from the user's point of view: `up` has said so.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut err = String::new();
+    while !err.contains("tandem is up") {
+        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("up never said it is up");
+        err.push_str(&line);
+        err.push('\n');
+    }
+    let url = format!("http://127.0.0.1:{port}");
+    let (status, v) = post(&url, &json!({"prompt": "hi", "max_tokens": 4}));
+    assert_eq!(status, 200, "{v}");
+    let decode = children_with(up.0.id(), "--role decode");
+    assert_eq!(decode.len(), 1, "one decode child of up");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(decode[0]), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let status = up.exit_within_any(Duration::from_secs(20));
+    assert!(!status.success(), "up exits with failure when a child dies");
+    // The channel ends when up's stderr closes, at its exit (bounded, in case it does not).
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(10)) {
+        err.push_str(&line);
+        err.push('\n');
+    }
+    assert!(err.contains("the decode process stopped while serving") && err.contains("SIGKILL"), "{err}");
+    // The others were stopped with it: every port is free again.
+    for p in [port, pp, dp, kp, kp + 1] {
+        assert!(std::net::TcpListener::bind(("127.0.0.1", p)).is_ok(), "port {p} still in use after up exited");
+    }
 }

@@ -34,15 +34,4 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
             assert_eq!(holders, 1, "{arch}: kernel `{name}` is in {holders} images, not one");
         }
     }
-    // The measurement builds kernels.cu knows (TANDEM_KERNEL_DEFINES) compile too, to other code.
-    let plain = cuda::compile_kernels_with("sm_90", &[]).unwrap_or_else(|e| panic!("{e}"));
-    for define in ["TANDEM_STREAM_EVICT_FIRST", "TANDEM_PDL_TRACE", "TANDEM_GEMV_EARLY_U=0"] {
-        for arch in ["sm_90", "sm_80"] {
-            let images = cuda::compile_kernels_with(arch, &[define.to_string()]).unwrap_or_else(|e| panic!("{e}"));
-            assert!(images.iter().all(|c| &c[..4] == b"\x7fELF"), "{arch} with {define}: not a CUBIN");
-            if arch == "sm_90" {
-                assert!(images != plain, "{define} changes nothing");
-            }
-        }
-    }
 }

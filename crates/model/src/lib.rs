@@ -16,7 +16,7 @@
 #![deny(missing_docs)]
 
 mod config;
-mod cuda_model;
+mod cuda;
 mod detokenize;
 mod error;
 mod presets;
@@ -27,7 +27,7 @@ mod transformer;
 mod weights;
 
 pub use config::{Architecture, ModelConfig};
-pub use cuda_model::{CudaModel, CudaOptions};
+pub use cuda::{CudaModel, CudaOptions};
 pub use detokenize::{IncrementalDetokenizer, StopMatcher, StopOutcome};
 pub use error::ModelError;
 pub use presets::{Preset, PRESETS};

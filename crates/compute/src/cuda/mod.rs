@@ -1,5 +1,5 @@
 //! The CUDA backend: a device, its stream, cuBLAS for the matrix products and this project's
-//! own kernels (`kernels.cu`) for everything else.
+//! own kernels (`kernels/`) for everything else.
 //!
 //! CUDA libraries are loaded at run time (cudarc's dynamic loading): a build made on a machine
 //! without CUDA runs there on CPU, and [`CudaDevice::open`] says why a GPU is not usable instead
@@ -12,6 +12,9 @@
 //! returns results), which is what makes the launches in [`ops`] sound.
 
 pub mod ops;
+mod tuning;
+
+pub use tuning::CudaTuning;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,10 +23,21 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use cudarc::nvrtc::Ptx;
 
-/// The kernels' CUDA C source, embedded in the binary.
-pub const KERNEL_SOURCE: &str = include_str!("kernels.cu");
+/// The kernels' CUDA C source, embedded in the binary: one translation unit, the shared
+/// definitions first, then each kernel family (NVRTC compiles it without any header).
+pub const KERNEL_SOURCE: &str = concat!(
+    include_str!("kernels/common.cuh"),
+    "\n",
+    include_str!("kernels/elementwise.cu"),
+    "\n",
+    include_str!("kernels/projections.cu"),
+    "\n",
+    include_str!("kernels/attention.cu"),
+    "\n",
+    include_str!("kernels/sampling.cu"),
+);
 
-/// Every kernel `kernels.cu` defines (the loader checks each one is present).
+/// Every kernel the source defines (the loader checks each one is present).
 pub const KERNEL_NAMES: &[&str] = &[
     "preset_uniform",
     "fill_bf16",
@@ -97,19 +111,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attention_rows_g4_e4",
     "attention_rows_g8_e2",
     "attention_rows_g8_e4",
-    "head_major",
-    "attention_o_e1",
-    "attention_o_e2",
-    "attention_o_e3",
-    "attention_o_e4",
-    "attention_o_e5",
-    "attention_o_e6",
-    "attention_o_e7",
-    "attention_o_e8",
-    "ring_tile",
-    "decode_ring_e1",
-    "decode_ring_e2",
-    "decode_ring_e4",
     "flash_prefill_hd64",
     "flash_prefill_hd128",
     "ban_tokens",
@@ -191,49 +192,12 @@ pub fn nvrtc_present() -> bool {
 }
 
 fn source_hash() -> u64 {
-    // FNV-1a: stable across builds and platforms (std's hasher is not). The defines change the
-    // image as much as the source does.
+    // FNV-1a: stable across builds and platforms (std's hasher is not).
     let mut h = 0xcbf29ce484222325u64;
-    for b in KERNEL_SOURCE.bytes().chain(kernel_defines().join(",").into_bytes()) {
+    for b in KERNEL_SOURCE.bytes() {
         h = (h ^ b as u64).wrapping_mul(0x100000001b3);
     }
     h
-}
-
-/// Preprocessor defines for measurement builds of the kernels: `TANDEM_KERNEL_DEFINES`, a
-/// comma-separated list of `NAME` or `NAME=VALUE` (letters, digits, `_`, `.`; anything else is
-/// ignored with a warning). kernels.cu says which names it knows.
-pub fn kernel_defines() -> Vec<String> {
-    static DEFINES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-    DEFINES
-        .get_or_init(|| {
-            let raw = std::env::var("TANDEM_KERNEL_DEFINES").unwrap_or_default();
-            let (defines, ignored) = parse_defines(&raw);
-            if ignored > 0 {
-                tracing::warn!(raw, ignored, "TANDEM_KERNEL_DEFINES: entries other than NAME or NAME=VALUE ignored");
-            }
-            if !defines.is_empty() {
-                tracing::warn!(?defines, "CUDA kernels compiled with measurement defines");
-            }
-            defines
-        })
-        .clone()
-}
-
-/// The well-formed `NAME` / `NAME=VALUE` entries of a comma-separated list, and how many
-/// others there were.
-fn parse_defines(raw: &str) -> (Vec<String>, usize) {
-    let ok = |d: &&str| {
-        let name = d.split('=').next().unwrap_or("");
-        name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-            && d.chars().all(|c| c.is_ascii_alphanumeric() || "_=.".contains(c))
-            && d.matches('=').count() <= 1
-    };
-    let entries: Vec<&str> = raw.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
-    let defines: Vec<String> = entries.iter().copied().filter(ok).map(String::from).collect();
-    let ignored = entries.len() - defines.len();
-    (defines, ignored)
 }
 
 /// Whether a compiled image defines kernel `name`: its ELF string tables hold the whole name
@@ -243,9 +207,9 @@ pub fn image_defines(cubin: &[u8], name: &str) -> bool {
     cubin.split(|&b| b == 0).any(|sym| sym == name.as_bytes() || sym == text.as_bytes())
 }
 
-/// The kernels compile as this many separate programs (KERNEL_GROUPS in kernels.cu), in
+/// The kernels compile as this many separate programs (KERNEL_GROUPS in common.cuh), in
 /// parallel: a cold start on a 16-core GPU machine waits for the largest group, not for all.
-pub const KERNEL_GROUPS: usize = 8;
+pub const KERNEL_GROUPS: usize = 6;
 
 /// Where the compiled image of kernel group `group` for `arch` (e.g. `sm_90`) is cached:
 /// `$TANDEM_CACHE_DIR` or `$XDG_CACHE_HOME/tandem` or `~/.cache/tandem`, then
@@ -258,23 +222,17 @@ pub fn kernel_cache_path(arch: &str, group: usize) -> Option<PathBuf> {
     Some(dir.join(format!("kernels-{:016x}-{arch}-g{group}.cubin", source_hash())))
 }
 
-/// Compiles [`KERNEL_SOURCE`] for `arch` (e.g. `sm_90`) with NVRTC, with [`kernel_defines`]:
-/// one CUBIN per kernel group, compiled on parallel threads. Needs only the NVRTC library, not
-/// a GPU.
+/// Compiles [`KERNEL_SOURCE`] for `arch` (e.g. `sm_90`) with NVRTC: one CUBIN per kernel
+/// group, compiled on parallel threads. Needs only the NVRTC library, not a GPU.
 pub fn compile_kernels(arch: &str) -> Result<Vec<Vec<u8>>, CudaError> {
-    compile_kernels_with(arch, &kernel_defines())
-}
-
-/// [`compile_kernels`] with the given preprocessor defines (`NAME` or `NAME=VALUE`).
-pub fn compile_kernels_with(arch: &str, defines: &[String]) -> Result<Vec<Vec<u8>>, CudaError> {
-    compile_groups(arch, defines, &(0..KERNEL_GROUPS).collect::<Vec<_>>())
+    compile_groups(arch, &(0..KERNEL_GROUPS).collect::<Vec<_>>())
 }
 
 /// The CUBINs of kernel `groups` for `arch`, compiled on one thread each (NVRTC programs are
 /// independent), in the order asked.
-fn compile_groups(arch: &str, defines: &[String], groups: &[usize]) -> Result<Vec<Vec<u8>>, CudaError> {
+fn compile_groups(arch: &str, groups: &[usize]) -> Result<Vec<Vec<u8>>, CudaError> {
     std::thread::scope(|scope| {
-        let handles: Vec<_> = groups.iter().map(|&g| scope.spawn(move || compile_group(arch, defines, g))).collect();
+        let handles: Vec<_> = groups.iter().map(|&g| scope.spawn(move || compile_group(arch, g))).collect();
         handles
             .into_iter()
             .map(|h| {
@@ -287,7 +245,7 @@ fn compile_groups(arch: &str, defines: &[String], groups: &[usize]) -> Result<Ve
 }
 
 /// Compiles kernel group `group` of [`KERNEL_SOURCE`] for `arch`.
-fn compile_group(arch: &str, defines: &[String], group: usize) -> Result<Vec<u8>, CudaError> {
+fn compile_group(arch: &str, group: usize) -> Result<Vec<u8>, CudaError> {
     use cudarc::nvrtc::{result, sys};
     let fail = |log: String| CudaError::Compile { arch: arch.to_string(), log };
     let src = std::ffi::CString::new(KERNEL_SOURCE).map_err(|e| fail(e.to_string()))?;
@@ -299,13 +257,7 @@ fn compile_group(arch: &str, defines: &[String], group: usize) -> Result<Vec<u8>
         "--use_fast_math".to_string(),
         "--fmad=true".to_string(),
     ];
-    opts.extend(defines.iter().map(|d| format!("-D{d}")));
     opts.push(format!("-DTANDEM_GROUP={group}"));
-    // TANDEM_NVRTC_VERBOSE=1 prints ptxas' register / shared memory / spill report.
-    let verbose = std::env::var_os("TANDEM_NVRTC_VERBOSE").is_some();
-    if verbose {
-        opts.push("--ptxas-options=-v".to_string());
-    }
     // Safety: `prog` is a live program created above and destroyed once at the end; the
     // buffers handed to NVRTC are sized from the sizes it reports.
     unsafe {
@@ -318,11 +270,6 @@ fn compile_group(arch: &str, defines: &[String], group: usize) -> Result<Vec<u8>
                 Err(fail(format!("{e:?}\n{log}")))
             }
             Ok(()) => {
-                if verbose {
-                    if let Ok(l) = result::get_program_log(prog) {
-                        eprintln!("{}", std::ffi::CStr::from_ptr(l.as_ptr()).to_string_lossy());
-                    }
-                }
                 let mut size = 0usize;
                 let status = sys::nvrtcGetCUBINSize(prog, &mut size);
                 if status != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
@@ -460,18 +407,14 @@ pub struct CudaDevice {
     sm_count: u32,
     /// Dynamic shared memory a decode-projection block may use.
     gemv_smem: usize,
-    /// Dynamic shared memory an attention + o projection block may use.
-    attention_o_smem: usize,
     /// Dynamic shared memory a tensor-core decode-projection block may use.
     gemv_mma_smem: usize,
     /// Dynamic shared memory a bulk-build decode-projection block may use.
     gemv_bulk_smem: usize,
-    /// Dynamic shared memory a ring decode block may use.
-    decode_ring_smem: usize,
     /// Shared memory per multiprocessor.
     smem_per_sm: usize,
-    /// Launch kernels with programmatic stream serialization (see `programmatic_launch`).
-    programmatic_launch: bool,
+    /// Kernel choices fixed at open.
+    tuning: CudaTuning,
     /// Hopper or later: programmatic dependent launch is available.
     pdl_capable: bool,
 }
@@ -481,9 +424,15 @@ pub struct CudaDevice {
 unsafe impl Send for CudaDevice {}
 
 impl CudaDevice {
-    /// Opens GPU `ordinal`: loads the libraries, creates the stream and cuBLAS handle, and
-    /// loads the kernels (compiling them with NVRTC if no cached image matches).
+    /// Opens GPU `ordinal` with the default tuning: loads the libraries, creates the stream
+    /// and cuBLAS handle, and loads the kernels (compiling them with NVRTC if no cached image
+    /// matches).
     pub fn open(ordinal: usize) -> Result<Self, CudaError> {
+        Self::open_tuned(ordinal, CudaTuning::default())
+    }
+
+    /// [`CudaDevice::open`] with `tuning`.
+    pub fn open_tuned(ordinal: usize, tuning: CudaTuning) -> Result<Self, CudaError> {
         libraries_present()?;
         let count = CudaContext::device_count().map_err(|e| CudaError::Unavailable(format!("{e:?}")))?;
         if ordinal >= count.max(0) as usize {
@@ -547,16 +496,6 @@ impl CudaDevice {
             let e: usize = name.rsplit("_e").next().and_then(|e| e.parse().ok()).unwrap_or(8);
             allow_smem(name, ops::attention_rows_smem_bytes(32 * e, ops::attention_max_stages(32 * e)) as usize)?;
         }
-        // Attention with the o projection keeps a slice of the o weights in shared memory.
-        let attention_o_smem = smem_block_optin.saturating_sub(ops::ATTENTION_O_STATIC_SMEM);
-        for name in named("attention_o_") {
-            allow_smem(name, attention_o_smem)?;
-        }
-        // The ring decode kernel keeps its input row (or a K/V stage) and the weight ring there.
-        let decode_ring_smem = smem_block_optin.saturating_sub(ops::DECODE_RING_STATIC_SMEM);
-        for name in named("decode_ring_") {
-            allow_smem(name, decode_ring_smem)?;
-        }
         // The decode projections stage their input rows in shared memory (M x K bf16); the
         // tensor-core build's partial sums take more static shared memory.
         // (Their static part as the compiler laid it out, at least GEMV_STATIC_SMEM, which
@@ -592,13 +531,10 @@ impl CudaDevice {
             arch,
             sm_count,
             gemv_smem,
-            attention_o_smem,
-            decode_ring_smem,
             gemv_mma_smem,
             gemv_bulk_smem,
             smem_per_sm,
-            // Experimental until measured on a GPU: `TANDEM_CUDA_PDL=1` turns it on (Hopper and later).
-            programmatic_launch: major >= 9 && std::env::var("TANDEM_CUDA_PDL").is_ok_and(|v| v == "1"),
+            tuning: CudaTuning { programmatic_launch: major >= 9 && tuning.programmatic_launch, ..tuning },
             pdl_capable: major >= 9,
         })
     }
@@ -615,7 +551,7 @@ impl CudaDevice {
         } else {
             let started = std::time::Instant::now();
             tracing::info!(arch, groups = missing.len(), "compiling CUDA kernels with NVRTC (cached for later starts)");
-            let compiled = compile_groups(arch, &kernel_defines(), &missing)?;
+            let compiled = compile_groups(arch, &missing)?;
             tracing::info!(arch, ms = started.elapsed().as_millis() as u64, "compiled CUDA kernels with NVRTC");
             for (g, cubin) in missing.into_iter().zip(compiled) {
                 if let Some(p) = &paths[g] {
@@ -636,8 +572,9 @@ impl CudaDevice {
 
     /// `cuda:N (NAME, sm_XY)`.
     pub fn describe(&self) -> String {
-        let pdl = if self.programmatic_launch { ", programmatic launch" } else { "" };
-        format!("cuda:{} ({}, {}{pdl})", self.ordinal, self.name, self.arch)
+        let tuning = self.tuning.to_string();
+        let tuning = if tuning.is_empty() { tuning } else { format!(", tuned {tuning}") };
+        format!("cuda:{} ({}, {}{tuning})", self.ordinal, self.name, self.arch)
     }
 
     /// The GPU's name.
@@ -652,10 +589,15 @@ impl CudaDevice {
 
     /// Whether kernels are launched with programmatic dependent launch: each may start while
     /// the previous one finishes (its launch and set-up overlap the other's tail) and waits
-    /// in-kernel before touching earlier kernels' data (`PDL_ENTER` in kernels.cu). Off unless
-    /// `TANDEM_CUDA_PDL=1` on a Hopper or later GPU, until it has been measured.
+    /// in-kernel before touching earlier kernels' data (`PDL_ENTER` in common.cuh). Only on a
+    /// Hopper or later GPU, and only when tuned so ([`CudaTuning::programmatic_launch`]).
     pub fn programmatic_launch(&self) -> bool {
-        self.programmatic_launch
+        self.tuning.programmatic_launch
+    }
+
+    /// The kernel choices this device was opened with.
+    pub fn tuning(&self) -> &CudaTuning {
+        &self.tuning
     }
 
     /// Whether programmatic dependent launch is available (Hopper or later), for kernels that
@@ -678,16 +620,6 @@ impl CudaDevice {
     /// Dynamic shared memory one block of the bulk-build decode projection may use.
     pub(crate) fn gemv_bulk_smem(&self) -> usize {
         self.gemv_bulk_smem
-    }
-
-    /// Dynamic shared memory one block of the ring decode kernel may use.
-    pub(crate) fn decode_ring_smem(&self) -> usize {
-        self.decode_ring_smem
-    }
-
-    /// Dynamic shared memory one block of the attention + o projection kernel may use.
-    pub(crate) fn attention_o_smem(&self) -> usize {
-        self.attention_o_smem
     }
 
     /// Page-locks `region` (a GPU cache's host copy) so that copies between it and the device
@@ -989,18 +921,6 @@ impl std::fmt::Display for DeviceSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn kernel_defines_take_names_and_values_and_drop_anything_else() {
-        let (defines, ignored) = parse_defines(" TANDEM_STREAM_EVICT_FIRST, A=1.5 ,,_B=x");
-        assert_eq!(defines, ["TANDEM_STREAM_EVICT_FIRST", "A=1.5", "_B=x"]);
-        assert_eq!(ignored, 0);
-        // Option injection, shell-ish characters, a leading digit, two `=`: all ignored.
-        let (defines, ignored) = parse_defines("--use_fast_math,A B,1X,C=D=E,E;rm,OK");
-        assert_eq!(defines, ["OK"]);
-        assert_eq!(ignored, 5);
-        assert_eq!(parse_defines(""), (Vec::new(), 0));
-    }
 
     #[test]
     fn device_specs_parse_and_print() {

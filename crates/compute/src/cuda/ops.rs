@@ -1,4 +1,4 @@
-//! Typed launches of the kernels in `kernels.cu` and the cuBLAS matrix product.
+//! Typed launches of the kernels in `kernels/` and the cuBLAS matrix product.
 //!
 //! Arguments are raw device addresses ([`super::DevBuf::ptr`]); 0 stands for "none" where a
 //! kernel takes an optional input. Every function only queues work on the device's stream.
@@ -38,7 +38,7 @@ macro_rules! launch {
         } else {
             let mut b = $dev.stream().launch_builder(f);
             launch!(@push b; $($arg),+);
-            // Safety: argument types and order match the kernel's signature in kernels.cu, and
+            // Safety: argument types and order match the kernel's signature in kernels/, and
             // every address points into a live allocation sized for the launch (callers'
             // contract, see the module docs of `cuda`).
             unsafe { b.launch($cfg) }.map(|_| ()).map_err(CudaError::from)
@@ -222,20 +222,6 @@ pub fn interleave_rows(dev: &CudaDevice, src: u64, dst: u64, half: usize, cols: 
     launch!(dev, "interleave_rows", grid_stride(dev, units as u64), src, dst, half as u64, cols as u64)
 }
 
-/// `dst[h][r][d] = src[r][h * head_dim + d]`: a `[rows, heads * head_dim]` bf16 matrix laid out
-/// head-major (the o weight for [`attention_o`]). head_dim is a multiple of 8.
-pub fn head_major(
-    dev: &CudaDevice,
-    src: u64,
-    dst: u64,
-    rows: usize,
-    heads: usize,
-    head_dim: usize,
-) -> Result<(), CudaError> {
-    let units = (rows * heads * head_dim / 8) as u64;
-    launch!(dev, "head_major", grid_stride(dev, units), src, dst, rows as u64, heads as u64, head_dim as u64)
-}
-
 /// `y[t, j] += bias[j]`, y bf16 or f32.
 pub fn add_bias(dev: &CudaDevice, y: u64, bias: u64, tokens: usize, cols: usize, f32_y: bool) -> Result<(), CudaError> {
     let total = (tokens * cols) as u64;
@@ -267,19 +253,6 @@ pub fn gemv_bulk_supported(dev: &CudaDevice, k: usize, tokens: usize) -> bool {
         && k.is_multiple_of(256)
         && (1..=GEMV_MAX_TOKENS).contains(&tokens)
         && gemv_bulk_smem_bytes(k, tokens) <= dev.gemv_bulk_smem()
-}
-
-/// Weight rows of each bulk-build block copied before its programmatic wait (the rest after):
-/// `TANDEM_BULK_EARLY` (0 to [`GEMV_BULK_ROWS`]), for measurement; all of them by default.
-fn bulk_early_rows() -> usize {
-    static EARLY: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *EARLY.get_or_init(|| {
-        std::env::var("TANDEM_BULK_EARLY")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(GEMV_BULK_ROWS)
-            .min(GEMV_BULK_ROWS)
-    })
 }
 
 /// Most tokens the decode-projection kernels take in one launch.
@@ -325,15 +298,15 @@ pub fn gemv_max_tokens(dev: &CudaDevice, max_k: usize) -> usize {
     [8, 4, 2, 1].into_iter().find(|m| m * max_k * 2 <= limit).unwrap_or(0)
 }
 
-/// Which build of the decode projection runs (see `kernels.cu`).
+/// Which build of the decode projection runs (see kernels/projections.cu).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemvBuild {
     /// One batch of weight loads in flight per warp at a time; more warps.
     Plain,
     /// Double-buffered weight loads; fewer warps (a comparison build).
     Pipelined,
-    /// Tensor cores (`mma.sync`), 16 rows per warp: a measurement build, used for every decode
-    /// projection when `TANDEM_GEMV_MMA=1`.
+    /// Tensor cores (`mma.sync`), 16 rows per warp: used for every decode projection with
+    /// `--cuda-tune tensor_core_projections=1`.
     Mma,
     /// Bf16 input -> residual add only (the o projection; see [`gemv_bulk_supported`]): each
     /// block bulk-copies its [`GEMV_BULK_ROWS`] weight rows into shared memory as it starts,
@@ -454,7 +427,7 @@ impl Gemv {
             shared_mem_bytes: gemv_bulk_smem_bytes(k, tokens) as u32,
         };
         launch!(@with true;
-            dev, "gemv_bulk_add", config, w, n as i32, k as i32, x, y, bias, tokens as i32, bulk_early_rows() as i32)
+            dev, "gemv_bulk_add", config, w, n as i32, k as i32, x, y, bias, tokens as i32, dev.tuning().bulk_early_rows.min(GEMV_BULK_ROWS) as i32)
     }
 }
 
@@ -467,7 +440,7 @@ impl Gemv {
 /// that give between half and all of one token's resident-block slots one row group each (so
 /// every multiprocessor streams, with no second round); a matrix too tall for that splits K
 /// four ways (slices of at least 512 elements). Measured on an H200 over Qwen3-4B's projections
-/// with `TANDEM_GEMV_SWEEP` (docs/PERFORMANCE.md).
+/// with `tandem bench engine --profile --sweep-gemv-plans` (docs/PERFORMANCE.md).
 pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: GemvBuild) -> GemvPlan {
     let (_, per_sm) = dev.gemv_smem();
     let sms = dev.sm_count() as usize;
@@ -485,7 +458,7 @@ pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: Gem
 /// build), blocks up to one wave (three per multiprocessor by the launch bounds, fewer if the
 /// input rows fill shared memory), looping over row groups. Untuned.
 fn mma_grid(sms: usize, per_sm: usize, n: usize, k: usize, tokens: usize) -> (usize, usize) {
-    let (ksplit, _) = mma_slices(k);
+    let ksplit = [8, 4, 2, 1].into_iter().find(|s| k / s >= 256).unwrap_or(1);
     let row_groups = n.div_ceil(8 / ksplit * 16);
     let smem = tokens.max(1).next_power_of_two() * k * 2;
     let slots = sms * (per_sm / (smem + GEMV_MMA_STATIC_SMEM + 1024)).clamp(1, 3);
@@ -551,7 +524,7 @@ pub struct AttnShape {
     pub block_size: usize,
 }
 
-/// Split key ranges for [`attention_rows`] (see `attn_splits` in kernels.cu): a token with a
+/// Split key ranges for [`attention_rows`] (see `attn_splits` in kernels/attention.cu): a token with a
 /// context of `ctx` keys is cut into `min(most, ceil(ctx / split_keys))` ranges worked by
 /// separate blocks, whose partials in `part` a second kernel merges. For long contexts at small
 /// batches, where one block per head walking the whole context leaves the device idle.
@@ -653,13 +626,6 @@ fn attention_heads_per_block(sm_count: usize, tokens: usize, num_heads: usize, n
     [8, 4, 2, 1].into_iter().find(|g| group.is_multiple_of(*g)).unwrap_or(1)
 }
 
-/// Whether fused decode attention launches early ([`attention_rows`] with `rope`):
-/// `TANDEM_ATTN_EARLY=0` turns it off, for measurement.
-fn attention_early() -> bool {
-    static EARLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *EARLY.get_or_init(|| std::env::var("TANDEM_ATTN_EARLY").map_or(true, |v| v != "0"))
-}
-
 /// Attention for the tokens listed in `token_list` (or tokens `0..count` when 0), one block per
 /// (token, KV head): decode, and any shape the tensor-core kernel does not take.
 ///
@@ -709,7 +675,9 @@ pub fn attention_rows(
     let name = format!("attention_rows_g{g}_e{e}");
     let (part, most, split_keys) = split.map_or((0, 1, 0), |sp| (sp.part, sp.most.max(1), sp.split_keys.max(1)));
     let (_, smem_per_sm) = dev.gemv_smem();
-    let stages = attention_stages(dev.sm_count() as usize, smem_per_sm, count * (s.num_heads / g), s.head_dim);
+    let blocks = count * (s.num_heads / g);
+    let stages =
+        attention_stages(dev.sm_count() as usize, smem_per_sm, blocks, s.head_dim, dev.tuning().attention_stages);
     let config = LaunchConfig {
         grid_dim: (count as u32, (s.num_heads / g) as u32, most as u32),
         block_dim: (128, 1, 1),
@@ -717,7 +685,7 @@ pub fn attention_rows(
     };
     // With `rope` the kernel copies its first cached keys before waiting on the qkv projection:
     // launched with programmatic dependent launch, that happens while the projection runs.
-    launch!(@with rope.is_some() && dev.pdl_capable() && attention_early();
+    launch!(@with rope.is_some() && dev.pdl_capable() && dev.tuning().attention_early;
         dev,
         name.as_str(),
         config,
@@ -764,140 +732,6 @@ pub fn attention_rows(
     )
 }
 
-/// Static shared memory of the attention + o projection kernel, with room to spare (the
-/// attention's queries, scores and new key/value, the head's output, a barrier).
-pub const ATTENTION_O_STATIC_SMEM: usize = 8 << 10;
-
-/// The o projection done inside decode attention ([`attention_o`]).
-#[derive(Clone, Copy, Debug)]
-pub struct AttnO {
-    /// `[heads, hidden, head_dim]` bf16 o weight, head-major ([`head_major`]).
-    pub weight: u64,
-    /// Optional `[hidden]` bf16 bias (0 for none).
-    pub bias: u64,
-    /// Output rows (the model's hidden size).
-    pub hidden: usize,
-    /// `[tokens, hidden]` f32 residual stream the result is added into.
-    pub residual: u64,
-    /// `[tokens][heads][hidden]` f32 scratch ([`attention_o_scratch`]).
-    pub partial: u64,
-    /// `[tokens][chunks]` i32 counters, zero before the first launch (each launch leaves them so).
-    pub counters: u64,
-}
-
-/// Row chunks of [`attention_o`] (grid z) and rows per chunk: about one block per
-/// multiprocessor at one token, each chunk's weight slice (rows x head_dim) fitting in shared
-/// memory beside one K/V stage. None if no split fits.
-pub fn attention_o_chunks(
-    dev: &CudaDevice,
-    num_heads: usize,
-    head_dim: usize,
-    hidden: usize,
-) -> Option<(usize, usize)> {
-    attention_o_split(dev.sm_count() as usize, dev.attention_o_smem(), num_heads, head_dim, hidden)
-}
-
-/// [`attention_o_chunks`] for `sms` multiprocessors and `smem` bytes of dynamic shared memory
-/// per block.
-fn attention_o_split(
-    sms: usize,
-    smem: usize,
-    num_heads: usize,
-    head_dim: usize,
-    hidden: usize,
-) -> Option<(usize, usize)> {
-    let room = smem.checked_sub(attention_rows_smem_bytes(head_dim, 1) as usize)?;
-    let row_bytes = head_dim * 2;
-    let mut chunks = (sms / num_heads.max(1)).clamp(1, hidden.max(1));
-    while chunks <= hidden {
-        // Whole groups of four rows (the kernel sums partials four rows at a time).
-        let rows = hidden.div_ceil(chunks).next_multiple_of(4);
-        if rows * row_bytes <= room {
-            return Some((hidden.div_ceil(rows), rows));
-        }
-        chunks += 1;
-    }
-    None
-}
-
-/// (f32 partials, i32 counters) [`attention_o`] needs for `tokens` tokens.
-pub fn attention_o_scratch(tokens: usize, num_heads: usize, hidden: usize, chunks: usize) -> (usize, usize) {
-    (tokens * num_heads * hidden, tokens * chunks)
-}
-
-/// Decode attention with RoPE and the cache write ([`attention_rows`] with `rope`) and then the
-/// o projection, adding into the residual stream, in one launch: each (token, head, row chunk)
-/// block streams its slice of the o weights into shared memory while it does the head's
-/// attention. Steps of one token per sequence only (as `rope` in [`attention_rows`]); no key
-/// split. `chunks`/`rows` from [`attention_o_chunks`]. The attention output is also written to
-/// `out`, as [`attention_rows`] writes it. Measured slower than the two kernels on an H200
-/// (docs/PERFORMANCE.md, runs AB-AF), so models use it only when asked. `TANDEM_ATTN_O_PDL=1`
-/// launches it with programmatic dependent launch (its weight copies start while the qkv
-/// projection runs).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_o(
-    dev: &CudaDevice,
-    cache: u64,
-    out: u64,
-    m: &AttnMeta,
-    token_list: u64,
-    count: usize,
-    s: &AttnShape,
-    rope: &QkvRope,
-    o: &AttnO,
-    (chunks, rows): (usize, usize),
-) -> Result<(), CudaError> {
-    if count == 0 {
-        return Ok(());
-    }
-    let e = s.head_dim / 32;
-    assert!(s.head_dim.is_multiple_of(32) && (1..=8).contains(&e), "head_dim {} not supported", s.head_dim);
-    let smem = attention_rows_smem_bytes(s.head_dim, 1) as usize + rows * s.head_dim * 2;
-    assert!(smem <= dev.attention_o_smem(), "attention_o: {rows} rows do not fit in shared memory");
-    let name = format!("attention_o_e{e}");
-    let config = LaunchConfig {
-        grid_dim: (count as u32, s.num_heads as u32, chunks as u32),
-        // AO_THREADS in kernels.cu.
-        block_dim: (384, 1, 1),
-        shared_mem_bytes: smem as u32,
-    };
-    static PDL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let pdl = *PDL.get_or_init(|| std::env::var("TANDEM_ATTN_O_PDL").is_ok_and(|v| v == "1"));
-    launch!(@with pdl && dev.pdl_capable();
-        dev,
-        name.as_str(),
-        config,
-        cache,
-        out,
-        m.positions,
-        m.tok_seq,
-        m.block_tables,
-        m.stride,
-        token_list,
-        s.num_heads as i32,
-        s.num_kv_heads as i32,
-        s.layer as i32,
-        s.num_layers as i32,
-        s.block_size as i32,
-        1.0 / (s.head_dim as f32).sqrt(),
-        rope.qkv,
-        rope.bias,
-        rope.q_norm,
-        rope.k_norm,
-        rope.cos,
-        rope.sin,
-        rope.slots,
-        rope.eps,
-        o.weight,
-        o.hidden as i32,
-        rows as i32,
-        o.bias,
-        o.residual,
-        o.partial,
-        o.counters
-    )
-}
-
 /// Whether the tensor-core prefill kernel takes this head size.
 pub fn flash_supported(head_dim: usize) -> bool {
     matches!(head_dim, 64 | 128)
@@ -919,7 +753,7 @@ pub struct PrefillSeqs {
 }
 
 /// Dynamic shared memory of the decode attention kernel for `head_dim` with `stages` chunk
-/// buffers (ATTN_STAGE_BYTES in kernels.cu: 64 keys and values, rows padded by 8 elements).
+/// buffers (ATTN_STAGE_BYTES in kernels/attention.cu: 64 keys and values, rows padded by 8 elements).
 pub fn attention_rows_smem_bytes(head_dim: usize, stages: usize) -> u32 {
     (stages * 2 * 64 * (head_dim + 8) * 2) as u32
 }
@@ -937,11 +771,16 @@ pub fn attention_max_stages(head_dim: usize) -> usize {
 /// (copies overlap arithmetic) when every block still fits on the device at once with them,
 /// else one (twice the blocks per multiprocessor: a full grid runs in one wave). Split ranges
 /// are not counted: the splits a context needs are not known at capture, and the blocks past
-/// them exit at once. `TANDEM_ATTN_STAGES=1|2` overrides the choice (for measurement).
-fn attention_stages(sm_count: usize, smem_per_sm: usize, blocks: usize, head_dim: usize) -> usize {
-    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+/// them exit at once. `forced` ([`super::CudaTuning::attention_stages`]) overrides the choice.
+fn attention_stages(
+    sm_count: usize,
+    smem_per_sm: usize,
+    blocks: usize,
+    head_dim: usize,
+    forced: Option<usize>,
+) -> usize {
     let max = attention_max_stages(head_dim);
-    if let Some(forced) = *OVERRIDE.get_or_init(|| std::env::var("TANDEM_ATTN_STAGES").ok()?.parse().ok()) {
+    if let Some(forced) = forced {
         return forced.clamp(1, max);
     }
     // Static shared memory (queries, scores, the new key and value) stays under 4 KiB per block.
@@ -953,7 +792,7 @@ fn attention_stages(sm_count: usize, smem_per_sm: usize, blocks: usize, head_dim
     }
 }
 
-/// Dynamic shared memory of the prefill kernel for `head_dim` (FLASH_SMEM_BYTES in kernels.cu).
+/// Dynamic shared memory of the prefill kernel for `head_dim` (FLASH_SMEM_BYTES in kernels/attention.cu).
 pub fn flash_smem_bytes(head_dim: usize) -> u32 {
     (2 * 2 * 64 * (head_dim + 8) * 2) as u32
 }
@@ -1071,245 +910,6 @@ pub fn sample_rows(
     )
 }
 
-/// Static shared memory of the ring decode kernel, with room to spare (its chunk barriers,
-/// the warps' positions and the attention's queries, scores and new key/value: under 2 KiB).
-pub const DECODE_RING_STATIC_SMEM: usize = 8 << 10;
-
-/// One layer's weights for [`decode_ring`] (device addresses; 0 for an absent bias or norm).
-/// The four projections are their copies in ring order ([`ring_tile`]); the gate/up weight is
-/// interleaved ([`interleave_rows`]) before that, as for the fused decode projections.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RingLayer {
-    /// `[qkv_n, hidden]` bf16, in ring order.
-    pub qkv: u64,
-    /// `[hidden, heads * head_dim]` bf16, in ring order.
-    pub o: u64,
-    /// `[2 * intermediate, hidden]` bf16, (gate, up) rows interleaved, in ring order.
-    pub gate_up: u64,
-    /// `[hidden, intermediate]` bf16, in ring order.
-    pub down: u64,
-    /// `[hidden]` RMSNorm weight in front of qkv.
-    pub input_norm: u64,
-    /// `[hidden]` RMSNorm weight in front of gate/up.
-    pub post_norm: u64,
-    /// Optional `[head_dim]` q RMSNorm weight (Qwen3).
-    pub q_norm: u64,
-    /// Optional `[head_dim]` k RMSNorm weight.
-    pub k_norm: u64,
-    /// Optional qkv bias (added with RoPE, as on the fused path).
-    pub qkv_bias: u64,
-    /// Optional o bias.
-    pub o_bias: u64,
-    /// Optional gate/up bias (interleaved).
-    pub gate_up_bias: u64,
-    /// Optional down bias.
-    pub down_bias: u64,
-}
-
-/// The buffers and shapes of a one-token decode step for [`decode_ring`].
-#[derive(Clone, Copy, Debug)]
-pub struct RingStep {
-    /// `[1, hidden]` f32 residual stream (the embedding on entry).
-    pub residual: u64,
-    /// `[qkv_n]` bf16 qkv projection output.
-    pub qkv: u64,
-    /// `[heads * head_dim]` bf16 attention output.
-    pub attn: u64,
-    /// `[intermediate]` bf16 SiLU-and-multiply output.
-    pub act: u64,
-    /// The KV cache.
-    pub cache: u64,
-    /// Attention metadata (the step's token is listed first in `token_list`).
-    pub meta: AttnMeta,
-    /// `[t]` listed tokens.
-    pub token_list: u64,
-    /// RoPE cos table.
-    pub cos: u64,
-    /// RoPE sin table.
-    pub sin: u64,
-    /// `[t]` cache slots.
-    pub slots: u64,
-    /// Two u32 the kernel synchronises on, zero before the first launch (and left so).
-    pub sync: u64,
-    /// 0, or [`decode_ring_trace_len`] u64 the kernel fills with per-stage clock stamps.
-    pub trace: u64,
-    /// Hidden size.
-    pub hidden: usize,
-    /// MLP intermediate size.
-    pub intermediate: usize,
-    /// Query heads.
-    pub num_heads: usize,
-    /// Key/value heads.
-    pub num_kv_heads: usize,
-    /// Elements per head.
-    pub head_dim: usize,
-    /// Tokens per cache block.
-    pub block_size: usize,
-    /// RMSNorm epsilon.
-    pub eps: f32,
-}
-
-/// The ring decode kernel's argument block (its `RA_*` / `RL_*` words) and dynamic shared
-/// memory, or why this device or model cannot run it: Hopper or later (bulk copies), head size
-/// 32, 64 or 128, at least one block per query head, and a ring holding two of the largest
-/// units.
-pub fn decode_ring_plan(dev: &CudaDevice, s: &RingStep, layers: &[RingLayer]) -> Result<(Vec<u64>, u32), CudaError> {
-    let no = |why: String| Err(CudaError::Unavailable(format!("ring decode kernel: {why}")));
-    if !dev.pdl_capable() {
-        return no("needs a Hopper or later GPU (bulk copies)".into());
-    }
-    if ![32, 64, 128].contains(&s.head_dim) {
-        return no(format!("head size {} not built", s.head_dim));
-    }
-    if s.num_heads > dev.sm_count() as usize {
-        return no(format!("{} heads but {} multiprocessors", s.num_heads, dev.sm_count()));
-    }
-    let (qkv_n, o_k) = ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.num_heads * s.head_dim);
-    let ks = [s.hidden, o_k, s.intermediate];
-    if ks.iter().any(|k| !k.is_multiple_of(8)) {
-        return no(format!("unsupported sizes (hidden {}, intermediate {})", s.hidden, s.intermediate));
-    }
-    let chunk: usize = std::env::var("TANDEM_RING_CHUNK").ok().and_then(|v| v.parse().ok()).unwrap_or(16 << 10);
-    let (x_bytes, ring_bytes, chunk) = match ring_smem_layout(dev.decode_ring_smem(), chunk, s.head_dim, ks) {
-        Ok(layout) => layout,
-        Err(why) => return no(why),
-    };
-    let mut words = vec![0u64; 32 + 16 * layers.len()];
-    let f32_bits = |v: f32| u64::from(v.to_bits());
-    let head = [
-        s.residual,
-        s.qkv,
-        s.attn,
-        s.act,
-        s.cache,
-        s.meta.positions,
-        s.meta.tok_seq,
-        s.meta.block_tables,
-        s.meta.stride,
-        s.token_list,
-        s.cos,
-        s.sin,
-        s.slots,
-        s.sync,
-        layers.len() as u64,
-        s.hidden as u64,
-        qkv_n as u64,
-        2 * s.intermediate as u64,
-        s.intermediate as u64,
-        o_k as u64,
-        s.num_heads as u64,
-        s.num_kv_heads as u64,
-        s.block_size as u64,
-        f32_bits(s.eps),
-        f32_bits(1.0 / (s.head_dim as f32).sqrt()),
-        ring_bytes as u64,
-        x_bytes as u64,
-        // Measurement switches that leave parts out (wrong results; see decode_ring in kernels.cu).
-        std::env::var("TANDEM_RING_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0),
-        chunk as u64,
-        s.trace,
-        // Measurement: bytes of the stream a full ring asks L2 for past its end (0: none).
-        std::env::var("TANDEM_RING_PREFETCH")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .map_or(0, |bytes| bytes.next_multiple_of(1024)),
-    ];
-    words[..head.len()].copy_from_slice(&head);
-    for (l, w) in layers.iter().enumerate() {
-        let at = 32 + 16 * l;
-        words[at..at + 12].copy_from_slice(&[
-            w.qkv,
-            w.o,
-            w.gate_up,
-            w.down,
-            w.input_norm,
-            w.post_norm,
-            w.q_norm,
-            w.k_norm,
-            w.qkv_bias,
-            w.o_bias,
-            w.gate_up_bias,
-            w.down_bias,
-        ]);
-    }
-    Ok((words, (x_bytes + ring_bytes) as u32))
-}
-
-/// u64 stamps the ring decode kernel writes when tracing ([`RingStep::trace`]): per block and
-/// stage (five a layer: qkv, attention, o, gate/up, down), the global time in ns when the block
-/// began the stage (its grid wait over) and when it finished it.
-pub fn decode_ring_trace_len(dev: &CudaDevice, layers: usize) -> usize {
-    dev.sm_count() as usize * 5 * layers * 2
-}
-
-/// The ring decode kernel's shared memory out of `smem` bytes: (input row / K-V stage bytes,
-/// ring bytes, chunk bytes). The ring is whole chunks (a chunk lands as one barrier phase).
-/// Chunks are a power of two (the kernel shifts, not divides). A warp waits for bytes at most
-/// one round of pieces (8 x 16 rows x 256 columns) past what has landed (the consumers meet
-/// between rounds): the ring holds that and two chunks, so a chunk's barrier is never awaited
-/// a whole ring ahead (its phase parity would be ambiguous).
-/// `ks`: the projections' input lengths.
-fn ring_smem_layout(
-    smem: usize,
-    chunk: usize,
-    head_dim: usize,
-    ks: [usize; 3],
-) -> Result<(usize, usize, usize), String> {
-    let x_bytes = ks.iter().map(|k| k * 2).max().unwrap_or(0).max(attention_rows_smem_bytes(head_dim, 1) as usize);
-    let x_bytes = x_bytes.next_multiple_of(128);
-    let chunk = chunk.next_power_of_two().max(1024);
-    let ring_bytes = (smem.saturating_sub(x_bytes) / chunk).min(RING_MAX_CHUNKS) * chunk;
-    let round = 8 * RING_PIECE_BYTES;
-    if ring_bytes < round + 2 * chunk {
-        return Err(format!("a {ring_bytes}-byte ring cannot hold a {round}-byte round and two {chunk}-byte chunks"));
-    }
-    Ok((x_bytes, ring_bytes, chunk))
-}
-
-/// Bytes of a ring decode piece: 16 rows x 256 columns (RING_PIECE_COLS in kernels.cu).
-const RING_PIECE_BYTES: usize = 16 * 256 * 2;
-
-/// Chunk barriers of the ring decode kernel (RING_MAX_CHUNKS in kernels.cu).
-const RING_MAX_CHUNKS: usize = 32;
-
-/// The tensor-core plan's (K split, slice length) for input length `k` (`mma_ksplit` and
-/// `mma_slice_len` in kernels.cu; [`mma_grid`] splits the same way).
-fn mma_slices(k: usize) -> (usize, usize) {
-    let ksplit = [8, 4, 2, 1].into_iter().find(|s| k / s >= 256).unwrap_or(1);
-    (ksplit, k.div_ceil(32).div_ceil(ksplit) * 32)
-}
-
-/// Elements of an `[n, k]` weight's copy in ring order ([`ring_tile`]): whole row groups of 16
-/// and whole slices, zero-padded.
-pub fn ring_tile_elems(n: usize, k: usize) -> usize {
-    let (ksplit, slice) = mma_slices(k);
-    n.div_ceil(16) * 16 * ksplit * slice
-}
-
-/// Copies `[n, k]` bf16 `src` into `dst` ([`ring_tile_elems`]) in the ring decode kernel's
-/// order for this device (block b's units, 16 rows x one K slice each, back to back).
-pub fn ring_tile(dev: &CudaDevice, src: u64, dst: u64, n: usize, k: usize) -> Result<(), CudaError> {
-    let (ksplit, _) = mma_slices(k);
-    let units = n.div_ceil(16) * ksplit;
-    launch!(dev, "ring_tile", cfg((units as u32, 1), 256), src, dst, n as i32, k as i32, dev.sm_count() as i32)
-}
-
-/// Every layer of a one-token decode step in one launch ([`decode_ring_plan`]'s words uploaded
-/// at `args`): one block per multiprocessor, weights streaming into a shared-memory ring
-/// independently of the stages' waits. Results equal the tensor-core build of the fused decode
-/// projections ([`GemvBuild::Mma`]) with [`attention_rows`] bit for bit. Its blocks wait on
-/// each other, so they must all be resident: nothing else may run on the device meanwhile.
-pub fn decode_ring(dev: &CudaDevice, args: u64, head_dim: usize, smem: u32) -> Result<(), CudaError> {
-    let name = format!("decode_ring_e{}", head_dim / 32);
-    let config = LaunchConfig {
-        grid_dim: (dev.sm_count(), 1, 1),
-        // RING_THREADS in kernels.cu: 8 consumer warps and the producer.
-        block_dim: (288, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    launch!(dev, name.as_str(), config, args)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1378,52 +978,5 @@ mod tests {
         }
         // Qwen3-4B's o projection: 4096 columns over 8 warps, 16 rows each; 160 blocks.
         assert_eq!(mma_grid(sms, smem_sm, 2560, 4096, 1), (8, 160));
-    }
-
-    #[test]
-    fn attention_o_chunks_fit_shared_memory_and_cover_every_row() {
-        let smem = 232_448 - ATTENTION_O_STATIC_SMEM;
-        // Qwen3-4B on an H200: 32 heads x 4 chunks of 640 rows (one block per multiprocessor).
-        assert_eq!(attention_o_split(132, smem, 32, 128, 2560), Some((4, 640)));
-        for &(heads, hd, hidden) in &[(32, 128, 2560), (16, 128, 1024), (8, 64, 72), (4, 32, 72), (2, 256, 4096)] {
-            let (chunks, rows) = attention_o_split(132, smem, heads, hd, hidden).expect("a split fits");
-            assert!(rows.is_multiple_of(4), "{heads}x{hd}x{hidden}: {rows} rows per chunk");
-            assert!(
-                chunks * rows >= hidden && (chunks - 1) * rows < hidden,
-                "{heads}x{hd}x{hidden}: {chunks} x {rows}"
-            );
-            let bytes = attention_rows_smem_bytes(hd, 1) as usize + rows * hd * 2;
-            assert!(bytes <= smem, "{heads}x{hd}x{hidden}: {bytes} bytes of shared memory");
-        }
-        // No room for even one K/V stage: no split.
-        assert_eq!(attention_o_split(132, 1024, 32, 128, 2560), None);
-    }
-
-    #[test]
-    fn ring_units_and_shared_memory_follow_the_tensor_core_plan() {
-        // Qwen3-4B: every projection split 8 ways, as the five-kernel tensor-core build splits it.
-        assert_eq!(mma_slices(2560), (8, 320));
-        assert_eq!(mma_slices(4096), (8, 512));
-        assert_eq!(mma_slices(9728), (8, 1216));
-        assert_eq!(mma_slices(1024), (4, 256));
-        assert_eq!(mma_slices(100), (1, 128));
-        for &(n, k) in &[(6144, 2560), (2560, 9728), (37, 100), (19456, 2560)] {
-            let (ksplit, slice) = mma_slices(k);
-            assert_eq!(ksplit, mma_grid(132, 233_472, n, k, 1).0, "{n}x{k}: the ring must split as the plan does");
-            assert!(ksplit * slice >= k && (ksplit - 1) * slice < k, "{n}x{k}: slices {ksplit} x {slice}");
-            assert!(ring_tile_elems(n, k) >= n * k);
-            assert_eq!(ring_tile_elems(n, k), n.div_ceil(16) * 16 * ksplit * slice);
-        }
-        // On an H200 (227 KiB per block, less the static reserve): the K/V stage of head size
-        // 128 is the larger first region; eleven 16 KiB chunks.
-        let smem = 232_448 - DECODE_RING_STATIC_SMEM;
-        assert_eq!(ring_smem_layout(smem, 16 << 10, 128, [2560, 4096, 9728]), Ok((34_816, 11 * 16_384, 16_384)));
-        let (x, ring, chunk) = ring_smem_layout(smem, 32 << 10, 128, [2560, 4096, 9728]).unwrap();
-        assert!(x + ring <= smem && ring == 5 * chunk);
-        // A Qwen3-32B-sized MLP input (25 600) still fits; 64 KiB chunks leave no room for a
-        // round of pieces and two chunks; an input row larger than shared memory does not fit.
-        assert!(ring_smem_layout(smem, 16 << 10, 128, [5120, 8192, 25_600]).is_ok());
-        assert!(ring_smem_layout(smem, 64 << 10, 128, [2560, 4096, 9728]).is_err());
-        assert!(ring_smem_layout(smem, 16 << 10, 128, [5120, 8192, 120_000]).is_err());
     }
 }

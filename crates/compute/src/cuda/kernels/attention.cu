@@ -1,0 +1,626 @@
+// Part of the kernel source (cuda::KERNEL_SOURCE, after common.cuh): RoPE, KV write, attention.
+
+// Element offset of (block, layer, k|v, kv_head, slot) in the block-major cache.
+__device__ __forceinline__ u64 kv_offset(int block, int slot, int layer, int kv, int kh, int num_layers,
+                                         int num_kv_heads, int block_size, int head_dim) {
+    u64 plane = (u64)block_size * head_dim;
+    return (((u64)block * num_layers + layer) * 2 + kv) * num_kv_heads * plane + (u64)kh * plane +
+           (u64)slot * head_dim;
+}
+
+// ---------------------------------------------------------------------------------------------
+// q/k RMSNorm (Qwen3), RoPE and the paged KV-cache write, fused: one pass over the qkv
+// projection's output. One warp per (token, head); lane l holds elements [l * E, l * E + E)
+// with E = head_dim / 32, so the rotate-half partner of lane l's elements sits in lane l ^ 16.
+// `cos`/`sin` are the RoPE tables [position][head_dim / 2] (neox convention).
+// Grid: (tokens, ceil(all heads / 4)). Block: 128. head_dim: a multiple of 32, at most 256.
+
+// Loads / stores E (1 to 8) consecutive bf16 values, with one access when E is 2, 4 or 8.
+__device__ __forceinline__ void load_e(const bf16* p, float* v, int e) {
+    if (e == 8) {
+        unpack8(*reinterpret_cast<const uint4*>(p), v);
+    } else if (e == 4) {
+        uint2 u = *reinterpret_cast<const uint2*>(p);
+        v[0] = __uint_as_float(u.x << 16); v[1] = __uint_as_float(u.x & 0xffff0000u);
+        v[2] = __uint_as_float(u.y << 16); v[3] = __uint_as_float(u.y & 0xffff0000u);
+    } else if (e == 2) {
+        u32 u = *reinterpret_cast<const u32*>(p);
+        v[0] = __uint_as_float(u << 16); v[1] = __uint_as_float(u & 0xffff0000u);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (i < e) v[i] = bf2f(p[i]);
+    }
+}
+
+__device__ __forceinline__ void store_e(bf16* p, const float* v, int e) {
+    if (e == 8) {
+        *reinterpret_cast<uint4*>(p) =
+            make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
+    } else if (e == 4) {
+        *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]));
+    } else if (e == 2) {
+        *reinterpret_cast<u32*>(p) = pack_bf16x2(v[0], v[1]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (i < e) p[i] = f2bf(v[i]);
+    }
+}
+
+// Head h of token t (at position pos) from the qkv projection's output, warp-cooperatively:
+// bias added, RMSNorm'd (q and k heads, where the model has q/k norms) and rotated (q and k
+// heads); lane l ends with elements [l * E, l * E + E) in v, E = head_dim / 32.
+__device__ __forceinline__ void rope_head(const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm,
+                                          const bf16* k_norm, const float* cos_t, const float* sin_t, int t, int h,
+                                          int pos, int num_heads, int num_kv_heads, int head_dim, float eps,
+                                          float* v) {
+    int lane = threadIdx.x & 31;
+    int E = head_dim / 32, half = head_dim / 2, base = lane * E;
+    bool is_q = h < num_heads, is_k = !is_q && h < num_heads + num_kv_heads;
+    u64 qkv_dim = (u64)(num_heads + 2 * num_kv_heads) * head_dim;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = 0.0f;
+    load_e(qkv + t * qkv_dim + h * head_dim + base, v, E);
+    if (qkv_bias) {
+        float b[8];
+        load_e(qkv_bias + h * head_dim + base, b, E);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if (e < E) v[e] = bf2f(f2bf(v[e] + b[e]));
+    }
+    const bf16* nw = is_q ? q_norm : (is_k ? k_norm : 0);
+    if (nw) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if (e < E) ss += v[e] * v[e];
+        ss = warp_sum(ss);
+        float inv = rsqrtf(ss / (float)head_dim + eps);
+        float wn[8];
+        load_e(nw + base, wn, E);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if (e < E) v[e] = round_bf16(round_bf16(v[e] * inv) * wn[e]);
+    }
+    if (is_q || is_k) {
+        int j0 = base < half ? base : base - half;
+        const float* c = cos_t + (u64)pos * half + j0;
+        const float* sn = sin_t + (u64)pos * half + j0;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            float partner = __shfl_xor_sync(0xffffffffu, v[e], 16);
+            if (e < E) {
+                float a = round_bf16(v[e] * round_bf16(c[e])), b = round_bf16(partner * round_bf16(sn[e]));
+                v[e] = round_bf16(base < half ? a - b : a + b);
+            }
+        }
+    }
+}
+
+#if KERNEL_GROUP(0)
+extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm,
+                                          const bf16* k_norm, const float* cos_t, const float* sin_t,
+                                          const int* positions, const int* slots, bf16* q_out, bf16* cache,
+                                          int num_heads, int num_kv_heads, int head_dim, int layer,
+                                          int num_layers, int block_size, float eps) {
+    PDL_ENTER();
+    int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int h = blockIdx.y * 4 + warp;
+    if (h >= num_heads + 2 * num_kv_heads) return;
+    int E = head_dim / 32, base = lane * E;
+    int slot = slots[t];
+    float v[8];
+    rope_head(qkv, qkv_bias, q_norm, k_norm, cos_t, sin_t, t, h, positions[t], num_heads, num_kv_heads, head_dim,
+              eps, v);
+    if (h < num_heads) {
+        store_e(q_out + ((u64)t * num_heads + h) * head_dim + base, v, E);
+    } else if (slot >= 0) {
+        int kv = h < num_heads + num_kv_heads ? 0 : 1;
+        int kh = h - num_heads - kv * num_kv_heads;
+        store_e(cache + kv_offset(slot / block_size, slot % block_size, layer, kv, kh, num_layers, num_kv_heads,
+                                  block_size, head_dim) + base,
+                v, E);
+    }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Attention over the paged cache.
+//
+// Per-token metadata: positions[t] (the token's position; it attends keys 0..=position),
+// tok_seq[t] (its sequence, the row of the block table). block_tables is [seq][stride] with
+// the stride in meta_stride[0], so CUDA graphs can replay with tables of any width.
+
+
+// Decode attention (and the fallback for any shape): one block per query token and G query
+// heads of one GQA group (G = the whole group when there are many tokens, so keys and values
+// are read once per group; G = 1 at small batches, so more blocks share the work). Keys go in
+// chunks of ATTN_CHUNK with an online softmax. A decode step is latency bound, so the kernel
+// keeps its memory round trips few: a chunk's keys and values are copied into shared memory
+// together (cp.async; the first chunk's before anything else, so the copy overlaps the query's
+// own loads), then thread j scores key j from shared memory (rows padded by 16 bytes: no bank
+// conflicts), one warp per head keeps that head's softmax state, and for P.V the four warps
+// take every fourth key (lane l holds output dimensions [l * E, l * E + E)); their partial
+// sums are added in warp order at the end (a fixed order, so results do not vary from run to
+// run). Head size and G are template parameters: no predicated-off work. Launched with shared
+// memory for two chunks (head size <= 128), the block double-buffers: the next chunk's copy
+// goes out as soon as the current one has arrived, so on long contexts it overlaps the current
+// chunk's arithmetic. The launch chooses (ops::attention_stages): two buffers halve the blocks
+// that fit on a multiprocessor, which costs a second wave on a full grid.
+// Grid: (tokens, heads / G). Block: 128. head_dim = 32 * E. Dynamic shared memory: one or two
+// times ATTN_STAGE_BYTES(head_dim).
+#define ATTN_CHUNK 64
+#define ATTN_WARPS 4
+#define ATTN_STRIDE(HD) ((HD) + 8)
+#define ATTN_STAGE_BYTES(HD) (2 * ATTN_CHUNK * ATTN_STRIDE(HD) * 2)
+// With `rope.qkv` set (decode steps where every sequence brings one token), the block also does
+// qkv_rope_cache's work for its query heads and their KV head straight from the qkv
+// projection: the new token's key and value stay in shared memory for its own (last)
+// position, and the group's first block writes them to the cache. Earlier positions come
+// from the cache, written by earlier steps, so blocks of one group do not race.
+struct RopeIn {
+    const bf16 *qkv, *bias, *q_norm, *k_norm;
+    const float *cos_t, *sin_t;
+    const int* slots;
+    float eps;
+};
+
+// Split key ranges (`part` set; grid z = the most splits): token t's context is cut into
+// attn_splits(ctx) ranges of about equal length, one per block along z (blocks past it exit),
+// and each block leaves its unnormalised partial [m, l, acc[head_dim]] per head in `part`
+// ([list index][head][z][head_dim + 2] f32); attention_combine merges them in split order. A
+// token's splits depend only on its own context (and the grid's z), so its result does not
+// depend on its neighbours; with one split the merge gives the unsplit kernel's values.
+__device__ __forceinline__ int attn_splits(int ctx, int most, int split_keys) {
+    return max(1, min(most, (ctx + split_keys - 1) / split_keys));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    u32 d = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem));
+}
+
+template <int G, int E>
+__device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16* out, const int* positions,
+                                               const int* tok_seq, const int* block_tables, const int* meta_stride,
+                                               const int* token_list, int num_heads, int num_kv_heads, int layer,
+                                               int num_layers, int block_size, float scale, RopeIn rope, float* part,
+                                               int split_keys, bool wait_after_first_keys) {
+    constexpr int HD = 32 * E, STRIDE = ATTN_STRIDE(HD);
+    // The block's listed token, head group and key split.
+    const int bx = blockIdx.x, by = blockIdx.y, bz = blockIdx.z;
+    const int nthreads = blockDim.x;
+    extern __shared__ __align__(16) unsigned char attn_smem[];
+    u32 dynamic_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem));
+    const int stages = HD <= 128 && dynamic_smem >= 2 * ATTN_STAGE_BYTES(HD) ? 2 : 1;
+    // Buffer b: keys at kbuf(b), values ATTN_CHUNK rows further.
+    auto kbuf = [&](int b) { return reinterpret_cast<bf16*>(attn_smem) + b * 2 * ATTN_CHUNK * STRIDE; };
+    // Scaled queries; reused at the end to add up the warps' partial outputs.
+    __shared__ float qs[G][HD];
+    __shared__ float ps[G][ATTN_CHUNK];
+    __shared__ __align__(16) bf16 new_kv[2][HD];
+    __shared__ float m_s[G], l_s[G], alpha_s[G];
+    int t = token_list ? token_list[bx] : bx;
+    int h0 = by * G;
+    int group = num_heads / num_kv_heads, kh = h0 / group;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int ctx = positions[t] + 1;
+    // This block's keys: [k0, k1).
+    int k0 = 0, k1 = ctx;
+    if (part) {
+        int splits = attn_splits(ctx, gridDim.z, split_keys), len = (ctx + splits - 1) / splits;
+        if ((int)bz >= splits) return;
+        k0 = bz * len;
+        k1 = min(ctx, k0 + len);
+    }
+    const int* table = block_tables + (u64)tok_seq[t] * meta_stride[0];
+    bool fused = rope.qkv != nullptr;
+    // Keys read from the cache: all of the range, but for the new token's when fused (this
+    // launch writes it; the block has it in new_kv).
+    int cached = fused ? min(k1, ctx - 1) : k1;
+    auto stage = [&](int start, int b) {
+        bf16* ks = kbuf(b);
+        bf16* vs = ks + ATTN_CHUNK * STRIDE;
+        int n = min(ATTN_CHUNK, cached - start);
+        for (int c = tid; c < n * (HD / 8); c += nthreads) {
+            int r = c / (HD / 8), part = (c % (HD / 8)) * 8;
+            int key = start + r;
+            int blk = table[key / block_size], slot = key % block_size;
+            cp_async16(ks + r * STRIDE + part,
+                       cache + kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, HD) + part);
+            cp_async16(vs + r * STRIDE + part,
+                       cache + kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, HD) + part);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    stage(k0, 0);
+    // Launched with programmatic dependent launch (fused steps): the cached keys (earlier steps'
+    // and the metadata the host wrote) are on their way while the qkv projection finishes; only
+    // what follows reads its output.
+    if (wait_after_first_keys) PDL_ENTER();
+    if (fused) {
+        // Warp w < G: query head h0 + w; then the key head and the value head.
+        int slot = rope.slots[t];
+        for (int task = warp; task < G + 2; task += ATTN_WARPS) {
+            int h = task < G ? h0 + task : num_heads + (task - G) * num_kv_heads + kh;
+            float v[8];
+            rope_head(rope.qkv, rope.bias, rope.q_norm, rope.k_norm, rope.cos_t, rope.sin_t, t, h, ctx - 1, num_heads,
+                      num_kv_heads, HD, rope.eps, v);
+            if (task < G) {
+#pragma unroll
+                for (int e = 0; e < E; ++e) qs[task][lane * E + e] = round_bf16(v[e]) * scale;
+            } else {
+                int kv = task - G;
+                store_e(&new_kv[kv][lane * E], v, E);
+                if (slot >= 0 && h0 % group == 0 && bz == 0)
+                    store_e(cache + kv_offset(slot / block_size, slot % block_size, layer, kv, kh, num_layers,
+                                              num_kv_heads, block_size, HD) +
+                                lane * E,
+                            v, E);
+            }
+        }
+    } else {
+        for (int i = tid; i < G * HD; i += nthreads) {
+            int g = i / HD, d = i % HD;
+            qs[g][d] = bf2f(q[((u64)t * num_heads + h0 + g) * HD + d]) * scale;
+        }
+    }
+    if (tid < G) {
+        m_s[tid] = NEG_INF;
+        l_s[tid] = 0.0f;
+    }
+    float acc[G][E];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
+    for (int start = k0, chunk = 0; start < k1; start += ATTN_CHUNK, ++chunk) {
+        int n = min(ATTN_CHUNK, k1 - start);
+        int b = stages == 2 ? chunk & 1 : 0;
+        const bf16* ks = kbuf(b);
+        const bf16* vs = ks + ATTN_CHUNK * STRIDE;
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        __syncthreads();
+        // The other buffer was last read before the barrier that ended the previous chunk.
+        if (stages == 2 && start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK, b ^ 1);
+        if (tid < n) {
+            const bf16* k = fused && start + tid == ctx - 1 ? new_kv[0] : ks + tid * STRIDE;
+            float dot[G];
+#pragma unroll
+            for (int g = 0; g < G; ++g) dot[g] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < HD / 8; ++c) {
+                float kf[8];
+                unpack8(*reinterpret_cast<const uint4*>(k + c * 8), kf);
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) dot[g] = fmaf(qs[g][c * 8 + j], kf[j], dot[g]);
+            }
+#pragma unroll
+            for (int g = 0; g < G; ++g) ps[g][tid] = dot[g];
+        }
+        __syncthreads();
+        // Softmax bookkeeping: warp w for heads w, w + 4.
+        for (int g = warp; g < G; g += ATTN_WARPS) {
+            float mx = NEG_INF;
+            for (int j = lane; j < n; j += 32) mx = fmaxf(mx, ps[g][j]);
+            mx = warp_max(mx);
+            float m_old = m_s[g], m_new = fmaxf(m_old, mx);
+            float sum = 0.0f;
+            for (int j = lane; j < n; j += 32) {
+                float p = __expf(ps[g][j] - m_new);
+                ps[g][j] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                float alpha = __expf(m_old - m_new);
+                alpha_s[g] = alpha;
+                l_s[g] = l_s[g] * alpha + sum;
+                m_s[g] = m_new;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float alpha = alpha_s[g];
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[g][e] *= alpha;
+        }
+        // P.V: warp w takes keys w, w + 4, ...
+#pragma unroll 4
+        for (int j = warp; j < n; j += ATTN_WARPS) {
+            const bf16* v = fused && start + j == ctx - 1 ? new_kv[1] : vs + j * STRIDE;
+            float vf[8];
+            load_e(v + lane * E, vf, E);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float p = ps[g][j];
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
+            }
+        }
+        __syncthreads();
+        if (stages == 1 && start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK, 0);
+    }
+    // Add the warps' partial outputs in warp order, then normalise.
+    for (int w = 0; w < ATTN_WARPS; ++w) {
+        if (warp == w) {
+#pragma unroll
+            for (int g = 0; g < G; ++g)
+#pragma unroll
+                for (int e = 0; e < E; ++e) qs[g][lane * E + e] = (w == 0 ? 0.0f : qs[g][lane * E + e]) + acc[g][e];
+        }
+        __syncthreads();
+    }
+    if (part) {
+        for (int i = tid; i < G * (HD + 2); i += nthreads) {
+            int g = i / (HD + 2), d = i % (HD + 2);
+            float* p = part + (((u64)bx * num_heads + h0 + g) * gridDim.z + bz) * (HD + 2);
+            p[d] = d == 0 ? m_s[g] : (d == 1 ? l_s[g] : qs[g][d - 2]);
+        }
+        return;
+    }
+    for (int i = tid; i < G * HD; i += nthreads) {
+        int g = i / HD, d = i % HD;
+        float inv = l_s[g] > 0.0f ? 1.0f / l_s[g] : 0.0f;
+        bf16 o = f2bf(qs[g][d] * inv);
+        out[((u64)t * num_heads + h0 + g) * HD + d] = o;
+    }
+}
+
+// Merges split attention partials (see attn_splits) in split order: out = sum_s acc_s w_s /
+// sum_s l_s w_s with w_s = exp(m_s - max m). With one split, w = 1 and this is the unsplit
+// kernel's out = acc * (1 / l), bit for bit. Grid: (listed tokens, heads). Block: head_dim.
+#if KERNEL_GROUP(0)
+extern "C" __global__ void attention_combine(const float* part, bf16* out, const int* positions,
+                                             const int* token_list, int num_heads, int head_dim, int most,
+                                             int split_keys) {
+    PDL_ENTER();
+    int t = token_list ? token_list[blockIdx.x] : blockIdx.x;
+    int h = blockIdx.y, d = threadIdx.x;
+    int splits = attn_splits(positions[t] + 1, most, split_keys);
+    const float* p = part + ((u64)blockIdx.x * num_heads + h) * most * (head_dim + 2);
+    float m = NEG_INF;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, p[s * (head_dim + 2)]);
+    float sum = 0.0f, l = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const float* ps = p + s * (head_dim + 2);
+        float w = __expf(ps[0] - m);
+        sum += ps[2 + d] * w;
+        l += ps[1] * w;
+    }
+    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    out[((u64)t * num_heads + h) * head_dim + d] = f2bf(sum * inv);
+}
+#endif
+
+#define ATTENTION_ROWS(G, E)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) attention_rows_g##G##_e##E(                                \
+        const bf16* q, bf16* cache, bf16* out, const int* positions, const int* tok_seq, const int* block_tables, \
+        const int* meta_stride, const int* token_list, int num_heads, int num_kv_heads, int layer, int num_layers, \
+        int block_size, float scale, const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, \
+        const float* cos_t, const float* sin_t, const int* slots, float eps, float* part, int split_keys) {       \
+        /* Fused steps wait on the previous kernel inside, after the first cached keys. */                      \
+        if (!qkv) PDL_ENTER();                                                                                   \
+        RopeIn rope = {qkv, qkv_bias, q_norm, k_norm, cos_t, sin_t, slots, eps};                                 \
+        attention_rows<G, E>(q, cache, out, positions, tok_seq, block_tables, meta_stride, token_list, num_heads, \
+                             num_kv_heads, layer, num_layers, block_size, scale, rope, part, split_keys,         \
+                             qkv != nullptr);                                                                    \
+    }
+#define ATTENTION_ROWS_ALL_E(G)                                                                                \
+    ATTENTION_ROWS(G, 1) ATTENTION_ROWS(G, 2) ATTENTION_ROWS(G, 3) ATTENTION_ROWS(G, 4) ATTENTION_ROWS(G, 5) \
+    ATTENTION_ROWS(G, 6) ATTENTION_ROWS(G, 7) ATTENTION_ROWS(G, 8)
+// One head per block for every head size; whole groups for the common sizes 64 and 128.
+#if KERNEL_GROUP(3)
+ATTENTION_ROWS_ALL_E(1)
+ATTENTION_ROWS(2, 2) ATTENTION_ROWS(2, 4) ATTENTION_ROWS(4, 2) ATTENTION_ROWS(4, 4) ATTENTION_ROWS(8, 2)
+ATTENTION_ROWS(8, 4)
+#endif
+
+// Prefill attention with tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash
+// style: a block of 4 warps takes 64 consecutive query tokens of one sequence and one head;
+// each warp owns 16 query rows and keeps its scores, softmax state and output in registers.
+// K and V tiles of 64 keys are gathered from the paged cache into shared memory.
+//
+// Work items: work[2 * i] = sequence, work[2 * i + 1] = first query of the tile (relative to
+// the sequence). Sequences: seq_tok[s] (first token in the batch), seq_len[s] (its tokens in
+// the batch), seq_pos[s] (position of that first token). Grid: (heads, work items).
+#define FA_ROWS 64
+#define FA_KEYS 64
+// Dynamic shared memory of flash_prefill_hd<HD>: two stages of a K and a V tile.
+#define FLASH_SMEM_BYTES(HD) (2 * 2 * FA_KEYS * ((HD) + 8) * 2)
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const bf16* p) {
+    u32 addr = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+template <int HD>
+__device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
+                              const int* seq_len, const int* seq_pos, const int* block_tables,
+                              const int* meta_stride, int num_heads, int num_kv_heads, int layer, int num_layers,
+                              int block_size, float scale_log2) {
+    constexpr int STRIDE = HD + 8;  // padded rows: ldmatrix rows fall in different banks
+    constexpr int TILE = FA_KEYS * STRIDE;
+    // Two stages of K and V tiles (dynamic shared memory, FLASH_SMEM_BYTES(HD)): the next
+    // tile's copy runs while this one is multiplied.
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    bf16* tiles = reinterpret_cast<bf16*>(fa_smem);
+    // Heads vary fastest across blocks, so the query heads sharing a KV head run together and
+    // its tiles come from L2.
+    int h = blockIdx.x, kh = h / (num_heads / num_kv_heads);
+    int seq = work[2 * blockIdx.y], q0 = work[2 * blockIdx.y + 1];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    int n_q = seq_len[seq], first_pos = seq_pos[seq], tok0 = seq_tok[seq];
+    const int* table = block_tables + (u64)seq * meta_stride[0];
+
+    // This warp's rows: queries q0 + warp*16 + {g, g+8}.
+    int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+    int pos_a = first_pos + row_a, pos_b = first_pos + row_b;
+    bool valid_a = row_a < n_q, valid_b = row_b < n_q;
+
+    // Q fragments for all HD/16 k-steps, straight from global memory.
+    u32 qf[HD / 16][4];
+#pragma unroll
+    for (int ks_i = 0; ks_i < HD / 16; ++ks_i) {
+        int c = ks_i * 16 + tq * 2;
+        const bf16* qa = q + ((u64)(tok0 + row_a) * num_heads + h) * HD;
+        const bf16* qb = q + ((u64)(tok0 + row_b) * num_heads + h) * HD;
+        qf[ks_i][0] = valid_a ? *reinterpret_cast<const u32*>(qa + c) : 0u;
+        qf[ks_i][1] = valid_b ? *reinterpret_cast<const u32*>(qb + c) : 0u;
+        qf[ks_i][2] = valid_a ? *reinterpret_cast<const u32*>(qa + c + 8) : 0u;
+        qf[ks_i][3] = valid_b ? *reinterpret_cast<const u32*>(qb + c + 8) : 0u;
+    }
+
+    float o[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+
+    int last_row = min(q0 + FA_ROWS, n_q) - 1;
+    int ctx = first_pos + last_row + 1;  // keys this tile needs
+    auto load_tile = [&](int stage, int k0) {
+        bf16* ks = tiles + stage * 2 * TILE;
+        bf16* vs = ks + TILE;
+        for (int c = threadIdx.x; c < FA_KEYS * (HD / 8); c += blockDim.x) {
+            int r = c / (HD / 8), part = (c % (HD / 8)) * 8;
+            int key = k0 + r;
+            const bf16* ksrc = cache;
+            const bf16* vsrc = cache;
+            int bytes = 0;
+            if (key < ctx) {
+                int blk = table[key / block_size], slot = key % block_size;
+                ksrc = cache + kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, HD) + part;
+                vsrc = cache + kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, HD) + part;
+                bytes = 16;
+            }
+            // Past the context: zero-fill (src-size 0 reads nothing).
+            u32 kd = (u32)__cvta_generic_to_shared(&ks[r * STRIDE + part]);
+            u32 vd = (u32)__cvta_generic_to_shared(&vs[r * STRIDE + part]);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(kd), "l"(ksrc), "r"(bytes));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(vd), "l"(vsrc), "r"(bytes));
+        }
+    };
+    load_tile(0, 0);
+    asm volatile("cp.async.commit_group;\n" ::);
+    for (int kt = 0, k0 = 0; k0 < ctx; ++kt, k0 += FA_KEYS) {
+        if (k0 + FA_KEYS < ctx) load_tile((kt + 1) & 1, k0 + FA_KEYS);
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+        __syncthreads();
+        const bf16* ks = tiles + (kt & 1) * 2 * TILE;
+        const bf16* vs = ks + TILE;
+        // Every key here is after this warp's rows: nothing to add (the barrier below is
+        // still reached by all warps).
+        if (k0 <= first_pos + q0 + warp * 16 + 15) {
+
+        // S = Q K^T for 16 rows x 64 keys: 8 n-tiles of 8 keys.
+        float s[FA_KEYS / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int ks_i = 0; ks_i < HD / 16; ++ks_i) {
+#pragma unroll
+            for (int nt = 0; nt < FA_KEYS / 8; nt += 2) {
+                int mi = lane >> 3, r = lane & 7;
+                u32 b[4];
+                ldmatrix_x4(b, &ks[((nt + (mi >> 1)) * 8 + r) * STRIDE + ks_i * 16 + (mi & 1) * 8]);
+                mma_bf16(s[nt], qf[ks_i], b[0], b[1]);
+                mma_bf16(s[nt + 1], qf[ks_i], b[2], b[3]);
+            }
+        }
+        // Mask (causal and past-the-end) and online softmax, in log2 units.
+        float mx_a = NEG_INF, mx_b = NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int key = k0 + nt * 8 + tq * 2 + e;
+                s[nt][e] = (valid_a && key <= pos_a) ? s[nt][e] * scale_log2 : NEG_INF;
+                s[nt][2 + e] = (valid_b && key <= pos_b) ? s[nt][2 + e] * scale_log2 : NEG_INF;
+                mx_a = fmaxf(mx_a, s[nt][e]);
+                mx_b = fmaxf(mx_b, s[nt][2 + e]);
+            }
+        }
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+        float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+        // A row with no visible key yet keeps m = -inf; use 0 as the base so exp2 gives 0, not NaN.
+        float base_a = mn_a == NEG_INF ? 0.0f : mn_a, base_b = mn_b == NEG_INF ? 0.0f : mn_b;
+        float alpha_a = exp2f(m_a - base_a), alpha_b = exp2f(m_b - base_b);
+        m_a = mn_a;
+        m_b = mn_b;
+        l_a *= alpha_a;
+        l_b *= alpha_b;
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) {
+            o[i][0] *= alpha_a;
+            o[i][1] *= alpha_a;
+            o[i][2] *= alpha_b;
+            o[i][3] *= alpha_b;
+        }
+        u32 pf[FA_KEYS / 16][4];
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; ++nt) {
+            float p0 = exp2f(s[nt][0] - base_a), p1 = exp2f(s[nt][1] - base_a);
+            float p2 = exp2f(s[nt][2] - base_b), p3 = exp2f(s[nt][3] - base_b);
+            l_a += p0 + p1;
+            l_b += p2 + p3;
+            // C-fragment of S tile nt -> A-fragment of P for k-step nt/2.
+            pf[nt / 2][(nt & 1) * 2 + 0] = pack_bf16x2(p0, p1);
+            pf[nt / 2][(nt & 1) * 2 + 1] = pack_bf16x2(p2, p3);
+        }
+        // O += P V: k = keys (4 steps of 16), n = head dims (HD/8 tiles).
+#pragma unroll
+        for (int kk = 0; kk < FA_KEYS / 16; ++kk) {
+#pragma unroll
+            for (int nd = 0; nd < HD / 8; nd += 2) {
+                int mi = lane >> 3, r = lane & 7;
+                u32 b[4];
+                ldmatrix_x4_trans(b, &vs[(kk * 16 + (mi & 1) * 8 + r) * STRIDE + (nd + (mi >> 1)) * 8]);
+                mma_bf16(o[nd], pf[kk], b[0], b[1]);
+                mma_bf16(o[nd + 1], pf[kk], b[2], b[3]);
+            }
+        }
+        }
+        // All warps are done with this stage before the next iteration refills it.
+        __syncthreads();
+    }
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f, inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+#pragma unroll
+    for (int nd = 0; nd < HD / 8; ++nd) {
+        int c = nd * 8 + tq * 2;
+        if (valid_a)
+            *reinterpret_cast<u32*>(out + ((u64)(tok0 + row_a) * num_heads + h) * HD + c) =
+                pack_bf16x2(o[nd][0] * inv_a, o[nd][1] * inv_a);
+        if (valid_b)
+            *reinterpret_cast<u32*>(out + ((u64)(tok0 + row_b) * num_heads + h) * HD + c) =
+                pack_bf16x2(o[nd][2] * inv_b, o[nd][3] * inv_b);
+    }
+}
+
+#define FLASH_PREFILL(HD)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128) flash_prefill_hd##HD(                                     \
+        const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok, const int* seq_len,     \
+        const int* seq_pos, const int* block_tables, const int* meta_stride, int num_heads, int num_kv_heads,     \
+        int layer, int num_layers, int block_size, float scale_log2) {                                          \
+        PDL_ENTER();                                                                                            \
+        flash_prefill<HD>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads, \
+                          num_kv_heads, layer, num_layers, block_size, scale_log2);                             \
+    }
+#if KERNEL_GROUP(4)
+FLASH_PREFILL(64)
+FLASH_PREFILL(128)
+#endif

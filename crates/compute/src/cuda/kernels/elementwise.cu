@@ -1,0 +1,171 @@
+// Part of the kernel source (cuda::KERNEL_SOURCE, after common.cuh): weights, norms, activations.
+
+// ---------------------------------------------------------------------------------------------
+// Seeded weights for `preset:` models, built on the device. Element i of a tensor is the i-th
+// output of a splitmix64 stream started at `stream_seed`, mapped to a uniform value in
+// [-amp, amp). The host (presets.rs) computes the very same f32 values, so a preset has the
+// same weights on CPU and GPU (up to the bf16 rounding here).
+
+__device__ __forceinline__ u64 splitmix64(u64 z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+#if KERNEL_GROUP(0)
+extern "C" __global__ void preset_uniform(bf16* out, u64 n, u64 stream_seed, float amp) {
+    PDL_ENTER();
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u64 z = splitmix64(stream_seed + (i + 1) * 0x9e3779b97f4a7c15ull);
+        float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+        float v = __fmul_rn(__fsub_rn(__fmul_rn(u, 2.0f), 1.0f), amp);
+        out[i] = f2bf(v);
+    }
+}
+#endif
+
+#if KERNEL_GROUP(0)
+extern "C" __global__ void fill_bf16(bf16* out, u64 n, float value) {
+    PDL_ENTER();
+    bf16 v = f2bf(value);
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) out[i] = v;
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Embedding, norms, activation.
+
+// x[t, :] = table[ids[t], :] (as f32: the residual stream). Grid: tokens. An id with the top
+// bit set is a carried token (async scheduling): the token sampled into carried[id & 0x7fffffff]
+// by the previous step, which the host has not seen yet.
+#if KERNEL_GROUP(0)
+extern "C" __global__ void embed_gather(const bf16* table, const int* ids, const int* carried, float* x, int hidden) {
+    PDL_ENTER();
+    int t = blockIdx.x;
+    int id = ids[t];
+    if (id < 0) id = carried[id & 0x7fffffff];
+    const bf16* row = table + (u64)id * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) x[(u64)t * hidden + i] = bf2f(row[i]);
+}
+#endif
+
+// Rounding points. The bf16 path rounds where transformers and vLLM do, so greedy output
+// follows theirs as far as bf16 allows: the residual stream is bf16 (each residual add rounds
+// the delta and the sum), RMSNorm rounds x * rsqrt(mean(x^2) + eps) before the weight multiply
+// and again after, SiLU rounds before the multiply by up, and RoPE multiplies and adds in bf16
+// with bf16 cos/sin. Sums inside a kernel (dot products, norms, softmax) stay in f32.
+
+// bf16(bf16(x * inv) * w) for two elements, w packed as two bf16 in a u32 (the RMSNorm output).
+__device__ __forceinline__ u32 norm_pack(float x0, float x1, float inv, u32 w2) {
+    return pack_bf16x2(round_bf16(x0 * inv) * __uint_as_float(w2 << 16),
+                       round_bf16(x1 * inv) * __uint_as_float(w2 & 0xffff0000u));
+}
+
+// bf16(bf16(silu(g)) * u) for two elements of gate and up, each packed as two bf16 in a u32.
+__device__ __forceinline__ u32 silu_mul_pack(u32 g2, u32 u2) {
+    float g0 = __uint_as_float(g2 << 16), g1 = __uint_as_float(g2 & 0xffff0000u);
+    float u0 = __uint_as_float(u2 << 16), u1 = __uint_as_float(u2 & 0xffff0000u);
+    return pack_bf16x2(round_bf16(g0 / (1.0f + expf(-g0))) * u0, round_bf16(g1 / (1.0f + expf(-g1))) * u1);
+}
+
+// The residual stream plus a delta, in bf16.
+__device__ __forceinline__ float residual_add(float x, float delta) { return round_bf16(x + round_bf16(delta)); }
+
+// out[r] = rms_norm(x[rows[r]]) * w, rows == null meaning r itself. If `delta` is given,
+// x[row] += delta[row] first (the residual add fused in front of the norm) and written back.
+// Deltas (attention and MLP outputs) are bf16, as transformers' projections return them.
+// Grid: output rows. Block: 256 (hidden <= 256 * 32), 1024 beyond; hidden % 4 == 0.
+#if KERNEL_GROUP(0)
+extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const int* rows, const bf16* w, bf16* out,
+                                        int hidden, float eps) {
+    PDL_ENTER();
+    __shared__ float scratch[32];
+    int r = blockIdx.x;
+    int row = rows ? rows[r] : r;
+    float* xr = x + (u64)row * hidden;
+    const bf16* dr = delta ? delta + (u64)row * hidden : 0;
+    // Four elements per thread per step (hidden % 4 == 0) with 16-byte accesses; a fixed trip
+    // count keeps the row in registers (hidden <= 32 * blockDim).
+    float4 vals[8];
+    float ss = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        int i = (threadIdx.x + n * blockDim.x) * 4;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (i < hidden) {
+            v = *reinterpret_cast<const float4*>(xr + i);
+            if (dr) {
+                uint2 d = *reinterpret_cast<const uint2*>(dr + i);
+                v.x = residual_add(v.x, __uint_as_float(d.x << 16));
+                v.y = residual_add(v.y, __uint_as_float(d.x & 0xffff0000u));
+                v.z = residual_add(v.z, __uint_as_float(d.y << 16));
+                v.w = residual_add(v.w, __uint_as_float(d.y & 0xffff0000u));
+                *reinterpret_cast<float4*>(xr + i) = v;
+            }
+        }
+        vals[n] = v;
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    ss = block_sum(ss, scratch);
+    float inv = rsqrtf(ss / (float)hidden + eps);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        int i = (threadIdx.x + n * blockDim.x) * 4;
+        if (i < hidden) {
+            uint2 wv = *reinterpret_cast<const uint2*>(w + i);
+            float4 v = vals[n];
+            *reinterpret_cast<uint2*>(out + (u64)r * hidden + i) =
+                make_uint2(norm_pack(v.x, v.y, inv, wv.x), norm_pack(v.z, v.w, inv, wv.y));
+        }
+    }
+}
+#endif
+
+// out[t, i] = silu(gu[t, 2i]) * gu[t, 2i + 1]: the gate/up projection's rows come interleaved
+// (gate row i, then up row i; see `interleave_rows`). Two outputs per thread (inter is even).
+// Grid: (ceil(inter / 512), tokens). Block: 256.
+#if KERNEL_GROUP(0)
+extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter) {
+    PDL_ENTER();
+    // Tokens on grid x: a long prefill chunk has more tokens than grid y allows (65535).
+    int t = blockIdx.x;
+    int i = (blockIdx.y * blockDim.x + threadIdx.x) * 2;
+    if (i >= inter) return;
+    // gate i, up i, gate i + 1, up i + 1.
+    uint2 v = *reinterpret_cast<const uint2*>(gu + (u64)t * 2 * inter + 2 * i);
+    u32 g2 = (v.x & 0xffffu) | (v.y << 16), u2 = (v.x >> 16) | (v.y & 0xffff0000u);
+    *reinterpret_cast<u32*>(out + (u64)t * inter + i) = silu_mul_pack(g2, u2);
+}
+#endif
+
+// dst row 2i = src row i, dst row 2i + 1 = src row half + i (rows of `cols` bf16): the gate/up
+// weight (and bias) laid out so that one warp of a decode projection owns a gate row and its up
+// row, and SiLU-and-multiply happens in its epilogue. Grid-stride over 16-byte pieces
+// (cols % 8 == 0) or elements.
+#if KERNEL_GROUP(0)
+extern "C" __global__ void interleave_rows(const bf16* src, bf16* dst, u64 half, u64 cols) {
+    PDL_ENTER();
+    bool wide = cols % 8 == 0;
+    u64 unit = wide ? 8 : 1;
+    u64 per_row = cols / unit, total = 2 * half * per_row;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
+        u64 row = e / per_row, piece = e % per_row;
+        u64 from = (row % 2 == 0 ? row / 2 : half + row / 2) * cols + piece * unit;
+        u64 to = row * cols + piece * unit;
+        if (wide) *reinterpret_cast<uint4*>(dst + to) = *reinterpret_cast<const uint4*>(src + from);
+        else dst[to] = src[from];
+    }
+}
+#endif
+
+// y[t, j] += bias[j] (projections with a bias); y is bf16, or f32 when `f32_y`. Grid-stride.
+#if KERNEL_GROUP(0)
+extern "C" __global__ void add_bias(void* y, const bf16* bias, int cols, u64 total, int f32_y) {
+    PDL_ENTER();
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
+        float b = bf2f(bias[e % cols]);
+        if (f32_y) reinterpret_cast<float*>(y)[e] += b;
+        else reinterpret_cast<bf16*>(y)[e] = f2bf(bf2f(reinterpret_cast<bf16*>(y)[e]) + b);
+    }
+}
+#endif

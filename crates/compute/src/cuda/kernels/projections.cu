@@ -1,0 +1,505 @@
+// Part of the kernel source (cuda::KERNEL_SOURCE, after common.cuh): decode projections.
+
+// ---------------------------------------------------------------------------------------------
+// Decode projections (a few tokens): y[m, n] = sum_k x[m, k] * W[n, k] for m < mcount <= M.
+// At batch 1-8 a projection is a stream over its weight matrix, so the kernel keeps many 16-byte
+// weight loads in flight per thread and folds the small kernels around the projection into it:
+// the input row(s) are formed in shared memory by a prologue that every block repeats (cheap:
+// they come from L2), and the result leaves through an epilogue.
+//   IN_BF16: x = bf16 rows of `in` ([mcount][K]).
+//   IN_NORM: x = bf16(rms_norm(res[r]) * norm_w), res the f32 residual stream, r = rows[m] (or
+//            m when rows is null): the RMSNorm in front of qkv / gate-up / the output head.
+//   OUT_BF16: y -> bf16 [mcount][N]; OUT_F32: y -> f32 (logits); OUT_ADD: res[m, n] += y, the
+//            residual add (each element has exactly one writer, so no race); OUT_SILU: rows come
+//            in (gate, up) pairs (see interleave_rows) and act[m, n / 2] = bf16(silu(bf16(gate))
+//            * bf16(up)) -> bf16 [mcount][N / 2]: SiLU-and-multiply behind gate/up.
+// The rounding points are those of the unfused path (norm / activation outputs in bf16), and a
+// row's arithmetic does not depend on mcount, so a padded CUDA-graph step gives the same values.
+// A group of `ksplit` warps (1, 2, 4 or 8) owns GEMV_ROWS output rows at a time, each warp one
+// slice of K read 8 elements per lane per load; slices are added in a fixed order, so results
+// do not vary between runs. Block: 256. Dynamic shared memory: M * K * 2 bytes. K % 8 == 0.
+#define IN_BF16 0
+#define IN_NORM 1
+#define OUT_BF16 0
+#define OUT_F32 1
+#define OUT_ADD 2
+#define OUT_SILU 3
+#define GEMV_ROWS 2
+#define GEMV_UNROLL 4
+
+// 16 bytes of a weight row, read once per step: through the read-only path, not kept in L1.
+__device__ __forceinline__ uint4 ld_stream(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Stores row n of token m of a decode projection (see OUT_*), bias added. OUT_SILU: n is even
+// and `up` row n + 1's sum.
+template <int OUT>
+__device__ __forceinline__ void gemv_store(void* out, const bf16* bias, int N, int n, int m, int mcount, float v,
+                                           float up = 0.0f) {
+    if (n >= N || m >= mcount) return;
+    if (OUT == OUT_SILU) {
+        if (bias) {
+            v += bf2f(bias[n]);
+            up += bf2f(bias[n + 1]);
+        }
+        reinterpret_cast<bf16*>(out)[(u64)m * (N / 2) + n / 2] =
+            (bf16)(silu_mul_pack(f2bf(v), f2bf(up)) & 0xffffu);
+        return;
+    }
+    if (bias) v += bf2f(bias[n]);
+    u64 i = (u64)m * N + n;
+    if (OUT == OUT_BF16) reinterpret_cast<bf16*>(out)[i] = f2bf(v);
+    else if (OUT == OUT_F32) reinterpret_cast<float*>(out)[i] = v;
+    else reinterpret_cast<float*>(out)[i] = residual_add(reinterpret_cast<float*>(out)[i], v);
+}
+
+// 16 read-only bytes through the non-coherent path. The prologue's inputs are never written
+// while the kernel runs, and these loads (unlike plain ones through a generic pointer) may be
+// issued as a batch ahead of the shared-memory stores between them.
+__device__ __forceinline__ uint4 ld_nc16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Forms input row m of a decode projection in shared memory (see IN_*). Loads go out in
+// batches before any is used: the prologue is a few round trips to L2, not one per element.
+// IN_NORM reads its row in pieces of NORM_PIECE_J * 4 * blockDim elements (3072 for 256
+// threads): the first piece stays in registers, so a row that fits (Qwen3-4B's 2560) is read
+// once; longer rows sum their other pieces and read them again (from L1) to scale them. A
+// bigger piece puts the kernel's first weight loads behind twice the code.
+constexpr int NORM_PIECE_J = 3;
+template <int IN>
+__device__ __forceinline__ void gemv_prologue(bf16* xm, int K, const void* in, const int* rows, const bf16* norm_w,
+                                              float eps, int m, int mcount, float* scratch) {
+    int tid = threadIdx.x, nt = blockDim.x;
+    auto ld_in = [](const void* p) { return ld_nc16(p); };
+    if (m >= mcount) {
+        for (int i = tid * 8; i < K; i += nt * 8) *reinterpret_cast<uint4*>(xm + i) = make_uint4(0, 0, 0, 0);
+    } else if (IN == IN_BF16) {
+        const bf16* src = reinterpret_cast<const bf16*>(in) + (u64)m * K;
+        for (int seg = 0; seg < K; seg += nt * 64) {
+            uint4 v[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                int i = seg + (tid + j * nt) * 8;
+                if (i < K) v[j] = ld_in(src + i);
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                int i = seg + (tid + j * nt) * 8;
+                if (i < K) *reinterpret_cast<uint4*>(xm + i) = v[j];
+            }
+        }
+    } else if (IN == IN_NORM) {
+        int r = rows ? rows[m] : m;
+        const float* src = reinterpret_cast<const float*>(in) + (u64)r * K;
+        const int piece = NORM_PIECE_J * 4 * nt;
+        auto load = [&](int seg, float4 (&v)[NORM_PIECE_J], uint2 (&w)[NORM_PIECE_J]) {
+#pragma unroll
+            for (int j = 0; j < NORM_PIECE_J; ++j) {
+                int i = seg + (tid + j * nt) * 4;
+                if (i < K) {
+                    uint4 raw = ld_in(src + i);
+                    v[j] = make_float4(__uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z),
+                                       __uint_as_float(raw.w));
+                    w[j] = *reinterpret_cast<const uint2*>(norm_w + i);
+                }
+            }
+        };
+        auto squares = [&](int seg, const float4 (&v)[NORM_PIECE_J]) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < NORM_PIECE_J; ++j)
+                if (seg + (tid + j * nt) * 4 < K)
+                    ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+            return ss;
+        };
+        auto store = [&](int seg, const float4 (&v)[NORM_PIECE_J], const uint2 (&w)[NORM_PIECE_J], float inv) {
+#pragma unroll
+            for (int j = 0; j < NORM_PIECE_J; ++j) {
+                int i = seg + (tid + j * nt) * 4;
+                if (i < K)
+                    *reinterpret_cast<uint2*>(xm + i) =
+                        make_uint2(norm_pack(v[j].x, v[j].y, inv, w[j].x), norm_pack(v[j].z, v[j].w, inv, w[j].y));
+            }
+        };
+        float4 v[NORM_PIECE_J], rest[NORM_PIECE_J];
+        uint2 w[NORM_PIECE_J], rest_w[NORM_PIECE_J];
+        load(0, v, w);
+        float ss = squares(0, v);
+        for (int seg = piece; seg < K; seg += piece) {
+            load(seg, rest, rest_w);
+            ss += squares(seg, rest);
+        }
+        ss = block_sum(ss, scratch);
+        float inv = rsqrtf(ss / (float)K + eps);
+        store(0, v, w, inv);
+        for (int seg = piece; seg < K; seg += piece) {
+            load(seg, rest, rest_w);
+            store(seg, rest, rest_w, inv);
+        }
+    }
+}
+
+template <int M, int IN, int OUT, bool PIPE>
+__device__ __forceinline__ void gemv(const bf16* __restrict__ W, int N, int K, int ksplit, const void* in,
+                                     const int* rows, const bf16* norm_w, float eps, void* out, const bf16* bias,
+                                     int mcount) {
+    extern __shared__ __align__(16) unsigned char gemv_smem[];
+    __shared__ float scratch[32];
+    __shared__ float partial[8][GEMV_ROWS][M];
+    bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // The block's 8 warps form groups of `ksplit`: a group owns GEMV_ROWS rows, each of its
+    // warps one slice of K (short, wide matrices need the extra loads in flight).
+    int groups = 8 / ksplit, grp = warp / ksplit, slice = warp % ksplit;
+    int rows_per_block = groups * GEMV_ROWS;
+    int slice_len = ((K / 8 + ksplit - 1) / ksplit) * 8;
+    int k_begin = slice * slice_len, k_end = min(K, k_begin + slice_len);
+    int row_base = blockIdx.x * rows_per_block;
+    // PIPE: two register buffers, so that while one batch is multiplied the next is in flight
+    // (the rest of this row group's slice, or the block's next row group), and the first batch
+    // goes out before the prologue. Otherwise one buffer, loaded at the top of each batch (the
+    // first batch's first slice before the prologue, below): fewer registers, more warps per
+    // multiprocessor.
+    uint4 wv[GEMV_UNROLL][GEMV_ROWS], nx[GEMV_UNROLL][GEMV_ROWS];
+    // Loads slices [u_from, u_to) of a batch.
+    auto load_slices = [&](uint4 (&dst)[GEMV_UNROLL][GEMV_ROWS], int n0, int base, int u_from, int u_to) {
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r)
+                if (u >= u_from && u < u_to && base + u * 256 < k_end)
+                    dst[u][r] = ld_stream(W + (u64)min(n0 + r, N - 1) * K + base + u * 256);
+    };
+    auto load_batch = [&](uint4 (&dst)[GEMV_UNROLL][GEMV_ROWS], int n0, int base) {
+        load_slices(dst, n0, base, 0, GEMV_UNROLL);
+    };
+    int stride = gridDim.x * rows_per_block;
+    // The pipelined build's first batch of weights goes out before waiting on the previous
+    // kernel (weights are never written).
+    if (PIPE) load_batch(wv, row_base + grp * GEMV_ROWS, k_begin + lane * 8);
+    // The plain build issues the first slice of its first batch before the prologue too (8
+    // registers), so the memory streams while the prologue's round trips run. More would spill
+    // in the prologue and queue more bytes ahead of its reads.
+    constexpr int EARLY_U = PIPE ? 0 : 1;
+    if (EARLY_U > 0) load_slices(wv, row_base + grp * GEMV_ROWS, k_begin + lane * 8, 0, EARLY_U);
+    int early_left = EARLY_U;  // slices of the next batch already in wv
+    PDL_ENTER();
+    for (int m = 0; m < M; ++m) gemv_prologue<IN>(xs + (u64)m * K, K, in, rows, norm_w, eps, m, mcount, scratch);
+    __syncthreads();
+    for (; row_base < N; row_base += stride) {
+        int n0 = row_base + grp * GEMV_ROWS;
+        float acc[GEMV_ROWS][M];
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+        for (int base = k_begin + lane * 8; base < k_end; base += 256 * GEMV_UNROLL) {
+            if (PIPE) {
+                if (base + 256 * GEMV_UNROLL < k_end) load_batch(nx, n0, base + 256 * GEMV_UNROLL);
+                else if (row_base + stride < N) load_batch(nx, row_base + stride + grp * GEMV_ROWS, k_begin + lane * 8);
+            } else {
+                load_slices(wv, n0, base, early_left, GEMV_UNROLL);
+                early_left = 0;
+            }
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                int k = base + u * 256;
+                if (k < k_end) {
+                    float wf[GEMV_ROWS][8];
+#pragma unroll
+                    for (int r = 0; r < GEMV_ROWS; ++r) unpack8(wv[u][r], wf[r]);
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        float xf[8];
+                        unpack8(*reinterpret_cast<const uint4*>(xs + (u64)m * K + k), xf);
+#pragma unroll
+                        for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) acc[r][m] = fmaf(wf[r][j], xf[j], acc[r][m]);
+                    }
+                }
+            }
+            if (PIPE) {
+#pragma unroll
+                for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+                    for (int r = 0; r < GEMV_ROWS; ++r) wv[u][r] = nx[u][r];
+            }
+        }
+        // Sum each row over the warp, then over the group's K slices in slice order. OUT_SILU
+        // stores the pair of rows (gate, up) as one value.
+        constexpr int R_OUT = OUT == OUT_SILU ? 1 : GEMV_ROWS;
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
+#pragma unroll
+        for (int r = 0; r < R_OUT; ++r)
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                if (lane == ((r * M + m) & 31)) {
+                    if (ksplit == 1) gemv_store<OUT>(out, bias, N, n0 + r, m, mcount, acc[r][m], acc[GEMV_ROWS - 1][m]);
+                    else
+#pragma unroll
+                        for (int rr = r; rr < (OUT == OUT_SILU ? GEMV_ROWS : r + 1); ++rr) partial[warp][rr][m] = acc[rr][m];
+                }
+            }
+        if (ksplit > 1) {
+            __syncthreads();
+            if (tid < groups * R_OUT * M) {
+                int g = tid / (R_OUT * M), r = (tid / M) % R_OUT, m = tid % M;
+                float v = 0.0f, up = 0.0f;
+                for (int s = 0; s < ksplit; ++s) {
+                    v += partial[g * ksplit + s][r][m];
+                    if (OUT == OUT_SILU) up += partial[g * ksplit + s][1][m];
+                }
+                gemv_store<OUT>(out, bias, N, row_base + g * GEMV_ROWS + r, m, mcount, v, up);
+            }
+            __syncthreads();
+        }
+    }
+}
+
+#define GEMV_KERNEL(NAME, M, IN, OUT, PIPE, MIN_BLOCKS)                                                       \
+    extern "C" __global__ void __launch_bounds__(256, MIN_BLOCKS) NAME(                                          \
+        const bf16* W, int N, int K, int ksplit, const void* in, const int* rows, const bf16* norm_w, float eps, \
+        void* out, const bf16* bias, int mcount) {                                                              \
+        gemv<M, IN, OUT, PIPE>(W, N, K, ksplit, in, rows, norm_w, eps, out, bias, mcount);                       \
+    }
+#define GEMV_ALL_M(NAME, IN, OUT)                          \
+    GEMV_KERNEL(NAME##_m1, 1, IN, OUT, false, 4)           \
+    GEMV_KERNEL(NAME##_m2, 2, IN, OUT, false, 3)           \
+    GEMV_KERNEL(NAME##_m4, 4, IN, OUT, false, 2)           \
+    GEMV_KERNEL(NAME##_m8, 8, IN, OUT, false, 2)           \
+    GEMV_KERNEL(NAME##_m1_pipe, 1, IN, OUT, true, 2)       \
+    GEMV_KERNEL(NAME##_m2_pipe, 2, IN, OUT, true, 2)       \
+    GEMV_KERNEL(NAME##_m4_pipe, 4, IN, OUT, true, 2)       \
+    GEMV_KERNEL(NAME##_m8_pipe, 8, IN, OUT, true, 2)
+#if KERNEL_GROUP(1)
+GEMV_ALL_M(gemv_norm_bf16, IN_NORM, OUT_BF16)
+GEMV_ALL_M(gemv_norm_f32, IN_NORM, OUT_F32)
+#endif
+#if KERNEL_GROUP(2)
+GEMV_ALL_M(gemv_norm_silu, IN_NORM, OUT_SILU)
+GEMV_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Decode projection on tensor cores (`GemvBuild::Mma`): a warp owns 16
+// rows (mma.sync m16n8k16, the weight tile as A, up to 8 tokens' inputs as B), its lanes each
+// load 16 bytes of two rows (g and g + 8, g = lane / 4) per 32 columns and use them as A
+// fragments as they are: the mma's k order is a permutation of the columns, and B takes the
+// same columns of each token's input, so each 32 columns cost two 16-byte loads, one shared
+// memory load and two mma instructions per lane instead of sixteen FMAs and the unpacking.
+// Sums come out whole per row (no warp shuffles); K slices of ksplit warps add in slice order,
+// and a token's sums never depend on the other tokens (B's columns are independent).
+#define MMA_ROWS 16
+#define MMA_UNROLL 4
+template <int M, int IN, int OUT>
+__device__ __forceinline__ void gemv_mma(const bf16* __restrict__ W, int N, int K, int ksplit, const void* in,
+                                         const int* rows, const bf16* norm_w, float eps, void* out,
+                                         const bf16* bias, int mcount) {
+    extern __shared__ __align__(16) unsigned char gemv_smem[];
+    __shared__ float scratch[32];
+    __shared__ float partial[8][MMA_ROWS][8];
+    bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+    int groups = 8 / ksplit, grp = warp / ksplit, slice = warp % ksplit;
+    int rows_per_block = groups * MMA_ROWS;
+    // Slices of whole 32-column pieces, so a lane's 8 columns never straddle two slices.
+    int slice_len = ((K + 31) / 32 + ksplit - 1) / ksplit * 32;
+    int k_begin = slice * slice_len, k_end = min(K, k_begin + slice_len);
+    PDL_ENTER();
+    for (int m = 0; m < M; ++m) gemv_prologue<IN>(xs + (u64)m * K, K, in, rows, norm_w, eps, m, mcount, scratch);
+    __syncthreads();
+    const bf16* xrow = xs + (u64)(g < M ? g : 0) * K;
+    int stride = gridDim.x * rows_per_block;
+    for (int row_base = blockIdx.x * rows_per_block; row_base < N; row_base += stride) {
+        int n0 = row_base + grp * MMA_ROWS;
+        const bf16* w_lo = W + (u64)min(n0 + g, N - 1) * K;
+        const bf16* w_hi = W + (u64)min(n0 + g + 8, N - 1) * K;
+        // Piece p of the slice goes into acc[p % MMA_UNROLL] (independent chains), added up in
+        // order at the end. The trip count is the warp's (mma.sync needs every lane); lanes past
+        // K load zeros.
+        float acc[MMA_UNROLL][4];
+#pragma unroll
+        for (int u = 0; u < MMA_UNROLL; ++u)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[u][e] = 0.0f;
+        for (int kb = k_begin; kb < k_end; kb += 32 * MMA_UNROLL) {
+            int base = kb + q * 8;
+            uint4 lo[MMA_UNROLL], hi[MMA_UNROLL];
+#pragma unroll
+            for (int u = 0; u < MMA_UNROLL; ++u) {
+                int k = base + u * 32;
+                if (k < k_end) {
+                    lo[u] = ld_stream(w_lo + k);
+                    hi[u] = ld_stream(w_hi + k);
+                } else {
+                    lo[u] = make_uint4(0, 0, 0, 0);
+                    hi[u] = make_uint4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < MMA_UNROLL; ++u) {
+                int k = base + u * 32;
+                uint4 xv = g < M && k < k_end ? *reinterpret_cast<const uint4*>(xrow + k) : make_uint4(0, 0, 0, 0);
+                u32 a0[4] = {lo[u].x, hi[u].x, lo[u].y, hi[u].y};
+                mma_bf16(acc[u], a0, xv.x, xv.y);
+                u32 a1[4] = {lo[u].z, hi[u].z, lo[u].w, hi[u].w};
+                mma_bf16(acc[u], a1, xv.z, xv.w);
+            }
+        }
+        float d[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            d[e] = acc[0][e];
+#pragma unroll
+            for (int u = 1; u < MMA_UNROLL; ++u) d[e] += acc[u][e];
+        }
+        // d: rows g and g + 8, tokens 2q and 2q + 1. OUT_SILU: the (gate, up) pair of rows
+        // 2i, 2i + 1 sits in lanes l (g even) and l + 4.
+        float up[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) up[i] = __shfl_down_sync(0xffffffffu, d[i], 4);
+        if (ksplit == 1) {
+            if (OUT != OUT_SILU || g % 2 == 0) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    gemv_store<OUT>(out, bias, N, n0 + g + (i / 2) * 8, 2 * q + i % 2, mcount, d[i], up[i]);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) partial[warp][g + (i / 2) * 8][2 * q + i % 2] = d[i];
+            __syncthreads();
+            for (int i = tid; i < groups * MMA_ROWS * M; i += blockDim.x) {
+                int gg = i / (MMA_ROWS * M), r = (i / M) % MMA_ROWS, m = i % M;
+                if (OUT == OUT_SILU && r % 2 == 1) continue;
+                float v = 0.0f, u = 0.0f;
+                for (int sl = 0; sl < ksplit; ++sl) {
+                    v += partial[gg * ksplit + sl][r][m];
+                    if (OUT == OUT_SILU) u += partial[gg * ksplit + sl][r + 1][m];
+                }
+                gemv_store<OUT>(out, bias, N, row_base + gg * MMA_ROWS + r, m, mcount, v, u);
+            }
+            __syncthreads();
+        }
+    }
+}
+
+#define GEMV_MMA_KERNEL(NAME, M, IN, OUT)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 3) NAME##_m##M##_mma(                                     \
+        const bf16* W, int N, int K, int ksplit, const void* in, const int* rows, const bf16* norm_w, float eps, \
+        void* out, const bf16* bias, int mcount) {                                                              \
+        gemv_mma<M, IN, OUT>(W, N, K, ksplit, in, rows, norm_w, eps, out, bias, mcount);                         \
+    }
+#define GEMV_MMA_ALL_M(NAME, IN, OUT) \
+    GEMV_MMA_KERNEL(NAME, 1, IN, OUT) \
+    GEMV_MMA_KERNEL(NAME, 2, IN, OUT) GEMV_MMA_KERNEL(NAME, 4, IN, OUT) GEMV_MMA_KERNEL(NAME, 8, IN, OUT)
+#if KERNEL_GROUP(5)
+GEMV_MMA_ALL_M(gemv_norm_bf16, IN_NORM, OUT_BF16)
+GEMV_MMA_ALL_M(gemv_norm_f32, IN_NORM, OUT_F32)
+GEMV_MMA_ALL_M(gemv_norm_silu, IN_NORM, OUT_SILU)
+GEMV_MMA_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Decode projection, bulk build (bf16 input -> residual add: the o projection). Each block's
+// BULK_ROWS weight rows are copied whole into shared memory (cp.async.bulk, one per row) as the
+// block starts, *before* it waits on the previous kernel: launched with programmatic dependent
+// launch after the decode attention (which lets dependents launch as it enters), the blocks are
+// resident and their weights streaming while the attention runs, when the memory would
+// otherwise idle; once the attention is done only the multiply and the residual add are left.
+// Tensor cores: the weight rows are mma's B operand (n = 8 rows), up to 8 tokens its A
+// operand; warp w sums K slice w (K / 8 columns) into four accumulators taken in turn by k16
+// step, added in order, and the block adds the warps' slices in warp order. A token's sums do
+// not depend on the other tokens. K % 256 == 0. Dynamic shared memory: (BULK_ROWS + tokens)
+// rows of 2K + 16 bytes (the 16 put consecutive rows in distinct banks).
+#define BULK_ROWS 8
+#if KERNEL_GROUP(2)
+extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, int N, int K, const bf16* in,
+                                                                float* out, const bf16* bias, int mcount,
+                                                                int early_rows) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char bulk_smem[];
+    __shared__ __align__(8) u64 bar;
+    __shared__ float partial[8][8][BULK_ROWS];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+    u32 stride = (u32)K * 2 + 16;
+    unsigned char* ws = bulk_smem;
+    unsigned char* xs = bulk_smem + BULK_ROWS * stride;
+    int row0 = blockIdx.x * BULK_ROWS, rows = min(BULK_ROWS, N - row0);
+    u32 bar_s = (u32)__cvta_generic_to_shared(&bar);
+    // The phase completes when all of the block's rows have landed, whenever each was issued.
+    if (tid == 0) mbar_expect(bar_s, rows * K * 2);
+    // Weights are never written: no need to wait on the previous kernel for them. The first
+    // `early_rows` rows go before the wait, the rest after it: a stream at full rate under the
+    // attention slows the attention's own round trips to memory.
+    auto copy_rows = [&](int from, int to) {
+        if (tid == 0)
+            for (int r = from; r < to; ++r)
+                bulk_copy((u32)__cvta_generic_to_shared(ws + r * stride), W + (u64)(row0 + r) * K, K * 2, bar_s);
+    };
+    int early = min(max(early_rows, 0), rows);
+    copy_rows(0, early);
+    PDL_ENTER();
+    copy_rows(early, rows);
+    for (int i = tid * 8; i < mcount * K; i += 256 * 8)
+        *reinterpret_cast<uint4*>(xs + (i / K) * stride + (i % K) * 2) = ld_nc16(in + i);
+    __syncthreads();
+    // The copies always complete (valid addresses, sizes within the row); the wait is bounded
+    // anyway: past a second something is broken, and the launch fails instead of hanging.
+    for (u64 t0 = global_ns(); !mbar_try(bar_s, 0);)
+        if (global_ns() - t0 > 1000000000ull) __trap();
+    int slice = K / 8, k0 = warp * slice;
+    float acc[4][4];
+#pragma unroll
+    for (int a_ = 0; a_ < 4; ++a_)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[a_][e] = 0.0f;
+    // ldmatrix.x4: lanes 8j..8j+7 address rows 0-7 of the 8 columns at +8j (two k16 steps).
+    const unsigned char* wrow = ws + (lane & 7) * stride + (lane >> 3) * 16;
+    const unsigned char* xrow = xs + g * stride + q * 4;
+    bool has_token = g < mcount;
+    // 64 columns a trip: k16 step s of the slice into acc[s % 4].
+    for (int kk = k0; kk < k0 + slice; kk += 64) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int kh = kk + half * 32;
+            if (kh >= k0 + slice) break;
+            u32 b[4];
+            ldmatrix_x4(b, reinterpret_cast<const bf16*>(wrow + kh * 2));
+            u32 a0[4] = {0, 0, 0, 0}, a1[4] = {0, 0, 0, 0};
+            if (has_token) {
+                const unsigned char* xp = xrow + kh * 2;
+                a0[0] = *reinterpret_cast<const u32*>(xp);
+                a0[2] = *reinterpret_cast<const u32*>(xp + 16);
+                a1[0] = *reinterpret_cast<const u32*>(xp + 32);
+                a1[2] = *reinterpret_cast<const u32*>(xp + 48);
+            }
+            mma_bf16(acc[2 * half], a0, b[0], b[1]);
+            mma_bf16(acc[2 * half + 1], a1, b[2], b[3]);
+        }
+    }
+    // Lane (g, q) holds token g's sums of rows 2q and 2q + 1.
+    partial[warp][g][2 * q] = ((acc[0][0] + acc[1][0]) + acc[2][0]) + acc[3][0];
+    partial[warp][g][2 * q + 1] = ((acc[0][1] + acc[1][1]) + acc[2][1]) + acc[3][1];
+    __syncthreads();
+    if (tid < mcount * BULK_ROWS) {
+        int m = tid / BULK_ROWS, r = tid % BULK_ROWS;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) v += partial[w][m][r];
+        if (r < rows) gemv_store<OUT_ADD>(out, bias, N, row0 + r, m, mcount, v);
+    }
+#endif
+}
+#endif

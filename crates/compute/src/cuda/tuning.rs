@@ -1,0 +1,153 @@
+//! Kernel choices that trade one kind of speed for another on a given GPU, built once (from
+//! `--cuda-tune KEY=VALUE` flags) and fixed for the device's life. The defaults are the fastest
+//! measured on an H200 (docs/PERFORMANCE.md); every other value computes the same numbers
+//! except where a field says otherwise.
+
+use std::fmt;
+
+/// Tuning of the CUDA backend; see the module docs. [`CudaTuning::KEYS`] lists the keys
+/// [`CudaTuning::set`] takes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaTuning {
+    /// Launch every kernel with programmatic dependent launch (Hopper or later): each may start
+    /// while the previous one finishes and waits in-kernel before touching its data. Off: no
+    /// gain measured. Kernels that need it for their own overlap (the bulk o projection, the
+    /// fused decode attention) use it either way.
+    pub programmatic_launch: bool,
+    /// The fused decode attention copies its first cached keys before waiting on the qkv
+    /// projection (launched with programmatic dependent launch).
+    pub attention_early: bool,
+    /// Chunk buffers of the decode attention (1 or 2); `None`: chosen per launch by occupancy.
+    pub attention_stages: Option<usize>,
+    /// Weight rows of each bulk o-projection block copied before it waits on the attention
+    /// (0 to 8; the rest after).
+    pub bulk_early_rows: usize,
+    /// Fused decode projections on tensor cores instead of FMA. Changes the order of the sums
+    /// (the outputs differ in the last bits).
+    pub tensor_core_projections: bool,
+    /// The o projection of fused decode steps in the bulk build (its weights stream into
+    /// shared memory while the attention runs; Hopper or later, o's input a multiple of 256
+    /// wide). Off: the plain build, whose sums come in another order (the outputs differ in the
+    /// last bits).
+    pub bulk_o_projection: bool,
+}
+
+impl Default for CudaTuning {
+    fn default() -> Self {
+        Self {
+            programmatic_launch: false,
+            attention_early: true,
+            attention_stages: None,
+            bulk_early_rows: 8,
+            tensor_core_projections: false,
+            bulk_o_projection: true,
+        }
+    }
+}
+
+impl CudaTuning {
+    /// The keys [`CudaTuning::set`] takes, with what values they take.
+    pub const KEYS: &'static [(&'static str, &'static str)] = &[
+        ("programmatic_launch", "0|1 (default 0)"),
+        ("attention_early", "0|1 (default 1)"),
+        ("attention_stages", "auto|1|2 (default auto)"),
+        ("bulk_early_rows", "0..=8 (default 8)"),
+        ("tensor_core_projections", "0|1 (default 0)"),
+        ("bulk_o_projection", "0|1 (default 1)"),
+    ];
+
+    /// Sets `key` to `value`; the error names the key and what it takes.
+    pub fn set(&mut self, key: &str, value: &str) -> Result<(), String> {
+        let takes = || Self::KEYS.iter().find(|(k, _)| *k == key).map(|(_, v)| *v).unwrap_or("a known key");
+        let bad = || format!("--cuda-tune {key}={value}: {key} takes {}", takes());
+        let flag = || match value {
+            "1" | "true" | "on" => Ok(true),
+            "0" | "false" | "off" => Ok(false),
+            _ => Err(bad()),
+        };
+        match key {
+            "programmatic_launch" => self.programmatic_launch = flag()?,
+            "attention_early" => self.attention_early = flag()?,
+            "attention_stages" => {
+                self.attention_stages = match value {
+                    "auto" => None,
+                    "1" => Some(1),
+                    "2" => Some(2),
+                    _ => return Err(bad()),
+                }
+            }
+            "bulk_early_rows" => {
+                self.bulk_early_rows = value.parse().ok().filter(|&n| n <= 8).ok_or_else(bad)?;
+            }
+            "tensor_core_projections" => self.tensor_core_projections = flag()?,
+            "bulk_o_projection" => self.bulk_o_projection = flag()?,
+            _ => {
+                let keys: Vec<&str> = Self::KEYS.iter().map(|(k, _)| *k).collect();
+                return Err(format!("--cuda-tune {key}={value}: unknown key (known: {})", keys.join(", ")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies `KEY=VALUE` settings in order.
+    pub fn from_settings<S: AsRef<str>>(settings: &[S]) -> Result<Self, String> {
+        let mut tuning = Self::default();
+        for s in settings {
+            let s = s.as_ref();
+            let (key, value) = s.split_once('=').ok_or_else(|| format!("--cuda-tune {s}: expected KEY=VALUE"))?;
+            tuning.set(key.trim(), value.trim())?;
+        }
+        Ok(tuning)
+    }
+}
+
+/// The settings that differ from the defaults, as `key=value` (for logs); empty for defaults.
+impl fmt::Display for CudaTuning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = Self::default();
+        let b = |v: bool| if v { "1" } else { "0" };
+        let mut parts = Vec::new();
+        if self.programmatic_launch != d.programmatic_launch {
+            parts.push(format!("programmatic_launch={}", b(self.programmatic_launch)));
+        }
+        if self.attention_early != d.attention_early {
+            parts.push(format!("attention_early={}", b(self.attention_early)));
+        }
+        if let Some(n) = self.attention_stages {
+            parts.push(format!("attention_stages={n}"));
+        }
+        if self.bulk_early_rows != d.bulk_early_rows {
+            parts.push(format!("bulk_early_rows={}", self.bulk_early_rows));
+        }
+        if self.tensor_core_projections != d.tensor_core_projections {
+            parts.push(format!("tensor_core_projections={}", b(self.tensor_core_projections)));
+        }
+        if self.bulk_o_projection != d.bulk_o_projection {
+            parts.push(format!("bulk_o_projection={}", b(self.bulk_o_projection)));
+        }
+        write!(f, "{}", parts.join(","))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_parse_and_print_back_and_bad_ones_name_the_key() {
+        let t =
+            CudaTuning::from_settings(&["attention_stages=2", "bulk_early_rows = 4", "programmatic_launch=1"]).unwrap();
+        assert_eq!(t.attention_stages, Some(2));
+        assert_eq!(t.bulk_early_rows, 4);
+        assert!(t.programmatic_launch);
+        assert_eq!(t.to_string(), "programmatic_launch=1,attention_stages=2,bulk_early_rows=4");
+        assert_eq!(CudaTuning::from_settings(&t.to_string().split(',').collect::<Vec<_>>()).unwrap(), t);
+        assert_eq!(CudaTuning::default().to_string(), "");
+        let unknown = CudaTuning::from_settings(&["ring=1"]).unwrap_err();
+        assert!(unknown.contains("unknown key") && unknown.contains("bulk_o_projection"), "{unknown}");
+        let range = CudaTuning::from_settings(&["bulk_early_rows=9"]).unwrap_err();
+        assert!(range.contains("0..=8"), "{range}");
+        assert!(CudaTuning::from_settings(&["attention_early"]).unwrap_err().contains("KEY=VALUE"));
+        assert!(CudaTuning::from_settings(&["attention_stages=3"]).is_err());
+    }
+}

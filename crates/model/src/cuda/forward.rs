@@ -1,0 +1,288 @@
+//! The forward pass, queued on the device's stream: it mirrors [`crate::Transformer::forward`]
+//! step for step (same weights layout with q/k/v and gate/up stacked, same RoPE table, same
+//! block-major KV layout); the residual stream and all reductions stay in f32, storage is bf16.
+//!
+//! Everything it launches depends only on the token count, the logit rows and the step counts,
+//! so a decode step of a given size can be captured once as a CUDA graph and replayed.
+
+use tandem_compute::cuda::ops::{self, AttnShape, AttnSplit, Gemv, GemvBuild, GemvInput, GemvOutput, QkvRope};
+use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf};
+
+use super::kv_cache::DeviceKv;
+use super::plan::DecodePlan;
+use super::step::{attention_split_most, StepBuffers, StepCounts, SPLIT_KEYS};
+use super::weights::{Layer, Linear, Weights};
+use crate::config::ModelConfig;
+use crate::ModelError;
+
+/// Queues the forward for `t` tokens (metadata already in `step`) up to the logits of `rows`
+/// rows, writing the step's activations and the new tokens' keys and values. `counts`: the
+/// step's work counts (default: the prepared step's). With `allow_fused` off the step never
+/// takes the fused decode path (to compare the two).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn forward(
+    dev: &CudaDevice,
+    cfg: &ModelConfig,
+    weights: &Weights,
+    plan: &DecodePlan,
+    step: &mut StepBuffers,
+    kv: &mut DeviceKv,
+    t: usize,
+    rows: usize,
+    counts: Option<StepCounts>,
+    allow_fused: bool,
+) -> Result<(), ModelError> {
+    let counts = counts.unwrap_or(step.counts);
+    let fused = plan.fused_for(t, counts).filter(|_| allow_fused);
+    let pass = Pass { dev, cfg, w: weights, step, cache: &kv.cache, block_size: kv.layout.block_size };
+    pass.run(t, rows, counts, fused)
+}
+
+/// One forward's view of the model: what it reads (weights, metadata) and where it writes
+/// (activations, the cache), as the kernels take them, by device address.
+pub(super) struct Pass<'a> {
+    pub dev: &'a CudaDevice,
+    pub cfg: &'a ModelConfig,
+    pub w: &'a Weights,
+    pub step: &'a StepBuffers,
+    pub cache: &'a DevBuf<u16>,
+    pub block_size: usize,
+}
+
+impl Pass<'_> {
+    fn run(
+        &self,
+        t: usize,
+        rows: usize,
+        counts: StepCounts,
+        fused: Option<(GemvBuild, GemvBuild)>,
+    ) -> Result<(), ModelError> {
+        let (dev, cfg, a, m) = (self.dev, self.cfg, &self.step.act, self.step.layout);
+        let h = cfg.hidden_size;
+        let eps = cfg.rms_norm_eps;
+        ops::embed_gather(dev, self.w.embed.ptr(), self.step.at(m.tokens), a.tokens.ptr(), a.x.ptr(), t, h)?;
+        if let Some((projections, o_projection)) = fused {
+            return self.decode_layers(t, rows, counts, projections, o_projection);
+        }
+        let meta = self.step.attn_meta();
+        let layers = &self.w.layers;
+        ops::add_rms_norm(dev, a.x.ptr(), 0, 0, layers[0].input_norm.ptr(), a.normed.ptr(), t, h, eps)?;
+        let prefill = self.step.prefill_seqs(counts);
+        for (li, layer) in layers.iter().enumerate() {
+            // The qkv bias is added by the RoPE kernel.
+            self.matmul(a.normed.ptr(), layer.qkv.weight.ptr(), a.qkv.ptr(), t, layer.qkv.out_dim, h, false)?;
+            let shape = self.rope_and_row_attention(li, layer, t, counts, false)?;
+            ops::flash_prefill(dev, a.q.ptr(), self.cache.ptr(), a.attn.ptr(), &prefill, &meta, &shape)?;
+            self.linear(&layer.o, a.attn.ptr(), a.proj.ptr(), t)?;
+            ops::add_rms_norm(dev, a.x.ptr(), a.proj.ptr(), 0, layer.post_norm.ptr(), a.normed.ptr(), t, h, eps)?;
+            self.linear(&layer.gate_up, a.normed.ptr(), a.gate_up.ptr(), t)?;
+            ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, cfg.intermediate_size)?;
+            self.linear(&layer.down, a.act.ptr(), a.proj.ptr(), t)?;
+            match layers.get(li + 1) {
+                Some(next) => ops::add_rms_norm(
+                    dev,
+                    a.x.ptr(),
+                    a.proj.ptr(),
+                    0,
+                    next.input_norm.ptr(),
+                    a.normed.ptr(),
+                    t,
+                    h,
+                    eps,
+                )?,
+                // Only the rows that sample need the last residual add, the final norm and
+                // the (large) output projection.
+                None => ops::add_rms_norm(
+                    dev,
+                    a.x.ptr(),
+                    a.proj.ptr(),
+                    self.step.at(m.rows),
+                    self.w.norm.ptr(),
+                    a.last.ptr(),
+                    rows,
+                    h,
+                    eps,
+                )?,
+            }
+        }
+        self.matmul(a.last.ptr(), self.w.head().ptr(), a.logits.ptr(), rows, cfg.vocab_size, h, true)?;
+        Ok(())
+    }
+
+    /// `y = x · wᵀ` through cuBLAS. (A hand-written skinny GEMV for decode batches was tried
+    /// and measured: it beat cuBLAS on 2 to 4 of 40 decode shapes, by less than the run-to-run
+    /// spread, and choosing kernels by timing made greedy output depend on the run.)
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(&self, x: u64, w: u64, y: u64, t: usize, n: usize, k: usize, f32_out: bool) -> Result<(), CudaError> {
+        ops::matmul_t(self.dev, x, w, y, t, n, k, f32_out)
+    }
+
+    fn linear(&self, l: &Linear, x: u64, y: u64, t: usize) -> Result<(), ModelError> {
+        self.matmul(x, l.weight.ptr(), y, t, l.out_dim, l.in_dim, false)?;
+        if let Some(b) = &l.bias {
+            ops::add_bias(self.dev, y, b.ptr(), t, l.out_dim, false)?;
+        }
+        Ok(())
+    }
+
+    pub fn attn_shape(&self, layer: usize) -> AttnShape {
+        AttnShape {
+            num_heads: self.cfg.num_heads,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+            layer,
+            num_layers: self.cfg.num_layers,
+            block_size: self.block_size,
+        }
+    }
+
+    /// Arguments of the fused q/k-norm + RoPE + cache-write kernel for `layer`.
+    pub fn rope_args(&self, layer: &Layer) -> QkvRope {
+        let m = self.step.layout;
+        QkvRope {
+            qkv: self.step.act.qkv.ptr(),
+            bias: layer.qkv.bias_ptr(),
+            q_norm: layer.q_norm.as_ref().map_or(0, DevBuf::ptr),
+            k_norm: layer.k_norm.as_ref().map_or(0, DevBuf::ptr),
+            cos: self.w.rope_cos.ptr(),
+            sin: self.w.rope_sin.ptr(),
+            positions: self.step.at(m.positions),
+            slots: self.step.at(m.slots),
+            q_out: self.step.act.q.ptr(),
+            cache: self.cache.ptr(),
+            eps: self.cfg.rms_norm_eps,
+        }
+    }
+
+    /// Layer `li`'s q/k norm, RoPE and cache write for all `t` tokens, then attention for the
+    /// tokens on the decode list (the row kernel). With `fuse_rope` (decode steps of one token
+    /// per sequence only), the attention kernel does the first part itself: one launch, and
+    /// the queries never go through memory. Returns the layer's attention shape.
+    fn rope_and_row_attention(
+        &self,
+        li: usize,
+        layer: &Layer,
+        t: usize,
+        counts: StepCounts,
+        fuse_rope: bool,
+    ) -> Result<AttnShape, ModelError> {
+        let a = &self.step.act;
+        let shape = self.attn_shape(li);
+        let rope = self.rope_args(layer);
+        let fuse_rope = fuse_rope && counts.one_token_each && counts.work == 0;
+        if !fuse_rope {
+            ops::qkv_rope_cache(self.dev, &rope, &shape, t)?;
+        }
+        let split = counts.split.then(|| AttnSplit {
+            part: a.attn_part.ptr(),
+            most: attention_split_most(counts.decode),
+            split_keys: SPLIT_KEYS,
+        });
+        ops::attention_rows(
+            self.dev,
+            a.q.ptr(),
+            self.cache.ptr(),
+            a.attn.ptr(),
+            &self.step.attn_meta(),
+            self.step.at(self.step.layout.decode_list),
+            counts.decode,
+            &shape,
+            fuse_rope.then_some(&rope),
+            split,
+        )?;
+        Ok(shape)
+    }
+
+    /// The layers and output head of a fused decode step (the embedding already in the
+    /// residual stream): per layer, qkv (with the input RMSNorm), attention (with RoPE and the
+    /// cache write on one-token-per-sequence steps), o (adding into the residual), gate/up (with
+    /// the post-attention RMSNorm and SiLU-and-multiply) and down (adding into the residual).
+    /// Five or six launches per layer instead of nine, and no deltas through memory.
+    fn decode_layers(
+        &self,
+        t: usize,
+        rows: usize,
+        counts: StepCounts,
+        projections: GemvBuild,
+        o_projection: GemvBuild,
+    ) -> Result<(), ModelError> {
+        for (li, layer) in self.w.layers.iter().enumerate() {
+            let [qkv, o, gate_up, down] = self.decode_projections(layer);
+            self.project(&qkv, t, projections)?;
+            self.rope_and_row_attention(li, layer, t, counts, true)?;
+            self.project(&o, t, o_projection)?;
+            self.project(&gate_up, t, projections)?;
+            self.project(&down, t, projections)?;
+        }
+        self.project(&self.head_projection(), rows, projections)
+    }
+
+    /// Runs a fused decode projection for `t` tokens in `build`.
+    pub fn project(&self, g: &Gemv, t: usize, build: GemvBuild) -> Result<(), ModelError> {
+        g.launch_with(self.dev, t, ops::gemv_plan(self.dev, g.n, g.k, t, build))?;
+        Ok(())
+    }
+
+    /// A decode projection's input: the RMSNorm (weight `weight`) of the residual stream's rows
+    /// (`rows`: an index list, or 0 for rows 0..).
+    fn residual_norm(&self, weight: &DevBuf<u16>, rows: u64) -> GemvInput {
+        GemvInput::Norm { residual: self.step.act.x.ptr(), rows, weight: weight.ptr(), eps: self.cfg.rms_norm_eps }
+    }
+
+    /// A layer's qkv (with the input RMSNorm), o (adding into the residual), gate/up (with the
+    /// post-attention RMSNorm, SiLU-and-multiply in its epilogue) and down (adding into the
+    /// residual) projections of a decode step. The qkv bias is added by the RoPE kernel, as on
+    /// the unfused path.
+    pub fn decode_projections(&self, layer: &Layer) -> [Gemv; 4] {
+        let a = &self.step.act;
+        let h = self.cfg.hidden_size;
+        let residual = GemvOutput::AddTo(a.x.ptr());
+        let (qkv, o, gate_up, down) = (&layer.qkv, &layer.o, &layer.gate_up, &layer.down);
+        [
+            Gemv {
+                weight: qkv.weight.ptr(),
+                n: qkv.out_dim,
+                k: h,
+                input: self.residual_norm(&layer.input_norm, 0),
+                output: GemvOutput::Bf16(a.qkv.ptr()),
+                bias: 0,
+            },
+            Gemv {
+                weight: o.weight.ptr(),
+                n: h,
+                k: o.in_dim,
+                input: GemvInput::Bf16(a.attn.ptr()),
+                output: residual,
+                bias: o.bias_ptr(),
+            },
+            Gemv {
+                weight: gate_up.weight.ptr(),
+                n: gate_up.out_dim,
+                k: h,
+                input: self.residual_norm(&layer.post_norm, 0),
+                output: GemvOutput::SiluMul(a.act.ptr()),
+                bias: gate_up.bias_ptr(),
+            },
+            Gemv {
+                weight: down.weight.ptr(),
+                n: h,
+                k: down.in_dim,
+                input: GemvInput::Bf16(a.act.ptr()),
+                output: residual,
+                bias: down.bias_ptr(),
+            },
+        ]
+    }
+
+    /// The output head of a decode step, with the final RMSNorm of the rows that want logits.
+    pub fn head_projection(&self) -> Gemv {
+        Gemv {
+            weight: self.w.head().ptr(),
+            n: self.cfg.vocab_size,
+            k: self.cfg.hidden_size,
+            input: self.residual_norm(&self.w.norm, self.step.at(self.step.layout.rows)),
+            output: GemvOutput::F32(self.step.act.logits.ptr()),
+            bias: 0,
+        }
+    }
+}

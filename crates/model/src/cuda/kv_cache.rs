@@ -1,0 +1,180 @@
+//! The device KV cache, block-major as on the CPU (`tandem_compute::KvLayout`), and its
+//! page-locked host copy for the KV connector. It owns the cache's memory for the model's life;
+//! forwards write it, and the connector reads and writes blocks only through the copies here,
+//! on blocks the engine hands over.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use tandem_compute::cuda::{CudaDevice, DevBuf, Fence, PinnedRegion};
+use tandem_compute::{coalesce, KvDtype, KvLayout, KvRegion};
+
+use super::CudaOptions;
+use crate::config::ModelConfig;
+use crate::ModelError;
+
+/// Room kept free for cuBLAS and CUDA graphs when the cache is sized from memory.
+const RESERVE_BYTES: usize = 512 << 20;
+
+pub(super) struct DeviceKv {
+    pub cache: DevBuf<u16>,
+    pub layout: KvLayout,
+    /// The KV connector's host copy of the cache (P/D roles): the same bf16 bytes.
+    host: Option<Arc<KvRegion>>,
+    /// `host` page-locked while the cache lives.
+    _host_pinned: Option<PinnedRegion>,
+    /// Copies to the host queued by `queue_copy_to_host`, not yet waited on, by ticket (the last
+    /// one given out in `tickets`).
+    fences: VecDeque<(u64, Fence)>,
+    tickets: u64,
+}
+
+impl DeviceKv {
+    /// Allocates the cache: `opts.num_blocks`, or what `opts.memory_utilization` leaves after
+    /// everything allocated so far (weights, activations), capped by the host copy's size.
+    pub fn allocate(dev: &CudaDevice, cfg: &ModelConfig, opts: &CudaOptions) -> Result<Self, ModelError> {
+        let block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * opts.block_size * 2;
+        let num_blocks = match opts.num_blocks {
+            Some(n) => n,
+            None => {
+                let (free, total) = dev.memory()?;
+                let used = total - free;
+                let budget = (total as f64 * opts.memory_utilization) as usize;
+                budget.saturating_sub(used + RESERVE_BYTES) / block_bytes.max(1)
+            }
+        };
+        if num_blocks == 0 {
+            return Err(ModelError::Device(format!(
+                "no memory left for the KV cache on {} (raise --gpu-memory-utilization or lower --max-num-batched-tokens)",
+                dev.describe()
+            )));
+        }
+        // The host copy bounds the device cache.
+        let num_blocks = match opts.host_kv_bytes.map(|bytes| bytes / block_bytes.max(1)) {
+            Some(0) => {
+                return Err(ModelError::Device(format!(
+                    "the host KV copy holds no block of {block_bytes} bytes (raise --kv-host-gib)"
+                )))
+            }
+            Some(cap) if cap < num_blocks => {
+                tracing::info!(num_blocks, cap, "KV cache capped to what its host copy holds");
+                cap
+            }
+            _ => num_blocks,
+        };
+        let layout = KvLayout {
+            num_layers: cfg.num_layers,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size: opts.block_size,
+            num_blocks,
+        };
+        let cache = dev.zeros::<u16>(num_blocks * layout.block_elems())?;
+        let host = opts.host_kv_bytes.map(|_| KvRegion::host_copy(layout, KvDtype::Bf16));
+        let host_pinned = host.as_ref().and_then(|region| pin(dev, region));
+        tracing::info!(
+            num_blocks,
+            kv_tokens = num_blocks * opts.block_size,
+            kv_gib = format!("{:.2}", (num_blocks * block_bytes) as f64 / (1u64 << 30) as f64),
+            "KV cache on the GPU"
+        );
+        Ok(Self { cache, layout, host, _host_pinned: host_pinned, fences: VecDeque::new(), tickets: 0 })
+    }
+
+    /// The host copy the connector moves, if this cache has one.
+    pub fn region(&self) -> Option<Arc<KvRegion>> {
+        self.host.clone()
+    }
+
+    /// Queues the copy of `blocks` to the host copy behind everything on the stream (the
+    /// forwards that wrote them included); returns the ticket to wait on.
+    pub fn queue_copy_to_host(&mut self, dev: &CudaDevice, blocks: &[u32]) -> Result<Option<u64>, ModelError> {
+        self.tickets += 1;
+        let ticket = self.tickets;
+        // Copies nobody waited for (their request was aborted) are long done; keep few.
+        while self.fences.len() >= 64 {
+            if let Some((_, fence)) = self.fences.pop_front() {
+                fence.wait()?;
+            }
+        }
+        let Some(region) = &self.host else { return Ok(Some(ticket)) };
+        let n = self.layout.block_elems();
+        for run in coalesce(blocks) {
+            let (first, count) = (run.start as usize, run.len as usize);
+            check_run(&self.layout, first, count)?;
+            // Safety: the engine owns these blocks (the ModelRunner contract) and hands them to
+            // the connector only after `wait_copies_to_host`; the region is page-locked for the cache's
+            // life (`_host_pinned`), and the fence below is waited on before anyone reads it.
+            unsafe {
+                let dst: &mut [u16] = bytemuck::cast_slice_mut(region.bytes_mut(first, count));
+                dev.download_into_async(&self.cache, first * n, dst)?;
+            }
+        }
+        self.fences.push_back((ticket, dev.fence()?));
+        tracing::debug!(blocks = blocks.len(), ticket, "KV copy to the host copy queued behind the step");
+        Ok(Some(ticket))
+    }
+
+    /// Waits for every copy queued up to `ticket`.
+    pub fn wait_copies_to_host(&mut self, ticket: u64) -> Result<(), ModelError> {
+        while let Some((_, fence)) = self.fences.pop_front_if(|(t, _)| *t <= ticket) {
+            fence.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Loads `blocks` from the host copy, stream-ordered before the next forward.
+    pub fn load_from_host(&mut self, dev: &CudaDevice, blocks: &[u32]) -> Result<(), ModelError> {
+        let Some(region) = self.host.clone() else { return Ok(()) };
+        let started = std::time::Instant::now();
+        let n = self.layout.block_elems();
+        for run in coalesce(blocks) {
+            let (first, count) = (run.start as usize, run.len as usize);
+            check_run(&self.layout, first, count)?;
+            // Safety: the connector reported these blocks ready, so its writes are done and the
+            // engine owns them again (the ModelRunner contract).
+            let src: &[u16] = bytemuck::cast_slice(unsafe { region.bytes(first, count) });
+            dev.write(&mut self.cache, first * n, src)?;
+        }
+        tracing::debug!(
+            blocks = blocks.len(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "KV loaded from the host copy"
+        );
+        Ok(())
+    }
+}
+
+/// Page-locks the host copy: device <-> host copies then run at PCIe speed (pageable, a copy
+/// to a fresh region ran at about 1.3 GB/s on an H200 machine). If the OS refuses, copies still
+/// work, slower.
+fn pin(dev: &CudaDevice, region: &Arc<KvRegion>) -> Option<PinnedRegion> {
+    let t = std::time::Instant::now();
+    match dev.pin_region(region) {
+        Ok(pinned) => {
+            tracing::info!(
+                gib =
+                    format!("{:.2}", (region.block_bytes() * region.layout().num_blocks) as f64 / (1u64 << 30) as f64),
+                secs = format!("{:.1}", t.elapsed().as_secs_f64()),
+                "host KV copy page-locked"
+            );
+            Some(pinned)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "could not page-lock the host KV copy; its copies will be slower");
+            None
+        }
+    }
+}
+
+/// A run outside the cache is an engine bug; say so instead of panicking in the region.
+fn check_run(layout: &KvLayout, first: usize, count: usize) -> Result<(), ModelError> {
+    if first + count > layout.num_blocks {
+        return Err(ModelError::Device(format!(
+            "KV blocks {first}..{} are outside the cache of {} blocks",
+            first + count,
+            layout.num_blocks
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,325 @@
+//! The transformer on an NVIDIA GPU: bf16 weights and KV cache in device memory, cuBLAS for
+//! the projections, this project's kernels for the rest, sampling on the device, and decode
+//! steps replayed from CUDA graphs.
+//!
+//! The model is split by lifetime; each part owns its device memory:
+//! - [`weights`]: written once at load, read by every forward;
+//! - [`kv_cache`]: the KV cache and its host copy, written by forwards and (through the host
+//!   copy) by the KV connector, block by block as the engine hands blocks over;
+//! - [`step`]: activations and step metadata, rewritten every step;
+//! - [`plan`]: which decode kernels run, chosen once at load;
+//! - [`graphs`]: captured decode steps;
+//! - [`forward`]: the forward pass over them, `forward(&weights, &plan, &mut step, &mut kv)`.
+//!
+//! [`CudaModel`] ties them together and implements [`ModelRunner`].
+
+mod forward;
+mod graphs;
+mod kv_cache;
+mod plan;
+#[cfg(feature = "profile")]
+mod profile;
+mod step;
+mod weights;
+
+use std::sync::Arc;
+
+use tandem_compute::cuda::{CudaDevice, CudaError, CudaTuning};
+use tandem_compute::{KvLayout, KvRegion};
+
+use self::forward::forward;
+use self::graphs::DecodeGraphs;
+use self::kv_cache::DeviceKv;
+use self::plan::DecodePlan;
+use self::step::{attention_split_most, StepBuffers, StepCounts};
+use self::weights::Weights;
+use crate::config::ModelConfig;
+use crate::runner::{check_carried, ModelRunner, SampleSpec};
+use crate::source::ModelSpec;
+use crate::transformer::SeqBatch;
+use crate::ModelError;
+
+/// How to size a [`CudaModel`].
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    /// GPU index.
+    pub ordinal: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Most tokens in one forward (the engine's `max_num_batched_tokens`).
+    pub max_tokens: usize,
+    /// Most sequences in one forward (the engine's `max_num_seqs`).
+    pub max_seqs: usize,
+    /// Fraction of the GPU's memory this instance may use in total (weights, activations and
+    /// KV cache), like vLLM's `--gpu-memory-utilization`.
+    pub memory_utilization: f64,
+    /// Use exactly this many KV blocks instead of sizing from memory.
+    pub num_blocks: Option<usize>,
+    /// Replay decode steps from CUDA graphs, captured at load for every batch bucket (off:
+    /// launch every kernel each step).
+    pub cuda_graphs: bool,
+    /// Run decode steps of up to 8 tokens through the fused decode projections (RMSNorm,
+    /// SiLU and the residual add folded into hand-written GEMV kernels) instead of cuBLAS and
+    /// separate kernels. Off only to compare the two paths.
+    pub fused_decode: bool,
+    /// Keep a host copy of the KV cache for the KV connector (prefill and decode roles), of at
+    /// most this many bytes (bf16, as on the device): the device cache is capped to the blocks
+    /// the copy can hold. `None`: no copy, and no KV transfer.
+    pub host_kv_bytes: Option<usize>,
+    /// Kernel choices (defaults: the fastest measured).
+    pub tuning: CudaTuning,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            ordinal: 0,
+            block_size: 16,
+            max_tokens: 2048,
+            max_seqs: 64,
+            memory_utilization: 0.9,
+            num_blocks: None,
+            cuda_graphs: true,
+            fused_decode: true,
+            host_kv_bytes: None,
+            tuning: CudaTuning::default(),
+        }
+    }
+}
+
+impl From<CudaError> for ModelError {
+    fn from(e: CudaError) -> Self {
+        ModelError::Device(e.to_string())
+    }
+}
+
+/// The transformer on one GPU, with its KV cache.
+pub struct CudaModel {
+    dev: CudaDevice,
+    cfg: ModelConfig,
+    weights: Weights,
+    kv: DeviceKv,
+    step: StepBuffers,
+    plan: DecodePlan,
+    graphs: DecodeGraphs,
+    max_positions: usize,
+}
+
+impl CudaModel {
+    /// Builds the model on GPU `opts.ordinal`: a `preset:` model's seeded weights are generated
+    /// on the device; a checkpoint is read on the host, converted to bf16 and uploaded. Then
+    /// activations are allocated and the KV cache takes what `memory_utilization` leaves.
+    pub fn load(spec: &ModelSpec, opts: &CudaOptions) -> Result<Self, ModelError> {
+        Weights::check_config(&spec.config)?;
+        let dev = CudaDevice::open_tuned(opts.ordinal, opts.tuning.clone())?;
+        let cfg = spec.config.clone();
+        let weights = Weights::load(&dev, spec)?;
+        let plan = DecodePlan::choose(&dev, &cfg, opts.fused_decode, dev.tuning());
+        let step = StepBuffers::new(&dev, &cfg, opts.max_tokens, opts.max_seqs, opts.block_size, spec.max_model_len)?;
+        let kv = DeviceKv::allocate(&dev, &cfg, opts)?;
+        let graphs = DecodeGraphs::new(opts.cuda_graphs, step.max_seqs, step.max_tokens);
+        tracing::debug!(?plan, "decode plan");
+        let mut model = Self { dev, cfg, weights, kv, step, plan, graphs, max_positions: spec.max_model_len };
+        model.capture_decode_graphs()?;
+        Ok(model)
+    }
+
+    /// The device.
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    /// Bytes of weights one forward reads (bf16), the numerator of the decode floor.
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.bytes
+    }
+
+    /// Runs a forward and returns the f32 logits of the sequences with `want_logits` (for
+    /// tests and comparisons with the CPU backend; serving uses [`ModelRunner::execute`]).
+    pub fn forward_logits(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, ModelError> {
+        let rows = self.step.check_batch(token_ids, seqs)?;
+        self.step.fill(&self.dev, token_ids, seqs, None, &[])?;
+        self.forward(token_ids.len(), rows, None, true)?;
+        Ok(self.dev.read(&self.step.act.logits, rows * self.cfg.vocab_size)?)
+    }
+
+    fn forward(
+        &mut self,
+        t: usize,
+        rows: usize,
+        counts: Option<StepCounts>,
+        allow_fused: bool,
+    ) -> Result<(), ModelError> {
+        forward(
+            &self.dev,
+            &self.cfg,
+            &self.weights,
+            &self.plan,
+            &mut self.step,
+            &mut self.kv,
+            t,
+            rows,
+            counts,
+            allow_fused,
+        )
+    }
+
+    /// Captures the decode graph of every batch bucket now. Capturing records launches without
+    /// running them: nothing is read or written.
+    fn capture_decode_graphs(&mut self) -> Result<(), ModelError> {
+        if !self.graphs.enabled() {
+            return Ok(());
+        }
+        // Weight generation and cache set-up finish first; captures then start on an idle stream.
+        self.dev.synchronize()?;
+        let started = std::time::Instant::now();
+        let buckets = self.graphs.buckets();
+        for &bucket in &buckets {
+            self.capture_graph(bucket, false)?;
+            if attention_split_most(bucket) > 1 {
+                self.capture_graph(bucket, true)?;
+            }
+        }
+        tracing::info!(buckets = ?buckets, ms = started.elapsed().as_millis() as u64, "captured the decode CUDA graphs");
+        Ok(())
+    }
+
+    /// Captures the decode graph for `bucket` sequences, unless it exists.
+    fn capture_graph(&mut self, bucket: usize, split: bool) -> Result<(), ModelError> {
+        if self.graphs.get(bucket, split).is_some() {
+            return Ok(());
+        }
+        let counts = StepCounts { decode: bucket, work: 0, one_token_each: true, split };
+        let graph_layout = self.step.graph_layout(bucket);
+        let step_layout = std::mem::replace(&mut self.step.layout, graph_layout);
+        self.dev.begin_capture()?;
+        let captured = self.forward(bucket, bucket, Some(counts), true);
+        // End the capture even if a launch failed, so the stream is usable again.
+        let graph = self.dev.end_capture();
+        self.step.layout = step_layout;
+        captured?;
+        self.graphs.insert(bucket, split, graph?);
+        Ok(())
+    }
+
+    /// Replays the decode graph for `bucket` and the prepared step's attention split.
+    fn run_graph(&mut self, bucket: usize) -> Result<(), ModelError> {
+        let split = self.step.counts.split;
+        self.capture_graph(bucket, split)?;
+        if let Some(g) = self.graphs.get(bucket, split) {
+            g.launch()?;
+        }
+        Ok(())
+    }
+
+    /// Queues one step up to its sampling kernels: metadata upload, the forward (a decode
+    /// graph where one fits) and the sampler writing the step's tokens. A carried token (see
+    /// `crate::runner::CARRIED_TOKEN`) must name a row the previous step sampled.
+    fn launch_step(
+        &mut self,
+        token_ids: &[u32],
+        seqs: &[SeqBatch<'_>],
+        samples: &[SampleSpec],
+    ) -> Result<(), ModelError> {
+        let rows = self.step.check_batch(token_ids, seqs)?;
+        if rows != samples.len() {
+            return Err(ModelError::Device(format!("{rows} sequences sample but {} sample specs", samples.len())));
+        }
+        check_carried(token_ids, self.step.last_rows)?;
+        match self.graphs.bucket_for(token_ids, seqs) {
+            Some(bucket) => {
+                self.step.fill(&self.dev, token_ids, seqs, Some(bucket), samples)?;
+                self.run_graph(bucket)?;
+            }
+            None => {
+                self.step.fill(&self.dev, token_ids, seqs, None, samples)?;
+                self.forward(token_ids.len(), rows, None, true)?;
+            }
+        }
+        self.step.launch_sampling(&self.dev, self.cfg.vocab_size, samples)?;
+        self.step.last_rows = rows;
+        Ok(())
+    }
+}
+
+impl ModelRunner for CudaModel {
+    fn describe(&self) -> String {
+        format!("{} bf16", self.dev.describe())
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    fn kv_layout(&self) -> KvLayout {
+        self.kv.layout
+    }
+
+    fn kv_region(&self) -> Option<Arc<KvRegion>> {
+        self.kv.region()
+    }
+
+    fn kv_to_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
+        let started = std::time::Instant::now();
+        // The copy queued behind everything on the stream (the forwards that wrote these blocks
+        // included), then waited for: the engine loop waits here.
+        if let Some(ticket) = self.kv_to_host_queue(blocks)? {
+            self.kv_to_host_wait(ticket)?;
+        }
+        tracing::debug!(
+            blocks = blocks.len(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "KV copied to the host copy"
+        );
+        Ok(())
+    }
+
+    fn kv_to_host_queue(&mut self, blocks: &[u32]) -> Result<Option<u64>, ModelError> {
+        self.kv.queue_copy_to_host(&self.dev, blocks)
+    }
+
+    fn kv_to_host_wait(&mut self, ticket: u64) -> Result<(), ModelError> {
+        self.kv.wait_copies_to_host(ticket)
+    }
+
+    fn kv_from_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
+        self.kv.load_from_host(&self.dev, blocks)
+    }
+
+    fn fingerprint(&self) -> String {
+        self.weights.fingerprint.clone()
+    }
+
+    fn execute(
+        &mut self,
+        token_ids: &[u32],
+        seqs: &[SeqBatch<'_>],
+        samples: &[SampleSpec],
+    ) -> Result<Vec<u32>, ModelError> {
+        if self.step.has_pending() {
+            return Err(ModelError::Pipeline("a step runs alone while submitted steps await collection".into()));
+        }
+        self.launch_step(token_ids, seqs, samples)?;
+        self.step.read_tokens(&self.dev, self.cfg.vocab_size, samples.len())
+    }
+
+    fn can_pipeline(&self) -> bool {
+        true
+    }
+
+    fn submit(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>], samples: &[SampleSpec]) -> Result<(), ModelError> {
+        if !self.step.can_queue() {
+            return Err(ModelError::Pipeline("two steps are already outstanding".into()));
+        }
+        self.launch_step(token_ids, seqs, samples)?;
+        self.step.queue_tokens(&self.dev, samples.len())
+    }
+
+    fn collect(&mut self) -> Result<Vec<u32>, ModelError> {
+        self.step.collect_tokens(self.cfg.vocab_size)
+    }
+}

@@ -1,0 +1,634 @@
+//! What one step needs besides the weights and the cache: the activations, the step metadata
+//! (token ids, positions, cache slots, block tables, work lists and sampling parameters, laid
+//! out in one device buffer and uploaded with one copy), and the page-locked copies that let a
+//! step's upload and its sampled tokens' download overlap the previous step.
+
+use std::collections::VecDeque;
+
+use tandem_compute::cuda::ops::{self, AttnMeta, PrefillSeqs, FLASH_ROWS};
+use tandem_compute::cuda::{CudaDevice, DevBuf, HostStaging};
+
+use crate::config::ModelConfig;
+use crate::runner::SampleSpec;
+use crate::transformer::SeqBatch;
+use crate::ModelError;
+
+/// Per-step buffers, sized at load for the engine's largest step.
+pub(super) struct StepBuffers {
+    pub act: Activations,
+    pub meta: DevBuf<i32>,
+    /// The layout the current step (or graph capture) uses: `full_layout`, or a decode graph's
+    /// own ([`StepBuffers::graph_layout`]).
+    pub layout: MetaLayout,
+    /// Sized for `max_tokens` tokens: any step.
+    full_layout: MetaLayout,
+    host: Vec<i32>,
+    /// Page-locked copies of the header, alternating, so its upload returns at once even while
+    /// the previous step runs.
+    staging: [HostStaging<i32>; 2],
+    /// Which header copy the next upload uses.
+    turn: usize,
+    /// Page-locked landing places of the sampled tokens, alternating between pipelined steps.
+    token_staging: [HostStaging<i32>; 2],
+    /// Submitted steps whose tokens are not collected yet: (token staging slot, rows).
+    pending: VecDeque<(usize, usize)>,
+    /// Rows the last step sampled (what a carried token may name).
+    pub last_rows: usize,
+    /// The prepared step's work counts.
+    pub counts: StepCounts,
+    limits: MetaLimits,
+    pub max_tokens: usize,
+    pub max_seqs: usize,
+}
+
+impl StepBuffers {
+    /// Buffers for steps of up to `max_tokens` tokens over `max_seqs` sequences, positions up
+    /// to `max_positions`.
+    pub fn new(
+        dev: &CudaDevice,
+        cfg: &ModelConfig,
+        max_tokens: usize,
+        max_seqs: usize,
+        block_size: usize,
+        max_positions: usize,
+    ) -> Result<Self, ModelError> {
+        let max_tokens = max_tokens.max(max_seqs).max(1);
+        let max_seqs = max_seqs.max(1);
+        let (t, h, i) = (max_tokens, cfg.hidden_size, cfg.intermediate_size);
+        let (q_dim, kv_dim) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+        let act = Activations {
+            x: dev.zeros(t * h)?,
+            normed: dev.zeros(t * h)?,
+            qkv: dev.zeros(t * (q_dim + 2 * kv_dim))?,
+            q: dev.zeros(t * q_dim)?,
+            attn: dev.zeros(t * q_dim)?,
+            proj: dev.zeros(t * h)?,
+            gate_up: dev.zeros(t * 2 * i)?,
+            act: dev.zeros(t * i)?,
+            last: dev.zeros(max_seqs * h)?,
+            logits: dev.zeros(max_seqs * cfg.vocab_size)?,
+            tokens: dev.zeros(max_seqs)?,
+            bans: dev.zeros(1024)?,
+            sample_scratch: dev.zeros(ops::sample_scratch_len(max_seqs))?,
+            attn_part: dev.zeros(ops::attention_split_floats(16, cfg.num_heads, cfg.head_dim, 1))?,
+        };
+        let table_width = max_positions.div_ceil(block_size).max(1);
+        let layout = MetaLayout::new(max_tokens, max_seqs);
+        let meta = dev.zeros(layout.tables + max_seqs * table_width)?;
+        Ok(Self {
+            staging: [dev.host_staging(meta.len())?, dev.host_staging(meta.len())?],
+            token_staging: [dev.host_staging(max_seqs)?, dev.host_staging(max_seqs)?],
+            act,
+            meta,
+            layout,
+            full_layout: layout,
+            host: vec![0; layout.tables],
+            turn: 0,
+            pending: VecDeque::new(),
+            last_rows: 0,
+            counts: StepCounts::default(),
+            limits: MetaLimits { block_size, max_positions, table_width, flash: ops::flash_supported(cfg.head_dim) },
+            max_tokens,
+            max_seqs,
+        })
+    }
+
+    /// The number of logit rows of a batch, after checking it fits these buffers.
+    pub fn check_batch(&self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Result<usize, ModelError> {
+        if token_ids.len() > self.max_tokens || seqs.len() > self.max_seqs {
+            return Err(ModelError::Device(format!(
+                "batch of {} tokens / {} sequences exceeds this GPU instance's {} / {}",
+                token_ids.len(),
+                seqs.len(),
+                self.max_tokens,
+                self.max_seqs
+            )));
+        }
+        Ok(seqs.iter().filter(|s| s.want_logits && s.num_tokens > 0).count())
+    }
+
+    /// The metadata layout of the decode graph for `bucket`: sized for `bucket` tokens, so a
+    /// decode step uploads a few KB of header instead of one sized for the largest prefill
+    /// (85 KB at a 4096-token limit) every step. Its steps define every entry the graph reads
+    /// (padding rows included).
+    pub fn graph_layout(&self, bucket: usize) -> MetaLayout {
+        MetaLayout::new(bucket, self.max_seqs)
+    }
+
+    /// Writes the metadata for the real batch, with the sampling parameters of `samples` (one
+    /// per logit row, or none), all in one upload, in the layout the step runs with: for the
+    /// decode graph of `graph_bucket`, its own layout, tokens and sequences padded to the bucket
+    /// with rows that write nothing and read block 0; otherwise the full layout.
+    pub fn fill(
+        &mut self,
+        dev: &CudaDevice,
+        token_ids: &[u32],
+        seqs: &[SeqBatch<'_>],
+        graph_bucket: Option<usize>,
+        samples: &[SampleSpec],
+    ) -> Result<(), ModelError> {
+        let (padded_tokens, padded_seqs) = graph_bucket.map_or((token_ids.len(), seqs.len()), |b| (b, b));
+        self.layout = graph_bucket.map_or(self.full_layout, |b| self.graph_layout(b));
+        let m = self.layout;
+        if padded_tokens.max(token_ids.len()) > m.token_capacity() {
+            return Err(ModelError::Device(format!(
+                "{} tokens for a metadata layout of {}",
+                padded_tokens.max(token_ids.len()),
+                m.token_capacity()
+            )));
+        }
+        if samples.len() > self.max_seqs {
+            return Err(ModelError::Device(format!("{} sample specs for {} sequences", samples.len(), self.max_seqs)));
+        }
+        self.host.resize(m.tables, 0);
+        let (tables, counts) =
+            build_meta(&m, &mut self.host, &self.limits, token_ids, seqs, padded_tokens, padded_seqs)?;
+        self.counts = counts;
+        put_sampling(&m, &mut self.host, samples);
+        // The block tables follow the fixed part: one copy for both (each copy costs the engine
+        // thread a driver call and the stream a transfer).
+        self.host.extend_from_slice(&tables);
+        let written = self.upload(dev);
+        self.host.truncate(m.tables);
+        written
+    }
+
+    /// Queues the upload of `host` through the next page-locked copy (waiting only if the
+    /// upload two steps back has not run yet).
+    fn upload(&mut self, dev: &CudaDevice) -> Result<(), ModelError> {
+        let n = self.host.len();
+        let staging = &mut self.staging[self.turn];
+        if n > staging.len() || n > self.meta.len() {
+            return Err(ModelError::Device(format!("{n} metadata entries for a buffer of {}", self.meta.len())));
+        }
+        staging.host_mut()?[..n].copy_from_slice(&self.host);
+        dev.upload_async(&self.meta, 0, staging, n)?;
+        self.turn = (self.turn + 1) % self.staging.len();
+        Ok(())
+    }
+
+    /// The address of metadata entry `offset` (an offset of [`StepBuffers::layout`]).
+    pub fn at(&self, offset: usize) -> u64 {
+        self.meta.ptr_at(offset)
+    }
+
+    pub fn attn_meta(&self) -> AttnMeta {
+        let m = self.layout;
+        AttnMeta {
+            positions: self.at(m.positions),
+            tok_seq: self.at(m.tok_seq),
+            block_tables: self.at(m.tables),
+            stride: self.at(m.stride),
+        }
+    }
+
+    pub fn prefill_seqs(&self, counts: StepCounts) -> PrefillSeqs {
+        let m = self.layout;
+        PrefillSeqs {
+            work: self.at(m.work),
+            num_items: counts.work,
+            seq_tok: self.at(m.seq_tok),
+            seq_len: self.at(m.seq_len),
+            seq_pos: self.at(m.seq_pos),
+        }
+    }
+
+    /// Queues the sampling of `specs.len()` rows of logits into `act.tokens`. Their parameters
+    /// went up with the step's metadata ([`StepBuffers::fill`]); banned ids go up here.
+    pub fn launch_sampling(&mut self, dev: &CudaDevice, vocab: usize, specs: &[SampleSpec]) -> Result<(), ModelError> {
+        let mut ban_rows = Vec::new();
+        let mut ban_toks = Vec::new();
+        for (r, s) in specs.iter().enumerate() {
+            for &b in &s.banned {
+                ban_rows.push(r as i32);
+                ban_toks.push(b as i32);
+            }
+        }
+        let nb = ban_rows.len();
+        let a = &mut self.act;
+        if nb > 0 {
+            if 2 * nb > a.bans.len() {
+                a.bans = dev.zeros(4 * nb)?;
+            }
+            ban_rows.extend(ban_toks);
+            dev.write(&mut a.bans, 0, &ban_rows)?;
+            ops::ban_tokens(dev, a.logits.ptr(), vocab, a.bans.ptr(), a.bans.ptr_at(nb), nb)?;
+        }
+        ops::sample_rows(
+            dev,
+            a.logits.ptr(),
+            vocab,
+            self.meta.ptr_at(self.layout.params),
+            self.meta.ptr_at(self.layout.top_k),
+            a.tokens.ptr(),
+            specs.len(),
+            Some((a.sample_scratch.ptr(), self.max_seqs)),
+        )?;
+        Ok(())
+    }
+
+    /// Reads back the `rows` tokens the last step sampled (waits for the step).
+    pub fn read_tokens(&self, dev: &CudaDevice, vocab: usize, rows: usize) -> Result<Vec<u32>, ModelError> {
+        let tokens = dev.read(&self.act.tokens, rows)?;
+        Ok(tokens.into_iter().map(|t| t.clamp(0, vocab as i32 - 1) as u32).collect())
+    }
+
+    /// Whether a submitted step's tokens are still to be collected.
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Whether another step's tokens can be queued (two may be outstanding).
+    pub fn can_queue(&self) -> bool {
+        self.pending.len() < self.token_staging.len()
+    }
+
+    /// Queues the download of the last step's `rows` sampled tokens into the next free
+    /// page-locked landing place.
+    pub fn queue_tokens(&mut self, dev: &CudaDevice, rows: usize) -> Result<(), ModelError> {
+        if !self.can_queue() {
+            return Err(ModelError::Pipeline("two steps are already outstanding".into()));
+        }
+        let slot = self.pending.back().map_or(0, |&(s, _)| (s + 1) % self.token_staging.len());
+        dev.download_async(&self.act.tokens, rows, &mut self.token_staging[slot])?;
+        self.pending.push_back((slot, rows));
+        Ok(())
+    }
+
+    /// The tokens of the oldest submitted step (waits for its download).
+    pub fn collect_tokens(&mut self, vocab: usize) -> Result<Vec<u32>, ModelError> {
+        let (slot, rows) =
+            self.pending.pop_front().ok_or_else(|| ModelError::Pipeline("no step was submitted".into()))?;
+        let tokens = self.token_staging[slot].host()?;
+        Ok(tokens[..rows].iter().map(|&t| t.clamp(0, vocab as i32 - 1) as u32).collect())
+    }
+}
+
+/// Per-step activations, sized for `max_tokens` tokens and `max_seqs` sequences.
+pub(super) struct Activations {
+    pub x: DevBuf<f32>,
+    pub normed: DevBuf<u16>,
+    pub qkv: DevBuf<u16>,
+    pub q: DevBuf<u16>,
+    pub attn: DevBuf<u16>,
+    /// Attention and MLP outputs (bf16, rounded as transformers rounds its projections).
+    pub proj: DevBuf<u16>,
+    pub gate_up: DevBuf<u16>,
+    pub act: DevBuf<u16>,
+    pub last: DevBuf<u16>,
+    pub logits: DevBuf<f32>,
+    pub tokens: DevBuf<i32>,
+    pub bans: DevBuf<i32>,
+    /// Counters and partial bests of greedy rows whose scan several blocks share
+    /// ([`ops::sample_rows`]).
+    pub sample_scratch: DevBuf<i32>,
+    /// Partials of split row attention (at most 16 token ranges per head in all).
+    pub attn_part: DevBuf<f32>,
+}
+
+/// Offsets (in ints) of the step metadata inside one device buffer, so each step uploads it
+/// with one copy (the sampling parameters too) and CUDA graphs see fixed addresses.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct MetaLayout {
+    pub stride: usize,
+    pub tokens: usize,
+    pub positions: usize,
+    pub slots: usize,
+    pub tok_seq: usize,
+    pub decode_list: usize,
+    pub work: usize,
+    pub rows: usize,
+    pub seq_tok: usize,
+    pub seq_len: usize,
+    pub seq_pos: usize,
+    pub top_k: usize,
+    /// Per sequence (temperature, top_p, uniform draw) as f32 bits, read by the sampler as f32.
+    pub params: usize,
+    /// End of the fixed part; the block tables follow.
+    pub tables: usize,
+}
+
+impl MetaLayout {
+    pub fn new(max_tokens: usize, max_seqs: usize) -> Self {
+        let (t, s) = (max_tokens, max_seqs);
+        let tokens = 4;
+        let positions = tokens + t;
+        let slots = positions + t;
+        let tok_seq = slots + t;
+        let decode_list = tok_seq + t;
+        let work = decode_list + t;
+        let rows = work + 2 * (t.div_ceil(FLASH_ROWS) + s);
+        let seq_tok = rows + s;
+        let seq_len = seq_tok + s;
+        let seq_pos = seq_len + s;
+        let top_k = seq_pos + s;
+        let params = top_k + s;
+        let tables = params + 3 * s;
+        Self {
+            stride: 0,
+            tokens,
+            positions,
+            slots,
+            tok_seq,
+            decode_list,
+            work,
+            rows,
+            seq_tok,
+            seq_len,
+            seq_pos,
+            top_k,
+            params,
+            tables,
+        }
+    }
+
+    /// Tokens its per-token regions hold.
+    fn token_capacity(&self) -> usize {
+        self.positions - self.tokens
+    }
+}
+
+/// What the step metadata is checked against.
+#[derive(Clone, Copy, Debug)]
+struct MetaLimits {
+    block_size: usize,
+    max_positions: usize,
+    table_width: usize,
+    /// Whether multi-token chunks go to the tensor-core prefill kernel (else the row kernel).
+    flash: bool,
+}
+
+/// Puts the sampling parameters of `samples` (row r: top-k, then temperature, top-p and the
+/// uniform draw as f32 bits) into the metadata header.
+fn put_sampling(m: &MetaLayout, header: &mut [i32], samples: &[SampleSpec]) {
+    for (r, s) in samples.iter().enumerate() {
+        header[m.top_k + r] = s.top_k.min(i32::MAX as u32) as i32;
+        let params = [s.temperature, s.top_p, s.uniform.clamp(0.0, 0.999_999_9)];
+        for (i, p) in params.into_iter().enumerate() {
+            header[m.params + 3 * r + i] = p.to_bits() as i32;
+        }
+    }
+}
+
+/// Fills the fixed part of the step metadata (`header`, laid out by `m`) for a batch, padded
+/// with rows that write no KV and read block 0 up to `padded_tokens` tokens and
+/// `padded_seqs` sequences, and returns the block tables (`padded_seqs` rows of the batch's
+/// widest table) and the kernels' work counts. Host-side only, so it is tested without a GPU.
+fn build_meta(
+    m: &MetaLayout,
+    header: &mut [i32],
+    limits: &MetaLimits,
+    token_ids: &[u32],
+    seqs: &[SeqBatch<'_>],
+    padded_tokens: usize,
+    padded_seqs: usize,
+) -> Result<(Vec<i32>, StepCounts), ModelError> {
+    let bs = limits.block_size;
+    let width = seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(1).max(1);
+    if width > limits.table_width {
+        return Err(ModelError::Device(format!("block table of {width} blocks exceeds {}", limits.table_width)));
+    }
+    let hm = header;
+    hm[m.stride] = width as i32;
+    let mut tables = vec![0i32; padded_seqs.max(seqs.len()).max(1) * width];
+    let mut n_decode = 0;
+    let mut n_work = 0;
+    let mut n_rows = 0;
+    for (si, s) in seqs.iter().enumerate() {
+        if s.token_start + s.num_tokens > token_ids.len() {
+            return Err(ModelError::Device(format!("sequence {si} runs past the batch's {} tokens", token_ids.len())));
+        }
+        for (j, &b) in s.block_table.iter().enumerate() {
+            tables[si * width + j] = b as i32;
+        }
+        hm[m.seq_tok + si] = s.token_start as i32;
+        hm[m.seq_len + si] = s.num_tokens as i32;
+        hm[m.seq_pos + si] = s.first_pos as i32;
+        for k in 0..s.num_tokens {
+            let t = s.token_start + k;
+            let pos = s.first_pos + k;
+            if pos >= limits.max_positions || pos / bs >= s.block_table.len() {
+                return Err(ModelError::Device(format!("position {pos} outside the block table or RoPE table")));
+            }
+            hm[m.tokens + t] = token_ids[t] as i32;
+            hm[m.positions + t] = pos as i32;
+            hm[m.slots + t] = (s.block_table[pos / bs] as usize * bs + pos % bs) as i32;
+            hm[m.tok_seq + t] = si as i32;
+        }
+        if limits.flash && s.num_tokens > 1 {
+            // Latest tiles first: they see the most keys, and starting the longest work first
+            // keeps the last wave short.
+            for q0 in (0..s.num_tokens).step_by(FLASH_ROWS).rev() {
+                hm[m.work + 2 * n_work] = si as i32;
+                hm[m.work + 2 * n_work + 1] = q0 as i32;
+                n_work += 1;
+            }
+        } else {
+            for k in 0..s.num_tokens {
+                hm[m.decode_list + n_decode] = (s.token_start + k) as i32;
+                n_decode += 1;
+            }
+        }
+        if s.want_logits && s.num_tokens > 0 {
+            hm[m.rows + n_rows] = (s.token_start + s.num_tokens - 1) as i32;
+            n_rows += 1;
+        }
+    }
+    for t in token_ids.len()..padded_tokens {
+        hm[m.tokens + t] = 0;
+        hm[m.positions + t] = 0;
+        hm[m.slots + t] = -1;
+        hm[m.tok_seq + t] = t as i32;
+        hm[m.decode_list + n_decode] = t as i32;
+        n_decode += 1;
+        hm[m.rows + n_rows] = t as i32;
+        n_rows += 1;
+    }
+    let one_token_each = seqs.iter().all(|s| s.num_tokens <= 1);
+    // Split the row attention when a listed token's context is long enough to take two ranges.
+    let longest = (0..n_decode).map(|i| hm[m.positions + hm[m.decode_list + i] as usize] as usize + 1).max();
+    let split = attention_split_most(n_decode) > 1 && longest.is_some_and(|ctx| ctx > SPLIT_KEYS);
+    Ok((tables, StepCounts { decode: n_decode, work: n_work, one_token_each, split }))
+}
+
+/// Counts of the last prepared step.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct StepCounts {
+    /// Tokens for the row-wise attention kernel.
+    pub decode: usize,
+    /// Work items for the tensor-core prefill kernel.
+    pub work: usize,
+    /// Every sequence brings at most one token (a pure decode step).
+    pub one_token_each: bool,
+    /// The row-wise attention splits long contexts over several blocks ([`attention_split_most`]).
+    pub split: bool,
+}
+
+/// Keys per range of a split decode attention before a token's context gets another range.
+pub(super) const SPLIT_KEYS: usize = 256;
+
+/// Most key ranges per token for a row-attention launch over `decode` tokens: enough blocks
+/// for about 16 ranges' worth per head in all, so batch 1 splits up to 16 ways and batches of
+/// 16 or more not at all. Taken on the power of two at or above `decode`, so a CUDA-graph
+/// step (padded to its bucket) and the same step launched kernel by kernel agree.
+pub(super) fn attention_split_most(decode: usize) -> usize {
+    (16 / decode.max(1).next_power_of_two()).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(flash: bool) -> MetaLimits {
+        MetaLimits { block_size: 4, max_positions: 1000, table_width: 64, flash }
+    }
+
+    #[test]
+    fn meta_maps_positions_to_slots_and_splits_prefill_from_decode() {
+        let m = MetaLayout::new(256, 8);
+        let mut header = vec![0; m.tables];
+        let (t0, t1) = (vec![7u32, 3], vec![2u32, 9, 5, 1, 6, 8, 4, 0, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]);
+        // A decode token at position 5 and a 70-token chunk continuing at position 6.
+        let ids: Vec<u32> = std::iter::once(42).chain(0..70).collect();
+        let seqs = [
+            SeqBatch { token_start: 0, num_tokens: 1, first_pos: 5, block_table: &t0, want_logits: true },
+            SeqBatch { token_start: 1, num_tokens: 70, first_pos: 6, block_table: &t1, want_logits: true },
+        ];
+        let (tables, counts) = build_meta(&m, &mut header, &limits(true), &ids, &seqs, ids.len(), 2).unwrap();
+        assert_eq!(header[m.stride], t1.len() as i32);
+        assert_eq!(&tables[..2], &[7, 3]);
+        assert_eq!(tables[t1.len()], 2);
+        // Position 5 of sequence 0 is block t0[1] = 3, slot 1.
+        assert_eq!(header[m.slots], 3 * 4 + 1);
+        // Token 1 is position 6 of sequence 1: block t1[1] = 9, slot 2; token 70 is position 75.
+        assert_eq!(header[m.slots + 1], 9 * 4 + 2);
+        assert_eq!(header[m.positions + 70], 75);
+        assert_eq!(header[m.slots + 70], t1[75 / 4] as i32 * 4 + 3);
+        // The decode token goes to the row kernel, the chunk to two tensor-core tiles, latest first.
+        assert_eq!(counts.decode, 1);
+        assert_eq!(header[m.decode_list], 0);
+        assert_eq!(counts.work, 2);
+        assert_eq!(&header[m.work..m.work + 4], &[1, 64, 1, 0]);
+        // Logits come from each sequence's last token.
+        assert_eq!(&header[m.rows..m.rows + 2], &[0, 70]);
+        // Without the tensor-core kernel every token goes to the row kernel.
+        let (_, counts) = build_meta(&m, &mut header, &limits(false), &ids, &seqs, ids.len(), 2).unwrap();
+        assert_eq!((counts.decode, counts.work), (71, 0));
+    }
+
+    #[test]
+    fn sampling_parameters_ride_in_the_metadata_header() {
+        let m = MetaLayout::new(64, 3);
+        // Every region lies inside the header, none overlapping the next.
+        let regions = [
+            (m.stride, 1),
+            (m.tokens, 64),
+            (m.positions, 64),
+            (m.slots, 64),
+            (m.tok_seq, 64),
+            (m.decode_list, 64),
+            (m.work, 2 * (64usize.div_ceil(FLASH_ROWS) + 3)),
+            (m.rows, 3),
+            (m.seq_tok, 3),
+            (m.seq_len, 3),
+            (m.seq_pos, 3),
+            (m.top_k, 3),
+            (m.params, 9),
+        ];
+        for w in regions.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{:?} runs into {:?}", w[0], w[1]);
+        }
+        assert_eq!(m.params + 9, m.tables);
+        let mut header = vec![-7; m.tables];
+        let top = SampleSpec { temperature: 0.7, top_k: 40, top_p: 0.9, uniform: 1.5, banned: vec![2] };
+        let huge = SampleSpec { top_k: u32::MAX, ..SampleSpec::greedy() };
+        put_sampling(&m, &mut header, &[top, huge]);
+        assert_eq!(&header[m.top_k..m.top_k + 3], &[40, i32::MAX, -7]);
+        let param = |i: usize| f32::from_bits(header[m.params + i] as u32);
+        // The draw stays below 1 (the kernel's walk needs a target inside the mass).
+        assert_eq!([param(0), param(1), param(2)], [0.7, 0.9, 0.999_999_9]);
+        assert_eq!([param(3), param(4), param(5)], [0.0, 1.0, 0.0]);
+        assert_eq!(header[m.params + 6], -7, "a row without a spec is left alone");
+    }
+
+    #[test]
+    fn a_decode_graph_step_defines_everything_its_graph_reads() {
+        // A bucket's layout is shared with other steps' leftovers (other layouts write other
+        // offsets of the same buffer): a graph step must set every entry its kernels read.
+        let m = MetaLayout::new(4, 8);
+        assert!(m.tables < MetaLayout::new(4096, 8).tables / 100, "the bucket's header is small");
+        let stale = i32::MIN;
+        let mut header = vec![stale; m.tables];
+        let (ta, tb) = ([5u32, 6], [9u32]);
+        let seqs = [
+            SeqBatch { token_start: 0, num_tokens: 1, first_pos: 6, block_table: &ta, want_logits: true },
+            SeqBatch { token_start: 1, num_tokens: 1, first_pos: 2, block_table: &tb, want_logits: true },
+        ];
+        let (tables, counts) = build_meta(&m, &mut header, &limits(true), &[3, 4], &seqs, 4, 4).unwrap();
+        assert_eq!((counts.decode, counts.work), (4, 0));
+        assert_ne!(header[m.stride], stale);
+        for region in [m.tokens, m.positions, m.slots, m.tok_seq, m.decode_list, m.rows] {
+            assert!(header[region..region + 4].iter().all(|&v| v != stale), "region at {region}: {header:?}");
+        }
+        assert_eq!(tables.len(), 4 * 2, "a table row for every padded sequence");
+    }
+
+    #[test]
+    fn graph_padding_writes_nothing_and_reads_block_zero() {
+        let m = MetaLayout::new(16, 8);
+        let mut header = vec![0; m.tables];
+        let table = [5u32, 6];
+        let seqs = [SeqBatch { token_start: 0, num_tokens: 1, first_pos: 6, block_table: &table, want_logits: true }];
+        let (tables, counts) = build_meta(&m, &mut header, &limits(true), &[9], &seqs, 4, 4).unwrap();
+        assert_eq!(counts.decode, 4);
+        for t in 1..4 {
+            assert_eq!(header[m.slots + t], -1, "padding row {t} must not write KV");
+            assert_eq!(header[m.positions + t], 0);
+            assert_eq!(header[m.tok_seq + t], t as i32);
+            assert_eq!(&tables[t * 2..t * 2 + 2], &[0, 0]);
+        }
+        assert_eq!(&header[m.rows..m.rows + 4], &[0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn long_decode_contexts_split_the_row_attention_at_small_batches() {
+        let m = MetaLayout::new(64, 32);
+        let mut header = vec![0; m.tables];
+        let table: Vec<u32> = (0..100).collect();
+        let limits = MetaLimits { block_size: 4, max_positions: 1000, table_width: 100, flash: true };
+        let step = |header: &mut Vec<i32>, pos: usize, seqs_n: usize| {
+            let seqs: Vec<SeqBatch<'_>> = (0..seqs_n)
+                .map(|i| SeqBatch {
+                    token_start: i,
+                    num_tokens: 1,
+                    first_pos: pos,
+                    block_table: &table,
+                    want_logits: true,
+                })
+                .collect();
+            let ids = vec![1u32; seqs_n];
+            build_meta(&m, header, &limits, &ids, &seqs, seqs_n, seqs_n).unwrap().1
+        };
+        // Context SPLIT_KEYS (position SPLIT_KEYS - 1) fits one range; one more key takes two.
+        assert!(!step(&mut header, SPLIT_KEYS - 1, 1).split);
+        assert!(step(&mut header, SPLIT_KEYS, 1).split);
+        assert!(step(&mut header, SPLIT_KEYS, 8).split);
+        // From 16 sequences on, one block per head is already plenty.
+        assert!(!step(&mut header, SPLIT_KEYS, 16).split);
+        assert_eq!(
+            (1..=16).map(attention_split_most).collect::<Vec<_>>(),
+            [16, 8, 4, 4, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1]
+        );
+    }
+
+    #[test]
+    fn meta_refuses_positions_outside_the_tables() {
+        let m = MetaLayout::new(16, 8);
+        let mut header = vec![0; m.tables];
+        let table = [1u32];
+        let seqs = [SeqBatch { token_start: 0, num_tokens: 1, first_pos: 4, block_table: &table, want_logits: true }];
+        assert!(build_meta(&m, &mut header, &limits(true), &[1], &seqs, 1, 1).is_err());
+        let short = [SeqBatch { token_start: 0, num_tokens: 3, first_pos: 0, block_table: &table, want_logits: true }];
+        assert!(build_meta(&m, &mut header, &limits(true), &[1], &short, 1, 1).is_err());
+    }
+}

@@ -1,0 +1,279 @@
+//! The model's weights on the device: uploaded (or generated, for a preset) once at load and
+//! never written again. Q/k/v and gate/up are stacked row-wise, as on the CPU backend; gate/up
+//! rows are then interleaved for the fused decode projection.
+
+use std::collections::HashMap;
+
+use tandem_compute::cpu::RopeTable;
+use tandem_compute::cuda::{ops, CudaDevice, DevBuf};
+
+use crate::config::ModelConfig;
+use crate::presets::{tensor_stream, uniform_amplitude};
+use crate::source::{ModelSource, ModelSpec};
+use crate::ModelError;
+
+/// A `[out, in]` bf16 weight with an optional bias.
+pub(super) struct Linear {
+    pub weight: DevBuf<u16>,
+    pub bias: Option<DevBuf<u16>>,
+    pub out_dim: usize,
+    pub in_dim: usize,
+}
+
+impl Linear {
+    /// The bias's address, or 0 without one (the kernels' convention).
+    pub fn bias_ptr(&self) -> u64 {
+        self.bias.as_ref().map_or(0, DevBuf::ptr)
+    }
+}
+
+pub(super) struct Layer {
+    pub input_norm: DevBuf<u16>,
+    pub qkv: Linear,
+    pub q_norm: Option<DevBuf<u16>>,
+    pub k_norm: Option<DevBuf<u16>>,
+    pub o: Linear,
+    pub post_norm: DevBuf<u16>,
+    /// Gate and up rows interleaved ([`ops::interleave_rows`]).
+    pub gate_up: Linear,
+    pub down: Linear,
+}
+
+/// Every weight of the model, and the RoPE tables.
+pub(super) struct Weights {
+    pub embed: DevBuf<u16>,
+    pub layers: Vec<Layer>,
+    pub norm: DevBuf<u16>,
+    /// `None`: tied to `embed`.
+    pub lm_head: Option<DevBuf<u16>>,
+    pub rope_cos: DevBuf<f32>,
+    pub rope_sin: DevBuf<f32>,
+    /// Bytes of weights one forward reads (bf16), the numerator of the decode floor.
+    pub bytes: usize,
+    /// Names the weights for the KV handshake: architecture, shape and a hash of the embedding.
+    pub fingerprint: String,
+}
+
+impl Weights {
+    /// The shapes the kernels take; an error names what does not fit.
+    pub fn check_config(cfg: &ModelConfig) -> Result<(), ModelError> {
+        if !cfg.hidden_size.is_multiple_of(4) {
+            return Err(ModelError::UnsupportedConfig(format!(
+                "hidden size {} on CUDA (must be a multiple of 4)",
+                cfg.hidden_size
+            )));
+        }
+        if cfg.head_dim > 256 || !cfg.head_dim.is_multiple_of(32) {
+            return Err(ModelError::UnsupportedConfig(format!(
+                "head_dim {} on CUDA (supported: multiples of 32 up to 256)",
+                cfg.head_dim
+            )));
+        }
+        if !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
+            return Err(ModelError::UnsupportedConfig(format!(
+                "{} query heads over {} KV heads on CUDA (must divide evenly)",
+                cfg.num_heads, cfg.num_kv_heads
+            )));
+        }
+        Ok(())
+    }
+
+    /// Puts `spec`'s weights on `dev`: a preset's generated there, a checkpoint's read on the
+    /// host, converted to bf16 and uploaded.
+    pub fn load(dev: &CudaDevice, spec: &ModelSpec) -> Result<Self, ModelError> {
+        let cfg = &spec.config;
+        Self::check_config(cfg)?;
+        let started = std::time::Instant::now();
+        let mut builder = WeightBuilder::new(dev, spec)?;
+        let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+        let (q_dim, kv_dim) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let embed = builder.tensor(&["model.embed_tokens.weight"], &[cfg.vocab_size], h)?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let n = |s: &str| format!("model.layers.{l}.{s}");
+            let linear = |b: &mut WeightBuilder<'_>, names: &[(&str, usize)], in_dim: usize, bias: bool| {
+                let ws: Vec<String> = names.iter().map(|(s, _)| n(&format!("{s}.weight"))).collect();
+                let rows: Vec<usize> = names.iter().map(|(_, r)| *r).collect();
+                let wrefs: Vec<&str> = ws.iter().map(String::as_str).collect();
+                let weight = b.tensor(&wrefs, &rows, in_dim)?;
+                let bias = if bias {
+                    let bs: Vec<String> = names.iter().map(|(s, _)| n(&format!("{s}.bias"))).collect();
+                    let brefs: Vec<&str> = bs.iter().map(String::as_str).collect();
+                    Some(b.tensor(&brefs, &rows, 1)?)
+                } else {
+                    None
+                };
+                Ok::<_, ModelError>(Linear { weight, bias, out_dim: rows.iter().sum(), in_dim })
+            };
+            let qkv = linear(
+                &mut builder,
+                &[("self_attn.q_proj", q_dim), ("self_attn.k_proj", kv_dim), ("self_attn.v_proj", kv_dim)],
+                h,
+                cfg.qkv_bias,
+            )?;
+            let o = linear(&mut builder, &[("self_attn.o_proj", h)], q_dim, cfg.o_bias)?;
+            let gate_up = interleave_gate_up(
+                dev,
+                linear(&mut builder, &[("mlp.gate_proj", i), ("mlp.up_proj", i)], h, cfg.mlp_bias)?,
+            )?;
+            let down = linear(&mut builder, &[("mlp.down_proj", h)], i, cfg.mlp_bias)?;
+            let (q_norm, k_norm) = if cfg.qk_norm {
+                (
+                    Some(builder.tensor(&[&n("self_attn.q_norm.weight")], &[hd], 1)?),
+                    Some(builder.tensor(&[&n("self_attn.k_norm.weight")], &[hd], 1)?),
+                )
+            } else {
+                (None, None)
+            };
+            layers.push(Layer {
+                input_norm: builder.tensor(&[&n("input_layernorm.weight")], &[h], 1)?,
+                qkv,
+                q_norm,
+                k_norm,
+                o,
+                post_norm: builder.tensor(&[&n("post_attention_layernorm.weight")], &[h], 1)?,
+                gate_up,
+                down,
+            });
+        }
+        let norm = builder.tensor(&["model.norm.weight"], &[h], 1)?;
+        let lm_head = if cfg.tie_word_embeddings && !builder.has("lm_head.weight") {
+            None
+        } else {
+            Some(builder.tensor(&["lm_head.weight"], &[cfg.vocab_size], h)?)
+        };
+        let bytes = builder.bytes;
+        drop(builder);
+        tracing::info!(
+            device = %dev.describe(),
+            weights_gib = format!("{:.2}", bytes as f64 / (1u64 << 30) as f64),
+            secs = format!("{:.1}", started.elapsed().as_secs_f64()),
+            "weights on the GPU"
+        );
+        let rope = RopeTable::new(hd, cfg.rope_theta, cfg.rope_scaling, spec.max_model_len);
+        let fingerprint = fingerprint(dev, cfg, &embed)?;
+        Ok(Self {
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope_cos: dev.upload(rope.cos())?,
+            rope_sin: dev.upload(rope.sin())?,
+            bytes,
+            fingerprint,
+        })
+    }
+
+    /// The output projection's weight (the embedding when tied).
+    pub fn head(&self) -> &DevBuf<u16> {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+}
+
+/// `arch/shape/bf16-hash`: a hash of every 16th of the embedding's first 64 Ki values, so that
+/// two engines serving different weights of the same shape refuse to pair.
+fn fingerprint(dev: &CudaDevice, cfg: &ModelConfig, embed: &DevBuf<u16>) -> Result<String, ModelError> {
+    let sample = dev.read(embed, embed.len().min(1 << 16))?;
+    let mut hsh = 0xcbf29ce484222325u64;
+    for x in sample.iter().step_by(16) {
+        hsh = (hsh ^ *x as u64).wrapping_mul(0x100000001b3);
+    }
+    Ok(format!(
+        "{}/l{}h{}kv{}d{}v{}/bf16-{hsh:016x}",
+        cfg.architecture.hf_name(),
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.vocab_size
+    ))
+}
+
+/// `l` (gate rows, then up rows) with its rows (and bias) interleaved: gate row i, up row i, ...
+/// so that a decode projection's warp holds both and applies SiLU-and-multiply itself.
+fn interleave_gate_up(dev: &CudaDevice, l: Linear) -> Result<Linear, ModelError> {
+    let half = l.out_dim / 2;
+    let weight = dev.zeros::<u16>(l.out_dim * l.in_dim)?;
+    ops::interleave_rows(dev, l.weight.ptr(), weight.ptr(), half, l.in_dim)?;
+    let bias = match &l.bias {
+        Some(b) => {
+            let out = dev.zeros::<u16>(l.out_dim)?;
+            ops::interleave_rows(dev, b.ptr(), out.ptr(), half, 1)?;
+            Some(out)
+        }
+        None => None,
+    };
+    // The copies are queued on the device's stream; finish them before `l`'s buffers go.
+    dev.synchronize()?;
+    Ok(Linear { weight, bias, out_dim: l.out_dim, in_dim: l.in_dim })
+}
+
+fn to_bf16_bits(xs: &[f32]) -> Vec<u16> {
+    xs.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect()
+}
+
+/// Puts weights on the device: generated there for a preset, uploaded from the host for a
+/// checkpoint. Tensors named together are stacked row-wise into one buffer.
+struct WeightBuilder<'a> {
+    dev: &'a CudaDevice,
+    preset: Option<(u64, HashMap<String, f32>)>,
+    host: Option<crate::WeightMap>,
+    bytes: usize,
+}
+
+impl<'a> WeightBuilder<'a> {
+    fn new(dev: &'a CudaDevice, spec: &ModelSpec) -> Result<Self, ModelError> {
+        match &spec.source {
+            ModelSource::Preset { preset, seed } => {
+                let stds = preset.tensor_specs().into_iter().map(|(n, _, std)| (n, std)).collect();
+                Ok(Self { dev, preset: Some((*seed, stds)), host: None, bytes: 0 })
+            }
+            ModelSource::Dir(_) => Ok(Self { dev, preset: None, host: Some(spec.host_weights()?), bytes: 0 }),
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        match (&self.preset, &self.host) {
+            (Some((_, stds)), _) => stds.contains_key(name),
+            (_, Some(w)) => w.contains(name),
+            _ => false,
+        }
+    }
+
+    /// Stacks tensors `names` (with `rows[i]` rows of `cols` each) into one bf16 buffer.
+    fn tensor(&mut self, names: &[&str], rows: &[usize], cols: usize) -> Result<DevBuf<u16>, ModelError> {
+        let total: usize = rows.iter().sum::<usize>() * cols;
+        let mut buf = self.dev.zeros::<u16>(total)?;
+        let mut offset = 0;
+        for (name, &r) in names.iter().zip(rows) {
+            let n = r * cols;
+            match (&self.preset, &mut self.host) {
+                (Some((seed, stds)), _) => {
+                    let std =
+                        *stds.get(*name).ok_or_else(|| ModelError::MissingTensor { name: (*name).to_string() })?;
+                    let ptr = buf.ptr_at(offset);
+                    if std == 0.0 {
+                        ops::fill_bf16(self.dev, ptr, n as u64, 1.0)?;
+                    } else {
+                        ops::preset_uniform(
+                            self.dev,
+                            ptr,
+                            n as u64,
+                            tensor_stream(*seed, name),
+                            uniform_amplitude(std),
+                        )?;
+                    }
+                }
+                (_, Some(w)) => {
+                    let shape: Vec<usize> = if cols == 1 { vec![r] } else { vec![r, cols] };
+                    let data = w.take(name, &shape)?;
+                    self.dev.write(&mut buf, offset, &to_bf16_bits(&data))?;
+                }
+                _ => unreachable!("a builder has a preset or host weights"),
+            }
+            offset += n;
+        }
+        self.bytes += total * 2;
+        Ok(buf)
+    }
+}
