@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use rand::Rng;
 use tandem_core::{FinishReason, InvalidSampling, RemoteKv, RequestId, TransferId};
-use tandem_kv::{AgentInfo, ConnectorConfig, ConnectorEvent, ConnectorStats, KvConnector, KvError};
+use tandem_kv::{AgentInfo, ConnectorConfig, ConnectorEvent, ConnectorStats, EventSink, KvConnector, KvError};
 use tandem_model::{carried_token, CpuRunner, ModelRunner, SampleSpec, SeqBatch, Transformer};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -183,6 +183,12 @@ pub struct EngineCore {
     /// Blocks of aborted decode legs that a prefill engine might still write, held until the
     /// connector reports them released.
     quarantine: HashMap<RequestId, BlockAllocation>,
+    /// What the connector reported, in arrival order, applied at the start of the next step.
+    connector_events: Vec<ConnectorEvent>,
+    /// How long a decode leg may wait for its KV before the engine fails it itself: the
+    /// connector's own bound plus slack, so that a connector that stopped answering cannot
+    /// leave a request waiting forever.
+    kv_wait_bound: std::time::Duration,
     /// Async scheduling: the next step is planned and submitted before the previous one's
     /// tokens are back (see [`EngineCore::step`]).
     pipelined: bool,
@@ -248,6 +254,8 @@ impl EngineCore {
             connector: None,
             load_failure: KvLoadFailure::default(),
             quarantine: HashMap::new(),
+            connector_events: Vec::new(),
+            kv_wait_bound: std::time::Duration::MAX,
             pipelined: config.async_scheduling && runner_pipelines,
             in_flight: None,
             next_serial: 0,
@@ -264,19 +272,39 @@ impl EngineCore {
         self.model.describe()
     }
 
-    /// Starts a KV connector over this engine's KV memory (prefill or decode role).
-    pub fn attach_connector(&mut self, setup: KvSetup) -> Result<AgentInfo, KvError> {
+    /// Starts a KV connector over this engine's KV memory (prefill or decode role); its events
+    /// go to `sink`, which hands them back through [`EngineCore::connector_event`].
+    pub fn attach_connector(&mut self, setup: KvSetup, sink: EventSink) -> Result<AgentInfo, KvError> {
         let region = self.model.kv_region().ok_or_else(|| {
             KvError::Unsupported(format!(
                 "KV transfer needs the KV cache in host memory; this engine keeps it on {}",
                 self.model.describe()
             ))
         })?;
-        let connector = KvConnector::start(setup.connector, region)?;
+        // The connector fails a transfer within its timeout (plus one I/O timeout for a write
+        // in flight) and checks deadlines every 50 ms.
+        let cfg = &setup.connector;
+        self.kv_wait_bound = cfg.transfer_timeout + cfg.timeouts.io + std::time::Duration::from_secs(1);
+        let connector = KvConnector::start(setup.connector, region, sink)?;
         let info = connector.info().clone();
         self.connector = Some(connector);
         self.load_failure = setup.load_failure;
         Ok(info)
+    }
+
+    /// Queues an event from the connector for the next step.
+    pub fn connector_event(&mut self, ev: ConnectorEvent) {
+        self.connector_events.push(ev);
+    }
+
+    /// How long the loop may wait for input before it must step again: until the earliest
+    /// decode leg's KV wait runs out (at most `idle`).
+    pub fn idle_wait(&self, idle: std::time::Duration) -> std::time::Duration {
+        let deadlines = self.scheduler.remote_waiting.iter().filter_map(|id| {
+            let asked = self.scheduler.requests.get(id)?.kv_requested?;
+            Some((asked + self.kv_wait_bound).saturating_duration_since(std::time::Instant::now()))
+        });
+        deadlines.fold(idle, std::cmp::min).max(std::time::Duration::from_millis(1))
     }
 
     /// The connector's counters, if one is attached.
@@ -407,6 +435,7 @@ impl EngineCore {
     /// has run one more forward in N+1, whose output is dropped.
     pub fn step(&mut self) -> StepReport {
         self.apply_connector_events();
+        self.fail_overdue_kv_loads();
         self.start_remote_loads();
         let mut report = StepReport::default();
         if self.in_flight.as_ref().is_some_and(|f| f.hands_off_kv) {
@@ -720,10 +749,38 @@ impl EngineCore {
         }
     }
 
+    /// Fails decode legs whose KV wait ran past [`EngineCore::kv_wait_bound`] without a word
+    /// from the connector (its thread died, or is stuck). Their blocks stay out of use until
+    /// the connector releases them, if it ever does: a late write can never land in a new
+    /// owner's blocks.
+    fn fail_overdue_kv_loads(&mut self) {
+        let Some(connector) = &self.connector else { return };
+        let bound = self.kv_wait_bound;
+        let overdue: Vec<RequestId> = self
+            .scheduler
+            .remote_waiting
+            .iter()
+            .filter(|id| {
+                let asked = self.scheduler.requests.get(*id).and_then(|r| r.kv_requested);
+                asked.is_some_and(|t| t.elapsed() > bound)
+            })
+            .cloned()
+            .collect();
+        for id in overdue {
+            let Some(mut req) = self.scheduler.remove(&id) else { continue };
+            let blocks = std::mem::replace(&mut req.blocks, self.scheduler.pool.empty_allocation());
+            self.quarantine.insert(id.clone(), blocks);
+            connector.abort(id.clone());
+            tracing::warn!(request_id = %id, bound_ms = bound.as_millis() as u64, "no word from the KV connector; failing the request");
+            let reason = format!("the KV connector did not answer within {:.1} s", bound.as_secs_f64());
+            let _ =
+                req.events.send(EngineEvent::Failed(format!("loading the prompt's KV from prefill failed: {reason}")));
+        }
+    }
+
     /// Applies what the connector reported since the last step (one fixed point per step).
     fn apply_connector_events(&mut self) {
-        let Some(connector) = &self.connector else { return };
-        for ev in connector.poll() {
+        for ev in std::mem::take(&mut self.connector_events) {
             let refused = matches!(ev, ConnectorEvent::Refused { .. });
             match ev {
                 ConnectorEvent::Released { request_id } => {

@@ -4,17 +4,19 @@
 //! runtime). Callers hold an [`EngineHandle`], a cheap clone that sends typed commands over a
 //! channel; each request's events come back on its own channel as a [`RequestStream`].
 //! Aborts are applied at one fixed point: between steps, when the loop drains its commands.
+//! The KV connector's events arrive on the same channel, so a request whose KV landed is
+//! scheduled at the next step, without polling.
 //!
-//! Shutdown: when every handle and stream is dropped the command channel closes; the loop
-//! aborts what is left and exits.
+//! Shutdown: when every handle and stream is dropped the command channel closes (the
+//! connector holds only a weak reference to it); the loop aborts what is left and exits.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tandem_core::{RequestId, TransferId};
-use tandem_kv::{AgentInfo, ConnectorStats, KvError};
+use tandem_kv::{AgentInfo, ConnectorEvent, ConnectorStats, KvError};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::core::{EngineCore, EngineLimits, EngineModel, KvSetup, RequestRejected};
@@ -25,7 +27,13 @@ enum Command {
     Add(Box<EngineRequest>, tokio::sync::mpsc::UnboundedSender<EngineEvent>),
     Abort(RequestId),
     ReleaseKv(TransferId),
+    /// From the KV connector's threads.
+    Kv(ConnectorEvent),
 }
+
+/// The engine's command channel. Handles and streams hold it strongly; the KV connector weakly,
+/// so that it never keeps a stopped engine's loop alive.
+type Commands = Arc<mpsc::Sender<Command>>;
 
 /// Live counters the engine thread publishes after every step (read by `/metrics`).
 #[derive(Debug, Default)]
@@ -75,7 +83,7 @@ pub enum SubmitError {
 /// A cheap, cloneable way to reach the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
-    commands: mpsc::Sender<Command>,
+    commands: Commands,
     limits: Arc<EngineLimits>,
     stats: Arc<EngineStats>,
     alive: Arc<AtomicBool>,
@@ -105,18 +113,27 @@ pub fn spawn_with(
     kv: Option<KvSetup>,
 ) -> Result<EngineHandle, KvError> {
     let mut core = EngineCore::new(model, eos_token_ids, max_model_len, &config);
+    let (tx, rx) = mpsc::channel();
+    let commands: Commands = Arc::new(tx);
     let kv_info = match kv {
-        Some(setup) => Some(Arc::new(core.attach_connector(setup)?)),
+        Some(setup) => {
+            let weak: Weak<mpsc::Sender<Command>> = Arc::downgrade(&commands);
+            let sink = Box::new(move |ev| {
+                if let Some(tx) = weak.upgrade() {
+                    let _ = tx.send(Command::Kv(ev));
+                }
+            });
+            Some(Arc::new(core.attach_connector(setup, sink)?))
+        }
         None => None,
     };
     let limits = Arc::new(core.limits().clone());
     let stats = Arc::new(EngineStats::default());
     stats.free_blocks.store(core.num_free_blocks(), Ordering::Relaxed);
     let alive = Arc::new(AtomicBool::new(true));
-    let (tx, rx) = mpsc::channel();
     let (s, a) = (stats.clone(), alive.clone());
     std::thread::Builder::new().name("tandem-engine".into()).spawn(move || run_loop(core, rx, s, a))?;
-    Ok(EngineHandle { commands: tx, limits, stats, alive, kv_info })
+    Ok(EngineHandle { commands, limits, stats, alive, kv_info })
 }
 
 /// Marks the engine dead when the loop exits, by return or by panic.
@@ -147,6 +164,7 @@ fn run_loop(mut core: EngineCore, rx: mpsc::Receiver<Command>, stats: Arc<Engine
             core.release_kv(&transfer_id);
             tracing::debug!(%transfer_id, "KV released");
         }
+        Command::Kv(ev) => core.connector_event(ev),
     };
     loop {
         // Drain commands between steps; when idle, wait for one (bounded, so the loop can
@@ -159,9 +177,9 @@ fn run_loop(mut core: EngineCore, rx: mpsc::Receiver<Command>, stats: Arc<Engine
                     Err(mpsc::TryRecvError::Disconnected) => return,
                 }
             } else if core.has_work() {
-                // Only remote loads (or quarantined blocks) are pending: poll the connector
-                // again soon without spinning.
-                match rx.recv_timeout(Duration::from_millis(2)) {
+                // Only remote loads (or quarantined blocks) are pending: their events come on
+                // this channel; step again by the earliest KV wait's deadline at the latest.
+                match rx.recv_timeout(core.idle_wait(Duration::from_millis(100))) {
                     Ok(c) => c,
                     Err(RecvTimeoutError::Timeout) => break,
                     Err(RecvTimeoutError::Disconnected) => return,
@@ -251,7 +269,7 @@ impl EngineHandle {
 pub struct RequestStream {
     id: RequestId,
     events: UnboundedReceiver<EngineEvent>,
-    commands: mpsc::Sender<Command>,
+    commands: Commands,
     done: bool,
 }
 

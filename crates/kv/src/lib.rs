@@ -17,19 +17,21 @@
 //!   heartbeats, deadlines on everything, dead-peer detection.
 //!
 //! This crate never runs on the engine loop: the engine only enqueues work for the agent and
-//! polls for results.
+//! receives its events on its own input channel.
 #![deny(missing_docs)]
 
 mod agent;
 mod agent_info;
 pub mod blocks;
+mod config;
 mod connector;
 mod error;
+mod events;
 pub mod tcp;
 pub mod wire;
 
 pub use agent_info::{AgentInfo, Incompatible, KvMode, Role, TransportOffer};
-pub use connector::{
-    ConnectorConfig, ConnectorEvent, ConnectorStats, FaultInjection, HeldBlocks, KvConnector, TransferTimeline,
-};
+pub use config::{ConnectorConfig, FaultInjection};
+pub use connector::KvConnector;
 pub use error::KvError;
+pub use events::{ConnectorEvent, ConnectorStats, EventSink, HeldBlocks, TransferTimeline};

@@ -38,7 +38,7 @@ async fn a_dropped_completion_is_bounded_and_recompute_gives_the_same_tokens() {
     let p = engine_with(
         Some((Role::Prefill, KvMode::Push)),
         16,
-        Knobs { faults: FaultInjection { drop_done: true }, ..Knobs::default() },
+        Knobs { faults: FaultInjection { drop_done: true, ..FaultInjection::default() }, ..Knobs::default() },
     )
     .await;
     let d = engine_with(
@@ -256,4 +256,28 @@ async fn peers_with_another_model_are_refused_at_handshake_naming_the_field() {
     assert_eq!(s, 500, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("model_fingerprint differs"), "{v}");
     wait_idle(&[&p, &d]).await;
+}
+
+/// A decode engine whose KV agent stops answering (it takes the request for KV and never
+/// reports) still ends the request within its bound, with an error naming the connector, and
+/// gets its blocks back once the agent acknowledges the abort: the engine keeps its own
+/// deadline for every request waiting on KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silent_kv_agent_fails_the_request_within_the_engines_own_bound() {
+    let http = reqwest::Client::new();
+    let short = Knobs { transfer_timeout: Duration::from_millis(400), ..Knobs::default() };
+    let p = engine_with(Some((Role::Prefill, KvMode::Push)), 16, short.clone()).await;
+    let silent = Knobs { faults: FaultInjection { silent_agent: true, ..FaultInjection::default() }, ..short };
+    let d = engine_with(Some((Role::Decode, KvMode::Push)), 16, silent).await;
+    let base = router(TransferMode::Push, &p, &d).await;
+    let start = Instant::now();
+    let answer = post(&http, &base, json!({"prompt": prompt(30, 1), "max_tokens": 4}));
+    let (status, v) = tokio::time::timeout(Duration::from_secs(15), answer).await.expect("the request never ended");
+    let took = start.elapsed();
+    assert!(status >= 500, "{status}: {v}");
+    assert!(v.to_string().contains("did not answer"), "{v}");
+    // The connector's 0.4 s plus one 5 s I/O timeout plus 1 s of slack, and no more.
+    assert!(took < Duration::from_secs(9), "the request waited {took:?}");
+    wait_idle(&[&p, &d]).await;
+    alive(&[&p, &d]);
 }

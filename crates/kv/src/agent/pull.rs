@@ -1,0 +1,171 @@
+//! Pull: prefill holds produced KV under a lease, decode reads it. Decode connects, checks
+//! prefill's epoch is the one that produced the KV, and sends `ReadBlocks`; prefill answers
+//! through the connection's transport (`BlockData` plus the bytes, or a local copy); decode
+//! writes them into its blocks, sends `Done` (the release) and reports `Ready`. Decode's
+//! heartbeats extend the lease while it waits; an expired lease is gone, so a late read is
+//! refused, never served from reused blocks.
+
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tandem_core::{Epoch, TransferId};
+
+use super::transport::receive_tcp;
+use super::{bump, Conn, Shared};
+use crate::blocks::{coalesce, wire_bytes};
+use crate::wire::{DoneStatus, Message};
+use crate::{ConnectorEvent, KvError, TransferTimeline};
+
+/// What decode knows of the KV it will read (from the prefill leg's `kv_transfer_params`).
+pub(super) struct Lease {
+    pub epoch: Epoch,
+    pub blocks: Vec<u32>,
+    pub num_tokens: usize,
+}
+
+/// Decode: asks prefill for `lease`'s blocks of `tid` (`num_tokens` for this request). An
+/// error says why the read cannot even be asked.
+pub(super) fn read(
+    conn: &Conn,
+    tid: &TransferId,
+    lease: Lease,
+    num_tokens: usize,
+) -> Result<Result<(), KvError>, String> {
+    if conn.peer.epoch != lease.epoch {
+        return Err(format!(
+            "prefill engine `{}` restarted (epoch {} now, the KV was produced under epoch {}): its blocks are gone",
+            conn.peer.engine_id, conn.peer.epoch.0, lease.epoch.0
+        ));
+    }
+    if lease.num_tokens != num_tokens {
+        return Err(format!("prefill holds {} tokens of KV, this request needs {num_tokens}", lease.num_tokens));
+    }
+    Ok(conn.send(&Message::ReadBlocks { transfer_id: tid.clone(), blocks: lease.blocks, num_tokens }))
+}
+
+/// Prefill: decode asks for the blocks of `tid`.
+pub(super) fn on_read_blocks(
+    shared: &Shared,
+    conn: &Conn,
+    tid: TransferId,
+    blocks: Vec<u32>,
+    num_tokens: usize,
+) -> Result<(), KvError> {
+    let held = {
+        let mut t = shared.tables();
+        match t.produced.get_mut(&tid) {
+            Some(p) if p.blocks.starts_with(&blocks) && p.num_tokens == num_tokens && !p.reading => {
+                p.reading = true;
+                Ok(p.blocks.clone())
+            }
+            Some(_) => Err("blocks or token count do not match the lease".to_string()),
+            None => {
+                bump(&shared.counters.unknown_ids, 1);
+                Err(format!("no KV held for transfer `{tid}` (unknown, released or lease expired)"))
+            }
+        }
+    };
+    let layout = *shared.region.layout();
+    let src = match held {
+        Ok(src) => src,
+        Err(error) => {
+            let refusal = Message::BlockData {
+                transfer_id: tid,
+                src_block_size: layout.block_size,
+                bytes: 0,
+                error: Some(error),
+                local: false,
+            };
+            return conn.send(&refusal);
+        }
+    };
+    let sent = conn.transport.answer_read(shared, conn, &tid, &src, num_tokens);
+    if let Some(p) = shared.tables().produced.get_mut(&tid) {
+        p.reading = false;
+    }
+    sent?;
+    bump(&shared.counters.bytes_sent, wire_bytes(&layout, shared.region.dtype(), num_tokens));
+    bump(&shared.counters.regions, coalesce(&src[..layout.blocks_for(num_tokens).min(src.len())]).len() as u64);
+    Ok(())
+}
+
+/// Prefill: decode released the lease of `tid` (its `Done`). Whether there was one.
+pub(super) fn on_release(shared: &Shared, tid: &TransferId) -> bool {
+    let released = shared.tables().produced.remove(tid).is_some();
+    if released {
+        bump(&shared.counters.transfers_ok, 1);
+    }
+    released
+}
+
+/// Prefill: decode still waits for these transfers; extend their leases.
+pub(super) fn on_heartbeat(shared: &Shared, tids: Vec<TransferId>) {
+    let until = Instant::now() + shared.cfg.lease;
+    let mut t = shared.tables();
+    for tid in tids {
+        if let Some(p) = t.produced.get_mut(&tid) {
+            p.deadline = p.deadline.max(until);
+        }
+    }
+}
+
+/// Decode: prefill's answer to our read of `tid`: the bytes follow on `stream` (tcp), were
+/// copied already (`local`), or an error says why not.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn on_block_data(
+    stream: &mut TcpStream,
+    conn: &Conn,
+    shared: &Shared,
+    tid: TransferId,
+    src_block_size: usize,
+    bytes: u64,
+    error: Option<String>,
+    local: bool,
+) -> Result<(), KvError> {
+    if let Some(reason) = error {
+        let mut t = shared.tables();
+        shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Failed { request_id: inc.request_id, reason });
+        return Ok(());
+    }
+    let num_tokens = shared.tables().incoming.get(&tid).map(|i| i.num_tokens).unwrap_or(0);
+    let landed = if local {
+        match shared.tables().incoming.get(&tid) {
+            Some(inc) if inc.landing == super::table::Landing::Landed => Ok(()),
+            _ => Err("local copy did not land".to_string()),
+        }
+    } else {
+        receive_tcp(stream, shared, &tid, None, src_block_size, num_tokens, bytes)?
+    };
+    // Release prefill's blocks whatever happened here: we will not read them again.
+    conn.send(&Message::Done { transfer_id: tid.clone(), rank: 0, first_token: None, status: DoneStatus::Ok })?;
+    if landed.is_ok() {
+        let mut t = shared.tables();
+        let first_token = t.incoming.get(&tid).and_then(|i| i.first_token);
+        shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Ready {
+            timeline: TransferTimeline { ready_us: inc.since(), ..inc.timeline },
+            request_id: inc.request_id,
+            first_token,
+        });
+    }
+    Ok(())
+}
+
+/// Decode: keeps prefill's leases alive for everything still being waited on.
+pub(super) fn heartbeat(shared: &Shared) {
+    let mut per_conn: Vec<(Arc<Conn>, Vec<TransferId>)> = Vec::new();
+    {
+        let t = shared.tables();
+        for (tid, inc) in t.incoming.iter().filter(|(_, i)| i.pull) {
+            if let Some(c) = &inc.conn {
+                match per_conn.iter_mut().find(|(pc, _)| Arc::ptr_eq(pc, c)) {
+                    Some((_, v)) => v.push(tid.clone()),
+                    None => per_conn.push((c.clone(), vec![tid.clone()])),
+                }
+            }
+        }
+    }
+    for (c, ids) in per_conn {
+        let _ = c.send(&Message::Heartbeat { transfer_ids: ids });
+    }
+}

@@ -1,0 +1,160 @@
+//! Push: decode registers its blocks, prefill writes them. Prefill pairs the registration and
+//! the produced KV by transfer id in either order; whichever arrives second starts the write
+//! on a short-lived thread (the connection's transport: `WriteBlocks` plus the bytes, or a
+//! local copy), then `Done` with the first token, then prefill frees its blocks. Decode writes
+//! the bytes into the registered blocks and reports `Ready` on `Done` (which TCP orders after
+//! the data).
+
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tandem_core::{Epoch, TransferId};
+
+use super::table::{Produced, Registration, Rendezvous};
+use super::transport::receive_tcp;
+use super::{bump, Conn, Shared};
+use crate::blocks::{coalesce, wire_bytes};
+use crate::wire::{DoneStatus, Message};
+use crate::{ConnectorEvent, HeldBlocks, KvError, TransferTimeline};
+
+/// Decode: asks prefill for the KV of `tid` by registering our blocks.
+pub(super) fn register(
+    shared: &Shared,
+    conn: &Conn,
+    tid: &TransferId,
+    blocks: Vec<u32>,
+    num_tokens: usize,
+) -> Result<(), KvError> {
+    conn.send(&Message::Register {
+        transfer_id: tid.clone(),
+        decode_engine: shared.info.engine_id.clone(),
+        epoch: shared.info.epoch,
+        block_ids: blocks,
+        num_tokens,
+    })
+}
+
+/// Prefill: records produced KV (called on the engine thread: a table insert, no I/O) and, if
+/// decode already registered, starts the write.
+pub(crate) fn produced(
+    shared: &Arc<Shared>,
+    tid: TransferId,
+    held: HeldBlocks,
+    blocks: Vec<u32>,
+    num_tokens: usize,
+    first_token: u32,
+) {
+    let deadline = Instant::now()
+        + match shared.cfg.mode {
+            crate::KvMode::Push => shared.cfg.transfer_timeout,
+            crate::KvMode::Pull => shared.cfg.lease,
+        };
+    let produced = Produced { held, blocks, num_tokens, first_token, deadline, reading: false };
+    let met = shared.tables().meet_produced(tid.clone(), produced);
+    match met {
+        Rendezvous::Met(reg, produced) => start_write(shared, tid, reg, produced),
+        Rendezvous::Waiting => {}
+        Rendezvous::Duplicate => {
+            bump(&shared.counters.duplicate_ids, 1);
+            tracing::warn!(transfer_id = %tid, "KV produced twice under one transfer id; dropping the second");
+        }
+    }
+}
+
+/// Prefill: decode's registration arrived on `conn`.
+pub(super) fn on_register(
+    shared: &Arc<Shared>,
+    conn: &Arc<Conn>,
+    tid: TransferId,
+    epoch: Epoch,
+    blocks: Vec<u32>,
+    num_tokens: usize,
+) -> Result<(), KvError> {
+    if epoch != conn.peer.epoch {
+        let reason = "registration epoch does not match the handshake".into();
+        return conn.send(&Message::Failed { transfer_id: tid, reason });
+    }
+    let deadline = Instant::now() + shared.cfg.transfer_timeout;
+    let reg = Registration { conn: conn.clone(), blocks, num_tokens, deadline };
+    let met = shared.tables().meet_registration(tid.clone(), reg);
+    match met {
+        Rendezvous::Met(reg, produced) => start_write(shared, tid, reg, produced),
+        Rendezvous::Waiting => {}
+        Rendezvous::Duplicate => {
+            bump(&shared.counters.duplicate_ids, 1);
+            conn.send(&Message::Failed { transfer_id: tid, reason: "duplicate registration".into() })?;
+        }
+    }
+    Ok(())
+}
+
+/// Prefill: writes the produced KV into the registered blocks on a thread of its own, then
+/// frees the blocks.
+fn start_write(shared: &Arc<Shared>, tid: TransferId, reg: Registration, produced: Produced) {
+    let s = shared.clone();
+    let _ = std::thread::Builder::new().name("tandem-kv-push".into()).spawn(move || {
+        let Produced { held, blocks, num_tokens, first_token, .. } = produced;
+        if reg.num_tokens != num_tokens {
+            let reason = format!("decode registered {} tokens, prefill produced {num_tokens}", reg.num_tokens);
+            let _ = reg.conn.send(&Message::Failed { transfer_id: tid, reason });
+            bump(&s.counters.transfers_failed, 1);
+            return;
+        }
+        let result = reg.conn.transport.push(&s, &reg.conn, &tid, &blocks, &reg.blocks, num_tokens, first_token);
+        // The bytes have left our memory (or the write failed): the blocks can go back.
+        drop(held);
+        let layout = s.region.layout();
+        match result {
+            Ok(()) => {
+                bump(&s.counters.bytes_sent, wire_bytes(layout, s.region.dtype(), num_tokens));
+                bump(&s.counters.regions, coalesce(&blocks[..layout.blocks_for(num_tokens).min(blocks.len())]).len() as u64);
+                bump(&s.counters.transfers_ok, 1);
+            }
+            Err(e) => {
+                tracing::warn!(transfer_id = %tid, transport = reg.conn.transport.name(), error = %e, "push write failed");
+                bump(&s.counters.transfers_failed, 1);
+            }
+        }
+    });
+}
+
+/// Decode: prefill's bytes for `tid` follow on `stream`; acknowledged either way.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn on_write_blocks(
+    stream: &mut TcpStream,
+    conn: &Conn,
+    shared: &Shared,
+    tid: TransferId,
+    blocks: &[u32],
+    src_block_size: usize,
+    num_tokens: usize,
+    bytes: u64,
+) -> Result<(), KvError> {
+    let result = receive_tcp(stream, shared, &tid, Some(blocks), src_block_size, num_tokens, bytes)?;
+    conn.send(&Message::WriteAck { transfer_id: tid, error: result.err() })
+}
+
+/// Decode: prefill says the write of `tid` is complete (or failed).
+pub(super) fn on_done(shared: &Shared, tid: &TransferId, first_token: Option<u32>, status: DoneStatus) {
+    let mut t = shared.tables();
+    let Some(inc) = t.incoming.get(tid) else {
+        bump(&shared.counters.unknown_ids, 1);
+        return;
+    };
+    if inc.pull {
+        return;
+    }
+    let landed = inc.landing == super::table::Landing::Landed;
+    shared.finish_incoming(&mut t, tid, |inc| match status {
+        DoneStatus::Ok if landed => ConnectorEvent::Ready {
+            timeline: TransferTimeline { ready_us: inc.since(), ..inc.timeline },
+            request_id: inc.request_id,
+            first_token,
+        },
+        DoneStatus::Ok => {
+            ConnectorEvent::Failed { request_id: inc.request_id, reason: "completion arrived without data".into() }
+        }
+        DoneStatus::Failed(reason) => ConnectorEvent::Failed { request_id: inc.request_id, reason },
+    });
+}

@@ -1,0 +1,243 @@
+//! The transfer table: every transfer this engine takes part in, by transfer id, with its
+//! deadline: decode's waiting requests, prefill's registrations (push) and produced KV (push
+//! rendezvous, pull leases). It moves no bytes; the agent holds it behind one mutex, never
+//! across socket I/O.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tandem_core::{RequestId, TransferId};
+
+use super::Conn;
+use crate::{HeldBlocks, TransferTimeline};
+
+/// Where a decode-side transfer's bytes stand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Landing {
+    /// Nothing written yet (or a write failed).
+    Waiting,
+    /// A bulk write into the blocks is in progress on a reader thread.
+    Writing,
+    /// The request was aborted during a write: released when the write ends.
+    WritingAborted,
+    /// The bytes are in the blocks (push: waiting for `Done`).
+    Landed,
+}
+
+/// Decode side: a request waiting for its KV.
+pub(super) struct Incoming {
+    pub request_id: RequestId,
+    pub conn: Option<Arc<Conn>>,
+    pub blocks: Vec<u32>,
+    pub num_tokens: usize,
+    pub deadline: Instant,
+    pub landing: Landing,
+    /// Pull: known from the params. Push: comes with `Done`.
+    pub first_token: Option<u32>,
+    /// Pull (decode reads) rather than push (prefill writes).
+    pub pull: bool,
+    /// When the engine asked, and the stages since (for the timeline).
+    pub started: Instant,
+    pub timeline: TransferTimeline,
+}
+
+impl Incoming {
+    pub fn since(&self) -> u64 {
+        self.started.elapsed().as_micros() as u64
+    }
+
+    /// Whether a write into the blocks is in progress (nothing may end the entry under it).
+    pub fn writing(&self) -> bool {
+        matches!(self.landing, Landing::Writing | Landing::WritingAborted)
+    }
+}
+
+/// Prefill side, push: decode's destination, waiting for the KV to be produced.
+pub(super) struct Registration {
+    pub conn: Arc<Conn>,
+    pub blocks: Vec<u32>,
+    pub num_tokens: usize,
+    pub deadline: Instant,
+}
+
+/// Prefill side: finished KV waiting for its registration (push) or its reader (pull lease).
+pub(super) struct Produced {
+    pub held: HeldBlocks,
+    pub blocks: Vec<u32>,
+    pub num_tokens: usize,
+    pub first_token: u32,
+    pub deadline: Instant,
+    /// A pull read is sending these blocks now; the lease cannot expire under it.
+    pub reading: bool,
+}
+
+/// What a push rendezvous found.
+pub(super) enum Rendezvous {
+    /// Both halves are here: start the write.
+    Met(Registration, Produced),
+    /// Recorded; the other half has not come yet.
+    Waiting,
+    /// This half was already recorded under the id: the second is dropped.
+    Duplicate,
+}
+
+/// Why a write into a decode-side transfer's blocks cannot start.
+pub(super) enum NoWrite {
+    /// No such transfer (late, finished or bogus).
+    Unknown,
+    /// Aborted, or the blocks or token count do not match.
+    Refused,
+}
+
+#[derive(Default)]
+pub(super) struct Tables {
+    pub incoming: HashMap<TransferId, Incoming>,
+    pub by_request: HashMap<RequestId, TransferId>,
+    pub registrations: HashMap<TransferId, Registration>,
+    pub produced: HashMap<TransferId, Produced>,
+}
+
+impl Tables {
+    /// Push, prefill side: produced KV meets decode's registration, in either order.
+    pub fn meet_produced(&mut self, tid: TransferId, produced: Produced) -> Rendezvous {
+        if self.produced.contains_key(&tid) {
+            return Rendezvous::Duplicate;
+        }
+        match self.registrations.remove(&tid) {
+            Some(reg) => Rendezvous::Met(reg, produced),
+            None => {
+                self.produced.insert(tid, produced);
+                Rendezvous::Waiting
+            }
+        }
+    }
+
+    /// Push, prefill side: decode's registration meets the produced KV, in either order.
+    pub fn meet_registration(&mut self, tid: TransferId, reg: Registration) -> Rendezvous {
+        if self.registrations.contains_key(&tid) {
+            return Rendezvous::Duplicate;
+        }
+        match self.produced.remove(&tid) {
+            Some(produced) => Rendezvous::Met(reg, produced),
+            None => {
+                self.registrations.insert(tid, reg);
+                Rendezvous::Waiting
+            }
+        }
+    }
+
+    /// Decode side: marks `tid`'s blocks as being written, for `num_tokens` tokens (and, when
+    /// the writer names them, exactly the blocks `dst`); returns the blocks to write.
+    pub fn begin_write(
+        &mut self,
+        tid: &TransferId,
+        num_tokens: usize,
+        dst: Option<&[u32]>,
+    ) -> Result<Vec<u32>, NoWrite> {
+        let inc = self.incoming.get_mut(tid).ok_or(NoWrite::Unknown)?;
+        let open = matches!(inc.landing, Landing::Waiting | Landing::Landed);
+        if !open || inc.num_tokens != num_tokens || dst.is_some_and(|d| d != inc.blocks) {
+            return Err(NoWrite::Refused);
+        }
+        inc.landing = Landing::Writing;
+        inc.timeline.data_start_us = inc.since();
+        Ok(inc.blocks.clone())
+    }
+
+    /// Decode side: the write into `tid`'s blocks ended (`landed`: the bytes are in place),
+    /// `bytes` over `regions` contiguous runs. Returns whether the request was aborted during
+    /// the write (the caller then releases it).
+    pub fn end_write(&mut self, tid: &TransferId, landed: bool, bytes: u64, regions: u32) -> bool {
+        let Some(inc) = self.incoming.get_mut(tid) else { return false };
+        let aborted = inc.landing == Landing::WritingAborted;
+        inc.landing = if landed { Landing::Landed } else { Landing::Waiting };
+        inc.timeline.data_end_us = inc.since();
+        inc.timeline.bytes = bytes;
+        inc.timeline.regions = regions;
+        aborted
+    }
+
+    /// Drops prefill-side entries past their deadline (a lease being read is kept) and returns
+    /// how many went, and the decode-side transfers past theirs (none with a write in progress).
+    pub fn expire(&mut self, now: Instant) -> (usize, Vec<TransferId>) {
+        let before = self.produced.len() + self.registrations.len();
+        self.produced.retain(|_, p| p.reading || p.deadline > now);
+        self.registrations.retain(|_, r| r.deadline > now);
+        let reclaimed = before - self.produced.len() - self.registrations.len();
+        let late = self.incoming.iter().filter(|(_, i)| !i.writing() && i.deadline <= now).map(|(k, _)| k.clone());
+        (reclaimed, late.collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn incoming(deadline: Instant) -> Incoming {
+        Incoming {
+            request_id: RequestId::new("r"),
+            conn: None,
+            blocks: vec![4, 5],
+            num_tokens: 20,
+            deadline,
+            landing: Landing::Waiting,
+            first_token: None,
+            pull: false,
+            started: Instant::now(),
+            timeline: TransferTimeline::default(),
+        }
+    }
+
+    fn produced(deadline: Instant) -> Produced {
+        Produced { held: Box::new(()), blocks: vec![1], num_tokens: 20, first_token: 7, deadline, reading: false }
+    }
+
+    #[test]
+    fn a_write_lands_once_and_an_abort_during_it_is_reported_at_its_end() {
+        let tid = TransferId("t".into());
+        let mut t = Tables::default();
+        t.incoming.insert(tid.clone(), incoming(Instant::now() + Duration::from_secs(9)));
+        assert!(matches!(t.begin_write(&TransferId("x".into()), 20, None), Err(NoWrite::Unknown)));
+        assert!(matches!(t.begin_write(&tid, 19, None), Err(NoWrite::Refused)), "token count must match");
+        assert!(matches!(t.begin_write(&tid, 20, Some(&[4, 6])), Err(NoWrite::Refused)), "blocks must match");
+        assert_eq!(t.begin_write(&tid, 20, Some(&[4, 5])).ok(), Some(vec![4, 5]));
+        assert!(matches!(t.begin_write(&tid, 20, None), Err(NoWrite::Refused)), "one write at a time");
+        assert!(!t.end_write(&tid, true, 100, 1));
+        assert_eq!(t.incoming[&tid].landing, Landing::Landed);
+        assert_eq!(t.incoming[&tid].timeline.bytes, 100);
+        // Aborted while writing: the write's end says so, so the writer releases the request.
+        t.begin_write(&tid, 20, None).ok().unwrap();
+        t.incoming.get_mut(&tid).unwrap().landing = Landing::WritingAborted;
+        assert!(matches!(t.begin_write(&tid, 20, None), Err(NoWrite::Refused)));
+        assert!(t.end_write(&tid, false, 0, 0));
+    }
+
+    #[test]
+    fn expiry_spares_writes_and_reads_in_progress() {
+        let past = Instant::now() - Duration::from_millis(1);
+        let mut t = Tables::default();
+        let (a, b) = (TransferId("a".into()), TransferId("b".into()));
+        t.incoming.insert(a.clone(), incoming(past));
+        t.incoming.insert(b.clone(), incoming(past));
+        t.begin_write(&b, 20, None).ok().unwrap();
+        t.produced.insert(a.clone(), produced(past));
+        t.produced.insert(b.clone(), Produced { reading: true, ..produced(past) });
+        let (reclaimed, late) = t.expire(Instant::now());
+        assert_eq!((reclaimed, late), (1, vec![a.clone()]));
+        assert!(t.produced.contains_key(&b) && !t.produced.contains_key(&a));
+    }
+
+    #[test]
+    fn the_push_rendezvous_meets_in_either_order_and_drops_a_duplicate_half() {
+        let later = Instant::now() + Duration::from_secs(9);
+        let tid = TransferId("t".into());
+        let mut t = Tables::default();
+        assert!(matches!(t.meet_produced(tid.clone(), produced(later)), Rendezvous::Waiting));
+        assert!(matches!(t.meet_produced(tid.clone(), produced(later)), Rendezvous::Duplicate));
+        assert!(t.registrations.is_empty() && t.produced.len() == 1);
+        // A registration needs a connection; the other order is the same code from the other side.
+        assert!(t.produced.remove(&tid).is_some());
+    }
+}

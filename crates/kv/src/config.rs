@@ -1,0 +1,46 @@
+//! How a connector is set up.
+
+use std::time::Duration;
+
+use tandem_core::EngineId;
+
+use crate::tcp::Timeouts;
+use crate::{KvMode, Role};
+
+/// Fault injection for tests of the failure paths (off in production).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FaultInjection {
+    /// Prefill sends push data but never the completion notification.
+    pub drop_done: bool,
+    /// Decode's agent ignores the engine's requests for KV and never answers them, as a stuck
+    /// or dead agent thread would.
+    pub silent_agent: bool,
+}
+
+/// How the connector is set up.
+#[derive(Clone, Debug)]
+pub struct ConnectorConfig {
+    /// This engine's id.
+    pub engine_id: EngineId,
+    /// Prefill or decode.
+    pub role: Role,
+    /// Push or pull.
+    pub mode: KvMode,
+    /// Where the side channel listens, `host:port` (port 0 picks one).
+    pub listen: String,
+    /// Host peers should connect to (what the router advertises).
+    pub advertise_host: String,
+    /// Identifies the model's weights; peers with another fingerprint are refused.
+    pub model_fingerprint: String,
+    /// Socket timeouts.
+    pub timeouts: Timeouts,
+    /// Pull: how long prefill holds a finished request's blocks without a heartbeat.
+    pub lease: Duration,
+    /// Decode: longest wait for a request's KV. Push prefill: longest wait for a registration.
+    pub transfer_timeout: Duration,
+    /// Test-only failure switches.
+    pub faults: FaultInjection,
+    /// Offer (and use, when the peer offers it too) direct copies between engines of this
+    /// process instead of TCP bytes.
+    pub local_transport: bool,
+}

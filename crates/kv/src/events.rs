@@ -1,0 +1,85 @@
+//! What the connector hands the engine: blocks it holds, and the events it reports.
+
+use tandem_core::RequestId;
+
+/// Blocks handed to the connector: dropping the box returns them to the engine's pool.
+pub type HeldBlocks = Box<dyn Send>;
+
+/// What the connector tells the engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConnectorEvent {
+    /// The request's KV is in its blocks.
+    Ready {
+        /// The request.
+        request_id: RequestId,
+        /// The first token prefill sampled.
+        first_token: Option<u32>,
+        /// When each stage happened.
+        timeline: TransferTimeline,
+    },
+    /// The KV will not come; no write to the request's blocks can land any more.
+    Failed {
+        /// The request.
+        request_id: RequestId,
+        /// Why.
+        reason: String,
+    },
+    /// The abort is complete; the request's blocks may be freed.
+    Released {
+        /// The request.
+        request_id: RequestId,
+    },
+    /// The prefill engine refused to pair at handshake (or we refused it); nothing was written.
+    Refused {
+        /// The request.
+        request_id: RequestId,
+        /// What differs, naming the field.
+        reason: String,
+    },
+}
+
+/// One decode-side transfer, stage by stage, in microseconds since the engine asked for the
+/// KV (`expect`). In push mode prefill starts writing as soon as its prompt is done (decode
+/// registered earlier), so `data_start_us` is also when prefill finished, on decode's clock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TransferTimeline {
+    /// Registration (push) or read request (pull) sent to prefill.
+    pub request_sent_us: u64,
+    /// First KV bytes arrived.
+    pub data_start_us: u64,
+    /// All KV bytes in place.
+    pub data_end_us: u64,
+    /// Completion seen; the request can decode.
+    pub ready_us: u64,
+    /// KV bytes moved.
+    pub bytes: u64,
+    /// Contiguous block regions written.
+    pub regions: u32,
+}
+
+/// Counters for `/metrics`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnectorStats {
+    /// Transfers completed (either side).
+    pub transfers_ok: u64,
+    /// Transfers failed (either side).
+    pub transfers_failed: u64,
+    /// Bulk bytes sent.
+    pub bytes_sent: u64,
+    /// Bulk bytes received.
+    pub bytes_received: u64,
+    /// Contiguous block regions moved.
+    pub regions: u64,
+    /// Leases (pull) or registrations/produced KV (push) that expired and were reclaimed.
+    pub expired: u64,
+    /// Messages naming a transfer this engine does not know (late, finished or bogus).
+    pub unknown_ids: u64,
+    /// Transfer ids seen twice.
+    pub duplicate_ids: u64,
+    /// Handshakes refused (either side): peers of another model, mode or KV shape.
+    pub peers_refused: u64,
+}
+
+/// Where the connector delivers its events, as they happen, from its own threads: the engine
+/// puts them on its input channel. It must not block.
+pub type EventSink = Box<dyn Fn(ConnectorEvent) + Send + Sync>;
