@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+mod common;
+use common::free_port;
+
 struct Proc(Child);
 impl Drop for Proc {
     fn drop(&mut self) {
@@ -32,19 +35,6 @@ impl Proc {
             }
             assert!(start.elapsed() < bound, "still running after {bound:?}");
             std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-/// A port nothing listens on now, never handed out twice in this process.
-fn free_port() -> u16 {
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    let mut given = GIVEN.lock().unwrap();
-    loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        if !given.contains(&port) && !given.contains(&port.wrapping_sub(1)) {
-            given.extend([port, port.wrapping_add(1)]);
-            return port;
         }
     }
 }

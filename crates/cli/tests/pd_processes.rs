@@ -8,25 +8,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+mod common;
+use common::free_port;
+
 struct Proc(Child);
 impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
-    }
-}
-
-/// A port nothing listens on now, never handed out twice in this process (the tests here run
-/// in parallel, and the OS may offer a just-released port again).
-fn free_port() -> u16 {
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    let mut given = GIVEN.lock().unwrap();
-    loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        if !given.contains(&port) {
-            given.push(port);
-            return port;
-        }
     }
 }
 

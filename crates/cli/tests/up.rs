@@ -4,9 +4,8 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+mod common;
+use common::free_port;
 
 #[test]
 fn up_serves_through_the_router_and_ctrl_c_stops_everything() {

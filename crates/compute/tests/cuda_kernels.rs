@@ -1,6 +1,9 @@
 //! The CUDA attention and sampling kernels against straightforward CPU references, on random
 //! inputs of many shapes. Ignored by `cargo test`: they need a GPU. scripts/gpu/run.sh runs them
 //! with `--include-ignored`, where a missing GPU fails the test (`TANDEM_REQUIRE_CUDA=1`).
+//!
+//! The launches are `unsafe` (the contract of `ops`): every buffer here is uploaded with the
+//! size its launch's shape implies, and read back (which waits for the stream) before it drops.
 
 use tandem_compute::cuda::ops::{
     self, AttnMeta, AttnShape, Gemv, GemvBuild, GemvInput, GemvOutput, GemvPlan, PrefillSeqs, QkvRope, FLASH_ROWS,
@@ -146,8 +149,10 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
     let label = format!("heads {nh}/{nkv} head_dim {hd} block {bs} seqs {:?}", case.seqs);
 
     let mut d_out = dev.upload(&poison).unwrap();
-    ops::attention_rows(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &meta, 0, total_tokens, &shape, None, None)
-        .unwrap();
+    unsafe {
+        ops::attention_rows(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &meta, 0, total_tokens, &shape, None, None)
+            .unwrap()
+    };
     let out = dev.read(&d_out, poison.len()).unwrap();
     let err = rel_err(&out, &|_| true);
     assert!(err < 1e-2, "attention_rows, {label}: relative error {err:.2e}");
@@ -160,19 +165,21 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
         let d_part = dev.upload(&vec![0f32; ops::attention_split_floats(total_tokens, nh, hd, most)]).unwrap();
         let split = ops::AttnSplit { part: d_part.ptr(), most, split_keys };
         dev.write(&mut d_out, 0, &poison).unwrap();
-        ops::attention_rows(
-            dev,
-            d_q.ptr(),
-            d_cache.ptr(),
-            d_out.ptr(),
-            &meta,
-            0,
-            total_tokens,
-            &shape,
-            None,
-            Some(split),
-        )
-        .unwrap();
+        unsafe {
+            ops::attention_rows(
+                dev,
+                d_q.ptr(),
+                d_cache.ptr(),
+                d_out.ptr(),
+                &meta,
+                0,
+                total_tokens,
+                &shape,
+                None,
+                Some(split),
+            )
+            .unwrap()
+        };
         let split_out = dev.read(&d_out, poison.len()).unwrap();
         let err = rel_err(&split_out, &|_| true);
         assert!(err < 1e-2, "split attention ({most} x {split_keys}), {label}: relative error {err:.2e}");
@@ -193,7 +200,7 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
             seq_len: d_sl.ptr(),
             seq_pos: d_sp.ptr(),
         };
-        ops::flash_prefill(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &p, &meta, &shape).unwrap();
+        unsafe { ops::flash_prefill(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &p, &meta, &shape).unwrap() };
         let out = dev.read(&d_out, poison.len()).unwrap();
         let in_prefill = |t: usize| case.seqs[tok_seq[t] as usize].0 > 1;
         let err = rel_err(&out, &in_prefill);
@@ -330,13 +337,15 @@ fn decode_attention_with_fused_rope_equals_the_two_kernels() {
                     eps: 1e-6,
                 };
                 if !fused {
-                    ops::qkv_rope_cache(&dev, &rope, &shape, tokens).unwrap();
+                    unsafe { ops::qkv_rope_cache(&dev, &rope, &shape, tokens).unwrap() };
                 }
                 let r = fused.then_some(&rope);
                 // Contexts split into ranges of 16 keys (up to 4), as long decode contexts are.
                 let split = split.then(|| ops::AttnSplit { part: d_part.ptr(), most: 4, split_keys: 16 });
-                ops::attention_rows(&dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &meta, 0, tokens, &shape, r, split)
-                    .unwrap();
+                unsafe {
+                    ops::attention_rows(&dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &meta, 0, tokens, &shape, r, split)
+                        .unwrap()
+                };
                 (dev.read(&d_out, tokens * nh * hd).unwrap(), dev.read(&d_cache, cache.len()).unwrap())
             };
             for split in [false, true] {
@@ -394,12 +403,16 @@ fn sampling_kernel_follows_its_rules() {
     // Greedy rows' scans shared by several blocks (the scratch) or one block each: the same.
     let scratch = dev.zeros::<i32>(ops::sample_scratch_len(rows)).unwrap();
     let split = Some((scratch.ptr(), rows));
-    ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows, None).unwrap();
+    unsafe {
+        ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows, None).unwrap()
+    };
     let t = dev.read(&d_tokens, rows).unwrap();
     for _ in 0..3 {
         // Repeated: the last block of each row must leave its counter at zero.
-        ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows, split)
-            .unwrap();
+        unsafe {
+            ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows, split)
+                .unwrap()
+        };
         let s = dev.read(&d_tokens, rows).unwrap();
         assert_eq!((s[0], s[1], s[3], s[5]), (t[0], t[1], t[3], t[5]), "split greedy rows differ");
     }
@@ -413,10 +426,15 @@ fn sampling_kernel_follows_its_rules() {
     // Banning 7 on row 5 moves greedy to 8.
     let d_row = dev.upload(&[5i32]).unwrap();
     let d_tok = dev.upload(&[7i32]).unwrap();
-    ops::ban_tokens(&dev, d_logits.ptr(), vocab, d_row.ptr(), d_tok.ptr(), 1).unwrap();
-    ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows, None).unwrap();
+    unsafe { ops::ban_tokens(&dev, d_logits.ptr(), vocab, d_row.ptr(), d_tok.ptr(), 1).unwrap() };
+    unsafe {
+        ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows, None).unwrap()
+    };
     assert_eq!(dev.read(&d_tokens, rows).unwrap()[5], 8);
-    ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows, split).unwrap();
+    unsafe {
+        ops::sample_rows(&dev, d_logits.ptr(), vocab, d_params.ptr(), d_topk.ptr(), d_tokens.ptr(), rows, split)
+            .unwrap()
+    };
     assert_eq!(dev.read(&d_tokens, rows).unwrap()[5], 8);
 
     // Greedy over both scans (16-byte batches when the vocabulary is a multiple of 4, one
@@ -437,12 +455,15 @@ fn sampling_kernel_follows_its_rules() {
             dev.zeros::<i32>(3).unwrap(),
         );
         let want = [4 * 3 + 2, 4 * 3 + 1, vocab as i32 - 1];
-        ops::sample_rows(&dev, d_l.ptr(), vocab, d_p.ptr(), d_k.ptr(), d_t.ptr(), 3, None).unwrap();
+        unsafe { ops::sample_rows(&dev, d_l.ptr(), vocab, d_p.ptr(), d_k.ptr(), d_t.ptr(), 3, None).unwrap() };
         assert_eq!(dev.read(&d_t, 3).unwrap(), want, "greedy over {vocab} ids");
         // Shared by several blocks per row (up to 16 with 3 rows), slice edges included: a
         // maximum on the first and last id of a slice, and ties across slices.
         let scratch = dev.zeros::<i32>(ops::sample_scratch_len(8)).unwrap();
-        ops::sample_rows(&dev, d_l.ptr(), vocab, d_p.ptr(), d_k.ptr(), d_t.ptr(), 3, Some((scratch.ptr(), 8))).unwrap();
+        unsafe {
+            ops::sample_rows(&dev, d_l.ptr(), vocab, d_p.ptr(), d_k.ptr(), d_t.ptr(), 3, Some((scratch.ptr(), 8)))
+                .unwrap()
+        };
         assert_eq!(dev.read(&d_t, 3).unwrap(), want, "split greedy over {vocab} ids");
         let parts = (dev.sm_count() as usize / 3).clamp(1, ops::SAMPLE_MAX_PARTS);
         let per = vocab.div_ceil(4).div_ceil(parts) * 4;
@@ -452,7 +473,10 @@ fn sampling_kernel_follows_its_rules() {
         edges[vocab + 2 * per - 1] = 7.0; // row 1: the last id of slice 1
         edges[2 * vocab] = 7.0; // row 2: id 0
         let d_e = dev.upload(&edges).unwrap();
-        ops::sample_rows(&dev, d_e.ptr(), vocab, d_p.ptr(), d_k.ptr(), d_t.ptr(), 3, Some((scratch.ptr(), 8))).unwrap();
+        unsafe {
+            ops::sample_rows(&dev, d_e.ptr(), vocab, d_p.ptr(), d_k.ptr(), d_t.ptr(), 3, Some((scratch.ptr(), 8)))
+                .unwrap()
+        };
         assert_eq!(dev.read(&d_t, 3).unwrap(), [per as i32, 2 * per as i32 - 1, 0], "slice edges over {vocab} ids");
     }
 
@@ -470,7 +494,9 @@ fn sampling_kernel_follows_its_rules() {
     );
     // The scratch changes nothing for sampled rows (they run whole in one block).
     let scratch = dev.zeros::<i32>(ops::sample_scratch_len(n)).unwrap();
-    ops::sample_rows(&dev, d_l.ptr(), 4, d_p.ptr(), d_k.ptr(), d_t.ptr(), n, Some((scratch.ptr(), n))).unwrap();
+    unsafe {
+        ops::sample_rows(&dev, d_l.ptr(), 4, d_p.ptr(), d_k.ptr(), d_t.ptr(), n, Some((scratch.ptr(), n))).unwrap()
+    };
     let picks = dev.read(&d_t, n).unwrap();
     let z: f32 = small.iter().map(|l| l.exp()).sum();
     for (tok, logit) in small.iter().enumerate() {
@@ -574,7 +600,7 @@ fn check_gemv(
         GemvMode::Bf16ToResidual => (GemvInput::Bf16(d_x.ptr()), GemvOutput::AddTo(d_res.ptr())),
         GemvMode::NormToSilu => (norm, GemvOutput::SiluMul(d_out16.ptr())),
     };
-    Gemv { weight: d_w.ptr(), n, k, input, output, bias: bias_ptr }.launch_with(dev, tokens, plan).unwrap();
+    unsafe { Gemv { weight: d_w.ptr(), n, k, input, output, bias: bias_ptr }.launch_with(dev, tokens, plan).unwrap() };
     let got: Vec<Vec<f64>> = match mode {
         GemvMode::NormToBf16 => {
             let out = dev.read(&d_out16, (tokens + 1) * n).unwrap();
@@ -727,7 +753,7 @@ fn bulk_decode_projection_matches_the_reference() {
     for k in [200, 384] {
         assert!(!ops::gemv_bulk_supported(&dev, k, 1));
         let g = Gemv { weight: 0, n: 8, k, input: GemvInput::Bf16(0), output: GemvOutput::AddTo(0), bias: 0 };
-        assert!(g.launch_with(&dev, 1, plan(8, k, 1)).is_err(), "k {k} must be refused");
+        assert!(unsafe { g.launch_with(&dev, 1, plan(8, k, 1)).is_err() }, "k {k} must be refused");
     }
     eprintln!("{n_checked} bulk decode projection shapes checked");
 }
@@ -742,7 +768,7 @@ fn gate_up_interleave_and_silu_mul() {
         let src: Vec<u16> = (0..2 * half * cols).map(|_| bf16(rng.uniform())).collect();
         let d_src = dev.upload(&src).unwrap();
         let d_dst = dev.upload(&vec![0u16; src.len()]).unwrap();
-        ops::interleave_rows(&dev, d_src.ptr(), d_dst.ptr(), half, cols).unwrap();
+        unsafe { ops::interleave_rows(&dev, d_src.ptr(), d_dst.ptr(), half, cols).unwrap() };
         let dst = dev.read(&d_dst, src.len()).unwrap();
         for i in 0..half {
             assert_eq!(dst[2 * i * cols..][..cols], src[i * cols..][..cols], "gate row {i} ({half} x {cols})");
@@ -755,7 +781,7 @@ fn gate_up_interleave_and_silu_mul() {
         let gu: Vec<u16> = (0..tokens * 2 * inter).map(|_| bf16(rng.uniform() * 6.0)).collect();
         let d_gu = dev.upload(&gu).unwrap();
         let d_out = dev.upload(&vec![0u16; tokens * inter]).unwrap();
-        ops::silu_mul(&dev, d_gu.ptr(), d_out.ptr(), tokens, inter).unwrap();
+        unsafe { ops::silu_mul(&dev, d_gu.ptr(), d_out.ptr(), tokens, inter).unwrap() };
         let out = dev.read(&d_out, tokens * inter).unwrap();
         for t in 0..tokens {
             for i in 0..inter {

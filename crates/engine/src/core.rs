@@ -397,10 +397,14 @@ impl EngineCore {
         self.scheduler.has_work() || !self.quarantine.is_empty() || self.in_flight.is_some()
     }
 
-    /// Whether a step would compute (or collect) something now (otherwise the loop may wait
-    /// briefly for connector events or commands).
+    /// Whether a step would compute, collect or apply something now (otherwise the loop may
+    /// wait for connector events or commands).
     pub fn has_runnable(&self) -> bool {
-        self.scheduler.has_runnable() || !self.scheduler.remote_queue.is_empty() || self.in_flight.is_some()
+        self.scheduler.has_runnable()
+            || !self.scheduler.remote_queue.is_empty()
+            || self.in_flight.is_some()
+            // Events to apply: step now rather than wait for more input.
+            || !self.connector_events.is_empty()
     }
 
     /// Requests running / waiting.

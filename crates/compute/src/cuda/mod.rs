@@ -7,9 +7,9 @@
 //! is cached on disk, keyed by the source hash and the GPU arch ([`kernel_cache_path`]).
 //!
 //! Everything runs on one stream. Buffers are handed to kernels as raw device addresses
-//! ([`DevBuf::ptr`]); the owner of a [`DevBuf`] keeps it alive for as long as work that uses it
-//! may be queued (the model owns its buffers for its whole life and synchronizes before it
-//! returns results), which is what makes the launches in [`ops`] sound.
+//! ([`DevBuf::ptr`]), so the launches in [`ops`] are `unsafe fn`s: their callers keep every
+//! buffer alive and large enough for as long as work that uses it may be queued (the model
+//! owns its buffers for its whole life and synchronizes before it returns results).
 
 pub mod ops;
 mod tuning;
@@ -866,12 +866,15 @@ pub fn measure_gemm_rate(dev: &CudaDevice, m: usize, n: usize, k: usize, repeats
     let a = dev.zeros::<u16>(m * k)?;
     let b = dev.zeros::<u16>(n * k)?;
     let c = dev.zeros::<u16>(m * n)?;
-    ops::preset_uniform(dev, a.ptr(), (m * k) as u64, 1, 1.0)?;
-    ops::preset_uniform(dev, b.ptr(), (n * k) as u64, 2, 1.0)?;
-    ops::matmul_t(dev, a.ptr(), b.ptr(), c.ptr(), m, n, k, false)?;
-    let mut times: Vec<f64> = (0..repeats.max(1))
-        .map(|_| dev.time_ms(|| ops::matmul_t(dev, a.ptr(), b.ptr(), c.ptr(), m, n, k, false)))
-        .collect::<Result<_, _>>()?;
+    // Safety: a, b and c hold m x k, n x k and m x n elements and live until the end of this
+    // function, after the timed launches have run (time_ms waits for them).
+    let gemm = || unsafe { ops::matmul_t(dev, a.ptr(), b.ptr(), c.ptr(), m, n, k, false) };
+    unsafe {
+        ops::preset_uniform(dev, a.ptr(), (m * k) as u64, 1, 1.0)?;
+        ops::preset_uniform(dev, b.ptr(), (n * k) as u64, 2, 1.0)?;
+    }
+    gemm()?;
+    let mut times: Vec<f64> = (0..repeats.max(1)).map(|_| dev.time_ms(gemm)).collect::<Result<_, _>>()?;
     times.sort_by(f64::total_cmp);
     Ok(2.0 * (m * n * k) as f64 / (times[times.len() / 2] / 1e3))
 }

@@ -2,6 +2,17 @@
 //!
 //! Arguments are raw device addresses ([`super::DevBuf::ptr`]); 0 stands for "none" where a
 //! kernel takes an optional input. Every function only queues work on the device's stream.
+//!
+//! # Safety
+//!
+//! The launch functions are `unsafe`: the kernels read and write through the addresses they
+//! are given, and a launch cannot see the buffers behind them. The caller guarantees, for
+//! every launch: each address is 0 where the function allows it, or else points into a live
+//! allocation on `dev`'s context holding at least the elements the shape arguments imply
+//! (stated per function, e.g. `x [t, k]`); every allocation stays alive until the stream has
+//! run the launch (it is queued, not run, when the function returns); and nothing outside
+//! `dev`'s stream reads or writes what the launch writes until then. The functions check the
+//! shape arguments against the kernels' own limits.
 
 use cudarc::cublas::sys as blas;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -109,8 +120,12 @@ fn launch_programmatic(
 
 /// Matrix product `y[t, n] = x[t, k] · w[n, k]ᵀ`, bf16 inputs, f32 accumulation, output bf16
 /// (or f32 when `f32_out`).
+///
+/// # Safety
+/// See the module docs; `x` holds `[t, k]` bf16, `w` `[n, k]` bf16, `y` `[t, n]` (bf16, or
+/// f32 with `f32_out`).
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_t(
+pub unsafe fn matmul_t(
     dev: &CudaDevice,
     x: u64,
     w: u64,
@@ -155,18 +170,29 @@ pub fn matmul_t(
 }
 
 /// Fills `n` bf16 elements at `out` with the seeded uniform values of `preset_uniform`.
-pub fn preset_uniform(dev: &CudaDevice, out: u64, n: u64, stream_seed: u64, amp: f32) -> Result<(), CudaError> {
+///
+/// # Safety
+/// See the module docs; `out` holds `n` bf16.
+pub unsafe fn preset_uniform(dev: &CudaDevice, out: u64, n: u64, stream_seed: u64, amp: f32) -> Result<(), CudaError> {
     launch!(dev, "preset_uniform", grid_stride(dev, n), out, n, stream_seed, amp)
 }
 
 /// Fills `n` bf16 elements with `value`.
-pub fn fill_bf16(dev: &CudaDevice, out: u64, n: u64, value: f32) -> Result<(), CudaError> {
+///
+/// # Safety
+/// See the module docs; `out` holds `n` bf16.
+pub unsafe fn fill_bf16(dev: &CudaDevice, out: u64, n: u64, value: f32) -> Result<(), CudaError> {
     launch!(dev, "fill_bf16", grid_stride(dev, n), out, n, value)
 }
 
 /// `x[t] = table[ids[t]]` as f32, for `tokens` rows of `hidden`; an id with the top bit set
 /// stands for `carried[id & 0x7fffffff]` (a token sampled on the device by the previous step).
-pub fn embed_gather(
+///
+/// # Safety
+/// See the module docs; `table` holds `[vocab, hidden]` bf16, `ids` `tokens` ids below the
+/// vocabulary (or carried rows of `carried`, which holds the previous step's samples), `x`
+/// `[tokens, hidden]` f32.
+pub unsafe fn embed_gather(
     dev: &CudaDevice,
     table: u64,
     ids: u64,
@@ -180,8 +206,13 @@ pub fn embed_gather(
 
 /// `out[r] = rms_norm(x[rows[r]]) * w` for `num_rows` rows (rows = 0: row r itself), after
 /// `x += delta` (bf16 deltas, rounded to bf16 like the residual stream) when `delta` is non-zero.
+///
+/// # Safety
+/// See the module docs; `x` holds the residual rows `rows` names (or `num_rows`), `delta` (if
+/// non-zero) as many bf16 rows, `rows` (if non-zero) `num_rows` indices, `w` `hidden` bf16, `out`
+/// `[num_rows, hidden]` bf16.
 #[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm(
+pub unsafe fn add_rms_norm(
     dev: &CudaDevice,
     x: u64,
     delta: u64,
@@ -206,7 +237,10 @@ pub fn add_rms_norm(
 
 /// `out[t, i] = silu(gu[t, 2i]) * gu[t, 2i + 1]` (`inter` even): gate/up rows interleaved, as
 /// [`interleave_rows`] lays out the weight.
-pub fn silu_mul(dev: &CudaDevice, gu: u64, out: u64, tokens: usize, inter: usize) -> Result<(), CudaError> {
+///
+/// # Safety
+/// See the module docs; `gu` holds `[tokens, 2 * inter]` bf16, `out` `[tokens, inter]`.
+pub unsafe fn silu_mul(dev: &CudaDevice, gu: u64, out: u64, tokens: usize, inter: usize) -> Result<(), CudaError> {
     if tokens == 0 {
         return Ok(());
     }
@@ -217,13 +251,27 @@ pub fn silu_mul(dev: &CudaDevice, gu: u64, out: u64, tokens: usize, inter: usize
 /// `dst` row `2i` = `src` row `i`, row `2i + 1` = `src` row `half + i` (`2 * half` rows of `cols`
 /// bf16; distinct buffers): a gate/up weight or bias made of the gate rows then the up rows,
 /// laid out for [`GemvOutput::SiluMul`] and [`silu_mul`].
-pub fn interleave_rows(dev: &CudaDevice, src: u64, dst: u64, half: usize, cols: usize) -> Result<(), CudaError> {
+///
+/// # Safety
+/// See the module docs; `src` and `dst` each hold `[2 * half, cols]` bf16 and do not overlap.
+pub unsafe fn interleave_rows(dev: &CudaDevice, src: u64, dst: u64, half: usize, cols: usize) -> Result<(), CudaError> {
     let units = if cols.is_multiple_of(8) { 2 * half * cols / 8 } else { 2 * half * cols };
     launch!(dev, "interleave_rows", grid_stride(dev, units as u64), src, dst, half as u64, cols as u64)
 }
 
 /// `y[t, j] += bias[j]`, y bf16 or f32.
-pub fn add_bias(dev: &CudaDevice, y: u64, bias: u64, tokens: usize, cols: usize, f32_y: bool) -> Result<(), CudaError> {
+///
+/// # Safety
+/// See the module docs; `y` holds `[tokens, cols]` (f32 with `f32_y`, else bf16), `bias`
+/// `cols` bf16.
+pub unsafe fn add_bias(
+    dev: &CudaDevice,
+    y: u64,
+    bias: u64,
+    tokens: usize,
+    cols: usize,
+    f32_y: bool,
+) -> Result<(), CudaError> {
     let total = (tokens * cols) as u64;
     launch!(dev, "add_bias", grid_stride(dev, total), y, bias, cols as i32, total, f32_y as i32)
 }
@@ -349,7 +397,12 @@ pub struct Gemv {
 
 impl Gemv {
     /// Runs the projection for `tokens` rows under `plan` ([`gemv_plan`] for a build).
-    pub fn launch_with(&self, dev: &CudaDevice, tokens: usize, plan: GemvPlan) -> Result<(), CudaError> {
+    ///
+    /// # Safety
+    /// See the module docs; `weight` holds `[n, k]` bf16, the input and output
+    /// `tokens` rows of their kinds (a norm's residual rows as its row list names them), `bias` (if
+    /// non-zero) `n` bf16.
+    pub unsafe fn launch_with(&self, dev: &CudaDevice, tokens: usize, plan: GemvPlan) -> Result<(), CudaError> {
         let Gemv { weight: w, n, k, input, output, bias } = *self;
         if tokens == 0 {
             return Ok(());
@@ -572,7 +625,12 @@ pub struct QkvRope {
 
 /// Normalises (Qwen3), rotates and stores one layer's keys and values into the paged cache,
 /// and writes the rotated queries to `q_out`.
-pub fn qkv_rope_cache(dev: &CudaDevice, a: &QkvRope, s: &AttnShape, tokens: usize) -> Result<(), CudaError> {
+///
+/// # Safety
+/// See the module docs; `a`'s buffers hold `tokens` rows of qkv and queries, the norm
+/// weights `head_dim`, the RoPE tables every position named, `positions` and `slots` `tokens`
+/// entries, and every slot lies in the cache `s` describes (or is -1).
+pub unsafe fn qkv_rope_cache(dev: &CudaDevice, a: &QkvRope, s: &AttnShape, tokens: usize) -> Result<(), CudaError> {
     if tokens == 0 {
         return Ok(());
     }
@@ -633,8 +691,14 @@ fn attention_heads_per_block(sm_count: usize, tokens: usize, num_heads: usize, n
 /// queries are not written to `rope.q_out`): only for steps where every sequence brings exactly
 /// one token, that token being its last position, so no block reads a key another block of the
 /// same launch writes.
+///
+/// # Safety
+/// See the module docs; `q`, `out` hold the listed tokens' rows (`[t, heads, head_dim]`),
+/// `token_list` (if non-zero) `count` indices, `m`'s tables a row per sequence whose blocks lie
+/// in `cache` (as `s` describes it) up to each token's position, `rope` as for
+/// [`qkv_rope_cache`], and `split.part` [`attention_split_floats`] floats.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_rows(
+pub unsafe fn attention_rows(
     dev: &CudaDevice,
     q: u64,
     cache: u64,
@@ -801,8 +865,13 @@ pub fn flash_smem_bytes(head_dim: usize) -> u32 {
 pub const FLASH_ROWS: usize = 64;
 
 /// Causal attention of prefill chunks over the paged cache with tensor cores.
+///
+/// # Safety
+/// See the module docs; `q` and `out` hold every token of the work items' sequences
+/// (`[t, heads, head_dim]`), `seqs`' arrays `num_items` work items and their sequences, and `m`'s
+/// tables blocks in `cache` (as `s` describes it) up to each query's position.
 #[allow(clippy::too_many_arguments)]
-pub fn flash_prefill(
+pub unsafe fn flash_prefill(
     dev: &CudaDevice,
     q: u64,
     cache: u64,
@@ -848,7 +917,11 @@ pub fn flash_prefill(
 }
 
 /// Sets `logits[ban_row[i], ban_tok[i]] = -inf` for `n` pairs.
-pub fn ban_tokens(
+///
+/// # Safety
+/// See the module docs; `logits` holds every row `ban_row` names (`vocab` f32 each),
+/// `ban_row` and `ban_tok` `n` ints.
+pub unsafe fn ban_tokens(
     dev: &CudaDevice,
     logits: u64,
     vocab: usize,
@@ -875,8 +948,12 @@ pub fn sample_scratch_len(rows: usize) -> usize {
 /// (a zeroed buffer of [`sample_scratch_len`]`(capacity)` ints, kept for later calls, and
 /// `rows <= capacity`), a greedy row's scan is shared by several blocks when few rows leave
 /// multiprocessors idle; the result is the same.
+///
+/// # Safety
+/// See the module docs; `logits` holds `[rows, vocab]` f32, `params` `3 * rows` floats,
+/// `top_ks` and `tokens` `rows` ints, the scratch as described above.
 #[allow(clippy::too_many_arguments)]
-pub fn sample_rows(
+pub unsafe fn sample_rows(
     dev: &CudaDevice,
     logits: u64,
     vocab: usize,

@@ -34,12 +34,24 @@ pub(super) fn forward(
 ) -> Result<(), ModelError> {
     let counts = counts.unwrap_or(step.counts);
     let fused = plan.fused_for(t, counts).filter(|_| allow_fused);
+    if t > step.max_tokens || rows > step.max_seqs {
+        return Err(ModelError::Device(format!("a forward of {t} tokens and {rows} rows exceeds its buffers")));
+    }
     let pass = Pass { dev, cfg, w: weights, step, cache: &kv.cache, block_size: kv.layout.block_size };
-    pass.run(t, rows, counts, fused)
+    // Safety: the pass's buffers are the model's, alive for its life, sized at load for
+    // `max_tokens` tokens and `max_seqs` rows (checked above); the metadata the kernels index
+    // by was checked against the cache and tables when it was filled (see `Pass`).
+    unsafe { pass.run(t, rows, counts, fused) }
 }
 
 /// One forward's view of the model: what it reads (weights, metadata) and where it writes
 /// (activations, the cache), as the kernels take them, by device address.
+///
+/// Its launching methods are `unsafe` (the contract of `tandem_compute::cuda::ops`): the caller
+/// guarantees that `step` was filled for this step (`StepBuffers::fill` checks positions, slots
+/// and block tables against the cache and the tables' width), that `t` and the rows are within
+/// the step buffers' sizes, and that every buffer outlives the queued launches (the model owns
+/// them for its life and synchronizes before it reads results or drops them).
 pub(super) struct Pass<'a> {
     pub dev: &'a CudaDevice,
     pub cfg: &'a ModelConfig,
@@ -50,7 +62,7 @@ pub(super) struct Pass<'a> {
 }
 
 impl Pass<'_> {
-    fn run(
+    unsafe fn run(
         &self,
         t: usize,
         rows: usize,
@@ -113,11 +125,20 @@ impl Pass<'_> {
     /// and measured: it beat cuBLAS on 2 to 4 of 40 decode shapes, by less than the run-to-run
     /// spread, and choosing kernels by timing made greedy output depend on the run.)
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul(&self, x: u64, w: u64, y: u64, t: usize, n: usize, k: usize, f32_out: bool) -> Result<(), CudaError> {
+    pub unsafe fn matmul(
+        &self,
+        x: u64,
+        w: u64,
+        y: u64,
+        t: usize,
+        n: usize,
+        k: usize,
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
         ops::matmul_t(self.dev, x, w, y, t, n, k, f32_out)
     }
 
-    fn linear(&self, l: &Linear, x: u64, y: u64, t: usize) -> Result<(), ModelError> {
+    unsafe fn linear(&self, l: &Linear, x: u64, y: u64, t: usize) -> Result<(), ModelError> {
         self.matmul(x, l.weight.ptr(), y, t, l.out_dim, l.in_dim, false)?;
         if let Some(b) = &l.bias {
             ops::add_bias(self.dev, y, b.ptr(), t, l.out_dim, false)?;
@@ -158,7 +179,7 @@ impl Pass<'_> {
     /// tokens on the decode list (the row kernel). With `fuse_rope` (decode steps of one token
     /// per sequence only), the attention kernel does the first part itself: one launch, and
     /// the queries never go through memory. Returns the layer's attention shape.
-    fn rope_and_row_attention(
+    unsafe fn rope_and_row_attention(
         &self,
         li: usize,
         layer: &Layer,
@@ -198,7 +219,7 @@ impl Pass<'_> {
     /// cache write on one-token-per-sequence steps), o (adding into the residual), gate/up (with
     /// the post-attention RMSNorm and SiLU-and-multiply) and down (adding into the residual).
     /// Five or six launches per layer instead of nine, and no deltas through memory.
-    fn decode_layers(
+    unsafe fn decode_layers(
         &self,
         t: usize,
         rows: usize,
@@ -218,7 +239,7 @@ impl Pass<'_> {
     }
 
     /// Runs a fused decode projection for `t` tokens in `build`.
-    pub fn project(&self, g: &Gemv, t: usize, build: GemvBuild) -> Result<(), ModelError> {
+    pub unsafe fn project(&self, g: &Gemv, t: usize, build: GemvBuild) -> Result<(), ModelError> {
         g.launch_with(self.dev, t, ops::gemv_plan(self.dev, g.n, g.k, t, build))?;
         Ok(())
     }

@@ -212,18 +212,27 @@ impl StepBuffers {
             }
             ban_rows.extend(ban_toks);
             dev.write(&mut a.bans, 0, &ban_rows)?;
-            ops::ban_tokens(dev, a.logits.ptr(), vocab, a.bans.ptr(), a.bans.ptr_at(nb), nb)?;
+            // Safety: `bans` holds the 2 x nb ids just written, `logits` max_seqs x vocab rows
+            // (specs.len() <= max_seqs, checked by `fill`); both are the model's for its life.
+            unsafe { ops::ban_tokens(dev, a.logits.ptr(), vocab, a.bans.ptr(), a.bans.ptr_at(nb), nb)? };
         }
-        ops::sample_rows(
-            dev,
-            a.logits.ptr(),
-            vocab,
-            self.meta.ptr_at(self.layout.params),
-            self.meta.ptr_at(self.layout.top_k),
-            a.tokens.ptr(),
-            specs.len(),
-            Some((a.sample_scratch.ptr(), self.max_seqs)),
-        )?;
+        if specs.len() > self.max_seqs {
+            return Err(ModelError::Device(format!("{} sample specs for {} rows", specs.len(), self.max_seqs)));
+        }
+        // Safety: logits, tokens and the sampler's scratch are sized for max_seqs rows, the
+        // metadata's parameters for max_seqs sequences; all are the model's for its life.
+        unsafe {
+            ops::sample_rows(
+                dev,
+                a.logits.ptr(),
+                vocab,
+                self.meta.ptr_at(self.layout.params),
+                self.meta.ptr_at(self.layout.top_k),
+                a.tokens.ptr(),
+                specs.len(),
+                Some((a.sample_scratch.ptr(), self.max_seqs)),
+            )?
+        };
         Ok(())
     }
 

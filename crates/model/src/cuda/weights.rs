@@ -194,11 +194,13 @@ fn fingerprint(dev: &CudaDevice, cfg: &ModelConfig, embed: &DevBuf<u16>) -> Resu
 fn interleave_gate_up(dev: &CudaDevice, l: Linear) -> Result<Linear, ModelError> {
     let half = l.out_dim / 2;
     let weight = dev.zeros::<u16>(l.out_dim * l.in_dim)?;
-    ops::interleave_rows(dev, l.weight.ptr(), weight.ptr(), half, l.in_dim)?;
+    // Safety: source and destination both hold out_dim rows of in_dim (or 1) elements; `l`
+    // lives until the copies are done (synchronized below).
+    unsafe { ops::interleave_rows(dev, l.weight.ptr(), weight.ptr(), half, l.in_dim)? };
     let bias = match &l.bias {
         Some(b) => {
             let out = dev.zeros::<u16>(l.out_dim)?;
-            ops::interleave_rows(dev, b.ptr(), out.ptr(), half, 1)?;
+            unsafe { ops::interleave_rows(dev, b.ptr(), out.ptr(), half, 1)? };
             Some(out)
         }
         None => None,
@@ -252,16 +254,13 @@ impl<'a> WeightBuilder<'a> {
                     let std =
                         *stds.get(*name).ok_or_else(|| ModelError::MissingTensor { name: (*name).to_string() })?;
                     let ptr = buf.ptr_at(offset);
+                    // Safety: `buf` holds `total` elements and `offset + n <= total`; it is
+                    // returned to the model, which keeps it for its life.
                     if std == 0.0 {
-                        ops::fill_bf16(self.dev, ptr, n as u64, 1.0)?;
+                        unsafe { ops::fill_bf16(self.dev, ptr, n as u64, 1.0)? };
                     } else {
-                        ops::preset_uniform(
-                            self.dev,
-                            ptr,
-                            n as u64,
-                            tensor_stream(*seed, name),
-                            uniform_amplitude(std),
-                        )?;
+                        let (stream, amp) = (tensor_stream(*seed, name), uniform_amplitude(std));
+                        unsafe { ops::preset_uniform(self.dev, ptr, n as u64, stream, amp)? };
                     }
                 }
                 (_, Some(w)) => {
