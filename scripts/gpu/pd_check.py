@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
 """Disaggregated serving on one GPU, as separate processes: a colocated engine (the reference),
-then a prefill engine, a decode engine and the router, in push and then pull mode, all with
-`--device cuda:0`. KV moves through each engine's host copy of its GPU KV cache and TCP.
-Greedy answers through the router must equal the colocated engine's token for token.
+then a prefill engine, a decode engine and the router per setting (push and pull; KV over tcp,
+through each engine's host copy of its GPU KV cache, and over cuda-ipc, device to device, also
+with different block sizes on the two engines), all with `--device cuda:0`. Greedy answers
+through the router must equal the colocated engine's token for token (8 prompts one at a time);
+then 50 mixed-length requests at once (equality reported: GPU kernels are not batch-invariant
+yet, issue 27), after which both engines' KV blocks must be back to all free; then the time to
+the first token of a 4000-token prompt, median of 3, against colocated.
 
 Usage: pd_check.py TANDEM_BINARY OUT_DIR [MODEL]   (MODEL or $PD_MODEL, default preset:qwen3-0.6b;
-$PD_DEVICE=cpu tries it without a GPU). Prints one summary line per mode; exits 1 on a mismatch
-or an error. Logs: OUT_DIR/pd_*.log.
+$PD_DEVICE=cpu tries it without a GPU, tcp settings only). Prints one summary line per setting;
+exits 1 on a mismatch, a leak or an error. Logs: OUT_DIR/pd_*.log.
 """
+import concurrent.futures
 import json
 import os
 import re
@@ -21,7 +26,7 @@ exe, out = sys.argv[1], sys.argv[2]
 model = sys.argv[3] if len(sys.argv) > 3 else os.environ.get("PD_MODEL", "preset:qwen3-0.6b")
 # Explicit KV sizes: the engines share the GPU, and each sizes its cache from what is free.
 device = os.environ.get("PD_DEVICE", "cuda:0")  # PD_DEVICE=cpu tries the script without a GPU
-common = ["--device", device, "--model", model, "--num-kv-blocks", "1024", "--block-size", "16"]
+common = ["--device", device, "--model", model, "--num-kv-blocks", "4096"]
 procs = []
 
 
@@ -41,6 +46,26 @@ def post(url, body, timeout=120):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace")
+
+
+def metric(url, name, label=None):
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name) and (label is None or f'"{label}"' in line):
+                return float(line.split()[-1])
+    return None
+
+
+def ttft(url, prompt):
+    """Seconds to the first token of `prompt` (max_tokens 1: the answer is the first token)."""
+    times = []
+    for _ in range(3):
+        t0 = time.time()
+        code, r = post(url, {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
+        if code != 200:
+            raise RuntimeError(f"long prompt answered {code}: {r}")
+        times.append(time.time() - t0)
+    return sorted(times)[1]
 
 
 def wait_healthy(url, secs=180):
@@ -70,26 +95,49 @@ def stop_all():
 # Prompts of 1 to 300 tokens (several KV blocks, a partial last block), greedy, fixed length.
 prompts = [[(s * 31 + j * 7) % 500 + 10 for j in range(n)] for s, n in enumerate([1, 7, 16, 17, 64, 150, 300, 33])]
 bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True} for p in prompts]
+vocab = int(os.environ.get("PD_VOCAB", "1000"))  # token ids stay below this
+prompts = [[t % vocab for t in p] for p in prompts]
+bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True} for p in prompts]
+burst = [{"prompt": [((s * 13 + j * 5) % 700 + 10) % vocab for j in range(1 + (s * 37) % 600)], "max_tokens": 16,
+          "temperature": 0, "ignore_eos": True} for s in range(50)]
+long_prompt = [((j * 11) % 900 + 10) % vocab for j in range(int(os.environ.get("PD_LONG", "4000")))]
+# (mode, transport, prefill block size, decode block size)
+settings = [("push", "tcp", 16, 16), ("pull", "tcp", 16, 16)]
+if device != "cpu":
+    settings += [("push", "cuda-ipc", 16, 16), ("pull", "cuda-ipc", 16, 16),
+                 ("push", "cuda-ipc", 16, 32), ("pull", "cuda-ipc", 32, 16)]
 status = 0
 try:
-    start("colocated", ["serve", "--port", "18300"] + common)
-    wait_healthy("http://127.0.0.1:18300")
+    start("colocated", ["serve", "--port", "18300", "--block-size", "16"] + common)
+    c = "http://127.0.0.1:18300"
+    wait_healthy(c)
     want = []
     for b in bodies:
-        code, r = post("http://127.0.0.1:18300", b)
+        code, r = post(c, b)
         if code != 200:
             raise RuntimeError(f"colocated answered {code}: {r}")
         want.append(r["choices"][0]["token_ids"])
+    burst_want = []
+    for b in burst:
+        code, r = post(c, b)
+        if code != 200:
+            raise RuntimeError(f"colocated answered {code}: {r}")
+        burst_want.append(r["choices"][0]["token_ids"])
+    colocated_ttft = ttft(c, long_prompt)
+    print(f"colocated on {device}: TTFT of a {len(long_prompt)}-token prompt {colocated_ttft * 1e3:.1f} ms")
     stop_all()
-    for mode, base in [("push", 18400), ("pull", 18500)]:
+    for n, (mode, transport, pbs, dbs) in enumerate(settings):
+        base = 18400 + 100 * n
+        name = f"{mode}_{transport}_{pbs}_{dbs}"
         p, d, r = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}", f"http://127.0.0.1:{base + 2}"
-        start(f"{mode}_prefill", ["serve", "--role", "prefill", "--kv-mode", mode, "--port", str(base),
-                                  "--kv-port", str(base + 50), "--kv-host-gib", "8"] + common)
-        start(f"{mode}_decode", ["serve", "--role", "decode", "--kv-mode", mode, "--port", str(base + 1),
-                                 "--kv-port", str(base + 51), "--kv-host-gib", "8"] + common)
+        kv = ["--kv-mode", mode, "--kv-transport", transport] + (["--kv-host-gib", "8"] if transport == "tcp" else [])
+        start(f"{name}_prefill", ["serve", "--role", "prefill", "--port", str(base), "--kv-port", str(base + 50),
+                                  "--block-size", str(pbs)] + kv + common)
+        start(f"{name}_decode", ["serve", "--role", "decode", "--port", str(base + 1), "--kv-port", str(base + 51),
+                                 "--block-size", str(dbs)] + kv + common)
         wait_healthy(p)
         wait_healthy(d)
-        start(f"{mode}_router", ["router", "--mode", mode, "--prefill", p, "--decode", d, "--port", str(base + 2)])
+        start(f"{name}_router", ["router", "--mode", mode, "--prefill", p, "--decode", d, "--port", str(base + 2)])
         wait_healthy(r)
         same, errors, t0 = 0, [], time.time()
         for i, b in enumerate(bodies):
@@ -102,16 +150,29 @@ try:
                 errors.append(f"request {i} ({len(b['prompt'])} prompt tokens): {ans['choices'][0]['token_ids']} "
                               f"!= colocated {want[i]}")
         secs = time.time() - t0
-        copies = []
-        for role in ("prefill", "decode"):
-            for line in open(os.path.join(out, f"pd_{mode}_{role}.log"), errors="replace"):
-                line = re.sub(r"\x1b\[[0-9;]*m", "", line)  # the log's colours
-                found = re.search(r"host copy.* ms=([0-9.]+)", line)
-                if found:
-                    copies.append(float(found.group(1)))
-        copy_note = f", host KV copies: {len(copies)}, longest {max(copies):.1f} ms" if copies else ""
-        print(f"P/D on {device} ({model}), {mode}: {same}/{len(bodies)} answers equal colocated token for token, "
-              f"{secs:.1f} s{copy_note}")
+        with concurrent.futures.ThreadPoolExecutor(len(burst)) as pool:
+            answers = list(pool.map(lambda b: post(r, b), burst))
+        burst_ok = sum(code == 200 for code, _ in answers)
+        burst_same = sum(code == 200 and a["choices"][0]["token_ids"] == w for (code, a), w in zip(answers, burst_want))
+        if burst_ok != len(burst):
+            errors.append(f"burst: {len(burst) - burst_ok} of {len(burst)} requests failed: "
+                          f"{[a for code, a in answers if code != 200][:2]}")
+        time.sleep(0.5)  # the last releases reach the pools
+        leaks = []
+        for role, url in (("prefill", p), ("decode", d)):
+            free, total = metric(url, "tandem:kv_blocks_free"), metric(url, "tandem:kv_blocks_total")
+            if free != total:
+                leaks.append(f"{role} {free:.0f}/{total:.0f} blocks free")
+        if leaks:
+            errors.append("KV blocks not back to baseline: " + ", ".join(leaks))
+        links = metric(p, "tandem:kv_connector", f"links_{transport.replace('-', '_')}")
+        if not links:
+            errors.append(f"prefill opened no {transport} connection (links_{transport}: {links})")
+        t_long = ttft(r, long_prompt)
+        print(f"P/D on {device} ({model}), {name}: {same}/{len(bodies)} answers equal colocated token for token, "
+              f"{secs:.1f} s; burst of {len(burst)}: {burst_ok} ok, {burst_same} equal colocated (one at a time); "
+              f"blocks back: {'yes' if not leaks else 'NO'}; TTFT {len(long_prompt)} tokens {t_long * 1e3:.1f} ms "
+              f"({t_long / colocated_ttft:.2f}x colocated)")
         for e in errors[:5]:
             print("   ", e)
         if errors:

@@ -18,10 +18,15 @@
 #   ncu-src KERNEL_REGEX "ARG ...": Nsight Compute's per-instruction warp stall samples of
 #   one launch of the matching kernel in a batch-1 decode, summarised by SASS basic block
 #   (scripts/gpu/ncu_hot.py; raw CSV in $OUT/ncu_src.csv): where its warps wait;
+#   ipc: kernel and engine tests, P/D over tcp and cuda-ipc (pd_check.py) and `tandem bench kv
+#   --transport cuda-ipc`; sweep: `tandem bench sweep --launch` on cuda:0 (push and pull over
+#   cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS, SWEEP_QPS narrow it);
 #   pd: only disaggregated serving on the GPU (scripts/gpu/pd_check.py; also part of every mode
 #   that runs the tests);
 #   sanitize [TOOL [TEST_FILTER]]: the kernel tests (those matching TEST_FILTER) under
 #   compute-sanitizer's TOOL (memcheck, the default; racecheck, initcheck, synccheck).
+#
+# Everything under $OUT but summary.txt comes back packed in $OUT/results.tgz.
 #
 # Runs the kernel, model and engine GPU tests (ignored by `cargo test` elsewhere, run here with
 # --include-ignored; failing if no GPU is usable or any test skips), the transformers
@@ -38,6 +43,13 @@ BIN=gpu-bin
 [ -x "$BIN/tandem" ] || { echo "no $BIN/tandem: run scripts/gpu/build.sh first and carry gpu-bin"; exit 2; }
 status=0
 note() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+# At most 8 files come back from $OUT: everything but the summary goes back as one archive
+# (`tar xzf results.tgz` here; a sweep's figures and JSONs are in it under sweep/).
+pack() {
+  (cd "$OUT" && tar czf /tmp/results.tgz --exclude=summary.txt . && find . -mindepth 1 ! -name summary.txt -delete \
+    && mv /tmp/results.tgz results.tgz) || echo "packing $OUT failed"
+}
+trap pack EXIT
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
@@ -94,6 +106,44 @@ pd_check() {
 }
 if [ "$MODE" = pd ]; then
   pd_check; cat "$OUT/summary.txt"; exit $status
+fi
+# The cuda-ipc transport's copies into another process's GPU cache, against the same copies
+# inside one GPU measured in the same run; same block size, then 16 -> 32 tokens a block.
+kv_bench() {
+  for pbs in 16 32; do
+    timeout 150 "$BIN/tandem" bench kv --transport cuda-ipc --device cuda:0 --peer-block-size "$pbs" \
+      --json-out "$OUT/bench_kv_ipc_$pbs.json" > "$OUT/bench_kv_ipc_$pbs.log" 2>&1 \
+      || { note "bench kv cuda-ipc (peer blocks $pbs) failed"; tail -5 "$OUT/bench_kv_ipc_$pbs.log"; status=1; }
+    while read -r line; do note "$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_ipc_$pbs.log")
+  done
+}
+run_test() {
+  if timeout 300 "$BIN/$1" --include-ignored --test-threads=1 --nocapture > "/tmp/test_$1.log" 2>&1; then
+    note "test $1: ok"
+  else
+    note "test $1: FAILED"; status=1
+    grep -B2 -A6 "panicked" "/tmp/test_$1.log" | head -30 >> "$OUT/summary.txt"
+  fi
+  cat "/tmp/test_$1.log" >> "$OUT/tests.log"
+}
+if [ "$MODE" = ipc ]; then
+  # KV GPU to GPU: kernel and engine tests, P/D over tcp and cuda-ipc, the transport's bandwidth.
+  [ -n "${SKIP_KERNEL_TESTS:-}" ] || run_test cuda_kernels
+  run_test cuda_engine
+  pd_check
+  kv_bench
+  cat "$OUT/summary.txt"; exit $status
+fi
+if [ "$MODE" = sweep ]; then
+  # The seed's experiment on this GPU: push and pull (cuda-ipc) and colocated, every engine on
+  # cuda:0, preset:qwen3-4b; figures and summary.csv in $OUT/sweep (copy them to docs/figures/gpu).
+  timeout 590 "$BIN/tandem" bench sweep --launch --model preset:qwen3-4b --modes "${SWEEP_MODES:-push,pull,colocated}" \
+    --prefill-device cuda:0 --decode-device cuda:0 --colocated-device cuda:0 --num-kv-blocks 4096 \
+    --engine-arg=--kv-transport=cuda-ipc --input-lens "${SWEEP_INPUTS:-1024,4096,8192}" --qps "${SWEEP_QPS:-1,2,4,8}" \
+    --output-len 64 --num-prompts 16 --vocab-size 100000 --result-dir "$OUT/sweep" --plot > "$OUT/sweep.log" 2>&1 \
+    || { note "sweep failed"; tail -20 "$OUT/sweep.log"; status=1; }
+  tail -40 "$OUT/sweep.log"
+  exit $status
 fi
 if [ "$MODE" = ncu ]; then
   shift

@@ -17,7 +17,7 @@ use std::time::Instant;
 use serde::Serialize;
 use tandem_compute::{KvCache, KvLayout};
 use tandem_core::{EngineId, Epoch, TransferId};
-use tandem_kv::tcp::{accept_handshake, configure, connect, handshake, recv_blocks, send_blocks, Timeouts};
+use tandem_kv::tcp::{accept_handshake, configure, connect, handshake, recv_blocks, send_blocks, Picked, Timeouts};
 use tandem_kv::wire::{read_message, write_message, Message};
 use tandem_kv::{AgentInfo, KvError, KvMode, Role, TransportOffer};
 
@@ -137,7 +137,7 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
     }
     let (mut s, _) = listener.accept()?;
     configure(&s, t)?;
-    accept_handshake(&mut s, &cfg.agent(Role::Decode))?;
+    accept_handshake(&mut s, &cfg.agent(Role::Decode), |_| Ok(Picked::tcp()))?;
     let cache = KvCache::new(cfg.pool_layout());
     let region = cache.region();
     loop {
@@ -257,5 +257,203 @@ mod tests {
         assert_eq!(r.runs, r.blocks.min(8));
         assert!(r.bytes >= 4 << 20);
         assert!(r.raw_best_gb_s > 0.0 && r.kv_best_gb_s > 0.0);
+    }
+}
+
+/// `tandem bench kv --transport cuda-ipc`: the cuda-ipc transport's device copies into a peer
+/// process's GPU cache, against the same copies inside this process's cache (the device-copy
+/// floor), measured in the same run.
+pub mod cuda_ipc {
+    use std::time::Instant;
+
+    use serde::Serialize;
+    use tandem_compute::cuda::{CudaDevice, DeviceKvMemory, IpcExport, PeerKvMemory};
+    use tandem_compute::KvLayout;
+
+    /// What to move.
+    #[derive(Clone, Debug)]
+    pub struct IpcBenchConfig {
+        /// Bytes per transfer, one row each.
+        pub sizes: Vec<usize>,
+        /// Transfers per size; the median is reported.
+        pub repeats: usize,
+        /// Our KV shape (default: Qwen3-4B's, 16-token blocks, bf16).
+        pub layout: KvLayout,
+        /// The peer's block size (another one makes every copy a pitched one).
+        pub peer_block_size: usize,
+        /// Contiguous runs a transfer's blocks are split into.
+        pub runs: usize,
+    }
+
+    impl Default for IpcBenchConfig {
+        fn default() -> Self {
+            let layout = KvLayout { num_layers: 36, num_kv_heads: 8, head_dim: 128, block_size: 16, num_blocks: 0 };
+            let sizes = [1usize << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30].to_vec();
+            Self { sizes, repeats: 5, layout, peer_block_size: 16, runs: 8 }
+        }
+    }
+
+    impl IpcBenchConfig {
+        fn max_tokens(&self) -> usize {
+            let token_bytes = self.layout.block_elems() / self.layout.block_size * 2;
+            self.sizes.iter().max().copied().unwrap_or(0).div_ceil(token_bytes)
+        }
+
+        /// Our cache: room for the largest transfer twice over (the floor copies inside it),
+        /// plus the gaps between runs.
+        pub fn layout(&self) -> KvLayout {
+            let n = self.layout.blocks_for(self.max_tokens());
+            KvLayout { num_blocks: 2 * (n + self.runs + 1), ..self.layout }
+        }
+
+        /// The peer's cache.
+        pub fn peer_layout(&self) -> KvLayout {
+            let l = KvLayout { block_size: self.peer_block_size, ..self.layout };
+            KvLayout { num_blocks: l.blocks_for(self.max_tokens()) + self.runs + 1, ..l }
+        }
+    }
+
+    /// Block ids for `n` blocks in `runs` runs with one-block gaps, from `first`.
+    fn table(n: usize, runs: usize, first: usize) -> Vec<u32> {
+        let per = n.div_ceil(runs.max(1)).max(1);
+        (0..n).map(|i| (first + i + i / per) as u32).collect()
+    }
+
+    /// One size's rates.
+    #[derive(Clone, Debug, Serialize)]
+    pub struct IpcRow {
+        /// Bytes per transfer.
+        pub bytes: usize,
+        /// Copies per transfer.
+        pub copies: usize,
+        /// The same copies inside this GPU's own cache, median GB/s (the floor).
+        pub device_copy_gb_s: f64,
+        /// cuda-ipc into the peer process's cache, median GB/s.
+        pub cuda_ipc_gb_s: f64,
+        /// cuda_ipc / device_copy.
+        pub ratio: f64,
+    }
+
+    /// The report.
+    #[derive(Clone, Debug, Serialize)]
+    pub struct IpcReport {
+        /// Where each side's cache is.
+        pub placement: String,
+        /// Block sizes, ours and the peer's.
+        pub block_sizes: (usize, usize),
+        /// One row per size.
+        pub rows: Vec<IpcRow>,
+    }
+
+    impl std::fmt::Display for IpcReport {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            writeln!(
+                f,
+                "cuda-ipc into a peer process ({}), blocks of {} -> {} tokens",
+                self.placement, self.block_sizes.0, self.block_sizes.1
+            )?;
+            writeln!(
+                f,
+                "{:>10} {:>7} {:>18} {:>16} {:>7}",
+                "size", "copies", "device copy GB/s", "cuda-ipc GB/s", "ratio"
+            )?;
+            for r in &self.rows {
+                writeln!(
+                    f,
+                    "{:>9.1}M {:>7} {:>18.1} {:>16.1} {:>6.0}%",
+                    r.bytes as f64 / (1 << 20) as f64,
+                    r.copies,
+                    r.device_copy_gb_s,
+                    r.cuda_ipc_gb_s,
+                    r.ratio * 100.0
+                )?;
+            }
+            Ok(())
+        }
+    }
+
+    /// The peer's export as one line (what the peer process prints).
+    pub fn export_line(export: &IpcExport) -> String {
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        format!("{} {} {}", hex(&export.handle), export.bytes, hex(&export.device_uuid))
+    }
+
+    /// Parses [`export_line`].
+    pub fn parse_export_line(line: &str) -> Result<IpcExport, String> {
+        fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
+            let mut out = [0u8; N];
+            (s.len() == 2 * N).then_some(())?;
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+            }
+            Some(out)
+        }
+        let bad = || format!("malformed peer export line `{line}`");
+        let mut w = line.split_whitespace();
+        let handle = w.next().and_then(unhex::<64>).ok_or_else(bad)?;
+        let bytes = w.next().and_then(|b| b.parse().ok()).ok_or_else(bad)?;
+        let device_uuid = w.next().and_then(unhex::<16>).ok_or_else(bad)?;
+        Ok(IpcExport { handle, bytes, device_uuid })
+    }
+
+    /// The peer side: a cache on `dev` in the peer layout, exported. Keep the returned memory
+    /// (and the device) alive while the driving side copies into it.
+    pub fn peer_cache(dev: &CudaDevice, cfg: &IpcBenchConfig) -> Result<(Arc<DeviceKvMemory>, IpcExport), String> {
+        let l = cfg.peer_layout();
+        let cache = dev.zeros_exportable::<u16>(l.num_blocks * l.block_elems()).map_err(|e| e.to_string())?;
+        let mem = dev.kv_memory(&cache, l).map_err(|e| e.to_string())?;
+        let export = mem.export().map_err(|e| e.to_string())?;
+        // The buffer's allocation lives on in `mem`.
+        drop(cache);
+        Ok((mem, export))
+    }
+
+    use std::sync::Arc;
+
+    fn median(mut v: Vec<f64>) -> f64 {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    }
+
+    /// The driving side: copies into the peer's exported cache, and the same copies inside our
+    /// own, for each size.
+    pub fn measure(dev: &CudaDevice, cfg: &IpcBenchConfig, export: &IpcExport) -> Result<IpcReport, String> {
+        let l = cfg.layout();
+        let cache = dev.zeros_exportable::<u16>(l.num_blocks * l.block_elems()).map_err(|e| e.to_string())?;
+        let ours = dev.kv_memory(&cache, l).map_err(|e| e.to_string())?;
+        let peer: PeerKvMemory = ours.open_peer(export, cfg.peer_layout())?;
+        let token_bytes = l.block_elems() / l.block_size * 2;
+        let mut rows = Vec::new();
+        for &size in &cfg.sizes {
+            let tokens = size.div_ceil(token_bytes);
+            let n_src = l.blocks_for(tokens);
+            let src = table(n_src, cfg.runs, 0);
+            let floor_dst = table(n_src, cfg.runs, l.num_blocks / 2);
+            let peer_dst = table(cfg.peer_layout().blocks_for(tokens), cfg.runs, 0);
+            let (mut floor, mut ipc, mut copies) = (Vec::new(), Vec::new(), 0);
+            for _ in 0..cfg.repeats.max(1) + 1 {
+                let t = Instant::now();
+                let moved = ours.copy_within(&src, &floor_dst, tokens)?;
+                floor.push(moved as f64 / t.elapsed().as_secs_f64() / 1e9);
+                let t = Instant::now();
+                let (moved, n) = ours.write_to_peer(&peer, &src, &peer_dst, tokens)?;
+                ipc.push(moved as f64 / t.elapsed().as_secs_f64() / 1e9);
+                copies = n;
+            }
+            // The first round warms the mapping and the copy engines up.
+            let (floor, ipc) = (median(floor[1..].to_vec()), median(ipc[1..].to_vec()));
+            rows.push(IpcRow {
+                bytes: tokens * token_bytes,
+                copies,
+                device_copy_gb_s: floor,
+                cuda_ipc_gb_s: ipc,
+                ratio: ipc / floor,
+            });
+        }
+        Ok(IpcReport {
+            placement: format!("{} -> {}", ours.describe(), peer.place()),
+            block_sizes: (l.block_size, cfg.peer_block_size),
+            rows,
+        })
     }
 }

@@ -108,7 +108,43 @@ fn load(dir: &Path) -> Result<Vec<ResultFile>, String> {
         out.push(ResultFile { mode, qps, input_len, json });
     }
     if out.is_empty() {
-        return Err(format!("{}: no sweep results (<mode>_qps<q>_in<in>_out<out>_iter<i>.json)", dir.display()));
+        // Only the sweep's summary (the per-point files stayed elsewhere): its medians and p99s
+        // draw the metric panels; the TTFT breakdown needs the per-request timelines.
+        if let Ok(text) = std::fs::read_to_string(dir.join("summary.csv")) {
+            out = from_summary(&text)?;
+        }
+    }
+    if out.is_empty() {
+        return Err(format!(
+            "{}: no sweep results (<mode>_qps<q>_in<in>_out<out>_iter<i>.json, or summary.csv)",
+            dir.display()
+        ));
+    }
+    Ok(out)
+}
+
+/// The points of a sweep's `summary.csv` (header `mode,qps,input_len,...`; every other column
+/// a number).
+fn from_summary(text: &str) -> Result<Vec<ResultFile>, String> {
+    let mut lines = text.lines().filter(|l| !l.trim().is_empty());
+    let header: Vec<&str> = lines.next().unwrap_or_default().split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).ok_or(format!("summary.csv has no `{name}` column"));
+    let (m, q, i) = (col("mode")?, col("qps")?, col("input_len")?);
+    let mut out = Vec::new();
+    for (n, line) in lines.enumerate() {
+        let cells: Vec<&str> = line.split(',').collect();
+        let bad = || format!("summary.csv row {}: `{line}`", n + 2);
+        let qps: f64 = cells.get(q).and_then(|c| c.parse().ok()).ok_or_else(bad)?;
+        let input_len = cells.get(i).and_then(|c| c.parse().ok()).ok_or_else(bad)?;
+        let mode = cells.get(m).ok_or_else(bad)?.to_string();
+        let json: serde_json::Map<String, Value> = header
+            .iter()
+            .zip(&cells)
+            .filter_map(|(h, c)| c.parse::<f64>().ok().map(|v| (h.to_string(), Value::from(v))))
+            .collect();
+        if qps.is_finite() {
+            out.push(ResultFile { mode, qps, input_len, json: Value::Object(json) });
+        }
     }
     Ok(out)
 }
@@ -351,5 +387,10 @@ mod tests {
         assert_eq!(parse_name("my_mode_qps0.5_in4_out2_iter1.json"), Some(("my_mode".into(), 0.5, 4)));
         assert_eq!(parse_name("summary.csv"), None);
         assert_eq!(parse_name("push_qpsX_in1_out1_iter0.json"), None);
+        let rows = from_summary("mode,qps,input_len,median_ttft_ms\npush,2,1024,18.5\ncolocated,inf,1024,3\n").unwrap();
+        assert_eq!(rows.len(), 1, "the unthrottled point has no place on a rate axis");
+        assert_eq!((rows[0].mode.as_str(), rows[0].qps, rows[0].input_len), ("push", 2.0, 1024));
+        assert_eq!(rows[0].json["median_ttft_ms"], 18.5);
+        assert!(from_summary("mode,qps,input_len\npush,x,1\n").unwrap_err().contains("row 2"));
     }
 }

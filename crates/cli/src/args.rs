@@ -205,6 +205,34 @@ pub enum RoleArg {
     Decode,
 }
 
+/// What KV bytes may travel over between prefill and decode engines.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvTransportArg {
+    /// The fastest both ends offer: cuda-ipc between GPU engines of one host, else tcp (the
+    /// log says why cuda-ipc was not possible).
+    Auto,
+    /// Bytes over the TCP side channel, through a host copy of the KV cache on GPU engines.
+    Tcp,
+    /// Device-to-device copies between GPU engines of one host (one GPU, or two with peer
+    /// access). No host copy of the KV cache is kept (--kv-host-gib is not used); a peer that
+    /// cannot use cuda-ipc is refused at handshake, saying why.
+    CudaIpc,
+}
+
+impl KvTransportArg {
+    pub fn name(self) -> &'static str {
+        self.to_kv().name()
+    }
+
+    pub fn to_kv(self) -> tandem_kv::KvTransport {
+        match self {
+            KvTransportArg::Auto => tandem_kv::KvTransport::Auto,
+            KvTransportArg::Tcp => tandem_kv::KvTransport::Tcp,
+            KvTransportArg::CudaIpc => tandem_kv::KvTransport::CudaIpc,
+        }
+    }
+}
+
 /// How KV moves between prefill and decode.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvModeArg {
@@ -235,6 +263,9 @@ pub struct KvArgs {
     /// push or pull; prefill and decode must agree (they refuse to pair otherwise).
     #[arg(long, value_enum, default_value = "push")]
     pub kv_mode: KvModeArg,
+    /// What the KV bytes travel over: auto, tcp or cuda-ipc.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub kv_transport: KvTransportArg,
     /// This engine's id on the KV side channel (default: role and port).
     #[arg(long)]
     pub engine_id: Option<String>,
@@ -254,9 +285,9 @@ pub struct KvArgs {
     /// registration), seconds.
     #[arg(long, default_value_t = 30.0)]
     pub kv_transfer_timeout_secs: f64,
-    /// On a GPU (prefill and decode roles): host memory for the KV connector's copy of the KV
-    /// cache, GiB (the GPU's bf16 bytes). Transfers go through it, and the GPU's KV cache is
-    /// capped to the blocks it holds. Page-locked at start-up (about 0.4 s per GiB) so that
+    /// On a GPU (prefill and decode roles, --kv-transport auto or tcp): host memory for the KV
+    /// connector's copy of the KV cache, GiB (the GPU's bf16 bytes). tcp transfers go through
+    /// it, and the GPU's KV cache is capped to the blocks it holds. Page-locked at start-up (about 0.4 s per GiB) so that
     /// copies to and from the GPU run at PCIe speed.
     #[arg(long, default_value_t = 16.0)]
     pub kv_host_gib: f64,
@@ -275,6 +306,9 @@ pub struct UpArgs {
     /// push or pull.
     #[arg(long, value_enum, default_value = "push")]
     pub kv_mode: KvModeArg,
+    /// What the KV bytes travel over between the two engines: auto, tcp or cuda-ipc.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub kv_transport: KvTransportArg,
     /// Router port (the OpenAI endpoint).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
@@ -408,8 +442,9 @@ pub enum BenchCommand {
     Sweep(SweepArgs),
     /// Figures from a sweep: the four-panel metric-vs-rate figure and the TTFT breakdown.
     Plot(PlotArgs),
-    /// Throughput of the TCP KV transport moving a KV set to another process, against raw
-    /// loopback TCP measured in the same run.
+    /// Throughput of a KV transport moving a KV set to another process: tcp against raw
+    /// loopback TCP, cuda-ipc against device copies inside one GPU, each measured in the same
+    /// run.
     Kv(BenchKvArgs),
     /// The peer process `bench kv` starts (internal).
     #[command(hide = true)]
@@ -451,6 +486,23 @@ pub struct SweepArgs {
     /// With --launch: router (or colocated server) port; prefill +100, decode +200, KV +300/+301.
     #[arg(long, default_value_t = 18000)]
     pub base_port: u16,
+    /// With --launch: the prefill engine's device (cpu, cuda:N).
+    #[arg(long, default_value = "cpu")]
+    pub prefill_device: String,
+    /// With --launch: the decode engine's device.
+    #[arg(long, default_value = "cpu")]
+    pub decode_device: String,
+    /// With --launch: the colocated engine's device.
+    #[arg(long, default_value = "cpu")]
+    pub colocated_device: String,
+    /// With --launch: KV cache blocks per engine (engines sharing a GPU each size their cache
+    /// from what is free otherwise).
+    #[arg(long)]
+    pub num_kv_blocks: Option<usize>,
+    /// With --launch: one more argument for every engine's `serve`, e.g.
+    /// --engine-arg=--kv-transport=cuda-ipc (repeatable).
+    #[arg(long = "engine-arg", allow_hyphen_values = true)]
+    pub engine_args: Vec<String>,
     /// Without --launch: URL for each mode, e.g. push=http://127.0.0.1:8000 (repeatable).
     #[arg(long = "url", value_parser = parse_mode_url)]
     pub urls: Vec<(String, String)>,
@@ -570,15 +622,38 @@ pub struct BenchServeArgs {
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchKvArgs {
-    /// Size of the KV set moved per transfer, e.g. 256MiB.
+    /// tcp: the TCP transport against raw loopback TCP (CPU memory); cuda-ipc: device copies
+    /// into a peer process's GPU cache against the same copies inside one GPU.
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub transport: BenchKvTransport,
+    /// Size of the KV set moved per transfer (tcp), e.g. 256MiB.
     #[arg(long, default_value = "256MiB")]
     pub size: String,
+    /// cuda-ipc: sizes moved, one row each.
+    #[arg(long, value_delimiter = ',', default_value = "1MiB,16MiB,64MiB,256MiB,1GiB")]
+    pub sizes: Vec<String>,
+    /// cuda-ipc: the GPU of this (the writing) process.
+    #[arg(long, default_value = "cuda:0")]
+    pub device: String,
+    /// cuda-ipc: the GPU of the peer process (default: the same as --device).
+    #[arg(long)]
+    pub peer_device: Option<String>,
+    /// cuda-ipc: tokens per block in the peer's cache (ours is 16; another size makes every
+    /// copy a pitched one, as between engines with different --block-size).
+    #[arg(long, default_value_t = 16)]
+    pub peer_block_size: usize,
     /// Transfers of each kind (raw and KV); median and best are reported.
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
     /// Write the report as JSON here too.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BenchKvTransport {
+    Tcp,
+    CudaIpc,
 }
 
 #[derive(Args, Debug)]

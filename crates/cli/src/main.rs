@@ -223,6 +223,7 @@ fn kv_setup(k: &args::KvArgs, port: u16, fingerprint: &str) -> Result<Option<tan
             faults: tandem_kv::FaultInjection { drop_done: k.fault_drop_done, ..Default::default() },
             // Separate processes: the local transport only applies within one process.
             local_transport: false,
+            transport: k.kv_transport.to_kv(),
         },
         load_failure: match k.kv_load_failure {
             KvLoadFailureArg::Recompute => tandem_engine::KvLoadFailure::Recompute,
@@ -237,8 +238,9 @@ fn serve(a: ServeArgs) -> Result<()> {
         args::RoleArg::Prefill => 8100,
         args::RoleArg::Decode => 8200,
     });
-    // Prefill and decode on a GPU: transfers go through a host copy of the KV cache.
-    let host_kv_bytes = if a.kv.role == args::RoleArg::Both {
+    // Prefill and decode on a GPU: tcp transfers go through a host copy of the KV cache;
+    // cuda-ipc writes the device caches directly.
+    let host_kv_bytes = if a.kv.role == args::RoleArg::Both || a.kv.kv_transport == args::KvTransportArg::CudaIpc {
         None
     } else {
         if !(a.kv.kv_host_gib.is_finite() && a.kv.kv_host_gib > 0.0) {
@@ -636,6 +638,9 @@ fn kv_bench_config(a: &args::BenchKvArgs) -> Result<tandem_bench::kv::KvBenchCon
 /// waits for the peer to exit.
 fn bench_kv(a: args::BenchKvArgs) -> Result<()> {
     use std::io::BufRead;
+    if a.transport == args::BenchKvTransport::CudaIpc {
+        return bench_kv_cuda_ipc(a);
+    }
     let cfg = kv_bench_config(&a)?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut child = std::process::Command::new(exe)
@@ -662,7 +667,85 @@ fn bench_kv(a: args::BenchKvArgs) -> Result<()> {
     Ok(())
 }
 
+fn ipc_bench_config(a: &args::BenchKvArgs) -> Result<tandem_bench::kv::cuda_ipc::IpcBenchConfig> {
+    let sizes = a.sizes.iter().map(|s| args::parse_bytes(s).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
+    if sizes.is_empty() || sizes.contains(&0) {
+        bail!("--sizes must list sizes of more than 0 bytes");
+    }
+    if a.peer_block_size == 0 {
+        bail!("--peer-block-size must be at least 1");
+    }
+    Ok(tandem_bench::kv::cuda_ipc::IpcBenchConfig {
+        sizes,
+        repeats: a.repeats.max(1),
+        peer_block_size: a.peer_block_size,
+        ..Default::default()
+    })
+}
+
+fn open_gpu(spec: &str) -> Result<tandem_compute::cuda::CudaDevice> {
+    match spec.parse::<tandem_compute::cuda::DeviceSpec>().map_err(anyhow::Error::msg)? {
+        tandem_compute::cuda::DeviceSpec::Cuda(n) => {
+            tandem_compute::cuda::CudaDevice::open(n).with_context(|| format!("opening {spec}"))
+        }
+        tandem_compute::cuda::DeviceSpec::Cpu => bail!("{spec} is not a GPU (cuda:N)"),
+    }
+}
+
+/// cuda-ipc: the peer process allocates and exports its cache, prints the export, and lives
+/// until we close its stdin; we map it, copy into it, and compare with copies inside our GPU.
+fn bench_kv_cuda_ipc(a: args::BenchKvArgs) -> Result<()> {
+    use std::io::BufRead;
+    let cfg = ipc_bench_config(&a)?;
+    let peer_device = a.peer_device.clone().unwrap_or_else(|| a.device.clone());
+    for spec in [&a.device, &peer_device] {
+        if !matches!(spec.parse(), Ok(tandem_compute::cuda::DeviceSpec::Cuda(_))) {
+            bail!("cuda-ipc moves GPU memory: give a GPU (cuda:N), not {spec}");
+        }
+    }
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let mut child = std::process::Command::new(exe)
+        .args(["--log", "warn", "bench", "kv-peer", "--transport", "cuda-ipc", "--device", &peer_device])
+        .args(["--sizes", &a.sizes.join(","), "--peer-block-size", &a.peer_block_size.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the peer process")?;
+    let stdout = child.stdout.take().context("peer stdout")?;
+    let mut line = String::new();
+    std::io::BufReader::new(stdout).read_line(&mut line).context("reading the peer's export")?;
+    let report =
+        tandem_bench::kv::cuda_ipc::parse_export_line(line.trim()).map_err(anyhow::Error::msg).and_then(|export| {
+            eprintln!("... peer process {} on {peer_device} exported its cache; copying from {}", child.id(), a.device);
+            let dev = open_gpu(&a.device)?;
+            tandem_bench::kv::cuda_ipc::measure(&dev, &cfg, &export).map_err(anyhow::Error::msg)
+        });
+    drop(child.stdin.take());
+    let status = child.wait().context("waiting for the peer")?;
+    let report = report?;
+    if !status.success() {
+        bail!("the peer process failed ({status})");
+    }
+    print!("{report}");
+    if let Some(path) = a.json_out {
+        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
 fn bench_kv_peer(a: args::BenchKvArgs) -> Result<()> {
+    if a.transport == args::BenchKvTransport::CudaIpc {
+        use std::io::Read;
+        let cfg = ipc_bench_config(&a)?;
+        let dev = open_gpu(&a.device)?;
+        let (_memory, export) = tandem_bench::kv::cuda_ipc::peer_cache(&dev, &cfg).map_err(anyhow::Error::msg)?;
+        println!("{}", tandem_bench::kv::cuda_ipc::export_line(&export));
+        std::io::stdout().flush()?;
+        // Alive (and the cache mapped) until the driving process closes our stdin.
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        return Ok(());
+    }
     let cfg = kv_bench_config(&a)?;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").context("binding the peer listener")?;
     println!("{}", listener.local_addr()?);
@@ -759,7 +842,17 @@ fn bench_sweep(a: args::SweepArgs) -> Result<()> {
     for mode in &a.modes {
         let (url, mut procs) = if a.launch {
             eprintln!("... starting {mode} servers ({})", a.model);
-            let (u, p) = up::launch_mode(mode, &a.model, a.base_port, "warn")?;
+            let launch = up::Launch {
+                model: &a.model,
+                base_port: a.base_port,
+                log: "warn",
+                prefill_device: &a.prefill_device,
+                decode_device: &a.decode_device,
+                colocated_device: &a.colocated_device,
+                num_kv_blocks: a.num_kv_blocks,
+                engine_args: &a.engine_args,
+            };
+            let (u, p) = up::launch_mode(mode, &launch)?;
             (u, p)
         } else {
             let url = a.urls.iter().find(|(m, _)| m == mode).map(|(_, u)| u.clone());

@@ -102,6 +102,7 @@ pub fn up(a: UpArgs) -> Result<()> {
         v.extend(a.engine.to_args());
         v.extend(["--host".into(), host.into(), "--port".into(), port.to_string()]);
         v.extend(["--kv-mode".into(), mode.into(), "--served-model-name".into(), a.served_model_name.clone()]);
+        v.extend(["--kv-transport".into(), a.kv_transport.name().into()]);
         v
     };
     let has_tokenizer = match tandem_model::ModelSource::parse(&a.model.model, a.model.model_seed)? {
@@ -194,38 +195,45 @@ pub fn up(a: UpArgs) -> Result<()> {
     Ok(())
 }
 
-/// The processes of one sweep mode, started on `base_port` (router or colocated server there,
-/// prefill +100, decode +200, KV side channels +300 and +301). Returns the URL to load and the
+/// How `bench sweep --launch` starts a mode's servers.
+pub(crate) struct Launch<'a> {
+    pub model: &'a str,
+    /// Router (or colocated server) port; prefill +100, decode +200, KV side channels +300/+301.
+    pub base_port: u16,
+    pub log: &'a str,
+    pub prefill_device: &'a str,
+    pub decode_device: &'a str,
+    pub colocated_device: &'a str,
+    pub num_kv_blocks: Option<usize>,
+    /// Given to every engine's `serve` as they are.
+    pub engine_args: &'a [String],
+}
+
+/// The processes of one sweep mode, started as `l` says. Returns the URL to load and the
 /// processes to stop.
-pub(crate) fn launch_mode(mode: &str, model: &str, base_port: u16, log: &str) -> Result<(String, Vec<Role>)> {
-    let host = "127.0.0.1";
+pub(crate) fn launch_mode(mode: &str, l: &Launch<'_>) -> Result<(String, Vec<Role>)> {
+    let (host, base_port, log) = ("127.0.0.1", l.base_port, l.log);
     let url = format!("http://{host}:{base_port}");
-    let serve = |port: u16| -> Vec<String> {
-        [
-            "--log",
-            log,
-            "serve",
-            "--model",
-            model,
-            "--host",
-            host,
-            "--port",
-            &port.to_string(),
-            "--served-model-name",
-            "tandem",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+    let serve = |port: u16, device: &str| -> Vec<String> {
+        let mut v: Vec<String> = ["--log", log, "serve", "--model", l.model, "--device", device, "--host", host]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        v.extend(["--port".into(), port.to_string(), "--served-model-name".into(), "tandem".into()]);
+        if let Some(n) = l.num_kv_blocks {
+            v.extend(["--num-kv-blocks".into(), n.to_string()]);
+        }
+        v.extend(l.engine_args.iter().cloned());
+        v
     };
     let mut roles = Vec::new();
     if mode == "colocated" {
-        roles.push(start("serve", &serve(base_port))?);
+        roles.push(start("serve", &serve(base_port, l.colocated_device))?);
     } else {
         let (pp, dp, kp) = (base_port + 100, base_port + 200, base_port + 300);
-        let mut p = serve(pp);
+        let mut p = serve(pp, l.prefill_device);
         p.extend(["--role", "prefill", "--kv-mode", mode, "--kv-port", &kp.to_string()].map(String::from));
-        let mut d = serve(dp);
+        let mut d = serve(dp, l.decode_device);
         d.extend(["--role", "decode", "--kv-mode", mode, "--kv-port", &(kp + 1).to_string()].map(String::from));
         roles.push(start("prefill", &p)?);
         roles.push(start("decode", &d)?);

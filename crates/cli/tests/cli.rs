@@ -123,6 +123,11 @@ fn bad_input_fails_with_a_message() {
         (&["generate", "--prompt", "x", "--device", "tpu:0"], "unknown device `tpu:0`"),
         (&["serve", "--role", "prefill", "--kv-host-gib", "0"], "--kv-host-gib must be a positive"),
         (
+            &["serve", "--role", "prefill", "--kv-transport", "cuda-ipc", "--kv-port", "0", "--port", "0"],
+            "--kv-transport cuda-ipc needs an engine whose KV cache is on a GPU",
+        ),
+        (&["bench", "kv", "--transport", "cuda-ipc", "--device", "cpu"], "give a GPU (cuda:N)"),
+        (
             &["bench", "engine", "--model", "preset:tiny-qwen3", "--batch", "1", "--decode-prompt-tokens", "5000"],
             "the engine refused a 5000-token prompt",
         ),

@@ -25,6 +25,7 @@
 pub mod cpu;
 pub mod cuda;
 mod kv_cache;
+pub mod kv_copy;
 
 pub use kv_cache::{coalesce, BlockRun, KvCache, KvDtype, KvLayout, KvRegion};
 

@@ -275,17 +275,21 @@ impl EngineCore {
     /// Starts a KV connector over this engine's KV memory (prefill or decode role); its events
     /// go to `sink`, which hands them back through [`EngineCore::connector_event`].
     pub fn attach_connector(&mut self, setup: KvSetup, sink: EventSink) -> Result<AgentInfo, KvError> {
-        let region = self.model.kv_region().ok_or_else(|| {
-            KvError::Unsupported(format!(
-                "KV transfer needs the KV cache in host memory; this engine keeps it on {}",
-                self.model.describe()
-            ))
-        })?;
+        let memory = match (self.model.kv_device(), self.model.kv_region()) {
+            (Some(device), host) => tandem_kv::KvMemory::device(device, host)?,
+            (None, Some(host)) => host.into(),
+            (None, None) => {
+                return Err(KvError::Unsupported(format!(
+                    "this engine on {} offers its KV cache to no transport",
+                    self.model.describe()
+                )))
+            }
+        };
         // The connector fails a transfer within its timeout (plus one I/O timeout for a write
         // in flight) and checks deadlines every 50 ms.
         let cfg = &setup.connector;
         self.kv_wait_bound = cfg.transfer_timeout + cfg.timeouts.io + std::time::Duration::from_secs(1);
-        let connector = KvConnector::start(setup.connector, region, sink)?;
+        let connector = KvConnector::start(setup.connector, memory, sink)?;
         let info = connector.info().clone();
         self.connector = Some(connector);
         self.load_failure = setup.load_failure;
@@ -790,15 +794,17 @@ impl EngineCore {
                 ConnectorEvent::Released { request_id } => {
                     self.quarantine.remove(&request_id);
                 }
-                ConnectorEvent::Ready { request_id, first_token, timeline } => {
+                ConnectorEvent::Ready { request_id, first_token, timeline, staged } => {
                     let Some(req) = self.scheduler.requests.get_mut(&request_id) else { continue };
                     if req.status != RequestStatus::WaitingForRemoteKvs {
                         continue;
                     }
                     self.scheduler.remote_waiting.retain(|r| r != &request_id);
                     // A device cache: the KV landed in the host copy; load it (the blocks are the
-                    // engine's again: the connector sent `Ready` after its last write).
-                    if let Err(e) = self.model.kv_from_host(&req.blocks.table()) {
+                    // engine's again: the connector sent `Ready` after its last write). A direct
+                    // transport wrote the device cache itself.
+                    let loaded = if staged { self.model.kv_from_host(&req.blocks.table()) } else { Ok(()) };
+                    if let Err(e) = loaded {
                         let reason = format!("copying the prompt's KV from host memory failed: {e}");
                         Self::remote_load_failed(&mut self.scheduler, self.load_failure, request_id, &reason);
                         continue;

@@ -47,6 +47,32 @@ pub enum TransportOffer {
         /// The engine's key in that process's registry.
         key: String,
     },
+    /// Device-to-device copies into a GPU engine's KV cache, mapped by CUDA IPC: for engines
+    /// on one host, on one GPU or on two with peer access. Control messages still use the side
+    /// channel.
+    CudaIpc {
+        /// Identifies the host (its boot id): IPC handles mean nothing elsewhere.
+        host: String,
+        /// Process id the engine lives in (a handle cannot be opened in its own process).
+        process: u32,
+        /// UUID of the GPU holding the cache, hex.
+        device: String,
+        /// The cache allocation's IPC handle, hex.
+        handle: String,
+        /// Bytes of the allocation.
+        bytes: u64,
+    },
+}
+
+impl TransportOffer {
+    /// The offer's transport name, as `--kv-transport` spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            TransportOffer::Tcp { .. } => "tcp",
+            TransportOffer::Local { .. } => "local",
+            TransportOffer::CudaIpc { .. } => "cuda-ipc",
+        }
+    }
 }
 
 /// An engine's identity and KV shape, exchanged at handshake.
@@ -121,7 +147,7 @@ pub enum Incompatible {
 
 impl AgentInfo {
     /// The metadata of a TP-1 engine whose connector moves `dtype` KV in `layout` (f32 for
-    /// CPU engines, bf16 for a GPU engine's host copy).
+    /// CPU engines, bf16 for a GPU engine's cache and its host copy).
     #[allow(clippy::too_many_arguments)]
     pub fn for_layout(
         engine_id: EngineId,
@@ -156,7 +182,7 @@ impl AgentInfo {
     pub fn tcp_addr(&self) -> Option<&str> {
         self.transports.iter().find_map(|t| match t {
             TransportOffer::Tcp { addr } => Some(addr.as_str()),
-            TransportOffer::Local { .. } => None,
+            TransportOffer::Local { .. } | TransportOffer::CudaIpc { .. } => None,
         })
     }
 

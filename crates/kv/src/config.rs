@@ -17,6 +17,44 @@ pub struct FaultInjection {
     pub silent_agent: bool,
 }
 
+/// Which transports a connector may move KV bytes over.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvTransport {
+    /// The fastest both ends offer: cuda-ipc between GPU engines of one host (on one GPU, or
+    /// two with peer access), else tcp; the handshake logs why cuda-ipc was not possible.
+    #[default]
+    Auto,
+    /// Bytes over the side channel only.
+    Tcp,
+    /// Device-to-device copies only (no host copy of the KV cache is kept); a peer that cannot
+    /// use them is refused at handshake, saying why.
+    CudaIpc,
+}
+
+impl KvTransport {
+    /// As `--kv-transport` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvTransport::Auto => "auto",
+            KvTransport::Tcp => "tcp",
+            KvTransport::CudaIpc => "cuda-ipc",
+        }
+    }
+}
+
+impl std::str::FromStr for KvTransport {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(KvTransport::Auto),
+            "tcp" => Ok(KvTransport::Tcp),
+            "cuda-ipc" => Ok(KvTransport::CudaIpc),
+            other => Err(format!("unknown KV transport `{other}` (auto, tcp or cuda-ipc)")),
+        }
+    }
+}
+
 /// How the connector is set up.
 #[derive(Clone, Debug)]
 pub struct ConnectorConfig {
@@ -43,4 +81,6 @@ pub struct ConnectorConfig {
     /// Offer (and use, when the peer offers it too) direct copies between engines of this
     /// process instead of TCP bytes.
     pub local_transport: bool,
+    /// Which transports bulk KV may use with engines of other processes.
+    pub transport: KvTransport,
 }

@@ -25,11 +25,10 @@
 use std::sync::mpsc;
 use std::sync::Arc;
 
-use tandem_compute::KvRegion;
 use tandem_core::{RemoteKv, RequestId, TransferId};
 
 use crate::agent::{self, Command};
-use crate::{AgentInfo, ConnectorConfig, ConnectorStats, EventSink, HeldBlocks, KvError};
+use crate::{AgentInfo, ConnectorConfig, ConnectorStats, EventSink, HeldBlocks, KvError, KvMemory};
 
 /// The engine's handle. Dropping it stops the control thread (connections close with it).
 pub struct KvConnector {
@@ -39,10 +38,11 @@ pub struct KvConnector {
 }
 
 impl KvConnector {
-    /// Binds the side channel and starts the agent's threads over the engine's KV memory;
-    /// events go to `sink`.
-    pub fn start(cfg: ConnectorConfig, region: Arc<KvRegion>, sink: EventSink) -> Result<Self, KvError> {
-        let (commands, info, shared) = agent::start(cfg, region, sink)?;
+    /// Binds the side channel and starts the agent's threads over the engine's KV memory (a
+    /// host region, or a GPU engine's device cache with or without a host copy); events go to
+    /// `sink`.
+    pub fn start(cfg: ConnectorConfig, memory: impl Into<KvMemory>, sink: EventSink) -> Result<Self, KvError> {
+        let (commands, info, shared) = agent::start(cfg, memory.into(), sink)?;
         Ok(Self { commands, info, shared })
     }
 

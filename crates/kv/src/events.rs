@@ -16,6 +16,10 @@ pub enum ConnectorEvent {
         first_token: Option<u32>,
         /// When each stage happened.
         timeline: TransferTimeline,
+        /// The bytes landed in the connector's host region (tcp, local), which a GPU engine
+        /// then loads into its device cache; `false` when the peer wrote the device cache
+        /// itself (cuda-ipc).
+        staged: bool,
     },
     /// The KV will not come; no write to the request's blocks can land any more.
     Failed {
@@ -78,6 +82,12 @@ pub struct ConnectorStats {
     pub duplicate_ids: u64,
     /// Handshakes refused (either side): peers of another model, mode or KV shape.
     pub peers_refused: u64,
+    /// Connections opened over tcp.
+    pub links_tcp: u64,
+    /// Connections opened over the in-process local transport.
+    pub links_local: u64,
+    /// Connections opened over cuda-ipc.
+    pub links_cuda_ipc: u64,
 }
 
 /// Where the connector delivers its events, as they happen, from its own threads: the engine

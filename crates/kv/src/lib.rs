@@ -27,11 +27,13 @@ mod config;
 mod connector;
 mod error;
 mod events;
+mod memory;
 pub mod tcp;
 pub mod wire;
 
 pub use agent_info::{AgentInfo, Incompatible, KvMode, Role, TransportOffer};
-pub use config::{ConnectorConfig, FaultInjection};
+pub use config::{ConnectorConfig, FaultInjection, KvTransport};
 pub use connector::KvConnector;
 pub use error::KvError;
 pub use events::{ConnectorEvent, ConnectorStats, EventSink, HeldBlocks, TransferTimeline};
+pub use memory::KvMemory;

@@ -58,20 +58,42 @@ pub fn configure(s: &TcpStream, t: Timeouts) -> Result<(), KvError> {
 }
 
 /// Connecting side: sends our info, returns the peer's once it accepts.
-pub fn handshake(stream: &mut TcpStream, ours: &AgentInfo) -> Result<AgentInfo, KvError> {
+pub fn handshake(stream: &mut TcpStream, ours: &AgentInfo) -> Result<(AgentInfo, Picked), KvError> {
     write_message(stream, &Message::Handshake { version: PROTOCOL_VERSION, info: ours.clone() })?;
     match read_message(stream)? {
-        Message::HandshakeOk { info } => {
+        Message::HandshakeOk { info, transport, note } => {
             ours.check_pairing(&info)?;
-            Ok(info)
+            Ok((info, Picked { transport, note }))
         }
         Message::HandshakeRefused { reason } => Err(KvError::Refused(reason)),
         other => Err(KvError::Protocol(format!("expected a handshake reply, got {other:?}"))),
     }
 }
 
-/// Accepting side: reads the peer's handshake, checks version and compatibility, answers.
-pub fn accept_handshake(stream: &mut TcpStream, ours: &AgentInfo) -> Result<AgentInfo, KvError> {
+/// The transport an accepting side picked for a connection, and why not a faster one both
+/// ends offer, if it did not pick that.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Picked {
+    /// `tcp`, `local` or `cuda-ipc`.
+    pub transport: String,
+    /// Why not faster.
+    pub note: Option<String>,
+}
+
+impl Picked {
+    /// Plain tcp, nothing else considered.
+    pub fn tcp() -> Self {
+        Self { transport: "tcp".into(), note: None }
+    }
+}
+
+/// Accepting side: reads the peer's handshake, checks version and compatibility, asks `pick`
+/// for the connection's transport (an error refuses the peer, saying why), answers.
+pub fn accept_handshake(
+    stream: &mut TcpStream,
+    ours: &AgentInfo,
+    pick: impl FnOnce(&AgentInfo) -> Result<Picked, String>,
+) -> Result<(AgentInfo, Picked), KvError> {
     let (version, info) = match read_message(stream)? {
         Message::Handshake { version, info } => (version, info),
         other => return Err(KvError::Protocol(format!("expected a handshake, got {other:?}"))),
@@ -79,12 +101,17 @@ pub fn accept_handshake(stream: &mut TcpStream, ours: &AgentInfo) -> Result<Agen
     let verdict = if version != PROTOCOL_VERSION {
         Err(KvError::Incompatible(crate::Incompatible::Version { local: PROTOCOL_VERSION, remote: version }))
     } else {
-        ours.check_pairing(&info).map_err(KvError::Incompatible)
+        ours.check_pairing(&info).map_err(KvError::Incompatible).and_then(|()| pick(&info).map_err(KvError::Refused))
     };
     match verdict {
-        Ok(()) => {
-            write_message(stream, &Message::HandshakeOk { info: ours.clone() })?;
-            Ok(info)
+        Ok(picked) => {
+            let reply = Message::HandshakeOk {
+                info: ours.clone(),
+                transport: picked.transport.clone(),
+                note: picked.note.clone(),
+            };
+            write_message(stream, &reply)?;
+            Ok((info, picked))
         }
         Err(e) => {
             let _ = write_message(stream, &Message::HandshakeRefused { reason: e.to_string() });

@@ -10,6 +10,10 @@
 //! refused before anything else is decoded. Bump it when a message changes shape or meaning.
 //! - 1: first version (handshake, register, done, failed, heartbeat, abort, block data).
 //! - 2: `BlockData.local` (the holder copied the blocks directly; no bytes follow).
+//! - 3: `HandshakeOk.transport` (the acceptor picks the connection's transport) and `.note`;
+//!   `Register.write_within_ms` and `ReadBlocks.dst_blocks`/`.write_within_ms` (a peer that
+//!   writes the blocks directly must not start after the reader's deadline);
+//!   `BlockData.local` renamed `direct`.
 
 use std::io::{Read, Write};
 
@@ -20,7 +24,7 @@ use crate::agent_info::AgentInfo;
 use crate::KvError;
 
 /// The side-channel protocol version.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Largest control frame accepted (a block-id list for a very long prompt fits easily).
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -49,6 +53,10 @@ pub enum Message {
     HandshakeOk {
         /// Acceptor's metadata.
         info: AgentInfo,
+        /// The transport the acceptor picked for this connection (`tcp`, `local`, `cuda-ipc`).
+        transport: String,
+        /// Why a faster transport both ends offer is not used, if one is not.
+        note: Option<String>,
     },
     /// The accepting side refuses to pair; the reason names what differs.
     HandshakeRefused {
@@ -67,6 +75,9 @@ pub enum Message {
         block_ids: Vec<u32>,
         /// Tokens whose KV is wanted.
         num_tokens: usize,
+        /// A direct transport must not start writing later than this after receipt (the
+        /// decode engine's deadline for the transfer).
+        write_within_ms: u64,
     },
     /// After a push write (prefill -> decode) the data landed; after a pull read
     /// (decode -> prefill) the source blocks may be released.
@@ -119,6 +130,11 @@ pub enum Message {
         blocks: Vec<u32>,
         /// Tokens wanted.
         num_tokens: usize,
+        /// The reader's destination blocks, for a holder that writes them directly (cuda-ipc,
+        /// local); empty on tcp.
+        dst_blocks: Vec<u32>,
+        /// As in `Register`.
+        write_within_ms: u64,
     },
     /// Reply to `ReadBlocks`; followed by `bytes` raw bytes in the sender's block layout.
     BlockData {
@@ -130,9 +146,9 @@ pub enum Message {
         bytes: u64,
         /// Why the read was refused, if it was.
         error: Option<String>,
-        /// The holder already copied the blocks into the reader's memory (local transport).
-        #[serde(default)]
-        local: bool,
+        /// The holder already copied the blocks into the reader's memory (a direct transport:
+        /// local or cuda-ipc); no bytes follow.
+        direct: bool,
     },
     /// Reply to `WriteBlocks`: the bytes were written (or why not).
     WriteAck {
@@ -177,7 +193,7 @@ mod tests {
         let t = TransferId("t-1".into());
         let msgs = vec![
             Message::Handshake { version: PROTOCOL_VERSION, info: AgentInfo::example() },
-            Message::HandshakeOk { info: AgentInfo::example() },
+            Message::HandshakeOk { info: AgentInfo::example(), transport: "tcp".into(), note: Some("n".into()) },
             Message::HandshakeRefused { reason: "no".into() },
             Message::Register {
                 transfer_id: t.clone(),
@@ -185,6 +201,7 @@ mod tests {
                 epoch: Epoch(7),
                 block_ids: vec![3, 4, 9],
                 num_tokens: 40,
+                write_within_ms: 900,
             },
             Message::Done { transfer_id: t.clone(), rank: 0, first_token: Some(17), status: DoneStatus::Ok },
             Message::Done {
@@ -203,13 +220,19 @@ mod tests {
                 num_tokens: 9,
                 bytes: 64,
             },
-            Message::ReadBlocks { transfer_id: t.clone(), blocks: vec![2, 3], num_tokens: 20 },
+            Message::ReadBlocks {
+                transfer_id: t.clone(),
+                blocks: vec![2, 3],
+                num_tokens: 20,
+                dst_blocks: vec![5],
+                write_within_ms: 10,
+            },
             Message::BlockData {
                 transfer_id: t.clone(),
                 src_block_size: 8,
                 bytes: 0,
                 error: Some("expired".into()),
-                local: false,
+                direct: false,
             },
             Message::WriteAck { transfer_id: t, error: None },
         ];

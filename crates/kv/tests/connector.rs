@@ -1,6 +1,9 @@
 //! Two connectors (prefill and decode) over loopback, each with its own KV memory: push in
 //! both rendezvous orders, pull with release, lease expiry refusing a late read, a dropped
-//! completion notification, and abort. Every wait is bounded.
+//! completion notification, and abort. Then the same two over the local transport, where
+//! prefill writes decode's blocks directly (the protocol cuda-ipc uses): an abort while
+//! prefill may write, and a prefill that becomes ready only after decode's deadline. Every
+//! wait is bounded.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -28,6 +31,7 @@ fn config(role: Role, mode: KvMode) -> ConnectorConfig {
         transfer_timeout: Duration::from_millis(800),
         faults: FaultInjection::default(),
         local_transport: false,
+        transport: tandem_kv::KvTransport::Auto,
     }
 }
 
@@ -49,6 +53,18 @@ struct Pair {
 }
 
 fn pair(mode: KvMode, p_bs: usize, d_bs: usize, faults: FaultInjection) -> Pair {
+    let p_cfg = ConnectorConfig { faults, ..config(Role::Prefill, mode) };
+    pair_with(p_cfg, config(Role::Decode, mode), p_bs, d_bs)
+}
+
+/// Prefill and decode over the local transport (prefill copies into decode's blocks itself),
+/// prefill waiting `p_timeout` for registrations.
+fn local_pair(mode: KvMode, p_bs: usize, d_bs: usize, p_timeout: Duration) -> Pair {
+    let p_cfg = ConnectorConfig { local_transport: true, transfer_timeout: p_timeout, ..config(Role::Prefill, mode) };
+    pair_with(p_cfg, ConnectorConfig { local_transport: true, ..config(Role::Decode, mode) }, p_bs, d_bs)
+}
+
+fn pair_with(p_cfg: ConnectorConfig, d_cfg: ConnectorConfig, p_bs: usize, d_bs: usize) -> Pair {
     let mut p_cache = KvCache::new(layout(p_bs));
     let d_cache = KvCache::new(layout(d_bs));
     for t in 0..40 {
@@ -58,13 +74,12 @@ fn pair(mode: KvMode, p_bs: usize, d_bs: usize, faults: FaultInjection) -> Pair 
         }
     }
     // Prefill's events are none of these tests' business; decode's go to `events`.
-    let p_cfg = ConnectorConfig { faults, ..config(Role::Prefill, mode) };
     let p = KvConnector::start(p_cfg, p_cache.region(), Box::new(|_| {})).unwrap();
     let (tx, events) = std::sync::mpsc::channel();
     let sink = Box::new(move |ev| {
         let _ = tx.send(ev);
     });
-    let d = KvConnector::start(config(Role::Decode, mode), d_cache.region(), sink).unwrap();
+    let d = KvConnector::start(d_cfg, d_cache.region(), sink).unwrap();
     Pair { p, d, p_cache, d_cache, freed: Arc::new(AtomicUsize::new(0)), events }
 }
 
@@ -114,12 +129,24 @@ impl Pair {
 /// bytes moved, at least one region, stages in order.
 fn assert_ready(ev: ConnectorEvent, id: &str) {
     match ev {
-        ConnectorEvent::Ready { request_id, first_token, timeline: t } => {
+        ConnectorEvent::Ready { request_id, first_token, timeline: t, staged } => {
             assert_eq!((request_id, first_token), (RequestId::new(id), Some(77)));
+            assert!(staged, "tcp lands the bytes in the host region");
             assert!(t.bytes > 0 && t.regions >= 1, "{t:?}");
             assert!(t.data_start_us <= t.data_end_us && t.data_end_us <= t.ready_us, "{t:?}");
         }
         other => panic!("expected Ready for {id}, got {other:?}"),
+    }
+}
+
+impl Pair {
+    /// Whether every element of decode's `blocks` is still zero (nothing landed there).
+    fn untouched(&self, blocks: &[u32]) -> bool {
+        blocks.iter().all(|&b| {
+            (0..2).all(|l| {
+                (0..2).all(|kv| (0..2).all(|h| self.d_cache.plane(b as usize, l, kv, h).iter().all(|&x| x == 0.0)))
+            })
+        })
     }
 }
 
@@ -216,4 +243,78 @@ fn a_dropped_completion_fails_within_the_deadline_and_aborts_release() {
         }
         other => panic!("expected unreachable, got {other:?}"),
     }
+}
+
+/// The local transport writes decode's blocks directly, in both modes and across block sizes,
+/// and reports `Ready` with the bytes in the host region (a GPU engine loads them from there).
+#[test]
+fn direct_writes_land_in_both_modes_across_block_sizes() {
+    let p = local_pair(KvMode::Push, 16, 4, Duration::from_millis(800));
+    let (tokens, blocks) = (37, p.d_blocks(37));
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens);
+    std::thread::sleep(Duration::from_millis(100));
+    p.produce("t1", tokens);
+    assert_ready(p.wait_event(), "r1");
+    p.assert_landed(tokens, &blocks);
+    p.wait_freed(1);
+    assert_eq!((p.p.stats().links_local, p.d.stats().links_local), (1, 1));
+
+    let p = local_pair(KvMode::Pull, 8, 16, Duration::from_millis(800));
+    p.produce("t1", 40);
+    let blocks = p.d_blocks(40);
+    let src = RemoteKv::PullFrom {
+        transfer_id: TransferId("t1".into()),
+        peer: p.p_addr(),
+        peer_engine: None,
+        epoch: p.p.info().epoch,
+        blocks: (3..8).collect(),
+        num_tokens: 40,
+        first_token: 77,
+    };
+    p.d.expect(RequestId::new("r1"), src, blocks.clone(), 40);
+    assert_ready(p.wait_event(), "r1");
+    p.assert_landed(40, &blocks);
+    p.wait_freed(1);
+}
+
+/// Decode aborts after registering with a prefill that writes directly: prefill answers that
+/// no write will come, so the blocks come back at once (not after the deadline and its
+/// grace), and KV produced afterwards never lands in them.
+#[test]
+fn an_abort_while_prefill_may_write_directly_is_released_at_once_and_nothing_lands_after() {
+    let p = local_pair(KvMode::Push, 16, 16, Duration::from_millis(800));
+    let blocks = p.d_blocks(20);
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20);
+    std::thread::sleep(Duration::from_millis(150)); // the registration has reached prefill
+    let start = Instant::now();
+    p.d.abort(RequestId::new("r1"));
+    assert_eq!(p.wait_event(), ConnectorEvent::Released { request_id: RequestId::new("r1") });
+    assert!(start.elapsed() < Duration::from_millis(600), "released in {:?}, not at the deadline", start.elapsed());
+    p.produce("t1", 20);
+    p.wait_freed(1); // prefill's produced KV expires unclaimed
+    assert!(p.untouched(&blocks), "KV landed in blocks given back");
+}
+
+/// A prefill that writes directly gets its KV only after decode's deadline has passed (decode
+/// waits 0.8 s, prefill would wait 3 s for a registration): it must not write into blocks
+/// decode is about to free. Prefill drops the registration at decode's deadline and says so,
+/// decode fails the transfer then (not after the grace), and its blocks stay untouched.
+#[test]
+fn a_direct_writer_starts_no_write_after_the_decode_deadline() {
+    let p = local_pair(KvMode::Push, 16, 16, Duration::from_secs(3));
+    let blocks = p.d_blocks(20);
+    let start = Instant::now();
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20);
+    std::thread::sleep(Duration::from_millis(1000));
+    p.produce("t1", 20);
+    match p.wait_event() {
+        ConnectorEvent::Failed { request_id, reason } => {
+            assert_eq!(request_id, RequestId::new("r1"));
+            assert!(reason.contains("deadline"), "{reason}");
+        }
+        other => panic!("expected a failure, got {other:?}"),
+    }
+    assert!(start.elapsed() < Duration::from_millis(1500), "{:?}", start.elapsed());
+    p.wait_freed(1); // at prefill's own deadline: nobody claims the KV
+    assert!(p.untouched(&blocks), "a write landed after the deadline");
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use tandem_compute::{KvCache, KvLayout};
 use tandem_core::{EngineId, TransferId};
-use tandem_kv::tcp::{accept_handshake, connect, handshake, recv_blocks, send_blocks, Timeouts};
+use tandem_kv::tcp::{accept_handshake, connect, handshake, recv_blocks, send_blocks, Picked, Timeouts};
 use tandem_kv::wire::{read_message, write_message, Message};
 use tandem_kv::{AgentInfo, KvError, KvMode, Role};
 
@@ -43,7 +43,7 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
         let decode = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
             tandem_kv::tcp::configure(&s, Timeouts::default()).unwrap();
-            let peer = accept_handshake(&mut s, &d_info).unwrap();
+            let (peer, _) = accept_handshake(&mut s, &d_info, |_| Ok(Picked::tcp())).unwrap();
             assert_eq!(peer.engine_id.0, "prefill-0");
             let cache = KvCache::new(layout(bs_d));
             match read_message(&mut s).unwrap() {
@@ -64,7 +64,8 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
         let p_table: Vec<u32> = (0..layout(bs_p).blocks_for(tokens) as u32).map(|b| (b * 3) % 64).collect();
         fill(&mut p_cache, &p_table, tokens);
         let mut s = connect(&addr, Timeouts::default()).unwrap();
-        assert_eq!(handshake(&mut s, &p_info).unwrap().role, Role::Decode);
+        let (peer, picked) = handshake(&mut s, &p_info).unwrap();
+        assert_eq!((peer.role, picked), (Role::Decode, Picked::tcp()));
         let region = p_cache.region();
         let bytes = tandem_kv::blocks::wire_bytes(region.layout(), region.dtype(), tokens);
         let t = TransferId("t".into());
@@ -109,7 +110,7 @@ fn incompatible_peers_are_refused_at_handshake_with_the_reason() {
     let addr = listener.local_addr().unwrap().to_string();
     let server = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        accept_handshake(&mut s, &d_info).unwrap_err().to_string()
+        accept_handshake(&mut s, &d_info, |_| Ok(Picked::tcp())).unwrap_err().to_string()
     });
     let mut s = connect(&addr, Timeouts::default()).unwrap();
     let err = handshake(&mut s, &p_info).unwrap_err();

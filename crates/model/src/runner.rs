@@ -66,6 +66,12 @@ pub trait ModelRunner: Send {
     /// or a host copy of a device cache (see [`ModelRunner::kv_to_host`]). `None`: this runner
     /// offers none (a device cache set up without a host copy).
     fn kv_region(&self) -> Option<Arc<KvRegion>>;
+    /// The device KV cache as the connector's direct transports use it (a GPU runner's; `None`
+    /// for a cache in host memory). KV written through it lands in the cache itself: no
+    /// [`ModelRunner::kv_from_host`] follows.
+    fn kv_device(&self) -> Option<Arc<tandem_compute::cuda::DeviceKvMemory>> {
+        None
+    }
     /// Makes `kv_region`'s copy of `blocks` current, before the connector reads or sends them
     /// (prefill, when a request's KV passes to the connector). Nothing to do where the region
     /// is the cache itself. The caller owns the blocks: no forward uses them meanwhile.

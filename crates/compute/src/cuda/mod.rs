@@ -11,9 +11,11 @@
 //! buffer alive and large enough for as long as work that uses it may be queued (the model
 //! owns its buffers for its whole life and synchronizes before it returns results).
 
+mod ipc;
 pub mod ops;
 mod tuning;
 
+pub use ipc::{DeviceKvMemory, IpcExport, PeerKvMemory};
 pub use tuning::CudaTuning;
 
 use std::path::PathBuf;
@@ -292,8 +294,17 @@ fn compile_group(arch: &str, group: usize) -> Result<Vec<u8>, CudaError> {
 
 /// A device allocation with its raw address, for kernel arguments.
 pub struct DevBuf<T> {
-    slice: CudaSlice<T>,
+    backing: Backing<T>,
     ptr: u64,
+    len: usize,
+}
+
+/// Where a buffer's memory comes from.
+enum Backing<T> {
+    /// The stream's allocator (stream-ordered pool memory where the driver has it).
+    Stream(#[allow(dead_code)] CudaSlice<T>), // held for its Drop
+    /// One `cuMemAlloc` allocation another process can map (the KV cache).
+    Exportable(Arc<ipc::ExportableAlloc>),
 }
 
 impl<T: DeviceRepr> DevBuf<T> {
@@ -302,7 +313,16 @@ impl<T: DeviceRepr> DevBuf<T> {
             let (ptr, _sync) = slice.device_ptr(stream);
             ptr
         };
-        Self { slice, ptr }
+        let len = slice.len();
+        Self { backing: Backing::Stream(slice), ptr, len }
+    }
+
+    /// The exportable allocation behind this buffer, if it has one.
+    pub(crate) fn exportable(&self) -> Option<&Arc<ipc::ExportableAlloc>> {
+        match &self.backing {
+            Backing::Exportable(a) => Some(a),
+            Backing::Stream(_) => None,
+        }
     }
 
     /// Device address of element 0.
@@ -317,12 +337,12 @@ impl<T: DeviceRepr> DevBuf<T> {
 
     /// Elements.
     pub fn len(&self) -> usize {
-        self.slice.len()
+        self.len
     }
 
     /// Whether it holds no elements.
     pub fn is_empty(&self) -> bool {
-        self.slice.len() == 0
+        self.len == 0
     }
 }
 
@@ -673,8 +693,10 @@ impl CudaDevice {
         if data.is_empty() {
             return Ok(());
         }
-        let mut view = dst.slice.slice_mut(offset..offset + data.len());
-        self.stream.memcpy_htod(data, &mut view)?;
+        self.ctx.bind_to_thread()?;
+        // Safety: the destination range lies inside `dst` (checked above). From pageable memory
+        // the driver has staged `data` when this returns, so it may change afterwards.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr_at(offset), data, self.stream.cu_stream())? };
         Ok(())
     }
 
@@ -771,10 +793,7 @@ impl CudaDevice {
     /// Copies the first `n` elements of `src` to the host (waits for queued work).
     pub fn read<T: DeviceRepr + Default + Clone>(&self, src: &DevBuf<T>, n: usize) -> Result<Vec<T>, CudaError> {
         let mut out = vec![T::default(); n];
-        if n > 0 {
-            self.stream.memcpy_dtoh(&src.slice.slice(0..n), &mut out)?;
-        }
-        self.stream.synchronize()?;
+        self.read_at(src, 0, &mut out)?;
         Ok(out)
     }
 
@@ -783,7 +802,10 @@ impl CudaDevice {
     pub fn read_at<T: DeviceRepr>(&self, src: &DevBuf<T>, offset: usize, out: &mut [T]) -> Result<(), CudaError> {
         assert!(offset + out.len() <= src.len(), "read of {}+{} elements from {}", offset, out.len(), src.len());
         if !out.is_empty() {
-            self.stream.memcpy_dtoh(&src.slice.slice(offset..offset + out.len()), out)?;
+            self.ctx.bind_to_thread()?;
+            // Safety: the source range lies inside `src` (checked above); `out` is borrowed
+            // until the synchronize below, after which the copy has landed.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(out, src.ptr_at(offset), self.stream.cu_stream())? };
         }
         self.stream.synchronize()?;
         Ok(())

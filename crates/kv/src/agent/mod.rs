@@ -21,7 +21,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tandem_compute::KvRegion;
 use tandem_core::{Epoch, RemoteKv, RequestId, TransferId};
 
 use self::table::{Incoming, Landing, Tables};
@@ -29,7 +28,8 @@ use self::transport::Transport;
 use crate::tcp::{accept_handshake, configure, connect, handshake};
 use crate::wire::{read_message, write_message, Message};
 use crate::{
-    AgentInfo, ConnectorConfig, ConnectorEvent, ConnectorStats, EventSink, KvError, TransferTimeline, TransportOffer,
+    AgentInfo, ConnectorConfig, ConnectorEvent, ConnectorStats, EventSink, KvError, KvMemory, KvTransport,
+    TransferTimeline, TransportOffer,
 };
 
 pub(crate) enum Command {
@@ -68,12 +68,15 @@ struct Counters {
     unknown_ids: AtomicU64,
     duplicate_ids: AtomicU64,
     peers_refused: AtomicU64,
+    links_tcp: AtomicU64,
+    links_local: AtomicU64,
+    links_cuda_ipc: AtomicU64,
 }
 
 pub(crate) struct Shared {
     info: AgentInfo,
     cfg: ConnectorConfig,
-    region: Arc<KvRegion>,
+    memory: KvMemory,
     tables: Mutex<Tables>,
     peers: Mutex<HashMap<String, Arc<Conn>>>,
     events: EventSink,
@@ -120,6 +123,9 @@ impl Shared {
             unknown_ids: g(&c.unknown_ids),
             duplicate_ids: g(&c.duplicate_ids),
             peers_refused: g(&c.peers_refused),
+            links_tcp: g(&c.links_tcp),
+            links_local: g(&c.links_local),
+            links_cuda_ipc: g(&c.links_cuda_ipc),
         }
     }
 
@@ -134,17 +140,37 @@ impl Shared {
 
 pub(crate) type Started = (mpsc::Sender<Command>, AgentInfo, Arc<Shared>);
 
-pub(crate) fn start(cfg: ConnectorConfig, region: Arc<KvRegion>, events: EventSink) -> Result<Started, KvError> {
+pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -> Result<Started, KvError> {
+    let ipc_offer = match (cfg.transport, memory.device_cache()) {
+        (KvTransport::Tcp, _) => None,
+        (KvTransport::CudaIpc, None) => {
+            return Err(KvError::Unsupported(
+                "--kv-transport cuda-ipc needs an engine whose KV cache is on a GPU (--device cuda:N)".into(),
+            ))
+        }
+        (KvTransport::Auto, None) => None,
+        (policy, Some(dev)) => match dev.export() {
+            Ok(export) => Some(transport::cuda_ipc_offer(&export)),
+            Err(e) if policy == KvTransport::CudaIpc => {
+                return Err(KvError::Unsupported(format!("--kv-transport cuda-ipc: cannot export the KV cache: {e}")))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot export the KV cache for cuda-ipc; KV moves over tcp");
+                None
+            }
+        },
+    };
     let listener = TcpListener::bind(&cfg.listen)
         .map_err(|e| KvError::Unreachable { addr: cfg.listen.clone(), reason: format!("cannot listen: {e}") })?;
     let port = listener.local_addr()?.port();
-    let l = *region.layout();
+    let l = memory.layout();
     let epoch = Epoch(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0));
     let mut transports = vec![TransportOffer::Tcp { addr: format!("{}:{port}", cfg.advertise_host) }];
     if cfg.local_transport {
         transports
             .push(TransportOffer::Local { process: std::process::id(), key: format!("{}@{}", cfg.engine_id, epoch.0) });
     }
+    transports.extend(ipc_offer);
     let info = AgentInfo::for_layout(
         cfg.engine_id.clone(),
         epoch,
@@ -152,14 +178,14 @@ pub(crate) fn start(cfg: ConnectorConfig, region: Arc<KvRegion>, events: EventSi
         cfg.mode,
         cfg.model_fingerprint.clone(),
         &l,
-        region.dtype(),
+        memory.dtype(),
         transports,
     );
     let (cmd_tx, cmd_rx) = mpsc::channel();
     let shared = Arc::new(Shared {
         info: info.clone(),
         cfg,
-        region,
+        memory,
         tables: Mutex::new(Tables::default()),
         peers: Mutex::new(HashMap::new()),
         events,
@@ -174,7 +200,8 @@ pub(crate) fn start(cfg: ConnectorConfig, region: Arc<KvRegion>, events: EventSi
     std::thread::Builder::new().name("tandem-kv-accept".into()).spawn(move || accept_loop(listener, s))?;
     let s = shared.clone();
     std::thread::Builder::new().name("tandem-kv-agent".into()).spawn(move || control_loop(cmd_rx, s))?;
-    tracing::info!(engine_id = %info.engine_id, epoch = info.epoch.0, port, role = ?info.role, mode = ?info.kv_mode, "KV connector listening");
+    let offers: Vec<&str> = info.transports.iter().map(TransportOffer::name).collect();
+    tracing::info!(engine_id = %info.engine_id, epoch = info.epoch.0, port, role = ?info.role, mode = ?info.kv_mode, transports = ?offers, "KV connector listening");
     Ok((cmd_tx, info, shared))
 }
 
@@ -187,14 +214,21 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 tracing::warn!(error = %e, "KV connection setup failed");
                 return;
             }
-            match accept_handshake(&mut stream, &s.info) {
-                Ok(peer) => {
-                    tracing::info!(peer = %peer.engine_id, epoch = peer.epoch.0, "KV peer connected");
-                    if let Ok(conn) = new_conn(&s, &stream, peer) {
+            let mut transport = None;
+            let picked = accept_handshake(&mut stream, &s.info, |peer| {
+                let (t, picked) = transport::pick(&s, peer)?;
+                transport = Some(t);
+                Ok(picked)
+            });
+            match (picked, transport) {
+                (Ok((peer, picked)), Some(transport)) => {
+                    tracing::info!(peer = %peer.engine_id, epoch = peer.epoch.0, transport = %picked.transport, note = picked.note.as_deref().unwrap_or(""), "KV peer connected");
+                    if let Ok(conn) = new_conn(&s, &stream, peer, transport) {
                         reader_loop(stream, conn, s);
                     }
                 }
-                Err(e) => {
+                (Ok(_), None) => tracing::warn!("KV handshake accepted without a transport"),
+                (Err(e), _) => {
                     if matches!(e, KvError::Incompatible(_) | KvError::Refused(_)) {
                         bump(&s.counters.peers_refused, 1);
                     }
@@ -205,10 +239,22 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-/// A connection to `peer` after its handshake, over the transport both ends offer.
-fn new_conn(shared: &Shared, stream: &TcpStream, peer: AgentInfo) -> Result<Arc<Conn>, KvError> {
-    let transport = transport::choose(shared, &peer);
-    tracing::debug!(peer = %peer.engine_id, transport = transport.name(), "KV transport chosen");
+/// A connection to `peer` after its handshake, over the transport the acceptor picked.
+fn new_conn(
+    shared: &Shared,
+    stream: &TcpStream,
+    peer: AgentInfo,
+    transport: Arc<dyn Transport>,
+) -> Result<Arc<Conn>, KvError> {
+    let c = &shared.counters;
+    bump(
+        match transport.name() {
+            "local" => &c.links_local,
+            "cuda-ipc" => &c.links_cuda_ipc,
+            _ => &c.links_tcp,
+        },
+        1,
+    );
     Ok(Arc::new(Conn { writer: Mutex::new(stream.try_clone()?), peer, alive: AtomicBool::new(true), transport }))
 }
 
@@ -220,8 +266,13 @@ fn peer_conn(shared: &Arc<Shared>, addr: &str) -> Result<Arc<Conn>, KvError> {
         }
     }
     let mut stream = connect(addr, shared.cfg.timeouts)?;
-    let peer = handshake(&mut stream, &shared.info)?;
-    let conn = new_conn(shared, &stream, peer)?;
+    let (peer, picked) = handshake(&mut stream, &shared.info)?;
+    let transport = transport::accept_pick(shared, &peer, &picked)?;
+    match &picked.note {
+        Some(note) => tracing::info!(peer = %peer.engine_id, transport = %picked.transport, %note, "KV peer connected"),
+        None => tracing::info!(peer = %peer.engine_id, transport = %picked.transport, "KV peer connected"),
+    }
+    let conn = new_conn(shared, &stream, peer, transport)?;
     shared.peers.lock().unwrap_or_else(|p| p.into_inner()).insert(addr.to_string(), conn.clone());
     let (s, c) = (shared.clone(), conn.clone());
     std::thread::Builder::new().name("tandem-kv-conn".into()).spawn(move || reader_loop(stream, c, s))?;
@@ -322,6 +373,7 @@ fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks:
                 landing: Landing::Waiting,
                 first_token,
                 pull: lease.is_some(),
+                direct: false,
                 started: Instant::now(),
                 timeline: TransferTimeline::default(),
             },
@@ -329,7 +381,7 @@ fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks:
     }
     let fail = |reason: String| {
         let mut t = shared.tables();
-        shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Failed { request_id: inc.request_id, reason });
+        shared.finish_incoming(&mut t, &tid, |inc| ended(inc, reason));
     };
     let conn = match peer_conn(shared, &peer_addr) {
         Ok(c) => c,
@@ -345,13 +397,21 @@ fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks:
     {
         let mut t = shared.tables();
         match t.incoming.get_mut(&tid) {
-            Some(inc) => inc.conn = Some(conn.clone()),
+            Some(inc) => {
+                inc.conn = Some(conn.clone());
+                if conn.transport.writes_directly() {
+                    // From the moment the peer learns the blocks, it may write them.
+                    inc.direct = true;
+                    inc.landing = Landing::Writing;
+                }
+            }
             None => return, // aborted meanwhile; already released
         }
     }
+    let write_within_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64;
     let sent = match lease {
-        None => push::register(shared, &conn, &tid, blocks, num_tokens),
-        Some(lease) => match pull::read(&conn, &tid, lease, num_tokens) {
+        None => push::register(shared, &conn, &tid, blocks, num_tokens, write_within_ms),
+        Some(lease) => match pull::read(&conn, &tid, lease, num_tokens, blocks, write_within_ms) {
             Ok(sent) => sent,
             Err(reason) => return fail(reason),
         },
@@ -388,14 +448,16 @@ fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
         }
     }
     conn.alive.store(false, Ordering::SeqCst);
-    // Everything waiting on this connection fails now rather than at its deadline.
+    // Everything waiting on this connection fails now rather than at its deadline; what the
+    // peer may be writing directly ends after the expiry grace (no write starts after this).
     let mut t = shared.tables();
-    let dead: Vec<TransferId> = t
-        .incoming
-        .iter()
-        .filter(|(_, i)| i.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, &conn)) && !i.writing())
-        .map(|(k, _)| k.clone())
-        .collect();
+    let now = Instant::now();
+    let on_conn = |i: &Incoming| i.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, &conn));
+    for inc in t.incoming.values_mut().filter(|i| on_conn(i) && i.direct && i.writing()) {
+        inc.deadline = inc.deadline.min(now);
+    }
+    let dead: Vec<TransferId> =
+        t.incoming.iter().filter(|(_, i)| on_conn(i) && !i.writing()).map(|(k, _)| k.clone()).collect();
     for tid in dead {
         shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Failed {
             request_id: inc.request_id,
@@ -408,30 +470,34 @@ fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
 fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>, msg: Message) -> Result<(), KvError> {
     match msg {
         // ---- prefill side ----
-        Message::Register { transfer_id, epoch, block_ids, num_tokens, .. } => {
-            push::on_register(shared, conn, transfer_id, epoch, block_ids, num_tokens)?
+        Message::Register { transfer_id, epoch, block_ids, num_tokens, write_within_ms, .. } => {
+            push::on_register(shared, conn, transfer_id, epoch, block_ids, num_tokens, write_within_ms)?
         }
-        Message::ReadBlocks { transfer_id, blocks, num_tokens } => {
-            pull::on_read_blocks(shared, conn, transfer_id, blocks, num_tokens)?
+        Message::ReadBlocks { transfer_id, blocks, num_tokens, dst_blocks, write_within_ms } => {
+            pull::on_read_blocks(shared, conn, transfer_id, blocks, num_tokens, dst_blocks, write_within_ms)?
         }
         Message::Heartbeat { transfer_ids } => pull::on_heartbeat(shared, transfer_ids),
         Message::Abort { transfer_id } => {
             let mut t = shared.tables();
             t.registrations.remove(&transfer_id);
+            let pushing = t.pushing.contains(&transfer_id);
             if t.produced.remove(&transfer_id).is_none() {
                 // Decode-side abort from prefill: fail the waiting request.
-                shared.finish_incoming(&mut t, &transfer_id, |inc| ConnectorEvent::Failed {
-                    request_id: inc.request_id,
-                    reason: "prefill aborted the transfer".into(),
-                });
+                shared.finish_incoming(&mut t, &transfer_id, |inc| ended(inc, "prefill aborted the transfer".into()));
+            }
+            drop(t);
+            // A decode engine aborting a transfer we write directly keeps its blocks until we
+            // say no write can land: the write thread's `Done` says so when one is running.
+            if shared.cfg.role == crate::Role::Prefill && conn.transport.writes_directly() && !pushing {
+                conn.send(&Message::Failed { transfer_id, reason: "aborted by the decode engine".into() })?;
             }
         }
         // ---- decode side ----
         Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes } => {
             push::on_write_blocks(stream, conn, shared, transfer_id, &blocks, src_block_size, num_tokens, bytes)?
         }
-        Message::BlockData { transfer_id, src_block_size, bytes, error, local } => {
-            pull::on_block_data(stream, conn, shared, transfer_id, src_block_size, bytes, error, local)?
+        Message::BlockData { transfer_id, src_block_size, bytes, error, direct } => {
+            pull::on_block_data(stream, conn, shared, transfer_id, src_block_size, bytes, error, direct)?
         }
         // Prefill: a pull release; decode: a push completion.
         Message::Done { transfer_id, first_token, status, .. } => {
@@ -443,10 +509,7 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             let mut t = shared.tables();
             t.registrations.remove(&transfer_id);
             t.produced.remove(&transfer_id);
-            shared.finish_incoming(&mut t, &transfer_id, |inc| ConnectorEvent::Failed {
-                request_id: inc.request_id,
-                reason,
-            });
+            shared.finish_incoming(&mut t, &transfer_id, |inc| ended(inc, reason));
         }
         Message::WriteAck { transfer_id, error } => {
             if let Some(e) = error {
@@ -462,22 +525,38 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
 
 /// Reclaims everything past its deadline (all of it: one live entry never hides expired ones).
 fn expire(shared: &Arc<Shared>) {
-    let mut to_notify = Vec::new();
+    let (mut to_notify, mut failed) = (Vec::new(), Vec::new());
     {
         let mut t = shared.tables();
-        let (reclaimed, late) = t.expire(Instant::now());
-        bump(&shared.counters.expired, reclaimed as u64);
-        for tid in late {
+        let expired = t.expire(Instant::now(), shared.cfg.timeouts.io);
+        bump(&shared.counters.expired, expired.reclaimed as u64);
+        for (tid, conn) in expired.registrations {
+            if conn.transport.writes_directly() {
+                failed.push((conn, tid));
+            }
+        }
+        for tid in expired.late {
             if let Some(c) = t.incoming.get(&tid).and_then(|i| i.conn.clone()) {
                 to_notify.push((c, tid.clone()));
             }
-            shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Failed {
-                request_id: inc.request_id,
-                reason: "timed out waiting for the KV".into(),
-            });
+            shared.finish_incoming(&mut t, &tid, |inc| ended(inc, "timed out waiting for the KV".into()));
         }
     }
     for (conn, tid) in to_notify {
         let _ = conn.send(&Message::Abort { transfer_id: tid });
+    }
+    for (conn, tid) in failed {
+        let reason = "the decode engine's deadline passed before the KV was ready".into();
+        let _ = conn.send(&Message::Failed { transfer_id: tid, reason });
+    }
+}
+
+/// How a decode-side transfer that will get no (more) data ends: `Released` if the engine
+/// aborted it (its blocks come back), else `Failed` with `reason`.
+fn ended(inc: Incoming, reason: String) -> ConnectorEvent {
+    if inc.landing == Landing::WritingAborted {
+        ConnectorEvent::Released { request_id: inc.request_id }
+    } else {
+        ConnectorEvent::Failed { request_id: inc.request_id, reason }
     }
 }

@@ -24,13 +24,16 @@ pub(super) struct Lease {
     pub num_tokens: usize,
 }
 
-/// Decode: asks prefill for `lease`'s blocks of `tid` (`num_tokens` for this request). An
-/// error says why the read cannot even be asked.
+/// Decode: asks prefill for `lease`'s blocks of `tid` (`num_tokens` for this request) into our
+/// `dst` (a direct writer must not start later than `write_within_ms` after receipt). An error
+/// says why the read cannot even be asked.
 pub(super) fn read(
     conn: &Conn,
     tid: &TransferId,
     lease: Lease,
     num_tokens: usize,
+    dst: Vec<u32>,
+    write_within_ms: u64,
 ) -> Result<Result<(), KvError>, String> {
     if conn.peer.epoch != lease.epoch {
         return Err(format!(
@@ -41,20 +44,32 @@ pub(super) fn read(
     if lease.num_tokens != num_tokens {
         return Err(format!("prefill holds {} tokens of KV, this request needs {num_tokens}", lease.num_tokens));
     }
-    Ok(conn.send(&Message::ReadBlocks { transfer_id: tid.clone(), blocks: lease.blocks, num_tokens }))
+    let dst_blocks = if conn.transport.writes_directly() { dst } else { Vec::new() };
+    Ok(conn.send(&Message::ReadBlocks {
+        transfer_id: tid.clone(),
+        blocks: lease.blocks,
+        num_tokens,
+        dst_blocks,
+        write_within_ms,
+    }))
 }
 
-/// Prefill: decode asks for the blocks of `tid`.
+/// Prefill: decode asks for the blocks of `tid` (into its `dst` for a direct transport).
 pub(super) fn on_read_blocks(
     shared: &Shared,
     conn: &Conn,
     tid: TransferId,
     blocks: Vec<u32>,
     num_tokens: usize,
+    dst: Vec<u32>,
+    write_within_ms: u64,
 ) -> Result<(), KvError> {
     let held = {
         let mut t = shared.tables();
         match t.produced.get_mut(&tid) {
+            Some(_) if conn.transport.writes_directly() && write_within_ms == 0 => {
+                Err("the decode engine's deadline has passed".to_string())
+            }
             Some(p) if p.blocks.starts_with(&blocks) && p.num_tokens == num_tokens && !p.reading => {
                 p.reading = true;
                 Ok(p.blocks.clone())
@@ -66,7 +81,7 @@ pub(super) fn on_read_blocks(
             }
         }
     };
-    let layout = *shared.region.layout();
+    let layout = shared.memory.layout();
     let src = match held {
         Ok(src) => src,
         Err(error) => {
@@ -75,17 +90,17 @@ pub(super) fn on_read_blocks(
                 src_block_size: layout.block_size,
                 bytes: 0,
                 error: Some(error),
-                local: false,
+                direct: conn.transport.writes_directly(),
             };
             return conn.send(&refusal);
         }
     };
-    let sent = conn.transport.answer_read(shared, conn, &tid, &src, num_tokens);
+    let sent = conn.transport.answer_read(shared, conn, &tid, &src, &dst, num_tokens);
     if let Some(p) = shared.tables().produced.get_mut(&tid) {
         p.reading = false;
     }
     sent?;
-    bump(&shared.counters.bytes_sent, wire_bytes(&layout, shared.region.dtype(), num_tokens));
+    bump(&shared.counters.bytes_sent, wire_bytes(&layout, shared.memory.dtype(), num_tokens));
     bump(&shared.counters.regions, coalesce(&src[..layout.blocks_for(num_tokens).min(src.len())]).len() as u64);
     Ok(())
 }
@@ -111,7 +126,7 @@ pub(super) fn on_heartbeat(shared: &Shared, tids: Vec<TransferId>) {
 }
 
 /// Decode: prefill's answer to our read of `tid`: the bytes follow on `stream` (tcp), were
-/// copied already (`local`), or an error says why not.
+/// copied already (`direct`: local, or cuda-ipc), or an error says why not.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn on_block_data(
     stream: &mut TcpStream,
@@ -121,22 +136,20 @@ pub(super) fn on_block_data(
     src_block_size: usize,
     bytes: u64,
     error: Option<String>,
-    local: bool,
+    direct: bool,
 ) -> Result<(), KvError> {
+    match (conn.transport.writes_directly(), direct) {
+        (true, _) => return on_direct_read_end(conn, shared, tid, error),
+        (false, true) => return Err(KvError::Protocol("a direct-copy answer on a tcp connection".into())),
+        (false, false) => {}
+    }
     if let Some(reason) = error {
         let mut t = shared.tables();
         shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Failed { request_id: inc.request_id, reason });
         return Ok(());
     }
     let num_tokens = shared.tables().incoming.get(&tid).map(|i| i.num_tokens).unwrap_or(0);
-    let landed = if local {
-        match shared.tables().incoming.get(&tid) {
-            Some(inc) if inc.landing == super::table::Landing::Landed => Ok(()),
-            _ => Err("local copy did not land".to_string()),
-        }
-    } else {
-        receive_tcp(stream, shared, &tid, None, src_block_size, num_tokens, bytes)?
-    };
+    let landed = receive_tcp(stream, shared, &tid, None, src_block_size, num_tokens, bytes)?;
     // Release prefill's blocks whatever happened here: we will not read them again.
     conn.send(&Message::Done { transfer_id: tid.clone(), rank: 0, first_token: None, status: DoneStatus::Ok })?;
     if landed.is_ok() {
@@ -146,9 +159,41 @@ pub(super) fn on_block_data(
             timeline: TransferTimeline { ready_us: inc.since(), ..inc.timeline },
             request_id: inc.request_id,
             first_token,
+            staged: true,
         });
     }
     Ok(())
+}
+
+/// Decode, direct transports (cuda-ipc, local): prefill's copies into our blocks for `tid` have completed (or, with an
+/// error, never ran); release its lease and report.
+fn on_direct_read_end(conn: &Conn, shared: &Shared, tid: TransferId, error: Option<String>) -> Result<(), KvError> {
+    let mut t = shared.tables();
+    let Some(inc) = t.incoming.get_mut(&tid) else {
+        drop(t);
+        return conn.send(&Message::Done { transfer_id: tid, rank: 0, first_token: None, status: DoneStatus::Ok });
+    };
+    inc.timeline.data_start_us = inc.since();
+    let (bytes, regions) = super::push::direct_write_size(shared, inc);
+    let aborted = t.end_write(&tid, error.is_none(), bytes, regions);
+    if error.is_none() {
+        bump(&shared.counters.bytes_received, bytes);
+    }
+    let first_token = t.incoming.get(&tid).and_then(|i| i.first_token);
+    let staged = !conn.transport.lands_in_device_cache();
+    shared.finish_incoming(&mut t, &tid, |inc| match (aborted, error) {
+        (true, _) => ConnectorEvent::Released { request_id: inc.request_id },
+        (false, Some(reason)) => ConnectorEvent::Failed { request_id: inc.request_id, reason },
+        (false, None) => ConnectorEvent::Ready {
+            timeline: TransferTimeline { ready_us: inc.since(), ..inc.timeline },
+            request_id: inc.request_id,
+            first_token,
+            staged,
+        },
+    });
+    drop(t);
+    // Release prefill's blocks whatever happened here: we will not read them again.
+    conn.send(&Message::Done { transfer_id: tid, rank: 0, first_token: None, status: DoneStatus::Ok })
 }
 
 /// Decode: keeps prefill's leases alive for everything still being waited on.

@@ -7,7 +7,7 @@
 
 use std::net::TcpStream;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tandem_core::{Epoch, TransferId};
 
@@ -18,13 +18,15 @@ use crate::blocks::{coalesce, wire_bytes};
 use crate::wire::{DoneStatus, Message};
 use crate::{ConnectorEvent, HeldBlocks, KvError, TransferTimeline};
 
-/// Decode: asks prefill for the KV of `tid` by registering our blocks.
+/// Decode: asks prefill for the KV of `tid` by registering our blocks; a direct writer must
+/// not start writing later than `write_within_ms` after it receives this.
 pub(super) fn register(
     shared: &Shared,
     conn: &Conn,
     tid: &TransferId,
     blocks: Vec<u32>,
     num_tokens: usize,
+    write_within_ms: u64,
 ) -> Result<(), KvError> {
     conn.send(&Message::Register {
         transfer_id: tid.clone(),
@@ -32,6 +34,7 @@ pub(super) fn register(
         epoch: shared.info.epoch,
         block_ids: blocks,
         num_tokens,
+        write_within_ms,
     })
 }
 
@@ -70,12 +73,18 @@ pub(super) fn on_register(
     epoch: Epoch,
     blocks: Vec<u32>,
     num_tokens: usize,
+    write_within_ms: u64,
 ) -> Result<(), KvError> {
     if epoch != conn.peer.epoch {
         let reason = "registration epoch does not match the handshake".into();
         return conn.send(&Message::Failed { transfer_id: tid, reason });
     }
-    let deadline = Instant::now() + shared.cfg.transfer_timeout;
+    let now = Instant::now();
+    let mut deadline = now + shared.cfg.transfer_timeout;
+    if conn.transport.writes_directly() {
+        // Decode frees its blocks once its own deadline has passed: no write may start later.
+        deadline = deadline.min(now + Duration::from_millis(write_within_ms));
+    }
     let reg = Registration { conn: conn.clone(), blocks, num_tokens, deadline };
     let met = shared.tables().meet_registration(tid.clone(), reg);
     match met {
@@ -95,19 +104,27 @@ fn start_write(shared: &Arc<Shared>, tid: TransferId, reg: Registration, produce
     let s = shared.clone();
     let _ = std::thread::Builder::new().name("tandem-kv-push".into()).spawn(move || {
         let Produced { held, blocks, num_tokens, first_token, .. } = produced;
-        if reg.num_tokens != num_tokens {
-            let reason = format!("decode registered {} tokens, prefill produced {num_tokens}", reg.num_tokens);
+        let refusal = if reg.num_tokens != num_tokens {
+            Some(format!("decode registered {} tokens, prefill produced {num_tokens}", reg.num_tokens))
+        } else if reg.conn.transport.writes_directly() && Instant::now() >= reg.deadline {
+            Some("the decode engine's deadline passed before the KV was ready".to_string())
+        } else {
+            None
+        };
+        if let Some(reason) = refusal {
+            s.tables().pushing.remove(&tid);
             let _ = reg.conn.send(&Message::Failed { transfer_id: tid, reason });
             bump(&s.counters.transfers_failed, 1);
             return;
         }
         let result = reg.conn.transport.push(&s, &reg.conn, &tid, &blocks, &reg.blocks, num_tokens, first_token);
+        s.tables().pushing.remove(&tid);
         // The bytes have left our memory (or the write failed): the blocks can go back.
         drop(held);
-        let layout = s.region.layout();
+        let layout = s.memory.layout();
         match result {
             Ok(()) => {
-                bump(&s.counters.bytes_sent, wire_bytes(layout, s.region.dtype(), num_tokens));
+                bump(&s.counters.bytes_sent, wire_bytes(&layout, s.memory.dtype(), num_tokens));
                 bump(&s.counters.regions, coalesce(&blocks[..layout.blocks_for(num_tokens).min(blocks.len())]).len() as u64);
                 bump(&s.counters.transfers_ok, 1);
             }
@@ -145,16 +162,47 @@ pub(super) fn on_done(shared: &Shared, tid: &TransferId, first_token: Option<u32
     if inc.pull {
         return;
     }
-    let landed = inc.landing == super::table::Landing::Landed;
+    let direct = inc.direct;
+    let staged = !inc.conn.as_ref().is_some_and(|c| c.transport.lands_in_device_cache());
+    if direct {
+        // The peer's copies into our blocks have completed (or will never run).
+        let (bytes, regions) = direct_write_size(shared, inc);
+        if let Some(inc) = t.incoming.get_mut(tid) {
+            inc.timeline.data_start_us = inc.since();
+        }
+        if t.end_write(tid, status == DoneStatus::Ok, bytes, regions) {
+            shared.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Released { request_id: inc.request_id });
+            return;
+        }
+        if status == DoneStatus::Ok {
+            bump(&shared.counters.bytes_received, bytes);
+        }
+    }
+    let landed = t.incoming.get(tid).is_some_and(|i| i.landing == super::table::Landing::Landed);
     shared.finish_incoming(&mut t, tid, |inc| match status {
         DoneStatus::Ok if landed => ConnectorEvent::Ready {
             timeline: TransferTimeline { ready_us: inc.since(), ..inc.timeline },
             request_id: inc.request_id,
             first_token,
+            staged,
         },
         DoneStatus::Ok => {
             ConnectorEvent::Failed { request_id: inc.request_id, reason: "completion arrived without data".into() }
         }
         DoneStatus::Failed(reason) => ConnectorEvent::Failed { request_id: inc.request_id, reason },
     });
+}
+
+/// Decode: what a direct write into `inc`'s blocks moved: the writer's whole blocks (as tcp
+/// would have sent them), over our contiguous runs.
+pub(super) fn direct_write_size(shared: &Shared, inc: &super::table::Incoming) -> (u64, u32) {
+    let layout = shared.memory.layout();
+    let writer_block = inc.conn.as_ref().map_or(layout.block_size, |c| c.peer.block_size.max(1));
+    let sent = wire_bytes(
+        &tandem_compute::KvLayout { block_size: writer_block, ..layout },
+        shared.memory.dtype(),
+        inc.num_tokens,
+    );
+    let used = layout.blocks_for(inc.num_tokens).min(inc.blocks.len());
+    (sent, coalesce(&inc.blocks[..used]).len() as u32)
 }

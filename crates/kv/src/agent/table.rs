@@ -3,9 +3,9 @@
 //! rendezvous, pull leases). It moves no bytes; the agent holds it behind one mutex, never
 //! across socket I/O.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tandem_core::{RequestId, TransferId};
 
@@ -17,7 +17,8 @@ use crate::{HeldBlocks, TransferTimeline};
 pub(super) enum Landing {
     /// Nothing written yet (or a write failed).
     Waiting,
-    /// A bulk write into the blocks is in progress on a reader thread.
+    /// A bulk write into the blocks is in progress on a reader thread, or (`direct`) the peer
+    /// may be writing them from its side until it says the write ended.
     Writing,
     /// The request was aborted during a write: released when the write ends.
     WritingAborted,
@@ -37,6 +38,9 @@ pub(super) struct Incoming {
     pub first_token: Option<u32>,
     /// Pull (decode reads) rather than push (prefill writes).
     pub pull: bool,
+    /// The peer writes the blocks directly (cuda-ipc): from the moment they are named to it
+    /// until it reports the write's end, a write may land in them.
+    pub direct: bool,
     /// When the engine asked, and the stages since (for the timeline).
     pub started: Instant,
     pub timeline: TransferTimeline,
@@ -58,6 +62,7 @@ pub(super) struct Registration {
     pub conn: Arc<Conn>,
     pub blocks: Vec<u32>,
     pub num_tokens: usize,
+    /// Direct transports: also the last moment a write may start (decode's deadline).
     pub deadline: Instant,
 }
 
@@ -90,12 +95,25 @@ pub(super) enum NoWrite {
     Refused,
 }
 
+/// What one expiry pass found.
+pub(super) struct Expired {
+    /// Prefill-side entries dropped.
+    pub reclaimed: usize,
+    /// Decode-side transfers past their deadline.
+    pub late: Vec<TransferId>,
+    /// Prefill-side registrations dropped, with their connection (a direct writer tells the
+    /// decode engine, which otherwise holds its blocks until the grace has passed).
+    pub registrations: Vec<(TransferId, Arc<Conn>)>,
+}
+
 #[derive(Default)]
 pub(super) struct Tables {
     pub incoming: HashMap<TransferId, Incoming>,
     pub by_request: HashMap<RequestId, TransferId>,
     pub registrations: HashMap<TransferId, Registration>,
     pub produced: HashMap<TransferId, Produced>,
+    /// Prefill side: push writes in progress (the rendezvous met; the write thread runs).
+    pub pushing: HashSet<TransferId>,
 }
 
 impl Tables {
@@ -105,7 +123,10 @@ impl Tables {
             return Rendezvous::Duplicate;
         }
         match self.registrations.remove(&tid) {
-            Some(reg) => Rendezvous::Met(reg, produced),
+            Some(reg) => {
+                self.pushing.insert(tid);
+                Rendezvous::Met(reg, produced)
+            }
             None => {
                 self.produced.insert(tid, produced);
                 Rendezvous::Waiting
@@ -119,7 +140,10 @@ impl Tables {
             return Rendezvous::Duplicate;
         }
         match self.produced.remove(&tid) {
-            Some(produced) => Rendezvous::Met(reg, produced),
+            Some(produced) => {
+                self.pushing.insert(tid);
+                Rendezvous::Met(reg, produced)
+            }
             None => {
                 self.registrations.insert(tid, reg);
                 Rendezvous::Waiting
@@ -159,14 +183,24 @@ impl Tables {
     }
 
     /// Drops prefill-side entries past their deadline (a lease being read is kept) and returns
-    /// how many went, and the decode-side transfers past theirs (none with a write in progress).
-    pub fn expire(&mut self, now: Instant) -> (usize, Vec<TransferId>) {
-        let before = self.produced.len() + self.registrations.len();
+    /// how many went, and the decode-side transfers past theirs: none with a write in progress
+    /// on a reader thread (its I/O timeout ends it), and those a peer may be writing directly
+    /// only once `grace` more has passed (a peer starts no write after the deadline, and a
+    /// device copy that started before it has long ended by then).
+    pub fn expire(&mut self, now: Instant, grace: Duration) -> Expired {
+        let before = self.produced.len();
         self.produced.retain(|_, p| p.reading || p.deadline > now);
-        self.registrations.retain(|_, r| r.deadline > now);
-        let reclaimed = before - self.produced.len() - self.registrations.len();
-        let late = self.incoming.iter().filter(|(_, i)| !i.writing() && i.deadline <= now).map(|(k, _)| k.clone());
-        (reclaimed, late.collect())
+        let gone: Vec<TransferId> =
+            self.registrations.iter().filter(|(_, r)| r.deadline <= now).map(|(k, _)| k.clone()).collect();
+        let registrations: Vec<(TransferId, Arc<Conn>)> =
+            gone.into_iter().filter_map(|k| self.registrations.remove(&k).map(|r| (k, r.conn))).collect();
+        let reclaimed = before - self.produced.len() + registrations.len();
+        let late = self.incoming.iter().filter(|(_, i)| match (i.writing(), i.direct) {
+            (false, _) => i.deadline <= now,
+            (true, true) => i.deadline + grace <= now,
+            (true, false) => false,
+        });
+        Expired { reclaimed, late: late.map(|(k, _)| k.clone()).collect(), registrations }
     }
 }
 
@@ -185,6 +219,7 @@ mod tests {
             landing: Landing::Waiting,
             first_token: None,
             pull: false,
+            direct: false,
             started: Instant::now(),
             timeline: TransferTimeline::default(),
         }
@@ -224,9 +259,21 @@ mod tests {
         t.begin_write(&b, 20, None).ok().unwrap();
         t.produced.insert(a.clone(), produced(past));
         t.produced.insert(b.clone(), Produced { reading: true, ..produced(past) });
-        let (reclaimed, late) = t.expire(Instant::now());
-        assert_eq!((reclaimed, late), (1, vec![a.clone()]));
+        let e = t.expire(Instant::now(), Duration::ZERO);
+        assert_eq!((e.reclaimed, e.late), (1, vec![a.clone()]));
         assert!(t.produced.contains_key(&b) && !t.produced.contains_key(&a));
+    }
+
+    /// A peer that writes directly may still be writing at the deadline: the entry ends only
+    /// after the grace, never while a write could land.
+    #[test]
+    fn expiry_waits_the_grace_for_a_direct_writer() {
+        let past = Instant::now() - Duration::from_millis(5);
+        let mut t = Tables::default();
+        let c = TransferId("c".into());
+        t.incoming.insert(c.clone(), Incoming { direct: true, landing: Landing::Writing, ..incoming(past) });
+        assert!(t.expire(Instant::now(), Duration::from_secs(5)).late.is_empty(), "within the grace");
+        assert_eq!(t.expire(Instant::now(), Duration::from_millis(1)).late, vec![c]);
     }
 
     #[test]

@@ -1,27 +1,45 @@
 //! How a transfer's bytes move once the table says where from and where to. Each connection
-//! gets its transport at handshake, by what both ends offer: `local` (a direct copy between
-//! two engines of this process) when both offer it, else `tcp` (the bytes on the side channel,
-//! straight between socket and KV memory).
+//! gets its transport at handshake, picked by the accepting side (the prefill engine, which
+//! does the writing in both modes) from what both ends offer: `local` (a direct copy between
+//! two engines of this process), else `cuda-ipc` (device-to-device copies into the peer's
+//! mapped GPU cache) when both are GPU engines of one host that can reach each other's
+//! memory, else `tcp` (the bytes on the side channel, straight between socket and KV memory).
 
 use std::collections::HashMap;
 use std::io::Read;
 use std::net::TcpStream;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use tandem_compute::KvRegion;
+use tandem_compute::cuda::{IpcExport, PeerKvMemory};
+use tandem_compute::kv_copy::plan_kv_copy;
+use tandem_compute::KvLayout;
 use tandem_core::TransferId;
 
 use super::table::NoWrite;
 use super::{bump, Conn, Shared};
 use crate::blocks::{coalesce, copy_tokens, wire_bytes};
-use crate::tcp::{recv_blocks, send_blocks};
+use crate::tcp::{recv_blocks, send_blocks, Picked};
 use crate::wire::{write_message, DoneStatus, Message};
-use crate::{AgentInfo, ConnectorEvent, KvError, TransportOffer};
+use crate::{AgentInfo, ConnectorEvent, KvError, KvTransport, TransportOffer};
 
 /// Moves a transfer's KV from this engine's blocks to a peer's.
 pub(super) trait Transport: Send + Sync {
     /// The offer's name, for logs.
     fn name(&self) -> &'static str;
+
+    /// Whether the writing side puts the bytes straight into the reader's memory, with no
+    /// bytes on the socket and no call into the reader's table (cuda-ipc): the reader then
+    /// treats its blocks as being written from the moment it names them until the writer
+    /// says the write ended.
+    fn writes_directly(&self) -> bool {
+        false
+    }
+
+    /// Whether a direct write lands in the reader's device cache itself (cuda-ipc), rather than
+    /// in its host region (which a GPU engine then loads).
+    fn lands_in_device_cache(&self) -> bool {
+        false
+    }
 
     /// Push: writes `num_tokens` of KV from our blocks `src` into the peer's registered blocks
     /// `dst` of transfer `tid`, then sends `Done` (with prefill's first token) on `conn`.
@@ -37,31 +55,81 @@ pub(super) trait Transport: Send + Sync {
         first_token: u32,
     ) -> Result<(), KvError>;
 
-    /// Pull: answers the peer's read of our blocks `src` (held under a lease) with `BlockData`
-    /// and the bytes.
+    /// Pull: answers the peer's read of our blocks `src` (held under a lease) into its blocks
+    /// `dst` with `BlockData` (and, on tcp, the bytes).
     fn answer_read(
         &self,
         shared: &Shared,
         conn: &Conn,
         tid: &TransferId,
         src: &[u32],
+        dst: &[u32],
         num_tokens: usize,
     ) -> Result<(), KvError>;
 }
 
-/// The transport for a connection to `peer`: local when both ends offer it and the peer's
-/// connector lives in this process, else tcp.
-pub(super) fn choose(ours: &Shared, peer: &AgentInfo) -> Arc<dyn Transport> {
-    let local = ours.cfg.local_transport.then(|| {
-        peer.transports.iter().find_map(|t| match t {
-            TransportOffer::Local { process, key } if *process == std::process::id() => registry().get(key).cloned(),
-            _ => None,
-        })
-    });
-    match local.flatten() {
-        Some(peer) => Arc::new(Local { peer }),
-        None => Arc::new(Tcp),
+/// Accepting side: the transport for a connection from `peer`, and what to tell it; an error
+/// refuses the peer, saying why.
+pub(super) fn pick(ours: &Shared, peer: &AgentInfo) -> Result<(Arc<dyn Transport>, Picked), String> {
+    if let Some(local) = local_peer(ours, peer) {
+        return Ok((Arc::new(Local { peer: local }), Picked { transport: "local".into(), note: None }));
     }
+    let policy = ours.cfg.transport;
+    let ipc = match policy {
+        KvTransport::Tcp => Err("--kv-transport tcp".to_string()),
+        KvTransport::Auto | KvTransport::CudaIpc => open_cuda_ipc(ours, peer),
+    };
+    match ipc {
+        Ok(mapped) => {
+            tracing::info!(peer = %peer.engine_id, place = mapped.place(), "KV transport cuda-ipc: the peer's GPU cache is mapped");
+            Ok((Arc::new(CudaIpc { peer: Some(mapped) }), Picked { transport: "cuda-ipc".into(), note: None }))
+        }
+        Err(why) if policy == KvTransport::CudaIpc => {
+            Err(format!("--kv-transport cuda-ipc, but cuda-ipc cannot work with `{}`: {why}", peer.engine_id))
+        }
+        Err(why) => {
+            ours.memory.host_region().map_err(|e| e.to_string())?;
+            let note = (policy == KvTransport::Auto).then(|| format!("cuda-ipc not possible: {why}"));
+            Ok((Arc::new(Tcp), Picked { transport: "tcp".into(), note }))
+        }
+    }
+}
+
+/// Connecting side: the transport the acceptor picked, if this engine can take part in it.
+pub(super) fn accept_pick(ours: &Shared, peer: &AgentInfo, picked: &Picked) -> Result<Arc<dyn Transport>, KvError> {
+    let refuse = |why: String| Err(KvError::Refused(why));
+    match picked.transport.as_str() {
+        "local" => match local_peer(ours, peer) {
+            Some(local) => Ok(Arc::new(Local { peer: local })),
+            None => refuse(format!("`{}` picked the local transport, but it is not in this process", peer.engine_id)),
+        },
+        "cuda-ipc" if ours.memory.device_cache().is_some() && ours.cfg.transport != KvTransport::Tcp => {
+            Ok(Arc::new(CudaIpc { peer: None }))
+        }
+        "tcp" if ours.cfg.transport != KvTransport::CudaIpc => {
+            ours.memory.host_region()?;
+            Ok(Arc::new(Tcp))
+        }
+        other => {
+            let why = picked.note.as_deref().unwrap_or("no reason given");
+            refuse(format!(
+                "`{}` picked the {other} transport ({why}), which --kv-transport {} here does not allow",
+                peer.engine_id,
+                ours.cfg.transport.name()
+            ))
+        }
+    }
+}
+
+/// The local peer for `peer`, when both ends offer the local transport in this process.
+fn local_peer(ours: &Shared, peer: &AgentInfo) -> Option<Weak<Shared>> {
+    if !ours.cfg.local_transport {
+        return None;
+    }
+    peer.transports.iter().find_map(|t| match t {
+        TransportOffer::Local { process, key } if *process == std::process::id() => registry().get(key).cloned(),
+        _ => None,
+    })
 }
 
 /// Connectors of this process that offer the local transport, by registry key.
@@ -74,6 +142,78 @@ fn registry() -> MutexGuard<'static, HashMap<String, Weak<Shared>>> {
 /// Makes `shared` findable by engines of this process under `key` (its local offer).
 pub(super) fn register_local(key: &str, shared: &Arc<Shared>) {
     registry().insert(key.to_string(), Arc::downgrade(shared));
+}
+
+/// Identifies this host for the cuda-ipc offer: its boot id (two containers of one kernel
+/// share it; whether their IPC namespaces do is the driver's answer at mapping time).
+pub(super) fn host_id() -> String {
+    for path in ["/proc/sys/kernel/random/boot_id", "/etc/hostname"] {
+        if let Ok(s) = std::fs::read_to_string(path) {
+            let s = s.trim();
+            if !s.is_empty() {
+                return s.to_string();
+            }
+        }
+    }
+    "unknown-host".into()
+}
+
+/// The cuda-ipc offer for an export of our cache.
+pub(super) fn cuda_ipc_offer(export: &IpcExport) -> TransportOffer {
+    TransportOffer::CudaIpc {
+        host: host_id(),
+        process: std::process::id(),
+        device: hex(&export.device_uuid),
+        handle: hex(&export.handle),
+        bytes: export.bytes as u64,
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
+    let mut out = [0u8; N];
+    if s.len() != 2 * N {
+        return None;
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Maps `peer`'s GPU cache, or says why cuda-ipc cannot work with it.
+fn open_cuda_ipc(ours: &Shared, peer: &AgentInfo) -> Result<PeerKvMemory, String> {
+    let dev = ours.memory.device_cache().ok_or("this engine's KV cache is in host memory (a CPU engine)")?;
+    let offer = peer.transports.iter().find_map(|t| match t {
+        TransportOffer::CudaIpc { host, process, device, handle, bytes } => {
+            Some((host, *process, device, handle, *bytes))
+        }
+        _ => None,
+    });
+    let (host, process, device, handle, bytes) =
+        offer.ok_or("the peer offers no cuda-ipc (a CPU engine, or --kv-transport tcp there)")?;
+    if *host != host_id() {
+        return Err("the peer is on another host".into());
+    }
+    if process == std::process::id() {
+        return Err("the peer is in this process (its handle cannot be opened here)".into());
+    }
+    let export = IpcExport {
+        handle: unhex(handle).ok_or("the peer's IPC handle is malformed")?,
+        bytes: bytes as usize,
+        device_uuid: unhex(device).ok_or("the peer's GPU UUID is malformed")?,
+    };
+    let layout = KvLayout {
+        num_layers: peer.num_layers,
+        num_kv_heads: peer.num_kv_heads,
+        head_dim: peer.head_dim,
+        block_size: peer.block_size,
+        num_blocks: peer.num_blocks,
+    };
+    dev.open_peer(&export, layout)
 }
 
 /// The bytes on the side channel.
@@ -94,7 +234,7 @@ impl Transport for Tcp {
         num_tokens: usize,
         first_token: u32,
     ) -> Result<(), KvError> {
-        let region = &shared.region;
+        let region = shared.memory.host_region()?;
         let bytes = wire_bytes(region.layout(), region.dtype(), num_tokens);
         let mut w = conn.writer();
         let header = Message::WriteBlocks {
@@ -126,16 +266,17 @@ impl Transport for Tcp {
         conn: &Conn,
         tid: &TransferId,
         src: &[u32],
+        _dst: &[u32],
         num_tokens: usize,
     ) -> Result<(), KvError> {
-        let region = &shared.region;
+        let region = shared.memory.host_region()?;
         let mut w = conn.writer();
         let header = Message::BlockData {
             transfer_id: tid.clone(),
             src_block_size: region.layout().block_size,
             bytes: wire_bytes(region.layout(), region.dtype(), num_tokens),
             error: None,
-            local: false,
+            direct: false,
         };
         write_message(&mut *w, &header)?;
         // Safety: the lease holds these blocks and its `reading` flag keeps it from expiring
@@ -145,16 +286,28 @@ impl Transport for Tcp {
     }
 }
 
-/// A direct copy into the memory of another engine of this process; the side channel carries
-/// only the notifications.
+/// A direct copy into the host region of another engine of this process (tests, one-process
+/// setups); the side channel carries only the notifications. The writer copies into the
+/// blocks the reader named without touching the reader's table: the same protocol as
+/// cuda-ipc, so the CPU tests exercise it.
 struct Local {
     peer: Weak<Shared>,
 }
 
 impl Local {
-    fn copy(&self, shared: &Shared, tid: &TransferId, src: &[u32], num_tokens: usize) -> Result<(), String> {
+    fn copy(&self, shared: &Shared, src: &[u32], dst: &[u32], num_tokens: usize) -> Result<(), String> {
         let peer = self.peer.upgrade().ok_or("the peer engine is gone")?;
-        receive_local(&peer, tid, &shared.region, src, num_tokens)
+        let from = shared.memory.host_region().map_err(|e| e.to_string())?;
+        let to = peer.memory.host_region().map_err(|e| e.to_string())?;
+        // Validates the peer's block list (ids inside its region, enough of them) before a copy.
+        plan_kv_copy(from.layout(), to.layout(), from.dtype().bytes(), src, dst, num_tokens)?;
+        if from.dtype() != to.dtype() {
+            return Err("KV element types differ".into());
+        }
+        // Safety: we hold `src` for this call; the reader gave `dst` to this transfer and keeps
+        // them until we report the write's end (its `Writing` state).
+        unsafe { copy_tokens(from, src, to, dst, num_tokens) };
+        Ok(())
     }
 }
 
@@ -163,17 +316,21 @@ impl Transport for Local {
         "local"
     }
 
+    fn writes_directly(&self) -> bool {
+        true
+    }
+
     fn push(
         &self,
         shared: &Shared,
         conn: &Conn,
         tid: &TransferId,
         src: &[u32],
-        _dst: &[u32],
+        dst: &[u32],
         num_tokens: usize,
         first_token: u32,
     ) -> Result<(), KvError> {
-        let status = match self.copy(shared, tid, src, num_tokens) {
+        let status = match self.copy(shared, src, dst, num_tokens) {
             Ok(()) => DoneStatus::Ok,
             Err(e) => DoneStatus::Failed(e),
         };
@@ -189,57 +346,92 @@ impl Transport for Local {
         conn: &Conn,
         tid: &TransferId,
         src: &[u32],
+        dst: &[u32],
         num_tokens: usize,
     ) -> Result<(), KvError> {
         // The copy is done before the answer: no bytes follow it.
-        let error = self.copy(shared, tid, src, num_tokens).err();
+        let error = self.copy(shared, src, dst, num_tokens).err();
         conn.send(&Message::BlockData {
             transfer_id: tid.clone(),
-            src_block_size: shared.region.layout().block_size,
+            src_block_size: shared.memory.layout().block_size,
             bytes: 0,
             error,
-            local: true,
+            direct: true,
         })
     }
 }
 
-/// Local transport, receiving side: copies transfer `tid`'s KV from another engine's memory
-/// straight into `dst`'s registered blocks, with the same checks and ownership rules as a TCP
-/// receive.
-fn receive_local(
-    dst: &Shared,
-    tid: &TransferId,
-    src: &KvRegion,
-    src_blocks: &[u32],
-    num_tokens: usize,
-) -> Result<(), String> {
-    let blocks = match dst.tables().begin_write(tid, num_tokens, None) {
-        Ok(blocks) => blocks,
-        Err(why) => {
-            if matches!(why, NoWrite::Unknown) {
-                bump(&dst.counters.unknown_ids, 1);
-            }
-            return Err(format!("transfer `{tid}` is unknown, aborted or does not match"));
-        }
-    };
-    let needed = dst.region.layout().blocks_for(num_tokens);
-    let ok = src_blocks.len() >= src.layout().blocks_for(num_tokens) && blocks.len() >= needed;
-    if ok {
-        // Safety: the sender holds its source blocks for this call; the destination blocks are
-        // registered to this transfer and the table's `Writing` keeps an abort from freeing them.
-        unsafe { copy_tokens(src, src_blocks, &dst.region, &blocks, num_tokens) };
-    }
-    let bytes = wire_bytes(src.layout(), src.dtype(), num_tokens);
-    let regions = coalesce(&blocks[..needed.min(blocks.len())]).len() as u32;
-    let mut t = dst.tables();
-    if t.end_write(tid, ok, bytes, regions) {
-        dst.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Released { request_id: inc.request_id });
-    }
-    if ok {
-        bump(&dst.counters.bytes_received, bytes);
+/// Device-to-device copies into the peer's GPU cache, mapped into this process at handshake
+/// (writing side), on the cache's own transfer stream; the side channel carries only the
+/// notifications, sent once the copies have completed.
+struct CudaIpc {
+    /// The peer's cache; `None` on the side that is written to.
+    peer: Option<PeerKvMemory>,
+}
+
+impl CudaIpc {
+    fn write(&self, shared: &Shared, src: &[u32], dst: &[u32], num_tokens: usize) -> Result<(), String> {
+        let peer = self.peer.as_ref().ok_or("this end of the connection is written to; it does not write")?;
+        let dev = shared.memory.device_cache().ok_or("this engine has no device cache")?;
+        // The KV in `src` is complete: the engine hands blocks over once the step that wrote
+        // them has returned its token, and the stream finished that step before that.
+        let started = std::time::Instant::now();
+        let (bytes, copies) = dev.write_to_peer(peer, src, dst, num_tokens)?;
+        tracing::debug!(bytes, copies, us = started.elapsed().as_micros() as u64, "cuda-ipc write done");
         Ok(())
-    } else {
-        Err("block lists do not cover the tokens".into())
+    }
+}
+
+impl Transport for CudaIpc {
+    fn name(&self) -> &'static str {
+        "cuda-ipc"
+    }
+
+    fn writes_directly(&self) -> bool {
+        true
+    }
+
+    fn lands_in_device_cache(&self) -> bool {
+        true
+    }
+
+    fn push(
+        &self,
+        shared: &Shared,
+        conn: &Conn,
+        tid: &TransferId,
+        src: &[u32],
+        dst: &[u32],
+        num_tokens: usize,
+        first_token: u32,
+    ) -> Result<(), KvError> {
+        let status = match self.write(shared, src, dst, num_tokens) {
+            Ok(()) => DoneStatus::Ok,
+            Err(e) => DoneStatus::Failed(e),
+        };
+        if !shared.cfg.faults.drop_done {
+            conn.send(&Message::Done { transfer_id: tid.clone(), rank: 0, first_token: Some(first_token), status })?;
+        }
+        Ok(())
+    }
+
+    fn answer_read(
+        &self,
+        shared: &Shared,
+        conn: &Conn,
+        tid: &TransferId,
+        src: &[u32],
+        dst: &[u32],
+        num_tokens: usize,
+    ) -> Result<(), KvError> {
+        let error = self.write(shared, src, dst, num_tokens).err();
+        conn.send(&Message::BlockData {
+            transfer_id: tid.clone(),
+            src_block_size: shared.memory.layout().block_size,
+            bytes: 0,
+            error,
+            direct: true,
+        })
     }
 }
 
@@ -256,6 +448,13 @@ pub(super) fn receive_tcp(
     num_tokens: usize,
     bytes: u64,
 ) -> Result<Result<(), String>, KvError> {
+    let region = match shared.memory.host_region() {
+        Ok(r) => r,
+        Err(e) => {
+            drain(stream, bytes)?;
+            return Ok(Err(e.to_string()));
+        }
+    };
     let begun = shared.tables().begin_write(tid, num_tokens, dst);
     let blocks = match begun {
         Ok(blocks) => blocks,
@@ -269,8 +468,8 @@ pub(super) fn receive_tcp(
     };
     // Safety: these blocks are registered to this transfer; the engine keeps them out of the
     // schedule until the connector reports, and an abort waits for the write to end.
-    let result = unsafe { recv_blocks(stream, bytes, src_block_size, &shared.region, &blocks, num_tokens) };
-    let regions = coalesce(&blocks[..shared.region.layout().blocks_for(num_tokens).min(blocks.len())]).len() as u32;
+    let result = unsafe { recv_blocks(stream, bytes, src_block_size, region, &blocks, num_tokens) };
+    let regions = coalesce(&blocks[..region.layout().blocks_for(num_tokens).min(blocks.len())]).len() as u32;
     let mut t = shared.tables();
     if t.end_write(tid, result.is_ok(), bytes, regions) {
         shared.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Released { request_id: inc.request_id });

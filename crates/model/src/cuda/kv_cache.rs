@@ -1,12 +1,13 @@
-//! The device KV cache, block-major as on the CPU (`tandem_compute::KvLayout`), and its
-//! page-locked host copy for the KV connector. It owns the cache's memory for the model's life;
+//! The device KV cache, block-major as on the CPU (`tandem_compute::KvLayout`), in memory a
+//! peer process can map (the cuda-ipc transport), and its page-locked host copy for the KV
+//! connector's tcp transport. It owns the cache's memory for the model's life;
 //! forwards write it, and the connector reads and writes blocks only through the copies here,
 //! on blocks the engine hands over.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use tandem_compute::cuda::{CudaDevice, DevBuf, Fence, PinnedRegion};
+use tandem_compute::cuda::{CudaDevice, DevBuf, DeviceKvMemory, Fence, PinnedRegion};
 use tandem_compute::{coalesce, KvDtype, KvLayout, KvRegion};
 
 use super::CudaOptions;
@@ -19,6 +20,8 @@ const RESERVE_BYTES: usize = 512 << 20;
 pub(super) struct DeviceKv {
     pub cache: DevBuf<u16>,
     pub layout: KvLayout,
+    /// The cache as the KV connector's direct transports (cuda-ipc) see it.
+    pub memory: Arc<DeviceKvMemory>,
     /// The KV connector's host copy of the cache (P/D roles): the same bf16 bytes.
     host: Option<Arc<KvRegion>>,
     /// `host` page-locked while the cache lives.
@@ -69,7 +72,9 @@ impl DeviceKv {
             block_size: opts.block_size,
             num_blocks,
         };
-        let cache = dev.zeros::<u16>(num_blocks * layout.block_elems())?;
+        // One allocation of its own, so a peer engine in another process can map it (cuda-ipc).
+        let cache = dev.zeros_exportable::<u16>(num_blocks * layout.block_elems())?;
+        let memory = dev.kv_memory(&cache, layout)?;
         let host = opts.host_kv_bytes.map(|_| KvRegion::host_copy(layout, KvDtype::Bf16));
         let host_pinned = host.as_ref().and_then(|region| pin(dev, region));
         tracing::info!(
@@ -78,7 +83,7 @@ impl DeviceKv {
             kv_gib = format!("{:.2}", (num_blocks * block_bytes) as f64 / (1u64 << 30) as f64),
             "KV cache on the GPU"
         );
-        Ok(Self { cache, layout, host, _host_pinned: host_pinned, fences: VecDeque::new(), tickets: 0 })
+        Ok(Self { cache, layout, memory, host, _host_pinned: host_pinned, fences: VecDeque::new(), tickets: 0 })
     }
 
     /// The host copy the connector moves, if this cache has one.

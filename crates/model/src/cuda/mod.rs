@@ -263,6 +263,10 @@ impl ModelRunner for CudaModel {
         self.kv.region()
     }
 
+    fn kv_device(&self) -> Option<Arc<tandem_compute::cuda::DeviceKvMemory>> {
+        Some(self.kv.memory.clone())
+    }
+
     fn kv_to_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
         let started = std::time::Instant::now();
         // The copy queued behind everything on the stream (the forwards that wrote these blocks

@@ -95,6 +95,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             transfer_timeout: k.transfer_timeout,
             faults: k.faults.clone(),
             local_transport: k.local,
+            transport: tandem_kv::KvTransport::Auto,
         },
         load_failure: k.load_failure,
     });

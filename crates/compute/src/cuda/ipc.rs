@@ -1,0 +1,285 @@
+//! KV memory another process can reach: the device KV cache as one allocation CUDA IPC can
+//! export, a peer's cache mapped into this process, and the KV connector's own transfer
+//! stream.
+//!
+//! Stream-ordered pool memory (what `cuMemAllocAsync` hands out) cannot be exported, so the
+//! cache is one `cuMemAlloc` allocation ([`CudaDevice::zeros_exportable`]). A peer maps it
+//! once per connection ([`DeviceKvMemory::open_peer`]; peer access between two GPUs is enabled
+//! lazily by the mapping) and writes its blocks with device-to-device copies planned by
+//! [`crate::kv_copy`], on this process's transfer stream: the engine's stream never waits on a
+//! transfer, and a transfer returns only once its copies have completed.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
+
+use super::{oom, Backing, CudaDevice, CudaError, DevBuf};
+use crate::kv_copy::{plan_kv_copy, KvCopy};
+use crate::KvLayout;
+
+/// One `cuMemAlloc` allocation, freed with its last holder.
+pub(crate) struct ExportableAlloc {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl Drop for ExportableAlloc {
+    fn drop(&mut self) {
+        // Nothing useful to do on failure at teardown.
+        let _ = self.ctx.bind_to_thread();
+        // Safety: `ptr` came from cuMemAlloc in this context and is freed exactly once, here,
+        // after the last buffer or KV handle holding it is gone.
+        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// What a peer needs to map an engine's KV cache: the IPC handle of its allocation, its size
+/// and the GPU it lives on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IpcExport {
+    /// `cuIpcGetMemHandle`'s opaque handle.
+    pub handle: [u8; 64],
+    /// Bytes of the allocation.
+    pub bytes: usize,
+    /// The GPU's UUID.
+    pub device_uuid: [u8; 16],
+}
+
+impl CudaDevice {
+    /// A zeroed buffer of `n` elements in an allocation of its own that [`DeviceKvMemory`] can
+    /// export to another process.
+    pub fn zeros_exportable<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<DevBuf<T>, CudaError> {
+        let len = n.max(1);
+        let bytes = len * std::mem::size_of::<T>();
+        self.ctx.bind_to_thread()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // Safety: a plain allocation into a local; freed by ExportableAlloc's Drop.
+        unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes).result().map_err(|e| oom(e, bytes))? };
+        let alloc = Arc::new(ExportableAlloc { ctx: self.ctx.clone(), ptr, bytes });
+        // Safety: the range is the allocation just made; zeroed on the stream, ahead of any
+        // kernel that reads it.
+        unsafe { sys::cuMemsetD8Async(ptr, 0, bytes, self.stream.cu_stream()).result()? };
+        Ok(DevBuf { backing: Backing::Exportable(alloc), ptr, len })
+    }
+
+    /// The KV cache `cache` (from [`CudaDevice::zeros_exportable`], laid out as `layout` in
+    /// bf16) as the KV connector uses it, with a transfer stream of its own.
+    pub fn kv_memory(&self, cache: &DevBuf<u16>, layout: KvLayout) -> Result<Arc<DeviceKvMemory>, CudaError> {
+        let alloc = cache.exportable().ok_or_else(|| {
+            CudaError::Unavailable("the KV cache was not allocated exportable (zeros_exportable)".into())
+        })?;
+        if layout.num_blocks * layout.block_elems() * 2 > alloc.bytes {
+            return Err(CudaError::Unavailable("the KV layout is larger than its allocation".into()));
+        }
+        let stream = self.ctx.new_stream()?;
+        Ok(Arc::new(DeviceKvMemory {
+            ctx: self.ctx.clone(),
+            alloc: alloc.clone(),
+            layout,
+            elem_bytes: 2,
+            stream,
+            ordinal: self.ordinal,
+        }))
+    }
+}
+
+/// A GPU engine's KV cache as the KV connector sees it, usable from the connector's threads.
+pub struct DeviceKvMemory {
+    ctx: Arc<CudaContext>,
+    alloc: Arc<ExportableAlloc>,
+    layout: KvLayout,
+    elem_bytes: usize,
+    /// The connector's own stream: its copies neither wait behind nor hold up engine steps.
+    stream: Arc<CudaStream>,
+    ordinal: usize,
+}
+
+impl std::fmt::Debug for DeviceKvMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceKvMemory(cuda:{}, {:?})", self.ordinal, self.layout)
+    }
+}
+
+/// A peer engine's KV cache mapped into this process; unmapped on drop.
+pub struct PeerKvMemory {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    layout: KvLayout,
+    /// Where it lives, for logs: `the same GPU` or `cuda:N`.
+    place: String,
+}
+
+impl Drop for PeerKvMemory {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // Safety: `ptr` came from cuIpcOpenMemHandle and is closed once; every copy into it
+        // was waited for before its transfer returned.
+        let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+    }
+}
+
+impl PeerKvMemory {
+    /// Where the peer's cache lives relative to ours.
+    pub fn place(&self) -> &str {
+        &self.place
+    }
+}
+
+fn uuid_bytes(u: sys::CUuuid) -> [u8; 16] {
+    u.bytes.map(|b| b as u8)
+}
+
+impl DeviceKvMemory {
+    /// The cache's shape.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Bytes per element (bf16: 2).
+    pub fn elem_bytes(&self) -> usize {
+        self.elem_bytes
+    }
+
+    /// `cuda:N`.
+    pub fn describe(&self) -> String {
+        format!("cuda:{}", self.ordinal)
+    }
+
+    /// The IPC handle of the cache's allocation, for peers in other processes.
+    pub fn export(&self) -> Result<IpcExport, CudaError> {
+        self.ctx.bind_to_thread()?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+        // Safety: the pointer is the base of a live cuMemAlloc allocation of this context.
+        unsafe { sys::cuIpcGetMemHandle(&mut handle, self.alloc.ptr).result()? };
+        Ok(IpcExport {
+            handle: handle.reserved.map(|b| b as u8),
+            bytes: self.alloc.bytes,
+            device_uuid: uuid_bytes(self.ctx.uuid()?),
+        })
+    }
+
+    /// Maps a peer's exported cache (laid out as `layout`) into this process. The error says
+    /// why it cannot be used: its GPU is not visible here, the two GPUs have no peer access, or
+    /// the driver refused the handle (another host, another container's IPC namespace).
+    pub fn open_peer(&self, export: &IpcExport, layout: KvLayout) -> Result<PeerKvMemory, String> {
+        let needed = layout.num_blocks * layout.block_elems() * self.elem_bytes;
+        if needed > export.bytes {
+            return Err(format!("the peer's KV layout needs {needed} bytes but it exports {}", export.bytes));
+        }
+        let ours = self.ctx.uuid().map_err(|e| format!("reading this GPU's UUID: {e:?}"))?;
+        let place = if uuid_bytes(ours) == export.device_uuid {
+            "the same GPU".to_string()
+        } else {
+            let peer = self.visible_ordinal(&export.device_uuid)?;
+            let mut can = 0;
+            let peer_dev = device_handle(peer)?;
+            // Safety: both are valid device handles of this process's driver.
+            unsafe { sys::cuDeviceCanAccessPeer(&mut can, self.ctx.cu_device(), peer_dev) }
+                .result()
+                .map_err(|e| format!("asking for peer access: {e:?}"))?;
+            if can == 0 {
+                return Err(format!("cuda:{} cannot access cuda:{peer} directly (no peer access)", self.ordinal));
+            }
+            format!("cuda:{peer}")
+        };
+        self.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        let handle = sys::CUipcMemHandle { reserved: export.handle.map(|b| b as _) };
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // Safety: maps the peer's allocation into a local; unmapped by PeerKvMemory's Drop.
+        unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, handle, flags) }
+            .result()
+            .map_err(|e| format!("the driver refused the peer's IPC handle ({e:?})"))?;
+        Ok(PeerKvMemory { ctx: self.ctx.clone(), ptr, layout, place })
+    }
+
+    /// This process's ordinal of the GPU with `uuid`.
+    fn visible_ordinal(&self, uuid: &[u8; 16]) -> Result<usize, String> {
+        let count = CudaContext::device_count().map_err(|e| format!("{e:?}"))?.max(0) as usize;
+        for i in 0..count {
+            let dev = device_handle(i)?;
+            let mut u = sys::CUuuid { bytes: [0; 16] };
+            // Safety: a valid device handle and a local to write into.
+            if unsafe { sys::cuDeviceGetUuid_v2(&mut u, dev) }.result().is_ok() && &uuid_bytes(u) == uuid {
+                return Ok(i);
+            }
+        }
+        Err("the peer's GPU is not visible to this process (CUDA_VISIBLE_DEVICES?)".into())
+    }
+
+    /// Writes the KV of tokens `0..num_tokens` from our `src_blocks` into the peer's
+    /// `dst_blocks` and waits (on this thread, asleep) until the copies have completed.
+    /// Returns the bytes moved and the number of copies.
+    ///
+    /// The caller holds `src_blocks` (their KV computed and no step writing them) and the peer
+    /// has given `dst_blocks` to this transfer.
+    pub fn write_to_peer(
+        &self,
+        peer: &PeerKvMemory,
+        src_blocks: &[u32],
+        dst_blocks: &[u32],
+        num_tokens: usize,
+    ) -> Result<(usize, usize), String> {
+        let plan = plan_kv_copy(&self.layout, &peer.layout, self.elem_bytes, src_blocks, dst_blocks, num_tokens)?;
+        self.run(&plan, self.alloc.ptr, peer.ptr).map_err(|e| format!("device copy failed: {e:?}"))?;
+        Ok((plan.iter().map(KvCopy::bytes).sum(), plan.len()))
+    }
+
+    /// The same copies inside this cache (the device-copy floor `tandem bench kv` measures).
+    pub fn copy_within(&self, src_blocks: &[u32], dst_blocks: &[u32], num_tokens: usize) -> Result<usize, String> {
+        let plan = plan_kv_copy(&self.layout, &self.layout, self.elem_bytes, src_blocks, dst_blocks, num_tokens)?;
+        self.run(&plan, self.alloc.ptr, self.alloc.ptr).map_err(|e| format!("device copy failed: {e:?}"))?;
+        Ok(plan.iter().map(KvCopy::bytes).sum())
+    }
+
+    /// Queues `plan` from `src` to `dst` on the transfer stream and waits for it.
+    fn run(&self, plan: &[KvCopy], src: sys::CUdeviceptr, dst: sys::CUdeviceptr) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread()?;
+        let s = self.stream.cu_stream();
+        for c in plan {
+            match *c {
+                // Safety (both arms): `plan_kv_copy` keeps every copy inside both caches, and
+                // `src`/`dst` are their bases (ours, or the peer's mapping, alive while `self`
+                // and the peer are borrowed); the event wait below ends the copies' use of them.
+                KvCopy::Linear { src: so, dst: d, bytes } => unsafe {
+                    sys::cuMemcpyDtoDAsync_v2(dst + d as u64, src + so as u64, bytes, s).result()?
+                },
+                KvCopy::Pitched { src: so, src_pitch, dst: d, dst_pitch, width, rows } => {
+                    let p = sys::CUDA_MEMCPY2D {
+                        srcXInBytes: 0,
+                        srcY: 0,
+                        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        srcHost: std::ptr::null(),
+                        srcDevice: src + so as u64,
+                        srcArray: std::ptr::null_mut(),
+                        srcPitch: src_pitch,
+                        dstXInBytes: 0,
+                        dstY: 0,
+                        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                        dstHost: std::ptr::null_mut(),
+                        dstDevice: dst + d as u64,
+                        dstArray: std::ptr::null_mut(),
+                        dstPitch: dst_pitch,
+                        WidthInBytes: width,
+                        Height: rows,
+                    };
+                    unsafe { sys::cuMemcpy2DAsync_v2(&p, s).result()? }
+                }
+            }
+        }
+        // Blocking sync: the connector's thread sleeps instead of spinning beside the engine's.
+        let done = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
+        done.record(&self.stream)?;
+        done.synchronize()?;
+        Ok(())
+    }
+}
+
+/// The driver's handle of GPU `ordinal` (an error if there is none).
+fn device_handle(ordinal: usize) -> Result<sys::CUdevice, String> {
+    let mut dev: sys::CUdevice = 0;
+    // Safety: writes a local; an ordinal out of range is an error return.
+    unsafe { sys::cuDeviceGet(&mut dev, ordinal as i32) }.result().map_err(|e| format!("{e:?}"))?;
+    Ok(dev)
+}
