@@ -105,7 +105,7 @@ long_prompt = [((j * 11) % 900 + 10) % vocab for j in range(int(os.environ.get("
 settings = [("push", "tcp", 16, 16), ("pull", "tcp", 16, 16)]
 if device != "cpu":
     settings += [("push", "cuda-ipc", 16, 16), ("pull", "cuda-ipc", 16, 16),
-                 ("push", "cuda-ipc", 16, 32), ("pull", "cuda-ipc", 32, 16)]
+                 ("push", "cuda-ipc", 16, 32), ("pull", "cuda-ipc", 32, 16), ("push", "auto", 16, 16)]
 status = 0
 try:
     start("colocated", ["serve", "--port", "18300", "--block-size", "16"] + common)
@@ -130,7 +130,7 @@ try:
         base = 18400 + 100 * n
         name = f"{mode}_{transport}_{pbs}_{dbs}"
         p, d, r = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}", f"http://127.0.0.1:{base + 2}"
-        kv = ["--kv-mode", mode, "--kv-transport", transport] + (["--kv-host-gib", "8"] if transport == "tcp" else [])
+        kv = ["--kv-mode", mode, "--kv-transport", transport] + (["--kv-host-gib", "8"] if transport != "cuda-ipc" else [])
         start(f"{name}_prefill", ["serve", "--role", "prefill", "--port", str(base), "--kv-port", str(base + 50),
                                   "--block-size", str(pbs)] + kv + common)
         start(f"{name}_decode", ["serve", "--role", "decode", "--port", str(base + 1), "--kv-port", str(base + 51),
@@ -165,9 +165,11 @@ try:
                 leaks.append(f"{role} {free:.0f}/{total:.0f} blocks free")
         if leaks:
             errors.append("KV blocks not back to baseline: " + ", ".join(leaks))
-        links = metric(p, "tandem:kv_connector", f"links_{transport.replace('-', '_')}")
+        # auto picks cuda-ipc between two GPU engines of one host
+        link = {"tcp": "tcp", "cuda-ipc": "cuda_ipc", "auto": "cuda_ipc" if device != "cpu" else "tcp"}[transport]
+        links = metric(p, "tandem:kv_connector", f"links_{link}")
         if not links:
-            errors.append(f"prefill opened no {transport} connection (links_{transport}: {links})")
+            errors.append(f"prefill opened no {link} connection (links_{link}: {links})")
         t_long = ttft(r, long_prompt)
         print(f"P/D on {device} ({model}), {name}: {same}/{len(bodies)} answers equal colocated token for token, "
               f"{secs:.1f} s; burst of {len(burst)}: {burst_ok} ok, {burst_same} equal colocated (one at a time); "

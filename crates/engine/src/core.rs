@@ -528,7 +528,10 @@ impl EngineCore {
         // The prompts this step finishes: their KV's copy to the host goes right behind it,
         // ahead of the next step, so collecting it does not wait for that step.
         let mut kv_queued = Vec::new();
-        for (serial, table) in hand_offs {
+        // A connector over the device cache copies to the host copy itself, when a transport
+        // needs host bytes, on its own thread and stream.
+        let connector_stages = self.connector.as_ref().is_some_and(KvConnector::stages_to_host);
+        for (serial, table) in hand_offs.into_iter().filter(|_| !connector_stages) {
             match self.model.kv_to_host_queue(&table) {
                 Ok(Some(ticket)) => kv_queued.push((serial, ticket)),
                 Ok(None) => hands_off_kv = true,
@@ -667,8 +670,9 @@ impl EngineCore {
                 // push write or when the pull lease ends.
                 let blocks = std::mem::replace(&mut req.blocks, self.scheduler.pool.empty_allocation());
                 let table = blocks.table();
-                // A device cache: the connector reads the host copy, brought up to date first.
+                // A host copy the connector does not stage itself: bring it up to date first.
                 let copied = match kv_ticket {
+                    _ if connector.stages_to_host() => Ok(()),
                     Some(ticket) => self.model.kv_to_host_wait(ticket),
                     None => self.model.kv_to_host(&table),
                 };

@@ -66,6 +66,23 @@ impl KvMemory {
         })
     }
 
+    /// Makes the host region's copy of `blocks` current before a transport reads it: a GPU
+    /// engine's device cache is copied into its host copy here, on the connector's thread
+    /// (the engine hands its blocks over without waiting for a copy). Nothing to do for a
+    /// CPU engine, whose region is the cache.
+    pub fn stage_to_host(&self, blocks: &[u32]) -> Result<(), KvError> {
+        let (Some(device), Some(host)) = (&self.device, &self.host) else { return Ok(()) };
+        // Safety: the connector holds `blocks` (produced KV, computed and handed over); their
+        // host-copy blocks are touched by nobody else while it holds them.
+        unsafe { device.download(blocks, host) }.map_err(KvError::Transfer)
+    }
+
+    /// Whether the connector copies the device cache to the host copy itself
+    /// ([`KvMemory::stage_to_host`]), so the engine need not before handing blocks over.
+    pub fn stages_to_host(&self) -> bool {
+        self.device.is_some()
+    }
+
     /// The device cache, if the engine's KV lives on a GPU.
     pub fn device_cache(&self) -> Option<&Arc<DeviceKvMemory>> {
         self.device.as_ref()

@@ -73,8 +73,9 @@ pub trait ModelRunner: Send {
         None
     }
     /// Makes `kv_region`'s copy of `blocks` current, before the connector reads or sends them
-    /// (prefill, when a request's KV passes to the connector). Nothing to do where the region
-    /// is the cache itself. The caller owns the blocks: no forward uses them meanwhile.
+    /// (prefill, when a request's KV passes to a connector that does not stage a
+    /// [`ModelRunner::kv_device`] cache itself). Nothing to do where the region is the cache
+    /// itself. The caller owns the blocks: no forward uses them meanwhile.
     fn kv_to_host(&mut self, _blocks: &[u32]) -> Result<(), ModelError> {
         Ok(())
     }

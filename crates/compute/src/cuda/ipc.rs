@@ -15,7 +15,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
 
 use super::{oom, Backing, CudaDevice, CudaError, DevBuf};
 use crate::kv_copy::{plan_kv_copy, KvCopy};
-use crate::KvLayout;
+use crate::{coalesce, KvLayout, KvRegion};
 
 /// One `cuMemAlloc` allocation, freed with its last holder.
 pub(crate) struct ExportableAlloc {
@@ -231,6 +231,47 @@ impl DeviceKvMemory {
         let plan = plan_kv_copy(&self.layout, &self.layout, self.elem_bytes, src_blocks, dst_blocks, num_tokens)?;
         self.run(&plan, self.alloc.ptr, self.alloc.ptr).map_err(|e| format!("device copy failed: {e:?}"))?;
         Ok(plan.iter().map(KvCopy::bytes).sum())
+    }
+
+    /// Copies `blocks` of the cache into the same blocks of `host` (its host copy: same layout,
+    /// bf16, page-locked for speed) on the transfer stream, and waits for the copies. For the
+    /// KV connector's tcp and local transports, on its own thread.
+    ///
+    /// # Safety
+    /// The caller holds `blocks` on both sides: their KV is computed (no step writes them) and
+    /// nobody reads or writes them in `host` until this returns.
+    pub unsafe fn download(&self, blocks: &[u32], host: &KvRegion) -> Result<(), String> {
+        if host.layout() != &self.layout || host.dtype().bytes() != self.elem_bytes {
+            return Err("the host copy's layout differs from the device cache's".into());
+        }
+        let block_bytes = self.layout.block_elems() * self.elem_bytes;
+        let run = || -> Result<(), CudaError> {
+            self.ctx.bind_to_thread()?;
+            for r in coalesce(blocks) {
+                let (first, count) = (r.start as usize, r.len as usize);
+                if first + count > self.layout.num_blocks {
+                    return Err(CudaError::Unavailable(format!("blocks {first}+{count} are outside the cache")));
+                }
+                // Safety: the caller holds these blocks in `host` (bounds checked by `bytes_mut`)
+                // and on the device (inside the allocation, checked above); the wait below ends
+                // the copy's use of both.
+                unsafe {
+                    let dst = host.bytes_mut(first, count);
+                    sys::cuMemcpyDtoHAsync_v2(
+                        dst.as_mut_ptr().cast(),
+                        self.alloc.ptr + (first * block_bytes) as u64,
+                        count * block_bytes,
+                        self.stream.cu_stream(),
+                    )
+                    .result()?;
+                }
+            }
+            let done = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
+            done.record(&self.stream)?;
+            done.synchronize()?;
+            Ok(())
+        };
+        run().map_err(|e| format!("copying KV to the host copy failed: {e}"))
     }
 
     /// Queues `plan` from `src` to `dst` on the transfer stream and waits for it.

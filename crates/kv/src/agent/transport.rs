@@ -235,6 +235,7 @@ impl Transport for Tcp {
         first_token: u32,
     ) -> Result<(), KvError> {
         let region = shared.memory.host_region()?;
+        shared.memory.stage_to_host(&src[..region.layout().blocks_for(num_tokens).min(src.len())])?;
         let bytes = wire_bytes(region.layout(), region.dtype(), num_tokens);
         let mut w = conn.writer();
         let header = Message::WriteBlocks {
@@ -270,6 +271,7 @@ impl Transport for Tcp {
         num_tokens: usize,
     ) -> Result<(), KvError> {
         let region = shared.memory.host_region()?;
+        shared.memory.stage_to_host(&src[..region.layout().blocks_for(num_tokens).min(src.len())])?;
         let mut w = conn.writer();
         let header = Message::BlockData {
             transfer_id: tid.clone(),
@@ -304,6 +306,7 @@ impl Local {
         if from.dtype() != to.dtype() {
             return Err("KV element types differ".into());
         }
+        shared.memory.stage_to_host(&src[..from.layout().blocks_for(num_tokens)]).map_err(|e| e.to_string())?;
         // Safety: we hold `src` for this call; the reader gave `dst` to this transfer and keeps
         // them until we report the write's end (its `Writing` state).
         unsafe { copy_tokens(from, src, to, dst, num_tokens) };
