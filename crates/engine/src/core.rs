@@ -296,6 +296,11 @@ impl EngineCore {
         Ok(info)
     }
 
+    /// A handle listing the connector's open connections, if there is a connector.
+    pub fn kv_links(&self) -> Option<tandem_kv::KvLinks> {
+        self.connector.as_ref().map(KvConnector::links)
+    }
+
     /// Queues an event from the connector for the next step.
     pub fn connector_event(&mut self, ev: ConnectorEvent) {
         self.connector_events.push(ev);

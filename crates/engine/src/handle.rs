@@ -88,6 +88,7 @@ pub struct EngineHandle {
     stats: Arc<EngineStats>,
     alive: Arc<AtomicBool>,
     kv_info: Option<Arc<AgentInfo>>,
+    kv_links: Option<tandem_kv::KvLinks>,
 }
 
 /// Starts the engine thread with `model` (a CPU transformer gets a KV cache sized by
@@ -127,13 +128,14 @@ pub fn spawn_with(
         }
         None => None,
     };
+    let kv_links = core.kv_links();
     let limits = Arc::new(core.limits().clone());
     let stats = Arc::new(EngineStats::default());
     stats.free_blocks.store(core.num_free_blocks(), Ordering::Relaxed);
     let alive = Arc::new(AtomicBool::new(true));
     let (s, a) = (stats.clone(), alive.clone());
     std::thread::Builder::new().name("tandem-engine".into()).spawn(move || run_loop(core, rx, s, a))?;
-    Ok(EngineHandle { commands, limits, stats, alive, kv_info })
+    Ok(EngineHandle { commands, limits, stats, alive, kv_info, kv_links })
 }
 
 /// Marks the engine dead when the loop exits, by return or by panic.
@@ -241,6 +243,11 @@ impl EngineHandle {
     /// The KV connector's metadata (engine id, epoch, side-channel address), if any.
     pub fn kv_info(&self) -> Option<&AgentInfo> {
         self.kv_info.as_deref()
+    }
+
+    /// The KV connector's open connections and the transport of each (empty without one).
+    pub fn kv_links(&self) -> Vec<tandem_kv::KvLink> {
+        self.kv_links.as_ref().map(tandem_kv::KvLinks::list).unwrap_or_default()
     }
 
     /// Whether the engine thread is running.

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use tandem_core::{RemoteKv, RequestId, TransferId};
 
 use crate::agent::{self, Command};
-use crate::{AgentInfo, ConnectorConfig, ConnectorStats, EventSink, HeldBlocks, KvError, KvMemory};
+use crate::{AgentInfo, ConnectorConfig, ConnectorStats, EventSink, HeldBlocks, KvError, KvLink, KvMemory};
 
 /// The engine's handle. Dropping it stops the control thread (connections close with it).
 pub struct KvConnector {
@@ -91,5 +91,21 @@ impl KvConnector {
     /// Counters so far.
     pub fn stats(&self) -> ConnectorStats {
         self.shared.stats()
+    }
+
+    /// A handle that lists the open connections and their transports, from any thread.
+    pub fn links(&self) -> KvLinks {
+        KvLinks(self.shared.clone())
+    }
+}
+
+/// Lists a connector's open connections (see [`KvConnector::links`]).
+#[derive(Clone)]
+pub struct KvLinks(Arc<agent::Shared>);
+
+impl KvLinks {
+    /// The open connections, oldest first.
+    pub fn list(&self) -> Vec<KvLink> {
+        self.0.links()
     }
 }

@@ -61,6 +61,17 @@ pub struct TransferTimeline {
     pub regions: u32,
 }
 
+/// One open side-channel connection and the transport its bytes take (for `/kv/info`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct KvLink {
+    /// The peer engine's id.
+    pub peer: String,
+    /// `tcp`, `local` or `cuda-ipc`.
+    pub transport: String,
+    /// Why a faster transport both ends offer is not used, if one is not.
+    pub note: Option<String>,
+}
+
 /// Counters for `/metrics`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ConnectorStats {

@@ -281,3 +281,52 @@ async fn a_silent_kv_agent_fails_the_request_within_the_engines_own_bound() {
     wait_idle(&[&p, &d]).await;
     alive(&[&p, &d]);
 }
+
+/// A decode request waiting for its KV keeps its blocks while the pool runs out under it: the
+/// running requests are preempted (and recomputed) instead, and the KV prefill writes into
+/// those blocks directly later (the local transport, as cuda-ipc) lands in blocks nobody else
+/// was given. Every answer equals colocated's and both pools end full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_waiting_for_its_kv_keeps_its_blocks_while_others_are_preempted() {
+    let http = reqwest::Client::new();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let k = Knobs { local: true, ..Knobs::default() };
+    let p = engine_with(Some((Role::Prefill, KvMode::Push)), 16, k.clone()).await;
+    // 14 blocks of 16 tokens: the waiting request holds 4, three running ones want 6 each.
+    let d = engine_with(Some((Role::Decode, KvMode::Push)), 16, Knobs { num_blocks: Some(14), ..k }).await;
+    let port: u16 = p.state.engine.kv_info().unwrap().tcp_addr().unwrap().rsplit_once(':').unwrap().1.parse().unwrap();
+    let waiting = json!({"prompt": prompt(60, 9), "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let mut leg = waiting.clone();
+    leg["kv_transfer_params"] = json!({"do_remote_prefill": true, "remote_host": "127.0.0.1", "remote_port": port,
+        "transfer_id": "wait-1"});
+    let decode_leg = tokio::spawn({
+        let (http, url) = (http.clone(), d.url.clone());
+        async move { post(&http, &url, leg).await }
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while d.state.engine.stats().free_blocks == d.state.engine.stats().total_blocks {
+        assert!(Instant::now() < deadline, "the decode leg never allocated its blocks");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let others: Vec<Value> = (0..3)
+        .map(|i| json!({"prompt": prompt(48, 20 + i), "max_tokens": 40, "temperature": 0, "ignore_eos": true}))
+        .collect();
+    let got = futures::future::join_all(others.iter().map(|b| post(&http, &d.url, b.clone()))).await;
+    assert!(d.state.engine.stats().preemptions > 0, "the pool never ran out: {:?}", d.state.engine.stats());
+    for (b, (status, v)) in others.iter().zip(&got) {
+        assert_eq!(*status, 200, "{v}");
+        assert_eq!(ids(v), ids(&post(&http, &colocated.url, b.clone()).await.1), "a preempted request recomputed");
+    }
+    // Only now does prefill compute the waiting request's KV and write it into decode's blocks.
+    let mut prefill_leg = waiting.clone();
+    prefill_leg["max_tokens"] = json!(1);
+    prefill_leg["kv_transfer_params"] = json!({"do_remote_decode": true, "transfer_id": "wait-1"});
+    let (status, v) = post(&http, &p.url, prefill_leg).await;
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = decode_leg.await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(ids(&v), ids(&post(&http, &colocated.url, waiting).await.1), "the waiting request's KV was intact");
+    kv_stats_until(&p, "one local link", |s| s.links_local == 1 && s.transfers_ok == 1).await;
+    wait_idle(&[&p, &d, &colocated]).await;
+    alive(&[&p, &d]);
+}

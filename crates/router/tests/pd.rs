@@ -43,6 +43,12 @@ async fn push_and_pull_equal_colocated_token_for_token() {
             kv_stats_until(&p, "50 transfers", |s| s.transfers_ok == 50 && s.bytes_sent == ds.bytes_received).await;
         assert_eq!((ps.transfers_failed, ds.transfers_failed, ps.unknown_ids, ds.unknown_ids), (0, 0, 0, 0));
         assert!(ps.bytes_sent > 0 && ps.bytes_sent == ds.bytes_received);
+        // /kv/info says which transport each open connection uses.
+        let info: serde_json::Value =
+            http.get(format!("{}/kv/info", p.url)).send().await.unwrap().json().await.unwrap();
+        let transport = if local { "local" } else { "tcp" };
+        let links = info["links"].as_array().unwrap();
+        assert!(links.iter().any(|l| l["transport"] == transport && l["peer"] == "decode-8"), "{info}");
     }
     wait_idle(&[&colocated]).await;
 }

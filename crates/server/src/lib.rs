@@ -13,7 +13,7 @@
 //! | `GET /health` | 200 while the engine thread runs, 503 after |
 //! | `GET /metrics` | Prometheus text |
 //! | `POST /tokenize`, `POST /detokenize` | the model's tokenizer |
-//! | `GET /kv/info` | the KV side channel of a prefill or decode engine (404 colocated) |
+//! | `GET /kv/info` | the KV side channel of a prefill or decode engine and its open connections with their transports (404 colocated) |
 //! | `POST /kv/release` | prefill: free the KV held for a transfer no decode will take |
 //!
 //! Text lives here: prompts are tokenized and outputs detokenized (with stop strings) in the
@@ -272,7 +272,14 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
 /// decode legs to this prefill engine.
 async fn kv_info(State(state): State<Arc<AppState>>) -> Response {
     match state.engine.kv_info() {
-        Some(info) => Json(info.clone()).into_response(),
+        Some(info) => {
+            // The handshake metadata, plus the open connections and the transport of each.
+            let mut v = serde_json::to_value(info).unwrap_or_default();
+            if let Some(obj) = v.as_object_mut() {
+                obj.insert("links".into(), serde_json::to_value(state.engine.kv_links()).unwrap_or_default());
+            }
+            Json(v).into_response()
+        }
         None => {
             ApiError::NotFound("this engine has no KV connector (it serves with --role both)".into()).into_response()
         }

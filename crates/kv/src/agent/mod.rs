@@ -44,6 +44,8 @@ pub(crate) struct Conn {
     peer: AgentInfo,
     alive: AtomicBool,
     transport: Arc<dyn Transport>,
+    /// Why a faster transport is not used, as the acceptor said.
+    note: Option<String>,
 }
 
 impl Conn {
@@ -79,6 +81,8 @@ pub(crate) struct Shared {
     memory: KvMemory,
     tables: Mutex<Tables>,
     peers: Mutex<HashMap<String, Arc<Conn>>>,
+    /// Every connection opened (either direction), for `/kv/info`.
+    links: Mutex<Vec<std::sync::Weak<Conn>>>,
     events: EventSink,
     counters: Counters,
 }
@@ -108,6 +112,21 @@ impl Shared {
             ConnectorEvent::Released { .. } => {}
         }
         (self.events)(ev);
+    }
+
+    /// The open connections and their transports.
+    pub(crate) fn links(&self) -> Vec<crate::KvLink> {
+        let links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        links
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .filter(|c| c.alive.load(Ordering::SeqCst))
+            .map(|c| crate::KvLink {
+                peer: c.peer.engine_id.0.clone(),
+                transport: c.transport.name().into(),
+                note: c.note.clone(),
+            })
+            .collect()
     }
 
     /// Whether this connector stages a device cache into its host copy itself.
@@ -193,6 +212,7 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
         memory,
         tables: Mutex::new(Tables::default()),
         peers: Mutex::new(HashMap::new()),
+        links: Mutex::new(Vec::new()),
         events,
         counters: Counters::default(),
     });
@@ -228,7 +248,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             match (picked, transport) {
                 (Ok((peer, picked)), Some(transport)) => {
                     tracing::info!(peer = %peer.engine_id, epoch = peer.epoch.0, transport = %picked.transport, note = picked.note.as_deref().unwrap_or(""), "KV peer connected");
-                    if let Ok(conn) = new_conn(&s, &stream, peer, transport) {
+                    if let Ok(conn) = new_conn(&s, &stream, peer, transport, picked.note) {
                         reader_loop(stream, conn, s);
                     }
                 }
@@ -250,6 +270,7 @@ fn new_conn(
     stream: &TcpStream,
     peer: AgentInfo,
     transport: Arc<dyn Transport>,
+    note: Option<String>,
 ) -> Result<Arc<Conn>, KvError> {
     let c = &shared.counters;
     bump(
@@ -260,7 +281,12 @@ fn new_conn(
         },
         1,
     );
-    Ok(Arc::new(Conn { writer: Mutex::new(stream.try_clone()?), peer, alive: AtomicBool::new(true), transport }))
+    let conn =
+        Arc::new(Conn { writer: Mutex::new(stream.try_clone()?), peer, alive: AtomicBool::new(true), transport, note });
+    let mut links = shared.links.lock().unwrap_or_else(|p| p.into_inner());
+    links.retain(|l| l.upgrade().is_some_and(|c| c.alive.load(Ordering::SeqCst)));
+    links.push(Arc::downgrade(&conn));
+    Ok(conn)
 }
 
 /// The open connection to `addr`, or a new one (connect + handshake + reader thread).
@@ -277,7 +303,7 @@ fn peer_conn(shared: &Arc<Shared>, addr: &str) -> Result<Arc<Conn>, KvError> {
         Some(note) => tracing::info!(peer = %peer.engine_id, transport = %picked.transport, %note, "KV peer connected"),
         None => tracing::info!(peer = %peer.engine_id, transport = %picked.transport, "KV peer connected"),
     }
-    let conn = new_conn(shared, &stream, peer, transport)?;
+    let conn = new_conn(shared, &stream, peer, transport, picked.note)?;
     shared.peers.lock().unwrap_or_else(|p| p.into_inner()).insert(addr.to_string(), conn.clone());
     let (s, c) = (shared.clone(), conn.clone());
     std::thread::Builder::new().name("tandem-kv-conn".into()).spawn(move || reader_loop(stream, c, s))?;

@@ -44,6 +44,8 @@ pub struct Knobs {
     /// and copies queued behind a submitted step.
     pub copies_behind_a_step: Arc<AtomicUsize>,
     pub copies_queued: Arc<AtomicUsize>,
+    /// KV blocks in the pool (default: 3000 tokens' worth).
+    pub num_blocks: Option<usize>,
 }
 
 impl Default for Knobs {
@@ -60,6 +62,7 @@ impl Default for Knobs {
             pipelined: false,
             copies_behind_a_step: Arc::default(),
             copies_queued: Arc::default(),
+            num_blocks: None,
         }
     }
 }
@@ -77,7 +80,7 @@ pub async fn engine_with(role: Option<(Role, KvMode)>, block_size: usize, k: Kno
 pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_size: usize, k: Knobs) -> Engine {
     let cfg = EngineConfig {
         block_size,
-        num_blocks: 3000 / block_size,
+        num_blocks: k.num_blocks.unwrap_or(3000 / block_size),
         max_num_seqs: 64,
         max_num_batched_tokens: k.budget,
         async_scheduling: k.pipelined,
