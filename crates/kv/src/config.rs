@@ -12,6 +12,10 @@ use crate::{KvMode, Role};
 pub struct FaultInjection {
     /// Prefill sends push data but never the completion notification.
     pub drop_done: bool,
+    /// Prefill waits this long before each push write and each pull read it answers, as a slow
+    /// link or copy engine would make it (the blocks stay held, and a lease being read stays
+    /// alive, meanwhile).
+    pub slow_write: std::time::Duration,
     /// Decode's agent ignores the engine's requests for KV and never answers them, as a stuck
     /// or dead agent thread would.
     pub silent_agent: bool,

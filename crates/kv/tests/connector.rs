@@ -57,6 +57,12 @@ fn pair(mode: KvMode, p_bs: usize, d_bs: usize, faults: FaultInjection) -> Pair 
     pair_with(p_cfg, config(Role::Decode, mode), p_bs, d_bs)
 }
 
+/// Prefill (with `faults`) and decode over tcp or, with `local`, the local transport.
+fn pair_over(local: bool, mode: KvMode, faults: FaultInjection, lease: Duration) -> Pair {
+    let p_cfg = ConnectorConfig { local_transport: local, faults, lease, ..config(Role::Prefill, mode) };
+    pair_with(p_cfg, ConnectorConfig { local_transport: local, lease, ..config(Role::Decode, mode) }, 16, 8)
+}
+
 /// Prefill and decode over the local transport (prefill copies into decode's blocks itself),
 /// prefill waiting `p_timeout` for registrations.
 fn local_pair(mode: KvMode, p_bs: usize, d_bs: usize, p_timeout: Duration) -> Pair {
@@ -317,4 +323,51 @@ fn a_direct_writer_starts_no_write_after_the_decode_deadline() {
     assert!(start.elapsed() < Duration::from_millis(1500), "{:?}", start.elapsed());
     p.wait_freed(1); // at prefill's own deadline: nobody claims the KV
     assert!(p.untouched(&blocks), "a write landed after the deadline");
+}
+
+/// A slow write (0.5 s before the bytes move) keeps prefill's source blocks held until it has
+/// ended, over tcp and over a direct writer: they are never back in the pool while a copy out
+/// of them may still run.
+#[test]
+fn source_blocks_stay_held_until_a_slow_write_has_ended() {
+    for local in [false, true] {
+        let slow = FaultInjection { slow_write: Duration::from_millis(500), ..FaultInjection::default() };
+        let p = pair_over(local, KvMode::Push, slow, Duration::from_millis(600));
+        let blocks = p.d_blocks(40);
+        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 40);
+        std::thread::sleep(Duration::from_millis(100));
+        p.produce("t1", 40);
+        std::thread::sleep(Duration::from_millis(250));
+        assert_eq!(p.freed.load(Ordering::SeqCst), 0, "local={local}: blocks freed while their write was pending");
+        assert_ready(p.wait_event(), "r1");
+        p.assert_landed(40, &blocks);
+        p.wait_freed(1);
+    }
+}
+
+/// A pull read that takes longer than the lease (prefill answers 0.6 s after the request, the
+/// lease is 0.2 s, and prefill reads no heartbeat meanwhile) still gets the KV: a lease being
+/// read does not expire, so its blocks are not freed and reused under the read.
+#[test]
+fn a_lease_being_read_outlives_its_deadline() {
+    for local in [false, true] {
+        let slow = FaultInjection { slow_write: Duration::from_millis(600), ..FaultInjection::default() };
+        let p = pair_over(local, KvMode::Pull, slow, Duration::from_millis(200));
+        p.produce("t1", 40);
+        let blocks = p.d_blocks(40);
+        let src = RemoteKv::PullFrom {
+            transfer_id: TransferId("t1".into()),
+            peer: p.p_addr(),
+            peer_engine: None,
+            epoch: p.p.info().epoch,
+            blocks: (3..6).collect(),
+            num_tokens: 40,
+            first_token: 77,
+        };
+        p.d.expect(RequestId::new("r1"), src, blocks.clone(), 40);
+        assert_ready(p.wait_event(), "r1");
+        p.assert_landed(40, &blocks);
+        p.wait_freed(1);
+        assert_eq!(p.p.stats().expired, 0, "local={local}: the lease expired under its read");
+    }
 }

@@ -95,6 +95,7 @@ pub(super) fn on_read_blocks(
             return conn.send(&refusal);
         }
     };
+    std::thread::sleep(shared.cfg.faults.slow_write);
     let sent = conn.transport.answer_read(shared, conn, &tid, &src, &dst, num_tokens);
     if let Some(p) = shared.tables().produced.get_mut(&tid) {
         p.reading = false;

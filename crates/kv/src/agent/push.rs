@@ -117,6 +117,7 @@ fn start_write(shared: &Arc<Shared>, tid: TransferId, reg: Registration, produce
             bump(&s.counters.transfers_failed, 1);
             return;
         }
+        std::thread::sleep(s.cfg.faults.slow_write);
         let result = reg.conn.transport.push(&s, &reg.conn, &tid, &blocks, &reg.blocks, num_tokens, first_token);
         s.tables().pushing.remove(&tid);
         // The bytes have left our memory (or the write failed): the blocks can go back.
