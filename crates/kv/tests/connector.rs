@@ -371,3 +371,34 @@ fn a_lease_being_read_outlives_its_deadline() {
         assert_eq!(p.p.stats().expired, 0, "local={local}: the lease expired under its read");
     }
 }
+
+/// A peer that accepts the connection but never answers the handshake holds up only the
+/// transfer that waits for it: another transfer, from a prefill engine that answers, lands at
+/// once, and the stalled one fails at its own deadline rather than at the handshake's I/O
+/// timeout.
+#[test]
+fn a_peer_stalling_its_handshake_holds_up_no_other_transfer() {
+    let stalled = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let stalled_addr = stalled.local_addr().unwrap().to_string();
+    let held = std::thread::spawn(move || stalled.accept().map(|(s, _)| s)); // accepts, says nothing
+    let p = pair(KvMode::Push, 16, 16, FaultInjection::default());
+    let start = Instant::now();
+    let hung = RemoteKv::PushFrom { transfer_id: TransferId("t-hung".into()), peer: stalled_addr, peer_engine: None };
+    p.d.expect(RequestId::new("hung"), hung, p.d_blocks(20), 20);
+    let blocks = vec![1, 2];
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20);
+    p.produce("t1", 20);
+    assert_ready(p.wait_event(), "r1");
+    assert!(start.elapsed() < Duration::from_millis(600), "waited behind the stalled handshake: {:?}", start.elapsed());
+    p.assert_landed(20, &blocks);
+    match p.wait_event() {
+        ConnectorEvent::Failed { request_id, reason } => {
+            assert_eq!(request_id, RequestId::new("hung"));
+            assert!(reason.contains("timed out"), "{reason}");
+        }
+        other => panic!("expected the stalled transfer to fail, got {other:?}"),
+    }
+    // The transfer timeout is 0.8 s; the handshake's I/O timeout 2 s.
+    assert!(start.elapsed() < Duration::from_millis(1500), "{:?}", start.elapsed());
+    drop(held);
+}

@@ -81,6 +81,8 @@ pub(crate) struct Shared {
     memory: KvMemory,
     tables: Mutex<Tables>,
     peers: Mutex<HashMap<String, Arc<Conn>>>,
+    /// One connect at a time per address (decode side).
+    connecting: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     /// Every connection opened (either direction), for `/kv/info`.
     links: Mutex<Vec<std::sync::Weak<Conn>>>,
     events: EventSink,
@@ -212,6 +214,7 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
         memory,
         tables: Mutex::new(Tables::default()),
         peers: Mutex::new(HashMap::new()),
+        connecting: Mutex::new(HashMap::new()),
         links: Mutex::new(Vec::new()),
         events,
         counters: Counters::default(),
@@ -410,21 +413,76 @@ fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks:
             },
         );
     }
+    // An open connection takes the request at once; a new one is made on a thread of its own,
+    // so a peer that stalls its handshake holds up only the transfers that wait for it (not
+    // this thread's other commands and deadlines).
+    if let Some(conn) = open_conn(shared, &peer_addr) {
+        return send_request(shared, conn, tid, lease, blocks, num_tokens, deadline);
+    }
+    let s = shared.clone();
+    let spawned = std::thread::Builder::new().name("tandem-kv-connect".into()).spawn(move || {
+        let Some(conn) = connect_for(&s, &tid, &peer_addr) else { return };
+        send_request(&s, conn, tid, lease, blocks, num_tokens, deadline);
+    });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "cannot start a KV connection thread");
+    }
+}
+
+/// The open connection to `addr`, if there is one.
+fn open_conn(shared: &Shared, addr: &str) -> Option<Arc<Conn>> {
+    let peers = shared.peers.lock().unwrap_or_else(|p| p.into_inner());
+    peers.get(addr).filter(|c| c.alive.load(Ordering::SeqCst)).cloned()
+}
+
+/// Connects to `addr` for transfer `tid` (one connect at a time per address: the others wait
+/// and take the connection it makes); `None` when it failed, after ending the transfer.
+fn connect_for(shared: &Arc<Shared>, tid: &TransferId, addr: &str) -> Option<Arc<Conn>> {
+    let gate = shared.connecting.lock().unwrap_or_else(|p| p.into_inner()).entry(addr.to_string()).or_default().clone();
+    let _one_at_a_time = gate.lock().unwrap_or_else(|p| p.into_inner());
+    let reason = match peer_conn(shared, addr) {
+        Ok(c) => return Some(c),
+        Err(e @ (KvError::Incompatible(_) | KvError::Refused(_))) => {
+            bump(&shared.counters.peers_refused, 1);
+            let reason = format!("prefill engine at {addr} cannot pair with this engine: {e}");
+            let mut t = shared.tables();
+            shared.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Refused { request_id: inc.request_id, reason });
+            return None;
+        }
+        Err(e) => format!("prefill engine at {addr}: {e}"),
+    };
+    let mut t = shared.tables();
+    shared.finish_incoming(&mut t, tid, |inc| ended(inc, reason));
+    None
+}
+
+/// Decode: sends transfer `tid`'s registration (push) or read (pull) on `conn`.
+fn send_request(
+    shared: &Shared,
+    conn: Arc<Conn>,
+    tid: TransferId,
+    lease: Option<pull::Lease>,
+    blocks: Vec<u32>,
+    num_tokens: usize,
+    deadline: Instant,
+) {
     let fail = |reason: String| {
         let mut t = shared.tables();
         shared.finish_incoming(&mut t, &tid, |inc| ended(inc, reason));
     };
-    let conn = match peer_conn(shared, &peer_addr) {
-        Ok(c) => c,
-        Err(e @ (KvError::Incompatible(_) | KvError::Refused(_))) => {
-            bump(&shared.counters.peers_refused, 1);
-            let reason = format!("prefill engine at {peer_addr} cannot pair with this engine: {e}");
-            let mut t = shared.tables();
-            shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Refused { request_id: inc.request_id, reason });
-            return;
-        }
-        Err(e) => return fail(format!("prefill engine at {peer_addr}: {e}")),
+    let write_within_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64;
+    let msg = match lease {
+        None => push::register(shared, &tid, blocks, num_tokens, write_within_ms),
+        Some(lease) => match pull::read(&conn, &tid, lease, num_tokens, blocks, write_within_ms) {
+            Ok(msg) => msg,
+            Err(reason) => return fail(reason),
+        },
     };
+    // The connection's writer is held from before the entry learns its connection until the
+    // request is on the wire: an abort, which sends on the same writer once it sees the
+    // connection, then always follows the request, so the peer never gets a request for a
+    // transfer already given up.
+    let mut w = conn.writer();
     {
         let mut t = shared.tables();
         match t.incoming.get_mut(&tid) {
@@ -436,17 +494,11 @@ fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks:
                     inc.landing = Landing::Writing;
                 }
             }
-            None => return, // aborted meanwhile; already released
+            None => return, // aborted or expired meanwhile; already ended
         }
     }
-    let write_within_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64;
-    let sent = match lease {
-        None => push::register(shared, &conn, &tid, blocks, num_tokens, write_within_ms),
-        Some(lease) => match pull::read(&conn, &tid, lease, num_tokens, blocks, write_within_ms) {
-            Ok(sent) => sent,
-            Err(reason) => return fail(reason),
-        },
-    };
+    let sent = write_message(&mut *w, &msg);
+    drop(w);
     match sent {
         Err(e) => fail(format!("sending to prefill engine: {e}")),
         Ok(()) => {

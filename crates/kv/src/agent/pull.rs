@@ -24,7 +24,7 @@ pub(super) struct Lease {
     pub num_tokens: usize,
 }
 
-/// Decode: asks prefill for `lease`'s blocks of `tid` (`num_tokens` for this request) into our
+/// Decode: the request for `lease`'s blocks of `tid` (`num_tokens` for this request) into our
 /// `dst` (a direct writer must not start later than `write_within_ms` after receipt). An error
 /// says why the read cannot even be asked.
 pub(super) fn read(
@@ -34,7 +34,7 @@ pub(super) fn read(
     num_tokens: usize,
     dst: Vec<u32>,
     write_within_ms: u64,
-) -> Result<Result<(), KvError>, String> {
+) -> Result<Message, String> {
     if conn.peer.epoch != lease.epoch {
         return Err(format!(
             "prefill engine `{}` restarted (epoch {} now, the KV was produced under epoch {}): its blocks are gone",
@@ -45,13 +45,7 @@ pub(super) fn read(
         return Err(format!("prefill holds {} tokens of KV, this request needs {num_tokens}", lease.num_tokens));
     }
     let dst_blocks = if conn.transport.writes_directly() { dst } else { Vec::new() };
-    Ok(conn.send(&Message::ReadBlocks {
-        transfer_id: tid.clone(),
-        blocks: lease.blocks,
-        num_tokens,
-        dst_blocks,
-        write_within_ms,
-    }))
+    Ok(Message::ReadBlocks { transfer_id: tid.clone(), blocks: lease.blocks, num_tokens, dst_blocks, write_within_ms })
 }
 
 /// Prefill: decode asks for the blocks of `tid` (into its `dst` for a direct transport).

@@ -18,24 +18,23 @@ use crate::blocks::{coalesce, wire_bytes};
 use crate::wire::{DoneStatus, Message};
 use crate::{ConnectorEvent, HeldBlocks, KvError, TransferTimeline};
 
-/// Decode: asks prefill for the KV of `tid` by registering our blocks; a direct writer must
-/// not start writing later than `write_within_ms` after it receives this.
+/// Decode: the request that asks prefill for the KV of `tid` by registering our blocks; a
+/// direct writer must not start writing later than `write_within_ms` after it receives it.
 pub(super) fn register(
     shared: &Shared,
-    conn: &Conn,
     tid: &TransferId,
     blocks: Vec<u32>,
     num_tokens: usize,
     write_within_ms: u64,
-) -> Result<(), KvError> {
-    conn.send(&Message::Register {
+) -> Message {
+    Message::Register {
         transfer_id: tid.clone(),
         decode_engine: shared.info.engine_id.clone(),
         epoch: shared.info.epoch,
         block_ids: blocks,
         num_tokens,
         write_within_ms,
-    })
+    }
 }
 
 /// Prefill: records produced KV (called on the engine thread: a table insert, no I/O) and, if
