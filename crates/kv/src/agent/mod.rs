@@ -1,7 +1,8 @@
 //! The connector's background threads and the transfer state they share.
 //!
 //! Threads: one control thread (engine commands, deadlines, heartbeats), one accept thread,
-//! and one reader thread per side-channel connection. All transfer state lives in [`Tables`]
+//! one reader thread per side-channel connection, a short-lived thread per new outgoing
+//! connection (connect and handshake, never on the control thread), and one per push write. All transfer state lives in [`Tables`]
 //! behind one mutex; it is never held across socket I/O. Bulk sends take the connection's
 //! writer lock, so frames on one connection never interleave.
 //!
