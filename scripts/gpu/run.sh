@@ -19,8 +19,9 @@
 #   one launch of the matching kernel in a batch-1 decode, summarised by SASS basic block
 #   (scripts/gpu/ncu_hot.py; raw CSV in $OUT/ncu_src.csv): where its warps wait;
 #   ipc: kernel and engine tests, P/D over tcp and cuda-ipc (pd_check.py) and `tandem bench kv
-#   --transport cuda-ipc`; sweep: `tandem bench sweep --launch` on cuda:0 (push and pull over
-#   cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS, SWEEP_QPS narrow it);
+#   --transport cuda-ipc` (also into cuda:1 when there are two GPUs); sweep: `tandem bench sweep
+#   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
+#   SWEEP_QPS narrow it; SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU);
 #   pd: only disaggregated serving on the GPU (scripts/gpu/pd_check.py; also part of every mode
 #   that runs the tests);
 #   sanitize [TOOL [TEST_FILTER]]: the kernel tests (those matching TEST_FILTER) under
@@ -110,11 +111,16 @@ fi
 # The cuda-ipc transport's copies into another process's GPU cache, against the same copies
 # inside one GPU measured in the same run; same block size, then 16 -> 32 tokens a block.
 kv_bench() {
-  for pbs in 16 32; do
-    timeout 150 "$BIN/tandem" bench kv --transport cuda-ipc --device cuda:0 --peer-block-size "$pbs" \
-      --json-out "$OUT/bench_kv_ipc_$pbs.json" > "$OUT/bench_kv_ipc_$pbs.log" 2>&1 \
-      || { note "bench kv cuda-ipc (peer blocks $pbs) failed"; tail -5 "$OUT/bench_kv_ipc_$pbs.log"; status=1; }
-    while read -r line; do note "$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_ipc_$pbs.log")
+  # With two GPUs, also into a peer process on the second one (over NVLink).
+  peers=(cuda:0); [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && peers+=(cuda:1)
+  for peer in "${peers[@]}"; do
+    for pbs in 16 32; do
+      tag="${peer#cuda:}_$pbs"
+      timeout 150 "$BIN/tandem" bench kv --transport cuda-ipc --device cuda:0 --peer-device "$peer" \
+        --peer-block-size "$pbs" --json-out "$OUT/bench_kv_ipc_$tag.json" > "$OUT/bench_kv_ipc_$tag.log" 2>&1 \
+        || { note "bench kv cuda-ipc (peer $peer, blocks $pbs) failed"; tail -5 "$OUT/bench_kv_ipc_$tag.log"; status=1; }
+      while read -r line; do note "$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_ipc_$tag.log")
+    done
   done
 }
 run_test() {
@@ -137,8 +143,9 @@ fi
 if [ "$MODE" = sweep ]; then
   # The seed's experiment on this GPU: push and pull (cuda-ipc) and colocated, every engine on
   # cuda:0, preset:qwen3-4b; figures and summary.csv in $OUT/sweep (copy them to docs/figures/gpu).
+  # SWEEP_DECODE_DEVICE=cuda:1 on the two-GPU machine: prefill on one GPU, decode on the other.
   timeout 590 "$BIN/tandem" bench sweep --launch --model preset:qwen3-4b --modes "${SWEEP_MODES:-push,pull,colocated}" \
-    --prefill-device cuda:0 --decode-device cuda:0 --colocated-device cuda:0 --num-kv-blocks 4096 \
+    --prefill-device cuda:0 --decode-device "${SWEEP_DECODE_DEVICE:-cuda:0}" --colocated-device cuda:0 --num-kv-blocks 4096 \
     --engine-arg=--kv-transport=cuda-ipc --input-lens "${SWEEP_INPUTS:-1024,4096,8192}" --qps "${SWEEP_QPS:-1,2,4,8}" \
     --output-len 64 --num-prompts 16 --vocab-size 100000 --result-dir "$OUT/sweep" --plot > "$OUT/sweep.log" 2>&1 \
     || { note "sweep failed"; tail -20 "$OUT/sweep.log"; status=1; }
