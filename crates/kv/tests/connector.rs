@@ -5,6 +5,8 @@
 //! prefill may write, and a prefill that becomes ready only after decode's deadline. Every
 //! wait is bounded.
 
+mod common;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -401,4 +403,68 @@ fn a_peer_stalling_its_handshake_holds_up_no_other_transfer() {
     // The transfer timeout is 0.8 s; the handshake's I/O timeout 2 s.
     assert!(start.elapsed() < Duration::from_millis(1500), "{:?}", start.elapsed());
     drop(held);
+}
+
+/// The connection drops in the middle of a push write's bytes (a proxy between the engines
+/// cuts it): decode learns at once, fails the transfer with the reason, and prefill's blocks go
+/// back; a later transfer over a new connection lands.
+#[test]
+fn a_connection_cut_mid_write_fails_the_transfer_at_once_and_the_next_one_lands() {
+    let p = pair(KvMode::Push, 16, 16, FaultInjection::default());
+    let proxy = common::FaultProxy::start(p.p_addr());
+    // Past the handshake reply and the write's header, inside its 12 KiB of block bytes.
+    proxy.cut_after(4000);
+    let via_proxy = |tid: &str| RemoteKv::PushFrom {
+        transfer_id: TransferId(tid.into()),
+        peer: proxy.addr().into(),
+        peer_engine: None,
+    };
+    let blocks = p.d_blocks(40);
+    let start = Instant::now();
+    p.d.expect(RequestId::new("r1"), via_proxy("t1"), blocks.clone(), 40);
+    std::thread::sleep(Duration::from_millis(100));
+    p.produce("t1", 40);
+    match p.wait_event() {
+        ConnectorEvent::Failed { request_id, reason } => {
+            assert_eq!(request_id, RequestId::new("r1"));
+            assert!(reason.contains("KV") || reason.contains("connection"), "{reason}");
+        }
+        other => panic!("expected a failure, got {other:?}"),
+    }
+    assert!(start.elapsed() < Duration::from_millis(700), "learned late: {:?}", start.elapsed());
+    p.wait_freed(1);
+    proxy.cut_after(u64::MAX);
+    p.d.expect(RequestId::new("r2"), via_proxy("t2"), blocks.clone(), 40);
+    std::thread::sleep(Duration::from_millis(100));
+    p.produce("t2", 40);
+    assert_ready(p.wait_event(), "r2");
+    p.assert_landed(40, &blocks);
+    p.wait_freed(2);
+}
+
+/// The connection to a prefill engine that writes directly drops after decode registered: a
+/// write could still be on its way (a device copy needs no socket), so decode keeps its blocks
+/// for one I/O timeout (2 s here) from the loss before it fails the transfer (not at once);
+/// prefill drops the registration with the connection, so KV it produces
+/// afterwards never lands.
+#[test]
+fn a_direct_writers_connection_lost_fails_after_the_grace_and_nothing_lands() {
+    let p = local_pair(KvMode::Push, 16, 16, Duration::from_secs(5));
+    let proxy = common::FaultProxy::start(p.p_addr());
+    let blocks = p.d_blocks(20);
+    let src = RemoteKv::PushFrom { transfer_id: TransferId("t1".into()), peer: proxy.addr().into(), peer_engine: None };
+    p.d.expect(RequestId::new("r1"), src, blocks.clone(), 20);
+    std::thread::sleep(Duration::from_millis(150)); // registered
+    let cut = Instant::now();
+    proxy.cut_now();
+    std::thread::sleep(Duration::from_millis(100));
+    p.produce("t1", 20);
+    match p.wait_event() {
+        ConnectorEvent::Failed { request_id, .. } => assert_eq!(request_id, RequestId::new("r1")),
+        other => panic!("expected a failure, got {other:?}"),
+    }
+    let waited = cut.elapsed();
+    // The grace counts from the loss (cut + 2 s), not from the 0.8 s deadline (cut + 2.65 s).
+    assert!(waited >= Duration::from_millis(1500) && waited < Duration::from_millis(2400), "failed after {waited:?}");
+    assert!(p.untouched(&blocks), "KV landed after the connection was lost");
 }
