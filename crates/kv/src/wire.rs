@@ -247,6 +247,54 @@ mod tests {
         assert!(r.is_empty());
     }
 
+    /// Frames a peer could send: every valid message cut short, with bytes flipped, or with its
+    /// length prefix changed (seeded, 20k tries). Each decodes to a message or an error; none
+    /// panics, and a length prefix past the limit is refused before anything is allocated for it.
+    #[test]
+    fn mutated_frames_decode_or_fail_cleanly() {
+        let t = TransferId("t-1".into());
+        let msgs = [
+            Message::HandshakeOk { info: AgentInfo::example(), transport: "cuda-ipc".into(), note: None },
+            Message::ReadBlocks {
+                transfer_id: t.clone(),
+                blocks: vec![2, 3],
+                num_tokens: 20,
+                dst_blocks: vec![5],
+                write_within_ms: 9,
+            },
+            Message::BlockData { transfer_id: t.clone(), src_block_size: 8, bytes: 64, error: None, direct: true },
+            Message::Done { transfer_id: t, rank: 0, first_token: Some(17), status: DoneStatus::Ok },
+        ];
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let (mut ok, mut err) = (0, 0);
+        for i in 0..20_000 {
+            let mut frame = Vec::new();
+            write_message(&mut frame, &msgs[i % msgs.len()]).unwrap();
+            match next() % 3 {
+                0 => frame.truncate((next() as usize) % frame.len()),
+                1 => {
+                    for _ in 0..1 + next() % 4 {
+                        let at = (next() as usize) % frame.len();
+                        frame[at] ^= 1 << (next() % 8);
+                    }
+                }
+                _ => frame[..4].copy_from_slice(&(next() as u32).to_be_bytes()),
+            }
+            match read_message(&mut &frame[..]) {
+                Ok(_) => ok += 1,
+                Err(KvError::Protocol(_) | KvError::Io(_)) => err += 1,
+                Err(other) => panic!("unexpected error kind {other:?}"),
+            }
+        }
+        assert!(ok > 0 && err > 0, "{ok} decoded, {err} refused");
+    }
+
     #[test]
     fn oversized_truncated_and_garbage_frames_are_errors() {
         let mut huge = Vec::new();

@@ -426,3 +426,119 @@ async fn abort_all_ends_streams_with_an_error_and_frees_every_block() {
     let (status, _) = s.post("/v1/completions", json!({"prompt": "z", "max_tokens": 2})).await;
     assert_eq!(status, 503, "new requests are refused once shutting down");
 }
+
+/// A random JSON value, small and deep-ish: every kind a client could send where a field goes.
+fn random_value(rng: &mut impl rand::Rng, depth: u32) -> Value {
+    let kinds = if depth >= 2 { 7 } else { 9 };
+    match rng.random_range(0..kinds) {
+        0 => Value::Null,
+        1 => json!(rng.random_bool(0.5)),
+        2 => json!([-1i64, 0, 1, 2, 7, 255, 65535, 65536, 4_294_967_295, i64::MAX, i64::MIN][rng.random_range(0..11)]),
+        3 => json!([0.0, -0.5, 0.5, 1.0, 1.5, 1e30, -1e30, f64::MIN_POSITIVE][rng.random_range(0..8)]),
+        4 => json!(["", "x", "tiny", "\u{0}", "\u{1F600}", "-1", "1e9", "cuda-ipc"][rng.random_range(0..8)]),
+        5 => json!("a".repeat(rng.random_range(0..3000))),
+        6 => json!(rng.random_range(-3i64..10)),
+        7 => Value::Array((0..rng.random_range(0..6)).map(|_| random_value(rng, depth + 1)).collect()),
+        _ => {
+            let keys = ["do_remote_decode", "do_remote_prefill", "remote_host", "remote_port", "transfer_id", "x"];
+            Value::Object(
+                (0..rng.random_range(0..5))
+                    .map(|_| (keys[rng.random_range(0..keys.len())].to_string(), random_value(rng, depth + 1)))
+                    .collect(),
+            )
+        }
+    }
+}
+
+/// A completion body: a valid one with some fields replaced by random values, or a
+/// `kv_transfer_params` made of the fields the disaggregated legs use, with random values.
+fn random_body(rng: &mut impl rand::Rng) -> Value {
+    let mut b = json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2});
+    let fields = [
+        "model",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "stop",
+        "stop_token_ids",
+        "seed",
+        "stream",
+        "ignore_eos",
+        "min_tokens",
+        "logprobs",
+        "echo",
+        "best_of",
+        "stream_options",
+        "kv_transfer_params",
+    ];
+    // About one field in ten, so that many bodies get past validation to the engine.
+    for f in fields {
+        if rng.random_bool(0.1) {
+            b[f] = random_value(rng, 0);
+        }
+    }
+    if rng.random_bool(0.3) {
+        let keys = [
+            "do_remote_decode",
+            "do_remote_prefill",
+            "remote_host",
+            "remote_port",
+            "remote_block_ids",
+            "remote_epoch",
+            "remote_num_tokens",
+            "first_token_id",
+            "transfer_id",
+            "remote_engine_id",
+        ];
+        let mut params = serde_json::Map::new();
+        for k in keys {
+            if rng.random_bool(0.5) {
+                params.insert(k.to_string(), random_value(rng, 1));
+            }
+        }
+        b["kv_transfer_params"] = Value::Object(params);
+    }
+    // Keep a valid request's generation short: the point is parsing, not decoding.
+    if b["max_tokens"].as_i64().is_some_and(|n| n > 8) && rng.random_bool(0.8) {
+        b["max_tokens"] = json!(8);
+    }
+    b
+}
+
+/// Fuzzed request bodies (seeded, so a failure repeats): 400 random completion bodies, with
+/// random `kv_transfer_params` among them, and 100 byte strings that are not JSON. Each gets an
+/// answer or a 4xx with an error message, never a 5xx, a hang or a panic; the engine serves
+/// afterwards with every block free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fuzzed_bodies_get_answers_or_clear_errors_and_lose_nothing() {
+    use rand::{Rng, SeedableRng};
+    let s = start(512, 64).await;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let (started, mut statuses) = (Instant::now(), std::collections::BTreeMap::new());
+    for i in 0..400 {
+        let body = random_body(&mut rng);
+        let r = tokio::time::timeout(Duration::from_secs(20), s.post("/v1/completions", body.clone())).await;
+        let (status, v) = r.unwrap_or_else(|_| panic!("body {i} hung: {body}"));
+        *statuses.entry(status).or_insert(0) += 1;
+        assert!(status == 200 || (400..500).contains(&status), "body {i}: {status} {v} for {body}");
+        if status != 200 {
+            assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "body {i}: no message: {v}");
+        }
+    }
+    for i in 0..100 {
+        let bytes: Vec<u8> = (0..rng.random_range(0..200)).map(|_| rng.random()).collect();
+        let r =
+            s.http.post(format!("{}/v1/completions", s.base)).body(bytes).header("content-type", "application/json");
+        let status = r.send().await.unwrap().status().as_u16();
+        assert!((400..500).contains(&status), "garbage body {i}: {status}");
+    }
+    eprintln!("500 fuzzed bodies in {:.1} s; statuses of the JSON ones: {statuses:?}", started.elapsed().as_secs_f64());
+    assert!(statuses.get(&200).is_some_and(|&n| n >= 40), "too few bodies reached the engine: {statuses:?}");
+    assert!(s.state.engine.is_alive());
+    let (status, v) = s.post("/v1/completions", json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3})).await;
+    assert_eq!((status, v["usage"]["completion_tokens"].as_u64()), (200, Some(3)), "{v}");
+    s.wait_idle().await;
+}
