@@ -285,6 +285,11 @@ pub struct KvArgs {
     /// registration), seconds.
     #[arg(long, default_value_t = 30.0)]
     pub kv_transfer_timeout_secs: f64,
+    /// Seconds of silence after which a KV peer counts as dead (frozen or gone): its connection
+    /// closes and the transfers on it fail (and recompute, by --kv-load-failure) instead of
+    /// waiting out their timeout. Both ends send a heartbeat every third of it.
+    #[arg(long, default_value_t = 10.0)]
+    pub kv_liveness_secs: f64,
     /// On a GPU (prefill and decode roles, --kv-transport auto or tcp): host memory for the KV
     /// connector's copy of the KV cache, GiB (the GPU's bf16 bytes). tcp transfers go through
     /// it, and the GPU's KV cache is capped to the blocks it holds. Page-locked at start-up (about 0.4 s per GiB) so that

@@ -220,6 +220,7 @@ fn kv_setup(k: &args::KvArgs, port: u16, fingerprint: &str) -> Result<Option<tan
             timeouts: tandem_kv::tcp::Timeouts::default(),
             lease: secs(k.kv_lease_secs, "--kv-lease-secs")?,
             transfer_timeout: secs(k.kv_transfer_timeout_secs, "--kv-transfer-timeout-secs")?,
+            liveness: secs(k.kv_liveness_secs, "--kv-liveness-secs")?,
             faults: tandem_kv::FaultInjection { drop_done: k.fault_drop_done, ..Default::default() },
             // Separate processes: the local transport only applies within one process.
             local_transport: false,

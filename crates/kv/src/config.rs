@@ -80,6 +80,10 @@ pub struct ConnectorConfig {
     pub lease: Duration,
     /// Decode: longest wait for a request's KV. Push prefill: longest wait for a registration.
     pub transfer_timeout: Duration,
+    /// A peer that sends nothing for this long is dead: its connection closes and what waits on
+    /// it fails (or, for a direct writer, ends after one more I/O timeout). Both ends send a
+    /// heartbeat every third of it.
+    pub liveness: Duration,
     /// Test-only failure switches.
     pub faults: FaultInjection,
     /// Offer (and use, when the peer offers it too) direct copies between engines of this

@@ -31,6 +31,7 @@ fn config(role: Role, mode: KvMode) -> ConnectorConfig {
         timeouts: Timeouts { connect: Duration::from_secs(2), io: Duration::from_secs(2) },
         lease: Duration::from_millis(600),
         transfer_timeout: Duration::from_millis(800),
+        liveness: Duration::from_secs(10),
         faults: FaultInjection::default(),
         local_transport: false,
         transport: tandem_kv::KvTransport::Auto,
@@ -467,4 +468,33 @@ fn a_direct_writers_connection_lost_fails_after_the_grace_and_nothing_lands() {
     // The grace counts from the loss (cut + 2 s), not from the 0.8 s deadline (cut + 2.65 s).
     assert!(waited >= Duration::from_millis(1500) && waited < Duration::from_millis(2400), "failed after {waited:?}");
     assert!(p.untouched(&blocks), "KV landed after the connection was lost");
+}
+
+/// A prefill engine that freezes (the proxy stops forwarding and keeps the connection open, as
+/// SIGSTOP would) after decode registered: decode hears no heartbeat for its liveness bound
+/// (0.6 s here), declares the peer dead and fails the transfer then, not at its 5 s transfer
+/// timeout.
+#[test]
+fn a_frozen_peer_is_declared_dead_within_the_liveness_bound() {
+    let timeout = Duration::from_secs(5);
+    let live = Duration::from_millis(600);
+    let p_cfg = ConnectorConfig { transfer_timeout: timeout, liveness: live, ..config(Role::Prefill, KvMode::Push) };
+    let d_cfg = ConnectorConfig { transfer_timeout: timeout, liveness: live, ..config(Role::Decode, KvMode::Push) };
+    let p = pair_with(p_cfg, d_cfg, 16, 16);
+    let proxy = common::FaultProxy::start(p.p_addr());
+    let src = RemoteKv::PushFrom { transfer_id: TransferId("t1".into()), peer: proxy.addr().into(), peer_engine: None };
+    p.d.expect(RequestId::new("r1"), src, p.d_blocks(20), 20);
+    // Idle but alive: the heartbeats keep the connection up past several liveness bounds.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(p.events.try_recv().is_err(), "an idle, live peer was declared dead");
+    let frozen = Instant::now();
+    proxy.freeze();
+    match p.wait_event() {
+        ConnectorEvent::Failed { request_id, reason } => {
+            assert_eq!(request_id, RequestId::new("r1"));
+            assert!(reason.contains("connection"), "{reason}");
+        }
+        other => panic!("expected a failure, got {other:?}"),
+    }
+    assert!(frozen.elapsed() < Duration::from_millis(1500), "noticed after {:?}", frozen.elapsed());
 }

@@ -54,6 +54,14 @@ impl Conn {
         write_message(&mut *self.writer(), msg)
     }
 
+    /// Sends `msg` unless the writer is busy (a bulk send in progress: the peer hears from us
+    /// anyway). For liveness heartbeats, which must not hold up the control thread.
+    fn try_send(&self, msg: &Message) {
+        if let Ok(mut w) = self.writer.try_lock() {
+            let _ = write_message(&mut *w, msg);
+        }
+    }
+
     /// The connection's writer: frames on one connection never interleave.
     fn writer(&self) -> MutexGuard<'_, TcpStream> {
         self.writer.lock().unwrap_or_else(|p| p.into_inner())
@@ -316,7 +324,7 @@ fn peer_conn(shared: &Arc<Shared>, addr: &str) -> Result<Arc<Conn>, KvError> {
 
 fn control_loop(rx: mpsc::Receiver<Command>, shared: Arc<Shared>) {
     let tick = Duration::from_millis(50);
-    let mut last_heartbeat = Instant::now();
+    let (mut last_heartbeat, mut last_ping) = (Instant::now(), Instant::now());
     loop {
         match rx.recv_timeout(tick) {
             Ok(cmd) => handle_command(&shared, cmd),
@@ -328,6 +336,22 @@ fn control_loop(rx: mpsc::Receiver<Command>, shared: Arc<Shared>) {
             pull::heartbeat(&shared);
             last_heartbeat = Instant::now();
         }
+        if last_ping.elapsed() >= shared.cfg.liveness / 3 {
+            ping(&shared);
+            last_ping = Instant::now();
+        }
+    }
+}
+
+/// A heartbeat naming no transfer on every open connection: the peer's reader hears from us
+/// at least every third of the liveness bound, even when no transfer runs.
+fn ping(shared: &Shared) {
+    let conns: Vec<Arc<Conn>> = {
+        let links = shared.links.lock().unwrap_or_else(|p| p.into_inner());
+        links.iter().filter_map(std::sync::Weak::upgrade).filter(|c| c.alive.load(Ordering::SeqCst)).collect()
+    };
+    for c in conns {
+        c.try_send(&Message::Heartbeat { transfer_ids: Vec::new() });
     }
 }
 
@@ -511,10 +535,11 @@ fn send_request(
 }
 
 fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
-    // Reads wait for the next message indefinitely (an idle connection is fine); bulk data is
-    // read under the configured timeout once its header has arrived.
+    // Between messages a read waits up to the liveness bound (the peer pings every third of
+    // it, so silence that long means it is frozen or gone); bulk data is read under the I/O
+    // timeout once its header has arrived.
     let idle = |s: &TcpStream, on: bool| {
-        let _ = s.set_read_timeout(if on { None } else { Some(shared.cfg.timeouts.io) });
+        let _ = s.set_read_timeout(Some(if on { shared.cfg.liveness } else { shared.cfg.timeouts.io }));
     };
     loop {
         idle(&stream, true);

@@ -5,7 +5,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Forwards connections on [`FaultProxy::addr`] to `upstream`.
@@ -15,6 +15,8 @@ pub struct FaultProxy {
     cut_after: Arc<AtomicU64>,
     /// Both ends of every connection so far, for [`FaultProxy::cut_now`].
     live: Arc<Mutex<Vec<TcpStream>>>,
+    /// Forwarding paused, connections kept open: a frozen peer, as SIGSTOP makes one.
+    frozen: Arc<AtomicBool>,
 }
 
 impl FaultProxy {
@@ -23,7 +25,8 @@ impl FaultProxy {
         let addr = listener.local_addr().unwrap().to_string();
         let cut_after = Arc::new(AtomicU64::new(u64::MAX));
         let (cut, live) = (cut_after.clone(), Arc::new(Mutex::new(Vec::new())));
-        let conns = live.clone();
+        let (conns, frozen) = (live.clone(), Arc::new(AtomicBool::new(false)));
+        let paused = frozen.clone();
         std::thread::spawn(move || {
             for client in listener.incoming().flatten() {
                 let Ok(server) = TcpStream::connect(&upstream) else { continue };
@@ -32,11 +35,17 @@ impl FaultProxy {
                 l.extend([client.try_clone().unwrap(), server.try_clone().unwrap()]);
                 drop(l);
                 let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                std::thread::spawn(move || pump(client, server, u64::MAX)); // decode -> prefill
-                std::thread::spawn(move || pump(s2, c2, limit)); // prefill -> decode
+                let (f1, f2) = (paused.clone(), paused.clone());
+                std::thread::spawn(move || pump(client, server, u64::MAX, f1)); // decode -> prefill
+                std::thread::spawn(move || pump(s2, c2, limit, f2)); // prefill -> decode
             }
         });
-        Self { addr, cut_after, live }
+        Self { addr, cut_after, live, frozen }
+    }
+
+    /// Stops forwarding in both directions, keeping every connection open.
+    pub fn freeze(&self) {
+        self.frozen.store(true, Ordering::SeqCst);
     }
 
     /// Cuts every connection made so far, both ways.
@@ -56,11 +65,15 @@ impl FaultProxy {
     }
 }
 
-/// Copies `from` into `to` until either closes or `limit` bytes have passed; then closes both.
-fn pump(mut from: TcpStream, mut to: TcpStream, limit: u64) {
+/// Copies `from` into `to` until either closes or `limit` bytes have passed (holding still while
+/// `frozen`); then closes both.
+fn pump(mut from: TcpStream, mut to: TcpStream, limit: u64, frozen: Arc<AtomicBool>) {
     let mut buf = [0u8; 1024];
     let mut passed = 0u64;
     while passed < limit {
+        while frozen.load(Ordering::SeqCst) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         let want = buf.len().min((limit - passed).min(buf.len() as u64) as usize);
         match from.read(&mut buf[..want]) {
             Ok(0) | Err(_) => break,

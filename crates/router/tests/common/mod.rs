@@ -96,6 +96,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             timeouts: Timeouts { connect: Duration::from_secs(2), io: Duration::from_secs(5) },
             lease: k.lease,
             transfer_timeout: k.transfer_timeout,
+            liveness: Duration::from_secs(10),
             faults: k.faults.clone(),
             local_transport: k.local,
             transport: tandem_kv::KvTransport::Auto,
