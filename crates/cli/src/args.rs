@@ -190,6 +190,10 @@ pub struct ServeArgs {
     /// an error (a second signal ends them at once).
     #[arg(long, default_value_t = 5.0)]
     pub shutdown_timeout_secs: f64,
+    /// Requests that may wait for a place beside the --max-num-seqs running ones; past that a
+    /// request gets a 429 with Retry-After at once (0: no bound).
+    #[arg(long, default_value_t = 1024)]
+    pub max_queued_requests: usize,
     #[command(flatten)]
     pub kv: KvArgs,
 }

@@ -258,7 +258,12 @@ fn serve(a: ServeArgs) -> Result<()> {
         tracing::info!(role = ?info.role, mode = ?info.kv_mode, engine_id = %info.engine_id, epoch = info.epoch.0, transports = ?info.transports, "KV side channel up");
     }
     let name = a.served_model_name.unwrap_or_else(|| a.model.model.clone());
-    let state = Arc::new(tandem_server::AppState::new(engine, tokenizer, name.clone()));
+    let max_in_flight = match a.max_queued_requests {
+        0 => 0,
+        n => n + a.engine.max_num_seqs,
+    };
+    let state =
+        Arc::new(tandem_server::AppState::new(engine, tokenizer, name.clone()).with_max_in_flight(max_in_flight));
     let drain = seconds(a.shutdown_timeout_secs, "--shutdown-timeout-secs")?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     let result = rt.block_on(async move {

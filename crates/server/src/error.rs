@@ -39,6 +39,13 @@ pub enum ApiError {
     /// The engine failed while running the request (500).
     #[error("{0}")]
     Internal(String),
+    /// As many requests as the server takes are being answered; retry shortly (429, with
+    /// `Retry-After`).
+    #[error("the server is answering {limit} requests, as many as it takes (--max-queued-requests); retry shortly")]
+    Overloaded {
+        /// Requests the server answers at once.
+        limit: usize,
+    },
 }
 
 impl ApiError {
@@ -66,6 +73,7 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -77,6 +85,7 @@ impl ApiError {
             ApiError::EngineStopped | ApiError::ShuttingDown => "ServiceUnavailableError",
             ApiError::BodyTooLarge { .. } => "BadRequestError",
             ApiError::Internal(_) => "InternalServerError",
+            ApiError::Overloaded { .. } => "RateLimitError",
         }
     }
 
@@ -92,7 +101,11 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status(), axum::Json(self.body())).into_response()
+        let mut r = (self.status(), axum::Json(self.body())).into_response();
+        if matches!(self, ApiError::Overloaded { .. }) {
+            r.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        }
+        r
     }
 }
 

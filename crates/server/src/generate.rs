@@ -192,9 +192,18 @@ struct Piece {
 struct InFlight(Arc<AppState>);
 
 impl InFlight {
-    fn new(state: Arc<AppState>) -> Self {
-        state.in_flight.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Self(state)
+    /// Counts one more generation, unless as many as the server takes are in flight.
+    fn admit(state: Arc<AppState>) -> Result<Self, ApiError> {
+        let limit = state.max_in_flight;
+        let counted = state.in_flight.fetch_update(
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+            |n| (limit == 0 || n < limit).then_some(n + 1),
+        );
+        match counted {
+            Ok(_) => Ok(Self(state)),
+            Err(_) => Err(ApiError::Overloaded { limit }),
+        }
     }
 }
 
@@ -374,6 +383,7 @@ pub(crate) async fn run(state: Arc<AppState>, p: Prepared) -> Result<Response, A
     if *abort.borrow() {
         return Err(ApiError::ShuttingDown);
     }
+    let in_flight = InFlight::admit(state.clone())?;
     let prompt_tokens = p.prompt_ids.len();
     let engine_stream = state.engine.submit(EngineRequest {
         id: p.request_id.clone(),
@@ -385,7 +395,7 @@ pub(crate) async fn run(state: Arc<AppState>, p: Prepared) -> Result<Response, A
     tracing::debug!(request_id = %p.request_id, prompt_tokens, stream = p.stream, "admitted");
     let gen = Generation {
         state: state.clone(),
-        _in_flight: InFlight::new(state.clone()),
+        _in_flight: in_flight,
         abort,
         stream: Some(engine_stream),
         detok: IncrementalDetokenizer::new(),

@@ -65,6 +65,8 @@ pub struct AppState {
     id_prefix: String,
     /// Generation requests being answered now.
     in_flight: AtomicUsize,
+    /// Most generations answered at once (0: no bound); more get a 429.
+    max_in_flight: usize,
     /// Set once by [`AppState::abort_all`]; every generation watches it.
     abort: tokio::sync::watch::Sender<bool>,
 }
@@ -82,8 +84,17 @@ impl AppState {
             next_id: AtomicU64::new(0),
             id_prefix: format!("{:08x}", rand::random::<u32>()),
             in_flight: AtomicUsize::new(0),
+            max_in_flight: 0,
             abort: tokio::sync::watch::Sender::new(false),
         }
+    }
+
+    /// Answers at most `limit` generations at once (running and queued; 0: no bound): past it a
+    /// request gets a 429 with `Retry-After` at once, instead of a queue that grows without
+    /// limit.
+    pub fn with_max_in_flight(mut self, limit: usize) -> Self {
+        self.max_in_flight = limit;
+        self
     }
 
     /// Generation requests being answered now (streams included).

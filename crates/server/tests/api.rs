@@ -542,3 +542,45 @@ async fn fuzzed_bodies_get_answers_or_clear_errors_and_lose_nothing() {
     assert_eq!((status, v["usage"]["completion_tokens"].as_u64()), (200, Some(3)), "{v}");
     s.wait_idle().await;
 }
+
+/// Past its bound the server refuses at once with a 429, `Retry-After` and an error message,
+/// instead of queueing without limit; once a place frees, requests are answered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_its_bound_the_server_answers_429_with_retry_after() {
+    let preset = Preset::find("tiny-qwen3").unwrap();
+    let m = LoadedModel::load(&ModelSource::Preset { preset, seed: 0 }, None).unwrap();
+    let cfg = EngineConfig {
+        block_size: 4,
+        num_blocks: 512,
+        max_num_seqs: 64,
+        max_num_batched_tokens: 64,
+        async_scheduling: false,
+    };
+    let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
+    let state = Arc::new(AppState::new(engine, m.tokenizer.map(Arc::new), MODEL.into()).with_max_in_flight(2));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
+    let http = reqwest::Client::new();
+    let long = json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": true, "stream": true});
+    // Two streams held open (their bodies unread): the bound is reached.
+    let a = http.post(format!("{base}/v1/completions")).json(&long).send().await.unwrap();
+    let b = http.post(format!("{base}/v1/completions")).json(&long).send().await.unwrap();
+    assert_eq!((a.status().as_u16(), b.status().as_u16()), (200, 200));
+    let short = json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2});
+    let r = http.post(format!("{base}/v1/completions")).json(&short).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("retry shortly"), "{v}");
+    drop((a, b)); // the clients go: their generations end
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = http.post(format!("{base}/v1/completions")).json(&short).send().await.unwrap();
+        if r.status() == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still refused after the streams ended: {}", r.status());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
