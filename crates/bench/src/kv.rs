@@ -374,26 +374,18 @@ pub mod cuda_ipc {
 
     /// The peer's export as one line (what the peer process prints).
     pub fn export_line(export: &IpcExport) -> String {
-        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
-        format!("{} {} {}", hex(&export.handle), export.bytes, hex(&export.device_uuid))
+        let (handle, device) = export.to_hex();
+        format!("{handle} {} {device}", export.bytes)
     }
 
     /// Parses [`export_line`].
     pub fn parse_export_line(line: &str) -> Result<IpcExport, String> {
-        fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
-            let mut out = [0u8; N];
-            (s.len() == 2 * N).then_some(())?;
-            for (i, o) in out.iter_mut().enumerate() {
-                *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
-            }
-            Some(out)
-        }
-        let bad = || format!("malformed peer export line `{line}`");
-        let mut w = line.split_whitespace();
-        let handle = w.next().and_then(unhex::<64>).ok_or_else(bad)?;
-        let bytes = w.next().and_then(|b| b.parse().ok()).ok_or_else(bad)?;
-        let device_uuid = w.next().and_then(unhex::<16>).ok_or_else(bad)?;
-        Ok(IpcExport { handle, bytes, device_uuid })
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let parsed = match w[..] {
+            [handle, bytes, device] => bytes.parse().ok().and_then(|b| IpcExport::from_hex(handle, b, device)),
+            _ => None,
+        };
+        parsed.ok_or_else(|| format!("malformed peer export line `{line}`"))
     }
 
     /// The peer side: a cache on `dev` in the peer layout, exported. Keep the returned memory

@@ -659,14 +659,23 @@ fn bench_kv(a: args::BenchKvArgs) -> Result<()> {
     std::io::BufReader::new(stdout).read_line(&mut line).context("reading the peer's address")?;
     let addr = line.trim().to_string();
     eprintln!("... peer process {} listening on {addr}; moving {} x {} each way", child.id(), a.repeats, a.size);
-    let report = tandem_bench::kv::measure(&addr, &cfg);
-    let status = child.wait().context("waiting for the peer")?;
+    let report = tandem_bench::kv::measure(&addr, &cfg).map_err(anyhow::Error::from);
+    finish_bench_kv(child, report, a.json_out)
+}
+
+/// Waits for the peer process, then prints the report (and writes it as JSON to `json_out`).
+fn finish_bench_kv<R: std::fmt::Display + serde::Serialize>(
+    mut peer: std::process::Child,
+    report: Result<R>,
+    json_out: Option<std::path::PathBuf>,
+) -> Result<()> {
+    let status = peer.wait().context("waiting for the peer")?;
     let report = report?;
     if !status.success() {
         bail!("the peer process failed ({status})");
     }
     print!("{report}");
-    if let Some(path) = a.json_out {
+    if let Some(path) = json_out {
         std::fs::write(&path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
@@ -727,17 +736,7 @@ fn bench_kv_cuda_ipc(a: args::BenchKvArgs) -> Result<()> {
             tandem_bench::kv::cuda_ipc::measure(&dev, &cfg, &export).map_err(anyhow::Error::msg)
         });
     drop(child.stdin.take());
-    let status = child.wait().context("waiting for the peer")?;
-    let report = report?;
-    if !status.success() {
-        bail!("the peer process failed ({status})");
-    }
-    print!("{report}");
-    if let Some(path) = a.json_out {
-        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(())
+    finish_bench_kv(child, report, a.json_out)
 }
 
 fn bench_kv_peer(a: args::BenchKvArgs) -> Result<()> {

@@ -159,6 +159,20 @@ impl Pair {
     }
 }
 
+/// The pull lease for 40 tokens that [`Pair::produce`] holds under `tid`, produced in `epoch`.
+fn pull_source(p: &Pair, tid: &str, epoch: Epoch) -> RemoteKv {
+    let n = p.p_cache.layout().blocks_for(40) as u32;
+    RemoteKv::PullFrom {
+        transfer_id: TransferId(tid.into()),
+        peer: p.p_addr(),
+        peer_engine: None,
+        epoch,
+        blocks: (3..3 + n).collect(),
+        num_tokens: 40,
+        first_token: 77,
+    }
+}
+
 fn push_source(p: &Pair, tid: &str) -> RemoteKv {
     RemoteKv::PushFrom { transfer_id: TransferId(tid.into()), peer: p.p_addr(), peer_engine: None }
 }
@@ -188,15 +202,7 @@ fn push_in_both_orders_with_different_block_sizes() {
 fn pull_reads_then_releases_and_an_expired_lease_refuses_a_late_read() {
     let p = pair(KvMode::Pull, 8, 8, FaultInjection::default());
     let epoch = p.p.info().epoch;
-    let src = |tid: &str, epoch: Epoch| RemoteKv::PullFrom {
-        transfer_id: TransferId(tid.into()),
-        peer: p.p_addr(),
-        peer_engine: None,
-        epoch,
-        blocks: (3..8).collect(),
-        num_tokens: 40,
-        first_token: 77,
-    };
+    let src = |tid: &str, epoch: Epoch| pull_source(&p, tid, epoch);
     p.produce("t1", 40);
     let blocks = p.d_blocks(40);
     p.d.expect(RequestId::new("r1"), src("t1", epoch), blocks.clone(), 40);
@@ -271,15 +277,7 @@ fn direct_writes_land_in_both_modes_across_block_sizes() {
     let p = local_pair(KvMode::Pull, 8, 16, Duration::from_millis(800));
     p.produce("t1", 40);
     let blocks = p.d_blocks(40);
-    let src = RemoteKv::PullFrom {
-        transfer_id: TransferId("t1".into()),
-        peer: p.p_addr(),
-        peer_engine: None,
-        epoch: p.p.info().epoch,
-        blocks: (3..8).collect(),
-        num_tokens: 40,
-        first_token: 77,
-    };
+    let src = pull_source(&p, "t1", p.p.info().epoch);
     p.d.expect(RequestId::new("r1"), src, blocks.clone(), 40);
     assert_ready(p.wait_event(), "r1");
     p.assert_landed(40, &blocks);
@@ -358,15 +356,7 @@ fn a_lease_being_read_outlives_its_deadline() {
         let p = pair_over(local, KvMode::Pull, slow, Duration::from_millis(200));
         p.produce("t1", 40);
         let blocks = p.d_blocks(40);
-        let src = RemoteKv::PullFrom {
-            transfer_id: TransferId("t1".into()),
-            peer: p.p_addr(),
-            peer_engine: None,
-            epoch: p.p.info().epoch,
-            blocks: (3..6).collect(),
-            num_tokens: 40,
-            first_token: 77,
-        };
+        let src = pull_source(&p, "t1", p.p.info().epoch);
         p.d.expect(RequestId::new("r1"), src, blocks.clone(), 40);
         assert_ready(p.wait_event(), "r1");
         p.assert_landed(40, &blocks);

@@ -46,6 +46,27 @@ pub struct IpcExport {
     pub device_uuid: [u8; 16],
 }
 
+impl IpcExport {
+    /// The handle and the GPU UUID as hex, for a text message.
+    pub fn to_hex(&self) -> (String, String) {
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        (hex(&self.handle), hex(&self.device_uuid))
+    }
+
+    /// The inverse of [`IpcExport::to_hex`]; `None` when either is malformed (a peer's data).
+    pub fn from_hex(handle: &str, bytes: usize, device_uuid: &str) -> Option<Self> {
+        fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
+            let mut out = [0u8; N];
+            (s.len() == 2 * N).then_some(())?;
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+            }
+            Some(out)
+        }
+        Some(Self { handle: unhex(handle)?, bytes, device_uuid: unhex(device_uuid)? })
+    }
+}
+
 impl CudaDevice {
     /// A zeroed buffer of `n` elements in an allocation of its own that [`DeviceKvMemory`] can
     /// export to another process.
@@ -323,4 +344,18 @@ fn device_handle(ordinal: usize) -> Result<sys::CUdevice, String> {
     // Safety: writes a local; an ordinal out of range is an error return.
     unsafe { sys::cuDeviceGet(&mut dev, ordinal as i32) }.result().map_err(|e| format!("{e:?}"))?;
     Ok(dev)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::IpcExport;
+
+    #[test]
+    fn exports_round_trip_through_hex_and_malformed_ones_are_refused() {
+        let e = IpcExport { handle: std::array::from_fn(|i| i as u8 * 3), bytes: 1 << 30, device_uuid: [0xab; 16] };
+        let (handle, device) = e.to_hex();
+        assert_eq!(IpcExport::from_hex(&handle, e.bytes, &device), Some(e));
+        assert_eq!(IpcExport::from_hex(&handle[2..], 1, &device), None, "too short");
+        assert_eq!(IpcExport::from_hex(&handle, 1, &device.replace('a', "g")), None, "not hex");
+    }
 }

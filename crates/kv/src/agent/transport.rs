@@ -160,28 +160,8 @@ pub(super) fn host_id() -> String {
 
 /// The cuda-ipc offer for an export of our cache.
 pub(super) fn cuda_ipc_offer(export: &IpcExport) -> TransportOffer {
-    TransportOffer::CudaIpc {
-        host: host_id(),
-        process: std::process::id(),
-        device: hex(&export.device_uuid),
-        handle: hex(&export.handle),
-        bytes: export.bytes as u64,
-    }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
-    let mut out = [0u8; N];
-    if s.len() != 2 * N {
-        return None;
-    }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
+    let (handle, device) = export.to_hex();
+    TransportOffer::CudaIpc { host: host_id(), process: std::process::id(), device, handle, bytes: export.bytes as u64 }
 }
 
 /// Maps `peer`'s GPU cache, or says why cuda-ipc cannot work with it.
@@ -201,11 +181,7 @@ fn open_cuda_ipc(ours: &Shared, peer: &AgentInfo) -> Result<PeerKvMemory, String
     if process == std::process::id() {
         return Err("the peer is in this process (its handle cannot be opened here)".into());
     }
-    let export = IpcExport {
-        handle: unhex(handle).ok_or("the peer's IPC handle is malformed")?,
-        bytes: bytes as usize,
-        device_uuid: unhex(device).ok_or("the peer's GPU UUID is malformed")?,
-    };
+    let export = IpcExport::from_hex(handle, bytes as usize, device).ok_or("the peer's IPC handle is malformed")?;
     let layout = KvLayout {
         num_layers: peer.num_layers,
         num_kv_heads: peer.num_kv_heads,
@@ -333,14 +309,7 @@ impl Transport for Local {
         num_tokens: usize,
         first_token: u32,
     ) -> Result<(), KvError> {
-        let status = match self.copy(shared, src, dst, num_tokens) {
-            Ok(()) => DoneStatus::Ok,
-            Err(e) => DoneStatus::Failed(e),
-        };
-        if !shared.cfg.faults.drop_done {
-            conn.send(&Message::Done { transfer_id: tid.clone(), rank: 0, first_token: Some(first_token), status })?;
-        }
-        Ok(())
+        report_direct_write(shared, conn, tid, first_token, self.copy(shared, src, dst, num_tokens))
     }
 
     fn answer_read(
@@ -352,16 +321,43 @@ impl Transport for Local {
         dst: &[u32],
         num_tokens: usize,
     ) -> Result<(), KvError> {
-        // The copy is done before the answer: no bytes follow it.
-        let error = self.copy(shared, src, dst, num_tokens).err();
-        conn.send(&Message::BlockData {
-            transfer_id: tid.clone(),
-            src_block_size: shared.memory.layout().block_size,
-            bytes: 0,
-            error,
-            direct: true,
-        })
+        answer_direct_read(shared, conn, tid, self.copy(shared, src, dst, num_tokens))
     }
+}
+
+/// Push over a direct transport: the copy into the peer's blocks has ended (`copied`); `Done`
+/// tells it so, with prefill's first token.
+fn report_direct_write(
+    shared: &Shared,
+    conn: &Conn,
+    tid: &TransferId,
+    first_token: u32,
+    copied: Result<(), String>,
+) -> Result<(), KvError> {
+    let status = match copied {
+        Ok(()) => DoneStatus::Ok,
+        Err(e) => DoneStatus::Failed(e),
+    };
+    if !shared.cfg.faults.drop_done {
+        conn.send(&Message::Done { transfer_id: tid.clone(), rank: 0, first_token: Some(first_token), status })?;
+    }
+    Ok(())
+}
+
+/// Pull over a direct transport: the copy is done before the answer, so no bytes follow it.
+fn answer_direct_read(
+    shared: &Shared,
+    conn: &Conn,
+    tid: &TransferId,
+    copied: Result<(), String>,
+) -> Result<(), KvError> {
+    conn.send(&Message::BlockData {
+        transfer_id: tid.clone(),
+        src_block_size: shared.memory.layout().block_size,
+        bytes: 0,
+        error: copied.err(),
+        direct: true,
+    })
 }
 
 /// Device-to-device copies into the peer's GPU cache, mapped into this process at handshake
@@ -408,14 +404,7 @@ impl Transport for CudaIpc {
         num_tokens: usize,
         first_token: u32,
     ) -> Result<(), KvError> {
-        let status = match self.write(shared, src, dst, num_tokens) {
-            Ok(()) => DoneStatus::Ok,
-            Err(e) => DoneStatus::Failed(e),
-        };
-        if !shared.cfg.faults.drop_done {
-            conn.send(&Message::Done { transfer_id: tid.clone(), rank: 0, first_token: Some(first_token), status })?;
-        }
-        Ok(())
+        report_direct_write(shared, conn, tid, first_token, self.write(shared, src, dst, num_tokens))
     }
 
     fn answer_read(
@@ -427,14 +416,7 @@ impl Transport for CudaIpc {
         dst: &[u32],
         num_tokens: usize,
     ) -> Result<(), KvError> {
-        let error = self.write(shared, src, dst, num_tokens).err();
-        conn.send(&Message::BlockData {
-            transfer_id: tid.clone(),
-            src_block_size: shared.memory.layout().block_size,
-            bytes: 0,
-            error,
-            direct: true,
-        })
+        answer_direct_read(shared, conn, tid, self.write(shared, src, dst, num_tokens))
     }
 }
 
