@@ -460,7 +460,10 @@ fn up_stops_everything_and_says_which_child_died_when_one_dies_while_serving() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut err = String::new();
     while !err.contains("tandem is up") {
-        let line = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("up never said it is up");
+        let line = match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(line) => line,
+            Err(e) => panic!("up never said it is up ({e}); it wrote:\n{err}"),
+        };
         err.push_str(&line);
         err.push('\n');
     }

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use rand::Rng;
 use tandem_core::{FinishReason, InvalidSampling, RemoteKv, RequestId, TransferId};
-use tandem_kv::{AgentInfo, ConnectorConfig, ConnectorEvent, ConnectorStats, EventSink, KvConnector, KvError};
+use tandem_kv::{AgentInfo, ConnectorConfig, ConnectorEvent, EventSink, KvConnector, KvError};
 use tandem_model::{carried_token, CpuRunner, ModelRunner, SampleSpec, SeqBatch, Transformer};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -296,9 +296,9 @@ impl EngineCore {
         Ok(info)
     }
 
-    /// A handle listing the connector's open connections, if there is a connector.
-    pub fn kv_links(&self) -> Option<tandem_kv::KvLinks> {
-        self.connector.as_ref().map(KvConnector::links)
+    /// A view of the connector (its connections and counters) for other threads, if there is one.
+    pub fn kv_view(&self) -> Option<tandem_kv::KvView> {
+        self.connector.as_ref().map(KvConnector::view)
     }
 
     /// Queues an event from the connector for the next step.
@@ -314,11 +314,6 @@ impl EngineCore {
             Some((asked + self.kv_wait_bound).saturating_duration_since(std::time::Instant::now()))
         });
         deadlines.fold(idle, std::cmp::min).max(std::time::Duration::from_millis(1))
-    }
-
-    /// The connector's counters, if one is attached.
-    pub fn connector_stats(&self) -> Option<ConnectorStats> {
-        self.connector.as_ref().map(KvConnector::stats)
     }
 
     /// The engine's limits.

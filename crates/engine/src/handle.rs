@@ -44,7 +44,6 @@ pub struct EngineStats {
     preemptions: AtomicU64,
     steps: AtomicU64,
     rejected: AtomicU64,
-    kv: std::sync::Mutex<Option<ConnectorStats>>,
 }
 
 /// A copy of [`EngineStats`] at one moment.
@@ -88,7 +87,7 @@ pub struct EngineHandle {
     stats: Arc<EngineStats>,
     alive: Arc<AtomicBool>,
     kv_info: Option<Arc<AgentInfo>>,
-    kv_links: Option<tandem_kv::KvLinks>,
+    kv_view: Option<tandem_kv::KvView>,
 }
 
 /// Starts the engine thread with `model` (a CPU transformer gets a KV cache sized by
@@ -128,14 +127,14 @@ pub fn spawn_with(
         }
         None => None,
     };
-    let kv_links = core.kv_links();
+    let kv_view = core.kv_view();
     let limits = Arc::new(core.limits().clone());
     let stats = Arc::new(EngineStats::default());
     stats.free_blocks.store(core.num_free_blocks(), Ordering::Relaxed);
     let alive = Arc::new(AtomicBool::new(true));
     let (s, a) = (stats.clone(), alive.clone());
     std::thread::Builder::new().name("tandem-engine".into()).spawn(move || run_loop(core, rx, s, a))?;
-    Ok(EngineHandle { commands, limits, stats, alive, kv_info, kv_links })
+    Ok(EngineHandle { commands, limits, stats, alive, kv_info, kv_view })
 }
 
 /// Marks the engine dead when the loop exits, by return or by panic.
@@ -206,9 +205,6 @@ fn run_loop(mut core: EngineCore, rx: mpsc::Receiver<Command>, stats: Arc<Engine
         stats.waiting.store(core.num_waiting(), Ordering::Relaxed);
         stats.free_blocks.store(core.num_free_blocks(), Ordering::Relaxed);
         stats.preemptions.store(core.num_preemptions(), Ordering::Relaxed);
-        if let Some(kv) = core.connector_stats() {
-            *stats.kv.lock().unwrap_or_else(|p| p.into_inner()) = Some(kv);
-        }
     }
 }
 
@@ -247,7 +243,7 @@ impl EngineHandle {
 
     /// The KV connector's open connections and the transport of each (empty without one).
     pub fn kv_links(&self) -> Vec<tandem_kv::KvLink> {
-        self.kv_links.as_ref().map(tandem_kv::KvLinks::list).unwrap_or_default()
+        self.kv_view.as_ref().map(tandem_kv::KvView::links).unwrap_or_default()
     }
 
     /// Whether the engine thread is running.
@@ -266,7 +262,7 @@ impl EngineHandle {
             preemptions: s.preemptions.load(Ordering::Relaxed),
             steps: s.steps.load(Ordering::Relaxed),
             rejected: s.rejected.load(Ordering::Relaxed),
-            kv: *s.kv.lock().unwrap_or_else(|p| p.into_inner()),
+            kv: self.kv_view.as_ref().map(tandem_kv::KvView::stats),
         }
     }
 }

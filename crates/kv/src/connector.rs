@@ -93,19 +93,26 @@ impl KvConnector {
         self.shared.stats()
     }
 
-    /// A handle that lists the open connections and their transports, from any thread.
-    pub fn links(&self) -> KvLinks {
-        KvLinks(self.shared.clone())
+    /// A read-only view of the connector for other threads: its open connections and counters.
+    pub fn view(&self) -> KvView {
+        KvView(self.shared.clone())
     }
 }
 
-/// Lists a connector's open connections (see [`KvConnector::links`]).
+/// Reads a connector's state from any thread (see [`KvConnector::view`]). Counters read here
+/// are current: a refusal is counted before the request that met it fails, so a client that
+/// sees the failure and then reads the counters sees it counted.
 #[derive(Clone)]
-pub struct KvLinks(Arc<agent::Shared>);
+pub struct KvView(Arc<agent::Shared>);
 
-impl KvLinks {
+impl KvView {
     /// The open connections, oldest first.
-    pub fn list(&self) -> Vec<KvLink> {
+    pub fn links(&self) -> Vec<KvLink> {
         self.0.links()
+    }
+
+    /// The connector's counters now.
+    pub fn stats(&self) -> ConnectorStats {
+        self.0.stats()
     }
 }

@@ -34,7 +34,7 @@ pub mod wire;
 pub use agent_info::{AgentInfo, Incompatible, KvMode, Role, TransportOffer};
 pub use config::{ConnectorConfig, FaultInjection, KvTransport};
 pub use connector::KvConnector;
-pub use connector::KvLinks;
+pub use connector::KvView;
 pub use error::KvError;
 pub use events::{ConnectorEvent, ConnectorStats, EventSink, HeldBlocks, KvLink, TransferTimeline};
 pub use memory::KvMemory;
