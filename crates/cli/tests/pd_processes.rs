@@ -1,7 +1,8 @@
 //! Disaggregated serving across separate processes (the `tandem` binary): prefill, decode and
-//! router as their own processes, KV over TCP. Push and pull equal a colocated process, and a
+//! router as their own processes, KV over TCP. Push and pull equal a colocated process; a
 //! prefill process killed mid-prefill ends the request with a clear error within a bound while
-//! decode gets every block back.
+//! decode gets every block back; a decode process killed mid-request frees prefill's KV at once
+//! and the router sends everything after it to the other decode engine, then takes it back.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -193,4 +194,104 @@ fn a_prefill_process_killed_mid_prefill_ends_the_request_and_frees_decode_blocks
     assert_eq!(status, 200, "after the prefill restart: {v}");
     assert_eq!(v["choices"][0]["token_ids"].as_array().map(Vec::len), Some(3));
     assert!(v["kv_timeline"]["transfer"]["bytes"].as_u64().unwrap_or(0) > 0, "the KV came from the new prefill: {v}");
+}
+
+/// The value of `name` on `url` once `pred` holds for it (bounded).
+fn metric_until(http: &reqwest::blocking::Client, url: &str, name: &str, pred: impl Fn(f64) -> bool, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !metric(http, url, name).is_some_and(&pred) {
+        assert!(Instant::now() < deadline, "{url}: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_decode_process_killed_mid_request_frees_prefill_kv_and_the_router_fails_over_and_takes_it_back() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    for mode in ["push", "pull"] {
+        let (pp, pk, rp) = (free_port(), free_port(), free_port());
+        // One token per prefill step: the long prompt keeps the request in flight while a
+        // decode engine is killed.
+        let _p = tandem(&args(&format!(
+            "serve --role prefill --kv-mode {mode} --port {pp} --kv-port {pk} --max-num-batched-tokens 2"
+        )));
+        let d_args: Vec<Vec<String>> = (0..2)
+            .map(|_| {
+                args(&format!("serve --role decode --kv-mode {mode} --port {} --kv-port {}", free_port(), free_port()))
+            })
+            .collect();
+        let mut d: Vec<Proc> = d_args.iter().map(|a| tandem(a)).collect();
+        let d_url: Vec<String> = d_args.iter().map(|a| format!("http://127.0.0.1:{}", a[6])).collect();
+        let _r = tandem(&args(&format!(
+            "router --mode {mode} --prefill http://127.0.0.1:{pp} --decode {} --port {rp} --check-interval-secs 0.5",
+            d_url.join(",")
+        )));
+        let (p_url, r_url) = (format!("http://127.0.0.1:{pp}"), format!("http://127.0.0.1:{rp}"));
+        wait_healthy(&http, &r_url);
+
+        // A long request; the decode engine that takes it dies while it is in flight.
+        let prompt: Vec<u32> = (0..2000).map(|j| (j % 500) as u32).collect();
+        let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0});
+        let url = r_url.clone();
+        let client = std::thread::spawn(move || {
+            let start = Instant::now();
+            let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+            let (status, v) = complete(&http, &url, &body);
+            (status, v, start.elapsed())
+        });
+        // Push: decode holds registered blocks while prefill computes. Pull: prefill computes,
+        // then holds the KV under its lease while decode reads.
+        let busy = |u: &String| metric(&http, u, "tandem:kv_blocks_used").is_some_and(|b| b > 0.0);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let victim = loop {
+            let on = match mode {
+                "push" => d_url.iter().position(busy),
+                _ => (metric(&http, &p_url, "tandem:num_requests_running") == Some(1.0)).then_some(0),
+            };
+            if let Some(i) = on {
+                break i;
+            }
+            assert!(Instant::now() < deadline, "{mode}: the request never reached the engines");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        d[victim].0.kill().unwrap();
+        d[victim].0.wait().ok();
+        let (status, v, took) = client.join().unwrap();
+        match mode {
+            // The decode leg had begun on the killed engine: the request fails, naming it.
+            "push" => {
+                assert!(status >= 500, "{mode}: expected a 5xx, got {status}: {v}");
+                assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("decode")), "{v}");
+            }
+            // The decode leg starts after prefill: if the router had picked the killed engine,
+            // it cannot connect, and the other one reads the KV under the same lease.
+            _ => assert_eq!(status, 200, "{mode}: {v}"),
+        }
+        assert!(took < Duration::from_secs(30), "{mode}: bounded: {took:?}");
+        // Prefill frees the prompt's KV at once (not after its 30 s lease or transfer timeout).
+        metric_until(&http, &p_url, "tandem:kv_blocks_used", |b| b == 0.0, "prefill kept the dead decode's KV");
+
+        // Until the check finds it down, and after: no request is lost to the dead engine.
+        let live = &d_url[1 - victim];
+        for i in 0..6 {
+            let body = json!({"prompt": [i + 1, 2, 3, 4, 5], "max_tokens": 3, "temperature": 0, "ignore_eos": true});
+            let (status, v) = complete(&http, &r_url, &body);
+            assert_eq!(status, 200, "{mode}: request {i} after the kill: {v}");
+            let (_, want) = complete(&http, live, &body);
+            assert_eq!(v["choices"][0]["token_ids"], want["choices"][0]["token_ids"], "{mode}: request {i}");
+        }
+        // Restarted on its ports, it takes requests again.
+        d[victim] = tandem(&d_args[victim]);
+        wait_healthy(&http, &d_url[victim]);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while metric(&http, &d_url[victim], "tandem:request_success_total").unwrap_or(0.0) == 0.0 {
+            assert!(Instant::now() < deadline, "{mode}: the restarted decode engine never took a request");
+            let (status, v) = complete(&http, &r_url, &json!({"prompt": [9, 8, 7], "max_tokens": 2}));
+            assert_eq!(status, 200, "{mode}: {v}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        for u in &d_url {
+            metric_until(&http, u, "tandem:kv_blocks_used", |b| b == 0.0, "decode kept blocks");
+        }
+    }
 }

@@ -25,6 +25,14 @@
 //! that fails after prefill has the prefill engine free the prompt's KV at once
 //! (`POST /kv/release`). A client disconnect drops both legs, which cancels them on both
 //! engines.
+//!
+//! Failover: a leg that never reached its engine (no connection: the engine is marked down
+//! until a check finds it again) or that its engine turned away before computing (429, at its
+//! `--max-queued-requests`) goes to another engine of that role, each engine at most once per
+//! request; pull keeps prefill's KV under its lease for the next decode engine, push starts a
+//! new pair. Only when no engine is left does the client get the error: a 429 keeps its
+//! `Retry-After`. A leg that failed after its engine took it is not retried (tokens may have
+//! been streamed, and a prefill that computed is not computed twice).
 #![deny(missing_docs)]
 
 mod backend;

@@ -302,8 +302,10 @@ impl Router {
         }))
     }
 
-    /// A prefill engine and a decode engine that can pair with it, or why there is none.
-    fn pick(&self) -> Result<(Arc<Backend>, Arc<Backend>), String> {
+    /// A prefill engine and a decode engine that can pair with it, none of them in `tried`
+    /// (engines this request already failed on), or why there is none.
+    fn pick(&self, tried: &[Arc<Backend>]) -> Result<(Arc<Backend>, Arc<Backend>), String> {
+        let untried = |b: &Backend| !tried.iter().any(|t| std::ptr::eq(&**t, b));
         let t = self.turn.fetch_add(1, Ordering::Relaxed);
         let unusable = |role: &str, list: &[Arc<Backend>]| {
             let why: Vec<String> = list
@@ -315,13 +317,8 @@ impl Router {
                 .collect();
             format!("no usable {role} engine: {}", why.join("; "))
         };
-        let p = choose(&self.prefill, t, |_| true).ok_or_else(|| unusable("prefill", &self.prefill))?;
-        let p_info = p.info();
-        let pairs = |d: &Backend| match (&p_info, d.info()) {
-            (Some(pi), Some(di)) => di.check_pairing(pi).is_ok(),
-            _ => true,
-        };
-        let d = choose(&self.decode, t, pairs).ok_or_else(|| {
+        let p = choose(&self.prefill, t, untried).ok_or_else(|| unusable("prefill", &self.prefill))?;
+        let d = self.pick_decode(&p, t, tried).ok_or_else(|| {
             let problems = self.pair_problems();
             if problems.is_empty() {
                 unusable("decode", &self.decode)
@@ -330,6 +327,19 @@ impl Router {
             }
         })?;
         Ok((p, d))
+    }
+
+    /// A decode engine that can pair with prefill engine `p`, not in `tried`.
+    fn pick_decode(&self, p: &Backend, turn: usize, tried: &[Arc<Backend>]) -> Option<Arc<Backend>> {
+        let p_info = p.info();
+        let fits = |d: &Backend| {
+            !tried.iter().any(|t| std::ptr::eq(&**t, d))
+                && match (&p_info, d.info()) {
+                    (Some(pi), Some(di)) => di.check_pairing(pi).is_ok(),
+                    _ => true,
+                }
+        };
+        choose(&self.decode, turn, fits)
     }
 
     fn transfer_id(&self) -> String {
@@ -485,66 +495,115 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
     if let Err((param, message)) = check_body(&orig) {
         return bad_request(param, message);
     }
-    let (p, d) = match r.pick() {
-        Ok(pair) => pair,
-        Err(why) => return error(StatusCode::SERVICE_UNAVAILABLE, why),
-    };
-    let transfer_id = r.transfer_id();
     let request_id = headers.get("x-request-id").cloned();
+    // A leg that never reached its engine (no connection) or that the engine turned away
+    // before computing anything (429) is tried again on another engine of that role, each
+    // engine at most once: the client sees an error only when no engine is left.
+    let mut tried: Vec<Arc<Backend>> = Vec::new();
+    let mut last: Option<Response> = None;
+    loop {
+        let (p, d) = match r.pick(&tried) {
+            Ok(pair) => pair,
+            Err(why) => return last.unwrap_or_else(|| error(StatusCode::SERVICE_UNAVAILABLE, why)),
+        };
+        match dispatch_to(&r, path, request_id.as_ref(), &orig, p, d).await {
+            Ok(resp) => return resp,
+            Err(LegError { response, engine: Some(engine) }) => {
+                tracing::info!(url = %engine.url, role = role_name(engine.role), status = %response.status(), "leg not taken; trying another engine");
+                tried.push(engine);
+                last = Some(response);
+            }
+            Err(LegError { response, engine: None }) => return response,
+        }
+    }
+}
+
+/// Why a leg gave no answer: the response for the client, and the engine to try another
+/// one instead of when the request never reached it or it refused before computing.
+struct LegError {
+    response: Response,
+    engine: Option<Arc<Backend>>,
+}
+
+impl From<Response> for LegError {
+    fn from(response: Response) -> Self {
+        Self { response, engine: None }
+    }
+}
+
+/// One attempt at the two legs on prefill engine `p` and decode engine `d`.
+async fn dispatch_to(
+    r: &Arc<Router>,
+    path: &'static str,
+    request_id: Option<&axum::http::HeaderValue>,
+    orig: &Map<String, Value>,
+    p: Arc<Backend>,
+    d: Arc<Backend>,
+) -> Result<Response, LegError> {
+    let transfer_id = r.transfer_id();
     let post = |b: &Arc<Backend>, json: Value| {
         let mut req = r.http.post(format!("{}{path}", b.url)).json(&json);
-        if let Some(id) = &request_id {
+        if let Some(id) = request_id {
             req = req.header("x-request-id", id.clone());
         }
         req
     };
     let p_guard = p.start();
-    let d_guard = d.start();
-    let p_req = post(&p, prefill_body(&orig, &transfer_id)).timeout(r.cfg.prefill_timeout);
+    let p_req = post(&p, prefill_body(orig, &transfer_id)).timeout(r.cfg.prefill_timeout);
     match r.cfg.mode {
         TransferMode::Pull => {
-            let presp = match p_req.send().await {
-                Ok(x) => x,
-                Err(e) => return leg_failed(&p, "prefill", &e),
-            };
+            let presp = p_req.send().await.map_err(|e| leg_failed(&p, "prefill", &e))?;
             if !presp.status().is_success() {
-                return leg_error("prefill", &p.url, presp).await;
+                return Err(leg_error("prefill", &p, presp).await);
             }
-            let pjson: Value = match presp.json().await {
-                Ok(v) => v,
-                Err(e) => return error(StatusCode::BAD_GATEWAY, format!("prefill leg to {}: {}", p.url, describe(&e))),
-            };
+            let pjson: Value = presp
+                .json()
+                .await
+                .map_err(|e| error(StatusCode::BAD_GATEWAY, format!("prefill leg to {}: {}", p.url, describe(&e))))?;
             drop(p_guard);
             let Some(kv) = pjson.get("kv_transfer_params").filter(|v| !v.is_null()).cloned() else {
-                return error(
+                return Err(error(
                     StatusCode::BAD_GATEWAY,
                     format!("prefill engine {} returned no kv_transfer_params", p.url),
-                );
+                )
+                .into());
             };
             let mut db = orig.clone();
             db.insert("kv_transfer_params".into(), kv);
-            let resp = match post(&d, Value::Object(db)).send().await {
-                Ok(resp) if resp.status().is_success() => {
-                    return passthrough(resp, Some(d_guard), Vec::new(), r.abort.subscribe())
+            // The KV waits under its lease: a decode engine that does not take the leg leaves it
+            // for another one, without computing the prompt again.
+            let mut tried = Vec::new();
+            let mut d = d;
+            let failed = loop {
+                let d_guard = d.start();
+                let failed = match post(&d, Value::Object(db.clone())).send().await {
+                    Ok(resp) if resp.status().is_success() => {
+                        return Ok(passthrough(resp, Some(d_guard), Vec::new(), r.abort.subscribe()))
+                    }
+                    Ok(resp) => leg_error("decode", &d, resp).await,
+                    Err(e) => leg_failed(&d, "decode", &e),
+                };
+                let Some(engine) = failed.engine.clone() else { break failed };
+                tracing::info!(url = %engine.url, status = %failed.response.status(), "decode leg not taken; trying another decode engine");
+                tried.push(engine);
+                match r.pick_decode(&p, r.turn.fetch_add(1, Ordering::Relaxed), &tried) {
+                    Some(next) => d = next,
+                    None => break failed,
                 }
-                Ok(resp) => leg_error("decode", &d.url, resp).await,
-                Err(e) => leg_failed(&d, "decode", &e),
             };
             // Prefill holds the prompt's blocks under a lease for a decode read that will
-            // not come: free them now.
+            // not come: free them now. (Prefill itself is not tried again.)
             r.release(&p, &transfer_id);
-            resp
+            Err(failed.response.into())
         }
         TransferMode::Push => {
-            let kv = match p.kv() {
-                Some(kv) => kv,
-                None => {
-                    return error(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        format!("prefill engine {} has not been checked yet (its KV side channel is unknown)", p.url),
-                    )
-                }
-            };
+            let d_guard = d.start();
+            let kv = p.kv().ok_or_else(|| {
+                error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("prefill engine {} has not been checked yet (its KV side channel is unknown)", p.url),
+                )
+            })?;
             let d_kv = KvTransferParams {
                 do_remote_prefill: true,
                 remote_engine_id: Some(kv.engine_id),
@@ -567,7 +626,7 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
                         let _ = resp.bytes().await;
                         Ok(())
                     }
-                    Ok(resp) => Err(leg_error("prefill", &prefill.url, resp).await),
+                    Ok(resp) => Err(leg_error("prefill", &prefill, resp).await),
                     Err(e) => Err(leg_failed(&prefill, "prefill", &e)),
                 }
             }));
@@ -576,44 +635,50 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
             let dresp = tokio::select! {
                 d = &mut decode_leg => d,
                 p = &mut prefill_leg.0 => match p {
-                    // The prefill leg failed before decode answered: report it; dropping the
-                    // decode leg cancels it on the decode engine.
-                    Ok(Err(resp)) => return resp,
+                    // The prefill leg failed before decode answered: report it (or try another
+                    // pair); dropping the decode leg cancels it on the decode engine.
+                    Ok(Err(failed)) => return Err(failed),
                     _ => decode_leg.await,
                 },
             };
-            let resp = match dresp {
+            let failed = match dresp {
                 Ok(resp) if resp.status().is_success() => {
-                    return passthrough(resp, Some(d_guard), vec![prefill_leg], r.abort.subscribe())
+                    return Ok(passthrough(resp, Some(d_guard), vec![prefill_leg], r.abort.subscribe()))
                 }
-                Ok(resp) => leg_error("decode", &d.url, resp).await,
+                Ok(resp) => leg_error("decode", &d, resp).await,
                 Err(e) => leg_failed(&d, "decode", &e),
             };
             // No decode engine will register for this KV: dropping the prefill leg cancels a
-            // prompt still computing, and the release frees one already finished.
+            // prompt still computing, and the release frees one already finished. (The KV's
+            // transfer id named this decode engine's registration: another pair starts anew.)
             drop(prefill_leg);
             r.release(&p, &transfer_id);
-            resp
+            Err(failed)
         }
     }
 }
 
 /// A leg could not be sent or its answer did not come: a 502 naming the leg and the cause.
-/// An engine that cannot be reached is marked down until the next check finds it again.
-fn leg_failed(b: &Backend, leg: &str, e: &reqwest::Error) -> Response {
+/// An engine that cannot be reached is marked down until the next check finds it again, and
+/// the request, which never reached it, may go to another one.
+fn leg_failed(b: &Arc<Backend>, leg: &str, e: &reqwest::Error) -> LegError {
     let cause = describe(e);
+    let response = error(StatusCode::BAD_GATEWAY, format!("{leg} leg to {} failed: {cause}", b.url));
     if e.is_connect() {
-        b.set_state(BackendState::Down(cause.clone()));
+        b.set_state(BackendState::Down(cause));
+        return LegError { response, engine: Some(b.clone()) };
     }
-    error(StatusCode::BAD_GATEWAY, format!("{leg} leg to {} failed: {cause}", b.url))
+    response.into()
 }
 
-/// A leg answered with an error. A 4xx passes through (the client's request is at fault),
-/// except one about `kv_transfer_params`, which the router wrote: that is a misconfiguration
-/// between router and engine, answered with a 502 that says so. Anything else becomes a 502
-/// naming the leg.
-async fn leg_error(leg: &str, url: &str, resp: reqwest::Response) -> Response {
-    let status = resp.status();
+/// A leg answered with an error. A 4xx passes through (the client's request is at fault;
+/// a 429 with its `Retry-After`, and another engine may take the request instead), except one
+/// about `kv_transfer_params`, which the router wrote: that is a misconfiguration between
+/// router and engine, answered with a 502 that says so. Anything else becomes a 502 naming
+/// the leg.
+async fn leg_error(leg: &str, b: &Arc<Backend>, resp: reqwest::Response) -> LegError {
+    let (status, url) = (resp.status(), &b.url);
+    let retry_after = resp.headers().get("retry-after").cloned();
     let body = resp.text().await.unwrap_or_default();
     if status.is_client_error() {
         let parsed: Option<Value> = serde_json::from_str(&body).ok();
@@ -623,12 +688,19 @@ async fn leg_error(leg: &str, url: &str, resp: reqwest::Response) -> Response {
             return error(
                 StatusCode::BAD_GATEWAY,
                 format!("the {leg} engine {url} refused the router's KV transfer parameters ({message}): the engines and the router are set up inconsistently"),
-            );
+            )
+            .into();
         }
         let code = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_REQUEST);
-        return (code, [("content-type", "application/json")], body).into_response();
+        let mut response = (code, [("content-type", "application/json")], body).into_response();
+        if code != StatusCode::TOO_MANY_REQUESTS {
+            return response.into();
+        }
+        let retry_after = retry_after.unwrap_or(axum::http::HeaderValue::from_static("1"));
+        response.headers_mut().insert("retry-after", retry_after);
+        return LegError { response, engine: Some(b.clone()) };
     }
-    error(StatusCode::BAD_GATEWAY, format!("{leg} leg to {url} failed with HTTP {status}: {body}"))
+    error(StatusCode::BAD_GATEWAY, format!("{leg} leg to {url} failed with HTTP {status}: {body}")).into()
 }
 
 /// Aborts a spawned task when dropped (a leg whose response is gone, the engine checks).
@@ -643,7 +715,7 @@ impl<T> Drop for AbortOnDrop<T> {
 /// What the body of a passed-through response holds on to until it ends.
 struct Held {
     _in_flight: Option<InFlight>,
-    _legs: Vec<AbortOnDrop<Result<(), Response>>>,
+    _legs: Vec<AbortOnDrop<Result<(), LegError>>>,
 }
 
 /// The final SSE event of a stream the router ends during shutdown.
@@ -659,7 +731,7 @@ fn shutdown_chunk() -> Bytes {
 fn passthrough(
     resp: reqwest::Response,
     in_flight: Option<InFlight>,
-    legs: Vec<AbortOnDrop<Result<(), Response>>>,
+    legs: Vec<AbortOnDrop<Result<(), LegError>>>,
     abort: tokio::sync::watch::Receiver<bool>,
 ) -> Response {
     let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::OK);

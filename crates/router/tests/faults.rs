@@ -330,3 +330,53 @@ async fn a_request_waiting_for_its_kv_keeps_its_blocks_while_others_are_preempte
     wait_idle(&[&p, &d, &colocated]).await;
     alive(&[&p, &d]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_engine_hands_the_request_to_another_and_with_none_left_the_429_keeps_retry_after() {
+    let http = reqwest::Client::new();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let long = json!({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": true, "stream": true});
+    for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
+        let full = Knobs { max_in_flight: 1, num_blocks: Some(1000), ..Knobs::default() };
+        let p_full = engine_with(Some((Role::Prefill, kv_mode)), 16, full.clone()).await;
+        let p = engine(Some((Role::Prefill, kv_mode)), 16, FaultInjection::default()).await;
+        let d_full = engine_with(Some((Role::Decode, kv_mode)), 16, full).await;
+        let d = engine(Some((Role::Decode, kv_mode)), 16, FaultInjection::default()).await;
+        // Each full engine's one place is taken by a stream of its own (its body unread).
+        let mut holds = Vec::new();
+        for e in [&p_full, &d_full] {
+            let r = http.post(format!("{}/v1/completions", e.url)).json(&long).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{}: {}", e.url, r.text().await.unwrap());
+            holds.push(r);
+        }
+        // With no other decode engine, the client gets the engine's 429 and when to retry.
+        let lone = router_over(mode, &[&p], &[&d_full]).await;
+        let refused = || async {
+            let r = http
+                .post(format!("{lone}/v1/completions"))
+                .json(&json!({"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 2}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 429, "{mode:?}");
+            assert_eq!(r.headers()["retry-after"], "1");
+            let v: Value = r.json().await.unwrap();
+            assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("retry")), "{mode:?}: {v}");
+        };
+        refused().await;
+        let r_url = router_over(mode, &[&p_full, &p], &[&d_full, &d]).await;
+        // Round robin sends half the legs to a full engine: each goes to the other one instead.
+        for i in 0..8 {
+            let body = json!({"model": "tiny", "prompt": prompt(5 + i * 9, i), "max_tokens": 4, "temperature": 0,
+                              "ignore_eos": true});
+            let (status, v) = post(&http, &r_url, body.clone()).await;
+            assert_eq!(status, 200, "{mode:?} request {i}: {v}");
+            let (_, want) = post(&http, &colocated.url, body).await;
+            assert_eq!(ids(&v), ids(&want), "{mode:?} request {i}");
+        }
+        refused().await; // the full engines were full throughout
+        drop(holds);
+        wait_idle(&[&p_full, &p, &d_full, &d]).await;
+        alive(&[&p_full, &p, &d_full, &d]);
+    }
+}

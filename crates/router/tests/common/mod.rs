@@ -46,6 +46,8 @@ pub struct Knobs {
     pub copies_queued: Arc<AtomicUsize>,
     /// KV blocks in the pool (default: 3000 tokens' worth).
     pub num_blocks: Option<usize>,
+    /// Generations the server answers at once before it answers 429 (0: no bound).
+    pub max_in_flight: usize,
 }
 
 impl Default for Knobs {
@@ -63,6 +65,7 @@ impl Default for Knobs {
             copies_behind_a_step: Arc::default(),
             copies_queued: Arc::default(),
             num_blocks: None,
+            max_in_flight: 0,
         }
     }
 }
@@ -113,7 +116,8 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
         m.transformer.into()
     };
     let handle = tandem_engine::spawn_with(model, m.eos_token_ids, m.max_model_len, cfg, kv).unwrap();
-    let state = Arc::new(AppState::new(handle, m.tokenizer.map(Arc::new), "tiny".into()));
+    let state =
+        Arc::new(AppState::new(handle, m.tokenizer.map(Arc::new), "tiny".into()).with_max_in_flight(k.max_in_flight));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
@@ -121,9 +125,15 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
 }
 
 pub async fn router(mode: TransferMode, p: &Engine, d: &Engine) -> String {
+    router_over(mode, &[p], &[d]).await
+}
+
+/// A router over several prefill and decode engines.
+pub async fn router_over(mode: TransferMode, prefill: &[&Engine], decode: &[&Engine]) -> String {
+    let urls = |es: &[&Engine]| es.iter().map(|e| e.url.clone()).collect();
     let r = Router::new(RouterConfig {
         prefill_timeout: Duration::from_secs(30),
-        ..RouterConfig::new(mode, vec![p.url.clone()], vec![d.url.clone()])
+        ..RouterConfig::new(mode, urls(prefill), urls(decode))
     })
     .unwrap();
     r.wait_ready(Duration::from_secs(10)).await.unwrap();
@@ -203,8 +213,8 @@ pub async fn engine_seeded(role: Option<(Role, KvMode)>, block_size: usize, seed
     start_engine(m, role, block_size, Knobs::default()).await
 }
 
-/// Waits (bounded) until this engine's published connector counters satisfy `pred`; they are
-/// published by the engine loop, a moment after the events they count.
+/// Waits (bounded) until this engine's connector counters satisfy `pred` (a transfer's
+/// counters may follow the answer by a moment: the sender counts after its last byte).
 pub async fn kv_stats_until(
     e: &Engine,
     what: &str,
