@@ -32,12 +32,14 @@ pub struct KvBenchConfig {
     pub layout: KvLayout,
     /// Contiguous runs the blocks are split into (a real request's blocks are scattered).
     pub runs: usize,
+    /// Each transfer carries a CRC-32 of its bytes, checked by the peer (`--kv-verify`).
+    pub verify: bool,
 }
 
 impl Default for KvBenchConfig {
     fn default() -> Self {
         let layout = KvLayout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, num_blocks: 0 };
-        Self { bytes: 256 << 20, repeats: 5, layout, runs: 8 }
+        Self { bytes: 256 << 20, repeats: 5, layout, runs: 8, verify: false }
     }
 }
 
@@ -147,10 +149,11 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
             Err(e) => return Err(e),
         };
         match msg {
-            Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes } => {
+            Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes, checksum } => {
                 // Safety: this process's cache exists only for this benchmark; nothing else
                 // touches its blocks.
-                let result = unsafe { recv_blocks(&mut s, bytes, src_block_size, &region, &blocks, num_tokens) };
+                let result =
+                    unsafe { recv_blocks(&mut s, bytes, src_block_size, &region, &blocks, num_tokens, checksum) };
                 write_message(&mut s, &Message::WriteAck { transfer_id, error: result.err().map(|e| e.to_string()) })?;
             }
             other => return Err(KvError::Protocol(format!("bench peer got {other:?}"))),
@@ -206,10 +209,11 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
                 src_block_size: layout.block_size,
                 num_tokens: tokens,
                 bytes,
+                checksum: cfg.verify,
             },
         )?;
         // Safety: this cache exists only for the benchmark; nothing else touches its blocks.
-        unsafe { send_blocks(&mut s, &region, &table, tokens)? };
+        unsafe { send_blocks(&mut s, &region, &table, tokens, cfg.verify)? };
         match read_message(&mut s)? {
             Message::WriteAck { error: None, .. } => {}
             Message::WriteAck { error: Some(e), .. } => return Err(KvError::Transfer(e)),

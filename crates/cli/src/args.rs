@@ -300,6 +300,12 @@ pub struct KvArgs {
     /// copies to and from the GPU run at PCIe speed.
     #[arg(long, default_value_t = 16.0)]
     pub kv_host_gib: f64,
+    /// Every KV transfer over tcp carries a CRC-32 of its bytes, checked where they land: KV
+    /// corrupted on the way fails the transfer (counted as checksum_failures; decode recomputes
+    /// or fails by --kv-load-failure) instead of decoding garbage. Both engines need it (a pair
+    /// that differs is refused at handshake). Direct GPU copies (cuda-ipc) are not checksummed.
+    #[arg(long)]
+    pub kv_verify: bool,
     /// Test only: prefill drops push completion notifications (exercises the timeout path).
     #[arg(long, hide = true)]
     pub fault_drop_done: bool,
@@ -318,6 +324,9 @@ pub struct UpArgs {
     /// What the KV bytes travel over between the two engines: auto, tcp or cuda-ipc.
     #[arg(long, value_enum, default_value = "auto")]
     pub kv_transport: KvTransportArg,
+    /// Checksum every KV transfer over tcp (see `tandem serve --help`).
+    #[arg(long)]
+    pub kv_verify: bool,
     /// Router port (the OpenAI endpoint).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
@@ -654,6 +663,10 @@ pub struct BenchKvArgs {
     /// Transfers of each kind (raw and KV); median and best are reported.
     #[arg(long, default_value_t = 5)]
     pub repeats: usize,
+    /// tcp: every transfer carries a CRC-32 of its bytes, checked where they land
+    /// (`--kv-verify`), to measure what verifying costs.
+    #[arg(long)]
+    pub verify: bool,
     /// Write the report as JSON here too.
     #[arg(long)]
     pub json_out: Option<PathBuf>,

@@ -225,6 +225,7 @@ fn kv_setup(k: &args::KvArgs, port: u16, fingerprint: &str) -> Result<Option<tan
             // Separate processes: the local transport only applies within one process.
             local_transport: false,
             transport: k.kv_transport.to_kv(),
+            verify: k.kv_verify,
         },
         load_failure: match k.kv_load_failure {
             KvLoadFailureArg::Recompute => tandem_engine::KvLoadFailure::Recompute,
@@ -637,7 +638,7 @@ fn kv_bench_config(a: &args::BenchKvArgs) -> Result<tandem_bench::kv::KvBenchCon
     if bytes == 0 {
         bail!("--size must be more than 0 bytes");
     }
-    Ok(tandem_bench::kv::KvBenchConfig { bytes, repeats: a.repeats.max(1), ..Default::default() })
+    Ok(tandem_bench::kv::KvBenchConfig { bytes, repeats: a.repeats.max(1), verify: a.verify, ..Default::default() })
 }
 
 /// Starts the peer as a second process (this same binary), reads its port, measures, and

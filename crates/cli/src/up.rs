@@ -103,6 +103,9 @@ pub fn up(a: UpArgs) -> Result<()> {
         v.extend(["--host".into(), host.into(), "--port".into(), port.to_string()]);
         v.extend(["--kv-mode".into(), mode.into(), "--served-model-name".into(), a.served_model_name.clone()]);
         v.extend(["--kv-transport".into(), a.kv_transport.name().into()]);
+        if a.kv_verify {
+            v.push("--kv-verify".into());
+        }
         v
     };
     let has_tokenizer = match tandem_model::ModelSource::parse(&a.model.model, a.model.model_seed)? {

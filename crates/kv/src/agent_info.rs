@@ -109,6 +109,9 @@ pub struct AgentInfo {
     pub num_blocks: usize,
     /// Data transports offered.
     pub transports: Vec<TransportOffer>,
+    /// Bulk sends carry checksums (`--kv-verify`); both ends of a pair must agree.
+    #[serde(default)]
+    pub kv_verify: bool,
 }
 
 /// Why two engines cannot pair.
@@ -175,6 +178,7 @@ impl AgentInfo {
             block_bytes: layout.block_elems() * dtype.bytes(),
             num_blocks: layout.num_blocks,
             transports,
+            kv_verify: false,
         }
     }
 
@@ -214,6 +218,10 @@ impl AgentInfo {
         if self.dtype != peer.dtype {
             return Err(mismatch("dtype", self.dtype.clone(), peer.dtype.clone()));
         }
+        if self.kv_verify != peer.kv_verify {
+            let on = |v: bool| if v { "on" } else { "off" }.to_string();
+            return Err(mismatch("kv_verify", on(self.kv_verify), on(peer.kv_verify)));
+        }
         if self.tp_size != peer.tp_size {
             return Err(mismatch("tp_size", self.tp_size.to_string(), peer.tp_size.to_string()));
         }
@@ -247,6 +255,7 @@ impl AgentInfo {
             block_bytes: 4 * 2 * 2 * 16 * 32 * 4,
             num_blocks: 100,
             transports: vec![TransportOffer::Tcp { addr: "127.0.0.1:5600".into() }],
+            kv_verify: false,
         }
     }
 }
@@ -267,6 +276,7 @@ mod tests {
             (AgentInfo { num_layers: 5, ..d.clone() }, "num_layers differs: 4 here, 5"),
             (AgentInfo { head_dim: 64, ..d.clone() }, "head_dim differs"),
             (AgentInfo { tp_size: 2, ..d.clone() }, "tp_size differs"),
+            (AgentInfo { kv_verify: true, ..d.clone() }, "kv_verify differs: off here, on"),
             (AgentInfo { role: Role::Prefill, ..d.clone() }, "cannot pair"),
         ];
         for (peer, needle) in cases {

@@ -19,6 +19,9 @@ pub struct FaultInjection {
     /// Decode's agent ignores the engine's requests for KV and never answers them, as a stuck
     /// or dead agent thread would.
     pub silent_agent: bool,
+    /// The sender flips one bit of the first byte of every bulk send after checksumming it,
+    /// as a bad NIC, buffer or staging copy would.
+    pub corrupt_sends: bool,
 }
 
 /// Which transports a connector may move KV bytes over.
@@ -91,4 +94,10 @@ pub struct ConnectorConfig {
     pub local_transport: bool,
     /// Which transports bulk KV may use with engines of other processes.
     pub transport: KvTransport,
+    /// `--kv-verify`: every bulk send over tcp carries a CRC-32 of its bytes, checked where they
+    /// land; a mismatch fails the transfer (counted as `checksum_failures`), which the decode
+    /// engine recomputes or fails by its `--kv-load-failure` policy. Both ends of a pair must
+    /// agree (checked at handshake). Direct copies (local, cuda-ipc) cross no socket and are not
+    /// checksummed.
+    pub verify: bool,
 }

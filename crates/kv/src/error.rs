@@ -30,6 +30,10 @@ pub enum KvError {
     /// This engine cannot take part in KV transfer as configured.
     #[error("KV transfer unsupported: {0}")]
     Unsupported(String),
+    /// The bytes that arrived are not the bytes that were sent (`--kv-verify`): the transfer
+    /// fails, and the connection stays usable.
+    #[error("{0}")]
+    Corrupt(String),
     /// A transfer failed on the peer's side.
     #[error("transfer failed: {0}")]
     Transfer(String),

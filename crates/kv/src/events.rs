@@ -93,6 +93,8 @@ pub struct ConnectorStats {
     pub duplicate_ids: u64,
     /// Handshakes refused (either side): peers of another model, mode or KV shape.
     pub peers_refused: u64,
+    /// Bulk sends whose bytes did not match the sender's checksum (`--kv-verify`).
+    pub checksum_failures: u64,
     /// Connections opened over tcp.
     pub links_tcp: u64,
     /// Connections opened over the in-process local transport.

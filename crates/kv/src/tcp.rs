@@ -120,8 +120,12 @@ pub fn accept_handshake(
     }
 }
 
+/// Bytes of the checksum that follows a bulk send's data when it is checksummed.
+pub const CHECKSUM_BYTES: u64 = 4;
+
 /// Writes the raw bytes of the blocks holding tokens `0..num_tokens` (whole blocks, in token
-/// order) to `w`. Returns the bytes written ([`wire_bytes`]).
+/// order) to `w`, then, with `checksum`, the CRC-32 of those bytes (little-endian,
+/// [`CHECKSUM_BYTES`]). Returns the data bytes written ([`wire_bytes`]).
 ///
 /// # Safety
 /// No other thread may write `blocks` while this runs (the caller holds them for the transfer).
@@ -130,22 +134,32 @@ pub unsafe fn send_blocks(
     region: &KvRegion,
     blocks: &[u32],
     num_tokens: usize,
+    checksum: bool,
 ) -> Result<u64, KvError> {
     let layout = region.layout();
     let needed = layout.blocks_for(num_tokens);
     if blocks.len() < needed {
         return Err(KvError::Protocol(format!("{num_tokens} tokens need {needed} blocks, {} given", blocks.len())));
     }
+    let mut crc = crc32fast::Hasher::new();
     for run in coalesce(&blocks[..needed]) {
         // Safety: caller holds these blocks; nobody writes them meanwhile.
         let data = unsafe { region.bytes(run.start as usize, run.len as usize) };
         w.write_all(data)?;
+        if checksum {
+            crc.update(data);
+        }
+    }
+    if checksum {
+        w.write_all(&crc.finalize().to_le_bytes())?;
     }
     Ok(wire_bytes(layout, region.dtype(), num_tokens))
 }
 
 /// Reads `bytes` raw bytes (the sender's layout, `src_block_size` tokens per block, tokens
-/// `0..num_tokens`) from `r` into the destination blocks.
+/// `0..num_tokens`) from `r` into the destination blocks; with `checksum`, then the sender's
+/// CRC-32 of them, which must match the bytes as they landed ([`KvError::Corrupt`] if not:
+/// the stream is still in step, but the blocks hold bad KV).
 ///
 /// # Safety
 /// The caller must own `dst_blocks` exclusively while this runs.
@@ -156,6 +170,7 @@ pub unsafe fn recv_blocks(
     region: &KvRegion,
     dst_blocks: &[u32],
     num_tokens: usize,
+    checksum: bool,
 ) -> Result<(), KvError> {
     let dl = *region.layout();
     if src_block_size == 0 {
@@ -170,17 +185,34 @@ pub unsafe fn recv_blocks(
     if dst_blocks.len() < needed || dst_blocks.iter().any(|&b| b as usize >= dl.num_blocks) {
         return Err(KvError::Protocol(format!("destination blocks do not cover {num_tokens} tokens")));
     }
+    let mut crc = crc32fast::Hasher::new();
     if src_block_size == dl.block_size {
         for run in coalesce(&dst_blocks[..needed]) {
             // Safety: the caller owns the destination blocks exclusively.
             let dst = unsafe { region.bytes_mut(run.start as usize, run.len as usize) };
             r.read_exact(dst)?;
+            if checksum {
+                crc.update(dst);
+            }
         }
     } else {
         let mut staging = vec![0u8; bytes as usize];
         r.read_exact(&mut staging)?;
+        if checksum {
+            crc.update(&staging);
+        }
         // Safety: the caller owns the destination blocks exclusively.
         unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens) };
+    }
+    if checksum {
+        let mut sent = [0u8; CHECKSUM_BYTES as usize];
+        r.read_exact(&mut sent)?;
+        let (sent, got) = (u32::from_le_bytes(sent), crc.finalize());
+        if sent != got {
+            return Err(KvError::Corrupt(format!(
+                "KV checksum mismatch: the sender's CRC-32 is {sent:08x}, the {bytes} bytes received give {got:08x}"
+            )));
+        }
     }
     Ok(())
 }

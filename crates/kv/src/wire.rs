@@ -14,6 +14,8 @@
 //!   `Register.write_within_ms` and `ReadBlocks.dst_blocks`/`.write_within_ms` (a peer that
 //!   writes the blocks directly must not start after the reader's deadline);
 //!   `BlockData.local` renamed `direct`.
+//! - 4: `WriteBlocks.checksum` and `BlockData.checksum` (the data is followed by its CRC-32,
+//!   `--kv-verify`); `AgentInfo.kv_verify`.
 
 use std::io::{Read, Write};
 
@@ -24,7 +26,7 @@ use crate::agent_info::AgentInfo;
 use crate::KvError;
 
 /// The side-channel protocol version.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Largest control frame accepted (a block-id list for a very long prompt fits easily).
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -121,6 +123,9 @@ pub enum Message {
         num_tokens: usize,
         /// Raw bytes that follow.
         bytes: u64,
+        /// The bytes are followed by their CRC-32 (4 bytes, little-endian).
+        #[serde(default)]
+        checksum: bool,
     },
     /// Bulk read request (pull): send these blocks of yours.
     ReadBlocks {
@@ -149,6 +154,9 @@ pub enum Message {
         /// The holder already copied the blocks into the reader's memory (a direct transport:
         /// local or cuda-ipc); no bytes follow.
         direct: bool,
+        /// The bytes are followed by their CRC-32 (4 bytes, little-endian).
+        #[serde(default)]
+        checksum: bool,
     },
     /// Reply to `WriteBlocks`: the bytes were written (or why not).
     WriteAck {
@@ -219,6 +227,7 @@ mod tests {
                 src_block_size: 16,
                 num_tokens: 9,
                 bytes: 64,
+                checksum: true,
             },
             Message::ReadBlocks {
                 transfer_id: t.clone(),
@@ -233,6 +242,7 @@ mod tests {
                 bytes: 0,
                 error: Some("expired".into()),
                 direct: false,
+                checksum: false,
             },
             Message::WriteAck { transfer_id: t, error: None },
         ];
@@ -262,7 +272,14 @@ mod tests {
                 dst_blocks: vec![5],
                 write_within_ms: 9,
             },
-            Message::BlockData { transfer_id: t.clone(), src_block_size: 8, bytes: 64, error: None, direct: true },
+            Message::BlockData {
+                transfer_id: t.clone(),
+                src_block_size: 8,
+                bytes: 64,
+                error: None,
+                direct: true,
+                checksum: false,
+            },
             Message::Done { transfer_id: t, rank: 0, first_token: Some(17), status: DoneStatus::Ok },
         ];
         let mut state = 0x9e37_79b9_7f4a_7c15u64;

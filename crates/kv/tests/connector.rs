@@ -35,6 +35,7 @@ fn config(role: Role, mode: KvMode) -> ConnectorConfig {
         faults: FaultInjection::default(),
         local_transport: false,
         transport: tandem_kv::KvTransport::Auto,
+        verify: false,
     }
 }
 

@@ -32,8 +32,40 @@ fn fill(cache: &mut KvCache, table: &[u32], tokens: usize) {
 }
 
 #[test]
+fn a_checksummed_send_detects_one_flipped_bit_in_data_or_checksum_for_either_block_size() {
+    let tokens = 40;
+    let mut p_cache = KvCache::new(layout(16));
+    let p_table: Vec<u32> = (0..layout(16).blocks_for(tokens) as u32).map(|b| b * 5).collect();
+    fill(&mut p_cache, &p_table, tokens);
+    let mut wire = Vec::new();
+    // Safety: the test owns every block of this cache.
+    let bytes = unsafe { send_blocks(&mut wire, &p_cache.region(), &p_table, tokens, true).unwrap() };
+    assert_eq!(wire.len() as u64, bytes + tandem_kv::tcp::CHECKSUM_BYTES, "the checksum follows the data");
+    for bs_d in [16, 8] {
+        let d_table: Vec<u32> = (0..layout(bs_d).blocks_for(tokens) as u32).collect();
+        let recv = |w: &[u8]| {
+            let d_cache = KvCache::new(layout(bs_d));
+            let region = d_cache.region();
+            // Safety: the test owns every block of this cache.
+            unsafe { recv_blocks(&mut &w[..], bytes, 16, &region, &d_table, tokens, true) }
+        };
+        recv(&wire).unwrap();
+        for at in [0, wire.len() / 2, wire.len() - 1] {
+            let mut bad = wire.clone();
+            bad[at] ^= 0x10;
+            let e = recv(&bad).unwrap_err();
+            assert!(matches!(e, KvError::Corrupt(_)), "bit flipped at {at} of {} (bs {bs_d}): {e}", wire.len());
+            assert!(e.to_string().contains("checksum mismatch"), "{e}");
+        }
+    }
+}
+
+#[test]
 fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
-    for (bs_p, bs_d, tokens) in [(16, 16, 100), (16, 8, 77), (8, 16, 5)] {
+    // With and without a checksum after the bytes (`--kv-verify`).
+    for (bs_p, bs_d, tokens, checksum) in
+        [(16, 16, 100, false), (16, 8, 77, true), (8, 16, 5, false), (16, 16, 33, true)]
+    {
         let (p_info, d_info) = infos(bs_p, bs_d);
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
@@ -47,11 +79,12 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
             assert_eq!(peer.engine_id.0, "prefill-0");
             let cache = KvCache::new(layout(bs_d));
             match read_message(&mut s).unwrap() {
-                Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes } => {
+                Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes, checksum } => {
                     assert_eq!(blocks, d_table2);
+                    let region = cache.region();
                     // Safety: the test owns every block of this cache.
                     unsafe {
-                        recv_blocks(&mut s, bytes, src_block_size, &cache.region(), &blocks, num_tokens).unwrap()
+                        recv_blocks(&mut s, bytes, src_block_size, &region, &blocks, num_tokens, checksum).unwrap()
                     };
                     write_message(&mut s, &Message::WriteAck { transfer_id, error: None }).unwrap();
                 }
@@ -77,11 +110,12 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
                 src_block_size: bs_p,
                 num_tokens: tokens,
                 bytes,
+                checksum,
             },
         )
         .unwrap();
         // Safety: the test owns every block of this cache.
-        let sent = unsafe { send_blocks(&mut s, &region, &p_table, tokens).unwrap() };
+        let sent = unsafe { send_blocks(&mut s, &region, &p_table, tokens, checksum).unwrap() };
         assert_eq!(sent, bytes);
         assert_eq!(read_message(&mut s).unwrap(), Message::WriteAck { transfer_id: t, error: None });
         let d_cache = decode.join().unwrap();

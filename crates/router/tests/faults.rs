@@ -380,3 +380,34 @@ async fn a_full_engine_hands_the_request_to_another_and_with_none_left_the_429_k
         alive(&[&p_full, &p, &d_full, &d]);
     }
 }
+
+/// `--kv-verify`: KV that arrives corrupted (one bit flipped on the way) is caught by its
+/// checksum, counted, and recomputed to the colocated tokens, in both modes and across block
+/// sizes; clean transfers with checksums on land as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_kv_verify_corrupted_kv_is_caught_counted_and_recomputed_to_the_colocated_tokens() {
+    let http = reqwest::Client::new();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
+        for corrupt in [false, true] {
+            let verify = Knobs { verify: true, load_failure: KvLoadFailure::Recompute, ..Knobs::default() };
+            let faults = FaultInjection { corrupt_sends: corrupt, ..FaultInjection::default() };
+            let p = engine_with(Some((Role::Prefill, kv_mode)), 16, Knobs { faults, ..verify.clone() }).await;
+            let d = engine_with(Some((Role::Decode, kv_mode)), 8, verify).await;
+            let base = router(mode, &p, &d).await;
+            for i in 0..4 {
+                let body =
+                    json!({"prompt": prompt(10 + i * 13, i), "max_tokens": 5, "temperature": 0, "ignore_eos": true});
+                let (s1, want) = post(&http, &colocated.url, body.clone()).await;
+                let (s2, got) = post(&http, &base, body).await;
+                assert_eq!((s1, s2), (200, 200), "{got}");
+                assert_eq!(ids(&got), ids(&want), "{mode:?} corrupt={corrupt} request {i}");
+            }
+            let s = kv_stats_until(&d, "4 transfers ended", |s| s.transfers_ok + s.transfers_failed == 4).await;
+            let bad = if corrupt { 4 } else { 0 };
+            assert_eq!((s.checksum_failures, s.transfers_failed), (bad, bad), "{mode:?} corrupt={corrupt}: {s:?}");
+            wait_idle(&[&p, &d]).await;
+            alive(&[&p, &d]);
+        }
+    }
+}

@@ -98,7 +98,7 @@ impl Metrics {
             kv_bytes: counter("tandem:kv_load_bytes_total", "Decode legs: KV bytes received."),
             kv: {
                 let g = prometheus::IntGaugeVec::new(
-                    Opts::new("tandem:kv_connector", "KV connector counters (transfers, bytes, regions, expiries, unknown and duplicate ids, refused peers, connections by transport: links_tcp, links_local, links_cuda_ipc), by counter."),
+                    Opts::new("tandem:kv_connector", "KV connector counters (transfers, bytes, regions, expiries, unknown and duplicate ids, refused peers, checksum failures, connections by transport: links_tcp, links_local, links_cuda_ipc), by counter."),
                     &["counter"],
                 )
                 .expect("metric definitions are static and valid");
@@ -164,6 +164,7 @@ impl Metrics {
                 ("unknown_ids", kv.unknown_ids),
                 ("duplicate_ids", kv.duplicate_ids),
                 ("peers_refused", kv.peers_refused),
+                ("checksum_failures", kv.checksum_failures),
                 ("links_tcp", kv.links_tcp),
                 ("links_local", kv.links_local),
                 ("links_cuda_ipc", kv.links_cuda_ipc),

@@ -79,6 +79,7 @@ struct Counters {
     unknown_ids: AtomicU64,
     duplicate_ids: AtomicU64,
     peers_refused: AtomicU64,
+    checksum_failures: AtomicU64,
     links_tcp: AtomicU64,
     links_local: AtomicU64,
     links_cuda_ipc: AtomicU64,
@@ -158,6 +159,7 @@ impl Shared {
             unknown_ids: g(&c.unknown_ids),
             duplicate_ids: g(&c.duplicate_ids),
             peers_refused: g(&c.peers_refused),
+            checksum_failures: g(&c.checksum_failures),
             links_tcp: g(&c.links_tcp),
             links_local: g(&c.links_local),
             links_cuda_ipc: g(&c.links_cuda_ipc),
@@ -206,16 +208,19 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
             .push(TransportOffer::Local { process: std::process::id(), key: format!("{}@{}", cfg.engine_id, epoch.0) });
     }
     transports.extend(ipc_offer);
-    let info = AgentInfo::for_layout(
-        cfg.engine_id.clone(),
-        epoch,
-        cfg.role,
-        cfg.mode,
-        cfg.model_fingerprint.clone(),
-        &l,
-        memory.dtype(),
-        transports,
-    );
+    let info = AgentInfo {
+        kv_verify: cfg.verify,
+        ..AgentInfo::for_layout(
+            cfg.engine_id.clone(),
+            epoch,
+            cfg.role,
+            cfg.mode,
+            cfg.model_fingerprint.clone(),
+            &l,
+            memory.dtype(),
+            transports,
+        )
+    };
     let (cmd_tx, cmd_rx) = mpsc::channel();
     let shared = Arc::new(Shared {
         info: info.clone(),
@@ -433,6 +438,7 @@ fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks:
                 first_token,
                 pull: lease.is_some(),
                 direct: false,
+                failure: None,
                 started: Instant::now(),
                 timeline: TransferTimeline::default(),
             },
@@ -602,11 +608,13 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             }
         }
         // ---- decode side ----
-        Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes } => {
-            push::on_write_blocks(stream, conn, shared, transfer_id, &blocks, src_block_size, num_tokens, bytes)?
+        Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes, checksum } => {
+            let data = transport::Bulk { src_block_size, bytes, checksum };
+            push::on_write_blocks(stream, conn, shared, transfer_id, &blocks, num_tokens, data)?
         }
-        Message::BlockData { transfer_id, src_block_size, bytes, error, direct } => {
-            pull::on_block_data(stream, conn, shared, transfer_id, src_block_size, bytes, error, direct)?
+        Message::BlockData { transfer_id, src_block_size, bytes, error, direct, checksum } => {
+            let data = transport::Bulk { src_block_size, bytes, checksum };
+            pull::on_block_data(stream, conn, shared, transfer_id, data, error, direct)?
         }
         // Prefill: a pull release; decode: a push completion.
         Message::Done { transfer_id, first_token, status, .. } => {

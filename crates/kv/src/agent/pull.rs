@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use tandem_core::{Epoch, TransferId};
 
-use super::transport::receive_tcp;
+use super::transport::{receive_tcp, Bulk};
 use super::{bump, Conn, Shared};
 use crate::blocks::{coalesce, wire_bytes};
 use crate::wire::{DoneStatus, Message};
@@ -85,6 +85,7 @@ pub(super) fn on_read_blocks(
                 bytes: 0,
                 error: Some(error),
                 direct: conn.transport.writes_directly(),
+                checksum: false,
             };
             return conn.send(&refusal);
         }
@@ -122,14 +123,12 @@ pub(super) fn on_heartbeat(shared: &Shared, tids: Vec<TransferId>) {
 
 /// Decode: prefill's answer to our read of `tid`: the bytes follow on `stream` (tcp), were
 /// copied already (`direct`: local, or cuda-ipc), or an error says why not.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn on_block_data(
     stream: &mut TcpStream,
     conn: &Conn,
     shared: &Shared,
     tid: TransferId,
-    src_block_size: usize,
-    bytes: u64,
+    data: Bulk,
     error: Option<String>,
     direct: bool,
 ) -> Result<(), KvError> {
@@ -144,9 +143,15 @@ pub(super) fn on_block_data(
         return Ok(());
     }
     let num_tokens = shared.tables().incoming.get(&tid).map(|i| i.num_tokens).unwrap_or(0);
-    let landed = receive_tcp(stream, shared, &tid, None, src_block_size, num_tokens, bytes)?;
+    let landed = receive_tcp(stream, shared, &tid, None, num_tokens, data)?;
     // Release prefill's blocks whatever happened here: we will not read them again.
     conn.send(&Message::Done { transfer_id: tid.clone(), rank: 0, first_token: None, status: DoneStatus::Ok })?;
+    let mut t = shared.tables();
+    if let Some(reason) = t.incoming.get_mut(&tid).and_then(|i| i.failure.take()) {
+        shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Failed { request_id: inc.request_id, reason });
+        return Ok(());
+    }
+    drop(t);
     if landed.is_ok() {
         let mut t = shared.tables();
         let first_token = t.incoming.get(&tid).and_then(|i| i.first_token);

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use tandem_core::{Epoch, TransferId};
 
 use super::table::{Produced, Registration, Rendezvous};
-use super::transport::receive_tcp;
+use super::transport::{receive_tcp, Bulk};
 use super::{bump, Conn, Shared};
 use crate::blocks::{coalesce, wire_bytes};
 use crate::wire::{DoneStatus, Message};
@@ -137,18 +137,16 @@ fn start_write(shared: &Arc<Shared>, tid: TransferId, reg: Registration, produce
 }
 
 /// Decode: prefill's bytes for `tid` follow on `stream`; acknowledged either way.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn on_write_blocks(
     stream: &mut TcpStream,
     conn: &Conn,
     shared: &Shared,
     tid: TransferId,
     blocks: &[u32],
-    src_block_size: usize,
     num_tokens: usize,
-    bytes: u64,
+    data: Bulk,
 ) -> Result<(), KvError> {
-    let result = receive_tcp(stream, shared, &tid, Some(blocks), src_block_size, num_tokens, bytes)?;
+    let result = receive_tcp(stream, shared, &tid, Some(blocks), num_tokens, data)?;
     conn.send(&Message::WriteAck { transfer_id: tid, error: result.err() })
 }
 
@@ -186,9 +184,10 @@ pub(super) fn on_done(shared: &Shared, tid: &TransferId, first_token: Option<u32
             first_token,
             staged,
         },
-        DoneStatus::Ok => {
-            ConnectorEvent::Failed { request_id: inc.request_id, reason: "completion arrived without data".into() }
-        }
+        DoneStatus::Ok => ConnectorEvent::Failed {
+            request_id: inc.request_id,
+            reason: inc.failure.unwrap_or_else(|| "completion arrived without data".into()),
+        },
         DoneStatus::Failed(reason) => ConnectorEvent::Failed { request_id: inc.request_id, reason },
     });
 }

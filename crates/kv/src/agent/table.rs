@@ -41,6 +41,9 @@ pub(super) struct Incoming {
     /// The peer writes the blocks directly (cuda-ipc): from the moment they are named to it
     /// until it reports the write's end, a write may land in them.
     pub direct: bool,
+    /// Why the last write into the blocks did not land (a checksum mismatch), for the
+    /// completion that follows it.
+    pub failure: Option<String>,
     /// When the engine asked, and the stages since (for the timeline).
     pub started: Instant,
     pub timeline: TransferTimeline,
@@ -220,6 +223,7 @@ mod tests {
             first_token: None,
             pull: false,
             direct: false,
+            failure: None,
             started: Instant::now(),
             timeline: TransferTimeline::default(),
         }

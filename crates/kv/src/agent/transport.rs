@@ -12,13 +12,13 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tandem_compute::cuda::{IpcExport, PeerKvMemory};
 use tandem_compute::kv_copy::plan_kv_copy;
-use tandem_compute::KvLayout;
+use tandem_compute::{KvLayout, KvRegion};
 use tandem_core::TransferId;
 
 use super::table::NoWrite;
 use super::{bump, Conn, Shared};
 use crate::blocks::{coalesce, copy_tokens, wire_bytes};
-use crate::tcp::{recv_blocks, send_blocks, Picked};
+use crate::tcp::{recv_blocks, send_blocks, Picked, CHECKSUM_BYTES};
 use crate::wire::{write_message, DoneStatus, Message};
 use crate::{AgentInfo, ConnectorEvent, KvError, KvTransport, TransportOffer};
 
@@ -220,11 +220,12 @@ impl Transport for Tcp {
             src_block_size: region.layout().block_size,
             num_tokens,
             bytes,
+            checksum: shared.cfg.verify,
         };
         write_message(&mut *w, &header)?;
         // Safety: the connector owns the source blocks until the push thread drops them; the
         // engine does not schedule a finished request's blocks.
-        unsafe { send_blocks(&mut *w, region, src, num_tokens)? };
+        unsafe { send_data(shared, &mut w, region, src, num_tokens)? };
         if !shared.cfg.faults.drop_done {
             let done = Message::Done {
                 transfer_id: tid.clone(),
@@ -255,12 +256,58 @@ impl Transport for Tcp {
             bytes: wire_bytes(region.layout(), region.dtype(), num_tokens),
             error: None,
             direct: false,
+            checksum: shared.cfg.verify,
         };
         write_message(&mut *w, &header)?;
         // Safety: the lease holds these blocks and its `reading` flag keeps it from expiring
         // until this send is over.
-        unsafe { send_blocks(&mut *w, region, src, num_tokens)? };
+        unsafe { send_data(shared, &mut w, region, src, num_tokens)? };
         Ok(())
+    }
+}
+
+/// [`send_blocks`] with this connector's checksum setting (and its fault injection).
+///
+/// # Safety
+/// As [`send_blocks`].
+unsafe fn send_data(
+    shared: &Shared,
+    w: &mut TcpStream,
+    region: &KvRegion,
+    src: &[u32],
+    num_tokens: usize,
+) -> Result<u64, KvError> {
+    let checksum = shared.cfg.verify;
+    // Safety: passed on from the caller.
+    unsafe {
+        if shared.cfg.faults.corrupt_sends {
+            send_blocks(&mut FlipFirstBit { inner: w, flipped: false }, region, src, num_tokens, checksum)
+        } else {
+            send_blocks(w, region, src, num_tokens, checksum)
+        }
+    }
+}
+
+/// Fault injection: a writer that flips the lowest bit of the first byte written through it.
+struct FlipFirstBit<'a> {
+    inner: &'a mut TcpStream,
+    flipped: bool,
+}
+
+impl std::io::Write for FlipFirstBit<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match buf.first() {
+            Some(&b) if !self.flipped => {
+                self.inner.write_all(&[b ^ 1])?;
+                self.flipped = true;
+                Ok(1)
+            }
+            _ => self.inner.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
     }
 }
 
@@ -357,6 +404,7 @@ fn answer_direct_read(
         bytes: 0,
         error: copied.err(),
         direct: true,
+        checksum: false,
     })
 }
 
@@ -429,31 +477,44 @@ pub(super) fn receive_tcp(
     shared: &Shared,
     tid: &TransferId,
     dst: Option<&[u32]>,
-    src_block_size: usize,
     num_tokens: usize,
-    bytes: u64,
+    data: Bulk,
 ) -> Result<Result<(), String>, KvError> {
+    let Bulk { src_block_size, bytes, checksum } = data;
+    let on_wire = bytes + if checksum { CHECKSUM_BYTES } else { 0 };
     let region = match shared.memory.host_region() {
         Ok(r) => r,
         Err(e) => {
-            drain(stream, bytes)?;
+            drain(stream, on_wire)?;
             return Ok(Err(e.to_string()));
         }
     };
     let begun = shared.tables().begin_write(tid, num_tokens, dst);
     let blocks = match begun {
+        Ok(_) if shared.cfg.verify && !checksum => {
+            // Pairing checks both ends agree on checksums; a peer that still sends none is
+            // not trusted with our blocks.
+            drain(stream, on_wire)?;
+            let reason = "the peer sent KV without the checksum --kv-verify asks for".to_string();
+            let mut t = shared.tables();
+            t.end_write(tid, false, 0, 0);
+            if let Some(inc) = t.incoming.get_mut(tid) {
+                inc.failure = Some(reason.clone());
+            }
+            return Ok(Err(reason));
+        }
         Ok(blocks) => blocks,
         Err(why) => {
             if matches!(why, NoWrite::Unknown) {
                 bump(&shared.counters.unknown_ids, 1);
             }
-            drain(stream, bytes)?;
+            drain(stream, on_wire)?;
             return Ok(Err(format!("transfer `{tid}` is unknown, aborted or does not match")));
         }
     };
     // Safety: these blocks are registered to this transfer; the engine keeps them out of the
     // schedule until the connector reports, and an abort waits for the write to end.
-    let result = unsafe { recv_blocks(stream, bytes, src_block_size, region, &blocks, num_tokens) };
+    let result = unsafe { recv_blocks(stream, bytes, src_block_size, region, &blocks, num_tokens, checksum) };
     let regions = coalesce(&blocks[..region.layout().blocks_for(num_tokens).min(blocks.len())]).len() as u32;
     let mut t = shared.tables();
     if t.end_write(tid, result.is_ok(), bytes, regions) {
@@ -464,12 +525,29 @@ pub(super) fn receive_tcp(
             bump(&shared.counters.bytes_received, bytes);
             Ok(Ok(()))
         }
+        // The stream is still in step: the transfer fails, the connection stays.
+        Err(KvError::Corrupt(reason)) => {
+            bump(&shared.counters.checksum_failures, 1);
+            tracing::warn!(transfer_id = %tid, %reason, "KV arrived corrupted");
+            if let Some(inc) = t.incoming.get_mut(tid) {
+                inc.failure = Some(reason.clone());
+            }
+            Ok(Err(reason))
+        }
         Err(e) => {
             let reason = format!("receiving KV: {e}");
             shared.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Failed { request_id: inc.request_id, reason });
             Err(e)
         }
     }
+}
+
+/// How a bulk send's bytes come: in which block size, how many, and whether their checksum
+/// follows them.
+pub(super) struct Bulk {
+    pub src_block_size: usize,
+    pub bytes: u64,
+    pub checksum: bool,
 }
 
 /// Reads `bytes` from the stream and throws them away (data for a transfer we refuse).

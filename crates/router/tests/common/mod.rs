@@ -48,6 +48,8 @@ pub struct Knobs {
     pub num_blocks: Option<usize>,
     /// Generations the server answers at once before it answers 429 (0: no bound).
     pub max_in_flight: usize,
+    /// `--kv-verify`: checksums on every tcp bulk send.
+    pub verify: bool,
 }
 
 impl Default for Knobs {
@@ -66,6 +68,7 @@ impl Default for Knobs {
             copies_queued: Arc::default(),
             num_blocks: None,
             max_in_flight: 0,
+            verify: false,
         }
     }
 }
@@ -103,6 +106,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             faults: k.faults.clone(),
             local_transport: k.local,
             transport: tandem_kv::KvTransport::Auto,
+            verify: k.verify,
         },
         load_failure: k.load_failure,
     });
