@@ -295,3 +295,53 @@ fn a_decode_process_killed_mid_request_frees_prefill_kv_and_the_router_fails_ove
         }
     }
 }
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_frozen_prefill_process_is_declared_dead_within_the_liveness_bound_and_trusted_again_only_after_a_new_handshake() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    // A long prefill (two tokens a step) that freezes mid-way, its KV connection open.
+    let s = system(
+        "push",
+        "--max-num-batched-tokens 2 --kv-liveness-secs 1",
+        "--kv-liveness-secs 1 --kv-load-failure recompute",
+    );
+    let prompt: Vec<u32> = (0..1500).map(|j| (j * 7 % 500) as u32).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true});
+    let (_, want) = complete(&http, &s.d_url, &body);
+    let (r_url, b) = (s.r_url.clone(), body.clone());
+    let client = std::thread::spawn(move || {
+        let start = Instant::now();
+        let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+        let (status, v) = complete(&http, &r_url, &b);
+        (status, v, start.elapsed())
+    });
+    // Decode has handshaken with prefill and registered; prefill is computing.
+    metric_until(&http, &s.d_url, "tandem:kv_connector{counter=\"links_tcp\"}", |n| n >= 1.0, "decode never connected");
+    metric_until(&http, &s.p_url, "tandem:num_requests_running", |n| n == 1.0, "prefill never started");
+    let pid = Pid::from_raw(s.p.0.id() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let frozen = Instant::now();
+    let (status, v, _) = client.join().unwrap();
+    let took = frozen.elapsed();
+    kill(pid, Signal::SIGCONT).unwrap();
+    // Decode stopped waiting after about the liveness bound (not its 30 s transfer timeout)
+    // and recomputed the prompt itself.
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["token_ids"], want["choices"][0]["token_ids"], "recomputed to the same tokens");
+    assert!(took < Duration::from_secs(10), "declared dead after {took:?}");
+    // Awake again: prefill is used again only over a new connection and handshake, and the KV
+    // comes from it.
+    let small = json!({"prompt": [3, 1, 4, 1, 5], "max_tokens": 3, "temperature": 0, "ignore_eos": true});
+    let (_, want) = complete(&http, &s.d_url, &small);
+    let (status, v) = complete(&http, &s.r_url, &small);
+    assert_eq!(status, 200, "after the thaw: {v}");
+    assert_eq!(v["choices"][0]["token_ids"], want["choices"][0]["token_ids"]);
+    assert!(v["kv_timeline"]["transfer"]["bytes"].as_u64().unwrap_or(0) > 0, "the KV came from prefill: {v}");
+    metric_until(&http, &s.d_url, "tandem:kv_connector{counter=\"links_tcp\"}", |n| n >= 2.0, "no new connection");
+    for u in [&s.p_url, &s.d_url] {
+        metric_until(&http, u, "tandem:kv_blocks_used", |b| b == 0.0, "blocks not back");
+    }
+}
