@@ -467,6 +467,58 @@ pub enum BenchCommand {
     /// The peer process `bench kv` starts (internal).
     #[command(hide = true)]
     KvPeer(BenchKvArgs),
+    /// Minutes of load past capacity through router + prefill + decode (each mode), with
+    /// client cancellations and engines frozen now and then (SIGSTOP): every answer is checked
+    /// against a colocated engine's, and the run fails if one is wrong, one is lost, or a KV
+    /// block leaks.
+    Soak(SoakArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct SoakArgs {
+    /// Modes to soak, one after the other: push, pull.
+    #[arg(long, value_delimiter = ',', default_value = "push,pull")]
+    pub modes: Vec<String>,
+    /// Seconds of load per mode.
+    #[arg(long, default_value_t = 120.0)]
+    pub secs: f64,
+    /// Requests per second; by default --overload times the capacity measured first.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Load as a multiple of the measured capacity (without --rate).
+    #[arg(long, default_value_t = 2.0)]
+    pub overload: f64,
+    /// Fraction of requests the client abandons after up to 300 ms.
+    #[arg(long, default_value_t = 0.15)]
+    pub cancel_fraction: f64,
+    /// Every this many seconds, freeze the prefill or the decode engine (in turn) with SIGSTOP
+    /// for --freeze-secs, then let it go on (0: no freezes).
+    #[arg(long, default_value_t = 20.0)]
+    pub freeze_every_secs: f64,
+    /// How long a freeze lasts (longer than the engines' --kv-liveness-secs 1).
+    #[arg(long, default_value_t = 3.0)]
+    pub freeze_secs: f64,
+    /// A request with no answer after this many seconds counts as lost.
+    #[arg(long, default_value_t = 60.0)]
+    pub request_timeout_secs: f64,
+    /// The model.
+    #[arg(long, default_value = "preset:tiny-qwen3")]
+    pub model: String,
+    /// Router port; prefill +100, decode +200, KV +300/+301, the reference engine +400.
+    #[arg(long, default_value_t = 19000)]
+    pub base_port: u16,
+    /// KV cache blocks per engine (small, so that requests are preempted and recomputed).
+    #[arg(long, default_value_t = 512)]
+    pub num_kv_blocks: usize,
+    /// Token ids are drawn below this.
+    #[arg(long, default_value_t = 500)]
+    pub vocab_size: u32,
+    /// Write the reports as JSON here too.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }
 
 #[derive(Args, Debug, Clone)]

@@ -2,6 +2,7 @@
 //! errors to exit codes. No logic of its own beyond wiring.
 
 mod args;
+mod soak;
 mod up;
 
 use std::io::Write;
@@ -37,6 +38,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Sweep(a)) => bench_sweep(a),
         Command::Bench(BenchCommand::Plot(a)) => bench_plot(a),
         Command::Bench(BenchCommand::KvPeer(a)) => bench_kv_peer(a),
+        Command::Bench(BenchCommand::Soak(a)) => soak::bench_soak(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -41,7 +41,19 @@ fn start(name: &'static str, args: &[String]) -> Result<Role> {
     Ok(Role { name, child })
 }
 
-fn signal(r: &Role, sig: nix::sys::signal::Signal) {
+impl Role {
+    /// The process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Which process this is (prefill, decode, router, serve).
+    pub(crate) fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+pub(crate) fn signal(r: &Role, sig: nix::sys::signal::Signal) {
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(r.child.id() as i32), sig);
 }
 
