@@ -100,11 +100,12 @@ struct System {
 
 fn system(mode: &str, extra_p: &str, extra_d: &str) -> System {
     let (pp, dp, rp, pk, dk) = (free_port(), free_port(), free_port(), free_port(), free_port());
-    let p_args =
-        args(&format!("serve --role prefill --kv-mode {mode} --port {pp} --kv-port {pk} --block-size 16 {extra_p}"));
+    let p_args = args(&format!(
+        "serve --role prefill --kv-mode {mode} --port {pp} --kv-port {pk} --block-size 16 --kv-verify {extra_p}"
+    ));
     let p = tandem(&p_args);
     let d = tandem(&args(&format!(
-        "serve --role decode --kv-mode {mode} --port {dp} --kv-port {dk} --block-size 8 {extra_d}"
+        "serve --role decode --kv-mode {mode} --port {dp} --kv-port {dk} --block-size 8 --kv-verify {extra_d}"
     )));
     let r = tandem(&args(&format!(
         "router --mode {mode} --prefill http://127.0.0.1:{pp} --decode http://127.0.0.1:{dp} --port {rp}"
@@ -213,11 +214,15 @@ fn a_decode_process_killed_mid_request_frees_prefill_kv_and_the_router_fails_ove
         // One token per prefill step: the long prompt keeps the request in flight while a
         // decode engine is killed.
         let _p = tandem(&args(&format!(
-            "serve --role prefill --kv-mode {mode} --port {pp} --kv-port {pk} --max-num-batched-tokens 2"
+            "serve --role prefill --kv-mode {mode} --port {pp} --kv-port {pk} --max-num-batched-tokens 2 --kv-verify"
         )));
         let d_args: Vec<Vec<String>> = (0..2)
             .map(|_| {
-                args(&format!("serve --role decode --kv-mode {mode} --port {} --kv-port {}", free_port(), free_port()))
+                args(&format!(
+                    "serve --role decode --kv-mode {mode} --port {} --kv-port {} --kv-verify",
+                    free_port(),
+                    free_port()
+                ))
             })
             .collect();
         let mut d: Vec<Proc> = d_args.iter().map(|a| tandem(a)).collect();

@@ -1,6 +1,6 @@
 //! The CI soak: `tandem bench soak` for a minute per mode through router + push and + pull,
 //! at twice the measured capacity, with client cancellations and the prefill and decode
-//! engines frozen in turn. Nothing may be wrong, lost or leaked.
+//! engines frozen in turn. Nothing may be wrong, lost (no answer within 120 s) or leaked.
 
 use std::process::Command;
 
@@ -13,7 +13,8 @@ mod common;
 fn a_soak_past_capacity_with_frozen_engines_loses_nothing_answers_nothing_wrong_and_leaks_no_block() {
     let base = common::free_port();
     let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
-        .args(["bench", "soak", "--secs", "50", "--freeze-every-secs", "12", "--base-port", &base.to_string()])
+        .args(["bench", "soak", "--secs", "50", "--freeze-every-secs", "12", "--request-timeout-secs", "120"])
+        .args(["--base-port", &base.to_string()])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -390,7 +390,8 @@ async fn with_kv_verify_corrupted_kv_is_caught_counted_and_recomputed_to_the_col
     let colocated = engine(None, 16, FaultInjection::default()).await;
     for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
         for corrupt in [false, true] {
-            let verify = Knobs { verify: true, load_failure: KvLoadFailure::Recompute, ..Knobs::default() };
+            let verify = Knobs { load_failure: KvLoadFailure::Recompute, ..Knobs::default() };
+            assert!(verify.verify, "the fault tests run with --kv-verify");
             let faults = FaultInjection { corrupt_sends: corrupt, ..FaultInjection::default() };
             let p = engine_with(Some((Role::Prefill, kv_mode)), 16, Knobs { faults, ..verify.clone() }).await;
             let d = engine_with(Some((Role::Decode, kv_mode)), 8, verify).await;

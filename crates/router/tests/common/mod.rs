@@ -48,7 +48,9 @@ pub struct Knobs {
     pub num_blocks: Option<usize>,
     /// Generations the server answers at once before it answers 429 (0: no bound).
     pub max_in_flight: usize,
-    /// `--kv-verify`: checksums on every tcp bulk send.
+    /// `--kv-verify`: checksums on every tcp bulk send (on by default: the P/D and fault tests
+    /// run with it, so that KV corrupted on the way would fail them as a counted checksum
+    /// failure, not as wrong tokens).
     pub verify: bool,
 }
 
@@ -68,7 +70,7 @@ impl Default for Knobs {
             copies_queued: Arc::default(),
             num_blocks: None,
             max_in_flight: 0,
-            verify: false,
+            verify: true,
         }
     }
 }
