@@ -3,7 +3,7 @@
 //! answer is wrong, a request is lost or a KV block leaks (the checks are in
 //! `tandem_bench::soak`).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,27 +29,24 @@ fn rss_mib(pid: u32) -> f64 {
 fn freezer(roles: &[Role], every: Duration, hold: Duration, seed: u64, stop: Arc<AtomicBool>) -> usize {
     let engines: Vec<(&'static str, u32)> =
         roles.iter().filter(|r| r.name() != "router").map(|r| (r.name(), r.pid())).collect();
-    let freezes = AtomicUsize::new(0);
+    let mut freezes = 0;
     let mut next = Instant::now() + every;
     while !stop.load(Ordering::SeqCst) {
         if every.is_zero() || Instant::now() < next {
             std::thread::sleep(Duration::from_millis(50));
             continue;
         }
-        let turn = seed as usize + freezes.load(Ordering::Relaxed);
+        let turn = seed as usize + freezes;
         let (name, pid) = engines[turn % engines.len()];
         let pid = nix::unistd::Pid::from_raw(pid as i32);
         eprintln!("... freezing the {name} engine for {:.1} s", hold.as_secs_f64());
         let _ = nix::sys::signal::kill(pid, Signal::SIGSTOP);
-        let until = Instant::now() + hold;
-        while Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        std::thread::sleep(hold);
         let _ = nix::sys::signal::kill(pid, Signal::SIGCONT);
-        freezes.fetch_add(1, Ordering::Relaxed);
+        freezes += 1;
         next = Instant::now() + every;
     }
-    freezes.into_inner()
+    freezes
 }
 
 pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {

@@ -197,7 +197,7 @@ fn a_prefill_process_killed_mid_prefill_ends_the_request_and_frees_decode_blocks
     assert!(v["kv_timeline"]["transfer"]["bytes"].as_u64().unwrap_or(0) > 0, "the KV came from the new prefill: {v}");
 }
 
-/// The value of `name` on `url` once `pred` holds for it (bounded).
+/// Waits (bounded) until metric `name` on `url` satisfies `pred`; fails saying `what` if not.
 fn metric_until(http: &reqwest::blocking::Client, url: &str, name: &str, pred: impl Fn(f64) -> bool, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !metric(http, url, name).is_some_and(&pred) {

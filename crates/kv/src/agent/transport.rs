@@ -489,20 +489,18 @@ pub(super) fn receive_tcp(
             return Ok(Err(e.to_string()));
         }
     };
+    if shared.cfg.verify && !checksum {
+        // Pairing checks both ends agree on checksums; a peer that still sends none is not
+        // trusted with our blocks, which it never touches: the completion reports why.
+        drain(stream, on_wire)?;
+        let reason = "the peer sent KV without the checksum --kv-verify asks for".to_string();
+        if let Some(inc) = shared.tables().incoming.get_mut(tid) {
+            inc.failure = Some(reason.clone());
+        }
+        return Ok(Err(reason));
+    }
     let begun = shared.tables().begin_write(tid, num_tokens, dst);
     let blocks = match begun {
-        Ok(_) if shared.cfg.verify && !checksum => {
-            // Pairing checks both ends agree on checksums; a peer that still sends none is
-            // not trusted with our blocks.
-            drain(stream, on_wire)?;
-            let reason = "the peer sent KV without the checksum --kv-verify asks for".to_string();
-            let mut t = shared.tables();
-            t.end_write(tid, false, 0, 0);
-            if let Some(inc) = t.incoming.get_mut(tid) {
-                inc.failure = Some(reason.clone());
-            }
-            return Ok(Err(reason));
-        }
         Ok(blocks) => blocks,
         Err(why) => {
             if matches!(why, NoWrite::Unknown) {
