@@ -123,8 +123,8 @@ kv_bench() {
     done
   done
 }
-run_test() {
-  if timeout 300 "$BIN/$1" --include-ignored --test-threads=1 --nocapture > "/tmp/test_$1.log" 2>&1; then
+run_test() {  # TEST_BINARY [NAME_FILTER]
+  if timeout 300 "$BIN/$1" --include-ignored --test-threads=1 --nocapture ${2:-} > "/tmp/test_$1.log" 2>&1; then
     note "test $1: ok"
   else
     note "test $1: FAILED"; status=1
@@ -134,7 +134,8 @@ run_test() {
 }
 if [ "$MODE" = ipc ]; then
   # KV GPU to GPU: kernel and engine tests, P/D over tcp and cuda-ipc, the transport's bandwidth.
-  [ -n "${SKIP_KERNEL_TESTS:-}" ] || run_test cuda_kernels
+  # KERNEL_TESTS=NAME runs only the kernel tests matching NAME.
+  [ -n "${SKIP_KERNEL_TESTS:-}" ] || run_test cuda_kernels "${KERNEL_TESTS:-}"
   run_test cuda_engine
   pd_check
   kv_bench
@@ -150,6 +151,17 @@ if [ "$MODE" = sweep ]; then
     --output-len 64 --num-prompts 16 --vocab-size 100000 --result-dir "$OUT/sweep" --plot > "$OUT/sweep.log" 2>&1 \
     || { note "sweep failed"; tail -20 "$OUT/sweep.log"; status=1; }
   tail -40 "$OUT/sweep.log"
+  # The table: median TTFT and TPOT per point, and for the disaggregated modes the median KV
+  # transfer and prefill hand-over -> KV applied at decode (push), with the transfer's share.
+  python3 - "$OUT/sweep/summary.csv" <<'PY' | tee -a "$OUT/summary.txt"
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+print(f"{'mode':>9} {'in':>5} {'qps':>4} {'TTFT ms':>8} {'TPOT ms':>8} {'KV ms':>7} {'KV/TTFT':>7} {'handover->ready ms':>18}")
+for r in rows:
+    kv, h = r.get("median_kv_transfer_ms") or "", r.get("median_produced_to_ready_ms") or ""
+    share = f"{100 * float(kv) / float(r['median_ttft_ms']):.2f}%" if kv else ""
+    print(f"{r['mode']:>9} {r['input_len']:>5} {r['qps']:>4} {float(r['median_ttft_ms']):8.1f} {float(r['median_tpot_ms']):8.2f} {kv:>7} {share:>7} {h:>18}")
+PY
   exit $status
 fi
 if [ "$MODE" = ncu ]; then

@@ -49,7 +49,30 @@ fn fmt_qps(q: f64) -> String {
 }
 
 /// The CSV header of `summary.csv`.
-pub const CSV_HEADER: &str = "mode,qps,input_len,output_len,iter,completed,failed,mean_ttft_ms,median_ttft_ms,p99_ttft_ms,mean_tpot_ms,median_tpot_ms,p99_tpot_ms,mean_itl_ms,mean_e2el_ms,output_throughput";
+pub const CSV_HEADER: &str = "mode,qps,input_len,output_len,iter,completed,failed,mean_ttft_ms,median_ttft_ms,p99_ttft_ms,mean_tpot_ms,median_tpot_ms,p99_tpot_ms,mean_itl_ms,mean_e2el_ms,output_throughput,median_kv_transfer_ms,median_produced_to_ready_ms";
+
+/// Disaggregated points: the median KV transfer (first byte to last, or a direct write's copies)
+/// and the median from prefill handing the KV over to decode applying it (push, one host), in
+/// ms, from the decode engine's per-request timelines; `None` where no request carries them.
+fn kv_medians(outcomes: &[crate::metrics::RequestOutcome]) -> (Option<f64>, Option<f64>) {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (!v.is_empty()).then(|| {
+            if !v.len().is_multiple_of(2) {
+                v[v.len() / 2]
+            } else {
+                (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
+            }
+        })
+    };
+    let timelines = || outcomes.iter().filter_map(|o| o.kv_timeline.as_ref());
+    let ms = |v: &serde_json::Value| v.as_f64().map(|us| us / 1000.0);
+    let transfer = timelines()
+        .filter_map(|t| Some(ms(&t["transfer"]["data_end_us"])? - ms(&t["transfer"]["data_start_us"])?))
+        .collect();
+    let handover = timelines().filter_map(|t| ms(&t["produced_to_ready_us"])).collect();
+    (median(transfer), median(handover))
+}
 
 /// Runs every point of the grid for one mode against `base_url`, writing each result, and
 /// appends the points' rows to `<result_dir>/summary.csv`. `progress` gets one line per point.
@@ -99,8 +122,10 @@ pub async fn run_mode(
                 let p = |stat: &crate::metrics::Stat| {
                     stat.percentiles.iter().find(|(q, _)| *q == 99.0).map(|x| x.1).unwrap_or(0.0)
                 };
+                let (kv_transfer, handover) = kv_medians(&r.outcomes);
+                let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
                 let row = format!(
-                    "{mode},{},{input_len},{},{iter},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3}\n",
+                    "{mode},{},{input_len},{},{iter},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{}\n",
                     fmt_qps(qps),
                     cfg.output_len,
                     s.completed,
@@ -113,16 +138,23 @@ pub async fn run_mode(
                     p(&s.tpot),
                     s.itl.mean,
                     s.e2el.mean,
-                    s.output_throughput
+                    s.output_throughput,
+                    opt(kv_transfer),
+                    opt(handover)
                 );
                 append(&csv, &row)?;
                 progress(&format!(
-                    "{mode:>10} qps {:>5} in {input_len:>6} iter {iter}: {} ok, {} failed, median TTFT {:.1} ms, median TPOT {:.2} ms",
+                    "{mode:>10} qps {:>5} in {input_len:>6} iter {iter}: {} ok, {} failed, median TTFT {:.1} ms, median TPOT {:.2} ms{}",
                     fmt_qps(qps),
                     s.completed,
                     s.failed,
                     s.ttft.median,
-                    s.tpot.median
+                    s.tpot.median,
+                    match (kv_transfer, handover) {
+                        (Some(t), Some(h)) => format!(", KV transfer {t:.2} ms, handed over -> ready {h:.2} ms"),
+                        (Some(t), None) => format!(", KV transfer {t:.2} ms"),
+                        _ => String::new(),
+                    }
                 ));
                 written.push(path);
             }

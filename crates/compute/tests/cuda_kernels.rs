@@ -797,3 +797,63 @@ fn gate_up_interleave_and_silu_mul() {
         }
     }
 }
+
+/// A request's KV moved between two GPU caches as the cuda-ipc transport moves it (the same
+/// planning and launch, into a second cache of this process): every token's every element lands
+/// where the destination's block table and block size put it, and nothing else is written. Equal
+/// block sizes (linear copies), different ones through `kv_scatter` (rows of whole 16-byte
+/// vectors), and rows that are not (pitched copies).
+#[test]
+#[ignore = "needs a GPU"]
+fn kv_copies_between_block_sizes_land_every_token_where_the_table_says() {
+    use tandem_compute::kv_copy::{plan_kv_copy, run_kv_copy_on_host};
+    use tandem_compute::KvLayout;
+    let Some(dev) = device() else { return };
+    let mut rng = Lcg(7);
+    // (source block size, destination block size, head dim, tokens)
+    let cases: [(usize, usize, usize, usize); 7] = [
+        (16, 16, 128, 300),
+        (16, 32, 128, 1000),
+        (32, 16, 128, 999),
+        (16, 32, 64, 33),
+        (32, 16, 64, 1),
+        (16, 5, 8, 70),
+        (8, 32, 4, 70),
+    ];
+    for (sbs, dbs, hd, tokens) in cases {
+        let sl = KvLayout {
+            num_layers: 3,
+            num_kv_heads: 2,
+            head_dim: hd,
+            block_size: sbs,
+            num_blocks: tokens.div_ceil(sbs) * 2 + 3,
+        };
+        let dl = KvLayout { block_size: dbs, num_blocks: tokens.div_ceil(dbs) + 5, ..sl };
+        let elems = |l: &KvLayout| l.num_blocks * l.block_elems();
+        // Scattered tables: odd source blocks, destination blocks backwards from a gap.
+        let src_table: Vec<u32> = (0..sl.blocks_for(tokens) as u32).map(|b| b * 2 + 1).collect();
+        let dst_table: Vec<u32> = (0..dl.blocks_for(tokens) as u32).rev().map(|b| b + 2).collect();
+        let src: Vec<u16> = (0..elems(&sl)).map(|_| rng.next() as u16).collect();
+        let before: Vec<u16> = (0..elems(&dl)).map(|_| rng.next() as u16).collect();
+        let mut s_buf = dev.zeros_exportable::<u16>(elems(&sl)).unwrap();
+        let mut d_buf = dev.zeros_exportable::<u16>(elems(&dl)).unwrap();
+        dev.write(&mut s_buf, 0, &src).unwrap();
+        dev.write(&mut d_buf, 0, &before).unwrap();
+        dev.synchronize().unwrap();
+        let (s_mem, d_mem) = (dev.kv_memory(&s_buf, sl).unwrap(), dev.kv_memory(&d_buf, dl).unwrap());
+        let (bytes, launches) = s_mem.copy_into(&d_mem, &src_table, &dst_table, tokens).unwrap();
+        let bytes_of = |v: &[u16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let plan = plan_kv_copy(&sl, &dl, 2, &src_table, &dst_table, tokens).unwrap();
+        let mut want = bytes_of(&before);
+        run_kv_copy_on_host(&plan, &bytes_of(&src), &mut want);
+        let got = bytes_of(&dev.read(&d_buf, elems(&dl)).unwrap());
+        let case = format!("blocks {sbs} -> {dbs}, head dim {hd}, {tokens} tokens");
+        assert_eq!(bytes, plan.iter().map(|c| c.bytes()).sum::<usize>(), "{case}: bytes moved");
+        if sbs != dbs && (hd * 2).is_multiple_of(16) {
+            assert_eq!(launches, 1, "{case}: one kv_scatter launch");
+        }
+        if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+            panic!("{case}: byte {i} is {} where {} belongs", got[i], want[i]);
+        }
+    }
+}

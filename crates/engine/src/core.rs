@@ -818,11 +818,17 @@ impl EngineCore {
                     req.num_computed = req.prompt_len;
                     let us = |d: std::time::Duration| d.as_micros() as u64;
                     let queued = req.kv_requested.map(|t| t.duration_since(req.arrived)).unwrap_or_default();
+                    let now_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(us);
+                    let produced_to_ready_us = match (timeline.produced_unix_us, now_unix) {
+                        (0, _) | (_, Err(_)) => None,
+                        (at, Ok(now)) => now.checked_sub(at),
+                    };
                     let _ = req.events.send(EngineEvent::KvLoaded {
                         timeline: KvLoadTimeline {
                             queued_us: us(queued),
                             transfer: timeline,
                             ready_us: us(req.arrived.elapsed()),
+                            produced_to_ready_us,
                         },
                     });
                     let mut finish = None;

@@ -68,6 +68,10 @@ pub struct KvLoadTimeline {
     pub transfer: tandem_kv::TransferTimeline,
     /// Arrival -> the engine applied the completion (the first token goes out now).
     pub ready_us: u64,
+    /// Push: from the prefill engine handing the KV over (its last step's end) to this engine
+    /// applying the completion, by the two engines' wall clocks: meaningful on one host only.
+    #[serde(default)]
+    pub produced_to_ready_us: Option<u64>,
 }
 
 /// Where a live request is. Finished requests leave the engine at once (their blocks with

@@ -59,6 +59,11 @@ pub struct TransferTimeline {
     pub bytes: u64,
     /// Contiguous block regions written.
     pub regions: u32,
+    /// Push: when the prefill engine handed this KV over, on prefill's wall clock (Unix
+    /// microseconds; 0 when not known). Against the decode engine's clock on one host it times
+    /// prefill's last step -> KV ready at decode.
+    #[serde(default)]
+    pub produced_unix_us: u64,
 }
 
 /// One open side-channel connection and the transport its bytes take (for `/kv/info`).

@@ -26,7 +26,7 @@ use crate::agent_info::AgentInfo;
 use crate::KvError;
 
 /// The side-channel protocol version.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Largest control frame accepted (a block-id list for a very long prompt fits easily).
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -92,6 +92,16 @@ pub enum Message {
         first_token: Option<u32>,
         /// Outcome.
         status: DoneStatus,
+        /// A direct write (cuda-ipc, local): how long the writer took from taking the transfer
+        /// on to its copies' completion, so the reader's timeline shows the copy (0: the bytes
+        /// came on the socket and the reader timed them itself).
+        #[serde(default)]
+        copy_us: u64,
+        /// Push: when the prefill engine handed the KV over (its last step's end), in
+        /// microseconds since the Unix epoch on the writer's clock (0: not known). On one host
+        /// the reader measures from it to the KV being ready for its engine.
+        #[serde(default)]
+        produced_unix_us: u64,
     },
     /// Either way: the attempt failed; free what it holds.
     Failed {
@@ -157,6 +167,9 @@ pub enum Message {
         /// The bytes are followed by their CRC-32 (4 bytes, little-endian).
         #[serde(default)]
         checksum: bool,
+        /// `direct`: how long the holder's copies took (as `Done`'s `copy_us`).
+        #[serde(default)]
+        copy_us: u64,
     },
     /// Reply to `WriteBlocks`: the bytes were written (or why not).
     WriteAck {
@@ -211,12 +224,21 @@ mod tests {
                 num_tokens: 40,
                 write_within_ms: 900,
             },
-            Message::Done { transfer_id: t.clone(), rank: 0, first_token: Some(17), status: DoneStatus::Ok },
+            Message::Done {
+                transfer_id: t.clone(),
+                rank: 0,
+                first_token: Some(17),
+                status: DoneStatus::Ok,
+                copy_us: 0,
+                produced_unix_us: 0,
+            },
             Message::Done {
                 transfer_id: t.clone(),
                 rank: 0,
                 first_token: None,
                 status: DoneStatus::Failed("x".into()),
+                copy_us: 812,
+                produced_unix_us: 1_790_000_000_000_000,
             },
             Message::Failed { transfer_id: t.clone(), reason: "r".into() },
             Message::Heartbeat { transfer_ids: vec![t.clone()] },
@@ -243,6 +265,7 @@ mod tests {
                 error: Some("expired".into()),
                 direct: false,
                 checksum: false,
+                copy_us: 3,
             },
             Message::WriteAck { transfer_id: t, error: None },
         ];
@@ -279,8 +302,16 @@ mod tests {
                 error: None,
                 direct: true,
                 checksum: false,
+                copy_us: 0,
             },
-            Message::Done { transfer_id: t, rank: 0, first_token: Some(17), status: DoneStatus::Ok },
+            Message::Done {
+                transfer_id: t,
+                rank: 0,
+                first_token: Some(17),
+                status: DoneStatus::Ok,
+                copy_us: 0,
+                produced_unix_us: 0,
+            },
         ];
         let mut state = 0x9e37_79b9_7f4a_7c15u64;
         let mut next = move || {

@@ -347,6 +347,38 @@ fn source_blocks_stay_held_until_a_slow_write_has_ended() {
     }
 }
 
+/// Decode's timeline of a push tells where the time went although a direct writer's copies run
+/// in prefill's process: the transfer leg spans the writer's time from taking the transfer on
+/// (here 0.3 s of injected delay) to its copies' end, and both transports carry when prefill
+/// handed the KV over (wall clock), which the engine times to its applying the KV.
+#[test]
+fn a_push_timeline_shows_a_direct_writers_copy_and_when_prefill_handed_the_kv_over() {
+    let unix_us = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_micros() as u64;
+    for local in [false, true] {
+        let slow = FaultInjection { slow_write: Duration::from_millis(300), ..FaultInjection::default() };
+        let p = pair_over(local, KvMode::Push, slow, Duration::from_secs(5));
+        let blocks = p.d_blocks(40);
+        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 40);
+        std::thread::sleep(Duration::from_millis(50));
+        let before = unix_us();
+        p.produce("t1", 40);
+        let ev = p.wait_event();
+        let after = unix_us();
+        let ConnectorEvent::Ready { timeline: t, .. } = ev else { panic!("local={local}: expected Ready, got {ev:?}") };
+        assert!(
+            (before..=after).contains(&t.produced_unix_us),
+            "local={local}: handed over at {} outside {before}..{after}",
+            t.produced_unix_us
+        );
+        let leg = t.data_end_us - t.data_start_us;
+        if local {
+            assert!(leg >= 300_000, "local: the direct write's 0.3 s shows as a {leg} us transfer: {t:?}");
+        }
+        assert!(t.request_sent_us <= t.data_start_us && t.data_end_us <= t.ready_us, "local={local}: {t:?}");
+        p.wait_freed(1);
+    }
+}
+
 /// A pull read that takes longer than the lease (prefill answers 0.6 s after the request, the
 /// lease is 0.2 s, and prefill reads no heartbeat meanwhile) still gets the KV: a lease being
 /// read does not expire, so its blocks are not freed and reused under the read.

@@ -101,6 +101,9 @@ async fn decode_answers_carry_the_transfer_timeline_and_metrics_count_it() {
     assert_eq!(t["transfer"]["bytes"], 3 * block_bytes, "{v}");
     assert_eq!(t["transfer"]["regions"], 1, "{v}");
     assert!(t["ready_us"].as_u64().unwrap() >= t["transfer"]["ready_us"].as_u64().unwrap(), "{v}");
+    // From prefill handing the KV over to decode applying it, by the engines' clocks (one host).
+    let handover = t["produced_to_ready_us"].as_u64().unwrap_or_else(|| panic!("no hand-over time: {v}"));
+    assert!(handover < 5_000_000, "{v}");
     let mut sb = body.clone();
     sb["stream"] = serde_json::json!(true);
     let text = http.post(format!("{base}/v1/completions")).json(&sb).send().await.unwrap().text().await.unwrap();

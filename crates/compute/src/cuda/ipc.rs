@@ -11,7 +11,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
 
 use super::{oom, Backing, CudaDevice, CudaError, DevBuf};
 use crate::kv_copy::{plan_kv_copy, KvCopy};
@@ -100,6 +102,7 @@ impl CudaDevice {
             layout,
             elem_bytes: 2,
             stream,
+            scatter: self.kernels().get("kv_scatter").clone(),
             ordinal: self.ordinal,
         }))
     }
@@ -113,6 +116,8 @@ pub struct DeviceKvMemory {
     elem_bytes: usize,
     /// The connector's own stream: its copies neither wait behind nor hold up engine steps.
     stream: Arc<CudaStream>,
+    /// The `kv_scatter` kernel: one launch for a copy between different block sizes.
+    scatter: CudaFunction,
     ordinal: usize,
 }
 
@@ -242,16 +247,58 @@ impl DeviceKvMemory {
         dst_blocks: &[u32],
         num_tokens: usize,
     ) -> Result<(usize, usize), String> {
-        let plan = plan_kv_copy(&self.layout, &peer.layout, self.elem_bytes, src_blocks, dst_blocks, num_tokens)?;
-        self.run(&plan, self.alloc.ptr, peer.ptr).map_err(|e| format!("device copy failed: {e:?}"))?;
-        Ok((plan.iter().map(KvCopy::bytes).sum(), plan.len()))
+        self.copy(self.alloc.ptr, (&peer.layout, peer.ptr), src_blocks, dst_blocks, num_tokens)
     }
 
     /// The same copies inside this cache (the device-copy floor `tandem bench kv` measures).
     pub fn copy_within(&self, src_blocks: &[u32], dst_blocks: &[u32], num_tokens: usize) -> Result<usize, String> {
-        let plan = plan_kv_copy(&self.layout, &self.layout, self.elem_bytes, src_blocks, dst_blocks, num_tokens)?;
-        self.run(&plan, self.alloc.ptr, self.alloc.ptr).map_err(|e| format!("device copy failed: {e:?}"))?;
-        Ok(plan.iter().map(KvCopy::bytes).sum())
+        let (bytes, _) =
+            self.copy(self.alloc.ptr, (&self.layout, self.alloc.ptr), src_blocks, dst_blocks, num_tokens)?;
+        Ok(bytes)
+    }
+
+    /// [`DeviceKvMemory::write_to_peer`] into another cache of this process on the same GPU
+    /// (tests of the copy paths, which cannot map their own process's export).
+    pub fn copy_into(
+        &self,
+        other: &DeviceKvMemory,
+        src_blocks: &[u32],
+        dst_blocks: &[u32],
+        num_tokens: usize,
+    ) -> Result<(usize, usize), String> {
+        if !Arc::ptr_eq(&self.ctx, &other.ctx) {
+            return Err("the other cache belongs to another CUDA context".into());
+        }
+        self.copy(self.alloc.ptr, (&other.layout, other.alloc.ptr), src_blocks, dst_blocks, num_tokens)
+    }
+
+    /// Plans the copies of tokens `0..num_tokens` from our `src_blocks` (our cache at `src`)
+    /// into `dst_blocks` of the cache laid out as `dst.0` at `dst.1`, runs them on the transfer
+    /// stream and waits. Equal block sizes go as linear copies (runs merged); different ones
+    /// as one `kv_scatter` launch when a token's row is whole 16-byte vectors, else as one
+    /// pitched copy per token segment. Returns the bytes moved and the copies (or launches).
+    fn copy(
+        &self,
+        src: sys::CUdeviceptr,
+        dst: (&KvLayout, sys::CUdeviceptr),
+        src_blocks: &[u32],
+        dst_blocks: &[u32],
+        num_tokens: usize,
+    ) -> Result<(usize, usize), String> {
+        let (dst_layout, dst_base) = dst;
+        // Validates the block lists (a peer's data) and keeps every copy inside both caches.
+        let plan = plan_kv_copy(&self.layout, dst_layout, self.elem_bytes, src_blocks, dst_blocks, num_tokens)?;
+        let bytes = plan.iter().map(KvCopy::bytes).sum();
+        let token_bytes = self.layout.head_dim * self.elem_bytes;
+        let scattered = self.layout.block_size != dst_layout.block_size && token_bytes.is_multiple_of(16);
+        let copies = if scattered {
+            let tables =
+                (&src_blocks[..self.layout.blocks_for(num_tokens)], &dst_blocks[..dst_layout.blocks_for(num_tokens)]);
+            self.scatter(src, (dst_layout, dst_base), tables, num_tokens).map(|()| 1)
+        } else {
+            self.run(&plan, src, dst_base).map(|()| plan.len())
+        };
+        copies.map(|n| (bytes, n)).map_err(|e| format!("device copy failed: {e:?}"))
     }
 
     /// Copies `blocks` of the cache into the same blocks of `host` (its host copy: same layout,
@@ -287,12 +334,60 @@ impl DeviceKvMemory {
                     .result()?;
                 }
             }
-            let done = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
-            done.record(&self.stream)?;
-            done.synchronize()?;
-            Ok(())
+            self.wait()
         };
         run().map_err(|e| format!("copying KV to the host copy failed: {e}"))
+    }
+
+    /// One `kv_scatter` launch on the transfer stream moving tokens `0..num_tokens` from our
+    /// blocks `tables.0` into `tables.1` of the cache laid out as `dst.0` at `dst.1`; waits.
+    /// The tables were checked by `plan_kv_copy` (enough blocks, every id inside its cache).
+    fn scatter(
+        &self,
+        src: sys::CUdeviceptr,
+        dst: (&KvLayout, sys::CUdeviceptr),
+        tables: (&[u32], &[u32]),
+        num_tokens: usize,
+    ) -> Result<(), CudaError> {
+        let (dst_layout, dst_base) = dst;
+        self.ctx.bind_to_thread()?;
+        let l = &self.layout;
+        let planes = l.num_layers * 2 * l.num_kv_heads;
+        let token_vecs = l.head_dim * self.elem_bytes / 16;
+        let per_plane = num_tokens * token_vecs;
+        let too_big =
+            |n: usize| u32::try_from(n).map_err(|_| CudaError::Unavailable(format!("{n} is too large a copy")));
+        let dims = [too_big(num_tokens)?, too_big(planes)?, too_big(token_vecs)?, too_big(l.block_size)?];
+        too_big(per_plane)?;
+        // The block tables, on the device for the kernel; they live (and the launch reads them)
+        // until the wait below.
+        let src_table = self.stream.clone_htod(tables.0)?;
+        let dst_table = self.stream.clone_htod(tables.1)?;
+        let cfg = LaunchConfig {
+            grid_dim: (per_plane.div_ceil(256).min(1 << 16) as u32, planes.min(65_535) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let dst_bs = too_big(dst_layout.block_size)?;
+        let mut b = self.stream.launch_builder(&self.scatter);
+        b.arg(&src).arg(&dst_base).arg(&src_table).arg(&dst_table);
+        b.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&dims[3]).arg(&dst_bs);
+        // Safety: the arguments match kv_scatter's signature; `plan_kv_copy` checked that the
+        // tables cover the tokens with ids inside both caches, whose shapes (but block size and
+        // count) are equal, so every vector read and written lies inside `src`'s and
+        // `dst_base`'s caches; rows are whole 16-byte vectors and block offsets multiples of a
+        // row, so the vector accesses are aligned; the wait below ends the kernel's use of all.
+        unsafe { b.launch(cfg) }?;
+        self.wait()
+    }
+
+    /// Blocks (asleep, not spinning beside the engine's thread) until the transfer stream's
+    /// work so far has completed.
+    fn wait(&self) -> Result<(), CudaError> {
+        let done = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
+        done.record(&self.stream)?;
+        done.synchronize()?;
+        Ok(())
     }
 
     /// Queues `plan` from `src` to `dst` on the transfer stream and waits for it.
@@ -330,11 +425,7 @@ impl DeviceKvMemory {
                 }
             }
         }
-        // Blocking sync: the connector's thread sleeps instead of spinning beside the engine's.
-        let done = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
-        done.record(&self.stream)?;
-        done.synchronize()?;
-        Ok(())
+        self.wait()
     }
 }
 

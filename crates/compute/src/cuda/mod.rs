@@ -43,6 +43,7 @@ pub const KERNEL_SOURCE: &str = concat!(
 pub const KERNEL_NAMES: &[&str] = &[
     "preset_uniform",
     "fill_bf16",
+    "kv_scatter",
     "embed_gather",
     "add_rms_norm",
     "silu_mul",

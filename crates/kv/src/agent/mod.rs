@@ -612,14 +612,19 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             let data = transport::Bulk { src_block_size, bytes, checksum };
             push::on_write_blocks(stream, conn, shared, transfer_id, &blocks, num_tokens, data)?
         }
-        Message::BlockData { transfer_id, src_block_size, bytes, error, direct, checksum } => {
+        Message::BlockData { transfer_id, src_block_size, bytes, error, direct, checksum, copy_us } => {
             let data = transport::Bulk { src_block_size, bytes, checksum };
+            let direct = direct.then_some(copy_us);
             pull::on_block_data(stream, conn, shared, transfer_id, data, error, direct)?
         }
         // Prefill: a pull release; decode: a push completion.
-        Message::Done { transfer_id, first_token, status, .. } => {
+        Message::Done { transfer_id, first_token, status, copy_us, produced_unix_us, .. } => {
             if !pull::on_release(shared, &transfer_id) {
-                push::on_done(shared, &transfer_id, first_token, status);
+                push::on_done(
+                    shared,
+                    &transfer_id,
+                    push::DoneReport { first_token, status, copy_us, produced_unix_us },
+                );
             }
         }
         Message::Failed { transfer_id, reason } => {

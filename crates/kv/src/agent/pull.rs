@@ -86,6 +86,7 @@ pub(super) fn on_read_blocks(
                 error: Some(error),
                 direct: conn.transport.writes_directly(),
                 checksum: false,
+                copy_us: 0,
             };
             return conn.send(&refusal);
         }
@@ -122,7 +123,8 @@ pub(super) fn on_heartbeat(shared: &Shared, tids: Vec<TransferId>) {
 }
 
 /// Decode: prefill's answer to our read of `tid`: the bytes follow on `stream` (tcp), were
-/// copied already (`direct`: local, or cuda-ipc), or an error says why not.
+/// copied already (`direct`: local, or cuda-ipc; with the copies' time), or an error says why
+/// not.
 pub(super) fn on_block_data(
     stream: &mut TcpStream,
     conn: &Conn,
@@ -130,12 +132,12 @@ pub(super) fn on_block_data(
     tid: TransferId,
     data: Bulk,
     error: Option<String>,
-    direct: bool,
+    direct: Option<u64>,
 ) -> Result<(), KvError> {
     match (conn.transport.writes_directly(), direct) {
-        (true, _) => return on_direct_read_end(conn, shared, tid, error),
-        (false, true) => return Err(KvError::Protocol("a direct-copy answer on a tcp connection".into())),
-        (false, false) => {}
+        (true, copy_us) => return on_direct_read_end(conn, shared, tid, error, copy_us.unwrap_or(0)),
+        (false, Some(_)) => return Err(KvError::Protocol("a direct-copy answer on a tcp connection".into())),
+        (false, None) => {}
     }
     if let Some(reason) = error {
         let mut t = shared.tables();
@@ -145,7 +147,14 @@ pub(super) fn on_block_data(
     let num_tokens = shared.tables().incoming.get(&tid).map(|i| i.num_tokens).unwrap_or(0);
     let landed = receive_tcp(stream, shared, &tid, None, num_tokens, data)?;
     // Release prefill's blocks whatever happened here: we will not read them again.
-    conn.send(&Message::Done { transfer_id: tid.clone(), rank: 0, first_token: None, status: DoneStatus::Ok })?;
+    conn.send(&Message::Done {
+        transfer_id: tid.clone(),
+        rank: 0,
+        first_token: None,
+        status: DoneStatus::Ok,
+        copy_us: 0,
+        produced_unix_us: 0,
+    })?;
     let mut t = shared.tables();
     if let Some(reason) = t.incoming.get_mut(&tid).and_then(|i| i.failure.take()) {
         shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Failed { request_id: inc.request_id, reason });
@@ -167,13 +176,27 @@ pub(super) fn on_block_data(
 
 /// Decode, direct transports (cuda-ipc, local): prefill's copies into our blocks for `tid` have completed (or, with an
 /// error, never ran); release its lease and report.
-fn on_direct_read_end(conn: &Conn, shared: &Shared, tid: TransferId, error: Option<String>) -> Result<(), KvError> {
+fn on_direct_read_end(
+    conn: &Conn,
+    shared: &Shared,
+    tid: TransferId,
+    error: Option<String>,
+    copy_us: u64,
+) -> Result<(), KvError> {
     let mut t = shared.tables();
     let Some(inc) = t.incoming.get_mut(&tid) else {
         drop(t);
-        return conn.send(&Message::Done { transfer_id: tid, rank: 0, first_token: None, status: DoneStatus::Ok });
+        return conn.send(&Message::Done {
+            transfer_id: tid,
+            rank: 0,
+            first_token: None,
+            status: DoneStatus::Ok,
+            copy_us: 0,
+            produced_unix_us: 0,
+        });
     };
-    inc.timeline.data_start_us = inc.since();
+    // The copies ran on prefill's side, the last `copy_us` before this.
+    inc.timeline.data_start_us = inc.since().saturating_sub(copy_us).max(inc.timeline.request_sent_us);
     let (bytes, regions) = super::push::direct_write_size(shared, inc);
     let aborted = t.end_write(&tid, error.is_none(), bytes, regions);
     if error.is_none() {
@@ -193,7 +216,14 @@ fn on_direct_read_end(conn: &Conn, shared: &Shared, tid: TransferId, error: Opti
     });
     drop(t);
     // Release prefill's blocks whatever happened here: we will not read them again.
-    conn.send(&Message::Done { transfer_id: tid, rank: 0, first_token: None, status: DoneStatus::Ok })
+    conn.send(&Message::Done {
+        transfer_id: tid,
+        rank: 0,
+        first_token: None,
+        status: DoneStatus::Ok,
+        copy_us: 0,
+        produced_unix_us: 0,
+    })
 }
 
 /// Decode: keeps prefill's leases alive for everything still being waited on.

@@ -52,7 +52,8 @@ pub(crate) fn produced(
             crate::KvMode::Push => shared.cfg.transfer_timeout,
             crate::KvMode::Pull => shared.cfg.lease,
         };
-    let produced = Produced { held, blocks, num_tokens, first_token, deadline, reading: false };
+    let produced_unix_us = unix_us();
+    let produced = Produced { held, blocks, num_tokens, first_token, produced_unix_us, deadline, reading: false };
     let met = shared.tables().meet_produced(tid.clone(), produced);
     match met {
         Rendezvous::Met(reg, produced) => start_write(shared, tid, reg, produced),
@@ -102,7 +103,8 @@ pub(super) fn on_register(
 fn start_write(shared: &Arc<Shared>, tid: TransferId, reg: Registration, produced: Produced) {
     let s = shared.clone();
     let _ = std::thread::Builder::new().name("tandem-kv-push".into()).spawn(move || {
-        let Produced { held, blocks, num_tokens, first_token, .. } = produced;
+        let taken = Instant::now();
+        let Produced { held, blocks, num_tokens, first_token, produced_unix_us, .. } = produced;
         let refusal = if reg.num_tokens != num_tokens {
             Some(format!("decode registered {} tokens, prefill produced {num_tokens}", reg.num_tokens))
         } else if reg.conn.transport.writes_directly() && Instant::now() >= reg.deadline {
@@ -117,7 +119,8 @@ fn start_write(shared: &Arc<Shared>, tid: TransferId, reg: Registration, produce
             return;
         }
         std::thread::sleep(s.cfg.faults.slow_write);
-        let result = reg.conn.transport.push(&s, &reg.conn, &tid, &blocks, &reg.blocks, num_tokens, first_token);
+        let done = PushDone { first_token, produced_unix_us, taken };
+        let result = reg.conn.transport.push(&s, &reg.conn, &tid, &blocks, &reg.blocks, num_tokens, done);
         s.tables().pushing.remove(&tid);
         // The bytes have left our memory (or the write failed): the blocks can go back.
         drop(held);
@@ -150,8 +153,38 @@ pub(super) fn on_write_blocks(
     conn.send(&Message::WriteAck { transfer_id: tid, error: result.err() })
 }
 
+/// What a push's `Done` carries besides its status.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct PushDone {
+    /// The token prefill sampled after the prompt.
+    pub first_token: u32,
+    /// When prefill's engine handed the KV over (wall clock, Unix microseconds).
+    pub produced_unix_us: u64,
+    /// When the writing thread took the transfer on (a direct write's copy time counts from here).
+    pub taken: Instant,
+}
+
+/// Microseconds since the Unix epoch now (0 if the clock is before it).
+pub(super) fn unix_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
+/// What decode learns from a push's `Done`.
+#[derive(Clone, Debug)]
+pub(super) struct DoneReport {
+    /// Prefill's first token.
+    pub first_token: Option<u32>,
+    /// Outcome.
+    pub status: DoneStatus,
+    /// A direct write's copy time (0 for bytes on the socket).
+    pub copy_us: u64,
+    /// When prefill handed the KV over (0: unknown).
+    pub produced_unix_us: u64,
+}
+
 /// Decode: prefill says the write of `tid` is complete (or failed).
-pub(super) fn on_done(shared: &Shared, tid: &TransferId, first_token: Option<u32>, status: DoneStatus) {
+pub(super) fn on_done(shared: &Shared, tid: &TransferId, done: DoneReport) {
+    let DoneReport { first_token, status, copy_us, produced_unix_us } = done;
     let mut t = shared.tables();
     let Some(inc) = t.incoming.get(tid) else {
         bump(&shared.counters.unknown_ids, 1);
@@ -166,7 +199,8 @@ pub(super) fn on_done(shared: &Shared, tid: &TransferId, first_token: Option<u32
         // The peer's copies into our blocks have completed (or will never run).
         let (bytes, regions) = direct_write_size(shared, inc);
         if let Some(inc) = t.incoming.get_mut(tid) {
-            inc.timeline.data_start_us = inc.since();
+            // The copies ran on prefill's side, the last `copy_us` before this.
+            inc.timeline.data_start_us = inc.since().saturating_sub(copy_us).max(inc.timeline.request_sent_us);
         }
         if t.end_write(tid, status == DoneStatus::Ok, bytes, regions) {
             shared.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Released { request_id: inc.request_id });
@@ -175,6 +209,9 @@ pub(super) fn on_done(shared: &Shared, tid: &TransferId, first_token: Option<u32
         if status == DoneStatus::Ok {
             bump(&shared.counters.bytes_received, bytes);
         }
+    }
+    if let Some(inc) = t.incoming.get_mut(tid) {
+        inc.timeline.produced_unix_us = produced_unix_us;
     }
     let landed = t.incoming.get(tid).is_some_and(|i| i.landing == super::table::Landing::Landed);
     shared.finish_incoming(&mut t, tid, |inc| match status {

@@ -75,6 +75,8 @@ pub(super) struct Produced {
     pub blocks: Vec<u32>,
     pub num_tokens: usize,
     pub first_token: u32,
+    /// When the engine handed the KV over, on the wall clock (for the reader's timeline).
+    pub produced_unix_us: u64,
     pub deadline: Instant,
     /// A pull read is sending these blocks now; the lease cannot expire under it.
     pub reading: bool,
@@ -230,7 +232,15 @@ mod tests {
     }
 
     fn produced(deadline: Instant) -> Produced {
-        Produced { held: Box::new(()), blocks: vec![1], num_tokens: 20, first_token: 7, deadline, reading: false }
+        Produced {
+            held: Box::new(()),
+            blocks: vec![1],
+            num_tokens: 20,
+            first_token: 7,
+            produced_unix_us: 0,
+            deadline,
+            reading: false,
+        }
     }
 
     #[test]

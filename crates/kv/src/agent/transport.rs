@@ -15,6 +15,7 @@ use tandem_compute::kv_copy::plan_kv_copy;
 use tandem_compute::{KvLayout, KvRegion};
 use tandem_core::TransferId;
 
+use super::push::PushDone;
 use super::table::NoWrite;
 use super::{bump, Conn, Shared};
 use crate::blocks::{coalesce, copy_tokens, wire_bytes};
@@ -42,7 +43,7 @@ pub(super) trait Transport: Send + Sync {
     }
 
     /// Push: writes `num_tokens` of KV from our blocks `src` into the peer's registered blocks
-    /// `dst` of transfer `tid`, then sends `Done` (with prefill's first token) on `conn`.
+    /// `dst` of transfer `tid`, then sends `Done` (with prefill's first token, `done`) on `conn`.
     #[allow(clippy::too_many_arguments)]
     fn push(
         &self,
@@ -52,7 +53,7 @@ pub(super) trait Transport: Send + Sync {
         src: &[u32],
         dst: &[u32],
         num_tokens: usize,
-        first_token: u32,
+        done: PushDone,
     ) -> Result<(), KvError>;
 
     /// Pull: answers the peer's read of our blocks `src` (held under a lease) into its blocks
@@ -208,7 +209,7 @@ impl Transport for Tcp {
         src: &[u32],
         dst: &[u32],
         num_tokens: usize,
-        first_token: u32,
+        done: PushDone,
     ) -> Result<(), KvError> {
         let region = shared.memory.host_region()?;
         shared.memory.stage_to_host(&src[..region.layout().blocks_for(num_tokens).min(src.len())])?;
@@ -230,8 +231,10 @@ impl Transport for Tcp {
             let done = Message::Done {
                 transfer_id: tid.clone(),
                 rank: 0,
-                first_token: Some(first_token),
+                first_token: Some(done.first_token),
                 status: DoneStatus::Ok,
+                copy_us: 0,
+                produced_unix_us: done.produced_unix_us,
             };
             write_message(&mut *w, &done)?;
         }
@@ -257,6 +260,7 @@ impl Transport for Tcp {
             error: None,
             direct: false,
             checksum: shared.cfg.verify,
+            copy_us: 0,
         };
         write_message(&mut *w, &header)?;
         // Safety: the lease holds these blocks and its `reading` flag keeps it from expiring
@@ -354,9 +358,9 @@ impl Transport for Local {
         src: &[u32],
         dst: &[u32],
         num_tokens: usize,
-        first_token: u32,
+        done: PushDone,
     ) -> Result<(), KvError> {
-        report_direct_write(shared, conn, tid, first_token, self.copy(shared, src, dst, num_tokens))
+        report_direct_write(shared, conn, tid, done, self.copy(shared, src, dst, num_tokens))
     }
 
     fn answer_read(
@@ -368,17 +372,18 @@ impl Transport for Local {
         dst: &[u32],
         num_tokens: usize,
     ) -> Result<(), KvError> {
-        answer_direct_read(shared, conn, tid, self.copy(shared, src, dst, num_tokens))
+        let started = std::time::Instant::now();
+        answer_direct_read(shared, conn, tid, started, self.copy(shared, src, dst, num_tokens))
     }
 }
 
 /// Push over a direct transport: the copy into the peer's blocks has ended (`copied`); `Done`
-/// tells it so, with prefill's first token.
+/// tells it so, with prefill's first token and how long the write took.
 fn report_direct_write(
     shared: &Shared,
     conn: &Conn,
     tid: &TransferId,
-    first_token: u32,
+    done: PushDone,
     copied: Result<(), String>,
 ) -> Result<(), KvError> {
     let status = match copied {
@@ -386,16 +391,25 @@ fn report_direct_write(
         Err(e) => DoneStatus::Failed(e),
     };
     if !shared.cfg.faults.drop_done {
-        conn.send(&Message::Done { transfer_id: tid.clone(), rank: 0, first_token: Some(first_token), status })?;
+        conn.send(&Message::Done {
+            transfer_id: tid.clone(),
+            rank: 0,
+            first_token: Some(done.first_token),
+            status,
+            copy_us: done.taken.elapsed().as_micros() as u64,
+            produced_unix_us: done.produced_unix_us,
+        })?;
     }
     Ok(())
 }
 
-/// Pull over a direct transport: the copy is done before the answer, so no bytes follow it.
+/// Pull over a direct transport: the copy (begun at `started`) is done before the answer, so
+/// no bytes follow it.
 fn answer_direct_read(
     shared: &Shared,
     conn: &Conn,
     tid: &TransferId,
+    started: std::time::Instant,
     copied: Result<(), String>,
 ) -> Result<(), KvError> {
     conn.send(&Message::BlockData {
@@ -405,6 +419,7 @@ fn answer_direct_read(
         error: copied.err(),
         direct: true,
         checksum: false,
+        copy_us: started.elapsed().as_micros() as u64,
     })
 }
 
@@ -450,9 +465,9 @@ impl Transport for CudaIpc {
         src: &[u32],
         dst: &[u32],
         num_tokens: usize,
-        first_token: u32,
+        done: PushDone,
     ) -> Result<(), KvError> {
-        report_direct_write(shared, conn, tid, first_token, self.write(shared, src, dst, num_tokens))
+        report_direct_write(shared, conn, tid, done, self.write(shared, src, dst, num_tokens))
     }
 
     fn answer_read(
@@ -464,7 +479,8 @@ impl Transport for CudaIpc {
         dst: &[u32],
         num_tokens: usize,
     ) -> Result<(), KvError> {
-        answer_direct_read(shared, conn, tid, self.write(shared, src, dst, num_tokens))
+        let started = std::time::Instant::now();
+        answer_direct_read(shared, conn, tid, started, self.write(shared, src, dst, num_tokens))
     }
 }
 
