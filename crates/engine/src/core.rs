@@ -742,18 +742,8 @@ impl EngineCore {
     /// Gives queued decode legs their blocks and asks the connector for their KV.
     fn start_remote_loads(&mut self) {
         let Some(connector) = &self.connector else { return };
-        while let Some(id) = self.scheduler.remote_queue.front().cloned() {
-            let Some(req) = self.scheduler.requests.get_mut(&id) else {
-                self.scheduler.remote_queue.pop_front();
-                continue;
-            };
-            if req.blocks.grow_to(req.prompt_len.div_ceil(self.limits.block_size)).is_err() {
-                break; // wait for blocks to free up
-            }
-            self.scheduler.remote_queue.pop_front();
-            req.status = RequestStatus::WaitingForRemoteKvs;
-            req.kv_requested = Some(std::time::Instant::now());
-            self.scheduler.remote_waiting.push(id.clone());
+        while let Some(id) = self.scheduler.start_next_remote_load() {
+            let Some(req) = self.scheduler.requests.get(&id) else { continue };
             if let Some(source) = req.remote.clone() {
                 tracing::debug!(request_id = %id, transfer_id = %source.transfer_id(), "waiting for remote KV");
                 connector.expect(id, source, req.blocks.table(), req.prompt_len);

@@ -111,6 +111,37 @@ impl Scheduler {
         Some(req)
     }
 
+    /// Starts the next queued decode leg's KV load, if it may start now: gives it the blocks
+    /// for its prompt and marks it waiting for them to be filled. Returns its id (the caller
+    /// asks the connector for the KV), or `None` while the queue's head must wait.
+    ///
+    /// A leg loading KV runs as soon as the KV lands, so it takes one of the `max_num_seqs`
+    /// places now. And every running request keeps one free block for its next tokens: KV that
+    /// has not arrived yet never pushes a decoding request into preemption (on a decode
+    /// engine, a recompute of its whole prompt), which under a prefill backlog would turn the
+    /// decode engine into a second, slower prefill engine.
+    pub fn start_next_remote_load(&mut self) -> Option<RequestId> {
+        loop {
+            let id = self.remote_queue.front()?.clone();
+            let Some(req) = self.requests.get_mut(&id) else {
+                self.remote_queue.pop_front();
+                continue;
+            };
+            if self.running.len() + self.remote_waiting.len() >= self.max_num_seqs {
+                return None;
+            }
+            let need = req.prompt_len.div_ceil(self.block_size).saturating_sub(req.blocks.len());
+            if self.pool.num_free() < need + self.running.len() || req.blocks.grow(need).is_err() {
+                return None; // wait for blocks to free up
+            }
+            self.remote_queue.pop_front();
+            req.status = RequestStatus::WaitingForRemoteKvs;
+            req.kv_requested = Some(std::time::Instant::now());
+            self.remote_waiting.push(id.clone());
+            return Some(id);
+        }
+    }
+
     pub fn has_work(&self) -> bool {
         !self.requests.is_empty()
     }
@@ -220,5 +251,52 @@ fn chunk(req: &Request, n: usize) -> ScheduledChunk {
         token_ids: req.tokens[first..first + n].to_vec(),
         block_table: req.blocks.table(),
         sample: first + n == req.tokens.len(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::EngineRequest;
+
+    fn request(pool: &BlockPool, id: &str, prompt_len: usize) -> Request {
+        let (events, _) = tokio::sync::mpsc::unbounded_channel();
+        let req = EngineRequest::new(RequestId::new(id), vec![1; prompt_len], Default::default());
+        Request::new(req, pool.empty_allocation(), events)
+    }
+
+    /// Decode legs start loading KV only while a running place is left for each and every
+    /// running request keeps a free block for its next tokens; a running request then grows
+    /// without a preemption.
+    #[test]
+    fn kv_loads_leave_running_requests_their_places_and_a_block_each() {
+        // 10 blocks of 4 tokens, 3 places.
+        let pool = BlockPool::new(10);
+        let mut s = Scheduler::new(pool.clone(), 4, 3, 64);
+        for id in ["a", "b"] {
+            s.add(request(&pool, id, 8)); // two blocks each, full
+        }
+        s.schedule();
+        assert_eq!(s.running.len(), 2);
+        assert_eq!(pool.num_free(), 6);
+        for (id, len) in [("r1", 16), ("r2", 4), ("r3", 4)] {
+            s.add_remote(request(&pool, id, len));
+        }
+        // r1 needs 4 blocks; 6 are free, 2 stay for the running requests' next tokens.
+        assert_eq!(s.start_next_remote_load(), Some(RequestId::new("r1")));
+        assert_eq!(pool.num_free(), 2);
+        assert_eq!(s.start_next_remote_load(), None, "the third place is r1's; the blocks left are a and b's");
+        // Both running requests need a block for their ninth token, and get it.
+        for id in ["a", "b"] {
+            s.requests.get_mut(&RequestId::new(id)).unwrap().tokens.push(5);
+        }
+        let out = s.schedule();
+        assert!(out.preempted.is_empty(), "a KV load pushed a decoding request out: {:?}", out.preempted);
+        assert_eq!(out.chunks.len(), 2);
+        // A running request ends: its place and blocks go to the next load.
+        let a = s.remove(&RequestId::new("a")).unwrap();
+        drop(a);
+        assert_eq!(s.start_next_remote_load(), Some(RequestId::new("r2")));
+        assert_eq!(s.start_next_remote_load(), None, "three places: b, r1, r2");
     }
 }

@@ -379,14 +379,25 @@ fn a_push_timeline_shows_a_direct_writers_copy_and_when_prefill_handed_the_kv_ov
     }
 }
 
-/// A pull read that takes longer than the lease (prefill answers 0.6 s after the request, the
-/// lease is 0.2 s, and prefill reads no heartbeat meanwhile) still gets the KV: a lease being
-/// read does not expire, so its blocks are not freed and reused under the read.
+/// A pull read that takes longer than the lease (prefill answers 1.5 s after the request, the
+/// lease is 0.5 s, and prefill reads no heartbeat meanwhile) still gets the KV: a lease being
+/// read does not expire, so its blocks are not freed and reused under the read. (The read must
+/// reach prefill within the lease: 0.5 s leaves room for a connection and handshake on a busy
+/// machine.)
 #[test]
 fn a_lease_being_read_outlives_its_deadline() {
     for local in [false, true] {
-        let slow = FaultInjection { slow_write: Duration::from_millis(600), ..FaultInjection::default() };
-        let p = pair_over(local, KvMode::Pull, slow, Duration::from_millis(200));
+        let slow = FaultInjection { slow_write: Duration::from_millis(1500), ..FaultInjection::default() };
+        let lease = Duration::from_millis(500);
+        let p_cfg =
+            ConnectorConfig { local_transport: local, faults: slow, lease, ..config(Role::Prefill, KvMode::Pull) };
+        let d_cfg = ConnectorConfig {
+            local_transport: local,
+            lease,
+            transfer_timeout: Duration::from_secs(4),
+            ..config(Role::Decode, KvMode::Pull)
+        };
+        let p = pair_with(p_cfg, d_cfg, 16, 8);
         p.produce("t1", 40);
         let blocks = p.d_blocks(40);
         let src = pull_source(&p, "t1", p.p.info().epoch);
