@@ -57,13 +57,7 @@ pub const CSV_HEADER: &str = "mode,qps,input_len,output_len,iter,completed,faile
 fn kv_medians(outcomes: &[crate::metrics::RequestOutcome]) -> (Option<f64>, Option<f64>) {
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
-        (!v.is_empty()).then(|| {
-            if !v.len().is_multiple_of(2) {
-                v[v.len() / 2]
-            } else {
-                (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
-            }
-        })
+        (!v.is_empty()).then(|| crate::metrics::percentile(&v, 50.0))
     };
     let timelines = || outcomes.iter().filter_map(|o| o.kv_timeline.as_ref());
     let ms = |v: &serde_json::Value| v.as_f64().map(|us| us / 1000.0);

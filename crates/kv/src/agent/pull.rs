@@ -147,14 +147,7 @@ pub(super) fn on_block_data(
     let num_tokens = shared.tables().incoming.get(&tid).map(|i| i.num_tokens).unwrap_or(0);
     let landed = receive_tcp(stream, shared, &tid, None, num_tokens, data)?;
     // Release prefill's blocks whatever happened here: we will not read them again.
-    conn.send(&Message::Done {
-        transfer_id: tid.clone(),
-        rank: 0,
-        first_token: None,
-        status: DoneStatus::Ok,
-        copy_us: 0,
-        produced_unix_us: 0,
-    })?;
+    conn.send(&release(tid.clone()))?;
     let mut t = shared.tables();
     if let Some(reason) = t.incoming.get_mut(&tid).and_then(|i| i.failure.take()) {
         shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Failed { request_id: inc.request_id, reason });
@@ -186,17 +179,9 @@ fn on_direct_read_end(
     let mut t = shared.tables();
     let Some(inc) = t.incoming.get_mut(&tid) else {
         drop(t);
-        return conn.send(&Message::Done {
-            transfer_id: tid,
-            rank: 0,
-            first_token: None,
-            status: DoneStatus::Ok,
-            copy_us: 0,
-            produced_unix_us: 0,
-        });
+        return conn.send(&release(tid));
     };
-    // The copies ran on prefill's side, the last `copy_us` before this.
-    inc.timeline.data_start_us = inc.since().saturating_sub(copy_us).max(inc.timeline.request_sent_us);
+    inc.direct_write_reported(copy_us);
     let (bytes, regions) = super::push::direct_write_size(shared, inc);
     let aborted = t.end_write(&tid, error.is_none(), bytes, regions);
     if error.is_none() {
@@ -216,14 +201,19 @@ fn on_direct_read_end(
     });
     drop(t);
     // Release prefill's blocks whatever happened here: we will not read them again.
-    conn.send(&Message::Done {
+    conn.send(&release(tid))
+}
+
+/// Decode: the message that releases prefill's lease on `tid` (its blocks go back).
+fn release(tid: TransferId) -> Message {
+    Message::Done {
         transfer_id: tid,
         rank: 0,
         first_token: None,
         status: DoneStatus::Ok,
         copy_us: 0,
         produced_unix_us: 0,
-    })
+    }
 }
 
 /// Decode: keeps prefill's leases alive for everything still being waited on.

@@ -199,8 +199,7 @@ pub(super) fn on_done(shared: &Shared, tid: &TransferId, done: DoneReport) {
         // The peer's copies into our blocks have completed (or will never run).
         let (bytes, regions) = direct_write_size(shared, inc);
         if let Some(inc) = t.incoming.get_mut(tid) {
-            // The copies ran on prefill's side, the last `copy_us` before this.
-            inc.timeline.data_start_us = inc.since().saturating_sub(copy_us).max(inc.timeline.request_sent_us);
+            inc.direct_write_reported(copy_us);
         }
         if t.end_write(tid, status == DoneStatus::Ok, bytes, regions) {
             shared.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Released { request_id: inc.request_id });

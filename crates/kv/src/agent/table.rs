@@ -54,6 +54,12 @@ impl Incoming {
         self.started.elapsed().as_micros() as u64
     }
 
+    /// A direct writer reported its copies' end, `copy_us` after it took the transfer on: the
+    /// data arrived from then (never before the request went out: the times are the writer's).
+    pub fn direct_write_reported(&mut self, copy_us: u64) {
+        self.timeline.data_start_us = self.since().saturating_sub(copy_us).max(self.timeline.request_sent_us);
+    }
+
     /// Whether a write into the blocks is in progress (nothing may end the entry under it).
     pub fn writing(&self) -> bool {
         matches!(self.landing, Landing::Writing | Landing::WritingAborted)
