@@ -19,7 +19,8 @@
 #   one launch of the matching kernel in a batch-1 decode, summarised by SASS basic block
 #   (scripts/gpu/ncu_hot.py; raw CSV in $OUT/ncu_src.csv): where its warps wait;
 #   ipc: kernel and engine tests, P/D over tcp and cuda-ipc (pd_check.py) and `tandem bench kv
-#   --transport cuda-ipc` (also into cuda:1 when there are two GPUs); sweep: `tandem bench sweep
+#   --transport cuda-ipc` (also into cuda:1 when there are two GPUs) and the tcp benchmarks;
+#   tcp: `tandem bench kv --transport tcp --device cuda:0` (TCP_SIZES) and on host memory; sweep: `tandem bench sweep
 #   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
 #   SWEEP_QPS narrow it; SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU);
 #   pd: only disaggregated serving on the GPU (scripts/gpu/pd_check.py; also part of every mode
@@ -123,6 +124,24 @@ kv_bench() {
     done
   done
 }
+# The tcp transport between two GPU engines' caches (device -> host copy -> loopback TCP -> host
+# copy -> device, the copies overlapping the socket piece by piece), against raw loopback TCP
+# and the same transfer with the copies not overlapped, measured in the same run; then the
+# host-memory transport as before.
+tcp_bench() {
+  for size in ${TCP_SIZES:-64MiB 256MiB 1GiB}; do
+    timeout 120 "$BIN/tandem" bench kv --transport tcp --device cuda:0 --size "$size" \
+      --json-out "$OUT/bench_kv_tcp_gpu_$size.json" > "$OUT/bench_kv_tcp_gpu_$size.log" 2>&1 \
+      || { note "bench kv tcp --device cuda:0 --size $size failed"; tail -5 "$OUT/bench_kv_tcp_gpu_$size.log"; status=1; }
+    while read -r line; do note "$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_tcp_gpu_$size.log")
+  done
+  timeout 120 "$BIN/tandem" bench kv --transport tcp --size 256MiB > "$OUT/bench_kv_tcp_host.log" 2>&1 \
+    || { note "bench kv tcp (host memory) failed"; status=1; }
+  while read -r line; do note "$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_tcp_host.log")
+}
+if [ "$MODE" = tcp ]; then
+  tcp_bench; cat "$OUT/summary.txt"; exit $status
+fi
 run_test() {  # TEST_BINARY [NAME_FILTER]
   if timeout 300 "$BIN/$1" --include-ignored --test-threads=1 --nocapture ${2:-} > "/tmp/test_$1.log" 2>&1; then
     note "test $1: ok"
@@ -139,6 +158,7 @@ if [ "$MODE" = ipc ]; then
   run_test cuda_engine
   pd_check
   kv_bench
+  tcp_bench
   cat "$OUT/summary.txt"; exit $status
 fi
 if [ "$MODE" = sweep ]; then

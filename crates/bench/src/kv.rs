@@ -9,17 +9,29 @@
 //! second it speaks the KV protocol: handshake, then `WriteBlocks` frames whose bytes land in
 //! its KV memory, each acknowledged. [`measure`] drives both and times each transfer until its
 //! acknowledgement.
+//!
+//! With a GPU (`--device cuda:N`) both sides' KV lives as a GPU engine's does: a device cache
+//! with a page-locked host copy. A transfer then runs from the sender's device cache to the
+//! receiver's, as the connector moves it: device-to-host copies piece by piece, each piece on
+//! the socket as soon as it is copied, each landed piece copied up at once. The same transfer
+//! with the copies not overlapped (all down, send, receive, all up: the path before pieces) is
+//! measured beside it.
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use tandem_compute::{KvCache, KvLayout};
+use tandem_compute::cuda::{CudaDevice, DevBuf, PinnedRegion};
+use tandem_compute::{KvCache, KvDtype, KvLayout, KvRegion};
 use tandem_core::{EngineId, Epoch, TransferId};
-use tandem_kv::tcp::{accept_handshake, configure, connect, handshake, recv_blocks, send_blocks, Picked, Timeouts};
+use tandem_kv::tcp::{
+    accept_handshake, configure, connect, handshake, recv_blocks, recv_staged, send_blocks, send_pieces, send_staged,
+    Landing, Picked, Timeouts,
+};
 use tandem_kv::wire::{read_message, write_message, Message};
-use tandem_kv::{AgentInfo, KvError, KvMode, Role, TransportOffer};
+use tandem_kv::{AgentInfo, KvError, KvMemory, KvMode, Role, TransportOffer};
 
 /// What to move.
 #[derive(Clone, Debug)]
@@ -34,18 +46,39 @@ pub struct KvBenchConfig {
     pub runs: usize,
     /// Each transfer carries a CRC-32 of its bytes, checked by the peer (`--kv-verify`).
     pub verify: bool,
+    /// Both sides' KV in this GPU's memory (a device cache and its page-locked host copy,
+    /// bf16) instead of host memory (f32).
+    pub device: Option<usize>,
 }
 
 impl Default for KvBenchConfig {
     fn default() -> Self {
         let layout = KvLayout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, num_blocks: 0 };
-        Self { bytes: 256 << 20, repeats: 5, layout, runs: 8, verify: false }
+        Self { bytes: 256 << 20, repeats: 5, layout, runs: 8, verify: false, device: None }
     }
 }
 
+/// The transfer id prefix that asks the peer to receive without overlapping its copies up.
+const SERIAL: &str = "serial-";
+
 impl KvBenchConfig {
+    /// The GPU variant: Qwen3-4B's KV shape (36 layers, 8 KV heads, head dim 128, 16-token
+    /// blocks) on `device`.
+    pub fn on_gpu(self, device: usize) -> Self {
+        let layout = KvLayout { num_layers: 36, num_kv_heads: 8, head_dim: 128, block_size: 16, num_blocks: 0 };
+        Self { layout, device: Some(device), ..self }
+    }
+
+    fn dtype(&self) -> KvDtype {
+        if self.device.is_some() {
+            KvDtype::Bf16
+        } else {
+            KvDtype::F32
+        }
+    }
+
     fn blocks(&self) -> usize {
-        self.bytes.div_ceil(self.layout.block_bytes_f32())
+        self.bytes.div_ceil(self.layout.block_elems() * self.dtype().bytes())
     }
 
     /// The layout with enough blocks for the transfer plus the gaps between runs.
@@ -63,7 +96,7 @@ impl KvBenchConfig {
             KvMode::Push,
             "bench".into(),
             &self.pool_layout(),
-            tandem_compute::KvDtype::F32,
+            self.dtype(),
             transports,
         )
     }
@@ -76,9 +109,43 @@ impl KvBenchConfig {
     }
 }
 
+/// One side's KV memory: a CPU engine's (the region is the cache) or a GPU engine's (a device
+/// cache and its page-locked host copy). The fields keep the memory alive.
+struct Side {
+    region: Arc<KvRegion>,
+    memory: KvMemory,
+    _cpu: Option<KvCache>,
+    _gpu: Option<(CudaDevice, DevBuf<u16>, PinnedRegion)>,
+}
+
+impl Side {
+    fn new(cfg: &KvBenchConfig) -> Result<Self, KvError> {
+        let layout = cfg.pool_layout();
+        let Some(ordinal) = cfg.device else {
+            let mut cache = KvCache::new(layout);
+            for (i, &b) in cfg.table().iter().enumerate() {
+                let k = vec![i as f32; layout.num_kv_heads * layout.head_dim];
+                cache.write_token(0, b as usize, 0, &k, &k);
+            }
+            let region = cache.region();
+            return Ok(Self { memory: region.clone().into(), region, _cpu: Some(cache), _gpu: None });
+        };
+        let gpu = |e: tandem_compute::cuda::CudaError| KvError::Unsupported(format!("cuda:{ordinal}: {e}"));
+        let dev = CudaDevice::open(ordinal).map_err(gpu)?;
+        let cache = dev.zeros_exportable::<u16>(layout.num_blocks * layout.block_elems()).map_err(gpu)?;
+        let device = dev.kv_memory(&cache, layout).map_err(gpu)?;
+        let region = KvRegion::host_copy(layout, KvDtype::Bf16);
+        let pinned = dev.pin_region(&region).map_err(gpu)?;
+        let memory = KvMemory::device(device, Some(region.clone()))?;
+        Ok(Self { region, memory, _cpu: None, _gpu: Some((dev, cache, pinned)) })
+    }
+}
+
 /// The measured rates.
 #[derive(Clone, Debug, Serialize)]
 pub struct KvBenchReport {
+    /// Where each side's KV lives.
+    pub memory: String,
     /// Bytes per transfer.
     pub bytes: u64,
     /// Blocks per transfer.
@@ -95,24 +162,31 @@ pub struct KvBenchReport {
     pub kv_median_gb_s: f64,
     /// kv_median / raw_median.
     pub ratio: f64,
+    /// GPU: the same transfers with the copies to and from the host copy not overlapped with
+    /// the socket, median GB/s.
+    pub kv_unpipelined_median_gb_s: Option<f64>,
 }
 
 impl std::fmt::Display for KvBenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "KV set: {:.1} MiB in {} blocks, {} contiguous runs, peer in another process",
+            "KV set: {:.1} MiB in {} blocks, {} contiguous runs, {}, peer in another process",
             self.bytes as f64 / (1 << 20) as f64,
             self.blocks,
-            self.runs
+            self.runs,
+            self.memory
         )?;
-        writeln!(f, "{:<28} {:>10} {:>10}", "", "best GB/s", "median")?;
+        writeln!(f, "{:<40} {:>10} {:>10}", "", "best GB/s", "median")?;
         writeln!(
             f,
-            "{:<28} {:>10.2} {:>10.2}",
+            "{:<40} {:>10.2} {:>10.2}",
             "raw loopback TCP (reference)", self.raw_best_gb_s, self.raw_median_gb_s
         )?;
-        writeln!(f, "{:<28} {:>10.2} {:>10.2}", "tcp KV transport", self.kv_best_gb_s, self.kv_median_gb_s)?;
+        writeln!(f, "{:<40} {:>10.2} {:>10.2}", "tcp KV transport", self.kv_best_gb_s, self.kv_median_gb_s)?;
+        if let Some(serial) = self.kv_unpipelined_median_gb_s {
+            writeln!(f, "{:<40} {:>10} {:>10.2}", "  copies not overlapped (before pieces)", "", serial)?;
+        }
         writeln!(f, "transport / raw (median): {:.0}%", self.ratio * 100.0)?;
         writeln!(f, "(the raw figure is one unframed send of the whole set: a reference, not an upper bound)")
     }
@@ -121,6 +195,7 @@ impl std::fmt::Display for KvBenchReport {
 /// The peer side: serves one raw connection, then one KV-protocol connection, then returns.
 pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvError> {
     let t = Timeouts::default();
+    let side = Side::new(cfg)?;
     let (mut raw, _) = listener.accept()?;
     configure(&raw, t)?;
     let mut buf = Vec::new();
@@ -140,8 +215,6 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
     let (mut s, _) = listener.accept()?;
     configure(&s, t)?;
     accept_handshake(&mut s, &cfg.agent(Role::Decode), |_| Ok(Picked::tcp()))?;
-    let cache = KvCache::new(cfg.pool_layout());
-    let region = cache.region();
     loop {
         let msg = match read_message(&mut s) {
             Ok(m) => m,
@@ -150,10 +223,20 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
         };
         match msg {
             Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes, checksum } => {
-                // Safety: this process's cache exists only for this benchmark; nothing else
+                let region = &side.region;
+                // Safety: this process's KV memory exists only for this benchmark; nothing else
                 // touches its blocks.
-                let result =
-                    unsafe { recv_blocks(&mut s, bytes, src_block_size, &region, &blocks, num_tokens, checksum) };
+                let result = unsafe {
+                    if transfer_id.0.starts_with(SERIAL) {
+                        recv_blocks(&mut s, bytes, src_block_size, region, &blocks, num_tokens, checksum)
+                            .and_then(|()| side.memory.load_from_host(&blocks))
+                    } else {
+                        let mut load = side.memory.receiver()?;
+                        let into = Landing { region, blocks: &blocks, num_tokens };
+                        recv_staged(&mut s, bytes, src_block_size, into, checksum, &mut |run| load.landed(run))
+                            .and_then(|()| load.finish())
+                    }
+                };
                 write_message(&mut s, &Message::WriteAck { transfer_id, error: result.err().map(|e| e.to_string()) })?;
             }
             other => return Err(KvError::Protocol(format!("bench peer got {other:?}"))),
@@ -172,7 +255,8 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
     let layout = cfg.pool_layout();
     let table = cfg.table();
     let tokens = table.len() * layout.block_size;
-    let bytes = tandem_kv::blocks::wire_bytes(&layout, tandem_compute::KvDtype::F32, tokens);
+    let bytes = tandem_kv::blocks::wire_bytes(&layout, cfg.dtype(), tokens);
+    let side = Side::new(cfg)?;
 
     let mut raw = connect(addr, t)?;
     let payload = vec![7u8; bytes as usize];
@@ -189,42 +273,52 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
     drop(raw);
     drop(payload);
 
-    let mut cache = KvCache::new(layout);
-    for (i, &b) in table.iter().enumerate() {
-        let k = vec![i as f32; layout.num_kv_heads * layout.head_dim];
-        cache.write_token(0, b as usize, 0, &k, &k);
-    }
-    let region = cache.region();
+    let region = &side.region;
     let mut s = connect(addr, t)?;
     handshake(&mut s, &cfg.agent(Role::Prefill))?;
-    let mut kv_rates = Vec::new();
+    let header = |transfer_id| Message::WriteBlocks {
+        transfer_id,
+        blocks: table.clone(),
+        src_block_size: layout.block_size,
+        num_tokens: tokens,
+        bytes,
+        checksum: cfg.verify,
+    };
+    let acked = |s: &mut std::net::TcpStream| match read_message(s)? {
+        Message::WriteAck { error: None, .. } => Ok(()),
+        Message::WriteAck { error: Some(e), .. } => Err(KvError::Transfer(e)),
+        other => Err(KvError::Protocol(format!("expected WriteAck, got {other:?}"))),
+    };
+    let (mut kv_rates, mut serial_rates) = (Vec::new(), Vec::new());
     for i in 0..cfg.repeats {
-        let transfer_id = TransferId(format!("bench-{i}"));
         let start = Instant::now();
-        write_message(
-            &mut s,
-            &Message::WriteBlocks {
-                transfer_id: transfer_id.clone(),
-                blocks: table.clone(),
-                src_block_size: layout.block_size,
-                num_tokens: tokens,
-                bytes,
-                checksum: cfg.verify,
-            },
-        )?;
-        // Safety: this cache exists only for the benchmark; nothing else touches its blocks.
-        unsafe { send_blocks(&mut s, &region, &table, tokens, cfg.verify)? };
-        match read_message(&mut s)? {
-            Message::WriteAck { error: None, .. } => {}
-            Message::WriteAck { error: Some(e), .. } => return Err(KvError::Transfer(e)),
-            other => return Err(KvError::Protocol(format!("expected WriteAck, got {other:?}"))),
-        }
+        let pieces = send_pieces(region, &table, tokens)?;
+        // Safety (this and the sends below): this KV memory exists only for the benchmark;
+        // nothing else touches its blocks.
+        let staged = unsafe { side.memory.stage_send(&pieces)? };
+        write_message(&mut s, &header(TransferId(format!("bench-{i}"))))?;
+        unsafe { send_staged(&mut s, region, &pieces, tokens, cfg.verify, &mut |i| staged.ready(i))? };
+        drop(staged);
+        acked(&mut s)?;
         kv_rates.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+        if cfg.device.is_some() {
+            let start = Instant::now();
+            unsafe { side.memory.stage_to_host(&table)? };
+            write_message(&mut s, &header(TransferId(format!("{SERIAL}{i}"))))?;
+            unsafe { send_blocks(&mut s, region, &table, tokens, cfg.verify)? };
+            acked(&mut s)?;
+            serial_rates.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+        }
     }
     drop(s);
     let best = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
     let (raw_median, kv_median) = (median(raw_rates.clone()), median(kv_rates.clone()));
+    let memory = match cfg.device {
+        Some(n) => format!("each side a cuda:{n} cache with a page-locked host copy (bf16)"),
+        None => "host memory (f32)".into(),
+    };
     Ok(KvBenchReport {
+        memory,
         bytes,
         blocks: table.len(),
         runs: tandem_kv::blocks::coalesce(&table).len(),
@@ -233,6 +327,7 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         kv_best_gb_s: best(&kv_rates),
         kv_median_gb_s: kv_median,
         ratio: kv_median / raw_median,
+        kv_unpipelined_median_gb_s: (!serial_rates.is_empty()).then(|| median(serial_rates)),
     })
 }
 

@@ -692,8 +692,9 @@ pub struct BenchServeArgs {
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchKvArgs {
-    /// tcp: the TCP transport against raw loopback TCP (CPU memory); cuda-ipc: device copies
-    /// into a peer process's GPU cache against the same copies inside one GPU.
+    /// tcp: the TCP transport against raw loopback TCP (host memory, or with --device a GPU
+    /// engine's cache and its host copy on each side); cuda-ipc: device copies into a peer
+    /// process's GPU cache against the same copies inside one GPU.
     #[arg(long, value_enum, default_value = "tcp")]
     pub transport: BenchKvTransport,
     /// Size of the KV set moved per transfer (tcp), e.g. 256MiB.
@@ -702,9 +703,11 @@ pub struct BenchKvArgs {
     /// cuda-ipc: sizes moved, one row each.
     #[arg(long, value_delimiter = ',', default_value = "1MiB,16MiB,64MiB,256MiB,1GiB")]
     pub sizes: Vec<String>,
-    /// cuda-ipc: the GPU of this (the writing) process.
-    #[arg(long, default_value = "cuda:0")]
-    pub device: String,
+    /// The GPU of this (the writing) process. cuda-ipc: default cuda:0. tcp: both sides' KV
+    /// in this GPU's memory, moved as a GPU engine's connector moves it (copies to and from the
+    /// page-locked host copy overlapping the socket, piece by piece); default: host memory.
+    #[arg(long)]
+    pub device: Option<String>,
     /// cuda-ipc: the GPU of the peer process (default: the same as --device).
     #[arg(long)]
     pub peer_device: Option<String>,

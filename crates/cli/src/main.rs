@@ -640,7 +640,13 @@ fn kv_bench_config(a: &args::BenchKvArgs) -> Result<tandem_bench::kv::KvBenchCon
     if bytes == 0 {
         bail!("--size must be more than 0 bytes");
     }
-    Ok(tandem_bench::kv::KvBenchConfig { bytes, repeats: a.repeats.max(1), verify: a.verify, ..Default::default() })
+    let cfg =
+        tandem_bench::kv::KvBenchConfig { bytes, repeats: a.repeats.max(1), verify: a.verify, ..Default::default() };
+    match a.device.as_deref().map(str::parse::<tandem_compute::cuda::DeviceSpec>) {
+        None | Some(Ok(tandem_compute::cuda::DeviceSpec::Cpu)) => Ok(cfg),
+        Some(Ok(tandem_compute::cuda::DeviceSpec::Cuda(n))) => Ok(cfg.on_gpu(n)),
+        Some(Err(e)) => bail!("--device: {e}"),
+    }
 }
 
 /// Starts the peer as a second process (this same binary), reads its port, measures, and
@@ -654,6 +660,7 @@ fn bench_kv(a: args::BenchKvArgs) -> Result<()> {
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut child = std::process::Command::new(exe)
         .args(["--log", "warn", "bench", "kv-peer", "--size", &a.size, "--repeats", &a.repeats.to_string()])
+        .args(a.device.as_ref().map(|d| ["--device", d.as_str()]).into_iter().flatten())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .context("starting the peer process")?;
@@ -715,8 +722,9 @@ fn open_gpu(spec: &str) -> Result<tandem_compute::cuda::CudaDevice> {
 fn bench_kv_cuda_ipc(a: args::BenchKvArgs) -> Result<()> {
     use std::io::BufRead;
     let cfg = ipc_bench_config(&a)?;
-    let peer_device = a.peer_device.clone().unwrap_or_else(|| a.device.clone());
-    for spec in [&a.device, &peer_device] {
+    let device = a.device.clone().unwrap_or_else(|| "cuda:0".into());
+    let peer_device = a.peer_device.clone().unwrap_or_else(|| device.clone());
+    for spec in [&device, &peer_device] {
         if !matches!(spec.parse(), Ok(tandem_compute::cuda::DeviceSpec::Cuda(_))) {
             bail!("cuda-ipc moves GPU memory: give a GPU (cuda:N), not {spec}");
         }
@@ -734,8 +742,8 @@ fn bench_kv_cuda_ipc(a: args::BenchKvArgs) -> Result<()> {
     std::io::BufReader::new(stdout).read_line(&mut line).context("reading the peer's export")?;
     let report =
         tandem_bench::kv::cuda_ipc::parse_export_line(line.trim()).map_err(anyhow::Error::msg).and_then(|export| {
-            eprintln!("... peer process {} on {peer_device} exported its cache; copying from {}", child.id(), a.device);
-            let dev = open_gpu(&a.device)?;
+            eprintln!("... peer process {} on {peer_device} exported its cache; copying from {device}", child.id());
+            let dev = open_gpu(&device)?;
             tandem_bench::kv::cuda_ipc::measure(&dev, &cfg, &export).map_err(anyhow::Error::msg)
         });
     drop(child.stdin.take());
@@ -746,7 +754,7 @@ fn bench_kv_peer(a: args::BenchKvArgs) -> Result<()> {
     if a.transport == args::BenchKvTransport::CudaIpc {
         use std::io::Read;
         let cfg = ipc_bench_config(&a)?;
-        let dev = open_gpu(&a.device)?;
+        let dev = open_gpu(a.device.as_deref().unwrap_or("cuda:0"))?;
         let (_memory, export) = tandem_bench::kv::cuda_ipc::peer_cache(&dev, &cfg).map_err(anyhow::Error::msg)?;
         println!("{}", tandem_bench::kv::cuda_ipc::export_line(&export));
         std::io::stdout().flush()?;

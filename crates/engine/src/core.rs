@@ -205,12 +205,6 @@ struct InFlight {
     /// Per sampled row: the request (id and serial) and the index in its tokens where the
     /// token goes (a placeholder holds it until then, unless the token is its last).
     rows: Vec<(RequestId, u64, usize)>,
-    /// The prefill legs this step finishes whose KV copy to the host was queued right behind
-    /// the step: (serial, the runner's ticket for the copy).
-    kv_queued: Vec<(u64, u64)>,
-    /// A prefill leg finishes with this step and its KV copy could not be queued: the step is
-    /// collected before the next is submitted (see `EngineCore::step`).
-    hands_off_kv: bool,
 }
 
 impl EngineCore {
@@ -446,12 +440,6 @@ impl EngineCore {
         self.fail_overdue_kv_loads();
         self.start_remote_loads();
         let mut report = StepReport::default();
-        if self.in_flight.as_ref().is_some_and(|f| f.hands_off_kv) {
-            // A synchronous copy of the prompt's KV to the host waits for the stream: with the
-            // next step queued behind it, the hand-off (and the decode engine's first token)
-            // would wait a whole step longer. Collect first; this step runs unpipelined.
-            self.collect_in_flight(&mut report);
-        }
         let plan = self.scheduler.schedule();
         if !self.pipelined {
             if plan.chunks.is_empty() {
@@ -481,13 +469,6 @@ impl EngineCore {
         report
     }
 
-    /// Collects the step in flight now, adding what it did to `report`.
-    fn collect_in_flight(&mut self, report: &mut StepReport) {
-        if let Some(done) = self.in_flight.take() {
-            report.add(self.collect(done));
-        }
-    }
-
     /// Waits for `done`'s tokens and emits them (or fails its batch).
     fn collect(&mut self, done: InFlight) -> StepReport {
         match self.model.collect() {
@@ -501,8 +482,6 @@ impl EngineCore {
     /// ends its request by length (then the request has nothing more to schedule).
     fn advance(&mut self, plan: SchedulerOutput) -> InFlight {
         let mut rows = Vec::new();
-        let mut hands_off_kv = false;
-        let mut hand_offs = Vec::new();
         for c in &plan.chunks {
             let samples = c.sample && !c.token_ids.is_empty();
             let Some(req) = self.scheduler.requests.get_mut(&c.id) else {
@@ -520,28 +499,9 @@ impl EngineCore {
             if !last_by_length {
                 req.tokens.push(carried_token(rows.len()));
             }
-            if last_by_length && matches!(req.remote, Some(RemoteKv::Produce { .. })) {
-                hand_offs.push((req.serial, req.blocks.table()));
-            }
             rows.push((c.id.clone(), req.serial, index));
         }
-        // The prompts this step finishes: their KV's copy to the host goes right behind it,
-        // ahead of the next step, so collecting it does not wait for that step.
-        let mut kv_queued = Vec::new();
-        // A connector over the device cache copies to the host copy itself, when a transport
-        // needs host bytes, on its own thread and stream.
-        let connector_stages = self.connector.as_ref().is_some_and(KvConnector::stages_to_host);
-        for (serial, table) in hand_offs.into_iter().filter(|_| !connector_stages) {
-            match self.model.kv_to_host_queue(&table) {
-                Ok(Some(ticket)) => kv_queued.push((serial, ticket)),
-                Ok(None) => hands_off_kv = true,
-                Err(e) => {
-                    tracing::warn!(error = %e, "queueing a KV copy to the host failed; copying when collected");
-                    hands_off_kv = true;
-                }
-            }
-        }
-        InFlight { plan, rows, kv_queued, hands_off_kv }
+        InFlight { plan, rows }
     }
 
     fn execute(&mut self, plan: &SchedulerOutput) -> Result<Vec<u32>, tandem_model::ModelError> {
@@ -615,7 +575,7 @@ impl EngineCore {
             req.num_computed += c.token_ids.len();
             if let Some(token) = token {
                 let (index, serial) = (req.tokens.len(), req.serial);
-                self.emit_token(&c.id, serial, index, token, None, &mut finished);
+                self.emit_token(&c.id, serial, index, token, &mut finished);
             }
         }
         report.num_finished = self.finish(finished);
@@ -628,8 +588,7 @@ impl EngineCore {
         let mut report = StepReport { num_tokens: plan.num_tokens(), num_seqs: plan.chunks.len(), num_finished: 0 };
         let mut finished = Vec::new();
         for ((id, serial, index), &token) in done.rows.iter().zip(tokens) {
-            let kv_ticket = done.kv_queued.iter().find(|(s, _)| s == serial).map(|&(_, t)| t);
-            self.emit_token(id, *serial, *index, token, kv_ticket, &mut finished);
+            self.emit_token(id, *serial, *index, token, &mut finished);
         }
         report.num_finished = self.finish(finished);
         report
@@ -643,17 +602,8 @@ impl EngineCore {
     /// Puts `token` at `index` of request `id`'s tokens (replacing the placeholder there, or
     /// appending), checks whether it ends the request, hands a finished prefill leg's KV to the
     /// connector and sends the token. `serial` guards against a request that ended meanwhile
-    /// and a new one under the same id: such a token is dropped. `kv_ticket`: a prefill leg's
-    /// KV copy to the host is already queued under this ticket (wait for it, not copy).
-    fn emit_token(
-        &mut self,
-        id: &RequestId,
-        serial: u64,
-        index: usize,
-        token: u32,
-        kv_ticket: Option<u64>,
-        finished: &mut Vec<RequestId>,
-    ) {
+    /// and a new one under the same id: such a token is dropped.
+    fn emit_token(&mut self, id: &RequestId, serial: u64, index: usize, token: u32, finished: &mut Vec<RequestId>) {
         let Some(req) = self.scheduler.requests.get_mut(id).filter(|r| r.serial == serial) else { return };
         match index.cmp(&req.tokens.len()) {
             std::cmp::Ordering::Less => req.tokens[index] = token,
@@ -669,21 +619,9 @@ impl EngineCore {
                 // The prompt's KV now belongs to the connector, which frees it after the
                 // push write or when the pull lease ends.
                 let blocks = std::mem::replace(&mut req.blocks, self.scheduler.pool.empty_allocation());
+                // The step that computed them has completed (its token is here), so the
+                // connector may copy them on its own stream at once.
                 let table = blocks.table();
-                // A host copy the connector does not stage itself: bring it up to date first.
-                let copied = match kv_ticket {
-                    _ if connector.stages_to_host() => Ok(()),
-                    Some(ticket) => self.model.kv_to_host_wait(ticket),
-                    None => self.model.kv_to_host(&table),
-                };
-                if let Err(e) = copied {
-                    let reason = format!("copying the prompt's KV to host memory failed: {e}");
-                    tracing::error!(request_id = %id, %reason);
-                    connector.abandon(transfer_id.clone(), reason.clone());
-                    let _ = req.events.send(EngineEvent::Failed(reason));
-                    finished.push(id.clone());
-                    return; // `blocks` goes back to the pool here
-                }
                 let num_tokens = req.num_computed;
                 let _ = req.events.send(EngineEvent::KvProduced {
                     transfer_id: transfer_id.clone(),
@@ -788,22 +726,14 @@ impl EngineCore {
                 ConnectorEvent::Released { request_id } => {
                     self.quarantine.remove(&request_id);
                 }
-                ConnectorEvent::Ready { request_id, first_token, timeline, staged } => {
+                ConnectorEvent::Ready { request_id, first_token, timeline } => {
                     let Some(req) = self.scheduler.requests.get_mut(&request_id) else { continue };
                     if req.status != RequestStatus::WaitingForRemoteKvs {
                         continue;
                     }
+                    // The KV is in the cache (the connector loads a device cache before `Ready`)
+                    // and the blocks are the engine's again.
                     self.scheduler.remote_waiting.retain(|r| r != &request_id);
-                    // A device cache: the KV landed in the host copy; load it (the blocks are the
-                    // engine's again: the connector sent `Ready` after its last write). A direct
-                    // transport wrote the device cache itself.
-                    let loaded = if staged { self.model.kv_from_host(&req.blocks.table()) } else { Ok(()) };
-                    if let Err(e) = loaded {
-                        let reason = format!("copying the prompt's KV from host memory failed: {e}");
-                        Self::remote_load_failed(&mut self.scheduler, self.load_failure, request_id, &reason);
-                        continue;
-                    }
-                    let Some(req) = self.scheduler.requests.get_mut(&request_id) else { continue };
                     req.status = RequestStatus::Running;
                     req.num_computed = req.prompt_len;
                     let us = |d: std::time::Duration| d.as_micros() as u64;

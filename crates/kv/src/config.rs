@@ -22,6 +22,9 @@ pub struct FaultInjection {
     /// The sender flips one bit of the first byte of every bulk send after checksumming it,
     /// as a bad NIC, buffer or staging copy would.
     pub corrupt_sends: bool,
+    /// Every copy a tcp transfer makes between a GPU engine's device cache and its host copy
+    /// fails, as a device error would (on a CPU engine the same points fail).
+    pub fail_host_copies: bool,
 }
 
 /// Which transports a connector may move KV bytes over.

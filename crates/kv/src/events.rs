@@ -8,7 +8,8 @@ pub type HeldBlocks = Box<dyn Send>;
 /// What the connector tells the engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ConnectorEvent {
-    /// The request's KV is in its blocks.
+    /// The request's KV is in its blocks, in the engine's cache itself (a GPU engine's device
+    /// cache included: a transport that lands bytes in the host copy loads them before this).
     Ready {
         /// The request.
         request_id: RequestId,
@@ -16,10 +17,6 @@ pub enum ConnectorEvent {
         first_token: Option<u32>,
         /// When each stage happened.
         timeline: TransferTimeline,
-        /// The bytes landed in the connector's host region (tcp, local), which a GPU engine
-        /// then loads into its device cache; `false` when the peer wrote the device cache
-        /// itself (cuda-ipc).
-        staged: bool,
     },
     /// The KV will not come; no write to the request's blocks can land any more.
     Failed {

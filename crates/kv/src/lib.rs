@@ -37,4 +37,4 @@ pub use connector::KvConnector;
 pub use connector::KvView;
 pub use error::KvError;
 pub use events::{ConnectorEvent, ConnectorStats, EventSink, HeldBlocks, KvLink, TransferTimeline};
-pub use memory::KvMemory;
+pub use memory::{KvMemory, StagedReceive, StagedSend};

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use tandem_compute::cuda::DeviceKvMemory;
+use tandem_compute::cuda::{DeviceKvMemory, HostCopies};
 use tandem_compute::{KvDtype, KvLayout, KvRegion};
 
 use crate::KvError;
@@ -70,11 +70,53 @@ impl KvMemory {
     /// engine's device cache is copied into its host copy here, on the connector's thread
     /// (the engine hands its blocks over without waiting for a copy). Nothing to do for a
     /// CPU engine, whose region is the cache.
-    pub fn stage_to_host(&self, blocks: &[u32]) -> Result<(), KvError> {
+    ///
+    /// # Safety
+    /// The connector holds `blocks` (produced KV, computed and handed over); their host-copy
+    /// blocks are touched by nobody else while it holds them.
+    pub unsafe fn stage_to_host(&self, blocks: &[u32]) -> Result<(), KvError> {
         let (Some(device), Some(host)) = (&self.device, &self.host) else { return Ok(()) };
-        // Safety: the connector holds `blocks` (produced KV, computed and handed over); their
-        // host-copy blocks are touched by nobody else while it holds them.
+        // Safety: passed on from the caller.
         unsafe { device.download(blocks, host) }.map_err(KvError::Transfer)
+    }
+
+    /// Loads `blocks` of the host region into the device cache after a transport wrote them
+    /// there, so that `Ready` means the KV is in the engine's cache. Nothing to do for a CPU
+    /// engine.
+    ///
+    /// # Safety
+    /// The connector owns `blocks` (a decode transfer's destination, not yet reported ready):
+    /// no step reads or writes them and nobody writes their host copy meanwhile.
+    pub unsafe fn load_from_host(&self, blocks: &[u32]) -> Result<(), KvError> {
+        let mut load = self.receiver()?;
+        for run in crate::blocks::coalesce(blocks) {
+            // Safety: passed on from the caller.
+            unsafe { load.landed(run)? };
+        }
+        load.finish()
+    }
+
+    /// A tcp send's copies from the device cache: every piece queued at once on the
+    /// connector's transfer stream, each waited for just before it goes on the socket
+    /// ([`StagedSend::ready`]). Nothing is copied for a CPU engine.
+    ///
+    /// # Safety
+    /// As [`KvMemory::stage_to_host`], for the pieces' blocks, until the result is dropped.
+    pub unsafe fn stage_send(&self, pieces: &[crate::blocks::BlockRun]) -> Result<StagedSend<'_>, KvError> {
+        let (Some(device), Some(host)) = (&self.device, &self.host) else { return Ok(StagedSend(None)) };
+        let mut copies = device.host_copies(host).map_err(KvError::Transfer)?;
+        for &piece in pieces {
+            // Safety: passed on from the caller.
+            unsafe { copies.download(piece) }.map_err(KvError::Transfer)?;
+        }
+        Ok(StagedSend(Some(copies)))
+    }
+
+    /// A tcp receive's copies into the device cache, one per piece as it lands
+    /// ([`StagedReceive::landed`]). Nothing is copied for a CPU engine.
+    pub fn receiver(&self) -> Result<StagedReceive<'_>, KvError> {
+        let (Some(device), Some(host)) = (&self.device, &self.host) else { return Ok(StagedReceive(None)) };
+        device.host_copies(host).map(|c| StagedReceive(Some(c))).map_err(KvError::Transfer)
     }
 
     /// Whether the connector copies the device cache to the host copy itself
@@ -86,5 +128,39 @@ impl KvMemory {
     /// The device cache, if the engine's KV lives on a GPU.
     pub fn device_cache(&self) -> Option<&Arc<DeviceKvMemory>> {
         self.device.as_ref()
+    }
+}
+
+/// The device-to-host copies of a tcp send ([`KvMemory::stage_send`]); dropping it waits for
+/// any still running.
+pub struct StagedSend<'a>(Option<HostCopies<'a>>);
+
+impl StagedSend<'_> {
+    /// Waits until piece `i` is in the host copy (at once for a CPU engine).
+    pub fn ready(&self, i: usize) -> Result<(), KvError> {
+        self.0.as_ref().map_or(Ok(()), |c| c.wait(i).map_err(KvError::Transfer))
+    }
+}
+
+/// The host-to-device copies of a tcp receive ([`KvMemory::receiver`]); dropping it waits for
+/// any still running.
+pub struct StagedReceive<'a>(Option<HostCopies<'a>>);
+
+impl StagedReceive<'_> {
+    /// Queues the copy of `run`, which has landed in the host copy, into the device cache.
+    ///
+    /// # Safety
+    /// As [`KvMemory::load_from_host`], for `run`'s blocks, until [`StagedReceive::finish`].
+    pub unsafe fn landed(&mut self, run: crate::blocks::BlockRun) -> Result<(), KvError> {
+        match &mut self.0 {
+            // Safety: passed on from the caller.
+            Some(c) => unsafe { c.upload(run) }.map(drop).map_err(KvError::Transfer),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until every landed piece is in the device cache.
+    pub fn finish(self) -> Result<(), KvError> {
+        self.0.as_ref().map_or(Ok(()), |c| c.wait_all().map_err(KvError::Transfer))
     }
 }

@@ -1,9 +1,12 @@
 //! The TCP data path: connect with bounded waits, handshake, and move KV block bytes straight
 //! between a socket and the KV memory.
 //!
-//! Sending reads the sender's blocks run by run and writes them to the socket with no staging
-//! copy. Receiving reads straight into the destination blocks when both sides use the same
-//! block size, and through one staging buffer plus [`scatter_tokens`] when they differ.
+//! Sending reads the sender's blocks piece by piece ([`pieces`]: the contiguous runs, cut to
+//! at most [`PIECE_BYTES`]) and writes them to the socket with no staging copy. Receiving
+//! reads straight into the destination blocks when both sides use the same block size, and
+//! through one staging buffer plus [`scatter_tokens`] when they differ. Around each piece a GPU
+//! engine's memory copies between its device cache and host copy ([`send_staged`],
+//! [`recv_staged`]), so those copies overlap the socket.
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
@@ -12,7 +15,7 @@ use std::time::Duration;
 use tandem_compute::KvRegion;
 
 use crate::agent_info::AgentInfo;
-use crate::blocks::{coalesce, scatter_tokens, wire_bytes};
+use crate::blocks::{coalesce, scatter_tokens, wire_bytes, BlockRun};
 use crate::wire::{read_message, write_message, Message, PROTOCOL_VERSION};
 use crate::KvError;
 
@@ -123,6 +126,28 @@ pub fn accept_handshake(
 /// Bytes of the checksum that follows a bulk send's data when it is checksummed.
 pub const CHECKSUM_BYTES: u64 = 4;
 
+/// Bytes of KV a bulk transfer moves per piece at most. A GPU engine copies one piece
+/// between its device cache and its host copy while the piece before it is on the socket, so
+/// the copy hides behind the network but for one piece's worth.
+pub const PIECE_BYTES: usize = 8 << 20;
+
+/// The blocks `blocks` as a bulk transfer moves them: their contiguous runs, in order, each cut
+/// into pieces of at most [`PIECE_BYTES`] (at least one block).
+pub fn pieces(blocks: &[u32], block_bytes: usize) -> Vec<BlockRun> {
+    let most = (PIECE_BYTES / block_bytes.max(1)).max(1) as u32;
+    let mut out = Vec::new();
+    for run in coalesce(blocks) {
+        let mut start = run.start;
+        let end = run.start + run.len;
+        while start < end {
+            let len = most.min(end - start);
+            out.push(BlockRun { start, len });
+            start += len;
+        }
+    }
+    out
+}
+
 /// Writes the raw bytes of the blocks holding tokens `0..num_tokens` (whole blocks, in token
 /// order) to `w`, then, with `checksum`, the CRC-32 of those bytes (little-endian,
 /// [`CHECKSUM_BYTES`]). Returns the data bytes written ([`wire_bytes`]).
@@ -136,15 +161,40 @@ pub unsafe fn send_blocks(
     num_tokens: usize,
     checksum: bool,
 ) -> Result<u64, KvError> {
-    let layout = region.layout();
-    let needed = layout.blocks_for(num_tokens);
+    let pieces = send_pieces(region, blocks, num_tokens)?;
+    // Safety: passed on from the caller.
+    unsafe { send_staged(w, region, &pieces, num_tokens, checksum, &mut |_| Ok(())) }
+}
+
+/// The pieces [`send_staged`] sends for tokens `0..num_tokens` of `blocks`, or why they cannot
+/// be sent.
+pub fn send_pieces(region: &KvRegion, blocks: &[u32], num_tokens: usize) -> Result<Vec<BlockRun>, KvError> {
+    let needed = region.layout().blocks_for(num_tokens);
     if blocks.len() < needed {
         return Err(KvError::Protocol(format!("{num_tokens} tokens need {needed} blocks, {} given", blocks.len())));
     }
+    Ok(pieces(&blocks[..needed], region.block_bytes()))
+}
+
+/// [`send_blocks`] of `pieces` (from [`send_pieces`]), calling `ready(i)` before piece `i`'s
+/// bytes are read from `region`: a GPU engine waits there for that piece's copy from its device
+/// cache, queued ahead.
+///
+/// # Safety
+/// As [`send_blocks`], for the pieces' blocks.
+pub unsafe fn send_staged(
+    w: &mut impl Write,
+    region: &KvRegion,
+    pieces: &[BlockRun],
+    num_tokens: usize,
+    checksum: bool,
+    ready: &mut dyn FnMut(usize) -> Result<(), KvError>,
+) -> Result<u64, KvError> {
     let mut crc = crc32fast::Hasher::new();
-    for run in coalesce(&blocks[..needed]) {
+    for (i, piece) in pieces.iter().enumerate() {
+        ready(i)?;
         // Safety: caller holds these blocks; nobody writes them meanwhile.
-        let data = unsafe { region.bytes(run.start as usize, run.len as usize) };
+        let data = unsafe { region.bytes(piece.start as usize, piece.len as usize) };
         w.write_all(data)?;
         if checksum {
             crc.update(data);
@@ -153,7 +203,7 @@ pub unsafe fn send_blocks(
     if checksum {
         w.write_all(&crc.finalize().to_le_bytes())?;
     }
-    Ok(wire_bytes(layout, region.dtype(), num_tokens))
+    Ok(wire_bytes(region.layout(), region.dtype(), num_tokens))
 }
 
 /// Reads `bytes` raw bytes (the sender's layout, `src_block_size` tokens per block, tokens
@@ -172,6 +222,37 @@ pub unsafe fn recv_blocks(
     num_tokens: usize,
     checksum: bool,
 ) -> Result<(), KvError> {
+    let into = Landing { region, blocks: dst_blocks, num_tokens };
+    // Safety: passed on from the caller.
+    unsafe { recv_staged(r, bytes, src_block_size, into, checksum, &mut |_| Ok(())) }
+}
+
+/// Where a bulk receive lands: tokens `0..num_tokens` in `blocks` of `region`.
+#[derive(Clone, Copy)]
+pub struct Landing<'a> {
+    /// The receiver's KV memory.
+    pub region: &'a KvRegion,
+    /// The destination blocks, in token order.
+    pub blocks: &'a [u32],
+    /// Tokens that land.
+    pub num_tokens: usize,
+}
+
+/// [`recv_blocks`], calling `landed(run)` as each piece of the destination blocks has its
+/// bytes (before the checksum is checked): a GPU engine queues that piece's copy into its
+/// device cache there, while the next piece is still on the socket.
+///
+/// # Safety
+/// As [`recv_blocks`].
+pub unsafe fn recv_staged(
+    r: &mut impl Read,
+    bytes: u64,
+    src_block_size: usize,
+    into: Landing<'_>,
+    checksum: bool,
+    landed: &mut dyn FnMut(BlockRun) -> Result<(), KvError>,
+) -> Result<(), KvError> {
+    let Landing { region, blocks: dst_blocks, num_tokens } = into;
     let dl = *region.layout();
     if src_block_size == 0 {
         return Err(KvError::Protocol("source block size 0".into()));
@@ -187,13 +268,14 @@ pub unsafe fn recv_blocks(
     }
     let mut crc = crc32fast::Hasher::new();
     if src_block_size == dl.block_size {
-        for run in coalesce(&dst_blocks[..needed]) {
+        for piece in pieces(&dst_blocks[..needed], region.block_bytes()) {
             // Safety: the caller owns the destination blocks exclusively.
-            let dst = unsafe { region.bytes_mut(run.start as usize, run.len as usize) };
+            let dst = unsafe { region.bytes_mut(piece.start as usize, piece.len as usize) };
             r.read_exact(dst)?;
             if checksum {
                 crc.update(dst);
             }
+            landed(piece)?;
         }
     } else {
         let mut staging = vec![0u8; bytes as usize];
@@ -203,6 +285,9 @@ pub unsafe fn recv_blocks(
         }
         // Safety: the caller owns the destination blocks exclusively.
         unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens) };
+        for piece in pieces(&dst_blocks[..needed], region.block_bytes()) {
+            landed(piece)?;
+        }
     }
     if checksum {
         let mut sent = [0u8; CHECKSUM_BYTES as usize];

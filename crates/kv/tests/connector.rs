@@ -139,9 +139,8 @@ impl Pair {
 /// bytes moved, at least one region, stages in order.
 fn assert_ready(ev: ConnectorEvent, id: &str) {
     match ev {
-        ConnectorEvent::Ready { request_id, first_token, timeline: t, staged } => {
+        ConnectorEvent::Ready { request_id, first_token, timeline: t } => {
             assert_eq!((request_id, first_token), (RequestId::new(id), Some(77)));
-            assert!(staged, "tcp lands the bytes in the host region");
             assert!(t.bytes > 0 && t.regions >= 1, "{t:?}");
             assert!(t.data_start_us <= t.data_end_us && t.data_end_us <= t.ready_us, "{t:?}");
         }

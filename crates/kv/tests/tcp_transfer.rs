@@ -167,3 +167,54 @@ fn a_silent_peer_times_out_within_the_bound_and_an_absent_one_is_unreachable() {
     let err = connect(&addr, t).unwrap_err();
     assert!(matches!(err, KvError::Unreachable { .. }), "{err}");
 }
+
+/// A bulk transfer in pieces, as a GPU engine's memory stages it: the sender reads a piece
+/// only after its `ready` hook (where a device-to-host copy is waited for), so bytes the hook
+/// puts there are the bytes that arrive; the receiver reports each piece once it has its bytes,
+/// covering every destination block once, in order. Runs longer than a piece are cut.
+#[test]
+fn staged_pieces_are_read_after_their_hook_and_reported_as_they_land() {
+    use tandem_kv::blocks::BlockRun;
+    use tandem_kv::tcp::{pieces, recv_staged, send_pieces, send_staged, Landing, PIECE_BYTES};
+    // Blocks of 1 MiB, so a piece holds 8 of them.
+    let l = KvLayout { num_layers: 8, num_kv_heads: 4, head_dim: 64, block_size: 64, num_blocks: 40 };
+    let (src_cache, dst_cache) = (KvCache::new(l), KvCache::new(l));
+    let (src, dst) = (src_cache.region(), dst_cache.region());
+    assert_eq!(src.block_bytes(), 1 << 20);
+    // One run of 19 blocks, one of 2: pieces of 8, 8, 3 and 2 blocks.
+    let table: Vec<u32> = (3..22).chain([30, 31]).collect();
+    let tokens = table.len() * 64 - 10;
+    let p = send_pieces(&src, &table, tokens).unwrap();
+    let lens: Vec<u32> = p.iter().map(|r| r.len).collect();
+    assert_eq!(lens, [8, 8, 3, 2]);
+    assert_eq!(p[0], BlockRun { start: 3, len: (PIECE_BYTES >> 20) as u32 });
+    assert_eq!(pieces(&[5], usize::MAX), [BlockRun { start: 5, len: 1 }], "at least one block a piece");
+    let mut wire = Vec::new();
+    let mut readied = Vec::new();
+    let mut ready = |i: usize| {
+        // Stands in for the device copy landing: the piece's bytes appear only now.
+        // Safety: the test owns every block of this cache.
+        let bytes = unsafe { src.bytes_mut(p[i].start as usize, p[i].len as usize) };
+        bytes.iter_mut().enumerate().for_each(|(j, b)| *b = (i * 31 + j % 251) as u8);
+        readied.push(i);
+        Ok(())
+    };
+    // Safety (both calls): the test owns every block of both caches.
+    let bytes = unsafe { send_staged(&mut wire, &src, &p, tokens, true, &mut ready).unwrap() };
+    assert_eq!(readied, [0, 1, 2, 3]);
+    let dst_table: Vec<u32> = (10..31).collect();
+    let mut landed = Vec::new();
+    let into = Landing { region: &dst, blocks: &dst_table, num_tokens: tokens };
+    let mut report = |run| {
+        landed.push(run);
+        Ok(())
+    };
+    unsafe { recv_staged(&mut &wire[..], bytes, 64, into, true, &mut report).unwrap() };
+    let covered: Vec<u32> = landed.iter().flat_map(|r| r.start..r.start + r.len).collect();
+    assert_eq!(covered, dst_table, "every destination block reported once, in order");
+    for (s, d) in table.iter().zip(&dst_table) {
+        // Safety: the test owns every block of both caches.
+        let (a, b) = unsafe { (src.bytes(*s as usize, 1), dst.bytes(*d as usize, 1)) };
+        assert!(a == b && a.iter().any(|&x| x != 0), "block {s} -> {d}");
+    }
+}

@@ -63,38 +63,14 @@ pub trait ModelRunner: Send {
     /// The KV cache's shape (including its number of blocks).
     fn kv_layout(&self) -> KvLayout;
     /// The KV memory as the connector sees it: the cache itself when it lives in host memory,
-    /// or a host copy of a device cache (see [`ModelRunner::kv_to_host`]). `None`: this runner
-    /// offers none (a device cache set up without a host copy).
+    /// or a host copy of a device cache (which the connector copies to and from the device
+    /// through [`ModelRunner::kv_device`]). `None`: this runner offers none (a device cache
+    /// set up without a host copy).
     fn kv_region(&self) -> Option<Arc<KvRegion>>;
     /// The device KV cache as the connector's direct transports use it (a GPU runner's; `None`
-    /// for a cache in host memory). KV written through it lands in the cache itself: no
-    /// [`ModelRunner::kv_from_host`] follows.
+    /// for a cache in host memory).
     fn kv_device(&self) -> Option<Arc<tandem_compute::cuda::DeviceKvMemory>> {
         None
-    }
-    /// Makes `kv_region`'s copy of `blocks` current, before the connector reads or sends them
-    /// (prefill, when a request's KV passes to a connector that does not stage a
-    /// [`ModelRunner::kv_device`] cache itself). Nothing to do where the region is the cache
-    /// itself. The caller owns the blocks: no forward uses them meanwhile.
-    fn kv_to_host(&mut self, _blocks: &[u32]) -> Result<(), ModelError> {
-        Ok(())
-    }
-    /// Loads `blocks` from `kv_region`'s copy into the cache, after the connector wrote them
-    /// (decode, when a request's KV has arrived). Nothing to do where the region is the cache.
-    fn kv_from_host(&mut self, _blocks: &[u32]) -> Result<(), ModelError> {
-        Ok(())
-    }
-    /// Queues [`ModelRunner::kv_to_host`] for `blocks` behind the steps submitted so far,
-    /// without waiting: it lands before any later-submitted step runs, and
-    /// [`ModelRunner::kv_to_host_wait`] with the returned ticket waits for it (not for steps
-    /// submitted after it). `Ok(None)`: this runner cannot queue it; the caller copies with
-    /// `kv_to_host` once the steps are done.
-    fn kv_to_host_queue(&mut self, _blocks: &[u32]) -> Result<Option<u64>, ModelError> {
-        Ok(None)
-    }
-    /// Waits for the copy `kv_to_host_queue` queued under `ticket` (and those before it).
-    fn kv_to_host_wait(&mut self, _ticket: u64) -> Result<(), ModelError> {
-        Ok(())
     }
     /// Identifies the weights for KV compatibility checks.
     fn fingerprint(&self) -> String;

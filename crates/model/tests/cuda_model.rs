@@ -282,12 +282,13 @@ fn greedy_matches_transformers_bf16() {
     let _ = gpu.describe();
 }
 
-/// The host KV copy of a GPU engine in a P/D role, as the KV connector uses it: a prompt
-/// prefilled on one engine goes out with `kv_to_host`, its blocks are moved between the two
-/// engines' host copies (the connector's part), come in on the other engine with
-/// `kv_from_host` under other block ids, and the second engine's next decode steps give the
-/// first engine's logits bit for bit. Stale device blocks (prefilled with another prompt first)
-/// make sure the copy in is what the decode reads.
+/// The host KV copy of a GPU engine in a P/D role, as the KV connector's tcp transport uses
+/// it: a prompt prefilled on one engine goes out of its device cache piece by piece
+/// (`HostCopies::download`, each piece waited for before it is read), its blocks are moved
+/// between the two engines' host copies (the socket's part), come into the other engine's
+/// device cache piece by piece under other block ids (`HostCopies::upload`), and the second
+/// engine's next decode steps give the first engine's logits bit for bit. Stale device blocks
+/// (prefilled with another prompt first) make sure the copy in is what the decode reads.
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn host_kv_copy_moves_a_prompt_between_engines_bit_for_bit() {
@@ -321,14 +322,24 @@ fn host_kv_copy_moves_a_prompt_between_engines_bit_for_bit() {
     let logits = prefill.forward_logits(&ids, &[seq(&p_table, 0, ids.len())]).unwrap();
     ids.push(argmax(&logits));
     let used = ids.len().div_ceil(16) as u32; // blocks the prompt and its next token touch
-    prefill.kv_to_host(&p_table[..used as usize]).unwrap();
     let (from, to) = (prefill.kv_region().unwrap(), decode.kv_region().unwrap());
-    for b in 0..used as usize {
-        // Safety: both engines are idle on this thread; nothing else touches the regions.
-        let (src, dst) = unsafe { (from.bytes(p_table[b] as usize, 1), to.bytes_mut(d_table[b] as usize, 1)) };
-        dst.copy_from_slice(src);
+    let (from_dev, to_dev) = (prefill.kv_device().unwrap(), decode.kv_device().unwrap());
+    let piece = |b: u32| tandem_compute::BlockRun { start: b, len: 1 };
+    {
+        let mut out = from_dev.host_copies(&from).unwrap();
+        let mut into = to_dev.host_copies(&to).unwrap();
+        // Safety (all copies here): both engines are idle on this thread; nothing else touches
+        // their caches or host copies, and each piece is waited for before its bytes are used.
+        let pieces: Vec<usize> =
+            (0..used as usize).map(|b| unsafe { out.download(piece(p_table[b])) }.unwrap()).collect();
+        for (b, &i) in pieces.iter().enumerate() {
+            out.wait(i).unwrap();
+            let (src, dst) = unsafe { (from.bytes(p_table[b] as usize, 1), to.bytes_mut(d_table[b] as usize, 1)) };
+            dst.copy_from_slice(src);
+            unsafe { into.upload(piece(d_table[b])) }.unwrap();
+        }
+        into.wait_all().unwrap();
     }
-    decode.kv_from_host(&d_table[..used as usize]).unwrap();
     for step in 0..6 {
         let pos = ids.len() - 1;
         let a = prefill.forward_logits(&ids[pos..], &[seq(&p_table, pos, 1)]).unwrap();

@@ -12,12 +12,12 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    sys, CudaContext, CudaEvent, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 
 use super::{oom, Backing, CudaDevice, CudaError, DevBuf};
 use crate::kv_copy::{plan_kv_copy, KvCopy};
-use crate::{coalesce, KvLayout, KvRegion};
+use crate::{coalesce, BlockRun, KvLayout, KvRegion};
 
 /// One `cuMemAlloc` allocation, freed with its last holder.
 pub(crate) struct ExportableAlloc {
@@ -302,41 +302,29 @@ impl DeviceKvMemory {
     }
 
     /// Copies `blocks` of the cache into the same blocks of `host` (its host copy: same layout,
-    /// bf16, page-locked for speed) on the transfer stream, and waits for the copies. For the
-    /// KV connector's tcp and local transports, on its own thread.
+    /// bf16, page-locked for speed) on the transfer stream, and waits for the copies.
     ///
     /// # Safety
-    /// The caller holds `blocks` on both sides: their KV is computed (no step writes them) and
-    /// nobody reads or writes them in `host` until this returns.
+    /// As [`DeviceKvMemory::host_copies`] and [`HostCopies::download`], for `blocks`.
     pub unsafe fn download(&self, blocks: &[u32], host: &KvRegion) -> Result<(), String> {
+        let mut copies = self.host_copies(host)?;
+        for run in coalesce(blocks) {
+            // Safety: passed on from the caller.
+            unsafe { copies.download(run)? };
+        }
+        copies.wait_all()
+    }
+
+    /// Copies between the cache and `host`, its host copy (same layout, bf16, page-locked so
+    /// that the copies run while this thread does other work), queued piece by piece on the
+    /// transfer stream. The KV connector's tcp transport uses them to move one piece on the
+    /// socket while the next one copies.
+    pub fn host_copies<'a>(&'a self, host: &'a KvRegion) -> Result<HostCopies<'a>, String> {
         if host.layout() != &self.layout || host.dtype().bytes() != self.elem_bytes {
             return Err("the host copy's layout differs from the device cache's".into());
         }
-        let block_bytes = self.layout.block_elems() * self.elem_bytes;
-        let run = || -> Result<(), CudaError> {
-            self.ctx.bind_to_thread()?;
-            for r in coalesce(blocks) {
-                let (first, count) = (r.start as usize, r.len as usize);
-                if first + count > self.layout.num_blocks {
-                    return Err(CudaError::Unavailable(format!("blocks {first}+{count} are outside the cache")));
-                }
-                // Safety: the caller holds these blocks in `host` (bounds checked by `bytes_mut`)
-                // and on the device (inside the allocation, checked above); the wait below ends
-                // the copy's use of both.
-                unsafe {
-                    let dst = host.bytes_mut(first, count);
-                    sys::cuMemcpyDtoHAsync_v2(
-                        dst.as_mut_ptr().cast(),
-                        self.alloc.ptr + (first * block_bytes) as u64,
-                        count * block_bytes,
-                        self.stream.cu_stream(),
-                    )
-                    .result()?;
-                }
-            }
-            self.wait()
-        };
-        run().map_err(|e| format!("copying KV to the host copy failed: {e}"))
+        self.ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e}"))?;
+        Ok(HostCopies { mem: self, host, events: Vec::new() })
     }
 
     /// One `kv_scatter` launch on the transfer stream moving tokens `0..num_tokens` from our
@@ -426,6 +414,108 @@ impl DeviceKvMemory {
             }
         }
         self.wait()
+    }
+}
+
+/// Copies between a device cache and its host copy, each piece followed by an event of its
+/// own ([`DeviceKvMemory::host_copies`]). Pieces complete in the order they were queued.
+/// Dropping it waits for the copies still queued: they read or write the host copy's bytes.
+pub struct HostCopies<'a> {
+    mem: &'a DeviceKvMemory,
+    host: &'a KvRegion,
+    events: Vec<CudaEvent>,
+}
+
+impl HostCopies<'_> {
+    /// Queues the copy of `run`'s blocks from the device cache into the host copy; returns its
+    /// piece number for [`HostCopies::wait`].
+    ///
+    /// # Safety
+    /// The caller holds `run`'s blocks on both sides until the piece has been waited for: their
+    /// KV is computed (no step writes them) and nobody reads or writes them in the host copy.
+    pub unsafe fn download(&mut self, run: BlockRun) -> Result<usize, String> {
+        let (first, count) = self.check(run)?;
+        let block_bytes = self.mem.layout.block_elems() * self.mem.elem_bytes;
+        // Safety: the caller holds these blocks (the run is inside both caches, checked); the
+        // piece's event, waited for before they are used or given back (at the latest on drop),
+        // ends the copy's use of them.
+        unsafe {
+            let dst = self.host.bytes_mut(first, count);
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.as_mut_ptr().cast(),
+                self.mem.alloc.ptr + (first * block_bytes) as u64,
+                count * block_bytes,
+                self.mem.stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(|e| format!("copying KV to the host copy failed: {e}"))?;
+        self.mark()
+    }
+
+    /// Queues the copy of `run`'s blocks from the host copy into the device cache; returns its
+    /// piece number for [`HostCopies::wait`].
+    ///
+    /// # Safety
+    /// The caller holds `run`'s blocks on both sides until the piece has been waited for: no
+    /// step reads or writes them on the device and nobody writes them in the host copy.
+    pub unsafe fn upload(&mut self, run: BlockRun) -> Result<usize, String> {
+        let (first, count) = self.check(run)?;
+        let block_bytes = self.mem.layout.block_elems() * self.mem.elem_bytes;
+        // Safety: as in `download`, the other way round.
+        unsafe {
+            let src = self.host.bytes(first, count);
+            sys::cuMemcpyHtoDAsync_v2(
+                self.mem.alloc.ptr + (first * block_bytes) as u64,
+                src.as_ptr().cast(),
+                count * block_bytes,
+                self.mem.stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(|e| format!("copying KV into the device cache failed: {e}"))?;
+        self.mark()
+    }
+
+    /// Blocks (asleep) until piece `i` (and every piece before it) has been copied.
+    pub fn wait(&self, i: usize) -> Result<(), String> {
+        let event = self.events.get(i).ok_or_else(|| format!("no KV copy piece {i}"))?;
+        event.synchronize().map_err(|e| format!("waiting for a KV copy: {e}"))
+    }
+
+    /// Blocks until every queued piece has been copied.
+    pub fn wait_all(&self) -> Result<(), String> {
+        match self.events.len() {
+            0 => Ok(()),
+            n => self.wait(n - 1),
+        }
+    }
+
+    fn check(&self, run: BlockRun) -> Result<(usize, usize), String> {
+        let (first, count) = (run.start as usize, run.len as usize);
+        if first + count > self.mem.layout.num_blocks {
+            return Err(format!("blocks {first}+{count} are outside the cache"));
+        }
+        Ok((first, count))
+    }
+
+    fn mark(&mut self) -> Result<usize, String> {
+        let record = || -> Result<CudaEvent, CudaError> {
+            let event = self.mem.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
+            event.record(&self.mem.stream)?;
+            Ok(event)
+        };
+        let event = record().map_err(|e| format!("recording a KV copy's event: {e}"))?;
+        self.events.push(event);
+        Ok(self.events.len() - 1)
+    }
+}
+
+impl Drop for HostCopies<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.wait_all() {
+            tracing::error!(error = %e, "a KV copy between the device cache and its host copy failed at teardown");
+        }
     }
 }
 

@@ -15,7 +15,7 @@ mod ipc;
 pub mod ops;
 mod tuning;
 
-pub use ipc::{DeviceKvMemory, IpcExport, PeerKvMemory};
+pub use ipc::{DeviceKvMemory, HostCopies, IpcExport, PeerKvMemory};
 pub use tuning::CudaTuning;
 
 use std::path::PathBuf;

@@ -93,9 +93,18 @@ pub(super) fn on_read_blocks(
     };
     std::thread::sleep(shared.cfg.faults.slow_write);
     let sent = conn.transport.answer_read(shared, conn, &tid, &src, &dst, num_tokens);
-    if let Some(p) = shared.tables().produced.get_mut(&tid) {
+    let mut t = shared.tables();
+    if let Err(KvError::Transfer(e)) = &sent {
+        // Answered in-band (the read failed before a byte was sent), so the connection stays;
+        // decode fails the transfer and will not read again: the lease ends now.
+        tracing::warn!(transfer_id = %tid, error = %e, "a pull read failed");
+        t.produced.remove(&tid);
+        return Ok(());
+    }
+    if let Some(p) = t.produced.get_mut(&tid) {
         p.reading = false;
     }
+    drop(t);
     sent?;
     bump(&shared.counters.bytes_sent, wire_bytes(&layout, shared.memory.dtype(), num_tokens));
     bump(&shared.counters.regions, coalesce(&src[..layout.blocks_for(num_tokens).min(src.len())]).len() as u64);
@@ -161,7 +170,6 @@ pub(super) fn on_block_data(
             timeline: TransferTimeline { ready_us: inc.since(), ..inc.timeline },
             request_id: inc.request_id,
             first_token,
-            staged: true,
         });
     }
     Ok(())
@@ -188,7 +196,6 @@ fn on_direct_read_end(
         bump(&shared.counters.bytes_received, bytes);
     }
     let first_token = t.incoming.get(&tid).and_then(|i| i.first_token);
-    let staged = !conn.transport.lands_in_device_cache();
     shared.finish_incoming(&mut t, &tid, |inc| match (aborted, error) {
         (true, _) => ConnectorEvent::Released { request_id: inc.request_id },
         (false, Some(reason)) => ConnectorEvent::Failed { request_id: inc.request_id, reason },
@@ -196,7 +203,6 @@ fn on_direct_read_end(
             timeline: TransferTimeline { ready_us: inc.since(), ..inc.timeline },
             request_id: inc.request_id,
             first_token,
-            staged,
         },
     });
     drop(t);

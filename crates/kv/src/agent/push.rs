@@ -194,7 +194,6 @@ pub(super) fn on_done(shared: &Shared, tid: &TransferId, done: DoneReport) {
         return;
     }
     let direct = inc.direct;
-    let staged = !inc.conn.as_ref().is_some_and(|c| c.transport.lands_in_device_cache());
     if direct {
         // The peer's copies into our blocks have completed (or will never run).
         let (bytes, regions) = direct_write_size(shared, inc);
@@ -218,7 +217,6 @@ pub(super) fn on_done(shared: &Shared, tid: &TransferId, done: DoneReport) {
             timeline: TransferTimeline { ready_us: inc.since(), ..inc.timeline },
             request_id: inc.request_id,
             first_token,
-            staged,
         },
         DoneStatus::Ok => ConnectorEvent::Failed {
             request_id: inc.request_id,

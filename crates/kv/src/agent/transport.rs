@@ -18,10 +18,10 @@ use tandem_core::TransferId;
 use super::push::PushDone;
 use super::table::NoWrite;
 use super::{bump, Conn, Shared};
-use crate::blocks::{coalesce, copy_tokens, wire_bytes};
-use crate::tcp::{recv_blocks, send_blocks, Picked, CHECKSUM_BYTES};
+use crate::blocks::{coalesce, copy_tokens, wire_bytes, BlockRun};
+use crate::tcp::{recv_staged, send_pieces, send_staged, Landing, Picked, CHECKSUM_BYTES};
 use crate::wire::{write_message, DoneStatus, Message};
-use crate::{AgentInfo, ConnectorEvent, KvError, KvTransport, TransportOffer};
+use crate::{AgentInfo, ConnectorEvent, KvError, KvTransport, StagedSend, TransportOffer};
 
 /// Moves a transfer's KV from this engine's blocks to a peer's.
 pub(super) trait Transport: Send + Sync {
@@ -33,12 +33,6 @@ pub(super) trait Transport: Send + Sync {
     /// treats its blocks as being written from the moment it names them until the writer
     /// says the write ended.
     fn writes_directly(&self) -> bool {
-        false
-    }
-
-    /// Whether a direct write lands in the reader's device cache itself (cuda-ipc), rather than
-    /// in its host region (which a GPU engine then loads).
-    fn lands_in_device_cache(&self) -> bool {
         false
     }
 
@@ -212,7 +206,24 @@ impl Transport for Tcp {
         done: PushDone,
     ) -> Result<(), KvError> {
         let region = shared.memory.host_region()?;
-        shared.memory.stage_to_host(&src[..region.layout().blocks_for(num_tokens).min(src.len())])?;
+        let pieces = send_pieces(region, src, num_tokens)?;
+        // Safety: the connector owns the source blocks until the push thread drops them.
+        let staged = match unsafe { stage_send(shared, &pieces) } {
+            Ok(staged) => staged,
+            Err(e) => {
+                // Nothing is on the socket yet: decode learns at once, and recomputes or fails.
+                let failed = Message::Done {
+                    transfer_id: tid.clone(),
+                    rank: 0,
+                    first_token: Some(done.first_token),
+                    status: DoneStatus::Failed(e.to_string()),
+                    copy_us: 0,
+                    produced_unix_us: done.produced_unix_us,
+                };
+                conn.send(&failed)?;
+                return Err(e);
+            }
+        };
         let bytes = wire_bytes(region.layout(), region.dtype(), num_tokens);
         let mut w = conn.writer();
         let header = Message::WriteBlocks {
@@ -226,7 +237,7 @@ impl Transport for Tcp {
         write_message(&mut *w, &header)?;
         // Safety: the connector owns the source blocks until the push thread drops them; the
         // engine does not schedule a finished request's blocks.
-        unsafe { send_data(shared, &mut w, region, src, num_tokens)? };
+        unsafe { send_data(shared, &mut w, region, (&pieces, &staged), num_tokens)? };
         if !shared.cfg.faults.drop_done {
             let done = Message::Done {
                 transfer_id: tid.clone(),
@@ -251,7 +262,25 @@ impl Transport for Tcp {
         num_tokens: usize,
     ) -> Result<(), KvError> {
         let region = shared.memory.host_region()?;
-        shared.memory.stage_to_host(&src[..region.layout().blocks_for(num_tokens).min(src.len())])?;
+        let pieces = send_pieces(region, src, num_tokens)?;
+        // Safety: the lease holds these blocks while they are read.
+        let staged = match unsafe { stage_send(shared, &pieces) } {
+            Ok(staged) => staged,
+            Err(e) => {
+                // Answered in-band: decode fails the read (and recomputes or fails by its
+                // policy); the connection stays in step.
+                conn.send(&Message::BlockData {
+                    transfer_id: tid.clone(),
+                    src_block_size: region.layout().block_size,
+                    bytes: 0,
+                    error: Some(e.to_string()),
+                    direct: false,
+                    checksum: false,
+                    copy_us: 0,
+                })?;
+                return Err(e);
+            }
+        };
         let mut w = conn.writer();
         let header = Message::BlockData {
             transfer_id: tid.clone(),
@@ -265,29 +294,44 @@ impl Transport for Tcp {
         write_message(&mut *w, &header)?;
         // Safety: the lease holds these blocks and its `reading` flag keeps it from expiring
         // until this send is over.
-        unsafe { send_data(shared, &mut w, region, src, num_tokens)? };
+        unsafe { send_data(shared, &mut w, region, (&pieces, &staged), num_tokens)? };
         Ok(())
     }
 }
 
-/// [`send_blocks`] with this connector's checksum setting (and its fault injection).
+/// [`KvMemory::stage_send`](crate::KvMemory::stage_send), or its injected failure.
 ///
 /// # Safety
-/// As [`send_blocks`].
+/// As `stage_send`.
+unsafe fn stage_send<'a>(shared: &'a Shared, pieces: &[BlockRun]) -> Result<StagedSend<'a>, KvError> {
+    if shared.cfg.faults.fail_host_copies {
+        return Err(KvError::Transfer("copying KV to the host copy failed: injected".into()));
+    }
+    // Safety: passed on from the caller.
+    unsafe { shared.memory.stage_send(pieces) }
+}
+
+/// [`send_staged`] with this connector's checksum setting (and its fault injection), each
+/// piece sent once its copy from the device cache (if any) has landed.
+///
+/// # Safety
+/// As [`send_staged`].
 unsafe fn send_data(
     shared: &Shared,
     w: &mut TcpStream,
     region: &KvRegion,
-    src: &[u32],
+    (pieces, staged): (&[BlockRun], &StagedSend<'_>),
     num_tokens: usize,
 ) -> Result<u64, KvError> {
     let checksum = shared.cfg.verify;
+    let mut ready = |i| staged.ready(i);
     // Safety: passed on from the caller.
     unsafe {
         if shared.cfg.faults.corrupt_sends {
-            send_blocks(&mut FlipFirstBit { inner: w, flipped: false }, region, src, num_tokens, checksum)
+            let mut w = FlipFirstBit { inner: w, flipped: false };
+            send_staged(&mut w, region, pieces, num_tokens, checksum, &mut ready)
         } else {
-            send_blocks(w, region, src, num_tokens, checksum)
+            send_staged(w, region, pieces, num_tokens, checksum, &mut ready)
         }
     }
 }
@@ -333,11 +377,15 @@ impl Local {
         if from.dtype() != to.dtype() {
             return Err("KV element types differ".into());
         }
-        shared.memory.stage_to_host(&src[..from.layout().blocks_for(num_tokens)]).map_err(|e| e.to_string())?;
+        let dst = &dst[..to.layout().blocks_for(num_tokens)];
         // Safety: we hold `src` for this call; the reader gave `dst` to this transfer and keeps
-        // them until we report the write's end (its `Writing` state).
-        unsafe { copy_tokens(from, src, to, dst, num_tokens) };
-        Ok(())
+        // them until we report the write's end (its `Writing` state), so nobody else touches
+        // either, on the device or in the host copies.
+        unsafe {
+            shared.memory.stage_to_host(&src[..from.layout().blocks_for(num_tokens)]).map_err(|e| e.to_string())?;
+            copy_tokens(from, src, to, dst, num_tokens);
+            peer.memory.load_from_host(dst).map_err(|e| e.to_string())
+        }
     }
 }
 
@@ -453,10 +501,6 @@ impl Transport for CudaIpc {
         true
     }
 
-    fn lands_in_device_cache(&self) -> bool {
-        true
-    }
-
     fn push(
         &self,
         shared: &Shared,
@@ -528,7 +572,8 @@ pub(super) fn receive_tcp(
     };
     // Safety: these blocks are registered to this transfer; the engine keeps them out of the
     // schedule until the connector reports, and an abort waits for the write to end.
-    let result = unsafe { recv_blocks(stream, bytes, src_block_size, region, &blocks, num_tokens, checksum) };
+    let result =
+        unsafe { receive_into(stream, shared, region, (src_block_size, bytes), &blocks, num_tokens, checksum) };
     let regions = coalesce(&blocks[..region.layout().blocks_for(num_tokens).min(blocks.len())]).len() as u32;
     let mut t = shared.tables();
     if t.end_write(tid, result.is_ok(), bytes, regions) {
@@ -540,9 +585,14 @@ pub(super) fn receive_tcp(
             Ok(Ok(()))
         }
         // The stream is still in step: the transfer fails, the connection stays.
-        Err(KvError::Corrupt(reason)) => {
-            bump(&shared.counters.checksum_failures, 1);
-            tracing::warn!(transfer_id = %tid, %reason, "KV arrived corrupted");
+        Err(e @ (KvError::Corrupt(_) | KvError::Transfer(_))) => {
+            let reason = e.to_string();
+            if matches!(e, KvError::Corrupt(_)) {
+                bump(&shared.counters.checksum_failures, 1);
+                tracing::warn!(transfer_id = %tid, %reason, "KV arrived corrupted");
+            } else {
+                tracing::warn!(transfer_id = %tid, %reason, "KV arrived but could not be loaded");
+            }
             if let Some(inc) = t.incoming.get_mut(tid) {
                 inc.failure = Some(reason.clone());
             }
@@ -553,6 +603,46 @@ pub(super) fn receive_tcp(
             shared.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Failed { request_id: inc.request_id, reason });
             Err(e)
         }
+    }
+}
+
+/// [`recv_staged`] into `blocks` of `region`, each piece queued for the device cache (a GPU
+/// engine's) as it lands, and waited for before returning: once the connector reports the
+/// transfer ready, the KV is in the cache the engine reads.
+///
+/// # Safety
+/// As [`recv_staged`].
+unsafe fn receive_into(
+    stream: &mut TcpStream,
+    shared: &Shared,
+    region: &KvRegion,
+    (src_block_size, bytes): (usize, u64),
+    blocks: &[u32],
+    num_tokens: usize,
+    checksum: bool,
+) -> Result<(), KvError> {
+    let mut load = shared.memory.receiver()?;
+    let into = Landing { region, blocks, num_tokens };
+    // A failed copy into the device cache fails the transfer, but the bytes are still read,
+    // so the connection stays in step.
+    let mut failed = None;
+    let mut landed = |run| {
+        let copied = match shared.cfg.faults.fail_host_copies {
+            true => Err(KvError::Transfer("copying KV into the device cache failed: injected".into())),
+            // Safety: passed on from the caller (which owns `blocks` on both sides until it
+            // reports).
+            false => unsafe { load.landed(run) },
+        };
+        if let (Err(e), None) = (copied, &failed) {
+            failed = Some(e);
+        }
+        Ok(())
+    };
+    // Safety: as above.
+    unsafe { recv_staged(stream, bytes, src_block_size, into, checksum, &mut landed)? };
+    match failed {
+        Some(e) => Err(e),
+        None => load.finish(),
     }
 }
 

@@ -1,14 +1,13 @@
 //! The device KV cache, block-major as on the CPU (`tandem_compute::KvLayout`), in memory a
 //! peer process can map (the cuda-ipc transport), and its page-locked host copy for the KV
 //! connector's tcp transport. It owns the cache's memory for the model's life;
-//! forwards write it, and the connector reads and writes blocks only through the copies here,
-//! on blocks the engine hands over.
+//! forwards write it, and the connector reads and writes blocks (through
+//! [`DeviceKvMemory`], on its own stream) only while the engine has handed them over.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
-use tandem_compute::cuda::{CudaDevice, DevBuf, DeviceKvMemory, Fence, PinnedRegion};
-use tandem_compute::{coalesce, KvDtype, KvLayout, KvRegion};
+use tandem_compute::cuda::{CudaDevice, DevBuf, DeviceKvMemory, PinnedRegion};
+use tandem_compute::{KvDtype, KvLayout, KvRegion};
 
 use super::CudaOptions;
 use crate::config::ModelConfig;
@@ -26,10 +25,6 @@ pub(super) struct DeviceKv {
     host: Option<Arc<KvRegion>>,
     /// `host` page-locked while the cache lives.
     _host_pinned: Option<PinnedRegion>,
-    /// Copies to the host queued by `queue_copy_to_host`, not yet waited on, by ticket (the last
-    /// one given out in `tickets`).
-    fences: VecDeque<(u64, Fence)>,
-    tickets: u64,
 }
 
 impl DeviceKv {
@@ -83,70 +78,12 @@ impl DeviceKv {
             kv_gib = format!("{:.2}", (num_blocks * block_bytes) as f64 / (1u64 << 30) as f64),
             "KV cache on the GPU"
         );
-        Ok(Self { cache, layout, memory, host, _host_pinned: host_pinned, fences: VecDeque::new(), tickets: 0 })
+        Ok(Self { cache, layout, memory, host, _host_pinned: host_pinned })
     }
 
     /// The host copy the connector moves, if this cache has one.
     pub fn region(&self) -> Option<Arc<KvRegion>> {
         self.host.clone()
-    }
-
-    /// Queues the copy of `blocks` to the host copy behind everything on the stream (the
-    /// forwards that wrote them included); returns the ticket to wait on.
-    pub fn queue_copy_to_host(&mut self, dev: &CudaDevice, blocks: &[u32]) -> Result<Option<u64>, ModelError> {
-        self.tickets += 1;
-        let ticket = self.tickets;
-        // Copies nobody waited for (their request was aborted) are long done; keep few.
-        while self.fences.len() >= 64 {
-            if let Some((_, fence)) = self.fences.pop_front() {
-                fence.wait()?;
-            }
-        }
-        let Some(region) = &self.host else { return Ok(Some(ticket)) };
-        let n = self.layout.block_elems();
-        for run in coalesce(blocks) {
-            let (first, count) = (run.start as usize, run.len as usize);
-            check_run(&self.layout, first, count)?;
-            // Safety: the engine owns these blocks (the ModelRunner contract) and hands them to
-            // the connector only after `wait_copies_to_host`; the region is page-locked for the cache's
-            // life (`_host_pinned`), and the fence below is waited on before anyone reads it.
-            unsafe {
-                let dst: &mut [u16] = bytemuck::cast_slice_mut(region.bytes_mut(first, count));
-                dev.download_into_async(&self.cache, first * n, dst)?;
-            }
-        }
-        self.fences.push_back((ticket, dev.fence()?));
-        tracing::debug!(blocks = blocks.len(), ticket, "KV copy to the host copy queued behind the step");
-        Ok(Some(ticket))
-    }
-
-    /// Waits for every copy queued up to `ticket`.
-    pub fn wait_copies_to_host(&mut self, ticket: u64) -> Result<(), ModelError> {
-        while let Some((_, fence)) = self.fences.pop_front_if(|(t, _)| *t <= ticket) {
-            fence.wait()?;
-        }
-        Ok(())
-    }
-
-    /// Loads `blocks` from the host copy, stream-ordered before the next forward.
-    pub fn load_from_host(&mut self, dev: &CudaDevice, blocks: &[u32]) -> Result<(), ModelError> {
-        let Some(region) = self.host.clone() else { return Ok(()) };
-        let started = std::time::Instant::now();
-        let n = self.layout.block_elems();
-        for run in coalesce(blocks) {
-            let (first, count) = (run.start as usize, run.len as usize);
-            check_run(&self.layout, first, count)?;
-            // Safety: the connector reported these blocks ready, so its writes are done and the
-            // engine owns them again (the ModelRunner contract).
-            let src: &[u16] = bytemuck::cast_slice(unsafe { region.bytes(first, count) });
-            dev.write(&mut self.cache, first * n, src)?;
-        }
-        tracing::debug!(
-            blocks = blocks.len(),
-            ms = started.elapsed().as_secs_f64() * 1e3,
-            "KV loaded from the host copy"
-        );
-        Ok(())
     }
 }
 
@@ -170,16 +107,4 @@ fn pin(dev: &CudaDevice, region: &Arc<KvRegion>) -> Option<PinnedRegion> {
             None
         }
     }
-}
-
-/// A run outside the cache is an engine bug; say so instead of panicking in the region.
-fn check_run(layout: &KvLayout, first: usize, count: usize) -> Result<(), ModelError> {
-    if first + count > layout.num_blocks {
-        return Err(ModelError::Device(format!(
-            "KV blocks {first}..{} are outside the cache of {} blocks",
-            first + count,
-            layout.num_blocks
-        )));
-    }
-    Ok(())
 }

@@ -267,33 +267,6 @@ impl ModelRunner for CudaModel {
         Some(self.kv.memory.clone())
     }
 
-    fn kv_to_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
-        let started = std::time::Instant::now();
-        // The copy queued behind everything on the stream (the forwards that wrote these blocks
-        // included), then waited for: the engine loop waits here.
-        if let Some(ticket) = self.kv_to_host_queue(blocks)? {
-            self.kv_to_host_wait(ticket)?;
-        }
-        tracing::debug!(
-            blocks = blocks.len(),
-            ms = started.elapsed().as_secs_f64() * 1e3,
-            "KV copied to the host copy"
-        );
-        Ok(())
-    }
-
-    fn kv_to_host_queue(&mut self, blocks: &[u32]) -> Result<Option<u64>, ModelError> {
-        self.kv.queue_copy_to_host(&self.dev, blocks)
-    }
-
-    fn kv_to_host_wait(&mut self, ticket: u64) -> Result<(), ModelError> {
-        self.kv.wait_copies_to_host(ticket)
-    }
-
-    fn kv_from_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
-        self.kv.load_from_host(&self.dev, blocks)
-    }
-
     fn fingerprint(&self) -> String {
         self.weights.fingerprint.clone()
     }

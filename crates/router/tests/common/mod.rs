@@ -1,19 +1,15 @@
 //! Helpers shared by the P/D integration tests: in-process engines and routers on loopback.
 #![allow(dead_code)]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tandem_compute::{KvCache, KvLayout, KvRegion};
 use tandem_core::{EngineId, TransferMode};
 use tandem_engine::{EngineConfig, KvLoadFailure, KvSetup};
 use tandem_kv::tcp::Timeouts;
 use tandem_kv::{ConnectorConfig, FaultInjection, KvMode, Role};
-use tandem_model::{
-    CpuRunner, LoadedModel, ModelConfig, ModelError, ModelRunner, ModelSource, Preset, SampleSpec, SeqBatch,
-};
+use tandem_model::{LoadedModel, ModelSource, Preset};
 use tandem_router::{Router, RouterConfig};
 use tandem_server::AppState;
 
@@ -32,18 +28,8 @@ pub struct Knobs {
     pub budget: usize,
     /// Use the local transport (direct copies) instead of TCP bytes.
     pub local: bool,
-    /// Run the model through [`HostCopied`]: KV transfers see a host copy of the cache, as a
-    /// GPU engine's do.
-    pub host_copied: bool,
-    /// With `host_copied`: every copy between the cache and the host copy fails (as a device
-    /// copy error would).
-    pub host_copy_fails: bool,
     /// Async scheduling (pipelined steps), as GPU engines run by default.
     pub pipelined: bool,
-    /// With `host_copied`: where the runner counts KV copies made behind an outstanding step,
-    /// and copies queued behind a submitted step.
-    pub copies_behind_a_step: Arc<AtomicUsize>,
-    pub copies_queued: Arc<AtomicUsize>,
     /// KV blocks in the pool (default: 3000 tokens' worth).
     pub num_blocks: Option<usize>,
     /// Generations the server answers at once before it answers 429 (0: no bound).
@@ -63,11 +49,7 @@ impl Default for Knobs {
             load_failure: KvLoadFailure::Fail,
             budget: 96,
             local: false,
-            host_copied: false,
-            host_copy_fails: false,
             pipelined: false,
-            copies_behind_a_step: Arc::default(),
-            copies_queued: Arc::default(),
             num_blocks: None,
             max_in_flight: 0,
             verify: true,
@@ -112,16 +94,14 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
         },
         load_failure: k.load_failure,
     });
-    let model: tandem_engine::EngineModel = if k.host_copied {
-        let mut runner = HostCopied::new(CpuRunner::new(m.transformer, cfg.block_size, cfg.num_blocks));
-        runner.fail = k.host_copy_fails;
-        runner.copies_behind_a_step = k.copies_behind_a_step.clone();
-        runner.copies_queued = k.copies_queued.clone();
-        (Box::new(runner) as Box<dyn ModelRunner>).into()
-    } else {
-        m.transformer.into()
-    };
-    let handle = tandem_engine::spawn_with(model, m.eos_token_ids, m.max_model_len, cfg, kv).unwrap();
+    let handle = tandem_engine::spawn_with(
+        tandem_engine::EngineModel::from(m.transformer),
+        m.eos_token_ids,
+        m.max_model_len,
+        cfg,
+        kv,
+    )
+    .unwrap();
     let state =
         Arc::new(AppState::new(handle, m.tokenizer.map(Arc::new), "tiny".into()).with_max_in_flight(k.max_in_flight));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -236,116 +216,5 @@ pub async fn kv_stats_until(
         }
         assert!(Instant::now() < deadline, "{}: no connector stats", e.url);
         tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-/// The CPU runner with its KV cache standing in for a GPU's device memory: the KV connector
-/// gets a separate host copy (as a GPU engine's does), which only `kv_to_host` and
-/// `kv_from_host` move KV through. A disaggregated run is right only if the engine calls them
-/// at the right points: prefill before its KV passes to the connector, decode once it arrived.
-pub struct HostCopied {
-    inner: CpuRunner,
-    host: KvCache,
-    /// Fault injection: every copy fails.
-    pub fail: bool,
-    /// Pipelined steps submitted and not yet collected.
-    outstanding: usize,
-    /// Counts `kv_to_host` calls made while a step was outstanding: on a GPU that copy would
-    /// wait for the step, delaying the KV hand-off by a whole step.
-    pub copies_behind_a_step: Arc<AtomicUsize>,
-    /// Counts copies queued behind a submitted step (`kv_to_host_queue`).
-    pub copies_queued: Arc<AtomicUsize>,
-}
-
-impl HostCopied {
-    pub fn new(inner: CpuRunner) -> Self {
-        let host = KvCache::new(inner.kv_layout());
-        Self {
-            inner,
-            host,
-            fail: false,
-            outstanding: 0,
-            copies_behind_a_step: Arc::default(),
-            copies_queued: Arc::default(),
-        }
-    }
-
-    /// Copies whole blocks from one region to another.
-    fn copy(from: &KvRegion, to: &KvRegion, blocks: &[u32]) {
-        for &b in blocks {
-            // Safety: the engine owns these blocks while it calls the hooks (the trait's
-            // contract): no forward and no transfer touches them meanwhile.
-            let (src, dst) = unsafe { (from.blocks(b as usize, 1), to.blocks_mut(b as usize, 1)) };
-            dst.copy_from_slice(src);
-        }
-    }
-}
-
-impl ModelRunner for HostCopied {
-    fn describe(&self) -> String {
-        format!("{} with a host KV copy", self.inner.describe())
-    }
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn max_positions(&self) -> usize {
-        self.inner.max_positions()
-    }
-    fn kv_layout(&self) -> KvLayout {
-        self.inner.kv_layout()
-    }
-    fn kv_region(&self) -> Option<Arc<KvRegion>> {
-        Some(self.host.region())
-    }
-    fn kv_to_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
-        if self.outstanding > 0 {
-            self.copies_behind_a_step.fetch_add(1, Ordering::SeqCst);
-        }
-        if self.fail {
-            return Err(ModelError::Device("injected copy failure (to host)".into()));
-        }
-        let device = self.inner.kv_region().expect("the CPU runner's cache is host memory");
-        Self::copy(&device, &self.host.region(), blocks);
-        Ok(())
-    }
-    // The CPU forward is done when `submit` returns, so a queued copy can be made at once.
-    fn kv_to_host_queue(&mut self, blocks: &[u32]) -> Result<Option<u64>, ModelError> {
-        if self.fail {
-            return Ok(None); // the synchronous path, which fails
-        }
-        let device = self.inner.kv_region().expect("the CPU runner's cache is host memory");
-        Self::copy(&device, &self.host.region(), blocks);
-        Ok(Some(self.copies_queued.fetch_add(1, Ordering::SeqCst) as u64))
-    }
-    fn kv_from_host(&mut self, blocks: &[u32]) -> Result<(), ModelError> {
-        if self.fail {
-            return Err(ModelError::Device("injected copy failure (from host)".into()));
-        }
-        let device = self.inner.kv_region().expect("the CPU runner's cache is host memory");
-        Self::copy(&self.host.region(), &device, blocks);
-        Ok(())
-    }
-    fn fingerprint(&self) -> String {
-        self.inner.fingerprint()
-    }
-    fn execute(
-        &mut self,
-        token_ids: &[u32],
-        seqs: &[SeqBatch<'_>],
-        samples: &[SampleSpec],
-    ) -> Result<Vec<u32>, ModelError> {
-        self.inner.execute(token_ids, seqs, samples)
-    }
-    fn can_pipeline(&self) -> bool {
-        self.inner.can_pipeline()
-    }
-    fn submit(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>], samples: &[SampleSpec]) -> Result<(), ModelError> {
-        self.inner.submit(token_ids, seqs, samples)?;
-        self.outstanding += 1;
-        Ok(())
-    }
-    fn collect(&mut self) -> Result<Vec<u32>, ModelError> {
-        self.outstanding = self.outstanding.saturating_sub(1);
-        self.inner.collect()
     }
 }
