@@ -9,7 +9,8 @@ yet, issue 27), after which both engines' KV blocks must be back to all free; th
 the first token of a 4000-token prompt, median of 3, against colocated.
 
 Usage: pd_check.py TANDEM_BINARY OUT_DIR [MODEL]   (MODEL or $PD_MODEL, default preset:qwen3-0.6b;
-$PD_DEVICE=cpu tries it without a GPU, tcp settings only). Prints one summary line per setting;
+$PD_DEVICE=cpu tries it without a GPU, tcp settings only; $PD_SETTINGS=tcp keeps the settings whose name has
+"tcp"). Prints one summary line per setting;
 exits 1 on a mismatch, a leak or an error. Logs: OUT_DIR/pd_*.log.
 """
 import concurrent.futures
@@ -106,6 +107,8 @@ settings = [("push", "tcp", 16, 16), ("pull", "tcp", 16, 16)]
 if device != "cpu":
     settings += [("push", "cuda-ipc", 16, 16), ("pull", "cuda-ipc", 16, 16),
                  ("push", "cuda-ipc", 16, 32), ("pull", "cuda-ipc", 32, 16), ("push", "auto", 16, 16)]
+# PD_SETTINGS=tcp (or any text in the setting's name) keeps only the matching settings.
+settings = [s for s in settings if os.environ.get("PD_SETTINGS", "") in "_".join(map(str, s))]
 status = 0
 try:
     start("colocated", ["serve", "--port", "18300", "--block-size", "16"] + common)

@@ -53,9 +53,11 @@ pub struct SoakReport {
     pub completed: usize,
     /// Abandoned by the client on purpose.
     pub cancelled: usize,
-    /// Ended with an error (an HTTP error, or an error event in the stream), other than 429.
+    /// Ended with an error (an HTTP error, or an error event in the stream), other than a
+    /// refusal.
     pub errored: usize,
-    /// Refused with 429 (past the server's bound: it says when to retry).
+    /// Refused with a 429 (past the server's `--max-queued-requests`) or a 503 with
+    /// `Retry-After` (queued past `--max-queue-secs` without running): it says when to retry.
     pub refused: usize,
     /// Answered with tokens other than the reference's.
     pub wrong: usize,
@@ -101,7 +103,7 @@ async fn complete(http: &reqwest::Client, url: &str, body: &Value) -> Outcome {
         Err(e) => return Outcome::Error(format!("sending: {e}")),
     };
     let status = resp.status().as_u16();
-    if status == 429 {
+    if status == 429 || (status == 503 && resp.headers().contains_key("retry-after")) {
         return Outcome::Refused;
     }
     let mut text = Vec::new();

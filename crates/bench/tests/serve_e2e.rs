@@ -18,6 +18,7 @@ async fn load_generator_measures_a_real_server() {
         max_num_seqs: 64,
         max_num_batched_tokens: 256,
         async_scheduling: false,
+        max_queue_time: None,
     };
     let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let state = Arc::new(tandem_server::AppState::new(engine, m.tokenizer.map(Arc::new), "tiny".into()));

@@ -79,6 +79,12 @@ pub struct EngineArgs {
     /// decode latency steady under long prompts; higher prefills faster.
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
+    /// Seconds a request may wait in the queue without starting (a prompt not begun, a decode
+    /// leg whose KV load has not started); past that it ends with a 503 and Retry-After, having
+    /// cost nothing, so under overload a client learns in bounded time that it was not served
+    /// (the router sends it to another engine of the role if there is one). 0: no bound.
+    #[arg(long, default_value_t = 0.0)]
+    pub max_queue_secs: f64,
     /// Where the model runs: `cpu` (f32), `cuda:N` (bf16 on GPU N; needs the NVIDIA driver
     /// and the CUDA 13 cuBLAS and NVRTC libraries on LD_LIBRARY_PATH), or `auto` (GPU 0 if
     /// CUDA works here, else CPU, saying which).
@@ -117,6 +123,17 @@ impl ModelArgs {
 }
 
 impl EngineArgs {
+    /// `--max-queue-secs` as the engine takes it (`None`: no bound), or why it is unusable.
+    pub fn max_queue_time(&self) -> Result<Option<std::time::Duration>, String> {
+        match self.max_queue_secs {
+            0.0 => Ok(None),
+            s if s.is_finite() && s > 0.0 => Ok(Some(std::time::Duration::from_secs_f64(s))),
+            s => Err(format!("--max-queue-secs must be a positive number of seconds or 0 (no bound), not {s}")),
+        }
+    }
+}
+
+impl EngineArgs {
     /// The same settings as `serve` arguments (for the processes `up` starts).
     pub fn to_args(&self) -> Vec<String> {
         let mut v: Vec<String> = [
@@ -124,6 +141,7 @@ impl EngineArgs {
             ("--kv-cache-memory", self.kv_cache_memory.clone()),
             ("--max-num-seqs", self.max_num_seqs.to_string()),
             ("--max-num-batched-tokens", self.max_num_batched_tokens.to_string()),
+            ("--max-queue-secs", self.max_queue_secs.to_string()),
             ("--device", self.device.clone()),
             ("--gpu-memory-utilization", self.gpu_memory_utilization.to_string()),
         ]

@@ -138,6 +138,7 @@ fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<usize>) -> 
                 max_num_seqs: e.max_num_seqs,
                 max_num_batched_tokens: e.max_num_batched_tokens,
                 async_scheduling: e.async_scheduling.enabled(true),
+                max_queue_time: e.max_queue_time().map_err(anyhow::Error::msg)?,
             };
             config.validate().map_err(anyhow::Error::msg)?;
             tracing::info!(
@@ -178,6 +179,7 @@ fn engine_config(e: &EngineArgs, model: &LoadedModel) -> Result<EngineConfig> {
         max_num_seqs: e.max_num_seqs,
         max_num_batched_tokens: e.max_num_batched_tokens,
         async_scheduling: e.async_scheduling.enabled(false),
+        max_queue_time: e.max_queue_time().map_err(anyhow::Error::msg)?,
     };
     cfg.validate().map_err(anyhow::Error::msg)?;
     tracing::info!(
@@ -452,6 +454,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
                 }
             }
             EngineEvent::Failed(e) => bail!("generation failed: {e}"),
+            EngineEvent::QueueTimeout { .. } => bail!("generation failed: it waited in the queue past its bound"),
             // generate runs colocated: no KV is handed to a connector.
             EngineEvent::KvProduced { .. } | EngineEvent::KvLoaded { .. } => {}
         }

@@ -61,6 +61,8 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
         "32",
         "--max-queued-requests",
         "64",
+        "--max-queue-secs",
+        "15",
     ]
     .map(String::from)
     .to_vec();
@@ -135,7 +137,7 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
         up::stop_all(&mut procs, Duration::from_secs(10));
         let leaked: f64 = held.iter().map(|b| if b.is_nan() { 0.0 } else { *b }).sum();
         eprintln!(
-            "{mode}: {:.0} req/s for {:.0} s, {freezes} freezes: sent {} completed {} cancelled {} errored {} refused(429) {} wrong {} lost {}; blocks held after {:?}; p50/p99 e2e {:.0}/{:.0} ms; RSS growth {}",
+            "{mode}: {:.0} req/s for {:.0} s, {freezes} freezes: sent {} completed {} cancelled {} errored {} refused(429/503) {} wrong {} lost {}; blocks held after {:?}; p50/p99 e2e {:.0}/{:.0} ms; RSS growth {}",
             rate, a.secs, report.sent, report.completed, report.cancelled, report.errored, report.refused,
             report.wrong, report.lost, held, report.p50_e2e_ms, report.p99_e2e_ms,
             rss_growth.iter().map(|(n, g)| format!("{n} {g:+.1} MiB")).collect::<Vec<_>>().join(", ")

@@ -73,6 +73,7 @@ fn main() {
                 max_num_seqs: batch,
                 max_num_batched_tokens: 16 * batch,
                 async_scheduling: pipelined,
+                max_queue_time: None,
             };
             let runner = NullRunner {
                 config: model.transformer.config().clone(),

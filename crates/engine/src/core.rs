@@ -189,6 +189,8 @@ pub struct EngineCore {
     /// connector's own bound plus slack, so that a connector that stopped answering cannot
     /// leave a request waiting forever.
     kv_wait_bound: std::time::Duration,
+    /// `EngineConfig::max_queue_time`.
+    max_queue_time: Option<std::time::Duration>,
     /// Async scheduling: the next step is planned and submitted before the previous one's
     /// tokens are back (see [`EngineCore::step`]).
     pipelined: bool,
@@ -250,6 +252,7 @@ impl EngineCore {
             quarantine: HashMap::new(),
             connector_events: Vec::new(),
             kv_wait_bound: std::time::Duration::MAX,
+            max_queue_time: config.max_queue_time,
             pipelined: config.async_scheduling && runner_pipelines,
             in_flight: None,
             next_serial: 0,
@@ -438,6 +441,7 @@ impl EngineCore {
     pub fn step(&mut self) -> StepReport {
         self.apply_connector_events();
         self.fail_overdue_kv_loads();
+        self.end_overdue_queued();
         self.start_remote_loads();
         let mut report = StepReport::default();
         let plan = self.scheduler.schedule();
@@ -715,6 +719,23 @@ impl EngineCore {
             let reason = format!("the KV connector did not answer within {:.1} s", bound.as_secs_f64());
             let _ =
                 req.events.send(EngineEvent::Failed(format!("loading the prompt's KV from prefill failed: {reason}")));
+        }
+    }
+
+    /// Ends the requests that waited in the queue past `max_queue_time` without running: they
+    /// hold no blocks and nothing of them was computed, so the client may send them again.
+    fn end_overdue_queued(&mut self) {
+        let Some(bound) = self.max_queue_time else { return };
+        let s = &self.scheduler;
+        let overdue: Vec<RequestId> = (s.waiting.iter().chain(&s.remote_queue))
+            .filter(|id| s.requests.get(*id).is_some_and(|r| r.never_ran() && r.arrived.elapsed() > bound))
+            .cloned()
+            .collect();
+        for id in overdue {
+            let Some(req) = self.scheduler.remove(&id) else { continue };
+            let waited_ms = req.arrived.elapsed().as_millis() as u64;
+            tracing::info!(request_id = %id, waited_ms, "queued past --max-queue-secs without running; ended");
+            let _ = req.events.send(EngineEvent::QueueTimeout { waited_ms, bound_ms: bound.as_millis() as u64 });
         }
     }
 

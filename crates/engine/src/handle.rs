@@ -284,7 +284,10 @@ impl RequestStream {
 
     fn observe(&mut self, ev: Option<EngineEvent>) -> Option<EngineEvent> {
         match &ev {
-            Some(EngineEvent::Tokens { finish: Some(_), .. }) | Some(EngineEvent::Failed(_)) | None => self.done = true,
+            Some(EngineEvent::Tokens { finish: Some(_), .. })
+            | Some(EngineEvent::Failed(_))
+            | Some(EngineEvent::QueueTimeout { .. })
+            | None => self.done = true,
             _ => {}
         }
         ev

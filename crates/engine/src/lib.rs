@@ -47,6 +47,11 @@ pub struct EngineConfig {
     /// model runner can (the CUDA one): the device never waits for the engine thread between
     /// decode steps. A request that stops on a stop token costs one discarded forward.
     pub async_scheduling: bool,
+    /// Ends a request still queued this long after it arrived without having run (a prefill
+    /// not begun, a decode leg whose KV load has not started) with [`EngineEvent::QueueTimeout`]
+    /// (the server answers 503 with `Retry-After`): past capacity, a client hears at a bounded
+    /// time that it was not served, instead of waiting behind a backlog. `None`: no bound.
+    pub max_queue_time: Option<std::time::Duration>,
 }
 
 impl EngineConfig {

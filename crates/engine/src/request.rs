@@ -40,6 +40,15 @@ pub enum EngineEvent {
     },
     /// The engine could not run the request; nothing more will come.
     Failed(String),
+    /// The request waited in the queue past [`crate::EngineConfig::max_queue_time`] without
+    /// running and was ended; nothing more will come. Nothing of it was computed, so it may be
+    /// sent again (here later, or to another engine).
+    QueueTimeout {
+        /// How long it waited.
+        waited_ms: u64,
+        /// The bound.
+        bound_ms: u64,
+    },
     /// Decode leg: the prompt's KV arrived from prefill (sent just before the first token).
     KvLoaded {
         /// Where the time went.
@@ -112,6 +121,14 @@ pub(crate) struct Request {
 }
 
 impl Request {
+    /// Still queued as it arrived: nothing computed, never preempted, no KV load begun.
+    pub fn never_ran(&self) -> bool {
+        self.status == RequestStatus::Waiting
+            && self.num_computed == 0
+            && self.num_preemptions == 0
+            && self.kv_requested.is_none()
+    }
+
     pub fn new(req: EngineRequest, blocks: BlockAllocation, events: UnboundedSender<EngineEvent>) -> Self {
         let rng = match req.params.seed {
             Some(seed) => ChaCha8Rng::seed_from_u64(seed),

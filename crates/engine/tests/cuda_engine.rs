@@ -29,6 +29,7 @@ fn engine_with(graphs: bool, pipelined: bool) -> Option<EngineCore> {
         max_num_seqs: 16,
         max_num_batched_tokens: 512,
         async_scheduling: pipelined,
+        max_queue_time: None,
     };
     let opts = CudaOptions {
         block_size: cfg.block_size,

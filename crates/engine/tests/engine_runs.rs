@@ -43,6 +43,7 @@ fn core_with(model: LoadedModel, block_size: usize, num_blocks: usize, budget: u
         max_num_seqs: 64,
         max_num_batched_tokens: budget,
         async_scheduling: pipelined,
+        max_queue_time: None,
     };
     let core = EngineCore::new(model.transformer, model.eos_token_ids, model.max_model_len, &cfg);
     assert_eq!(core.pipelined(), pipelined);
@@ -71,6 +72,7 @@ fn run(
                     fin = finish.or(fin);
                 }
                 EngineEvent::Failed(e) => panic!("{id}: {e}"),
+                EngineEvent::QueueTimeout { .. } => panic!("{id}: ended in the queue"),
                 EngineEvent::KvProduced { .. } | EngineEvent::KvLoaded { .. } => {
                     panic!("{id}: a colocated engine moved remote KV")
                 }
@@ -180,6 +182,7 @@ fn eos_min_tokens_stop_ids_and_max_tokens_in(pipelined: bool) {
         max_num_seqs: 8,
         max_num_batched_tokens: 256,
         async_scheduling: pipelined,
+        max_queue_time: None,
     };
     let mut core = EngineCore::new(model.transformer, vec![eos], model.max_model_len, &cfg);
     assert_eq!(core.pipelined(), pipelined);
@@ -214,6 +217,7 @@ fn invalid_requests_are_refused_with_reasons() {
         max_num_seqs: 8,
         max_num_batched_tokens: 64,
         async_scheduling: false,
+        max_queue_time: None,
     };
     let mut core = EngineCore::new(model.transformer, model.eos_token_ids, 1024, &cfg);
     let mut add = |prompt: Vec<u32>, params: SamplingParams| {
@@ -255,6 +259,7 @@ async fn dropping_a_stream_aborts_in(pipelined: bool) {
         max_num_seqs: 8,
         max_num_batched_tokens: 256,
         async_scheduling: pipelined,
+        max_queue_time: None,
     };
     let engine = spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let mut long =
@@ -298,6 +303,7 @@ async fn dropping_a_stream_mid_prefill_stops_the_prefill() {
         max_num_seqs: 8,
         max_num_batched_tokens: 1,
         async_scheduling: false,
+        max_queue_time: None,
     };
     let engine = spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let stream = engine.submit(EngineRequest::new(RequestId::new("p"), vec![3; 2000], greedy_ignore_eos(1))).unwrap();
@@ -422,6 +428,7 @@ fn a_failed_forward_fails_its_batch_in(at: FailAt) {
         max_num_seqs: 8,
         max_num_batched_tokens: 4096,
         async_scheduling: pipelined,
+        max_queue_time: None,
     };
     let runner =
         FailingOnce { inner: tandem_model::CpuRunner::new(model.transformer, 16, 64), calls: 0, fail_at: 2, at };
@@ -487,4 +494,56 @@ fn pipelined_steps_report_the_collected_step_and_drop_tokens_of_ended_requests()
     }
     assert_eq!(old, a.expected[..2].to_vec(), "the aborted request got the tokens collected before the abort");
     assert_eq!(core.num_free_blocks(), 64);
+}
+
+/// `max_queue_time`: a request still queued past the bound without having run ends with
+/// `QueueTimeout` (nothing computed, no block held), while the running request, a request that
+/// ran and was preempted back into the queue, and one that arrived later all finish with their
+/// greedy tokens, and every block comes back.
+#[test]
+fn a_request_queued_past_the_bound_ends_and_nothing_that_ran_does() {
+    let (model, cases) = fixture("qwen3");
+    let c = &cases[0];
+    let bound = std::time::Duration::from_millis(200);
+    // Blocks of 4 tokens, room for both prompts and a few tokens: the newer of two running
+    // requests is preempted as they grow.
+    let num_blocks = 2 * (c.prompt.len() + 4).div_ceil(4);
+    let cfg = EngineConfig {
+        block_size: 4,
+        num_blocks,
+        max_num_seqs: 2,
+        max_num_batched_tokens: 256,
+        async_scheduling: false,
+        max_queue_time: Some(bound),
+    };
+    let mut core = EngineCore::new(model.transformer, model.eos_token_ids, model.max_model_len, &cfg);
+    let submit = |core: &mut EngineCore, id: &str| {
+        let (tx, rx) = unbounded_channel();
+        core.add_request(EngineRequest::new(RequestId::new(id), c.prompt.clone(), greedy_ignore_eos(12)), tx).unwrap();
+        (RequestId::new(id), rx)
+    };
+    let (a, b, mut queued) = (submit(&mut core, "a"), submit(&mut core, "b"), submit(&mut core, "queued"));
+    let mut steps = 0;
+    while core.num_preemptions() == 0 {
+        core.step();
+        steps += 1;
+        assert!(steps < 1000, "no preemption: the test's block count is off");
+    }
+    // `b` is back in the queue, `queued` never ran; both wait past the bound.
+    std::thread::sleep(bound + std::time::Duration::from_millis(50));
+    core.step();
+    match queued.1.try_recv() {
+        Ok(EngineEvent::QueueTimeout { waited_ms, bound_ms }) => {
+            assert_eq!(bound_ms, 200);
+            assert!(waited_ms >= 200, "{waited_ms}");
+        }
+        other => panic!("`queued` should have ended in the queue, got {other:?}"),
+    }
+    assert!(queued.1.try_recv().is_err(), "nothing follows the queue timeout");
+    let late = submit(&mut core, "late");
+    let out = run(&mut core, vec![a, b, late]);
+    for id in ["a", "b", "late"] {
+        assert_eq!(out[&RequestId::new(id)], (c.expected[..12].to_vec(), Some(FinishReason::Length)), "{id}");
+    }
+    assert_eq!(core.num_free_blocks(), num_blocks);
 }

@@ -674,12 +674,21 @@ fn leg_failed(b: &Arc<Backend>, leg: &str, e: &reqwest::Error) -> LegError {
 /// A leg answered with an error. A 4xx passes through (the client's request is at fault;
 /// a 429 with its `Retry-After`, and another engine may take the request instead), except one
 /// about `kv_transfer_params`, which the router wrote: that is a misconfiguration between
-/// router and engine, answered with a 502 that says so. Anything else becomes a 502 naming
-/// the leg.
+/// router and engine, answered with a 502 that says so. A 503 with `Retry-After` (the request
+/// waited past the engine's `--max-queue-secs` without running) passes through like a 429.
+/// Anything else becomes a 502 naming the leg.
 async fn leg_error(leg: &str, b: &Arc<Backend>, resp: reqwest::Response) -> LegError {
     let (status, url) = (resp.status(), &b.url);
     let retry_after = resp.headers().get("retry-after").cloned();
     let body = resp.text().await.unwrap_or_default();
+    if status == reqwest::StatusCode::SERVICE_UNAVAILABLE {
+        if let Some(retry_after) = retry_after {
+            let mut response =
+                (StatusCode::SERVICE_UNAVAILABLE, [("content-type", "application/json")], body).into_response();
+            response.headers_mut().insert("retry-after", retry_after);
+            return LegError { response, engine: Some(b.clone()) };
+        }
+    }
     if status.is_client_error() {
         let parsed: Option<Value> = serde_json::from_str(&body).ok();
         let param = parsed.as_ref().and_then(|v| v["error"]["param"].as_str());

@@ -129,6 +129,47 @@ async fn client_disconnect_during_prefill_cancels_both_legs() {
     alive(&[&p, &d]);
 }
 
+/// Past capacity, a request that cannot start within the prefill engine's `--max-queue-secs`
+/// ends with a 503 and `Retry-After` that the router passes on (no engine of the role is left
+/// to take it), within the bound plus a step, having cost no block; the request that was
+/// running is unaffected and gives the colocated tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_queued_past_the_bound_gets_a_503_with_retry_after_through_the_router() {
+    let http = reqwest::Client::new();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    // One request at a time, one token per step: the 1500-token prompt holds the only place.
+    let bound = Duration::from_millis(150);
+    let busy = Knobs { budget: 1, max_num_seqs: 1, max_queue_time: Some(bound), ..Knobs::default() };
+    let p = engine_with(Some((Role::Prefill, KvMode::Push)), 16, busy).await;
+    let d = engine(Some((Role::Decode, KvMode::Push)), 16, FaultInjection::default()).await;
+    let base = router(TransferMode::Push, &p, &d).await;
+    let long = json!({"prompt": prompt(1500, 1), "max_tokens": 4, "temperature": 0, "ignore_eos": true});
+    let first = tokio::spawn({
+        let (http, url) = (http.clone(), format!("{base}/v1/completions"));
+        let long = long.clone();
+        async move { http.post(url).json(&long).send().await.unwrap().json::<Value>().await.unwrap() }
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while p.state.engine.stats().running == 0 {
+        assert!(Instant::now() < deadline, "the long prompt should be running");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let start = Instant::now();
+    let short = json!({"prompt": prompt(20, 2), "max_tokens": 4, "temperature": 0});
+    let r = http.post(format!("{base}/v1/completions")).json(&short).send().await.unwrap();
+    let waited = start.elapsed();
+    assert_eq!(r.status().as_u16(), 503);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("--max-queue-secs"), "{v}");
+    assert!(waited >= bound && waited < bound + Duration::from_secs(2), "{waited:?}");
+    assert_eq!(p.state.engine.stats().running, 1, "the long prompt is still running: the bound ended the other");
+    let (_, want) = post(&http, &colocated.url, long).await;
+    assert_eq!(ids(&first.await.unwrap()), ids(&want));
+    wait_idle(&[&p, &d, &colocated]).await;
+    alive(&[&p, &d]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn lease_expiry_then_a_late_read_recomputes_with_correct_tokens() {
     let http = reqwest::Client::new();

@@ -46,6 +46,15 @@ pub enum ApiError {
         /// Requests the server answers at once.
         limit: usize,
     },
+    /// The request waited in the engine's queue past its bound without running (503, with
+    /// `Retry-After`).
+    #[error("the request waited {:.1} s in the queue without being served, past this server's --max-queue-secs {:.0}; it was not run, retry later", *waited_ms as f64 / 1e3, *bound_ms as f64 / 1e3)]
+    QueueTimeout {
+        /// How long it waited.
+        waited_ms: u64,
+        /// The bound.
+        bound_ms: u64,
+    },
 }
 
 impl ApiError {
@@ -74,6 +83,7 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::QueueTimeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -86,6 +96,7 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => "BadRequestError",
             ApiError::Internal(_) => "InternalServerError",
             ApiError::Overloaded { .. } => "RateLimitError",
+            ApiError::QueueTimeout { .. } => "ServiceUnavailableError",
         }
     }
 
@@ -102,7 +113,7 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status(), axum::Json(self.body())).into_response();
-        if matches!(self, ApiError::Overloaded { .. }) {
+        if matches!(self, ApiError::Overloaded { .. } | ApiError::QueueTimeout { .. }) {
             r.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
         }
         r

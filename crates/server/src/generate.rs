@@ -323,6 +323,9 @@ impl Generation {
                 Ok(Piece { text, token_ids, finish })
             }
             Some(EngineEvent::Failed(msg)) => Err(self.fail(ApiError::Internal(msg))),
+            Some(EngineEvent::QueueTimeout { waited_ms, bound_ms }) => {
+                Err(self.fail(ApiError::QueueTimeout { waited_ms, bound_ms }))
+            }
             Some(EngineEvent::KvProduced { .. } | EngineEvent::KvLoaded { .. }) => {
                 Ok(Piece { text: String::new(), token_ids: Vec::new(), finish: None })
             }

@@ -25,6 +25,7 @@ async fn start(num_blocks: usize, budget: usize) -> Server {
         max_num_seqs: 64,
         max_num_batched_tokens: budget,
         async_scheduling: false,
+        max_queue_time: None,
     };
     let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let state = Arc::new(AppState::new(engine, m.tokenizer.map(Arc::new), MODEL.into()));
@@ -555,6 +556,7 @@ async fn past_its_bound_the_server_answers_429_with_retry_after() {
         max_num_seqs: 64,
         max_num_batched_tokens: 64,
         async_scheduling: false,
+        max_queue_time: None,
     };
     let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let state = Arc::new(AppState::new(engine, m.tokenizer.map(Arc::new), MODEL.into()).with_max_in_flight(2));

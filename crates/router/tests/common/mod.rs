@@ -32,6 +32,10 @@ pub struct Knobs {
     pub pipelined: bool,
     /// KV blocks in the pool (default: 3000 tokens' worth).
     pub num_blocks: Option<usize>,
+    /// Requests running at once (default 64).
+    pub max_num_seqs: usize,
+    /// `--max-queue-secs` (default: no bound).
+    pub max_queue_time: Option<Duration>,
     /// Generations the server answers at once before it answers 429 (0: no bound).
     pub max_in_flight: usize,
     /// `--kv-verify`: checksums on every tcp bulk send (on by default: the P/D and fault tests
@@ -51,6 +55,8 @@ impl Default for Knobs {
             local: false,
             pipelined: false,
             num_blocks: None,
+            max_num_seqs: 64,
+            max_queue_time: None,
             max_in_flight: 0,
             verify: true,
         }
@@ -71,9 +77,10 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
     let cfg = EngineConfig {
         block_size,
         num_blocks: k.num_blocks.unwrap_or(3000 / block_size),
-        max_num_seqs: 64,
+        max_num_seqs: k.max_num_seqs,
         max_num_batched_tokens: k.budget,
         async_scheduling: k.pipelined,
+        max_queue_time: k.max_queue_time,
     };
     let kv = role.map(|(role, mode)| KvSetup {
         connector: ConnectorConfig {
