@@ -28,7 +28,7 @@ use tandem_compute::{KvCache, KvDtype, KvLayout, KvRegion};
 use tandem_core::{EngineId, Epoch, TransferId};
 use tandem_kv::tcp::{
     accept_handshake, configure, connect, handshake, recv_blocks, recv_staged, send_blocks, send_pieces, send_staged,
-    Landing, Picked, Timeouts,
+    Destination, Picked, Timeouts,
 };
 use tandem_kv::wire::{read_message, write_message, Message};
 use tandem_kv::{AgentInfo, KvError, KvMemory, KvMode, Role, TransportOffer};
@@ -232,7 +232,7 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
                             .and_then(|()| side.memory.load_from_host(&blocks))
                     } else {
                         let mut load = side.memory.receiver()?;
-                        let into = Landing { region, blocks: &blocks, num_tokens };
+                        let into = Destination { region, blocks: &blocks, num_tokens };
                         recv_staged(&mut s, bytes, src_block_size, into, checksum, &mut |run| load.landed(run))
                             .and_then(|()| load.finish())
                     }

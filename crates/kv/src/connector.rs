@@ -81,13 +81,6 @@ impl KvConnector {
         let _ = self.commands.send(Command::Abandon { transfer_id, reason });
     }
 
-    /// Whether the connector copies a GPU engine's device cache to its host copy itself when a
-    /// transport needs host bytes (tcp, local): the engine then hands blocks over at once,
-    /// without a copy of its own.
-    pub fn stages_to_host(&self) -> bool {
-        self.shared.stages_to_host()
-    }
-
     /// Counters so far.
     pub fn stats(&self) -> ConnectorStats {
         self.shared.stats()

@@ -119,12 +119,6 @@ impl KvMemory {
         device.host_copies(host).map(|c| StagedReceive(Some(c))).map_err(KvError::Transfer)
     }
 
-    /// Whether the connector copies the device cache to the host copy itself
-    /// ([`KvMemory::stage_to_host`]), so the engine need not before handing blocks over.
-    pub fn stages_to_host(&self) -> bool {
-        self.device.is_some()
-    }
-
     /// The device cache, if the engine's KV lives on a GPU.
     pub fn device_cache(&self) -> Option<&Arc<DeviceKvMemory>> {
         self.device.as_ref()

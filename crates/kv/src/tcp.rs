@@ -222,14 +222,14 @@ pub unsafe fn recv_blocks(
     num_tokens: usize,
     checksum: bool,
 ) -> Result<(), KvError> {
-    let into = Landing { region, blocks: dst_blocks, num_tokens };
+    let into = Destination { region, blocks: dst_blocks, num_tokens };
     // Safety: passed on from the caller.
     unsafe { recv_staged(r, bytes, src_block_size, into, checksum, &mut |_| Ok(())) }
 }
 
 /// Where a bulk receive lands: tokens `0..num_tokens` in `blocks` of `region`.
 #[derive(Clone, Copy)]
-pub struct Landing<'a> {
+pub struct Destination<'a> {
     /// The receiver's KV memory.
     pub region: &'a KvRegion,
     /// The destination blocks, in token order.
@@ -248,11 +248,11 @@ pub unsafe fn recv_staged(
     r: &mut impl Read,
     bytes: u64,
     src_block_size: usize,
-    into: Landing<'_>,
+    into: Destination<'_>,
     checksum: bool,
     landed: &mut dyn FnMut(BlockRun) -> Result<(), KvError>,
 ) -> Result<(), KvError> {
-    let Landing { region, blocks: dst_blocks, num_tokens } = into;
+    let Destination { region, blocks: dst_blocks, num_tokens } = into;
     let dl = *region.layout();
     if src_block_size == 0 {
         return Err(KvError::Protocol("source block size 0".into()));

@@ -175,7 +175,7 @@ fn a_silent_peer_times_out_within_the_bound_and_an_absent_one_is_unreachable() {
 #[test]
 fn staged_pieces_are_read_after_their_hook_and_reported_as_they_land() {
     use tandem_kv::blocks::BlockRun;
-    use tandem_kv::tcp::{pieces, recv_staged, send_pieces, send_staged, Landing, PIECE_BYTES};
+    use tandem_kv::tcp::{pieces, recv_staged, send_pieces, send_staged, Destination, PIECE_BYTES};
     // Blocks of 1 MiB, so a piece holds 8 of them.
     let l = KvLayout { num_layers: 8, num_kv_heads: 4, head_dim: 64, block_size: 64, num_blocks: 40 };
     let (src_cache, dst_cache) = (KvCache::new(l), KvCache::new(l));
@@ -204,7 +204,7 @@ fn staged_pieces_are_read_after_their_hook_and_reported_as_they_land() {
     assert_eq!(readied, [0, 1, 2, 3]);
     let dst_table: Vec<u32> = (10..31).collect();
     let mut landed = Vec::new();
-    let into = Landing { region: &dst, blocks: &dst_table, num_tokens: tokens };
+    let into = Destination { region: &dst, blocks: &dst_table, num_tokens: tokens };
     let mut report = |run| {
         landed.push(run);
         Ok(())

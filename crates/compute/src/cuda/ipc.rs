@@ -434,22 +434,13 @@ impl HostCopies<'_> {
     /// The caller holds `run`'s blocks on both sides until the piece has been waited for: their
     /// KV is computed (no step writes them) and nobody reads or writes them in the host copy.
     pub unsafe fn download(&mut self, run: BlockRun) -> Result<usize, String> {
-        let (first, count) = self.check(run)?;
-        let block_bytes = self.mem.layout.block_elems() * self.mem.elem_bytes;
-        // Safety: the caller holds these blocks (the run is inside both caches, checked); the
+        let (host, device, bytes) = self.span(run)?;
+        // Safety: the caller holds these blocks, which `span` found inside both caches; the
         // piece's event, waited for before they are used or given back (at the latest on drop),
         // ends the copy's use of them.
-        unsafe {
-            let dst = self.host.bytes_mut(first, count);
-            sys::cuMemcpyDtoHAsync_v2(
-                dst.as_mut_ptr().cast(),
-                self.mem.alloc.ptr + (first * block_bytes) as u64,
-                count * block_bytes,
-                self.mem.stream.cu_stream(),
-            )
-        }
-        .result()
-        .map_err(|e| format!("copying KV to the host copy failed: {e}"))?;
+        unsafe { sys::cuMemcpyDtoHAsync_v2(host.cast(), device, bytes, self.mem.stream.cu_stream()) }
+            .result()
+            .map_err(|e| format!("copying KV to the host copy failed: {e}"))?;
         self.mark()
     }
 
@@ -460,20 +451,11 @@ impl HostCopies<'_> {
     /// The caller holds `run`'s blocks on both sides until the piece has been waited for: no
     /// step reads or writes them on the device and nobody writes them in the host copy.
     pub unsafe fn upload(&mut self, run: BlockRun) -> Result<usize, String> {
-        let (first, count) = self.check(run)?;
-        let block_bytes = self.mem.layout.block_elems() * self.mem.elem_bytes;
+        let (host, device, bytes) = self.span(run)?;
         // Safety: as in `download`, the other way round.
-        unsafe {
-            let src = self.host.bytes(first, count);
-            sys::cuMemcpyHtoDAsync_v2(
-                self.mem.alloc.ptr + (first * block_bytes) as u64,
-                src.as_ptr().cast(),
-                count * block_bytes,
-                self.mem.stream.cu_stream(),
-            )
-        }
-        .result()
-        .map_err(|e| format!("copying KV into the device cache failed: {e}"))?;
+        unsafe { sys::cuMemcpyHtoDAsync_v2(device, host.cast_const().cast(), bytes, self.mem.stream.cu_stream()) }
+            .result()
+            .map_err(|e| format!("copying KV into the device cache failed: {e}"))?;
         self.mark()
     }
 
@@ -491,12 +473,18 @@ impl HostCopies<'_> {
         }
     }
 
-    fn check(&self, run: BlockRun) -> Result<(usize, usize), String> {
+    /// `run` in the host copy and in the device cache, and its bytes; an error if it lies
+    /// outside the cache.
+    fn span(&self, run: BlockRun) -> Result<(*mut u8, sys::CUdeviceptr, usize), String> {
         let (first, count) = (run.start as usize, run.len as usize);
         if first + count > self.mem.layout.num_blocks {
             return Err(format!("blocks {first}+{count} are outside the cache"));
         }
-        Ok((first, count))
+        let block_bytes = self.mem.layout.block_elems() * self.mem.elem_bytes;
+        // Safety: only the address is taken here (bounds checked by `bytes_mut`); the callers'
+        // contracts cover the copies that use it.
+        let host = unsafe { self.host.bytes_mut(first, count) }.as_mut_ptr();
+        Ok((host, self.mem.alloc.ptr + (first * block_bytes) as u64, count * block_bytes))
     }
 
     fn mark(&mut self) -> Result<usize, String> {

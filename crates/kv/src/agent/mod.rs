@@ -141,11 +141,6 @@ impl Shared {
             .collect()
     }
 
-    /// Whether this connector stages a device cache into its host copy itself.
-    pub(crate) fn stages_to_host(&self) -> bool {
-        self.memory.stages_to_host()
-    }
-
     pub(crate) fn stats(&self) -> ConnectorStats {
         let c = &self.counters;
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);

@@ -19,7 +19,7 @@ use super::push::PushDone;
 use super::table::NoWrite;
 use super::{bump, Conn, Shared};
 use crate::blocks::{coalesce, copy_tokens, wire_bytes, BlockRun};
-use crate::tcp::{recv_staged, send_pieces, send_staged, Landing, Picked, CHECKSUM_BYTES};
+use crate::tcp::{recv_staged, send_pieces, send_staged, Destination, Picked, CHECKSUM_BYTES};
 use crate::wire::{write_message, DoneStatus, Message};
 use crate::{AgentInfo, ConnectorEvent, KvError, KvTransport, StagedSend, TransportOffer};
 
@@ -622,7 +622,7 @@ unsafe fn receive_into(
     checksum: bool,
 ) -> Result<(), KvError> {
     let mut load = shared.memory.receiver()?;
-    let into = Landing { region, blocks, num_tokens };
+    let into = Destination { region, blocks, num_tokens };
     // A failed copy into the device cache fails the transfer, but the bytes are still read,
     // so the connection stays in step.
     let mut failed = None;
