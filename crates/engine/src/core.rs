@@ -207,6 +207,20 @@ struct InFlight {
     /// Per sampled row: the request (id and serial) and the index in its tokens where the
     /// token goes (a placeholder holds it until then, unless the token is its last).
     rows: Vec<(RequestId, u64, usize)>,
+    /// Prefill legs whose prompt this step advanced without finishing it.
+    progress: Vec<PromptProgress>,
+}
+
+/// A prefill leg's prompt computed up to `upto` tokens into `blocks` by a step, as it stood
+/// when the step was planned: reported to the connector once the step is done, unless the
+/// request ended or was preempted meanwhile (its blocks may be another request's by then).
+struct PromptProgress {
+    id: RequestId,
+    serial: u64,
+    attempt: u32,
+    transfer_id: TransferId,
+    blocks: Vec<u32>,
+    upto: usize,
 }
 
 impl EngineCore {
@@ -449,8 +463,13 @@ impl EngineCore {
             if plan.chunks.is_empty() {
                 return StepReport::default();
             }
+            let progress = self.prompt_progress(&plan);
             return match self.execute(&plan) {
-                Ok(tokens) => self.update(&plan, &tokens),
+                Ok(tokens) => {
+                    let report = self.update(&plan, &tokens);
+                    self.report_progress(progress);
+                    report
+                }
                 Err(e) => self.fail_batch(&plan, &e.to_string()),
             };
         }
@@ -474,10 +493,50 @@ impl EngineCore {
     }
 
     /// Waits for `done`'s tokens and emits them (or fails its batch).
-    fn collect(&mut self, done: InFlight) -> StepReport {
+    fn collect(&mut self, mut done: InFlight) -> StepReport {
         match self.model.collect() {
-            Ok(tokens) => self.update_collected(&done, &tokens),
+            Ok(tokens) => {
+                let report = self.update_collected(&done, &tokens);
+                self.report_progress(std::mem::take(&mut done.progress));
+                report
+            }
             Err(e) => self.fail_batch(&done.plan, &e.to_string()),
+        }
+    }
+
+    /// The prefill legs in `plan` whose chunk does not finish their prompt (a finished one
+    /// hands its KV over with its token), taken before the step runs.
+    fn prompt_progress(&self, plan: &SchedulerOutput) -> Vec<PromptProgress> {
+        if self.connector.is_none() {
+            return Vec::new();
+        }
+        let progress = plan.chunks.iter().filter(|c| !c.sample).filter_map(|c| {
+            let req = self.scheduler.requests.get(&c.id)?;
+            let Some(RemoteKv::Produce { transfer_id }) = &req.remote else { return None };
+            Some(PromptProgress {
+                id: c.id.clone(),
+                serial: req.serial,
+                attempt: req.num_preemptions,
+                transfer_id: transfer_id.clone(),
+                blocks: c.block_table.clone(),
+                upto: c.first_pos + c.token_ids.len(),
+            })
+        });
+        progress.collect()
+    }
+
+    /// Tells the connector how far the prompts of a step that has completed got, for those
+    /// still running as they were planned: the KV is on the device (the step's tokens are
+    /// back) and no later step writes those positions.
+    fn report_progress(&self, progress: Vec<PromptProgress>) {
+        let Some(connector) = &self.connector else { return };
+        for p in progress {
+            let same = self.scheduler.requests.get(&p.id).is_some_and(|r| {
+                r.serial == p.serial && r.num_preemptions == p.attempt && r.status == RequestStatus::Running
+            });
+            if same {
+                connector.computed(p.transfer_id, p.blocks, p.upto, p.attempt);
+            }
         }
     }
 
@@ -485,6 +544,7 @@ impl EngineCore {
     /// builds on it; each sampled token gets a placeholder naming its sample row, unless it
     /// ends its request by length (then the request has nothing more to schedule).
     fn advance(&mut self, plan: SchedulerOutput) -> InFlight {
+        let progress = self.prompt_progress(&plan);
         let mut rows = Vec::new();
         for c in &plan.chunks {
             let samples = c.sample && !c.token_ids.is_empty();
@@ -505,7 +565,7 @@ impl EngineCore {
             }
             rows.push((c.id.clone(), req.serial, index));
         }
-        InFlight { plan, rows }
+        InFlight { plan, rows, progress }
     }
 
     fn execute(&mut self, plan: &SchedulerOutput) -> Result<Vec<u32>, tandem_model::ModelError> {
@@ -633,7 +693,8 @@ impl EngineCore {
                     num_tokens,
                     first_token: token,
                 });
-                connector.produced(transfer_id.clone(), Box::new(blocks), table, num_tokens, token);
+                let attempt = req.num_preemptions;
+                connector.produced(transfer_id.clone(), Box::new(blocks), table, num_tokens, token, attempt);
             }
         }
         let delivered = req.events.send(EngineEvent::Tokens { token_ids: vec![token], finish }).is_ok();

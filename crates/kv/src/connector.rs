@@ -6,6 +6,8 @@
 //! - [`KvConnector::produced`] (prefill, when a remote-decode request finishes): ownership of
 //!   its blocks passes to the connector, which frees them after the push write, or when the
 //!   pull lease ends (decode's release, or expiry).
+//! - [`KvConnector::computed`] (prefill, after each step of a remote-decode prompt that does
+//!   not finish it): the KV so far; a push over a direct transport writes it at once.
 //! - [`KvConnector::abort`] (decode, request cancelled while waiting for KV).
 //! - [`KvConnector::abandon`] (prefill, request cancelled before it produced KV, or produced
 //!   KV no decode engine will take: the router saw the decode leg fail).
@@ -56,7 +58,17 @@ impl KvConnector {
         let _ = self.commands.send(Command::Expect { request_id, source, blocks, num_tokens });
     }
 
+    /// Prefill: a step of a remote-decode prompt finished without finishing it; its KV up to
+    /// `num_tokens` is in `blocks` (the request's table) and no later step writes those
+    /// tokens. `attempt` counts the request's preemptions so far: KV reported under an
+    /// earlier attempt is written again. With push over a direct transport (cuda-ipc, local)
+    /// the whole blocks of it go into decode's blocks while the rest of the prompt computes.
+    pub fn computed(&self, transfer_id: TransferId, blocks: Vec<u32>, num_tokens: usize, attempt: u32) {
+        let _ = self.commands.send(Command::Computed { transfer_id, blocks, num_tokens, attempt });
+    }
+
     /// Prefill: a remote-decode request finished; its blocks now belong to the connector.
+    /// `attempt` as for [`KvConnector::computed`].
     pub fn produced(
         &self,
         transfer_id: TransferId,
@@ -64,10 +76,11 @@ impl KvConnector {
         blocks: Vec<u32>,
         num_tokens: usize,
         first_token: u32,
+        attempt: u32,
     ) {
         // Recorded before this returns (a table insert, no I/O), so a decode engine that learns of
         // the KV from the response that follows finds it here.
-        agent::produced(&self.shared, transfer_id, held, blocks, num_tokens, first_token);
+        agent::produced(&self.shared, transfer_id, held, blocks, num_tokens, first_token, attempt);
     }
 
     /// Decode: the request was cancelled while waiting for its KV.

@@ -99,9 +99,19 @@ impl Pair {
     }
 
     fn produce(&self, tid: &str, tokens: usize) {
+        self.produce_in(tid, tokens, 0);
+    }
+
+    /// Produces the prompt's 40 tokens of KV (blocks 3 on) computed in `attempt`.
+    fn produce_in(&self, tid: &str, tokens: usize, attempt: u32) {
+        let blocks = self.p_blocks(tokens);
+        self.p.produced(TransferId(tid.into()), Box::new(Held(self.freed.clone())), blocks, tokens, 77, attempt);
+    }
+
+    /// Prefill's blocks holding the test KV (3 on).
+    fn p_blocks(&self, tokens: usize) -> Vec<u32> {
         let bs = self.p_cache.layout().block_size;
-        let blocks: Vec<u32> = (0..tokens.div_ceil(bs) as u32).map(|b| b + 3).collect();
-        self.p.produced(TransferId(tid.into()), Box::new(Held(self.freed.clone())), blocks, tokens, 77);
+        (0..tokens.div_ceil(bs) as u32).map(|b| b + 3).collect()
     }
 
     fn d_blocks(&self, tokens: usize) -> Vec<u32> {
@@ -375,6 +385,121 @@ fn a_push_timeline_shows_a_direct_writers_copy_and_when_prefill_handed_the_kv_ov
         }
         assert!(t.request_sent_us <= t.data_start_us && t.data_end_us <= t.ready_us, "local={local}: {t:?}");
         p.wait_freed(1);
+    }
+}
+
+/// Decode's key for head 1 of `token` in layer `l` (its registered `blocks`).
+fn d_key<'a>(p: &'a Pair, blocks: &[u32], token: usize, l: usize) -> &'a [f32] {
+    let db = p.d_cache.layout().block_size;
+    &p.d_cache.plane(blocks[token / db] as usize, l, 0, 1)[(token % db) * 8..][..8]
+}
+
+/// The key `pair_with` wrote for head 1 of `token` in layer `l`.
+fn written_key(token: usize, l: usize) -> Vec<f32> {
+    (8..16).map(|i| (token * 100 + l * 10 + i) as f32).collect()
+}
+
+/// Waits (bounded) until `cond` holds.
+fn wait_until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !cond() {
+        assert!(Instant::now() < deadline, "{what} never happened");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A prompt computed in chunks goes into decode's blocks as it is computed (a direct
+/// writer): each reported step's whole shared runs of tokens (8 here: 4-token blocks into
+/// 8-token blocks) land before the prompt is complete, and the final write moves only the
+/// rest. KV changed in prefill's blocks after its part was written is not written again,
+/// which is how the test tells the final write started where the parts stopped.
+#[test]
+fn a_prompt_computed_in_chunks_lands_part_by_part_and_the_final_write_moves_only_the_rest() {
+    let mut p = local_pair(KvMode::Push, 4, 8, Duration::from_secs(3));
+    let (tokens, blocks) = (37, p.d_blocks(37));
+    let tid = TransferId("t1".into());
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens);
+    std::thread::sleep(Duration::from_millis(150)); // the registration has reached prefill
+    p.p.computed(tid.clone(), p.p_blocks(tokens), 13, 0);
+    wait_until("the first part landing", || (0..8).all(|t| d_key(&p, &blocks, t, 1) == written_key(t, 1)));
+    assert!(p.untouched(&blocks[1..]), "tokens past the first whole run were written early");
+    p.p.computed(tid.clone(), p.p_blocks(tokens), 30, 0);
+    wait_until("the second part", || p.p.stats().parts_early == 2);
+    assert!((8..24).all(|t| d_key(&p, &blocks, t, 1) == written_key(t, 1)));
+    assert!(p.untouched(&blocks[3..]), "tokens 24.. were written before they were reported");
+    for t in 0..24 {
+        let k = vec![-1.0; 16];
+        p.p_cache.write_token(1, 3 + t / 4, t % 4, &k, &k);
+    }
+    p.produce("t1", tokens);
+    assert_ready(p.wait_event(), "r1");
+    p.wait_freed(1);
+    for t in 0..tokens {
+        assert_eq!(d_key(&p, &blocks, t, 1), written_key(t, 1), "token {t}");
+    }
+    let s = p.p.stats();
+    assert_eq!((s.parts_early, s.transfers_ok, s.transfers_failed), (2, 1, 0), "{s:?}");
+}
+
+/// A part reported under an earlier attempt (before the request was preempted: its blocks may
+/// have been reused and the copy read garbage) is written again: a later report, or the
+/// final write, of another attempt starts over from the first token.
+#[test]
+fn kv_reported_before_a_preemption_is_written_again() {
+    for report_again in [false, true] {
+        let p = local_pair(KvMode::Push, 4, 8, Duration::from_secs(3));
+        let (tokens, blocks) = (37, p.d_blocks(37));
+        let tid = TransferId("t1".into());
+        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens);
+        std::thread::sleep(Duration::from_millis(150));
+        // Attempt 0 reports blocks holding zeros (what a reused block's copy could read).
+        let stale: Vec<u32> = (20..30).collect();
+        p.p.computed(tid.clone(), stale, 16, 0);
+        wait_until("the stale part", || p.p.stats().parts_early == 1);
+        if report_again {
+            p.p.computed(tid.clone(), p.p_blocks(tokens), 16, 1);
+            wait_until("the part written again", || p.p.stats().parts_early == 2);
+        }
+        p.produce_in("t1", tokens, 1);
+        assert_ready(p.wait_event(), "r1");
+        p.assert_landed(tokens, &blocks);
+        p.wait_freed(1);
+    }
+}
+
+/// Decode aborts, or prefill abandons the request, while an early part is being written
+/// (0.4 s of injected delay before its copy): decode hears that nothing more will come only
+/// after the part has ended, so its blocks come back with no copy into them left.
+#[test]
+fn an_end_during_an_early_part_is_reported_after_the_part_and_nothing_lands_after() {
+    for decode_aborts in [true, false] {
+        let slow = FaultInjection { slow_write: Duration::from_millis(400), ..FaultInjection::default() };
+        let p_cfg = ConnectorConfig { local_transport: true, faults: slow, ..config(Role::Prefill, KvMode::Push) };
+        let d_cfg = ConnectorConfig { local_transport: true, ..config(Role::Decode, KvMode::Push) };
+        let p = pair_with(p_cfg, d_cfg, 4, 8);
+        let blocks = p.d_blocks(37);
+        let tid = TransferId("t1".into());
+        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 37);
+        std::thread::sleep(Duration::from_millis(150));
+        let start = Instant::now();
+        p.p.computed(tid.clone(), p.p_blocks(37), 16, 0);
+        std::thread::sleep(Duration::from_millis(50));
+        if decode_aborts {
+            p.d.abort(RequestId::new("r1"));
+        } else {
+            p.p.abandon(tid.clone(), "prefill request aborted".into());
+        }
+        let ev = p.wait_event();
+        let at = start.elapsed();
+        match (&ev, decode_aborts) {
+            (ConnectorEvent::Released { .. }, true) | (ConnectorEvent::Failed { .. }, false) => {}
+            _ => panic!("decode_aborts={decode_aborts}: unexpected {ev:?}"),
+        }
+        assert!(at >= Duration::from_millis(380), "decode_aborts={decode_aborts}: ended at {at:?}, during the part");
+        let snapshot: Vec<Vec<f32>> = (0..16).map(|t| d_key(&p, &blocks, t, 1).to_vec()).collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let later: Vec<Vec<f32>> = (0..16).map(|t| d_key(&p, &blocks, t, 1).to_vec()).collect();
+        assert_eq!(snapshot, later, "decode_aborts={decode_aborts}: a copy landed after the end");
     }
 }
 

@@ -6,7 +6,9 @@
 mod common;
 
 use common::*;
+use std::time::Duration;
 use tandem_core::TransferMode;
+
 use tandem_kv::{FaultInjection, KvMode, Role};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -43,6 +45,12 @@ async fn push_and_pull_equal_colocated_token_for_token() {
             kv_stats_until(&p, "50 transfers", |s| s.transfers_ok == 50 && s.bytes_sent == ds.bytes_received).await;
         assert_eq!((ps.transfers_failed, ds.transfers_failed, ps.unknown_ids, ds.unknown_ids), (0, 0, 0, 0));
         assert!(ps.bytes_sent > 0 && ps.bytes_sent == ds.bytes_received);
+        // A direct writer pushes the KV of prompts longer than the step budget (130 tokens in
+        // 96-token steps) as they are computed; tcp sends it whole.
+        match (mode, local) {
+            (TransferMode::Push, true) => assert!(ps.parts_early > 0, "{ps:?}"),
+            _ => assert_eq!(ps.parts_early, 0, "{mode:?} local={local}: {ps:?}"),
+        }
         // /kv/info says which transport each open connection uses.
         let info: serde_json::Value =
             http.get(format!("{}/kv/info", p.url)).send().await.unwrap().json().await.unwrap();
@@ -123,4 +131,45 @@ async fn decode_answers_carry_the_transfer_timeline_and_metrics_count_it() {
     assert!(m.contains("tandem:kv_load_wait_seconds_count 2"), "{m}");
     assert!(m.contains(&format!("tandem:kv_load_bytes_total {}", 6 * block_bytes)), "{m}");
     wait_idle(&[&p, &d]).await;
+}
+
+/// A prefill engine short of KV blocks preempts prompts part-way through their chunks, after
+/// some of their KV was already pushed into decode's blocks (a direct writer pushes each
+/// finished chunk): the recomputed prompt's KV is written again from its first token, so the
+/// answers still equal colocated's, with and without pipelined steps, and every block comes
+/// back on both engines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prompts_preempted_after_early_pushes_still_equal_colocated() {
+    let http = reqwest::Client::new();
+    let reqs: Vec<_> = (0..12)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..130).map(|j| ((i * 53 + j * 7) % 500) as u32).collect();
+            serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                               "ignore_eos": true})
+        })
+        .collect();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let want = run_all(&http, &colocated.url, &reqs).await;
+    for pipelined in [false, true] {
+        // 14 blocks of 16 tokens and 64-token steps: a 130-token prompt (9 blocks) ends in a
+        // step that starts the next one (4 blocks); each write out of prefill's blocks takes
+        // 50 ms (a slow copy engine), so the finished prompt still holds its blocks when the
+        // next one needs 4 more, and that one is preempted midway.
+        let slow = FaultInjection { slow_write: Duration::from_millis(50), ..FaultInjection::default() };
+        let short =
+            Knobs { local: true, pipelined, budget: 64, num_blocks: Some(14), faults: slow, ..Knobs::default() };
+        let p = engine_with(Some((Role::Prefill, KvMode::Push)), 16, short).await;
+        let d = engine_with(Some((Role::Decode, KvMode::Push)), 8, Knobs { local: true, ..Knobs::default() }).await;
+        let base = router(TransferMode::Push, &p, &d).await;
+        let got = run_all(&http, &base, &reqs).await;
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "pipelined={pipelined}: request {i}");
+        }
+        wait_idle(&[&p, &d]).await;
+        let ps = kv_stats_until(&p, "12 transfers", |s| s.transfers_ok == 12).await;
+        let preemptions = p.state.engine.stats().preemptions;
+        assert!(ps.parts_early > 0, "pipelined={pipelined}: {ps:?}");
+        assert!(preemptions > 0, "pipelined={pipelined}: no prompt was preempted: {ps:?}");
+    }
+    wait_idle(&[&colocated]).await;
 }

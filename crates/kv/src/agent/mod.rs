@@ -9,6 +9,7 @@
 //! The byte moving is the connection's [`transport`], chosen at handshake; the protocol of
 //! each mode is in [`push`] and [`pull`]; the entries and their deadlines in [`table`].
 
+mod early;
 mod pull;
 mod push;
 mod table;
@@ -37,6 +38,7 @@ pub(crate) enum Command {
     Expect { request_id: RequestId, source: RemoteKv, blocks: Vec<u32>, num_tokens: usize },
     Abort { request_id: RequestId },
     Abandon { transfer_id: TransferId, reason: String },
+    Computed { transfer_id: TransferId, blocks: Vec<u32>, num_tokens: usize, attempt: u32 },
 }
 
 /// One side-channel connection (either direction), with the transport both ends agreed on.
@@ -83,6 +85,7 @@ struct Counters {
     links_tcp: AtomicU64,
     links_local: AtomicU64,
     links_cuda_ipc: AtomicU64,
+    parts_early: AtomicU64,
 }
 
 pub(crate) struct Shared {
@@ -158,6 +161,7 @@ impl Shared {
             links_tcp: g(&c.links_tcp),
             links_local: g(&c.links_local),
             links_cuda_ipc: g(&c.links_cuda_ipc),
+            parts_early: g(&c.parts_early),
         }
     }
 
@@ -389,8 +393,11 @@ fn handle_command(shared: &Arc<Shared>, cmd: Command) {
                 t.registrations.remove(&transfer_id)
             };
             if let Some(reg) = reg {
-                let _ = reg.conn.send(&Message::Failed { transfer_id, reason });
+                early::notify(reg, Message::Failed { transfer_id, reason });
             }
+        }
+        Command::Computed { transfer_id, blocks, num_tokens, attempt } => {
+            early::on_computed(shared, &transfer_id, blocks, num_tokens, attempt)
         }
     }
 }
@@ -589,7 +596,7 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
         Message::Heartbeat { transfer_ids } => pull::on_heartbeat(shared, transfer_ids),
         Message::Abort { transfer_id } => {
             let mut t = shared.tables();
-            t.registrations.remove(&transfer_id);
+            let reg = t.registrations.remove(&transfer_id);
             let pushing = t.pushing.contains(&transfer_id);
             if t.produced.remove(&transfer_id).is_none() {
                 // Decode-side abort from prefill: fail the waiting request.
@@ -597,9 +604,14 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             }
             drop(t);
             // A decode engine aborting a transfer we write directly keeps its blocks until we
-            // say no write can land: the write thread's `Done` says so when one is running.
+            // say no write can land: the write thread's `Done` says so when one is running,
+            // else this notice, after any early part still being written.
             if shared.cfg.role == crate::Role::Prefill && conn.transport.writes_directly() && !pushing {
-                conn.send(&Message::Failed { transfer_id, reason: "aborted by the decode engine".into() })?;
+                let failed = Message::Failed { transfer_id, reason: "aborted by the decode engine".into() };
+                match reg {
+                    Some(reg) => early::notify(reg, failed),
+                    None => conn.send(&failed)?,
+                }
             }
         }
         // ---- decode side ----
@@ -647,9 +659,9 @@ fn expire(shared: &Arc<Shared>) {
         let mut t = shared.tables();
         let expired = t.expire(Instant::now(), shared.cfg.timeouts.io);
         bump(&shared.counters.expired, expired.reclaimed as u64);
-        for (tid, conn) in expired.registrations {
-            if conn.transport.writes_directly() {
-                failed.push((conn, tid));
+        for (tid, reg) in expired.registrations {
+            if reg.conn.transport.writes_directly() {
+                failed.push((reg, tid));
             }
         }
         for tid in expired.late {
@@ -662,9 +674,9 @@ fn expire(shared: &Arc<Shared>) {
     for (conn, tid) in to_notify {
         let _ = conn.send(&Message::Abort { transfer_id: tid });
     }
-    for (conn, tid) in failed {
+    for (reg, tid) in failed {
         let reason = "the decode engine's deadline passed before the KV was ready".into();
-        let _ = conn.send(&Message::Failed { transfer_id: tid, reason });
+        early::notify(reg, Message::Failed { transfer_id: tid, reason });
     }
 }
 

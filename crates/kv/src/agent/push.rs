@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use tandem_core::{Epoch, TransferId};
 
+use super::early;
 use super::table::{Produced, Registration, Rendezvous};
 use super::transport::{receive_tcp, Bulk};
 use super::{bump, Conn, Shared};
@@ -46,6 +47,7 @@ pub(crate) fn produced(
     blocks: Vec<u32>,
     num_tokens: usize,
     first_token: u32,
+    attempt: u32,
 ) {
     let deadline = Instant::now()
         + match shared.cfg.mode {
@@ -53,10 +55,11 @@ pub(crate) fn produced(
             crate::KvMode::Pull => shared.cfg.lease,
         };
     let produced_unix_us = unix_us();
-    let produced = Produced { held, blocks, num_tokens, first_token, produced_unix_us, deadline, reading: false };
+    let produced =
+        Produced { held, blocks, num_tokens, first_token, produced_unix_us, deadline, reading: false, attempt };
     let met = shared.tables().meet_produced(tid.clone(), produced);
     match met {
-        Rendezvous::Met(reg, produced) => start_write(shared, tid, reg, produced),
+        Rendezvous::Met(reg, produced) => early::finish(shared, tid, reg, produced),
         Rendezvous::Waiting => {}
         Rendezvous::Duplicate => {
             bump(&shared.counters.duplicate_ids, 1);
@@ -85,10 +88,10 @@ pub(super) fn on_register(
         // Decode frees its blocks once its own deadline has passed: no write may start later.
         deadline = deadline.min(now + Duration::from_millis(write_within_ms));
     }
-    let reg = Registration { conn: conn.clone(), blocks, num_tokens, deadline };
+    let reg = Registration { conn: conn.clone(), blocks, num_tokens, deadline, early: None };
     let met = shared.tables().meet_registration(tid.clone(), reg);
     match met {
-        Rendezvous::Met(reg, produced) => start_write(shared, tid, reg, produced),
+        Rendezvous::Met(reg, produced) => early::finish(shared, tid, reg, produced),
         Rendezvous::Waiting => {}
         Rendezvous::Duplicate => {
             bump(&shared.counters.duplicate_ids, 1);
@@ -98,45 +101,63 @@ pub(super) fn on_register(
     Ok(())
 }
 
-/// Prefill: writes the produced KV into the registered blocks on a thread of its own, then
-/// frees the blocks.
-fn start_write(shared: &Arc<Shared>, tid: TransferId, reg: Registration, produced: Produced) {
-    let s = shared.clone();
-    let _ = std::thread::Builder::new().name("tandem-kv-push".into()).spawn(move || {
-        let taken = Instant::now();
-        let Produced { held, blocks, num_tokens, first_token, produced_unix_us, .. } = produced;
-        let refusal = if reg.num_tokens != num_tokens {
-            Some(format!("decode registered {} tokens, prefill produced {num_tokens}", reg.num_tokens))
-        } else if reg.conn.transport.writes_directly() && Instant::now() >= reg.deadline {
-            Some("the decode engine's deadline passed before the KV was ready".to_string())
-        } else {
-            None
-        };
-        if let Some(reason) = refusal {
+/// Prefill: writes the produced KV from token `from` on (the parts before it are in place)
+/// into the registered blocks, sends `Done`, then frees the blocks; or, with `failed` (an
+/// early part did not land), fails the transfer. Runs on a writer thread, never the engine's.
+pub(super) fn write_whole(
+    s: &Arc<Shared>,
+    tid: TransferId,
+    reg: Registration,
+    produced: Produced,
+    from: usize,
+    failed: Option<String>,
+) {
+    let taken = Instant::now();
+    let Produced { held, blocks, num_tokens, first_token, produced_unix_us, .. } = produced;
+    let layout = s.memory.layout();
+    let (ours, theirs) = (layout.block_size, reg.conn.peer.block_size.max(1));
+    let rest = match (blocks.get(from / ours..), reg.blocks.get(from / theirs..)) {
+        (Some(src), Some(dst)) if from <= num_tokens => Ok((src, dst)),
+        _ => Err("the blocks do not cover the KV written so far".to_string()),
+    };
+    let checked = if reg.num_tokens != num_tokens {
+        Err(format!("decode registered {} tokens, prefill produced {num_tokens}", reg.num_tokens))
+    } else if let Some(why) = failed {
+        Err(why)
+    } else if reg.conn.transport.writes_directly() && Instant::now() >= reg.deadline {
+        Err("the decode engine's deadline passed before the KV was ready".to_string())
+    } else {
+        rest
+    };
+    let (src, dst) = match checked {
+        Ok(rest) => rest,
+        Err(reason) => {
             s.tables().pushing.remove(&tid);
             let _ = reg.conn.send(&Message::Failed { transfer_id: tid, reason });
             bump(&s.counters.transfers_failed, 1);
             return;
         }
-        std::thread::sleep(s.cfg.faults.slow_write);
-        let done = PushDone { first_token, produced_unix_us, taken };
-        let result = reg.conn.transport.push(&s, &reg.conn, &tid, &blocks, &reg.blocks, num_tokens, done);
-        s.tables().pushing.remove(&tid);
-        // The bytes have left our memory (or the write failed): the blocks can go back.
-        drop(held);
-        let layout = s.memory.layout();
-        match result {
-            Ok(()) => {
-                bump(&s.counters.bytes_sent, wire_bytes(&layout, s.memory.dtype(), num_tokens));
-                bump(&s.counters.regions, coalesce(&blocks[..layout.blocks_for(num_tokens).min(blocks.len())]).len() as u64);
-                bump(&s.counters.transfers_ok, 1);
-            }
-            Err(e) => {
-                tracing::warn!(transfer_id = %tid, transport = reg.conn.transport.name(), error = %e, "push write failed");
-                bump(&s.counters.transfers_failed, 1);
-            }
+    };
+    std::thread::sleep(s.cfg.faults.slow_write);
+    let done = PushDone { first_token, produced_unix_us, taken };
+    let result = reg.conn.transport.push(s, &reg.conn, &tid, src, dst, num_tokens - from, done);
+    s.tables().pushing.remove(&tid);
+    // The bytes have left our memory (or the write failed): the blocks can go back.
+    drop(held);
+    match result {
+        Ok(()) => {
+            bump(&s.counters.bytes_sent, wire_bytes(&layout, s.memory.dtype(), num_tokens));
+            bump(
+                &s.counters.regions,
+                coalesce(&blocks[..layout.blocks_for(num_tokens).min(blocks.len())]).len() as u64,
+            );
+            bump(&s.counters.transfers_ok, 1);
         }
-    });
+        Err(e) => {
+            tracing::warn!(transfer_id = %tid, transport = reg.conn.transport.name(), error = %e, "push write failed");
+            bump(&s.counters.transfers_failed, 1);
+        }
+    }
 }
 
 /// Decode: prefill's bytes for `tid` follow on `stream`; acknowledged either way.

@@ -73,6 +73,8 @@ pub(super) struct Registration {
     pub num_tokens: usize,
     /// Direct transports: also the last moment a write may start (decode's deadline).
     pub deadline: Instant,
+    /// Direct transports: the writer of the parts computed so far (see `early`).
+    pub early: Option<super::early::EarlyWriter>,
 }
 
 /// Prefill side: finished KV waiting for its registration (push) or its reader (pull lease).
@@ -86,6 +88,8 @@ pub(super) struct Produced {
     pub deadline: Instant,
     /// A pull read is sending these blocks now; the lease cannot expire under it.
     pub reading: bool,
+    /// The engine's preemptions of the request before it computed this KV.
+    pub attempt: u32,
 }
 
 /// What a push rendezvous found.
@@ -112,9 +116,9 @@ pub(super) struct Expired {
     pub reclaimed: usize,
     /// Decode-side transfers past their deadline.
     pub late: Vec<TransferId>,
-    /// Prefill-side registrations dropped, with their connection (a direct writer tells the
-    /// decode engine, which otherwise holds its blocks until the grace has passed).
-    pub registrations: Vec<(TransferId, Arc<Conn>)>,
+    /// Prefill-side registrations dropped (a direct writer tells the decode engine, which
+    /// otherwise holds its blocks until the grace has passed).
+    pub registrations: Vec<(TransferId, Registration)>,
 }
 
 #[derive(Default)]
@@ -203,8 +207,8 @@ impl Tables {
         self.produced.retain(|_, p| p.reading || p.deadline > now);
         let gone: Vec<TransferId> =
             self.registrations.iter().filter(|(_, r)| r.deadline <= now).map(|(k, _)| k.clone()).collect();
-        let registrations: Vec<(TransferId, Arc<Conn>)> =
-            gone.into_iter().filter_map(|k| self.registrations.remove(&k).map(|r| (k, r.conn))).collect();
+        let registrations: Vec<(TransferId, Registration)> =
+            gone.into_iter().filter_map(|k| self.registrations.remove(&k).map(|r| (k, r))).collect();
         let reclaimed = before - self.produced.len() + registrations.len();
         let late = self.incoming.iter().filter(|(_, i)| match (i.writing(), i.direct) {
             (false, _) => i.deadline <= now,
@@ -246,6 +250,7 @@ mod tests {
             produced_unix_us: 0,
             deadline,
             reading: false,
+            attempt: 0,
         }
     }
 

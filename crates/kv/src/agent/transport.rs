@@ -50,6 +50,13 @@ pub(super) trait Transport: Send + Sync {
         done: PushDone,
     ) -> Result<(), KvError>;
 
+    /// Push over a direct transport, while the prompt is still being computed: writes
+    /// `num_tokens` of KV from our blocks `src` into the peer's blocks `dst` (the registered
+    /// blocks from the part's first token on) and waits for the copies. No notification.
+    fn write_part(&self, _shared: &Shared, _src: &[u32], _dst: &[u32], _num_tokens: usize) -> Result<(), String> {
+        Err(format!("the {} transport writes a prompt's KV only when it is complete", self.name()))
+    }
+
     /// Pull: answers the peer's read of our blocks `src` (held under a lease) into its blocks
     /// `dst` with `BlockData` (and, on tcp, the bytes).
     fn answer_read(
@@ -398,6 +405,10 @@ impl Transport for Local {
         true
     }
 
+    fn write_part(&self, shared: &Shared, src: &[u32], dst: &[u32], num_tokens: usize) -> Result<(), String> {
+        self.copy(shared, src, dst, num_tokens)
+    }
+
     fn push(
         &self,
         shared: &Shared,
@@ -483,8 +494,9 @@ impl CudaIpc {
     fn write(&self, shared: &Shared, src: &[u32], dst: &[u32], num_tokens: usize) -> Result<(), String> {
         let peer = self.peer.as_ref().ok_or("this end of the connection is written to; it does not write")?;
         let dev = shared.memory.device_cache().ok_or("this engine has no device cache")?;
-        // The KV in `src` is complete: the engine hands blocks over once the step that wrote
-        // them has returned its token, and the stream finished that step before that.
+        // The KV in `src` is complete: the engine hands blocks over (whole, or a part of a
+        // prompt still computing) once the step that wrote them has returned its tokens, and
+        // the stream finished that step before that; later steps do not write them.
         let started = std::time::Instant::now();
         let (bytes, copies) = dev.write_to_peer(peer, src, dst, num_tokens)?;
         tracing::debug!(bytes, copies, us = started.elapsed().as_micros() as u64, "cuda-ipc write done");
@@ -499,6 +511,10 @@ impl Transport for CudaIpc {
 
     fn writes_directly(&self) -> bool {
         true
+    }
+
+    fn write_part(&self, shared: &Shared, src: &[u32], dst: &[u32], num_tokens: usize) -> Result<(), String> {
+        self.write(shared, src, dst, num_tokens)
     }
 
     fn push(

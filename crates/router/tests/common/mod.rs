@@ -155,8 +155,9 @@ pub async fn run_all(http: &reqwest::Client, base: &str, reqs: &[Value]) -> Vec<
             let (http, url, b) = (http.clone(), format!("{base}/v1/completions"), b.clone());
             tokio::spawn(async move {
                 let resp = http.post(url).json(&b).send().await.unwrap();
-                assert_eq!(resp.status(), 200);
+                let status = resp.status();
                 let text = resp.text().await.unwrap();
+                assert_eq!(status, 200, "{text}");
                 let mut ids = Vec::new();
                 let bodies: Vec<String> = if b["stream"] == json!(true) {
                     text.split("\n\n")
