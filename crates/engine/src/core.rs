@@ -504,10 +504,11 @@ impl EngineCore {
         }
     }
 
-    /// The prefill legs in `plan` whose chunk does not finish their prompt (a finished one
-    /// hands its KV over with its token), taken before the step runs.
+    /// Push: the prefill legs in `plan` whose chunk does not finish their prompt (a finished
+    /// one hands its KV over with its token), taken before the step runs.
     fn prompt_progress(&self, plan: &SchedulerOutput) -> Vec<PromptProgress> {
-        if self.connector.is_none() {
+        // Only a push writes KV before the prompt is complete.
+        if !self.connector.as_ref().is_some_and(|c| c.info().kv_mode == tandem_kv::KvMode::Push) {
             return Vec::new();
         }
         let progress = plan.chunks.iter().filter(|c| !c.sample).filter_map(|c| {

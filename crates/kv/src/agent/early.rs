@@ -123,17 +123,13 @@ pub(super) fn finish(shared: &Arc<Shared>, tid: TransferId, mut reg: Registratio
 /// Tells decode `msg` (a failure: no more will be written) once every part queued for `reg`
 /// has ended, so that decode frees its blocks only when no copy into them is left.
 pub(super) fn notify(reg: Registration, msg: Message) {
-    let msg = match &reg.early {
-        Some(early) => match early.jobs.send(Job::Notify(msg)) {
-            Ok(()) => return,
-            Err(mpsc::SendError(job)) => match job {
-                Job::Notify(msg) => msg,
-                _ => return,
-            },
-        },
-        None => msg,
+    let Some(early) = &reg.early else {
+        let _ = reg.conn.send(&msg);
+        return;
     };
-    let _ = reg.conn.send(&msg);
+    if let Err(mpsc::SendError(Job::Notify(msg))) = early.jobs.send(Job::Notify(msg)) {
+        let _ = reg.conn.send(&msg);
+    }
 }
 
 fn spawn_whole(shared: &Arc<Shared>, tid: TransferId, reg: Registration, produced: Produced, from: usize) {
