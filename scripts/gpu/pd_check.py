@@ -174,6 +174,11 @@ try:
         if not links:
             errors.append(f"prefill opened no {link} connection (links_{link}: {links})")
         t_long = ttft(r, long_prompt)
+        # Every transfer landed: a failed one is recomputed at decode (same answer, slower), so
+        # only the counters tell it happened.
+        failed = {role: metric(url, "tandem:kv_connector", "transfers_failed") for role, url in (("prefill", p), ("decode", d))}
+        if any(failed.values()):
+            errors.append(f"KV transfers failed (recomputed at decode): {failed}")
         print(f"P/D on {device} ({model}), {name}: {same}/{len(bodies)} answers equal colocated token for token, "
               f"{secs:.1f} s; burst of {len(burst)}: {burst_ok} ok, {burst_same} equal colocated (one at a time); "
               f"blocks back: {'yes' if not leaks else 'NO'}; TTFT {len(long_prompt)} tokens {t_long * 1e3:.1f} ms "

@@ -19,7 +19,8 @@
 #   one launch of the matching kernel in a batch-1 decode, summarised by SASS basic block
 #   (scripts/gpu/ncu_hot.py; raw CSV in $OUT/ncu_src.csv): where its warps wait;
 #   ipc: kernel and engine tests, P/D over tcp and cuda-ipc (pd_check.py) and `tandem bench kv
-#   --transport cuda-ipc` (also into cuda:1 when there are two GPUs) and the tcp benchmarks;
+#   --transport cuda-ipc` (also into cuda:1 when there are two GPUs) and the tcp benchmarks
+#   (SKIP_TCP=1 leaves those out);
 #   tcp: `tandem bench kv --transport tcp --device cuda:0` (TCP_SIZES) and on host memory; sweep: `tandem bench sweep
 #   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
 #   SWEEP_QPS narrow it; SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU);
@@ -158,7 +159,7 @@ if [ "$MODE" = ipc ]; then
   run_test cuda_engine
   pd_check
   kv_bench
-  tcp_bench
+  [ -n "${SKIP_TCP:-}" ] || tcp_bench
   cat "$OUT/summary.txt"; exit $status
 fi
 if [ "$MODE" = sweep ]; then

@@ -366,7 +366,7 @@ pub mod cuda_ipc {
     use std::time::Instant;
 
     use serde::Serialize;
-    use tandem_compute::cuda::{CudaDevice, DeviceKvMemory, IpcExport, PeerKvMemory};
+    use tandem_compute::cuda::{CudaDevice, DeviceKvMemory, IpcExport, KvFences, PeerKvMemory};
     use tandem_compute::KvLayout;
 
     /// What to move.
@@ -431,6 +431,9 @@ pub mod cuda_ipc {
         pub cuda_ipc_gb_s: f64,
         /// cuda_ipc / device_copy.
         pub ratio: f64,
+        /// cuda-ipc as a push writes a prompt while its step runs: four layer groups, each
+        /// queued behind its (here already complete) event, median GB/s.
+        pub layer_groups_gb_s: f64,
     }
 
     /// The report.
@@ -453,18 +456,19 @@ pub mod cuda_ipc {
             )?;
             writeln!(
                 f,
-                "{:>10} {:>7} {:>18} {:>16} {:>7}",
-                "size", "copies", "device copy GB/s", "cuda-ipc GB/s", "ratio"
+                "{:>10} {:>7} {:>18} {:>16} {:>7} {:>22}",
+                "size", "copies", "device copy GB/s", "cuda-ipc GB/s", "ratio", "4 layer groups GB/s"
             )?;
             for r in &self.rows {
                 writeln!(
                     f,
-                    "{:>9.1}M {:>7} {:>18.1} {:>16.1} {:>6.0}%",
+                    "{:>9.1}M {:>7} {:>18.1} {:>16.1} {:>6.0}% {:>22.1}",
                     r.bytes as f64 / (1 << 20) as f64,
                     r.copies,
                     r.device_copy_gb_s,
                     r.cuda_ipc_gb_s,
-                    r.ratio * 100.0
+                    r.ratio * 100.0,
+                    r.layer_groups_gb_s
                 )?;
             }
             Ok(())
@@ -506,6 +510,16 @@ pub mod cuda_ipc {
         v[v.len() / 2]
     }
 
+    /// Fences of four layer groups recorded on `dev`'s idle stream (complete at once).
+    fn layer_group_fences(dev: &CudaDevice, num_layers: usize) -> Result<KvFences, String> {
+        let mut fences = KvFences::complete();
+        let per = num_layers.div_ceil(4).max(1);
+        for start in (0..num_layers).step_by(per) {
+            fences.record(dev, start..(start + per).min(num_layers)).map_err(|e| e.to_string())?;
+        }
+        Ok(fences)
+    }
+
     /// The driving side: copies into the peer's exported cache, and the same copies inside our
     /// own, for each size.
     pub fn measure(dev: &CudaDevice, cfg: &IpcBenchConfig, export: &IpcExport) -> Result<IpcReport, String> {
@@ -521,24 +535,30 @@ pub mod cuda_ipc {
             let src = table(n_src, cfg.runs, 0);
             let floor_dst = table(n_src, cfg.runs, l.num_blocks / 2);
             let peer_dst = table(cfg.peer_layout().blocks_for(tokens), cfg.runs, 0);
-            let (mut floor, mut ipc, mut copies) = (Vec::new(), Vec::new(), 0);
+            let (mut floor, mut ipc, mut grouped, mut copies) = (Vec::new(), Vec::new(), Vec::new(), 0);
             for _ in 0..cfg.repeats.max(1) + 1 {
                 let t = Instant::now();
                 let moved = ours.copy_within(&src, &floor_dst, tokens)?;
                 floor.push(moved as f64 / t.elapsed().as_secs_f64() / 1e9);
                 let t = Instant::now();
-                let (moved, n) = ours.write_to_peer(&peer, &src, &peer_dst, tokens)?;
+                let (moved, n) = ours.write_to_peer(&peer, &src, &peer_dst, tokens, &KvFences::complete())?;
                 ipc.push(moved as f64 / t.elapsed().as_secs_f64() / 1e9);
                 copies = n;
+                let fences = layer_group_fences(dev, l.num_layers)?;
+                let t = Instant::now();
+                let (moved, _) = ours.write_to_peer(&peer, &src, &peer_dst, tokens, &fences)?;
+                grouped.push(moved as f64 / t.elapsed().as_secs_f64() / 1e9);
             }
             // The first round warms the mapping and the copy engines up.
             let (floor, ipc) = (median(floor[1..].to_vec()), median(ipc[1..].to_vec()));
+            let layer_groups_gb_s = median(grouped[1..].to_vec());
             rows.push(IpcRow {
                 bytes: tokens * token_bytes,
                 copies,
                 device_copy_gb_s: floor,
                 cuda_ipc_gb_s: ipc,
                 ratio: ipc / floor,
+                layer_groups_gb_s,
             });
         }
         Ok(IpcReport {

@@ -8,6 +8,8 @@
 //! block and one destination block is one pitched copy: `planes` rows of the segment's bytes,
 //! each row at the block's row pitch on either side.
 
+use std::ops::Range;
+
 use crate::KvLayout;
 
 /// One copy of a plan, in bytes from the start of each cache.
@@ -75,6 +77,25 @@ pub fn plan_kv_copy(
     dst_blocks: &[u32],
     num_tokens: usize,
 ) -> Result<Vec<KvCopy>, String> {
+    plan_kv_copy_layers(src, dst, elem_bytes, src_blocks, dst_blocks, num_tokens, 0..src.num_layers)
+}
+
+/// [`plan_kv_copy`] for the KV of `layers` only (a group of layers whose keys and values a
+/// step has written while later layers still compute). Inside a block a layer range is one
+/// contiguous span, so with equal block sizes a run of blocks is one pitched copy of that
+/// span per block, and with different ones each token segment covers the range's rows only.
+pub fn plan_kv_copy_layers(
+    src: &KvLayout,
+    dst: &KvLayout,
+    elem_bytes: usize,
+    src_blocks: &[u32],
+    dst_blocks: &[u32],
+    num_tokens: usize,
+    layers: Range<usize>,
+) -> Result<Vec<KvCopy>, String> {
+    if layers.is_empty() || layers.end > src.num_layers {
+        return Err(format!("layers {layers:?} are not inside the {} layers", src.num_layers));
+    }
     if (src.num_layers, src.num_kv_heads, src.head_dim) != (dst.num_layers, dst.num_kv_heads, dst.head_dim) {
         return Err(format!(
             "KV shapes differ: {} layers x {} KV heads x {} here, {} x {} x {} there",
@@ -98,9 +119,16 @@ pub fn plan_kv_copy(
         return Err(format!("destination block {b} is outside the cache of {} blocks", dst.num_blocks));
     }
     let (src_block, dst_block) = (src.block_elems() * elem_bytes, dst.block_elems() * elem_bytes);
+    let token_bytes = src.head_dim * elem_bytes;
+    let planes_per_layer = 2 * src.num_kv_heads;
+    let (first_plane, planes) = (layers.start * planes_per_layer, layers.len() * planes_per_layer);
+    let whole_layers = layers.len() == src.num_layers;
     let mut copies = Vec::new();
     if src.block_size == dst.block_size {
-        // Whole blocks, runs that are consecutive on both sides merged.
+        // Runs that are consecutive on both sides merged: whole blocks, or the range's span
+        // of each.
+        let span = planes * src.block_size * token_bytes;
+        let skip = first_plane * src.block_size * token_bytes;
         let mut i = 0;
         while i < n_src {
             let mut n = 1;
@@ -110,29 +138,36 @@ pub fn plan_kv_copy(
             {
                 n += 1;
             }
-            copies.push(KvCopy::Linear {
-                src: src_blocks[i] as usize * src_block,
-                dst: dst_blocks[i] as usize * dst_block,
-                bytes: n * src_block,
+            let (s, d) = (src_blocks[i] as usize * src_block, dst_blocks[i] as usize * dst_block);
+            copies.push(if whole_layers {
+                KvCopy::Linear { src: s, dst: d, bytes: n * src_block }
+            } else {
+                KvCopy::Pitched {
+                    src: s + skip,
+                    src_pitch: src_block,
+                    dst: d + skip,
+                    dst_pitch: dst_block,
+                    width: span,
+                    rows: n,
+                }
             });
             i += n;
         }
         return Ok(copies);
     }
-    let token_bytes = src.head_dim * elem_bytes;
-    let rows = src.num_layers * 2 * src.num_kv_heads;
     let mut t = 0;
     while t < num_tokens {
         let (sb, ss) = (t / src.block_size, t % src.block_size);
         let (db, ds) = (t / dst.block_size, t % dst.block_size);
         let n = (src.block_size - ss).min(dst.block_size - ds).min(num_tokens - t);
+        let (src_row, dst_row) = (src.block_size * token_bytes, dst.block_size * token_bytes);
         copies.push(KvCopy::Pitched {
-            src: src_blocks[sb] as usize * src_block + ss * token_bytes,
-            src_pitch: src.block_size * token_bytes,
-            dst: dst_blocks[db] as usize * dst_block + ds * token_bytes,
-            dst_pitch: dst.block_size * token_bytes,
+            src: src_blocks[sb] as usize * src_block + first_plane * src_row + ss * token_bytes,
+            src_pitch: src_row,
+            dst: dst_blocks[db] as usize * dst_block + first_plane * dst_row + ds * token_bytes,
+            dst_pitch: dst_row,
             width: n * token_bytes,
-            rows,
+            rows: planes,
         });
         t += n;
     }
@@ -219,6 +254,41 @@ mod tests {
         let plan = plan_kv_copy(&l, &l, 2, &[3, 4, 5, 9], &[0, 1, 2, 3], 64).unwrap();
         assert_eq!(plan.len(), 2, "runs consecutive on both sides merge: {plan:?}");
         assert_eq!(plan.iter().map(KvCopy::bytes).sum::<usize>(), 4 * l.block_elems() * 2);
+    }
+
+    /// Layer group by layer group, the plans move exactly what the whole plan moves, and each
+    /// group's plan touches only its own layers.
+    #[test]
+    fn layer_group_plans_together_move_the_whole_kv() {
+        for (src_bs, dst_bs, tokens) in [(16, 16, 40), (16, 32, 70), (32, 16, 70), (4, 6, 23)] {
+            let sl = KvLayout { num_layers: 5, num_kv_heads: 2, head_dim: 4, block_size: src_bs, num_blocks: 40 };
+            let dl = KvLayout { block_size: dst_bs, num_blocks: 30, ..sl };
+            let src_table: Vec<u32> = (0..sl.blocks_for(tokens) as u32).map(|b| b + 2).collect();
+            let dst_table: Vec<u32> = (0..dl.blocks_for(tokens) as u32).map(|b| b + 5).collect();
+            let src = fill(&sl, &src_table, tokens);
+            let whole = plan_kv_copy(&sl, &dl, 2, &src_table, &dst_table, tokens).unwrap();
+            let mut expected = vec![0u8; dl.num_blocks * dl.block_elems() * 2];
+            run_kv_copy_on_host(&whole, &src, &mut expected);
+            let mut grouped = vec![0u8; expected.len()];
+            for layers in [0..2, 2..4, 4..5] {
+                let plan = plan_kv_copy_layers(&sl, &dl, 2, &src_table, &dst_table, tokens, layers.clone()).unwrap();
+                let mut alone = vec![0u8; expected.len()];
+                run_kv_copy_on_host(&plan, &src, &mut alone);
+                run_kv_copy_on_host(&plan, &src, &mut grouped);
+                // Only this group's rows were written.
+                for t in 0..tokens {
+                    for r in 0..sl.num_layers * 2 * sl.num_kv_heads {
+                        let d = at(&dl, &dst_table, t, r, 1);
+                        let inside = layers.contains(&(r / (2 * sl.num_kv_heads)));
+                        assert_eq!(alone[d..d + 2] != [0, 0], inside, "bs {src_bs}->{dst_bs} {layers:?} row {r}");
+                    }
+                }
+            }
+            assert!(grouped == expected, "bs {src_bs}->{dst_bs}: the groups differ from the whole copy");
+        }
+        let l = KvLayout { num_layers: 2, num_kv_heads: 1, head_dim: 4, block_size: 16, num_blocks: 8 };
+        assert!(plan_kv_copy_layers(&l, &l, 2, &[0], &[0], 8, 1..3).is_err());
+        assert!(plan_kv_copy_layers(&l, &l, 2, &[0], &[0], 8, 1..1).is_err());
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use rand::Rng;
 use tandem_core::{FinishReason, InvalidSampling, RemoteKv, RequestId, TransferId};
-use tandem_kv::{AgentInfo, ConnectorConfig, ConnectorEvent, EventSink, KvConnector, KvError};
+use tandem_kv::{AgentInfo, ConnectorConfig, ConnectorEvent, EventSink, KvConnector, KvError, KvFences};
 use tandem_model::{carried_token, CpuRunner, ModelRunner, SampleSpec, SeqBatch, Transformer};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -196,6 +196,9 @@ pub struct EngineCore {
     pipelined: bool,
     /// The submitted step whose tokens are not collected yet (pipelined only).
     in_flight: Option<InFlight>,
+    /// Push, pipelined: the runner fences each submitted step's KV writes, so prompt progress
+    /// is reported as a step is submitted (with its fences) rather than once it is done.
+    fence_kv: bool,
     /// Numbers requests in arrival order, so a collected token never lands in a later
     /// request that reuses an ended one's id.
     next_serial: u64,
@@ -262,6 +265,7 @@ impl EngineCore {
             limits,
             eos_token_ids,
             connector: None,
+            fence_kv: false,
             load_failure: KvLoadFailure::default(),
             quarantine: HashMap::new(),
             connector_events: Vec::new(),
@@ -302,6 +306,9 @@ impl EngineCore {
         self.kv_wait_bound = cfg.transfer_timeout + cfg.timeouts.io + std::time::Duration::from_secs(1);
         let connector = KvConnector::start(setup.connector, memory, sink)?;
         let info = connector.info().clone();
+        // A push writes a prompt's KV while it computes: a runner that can say when each step's
+        // KV is final lets that start as the step is submitted rather than once it is done.
+        self.fence_kv = info.kv_mode == tandem_kv::KvMode::Push && self.pipelined && self.model.fence_kv_writes();
         self.connector = Some(connector);
         self.load_failure = setup.load_failure;
         Ok(info)
@@ -463,11 +470,11 @@ impl EngineCore {
             if plan.chunks.is_empty() {
                 return StepReport::default();
             }
-            let progress = self.prompt_progress(&plan);
+            let progress = self.prompt_progress(&plan, false);
             return match self.execute(&plan) {
                 Ok(tokens) => {
                     let report = self.update(&plan, &tokens);
-                    self.report_progress(progress);
+                    self.report_progress(progress, &KvFences::complete());
                     report
                 }
                 Err(e) => self.fail_batch(&plan, &e.to_string()),
@@ -478,7 +485,19 @@ impl EngineCore {
         } else {
             let (token_ids, seqs, samples) = self.model_inputs(&plan);
             match self.model.submit(&token_ids, &seqs, &samples) {
-                Ok(()) => Some(self.advance(plan)),
+                Ok(()) => {
+                    let fences = if self.fence_kv { self.model.take_kv_fences() } else { None };
+                    let mut in_flight = self.advance(plan);
+                    if let Some(fences) = fences {
+                        // The step's KV becomes final layer group by layer group as it runs:
+                        // report it now, the chunk that completes a prompt too (its copies
+                        // then overlap the step's later layers).
+                        let progress = self.prompt_progress(&in_flight.plan, true);
+                        self.report_progress(progress, &fences);
+                        in_flight.progress.clear();
+                    }
+                    Some(in_flight)
+                }
                 Err(e) => {
                     report.add(self.fail_batch(&plan, &e.to_string()));
                     None
@@ -497,7 +516,7 @@ impl EngineCore {
         match self.model.collect() {
             Ok(tokens) => {
                 let report = self.update_collected(&done, &tokens);
-                self.report_progress(std::mem::take(&mut done.progress));
+                self.report_progress(std::mem::take(&mut done.progress), &KvFences::complete());
                 report
             }
             Err(e) => self.fail_batch(&done.plan, &e.to_string()),
@@ -505,13 +524,14 @@ impl EngineCore {
     }
 
     /// Push: the prefill legs in `plan` whose chunk does not finish their prompt (a finished
-    /// one hands its KV over with its token), taken before the step runs.
-    fn prompt_progress(&self, plan: &SchedulerOutput) -> Vec<PromptProgress> {
+    /// one hands its KV over with its token), and with `with_last` those whose chunk does;
+    /// taken before the step runs.
+    fn prompt_progress(&self, plan: &SchedulerOutput, with_last: bool) -> Vec<PromptProgress> {
         // Only a push writes KV before the prompt is complete.
         if !self.connector.as_ref().is_some_and(|c| c.info().kv_mode == tandem_kv::KvMode::Push) {
             return Vec::new();
         }
-        let progress = plan.chunks.iter().filter(|c| !c.sample).filter_map(|c| {
+        let progress = plan.chunks.iter().filter(|c| with_last || !c.sample).filter_map(|c| {
             let req = self.scheduler.requests.get(&c.id)?;
             let Some(RemoteKv::Produce { transfer_id }) = &req.remote else { return None };
             Some(PromptProgress {
@@ -526,17 +546,17 @@ impl EngineCore {
         progress.collect()
     }
 
-    /// Tells the connector how far the prompts of a step that has completed got, for those
-    /// still running as they were planned: the KV is on the device (the step's tokens are
+    /// Tells the connector how far the prompts of a step got, for those still running as they
+    /// were planned: the KV is final once `fences` say so (complete: the step's tokens are
     /// back) and no later step writes those positions.
-    fn report_progress(&self, progress: Vec<PromptProgress>) {
+    fn report_progress(&self, progress: Vec<PromptProgress>, fences: &KvFences) {
         let Some(connector) = &self.connector else { return };
         for p in progress {
             let same = self.scheduler.requests.get(&p.id).is_some_and(|r| {
                 r.serial == p.serial && r.num_preemptions == p.attempt && r.status == RequestStatus::Running
             });
             if same {
-                connector.computed(p.transfer_id, p.blocks, p.upto, p.attempt);
+                connector.computed(p.transfer_id, p.blocks, p.upto, p.attempt, fences.clone());
             }
         }
     }
@@ -545,7 +565,7 @@ impl EngineCore {
     /// builds on it; each sampled token gets a placeholder naming its sample row, unless it
     /// ends its request by length (then the request has nothing more to schedule).
     fn advance(&mut self, plan: SchedulerOutput) -> InFlight {
-        let progress = self.prompt_progress(&plan);
+        let progress = self.prompt_progress(&plan, false);
         let mut rows = Vec::new();
         for c in &plan.chunks {
             let samples = c.sample && !c.token_ids.is_empty();

@@ -27,6 +27,7 @@
 use std::sync::mpsc;
 use std::sync::Arc;
 
+use tandem_compute::cuda::KvFences;
 use tandem_core::{RemoteKv, RequestId, TransferId};
 
 use crate::agent::{self, Command};
@@ -58,13 +59,21 @@ impl KvConnector {
         let _ = self.commands.send(Command::Expect { request_id, source, blocks, num_tokens });
     }
 
-    /// Prefill: a step of a remote-decode prompt finished without finishing it; its KV up to
-    /// `num_tokens` is in `blocks` (the request's table) and no later step writes those
-    /// tokens. `attempt` counts the request's preemptions so far: KV reported under an
-    /// earlier attempt is written again. With push over a direct transport (cuda-ipc, local)
-    /// the whole blocks of it go into decode's blocks while the rest of the prompt computes.
-    pub fn computed(&self, transfer_id: TransferId, blocks: Vec<u32>, num_tokens: usize, attempt: u32) {
-        let _ = self.commands.send(Command::Computed { transfer_id, blocks, num_tokens, attempt });
+    /// Prefill: a step of a remote-decode prompt computes its KV up to `num_tokens` into
+    /// `blocks` (the request's table), final once `fences` say so ([`KvFences::complete`]: the
+    /// step is done), and no later step writes those tokens. `attempt` counts the request's
+    /// preemptions so far: KV reported under an earlier attempt is written again. With push
+    /// over a direct transport (cuda-ipc, local) the whole blocks of it go into decode's blocks
+    /// while the rest of the prompt (and, fenced, the rest of this step) computes.
+    pub fn computed(
+        &self,
+        transfer_id: TransferId,
+        blocks: Vec<u32>,
+        num_tokens: usize,
+        attempt: u32,
+        fences: KvFences,
+    ) {
+        let _ = self.commands.send(Command::Computed { transfer_id, blocks, num_tokens, attempt, fences });
     }
 
     /// Prefill: a remote-decode request finished; its blocks now belong to the connector.

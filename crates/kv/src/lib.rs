@@ -38,3 +38,4 @@ pub use connector::KvView;
 pub use error::KvError;
 pub use events::{ConnectorEvent, ConnectorStats, EventSink, HeldBlocks, KvLink, TransferTimeline};
 pub use memory::{KvMemory, StagedReceive, StagedSend};
+pub use tandem_compute::cuda::KvFences;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tandem_compute::{KvCache, KvLayout};
 use tandem_core::{EngineId, Epoch, RemoteKv, RequestId, TransferId};
 use tandem_kv::tcp::Timeouts;
-use tandem_kv::{ConnectorConfig, ConnectorEvent, FaultInjection, KvConnector, KvMode, Role};
+use tandem_kv::{ConnectorConfig, ConnectorEvent, FaultInjection, KvConnector, KvFences, KvMode, Role};
 
 fn layout(bs: usize) -> KvLayout {
     KvLayout { num_layers: 2, num_kv_heads: 2, head_dim: 8, block_size: bs, num_blocks: 32 }
@@ -420,10 +420,10 @@ fn a_prompt_computed_in_chunks_lands_part_by_part_and_the_final_write_moves_only
     let tid = TransferId("t1".into());
     p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens);
     std::thread::sleep(Duration::from_millis(150)); // the registration has reached prefill
-    p.p.computed(tid.clone(), p.p_blocks(tokens), 13, 0);
+    p.p.computed(tid.clone(), p.p_blocks(tokens), 13, 0, KvFences::complete());
     wait_until("the first part landing", || (0..8).all(|t| d_key(&p, &blocks, t, 1) == written_key(t, 1)));
     assert!(p.untouched(&blocks[1..]), "tokens past the first whole run were written early");
-    p.p.computed(tid.clone(), p.p_blocks(tokens), 30, 0);
+    p.p.computed(tid.clone(), p.p_blocks(tokens), 30, 0, KvFences::complete());
     wait_until("the second part", || p.p.stats().parts_early == 2);
     assert!((8..24).all(|t| d_key(&p, &blocks, t, 1) == written_key(t, 1)));
     assert!(p.untouched(&blocks[3..]), "tokens 24.. were written before they were reported");
@@ -441,6 +441,36 @@ fn a_prompt_computed_in_chunks_lands_part_by_part_and_the_final_write_moves_only
     assert_eq!((s.parts_early, s.transfers_ok, s.transfers_failed), (2, 1, 0), "{s:?}");
 }
 
+/// A step reported before decode's registration reaches prefill (the two legs start at once,
+/// and a GPU engine reports a step as it submits it) is written as soon as the registration
+/// comes, before the prompt is complete; a report for a transfer nobody registers for is
+/// dropped once the prompt ends.
+#[test]
+fn a_step_reported_before_the_registration_is_written_when_it_comes() {
+    let p = local_pair(KvMode::Push, 4, 8, Duration::from_secs(3));
+    let (tokens, blocks) = (37, p.d_blocks(37));
+    let tid = TransferId("t1".into());
+    p.p.computed(tid.clone(), p.p_blocks(tokens), 30, 0, KvFences::complete());
+    std::thread::sleep(Duration::from_millis(100)); // prefill has the report, not the registration
+    assert_eq!(p.p.stats().parts_early, 0);
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens);
+    wait_until("the part written on registration", || p.p.stats().parts_early == 1);
+    assert!((0..24).all(|t| d_key(&p, &blocks, t, 1) == written_key(t, 1)));
+    assert!(p.untouched(&blocks[3..]), "tokens 24.. were written before they were reported");
+    p.produce("t1", tokens);
+    assert_ready(p.wait_event(), "r1");
+    p.assert_landed(tokens, &blocks);
+    p.wait_freed(1);
+    // Reported, then abandoned before any registration: a later registration gets no part.
+    let other = TransferId("t2".into());
+    p.p.computed(other.clone(), p.p_blocks(tokens), 30, 0, KvFences::complete());
+    p.p.abandon(other, "prefill request aborted".into());
+    std::thread::sleep(Duration::from_millis(100));
+    p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks, tokens);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(p.p.stats().parts_early, 1, "an abandoned prompt's report was written");
+}
+
 /// A part reported under an earlier attempt (before the request was preempted: its blocks may
 /// have been reused and the copy read garbage) is written again: a later report, or the
 /// final write, of another attempt starts over from the first token.
@@ -454,10 +484,10 @@ fn kv_reported_before_a_preemption_is_written_again() {
         std::thread::sleep(Duration::from_millis(150));
         // Attempt 0 reports blocks holding zeros (what a reused block's copy could read).
         let stale: Vec<u32> = (20..30).collect();
-        p.p.computed(tid.clone(), stale, 16, 0);
+        p.p.computed(tid.clone(), stale, 16, 0, KvFences::complete());
         wait_until("the stale part", || p.p.stats().parts_early == 1);
         if report_again {
-            p.p.computed(tid.clone(), p.p_blocks(tokens), 16, 1);
+            p.p.computed(tid.clone(), p.p_blocks(tokens), 16, 1, KvFences::complete());
             wait_until("the part written again", || p.p.stats().parts_early == 2);
         }
         p.produce_in("t1", tokens, 1);
@@ -482,7 +512,7 @@ fn an_end_during_an_early_part_is_reported_after_the_part_and_nothing_lands_afte
         p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 37);
         std::thread::sleep(Duration::from_millis(150));
         let start = Instant::now();
-        p.p.computed(tid.clone(), p.p_blocks(37), 16, 0);
+        p.p.computed(tid.clone(), p.p_blocks(37), 16, 0, KvFences::complete());
         std::thread::sleep(Duration::from_millis(50));
         if decode_aborts {
             p.d.abort(RequestId::new("r1"));

@@ -9,6 +9,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use tandem_compute::cuda::KvFences;
 use tandem_compute::{KvCache, KvLayout, KvRegion};
 
 use crate::config::ModelConfig;
@@ -108,6 +109,19 @@ pub trait ModelRunner: Send {
     fn collect(&mut self) -> Result<Vec<u32>, ModelError> {
         Err(ModelError::Pipeline(format!("{} runs one step at a time", self.describe())))
     }
+
+    /// From now on, say of every submitted step that writes prompt KV when that KV is in the
+    /// cache ([`ModelRunner::take_kv_fences`]), so a KV connector can copy it out while the
+    /// step still runs. Returns whether this runner can.
+    fn fence_kv_writes(&mut self) -> bool {
+        false
+    }
+
+    /// The fences of the step last submitted (once), after [`ModelRunner::fence_kv_writes`];
+    /// `None` for a step that recorded none (a decode step replayed from a graph).
+    fn take_kv_fences(&mut self) -> Option<KvFences> {
+        None
+    }
 }
 
 /// Checks that every carried token in `token_ids` names one of the previous step's
@@ -136,13 +150,15 @@ pub struct CpuRunner {
     pending: VecDeque<Result<Vec<u32>, ModelError>>,
     /// The last submitted step's samples, which carried tokens name.
     last_sampled: Vec<u32>,
+    /// Report submitted steps' KV as final ([`ModelRunner::fence_kv_writes`]).
+    fence_kv: bool,
 }
 
 impl CpuRunner {
     /// Allocates a KV cache of `num_blocks` blocks of `block_size` tokens for `model`.
     pub fn new(model: Transformer, block_size: usize, num_blocks: usize) -> Self {
         let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
-        Self { model, kv, pending: VecDeque::new(), last_sampled: Vec::new() }
+        Self { model, kv, pending: VecDeque::new(), last_sampled: Vec::new(), fence_kv: false }
     }
 }
 
@@ -200,6 +216,16 @@ impl ModelRunner for CpuRunner {
 
     fn collect(&mut self) -> Result<Vec<u32>, ModelError> {
         self.pending.pop_front().unwrap_or_else(|| Err(ModelError::Pipeline("no step was submitted".into())))
+    }
+
+    fn fence_kv_writes(&mut self) -> bool {
+        self.fence_kv = true;
+        true
+    }
+
+    // A CPU step has written its KV when `submit` returns.
+    fn take_kv_fences(&mut self) -> Option<KvFences> {
+        self.fence_kv.then(KvFences::complete)
     }
 }
 

@@ -20,13 +20,16 @@ async fn push_and_pull_equal_colocated_token_for_token() {
     for (i, w) in want.iter().enumerate() {
         assert_eq!(w.len(), reqs[i]["max_tokens"].as_u64().unwrap() as usize);
     }
-    for (mode, kv_mode, local) in [
-        (TransferMode::Push, KvMode::Push, false),
-        (TransferMode::Pull, KvMode::Pull, false),
-        (TransferMode::Push, KvMode::Push, true),
-        (TransferMode::Pull, KvMode::Pull, true),
+    // Pipelined, a push prefill engine reports each step's KV as it submits the step (with
+    // fences; on the CPU final at once), the last chunk of a prompt too.
+    for (mode, kv_mode, local, pipelined) in [
+        (TransferMode::Push, KvMode::Push, false, false),
+        (TransferMode::Pull, KvMode::Pull, false, false),
+        (TransferMode::Push, KvMode::Push, true, false),
+        (TransferMode::Pull, KvMode::Pull, true, false),
+        (TransferMode::Push, KvMode::Push, true, true),
     ] {
-        let k = Knobs { local, ..Knobs::default() };
+        let k = Knobs { local, pipelined, ..Knobs::default() };
         let p = engine_with(Some((Role::Prefill, kv_mode)), 16, k.clone()).await;
         let d = engine_with(Some((Role::Decode, kv_mode)), 8, k).await;
         let base = router(mode, &p, &d).await;
@@ -35,7 +38,7 @@ async fn push_and_pull_equal_colocated_token_for_token() {
             assert_eq!(
                 g,
                 w,
-                "{mode:?} local={local}: request {i} ({} prompt tokens)",
+                "{mode:?} local={local} pipelined={pipelined}: request {i} ({} prompt tokens)",
                 reqs[i]["prompt"].as_array().unwrap().len()
             );
         }

@@ -12,11 +12,12 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaEvent, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
 };
 
-use super::{oom, Backing, CudaDevice, CudaError, DevBuf};
-use crate::kv_copy::{plan_kv_copy, KvCopy};
+use super::{oom, Backing, CudaDevice, CudaError, DevBuf, KvFences};
+use crate::kv_copy::{plan_kv_copy, plan_kv_copy_layers, KvCopy};
 use crate::{coalesce, BlockRun, KvLayout, KvRegion};
 
 /// One `cuMemAlloc` allocation, freed with its last holder.
@@ -238,22 +239,31 @@ impl DeviceKvMemory {
     /// `dst_blocks` and waits (on this thread, asleep) until the copies have completed.
     /// Returns the bytes moved and the number of copies.
     ///
-    /// The caller holds `src_blocks` (their KV computed and no step writing them) and the peer
-    /// has given `dst_blocks` to this transfer.
+    /// Each group of layers is copied once `fences` says the step computing it has written
+    /// its KV (the transfer stream waits for the group's event; this thread does not), so a
+    /// prompt's KV moves while its step still runs. The caller holds `src_blocks` (no step
+    /// but the fenced one writing them) and the peer has given `dst_blocks` to this transfer.
     pub fn write_to_peer(
         &self,
         peer: &PeerKvMemory,
         src_blocks: &[u32],
         dst_blocks: &[u32],
         num_tokens: usize,
+        fences: &KvFences,
     ) -> Result<(usize, usize), String> {
-        self.copy(self.alloc.ptr, (&peer.layout, peer.ptr), src_blocks, dst_blocks, num_tokens)
+        self.copy(self.alloc.ptr, (&peer.layout, peer.ptr), src_blocks, dst_blocks, num_tokens, fences)
     }
 
     /// The same copies inside this cache (the device-copy floor `tandem bench kv` measures).
     pub fn copy_within(&self, src_blocks: &[u32], dst_blocks: &[u32], num_tokens: usize) -> Result<usize, String> {
-        let (bytes, _) =
-            self.copy(self.alloc.ptr, (&self.layout, self.alloc.ptr), src_blocks, dst_blocks, num_tokens)?;
+        let (bytes, _) = self.copy(
+            self.alloc.ptr,
+            (&self.layout, self.alloc.ptr),
+            src_blocks,
+            dst_blocks,
+            num_tokens,
+            &KvFences::complete(),
+        )?;
         Ok(bytes)
     }
 
@@ -265,18 +275,21 @@ impl DeviceKvMemory {
         src_blocks: &[u32],
         dst_blocks: &[u32],
         num_tokens: usize,
+        fences: &KvFences,
     ) -> Result<(usize, usize), String> {
         if !Arc::ptr_eq(&self.ctx, &other.ctx) {
             return Err("the other cache belongs to another CUDA context".into());
         }
-        self.copy(self.alloc.ptr, (&other.layout, other.alloc.ptr), src_blocks, dst_blocks, num_tokens)
+        self.copy(self.alloc.ptr, (&other.layout, other.alloc.ptr), src_blocks, dst_blocks, num_tokens, fences)
     }
 
     /// Plans the copies of tokens `0..num_tokens` from our `src_blocks` (our cache at `src`)
-    /// into `dst_blocks` of the cache laid out as `dst.0` at `dst.1`, runs them on the transfer
-    /// stream and waits. Equal block sizes go as linear copies (runs merged); different ones
-    /// as one `kv_scatter` launch when a token's row is whole 16-byte vectors, else as one
-    /// pitched copy per token segment. Returns the bytes moved and the copies (or launches).
+    /// into `dst_blocks` of the cache laid out as `dst.0` at `dst.1`, queues them on the
+    /// transfer stream group by group of `fences` (each behind its group's event) and waits.
+    /// Equal block sizes and all layers at once go as linear copies (runs merged); different
+    /// block sizes, or groups of layers, as one `kv_scatter` launch a group when a token's row
+    /// is whole 16-byte vectors, else as pitched copies. Returns the bytes moved and the copies
+    /// (or launches).
     fn copy(
         &self,
         src: sys::CUdeviceptr,
@@ -284,21 +297,68 @@ impl DeviceKvMemory {
         src_blocks: &[u32],
         dst_blocks: &[u32],
         num_tokens: usize,
+        fences: &KvFences,
     ) -> Result<(usize, usize), String> {
         let (dst_layout, dst_base) = dst;
         // Validates the block lists (a peer's data) and keeps every copy inside both caches.
-        let plan = plan_kv_copy(&self.layout, dst_layout, self.elem_bytes, src_blocks, dst_blocks, num_tokens)?;
-        let bytes = plan.iter().map(KvCopy::bytes).sum();
+        let whole = plan_kv_copy(&self.layout, dst_layout, self.elem_bytes, src_blocks, dst_blocks, num_tokens)?;
+        let bytes = whole.iter().map(KvCopy::bytes).sum();
+        if num_tokens == 0 {
+            // Nothing left (the parts written while the prompt computed covered it all).
+            return Ok((0, 0));
+        }
         let token_bytes = self.layout.head_dim * self.elem_bytes;
-        let scattered = self.layout.block_size != dst_layout.block_size && token_bytes.is_multiple_of(16);
-        let copies = if scattered {
-            let tables =
-                (&src_blocks[..self.layout.blocks_for(num_tokens)], &dst_blocks[..dst_layout.blocks_for(num_tokens)]);
-            self.scatter(src, (dst_layout, dst_base), tables, num_tokens).map(|()| 1)
+        // One kernel launch a group moves rows of whole 16-byte vectors between any block
+        // sizes; the copy engine's pitched copies of a group of layers ran at half its rate.
+        let scattered = token_bytes.is_multiple_of(16)
+            && (self.layout.block_size != dst_layout.block_size || !fences.is_complete());
+        let failed = |e: CudaError| format!("device copy failed: {e:?}");
+        self.ctx.bind_to_thread().map_err(|e| failed(e.into()))?;
+        // Copies that wait for a step still running go on a stream of their own: on the shared
+        // one, every transfer's copies queued after them (another request's final write) would
+        // wait for that step too.
+        let stream = if fences.is_complete() {
+            self.stream.clone()
         } else {
-            self.run(&plan, src, dst_base).map(|()| plan.len())
+            self.ctx.new_stream().map_err(|e| failed(e.into()))?
         };
-        copies.map(|n| (bytes, n)).map_err(|e| format!("device copy failed: {e:?}"))
+        // The kernel's block tables, on the device; they live (and the launches read them)
+        // until the wait below.
+        let tables = if scattered {
+            let (s, d) =
+                (&src_blocks[..self.layout.blocks_for(num_tokens)], &dst_blocks[..dst_layout.blocks_for(num_tokens)]);
+            let upload = |t: &[u32]| stream.clone_htod(t).map_err(|e| failed(e.into()));
+            Some((upload(s)?, upload(d)?))
+        } else {
+            None
+        };
+        let mut copies = 0;
+        for (layers, event) in fences.groups(self.layout.num_layers) {
+            if let Some(event) = event {
+                stream.wait(event).map_err(|e| failed(e.into()))?;
+            }
+            match &tables {
+                Some(tables) => {
+                    self.scatter(&stream, src, (dst_layout, dst_base), tables, num_tokens, layers).map_err(failed)?;
+                    copies += 1;
+                }
+                None => {
+                    let plan = plan_kv_copy_layers(
+                        &self.layout,
+                        dst_layout,
+                        self.elem_bytes,
+                        src_blocks,
+                        dst_blocks,
+                        num_tokens,
+                        layers,
+                    )?;
+                    self.run(&stream, &plan, src, dst_base).map_err(failed)?;
+                    copies += plan.len();
+                }
+            }
+        }
+        self.wait(&stream).map_err(failed)?;
+        Ok((bytes, copies))
     }
 
     /// Copies `blocks` of the cache into the same blocks of `host` (its host copy: same layout,
@@ -327,66 +387,84 @@ impl DeviceKvMemory {
         Ok(HostCopies { mem: self, host, events: Vec::new() })
     }
 
-    /// One `kv_scatter` launch on the transfer stream moving tokens `0..num_tokens` from our
-    /// blocks `tables.0` into `tables.1` of the cache laid out as `dst.0` at `dst.1`; waits.
-    /// The tables were checked by `plan_kv_copy` (enough blocks, every id inside its cache).
+    /// Queues one `kv_scatter` launch on `stream` (a transfer stream) moving tokens `0..num_tokens` of
+    /// `layers` from our blocks `tables.0` into `tables.1` (device copies of the tables) of the
+    /// cache laid out as `dst.0` at `dst.1`. The tables were checked by `plan_kv_copy` (enough
+    /// blocks, every id inside its cache); the caller waits for the stream before they drop.
     fn scatter(
         &self,
+        stream: &CudaStream,
         src: sys::CUdeviceptr,
         dst: (&KvLayout, sys::CUdeviceptr),
-        tables: (&[u32], &[u32]),
+        tables: &(CudaSlice<u32>, CudaSlice<u32>),
         num_tokens: usize,
+        layers: std::ops::Range<usize>,
     ) -> Result<(), CudaError> {
         let (dst_layout, dst_base) = dst;
-        self.ctx.bind_to_thread()?;
         let l = &self.layout;
         let planes = l.num_layers * 2 * l.num_kv_heads;
+        let (first_plane, group_planes) = (layers.start * 2 * l.num_kv_heads, layers.len() * 2 * l.num_kv_heads);
+        if layers.is_empty() || layers.end > l.num_layers {
+            return Err(CudaError::Unavailable(format!(
+                "layers {layers:?} are not inside the {} layers",
+                l.num_layers
+            )));
+        }
         let token_vecs = l.head_dim * self.elem_bytes / 16;
         let per_plane = num_tokens * token_vecs;
+        if per_plane == 0 {
+            return Ok(()); // an empty grid is not a launch
+        }
         let too_big =
             |n: usize| u32::try_from(n).map_err(|_| CudaError::Unavailable(format!("{n} is too large a copy")));
         let dims = [too_big(num_tokens)?, too_big(planes)?, too_big(token_vecs)?, too_big(l.block_size)?];
+        let group = [too_big(first_plane)?, too_big(group_planes)?];
         too_big(per_plane)?;
-        // The block tables, on the device for the kernel; they live (and the launch reads them)
-        // until the wait below.
-        let src_table = self.stream.clone_htod(tables.0)?;
-        let dst_table = self.stream.clone_htod(tables.1)?;
         let cfg = LaunchConfig {
-            grid_dim: (per_plane.div_ceil(256).min(1 << 16) as u32, planes.min(65_535) as u32, 1),
+            grid_dim: (per_plane.div_ceil(256).min(1 << 16) as u32, group_planes.min(65_535) as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let dst_bs = too_big(dst_layout.block_size)?;
-        let mut b = self.stream.launch_builder(&self.scatter);
-        b.arg(&src).arg(&dst_base).arg(&src_table).arg(&dst_table);
+        let mut b = stream.launch_builder(&self.scatter);
+        b.arg(&src).arg(&dst_base).arg(&tables.0).arg(&tables.1);
         b.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&dims[3]).arg(&dst_bs);
+        b.arg(&group[0]).arg(&group[1]);
         // Safety: the arguments match kv_scatter's signature; `plan_kv_copy` checked that the
         // tables cover the tokens with ids inside both caches, whose shapes (but block size and
-        // count) are equal, so every vector read and written lies inside `src`'s and
+        // count) are equal, and the planes `first_plane..first_plane + group_planes` lie inside
+        // a block (checked above), so every vector read and written lies inside `src`'s and
         // `dst_base`'s caches; rows are whole 16-byte vectors and block offsets multiples of a
-        // row, so the vector accesses are aligned; the wait below ends the kernel's use of all.
+        // row, so the vector accesses are aligned; the caller's wait on the stream ends the
+        // kernel's use of all.
         unsafe { b.launch(cfg) }?;
-        self.wait()
+        Ok(())
     }
 
-    /// Blocks (asleep, not spinning beside the engine's thread) until the transfer stream's
-    /// work so far has completed.
-    fn wait(&self) -> Result<(), CudaError> {
+    /// Blocks (asleep, not spinning beside the engine's thread) until `stream`'s work so far
+    /// has completed.
+    fn wait(&self, stream: &CudaStream) -> Result<(), CudaError> {
         let done = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
-        done.record(&self.stream)?;
+        done.record(stream)?;
         done.synchronize()?;
         Ok(())
     }
 
-    /// Queues `plan` from `src` to `dst` on the transfer stream and waits for it.
-    fn run(&self, plan: &[KvCopy], src: sys::CUdeviceptr, dst: sys::CUdeviceptr) -> Result<(), CudaError> {
-        self.ctx.bind_to_thread()?;
-        let s = self.stream.cu_stream();
+    /// Queues `plan` from `src` to `dst` on `stream` (the caller waits for it).
+    fn run(
+        &self,
+        stream: &CudaStream,
+        plan: &[KvCopy],
+        src: sys::CUdeviceptr,
+        dst: sys::CUdeviceptr,
+    ) -> Result<(), CudaError> {
+        let s = stream.cu_stream();
         for c in plan {
             match *c {
                 // Safety (both arms): `plan_kv_copy` keeps every copy inside both caches, and
                 // `src`/`dst` are their bases (ours, or the peer's mapping, alive while `self`
-                // and the peer are borrowed); the event wait below ends the copies' use of them.
+                // and the peer are borrowed); the caller's wait on the stream ends the copies' use
+                // of them.
                 KvCopy::Linear { src: so, dst: d, bytes } => unsafe {
                     sys::cuMemcpyDtoDAsync_v2(dst + d as u64, src + so as u64, bytes, s).result()?
                 },
@@ -413,7 +491,7 @@ impl DeviceKvMemory {
                 }
             }
         }
-        self.wait()
+        Ok(())
     }
 }
 

@@ -11,10 +11,12 @@
 //! buffer alive and large enough for as long as work that uses it may be queued (the model
 //! owns its buffers for its whole life and synchronizes before it returns results).
 
+mod fences;
 mod ipc;
 pub mod ops;
 mod tuning;
 
+pub use fences::KvFences;
 pub use ipc::{DeviceKvMemory, HostCopies, IpcExport, PeerKvMemory};
 pub use tuning::CudaTuning;
 

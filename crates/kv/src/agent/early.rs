@@ -2,12 +2,16 @@
 //! being computed goes into decode's registered blocks chunk by chunk, so that when the last
 //! chunk is done only its own KV is left to copy before `Done`.
 //!
-//! A chunked prefill reports each step it finished ([`crate::KvConnector::computed`]); once
-//! decode's registration is here, every whole run of tokens the two block sizes share that
-//! the step completed becomes a part, queued on the transfer's writer thread. The writer runs
-//! the parts, then the rest of the prompt and `Done` (or a failure notice) strictly in the
-//! order they were queued, so decode never hears "done" or "failed" while a part it was not
-//! told about may still land in its blocks.
+//! The engine reports each step of the prompt ([`crate::KvConnector::computed`]): a GPU engine
+//! as it submits the step, with fences that say when each group of layers has written its KV
+//! (the copies wait for them on the device, so the KV moves while the step still runs), a CPU
+//! engine (or one whose steps record no fences) once the step is done. Once decode's
+//! registration is here, every whole run of tokens the two block sizes share becomes a part,
+//! queued on the transfer's writer thread; a report that comes before the registration waits
+//! for it (the latest one: it covers the earlier ones). The writer runs the parts, then the
+//! rest of the prompt and `Done` (or a failure notice) strictly in the order they were queued,
+//! so decode never hears "done" or "failed" while a part it was not told about may still land
+//! in its blocks.
 //!
 //! A part reads blocks the prefill request still holds. If the request is preempted, its
 //! blocks may be reused and a queued part copy garbage; the attempt count the engine passes
@@ -19,10 +23,11 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
 
+use tandem_compute::cuda::KvFences;
 use tandem_core::TransferId;
 
 use super::push::write_whole;
-use super::table::{Produced, Registration};
+use super::table::{Computing, Produced, Registration, Tables};
 use super::{bump, Conn, Shared};
 use crate::wire::Message;
 
@@ -51,10 +56,11 @@ impl EarlyWriter {
 
 enum Job {
     /// Tokens `from..to` of the prompt computed in `attempt`, from our blocks `src` (the
-    /// request's whole table).
-    Part { src: Vec<u32>, from: usize, to: usize, attempt: u32 },
-    /// The prompt is complete: write the rest from token `from`, then `Done`.
-    Finish { reg: Registration, produced: Produced, from: usize },
+    /// request's whole table), once `fences` say the KV is there.
+    Part { src: Vec<u32>, from: usize, to: usize, attempt: u32, fences: KvFences },
+    /// The prompt is complete: write the rest from token `from`, then `Done` (the write's time
+    /// counts from `taken`, when the rendezvous met).
+    Finish { reg: Registration, produced: Produced, from: usize, taken: Instant },
     /// Nothing more will be written: tell decode (after every part queued before this).
     Notify(Message),
 }
@@ -69,20 +75,42 @@ struct Target {
     latest: Arc<AtomicU32>,
 }
 
-/// Prefill: a step of the prompt of `tid` finished; its KV up to `computed` tokens is in
-/// `blocks` (the request's table), computed in `attempt`. Queues a part if decode has
-/// registered over a direct transport and whole shared runs of tokens are new.
-pub(super) fn on_computed(shared: &Arc<Shared>, tid: &TransferId, blocks: Vec<u32>, computed: usize, attempt: u32) {
-    let mut t = shared.tables();
-    let Some(reg) = t.registrations.get_mut(tid) else { return };
+/// Prefill: a step of the prompt of `tid` wrote (or, per `report.fences`, is writing) its KV
+/// up to `report.upto` tokens. Queues a part if decode has registered over a direct transport
+/// and whole shared runs of tokens are new; keeps the report for the registration if that has
+/// not come yet.
+pub(super) fn on_computed(shared: &Arc<Shared>, tid: &TransferId, report: Computing) {
+    let mut guard = shared.tables();
+    let t = &mut *guard;
+    match t.registrations.get_mut(tid) {
+        Some(reg) => queue_part(shared, tid, reg, report),
+        // Not yet registered (and not finished: then the final write takes it all).
+        None if !t.produced.contains_key(tid) && !t.pushing.contains(tid) => {
+            t.computing.insert(tid.clone(), report);
+        }
+        None => {}
+    }
+}
+
+/// Prefill: decode's registration of `tid` was just recorded in `t`; the prompt's latest
+/// report, if one came first, becomes a part now.
+pub(super) fn on_registered(shared: &Arc<Shared>, t: &mut Tables, tid: &TransferId) {
+    let Some(report) = t.computing.remove(tid) else { return };
+    if let Some(reg) = t.registrations.get_mut(tid) {
+        queue_part(shared, tid, reg, report);
+    }
+}
+
+fn queue_part(shared: &Arc<Shared>, tid: &TransferId, reg: &mut Registration, report: Computing) {
+    let Computing { blocks, upto, attempt, fences, .. } = report;
     if !reg.conn.transport.writes_directly() || Instant::now() >= reg.deadline {
         return;
     }
     let ours = shared.memory.layout().block_size;
     let step = shared_run(ours, reg.conn.peer.block_size);
-    let to = computed.min(reg.num_tokens) / step * step;
+    let to = upto.min(reg.num_tokens) / step * step;
     if to / ours > blocks.len() {
-        tracing::warn!(transfer_id = %tid, computed, blocks = blocks.len(), "a computed step's blocks do not cover its tokens");
+        tracing::warn!(transfer_id = %tid, upto, blocks = blocks.len(), "a computed step's blocks do not cover its tokens");
         return;
     }
     if reg.early.is_none() {
@@ -97,7 +125,7 @@ pub(super) fn on_computed(shared: &Arc<Shared>, tid: &TransferId, blocks: Vec<u3
     if to <= early.sent {
         return;
     }
-    if early.jobs.send(Job::Part { src: blocks, from: early.sent, to, attempt }).is_ok() {
+    if early.jobs.send(Job::Part { src: blocks, from: early.sent, to, attempt, fences }).is_ok() {
         early.sent = to;
     }
 }
@@ -105,18 +133,19 @@ pub(super) fn on_computed(shared: &Arc<Shared>, tid: &TransferId, blocks: Vec<u3
 /// Push rendezvous met: writes `produced` into `reg`'s blocks and sends `Done`, after the parts
 /// already queued when there are any (else on a thread of its own).
 pub(super) fn finish(shared: &Arc<Shared>, tid: TransferId, mut reg: Registration, produced: Produced) {
+    let taken = Instant::now();
     match reg.early.take() {
         Some(early) => {
             let from = early.resume_at(produced.attempt);
             early.latest.store(produced.attempt, Ordering::SeqCst);
             if let Err(mpsc::SendError(Job::Finish { reg, produced, .. })) =
-                early.jobs.send(Job::Finish { reg, produced, from })
+                early.jobs.send(Job::Finish { reg, produced, from, taken })
             {
                 // The writer is gone (it cannot be: it waits for this); write it all here.
-                spawn_whole(shared, tid, reg, produced, 0);
+                spawn_whole(shared, tid, reg, produced, taken);
             }
         }
-        None => spawn_whole(shared, tid, reg, produced, 0),
+        None => spawn_whole(shared, tid, reg, produced, taken),
     }
 }
 
@@ -132,11 +161,11 @@ pub(super) fn notify(reg: Registration, msg: Message) {
     }
 }
 
-fn spawn_whole(shared: &Arc<Shared>, tid: TransferId, reg: Registration, produced: Produced, from: usize) {
+fn spawn_whole(shared: &Arc<Shared>, tid: TransferId, reg: Registration, produced: Produced, taken: Instant) {
     let s = shared.clone();
     let spawned = std::thread::Builder::new()
         .name("tandem-kv-push".into())
-        .spawn(move || write_whole(&s, tid, reg, produced, from, None));
+        .spawn(move || write_whole(&s, tid, reg, produced, 0, None, taken));
     if let Err(e) = spawned {
         tracing::error!(error = %e, "cannot start a KV push thread");
     }
@@ -180,7 +209,7 @@ fn run_writer(t: Target, jobs: mpsc::Receiver<Job>) {
     let mut failed: Option<String> = None;
     for job in jobs {
         match job {
-            Job::Part { src, from, to, attempt } => {
+            Job::Part { src, from, to, attempt, fences } => {
                 // A preemption since made it stale (a request preempted again and again queues
                 // a part each time: only the newest attempt's are worth a copy).
                 let stale = || attempt < t.latest.load(Ordering::SeqCst);
@@ -203,7 +232,7 @@ fn run_writer(t: Target, jobs: mpsc::Receiver<Job>) {
                         continue;
                     }
                 };
-                match t.conn.transport.write_part(&t.shared, src, dst, to - from) {
+                match t.conn.transport.write_part(&t.shared, src, dst, to - from, &fences) {
                     Ok(()) => bump(&t.shared.counters.parts_early, 1),
                     Err(e) => {
                         tracing::warn!(transfer_id = %t.tid, error = %e, "early KV part failed");
@@ -211,8 +240,8 @@ fn run_writer(t: Target, jobs: mpsc::Receiver<Job>) {
                     }
                 }
             }
-            Job::Finish { reg, produced, from } => {
-                write_whole(&t.shared, t.tid.clone(), reg, produced, from, failed.take());
+            Job::Finish { reg, produced, from, taken } => {
+                write_whole(&t.shared, t.tid.clone(), reg, produced, from, failed.take(), taken);
                 return;
             }
             Job::Notify(msg) => {

@@ -23,6 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use tandem_compute::cuda::KvFences;
 use tandem_core::{Epoch, RemoteKv, RequestId, TransferId};
 
 use self::table::{Incoming, Landing, Tables};
@@ -38,7 +39,7 @@ pub(crate) enum Command {
     Expect { request_id: RequestId, source: RemoteKv, blocks: Vec<u32>, num_tokens: usize },
     Abort { request_id: RequestId },
     Abandon { transfer_id: TransferId, reason: String },
-    Computed { transfer_id: TransferId, blocks: Vec<u32>, num_tokens: usize, attempt: u32 },
+    Computed { transfer_id: TransferId, blocks: Vec<u32>, num_tokens: usize, attempt: u32, fences: KvFences },
 }
 
 /// One side-channel connection (either direction), with the transport both ends agreed on.
@@ -390,14 +391,16 @@ fn handle_command(shared: &Arc<Shared>, cmd: Command) {
             let reg = {
                 let mut t = shared.tables();
                 t.produced.remove(&transfer_id);
+                t.computing.remove(&transfer_id);
                 t.registrations.remove(&transfer_id)
             };
             if let Some(reg) = reg {
                 early::notify(reg, Message::Failed { transfer_id, reason });
             }
         }
-        Command::Computed { transfer_id, blocks, num_tokens, attempt } => {
-            early::on_computed(shared, &transfer_id, blocks, num_tokens, attempt)
+        Command::Computed { transfer_id, blocks, num_tokens, attempt, fences } => {
+            let report = table::Computing { blocks, upto: num_tokens, attempt, fences, since: Instant::now() };
+            early::on_computed(shared, &transfer_id, report)
         }
     }
 }
@@ -657,6 +660,9 @@ fn expire(shared: &Arc<Shared>) {
     let (mut to_notify, mut failed) = (Vec::new(), Vec::new());
     {
         let mut t = shared.tables();
+        // A prompt that failed without a word to us (a model error) leaves its report here;
+        // none waits longer than a push may for its registration.
+        t.computing.retain(|_, c| c.since.elapsed() < shared.cfg.transfer_timeout);
         let expired = t.expire(Instant::now(), shared.cfg.timeouts.io);
         bump(&shared.counters.expired, expired.reclaimed as u64);
         for (tid, reg) in expired.registrations {

@@ -89,7 +89,14 @@ pub(super) fn on_register(
         deadline = deadline.min(now + Duration::from_millis(write_within_ms));
     }
     let reg = Registration { conn: conn.clone(), blocks, num_tokens, deadline, early: None };
-    let met = shared.tables().meet_registration(tid.clone(), reg);
+    let met = {
+        let mut t = shared.tables();
+        let met = t.meet_registration(tid.clone(), reg);
+        if matches!(met, Rendezvous::Waiting) {
+            early::on_registered(shared, &mut t, &tid);
+        }
+        met
+    };
     match met {
         Rendezvous::Met(reg, produced) => early::finish(shared, tid, reg, produced),
         Rendezvous::Waiting => {}
@@ -104,6 +111,8 @@ pub(super) fn on_register(
 /// Prefill: writes the produced KV from token `from` on (the parts before it are in place)
 /// into the registered blocks, sends `Done`, then frees the blocks; or, with `failed` (an
 /// early part did not land), fails the transfer. Runs on a writer thread, never the engine's.
+/// `taken`: when the rendezvous met (the write's time, which `Done` reports, counts from
+/// there, including any part still being copied).
 pub(super) fn write_whole(
     s: &Arc<Shared>,
     tid: TransferId,
@@ -111,8 +120,8 @@ pub(super) fn write_whole(
     produced: Produced,
     from: usize,
     failed: Option<String>,
+    taken: Instant,
 ) {
-    let taken = Instant::now();
     let Produced { held, blocks, num_tokens, first_token, produced_unix_us, .. } = produced;
     let layout = s.memory.layout();
     let (ours, theirs) = (layout.block_size, reg.conn.peer.block_size.max(1));

@@ -92,6 +92,20 @@ pub(super) struct Produced {
     pub attempt: u32,
 }
 
+/// Prefill side, push: the latest report of a prompt still computing (see `early`), kept
+/// until decode's registration comes (or the prompt ends, or `since` is too long ago).
+pub(super) struct Computing {
+    /// The request's block table.
+    pub blocks: Vec<u32>,
+    /// Tokens whose KV the step wrote (or is writing: `fences`).
+    pub upto: usize,
+    /// The engine's preemptions of the request before this step.
+    pub attempt: u32,
+    /// When each group of layers of the step has its KV in the cache.
+    pub fences: tandem_compute::cuda::KvFences,
+    pub since: Instant,
+}
+
 /// What a push rendezvous found.
 pub(super) enum Rendezvous {
     /// Both halves are here: start the write.
@@ -129,6 +143,8 @@ pub(super) struct Tables {
     pub produced: HashMap<TransferId, Produced>,
     /// Prefill side: push writes in progress (the rendezvous met; the write thread runs).
     pub pushing: HashSet<TransferId>,
+    /// Prefill side, push: prompts computing whose registration has not come yet.
+    pub computing: HashMap<TransferId, Computing>,
 }
 
 impl Tables {
@@ -137,6 +153,8 @@ impl Tables {
         if self.produced.contains_key(&tid) {
             return Rendezvous::Duplicate;
         }
+        // The prompt is complete: the final write covers what its reports said.
+        self.computing.remove(&tid);
         match self.registrations.remove(&tid) {
             Some(reg) => {
                 self.pushing.insert(tid);

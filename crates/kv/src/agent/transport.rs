@@ -10,7 +10,7 @@ use std::io::Read;
 use std::net::TcpStream;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use tandem_compute::cuda::{IpcExport, PeerKvMemory};
+use tandem_compute::cuda::{IpcExport, KvFences, PeerKvMemory};
 use tandem_compute::kv_copy::plan_kv_copy;
 use tandem_compute::{KvLayout, KvRegion};
 use tandem_core::TransferId;
@@ -52,8 +52,16 @@ pub(super) trait Transport: Send + Sync {
 
     /// Push over a direct transport, while the prompt is still being computed: writes
     /// `num_tokens` of KV from our blocks `src` into the peer's blocks `dst` (the registered
-    /// blocks from the part's first token on) and waits for the copies. No notification.
-    fn write_part(&self, _shared: &Shared, _src: &[u32], _dst: &[u32], _num_tokens: usize) -> Result<(), String> {
+    /// blocks from the part's first token on), each group of layers once `fences` say it is
+    /// final, and waits for the copies. No notification.
+    fn write_part(
+        &self,
+        _shared: &Shared,
+        _src: &[u32],
+        _dst: &[u32],
+        _num_tokens: usize,
+        _fences: &KvFences,
+    ) -> Result<(), String> {
         Err(format!("the {} transport writes a prompt's KV only when it is complete", self.name()))
     }
 
@@ -405,7 +413,16 @@ impl Transport for Local {
         true
     }
 
-    fn write_part(&self, shared: &Shared, src: &[u32], dst: &[u32], num_tokens: usize) -> Result<(), String> {
+    fn write_part(
+        &self,
+        shared: &Shared,
+        src: &[u32],
+        dst: &[u32],
+        num_tokens: usize,
+        fences: &KvFences,
+    ) -> Result<(), String> {
+        // The copy goes through the host copies: all of the step's KV first.
+        fences.wait()?;
         self.copy(shared, src, dst, num_tokens)
     }
 
@@ -491,14 +508,22 @@ struct CudaIpc {
 }
 
 impl CudaIpc {
-    fn write(&self, shared: &Shared, src: &[u32], dst: &[u32], num_tokens: usize) -> Result<(), String> {
+    fn write(
+        &self,
+        shared: &Shared,
+        src: &[u32],
+        dst: &[u32],
+        num_tokens: usize,
+        fences: &KvFences,
+    ) -> Result<(), String> {
         let peer = self.peer.as_ref().ok_or("this end of the connection is written to; it does not write")?;
         let dev = shared.memory.device_cache().ok_or("this engine has no device cache")?;
-        // The KV in `src` is complete: the engine hands blocks over (whole, or a part of a
-        // prompt still computing) once the step that wrote them has returned its tokens, and
-        // the stream finished that step before that; later steps do not write them.
+        // The KV in `src` is final once `fences` say so: the engine hands blocks over whole
+        // once the step that wrote them has returned its tokens (the stream finished that step
+        // before that), and a part of a prompt still computing with the events of the step
+        // writing it, which the copies wait for on the device; later steps do not write them.
         let started = std::time::Instant::now();
-        let (bytes, copies) = dev.write_to_peer(peer, src, dst, num_tokens)?;
+        let (bytes, copies) = dev.write_to_peer(peer, src, dst, num_tokens, fences)?;
         tracing::debug!(bytes, copies, us = started.elapsed().as_micros() as u64, "cuda-ipc write done");
         Ok(())
     }
@@ -513,8 +538,15 @@ impl Transport for CudaIpc {
         true
     }
 
-    fn write_part(&self, shared: &Shared, src: &[u32], dst: &[u32], num_tokens: usize) -> Result<(), String> {
-        self.write(shared, src, dst, num_tokens)
+    fn write_part(
+        &self,
+        shared: &Shared,
+        src: &[u32],
+        dst: &[u32],
+        num_tokens: usize,
+        fences: &KvFences,
+    ) -> Result<(), String> {
+        self.write(shared, src, dst, num_tokens, fences)
     }
 
     fn push(
@@ -527,7 +559,7 @@ impl Transport for CudaIpc {
         num_tokens: usize,
         done: PushDone,
     ) -> Result<(), KvError> {
-        report_direct_write(shared, conn, tid, done, self.write(shared, src, dst, num_tokens))
+        report_direct_write(shared, conn, tid, done, self.write(shared, src, dst, num_tokens, &KvFences::complete()))
     }
 
     fn answer_read(
@@ -540,7 +572,8 @@ impl Transport for CudaIpc {
         num_tokens: usize,
     ) -> Result<(), KvError> {
         let started = std::time::Instant::now();
-        answer_direct_read(shared, conn, tid, started, self.write(shared, src, dst, num_tokens))
+        let copied = self.write(shared, src, dst, num_tokens, &KvFences::complete());
+        answer_direct_read(shared, conn, tid, started, copied)
     }
 }
 

@@ -6,7 +6,7 @@
 //! so a decode step of a given size can be captured once as a CUDA graph and replayed.
 
 use tandem_compute::cuda::ops::{self, AttnShape, AttnSplit, Gemv, GemvBuild, GemvInput, GemvOutput, QkvRope};
-use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf};
+use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf, KvFences};
 
 use super::kv_cache::DeviceKv;
 use super::plan::DecodePlan;
@@ -18,7 +18,9 @@ use crate::ModelError;
 /// Queues the forward for `t` tokens (metadata already in `step`) up to the logits of `rows`
 /// rows, writing the step's activations and the new tokens' keys and values. `counts`: the
 /// step's work counts (default: the prepared step's). With `allow_fused` off the step never
-/// takes the fused decode path (to compare the two).
+/// takes the fused decode path (to compare the two). With `fences`, the plain (prefill) path
+/// records there when each group of [`KV_FENCE_GROUPS`] layers has written its KV; the fused
+/// decode path records none.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
     dev: &CudaDevice,
@@ -31,6 +33,7 @@ pub(super) fn forward(
     rows: usize,
     counts: Option<StepCounts>,
     allow_fused: bool,
+    fences: Option<&mut KvFences>,
 ) -> Result<(), ModelError> {
     let counts = counts.unwrap_or(step.counts);
     let fused = plan.fused_for(t, counts).filter(|_| allow_fused);
@@ -41,8 +44,14 @@ pub(super) fn forward(
     // Safety: the pass's buffers are the model's, alive for its life, sized at load for
     // `max_tokens` tokens and `max_seqs` rows (checked above); the metadata the kernels index
     // by was checked against the cache and tables when it was filled (see `Pass`).
-    unsafe { pass.run(t, rows, counts, fused) }
+    unsafe { pass.run(t, rows, counts, fused, fences) }
 }
+
+/// How many groups a step's layers are split into for [`KvFences`]: each group's KV can be
+/// copied while the later layers compute, so only the last group's copy is left when the
+/// forward ends (a quarter of the KV), and each copy stays large (a 1k-token prompt of
+/// Qwen3-4B: 38 MB).
+pub(super) const KV_FENCE_GROUPS: usize = 4;
 
 /// One forward's view of the model: what it reads (weights, metadata) and where it writes
 /// (activations, the cache), as the kernels take them, by device address.
@@ -68,6 +77,7 @@ impl Pass<'_> {
         rows: usize,
         counts: StepCounts,
         fused: Option<(GemvBuild, GemvBuild)>,
+        mut fences: Option<&mut KvFences>,
     ) -> Result<(), ModelError> {
         let (dev, cfg, a, m) = (self.dev, self.cfg, &self.step.act, self.step.layout);
         let h = cfg.hidden_size;
@@ -80,10 +90,17 @@ impl Pass<'_> {
         let layers = &self.w.layers;
         ops::add_rms_norm(dev, a.x.ptr(), 0, 0, layers[0].input_norm.ptr(), a.normed.ptr(), t, h, eps)?;
         let prefill = self.step.prefill_seqs(counts);
+        let per_group = layers.len().div_ceil(KV_FENCE_GROUPS).max(1);
         for (li, layer) in layers.iter().enumerate() {
             // The qkv bias is added by the RoPE kernel.
             self.matmul(a.normed.ptr(), layer.qkv.weight.ptr(), a.qkv.ptr(), t, layer.qkv.out_dim, h, false)?;
             let shape = self.rope_and_row_attention(li, layer, t, counts, false)?;
+            // The RoPE kernel wrote this layer's keys and values into the cache.
+            if let Some(fences) = fences.as_deref_mut() {
+                if (li + 1) % per_group == 0 || li + 1 == layers.len() {
+                    fences.record(dev, li / per_group * per_group..li + 1)?;
+                }
+            }
             ops::flash_prefill(dev, a.q.ptr(), self.cache.ptr(), a.attn.ptr(), &prefill, &meta, &shape)?;
             self.linear(&layer.o, a.attn.ptr(), a.proj.ptr(), t)?;
             ops::add_rms_norm(dev, a.x.ptr(), a.proj.ptr(), 0, layer.post_norm.ptr(), a.normed.ptr(), t, h, eps)?;

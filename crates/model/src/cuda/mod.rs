@@ -24,7 +24,7 @@ mod weights;
 
 use std::sync::Arc;
 
-use tandem_compute::cuda::{CudaDevice, CudaError, CudaTuning};
+use tandem_compute::cuda::{CudaDevice, CudaError, CudaTuning, KvFences};
 use tandem_compute::{KvLayout, KvRegion};
 
 use self::forward::forward;
@@ -103,6 +103,10 @@ pub struct CudaModel {
     plan: DecodePlan,
     graphs: DecodeGraphs,
     max_positions: usize,
+    /// Record [`KvFences`] in every plain (prefill) step (see [`ModelRunner::fence_kv_writes`]).
+    fence_kv: bool,
+    /// The fences of the step last launched, until taken.
+    fences: Option<KvFences>,
 }
 
 impl CudaModel {
@@ -119,7 +123,18 @@ impl CudaModel {
         let kv = DeviceKv::allocate(&dev, &cfg, opts)?;
         let graphs = DecodeGraphs::new(opts.cuda_graphs, step.max_seqs, step.max_tokens);
         tracing::debug!(?plan, "decode plan");
-        let mut model = Self { dev, cfg, weights, kv, step, plan, graphs, max_positions: spec.max_model_len };
+        let mut model = Self {
+            dev,
+            cfg,
+            weights,
+            kv,
+            step,
+            plan,
+            graphs,
+            max_positions: spec.max_model_len,
+            fence_kv: false,
+            fences: None,
+        };
         model.capture_decode_graphs()?;
         Ok(model)
     }
@@ -139,7 +154,7 @@ impl CudaModel {
     pub fn forward_logits(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, ModelError> {
         let rows = self.step.check_batch(token_ids, seqs)?;
         self.step.fill(&self.dev, token_ids, seqs, None, &[])?;
-        self.forward(token_ids.len(), rows, None, true)?;
+        self.forward(token_ids.len(), rows, None, true, None)?;
         Ok(self.dev.read(&self.step.act.logits, rows * self.cfg.vocab_size)?)
     }
 
@@ -149,6 +164,7 @@ impl CudaModel {
         rows: usize,
         counts: Option<StepCounts>,
         allow_fused: bool,
+        fences: Option<&mut KvFences>,
     ) -> Result<(), ModelError> {
         forward(
             &self.dev,
@@ -161,6 +177,7 @@ impl CudaModel {
             rows,
             counts,
             allow_fused,
+            fences,
         )
     }
 
@@ -193,7 +210,7 @@ impl CudaModel {
         let graph_layout = self.step.graph_layout(bucket);
         let step_layout = std::mem::replace(&mut self.step.layout, graph_layout);
         self.dev.begin_capture()?;
-        let captured = self.forward(bucket, bucket, Some(counts), true);
+        let captured = self.forward(bucket, bucket, Some(counts), true, None);
         // End the capture even if a launch failed, so the stream is usable again.
         let graph = self.dev.end_capture();
         self.step.layout = step_layout;
@@ -226,6 +243,7 @@ impl CudaModel {
             return Err(ModelError::Device(format!("{rows} sequences sample but {} sample specs", samples.len())));
         }
         check_carried(token_ids, self.step.last_rows)?;
+        self.fences = None;
         match self.graphs.bucket_for(token_ids, seqs) {
             Some(bucket) => {
                 self.step.fill(&self.dev, token_ids, seqs, Some(bucket), samples)?;
@@ -233,7 +251,10 @@ impl CudaModel {
             }
             None => {
                 self.step.fill(&self.dev, token_ids, seqs, None, samples)?;
-                self.forward(token_ids.len(), rows, None, true)?;
+                let mut fences = self.fence_kv.then(KvFences::default);
+                self.forward(token_ids.len(), rows, None, true, fences.as_mut())?;
+                // A fused decode step records none: nothing for a connector to copy early.
+                self.fences = fences.filter(|f| !f.is_complete());
             }
         }
         self.step.launch_sampling(&self.dev, self.cfg.vocab_size, samples)?;
@@ -298,5 +319,14 @@ impl ModelRunner for CudaModel {
 
     fn collect(&mut self) -> Result<Vec<u32>, ModelError> {
         self.step.collect_tokens(self.cfg.vocab_size)
+    }
+
+    fn fence_kv_writes(&mut self) -> bool {
+        self.fence_kv = true;
+        true
+    }
+
+    fn take_kv_fences(&mut self) -> Option<KvFences> {
+        self.fences.take()
     }
 }

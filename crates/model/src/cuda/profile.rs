@@ -93,7 +93,7 @@ impl CudaModel {
         let (dev, cfg, w, plan) = (&self.dev, &self.cfg, &self.weights, &self.plan);
         let (step, kv) = (&mut self.step, &mut self.kv);
         let mut whole = |allow_fused: bool| -> Result<f64, ModelError> {
-            let mut run = || forward(dev, cfg, w, plan, step, kv, t, rows, None, allow_fused);
+            let mut run = || forward(dev, cfg, w, plan, step, kv, t, rows, None, allow_fused, None);
             run()?;
             let mut failed = None;
             let ms = dev.time_ms(|| {

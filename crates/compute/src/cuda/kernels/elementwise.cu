@@ -36,15 +36,18 @@ extern "C" __global__ void fill_bf16(bf16* out, u64 n, float value) {
 // KV between two caches of different block sizes (cuda-ipc writes into a peer's mapped cache).
 // Both are block-major: a block is `planes` rows (layer, K|V, KV head), each `block_size` tokens
 // of `token_vecs` 16-byte vectors. Tokens 0..num_tokens move from the blocks `src_table` names
-// into those `dst_table` names. One launch replaces a pitched copy per token segment (which the
+// into those `dst_table` names, for the rows `first_plane..first_plane + num_planes` (a group of
+// layers). One launch replaces a pitched copy per token segment (which the
 // copy engine runs at a quarter of its linear rate). Grid: x over one plane's tokens and
-// vectors, y over planes; consecutive threads walk a plane's tokens, so both sides' accesses
-// stay contiguous along each block row.
+// vectors, y over the group's planes; consecutive threads walk a plane's tokens, so both sides'
+// accesses stay contiguous along each block row.
 #if KERNEL_GROUP(0)
 extern "C" __global__ void kv_scatter(const uint4* src, uint4* dst, const u32* src_table, const u32* dst_table,
-                                      u32 num_tokens, u32 planes, u32 token_vecs, u32 src_bs, u32 dst_bs) {
+                                      u32 num_tokens, u32 planes, u32 token_vecs, u32 src_bs, u32 dst_bs,
+                                      u32 first_plane, u32 num_planes) {
     u32 per_plane = num_tokens * token_vecs;
-    for (u32 p = blockIdx.y; p < planes; p += gridDim.y) {
+    for (u32 q = blockIdx.y; q < num_planes; q += gridDim.y) {
+        u32 p = first_plane + q;
         for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < per_plane; i += gridDim.x * blockDim.x) {
             u32 t = i / token_vecs, v = i - t * token_vecs;
             u64 s = (((u64)src_table[t / src_bs] * planes + p) * src_bs + t % src_bs) * token_vecs + v;
