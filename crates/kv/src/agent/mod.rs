@@ -629,7 +629,7 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
         }
         // Prefill: a pull release; decode: a push completion.
         Message::Done { transfer_id, first_token, status, copy_us, produced_unix_us, .. } => {
-            if !pull::on_release(shared, &transfer_id) {
+            if !pull::on_release(shared, &transfer_id, &status) {
                 push::on_done(
                     shared,
                     &transfer_id,

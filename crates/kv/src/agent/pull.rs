@@ -112,10 +112,16 @@ pub(super) fn on_read_blocks(
 }
 
 /// Prefill: decode released the lease of `tid` (its `Done`). Whether there was one.
-pub(super) fn on_release(shared: &Shared, tid: &TransferId) -> bool {
+pub(super) fn on_release(shared: &Shared, tid: &TransferId, status: &DoneStatus) -> bool {
     let released = shared.tables().produced.remove(tid).is_some();
     if released {
-        bump(&shared.counters.transfers_ok, 1);
+        // Decode says whether the KV it read landed: a read that did not is a failed transfer
+        // here too, not a completed one.
+        let counter = match status {
+            DoneStatus::Ok => &shared.counters.transfers_ok,
+            DoneStatus::Failed(_) => &shared.counters.transfers_failed,
+        };
+        bump(counter, 1);
     }
     released
 }
@@ -155,10 +161,15 @@ pub(super) fn on_block_data(
     }
     let num_tokens = shared.tables().incoming.get(&tid).map(|i| i.num_tokens).unwrap_or(0);
     let landed = receive_tcp(stream, shared, &tid, None, num_tokens, data)?;
+    let failure = shared.tables().incoming.get_mut(&tid).and_then(|i| i.failure.take());
     // Release prefill's blocks whatever happened here: we will not read them again.
-    conn.send(&release(tid.clone()))?;
+    let outcome = match (&landed, &failure) {
+        (Ok(()), None) => DoneStatus::Ok,
+        (_, Some(why)) | (Err(why), None) => DoneStatus::Failed(why.clone()),
+    };
+    conn.send(&release(tid.clone(), outcome))?;
     let mut t = shared.tables();
-    if let Some(reason) = t.incoming.get_mut(&tid).and_then(|i| i.failure.take()) {
+    if let Some(reason) = failure {
         shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Failed { request_id: inc.request_id, reason });
         return Ok(());
     }
@@ -185,9 +196,13 @@ fn on_direct_read_end(
     copy_us: u64,
 ) -> Result<(), KvError> {
     let mut t = shared.tables();
+    let outcome = match &error {
+        None => DoneStatus::Ok,
+        Some(why) => DoneStatus::Failed(why.clone()),
+    };
     let Some(inc) = t.incoming.get_mut(&tid) else {
         drop(t);
-        return conn.send(&release(tid));
+        return conn.send(&release(tid, outcome));
     };
     inc.direct_write_reported(copy_us);
     let (bytes, regions) = super::push::direct_write_size(shared, inc);
@@ -207,19 +222,13 @@ fn on_direct_read_end(
     });
     drop(t);
     // Release prefill's blocks whatever happened here: we will not read them again.
-    conn.send(&release(tid))
+    conn.send(&release(tid, outcome))
 }
 
 /// Decode: the message that releases prefill's lease on `tid` (its blocks go back).
-fn release(tid: TransferId) -> Message {
-    Message::Done {
-        transfer_id: tid,
-        rank: 0,
-        first_token: None,
-        status: DoneStatus::Ok,
-        copy_us: 0,
-        produced_unix_us: 0,
-    }
+/// Decode: releases prefill's lease on `tid`, saying whether the KV read landed (`status`).
+fn release(tid: TransferId, status: DoneStatus) -> Message {
+    Message::Done { transfer_id: tid, rank: 0, first_token: None, status, copy_us: 0, produced_unix_us: 0 }
 }
 
 /// Decode: keeps prefill's leases alive for everything still being waited on.
