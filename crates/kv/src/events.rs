@@ -77,9 +77,10 @@ pub struct KvLink {
 /// Counters for `/metrics`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ConnectorStats {
-    /// Transfers completed (either side).
+    /// Transfers completed (either side; prefill counts a tcp push when decode acknowledges
+    /// its bytes and a pull read when decode's release says it landed).
     pub transfers_ok: u64,
-    /// Transfers failed (either side).
+    /// Transfers failed (either side; on prefill also the writes and reads decode found bad).
     pub transfers_failed: u64,
     /// Bulk bytes sent.
     pub bytes_sent: u64,

@@ -448,11 +448,10 @@ async fn with_kv_verify_corrupted_kv_is_caught_counted_and_recomputed_to_the_col
             let s = kv_stats_until(&d, "4 transfers ended", |s| s.transfers_ok + s.transfers_failed == 4).await;
             let bad = if corrupt { 4 } else { 0 };
             assert_eq!((s.checksum_failures, s.transfers_failed), (bad, bad), "{mode:?} corrupt={corrupt}: {s:?}");
-            if kv_mode == KvMode::Pull {
-                // Decode's release says the read did not land: prefill counts it failed, not done.
-                let ps = kv_stats_until(&p, "4 leases released", |s| s.transfers_ok + s.transfers_failed == 4).await;
-                assert_eq!((ps.transfers_ok, ps.transfers_failed), (4 - bad, bad), "corrupt={corrupt}: {ps:?}");
-            }
+            // Decode's acknowledgement (push) or release (pull) says the KV did not land: prefill
+            // counts it failed, not done.
+            let ps = kv_stats_until(&p, "4 transfers ended", |s| s.transfers_ok + s.transfers_failed == 4).await;
+            assert_eq!((ps.transfers_ok, ps.transfers_failed), (4 - bad, bad), "{mode:?} corrupt={corrupt}: {ps:?}");
             wait_idle(&[&p, &d]).await;
             alive(&[&p, &d]);
         }

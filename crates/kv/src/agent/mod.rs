@@ -643,11 +643,15 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             t.produced.remove(&transfer_id);
             shared.finish_incoming(&mut t, &transfer_id, |inc| ended(inc, reason));
         }
-        Message::WriteAck { transfer_id, error } => {
-            if let Some(e) = error {
+        // Prefill: decode checked a push write's bytes (a checksum mismatch, a transfer it had
+        // ended, or landed).
+        Message::WriteAck { transfer_id, error } => match error {
+            Some(e) => {
                 tracing::warn!(%transfer_id, error = %e, "decode refused a push write");
+                bump(&shared.counters.transfers_failed, 1);
             }
-        }
+            None => bump(&shared.counters.transfers_ok, 1),
+        },
         other @ (Message::Handshake { .. } | Message::HandshakeOk { .. } | Message::HandshakeRefused { .. }) => {
             return Err(KvError::Protocol(format!("unexpected {other:?} after the handshake")));
         }

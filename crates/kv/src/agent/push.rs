@@ -160,7 +160,10 @@ pub(super) fn write_whole(
                 &s.counters.regions,
                 coalesce(&blocks[..layout.blocks_for(num_tokens).min(blocks.len())]).len() as u64,
             );
-            bump(&s.counters.transfers_ok, 1);
+            // Over tcp, decode's acknowledgement says whether the bytes landed.
+            if !reg.conn.transport.acknowledges_writes() {
+                bump(&s.counters.transfers_ok, 1);
+            }
         }
         Err(e) => {
             tracing::warn!(transfer_id = %tid, transport = reg.conn.transport.name(), error = %e, "push write failed");

@@ -36,6 +36,12 @@ pub(super) trait Transport: Send + Sync {
         false
     }
 
+    /// Whether the reader acknowledges each push write (`WriteAck`, tcp): the write's outcome
+    /// is counted then, when the reader has checked the bytes, not when they were sent.
+    fn acknowledges_writes(&self) -> bool {
+        false
+    }
+
     /// Push: writes `num_tokens` of KV from our blocks `src` into the peer's registered blocks
     /// `dst` of transfer `tid`, then sends `Done` (with prefill's first token, `done`) on `conn`.
     #[allow(clippy::too_many_arguments)]
@@ -208,6 +214,10 @@ struct Tcp;
 impl Transport for Tcp {
     fn name(&self) -> &'static str {
         "tcp"
+    }
+
+    fn acknowledges_writes(&self) -> bool {
+        true
     }
 
     fn push(
