@@ -487,14 +487,14 @@ impl EngineCore {
             match self.model.submit(&token_ids, &seqs, &samples) {
                 Ok(()) => {
                     let fences = if self.fence_kv { self.model.take_kv_fences() } else { None };
+                    // Fenced, the step's KV becomes final layer group by layer group as it
+                    // runs: reported now, the chunk that completes a prompt too (its copies
+                    // then overlap the step's later layers); else once the step is collected.
+                    let progress = self.prompt_progress(&plan, fences.is_some());
                     let mut in_flight = self.advance(plan);
-                    if let Some(fences) = fences {
-                        // The step's KV becomes final layer group by layer group as it runs:
-                        // report it now, the chunk that completes a prompt too (its copies
-                        // then overlap the step's later layers).
-                        let progress = self.prompt_progress(&in_flight.plan, true);
-                        self.report_progress(progress, &fences);
-                        in_flight.progress.clear();
+                    match fences {
+                        Some(fences) => self.report_progress(progress, &fences),
+                        None => in_flight.progress = progress,
                     }
                     Some(in_flight)
                 }
@@ -565,7 +565,6 @@ impl EngineCore {
     /// builds on it; each sampled token gets a placeholder naming its sample row, unless it
     /// ends its request by length (then the request has nothing more to schedule).
     fn advance(&mut self, plan: SchedulerOutput) -> InFlight {
-        let progress = self.prompt_progress(&plan, false);
         let mut rows = Vec::new();
         for c in &plan.chunks {
             let samples = c.sample && !c.token_ids.is_empty();
@@ -586,7 +585,7 @@ impl EngineCore {
             }
             rows.push((c.id.clone(), req.serial, index));
         }
-        InFlight { plan, rows, progress }
+        InFlight { plan, rows, progress: Vec::new() }
     }
 
     fn execute(&mut self, plan: &SchedulerOutput) -> Result<Vec<u32>, tandem_model::ModelError> {

@@ -343,16 +343,23 @@ impl DeviceKvMemory {
                     copies += 1;
                 }
                 None => {
-                    let plan = plan_kv_copy_layers(
-                        &self.layout,
-                        dst_layout,
-                        self.elem_bytes,
-                        src_blocks,
-                        dst_blocks,
-                        num_tokens,
-                        layers,
-                    )?;
-                    self.run(&stream, &plan, src, dst_base).map_err(failed)?;
+                    // All layers at once is the plan made above.
+                    let group;
+                    let plan = if layers.len() == self.layout.num_layers {
+                        &whole
+                    } else {
+                        group = plan_kv_copy_layers(
+                            &self.layout,
+                            dst_layout,
+                            self.elem_bytes,
+                            src_blocks,
+                            dst_blocks,
+                            num_tokens,
+                            layers,
+                        )?;
+                        &group
+                    };
+                    self.run(&stream, plan, src, dst_base).map_err(failed)?;
                     copies += plan.len();
                 }
             }
