@@ -4,8 +4,8 @@ then a prefill engine, a decode engine and the router per setting (push and pull
 through each engine's host copy of its GPU KV cache, and over cuda-ipc, device to device, also
 with different block sizes on the two engines), all with `--device cuda:0`. Greedy answers
 through the router must equal the colocated engine's token for token (8 prompts one at a time);
-then 50 mixed-length requests at once (equality reported: GPU kernels are not batch-invariant
-yet, issue 27), after which both engines' KV blocks must be back to all free; then the time to
+then 50 mixed-length requests at once (equality reported; required with PD_BATCH_INVARIANT=1,
+where every engine runs --batch-invariant), after which both engines' KV blocks must be back to all free; then the time to
 the first token of a 4000-token prompt, median of 3, against colocated.
 
 Usage: pd_check.py TANDEM_BINARY OUT_DIR [MODEL]   (MODEL or $PD_MODEL, default preset:qwen3-0.6b;
@@ -28,6 +28,11 @@ model = sys.argv[3] if len(sys.argv) > 3 else os.environ.get("PD_MODEL", "preset
 # Explicit KV sizes: the engines share the GPU, and each sizes its cache from what is free.
 device = os.environ.get("PD_DEVICE", "cuda:0")  # PD_DEVICE=cpu tries the script without a GPU
 common = ["--device", device, "--model", model, "--num-kv-blocks", "4096"]
+# PD_BATCH_INVARIANT=1: every engine with --batch-invariant, and then the burst's answers must
+# equal the colocated engine's one at a time too (any difference is a KV fault, not batching).
+invariant = os.environ.get("PD_BATCH_INVARIANT") == "1"
+if invariant:
+    common.append("--batch-invariant")
 procs = []
 
 
@@ -157,6 +162,8 @@ try:
             answers = list(pool.map(lambda b: post(r, b), burst))
         burst_ok = sum(code == 200 for code, _ in answers)
         burst_same = sum(code == 200 and a["choices"][0]["token_ids"] == w for (code, a), w in zip(answers, burst_want))
+        if invariant and burst_same != burst_ok:
+            errors.append(f"burst: {burst_ok - burst_same} answers differ from colocated with --batch-invariant")
         if burst_ok != len(burst):
             errors.append(f"burst: {len(burst) - burst_ok} of {len(burst)} requests failed: "
                           f"{[a for code, a in answers if code != 200][:2]}")

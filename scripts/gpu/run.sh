@@ -26,6 +26,8 @@
 #   SWEEP_QPS narrow it; SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU);
 #   pd: only disaggregated serving on the GPU (scripts/gpu/pd_check.py; also part of every mode
 #   that runs the tests);
+#   invariant: --batch-invariant's kernel and engine tests, P/D with it (SKIP_PD=1 leaves that
+#   out), and bench engine with and without it;
 #   sanitize [TOOL [TEST_FILTER]]: the kernel tests (those matching TEST_FILTER) under
 #   compute-sanitizer's TOOL (memcheck, the default; racecheck, initcheck, synccheck).
 #
@@ -109,6 +111,34 @@ pd_check() {
 }
 if [ "$MODE" = pd ]; then
   pd_check; cat "$OUT/summary.txt"; exit $status
+fi
+# Batch-invariant serving: the kernels' invariance tests, the engine's (requests alone against
+# 24 and 64 at a time, chunked and whole prompts, greedy and seeded), P/D push and pull over
+# cuda-ipc with every engine --batch-invariant (the burst must equal colocated one at a time),
+# then the flag's cost: bench engine on qwen3-4b with and without it.
+if [ "$MODE" = invariant ]; then
+  timeout 240 "$BIN/cuda_kernels" --include-ignored --test-threads=1 --nocapture packed_attention invariant_matmul \
+    attention_kernels > "$OUT/inv_kernels.log" 2>&1 && note "invariant kernel tests: ok" \
+    || { note "invariant kernel tests: FAILED"; grep -B2 -A8 panicked "$OUT/inv_kernels.log" | head -30 >> "$OUT/summary.txt"; status=1; }
+  grep -E "cuBLAS's default" "$OUT/inv_kernels.log" | while read -r l; do note "$l"; done
+  timeout 300 "$BIN/cuda_engine" --include-ignored --nocapture batch_invariant > "$OUT/inv_engine.log" 2>&1 \
+    && note "batch-invariant engine test: ok" \
+    || { note "batch-invariant engine test: FAILED"; grep -B2 -A8 panicked "$OUT/inv_engine.log" | head -20 >> "$OUT/summary.txt"; status=1; }
+  grep "without --batch-invariant" "$OUT/inv_engine.log" | while read -r l; do note "$l"; done
+  if [ -z "${SKIP_PD:-}" ]; then
+    PD_BATCH_INVARIANT=1 PD_SETTINGS=cuda-ipc_16 PD_LONG=2000 pd_check
+  fi
+  for flag in default --batch-invariant; do
+    for ctx in 16 1024; do
+      args=(); [ "$flag" = default ] || args=("$flag")
+      log="$OUT/inv_bench_${flag#--}_$ctx.log"
+      timeout 200 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 --decode-steps 32 \
+        --decode-prompt-tokens "$ctx" --prefill-tokens 4096 "${args[@]}" > "$log" 2>&1 \
+        && note "$flag, context $ctx: $(grep -E '^(1|64) +[0-9]' "$log" | tr -s ' ' | tr '\n' '|')$(grep -oE 'prefill [0-9]+ tokens: [0-9.]+ ms' "$log" | head -1)" \
+        || { note "bench engine $flag context $ctx failed"; tail -8 "$log" >> "$OUT/summary.txt"; status=1; }
+    done
+  done
+  cat "$OUT/summary.txt"; exit $status
 fi
 # The cuda-ipc transport's copies into another process's GPU cache, against the same copies
 # inside one GPU measured in the same run; same block size, then 16 -> 32 tokens a block.

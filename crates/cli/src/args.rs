@@ -109,6 +109,12 @@ pub struct EngineArgs {
     /// (0), bulk_o_projection=0|1 (1).
     #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
     pub cuda_tune: Vec<String>,
+    /// Give every request the output it would get alone: run kernels whose arithmetic for one
+    /// sequence does not depend on the others in its step (on a GPU: matrix products that
+    /// split no reduction, one attention kernel for prompt and generated tokens, no fused
+    /// decode projections; slower, see docs/PERFORMANCE.md). The CPU engine is always so.
+    #[arg(help_heading = "Device", long)]
+    pub batch_invariant: bool,
 }
 
 impl ModelArgs {
@@ -153,6 +159,9 @@ impl EngineArgs {
         }
         if self.enforce_eager {
             v.push("--enforce-eager".into());
+        }
+        if self.batch_invariant {
+            v.push("--batch-invariant".into());
         }
         let sched = match self.async_scheduling {
             AsyncScheduling::Auto => "auto",
@@ -798,6 +807,9 @@ pub struct BenchEngineArgs {
     /// (0), bulk_o_projection=0|1 (1).
     #[arg(long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
     pub cuda_tune: Vec<String>,
+    /// Batch-invariant kernels (see `tandem serve --help`), to measure what they cost.
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
 
 /// One `--cuda-tune` setting, checked (the key known, the value in range).

@@ -127,6 +127,7 @@ fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<usize>) -> 
                 cuda_graphs: !e.enforce_eager,
                 host_kv_bytes,
                 tuning: tuning(&e.cuda_tune)?,
+                batch_invariant: e.batch_invariant,
                 ..CudaOptions::default()
             };
             let t = Instant::now();
@@ -578,6 +579,7 @@ fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
                 num_blocks: Some(engine_cfg.num_blocks),
                 cuda_graphs: !a.enforce_eager,
                 tuning: tuning(&a.cuda_tune)?,
+                batch_invariant: a.batch_invariant,
                 ..CudaOptions::default()
             };
             eprintln!("... building {} on cuda:{ordinal}", a.model);

@@ -199,13 +199,38 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
             seq_tok: d_st.ptr(),
             seq_len: d_sl.ptr(),
             seq_pos: d_sp.ptr(),
+            packed: false,
         };
         unsafe { ops::flash_prefill(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &p, &meta, &shape).unwrap() };
         let out = dev.read(&d_out, poison.len()).unwrap();
         let in_prefill = |t: usize| case.seqs[tok_seq[t] as usize].0 > 1;
         let err = rel_err(&out, &in_prefill);
         assert!(err < 1e-2, "flash_prefill, {label}: relative error {err:.2e}");
-        eprintln!("{label}: flash ok ({err:.1e})");
+
+        // The packed build (batch-invariant serving) takes every token, one-token sequences
+        // too, and gives each query the per-head build's bits.
+        let per_item = ops::flash_packed_tokens(nh / nkv);
+        let packed_work: Vec<i32> = case
+            .seqs
+            .iter()
+            .enumerate()
+            .flat_map(|(si, &(n, _))| (0..n).step_by(per_item).flat_map(move |q0| [si as i32, q0 as i32]))
+            .collect();
+        let d_packed_work = dev.upload(&packed_work).unwrap();
+        let packed = PrefillSeqs { work: d_packed_work.ptr(), num_items: packed_work.len() / 2, packed: true, ..p };
+        dev.write(&mut d_out, 0, &poison).unwrap();
+        unsafe { ops::flash_prefill(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &packed, &meta, &shape).unwrap() };
+        let packed_out = dev.read(&d_out, poison.len()).unwrap();
+        let packed_err = rel_err(&packed_out, &|_| true);
+        assert!(packed_err < 1e-2, "packed flash_prefill, {label}: relative error {packed_err:.2e}");
+        for t in (0..total_tokens).filter(|&t| in_prefill(t)) {
+            let row = t * nh * hd..(t + 1) * nh * hd;
+            assert!(
+                packed_out[row.clone()] == out[row],
+                "packed flash_prefill, {label}: token {t} differs from the per-head build"
+            );
+        }
+        eprintln!("{label}: flash ok ({err:.1e}), packed ({packed_err:.1e})");
     }
 }
 
@@ -872,4 +897,153 @@ fn kv_copies_between_block_sizes_land_every_token_where_the_table_says() {
             panic!("{case}: byte {i} is {} where {} belongs", got[i], want[i]);
         }
     }
+}
+
+/// Batch-invariant attention: a query's output from the packed prefill kernel is the same bits
+/// whether its sequence came whole, in chunks, one token at a time (decode), or beside other
+/// sequences' tokens, because every variant walks the same key tiles from key 0.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
+    let Some(dev) = device() else { return };
+    let mut rng = Lcg(11);
+    for (nh, nkv, hd) in [(32, 8, 128), (16, 8, 128), (8, 1, 64), (12, 4, 64)] {
+        let (bs, len, num_layers, layer): (usize, usize, usize, usize) = (16, 300, 2, 1);
+        let num_blocks = len.div_ceil(bs) + 2;
+        let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+        }
+        let table: Vec<i32> = ids[..len.div_ceil(bs)].to_vec();
+        let block_elems = num_layers * 2 * nkv * bs * hd;
+        let cache: Vec<u16> = (0..num_blocks * block_elems).map(|_| bf16(rng.uniform())).collect();
+        // The query of each position, whatever batch it rides in.
+        let q_at: Vec<u16> = (0..len * nh * hd).map(|_| bf16(rng.uniform() * 2.0)).collect();
+        let d_cache = dev.upload(&cache).unwrap();
+        let shape = AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, layer, num_layers, block_size: bs };
+        let per_item = ops::flash_packed_tokens(nh / nkv);
+        // Runs one batch of (tokens, first position) sequences of the same prompt; returns
+        // each batch token's (position, output row).
+        let run = |seqs: &[(usize, usize)]| -> Vec<(usize, Vec<u16>)> {
+            let (mut q, mut positions, mut tok_seq, mut seq_tok, mut seq_len, mut seq_pos, mut work, mut tables) =
+                (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+            for (si, &(n, p)) in seqs.iter().enumerate() {
+                seq_tok.push(positions.len() as i32);
+                seq_len.push(n as i32);
+                seq_pos.push(p as i32);
+                tables.extend_from_slice(&table);
+                for k in 0..n {
+                    positions.push((p + k) as i32);
+                    tok_seq.push(si as i32);
+                    q.extend_from_slice(&q_at[(p + k) * nh * hd..(p + k + 1) * nh * hd]);
+                }
+                for q0 in (0..n).step_by(per_item).rev() {
+                    work.extend([si as i32, q0 as i32]);
+                }
+            }
+            let t = positions.len();
+            let up = |v: &[i32]| dev.upload(v).unwrap();
+            let (d_pos, d_ts, d_tab, d_stride) = (up(&positions), up(&tok_seq), up(&tables), up(&[table.len() as i32]));
+            let (d_st, d_sl, d_sp, d_work) = (up(&seq_tok), up(&seq_len), up(&seq_pos), up(&work));
+            let d_q = dev.upload(&q).unwrap();
+            let d_out = dev.upload(&vec![bf16(f32::NAN); t * nh * hd]).unwrap();
+            let meta = AttnMeta {
+                positions: d_pos.ptr(),
+                tok_seq: d_ts.ptr(),
+                block_tables: d_tab.ptr(),
+                stride: d_stride.ptr(),
+            };
+            let p = PrefillSeqs {
+                work: d_work.ptr(),
+                num_items: work.len() / 2,
+                seq_tok: d_st.ptr(),
+                seq_len: d_sl.ptr(),
+                seq_pos: d_sp.ptr(),
+                packed: true,
+            };
+            unsafe { ops::flash_prefill(&dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &p, &meta, &shape).unwrap() };
+            let out = dev.read(&d_out, t * nh * hd).unwrap();
+            (0..t).map(|i| (positions[i] as usize, out[i * nh * hd..(i + 1) * nh * hd].to_vec())).collect()
+        };
+        let whole = run(&[(len, 0)]);
+        let decode: Vec<(usize, usize)> = [0, 15, 16, 63, 64, 65, 150, 299].iter().map(|&p| (1, p)).collect();
+        let mixed: Vec<(usize, usize)> = decode.iter().copied().chain([(37, 200), (5, 3)]).rev().collect();
+        for variant in [vec![(100, 0), (200, 100)], vec![(64, 0), (1, 64), (235, 65)], decode, mixed] {
+            for (pos, row) in run(&variant) {
+                assert!(row.iter().all(|v| f32_of(*v).is_finite()), "heads {nh}/{nkv}: position {pos} not written");
+                assert!(
+                    row == whole[pos].1,
+                    "heads {nh}/{nkv} head_dim {hd}: position {pos} in batch {variant:?} differs from the whole prompt's"
+                );
+            }
+        }
+    }
+}
+
+/// Batch-invariant products: row r of x · wᵀ is the same bits for every row count, on the
+/// projection shapes of Qwen3-0.6B and Qwen3-4B. (cuBLAS's default choice, for comparison, is
+/// reported: on some shapes it splits K and its rows move with the row count.)
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn invariant_matmul_rows_do_not_depend_on_the_row_count() {
+    let Some(dev) = device() else { return };
+    dev.enable_batch_invariant().unwrap();
+    let mut rng = Lcg(5);
+    let counts = [
+        1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 48, 63, 64, 65, 100, 127, 128, 129, 200, 255, 256, 257,
+        384, 511, 512, 513, 1000, 1024, 2047, 2048, 4096,
+    ];
+    let shapes: [(usize, usize, bool, usize); 10] = [
+        // (n, k, f32 output, most rows)
+        (4096, 1024, false, 4096),
+        (1024, 2048, false, 4096),
+        (6144, 1024, false, 4096),
+        (1024, 3072, false, 4096),
+        (151936, 1024, true, 256),
+        (6144, 2560, false, 4096),
+        (2560, 4096, false, 4096),
+        (19456, 2560, false, 4096),
+        (2560, 9728, false, 4096),
+        (151936, 2560, true, 256),
+    ];
+    let mut default_moved = 0;
+    for (n, k, f32_out, most) in shapes {
+        let x: Vec<u16> = (0..most * k).map(|_| bf16(rng.uniform())).collect();
+        let w: Vec<u16> = (0..n * k).map(|_| bf16(rng.uniform() * 0.05)).collect();
+        let (d_x, d_w) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+        let elem = if f32_out { 4 } else { 2 };
+        let d_y = dev.zeros::<u8>(most * n * elem).unwrap();
+        let read_rows = |rows: usize| dev.read(&d_y, rows * n * elem).unwrap();
+        unsafe { ops::matmul_t_invariant(&dev, d_x.ptr(), d_w.ptr(), d_y.ptr(), most, n, k, f32_out).unwrap() };
+        let all = read_rows(most);
+        unsafe { ops::matmul_t(&dev, d_x.ptr(), d_w.ptr(), d_y.ptr(), most, n, k, f32_out).unwrap() };
+        let default_all = read_rows(most);
+        // The invariant product is the same product: within bf16 rounding of cuBLAS's.
+        let as_f32 = |b: &[u8], i: usize| {
+            if f32_out {
+                f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
+            } else {
+                f32_of(u16::from_le_bytes([b[2 * i], b[2 * i + 1]]))
+            }
+        };
+        let worst =
+            (0..most * n).step_by(97).map(|i| (as_f32(&all, i) - as_f32(&default_all, i)).abs()).fold(0.0, f32::max);
+        assert!(worst < 0.05, "{most} x {k} by {n}: invariant product differs from cuBLAS's by {worst}");
+        let mut moved = vec![];
+        for &m in counts.iter().filter(|&&m| m < most) {
+            unsafe { ops::matmul_t_invariant(&dev, d_x.ptr(), d_w.ptr(), d_y.ptr(), m, n, k, f32_out).unwrap() };
+            let rows = read_rows(m);
+            assert!(
+                rows[..] == all[..m * n * elem],
+                "{m} rows x {k} by {n}: rows differ from the same rows among {most}"
+            );
+            unsafe { ops::matmul_t(&dev, d_x.ptr(), d_w.ptr(), d_y.ptr(), m, n, k, f32_out).unwrap() };
+            if read_rows(m)[..] != default_all[..m * n * elem] {
+                moved.push(m);
+            }
+        }
+        default_moved += moved.len();
+        eprintln!("{k} by {n}: invariant rows equal at every count; cuBLAS's default moved at {moved:?}");
+    }
+    eprintln!("cuBLAS's default product moved at {default_moved} (shape, row count) pairs");
 }

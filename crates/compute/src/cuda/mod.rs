@@ -12,6 +12,7 @@
 //! owns its buffers for its whole life and synchronizes before it returns results).
 
 mod fences;
+mod invariant;
 mod ipc;
 pub mod ops;
 mod tuning;
@@ -118,6 +119,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attention_rows_g8_e4",
     "flash_prefill_hd64",
     "flash_prefill_hd128",
+    "flash_prefill_packed_hd64",
+    "flash_prefill_packed_hd128",
     "ban_tokens",
     "sample_rows",
 ];
@@ -440,6 +443,8 @@ pub struct CudaDevice {
     tuning: CudaTuning,
     /// Hopper or later: programmatic dependent launch is available.
     pdl_capable: bool,
+    /// The batch-invariant matrix products, once [`CudaDevice::enable_batch_invariant`] ran.
+    invariant_gemm: std::sync::OnceLock<invariant::InvariantGemm>,
 }
 
 // Safety: the device is used from one thread at a time (the engine thread owns its model);
@@ -511,7 +516,12 @@ impl CudaDevice {
         };
         let named = |prefix: &'static str| KERNEL_NAMES.iter().copied().filter(move |n| n.starts_with(prefix));
         // The prefill kernels keep two stages of K/V tiles.
-        for (name, hd) in [("flash_prefill_hd64", 64), ("flash_prefill_hd128", 128)] {
+        for (name, hd) in [
+            ("flash_prefill_hd64", 64),
+            ("flash_prefill_hd128", 128),
+            ("flash_prefill_packed_hd64", 64),
+            ("flash_prefill_packed_hd128", 128),
+        ] {
             allow_smem(name, ops::flash_smem_bytes(hd) as usize)?;
         }
         // The decode attention stages a chunk of keys and values (over 48 KiB for head size 256).
@@ -559,6 +569,7 @@ impl CudaDevice {
             smem_per_sm,
             tuning: CudaTuning { programmatic_launch: major >= 9 && tuning.programmatic_launch, ..tuning },
             pdl_capable: major >= 9,
+            invariant_gemm: std::sync::OnceLock::new(),
         })
     }
 
@@ -616,6 +627,20 @@ impl CudaDevice {
     /// Hopper or later GPU, and only when tuned so ([`CudaTuning::programmatic_launch`]).
     pub fn programmatic_launch(&self) -> bool {
         self.tuning.programmatic_launch
+    }
+
+    /// Makes [`ops::matmul_t_invariant`] available (loads cuBLASLt); fails with what is missing.
+    pub fn enable_batch_invariant(&self) -> Result<(), CudaError> {
+        if self.invariant_gemm.get().is_none() {
+            self.ctx.bind_to_thread()?;
+            let gemm = invariant::InvariantGemm::new()?;
+            let _ = self.invariant_gemm.set(gemm);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn invariant_gemm(&self) -> Option<&invariant::InvariantGemm> {
+        self.invariant_gemm.get()
     }
 
     /// The kernel choices this device was opened with.

@@ -169,6 +169,32 @@ pub unsafe fn matmul_t(
     Ok(())
 }
 
+/// [`matmul_t`] whose every row is the same whatever `t` is (see `invariant.rs`): cuBLASLt
+/// algorithms that split no reduction over blocks. Needs [`CudaDevice::enable_batch_invariant`].
+///
+/// # Safety
+/// As [`matmul_t`]; every address is also 256-byte aligned (the start of a buffer).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul_t_invariant(
+    dev: &CudaDevice,
+    x: u64,
+    w: u64,
+    y: u64,
+    t: usize,
+    n: usize,
+    k: usize,
+    f32_out: bool,
+) -> Result<(), CudaError> {
+    let gemm = dev
+        .invariant_gemm()
+        .ok_or_else(|| CudaError::Unavailable("batch-invariant matmul used before it was enabled".into()))?;
+    dev.stream().context().bind_to_thread()?;
+    let stream = dev.stream().cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
+    // Safety: the caller's contract is the one `InvariantGemm::matmul` states; the stream is
+    // the device's, whose context was made current above.
+    unsafe { gemm.matmul(stream, x, w, y, t, n, k, f32_out) }
+}
+
 /// Fills `n` bf16 elements at `out` with the seeded uniform values of `preset_uniform`.
 ///
 /// # Safety
@@ -814,6 +840,15 @@ pub struct PrefillSeqs {
     pub seq_len: u64,
     /// `[seq]` position of the first token.
     pub seq_pos: u64,
+    /// The packed build (batch-invariant serving): work items of [`flash_packed_tokens`]
+    /// tokens, one block per KV head and its group of query heads.
+    pub packed: bool,
+}
+
+/// Tokens one work item of the packed prefill kernel covers: its 64 rows hold that many
+/// tokens' worth of a KV head's query heads (`group` = query heads per KV head, at most 64).
+pub fn flash_packed_tokens(group: usize) -> usize {
+    (FLASH_ROWS / group.max(1)).max(1)
 }
 
 /// Dynamic shared memory of the decode attention kernel for `head_dim` with `stages` chunk
@@ -883,14 +918,23 @@ pub unsafe fn flash_prefill(
     if p.num_items == 0 {
         return Ok(());
     }
-    let name = match s.head_dim {
-        64 => "flash_prefill_hd64",
-        128 => "flash_prefill_hd128",
-        d => panic!("flash_prefill called for head_dim {d}; check flash_supported first"),
+    let name = match (s.head_dim, p.packed) {
+        (64, false) => "flash_prefill_hd64",
+        (128, false) => "flash_prefill_hd128",
+        (64, true) => "flash_prefill_packed_hd64",
+        (128, true) => "flash_prefill_packed_hd128",
+        (d, _) => panic!("flash_prefill called for head_dim {d}; check flash_supported first"),
     };
+    if p.packed && s.num_heads / s.num_kv_heads.max(1) > FLASH_ROWS {
+        return Err(CudaError::Unavailable(format!(
+            "packed prefill attention takes at most {FLASH_ROWS} query heads per KV head, not {}",
+            s.num_heads / s.num_kv_heads.max(1)
+        )));
+    }
     let scale_log2 = std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt();
+    let blocks_x = if p.packed { s.num_kv_heads } else { s.num_heads };
     let config = LaunchConfig {
-        grid_dim: (s.num_heads as u32, p.num_items as u32, 1),
+        grid_dim: (blocks_x as u32, p.num_items as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: flash_smem_bytes(s.head_dim),
     };

@@ -138,7 +138,8 @@ impl Pass<'_> {
         Ok(())
     }
 
-    /// `y = x · wᵀ` through cuBLAS. (A hand-written skinny GEMV for decode batches was tried
+    /// `y = x · wᵀ` through cuBLAS (cuBLASLt products that split no reduction when batch
+    /// invariant). (A hand-written skinny GEMV for decode batches was tried
     /// and measured: it beat cuBLAS on 2 to 4 of 40 decode shapes, by less than the run-to-run
     /// spread, and choosing kernels by timing made greedy output depend on the run.)
     #[allow(clippy::too_many_arguments)]
@@ -152,7 +153,13 @@ impl Pass<'_> {
         k: usize,
         f32_out: bool,
     ) -> Result<(), CudaError> {
-        ops::matmul_t(self.dev, x, w, y, t, n, k, f32_out)
+        // Every address here is the start of a weight or activation buffer (256-byte aligned,
+        // as the invariant products require).
+        if self.step.batch_invariant() {
+            ops::matmul_t_invariant(self.dev, x, w, y, t, n, k, f32_out)
+        } else {
+            ops::matmul_t(self.dev, x, w, y, t, n, k, f32_out)
+        }
     }
 
     unsafe fn linear(&self, l: &Linear, x: u64, y: u64, t: usize) -> Result<(), ModelError> {

@@ -68,6 +68,11 @@ pub struct CudaOptions {
     pub host_kv_bytes: Option<usize>,
     /// Kernel choices (defaults: the fastest measured).
     pub tuning: CudaTuning,
+    /// Batch-invariant serving: every step runs kernels whose per-row arithmetic does not
+    /// depend on the batch (cuBLASLt products that split no reduction over blocks, one
+    /// attention kernel for prefill and decode tokens, no fused decode projections), so a
+    /// request's output is the same whatever else shares its steps.
+    pub batch_invariant: bool,
 }
 
 impl Default for CudaOptions {
@@ -83,6 +88,7 @@ impl Default for CudaOptions {
             fused_decode: true,
             host_kv_bytes: None,
             tuning: CudaTuning::default(),
+            batch_invariant: false,
         }
     }
 }
@@ -118,8 +124,21 @@ impl CudaModel {
         let dev = CudaDevice::open_tuned(opts.ordinal, opts.tuning.clone())?;
         let cfg = spec.config.clone();
         let weights = Weights::load(&dev, spec)?;
-        let plan = DecodePlan::choose(&dev, &cfg, opts.fused_decode, dev.tuning());
-        let step = StepBuffers::new(&dev, &cfg, opts.max_tokens, opts.max_seqs, opts.block_size, spec.max_model_len)?;
+        if opts.batch_invariant {
+            dev.enable_batch_invariant()?;
+        }
+        // The fused decode projections fold the norm and residual add in with other rounding
+        // than the prefill path: a batch-invariant model runs every step unfused.
+        let plan = DecodePlan::choose(&dev, &cfg, opts.fused_decode && !opts.batch_invariant, dev.tuning());
+        let step = StepBuffers::new(
+            &dev,
+            &cfg,
+            opts.max_tokens,
+            opts.max_seqs,
+            opts.block_size,
+            spec.max_model_len,
+            opts.batch_invariant,
+        )?;
         let kv = DeviceKv::allocate(&dev, &cfg, opts)?;
         let graphs = DecodeGraphs::new(opts.cuda_graphs, step.max_seqs, step.max_tokens);
         tracing::debug!(?plan, "decode plan");
@@ -193,7 +212,7 @@ impl CudaModel {
         let buckets = self.graphs.buckets();
         for &bucket in &buckets {
             self.capture_graph(bucket, false)?;
-            if attention_split_most(bucket) > 1 {
+            if attention_split_most(bucket) > 1 && !self.step.batch_invariant() {
                 self.capture_graph(bucket, true)?;
             }
         }
@@ -206,7 +225,12 @@ impl CudaModel {
         if self.graphs.get(bucket, split).is_some() {
             return Ok(());
         }
-        let counts = StepCounts { decode: bucket, work: 0, one_token_each: true, split };
+        // A batch-invariant step's tokens are each a packed prefill work item.
+        let counts = if self.step.batch_invariant() {
+            StepCounts { decode: 0, work: bucket, one_token_each: true, split: false }
+        } else {
+            StepCounts { decode: bucket, work: 0, one_token_each: true, split }
+        };
         let graph_layout = self.step.graph_layout(bucket);
         let step_layout = std::mem::replace(&mut self.step.layout, graph_layout);
         self.dev.begin_capture()?;
@@ -265,7 +289,8 @@ impl CudaModel {
 
 impl ModelRunner for CudaModel {
     fn describe(&self) -> String {
-        format!("{} bf16", self.dev.describe())
+        let invariant = if self.step.batch_invariant() { ", batch-invariant" } else { "" };
+        format!("{} bf16{invariant}", self.dev.describe())
     }
 
     fn config(&self) -> &ModelConfig {

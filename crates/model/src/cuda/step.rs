@@ -51,9 +51,19 @@ impl StepBuffers {
         max_seqs: usize,
         block_size: usize,
         max_positions: usize,
+        batch_invariant: bool,
     ) -> Result<Self, ModelError> {
         let max_tokens = max_tokens.max(max_seqs).max(1);
         let max_seqs = max_seqs.max(1);
+        let flash = ops::flash_supported(cfg.head_dim);
+        if batch_invariant && !flash {
+            return Err(ModelError::Device(format!(
+                "--batch-invariant needs the tensor-core attention, which takes head sizes 64 and 128, not {}",
+                cfg.head_dim
+            )));
+        }
+        let packed = batch_invariant.then(|| ops::flash_packed_tokens(cfg.num_heads / cfg.num_kv_heads.max(1)));
+        let tokens_per_item = packed.unwrap_or(FLASH_ROWS);
         let (t, h, i) = (max_tokens, cfg.hidden_size, cfg.intermediate_size);
         let (q_dim, kv_dim) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
         let act = Activations {
@@ -73,7 +83,7 @@ impl StepBuffers {
             attn_part: dev.zeros(ops::attention_split_floats(16, cfg.num_heads, cfg.head_dim, 1))?,
         };
         let table_width = max_positions.div_ceil(block_size).max(1);
-        let layout = MetaLayout::new(max_tokens, max_seqs);
+        let layout = MetaLayout::new(max_tokens, max_seqs, tokens_per_item);
         let meta = dev.zeros(layout.tables + max_seqs * table_width)?;
         Ok(Self {
             staging: [dev.host_staging(meta.len())?, dev.host_staging(meta.len())?],
@@ -87,7 +97,7 @@ impl StepBuffers {
             pending: VecDeque::new(),
             last_rows: 0,
             counts: StepCounts::default(),
-            limits: MetaLimits { block_size, max_positions, table_width, flash: ops::flash_supported(cfg.head_dim) },
+            limits: MetaLimits { block_size, max_positions, table_width, flash, packed },
             max_tokens,
             max_seqs,
         })
@@ -112,7 +122,7 @@ impl StepBuffers {
     /// (85 KB at a 4096-token limit) every step. Its steps define every entry the graph reads
     /// (padding rows included).
     pub fn graph_layout(&self, bucket: usize) -> MetaLayout {
-        MetaLayout::new(bucket, self.max_seqs)
+        MetaLayout::new(bucket, self.max_seqs, self.limits.packed.unwrap_or(FLASH_ROWS))
     }
 
     /// Writes the metadata for the real batch, with the sampling parameters of `samples` (one
@@ -190,7 +200,14 @@ impl StepBuffers {
             seq_tok: self.at(m.seq_tok),
             seq_len: self.at(m.seq_len),
             seq_pos: self.at(m.seq_pos),
+            packed: self.limits.packed.is_some(),
         }
+    }
+
+    /// Whether every token's attention runs in the packed prefill kernel (batch-invariant
+    /// serving: one kernel, so a token's result does not depend on how it was batched).
+    pub fn batch_invariant(&self) -> bool {
+        self.limits.packed.is_some()
     }
 
     /// Queues the sampling of `specs.len()` rows of logits into `act.tokens`. Their parameters
@@ -318,7 +335,9 @@ pub(super) struct MetaLayout {
 }
 
 impl MetaLayout {
-    pub fn new(max_tokens: usize, max_seqs: usize) -> Self {
+    /// Room for `max_tokens` tokens of `max_seqs` sequences, prefill work items covering
+    /// `tokens_per_item` tokens.
+    pub fn new(max_tokens: usize, max_seqs: usize, tokens_per_item: usize) -> Self {
         let (t, s) = (max_tokens, max_seqs);
         let tokens = 4;
         let positions = tokens + t;
@@ -326,7 +345,7 @@ impl MetaLayout {
         let tok_seq = slots + t;
         let decode_list = tok_seq + t;
         let work = decode_list + t;
-        let rows = work + 2 * (t.div_ceil(FLASH_ROWS) + s);
+        let rows = work + 2 * (t.div_ceil(tokens_per_item.max(1)) + s);
         let seq_tok = rows + s;
         let seq_len = seq_tok + s;
         let seq_pos = seq_len + s;
@@ -365,6 +384,9 @@ struct MetaLimits {
     table_width: usize,
     /// Whether multi-token chunks go to the tensor-core prefill kernel (else the row kernel).
     flash: bool,
+    /// Batch-invariant serving: every token goes to the packed prefill kernel, in work items
+    /// of this many tokens ([`ops::flash_packed_tokens`]); none to the row kernel.
+    packed: Option<usize>,
 }
 
 /// Puts the sampling parameters of `samples` (row r: top-k, then temperature, top-p and the
@@ -424,7 +446,13 @@ fn build_meta(
             hm[m.slots + t] = (s.block_table[pos / bs] as usize * bs + pos % bs) as i32;
             hm[m.tok_seq + t] = si as i32;
         }
-        if limits.flash && s.num_tokens > 1 {
+        if let Some(per_item) = limits.packed {
+            for q0 in (0..s.num_tokens).step_by(per_item).rev() {
+                hm[m.work + 2 * n_work] = si as i32;
+                hm[m.work + 2 * n_work + 1] = q0 as i32;
+                n_work += 1;
+            }
+        } else if limits.flash && s.num_tokens > 1 {
             // Latest tiles first: they see the most keys, and starting the longest work first
             // keeps the last wave short.
             for q0 in (0..s.num_tokens).step_by(FLASH_ROWS).rev() {
@@ -448,8 +476,19 @@ fn build_meta(
         hm[m.positions + t] = 0;
         hm[m.slots + t] = -1;
         hm[m.tok_seq + t] = t as i32;
-        hm[m.decode_list + n_decode] = t as i32;
-        n_decode += 1;
+        if limits.packed.is_some() {
+            // A one-token sequence of its own (graph padding is for pure decode steps, where
+            // sequence t holds token t), reading block 0.
+            hm[m.seq_tok + t] = t as i32;
+            hm[m.seq_len + t] = 1;
+            hm[m.seq_pos + t] = 0;
+            hm[m.work + 2 * n_work] = t as i32;
+            hm[m.work + 2 * n_work + 1] = 0;
+            n_work += 1;
+        } else {
+            hm[m.decode_list + n_decode] = t as i32;
+            n_decode += 1;
+        }
         hm[m.rows + n_rows] = t as i32;
         n_rows += 1;
     }
@@ -489,12 +528,12 @@ mod tests {
     use super::*;
 
     fn limits(flash: bool) -> MetaLimits {
-        MetaLimits { block_size: 4, max_positions: 1000, table_width: 64, flash }
+        MetaLimits { block_size: 4, max_positions: 1000, table_width: 64, flash, packed: None }
     }
 
     #[test]
     fn meta_maps_positions_to_slots_and_splits_prefill_from_decode() {
-        let m = MetaLayout::new(256, 8);
+        let m = MetaLayout::new(256, 8, FLASH_ROWS);
         let mut header = vec![0; m.tables];
         let (t0, t1) = (vec![7u32, 3], vec![2u32, 9, 5, 1, 6, 8, 4, 0, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]);
         // A decode token at position 5 and a 70-token chunk continuing at position 6.
@@ -527,7 +566,7 @@ mod tests {
 
     #[test]
     fn sampling_parameters_ride_in_the_metadata_header() {
-        let m = MetaLayout::new(64, 3);
+        let m = MetaLayout::new(64, 3, FLASH_ROWS);
         // Every region lies inside the header, none overlapping the next.
         let regions = [
             (m.stride, 1),
@@ -561,11 +600,45 @@ mod tests {
     }
 
     #[test]
+    fn batch_invariant_steps_send_every_token_to_the_packed_prefill_kernel() {
+        // Four query heads per KV head: 16 tokens a work item.
+        let per_item = ops::flash_packed_tokens(4);
+        assert_eq!(per_item, 16);
+        let packed = MetaLimits { packed: Some(per_item), ..limits(true) };
+        let m = MetaLayout::new(256, 8, per_item);
+        let mut header = vec![0; m.tables];
+        let (t0, t1) = (vec![7u32, 3], (0..19).collect::<Vec<u32>>());
+        let ids: Vec<u32> = std::iter::once(42).chain(0..70).collect();
+        let seqs = [
+            SeqBatch { token_start: 0, num_tokens: 1, first_pos: 5, block_table: &t0, want_logits: true },
+            SeqBatch { token_start: 1, num_tokens: 70, first_pos: 6, block_table: &t1, want_logits: true },
+        ];
+        let (_, counts) = build_meta(&m, &mut header, &packed, &ids, &seqs, ids.len(), 2).unwrap();
+        assert_eq!((counts.decode, counts.work, counts.split), (0, 6, false), "no token for the row kernel");
+        let items: Vec<(i32, i32)> =
+            (0..counts.work).map(|i| (header[m.work + 2 * i], header[m.work + 2 * i + 1])).collect();
+        assert_eq!(items, [(0, 0), (1, 64), (1, 48), (1, 32), (1, 16), (1, 0)]);
+        // A decode graph's padding: each padding token a one-token sequence of its own, reading
+        // block 0 and writing nothing, so the captured grid (one item per bucket row) is full.
+        let g = MetaLayout::new(4, 8, per_item);
+        let mut header = vec![i32::MIN; g.tables];
+        let seqs = [SeqBatch { token_start: 0, num_tokens: 1, first_pos: 6, block_table: &t0, want_logits: true }];
+        let (tables, counts) = build_meta(&g, &mut header, &packed, &[3], &seqs, 4, 4).unwrap();
+        assert_eq!((counts.decode, counts.work), (0, 4));
+        for t in 1..4 {
+            assert_eq!((header[g.work + 2 * t], header[g.work + 2 * t + 1]), (t as i32, 0));
+            assert_eq!([header[g.seq_tok + t], header[g.seq_len + t], header[g.seq_pos + t]], [t as i32, 1, 0]);
+            assert_eq!(header[g.slots + t], -1);
+            assert!(tables[t * 2..t * 2 + 2].iter().all(|&b| b == 0));
+        }
+    }
+
+    #[test]
     fn a_decode_graph_step_defines_everything_its_graph_reads() {
         // A bucket's layout is shared with other steps' leftovers (other layouts write other
         // offsets of the same buffer): a graph step must set every entry its kernels read.
-        let m = MetaLayout::new(4, 8);
-        assert!(m.tables < MetaLayout::new(4096, 8).tables / 100, "the bucket's header is small");
+        let m = MetaLayout::new(4, 8, FLASH_ROWS);
+        assert!(m.tables < MetaLayout::new(4096, 8, FLASH_ROWS).tables / 100, "the bucket's header is small");
         let stale = i32::MIN;
         let mut header = vec![stale; m.tables];
         let (ta, tb) = ([5u32, 6], [9u32]);
@@ -584,7 +657,7 @@ mod tests {
 
     #[test]
     fn graph_padding_writes_nothing_and_reads_block_zero() {
-        let m = MetaLayout::new(16, 8);
+        let m = MetaLayout::new(16, 8, FLASH_ROWS);
         let mut header = vec![0; m.tables];
         let table = [5u32, 6];
         let seqs = [SeqBatch { token_start: 0, num_tokens: 1, first_pos: 6, block_table: &table, want_logits: true }];
@@ -601,10 +674,10 @@ mod tests {
 
     #[test]
     fn long_decode_contexts_split_the_row_attention_at_small_batches() {
-        let m = MetaLayout::new(64, 32);
+        let m = MetaLayout::new(64, 32, FLASH_ROWS);
         let mut header = vec![0; m.tables];
         let table: Vec<u32> = (0..100).collect();
-        let limits = MetaLimits { block_size: 4, max_positions: 1000, table_width: 100, flash: true };
+        let limits = MetaLimits { block_size: 4, max_positions: 1000, table_width: 100, flash: true, packed: None };
         let step = |header: &mut Vec<i32>, pos: usize, seqs_n: usize| {
             let seqs: Vec<SeqBatch<'_>> = (0..seqs_n)
                 .map(|i| SeqBatch {
@@ -632,7 +705,7 @@ mod tests {
 
     #[test]
     fn meta_refuses_positions_outside_the_tables() {
-        let m = MetaLayout::new(16, 8);
+        let m = MetaLayout::new(16, 8, FLASH_ROWS);
         let mut header = vec![0; m.tables];
         let table = [1u32];
         let seqs = [SeqBatch { token_start: 0, num_tokens: 1, first_pos: 4, block_table: &table, want_logits: true }];

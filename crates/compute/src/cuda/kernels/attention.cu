@@ -429,6 +429,15 @@ ATTENTION_ROWS(8, 4)
 // Work items: work[2 * i] = sequence, work[2 * i + 1] = first query of the tile (relative to
 // the sequence). Sequences: seq_tok[s] (first token in the batch), seq_len[s] (its tokens in
 // the batch), seq_pos[s] (position of that first token). Grid: (heads, work items).
+//
+// PACKED (the batch-invariant build, flash_prefill_packed_hd*): a block takes one KV head and
+// its group's G query heads for 64 / G consecutive tokens, row r being token q0 + r / G, head
+// kv_head * G + r % G; grid (kv heads, work items). A group's heads share every K/V tile, and
+// a decode token (one row per head) costs one block per KV head instead of 64 rows per query
+// head. A row's arithmetic is the same in both builds and whatever the other rows are: key
+// tiles start at key 0 and every tile past a row's position changes nothing of it, so a
+// query's result depends only on its own position, query and keys (not on the chunk it came
+// in, nor on the tokens beside it).
 #define FA_ROWS 64
 #define FA_KEYS 64
 // Dynamic shared memory of flash_prefill_hd<HD>: two stages of a K and a V tile.
@@ -441,7 +450,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const bf16* p) {
                  : "r"(addr));
 }
 
-template <int HD>
+template <int HD, bool PACKED>
 __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
                               const int* seq_len, const int* seq_pos, const int* block_tables,
                               const int* meta_stride, int num_heads, int num_kv_heads, int layer, int num_layers,
@@ -454,24 +463,35 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
     bf16* tiles = reinterpret_cast<bf16*>(fa_smem);
     // Heads vary fastest across blocks, so the query heads sharing a KV head run together and
     // its tiles come from L2.
-    int h = blockIdx.x, kh = h / (num_heads / num_kv_heads);
+    int group = num_heads / num_kv_heads;
+    int kh = PACKED ? blockIdx.x : blockIdx.x / group;
     int seq = work[2 * blockIdx.y], q0 = work[2 * blockIdx.y + 1];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     int n_q = seq_len[seq], first_pos = seq_pos[seq], tok0 = seq_tok[seq];
     const int* table = block_tables + (u64)seq * meta_stride[0];
+    // Tokens of the block's tile, and (rows past them unused when packed) its rows.
+    int tile_tokens = PACKED ? FA_ROWS / group : FA_ROWS;
+    int tile_rows = PACKED ? tile_tokens * group : FA_ROWS;
 
-    // This warp's rows: queries q0 + warp*16 + {g, g+8}.
-    int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+    // This warp's rows r = warp*16 + {g, g+8}: (token, head) of the sequence's queries.
+    int r_a = warp * 16 + g, r_b = r_a + 8;
+    int row_a = q0 + (PACKED ? r_a / group : r_a), row_b = q0 + (PACKED ? r_b / group : r_b);
+    int h_a = PACKED ? kh * group + r_a % group : blockIdx.x, h_b = PACKED ? kh * group + r_b % group : blockIdx.x;
     int pos_a = first_pos + row_a, pos_b = first_pos + row_b;
-    bool valid_a = row_a < n_q, valid_b = row_b < n_q;
+    bool valid_a = r_a < tile_rows && row_a < n_q, valid_b = r_b < tile_rows && row_b < n_q;
+    // The warp's last position with a query (-1: none; the warp only helps load tiles).
+    int r_first = warp * 16, r_last = min(warp * 16 + 15, tile_rows - 1);
+    int t_first = q0 + (PACKED ? r_first / group : r_first);
+    int t_last = min(q0 + (PACKED ? r_last / group : r_last), n_q - 1);
+    int warp_last = r_first < tile_rows && t_first < n_q ? first_pos + t_last : -1;
 
     // Q fragments for all HD/16 k-steps, straight from global memory.
     u32 qf[HD / 16][4];
 #pragma unroll
     for (int ks_i = 0; ks_i < HD / 16; ++ks_i) {
         int c = ks_i * 16 + tq * 2;
-        const bf16* qa = q + ((u64)(tok0 + row_a) * num_heads + h) * HD;
-        const bf16* qb = q + ((u64)(tok0 + row_b) * num_heads + h) * HD;
+        const bf16* qa = q + ((u64)(tok0 + row_a) * num_heads + h_a) * HD;
+        const bf16* qb = q + ((u64)(tok0 + row_b) * num_heads + h_b) * HD;
         qf[ks_i][0] = valid_a ? *reinterpret_cast<const u32*>(qa + c) : 0u;
         qf[ks_i][1] = valid_b ? *reinterpret_cast<const u32*>(qb + c) : 0u;
         qf[ks_i][2] = valid_a ? *reinterpret_cast<const u32*>(qa + c + 8) : 0u;
@@ -483,7 +503,7 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
     for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
 
-    int last_row = min(q0 + FA_ROWS, n_q) - 1;
+    int last_row = min(q0 + tile_tokens, n_q) - 1;
     int ctx = first_pos + last_row + 1;  // keys this tile needs
     auto load_tile = [&](int stage, int k0) {
         bf16* ks = tiles + stage * 2 * TILE;
@@ -516,9 +536,9 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
         __syncthreads();
         const bf16* ks = tiles + (kt & 1) * 2 * TILE;
         const bf16* vs = ks + TILE;
-        // Every key here is after this warp's rows: nothing to add (the barrier below is
-        // still reached by all warps).
-        if (k0 <= first_pos + q0 + warp * 16 + 15) {
+        // Every key here is after this warp's rows (or it has none): nothing to add (the
+        // barrier below is still reached by all warps).
+        if (k0 <= warp_last) {
 
         // S = Q K^T for 16 rows x 64 keys: 8 n-tiles of 8 keys.
         float s[FA_KEYS / 8][4];
@@ -603,24 +623,26 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
     for (int nd = 0; nd < HD / 8; ++nd) {
         int c = nd * 8 + tq * 2;
         if (valid_a)
-            *reinterpret_cast<u32*>(out + ((u64)(tok0 + row_a) * num_heads + h) * HD + c) =
+            *reinterpret_cast<u32*>(out + ((u64)(tok0 + row_a) * num_heads + h_a) * HD + c) =
                 pack_bf16x2(o[nd][0] * inv_a, o[nd][1] * inv_a);
         if (valid_b)
-            *reinterpret_cast<u32*>(out + ((u64)(tok0 + row_b) * num_heads + h) * HD + c) =
+            *reinterpret_cast<u32*>(out + ((u64)(tok0 + row_b) * num_heads + h_b) * HD + c) =
                 pack_bf16x2(o[nd][2] * inv_b, o[nd][3] * inv_b);
     }
 }
 
-#define FLASH_PREFILL(HD)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(128) flash_prefill_hd##HD(                                     \
-        const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok, const int* seq_len,     \
-        const int* seq_pos, const int* block_tables, const int* meta_stride, int num_heads, int num_kv_heads,     \
-        int layer, int num_layers, int block_size, float scale_log2) {                                          \
-        PDL_ENTER();                                                                                            \
-        flash_prefill<HD>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads, \
-                          num_kv_heads, layer, num_layers, block_size, scale_log2);                             \
+#define FLASH_PREFILL(NAME, HD, PACKED)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                        \
+        const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok, const int* seq_len,      \
+        const int* seq_pos, const int* block_tables, const int* meta_stride, int num_heads, int num_kv_heads,      \
+        int layer, int num_layers, int block_size, float scale_log2) {                                           \
+        PDL_ENTER();                                                                                             \
+        flash_prefill<HD, PACKED>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride,     \
+                                  num_heads, num_kv_heads, layer, num_layers, block_size, scale_log2);          \
     }
 #if KERNEL_GROUP(4)
-FLASH_PREFILL(64)
-FLASH_PREFILL(128)
+FLASH_PREFILL(flash_prefill_hd64, 64, false)
+FLASH_PREFILL(flash_prefill_hd128, 128, false)
+FLASH_PREFILL(flash_prefill_packed_hd64, 64, true)
+FLASH_PREFILL(flash_prefill_packed_hd128, 128, true)
 #endif

@@ -1,0 +1,221 @@
+//! Matrix products whose every row is the same whatever the number of rows: the GEMMs of
+//! batch-invariant serving (`--batch-invariant`).
+//!
+//! cuBLAS picks its kernel by shape, and on some shapes that kernel splits K over several
+//! blocks and adds their partial sums: then row `r` of `x · wᵀ` depends on how many other rows
+//! came with it (a different split, a different order of additions). Here cuBLASLt is asked
+//! for algorithms that reduce nothing outside the block computing an output tile (reduction
+//! scheme NONE) and get no workspace to do it in: each output element is one block's K loop,
+//! in the kernel's fixed order, and a kernel's K loop does not depend on M. Which kernel runs
+//! still depends on the shape; that the rows agree across the kernels chosen for every row
+//! count is what `tests/cuda_kernels.rs` checks on the GPU
+//! (`invariant_matmul_rows_do_not_depend_on_the_row_count`).
+//!
+//! Algorithms are chosen once per (n, k, rows, output type) and kept: the heuristic is a host
+//! call of tens of microseconds, and a kept choice makes a replayed shape take the same kernel.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+
+use super::CudaError;
+
+/// A cuBLASLt handle and the plans made with it.
+pub(crate) struct InvariantGemm {
+    handle: sys::cublasLtHandle_t,
+    desc: sys::cublasLtMatmulDesc_t,
+    pref: sys::cublasLtMatmulPreference_t,
+    plans: Mutex<HashMap<PlanKey, Plan>>,
+}
+
+// Safety: the handle and descriptors are used from one thread at a time (the owning device's;
+// see `CudaDevice`), and cuBLASLt handles are not tied to the creating thread.
+unsafe impl Send for InvariantGemm {}
+
+#[derive(Clone, Copy, Hash, PartialEq, Eq)]
+struct PlanKey {
+    n: usize,
+    k: usize,
+    t: usize,
+    f32_out: bool,
+}
+
+struct Plan {
+    w: sys::cublasLtMatrixLayout_t,
+    x: sys::cublasLtMatrixLayout_t,
+    y: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+/// Plans kept before the cache starts over (prefill chunk sizes vary; a few thousand shapes
+/// are a few MB of descriptors).
+const MAX_PLANS: usize = 8192;
+
+fn blas(e: lt::CublasError) -> CudaError {
+    CudaError::Unavailable(format!("cuBLASLt: {e}"))
+}
+
+impl InvariantGemm {
+    /// Loads cuBLASLt and sets up `y[t, n] = x[t, k] · w[n, k]ᵀ` (bf16 inputs, f32 accumulation).
+    pub fn new() -> Result<Self, CudaError> {
+        // Safety: only tries to dlopen the library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(CudaError::Unavailable(
+                "cannot load libcublasLt, which --batch-invariant needs (set LD_LIBRARY_PATH to the CUDA 13 libraries)"
+                    .into(),
+            ));
+        }
+        let handle = lt::create_handle().map_err(blas)?;
+        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
+            .map_err(blas)?;
+        let pref = lt::create_matmul_pref().map_err(blas)?;
+        // Column-major view, as in `ops::matmul_t`: yᵀ (n x t) = op(w) (w stored k x n,
+        // transposed) times xᵀ (k x t).
+        let trans_w = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
+        let none = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
+        let workspace = 0u64;
+        // Safety: each attribute gets a value of the type and size the cuBLASLt documentation
+        // gives for it, alive for the call.
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                (&trans_w as *const cudarc::cublas::sys::cublasOperation_t).cast(),
+                std::mem::size_of::<cudarc::cublas::sys::cublasOperation_t>(),
+            )
+            .map_err(blas)?;
+            lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                (&none as *const u32).cast(),
+                std::mem::size_of::<u32>(),
+            )
+            .map_err(blas)?;
+            lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&workspace as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+            .map_err(blas)?;
+        }
+        Ok(Self { handle, desc, pref, plans: Mutex::new(HashMap::new()) })
+    }
+
+    /// Queues `y[t, n] = x[t, k] · w[n, k]ᵀ` on `stream` (output bf16, or f32 with `f32_out`).
+    ///
+    /// # Safety
+    /// `x` holds `[t, k]` bf16, `w` `[n, k]` bf16, `y` `[t, n]` of the output type, all live
+    /// device allocations of the stream's context (which is current on this thread), each
+    /// aligned to 256 bytes (cuBLASLt's default alignment assumption).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn matmul(
+        &self,
+        stream: sys::cudaStream_t,
+        x: u64,
+        w: u64,
+        y: u64,
+        t: usize,
+        n: usize,
+        k: usize,
+        f32_out: bool,
+    ) -> Result<(), CudaError> {
+        if t == 0 {
+            return Ok(());
+        }
+        let key = PlanKey { n, k, t, f32_out };
+        let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
+        if !plans.contains_key(&key) {
+            if plans.len() >= MAX_PLANS {
+                for (_, p) in plans.drain() {
+                    // Safety: the layouts were made by `plan` and are used by no queued call
+                    // (cuBLASLt reads them at enqueue time).
+                    unsafe { p.destroy() };
+                }
+            }
+            let plan = self.plan(key)?;
+            plans.insert(key, plan);
+        }
+        let Some(p) = plans.get(&key) else { unreachable!("inserted above") };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Safety: the caller's contract covers the buffers; the plan's layouts describe them
+        // (made for this key); alpha and beta are host scalars alive for the call; no
+        // workspace, as the plan's algorithm was chosen for none.
+        unsafe {
+            lt::matmul(
+                self.handle,
+                self.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                w as *const _,
+                p.w,
+                x as *const _,
+                p.x,
+                y as *const _,
+                p.y,
+                y as *mut _,
+                p.y,
+                &p.algo,
+                std::ptr::null_mut(),
+                0,
+                stream,
+            )
+            .map_err(blas)
+        }
+    }
+
+    fn plan(&self, key: PlanKey) -> Result<Plan, CudaError> {
+        let PlanKey { n, k, t, f32_out } = key;
+        let out = if f32_out { sys::cudaDataType::CUDA_R_32F } else { sys::cudaDataType::CUDA_R_16BF };
+        let w = lt::create_matrix_layout(sys::cudaDataType::CUDA_R_16BF, k as u64, n as u64, k as i64).map_err(blas)?;
+        let x = lt::create_matrix_layout(sys::cudaDataType::CUDA_R_16BF, k as u64, t as u64, k as i64).map_err(blas)?;
+        let y = lt::create_matrix_layout(out, n as u64, t as u64, n as i64).map_err(blas)?;
+        // Safety: the descriptors were created above and by `new`, alive for the call.
+        let heuristic = unsafe { lt::get_matmul_algo_heuristic(self.handle, self.desc, w, x, y, y, self.pref) };
+        match heuristic {
+            Ok(h) => Ok(Plan { w, x, y, algo: h.algo }),
+            Err(e) => {
+                // Safety: made above, used by nothing else.
+                unsafe {
+                    let _ = lt::destroy_matrix_layout(w);
+                    let _ = lt::destroy_matrix_layout(x);
+                    let _ = lt::destroy_matrix_layout(y);
+                }
+                Err(CudaError::Unavailable(format!(
+                    "cuBLASLt has no algorithm without a split reduction for {t} x {k} by {n}: {e}"
+                )))
+            }
+        }
+    }
+}
+
+impl Plan {
+    /// # Safety
+    /// The layouts are not used again.
+    unsafe fn destroy(self) {
+        // Safety: per the function's contract. Errors here would only leak a descriptor.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.w);
+            let _ = lt::destroy_matrix_layout(self.x);
+            let _ = lt::destroy_matrix_layout(self.y);
+        }
+    }
+}
+
+impl Drop for InvariantGemm {
+    fn drop(&mut self) {
+        let plans = std::mem::take(self.plans.get_mut().unwrap_or_else(|p| p.into_inner()));
+        // Safety: the owning device synchronizes its stream before it drops, so no queued
+        // call still reads these; nothing uses them afterwards.
+        unsafe {
+            for (_, p) in plans {
+                p.destroy();
+            }
+            let _ = lt::destroy_matmul_pref(self.pref);
+            let _ = lt::destroy_matmul_desc(self.desc);
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
