@@ -131,8 +131,10 @@ if [ "$MODE" = invariant ]; then
   for flag in default --batch-invariant; do
     for ctx in 16 1024; do
       args=(); [ "$flag" = default ] || args=("$flag")
+      # Where the invariant step's time goes (per op), at the longer context.
+      [ "$flag" != default ] && [ "$ctx" = 1024 ] && args+=(--profile)
       log="$OUT/inv_bench_${flag#--}_$ctx.log"
-      timeout 200 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 --decode-steps 32 \
+      timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 --decode-steps 32 \
         --decode-prompt-tokens "$ctx" --prefill-tokens 4096 "${args[@]}" > "$log" 2>&1 \
         && note "$flag, context $ctx: $(grep -E '^(1|64) +[0-9]' "$log" | tr -s ' ' | tr '\n' '|')$(grep -oE 'prefill [0-9]+ tokens: [0-9.]+ ms' "$log" | head -1)" \
         || { note "bench engine $flag context $ctx failed"; tail -8 "$log" >> "$OUT/summary.txt"; status=1; }

@@ -121,6 +121,9 @@ pub const KERNEL_NAMES: &[&str] = &[
     "flash_prefill_hd128",
     "flash_prefill_packed_hd64",
     "flash_prefill_packed_hd128",
+    "flash_prefill_split_hd64",
+    "flash_prefill_split_hd128",
+    "flash_range_combine",
     "ban_tokens",
     "sample_rows",
 ];
@@ -521,6 +524,8 @@ impl CudaDevice {
             ("flash_prefill_hd128", 128),
             ("flash_prefill_packed_hd64", 64),
             ("flash_prefill_packed_hd128", 128),
+            ("flash_prefill_split_hd64", 64),
+            ("flash_prefill_split_hd128", 128),
         ] {
             allow_smem(name, ops::flash_smem_bytes(hd) as usize)?;
         }

@@ -845,6 +845,30 @@ pub struct PrefillSeqs {
     pub packed: bool,
 }
 
+/// Keys per range of the packed prefill kernel's softmax (FA_RANGE in kernels/attention.cu):
+/// each range's sums start afresh and ranges fold in key order, so a long context's ranges
+/// may be worked by separate blocks ([`FlashSplit`]) with the same result.
+pub const FLASH_RANGE_KEYS: usize = 256;
+
+/// Key ranges ([`FLASH_RANGE_KEYS`]) of the packed prefill kernel spread over blocks: for
+/// decode steps of a few tokens with long contexts, where one block per KV head walking the
+/// whole context leaves the device idle. Only for steps whose work items are one token each.
+#[derive(Clone, Copy, Debug)]
+pub struct FlashSplit {
+    /// `[tokens][heads][max_ranges][head_dim + 2]` f32 scratch ([`flash_split_floats`]).
+    pub part: u64,
+    /// Blocks per work item and KV head (the launch's grid z); block z takes ranges z, z +
+    /// blocks, ...
+    pub blocks: usize,
+    /// Ranges the scratch holds per token and head: at least every token's context / 256.
+    pub max_ranges: usize,
+}
+
+/// f32 elements of [`FlashSplit::part`] for `tokens` tokens with contexts up to `max_positions`.
+pub fn flash_split_floats(tokens: usize, num_heads: usize, head_dim: usize, max_positions: usize) -> usize {
+    tokens * num_heads * max_positions.div_ceil(FLASH_RANGE_KEYS) * (head_dim + 2)
+}
+
 /// Tokens one work item of the packed prefill kernel covers: its 64 rows hold that many
 /// tokens' worth of a KV head's query heads (`group` = query heads per KV head, at most 64).
 pub fn flash_packed_tokens(group: usize) -> usize {
@@ -904,7 +928,9 @@ pub const FLASH_ROWS: usize = 64;
 /// # Safety
 /// See the module docs; `q` and `out` hold every token of the work items' sequences
 /// (`[t, heads, head_dim]`), `seqs`' arrays `num_items` work items and their sequences, and `m`'s
-/// tables blocks in `cache` (as `s` describes it) up to each query's position.
+/// tables blocks in `cache` (as `s` describes it) up to each query's position. With `split`
+/// (packed, one token per work item, the step's tokens `0..items`), `split.part` holds
+/// [`flash_split_floats`] for those tokens and every context fits `split.max_ranges` ranges.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn flash_prefill(
     dev: &CudaDevice,
@@ -914,16 +940,22 @@ pub unsafe fn flash_prefill(
     p: &PrefillSeqs,
     m: &AttnMeta,
     s: &AttnShape,
+    split: Option<FlashSplit>,
 ) -> Result<(), CudaError> {
     if p.num_items == 0 {
         return Ok(());
     }
-    let name = match (s.head_dim, p.packed) {
-        (64, false) => "flash_prefill_hd64",
-        (128, false) => "flash_prefill_hd128",
-        (64, true) => "flash_prefill_packed_hd64",
-        (128, true) => "flash_prefill_packed_hd128",
-        (d, _) => panic!("flash_prefill called for head_dim {d}; check flash_supported first"),
+    if split.is_some() && !p.packed {
+        return Err(CudaError::Unavailable("split prefill attention is only built packed".into()));
+    }
+    let name = match (s.head_dim, p.packed, split.is_some()) {
+        (64, false, _) => "flash_prefill_hd64",
+        (128, false, _) => "flash_prefill_hd128",
+        (64, true, false) => "flash_prefill_packed_hd64",
+        (128, true, false) => "flash_prefill_packed_hd128",
+        (64, true, true) => "flash_prefill_split_hd64",
+        (128, true, true) => "flash_prefill_split_hd128",
+        (d, ..) => panic!("flash_prefill called for head_dim {d}; check flash_supported first"),
     };
     if p.packed && s.num_heads / s.num_kv_heads.max(1) > FLASH_ROWS {
         return Err(CudaError::Unavailable(format!(
@@ -933,8 +965,9 @@ pub unsafe fn flash_prefill(
     }
     let scale_log2 = std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt();
     let blocks_x = if p.packed { s.num_kv_heads } else { s.num_heads };
+    let (part, blocks_z, max_ranges) = split.map_or((0, 1, 0), |f| (f.part, f.blocks.max(1), f.max_ranges));
     let config = LaunchConfig {
-        grid_dim: (blocks_x as u32, p.num_items as u32, 1),
+        grid_dim: (blocks_x as u32, p.num_items as u32, blocks_z as u32),
         block_dim: (128, 1, 1),
         shared_mem_bytes: flash_smem_bytes(s.head_dim),
     };
@@ -956,8 +989,25 @@ pub unsafe fn flash_prefill(
         s.layer as i32,
         s.num_layers as i32,
         s.block_size as i32,
-        scale_log2
-    )
+        scale_log2,
+        part,
+        max_ranges as i32
+    )?;
+    if split.is_some() {
+        // One token per work item: the step's tokens are 0..items.
+        launch!(
+            dev,
+            "flash_range_combine",
+            cfg((p.num_items as u32, s.num_heads as u32), s.head_dim as u32),
+            part,
+            out,
+            m.positions,
+            s.num_heads as i32,
+            s.head_dim as i32,
+            max_ranges as i32
+        )?;
+    }
+    Ok(())
 }
 
 /// Sets `logits[ban_row[i], ban_tok[i]] = -inf` for `n` pairs.

@@ -101,7 +101,8 @@ impl Pass<'_> {
                     fences.record(dev, li / per_group * per_group..li + 1)?;
                 }
             }
-            ops::flash_prefill(dev, a.q.ptr(), self.cache.ptr(), a.attn.ptr(), &prefill, &meta, &shape)?;
+            let split = self.step.flash_split(counts);
+            ops::flash_prefill(dev, a.q.ptr(), self.cache.ptr(), a.attn.ptr(), &prefill, &meta, &shape, split)?;
             self.linear(&layer.o, a.attn.ptr(), a.proj.ptr(), t)?;
             ops::add_rms_norm(dev, a.x.ptr(), a.proj.ptr(), 0, layer.post_norm.ptr(), a.normed.ptr(), t, h, eps)?;
             self.linear(&layer.gate_up, a.normed.ptr(), a.gate_up.ptr(), t)?;

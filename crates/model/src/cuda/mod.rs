@@ -212,7 +212,7 @@ impl CudaModel {
         let buckets = self.graphs.buckets();
         for &bucket in &buckets {
             self.capture_graph(bucket, false)?;
-            if attention_split_most(bucket) > 1 && !self.step.batch_invariant() {
+            if attention_split_most(bucket) > 1 {
                 self.capture_graph(bucket, true)?;
             }
         }
@@ -227,7 +227,7 @@ impl CudaModel {
         }
         // A batch-invariant step's tokens are each a packed prefill work item.
         let counts = if self.step.batch_invariant() {
-            StepCounts { decode: 0, work: bucket, one_token_each: true, split: false }
+            StepCounts { decode: 0, work: bucket, one_token_each: true, split }
         } else {
             StepCounts { decode: bucket, work: 0, one_token_each: true, split }
         };

@@ -190,7 +190,19 @@ unsafe fn op_times(
         ),
         (
             "attention (tensor-core prefill)".into(),
-            layers * time(&|| ops::flash_prefill(dev, a.q.ptr(), cache, a.attn.ptr(), &prefill, &meta, &shape))?,
+            layers
+                * time(&|| {
+                    ops::flash_prefill(
+                        dev,
+                        a.q.ptr(),
+                        cache,
+                        a.attn.ptr(),
+                        &prefill,
+                        &meta,
+                        &shape,
+                        step.flash_split(counts),
+                    )
+                })?,
         ),
         (
             "o projection".into(),

@@ -80,7 +80,12 @@ impl StepBuffers {
             tokens: dev.zeros(max_seqs)?,
             bans: dev.zeros(1024)?,
             sample_scratch: dev.zeros(ops::sample_scratch_len(max_seqs))?,
-            attn_part: dev.zeros(ops::attention_split_floats(16, cfg.num_heads, cfg.head_dim, 1))?,
+            attn_part: dev.zeros(if batch_invariant {
+                // Split steps have at most 8 tokens (see `attention_split_most`).
+                ops::flash_split_floats(8, cfg.num_heads, cfg.head_dim, max_positions)
+            } else {
+                ops::attention_split_floats(16, cfg.num_heads, cfg.head_dim, 1)
+            })?,
         };
         let table_width = max_positions.div_ceil(block_size).max(1);
         let layout = MetaLayout::new(max_tokens, max_seqs, tokens_per_item);
@@ -210,6 +215,15 @@ impl StepBuffers {
         self.limits.packed.is_some()
     }
 
+    /// The packed kernel's key ranges spread over blocks, on steps `counts` marks split.
+    pub fn flash_split(&self, counts: StepCounts) -> Option<ops::FlashSplit> {
+        (self.batch_invariant() && counts.split).then(|| ops::FlashSplit {
+            part: self.act.attn_part.ptr(),
+            blocks: attention_split_most(counts.work),
+            max_ranges: self.limits.max_positions.div_ceil(ops::FLASH_RANGE_KEYS),
+        })
+    }
+
     /// Queues the sampling of `specs.len()` rows of logits into `act.tokens`. Their parameters
     /// went up with the step's metadata ([`StepBuffers::fill`]); banned ids go up here.
     pub fn launch_sampling(&mut self, dev: &CudaDevice, vocab: usize, specs: &[SampleSpec]) -> Result<(), ModelError> {
@@ -308,7 +322,8 @@ pub(super) struct Activations {
     /// Counters and partial bests of greedy rows whose scan several blocks share
     /// ([`ops::sample_rows`]).
     pub sample_scratch: DevBuf<i32>,
-    /// Partials of split row attention (at most 16 token ranges per head in all).
+    /// Partials of split row attention (at most 16 token ranges per head in all), or when
+    /// batch invariant, of the packed prefill kernel's key ranges ([`ops::FlashSplit`]).
     pub attn_part: DevBuf<f32>,
 }
 
@@ -493,9 +508,16 @@ fn build_meta(
         n_rows += 1;
     }
     let one_token_each = seqs.iter().all(|s| s.num_tokens <= 1);
-    // Split the row attention when a listed token's context is long enough to take two ranges.
-    let longest = (0..n_decode).map(|i| hm[m.positions + hm[m.decode_list + i] as usize] as usize + 1).max();
-    let split = attention_split_most(n_decode) > 1 && longest.is_some_and(|ctx| ctx > SPLIT_KEYS);
+    let split = if limits.packed.is_some() {
+        // Spread the packed kernel's key ranges over blocks on a decode step of a few tokens
+        // when a context has two ranges or more (the same result either way).
+        let longest = (0..padded_tokens.max(token_ids.len())).map(|t| hm[m.positions + t] as usize + 1).max();
+        one_token_each && attention_split_most(n_work) > 1 && longest.is_some_and(|ctx| ctx > ops::FLASH_RANGE_KEYS)
+    } else {
+        // Split the row attention when a listed token's context is long enough to take two ranges.
+        let longest = (0..n_decode).map(|i| hm[m.positions + hm[m.decode_list + i] as usize] as usize + 1).max();
+        attention_split_most(n_decode) > 1 && longest.is_some_and(|ctx| ctx > SPLIT_KEYS)
+    };
     Ok((tables, StepCounts { decode: n_decode, work: n_work, one_token_each, split }))
 }
 

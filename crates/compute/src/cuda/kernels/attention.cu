@@ -438,6 +438,29 @@ ATTENTION_ROWS(8, 4)
 // tiles start at key 0 and every tile past a row's position changes nothing of it, so a
 // query's result depends only on its own position, query and keys (not on the chunk it came
 // in, nor on the tokens beside it).
+//
+// The packed build's softmax goes by ranges of FA_RANGE keys: each range's (max, sum, P.V)
+// starts afresh, and the ranges are folded into the result in key order (range_fold). That
+// order is fixed by the keys alone, so a decode step may instead give the ranges of a long
+// context to separate blocks (SPLIT: block z takes ranges z, z + gridDim.z, ..., leaving each
+// range's state in `part`) and fold them in flash_range_combine with the same arithmetic: the
+// same bits as one block walking every range.
+#define FA_RANGE 256
+
+// Folds one key range's softmax state (m in log2 units, l its whole sum) into a row's running
+// (M, L): returns the factors (a for the running P.V sum, b for the range's). The rounding is
+// pinned (no contraction left to the compiler), so the fold in registers and the fold from
+// memory give the same bits. A range without a visible key (m = -inf) must not be folded.
+__device__ __forceinline__ void range_fold(float& M, float& L, float m, float l, float& a, float& b) {
+    float mn = fmaxf(M, m);
+    a = exp2f(M - mn);
+    b = exp2f(m - mn);
+    L = __fmaf_rn(L, a, __fmul_rn(l, b));
+    M = mn;
+}
+__device__ __forceinline__ float range_scale(float acc, float a, float o, float b) {
+    return __fmaf_rn(acc, a, __fmul_rn(o, b));
+}
 #define FA_ROWS 64
 #define FA_KEYS 64
 // Dynamic shared memory of flash_prefill_hd<HD>: two stages of a K and a V tile.
@@ -450,11 +473,11 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const bf16* p) {
                  : "r"(addr));
 }
 
-template <int HD, bool PACKED>
+template <int HD, bool PACKED, bool SPLIT>
 __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
                               const int* seq_len, const int* seq_pos, const int* block_tables,
                               const int* meta_stride, int num_heads, int num_kv_heads, int layer, int num_layers,
-                              int block_size, float scale_log2) {
+                              int block_size, float scale_log2, float* part, int max_ranges) {
     constexpr int STRIDE = HD + 8;  // padded rows: ldmatrix rows fall in different banks
     constexpr int TILE = FA_KEYS * STRIDE;
     // Two stages of K and V tiles (dynamic shared memory, FLASH_SMEM_BYTES(HD)): the next
@@ -502,9 +525,42 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
 #pragma unroll
     for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+    // PACKED: the folded ranges so far (see FA_RANGE).
+    float acc[HD / 8][4];
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    float M_a = NEG_INF, M_b = NEG_INF, L_a = 0.0f, L_b = 0.0f;
+    // Ends the current range: its sums whole over the quad, folded in, the state reset.
+    auto end_range = [&]() {
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+        float a_a = 1.0f, b_a = 0.0f, a_b = 1.0f, b_b = 0.0f;
+        if (m_a != NEG_INF) range_fold(M_a, L_a, m_a, l_a, a_a, b_a);
+        if (m_b != NEG_INF) range_fold(M_b, L_b, m_b, l_b, a_b, b_b);
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) {
+            if (m_a != NEG_INF) {
+                acc[i][0] = range_scale(acc[i][0], a_a, o[i][0], b_a);
+                acc[i][1] = range_scale(acc[i][1], a_a, o[i][1], b_a);
+            }
+            if (m_b != NEG_INF) {
+                acc[i][2] = range_scale(acc[i][2], a_b, o[i][2], b_b);
+                acc[i][3] = range_scale(acc[i][3], a_b, o[i][3], b_b);
+            }
+            o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+        }
+        m_a = m_b = NEG_INF;
+        l_a = l_b = 0.0f;
+    };
 
     int last_row = min(q0 + tile_tokens, n_q) - 1;
     int ctx = first_pos + last_row + 1;  // keys this tile needs
+    // SPLIT: this block's ranges are z, z + gridDim.z, ...; each is stored, not folded.
+    int range = SPLIT ? blockIdx.z : 0;
+    int k_first = SPLIT ? range * FA_RANGE : 0;
+    if (k_first >= ctx) return;  // the whole block: no barrier is reached
     auto load_tile = [&](int stage, int k0) {
         bf16* ks = tiles + stage * 2 * TILE;
         bf16* vs = ks + TILE;
@@ -527,15 +583,65 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(vd), "l"(vsrc), "r"(bytes));
         }
     };
-    load_tile(0, 0);
+    // The next tile's first key after k0: the next in this range, else (SPLIT) the first of
+    // this block's next range.
+    auto next_key = [&](int k0) {
+        int k = k0 + FA_KEYS;
+        if (SPLIT && k % FA_RANGE == 0) k += (gridDim.z - 1) * FA_RANGE;
+        return k;
+    };
+    // SPLIT: stores the ended range's state of this warp's valid rows.
+    auto store_range = [&](int rg) {
+        if (!SPLIT) return;
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; ++nd) {
+            int c = nd * 8 + tq * 2;
+            if (valid_a) {
+                float* pa = part + (((u64)(tok0 + row_a) * num_heads + h_a) * max_ranges + rg) * (HD + 2);
+                pa[2 + c] = o[nd][0];
+                pa[3 + c] = o[nd][1];
+                if (nd == 0 && tq == 0) {
+                    pa[0] = m_a;
+                    pa[1] = l_a;
+                }
+            }
+            if (valid_b) {
+                float* pb = part + (((u64)(tok0 + row_b) * num_heads + h_b) * max_ranges + rg) * (HD + 2);
+                pb[2 + c] = o[nd][2];
+                pb[3 + c] = o[nd][3];
+                if (nd == 0 && tq == 0) {
+                    pb[0] = m_b;
+                    pb[1] = l_b;
+                }
+            }
+        }
+    };
+    load_tile(0, k_first);
     asm volatile("cp.async.commit_group;\n" ::);
-    for (int kt = 0, k0 = 0; k0 < ctx; ++kt, k0 += FA_KEYS) {
-        if (k0 + FA_KEYS < ctx) load_tile((kt + 1) & 1, k0 + FA_KEYS);
+    for (int kt = 0, k0 = k_first; k0 < ctx; ++kt, k0 = next_key(k0)) {
+        if (next_key(k0) < ctx) load_tile((kt + 1) & 1, next_key(k0));
         asm volatile("cp.async.commit_group;\n" ::);
         asm volatile("cp.async.wait_group 1;\n" ::);
         __syncthreads();
         const bf16* ks = tiles + (kt & 1) * 2 * TILE;
         const bf16* vs = ks + TILE;
+        // A new range (packed build): the last one is stored (SPLIT) or folded in.
+        if (PACKED && k0 != k_first && k0 % FA_RANGE == 0 && k0 <= warp_last) {
+            if (SPLIT) {
+                l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+                l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+                l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+                l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+                store_range(range);
+                range += gridDim.z;
+#pragma unroll
+                for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+                m_a = m_b = NEG_INF;
+                l_a = l_b = 0.0f;
+            } else {
+                end_range();
+            }
+        }
         // Every key here is after this warp's rows (or it has none): nothing to add (the
         // barrier below is still reached by all warps).
         if (k0 <= warp_last) {
@@ -614,10 +720,29 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
         // All warps are done with this stage before the next iteration refills it.
         __syncthreads();
     }
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    if constexpr (SPLIT) {
+        // The last range this block took (the warps without rows store nothing).
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+        store_range(range);
+        return;
+    }
+    if constexpr (PACKED) {
+        end_range();
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[i][e] = acc[i][e];
+        l_a = L_a;
+        l_b = L_b;
+    } else {
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    }
     float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f, inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
 #pragma unroll
     for (int nd = 0; nd < HD / 8; ++nd) {
@@ -631,18 +756,43 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
     }
 }
 
-#define FLASH_PREFILL(NAME, HD, PACKED)                                                                          \
+#define FLASH_PREFILL(NAME, HD, PACKED, SPLIT)                                                                   \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                        \
         const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok, const int* seq_len,      \
         const int* seq_pos, const int* block_tables, const int* meta_stride, int num_heads, int num_kv_heads,      \
-        int layer, int num_layers, int block_size, float scale_log2) {                                           \
+        int layer, int num_layers, int block_size, float scale_log2, float* part, int max_ranges) {              \
         PDL_ENTER();                                                                                             \
-        flash_prefill<HD, PACKED>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride,     \
-                                  num_heads, num_kv_heads, layer, num_layers, block_size, scale_log2);          \
+        flash_prefill<HD, PACKED, SPLIT>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables,           \
+                                         meta_stride, num_heads, num_kv_heads, layer, num_layers, block_size,    \
+                                         scale_log2, part, max_ranges);                                          \
     }
 #if KERNEL_GROUP(4)
-FLASH_PREFILL(flash_prefill_hd64, 64, false)
-FLASH_PREFILL(flash_prefill_hd128, 128, false)
-FLASH_PREFILL(flash_prefill_packed_hd64, 64, true)
-FLASH_PREFILL(flash_prefill_packed_hd128, 128, true)
+FLASH_PREFILL(flash_prefill_hd64, 64, false, false)
+FLASH_PREFILL(flash_prefill_hd128, 128, false, false)
+FLASH_PREFILL(flash_prefill_packed_hd64, 64, true, false)
+FLASH_PREFILL(flash_prefill_packed_hd128, 128, true, false)
+FLASH_PREFILL(flash_prefill_split_hd64, 64, true, true)
+FLASH_PREFILL(flash_prefill_split_hd128, 128, true, true)
+
+// Folds the key ranges flash_prefill_split_hd* left in `part` for every listed token t (all of
+// the step's: a split step is pure decode) and head, in range order, with range_fold's
+// arithmetic, and writes the normalised output as the unsplit packed build would.
+// Grid: (tokens, heads). Block: head_dim.
+extern "C" __global__ void flash_range_combine(const float* part, bf16* out, const int* positions, int num_heads,
+                                               int head_dim, int max_ranges) {
+    PDL_ENTER();
+    int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    int ranges = (positions[t] + FA_RANGE) / FA_RANGE;
+    const float* p = part + ((u64)t * num_heads + h) * max_ranges * (head_dim + 2);
+    float M = NEG_INF, L = 0.0f, acc = 0.0f;
+    for (int r = 0; r < ranges; ++r, p += head_dim + 2) {
+        float m = p[0];
+        if (m == NEG_INF) continue;
+        float a, b;
+        range_fold(M, L, m, p[1], a, b);
+        acc = range_scale(acc, a, p[2 + d], b);
+    }
+    float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    out[((u64)t * num_heads + h) * head_dim + d] = f2bf(acc * inv);
+}
 #endif
