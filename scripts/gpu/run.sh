@@ -27,7 +27,9 @@
 #   pd: only disaggregated serving on the GPU (scripts/gpu/pd_check.py; also part of every mode
 #   that runs the tests);
 #   invariant: --batch-invariant's kernel and engine tests, P/D with it (SKIP_PD=1 leaves that
-#   out), and bench engine with and without it;
+#   out), and bench engine with and without it; invariant-serve: bench serve with and without
+#   it, then the GPU soak with it (SOAK_SECS per mode, default 60; ENGINE_TEST=1 runs the
+#   engine's batch-invariance test first);
 #   sanitize [TOOL [TEST_FILTER]]: the kernel tests (those matching TEST_FILTER) under
 #   compute-sanitizer's TOOL (memcheck, the default; racecheck, initcheck, synccheck).
 #
@@ -124,7 +126,7 @@ if [ "$MODE" = invariant ]; then
   timeout 300 "$BIN/cuda_engine" --include-ignored --nocapture batch_invariant > "$OUT/inv_engine.log" 2>&1 \
     && note "batch-invariant engine test: ok" \
     || { note "batch-invariant engine test: FAILED"; grep -B2 -A8 panicked "$OUT/inv_engine.log" | head -20 >> "$OUT/summary.txt"; status=1; }
-  grep "without --batch-invariant" "$OUT/inv_engine.log" | while read -r l; do note "$l"; done
+  grep -E "without --batch-invariant|preemptions" "$OUT/inv_engine.log" | while read -r l; do note "$l"; done
   if [ -z "${SKIP_PD:-}" ]; then
     PD_BATCH_INVARIANT=1 PD_SETTINGS=cuda-ipc_16 PD_LONG=2000 pd_check
   fi
@@ -140,6 +142,50 @@ if [ "$MODE" = invariant ]; then
         || { note "bench engine $flag context $ctx failed"; tail -8 "$log" >> "$OUT/summary.txt"; status=1; }
     done
   done
+  cat "$OUT/summary.txt"; exit $status
+fi
+# End to end with and without --batch-invariant (`tandem bench serve` against one engine on
+# preset:qwen3-4b), then the reliability soak on the GPU with it (push and pull: freezes,
+# cancellations, a small KV pool, every answer against the reference engine's).
+if [ "$MODE" = invariant-serve ]; then
+  if [ -n "${ENGINE_TEST:-}" ]; then
+    timeout 300 "$BIN/cuda_engine" --include-ignored --nocapture batch_invariant > "$OUT/inv_engine.log" 2>&1 \
+      && note "batch-invariant engine test: ok" \
+      || { note "batch-invariant engine test: FAILED"; grep -B2 -A8 panicked "$OUT/inv_engine.log" | head -20 >> "$OUT/summary.txt"; status=1; }
+    grep -E "without --batch-invariant|preemptions" "$OUT/inv_engine.log" | while read -r l; do note "$l"; done
+  fi
+  serve_bench() {  # label, then serve arguments
+    local label=$1; shift
+    "$BIN/tandem" serve --device cuda:0 --model preset:qwen3-4b --port 18500 --max-model-len 4096 "$@" \
+      > "$OUT/serve_$label.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 240); do
+      python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:18500/health', timeout=1)" \
+        2>/dev/null && break
+      sleep 0.5
+    done
+    timeout 200 "$BIN/tandem" bench serve --base-url http://127.0.0.1:18500 --num-prompts 200 --request-rate 8 \
+      --random-input-len 1024 --random-output-len 128 --seed 1 --no-progress --save-result --result-dir "$OUT" \
+      --result-filename "serve_$label.json" > "$OUT/bench_serve_$label.log" 2>&1 \
+      || { note "bench serve $label failed"; tail -5 "$OUT/bench_serve_$label.log" >> "$OUT/summary.txt"; status=1; }
+    kill "$pid"; wait "$pid" 2>/dev/null
+    python3 - "$OUT/serve_$label.json" "$label" >> "$OUT/summary.txt" <<'PY'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"== serve {sys.argv[2]}: no result ({e})"); sys.exit(0)
+print(f"== serve {sys.argv[2]}: 200 prompts of 1024 tokens at 8 req/s, 128 out: TTFT median {r['median_ttft_ms']:.1f} "
+      f"p99 {r['p99_ttft_ms']:.1f} ms, TPOT median {r['median_tpot_ms']:.2f} p99 {r['p99_tpot_ms']:.2f} ms, "
+      f"E2EL median {r['median_e2el_ms']:.0f} ms, output {r['output_throughput']:.0f} tok/s")
+PY
+  }
+  serve_bench default
+  serve_bench invariant --batch-invariant
+  timeout 330 "$BIN/tandem" bench soak --device cuda:0 --batch-invariant --model preset:qwen3-0.6b \
+    --secs "${SOAK_SECS:-60}" --freeze-every-secs 20 --json-out "$OUT/soak_gpu.json" > "$OUT/soak_gpu.log" 2>&1 \
+    && note "GPU soak with --batch-invariant: passed" || { note "GPU soak with --batch-invariant: FAILED"; status=1; }
+  grep -E "^(push|pull): " "$OUT/soak_gpu.log" | while read -r l; do note "$l"; done
   cat "$OUT/summary.txt"; exit $status
 fi
 # The cuda-ipc transport's copies into another process's GPU cache, against the same copies

@@ -69,6 +69,17 @@ pub struct SoakReport {
     pub p99_e2e_ms: f64,
     /// The first error messages seen (up to 5), for the report.
     pub sample_errors: Vec<String>,
+    /// The first wrong answers (up to 5): which prompt, streamed or not, where the tokens part.
+    pub sample_wrong: Vec<String>,
+    /// The first lost requests (up to 5): which prompt, streamed or not.
+    pub sample_lost: Vec<String>,
+}
+
+/// One line about request `entry` of the pool for a report sample.
+fn describe(pool: &[PoolEntry], entry: usize, stream: bool) -> String {
+    let e = &pool[entry];
+    let how = if stream { "streamed" } else { "not streamed" };
+    format!("pool entry {entry} ({} prompt tokens, {} out, {how})", e.prompt.len(), e.max_tokens)
 }
 
 /// `n` prompts of mixed lengths (1 token to several hundred) and output lengths, seeded.
@@ -191,6 +202,8 @@ pub async fn run(cfg: &SoakConfig, pool: &[PoolEntry], mut progress: impl FnMut(
     let start = Instant::now();
     let mut next = Duration::ZERO;
     let mut tasks = Vec::new();
+    // (pool entry, streamed) of each task.
+    let mut requests = Vec::new();
     let mut last_note = Instant::now();
     while next < cfg.duration {
         tokio::time::sleep_until((start + next).into()).await;
@@ -208,15 +221,16 @@ pub async fn run(cfg: &SoakConfig, pool: &[PoolEntry], mut progress: impl FnMut(
             if let Some(after) = cancel_after {
                 // Dropping the request future is the client going away.
                 return match tokio::time::timeout(after, req).await {
-                    Ok(outcome) => (Some(outcome), e.want.clone(), sent.elapsed(), false),
-                    Err(_) => (None, e.want.clone(), sent.elapsed(), true),
+                    Ok(outcome) => (Some(outcome), sent.elapsed(), false),
+                    Err(_) => (None, sent.elapsed(), true),
                 };
             }
             match tokio::time::timeout(bound, req).await {
-                Ok(outcome) => (Some(outcome), e.want.clone(), sent.elapsed(), false),
-                Err(_) => (None, e.want.clone(), sent.elapsed(), false),
+                Ok(outcome) => (Some(outcome), sent.elapsed(), false),
+                Err(_) => (None, sent.elapsed(), false),
             }
         }));
+        requests.push((entry, stream));
         // Exponential gaps: a Poisson process at `rate`.
         let u: f64 = rng.random_range(f64::EPSILON..1.0);
         next += Duration::from_secs_f64(-u.ln() / cfg.rate.max(1e-3));
@@ -227,14 +241,24 @@ pub async fn run(cfg: &SoakConfig, pool: &[PoolEntry], mut progress: impl FnMut(
     }
     let mut r = SoakReport { sent: tasks.len(), ..SoakReport::default() };
     let mut e2e = Vec::new();
-    for t in tasks {
-        let Ok((outcome, want, took, cancelled)) = t.await else {
+    for (t, (entry, stream)) in tasks.into_iter().zip(requests) {
+        let want = &pool[entry].want;
+        let Ok((outcome, took, cancelled)) = t.await else {
             r.lost += 1;
             continue;
         };
         match outcome {
             None if cancelled => r.cancelled += 1,
-            None => r.lost += 1,
+            None => {
+                r.lost += 1;
+                if r.sample_lost.len() < 5 {
+                    r.sample_lost.push(format!(
+                        "{}: no answer in {:.0} s",
+                        describe(&pool, entry, stream),
+                        took.as_secs_f64()
+                    ));
+                }
+            }
             Some(Outcome::Refused) => r.refused += 1,
             Some(Outcome::Error(msg)) => {
                 r.errored += 1;
@@ -245,8 +269,20 @@ pub async fn run(cfg: &SoakConfig, pool: &[PoolEntry], mut progress: impl FnMut(
             Some(Outcome::Tokens(got)) => {
                 r.completed += 1;
                 e2e.push(took.as_secs_f64() * 1e3);
-                if got != want {
+                if &got != want {
                     r.wrong += 1;
+                    if r.sample_wrong.len() < 5 {
+                        let at = got.iter().zip(want).take_while(|(g, w)| g == w).count();
+                        let show = |v: &[u64]| format!("{:?}", &v[at.min(v.len())..v.len().min(at + 8)]);
+                        r.sample_wrong.push(format!(
+                            "{}: {} tokens, {} wanted, first difference at token {at}: got {} want {}",
+                            describe(&pool, entry, stream),
+                            got.len(),
+                            want.len(),
+                            show(&got),
+                            show(want)
+                        ));
+                    }
                 }
             }
         }

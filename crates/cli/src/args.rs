@@ -546,6 +546,17 @@ pub struct SoakArgs {
     /// Seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Where every engine runs (the reference too): `cpu` or `cuda:N`. Answers are compared
+    /// with the reference's bit for bit, so a GPU soak needs --batch-invariant.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Every engine with --batch-invariant (see `tandem serve --help`).
+    #[arg(long)]
+    pub batch_invariant: bool,
+    /// The engines' and router's log filter (their output joins this command's), e.g. `warn`
+    /// to see why a request went wrong.
+    #[arg(long, default_value = "error")]
+    pub engine_log: String,
 }
 
 #[derive(Args, Debug, Clone)]

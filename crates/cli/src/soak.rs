@@ -50,8 +50,15 @@ fn freezer(roles: &[Role], every: Duration, hold: Duration, seed: u64, stop: Arc
 }
 
 pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
+    if a.device != "cpu" && !a.batch_invariant {
+        bail!(
+            "a soak on {} compares every answer with the reference engine's bit for bit, and on a GPU an \
+             answer depends on its batch unless the engines run --batch-invariant: add --batch-invariant",
+            a.device
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
-    let engine_args: Vec<String> = [
+    let mut engine_args: Vec<String> = [
         "--kv-liveness-secs",
         "1",
         "--kv-load-failure",
@@ -66,20 +73,24 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
     ]
     .map(String::from)
     .to_vec();
+    let mut plain = Vec::new();
+    if a.batch_invariant {
+        engine_args.push("--batch-invariant".into());
+        plain.push("--batch-invariant".into());
+    }
     fn launch<'a>(a: &'a SoakArgs, base_port: u16, args: &'a [String]) -> Launch<'a> {
         Launch {
             model: &a.model,
             base_port,
-            log: "error",
-            prefill_device: "cpu",
-            decode_device: "cpu",
-            colocated_device: "cpu",
+            log: &a.engine_log,
+            prefill_device: &a.device,
+            decode_device: &a.device,
+            colocated_device: &a.device,
             num_kv_blocks: Some(a.num_kv_blocks),
             engine_args: args,
         }
     }
-    eprintln!("bench soak: starting the reference engine ({})", a.model);
-    let plain = Vec::new();
+    eprintln!("bench soak: starting the reference engine ({} on {})", a.model, a.device);
     let (ref_url, mut ref_procs) = up::launch_mode("colocated", &launch(&a, a.base_port + 400, &plain))?;
     let prompts = tandem_bench::soak::prompt_pool(56, a.vocab_size, a.seed);
     let pool = rt.block_on(tandem_bench::soak::references(&ref_url, prompts));
@@ -144,6 +155,12 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
         );
         for e in &report.sample_errors {
             eprintln!("    error: {}", e.chars().take(200).collect::<String>());
+        }
+        for w in &report.sample_wrong {
+            eprintln!("    wrong: {w}");
+        }
+        for l in &report.sample_lost {
+            eprintln!("    lost: {l}");
         }
         if report.wrong > 0 || report.lost > 0 || leaked > 0.0 || held.iter().any(|b| b.is_nan()) || !serves {
             failed.push(mode.clone());

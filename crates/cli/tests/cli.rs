@@ -127,6 +127,7 @@ fn bad_input_fails_with_a_message() {
             "--kv-transport cuda-ipc needs an engine whose KV cache is on a GPU",
         ),
         (&["bench", "kv", "--transport", "cuda-ipc", "--device", "cpu"], "give a GPU (cuda:N)"),
+        (&["bench", "soak", "--device", "cuda:0"], "add --batch-invariant"),
         (
             &["bench", "engine", "--model", "preset:tiny-qwen3", "--batch", "1", "--decode-prompt-tokens", "5000"],
             "the engine refused a 5000-token prompt",

@@ -238,6 +238,15 @@ fn batch_invariant_requests_get_their_answer_alone_whatever_shares_the_batch() {
         let moved: Vec<usize> = (0..64).filter(|i| got[i] != alone[i]).collect();
         assert!(moved.is_empty(), "{label}: requests {moved:?} differ from their answers alone with chunked prefill");
     }
+    // A KV pool too small for all 64: requests are preempted and recomputed (their generated
+    // tokens then go through prefill chunks) and still get their tokens.
+    let Some(mut small) = engine_of(EngineConfig { num_blocks: 200, ..cfg(512) }, true, true) else { return };
+    let got = run_in_groups(&mut small, &requests, 64);
+    assert!(small.num_preemptions() > 0, "the small pool preempted nothing");
+    let moved: Vec<usize> = (0..64).filter(|i| got[i] != alone[i]).collect();
+    assert!(moved.is_empty(), "preempted and recomputed: requests {moved:?} differ from their answers alone");
+    eprintln!("batch-invariant with {} preemptions: 64 of 64 equal alone", small.num_preemptions());
+    drop(small);
     let Some(mut default) = engine_of(cfg(512), true, false) else { return };
     let default_alone = run_in_groups(&mut default, &requests, 1);
     let together = run_in_groups(&mut default, &requests, 64);
