@@ -9,6 +9,7 @@ use common::*;
 use std::time::Duration;
 use tandem_core::TransferMode;
 
+use serde_json::Value;
 use tandem_kv::{FaultInjection, KvMode, Role};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -174,5 +175,84 @@ async fn prompts_preempted_after_early_pushes_still_equal_colocated() {
         assert!(ps.parts_early > 0, "pipelined={pipelined}: {ps:?}");
         assert!(preemptions > 0, "pipelined={pipelined}: no prompt was preempted: {ps:?}");
     }
+    wait_idle(&[&colocated]).await;
+}
+
+/// A burst over a direct writer (push, local transport, pipelined prefill reporting each step's
+/// KV as it submits it) with what reuses blocks at once: a third of the clients give up
+/// mid-request (their legs abort while early parts may be queued), prefill's pool is small
+/// enough to preempt prompts midway (after some of their parts were written), and prompts
+/// repeat across requests. Every answer that comes back equals colocated's, and every block
+/// comes back on both engines. (Decode's pool is large: with both pools small, prefill's fills
+/// with produced KV waiting for registrations while decode's holds registrations waiting for
+/// prefill, and requests wait for the transfer timeout; see docs/RELIABILITY.md.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_with_cancellations_and_preemption_over_a_direct_writer_equals_colocated() {
+    let http = reqwest::Client::new();
+    let prompts: Vec<Value> = (0..24)
+        .map(|i| {
+            let len = 20 + (i * 37) % 280;
+            let prompt: Vec<u32> = (0..len).map(|j| ((i * 71 + j * 13) % 500) as u32).collect();
+            serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                               "ignore_eos": true})
+        })
+        .collect();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let want = run_all(&http, &colocated.url, &prompts).await;
+    let small = |blocks| Knobs {
+        local: true,
+        pipelined: true,
+        budget: 64,
+        num_blocks: Some(blocks),
+        transfer_timeout: Duration::from_secs(20),
+        load_failure: tandem_engine::KvLoadFailure::Recompute,
+        ..Knobs::default()
+    };
+    // Each write out of prefill's blocks takes 20 ms, so finished prompts hold blocks while
+    // the next ones need more: those are preempted midway.
+    let slow = FaultInjection { slow_write: Duration::from_millis(20), ..FaultInjection::default() };
+    let p = engine_with(Some((Role::Prefill, KvMode::Push)), 16, Knobs { faults: slow, ..small(24) }).await;
+    let d = engine_with(Some((Role::Decode, KvMode::Push)), 8, small(2000)).await;
+    let base = router(TransferMode::Push, &p, &d).await;
+    let tasks: Vec<_> = (0..96)
+        .map(|n| {
+            let (http, url) = (http.clone(), format!("{base}/v1/completions"));
+            let i = (n * 7) % prompts.len();
+            let body = prompts[i].clone();
+            // Every third client gives up after 0-90 ms.
+            let give_up = (n % 3 == 0).then(|| Duration::from_millis((n as u64 * 13) % 90));
+            tokio::spawn(async move {
+                let req = async {
+                    let resp = http.post(url).json(&body).send().await.map_err(|e| e.to_string())?;
+                    let v: Value = resp.json().await.map_err(|e| e.to_string())?;
+                    let ids = v["choices"][0]["token_ids"].as_array().ok_or_else(|| v.to_string())?;
+                    Ok::<Vec<u64>, String>(ids.iter().filter_map(Value::as_u64).collect())
+                };
+                let got = match give_up {
+                    Some(after) => tokio::time::timeout(after, req).await.unwrap_or_else(|_| Err("gave up".into())),
+                    None => req.await,
+                };
+                (i, give_up.is_some(), got)
+            })
+        })
+        .collect();
+    let mut answered = 0;
+    for t in tasks {
+        let (i, gave_up, got) = t.await.unwrap();
+        match got {
+            Ok(ids) => {
+                assert_eq!(ids, want[i], "prompt {i} ({} tokens)", prompts[i]["prompt"].as_array().unwrap().len());
+                answered += 1;
+            }
+            Err(e) => assert!(gave_up, "prompt {i}: a client that waited got no answer: {e}"),
+        }
+    }
+    assert!(answered >= 64, "only {answered} answers");
+    wait_idle(&[&p, &d]).await;
+    let preemptions = p.state.engine.stats().preemptions + d.state.engine.stats().preemptions;
+    let ps = kv_stats_until(&p, "idle", |_| true).await;
+    assert!(ps.parts_early > 0, "no early part was written: {ps:?}");
+    assert!(preemptions > 0, "nothing was preempted");
+    eprintln!("{answered} answers, {preemptions} preemptions, {} early parts", ps.parts_early);
     wait_idle(&[&colocated]).await;
 }
