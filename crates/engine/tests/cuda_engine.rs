@@ -54,34 +54,13 @@ fn engine_of(cfg: EngineConfig, graphs: bool, batch_invariant: bool) -> Option<E
 /// Five requests of different lengths at once (decode batches of 5, then fewer as they end:
 /// padded to buckets 8, 4, 2, 1); returns each one's tokens.
 fn run(core: &mut EngineCore, params: impl Fn(usize) -> SamplingParams) -> HashMap<usize, Vec<u32>> {
-    let free = core.num_free_blocks();
-    let mut rxs = Vec::new();
-    for i in 0..5 {
-        let prompt: Vec<u32> = (0..(10 + 37 * i) as u32).map(|j| (j * 31 + i as u32 * 7) % 150_000).collect();
-        let (tx, rx) = unbounded_channel();
-        core.add_request(EngineRequest::new(RequestId::new(format!("r{i}")), prompt, params(i)), tx).unwrap();
-        rxs.push((i, rx));
-    }
-    let mut steps = 0;
-    while core.has_work() {
-        core.step();
-        steps += 1;
-        assert!(steps < 10_000);
-    }
-    assert_eq!(core.num_free_blocks(), free, "every KV block comes back");
-    rxs.into_iter()
-        .map(|(i, mut rx)| {
-            let mut toks = Vec::new();
-            while let Ok(ev) = rx.try_recv() {
-                match ev {
-                    EngineEvent::Tokens { token_ids, .. } => toks.extend(token_ids),
-                    EngineEvent::Failed(e) => panic!("request {i}: {e}"),
-                    _ => {}
-                }
-            }
-            (i, toks)
+    let requests: Vec<(usize, Vec<u32>, SamplingParams)> = (0..5)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..(10 + 37 * i) as u32).map(|j| (j * 31 + i as u32 * 7) % 150_000).collect();
+            (i, prompt, params(i))
         })
-        .collect()
+        .collect();
+    run_in_groups(core, &requests, requests.len())
 }
 
 #[test]

@@ -530,12 +530,23 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
 #pragma unroll
     for (int i = 0; i < HD / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float M_a = NEG_INF, M_b = NEG_INF, L_a = 0.0f, L_b = 0.0f;
-    // Ends the current range: its sums whole over the quad, folded in, the state reset.
-    auto end_range = [&]() {
+    // Each lane sums its own keys' weights; a row's whole sum is over its quad.
+    auto sum_l_over_quad = [&]() {
         l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
         l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
         l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
         l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    };
+    // A fresh range's softmax state.
+    auto reset_range = [&]() {
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+        m_a = m_b = NEG_INF;
+        l_a = l_b = 0.0f;
+    };
+    // Ends the current range: its sums whole over the quad, folded in, the state reset.
+    auto end_range = [&]() {
+        sum_l_over_quad();
         float a_a = 1.0f, b_a = 0.0f, a_b = 1.0f, b_b = 0.0f;
         if (m_a != NEG_INF) range_fold(M_a, L_a, m_a, l_a, a_a, b_a);
         if (m_b != NEG_INF) range_fold(M_b, L_b, m_b, l_b, a_b, b_b);
@@ -549,10 +560,8 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
                 acc[i][2] = range_scale(acc[i][2], a_b, o[i][2], b_b);
                 acc[i][3] = range_scale(acc[i][3], a_b, o[i][3], b_b);
             }
-            o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
         }
-        m_a = m_b = NEG_INF;
-        l_a = l_b = 0.0f;
+        reset_range();
     };
 
     int last_row = min(q0 + tile_tokens, n_q) - 1;
@@ -628,16 +637,10 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
         // A new range (packed build): the last one is stored (SPLIT) or folded in.
         if (PACKED && k0 != k_first && k0 % FA_RANGE == 0 && k0 <= warp_last) {
             if (SPLIT) {
-                l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-                l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-                l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-                l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+                sum_l_over_quad();
                 store_range(range);
                 range += gridDim.z;
-#pragma unroll
-                for (int i = 0; i < HD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-                m_a = m_b = NEG_INF;
-                l_a = l_b = 0.0f;
+                reset_range();
             } else {
                 end_range();
             }
@@ -722,10 +725,7 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
     }
     if constexpr (SPLIT) {
         // The last range this block took (the warps without rows store nothing).
-        l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-        l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-        l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-        l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+        sum_l_over_quad();
         store_range(range);
         return;
     }
@@ -738,10 +738,7 @@ __device__ void flash_prefill(const bf16* q, const bf16* cache, bf16* out, const
         l_a = L_a;
         l_b = L_b;
     } else {
-        l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-        l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-        l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-        l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+        sum_l_over_quad();
     }
     float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f, inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
 #pragma unroll
