@@ -27,9 +27,11 @@
 #   pd: only disaggregated serving on the GPU (scripts/gpu/pd_check.py; also part of every mode
 #   that runs the tests);
 #   invariant: --batch-invariant's kernel and engine tests, P/D with it (SKIP_PD=1 leaves that
-#   out), and bench engine with and without it; invariant-serve: bench serve with and without
+#   out), and bench engine with and without it (SKIP_BENCH=1 leaves that out); invariant-serve: bench serve with and without
 #   it, then the GPU soak with it (SOAK_SECS per mode, default 60; ENGINE_TEST=1 runs the
 #   engine's batch-invariance test first);
+#   soak "label:ARG ..." ...: the GPU soak (push; SOAK_MODES, SOAK_SECS) under each set of `bench soak`
+#   arguments, with the engines' warnings in $OUT/soak_LABEL.log;
 #   sanitize [TOOL [TEST_FILTER]]: the kernel tests (those matching TEST_FILTER) under
 #   compute-sanitizer's TOOL (memcheck, the default; racecheck, initcheck, synccheck).
 #
@@ -131,6 +133,7 @@ if [ "$MODE" = invariant ]; then
     PD_BATCH_INVARIANT=1 PD_SETTINGS=cuda-ipc_16 PD_LONG=2000 pd_check
   fi
   for flag in default --batch-invariant; do
+    [ -n "${SKIP_BENCH:-}" ] && break
     for ctx in 16 1024; do
       args=(); [ "$flag" = default ] || args=("$flag")
       # Where the invariant step's time goes (per op), at the longer context.
@@ -186,6 +189,22 @@ PY
     --secs "${SOAK_SECS:-60}" --freeze-every-secs 20 --json-out "$OUT/soak_gpu.json" > "$OUT/soak_gpu.log" 2>&1 \
     && note "GPU soak with --batch-invariant: passed" || { note "GPU soak with --batch-invariant: FAILED"; status=1; }
   grep -E "^(push|pull): " "$OUT/soak_gpu.log" | while read -r l; do note "$l"; done
+  cat "$OUT/summary.txt"; exit $status
+fi
+if [ "$MODE" = soak ]; then
+  # The GPU soak (push only unless SOAK_MODES) under each variant: every further argument is
+  # "label:ARG ..." with `tandem bench soak` arguments, e.g. "tcp:--engine-arg=--kv-transport=tcp"
+  # or "calm:--freeze-every-secs 0 --cancel-fraction 0"; SOAK_SECS per variant (default 30).
+  shift
+  for spec in "$@"; do
+    label=${spec%%:*}
+    # shellcheck disable=SC2086  # the arguments split into words
+    timeout 300 "$BIN/tandem" bench soak --device cuda:0 --batch-invariant --model preset:qwen3-0.6b \
+      --modes "${SOAK_MODES:-push}" --secs "${SOAK_SECS:-30}" --engine-log warn ${spec#*:} \
+      --json-out "$OUT/soak_$label.json" > "$OUT/soak_$label.log" 2>&1 \
+      && note "soak $label: passed" || { note "soak $label: FAILED"; status=1; }
+    grep -E "^(push|pull): |^    (wrong|lost): " "$OUT/soak_$label.log" | head -12 | while read -r l; do note "  $l"; done
+  done
   cat "$OUT/summary.txt"; exit $status
 fi
 # The cuda-ipc transport's copies into another process's GPU cache, against the same copies

@@ -308,6 +308,17 @@ pub async fn metric(url: &str, name: &str) -> Option<f64> {
     text.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
+/// An engine's `/kv/info` (its transport, peers and transfer counters), `null` when it does not
+/// answer: kept with a soak's report to tell where a wrong answer came from.
+pub async fn kv_info(url: &str) -> serde_json::Value {
+    let got = async {
+        let r =
+            reqwest::Client::new().get(format!("{url}/kv/info")).timeout(Duration::from_secs(5)).send().await.ok()?;
+        r.json::<serde_json::Value>().await.ok()
+    };
+    got.await.unwrap_or(serde_json::Value::Null)
+}
+
 /// KV blocks each engine still holds once it has been idle (bounded by `wait`): 0 each, or
 /// a leak.
 pub async fn blocks_held_when_idle(engines: &[String], wait: Duration) -> Vec<f64> {

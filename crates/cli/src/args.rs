@@ -557,6 +557,11 @@ pub struct SoakArgs {
     /// to see why a request went wrong.
     #[arg(long, default_value = "error")]
     pub engine_log: String,
+    /// One more argument for the prefill and decode engines' `serve` (not the reference's),
+    /// e.g. --engine-arg=--kv-transport=tcp or --engine-arg=--async-scheduling=off to narrow
+    /// down where a wrong answer comes from (repeatable).
+    #[arg(long = "engine-arg", allow_hyphen_values = true)]
+    pub engine_args: Vec<String>,
 }
 
 #[derive(Args, Debug, Clone)]

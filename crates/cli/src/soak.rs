@@ -78,6 +78,7 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
         engine_args.push("--batch-invariant".into());
         plain.push("--batch-invariant".into());
     }
+    engine_args.extend(a.engine_args.iter().cloned());
     fn launch<'a>(a: &'a SoakArgs, base_port: u16, args: &'a [String]) -> Launch<'a> {
         Launch {
             model: &a.model,
@@ -145,6 +146,8 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
         let check =
             rt.block_on(tandem_bench::soak::references(&url, vec![(pool[0].prompt.clone(), pool[0].max_tokens)]));
         let serves = matches!(&check, Ok(p) if p[0].want == pool[0].want);
+        let kv_info: Vec<serde_json::Value> =
+            engines.iter().map(|e| rt.block_on(tandem_bench::soak::kv_info(e))).collect();
         up::stop_all(&mut procs, Duration::from_secs(10));
         let leaked: f64 = held.iter().map(|b| if b.is_nan() { 0.0 } else { *b }).sum();
         eprintln!(
@@ -168,6 +171,7 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
         reports.push(serde_json::json!({
             "mode": mode, "rate": rate, "secs": a.secs, "freezes": freezes, "report": report,
             "blocks_held_after": held, "rss_growth_mib": rss_growth, "serves_after": serves,
+            "kv_info": kv_info,
         }));
     }
     let json = serde_json::to_string_pretty(&reports)?;
