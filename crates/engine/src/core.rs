@@ -13,7 +13,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::block_pool::{BlockAllocation, BlockPool};
 use crate::request::{EngineEvent, EngineRequest, KvLoadTimeline, Request, RequestStatus};
-use crate::scheduler::{Scheduler, SchedulerOutput};
+use crate::scheduler::{PushAdmission, Scheduler, SchedulerOutput};
 use crate::EngineConfig;
 
 /// Facts about an engine that callers need to validate requests before sending them.
@@ -183,6 +183,9 @@ pub struct EngineCore {
     /// Blocks of aborted decode legs that a prefill engine might still write, held until the
     /// connector reports them released.
     quarantine: HashMap<RequestId, BlockAllocation>,
+    /// Blocks of failed decode legs that a direct writer's copy might still land in, each held
+    /// until the moment the connector says no write can land any more.
+    held_for_late_writes: Vec<(std::time::Instant, BlockAllocation)>,
     /// What the connector reported, in arrival order, applied at the start of the next step.
     connector_events: Vec<ConnectorEvent>,
     /// How long a decode leg may wait for its KV before the engine fails it itself: the
@@ -268,6 +271,7 @@ impl EngineCore {
             fence_kv: false,
             load_failure: KvLoadFailure::default(),
             quarantine: HashMap::new(),
+            held_for_late_writes: Vec::new(),
             connector_events: Vec::new(),
             kv_wait_bound: std::time::Duration::MAX,
             max_queue_time: config.max_queue_time,
@@ -414,9 +418,12 @@ impl EngineCore {
         }
     }
 
-    /// Whether any request is live, any blocks are quarantined or a step is in flight.
+    /// Whether any request is live, any blocks are quarantined or held, or a step is in flight.
     pub fn has_work(&self) -> bool {
-        self.scheduler.has_work() || !self.quarantine.is_empty() || self.in_flight.is_some()
+        self.scheduler.has_work()
+            || !self.quarantine.is_empty()
+            || !self.held_for_late_writes.is_empty()
+            || self.in_flight.is_some()
     }
 
     /// Whether a step would compute, collect or apply something now (otherwise the loop may
@@ -465,7 +472,7 @@ impl EngineCore {
         self.end_overdue_queued();
         self.start_remote_loads();
         let mut report = StepReport::default();
-        let plan = self.scheduler.schedule();
+        let plan = self.schedule();
         if !self.pipelined {
             if plan.chunks.is_empty() {
                 return StepReport::default();
@@ -509,6 +516,35 @@ impl EngineCore {
             report.add(self.collect(done));
         }
         report
+    }
+
+    /// The next step's plan; a push prefill engine's admissions keep room for prompts decode
+    /// has registered (see `scheduler`).
+    fn schedule(&mut self) -> SchedulerOutput {
+        let Some(connector) = self.connector.as_ref().filter(|c| {
+            let info = c.info();
+            info.kv_mode == tandem_kv::KvMode::Push && info.role == tandem_kv::Role::Prefill
+        }) else {
+            return self.scheduler.schedule_with(None);
+        };
+        let s = &self.scheduler;
+        let block_size = s.block_size();
+        let registered = |tid: &TransferId| connector.is_registered(tid);
+        let running: usize = s
+            .running
+            .iter()
+            .filter_map(|id| s.requests.get(id))
+            .filter(|r| matches!(&r.remote, Some(RemoteKv::Produce { transfer_id }) if !registered(transfer_id)))
+            .map(|r| r.tokens.len().div_ceil(block_size))
+            .sum();
+        let total = s.pool.num_total();
+        let longest = self.limits.max_model_len.div_ceil(block_size).min(total);
+        let push = PushAdmission {
+            unregistered_blocks: connector.unclaimed_blocks() + running,
+            limit: total - longest,
+            registered: &registered,
+        };
+        self.scheduler.schedule_with(Some(push))
     }
 
     /// Waits for `done`'s tokens and emits them (or fails its batch).
@@ -822,6 +858,8 @@ impl EngineCore {
 
     /// Applies what the connector reported since the last step (one fixed point per step).
     fn apply_connector_events(&mut self) {
+        let now = std::time::Instant::now();
+        self.held_for_late_writes.retain(|(until, _)| *until > now);
         for ev in std::mem::take(&mut self.connector_events) {
             let refused = matches!(ev, ConnectorEvent::Refused { .. });
             match ev {
@@ -869,6 +907,18 @@ impl EngineCore {
                     } else {
                         self.scheduler.running.push(request_id);
                     }
+                }
+                ConnectorEvent::FailedInFlight { request_id, reason, writes_until } => {
+                    let Some(req) = self.scheduler.requests.get_mut(&request_id) else { continue };
+                    if req.status != RequestStatus::WaitingForRemoteKvs {
+                        continue;
+                    }
+                    // The request goes on (recomputed or failed) in other blocks; these stay
+                    // out of use until no late copy can land in them.
+                    let blocks = std::mem::replace(&mut req.blocks, self.scheduler.pool.empty_allocation());
+                    self.held_for_late_writes.push((writes_until, blocks));
+                    self.scheduler.remote_waiting.retain(|r| r != &request_id);
+                    Self::remote_load_failed(&mut self.scheduler, self.load_failure, request_id, &reason);
                 }
                 ConnectorEvent::Failed { request_id, reason } | ConnectorEvent::Refused { request_id, reason } => {
                     let Some(req) = self.scheduler.requests.get_mut(&request_id) else { continue };

@@ -13,12 +13,19 @@
 //! generated ones included, are kept). Then waiting requests are admitted in arrival order
 //! while budget, `max_num_seqs` and blocks allow; none are admitted in a step that preempted.
 //!
+//! A push prefill engine also keeps room for the prompts decode has registered blocks for
+//! ([`PushAdmission`]): a prompt not yet registered is passed over (it keeps its place) while
+//! admitting it would leave less than one longest prompt's blocks outside unregistered work.
+//! Otherwise the pool can fill with KV produced for requests decode has no blocks to register
+//! yet, while decode's blocks wait in registrations for prompts prefill has no blocks to run:
+//! each waiting for the other until the transfer timeout.
+//!
 //! The scheduler owns every live request. What it hands the model runner is a
 //! [`SchedulerOutput`]: plain data, copied, so the runner needs no access to requests.
 
 use std::collections::{HashMap, VecDeque};
 
-use tandem_core::RequestId;
+use tandem_core::{RemoteKv, RequestId, TransferId};
 
 use crate::block_pool::BlockPool;
 use crate::request::{Request, RequestStatus};
@@ -51,6 +58,34 @@ impl SchedulerOutput {
     /// Tokens in the step.
     pub fn num_tokens(&self) -> usize {
         self.chunks.iter().map(|c| c.token_ids.len()).sum()
+    }
+}
+
+/// What a push prefill engine's admission needs to know of its KV connector (see the module
+/// docs).
+pub(crate) struct PushAdmission<'a> {
+    /// Blocks of prompts decode has not registered for yet: produced KV the connector holds,
+    /// plus the whole prompts of running requests.
+    pub unregistered_blocks: usize,
+    /// Most blocks unregistered work may take (the pool less one longest prompt's blocks).
+    pub limit: usize,
+    /// Whether decode has registered blocks for a transfer.
+    pub registered: &'a dyn Fn(&TransferId) -> bool,
+}
+
+impl PushAdmission<'_> {
+    /// Whether `req` may be admitted now; counts it if it is admitted unregistered.
+    fn admit(&mut self, req: &Request, blocks_for: impl Fn(usize) -> usize) -> bool {
+        let Some(RemoteKv::Produce { transfer_id }) = &req.remote else { return true };
+        if (self.registered)(transfer_id) {
+            return true;
+        }
+        let whole = blocks_for(req.tokens.len());
+        if self.unregistered_blocks + whole > self.limit {
+            return false;
+        }
+        self.unregistered_blocks += whole;
+        true
     }
 }
 
@@ -142,6 +177,11 @@ impl Scheduler {
         }
     }
 
+    /// Tokens per KV block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
     pub fn has_work(&self) -> bool {
         !self.requests.is_empty()
     }
@@ -172,7 +212,13 @@ impl Scheduler {
     }
 
     /// Plans the next step (see the module docs for the algorithm).
+    #[cfg(test)]
     pub fn schedule(&mut self) -> SchedulerOutput {
+        self.schedule_with(None)
+    }
+
+    /// Plans the next step, a push prefill engine's admissions gated by `push`.
+    pub fn schedule_with(&mut self, mut push: Option<PushAdmission<'_>>) -> SchedulerOutput {
         let mut out = SchedulerOutput::default();
         let mut budget = self.max_num_batched_tokens;
         let mut i = 0;
@@ -219,23 +265,31 @@ impl Scheduler {
             i += 1;
         }
         if out.preempted.is_empty() {
+            let block_size = self.block_size;
+            let mut next = 0;
             while budget > 0 && self.running.len() < self.max_num_seqs {
-                let Some(id) = self.waiting.front().cloned() else {
+                let Some(id) = self.waiting.get(next).cloned() else {
                     break;
                 };
                 let Some(req) = self.requests.get_mut(&id) else {
-                    self.waiting.pop_front();
+                    self.waiting.remove(next);
                     continue;
                 };
+                if let Some(push) = push.as_mut() {
+                    if !push.admit(req, |tokens| tokens.div_ceil(block_size)) {
+                        next += 1;
+                        continue;
+                    }
+                }
                 let n = (req.tokens.len() - req.num_computed).min(budget);
-                let need = (req.num_computed + n).div_ceil(self.block_size).saturating_sub(req.blocks.len());
+                let need = (req.num_computed + n).div_ceil(block_size).saturating_sub(req.blocks.len());
                 if req.blocks.grow(need).is_err() {
                     break;
                 }
                 req.status = RequestStatus::Running;
                 out.chunks.push(chunk(req, n));
                 budget -= n;
-                self.waiting.pop_front();
+                self.waiting.remove(next);
                 self.running.push(id);
             }
         }
@@ -263,6 +317,44 @@ mod tests {
         let (events, _) = tokio::sync::mpsc::unbounded_channel();
         let req = EngineRequest::new(RequestId::new(id), vec![1; prompt_len], Default::default());
         Request::new(req, pool.empty_allocation(), events)
+    }
+
+    fn prefill_leg(pool: &BlockPool, id: &str, prompt_len: usize) -> Request {
+        let (events, _) = tokio::sync::mpsc::unbounded_channel();
+        let mut req = EngineRequest::new(RequestId::new(id), vec![1; prompt_len], Default::default());
+        req.remote = Some(RemoteKv::Produce { transfer_id: TransferId(format!("t-{id}")) });
+        Request::new(req, pool.empty_allocation(), events)
+    }
+
+    /// A push prefill engine passes over prompts decode has not registered while admitting
+    /// them would leave less than the limit for registered work; a registered prompt behind
+    /// them goes first, and the passed-over ones keep their places.
+    #[test]
+    fn push_admission_keeps_room_for_registered_prompts() {
+        // 20 blocks of 4 tokens; unregistered work may take 8 of them (say, 12 are one
+        // longest prompt).
+        let pool = BlockPool::new(20);
+        let mut s = Scheduler::new(pool.clone(), 4, 8, 1000);
+        for (id, len) in [("u1", 16), ("u2", 16), ("r", 40), ("u3", 4)] {
+            s.add(prefill_leg(&pool, id, len));
+        }
+        let registered = |t: &TransferId| t.0 == "t-r";
+        // 3 blocks of produced KV wait for registrations already: u1 (4 blocks) fits under 8,
+        // u2 would make 11 and is passed over, r is registered, u3 (1 block) makes 8.
+        let push = PushAdmission { unregistered_blocks: 3, limit: 8, registered: &registered };
+        let out = s.schedule_with(Some(push));
+        let ids: Vec<&str> = out.chunks.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids, ["u1", "r", "u3"]);
+        assert_eq!(s.waiting.iter().map(|id| id.as_str()).collect::<Vec<_>>(), ["u2"]);
+        // Without the gate (not a push prefill engine), arrival order and blocks alone decide.
+        let pool = BlockPool::new(16);
+        let mut s = Scheduler::new(pool.clone(), 4, 8, 1000);
+        for (id, len) in [("u1", 16), ("u2", 16), ("r", 40)] {
+            s.add(prefill_leg(&pool, id, len));
+        }
+        let out = s.schedule_with(None);
+        let ids: Vec<&str> = out.chunks.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids, ["u1", "u2"], "r's 10 blocks do not fit after u1 and u2's 8");
     }
 
     /// Decode legs start loading KV only while a running place is left for each and every

@@ -103,6 +103,18 @@ impl KvConnector {
         let _ = self.commands.send(Command::Abandon { transfer_id, reason });
     }
 
+    /// Push prefill: whether decode has registered its blocks for `transfer_id` (so the KV is
+    /// written the moment it is produced). A table lookup, for the engine's scheduler.
+    pub fn is_registered(&self, transfer_id: &TransferId) -> bool {
+        self.shared.is_registered(transfer_id)
+    }
+
+    /// Push prefill: blocks the connector holds for produced KV that no decode engine has
+    /// registered for yet (0 in pull mode). A table lookup, for the engine's scheduler.
+    pub fn unclaimed_blocks(&self) -> usize {
+        self.shared.unclaimed_blocks()
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> ConnectorStats {
         self.shared.stats()

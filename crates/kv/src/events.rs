@@ -25,6 +25,19 @@ pub enum ConnectorEvent {
         /// Why.
         reason: String,
     },
+    /// The KV will not come, but a direct writer (cuda-ipc, local) may still have a copy into
+    /// the request's blocks in flight until `writes_until` (its connection was lost, or the
+    /// transfer timed out, while the write could be running): the engine keeps those blocks
+    /// out of use until then and recomputes (or fails) the request in others, at once rather
+    /// than after the wait.
+    FailedInFlight {
+        /// The request.
+        request_id: RequestId,
+        /// Why.
+        reason: String,
+        /// No write can land in the blocks after this.
+        writes_until: std::time::Instant,
+    },
     /// The abort is complete; the request's blocks may be freed.
     Released {
         /// The request.

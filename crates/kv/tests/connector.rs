@@ -316,8 +316,10 @@ fn an_abort_while_prefill_may_write_directly_is_released_at_once_and_nothing_lan
 
 /// A prefill that writes directly gets its KV only after decode's deadline has passed (decode
 /// waits 0.8 s, prefill would wait 3 s for a registration): it must not write into blocks
-/// decode is about to free. Prefill drops the registration at decode's deadline and says so,
-/// decode fails the transfer then (not after the grace), and its blocks stay untouched.
+/// decode is about to free. At decode's deadline prefill drops the registration and says so,
+/// and decode fails the transfer (whichever comes first: prefill's notice, or decode's own
+/// expiry, which holds the blocks through the grace), not after the grace; the blocks stay
+/// untouched.
 #[test]
 fn a_direct_writer_starts_no_write_after_the_decode_deadline() {
     let p = local_pair(KvMode::Push, 16, 16, Duration::from_secs(3));
@@ -330,6 +332,11 @@ fn a_direct_writer_starts_no_write_after_the_decode_deadline() {
         ConnectorEvent::Failed { request_id, reason } => {
             assert_eq!(request_id, RequestId::new("r1"));
             assert!(reason.contains("deadline"), "{reason}");
+        }
+        ConnectorEvent::FailedInFlight { request_id, reason, writes_until } => {
+            assert_eq!(request_id, RequestId::new("r1"));
+            assert!(reason.contains("timed out"), "{reason}");
+            assert!(writes_until > Instant::now(), "the blocks must be held through the grace");
         }
         other => panic!("expected a failure, got {other:?}"),
     }
@@ -634,12 +641,12 @@ fn a_connection_cut_mid_write_fails_the_transfer_at_once_and_the_next_one_lands(
 }
 
 /// The connection to a prefill engine that writes directly drops after decode registered: a
-/// write could still be on its way (a device copy needs no socket), so decode keeps its blocks
-/// for one I/O timeout (2 s here) from the loss before it fails the transfer (not at once);
-/// prefill drops the registration with the connection, so KV it produces
-/// afterwards never lands.
+/// write could still be on its way (a device copy needs no socket), so decode fails the
+/// transfer at once but holds its blocks for one I/O timeout (2 s here) from the loss
+/// (`writes_until`), so the engine recomputes in other blocks without waiting; prefill drops
+/// the registration with the connection, so KV it produces afterwards never lands.
 #[test]
-fn a_direct_writers_connection_lost_fails_after_the_grace_and_nothing_lands() {
+fn a_direct_writers_connection_lost_fails_at_once_with_its_blocks_held_and_nothing_lands() {
     let p = local_pair(KvMode::Push, 16, 16, Duration::from_secs(5));
     let proxy = common::FaultProxy::start(p.p_addr());
     let blocks = p.d_blocks(20);
@@ -650,13 +657,18 @@ fn a_direct_writers_connection_lost_fails_after_the_grace_and_nothing_lands() {
     proxy.cut_now();
     std::thread::sleep(Duration::from_millis(100));
     p.produce("t1", 20);
-    match p.wait_event() {
-        ConnectorEvent::Failed { request_id, .. } => assert_eq!(request_id, RequestId::new("r1")),
-        other => panic!("expected a failure, got {other:?}"),
-    }
-    let waited = cut.elapsed();
-    // The grace counts from the loss (cut + 2 s), not from the 0.8 s deadline (cut + 2.65 s).
-    assert!(waited >= Duration::from_millis(1500) && waited < Duration::from_millis(2400), "failed after {waited:?}");
+    let until = match p.wait_event() {
+        ConnectorEvent::FailedInFlight { request_id, writes_until, .. } => {
+            assert_eq!(request_id, RequestId::new("r1"));
+            writes_until
+        }
+        other => panic!("expected a failure with the blocks held, got {other:?}"),
+    };
+    assert!(cut.elapsed() < Duration::from_millis(600), "failed after {:?}, not at the loss", cut.elapsed());
+    // The hold counts from the loss (cut + 2 s), not from the 0.8 s deadline (cut + 2.65 s).
+    let held = until.duration_since(cut);
+    assert!(held >= Duration::from_millis(1800) && held < Duration::from_millis(2400), "held for {held:?}");
+    std::thread::sleep(until.saturating_duration_since(Instant::now()));
     assert!(p.untouched(&blocks), "KV landed after the connection was lost");
 }
 

@@ -66,6 +66,57 @@ async fn a_dropped_completion_is_bounded_and_recompute_gives_the_same_tokens() {
     alive(&[&p, &d]);
 }
 
+/// A direct writer (the local transport, as cuda-ipc) whose copy is still running at decode's
+/// deadline (it took the transfer on in time, then its copy engine stalls for 2.5 s): decode
+/// cannot know the copy will not land, so it fails the transfer at the deadline with the blocks
+/// held through the grace (one I/O timeout, 5 s here) and recomputes in other blocks at once,
+/// not when the late write ends or the grace has passed. The answer is colocated's, the late
+/// write lands in the held blocks (no other request's), and they come back after the grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_direct_write_past_decodes_deadline_is_recomputed_at_once_in_other_blocks() {
+    let http = reqwest::Client::new();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let slow = FaultInjection { slow_write: Duration::from_millis(2500), ..FaultInjection::default() };
+    let p =
+        engine_with(Some((Role::Prefill, KvMode::Push)), 16, Knobs { local: true, faults: slow, ..Knobs::default() })
+            .await;
+    let d = engine_with(
+        Some((Role::Decode, KvMode::Push)),
+        8,
+        Knobs {
+            local: true,
+            transfer_timeout: Duration::from_millis(800),
+            load_failure: KvLoadFailure::Recompute,
+            ..Knobs::default()
+        },
+    )
+    .await;
+    let base = router(TransferMode::Push, &p, &d).await;
+    let body = json!({"prompt": prompt(40, 3), "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let (_, want) = post(&http, &colocated.url, body.clone()).await;
+    let start = Instant::now();
+    let (status, got) = post(&http, &base, body.clone()).await;
+    let took = start.elapsed();
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(ids(&got), ids(&want), "the recompute must give the colocated tokens");
+    assert!(took < Duration::from_millis(2000), "answered after {took:?}: it waited for the late write");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let s = d.state.engine.stats();
+    assert!(s.free_blocks < s.total_blocks, "the failed transfer's blocks were not held: {s:?}");
+    // The late write lands at about 2.5 s, into the held blocks; a request sent meanwhile and
+    // after gets its own blocks and the colocated tokens.
+    for salt in [4, 5] {
+        let body = json!({"prompt": prompt(33, salt), "max_tokens": 5, "temperature": 0, "ignore_eos": true});
+        let (_, want) = post(&http, &colocated.url, body.clone()).await;
+        let (_, got) = post(&http, &base, body).await;
+        assert_eq!(ids(&got), ids(&want), "prompt {salt}");
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    }
+    wait_idle(&[&p, &d, &colocated]).await;
+    assert!(start.elapsed() > Duration::from_millis(5800), "the held blocks came back before the grace ended");
+    alive(&[&p, &d]);
+}
+
 /// A failed copy between a GPU engine's device cache and its host copy (the tcp transport's
 /// staging, injected here) is a failed transfer, not a hang or wrong tokens, and the connection
 /// survives it: decode failing to load what arrived (push), or prefill failing to copy out what

@@ -121,6 +121,11 @@ impl Shared {
                 tracing::warn!(request_id = %request_id, %reason, "KV transfer failed");
                 bump(&self.counters.transfers_failed, 1)
             }
+            ConnectorEvent::FailedInFlight { request_id, reason, writes_until } => {
+                let held_ms = writes_until.saturating_duration_since(Instant::now()).as_millis() as u64;
+                tracing::warn!(request_id = %request_id, %reason, held_ms, "KV transfer failed; a direct write may still land, its blocks are held");
+                bump(&self.counters.transfers_failed, 1)
+            }
             ConnectorEvent::Refused { request_id, reason } => {
                 tracing::warn!(request_id = %request_id, %reason, "prefill engine refused: cannot pair");
                 bump(&self.counters.transfers_failed, 1)
@@ -143,6 +148,21 @@ impl Shared {
                 note: c.note.clone(),
             })
             .collect()
+    }
+
+    /// Push prefill: decode has registered blocks for `tid` (its KV is written as soon as it is
+    /// produced, or is being written).
+    pub(crate) fn is_registered(&self, tid: &TransferId) -> bool {
+        let t = self.tables();
+        t.registrations.contains_key(tid) || t.pushing.contains(tid)
+    }
+
+    /// Push prefill: blocks held by produced KV that no decode engine has registered for yet.
+    pub(crate) fn unclaimed_blocks(&self) -> usize {
+        if self.cfg.mode != crate::KvMode::Push {
+            return 0;
+        }
+        self.tables().produced.values().map(|p| p.blocks.len()).sum()
     }
 
     pub(crate) fn stats(&self) -> ConnectorStats {
@@ -568,20 +588,28 @@ fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
         }
     }
     conn.alive.store(false, Ordering::SeqCst);
-    // Everything waiting on this connection fails now rather than at its deadline; what the
-    // peer may be writing directly ends after the expiry grace (no write starts after this).
+    // Everything waiting on this connection fails now rather than at its deadline. What the
+    // peer may be writing directly fails now too, its blocks held for the expiry grace (a
+    // frozen writer may resume and finish a copy it started); an aborted one ends after it.
     let mut t = shared.tables();
     let now = Instant::now();
     let on_conn = |i: &Incoming| i.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, &conn));
-    for inc in t.incoming.values_mut().filter(|i| on_conn(i) && i.direct && i.writing()) {
+    for inc in t.incoming.values_mut().filter(|i| on_conn(i) && i.landing == Landing::WritingAborted) {
         inc.deadline = inc.deadline.min(now);
     }
-    let dead: Vec<TransferId> =
-        t.incoming.iter().filter(|(_, i)| on_conn(i) && !i.writing()).map(|(k, _)| k.clone()).collect();
-    for tid in dead {
-        shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Failed {
-            request_id: inc.request_id,
-            reason: format!("connection to `{}` lost", conn.peer.engine_id),
+    let writes_until = now + shared.cfg.timeouts.io;
+    let reason = format!("connection to `{}` lost", conn.peer.engine_id);
+    let dead: Vec<(TransferId, bool)> = t
+        .incoming
+        .iter()
+        .filter(|(_, i)| on_conn(i) && i.landing != Landing::WritingAborted)
+        .map(|(k, i)| (k.clone(), i.writing()))
+        .collect();
+    for (tid, in_flight) in dead {
+        let reason = reason.clone();
+        shared.finish_incoming(&mut t, &tid, |inc| match in_flight {
+            true => ConnectorEvent::FailedInFlight { request_id: inc.request_id, reason, writes_until },
+            false => ConnectorEvent::Failed { request_id: inc.request_id, reason },
         });
     }
     t.registrations.retain(|_, r| !Arc::ptr_eq(&r.conn, &conn));
@@ -679,6 +707,17 @@ fn expire(shared: &Arc<Shared>) {
                 to_notify.push((c, tid.clone()));
             }
             shared.finish_incoming(&mut t, &tid, |inc| ended(inc, "timed out waiting for the KV".into()));
+        }
+        let grace = shared.cfg.timeouts.io;
+        for tid in expired.late_in_flight {
+            if let Some(c) = t.incoming.get(&tid).and_then(|i| i.conn.clone()) {
+                to_notify.push((c, tid.clone()));
+            }
+            shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::FailedInFlight {
+                request_id: inc.request_id,
+                reason: "timed out waiting for the KV".into(),
+                writes_until: inc.deadline + grace,
+            });
         }
     }
     for (conn, tid) in to_notify {

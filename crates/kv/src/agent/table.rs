@@ -130,6 +130,9 @@ pub(super) struct Expired {
     pub reclaimed: usize,
     /// Decode-side transfers past their deadline.
     pub late: Vec<TransferId>,
+    /// Decode-side transfers past their deadline that a direct writer may still be writing
+    /// (not aborted): they end now, their blocks held until the deadline plus the grace.
+    pub late_in_flight: Vec<TransferId>,
     /// Prefill-side registrations dropped (a direct writer tells the decode engine, which
     /// otherwise holds its blocks until the grace has passed).
     pub registrations: Vec<(TransferId, Registration)>,
@@ -217,9 +220,11 @@ impl Tables {
 
     /// Drops prefill-side entries past their deadline (a lease being read is kept) and returns
     /// how many went, and the decode-side transfers past theirs: none with a write in progress
-    /// on a reader thread (its I/O timeout ends it), and those a peer may be writing directly
-    /// only once `grace` more has passed (a peer starts no write after the deadline, and a
-    /// device copy that started before it has long ended by then).
+    /// on a reader thread (its I/O timeout ends it); those a peer may be writing directly
+    /// apart (`late_in_flight`: the engine holds their blocks until `grace` more has passed,
+    /// since a peer starts no write after the deadline and a device copy that started before
+    /// it has long ended by then), or, aborted already, only once the grace has passed (their
+    /// blocks are freed when they end).
     pub fn expire(&mut self, now: Instant, grace: Duration) -> Expired {
         let before = self.produced.len();
         self.produced.retain(|_, p| p.reading || p.deadline > now);
@@ -228,12 +233,16 @@ impl Tables {
         let registrations: Vec<(TransferId, Registration)> =
             gone.into_iter().filter_map(|k| self.registrations.remove(&k).map(|r| (k, r))).collect();
         let reclaimed = before - self.produced.len() + registrations.len();
-        let late = self.incoming.iter().filter(|(_, i)| match (i.writing(), i.direct) {
-            (false, _) => i.deadline <= now,
-            (true, true) => i.deadline + grace <= now,
-            (true, false) => false,
-        });
-        Expired { reclaimed, late: late.map(|(k, _)| k.clone()).collect(), registrations }
+        let (mut late, mut late_in_flight) = (Vec::new(), Vec::new());
+        for (tid, i) in &self.incoming {
+            match (i.landing, i.direct) {
+                (Landing::Writing, true) if i.deadline <= now => late_in_flight.push(tid.clone()),
+                (Landing::WritingAborted, true) if i.deadline + grace <= now => late.push(tid.clone()),
+                (Landing::Waiting | Landing::Landed, _) if i.deadline <= now => late.push(tid.clone()),
+                _ => {}
+            }
+        }
+        Expired { reclaimed, late, late_in_flight, registrations }
     }
 }
 
@@ -307,16 +316,20 @@ mod tests {
         assert!(t.produced.contains_key(&b) && !t.produced.contains_key(&a));
     }
 
-    /// A peer that writes directly may still be writing at the deadline: the entry ends only
-    /// after the grace, never while a write could land.
+    /// A peer that writes directly may still be writing at the deadline: such an entry ends at
+    /// the deadline as in flight (its blocks held through the grace); one the engine aborted
+    /// ends only after the grace, since its blocks are freed when it ends.
     #[test]
-    fn expiry_waits_the_grace_for_a_direct_writer() {
+    fn expiry_holds_a_direct_writers_blocks_through_the_grace() {
         let past = Instant::now() - Duration::from_millis(5);
         let mut t = Tables::default();
-        let c = TransferId("c".into());
+        let (c, d) = (TransferId("c".into()), TransferId("d".into()));
         t.incoming.insert(c.clone(), Incoming { direct: true, landing: Landing::Writing, ..incoming(past) });
-        assert!(t.expire(Instant::now(), Duration::from_secs(5)).late.is_empty(), "within the grace");
-        assert_eq!(t.expire(Instant::now(), Duration::from_millis(1)).late, vec![c]);
+        t.incoming.insert(d.clone(), Incoming { direct: true, landing: Landing::WritingAborted, ..incoming(past) });
+        let within = t.expire(Instant::now(), Duration::from_secs(5));
+        assert_eq!((within.late, within.late_in_flight), (vec![], vec![c.clone()]), "within the grace");
+        t.incoming.remove(&c);
+        assert_eq!(t.expire(Instant::now(), Duration::from_millis(1)).late, vec![d]);
     }
 
     #[test]
