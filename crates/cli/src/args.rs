@@ -221,8 +221,22 @@ pub struct ServeArgs {
     /// request gets a 429 with Retry-After at once (0: no bound).
     #[arg(long, default_value_t = 1024)]
     pub max_queued_requests: usize,
+    /// Where a request's unset sampling fields (temperature, top_p, top_k, and the cap on the
+    /// default max_tokens) come from: `auto`, the model's generation_config.json as vLLM reads
+    /// it; `vllm`, the OpenAI API's defaults whatever the model says (its EOS ids still apply).
+    #[arg(long, value_enum, default_value_t = GenerationConfigArg::Auto)]
+    pub generation_config: GenerationConfigArg,
     #[command(flatten)]
     pub kv: KvArgs,
+}
+
+/// `--generation-config`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GenerationConfigArg {
+    /// The model's generation_config.json.
+    Auto,
+    /// The API's defaults.
+    Vllm,
 }
 
 /// An engine's part in disaggregated serving.

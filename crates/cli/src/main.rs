@@ -75,6 +75,7 @@ struct EngineParts {
     tokenizer: Option<tandem_model::TextTokenizer>,
     eos_token_ids: Vec<u32>,
     max_model_len: usize,
+    generation_defaults: tandem_model::GenerationDefaults,
     config: EngineConfig,
     fingerprint: String,
 }
@@ -106,6 +107,7 @@ fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<usize>) -> 
                 tokenizer: model.tokenizer,
                 eos_token_ids: model.eos_token_ids,
                 max_model_len: model.max_model_len,
+                generation_defaults: model.generation_defaults.clone(),
                 config,
                 fingerprint,
             })
@@ -157,6 +159,7 @@ fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<usize>) -> 
                 tokenizer: spec.tokenizer,
                 eos_token_ids: spec.eos_token_ids,
                 max_model_len: spec.max_model_len,
+                generation_defaults: spec.generation_defaults.clone(),
                 config,
                 fingerprint,
             })
@@ -268,8 +271,27 @@ fn serve(a: ServeArgs) -> Result<()> {
         0 => 0,
         n => n + a.engine.max_num_seqs,
     };
-    let state =
-        Arc::new(tandem_server::AppState::new(engine, tokenizer, name.clone()).with_max_in_flight(max_in_flight));
+    let defaults = match a.generation_config {
+        args::GenerationConfigArg::Auto => parts.generation_defaults,
+        args::GenerationConfigArg::Vllm => Default::default(),
+    };
+    if !defaults.is_empty() {
+        tracing::info!(
+            temperature = ?defaults.temperature,
+            top_p = ?defaults.top_p,
+            top_k = ?defaults.top_k,
+            max_tokens = ?defaults.max_tokens,
+            "requests that leave these out get the model's generation_config.json values (--generation-config vllm: the API's defaults)"
+        );
+    }
+    if !defaults.unsupported.is_empty() {
+        tracing::warn!(fields = %defaults.unsupported.join(", "), "generation_config.json sets sampling fields tandem does not apply");
+    }
+    let state = Arc::new(
+        tandem_server::AppState::new(engine, tokenizer, name.clone())
+            .with_max_in_flight(max_in_flight)
+            .with_sampling_defaults(defaults),
+    );
     let drain = seconds(a.shutdown_timeout_secs, "--shutdown-timeout-secs")?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     let result = rt.block_on(async move {

@@ -128,6 +128,7 @@ fn bad_input_fails_with_a_message() {
         ),
         (&["bench", "kv", "--transport", "cuda-ipc", "--device", "cpu"], "give a GPU (cuda:N)"),
         (&["bench", "soak", "--device", "cuda:0"], "add --batch-invariant"),
+        (&["serve", "--generation-config", "model"], "possible values: auto, vllm"),
         (
             &["bench", "engine", "--model", "preset:tiny-qwen3", "--batch", "1", "--decode-prompt-tokens", "5000"],
             "the engine refused a 5000-token prompt",

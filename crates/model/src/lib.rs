@@ -32,7 +32,7 @@ pub use detokenize::{IncrementalDetokenizer, StopMatcher, StopOutcome};
 pub use error::ModelError;
 pub use presets::{Preset, PRESETS};
 pub use runner::{carried_row, carried_token, sample, CpuRunner, ModelRunner, SampleSpec, CARRIED_TOKEN};
-pub use source::{LoadedModel, ModelSource, ModelSpec};
+pub use source::{GenerationDefaults, LoadedModel, ModelSource, ModelSpec};
 pub use tokenizer::{ChatMessage, TextTokenizer};
 pub use transformer::{SeqBatch, Transformer};
 pub use weights::{Tensor, WeightMap};

@@ -2,6 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
+use serde_json::Value;
+
 use crate::config::{token_id_list, ModelConfig};
 use crate::presets::Preset;
 use crate::tokenizer::TextTokenizer;
@@ -46,6 +48,50 @@ pub struct ModelSpec {
     pub eos_token_ids: Vec<u32>,
     /// Longest prompt + output this instance accepts.
     pub max_model_len: usize,
+    /// The sampling defaults the model's generation_config.json recommends.
+    pub generation_defaults: GenerationDefaults,
+}
+
+/// Sampling defaults from a model's `generation_config.json`, as vLLM applies them (its
+/// `--generation-config auto`): a request that leaves a field out gets the model's value
+/// instead of the API's. `max_tokens` (from `max_new_tokens`) caps the API's default length.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerationDefaults {
+    /// `temperature`.
+    pub temperature: Option<f64>,
+    /// `top_p`.
+    pub top_p: Option<f64>,
+    /// As the API takes it: -1 or 0 disable it.
+    pub top_k: Option<i64>,
+    /// `max_new_tokens`.
+    pub max_tokens: Option<usize>,
+    /// Fields the file sets that tandem does not sample with (`repetition_penalty`, `min_p`),
+    /// for the start-up log.
+    pub unsupported: Vec<String>,
+}
+
+impl GenerationDefaults {
+    /// The defaults in a generation_config.json value (none for anything else).
+    pub fn from_json(v: &Value) -> Self {
+        let num = |k: &str| v.get(k).and_then(Value::as_f64);
+        let unsupported = ["repetition_penalty", "min_p"]
+            .iter()
+            .filter(|k| v.get(**k).is_some_and(|x| !x.is_null()))
+            .map(|k| format!("{k}={}", v[*k]))
+            .collect();
+        Self {
+            temperature: num("temperature"),
+            top_p: num("top_p"),
+            top_k: v.get("top_k").and_then(Value::as_i64),
+            max_tokens: v.get("max_new_tokens").and_then(Value::as_u64).map(|n| n as usize).filter(|&n| n > 0),
+            unsupported,
+        }
+    }
+
+    /// Whether it sets anything a request would otherwise get from the API.
+    pub fn is_empty(&self) -> bool {
+        self.temperature.is_none() && self.top_p.is_none() && self.top_k.is_none() && self.max_tokens.is_none()
+    }
 }
 
 impl ModelSpec {
@@ -68,7 +114,7 @@ impl ModelSpec {
         max_model_len: Option<usize>,
         preset_tokenizer: bool,
     ) -> Result<Self, ModelError> {
-        let (cfg, tokenizer, gen_eos) = match source {
+        let (cfg, tokenizer, generation) = match source {
             ModelSource::Preset { preset, .. } => {
                 let cfg = ModelConfig::from_preset(preset)?;
                 let tok = preset_tokenizer
@@ -79,15 +125,14 @@ impl ModelSpec {
                         )
                     })
                     .transpose()?;
-                let gen_eos = token_id_list(preset.generation_config_json().get("eos_token_id"));
-                (cfg, tok, gen_eos)
+                (cfg, tok, preset.generation_config_json())
             }
             ModelSource::Dir(dir) => {
                 if !dir.join("config.json").is_file() {
                     return Err(ModelError::NotAModel { path: dir.clone() });
                 }
                 let cfg = ModelConfig::from_dir(dir)?;
-                (cfg, TextTokenizer::from_dir(dir)?, generation_eos(dir)?)
+                (cfg, TextTokenizer::from_dir(dir)?, generation_config(dir)?)
             }
         };
         let limit = cfg.max_position_embeddings;
@@ -102,11 +147,19 @@ impl ModelSpec {
             None => limit,
         };
         let mut eos = cfg.eos_token_ids.clone();
-        eos.extend(gen_eos);
+        eos.extend(token_id_list(generation.get("eos_token_id")));
         eos.extend(tokenizer.as_ref().and_then(TextTokenizer::eos_token_id));
         let mut seen = std::collections::HashSet::new();
         eos.retain(|id| *id < cfg.vocab_size as u32 && seen.insert(*id));
-        Ok(Self { source: source.clone(), config: cfg, tokenizer, eos_token_ids: eos, max_model_len })
+        let generation_defaults = GenerationDefaults::from_json(&generation);
+        Ok(Self {
+            source: source.clone(),
+            config: cfg,
+            tokenizer,
+            eos_token_ids: eos,
+            max_model_len,
+            generation_defaults,
+        })
     }
 
     /// The weights as f32 on the host (read from disk, or generated for a preset).
@@ -128,6 +181,8 @@ pub struct LoadedModel {
     pub eos_token_ids: Vec<u32>,
     /// Longest prompt + output this instance accepts.
     pub max_model_len: usize,
+    /// The sampling defaults the model's generation_config.json recommends.
+    pub generation_defaults: GenerationDefaults,
 }
 
 impl LoadedModel {
@@ -145,16 +200,17 @@ impl LoadedModel {
             tokenizer: spec.tokenizer,
             eos_token_ids: spec.eos_token_ids,
             max_model_len: spec.max_model_len,
+            generation_defaults: spec.generation_defaults,
         })
     }
 }
 
-fn generation_eos(dir: &Path) -> Result<Vec<u32>, ModelError> {
+/// `dir/generation_config.json`, or null when there is none.
+fn generation_config(dir: &Path) -> Result<Value, ModelError> {
     let path = dir.join("generation_config.json");
     if !path.is_file() {
-        return Ok(Vec::new());
+        return Ok(Value::Null);
     }
     let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|source| ModelError::Json { path, source })?;
-    Ok(token_id_list(v.get("eos_token_id")))
+    serde_json::from_str(&text).map_err(|source| ModelError::Json { path, source })
 }

@@ -1,5 +1,6 @@
 //! Text in and out: the HF `tokenizer.json` through the `tokenizers` crate, and the chat
-//! template from `tokenizer_config.json` rendered with minijinja.
+//! template (`chat_template.jinja`, or `tokenizer_config.json`'s, a string or the `default` of a
+//! list of named templates) rendered with minijinja.
 
 use std::path::Path;
 
@@ -35,12 +36,22 @@ impl TextTokenizer {
         }
         let bytes = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
         let cfg_path = dir.join("tokenizer_config.json");
-        let config = if cfg_path.is_file() {
+        let mut config: Option<Value> = if cfg_path.is_file() {
             let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
             Some(serde_json::from_str(&text).map_err(|source| ModelError::Json { path: cfg_path, source })?)
         } else {
             None
         };
+        // transformers (4.43 on) saves the template beside the config as chat_template.jinja,
+        // and reads it from there before the config's own.
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.is_file() {
+            let src = std::fs::read_to_string(&jinja).map_err(|e| ModelError::io(&jinja, e))?;
+            let cfg = config.get_or_insert_with(|| Value::Object(Default::default()));
+            if let Value::Object(map) = cfg {
+                map.insert("chat_template".into(), Value::String(src));
+            }
+        }
         Self::from_parts(&bytes, config.as_ref()).map(Some)
     }
 
@@ -148,6 +159,32 @@ mod tests {
         }
         // Merges compress lowercase words below one token per byte.
         assert!(t.encode("the quick brown fox jumps over the lazy dog", false).unwrap().len() < 43);
+    }
+
+    /// A directory as transformers 5 saves it: the template in chat_template.jinja, none in
+    /// tokenizer_config.json; and a config with a list of named templates.
+    #[test]
+    fn templates_come_from_chat_template_jinja_or_a_named_list() {
+        let p = Preset::find("tiny-qwen3").unwrap();
+        let dir = std::env::temp_dir().join(format!("tandem-jinja-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), p.tokenizer_json()).unwrap();
+        let mut cfg = p.tokenizer_config_json();
+        cfg.as_object_mut().unwrap().remove("chat_template");
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        let msgs = [ChatMessage { role: "user".into(), content: "hi".into() }];
+        assert!(!TextTokenizer::from_dir(&dir).unwrap().unwrap().has_chat_template());
+        let jinja = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}";
+        std::fs::write(dir.join("chat_template.jinja"), jinja).unwrap();
+        let t = TextTokenizer::from_dir(&dir).unwrap().unwrap();
+        assert_eq!(t.apply_chat_template(&msgs, true).unwrap(), "[user] hi\n[assistant] ");
+        std::fs::remove_dir_all(&dir).unwrap();
+        let named = serde_json::json!({"chat_template": [
+            {"name": "tool_use", "template": "tools"},
+            {"name": "default", "template": "{{ messages[0].content }}!"},
+        ]});
+        let t = TextTokenizer::from_parts(p.tokenizer_json().as_bytes(), Some(&named)).unwrap();
+        assert_eq!(t.apply_chat_template(&msgs, false).unwrap(), "hi!");
     }
 
     #[test]

@@ -114,6 +114,7 @@ fn prepare(
     f: SamplingFields,
     default_max_tokens: Option<usize>,
 ) -> Result<Prepared, ApiError> {
+    let defaults = &state.sampling_defaults;
     if let Some(n) = f.n {
         if n != 1 {
             return Err(ApiError::bad("n", format!("only n=1 is supported, got {n}")));
@@ -122,14 +123,19 @@ fn prepare(
     let max_tokens = match f.max_completion_tokens.or(f.max_tokens) {
         Some(m) if m < 1 => return Err(ApiError::bad("max_tokens", format!("max_tokens must be at least 1, got {m}"))),
         Some(m) => m as usize,
-        None => default_max_tokens.unwrap_or_else(|| state.max_model_len.saturating_sub(prompt_ids.len()).max(1)),
+        None => {
+            let room =
+                default_max_tokens.unwrap_or_else(|| state.max_model_len.saturating_sub(prompt_ids.len()).max(1));
+            // The model's max_new_tokens caps the API's default, as in vLLM.
+            defaults.max_tokens.map_or(room, |m| m.min(room))
+        }
     };
     let min_tokens = match f.min_tokens {
         Some(m) if m < 0 => return Err(ApiError::bad("min_tokens", format!("min_tokens must be >= 0, got {m}"))),
         Some(m) => m as usize,
         None => 0,
     };
-    let top_k = match f.top_k {
+    let top_k = match f.top_k.or(defaults.top_k) {
         None | Some(-1) | Some(0) => None,
         Some(k) if k < -1 => {
             return Err(ApiError::bad("top_k", format!("top_k must be -1 (disabled) or at least 1, got {k}")))
@@ -137,8 +143,8 @@ fn prepare(
         Some(k) => Some(k.min(u32::MAX as i64) as u32),
     };
     let params = SamplingParams {
-        temperature: f.temperature.unwrap_or(1.0) as f32,
-        top_p: f.top_p.unwrap_or(1.0) as f32,
+        temperature: f.temperature.or(defaults.temperature).unwrap_or(1.0) as f32,
+        top_p: f.top_p.or(defaults.top_p).unwrap_or(1.0) as f32,
         top_k,
         seed: f.seed.map(|s| s as u64),
         max_tokens,

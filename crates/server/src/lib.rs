@@ -58,6 +58,9 @@ pub struct AppState {
     pub model_name: String,
     /// Longest prompt + output.
     pub max_model_len: usize,
+    /// What a request that leaves a sampling field out gets instead of the API's default (the
+    /// model's generation_config.json, unless `--generation-config vllm`).
+    pub sampling_defaults: tandem_model::GenerationDefaults,
     /// Prometheus metrics.
     pub metrics: Metrics,
     next_id: AtomicU64,
@@ -80,6 +83,7 @@ impl AppState {
             tokenizer,
             model_name,
             max_model_len,
+            sampling_defaults: Default::default(),
             metrics: Metrics::new(),
             next_id: AtomicU64::new(0),
             id_prefix: format!("{:08x}", rand::random::<u32>()),
@@ -94,6 +98,13 @@ impl AppState {
     /// limit.
     pub fn with_max_in_flight(mut self, limit: usize) -> Self {
         self.max_in_flight = limit;
+        self
+    }
+
+    /// Requests that leave a sampling field out get `defaults`' value for it (see
+    /// [`tandem_model::GenerationDefaults`]).
+    pub fn with_sampling_defaults(mut self, defaults: tandem_model::GenerationDefaults) -> Self {
+        self.sampling_defaults = defaults;
         self
     }
 

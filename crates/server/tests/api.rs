@@ -17,6 +17,10 @@ struct Server {
 }
 
 async fn start(num_blocks: usize, budget: usize) -> Server {
+    start_with(num_blocks, budget, Default::default()).await
+}
+
+async fn start_with(num_blocks: usize, budget: usize, defaults: tandem_model::GenerationDefaults) -> Server {
     let preset = Preset::find("tiny-qwen3").unwrap();
     let m = LoadedModel::load(&ModelSource::Preset { preset, seed: 0 }, None).unwrap();
     let cfg = EngineConfig {
@@ -28,7 +32,8 @@ async fn start(num_blocks: usize, budget: usize) -> Server {
         max_queue_time: None,
     };
     let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
-    let state = Arc::new(AppState::new(engine, m.tokenizer.map(Arc::new), MODEL.into()));
+    let state =
+        Arc::new(AppState::new(engine, m.tokenizer.map(Arc::new), MODEL.into()).with_sampling_defaults(defaults));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
@@ -585,4 +590,34 @@ async fn past_its_bound_the_server_answers_429_with_retry_after() {
         assert!(Instant::now() < deadline, "still refused after the streams ended: {}", r.status());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// The model's generation_config.json defaults (as `--generation-config auto` passes them):
+/// a request that leaves temperature and max_tokens out gets the model's (greedy, at most 3
+/// tokens), one that sets them gets its own; chat's "all the room left" default is capped too.
+#[tokio::test]
+async fn unset_sampling_fields_take_the_models_generation_config() {
+    let defaults = tandem_model::GenerationDefaults::from_json(&json!({
+        "temperature": 0.0, "max_new_tokens": 3, "repetition_penalty": 1.1, "eos_token_id": 2
+    }));
+    assert_eq!(defaults.unsupported, ["repetition_penalty=1.1"]);
+    let s = start_with(256, 64, defaults).await;
+    let (code, greedy) = s
+        .post("/v1/completions", json!({"prompt": "once upon", "max_tokens": 8, "temperature": 0, "ignore_eos": true}))
+        .await;
+    assert_eq!(code, 200, "{greedy}");
+    let greedy = token_ids(&greedy["choices"][0]["token_ids"]);
+    assert_eq!(greedy.len(), 8);
+    for _ in 0..2 {
+        let (code, v) = s.post("/v1/completions", json!({"prompt": "once upon", "ignore_eos": true})).await;
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(token_ids(&v["choices"][0]["token_ids"]), greedy[..3], "the model's temperature 0 and 3 tokens");
+    }
+    let (_, v) = s.post("/v1/completions", json!({"prompt": "once upon", "max_tokens": 5, "ignore_eos": true})).await;
+    assert_eq!(token_ids(&v["choices"][0]["token_ids"]), greedy[..5], "the request's max_tokens wins");
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "ignore_eos": true});
+    let (code, v) = s.post("/v1/chat/completions", chat).await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
+    s.wait_idle().await;
 }
