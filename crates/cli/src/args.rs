@@ -226,6 +226,10 @@ pub struct ServeArgs {
     /// it; `vllm`, the OpenAI API's defaults whatever the model says (its EOS ids still apply).
     #[arg(long, value_enum, default_value_t = GenerationConfigArg::Auto)]
     pub generation_config: GenerationConfigArg,
+    /// The chat template to use instead of the model's: a file, or the template itself on one
+    /// line (Jinja, as in tokenizer_config.json).
+    #[arg(long, value_name = "FILE_OR_TEMPLATE")]
+    pub chat_template: Option<String>,
     #[command(flatten)]
     pub kv: KvArgs,
 }

@@ -260,7 +260,22 @@ fn serve(a: ServeArgs) -> Result<()> {
     };
     let parts = build_engine(&a.model, &a.engine, host_kv_bytes)?;
     let kv = kv_setup(&a.kv, port, &parts.fingerprint)?;
-    let tokenizer = parts.tokenizer.map(Arc::new);
+    let mut tokenizer = parts.tokenizer;
+    if let Some(t) = &a.chat_template {
+        let tok = tokenizer
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("--chat-template needs a model with a tokenizer (tokenizer.json)"))?;
+        let path = std::path::Path::new(t);
+        let source = if path.is_file() {
+            std::fs::read_to_string(path).with_context(|| format!("reading --chat-template {t}"))?
+        } else if t.contains("{{") || t.contains("{%") {
+            t.clone()
+        } else {
+            bail!("--chat-template {t}: no such file, and not a template (no {{{{ or {{% in it)");
+        };
+        tok.set_chat_template(source).context("--chat-template")?;
+    }
+    let tokenizer = tokenizer.map(Arc::new);
     let engine = tandem_engine::spawn_with(parts.model, parts.eos_token_ids, parts.max_model_len, parts.config, kv)
         .context("starting the engine (and its KV side channel)")?;
     if let Some(info) = engine.kv_info() {

@@ -486,3 +486,35 @@ fn up_stops_everything_and_says_which_child_died_when_one_dies_while_serving() {
         assert!(std::net::TcpListener::bind(("127.0.0.1", p)).is_ok(), "port {p} still in use after up exited");
     }
 }
+
+/// `serve --chat-template FILE` renders chats with that template instead of the model's: a chat
+/// whose template is the message text alone costs the prompt tokens of that text as a plain
+/// completion (the model's ChatML would add its role markers). A path that is neither a file
+/// nor a template is refused at start, saying so.
+#[test]
+fn serve_takes_a_chat_template_from_a_file() {
+    let dir = std::env::temp_dir().join(format!("tandem-chat-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("plain.jinja");
+    std::fs::write(&file, "{{ messages[0].content }}").unwrap();
+    let port = free_port();
+    let p = tandem(&format!("serve --port {port} --chat-template {}", file.display()));
+    let url = format!("http://127.0.0.1:{port}");
+    wait_healthy(&url);
+    let text = "the quick brown fox";
+    let chat = json!({"messages": [{"role": "user", "content": text}], "max_tokens": 1});
+    let r = http().post(format!("{url}/v1/chat/completions")).json(&chat).send().unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let chat: Value = r.json().unwrap();
+    let (code, plain) = post(&url, &json!({"prompt": text, "max_tokens": 1}));
+    assert_eq!(code, 200, "{plain}");
+    assert_eq!(chat["usage"]["prompt_tokens"], plain["usage"]["prompt_tokens"], "{chat} vs {plain}");
+    drop(p);
+    let out = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["serve", "--port", "0", "--chat-template", "/no/such/template.jinja"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("no such file, and not a template"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -105,6 +105,13 @@ impl TextTokenizer {
         self.eos_token.as_deref().and_then(|t| self.token_to_id(t))
     }
 
+    /// Replaces the chat template with `source` (Jinja, as in tokenizer_config.json): an error
+    /// names what does not parse.
+    pub fn set_chat_template(&mut self, source: String) -> Result<(), ModelError> {
+        self.template = Some(compile_template(source)?);
+        Ok(())
+    }
+
     /// Whether a chat template is available.
     pub fn has_chat_template(&self) -> bool {
         self.template.is_some()
