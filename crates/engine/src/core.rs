@@ -909,30 +909,38 @@ impl EngineCore {
                     }
                 }
                 ConnectorEvent::FailedInFlight { request_id, reason, writes_until } => {
-                    let Some(req) = self.scheduler.requests.get_mut(&request_id) else { continue };
-                    if req.status != RequestStatus::WaitingForRemoteKvs {
-                        continue;
-                    }
-                    // The request goes on (recomputed or failed) in other blocks; these stay
-                    // out of use until no late copy can land in them.
-                    let blocks = std::mem::replace(&mut req.blocks, self.scheduler.pool.empty_allocation());
-                    self.held_for_late_writes.push((writes_until, blocks));
-                    self.scheduler.remote_waiting.retain(|r| r != &request_id);
-                    Self::remote_load_failed(&mut self.scheduler, self.load_failure, request_id, &reason);
+                    self.kv_load_failed(request_id, &reason, self.load_failure, Some(writes_until))
                 }
                 ConnectorEvent::Failed { request_id, reason } | ConnectorEvent::Refused { request_id, reason } => {
-                    let Some(req) = self.scheduler.requests.get_mut(&request_id) else { continue };
-                    if req.status != RequestStatus::WaitingForRemoteKvs {
-                        continue;
-                    }
-                    self.scheduler.remote_waiting.retain(|r| r != &request_id);
                     // A peer that cannot pair is a misconfiguration: recomputing would answer
                     // every request while hiding it, so such a request always fails.
                     let policy = if refused { KvLoadFailure::Fail } else { self.load_failure };
-                    Self::remote_load_failed(&mut self.scheduler, policy, request_id, &reason);
+                    self.kv_load_failed(request_id, &reason, policy, None)
                 }
             }
         }
+    }
+
+    /// The connector gave up on a decode leg's KV: the request goes on by `policy`. With
+    /// `writes_until`, a late direct copy may still land in its blocks: those stay out of use
+    /// until then and a recompute takes others.
+    fn kv_load_failed(
+        &mut self,
+        request_id: RequestId,
+        reason: &str,
+        policy: KvLoadFailure,
+        writes_until: Option<std::time::Instant>,
+    ) {
+        let Some(req) = self.scheduler.requests.get_mut(&request_id) else { return };
+        if req.status != RequestStatus::WaitingForRemoteKvs {
+            return;
+        }
+        if let Some(until) = writes_until {
+            let blocks = std::mem::replace(&mut req.blocks, self.scheduler.pool.empty_allocation());
+            self.held_for_late_writes.push((until, blocks));
+        }
+        self.scheduler.remote_waiting.retain(|r| r != &request_id);
+        Self::remote_load_failed(&mut self.scheduler, policy, request_id, reason);
     }
 
     /// A decode leg's KV will not come (or could not be loaded): recompute the prompt here, or

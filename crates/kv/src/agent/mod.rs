@@ -603,7 +603,7 @@ fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
         .incoming
         .iter()
         .filter(|(_, i)| on_conn(i) && i.landing != Landing::WritingAborted)
-        .map(|(k, i)| (k.clone(), i.writing()))
+        .map(|(k, i)| (k.clone(), i.direct && i.writing()))
         .collect();
     for (tid, in_flight) in dead {
         let reason = reason.clone();
