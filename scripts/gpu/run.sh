@@ -122,9 +122,9 @@ fi
 # then the flag's cost: bench engine on qwen3-4b with and without it.
 if [ "$MODE" = invariant ]; then
   timeout 240 "$BIN/cuda_kernels" --include-ignored --test-threads=1 --nocapture packed_attention invariant_matmul \
-    attention_kernels > "$OUT/inv_kernels.log" 2>&1 && note "invariant kernel tests: ok" \
+    skinny_invariant attention_kernels > "$OUT/inv_kernels.log" 2>&1 && note "invariant kernel tests: ok" \
     || { note "invariant kernel tests: FAILED"; grep -B2 -A8 panicked "$OUT/inv_kernels.log" | head -30 >> "$OUT/summary.txt"; status=1; }
-  grep -E "cuBLAS's default" "$OUT/inv_kernels.log" | while read -r l; do note "$l"; done
+  grep -E "cuBLAS.s default|^skinny " "$OUT/inv_kernels.log" | while read -r l; do note "$l"; done
   timeout 300 "$BIN/cuda_engine" --include-ignored --nocapture batch_invariant > "$OUT/inv_engine.log" 2>&1 \
     && note "batch-invariant engine test: ok" \
     || { note "batch-invariant engine test: FAILED"; grep -B2 -A8 panicked "$OUT/inv_engine.log" | head -20 >> "$OUT/summary.txt"; status=1; }
@@ -132,10 +132,15 @@ if [ "$MODE" = invariant ]; then
   if [ -z "${SKIP_PD:-}" ]; then
     PD_BATCH_INVARIANT=1 PD_SETTINGS=cuda-ipc_16 PD_LONG=2000 pd_check
   fi
-  for flag in default --batch-invariant; do
+  # The last: the invariant products of few rows on the skinny kernels, at a short context.
+  for flag in default --batch-invariant skinny; do
     [ -n "${SKIP_BENCH:-}" ] && break
     for ctx in 16 1024; do
-      args=(); [ "$flag" = default ] || args=("$flag")
+      args=()
+      case $flag in
+        --batch-invariant) args=("$flag") ;;
+        skinny) [ "$ctx" = 16 ] || continue; args=(--batch-invariant --cuda-tune=invariant_skinny=1) ;;
+      esac
       # Where the invariant step's time goes (per op), at the longer context.
       [ "$flag" != default ] && [ "$ctx" = 1024 ] && args+=(--profile)
       log="$OUT/inv_bench_${flag#--}_$ctx.log"

@@ -1004,6 +1004,71 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
     }
 }
 
+/// The skinny builds of the batch-invariant product (at most 16 rows, own tensor-core kernels)
+/// give the bits of the cuBLASLt product of many rows: on Qwen3 and SmolLM2 / Qwen2 shapes
+/// (K of 576 and 896), and row counts not a multiple of a block's 8. Every shape is tried and
+/// reported before the check, so one run says where they differ. (K must be a multiple of 64:
+/// at K = 520, N = 4100 cuBLASLt's own rows moved with the row count.)
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn skinny_invariant_products_give_the_bits_of_the_many_row_product() {
+    let Some(dev) = device() else { return };
+    dev.enable_batch_invariant().unwrap();
+    let mut rng = Lcg(11);
+    let many = 64;
+    let shapes: [(usize, usize, bool); 13] = [
+        (4096, 1024, false),
+        (1024, 2048, false),
+        (6144, 1024, false),
+        (151936, 1024, true),
+        (6144, 2560, false),
+        (2560, 4096, false),
+        (19456, 2560, false),
+        (2560, 9728, false),
+        (151936, 2560, true),
+        (960, 576, false),
+        (3000, 896, false),
+        (1001, 1024, false),
+        (20, 4096, true),
+    ];
+    let mut differing = 0;
+    for (n, k, f32_out) in shapes {
+        let x: Vec<u16> = (0..many * k).map(|_| bf16(rng.uniform())).collect();
+        let w: Vec<u16> = (0..n * k).map(|_| bf16(rng.uniform() * 0.05)).collect();
+        let (d_x, d_w) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+        let elem = if f32_out { 4 } else { 2 };
+        let d_y = dev.zeros::<u8>(many * n * elem).unwrap();
+        unsafe { ops::matmul_t_invariant(&dev, d_x.ptr(), d_w.ptr(), d_y.ptr(), many, n, k, f32_out).unwrap() };
+        let reference = dev.read(&d_y, many * n * elem).unwrap();
+        let mut bad = vec![];
+        for t in 1..=ops::SKINNY_MAX_TOKENS {
+            let d_out = dev.zeros::<u8>(t * n * elem).unwrap();
+            assert!(ops::skinny_takes(t, k));
+            let build = if t <= 8 { ops::SkinnyBuild::B8 } else { ops::SkinnyBuild::B16 };
+            unsafe { ops::matmul_t_skinny(&dev, d_x.ptr(), d_w.ptr(), d_out.ptr(), t, n, k, f32_out, build).unwrap() };
+            // 8 rows or fewer through B16 too (it serves them within larger batches).
+            if t <= 8 {
+                let d_b16 = dev.zeros::<u8>(t * n * elem).unwrap();
+                let b16 = ops::SkinnyBuild::B16;
+                unsafe {
+                    ops::matmul_t_skinny(&dev, d_x.ptr(), d_w.ptr(), d_b16.ptr(), t, n, k, f32_out, b16).unwrap()
+                };
+                assert!(dev.read(&d_b16, t * n * elem).unwrap() == dev.read(&d_out, t * n * elem).unwrap());
+            }
+            let got = dev.read(&d_out, t * n * elem).unwrap();
+            let wrong = got.chunks(elem).zip(reference.chunks(elem)).filter(|(a, b)| a != b).count();
+            if wrong > 0 {
+                bad.push((t, wrong));
+            }
+        }
+        differing += bad.len();
+        let verdict = if bad.is_empty() { "equal".to_string() } else { format!("differs at (rows, elements) {bad:?}") };
+        eprintln!("{k} by {n}: {verdict}");
+    }
+    eprintln!("skinny invariant products: {differing} (shape, row count) pairs differ from the many-row bits");
+    assert_eq!(differing, 0, "invariant products of at most 16 rows differ from the many-row product's bits");
+}
+
 /// Batch-invariant products: row r of x · wᵀ is the same bits for every row count, on the
 /// projection shapes of Qwen3-0.6B and Qwen3-4B. (cuBLAS's default choice, for comparison, is
 /// reported: on some shapes it splits K and its rows move with the row count.)

@@ -126,6 +126,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "flash_range_combine",
     "ban_tokens",
     "sample_rows",
+    "gemm_skinny_b8",
+    "gemm_skinny_b16",
 ];
 
 /// A host KV region page-locked for device copies ([`CudaDevice::pin_region`]).
@@ -448,6 +450,9 @@ pub struct CudaDevice {
     pdl_capable: bool,
     /// The batch-invariant matrix products, once [`CudaDevice::enable_batch_invariant`] ran.
     invariant_gemm: std::sync::OnceLock<invariant::InvariantGemm>,
+    /// The skinny kernels serve batch-invariant products of few rows: they gave cuBLASLt's bits
+    /// on this GPU for the weights they serve ([`ops::verify_skinny`]).
+    skinny_verified: std::sync::atomic::AtomicBool,
 }
 
 // Safety: the device is used from one thread at a time (the engine thread owns its model);
@@ -548,6 +553,9 @@ impl CudaDevice {
         // memory leaves, as the compiler laid it out).
         let bulk_static = funcs["gemv_bulk_add"].shared_size_bytes()?.max(0) as usize;
         let gemv_bulk_smem = smem_block_optin.saturating_sub(bulk_static);
+        for build in [ops::SkinnyBuild::B8, ops::SkinnyBuild::B16] {
+            allow_smem(build.kernel(), ops::skinny_smem_bytes(build.max_tokens()))?;
+        }
         for name in named("gemv_") {
             let limit = if name.ends_with("_mma") {
                 gemv_mma_smem
@@ -575,6 +583,7 @@ impl CudaDevice {
             tuning: CudaTuning { programmatic_launch: major >= 9 && tuning.programmatic_launch, ..tuning },
             pdl_capable: major >= 9,
             invariant_gemm: std::sync::OnceLock::new(),
+            skinny_verified: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -646,6 +655,16 @@ impl CudaDevice {
 
     pub(crate) fn invariant_gemm(&self) -> Option<&invariant::InvariantGemm> {
         self.invariant_gemm.get()
+    }
+
+    /// Whether batch-invariant products of few rows go to the skinny kernels: tuned so
+    /// ([`CudaTuning::invariant_skinny`]) and verified on this GPU ([`ops::verify_skinny`]).
+    pub fn invariant_skinny(&self) -> bool {
+        self.tuning.invariant_skinny && self.skinny_verified.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_skinny_verified(&self, verified: bool) {
+        self.skinny_verified.store(verified, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The kernel choices this device was opened with.

@@ -30,6 +30,11 @@ pub struct CudaTuning {
     /// wide). Off: the plain build, whose sums come in another order (the outputs differ in the
     /// last bits).
     pub bulk_o_projection: bool,
+    /// Batch-invariant products of at most [`crate::cuda::ops::SKINNY_MAX_TOKENS`] rows on the
+    /// skinny kernels (our own mma.sync chains, which give cuBLASLt's bits: checked at load on
+    /// the model's weights, and by `cuda_kernels`); off: cuBLASLt at every row count. The same
+    /// bits either way. Off by default: slower than cuBLASLt on an H200 (docs/PERFORMANCE.md).
+    pub invariant_skinny: bool,
 }
 
 impl Default for CudaTuning {
@@ -41,6 +46,7 @@ impl Default for CudaTuning {
             bulk_early_rows: 8,
             tensor_core_projections: false,
             bulk_o_projection: true,
+            invariant_skinny: false,
         }
     }
 }
@@ -54,6 +60,7 @@ impl CudaTuning {
         ("bulk_early_rows", "0..=8 (default 8)"),
         ("tensor_core_projections", "0|1 (default 0)"),
         ("bulk_o_projection", "0|1 (default 1)"),
+        ("invariant_skinny", "0|1 (default 0)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -81,6 +88,7 @@ impl CudaTuning {
             }
             "tensor_core_projections" => self.tensor_core_projections = flag()?,
             "bulk_o_projection" => self.bulk_o_projection = flag()?,
+            "invariant_skinny" => self.invariant_skinny = flag()?,
             _ => {
                 let keys: Vec<&str> = Self::KEYS.iter().map(|(k, _)| *k).collect();
                 return Err(format!("--cuda-tune {key}={value}: unknown key (known: {})", keys.join(", ")));
@@ -124,6 +132,9 @@ impl fmt::Display for CudaTuning {
         }
         if self.bulk_o_projection != d.bulk_o_projection {
             parts.push(format!("bulk_o_projection={}", b(self.bulk_o_projection)));
+        }
+        if self.invariant_skinny != d.invariant_skinny {
+            parts.push(format!("invariant_skinny={}", b(self.invariant_skinny)));
         }
         write!(f, "{}", parts.join(","))
     }

@@ -168,6 +168,31 @@ impl Weights {
     pub fn head(&self) -> &DevBuf<u16> {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
+
+    /// Turns on the skinny batch-invariant products if they give cuBLASLt's bits for the first
+    /// layer's projections and the head on this GPU (every layer has the first's shapes), with
+    /// a warning saying why not otherwise.
+    pub fn verify_skinny(&self, dev: &CudaDevice, cfg: &ModelConfig) -> Result<(), ModelError> {
+        let mut shapes: Vec<(u64, usize, usize, bool)> = vec![];
+        if let Some(l) = self.layers.first() {
+            for lin in [&l.qkv, &l.o, &l.gate_up, &l.down] {
+                shapes.push((lin.weight.ptr(), lin.out_dim, lin.in_dim, false));
+            }
+        }
+        shapes.push((self.head().ptr(), cfg.vocab_size, cfg.hidden_size, true));
+        // Safety: every address is a live weight buffer of its [n, k] bf16 shape.
+        match unsafe { ops::verify_skinny(dev, &shapes)? } {
+            None => tracing::info!(
+                "batch-invariant products of up to {} rows on the skinny kernels",
+                ops::SKINNY_MAX_TOKENS
+            ),
+            Some(why) => tracing::warn!(
+                "batch-invariant products go to cuBLASLt at every row count (slower decode at small \
+                 batches): the skinny kernels are off, {why}"
+            ),
+        }
+        Ok(())
+    }
 }
 
 /// `arch/shape/bf16-hash`: a hash of every 16th of the embedding's first 64 Ki values, so that

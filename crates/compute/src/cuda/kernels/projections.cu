@@ -503,3 +503,131 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, i
 #endif
 }
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// Batch-invariant skinny product (`--batch-invariant`, at most 16 rows):
+// y[t, n] = x[t, k] · W[n, k]ᵀ with the bits of the unsplit cuBLASLt product that serves every
+// other row count (cuda/invariant.rs): each output is one chain of m16n8k16 mma steps over K,
+// 16 columns at a time in ascending order, f32 accumulation, rounded once. K is never split (a
+// split would change the order of the sums, and so the bits). A one-warp block owns 8 weight
+// rows (mma's B operand; the tokens are A, T16: tokens 8-15 too) and keeps SKINNY_STAGES stages
+// of 256 columns in flight as bulk copies (one per row, counted on the stage's mbarrier): the
+// copy engine streams the weights, no registers wait for them. Each stage's fragments are all
+// loaded before its first mma, leaving the mma latency alone on the chain. Shared memory: per
+// stage the 8 weight rows and the t token rows, each SKINNY_ROW_BYTES (16 bytes of padding put
+// ldmatrix's eight rows in distinct banks), then one zero row that stands for the tokens past t.
+// K % 64 == 0 (whole 128-byte row pieces); dynamic shared memory: skinny_smem_bytes(t).
+#define SKINNY_COLS 256
+#define SKINNY_STAGES 8
+#define SKINNY_ROW_BYTES (SKINNY_COLS * 2 + 16)
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// ldmatrix.x4 at this lane's row address: f[j] = (row g, columns 8j + 2q and 8j + 2q + 1).
+__device__ __forceinline__ void skinny_frag(u32* f, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(f[0]), "=r"(f[1]), "=r"(f[2]), "=r"(f[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void mbar_arrive_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+#endif
+
+template <int T16>
+__device__ __forceinline__ void gemm_skinny(const bf16* __restrict__ W, const bf16* __restrict__ X, void* Y, int N,
+                                            int K, int t, int f32_out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) unsigned char skinny_smem[];
+    __shared__ __align__(8) u64 bars[SKINNY_STAGES];
+    int lane = threadIdx.x, n0 = blockIdx.x * 8, rows_w = min(8, N - n0);
+    int stage_rows = 8 + t;
+    u32 base = (u32)__cvta_generic_to_shared(skinny_smem);
+    u32 zero_row = base + SKINNY_STAGES * stage_rows * SKINNY_ROW_BYTES;
+    // The zero row, and weight rows past N (never copied; their outputs are not stored).
+    for (int i = lane; i < SKINNY_ROW_BYTES / 16; i += 32)
+        asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(zero_row + i * 16), "r"(0u) : "memory");
+    for (int s = 0; s < SKINNY_STAGES && rows_w < 8; ++s)
+        for (int i = lane; i < (8 - rows_w) * SKINNY_ROW_BYTES / 16; i += 32)
+            asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(base + (s * stage_rows + rows_w) * SKINNY_ROW_BYTES + i * 16),
+                         "r"(0u)
+                         : "memory");
+    if (lane == 0) {
+        for (int s = 0; s < SKINNY_STAGES; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"((u32)__cvta_generic_to_shared(&bars[s]))
+                         : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    __syncwarp();
+    PDL_ENTER();
+    int stages = (K + SKINNY_COLS - 1) / SKINNY_COLS;
+    auto issue = [&](int s) {
+        if (s >= stages || lane != 0) return;
+        int k0 = s * SKINNY_COLS;
+        u32 bytes = (u32)min(SKINNY_COLS, K - k0) * 2;
+        u32 slot = base + (s % SKINNY_STAGES) * stage_rows * SKINNY_ROW_BYTES;
+        u32 bar = (u32)__cvta_generic_to_shared(&bars[s % SKINNY_STAGES]);
+        mbar_arrive_expect(bar, bytes * (rows_w + t));
+        for (int r = 0; r < rows_w; ++r) bulk_copy(slot + r * SKINNY_ROW_BYTES, W + (u64)(n0 + r) * K + k0, bytes, bar);
+        for (int m = 0; m < t; ++m) bulk_copy(slot + (8 + m) * SKINNY_ROW_BYTES, X + (u64)m * K + k0, bytes, bar);
+    };
+    for (int s = 0; s < SKINNY_STAGES; ++s) issue(s);
+    // ldmatrix row addresses (lane: row lane & 7, 16-byte column chunk lane >> 3 of a piece).
+    int row = lane & 7;
+    u32 chunk = (lane >> 3) * 16;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < stages; ++s) {
+        u32 slot = base + (s % SKINNY_STAGES) * stage_rows * SKINNY_ROW_BYTES;
+        u32 bar = (u32)__cvta_generic_to_shared(&bars[s % SKINNY_STAGES]);
+        // The copies always complete (valid addresses and sizes); the wait is bounded anyway:
+        // past a second something is broken, and the launch fails instead of hanging.
+        for (u64 t0 = global_ns(); !mbar_try(bar, (s / SKINNY_STAGES) & 1);)
+            if (global_ns() - t0 > 1000000000ull) __trap();
+        u32 w_addr = slot + row * SKINNY_ROW_BYTES + chunk;
+        u32 x_addr = row < t ? slot + (8 + row) * SKINNY_ROW_BYTES + chunk : zero_row + chunk;
+        u32 h_addr = row + 8 < t ? slot + (16 + row) * SKINNY_ROW_BYTES + chunk : zero_row + chunk;
+        int pieces = min(SKINNY_COLS, K - s * SKINNY_COLS) / 32;
+        u32 fw[SKINNY_COLS / 32][4], fx[SKINNY_COLS / 32][4], fh[SKINNY_COLS / 32][4];
+#pragma unroll
+        for (int p = 0; p < SKINNY_COLS / 32; ++p) {
+            skinny_frag(fw[p], w_addr + p * 64);
+            skinny_frag(fx[p], x_addr + p * 64);
+            if (T16) skinny_frag(fh[p], h_addr + p * 64);
+            else fh[p][0] = fh[p][1] = fh[p][2] = fh[p][3] = 0u;
+        }
+#pragma unroll
+        for (int p = 0; p < SKINNY_COLS / 32; ++p) {
+            if (p >= pieces) break;
+            // Columns 32p..32p+15, then 32p+16..32p+31.
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                u32 a[4] = {fx[p][2 * h], fh[p][2 * h], fx[p][2 * h + 1], fh[p][2 * h + 1]};
+                mma_bf16(acc, a, fw[p][2 * h], fw[p][2 * h + 1]);
+            }
+        }
+        // Every lane is done reading the slot before it is filled again.
+        __syncwarp();
+        issue(s + SKINNY_STAGES);
+    }
+    // acc: tokens g and g + 8 by weight rows n0 + 2q and n0 + 2q + 1.
+    int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        int n = n0 + 2 * q + (e & 1), m = g + (e / 2) * 8;
+        if (n >= N || m >= t) continue;
+        u64 i = (u64)m * N + n;
+        if (f32_out) reinterpret_cast<float*>(Y)[i] = acc[e];
+        else reinterpret_cast<bf16*>(Y)[i] = f2bf(acc[e]);
+    }
+#endif
+}
+
+#define GEMM_SKINNY_KERNEL(NAME, T16)                                                                    \
+    extern "C" __global__ void __launch_bounds__(32) NAME(const bf16* W, const bf16* X, void* Y, int N, int K, \
+                                                          int t, int f32_out) {                          \
+        gemm_skinny<T16>(W, X, Y, N, K, t, f32_out);                                                     \
+    }
+#if KERNEL_GROUP(3)
+GEMM_SKINNY_KERNEL(gemm_skinny_b8, 0)
+GEMM_SKINNY_KERNEL(gemm_skinny_b16, 1)
+#endif
