@@ -43,8 +43,10 @@ pub enum Command {
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Model")]
 pub struct ModelArgs {
-    /// A Hugging Face model directory (config.json + safetensors [+ tokenizer.json]) or
-    /// `preset:NAME` for a built-in shape with seeded random weights (see `tandem model list`).
+    /// A Hugging Face model directory (config.json + safetensors [+ tokenizer.json]), a GGUF
+    /// file (`*.gguf`: llama, qwen2 or qwen3; F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K,
+    /// dequantized at load) or `preset:NAME` for a built-in shape with seeded random weights
+    /// (see `tandem model list`).
     #[arg(long, env = "TANDEM_MODEL", default_value = "preset:tiny-qwen3")]
     pub model: String,
     /// Weight seed for `preset:` models (same seed, same weights as `model init --seed`).

@@ -116,6 +116,13 @@ impl ModelConfig {
         })
     }
 
+    /// Checks a config.json value (one rebuilt from a GGUF file's metadata).
+    pub(crate) fn from_value(v: &Value) -> Result<Self, ModelError> {
+        let hf: HfConfig =
+            serde_json::from_value(v.clone()).map_err(|e| ModelError::UnsupportedConfig(e.to_string()))?;
+        Self::from_hf(hf)
+    }
+
     /// Parses and checks a config.json text.
     fn from_json(text: &str) -> Result<Self, ConfigParseError> {
         let hf: HfConfig = serde_json::from_str(text).map_err(ConfigParseError::Json)?;

@@ -64,6 +64,14 @@ pub enum ModelError {
         /// What the safetensors reader said.
         message: String,
     },
+    /// A GGUF file is malformed, truncated or holds something tandem does not read.
+    #[error("{path}: {message}")]
+    Gguf {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the tensor, type or metadata key.
+        message: String,
+    },
     /// No model files at the given path.
     #[error(
         "{path}: not a model directory (expected config.json and model.safetensors or model.safetensors.index.json)"

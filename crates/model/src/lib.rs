@@ -9,7 +9,8 @@
 //! keys and values in a `tandem_compute::KvCache` through each sequence's block table.
 //!
 //! Supported: Qwen3, Qwen2 and Llama (SmolLM too) with GQA, RoPE (plus Llama 3 scaling), tied
-//! embeddings, f32/bf16/f16 safetensors, single-file or sharded. Anything else fails at load
+//! embeddings, f32/bf16/f16 safetensors, single-file or sharded, and GGUF files (F32, F16, BF16,
+//! Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; dequantized at load). Anything else fails at load
 //! with a message naming what is unsupported ([`ModelError`]).
 //!
 //! This crate owns no request state and does no scheduling: that is `tandem-engine`.
@@ -19,6 +20,7 @@ mod config;
 mod cuda;
 mod detokenize;
 mod error;
+mod gguf;
 mod presets;
 mod runner;
 mod source;
@@ -30,6 +32,7 @@ pub use config::{Architecture, ModelConfig};
 pub use cuda::{CudaModel, CudaOptions};
 pub use detokenize::{IncrementalDetokenizer, StopMatcher, StopOutcome};
 pub use error::ModelError;
+pub use gguf::{dequantize as gguf_dequantize, GgufFile, GgufTensor};
 pub use presets::{Preset, PRESETS};
 pub use runner::{carried_row, carried_token, sample, CpuRunner, ModelRunner, SampleSpec, CARRIED_TOKEN};
 pub use source::{GenerationDefaults, LoadedModel, ModelSource, ModelSpec};

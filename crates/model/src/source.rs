@@ -1,10 +1,11 @@
-//! From a `--model` argument to a [`LoadedModel`]: an HF directory or `preset:NAME`.
+//! From a `--model` argument to a [`LoadedModel`]: an HF directory, a GGUF file or `preset:NAME`.
 
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
 use crate::config::{token_id_list, ModelConfig};
+use crate::gguf::GgufFile;
 use crate::presets::Preset;
 use crate::tokenizer::TextTokenizer;
 use crate::transformer::Transformer;
@@ -23,13 +24,16 @@ pub enum ModelSource {
     },
     /// An HF-layout directory.
     Dir(PathBuf),
+    /// A GGUF file (llama.cpp's format; dequantized at load, see the `gguf` module).
+    Gguf(PathBuf),
 }
 
 impl ModelSource {
-    /// Parses `preset:NAME` (seed from `seed`) or a directory path.
+    /// Parses `preset:NAME` (seed from `seed`), a `.gguf` file or a directory path.
     pub fn parse(spec: &str, seed: u64) -> Result<Self, ModelError> {
         match spec.strip_prefix("preset:") {
             Some(name) => Ok(Self::Preset { preset: Preset::find(name)?, seed }),
+            None if crate::gguf::is_gguf_path(Path::new(spec)) => Ok(Self::Gguf(PathBuf::from(spec))),
             None => Ok(Self::Dir(PathBuf::from(spec))),
         }
     }
@@ -134,6 +138,19 @@ impl ModelSpec {
                 let cfg = ModelConfig::from_dir(dir)?;
                 (cfg, TextTokenizer::from_dir(dir)?, generation_config(dir)?)
             }
+            ModelSource::Gguf(path) => {
+                let file = GgufFile::open(path)?;
+                let cfg = ModelConfig::from_value(&file.config_json()?)?;
+                // A file without tokenizer metadata runs in token-ids mode, as a directory
+                // without tokenizer.json does.
+                let tok = match file.tokenizer_json()? {
+                    Some((tokenizer, config)) => {
+                        Some(TextTokenizer::from_parts(tokenizer.to_string().as_bytes(), Some(&config))?)
+                    }
+                    None => None,
+                };
+                (cfg, tok, Value::Object(Default::default()))
+            }
         };
         let limit = cfg.max_position_embeddings;
         let max_model_len = match max_model_len {
@@ -167,6 +184,7 @@ impl ModelSpec {
         match &self.source {
             ModelSource::Preset { preset, seed } => Ok(preset.random_weights(*seed)),
             ModelSource::Dir(dir) => WeightMap::load_dir(dir),
+            ModelSource::Gguf(path) => GgufFile::open(path)?.weights(),
         }
     }
 }

@@ -255,7 +255,9 @@ impl<'a> WeightBuilder<'a> {
                 let stds = preset.tensor_specs().into_iter().map(|(n, _, std)| (n, std)).collect();
                 Ok(Self { dev, preset: Some((*seed, stds)), host: None, bytes: 0 })
             }
-            ModelSource::Dir(_) => Ok(Self { dev, preset: None, host: Some(spec.host_weights()?), bytes: 0 }),
+            ModelSource::Dir(_) | ModelSource::Gguf(_) => {
+                Ok(Self { dev, preset: None, host: Some(spec.host_weights()?), bytes: 0 })
+            }
         }
     }
 
