@@ -175,9 +175,15 @@ impl GgufFile {
         {
             return Err(ModelError::UnsupportedConfig("RoPE scaling from GGUF metadata".into()));
         }
+        // The vocabulary: the tokenizer's, else the key, else the embedding's rows (as llama.cpp).
+        let embed_rows =
+            self.tensors.iter().find(|t| t.name == "token_embd.weight").and_then(|t| t.dims.get(1).copied());
         let vocab = match self.metadata.get("tokenizer.ggml.tokens") {
             Some(Value::Array(tokens)) => tokens.len() as u64,
-            _ => need("vocab_size")?,
+            _ => self
+                .meta_u64(&key("vocab_size"))
+                .or(embed_rows)
+                .ok_or_else(|| self.error(format!("no {}", key("vocab_size"))))?,
         };
         let hf_arch = match arch {
             "qwen3" => "Qwen3ForCausalLM",

@@ -349,3 +349,131 @@ fn host_kv_copy_moves_a_prompt_between_engines_bit_for_bit() {
     }
     eprintln!("host KV copy: {used} blocks moved between engines; 6 decode steps equal bit for bit");
 }
+
+/// A GGUF file on the GPU is the model its HF directory is: tiny-qwen3 written as a directory
+/// and as a GGUF of the same f32 tensors (llama.cpp's names) gives the same logits bit for bit,
+/// prompt and decode steps.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn a_gguf_on_the_gpu_gives_its_directorys_logits() {
+    let dir = std::env::temp_dir().join(format!("tandem-gguf-gpu-{}", std::process::id()));
+    tandem_model::Preset::find("tiny-qwen3").unwrap().write_dir(&dir, 5).unwrap();
+    let gguf = dir.join("model.gguf");
+    write_f32_gguf(&dir, &gguf);
+    // The same shape either way (the GGUF has no tokenizer, so no EOS ids).
+    let a = tandem_model::ModelSpec::load(&ModelSource::Gguf(gguf.clone()), None).unwrap().config;
+    let b = tandem_model::ModelSpec::load(&ModelSource::Dir(dir.clone()), None).unwrap().config;
+    assert_eq!(
+        tandem_model::ModelConfig { eos_token_ids: vec![], ..b },
+        tandem_model::ModelConfig { eos_token_ids: vec![], ..a }
+    );
+    if !cuda_usable() {
+        return;
+    }
+    let opts =
+        CudaOptions { block_size: 16, max_tokens: 256, max_seqs: 2, num_blocks: Some(16), ..CudaOptions::default() };
+    let run = |source: ModelSource| {
+        let spec = ModelSpec::load(&source, Some(256)).unwrap();
+        let mut gpu = CudaModel::load(&spec, &opts).unwrap();
+        let table: Vec<u32> = (0..16).collect();
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 500).collect();
+        let seq = SeqBatch { token_start: 0, num_tokens: 40, first_pos: 0, block_table: &table, want_logits: true };
+        let mut all = gpu.forward_logits(&prompt, &[seq]).unwrap();
+        let mut next = argmax(&all);
+        for pos in 40..48 {
+            let seq =
+                SeqBatch { token_start: 0, num_tokens: 1, first_pos: pos, block_table: &table, want_logits: true };
+            let logits = gpu.forward_logits(&[next], &[seq]).unwrap();
+            next = argmax(&logits);
+            all.extend(logits);
+        }
+        all
+    };
+    let from_gguf = run(ModelSource::Gguf(gguf));
+    let from_dir = run(ModelSource::Dir(dir.clone()));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(from_gguf == from_dir, "the GGUF's logits differ from the directory's on the GPU");
+}
+
+/// Writes the Qwen3 checkpoint in `dir` as a GGUF of f32 tensors under llama.cpp's names.
+fn write_f32_gguf(dir: &std::path::Path, out: &std::path::Path) {
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let weights = WeightMap::load_dir(dir).unwrap();
+    let u = |k: &str| cfg[k].as_u64().unwrap();
+    let theta = cfg["rope_theta"].as_f64().or_else(|| cfg["rope_parameters"]["rope_theta"].as_f64()).unwrap();
+    let mut kvs: Vec<(String, u32, Vec<u8>)> = vec![];
+    let s = |v: &str| [(v.len() as u64).to_le_bytes().to_vec(), v.as_bytes().to_vec()].concat();
+    kvs.push(("general.architecture".into(), 8, s("qwen3")));
+    for (k, v) in [
+        ("block_count", u("num_hidden_layers")),
+        ("context_length", u("max_position_embeddings")),
+        ("embedding_length", u("hidden_size")),
+        ("feed_forward_length", u("intermediate_size")),
+        ("attention.head_count", u("num_attention_heads")),
+        ("attention.head_count_kv", u("num_key_value_heads")),
+        ("attention.key_length", u("head_dim")),
+        ("rope.dimension_count", u("head_dim")),
+    ] {
+        kvs.push((format!("qwen3.{k}"), 4, (v as u32).to_le_bytes().to_vec()));
+    }
+    kvs.push(("qwen3.rope.freq_base".into(), 6, (theta as f32).to_le_bytes().to_vec()));
+    let eps = cfg["rms_norm_eps"].as_f64().unwrap() as f32;
+    kvs.push(("qwen3.attention.layer_norm_rms_epsilon".into(), 6, eps.to_le_bytes().to_vec()));
+    let gguf_name = |hf: &str| -> String {
+        let fixed = [
+            ("model.embed_tokens.weight", "token_embd.weight"),
+            ("model.norm.weight", "output_norm.weight"),
+            ("lm_head.weight", "output.weight"),
+        ];
+        if let Some((_, g)) = fixed.iter().find(|(h, _)| *h == hf) {
+            return g.to_string();
+        }
+        let parts: Vec<&str> = hf.split('.').collect();
+        let part = match parts[3..parts.len() - 1].join(".").as_str() {
+            "input_layernorm" => "attn_norm",
+            "post_attention_layernorm" => "ffn_norm",
+            "self_attn.q_proj" => "attn_q",
+            "self_attn.k_proj" => "attn_k",
+            "self_attn.v_proj" => "attn_v",
+            "self_attn.o_proj" => "attn_output",
+            "self_attn.q_norm" => "attn_q_norm",
+            "self_attn.k_norm" => "attn_k_norm",
+            "mlp.gate_proj" => "ffn_gate",
+            "mlp.up_proj" => "ffn_up",
+            "mlp.down_proj" => "ffn_down",
+            other => panic!("no GGUF name for {other}"),
+        };
+        format!("blk.{}.{part}.{}", parts[2], parts[parts.len() - 1])
+    };
+    let mut tensors: Vec<(&String, &tandem_model::Tensor)> = weights.iter().collect();
+    tensors.sort_by(|a, b| a.0.cmp(b.0));
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend((tensors.len() as u64).to_le_bytes());
+    b.extend((kvs.len() as u64).to_le_bytes());
+    for (k, ty, v) in &kvs {
+        b.extend(s(k));
+        b.extend(ty.to_le_bytes());
+        b.extend(v);
+    }
+    let mut offset = 0u64;
+    for (name, t) in &tensors {
+        b.extend(s(&gguf_name(name)));
+        b.extend((t.shape.len() as u32).to_le_bytes());
+        for d in t.shape.iter().rev() {
+            b.extend((*d as u64).to_le_bytes());
+        }
+        b.extend(0u32.to_le_bytes());
+        b.extend(offset.to_le_bytes());
+        offset += (t.data.len() * 4).div_ceil(32) as u64 * 32;
+    }
+    b.resize(b.len().div_ceil(32) * 32, 0);
+    for (_, t) in &tensors {
+        for v in &t.data {
+            b.extend(v.to_le_bytes());
+        }
+        b.resize(b.len().div_ceil(32) * 32, 0);
+    }
+    std::fs::write(out, b).unwrap();
+}
