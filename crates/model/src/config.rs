@@ -103,7 +103,7 @@ impl ModelConfig {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
         Self::from_json(&text).map_err(|e| match e {
-            ConfigParseError::Json(source) => ModelError::Json { path, source },
+            ConfigParseError::Json(source) => ModelError::Json { path, error: source },
             ConfigParseError::Model(e) => e,
         })
     }

@@ -8,20 +8,22 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum ModelError {
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    // (The OS error is in the message, not the error's source: a chain printed whole would say
+    // it twice.)
+    #[error("{path}: {error}")]
     Io {
         /// The file.
         path: PathBuf,
         /// The OS error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A JSON file did not parse or lacked a required field.
-    #[error("{path}: invalid JSON: {source}")]
+    #[error("{path}: invalid JSON: {error}")]
     Json {
         /// The file.
         path: PathBuf,
         /// The parse error.
-        source: serde_json::Error,
+        error: serde_json::Error,
     },
     /// `architectures` names a model tandem does not implement.
     #[error("unsupported architecture `{name}` (supported: Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)")]
@@ -108,6 +110,6 @@ pub enum ModelError {
 
 impl ModelError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Self::Io { path: path.into(), source }
+        Self::Io { path: path.into(), error: source }
     }
 }

@@ -230,5 +230,5 @@ fn generation_config(dir: &Path) -> Result<Value, ModelError> {
         return Ok(Value::Null);
     }
     let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-    serde_json::from_str(&text).map_err(|source| ModelError::Json { path, source })
+    serde_json::from_str(&text).map_err(|source| ModelError::Json { path, error: source })
 }

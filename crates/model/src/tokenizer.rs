@@ -38,7 +38,7 @@ impl TextTokenizer {
         let cfg_path = dir.join("tokenizer_config.json");
         let mut config: Option<Value> = if cfg_path.is_file() {
             let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
-            Some(serde_json::from_str(&text).map_err(|source| ModelError::Json { path: cfg_path, source })?)
+            Some(serde_json::from_str(&text).map_err(|source| ModelError::Json { path: cfg_path, error: source })?)
         } else {
             None
         };

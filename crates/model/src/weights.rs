@@ -93,7 +93,7 @@ fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     }
     let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
     let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|source| ModelError::Json { path: index.clone(), source })?;
+        serde_json::from_str(&text).map_err(|source| ModelError::Json { path: index.clone(), error: source })?;
     let map = json
         .get("weight_map")
         .and_then(|m| m.as_object())
