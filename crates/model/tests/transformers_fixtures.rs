@@ -1,12 +1,13 @@
 //! Greedy continuations equal transformers' token for token (fixtures/ made by
 //! scripts/make_fixtures.py), for the model alone: prefill the prompt through the paged
 //! cache, then decode one token at a time. The engine-level test of the same fixtures runs
-//! through `tandem generate` in the cli crate.
+//! through `tandem generate` in the cli crate. The same fixtures as GGUF files (fixtures/gguf)
+//! give the same tokens.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use tandem_compute::KvCache;
-use tandem_model::{LoadedModel, ModelSource, SeqBatch};
+use tandem_model::{LoadedModel, ModelSource, ModelSpec, SeqBatch};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
@@ -81,4 +82,57 @@ fn missing_tensor_and_unknown_dir_fail_with_names() {
     let err = LoadedModel::load(&ModelSource::Dir(tmp.join("nope")), None).err().unwrap().to_string();
     assert!(err.contains("not a model directory"), "{err}");
     std::fs::remove_dir_all(&tmp).ok();
+}
+
+/// A prompt and transformers' greedy continuation.
+type Case = (Vec<u32>, Vec<u32>);
+
+fn cases(dir: &Path) -> (usize, Vec<Case>) {
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    };
+    let n = expected["new_tokens"].as_u64().unwrap() as usize;
+    (n, expected["cases"].as_array().unwrap().iter().map(|c| (ids(&c["prompt_ids"]), ids(&c["greedy_ids"]))).collect())
+}
+
+#[test]
+fn qwen3_and_qwen2_ggufs_give_transformers_greedy_tokens() {
+    for name in ["qwen3", "qwen2"] {
+        let source = ModelSource::parse(fixtures().join(format!("gguf/{name}.gguf")).to_str().unwrap(), 0).unwrap();
+        assert!(matches!(source, ModelSource::Gguf(_)));
+        let model = LoadedModel::load(&source, None).unwrap();
+        assert!(model.tokenizer.is_none(), "no tokenizer metadata: token-ids mode");
+        // The shape is the HF directory's.
+        let from_gguf = ModelSpec::load(&source, None).unwrap().config;
+        let from_dir = ModelSpec::load(&ModelSource::Dir(fixtures().join(name)), None).unwrap().config;
+        assert_eq!(from_gguf.eos_token_ids, Vec::<u32>::new());
+        assert_eq!(from_gguf, tandem_model::ModelConfig { eos_token_ids: vec![], ..from_dir });
+        let (n, cases) = cases(&fixtures().join(name));
+        for (prompt, want) in cases {
+            assert_eq!(greedy(&model, &prompt, n, 16), want, "{name}: prompt of {} tokens", prompt.len());
+        }
+    }
+}
+
+#[test]
+fn a_llama_gguf_with_its_rotary_rows_permuted_gives_the_hf_directorys_tokens() {
+    // The HF fixture with default RoPE (the GGUF leaves out Llama 3 scaling).
+    let dir = std::env::temp_dir().join(format!("tandem-gguf-llama-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["model.safetensors", "config.json"] {
+        std::fs::copy(fixtures().join("llama").join(f), dir.join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg["rope_parameters"] = serde_json::json!({"rope_theta": 500000.0, "rope_type": "default"});
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let hf = LoadedModel::load(&ModelSource::Dir(dir.clone()), None).unwrap();
+    let gguf = LoadedModel::load(&ModelSource::Gguf(fixtures().join("gguf/llama.gguf")), None).unwrap();
+    let (n, cases) = cases(&fixtures().join("llama"));
+    for (prompt, _) in cases {
+        assert_eq!(greedy(&gguf, &prompt, n, 16), greedy(&hf, &prompt, n, 16), "prompt of {} tokens", prompt.len());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
