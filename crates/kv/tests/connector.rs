@@ -310,8 +310,44 @@ fn an_abort_while_prefill_may_write_directly_is_released_at_once_and_nothing_lan
     assert_eq!(p.wait_event(), ConnectorEvent::Released { request_id: RequestId::new("r1") });
     assert!(start.elapsed() < Duration::from_millis(600), "released in {:?}, not at the deadline", start.elapsed());
     p.produce("t1", 20);
-    p.wait_freed(1); // prefill's produced KV expires unclaimed
+    p.wait_freed(1); // decode gave the transfer up: prefill frees the KV as it comes
     assert!(p.untouched(&blocks), "KV landed in blocks given back");
+}
+
+/// Decode gives a push up before prefill has produced its KV, once with the registration on
+/// its way (an open connection) and once before decode had even connected (the abort found no
+/// connection to tell, and is sent once there is one): either way prefill frees the KV the
+/// moment it is produced, not when its wait for a registration (30 s here) runs out, over tcp
+/// and over a direct writer.
+#[test]
+fn kv_produced_after_decode_gave_the_transfer_up_is_freed_at_once() {
+    for local in [false, true] {
+        let p_cfg = ConnectorConfig {
+            local_transport: local,
+            transfer_timeout: Duration::from_secs(30),
+            ..config(Role::Prefill, KvMode::Push)
+        };
+        let d_cfg = ConnectorConfig { local_transport: local, ..config(Role::Decode, KvMode::Push) };
+        let p = pair_with(p_cfg, d_cfg, 16, 16);
+        let blocks = p.d_blocks(20);
+        // Before any connection: the abort comes while the connection is being made.
+        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20);
+        p.d.abort(RequestId::new("r1"));
+        assert_eq!(p.wait_event(), ConnectorEvent::Released { request_id: RequestId::new("r1") });
+        // With the connection open: the registration, then its abort, reach prefill first.
+        p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), 20);
+        std::thread::sleep(Duration::from_millis(100));
+        p.d.abort(RequestId::new("r2"));
+        assert_eq!(p.wait_event(), ConnectorEvent::Released { request_id: RequestId::new("r2") });
+        std::thread::sleep(Duration::from_millis(100)); // both aborts have reached prefill
+        let start = Instant::now();
+        p.produce("t1", 20);
+        p.produce("t2", 20);
+        p.wait_freed(2);
+        assert!(start.elapsed() < Duration::from_secs(2), "local={local}: freed after {:?}", start.elapsed());
+        assert_eq!(p.p.stats().expired, 0, "local={local}: freed by expiry, not by the aborts");
+        assert!(p.untouched(&blocks), "local={local}: KV landed in blocks given back");
+    }
 }
 
 /// A prefill that writes directly gets its KV only after decode's deadline has passed (decode

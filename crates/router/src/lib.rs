@@ -24,7 +24,8 @@
 //! request with its 4xx (a bad request) or a 502 naming the leg and the cause; a decode leg
 //! that fails after prefill has the prefill engine free the prompt's KV at once
 //! (`POST /kv/release`). A client disconnect drops both legs, which cancels them on both
-//! engines.
+//! engines, and has prefill free KV it already computed the same way (a decode engine that had
+//! not yet registered for it or read it cannot tell prefill so).
 //!
 //! Failover: a leg that never reached its engine (no connection: the engine is marked down
 //! until a check finds it again) or that its engine turned away before computing (429, at its

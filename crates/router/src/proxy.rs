@@ -357,16 +357,46 @@ impl Router {
         self.abort.send_replace(true);
     }
 
-    /// Tells a prefill engine to free the KV it holds for `transfer_id` (its decode leg
-    /// failed), without making the client wait for the answer.
-    fn release(&self, p: &Backend, transfer_id: &str) {
+    /// A guard that has prefill engine `p` free the KV it holds for `transfer_id` when it
+    /// drops, unless [`ReleaseOnDrop::disarm`]ed first (the decode leg took the KV).
+    fn release_on_drop(&self, p: &Backend, transfer_id: &str) -> ReleaseOnDrop {
+        ReleaseOnDrop { http: self.http.clone(), url: p.url.clone(), transfer_id: transfer_id.to_string(), armed: true }
+    }
+}
+
+/// Frees prefill's KV for a transfer the decode leg did not take: it failed, or the client
+/// went away first. A decode engine that never got as far as registering (push) or reading
+/// (pull) cannot say so to prefill, which would hold the prompt's blocks until its transfer
+/// timeout or lease ran out. Dropped armed, it posts `/kv/release` without making anyone wait
+/// for the answer; for a transfer that has already ended the engine finds nothing to free.
+struct ReleaseOnDrop {
+    http: reqwest::Client,
+    url: String,
+    transfer_id: String,
+    armed: bool,
+}
+
+impl ReleaseOnDrop {
+    /// The decode leg's answer came whole: its engine took the KV, prefill has let it go.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        // Dropped outside a runtime only when the router itself is going away.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         let req = self
             .http
-            .post(format!("{}/kv/release", p.url))
-            .json(&json!({"transfer_id": transfer_id}))
+            .post(format!("{}/kv/release", self.url))
+            .json(&json!({"transfer_id": self.transfer_id}))
             .timeout(Duration::from_secs(5));
-        let (url, tid) = (p.url.clone(), transfer_id.to_string());
-        tokio::spawn(async move {
+        let (url, tid) = (std::mem::take(&mut self.url), std::mem::take(&mut self.transfer_id));
+        runtime.spawn(async move {
             match req.send().await {
                 Ok(r) if r.status().is_success() => tracing::debug!(%url, transfer_id = %tid, "prefill KV released"),
                 Ok(r) => {
@@ -440,7 +470,7 @@ async fn dispatch_or_abort(r: Arc<Router>, path: &'static str, headers: HeaderMa
 async fn models(State(r): State<Arc<Router>>) -> Response {
     let d = choose(&r.decode, 0, |_| true).unwrap_or_else(|| r.decode[0].clone());
     match r.http.get(format!("{}/v1/models", d.url)).timeout(Duration::from_secs(10)).send().await {
-        Ok(resp) => passthrough(resp, None, Vec::new(), r.abort.subscribe()),
+        Ok(resp) => passthrough(resp, None, Legs::default(), r.abort.subscribe()),
         Err(e) => error(StatusCode::BAD_GATEWAY, format!("decode engine {}: {}", d.url, describe(&e))),
     }
 }
@@ -570,31 +600,32 @@ async fn dispatch_to(
             };
             let mut db = orig.clone();
             db.insert("kv_transfer_params".into(), kv);
+            // Prefill holds the prompt's blocks under a lease for the decode read: if none takes
+            // it (every decode leg failed, or the client went away), they are freed now.
+            let release = r.release_on_drop(&p, &transfer_id);
             // The KV waits under its lease: a decode engine that does not take the leg leaves it
             // for another one, without computing the prompt again.
             let mut tried = Vec::new();
             let mut d = d;
-            let failed = loop {
+            loop {
                 let d_guard = d.start();
                 let failed = match post(&d, Value::Object(db.clone())).send().await {
                     Ok(resp) if resp.status().is_success() => {
-                        return Ok(passthrough(resp, Some(d_guard), Vec::new(), r.abort.subscribe()))
+                        let legs = Legs { _tasks: Vec::new(), release: Some(release) };
+                        return Ok(passthrough(resp, Some(d_guard), legs, r.abort.subscribe()));
                     }
                     Ok(resp) => leg_error("decode", &d, resp).await,
                     Err(e) => leg_failed(&d, "decode", &e),
                 };
-                let Some(engine) = failed.engine.clone() else { break failed };
+                let Some(engine) = failed.engine.clone() else { return Err(failed.response.into()) };
                 tracing::info!(url = %engine.url, status = %failed.response.status(), "decode leg not taken; trying another decode engine");
                 tried.push(engine);
                 match r.pick_decode(&p, r.turn.fetch_add(1, Ordering::Relaxed), &tried) {
                     Some(next) => d = next,
-                    None => break failed,
+                    // (Prefill itself is not tried again; `release` frees its KV.)
+                    None => return Err(failed.response.into()),
                 }
-            };
-            // Prefill holds the prompt's blocks under a lease for a decode read that will
-            // not come: free them now. (Prefill itself is not tried again.)
-            r.release(&p, &transfer_id);
-            Err(failed.response.into())
+            }
         }
         TransferMode::Push => {
             let d_guard = d.start();
@@ -617,6 +648,10 @@ async fn dispatch_to(
             };
             let mut db = orig.clone();
             db.insert("kv_transfer_params".into(), serde_json::to_value(d_kv).unwrap_or(Value::Null));
+            // Whatever ends this attempt other than decode's whole answer (a failed leg, the
+            // client going away) has prefill free what it computed under the transfer id, at
+            // once: decode may never have registered for it.
+            let release = r.release_on_drop(&p, &transfer_id);
             // Both legs at once: decode registers its blocks while prefill computes.
             let prefill = p.clone();
             let mut prefill_leg = AbortOnDrop(tokio::spawn(async move {
@@ -643,7 +678,8 @@ async fn dispatch_to(
             };
             let failed = match dresp {
                 Ok(resp) if resp.status().is_success() => {
-                    return Ok(passthrough(resp, Some(d_guard), vec![prefill_leg], r.abort.subscribe()))
+                    let legs = Legs { _tasks: vec![prefill_leg], release: Some(release) };
+                    return Ok(passthrough(resp, Some(d_guard), legs, r.abort.subscribe()));
                 }
                 Ok(resp) => leg_error("decode", &d, resp).await,
                 Err(e) => leg_failed(&d, "decode", &e),
@@ -652,7 +688,7 @@ async fn dispatch_to(
             // prompt still computing, and the release frees one already finished. (The KV's
             // transfer id named this decode engine's registration: another pair starts anew.)
             drop(prefill_leg);
-            r.release(&p, &transfer_id);
+            drop(release);
             Err(failed)
         }
     }
@@ -721,10 +757,19 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
+/// What a passed-through decode answer keeps of its request's legs until its body ends.
+#[derive(Default)]
+struct Legs {
+    /// Legs still running (push's prefill leg), aborted if the body ends first.
+    _tasks: Vec<AbortOnDrop<Result<(), LegError>>>,
+    /// Frees prefill's KV unless the body ends whole.
+    release: Option<ReleaseOnDrop>,
+}
+
 /// What the body of a passed-through response holds on to until it ends.
 struct Held {
     _in_flight: Option<InFlight>,
-    _legs: Vec<AbortOnDrop<Result<(), LegError>>>,
+    legs: Legs,
 }
 
 /// The final SSE event of a stream the router ends during shutdown.
@@ -740,7 +785,7 @@ fn shutdown_chunk() -> Bytes {
 fn passthrough(
     resp: reqwest::Response,
     in_flight: Option<InFlight>,
-    legs: Vec<AbortOnDrop<Result<(), LegError>>>,
+    legs: Legs,
     abort: tokio::sync::watch::Receiver<bool>,
 ) -> Response {
     let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::OK);
@@ -751,10 +796,10 @@ fn passthrough(
         }
     }
     let sse = resp.headers().get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    let held = Held { _in_flight: in_flight, _legs: legs };
+    let held = Held { _in_flight: in_flight, legs };
     let state = (Box::pin(resp.bytes_stream()), abort, Some(held));
     let body = futures::stream::unfold(state, move |(mut inner, mut abort, held)| async move {
-        let held = held?;
+        let mut held = held?;
         let next = tokio::select! {
             biased;
             item = inner.next() => Ok(item),
@@ -762,7 +807,14 @@ fn passthrough(
             a = abort.wait_for(|a| *a) => Err(a.is_ok()),
         };
         let aborted = match next {
-            Ok(item) => return item.map(|i| (i, (inner, abort, Some(held)))),
+            Ok(None) => {
+                // The answer came whole: the decode engine took the KV.
+                if let Some(release) = held.legs.release.take() {
+                    release.disarm();
+                }
+                return None;
+            }
+            Ok(Some(item)) => return Some((item, (inner, abort, Some(held)))),
             Err(aborted) => aborted,
         };
         if !aborted {

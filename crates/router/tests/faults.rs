@@ -180,6 +180,55 @@ async fn client_disconnect_during_prefill_cancels_both_legs() {
     alive(&[&p, &d]);
 }
 
+/// The client leaves after prefill has computed the prompt but before the decode engine
+/// registered for (push) or read (pull) its KV (here it never would: its agent is silent).
+/// Nothing on the decode side can tell prefill, which would hold the blocks for 30 s (its
+/// registration wait, or the lease): the router has them freed the moment the client is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_leaving_before_decode_took_the_kv_frees_prefills_blocks_at_once() {
+    let http = reqwest::Client::new();
+    for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
+        let long =
+            Knobs { transfer_timeout: Duration::from_secs(30), lease: Duration::from_secs(30), ..Knobs::default() };
+        // Room for a push prompt that no decode engine has registered for yet (past a
+        // longest prompt's worth of blocks).
+        let p = engine_with(Some((Role::Prefill, kv_mode)), 16, Knobs { num_blocks: Some(300), ..long.clone() }).await;
+        let silent = Knobs { faults: FaultInjection { silent_agent: true, ..FaultInjection::default() }, ..long };
+        let d = engine_with(Some((Role::Decode, kv_mode)), 16, silent).await;
+        let base = router(mode, &p, &d).await;
+        let body = json!({"prompt": prompt(100, 1), "max_tokens": 4, "temperature": 0});
+        let client = tokio::spawn({
+            let http = http.clone();
+            async move { post(&http, &base, body).await }
+        });
+        // Prefill has finished the prompt and holds its KV for decode.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = p.state.engine.stats();
+            if s.running == 0 && s.waiting == 0 && s.free_blocks < s.total_blocks {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{mode:?}: prefill never held the prompt's KV: {s:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let left = Instant::now();
+        client.abort();
+        let deadline = left + Duration::from_secs(3);
+        loop {
+            let s = p.state.engine.stats();
+            if s.free_blocks == s.total_blocks {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{mode:?}: prefill still holds the KV 3 s after the client left: {s:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(p.state.engine.stats().kv.map(|k| k.expired), Some(0), "{mode:?}: freed by expiry");
+        wait_idle(&[&p, &d]).await;
+        alive(&[&p, &d]);
+    }
+}
+
 /// Past capacity, a request that cannot start within the prefill engine's `--max-queue-secs`
 /// ends with a 503 and `Retry-After` that the router passes on (no engine of the role is left
 /// to take it), within the bound plus a step, having cost no block; the request that was

@@ -84,8 +84,9 @@ pub(super) fn on_computed(shared: &Arc<Shared>, tid: &TransferId, report: Comput
     let t = &mut *guard;
     match t.registrations.get_mut(tid) {
         Some(reg) => queue_part(shared, tid, reg, report),
-        // Not yet registered (and not finished: then the final write takes it all).
-        None if !t.produced.contains_key(tid) && !t.pushing.contains(tid) => {
+        // Not yet registered (and not finished: then the final write takes it all; nor given
+        // up by decode).
+        None if !t.produced.contains_key(tid) && !t.pushing.contains(tid) && !t.aborted.contains_key(tid) => {
             t.computing.insert(tid.clone(), report);
         }
         None => {}

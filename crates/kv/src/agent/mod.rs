@@ -550,7 +550,13 @@ fn send_request(
                     inc.landing = Landing::Writing;
                 }
             }
-            None => return, // aborted or expired meanwhile; already ended
+            None => {
+                // Aborted (or expired) while the connection was being made: the abort found no
+                // connection to tell, so tell prefill now, which frees what it holds or will
+                // produce under the id instead of keeping it for a registration that will not come.
+                let _ = write_message(&mut *w, &Message::Abort { transfer_id: tid });
+                return;
+            }
         }
     }
     let sent = write_message(&mut *w, &msg);
@@ -630,8 +636,16 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             let reg = t.registrations.remove(&transfer_id);
             let pushing = t.pushing.contains(&transfer_id);
             if t.produced.remove(&transfer_id).is_none() {
-                // Decode-side abort from prefill: fail the waiting request.
-                shared.finish_incoming(&mut t, &transfer_id, |inc| ended(inc, "prefill aborted the transfer".into()));
+                if shared.cfg.role == crate::Role::Prefill {
+                    // The KV is not here yet (the prompt computes, or its request is still on
+                    // the way): free it when it comes.
+                    t.computing.remove(&transfer_id);
+                    t.aborted.insert(transfer_id.clone(), Instant::now() + shared.cfg.transfer_timeout);
+                } else {
+                    // Decode-side abort from prefill: fail the waiting request.
+                    shared
+                        .finish_incoming(&mut t, &transfer_id, |inc| ended(inc, "prefill aborted the transfer".into()));
+                }
             }
             drop(t);
             // A decode engine aborting a transfer we write directly keeps its blocks until we

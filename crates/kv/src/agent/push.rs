@@ -61,6 +61,7 @@ pub(crate) fn produced(
     match met {
         Rendezvous::Met(reg, produced) => early::finish(shared, tid, reg, produced),
         Rendezvous::Waiting => {}
+        Rendezvous::Aborted => tracing::debug!(transfer_id = %tid, "KV produced for a transfer decode gave up; freed"),
         Rendezvous::Duplicate => {
             bump(&shared.counters.duplicate_ids, 1);
             tracing::warn!(transfer_id = %tid, "KV produced twice under one transfer id; dropping the second");
@@ -99,7 +100,7 @@ pub(super) fn on_register(
     };
     match met {
         Rendezvous::Met(reg, produced) => early::finish(shared, tid, reg, produced),
-        Rendezvous::Waiting => {}
+        Rendezvous::Waiting | Rendezvous::Aborted => {}
         Rendezvous::Duplicate => {
             bump(&shared.counters.duplicate_ids, 1);
             conn.send(&Message::Failed { transfer_id: tid, reason: "duplicate registration".into() })?;

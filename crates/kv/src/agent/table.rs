@@ -114,6 +114,8 @@ pub(super) enum Rendezvous {
     Waiting,
     /// This half was already recorded under the id: the second is dropped.
     Duplicate,
+    /// Decode gave the transfer up already: the produced KV is dropped (its blocks go back).
+    Aborted,
 }
 
 /// Why a write into a decode-side transfer's blocks cannot start.
@@ -148,6 +150,10 @@ pub(super) struct Tables {
     pub pushing: HashSet<TransferId>,
     /// Prefill side, push: prompts computing whose registration has not come yet.
     pub computing: HashMap<TransferId, Computing>,
+    /// Prefill side: transfers decode gave up on before their KV was produced, until when to
+    /// remember that (the KV, once produced, is freed at once rather than kept for a
+    /// registration or read that will not come).
+    pub aborted: HashMap<TransferId, Instant>,
 }
 
 impl Tables {
@@ -158,6 +164,9 @@ impl Tables {
         }
         // The prompt is complete: the final write covers what its reports said.
         self.computing.remove(&tid);
+        if self.aborted.remove(&tid).is_some() {
+            return Rendezvous::Aborted;
+        }
         match self.registrations.remove(&tid) {
             Some(reg) => {
                 self.pushing.insert(tid);
@@ -228,6 +237,7 @@ impl Tables {
     pub fn expire(&mut self, now: Instant, grace: Duration) -> Expired {
         let before = self.produced.len();
         self.produced.retain(|_, p| p.reading || p.deadline > now);
+        self.aborted.retain(|_, until| *until > now);
         let gone: Vec<TransferId> =
             self.registrations.iter().filter(|(_, r)| r.deadline <= now).map(|(k, _)| k.clone()).collect();
         let registrations: Vec<(TransferId, Registration)> =
@@ -339,6 +349,11 @@ mod tests {
         let mut t = Tables::default();
         assert!(matches!(t.meet_produced(tid.clone(), produced(later)), Rendezvous::Waiting));
         assert!(matches!(t.meet_produced(tid.clone(), produced(later)), Rendezvous::Duplicate));
+        // Decode gave up on a transfer before its KV was produced: the KV is dropped on arrival.
+        let gone = TransferId("gone".into());
+        t.aborted.insert(gone.clone(), later);
+        assert!(matches!(t.meet_produced(gone.clone(), produced(later)), Rendezvous::Aborted));
+        assert!(!t.produced.contains_key(&gone) && !t.aborted.contains_key(&gone));
         assert!(t.registrations.is_empty() && t.produced.len() == 1);
         // A registration needs a connection; the other order is the same code from the other side.
         assert!(t.produced.remove(&tid).is_some());

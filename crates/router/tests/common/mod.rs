@@ -194,7 +194,11 @@ pub async fn wait_idle(engines: &[&Engine]) {
             if s.running == 0 && s.waiting == 0 && s.free_blocks == s.total_blocks {
                 break;
             }
-            assert!(Instant::now() < deadline, "{} not idle with all blocks free: {s:?}", e.url);
+            if Instant::now() >= deadline {
+                let all: Vec<String> =
+                    engines.iter().map(|e| format!("{}: {:?}", e.url, e.state.engine.stats())).collect();
+                panic!("{} not idle with all blocks free: {s:?}\nall engines:\n{}", e.url, all.join("\n"));
+            }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
