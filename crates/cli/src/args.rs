@@ -347,10 +347,11 @@ pub struct KvArgs {
     /// copies to and from the GPU run at PCIe speed.
     #[arg(long, default_value_t = 16.0)]
     pub kv_host_gib: f64,
-    /// Every KV transfer over tcp carries a CRC-32 of its bytes, checked where they land: KV
-    /// corrupted on the way fails the transfer (counted as checksum_failures; decode recomputes
-    /// or fails by --kv-load-failure) instead of decoding garbage. Both engines need it (a pair
-    /// that differs is refused at handshake). Direct GPU copies (cuda-ipc) are not checksummed.
+    /// Every KV transfer is checked where it lands: over tcp by a CRC-32 of its bytes, over a
+    /// direct copy (cuda-ipc) by the writer's digest of the KV against the reader's digest of
+    /// its blocks. KV corrupted on the way fails the transfer (counted as checksum_failures;
+    /// decode recomputes or fails by --kv-load-failure) instead of decoding garbage. Both
+    /// engines need it (a pair that differs is refused at handshake).
     #[arg(long)]
     pub kv_verify: bool,
     /// Test only: prefill drops push completion notifications (exercises the timeout path).
@@ -371,7 +372,7 @@ pub struct UpArgs {
     /// What the KV bytes travel over between the two engines: auto, tcp or cuda-ipc.
     #[arg(long, value_enum, default_value = "auto")]
     pub kv_transport: KvTransportArg,
-    /// Checksum every KV transfer over tcp (see `tandem serve --help`).
+    /// Check every KV transfer where it lands (see `tandem serve --help`).
     #[arg(long)]
     pub kv_verify: bool,
     /// Router port (the OpenAI endpoint).

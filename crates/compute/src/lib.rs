@@ -26,6 +26,7 @@ pub mod cpu;
 pub mod cuda;
 mod kv_cache;
 pub mod kv_copy;
+pub mod kv_digest;
 
 pub use kv_cache::{coalesce, BlockRun, KvCache, KvDtype, KvLayout, KvRegion};
 

@@ -833,7 +833,8 @@ fn gate_up_interleave_and_silu_mul() {
 /// where the destination's block table and block size put it, and nothing else is written. Equal
 /// block sizes (linear copies), different ones through `kv_scatter` (rows of whole 16-byte
 /// vectors), and rows that are not (pitched copies); whole, and in groups of layers each behind
-/// its fence (as a push writes a prompt while its step runs).
+/// its fence (as a push writes a prompt while its step runs). Both caches' `kv_digest` of the
+/// tokens equals the host's (`--kv-verify` of direct copies).
 #[test]
 #[ignore = "needs a GPU"]
 fn kv_copies_between_block_sizes_land_every_token_where_the_table_says() {
@@ -901,6 +902,15 @@ fn kv_copies_between_block_sizes_land_every_token_where_the_table_says() {
         if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i] && !past_the_tokens(i)) {
             panic!("{case}: byte {i} is {} where {} belongs", got[i], want[i]);
         }
+        // `--kv-verify`'s digest: the host's definition, on both sides of the copy.
+        let host = tandem_compute::KvRegion::host_copy(sl, tandem_compute::KvDtype::Bf16);
+        // Safety: the region is this test's alone.
+        let want_digest = unsafe {
+            host.bytes_mut(0, sl.num_blocks).copy_from_slice(&bytes_of(&src));
+            tandem_compute::kv_digest::kv_digest_host(&host, &src_table, tokens).unwrap()
+        };
+        assert_eq!(s_mem.digest(&src_table, tokens).unwrap(), want_digest, "{case}: the source's digest");
+        assert_eq!(d_mem.digest(&dst_table, tokens).unwrap(), want_digest, "{case}: the digest after the copy");
     }
 }
 

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use tandem_compute::cuda::{DeviceKvMemory, HostCopies};
+use tandem_compute::kv_digest::kv_digest_host;
 use tandem_compute::{KvDtype, KvLayout, KvRegion};
 
 use crate::KvError;
@@ -117,6 +118,23 @@ impl KvMemory {
     pub fn receiver(&self) -> Result<StagedReceive<'_>, KvError> {
         let (Some(device), Some(host)) = (&self.device, &self.host) else { return Ok(StagedReceive(None)) };
         device.host_copies(host).map(|c| StagedReceive(Some(c))).map_err(KvError::Transfer)
+    }
+
+    /// The `--kv-verify` digest ([`tandem_compute::kv_digest`]) of tokens `0..num_tokens` held
+    /// in `blocks`, read where the engine computes with its KV (a GPU engine's device cache,
+    /// a CPU engine's region): both ends of a direct copy that landed whole get the same
+    /// number, whatever their block sizes.
+    ///
+    /// # Safety
+    /// The connector holds `blocks` (produced KV, or a transfer's destination whose writer has
+    /// finished): no step writes them meanwhile.
+    pub unsafe fn digest(&self, blocks: &[u32], num_tokens: usize) -> Result<u64, KvError> {
+        match (&self.device, &self.host) {
+            (Some(device), _) => device.digest(blocks, num_tokens).map_err(KvError::Transfer),
+            // Safety: passed on from the caller.
+            (None, Some(host)) => unsafe { kv_digest_host(host, blocks, num_tokens) }.map_err(KvError::Transfer),
+            (None, None) => unreachable!("a KvMemory has a host region or a device cache"),
+        }
     }
 
     /// The device cache, if the engine's KV lives on a GPU.

@@ -16,6 +16,8 @@
 //!   `BlockData.local` renamed `direct`.
 //! - 4: `WriteBlocks.checksum` and `BlockData.checksum` (the data is followed by its CRC-32,
 //!   `--kv-verify`); `AgentInfo.kv_verify`.
+//! - 6: `Done.digest` and `BlockData.digest` (`--kv-verify` over a direct transport: the
+//!   writer's digest of the KV it copied, which the reader checks against its blocks).
 
 use std::io::{Read, Write};
 
@@ -26,7 +28,7 @@ use crate::agent_info::AgentInfo;
 use crate::KvError;
 
 /// The side-channel protocol version.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Largest control frame accepted (a block-id list for a very long prompt fits easily).
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -102,6 +104,10 @@ pub enum Message {
         /// the reader measures from it to the KV being ready for its engine.
         #[serde(default)]
         produced_unix_us: u64,
+        /// A direct write under `--kv-verify`: the writer's digest of the KV it copied
+        /// (`tandem_compute::kv_digest`), which the reader checks against its blocks.
+        #[serde(default)]
+        digest: Option<u64>,
     },
     /// Either way: the attempt failed; free what it holds.
     Failed {
@@ -170,6 +176,9 @@ pub enum Message {
         /// `direct`: how long the holder's copies took (as `Done`'s `copy_us`).
         #[serde(default)]
         copy_us: u64,
+        /// `direct` under `--kv-verify`: as `Done`'s `digest`.
+        #[serde(default)]
+        digest: Option<u64>,
     },
     /// Reply to `WriteBlocks`: the bytes were written (or why not).
     WriteAck {
@@ -231,6 +240,7 @@ mod tests {
                 status: DoneStatus::Ok,
                 copy_us: 0,
                 produced_unix_us: 0,
+                digest: None,
             },
             Message::Done {
                 transfer_id: t.clone(),
@@ -239,6 +249,7 @@ mod tests {
                 status: DoneStatus::Failed("x".into()),
                 copy_us: 812,
                 produced_unix_us: 1_790_000_000_000_000,
+                digest: Some(0xdead_beef_0123_4567),
             },
             Message::Failed { transfer_id: t.clone(), reason: "r".into() },
             Message::Heartbeat { transfer_ids: vec![t.clone()] },
@@ -266,6 +277,7 @@ mod tests {
                 direct: false,
                 checksum: false,
                 copy_us: 3,
+                digest: None,
             },
             Message::WriteAck { transfer_id: t, error: None },
         ];
@@ -303,6 +315,7 @@ mod tests {
                 direct: true,
                 checksum: false,
                 copy_us: 0,
+                digest: None,
             },
             Message::Done {
                 transfer_id: t,
@@ -311,6 +324,7 @@ mod tests {
                 status: DoneStatus::Ok,
                 copy_us: 0,
                 produced_unix_us: 0,
+                digest: None,
             },
         ];
         let mut state = 0x9e37_79b9_7f4a_7c15u64;

@@ -522,16 +522,18 @@ async fn a_full_engine_hands_the_request_to_another_and_with_none_left_the_429_k
     }
 }
 
-/// `--kv-verify`: KV that arrives corrupted (one bit flipped on the way) is caught by its
-/// checksum, counted, and recomputed to the colocated tokens, in both modes and across block
-/// sizes; clean transfers with checksums on land as before.
+/// `--kv-verify`: KV that arrives corrupted (one bit flipped on the way, or in the blocks a
+/// direct writer copied into) is caught by its checksum (tcp) or digest (the local transport,
+/// as cuda-ipc), counted, and recomputed to the colocated tokens, in both modes and across
+/// block sizes; clean transfers with checksums on land as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn with_kv_verify_corrupted_kv_is_caught_counted_and_recomputed_to_the_colocated_tokens() {
     let http = reqwest::Client::new();
     let colocated = engine(None, 16, FaultInjection::default()).await;
-    for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
+    let modes = [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)];
+    for ((mode, kv_mode), local) in modes.into_iter().flat_map(|m| [(m, false), (m, true)]) {
         for corrupt in [false, true] {
-            let verify = Knobs { load_failure: KvLoadFailure::Recompute, ..Knobs::default() };
+            let verify = Knobs { load_failure: KvLoadFailure::Recompute, local, ..Knobs::default() };
             assert!(verify.verify, "the fault tests run with --kv-verify");
             let faults = FaultInjection { corrupt_sends: corrupt, ..FaultInjection::default() };
             let p = engine_with(Some((Role::Prefill, kv_mode)), 16, Knobs { faults, ..verify.clone() }).await;
@@ -543,15 +545,19 @@ async fn with_kv_verify_corrupted_kv_is_caught_counted_and_recomputed_to_the_col
                 let (s1, want) = post(&http, &colocated.url, body.clone()).await;
                 let (s2, got) = post(&http, &base, body).await;
                 assert_eq!((s1, s2), (200, 200), "{got}");
-                assert_eq!(ids(&got), ids(&want), "{mode:?} corrupt={corrupt} request {i}");
+                assert_eq!(ids(&got), ids(&want), "{mode:?} local={local} corrupt={corrupt} request {i}");
             }
+            let case = format!("{mode:?} local={local} corrupt={corrupt}");
             let s = kv_stats_until(&d, "4 transfers ended", |s| s.transfers_ok + s.transfers_failed == 4).await;
             let bad = if corrupt { 4 } else { 0 };
-            assert_eq!((s.checksum_failures, s.transfers_failed), (bad, bad), "{mode:?} corrupt={corrupt}: {s:?}");
-            // Decode's acknowledgement (push) or release (pull) says the KV did not land: prefill
-            // counts it failed, not done.
+            assert_eq!((s.checksum_failures, s.transfers_failed), (bad, bad), "{case}: {s:?}");
+            assert_eq!(s.links_local, u64::from(local), "{case}: {s:?}");
+            // Decode's acknowledgement (tcp push) or release (pull) says the KV did not land:
+            // prefill counts it failed, not done. (A direct push counts its copies done.)
             let ps = kv_stats_until(&p, "4 transfers ended", |s| s.transfers_ok + s.transfers_failed == 4).await;
-            assert_eq!((ps.transfers_ok, ps.transfers_failed), (4 - bad, bad), "{mode:?} corrupt={corrupt}: {ps:?}");
+            if !(local && mode == TransferMode::Push) {
+                assert_eq!((ps.transfers_ok, ps.transfers_failed), (4 - bad, bad), "{case}: {ps:?}");
+            }
             wait_idle(&[&p, &d]).await;
             alive(&[&p, &d]);
         }

@@ -18,6 +18,7 @@ use cudarc::driver::{
 
 use super::{oom, Backing, CudaDevice, CudaError, DevBuf, KvFences};
 use crate::kv_copy::{plan_kv_copy, plan_kv_copy_layers, KvCopy};
+use crate::kv_digest::check_blocks;
 use crate::{coalesce, BlockRun, KvLayout, KvRegion};
 
 /// One `cuMemAlloc` allocation, freed with its last holder.
@@ -104,6 +105,7 @@ impl CudaDevice {
             elem_bytes: 2,
             stream,
             scatter: self.kernels().get("kv_scatter").clone(),
+            digest: self.kernels().get("kv_digest").clone(),
             ordinal: self.ordinal,
         }))
     }
@@ -119,6 +121,8 @@ pub struct DeviceKvMemory {
     stream: Arc<CudaStream>,
     /// The `kv_scatter` kernel: one launch for a copy between different block sizes.
     scatter: CudaFunction,
+    /// The `kv_digest` kernel (`--kv-verify` of direct copies).
+    digest: CudaFunction,
     ordinal: usize,
 }
 
@@ -150,6 +154,24 @@ impl PeerKvMemory {
     /// Where the peer's cache lives relative to ours.
     pub fn place(&self) -> &str {
         &self.place
+    }
+
+    /// Fault injection (`corrupt_sends`): flips the lowest bit of the first byte of the peer's
+    /// `block`, as a bad link or a stray write would, after a copy into it has completed.
+    pub fn corrupt_block(&self, block: u32) -> Result<(), String> {
+        if block as usize >= self.layout.num_blocks {
+            return Err(format!("block {block} is outside the peer's {} blocks", self.layout.num_blocks));
+        }
+        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        let at = self.ptr + block as u64 * (self.layout.block_elems() * 2) as u64;
+        let mut byte = [0u8; 1];
+        // Safety: `at` is the first byte of a block inside the peer's mapped cache (checked
+        // above); both copies are synchronous and touch that one byte.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_sync(&mut byte, at).map_err(|e| e.to_string())?;
+            byte[0] ^= 1;
+            cudarc::driver::result::memcpy_htod_sync(at, &byte).map_err(|e| e.to_string())
+        }
     }
 }
 
@@ -366,6 +388,42 @@ impl DeviceKvMemory {
         }
         self.wait(&stream).map_err(failed)?;
         Ok((bytes, copies))
+    }
+
+    /// The `--kv-verify` digest ([`crate::kv_digest`]) of tokens `0..num_tokens` held in
+    /// `blocks` of the cache, computed on the transfer stream (one launch; this thread sleeps
+    /// until it is done). The caller holds the blocks: no step writes them meanwhile.
+    pub fn digest(&self, blocks: &[u32], num_tokens: usize) -> Result<u64, String> {
+        let blocks = check_blocks(&self.layout, blocks, num_tokens)?;
+        let l = &self.layout;
+        let planes = l.num_layers * 2 * l.num_kv_heads;
+        let per_plane = num_tokens * l.head_dim;
+        if per_plane == 0 {
+            return Ok(0); // no element: the empty sum (and an empty grid is not a launch)
+        }
+        let too_big = |n: usize| u32::try_from(n).map_err(|_| format!("{n} is too large for a KV digest"));
+        let args = [too_big(num_tokens)?, too_big(planes)?, too_big(l.head_dim)?, too_big(l.block_size)?];
+        too_big(per_plane)?;
+        let failed = |e: CudaError| format!("KV digest failed: {e:?}");
+        self.ctx.bind_to_thread().map_err(|e| failed(e.into()))?;
+        let stream = &self.stream;
+        let table = stream.clone_htod(blocks).map_err(|e| failed(e.into()))?;
+        let mut sum = stream.alloc_zeros::<u64>(1).map_err(|e| failed(e.into()))?;
+        let cfg = LaunchConfig {
+            grid_dim: (per_plane.div_ceil(256).min(1024) as u32, planes.min(65_535) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&self.digest);
+        b.arg(&self.alloc.ptr).arg(&table).arg(&args[0]).arg(&args[1]).arg(&args[2]).arg(&args[3]).arg(&mut sum);
+        // Safety: the arguments match kv_digest's signature; `check_blocks` kept every block id
+        // inside the cache and the table covers the tokens, so every element read lies inside
+        // the allocation (bf16, `layout`); `sum` is one u64 the kernel adds into; the copy
+        // below waits for the launch before either buffer drops.
+        unsafe { b.launch(cfg) }.map_err(|e| failed(e.into()))?;
+        let host = stream.clone_dtoh(&sum).map_err(|e| failed(e.into()))?;
+        self.wait(stream).map_err(failed)?;
+        host.first().copied().ok_or_else(|| "KV digest: nothing came back".to_string())
     }
 
     /// Copies `blocks` of the cache into the same blocks of `host` (its host copy: same layout,

@@ -47,6 +47,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "preset_uniform",
     "fill_bf16",
     "kv_scatter",
+    "kv_digest",
     "embed_gather",
     "add_rms_norm",
     "silu_mul",

@@ -664,18 +664,18 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             let data = transport::Bulk { src_block_size, bytes, checksum };
             push::on_write_blocks(stream, conn, shared, transfer_id, &blocks, num_tokens, data)?
         }
-        Message::BlockData { transfer_id, src_block_size, bytes, error, direct, checksum, copy_us } => {
+        Message::BlockData { transfer_id, src_block_size, bytes, error, direct, checksum, copy_us, digest } => {
             let data = transport::Bulk { src_block_size, bytes, checksum };
-            let direct = direct.then_some(copy_us);
+            let direct = direct.then_some(transport::DirectEnd { copy_us, digest });
             pull::on_block_data(stream, conn, shared, transfer_id, data, error, direct)?
         }
         // Prefill: a pull release; decode: a push completion.
-        Message::Done { transfer_id, first_token, status, copy_us, produced_unix_us, .. } => {
+        Message::Done { transfer_id, first_token, status, copy_us, produced_unix_us, digest, .. } => {
             if !pull::on_release(shared, &transfer_id, &status) {
                 push::on_done(
                     shared,
                     &transfer_id,
-                    push::DoneReport { first_token, status, copy_us, produced_unix_us },
+                    push::DoneReport { first_token, status, copy_us, produced_unix_us, digest },
                 );
             }
         }

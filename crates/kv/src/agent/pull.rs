@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use tandem_core::{Epoch, TransferId};
 
-use super::transport::{receive_tcp, Bulk};
+use super::transport::{check_direct, receive_tcp, Bulk, DirectEnd};
 use super::{bump, Conn, Shared};
 use crate::blocks::{coalesce, wire_bytes};
 use crate::wire::{DoneStatus, Message};
@@ -87,6 +87,7 @@ pub(super) fn on_read_blocks(
                 direct: conn.transport.writes_directly(),
                 checksum: false,
                 copy_us: 0,
+                digest: None,
             };
             return conn.send(&refusal);
         }
@@ -147,10 +148,13 @@ pub(super) fn on_block_data(
     tid: TransferId,
     data: Bulk,
     error: Option<String>,
-    direct: Option<u64>,
+    direct: Option<DirectEnd>,
 ) -> Result<(), KvError> {
     match (conn.transport.writes_directly(), direct) {
-        (true, copy_us) => return on_direct_read_end(conn, shared, tid, error, copy_us.unwrap_or(0)),
+        (true, end) => {
+            let end = end.unwrap_or(DirectEnd { copy_us: 0, digest: None });
+            return on_direct_read_end(conn, shared, tid, error, end);
+        }
         (false, Some(_)) => return Err(KvError::Protocol("a direct-copy answer on a tcp connection".into())),
         (false, None) => {}
     }
@@ -192,9 +196,14 @@ fn on_direct_read_end(
     conn: &Conn,
     shared: &Shared,
     tid: TransferId,
-    error: Option<String>,
-    copy_us: u64,
+    mut error: Option<String>,
+    end: DirectEnd,
 ) -> Result<(), KvError> {
+    if error.is_none() {
+        // Before the table is locked again: the digest reads every block once.
+        error = check_direct(shared, &tid, end.digest).err();
+    }
+    let copy_us = end.copy_us;
     let mut t = shared.tables();
     let outcome = match &error {
         None => DoneStatus::Ok,
@@ -228,7 +237,15 @@ fn on_direct_read_end(
 /// Decode: the message that releases prefill's lease on `tid` (its blocks go back).
 /// Decode: releases prefill's lease on `tid`, saying whether the KV read landed (`status`).
 fn release(tid: TransferId, status: DoneStatus) -> Message {
-    Message::Done { transfer_id: tid, rank: 0, first_token: None, status, copy_us: 0, produced_unix_us: 0 }
+    Message::Done {
+        transfer_id: tid,
+        rank: 0,
+        first_token: None,
+        status,
+        copy_us: 0,
+        produced_unix_us: 0,
+        digest: None,
+    }
 }
 
 /// Decode: keeps prefill's leases alive for everything still being waited on.

@@ -139,6 +139,13 @@ pub(super) fn write_whole(
     } else {
         rest
     };
+    // What decode checks the copies against (over the whole prompt: the parts written while it
+    // computed too); tcp's bytes carry their own CRC-32.
+    let digest = match checked {
+        Ok(_) if reg.conn.transport.writes_directly() => super::transport::source_digest(s, &blocks, num_tokens),
+        _ => Ok(None),
+    };
+    let checked = checked.and_then(|rest| digest.clone().map(|_| rest));
     let (src, dst) = match checked {
         Ok(rest) => rest,
         Err(reason) => {
@@ -149,7 +156,7 @@ pub(super) fn write_whole(
         }
     };
     std::thread::sleep(s.cfg.faults.slow_write);
-    let done = PushDone { first_token, produced_unix_us, taken };
+    let done = PushDone { first_token, produced_unix_us, taken, digest: digest.ok().flatten() };
     let result = reg.conn.transport.push(s, &reg.conn, &tid, src, dst, num_tokens - from, done);
     s.tables().pushing.remove(&tid);
     // The bytes have left our memory (or the write failed): the blocks can go back.
@@ -196,6 +203,8 @@ pub(super) struct PushDone {
     pub produced_unix_us: u64,
     /// When the writing thread took the transfer on (a direct write's copy time counts from here).
     pub taken: Instant,
+    /// A direct write under `--kv-verify`: the digest of the whole prompt's KV it copies.
+    pub digest: Option<u64>,
 }
 
 /// Microseconds since the Unix epoch now (0 if the clock is before it).
@@ -214,11 +223,20 @@ pub(super) struct DoneReport {
     pub copy_us: u64,
     /// When prefill handed the KV over (0: unknown).
     pub produced_unix_us: u64,
+    /// A direct write under `--kv-verify`: the writer's digest of what it copied.
+    pub digest: Option<u64>,
 }
 
 /// Decode: prefill says the write of `tid` is complete (or failed).
 pub(super) fn on_done(shared: &Shared, tid: &TransferId, done: DoneReport) {
-    let DoneReport { first_token, status, copy_us, produced_unix_us } = done;
+    let DoneReport { first_token, mut status, copy_us, produced_unix_us, digest } = done;
+    let direct = shared.tables().incoming.get(tid).is_some_and(|i| i.direct && !i.pull);
+    if direct && status == DoneStatus::Ok {
+        // Before the table is locked again: the digest reads every block once.
+        if let Err(why) = super::transport::check_direct(shared, tid, digest) {
+            status = DoneStatus::Failed(why);
+        }
+    }
     let mut t = shared.tables();
     let Some(inc) = t.incoming.get(tid) else {
         bump(&shared.counters.unknown_ids, 1);

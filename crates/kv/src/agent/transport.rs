@@ -244,6 +244,7 @@ impl Transport for Tcp {
                     status: DoneStatus::Failed(e.to_string()),
                     copy_us: 0,
                     produced_unix_us: done.produced_unix_us,
+                    digest: None,
                 };
                 conn.send(&failed)?;
                 return Err(e);
@@ -271,6 +272,7 @@ impl Transport for Tcp {
                 status: DoneStatus::Ok,
                 copy_us: 0,
                 produced_unix_us: done.produced_unix_us,
+                digest: None,
             };
             write_message(&mut *w, &done)?;
         }
@@ -302,6 +304,7 @@ impl Transport for Tcp {
                     direct: false,
                     checksum: false,
                     copy_us: 0,
+                    digest: None,
                 })?;
                 return Err(e);
             }
@@ -315,6 +318,7 @@ impl Transport for Tcp {
             direct: false,
             checksum: shared.cfg.verify,
             copy_us: 0,
+            digest: None,
         };
         write_message(&mut *w, &header)?;
         // Safety: the lease holds these blocks and its `reading` flag keeps it from expiring
@@ -409,6 +413,12 @@ impl Local {
         unsafe {
             shared.memory.stage_to_host(&src[..from.layout().blocks_for(num_tokens)]).map_err(|e| e.to_string())?;
             copy_tokens(from, src, to, dst, num_tokens);
+            if shared.cfg.faults.corrupt_sends {
+                // As a bad link would: one bit of the first block that landed, after the copy.
+                if let Some(&first) = dst.first() {
+                    to.bytes_mut(first as usize, 1)[0] ^= 1;
+                }
+            }
             peer.memory.load_from_host(dst).map_err(|e| e.to_string())
         }
     }
@@ -459,7 +469,8 @@ impl Transport for Local {
         num_tokens: usize,
     ) -> Result<(), KvError> {
         let started = std::time::Instant::now();
-        answer_direct_read(shared, conn, tid, started, self.copy(shared, src, dst, num_tokens))
+        let copied = self.copy(shared, src, dst, num_tokens);
+        answer_direct_read(shared, conn, tid, started, (src, num_tokens), copied)
     }
 }
 
@@ -484,29 +495,87 @@ fn report_direct_write(
             status,
             copy_us: done.taken.elapsed().as_micros() as u64,
             produced_unix_us: done.produced_unix_us,
+            digest: done.digest,
         })?;
     }
     Ok(())
 }
 
-/// Pull over a direct transport: the copy (begun at `started`) is done before the answer, so
-/// no bytes follow it.
+/// Pull over a direct transport: the copy (begun at `started`) of the lease's KV (`held`: its
+/// blocks and tokens) is done before the answer, so no bytes follow it; under `--kv-verify`
+/// the answer carries the digest of what was copied.
 fn answer_direct_read(
     shared: &Shared,
     conn: &Conn,
     tid: &TransferId,
     started: std::time::Instant,
+    held: (&[u32], usize),
     copied: Result<(), String>,
 ) -> Result<(), KvError> {
+    let copy_us = started.elapsed().as_micros() as u64;
+    let (digest, error) = match copied {
+        Ok(()) => match source_digest(shared, held.0, held.1) {
+            Ok(digest) => (digest, None),
+            Err(e) => (None, Some(e)),
+        },
+        Err(e) => (None, Some(e)),
+    };
     conn.send(&Message::BlockData {
         transfer_id: tid.clone(),
         src_block_size: shared.memory.layout().block_size,
         bytes: 0,
-        error: copied.err(),
+        error,
         direct: true,
         checksum: false,
-        copy_us: started.elapsed().as_micros() as u64,
+        copy_us,
+        digest,
     })
+}
+
+/// A direct writer under `--kv-verify`: the digest of the KV it copies, tokens `0..num_tokens`
+/// of its `blocks` (`None` without the flag).
+pub(super) fn source_digest(shared: &Shared, blocks: &[u32], num_tokens: usize) -> Result<Option<u64>, String> {
+    if !shared.cfg.verify {
+        return Ok(None);
+    }
+    // Safety: the connector holds the blocks (produced KV, or a lease being read).
+    unsafe { shared.memory.digest(blocks, num_tokens) }.map(Some).map_err(|e| e.to_string())
+}
+
+/// How a direct writer's copies into our blocks ended, as its `Done` or `BlockData` says.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct DirectEnd {
+    /// How long the writer's copies took.
+    pub copy_us: u64,
+    /// The writer's digest of what it copied (`--kv-verify`).
+    pub digest: Option<u64>,
+}
+
+/// A reader under `--kv-verify`: whether the KV a direct writer says it copied into the blocks
+/// of `tid` is what it copied, by its digest against ours of those blocks (not a byte of it
+/// crossed a socket, so tcp's CRC-32 never saw it). A mismatch counts as a checksum failure;
+/// either failure fails the transfer, and the engine recomputes or fails it by its policy.
+pub(super) fn check_direct(shared: &Shared, tid: &TransferId, theirs: Option<u64>) -> Result<(), String> {
+    if !shared.cfg.verify {
+        return Ok(());
+    }
+    let Some(theirs) = theirs else {
+        return Err("the peer copied KV without the digest --kv-verify asks for".into());
+    };
+    // The blocks stay the transfer's (writing, not yet ready) until this returns.
+    let Some((blocks, num_tokens)) = shared.tables().incoming.get(tid).map(|i| (i.blocks.clone(), i.num_tokens)) else {
+        return Ok(()); // over already: nothing will use the blocks
+    };
+    // Safety: the writer's copies have completed and nobody else writes a transfer's blocks
+    // before it is reported.
+    let ours = unsafe { shared.memory.digest(&blocks, num_tokens) }.map_err(|e| e.to_string())?;
+    if ours != theirs {
+        bump(&shared.counters.checksum_failures, 1);
+        return Err(format!(
+            "KV digest mismatch: the writer's digest is {theirs:016x}, the {num_tokens} tokens that landed give {ours:016x}"
+        ));
+    }
+    Ok(())
 }
 
 /// Device-to-device copies into the peer's GPU cache, mapped into this process at handshake
@@ -535,7 +604,11 @@ impl CudaIpc {
         let started = std::time::Instant::now();
         let (bytes, copies) = dev.write_to_peer(peer, src, dst, num_tokens, fences)?;
         tracing::debug!(bytes, copies, us = started.elapsed().as_micros() as u64, "cuda-ipc write done");
-        Ok(())
+        match dst.first() {
+            // As a bad link would: one bit of the first block that landed, after the copy.
+            Some(&first) if shared.cfg.faults.corrupt_sends && num_tokens > 0 => peer.corrupt_block(first),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -583,7 +656,7 @@ impl Transport for CudaIpc {
     ) -> Result<(), KvError> {
         let started = std::time::Instant::now();
         let copied = self.write(shared, src, dst, num_tokens, &KvFences::complete());
-        answer_direct_read(shared, conn, tid, started, copied)
+        answer_direct_read(shared, conn, tid, started, (src, num_tokens), copied)
     }
 }
 

@@ -58,6 +58,36 @@ extern "C" __global__ void kv_scatter(const uint4* src, uint4* dst, const u32* s
 }
 #endif
 
+// The `--kv-verify` digest of tokens 0..num_tokens in the blocks `table` names (kv_digest.rs
+// defines it): the wrapping sum over every element of mix(index * GOLDEN ^ bits), index in the
+// canonical order (row p, token, element). Grid as kv_scatter's: x over one row's tokens and
+// elements, y over the rows; each warp adds its terms into *out (a sum, so in any order).
+#if KERNEL_GROUP(0)
+__device__ __forceinline__ u64 kv_digest_mix(u64 z) {
+    z ^= z >> 30;
+    z *= 0xBF58476D1CE4E5B9ull;
+    z ^= z >> 27;
+    z *= 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void kv_digest(const unsigned short* cache, const u32* table, u32 num_tokens, u32 planes,
+                                     u32 head_dim, u32 block_size, unsigned long long* out) {
+    u32 per_plane = num_tokens * head_dim;
+    u64 acc = 0;
+    for (u32 p = blockIdx.y; p < planes; p += gridDim.y) {
+        for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < per_plane; i += gridDim.x * blockDim.x) {
+            u32 t = i / head_dim, e = i - t * head_dim;
+            u64 at = (((u64)table[t / block_size] * planes + p) * block_size + t % block_size) * head_dim + e;
+            u64 index = (u64)p * per_plane + i;
+            acc += kv_digest_mix(index * 0x9E3779B97F4A7C15ull ^ (u64)cache[at]);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0 && acc != 0) atomicAdd(out, (unsigned long long)acc);
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Embedding, norms, activation.
 
