@@ -32,6 +32,9 @@
 #   engine's batch-invariance test first);
 #   soak "label:ARG ..." ...: the GPU soak (push; SOAK_MODES, SOAK_SECS) under each set of `bench soak`
 #   arguments, with the engines' warnings in $OUT/soak_LABEL.log;
+#   faults [LABEL ...]: issue 28's faults 1-4 and corruption on the GPU path, one soak each (push and
+#   pull over cuda-ipc, --batch-invariant; late-writes, frozen-peer, expired-lease, dropped-done,
+#   corrupt; FAULT_SECS per mode), each line with both engines' KV transfer counters;
 #   sanitize [TOOL [TEST_FILTER]]: the kernel tests (those matching TEST_FILTER) under
 #   compute-sanitizer's TOOL (memcheck, the default; racecheck, initcheck, synccheck).
 #
@@ -194,6 +197,34 @@ PY
     --secs "${SOAK_SECS:-60}" --freeze-every-secs 20 --json-out "$OUT/soak_gpu.json" > "$OUT/soak_gpu.log" 2>&1 \
     && note "GPU soak with --batch-invariant: passed" || { note "GPU soak with --batch-invariant: FAILED"; status=1; }
   grep -E "^(push|pull): " "$OUT/soak_gpu.log" | while read -r l; do note "$l"; done
+  cat "$OUT/summary.txt"; exit $status
+fi
+if [ "$MODE" = faults ]; then
+  # Issue 28's faults 1-4 on the GPU path: push and pull over cuda-ipc with every engine
+  # --batch-invariant and --kv-verify, each answer against the reference engine's bit for bit
+  # (so a mismatch is a KV fault, not batching), blocks back to baseline, both engines serving
+  # after. 1: late writes into blocks decode gave up (cancellations while every write waits
+  # 200 ms); 2: a peer that stops mid-transfer (SIGSTOP past the liveness bound); 3: reads
+  # after the lease expired (decode frozen past a 0.5 s lease); 4: completions never reported
+  # (prefill drops Done, 1 s transfer timeout); and KV corrupted in the direct copy (caught by
+  # the digest). Further arguments pick variants by label; FAULT_SECS per mode (default 10).
+  shift
+  specs=("late-writes:--freeze-every-secs 0 --cancel-fraction 0.3 --engine-arg=--fault-slow-write-ms=200"
+         "frozen-peer:--freeze-every-secs 6"
+         "expired-lease:--freeze-every-secs 5 --cancel-fraction 0 --engine-arg=--kv-lease-secs=0.5"
+         "dropped-done:--freeze-every-secs 0 --engine-arg=--fault-drop-done --engine-arg=--kv-transfer-timeout-secs=1"
+         "corrupt:--freeze-every-secs 0 --engine-arg=--fault-corrupt-sends")
+  for spec in "${specs[@]}"; do
+    label=${spec%%:*}
+    if [ $# -gt 0 ] && [[ " $* " != *" $label "* ]]; then continue; fi
+    # shellcheck disable=SC2086  # the arguments split into words
+    timeout 280 "$BIN/tandem" bench soak --device cuda:0 --batch-invariant --model preset:qwen3-0.6b \
+      --modes push,pull --secs "${FAULT_SECS:-10}" --engine-log warn --engine-arg=--kv-transport=cuda-ipc ${spec#*:} \
+      --json-out "$OUT/fault_$label.json" > "$OUT/fault_$label.log" 2>&1 \
+      && note "fault $label: passed" || { note "fault $label: FAILED"; status=1; }
+    grep -E "^(push|pull): |^    (wrong|lost|error): " "$OUT/fault_$label.log" | head -8 \
+      | sed 's/; p50.*KV transfers/; KV/' | while read -r l; do note "  $l"; done
+  done
   cat "$OUT/summary.txt"; exit $status
 fi
 if [ "$MODE" = soak ]; then

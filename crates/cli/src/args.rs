@@ -357,6 +357,14 @@ pub struct KvArgs {
     /// Test only: prefill drops push completion notifications (exercises the timeout path).
     #[arg(long, hide = true)]
     pub fault_drop_done: bool,
+    /// Test only: prefill waits this long before each push write and pull read it answers
+    /// (late writes into blocks decode gave up, reads past the lease).
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub fault_slow_write_ms: u64,
+    /// Test only: every KV send is corrupted by one flipped bit after it is checksummed (with
+    /// --kv-verify, each transfer fails as a checksum failure and is recomputed).
+    #[arg(long, hide = true)]
+    pub fault_corrupt_sends: bool,
 }
 
 #[derive(Args, Debug)]

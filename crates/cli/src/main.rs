@@ -229,7 +229,12 @@ fn kv_setup(k: &args::KvArgs, port: u16, fingerprint: &str) -> Result<Option<tan
             lease: secs(k.kv_lease_secs, "--kv-lease-secs")?,
             transfer_timeout: secs(k.kv_transfer_timeout_secs, "--kv-transfer-timeout-secs")?,
             liveness: secs(k.kv_liveness_secs, "--kv-liveness-secs")?,
-            faults: tandem_kv::FaultInjection { drop_done: k.fault_drop_done, ..Default::default() },
+            faults: tandem_kv::FaultInjection {
+                drop_done: k.fault_drop_done,
+                slow_write: std::time::Duration::from_millis(k.fault_slow_write_ms),
+                corrupt_sends: k.fault_corrupt_sends,
+                ..Default::default()
+            },
             // Separate processes: the local transport only applies within one process.
             local_transport: false,
             transport: k.kv_transport.to_kv(),

@@ -148,13 +148,31 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
         let serves = matches!(&check, Ok(p) if p[0].want == pool[0].want);
         let kv_info: Vec<serde_json::Value> =
             engines.iter().map(|e| rt.block_on(tandem_bench::soak::kv_info(e))).collect();
+        // Whether the faults injected happened: each engine's transfers as its connector counts them.
+        let kv_counts: Vec<serde_json::Map<String, serde_json::Value>> = engines
+            .iter()
+            .map(|e| {
+                ["transfers_ok", "transfers_failed", "checksum_failures", "expired"]
+                    .into_iter()
+                    .map(|c| {
+                        let name = format!("tandem:kv_connector{{counter=\"{c}\"}}");
+                        (c.to_string(), serde_json::json!(rt.block_on(tandem_bench::soak::metric(e, &name))))
+                    })
+                    .collect()
+            })
+            .collect();
         up::stop_all(&mut procs, Duration::from_secs(10));
         let leaked: f64 = held.iter().map(|b| if b.is_nan() { 0.0 } else { *b }).sum();
         eprintln!(
-            "{mode}: {:.0} req/s for {:.0} s, {freezes} freezes: sent {} completed {} cancelled {} errored {} refused(429/503) {} wrong {} lost {}; blocks held after {:?}; p50/p99 e2e {:.0}/{:.0} ms; RSS growth {}",
+            "{mode}: {:.0} req/s for {:.0} s, {freezes} freezes: sent {} completed {} cancelled {} errored {} refused(429/503) {} wrong {} lost {}; blocks held after {:?}; p50/p99 e2e {:.0}/{:.0} ms; RSS growth {}; KV transfers (prefill | decode) {}",
             rate, a.secs, report.sent, report.completed, report.cancelled, report.errored, report.refused,
             report.wrong, report.lost, held, report.p50_e2e_ms, report.p99_e2e_ms,
-            rss_growth.iter().map(|(n, g)| format!("{n} {g:+.1} MiB")).collect::<Vec<_>>().join(", ")
+            rss_growth.iter().map(|(n, g)| format!("{n} {g:+.1} MiB")).collect::<Vec<_>>().join(", "),
+            kv_counts
+                .iter()
+                .map(|c| c.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(" "))
+                .collect::<Vec<_>>()
+                .join(" | ")
         );
         for e in &report.sample_errors {
             eprintln!("    error: {}", e.chars().take(200).collect::<String>());
@@ -171,7 +189,7 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
         reports.push(serde_json::json!({
             "mode": mode, "rate": rate, "secs": a.secs, "freezes": freezes, "report": report,
             "blocks_held_after": held, "rss_growth_mib": rss_growth, "serves_after": serves,
-            "kv_info": kv_info,
+            "kv_info": kv_info, "kv_counters": kv_counts,
         }));
     }
     let json = serde_json::to_string_pretty(&reports)?;

@@ -20,7 +20,8 @@ pub struct FaultInjection {
     /// or dead agent thread would.
     pub silent_agent: bool,
     /// The sender flips one bit of the first byte of every bulk send after checksumming it,
-    /// as a bad NIC, buffer or staging copy would.
+    /// as a bad NIC, buffer or staging copy would (a direct writer: of the first block it
+    /// copied into, after the copy).
     pub corrupt_sends: bool,
     /// Every copy a tcp transfer makes between a GPU engine's device cache and its host copy
     /// fails, as a device error would (on a CPU engine the same points fail).
