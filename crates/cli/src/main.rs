@@ -476,7 +476,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let stdout = std::io::stdout();
     while let Some(ev) = stream.blocking_next() {
         match ev {
-            EngineEvent::Tokens { token_ids: new, finish: f } => {
+            EngineEvent::Tokens { token_ids: new, finish: f, .. } => {
                 first_token_s.get_or_insert(start.elapsed().as_secs_f64());
                 if let Some(tok) = &tokenizer {
                     let mut piece = detok.push(tok, &new)?;

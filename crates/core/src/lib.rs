@@ -16,4 +16,4 @@ mod sampling;
 
 pub use ids::{BlockId, EngineId, Epoch, RequestId, TransferId};
 pub use kv_params::{KvTransferParams, RemoteKv, TransferMode};
-pub use sampling::{FinishReason, InvalidSampling, SamplingParams};
+pub use sampling::{FinishReason, InvalidSampling, SamplingParams, TokenLogprobs, MAX_LOGPROBS};

@@ -25,6 +25,23 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Extra token ids that end generation (vLLM's `stop_token_ids`).
     pub stop_token_ids: Vec<u32>,
+    /// Report each generated token's log-probability and those of this many most likely
+    /// alternatives (`Some(0)`: the token's own only); `None`: no log-probabilities.
+    #[serde(default)]
+    pub logprobs: Option<u32>,
+}
+
+/// Most alternatives a request may ask log-probabilities for (vLLM's default `max_logprobs`).
+pub const MAX_LOGPROBS: u32 = 20;
+
+/// One generated token's log-probabilities, from the model's raw distribution (the log-softmax
+/// of its logits, before temperature, top-k, top-p or banned tokens), as vLLM reports them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    /// The generated token's.
+    pub logprob: f32,
+    /// The most likely tokens' ids and log-probabilities, most likely first (ties by id).
+    pub top: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -38,6 +55,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             ignore_eos: false,
             stop_token_ids: Vec::new(),
+            logprobs: None,
         }
     }
 }
@@ -70,6 +88,9 @@ impl SamplingParams {
         if self.min_tokens > self.max_tokens {
             return Err(InvalidSampling::MinTokens { min_tokens: self.min_tokens, max_tokens: self.max_tokens });
         }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_LOGPROBS) {
+            return Err(InvalidSampling::Logprobs(n));
+        }
         Ok(())
     }
 }
@@ -99,6 +120,9 @@ pub enum InvalidSampling {
         /// Requested maximum.
         max_tokens: usize,
     },
+    /// More log-probability alternatives than [`MAX_LOGPROBS`].
+    #[error("logprobs must be at most {MAX_LOGPROBS} alternatives, got {0}")]
+    Logprobs(u32),
 }
 
 /// Why a request stopped generating.
@@ -138,6 +162,7 @@ mod tests {
             SamplingParams { top_p: 0.0, ..ok.clone() },
             SamplingParams { top_p: 1.5, ..ok.clone() },
             SamplingParams { top_k: Some(0), ..ok.clone() },
+            SamplingParams { logprobs: Some(MAX_LOGPROBS + 1), ..ok.clone() },
             SamplingParams { max_tokens: 0, ..ok.clone() },
             SamplingParams { min_tokens: 5, ..ok.clone() },
         ];

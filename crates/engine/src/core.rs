@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use rand::Rng;
-use tandem_core::{FinishReason, InvalidSampling, RemoteKv, RequestId, TransferId};
+use tandem_core::{FinishReason, InvalidSampling, RemoteKv, RequestId, TokenLogprobs, TransferId};
 use tandem_kv::{AgentInfo, ConnectorConfig, ConnectorEvent, EventSink, KvConnector, KvError, KvFences};
 use tandem_model::{carried_token, CpuRunner, ModelRunner, SampleSpec, SeqBatch, Transformer};
 use tokio::sync::mpsc::UnboundedSender;
@@ -27,6 +27,8 @@ pub struct EngineLimits {
     pub block_size: usize,
     /// Blocks in the KV pool.
     pub num_blocks: usize,
+    /// Whether the model's runner reports log-probabilities (`logprobs`).
+    pub logprobs: bool,
 }
 
 /// Why a request was refused before it ran. Each maps to an HTTP 400.
@@ -82,6 +84,9 @@ pub enum RequestRejected {
     /// connector (it was started with `--role both`) or has the other role.
     #[error("this engine cannot take part in disaggregated serving this way: {0}")]
     NotDisaggregated(&'static str),
+    /// `logprobs` where they cannot be given.
+    #[error("logprobs are not available {0}")]
+    Logprobs(&'static str),
 }
 
 /// What a decode engine does when a request's KV cannot be loaded from prefill.
@@ -107,6 +112,15 @@ impl EngineLimits {
     /// Checks everything about `req` that can be known before it runs.
     pub fn check(&self, req: &EngineRequest) -> Result<(), RequestRejected> {
         req.params.validate()?;
+        if req.params.logprobs.is_some() {
+            if !self.logprobs {
+                return Err(RequestRejected::Logprobs("on this backend yet (the CPU engine gives them)"));
+            }
+            if req.remote.is_some() {
+                // The first token comes from the prefill engine, without its distribution.
+                return Err(RequestRejected::Logprobs("through prefill/decode disaggregation yet"));
+            }
+        }
         let prompt_len = req.prompt_token_ids.len();
         if prompt_len == 0 {
             return Err(RequestRejected::EmptyPrompt);
@@ -260,6 +274,7 @@ impl EngineCore {
             max_model_len: max_model_len.min(model.max_positions()),
             block_size: config.block_size,
             num_blocks: config.num_blocks,
+            logprobs: model.supports_logprobs(),
         };
         let pool = BlockPool::new(config.num_blocks);
         Self {
@@ -391,8 +406,11 @@ impl EngineCore {
                         _ => {}
                     }
                 }
-                let _ =
-                    req.events.send(EngineEvent::Tokens { token_ids: Vec::new(), finish: Some(FinishReason::Abort) });
+                let _ = req.events.send(EngineEvent::Tokens {
+                    token_ids: Vec::new(),
+                    finish: Some(FinishReason::Abort),
+                    logprobs: Vec::new(),
+                });
                 true
             }
             None => false,
@@ -665,7 +683,8 @@ impl EngineCore {
         let greedy = p.is_greedy();
         let (temperature, top_k, top_p) = (p.temperature, p.top_k.unwrap_or(0), p.top_p);
         let uniform = if greedy { 0.0 } else { req.rng.random::<f32>() };
-        SampleSpec { temperature: if greedy { 0.0 } else { temperature }, top_k, top_p, uniform, banned }
+        let logprobs = p.logprobs;
+        SampleSpec { temperature: if greedy { 0.0 } else { temperature }, top_k, top_p, uniform, banned, logprobs }
     }
 
     /// A forward failed (a device error): every request in the batch ends with the error,
@@ -684,18 +703,23 @@ impl EngineCore {
 
     fn update(&mut self, plan: &SchedulerOutput, tokens: &[u32]) -> StepReport {
         let mut report = StepReport { num_tokens: plan.num_tokens(), num_seqs: plan.chunks.len(), num_finished: 0 };
+        let mut logprobs = self.model.take_logprobs().into_iter();
         let mut sampled = tokens.iter();
         let mut finished = Vec::new();
         for c in &plan.chunks {
             // Rows follow the sampling chunks, whether or not their request is still here.
-            let token = if c.sample && !c.token_ids.is_empty() { sampled.next().copied() } else { None };
+            let token = if c.sample && !c.token_ids.is_empty() {
+                sampled.next().map(|&t| (t, logprobs.next().flatten()))
+            } else {
+                None
+            };
             let Some(req) = self.scheduler.requests.get_mut(&c.id) else {
                 continue;
             };
             req.num_computed += c.token_ids.len();
-            if let Some(token) = token {
+            if let Some((token, logprobs)) = token {
                 let (index, serial) = (req.tokens.len(), req.serial);
-                self.emit_token(&c.id, serial, index, token, &mut finished);
+                self.emit_token(&c.id, serial, index, (token, logprobs), &mut finished);
             }
         }
         report.num_finished = self.finish(finished);
@@ -706,9 +730,11 @@ impl EngineCore {
     fn update_collected(&mut self, done: &InFlight, tokens: &[u32]) -> StepReport {
         let plan = &done.plan;
         let mut report = StepReport { num_tokens: plan.num_tokens(), num_seqs: plan.chunks.len(), num_finished: 0 };
+        let mut logprobs = self.model.take_logprobs().into_iter();
         let mut finished = Vec::new();
         for ((id, serial, index), &token) in done.rows.iter().zip(tokens) {
-            self.emit_token(id, *serial, *index, token, &mut finished);
+            let logprobs = logprobs.next().flatten();
+            self.emit_token(id, *serial, *index, (token, logprobs), &mut finished);
         }
         report.num_finished = self.finish(finished);
         report
@@ -722,8 +748,17 @@ impl EngineCore {
     /// Puts `token` at `index` of request `id`'s tokens (replacing the placeholder there, or
     /// appending), checks whether it ends the request, hands a finished prefill leg's KV to the
     /// connector and sends the token. `serial` guards against a request that ended meanwhile
-    /// and a new one under the same id: such a token is dropped.
-    fn emit_token(&mut self, id: &RequestId, serial: u64, index: usize, token: u32, finished: &mut Vec<RequestId>) {
+    /// and a new one under the same id: such a token is dropped. The token comes with its
+    /// log-probabilities when the request asked for them.
+    fn emit_token(
+        &mut self,
+        id: &RequestId,
+        serial: u64,
+        index: usize,
+        sampled: (u32, Option<TokenLogprobs>),
+        finished: &mut Vec<RequestId>,
+    ) {
+        let (token, logprobs) = sampled;
         let Some(req) = self.scheduler.requests.get_mut(id).filter(|r| r.serial == serial) else { return };
         match index.cmp(&req.tokens.len()) {
             std::cmp::Ordering::Less => req.tokens[index] = token,
@@ -753,7 +788,8 @@ impl EngineCore {
                 connector.produced(transfer_id.clone(), Box::new(blocks), table, num_tokens, token, attempt);
             }
         }
-        let delivered = req.events.send(EngineEvent::Tokens { token_ids: vec![token], finish }).is_ok();
+        let logprobs = logprobs.into_iter().collect();
+        let delivered = req.events.send(EngineEvent::Tokens { token_ids: vec![token], finish, logprobs }).is_ok();
         if finish.is_some() || !delivered {
             // A closed receiver means the caller is gone: stop spending compute on it.
             finished.push(id.clone());
@@ -897,7 +933,11 @@ impl EngineCore {
                             req.tokens.push(t);
                             let index = req.tokens.len() - 1;
                             finish = finish_reason(req, t, index, &self.eos_token_ids, self.limits.max_model_len);
-                            let _ = req.events.send(EngineEvent::Tokens { token_ids: vec![t], finish });
+                            let _ = req.events.send(EngineEvent::Tokens {
+                                token_ids: vec![t],
+                                finish,
+                                logprobs: Vec::new(),
+                            });
                         }
                         // No token came with the KV: recompute the last prompt token to sample.
                         None => req.num_computed = req.prompt_len - 1,

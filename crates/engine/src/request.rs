@@ -2,7 +2,7 @@
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use tandem_core::{FinishReason, RemoteKv, RequestId, SamplingParams, TransferId};
+use tandem_core::{FinishReason, RemoteKv, RequestId, SamplingParams, TokenLogprobs, TransferId};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::block_pool::BlockAllocation;
@@ -37,6 +37,8 @@ pub enum EngineEvent {
         token_ids: Vec<u32>,
         /// Why the request ended, on its last event.
         finish: Option<FinishReason>,
+        /// Each token's log-probabilities, when the request asked for them (else empty).
+        logprobs: Vec<TokenLogprobs>,
     },
     /// The engine could not run the request; nothing more will come.
     Failed(String),

@@ -14,8 +14,12 @@ struct Case {
     expected: Vec<u32>,
 }
 
+fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
+}
+
 fn fixture(name: &str) -> (LoadedModel, Vec<Case>) {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name);
+    let dir = fixture_dir(name);
     let model = LoadedModel::load(&ModelSource::Dir(dir.clone()), None).unwrap();
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
@@ -67,7 +71,7 @@ fn run(
         let mut fin = None;
         while let Ok(ev) = rx.try_recv() {
             match ev {
-                EngineEvent::Tokens { token_ids, finish } => {
+                EngineEvent::Tokens { token_ids, finish, .. } => {
                     toks.extend(token_ids);
                     fin = finish.or(fin);
                 }
@@ -125,6 +129,92 @@ fn batched_chunked_and_preempted_runs_match_transformers() {
                 assert!(core.num_preemptions() > 0, "{name}: the tight pool should have forced preemption");
             }
             assert_eq!(core.num_free_blocks(), blocks, "{name}: every block back in the pool");
+        }
+    }
+}
+
+/// `logprobs`: each generated token's log-probability and its alternatives' are the
+/// log-softmax (in f64 here) of the logits the model gives at that position computed alone
+/// (a fresh cache, the whole prefix at once), whatever the batch, chunking or pipelining that
+/// produced the token: the right row of the right step reaches the right request. Sampled with
+/// a temperature too: log-probabilities are of the raw distribution.
+#[test]
+fn logprobs_are_the_log_softmax_of_the_tokens_own_logits() {
+    let (_, cases) = fixture("qwen3");
+    let reference = LoadedModel::load(&ModelSource::Dir(fixture_dir("qwen3")), None).unwrap().transformer;
+    let vocab = reference.config().vocab_size;
+    let logits_after = |prefix: &[u32]| {
+        let mut kv = tandem_compute::KvCache::new(reference.kv_layout(16, prefix.len().div_ceil(16) + 1));
+        let table: Vec<u32> = (0..kv.layout().num_blocks as u32).collect();
+        let seq = tandem_model::SeqBatch {
+            token_start: 0,
+            num_tokens: prefix.len(),
+            first_pos: 0,
+            block_table: &table,
+            want_logits: true,
+        };
+        let logits = reference.forward(prefix, &[seq], &mut kv);
+        assert_eq!(logits.len(), vocab);
+        logits
+    };
+    for (budget, pipelined) in [(4096, false), (7, true)] {
+        let mut core = core_with(
+            LoadedModel::load(&ModelSource::Dir(fixture_dir("qwen3")), None).unwrap(),
+            4,
+            300,
+            budget,
+            pipelined,
+        );
+        let mut rxs = Vec::new();
+        for (i, c) in cases.iter().take(3).enumerate() {
+            let (tx, rx) = unbounded_channel();
+            let id = RequestId::new(format!("lp-{i}"));
+            let params = SamplingParams {
+                logprobs: Some(if i == 0 { 0 } else { 4 }),
+                temperature: if i == 2 { 0.8 } else { 0.0 },
+                seed: Some(7),
+                ..greedy_ignore_eos(5)
+            };
+            core.add_request(EngineRequest::new(id.clone(), c.prompt.clone(), params), tx).unwrap();
+            rxs.push((id, c.prompt.clone(), rx));
+        }
+        while core.has_work() {
+            core.step();
+        }
+        for (i, (id, prompt, mut rx)) in rxs.into_iter().enumerate() {
+            let (mut tokens, mut lps) = (Vec::new(), Vec::new());
+            while let Ok(ev) = rx.try_recv() {
+                if let EngineEvent::Tokens { token_ids, logprobs, .. } = ev {
+                    assert_eq!(logprobs.len(), token_ids.len(), "{id}: one entry per token");
+                    tokens.extend(token_ids);
+                    lps.extend(logprobs);
+                }
+            }
+            assert_eq!(tokens.len(), 5, "{id}");
+            for (k, (&token, lp)) in tokens.iter().zip(&lps).enumerate() {
+                let seq: Vec<u32> = prompt.iter().chain(&tokens[..k]).copied().collect();
+                let logits = logits_after(&seq);
+                let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let log_sum = logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+                let want = |t: u32| logits[t as usize] as f64 - max - log_sum;
+                let case = format!("{id} token {k} (budget {budget}, pipelined {pipelined})");
+                assert!((lp.logprob as f64 - want(token)).abs() < 1e-4, "{case}: {} vs {}", lp.logprob, want(token));
+                assert_eq!(lp.top.len(), if i == 0 { 0 } else { 4 }, "{case}");
+                for w in lp.top.windows(2) {
+                    assert!(w[0].1 >= w[1].1, "{case}: most likely first: {:?}", lp.top);
+                }
+                for &(alt, alt_lp) in &lp.top {
+                    assert!((alt_lp as f64 - want(alt)).abs() < 1e-4, "{case}: alternative {alt}");
+                }
+                let best = (0..vocab as u32)
+                    .max_by(|&a, &b| logits[a as usize].total_cmp(&logits[b as usize]).then(b.cmp(&a)));
+                if let Some(&(first, _)) = lp.top.first() {
+                    assert_eq!(Some(first), best, "{case}: the most likely token heads the list");
+                }
+                if i < 2 {
+                    assert_eq!(Some(token), best, "{case}: greedy took the most likely token");
+                }
+            }
         }
     }
 }
@@ -281,7 +371,7 @@ async fn dropping_a_stream_aborts_in(pipelined: bool) {
     assert!(matches!(err, Err(SubmitError::Rejected(RequestRejected::TokenOutOfRange { .. }))));
     let mut ok = engine.submit(EngineRequest::new(RequestId::new("ok"), vec![7; 3], greedy_ignore_eos(3))).unwrap();
     let mut n = 0;
-    while let Some(EngineEvent::Tokens { token_ids, finish }) = ok.next().await {
+    while let Some(EngineEvent::Tokens { token_ids, finish, .. }) = ok.next().await {
         n += token_ids.len();
         if finish.is_some() {
             break;

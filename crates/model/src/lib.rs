@@ -34,7 +34,9 @@ pub use detokenize::{IncrementalDetokenizer, StopMatcher, StopOutcome};
 pub use error::ModelError;
 pub use gguf::{dequantize as gguf_dequantize, GgufFile, GgufTensor};
 pub use presets::{Preset, PRESETS};
-pub use runner::{carried_row, carried_token, sample, CpuRunner, ModelRunner, SampleSpec, CARRIED_TOKEN};
+pub use runner::{
+    carried_row, carried_token, sample, token_logprobs, CpuRunner, ModelRunner, SampleSpec, CARRIED_TOKEN,
+};
 pub use source::{GenerationDefaults, LoadedModel, ModelSource, ModelSpec};
 pub use tokenizer::{ChatMessage, TextTokenizer};
 pub use transformer::{SeqBatch, Transformer};

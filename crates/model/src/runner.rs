@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use tandem_compute::cuda::KvFences;
 use tandem_compute::{KvCache, KvLayout, KvRegion};
+use tandem_core::TokenLogprobs;
 
 use crate::config::ModelConfig;
 use crate::transformer::{SeqBatch, Transformer};
@@ -29,12 +30,15 @@ pub struct SampleSpec {
     pub uniform: f32,
     /// Ids that must not be chosen (end-of-sequence while `min_tokens` is not met).
     pub banned: Vec<u32>,
+    /// Also report the chosen token's log-probability and this many alternatives'
+    /// ([`ModelRunner::take_logprobs`]).
+    pub logprobs: Option<u32>,
 }
 
 impl SampleSpec {
     /// Greedy, nothing banned.
     pub fn greedy() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, uniform: 0.0, banned: Vec::new() }
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, uniform: 0.0, banned: Vec::new(), logprobs: None }
     }
 }
 
@@ -110,6 +114,17 @@ pub trait ModelRunner: Send {
         Err(ModelError::Pipeline(format!("{} runs one step at a time", self.describe())))
     }
 
+    /// Whether this runner reports log-probabilities ([`SampleSpec::logprobs`]).
+    fn supports_logprobs(&self) -> bool {
+        false
+    }
+
+    /// The log-probabilities of the step last executed or collected, one entry per sample
+    /// row (`Some` where its spec asked); empty when no row asked or the runner cannot.
+    fn take_logprobs(&mut self) -> Vec<Option<TokenLogprobs>> {
+        Vec::new()
+    }
+
     /// From now on, say of every submitted step that writes prompt KV when that KV is in the
     /// cache ([`ModelRunner::take_kv_fences`]), so a KV connector can copy it out while the
     /// step still runs. Returns whether this runner can.
@@ -142,12 +157,18 @@ fn resolve_carried(token_ids: &[u32], previous: &[u32]) -> Result<Vec<u32>, Mode
     Ok(token_ids.iter().map(|&t| carried_row(t).map_or(t, |r| previous[r])).collect())
 }
 
+/// One step's log-probabilities, one entry per sample row.
+type RowLogprobs = Vec<Option<TokenLogprobs>>;
+
 /// The CPU backend: the f32 [`Transformer`] over a host [`KvCache`].
 pub struct CpuRunner {
     model: Transformer,
     kv: KvCache,
-    /// Submitted steps' results, oldest first (a CPU step runs inside `submit`).
-    pending: VecDeque<Result<Vec<u32>, ModelError>>,
+    /// Submitted steps' results, oldest first (a CPU step runs inside `submit`), with their
+    /// rows' log-probabilities.
+    pending: VecDeque<(Result<Vec<u32>, ModelError>, RowLogprobs)>,
+    /// The log-probabilities of the step last executed (then collected).
+    step_logprobs: RowLogprobs,
     /// The last submitted step's samples, which carried tokens name.
     last_sampled: Vec<u32>,
     /// Report submitted steps' KV as final ([`ModelRunner::fence_kv_writes`]).
@@ -158,7 +179,14 @@ impl CpuRunner {
     /// Allocates a KV cache of `num_blocks` blocks of `block_size` tokens for `model`.
     pub fn new(model: Transformer, block_size: usize, num_blocks: usize) -> Self {
         let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
-        Self { model, kv, pending: VecDeque::new(), last_sampled: Vec::new(), fence_kv: false }
+        Self {
+            model,
+            kv,
+            pending: VecDeque::new(),
+            step_logprobs: Vec::new(),
+            last_sampled: Vec::new(),
+            fence_kv: false,
+        }
     }
 }
 
@@ -195,7 +223,31 @@ impl ModelRunner for CpuRunner {
     ) -> Result<Vec<u32>, ModelError> {
         let mut logits = self.model.forward(token_ids, seqs, &mut self.kv);
         let vocab = self.model.config().vocab_size;
-        Ok(logits.chunks_exact_mut(vocab).zip(samples).map(|(row, spec)| sample(row, spec)).collect())
+        let mut logprobs = Vec::new();
+        let wanted = samples.iter().any(|s| s.logprobs.is_some());
+        let tokens = logits
+            .chunks_exact_mut(vocab)
+            .zip(samples)
+            .map(|(row, spec)| {
+                // From the raw logits: `sample` bans and scales them in place.
+                let raw = spec.logprobs.map(|top| (row.to_vec(), top));
+                let token = sample(row, spec);
+                if wanted {
+                    logprobs.push(raw.map(|(raw, top)| token_logprobs(&raw, token, top)));
+                }
+                token
+            })
+            .collect();
+        self.step_logprobs = logprobs;
+        Ok(tokens)
+    }
+
+    fn supports_logprobs(&self) -> bool {
+        true
+    }
+
+    fn take_logprobs(&mut self) -> Vec<Option<TokenLogprobs>> {
+        std::mem::take(&mut self.step_logprobs)
     }
 
     // The CPU forward runs inside `submit`, so nothing overlaps; the engine enables async
@@ -210,12 +262,17 @@ impl ModelRunner for CpuRunner {
         }
         let result = resolve_carried(token_ids, &self.last_sampled).and_then(|ids| self.execute(&ids, seqs, samples));
         self.last_sampled = result.as_ref().map_or_else(|_| Vec::new(), Clone::clone);
-        self.pending.push_back(result);
+        self.pending.push_back((result, std::mem::take(&mut self.step_logprobs)));
         Ok(())
     }
 
     fn collect(&mut self) -> Result<Vec<u32>, ModelError> {
-        self.pending.pop_front().unwrap_or_else(|| Err(ModelError::Pipeline("no step was submitted".into())))
+        let (result, logprobs) = self
+            .pending
+            .pop_front()
+            .unwrap_or_else(|| (Err(ModelError::Pipeline("no step was submitted".into())), Vec::new()));
+        self.step_logprobs = logprobs;
+        result
     }
 
     fn fence_kv_writes(&mut self) -> bool {
@@ -286,6 +343,26 @@ pub fn sample(logits: &mut [f32], spec: &SampleSpec) -> u32 {
     cand[probs.len() - 1].0
 }
 
+/// `token`'s log-probability under the raw `logits` (their log-softmax, summed in f64) and the
+/// `top` most likely tokens', most likely first, ties to the lower id.
+pub fn token_logprobs(logits: &[f32], token: u32, top: u32) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let log_sum = (logits.iter().map(|&l| f64::from(l - max).exp()).sum::<f64>()).ln();
+    let logprob_of = |l: f32| (f64::from(l - max) - log_sum) as f32;
+    let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let mut ranked: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+    let k = (top as usize).min(ranked.len());
+    if k > 0 && k < ranked.len() {
+        ranked.select_nth_unstable_by(k - 1, by_logit);
+    }
+    ranked.truncate(k);
+    ranked.sort_unstable_by(by_logit);
+    TokenLogprobs {
+        logprob: logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| logprob_of(l)),
+        top: ranked.into_iter().map(|(id, l)| (id, logprob_of(l))).collect(),
+    }
+}
+
 fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, v) in logits.iter().enumerate() {
@@ -298,10 +375,26 @@ fn argmax(logits: &[f32]) -> u32 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn token_logprobs_are_the_log_softmax_with_the_most_likely_first() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, f32::NEG_INFINITY];
+        let lp = token_logprobs(&logits, 2, 3);
+        let log_sum = logits.iter().map(|&l| f64::from(l).exp()).sum::<f64>().ln();
+        let want = |i: usize| (f64::from(logits[i]) - log_sum) as f32;
+        assert!((lp.logprob - want(2)).abs() < 1e-6);
+        // Ties go to the lower id; an impossible token has -inf.
+        assert_eq!(lp.top, vec![(1, want(1)), (3, want(3)), (2, want(2))]);
+        assert_eq!(token_logprobs(&logits, 4, 0), TokenLogprobs { logprob: f32::NEG_INFINITY, top: Vec::new() });
+        let all = token_logprobs(&logits, 0, 9);
+        assert_eq!(all.top.len(), 5, "no more alternatives than the vocabulary");
+        let mass: f64 = all.top.iter().map(|&(_, l)| f64::from(l).exp()).sum();
+        assert!((mass - 1.0).abs() < 1e-6, "{mass}");
+    }
+
     use super::*;
 
     fn spec(t: f32, top_k: u32, top_p: f32, uniform: f32) -> SampleSpec {
-        SampleSpec { temperature: t, top_k, top_p, uniform, banned: Vec::new() }
+        SampleSpec { temperature: t, top_k, top_p, uniform, banned: Vec::new(), logprobs: None }
     }
 
     #[test]

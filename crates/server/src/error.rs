@@ -128,6 +128,7 @@ impl From<SubmitError> for ApiError {
                 let param = match &r {
                     R::EmptyPrompt | R::TokenOutOfRange { .. } | R::PromptTooLong { .. } => Some("prompt"),
                     R::ExceedsContext { .. } | R::ExceedsKvCapacity { .. } => Some("max_tokens"),
+                    R::Logprobs(_) => Some("logprobs"),
                     _ => None,
                 };
                 match param {

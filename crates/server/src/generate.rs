@@ -8,9 +8,11 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::stream::Stream;
-use tandem_core::{FinishReason, InvalidSampling, KvTransferParams, RemoteKv, RequestId, SamplingParams, TransferMode};
+use tandem_core::{
+    FinishReason, InvalidSampling, KvTransferParams, RemoteKv, RequestId, SamplingParams, TokenLogprobs, TransferMode,
+};
 use tandem_engine::{EngineEvent, EngineRequest, KvLoadTimeline, RequestStream};
-use tandem_model::{ChatMessage, IncrementalDetokenizer, StopMatcher};
+use tandem_model::{ChatMessage, IncrementalDetokenizer, StopMatcher, TextTokenizer};
 use tokio::sync::mpsc;
 
 use crate::protocol::*;
@@ -142,7 +144,9 @@ fn prepare(
         }
         Some(k) => Some(k.min(u32::MAX as i64) as u32),
     };
+    let logprobs = crate::logprobs::requested(api, f.logprobs.as_ref(), f.top_logprobs)?;
     let params = SamplingParams {
+        logprobs,
         temperature: f.temperature.or(defaults.temperature).unwrap_or(1.0) as f32,
         top_p: f.top_p.or(defaults.top_p).unwrap_or(1.0) as f32,
         top_k,
@@ -158,6 +162,7 @@ fn prepare(
             InvalidSampling::TopP(_) => "top_p",
             InvalidSampling::TopK => "top_k",
             InvalidSampling::MaxTokens => "max_tokens",
+            InvalidSampling::Logprobs(_) => "logprobs",
             _ => "min_tokens",
         };
         ApiError::bad(param, e.to_string())
@@ -191,6 +196,8 @@ fn prepare(
 struct Piece {
     text: String,
     token_ids: Vec<u32>,
+    /// The tokens' log-probabilities, when the request asked for them (else empty).
+    logprobs: Vec<TokenLogprobs>,
     finish: Option<FinishReason>,
 }
 
@@ -289,7 +296,7 @@ impl Generation {
             };
         }
         Some(match event {
-            Some(EngineEvent::Tokens { token_ids, finish }) => {
+            Some(EngineEvent::Tokens { token_ids, finish, logprobs }) => {
                 if self.first_token.is_none() && !token_ids.is_empty() {
                     self.first_token = Some(Instant::now());
                 }
@@ -326,14 +333,14 @@ impl Generation {
                     let ttft = self.first_token.map(|t| (t - self.start).as_secs_f64());
                     self.state.metrics.record_finished(reason.as_str(), ttft, e2e, self.output_tokens);
                 }
-                Ok(Piece { text, token_ids, finish })
+                Ok(Piece { text, token_ids, logprobs, finish })
             }
             Some(EngineEvent::Failed(msg)) => Err(self.fail(ApiError::Internal(msg))),
             Some(EngineEvent::QueueTimeout { waited_ms, bound_ms }) => {
                 Err(self.fail(ApiError::QueueTimeout { waited_ms, bound_ms }))
             }
             Some(EngineEvent::KvProduced { .. } | EngineEvent::KvLoaded { .. }) => {
-                Ok(Piece { text: String::new(), token_ids: Vec::new(), finish: None })
+                Ok(Piece { text: String::new(), token_ids: Vec::new(), logprobs: Vec::new(), finish: None })
             }
             None => Err(self.fail(ApiError::EngineStopped)),
         })
@@ -441,8 +448,18 @@ struct ChunkShape {
 }
 
 impl ChunkShape {
-    fn chunk(&self, piece: &Piece, first: bool, kv_timeline: Option<KvLoadTimeline>) -> serde_json::Result<String> {
+    /// One SSE chunk of `piece`; `text_offset` (characters streamed so far) places its
+    /// tokens' log-probabilities.
+    fn chunk(
+        &self,
+        piece: &Piece,
+        first: bool,
+        kv_timeline: Option<KvLoadTimeline>,
+        tokenizer: Option<&TextTokenizer>,
+        text_offset: &mut usize,
+    ) -> serde_json::Result<String> {
         let finish_reason = piece.finish.map(|f| f.as_str().to_string());
+        let logprobs = crate::logprobs::to_json(self.api, tokenizer, &piece.token_ids, &piece.logprobs, text_offset);
         match self.api {
             Api::Completion => serde_json::to_string(&CompletionResponse {
                 id: self.id.clone(),
@@ -452,7 +469,7 @@ impl ChunkShape {
                 choices: vec![CompletionChoice {
                     index: 0,
                     text: piece.text.clone(),
-                    logprobs: None,
+                    logprobs,
                     finish_reason,
                     token_ids: piece.token_ids.clone(),
                 }],
@@ -471,7 +488,7 @@ impl ChunkShape {
                         role: first.then(|| "assistant".to_string()),
                         content: Some(piece.text.clone()),
                     },
-                    logprobs: None,
+                    logprobs,
                     finish_reason,
                 }],
                 usage: None,
@@ -517,6 +534,7 @@ fn sse_events(
     let (tx, rx) = mpsc::channel::<Event>(64);
     tokio::spawn(async move {
         let mut first = true;
+        let mut text_offset = 0;
         loop {
             let piece = tokio::select! {
                 p = gen.next_piece() => p,
@@ -529,7 +547,9 @@ fn sse_events(
                     if piece.token_ids.is_empty() && piece.finish.is_none() {
                         continue;
                     }
-                    match shape.chunk(&piece, first, if piece.finish.is_some() { gen.kv_timeline } else { None }) {
+                    let timeline = if piece.finish.is_some() { gen.kv_timeline } else { None };
+                    let tokenizer = gen.state.tokenizer.clone();
+                    match shape.chunk(&piece, first, timeline, tokenizer.as_deref(), &mut text_offset) {
                         Ok(json) => Event::default().data(json),
                         Err(e) => Event::default().data(ApiError::Internal(e.to_string()).body().to_string()),
                     }
@@ -560,13 +580,16 @@ fn sse_events(
 async fn collect(mut gen: Generation, shape: ChunkShape) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut token_ids = Vec::new();
+    let mut lps = Vec::new();
     let mut finish = None;
     while let Some(piece) = gen.next_piece().await {
         let piece = piece?;
         text.push_str(&piece.text);
         token_ids.extend(piece.token_ids);
+        lps.extend(piece.logprobs);
         finish = piece.finish.or(finish);
     }
+    let logprobs = crate::logprobs::to_json(shape.api, gen.state.tokenizer.as_deref(), &token_ids, &lps, &mut 0);
     let finish_reason = finish.map(|f| f.as_str().to_string());
     let usage = gen.usage();
     let kv_transfer_params = gen.kv_transfer_params();
@@ -576,7 +599,7 @@ async fn collect(mut gen: Generation, shape: ChunkShape) -> Result<Response, Api
             object: "text_completion".into(),
             created: shape.created,
             model: shape.model,
-            choices: vec![CompletionChoice { index: 0, text, logprobs: None, finish_reason, token_ids }],
+            choices: vec![CompletionChoice { index: 0, text, logprobs, finish_reason, token_ids }],
             usage: Some(usage),
             kv_transfer_params,
             kv_timeline: gen.kv_timeline,
@@ -590,7 +613,7 @@ async fn collect(mut gen: Generation, shape: ChunkShape) -> Result<Response, Api
             choices: vec![ChatChoice {
                 index: 0,
                 message: ChatMessageOut { role: "assistant".into(), content: text },
-                logprobs: None,
+                logprobs,
                 finish_reason,
             }],
             usage,

@@ -24,6 +24,7 @@
 
 mod error;
 mod generate;
+mod logprobs;
 mod metrics;
 pub mod protocol;
 

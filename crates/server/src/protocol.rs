@@ -69,6 +69,11 @@ pub struct SamplingFields {
     pub stream_options: Option<StreamOptions>,
     /// P/D transfer parameters (vLLM's field names); validated by the P/D roles.
     pub kv_transfer_params: Option<Value>,
+    /// Completions: log-probabilities of each token and this many alternatives (0-20); chat:
+    /// whether to return log-probabilities (true/false).
+    pub logprobs: Option<Value>,
+    /// Chat: alternatives per token with `logprobs: true` (0-20).
+    pub top_logprobs: Option<i64>,
 }
 
 /// `POST /v1/completions`.
@@ -184,7 +189,7 @@ pub struct CompletionChoice {
     pub index: u32,
     /// The text (whole answer, or this chunk's delta).
     pub text: String,
-    /// Not supported; always null.
+    /// Log-probabilities, when asked for (`logprobs: N`).
     pub logprobs: Option<Value>,
     /// Set on the last chunk / in a full response.
     pub finish_reason: Option<String>,
@@ -232,7 +237,7 @@ pub struct ChatChoice {
     pub index: u32,
     /// The answer.
     pub message: ChatMessageOut,
-    /// Not supported; null.
+    /// Log-probabilities, when asked for (`logprobs: true`).
     pub logprobs: Option<Value>,
     /// Why it ended.
     pub finish_reason: Option<String>,
@@ -279,7 +284,7 @@ pub struct ChatChunkChoice {
     pub index: u32,
     /// The change.
     pub delta: ChatDelta,
-    /// Not supported; null.
+    /// This chunk's tokens' log-probabilities, when asked for.
     pub logprobs: Option<Value>,
     /// Set on the last chunk.
     pub finish_reason: Option<String>,

@@ -621,3 +621,94 @@ async fn unset_sampling_fields_take_the_models_generation_config() {
     assert_eq!(v["usage"]["completion_tokens"], 3, "{v}");
     s.wait_idle().await;
 }
+
+/// `logprobs` in each API's spelling and shape: completions (`logprobs: N`) and chat
+/// (`logprobs: true`, `top_logprobs: N`), whole and streamed, give one entry per generated
+/// token with the alternatives asked for, most likely first, the greedy token heading them;
+/// the stream carries the same numbers as the whole answer. Out-of-range counts, the wrong
+/// type for the API and a disaggregated leg get a 400 naming `logprobs`.
+#[tokio::test]
+async fn logprobs_in_completions_and_chat_whole_and_streamed() {
+    let s = start(500, 256).await;
+    let body = json!({"model": MODEL, "prompt": "The capital of", "max_tokens": 6, "temperature": 0,
+                      "ignore_eos": true, "logprobs": 3});
+    let (status, full) = s.post("/v1/completions", body.clone()).await;
+    assert_eq!(status, 200, "{full}");
+    let lp = &full["choices"][0]["logprobs"];
+    let n = token_ids(&full["choices"][0]["token_ids"]).len();
+    assert_eq!(n, 6);
+    for field in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        assert_eq!(lp[field].as_array().map(Vec::len), Some(n), "{field}: {lp}");
+    }
+    for (k, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+        let top = top.as_object().unwrap();
+        // Three alternatives and the token itself, keyed by text: two tokens that each decode to
+        // part of a character ("\u{fffd}") share a key, as in OpenAI's and vLLM's format.
+        assert!((1..=4).contains(&top.len()), "three alternatives, and the token itself: {top:?}");
+        let best = top.values().map(|v| v.as_f64().unwrap()).fold(f64::NEG_INFINITY, f64::max);
+        let chosen = lp["token_logprobs"][k].as_f64().unwrap();
+        assert!(chosen <= 0.0 && (chosen - best).abs() < 1e-6, "greedy: the chosen token is the most likely");
+        assert_eq!(top[lp["tokens"][k].as_str().unwrap()].as_f64(), Some(chosen));
+    }
+    let offsets: Vec<u64> = token_ids(&lp["text_offset"]);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]) && offsets[0] == 0, "{offsets:?}");
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let events = s.stream("/v1/completions", sbody).await;
+    let streamed: Vec<f64> = events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .flat_map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["logprobs"]["token_logprobs"].as_array().cloned().unwrap_or_default()
+        })
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let whole: Vec<f64> = lp["token_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    assert_eq!(streamed, whole);
+    // Not asked: null.
+    let (_, plain) = s.post("/v1/completions", json!({"model": MODEL, "prompt": "The", "max_tokens": 2})).await;
+    assert!(plain["choices"][0]["logprobs"].is_null(), "{plain}");
+
+    let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                      "temperature": 0, "ignore_eos": true, "logprobs": true, "top_logprobs": 2});
+    let (status, full) = s.post("/v1/chat/completions", chat.clone()).await;
+    assert_eq!(status, 200, "{full}");
+    let content = full["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+    assert_eq!(content.len(), 4);
+    for c in &content {
+        let top = c["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        assert_eq!(top[0]["logprob"], c["logprob"], "greedy: the token is the most likely");
+        assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64());
+        let bytes: Vec<u8> = c["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect();
+        assert_eq!(String::from_utf8_lossy(&bytes), c["token"].as_str().unwrap());
+    }
+    let mut schat = chat.clone();
+    schat["stream"] = json!(true);
+    let events = s.stream("/v1/chat/completions", schat).await;
+    let streamed: Vec<Value> = events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .flat_map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["choices"][0]["logprobs"]["content"].as_array().cloned().unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(streamed, content);
+
+    for (path, bad) in [
+        ("/v1/completions", json!({"model": MODEL, "prompt": "x", "logprobs": 21})),
+        ("/v1/completions", json!({"model": MODEL, "prompt": "x", "logprobs": true})),
+        ("/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 2})),
+        ("/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})),
+        ("/v1/completions", json!({"model": MODEL, "prompt": "x", "logprobs": 1,
+                                   "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "t"}})),
+    ] {
+        let (status, v) = s.post(path, bad.clone()).await;
+        assert_eq!(status, 400, "{bad}: {v}");
+        let param = v["error"]["param"].as_str().unwrap_or("");
+        assert!(param.contains("logprobs"), "{bad}: {v}");
+    }
+    s.wait_idle().await;
+}

@@ -610,7 +610,7 @@ mod tests {
         }
         assert_eq!(m.params + 9, m.tables);
         let mut header = vec![-7; m.tables];
-        let top = SampleSpec { temperature: 0.7, top_k: 40, top_p: 0.9, uniform: 1.5, banned: vec![2] };
+        let top = SampleSpec { temperature: 0.7, top_k: 40, top_p: 0.9, uniform: 1.5, banned: vec![2], logprobs: None };
         let huge = SampleSpec { top_k: u32::MAX, ..SampleSpec::greedy() };
         put_sampling(&m, &mut header, &[top, huge]);
         assert_eq!(&header[m.top_k..m.top_k + 3], &[40, i32::MAX, -7]);
