@@ -700,10 +700,19 @@ async fn logprobs_in_completions_and_chat_whole_and_streamed() {
     for (path, bad) in [
         ("/v1/completions", json!({"model": MODEL, "prompt": "x", "logprobs": 21})),
         ("/v1/completions", json!({"model": MODEL, "prompt": "x", "logprobs": true})),
-        ("/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 2})),
-        ("/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})),
-        ("/v1/completions", json!({"model": MODEL, "prompt": "x", "logprobs": 1,
-                                   "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "t"}})),
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 2}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "logprobs": 1,
+                                   "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "t"}}),
+        ),
     ] {
         let (status, v) = s.post(path, bad.clone()).await;
         assert_eq!(status, 400, "{bad}: {v}");
