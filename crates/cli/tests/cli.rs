@@ -143,6 +143,26 @@ fn bad_input_fails_with_a_message() {
     }
 }
 
+/// `--model ORG/NAME` asks the Hub named by HF_ENDPOINT (the download itself is tested against a
+/// local hub in the model crate): one that cannot be reached fails at once with a message that
+/// names it and what to do instead.
+#[test]
+fn a_hub_model_from_an_unreachable_hub_says_so() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let home = std::env::temp_dir().join(format!("tandem-cli-hf-home-{}", std::process::id()));
+    let out = tandem()
+        .args(["generate", "--model", "tandem-tests/not-here", "--prompt", "x"])
+        .env("HF_ENDPOINT", format!("http://{closed}"))
+        .env("HF_HOME", &home)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains(&format!("cannot reach the Hugging Face Hub at http://{closed}")), "{err}");
+    assert!(err.contains("tandem-tests/not-here") && !err.contains("panicked"), "{err}");
+    std::fs::remove_dir_all(&home).ok();
+}
+
 /// `--device cuda:0` either runs (a GPU is here) or says why CUDA is unusable, naming what is
 /// missing, without a panic; `--device auto` falls back to the CPU and still answers.
 #[test]

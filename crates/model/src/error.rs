@@ -66,6 +66,10 @@ pub enum ModelError {
         /// What the safetensors reader said.
         message: String,
     },
+    /// A model could not come from the Hugging Face Hub (unknown, refused, unreachable, or not
+    /// a transformers model).
+    #[error("{0}")]
+    Hub(String),
     /// A GGUF file is malformed, truncated or holds something tandem does not read.
     #[error("{path}: {message}")]
     Gguf {

@@ -21,6 +21,7 @@ mod cuda;
 mod detokenize;
 mod error;
 mod gguf;
+pub mod hub;
 mod presets;
 mod runner;
 mod source;
