@@ -50,7 +50,7 @@ fn main() -> ExitCode {
 }
 
 fn load_model(m: &ModelArgs) -> Result<LoadedModel> {
-    let source = ModelSource::parse(&m.model, m.model_seed)?;
+    let source = model_source(&m.model, m.model_seed)?;
     let t = Instant::now();
     let model = LoadedModel::load(&source, m.max_model_len).with_context(|| format!("loading model `{}`", m.model))?;
     let cfg = model.transformer.config();
@@ -113,7 +113,7 @@ fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<usize>) -> 
             })
         }
         DeviceSpec::Cuda(ordinal) => {
-            let source = ModelSource::parse(&m.model, m.model_seed)?;
+            let source = model_source(&m.model, m.model_seed)?;
             let spec =
                 ModelSpec::load(&source, m.max_model_len).with_context(|| format!("loading model `{}`", m.model))?;
             if !(e.gpu_memory_utilization > 0.0 && e.gpu_memory_utilization <= 1.0) {
@@ -534,7 +534,7 @@ fn model_command(c: ModelCommand) -> Result<()> {
         ModelCommand::Inspect { model } => {
             // The config and tokenizer only: a shape needs no weights (a preset's would be
             // generated, gigabytes of them for the larger ones).
-            let source = ModelSource::parse(&model.model, model.model_seed)?;
+            let source = model_source(&model.model, model.model_seed)?;
             let m = ModelSpec::load_shape(&source, model.max_model_len)
                 .with_context(|| format!("reading model `{}`", model.model))?;
             let has_tokenizer = m.tokenizer.is_some() || matches!(source, ModelSource::Preset { .. });
@@ -611,7 +611,7 @@ fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
             }
         }
         DeviceSpec::Cuda(ordinal) => {
-            let source = ModelSource::parse(&a.model, a.model_seed)?;
+            let source = model_source(&a.model, a.model_seed)?;
             let spec = ModelSpec::load(&source, None)?;
             let opts = CudaOptions {
                 ordinal,
@@ -948,4 +948,18 @@ fn bench_plot(a: args::PlotArgs) -> Result<()> {
         None => eprintln!("no transfer timelines in the results (colocated only): no TTFT breakdown figure"),
     }
     Ok(())
+}
+
+/// `--model`: a preset, a directory, a GGUF file, or a Hub repository fetched as the Hugging
+/// Face tools would: `HF_ENDPOINT` names a mirror, `HF_TOKEN` opens gated models (`HF_HOME`,
+/// the cache, hf-hub reads itself).
+pub(crate) fn model_source(spec: &str, seed: u64) -> anyhow::Result<ModelSource> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let hub = tandem_model::hub::HubConfig {
+        endpoint: var("HF_ENDPOINT"),
+        token: var("HF_TOKEN"),
+        cache_dir: None,
+        progress: true,
+    };
+    Ok(ModelSource::parse_or_fetch(spec, seed, &hub)?)
 }

@@ -120,7 +120,7 @@ pub fn up(a: UpArgs) -> Result<()> {
         }
         v
     };
-    let has_tokenizer = match tandem_model::ModelSource::parse(&a.model.model, a.model.model_seed)? {
+    let has_tokenizer = match crate::model_source(&a.model.model, a.model.model_seed)? {
         tandem_model::ModelSource::Dir(dir) => dir.join("tokenizer.json").is_file(),
         _ => true,
     };

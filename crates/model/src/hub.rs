@@ -15,7 +15,7 @@ use hf_hub::{Cache, Repo, RepoType};
 
 use crate::ModelError;
 
-/// Where the Hub is and who asks (from the environment by default, [`HubConfig::from_env`]).
+/// Where the Hub is and who asks (the CLI fills it from HF_ENDPOINT and HF_TOKEN).
 #[derive(Clone, Debug, Default)]
 pub struct HubConfig {
     /// The Hub's base URL (`https://huggingface.co` when `None`).
@@ -29,13 +29,6 @@ pub struct HubConfig {
 }
 
 impl HubConfig {
-    /// `HF_ENDPOINT`, `HF_TOKEN` (else the saved login token) and `HF_HOME`, as the Hugging
-    /// Face tools read them; progress bars on.
-    pub fn from_env() -> Self {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        Self { endpoint: var("HF_ENDPOINT"), token: var("HF_TOKEN"), cache_dir: None, progress: true }
-    }
-
     fn cache(&self) -> Cache {
         match &self.cache_dir {
             Some(dir) => Cache::new(dir.clone()),

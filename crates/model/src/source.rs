@@ -29,16 +29,21 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
-    /// Parses `preset:NAME` (seed from `seed`), a `.gguf` file or a directory path; `ORG/NAME`
-    /// that is no local path is a Hugging Face Hub repository, downloaded (once, into the shared
-    /// Hugging Face cache; see [`crate::hub`]) and then read from its snapshot directory.
+    /// [`ModelSource::parse`], where `ORG/NAME` that is no local path is a Hugging Face Hub
+    /// repository, downloaded (once, into the shared Hugging Face cache; see [`crate::hub`]) as
+    /// `hub` says and then read from its snapshot directory.
+    pub fn parse_or_fetch(spec: &str, seed: u64, hub: &crate::hub::HubConfig) -> Result<Self, ModelError> {
+        if !spec.starts_with("preset:") && crate::hub::is_repo_id(spec) {
+            return Ok(Self::Dir(crate::hub::fetch(spec, hub)?));
+        }
+        Self::parse(spec, seed)
+    }
+
+    /// Parses `preset:NAME` (seed from `seed`), a `.gguf` file or a directory path.
     pub fn parse(spec: &str, seed: u64) -> Result<Self, ModelError> {
         match spec.strip_prefix("preset:") {
             Some(name) => Ok(Self::Preset { preset: Preset::find(name)?, seed }),
             None if crate::gguf::is_gguf_path(Path::new(spec)) => Ok(Self::Gguf(PathBuf::from(spec))),
-            None if crate::hub::is_repo_id(spec) => {
-                Ok(Self::Dir(crate::hub::fetch(spec, &crate::hub::HubConfig::from_env())?))
-            }
             None => Ok(Self::Dir(PathBuf::from(spec))),
         }
     }
