@@ -135,14 +135,17 @@ if [ "$MODE" = invariant ]; then
   if [ -z "${SKIP_PD:-}" ]; then
     PD_BATCH_INVARIANT=1 PD_SETTINGS=cuda-ipc_16 PD_LONG=2000 pd_check
   fi
-  # The last: the invariant products of few rows on the skinny kernels, at a short context.
-  for flag in default --batch-invariant skinny; do
+  # Then the invariant products of few rows on the skinny kernels (4 and 8 stages), and with
+  # every kernel launched programmatically (pdl).
+  for flag in default --batch-invariant skinny4 skinny8 skinny8-pdl; do
     [ -n "${SKIP_BENCH:-}" ] && break
     for ctx in 16 1024; do
       args=()
       case $flag in
         --batch-invariant) args=("$flag") ;;
-        skinny) [ "$ctx" = 16 ] || continue; args=(--batch-invariant --cuda-tune=invariant_skinny=1) ;;
+        skinny*-pdl) [ "$ctx" = 16 ] || continue
+          args=(--batch-invariant --cuda-tune=invariant_skinny=1 --cuda-tune=programmatic_launch=1) ;;
+        skinny*) args=(--batch-invariant --cuda-tune=invariant_skinny=1 "--cuda-tune=skinny_stages=${flag#skinny}") ;;
       esac
       # Where the invariant step's time goes (per op), at the longer context.
       [ "$flag" != default ] && [ "$ctx" = 1024 ] && args+=(--profile)

@@ -8,7 +8,7 @@
 use tandem_compute::cuda::ops::{
     self, AttnMeta, AttnShape, Gemv, GemvBuild, GemvInput, GemvOutput, GemvPlan, PrefillSeqs, QkvRope, FLASH_ROWS,
 };
-use tandem_compute::cuda::CudaDevice;
+use tandem_compute::cuda::{CudaDevice, CudaTuning};
 
 fn device() -> Option<CudaDevice> {
     match CudaDevice::open(0) {
@@ -1024,6 +1024,14 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
 fn skinny_invariant_products_give_the_bits_of_the_many_row_product() {
     let Some(dev) = device() else { return };
     dev.enable_batch_invariant().unwrap();
+    // Every stage count the kernels are built for, each on a device tuned for it.
+    let mut devices = vec![];
+    for stages in ops::SKINNY_STAGES {
+        let tuning = CudaTuning { skinny_stages: stages, ..CudaTuning::default() };
+        let d = CudaDevice::open_tuned(0, tuning).unwrap();
+        d.enable_batch_invariant().unwrap();
+        devices.push((stages, d));
+    }
     let mut rng = Lcg(11);
     let many = 64;
     let shapes: [(usize, usize, bool); 13] = [
@@ -1045,37 +1053,56 @@ fn skinny_invariant_products_give_the_bits_of_the_many_row_product() {
     for (n, k, f32_out) in shapes {
         let x: Vec<u16> = (0..many * k).map(|_| bf16(rng.uniform())).collect();
         let w: Vec<u16> = (0..n * k).map(|_| bf16(rng.uniform() * 0.05)).collect();
-        let (d_x, d_w) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
         let elem = if f32_out { 4 } else { 2 };
+        let (d_x, d_w) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
         let d_y = dev.zeros::<u8>(many * n * elem).unwrap();
         unsafe { ops::matmul_t_invariant(&dev, d_x.ptr(), d_w.ptr(), d_y.ptr(), many, n, k, f32_out).unwrap() };
         let reference = dev.read(&d_y, many * n * elem).unwrap();
         let mut bad = vec![];
-        for t in 1..=ops::SKINNY_MAX_TOKENS {
-            let d_out = dev.zeros::<u8>(t * n * elem).unwrap();
-            assert!(ops::skinny_takes(t, k));
-            let build = if t <= 8 { ops::SkinnyBuild::B8 } else { ops::SkinnyBuild::B16 };
-            unsafe { ops::matmul_t_skinny(&dev, d_x.ptr(), d_w.ptr(), d_out.ptr(), t, n, k, f32_out, build).unwrap() };
-            // 8 rows or fewer through B16 too (it serves them within larger batches).
-            if t <= 8 {
-                let d_b16 = dev.zeros::<u8>(t * n * elem).unwrap();
-                let b16 = ops::SkinnyBuild::B16;
-                unsafe {
-                    ops::matmul_t_skinny(&dev, d_x.ptr(), d_w.ptr(), d_b16.ptr(), t, n, k, f32_out, b16).unwrap()
+        let mut timing = vec![];
+        for (stages, sdev) in &devices {
+            let (d_x, d_w) = (sdev.upload(&x).unwrap(), sdev.upload(&w).unwrap());
+            for t in 1..=ops::SKINNY_MAX_TOKENS {
+                let d_out = sdev.zeros::<u8>(t * n * elem).unwrap();
+                assert!(ops::skinny_takes(t, k));
+                let build = if t <= 8 { ops::SkinnyBuild::B8 } else { ops::SkinnyBuild::B16 };
+                let run = |build, out: u64| unsafe {
+                    ops::matmul_t_skinny(sdev, d_x.ptr(), d_w.ptr(), out, t, n, k, f32_out, build).unwrap()
                 };
-                assert!(dev.read(&d_b16, t * n * elem).unwrap() == dev.read(&d_out, t * n * elem).unwrap());
-            }
-            let got = dev.read(&d_out, t * n * elem).unwrap();
-            let wrong = got.chunks(elem).zip(reference.chunks(elem)).filter(|(a, b)| a != b).count();
-            if wrong > 0 {
-                bad.push((t, wrong));
+                run(build, d_out.ptr());
+                // 8 rows or fewer through B16 too (it serves them within larger batches).
+                if t <= 8 {
+                    let d_b16 = sdev.zeros::<u8>(t * n * elem).unwrap();
+                    run(ops::SkinnyBuild::B16, d_b16.ptr());
+                    assert!(sdev.read(&d_b16, t * n * elem).unwrap() == sdev.read(&d_out, t * n * elem).unwrap());
+                }
+                let got = sdev.read(&d_out, t * n * elem).unwrap();
+                let wrong = got.chunks(elem).zip(reference.chunks(elem)).filter(|(a, b)| a != b).count();
+                if wrong > 0 {
+                    bad.push((*stages, t, wrong));
+                }
+                // What one row costs, beside the weight bytes (reported, not asserted).
+                if t == 1 {
+                    let reps = 50;
+                    sdev.synchronize().unwrap();
+                    let start = std::time::Instant::now();
+                    for _ in 0..reps {
+                        run(build, d_out.ptr());
+                    }
+                    sdev.synchronize().unwrap();
+                    let us = start.elapsed().as_secs_f64() * 1e6 / reps as f64;
+                    timing.push(format!("{stages} stages {us:.1} us ({:.0} GB/s)", (n * k * 2) as f64 / us / 1e3));
+                }
             }
         }
         differing += bad.len();
-        let verdict = if bad.is_empty() { "equal".to_string() } else { format!("differs at (rows, elements) {bad:?}") };
-        eprintln!("{k} by {n}: {verdict}");
+        let verdict =
+            if bad.is_empty() { "equal".to_string() } else { format!("differs at (stages, rows, elements) {bad:?}") };
+        eprintln!("skinny {k} by {n}: {verdict}; one row: {}", timing.join(", "));
     }
-    eprintln!("skinny invariant products: {differing} (shape, row count) pairs differ from the many-row bits");
+    eprintln!(
+        "skinny invariant products: {differing} (stages, shape, row count) triples differ from the many-row bits"
+    );
     assert_eq!(differing, 0, "invariant products of at most 16 rows differ from the many-row product's bits");
 }
 

@@ -166,12 +166,16 @@ impl PeerKvMemory {
         let at = self.ptr + block as u64 * (self.layout.block_elems() * 2) as u64;
         let mut byte = [0u8; 1];
         // Safety: `at` is the first byte of a block inside the peer's mapped cache (checked
-        // above); both copies are synchronous and touch that one byte.
+        // above); both copies touch that one byte.
         unsafe {
             cudarc::driver::result::memcpy_dtoh_sync(&mut byte, at).map_err(|e| e.to_string())?;
             byte[0] ^= 1;
-            cudarc::driver::result::memcpy_htod_sync(at, &byte).map_err(|e| e.to_string())
+            cudarc::driver::result::memcpy_htod_sync(at, &byte).map_err(|e| e.to_string())?;
         }
+        // A copy from pageable memory may return before its DMA lands: the flipped bit must be
+        // in place before the writer reports the copy, as a bad link's would be, or the reader
+        // may check the KV before it is corrupted (and then decode from it).
+        cudarc::driver::result::ctx::synchronize().map_err(|e| e.to_string())
     }
 }
 

@@ -127,8 +127,10 @@ pub const KERNEL_NAMES: &[&str] = &[
     "flash_range_combine",
     "ban_tokens",
     "sample_rows",
-    "gemm_skinny_b8",
-    "gemm_skinny_b16",
+    "gemm_skinny_b8_s4",
+    "gemm_skinny_b16_s4",
+    "gemm_skinny_b8_s8",
+    "gemm_skinny_b16_s8",
 ];
 
 /// A host KV region page-locked for device copies ([`CudaDevice::pin_region`]).
@@ -555,7 +557,9 @@ impl CudaDevice {
         let bulk_static = funcs["gemv_bulk_add"].shared_size_bytes()?.max(0) as usize;
         let gemv_bulk_smem = smem_block_optin.saturating_sub(bulk_static);
         for build in [ops::SkinnyBuild::B8, ops::SkinnyBuild::B16] {
-            allow_smem(build.kernel(), ops::skinny_smem_bytes(build.max_tokens()))?;
+            for stages in ops::SKINNY_STAGES {
+                allow_smem(build.kernel(stages), ops::skinny_smem_bytes(build.max_tokens(), stages))?;
+            }
         }
         for name in named("gemv_") {
             let limit = if name.ends_with("_mma") {

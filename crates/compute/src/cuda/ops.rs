@@ -201,7 +201,9 @@ pub unsafe fn matmul_t_invariant(
 }
 
 mod skinny;
-pub use skinny::{matmul_t_skinny, skinny_smem_bytes, skinny_takes, verify_skinny, SkinnyBuild, SKINNY_MAX_TOKENS};
+pub use skinny::{
+    matmul_t_skinny, skinny_smem_bytes, skinny_takes, verify_skinny, SkinnyBuild, SKINNY_MAX_TOKENS, SKINNY_STAGES,
+};
 
 /// Fills `n` bf16 elements at `out` with the seeded uniform values of `preset_uniform`.
 ///

@@ -35,6 +35,9 @@ pub struct CudaTuning {
     /// the model's weights, and by `cuda_kernels`); off: cuBLASLt at every row count. The same
     /// bits either way. Off by default: slower than cuBLASLt on an H200 (docs/PERFORMANCE.md).
     pub invariant_skinny: bool,
+    /// Stages of 256 columns each skinny block keeps in flight (4 or 8): more hide more memory
+    /// latency, fewer let more blocks share an SM. The same bits either way.
+    pub skinny_stages: usize,
 }
 
 impl Default for CudaTuning {
@@ -47,6 +50,7 @@ impl Default for CudaTuning {
             tensor_core_projections: false,
             bulk_o_projection: true,
             invariant_skinny: false,
+            skinny_stages: 8,
         }
     }
 }
@@ -61,6 +65,7 @@ impl CudaTuning {
         ("tensor_core_projections", "0|1 (default 0)"),
         ("bulk_o_projection", "0|1 (default 1)"),
         ("invariant_skinny", "0|1 (default 0)"),
+        ("skinny_stages", "4|8 (default 8)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -89,6 +94,9 @@ impl CudaTuning {
             "tensor_core_projections" => self.tensor_core_projections = flag()?,
             "bulk_o_projection" => self.bulk_o_projection = flag()?,
             "invariant_skinny" => self.invariant_skinny = flag()?,
+            "skinny_stages" => {
+                self.skinny_stages = value.parse().ok().filter(|n| [4, 8].contains(n)).ok_or_else(bad)?;
+            }
             _ => {
                 let keys: Vec<&str> = Self::KEYS.iter().map(|(k, _)| *k).collect();
                 return Err(format!("--cuda-tune {key}={value}: unknown key (known: {})", keys.join(", ")));
@@ -136,6 +144,9 @@ impl fmt::Display for CudaTuning {
         if self.invariant_skinny != d.invariant_skinny {
             parts.push(format!("invariant_skinny={}", b(self.invariant_skinny)));
         }
+        if self.skinny_stages != d.skinny_stages {
+            parts.push(format!("skinny_stages={}", self.skinny_stages));
+        }
         write!(f, "{}", parts.join(","))
     }
 }
@@ -160,5 +171,6 @@ mod tests {
         assert!(range.contains("0..=8"), "{range}");
         assert!(CudaTuning::from_settings(&["attention_early"]).unwrap_err().contains("KEY=VALUE"));
         assert!(CudaTuning::from_settings(&["attention_stages=3"]).is_err());
+        assert!(CudaTuning::from_settings(&["skinny_stages=6"]).unwrap_err().contains("4|8"));
     }
 }

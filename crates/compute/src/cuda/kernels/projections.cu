@@ -509,16 +509,18 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, i
 // y[t, n] = x[t, k] · W[n, k]ᵀ with the bits of the unsplit cuBLASLt product that serves every
 // other row count (cuda/invariant.rs): each output is one chain of m16n8k16 mma steps over K,
 // 16 columns at a time in ascending order, f32 accumulation, rounded once. K is never split (a
-// split would change the order of the sums, and so the bits). A one-warp block owns 8 weight
-// rows (mma's B operand; the tokens are A, T16: tokens 8-15 too) and keeps SKINNY_STAGES stages
-// of 256 columns in flight as bulk copies (one per row, counted on the stage's mbarrier): the
-// copy engine streams the weights, no registers wait for them. Each stage's fragments are all
-// loaded before its first mma, leaving the mma latency alone on the chain. Shared memory: per
+// split would change the order of the sums, and so the bits), so a block's time is its chain:
+// nothing else may wait in it. A one-warp block owns 8 weight rows (mma's B operand; the tokens
+// are A, T16: tokens 8-15 too) and keeps STAGES stages of 256 columns in flight as bulk copies,
+// one row per lane, counted on the stage's mbarrier. The weights' copies start before the
+// programmatic-launch wait (nothing writes them), so they stream while the previous kernel
+// ends. Fragments are double-buffered in registers: stage s + 1's are loaded between stage s's
+// mma steps, and a slot is refilled as soon as its fragments are in use. Shared memory: per
 // stage the 8 weight rows and the t token rows, each SKINNY_ROW_BYTES (16 bytes of padding put
-// ldmatrix's eight rows in distinct banks), then one zero row that stands for the tokens past t.
-// K % 64 == 0 (whole 128-byte row pieces); dynamic shared memory: skinny_smem_bytes(t).
+// ldmatrix's eight rows in distinct banks), then one zero row that stands for the tokens past
+// t. K % 64 == 0 (whole 128-byte row pieces); dynamic shared memory: skinny_smem_bytes(t, STAGES).
 #define SKINNY_COLS 256
-#define SKINNY_STAGES 8
+#define SKINNY_PIECES (SKINNY_COLS / 32)
 #define SKINNY_ROW_BYTES (SKINNY_COLS * 2 + 16)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -532,82 +534,155 @@ __device__ __forceinline__ void skinny_frag(u32* f, u32 addr) {
 __device__ __forceinline__ void mbar_arrive_expect(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-#endif
 
+// Waits for phase `parity` of the barrier at `bar`. The copies always complete (valid addresses
+// and sizes); the wait is bounded anyway: past a second something is broken, and the launch
+// fails instead of hanging. The clock is read only once the first try has failed.
+__device__ __forceinline__ void skinny_wait(u32 bar, u32 parity) {
+    if (mbar_try(bar, parity)) return;
+    for (u64 t0 = global_ns(); !mbar_try(bar, parity);)
+        if (global_ns() - t0 > 1000000000ull) __trap();
+}
+
+// Where one stage of the skinny product lives, and how its copies are made; DEPTH (a power of
+// two) stages in flight.
+template <int DEPTH>
+struct SkinnyStages {
+    static constexpr int depth = DEPTH;
+    const bf16* W;
+    const bf16* X;
+    int K, n0, rows_w, t, stages;
+    u32 base, zero_row, bars, lane;
+
+    __device__ __forceinline__ u32 slot(int s) const { return base + (s & (DEPTH - 1)) * (8 + t) * SKINNY_ROW_BYTES; }
+    __device__ __forceinline__ u32 bar(int s) const { return bars + (s & (DEPTH - 1)) * 8; }
+    __device__ __forceinline__ u32 bytes(int s) const { return (u32)min(SKINNY_COLS, K - s * SKINNY_COLS) * 2; }
+    // Lane 0 arms stage s's barrier for all its bytes (before any copy of it is issued).
+    __device__ __forceinline__ void expect(int s) const {
+        if (s < stages && lane == 0) mbar_arrive_expect(bar(s), bytes(s) * (rows_w + t));
+    }
+    // Lane r < 8 copies weight row n0 + r (if there is one).
+    __device__ __forceinline__ void copy_weights(int s) const {
+        if (s < stages && (int)lane < rows_w)
+            bulk_copy(slot(s) + lane * SKINNY_ROW_BYTES, W + (u64)(n0 + lane) * K + s * SKINNY_COLS, bytes(s), bar(s));
+    }
+    // Lane 8 + m copies token row m < t.
+    __device__ __forceinline__ void copy_tokens(int s) const {
+        int m = (int)lane - 8;
+        if (s < stages && m >= 0 && m < t)
+            bulk_copy(slot(s) + lane * SKINNY_ROW_BYTES, X + (u64)m * K + s * SKINNY_COLS, bytes(s), bar(s));
+    }
+    // Lane addresses of stage s's fragments in its slot: the weight rows (B), tokens 0-7 and
+    // tokens 8-15 (A; the zero row past t).
+    __device__ __forceinline__ void frag_addrs(int s, u32& w, u32& x, u32& h) const {
+        int row = lane & 7;
+        u32 chunk = (lane >> 3) * 16, at = slot(s);
+        w = at + row * SKINNY_ROW_BYTES + chunk;
+        x = row < t ? at + (8 + row) * SKINNY_ROW_BYTES + chunk : zero_row + chunk;
+        h = row + 8 < t ? at + (16 + row) * SKINNY_ROW_BYTES + chunk : zero_row + chunk;
+    }
+};
+
+// Piece p (32 columns) of a stage's fragments.
 template <int T16>
+__device__ __forceinline__ void skinny_load(int p, u32 w, u32 x, u32 h, u32 (&fw)[SKINNY_PIECES][4],
+                                            u32 (&fx)[SKINNY_PIECES][4], u32 (&fh)[SKINNY_PIECES][4]) {
+    skinny_frag(fw[p], w + p * 64);
+    skinny_frag(fx[p], x + p * 64);
+    if (T16) skinny_frag(fh[p], h + p * 64);
+    else fh[p][0] = fh[p][1] = fh[p][2] = fh[p][3] = 0u;
+}
+
+// Piece p's two mma steps: columns 32p..32p+15, then 32p+16..32p+31.
+__device__ __forceinline__ void skinny_mma(int p, float (&acc)[4], const u32 (&fw)[SKINNY_PIECES][4],
+                                           const u32 (&fx)[SKINNY_PIECES][4], const u32 (&fh)[SKINNY_PIECES][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        u32 a[4] = {fx[p][2 * h], fh[p][2 * h], fx[p][2 * h + 1], fh[p][2 * h + 1]};
+        mma_bf16(acc, a, fw[p][2 * h], fw[p][2 * h + 1]);
+    }
+}
+
+// Stage s's mma steps on the fragments in (cw, cx, ch), with stage s + 1's loaded into
+// (nw, nx, nh) between them (a piece's loads beside the next piece's steps, so that the chain
+// never waits on them); then stage s's slot takes stage s + depth. A stage has at least two
+// pieces (K % 64 == 0).
+template <int T16, int DEPTH>
+__device__ __forceinline__ void skinny_stage(const SkinnyStages<DEPTH>& st, int s, float (&acc)[4], u32 (&cw)[SKINNY_PIECES][4],
+                                             u32 (&cx)[SKINNY_PIECES][4], u32 (&ch)[SKINNY_PIECES][4],
+                                             u32 (&nw)[SKINNY_PIECES][4], u32 (&nx)[SKINNY_PIECES][4],
+                                             u32 (&nh)[SKINNY_PIECES][4]) {
+    int pieces = min(SKINNY_COLS, st.K - s * SKINNY_COLS) / 32;
+    skinny_mma(0, acc, cw, cx, ch);
+    // Past the last stage the loads read a stale slot, never used: only the wait is skipped.
+    if (s + 1 < st.stages) skinny_wait(st.bar(s + 1), ((s + 1) / DEPTH) & 1);
+    u32 w, x, h;
+    st.frag_addrs(s + 1, w, x, h);
+#pragma unroll
+    for (int p = 0; p < SKINNY_PIECES; ++p) {
+        skinny_load<T16>(p, w, x, h, nw, nx, nh);
+        if (p + 1 < SKINNY_PIECES && p + 1 < pieces) skinny_mma(p + 1, acc, cw, cx, ch);
+    }
+    // The mma steps above hold stage s's fragments, so every lane's reads of its slot are done.
+    __syncwarp();
+    st.expect(s + st.depth);
+    __syncwarp();
+    st.copy_weights(s + st.depth);
+    st.copy_tokens(s + st.depth);
+}
+
+template <int T16, int STAGES>
 __device__ __forceinline__ void gemm_skinny(const bf16* __restrict__ W, const bf16* __restrict__ X, void* Y, int N,
                                             int K, int t, int f32_out) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char skinny_smem[];
-    __shared__ __align__(8) u64 bars[SKINNY_STAGES];
+    __shared__ __align__(8) u64 bars[STAGES];
     int lane = threadIdx.x, n0 = blockIdx.x * 8, rows_w = min(8, N - n0);
     int stage_rows = 8 + t;
     u32 base = (u32)__cvta_generic_to_shared(skinny_smem);
-    u32 zero_row = base + SKINNY_STAGES * stage_rows * SKINNY_ROW_BYTES;
+    SkinnyStages<STAGES> st{W,
+                            X,
+                            K,
+                            n0,
+                            rows_w,
+                            t,
+                            (K + SKINNY_COLS - 1) / SKINNY_COLS,
+                            base,
+                            base + STAGES * stage_rows * SKINNY_ROW_BYTES,
+                            (u32)__cvta_generic_to_shared(&bars[0]),
+                            (u32)lane};
     // The zero row, and weight rows past N (never copied; their outputs are not stored).
     for (int i = lane; i < SKINNY_ROW_BYTES / 16; i += 32)
-        asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(zero_row + i * 16), "r"(0u) : "memory");
-    for (int s = 0; s < SKINNY_STAGES && rows_w < 8; ++s)
+        asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(st.zero_row + i * 16), "r"(0u) : "memory");
+    for (int s = 0; s < STAGES && rows_w < 8; ++s)
         for (int i = lane; i < (8 - rows_w) * SKINNY_ROW_BYTES / 16; i += 32)
-            asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(base + (s * stage_rows + rows_w) * SKINNY_ROW_BYTES + i * 16),
+            asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(st.slot(s) + rows_w * SKINNY_ROW_BYTES + i * 16),
                          "r"(0u)
                          : "memory");
     if (lane == 0) {
-        for (int s = 0; s < SKINNY_STAGES; ++s)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"((u32)__cvta_generic_to_shared(&bars[s]))
-                         : "memory");
+        for (int s = 0; s < STAGES; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(st.bar(s)) : "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     }
     __syncwarp();
+    for (int s = 0; s < STAGES; ++s) st.expect(s);
+    __syncwarp();
+    // Nothing writes the weights: their copies may start while the previous kernel runs.
+    for (int s = 0; s < STAGES; ++s) st.copy_weights(s);
     PDL_ENTER();
-    int stages = (K + SKINNY_COLS - 1) / SKINNY_COLS;
-    auto issue = [&](int s) {
-        if (s >= stages || lane != 0) return;
-        int k0 = s * SKINNY_COLS;
-        u32 bytes = (u32)min(SKINNY_COLS, K - k0) * 2;
-        u32 slot = base + (s % SKINNY_STAGES) * stage_rows * SKINNY_ROW_BYTES;
-        u32 bar = (u32)__cvta_generic_to_shared(&bars[s % SKINNY_STAGES]);
-        mbar_arrive_expect(bar, bytes * (rows_w + t));
-        for (int r = 0; r < rows_w; ++r) bulk_copy(slot + r * SKINNY_ROW_BYTES, W + (u64)(n0 + r) * K + k0, bytes, bar);
-        for (int m = 0; m < t; ++m) bulk_copy(slot + (8 + m) * SKINNY_ROW_BYTES, X + (u64)m * K + k0, bytes, bar);
-    };
-    for (int s = 0; s < SKINNY_STAGES; ++s) issue(s);
-    // ldmatrix row addresses (lane: row lane & 7, 16-byte column chunk lane >> 3 of a piece).
-    int row = lane & 7;
-    u32 chunk = (lane >> 3) * 16;
+    for (int s = 0; s < STAGES; ++s) st.copy_tokens(s);
+    u32 aw[SKINNY_PIECES][4], ax[SKINNY_PIECES][4], ah[SKINNY_PIECES][4];
+    u32 bw[SKINNY_PIECES][4], bx[SKINNY_PIECES][4], bh[SKINNY_PIECES][4];
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int s = 0; s < stages; ++s) {
-        u32 slot = base + (s % SKINNY_STAGES) * stage_rows * SKINNY_ROW_BYTES;
-        u32 bar = (u32)__cvta_generic_to_shared(&bars[s % SKINNY_STAGES]);
-        // The copies always complete (valid addresses and sizes); the wait is bounded anyway:
-        // past a second something is broken, and the launch fails instead of hanging.
-        for (u64 t0 = global_ns(); !mbar_try(bar, (s / SKINNY_STAGES) & 1);)
-            if (global_ns() - t0 > 1000000000ull) __trap();
-        u32 w_addr = slot + row * SKINNY_ROW_BYTES + chunk;
-        u32 x_addr = row < t ? slot + (8 + row) * SKINNY_ROW_BYTES + chunk : zero_row + chunk;
-        u32 h_addr = row + 8 < t ? slot + (16 + row) * SKINNY_ROW_BYTES + chunk : zero_row + chunk;
-        int pieces = min(SKINNY_COLS, K - s * SKINNY_COLS) / 32;
-        u32 fw[SKINNY_COLS / 32][4], fx[SKINNY_COLS / 32][4], fh[SKINNY_COLS / 32][4];
+    skinny_wait(st.bar(0), 0);
+    {
+        u32 w, x, h;
+        st.frag_addrs(0, w, x, h);
 #pragma unroll
-        for (int p = 0; p < SKINNY_COLS / 32; ++p) {
-            skinny_frag(fw[p], w_addr + p * 64);
-            skinny_frag(fx[p], x_addr + p * 64);
-            if (T16) skinny_frag(fh[p], h_addr + p * 64);
-            else fh[p][0] = fh[p][1] = fh[p][2] = fh[p][3] = 0u;
-        }
-#pragma unroll
-        for (int p = 0; p < SKINNY_COLS / 32; ++p) {
-            if (p >= pieces) break;
-            // Columns 32p..32p+15, then 32p+16..32p+31.
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                u32 a[4] = {fx[p][2 * h], fh[p][2 * h], fx[p][2 * h + 1], fh[p][2 * h + 1]};
-                mma_bf16(acc, a, fw[p][2 * h], fw[p][2 * h + 1]);
-            }
-        }
-        // Every lane is done reading the slot before it is filled again.
-        __syncwarp();
-        issue(s + SKINNY_STAGES);
+        for (int p = 0; p < SKINNY_PIECES; ++p) skinny_load<T16>(p, w, x, h, aw, ax, ah);
+    }
+    for (int s = 0; s < st.stages; s += 2) {
+        skinny_stage<T16, STAGES>(st, s, acc, aw, ax, ah, bw, bx, bh);
+        if (s + 1 < st.stages) skinny_stage<T16, STAGES>(st, s + 1, acc, bw, bx, bh, aw, ax, ah);
     }
     // acc: tokens g and g + 8 by weight rows n0 + 2q and n0 + 2q + 1.
     int g = lane >> 2, q = lane & 3;
@@ -619,15 +694,22 @@ __device__ __forceinline__ void gemm_skinny(const bf16* __restrict__ W, const bf
         if (f32_out) reinterpret_cast<float*>(Y)[i] = acc[e];
         else reinterpret_cast<bf16*>(Y)[i] = f2bf(acc[e]);
     }
-#endif
 }
+#endif
 
-#define GEMM_SKINNY_KERNEL(NAME, T16)                                                                    \
+#define GEMM_SKINNY_KERNEL(NAME, T16, STAGES)                                                            \
     extern "C" __global__ void __launch_bounds__(32) NAME(const bf16* W, const bf16* X, void* Y, int N, int K, \
                                                           int t, int f32_out) {                          \
-        gemm_skinny<T16>(W, X, Y, N, K, t, f32_out);                                                     \
+        GEMM_SKINNY_BODY(T16, STAGES);                                                                   \
     }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GEMM_SKINNY_BODY(T16, STAGES) gemm_skinny<T16, STAGES>(W, X, Y, N, K, t, f32_out)
+#else
+#define GEMM_SKINNY_BODY(T16, STAGES)
+#endif
 #if KERNEL_GROUP(3)
-GEMM_SKINNY_KERNEL(gemm_skinny_b8, 0)
-GEMM_SKINNY_KERNEL(gemm_skinny_b16, 1)
+GEMM_SKINNY_KERNEL(gemm_skinny_b8_s4, 0, 4)
+GEMM_SKINNY_KERNEL(gemm_skinny_b16_s4, 1, 4)
+GEMM_SKINNY_KERNEL(gemm_skinny_b8_s8, 0, 8)
+GEMM_SKINNY_KERNEL(gemm_skinny_b16_s8, 1, 8)
 #endif

@@ -1,6 +1,6 @@
 //! The skinny build of the batch-invariant product (`gemm_skinny` in kernels/projections.cu):
 //! 1-16 rows on our own tensor-core chains, which give cuBLASLt's bits (checked at load by
-//! [`verify_skinny`]); see docs/PERFORMANCE.md for why it is off by default.
+//! [`verify_skinny`]); docs/PERFORMANCE.md has what they cost beside cuBLASLt.
 
 use cudarc::driver::PushKernelArg;
 
@@ -27,11 +27,13 @@ pub enum SkinnyBuild {
 }
 
 impl SkinnyBuild {
-    /// The kernel's name.
-    pub fn kernel(self) -> &'static str {
-        match self {
-            Self::B8 => "gemm_skinny_b8",
-            Self::B16 => "gemm_skinny_b16",
+    /// The kernel's name for `stages` stages in flight (one of [`SKINNY_STAGES`]).
+    pub fn kernel(self, stages: usize) -> &'static str {
+        match (self, stages) {
+            (Self::B8, 4) => "gemm_skinny_b8_s4",
+            (Self::B16, 4) => "gemm_skinny_b16_s4",
+            (Self::B8, _) => "gemm_skinny_b8_s8",
+            (Self::B16, _) => "gemm_skinny_b16_s8",
         }
     }
 
@@ -44,16 +46,18 @@ impl SkinnyBuild {
     }
 }
 
-/// Stages and the padded row of the skinny product (SKINNY_* in the source), and the weight
-/// rows of a block.
-const SKINNY_STAGES: usize = 8;
+/// The stage counts the skinny kernels are built for ([`crate::cuda::CudaTuning::skinny_stages`]).
+pub const SKINNY_STAGES: [usize; 2] = [4, 8];
+
+/// The padded row of the skinny product (SKINNY_ROW_BYTES in the source), and the weight rows
+/// of a block.
 const SKINNY_ROW_BYTES: usize = 256 * 2 + 16;
 const SKINNY_ROWS: usize = 8;
 
-/// Dynamic shared memory of a skinny-product block for `t` rows: per stage the weight rows and
-/// the token rows, and one zero row.
-pub fn skinny_smem_bytes(t: usize) -> usize {
-    (SKINNY_STAGES * (SKINNY_ROWS + t) + 1) * SKINNY_ROW_BYTES
+/// Dynamic shared memory of a skinny-product block for `t` rows and `stages` stages: per stage
+/// the weight rows and the token rows, and one zero row.
+pub fn skinny_smem_bytes(t: usize, stages: usize) -> usize {
+    (stages * (SKINNY_ROWS + t) + 1) * SKINNY_ROW_BYTES
 }
 
 /// [`matmul_t_invariant`] for `t` up to `build.max_tokens()` rows on the skinny kernels: the
@@ -82,10 +86,13 @@ pub unsafe fn matmul_t_skinny(
             build.max_tokens()
         )));
     }
+    let stages = dev.tuning().skinny_stages;
     let blocks = n.div_ceil(SKINNY_ROWS) as u32;
     let mut config = cfg((blocks, 1), 32);
-    config.shared_mem_bytes = skinny_smem_bytes(t) as u32;
-    launch!(dev, build.kernel(), config, w, x, y, n as i32, k as i32, t as i32, f32_out as i32)
+    config.shared_mem_bytes = skinny_smem_bytes(t, stages) as u32;
+    // Always with programmatic dependent launch: the weights' copies start before the kernel
+    // waits for the previous one (`gemm_skinny` in kernels/projections.cu).
+    launch!(@with true; dev, build.kernel(stages), config, w, x, y, n as i32, k as i32, t as i32, f32_out as i32)
 }
 
 /// Checks on this GPU that the skinny kernels give the bits of cuBLASLt's product for each
