@@ -68,6 +68,69 @@ fn greedy_matches_transformers_for_every_fixture() {
     }
 }
 
+/// Log-probabilities equal transformers' log-softmax (fixtures/*/logprobs.json, made by
+/// scripts/gpu/logprobs_refs.py from the f32 model, in f64): at every greedy step of every
+/// fixture, the chosen token's and the 5 most likely tokens', in order. Ranks may swap only
+/// where transformers' own values are a near tie.
+#[test]
+fn logprobs_match_transformers_for_every_fixture() {
+    const TOL: f64 = 2e-3;
+    for name in ["qwen3", "qwen2", "llama"] {
+        let dir = fixtures().join(name);
+        let model = LoadedModel::load(&ModelSource::Dir(dir.clone()), None).unwrap();
+        let t = &model.transformer;
+        let refs: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("logprobs.json")).unwrap()).unwrap();
+        let top = refs["top"].as_u64().unwrap() as u32;
+        let mut steps_checked = 0;
+        for case in refs["cases"].as_array().unwrap() {
+            let ids = |v: &serde_json::Value| -> Vec<u32> {
+                v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+            };
+            let floats = |v: &serde_json::Value| -> Vec<f64> {
+                v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+            };
+            let prompt = ids(&case["prompt_ids"]);
+            let steps = case["steps"].as_array().unwrap();
+            let mut kv = KvCache::new(t.kv_layout(16, (prompt.len() + steps.len()).div_ceil(16) + 1));
+            let table: Vec<u32> = (0..kv.layout().num_blocks as u32).collect();
+            let mut pos = 0;
+            let mut input = prompt.clone();
+            for (k, step) in steps.iter().enumerate() {
+                let seq = SeqBatch {
+                    token_start: 0,
+                    num_tokens: input.len(),
+                    first_pos: pos,
+                    block_table: &table,
+                    want_logits: true,
+                };
+                let logits = t.forward(&input, &[seq], &mut kv);
+                pos += input.len();
+                let token = step["token"].as_u64().unwrap() as u32;
+                let ours = tandem_model::token_logprobs(&logits, token, top);
+                let at = format!("{name}, prompt of {} tokens, step {k}", prompt.len());
+                let want = step["logprob"].as_f64().unwrap();
+                assert!((ours.logprob as f64 - want).abs() < TOL, "{at}: logprob {} vs {want}", ours.logprob);
+                let (want_ids, want_lps) = (ids(&step["top_ids"]), floats(&step["top_logprobs"]));
+                assert_eq!(ours.top.len(), want_ids.len(), "{at}");
+                for (r, &(id, lp)) in ours.top.iter().enumerate() {
+                    assert!((lp as f64 - want_lps[r]).abs() < TOL, "{at}: rank {r}: {lp} vs {}", want_lps[r]);
+                    if id != want_ids[r] {
+                        let tie = [r.wrapping_sub(1), r + 1]
+                            .iter()
+                            .filter_map(|&o| want_lps.get(o))
+                            .any(|&o| (o - want_lps[r]).abs() < TOL);
+                        assert!(tie, "{at}: rank {r} is token {id}, transformers' is {} (no near tie)", want_ids[r]);
+                    }
+                }
+                input = vec![token];
+                steps_checked += 1;
+            }
+        }
+        assert!(steps_checked >= 32, "{name}: only {steps_checked} steps in the fixture");
+    }
+}
+
 #[test]
 fn missing_tensor_and_unknown_dir_fail_with_names() {
     let tmp = std::env::temp_dir().join(format!("tandem-missing-{}", std::process::id()));
