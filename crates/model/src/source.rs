@@ -197,6 +197,15 @@ impl ModelSpec {
             ModelSource::Gguf(path) => GgufFile::open(path)?.weights(),
         }
     }
+
+    /// The weights as the CPU engine holds them: [`ModelSpec::host_weights`], except that a
+    /// GGUF file's matrices stay in their block formats (read as stored, the same numbers).
+    pub fn cpu_weights(&self) -> Result<WeightMap, ModelError> {
+        match &self.source {
+            ModelSource::Gguf(path) => GgufFile::open(path)?.weights_quantized(),
+            _ => self.host_weights(),
+        }
+    }
 }
 
 /// A model ready to serve on CPU: the transformer, its tokenizer (if any) and stopping ids.
@@ -221,7 +230,7 @@ impl LoadedModel {
 
     /// Builds the CPU transformer for `spec`.
     pub fn from_spec(spec: ModelSpec) -> Result<Self, ModelError> {
-        let weights = spec.host_weights()?;
+        let weights = spec.cpu_weights()?;
         let transformer = Transformer::from_weights(spec.config, weights, spec.max_model_len)?;
         Ok(Self {
             transformer,

@@ -7,12 +7,13 @@
 //! block table) is passed in. The model knows nothing about requests or scheduling.
 
 use tandem_compute::cpu::{
-    add_inplace, apply_rope, matmul_t, paged_attention, rms_norm, rms_norm_inplace, silu_mul, AttnSeq, RopeTable,
+    add_inplace, apply_rope, matmul_t, matmul_t_quant, paged_attention, rms_norm, rms_norm_inplace, silu_mul, AttnSeq,
+    RopeTable,
 };
 use tandem_compute::{KvCache, KvLayout};
 
 use crate::config::ModelConfig;
-use crate::weights::WeightMap;
+use crate::weights::{Matrix, WeightMap};
 use crate::ModelError;
 
 /// One sequence's slice of a forward batch.
@@ -35,9 +36,19 @@ pub struct SeqBatch<'a> {
     pub want_logits: bool,
 }
 
-/// A `[out, in]` weight matrix with an optional bias.
+/// `out = x · Wᵀ` for `tokens` rows of `x` and the `rows` x `cols` matrix `w`.
+fn matmul(x: &[f32], tokens: usize, w: &Matrix, rows: usize, cols: usize, out: &mut [f32]) {
+    match w {
+        Matrix::F32(w) => matmul_t(x, tokens, w, rows, cols, out),
+        Matrix::Quant(w) => matmul_t_quant(x, tokens, w, out),
+    }
+}
+
+/// A `[out, in]` weight matrix with an optional bias: stacked projections (q, k, v) as one f32
+/// matrix, or as their parts when they are kept in block formats (each may have its own).
 struct Linear {
-    weight: Vec<f32>,
+    /// Each part and its rows, in output order.
+    parts: Vec<(Matrix, usize)>,
     bias: Option<Vec<f32>>,
     out_dim: usize,
     in_dim: usize,
@@ -46,7 +57,19 @@ struct Linear {
 impl Linear {
     fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
         let mut y = vec![0.0; tokens * self.out_dim];
-        matmul_t(x, tokens, &self.weight, self.out_dim, self.in_dim, &mut y);
+        if let [(w, rows)] = &self.parts[..] {
+            matmul(x, tokens, w, *rows, self.in_dim, &mut y);
+        } else {
+            let mut col = 0;
+            for (w, rows) in &self.parts {
+                let mut part = vec![0.0; tokens * rows];
+                matmul(x, tokens, w, *rows, self.in_dim, &mut part);
+                for (dst, src) in y.chunks_exact_mut(self.out_dim).zip(part.chunks_exact(*rows)) {
+                    dst[col..col + rows].copy_from_slice(src);
+                }
+                col += rows;
+            }
+        }
         if let Some(b) = &self.bias {
             for row in y.chunks_exact_mut(self.out_dim) {
                 add_inplace(row, b);
@@ -54,8 +77,52 @@ impl Linear {
         }
         y
     }
+
+    fn bytes(&self) -> usize {
+        self.parts.iter().map(|(w, _)| matrix_bytes(w)).sum::<usize>() + self.bias.as_ref().map_or(0, |b| b.len() * 4)
+    }
 }
 
+fn matrix_bytes(w: &Matrix) -> usize {
+    match w {
+        Matrix::F32(w) => w.len() * 4,
+        Matrix::Quant(w) => w.bytes(),
+    }
+}
+
+/// Row `r` of `w` (`cols` wide) into `out`.
+fn matrix_row(w: &Matrix, r: usize, cols: usize, out: &mut [f32]) {
+    match w {
+        Matrix::F32(w) => out.copy_from_slice(&w[r * cols..(r + 1) * cols]),
+        Matrix::Quant(w) => w.dequantize_row(r, out),
+    }
+}
+
+/// About 4096 evenly spaced values of the matrix stacked from `parts` (each a matrix and its
+/// rows, `cols` wide), as f32: a fingerprint's sample, the same values whether the parts are
+/// kept quantized or were dequantized at load.
+fn matrix_sample(parts: &[(&Matrix, usize)], cols: usize) -> Vec<f32> {
+    let len = parts.iter().map(|(_, r)| r).sum::<usize>() * cols;
+    let mut row = vec![0.0; cols];
+    let mut at = usize::MAX;
+    (0..len)
+        .step_by((len / 4096).max(1))
+        .map(|i| {
+            if i / cols != at {
+                at = i / cols;
+                let (mut part, mut r) = (0, at);
+                while r >= parts[part].1 {
+                    r -= parts[part].1;
+                    part += 1;
+                }
+                matrix_row(parts[part].0, r, cols, &mut row);
+            }
+            row[i % cols]
+        })
+        .collect()
+}
+
+/// One decoder layer's weights.
 struct Layer {
     input_norm: Vec<f32>,
     /// q, k and v projections stacked into one matrix: one pass over the input.
@@ -72,11 +139,11 @@ struct Layer {
 /// A loaded model, ready to run forwards.
 pub struct Transformer {
     cfg: ModelConfig,
-    embed: Vec<f32>,
+    embed: Matrix,
     layers: Vec<Layer>,
     norm: Vec<f32>,
     /// `None` when tied to `embed`.
-    lm_head: Option<Vec<f32>>,
+    lm_head: Option<Matrix>,
     rope: RopeTable,
 }
 
@@ -87,21 +154,32 @@ impl Transformer {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let q_dim = cfg.num_heads * hd;
         let kv_dim = cfg.num_kv_heads * hd;
-        let embed = w.take("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let embed = w.take_matrix("model.embed_tokens.weight", cfg.vocab_size, h)?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
             let mut stacked = |names: &[(&str, usize)], in_dim: usize, bias: bool| -> Result<Linear, ModelError> {
-                let mut weight = Vec::new();
+                let mut parts = Vec::new();
                 let mut b = Vec::new();
                 for (n, rows) in names {
-                    weight.extend(w.take(&format!("{p}.{n}.weight"), &[*rows, in_dim])?);
+                    parts.push((w.take_matrix(&format!("{p}.{n}.weight"), *rows, in_dim)?, *rows));
                     if bias {
                         b.extend(w.take(&format!("{p}.{n}.bias"), &[*rows])?);
                     }
                 }
                 let out_dim = names.iter().map(|(_, r)| r).sum();
-                Ok(Linear { weight, bias: bias.then_some(b), out_dim, in_dim })
+                // f32 parts as one matrix: one pass over the input.
+                if parts.iter().all(|(m, _)| matches!(m, Matrix::F32(_))) {
+                    let weight = parts
+                        .drain(..)
+                        .flat_map(|(m, _)| match m {
+                            Matrix::F32(v) => v,
+                            Matrix::Quant(_) => unreachable!("all parts are f32"),
+                        })
+                        .collect();
+                    parts.push((Matrix::F32(weight), out_dim));
+                }
+                Ok(Linear { parts, bias: bias.then_some(b), out_dim, in_dim })
             };
             let qkv = stacked(
                 &[("self_attn.q_proj", q_dim), ("self_attn.k_proj", kv_dim), ("self_attn.v_proj", kv_dim)],
@@ -138,7 +216,7 @@ impl Transformer {
         let lm_head = if cfg.tie_word_embeddings && !w.contains("lm_head.weight") {
             None
         } else {
-            Some(w.take("lm_head.weight", &[cfg.vocab_size, h])?)
+            Some(w.take_matrix("lm_head.weight", cfg.vocab_size, h)?)
         };
         let rope = RopeTable::new(hd, cfg.rope_theta, cfg.rope_scaling, max_positions);
         Ok(Self { cfg, embed, layers, norm, lm_head, rope })
@@ -176,9 +254,11 @@ impl Transformer {
                 h = (h ^ x.to_bits() as u64).wrapping_mul(0x100000001b3);
             }
         };
-        feed(&self.embed);
+        let (vocab, h) = (c.vocab_size, c.hidden_size);
+        feed(&matrix_sample(&[(&self.embed, vocab)], h));
         if let Some(l) = self.layers.first() {
-            feed(&l.qkv.weight);
+            let parts: Vec<(&Matrix, usize)> = l.qkv.parts.iter().map(|(w, r)| (w, *r)).collect();
+            feed(&matrix_sample(&parts, h));
         }
         format!(
             "{}/l{}h{}kv{}d{}v{}/{h:016x}",
@@ -191,22 +271,19 @@ impl Transformer {
         )
     }
 
-    /// Bytes of weights a forward reads (f32), the numerator of the decode floor.
+    /// Bytes of weights a forward reads (as held: f32, or a block format), the numerator of the
+    /// decode floor.
     pub fn weight_bytes(&self) -> usize {
         let layer_bytes: usize = self
             .layers
             .iter()
             .map(|l| {
-                [&l.qkv, &l.o, &l.gate_up, &l.down]
-                    .iter()
-                    .map(|lin| lin.weight.len() + lin.bias.as_ref().map_or(0, Vec::len))
-                    .sum::<usize>()
-                    + l.input_norm.len()
-                    + l.post_norm.len()
+                [&l.qkv, &l.o, &l.gate_up, &l.down].iter().map(|lin| lin.bytes()).sum::<usize>()
+                    + (l.input_norm.len() + l.post_norm.len()) * 4
             })
             .sum();
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed).len();
-        (layer_bytes + head + self.norm.len()) * 4
+        let head = matrix_bytes(self.lm_head.as_ref().unwrap_or(&self.embed));
+        layer_bytes + head + self.norm.len() * 4
     }
 
     /// Runs one batched forward over `token_ids` (all sequences' tokens, concatenated) and
@@ -242,8 +319,7 @@ impl Transformer {
 
         let mut x = vec![0.0f32; t * h];
         for (row, &id) in x.chunks_exact_mut(h).zip(token_ids) {
-            let id = id as usize;
-            row.copy_from_slice(&self.embed[id * h..(id + 1) * h]);
+            matrix_row(&self.embed, id as usize, h, row);
         }
         let scale = 1.0 / (hd as f32).sqrt();
         let mut normed = vec![0.0f32; t * h];
@@ -294,7 +370,7 @@ impl Transformer {
         rms_norm(&last, &self.norm, cfg.rms_norm_eps, &mut last_normed);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0.0f32; picked.len() * cfg.vocab_size];
-        matmul_t(&last_normed, picked.len(), head, cfg.vocab_size, h, &mut logits);
+        matmul(&last_normed, picked.len(), head, cfg.vocab_size, h, &mut logits);
         logits
     }
 }

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
+use tandem_compute::cpu::QuantMatrix;
 
 use crate::ModelError;
 
@@ -22,6 +23,17 @@ pub struct Tensor {
 #[derive(Default)]
 pub struct WeightMap {
     tensors: HashMap<String, Tensor>,
+    /// Matrices kept in a ggml block format (a GGUF file's, for the CPU engine).
+    quantized: HashMap<String, QuantMatrix>,
+}
+
+/// A weight matrix as the CPU engine holds it: f32, or in the block format it was stored in.
+#[derive(Clone, Debug)]
+pub enum Matrix {
+    /// `[rows, cols]` row-major.
+    F32(Vec<f32>),
+    /// Read as stored by [`tandem_compute::cpu::matmul_t_quant`].
+    Quant(QuantMatrix),
 }
 
 impl WeightMap {
@@ -35,13 +47,38 @@ impl WeightMap {
         self.tensors.insert(name.into(), tensor);
     }
 
-    /// Whether a tensor is present.
-    pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+    /// Adds (or replaces) a matrix kept in its block format.
+    pub fn insert_quantized(&mut self, name: impl Into<String>, matrix: QuantMatrix) {
+        let name = name.into();
+        self.tensors.remove(&name);
+        self.quantized.insert(name, matrix);
     }
 
-    /// Removes and returns `name`, checking its shape.
+    /// Whether a tensor is present.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name) || self.quantized.contains_key(name)
+    }
+
+    /// Removes and returns matrix `name` (`[rows, cols]`), in its block format if it was kept in
+    /// one.
+    pub fn take_matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Matrix, ModelError> {
+        match self.quantized.remove(name) {
+            Some(q) if (q.rows(), q.cols()) == (rows, cols) => Ok(Matrix::Quant(q)),
+            Some(q) => Err(ModelError::ShapeMismatch {
+                name: name.to_string(),
+                expected: vec![rows, cols],
+                found: vec![q.rows(), q.cols()],
+            }),
+            None => self.take(name, &[rows, cols]).map(Matrix::F32),
+        }
+    }
+
+    /// Removes and returns `name` as f32 (dequantized if it was kept quantized), checking its
+    /// shape.
     pub fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        if let Some(q) = self.quantized.remove(name) {
+            self.tensors.insert(name.to_string(), Tensor { shape: vec![q.rows(), q.cols()], data: q.dequantize() });
+        }
         let t = self.tensors.remove(name).ok_or_else(|| ModelError::MissingTensor { name: name.to_string() })?;
         if t.shape != shape {
             return Err(ModelError::ShapeMismatch { name: name.to_string(), expected: shape.to_vec(), found: t.shape });

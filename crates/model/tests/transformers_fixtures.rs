@@ -199,3 +199,51 @@ fn a_llama_gguf_with_its_rotary_rows_permuted_gives_the_hf_directorys_tokens() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A GGUF's matrices kept in their stored formats (F16, BF16 here; every block format in
+/// SmolLM2's Q4_1 file when TANDEM_SMOLLM2_GGUF names it, as .ci/run does) give the logits of
+/// the same file dequantized at load, bit for bit, for a prompt and for decode steps; the
+/// fingerprint is the same and the bytes a forward reads are the stored ones.
+#[test]
+fn ggufs_kept_in_their_block_formats_give_the_dequantized_logits_bit_for_bit() {
+    let mut files = vec![fixtures().join("gguf/qwen2.gguf"), fixtures().join("gguf/llama.gguf")];
+    if let Ok(p) = std::env::var("TANDEM_SMOLLM2_GGUF") {
+        files.push(PathBuf::from(p));
+    }
+    for path in files {
+        let spec = ModelSpec::load(&ModelSource::Gguf(path.clone()), Some(64)).unwrap();
+        let dense =
+            tandem_model::Transformer::from_weights(spec.config.clone(), spec.host_weights().unwrap(), 64).unwrap();
+        let kept =
+            tandem_model::Transformer::from_weights(spec.config.clone(), spec.cpu_weights().unwrap(), 64).unwrap();
+        assert_eq!(kept.fingerprint(), dense.fingerprint(), "{path:?}");
+        assert!(
+            kept.weight_bytes() < dense.weight_bytes(),
+            "{path:?}: {} vs {}",
+            kept.weight_bytes(),
+            dense.weight_bytes()
+        );
+        let vocab = spec.config.vocab_size as u32;
+        let prompt: Vec<u32> = (0..9).map(|i| (i * 7919 + 3) % vocab).collect();
+        let run = |t: &tandem_model::Transformer| {
+            let mut kv = KvCache::new(t.kv_layout(16, 2));
+            let table = [1u32, 0];
+            let mut all = vec![];
+            let seq = SeqBatch { token_start: 0, num_tokens: 9, first_pos: 0, block_table: &table, want_logits: true };
+            all.extend(t.forward(&prompt, &[seq], &mut kv));
+            for (i, &tok) in [5u32, 11, 2].iter().enumerate() {
+                let seq = SeqBatch {
+                    token_start: 0,
+                    num_tokens: 1,
+                    first_pos: 9 + i,
+                    block_table: &table,
+                    want_logits: true,
+                };
+                all.extend(t.forward(&[tok % vocab], &[seq], &mut kv));
+            }
+            all
+        };
+        let (a, b) = (run(&kept), run(&dense));
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{path:?}: logits differ");
+    }
+}

@@ -156,7 +156,7 @@ fn rows_block_avx2(x: &[f32], tokens: usize, w: &[f32], k: usize, j0: usize, row
     rows_block::<Avx2Fma>(x, tokens, w, k, j0, rows, out_t)
 }
 
-fn has_avx2_fma() -> bool {
+pub(super) fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -170,14 +170,39 @@ fn has_avx2_fma() -> bool {
 }
 
 fn run_rows(x: &[f32], tokens: usize, w: &[f32], k: usize, j0: usize, rows: usize, out_t: &mut [f32]) {
+    run_rows_on(has_avx2_fma(), x, tokens, w, k, j0, rows, out_t)
+}
+
+/// [`rows_block`] with the AVX2+FMA kernel when `avx2` (which must mean the CPU has both:
+/// [`has_avx2_fma`]), else the portable one.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn run_rows_on(
+    avx2: bool,
+    x: &[f32],
+    tokens: usize,
+    w: &[f32],
+    k: usize,
+    j0: usize,
+    rows: usize,
+    out_t: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        // Safety: the CPU supports AVX2 and FMA (checked at run time just above), which is the
-        // only requirement `rows_block_avx2` adds over a plain function.
+    if avx2 {
+        // Safety: callers pass `avx2` only after detecting AVX2 and FMA at run time, which is
+        // the only requirement `rows_block_avx2` adds over a plain function.
         unsafe { rows_block_avx2(x, tokens, w, k, j0, rows, out_t) };
         return;
     }
+    let _ = avx2;
     rows_block::<Portable>(x, tokens, w, k, j0, rows, out_t)
+}
+
+/// Rows of `W` a rayon task takes in a product of `m` rows (a multiple of 8, about four tasks a
+/// thread).
+pub(super) fn rows_per_task(m: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    m.div_ceil(threads * 4).next_multiple_of(8).max(8)
 }
 
 /// `out[t * m + j] = Σ_kk x[t * k + kk] · w[j * k + kk]` for `tokens` rows of `x` and the `m`
@@ -190,8 +215,7 @@ pub fn matmul_t(x: &[f32], tokens: usize, w: &[f32], m: usize, k: usize, out: &m
     if tokens == 0 || m == 0 {
         return;
     }
-    let threads = rayon::current_num_threads().max(1);
-    let rows_per_task = m.div_ceil(threads * 4).next_multiple_of(8).max(8);
+    let rows_per_task = rows_per_task(m);
     if tokens == 1 {
         // One token: the transposed buffer is the output itself.
         out[..m]

@@ -2,6 +2,8 @@
 //!
 //! - [`matmul_t`]: `x · Wᵀ` for HF `Linear` weights (`[out, in]` row-major), threaded with
 //!   rayon, SIMD picked at run time (AVX2+FMA when the CPU has it).
+//! - [`matmul_t_quant`]: the same product on a [`QuantMatrix`] (ggml block formats), read as
+//!   stored and giving the bits of [`matmul_t`] on its dequantized values.
 //! - [`rms_norm`], [`add_inplace`], [`silu_mul`]: the elementwise pieces of a block.
 //! - [`RopeTable`] and [`apply_rope`]: rotary embeddings (HF "rotate half" convention).
 //! - [`paged_attention`]: causal attention of queries against keys/values read from the
@@ -13,11 +15,13 @@
 mod attention;
 mod matmul;
 mod ops;
+mod quant;
 mod rope;
 
 pub use attention::{paged_attention, AttnSeq};
 pub use matmul::matmul_t;
 pub use ops::{add_inplace, rms_norm, rms_norm_inplace, silu_mul};
+pub use quant::{dequantize_into, matmul_t_quant, QuantMatrix, QuantType};
 pub use rope::{apply_rope, RopeScaling, RopeTable};
 
 /// Best-of-`repeats` streaming read rate over a buffer of about `bytes`, in bytes/second,

@@ -1,0 +1,504 @@
+//! Quantized weight matrices (ggml's block formats, as GGUF files hold them) and `x · Wᵀ` that
+//! reads them as stored.
+//!
+//! A decode step streams every weight once, so its speed follows the weights' bytes: a Q4_1
+//! matrix is 5.6x smaller than its f32 form. [`matmul_t_quant`] dequantizes eight rows at a
+//! time into a buffer that stays in cache and runs the f32 kernels of [`super::matmul_t`] on
+//! it. Every weight is dequantized by the same function as at load ([`dequantize_into`], each
+//! value computed with the same operations) and every dot product in the same order, so the
+//! result is the same bits as [`super::matmul_t`] on the dequantized matrix, for any batch.
+
+use rayon::prelude::*;
+
+use super::matmul::{has_avx2_fma, rows_per_task, run_rows_on};
+
+/// A ggml tensor type [`QuantMatrix`] holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantType {
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// 32 values: an f16 scale, 32 i8.
+    Q8_0,
+    /// 32 values: an f16 scale, 16 bytes of nibbles offset by 8.
+    Q4_0,
+    /// 32 values: f16 scale and min, 16 bytes of nibbles.
+    Q4_1,
+    /// 256 values in 8 groups with 6-bit scales and mins, 4-bit values.
+    Q4K,
+    /// As Q4_K with a fifth bit per value.
+    Q5K,
+    /// 256 values in 16 groups with i8 scales, 6-bit values.
+    Q6K,
+}
+
+impl QuantType {
+    /// The type of ggml type id `id`, if it is one of these.
+    pub fn from_ggml(id: u32) -> Option<Self> {
+        Some(match id {
+            1 => Self::F16,
+            30 => Self::Bf16,
+            8 => Self::Q8_0,
+            2 => Self::Q4_0,
+            3 => Self::Q4_1,
+            12 => Self::Q4K,
+            13 => Self::Q5K,
+            14 => Self::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// Values a block holds.
+    pub fn block_elems(self) -> usize {
+        match self {
+            Self::F16 | Self::Bf16 => 1,
+            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 => 32,
+            Self::Q4K | Self::Q5K | Self::Q6K => 256,
+        }
+    }
+
+    /// Bytes a block takes.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::F16 | Self::Bf16 => 2,
+            Self::Q8_0 => 34,
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q4K => 144,
+            Self::Q5K => 176,
+            Self::Q6K => 210,
+        }
+    }
+}
+
+/// Every f16 as f32 (256 KiB): a block's scales are converted once per 32 or 256 values, and
+/// `half`'s conversion checks the CPU's features on every call, which cost more than the
+/// values themselves.
+static F16_TO_F32: std::sync::LazyLock<Box<[f32]>> =
+    std::sync::LazyLock::new(|| (0..=u16::MAX).map(|b| half::f16::from_bits(b).to_f32()).collect());
+
+#[inline(always)]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    F16_TO_F32[u16::from_le_bytes([b[i], b[i + 1]]) as usize]
+}
+
+/// The 6-bit scale and min `j` of a Q4_K / Q5_K block's 12 packed scale bytes.
+#[inline(always)]
+fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
+    if j < 4 {
+        ((q[j] & 63) as f32, (q[j + 4] & 63) as f32)
+    } else {
+        (((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4)) as f32, ((q[j + 4] >> 4) | ((q[j] >> 6) << 4)) as f32)
+    }
+}
+
+/// Dequantizes whole blocks of `ty` in `bytes` into `out` (`bytes.len() / block_bytes *
+/// block_elems` values, in stored order).
+///
+/// # Panics
+/// If `bytes` is not whole blocks or `out` has another length (callers size both from the
+/// checked shape).
+#[inline(always)]
+pub fn dequantize_into(ty: QuantType, bytes: &[u8], out: &mut [f32]) {
+    let (eb, bb) = (ty.block_elems(), ty.block_bytes());
+    assert!(bytes.len().is_multiple_of(bb) && out.len() == bytes.len() / bb * eb, "dequantize: bad lengths");
+    match ty {
+        QuantType::F16 => blocks::<2, 1>(bytes, out, |b, o| o[0] = f16_at(b, 0)),
+        QuantType::Bf16 => {
+            blocks::<2, 1>(bytes, out, |b, o| o[0] = f32::from_bits((u16::from_le_bytes(*b) as u32) << 16))
+        }
+        QuantType::Q8_0 => blocks::<34, 32>(bytes, out, |b, o| {
+            let d = f16_at(b, 0);
+            for i in 0..32 {
+                o[i] = b[2 + i] as i8 as f32 * d;
+            }
+        }),
+        // Low nibbles are values 0-15, high nibbles 16-31; Q4_0 offsets them by 8, Q4_1 adds
+        // its min: x = (q - bias) d + m.
+        QuantType::Q4_0 => blocks::<18, 32>(bytes, out, |b, o| {
+            let d = f16_at(b, 0);
+            for i in 0..16 {
+                o[i] = ((b[2 + i] & 0xf) as f32 - 8.0) * d + 0.0;
+                o[i + 16] = ((b[2 + i] >> 4) as f32 - 8.0) * d + 0.0;
+            }
+        }),
+        QuantType::Q4_1 => blocks::<20, 32>(bytes, out, |b, o| {
+            let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+            for i in 0..16 {
+                o[i] = ((b[4 + i] & 0xf) as f32 - 0.0) * d + m;
+                o[i + 16] = ((b[4 + i] >> 4) as f32 - 0.0) * d + m;
+            }
+        }),
+        // d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: 4 groups of 64
+        // values, each 32 low nibbles then 32 high ones, each half with its scale and min.
+        QuantType::Q4K => blocks::<144, 256>(bytes, out, |b, o| {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let scales = &b[4..16];
+            for g in 0..4 {
+                let (s1, m1) = scale_min_k4(2 * g, scales);
+                let (s2, m2) = scale_min_k4(2 * g + 1, scales);
+                for i in 0..32 {
+                    let q = b[16 + 32 * g + i];
+                    o[64 * g + i] = d * s1 * (q & 0xf) as f32 - dmin * m1;
+                    o[64 * g + 32 + i] = d * s2 * (q >> 4) as f32 - dmin * m2;
+                }
+            }
+        }),
+        // As Q4_K with a fifth bit per value from 32 bytes of high bits (bit 2g for group g's
+        // low half, 2g + 1 for its high half).
+        QuantType::Q5K => blocks::<176, 256>(bytes, out, |b, o| {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let scales = &b[4..16];
+            for g in 0..4 {
+                let (s1, m1) = scale_min_k4(2 * g, scales);
+                let (s2, m2) = scale_min_k4(2 * g + 1, scales);
+                let (u1, u2) = (1u8 << (2 * g), 1u8 << (2 * g + 1));
+                for i in 0..32 {
+                    let (q, h) = (b[48 + 32 * g + i], b[16 + i]);
+                    let h1 = if h & u1 != 0 { 16.0 } else { 0.0 };
+                    let h2 = if h & u2 != 0 { 16.0 } else { 0.0 };
+                    o[64 * g + i] = d * s1 * ((q & 0xf) as f32 + h1) - dmin * m1;
+                    o[64 * g + 32 + i] = d * s2 * ((q >> 4) as f32 + h2) - dmin * m2;
+                }
+            }
+        }),
+        // 128 bytes of low nibbles, 64 of 2-bit highs, 16 i8 scales, d: two halves of 128
+        // values, each four runs of 32 (ql low, ql+32 low, ql high, ql+32 high nibbles).
+        QuantType::Q6K => blocks::<210, 256>(bytes, out, |b, o| {
+            let d = f16_at(b, 208);
+            for half in 0..2 {
+                let (ql, qh, sc) = (64 * half, 128 + 32 * half, 192 + 8 * half);
+                for l in 0..32 {
+                    let is = l / 16;
+                    let (lo, hi, h) = (b[ql + l], b[ql + l + 32], b[qh + l]);
+                    let q1 = ((lo & 0xf) | ((h & 3) << 4)) as i32 - 32;
+                    let q2 = ((hi & 0xf) | (((h >> 2) & 3) << 4)) as i32 - 32;
+                    let q3 = ((lo >> 4) | (((h >> 4) & 3) << 4)) as i32 - 32;
+                    let q4 = ((hi >> 4) | (((h >> 6) & 3) << 4)) as i32 - 32;
+                    let y = 128 * half;
+                    o[y + l] = d * (b[sc + is] as i8 as f32) * q1 as f32;
+                    o[y + l + 32] = d * (b[sc + is + 2] as i8 as f32) * q2 as f32;
+                    o[y + l + 64] = d * (b[sc + is + 4] as i8 as f32) * q3 as f32;
+                    o[y + l + 96] = d * (b[sc + is + 6] as i8 as f32) * q4 as f32;
+                }
+            }
+        }),
+    }
+}
+
+/// `f` on each block of `BB` bytes and its `EB` values (fixed sizes, so the loops inside
+/// vectorize without bounds checks).
+#[inline(always)]
+fn blocks<const BB: usize, const EB: usize>(bytes: &[u8], out: &mut [f32], f: impl Fn(&[u8; BB], &mut [f32; EB])) {
+    for (b, o) in bytes.as_chunks::<BB>().0.iter().zip(out.as_chunks_mut::<EB>().0) {
+        f(b, o);
+    }
+}
+
+/// A `[rows, cols]` weight matrix in a ggml block format, each row whole blocks.
+#[derive(Clone, Debug)]
+pub struct QuantMatrix {
+    ty: QuantType,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+}
+
+impl QuantMatrix {
+    /// Wraps `data`, checking that it is `rows` rows of `cols` values of `ty` in whole blocks.
+    pub fn new(ty: QuantType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self, String> {
+        if !cols.is_multiple_of(ty.block_elems()) {
+            return Err(format!("{cols} columns are not whole {ty:?} blocks of {}", ty.block_elems()));
+        }
+        let want = rows * cols / ty.block_elems() * ty.block_bytes();
+        if data.len() != want {
+            return Err(format!("{rows} x {cols} of {ty:?} takes {want} bytes, not {}", data.len()));
+        }
+        Ok(Self { ty, rows, cols, data })
+    }
+
+    /// The block format.
+    pub fn quant_type(&self) -> QuantType {
+        self.ty
+    }
+
+    /// Rows (outputs of a projection).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns (inputs).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes held (what a forward reads).
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.cols / self.ty.block_elems() * self.ty.block_bytes()
+    }
+
+    /// Row `r` as f32 into `out` (`cols` values).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let rb = self.row_bytes();
+        dequantize_into(self.ty, &self.data[r * rb..(r + 1) * rb], out);
+    }
+
+    /// Rows `r0..r0 + n` as f32 into `out` (`n * cols` values).
+    #[inline(always)]
+    fn dequantize_rows(&self, r0: usize, n: usize, out: &mut [f32]) {
+        let rb = self.row_bytes();
+        dequantize_into(self.ty, &self.data[r0 * rb..(r0 + n) * rb], out);
+    }
+
+    /// The whole matrix as f32, row-major.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.rows * self.cols];
+        self.dequantize_rows(0, self.rows, &mut out);
+        out
+    }
+
+    /// The matrix whose row `i` is this one's row `order[i]` (a permutation of the rows).
+    pub fn with_rows(&self, order: &[usize]) -> Result<Self, String> {
+        let rb = self.row_bytes();
+        let mut data = Vec::with_capacity(self.data.len());
+        for &r in order {
+            let row = self.data.get(r * rb..(r + 1) * rb).ok_or_else(|| format!("row {r} of {}", self.rows))?;
+            data.extend_from_slice(row);
+        }
+        Self::new(self.ty, order.len(), self.cols, data)
+    }
+}
+
+/// Rows dequantized together: one pass of the f32 kernels over them (8 rows x a few thousand
+/// columns stay in L2).
+const ROW_GROUP: usize = 8;
+
+/// Rows `j0..j0 + rows` of `w` against all tokens into `out_t` (`[rows][tokens]`), eight rows
+/// at a time through `scratch`.
+#[inline(always)]
+fn quant_rows(x: &[f32], tokens: usize, w: &QuantMatrix, j0: usize, rows: usize, out_t: &mut [f32], avx2: bool) {
+    let k = w.cols;
+    let mut scratch = vec![0.0f32; ROW_GROUP * k];
+    let rb = w.row_bytes();
+    let mut j = 0;
+    while j < rows {
+        let n = ROW_GROUP.min(rows - j);
+        let (bytes, values) = (&w.data[(j0 + j) * rb..(j0 + j + n) * rb], &mut scratch[..n * k]);
+        #[cfg(target_arch = "x86_64")]
+        if avx2 && avx2::dequantize_into(w.ty, bytes, values) {
+            run_rows_on(avx2, x, tokens, &scratch, k, 0, n, &mut out_t[j * tokens..(j + n) * tokens]);
+            j += n;
+            continue;
+        }
+        dequantize_into(w.ty, bytes, values);
+        run_rows_on(avx2, x, tokens, &scratch, k, 0, n, &mut out_t[j * tokens..(j + n) * tokens]);
+        j += n;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn quant_rows_avx2(x: &[f32], tokens: usize, w: &QuantMatrix, j0: usize, rows: usize, out_t: &mut [f32]) {
+    quant_rows(x, tokens, w, j0, rows, out_t, true)
+}
+
+fn quant_task(x: &[f32], tokens: usize, w: &QuantMatrix, j0: usize, rows: usize, out_t: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // Safety: the CPU supports AVX2 and FMA (detected at run time), all the function adds.
+        unsafe { quant_rows_avx2(x, tokens, w, j0, rows, out_t) };
+        return;
+    }
+    quant_rows(x, tokens, w, j0, rows, out_t, false)
+}
+
+/// `out[t * rows + j] = Σ x[t, kk] · w[j, kk]`, the bits [`super::matmul_t`] gives on
+/// `w.dequantize()`, reading `w` as stored.
+///
+/// # Panics
+/// If a slice is shorter than its stated shape (a programming error, not a request error).
+pub fn matmul_t_quant(x: &[f32], tokens: usize, w: &QuantMatrix, out: &mut [f32]) {
+    let (m, k) = (w.rows, w.cols);
+    assert!(x.len() >= tokens * k && out.len() >= tokens * m);
+    if tokens == 0 || m == 0 {
+        return;
+    }
+    let per_task = rows_per_task(m);
+    if tokens == 1 {
+        out[..m]
+            .par_chunks_mut(per_task)
+            .enumerate()
+            .for_each(|(i, chunk)| quant_task(x, 1, w, i * per_task, chunk.len(), chunk));
+        return;
+    }
+    let mut out_t = vec![0.0f32; m * tokens];
+    out_t
+        .par_chunks_mut(per_task * tokens)
+        .enumerate()
+        .for_each(|(i, chunk)| quant_task(x, tokens, w, i * per_task, chunk.len() / tokens, chunk));
+    for j in 0..m {
+        for t in 0..tokens {
+            out[t * m + j] = out_t[j * tokens + t];
+        }
+    }
+}
+
+/// Dequantization of the 32-value formats with explicit AVX2: each value by the same
+/// operations, in the same order, as [`super::dequantize_into`] (one conversion, one multiply,
+/// one add; no fused multiply-add), so the same bits.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{f16_at, QuantType};
+
+    /// Dequantizes `bytes` of `ty` into `out` if `ty` is one this module does (else `false`,
+    /// nothing written). Lengths as [`super::dequantize_into`] checks them.
+    ///
+    /// Only called from code compiled for AVX2 after detecting it (`quant_rows_avx2`).
+    #[inline(always)]
+    pub(super) fn dequantize_into(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> bool {
+        match ty {
+            QuantType::Q4_0 => nibbles::<18, 2>(bytes, out, |b| (f16_at(b, 0), 8.0, 0.0)),
+            QuantType::Q4_1 => nibbles::<20, 4>(bytes, out, |b| (f16_at(b, 0), 0.0, f16_at(b, 2))),
+            QuantType::Q8_0 => {
+                let (blocks, out) = (bytes.as_chunks::<34>().0, out.as_chunks_mut::<32>().0);
+                for (b, o) in blocks.iter().zip(out) {
+                    // Safety: AVX2 is present (module docs); each load reads 8 of the block's
+                    // 32 value bytes and each store writes 8 of its 32 values.
+                    unsafe {
+                        let d = _mm256_set1_ps(f16_at(b, 0));
+                        for c in 0..4 {
+                            let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * c).cast());
+                            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                            _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), _mm256_mul_ps(v, d));
+                        }
+                    }
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Q4_0 / Q4_1: blocks of `BB` bytes whose 16 nibble bytes start at `QS`; `params` gives a
+    /// block's (d, bias, m): x = (q - bias) d + m.
+    #[inline(always)]
+    fn nibbles<const BB: usize, const QS: usize>(
+        bytes: &[u8],
+        out: &mut [f32],
+        params: impl Fn(&[u8; BB]) -> (f32, f32, f32),
+    ) -> bool {
+        let (blocks, out) = (bytes.as_chunks::<BB>().0, out.as_chunks_mut::<32>().0);
+        for (b, o) in blocks.iter().zip(out) {
+            let (d, bias, m) = params(b);
+            // Safety: AVX2 is present (module docs); the load reads the block's 16 nibble
+            // bytes (QS + 16 <= BB) and each store writes 8 of its 32 values.
+            unsafe {
+                let (d, bias, m) = (_mm256_set1_ps(d), _mm256_set1_ps(bias), _mm256_set1_ps(m));
+                let q = _mm_loadu_si128(b.as_ptr().add(QS).cast());
+                let low = _mm_and_si128(q, _mm_set1_epi8(0x0f));
+                let high = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
+                // Values 0-7, 8-15 (low nibbles of bytes 0-7, 8-15), then 16-23, 24-31 (high).
+                let parts = [low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)];
+                for (c, p) in parts.into_iter().enumerate() {
+                    let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p));
+                    let y = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, bias), d), m);
+                    _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), y);
+                }
+            }
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::matmul_t;
+
+    fn bytes(seed: &mut u64, n: usize) -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (*seed >> 33) as u8
+            })
+            .collect()
+    }
+
+    /// Random blocks of each type, with their f16 scales set to small finite values.
+    fn random_matrix(ty: QuantType, rows: usize, cols: usize, seed: &mut u64) -> QuantMatrix {
+        let mut data = bytes(seed, rows * cols / ty.block_elems() * ty.block_bytes());
+        let small =
+            |b: &mut [u8], at: usize, v: f32| b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        for (i, b) in data.chunks_exact_mut(ty.block_bytes()).enumerate() {
+            let v = 0.01 + (i % 7) as f32 * 0.003;
+            match ty {
+                QuantType::F16 | QuantType::Bf16 => {
+                    let x = ((i % 13) as f32 - 6.0) * 0.05;
+                    let raw = if ty == QuantType::F16 {
+                        half::f16::from_f32(x).to_le_bytes()
+                    } else {
+                        half::bf16::from_f32(x).to_le_bytes()
+                    };
+                    b.copy_from_slice(&raw);
+                }
+                QuantType::Q8_0 | QuantType::Q4_0 => small(b, 0, v),
+                QuantType::Q4_1 | QuantType::Q4K | QuantType::Q5K => {
+                    small(b, 0, v);
+                    small(b, 2, v * 0.5);
+                }
+                QuantType::Q6K => small(b, 208, v),
+            }
+        }
+        QuantMatrix::new(ty, rows, cols, data).unwrap()
+    }
+
+    #[test]
+    fn quantized_products_are_the_bits_of_the_f32_product_on_the_dequantized_weights_for_any_batch() {
+        let mut seed = 5u64;
+        let types = [
+            QuantType::F16,
+            QuantType::Bf16,
+            QuantType::Q8_0,
+            QuantType::Q4_0,
+            QuantType::Q4_1,
+            QuantType::Q4K,
+            QuantType::Q5K,
+            QuantType::Q6K,
+        ];
+        for ty in types {
+            let (rows, cols) = (37, 512);
+            let w = random_matrix(ty, rows, cols, &mut seed);
+            let dense = w.dequantize();
+            assert!(dense.iter().all(|v| v.is_finite()), "{ty:?}");
+            for tokens in [1, 3, 9] {
+                let x: Vec<f32> = bytes(&mut seed, tokens * cols).iter().map(|&b| b as f32 / 128.0 - 1.0).collect();
+                let mut want = vec![0.0; tokens * rows];
+                matmul_t(&x, tokens, &dense, rows, cols, &mut want);
+                let mut got = vec![0.0; tokens * rows];
+                matmul_t_quant(&x, tokens, &w, &mut got);
+                assert_eq!(got, want, "{ty:?}, {tokens} tokens");
+            }
+            // A row alone gives its row of the whole.
+            let mut row = vec![0.0; cols];
+            w.dequantize_row(5, &mut row);
+            assert_eq!(&row[..], &dense[5 * cols..6 * cols], "{ty:?}");
+        }
+    }
+
+    #[test]
+    fn shapes_that_are_not_whole_blocks_are_refused_with_the_numbers() {
+        let e = QuantMatrix::new(QuantType::Q4K, 2, 100, vec![0; 10]).unwrap_err();
+        assert!(e.contains("100 columns") && e.contains("256"), "{e}");
+        let e = QuantMatrix::new(QuantType::Q8_0, 2, 64, vec![0; 10]).unwrap_err();
+        assert!(e.contains("136 bytes"), "{e}");
+        let w = QuantMatrix::new(QuantType::Q8_0, 2, 32, vec![0; 68]).unwrap();
+        assert!(w.with_rows(&[1, 0]).is_ok() && w.with_rows(&[2]).is_err());
+    }
+}
