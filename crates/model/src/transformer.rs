@@ -254,11 +254,11 @@ impl Transformer {
                 h = (h ^ x.to_bits() as u64).wrapping_mul(0x100000001b3);
             }
         };
-        let (vocab, h) = (c.vocab_size, c.hidden_size);
-        feed(&matrix_sample(&[(&self.embed, vocab)], h));
+        let (vocab, hidden) = (c.vocab_size, c.hidden_size);
+        feed(&matrix_sample(&[(&self.embed, vocab)], hidden));
         if let Some(l) = self.layers.first() {
             let parts: Vec<(&Matrix, usize)> = l.qkv.parts.iter().map(|(w, r)| (w, *r)).collect();
-            feed(&matrix_sample(&parts, h));
+            feed(&matrix_sample(&parts, hidden));
         }
         format!(
             "{}/l{}h{}kv{}d{}v{}/{h:016x}",

@@ -247,3 +247,15 @@ fn ggufs_kept_in_their_block_formats_give_the_dequantized_logits_bit_for_bit() {
         assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "{path:?}: logits differ");
     }
 }
+
+/// The fingerprint follows the weights: the same preset shape with other seeded weights gets
+/// another (so P/D refuses to pair engines whose KV would mean different things).
+#[test]
+fn fingerprints_tell_the_same_shape_with_other_weights_apart() {
+    let fp = |seed| {
+        let source = ModelSource::parse("preset:tiny-qwen3", seed).unwrap();
+        LoadedModel::load(&source, None).unwrap().transformer.fingerprint()
+    };
+    assert_eq!(fp(0), fp(0));
+    assert_ne!(fp(0), fp(7));
+}
