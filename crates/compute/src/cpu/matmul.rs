@@ -215,20 +215,24 @@ pub fn matmul_t(x: &[f32], tokens: usize, w: &[f32], m: usize, k: usize, out: &m
     if tokens == 0 || m == 0 {
         return;
     }
-    let rows_per_task = rows_per_task(m);
+    for_row_tasks(tokens, m, out, |j0, rows, out_t| run_rows(x, tokens, w, k, j0, rows, out_t));
+}
+
+/// Runs `task(j0, rows, out_t)` on rayon tasks over the `m` rows of a product with `tokens`
+/// tokens, each task writing its rows' `[rows][tokens]` outputs, and lays them out as
+/// `out[t * m + j]`.
+pub(super) fn for_row_tasks(tokens: usize, m: usize, out: &mut [f32], task: impl Fn(usize, usize, &mut [f32]) + Sync) {
+    let per_task = rows_per_task(m);
     if tokens == 1 {
         // One token: the transposed buffer is the output itself.
-        out[..m]
-            .par_chunks_mut(rows_per_task)
-            .enumerate()
-            .for_each(|(i, chunk)| run_rows(x, 1, w, k, i * rows_per_task, chunk.len(), chunk));
+        out[..m].par_chunks_mut(per_task).enumerate().for_each(|(i, chunk)| task(i * per_task, chunk.len(), chunk));
         return;
     }
     let mut out_t = vec![0.0f32; m * tokens];
     out_t
-        .par_chunks_mut(rows_per_task * tokens)
+        .par_chunks_mut(per_task * tokens)
         .enumerate()
-        .for_each(|(i, chunk)| run_rows(x, tokens, w, k, i * rows_per_task, chunk.len() / tokens, chunk));
+        .for_each(|(i, chunk)| task(i * per_task, chunk.len() / tokens, chunk));
     for j in 0..m {
         for t in 0..tokens {
             out[t * m + j] = out_t[j * tokens + t];

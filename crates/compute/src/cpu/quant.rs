@@ -8,9 +8,7 @@
 //! value computed with the same operations) and every dot product in the same order, so the
 //! result is the same bits as [`super::matmul_t`] on the dequantized matrix, for any batch.
 
-use rayon::prelude::*;
-
-use super::matmul::{has_avx2_fma, rows_per_task, run_rows_on};
+use super::matmul::{for_row_tasks, has_avx2_fma, run_rows_on};
 
 /// A ggml tensor type [`QuantMatrix`] holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -328,24 +326,7 @@ pub fn matmul_t_quant(x: &[f32], tokens: usize, w: &QuantMatrix, out: &mut [f32]
     if tokens == 0 || m == 0 {
         return;
     }
-    let per_task = rows_per_task(m);
-    if tokens == 1 {
-        out[..m]
-            .par_chunks_mut(per_task)
-            .enumerate()
-            .for_each(|(i, chunk)| quant_task(x, 1, w, i * per_task, chunk.len(), chunk));
-        return;
-    }
-    let mut out_t = vec![0.0f32; m * tokens];
-    out_t
-        .par_chunks_mut(per_task * tokens)
-        .enumerate()
-        .for_each(|(i, chunk)| quant_task(x, tokens, w, i * per_task, chunk.len() / tokens, chunk));
-    for j in 0..m {
-        for t in 0..tokens {
-            out[t * m + j] = out_t[j * tokens + t];
-        }
-    }
+    for_row_tasks(tokens, m, out, |j0, rows, out_t| quant_task(x, tokens, w, j0, rows, out_t));
 }
 
 /// Dequantization of the 32-value formats with explicit AVX2: each value by the same
