@@ -55,15 +55,17 @@ struct Linear {
 }
 
 impl Linear {
-    fn forward(&self, x: &[f32], tokens: usize) -> Vec<f32> {
-        let mut y = vec![0.0; tokens * self.out_dim];
+    /// `y = x · Wᵀ (+ bias)` for `tokens` rows of `x`, into `y` (resized; `part` is scratch
+    /// for matrices kept in parts).
+    fn forward_into(&self, x: &[f32], tokens: usize, y: &mut Vec<f32>, part: &mut Vec<f32>) {
+        resize(y, tokens * self.out_dim);
         if let [(w, rows)] = &self.parts[..] {
-            matmul(x, tokens, w, *rows, self.in_dim, &mut y);
+            matmul(x, tokens, w, *rows, self.in_dim, y);
         } else {
             let mut col = 0;
             for (w, rows) in &self.parts {
-                let mut part = vec![0.0; tokens * rows];
-                matmul(x, tokens, w, *rows, self.in_dim, &mut part);
+                resize(part, tokens * rows);
+                matmul(x, tokens, w, *rows, self.in_dim, part);
                 for (dst, src) in y.chunks_exact_mut(self.out_dim).zip(part.chunks_exact(*rows)) {
                     dst[col..col + rows].copy_from_slice(src);
                 }
@@ -75,7 +77,6 @@ impl Linear {
                 add_inplace(row, b);
             }
         }
-        y
     }
 
     fn bytes(&self) -> usize {
@@ -136,6 +137,29 @@ struct Layer {
     down: Linear,
 }
 
+/// `v` with exactly `len` elements, keeping its allocation (the values are overwritten by
+/// whoever resizes).
+fn resize(v: &mut Vec<f32>, len: usize) {
+    v.resize(len, 0.0);
+}
+
+/// A forward's working buffers, kept between forwards: a prefill's are megabytes, which a fresh
+/// allocation would page-fault in again on every step.
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    part: Vec<f32>,
+}
+
 /// A loaded model, ready to run forwards.
 pub struct Transformer {
     cfg: ModelConfig,
@@ -145,6 +169,9 @@ pub struct Transformer {
     /// `None` when tied to `embed`.
     lm_head: Option<Matrix>,
     rope: RopeTable,
+    /// Taken by one forward at a time (an engine runs one step at a time; a second caller
+    /// waits for the first).
+    scratch: std::sync::Mutex<Scratch>,
 }
 
 impl Transformer {
@@ -219,7 +246,7 @@ impl Transformer {
             Some(w.take_matrix("lm_head.weight", cfg.vocab_size, h)?)
         };
         let rope = RopeTable::new(hd, cfg.rope_theta, cfg.rope_scaling, max_positions);
-        Ok(Self { cfg, embed, layers, norm, lm_head, rope })
+        Ok(Self { cfg, embed, layers, norm, lm_head, rope, scratch: Default::default() })
     }
 
     /// The model's shape.
@@ -292,6 +319,13 @@ impl Transformer {
     /// Token ids must be `< vocab_size` and positions `< max_positions()`; the engine checks
     /// both when it admits a request.
     pub fn forward(&self, token_ids: &[u32], seqs: &[SeqBatch<'_>], kv: &mut KvCache) -> Vec<f32> {
+        // On a thread of the compute pool, so that each of the step's parallel loops (some 150
+        // at batch 1) is forked from inside the pool instead of waking it from outside and
+        // sleeping until it is done: at batch 1 that cost 2-3 ms of a 12 ms step.
+        rayon::scope(|_| self.forward_on_pool(token_ids, seqs, kv))
+    }
+
+    fn forward_on_pool(&self, token_ids: &[u32], seqs: &[SeqBatch<'_>], kv: &mut KvCache) -> Vec<f32> {
         let cfg = &self.cfg;
         let (h, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
         let (q_dim, kv_dim) = (nh * hd, nkv * hd);
@@ -317,43 +351,58 @@ impl Transformer {
             })
             .collect();
 
-        let mut x = vec![0.0f32; t * h];
+        // Never wait for the lock: a thread of the pool waiting inside one forward's parallel
+        // loop may pick up another forward of this model (two engines' tests, say), which would
+        // then wait for itself. Whoever finds the buffers taken uses fresh ones. A poisoned lock
+        // only means an earlier forward panicked mid-way: the buffers are overwritten before
+        // they are read.
+        let mut fresh = Scratch::default();
+        let mut guard = match self.scratch.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        let Scratch { x, normed, qkv, q, k, v, attn, proj, gate_up, act, part } = match guard.as_deref_mut() {
+            Some(s) => s,
+            None => &mut fresh,
+        };
+        resize(x, t * h);
         for (row, &id) in x.chunks_exact_mut(h).zip(token_ids) {
             matrix_row(&self.embed, id as usize, h, row);
         }
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut normed = vec![0.0f32; t * h];
-        let mut q = vec![0.0f32; t * q_dim];
-        let mut k = vec![0.0f32; t * kv_dim];
-        let mut v = vec![0.0f32; t * kv_dim];
-        let mut attn = vec![0.0f32; t * q_dim];
-        let mut act = vec![0.0f32; t * cfg.intermediate_size];
+        resize(normed, t * h);
+        resize(q, t * q_dim);
+        resize(k, t * kv_dim);
+        resize(v, t * kv_dim);
+        resize(attn, t * q_dim);
+        resize(act, t * cfg.intermediate_size);
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
-            let qkv = layer.qkv.forward(&normed, t);
+            rms_norm(x, &layer.input_norm, cfg.rms_norm_eps, normed);
+            layer.qkv.forward_into(normed, t, qkv, part);
             for (r, row) in qkv.chunks_exact(q_dim + 2 * kv_dim).enumerate() {
                 q[r * q_dim..(r + 1) * q_dim].copy_from_slice(&row[..q_dim]);
                 k[r * kv_dim..(r + 1) * kv_dim].copy_from_slice(&row[q_dim..q_dim + kv_dim]);
                 v[r * kv_dim..(r + 1) * kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
             }
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                rms_norm_inplace(&mut q, qn, cfg.rms_norm_eps);
-                rms_norm_inplace(&mut k, kn, cfg.rms_norm_eps);
+                rms_norm_inplace(q, qn, cfg.rms_norm_eps);
+                rms_norm_inplace(k, kn, cfg.rms_norm_eps);
             }
-            apply_rope(&mut q, nh, hd, &positions, &self.rope);
-            apply_rope(&mut k, nkv, hd, &positions, &self.rope);
+            apply_rope(q, nh, hd, &positions, &self.rope);
+            apply_rope(k, nkv, hd, &positions, &self.rope);
             for (r, &(block, slot)) in slots.iter().enumerate() {
                 kv.write_token(li, block, slot, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim]);
             }
-            paged_attention(&q, nh, kv, li, &attn_seqs, scale, &mut attn);
-            let o = layer.o.forward(&attn, t);
-            add_inplace(&mut x, &o);
+            paged_attention(q, nh, kv, li, &attn_seqs, scale, attn);
+            layer.o.forward_into(attn, t, proj, part);
+            add_inplace(x, proj);
 
-            rms_norm(&x, &layer.post_norm, cfg.rms_norm_eps, &mut normed);
-            let gu = layer.gate_up.forward(&normed, t);
-            silu_mul(&gu, cfg.intermediate_size, &mut act);
-            let d = layer.down.forward(&act, t);
-            add_inplace(&mut x, &d);
+            rms_norm(x, &layer.post_norm, cfg.rms_norm_eps, normed);
+            layer.gate_up.forward_into(normed, t, gate_up, part);
+            silu_mul(gate_up, cfg.intermediate_size, act);
+            layer.down.forward_into(act, t, proj, part);
+            add_inplace(x, proj);
         }
 
         // Only the last token of sequences that sample needs the (large) output projection.

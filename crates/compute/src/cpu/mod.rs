@@ -13,6 +13,7 @@
 //! the batch size or thread split, so results are batch-invariant (see the crate docs).
 
 mod attention;
+mod math;
 mod matmul;
 mod ops;
 mod quant;
@@ -25,7 +26,7 @@ pub use quant::{dequantize_into, matmul_t_quant, QuantMatrix, QuantType};
 pub use rope::{apply_rope, RopeScaling, RopeTable};
 
 /// Best-of-`repeats` streaming read rate over a buffer of about `bytes`, in bytes/second,
-/// using all rayon threads (as a decode step does).
+/// using all rayon threads (as a decode step does) and the widest loads the CPU has.
 pub(crate) fn measure_read_bandwidth(bytes: usize, repeats: usize) -> f64 {
     use rayon::prelude::*;
     let n = (bytes / 4).max(1 << 16);
@@ -34,22 +35,26 @@ pub(crate) fn measure_read_bandwidth(bytes: usize, repeats: usize) -> f64 {
     let mut sink = 0.0f32;
     for _ in 0..repeats.max(1) {
         let start = std::time::Instant::now();
-        let s: f32 = buf
-            .par_chunks(1 << 16)
-            .map(|c| {
-                let mut acc = [0.0f32; 8];
-                let (chunks, rest) = c.as_chunks::<8>();
-                for ch in chunks {
-                    for l in 0..8 {
-                        acc[l] += ch[l];
-                    }
-                }
-                acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
-            })
-            .sum();
+        let s: f32 = buf.par_chunks(1 << 16).map(sum_stream).sum();
         best = best.min(start.elapsed().as_secs_f64());
         sink += s;
     }
     std::hint::black_box(sink);
     (n * 4) as f64 / best
+}
+
+math::isa_dispatch!(fn sum_stream(c: &[f32]) -> f32 => sum_stream_body);
+
+/// A sum in 64 lanes (four 512-bit registers' worth), so that the loop waits on memory, not on
+/// its additions.
+#[inline(always)]
+fn sum_stream_body(c: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 64];
+    let (chunks, rest) = c.as_chunks::<64>();
+    for ch in chunks {
+        for l in 0..64 {
+            acc[l] += ch[l];
+        }
+    }
+    acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
 }

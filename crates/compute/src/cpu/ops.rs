@@ -1,5 +1,7 @@
 //! Elementwise pieces of a transformer block.
 
+use super::math::{exp, isa_dispatch};
+
 /// `out[r] = (x[r] · rsqrt(mean(x[r]²) + eps)) · weight` for each row of `dim` elements, as HF's
 /// `RMSNorm` computes it in f32.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -45,12 +47,25 @@ pub fn add_inplace(a: &mut [f32], b: &[f32]) {
     }
 }
 
-/// For rows laid out `[gate (n) | up (n)]`, writes `silu(gate) · up` (`n` per row) to `out`.
+/// For rows laid out `[gate (n) | up (n)]`, writes `silu(gate) · up` (`n` per row) to `out`,
+/// rows in parallel.
 pub fn silu_mul(gate_up: &[f32], n: usize, out: &mut [f32]) {
+    use rayon::prelude::*;
+    // About 64 KiB of gate and up a task.
+    let rows_per_task = (8192 / n.max(1)).max(1);
+    out.par_chunks_mut(rows_per_task * n)
+        .zip(gate_up.par_chunks(rows_per_task * 2 * n))
+        .for_each(|(o, gu)| silu_mul_rows(gu, n, o));
+}
+
+isa_dispatch!(fn silu_mul_rows(gate_up: &[f32], n: usize, out: &mut [f32]) => silu_mul_body);
+
+#[inline(always)]
+fn silu_mul_body(gate_up: &[f32], n: usize, out: &mut [f32]) {
     for (gu, o) in gate_up.chunks_exact(2 * n).zip(out.chunks_exact_mut(n)) {
         let (g, u) = gu.split_at(n);
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-            *o = (g / (1.0 + (-g).exp())) * u;
+            *o = (g / (1.0 + exp(-g))) * u;
         }
     }
 }

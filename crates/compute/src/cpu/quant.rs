@@ -8,7 +8,7 @@
 //! value computed with the same operations) and every dot product in the same order, so the
 //! result is the same bits as [`super::matmul_t`] on the dequantized matrix, for any batch.
 
-use super::matmul::{for_row_tasks, has_avx2_fma, run_rows_on};
+use super::matmul::{for_row_tasks, isa, run_rows_on, Isa};
 
 /// A ggml tensor type [`QuantMatrix`] holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -276,43 +276,62 @@ impl QuantMatrix {
 /// columns stay in L2).
 const ROW_GROUP: usize = 8;
 
-/// Rows `j0..j0 + rows` of `w` against all tokens into `out_t` (`[rows][tokens]`), eight rows
-/// at a time through `scratch`.
+/// Rows `j0..j0 + rows` of `w` against all tokens into `part` (`part[t * rows + j]`): a few
+/// tokens of a 32-value format on AVX-512 straight from the blocks (the decode step), otherwise
+/// eight rows at a time dequantized into `scratch` for the f32 kernels.
 #[inline(always)]
-fn quant_rows(x: &[f32], tokens: usize, w: &QuantMatrix, j0: usize, rows: usize, out_t: &mut [f32], avx2: bool) {
+fn quant_rows(x: &[f32], tokens: usize, w: &QuantMatrix, j0: usize, rows: usize, part: &mut [f32], isa: Isa) {
     let k = w.cols;
-    let mut scratch = vec![0.0f32; ROW_GROUP * k];
     let rb = w.row_bytes();
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && tokens <= x86::FUSED_TOKENS {
+        let bytes = &w.data[j0 * rb..(j0 + rows) * rb];
+        // Safety: `Isa::Avx512` means AVX-512F, AVX2 and FMA were detected, and this function
+        // is only compiled into `quant_rows_avx512`, which enables them.
+        if unsafe { x86::fused_rows(w.ty, x, tokens, bytes, rb, k, part) } {
+            return;
+        }
+    }
+    let mut scratch = vec![0.0f32; ROW_GROUP * k];
     let mut j = 0;
     while j < rows {
         let n = ROW_GROUP.min(rows - j);
         let (bytes, values) = (&w.data[(j0 + j) * rb..(j0 + j + n) * rb], &mut scratch[..n * k]);
         #[cfg(target_arch = "x86_64")]
-        if avx2 && avx2::dequantize_into(w.ty, bytes, values) {
-            run_rows_on(avx2, x, tokens, &scratch, k, 0, n, &mut out_t[j * tokens..(j + n) * tokens]);
-            j += n;
-            continue;
+        let done = isa != Isa::Portable && x86::dequantize_into(w.ty, bytes, values);
+        #[cfg(not(target_arch = "x86_64"))]
+        let done = false;
+        if !done {
+            dequantize_into(w.ty, bytes, values);
         }
-        dequantize_into(w.ty, bytes, values);
-        run_rows_on(avx2, x, tokens, &scratch, k, 0, n, &mut out_t[j * tokens..(j + n) * tokens]);
+        run_rows_on(isa, x, tokens, &scratch[..n * k], k, n, &mut part[j..], rows);
         j += n;
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn quant_rows_avx2(x: &[f32], tokens: usize, w: &QuantMatrix, j0: usize, rows: usize, out_t: &mut [f32]) {
-    quant_rows(x, tokens, w, j0, rows, out_t, true)
+fn quant_rows_avx2(x: &[f32], tokens: usize, w: &QuantMatrix, j0: usize, rows: usize, part: &mut [f32]) {
+    quant_rows(x, tokens, w, j0, rows, part, Isa::Avx2)
 }
 
-fn quant_task(x: &[f32], tokens: usize, w: &QuantMatrix, j0: usize, rows: usize, out_t: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+fn quant_rows_avx512(x: &[f32], tokens: usize, w: &QuantMatrix, j0: usize, rows: usize, part: &mut [f32]) {
+    quant_rows(x, tokens, w, j0, rows, part, Isa::Avx512)
+}
+
+fn quant_task(x: &[f32], tokens: usize, w: &QuantMatrix, j0: usize, rows: usize, part: &mut [f32]) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // Safety: the CPU supports AVX-512F, AVX2 and FMA (detected at run time), all the
+        // function adds.
+        Isa::Avx512 => unsafe { quant_rows_avx512(x, tokens, w, j0, rows, part) },
+        #[cfg(target_arch = "x86_64")]
         // Safety: the CPU supports AVX2 and FMA (detected at run time), all the function adds.
-        unsafe { quant_rows_avx2(x, tokens, w, j0, rows, out_t) };
-        return;
+        Isa::Avx2 => unsafe { quant_rows_avx2(x, tokens, w, j0, rows, part) },
+        _ => quant_rows(x, tokens, w, j0, rows, part, Isa::Portable),
     }
-    quant_rows(x, tokens, w, j0, rows, out_t, false)
 }
 
 /// `out[t * rows + j] = Σ x[t, kk] · w[j, kk]`, the bits [`super::matmul_t`] gives on
@@ -326,22 +345,217 @@ pub fn matmul_t_quant(x: &[f32], tokens: usize, w: &QuantMatrix, out: &mut [f32]
     if tokens == 0 || m == 0 {
         return;
     }
-    for_row_tasks(tokens, m, out, |j0, rows, out_t| quant_task(x, tokens, w, j0, rows, out_t));
+    for_row_tasks(tokens, m, out, |j0, rows, part| quant_task(x, tokens, w, j0, rows, part));
 }
 
-/// Dequantization of the 32-value formats with explicit AVX2: each value by the same
-/// operations, in the same order, as [`super::dequantize_into`] (one conversion, one multiply,
-/// one add; no fused multiply-add), so the same bits.
+/// The 32-value formats with explicit SIMD: each value dequantized by the same operations, in
+/// the same order, as [`super::dequantize_into`] (one conversion, one multiply, one add; no
+/// fused multiply-add), so the same bits: into memory with AVX2 ([`dequantize_into`]), or into
+/// registers and straight into the f32 kernels' dot products with AVX-512 ([`fused_rows`]).
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+mod x86 {
     use std::arch::x86_64::*;
 
     use super::{f16_at, QuantType};
+    use crate::cpu::matmul::x86::fold_tile;
+
+    /// Up to this many tokens a product reads the blocks straight into its dot products; more
+    /// share one dequantization of each row through memory.
+    pub(super) const FUSED_TOKENS: usize = 4;
+
+    /// A 32-value block format: its size and its values as two 16-lane vectors.
+    trait Block {
+        const BYTES: usize;
+        /// Values 0-15 and 16-31 of the block at `b`.
+        ///
+        /// # Safety
+        /// `b` points at `BYTES` readable bytes; the CPU has AVX-512F.
+        unsafe fn values(b: *const u8) -> (__m512, __m512);
+    }
+
+    /// The f16 at `b` and the one after it, as f32 (F16C's conversion is exact, as the
+    /// table's).
+    #[inline(always)]
+    unsafe fn f16_pair(b: *const u8) -> __m128 {
+        // Safety: the caller's block holds the four bytes.
+        _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe { b.cast::<i32>().read_unaligned() }))
+    }
+
+    /// The f16 at `b` in every lane.
+    #[inline(always)]
+    unsafe fn f16_splat(b: *const u8) -> __m512 {
+        // Safety: the caller's block holds the two bytes.
+        let h = unsafe { b.cast::<u16>().read_unaligned() };
+        _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+    }
+
+    /// Sixteen nibble bytes as indices of values 0-15 and 16-31: each byte in an i32 lane,
+    /// whose low four bits are its low nibble (all a 16-entry permute reads), then shifted
+    /// down by four for the high ones.
+    #[inline(always)]
+    unsafe fn nibbles16(q: *const u8) -> (__m512i, __m512i) {
+        // Safety: the caller's block holds the 16 bytes.
+        let bytes = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(q.cast()) });
+        (bytes, _mm512_srli_epi32::<4>(bytes))
+    }
+
+    /// A 4-bit block's 16 possible values, `(q - bias) d + m` for q = 0..15 by the reference's
+    /// operations, then each value looked up by its nibble: the same bits as computing each.
+    #[inline(always)]
+    unsafe fn lookup(nibbles: *const u8, d: __m512, bias: __m512, m: __m512) -> (__m512, __m512) {
+        let q = _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0);
+        let table = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(q, bias), d), m);
+        let (lo, hi) = unsafe { nibbles16(nibbles) };
+        (_mm512_permutexvar_ps(lo, table), _mm512_permutexvar_ps(hi, table))
+    }
+
+    struct Q40;
+    impl Block for Q40 {
+        const BYTES: usize = 18;
+        #[inline(always)]
+        unsafe fn values(b: *const u8) -> (__m512, __m512) {
+            let d = unsafe { f16_splat(b) };
+            unsafe { lookup(b.add(2), d, _mm512_set1_ps(8.0), _mm512_setzero_ps()) }
+        }
+    }
+
+    struct Q41;
+    impl Block for Q41 {
+        const BYTES: usize = 20;
+        #[inline(always)]
+        unsafe fn values(b: *const u8) -> (__m512, __m512) {
+            let dm = unsafe { f16_pair(b) };
+            let (d, m) = (_mm512_broadcastss_ps(dm), _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
+            unsafe { lookup(b.add(4), d, _mm512_setzero_ps(), m) }
+        }
+    }
+
+    struct Q80;
+    impl Block for Q80 {
+        const BYTES: usize = 34;
+        #[inline(always)]
+        unsafe fn values(b: *const u8) -> (__m512, __m512) {
+            let d = unsafe { f16_splat(b) };
+            let half = |at: usize| {
+                // Safety: bytes 2..34 are the block's 32 values.
+                let q = unsafe { _mm_loadu_si128(b.add(at).cast()) };
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d)
+            };
+            (half(2), half(18))
+        }
+    }
+
+    /// `R` rows of blocks against `C` tokens: the f32 tile's dot products (`matmul` module
+    /// docs) on the rows' values as [`super::dequantize_into`] gives them, each value
+    /// dequantized in registers once for all `C` tokens.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F and FMA.
+    #[inline(always)]
+    unsafe fn fused_tile<B: Block, const R: usize, const C: usize>(
+        rows: [&[u8]; R],
+        x: [&[f32]; C],
+        k: usize,
+    ) -> [[f32; C]; R] {
+        let blocks = k / 32;
+        assert!(k.is_multiple_of(32), "a row of 32-value blocks");
+        for r in &rows {
+            assert!(r.len() >= blocks * B::BYTES, "block row shorter than k");
+        }
+        for t in &x {
+            assert!(t.len() >= k, "token row shorter than k");
+        }
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        for b in 0..blocks {
+            // Safety: (b + 1) * 32 <= k <= each token row's length, and each row holds
+            // `blocks` blocks (asserted).
+            let xv: [(__m512, __m512); C] = std::array::from_fn(|c| unsafe {
+                (_mm512_loadu_ps(x[c].as_ptr().add(32 * b)), _mm512_loadu_ps(x[c].as_ptr().add(32 * b + 16)))
+            });
+            for r in 0..R {
+                let (w0, w1) = unsafe { B::values(rows[r].as_ptr().add(b * B::BYTES)) };
+                for c in 0..C {
+                    acc[r][c] = _mm512_fmadd_ps(w0, xv[c].0, acc[r][c]);
+                    acc[r][c] = _mm512_fmadd_ps(w1, xv[c].1, acc[r][c]);
+                }
+            }
+        }
+        // A whole number of 32-value blocks leaves no tail.
+        unsafe { fold_tile(acc) }
+    }
+
+    /// The rows of `bytes` (`row_bytes` each, `k` values) against `tokens` (at most
+    /// [`FUSED_TOKENS`]) rows of `x`, into `part[t * rows + j]`, with [`fused_tile`]; `false`
+    /// (nothing written) for formats it does not read.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2 and FMA.
+    #[inline(always)]
+    pub(super) unsafe fn fused_rows(
+        ty: QuantType,
+        x: &[f32],
+        tokens: usize,
+        bytes: &[u8],
+        row_bytes: usize,
+        k: usize,
+        part: &mut [f32],
+    ) -> bool {
+        // Safety (each arm): as this function's.
+        unsafe {
+            match ty {
+                QuantType::Q4_0 => rows_of::<Q40>(x, tokens, bytes, row_bytes, k, part),
+                QuantType::Q4_1 => rows_of::<Q41>(x, tokens, bytes, row_bytes, k, part),
+                QuantType::Q8_0 => rows_of::<Q80>(x, tokens, bytes, row_bytes, k, part),
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    #[inline(always)]
+    unsafe fn rows_of<B: Block>(x: &[f32], tokens: usize, bytes: &[u8], row_bytes: usize, k: usize, part: &mut [f32]) {
+        let rows = bytes.len() / row_bytes;
+        let row = |j: usize| &bytes[j * row_bytes..(j + 1) * row_bytes];
+        let xrow = |t: usize| &x[t * k..(t + 1) * k];
+        // Four rows at a time (the accumulators and each row's values in registers).
+        macro_rules! run {
+            ($r:literal, $c:literal) => {{
+                let mut j = 0;
+                while j < rows {
+                    if j + $r <= rows {
+                        let v = unsafe {
+                            fused_tile::<B, $r, $c>(std::array::from_fn(|i| row(j + i)), std::array::from_fn(xrow), k)
+                        };
+                        for (i, vals) in v.iter().enumerate() {
+                            for (t, &val) in vals.iter().enumerate() {
+                                part[t * rows + j + i] = val;
+                            }
+                        }
+                        j += $r;
+                    } else {
+                        let v = unsafe { fused_tile::<B, 1, $c>([row(j)], std::array::from_fn(xrow), k) };
+                        for (t, &val) in v[0].iter().enumerate() {
+                            part[t * rows + j] = val;
+                        }
+                        j += 1;
+                    }
+                }
+            }};
+        }
+        match tokens {
+            1 => run!(4, 1),
+            2 => run!(4, 2),
+            3 => run!(4, 3),
+            4 => run!(4, 4),
+            n => unreachable!("{n} tokens in the fused path"),
+        }
+    }
 
     /// Dequantizes `bytes` of `ty` into `out` if `ty` is one this module does (else `false`,
     /// nothing written). Lengths as [`super::dequantize_into`] checks them.
     ///
-    /// Only called from code compiled for AVX2 after detecting it (`quant_rows_avx2`).
+    /// Only called from code compiled for AVX2 after detecting it (`quant_rows_avx2`,
+    /// `quant_rows_avx512`).
     #[inline(always)]
     pub(super) fn dequantize_into(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> bool {
         match ty {
