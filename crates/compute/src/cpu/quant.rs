@@ -106,28 +106,11 @@ pub fn dequantize_into(ty: QuantType, bytes: &[u8], out: &mut [f32]) {
         QuantType::Bf16 => {
             blocks::<2, 1>(bytes, out, |b, o| o[0] = f32::from_bits((u16::from_le_bytes(*b) as u32) << 16))
         }
-        QuantType::Q8_0 => blocks::<34, 32>(bytes, out, |b, o| {
-            let d = f16_at(b, 0);
-            for i in 0..32 {
-                o[i] = b[2 + i] as i8 as f32 * d;
-            }
-        }),
-        // Low nibbles are values 0-15, high nibbles 16-31; Q4_0 offsets them by 8, Q4_1 adds
-        // its min: x = (q - bias) d + m.
-        QuantType::Q4_0 => blocks::<18, 32>(bytes, out, |b, o| {
-            let d = f16_at(b, 0);
-            for i in 0..16 {
-                o[i] = ((b[2 + i] & 0xf) as f32 - 8.0) * d + 0.0;
-                o[i + 16] = ((b[2 + i] >> 4) as f32 - 8.0) * d + 0.0;
-            }
-        }),
-        QuantType::Q4_1 => blocks::<20, 32>(bytes, out, |b, o| {
-            let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-            for i in 0..16 {
-                o[i] = ((b[4 + i] & 0xf) as f32 - 0.0) * d + m;
-                o[i + 16] = ((b[4 + i] >> 4) as f32 - 0.0) * d + m;
-            }
-        }),
+        QuantType::Q8_0 => blocks::<34, 32>(bytes, out, |b, o| q8_0_values(f16_at(b, 0), sub(b, 2), o)),
+        QuantType::Q4_0 => blocks::<18, 32>(bytes, out, |b, o| q4_values(f16_at(b, 0), 8.0, 0.0, sub(b, 2), o)),
+        QuantType::Q4_1 => {
+            blocks::<20, 32>(bytes, out, |b, o| q4_values(f16_at(b, 0), 0.0, f16_at(b, 2), sub(b, 4), o))
+        }
         // d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: 4 groups of 64
         // values, each 32 low nibbles then 32 high ones, each half with its scale and min.
         QuantType::Q4K => blocks::<144, 256>(bytes, out, |b, o| {
@@ -185,6 +168,31 @@ pub fn dequantize_into(ty: QuantType, bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// `N` bytes of `b` from `at`.
+#[inline(always)]
+fn sub<const N: usize>(b: &[u8], at: usize) -> &[u8; N] {
+    b[at..at + N].try_into().expect("in the block")
+}
+
+/// A Q8_0 block's values: `q · d`.
+#[inline(always)]
+fn q8_0_values(d: f32, q: &[u8; 32], o: &mut [f32; 32]) {
+    for i in 0..32 {
+        o[i] = q[i] as i8 as f32 * d;
+    }
+}
+
+/// A Q4_0 / Q4_1 block's values from its 16 nibble bytes: low nibbles are values 0-15, high
+/// nibbles 16-31; Q4_0 offsets them by 8 (`m` = 0), Q4_1 adds its min (`bias` = 0):
+/// `x = (q - bias) d + m`.
+#[inline(always)]
+fn q4_values(d: f32, bias: f32, m: f32, q: &[u8; 16], o: &mut [f32; 32]) {
+    for i in 0..16 {
+        o[i] = ((q[i] & 0xf) as f32 - bias) * d + m;
+        o[i + 16] = ((q[i] >> 4) as f32 - bias) * d + m;
+    }
+}
+
 /// `f` on each block of `BB` bytes and its `EB` values (fixed sizes, so the loops inside
 /// vectorize without bounds checks).
 #[inline(always)]
@@ -194,17 +202,43 @@ fn blocks<const BB: usize, const EB: usize>(bytes: &[u8], out: &mut [f32], f: im
     }
 }
 
+/// How a 32-value format's blocks are kept: their value bytes in one array and their f16 scales,
+/// converted to f32 (exactly), in another, so that a product reads each scale with one load.
+#[derive(Clone, Copy, Debug)]
+struct Split {
+    /// Scales a block has (d, or d and m).
+    scales: usize,
+    /// Where its value bytes start in the file's block, and how many there are.
+    values_at: usize,
+    values: usize,
+}
+
+impl QuantType {
+    fn split(self) -> Option<Split> {
+        match self {
+            Self::Q8_0 => Some(Split { scales: 1, values_at: 2, values: 32 }),
+            Self::Q4_0 => Some(Split { scales: 1, values_at: 2, values: 16 }),
+            Self::Q4_1 => Some(Split { scales: 2, values_at: 4, values: 16 }),
+            _ => None,
+        }
+    }
+}
+
 /// A `[rows, cols]` weight matrix in a ggml block format, each row whole blocks.
 #[derive(Clone, Debug)]
 pub struct QuantMatrix {
     ty: QuantType,
     rows: usize,
     cols: usize,
+    /// Each block as the file stores it; for the 32-value formats (`QuantType::split`) only its
+    /// value bytes.
     data: Vec<u8>,
+    /// The 32-value formats' scales, `split.scales` per block, in block order.
+    scales: Vec<f32>,
 }
 
 impl QuantMatrix {
-    /// Wraps `data`, checking that it is `rows` rows of `cols` values of `ty` in whole blocks.
+    /// Takes `data`, checking that it is `rows` rows of `cols` values of `ty` in whole blocks.
     pub fn new(ty: QuantType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self, String> {
         if !cols.is_multiple_of(ty.block_elems()) {
             return Err(format!("{cols} columns are not whole {ty:?} blocks of {}", ty.block_elems()));
@@ -213,7 +247,17 @@ impl QuantMatrix {
         if data.len() != want {
             return Err(format!("{rows} x {cols} of {ty:?} takes {want} bytes, not {}", data.len()));
         }
-        Ok(Self { ty, rows, cols, data })
+        let Some(split) = ty.split() else {
+            return Ok(Self { ty, rows, cols, data, scales: Vec::new() });
+        };
+        let blocks = data.len() / ty.block_bytes();
+        let mut values = Vec::with_capacity(blocks * split.values);
+        let mut scales = Vec::with_capacity(blocks * split.scales);
+        for b in data.chunks_exact(ty.block_bytes()) {
+            scales.extend((0..split.scales).map(|i| f16_at(b, 2 * i)));
+            values.extend_from_slice(&b[split.values_at..split.values_at + split.values]);
+        }
+        Ok(Self { ty, rows, cols, data: values, scales })
     }
 
     /// The block format.
@@ -233,24 +277,40 @@ impl QuantMatrix {
 
     /// Bytes held (what a forward reads).
     pub fn bytes(&self) -> usize {
-        self.data.len()
+        self.data.len() + self.scales.len() * 4
     }
 
+    fn blocks_per_row(&self) -> usize {
+        self.cols / self.ty.block_elems()
+    }
+
+    /// A row's bytes in `data`.
     fn row_bytes(&self) -> usize {
-        self.cols / self.ty.block_elems() * self.ty.block_bytes()
+        self.blocks_per_row() * self.ty.split().map_or(self.ty.block_bytes(), |s| s.values)
+    }
+
+    /// A row's scales in `scales`.
+    fn row_scales(&self) -> usize {
+        self.blocks_per_row() * self.ty.split().map_or(0, |s| s.scales)
+    }
+
+    /// Rows `r0..r0 + n`: their bytes and their scales.
+    fn rows_of(&self, r0: usize, n: usize) -> (&[u8], &[f32]) {
+        let (rb, rs) = (self.row_bytes(), self.row_scales());
+        (&self.data[r0 * rb..(r0 + n) * rb], &self.scales[r0 * rs..(r0 + n) * rs])
     }
 
     /// Row `r` as f32 into `out` (`cols` values).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        let rb = self.row_bytes();
-        dequantize_into(self.ty, &self.data[r * rb..(r + 1) * rb], out);
+        self.dequantize_rows(r, 1, out);
     }
 
-    /// Rows `r0..r0 + n` as f32 into `out` (`n * cols` values).
+    /// Rows `r0..r0 + n` as f32 into `out` (`n * cols` values): the values
+    /// [`dequantize_into`] gives on the file's blocks, by the same operations.
     #[inline(always)]
     fn dequantize_rows(&self, r0: usize, n: usize, out: &mut [f32]) {
-        let rb = self.row_bytes();
-        dequantize_into(self.ty, &self.data[r0 * rb..(r0 + n) * rb], out);
+        let (bytes, scales) = self.rows_of(r0, n);
+        dequantize_split(self.ty, bytes, scales, out);
     }
 
     /// The whole matrix as f32, row-major.
@@ -262,13 +322,45 @@ impl QuantMatrix {
 
     /// The matrix whose row `i` is this one's row `order[i]` (a permutation of the rows).
     pub fn with_rows(&self, order: &[usize]) -> Result<Self, String> {
-        let rb = self.row_bytes();
         let mut data = Vec::with_capacity(self.data.len());
+        let mut scales = Vec::with_capacity(self.scales.len());
         for &r in order {
-            let row = self.data.get(r * rb..(r + 1) * rb).ok_or_else(|| format!("row {r} of {}", self.rows))?;
-            data.extend_from_slice(row);
+            if r >= self.rows {
+                return Err(format!("row {r} of {}", self.rows));
+            }
+            let (b, s) = self.rows_of(r, 1);
+            data.extend_from_slice(b);
+            scales.extend_from_slice(s);
         }
-        Self::new(self.ty, order.len(), self.cols, data)
+        Ok(Self { ty: self.ty, rows: order.len(), cols: self.cols, data, scales })
+    }
+}
+
+/// [`dequantize_into`] for a [`QuantMatrix`]'s storage: the 32-value formats' value bytes and
+/// scales apart, the others as the file stores them.
+#[inline(always)]
+fn dequantize_split(ty: QuantType, bytes: &[u8], scales: &[f32], out: &mut [f32]) {
+    match ty {
+        QuantType::Q8_0 => split_blocks::<32, 1>(bytes, scales, out, |q, s, o| q8_0_values(s[0], q, o)),
+        QuantType::Q4_0 => split_blocks::<16, 1>(bytes, scales, out, |q, s, o| q4_values(s[0], 8.0, 0.0, q, o)),
+        QuantType::Q4_1 => split_blocks::<16, 2>(bytes, scales, out, |q, s, o| q4_values(s[0], 0.0, s[1], q, o)),
+        _ => dequantize_into(ty, bytes, out),
+    }
+}
+
+/// `f` on each 32-value block kept apart: its `QB` value bytes, its `S` scales, its values.
+#[inline(always)]
+fn split_blocks<const QB: usize, const S: usize>(
+    bytes: &[u8],
+    scales: &[f32],
+    out: &mut [f32],
+    f: impl Fn(&[u8; QB], &[f32; S], &mut [f32; 32]),
+) {
+    let blocks = bytes.len() / QB;
+    assert!(bytes.len() == blocks * QB && scales.len() == blocks * S && out.len() == blocks * 32, "bad lengths");
+    let (q, s, o) = (bytes.as_chunks::<QB>().0, scales.as_chunks::<S>().0, out.as_chunks_mut::<32>().0);
+    for ((q, s), o) in q.iter().zip(s).zip(o) {
+        f(q, s, o);
     }
 }
 
@@ -282,13 +374,12 @@ const ROW_GROUP: usize = 8;
 #[inline(always)]
 fn quant_rows(x: &[f32], tokens: usize, w: &QuantMatrix, j0: usize, rows: usize, part: &mut [f32], isa: Isa) {
     let k = w.cols;
-    let rb = w.row_bytes();
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && tokens <= x86::FUSED_TOKENS {
-        let bytes = &w.data[j0 * rb..(j0 + rows) * rb];
+        let (bytes, scales) = w.rows_of(j0, rows);
         // Safety: `Isa::Avx512` means AVX-512F, AVX2 and FMA were detected, and this function
         // is only compiled into `quant_rows_avx512`, which enables them.
-        if unsafe { x86::fused_rows(w.ty, x, tokens, bytes, rb, k, part) } {
+        if unsafe { x86::fused_rows(w.ty, x, tokens, bytes, scales, k, part) } {
             return;
         }
     }
@@ -296,13 +387,13 @@ fn quant_rows(x: &[f32], tokens: usize, w: &QuantMatrix, j0: usize, rows: usize,
     let mut j = 0;
     while j < rows {
         let n = ROW_GROUP.min(rows - j);
-        let (bytes, values) = (&w.data[(j0 + j) * rb..(j0 + j + n) * rb], &mut scratch[..n * k]);
+        let ((bytes, scales), values) = (w.rows_of(j0 + j, n), &mut scratch[..n * k]);
         #[cfg(target_arch = "x86_64")]
-        let done = isa != Isa::Portable && x86::dequantize_into(w.ty, bytes, values);
+        let done = isa != Isa::Portable && x86::dequantize_split(w.ty, bytes, scales, values);
         #[cfg(not(target_arch = "x86_64"))]
         let done = false;
         if !done {
-            dequantize_into(w.ty, bytes, values);
+            dequantize_split(w.ty, bytes, scales, values);
         }
         run_rows_on(isa, x, tokens, &scratch[..n * k], k, n, &mut part[j..], rows);
         j += n;
@@ -350,98 +441,126 @@ pub fn matmul_t_quant(x: &[f32], tokens: usize, w: &QuantMatrix, out: &mut [f32]
 
 /// The 32-value formats with explicit SIMD: each value dequantized by the same operations, in
 /// the same order, as [`super::dequantize_into`] (one conversion, one multiply, one add; no
-/// fused multiply-add), so the same bits: into memory with AVX2 ([`dequantize_into`]), or into
+/// fused multiply-add), so the same bits: into memory with AVX2 ([`dequantize_split`]), or into
 /// registers and straight into the f32 kernels' dot products with AVX-512 ([`fused_rows`]).
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{f16_at, QuantType};
+    use super::QuantType;
     use crate::cpu::matmul::x86::fold_tile;
+
+    /// Dequantizes a [`super::QuantMatrix`]'s rows of a 32-value format (value bytes and
+    /// scales apart) into `out` with AVX2, if `ty` is one (else `false`, nothing written).
+    ///
+    /// Only called from code compiled for AVX2 after detecting it (`quant_rows_avx2`,
+    /// `quant_rows_avx512`).
+    #[inline(always)]
+    pub(super) fn dequantize_split(ty: QuantType, bytes: &[u8], scales: &[f32], out: &mut [f32]) -> bool {
+        let blocks = out.len() / 32;
+        let Some(split) = ty.split() else { return false };
+        assert!(
+            out.len() == blocks * 32 && bytes.len() == blocks * split.values && scales.len() == blocks * split.scales,
+            "dequantize: bad lengths"
+        );
+        for (b, o) in out.chunks_exact_mut(32).enumerate() {
+            let (q, s) = (&bytes[b * split.values..], &scales[b * split.scales..]);
+            // Safety: AVX2 is present (see above); the loads read the block's `split.values`
+            // bytes and each store writes 8 of its 32 values.
+            unsafe {
+                let d = _mm256_set1_ps(s[0]);
+                match ty {
+                    QuantType::Q8_0 => {
+                        for c in 0..4 {
+                            let q = _mm_loadl_epi64(q.as_ptr().add(8 * c).cast());
+                            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                            _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), _mm256_mul_ps(v, d));
+                        }
+                    }
+                    _ => {
+                        let (bias, m) = if ty == QuantType::Q4_0 { (8.0, 0.0) } else { (0.0, s[1]) };
+                        let (bias, m) = (_mm256_set1_ps(bias), _mm256_set1_ps(m));
+                        let q = _mm_loadu_si128(q.as_ptr().cast());
+                        let low = _mm_and_si128(q, _mm_set1_epi8(0x0f));
+                        let high = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
+                        // Values 0-7, 8-15 (low nibbles of bytes 0-7, 8-15), then 16-23, 24-31.
+                        let parts = [low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)];
+                        for (c, p) in parts.into_iter().enumerate() {
+                            let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p));
+                            let y = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, bias), d), m);
+                            _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), y);
+                        }
+                    }
+                }
+            }
+        }
+        true
+    }
 
     /// Up to this many tokens a product reads the blocks straight into its dot products; more
     /// share one dequantization of each row through memory.
     pub(super) const FUSED_TOKENS: usize = 4;
 
-    /// A 32-value block format: its size and its values as two 16-lane vectors.
+    /// A 32-value block format as a [`super::QuantMatrix`] keeps it: value bytes per block,
+    /// scales per block, and its values as two 16-lane vectors.
     trait Block {
         const BYTES: usize;
-        /// Values 0-15 and 16-31 of the block at `b`.
+        const SCALES: usize;
+        /// Values 0-15 and 16-31 of the block whose value bytes are at `q` and scales at `s`.
         ///
         /// # Safety
-        /// `b` points at `BYTES` readable bytes; the CPU has AVX-512F.
-        unsafe fn values(b: *const u8) -> (__m512, __m512);
-    }
-
-    /// The f16 at `b` and the one after it, as f32 (F16C's conversion is exact, as the
-    /// table's).
-    #[inline(always)]
-    unsafe fn f16_pair(b: *const u8) -> __m128 {
-        // Safety: the caller's block holds the four bytes.
-        _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe { b.cast::<i32>().read_unaligned() }))
-    }
-
-    /// The f16 at `b` in every lane.
-    #[inline(always)]
-    unsafe fn f16_splat(b: *const u8) -> __m512 {
-        // Safety: the caller's block holds the two bytes.
-        let h = unsafe { b.cast::<u16>().read_unaligned() };
-        _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
-    }
-
-    /// Sixteen nibble bytes as indices of values 0-15 and 16-31: each byte in an i32 lane,
-    /// whose low four bits are its low nibble (all a 16-entry permute reads), then shifted
-    /// down by four for the high ones.
-    #[inline(always)]
-    unsafe fn nibbles16(q: *const u8) -> (__m512i, __m512i) {
-        // Safety: the caller's block holds the 16 bytes.
-        let bytes = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(q.cast()) });
-        (bytes, _mm512_srli_epi32::<4>(bytes))
+        /// `q` points at `BYTES` readable bytes, `s` at `SCALES` f32s; the CPU has AVX-512F.
+        unsafe fn values(q: *const u8, s: *const f32) -> (__m512, __m512);
     }
 
     /// A 4-bit block's 16 possible values, `(q - bias) d + m` for q = 0..15 by the reference's
     /// operations, then each value looked up by its nibble: the same bits as computing each.
+    /// The 16 bytes go one to an i32 lane, whose low four bits are the low nibble (all a
+    /// 16-entry permute reads), then shifted down by four for the high ones.
     #[inline(always)]
     unsafe fn lookup(nibbles: *const u8, d: __m512, bias: __m512, m: __m512) -> (__m512, __m512) {
         let q = _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0);
         let table = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(q, bias), d), m);
-        let (lo, hi) = unsafe { nibbles16(nibbles) };
-        (_mm512_permutexvar_ps(lo, table), _mm512_permutexvar_ps(hi, table))
+        // Safety: the caller's block holds the 16 bytes.
+        let bytes = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(nibbles.cast()) });
+        (_mm512_permutexvar_ps(bytes, table), _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bytes), table))
     }
 
     struct Q40;
     impl Block for Q40 {
-        const BYTES: usize = 18;
+        const BYTES: usize = 16;
+        const SCALES: usize = 1;
         #[inline(always)]
-        unsafe fn values(b: *const u8) -> (__m512, __m512) {
-            let d = unsafe { f16_splat(b) };
-            unsafe { lookup(b.add(2), d, _mm512_set1_ps(8.0), _mm512_setzero_ps()) }
+        unsafe fn values(q: *const u8, s: *const f32) -> (__m512, __m512) {
+            // Safety: as the trait's.
+            unsafe { lookup(q, _mm512_set1_ps(*s), _mm512_set1_ps(8.0), _mm512_setzero_ps()) }
         }
     }
 
     struct Q41;
     impl Block for Q41 {
-        const BYTES: usize = 20;
+        const BYTES: usize = 16;
+        const SCALES: usize = 2;
         #[inline(always)]
-        unsafe fn values(b: *const u8) -> (__m512, __m512) {
-            let dm = unsafe { f16_pair(b) };
-            let (d, m) = (_mm512_broadcastss_ps(dm), _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
-            unsafe { lookup(b.add(4), d, _mm512_setzero_ps(), m) }
+        unsafe fn values(q: *const u8, s: *const f32) -> (__m512, __m512) {
+            // Safety: as the trait's.
+            unsafe { lookup(q, _mm512_set1_ps(*s), _mm512_setzero_ps(), _mm512_set1_ps(*s.add(1))) }
         }
     }
 
     struct Q80;
     impl Block for Q80 {
-        const BYTES: usize = 34;
+        const BYTES: usize = 32;
+        const SCALES: usize = 1;
         #[inline(always)]
-        unsafe fn values(b: *const u8) -> (__m512, __m512) {
-            let d = unsafe { f16_splat(b) };
+        unsafe fn values(q: *const u8, s: *const f32) -> (__m512, __m512) {
+            // Safety: as the trait's.
+            let d = _mm512_set1_ps(unsafe { *s });
             let half = |at: usize| {
-                // Safety: bytes 2..34 are the block's 32 values.
-                let q = unsafe { _mm_loadu_si128(b.add(at).cast()) };
+                let q = unsafe { _mm_loadu_si128(q.add(at).cast()) };
                 _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d)
             };
-            (half(2), half(18))
+            (half(0), half(16))
         }
     }
 
@@ -450,17 +569,17 @@ mod x86 {
     /// dequantized in registers once for all `C` tokens.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F and FMA.
+    /// The CPU must support AVX-512F and FMA, and the caller must be compiled with them.
     #[inline(always)]
     unsafe fn fused_tile<B: Block, const R: usize, const C: usize>(
-        rows: [&[u8]; R],
+        rows: [(&[u8], &[f32]); R],
         x: [&[f32]; C],
         k: usize,
     ) -> [[f32; C]; R] {
         let blocks = k / 32;
         assert!(k.is_multiple_of(32), "a row of 32-value blocks");
-        for r in &rows {
-            assert!(r.len() >= blocks * B::BYTES, "block row shorter than k");
+        for (q, s) in &rows {
+            assert!(q.len() >= blocks * B::BYTES && s.len() >= blocks * B::SCALES, "block row shorter than k");
         }
         for t in &x {
             assert!(t.len() >= k, "token row shorter than k");
@@ -473,7 +592,8 @@ mod x86 {
                 (_mm512_loadu_ps(x[c].as_ptr().add(32 * b)), _mm512_loadu_ps(x[c].as_ptr().add(32 * b + 16)))
             });
             for r in 0..R {
-                let (w0, w1) = unsafe { B::values(rows[r].as_ptr().add(b * B::BYTES)) };
+                let (q, s) = rows[r];
+                let (w0, w1) = unsafe { B::values(q.as_ptr().add(b * B::BYTES), s.as_ptr().add(b * B::SCALES)) };
                 for c in 0..C {
                     acc[r][c] = _mm512_fmadd_ps(w0, xv[c].0, acc[r][c]);
                     acc[r][c] = _mm512_fmadd_ps(w1, xv[c].1, acc[r][c]);
@@ -484,28 +604,28 @@ mod x86 {
         unsafe { fold_tile(acc) }
     }
 
-    /// The rows of `bytes` (`row_bytes` each, `k` values) against `tokens` (at most
-    /// [`FUSED_TOKENS`]) rows of `x`, into `part[t * rows + j]`, with [`fused_tile`]; `false`
-    /// (nothing written) for formats it does not read.
+    /// The rows of `bytes` and `scales` (a [`super::QuantMatrix`]'s, `k` values each) against
+    /// `tokens` (at most [`FUSED_TOKENS`]) rows of `x`, into `part[t * rows + j]`, with
+    /// [`fused_tile`]; `false` (nothing written) for formats it does not read.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F, AVX2 and FMA.
+    /// The CPU must support AVX-512F, AVX2 and FMA, and the caller must be compiled with them.
     #[inline(always)]
     pub(super) unsafe fn fused_rows(
         ty: QuantType,
         x: &[f32],
         tokens: usize,
         bytes: &[u8],
-        row_bytes: usize,
+        scales: &[f32],
         k: usize,
         part: &mut [f32],
     ) -> bool {
         // Safety (each arm): as this function's.
         unsafe {
             match ty {
-                QuantType::Q4_0 => rows_of::<Q40>(x, tokens, bytes, row_bytes, k, part),
-                QuantType::Q4_1 => rows_of::<Q41>(x, tokens, bytes, row_bytes, k, part),
-                QuantType::Q8_0 => rows_of::<Q80>(x, tokens, bytes, row_bytes, k, part),
+                QuantType::Q4_0 => rows_of::<Q40>(x, tokens, bytes, scales, k, part),
+                QuantType::Q4_1 => rows_of::<Q41>(x, tokens, bytes, scales, k, part),
+                QuantType::Q8_0 => rows_of::<Q80>(x, tokens, bytes, scales, k, part),
                 _ => return false,
             }
         }
@@ -513,25 +633,26 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn rows_of<B: Block>(x: &[f32], tokens: usize, bytes: &[u8], row_bytes: usize, k: usize, part: &mut [f32]) {
-        let rows = bytes.len() / row_bytes;
-        let row = |j: usize| &bytes[j * row_bytes..(j + 1) * row_bytes];
+    unsafe fn rows_of<B: Block>(x: &[f32], tokens: usize, bytes: &[u8], scales: &[f32], k: usize, part: &mut [f32]) {
+        let (rb, rs) = (k / 32 * B::BYTES, k / 32 * B::SCALES);
+        let rows = bytes.len() / rb;
+        let row = |j: usize| (&bytes[j * rb..(j + 1) * rb], &scales[j * rs..(j + 1) * rs]);
         let xrow = |t: usize| &x[t * k..(t + 1) * k];
         // Four rows at a time (the accumulators and each row's values in registers).
         macro_rules! run {
-            ($r:literal, $c:literal) => {{
+            ($c:literal) => {{
                 let mut j = 0;
                 while j < rows {
-                    if j + $r <= rows {
+                    if j + 4 <= rows {
                         let v = unsafe {
-                            fused_tile::<B, $r, $c>(std::array::from_fn(|i| row(j + i)), std::array::from_fn(xrow), k)
+                            fused_tile::<B, 4, $c>(std::array::from_fn(|i| row(j + i)), std::array::from_fn(xrow), k)
                         };
                         for (i, vals) in v.iter().enumerate() {
                             for (t, &val) in vals.iter().enumerate() {
                                 part[t * rows + j + i] = val;
                             }
                         }
-                        j += $r;
+                        j += 4;
                     } else {
                         let v = unsafe { fused_tile::<B, 1, $c>([row(j)], std::array::from_fn(xrow), k) };
                         for (t, &val) in v[0].iter().enumerate() {
@@ -543,72 +664,12 @@ mod x86 {
             }};
         }
         match tokens {
-            1 => run!(4, 1),
-            2 => run!(4, 2),
-            3 => run!(4, 3),
-            4 => run!(4, 4),
+            1 => run!(1),
+            2 => run!(2),
+            3 => run!(3),
+            4 => run!(4),
             n => unreachable!("{n} tokens in the fused path"),
         }
-    }
-
-    /// Dequantizes `bytes` of `ty` into `out` if `ty` is one this module does (else `false`,
-    /// nothing written). Lengths as [`super::dequantize_into`] checks them.
-    ///
-    /// Only called from code compiled for AVX2 after detecting it (`quant_rows_avx2`,
-    /// `quant_rows_avx512`).
-    #[inline(always)]
-    pub(super) fn dequantize_into(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> bool {
-        match ty {
-            QuantType::Q4_0 => nibbles::<18, 2>(bytes, out, |b| (f16_at(b, 0), 8.0, 0.0)),
-            QuantType::Q4_1 => nibbles::<20, 4>(bytes, out, |b| (f16_at(b, 0), 0.0, f16_at(b, 2))),
-            QuantType::Q8_0 => {
-                let (blocks, out) = (bytes.as_chunks::<34>().0, out.as_chunks_mut::<32>().0);
-                for (b, o) in blocks.iter().zip(out) {
-                    // Safety: AVX2 is present (module docs); each load reads 8 of the block's
-                    // 32 value bytes and each store writes 8 of its 32 values.
-                    unsafe {
-                        let d = _mm256_set1_ps(f16_at(b, 0));
-                        for c in 0..4 {
-                            let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * c).cast());
-                            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-                            _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), _mm256_mul_ps(v, d));
-                        }
-                    }
-                }
-                true
-            }
-            _ => false,
-        }
-    }
-
-    /// Q4_0 / Q4_1: blocks of `BB` bytes whose 16 nibble bytes start at `QS`; `params` gives a
-    /// block's (d, bias, m): x = (q - bias) d + m.
-    #[inline(always)]
-    fn nibbles<const BB: usize, const QS: usize>(
-        bytes: &[u8],
-        out: &mut [f32],
-        params: impl Fn(&[u8; BB]) -> (f32, f32, f32),
-    ) -> bool {
-        let (blocks, out) = (bytes.as_chunks::<BB>().0, out.as_chunks_mut::<32>().0);
-        for (b, o) in blocks.iter().zip(out) {
-            let (d, bias, m) = params(b);
-            // Safety: AVX2 is present (module docs); the load reads the block's 16 nibble
-            // bytes (QS + 16 <= BB) and each store writes 8 of its 32 values.
-            unsafe {
-                let (d, bias, m) = (_mm256_set1_ps(d), _mm256_set1_ps(bias), _mm256_set1_ps(m));
-                let q = _mm_loadu_si128(b.as_ptr().add(QS).cast());
-                let low = _mm_and_si128(q, _mm_set1_epi8(0x0f));
-                let high = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
-                // Values 0-7, 8-15 (low nibbles of bytes 0-7, 8-15), then 16-23, 24-31 (high).
-                let parts = [low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)];
-                for (c, p) in parts.into_iter().enumerate() {
-                    let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p));
-                    let y = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(v, bias), d), m);
-                    _mm256_storeu_ps(o.as_mut_ptr().add(8 * c), y);
-                }
-            }
-        }
-        true
     }
 }
 
@@ -626,8 +687,9 @@ mod tests {
             .collect()
     }
 
-    /// Random blocks of each type, with their f16 scales set to small finite values.
-    fn random_matrix(ty: QuantType, rows: usize, cols: usize, seed: &mut u64) -> QuantMatrix {
+    /// Random blocks of each type, with their f16 scales set to small finite values: the
+    /// matrix and the file's bytes it was made from.
+    fn random_matrix(ty: QuantType, rows: usize, cols: usize, seed: &mut u64) -> (QuantMatrix, Vec<u8>) {
         let mut data = bytes(seed, rows * cols / ty.block_elems() * ty.block_bytes());
         let small =
             |b: &mut [u8], at: usize, v: f32| b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
@@ -651,7 +713,7 @@ mod tests {
                 QuantType::Q6K => small(b, 208, v),
             }
         }
-        QuantMatrix::new(ty, rows, cols, data).unwrap()
+        (QuantMatrix::new(ty, rows, cols, data.clone()).unwrap(), data)
     }
 
     #[test]
@@ -669,9 +731,18 @@ mod tests {
         ];
         for ty in types {
             let (rows, cols) = (37, 512);
-            let w = random_matrix(ty, rows, cols, &mut seed);
+            let (w, file) = random_matrix(ty, rows, cols, &mut seed);
             let dense = w.dequantize();
             assert!(dense.iter().all(|v| v.is_finite()), "{ty:?}");
+            // As kept (scales apart for the 32-value formats), the values the file's blocks give.
+            let mut direct = vec![0.0; rows * cols];
+            dequantize_into(ty, &file, &mut direct);
+            assert_eq!(dense, direct, "{ty:?}");
+            let swapped = w.with_rows(&[1, 0]).unwrap();
+            let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
+            swapped.dequantize_row(0, &mut a);
+            w.dequantize_row(1, &mut b);
+            assert_eq!(a, b, "{ty:?}: with_rows");
             for tokens in [1, 3, 9] {
                 let x: Vec<f32> = bytes(&mut seed, tokens * cols).iter().map(|&b| b as f32 / 128.0 - 1.0).collect();
                 let mut want = vec![0.0; tokens * rows];
