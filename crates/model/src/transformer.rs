@@ -8,7 +8,7 @@
 
 use tandem_compute::cpu::{
     add_inplace, apply_rope, matmul_t, matmul_t_quant, paged_attention, rms_norm, rms_norm_inplace, silu_mul, AttnSeq,
-    RopeTable,
+    RopeTable, WeightMemory,
 };
 use tandem_compute::{KvCache, KvLayout};
 
@@ -196,15 +196,16 @@ impl Transformer {
                 }
                 let out_dim = names.iter().map(|(_, r)| r).sum();
                 // f32 parts as one matrix: one pass over the input.
-                if parts.iter().all(|(m, _)| matches!(m, Matrix::F32(_))) {
-                    let weight = parts
-                        .drain(..)
-                        .flat_map(|(m, _)| match m {
-                            Matrix::F32(v) => v,
-                            Matrix::Quant(_) => unreachable!("all parts are f32"),
-                        })
-                        .collect();
-                    parts.push((Matrix::F32(weight), out_dim));
+                let f32_parts: Vec<&[f32]> = parts
+                    .iter()
+                    .filter_map(|(m, _)| match m {
+                        Matrix::F32(v) => Some(&v[..]),
+                        Matrix::Quant(_) => None,
+                    })
+                    .collect();
+                if parts.len() > 1 && f32_parts.len() == parts.len() {
+                    let weight = WeightMemory::concat(&f32_parts);
+                    parts = vec![(Matrix::F32(weight), out_dim)];
                 }
                 Ok(Linear { parts, bias: bias.then_some(b), out_dim, in_dim })
             };

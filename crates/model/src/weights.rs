@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
-use tandem_compute::cpu::QuantMatrix;
+use tandem_compute::cpu::{QuantMatrix, WeightMemory};
 
 use crate::ModelError;
 
@@ -30,8 +30,8 @@ pub struct WeightMap {
 /// A weight matrix as the CPU engine holds it: f32, or in the block format it was stored in.
 #[derive(Clone, Debug)]
 pub enum Matrix {
-    /// `[rows, cols]` row-major.
-    F32(Vec<f32>),
+    /// `[rows, cols]` row-major, in memory of its own ([`WeightMemory`]: huge pages).
+    F32(WeightMemory<f32>),
     /// Read as stored by [`tandem_compute::cpu::matmul_t_quant`].
     Quant(QuantMatrix),
 }
@@ -69,7 +69,7 @@ impl WeightMap {
                 expected: vec![rows, cols],
                 found: vec![q.rows(), q.cols()],
             }),
-            None => self.take(name, &[rows, cols]).map(Matrix::F32),
+            None => self.take(name, &[rows, cols]).map(|v| Matrix::F32(WeightMemory::concat(&[&v]))),
         }
     }
 

@@ -15,12 +15,14 @@
 mod attention;
 mod math;
 mod matmul;
+mod memory;
 mod ops;
 mod quant;
 mod rope;
 
 pub use attention::{paged_attention, AttnSeq};
 pub use matmul::matmul_t;
+pub use memory::{WeightElem, WeightMemory};
 pub use ops::{add_inplace, rms_norm, rms_norm_inplace, silu_mul};
 pub use quant::{dequantize_into, matmul_t_quant, QuantMatrix, QuantType};
 pub use rope::{apply_rope, RopeScaling, RopeTable};

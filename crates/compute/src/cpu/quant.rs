@@ -9,6 +9,7 @@
 //! result is the same bits as [`super::matmul_t`] on the dequantized matrix, for any batch.
 
 use super::matmul::{for_row_tasks, isa, run_rows_on, Isa};
+use super::memory::WeightMemory;
 
 /// A ggml tensor type [`QuantMatrix`] holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -232,9 +233,9 @@ pub struct QuantMatrix {
     cols: usize,
     /// Each block as the file stores it; for the 32-value formats (`QuantType::split`) only its
     /// value bytes.
-    data: Vec<u8>,
+    data: WeightMemory<u8>,
     /// The 32-value formats' scales, `split.scales` per block, in block order.
-    scales: Vec<f32>,
+    scales: WeightMemory<f32>,
 }
 
 impl QuantMatrix {
@@ -248,15 +249,28 @@ impl QuantMatrix {
             return Err(format!("{rows} x {cols} of {ty:?} takes {want} bytes, not {}", data.len()));
         }
         let Some(split) = ty.split() else {
-            return Ok(Self { ty, rows, cols, data, scales: Vec::new() });
+            return Ok(Self {
+                ty,
+                rows,
+                cols,
+                data: WeightMemory::concat(&[&data]),
+                scales: WeightMemory::concat(&[]),
+            });
         };
         let blocks = data.len() / ty.block_bytes();
-        let mut values = Vec::with_capacity(blocks * split.values);
-        let mut scales = Vec::with_capacity(blocks * split.scales);
-        for b in data.chunks_exact(ty.block_bytes()) {
-            scales.extend((0..split.scales).map(|i| f16_at(b, 2 * i)));
-            values.extend_from_slice(&b[split.values_at..split.values_at + split.values]);
-        }
+        let file = data.chunks_exact(ty.block_bytes());
+        let values = WeightMemory::filled(blocks * split.values, |out| {
+            for (b, o) in file.clone().zip(out.chunks_exact_mut(split.values)) {
+                o.copy_from_slice(&b[split.values_at..split.values_at + split.values]);
+            }
+        });
+        let scales = WeightMemory::filled(blocks * split.scales, |out| {
+            for (b, o) in file.zip(out.chunks_exact_mut(split.scales)) {
+                for (i, o) in o.iter_mut().enumerate() {
+                    *o = f16_at(b, 2 * i);
+                }
+            }
+        });
         Ok(Self { ty, rows, cols, data: values, scales })
     }
 
@@ -322,16 +336,12 @@ impl QuantMatrix {
 
     /// The matrix whose row `i` is this one's row `order[i]` (a permutation of the rows).
     pub fn with_rows(&self, order: &[usize]) -> Result<Self, String> {
-        let mut data = Vec::with_capacity(self.data.len());
-        let mut scales = Vec::with_capacity(self.scales.len());
-        for &r in order {
-            if r >= self.rows {
-                return Err(format!("row {r} of {}", self.rows));
-            }
-            let (b, s) = self.rows_of(r, 1);
-            data.extend_from_slice(b);
-            scales.extend_from_slice(s);
+        if let Some(&r) = order.iter().find(|&&r| r >= self.rows) {
+            return Err(format!("row {r} of {}", self.rows));
         }
+        let rows: Vec<(&[u8], &[f32])> = order.iter().map(|&r| self.rows_of(r, 1)).collect();
+        let data = WeightMemory::concat(&rows.iter().map(|r| r.0).collect::<Vec<_>>());
+        let scales = WeightMemory::concat(&rows.iter().map(|r| r.1).collect::<Vec<_>>());
         Ok(Self { ty: self.ty, rows: order.len(), cols: self.cols, data, scales })
     }
 }
