@@ -1,16 +1,18 @@
 //! CPU kernels over `f32` slices.
 //!
 //! - [`matmul_t`]: `x · Wᵀ` for HF `Linear` weights (`[out, in]` row-major), threaded with
-//!   rayon, SIMD picked at run time (AVX2+FMA when the CPU has it).
+//!   rayon, SIMD picked at run time (AVX-512, else AVX2+FMA, else portable Rust).
 //! - [`matmul_t_quant`]: the same product on a [`QuantMatrix`] (ggml block formats), read as
 //!   stored and giving the bits of [`matmul_t`] on its dequantized values.
 //! - [`rms_norm`], [`add_inplace`], [`silu_mul`]: the elementwise pieces of a block.
 //! - [`RopeTable`] and [`apply_rope`]: rotary embeddings (HF "rotate half" convention).
 //! - [`paged_attention`]: causal attention of queries against keys/values read from the
 //!   paged [`KvCache`](crate::KvCache).
+//! - [`WeightMemory`]: where weights live (transparent huge pages).
 //!
 //! Every kernel computes each output element with a fixed sequence of operations, whatever
-//! the batch size or thread split, so results are batch-invariant (see the crate docs).
+//! the batch size, thread split or instruction set, so results are batch-invariant (see the
+//! crate docs) and the same on any x86-64 CPU with FMA.
 
 mod attention;
 mod math;

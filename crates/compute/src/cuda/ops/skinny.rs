@@ -64,7 +64,7 @@ pub fn skinny_smem_bytes(t: usize, stages: usize) -> usize {
 /// same bits as the cuBLASLt product, the weights streamed at the copy rate.
 ///
 /// # Safety
-/// As [`matmul_t`]; every address is 16-byte aligned.
+/// As [`super::matmul_t`]; every address is 16-byte aligned.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn matmul_t_skinny(
     dev: &CudaDevice,
