@@ -9,9 +9,11 @@ F32, BF16, F16). No tokenizer (token-ids mode). The llama one leaves out Llama 3
 
 fixtures/gguf/types.gguf + types.json + types.f32: one tensor per ggml type tandem reads, random
 contents, and the values gguf-py's dequantizer gives for each (f32 little-endian, in file order).
+`make_gguf_fixtures.py types` makes only these.
 """
 import json
 import pathlib
+import sys
 
 import numpy as np
 import gguf
@@ -124,7 +126,7 @@ def types():
     rows, cols = 3, 512
     w = gguf.GGUFWriter(str(OUT / "types.gguf"), "llama")
     index, values = [], []
-    for ty in [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K]:
+    for ty in [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1]:
         block, size = gguf.GGML_QUANT_SIZES[ty]
         nbytes = rows * cols // block * size
         if ty in (T.F32, T.F16):
@@ -133,7 +135,7 @@ def types():
             w.add_tensor(ty.name, q)
             deq = q.astype(np.float32)
         else:
-            if ty in (T.BF16, T.Q8_0, T.Q4_0, T.Q4_1):
+            if ty in (T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
                 q = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), ty)
             else:
                 # K-quants: random blocks with small finite f16 scales (gguf-py quantizes few
@@ -160,6 +162,9 @@ def types():
 
 if __name__ == "__main__":
     OUT.mkdir(exist_ok=True)
+    if sys.argv[1:] == ["types"]:
+        types()
+        sys.exit()
     model("qwen3", "qwen3", "f32")
     model("qwen2", "qwen2", "bf16")
     model("llama", "llama", "f16")

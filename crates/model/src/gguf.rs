@@ -4,7 +4,7 @@
 //! of the crate sees what an HF directory gives it.
 //!
 //! Architectures: `llama` (SmolLM too), `qwen2`, `qwen3`. Tensor types: F32, F16, BF16, Q8_0,
-//! Q4_0, Q4_1, Q4_K, Q5_K, Q6_K. Tokenizers: `gpt2` (byte-level BPE) with the `smollm`,
+//! Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Tokenizers: `gpt2` (byte-level BPE) with the `smollm`,
 //! `gpt-2`, `qwen2` and `llama-bpe` pre-tokenizers. Anything else is refused at load, naming the
 //! tensor, type or field.
 
@@ -31,6 +31,8 @@ const TYPES: &[(u32, &str, usize, usize)] = &[
     (1, "F16", 1, 2),
     (2, "Q4_0", 32, 18),
     (3, "Q4_1", 32, 20),
+    (6, "Q5_0", 32, 22),
+    (7, "Q5_1", 32, 24),
     (8, "Q8_0", 32, 34),
     (12, "Q4_K", 256, 144),
     (13, "Q5_K", 256, 176),
@@ -41,8 +43,6 @@ const TYPES: &[(u32, &str, usize, usize)] = &[
 /// Names of the ggml types this reader does not take, for errors.
 fn type_name(id: u32) -> String {
     let known = [
-        (6, "Q5_0"),
-        (7, "Q5_1"),
         (9, "Q8_1"),
         (10, "Q2_K"),
         (11, "Q3_K"),

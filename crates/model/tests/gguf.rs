@@ -26,7 +26,7 @@ fn every_ggml_type_dequantizes_to_gguf_pys_values() {
     let bytes = std::fs::read(dir.join("types.gguf")).unwrap();
     let mut at = 0;
     let names: Vec<&str> = index.as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]);
+    assert_eq!(names, ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"]);
     for name in names {
         let t = file.tensors.iter().find(|t| t.name == name).unwrap();
         assert_eq!(t.type_name(), name);
@@ -108,9 +108,9 @@ fn truncated_corrupt_and_unsupported_files_are_refused_naming_what_is_wrong() {
     let long_string = gguf_bytes(&[("general.name", 8, (1u64 << 40).to_le_bytes().to_vec())], &[], &[]);
     assert!(open_bytes(&long_string).err().unwrap().to_string().contains("general.name"));
     // An unsupported tensor type names the tensor and the type.
-    let q5 = gguf_bytes(std::slice::from_ref(&arch), &[("blk.0.ffn_up.weight", &[32, 2], 6, 0)], &[0u8; 44]);
-    let e = open_bytes(&q5).err().unwrap().to_string();
-    assert!(e.contains("blk.0.ffn_up.weight") && e.contains("Q5_0") && e.contains("Q4_K"), "{e}");
+    let iq4 = gguf_bytes(std::slice::from_ref(&arch), &[("blk.0.ffn_up.weight", &[32, 2], 20, 0)], &[0u8; 36]);
+    let e = open_bytes(&iq4).err().unwrap().to_string();
+    assert!(e.contains("blk.0.ffn_up.weight") && e.contains("IQ4_NL") && e.contains("Q4_K"), "{e}");
     // An unknown architecture is refused at load with the supported ones.
     let other = ("general.architecture", 8u32, [5u64.to_le_bytes().to_vec(), b"gemma".to_vec()].concat());
     let path = std::env::temp_dir().join(format!("tandem-gguf-arch-{}.gguf", std::process::id()));

@@ -24,6 +24,10 @@ pub enum QuantType {
     Q4_0,
     /// 32 values: f16 scale and min, 16 bytes of nibbles.
     Q4_1,
+    /// 32 values: an f16 scale, 4 bytes of fifth bits, 16 bytes of nibbles offset by 16.
+    Q5_0,
+    /// 32 values: f16 scale and min, 4 bytes of fifth bits, 16 bytes of nibbles.
+    Q5_1,
     /// 256 values in 8 groups with 6-bit scales and mins, 4-bit values.
     Q4K,
     /// As Q4_K with a fifth bit per value.
@@ -41,6 +45,8 @@ impl QuantType {
             8 => Self::Q8_0,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
             12 => Self::Q4K,
             13 => Self::Q5K,
             14 => Self::Q6K,
@@ -52,7 +58,7 @@ impl QuantType {
     pub fn block_elems(self) -> usize {
         match self {
             Self::F16 | Self::Bf16 => 1,
-            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 => 32,
+            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 => 32,
             Self::Q4K | Self::Q5K | Self::Q6K => 256,
         }
     }
@@ -64,6 +70,8 @@ impl QuantType {
             Self::Q8_0 => 34,
             Self::Q4_0 => 18,
             Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
             Self::Q4K => 144,
             Self::Q5K => 176,
             Self::Q6K => 210,
@@ -111,6 +119,10 @@ pub fn dequantize_into(ty: QuantType, bytes: &[u8], out: &mut [f32]) {
         QuantType::Q4_0 => blocks::<18, 32>(bytes, out, |b, o| q4_values(f16_at(b, 0), 8.0, 0.0, sub(b, 2), o)),
         QuantType::Q4_1 => {
             blocks::<20, 32>(bytes, out, |b, o| q4_values(f16_at(b, 0), 0.0, f16_at(b, 2), sub(b, 4), o))
+        }
+        QuantType::Q5_0 => blocks::<22, 32>(bytes, out, |b, o| q5_values(f16_at(b, 0), 16.0, None, sub(b, 2), o)),
+        QuantType::Q5_1 => {
+            blocks::<24, 32>(bytes, out, |b, o| q5_values(f16_at(b, 0), 0.0, Some(f16_at(b, 2)), sub(b, 4), o))
         }
         // d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: 4 groups of 64
         // values, each 32 low nibbles then 32 high ones, each half with its scale and min.
@@ -194,6 +206,22 @@ fn q4_values(d: f32, bias: f32, m: f32, q: &[u8; 16], o: &mut [f32; 32]) {
     }
 }
 
+/// A Q5_0 / Q5_1 block's values from its 4 bytes of fifth bits (bit `i` for value `i`) and 16
+/// nibble bytes (as Q4's): `x = (q - bias) d`, plus `m` for Q5_1, as ggml computes them.
+#[inline(always)]
+fn q5_values(d: f32, bias: f32, m: Option<f32>, q: &[u8; 20], o: &mut [f32; 32]) {
+    let high = u32::from_le_bytes([q[0], q[1], q[2], q[3]]);
+    for i in 0..16 {
+        let lo = (q[4 + i] & 0xf) as u32 | ((high >> i) & 1) << 4;
+        let hi = (q[4 + i] >> 4) as u32 | ((high >> (i + 16)) & 1) << 4;
+        let (lo, hi) = ((lo as f32 - bias) * d, (hi as f32 - bias) * d);
+        (o[i], o[i + 16]) = match m {
+            Some(m) => (lo + m, hi + m),
+            None => (lo, hi),
+        };
+    }
+}
+
 /// `f` on each block of `BB` bytes and its `EB` values (fixed sizes, so the loops inside
 /// vectorize without bounds checks).
 #[inline(always)]
@@ -220,6 +248,8 @@ impl QuantType {
             Self::Q8_0 => Some(Split { scales: 1, values_at: 2, values: 32 }),
             Self::Q4_0 => Some(Split { scales: 1, values_at: 2, values: 16 }),
             Self::Q4_1 => Some(Split { scales: 2, values_at: 4, values: 16 }),
+            Self::Q5_0 => Some(Split { scales: 1, values_at: 2, values: 20 }),
+            Self::Q5_1 => Some(Split { scales: 2, values_at: 4, values: 20 }),
             _ => None,
         }
     }
@@ -354,6 +384,8 @@ fn dequantize_split(ty: QuantType, bytes: &[u8], scales: &[f32], out: &mut [f32]
         QuantType::Q8_0 => split_blocks::<32, 1>(bytes, scales, out, |q, s, o| q8_0_values(s[0], q, o)),
         QuantType::Q4_0 => split_blocks::<16, 1>(bytes, scales, out, |q, s, o| q4_values(s[0], 8.0, 0.0, q, o)),
         QuantType::Q4_1 => split_blocks::<16, 2>(bytes, scales, out, |q, s, o| q4_values(s[0], 0.0, s[1], q, o)),
+        QuantType::Q5_0 => split_blocks::<20, 1>(bytes, scales, out, |q, s, o| q5_values(s[0], 16.0, None, q, o)),
+        QuantType::Q5_1 => split_blocks::<20, 2>(bytes, scales, out, |q, s, o| q5_values(s[0], 0.0, Some(s[1]), q, o)),
         _ => dequantize_into(ty, bytes, out),
     }
 }
@@ -468,7 +500,9 @@ mod x86 {
     #[inline(always)]
     pub(super) fn dequantize_split(ty: QuantType, bytes: &[u8], scales: &[f32], out: &mut [f32]) -> bool {
         let blocks = out.len() / 32;
-        let Some(split) = ty.split() else { return false };
+        let Some(split) = ty.split().filter(|_| !matches!(ty, QuantType::Q5_0 | QuantType::Q5_1)) else {
+            return false;
+        };
         assert!(
             out.len() == blocks * 32 && bytes.len() == blocks * split.values && scales.len() == blocks * split.scales,
             "dequantize: bad lengths"
@@ -558,6 +592,56 @@ mod x86 {
         }
     }
 
+    /// A 5-bit block's 32 possible values, `(q - bias) d (+ m)` for q = 0..31 by the
+    /// reference's operations, each value looked up by its nibble and fifth bit (bit `i` of the
+    /// first four bytes for value `i`).
+    #[inline(always)]
+    unsafe fn lookup5(q: *const u8, d: __m512, bias: __m512, m: Option<__m512>) -> (__m512, __m512) {
+        let low = _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0);
+        let high = _mm512_add_ps(low, _mm512_set1_ps(16.0));
+        let value = |q: __m512| {
+            let v = _mm512_mul_ps(_mm512_sub_ps(q, bias), d);
+            m.map_or(v, |m| _mm512_add_ps(v, m))
+        };
+        let (t0, t1) = (value(low), value(high));
+        // Safety: the caller's block holds the 4 + 16 bytes.
+        let (bits, bytes) = unsafe {
+            (
+                _mm512_set1_epi32(q.cast::<i32>().read_unaligned()),
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(q.add(4).cast())),
+            )
+        };
+        let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let fifth = |shift: __m512i| {
+            _mm512_and_si512(_mm512_slli_epi32::<4>(_mm512_srlv_epi32(bits, shift)), _mm512_set1_epi32(0x10))
+        };
+        let lo = _mm512_or_si512(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0f)), fifth(lane));
+        let hi = _mm512_or_si512(_mm512_srli_epi32::<4>(bytes), fifth(_mm512_add_epi32(lane, _mm512_set1_epi32(16))));
+        (_mm512_permutex2var_ps(t0, lo, t1), _mm512_permutex2var_ps(t0, hi, t1))
+    }
+
+    struct Q50;
+    impl Block for Q50 {
+        const BYTES: usize = 20;
+        const SCALES: usize = 1;
+        #[inline(always)]
+        unsafe fn values(q: *const u8, s: *const f32) -> (__m512, __m512) {
+            // Safety: as the trait's.
+            unsafe { lookup5(q, _mm512_set1_ps(*s), _mm512_set1_ps(16.0), None) }
+        }
+    }
+
+    struct Q51;
+    impl Block for Q51 {
+        const BYTES: usize = 20;
+        const SCALES: usize = 2;
+        #[inline(always)]
+        unsafe fn values(q: *const u8, s: *const f32) -> (__m512, __m512) {
+            // Safety: as the trait's.
+            unsafe { lookup5(q, _mm512_set1_ps(*s), _mm512_setzero_ps(), Some(_mm512_set1_ps(*s.add(1)))) }
+        }
+    }
+
     struct Q80;
     impl Block for Q80 {
         const BYTES: usize = 32;
@@ -635,6 +719,8 @@ mod x86 {
             match ty {
                 QuantType::Q4_0 => rows_of::<Q40>(x, tokens, bytes, scales, k, part),
                 QuantType::Q4_1 => rows_of::<Q41>(x, tokens, bytes, scales, k, part),
+                QuantType::Q5_0 => rows_of::<Q50>(x, tokens, bytes, scales, k, part),
+                QuantType::Q5_1 => rows_of::<Q51>(x, tokens, bytes, scales, k, part),
                 QuantType::Q8_0 => rows_of::<Q80>(x, tokens, bytes, scales, k, part),
                 _ => return false,
             }
@@ -715,8 +801,8 @@ mod tests {
                     };
                     b.copy_from_slice(&raw);
                 }
-                QuantType::Q8_0 | QuantType::Q4_0 => small(b, 0, v),
-                QuantType::Q4_1 | QuantType::Q4K | QuantType::Q5K => {
+                QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q5_0 => small(b, 0, v),
+                QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4K | QuantType::Q5K => {
                     small(b, 0, v);
                     small(b, 2, v * 0.5);
                 }
@@ -735,6 +821,8 @@ mod tests {
             QuantType::Q8_0,
             QuantType::Q4_0,
             QuantType::Q4_1,
+            QuantType::Q5_0,
+            QuantType::Q5_1,
             QuantType::Q4K,
             QuantType::Q5K,
             QuantType::Q6K,
