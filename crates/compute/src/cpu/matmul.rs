@@ -384,7 +384,7 @@ pub(super) mod x86 {
     }
 
     /// [`rows_block`](super::rows_block) with the AVX2 kernel: 2 rows x 3 tokens (12
-    /// accumulator registers of the 16).
+    /// accumulator registers of the 16), 4 rows for one token.
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
@@ -401,8 +401,8 @@ pub(super) mod x86 {
         rows_block::<Avx2Fma, 2, 3, 4>(x, tokens, w, k, rows, out, ld)
     }
 
-    /// [`rows_block`](super::rows_block) with the AVX-512 kernel: 4 rows x 6 tokens (24
-    /// accumulator registers of the 32).
+    /// [`rows_block`](super::rows_block) with the AVX-512 kernel: 4 rows x 4 tokens (16
+    /// accumulator registers of the 32: 4 x 6 spilled and ran slower), 8 rows for one token.
     ///
     /// # Safety
     /// The CPU must support AVX-512F, AVX2 and FMA.
