@@ -112,14 +112,10 @@ impl EngineLimits {
     /// Checks everything about `req` that can be known before it runs.
     pub fn check(&self, req: &EngineRequest) -> Result<(), RequestRejected> {
         req.params.validate()?;
-        if req.params.logprobs.is_some() {
-            if !self.logprobs {
-                return Err(RequestRejected::Logprobs("on this backend yet (the CPU engine gives them)"));
-            }
-            if req.remote.is_some() {
-                // The first token comes from the prefill engine, without its distribution.
-                return Err(RequestRejected::Logprobs("through prefill/decode disaggregation yet"));
-            }
+        // Disaggregated legs give them too: a decode leg samples its first token itself (see
+        // `ConnectorEvent::Ready`).
+        if req.params.logprobs.is_some() && !self.logprobs {
+            return Err(RequestRejected::Logprobs("on this backend yet (the CPU engine gives them)"));
         }
         let prompt_len = req.prompt_token_ids.len();
         if prompt_len == 0 {
@@ -928,8 +924,19 @@ impl EngineCore {
                         },
                     });
                     let mut finish = None;
+                    // A request that wants log-probabilities samples its first token here, from
+                    // its last prompt token recomputed over the loaded KV: the prefill engine's
+                    // token comes without its distribution. On the CPU the logits are the bits
+                    // prefill had (batch-invariant kernels), so the token is the same.
+                    let first_token = first_token.filter(|_| req.params.logprobs.is_none());
                     match first_token {
                         Some(t) => {
+                            // Prefill drew this token's uniform from the same seeded stream:
+                            // take that draw too, so a seeded request continues as it would on
+                            // one engine.
+                            if !req.params.is_greedy() {
+                                let _ = req.rng.random::<f32>();
+                            }
                             req.tokens.push(t);
                             let index = req.tokens.len() - 1;
                             finish = finish_reason(req, t, index, &self.eos_token_ids, self.limits.max_model_len);

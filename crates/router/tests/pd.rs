@@ -270,3 +270,53 @@ async fn burst_over_a_direct_writer(decode_blocks: usize) {
     eprintln!("{answered} answers, {preemptions} preemptions, {} early parts", ps.parts_early);
     wait_idle(&[&colocated]).await;
 }
+
+/// Sampled requests with seeds and requests for log-probabilities (greedy and sampled) give
+/// through push and pull what the colocated engine gives: the same tokens (a decode leg takes
+/// the draw prefill made for the first token, or samples that token itself when the request
+/// wants its distribution) and the same log-probabilities, and every block comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn seeded_sampling_and_logprobs_through_push_and_pull_equal_colocated() {
+    let http = reqwest::Client::new();
+    let reqs: Vec<Value> = (0..16)
+        .map(|i| {
+            let len = [1, 5, 17, 40][i % 4];
+            let prompt: Vec<u32> = (0..len).map(|j| ((i * 53 + j * 7) % 500) as u32).collect();
+            let mut b = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 4 + i % 5,
+                                           "ignore_eos": true, "temperature": 0.9, "seed": 100 + i});
+            if i % 2 == 0 {
+                b["logprobs"] = serde_json::json!(3);
+            }
+            if i % 4 == 0 {
+                b["temperature"] = serde_json::json!(0);
+            }
+            b
+        })
+        .collect();
+    let answers = |base: String| {
+        let (http, reqs) = (http.clone(), reqs.clone());
+        async move {
+            let mut out = Vec::new();
+            for b in &reqs {
+                let v: Value =
+                    http.post(format!("{base}/v1/completions")).json(b).send().await.unwrap().json().await.unwrap();
+                assert!(v.get("error").is_none(), "{v}");
+                out.push((v["choices"][0]["token_ids"].clone(), v["choices"][0]["logprobs"].clone()));
+            }
+            out
+        }
+    };
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let want = answers(colocated.url.clone()).await;
+    assert!(want.iter().step_by(2).all(|(_, lp)| lp["token_logprobs"].as_array().is_some_and(|a| !a.is_empty())));
+    for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
+        let p = engine(Some((Role::Prefill, kv_mode)), 16, FaultInjection::default()).await;
+        let d = engine(Some((Role::Decode, kv_mode)), 8, FaultInjection::default()).await;
+        let got = answers(router(mode, &p, &d).await).await;
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "{mode:?}: request {i}: {}", reqs[i]);
+        }
+        wait_idle(&[&p, &d]).await;
+    }
+    wait_idle(&[&colocated]).await;
+}

@@ -627,8 +627,8 @@ async fn unset_sampling_fields_take_the_models_generation_config() {
 /// `logprobs` in each API's spelling and shape: completions (`logprobs: N`) and chat
 /// (`logprobs: true`, `top_logprobs: N`), whole and streamed, give one entry per generated
 /// token with the alternatives asked for, most likely first, the greedy token heading them;
-/// the stream carries the same numbers as the whole answer. Out-of-range counts, the wrong
-/// type for the API and a disaggregated leg get a 400 naming `logprobs`.
+/// the stream carries the same numbers as the whole answer. Out-of-range counts and the wrong
+/// type for the API get a 400 naming `logprobs`. (Through disaggregation: router/tests/pd.rs.)
 #[tokio::test]
 async fn logprobs_in_completions_and_chat_whole_and_streamed() {
     let s = start(500, 256).await;
@@ -709,11 +709,6 @@ async fn logprobs_in_completions_and_chat_whole_and_streamed() {
         (
             "/v1/chat/completions",
             json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
-        ),
-        (
-            "/v1/completions",
-            json!({"model": MODEL, "prompt": "x", "logprobs": 1,
-                                   "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "t"}}),
         ),
     ] {
         let (status, v) = s.post(path, bad.clone()).await;
