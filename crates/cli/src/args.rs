@@ -45,7 +45,7 @@ pub enum Command {
 pub struct ModelArgs {
     /// A Hugging Face model directory (config.json + safetensors [+ tokenizer.json]), a GGUF
     /// file (`*.gguf`: llama, qwen2 or qwen3; F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K,
-    /// dequantized at load), a Hugging Face Hub repository `ORG/NAME` (downloaded into the
+    /// kept quantized on the CPU, dequantized at load on a GPU), a Hugging Face Hub repository `ORG/NAME` (downloaded into the
     /// shared Hugging Face cache, then used from there; HF_ENDPOINT, HF_TOKEN and HF_HOME as in
     /// the Hugging Face tools) or `preset:NAME` for a built-in shape with seeded random weights
     /// (see `tandem model list`).
