@@ -49,12 +49,15 @@ pub struct KvBenchConfig {
     /// Both sides' KV in this GPU's memory (a device cache and its page-locked host copy,
     /// bf16) instead of host memory (f32).
     pub device: Option<usize>,
+    /// Where the GPU side keeps its compiled kernels between processes (see
+    /// `CudaDevice::open_with`).
+    pub kernel_cache: Option<std::path::PathBuf>,
 }
 
 impl Default for KvBenchConfig {
     fn default() -> Self {
         let layout = KvLayout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, num_blocks: 0 };
-        Self { bytes: 256 << 20, repeats: 5, layout, runs: 8, verify: false, device: None }
+        Self { bytes: 256 << 20, repeats: 5, layout, runs: 8, verify: false, device: None, kernel_cache: None }
     }
 }
 
@@ -131,7 +134,7 @@ impl Side {
             return Ok(Self { memory: region.clone().into(), region, _cpu: Some(cache), _gpu: None });
         };
         let gpu = |e: tandem_compute::cuda::CudaError| KvError::Unsupported(format!("cuda:{ordinal}: {e}"));
-        let dev = CudaDevice::open(ordinal).map_err(gpu)?;
+        let dev = CudaDevice::open_with(ordinal, Default::default(), cfg.kernel_cache.as_deref()).map_err(gpu)?;
         let cache = dev.zeros_exportable::<u16>(layout.num_blocks * layout.block_elems()).map_err(gpu)?;
         let device = dev.kv_memory(&cache, layout).map_err(gpu)?;
         let region = KvRegion::host_copy(layout, KvDtype::Bf16);

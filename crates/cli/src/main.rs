@@ -130,6 +130,7 @@ fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<usize>) -> 
                 host_kv_bytes,
                 tuning: tuning(&e.cuda_tune)?,
                 batch_invariant: e.batch_invariant,
+                kernel_cache: kernel_cache_dir(),
                 ..CudaOptions::default()
             };
             let t = Instant::now();
@@ -331,6 +332,17 @@ fn serve(a: ServeArgs) -> Result<()> {
 }
 
 /// The CUDA tuning of `--cuda-tune` settings (each checked when parsed).
+/// Where GPU engines keep their compiled kernels between starts: `$TANDEM_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/tandem`, else `~/.cache/tandem` (none: compiled at every start).
+fn kernel_cache_dir() -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    var("TANDEM_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("tandem")))
+        .or_else(|| var("HOME").map(|d| PathBuf::from(d).join(".cache/tandem")))
+}
+
 fn tuning(settings: &[String]) -> Result<tandem_compute::cuda::CudaTuning> {
     tandem_compute::cuda::CudaTuning::from_settings(settings).map_err(anyhow::Error::msg)
 }
@@ -622,6 +634,7 @@ fn bench_engine(a: args::BenchEngineArgs) -> Result<()> {
                 cuda_graphs: !a.enforce_eager,
                 tuning: tuning(&a.cuda_tune)?,
                 batch_invariant: a.batch_invariant,
+                kernel_cache: kernel_cache_dir(),
                 ..CudaOptions::default()
             };
             eprintln!("... building {} on cuda:{ordinal}", a.model);
@@ -687,8 +700,13 @@ fn kv_bench_config(a: &args::BenchKvArgs) -> Result<tandem_bench::kv::KvBenchCon
     if bytes == 0 {
         bail!("--size must be more than 0 bytes");
     }
-    let cfg =
-        tandem_bench::kv::KvBenchConfig { bytes, repeats: a.repeats.max(1), verify: a.verify, ..Default::default() };
+    let cfg = tandem_bench::kv::KvBenchConfig {
+        bytes,
+        repeats: a.repeats.max(1),
+        verify: a.verify,
+        kernel_cache: kernel_cache_dir(),
+        ..Default::default()
+    };
     match a.device.as_deref().map(str::parse::<tandem_compute::cuda::DeviceSpec>) {
         None | Some(Ok(tandem_compute::cuda::DeviceSpec::Cpu)) => Ok(cfg),
         Some(Ok(tandem_compute::cuda::DeviceSpec::Cuda(n))) => Ok(cfg.on_gpu(n)),
@@ -758,7 +776,8 @@ fn ipc_bench_config(a: &args::BenchKvArgs) -> Result<tandem_bench::kv::cuda_ipc:
 fn open_gpu(spec: &str) -> Result<tandem_compute::cuda::CudaDevice> {
     match spec.parse::<tandem_compute::cuda::DeviceSpec>().map_err(anyhow::Error::msg)? {
         tandem_compute::cuda::DeviceSpec::Cuda(n) => {
-            tandem_compute::cuda::CudaDevice::open(n).with_context(|| format!("opening {spec}"))
+            tandem_compute::cuda::CudaDevice::open_with(n, Default::default(), kernel_cache_dir().as_deref())
+                .with_context(|| format!("opening {spec}"))
         }
         tandem_compute::cuda::DeviceSpec::Cpu => bail!("{spec} is not a GPU (cuda:N)"),
     }

@@ -11,7 +11,7 @@ use tandem_compute::cuda::ops::{
 use tandem_compute::cuda::{CudaDevice, CudaTuning};
 
 fn device() -> Option<CudaDevice> {
-    match CudaDevice::open(0) {
+    match CudaDevice::open_with(0, Default::default(), kernel_cache().as_deref()) {
         Ok(d) => Some(d),
         Err(e) => {
             assert!(std::env::var("TANDEM_REQUIRE_CUDA").map_or(true, |v| v != "1"), "no usable GPU: {e}");
@@ -1172,4 +1172,10 @@ fn invariant_matmul_rows_do_not_depend_on_the_row_count() {
         eprintln!("{k} by {n}: invariant rows equal at every count; cuBLAS's default moved at {moved:?}");
     }
     eprintln!("cuBLAS's default product moved at {default_moved} (shape, row count) pairs");
+}
+
+/// The compiled kernels' disk cache scripts/gpu/run.sh names (`TANDEM_CACHE_DIR`): the first
+/// open of a test process reads it, later opens reuse what that one loaded.
+fn kernel_cache() -> Option<std::path::PathBuf> {
+    std::env::var_os("TANDEM_CACHE_DIR").map(std::path::PathBuf::from)
 }

@@ -29,7 +29,7 @@ fn engine_with(graphs: bool, pipelined: bool) -> Option<EngineCore> {
 }
 
 fn engine_of(cfg: EngineConfig, graphs: bool, batch_invariant: bool) -> Option<EngineCore> {
-    if let Err(e) = tandem_compute::cuda::CudaDevice::open(0) {
+    if let Err(e) = tandem_compute::cuda::CudaDevice::open_with(0, Default::default(), kernel_cache().as_deref()) {
         assert!(std::env::var("TANDEM_REQUIRE_CUDA").map_or(true, |v| v != "1"), "no usable GPU: {e}");
         eprintln!("skipping: {e}");
         return None;
@@ -231,4 +231,10 @@ fn batch_invariant_requests_get_their_answer_alone_whatever_shares_the_batch() {
     let together = run_in_groups(&mut default, &requests, 64);
     let moved = (0..64).filter(|i| together[i] != default_alone[i]).count();
     eprintln!("without --batch-invariant: {moved} of 64 requests differ between alone and 64 at a time");
+}
+
+/// The compiled kernels' disk cache scripts/gpu/run.sh names (`TANDEM_CACHE_DIR`): the first
+/// open of a test process reads it, later opens reuse what that one loaded.
+fn kernel_cache() -> Option<std::path::PathBuf> {
+    std::env::var_os("TANDEM_CACHE_DIR").map(std::path::PathBuf::from)
 }

@@ -6,7 +6,7 @@ use tandem_compute::KvCache;
 use tandem_model::{CudaModel, CudaOptions, ModelRunner, ModelSource, ModelSpec, SeqBatch, Transformer, WeightMap};
 
 fn cuda_usable() -> bool {
-    match tandem_compute::cuda::CudaDevice::open(0) {
+    match tandem_compute::cuda::CudaDevice::open_with(0, Default::default(), kernel_cache().as_deref()) {
         Ok(_) => true,
         Err(e) => {
             assert!(std::env::var("TANDEM_REQUIRE_CUDA").map_or(true, |v| v != "1"), "no usable GPU: {e}");
@@ -476,4 +476,10 @@ fn write_f32_gguf(dir: &std::path::Path, out: &std::path::Path) {
         b.resize(b.len().div_ceil(32) * 32, 0);
     }
     std::fs::write(out, b).unwrap();
+}
+
+/// The compiled kernels' disk cache scripts/gpu/run.sh names (`TANDEM_CACHE_DIR`): the first
+/// open of a test process reads it, later opens reuse what that one loaded.
+fn kernel_cache() -> Option<std::path::PathBuf> {
+    std::env::var_os("TANDEM_CACHE_DIR").map(std::path::PathBuf::from)
 }

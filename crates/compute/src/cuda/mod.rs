@@ -3,8 +3,9 @@
 //!
 //! CUDA libraries are loaded at run time (cudarc's dynamic loading): a build made on a machine
 //! without CUDA runs there on CPU, and [`CudaDevice::open`] says why a GPU is not usable instead
-//! of failing to start. Kernels are compiled with NVRTC on first use and the compiled image
-//! is cached on disk, keyed by the source hash and the GPU arch ([`kernel_cache_path`]).
+//! of failing to start. Kernels are compiled with NVRTC on first use; the compiled images are
+//! kept for the process, and on disk in the directory the caller names (keyed by the source
+//! hash and the GPU arch: [`kernel_cache_path`]).
 //!
 //! Everything runs on one stream. Buffers are handed to kernels as raw device addresses
 //! ([`DevBuf::ptr`]), so the launches in [`ops`] are `unsafe fn`s: their callers keep every
@@ -21,7 +22,7 @@ pub use fences::KvFences;
 pub use ipc::{DeviceKvMemory, HostCopies, IpcExport, PeerKvMemory};
 pub use tuning::CudaTuning;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
@@ -227,15 +228,10 @@ pub fn image_defines(cubin: &[u8], name: &str) -> bool {
 /// parallel: a cold start on a 16-core GPU machine waits for the largest group, not for all.
 pub const KERNEL_GROUPS: usize = 6;
 
-/// Where the compiled image of kernel group `group` for `arch` (e.g. `sm_90`) is cached:
-/// `$TANDEM_CACHE_DIR` or `$XDG_CACHE_HOME/tandem` or `~/.cache/tandem`, then
-/// `kernels-<source hash>-<arch>-g<group>.cubin`.
-pub fn kernel_cache_path(arch: &str, group: usize) -> Option<PathBuf> {
-    let dir = std::env::var_os("TANDEM_CACHE_DIR")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("tandem")))
-        .or_else(|| std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/tandem")))?;
-    Some(dir.join(format!("kernels-{:016x}-{arch}-g{group}.cubin", source_hash())))
+/// Where the compiled image of kernel group `group` for `arch` (e.g. `sm_90`) is cached in the
+/// cache directory `dir`: `kernels-<source hash>-<arch>-g<group>.cubin`.
+pub fn kernel_cache_path(dir: &Path, arch: &str, group: usize) -> PathBuf {
+    dir.join(format!("kernels-{:016x}-{arch}-g{group}.cubin", source_hash()))
 }
 
 /// Compiles [`KERNEL_SOURCE`] for `arch` (e.g. `sm_90`) with NVRTC: one CUBIN per kernel
@@ -472,6 +468,12 @@ impl CudaDevice {
 
     /// [`CudaDevice::open`] with `tuning`.
     pub fn open_tuned(ordinal: usize, tuning: CudaTuning) -> Result<Self, CudaError> {
+        Self::open_with(ordinal, tuning, None)
+    }
+
+    /// [`CudaDevice::open_tuned`], the compiled kernels also cached in `kernel_cache` (a
+    /// directory, made if missing): a later process starts without compiling them.
+    pub fn open_with(ordinal: usize, tuning: CudaTuning, kernel_cache: Option<&Path>) -> Result<Self, CudaError> {
         libraries_present()?;
         let count = CudaContext::device_count().map_err(|e| CudaError::Unavailable(format!("{e:?}")))?;
         if ordinal >= count.max(0) as usize {
@@ -504,7 +506,7 @@ impl CudaDevice {
             attr(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let smem_per_sm =
             attr(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
-        let cubins = Self::cubins(&arch)?;
+        let cubins = Self::cubins(&arch, kernel_cache)?;
         // Each kernel is in exactly one group's image: ask that module only (a failed lookup
         // in the others is an API error that compute-sanitizer reports).
         let holders: Vec<Option<usize>> =
@@ -592,10 +594,16 @@ impl CudaDevice {
         })
     }
 
-    /// Every kernel group's image for `arch`: from the cache, the missing ones compiled (in
-    /// parallel) and cached.
-    fn cubins(arch: &str) -> Result<Vec<Vec<u8>>, CudaError> {
-        let paths: Vec<Option<PathBuf>> = (0..KERNEL_GROUPS).map(|g| kernel_cache_path(arch, g)).collect();
+    /// Every kernel group's image for `arch`: from this process's earlier opens or the disk
+    /// cache `dir`, the missing ones compiled (in parallel) and kept in both.
+    fn cubins(arch: &str, dir: Option<&Path>) -> Result<Vec<Vec<u8>>, CudaError> {
+        static COMPILED: std::sync::Mutex<Vec<(String, Vec<Vec<u8>>)>> = std::sync::Mutex::new(Vec::new());
+        let compiled = |c: &[(String, Vec<Vec<u8>>)]| c.iter().find(|(a, _)| a == arch).map(|(_, i)| i.clone());
+        if let Some(images) = compiled(&COMPILED.lock().unwrap_or_else(|e| e.into_inner())) {
+            return Ok(images);
+        }
+        let paths: Vec<Option<PathBuf>> =
+            (0..KERNEL_GROUPS).map(|g| dir.map(|d| kernel_cache_path(d, arch, g))).collect();
         let mut images: Vec<Option<Vec<u8>>> =
             paths.iter().map(|p| p.as_ref().and_then(|p| std::fs::read(p).ok())).collect();
         let missing: Vec<usize> = (0..KERNEL_GROUPS).filter(|&g| images[g].is_none()).collect();
@@ -620,7 +628,9 @@ impl CudaDevice {
                 images[g] = Some(cubin);
             }
         }
-        Ok(images.into_iter().flatten().collect())
+        let images: Vec<Vec<u8>> = images.into_iter().flatten().collect();
+        COMPILED.lock().unwrap_or_else(|e| e.into_inner()).push((arch.to_string(), images.clone()));
+        Ok(images)
     }
 
     /// `cuda:N (NAME, sm_XY)`.

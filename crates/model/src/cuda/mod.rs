@@ -73,6 +73,9 @@ pub struct CudaOptions {
     /// attention kernel for prefill and decode tokens, no fused decode projections), so a
     /// request's output is the same whatever else shares its steps.
     pub batch_invariant: bool,
+    /// A directory to keep the compiled kernels in between processes (`None`: compiled once
+    /// per process).
+    pub kernel_cache: Option<std::path::PathBuf>,
 }
 
 impl Default for CudaOptions {
@@ -89,6 +92,7 @@ impl Default for CudaOptions {
             host_kv_bytes: None,
             tuning: CudaTuning::default(),
             batch_invariant: false,
+            kernel_cache: None,
         }
     }
 }
@@ -121,7 +125,7 @@ impl CudaModel {
     /// activations are allocated and the KV cache takes what `memory_utilization` leaves.
     pub fn load(spec: &ModelSpec, opts: &CudaOptions) -> Result<Self, ModelError> {
         Weights::check_config(&spec.config)?;
-        let dev = CudaDevice::open_tuned(opts.ordinal, opts.tuning.clone())?;
+        let dev = CudaDevice::open_with(opts.ordinal, opts.tuning.clone(), opts.kernel_cache.as_deref())?;
         let cfg = spec.config.clone();
         let weights = Weights::load(&dev, spec)?;
         if opts.batch_invariant {
