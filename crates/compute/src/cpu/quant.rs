@@ -115,18 +115,17 @@ pub fn dequantize_into(ty: QuantType, bytes: &[u8], out: &mut [f32]) {
         QuantType::Bf16 => {
             blocks::<2, 1>(bytes, out, |b, o| o[0] = f32::from_bits((u16::from_le_bytes(*b) as u32) << 16))
         }
-        QuantType::Q8_0 => blocks::<34, 32>(bytes, out, |b, o| q8_0_values(f16_at(b, 0), sub(b, 2), o)),
-        QuantType::Q4_0 => blocks::<18, 32>(bytes, out, |b, o| q4_values(f16_at(b, 0), 8.0, 0.0, sub(b, 2), o)),
-        QuantType::Q4_1 => {
-            blocks::<20, 32>(bytes, out, |b, o| q4_values(f16_at(b, 0), 0.0, f16_at(b, 2), sub(b, 4), o))
-        }
-        QuantType::Q5_0 => blocks::<22, 32>(bytes, out, |b, o| q5_values(f16_at(b, 0), 16.0, None, sub(b, 2), o)),
-        QuantType::Q5_1 => {
-            blocks::<24, 32>(bytes, out, |b, o| q5_values(f16_at(b, 0), 0.0, Some(f16_at(b, 2)), sub(b, 4), o))
-        }
-        // The K formats' superblocks, unit by unit as a `QuantMatrix` keeps them.
-        QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => {
-            let split = ty.split().expect("K formats are kept in units");
+        // Every other format block by block, through the units a `QuantMatrix` keeps (so both
+        // give a value by the same operations).
+        QuantType::Q8_0
+        | QuantType::Q4_0
+        | QuantType::Q4_1
+        | QuantType::Q5_0
+        | QuantType::Q5_1
+        | QuantType::Q4K
+        | QuantType::Q5K
+        | QuantType::Q6K => {
+            let split = ty.split().expect("block formats are kept in units");
             let (mut values, mut scales) = ([0u8; 192], [0.0f32; 16]);
             let per_block = split.units_per_block(ty);
             let (values, scales) = (&mut values[..per_block * split.bytes], &mut scales[..per_block * split.scales]);
@@ -136,12 +135,6 @@ pub fn dequantize_into(ty: QuantType, bytes: &[u8], out: &mut [f32]) {
             }
         }
     }
-}
-
-/// `N` bytes of `b` from `at`.
-#[inline(always)]
-fn sub<const N: usize>(b: &[u8], at: usize) -> &[u8; N] {
-    b[at..at + N].try_into().expect("in the block")
 }
 
 /// A Q8_0 block's values: `q · d`.
