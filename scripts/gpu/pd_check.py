@@ -3,7 +3,8 @@
 then a prefill engine, a decode engine and the router per setting (push and pull; KV over tcp,
 through each engine's host copy of its GPU KV cache, and over cuda-ipc, device to device, also
 with different block sizes on the two engines), all with `--device cuda:0`. Greedy answers
-through the router must equal the colocated engine's token for token (8 prompts one at a time);
+through the router must equal the colocated engine's token for token (8 prompts one at a time, two
+with log-probabilities, which must agree within LOGPROB_TOLERANCE);
 then 50 mixed-length requests at once (equality reported; required with PD_BATCH_INVARIANT=1,
 where every engine runs --batch-invariant), after which both engines' KV blocks must be back to all free; then the time to
 the first token of a 4000-token prompt, median of 3, against colocated.
@@ -98,12 +99,18 @@ def stop_all():
     procs.clear()
 
 
-# Prompts of 1 to 300 tokens (several KV blocks, a partial last block), greedy, fixed length.
+# Prompts of 1 to 300 tokens (several KV blocks, a partial last block), greedy, fixed length (two of them with log-probabilities).
 prompts = [[(s * 31 + j * 7) % 500 + 10 for j in range(n)] for s, n in enumerate([1, 7, 16, 17, 64, 150, 300, 33])]
 bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True} for p in prompts]
 vocab = int(os.environ.get("PD_VOCAB", "1000"))  # token ids stay below this
 prompts = [[t % vocab for t in p] for p in prompts]
 bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True} for p in prompts]
+# Two ask for log-probabilities: through P/D the decode engine samples the first token itself
+# (from the last prompt token recomputed over the loaded KV), so its values may differ from
+# colocated's by bf16 rounding, never by more than LOGPROB_TOLERANCE.
+for i in (1, 5):
+    bodies[i]["logprobs"] = 3
+LOGPROB_TOLERANCE = 0.1
 burst = [{"prompt": [((s * 13 + j * 5) % 700 + 10) % vocab for j in range(1 + (s * 37) % 600)], "max_tokens": 16,
           "temperature": 0, "ignore_eos": True} for s in range(50)]
 long_prompt = [((j * 11) % 900 + 10) % vocab for j in range(int(os.environ.get("PD_LONG", "4000")))]
@@ -119,12 +126,13 @@ try:
     start("colocated", ["serve", "--port", "18300", "--block-size", "16"] + common)
     c = "http://127.0.0.1:18300"
     wait_healthy(c)
-    want = []
+    want, want_logprobs = [], []
     for b in bodies:
         code, r = post(c, b)
         if code != 200:
             raise RuntimeError(f"colocated answered {code}: {r}")
         want.append(r["choices"][0]["token_ids"])
+        want_logprobs.append((r["choices"][0].get("logprobs") or {}).get("token_logprobs"))
     burst_want = []
     for b in burst:
         code, r = post(c, b)
@@ -154,6 +162,11 @@ try:
                 errors.append(f"request {i}: {code} {ans}")
             elif ans["choices"][0]["token_ids"] == want[i]:
                 same += 1
+                got = (ans["choices"][0].get("logprobs") or {}).get("token_logprobs")
+                if want_logprobs[i] is not None:
+                    worst = max((abs(a - b) for a, b in zip(got or [], want_logprobs[i])), default=float("inf"))
+                    if not got or len(got) != len(want_logprobs[i]) or worst > LOGPROB_TOLERANCE:
+                        errors.append(f"request {i}: log-probabilities {got} vs colocated {want_logprobs[i]}")
             else:
                 errors.append(f"request {i} ({len(b['prompt'])} prompt tokens): {ans['choices'][0]['token_ids']} "
                               f"!= colocated {want[i]}")

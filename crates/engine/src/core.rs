@@ -115,7 +115,7 @@ impl EngineLimits {
         // Disaggregated legs give them too: a decode leg samples its first token itself (see
         // `ConnectorEvent::Ready`).
         if req.params.logprobs.is_some() && !self.logprobs {
-            return Err(RequestRejected::Logprobs("on this backend yet (the CPU engine gives them)"));
+            return Err(RequestRejected::Logprobs("on this backend"));
         }
         let prompt_len = req.prompt_token_ids.len();
         if prompt_len == 0 {

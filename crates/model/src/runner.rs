@@ -157,8 +157,8 @@ fn resolve_carried(token_ids: &[u32], previous: &[u32]) -> Result<Vec<u32>, Mode
     Ok(token_ids.iter().map(|&t| carried_row(t).map_or(t, |r| previous[r])).collect())
 }
 
-/// One step's log-probabilities, one entry per sample row.
-type RowLogprobs = Vec<Option<TokenLogprobs>>;
+/// One step's log-probabilities, one entry per sample row (empty when no row asked).
+pub(crate) type RowLogprobs = Vec<Option<TokenLogprobs>>;
 
 /// The CPU backend: the f32 [`Transformer`] over a host [`KvCache`].
 pub struct CpuRunner {

@@ -3,7 +3,10 @@
 //! with `--include-ignored`, where a missing GPU fails the test (`TANDEM_REQUIRE_CUDA=1`).
 
 use tandem_compute::KvCache;
-use tandem_model::{CudaModel, CudaOptions, ModelRunner, ModelSource, ModelSpec, SeqBatch, Transformer, WeightMap};
+use tandem_model::{
+    carried_token, token_logprobs, CudaModel, CudaOptions, ModelRunner, ModelSource, ModelSpec, SampleSpec, SeqBatch,
+    Transformer, WeightMap,
+};
 
 fn cuda_usable() -> bool {
     match tandem_compute::cuda::CudaDevice::open_with(0, Default::default(), kernel_cache().as_deref()) {
@@ -179,6 +182,73 @@ fn fused_decode_agrees_with_the_cublas_path() {
         }
         eprintln!("{preset}: fused decode vs cuBLAS path, worst logits relative error {worst:.2e}");
     }
+}
+
+/// Log-probabilities on the GPU: a row that asks gets the log-softmax of the raw logits the
+/// sampler saw (before its bans), on the one-shot path and on two pipelined steps in flight at
+/// once (their logits staged in alternating slots); a row that does not ask gets none.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn logprobs_are_the_log_softmax_of_the_logits_the_sampler_saw() {
+    if !cuda_usable() {
+        return;
+    }
+    let source = ModelSource::parse("preset:tiny-qwen3", 3).unwrap();
+    let spec = ModelSpec::load(&source, Some(1024)).unwrap();
+    let mut gpu = CudaModel::load(&spec, &small_cache()).unwrap();
+    let mut reference = CudaModel::load(&spec, &small_cache()).unwrap();
+    let v = spec.config.vocab_size;
+    let asks = |top| SampleSpec { logprobs: Some(top), ..SampleSpec::greedy() };
+    let tables: Vec<Vec<u32>> = (0..2u32).map(|s| (0..8).map(|b| s * 8 + b).collect()).collect();
+    let seq = |s: usize, token_start, num_tokens, first_pos| SeqBatch {
+        token_start,
+        num_tokens,
+        first_pos,
+        block_table: &tables[s],
+        want_logits: true,
+    };
+    let ids: Vec<u32> = (0..32u32).map(|i| (i * 31 + 1) % v as u32).collect();
+    let prefill = [seq(0, 0, 23, 0), seq(1, 23, 9, 0)];
+    let logits = reference.forward_logits(&ids, &prefill).unwrap();
+    let banned = argmax(&logits[..v]);
+    let tokens =
+        gpu.execute(&ids, &prefill, &[SampleSpec { banned: vec![banned], ..asks(5) }, SampleSpec::greedy()]).unwrap();
+    let lp = gpu.take_logprobs();
+    assert!(lp.len() == 2 && lp[1].is_none(), "{lp:?}");
+    let first = lp[0].clone().unwrap();
+    assert_ne!(tokens[0], banned);
+    // The same step's kernels on the same inputs: the same bits.
+    assert_eq!(first, token_logprobs(&logits[..v], tokens[0], 5));
+    assert_eq!(first.top[0].0, banned, "from the raw logits, before the ban");
+
+    // Two decode steps in flight; the second's tokens are carried from the first.
+    let step1 = [seq(0, 0, 1, 23), seq(1, 1, 1, 9)];
+    let step2 = [seq(0, 0, 1, 24), seq(1, 1, 1, 10)];
+    gpu.submit(&tokens, &step1, &[SampleSpec::greedy(), asks(3)]).unwrap();
+    gpu.submit(&[carried_token(0), carried_token(1)], &step2, &[asks(4), asks(2)]).unwrap();
+    let t1 = gpu.collect().unwrap();
+    let lp1 = gpu.take_logprobs();
+    let t2 = gpu.collect().unwrap();
+    let lp2 = gpu.take_logprobs();
+    // The reference runs the same steps unpipelined and outside a decode graph: the same
+    // arithmetic up to summation order.
+    let l1 = reference.forward_logits(&tokens, &step1).unwrap();
+    let l2 = reference.forward_logits(&t1, &step2).unwrap();
+    assert!(lp1[0].is_none());
+    let close = |got: &Option<tandem_core::TokenLogprobs>, want: tandem_core::TokenLogprobs, what: &str| {
+        let got = got.as_ref().unwrap_or_else(|| panic!("{what}: no log-probabilities"));
+        assert_eq!(got.top.len(), want.top.len(), "{what}");
+        let worst = got
+            .top
+            .iter()
+            .zip(&want.top)
+            .map(|(a, b)| (a.1 - b.1).abs())
+            .fold((got.logprob - want.logprob).abs(), f32::max);
+        assert!(worst < 2e-3, "{what}: {got:?} vs {want:?}");
+    };
+    close(&lp1[1], token_logprobs(&l1[v..], t1[1], 3), "step 1 row 1");
+    close(&lp2[0], token_logprobs(&l2[..v], t2[0], 4), "step 2 row 0");
+    close(&lp2[1], token_logprobs(&l2[v..], t2[1], 2), "step 2 row 1");
 }
 
 /// Greedy continuations of a seeded random Qwen3 checkpoint that transformers generated in

@@ -51,7 +51,7 @@ pub(crate) fn prepare_completion(
 ) -> Result<Prepared, ApiError> {
     check_model(state, &req.model)?;
     if req.echo == Some(true) {
-        return Err(ApiError::bad("echo", "echo is not supported"));
+        return Err(ApiError::bad("echo", "echo is not supported: send the prompt's text along yourself"));
     }
     let prompt_ids = match req.prompt {
         Prompt::Text(text) => state.tokenizer()?.encode(&text, true)?,
@@ -144,6 +144,12 @@ fn prepare(
         }
         Some(k) => Some(k.min(u32::MAX as i64) as u32),
     };
+    if f.prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::bad(
+            "prompt_logprobs",
+            "prompt_logprobs is not supported: the engines compute logits for generated tokens only",
+        ));
+    }
     let logprobs = crate::logprobs::requested(api, f.logprobs.as_ref(), f.top_logprobs)?;
     let params = SamplingParams {
         logprobs,

@@ -74,6 +74,8 @@ pub struct SamplingFields {
     pub logprobs: Option<Value>,
     /// Chat: alternatives per token with `logprobs: true` (0-20).
     pub top_logprobs: Option<i64>,
+    /// vLLM: the prompt tokens' log-probabilities (not supported: must be absent or null).
+    pub prompt_logprobs: Option<Value>,
 }
 
 /// `POST /v1/completions`.

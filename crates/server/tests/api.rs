@@ -229,6 +229,8 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         ("/v1/completions", r#"{"prompt": "hi", "max_tokens": 9223372036854775807}"#, 400, "maximum context length"),
         ("/v1/completions", r#"{"prompt": "hi", "max_tokens": 1e400}"#, 400, "invalid request body"),
         ("/v1/completions", r#"{"prompt": "hi", "max_tokens": 300}"#, 400, "KV blocks"),
+        ("/v1/completions", r#"{"prompt": "hi", "echo": true}"#, 400, "echo is not supported"),
+        ("/v1/completions", r#"{"prompt": "hi", "prompt_logprobs": 1}"#, 400, "prompt_logprobs is not supported"),
         ("/v1/chat/completions", r#"{"messages": []}"#, 400, "messages"),
         (
             "/v1/chat/completions",
@@ -476,6 +478,7 @@ fn random_body(rng: &mut impl rand::Rng) -> Value {
         "min_tokens",
         "logprobs",
         "echo",
+        "prompt_logprobs",
         "best_of",
         "stream_options",
         "kv_transfer_params",

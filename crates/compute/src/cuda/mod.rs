@@ -816,14 +816,35 @@ impl CudaDevice {
         n: usize,
         staging: &mut HostStaging<T>,
     ) -> Result<(), CudaError> {
-        assert!(n <= src.len() && n <= staging.len(), "staged download of {n} elements out of range");
-        if n == 0 {
+        self.download_ranges_async(src, &[(0, n)], staging)
+    }
+
+    /// Queues copies of `src`'s element ranges `(offset, len)` into `staging`, packed one after
+    /// another from its start; returns at once. [`HostStaging::host`] waits for them.
+    pub fn download_ranges_async<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        src: &DevBuf<T>,
+        ranges: &[(usize, usize)],
+        staging: &mut HostStaging<T>,
+    ) -> Result<(), CudaError> {
+        let total: usize = ranges.iter().map(|&(_, n)| n).sum();
+        assert!(
+            total <= staging.len() && ranges.iter().all(|&(offset, n)| offset + n <= src.len()),
+            "staged download of {ranges:?} from {} elements into {}",
+            src.len(),
+            staging.len()
+        );
+        if total == 0 {
             return Ok(());
         }
-        let dst = &mut staging.host_mut()?[..n];
-        // Safety: as in `upload_async`: page-locked memory owned by `staging`, untouched by
-        // the host until `done` (recorded next) completes, kept alive until then by its Drop.
-        unsafe { self.download_into_async(src, 0, dst)? };
+        let mut dst = &mut staging.host_mut()?[..total];
+        for &(offset, n) in ranges {
+            let (head, rest) = std::mem::take(&mut dst).split_at_mut(n);
+            // Safety: as in `upload_async`: page-locked memory owned by `staging`, untouched by
+            // the host until `done` (recorded next) completes, kept alive until then by its Drop.
+            unsafe { self.download_into_async(src, offset, head)? };
+            dst = rest;
+        }
         staging.done.record(&self.stream)?;
         Ok(())
     }

@@ -26,6 +26,7 @@ use std::sync::Arc;
 
 use tandem_compute::cuda::{CudaDevice, CudaError, CudaTuning, KvFences};
 use tandem_compute::{KvLayout, KvRegion};
+use tandem_core::TokenLogprobs;
 
 use self::forward::forward;
 use self::graphs::DecodeGraphs;
@@ -34,7 +35,7 @@ use self::plan::DecodePlan;
 use self::step::{attention_split_most, StepBuffers, StepCounts};
 use self::weights::Weights;
 use crate::config::ModelConfig;
-use crate::runner::{check_carried, ModelRunner, SampleSpec};
+use crate::runner::{check_carried, ModelRunner, RowLogprobs, SampleSpec};
 use crate::source::ModelSpec;
 use crate::transformer::SeqBatch;
 use crate::ModelError;
@@ -117,6 +118,8 @@ pub struct CudaModel {
     fence_kv: bool,
     /// The fences of the step last launched, until taken.
     fences: Option<KvFences>,
+    /// The log-probabilities of the step last read or collected, until taken.
+    step_logprobs: RowLogprobs,
 }
 
 impl CudaModel {
@@ -160,6 +163,7 @@ impl CudaModel {
             max_positions: spec.max_model_len,
             fence_kv: false,
             fences: None,
+            step_logprobs: Vec::new(),
         };
         model.capture_decode_graphs()?;
         Ok(model)
@@ -334,7 +338,17 @@ impl ModelRunner for CudaModel {
             return Err(ModelError::Pipeline("a step runs alone while submitted steps await collection".into()));
         }
         self.launch_step(token_ids, seqs, samples)?;
-        self.step.read_tokens(&self.dev, self.cfg.vocab_size, samples.len())
+        let (tokens, logprobs) = self.step.read_tokens(&self.dev, self.cfg.vocab_size, samples.len())?;
+        self.step_logprobs = logprobs;
+        Ok(tokens)
+    }
+
+    fn supports_logprobs(&self) -> bool {
+        true
+    }
+
+    fn take_logprobs(&mut self) -> Vec<Option<TokenLogprobs>> {
+        std::mem::take(&mut self.step_logprobs)
     }
 
     fn can_pipeline(&self) -> bool {
@@ -350,7 +364,9 @@ impl ModelRunner for CudaModel {
     }
 
     fn collect(&mut self) -> Result<Vec<u32>, ModelError> {
-        self.step.collect_tokens(self.cfg.vocab_size)
+        let (tokens, logprobs) = self.step.collect_tokens(self.cfg.vocab_size)?;
+        self.step_logprobs = logprobs;
+        Ok(tokens)
     }
 
     fn fence_kv_writes(&mut self) -> bool {

@@ -9,7 +9,7 @@ use tandem_compute::cuda::ops::{self, AttnMeta, PrefillSeqs, FLASH_ROWS};
 use tandem_compute::cuda::{CudaDevice, DevBuf, HostStaging};
 
 use crate::config::ModelConfig;
-use crate::runner::SampleSpec;
+use crate::runner::{token_logprobs, RowLogprobs, SampleSpec};
 use crate::transformer::SeqBatch;
 use crate::ModelError;
 
@@ -30,8 +30,14 @@ pub(super) struct StepBuffers {
     turn: usize,
     /// Page-locked landing places of the sampled tokens, alternating between pipelined steps.
     token_staging: [HostStaging<i32>; 2],
-    /// Submitted steps whose tokens are not collected yet: (token staging slot, rows).
-    pending: VecDeque<(usize, usize)>,
+    /// Beside each token slot, the raw logits of the rows that want log-probabilities (made
+    /// when first needed, grown by powers of two rows).
+    logit_staging: [Option<HostStaging<f32>>; 2],
+    /// The prepared step's rows that want log-probabilities, with their top counts; their
+    /// logits went to the next slot's `logit_staging`.
+    logprob_rows: Vec<(usize, u32)>,
+    /// Submitted steps whose tokens are not collected yet, oldest first.
+    pending: VecDeque<PendingStep>,
     /// Rows the last step sampled (what a carried token may name).
     pub last_rows: usize,
     /// The prepared step's work counts.
@@ -93,6 +99,8 @@ impl StepBuffers {
         Ok(Self {
             staging: [dev.host_staging(meta.len())?, dev.host_staging(meta.len())?],
             token_staging: [dev.host_staging(max_seqs)?, dev.host_staging(max_seqs)?],
+            logit_staging: [None, None],
+            logprob_rows: Vec::new(),
             act,
             meta,
             layout,
@@ -227,6 +235,10 @@ impl StepBuffers {
     /// Queues the sampling of `specs.len()` rows of logits into `act.tokens`. Their parameters
     /// went up with the step's metadata ([`StepBuffers::fill`]); banned ids go up here.
     pub fn launch_sampling(&mut self, dev: &CudaDevice, vocab: usize, specs: &[SampleSpec]) -> Result<(), ModelError> {
+        if specs.len() > self.max_seqs {
+            return Err(ModelError::Device(format!("{} sample specs for {} rows", specs.len(), self.max_seqs)));
+        }
+        self.stage_raw_logits(dev, vocab, specs)?;
         let mut ban_rows = Vec::new();
         let mut ban_toks = Vec::new();
         for (r, s) in specs.iter().enumerate() {
@@ -247,9 +259,6 @@ impl StepBuffers {
             // (specs.len() <= max_seqs, checked by `fill`); both are the model's for its life.
             unsafe { ops::ban_tokens(dev, a.logits.ptr(), vocab, a.bans.ptr(), a.bans.ptr_at(nb), nb)? };
         }
-        if specs.len() > self.max_seqs {
-            return Err(ModelError::Device(format!("{} sample specs for {} rows", specs.len(), self.max_seqs)));
-        }
         // Safety: logits, tokens and the sampler's scratch are sized for max_seqs rows, the
         // metadata's parameters for max_seqs sequences; all are the model's for its life.
         unsafe {
@@ -267,10 +276,69 @@ impl StepBuffers {
         Ok(())
     }
 
-    /// Reads back the `rows` tokens the last step sampled (waits for the step).
-    pub fn read_tokens(&self, dev: &CudaDevice, vocab: usize, rows: usize) -> Result<Vec<u32>, ModelError> {
+    /// Queues the copy of the raw logits (before bans, temperature or filtering touch them) of
+    /// the rows whose spec wants log-probabilities into the next token slot's logit staging.
+    /// Log-probabilities are then taken on the host from exactly the logits the sampler saw.
+    fn stage_raw_logits(&mut self, dev: &CudaDevice, vocab: usize, specs: &[SampleSpec]) -> Result<(), ModelError> {
+        self.logprob_rows = specs.iter().enumerate().filter_map(|(r, s)| s.logprobs.map(|top| (r, top))).collect();
+        if self.logprob_rows.is_empty() {
+            return Ok(());
+        }
+        let slot = self.next_slot();
+        let need = self.logprob_rows.len() * vocab;
+        if self.logit_staging[slot].as_ref().is_none_or(|s| s.len() < need) {
+            // Dropping the old one waits for the last copy into it.
+            self.logit_staging[slot] = Some(dev.host_staging(self.logprob_rows.len().next_power_of_two() * vocab)?);
+        }
+        let ranges: Vec<(usize, usize)> = self.logprob_rows.iter().map(|&(r, _)| (r * vocab, vocab)).collect();
+        if let Some(staging) = self.logit_staging[slot].as_mut() {
+            dev.download_ranges_async(&self.act.logits, &ranges, staging)?;
+        }
+        Ok(())
+    }
+
+    /// The token slot the next queued step uses (the one after the newest outstanding).
+    fn next_slot(&self) -> usize {
+        self.pending.back().map_or(0, |p| (p.slot + 1) % self.token_staging.len())
+    }
+
+    /// Each sampled row's log-probabilities where its spec asked (else `None`; empty when no
+    /// row asked), from the raw logits staged in `slot`.
+    fn logprobs(
+        &self,
+        slot: usize,
+        wanted: &[(usize, u32)],
+        tokens: &[u32],
+        vocab: usize,
+    ) -> Result<RowLogprobs, ModelError> {
+        if wanted.is_empty() {
+            return Ok(Vec::new());
+        }
+        let staging = self.logit_staging[slot]
+            .as_ref()
+            .ok_or_else(|| ModelError::Device("log-probabilities asked of a step that staged no logits".into()))?;
+        let raw = staging.host()?;
+        let mut out = vec![None; tokens.len()];
+        for (i, &(row, top)) in wanted.iter().enumerate() {
+            if let (Some(entry), Some(&token)) = (out.get_mut(row), tokens.get(row)) {
+                *entry = Some(token_logprobs(&raw[i * vocab..(i + 1) * vocab], token, top));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reads back the `rows` tokens the last step sampled (waits for the step), with their
+    /// log-probabilities where asked.
+    pub fn read_tokens(
+        &self,
+        dev: &CudaDevice,
+        vocab: usize,
+        rows: usize,
+    ) -> Result<(Vec<u32>, RowLogprobs), ModelError> {
         let tokens = dev.read(&self.act.tokens, rows)?;
-        Ok(tokens.into_iter().map(|t| t.clamp(0, vocab as i32 - 1) as u32).collect())
+        let tokens: Vec<u32> = tokens.into_iter().map(|t| t.clamp(0, vocab as i32 - 1) as u32).collect();
+        let logprobs = self.logprobs(self.next_slot(), &self.logprob_rows, &tokens, vocab)?;
+        Ok((tokens, logprobs))
     }
 
     /// Whether a submitted step's tokens are still to be collected.
@@ -289,19 +357,30 @@ impl StepBuffers {
         if !self.can_queue() {
             return Err(ModelError::Pipeline("two steps are already outstanding".into()));
         }
-        let slot = self.pending.back().map_or(0, |&(s, _)| (s + 1) % self.token_staging.len());
+        let slot = self.next_slot();
         dev.download_async(&self.act.tokens, rows, &mut self.token_staging[slot])?;
-        self.pending.push_back((slot, rows));
+        self.pending.push_back(PendingStep { slot, rows, logprob_rows: std::mem::take(&mut self.logprob_rows) });
         Ok(())
     }
 
-    /// The tokens of the oldest submitted step (waits for its download).
-    pub fn collect_tokens(&mut self, vocab: usize) -> Result<Vec<u32>, ModelError> {
-        let (slot, rows) =
-            self.pending.pop_front().ok_or_else(|| ModelError::Pipeline("no step was submitted".into()))?;
-        let tokens = self.token_staging[slot].host()?;
-        Ok(tokens[..rows].iter().map(|&t| t.clamp(0, vocab as i32 - 1) as u32).collect())
+    /// The tokens of the oldest submitted step (waits for its download), with their
+    /// log-probabilities where asked.
+    pub fn collect_tokens(&mut self, vocab: usize) -> Result<(Vec<u32>, RowLogprobs), ModelError> {
+        let step = self.pending.pop_front().ok_or_else(|| ModelError::Pipeline("no step was submitted".into()))?;
+        let tokens = self.token_staging[step.slot].host()?;
+        let tokens: Vec<u32> = tokens[..step.rows].iter().map(|&t| t.clamp(0, vocab as i32 - 1) as u32).collect();
+        let logprobs = self.logprobs(step.slot, &step.logprob_rows, &tokens, vocab)?;
+        Ok((tokens, logprobs))
     }
+}
+
+/// A submitted step whose tokens are still to be collected.
+struct PendingStep {
+    /// Its token (and logit) staging slot.
+    slot: usize,
+    rows: usize,
+    /// Its rows that want log-probabilities, with their top counts.
+    logprob_rows: Vec<(usize, u32)>,
 }
 
 /// Per-step activations, sized for `max_tokens` tokens and `max_seqs` sequences.
