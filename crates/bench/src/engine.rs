@@ -153,6 +153,7 @@ pub fn engine_config(cfg: &EngineBenchConfig) -> EngineConfig {
         max_num_batched_tokens: cfg.prefill_tokens.max(max_batch * prompt),
         async_scheduling: cfg.async_scheduling,
         max_queue_time: None,
+        prefix_caching: false,
     }
 }
 

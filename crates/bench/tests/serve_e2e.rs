@@ -19,6 +19,7 @@ async fn load_generator_measures_a_real_server() {
         max_num_batched_tokens: 256,
         async_scheduling: false,
         max_queue_time: None,
+        prefix_caching: false,
     };
     let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let state = Arc::new(tandem_server::AppState::new(engine, m.tokenizer.map(Arc::new), "tiny".into()));

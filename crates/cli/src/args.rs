@@ -89,6 +89,12 @@ pub struct EngineArgs {
     /// (the router sends it to another engine of the role if there is one). 0: no bound.
     #[arg(long, default_value_t = 0.0)]
     pub max_queue_secs: f64,
+    /// Keep each full block of computed KV (keyed by its tokens and every token before them)
+    /// until its memory is needed, so a prompt that begins as an earlier one did (a system
+    /// prompt, a chat's history) computes only the rest. Hits are counted in /metrics
+    /// (`tandem:prefix_cache_hits_total`).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub prefix_caching: Switch,
     /// Where the model runs: `cpu` (f32), `cuda:N` (bf16 on GPU N; needs the NVIDIA driver
     /// and the CUDA 13 cuBLAS and NVRTC libraries on LD_LIBRARY_PATH), or `auto` (GPU 0 if
     /// CUDA works here, else CPU, saying which).
@@ -152,6 +158,7 @@ impl EngineArgs {
             ("--max-num-seqs", self.max_num_seqs.to_string()),
             ("--max-num-batched-tokens", self.max_num_batched_tokens.to_string()),
             ("--max-queue-secs", self.max_queue_secs.to_string()),
+            ("--prefix-caching", if self.prefix_caching == Switch::On { "on" } else { "off" }.to_string()),
             ("--device", self.device.clone()),
             ("--gpu-memory-utilization", self.gpu_memory_utilization.to_string()),
         ]
@@ -178,6 +185,13 @@ impl EngineArgs {
         }
         v
     }
+}
+
+/// A feature on or off.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Switch {
+    On,
+    Off,
 }
 
 /// Whether the engine pipelines its steps (`--async-scheduling`).

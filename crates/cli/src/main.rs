@@ -143,6 +143,7 @@ fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<usize>) -> 
                 max_num_batched_tokens: e.max_num_batched_tokens,
                 async_scheduling: e.async_scheduling.enabled(true),
                 max_queue_time: e.max_queue_time().map_err(anyhow::Error::msg)?,
+                prefix_caching: e.prefix_caching == args::Switch::On,
             };
             config.validate().map_err(anyhow::Error::msg)?;
             tracing::info!(
@@ -185,6 +186,7 @@ fn engine_config(e: &EngineArgs, model: &LoadedModel) -> Result<EngineConfig> {
         max_num_batched_tokens: e.max_num_batched_tokens,
         async_scheduling: e.async_scheduling.enabled(false),
         max_queue_time: e.max_queue_time().map_err(anyhow::Error::msg)?,
+        prefix_caching: e.prefix_caching == args::Switch::On,
     };
     cfg.validate().map_err(anyhow::Error::msg)?;
     tracing::info!(

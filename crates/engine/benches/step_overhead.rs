@@ -74,6 +74,7 @@ fn main() {
                 max_num_batched_tokens: 16 * batch,
                 async_scheduling: pipelined,
                 max_queue_time: None,
+                prefix_caching: false,
             };
             let runner = NullRunner {
                 config: model.transformer.config().clone(),

@@ -11,8 +11,8 @@ use tandem_kv::{AgentInfo, ConnectorConfig, ConnectorEvent, EventSink, KvConnect
 use tandem_model::{carried_token, CpuRunner, ModelRunner, SampleSpec, SeqBatch, Transformer};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::block_pool::{BlockAllocation, BlockPool};
-use crate::request::{EngineEvent, EngineRequest, KvLoadTimeline, Request, RequestStatus};
+use crate::block_pool::{BlockAllocation, BlockPool, PrefixCacheStats};
+use crate::request::{EngineEvent, EngineRequest, KvLoadTimeline, PrefixKeys, Request, RequestStatus};
 use crate::scheduler::{PushAdmission, Scheduler, SchedulerOutput};
 use crate::EngineConfig;
 
@@ -273,8 +273,14 @@ impl EngineCore {
             logprobs: model.supports_logprobs(),
         };
         let pool = BlockPool::new(config.num_blocks);
+        let mut scheduler = Scheduler::new(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens);
+        // Keys chain from the model's fingerprint: equal keys on two engines mean equal KV.
+        scheduler.prefix_keys = config.prefix_caching.then(|| PrefixKeys {
+            salt: xxhash_rust::xxh3::xxh3_128(model.fingerprint().as_bytes()),
+            block_size: config.block_size,
+        });
         Self {
-            scheduler: Scheduler::new(pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens),
+            scheduler,
             model,
             limits,
             eos_token_ids,
@@ -470,6 +476,11 @@ impl EngineCore {
         self.scheduler.num_preemptions
     }
 
+    /// Prefix-cache counters, and the blocks whose KV is cached now.
+    pub fn prefix_cache(&self) -> (PrefixCacheStats, usize) {
+        (self.scheduler.pool.stats(), self.scheduler.pool.num_cached())
+    }
+
     /// Runs one step: apply connector events, start remote loads, schedule, forward, sample,
     /// emit.
     ///
@@ -625,6 +636,10 @@ impl EngineCore {
                 continue;
             };
             req.num_computed += c.token_ids.len();
+            if let Some(keys) = self.scheduler.prefix_keys {
+                // Registered as submitted: a step that reads them is queued after this one.
+                req.register_computed_blocks(keys);
+            }
             if !samples {
                 continue;
             }
@@ -690,6 +705,8 @@ impl EngineCore {
         let mut report = StepReport { num_tokens: 0, num_seqs: plan.chunks.len(), num_finished: 0 };
         for c in &plan.chunks {
             if let Some(req) = self.scheduler.remove(&c.id) {
+                // What this step was to compute may be garbage: no later prompt may take it.
+                req.blocks.unregister_from(c.first_pos / self.scheduler.block_size());
                 let _ = req.events.send(EngineEvent::Failed(format!("the model failed: {reason}")));
                 report.num_finished += 1;
             }
@@ -713,6 +730,9 @@ impl EngineCore {
                 continue;
             };
             req.num_computed += c.token_ids.len();
+            if let Some(keys) = self.scheduler.prefix_keys {
+                req.register_computed_blocks(keys);
+            }
             if let Some((token, logprobs)) = token {
                 let (index, serial) = (req.tokens.len(), req.serial);
                 self.emit_token(&c.id, serial, index, (token, logprobs), &mut finished);
@@ -908,6 +928,10 @@ impl EngineCore {
                     self.scheduler.remote_waiting.retain(|r| r != &request_id);
                     req.status = RequestStatus::Running;
                     req.num_computed = req.prompt_len;
+                    if let Some(keys) = self.scheduler.prefix_keys {
+                        // Landed and checked: the loaded KV is as good as computed here.
+                        req.register_computed_blocks(keys);
+                    }
                     let us = |d: std::time::Duration| d.as_micros() as u64;
                     let queued = req.kv_requested.map(|t| t.duration_since(req.arrived)).unwrap_or_default();
                     let now_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(us);

@@ -44,6 +44,9 @@ pub struct EngineStats {
     preemptions: AtomicU64,
     steps: AtomicU64,
     rejected: AtomicU64,
+    cached_blocks: AtomicUsize,
+    prefix_queried_tokens: AtomicU64,
+    prefix_hit_tokens: AtomicU64,
 }
 
 /// A copy of [`EngineStats`] at one moment.
@@ -63,6 +66,12 @@ pub struct StatsSnapshot {
     pub steps: u64,
     /// Requests the engine thread refused (e.g. duplicate ids).
     pub rejected: u64,
+    /// KV blocks whose computed KV is cached for later prompts now (held or free).
+    pub cached_blocks: usize,
+    /// Prompt tokens looked up in the prefix cache so far (whole blocks).
+    pub prefix_queried_tokens: u64,
+    /// Of those, tokens whose KV was found, not computed.
+    pub prefix_hit_tokens: u64,
     /// KV connector counters (prefill and decode roles).
     pub kv: Option<ConnectorStats>,
 }
@@ -205,6 +214,10 @@ fn run_loop(mut core: EngineCore, rx: mpsc::Receiver<Command>, stats: Arc<Engine
         stats.waiting.store(core.num_waiting(), Ordering::Relaxed);
         stats.free_blocks.store(core.num_free_blocks(), Ordering::Relaxed);
         stats.preemptions.store(core.num_preemptions(), Ordering::Relaxed);
+        let (prefix, cached) = core.prefix_cache();
+        stats.cached_blocks.store(cached, Ordering::Relaxed);
+        stats.prefix_queried_tokens.store(prefix.queried_tokens, Ordering::Relaxed);
+        stats.prefix_hit_tokens.store(prefix.hit_tokens, Ordering::Relaxed);
     }
 }
 
@@ -262,6 +275,9 @@ impl EngineHandle {
             preemptions: s.preemptions.load(Ordering::Relaxed),
             steps: s.steps.load(Ordering::Relaxed),
             rejected: s.rejected.load(Ordering::Relaxed),
+            cached_blocks: s.cached_blocks.load(Ordering::Relaxed),
+            prefix_queried_tokens: s.prefix_queried_tokens.load(Ordering::Relaxed),
+            prefix_hit_tokens: s.prefix_hit_tokens.load(Ordering::Relaxed),
             kv: self.kv_view.as_ref().map(tandem_kv::KvView::stats),
         }
     }

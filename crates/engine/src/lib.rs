@@ -25,7 +25,7 @@ mod handle;
 mod request;
 mod scheduler;
 
-pub use block_pool::{BlockAllocation, BlockPool, NoFreeBlocks};
+pub use block_pool::{BlockAllocation, BlockHash, BlockPool, NoFreeBlocks, PrefixCacheStats};
 pub use core::{EngineCore, EngineLimits, EngineModel, KvLoadFailure, KvSetup, RequestRejected, StepReport};
 pub use handle::{spawn, spawn_with, EngineHandle, EngineStats, RequestStream, StatsSnapshot, SubmitError};
 pub use request::{EngineEvent, EngineRequest, KvLoadTimeline};
@@ -52,6 +52,10 @@ pub struct EngineConfig {
     /// (the server answers 503 with `Retry-After`): past capacity, a client hears at a bounded
     /// time that it was not served, instead of waiting behind a backlog. `None`: no bound.
     pub max_queue_time: Option<std::time::Duration>,
+    /// Prefix caching: full blocks of computed KV stay cached (keyed by their tokens and every
+    /// token before them) until their blocks are needed, and a prompt that begins with cached
+    /// blocks computes only the rest (see [`BlockPool`]).
+    pub prefix_caching: bool,
 }
 
 impl EngineConfig {

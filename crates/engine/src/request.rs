@@ -5,7 +5,7 @@ use rand_chacha::ChaCha8Rng;
 use tandem_core::{FinishReason, RemoteKv, RequestId, SamplingParams, TokenLogprobs, TransferId};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::block_pool::BlockAllocation;
+use crate::block_pool::{BlockAllocation, BlockHash};
 
 /// A request as the engine accepts it: tokens, not text. Built by the server (or the CLI)
 /// after validation; [`crate::EngineLimits::check`] repeats the checks that need engine facts.
@@ -85,6 +85,14 @@ pub struct KvLoadTimeline {
     pub produced_to_ready_us: Option<u64>,
 }
 
+/// How an engine with prefix caching keys its blocks.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PrefixKeys {
+    /// What the first block's key chains from (a hash of the model's fingerprint).
+    pub salt: u128,
+    pub block_size: usize,
+}
+
 /// Where a live request is. Finished requests leave the engine at once (their blocks with
 /// them), so there is no finished state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,6 +128,10 @@ pub(crate) struct Request {
     /// When the engine accepted the request, and when it asked for remote KV.
     pub arrived: std::time::Instant,
     pub kv_requested: Option<std::time::Instant>,
+    /// Prefix caching: the keys of its full blocks of known tokens, made as they fill, and how
+    /// many of its blocks are registered in the pool's cache.
+    pub block_keys: Vec<BlockHash>,
+    pub num_registered: usize,
 }
 
 impl Request {
@@ -151,7 +163,35 @@ impl Request {
             remote: req.remote,
             arrived: std::time::Instant::now(),
             kv_requested: None,
+            block_keys: Vec::new(),
+            num_registered: 0,
         }
+    }
+
+    /// Extends `block_keys` over its full blocks of known tokens (a token sampled on the device
+    /// but not yet seen here ends them).
+    pub fn extend_block_keys(&mut self, keys: PrefixKeys) {
+        // Only the tail can hold carried tokens: look past the blocks already keyed.
+        let from = (self.block_keys.len() * keys.block_size).min(self.tokens.len());
+        let known = self.tokens[from..]
+            .iter()
+            .position(|&t| tandem_model::carried_row(t).is_some())
+            .map_or(self.tokens.len(), |i| from + i);
+        BlockHash::extend_chain(keys.salt, &mut self.block_keys, &self.tokens[..known], keys.block_size);
+    }
+
+    /// Registers its full computed blocks in the pool's prefix cache.
+    pub fn register_computed_blocks(&mut self, keys: PrefixKeys) {
+        let full = (self.num_computed / keys.block_size).min(self.blocks.len());
+        if full <= self.num_registered {
+            return;
+        }
+        self.extend_block_keys(keys);
+        let upto = full.min(self.block_keys.len());
+        for i in self.num_registered..upto {
+            self.blocks.register(i, self.block_keys[i]);
+        }
+        self.num_registered = self.num_registered.max(upto);
     }
 
     pub fn num_output_tokens(&self) -> usize {

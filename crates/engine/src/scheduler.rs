@@ -28,7 +28,7 @@ use std::collections::{HashMap, VecDeque};
 use tandem_core::{RemoteKv, RequestId, TransferId};
 
 use crate::block_pool::BlockPool;
-use crate::request::{Request, RequestStatus};
+use crate::request::{PrefixKeys, Request, RequestStatus};
 
 /// One request's share of a step.
 #[derive(Clone, Debug)]
@@ -103,6 +103,8 @@ pub(crate) struct Scheduler {
     max_num_seqs: usize,
     max_num_batched_tokens: usize,
     pub num_preemptions: u64,
+    /// Prefix caching, when on: how block keys are made.
+    pub prefix_keys: Option<PrefixKeys>,
 }
 
 impl Scheduler {
@@ -118,6 +120,7 @@ impl Scheduler {
             max_num_seqs,
             max_num_batched_tokens,
             num_preemptions: 0,
+            prefix_keys: None,
         }
     }
 
@@ -201,6 +204,7 @@ impl Scheduler {
         if let Some(req) = self.requests.get_mut(&id) {
             req.blocks.release();
             req.num_computed = 0;
+            req.num_registered = 0;
             req.status = RequestStatus::Waiting;
             req.num_preemptions += 1;
         }
@@ -281,9 +285,18 @@ impl Scheduler {
                         continue;
                     }
                 }
+                let hit = match self.prefix_keys {
+                    Some(keys) if req.blocks.is_empty() && req.num_computed == 0 => take_cached_prefix(req, keys),
+                    _ => 0,
+                };
                 let n = (req.tokens.len() - req.num_computed).min(budget);
                 let need = (req.num_computed + n).div_ceil(block_size).saturating_sub(req.blocks.len());
                 if req.blocks.grow(need).is_err() {
+                    if hit > 0 {
+                        // It waits; the cached blocks go back (still cached) until it runs.
+                        req.blocks.release();
+                        (req.num_computed, req.num_registered) = (0, 0);
+                    }
                     break;
                 }
                 req.status = RequestStatus::Running;
@@ -295,6 +308,18 @@ impl Scheduler {
         }
         out
     }
+}
+
+/// Gives a request about to run from scratch the cached KV of its prompt's longest cached
+/// prefix of whole blocks, leaving at least its last token to compute (its logits sample the
+/// next token); returns the blocks taken.
+fn take_cached_prefix(req: &mut Request, keys: PrefixKeys) -> usize {
+    req.extend_block_keys(keys);
+    let most = (req.tokens.len().saturating_sub(1) / keys.block_size).min(req.block_keys.len());
+    let hit = req.blocks.take_cached_prefix(&req.block_keys[..most], keys.block_size);
+    req.num_computed = hit * keys.block_size;
+    req.num_registered = hit;
+    hit
 }
 
 fn chunk(req: &Request, n: usize) -> ScheduledChunk {

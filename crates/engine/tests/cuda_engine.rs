@@ -24,6 +24,7 @@ fn engine_with(graphs: bool, pipelined: bool) -> Option<EngineCore> {
         max_num_batched_tokens: 512,
         async_scheduling: pipelined,
         max_queue_time: None,
+        prefix_caching: false,
     };
     engine_of(cfg, graphs, false)
 }
@@ -174,6 +175,7 @@ fn batch_invariant_requests_get_their_answer_alone_whatever_shares_the_batch() {
         max_num_batched_tokens: budget,
         async_scheduling: true,
         max_queue_time: None,
+        prefix_caching: false,
     };
     let requests: Vec<(usize, Vec<u32>, SamplingParams)> = (0..64)
         .map(|i| {

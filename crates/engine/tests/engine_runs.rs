@@ -48,6 +48,9 @@ fn core_with(model: LoadedModel, block_size: usize, num_blocks: usize, budget: u
         max_num_batched_tokens: budget,
         async_scheduling: pipelined,
         max_queue_time: None,
+        // As `serve` runs: with batching, chunking and preemption, cached blocks are shared
+        // between requests and taken back by preempted ones.
+        prefix_caching: true,
     };
     let core = EngineCore::new(model.transformer, model.eos_token_ids, model.max_model_len, &cfg);
     assert_eq!(core.pipelined(), pipelined);
@@ -89,6 +92,51 @@ fn run(
 
 fn greedy_ignore_eos(n: usize) -> SamplingParams {
     SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) }
+}
+
+/// Prefix caching: a prompt that begins as an earlier one takes that one's cached KV for its
+/// whole leading blocks and computes only the rest (at least its last token), and its tokens
+/// are those it gets with nothing cached; blocks all come back, the cached ones still cached.
+#[test]
+fn a_prompt_that_begins_as_an_earlier_one_computes_only_the_rest_with_the_same_tokens() {
+    let (_, cases) = fixture("qwen3");
+    let first = cases.iter().find(|c| c.prompt.len() == 100).expect("a 100-token case").prompt.clone();
+    let mut branched = first[..90].to_vec();
+    branched.extend((0..20u32).map(|i| (i * 7 + 3) % 50));
+    let prompts = [first.clone(), branched.clone(), first.clone(), first[..37].to_vec()];
+    for pipelined in [false, true] {
+        // Each prompt alone, nothing cached: the reference.
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| {
+                let (model, _) = fixture("qwen3");
+                let mut core = core_with(model, 16, 64, 4096, pipelined);
+                let (tx, rx) = unbounded_channel();
+                core.add_request(EngineRequest::new(RequestId::new("alone"), p.clone(), greedy_ignore_eos(8)), tx)
+                    .unwrap();
+                run(&mut core, vec![(RequestId::new("alone"), rx)]).remove(&RequestId::new("alone")).unwrap().0
+            })
+            .collect();
+        // One after another on one engine: each after the first finds blocks cached.
+        let (model, _) = fixture("qwen3");
+        let mut core = core_with(model, 16, 64, 4096, pipelined);
+        let mut hits = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let id = RequestId::new(format!("r{i}"));
+            let (tx, rx) = unbounded_channel();
+            core.add_request(EngineRequest::new(id.clone(), p.clone(), greedy_ignore_eos(8)), tx).unwrap();
+            let before = core.prefix_cache().0.hit_tokens;
+            let toks = run(&mut core, vec![(id.clone(), rx)]).remove(&id).unwrap().0;
+            assert_eq!(toks, want[i], "prompt {i} (pipelined: {pipelined})");
+            hits.push(core.prefix_cache().0.hit_tokens - before);
+            assert_eq!(core.num_free_blocks(), 64, "every block back after prompt {i}");
+        }
+        // The first computes all; the branch shares 5 whole blocks (80 of its first 90
+        // tokens); the repeat takes 6 (96 tokens) and computes 4; the 37-token prefix of the
+        // first takes its 2 whole blocks.
+        assert_eq!(hits, [0, 80, 96, 32], "pipelined: {pipelined}");
+        assert!(core.prefix_cache().1 >= 7, "the blocks stay cached while free");
+    }
 }
 
 #[test]
@@ -273,6 +321,7 @@ fn eos_min_tokens_stop_ids_and_max_tokens_in(pipelined: bool) {
         max_num_batched_tokens: 256,
         async_scheduling: pipelined,
         max_queue_time: None,
+        prefix_caching: false,
     };
     let mut core = EngineCore::new(model.transformer, vec![eos], model.max_model_len, &cfg);
     assert_eq!(core.pipelined(), pipelined);
@@ -308,6 +357,7 @@ fn invalid_requests_are_refused_with_reasons() {
         max_num_batched_tokens: 64,
         async_scheduling: false,
         max_queue_time: None,
+        prefix_caching: false,
     };
     let mut core = EngineCore::new(model.transformer, model.eos_token_ids, 1024, &cfg);
     let mut add = |prompt: Vec<u32>, params: SamplingParams| {
@@ -350,6 +400,7 @@ async fn dropping_a_stream_aborts_in(pipelined: bool) {
         max_num_batched_tokens: 256,
         async_scheduling: pipelined,
         max_queue_time: None,
+        prefix_caching: false,
     };
     let engine = spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let mut long =
@@ -394,6 +445,7 @@ async fn dropping_a_stream_mid_prefill_stops_the_prefill() {
         max_num_batched_tokens: 1,
         async_scheduling: false,
         max_queue_time: None,
+        prefix_caching: false,
     };
     let engine = spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let stream = engine.submit(EngineRequest::new(RequestId::new("p"), vec![3; 2000], greedy_ignore_eos(1))).unwrap();
@@ -519,6 +571,7 @@ fn a_failed_forward_fails_its_batch_in(at: FailAt) {
         max_num_batched_tokens: 4096,
         async_scheduling: pipelined,
         max_queue_time: None,
+        prefix_caching: false,
     };
     let runner =
         FailingOnce { inner: tandem_model::CpuRunner::new(model.transformer, 16, 64), calls: 0, fail_at: 2, at };
@@ -605,6 +658,7 @@ fn a_request_queued_past_the_bound_ends_and_nothing_that_ran_does() {
         max_num_batched_tokens: 256,
         async_scheduling: false,
         max_queue_time: Some(bound),
+        prefix_caching: false,
     };
     let mut core = EngineCore::new(model.transformer, model.eos_token_ids, model.max_model_len, &cfg);
     let submit = |core: &mut EngineCore, id: &str| {

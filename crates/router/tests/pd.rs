@@ -320,3 +320,45 @@ async fn seeded_sampling_and_logprobs_through_push_and_pull_equal_colocated() {
     }
     wait_idle(&[&colocated]).await;
 }
+
+/// Prefix caching through P/D: prompts that begin as an earlier one did take the prefill
+/// engine's cached blocks for their whole leading blocks and compute only the rest, and the
+/// KV decode gets (cached blocks and computed ones together) gives the tokens of a colocated
+/// engine that caches nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prompts_sharing_a_prefix_take_prefills_cached_blocks_and_equal_colocated() {
+    let http = reqwest::Client::new();
+    let base: Vec<u32> = (0..100).map(|j| (j * 13 % 500) as u32).collect();
+    let body = |tail: Vec<u32>, max_tokens: usize| {
+        let prompt: Vec<u32> = base.iter().copied().chain(tail).collect();
+        serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                           "ignore_eos": true, "stream": max_tokens.is_multiple_of(2)})
+    };
+    let first = [body(Vec::new(), 6)];
+    let rest: Vec<Value> =
+        (0..6u32).map(|i| body((0..i * 5).map(|j| (j * 7 + i) % 500).collect(), 4 + i as usize)).collect();
+    let colocated = engine_with(None, 16, Knobs { prefix_caching: false, ..Knobs::default() }).await;
+    let want_first = run_all(&http, &colocated.url, &first).await;
+    let want_rest = run_all(&http, &colocated.url, &rest).await;
+    for (mode, kv_mode, local) in [
+        (TransferMode::Push, KvMode::Push, false),
+        (TransferMode::Pull, KvMode::Pull, false),
+        (TransferMode::Push, KvMode::Push, true),
+        (TransferMode::Pull, KvMode::Pull, true),
+    ] {
+        let k = Knobs { local, ..Knobs::default() };
+        let p = engine_with(Some((Role::Prefill, kv_mode)), 16, k.clone()).await;
+        let d = engine_with(Some((Role::Decode, kv_mode)), 8, k).await;
+        let url = router(mode, &p, &d).await;
+        assert_eq!(run_all(&http, &url, &first).await, want_first, "{mode:?} local={local}");
+        assert_eq!(run_all(&http, &url, &rest).await, want_rest, "{mode:?} local={local}");
+        wait_idle(&[&p, &d]).await;
+        // Each of the six takes the first prompt's 6 whole blocks (96 tokens) at least.
+        let stats = p.state.engine.stats();
+        assert!(stats.prefix_hit_tokens >= 6 * 96, "{mode:?} local={local}: {stats:?}");
+        assert!(stats.cached_blocks >= 6, "{stats:?}");
+        let ds = kv_stats_until(&d, "7 transfers", |s| s.transfers_ok == 7).await;
+        assert_eq!(ds.transfers_failed, 0);
+    }
+    wait_idle(&[&colocated]).await;
+}

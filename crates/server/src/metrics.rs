@@ -14,6 +14,9 @@ pub struct Metrics {
     kv_blocks_free: IntGauge,
     kv_blocks_total: IntGauge,
     preemptions: IntGauge,
+    kv_blocks_cached: IntGauge,
+    prefix_queries: IntGauge,
+    prefix_hits: IntGauge,
     prompt_tokens: IntCounter,
     generation_tokens: IntCounter,
     ttft: Histogram,
@@ -65,6 +68,18 @@ impl Metrics {
             kv_blocks_free: gauge("tandem:kv_blocks_free", "KV cache blocks free."),
             kv_blocks_total: gauge("tandem:kv_blocks_total", "KV cache blocks in the pool."),
             preemptions: gauge("tandem:num_preemptions_total", "Requests preempted (recomputed) so far."),
+            kv_blocks_cached: gauge(
+                "tandem:kv_blocks_cached",
+                "KV cache blocks whose computed KV is kept for later prompts (held or free).",
+            ),
+            prefix_queries: gauge(
+                "tandem:prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache (whole blocks).",
+            ),
+            prefix_hits: gauge(
+                "tandem:prefix_cache_hits_total",
+                "Prompt tokens whose KV the prefix cache held (not computed).",
+            ),
             prompt_tokens: counter("tandem:prompt_tokens_total", "Prompt tokens of admitted requests."),
             generation_tokens: counter("tandem:generation_tokens_total", "Tokens generated."),
             ttft: histogram("tandem:time_to_first_token_seconds", "Request arrival to first token.", LATENCY_BUCKETS),
@@ -153,6 +168,9 @@ impl Metrics {
         self.kv_blocks_total.set(stats.total_blocks as i64);
         self.kv_blocks_used.set(stats.total_blocks.saturating_sub(stats.free_blocks) as i64);
         self.preemptions.set(stats.preemptions as i64);
+        self.kv_blocks_cached.set(stats.cached_blocks as i64);
+        self.prefix_queries.set(stats.prefix_queried_tokens as i64);
+        self.prefix_hits.set(stats.prefix_hit_tokens as i64);
         if let Some(kv) = &stats.kv {
             for (name, v) in [
                 ("transfers_ok", kv.transfers_ok),

@@ -30,6 +30,7 @@ async fn start_with(num_blocks: usize, budget: usize, defaults: tandem_model::Ge
         max_num_batched_tokens: budget,
         async_scheduling: false,
         max_queue_time: None,
+        prefix_caching: true,
     };
     let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let state =
@@ -370,6 +371,9 @@ async fn models_health_tokenize_request_id_and_metrics() {
         "tandem:e2e_request_latency_seconds_count 2",
         "tandem:request_success_total{finished_reason=\"length\"} 2",
         "tandem:prompt_tokens_total",
+        "tandem:prefix_cache_queries_total",
+        "tandem:prefix_cache_hits_total",
+        "tandem:kv_blocks_cached",
     ] {
         assert!(m.contains(name), "missing `{name}` in:\n{m}");
     }
@@ -567,6 +571,7 @@ async fn past_its_bound_the_server_answers_429_with_retry_after() {
         max_num_batched_tokens: 64,
         async_scheduling: false,
         max_queue_time: None,
+        prefix_caching: false,
     };
     let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let state = Arc::new(AppState::new(engine, m.tokenizer.map(Arc::new), MODEL.into()).with_max_in_flight(2));

@@ -42,6 +42,9 @@ pub struct Knobs {
     /// run with it, so that KV corrupted on the way would fail them as a counted checksum
     /// failure, not as wrong tokens).
     pub verify: bool,
+    /// Prefix caching on the engines (on by default, as `serve`'s: every P/D and fault test
+    /// runs with cached blocks shared between requests).
+    pub prefix_caching: bool,
 }
 
 impl Default for Knobs {
@@ -57,6 +60,7 @@ impl Default for Knobs {
             num_blocks: None,
             max_num_seqs: 64,
             max_queue_time: None,
+            prefix_caching: true,
             max_in_flight: 0,
             verify: true,
         }
@@ -81,6 +85,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
         max_num_batched_tokens: k.budget,
         async_scheduling: k.pipelined,
         max_queue_time: k.max_queue_time,
+        prefix_caching: k.prefix_caching,
     };
     let kv = role.map(|(role, mode)| KvSetup {
         connector: ConnectorConfig {
