@@ -198,12 +198,13 @@ impl BlockAllocation {
     }
 
     /// Takes, for an empty allocation, the cached blocks of the longest prefix of `keys` whose
-    /// KV is registered; returns how many (counted as `tokens_per_block` tokens each in the
-    /// pool's stats, against all of `keys`).
-    pub fn take_cached_prefix(&mut self, keys: &[BlockHash], tokens_per_block: usize) -> usize {
+    /// KV is registered, cut to a multiple of `multiple` blocks; returns how many (counted as
+    /// `tokens_per_block` tokens each in the pool's stats, against all of `keys`).
+    pub fn take_cached_prefix(&mut self, keys: &[BlockHash], tokens_per_block: usize, multiple: usize) -> usize {
         debug_assert!(self.blocks.is_empty(), "a prefix is taken before any block");
         let mut inner = self.pool.lock();
-        for key in keys {
+        let found = keys.iter().take_while(|k| inner.cached.contains_key(k)).count();
+        for key in &keys[..found / multiple.max(1) * multiple.max(1)] {
             let Some(&b) = inner.cached.get(key) else { break };
             let i = b.0 as usize;
             if inner.holders[i] == 0 {
@@ -321,10 +322,10 @@ mod tests {
         assert_eq!((pool.num_free(), pool.num_cached()), (8, 2), "free, and still cached");
 
         let mut b = pool.empty_allocation();
-        assert_eq!(b.take_cached_prefix(&keys, 4), 2, "the chain stops at the first unknown key");
+        assert_eq!(b.take_cached_prefix(&keys, 4, 1), 2, "the chain stops at the first unknown key");
         assert_eq!(b.blocks(), cached);
         let mut c = pool.empty_allocation();
-        assert_eq!(c.take_cached_prefix(&keys[..1], 4), 1);
+        assert_eq!(c.take_cached_prefix(&keys[..1], 4, 1), 1);
         assert_eq!(c.blocks()[0], cached[0], "shared");
         assert_eq!(pool.num_free(), 6, "a shared block counts once");
         let stats = pool.stats();
@@ -341,7 +342,7 @@ mod tests {
         d.grow(2).unwrap();
         assert_eq!((pool.num_cached(), pool.stats().evicted_blocks), (0, 2), "taken fresh, their KV dropped");
         let mut e = pool.empty_allocation();
-        assert_eq!(e.take_cached_prefix(&keys, 4), 0);
+        assert_eq!(e.take_cached_prefix(&keys, 4, 1), 0);
         drop(d);
         assert_eq!(pool.num_free(), 8);
     }

@@ -853,11 +853,15 @@ impl EngineCore {
     /// Gives queued decode legs their blocks and asks the connector for their KV.
     fn start_remote_loads(&mut self) {
         let Some(connector) = &self.connector else { return };
-        while let Some(id) = self.scheduler.start_next_remote_load() {
+        let alignment = |source: &RemoteKv| match source {
+            RemoteKv::PushFrom { peer, .. } | RemoteKv::PullFrom { peer, .. } => connector.transfer_alignment(peer),
+            RemoteKv::Produce { .. } => None,
+        };
+        while let Some((id, cached)) = self.scheduler.start_next_remote_load(&alignment) {
             let Some(req) = self.scheduler.requests.get(&id) else { continue };
             if let Some(source) = req.remote.clone() {
-                tracing::debug!(request_id = %id, transfer_id = %source.transfer_id(), "waiting for remote KV");
-                connector.expect(id, source, req.blocks.table(), req.prompt_len);
+                tracing::debug!(request_id = %id, transfer_id = %source.transfer_id(), cached, "waiting for remote KV");
+                connector.expect(id, source, req.blocks.table(), req.prompt_len, cached);
             }
         }
     }

@@ -150,15 +150,24 @@ impl Scheduler {
     }
 
     /// Starts the next queued decode leg's KV load, if it may start now: gives it the blocks
-    /// for its prompt and marks it waiting for them to be filled. Returns its id (the caller
-    /// asks the connector for the KV), or `None` while the queue's head must wait.
+    /// for its prompt and marks it waiting for them to be filled. Returns its id and how many
+    /// leading prompt tokens' KV its blocks hold already (the caller asks the connector for the
+    /// rest), or `None` while the queue's head must wait.
+    ///
+    /// With prefix caching, a leg takes the cached blocks of its prompt's longest cached prefix,
+    /// cut to a whole number of `alignment(source)` tokens (runs that are whole blocks on both
+    /// engines, so no transferred block is one of them: they may be shared) and short of the
+    /// prompt's last token; no alignment (not connected to that prefill engine yet), nothing.
     ///
     /// A leg loading KV runs as soon as the KV lands, so it takes one of the `max_num_seqs`
     /// places now. And every running request keeps one free block for its next tokens: KV that
     /// has not arrived yet never pushes a decoding request into preemption (on a decode
     /// engine, a recompute of its whole prompt), which under a prefill backlog would turn the
     /// decode engine into a second, slower prefill engine.
-    pub fn start_next_remote_load(&mut self) -> Option<RequestId> {
+    pub fn start_next_remote_load(
+        &mut self,
+        alignment: &dyn Fn(&RemoteKv) -> Option<usize>,
+    ) -> Option<(RequestId, usize)> {
         loop {
             let id = self.remote_queue.front()?.clone();
             let Some(req) = self.requests.get_mut(&id) else {
@@ -168,15 +177,21 @@ impl Scheduler {
             if self.running.len() + self.remote_waiting.len() >= self.max_num_seqs {
                 return None;
             }
+            let run = req.remote.as_ref().and_then(alignment);
+            let cached = match (self.prefix_keys, run) {
+                (Some(keys), Some(run)) if req.blocks.is_empty() => take_cached_prompt_prefix(req, keys, run),
+                _ => 0,
+            };
             let need = req.prompt_len.div_ceil(self.block_size).saturating_sub(req.blocks.len());
             if self.pool.num_free() < need + self.running.len() || req.blocks.grow(need).is_err() {
+                req.blocks.release(); // the cached blocks too, until it can start
                 return None; // wait for blocks to free up
             }
             self.remote_queue.pop_front();
             req.status = RequestStatus::WaitingForRemoteKvs;
             req.kv_requested = Some(std::time::Instant::now());
             self.remote_waiting.push(id.clone());
-            return Some(id);
+            return Some((id, cached));
         }
     }
 
@@ -316,10 +331,21 @@ impl Scheduler {
 fn take_cached_prefix(req: &mut Request, keys: PrefixKeys) -> usize {
     req.extend_block_keys(keys);
     let most = (req.tokens.len().saturating_sub(1) / keys.block_size).min(req.block_keys.len());
-    let hit = req.blocks.take_cached_prefix(&req.block_keys[..most], keys.block_size);
+    let hit = req.blocks.take_cached_prefix(&req.block_keys[..most], keys.block_size, 1);
     req.num_computed = hit * keys.block_size;
     req.num_registered = hit;
     hit
+}
+
+/// Gives a decode leg the cached KV of its prompt's longest cached prefix that is a whole
+/// number of `run` tokens and leaves the last token to the transfer; returns its tokens.
+fn take_cached_prompt_prefix(req: &mut Request, keys: PrefixKeys, run: usize) -> usize {
+    req.extend_block_keys(keys);
+    let most = (req.prompt_len.saturating_sub(1) / run * run / keys.block_size).min(req.block_keys.len());
+    // `run` is a whole number of our blocks (the agent's shared run of both block sizes).
+    let hit = req.blocks.take_cached_prefix(&req.block_keys[..most], keys.block_size, run / keys.block_size);
+    req.num_registered = hit;
+    hit * keys.block_size
 }
 
 fn chunk(req: &Request, n: usize) -> ScheduledChunk {
@@ -400,9 +426,9 @@ mod tests {
             s.add_remote(request(&pool, id, len));
         }
         // r1 needs 4 blocks; 6 are free, 2 stay for the running requests' next tokens.
-        assert_eq!(s.start_next_remote_load(), Some(RequestId::new("r1")));
+        assert_eq!(s.start_next_remote_load(&|_| None), Some((RequestId::new("r1"), 0)));
         assert_eq!(pool.num_free(), 2);
-        assert_eq!(s.start_next_remote_load(), None, "the third place is r1's; the blocks left are a and b's");
+        assert_eq!(s.start_next_remote_load(&|_| None), None, "the third place is r1's; the blocks left are a and b's");
         // Both running requests need a block for their ninth token, and get it.
         for id in ["a", "b"] {
             s.requests.get_mut(&RequestId::new(id)).unwrap().tokens.push(5);
@@ -413,7 +439,7 @@ mod tests {
         // A running request ends: its place and blocks go to the next load.
         let a = s.remove(&RequestId::new("a")).unwrap();
         drop(a);
-        assert_eq!(s.start_next_remote_load(), Some(RequestId::new("r2")));
-        assert_eq!(s.start_next_remote_load(), None, "three places: b, r1, r2");
+        assert_eq!(s.start_next_remote_load(&|_| None), Some((RequestId::new("r2"), 0)));
+        assert_eq!(s.start_next_remote_load(&|_| None), None, "three places: b, r1, r2");
     }
 }

@@ -54,9 +54,25 @@ impl KvConnector {
         &self.info
     }
 
-    /// Decode: fetch the KV for `request_id` into `blocks` (already allocated, in token order).
-    pub fn expect(&self, request_id: RequestId, source: RemoteKv, blocks: Vec<u32>, num_tokens: usize) {
-        let _ = self.commands.send(Command::Expect { request_id, source, blocks, num_tokens });
+    /// Decode: fetch the KV for `request_id`'s `num_tokens` prompt tokens into `blocks`
+    /// (already allocated, in token order), all but the first `cached_tokens`, whose KV the
+    /// blocks hold already (a whole number of [`KvConnector::transfer_alignment`] runs).
+    pub fn expect(
+        &self,
+        request_id: RequestId,
+        source: RemoteKv,
+        blocks: Vec<u32>,
+        num_tokens: usize,
+        cached_tokens: usize,
+    ) {
+        let _ = self.commands.send(Command::Expect { request_id, source, blocks, num_tokens, cached_tokens });
+    }
+
+    /// Decode: what a cached prefix that a transfer from the prefill engine at `peer` skips
+    /// must be a whole number of (tokens that are whole blocks on both engines), if this engine
+    /// is connected to it now; `None` otherwise (then nothing can be skipped). A table lookup.
+    pub fn transfer_alignment(&self, peer: &str) -> Option<usize> {
+        agent::transfer_alignment(&self.shared, peer)
     }
 
     /// Prefill: a step of a remote-decode prompt computes its KV up to `num_tokens` into

@@ -28,7 +28,7 @@ use crate::agent_info::AgentInfo;
 use crate::KvError;
 
 /// The side-channel protocol version.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Largest control frame accepted (a block-id list for a very long prompt fits easily).
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -75,13 +75,17 @@ pub enum Message {
         decode_engine: EngineId,
         /// The decode engine's epoch; writes are void if it changes.
         epoch: Epoch,
-        /// Destination blocks, in token order.
+        /// Destination blocks, in token order, from token `skip_tokens` on.
         block_ids: Vec<u32>,
-        /// Tokens whose KV is wanted.
+        /// Tokens whose KV is wanted (after the skipped ones).
         num_tokens: usize,
         /// A direct transport must not start writing later than this after receipt (the
         /// decode engine's deadline for the transfer).
         write_within_ms: u64,
+        /// Leading tokens of the prompt whose KV decode holds already (its prefix cache): not
+        /// sent. A whole number of blocks in both engines' block sizes.
+        #[serde(default)]
+        skip_tokens: usize,
     },
     /// After a push write (prefill -> decode) the data landed; after a pull read
     /// (decode -> prefill) the source blocks may be released.
@@ -147,15 +151,18 @@ pub enum Message {
     ReadBlocks {
         /// The attempt (the holder checks the blocks are leased to it).
         transfer_id: TransferId,
-        /// Holder's source blocks, in token order.
+        /// Holder's source blocks, in token order (the whole lease).
         blocks: Vec<u32>,
-        /// Tokens wanted.
+        /// Tokens of the lease.
         num_tokens: usize,
-        /// The reader's destination blocks, for a holder that writes them directly (cuda-ipc,
-        /// local); empty on tcp.
+        /// The reader's destination blocks from token `skip_tokens` on, for a holder that
+        /// writes them directly (cuda-ipc, local); empty on tcp.
         dst_blocks: Vec<u32>,
         /// As in `Register`.
         write_within_ms: u64,
+        /// As in `Register`: the first `skip_tokens` of the lease are not read.
+        #[serde(default)]
+        skip_tokens: usize,
     },
     /// Reply to `ReadBlocks`; followed by `bytes` raw bytes in the sender's block layout.
     BlockData {
@@ -232,6 +239,7 @@ mod tests {
                 block_ids: vec![3, 4, 9],
                 num_tokens: 40,
                 write_within_ms: 900,
+                skip_tokens: 0,
             },
             Message::Done {
                 transfer_id: t.clone(),
@@ -268,6 +276,7 @@ mod tests {
                 num_tokens: 20,
                 dst_blocks: vec![5],
                 write_within_ms: 10,
+                skip_tokens: 16,
             },
             Message::BlockData {
                 transfer_id: t.clone(),
@@ -306,6 +315,7 @@ mod tests {
                 num_tokens: 20,
                 dst_blocks: vec![5],
                 write_within_ms: 9,
+                skip_tokens: 0,
             },
             Message::BlockData {
                 transfer_id: t.clone(),

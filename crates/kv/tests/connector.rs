@@ -192,7 +192,7 @@ fn push_in_both_orders_with_different_block_sizes() {
     let p = pair(KvMode::Push, 16, 4, FaultInjection::default());
     let (tokens, blocks) = (37, p.d_blocks(37));
     // Registration first.
-    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens);
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens, 0);
     std::thread::sleep(Duration::from_millis(100));
     p.produce("t1", tokens);
     assert_ready(p.wait_event(), "r1");
@@ -201,7 +201,7 @@ fn push_in_both_orders_with_different_block_sizes() {
     // Produced first.
     p.produce("t2", tokens);
     std::thread::sleep(Duration::from_millis(100));
-    p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), tokens);
+    p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), tokens, 0);
     assert_ready(p.wait_event(), "r2");
     p.wait_freed(2);
     // Counted once decode has acknowledged the bytes.
@@ -217,7 +217,7 @@ fn pull_reads_then_releases_and_an_expired_lease_refuses_a_late_read() {
     let src = |tid: &str, epoch: Epoch| pull_source(&p, tid, epoch);
     p.produce("t1", 40);
     let blocks = p.d_blocks(40);
-    p.d.expect(RequestId::new("r1"), src("t1", epoch), blocks.clone(), 40);
+    p.d.expect(RequestId::new("r1"), src("t1", epoch), blocks.clone(), 40, 0);
     assert_ready(p.wait_event(), "r1");
     p.assert_landed(40, &blocks);
     p.wait_freed(1); // released by decode's Done
@@ -225,7 +225,7 @@ fn pull_reads_then_releases_and_an_expired_lease_refuses_a_late_read() {
     p.produce("t2", 40);
     std::thread::sleep(Duration::from_millis(900));
     p.wait_freed(2);
-    p.d.expect(RequestId::new("r2"), src("t2", epoch), blocks.clone(), 40);
+    p.d.expect(RequestId::new("r2"), src("t2", epoch), blocks.clone(), 40, 0);
     match p.wait_event() {
         ConnectorEvent::Failed { request_id, reason } => {
             assert_eq!(request_id, RequestId::new("r2"));
@@ -236,7 +236,7 @@ fn pull_reads_then_releases_and_an_expired_lease_refuses_a_late_read() {
     assert!(p.p.stats().expired >= 1);
     // A stale epoch (prefill restarted) is refused before any read.
     p.produce("t3", 40);
-    p.d.expect(RequestId::new("r3"), src("t3", Epoch(epoch.0 + 1)), blocks, 40);
+    p.d.expect(RequestId::new("r3"), src("t3", Epoch(epoch.0 + 1)), blocks, 40, 0);
     match p.wait_event() {
         ConnectorEvent::Failed { reason, .. } => assert!(reason.contains("restarted"), "{reason}"),
         other => panic!("expected a refusal, got {other:?}"),
@@ -248,7 +248,7 @@ fn a_dropped_completion_fails_within_the_deadline_and_aborts_release() {
     let p = pair(KvMode::Push, 16, 16, FaultInjection { drop_done: true, ..FaultInjection::default() });
     let blocks = p.d_blocks(20);
     let start = Instant::now();
-    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20);
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20, 0);
     p.produce("t1", 20);
     match p.wait_event() {
         ConnectorEvent::Failed { reason, .. } => assert!(reason.contains("timed out"), "{reason}"),
@@ -256,14 +256,14 @@ fn a_dropped_completion_fails_within_the_deadline_and_aborts_release() {
     }
     assert!(start.elapsed() < Duration::from_secs(3), "bounded by the transfer timeout");
     // Abort while waiting: released at once, and prefill's registration is dropped.
-    p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), 20);
+    p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), 20, 0);
     std::thread::sleep(Duration::from_millis(100));
     p.d.abort(RequestId::new("r2"));
     assert_eq!(p.wait_event(), ConnectorEvent::Released { request_id: RequestId::new("r2") });
     // Unreachable prefill: a clear failure, not a hang.
     let gone =
         RemoteKv::PushFrom { transfer_id: TransferId("t3".into()), peer: "127.0.0.1:1".into(), peer_engine: None };
-    p.d.expect(RequestId::new("r3"), gone, blocks, 20);
+    p.d.expect(RequestId::new("r3"), gone, blocks, 20, 0);
     match p.wait_event() {
         ConnectorEvent::Failed { reason, .. } => {
             assert!(reason.contains("127.0.0.1:1"), "{reason}")
@@ -278,7 +278,7 @@ fn a_dropped_completion_fails_within_the_deadline_and_aborts_release() {
 fn direct_writes_land_in_both_modes_across_block_sizes() {
     let p = local_pair(KvMode::Push, 16, 4, Duration::from_millis(800));
     let (tokens, blocks) = (37, p.d_blocks(37));
-    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens);
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens, 0);
     std::thread::sleep(Duration::from_millis(100));
     p.produce("t1", tokens);
     assert_ready(p.wait_event(), "r1");
@@ -290,7 +290,7 @@ fn direct_writes_land_in_both_modes_across_block_sizes() {
     p.produce("t1", 40);
     let blocks = p.d_blocks(40);
     let src = pull_source(&p, "t1", p.p.info().epoch);
-    p.d.expect(RequestId::new("r1"), src, blocks.clone(), 40);
+    p.d.expect(RequestId::new("r1"), src, blocks.clone(), 40, 0);
     assert_ready(p.wait_event(), "r1");
     p.assert_landed(40, &blocks);
     p.wait_freed(1);
@@ -303,7 +303,7 @@ fn direct_writes_land_in_both_modes_across_block_sizes() {
 fn an_abort_while_prefill_may_write_directly_is_released_at_once_and_nothing_lands_after() {
     let p = local_pair(KvMode::Push, 16, 16, Duration::from_millis(800));
     let blocks = p.d_blocks(20);
-    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20);
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20, 0);
     std::thread::sleep(Duration::from_millis(150)); // the registration has reached prefill
     let start = Instant::now();
     p.d.abort(RequestId::new("r1"));
@@ -331,11 +331,11 @@ fn kv_produced_after_decode_gave_the_transfer_up_is_freed_at_once() {
         let p = pair_with(p_cfg, d_cfg, 16, 16);
         let blocks = p.d_blocks(20);
         // Before any connection: the abort comes while the connection is being made.
-        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20);
+        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20, 0);
         p.d.abort(RequestId::new("r1"));
         assert_eq!(p.wait_event(), ConnectorEvent::Released { request_id: RequestId::new("r1") });
         // With the connection open: the registration, then its abort, reach prefill first.
-        p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), 20);
+        p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), 20, 0);
         std::thread::sleep(Duration::from_millis(100));
         p.d.abort(RequestId::new("r2"));
         assert_eq!(p.wait_event(), ConnectorEvent::Released { request_id: RequestId::new("r2") });
@@ -361,7 +361,7 @@ fn a_direct_writer_starts_no_write_after_the_decode_deadline() {
     let p = local_pair(KvMode::Push, 16, 16, Duration::from_secs(3));
     let blocks = p.d_blocks(20);
     let start = Instant::now();
-    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20);
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20, 0);
     std::thread::sleep(Duration::from_millis(1000));
     p.produce("t1", 20);
     match p.wait_event() {
@@ -390,7 +390,7 @@ fn source_blocks_stay_held_until_a_slow_write_has_ended() {
         let slow = FaultInjection { slow_write: Duration::from_millis(500), ..FaultInjection::default() };
         let p = pair_over(local, KvMode::Push, slow, Duration::from_millis(600));
         let blocks = p.d_blocks(40);
-        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 40);
+        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 40, 0);
         std::thread::sleep(Duration::from_millis(100));
         p.produce("t1", 40);
         std::thread::sleep(Duration::from_millis(250));
@@ -412,7 +412,7 @@ fn a_push_timeline_shows_a_direct_writers_copy_and_when_prefill_handed_the_kv_ov
         let slow = FaultInjection { slow_write: Duration::from_millis(300), ..FaultInjection::default() };
         let p = pair_over(local, KvMode::Push, slow, Duration::from_secs(5));
         let blocks = p.d_blocks(40);
-        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 40);
+        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 40, 0);
         std::thread::sleep(Duration::from_millis(50));
         let before = unix_us();
         p.produce("t1", 40);
@@ -463,7 +463,7 @@ fn a_prompt_computed_in_chunks_lands_part_by_part_and_the_final_write_moves_only
     let mut p = local_pair(KvMode::Push, 4, 8, Duration::from_secs(3));
     let (tokens, blocks) = (37, p.d_blocks(37));
     let tid = TransferId("t1".into());
-    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens);
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens, 0);
     std::thread::sleep(Duration::from_millis(150)); // the registration has reached prefill
     p.p.computed(tid.clone(), p.p_blocks(tokens), 13, 0, KvFences::complete());
     wait_until("the first part landing", || (0..8).all(|t| d_key(&p, &blocks, t, 1) == written_key(t, 1)));
@@ -498,7 +498,7 @@ fn a_step_reported_before_the_registration_is_written_when_it_comes() {
     p.p.computed(tid.clone(), p.p_blocks(tokens), 30, 0, KvFences::complete());
     std::thread::sleep(Duration::from_millis(100)); // prefill has the report, not the registration
     assert_eq!(p.p.stats().parts_early, 0);
-    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens);
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens, 0);
     wait_until("the part written on registration", || p.p.stats().parts_early == 1);
     assert!((0..24).all(|t| d_key(&p, &blocks, t, 1) == written_key(t, 1)));
     assert!(p.untouched(&blocks[3..]), "tokens 24.. were written before they were reported");
@@ -511,7 +511,7 @@ fn a_step_reported_before_the_registration_is_written_when_it_comes() {
     p.p.computed(other.clone(), p.p_blocks(tokens), 30, 0, KvFences::complete());
     p.p.abandon(other, "prefill request aborted".into());
     std::thread::sleep(Duration::from_millis(100));
-    p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks, tokens);
+    p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks, tokens, 0);
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(p.p.stats().parts_early, 1, "an abandoned prompt's report was written");
 }
@@ -525,7 +525,7 @@ fn kv_reported_before_a_preemption_is_written_again() {
         let p = local_pair(KvMode::Push, 4, 8, Duration::from_secs(3));
         let (tokens, blocks) = (37, p.d_blocks(37));
         let tid = TransferId("t1".into());
-        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens);
+        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens, 0);
         std::thread::sleep(Duration::from_millis(150));
         // Attempt 0 reports blocks holding zeros (what a reused block's copy could read).
         let stale: Vec<u32> = (20..30).collect();
@@ -554,7 +554,7 @@ fn an_end_during_an_early_part_is_reported_after_the_part_and_nothing_lands_afte
         let p = pair_with(p_cfg, d_cfg, 4, 8);
         let blocks = p.d_blocks(37);
         let tid = TransferId("t1".into());
-        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 37);
+        p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 37, 0);
         std::thread::sleep(Duration::from_millis(150));
         let start = Instant::now();
         p.p.computed(tid.clone(), p.p_blocks(37), 16, 0, KvFences::complete());
@@ -600,7 +600,7 @@ fn a_lease_being_read_outlives_its_deadline() {
         p.produce("t1", 40);
         let blocks = p.d_blocks(40);
         let src = pull_source(&p, "t1", p.p.info().epoch);
-        p.d.expect(RequestId::new("r1"), src, blocks.clone(), 40);
+        p.d.expect(RequestId::new("r1"), src, blocks.clone(), 40, 0);
         assert_ready(p.wait_event(), "r1");
         p.assert_landed(40, &blocks);
         p.wait_freed(1);
@@ -620,9 +620,9 @@ fn a_peer_stalling_its_handshake_holds_up_no_other_transfer() {
     let p = pair(KvMode::Push, 16, 16, FaultInjection::default());
     let start = Instant::now();
     let hung = RemoteKv::PushFrom { transfer_id: TransferId("t-hung".into()), peer: stalled_addr, peer_engine: None };
-    p.d.expect(RequestId::new("hung"), hung, p.d_blocks(20), 20);
+    p.d.expect(RequestId::new("hung"), hung, p.d_blocks(20), 20, 0);
     let blocks = vec![1, 2];
-    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20);
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), 20, 0);
     p.produce("t1", 20);
     assert_ready(p.wait_event(), "r1");
     assert!(start.elapsed() < Duration::from_millis(600), "waited behind the stalled handshake: {:?}", start.elapsed());
@@ -655,7 +655,7 @@ fn a_connection_cut_mid_write_fails_the_transfer_at_once_and_the_next_one_lands(
     };
     let blocks = p.d_blocks(40);
     let start = Instant::now();
-    p.d.expect(RequestId::new("r1"), via_proxy("t1"), blocks.clone(), 40);
+    p.d.expect(RequestId::new("r1"), via_proxy("t1"), blocks.clone(), 40, 0);
     std::thread::sleep(Duration::from_millis(100));
     p.produce("t1", 40);
     match p.wait_event() {
@@ -668,7 +668,7 @@ fn a_connection_cut_mid_write_fails_the_transfer_at_once_and_the_next_one_lands(
     assert!(start.elapsed() < Duration::from_millis(700), "learned late: {:?}", start.elapsed());
     p.wait_freed(1);
     proxy.cut_after(u64::MAX);
-    p.d.expect(RequestId::new("r2"), via_proxy("t2"), blocks.clone(), 40);
+    p.d.expect(RequestId::new("r2"), via_proxy("t2"), blocks.clone(), 40, 0);
     std::thread::sleep(Duration::from_millis(100));
     p.produce("t2", 40);
     assert_ready(p.wait_event(), "r2");
@@ -687,7 +687,7 @@ fn a_direct_writers_connection_lost_fails_at_once_with_its_blocks_held_and_nothi
     let proxy = common::FaultProxy::start(p.p_addr());
     let blocks = p.d_blocks(20);
     let src = RemoteKv::PushFrom { transfer_id: TransferId("t1".into()), peer: proxy.addr().into(), peer_engine: None };
-    p.d.expect(RequestId::new("r1"), src, blocks.clone(), 20);
+    p.d.expect(RequestId::new("r1"), src, blocks.clone(), 20, 0);
     std::thread::sleep(Duration::from_millis(150)); // registered
     let cut = Instant::now();
     proxy.cut_now();
@@ -721,7 +721,7 @@ fn a_frozen_peer_is_declared_dead_within_the_liveness_bound() {
     let p = pair_with(p_cfg, d_cfg, 16, 16);
     let proxy = common::FaultProxy::start(p.p_addr());
     let src = RemoteKv::PushFrom { transfer_id: TransferId("t1".into()), peer: proxy.addr().into(), peer_engine: None };
-    p.d.expect(RequestId::new("r1"), src, p.d_blocks(20), 20);
+    p.d.expect(RequestId::new("r1"), src, p.d_blocks(20), 20, 0);
     // Idle but alive: the heartbeats keep the connection up past several liveness bounds.
     std::thread::sleep(Duration::from_millis(1500));
     assert!(p.events.try_recv().is_err(), "an idle, live peer was declared dead");

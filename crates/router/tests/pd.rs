@@ -111,6 +111,8 @@ async fn decode_answers_carry_the_transfer_timeline_and_metrics_count_it() {
     assert!(handover < 5_000_000, "{v}");
     let mut sb = body.clone();
     sb["stream"] = serde_json::json!(true);
+    // Another prompt: decode caches the first one's leading blocks, which would not travel again.
+    sb["prompt"] = serde_json::json!((100..140).collect::<Vec<u32>>());
     let text = http.post(format!("{base}/v1/completions")).json(&sb).send().await.unwrap().text().await.unwrap();
     let chunks: Vec<serde_json::Value> = text
         .split("\n\n")
@@ -359,6 +361,71 @@ async fn prompts_sharing_a_prefix_take_prefills_cached_blocks_and_equal_colocate
         assert!(stats.cached_blocks >= 6, "{stats:?}");
         let ds = kv_stats_until(&d, "7 transfers", |s| s.transfers_ok == 7).await;
         assert_eq!(ds.transfers_failed, 0);
+    }
+    wait_idle(&[&colocated]).await;
+}
+
+/// Delta-only transfer: a decode engine that holds a prompt's leading blocks from an earlier
+/// request (its prefix cache) has prefill send only the rest. At every hit offset (none, part
+/// of a block, an exact block boundary, all but the last block, the whole prompt again), for
+/// equal and differing block sizes, push and pull, tcp and direct copies, with `--kv-verify`:
+/// the answers equal an uncached colocated engine's (no prefix KV lands in another slot), the
+/// bytes fall with the hit, and every block comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn decode_with_a_cached_prefix_receives_only_the_rest_at_every_hit_offset() {
+    let http = reqwest::Client::new();
+    let base: Vec<u32> = (0..100).map(|j| (j * 29 % 500 + 1) as u32).collect();
+    // (shared with `base`, own tokens after it)
+    let shapes = [(0, 60), (5, 60), (16, 60), (96, 40), (100, 0)];
+    let body = |shared: usize, own: usize, salt: u32| {
+        let prompt: Vec<u32> =
+            base[..shared].iter().copied().chain((0..own as u32).map(|j| (j * 17 + salt) % 500 + 3)).collect();
+        serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
+                           "ignore_eos": true, "stream": false})
+    };
+    let first = [body(100, 0, 0)];
+    let rest: Vec<Value> = shapes.iter().enumerate().map(|(i, &(s, o))| body(s, o, 100 + i as u32)).collect();
+    let colocated = engine_with(None, 16, Knobs { prefix_caching: false, ..Knobs::default() }).await;
+    let want_first = run_all(&http, &colocated.url, &first).await;
+    let mut want = Vec::new();
+    for r in &rest {
+        want.push(run_all(&http, &colocated.url, std::slice::from_ref(r)).await.remove(0));
+    }
+    for (mode, kv_mode, local, (pbs, dbs)) in [
+        (TransferMode::Push, KvMode::Push, false, (16, 8)),
+        (TransferMode::Pull, KvMode::Pull, false, (8, 16)),
+        (TransferMode::Push, KvMode::Push, true, (8, 16)),
+        (TransferMode::Pull, KvMode::Pull, true, (16, 16)),
+    ] {
+        let what = format!("{mode:?} local={local} blocks {pbs}/{dbs}");
+        let k = Knobs { local, ..Knobs::default() };
+        let p = engine_with(Some((Role::Prefill, kv_mode)), pbs, k.clone()).await;
+        let d = engine_with(Some((Role::Decode, kv_mode)), dbs, k).await;
+        let url = router(mode, &p, &d).await;
+        assert_eq!(run_all(&http, &url, &first).await, want_first, "{what}");
+        wait_idle(&[&p, &d]).await;
+        let full = kv_stats_until(&d, "1 transfer", |s| s.transfers_ok == 1).await.bytes_received;
+        let mut received = Vec::new();
+        for (i, r) in rest.iter().enumerate() {
+            let got = run_all(&http, &url, std::slice::from_ref(r)).await.remove(0);
+            assert_eq!(got, want[i], "{what}: shape {:?}", shapes[i]);
+            wait_idle(&[&p, &d]).await;
+            let s = kv_stats_until(&d, "the transfer", |s| s.transfers_ok == 2 + i as u64).await;
+            received.push(s.bytes_received);
+        }
+        let bytes: Vec<u64> = std::iter::once(full)
+            .chain(received.iter().copied())
+            .collect::<Vec<_>>()
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .collect();
+        let ds = kv_stats_until(&d, "no failures", |s| s.transfers_failed == 0 && s.checksum_failures == 0).await;
+        assert_eq!(ds.transfers_ok, 1 + rest.len() as u64, "{what}: {ds:?}");
+        // The whole prompt again: its 96 leading tokens stay at decode, 4 of 100 travel.
+        assert!(bytes[4] * 100 <= full * 15, "{what}: {bytes:?} of {full} bytes for the whole prompt");
+        // No hit, or one inside the first block: everything travels; more shared, fewer bytes.
+        assert!(bytes[0] > bytes[3] && bytes[1] > bytes[3], "{what}: {bytes:?}");
+        assert!(d.state.engine.stats().prefix_hit_tokens >= 96 + 96, "{what}: {:?}", d.state.engine.stats());
     }
     wait_idle(&[&colocated]).await;
 }

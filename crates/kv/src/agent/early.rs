@@ -108,6 +108,9 @@ fn queue_part(shared: &Arc<Shared>, tid: &TransferId, reg: &mut Registration, re
         return;
     }
     let ours = shared.memory.layout().block_size;
+    // Decode holds the first `skip` tokens' KV: parts count from there.
+    let Some(blocks) = blocks.get(reg.skip / ours..).map(<[u32]>::to_vec) else { return };
+    let upto = upto.saturating_sub(reg.skip);
     let step = shared_run(ours, reg.conn.peer.block_size);
     let to = upto.min(reg.num_tokens) / step * step;
     if to / ours > blocks.len() {
@@ -133,8 +136,14 @@ fn queue_part(shared: &Arc<Shared>, tid: &TransferId, reg: &mut Registration, re
 
 /// Push rendezvous met: writes `produced` into `reg`'s blocks and sends `Done`, after the parts
 /// already queued when there are any (else on a thread of its own).
-pub(super) fn finish(shared: &Arc<Shared>, tid: TransferId, mut reg: Registration, produced: Produced) {
+pub(super) fn finish(shared: &Arc<Shared>, tid: TransferId, mut reg: Registration, mut produced: Produced) {
     let taken = Instant::now();
+    // Decode holds the first `skip` tokens' KV: what is written (and checked) starts after them.
+    if reg.skip > 0 {
+        let ours = shared.memory.layout().block_size;
+        produced.blocks = produced.blocks.get(reg.skip / ours..).map(<[u32]>::to_vec).unwrap_or_default();
+        produced.num_tokens = produced.num_tokens.saturating_sub(reg.skip);
+    }
     match reg.early.take() {
         Some(early) => {
             let from = early.resume_at(produced.attempt);
@@ -173,7 +182,7 @@ fn spawn_whole(shared: &Arc<Shared>, tid: TransferId, reg: Registration, produce
 }
 
 /// The run of tokens that is a whole number of blocks in both block sizes.
-fn shared_run(a: usize, b: usize) -> usize {
+pub(super) fn shared_run(a: usize, b: usize) -> usize {
     let (mut x, mut y) = (a.max(1), b.max(1));
     while y != 0 {
         (x, y) = (y, x % y);

@@ -36,7 +36,7 @@ use crate::{
 };
 
 pub(crate) enum Command {
-    Expect { request_id: RequestId, source: RemoteKv, blocks: Vec<u32>, num_tokens: usize },
+    Expect { request_id: RequestId, source: RemoteKv, blocks: Vec<u32>, num_tokens: usize, cached_tokens: usize },
     Abort { request_id: RequestId },
     Abandon { transfer_id: TransferId, reason: String },
     Computed { transfer_id: TransferId, blocks: Vec<u32>, num_tokens: usize, attempt: u32, fences: KvFences },
@@ -383,8 +383,8 @@ fn ping(shared: &Shared) {
 fn handle_command(shared: &Arc<Shared>, cmd: Command) {
     match cmd {
         Command::Expect { .. } if shared.cfg.faults.silent_agent => {}
-        Command::Expect { request_id, source, blocks, num_tokens } => {
-            expect(shared, request_id, source, blocks, num_tokens)
+        Command::Expect { request_id, source, blocks, num_tokens, cached_tokens } => {
+            expect(shared, request_id, source, blocks, num_tokens, cached_tokens)
         }
         Command::Abort { request_id } => {
             let mut t = shared.tables();
@@ -425,11 +425,33 @@ fn handle_command(shared: &Arc<Shared>, cmd: Command) {
     }
 }
 
-/// Decode side: register (push) or read (pull).
-fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks: Vec<u32>, num_tokens: usize) {
+/// Decode side: register (push) or read (pull) the KV of `num_tokens` prompt tokens into
+/// `blocks`, all but the first `cached_tokens`, whose KV the blocks hold already (decode's
+/// prefix cache). Everything after this sees only the rest: the blocks from the first uncached
+/// one, and the tokens after the cached ones.
+fn expect(
+    shared: &Arc<Shared>,
+    request_id: RequestId,
+    source: RemoteKv,
+    blocks: Vec<u32>,
+    num_tokens: usize,
+    cached_tokens: usize,
+) {
+    let ours = shared.memory.layout().block_size;
+    let skip = cached_tokens;
+    if !skip.is_multiple_of(ours) || (skip > 0 && skip >= num_tokens) || skip / ours > blocks.len() {
+        let reason = format!("{skip} cached tokens is not a whole number of blocks before the last of {num_tokens}");
+        shared.emit(ConnectorEvent::Failed { request_id, reason });
+        return;
+    }
     let deadline = Instant::now() + shared.cfg.transfer_timeout;
     let (tid, peer_addr, lease, first_token) = match source {
         RemoteKv::PushFrom { transfer_id, peer, .. } => (transfer_id, peer, None, None),
+        RemoteKv::PullFrom { num_tokens: remote_tokens, .. } if remote_tokens != num_tokens => {
+            let reason = format!("prefill holds {remote_tokens} tokens of KV, this request needs {num_tokens}");
+            shared.emit(ConnectorEvent::Failed { request_id, reason });
+            return;
+        }
         RemoteKv::PullFrom {
             transfer_id, peer, epoch, blocks: remote, num_tokens: remote_tokens, first_token, ..
         } => {
@@ -441,6 +463,7 @@ fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks:
             return;
         }
     };
+    let (blocks, num_tokens) = (blocks[skip / ours..].to_vec(), num_tokens - skip);
     {
         let mut t = shared.tables();
         if t.incoming.contains_key(&tid) {
@@ -472,17 +495,34 @@ fn expect(shared: &Arc<Shared>, request_id: RequestId, source: RemoteKv, blocks:
     // An open connection takes the request at once; a new one is made on a thread of its own,
     // so a peer that stalls its handshake holds up only the transfers that wait for it (not
     // this thread's other commands and deadlines).
+    let wanted = Wanted { blocks, num_tokens, skip };
     if let Some(conn) = open_conn(shared, &peer_addr) {
-        return send_request(shared, conn, tid, lease, blocks, num_tokens, deadline);
+        return send_request(shared, conn, tid, lease, wanted, deadline);
     }
     let s = shared.clone();
     let spawned = std::thread::Builder::new().name("tandem-kv-connect".into()).spawn(move || {
         let Some(conn) = connect_for(&s, &tid, &peer_addr) else { return };
-        send_request(&s, conn, tid, lease, blocks, num_tokens, deadline);
+        send_request(&s, conn, tid, lease, wanted, deadline);
     });
     if let Err(e) = spawned {
         tracing::error!(error = %e, "cannot start a KV connection thread");
     }
+}
+
+/// What a decode leg asks of prefill: KV for `num_tokens` tokens after the first `skip` of the
+/// prompt, into `blocks` (ours, from the first uncached block on).
+struct Wanted {
+    blocks: Vec<u32>,
+    num_tokens: usize,
+    skip: usize,
+}
+
+/// Tokens per transferred run with the peer at `addr` (a whole number of blocks on both
+/// sides: what a cached prefix skipped by a transfer must be a multiple of), if we are
+/// connected to it now. A table lookup.
+pub(crate) fn transfer_alignment(shared: &Shared, addr: &str) -> Option<usize> {
+    let conn = open_conn(shared, addr)?;
+    Some(early::shared_run(shared.memory.layout().block_size, conn.peer.block_size))
 }
 
 /// The open connection to `addr`, if there is one.
@@ -518,18 +558,27 @@ fn send_request(
     conn: Arc<Conn>,
     tid: TransferId,
     lease: Option<pull::Lease>,
-    blocks: Vec<u32>,
-    num_tokens: usize,
+    wanted: Wanted,
     deadline: Instant,
 ) {
     let fail = |reason: String| {
         let mut t = shared.tables();
         shared.finish_incoming(&mut t, &tid, |inc| ended(inc, reason));
     };
+    // The engine aligned its cached prefix to the connection it saw; a peer reconnected since
+    // with other blocks would have to write into cached blocks other requests may share.
+    let run = early::shared_run(shared.memory.layout().block_size, conn.peer.block_size);
+    if !wanted.skip.is_multiple_of(run) {
+        return fail(format!(
+            "the cached prefix ({} tokens) is not a whole number of {run}-token runs with this prefill engine",
+            wanted.skip
+        ));
+    }
     let write_within_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64;
+    let Wanted { blocks, num_tokens, skip } = wanted;
     let msg = match lease {
-        None => push::register(shared, &tid, blocks, num_tokens, write_within_ms),
-        Some(lease) => match pull::read(&conn, &tid, lease, num_tokens, blocks, write_within_ms) {
+        None => push::register(shared, &tid, blocks, num_tokens, skip, write_within_ms),
+        Some(lease) => match pull::read(&conn, &tid, lease, skip, blocks, write_within_ms) {
             Ok(msg) => msg,
             Err(reason) => return fail(reason),
         },
@@ -624,11 +673,13 @@ fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
 fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>, msg: Message) -> Result<(), KvError> {
     match msg {
         // ---- prefill side ----
-        Message::Register { transfer_id, epoch, block_ids, num_tokens, write_within_ms, .. } => {
-            push::on_register(shared, conn, transfer_id, epoch, block_ids, num_tokens, write_within_ms)?
+        Message::Register { transfer_id, epoch, block_ids, num_tokens, write_within_ms, skip_tokens, .. } => {
+            let wanted = Wanted { blocks: block_ids, num_tokens, skip: skip_tokens };
+            push::on_register(shared, conn, transfer_id, epoch, wanted, write_within_ms)?
         }
-        Message::ReadBlocks { transfer_id, blocks, num_tokens, dst_blocks, write_within_ms } => {
-            pull::on_read_blocks(shared, conn, transfer_id, blocks, num_tokens, dst_blocks, write_within_ms)?
+        Message::ReadBlocks { transfer_id, blocks, num_tokens, dst_blocks, write_within_ms, skip_tokens } => {
+            let lease = (blocks, num_tokens);
+            pull::on_read_blocks(shared, conn, transfer_id, lease, dst_blocks, skip_tokens, write_within_ms)?
         }
         Message::Heartbeat { transfer_ids } => pull::on_heartbeat(shared, transfer_ids),
         Message::Abort { transfer_id } => {

@@ -24,14 +24,15 @@ pub(super) struct Lease {
     pub num_tokens: usize,
 }
 
-/// Decode: the request for `lease`'s blocks of `tid` (`num_tokens` for this request) into our
-/// `dst` (a direct writer must not start later than `write_within_ms` after receipt). An error
-/// says why the read cannot even be asked.
+/// Decode: the request for `lease`'s blocks of `tid`, all but the first `skip` tokens (decode
+/// holds their KV), into our `dst` (from the first uncached block on; a direct writer must not
+/// start later than `write_within_ms` after receipt). An error says why the read cannot even
+/// be asked.
 pub(super) fn read(
     conn: &Conn,
     tid: &TransferId,
     lease: Lease,
-    num_tokens: usize,
+    skip: usize,
     dst: Vec<u32>,
     write_within_ms: u64,
 ) -> Result<Message, String> {
@@ -41,32 +42,42 @@ pub(super) fn read(
             conn.peer.engine_id, conn.peer.epoch.0, lease.epoch.0
         ));
     }
-    if lease.num_tokens != num_tokens {
-        return Err(format!("prefill holds {} tokens of KV, this request needs {num_tokens}", lease.num_tokens));
-    }
     let dst_blocks = if conn.transport.writes_directly() { dst } else { Vec::new() };
-    Ok(Message::ReadBlocks { transfer_id: tid.clone(), blocks: lease.blocks, num_tokens, dst_blocks, write_within_ms })
+    Ok(Message::ReadBlocks {
+        transfer_id: tid.clone(),
+        blocks: lease.blocks,
+        num_tokens: lease.num_tokens,
+        dst_blocks,
+        write_within_ms,
+        skip_tokens: skip,
+    })
 }
 
-/// Prefill: decode asks for the blocks of `tid` (into its `dst` for a direct transport).
+/// Prefill: decode asks for the blocks of `tid`'s `lease` (blocks, tokens) but its first `skip`
+/// tokens (into its `dst` for a direct transport).
 pub(super) fn on_read_blocks(
     shared: &Shared,
     conn: &Conn,
     tid: TransferId,
-    blocks: Vec<u32>,
-    num_tokens: usize,
+    lease: (Vec<u32>, usize),
     dst: Vec<u32>,
+    skip: usize,
     write_within_ms: u64,
 ) -> Result<(), KvError> {
+    let (blocks, num_tokens) = lease;
+    let ours = shared.memory.layout().block_size;
     let held = {
         let mut t = shared.tables();
         match t.produced.get_mut(&tid) {
             Some(_) if conn.transport.writes_directly() && write_within_ms == 0 => {
                 Err("the decode engine's deadline has passed".to_string())
             }
+            Some(_) if !skip.is_multiple_of(ours) || (skip > 0 && skip >= num_tokens) => {
+                Err(format!("{skip} cached tokens is not a whole number of {ours}-token blocks before the last"))
+            }
             Some(p) if p.blocks.starts_with(&blocks) && p.num_tokens == num_tokens && !p.reading => {
                 p.reading = true;
-                Ok(p.blocks.clone())
+                Ok(p.blocks.get(skip / ours..).map(<[u32]>::to_vec).unwrap_or_default())
             }
             Some(_) => Err("blocks or token count do not match the lease".to_string()),
             None => {
@@ -92,6 +103,8 @@ pub(super) fn on_read_blocks(
             return conn.send(&refusal);
         }
     };
+    // Decode holds the first `skip` tokens' KV: the rest is read.
+    let num_tokens = num_tokens - skip;
     std::thread::sleep(shared.cfg.faults.slow_write);
     let sent = conn.transport.answer_read(shared, conn, &tid, &src, &dst, num_tokens);
     let mut t = shared.tables();

@@ -26,6 +26,7 @@ pub(super) fn register(
     tid: &TransferId,
     blocks: Vec<u32>,
     num_tokens: usize,
+    skip_tokens: usize,
     write_within_ms: u64,
 ) -> Message {
     Message::Register {
@@ -35,6 +36,7 @@ pub(super) fn register(
         block_ids: blocks,
         num_tokens,
         write_within_ms,
+        skip_tokens,
     }
 }
 
@@ -75,8 +77,7 @@ pub(super) fn on_register(
     conn: &Arc<Conn>,
     tid: TransferId,
     epoch: Epoch,
-    blocks: Vec<u32>,
-    num_tokens: usize,
+    wanted: super::Wanted,
     write_within_ms: u64,
 ) -> Result<(), KvError> {
     if epoch != conn.peer.epoch {
@@ -89,7 +90,13 @@ pub(super) fn on_register(
         // Decode frees its blocks once its own deadline has passed: no write may start later.
         deadline = deadline.min(now + Duration::from_millis(write_within_ms));
     }
-    let reg = Registration { conn: conn.clone(), blocks, num_tokens, deadline, early: None };
+    let ours = shared.memory.layout().block_size;
+    if !wanted.skip.is_multiple_of(ours) {
+        let reason = format!("{} cached tokens is not a whole number of {ours}-token blocks", wanted.skip);
+        return conn.send(&Message::Failed { transfer_id: tid, reason });
+    }
+    let super::Wanted { blocks, num_tokens, skip } = wanted;
+    let reg = Registration { conn: conn.clone(), blocks, num_tokens, skip, deadline, early: None };
     let met = {
         let mut t = shared.tables();
         let met = t.meet_registration(tid.clone(), reg);

@@ -69,8 +69,11 @@ impl Incoming {
 /// Prefill side, push: decode's destination, waiting for the KV to be produced.
 pub(super) struct Registration {
     pub conn: Arc<Conn>,
+    /// Decode's blocks from token `skip` on, and the tokens wanted after `skip`.
     pub blocks: Vec<u32>,
     pub num_tokens: usize,
+    /// Leading prompt tokens whose KV decode holds (its prefix cache): never written.
+    pub skip: usize,
     /// Direct transports: also the last moment a write may start (decode's deadline).
     pub deadline: Instant,
     /// Direct transports: the writer of the parts computed so far (see `early`).
