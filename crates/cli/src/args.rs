@@ -455,6 +455,15 @@ pub struct RouterArgs {
     /// Seconds between checks of every engine's health, mode and model while serving.
     #[arg(long, default_value_t = 2.0)]
     pub check_interval_secs: f64,
+    /// Conditional disaggregation: run a request entirely on the decode engine when it would
+    /// compute at most this many of its prompt's tokens there (the prompt less what that
+    /// engine's prefix cache holds): a short prompt, or a chat turn over a history decode has
+    /// seen, skips the prefill leg and the transfer. Unset: every request is disaggregated. A
+    /// request's `kv_transfer_params: {"disaggregate": true|false}` overrides it. With several
+    /// prefill engines the router also sends each prompt to the one whose prefix cache holds
+    /// the most of it (load permitting).
+    #[arg(long)]
+    pub local_prefill_max_tokens: Option<usize>,
     /// On Ctrl-C or SIGTERM, seconds to let requests in flight finish before ending them with
     /// an error (a second signal ends them at once).
     #[arg(long, default_value_t = 5.0)]

@@ -432,6 +432,7 @@ fn router(a: args::RouterArgs) -> Result<()> {
     let router = tandem_router::Router::new(tandem_router::RouterConfig {
         prefill_timeout: std::time::Duration::from_secs(a.prefill_timeout_secs),
         check_interval,
+        local_prefill_max_tokens: a.local_prefill_max_tokens,
         ..tandem_router::RouterConfig::new(mode, a.prefill.clone(), a.decode.clone())
     })?;
     let drain = seconds(a.shutdown_timeout_secs, "--shutdown-timeout-secs")?;

@@ -157,6 +157,12 @@ impl BlockPool {
         self.lock().cached.len()
     }
 
+    /// How many of `keys`, from the first, have their KV cached now (taking nothing).
+    pub fn count_cached_prefix(&self, keys: &[BlockHash]) -> usize {
+        let inner = self.lock();
+        keys.iter().take_while(|k| inner.cached.contains_key(k)).count()
+    }
+
     /// Prefix-cache counters.
     pub fn stats(&self) -> PrefixCacheStats {
         self.lock().stats

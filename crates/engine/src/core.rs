@@ -217,6 +217,23 @@ pub struct EngineCore {
     next_serial: u64,
 }
 
+/// Asks an engine's prefix cache how much of a prompt it holds, without the engine thread.
+#[derive(Clone, Debug)]
+pub struct PrefixProbe {
+    pool: BlockPool,
+    keys: PrefixKeys,
+}
+
+impl PrefixProbe {
+    /// Leading tokens of `prompt` whose KV is cached now (whole blocks; it may be evicted the
+    /// next moment, so this is a hint for routing, not a promise).
+    pub fn cached_tokens(&self, prompt: &[u32]) -> usize {
+        let mut keys = Vec::new();
+        crate::BlockHash::extend_chain(self.keys.salt, &mut keys, prompt, self.keys.block_size);
+        self.pool.count_cached_prefix(&keys) * self.keys.block_size
+    }
+}
+
 /// A step submitted to the model whose tokens have not come back yet.
 struct InFlight {
     plan: SchedulerOutput,
@@ -474,6 +491,12 @@ impl EngineCore {
     /// Preemptions so far.
     pub fn num_preemptions(&self) -> u64 {
         self.scheduler.num_preemptions
+    }
+
+    /// A way to ask, from any thread, how much of a prompt this engine has cached (`None`
+    /// without prefix caching).
+    pub fn prefix_probe(&self) -> Option<PrefixProbe> {
+        Some(PrefixProbe { pool: self.scheduler.pool.clone(), keys: self.scheduler.prefix_keys? })
     }
 
     /// Prefix-cache counters, and the blocks whose KV is cached now.

@@ -97,6 +97,7 @@ pub struct EngineHandle {
     alive: Arc<AtomicBool>,
     kv_info: Option<Arc<AgentInfo>>,
     kv_view: Option<tandem_kv::KvView>,
+    prefix: Option<crate::core::PrefixProbe>,
 }
 
 /// Starts the engine thread with `model` (a CPU transformer gets a KV cache sized by
@@ -137,13 +138,14 @@ pub fn spawn_with(
         None => None,
     };
     let kv_view = core.kv_view();
+    let prefix = core.prefix_probe();
     let limits = Arc::new(core.limits().clone());
     let stats = Arc::new(EngineStats::default());
     stats.free_blocks.store(core.num_free_blocks(), Ordering::Relaxed);
     let alive = Arc::new(AtomicBool::new(true));
     let (s, a) = (stats.clone(), alive.clone());
     std::thread::Builder::new().name("tandem-engine".into()).spawn(move || run_loop(core, rx, s, a))?;
-    Ok(EngineHandle { commands, limits, stats, alive, kv_info, kv_view })
+    Ok(EngineHandle { commands, limits, stats, alive, kv_info, kv_view, prefix })
 }
 
 /// Marks the engine dead when the loop exits, by return or by panic.
@@ -262,6 +264,12 @@ impl EngineHandle {
     /// Whether the engine thread is running.
     pub fn is_alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst)
+    }
+
+    /// Leading tokens of `prompt` whose KV this engine's prefix cache holds now (0 without
+    /// prefix caching); a hint for routing.
+    pub fn cached_prefix_tokens(&self, prompt: &[u32]) -> usize {
+        self.prefix.as_ref().map_or(0, |p| p.cached_tokens(prompt))
     }
 
     /// Current counters.

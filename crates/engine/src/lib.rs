@@ -26,7 +26,9 @@ mod request;
 mod scheduler;
 
 pub use block_pool::{BlockAllocation, BlockHash, BlockPool, NoFreeBlocks, PrefixCacheStats};
-pub use core::{EngineCore, EngineLimits, EngineModel, KvLoadFailure, KvSetup, RequestRejected, StepReport};
+pub use core::{
+    EngineCore, EngineLimits, EngineModel, KvLoadFailure, KvSetup, PrefixProbe, RequestRejected, StepReport,
+};
 pub use handle::{spawn, spawn_with, EngineHandle, EngineStats, RequestStream, StatsSnapshot, SubmitError};
 pub use request::{EngineEvent, EngineRequest, KvLoadTimeline};
 pub use scheduler::{ScheduledChunk, SchedulerOutput};

@@ -33,6 +33,12 @@ pub struct RouterConfig {
     /// How often every engine's health, mode and model are checked again while serving (an
     /// engine that restarts in another mode or with other weights is taken out of service).
     pub check_interval: Duration,
+    /// Conditional disaggregation: a request whose prompt the chosen decode engine would have
+    /// to compute at most this many tokens of (its length less what decode's prefix cache
+    /// holds) runs entirely on that decode engine, without a prefill leg or a transfer.
+    /// `None`: every request is disaggregated. A request's `kv_transfer_params`
+    /// `{"disaggregate": true|false}` overrides it.
+    pub local_prefill_max_tokens: Option<usize>,
 }
 
 impl RouterConfig {
@@ -44,6 +50,7 @@ impl RouterConfig {
             decode,
             prefill_timeout: Duration::from_secs(300),
             check_interval: Duration::from_secs(2),
+            local_prefill_max_tokens: None,
         }
     }
 }
@@ -302,9 +309,54 @@ impl Router {
         }))
     }
 
+    /// How many tokens `orig`'s prompt has and how many of them engine `b`'s prefix cache holds
+    /// (its `/kv/prefix`); `None` when it cannot say within a moment.
+    async fn prefix_on(&self, b: &Backend, orig: &Map<String, Value>) -> Option<(usize, usize)> {
+        let body: Map<String, Value> = ["model", "prompt", "messages", "add_generation_prompt"]
+            .into_iter()
+            .filter_map(|k| orig.get(k).map(|v| (k.to_string(), v.clone())))
+            .collect();
+        let resp = self
+            .http
+            .post(format!("{}/kv/prefix", b.url))
+            .json(&body)
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .ok()
+            .filter(|r| r.status().is_success())?;
+        let v: Value = resp.json().await.ok()?;
+        Some((v["num_tokens"].as_u64()? as usize, v["cached_tokens"].as_u64()? as usize))
+    }
+
+    /// KV-aware routing: among several ready prefill engines not in `tried`, the one whose
+    /// prefix cache holds the most of `orig`'s prompt, unless it is busier than the least busy
+    /// by more than `KV_AWARE_SLACK` requests; `None` when none holds any (then load decides).
+    async fn best_cached_prefill(&self, orig: &Map<String, Value>, tried: &[Arc<Backend>]) -> Option<Arc<Backend>> {
+        const KV_AWARE_SLACK: usize = 8;
+        let candidates: Vec<&Arc<Backend>> =
+            self.prefill.iter().filter(|b| b.is_healthy() && !tried.iter().any(|t| Arc::ptr_eq(t, b))).collect();
+        if candidates.len() < 2 {
+            return None;
+        }
+        let cached = futures::future::join_all(candidates.iter().map(|b| self.prefix_on(b, orig))).await;
+        let least_busy = candidates.iter().map(|b| b.outstanding()).min()?;
+        let (best, tokens) = candidates
+            .iter()
+            .zip(&cached)
+            .filter_map(|(b, c)| c.map(|(_, cached)| (*b, cached)))
+            .max_by_key(|(b, cached)| (*cached, std::cmp::Reverse(b.outstanding())))?;
+        (tokens > 0 && best.outstanding() <= least_busy + KV_AWARE_SLACK).then(|| best.clone())
+    }
+
     /// A prefill engine and a decode engine that can pair with it, none of them in `tried`
-    /// (engines this request already failed on), or why there is none.
-    fn pick(&self, tried: &[Arc<Backend>]) -> Result<(Arc<Backend>, Arc<Backend>), String> {
+    /// (engines this request already failed on), or why there is none. `preferred` is taken
+    /// as the prefill engine when given (it holds the prompt's prefix).
+    fn pick(
+        &self,
+        tried: &[Arc<Backend>],
+        preferred: Option<Arc<Backend>>,
+    ) -> Result<(Arc<Backend>, Arc<Backend>), String> {
         let untried = |b: &Backend| !tried.iter().any(|t| std::ptr::eq(&**t, b));
         let t = self.turn.fetch_add(1, Ordering::Relaxed);
         let unusable = |role: &str, list: &[Arc<Backend>]| {
@@ -317,7 +369,10 @@ impl Router {
                 .collect();
             format!("no usable {role} engine: {}", why.join("; "))
         };
-        let p = choose(&self.prefill, t, untried).ok_or_else(|| unusable("prefill", &self.prefill))?;
+        let p = match preferred {
+            Some(p) => p,
+            None => choose(&self.prefill, t, untried).ok_or_else(|| unusable("prefill", &self.prefill))?,
+        };
         let d = self.pick_decode(&p, t, tried).ok_or_else(|| {
             let problems = self.pair_problems();
             if problems.is_empty() {
@@ -529,14 +584,31 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
     // A leg that never reached its engine (no connection) or that the engine turned away
     // before computing anything (429) is tried again on another engine of that role, each
     // engine at most once: the client sees an error only when no engine is left.
+    let disaggregate = match disaggregate_override(&orig) {
+        Ok(d) => d,
+        Err(message) => return bad_request("kv_transfer_params", message),
+    };
     let mut tried: Vec<Arc<Backend>> = Vec::new();
     let mut last: Option<Response> = None;
     loop {
-        let (p, d) = match r.pick(&tried) {
+        let preferred = if r.prefill.len() > 1 { r.best_cached_prefill(&orig, &tried).await } else { None };
+        let (p, d) = match r.pick(&tried, preferred) {
             Ok(pair) => pair,
             Err(why) => return last.unwrap_or_else(|| error(StatusCode::SERVICE_UNAVAILABLE, why)),
         };
-        match dispatch_to(&r, path, request_id.as_ref(), &orig, p, d).await {
+        let local = match (disaggregate, r.cfg.local_prefill_max_tokens) {
+            (Some(d), _) => !d,
+            (None, Some(most)) => {
+                r.prefix_on(&d, &orig).await.is_some_and(|(n, cached)| n.saturating_sub(cached) <= most)
+            }
+            (None, None) => false,
+        };
+        let attempt = if local {
+            dispatch_local(&r, path, request_id.as_ref(), &orig, d).await
+        } else {
+            dispatch_to(&r, path, request_id.as_ref(), &orig, p, d).await
+        };
+        match attempt {
             Ok(resp) => return resp,
             Err(LegError { response, engine: Some(engine) }) => {
                 tracing::info!(url = %engine.url, role = role_name(engine.role), status = %response.status(), "leg not taken; trying another engine");
@@ -545,6 +617,45 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
             }
             Err(LegError { response, engine: None }) => return response,
         }
+    }
+}
+
+/// A request's own say on disaggregation: `kv_transfer_params: {"disaggregate": true|false}`.
+fn disaggregate_override(orig: &Map<String, Value>) -> Result<Option<bool>, String> {
+    match orig.get("kv_transfer_params") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Object(kv)) => match kv.get("disaggregate") {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(format!("invalid `kv_transfer_params.disaggregate`: expected true or false, got {v}")),
+        },
+        Some(v) => Err(format!("invalid `kv_transfer_params`: expected an object, got {v}")),
+    }
+}
+
+/// Conditional disaggregation: the whole request on decode engine `d`, as on a colocated
+/// engine (its prefix cache serves what it holds; no prefill leg, no transfer).
+async fn dispatch_local(
+    r: &Arc<Router>,
+    path: &str,
+    request_id: Option<&axum::http::HeaderValue>,
+    orig: &Map<String, Value>,
+    d: Arc<Backend>,
+) -> Result<Response, LegError> {
+    let mut body = orig.clone();
+    body.remove("kv_transfer_params");
+    let mut req = r.http.post(format!("{}{path}", d.url)).json(&body);
+    if let Some(id) = request_id {
+        req = req.header("x-request-id", id.clone());
+    }
+    let d_guard = d.start();
+    tracing::debug!(url = %d.url, "short uncached prompt: run on decode alone");
+    match req.send().await {
+        Ok(resp) if resp.status().is_success() => {
+            Ok(passthrough(resp, Some(d_guard), Legs::default(), r.abort.subscribe()))
+        }
+        Ok(resp) => Err(leg_error("decode", &d, resp).await),
+        Err(e) => Err(leg_failed(&d, "decode", &e)),
     }
 }
 

@@ -429,3 +429,85 @@ async fn decode_with_a_cached_prefix_receives_only_the_rest_at_every_hit_offset(
     }
     wait_idle(&[&colocated]).await;
 }
+
+/// Conditional disaggregation: with `local_prefill_max_tokens`, a prompt decode would compute
+/// little of (short, or a long one whose prefix decode's cache holds) runs on decode alone,
+/// with no transfer; a long uncached one is disaggregated; `kv_transfer_params.disaggregate`
+/// overrides either way. Every answer equals an uncached colocated engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn short_uncached_prompts_run_on_decode_alone_and_long_ones_are_disaggregated() {
+    let http = reqwest::Client::new();
+    let long: Vec<u32> = (0..100).map(|j| (j * 31 % 500 + 2) as u32).collect();
+    let body = |prompt: Vec<u32>, disaggregate: Option<bool>| {
+        let mut b = serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                       "ignore_eos": true, "stream": false});
+        if let Some(d) = disaggregate {
+            b["kv_transfer_params"] = serde_json::json!({"disaggregate": d});
+        }
+        b
+    };
+    let short: Vec<u32> = (0..20).map(|j| j * 3 + 1).collect();
+    let mut follow_up = long.clone();
+    follow_up.extend([7, 8, 9, 10, 11, 12, 13, 14, 15, 16]);
+    let other_long: Vec<u32> = (0..100).map(|j| (j * 7 % 500 + 5) as u32).collect();
+    // (request, whether it should cause a transfer)
+    let steps = [
+        (body(short.clone(), None), false),
+        (body(long.clone(), None), true),
+        (body(follow_up.clone(), None), false), // 96 of its 110 tokens are cached at decode
+        (body(short.clone(), Some(true)), true),
+        (body(other_long.clone(), Some(false)), false),
+    ];
+    let colocated = engine_with(None, 16, Knobs { prefix_caching: false, ..Knobs::default() }).await;
+    for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
+        let p = engine_with(Some((Role::Prefill, kv_mode)), 16, Knobs::default()).await;
+        let d = engine_with(Some((Role::Decode, kv_mode)), 16, Knobs::default()).await;
+        let url = router_with(mode, &[&p], &[&d], Some(32)).await;
+        let mut transfers = 0;
+        for (i, (b, transfer)) in steps.iter().enumerate() {
+            let mut plain = b.clone();
+            plain.as_object_mut().unwrap().remove("kv_transfer_params");
+            let want = run_all(&http, &colocated.url, &[plain]).await;
+            assert_eq!(run_all(&http, &url, std::slice::from_ref(b)).await, want, "{mode:?} step {i}");
+            wait_idle(&[&p, &d]).await;
+            transfers += u64::from(*transfer);
+            let ds = d.state.engine.stats().kv.unwrap();
+            assert_eq!(ds.transfers_ok, transfers, "{mode:?} step {i}: {ds:?}");
+        }
+        // The follow-up computed only its uncached tail on decode.
+        assert!(d.state.engine.stats().prefix_hit_tokens >= 96, "{:?}", d.state.engine.stats());
+        let bad = body(short.clone(), None);
+        let mut bad = bad.as_object().unwrap().clone();
+        bad.insert("kv_transfer_params".into(), serde_json::json!({"disaggregate": "yes"}));
+        let r = http.post(format!("{url}/v1/completions")).json(&bad).send().await.unwrap();
+        assert_eq!(r.status(), 400);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["param"], "kv_transfer_params", "{v}");
+    }
+    wait_idle(&[&colocated]).await;
+}
+
+/// KV-aware routing over two prefill engines: prompts that begin as an earlier one go to the
+/// prefill engine whose prefix cache holds that beginning (round-robin would send half of
+/// them to the other, which would compute them whole).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prompts_go_to_the_prefill_engine_that_holds_their_prefix() {
+    let http = reqwest::Client::new();
+    let base: Vec<u32> = (0..100).map(|j| (j * 11 % 500 + 4) as u32).collect();
+    let body = |tail: u32| {
+        let prompt: Vec<u32> = base.iter().copied().chain((0..tail).map(|j| j * 13 % 500 + 6)).collect();
+        serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": true})
+    };
+    let p1 = engine_with(Some((Role::Prefill, KvMode::Push)), 16, Knobs::default()).await;
+    let p2 = engine_with(Some((Role::Prefill, KvMode::Push)), 16, Knobs::default()).await;
+    let d = engine_with(Some((Role::Decode, KvMode::Push)), 16, Knobs::default()).await;
+    let url = router_over(TransferMode::Push, &[&p1, &p2], &[&d]).await;
+    run_all(&http, &url, &[body(0)]).await;
+    wait_idle(&[&p1, &p2, &d]).await;
+    for tail in 1..=6 {
+        run_all(&http, &url, &[body(tail * 4)]).await;
+        wait_idle(&[&p1, &p2, &d]).await;
+    }
+    let hits: Vec<u64> = [&p1, &p2].iter().map(|p| p.state.engine.stats().prefix_hit_tokens).collect();
+    assert!(hits.iter().any(|&h| h >= 6 * 96) && hits.contains(&0), "prefill hits {hits:?}");
+}

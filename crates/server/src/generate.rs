@@ -53,14 +53,30 @@ pub(crate) fn prepare_completion(
     if req.echo == Some(true) {
         return Err(ApiError::bad("echo", "echo is not supported: send the prompt's text along yourself"));
     }
-    let prompt_ids = match req.prompt {
+    let prompt_ids = completion_prompt_ids(state, req.prompt)?;
+    prepare(state, Api::Completion, request_id, prompt_ids, req.sampling, Some(16))
+}
+
+/// A completion's prompt as token ids.
+pub(crate) fn completion_prompt_ids(state: &AppState, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
+    Ok(match prompt {
         Prompt::Text(text) => state.tokenizer()?.encode(&text, true)?,
         Prompt::Ids(ids) => ids,
         Prompt::Texts(mut v) if v.len() == 1 => state.tokenizer()?.encode(&v.remove(0), true)?,
         Prompt::IdLists(mut v) if v.len() == 1 => v.remove(0),
         _ => return Err(ApiError::bad("prompt", "batched prompts are not supported: send one prompt per request")),
-    };
-    prepare(state, Api::Completion, request_id, prompt_ids, req.sampling, Some(16))
+    })
+}
+
+/// A chat's prompt as token ids: the messages rendered with the chat template.
+pub(crate) fn chat_prompt_ids(
+    state: &AppState,
+    messages: Vec<ChatMessageIn>,
+    add_generation_prompt: Option<bool>,
+) -> Result<Vec<u32>, ApiError> {
+    let tok = state.tokenizer()?;
+    let text = tok.apply_chat_template(&chat_messages(messages)?, add_generation_prompt.unwrap_or(true))?;
+    Ok(tok.encode(&text, false)?)
 }
 
 pub(crate) fn chat_messages(messages: Vec<ChatMessageIn>) -> Result<Vec<ChatMessage>, ApiError> {
@@ -100,9 +116,7 @@ pub(crate) fn prepare_chat(
     request_id: RequestId,
 ) -> Result<Prepared, ApiError> {
     check_model(state, &req.model)?;
-    let tok = state.tokenizer()?;
-    let text = tok.apply_chat_template(&chat_messages(req.messages)?, req.add_generation_prompt.unwrap_or(true))?;
-    let prompt_ids = tok.encode(&text, false)?;
+    let prompt_ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)?;
     prepare(state, Api::Chat, request_id, prompt_ids, req.sampling, None)
 }
 

@@ -15,6 +15,7 @@
 //! | `POST /tokenize`, `POST /detokenize` | the model's tokenizer |
 //! | `GET /kv/info` | the KV side channel of a prefill or decode engine and its open connections with their transports (404 colocated) |
 //! | `POST /kv/release` | prefill: free the KV held for a transfer no decode will take |
+//! | `POST /kv/prefix` | how much of a completion's or chat's prompt the prefix cache holds (for routing) |
 //!
 //! Text lives here: prompts are tokenized and outputs detokenized (with stop strings) in the
 //! handlers; the engine sees only token ids. Errors are OpenAI-shaped JSON ([`ApiError`]).
@@ -47,7 +48,7 @@ use tandem_model::TextTokenizer;
 pub use error::ApiError;
 pub use metrics::Metrics;
 
-use protocol::{ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest};
+use protocol::{ChatCompletionRequest, CompletionRequest, DetokenizeRequest, PrefixRequest, TokenizeRequest};
 
 /// Everything the handlers share.
 pub struct AppState {
@@ -156,6 +157,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/detokenize", post(detokenize))
         .route("/kv/info", get(kv_info))
         .route("/kv/release", post(kv_release))
+        .route("/kv/prefix", post(kv_prefix))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::map_response(json_body_limit))
         .with_state(state)
@@ -356,6 +358,24 @@ async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
             _ => return Err(ApiError::invalid("give exactly one of `prompt` or `messages`")),
         };
         Ok(Json(json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens})).into_response())
+    })();
+    record(&state, result)
+}
+
+/// How much of a completion's or chat's prompt this engine holds in its prefix cache now:
+/// `{"num_tokens", "cached_tokens"}`. A router asks it to route by cached prefix and to run a
+/// prompt whose uncached part is short without disaggregating it.
+async fn kv_prefix(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let result = (|| {
+        let req: PrefixRequest = parse_body(&body)?;
+        generate::check_model(&state, &req.model)?;
+        let ids = match (req.prompt, req.messages) {
+            (Some(p), None) => generate::completion_prompt_ids(&state, p)?,
+            (None, Some(m)) => generate::chat_prompt_ids(&state, m, req.add_generation_prompt)?,
+            _ => return Err(ApiError::invalid("give exactly one of `prompt` or `messages`")),
+        };
+        let cached = state.engine.cached_prefix_tokens(&ids);
+        Ok(Json(json!({"num_tokens": ids.len(), "cached_tokens": cached})).into_response())
     })();
     record(&state, result)
 }

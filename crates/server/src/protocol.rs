@@ -168,6 +168,19 @@ pub struct TokenizeRequest {
     pub add_generation_prompt: Option<bool>,
 }
 
+/// `POST /kv/prefix`: a completion's or a chat's body (its other fields are ignored).
+#[derive(Clone, Debug, Deserialize)]
+pub struct PrefixRequest {
+    /// Served model name.
+    pub model: Option<String>,
+    /// A completion's prompt.
+    pub prompt: Option<Prompt>,
+    /// Or a chat's messages, rendered with the chat template.
+    pub messages: Option<Vec<ChatMessageIn>>,
+    /// For messages: append the assistant opener (default true).
+    pub add_generation_prompt: Option<bool>,
+}
+
 /// `POST /kv/release`.
 #[derive(Clone, Debug, Deserialize)]
 pub struct KvReleaseRequest {

@@ -241,6 +241,8 @@ async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
         ),
         ("/tokenize", r#"{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}"#, 400, "exactly one"),
         ("/detokenize", r#"{"tokens": [1, 99999]}"#, 400, "out of range"),
+        ("/kv/prefix", r#"{"max_tokens": 3}"#, 400, "exactly one"),
+        ("/kv/prefix", r#"{"prompt": ["a", "b"]}"#, 400, "batched"),
     ];
     for (path, body, status, needle) in cases {
         let r = s

@@ -128,9 +128,21 @@ pub async fn router(mode: TransferMode, p: &Engine, d: &Engine) -> String {
 
 /// A router over several prefill and decode engines.
 pub async fn router_over(mode: TransferMode, prefill: &[&Engine], decode: &[&Engine]) -> String {
+    router_with(mode, prefill, decode, None).await
+}
+
+/// A router over several engines that runs prompts decode would compute at most
+/// `local_prefill_max_tokens` of on decode alone.
+pub async fn router_with(
+    mode: TransferMode,
+    prefill: &[&Engine],
+    decode: &[&Engine],
+    local_prefill_max_tokens: Option<usize>,
+) -> String {
     let urls = |es: &[&Engine]| es.iter().map(|e| e.url.clone()).collect();
     let r = Router::new(RouterConfig {
         prefill_timeout: Duration::from_secs(30),
+        local_prefill_max_tokens,
         ..RouterConfig::new(mode, urls(prefill), urls(decode))
     })
     .unwrap();
