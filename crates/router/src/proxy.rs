@@ -329,13 +329,18 @@ impl Router {
         Some((v["num_tokens"].as_u64()? as usize, v["cached_tokens"].as_u64()? as usize))
     }
 
-    /// KV-aware routing: among several ready prefill engines not in `tried`, the one whose
+    /// KV-aware routing: among several ready engines of `backends` not in `tried`, the one whose
     /// prefix cache holds the most of `orig`'s prompt, unless it is busier than the least busy
     /// by more than `KV_AWARE_SLACK` requests; `None` when none holds any (then load decides).
-    async fn best_cached_prefill(&self, orig: &Map<String, Value>, tried: &[Arc<Backend>]) -> Option<Arc<Backend>> {
+    async fn best_cached(
+        &self,
+        backends: &[Arc<Backend>],
+        orig: &Map<String, Value>,
+        tried: &[Arc<Backend>],
+    ) -> Option<Arc<Backend>> {
         const KV_AWARE_SLACK: usize = 8;
         let candidates: Vec<&Arc<Backend>> =
-            self.prefill.iter().filter(|b| b.is_healthy() && !tried.iter().any(|t| Arc::ptr_eq(t, b))).collect();
+            backends.iter().filter(|b| b.is_healthy() && !tried.iter().any(|t| Arc::ptr_eq(t, b))).collect();
         if candidates.len() < 2 {
             return None;
         }
@@ -350,13 +355,9 @@ impl Router {
     }
 
     /// A prefill engine and a decode engine that can pair with it, none of them in `tried`
-    /// (engines this request already failed on), or why there is none. `preferred` is taken
-    /// as the prefill engine when given (it holds the prompt's prefix).
-    fn pick(
-        &self,
-        tried: &[Arc<Backend>],
-        preferred: Option<Arc<Backend>>,
-    ) -> Result<(Arc<Backend>, Arc<Backend>), String> {
+    /// (engines this request already failed on), or why there is none. The `preferred`
+    /// engines (those holding the prompt's prefix) are taken when given and usable.
+    fn pick(&self, tried: &[Arc<Backend>], preferred: Preferred) -> Result<(Arc<Backend>, Arc<Backend>), String> {
         let untried = |b: &Backend| !tried.iter().any(|t| std::ptr::eq(&**t, b));
         let t = self.turn.fetch_add(1, Ordering::Relaxed);
         let unusable = |role: &str, list: &[Arc<Backend>]| {
@@ -369,11 +370,12 @@ impl Router {
                 .collect();
             format!("no usable {role} engine: {}", why.join("; "))
         };
-        let p = match preferred {
+        let p = match preferred.prefill {
             Some(p) => p,
             None => choose(&self.prefill, t, untried).ok_or_else(|| unusable("prefill", &self.prefill))?,
         };
-        let d = self.pick_decode(&p, t, tried).ok_or_else(|| {
+        let fits_preferred = preferred.decode.filter(|d| self.can_pair(&p, d));
+        let d = fits_preferred.or_else(|| self.pick_decode(&p, t, tried)).ok_or_else(|| {
             let problems = self.pair_problems();
             if problems.is_empty() {
                 unusable("decode", &self.decode)
@@ -386,15 +388,16 @@ impl Router {
 
     /// A decode engine that can pair with prefill engine `p`, not in `tried`.
     fn pick_decode(&self, p: &Backend, turn: usize, tried: &[Arc<Backend>]) -> Option<Arc<Backend>> {
-        let p_info = p.info();
-        let fits = |d: &Backend| {
-            !tried.iter().any(|t| std::ptr::eq(&**t, d))
-                && match (&p_info, d.info()) {
-                    (Some(pi), Some(di)) => di.check_pairing(pi).is_ok(),
-                    _ => true,
-                }
-        };
+        let fits = |d: &Backend| !tried.iter().any(|t| std::ptr::eq(&**t, d)) && self.can_pair(p, d);
         choose(&self.decode, turn, fits)
+    }
+
+    /// Whether decode engine `d` can take KV from prefill engine `p` (as far as is known).
+    fn can_pair(&self, p: &Backend, d: &Backend) -> bool {
+        match (p.info(), d.info()) {
+            (Some(pi), Some(di)) => di.check_pairing(&pi).is_ok(),
+            _ => true,
+        }
     }
 
     fn transfer_id(&self) -> String {
@@ -591,7 +594,10 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
     let mut tried: Vec<Arc<Backend>> = Vec::new();
     let mut last: Option<Response> = None;
     loop {
-        let preferred = if r.prefill.len() > 1 { r.best_cached_prefill(&orig, &tried).await } else { None };
+        let preferred = Preferred {
+            prefill: if r.prefill.len() > 1 { r.best_cached(&r.prefill, &orig, &tried).await } else { None },
+            decode: if r.decode.len() > 1 { r.best_cached(&r.decode, &orig, &tried).await } else { None },
+        };
         let (p, d) = match r.pick(&tried, preferred) {
             Ok(pair) => pair,
             Err(why) => return last.unwrap_or_else(|| error(StatusCode::SERVICE_UNAVAILABLE, why)),
@@ -618,6 +624,12 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
             Err(LegError { response, engine: None }) => return response,
         }
     }
+}
+
+/// The engines KV-aware routing would take for a request (see [`Router::best_cached`]).
+struct Preferred {
+    prefill: Option<Arc<Backend>>,
+    decode: Option<Arc<Backend>>,
 }
 
 /// A request's own say on disaggregation: `kv_transfer_params: {"disaggregate": true|false}`.

@@ -487,9 +487,10 @@ async fn short_uncached_prompts_run_on_decode_alone_and_long_ones_are_disaggrega
     wait_idle(&[&colocated]).await;
 }
 
-/// KV-aware routing over two prefill engines: prompts that begin as an earlier one go to the
-/// prefill engine whose prefix cache holds that beginning (round-robin would send half of
-/// them to the other, which would compute them whole).
+/// KV-aware routing over two prefill and two decode engines: prompts that begin as an earlier
+/// one go to the prefill engine whose prefix cache holds that beginning, and to the decode
+/// engine that holds it (which then receives only the rest); round-robin would send half of
+/// them elsewhere, to compute or receive them whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn prompts_go_to_the_prefill_engine_that_holds_their_prefix() {
     let http = reqwest::Client::new();
@@ -500,14 +501,18 @@ async fn prompts_go_to_the_prefill_engine_that_holds_their_prefix() {
     };
     let p1 = engine_with(Some((Role::Prefill, KvMode::Push)), 16, Knobs::default()).await;
     let p2 = engine_with(Some((Role::Prefill, KvMode::Push)), 16, Knobs::default()).await;
-    let d = engine_with(Some((Role::Decode, KvMode::Push)), 16, Knobs::default()).await;
-    let url = router_over(TransferMode::Push, &[&p1, &p2], &[&d]).await;
+    let d1 = engine_with(Some((Role::Decode, KvMode::Push)), 16, Knobs::default()).await;
+    let d2 = engine_with(Some((Role::Decode, KvMode::Push)), 16, Knobs::default()).await;
+    let url = router_over(TransferMode::Push, &[&p1, &p2], &[&d1, &d2]).await;
+    let all = [&p1, &p2, &d1, &d2];
     run_all(&http, &url, &[body(0)]).await;
-    wait_idle(&[&p1, &p2, &d]).await;
+    wait_idle(&all).await;
     for tail in 1..=6 {
         run_all(&http, &url, &[body(tail * 4)]).await;
-        wait_idle(&[&p1, &p2, &d]).await;
+        wait_idle(&all).await;
     }
-    let hits: Vec<u64> = [&p1, &p2].iter().map(|p| p.state.engine.stats().prefix_hit_tokens).collect();
-    assert!(hits.iter().any(|&h| h >= 6 * 96) && hits.contains(&0), "prefill hits {hits:?}");
+    let hits = |es: [&Engine; 2]| -> Vec<u64> { es.iter().map(|e| e.state.engine.stats().prefix_hit_tokens).collect() };
+    let (p_hits, d_hits) = (hits([&p1, &p2]), hits([&d1, &d2]));
+    assert!(p_hits.iter().any(|&h| h >= 6 * 96) && p_hits.contains(&0), "prefill hits {p_hits:?}");
+    assert!(d_hits.iter().any(|&h| h >= 6 * 96) && d_hits.contains(&0), "decode hits {d_hits:?}");
 }
