@@ -85,12 +85,52 @@ pub enum RouterError {
     Unpairable(String),
 }
 
+/// The engines of one role. The list changes while serving (`/admin/engines`); a request
+/// works on the list as it was when it started (a removed engine finishes what it has).
+struct Engines(std::sync::RwLock<Arc<Vec<Arc<Backend>>>>);
+
+impl Engines {
+    fn new(urls: &[String], role: Role) -> Self {
+        Self(std::sync::RwLock::new(Arc::new(urls.iter().map(|u| Arc::new(Backend::new(u, role))).collect())))
+    }
+
+    /// The engines now.
+    fn list(&self) -> Arc<Vec<Arc<Backend>>> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Adds `b` unless an engine with its URL is in the list.
+    fn add(&self, b: Arc<Backend>) -> bool {
+        let mut list = self.0.write().unwrap_or_else(|p| p.into_inner());
+        if list.iter().any(|e| e.url == b.url) {
+            return false;
+        }
+        let mut next = (**list).clone();
+        next.push(b);
+        *list = Arc::new(next);
+        true
+    }
+
+    /// Takes the engine at `url` out (never the last one); whether it was there, and why not.
+    fn remove(&self, url: &str) -> Result<bool, String> {
+        let mut list = self.0.write().unwrap_or_else(|p| p.into_inner());
+        if !list.iter().any(|e| e.url == url) {
+            return Ok(false);
+        }
+        if list.len() == 1 {
+            return Err(format!("{url} is the last engine of its role: add another first"));
+        }
+        *list = Arc::new(list.iter().filter(|e| e.url != url).cloned().collect());
+        Ok(true)
+    }
+}
+
 /// The router's state: backends, HTTP client, counters.
 pub struct Router {
     cfg: RouterConfig,
     http: reqwest::Client,
-    prefill: Vec<Arc<Backend>>,
-    decode: Vec<Arc<Backend>>,
+    prefill: Engines,
+    decode: Engines,
     turn: AtomicUsize,
     next_transfer: AtomicU64,
     id_prefix: String,
@@ -145,8 +185,8 @@ impl Router {
             return Err(RouterError::NoBackends);
         }
         Ok(Self {
-            prefill: cfg.prefill.iter().map(|u| Arc::new(Backend::new(u, Role::Prefill))).collect(),
-            decode: cfg.decode.iter().map(|u| Arc::new(Backend::new(u, Role::Decode))).collect(),
+            prefill: Engines::new(&cfg.prefill, Role::Prefill),
+            decode: Engines::new(&cfg.decode, Role::Decode),
             http: reqwest::Client::builder().connect_timeout(Duration::from_secs(5)).build().unwrap_or_default(),
             turn: AtomicUsize::new(0),
             next_transfer: AtomicU64::new(0),
@@ -162,7 +202,7 @@ impl Router {
         let start = Instant::now();
         loop {
             self.check_all().await;
-            let down = self.backends().find_map(|b| match b.state() {
+            let down = self.backends().iter().find_map(|b| match b.state() {
                 BackendState::Down(reason) => Some((b.url.clone(), reason)),
                 BackendState::Unknown => Some((b.url.clone(), "not checked".into())),
                 _ => None,
@@ -186,8 +226,10 @@ impl Router {
         Ok(())
     }
 
-    fn backends(&self) -> impl Iterator<Item = &Arc<Backend>> {
-        self.prefill.iter().chain(&self.decode)
+    /// Every engine now, prefill first.
+    fn backends(&self) -> Vec<Arc<Backend>> {
+        let (p, d) = (self.prefill.list(), self.decode.list());
+        p.iter().chain(d.iter()).cloned().collect()
     }
 
     /// Checks one engine: healthy, a KV connector in the role it was given as and the router's
@@ -244,8 +286,9 @@ impl Router {
 
     /// Checks every engine (concurrently) and logs what changed.
     async fn check_all(&self) {
-        let states = futures::future::join_all(self.backends().map(|b| self.probe(b))).await;
-        for (b, new) in self.backends().zip(states) {
+        let all = self.backends();
+        let states = futures::future::join_all(all.iter().map(|b| self.probe(b))).await;
+        for (b, new) in all.iter().zip(states) {
             let old = b.set_state(new.clone());
             match (&old, &new) {
                 (BackendState::Ready(a), BackendState::Ready(n)) if a.epoch != n.epoch => {
@@ -271,8 +314,9 @@ impl Router {
     /// Every ready prefill/decode pair that cannot exchange KV, in words.
     fn pair_problems(&self) -> Vec<String> {
         let mut out = Vec::new();
-        for p in &self.prefill {
-            for d in &self.decode {
+        let (prefill, decode) = (self.prefill.list(), self.decode.list());
+        for p in prefill.iter() {
+            for d in decode.iter() {
                 if let (Some(pi), Some(di)) = (p.info(), d.info()) {
                     if let Err(e) = di.check_pairing(&pi) {
                         out.push(format!("prefill engine {} and decode engine {} cannot pair: {e}", p.url, d.url));
@@ -287,6 +331,7 @@ impl Router {
     pub fn problems(&self) -> Vec<String> {
         let mut out: Vec<String> = self
             .backends()
+            .iter()
             .filter_map(|b| match b.state() {
                 BackendState::Down(r) => Some(format!("{} engine {} is down: {r}", role_name(b.role), b.url)),
                 BackendState::Misconfigured(r) => Some(format!("{} engine {} {r}", role_name(b.role), b.url)),
@@ -370,15 +415,16 @@ impl Router {
                 .collect();
             format!("no usable {role} engine: {}", why.join("; "))
         };
+        let (prefill, decode) = (self.prefill.list(), self.decode.list());
         let p = match preferred.prefill {
             Some(p) => p,
-            None => choose(&self.prefill, t, untried).ok_or_else(|| unusable("prefill", &self.prefill))?,
+            None => choose(&prefill, t, untried).ok_or_else(|| unusable("prefill", &prefill))?,
         };
         let fits_preferred = preferred.decode.filter(|d| self.can_pair(&p, d));
         let d = fits_preferred.or_else(|| self.pick_decode(&p, t, tried)).ok_or_else(|| {
             let problems = self.pair_problems();
             if problems.is_empty() {
-                unusable("decode", &self.decode)
+                unusable("decode", &decode)
             } else {
                 problems.join("; ")
             }
@@ -389,7 +435,7 @@ impl Router {
     /// A decode engine that can pair with prefill engine `p`, not in `tried`.
     fn pick_decode(&self, p: &Backend, turn: usize, tried: &[Arc<Backend>]) -> Option<Arc<Backend>> {
         let fits = |d: &Backend| !tried.iter().any(|t| std::ptr::eq(&**t, d)) && self.can_pair(p, d);
-        choose(&self.decode, turn, fits)
+        choose(&self.decode.list(), turn, fits)
     }
 
     /// Whether decode engine `d` can take KV from prefill engine `p` (as far as is known).
@@ -406,7 +452,7 @@ impl Router {
 
     /// Requests being answered now (streams included).
     pub fn in_flight(&self) -> usize {
-        self.decode.iter().map(|b| b.outstanding()).sum()
+        self.decode.list().iter().map(|b| b.outstanding()).sum()
     }
 
     /// Ends every request now, for a bounded shutdown: a stream gets a final error chunk, a
@@ -473,6 +519,7 @@ pub fn app(router: Arc<Router>) -> axum::Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/admin/engines", get(list_engines).post(add_engine).delete(remove_engine))
         .with_state(router)
 }
 
@@ -526,7 +573,10 @@ async fn dispatch_or_abort(r: Arc<Router>, path: &'static str, headers: HeaderMa
 }
 
 async fn models(State(r): State<Arc<Router>>) -> Response {
-    let d = choose(&r.decode, 0, |_| true).unwrap_or_else(|| r.decode[0].clone());
+    let decode = r.decode.list();
+    let Some(d) = choose(&decode, 0, |_| true).or_else(|| decode.first().cloned()) else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "no decode engine");
+    };
     match r.http.get(format!("{}/v1/models", d.url)).timeout(Duration::from_secs(10)).send().await {
         Ok(resp) => passthrough(resp, None, Legs::default(), r.abort.subscribe()),
         Err(e) => error(StatusCode::BAD_GATEWAY, format!("decode engine {}: {}", d.url, describe(&e))),
@@ -595,8 +645,8 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
     let mut last: Option<Response> = None;
     loop {
         let preferred = Preferred {
-            prefill: if r.prefill.len() > 1 { r.best_cached(&r.prefill, &orig, &tried).await } else { None },
-            decode: if r.decode.len() > 1 { r.best_cached(&r.decode, &orig, &tried).await } else { None },
+            prefill: r.best_cached(&r.prefill.list(), &orig, &tried).await,
+            decode: r.best_cached(&r.decode.list(), &orig, &tried).await,
         };
         let (p, d) = match r.pick(&tried, preferred) {
             Ok(pair) => pair,
@@ -630,6 +680,91 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
 struct Preferred {
     prefill: Option<Arc<Backend>>,
     decode: Option<Arc<Backend>>,
+}
+
+/// `GET /admin/engines`: every engine by role, with its state and requests in flight.
+async fn list_engines(State(r): State<Arc<Router>>) -> Response {
+    let describe = |list: &[Arc<Backend>]| -> Vec<Value> {
+        list.iter()
+            .map(|b| {
+                let state = match b.state() {
+                    BackendState::Ready(_) => "ready".to_string(),
+                    BackendState::Unknown => "not checked yet".to_string(),
+                    BackendState::Down(why) => format!("down: {why}"),
+                    BackendState::Misconfigured(why) => format!("misconfigured: {why}"),
+                };
+                json!({"url": b.url, "state": state, "outstanding": b.outstanding()})
+            })
+            .collect()
+    };
+    Json(json!({"prefill": describe(&r.prefill.list()), "decode": describe(&r.decode.list())})).into_response()
+}
+
+/// `POST /admin/engines` `{"role": "prefill"|"decode", "url": ...}`: adds an engine while
+/// serving. It is checked at once: one that cannot serve the role (another mode, no KV side
+/// channel, a model its peers cannot pair with) is refused with the reason; one not up yet is
+/// added and taken into service when a check finds it ready.
+async fn add_engine(State(r): State<Arc<Router>>, body: Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid request body (not valid JSON): {e}")),
+    };
+    let (role, engines) = match v["role"].as_str() {
+        Some("prefill") => (Role::Prefill, &r.prefill),
+        Some("decode") => (Role::Decode, &r.decode),
+        _ => return bad_request("role", "`role` must be \"prefill\" or \"decode\""),
+    };
+    let Some(url) = v["url"].as_str().filter(|u| u.starts_with("http://") || u.starts_with("https://")) else {
+        return bad_request("url", "`url` must be an engine's base URL, e.g. http://127.0.0.1:8100");
+    };
+    let b = Arc::new(Backend::new(url, role));
+    let state = r.probe(&b).await;
+    if let BackendState::Misconfigured(why) = &state {
+        return bad_request("url", format!("engine {} {why}", b.url));
+    }
+    if let BackendState::Ready(info) = &state {
+        let others = match role {
+            Role::Prefill => r.decode.list(),
+            _ => r.prefill.list(),
+        };
+        let unpairable = others.iter().find_map(|o| {
+            let other = o.info()?;
+            let check = if role == Role::Prefill { other.check_pairing(info) } else { info.check_pairing(&other) };
+            check.err().map(|e| format!("engine {} cannot pair with {}: {e}", b.url, o.url))
+        });
+        if let Some(why) = unpairable {
+            return bad_request("url", why);
+        }
+    }
+    b.set_state(state);
+    if !engines.add(b.clone()) {
+        return error(StatusCode::CONFLICT, format!("engine {} is already a {} engine here", b.url, role_name(role)));
+    }
+    tracing::info!(url = %b.url, role = role_name(role), "engine added");
+    list_engines(State(r)).await
+}
+
+/// `DELETE /admin/engines` `{"url": ...}`: takes an engine out of service; requests it is
+/// answering finish there. The last engine of a role stays (409).
+async fn remove_engine(State(r): State<Arc<Router>>, body: Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid request body (not valid JSON): {e}")),
+    };
+    let Some(url) = v["url"].as_str() else { return bad_request("url", "`url` is required") };
+    let url = url.trim_end_matches('/');
+    let removed = match r.prefill.remove(url) {
+        Ok(false) => r.decode.remove(url),
+        other => other,
+    };
+    match removed {
+        Ok(true) => {
+            tracing::info!(%url, "engine removed");
+            list_engines(State(r)).await
+        }
+        Ok(false) => error(StatusCode::NOT_FOUND, format!("no engine {url} here")),
+        Err(why) => error(StatusCode::CONFLICT, why),
+    }
 }
 
 /// A request's own say on disaggregation: `kv_transfer_params: {"disaggregate": true|false}`.

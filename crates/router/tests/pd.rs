@@ -516,3 +516,47 @@ async fn prompts_go_to_the_prefill_engine_that_holds_their_prefix() {
     assert!(p_hits.iter().any(|&h| h >= 6 * 96) && p_hits.contains(&0), "prefill hits {p_hits:?}");
     assert!(d_hits.iter().any(|&h| h >= 6 * 96) && d_hits.contains(&0), "decode hits {d_hits:?}");
 }
+
+/// Engines join and leave a running router (`/admin/engines`): an added prefill engine takes
+/// requests, a removed one takes no more, the last engine of a role cannot be removed, and an
+/// engine that cannot serve the role it is added as is refused with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn engines_join_and_leave_a_running_router() {
+    let http = reqwest::Client::new();
+    let p1 = engine(Some((Role::Prefill, KvMode::Push)), 16, FaultInjection::default()).await;
+    let p2 = engine(Some((Role::Prefill, KvMode::Push)), 16, FaultInjection::default()).await;
+    let d = engine(Some((Role::Decode, KvMode::Push)), 16, FaultInjection::default()).await;
+    let pull = engine(Some((Role::Prefill, KvMode::Pull)), 16, FaultInjection::default()).await;
+    let url = router(TransferMode::Push, &p1, &d).await;
+    let reqs: Vec<Value> = workload().into_iter().take(8).collect();
+    let steps = |e: &Engine| e.state.engine.stats().steps;
+    let admin = |method: reqwest::Method, body: Value| {
+        let req = http.request(method, format!("{url}/admin/engines")).json(&body);
+        async move {
+            let r = req.send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    run_all(&http, &url, &reqs).await;
+    assert_eq!(steps(&p2), 0);
+    let (status, v) = admin(reqwest::Method::POST, serde_json::json!({"role": "prefill", "url": p2.url})).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["prefill"].as_array().unwrap().len(), 2, "{v}");
+    run_all(&http, &url, &reqs).await;
+    assert!(steps(&p2) > 0, "the added engine took requests");
+    let (status, _) = admin(reqwest::Method::DELETE, serde_json::json!({"url": p1.url})).await;
+    assert_eq!(status, 200);
+    wait_idle(&[&p1, &p2, &d]).await;
+    let before = steps(&p1);
+    run_all(&http, &url, &reqs).await;
+    assert_eq!(steps(&p1), before, "a removed engine takes no more requests");
+    let (status, v) = admin(reqwest::Method::DELETE, serde_json::json!({"url": p2.url})).await;
+    assert_eq!(status, 409, "{v}");
+    let (status, v) = admin(reqwest::Method::POST, serde_json::json!({"role": "prefill", "url": pull.url})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("pull"), "{v}");
+    let (status, _) = admin(reqwest::Method::DELETE, serde_json::json!({"url": "http://127.0.0.1:1"})).await;
+    assert_eq!(status, 404);
+    wait_idle(&[&p1, &p2, &d]).await;
+}
