@@ -34,6 +34,9 @@ pub struct RequestOutcome {
     pub error: String,
     /// tandem decode engines: where the time to the first token went (`kv_timeline`).
     pub kv_timeline: Option<serde_json::Value>,
+    /// The generated token ids, where the server streams them (tandem's `token_ids`): a
+    /// multi-turn conversation sends them back in its next turn.
+    pub token_ids: Vec<u32>,
 }
 
 /// Service-level objectives for goodput, milliseconds.

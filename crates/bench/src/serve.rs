@@ -31,6 +31,24 @@ pub enum Dataset {
         /// Send prompts as text (random words) instead of token ids.
         as_text: bool,
     },
+    /// Synthetic conversations, as chat clients and agents send them: every conversation opens
+    /// with the same `shared_len`-token system prompt, then takes `turns` turns, each adding
+    /// `turn_len` new user tokens; a turn's prompt is the whole conversation so far, the
+    /// server's earlier answers included (the token ids it streamed, where it streams them).
+    /// Conversations arrive at the request rate; a conversation's turns follow one another.
+    /// `--num-prompts` counts conversations.
+    MultiTurn {
+        /// Tokens of the system prompt every conversation shares.
+        shared_len: usize,
+        /// New user tokens per turn.
+        turn_len: usize,
+        /// Turns per conversation.
+        turns: usize,
+        /// Output tokens per turn.
+        output_len: usize,
+        /// Token ids are drawn below this.
+        vocab_size: u32,
+    },
     /// A local ShareGPT-format JSON file: the first human turn is the prompt, the reply's
     /// length (in words) the output length.
     ShareGpt {
@@ -97,6 +115,8 @@ pub struct ServeRun {
     pub outcomes: Vec<RequestOutcome>,
     /// The summary.
     pub summary: ServeSummary,
+    /// Multi-turn: each request's turn (0 first), in the order of `outcomes`; empty otherwise.
+    pub turns: Vec<usize>,
 }
 
 const WORDS: &[&str] = &[
@@ -132,6 +152,7 @@ pub fn sample_requests(ds: &Dataset, n: usize, seed: u64) -> Result<Vec<SampledR
                 })
                 .collect())
         }
+        Dataset::MultiTurn { .. } => Err("a multi-turn dataset's prompts depend on the answers: use `run`".to_string()),
         Dataset::ShareGpt { path, output_len } => {
             let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
             let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}", path.display()))?;
@@ -234,6 +255,9 @@ async fn send(http: &reqwest::Client, url: &str, body: &Value, fallback_prompt_l
             if let Some(t) = v.get("kv_timeline").filter(|t| !t.is_null()) {
                 out.kv_timeline = Some(t.clone());
             }
+            if let Some(ids) = v["choices"][0].get("token_ids").and_then(Value::as_array) {
+                out.token_ids.extend(ids.iter().filter_map(Value::as_u64).map(|t| t as u32));
+            }
             if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                 usage_tokens = u.get("completion_tokens").and_then(Value::as_u64);
                 if let Some(p) = u.get("prompt_tokens").and_then(Value::as_u64) {
@@ -278,9 +302,12 @@ pub async fn run(cfg: &ServeConfig) -> Result<ServeRun, String> {
             v["data"][0]["id"].as_str().ok_or_else(|| format!("{base}/v1/models lists no model"))?.to_string()
         }
     };
+    let url = format!("{base}{}", cfg.endpoint);
+    if let Dataset::MultiTurn { .. } = cfg.dataset {
+        return run_conversations(cfg, &http, &url, model).await;
+    }
     let requests = sample_requests(&cfg.dataset, cfg.num_prompts, cfg.seed)?;
     let offsets = arrivals(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)?;
-    let url = format!("{base}{}", cfg.endpoint);
     let body = |r: &SampledRequest| {
         json!({"model": model, "prompt": r.prompt, "max_tokens": r.output_len, "ignore_eos": cfg.ignore_eos,
                "temperature": 0, "stream": true, "stream_options": {"include_usage": true}})
@@ -291,14 +318,7 @@ pub async fn run(cfg: &ServeConfig) -> Result<ServeRun, String> {
             return Err(format!("warm-up request failed: {}", o.error));
         }
     }
-    let bar = cfg.progress.then(|| {
-        let b = indicatif::ProgressBar::new(cfg.num_prompts as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests ({per_sec})")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b
-    });
+    let bar = progress_bar(cfg.progress, cfg.num_prompts);
     let limit = cfg.max_concurrency.map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1))));
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(requests.len());
@@ -335,7 +355,97 @@ pub async fn run(cfg: &ServeConfig) -> Result<ServeRun, String> {
         bar.finish_and_clear();
     }
     let summary = summarize(&outcomes, duration, &cfg.percentiles, cfg.slo);
-    Ok(ServeRun { model, requests, outcomes, summary })
+    Ok(ServeRun { model, requests, outcomes, summary, turns: Vec::new() })
+}
+
+/// A progress bar over `n` requests, when asked for.
+fn progress_bar(show: bool, n: usize) -> Option<indicatif::ProgressBar> {
+    show.then(|| {
+        let b = indicatif::ProgressBar::new(n as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests ({per_sec})")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    })
+}
+
+/// [`Dataset::MultiTurn`]: conversations start at the request rate, each sends its turns one
+/// after another (the next once the answer is in).
+async fn run_conversations(
+    cfg: &ServeConfig,
+    http: &reqwest::Client,
+    url: &str,
+    model: String,
+) -> Result<ServeRun, String> {
+    let Dataset::MultiTurn { shared_len, turn_len, turns, output_len, vocab_size } = cfg.dataset else {
+        return Err("not a multi-turn dataset".into());
+    };
+    if vocab_size < 2 || turns == 0 {
+        return Err("a multi-turn dataset needs --random-vocab-size of at least 2 and at least one turn".into());
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed);
+    let mut draw = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(1..vocab_size)).collect() };
+    let shared = draw(shared_len);
+    // Every conversation's user turns, drawn up front so a seed gives the same conversations.
+    let users: Vec<Vec<Vec<u32>>> =
+        (0..cfg.num_prompts).map(|_| (0..turns).map(|_| draw(turn_len)).collect()).collect();
+    let offsets = arrivals(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)?;
+    let bar = progress_bar(cfg.progress, cfg.num_prompts * turns);
+    let limit = cfg.max_concurrency.map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1))));
+    let ignore_eos = cfg.ignore_eos;
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(users.len());
+    for (conversation, at) in users.into_iter().zip(&offsets) {
+        let wait = Duration::from_secs_f64(*at).saturating_sub(start.elapsed());
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+        let (http, url, model, bar, limit) = (http.clone(), url.to_string(), model.clone(), bar.clone(), limit.clone());
+        let mut history = shared.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut sent = Vec::new();
+            for (turn, user) in conversation.into_iter().enumerate() {
+                history.extend(user);
+                let body = json!({"model": model, "prompt": history, "max_tokens": output_len, "ignore_eos": ignore_eos,
+                                  "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
+                let permit = match &limit {
+                    Some(sem) => sem.clone().acquire_owned().await.ok(),
+                    None => None,
+                };
+                let o = send(&http, &url, &body, history.len()).await;
+                drop(permit);
+                if let Some(bar) = &bar {
+                    bar.inc(1);
+                }
+                let request = SampledRequest { prompt: body["prompt"].clone(), prompt_len: history.len(), output_len };
+                // The answer joins the conversation as the server gave it (its ids), or as a
+                // stand-in of the same length from a server that does not stream ids.
+                let answer = if o.token_ids.is_empty() { vec![1; output_len] } else { o.token_ids.clone() };
+                history.extend(answer);
+                let failed = !o.success;
+                sent.push((turn, request, o));
+                if failed {
+                    break; // the conversation cannot go on without its answer
+                }
+            }
+            sent
+        }));
+    }
+    let (mut requests, mut outcomes, mut turn_of) = (Vec::new(), Vec::new(), Vec::new());
+    for t in tasks {
+        for (turn, request, o) in t.await.map_err(|e| format!("conversation task failed: {e}"))? {
+            turn_of.push(turn);
+            requests.push(request);
+            outcomes.push(o);
+        }
+    }
+    let duration = start.elapsed().as_secs_f64();
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let summary = summarize(&outcomes, duration, &cfg.percentiles, cfg.slo);
+    Ok(ServeRun { model, requests, outcomes, summary, turns: turn_of })
 }
 
 /// `YYYYMMDD-HHMMSS` in UTC (vLLM's `date` field), without a date library.
@@ -356,6 +466,28 @@ pub fn utc_stamp() -> String {
 }
 
 impl ServeRun {
+    /// Multi-turn: the median TTFT (ms) of each turn's successful requests, first turn first.
+    pub fn median_ttft_ms_by_turn(&self) -> Vec<f64> {
+        let turns = self.turns.iter().max().map_or(0, |t| t + 1);
+        (0..turns)
+            .map(|turn| {
+                let mut ttfts: Vec<f64> = self
+                    .turns
+                    .iter()
+                    .zip(&self.outcomes)
+                    .filter(|(t, o)| **t == turn && o.success)
+                    .map(|(_, o)| o.ttft * 1e3)
+                    .collect();
+                ttfts.sort_by(f64::total_cmp);
+                match ttfts.len() {
+                    0 => f64::NAN,
+                    n if n % 2 == 1 => ttfts[n / 2],
+                    n => (ttfts[n / 2 - 1] + ttfts[n / 2]) / 2.0,
+                }
+            })
+            .collect()
+    }
+
     /// The result JSON vLLM writes (identity fields, metrics, and with `detailed` the
     /// per-request arrays).
     pub fn result_json(&self, cfg: &ServeConfig, detailed: bool) -> Value {
@@ -372,7 +504,13 @@ impl ServeRun {
         m.insert("burstiness".into(), json!(cfg.burstiness));
         m.insert("max_concurrency".into(), json!(cfg.max_concurrency));
         m.extend(self.summary.to_json());
+        if !self.turns.is_empty() {
+            m.insert("median_ttft_ms_by_turn".into(), json!(self.median_ttft_ms_by_turn()));
+        }
         if detailed {
+            if !self.turns.is_empty() {
+                m.insert("turns".into(), json!(self.turns));
+            }
             m.insert("input_lens".into(), json!(self.outcomes.iter().map(|o| o.prompt_len).collect::<Vec<_>>()));
             m.insert("output_lens".into(), json!(self.outcomes.iter().map(|o| o.output_len).collect::<Vec<_>>()));
             m.insert("ttfts".into(), json!(self.outcomes.iter().map(|o| o.ttft).collect::<Vec<_>>()));

@@ -60,3 +60,64 @@ async fn load_generator_measures_a_real_server() {
         assert!(j.get(k).is_some(), "missing {k}");
     }
 }
+
+/// The multi-turn dataset against a real server with prefix caching: each conversation's turns
+/// follow one another, each prompt is the conversation so far with the server's own answers in
+/// it, and from the second turn on the server finds the history cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_turn_conversations_resend_their_history_and_hit_the_prefix_cache() {
+    let m =
+        LoadedModel::load(&ModelSource::Preset { preset: Preset::find("tiny-qwen3").unwrap(), seed: 0 }, None).unwrap();
+    let cfg = EngineConfig {
+        block_size: 16,
+        num_blocks: 400,
+        max_num_seqs: 64,
+        max_num_batched_tokens: 256,
+        async_scheduling: false,
+        max_queue_time: None,
+        prefix_caching: true,
+    };
+    let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
+    let state = Arc::new(tandem_server::AppState::new(engine, m.tokenizer.map(Arc::new), "tiny".into()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base_url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
+    let (shared_len, turn_len, turns, output_len) = (64, 8, 3, 4);
+    let cfg = ServeConfig {
+        base_url,
+        endpoint: "/v1/completions".into(),
+        model: None,
+        backend: "tandem".into(),
+        dataset: Dataset::MultiTurn { shared_len, turn_len, turns, output_len, vocab_size: 400 },
+        num_prompts: 3,
+        request_rate: 50.0,
+        burstiness: 1.0,
+        seed: 1,
+        max_concurrency: None,
+        num_warmups: 0,
+        ignore_eos: true,
+        percentiles: vec![50.0],
+        slo: None,
+        progress: false,
+    };
+    let r = run(&cfg).await.unwrap();
+    assert_eq!((r.summary.completed, r.summary.failed), (9, 0));
+    assert_eq!(r.turns.iter().filter(|&&t| t == 2).count(), 3);
+    for (turn, req) in r.turns.iter().zip(&r.requests) {
+        // The history: shared prompt, every earlier user turn and answer, this user turn.
+        assert_eq!(req.prompt_len, shared_len + (turn + 1) * turn_len + turn * output_len);
+    }
+    // Each conversation's turn-2 prompt begins with its turn-1 prompt and the server's answer.
+    let (t1, t2) = (r.turns.iter().position(|&t| t == 1).unwrap(), r.turns.iter().position(|&t| t == 2).unwrap());
+    let ids = |i: usize| r.requests[i].prompt.as_array().unwrap().clone();
+    let answer: Vec<serde_json::Value> = r.outcomes[t1].token_ids.iter().map(|&t| t.into()).collect();
+    let mut want = ids(t1);
+    want.extend(answer);
+    assert_eq!(ids(t2)[..want.len()], want[..], "outcomes come conversation by conversation");
+    assert_eq!(r.median_ttft_ms_by_turn().len(), 3);
+    let stats = state.engine.stats();
+    // Every turn after a conversation's first finds at least the shared 64 tokens cached.
+    assert!(stats.prefix_hit_tokens >= 6 * 64, "{stats:?}");
+    let j = r.result_json(&cfg, true);
+    assert_eq!(j["median_ttft_ms_by_turn"].as_array().unwrap().len(), 3);
+}

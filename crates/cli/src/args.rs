@@ -705,6 +705,10 @@ pub enum DatasetName {
     Random,
     /// A local ShareGPT-format JSON file (--dataset-path).
     Sharegpt,
+    /// Synthetic conversations sharing one system prompt, each turn resending the history
+    /// (see --multi-turn-*; --num-prompts counts conversations; --random-output-len and
+    /// --random-vocab-size apply).
+    MultiTurn,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -742,6 +746,15 @@ pub struct BenchServeArgs {
     /// Random dataset: send prompts as text (random words) instead of token ids.
     #[arg(long)]
     pub random_prompt_text: bool,
+    /// Multi-turn dataset: tokens of the system prompt every conversation shares.
+    #[arg(long, default_value_t = 4096)]
+    pub multi_turn_shared_len: usize,
+    /// Multi-turn dataset: new user tokens per turn.
+    #[arg(long, default_value_t = 128)]
+    pub multi_turn_user_len: usize,
+    /// Multi-turn dataset: turns per conversation.
+    #[arg(long, default_value_t = 4)]
+    pub multi_turn_turns: usize,
     /// Requests to send.
     #[arg(long, default_value_t = 1000)]
     pub num_prompts: usize,

@@ -853,6 +853,13 @@ fn bench_serve(a: args::BenchServeArgs) -> Result<()> {
             path: a.dataset_path.clone().context("--dataset-name sharegpt needs --dataset-path")?,
             output_len: None,
         },
+        args::DatasetName::MultiTurn => Dataset::MultiTurn {
+            shared_len: a.multi_turn_shared_len,
+            turn_len: a.multi_turn_user_len,
+            turns: a.multi_turn_turns,
+            output_len: a.random_output_len,
+            vocab_size: a.random_vocab_size,
+        },
     };
     let slo = if a.goodput.is_empty() {
         None
@@ -883,6 +890,10 @@ fn bench_serve(a: args::BenchServeArgs) -> Result<()> {
     );
     let run = rt.block_on(tandem_bench::serve::run(&cfg)).map_err(anyhow::Error::msg)?;
     print!("{}", run.summary.table(&cfg.percentiles));
+    if !run.turns.is_empty() {
+        let by_turn: Vec<String> = run.median_ttft_ms_by_turn().iter().map(|t| format!("{t:.1}")).collect();
+        println!("Median TTFT by turn (ms):                {}", by_turn.join(" / "));
+    }
     let failed: Vec<&String> = run.outcomes.iter().filter(|o| !o.success).map(|o| &o.error).collect();
     if let Some(first) = failed.first() {
         eprintln!("{} requests failed; first error: {first}", failed.len());
