@@ -24,6 +24,8 @@
 #   tcp: `tandem bench kv --transport tcp --device cuda:0` (TCP_SIZES) and on host memory; sweep: `tandem bench sweep
 #   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
 #   SWEEP_QPS narrow it; SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU);
+#   prefix: issue 30's multi-turn TTFT by turn, conditional and 2P2D KV-aware routing, and the
+#   bytes of a 90% prefix hit (scripts/gpu/prefix_check.py, preset:qwen3-4b);
 #   pd: only disaggregated serving on the GPU (scripts/gpu/pd_check.py; also part of every mode
 #   that runs the tests);
 #   invariant: --batch-invariant's kernel and engine tests, P/D with it (SKIP_PD=1 leaves that
@@ -116,6 +118,14 @@ pd_check() {
   timeout 400 python3 scripts/gpu/pd_check.py "$BIN/tandem" "$OUT" > "$OUT/pd.log" 2>&1 || status=1
   while read -r line; do note "$line"; done < "$OUT/pd.log"
 }
+if [ "$MODE" = prefix ]; then
+  # Issue 30 on this GPU: multi-turn TTFT by turn (colocated with and without prefix caching,
+  # P/D, conditional P/D, 2P2D KV-aware against round-robin) and the bytes of a 90% prefix hit
+  # (scripts/gpu/prefix_check.py; PREFIX_* narrow it).
+  timeout 590 python3 scripts/gpu/prefix_check.py "$BIN/tandem" "$OUT" > "$OUT/prefix.log" 2>&1 || status=1
+  tail -12 "$OUT/prefix.log" | tee -a "$OUT/summary.txt"
+  exit $status
+fi
 if [ "$MODE" = pd ]; then
   pd_check; cat "$OUT/summary.txt"; exit $status
 fi

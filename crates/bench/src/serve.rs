@@ -38,8 +38,12 @@ pub enum Dataset {
     /// Conversations arrive at the request rate; a conversation's turns follow one another.
     /// `--num-prompts` counts conversations.
     MultiTurn {
-        /// Tokens of the system prompt every conversation shares.
+        /// Tokens of the system prompt every conversation shares (or, with `distinct_openings`,
+        /// of each conversation's own opening).
         shared_len: usize,
+        /// Each conversation opens with its own `shared_len` tokens: only its own history is
+        /// shared between its turns (what a turn-by-turn cache saving shows alone).
+        distinct_openings: bool,
         /// New user tokens per turn.
         turn_len: usize,
         /// Turns per conversation.
@@ -378,7 +382,8 @@ async fn run_conversations(
     url: &str,
     model: String,
 ) -> Result<ServeRun, String> {
-    let Dataset::MultiTurn { shared_len, turn_len, turns, output_len, vocab_size } = cfg.dataset else {
+    let Dataset::MultiTurn { shared_len, distinct_openings, turn_len, turns, output_len, vocab_size } = cfg.dataset
+    else {
         return Err("not a multi-turn dataset".into());
     };
     if vocab_size < 2 || turns == 0 {
@@ -390,19 +395,21 @@ async fn run_conversations(
     // Every conversation's user turns, drawn up front so a seed gives the same conversations.
     let users: Vec<Vec<Vec<u32>>> =
         (0..cfg.num_prompts).map(|_| (0..turns).map(|_| draw(turn_len)).collect()).collect();
+    let openings: Vec<Vec<u32>> =
+        (0..cfg.num_prompts).map(|_| if distinct_openings { draw(shared_len) } else { shared.clone() }).collect();
     let offsets = arrivals(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)?;
     let bar = progress_bar(cfg.progress, cfg.num_prompts * turns);
     let limit = cfg.max_concurrency.map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1))));
     let ignore_eos = cfg.ignore_eos;
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(users.len());
-    for (conversation, at) in users.into_iter().zip(&offsets) {
+    for ((conversation, opening), at) in users.into_iter().zip(openings).zip(&offsets) {
         let wait = Duration::from_secs_f64(*at).saturating_sub(start.elapsed());
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
         }
         let (http, url, model, bar, limit) = (http.clone(), url.to_string(), model.clone(), bar.clone(), limit.clone());
-        let mut history = shared.clone();
+        let mut history = opening;
         tasks.push(tokio::spawn(async move {
             let mut sent = Vec::new();
             for (turn, user) in conversation.into_iter().enumerate() {

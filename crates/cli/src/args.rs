@@ -464,6 +464,11 @@ pub struct RouterArgs {
     /// the most of it (load permitting).
     #[arg(long)]
     pub local_prefill_max_tokens: Option<usize>,
+    /// With several engines of a role, send each prompt to the one whose prefix cache holds
+    /// the most of it, unless it is 8 requests busier than the least busy (`on`), or always to
+    /// the least busy, round-robin among ties (`off`).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub kv_aware_routing: Switch,
     /// On Ctrl-C or SIGTERM, seconds to let requests in flight finish before ending them with
     /// an error (a second signal ends them at once).
     #[arg(long, default_value_t = 5.0)]
@@ -749,6 +754,11 @@ pub struct BenchServeArgs {
     /// Multi-turn dataset: tokens of the system prompt every conversation shares.
     #[arg(long, default_value_t = 4096)]
     pub multi_turn_shared_len: usize,
+    /// Multi-turn dataset: each conversation opens with its own --multi-turn-shared-len tokens
+    /// instead of one system prompt they all share (so only a conversation's own history
+    /// repeats between its turns).
+    #[arg(long)]
+    pub multi_turn_distinct_openings: bool,
     /// Multi-turn dataset: new user tokens per turn.
     #[arg(long, default_value_t = 128)]
     pub multi_turn_user_len: usize,

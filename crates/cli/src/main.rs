@@ -433,6 +433,7 @@ fn router(a: args::RouterArgs) -> Result<()> {
         prefill_timeout: std::time::Duration::from_secs(a.prefill_timeout_secs),
         check_interval,
         local_prefill_max_tokens: a.local_prefill_max_tokens,
+        kv_aware_routing: a.kv_aware_routing == args::Switch::On,
         ..tandem_router::RouterConfig::new(mode, a.prefill.clone(), a.decode.clone())
     })?;
     let drain = seconds(a.shutdown_timeout_secs, "--shutdown-timeout-secs")?;
@@ -855,6 +856,7 @@ fn bench_serve(a: args::BenchServeArgs) -> Result<()> {
         },
         args::DatasetName::MultiTurn => Dataset::MultiTurn {
             shared_len: a.multi_turn_shared_len,
+            distinct_openings: a.multi_turn_distinct_openings,
             turn_len: a.multi_turn_user_len,
             turns: a.multi_turn_turns,
             output_len: a.random_output_len,

@@ -39,6 +39,9 @@ pub struct RouterConfig {
     /// `None`: every request is disaggregated. A request's `kv_transfer_params`
     /// `{"disaggregate": true|false}` overrides it.
     pub local_prefill_max_tokens: Option<usize>,
+    /// With several engines of a role, send a prompt to the one whose prefix cache holds the
+    /// most of it (load permitting); off: the least busy, round-robin among ties.
+    pub kv_aware_routing: bool,
 }
 
 impl RouterConfig {
@@ -51,6 +54,7 @@ impl RouterConfig {
             prefill_timeout: Duration::from_secs(300),
             check_interval: Duration::from_secs(2),
             local_prefill_max_tokens: None,
+            kv_aware_routing: true,
         }
     }
 }
@@ -384,6 +388,9 @@ impl Router {
         tried: &[Arc<Backend>],
     ) -> Option<Arc<Backend>> {
         const KV_AWARE_SLACK: usize = 8;
+        if !self.cfg.kv_aware_routing {
+            return None;
+        }
         let candidates: Vec<&Arc<Backend>> =
             backends.iter().filter(|b| b.is_healthy() && !tried.iter().any(|t| Arc::ptr_eq(t, b))).collect();
         if candidates.len() < 2 {
