@@ -8,8 +8,8 @@ use tandem_bench::serve::{run, Dataset, ServeConfig};
 use tandem_engine::EngineConfig;
 use tandem_model::{LoadedModel, ModelSource, Preset};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn load_generator_measures_a_real_server() {
+/// A tiny-qwen3 server on loopback: its base URL and state.
+async fn server(prefix_caching: bool) -> (String, Arc<tandem_server::AppState>) {
     let m =
         LoadedModel::load(&ModelSource::Preset { preset: Preset::find("tiny-qwen3").unwrap(), seed: 0 }, None).unwrap();
     let cfg = EngineConfig {
@@ -19,13 +19,19 @@ async fn load_generator_measures_a_real_server() {
         max_num_batched_tokens: 256,
         async_scheduling: false,
         max_queue_time: None,
-        prefix_caching: false,
+        prefix_caching,
     };
     let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
     let state = Arc::new(tandem_server::AppState::new(engine, m.tokenizer.map(Arc::new), "tiny".into()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base_url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(tandem_server::serve(listener, state, std::future::pending()));
+    tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
+    (base_url, state)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_generator_measures_a_real_server() {
+    let (base_url, _) = server(false).await;
     let cfg = ServeConfig {
         base_url,
         endpoint: "/v1/completions".into(),
@@ -66,22 +72,7 @@ async fn load_generator_measures_a_real_server() {
 /// it, and from the second turn on the server finds the history cached.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_turn_conversations_resend_their_history_and_hit_the_prefix_cache() {
-    let m =
-        LoadedModel::load(&ModelSource::Preset { preset: Preset::find("tiny-qwen3").unwrap(), seed: 0 }, None).unwrap();
-    let cfg = EngineConfig {
-        block_size: 16,
-        num_blocks: 400,
-        max_num_seqs: 64,
-        max_num_batched_tokens: 256,
-        async_scheduling: false,
-        max_queue_time: None,
-        prefix_caching: true,
-    };
-    let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
-    let state = Arc::new(tandem_server::AppState::new(engine, m.tokenizer.map(Arc::new), "tiny".into()));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base_url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
+    let (base_url, state) = server(true).await;
     let (shared_len, turn_len, turns, output_len) = (64, 8, 3, 4);
     let cfg = ServeConfig {
         base_url,
