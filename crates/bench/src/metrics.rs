@@ -37,6 +37,8 @@ pub struct RequestOutcome {
     /// The generated token ids, where the server streams them (tandem's `token_ids`): a
     /// multi-turn conversation sends them back in its next turn.
     pub token_ids: Vec<u32>,
+    /// The generated text (a chat conversation sends it back as the assistant's turn).
+    pub text: String,
 }
 
 /// Service-level objectives for goodput, milliseconds.

@@ -53,6 +53,19 @@ pub enum Dataset {
         /// Token ids are drawn below this.
         vocab_size: u32,
     },
+    /// Multi-turn conversations from a local ShareGPT-format JSON file, through the chat
+    /// endpoint: each turn adds the file's next human message to the conversation, whose
+    /// assistant messages are the server's own answers; the file's reply to it gives the
+    /// output length (in words, at most 1024) unless `output_len` is set. At most `turns`
+    /// turns a conversation; conversations arrive at the request rate.
+    ShareGptMultiTurn {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Most turns per conversation.
+        turns: usize,
+        /// Output length override.
+        output_len: Option<usize>,
+    },
     /// A local ShareGPT-format JSON file: the first human turn is the prompt, the reply's
     /// length (in words) the output length.
     ShareGpt {
@@ -156,7 +169,9 @@ pub fn sample_requests(ds: &Dataset, n: usize, seed: u64) -> Result<Vec<SampledR
                 })
                 .collect())
         }
-        Dataset::MultiTurn { .. } => Err("a multi-turn dataset's prompts depend on the answers: use `run`".to_string()),
+        Dataset::MultiTurn { .. } | Dataset::ShareGptMultiTurn { .. } => {
+            Err("a multi-turn dataset's prompts depend on the answers: use `run`".to_string())
+        }
         Dataset::ShareGpt { path, output_len } => {
             let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
             let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}", path.display()))?;
@@ -259,6 +274,10 @@ async fn send(http: &reqwest::Client, url: &str, body: &Value, fallback_prompt_l
             if let Some(t) = v.get("kv_timeline").filter(|t| !t.is_null()) {
                 out.kv_timeline = Some(t.clone());
             }
+            let choice = &v["choices"][0];
+            if let Some(text) = choice["text"].as_str().or(choice["delta"]["content"].as_str()) {
+                out.text.push_str(text);
+            }
             if let Some(ids) = v["choices"][0].get("token_ids").and_then(Value::as_array) {
                 out.token_ids.extend(ids.iter().filter_map(Value::as_u64).map(|t| t as u32));
             }
@@ -307,8 +326,10 @@ pub async fn run(cfg: &ServeConfig) -> Result<ServeRun, String> {
         }
     };
     let url = format!("{base}{}", cfg.endpoint);
-    if let Dataset::MultiTurn { .. } = cfg.dataset {
-        return run_conversations(cfg, &http, &url, model).await;
+    if matches!(cfg.dataset, Dataset::MultiTurn { .. } | Dataset::ShareGptMultiTurn { .. }) {
+        // Chat conversations go to the chat endpoint whatever --endpoint says.
+        let chat = if cfg.endpoint.contains("chat") { url.clone() } else { format!("{base}/v1/chat/completions") };
+        return run_conversations(cfg, &http, &url, &chat, model).await;
     }
     let requests = sample_requests(&cfg.dataset, cfg.num_prompts, cfg.seed)?;
     let offsets = arrivals(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)?;
@@ -374,62 +395,152 @@ fn progress_bar(show: bool, n: usize) -> Option<indicatif::ProgressBar> {
     })
 }
 
-/// [`Dataset::MultiTurn`]: conversations start at the request rate, each sends its turns one
+/// One conversation of a multi-turn run: how each turn's request is made and how the answer
+/// joins the conversation.
+enum Conversation {
+    /// Token ids to the completions endpoint: the history so far and each turn's new user ids;
+    /// the server's answer joins as the ids it streamed (a stand-in of the same length from a
+    /// server that does not stream ids).
+    Ids { history: Vec<u32>, users: Vec<Vec<u32>>, output_len: usize },
+    /// Messages to the chat endpoint: each turn adds a user message (with its output length);
+    /// the server's answer joins as the assistant's message.
+    Chat { messages: Vec<Value>, users: Vec<(String, usize)> },
+}
+
+impl Conversation {
+    fn turns(&self) -> usize {
+        match self {
+            Self::Ids { users, .. } => users.len(),
+            Self::Chat { users, .. } => users.len(),
+        }
+    }
+
+    /// Turn `turn`'s request body and what it is sent as.
+    fn next(&mut self, turn: usize, model: &str, ignore_eos: bool) -> (Value, SampledRequest) {
+        let (input, prompt_len, output_len) = match self {
+            Self::Ids { history, users, output_len } => {
+                history.extend(users[turn].iter().copied());
+                (("prompt", json!(history)), history.len(), *output_len)
+            }
+            Self::Chat { messages, users } => {
+                let (text, output_len) = &users[turn];
+                messages.push(json!({"role": "user", "content": text}));
+                let words = messages.iter().filter_map(|m| m["content"].as_str()).map(|t| t.split_whitespace().count());
+                (("messages", json!(messages)), words.sum(), *output_len)
+            }
+        };
+        let mut body = json!({"model": model, "max_tokens": output_len, "ignore_eos": ignore_eos, "temperature": 0,
+                              "stream": true, "stream_options": {"include_usage": true}});
+        body[input.0] = input.1.clone();
+        (body, SampledRequest { prompt: input.1, prompt_len, output_len })
+    }
+
+    fn answer(&mut self, o: &RequestOutcome) {
+        match self {
+            Self::Ids { history, output_len, .. } => {
+                if o.token_ids.is_empty() {
+                    history.extend(std::iter::repeat_n(1, *output_len));
+                } else {
+                    history.extend(&o.token_ids);
+                }
+            }
+            Self::Chat { messages, .. } => messages.push(json!({"role": "assistant", "content": o.text})),
+        }
+    }
+}
+
+/// The conversations a multi-turn dataset holds, `n` of them (deterministic for a seed).
+fn conversations(ds: &Dataset, n: usize, seed: u64) -> Result<Vec<Conversation>, String> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    match ds {
+        &Dataset::MultiTurn { shared_len, distinct_openings, turn_len, turns, output_len, vocab_size } => {
+            if vocab_size < 2 || turns == 0 {
+                return Err("a multi-turn dataset needs --random-vocab-size of at least 2 and at least one turn".into());
+            }
+            let mut draw = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(1..vocab_size)).collect() };
+            let shared = draw(shared_len);
+            Ok((0..n)
+                .map(|_| {
+                    let history = if distinct_openings { draw(shared_len) } else { shared.clone() };
+                    Conversation::Ids { history, users: (0..turns).map(|_| draw(turn_len)).collect(), output_len }
+                })
+                .collect())
+        }
+        Dataset::ShareGptMultiTurn { path, turns, output_len } => {
+            let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: not JSON: {e}", path.display()))?;
+            let convs =
+                v.as_array().ok_or_else(|| format!("{}: expected a JSON array of conversations", path.display()))?;
+            let mut pool: Vec<Vec<(String, usize)>> = Vec::new();
+            for c in convs {
+                let Some(msgs) = c.get("conversations").and_then(Value::as_array) else { continue };
+                fn said<'a>(m: &'a Value, who: &str) -> Option<&'a str> {
+                    (m["from"] == who).then(|| m["value"].as_str()).flatten()
+                }
+                let users: Vec<(String, usize)> = msgs
+                    .chunks_exact(2)
+                    .map_while(|pair| Some((said(&pair[0], "human")?, said(&pair[1], "gpt")?)))
+                    .map(|(q, a)| (q.to_string(), output_len.unwrap_or(a.split_whitespace().count().clamp(1, 1024))))
+                    .take(*turns)
+                    .collect();
+                if !users.is_empty() {
+                    pool.push(users);
+                }
+            }
+            if pool.is_empty() {
+                return Err(format!("{}: no conversations that start with a human turn and a reply", path.display()));
+            }
+            Ok((0..n)
+                .map(|_| Conversation::Chat {
+                    messages: Vec::new(),
+                    users: pool[rng.random_range(0..pool.len())].clone(),
+                })
+                .collect())
+        }
+        _ => Err("not a multi-turn dataset".into()),
+    }
+}
+
+/// Multi-turn datasets: conversations start at the request rate, each sends its turns one
 /// after another (the next once the answer is in).
 async fn run_conversations(
     cfg: &ServeConfig,
     http: &reqwest::Client,
-    url: &str,
+    ids_url: &str,
+    chat_url: &str,
     model: String,
 ) -> Result<ServeRun, String> {
-    let Dataset::MultiTurn { shared_len, distinct_openings, turn_len, turns, output_len, vocab_size } = cfg.dataset
-    else {
-        return Err("not a multi-turn dataset".into());
-    };
-    if vocab_size < 2 || turns == 0 {
-        return Err("a multi-turn dataset needs --random-vocab-size of at least 2 and at least one turn".into());
-    }
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed);
-    let mut draw = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(1..vocab_size)).collect() };
-    let shared = draw(shared_len);
-    // Every conversation's user turns, drawn up front so a seed gives the same conversations.
-    let users: Vec<Vec<Vec<u32>>> =
-        (0..cfg.num_prompts).map(|_| (0..turns).map(|_| draw(turn_len)).collect()).collect();
-    let openings: Vec<Vec<u32>> =
-        (0..cfg.num_prompts).map(|_| if distinct_openings { draw(shared_len) } else { shared.clone() }).collect();
+    let convs = conversations(&cfg.dataset, cfg.num_prompts, cfg.seed)?;
     let offsets = arrivals(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)?;
-    let bar = progress_bar(cfg.progress, cfg.num_prompts * turns);
+    let bar = progress_bar(cfg.progress, convs.iter().map(Conversation::turns).sum());
     let limit = cfg.max_concurrency.map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1))));
     let ignore_eos = cfg.ignore_eos;
     let start = Instant::now();
-    let mut tasks = Vec::with_capacity(users.len());
-    for ((conversation, opening), at) in users.into_iter().zip(openings).zip(&offsets) {
+    let mut tasks = Vec::with_capacity(convs.len());
+    for (mut conversation, at) in convs.into_iter().zip(&offsets) {
         let wait = Duration::from_secs_f64(*at).saturating_sub(start.elapsed());
         if !wait.is_zero() {
             tokio::time::sleep(wait).await;
         }
-        let (http, url, model, bar, limit) = (http.clone(), url.to_string(), model.clone(), bar.clone(), limit.clone());
-        let mut history = opening;
+        let url = match conversation {
+            Conversation::Ids { .. } => ids_url.to_string(),
+            Conversation::Chat { .. } => chat_url.to_string(),
+        };
+        let (http, model, bar, limit) = (http.clone(), model.clone(), bar.clone(), limit.clone());
         tasks.push(tokio::spawn(async move {
             let mut sent = Vec::new();
-            for (turn, user) in conversation.into_iter().enumerate() {
-                history.extend(user);
-                let body = json!({"model": model, "prompt": history, "max_tokens": output_len, "ignore_eos": ignore_eos,
-                                  "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
+            for turn in 0..conversation.turns() {
+                let (body, request) = conversation.next(turn, &model, ignore_eos);
                 let permit = match &limit {
                     Some(sem) => sem.clone().acquire_owned().await.ok(),
                     None => None,
                 };
-                let o = send(&http, &url, &body, history.len()).await;
+                let o = send(&http, &url, &body, request.prompt_len).await;
                 drop(permit);
                 if let Some(bar) = &bar {
                     bar.inc(1);
                 }
-                let request = SampledRequest { prompt: body["prompt"].clone(), prompt_len: history.len(), output_len };
-                // The answer joins the conversation as the server gave it (its ids), or as a
-                // stand-in of the same length from a server that does not stream ids.
-                let answer = if o.token_ids.is_empty() { vec![1; output_len] } else { o.token_ids.clone() };
-                history.extend(answer);
+                conversation.answer(&o);
                 let failed = !o.success;
                 sent.push((turn, request, o));
                 if failed {

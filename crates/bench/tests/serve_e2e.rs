@@ -119,3 +119,48 @@ async fn multi_turn_conversations_resend_their_history_and_hit_the_prefix_cache(
     let j = r.result_json(&cfg, true);
     assert_eq!(j["median_ttft_ms_by_turn"].as_array().unwrap().len(), 3);
 }
+
+/// ShareGPT conversations turn by turn through the chat endpoint: each turn's messages are the
+/// file's human messages so far with the server's own answers between them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharegpt_conversations_go_turn_by_turn_with_the_servers_answers() {
+    let (base_url, _) = server(true).await;
+    let dir = std::env::temp_dir().join(format!("tandem-sharegpt-mt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("conversations.json");
+    let turn = |from: &str, value: &str| serde_json::json!({"from": from, "value": value});
+    let file = serde_json::json!([
+        {"conversations": [turn("human", "tell me about rivers"), turn("gpt", "rivers flow to the sea always"),
+                           turn("human", "and stones?"), turn("gpt", "stones sit in rivers"),
+                           turn("human", "why?"), turn("gpt", "water")]},
+        {"conversations": [turn("gpt", "a reply with no question is skipped")]},
+    ]);
+    std::fs::write(&path, file.to_string()).unwrap();
+    let cfg = ServeConfig {
+        base_url,
+        endpoint: "/v1/completions".into(),
+        model: None,
+        backend: "tandem".into(),
+        dataset: Dataset::ShareGptMultiTurn { path, turns: 2, output_len: Some(5) },
+        num_prompts: 2,
+        request_rate: f64::INFINITY,
+        burstiness: 1.0,
+        seed: 0,
+        max_concurrency: None,
+        num_warmups: 0,
+        ignore_eos: true,
+        percentiles: vec![50.0],
+        slo: None,
+        progress: false,
+    };
+    let r = run(&cfg).await.unwrap();
+    assert_eq!((r.summary.completed, r.summary.failed), (4, 0), "{:?}", r.outcomes);
+    assert_eq!(r.turns, [0, 1, 0, 1], "two turns each (--multi-turn-turns 2), conversation by conversation");
+    let messages = r.requests[1].prompt.as_array().unwrap();
+    assert_eq!(messages.len(), 3);
+    assert_eq!(messages[0]["content"], "tell me about rivers");
+    assert_eq!(messages[1], serde_json::json!({"role": "assistant", "content": r.outcomes[0].text}));
+    assert!(!r.outcomes[0].text.is_empty());
+    assert_eq!(messages[2]["content"], "and stones?");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

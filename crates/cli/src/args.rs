@@ -710,6 +710,9 @@ pub enum DatasetName {
     Random,
     /// A local ShareGPT-format JSON file (--dataset-path).
     Sharegpt,
+    /// ShareGPT conversations, turn by turn through the chat endpoint, each turn resending the
+    /// conversation with the server's answers (--dataset-path; --multi-turn-turns at most).
+    SharegptMultiTurn,
     /// Synthetic conversations sharing one system prompt, each turn resending the history
     /// (see --multi-turn-*; --num-prompts counts conversations; --random-output-len and
     /// --random-vocab-size apply).

@@ -854,6 +854,11 @@ fn bench_serve(a: args::BenchServeArgs) -> Result<()> {
             path: a.dataset_path.clone().context("--dataset-name sharegpt needs --dataset-path")?,
             output_len: None,
         },
+        args::DatasetName::SharegptMultiTurn => Dataset::ShareGptMultiTurn {
+            path: a.dataset_path.clone().context("--dataset-name sharegpt-multi-turn needs --dataset-path")?,
+            turns: a.multi_turn_turns,
+            output_len: None,
+        },
         args::DatasetName::MultiTurn => Dataset::MultiTurn {
             shared_len: a.multi_turn_shared_len,
             distinct_openings: a.multi_turn_distinct_openings,
