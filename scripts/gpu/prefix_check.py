@@ -173,6 +173,9 @@ except Exception as e:  # a process that never came up, a failed benchmark
     status = 1
 finally:
     stop_all()
+# The figure: median TTFT by turn, one line per setup (out/ttft_by_turn.png and .svg).
+subprocess.run([exe, "bench", "plot", "--results-dir", out, "--turns-only"], check=False,
+               stdout=open(os.path.join(out, "prefix_plot.log"), "w"), stderr=subprocess.STDOUT)
 print(f"\n{'setup':>22} {'TTFT by turn (ms)':>40} {'turn 2+ / turn 1':>16} {'TPOT ms':>8}")
 for name, by_turn, tpot in rows:
     if name.endswith("bytes"):

@@ -7,7 +7,10 @@
 //!   registration until the first KV byte (prefill compute included), the KV transfer itself,
 //!   and the rest (completion, first decode step, network).
 //!
-//! Both are written as PNG and SVG. Text uses the bundled DejaVu Sans, so figures look the same
+//! - [`ttft_by_turn`]: multi-turn runs (`bench serve --dataset-name multi-turn`), the median
+//!   TTFT of each turn, one line per result file (say, KV-aware routing against round-robin).
+//!
+//! All are written as PNG and SVG. Text uses the bundled DejaVu Sans, so figures look the same
 //! on any machine.
 
 use std::collections::BTreeMap;
@@ -377,9 +380,110 @@ pub fn ttft_breakdown(dir: &Path, out_dir: &Path) -> Result<Option<(PathBuf, Pat
     Ok(Some((png, svg)))
 }
 
+/// One multi-turn result: its label (the file's name) and the median TTFT (ms) of each turn.
+type TurnLine = (String, Vec<f64>);
+
+/// The multi-turn results in `dir`: every JSON file with `median_ttft_ms_by_turn`.
+fn turn_lines(dir: &Path) -> Result<Vec<TurnLine>, String> {
+    let mut lines = Vec::new();
+    for e in std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?.flatten() {
+        let path = e.path();
+        if path.extension().and_then(|x| x.to_str()) != Some("json") {
+            continue;
+        }
+        let Ok(json) = std::fs::read_to_string(&path).map(|t| serde_json::from_str::<Value>(&t)) else { continue };
+        let Some(turns) = json.ok().and_then(|j| j.get("median_ttft_ms_by_turn").and_then(Value::as_array).cloned())
+        else {
+            continue;
+        };
+        let label = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
+        lines.push((label, turns.iter().map(|t| t.as_f64().unwrap_or(f64::NAN)).collect()));
+    }
+    lines.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(lines)
+}
+
+fn draw_turns<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, lines: &[TurnLine]) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE).map_err(err)?;
+    let turns = lines.iter().map(|(_, t)| t.len()).max().unwrap_or(1);
+    let ymax = lines.iter().flat_map(|(_, t)| t.iter().copied()).filter(|v| v.is_finite()).fold(0.0, f64::max) * 1.15;
+    let mut chart = ChartBuilder::on(root)
+        .caption("Multi-turn traffic: median TTFT by turn", ("sans-serif", 26))
+        .margin(16)
+        .x_label_area_size(50)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.8f64..(turns as f64 + 0.2), 0f64..ymax.max(1e-9))
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_labels(turns)
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .x_desc("turn")
+        .y_desc("median TTFT (ms)")
+        .label_style(("sans-serif", 15))
+        .draw()
+        .map_err(err)?;
+    for (i, (label, ttfts)) in lines.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let points: Vec<(f64, f64)> =
+            ttfts.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(t, &v)| (t as f64 + 1.0, v)).collect();
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(3)))
+            .map_err(err)?
+            .label(label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+        chart.draw_series(points.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(err)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font(("sans-serif", 15))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)
+}
+
+/// Draws the multi-turn figure as `<out_dir>/ttft_by_turn.png` and `.svg`. `Ok(None)` when no
+/// result in `dir` is a multi-turn run.
+pub fn ttft_by_turn(dir: &Path, out_dir: &Path) -> Result<Option<(PathBuf, PathBuf)>, String> {
+    font();
+    let lines = turn_lines(dir)?;
+    if lines.is_empty() {
+        return Ok(None);
+    }
+    std::fs::create_dir_all(out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
+    let (png, svg) = (out_dir.join("ttft_by_turn.png"), out_dir.join("ttft_by_turn.svg"));
+    draw_turns(&BitMapBackend::new(&png, (1000, 620)).into_drawing_area(), &lines)?;
+    draw_turns(&SVGBackend::new(&svg, (1000, 620)).into_drawing_area(), &lines)?;
+    Ok(Some((png, svg)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn multi_turn_results_draw_one_line_each() {
+        let dir = std::env::temp_dir().join(format!("tandem-turn-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("kv-aware.json"), r#"{"median_ttft_ms_by_turn": [80.0, 20.0, 22.5]}"#).unwrap();
+        std::fs::write(dir.join("round-robin.json"), r#"{"median_ttft_ms_by_turn": [81.0, 60.0, 64.0]}"#).unwrap();
+        std::fs::write(dir.join("other.json"), r#"{"median_ttft_ms": 3}"#).unwrap();
+        let lines = turn_lines(&dir).unwrap();
+        assert_eq!(
+            lines,
+            [("kv-aware".to_string(), vec![80.0, 20.0, 22.5]), ("round-robin".into(), vec![81.0, 60.0, 64.0])]
+        );
+        let (png, svg) = ttft_by_turn(&dir, &dir).unwrap().unwrap();
+        assert!(std::fs::metadata(png).unwrap().len() > 1000 && std::fs::metadata(svg).unwrap().len() > 1000);
+        assert!(ttft_by_turn(&std::env::temp_dir().join("tandem-no-such-dir-x"), &dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn names_parse_back() {

@@ -701,6 +701,10 @@ pub struct PlotArgs {
     /// Where the figures go (default: the results directory).
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
+    /// Only the multi-turn figure (median TTFT by turn, one line per `bench serve
+    /// --dataset-name multi-turn` result file in the directory); no sweep figures.
+    #[arg(long)]
+    pub turns_only: bool,
 }
 
 /// Datasets for `bench serve`.

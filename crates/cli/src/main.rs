@@ -971,6 +971,7 @@ fn bench_sweep(a: args::SweepArgs) -> Result<()> {
             results_dir: a.result_dir.clone(),
             metric: vec!["ttft".into(), "tpot".into()],
             out_dir: None,
+            turns_only: false,
         })?;
     }
     Ok(())
@@ -978,6 +979,13 @@ fn bench_sweep(a: args::SweepArgs) -> Result<()> {
 
 fn bench_plot(a: args::PlotArgs) -> Result<()> {
     let out = a.out_dir.clone().unwrap_or_else(|| a.results_dir.clone());
+    // Multi-turn results (bench serve --dataset-name multi-turn) draw their own figure.
+    if let Some((png, svg)) = tandem_bench::plot::ttft_by_turn(&a.results_dir, &out).map_err(anyhow::Error::msg)? {
+        println!("{}\n{}", png.display(), svg.display());
+        if a.turns_only {
+            return Ok(());
+        }
+    }
     for m in &a.metric {
         let metric = tandem_bench::plot::Metric::parse(m).map_err(anyhow::Error::msg)?;
         let (png, svg) = tandem_bench::plot::four_panel(&a.results_dir, metric, &out).map_err(anyhow::Error::msg)?;
