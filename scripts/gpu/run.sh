@@ -4,7 +4,8 @@
 # Here (no GPU):   scripts/gpu/build.sh            # release binary + GPU test binaries in gpu-bin/
 # There (device):  scripts/gpu/run.sh [full|bench|quick]   # carry: gpu-bin
 #   full (default): tests, tandem bench (also decode at a 1024-token context), PyTorch;
-#   bench: tests and tandem bench; quick: tests;
+#   bench: tests and tandem bench; quick: tests (without the f32 transformers diagnostic, and
+#   pd_check over cuda-ipc only, so that it fits one call);
 #   tune: kernel tests and the decode-projection plan sweep (bench engine --sweep-gemv-plans);
 #   matrix "label:SETTING ..." ...: kernel and model tests, then the decode step under each setting;
 #   a setting is exe=PATH (another tandem binary, e.g. gpu-bin/tandem-base), prompt=N (the decode
@@ -382,7 +383,8 @@ for t in cuda_kernels cuda_model cuda_engine; do
     python3 scripts/gpu/make_hf_reference.py /tmp/hfref > "$OUT/hfref.log" 2>&1 || { note "make_hf_reference failed"; tail -20 "$OUT/hfref.log"; }
     export TANDEM_HF_REFERENCE=/tmp/hfref
   fi
-  if [ "$t" = cuda_model ] && [ -s /tmp/hfref/expected.json ]; then
+  # (Not in quick: it is a diagnostic, and quick must fit one call.)
+  if [ "$t" = cuda_model ] && [ "$MODE" != quick ] && [ -s /tmp/hfref/expected.json ]; then
     # The same comparison against transformers computing in f32 on the same bf16 weights
     # (no bf16 rounding of transformers' logits): reported, not a gate.
     REFERENCE_DTYPE=float32 python3 scripts/gpu/make_hf_reference.py /tmp/hfref32 >> "$OUT/hfref.log" 2>&1 \
@@ -407,7 +409,8 @@ done
 grep -h "^diagnostic" "$OUT/hfref.log" | head -8; grep -h "^diagnostic transformers" "$OUT/hfref.log"
 grep -h "relative error\|tokens equal\|diverged\|shapes checked\|prompts matched\|worst logits" "$OUT/tests.log" | tail -50
 
-pd_check
+# quick keeps the cuda-ipc settings (tcp staging is checked by the ipc mode) to fit one call.
+if [ "$MODE" = quick ]; then PD_SETTINGS=${PD_SETTINGS:-cuda-ipc} pd_check; else pd_check; fi
 
 if [ "$MODE" != quick ]; then
   timeout 400 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
