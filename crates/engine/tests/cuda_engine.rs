@@ -163,8 +163,9 @@ fn run_in_groups(
 
 /// `--batch-invariant`: every request gets the tokens it gets alone, whatever arrives with it
 /// (24 or 64 at a time, in another order), with chunked prefill (a 512-token step budget) or
-/// whole prompts (4096), greedy and seeded sampling. Without the flag the same comparison is
-/// reported (on a GPU some requests' greedy tokens move with their batch).
+/// whole prompts (4096), over prefix-cached blocks, greedy and seeded sampling. Without the
+/// flag the same comparison is reported (on a GPU some requests' greedy tokens move with their
+/// batch).
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn batch_invariant_requests_get_their_answer_alone_whatever_shares_the_batch() {
@@ -219,6 +220,20 @@ fn batch_invariant_requests_get_their_answer_alone_whatever_shares_the_batch() {
         let moved: Vec<usize> = (0..64).filter(|i| got[i] != alone[i]).collect();
         assert!(moved.is_empty(), "{label}: requests {moved:?} differ from their answers alone with chunked prefill");
     }
+    // Prefix reuse gives the bits of the prompt computed whole: with prefix caching every
+    // request runs again over its own cached blocks (all but its last token), and then 24 at a
+    // time, in another order.
+    let Some(mut cached) = engine_of(EngineConfig { prefix_caching: true, ..cfg(512) }, true, true) else { return };
+    for (label, got) in [
+        ("prefix caching, nothing cached yet", run_in_groups(&mut cached, &requests, 1)),
+        ("prefix caching, from the cache", run_in_groups(&mut cached, &requests, 1)),
+        ("prefix caching, 24 at a time, reversed", run_in_groups(&mut cached, &reversed, 24)),
+    ] {
+        let moved: Vec<usize> = (0..64).filter(|i| got[i] != alone[i]).collect();
+        assert!(moved.is_empty(), "{label}: requests {moved:?} differ from their answers alone");
+    }
+    assert!(cached.prefix_cache().0.hit_tokens > 0, "nothing came from the cache");
+    drop(cached);
     // A KV pool too small for all 64: requests are preempted and recomputed (their generated
     // tokens then go through prefill chunks) and still get their tokens.
     let Some(mut small) = engine_of(EngineConfig { num_blocks: 200, ..cfg(512) }, true, true) else { return };
