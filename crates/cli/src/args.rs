@@ -399,6 +399,11 @@ pub struct UpArgs {
     /// Check every KV transfer where it lands (see `tandem serve --help`).
     #[arg(long)]
     pub kv_verify: bool,
+    /// Conditional disaggregation: prompts decode would compute at most this many tokens of
+    /// (short ones, or a turn over a history decode holds) run on decode alone (see `tandem
+    /// router --help`).
+    #[arg(long)]
+    pub local_prefill_max_tokens: Option<usize>,
     /// Router port (the OpenAI endpoint).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,

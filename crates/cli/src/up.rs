@@ -133,7 +133,7 @@ pub fn up(a: UpArgs) -> Result<()> {
         format!("http://{host}:{}", a.decode_port),
         format!("http://{host}:{}", a.port),
     );
-    let r_args: Vec<String> = vec![
+    let mut r_args: Vec<String> = vec![
         "--log".into(),
         a.log.clone(),
         "router".into(),
@@ -148,6 +148,9 @@ pub fn up(a: UpArgs) -> Result<()> {
         "--port".into(),
         a.port.to_string(),
     ];
+    if let Some(n) = a.local_prefill_max_tokens {
+        r_args.extend(["--local-prefill-max-tokens".into(), n.to_string()]);
+    }
 
     let interrupted = Arc::new(AtomicBool::new(false));
     let flag = interrupted.clone();
