@@ -82,15 +82,21 @@ fn describe(pool: &[PoolEntry], entry: usize, stream: bool) -> String {
     format!("pool entry {entry} ({} prompt tokens, {} out, {how})", e.prompt.len(), e.max_tokens)
 }
 
-/// `n` prompts of mixed lengths (1 token to several hundred) and output lengths, seeded.
+/// `n` prompts of mixed lengths (1 token to several hundred) and output lengths, seeded. Every
+/// other one of 16 tokens or more begins with the first three quarters of its length of one
+/// shared text, so prefix caches hold parts of prompts and transfers skip what decode holds,
+/// at many offsets, while the faults run.
 pub fn prompt_pool(n: usize, vocab: u32, seed: u64) -> Vec<(Vec<u32>, usize)> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let lens = [1usize, 7, 16, 33, 100, 260, 600];
     let outs = [1usize, 4, 16, 40];
+    let shared: Vec<u32> = (0..600).map(|_| rng.random_range(0..vocab)).collect();
     (0..n)
         .map(|i| {
             let len = lens[i % lens.len()];
-            let prompt = (0..len).map(|_| rng.random_range(0..vocab)).collect();
+            let from_shared = if i % 2 == 1 && len >= 16 { len * 3 / 4 } else { 0 };
+            let mut prompt = shared[..from_shared].to_vec();
+            prompt.extend((from_shared..len).map(|_| rng.random_range(0..vocab)));
             (prompt, outs[(i / lens.len()) % outs.len()])
         })
         .collect()

@@ -152,13 +152,18 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
         let kv_counts: Vec<serde_json::Map<String, serde_json::Value>> = engines
             .iter()
             .map(|e| {
-                ["transfers_ok", "transfers_failed", "checksum_failures", "expired"]
-                    .into_iter()
-                    .map(|c| {
-                        let name = format!("tandem:kv_connector{{counter=\"{c}\"}}");
-                        (c.to_string(), serde_json::json!(rt.block_on(tandem_bench::soak::metric(e, &name))))
-                    })
-                    .collect()
+                let mut counts: serde_json::Map<String, serde_json::Value> =
+                    ["transfers_ok", "transfers_failed", "checksum_failures", "expired"]
+                        .into_iter()
+                        .map(|c| {
+                            let name = format!("tandem:kv_connector{{counter=\"{c}\"}}");
+                            (c.to_string(), serde_json::json!(rt.block_on(tandem_bench::soak::metric(e, &name))))
+                        })
+                        .collect();
+                // Prompt tokens the engine's prefix cache supplied (decode: not transferred).
+                let hits = rt.block_on(tandem_bench::soak::metric(e, "tandem:prefix_cache_hits_total"));
+                counts.insert("prefix_hit_tokens".into(), serde_json::json!(hits));
+                counts
             })
             .collect();
         up::stop_all(&mut procs, Duration::from_secs(10));
