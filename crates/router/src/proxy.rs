@@ -359,7 +359,7 @@ impl Router {
     }
 
     /// How many tokens `orig`'s prompt has and how many of them engine `b`'s prefix cache holds
-    /// (its `/kv/prefix`); `None` when it cannot say within a moment.
+    /// (its `/kv/prefix`); `None` when it cannot say within [`PREFIX_QUERY_TIMEOUT`].
     async fn prefix_on(&self, b: &Backend, orig: &Map<String, Value>) -> Option<(usize, usize)> {
         let body: Map<String, Value> = ["model", "prompt", "messages", "add_generation_prompt"]
             .into_iter()
@@ -369,7 +369,7 @@ impl Router {
             .http
             .post(format!("{}/kv/prefix", b.url))
             .json(&body)
-            .timeout(Duration::from_secs(2))
+            .timeout(PREFIX_QUERY_TIMEOUT)
             .send()
             .await
             .ok()
@@ -381,29 +381,29 @@ impl Router {
     /// KV-aware routing: among several ready engines of `backends` not in `tried`, the one whose
     /// prefix cache holds the most of `orig`'s prompt, unless it is busier than the least busy
     /// by more than `KV_AWARE_SLACK` requests; `None` when none holds any (then load decides).
+    /// Also what each engine asked answered (`prefix_on`), so nobody asks it again.
     async fn best_cached(
         &self,
         backends: &[Arc<Backend>],
         orig: &Map<String, Value>,
         tried: &[Arc<Backend>],
-    ) -> Option<Arc<Backend>> {
+    ) -> (Option<Arc<Backend>>, Vec<(Arc<Backend>, (usize, usize))>) {
         const KV_AWARE_SLACK: usize = 8;
-        if !self.cfg.kv_aware_routing {
-            return None;
-        }
         let candidates: Vec<&Arc<Backend>> =
             backends.iter().filter(|b| b.is_healthy() && !tried.iter().any(|t| Arc::ptr_eq(t, b))).collect();
-        if candidates.len() < 2 {
-            return None;
+        if !self.cfg.kv_aware_routing || candidates.len() < 2 {
+            return (None, Vec::new());
         }
         let cached = futures::future::join_all(candidates.iter().map(|b| self.prefix_on(b, orig))).await;
-        let least_busy = candidates.iter().map(|b| b.outstanding()).min()?;
-        let (best, tokens) = candidates
+        let answers: Vec<(Arc<Backend>, (usize, usize))> =
+            candidates.iter().zip(cached).filter_map(|(b, c)| Some(((*b).clone(), c?))).collect();
+        let least_busy = candidates.iter().map(|b| b.outstanding()).min().unwrap_or(0);
+        let best = answers
             .iter()
-            .zip(&cached)
-            .filter_map(|(b, c)| c.map(|(_, cached)| (*b, cached)))
-            .max_by_key(|(b, cached)| (*cached, std::cmp::Reverse(b.outstanding())))?;
-        (tokens > 0 && best.outstanding() <= least_busy + KV_AWARE_SLACK).then(|| best.clone())
+            .max_by_key(|(b, (_, cached))| (*cached, std::cmp::Reverse(b.outstanding())))
+            .filter(|(b, (_, cached))| *cached > 0 && b.outstanding() <= least_busy + KV_AWARE_SLACK)
+            .map(|(b, _)| b.clone());
+        (best, answers)
     }
 
     /// A prefill engine and a decode engine that can pair with it, none of them in `tried`
@@ -651,10 +651,10 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
     let mut tried: Vec<Arc<Backend>> = Vec::new();
     let mut last: Option<Response> = None;
     loop {
-        let preferred = Preferred {
-            prefill: r.best_cached(&r.prefill.list(), &orig, &tried).await,
-            decode: r.best_cached(&r.decode.list(), &orig, &tried).await,
-        };
+        let (prefills, decodes) = (r.prefill.list(), r.decode.list());
+        let ((prefill, _), (decode, decode_answers)) =
+            tokio::join!(r.best_cached(&prefills, &orig, &tried), r.best_cached(&decodes, &orig, &tried));
+        let preferred = Preferred { prefill, decode };
         let (p, d) = match r.pick(&tried, preferred) {
             Ok(pair) => pair,
             Err(why) => return last.unwrap_or_else(|| error(StatusCode::SERVICE_UNAVAILABLE, why)),
@@ -662,7 +662,12 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
         let local = match (disaggregate, r.cfg.local_prefill_max_tokens) {
             (Some(d), _) => !d,
             (None, Some(most)) => {
-                r.prefix_on(&d, &orig).await.is_some_and(|(n, cached)| n.saturating_sub(cached) <= most)
+                let known = decode_answers.iter().find(|(b, _)| Arc::ptr_eq(b, &d)).map(|(_, a)| *a);
+                let prefix = match known {
+                    Some(answer) => Some(answer),
+                    None => r.prefix_on(&d, &orig).await,
+                };
+                prefix.is_some_and(|(n, cached)| n.saturating_sub(cached) <= most)
             }
             (None, None) => false,
         };
@@ -682,6 +687,10 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
         }
     }
 }
+
+/// How long a routing hint (`/kv/prefix`) may hold a request up: past it the engine is routed
+/// by load, as if it held nothing.
+const PREFIX_QUERY_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// The engines KV-aware routing would take for a request (see [`Router::best_cached`]).
 struct Preferred {
