@@ -29,25 +29,38 @@ async fn server(prefix_caching: bool) -> (String, Arc<tandem_server::AppState>) 
     (base_url, state)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn load_generator_measures_a_real_server() {
-    let (base_url, _) = server(false).await;
-    let cfg = ServeConfig {
+/// A run of `num_prompts` from `dataset` against `base_url`, everything else plain: no
+/// concurrency cap, no warm-up, median only, no SLO.
+fn config(base_url: String, dataset: Dataset, num_prompts: usize, request_rate: f64) -> ServeConfig {
+    ServeConfig {
         base_url,
         endpoint: "/v1/completions".into(),
         model: None,
         backend: "tandem".into(),
-        dataset: Dataset::Random { input_len: 30, output_len: 6, range_ratio: 0.0, vocab_size: 500, as_text: false },
-        num_prompts: 24,
-        request_rate: 100.0,
+        dataset,
+        num_prompts,
+        request_rate,
         burstiness: 1.0,
         seed: 0,
+        max_concurrency: None,
+        num_warmups: 0,
+        ignore_eos: true,
+        percentiles: vec![50.0],
+        slo: None,
+        progress: false,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_generator_measures_a_real_server() {
+    let (base_url, _) = server(false).await;
+    let dataset = Dataset::Random { input_len: 30, output_len: 6, range_ratio: 0.0, vocab_size: 500, as_text: false };
+    let cfg = ServeConfig {
         max_concurrency: Some(8),
         num_warmups: 1,
-        ignore_eos: true,
         percentiles: vec![50.0, 90.0, 99.0],
         slo: Some(Slo { ttft_ms: Some(60_000.0), tpot_ms: None, e2el_ms: None }),
-        progress: false,
+        ..config(base_url, dataset, 24, 100.0)
     };
     let r = run(&cfg).await.unwrap();
     let s = &r.summary;
@@ -74,30 +87,9 @@ async fn load_generator_measures_a_real_server() {
 async fn multi_turn_conversations_resend_their_history_and_hit_the_prefix_cache() {
     let (base_url, state) = server(true).await;
     let (shared_len, turn_len, turns, output_len) = (64, 8, 3, 4);
-    let cfg = ServeConfig {
-        base_url,
-        endpoint: "/v1/completions".into(),
-        model: None,
-        backend: "tandem".into(),
-        dataset: Dataset::MultiTurn {
-            shared_len,
-            distinct_openings: false,
-            turn_len,
-            turns,
-            output_len,
-            vocab_size: 400,
-        },
-        num_prompts: 3,
-        request_rate: 50.0,
-        burstiness: 1.0,
-        seed: 1,
-        max_concurrency: None,
-        num_warmups: 0,
-        ignore_eos: true,
-        percentiles: vec![50.0],
-        slo: None,
-        progress: false,
-    };
+    let dataset =
+        Dataset::MultiTurn { shared_len, distinct_openings: false, turn_len, turns, output_len, vocab_size: 400 };
+    let cfg = ServeConfig { seed: 1, ..config(base_url, dataset, 3, 50.0) };
     let r = run(&cfg).await.unwrap();
     assert_eq!((r.summary.completed, r.summary.failed), (9, 0));
     assert_eq!(r.turns.iter().filter(|&&t| t == 2).count(), 3);
@@ -136,23 +128,8 @@ async fn sharegpt_conversations_go_turn_by_turn_with_the_servers_answers() {
         {"conversations": [turn("gpt", "a reply with no question is skipped")]},
     ]);
     std::fs::write(&path, file.to_string()).unwrap();
-    let cfg = ServeConfig {
-        base_url,
-        endpoint: "/v1/completions".into(),
-        model: None,
-        backend: "tandem".into(),
-        dataset: Dataset::ShareGptMultiTurn { path, turns: 2, output_len: Some(5) },
-        num_prompts: 2,
-        request_rate: f64::INFINITY,
-        burstiness: 1.0,
-        seed: 0,
-        max_concurrency: None,
-        num_warmups: 0,
-        ignore_eos: true,
-        percentiles: vec![50.0],
-        slo: None,
-        progress: false,
-    };
+    let dataset = Dataset::ShareGptMultiTurn { path, turns: 2, output_len: Some(5) };
+    let cfg = config(base_url, dataset, 2, f64::INFINITY);
     let r = run(&cfg).await.unwrap();
     assert_eq!((r.summary.completed, r.summary.failed), (4, 0), "{:?}", r.outcomes);
     assert_eq!(r.turns, [0, 1, 0, 1], "two turns each (--multi-turn-turns 2), conversation by conversation");
