@@ -189,12 +189,8 @@ impl BlockAllocation {
         if inner.num_free < n {
             return Err(NoFreeBlocks { needed: n, free: inner.num_free });
         }
-        for _ in 0..n {
-            match inner.take_fresh() {
-                Some(b) => self.blocks.push(b),
-                None => unreachable!("num_free counts the live free-list entries"),
-            }
-        }
+        // `num_free` counts the live free-list entries, so each take finds one.
+        self.blocks.extend((0..n).map_while(|_| inner.take_fresh()));
         Ok(())
     }
 
