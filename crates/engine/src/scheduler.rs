@@ -160,10 +160,14 @@ impl Scheduler {
     /// prompt's last token; no alignment (not connected to that prefill engine yet), nothing.
     ///
     /// A leg loading KV runs as soon as the KV lands, so it takes one of the `max_num_seqs`
-    /// places now. And every running request keeps one free block for its next tokens: KV that
-    /// has not arrived yet never pushes a decoding request into preemption (on a decode
-    /// engine, a recompute of its whole prompt), which under a prefill backlog would turn the
-    /// decode engine into a second, slower prefill engine.
+    /// places now. And the blocks left free must cover what every running or loading request,
+    /// this one included, will still need for its output ([`Self::growth_blocks`]): KV that has
+    /// not arrived yet never pushes a decoding request into preemption (on a decode engine, a
+    /// recompute of its whole prompt, which then waits behind those loads for blocks). Under a
+    /// prefill backlog, push registrations hold blocks for seconds; with only one block kept
+    /// per running request, 16k-token prompts at 2 req/s stalled decoding requests for up to
+    /// 24 s on an H200 (`run.sh sweep`, push), while pull, whose loads start when the KV is
+    /// ready, did not.
     pub fn start_next_remote_load(
         &mut self,
         alignment: &dyn Fn(&RemoteKv) -> Option<usize>,
@@ -182,8 +186,19 @@ impl Scheduler {
                 (Some(keys), Some(run)) if req.blocks.is_empty() => take_cached_prompt_prefix(req, keys, run),
                 _ => 0,
             };
-            let need = req.prompt_len.div_ceil(self.block_size).saturating_sub(req.blocks.len());
-            if self.pool.num_free() < need + self.running.len() || req.blocks.grow(need).is_err() {
+            let prompt_blocks = req.prompt_len.div_ceil(self.block_size);
+            let need = prompt_blocks.saturating_sub(req.blocks.len());
+            // Alone, a leg starts whenever its prompt fits: a pool smaller than a prompt and its
+            // output's reserve must not hold it back forever.
+            let alone = self.running.is_empty() && self.remote_waiting.is_empty();
+            let reserve = if alone {
+                0
+            } else {
+                let own = growth_end(req).div_ceil(self.block_size).saturating_sub(prompt_blocks);
+                own + self.running.iter().chain(&self.remote_waiting).map(|r| self.growth_blocks(r)).sum::<usize>()
+            };
+            let req = self.requests.get_mut(&id)?;
+            if self.pool.num_free() < need + reserve || req.blocks.grow(need).is_err() {
                 req.blocks.release(); // the cached blocks too, until it can start
                 return None; // wait for blocks to free up
             }
@@ -211,6 +226,12 @@ impl Scheduler {
 
     fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
+    }
+
+    /// Blocks a request will still need for output it has not produced, up to its
+    /// `max_tokens` and at most [`GROWTH_HORIZON_TOKENS`] ahead.
+    fn growth_blocks(&self, id: &RequestId) -> usize {
+        self.requests.get(id).map_or(0, |r| self.blocks_for(growth_end(r)).saturating_sub(r.blocks.len()))
     }
 
     /// Frees the newest running request's blocks and puts it at the front of the queue.
@@ -325,6 +346,19 @@ impl Scheduler {
     }
 }
 
+/// How far ahead [`Scheduler::start_next_remote_load`] keeps blocks for a request's output.
+/// A request whose `max_tokens` is left to the server's default may run to the model's length;
+/// reserving all of that for each one would hold most of a decode engine's pool back. Past
+/// this many tokens a preemption is possible again, and only if loads still wait by then.
+pub(crate) const GROWTH_HORIZON_TOKENS: usize = 512;
+
+/// The token count a request's blocks must cover before it could need more than now:
+/// its known tokens plus its remaining output, at most [`GROWTH_HORIZON_TOKENS`] of it.
+fn growth_end(req: &Request) -> usize {
+    let last = req.prompt_len + req.params.max_tokens;
+    last.min(req.tokens.len() + GROWTH_HORIZON_TOKENS).max(req.tokens.len())
+}
+
 /// Gives a request about to run from scratch the cached KV of its prompt's longest cached
 /// prefix of whole blocks, leaving at least its last token to compute (its logits sample the
 /// next token); returns the blocks taken.
@@ -408,38 +442,71 @@ mod tests {
         assert_eq!(ids, ["u1", "u2"], "r's 10 blocks do not fit after u1 and u2's 8");
     }
 
-    /// Decode legs start loading KV only while a running place is left for each and every
-    /// running request keeps a free block for its next tokens; a running request then grows
-    /// without a preemption.
+    fn with_max_tokens(mut req: Request, max_tokens: usize) -> Request {
+        req.params.max_tokens = max_tokens;
+        req
+    }
+
+    /// Decode legs start loading KV only while a running place is left for each, and only
+    /// while the blocks left cover the output every running and loading request may still
+    /// produce; the running requests then generate to the end without a preemption.
     #[test]
-    fn kv_loads_leave_running_requests_their_places_and_a_block_each() {
-        // 10 blocks of 4 tokens, 3 places.
-        let pool = BlockPool::new(10);
-        let mut s = Scheduler::new(pool.clone(), 4, 3, 64);
+    fn kv_loads_leave_running_requests_their_places_and_their_output_blocks() {
+        // 14 blocks of 4 tokens, 4 places.
+        let pool = BlockPool::new(14);
+        let mut s = Scheduler::new(pool.clone(), 4, 4, 64);
         for id in ["a", "b"] {
-            s.add(request(&pool, id, 8)); // two blocks each, full
+            s.add(with_max_tokens(request(&pool, id, 8), 8)); // 2 blocks now, 4 at the end
         }
         s.schedule();
-        assert_eq!(s.running.len(), 2);
-        assert_eq!(pool.num_free(), 6);
-        for (id, len) in [("r1", 16), ("r2", 4), ("r3", 4)] {
-            s.add_remote(request(&pool, id, len));
-        }
-        // r1 needs 4 blocks; 6 are free, 2 stay for the running requests' next tokens.
-        assert_eq!(s.start_next_remote_load(&|_| None), Some((RequestId::new("r1"), 0)));
-        assert_eq!(pool.num_free(), 2);
-        assert_eq!(s.start_next_remote_load(&|_| None), None, "the third place is r1's; the blocks left are a and b's");
-        // Both running requests need a block for their ninth token, and get it.
         for id in ["a", "b"] {
-            s.requests.get_mut(&RequestId::new(id)).unwrap().tokens.push(5);
+            s.requests.get_mut(&RequestId::new(id)).unwrap().num_computed = 8;
         }
-        let out = s.schedule();
-        assert!(out.preempted.is_empty(), "a KV load pushed a decoding request out: {:?}", out.preempted);
-        assert_eq!(out.chunks.len(), 2);
-        // A running request ends: its place and blocks go to the next load.
-        let a = s.remove(&RequestId::new("a")).unwrap();
-        drop(a);
+        assert_eq!((s.running.len(), pool.num_free()), (2, 10));
+        s.add_remote(with_max_tokens(request(&pool, "r1", 16), 4)); // 4 blocks, 5 at the end
+        s.add_remote(with_max_tokens(request(&pool, "r2", 12), 4)); // 3 blocks, 4 at the end
+                                                                    // r1: 4 blocks + 1 of its own output + 2 each for a and b = 9 of 10.
+        assert_eq!(s.start_next_remote_load(&|_| None), Some((RequestId::new("r1"), 0)));
+        assert_eq!(pool.num_free(), 6);
+        // r2 would need 3 + 1 + 5: it waits, though a place and 3 blocks are free (keeping one
+        // block per running request, it started here, and a and b were preempted below).
+        assert_eq!(s.start_next_remote_load(&|_| None), None);
+        // a and b generate their 8 tokens each; r1's KV has not landed.
+        for _ in 0..8 {
+            for id in ["a", "b"] {
+                s.requests.get_mut(&RequestId::new(id)).unwrap().tokens.push(5);
+            }
+            let out = s.schedule();
+            assert!(out.preempted.is_empty(), "a KV load pushed a decoding request out: {:?}", out.preempted);
+            assert_eq!(out.chunks.len(), 2);
+            for id in ["a", "b"] {
+                let r = s.requests.get_mut(&RequestId::new(id)).unwrap();
+                r.num_computed = r.tokens.len();
+            }
+        }
+        assert_eq!(pool.num_free(), 2);
+        // a ends: its 4 blocks cover r2's 3 and its output's 1, with r1's 1 still kept.
+        drop(s.remove(&RequestId::new("a")));
         assert_eq!(s.start_next_remote_load(&|_| None), Some((RequestId::new("r2"), 0)));
-        assert_eq!(s.start_next_remote_load(&|_| None), None, "three places: b, r1, r2");
+        assert_eq!(pool.num_free(), 3);
+    }
+
+    /// The output reserve looks at most `GROWTH_HORIZON_TOKENS` ahead: a request left to run to
+    /// the model's length does not hold back a whole pool. And a leg with nothing else running
+    /// starts whenever its prompt fits, reserve or not.
+    #[test]
+    fn output_reserve_is_bounded_by_the_horizon() {
+        let pool = BlockPool::new(10);
+        let mut s = Scheduler::new(pool.clone(), 16, 4, 64);
+        s.add_remote(with_max_tokens(request(&pool, "big", 150), 1000)); // 10 blocks, 42 with its output
+        assert_eq!(s.start_next_remote_load(&|_| None), Some((RequestId::new("big"), 0)));
+
+        let pool = BlockPool::new(1000);
+        let mut s = Scheduler::new(pool.clone(), 16, 4, 64);
+        s.add(with_max_tokens(request(&pool, "long", 10), 100_000));
+        s.add(with_max_tokens(request(&pool, "short", 10), 30));
+        s.schedule();
+        assert_eq!(s.growth_blocks(&RequestId::new("long")), (10 + GROWTH_HORIZON_TOKENS).div_ceil(16) - 1);
+        assert_eq!(s.growth_blocks(&RequestId::new("short")), 40usize.div_ceil(16) - 1);
     }
 }
