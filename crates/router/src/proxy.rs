@@ -10,6 +10,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Json;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -538,7 +539,15 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let _checks = router.spawn_checks();
-    axum::serve(listener, app(router)).with_graceful_shutdown(shutdown).await
+    axum::serve(listener.tap_io(no_delay), app(router)).with_graceful_shutdown(shutdown).await
+}
+
+/// Streamed tokens are small writes: with Nagle's algorithm each waits for the client's
+/// delayed ACK of the one before (40 ms on Linux; measured on every routed stream).
+fn no_delay(tcp: &mut tokio::net::TcpStream) {
+    if let Err(e) = tcp.set_nodelay(true) {
+        tracing::warn!(error = %e, "could not set TCP_NODELAY; streamed tokens may wait on delayed ACKs");
+    }
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -661,6 +670,7 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
         };
         let local = match (disaggregate, r.cfg.local_prefill_max_tokens) {
             (Some(d), _) => !d,
+            (None, Some(most)) if prompt_tokens_at_most(&orig).is_some_and(|n| n <= most) => true,
             (None, Some(most)) => {
                 let known = decode_answers.iter().find(|(b, _)| Arc::ptr_eq(b, &d)).map(|(_, a)| *a);
                 let prefix = match known {
@@ -685,6 +695,19 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
             }
             Err(LegError { response, engine: None }) => return response,
         }
+    }
+}
+
+/// At most how many tokens a completion's prompt has, when that is plain without a tokenizer:
+/// a token-id prompt's length, or a text's bytes plus two (a byte-level or byte-fallback
+/// vocabulary spends at least one byte a token; a dummy-prefix space and a BOS may add one
+/// each). A prompt this short runs on decode without asking decode what it holds (a round
+/// trip that is most of the router's cost on a short prompt). `None` for chat messages.
+fn prompt_tokens_at_most(orig: &Map<String, Value>) -> Option<usize> {
+    match orig.get("prompt")? {
+        Value::String(text) => Some(text.len() + 2),
+        Value::Array(items) if items.iter().all(Value::is_u64) => Some(items.len()),
+        _ => None,
     }
 }
 
