@@ -106,11 +106,14 @@ vocab = int(os.environ.get("PD_VOCAB", "1000"))  # token ids stay below this
 prompts = [[t % vocab for t in p] for p in prompts]
 bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True} for p in prompts]
 # Two ask for log-probabilities: through P/D the decode engine samples the first token itself
-# (from the last prompt token recomputed over the loaded KV), so its values may differ from
-# colocated's by bf16 rounding, never by more than LOGPROB_TOLERANCE.
+# (from the last prompt token recomputed over the loaded KV by the one-row kernels, where
+# colocated used the prefill's), so without --batch-invariant its logits, and the KV of that
+# token every later one reads, differ from colocated's by bf16 rounding (measured on an H200,
+# preset:qwen3-0.6b: up to 0.13 apart, the tokens equal). With --batch-invariant the kernels
+# give the same bits either way, so the values must agree to float rounding.
 for i in (1, 5):
     bodies[i]["logprobs"] = 3
-LOGPROB_TOLERANCE = 0.1
+LOGPROB_TOLERANCE = 1e-4 if invariant else 0.25
 burst = [{"prompt": [((s * 13 + j * 5) % 700 + 10) % vocab for j in range(1 + (s * 37) % 600)], "max_tokens": 16,
           "temperature": 0, "ignore_eos": True} for s in range(50)]
 long_prompt = [((j * 11) % 900 + 10) % vocab for j in range(int(os.environ.get("PD_LONG", "4000")))]

@@ -7,6 +7,8 @@ conversation shares a long system prompt and resends its history each turn) agai
   pd-conditional   the same with the router's --local-prefill-max-tokens
   2p2d kv-aware    two prefill and two decode engines, the router routing by cached prefix
   2p2d round-robin the same with --kv-aware-routing off
+  mixed            conditional disaggregation: short uncached prompts alone and beside long ones,
+                   colocated vs pd vs pd-conditional (short TTFT, long prompts' TPOT)
 
 reporting the median TTFT of each turn (`tandem bench serve --dataset-name multi-turn`), and
 the bytes a decode engine receives for a prompt whose first 90% it holds, against a full
@@ -16,7 +18,8 @@ Usage: prefix_check.py TANDEM_BINARY OUT_DIR
 Environment: PREFIX_MODEL (preset:qwen3-4b), PREFIX_DEVICE (cuda:0; `cpu` tries it without a GPU),
 PREFIX_SHARED (4096 shared tokens), PREFIX_CONVS (16 conversations), PREFIX_TURNS (4),
 PREFIX_RATE (conversations/s, 2), PREFIX_VOCAB (100000), PREFIX_BLOCKS (--num-kv-blocks per engine, 4096),
-PREFIX_ONLY (a comma list of the setups above to run; default all), PREFIX_DISTINCT (1: each
+PREFIX_ONLY (a comma list of the setups above to run, and `mixed`; default all), PREFIX_SHORT and
+PREFIX_LONG (the mixed setup's prompt lengths, 256 and 8192), PREFIX_DISTINCT (1: each
 conversation opens with its own PREFIX_SHARED tokens; 0: all share one system prompt).
 """
 import json
@@ -38,7 +41,10 @@ distinct = env("PREFIX_DISTINCT", "1") == "1"
 # Room for the longest conversation: the shared prompt and every turn's 128 user and 64 output tokens.
 common = ["--device", device, "--model", model, "--num-kv-blocks", blocks, "--max-model-len", str(shared + turns * 192 + 64)]
 ipc = ["--kv-transport", "cuda-ipc"] if device != "cpu" else []
-procs, rows = [], []
+procs, rows, mixed = [], [], []
+# The conditional-disaggregation setup ("mixed"): short prompts (under the router's 512-token
+# --local-prefill-max-tokens) at 4/s, alone and beside long ones at 0.5/s.
+mixed_short, mixed_long = int(env("PREFIX_SHORT", "256")), int(env("PREFIX_LONG", "8192"))
 
 
 def start(name, args):
@@ -93,8 +99,8 @@ def multi_turn(url, name):
     return j["median_ttft_ms_by_turn"], j.get("median_tpot_ms")
 
 
-def engine(name, port, role=None, extra=()):
-    args = ["serve", "--port", str(port)] + common + list(extra)
+def engine(name, port, role=None, extra=(), base=None):
+    args = ["serve", "--port", str(port)] + (base or common) + list(extra)
     if role:
         args += ["--role", role, "--kv-mode", "push", "--kv-port", str(port + 50)] + ipc
     start(name, args)
@@ -113,6 +119,22 @@ def record(name, url):
     by_turn, tpot = multi_turn(url, name)
     rows.append((name, by_turn, tpot))
     print(f"{name}: median TTFT by turn {['%.1f' % t for t in by_turn]} ms, TPOT {tpot} ms", flush=True)
+
+
+def random_load(url, name, input_len, rate, n, seed, wait=True):
+    """`bench serve` of `n` random prompts; its JSON when `wait`, else the running process."""
+    cmd = [exe, "bench", "serve", "--base-url", url, "--random-input-len", str(input_len), "--random-output-len", "64",
+           "--random-vocab-size", str(vocab), "--num-prompts", str(n), "--request-rate", rate, "--seed", str(seed),
+           "--no-progress", "--save-result", "--result-dir", out, "--result-filename", f"{name}.json"]
+    proc = subprocess.Popen(cmd, stdout=open(os.path.join(out, f"{name}_bench.log"), "w"), stderr=subprocess.STDOUT)
+    proc.result = os.path.join(out, f"{name}.json")
+    return finish(proc) if wait else proc
+
+
+def finish(proc):
+    if proc.wait(timeout=300) != 0:
+        raise RuntimeError(f"bench serve failed: see {proc.result[:-5]}_bench.log")
+    return json.load(open(proc.result))
 
 
 def want(name):
@@ -168,6 +190,31 @@ try:
         hits = [metric(u, "tandem:prefix_cache_hits_total") for u in ps]
         print(f"{name}: prefill prefix-cache hits {hits}", flush=True)
         stop_all()
+    # Conditional disaggregation: short prompts alone, then beside long ones, against colocated
+    # (none of them cached: random prompts). Short prompts should see colocated's TTFT when the
+    # router runs them on decode; long ones should keep disaggregation's TPOT.
+    mixed_common = list(common)
+    mixed_common[mixed_common.index("--max-model-len") + 1] = str(mixed_long + 128)
+    for name, extra in [("colocated", None), ("pd", []), ("pd-conditional", ["--local-prefill-max-tokens", "512"])]:
+        if not want("mixed"):
+            break
+        if extra is None:
+            url = engine(f"mixed_{name}", 18700, base=mixed_common)
+            wait_healthy(url)
+        else:
+            p = engine(f"mixed_{name}_prefill", 18710, "prefill", base=mixed_common)
+            d = engine(f"mixed_{name}_decode", 18720, "decode", base=mixed_common)
+            wait_healthy(p)
+            wait_healthy(d)
+            url = router(f"mixed_{name}_router", 18730, [p], [d], extra)
+        alone = random_load(url, f"mixed_{name}_short_alone", mixed_short, "4", 24, 11)
+        both = [random_load(url, f"mixed_{name}_short", mixed_short, "4", 32, 12, wait=False),
+                random_load(url, f"mixed_{name}_long", mixed_long, "0.5", 4, 13, wait=False)]
+        short, long = [finish(b) for b in both]
+        mixed.append((name, alone["median_ttft_ms"], short["median_ttft_ms"], long["median_tpot_ms"]))
+        print(f"mixed {name}: short TTFT alone {alone['median_ttft_ms']:.1f} ms, beside long prompts "
+              f"{short['median_ttft_ms']:.1f} ms; long prompts' TPOT {long['median_tpot_ms']:.2f} ms", flush=True)
+        stop_all()
 except Exception as e:  # a process that never came up, a failed benchmark
     print(f"prefix check on {device}: FAILED: {e}", flush=True)
     status = 1
@@ -184,4 +231,10 @@ for name, by_turn, tpot in rows:
     later = sorted(by_turn[1:])[len(by_turn[1:]) // 2] if len(by_turn) > 1 else float("nan")
     cells = " / ".join(f"{t:.1f}" for t in by_turn)
     print(f"{name:>22} {cells:>40} {later / by_turn[0]:>16.2f} {tpot if tpot is not None else float('nan'):>8.2f}")
+if mixed:
+    base = mixed[0][1] if mixed[0][0] == "colocated" else float("nan")
+    print(f"\n{'mixed traffic':>22} {'short TTFT alone':>17} {'/ colocated':>12} {'beside long':>12} "
+          f"{'long TPOT':>10}   ({mixed_short}-token prompts at 4/s, {mixed_long}-token at 0.5/s)")
+    for name, alone, short, tpot in mixed:
+        print(f"{name:>22} {alone:>14.1f} ms {alone / base:>12.3f} {short:>9.1f} ms {tpot:>7.2f} ms")
 sys.exit(status)

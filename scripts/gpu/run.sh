@@ -124,7 +124,7 @@ if [ "$MODE" = prefix ]; then
   # P/D, conditional P/D, 2P2D KV-aware against round-robin) and the bytes of a 90% prefix hit
   # (scripts/gpu/prefix_check.py; PREFIX_* narrow it).
   timeout 590 python3 scripts/gpu/prefix_check.py "$BIN/tandem" "$OUT" > "$OUT/prefix.log" 2>&1 || status=1
-  tail -12 "$OUT/prefix.log" | tee -a "$OUT/summary.txt"
+  tail -18 "$OUT/prefix.log" | tee -a "$OUT/summary.txt"
   exit $status
 fi
 if [ "$MODE" = pd ]; then
