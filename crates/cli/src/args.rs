@@ -284,6 +284,10 @@ pub enum KvTransportArg {
     /// access). No host copy of the KV cache is kept (--kv-host-gib is not used); a peer that
     /// cannot use cuda-ipc is refused at handshake, saying why.
     CudaIpc,
+    /// NIXL one-sided WRITEs into the peer's registered KV memory, with a notification per
+    /// transfer (UCX: RDMA, EFA, shared memory or TCP, whichever it finds). Needs a tandem built
+    /// with `--features nixl` and libnixl_capi.so on LD_LIBRARY_PATH; CPU engines so far.
+    Nixl,
 }
 
 impl KvTransportArg {
@@ -296,6 +300,7 @@ impl KvTransportArg {
             KvTransportArg::Auto => tandem_kv::KvTransport::Auto,
             KvTransportArg::Tcp => tandem_kv::KvTransport::Tcp,
             KvTransportArg::CudaIpc => tandem_kv::KvTransport::CudaIpc,
+            KvTransportArg::Nixl => tandem_kv::KvTransport::Nixl,
         }
     }
 }
@@ -330,7 +335,7 @@ pub struct KvArgs {
     /// push or pull; prefill and decode must agree (they refuse to pair otherwise).
     #[arg(long, value_enum, default_value = "push")]
     pub kv_mode: KvModeArg,
-    /// What the KV bytes travel over: auto, tcp or cuda-ipc.
+    /// What the KV bytes travel over: auto, tcp, cuda-ipc or nixl.
     #[arg(long, value_enum, default_value = "auto")]
     pub kv_transport: KvTransportArg,
     /// This engine's id on the KV side channel (default: role and port).
@@ -393,7 +398,7 @@ pub struct UpArgs {
     /// push or pull.
     #[arg(long, value_enum, default_value = "push")]
     pub kv_mode: KvModeArg,
-    /// What the KV bytes travel over between the two engines: auto, tcp or cuda-ipc.
+    /// What the KV bytes travel over between the two engines: auto, tcp, cuda-ipc or nixl.
     #[arg(long, value_enum, default_value = "auto")]
     pub kv_transport: KvTransportArg,
     /// Check every KV transfer where it lands (see `tandem serve --help`).

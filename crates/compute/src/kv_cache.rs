@@ -179,6 +179,12 @@ impl KvRegion {
         self.layout.block_elems() * self.dtype.bytes()
     }
 
+    /// Where the blocks start in this process and how many bytes they take: what a transfer
+    /// library (NIXL) registers so a peer can write them. Blocks are at `block_bytes` strides.
+    pub fn address_range(&self) -> (usize, usize) {
+        (self.ptr.as_ptr() as usize, self.layout.num_blocks * self.block_bytes())
+    }
+
     fn check_run(&self, first: usize, count: usize) -> (usize, usize) {
         let n = self.layout.block_elems();
         assert!(first + count <= self.layout.num_blocks, "block run {first}+{count} outside the cache");

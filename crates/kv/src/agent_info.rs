@@ -62,6 +62,18 @@ pub enum TransportOffer {
         /// Bytes of the allocation.
         bytes: u64,
     },
+    /// NIXL one-sided WRITEs into the engine's registered KV memory (`--kv-transport nixl`).
+    /// Control messages still use the side channel.
+    Nixl {
+        /// The engine's NIXL agent name (unique per connector: engine id and epoch).
+        agent: String,
+        /// The agent's metadata (connection info and registered memory), hex.
+        metadata: String,
+        /// Where the KV blocks start in the engine's process (a number to address writes by).
+        addr: u64,
+        /// Bytes of the registered KV memory.
+        bytes: u64,
+    },
 }
 
 impl TransportOffer {
@@ -71,6 +83,7 @@ impl TransportOffer {
             TransportOffer::Tcp { .. } => "tcp",
             TransportOffer::Local { .. } => "local",
             TransportOffer::CudaIpc { .. } => "cuda-ipc",
+            TransportOffer::Nixl { .. } => "nixl",
         }
     }
 }
@@ -186,7 +199,7 @@ impl AgentInfo {
     pub fn tcp_addr(&self) -> Option<&str> {
         self.transports.iter().find_map(|t| match t {
             TransportOffer::Tcp { addr } => Some(addr.as_str()),
-            TransportOffer::Local { .. } | TransportOffer::CudaIpc { .. } => None,
+            TransportOffer::Local { .. } | TransportOffer::CudaIpc { .. } | TransportOffer::Nixl { .. } => None,
         })
     }
 

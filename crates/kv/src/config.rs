@@ -40,6 +40,9 @@ pub enum KvTransport {
     /// Device-to-device copies only (no host copy of the KV cache is kept); a peer that cannot
     /// use them is refused at handshake, saying why.
     CudaIpc,
+    /// NIXL WRITEs into the peer's registered KV memory (builds with the `nixl` feature; CPU
+    /// engines so far); a peer that cannot use it is refused at handshake, saying why.
+    Nixl,
 }
 
 impl KvTransport {
@@ -49,6 +52,7 @@ impl KvTransport {
             KvTransport::Auto => "auto",
             KvTransport::Tcp => "tcp",
             KvTransport::CudaIpc => "cuda-ipc",
+            KvTransport::Nixl => "nixl",
         }
     }
 }
@@ -61,7 +65,8 @@ impl std::str::FromStr for KvTransport {
             "auto" => Ok(KvTransport::Auto),
             "tcp" => Ok(KvTransport::Tcp),
             "cuda-ipc" => Ok(KvTransport::CudaIpc),
-            other => Err(format!("unknown KV transport `{other}` (auto, tcp or cuda-ipc)")),
+            "nixl" => Ok(KvTransport::Nixl),
+            other => Err(format!("unknown KV transport `{other}` (auto, tcp, cuda-ipc or nixl)")),
         }
     }
 }

@@ -28,6 +28,8 @@ mod connector;
 mod error;
 mod events;
 mod memory;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod tcp;
 pub mod wire;
 

@@ -113,7 +113,7 @@ impl Metrics {
             kv_bytes: counter("tandem:kv_load_bytes_total", "Decode legs: KV bytes received."),
             kv: {
                 let g = prometheus::IntGaugeVec::new(
-                    Opts::new("tandem:kv_connector", "KV connector counters (transfers, bytes, regions, expiries, unknown and duplicate ids, refused peers, checksum failures, connections by transport: links_tcp, links_local, links_cuda_ipc), by counter."),
+                    Opts::new("tandem:kv_connector", "KV connector counters (transfers, bytes, regions, expiries, unknown and duplicate ids, refused peers, checksum failures, connections by transport: links_tcp, links_local, links_cuda_ipc, links_nixl), by counter."),
                     &["counter"],
                 )
                 .expect("metric definitions are static and valid");
@@ -186,6 +186,7 @@ impl Metrics {
                 ("links_tcp", kv.links_tcp),
                 ("links_local", kv.links_local),
                 ("links_cuda_ipc", kv.links_cuda_ipc),
+                ("links_nixl", kv.links_nixl),
             ] {
                 self.kv.with_label_values(&[name]).set(v as i64);
             }

@@ -10,6 +10,7 @@
 //! each mode is in [`push`] and [`pull`]; the entries and their deadlines in [`table`].
 
 mod early;
+mod nixl;
 mod pull;
 mod push;
 mod table;
@@ -86,6 +87,7 @@ struct Counters {
     links_tcp: AtomicU64,
     links_local: AtomicU64,
     links_cuda_ipc: AtomicU64,
+    links_nixl: AtomicU64,
     parts_early: AtomicU64,
 }
 
@@ -101,6 +103,9 @@ pub(crate) struct Shared {
     links: Mutex<Vec<std::sync::Weak<Conn>>>,
     events: EventSink,
     counters: Counters,
+    /// This engine's NIXL agent (`--kv-transport nixl`).
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    nixl: nixl::Endpoint,
 }
 
 fn bump(c: &AtomicU64, n: u64) {
@@ -182,6 +187,7 @@ impl Shared {
             links_tcp: g(&c.links_tcp),
             links_local: g(&c.links_local),
             links_cuda_ipc: g(&c.links_cuda_ipc),
+            links_nixl: g(&c.links_nixl),
             parts_early: g(&c.parts_early),
         }
     }
@@ -199,7 +205,7 @@ pub(crate) type Started = (mpsc::Sender<Command>, AgentInfo, Arc<Shared>);
 
 pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -> Result<Started, KvError> {
     let ipc_offer = match (cfg.transport, memory.device_cache()) {
-        (KvTransport::Tcp, _) => None,
+        (KvTransport::Tcp | KvTransport::Nixl, _) => None,
         (KvTransport::CudaIpc, None) => {
             return Err(KvError::Unsupported(
                 "--kv-transport cuda-ipc needs an engine whose KV cache is on a GPU (--device cuda:N)".into(),
@@ -228,6 +234,8 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
             .push(TransportOffer::Local { process: std::process::id(), key: format!("{}@{}", cfg.engine_id, epoch.0) });
     }
     transports.extend(ipc_offer);
+    let nixl = nixl::open(&cfg, &memory, epoch.0)?;
+    transports.extend(nixl::offer(&nixl));
     let info = AgentInfo {
         kv_verify: cfg.verify,
         ..AgentInfo::for_layout(
@@ -252,6 +260,7 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
         links: Mutex::new(Vec::new()),
         events,
         counters: Counters::default(),
+        nixl,
     });
     if let Some(TransportOffer::Local { key, .. }) =
         info.transports.iter().find(|t| matches!(t, TransportOffer::Local { .. }))
@@ -314,6 +323,7 @@ fn new_conn(
         match transport.name() {
             "local" => &c.links_local,
             "cuda-ipc" => &c.links_cuda_ipc,
+            "nixl" => &c.links_nixl,
             _ => &c.links_tcp,
         },
         1,

@@ -71,6 +71,13 @@ pub(super) trait Transport: Send + Sync {
         Err(format!("the {} transport writes a prompt's KV only when it is complete", self.name()))
     }
 
+    /// Reader of a direct write: waits (bounded) until the bytes the writer says it wrote for
+    /// `tid` are known to be in our memory. Copies the writer waited for are (cuda-ipc, local);
+    /// a NIXL write is once its notification has arrived.
+    fn confirm_landed(&self, _shared: &Shared, _tid: &TransferId) -> Result<(), String> {
+        Ok(())
+    }
+
     /// Pull: answers the peer's read of our blocks `src` (held under a lease) into its blocks
     /// `dst` with `BlockData` (and, on tcp, the bytes).
     fn answer_read(
@@ -87,13 +94,23 @@ pub(super) trait Transport: Send + Sync {
 /// Accepting side: the transport for a connection from `peer`, and what to tell it; an error
 /// refuses the peer, saying why.
 pub(super) fn pick(ours: &Shared, peer: &AgentInfo) -> Result<(Arc<dyn Transport>, Picked), String> {
+    let policy = ours.cfg.transport;
+    if policy == KvTransport::Nixl {
+        // Forced, so not `local` even in one process (the tests run NIXL that way).
+        return match super::nixl::pick(ours, peer) {
+            Ok(t) => {
+                tracing::info!(peer = %peer.engine_id, "KV transport nixl: the peer's NIXL agent is loaded");
+                Ok((t, Picked { transport: "nixl".into(), note: None }))
+            }
+            Err(why) => Err(format!("--kv-transport nixl, but nixl cannot work with `{}`: {why}", peer.engine_id)),
+        };
+    }
     if let Some(local) = local_peer(ours, peer) {
         return Ok((Arc::new(Local { peer: local }), Picked { transport: "local".into(), note: None }));
     }
-    let policy = ours.cfg.transport;
     let ipc = match policy {
         KvTransport::Tcp => Err("--kv-transport tcp".to_string()),
-        KvTransport::Auto | KvTransport::CudaIpc => open_cuda_ipc(ours, peer),
+        KvTransport::Auto | KvTransport::CudaIpc | KvTransport::Nixl => open_cuda_ipc(ours, peer),
     };
     match ipc {
         Ok(mapped) => {
@@ -119,10 +136,14 @@ pub(super) fn accept_pick(ours: &Shared, peer: &AgentInfo, picked: &Picked) -> R
             Some(local) => Ok(Arc::new(Local { peer: local })),
             None => refuse(format!("`{}` picked the local transport, but it is not in this process", peer.engine_id)),
         },
-        "cuda-ipc" if ours.memory.device_cache().is_some() && ours.cfg.transport != KvTransport::Tcp => {
+        "cuda-ipc"
+            if ours.memory.device_cache().is_some()
+                && matches!(ours.cfg.transport, KvTransport::Auto | KvTransport::CudaIpc) =>
+        {
             Ok(Arc::new(CudaIpc { peer: None }))
         }
-        "tcp" if ours.cfg.transport != KvTransport::CudaIpc => {
+        "nixl" if ours.cfg.transport == KvTransport::Nixl => super::nixl::accept(ours, peer),
+        "tcp" if matches!(ours.cfg.transport, KvTransport::Auto | KvTransport::Tcp) => {
             ours.memory.host_region()?;
             Ok(Arc::new(Tcp))
         }
@@ -476,7 +497,7 @@ impl Transport for Local {
 
 /// Push over a direct transport: the copy into the peer's blocks has ended (`copied`); `Done`
 /// tells it so, with prefill's first token and how long the write took.
-fn report_direct_write(
+pub(super) fn report_direct_write(
     shared: &Shared,
     conn: &Conn,
     tid: &TransferId,
@@ -504,7 +525,7 @@ fn report_direct_write(
 /// Pull over a direct transport: the copy (begun at `started`) of the lease's KV (`held`: its
 /// blocks and tokens) is done before the answer, so no bytes follow it; under `--kv-verify`
 /// the answer carries the digest of what was copied.
-fn answer_direct_read(
+pub(super) fn answer_direct_read(
     shared: &Shared,
     conn: &Conn,
     tid: &TransferId,
@@ -556,6 +577,10 @@ pub(super) struct DirectEnd {
 /// crossed a socket, so tcp's CRC-32 never saw it). A mismatch counts as a checksum failure;
 /// either failure fails the transfer, and the engine recomputes or fails it by its policy.
 pub(super) fn check_direct(shared: &Shared, tid: &TransferId, theirs: Option<u64>) -> Result<(), String> {
+    let conn = shared.tables().incoming.get(tid).and_then(|i| i.conn.clone());
+    if let Some(conn) = conn {
+        conn.transport.confirm_landed(shared, tid)?;
+    }
     if !shared.cfg.verify {
         return Ok(());
     }

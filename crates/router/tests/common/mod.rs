@@ -28,6 +28,8 @@ pub struct Knobs {
     pub budget: usize,
     /// Use the local transport (direct copies) instead of TCP bytes.
     pub local: bool,
+    /// `--kv-transport` (nixl, with the `nixl` feature).
+    pub transport: tandem_kv::KvTransport,
     /// Async scheduling (pipelined steps), as GPU engines run by default.
     pub pipelined: bool,
     /// KV blocks in the pool (default: 3000 tokens' worth).
@@ -56,6 +58,7 @@ impl Default for Knobs {
             load_failure: KvLoadFailure::Fail,
             budget: 96,
             local: false,
+            transport: tandem_kv::KvTransport::Auto,
             pipelined: false,
             num_blocks: None,
             max_num_seqs: 64,
@@ -101,7 +104,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             liveness: Duration::from_secs(10),
             faults: k.faults.clone(),
             local_transport: k.local,
-            transport: tandem_kv::KvTransport::Auto,
+            transport: k.transport,
             verify: k.verify,
         },
         load_failure: k.load_failure,

@@ -1,0 +1,288 @@
+//! The `nixl` transport (`--kv-transport nixl`): the writing side (prefill, in both modes, as
+//! for every direct transport) puts a transfer's KV straight into the peer's registered KV
+//! memory with NIXL WRITEs, one descriptor per contiguous copy of the copy plan (a run of
+//! blocks with equal block sizes), and a NIXL notification naming the transfer after the data;
+//! then `Done` / `BlockData` on the side channel says the write ended. The reader counts its
+//! blocks landed only once it also has that notification (NIXL delivers it after the data), so
+//! a write the side channel reports early is never decoded from.
+//!
+//! So far for engines whose KV cache is host memory (CPU engines); a GPU engine's VRAM
+//! registration is issue 31's next step, and such an engine is refused at start, saying so.
+//! Without the `nixl` feature the flag fails at start, saying how to build it.
+
+use std::sync::Arc;
+
+use tandem_core::TransferId;
+
+use crate::{AgentInfo, TransportOffer};
+
+#[cfg(feature = "nixl")]
+pub(super) use with_nixl::*;
+#[cfg(not(feature = "nixl"))]
+pub(super) use without_nixl::*;
+
+/// This engine's NIXL endpoint, when `--kv-transport nixl` asked for one.
+pub(super) type Endpoint = Option<Arc<EndpointImpl>>;
+
+/// The nixl offer of `endpoint`, for the handshake.
+pub(super) fn offer(endpoint: &Endpoint) -> Option<TransportOffer> {
+    endpoint.as_ref().map(|e| e.offer())
+}
+
+/// The peer's nixl offer, or why it has none.
+#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+fn peer_offer(peer: &AgentInfo) -> Result<(&str, &str, u64, u64), String> {
+    peer.transports
+        .iter()
+        .find_map(|t| match t {
+            TransportOffer::Nixl { agent, metadata, addr, bytes } => {
+                Some((agent.as_str(), metadata.as_str(), *addr, *bytes))
+            }
+            _ => None,
+        })
+        .ok_or_else(|| "the peer offers no nixl (--kv-transport nixl there too)".to_string())
+}
+
+/// The NIXL message that says transfer `tid` has landed.
+#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+fn landed_message(tid: &TransferId) -> Vec<u8> {
+    format!("tandem-kv:{}", tid.0).into_bytes()
+}
+
+#[cfg(feature = "nixl")]
+mod with_nixl {
+    use std::sync::Arc;
+
+    use tandem_compute::cuda::KvFences;
+    use tandem_compute::kv_copy::{plan_kv_copy, KvCopy};
+    use tandem_compute::KvLayout;
+    use tandem_core::TransferId;
+
+    use super::super::push::PushDone;
+    use super::super::transport::{answer_direct_read, report_direct_write, Transport};
+    use super::super::{Conn, Shared};
+    use super::{landed_message, peer_offer};
+    use crate::nixl::{NixlEndpoint, NixlPlace, NixlRegion, NixlRun};
+    use crate::{AgentInfo, ConnectorConfig, KvError, KvMemory, TransportOffer};
+
+    /// This engine's NIXL agent and the name peers know it by.
+    pub(in super::super) struct EndpointImpl {
+        endpoint: NixlEndpoint,
+        name: String,
+    }
+
+    impl EndpointImpl {
+        pub(super) fn offer(&self) -> TransportOffer {
+            let region = self.endpoint.region();
+            let metadata = self.endpoint.metadata().map(|m| hex(&m)).unwrap_or_default();
+            TransportOffer::Nixl {
+                agent: self.name.clone(),
+                metadata,
+                addr: region.addr as u64,
+                bytes: region.len as u64,
+            }
+        }
+    }
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn unhex(s: &str) -> Option<Vec<u8>> {
+        (0..s.len()).step_by(2).map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect()
+    }
+
+    /// Opens this engine's NIXL endpoint over its KV memory when `cfg` asks for nixl.
+    pub(in super::super) fn open(
+        cfg: &ConnectorConfig,
+        memory: &KvMemory,
+        epoch: u64,
+    ) -> Result<super::Endpoint, KvError> {
+        if cfg.transport != crate::KvTransport::Nixl {
+            return Ok(None);
+        }
+        if memory.device_cache().is_some() {
+            return Err(KvError::Unsupported(
+                "--kv-transport nixl works with engines whose KV cache is in host memory (CPU engines) so far; \
+                 registering a GPU cache with NIXL is not built yet"
+                    .into(),
+            ));
+        }
+        let (addr, len) = memory.host_region()?.address_range();
+        let name = format!("{}@{epoch}", cfg.engine_id);
+        let region = NixlRegion { addr, len, place: NixlPlace::Dram };
+        let endpoint =
+            NixlEndpoint::open(&name, region).map_err(|e| KvError::Unsupported(format!("--kv-transport nixl: {e}")))?;
+        tracing::info!(agent = %name, bytes = len, "NIXL agent ready (UCX backend), KV memory registered");
+        Ok(Some(Arc::new(EndpointImpl { endpoint, name })))
+    }
+
+    /// Writing side: the nixl transport to `peer`, with its metadata loaded, or why not.
+    pub(in super::super) fn pick(ours: &Shared, peer: &AgentInfo) -> Result<Arc<dyn Transport>, String> {
+        let ep = ours.nixl.clone().ok_or("this engine has no NIXL endpoint")?;
+        let (agent, metadata, addr, bytes) = peer_offer(peer)?;
+        let metadata = unhex(metadata).ok_or("the peer's NIXL metadata is malformed")?;
+        let loaded = ep.endpoint.add_peer(&metadata).map_err(|e| e.to_string())?;
+        if loaded != agent {
+            return Err(format!("the peer's NIXL metadata names agent `{loaded}`, its offer `{agent}`"));
+        }
+        let region = NixlRegion { addr: addr as usize, len: bytes as usize, place: NixlPlace::Dram };
+        let layout = KvLayout {
+            num_layers: peer.num_layers,
+            num_kv_heads: peer.num_kv_heads,
+            head_dim: peer.head_dim,
+            block_size: peer.block_size,
+            num_blocks: peer.num_blocks,
+        };
+        Ok(Arc::new(Nixl { ep, peer_agent: agent.to_string(), target: Some((region, layout)) }))
+    }
+
+    /// Written-to side: the nixl transport the acceptor picked.
+    pub(in super::super) fn accept(ours: &Shared, peer: &AgentInfo) -> Result<Arc<dyn Transport>, KvError> {
+        let ep = ours.nixl.clone().ok_or_else(|| KvError::Refused("this engine has no NIXL endpoint".into()))?;
+        let (agent, ..) = peer_offer(peer).map_err(KvError::Refused)?;
+        Ok(Arc::new(Nixl { ep, peer_agent: agent.to_string(), target: None }))
+    }
+
+    struct Nixl {
+        ep: Arc<EndpointImpl>,
+        /// The peer's agent name (whom notifications come from, or go to).
+        peer_agent: String,
+        /// The peer's KV memory and layout; `None` on the side that is written to.
+        target: Option<(NixlRegion, KvLayout)>,
+    }
+
+    impl Nixl {
+        /// Writes tokens `0..num_tokens` of our blocks `src` into the peer's `dst`, then (given
+        /// `tid`) the notification that says they landed.
+        fn write(
+            &self,
+            shared: &Shared,
+            src: &[u32],
+            dst: &[u32],
+            num_tokens: usize,
+            tid: Option<&TransferId>,
+        ) -> Result<(), String> {
+            let (region, layout) =
+                self.target.as_ref().ok_or("this end of the connection is written to; it does not write")?;
+            let from = shared.memory.host_region().map_err(|e| e.to_string())?;
+            // Validates the peer's block list (ids inside its region, enough of them) first.
+            let plan = plan_kv_copy(from.layout(), layout, from.dtype().bytes(), src, dst, num_tokens)?;
+            let mut runs = Vec::with_capacity(plan.len());
+            for copy in plan {
+                match copy {
+                    KvCopy::Linear { src, dst, bytes } => {
+                        runs.push(NixlRun { local_offset: src, peer_offset: dst, len: bytes })
+                    }
+                    KvCopy::Pitched { src, src_pitch, dst, dst_pitch, width, rows } => {
+                        runs.extend((0..rows).map(|r| NixlRun {
+                            local_offset: src + r * src_pitch,
+                            peer_offset: dst + r * dst_pitch,
+                            len: width,
+                        }))
+                    }
+                }
+            }
+            let message = tid.map(landed_message);
+            let started = std::time::Instant::now();
+            self.ep
+                .endpoint
+                .write(&self.peer_agent, *region, &runs, message.as_deref(), shared.cfg.timeouts.io)
+                .map_err(|e| e.to_string())?;
+            tracing::debug!(runs = runs.len(), us = started.elapsed().as_micros() as u64, "nixl write done");
+            Ok(())
+        }
+    }
+
+    impl Transport for Nixl {
+        fn name(&self) -> &'static str {
+            "nixl"
+        }
+
+        fn writes_directly(&self) -> bool {
+            true
+        }
+
+        fn write_part(
+            &self,
+            shared: &Shared,
+            src: &[u32],
+            dst: &[u32],
+            num_tokens: usize,
+            fences: &KvFences,
+        ) -> Result<(), String> {
+            fences.wait()?;
+            // No notification: the final write's, after this one has completed, covers it.
+            self.write(shared, src, dst, num_tokens, None)
+        }
+
+        fn push(
+            &self,
+            shared: &Shared,
+            conn: &Conn,
+            tid: &TransferId,
+            src: &[u32],
+            dst: &[u32],
+            num_tokens: usize,
+            done: PushDone,
+        ) -> Result<(), KvError> {
+            report_direct_write(shared, conn, tid, done, self.write(shared, src, dst, num_tokens, Some(tid)))
+        }
+
+        fn answer_read(
+            &self,
+            shared: &Shared,
+            conn: &Conn,
+            tid: &TransferId,
+            src: &[u32],
+            dst: &[u32],
+            num_tokens: usize,
+        ) -> Result<(), KvError> {
+            let started = std::time::Instant::now();
+            let written = self.write(shared, src, dst, num_tokens, Some(tid));
+            answer_direct_read(shared, conn, tid, started, (src, num_tokens), written)
+        }
+
+        fn confirm_landed(&self, shared: &Shared, tid: &TransferId) -> Result<(), String> {
+            self.ep
+                .endpoint
+                .wait_notification(&self.peer_agent, &landed_message(tid), shared.cfg.timeouts.io)
+                .map_err(|e| e.to_string())
+        }
+    }
+}
+
+#[cfg(not(feature = "nixl"))]
+mod without_nixl {
+    use std::sync::Arc;
+
+    use super::super::transport::Transport;
+    use super::super::Shared;
+    use crate::{AgentInfo, ConnectorConfig, KvError, KvMemory, TransportOffer};
+
+    /// No NIXL in this build: never made.
+    pub(in super::super) enum EndpointImpl {}
+
+    impl EndpointImpl {
+        pub(super) fn offer(&self) -> TransportOffer {
+            match *self {}
+        }
+    }
+
+    pub(in super::super) fn open(cfg: &ConnectorConfig, _: &KvMemory, _: u64) -> Result<super::Endpoint, KvError> {
+        match cfg.transport {
+            crate::KvTransport::Nixl => Err(KvError::Unsupported(
+                "--kv-transport nixl: this build has no NIXL (build tandem with `--features nixl`)".into(),
+            )),
+            _ => Ok(None),
+        }
+    }
+
+    pub(in super::super) fn pick(_: &Shared, _: &AgentInfo) -> Result<Arc<dyn Transport>, String> {
+        Err("this build has no NIXL".into())
+    }
+
+    pub(in super::super) fn accept(_: &Shared, _: &AgentInfo) -> Result<Arc<dyn Transport>, KvError> {
+        Err(KvError::Refused("this build has no NIXL".into()))
+    }
+}

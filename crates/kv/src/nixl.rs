@@ -1,0 +1,294 @@
+//! NIXL (NVIDIA's inference transfer library) between two engines' KV memory: the data path
+//! the seed system uses across hosts (one-sided WRITEs over UCX on RDMA, EFA or NVLink, each
+//! transfer followed by a notification the receiver polls).
+//!
+//! This is the endpoint the `nixl` transport is built on: one NIXL agent per engine with a UCX
+//! backend, its KV region registered once ([`NixlEndpoint::open`]), agent metadata exchanged as
+//! bytes (the side channel carries them at handshake: [`NixlEndpoint::metadata`] and
+//! [`NixlEndpoint::add_peer`]), and a write of coalesced block runs into the peer's region with
+//! a notification ([`NixlEndpoint::write`]). Every call runs on the connector's thread, never
+//! the engine loop, and every wait has a bound.
+//!
+//! Built with the `nixl` feature. `nixl-sys`'s stub API resolves the library at run time
+//! (`libnixl_capi.so` on the library path; PyPI's `nixl-cu13` wheel ships it with its UCX
+//! plugin) and aborts the process if it is missing, so [`NixlEndpoint::open`] first checks that
+//! it loads and otherwise fails with an error that says what to install.
+
+use std::time::{Duration, Instant};
+
+use nixl_sys::{
+    Agent, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle, XferDescList,
+    XferOp,
+};
+
+/// What went wrong with NIXL, in words for a log or a refused handshake.
+#[derive(Debug, thiserror::Error)]
+pub enum NixlFailure {
+    /// The library is not installed where the loader looks.
+    #[error(
+        "the NIXL library (libnixl_capi.so) cannot be loaded: {0}; install NIXL (for example PyPI's \
+         nixl-cu13 wheel) and put its library directory on LD_LIBRARY_PATH, with NIXL_PLUGIN_DIR naming \
+         its plugins"
+    )]
+    Missing(String),
+    /// A NIXL call failed.
+    #[error("NIXL {call} failed: {error}")]
+    Call {
+        /// Which call.
+        call: &'static str,
+        /// NIXL's error.
+        error: String,
+    },
+    /// A transfer did not complete within its bound.
+    #[error("a NIXL write of {bytes} bytes to `{peer}` did not complete within {bound:?}")]
+    Timeout {
+        /// The peer agent.
+        peer: String,
+        /// Bytes in the write.
+        bytes: usize,
+        /// The bound it had.
+        bound: Duration,
+    },
+    /// A write's notification did not arrive within its bound.
+    #[error("no NIXL notification from `{peer}` within {bound:?} after its write ended")]
+    NoNotification {
+        /// The writing agent.
+        peer: String,
+        /// The bound it had.
+        bound: Duration,
+    },
+    /// A run falls outside a registered region.
+    #[error("a run of {len} bytes at offset {offset} falls outside the {side} region of {size} bytes")]
+    OutOfRegion {
+        /// `local` or `peer`.
+        side: &'static str,
+        /// The run's offset.
+        offset: usize,
+        /// The run's length.
+        len: usize,
+        /// The region's size.
+        size: usize,
+    },
+}
+
+fn call<T>(what: &'static str, r: Result<T, nixl_sys::NixlError>) -> Result<T, NixlFailure> {
+    r.map_err(|e| NixlFailure::Call { call: what, error: format!("{e:?}") })
+}
+
+/// Where a KV region lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NixlPlace {
+    /// Host memory (a CPU engine's cache).
+    Dram,
+    /// GPU memory of this CUDA device ordinal.
+    Vram(u32),
+}
+
+/// A KV region as NIXL sees it: its address in this process, its length and where it lives.
+/// Also what a peer needs of ours to address its writes (its address is only a number there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NixlRegion {
+    /// Start address.
+    pub addr: usize,
+    /// Length in bytes.
+    pub len: usize,
+    /// Host or which GPU.
+    pub place: NixlPlace,
+}
+
+impl NixlRegion {
+    fn mem_type(&self) -> MemType {
+        match self.place {
+            NixlPlace::Dram => MemType::Dram,
+            NixlPlace::Vram(_) => MemType::Vram,
+        }
+    }
+
+    fn device(&self) -> u64 {
+        match self.place {
+            NixlPlace::Dram => 0,
+            NixlPlace::Vram(d) => u64::from(d),
+        }
+    }
+
+    /// The address of `len` bytes at `offset`, when they lie inside the region.
+    fn at(&self, side: &'static str, offset: usize, len: usize) -> Result<usize, NixlFailure> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(self.addr + offset),
+            _ => Err(NixlFailure::OutOfRegion { side, offset, len, size: self.len }),
+        }
+    }
+}
+
+impl MemoryRegion for NixlRegion {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl NixlDescriptor for NixlRegion {
+    fn mem_type(&self) -> MemType {
+        NixlRegion::mem_type(self)
+    }
+
+    fn device_id(&self) -> u64 {
+        self.device()
+    }
+}
+
+/// One contiguous copy of a write: `len` bytes from `local_offset` in our region to
+/// `peer_offset` in the peer's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NixlRun {
+    /// Offset in our region.
+    pub local_offset: usize,
+    /// Offset in the peer's region.
+    pub peer_offset: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// How many notifications [`NixlEndpoint::wait_notification`] keeps for later waits.
+pub const MAX_SET_ASIDE: usize = 4096;
+
+/// One engine's NIXL agent with its KV region registered (see the module docs).
+pub struct NixlEndpoint {
+    // Field order is drop order: the registration goes before the backend and the agent.
+    _registration: RegistrationHandle,
+    backend: Backend,
+    agent: Agent,
+    region: NixlRegion,
+    set_aside: std::sync::Mutex<Vec<(String, Vec<u8>)>>,
+}
+
+impl NixlEndpoint {
+    /// An agent named `name` (unique among the peers it will meet: the engine id) with a UCX
+    /// backend and `region` registered for remote access.
+    ///
+    /// The caller keeps `region`'s memory alive and in place for as long as the endpoint (and
+    /// any peer's writes into it) may use it.
+    pub fn open(name: &str, region: NixlRegion) -> Result<Self, NixlFailure> {
+        library_loads()?;
+        let agent = call("create_agent", Agent::new(name))?;
+        let (_, params) = call("get_plugin_params(UCX)", agent.get_plugin_params("UCX"))?;
+        let backend = call("create_backend(UCX)", agent.create_backend("UCX", &params))?;
+        let mut args = call("opt_args", OptArgs::new())?;
+        call("opt_args.add_backend", args.add_backend(&backend))?;
+        let registration = call("register_memory", agent.register_memory(&region, Some(&args)))?;
+        Ok(Self { _registration: registration, backend, agent, region, set_aside: Default::default() })
+    }
+
+    /// Our region.
+    pub fn region(&self) -> NixlRegion {
+        self.region
+    }
+
+    /// This agent's metadata (connection info and registered memory), for the peer's
+    /// [`Self::add_peer`].
+    pub fn metadata(&self) -> Result<Vec<u8>, NixlFailure> {
+        call("get_local_md", self.agent.get_local_md())
+    }
+
+    /// Loads a peer's metadata; returns its agent name, which [`Self::write`] addresses.
+    pub fn add_peer(&self, metadata: &[u8]) -> Result<String, NixlFailure> {
+        call("load_remote_md", self.agent.load_remote_md(metadata))
+    }
+
+    /// Forgets a peer (it left, or its epoch changed), so a later [`Self::add_peer`] loads it afresh.
+    pub fn remove_peer(&self, peer: &str) -> Result<(), NixlFailure> {
+        call("invalidate_remote_md", self.agent.invalidate_remote_md(peer))
+    }
+
+    /// Writes `runs` from our region into `peer`'s region `peer_region`, then, when given,
+    /// delivers `notification` to it (after the data); returns when the write is complete, or
+    /// fails after `bound`. Polls (with short sleeps), so it belongs on a thread that may wait.
+    pub fn write(
+        &self,
+        peer: &str,
+        peer_region: NixlRegion,
+        runs: &[NixlRun],
+        notification: Option<&[u8]>,
+        bound: Duration,
+    ) -> Result<(), NixlFailure> {
+        let mut local = call("xfer_dlist", XferDescList::new(self.region.mem_type()))?;
+        let mut remote = call("xfer_dlist", XferDescList::new(peer_region.mem_type()))?;
+        let mut bytes = 0;
+        for run in runs {
+            local.add_desc(self.region.at("local", run.local_offset, run.len)?, run.len, self.region.device());
+            remote.add_desc(peer_region.at("peer", run.peer_offset, run.len)?, run.len, peer_region.device());
+            bytes += run.len;
+        }
+        let mut args = call("opt_args", OptArgs::new())?;
+        call("opt_args.add_backend", args.add_backend(&self.backend))?;
+        if let Some(message) = notification {
+            call("set_has_notification", args.set_has_notification(true))?;
+            call("set_notification_message", args.set_notification_message(message))?;
+        }
+        let req =
+            call("create_xfer_req", self.agent.create_xfer_req(XferOp::Write, &local, &remote, peer, Some(&args)))?;
+        let deadline = Instant::now() + bound;
+        let mut done = !call("post_xfer_req", self.agent.post_xfer_req(&req, Some(&args)))?;
+        let mut pause = Duration::from_micros(20);
+        while !done {
+            if Instant::now() >= deadline {
+                // Dropping the request releases it; NIXL cancels what is still in flight.
+                return Err(NixlFailure::Timeout { peer: peer.to_string(), bytes, bound });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+            done = call("get_xfer_status", self.agent.get_xfer_status(&req))?.is_success();
+        }
+        Ok(())
+    }
+
+    /// Notifications that arrived since the last call, as (peer agent, message), leaving out
+    /// any a [`Self::wait_notification`] has set aside.
+    pub fn notifications(&self) -> Result<Vec<(String, Vec<u8>)>, NixlFailure> {
+        let mut map = call("notif_map", NotificationMap::new())?;
+        call("get_notifications", self.agent.get_notifications(&mut map, None))?;
+        let taken = call("take_notifs", map.take_notifs())?;
+        Ok(taken
+            .into_iter()
+            .flat_map(|(peer, msgs)| msgs.into_iter().map(move |m| (peer.clone(), m.into_bytes())))
+            .collect())
+    }
+
+    /// Waits up to `bound` for `message` from `peer`; notifications for other waits that
+    /// arrive meanwhile are kept for them (the most recent [`MAX_SET_ASIDE`]: a transfer that
+    /// failed before its waiter came leaves its notification behind).
+    pub fn wait_notification(&self, peer: &str, message: &[u8], bound: Duration) -> Result<(), NixlFailure> {
+        let deadline = Instant::now() + bound;
+        loop {
+            {
+                let mut aside = self.set_aside.lock().unwrap_or_else(|p| p.into_inner());
+                aside.extend(self.notifications()?);
+                if let Some(i) = aside.iter().position(|(p, m)| p == peer && m == message) {
+                    aside.remove(i);
+                    return Ok(());
+                }
+                let excess = aside.len().saturating_sub(MAX_SET_ASIDE);
+                aside.drain(..excess);
+            }
+            if Instant::now() >= deadline {
+                return Err(NixlFailure::NoNotification { peer: peer.to_string(), bound });
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+/// Whether `libnixl_capi.so` loads here: the stub API aborts the process when it does not, so
+/// we ask first.
+fn library_loads() -> Result<(), NixlFailure> {
+    // SAFETY: loading NIXL's C API runs its initialisers, which have no preconditions; the
+    // handle is dropped at once (the stub's own dlopen keeps the library loaded).
+    unsafe { libloading::Library::new("libnixl_capi.so") }.map(drop).map_err(|e| {
+        // libloading's message is "dlopen failed"; the loader's own reason is its source.
+        let why = std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| s.to_string());
+        NixlFailure::Missing(why)
+    })
+}
