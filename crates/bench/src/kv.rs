@@ -105,7 +105,7 @@ impl KvBenchConfig {
     }
 
     /// Block ids split into `runs` contiguous runs with one-block gaps.
-    fn table(&self) -> Vec<u32> {
+    pub(crate) fn table(&self) -> Vec<u32> {
         let n = self.blocks();
         let per = n.div_ceil(self.runs.max(1));
         (0..n).map(|i| (i + i / per) as u32).collect()

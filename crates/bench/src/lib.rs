@@ -11,6 +11,8 @@
 
 pub mod engine;
 pub mod kv;
+#[cfg(feature = "nixl")]
+pub mod kv_nixl;
 pub mod metrics;
 pub mod plot;
 pub mod serve;

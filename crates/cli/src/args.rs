@@ -831,10 +831,11 @@ pub struct BenchServeArgs {
 pub struct BenchKvArgs {
     /// tcp: the TCP transport against raw loopback TCP (host memory, or with --device a GPU
     /// engine's cache and its host copy on each side); cuda-ipc: device copies into a peer
-    /// process's GPU cache against the same copies inside one GPU.
+    /// process's GPU cache against the same copies inside one GPU; nixl: NIXL WRITEs into a
+    /// peer process's host KV memory against a host memcpy of the same copies.
     #[arg(long, value_enum, default_value = "tcp")]
     pub transport: BenchKvTransport,
-    /// Size of the KV set moved per transfer (tcp), e.g. 256MiB.
+    /// Size of the KV set moved per transfer (tcp, nixl), e.g. 256MiB.
     #[arg(long, default_value = "256MiB")]
     pub size: String,
     /// cuda-ipc: sizes moved, one row each.
@@ -868,6 +869,9 @@ pub struct BenchKvArgs {
 pub enum BenchKvTransport {
     Tcp,
     CudaIpc,
+    /// NIXL WRITEs with a notification into a peer process's host KV memory, against a host
+    /// memcpy of the same copies (a tandem built with `--features nixl`).
+    Nixl,
 }
 
 #[derive(Args, Debug)]

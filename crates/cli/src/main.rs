@@ -725,6 +725,9 @@ fn bench_kv(a: args::BenchKvArgs) -> Result<()> {
     if a.transport == args::BenchKvTransport::CudaIpc {
         return bench_kv_cuda_ipc(a);
     }
+    if a.transport == args::BenchKvTransport::Nixl {
+        return bench_kv_nixl(a);
+    }
     let cfg = kv_bench_config(&a)?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut child = std::process::Command::new(exe)
@@ -832,12 +835,58 @@ fn bench_kv_peer(a: args::BenchKvArgs) -> Result<()> {
         let _ = std::io::stdin().read_to_end(&mut Vec::new());
         return Ok(());
     }
+    if a.transport == args::BenchKvTransport::Nixl {
+        return bench_kv_nixl_peer(a);
+    }
     let cfg = kv_bench_config(&a)?;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").context("binding the peer listener")?;
     println!("{}", listener.local_addr()?);
     std::io::stdout().flush()?;
     tandem_bench::kv::serve_peer(listener, &cfg)?;
     Ok(())
+}
+
+/// `bench kv --transport nixl`: the peer is a second process (this binary) whose host KV
+/// memory NIXL writes into.
+#[cfg(feature = "nixl")]
+fn bench_kv_nixl(a: args::BenchKvArgs) -> Result<()> {
+    use std::io::BufRead;
+    let cfg = kv_bench_config(&a)?;
+    if cfg.device.is_some() {
+        bail!("bench kv --transport nixl measures host memory so far (no --device)");
+    }
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let mut child = std::process::Command::new(exe)
+        .args(["--log", "warn", "bench", "kv-peer", "--transport", "nixl", "--size", &a.size])
+        .args(["--repeats", &a.repeats.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the peer process")?;
+    let mut lines = std::io::BufReader::new(child.stdout.take().context("peer stdout")?).lines();
+    let first = lines.next().context("the peer exited before naming its NIXL endpoint")??;
+    eprintln!("... peer process {} ready; {} NIXL writes of {}", child.id(), a.repeats, a.size);
+    let mut rest = || match lines.next() {
+        Some(Ok(line)) => Ok(line),
+        _ => Err("the peer exited before reporting what landed".to_string()),
+    };
+    let report = tandem_bench::kv_nixl::measure(&cfg, &first, &mut rest).map_err(anyhow::Error::msg);
+    finish_bench_kv(child, report, a.json_out)
+}
+
+#[cfg(feature = "nixl")]
+fn bench_kv_nixl_peer(a: args::BenchKvArgs) -> Result<()> {
+    let cfg = kv_bench_config(&a)?;
+    tandem_bench::kv_nixl::serve_peer(&cfg, &mut std::io::stdout()).map_err(anyhow::Error::msg)
+}
+
+#[cfg(not(feature = "nixl"))]
+fn bench_kv_nixl(_: args::BenchKvArgs) -> Result<()> {
+    bail!("this build has no NIXL (build tandem with `--features nixl`)")
+}
+
+#[cfg(not(feature = "nixl"))]
+fn bench_kv_nixl_peer(a: args::BenchKvArgs) -> Result<()> {
+    bench_kv_nixl(a)
 }
 
 fn bench_serve(a: args::BenchServeArgs) -> Result<()> {
