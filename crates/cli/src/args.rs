@@ -338,6 +338,11 @@ pub struct KvArgs {
     /// What the KV bytes travel over: auto, tcp, cuda-ipc or nixl.
     #[arg(long, value_enum, default_value = "auto")]
     pub kv_transport: KvTransportArg,
+    /// nixl: the writing engine probes each new link with a 16 MiB write before any KV moves and
+    /// refuses the peer, naming the rate, when it runs slower than this many GB/s (UCX falls
+    /// back to a software path silently when it finds no fast one). 0 accepts any rate.
+    #[arg(long, default_value_t = 1.0)]
+    pub kv_nixl_min_gb_s: f64,
     /// This engine's id on the KV side channel (default: role and port).
     #[arg(long)]
     pub engine_id: Option<String>,

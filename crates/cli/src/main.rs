@@ -215,6 +215,9 @@ fn kv_setup(k: &args::KvArgs, port: u16, fingerprint: &str) -> Result<Option<tan
             Err(anyhow::anyhow!("{name} must be a positive number of seconds"))
         }
     };
+    if !(k.kv_nixl_min_gb_s >= 0.0 && k.kv_nixl_min_gb_s.is_finite()) {
+        bail!("--kv-nixl-min-gb-s must be a number of GB/s, 0 or more");
+    }
     Ok(Some(tandem_engine::KvSetup {
         connector: tandem_kv::ConnectorConfig {
             engine_id: tandem_core::EngineId(
@@ -242,6 +245,7 @@ fn kv_setup(k: &args::KvArgs, port: u16, fingerprint: &str) -> Result<Option<tan
             local_transport: false,
             transport: k.kv_transport.to_kv(),
             verify: k.kv_verify,
+            nixl_min_gb_s: k.kv_nixl_min_gb_s,
         },
         load_failure: match k.kv_load_failure {
             KvLoadFailureArg::Recompute => tandem_engine::KvLoadFailure::Recompute,

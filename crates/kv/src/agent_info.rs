@@ -73,6 +73,10 @@ pub enum TransportOffer {
         addr: u64,
         /// Bytes of the registered KV memory.
         bytes: u64,
+        /// Where the engine's probe scratch memory starts (see `NixlEndpoint::probe`).
+        scratch_addr: u64,
+        /// Bytes of the scratch memory.
+        scratch_bytes: u64,
     },
 }
 

@@ -26,6 +26,9 @@ pub struct FaultInjection {
     /// Every copy a tcp transfer makes between a GPU engine's device cache and its host copy
     /// fails, as a device error would (on a CPU engine the same points fail).
     pub fail_host_copies: bool,
+    /// The nixl writer sends no NIXL notification after its writes, as a lost one would: the
+    /// reader gives up on the transfer after its I/O bound.
+    pub drop_nixl_notification: bool,
 }
 
 /// Which transports a connector may move KV bytes over.
@@ -109,4 +112,7 @@ pub struct ConnectorConfig {
     /// agree (checked at handshake). Direct copies (local, cuda-ipc) cross no socket and are not
     /// checksummed.
     pub verify: bool,
+    /// `--kv-nixl-min-gb-s`: a nixl link whose probe write runs slower than this is refused at
+    /// handshake, naming the rate (0: accept any).
+    pub nixl_min_gb_s: f64,
 }

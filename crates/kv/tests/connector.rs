@@ -36,6 +36,7 @@ fn config(role: Role, mode: KvMode) -> ConnectorConfig {
         local_transport: false,
         transport: tandem_kv::KvTransport::Auto,
         verify: false,
+        nixl_min_gb_s: 0.0,
     }
 }
 

@@ -101,6 +101,44 @@ async fn push_and_pull_over_nixl_equal_colocated_token_for_token() {
         }
     }
     wait_idle(&[&colocated]).await;
+
+    // The self-check: a link whose probe write is slower than the floor is refused at
+    // handshake, naming the rate, and the request fails clearly, losing no block.
+    let slow = Knobs { transport: tandem_kv::KvTransport::Nixl, nixl_min_gb_s: 1e9, ..Knobs::default() };
+    let p = engine_with(Some((Role::Prefill, KvMode::Push)), 16, slow.clone()).await;
+    let d = engine_with(Some((Role::Decode, KvMode::Push)), 16, slow).await;
+    let base = router(TransferMode::Push, &p, &d).await;
+    let resp = http.post(format!("{base}/v1/completions")).json(&reqs[5]).send().await.unwrap();
+    let (status, text) = (resp.status(), resp.text().await.unwrap());
+    assert!(!status.is_success() && text.contains("--kv-nixl-min-gb-s"), "{status} {text}");
+    wait_idle(&[&p, &d]).await;
+    assert!(p.state.engine.stats().kv.unwrap().peers_refused >= 1);
+}
+
+/// A lost NIXL notification costs the reader one I/O bound (5 s here), then the transfer
+/// fails and decode recomputes to the colocated tokens, every block back.
+#[cfg(feature = "nixl")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_nixl_notification_is_bounded_and_recompute_gives_the_same_tokens() {
+    let http = reqwest::Client::new();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let nixl = Knobs { transport: tandem_kv::KvTransport::Nixl, ..Knobs::default() };
+    let lost = FaultInjection { drop_nixl_notification: true, ..FaultInjection::default() };
+    let p = engine_with(Some((Role::Prefill, KvMode::Push)), 16, Knobs { faults: lost, ..nixl.clone() }).await;
+    let d = engine_with(
+        Some((Role::Decode, KvMode::Push)),
+        8,
+        Knobs { load_failure: tandem_engine::KvLoadFailure::Recompute, ..nixl },
+    )
+    .await;
+    let base = router(TransferMode::Push, &p, &d).await;
+    let reqs: Vec<Value> = workload().into_iter().filter(|r| r["stream"] == false).take(2).collect();
+    let start = std::time::Instant::now();
+    let want = run_all(&http, &colocated.url, &reqs).await;
+    assert_eq!(run_all(&http, &base, &reqs).await, want, "recompute must give the colocated tokens");
+    assert!(start.elapsed() < Duration::from_secs(20), "each lost notification costs one bounded wait");
+    kv_stats_until(&d, "2 failed transfers", |s| s.transfers_failed == 2).await;
+    wait_idle(&[&p, &d, &colocated]).await;
 }
 
 /// Engines that pipeline their steps, as GPU engines do by default (a step queued while the

@@ -31,16 +31,27 @@ pub(super) fn offer(endpoint: &Endpoint) -> Option<TransportOffer> {
 
 /// The peer's nixl offer, or why it has none.
 #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
-fn peer_offer(peer: &AgentInfo) -> Result<(&str, &str, u64, u64), String> {
+fn peer_offer(peer: &AgentInfo) -> Result<PeerOffer<'_>, String> {
     peer.transports
         .iter()
         .find_map(|t| match t {
-            TransportOffer::Nixl { agent, metadata, addr, bytes } => {
-                Some((agent.as_str(), metadata.as_str(), *addr, *bytes))
+            TransportOffer::Nixl { agent, metadata, addr, bytes, scratch_addr, scratch_bytes } => {
+                Some(PeerOffer { agent, metadata, kv: (*addr, *bytes), scratch: (*scratch_addr, *scratch_bytes) })
             }
             _ => None,
         })
         .ok_or_else(|| "the peer offers no nixl (--kv-transport nixl there too)".to_string())
+}
+
+/// A peer's nixl offer.
+#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+struct PeerOffer<'a> {
+    agent: &'a str,
+    metadata: &'a str,
+    /// Its KV memory: address and bytes.
+    kv: (u64, u64),
+    /// Its probe scratch: address and bytes.
+    scratch: (u64, u64),
 }
 
 /// The NIXL message that says transfer `tid` has landed.
@@ -73,13 +84,15 @@ mod with_nixl {
 
     impl EndpointImpl {
         pub(super) fn offer(&self) -> TransportOffer {
-            let region = self.endpoint.region();
+            let (region, scratch) = (self.endpoint.region(), self.endpoint.scratch());
             let metadata = self.endpoint.metadata().map(|m| hex(&m)).unwrap_or_default();
             TransportOffer::Nixl {
                 agent: self.name.clone(),
                 metadata,
                 addr: region.addr as u64,
                 bytes: region.len as u64,
+                scratch_addr: scratch.addr as u64,
+                scratch_bytes: scratch.len as u64,
             }
         }
     }
@@ -120,13 +133,28 @@ mod with_nixl {
     /// Writing side: the nixl transport to `peer`, with its metadata loaded, or why not.
     pub(in super::super) fn pick(ours: &Shared, peer: &AgentInfo) -> Result<Arc<dyn Transport>, String> {
         let ep = ours.nixl.clone().ok_or("this engine has no NIXL endpoint")?;
-        let (agent, metadata, addr, bytes) = peer_offer(peer)?;
-        let metadata = unhex(metadata).ok_or("the peer's NIXL metadata is malformed")?;
+        let offer = peer_offer(peer)?;
+        let agent = offer.agent;
+        let metadata = unhex(offer.metadata).ok_or("the peer's NIXL metadata is malformed")?;
         let loaded = ep.endpoint.add_peer(&metadata).map_err(|e| e.to_string())?;
         if loaded != agent {
             return Err(format!("the peer's NIXL metadata names agent `{loaded}`, its offer `{agent}`"));
         }
-        let region = NixlRegion { addr: addr as usize, len: bytes as usize, place: NixlPlace::Dram };
+        // The self-check: what this link moves, before any KV does.
+        let dram =
+            |(addr, len): (u64, u64)| NixlRegion { addr: addr as usize, len: len as usize, place: NixlPlace::Dram };
+        let gb_s = ep.endpoint.probe(agent, dram(offer.scratch), ours.cfg.timeouts.io).map_err(|e| e.to_string())?;
+        let floor = ours.cfg.nixl_min_gb_s;
+        if gb_s < floor {
+            return Err(format!(
+                "a {} MiB NIXL write to it ran at {gb_s:.2} GB/s, below --kv-nixl-min-gb-s {floor}: UCX may have \
+                 fallen back to a software path (UCX_LOG_LEVEL=info shows the transports it picked; UCX_TLS \
+                 chooses them)",
+                crate::nixl::PROBE_BYTES >> 20
+            ));
+        }
+        tracing::info!(peer = %peer.engine_id, gb_s = format!("{gb_s:.2}"), "nixl link probed");
+        let region = dram(offer.kv);
         let layout = KvLayout {
             num_layers: peer.num_layers,
             num_kv_heads: peer.num_kv_heads,
@@ -140,8 +168,8 @@ mod with_nixl {
     /// Written-to side: the nixl transport the acceptor picked.
     pub(in super::super) fn accept(ours: &Shared, peer: &AgentInfo) -> Result<Arc<dyn Transport>, KvError> {
         let ep = ours.nixl.clone().ok_or_else(|| KvError::Refused("this engine has no NIXL endpoint".into()))?;
-        let (agent, ..) = peer_offer(peer).map_err(KvError::Refused)?;
-        Ok(Arc::new(Nixl { ep, peer_agent: agent.to_string(), target: None }))
+        let offer = peer_offer(peer).map_err(KvError::Refused)?;
+        Ok(Arc::new(Nixl { ep, peer_agent: offer.agent.to_string(), target: None }))
     }
 
     struct Nixl {
@@ -183,7 +211,7 @@ mod with_nixl {
                     }
                 }
             }
-            let message = tid.map(landed_message);
+            let message = tid.filter(|_| !shared.cfg.faults.drop_nixl_notification).map(landed_message);
             let started = std::time::Instant::now();
             self.ep
                 .endpoint

@@ -30,6 +30,8 @@ pub struct Knobs {
     pub local: bool,
     /// `--kv-transport` (nixl, with the `nixl` feature).
     pub transport: tandem_kv::KvTransport,
+    /// `--kv-nixl-min-gb-s`.
+    pub nixl_min_gb_s: f64,
     /// Async scheduling (pipelined steps), as GPU engines run by default.
     pub pipelined: bool,
     /// KV blocks in the pool (default: 3000 tokens' worth).
@@ -59,6 +61,7 @@ impl Default for Knobs {
             budget: 96,
             local: false,
             transport: tandem_kv::KvTransport::Auto,
+            nixl_min_gb_s: 0.0,
             pipelined: false,
             num_blocks: None,
             max_num_seqs: 64,
@@ -106,6 +109,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             local_transport: k.local,
             transport: k.transport,
             verify: k.verify,
+            nixl_min_gb_s: k.nixl_min_gb_s,
         },
         load_failure: k.load_failure,
     });
