@@ -58,21 +58,13 @@ impl Side {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    (0..s.len()).step_by(2).map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect()
-}
-
 /// The peer process: prints `AGENT ADDR LEN METADATA` (its endpoint), waits for the
 /// notifications of `cfg.repeats` transfers, then prints `digest HEX` of what landed.
 pub fn serve_peer(cfg: &KvBenchConfig, out: &mut dyn std::io::Write) -> Result<(), String> {
     let side = Side::new(cfg, PEER_AGENT, false)?;
     let r = side.endpoint.region();
-    let metadata = side.endpoint.metadata().map_err(|e| e.to_string())?;
-    writeln!(out, "{PEER_AGENT} {} {} {}", r.addr, r.len, hex(&metadata)).map_err(|e| e.to_string())?;
+    let metadata = side.endpoint.metadata_hex().map_err(|e| e.to_string())?;
+    writeln!(out, "{PEER_AGENT} {} {} {metadata}", r.addr, r.len).map_err(|e| e.to_string())?;
     out.flush().map_err(|e| e.to_string())?;
     for i in 0..cfg.repeats {
         let message = format!("bench-{i}");
@@ -144,7 +136,7 @@ pub fn measure(
         place: NixlPlace::Dram,
     };
     let side = Side::new(cfg, DRIVER_AGENT, true)?;
-    let loaded = side.endpoint.add_peer(&unhex(metadata).ok_or("bad peer metadata")?).map_err(|e| e.to_string())?;
+    let loaded = side.endpoint.add_peer_hex(metadata).map_err(|e| e.to_string())?;
     if loaded != agent {
         return Err(format!("the peer's metadata names `{loaded}`, not `{agent}`"));
     }

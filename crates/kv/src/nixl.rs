@@ -236,6 +236,19 @@ impl NixlEndpoint {
         call("load_remote_md", self.agent.load_remote_md(metadata))
     }
 
+    /// [`Self::metadata`] as hex, as it travels in a handshake or a line of text.
+    pub fn metadata_hex(&self) -> Result<String, NixlFailure> {
+        Ok(self.metadata()?.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// [`Self::add_peer`] from [`Self::metadata_hex`]'s text.
+    pub fn add_peer_hex(&self, hex: &str) -> Result<String, NixlFailure> {
+        let bytes: Option<Vec<u8>> =
+            (0..hex.len()).step_by(2).map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
+        let bytes = bytes.ok_or(NixlFailure::Call { call: "load_remote_md", error: "malformed metadata".into() })?;
+        self.add_peer(&bytes)
+    }
+
     /// Forgets a peer (it left, or its epoch changed), so a later [`Self::add_peer`] loads it afresh.
     pub fn remove_peer(&self, peer: &str) -> Result<(), NixlFailure> {
         call("invalidate_remote_md", self.agent.invalidate_remote_md(peer))

@@ -117,7 +117,12 @@ pub fn accept_handshake(
             Ok((info, picked))
         }
         Err(e) => {
-            let _ = write_message(stream, &Message::HandshakeRefused { reason: e.to_string() });
+            // The peer says "refused the handshake" itself (`KvError::Refused`): only the why.
+            let reason = match &e {
+                KvError::Refused(why) => why.clone(),
+                other => other.to_string(),
+            };
+            let _ = write_message(stream, &Message::HandshakeRefused { reason });
             Err(e)
         }
     }

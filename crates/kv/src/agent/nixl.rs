@@ -85,7 +85,7 @@ mod with_nixl {
     impl EndpointImpl {
         pub(super) fn offer(&self) -> TransportOffer {
             let (region, scratch) = (self.endpoint.region(), self.endpoint.scratch());
-            let metadata = self.endpoint.metadata().map(|m| hex(&m)).unwrap_or_default();
+            let metadata = self.endpoint.metadata_hex().unwrap_or_default();
             TransportOffer::Nixl {
                 agent: self.name.clone(),
                 metadata,
@@ -95,14 +95,6 @@ mod with_nixl {
                 scratch_bytes: scratch.len as u64,
             }
         }
-    }
-
-    fn hex(bytes: &[u8]) -> String {
-        bytes.iter().map(|b| format!("{b:02x}")).collect()
-    }
-
-    fn unhex(s: &str) -> Option<Vec<u8>> {
-        (0..s.len()).step_by(2).map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect()
     }
 
     /// Opens this engine's NIXL endpoint over its KV memory when `cfg` asks for nixl.
@@ -135,8 +127,7 @@ mod with_nixl {
         let ep = ours.nixl.clone().ok_or("this engine has no NIXL endpoint")?;
         let offer = peer_offer(peer)?;
         let agent = offer.agent;
-        let metadata = unhex(offer.metadata).ok_or("the peer's NIXL metadata is malformed")?;
-        let loaded = ep.endpoint.add_peer(&metadata).map_err(|e| e.to_string())?;
+        let loaded = ep.endpoint.add_peer_hex(offer.metadata).map_err(|e| e.to_string())?;
         if loaded != agent {
             return Err(format!("the peer's NIXL metadata names agent `{loaded}`, its offer `{agent}`"));
         }
