@@ -21,6 +21,8 @@ fn block_runs_written_over_nixl_land_byte_for_byte_with_a_notification() {
     let decode = NixlEndpoint::open("test-decode", region(&mut decode_kv)).unwrap();
     let peer = prefill.add_peer(&decode.metadata().unwrap()).unwrap();
     assert_eq!(peer, "test-decode");
+    // Loaded again, as a reconnect to the same peer does: accepted, and writes still land.
+    assert_eq!(prefill.add_peer_hex(&decode.metadata_hex().unwrap()).unwrap(), "test-decode");
     // Three runs, as coalesced blocks would be: out of order, different lengths.
     let runs = [
         NixlRun { local_offset: 0, peer_offset: 65536, len: 4096 },

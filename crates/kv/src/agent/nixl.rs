@@ -80,15 +80,16 @@ mod with_nixl {
     pub(in super::super) struct EndpointImpl {
         endpoint: NixlEndpoint,
         name: String,
+        /// Our agent metadata, hex (read once: it covers every registration).
+        metadata: String,
     }
 
     impl EndpointImpl {
         pub(super) fn offer(&self) -> TransportOffer {
             let (region, scratch) = (self.endpoint.region(), self.endpoint.scratch());
-            let metadata = self.endpoint.metadata_hex().unwrap_or_default();
             TransportOffer::Nixl {
                 agent: self.name.clone(),
-                metadata,
+                metadata: self.metadata.clone(),
                 addr: region.addr as u64,
                 bytes: region.len as u64,
                 scratch_addr: scratch.addr as u64,
@@ -118,8 +119,10 @@ mod with_nixl {
         let region = NixlRegion { addr, len, place: NixlPlace::Dram };
         let endpoint =
             NixlEndpoint::open(&name, region).map_err(|e| KvError::Unsupported(format!("--kv-transport nixl: {e}")))?;
+        let metadata =
+            endpoint.metadata_hex().map_err(|e| KvError::Unsupported(format!("--kv-transport nixl: {e}")))?;
         tracing::info!(agent = %name, bytes = len, "NIXL agent ready (UCX backend), KV memory registered");
-        Ok(Some(Arc::new(EndpointImpl { endpoint, name })))
+        Ok(Some(Arc::new(EndpointImpl { endpoint, name, metadata })))
     }
 
     /// Writing side: the nixl transport to `peer`, with its metadata loaded, or why not.
