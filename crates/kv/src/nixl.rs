@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use nixl_sys::{
     Agent, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle, XferDescList,
-    XferOp,
+    XferOp, XferRequest, XferStatus,
 };
 
 /// What went wrong with NIXL, in words for a log or a refused handshake.
@@ -169,6 +169,10 @@ pub struct NixlEndpoint {
     agent: Agent,
     region: NixlRegion,
     set_aside: std::sync::Mutex<Vec<(String, Vec<u8>)>>,
+    /// Writes that outlived their bound, kept until NIXL ends them: nixl-sys destroys a
+    /// request it releases whether or not the release worked, which for one still moving
+    /// bytes would leave NIXL holding a freed request.
+    overdue: std::sync::Mutex<Vec<XferRequest>>,
 }
 
 impl NixlEndpoint {
@@ -196,6 +200,7 @@ impl NixlEndpoint {
             agent,
             region,
             set_aside: Default::default(),
+            overdue: Default::default(),
         })
     }
 
@@ -278,6 +283,7 @@ impl NixlEndpoint {
         notification: Option<&[u8]>,
         bound: Duration,
     ) -> Result<(), NixlFailure> {
+        self.reap_overdue();
         let mut local = call("xfer_dlist", XferDescList::new(ours.mem_type()))?;
         let mut remote = call("xfer_dlist", XferDescList::new(peer_region.mem_type()))?;
         let mut bytes = 0;
@@ -299,7 +305,7 @@ impl NixlEndpoint {
         let mut pause = Duration::from_micros(20);
         while !done {
             if Instant::now() >= deadline {
-                // Dropping the request releases it; NIXL cancels what is still in flight.
+                self.overdue.lock().unwrap_or_else(|p| p.into_inner()).push(req);
                 return Err(NixlFailure::Timeout { peer: peer.to_string(), bytes, bound });
             }
             std::thread::sleep(pause);
@@ -307,6 +313,18 @@ impl NixlEndpoint {
             done = call("get_xfer_status", self.agent.get_xfer_status(&req))?.is_success();
         }
         Ok(())
+    }
+
+    /// Overdue writes NIXL has ended (done or failed) are released now.
+    fn reap_overdue(&self) {
+        let mut overdue = self.overdue.lock().unwrap_or_else(|p| p.into_inner());
+        overdue.retain(|r| matches!(self.agent.get_xfer_status(r), Ok(XferStatus::InProgress)));
+    }
+
+    /// How many writes outlived their bound and are still in NIXL's hands.
+    pub fn overdue_writes(&self) -> usize {
+        self.reap_overdue();
+        self.overdue.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// Notifications that arrived since the last call, as (peer agent, message), leaving out

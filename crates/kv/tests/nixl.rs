@@ -45,6 +45,22 @@ fn block_runs_written_over_nixl_land_byte_for_byte_with_a_notification() {
     }
     assert!(decode_kv == want, "decode's region differs from the runs written into it");
 
+    // A write given no time at all fails as overdue (or, small enough, completes at once);
+    // NIXL keeps the overdue request until it ends, and the next write lands as ever.
+    let big = [NixlRun { local_offset: 0, peer_offset: 0, len: SIZE }];
+    let r = prefill.write(&peer, decode.region(), &big, None, Duration::ZERO);
+    match r {
+        Ok(()) | Err(NixlFailure::Timeout { .. }) => {}
+        Err(e) => panic!("{e}"),
+    }
+    prefill.write(&peer, decode.region(), &big, None, Duration::from_secs(10)).unwrap();
+    assert!(decode_kv == prefill_kv, "a whole-region write after an overdue one lands byte for byte");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while prefill.overdue_writes() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(prefill.overdue_writes(), 0, "an overdue write NIXL finished is released");
+
     // A run past the peer's region is refused before anything moves.
     let past = [NixlRun { local_offset: 0, peer_offset: SIZE - 10, len: 20 }];
     let err = prefill.write(&peer, decode.region(), &past, Some(b"transfer-2"), Duration::from_secs(1)).unwrap_err();
