@@ -73,7 +73,7 @@ mod with_nixl {
     use super::super::transport::{answer_direct_read, report_direct_write, Transport};
     use super::super::{Conn, Shared};
     use super::{landed_message, peer_offer};
-    use crate::nixl::{NixlEndpoint, NixlPlace, NixlRegion, NixlRun};
+    use crate::nixl::{NixlEndpoint, NixlFailure, NixlPlace, NixlRegion, NixlRun};
     use crate::{AgentInfo, ConnectorConfig, KvError, KvMemory, TransportOffer};
 
     /// This engine's NIXL agent and the name peers know it by.
@@ -207,12 +207,24 @@ mod with_nixl {
             }
             let message = tid.filter(|_| !shared.cfg.faults.drop_nixl_notification).map(landed_message);
             let started = std::time::Instant::now();
-            self.ep
-                .endpoint
-                .write(&self.peer_agent, *region, &runs, message.as_deref(), shared.cfg.timeouts.io)
-                .map_err(|e| e.to_string())?;
-            tracing::debug!(runs = runs.len(), us = started.elapsed().as_micros() as u64, "nixl write done");
-            Ok(())
+            let bound = shared.cfg.timeouts.io;
+            match self.ep.endpoint.write(&self.peer_agent, *region, &runs, message.as_deref(), bound) {
+                Ok(()) => {
+                    tracing::debug!(runs = runs.len(), us = started.elapsed().as_micros() as u64, "nixl write done");
+                    Ok(())
+                }
+                Err(e @ NixlFailure::Timeout { .. }) => {
+                    // The failure we report says the write ended, and the reader frees its
+                    // blocks on it: give NIXL one more bound to end the overdue write first
+                    // (a write stuck past that is the window docs/NIXL.md names).
+                    let until = std::time::Instant::now() + bound;
+                    while self.ep.endpoint.overdue_writes() > 0 && std::time::Instant::now() < until {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    Err(e.to_string())
+                }
+                Err(e) => Err(e.to_string()),
+            }
         }
     }
 
