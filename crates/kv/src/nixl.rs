@@ -40,7 +40,7 @@ pub enum NixlFailure {
         error: String,
     },
     /// A transfer did not complete within its bound.
-    #[error("a NIXL write of {bytes} bytes to `{peer}` did not complete within {bound:?}")]
+    #[error("a NIXL transfer of {bytes} bytes with `{peer}` did not complete within {bound:?}")]
     Timeout {
         /// The peer agent.
         peer: String,
@@ -273,9 +273,37 @@ impl NixlEndpoint {
         self.write_in(self.region, peer, peer_region, runs, notification, bound)
     }
 
+    /// Reads `runs` from `peer`'s region `peer_region` into ours (each run's `peer_offset` the
+    /// source, `local_offset` the destination); returns when the bytes are in our memory, or
+    /// fails after `bound`.
+    pub fn read(
+        &self,
+        peer: &str,
+        peer_region: NixlRegion,
+        runs: &[NixlRun],
+        bound: Duration,
+    ) -> Result<(), NixlFailure> {
+        self.transfer(XferOp::Read, self.region, peer, peer_region, runs, None, bound)
+    }
+
     /// [`Self::write`] from `ours` (the KV region or the scratch).
     fn write_in(
         &self,
+        ours: NixlRegion,
+        peer: &str,
+        peer_region: NixlRegion,
+        runs: &[NixlRun],
+        notification: Option<&[u8]>,
+        bound: Duration,
+    ) -> Result<(), NixlFailure> {
+        self.transfer(XferOp::Write, ours, peer, peer_region, runs, notification, bound)
+    }
+
+    /// One WRITE or READ between `ours` and the peer's region, polled to its end within `bound`.
+    #[allow(clippy::too_many_arguments)]
+    fn transfer(
+        &self,
+        op: XferOp,
         ours: NixlRegion,
         peer: &str,
         peer_region: NixlRegion,
@@ -298,8 +326,7 @@ impl NixlEndpoint {
             call("set_has_notification", args.set_has_notification(true))?;
             call("set_notification_message", args.set_notification_message(message))?;
         }
-        let req =
-            call("create_xfer_req", self.agent.create_xfer_req(XferOp::Write, &local, &remote, peer, Some(&args)))?;
+        let req = call("create_xfer_req", self.agent.create_xfer_req(op, &local, &remote, peer, Some(&args)))?;
         let deadline = Instant::now() + bound;
         let mut done = !call("post_xfer_req", self.agent.post_xfer_req(&req, Some(&args)))?;
         let mut pause = Duration::from_micros(20);

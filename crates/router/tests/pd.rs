@@ -467,14 +467,25 @@ async fn decode_with_a_cached_prefix_receives_only_the_rest_at_every_hit_offset(
     for r in &rest {
         want.push(run_all(&http, &colocated.url, std::slice::from_ref(r)).await.remove(0));
     }
-    for (mode, kv_mode, local, (pbs, dbs)) in [
-        (TransferMode::Push, KvMode::Push, false, (16, 8)),
-        (TransferMode::Pull, KvMode::Pull, false, (8, 16)),
-        (TransferMode::Push, KvMode::Push, true, (8, 16)),
-        (TransferMode::Pull, KvMode::Pull, true, (16, 16)),
-    ] {
-        let what = format!("{mode:?} local={local} blocks {pbs}/{dbs}");
-        let k = Knobs { local, ..Knobs::default() };
+    let mut settings = vec![
+        (TransferMode::Push, KvMode::Push, "tcp", (16, 8)),
+        (TransferMode::Pull, KvMode::Pull, "tcp", (8, 16)),
+        (TransferMode::Push, KvMode::Push, "local", (8, 16)),
+        (TransferMode::Pull, KvMode::Pull, "local", (16, 16)),
+    ];
+    if cfg!(feature = "nixl") {
+        // Push writes the rest into decode's blocks; pull has decode READ it, cutting
+        // prefill's lease blocks at the skip as prefill does.
+        settings.push((TransferMode::Push, KvMode::Push, "nixl", (16, 8)));
+        settings.push((TransferMode::Pull, KvMode::Pull, "nixl", (8, 16)));
+    }
+    for (mode, kv_mode, transport, (pbs, dbs)) in settings {
+        let what = format!("{mode:?} over {transport}, blocks {pbs}/{dbs}");
+        let k = Knobs {
+            local: transport == "local",
+            transport: if transport == "nixl" { tandem_kv::KvTransport::Nixl } else { tandem_kv::KvTransport::Auto },
+            ..Knobs::default()
+        };
         let p = engine_with(Some((Role::Prefill, kv_mode)), pbs, k.clone()).await;
         let d = engine_with(Some((Role::Decode, kv_mode)), dbs, k).await;
         let url = router(mode, &p, &d).await;

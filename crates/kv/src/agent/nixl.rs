@@ -1,10 +1,12 @@
-//! The `nixl` transport (`--kv-transport nixl`): the writing side (prefill, in both modes, as
-//! for every direct transport) puts a transfer's KV straight into the peer's registered KV
-//! memory with NIXL WRITEs, one descriptor per contiguous copy of the copy plan (a run of
-//! blocks with equal block sizes), and a NIXL notification naming the transfer after the data;
-//! then `Done` / `BlockData` on the side channel says the write ended. The reader counts its
-//! blocks landed only once it also has that notification (NIXL delivers it after the data), so
-//! a write the side channel reports early is never decoded from.
+//! The `nixl` transport (`--kv-transport nixl`). Push: prefill (the writer) puts a transfer's
+//! KV straight into decode's registered KV memory with NIXL WRITEs, one descriptor per
+//! contiguous copy of the copy plan (a run of blocks with equal block sizes), and a NIXL
+//! notification naming the transfer after the data; then `Done` on the side channel says the
+//! write ended, and decode counts its blocks landed only once it also has the notification.
+//! Pull: decode READs prefill's blocks itself. Its `ReadBlocks` asks as for any direct
+//! transport; prefill's `BlockData` grants the read (with the `--kv-verify` digest) and keeps
+//! the lease at least two I/O timeouts from then, and decode's READ must end within one I/O
+//! timeout of asking, so it never reads blocks a lease no longer holds.
 //!
 //! So far for engines whose KV cache is host memory (CPU engines); a GPU engine's VRAM
 //! registration is issue 31's next step, and such an engine is refused at start, saying so.
@@ -62,7 +64,9 @@ fn landed_message(tid: &TransferId) -> Vec<u8> {
 
 #[cfg(feature = "nixl")]
 mod with_nixl {
-    use std::sync::Arc;
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
 
     use tandem_compute::cuda::KvFences;
     use tandem_compute::kv_copy::{plan_kv_copy, KvCopy};
@@ -148,33 +152,80 @@ mod with_nixl {
             ));
         }
         tracing::info!(peer = %peer.engine_id, gb_s = format!("{gb_s:.2}"), "nixl link probed");
-        let region = dram(offer.kv);
-        let layout = KvLayout {
-            num_layers: peer.num_layers,
-            num_kv_heads: peer.num_kv_heads,
-            head_dim: peer.head_dim,
-            block_size: peer.block_size,
-            num_blocks: peer.num_blocks,
-        };
-        Ok(Arc::new(Nixl { ep, peer_agent: agent.to_string(), target: Some((region, layout)) }))
+        Ok(Arc::new(Nixl::new(ep, agent, dram(offer.kv), peer)))
     }
 
-    /// Written-to side: the nixl transport the acceptor picked.
+    /// The decode side: the nixl transport the acceptor picked, with the acceptor's metadata
+    /// loaded too, since in pull decode READs prefill's blocks itself.
     pub(in super::super) fn accept(ours: &Shared, peer: &AgentInfo) -> Result<Arc<dyn Transport>, KvError> {
         let ep = ours.nixl.clone().ok_or_else(|| KvError::Refused("this engine has no NIXL endpoint".into()))?;
         let offer = peer_offer(peer).map_err(KvError::Refused)?;
-        Ok(Arc::new(Nixl { ep, peer_agent: offer.agent.to_string(), target: None }))
+        let loaded = ep.endpoint.add_peer_hex(offer.metadata).map_err(|e| KvError::Refused(e.to_string()))?;
+        if loaded != offer.agent {
+            return Err(KvError::Refused(format!(
+                "the peer's NIXL metadata names `{loaded}`, its offer `{}`",
+                offer.agent
+            )));
+        }
+        let region = NixlRegion { addr: offer.kv.0 as usize, len: offer.kv.1 as usize, place: NixlPlace::Dram };
+        Ok(Arc::new(Nixl::new(ep, offer.agent, region, peer)))
     }
 
     struct Nixl {
         ep: Arc<EndpointImpl>,
         /// The peer's agent name (whom notifications come from, or go to).
         peer_agent: String,
-        /// The peer's KV memory and layout; `None` on the side that is written to.
-        target: Option<(NixlRegion, KvLayout)>,
+        /// The peer's KV memory and layout.
+        target: (NixlRegion, KvLayout),
+        /// Decode, pull: the READs asked for, by transfer, until prefill grants them.
+        reads: Mutex<HashMap<TransferId, ReadPlan>>,
+    }
+
+    /// A pull read decode will make once prefill grants it (see [`Transport::plan_read`]).
+    struct ReadPlan {
+        /// Prefill's blocks, from the first one decode does not hold.
+        src: Vec<u32>,
+        /// Ours, the same.
+        dst: Vec<u32>,
+        num_tokens: usize,
+        /// When decode asked (before `ReadBlocks` left): prefill keeps the lease at least two
+        /// I/O timeouts from its grant, which came after this.
+        asked: Instant,
     }
 
     impl Nixl {
+        fn new(ep: Arc<EndpointImpl>, agent: &str, region: NixlRegion, peer: &AgentInfo) -> Self {
+            let layout = KvLayout {
+                num_layers: peer.num_layers,
+                num_kv_heads: peer.num_kv_heads,
+                head_dim: peer.head_dim,
+                block_size: peer.block_size,
+                num_blocks: peer.num_blocks,
+            };
+            Self { ep, peer_agent: agent.to_string(), target: (region, layout), reads: Mutex::default() }
+        }
+
+        /// Decode, pull: READs the planned transfer `tid` from prefill's blocks into ours,
+        /// finished before the lease prefill granted could end.
+        fn read(&self, shared: &Shared, plan: ReadPlan) -> Result<(), String> {
+            let (region, layout) = &self.target;
+            let ours = shared.memory.host_region().map_err(|e| e.to_string())?;
+            let copies =
+                plan_kv_copy(layout, ours.layout(), ours.dtype().bytes(), &plan.src, &plan.dst, plan.num_tokens)?;
+            // The plan's source is prefill's memory (the peer), its destination ours.
+            let runs: Vec<NixlRun> = runs_of(&copies)
+                .into_iter()
+                .map(|r| NixlRun { local_offset: r.peer_offset, peer_offset: r.local_offset, len: r.len })
+                .collect();
+            let safe_until = plan.asked + shared.cfg.timeouts.io;
+            let bound = safe_until.saturating_duration_since(Instant::now());
+            self.ep.endpoint.read(&self.peer_agent, *region, &runs, bound).map_err(|e| e.to_string())?;
+            if Instant::now() > safe_until {
+                return Err("the NIXL read ended after the lease prefill granted for it could have".into());
+            }
+            Ok(())
+        }
+
         /// Writes tokens `0..num_tokens` of our blocks `src` into the peer's `dst`, then (given
         /// `tid`) the notification that says they landed.
         fn write(
@@ -185,26 +236,11 @@ mod with_nixl {
             num_tokens: usize,
             tid: Option<&TransferId>,
         ) -> Result<(), String> {
-            let (region, layout) =
-                self.target.as_ref().ok_or("this end of the connection is written to; it does not write")?;
+            let (region, layout) = &self.target;
             let from = shared.memory.host_region().map_err(|e| e.to_string())?;
             // Validates the peer's block list (ids inside its region, enough of them) first.
             let plan = plan_kv_copy(from.layout(), layout, from.dtype().bytes(), src, dst, num_tokens)?;
-            let mut runs = Vec::with_capacity(plan.len());
-            for copy in plan {
-                match copy {
-                    KvCopy::Linear { src, dst, bytes } => {
-                        runs.push(NixlRun { local_offset: src, peer_offset: dst, len: bytes })
-                    }
-                    KvCopy::Pitched { src, src_pitch, dst, dst_pitch, width, rows } => {
-                        runs.extend((0..rows).map(|r| NixlRun {
-                            local_offset: src + r * src_pitch,
-                            peer_offset: dst + r * dst_pitch,
-                            len: width,
-                        }))
-                    }
-                }
-            }
+            let runs = runs_of(&plan);
             let message = tid.filter(|_| !shared.cfg.faults.drop_nixl_notification).map(landed_message);
             let started = std::time::Instant::now();
             let bound = shared.cfg.timeouts.io;
@@ -226,6 +262,22 @@ mod with_nixl {
                 Err(e) => Err(e.to_string()),
             }
         }
+    }
+
+    /// A copy plan as NIXL runs: `local_offset` the plan's source, `peer_offset` its destination.
+    fn runs_of(plan: &[KvCopy]) -> Vec<NixlRun> {
+        let mut runs = Vec::with_capacity(plan.len());
+        for copy in plan {
+            match *copy {
+                KvCopy::Linear { src, dst, bytes } => {
+                    runs.push(NixlRun { local_offset: src, peer_offset: dst, len: bytes })
+                }
+                KvCopy::Pitched { src, src_pitch, dst, dst_pitch, width, rows } => runs.extend((0..rows).map(|r| {
+                    NixlRun { local_offset: src + r * src_pitch, peer_offset: dst + r * dst_pitch, len: width }
+                })),
+            }
+        }
+        runs
     }
 
     impl Transport for Nixl {
@@ -272,12 +324,34 @@ mod with_nixl {
             dst: &[u32],
             num_tokens: usize,
         ) -> Result<(), KvError> {
-            let started = std::time::Instant::now();
-            let written = self.write(shared, src, dst, num_tokens, Some(tid));
-            answer_direct_read(shared, conn, tid, started, (src, num_tokens), written)
+            // Decode READs the blocks itself: the answer grants it, and the lease is kept two
+            // I/O timeouts from now whatever heartbeats do, longer than decode lets its READ run
+            // from before it asked (`ReadPlan::asked`). `dst` was checked by the same plan there.
+            let _ = dst;
+            if let Some(p) = shared.tables().produced.get_mut(tid) {
+                p.deadline = p.deadline.max(Instant::now() + 2 * shared.cfg.timeouts.io);
+            }
+            answer_direct_read(shared, conn, tid, Instant::now(), (src, num_tokens), Ok(()))
+        }
+
+        fn reader_reads(&self) -> bool {
+            true
+        }
+
+        fn plan_read(&self, tid: &TransferId, src: Vec<u32>, dst: Vec<u32>, num_tokens: usize) {
+            let mut reads = self.reads.lock().unwrap_or_else(|p| p.into_inner());
+            // A read asked for and never granted (aborted, refused) is over after its bound.
+            reads.retain(|_, r| r.asked.elapsed() < Duration::from_secs(600));
+            reads.insert(tid.clone(), ReadPlan { src, dst, num_tokens, asked: Instant::now() });
         }
 
         fn confirm_landed(&self, shared: &Shared, tid: &TransferId) -> Result<(), String> {
+            // Pull: prefill granted the read; the bytes are ours once our READ has completed.
+            let planned = self.reads.lock().unwrap_or_else(|p| p.into_inner()).remove(tid);
+            if let Some(plan) = planned {
+                return self.read(shared, plan);
+            }
+            // Push: prefill's write ended; its notification follows the data.
             self.ep
                 .endpoint
                 .wait_notification(&self.peer_agent, &landed_message(tid), shared.cfg.timeouts.io)

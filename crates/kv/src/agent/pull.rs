@@ -43,6 +43,12 @@ pub(super) fn read(
         ));
     }
     let dst_blocks = if conn.transport.writes_directly() { dst } else { Vec::new() };
+    if conn.transport.reader_reads() {
+        // Prefill cuts its lease's blocks at `skip` by its own block size, as we do here.
+        let from = (skip / conn.peer.block_size.max(1)).min(lease.blocks.len());
+        let src = lease.blocks[from..].to_vec();
+        conn.transport.plan_read(tid, src, dst_blocks.clone(), lease.num_tokens.saturating_sub(skip));
+    }
     Ok(Message::ReadBlocks {
         transfer_id: tid.clone(),
         blocks: lease.blocks,

@@ -71,6 +71,17 @@ pub(super) trait Transport: Send + Sync {
         Err(format!("the {} transport writes a prompt's KV only when it is complete", self.name()))
     }
 
+    /// Pull: whether the reader moves the bytes itself (NIXL READs) once the writer's answer
+    /// grants the read, rather than the writer copying them before it answers.
+    fn reader_reads(&self) -> bool {
+        false
+    }
+
+    /// Decode, pull, when [`Self::reader_reads`]: the read it is about to ask for, tokens
+    /// `0..num_tokens` of prefill's blocks `src` into our `dst` (both from the first block
+    /// decode does not hold).
+    fn plan_read(&self, _tid: &TransferId, _src: Vec<u32>, _dst: Vec<u32>, _num_tokens: usize) {}
+
     /// Reader of a direct write: waits (bounded) until the bytes the writer says it wrote for
     /// `tid` are known to be in our memory. Copies the writer waited for are (cuda-ipc, local);
     /// a NIXL write is once its notification has arrived.
