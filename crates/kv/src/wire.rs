@@ -186,6 +186,11 @@ pub enum Message {
         /// `direct` under `--kv-verify`: as `Done`'s `digest`.
         #[serde(default)]
         digest: Option<u64>,
+        /// `direct` to a reader that reads the blocks itself (NIXL pull): the answer grants the
+        /// read, and the holder keeps the lease at least this many microseconds from sending it;
+        /// the reader's read must end within it of asking.
+        #[serde(default)]
+        grant_us: u64,
     },
     /// Reply to `WriteBlocks`: the bytes were written (or why not).
     WriteAck {
@@ -287,6 +292,7 @@ mod tests {
                 checksum: false,
                 copy_us: 3,
                 digest: None,
+                grant_us: 0,
             },
             Message::WriteAck { transfer_id: t, error: None },
         ];
@@ -326,6 +332,7 @@ mod tests {
                 checksum: false,
                 copy_us: 0,
                 digest: None,
+                grant_us: 0,
             },
             Message::Done {
                 transfer_id: t,

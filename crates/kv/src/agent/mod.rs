@@ -725,9 +725,19 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             let data = transport::Bulk { src_block_size, bytes, checksum };
             push::on_write_blocks(stream, conn, shared, transfer_id, &blocks, num_tokens, data)?
         }
-        Message::BlockData { transfer_id, src_block_size, bytes, error, direct, checksum, copy_us, digest } => {
+        Message::BlockData {
+            transfer_id,
+            src_block_size,
+            bytes,
+            error,
+            direct,
+            checksum,
+            copy_us,
+            digest,
+            grant_us,
+        } => {
             let data = transport::Bulk { src_block_size, bytes, checksum };
-            let direct = direct.then_some(transport::DirectEnd { copy_us, digest });
+            let direct = direct.then_some(transport::DirectEnd { copy_us, digest, grant_us });
             pull::on_block_data(stream, conn, shared, transfer_id, data, error, direct)?
         }
         // Prefill: a pull release; decode: a push completion.

@@ -4,9 +4,10 @@
 //! notification naming the transfer after the data; then `Done` on the side channel says the
 //! write ended, and decode counts its blocks landed only once it also has the notification.
 //! Pull: decode READs prefill's blocks itself. Its `ReadBlocks` asks as for any direct
-//! transport; prefill's `BlockData` grants the read (with the `--kv-verify` digest) and keeps
-//! the lease at least two I/O timeouts from then, and decode's READ must end within one I/O
-//! timeout of asking, so it never reads blocks a lease no longer holds.
+//! transport; prefill's `BlockData` grants the read (with the `--kv-verify` digest), keeping
+//! the lease at least the I/O timeout or the lease time, whichever is shorter, from then, and
+//! saying how long (`grant_us`); decode's READ must end within that of asking, so it never
+//! reads blocks a lease no longer holds.
 //!
 //! So far for engines whose KV cache is host memory (CPU engines); a GPU engine's VRAM
 //! registration is issue 31's next step, and such an engine is refused at start, saying so.
@@ -74,7 +75,7 @@ mod with_nixl {
     use tandem_core::TransferId;
 
     use super::super::push::PushDone;
-    use super::super::transport::{answer_direct_read, report_direct_write, Transport};
+    use super::super::transport::{answer_direct, report_direct_write, Transport};
     use super::super::{Conn, Shared};
     use super::{landed_message, peer_offer};
     use crate::nixl::{NixlEndpoint, NixlFailure, NixlPlace, NixlRegion, NixlRun};
@@ -188,9 +189,10 @@ mod with_nixl {
         /// Ours, the same.
         dst: Vec<u32>,
         num_tokens: usize,
-        /// When decode asked (before `ReadBlocks` left): prefill keeps the lease at least two
-        /// I/O timeouts from its grant, which came after this.
+        /// When decode asked (before `ReadBlocks` left): prefill's grant came after this.
         asked: Instant,
+        /// How long prefill keeps the lease from its grant (zero until granted).
+        validity: Duration,
     }
 
     impl Nixl {
@@ -217,7 +219,8 @@ mod with_nixl {
                 .into_iter()
                 .map(|r| NixlRun { local_offset: r.peer_offset, peer_offset: r.local_offset, len: r.len })
                 .collect();
-            let safe_until = plan.asked + shared.cfg.timeouts.io;
+            // Prefill holds the lease `validity` from its grant, which it sent after we asked.
+            let safe_until = plan.asked + plan.validity;
             let bound = safe_until.saturating_duration_since(Instant::now());
             self.ep.endpoint.read(&self.peer_agent, *region, &runs, bound).map_err(|e| e.to_string())?;
             if Instant::now() > safe_until {
@@ -324,14 +327,22 @@ mod with_nixl {
             dst: &[u32],
             num_tokens: usize,
         ) -> Result<(), KvError> {
-            // Decode READs the blocks itself: the answer grants it, and the lease is kept two
-            // I/O timeouts from now whatever heartbeats do, longer than decode lets its READ run
-            // from before it asked (`ReadPlan::asked`). `dst` was checked by the same plan there.
+            // Decode READs the blocks itself: the answer grants it, keeping the lease at least
+            // `validity` from now, within which decode's READ must end, counted from before it
+            // asked (`ReadPlan::asked`). `dst` is checked by decode's own copy plan.
             let _ = dst;
+            let validity = shared.cfg.timeouts.io.min(shared.cfg.lease);
             if let Some(p) = shared.tables().produced.get_mut(tid) {
-                p.deadline = p.deadline.max(Instant::now() + 2 * shared.cfg.timeouts.io);
+                p.deadline = p.deadline.max(Instant::now() + validity);
             }
-            answer_direct_read(shared, conn, tid, Instant::now(), (src, num_tokens), Ok(()))
+            let grant_us = validity.as_micros() as u64;
+            answer_direct(shared, conn, tid, Instant::now(), (src, num_tokens), Ok(()), grant_us)
+        }
+
+        fn granted(&self, tid: &TransferId, validity: Duration) {
+            if let Some(plan) = self.reads.lock().unwrap_or_else(|p| p.into_inner()).get_mut(tid) {
+                plan.validity = validity;
+            }
         }
 
         fn reader_reads(&self) -> bool {
@@ -342,7 +353,8 @@ mod with_nixl {
             let mut reads = self.reads.lock().unwrap_or_else(|p| p.into_inner());
             // A read asked for and never granted (aborted, refused) is over after its bound.
             reads.retain(|_, r| r.asked.elapsed() < Duration::from_secs(600));
-            reads.insert(tid.clone(), ReadPlan { src, dst, num_tokens, asked: Instant::now() });
+            let plan = ReadPlan { src, dst, num_tokens, asked: Instant::now(), validity: Duration::ZERO };
+            reads.insert(tid.clone(), plan);
         }
 
         fn confirm_landed(&self, shared: &Shared, tid: &TransferId) -> Result<(), String> {

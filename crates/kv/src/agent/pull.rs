@@ -105,6 +105,7 @@ pub(super) fn on_read_blocks(
                 checksum: false,
                 copy_us: 0,
                 digest: None,
+                grant_us: 0,
             };
             return conn.send(&refusal);
         }
@@ -171,7 +172,7 @@ pub(super) fn on_block_data(
 ) -> Result<(), KvError> {
     match (conn.transport.writes_directly(), direct) {
         (true, end) => {
-            let end = end.unwrap_or(DirectEnd { copy_us: 0, digest: None });
+            let end = end.unwrap_or(DirectEnd { copy_us: 0, digest: None, grant_us: 0 });
             return on_direct_read_end(conn, shared, tid, error, end);
         }
         (false, Some(_)) => return Err(KvError::Protocol("a direct-copy answer on a tcp connection".into())),
@@ -219,6 +220,7 @@ fn on_direct_read_end(
     end: DirectEnd,
 ) -> Result<(), KvError> {
     if error.is_none() {
+        conn.transport.granted(&tid, std::time::Duration::from_micros(end.grant_us));
         // Before the table is locked again: the digest reads every block once.
         error = check_direct(shared, &tid, end.digest).err();
     }

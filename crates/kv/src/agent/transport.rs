@@ -82,6 +82,10 @@ pub(super) trait Transport: Send + Sync {
     /// decode does not hold).
     fn plan_read(&self, _tid: &TransferId, _src: Vec<u32>, _dst: Vec<u32>, _num_tokens: usize) {}
 
+    /// Decode, pull, when [`Self::reader_reads`]: prefill granted the read of `tid`, keeping
+    /// its lease for `validity` from its answer.
+    fn granted(&self, _tid: &TransferId, _validity: std::time::Duration) {}
+
     /// Reader of a direct write: waits (bounded) until the bytes the writer says it wrote for
     /// `tid` are known to be in our memory. Copies the writer waited for are (cuda-ipc, local);
     /// a NIXL write is once its notification has arrived.
@@ -337,6 +341,7 @@ impl Transport for Tcp {
                     checksum: false,
                     copy_us: 0,
                     digest: None,
+                    grant_us: 0,
                 })?;
                 return Err(e);
             }
@@ -351,6 +356,7 @@ impl Transport for Tcp {
             checksum: shared.cfg.verify,
             copy_us: 0,
             digest: None,
+            grant_us: 0,
         };
         write_message(&mut *w, &header)?;
         // Safety: the lease holds these blocks and its `reading` flag keeps it from expiring
@@ -544,6 +550,20 @@ pub(super) fn answer_direct_read(
     held: (&[u32], usize),
     copied: Result<(), String>,
 ) -> Result<(), KvError> {
+    answer_direct(shared, conn, tid, started, held, copied, 0)
+}
+
+/// [`answer_direct_read`], granting a reader that reads itself `grant_us` of lease (see
+/// `Message::BlockData`).
+pub(super) fn answer_direct(
+    shared: &Shared,
+    conn: &Conn,
+    tid: &TransferId,
+    started: std::time::Instant,
+    held: (&[u32], usize),
+    copied: Result<(), String>,
+    grant_us: u64,
+) -> Result<(), KvError> {
     let copy_us = started.elapsed().as_micros() as u64;
     let (digest, error) = match copied {
         Ok(()) => match source_digest(shared, held.0, held.1) {
@@ -561,6 +581,7 @@ pub(super) fn answer_direct_read(
         checksum: false,
         copy_us,
         digest,
+        grant_us,
     })
 }
 
@@ -581,6 +602,8 @@ pub(super) struct DirectEnd {
     pub copy_us: u64,
     /// The writer's digest of what it copied (`--kv-verify`).
     pub digest: Option<u64>,
+    /// A reader that reads itself: how long the holder keeps the lease from its answer.
+    pub grant_us: u64,
 }
 
 /// A reader under `--kv-verify`: whether the KV a direct writer says it copied into the blocks
