@@ -224,7 +224,7 @@ impl NixlEndpoint {
         let mut best = 0f64;
         for _ in 0..2 {
             let start = Instant::now();
-            self.write_in(self.scratch(), peer, peer_scratch, &run, None, bound)?;
+            self.transfer(XferOp::Write, self.scratch(), peer, peer_scratch, &run, None, bound)?;
             best = best.max(len as f64 / start.elapsed().as_secs_f64() / 1e9);
         }
         Ok(best)
@@ -254,11 +254,6 @@ impl NixlEndpoint {
         self.add_peer(&bytes)
     }
 
-    /// Forgets a peer (it left, or its epoch changed), so a later [`Self::add_peer`] loads it afresh.
-    pub fn remove_peer(&self, peer: &str) -> Result<(), NixlFailure> {
-        call("invalidate_remote_md", self.agent.invalidate_remote_md(peer))
-    }
-
     /// Writes `runs` from our region into `peer`'s region `peer_region`, then, when given,
     /// delivers `notification` to it (after the data); returns when the write is complete, or
     /// fails after `bound`. Polls (with short sleeps), so it belongs on a thread that may wait.
@@ -270,7 +265,7 @@ impl NixlEndpoint {
         notification: Option<&[u8]>,
         bound: Duration,
     ) -> Result<(), NixlFailure> {
-        self.write_in(self.region, peer, peer_region, runs, notification, bound)
+        self.transfer(XferOp::Write, self.region, peer, peer_region, runs, notification, bound)
     }
 
     /// Reads `runs` from `peer`'s region `peer_region` into ours (each run's `peer_offset` the
@@ -284,19 +279,6 @@ impl NixlEndpoint {
         bound: Duration,
     ) -> Result<(), NixlFailure> {
         self.transfer(XferOp::Read, self.region, peer, peer_region, runs, None, bound)
-    }
-
-    /// [`Self::write`] from `ours` (the KV region or the scratch).
-    fn write_in(
-        &self,
-        ours: NixlRegion,
-        peer: &str,
-        peer_region: NixlRegion,
-        runs: &[NixlRun],
-        notification: Option<&[u8]>,
-        bound: Duration,
-    ) -> Result<(), NixlFailure> {
-        self.transfer(XferOp::Write, ours, peer, peer_region, runs, notification, bound)
     }
 
     /// One WRITE or READ between `ours` and the peer's region, polled to its end within `bound`.

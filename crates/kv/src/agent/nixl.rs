@@ -75,7 +75,7 @@ mod with_nixl {
     use tandem_core::TransferId;
 
     use super::super::push::PushDone;
-    use super::super::transport::{answer_direct, report_direct_write, Transport};
+    use super::super::transport::{answer_direct_read, report_direct_write, Transport};
     use super::super::{Conn, Shared};
     use super::{landed_message, peer_offer};
     use crate::nixl::{NixlEndpoint, NixlFailure, NixlPlace, NixlRegion, NixlRun};
@@ -324,19 +324,18 @@ mod with_nixl {
             conn: &Conn,
             tid: &TransferId,
             src: &[u32],
-            dst: &[u32],
+            _dst: &[u32],
             num_tokens: usize,
         ) -> Result<(), KvError> {
             // Decode READs the blocks itself: the answer grants it, keeping the lease at least
             // `validity` from now, within which decode's READ must end, counted from before it
-            // asked (`ReadPlan::asked`). `dst` is checked by decode's own copy plan.
-            let _ = dst;
+            // asked (`ReadPlan::asked`). Decode's own copy plan checks its blocks.
             let validity = shared.cfg.timeouts.io.min(shared.cfg.lease);
             if let Some(p) = shared.tables().produced.get_mut(tid) {
                 p.deadline = p.deadline.max(Instant::now() + validity);
             }
             let grant_us = validity.as_micros() as u64;
-            answer_direct(shared, conn, tid, Instant::now(), (src, num_tokens), Ok(()), grant_us)
+            answer_direct_read(shared, conn, tid, Instant::now(), (src, num_tokens), Ok(()), grant_us)
         }
 
         fn granted(&self, tid: &TransferId, validity: Duration) {

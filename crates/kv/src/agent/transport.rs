@@ -508,7 +508,7 @@ impl Transport for Local {
     ) -> Result<(), KvError> {
         let started = std::time::Instant::now();
         let copied = self.copy(shared, src, dst, num_tokens);
-        answer_direct_read(shared, conn, tid, started, (src, num_tokens), copied)
+        answer_direct_read(shared, conn, tid, started, (src, num_tokens), copied, 0)
     }
 }
 
@@ -541,21 +541,10 @@ pub(super) fn report_direct_write(
 
 /// Pull over a direct transport: the copy (begun at `started`) of the lease's KV (`held`: its
 /// blocks and tokens) is done before the answer, so no bytes follow it; under `--kv-verify`
-/// the answer carries the digest of what was copied.
+/// the answer carries the digest of what was copied. A reader that reads the blocks itself
+/// (NIXL) is granted the read for `grant_us` of lease instead (see `Message::BlockData`; 0
+/// for the others).
 pub(super) fn answer_direct_read(
-    shared: &Shared,
-    conn: &Conn,
-    tid: &TransferId,
-    started: std::time::Instant,
-    held: (&[u32], usize),
-    copied: Result<(), String>,
-) -> Result<(), KvError> {
-    answer_direct(shared, conn, tid, started, held, copied, 0)
-}
-
-/// [`answer_direct_read`], granting a reader that reads itself `grant_us` of lease (see
-/// `Message::BlockData`).
-pub(super) fn answer_direct(
     shared: &Shared,
     conn: &Conn,
     tid: &TransferId,
@@ -715,7 +704,7 @@ impl Transport for CudaIpc {
     ) -> Result<(), KvError> {
         let started = std::time::Instant::now();
         let copied = self.write(shared, src, dst, num_tokens, &KvFences::complete());
-        answer_direct_read(shared, conn, tid, started, (src, num_tokens), copied)
+        answer_direct_read(shared, conn, tid, started, (src, num_tokens), copied, 0)
     }
 }
 
