@@ -574,29 +574,6 @@ async fn short_uncached_prompts_run_on_decode_alone_and_long_ones_are_disaggrega
     wait_idle(&[&colocated]).await;
 }
 
-/// Streamed tokens leave the engine and the router as they come: without TCP_NODELAY each
-/// small write after the first waited for the peer's delayed ACK (40 ms on Linux), so a
-/// routed 8-token stream took 41-44 ms where it takes a few.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn routed_streams_are_not_held_back_by_delayed_acks() {
-    let http = reqwest::Client::new();
-    let p = engine_with(Some((Role::Prefill, KvMode::Push)), 16, Knobs::default()).await;
-    let d = engine_with(Some((Role::Decode, KvMode::Push)), 16, Knobs::default()).await;
-    let url = router_with(TransferMode::Push, &[&p], &[&d], Some(32)).await;
-    let mut fastest = Duration::MAX;
-    for i in 0..5u32 {
-        let body = serde_json::json!({"model": "tiny", "prompt": [i + 1, 2, 3, 4], "max_tokens": 8,
-                                      "ignore_eos": true, "stream": true});
-        let t0 = std::time::Instant::now();
-        let text = http.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap().text().await.unwrap();
-        fastest = fastest.min(t0.elapsed());
-        assert!(text.contains("[DONE]"), "{text}");
-    }
-    // The fastest of five: load on the machine can slow some, never all, of them.
-    assert!(fastest < Duration::from_millis(35), "fastest 8-token stream through the router took {fastest:?}");
-    wait_idle(&[&p, &d]).await;
-}
-
 /// KV-aware routing over two prefill and two decode engines: prompts that begin as an earlier
 /// one go to the prefill engine whose prefix cache holds that beginning, and to the decode
 /// engine that holds it (which then receives only the rest); round-robin would send half of
