@@ -1067,7 +1067,7 @@ fn skinny_invariant_products_give_the_bits_of_the_many_row_product() {
                 assert!(ops::skinny_takes(t, k));
                 let build = if t <= 8 { ops::SkinnyBuild::B8 } else { ops::SkinnyBuild::B16 };
                 let run = |build, out: u64| unsafe {
-                    ops::matmul_t_skinny(sdev, d_x.ptr(), d_w.ptr(), out, t, n, k, f32_out, build).unwrap()
+                    ops::matmul_t_skinny(sdev, d_x.ptr(), d_w.ptr(), out, t, n, k, f32_out, 1, build).unwrap()
                 };
                 run(build, d_out.ptr());
                 // 8 rows or fewer through B16 too (it serves them within larger batches).
@@ -1104,6 +1104,104 @@ fn skinny_invariant_products_give_the_bits_of_the_many_row_product() {
         "skinny invariant products: {differing} (stages, shape, row count) triples differ from the many-row bits"
     );
     assert_eq!(differing, 0, "invariant products of at most 16 rows differ from the many-row product's bits");
+}
+
+/// The K-sliced batch-invariant products of the long-K projections (o and down of Qwen3-0.6B
+/// and 4B, cut into slices of at most 1280 columns): every slice's rows are the same bits for
+/// every row count, on cuBLASLt's strided batch and (at 16 rows or fewer, once `verify_skinny`
+/// passed) the skinny kernels; the slices add up to the unsliced product; and the residual add
+/// folds them in slice order (the same bits as adding their host-side sum as the delta). One
+/// row's time on each path is reported.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn sliced_invariant_products_do_not_depend_on_the_row_count() {
+    let Some(dev) = device() else { return };
+    dev.enable_batch_invariant().unwrap();
+    let max_cols = 1280;
+    let mut rng = Lcg(17);
+    let most = 1024;
+    let counts = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 64, 100, 257, 512, 1000];
+    for (n, k) in [(1024, 2048), (1024, 3072), (2560, 4096), (2560, 9728)] {
+        let slices = ops::invariant_slices(k, max_cols);
+        assert!(slices > 1 && (k / slices) <= max_cols, "{k} columns cut into {slices} slices");
+        let x: Vec<u16> = (0..most * k).map(|_| bf16(rng.uniform())).collect();
+        let w: Vec<u16> = (0..n * k).map(|_| bf16(rng.uniform() * 0.05)).collect();
+        let (d_x, d_w) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+        let shape = ops::SkinnyShape { weight: d_w.ptr(), n, k, f32_out: true, slices };
+        let why = unsafe { ops::verify_skinny(&dev, &[shape]).unwrap() };
+        assert_eq!(why, None, "the skinny kernels disagree with cuBLASLt on {k} by {n} in {slices} slices");
+        let d_parts = dev.zeros::<f32>(slices * most * n).unwrap();
+        let product = |m: usize| {
+            unsafe {
+                ops::matmul_t_invariant_sliced(&dev, d_x.ptr(), d_w.ptr(), d_parts.ptr(), m, n, k, slices).unwrap()
+            };
+            dev.read(&d_parts, slices * m * n).unwrap()
+        };
+        let all = product(most);
+        for &m in &counts {
+            let got = product(m);
+            for s in 0..slices {
+                assert!(
+                    got[s * m * n..(s + 1) * m * n] == all[s * most * n..s * most * n + m * n],
+                    "{m} rows x {k} by {n}: slice {s} of {slices} differs from the same rows among {most}"
+                );
+            }
+        }
+        // The slices add up to the unsliced product.
+        let d_whole = dev.zeros::<f32>(most * n).unwrap();
+        unsafe { ops::matmul_t_invariant(&dev, d_x.ptr(), d_w.ptr(), d_whole.ptr(), most, n, k, true).unwrap() };
+        let whole = dev.read(&d_whole, most * n).unwrap();
+        let summed = |i: usize| (0..slices).fold(0.0f32, |acc, s| acc + all[s * most * n + i]);
+        let worst = (0..most * n).step_by(89).map(|i| (summed(i) - whole[i]).abs()).fold(0.0, f32::max);
+        assert!(worst < 1e-3, "{k} by {n}: the {slices} slices add up to within {worst} of the unsliced product");
+        // The fold in the residual add: the same bits as adding the host-side sum as a bf16 delta.
+        assert!(product(most) == all);
+        let rows = 9;
+        let hidden = n;
+        let x0: Vec<f32> = (0..rows * hidden).map(|_| rng.uniform()).collect();
+        let norm_w: Vec<u16> = (0..hidden).map(|_| bf16(1.0 + rng.uniform() * 0.1)).collect();
+        let d_norm_w = dev.upload(&norm_w).unwrap();
+        let fold = |delta: ops::ResidualDelta| {
+            let (d_res, d_out) = (dev.upload(&x0).unwrap(), dev.zeros::<u16>(rows * hidden).unwrap());
+            unsafe {
+                ops::add_rms_norm(&dev, d_res.ptr(), delta, 0, d_norm_w.ptr(), d_out.ptr(), rows, hidden, 1e-6).unwrap()
+            };
+            (dev.read(&d_res, rows * hidden).unwrap(), dev.read(&d_out, rows * hidden).unwrap())
+        };
+        let folded = fold(ops::ResidualDelta::Parts { ptr: d_parts.ptr(), slices, stride: most * n });
+        let host_sum: Vec<u16> = (0..rows * hidden).map(|i| bf16(summed(i))).collect();
+        let d_sum = dev.upload(&host_sum).unwrap();
+        let reference = fold(ops::ResidualDelta::Bf16(d_sum.ptr()));
+        assert!(folded == reference, "{k} by {n}: the residual add's fold of {slices} slices differs from their sum");
+        // One row's time, skinny and cuBLASLt (reported, not asserted).
+        let time_one_row = |skinny: bool| {
+            let reps = 50;
+            let run = || unsafe {
+                if skinny {
+                    let b = ops::SkinnyBuild::B8;
+                    ops::matmul_t_skinny(&dev, d_x.ptr(), d_w.ptr(), d_parts.ptr(), 1, n, k, true, slices, b).unwrap()
+                } else {
+                    ops::matmul_t_invariant(&dev, d_x.ptr(), d_w.ptr(), d_whole.ptr(), 1, n, k, false).unwrap()
+                }
+            };
+            run();
+            dev.synchronize().unwrap();
+            let start = std::time::Instant::now();
+            for _ in 0..reps {
+                run();
+            }
+            dev.synchronize().unwrap();
+            start.elapsed().as_secs_f64() * 1e6 / reps as f64
+        };
+        let (sliced, unsliced) = (time_one_row(true), time_one_row(false));
+        let gbs = |us: f64| (n * k * 2) as f64 / us / 1e3;
+        eprintln!(
+            "sliced {k} by {n} in {slices}: rows equal at every count; one row {sliced:.1} us ({:.0} GB/s), unsliced \
+             cuBLASLt {unsliced:.1} us ({:.0} GB/s)",
+            gbs(sliced),
+            gbs(unsliced)
+        );
+    }
 }
 
 /// Batch-invariant products: row r of x · wᵀ is the same bits for every row count, on the

@@ -40,6 +40,7 @@ struct PlanKey {
     k: usize,
     t: usize,
     f32_out: bool,
+    slices: usize,
 }
 
 struct Plan {
@@ -105,10 +106,13 @@ impl InvariantGemm {
     }
 
     /// Queues `y[t, n] = x[t, k] · w[n, k]ᵀ` on `stream` (output bf16, or f32 with `f32_out`).
+    /// With `slices` > 1 (`f32_out` then required, `k` a multiple of `64 * slices`), a strided
+    /// batch of `slices` products, slice `s` of columns `s k / slices ..` into `y[s, t, n]`: the
+    /// partial products of `ops::matmul_t_invariant_sliced`.
     ///
     /// # Safety
-    /// `x` holds `[t, k]` bf16, `w` `[n, k]` bf16, `y` `[t, n]` of the output type, all live
-    /// device allocations of the stream's context (which is current on this thread), each
+    /// `x` holds `[t, k]` bf16, `w` `[n, k]` bf16, `y` `[slices, t, n]` of the output type, all
+    /// live device allocations of the stream's context (which is current on this thread), each
     /// aligned to 256 bytes (cuBLASLt's default alignment assumption).
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn matmul(
@@ -121,11 +125,18 @@ impl InvariantGemm {
         n: usize,
         k: usize,
         f32_out: bool,
+        slices: usize,
     ) -> Result<(), CudaError> {
         if t == 0 {
             return Ok(());
         }
-        let key = PlanKey { n, k, t, f32_out };
+        let slices = slices.max(1);
+        if slices > 1 && (!f32_out || !k.is_multiple_of(64 * slices)) {
+            return Err(CudaError::Unavailable(format!(
+                "a sliced product writes f32 slices of a multiple of 64 columns, not {k} in {slices}"
+            )));
+        }
+        let key = PlanKey { n, k, t, f32_out, slices };
         let mut plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
         if !plans.contains_key(&key) {
             if plans.len() >= MAX_PLANS {
@@ -167,24 +178,73 @@ impl InvariantGemm {
     }
 
     fn plan(&self, key: PlanKey) -> Result<Plan, CudaError> {
-        let PlanKey { n, k, t, f32_out } = key;
+        let PlanKey { n, k, t, f32_out, slices } = key;
         let out = if f32_out { sys::cudaDataType::CUDA_R_32F } else { sys::cudaDataType::CUDA_R_16BF };
-        let w = lt::create_matrix_layout(sys::cudaDataType::CUDA_R_16BF, k as u64, n as u64, k as i64).map_err(blas)?;
-        let x = lt::create_matrix_layout(sys::cudaDataType::CUDA_R_16BF, k as u64, t as u64, k as i64).map_err(blas)?;
+        let cols = (k / slices) as u64;
+        // A slice of w or x is `cols` rows of the column-major view, `k` apart; slice s starts
+        // `s * cols` elements in, and its output `t * n` after the previous one.
+        let w = lt::create_matrix_layout(sys::cudaDataType::CUDA_R_16BF, cols, n as u64, k as i64).map_err(blas)?;
+        let x = lt::create_matrix_layout(sys::cudaDataType::CUDA_R_16BF, cols, t as u64, k as i64).map_err(blas)?;
         let y = lt::create_matrix_layout(out, n as u64, t as u64, n as i64).map_err(blas)?;
+        if slices > 1 {
+            let batch = slices as i32;
+            for (layout, offset) in [(w, cols as i64), (x, cols as i64), (y, (t * n) as i64)] {
+                // Safety: the layout was created above; each attribute gets the type and size
+                // the cuBLASLt documentation gives for it (int32 count, int64 offset).
+                let set = unsafe {
+                    lt::set_matrix_layout_attribute(
+                        layout,
+                        sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                        (&batch as *const i32).cast(),
+                        std::mem::size_of::<i32>(),
+                    )
+                    .and_then(|()| {
+                        lt::set_matrix_layout_attribute(
+                            layout,
+                            sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                            (&offset as *const i64).cast(),
+                            std::mem::size_of::<i64>(),
+                        )
+                    })
+                };
+                if let Err(e) = set {
+                    // Safety: made above, used by nothing else.
+                    unsafe { destroy_layouts([w, x, y]) };
+                    return Err(blas(e));
+                }
+            }
+        }
+        // A slice starts `cols` elements (and its output `t * n`) past the previous one, so
+        // only the first is at a buffer's 256-byte alignment: the heuristic is told how far
+        // every slice's start is aligned, and picks no kernel that assumes more. (`plan` runs
+        // under the plans' lock, so the preference is not shared meanwhile.)
+        let aligned = |bytes: usize| 1u32 << bytes.trailing_zeros().min(8);
+        let out_bytes = if f32_out { 4 } else { 2 };
+        let (align_in, align_out) =
+            if slices > 1 { (aligned(cols as usize * 2), aligned(t * n * out_bytes)) } else { (256, 256) };
+        for (attr, align) in [
+            (sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_in),
+            (sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_in),
+            (sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_out),
+            (sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_out),
+        ] {
+            // Safety: the preference was created by `new`; the attribute is a uint32.
+            if let Err(e) = unsafe { lt::set_matmul_pref_attribute(self.pref, attr, (&align as *const u32).cast(), 4) }
+            {
+                // Safety: made above, used by nothing else.
+                unsafe { destroy_layouts([w, x, y]) };
+                return Err(blas(e));
+            }
+        }
         // Safety: the descriptors were created above and by `new`, alive for the call.
         let heuristic = unsafe { lt::get_matmul_algo_heuristic(self.handle, self.desc, w, x, y, y, self.pref) };
         match heuristic {
             Ok(h) => Ok(Plan { w, x, y, algo: h.algo }),
             Err(e) => {
                 // Safety: made above, used by nothing else.
-                unsafe {
-                    let _ = lt::destroy_matrix_layout(w);
-                    let _ = lt::destroy_matrix_layout(x);
-                    let _ = lt::destroy_matrix_layout(y);
-                }
+                unsafe { destroy_layouts([w, x, y]) };
                 Err(CudaError::Unavailable(format!(
-                    "cuBLASLt has no algorithm without a split reduction for {t} x {k} by {n}: {e}"
+                    "cuBLASLt has no algorithm without a split reduction for {t} x {k} by {n} in {slices} slices: {e}"
                 )))
             }
         }
@@ -195,12 +255,17 @@ impl Plan {
     /// # Safety
     /// The layouts are not used again.
     unsafe fn destroy(self) {
-        // Safety: per the function's contract. Errors here would only leak a descriptor.
-        unsafe {
-            let _ = lt::destroy_matrix_layout(self.w);
-            let _ = lt::destroy_matrix_layout(self.x);
-            let _ = lt::destroy_matrix_layout(self.y);
-        }
+        // Safety: per the function's contract.
+        unsafe { destroy_layouts([self.w, self.x, self.y]) }
+    }
+}
+
+/// # Safety
+/// The layouts are not used again.
+unsafe fn destroy_layouts(layouts: [sys::cublasLtMatrixLayout_t; 3]) {
+    for layout in layouts {
+        // Safety: per the function's contract. An error here would only leak a descriptor.
+        let _ = unsafe { lt::destroy_matrix_layout(layout) };
     }
 }
 

@@ -132,6 +132,16 @@ impl std::fmt::Debug for DeviceKvMemory {
     }
 }
 
+/// Device memory of its own ([`DeviceKvMemory::scratch`]); freed on drop.
+pub struct DeviceScratch(ExportableAlloc);
+
+impl DeviceScratch {
+    /// Its base address and bytes.
+    pub fn range(&self) -> (u64, usize) {
+        (self.0.ptr, self.0.bytes)
+    }
+}
+
 /// A peer engine's KV cache mapped into this process; unmapped on drop.
 pub struct PeerKvMemory {
     ctx: Arc<CudaContext>,
@@ -197,6 +207,38 @@ impl DeviceKvMemory {
     /// `cuda:N`.
     pub fn describe(&self) -> String {
         format!("cuda:{}", self.ordinal)
+    }
+
+    /// The cache's device memory: its allocation's base address and bytes, for registering it
+    /// with a transfer library (NIXL).
+    pub fn device_range(&self) -> (u64, usize) {
+        (self.alloc.ptr, self.alloc.bytes)
+    }
+
+    /// The CUDA ordinal of the cache's GPU in this process.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Makes the cache's CUDA context current on this thread: a transfer library that moves
+    /// GPU memory (UCX's CUDA transports, under NIXL) works in the caller's context.
+    pub fn bind(&self) -> Result<(), CudaError> {
+        Ok(self.ctx.bind_to_thread()?)
+    }
+
+    /// `bytes` of zeroed memory on the cache's GPU in an allocation of its own (`cuMemAlloc`:
+    /// a transfer library can register it, unlike stream-ordered pool memory), freed when the
+    /// result is dropped.
+    pub fn scratch(&self, bytes: usize) -> Result<DeviceScratch, CudaError> {
+        let bytes = bytes.max(1);
+        self.ctx.bind_to_thread()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // Safety: a plain allocation into a local; freed by ExportableAlloc's Drop.
+        unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes).result().map_err(|e| oom(e, bytes))? };
+        let alloc = ExportableAlloc { ctx: self.ctx.clone(), ptr, bytes };
+        // Safety: the range is the allocation just made; a synchronous memset.
+        unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes).result()? };
+        Ok(DeviceScratch(alloc))
     }
 
     /// The IPC handle of the cache's allocation, for peers in other processes.

@@ -19,7 +19,7 @@ pub mod ops;
 mod tuning;
 
 pub use fences::KvFences;
-pub use ipc::{DeviceKvMemory, HostCopies, IpcExport, PeerKvMemory};
+pub use ipc::{DeviceKvMemory, DeviceScratch, HostCopies, IpcExport, PeerKvMemory};
 pub use tuning::CudaTuning;
 
 use std::path::{Path, PathBuf};
@@ -675,7 +675,13 @@ impl CudaDevice {
     /// Whether batch-invariant products of few rows go to the skinny kernels: tuned so
     /// ([`CudaTuning::invariant_skinny`]) and verified on this GPU ([`ops::verify_skinny`]).
     pub fn invariant_skinny(&self) -> bool {
-        self.tuning.invariant_skinny && self.skinny_verified.load(std::sync::atomic::Ordering::Relaxed)
+        self.tuning.invariant_skinny && self.skinny_verified()
+    }
+
+    /// Whether the skinny kernels gave cuBLASLt's bits on this GPU for the products the model
+    /// asked about ([`ops::verify_skinny`]): the K-sliced products of few rows then use them.
+    pub fn skinny_verified(&self) -> bool {
+        self.skinny_verified.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub(crate) fn set_skinny_verified(&self, verified: bool) {

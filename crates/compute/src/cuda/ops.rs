@@ -185,24 +185,99 @@ pub unsafe fn matmul_t_invariant(
     k: usize,
     f32_out: bool,
 ) -> Result<(), CudaError> {
+    let skinny = dev.invariant_skinny() && skinny_takes(t, k);
+    // Safety: the caller's contract.
+    unsafe { invariant_product(dev, x, w, y, t, n, k, f32_out, 1, skinny) }
+}
+
+/// How many slices a batch-invariant product of `k` columns is cut into
+/// ([`matmul_t_invariant_sliced`]), fixed by `k` and the tuning alone: the fewest (a power of
+/// two, at most [`MAX_INVARIANT_SLICES`]) of at most `max_cols` columns each, every slice a
+/// multiple of 64 columns; 1 when `max_cols` is 0 or `k` does not split so.
+pub fn invariant_slices(k: usize, max_cols: usize) -> usize {
+    if max_cols == 0 {
+        return 1;
+    }
+    let mut slices = 1;
+    while k.div_ceil(slices) > max_cols && slices < MAX_INVARIANT_SLICES && k.is_multiple_of(slices * 2 * 64) {
+        slices *= 2;
+    }
+    slices
+}
+
+/// Most slices [`invariant_slices`] cuts a product into.
+pub const MAX_INVARIANT_SLICES: usize = 8;
+
+/// [`matmul_t_invariant`] with K cut into `slices` equal slices (each a multiple of 64 columns
+/// when `slices` > 1): writes the f32 partial products `parts[slice, t, n]` (slice `s` over
+/// columns `s k / slices ..`), which [`add_rms_norm`] adds in slice order
+/// ([`ResidualDelta::Parts`]). Every row count gets the same slices, so the sums are the same
+/// whatever `t` is; a long K's one-row product then runs `slices` times as many blocks, each a
+/// shorter chain (cuBLASLt's strided batch above [`SKINNY_MAX_TOKENS`] rows, the skinny kernels
+/// at or below it once [`verify_skinny`] has checked they agree).
+///
+/// # Safety
+/// As [`matmul_t_invariant`]; `parts` holds `[slices, t, n]` f32.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul_t_invariant_sliced(
+    dev: &CudaDevice,
+    x: u64,
+    w: u64,
+    parts: u64,
+    t: usize,
+    n: usize,
+    k: usize,
+    slices: usize,
+) -> Result<(), CudaError> {
+    if slices <= 1 {
+        // Safety: the caller's contract.
+        return unsafe { matmul_t_invariant(dev, x, w, parts, t, n, k, true) };
+    }
+    let cols = k / slices;
+    if !k.is_multiple_of(slices) || !cols.is_multiple_of(64) {
+        return Err(CudaError::Unavailable(format!("{k} columns do not cut into {slices} slices of a multiple of 64")));
+    }
+    let skinny = dev.skinny_verified() && skinny_takes(t, cols);
+    // Safety: the caller's contract.
+    unsafe { invariant_product(dev, x, w, parts, t, n, k, true, slices, skinny) }
+}
+
+/// The batch-invariant product on the skinny kernels or cuBLASLt.
+///
+/// # Safety
+/// As [`matmul_t_invariant_sliced`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn invariant_product(
+    dev: &CudaDevice,
+    x: u64,
+    w: u64,
+    y: u64,
+    t: usize,
+    n: usize,
+    k: usize,
+    f32_out: bool,
+    slices: usize,
+    skinny: bool,
+) -> Result<(), CudaError> {
     let gemm = dev
         .invariant_gemm()
         .ok_or_else(|| CudaError::Unavailable("batch-invariant matmul used before it was enabled".into()))?;
-    if dev.invariant_skinny() && skinny_takes(t, k) && dev.pdl_capable() {
+    if skinny && dev.pdl_capable() {
         let build = if t <= 8 { SkinnyBuild::B8 } else { SkinnyBuild::B16 };
         // Safety: the caller's contract covers the buffers.
-        return unsafe { matmul_t_skinny(dev, x, w, y, t, n, k, f32_out, build) };
+        return unsafe { matmul_t_skinny(dev, x, w, y, t, n, k, f32_out, slices, build) };
     }
     dev.stream().context().bind_to_thread()?;
     let stream = dev.stream().cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
     // Safety: the caller's contract is the one `InvariantGemm::matmul` states; the stream is
     // the device's, whose context was made current above.
-    unsafe { gemm.matmul(stream, x, w, y, t, n, k, f32_out) }
+    unsafe { gemm.matmul(stream, x, w, y, t, n, k, f32_out, slices) }
 }
 
 mod skinny;
 pub use skinny::{
-    matmul_t_skinny, skinny_smem_bytes, skinny_takes, verify_skinny, SkinnyBuild, SKINNY_MAX_TOKENS, SKINNY_STAGES,
+    matmul_t_skinny, skinny_smem_bytes, skinny_takes, verify_skinny, SkinnyBuild, SkinnyShape, SKINNY_MAX_TOKENS,
+    SKINNY_STAGES,
 };
 
 /// Fills `n` bf16 elements at `out` with the seeded uniform values of `preset_uniform`.
@@ -240,18 +315,38 @@ pub unsafe fn embed_gather(
     launch!(dev, "embed_gather", cfg((tokens as u32, 1), 256), table, ids, carried, x, hidden as i32)
 }
 
+/// What [`add_rms_norm`] adds to the residual stream before the norm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResidualDelta {
+    /// Nothing: the norm of the residual as it is.
+    None,
+    /// bf16 rows (a projection's output, as transformers rounds it).
+    Bf16(u64),
+    /// The f32 partial products of a K-sliced batch-invariant projection
+    /// ([`matmul_t_invariant_sliced`]): `slices` blocks of `[rows of the product, hidden]`,
+    /// `stride` floats apart, added in slice order and then rounded to bf16.
+    Parts {
+        /// Slice 0's first float.
+        ptr: u64,
+        /// How many slices.
+        slices: usize,
+        /// Floats from one slice to the next.
+        stride: usize,
+    },
+}
+
 /// `out[r] = rms_norm(x[rows[r]]) * w` for `num_rows` rows (rows = 0: row r itself), after
-/// `x += delta` (bf16 deltas, rounded to bf16 like the residual stream) when `delta` is non-zero.
+/// `x += delta` (rounded to bf16 like the residual stream).
 ///
 /// # Safety
-/// See the module docs; `x` holds the residual rows `rows` names (or `num_rows`), `delta` (if
-/// non-zero) as many bf16 rows, `rows` (if non-zero) `num_rows` indices, `w` `hidden` bf16, `out`
+/// See the module docs; `x` holds the residual rows `rows` names (or `num_rows`), `delta` as
+/// many rows of its kind, `rows` (if non-zero) `num_rows` indices, `w` `hidden` bf16, `out`
 /// `[num_rows, hidden]` bf16.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn add_rms_norm(
     dev: &CudaDevice,
     x: u64,
-    delta: u64,
+    delta: ResidualDelta,
     rows: u64,
     w: u64,
     out: u64,
@@ -268,7 +363,26 @@ pub unsafe fn add_rms_norm(
         hidden <= 1024 * 32 && hidden.is_multiple_of(4),
         "hidden size {hidden} is not supported by the norm kernel"
     );
-    launch!(dev, "add_rms_norm", cfg((num_rows as u32, 1), block), x, delta, rows, w, out, hidden as i32, eps)
+    let (bf16, (parts, slices, stride)) = match delta {
+        ResidualDelta::None => (0u64, (0u64, 1i32, 0u64)),
+        ResidualDelta::Bf16(ptr) => (ptr, (0, 1, 0)),
+        ResidualDelta::Parts { ptr, slices, stride } => (0, (ptr, slices as i32, stride as u64)),
+    };
+    launch!(
+        dev,
+        "add_rms_norm",
+        cfg((num_rows as u32, 1), block),
+        x,
+        bf16,
+        parts,
+        slices,
+        stride,
+        rows,
+        w,
+        out,
+        hidden as i32,
+        eps
+    )
 }
 
 /// `out[t, i] = silu(gu[t, 2i]) * gu[t, 2i + 1]` (`inter` even): gate/up rows interleaved, as

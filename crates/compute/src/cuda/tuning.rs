@@ -38,6 +38,13 @@ pub struct CudaTuning {
     /// Stages of 256 columns each skinny block keeps in flight (4 or 8): more hide more memory
     /// latency, fewer let more blocks share an SM. The same bits either way.
     pub skinny_stages: usize,
+    /// Batch-invariant o and down projections (the long-K products) are cut into slices of at
+    /// most this many columns (`ops::invariant_slices`), whose partial products the residual
+    /// add sums in order: a one-row product then runs several short chains instead of one long
+    /// one. 0 (the default): unsliced, faster on an H200 at every batch measured
+    /// (docs/PERFORMANCE.md). Changes the outputs' last bits (another order of sums); batch
+    /// invariant either way.
+    pub invariant_slice_cols: usize,
 }
 
 impl Default for CudaTuning {
@@ -51,6 +58,7 @@ impl Default for CudaTuning {
             bulk_o_projection: true,
             invariant_skinny: false,
             skinny_stages: 8,
+            invariant_slice_cols: 0,
         }
     }
 }
@@ -66,6 +74,7 @@ impl CudaTuning {
         ("bulk_o_projection", "0|1 (default 1)"),
         ("invariant_skinny", "0|1 (default 0)"),
         ("skinny_stages", "4|8 (default 8)"),
+        ("invariant_slice_cols", "0 or a multiple of 64 (default 0)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -96,6 +105,10 @@ impl CudaTuning {
             "invariant_skinny" => self.invariant_skinny = flag()?,
             "skinny_stages" => {
                 self.skinny_stages = value.parse().ok().filter(|n| [4, 8].contains(n)).ok_or_else(bad)?;
+            }
+            "invariant_slice_cols" => {
+                self.invariant_slice_cols =
+                    value.parse().ok().filter(|n: &usize| n.is_multiple_of(64)).ok_or_else(bad)?;
             }
             _ => {
                 let keys: Vec<&str> = Self::KEYS.iter().map(|(k, _)| *k).collect();
@@ -146,6 +159,9 @@ impl fmt::Display for CudaTuning {
         }
         if self.skinny_stages != d.skinny_stages {
             parts.push(format!("skinny_stages={}", self.skinny_stages));
+        }
+        if self.invariant_slice_cols != d.invariant_slice_cols {
+            parts.push(format!("invariant_slice_cols={}", self.invariant_slice_cols));
         }
         write!(f, "{}", parts.join(","))
     }

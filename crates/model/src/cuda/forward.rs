@@ -5,7 +5,9 @@
 //! Everything it launches depends only on the token count, the logit rows and the step counts,
 //! so a decode step of a given size can be captured once as a CUDA graph and replayed.
 
-use tandem_compute::cuda::ops::{self, AttnShape, AttnSplit, Gemv, GemvBuild, GemvInput, GemvOutput, QkvRope};
+use tandem_compute::cuda::ops::{
+    self, AttnShape, AttnSplit, Gemv, GemvBuild, GemvInput, GemvOutput, QkvRope, ResidualDelta,
+};
 use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf, KvFences};
 
 use super::kv_cache::DeviceKv;
@@ -88,7 +90,8 @@ impl Pass<'_> {
         }
         let meta = self.step.attn_meta();
         let layers = &self.w.layers;
-        ops::add_rms_norm(dev, a.x.ptr(), 0, 0, layers[0].input_norm.ptr(), a.normed.ptr(), t, h, eps)?;
+        let none = ResidualDelta::None;
+        ops::add_rms_norm(dev, a.x.ptr(), none, 0, layers[0].input_norm.ptr(), a.normed.ptr(), t, h, eps)?;
         let prefill = self.step.prefill_seqs(counts);
         let per_group = layers.len().div_ceil(KV_FENCE_GROUPS).max(1);
         for (li, layer) in layers.iter().enumerate() {
@@ -103,29 +106,21 @@ impl Pass<'_> {
             }
             let split = self.step.flash_split(counts);
             ops::flash_prefill(dev, a.q.ptr(), self.cache.ptr(), a.attn.ptr(), &prefill, &meta, &shape, split)?;
-            self.linear(&layer.o, a.attn.ptr(), a.proj.ptr(), t)?;
-            ops::add_rms_norm(dev, a.x.ptr(), a.proj.ptr(), 0, layer.post_norm.ptr(), a.normed.ptr(), t, h, eps)?;
+            let attn_out = self.residual_projection(&layer.o, a.attn.ptr(), t)?;
+            ops::add_rms_norm(dev, a.x.ptr(), attn_out, 0, layer.post_norm.ptr(), a.normed.ptr(), t, h, eps)?;
             self.linear(&layer.gate_up, a.normed.ptr(), a.gate_up.ptr(), t)?;
             ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, cfg.intermediate_size)?;
-            self.linear(&layer.down, a.act.ptr(), a.proj.ptr(), t)?;
+            let mlp_out = self.residual_projection(&layer.down, a.act.ptr(), t)?;
             match layers.get(li + 1) {
-                Some(next) => ops::add_rms_norm(
-                    dev,
-                    a.x.ptr(),
-                    a.proj.ptr(),
-                    0,
-                    next.input_norm.ptr(),
-                    a.normed.ptr(),
-                    t,
-                    h,
-                    eps,
-                )?,
+                Some(next) => {
+                    ops::add_rms_norm(dev, a.x.ptr(), mlp_out, 0, next.input_norm.ptr(), a.normed.ptr(), t, h, eps)?
+                }
                 // Only the rows that sample need the last residual add, the final norm and
                 // the (large) output projection.
                 None => ops::add_rms_norm(
                     dev,
                     a.x.ptr(),
-                    a.proj.ptr(),
+                    mlp_out,
                     self.step.at(m.rows),
                     self.w.norm.ptr(),
                     a.last.ptr(),
@@ -163,7 +158,32 @@ impl Pass<'_> {
         }
     }
 
-    unsafe fn linear(&self, l: &Linear, x: u64, y: u64, t: usize) -> Result<(), ModelError> {
+    /// A projection whose output the residual add takes (o and down): through `proj`, or when
+    /// batch invariant with a long K, as the partial products of K slices ([`Pass::slices`]),
+    /// which the residual add sums in order.
+    pub unsafe fn residual_projection(&self, l: &Linear, x: u64, t: usize) -> Result<ResidualDelta, CudaError> {
+        let slices = self.slices(l);
+        if slices > 1 {
+            let parts = self.step.act.parts.ptr();
+            ops::matmul_t_invariant_sliced(self.dev, x, l.weight.ptr(), parts, t, l.out_dim, l.in_dim, slices)?;
+            return Ok(ResidualDelta::Parts { ptr: parts, slices, stride: t * l.out_dim });
+        }
+        let proj = self.step.act.proj.ptr();
+        self.linear(l, x, proj, t)?;
+        Ok(ResidualDelta::Bf16(proj))
+    }
+
+    /// How many K slices a batch-invariant model cuts `l`'s product into (1 otherwise, and for
+    /// a projection with a bias, which the slices' fold does not add).
+    pub fn slices(&self, l: &Linear) -> usize {
+        if self.step.batch_invariant() {
+            l.invariant_slices(self.dev)
+        } else {
+            1
+        }
+    }
+
+    unsafe fn linear(&self, l: &Linear, x: u64, y: u64, t: usize) -> Result<(), CudaError> {
         self.matmul(x, l.weight.ptr(), y, t, l.out_dim, l.in_dim, false)?;
         if let Some(b) = &l.bias {
             ops::add_bias(self.dev, y, b.ptr(), t, l.out_dim, false)?;

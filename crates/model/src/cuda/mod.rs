@@ -133,9 +133,7 @@ impl CudaModel {
         let weights = Weights::load(&dev, spec)?;
         if opts.batch_invariant {
             dev.enable_batch_invariant()?;
-            if dev.tuning().invariant_skinny {
-                weights.verify_skinny(&dev, &cfg)?;
-            }
+            weights.verify_skinny(&dev, &cfg)?;
         }
         // The fused decode projections fold the norm and residual add in with other rounding
         // than the prefill path: a batch-invariant model runs every step unfused.

@@ -1,7 +1,7 @@
 //! Measurement only (the `profile` feature, for `tandem bench engine --profile`): device time
 //! per op of one forward.
 
-use tandem_compute::cuda::ops::{self, Gemv, GemvBuild, GemvPlan};
+use tandem_compute::cuda::ops::{self, Gemv, GemvBuild, GemvPlan, ResidualDelta};
 use tandem_compute::cuda::CudaError;
 
 use super::forward::{forward, Pass};
@@ -157,6 +157,11 @@ unsafe fn op_times(
     // Projections run over every layer's weights in turn, as in a step: one layer's alone
     // could be served from L2 on repeats.
     let time_layers = |f: &dyn Fn(&Layer) -> Result<(), CudaError>| time(&|| w.layers.iter().try_for_each(f));
+    // What the residual add takes from the down projection (its K slices when batch invariant).
+    let mlp_out = match pass.slices(&l0.down) {
+        1 => ResidualDelta::Bf16(a.proj.ptr()),
+        slices => ResidualDelta::Parts { ptr: a.parts.ptr(), slices, stride: t * h },
+    };
     let matmul =
         |x: u64, wt: u64, y: u64, t: usize, n: usize, k: usize, f32_out: bool| pass.matmul(x, wt, y, t, n, k, f32_out);
     let mut out: Vec<(String, f64)> = vec![
@@ -204,15 +209,12 @@ unsafe fn op_times(
                     )
                 })?,
         ),
-        (
-            "o projection".into(),
-            time_layers(&|l| matmul(a.attn.ptr(), l.o.weight.ptr(), a.proj.ptr(), t, h, l.o.in_dim, false))?,
-        ),
+        ("o projection".into(), time_layers(&|l| pass.residual_projection(&l.o, a.attn.ptr(), t).map(|_| ()))?),
         (
             "residual add + RMSNorm (x2)".into(),
             2.0 * layers
                 * time(&|| {
-                    ops::add_rms_norm(dev, a.x.ptr(), a.proj.ptr(), 0, l0.post_norm.ptr(), a.normed.ptr(), t, h, eps)
+                    ops::add_rms_norm(dev, a.x.ptr(), mlp_out, 0, l0.post_norm.ptr(), a.normed.ptr(), t, h, eps)
                 })?,
         ),
         (
@@ -220,10 +222,7 @@ unsafe fn op_times(
             time_layers(&|l| matmul(a.normed.ptr(), l.gate_up.weight.ptr(), a.gate_up.ptr(), t, 2 * inter, h, false))?,
         ),
         ("SiLU x up".into(), layers * time(&|| ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, inter))?),
-        (
-            "down projection".into(),
-            time_layers(&|l| matmul(a.act.ptr(), l.down.weight.ptr(), a.proj.ptr(), t, h, inter, false))?,
-        ),
+        ("down projection".into(), time_layers(&|l| pass.residual_projection(&l.down, a.act.ptr(), t).map(|_| ()))?),
         (
             "output projection".into(),
             time(&|| matmul(a.last.ptr(), w.head().ptr(), a.logits.ptr(), rows, cfg.vocab_size, h, true))?,

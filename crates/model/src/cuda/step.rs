@@ -86,6 +86,17 @@ impl StepBuffers {
             tokens: dev.zeros(max_seqs)?,
             bans: dev.zeros(1024)?,
             sample_scratch: dev.zeros(ops::sample_scratch_len(max_seqs))?,
+            parts: dev.zeros(if batch_invariant {
+                let max_cols = dev.tuning().invariant_slice_cols;
+                let slices = ops::invariant_slices(q_dim, max_cols).max(ops::invariant_slices(i, max_cols));
+                if slices > 1 {
+                    t * h * slices
+                } else {
+                    1
+                }
+            } else {
+                1
+            })?,
             attn_part: dev.zeros(if batch_invariant {
                 // Split steps have at most 8 tokens (see `attention_split_most`).
                 ops::flash_split_floats(8, cfg.num_heads, cfg.head_dim, max_positions)
@@ -401,6 +412,9 @@ pub(super) struct Activations {
     /// Counters and partial bests of greedy rows whose scan several blocks share
     /// ([`ops::sample_rows`]).
     pub sample_scratch: DevBuf<i32>,
+    /// The K slices' partial products of batch-invariant o and down projections
+    /// ([`super::forward::Pass::residual_projection`]).
+    pub parts: DevBuf<f32>,
     /// Partials of split row attention (at most 16 token ranges per head in all), or when
     /// batch invariant, of the packed prefill kernel's key ranges ([`ops::FlashSplit`]).
     pub attn_part: DevBuf<f32>,

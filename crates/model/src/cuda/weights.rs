@@ -25,6 +25,16 @@ impl Linear {
     pub fn bias_ptr(&self) -> u64 {
         self.bias.as_ref().map_or(0, DevBuf::ptr)
     }
+
+    /// How many K slices this projection's batch-invariant product is cut into when the
+    /// residual add takes its output (o and down; `ops::invariant_slices`); 1 with a bias,
+    /// which the slices' fold does not add.
+    pub fn invariant_slices(&self, dev: &CudaDevice) -> usize {
+        if self.bias.is_some() {
+            return 1;
+        }
+        ops::invariant_slices(self.in_dim, dev.tuning().invariant_slice_cols)
+    }
 }
 
 pub(super) struct Layer {
@@ -169,17 +179,41 @@ impl Weights {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
-    /// Turns on the skinny batch-invariant products if they give cuBLASLt's bits for the first
-    /// layer's projections and the head on this GPU (every layer has the first's shapes), with
-    /// a warning saying why not otherwise.
+    /// Lets the skinny kernels serve batch-invariant products of few rows if they give
+    /// cuBLASLt's bits for the first layer's projections on this GPU (every layer has the
+    /// first's shapes): the K-sliced o and down products always (`slices`: how many each is cut
+    /// into), the others and the head only when tuned so ([`tandem_compute::cuda::CudaTuning`]'s
+    /// `invariant_skinny`). Warns saying why not otherwise.
     pub fn verify_skinny(&self, dev: &CudaDevice, cfg: &ModelConfig) -> Result<(), ModelError> {
-        let mut shapes: Vec<(u64, usize, usize, bool)> = vec![];
+        let mut shapes = vec![];
+        let all = dev.tuning().invariant_skinny;
+        let shape = |lin: &Linear, slices: usize| ops::SkinnyShape {
+            weight: lin.weight.ptr(),
+            n: lin.out_dim,
+            k: lin.in_dim,
+            f32_out: slices > 1,
+            slices,
+        };
         if let Some(l) = self.layers.first() {
-            for lin in [&l.qkv, &l.o, &l.gate_up, &l.down] {
-                shapes.push((lin.weight.ptr(), lin.out_dim, lin.in_dim, false));
+            for (lin, sliced) in [(&l.qkv, false), (&l.o, true), (&l.gate_up, false), (&l.down, true)] {
+                let s = if sliced { lin.invariant_slices(dev) } else { 1 };
+                if s > 1 || all {
+                    shapes.push(shape(lin, s));
+                }
             }
         }
-        shapes.push((self.head().ptr(), cfg.vocab_size, cfg.hidden_size, true));
+        if all {
+            shapes.push(ops::SkinnyShape {
+                weight: self.head().ptr(),
+                n: cfg.vocab_size,
+                k: cfg.hidden_size,
+                f32_out: true,
+                slices: 1,
+            });
+        }
+        if shapes.is_empty() {
+            return Ok(());
+        }
         // Safety: every address is a live weight buffer of its [n, k] bf16 shape.
         match unsafe { ops::verify_skinny(dev, &shapes)? } {
             None => tracing::info!(

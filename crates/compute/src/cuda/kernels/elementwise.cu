@@ -131,15 +131,19 @@ __device__ __forceinline__ float residual_add(float x, float delta) { return rou
 // x[row] += delta[row] first (the residual add fused in front of the norm) and written back.
 // Deltas (attention and MLP outputs) are bf16, as transformers' projections return them.
 // Grid: output rows. Block: 256 (hidden <= 256 * 32), 1024 beyond; hidden % 4 == 0.
+// Or, with `parts` (and no `delta`), the delta is the sum of `slices` f32 partial products
+// [slice, rows of the product, hidden] `part_stride` floats apart, added in slice order and
+// then rounded to bf16: the K-sliced batch-invariant projections (gemm_skinny's `slices`).
 #if KERNEL_GROUP(0)
-extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const int* rows, const bf16* w, bf16* out,
-                                        int hidden, float eps) {
+extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const float* parts, int slices, u64 part_stride,
+                                        const int* rows, const bf16* w, bf16* out, int hidden, float eps) {
     PDL_ENTER();
     __shared__ float scratch[32];
     int r = blockIdx.x;
     int row = rows ? rows[r] : r;
     float* xr = x + (u64)row * hidden;
     const bf16* dr = delta ? delta + (u64)row * hidden : 0;
+    const float* pr = parts ? parts + (u64)row * hidden : 0;
     // Four elements per thread per step (hidden % 4 == 0) with 16-byte accesses; a fixed trip
     // count keeps the row in registers (hidden <= 32 * blockDim).
     float4 vals[8];
@@ -156,6 +160,20 @@ extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const int* 
                 v.y = residual_add(v.y, __uint_as_float(d.x & 0xffff0000u));
                 v.z = residual_add(v.z, __uint_as_float(d.y << 16));
                 v.w = residual_add(v.w, __uint_as_float(d.y & 0xffff0000u));
+                *reinterpret_cast<float4*>(xr + i) = v;
+            } else if (pr) {
+                float4 d = *reinterpret_cast<const float4*>(pr + i);
+                for (int s = 1; s < slices; ++s) {
+                    float4 e = *reinterpret_cast<const float4*>(pr + s * part_stride + i);
+                    d.x += e.x;
+                    d.y += e.y;
+                    d.z += e.z;
+                    d.w += e.w;
+                }
+                v.x = residual_add(v.x, d.x);
+                v.y = residual_add(v.y, d.y);
+                v.z = residual_add(v.z, d.z);
+                v.w = residual_add(v.w, d.w);
                 *reinterpret_cast<float4*>(xr + i) = v;
             }
         }

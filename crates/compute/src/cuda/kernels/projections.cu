@@ -519,6 +519,11 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bulk_add(const bf16* W, i
 // stage the 8 weight rows and the t token rows, each SKINNY_ROW_BYTES (16 bytes of padding put
 // ldmatrix's eight rows in distinct banks), then one zero row that stands for the tokens past
 // t. K % 64 == 0 (whole 128-byte row pieces); dynamic shared memory: skinny_smem_bytes(t, STAGES).
+// With `slices` > 1, K is cut into that many equal slices (each a multiple of 64 columns) and
+// grid.y blocks take one each, writing f32 partial products [slice, t, N]: each slice's chain is
+// then the unsplit cuBLASLt product of its columns (the strided batch of cuda/invariant.rs), and
+// the consumer adds the slices in order (add_rms_norm's `parts`). The slice count is fixed by
+// the shape alone, so every row count gets the same sums.
 #define SKINNY_COLS 256
 #define SKINNY_PIECES (SKINNY_COLS / 32)
 #define SKINNY_ROW_BYTES (SKINNY_COLS * 2 + 16)
@@ -551,7 +556,8 @@ struct SkinnyStages {
     static constexpr int depth = DEPTH;
     const bf16* W;
     const bf16* X;
-    int K, n0, rows_w, t, stages;
+    // K: the columns this block sums (its slice); ld: the row stride of W and X.
+    int K, ld, n0, rows_w, t, stages;
     u32 base, zero_row, bars, lane;
 
     __device__ __forceinline__ u32 slot(int s) const { return base + (s & (DEPTH - 1)) * (8 + t) * SKINNY_ROW_BYTES; }
@@ -564,13 +570,13 @@ struct SkinnyStages {
     // Lane r < 8 copies weight row n0 + r (if there is one).
     __device__ __forceinline__ void copy_weights(int s) const {
         if (s < stages && (int)lane < rows_w)
-            bulk_copy(slot(s) + lane * SKINNY_ROW_BYTES, W + (u64)(n0 + lane) * K + s * SKINNY_COLS, bytes(s), bar(s));
+            bulk_copy(slot(s) + lane * SKINNY_ROW_BYTES, W + (u64)(n0 + lane) * ld + s * SKINNY_COLS, bytes(s), bar(s));
     }
     // Lane 8 + m copies token row m < t.
     __device__ __forceinline__ void copy_tokens(int s) const {
         int m = (int)lane - 8;
         if (s < stages && m >= 0 && m < t)
-            bulk_copy(slot(s) + lane * SKINNY_ROW_BYTES, X + (u64)m * K + s * SKINNY_COLS, bytes(s), bar(s));
+            bulk_copy(slot(s) + lane * SKINNY_ROW_BYTES, X + (u64)m * ld + s * SKINNY_COLS, bytes(s), bar(s));
     }
     // Lane addresses of stage s's fragments in its slot: the weight rows (B), tokens 0-7 and
     // tokens 8-15 (A; the zero row past t).
@@ -633,19 +639,27 @@ __device__ __forceinline__ void skinny_stage(const SkinnyStages<DEPTH>& st, int 
 
 template <int T16, int STAGES>
 __device__ __forceinline__ void gemm_skinny(const bf16* __restrict__ W, const bf16* __restrict__ X, void* Y, int N,
-                                            int K, int t, int f32_out) {
+                                            int K, int t, int f32_out, int slices) {
     extern __shared__ __align__(128) unsigned char skinny_smem[];
     __shared__ __align__(8) u64 bars[STAGES];
     int lane = threadIdx.x, n0 = blockIdx.x * 8, rows_w = min(8, N - n0);
     int stage_rows = 8 + t;
+    int cols = K / slices, slice = blockIdx.y;
+    if (slices > 1) {
+        W += slice * cols;
+        X += slice * cols;
+        Y = reinterpret_cast<float*>(Y) + (u64)slice * t * N;
+        f32_out = 1;
+    }
     u32 base = (u32)__cvta_generic_to_shared(skinny_smem);
     SkinnyStages<STAGES> st{W,
                             X,
+                            cols,
                             K,
                             n0,
                             rows_w,
                             t,
-                            (K + SKINNY_COLS - 1) / SKINNY_COLS,
+                            (cols + SKINNY_COLS - 1) / SKINNY_COLS,
                             base,
                             base + STAGES * stage_rows * SKINNY_ROW_BYTES,
                             (u32)__cvta_generic_to_shared(&bars[0]),
@@ -699,11 +713,11 @@ __device__ __forceinline__ void gemm_skinny(const bf16* __restrict__ W, const bf
 
 #define GEMM_SKINNY_KERNEL(NAME, T16, STAGES)                                                            \
     extern "C" __global__ void __launch_bounds__(32) NAME(const bf16* W, const bf16* X, void* Y, int N, int K, \
-                                                          int t, int f32_out) {                          \
+                                                          int t, int f32_out, int slices) {              \
         GEMM_SKINNY_BODY(T16, STAGES);                                                                   \
     }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define GEMM_SKINNY_BODY(T16, STAGES) gemm_skinny<T16, STAGES>(W, X, Y, N, K, t, f32_out)
+#define GEMM_SKINNY_BODY(T16, STAGES) gemm_skinny<T16, STAGES>(W, X, Y, N, K, t, f32_out, slices)
 #else
 #define GEMM_SKINNY_BODY(T16, STAGES)
 #endif

@@ -4,7 +4,7 @@
 
 use cudarc::driver::PushKernelArg;
 
-use super::{cfg, launch_programmatic, matmul_t_invariant, preset_uniform, RawArg};
+use super::{cfg, launch_programmatic, matmul_t_invariant, matmul_t_invariant_sliced, preset_uniform, RawArg};
 use crate::cuda::{CudaDevice, CudaError};
 
 /// Most rows the skinny build of the batch-invariant product takes.
@@ -61,10 +61,13 @@ pub fn skinny_smem_bytes(t: usize, stages: usize) -> usize {
 }
 
 /// [`matmul_t_invariant`] for `t` up to `build.max_tokens()` rows on the skinny kernels: the
-/// same bits as the cuBLASLt product, the weights streamed at the copy rate.
+/// same bits as the cuBLASLt product, the weights streamed at the copy rate. With `slices` > 1,
+/// the f32 partial products of K cut into that many slices, as
+/// [`super::matmul_t_invariant_sliced`] writes them (`f32_out` is then implied).
 ///
 /// # Safety
-/// As [`super::matmul_t`]; every address is 16-byte aligned.
+/// As [`super::matmul_t`]; every address is 16-byte aligned; with slices, `y` holds
+/// `[slices, t, n]` f32.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn matmul_t_skinny(
     dev: &CudaDevice,
@@ -75,66 +78,94 @@ pub unsafe fn matmul_t_skinny(
     n: usize,
     k: usize,
     f32_out: bool,
+    slices: usize,
     build: SkinnyBuild,
 ) -> Result<(), CudaError> {
     if t == 0 || n == 0 {
         return Ok(());
     }
-    if t > build.max_tokens() || !k.is_multiple_of(64) || !dev.pdl_capable() {
+    let slices = slices.max(1);
+    if t > build.max_tokens() || !k.is_multiple_of(slices) || !(k / slices).is_multiple_of(64) || !dev.pdl_capable() {
         return Err(CudaError::Unavailable(format!(
-            "{build:?} takes at most {} rows of a multiple of 64 columns on a Hopper or later GPU, not {t} x {k}",
+            "{build:?} takes at most {} rows of a multiple of 64 columns (a slice) on a Hopper or later GPU, not {t} x \
+             {k} in {slices} slices",
             build.max_tokens()
         )));
     }
     let stages = dev.tuning().skinny_stages;
     let blocks = n.div_ceil(SKINNY_ROWS) as u32;
-    let mut config = cfg((blocks, 1), 32);
+    let mut config = cfg((blocks, slices as u32), 32);
     config.shared_mem_bytes = skinny_smem_bytes(t, stages) as u32;
     // Always with programmatic dependent launch: the weights' copies start before the kernel
     // waits for the previous one (`gemm_skinny` in kernels/projections.cu).
-    launch!(@with true; dev, build.kernel(stages), config, w, x, y, n as i32, k as i32, t as i32, f32_out as i32)
+    launch!(@with true; dev, build.kernel(stages), config, w, x, y, n as i32, k as i32, t as i32, f32_out as i32,
+        slices as i32)
+}
+
+/// A weight matrix the skinny kernels must agree on with cuBLASLt before they serve it
+/// ([`verify_skinny`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SkinnyShape {
+    /// `[n, k]` bf16 on the device, 256-byte aligned.
+    pub weight: u64,
+    /// Output columns (rows of the weight).
+    pub n: usize,
+    /// Input columns.
+    pub k: usize,
+    /// Whether the product is written as f32 (bf16 otherwise; sliced products are f32).
+    pub f32_out: bool,
+    /// K slices ([`super::matmul_t_invariant_sliced`]; 1: unsliced).
+    pub slices: usize,
 }
 
 /// Checks on this GPU that the skinny kernels give the bits of cuBLASLt's product for each
-/// weight matrix `(address, n, k, f32 output)` (seeded inputs; 1, 8, 9 and 16 rows against
-/// the same rows of a 64-row product) and turns them on for [`matmul_t_invariant`] if every
-/// one agrees. Returns why not, if not (then the skinny kernels stay off: the
+/// weight matrix (seeded inputs; 1, 8, 9 and 16 rows against the same rows of a 64-row
+/// product, sliced as the shape says) and lets them serve the batch-invariant products of few
+/// rows if every one agrees. Returns why not, if not (then the skinny kernels stay off: the
 /// bits rest on cuBLASLt's kernels summing each output in ascending 16-column mma steps, which
 /// a GPU or library other than the ones measured need not do). Needs
 /// [`CudaDevice::enable_batch_invariant`].
 ///
 /// # Safety
-/// Each address holds `[n, k]` bf16 on this device, 256-byte aligned.
-pub unsafe fn verify_skinny(
-    dev: &CudaDevice,
-    weights: &[(u64, usize, usize, bool)],
-) -> Result<Option<String>, CudaError> {
+/// Each shape's weight holds `[n, k]` bf16 on this device, 256-byte aligned.
+pub unsafe fn verify_skinny(dev: &CudaDevice, shapes: &[SkinnyShape]) -> Result<Option<String>, CudaError> {
     const MANY: usize = 64;
     dev.set_skinny_verified(false);
     if !dev.pdl_capable() {
         return Ok(Some("they need a Hopper or later GPU (bulk copies)".into()));
     }
-    for &(w, n, k, f32_out) in weights {
-        if !skinny_takes(1, k) {
+    for &SkinnyShape { weight: w, n, k, f32_out, slices } in shapes {
+        let slices = slices.max(1);
+        if !k.is_multiple_of(slices) || !skinny_takes(1, k / slices) {
             continue;
         }
+        let f32_out = f32_out || slices > 1;
         let elem = if f32_out { 4 } else { 2 };
         let x = dev.zeros::<u16>(MANY * k)?;
-        let many = dev.zeros::<u8>(MANY * n * elem)?;
-        let few = dev.zeros::<u8>(SKINNY_MAX_TOKENS * n * elem)?;
+        let many = dev.zeros::<u8>(slices * MANY * n * elem)?;
+        let few = dev.zeros::<u8>(slices * SKINNY_MAX_TOKENS * n * elem)?;
         // Safety: the buffers were sized above for these shapes; `w` per the contract.
         unsafe {
             preset_uniform(dev, x.ptr(), (MANY * k) as u64, 0x5eed ^ (n * 31 + k) as u64, 1.0)?;
-            matmul_t_invariant(dev, x.ptr(), w, many.ptr(), MANY, n, k, f32_out)?;
+            if slices > 1 {
+                matmul_t_invariant_sliced(dev, x.ptr(), w, many.ptr(), MANY, n, k, slices)?;
+            } else {
+                matmul_t_invariant(dev, x.ptr(), w, many.ptr(), MANY, n, k, f32_out)?;
+            }
         }
-        let reference = dev.read(&many, SKINNY_MAX_TOKENS * n * elem)?;
+        let reference = dev.read(&many, slices * MANY * n * elem)?;
         for t in [1, 8, 9, 16] {
             let build = if t <= 8 { SkinnyBuild::B8 } else { SkinnyBuild::B16 };
             // Safety: as above.
-            unsafe { matmul_t_skinny(dev, x.ptr(), w, few.ptr(), t, n, k, f32_out, build)? };
-            let rows = t * n * elem;
-            if dev.read(&few, rows)?[..] != reference[..rows] {
-                return Ok(Some(format!("they differ from cuBLASLt's bits at {t} rows x {k} by {n}")));
+            unsafe { matmul_t_skinny(dev, x.ptr(), w, few.ptr(), t, n, k, f32_out, slices, build)? };
+            let got = dev.read(&few, slices * t * n * elem)?;
+            let (row_bytes, want_stride) = (t * n * elem, MANY * n * elem);
+            for s in 0..slices {
+                if got[s * row_bytes..(s + 1) * row_bytes] != reference[s * want_stride..s * want_stride + row_bytes] {
+                    return Ok(Some(format!(
+                        "they differ from cuBLASLt's bits at {t} rows x {k} by {n} (slice {s} of {slices})"
+                    )));
+                }
             }
         }
     }
