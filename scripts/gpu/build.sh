@@ -23,3 +23,36 @@ if [ -n "${BASELINE:-}" ]; then
 fi
 strip gpu-bin/*  # line tables make them too large to carry (64 MiB)
 ls -la gpu-bin
+# NIXL=1: also gpu-nixl/ (carry it instead of gpu-bin for `run.sh nixl`): tandem built with
+# --features nixl, the kernel tests, and nixl-runtime.tar.xz, NIXL's C API with its UCX plugin
+# and UCX's CUDA and shared-memory modules, the libraries they load, from PyPI's nixl-cu13 wheel
+# (the whole wheel, 57 MB, would not fit the carry beside the binaries).
+if [ -n "${NIXL:-}" ]; then
+  wheels=target/ci-nixl  # what .ci/run downloads, fetched here if missing
+  if [ ! -e "$wheels/.nixl_cu13.mesonpy.libs/libnixl_capi.so" ]; then
+    mkdir -p "$wheels"
+    python3 -m pip download --quiet --no-deps --only-binary=:all: --dest "$wheels" 'libclang==18.1.1'
+    python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+      --platform manylinux_2_28_x86_64 --dest "$wheels" 'nixl-cu13==1.5.1'
+    for wheel in "$wheels"/*.whl; do python3 -m zipfile -e "$wheel" "$wheels"; done
+  fi
+  export LIBCLANG_PATH="$PWD/$wheels/libclang-18.1.1.data/platlib/clang/native"
+  export BINDGEN_EXTRA_CLANG_ARGS="-I$(gcc -print-file-name=include)"
+  cargo build --release -p tandem --features tandem/nixl
+  rm -rf gpu-nixl target/nixl-rt && mkdir -p gpu-nixl target/nixl-rt/lib/ucx target/nixl-rt/plugins
+  cp target/release/tandem gpu-nixl/tandem
+  cp gpu-bin/cuda_kernels gpu-nixl/
+  libs="$PWD/$wheels/.nixl_cu13.mesonpy.libs" deps="$PWD/$wheels/nixl_cu13.libs"
+  modules="$deps/ucx/libuct_cuda.so.0.0.0 $deps/ucx/libuct_cma.so.0.0.0 $deps/ucx/libucm_cuda.so.0.0.0"
+  # shellcheck disable=SC2086  # the module list splits into words
+  closure=$(LD_LIBRARY_PATH="$libs:$deps" ldd "$libs/libnixl_capi.so" "$libs/plugins/libplugin_UCX.so" $modules \
+    | awk '$3 ~ /nixl_cu13/ {print $3}' | sort -u)
+  # shellcheck disable=SC2086
+  cp $closure "$libs/libnixl_capi.so" target/nixl-rt/lib/
+  cp "$libs/plugins/libplugin_UCX.so" target/nixl-rt/plugins/
+  # shellcheck disable=SC2086
+  cp $modules target/nixl-rt/lib/ucx/  # UCX looks for its modules in ucx/ beside libucs
+  tar cJf gpu-nixl/nixl-runtime.tar.xz -C target/nixl-rt .
+  strip gpu-nixl/tandem
+  ls -la gpu-nixl
+fi

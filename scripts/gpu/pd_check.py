@@ -11,7 +11,8 @@ the first token of a 4000-token prompt, median of 3, against colocated.
 
 Usage: pd_check.py TANDEM_BINARY OUT_DIR [MODEL]   (MODEL or $PD_MODEL, default preset:qwen3-0.6b;
 $PD_DEVICE=cpu tries it without a GPU, tcp settings only; $PD_SETTINGS=tcp keeps the settings whose name has
-"tcp"). Prints one summary line per setting;
+"tcp"; $PD_NIXL=1 adds push and pull over NIXL, for a tandem built with --features nixl). Prints one
+summary line per setting;
 exits 1 on a mismatch, a leak or an error. Logs: OUT_DIR/pd_*.log.
 """
 import concurrent.futures
@@ -122,8 +123,14 @@ settings = [("push", "tcp", 16, 16), ("pull", "tcp", 16, 16)]
 if device != "cpu":
     settings += [("push", "cuda-ipc", 16, 16), ("pull", "cuda-ipc", 16, 16),
                  ("push", "cuda-ipc", 16, 32), ("pull", "cuda-ipc", 32, 16), ("push", "auto", 16, 16)]
-# PD_SETTINGS=tcp (or any text in the setting's name) keeps only the matching settings.
-settings = [s for s in settings if os.environ.get("PD_SETTINGS", "") in "_".join(map(str, s))]
+# PD_NIXL=1: also over NIXL (a tandem built with --features nixl, libnixl_capi.so on the
+# library path), GPU engines registering their device caches.
+if os.environ.get("PD_NIXL") == "1":
+    settings += [("push", "nixl", 16, 16), ("pull", "nixl", 16, 16), ("push", "nixl", 16, 32), ("pull", "nixl", 32, 16)]
+# PD_SETTINGS=tcp (or any text in the setting's name; several, comma-separated) keeps only the
+# matching settings.
+keep = os.environ.get("PD_SETTINGS", "").split(",")
+settings = [s for s in settings if any(k in "_".join(map(str, s)) for k in keep)]
 status = 0
 try:
     start("colocated", ["serve", "--port", "18300", "--block-size", "16"] + common)
@@ -149,7 +156,7 @@ try:
         base = 18400 + 100 * n
         name = f"{mode}_{transport}_{pbs}_{dbs}"
         p, d, r = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}", f"http://127.0.0.1:{base + 2}"
-        kv = ["--kv-mode", mode, "--kv-transport", transport] + (["--kv-host-gib", "8"] if transport != "cuda-ipc" else [])
+        kv = ["--kv-mode", mode, "--kv-transport", transport] + (["--kv-host-gib", "8"] if transport in ("tcp", "auto") else [])
         start(f"{name}_prefill", ["serve", "--role", "prefill", "--port", str(base), "--kv-port", str(base + 50),
                                   "--block-size", str(pbs)] + kv + common)
         start(f"{name}_decode", ["serve", "--role", "decode", "--port", str(base + 1), "--kv-port", str(base + 51),
@@ -192,7 +199,8 @@ try:
         if leaks:
             errors.append("KV blocks not back to baseline: " + ", ".join(leaks))
         # auto picks cuda-ipc between two GPU engines of one host
-        link = {"tcp": "tcp", "cuda-ipc": "cuda_ipc", "auto": "cuda_ipc" if device != "cpu" else "tcp"}[transport]
+        link = {"tcp": "tcp", "cuda-ipc": "cuda_ipc", "nixl": "nixl",
+                "auto": "cuda_ipc" if device != "cpu" else "tcp"}[transport]
         links = metric(p, "tandem:kv_connector", f"links_{link}")
         if not links:
             errors.append(f"prefill opened no {link} connection (links_{link}: {links})")

@@ -54,7 +54,7 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 export TANDEM_REQUIRE_CUDA=1 TANDEM_CACHE_DIR=/tmp/tandem-cache RUST_BACKTRACE=1
-BIN=gpu-bin
+BIN=${BIN:-gpu-bin}
 [ -x "$BIN/tandem" ] || { echo "no $BIN/tandem: run scripts/gpu/build.sh first and carry gpu-bin"; exit 2; }
 status=0
 note() { echo "== $*" | tee -a "$OUT/summary.txt"; }
@@ -116,8 +116,10 @@ ncu_decode() {
 # Disaggregated serving on the GPU, as separate processes (prefill, decode, router; KV through
 # each engine's host copy of its GPU cache), against a colocated engine, push and pull.
 pd_check() {
-  timeout 400 python3 scripts/gpu/pd_check.py "$BIN/tandem" "$OUT" > "$OUT/pd.log" 2>&1 || status=1
+  local rc=0
+  timeout 400 python3 scripts/gpu/pd_check.py "$BIN/tandem" "$OUT" > "$OUT/pd.log" 2>&1 || { status=1; rc=1; }
   while read -r line; do note "$line"; done < "$OUT/pd.log"
+  return $rc
 }
 if [ "$MODE" = prefix ]; then
   # Issue 30 on this GPU: multi-turn TTFT by turn (colocated with and without prefix caching,
@@ -126,6 +128,76 @@ if [ "$MODE" = prefix ]; then
   timeout 590 python3 scripts/gpu/prefix_check.py "$BIN/tandem" "$OUT" > "$OUT/prefix.log" 2>&1 || status=1
   tail -18 "$OUT/prefix.log" | tee -a "$OUT/summary.txt"
   exit $status
+fi
+# The seed's experiment on this GPU: push and pull and colocated, every engine on cuda:0,
+# preset:qwen3-4b, KV over SWEEP_TRANSPORT (default cuda-ipc); figures and summary.csv in
+# $OUT/sweep (copy them to docs/figures/gpu). SWEEP_DECODE_DEVICE=cuda:1 on the two-GPU machine:
+# prefill on one GPU, decode on the other.
+sweep() {
+  timeout "${SWEEP_SECS:-590}" "$BIN/tandem" bench sweep --launch --model preset:qwen3-4b --modes "${SWEEP_MODES:-push,pull,colocated}" \
+    --prefill-device cuda:0 --decode-device "${SWEEP_DECODE_DEVICE:-cuda:0}" --colocated-device cuda:0 --num-kv-blocks 4096 \
+    --engine-arg="--kv-transport=${SWEEP_TRANSPORT:-cuda-ipc}" --input-lens "${SWEEP_INPUTS:-1024,4096,8192}" --qps "${SWEEP_QPS:-1,2,4,8}" \
+    --output-len 64 --num-prompts 16 --vocab-size 100000 --result-dir "$OUT/sweep" --plot > "$OUT/sweep.log" 2>&1 \
+    || { note "sweep failed"; tail -20 "$OUT/sweep.log"; status=1; }
+  tail -40 "$OUT/sweep.log"
+  # The table: median TTFT and TPOT per point, and for the disaggregated modes the median KV
+  # transfer and prefill hand-over -> KV applied at decode (push), with the transfer's share.
+  python3 - "$OUT/sweep/summary.csv" <<'PY' | tee -a "$OUT/summary.txt"
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+print(f"{'mode':>9} {'in':>5} {'qps':>4} {'TTFT ms':>8} {'TPOT ms':>8} {'KV ms':>7} {'KV/TTFT':>7} {'handover->ready ms':>18}")
+for r in rows:
+    kv, h = r.get("median_kv_transfer_ms") or "", r.get("median_produced_to_ready_ms") or ""
+    share = f"{100 * float(kv) / float(r['median_ttft_ms']):.2f}%" if kv else ""
+    print(f"{r['mode']:>9} {r['input_len']:>5} {r['qps']:>4} {float(r['median_ttft_ms']):8.1f} {float(r['median_tpot_ms']):8.2f} {kv:>7} {share:>7} {h:>18}")
+PY
+}
+# Issue 31 on this GPU (BIN=gpu-nixl, from `NIXL=1 scripts/gpu/build.sh`): NIXL between two
+# processes' GPU caches (VRAM registered) beside cuda-ipc into the same peer cache (`bench kv
+# --transport nixl --device cuda:0`, whose peer checks what landed), then P/D push and pull over
+# NIXL (and push over cuda-ipc, to compare) against colocated with every engine
+# --batch-invariant, then push and pull of the sweep over NIXL (SKIP_SWEEP=1 leaves it out);
+# SLICED_TEST=1 also runs the sliced batch-invariant product test.
+if [ "$MODE" = nixl ]; then
+  rt=/tmp/nixl-rt
+  mkdir -p "$rt" && tar xJf "$BIN/nixl-runtime.tar.xz" -C "$rt" || { note "no NIXL runtime in $BIN"; exit 2; }
+  export LD_LIBRARY_PATH="$rt/lib:$LD_LIBRARY_PATH" NIXL_PLUGIN_DIR="$rt/plugins"
+  # NIXL_UCX="label:UCX_SETTING ..." runs the benchmark once per label (default: UCX as it is).
+  for spec in ${NIXL_UCX:-default:}; do
+    [ -n "${SKIP_KV:-}" ] && break
+    label=${spec%%:*} settings=${spec#*:}
+    # shellcheck disable=SC2086  # the settings split into words
+    env UCX_LOG_LEVEL=info ${settings//,/ } timeout 300 "$BIN/tandem" bench kv --transport nixl --device cuda:0 \
+      --sizes "${NIXL_SIZES:-1MiB,16MiB,64MiB,256MiB,1GiB}" --json-out "$OUT/kv_nixl_$label.json" \
+      > "$OUT/kv_nixl_$label.log" 2>&1 \
+      && note "bench kv nixl beside cuda-ipc (one GPU, two processes), UCX $label ($settings):" \
+      || { note "bench kv nixl $label: FAILED"; tail -4 "$OUT/kv_nixl_$label.log" >> "$OUT/summary.txt"; status=1; }
+    grep -A8 "^cuda-ipc into" "$OUT/kv_nixl_$label.log" | tee -a "$OUT/summary.txt"
+    # UCX's own account of the transports each endpoint uses (its info log's cfg lines).
+    grep -oE "intra-node cfg.{0,200}" "$OUT/kv_nixl_$label.log" | sort | uniq -c | head -4 | tee -a "$OUT/summary.txt"
+  done
+  if [ -z "${SKIP_PD:-}" ]; then
+    # NIXL_PD_UCX: UCX settings for the engines of this check only.
+    # shellcheck disable=SC2086
+    ( [ -n "${NIXL_PD_UCX:-}" ] && export ${NIXL_PD_UCX//,/ }
+      PD_NIXL=1 PD_SETTINGS="${NIXL_PD_SETTINGS:-nixl,push_cuda-ipc_16_16}" PD_BATCH_INVARIANT=1 PD_LONG=2000 pd_check ) \
+      || status=1
+  fi
+  if [ -n "${SLICED_TEST:-}" ]; then
+    timeout 200 "$BIN/cuda_kernels" --include-ignored --test-threads=1 --nocapture sliced_invariant \
+      > "$OUT/sliced_kernels.log" 2>&1 && note "sliced invariant kernel test: ok" \
+      || { note "sliced invariant kernel test: FAILED"; grep -A8 panicked "$OUT/sliced_kernels.log" | head -12 >> "$OUT/summary.txt"; status=1; }
+    grep -E "^sliced " "$OUT/sliced_kernels.log" | while read -r l; do note "$l"; done
+  fi
+  # The sweep over NIXL (push and pull; NIXL_SWEEP_INPUTS, NIXL_SWEEP_QPS), against the
+  # cuda-ipc sweep in docs/PERFORMANCE.md.
+  if [ -z "${SKIP_SWEEP:-}" ]; then
+    # shellcheck disable=SC2086
+    [ -n "${NIXL_SWEEP_UCX:-}" ] && export ${NIXL_SWEEP_UCX//,/ }
+    SWEEP_TRANSPORT=nixl SWEEP_MODES="${NIXL_SWEEP_MODES:-push,pull}" SWEEP_INPUTS="${NIXL_SWEEP_INPUTS:-4096}" \
+      SWEEP_QPS="${NIXL_SWEEP_QPS:-1,8}" SWEEP_SECS=300 sweep
+  fi
+  cat "$OUT/summary.txt"; exit $status
 fi
 if [ "$MODE" = pd ]; then
   pd_check; cat "$OUT/summary.txt"; exit $status
@@ -136,9 +208,10 @@ fi
 # then the flag's cost: bench engine on qwen3-4b with and without it.
 if [ "$MODE" = invariant ]; then
   timeout 240 "$BIN/cuda_kernels" --include-ignored --test-threads=1 --nocapture packed_attention invariant_matmul \
-    skinny_invariant attention_kernels > "$OUT/inv_kernels.log" 2>&1 && note "invariant kernel tests: ok" \
+    sliced_invariant ${SKINNY_TEST:+skinny_invariant} attention_kernels > "$OUT/inv_kernels.log" 2>&1 \
+    && note "invariant kernel tests: ok" \
     || { note "invariant kernel tests: FAILED"; grep -B2 -A8 panicked "$OUT/inv_kernels.log" | head -30 >> "$OUT/summary.txt"; status=1; }
-  grep -E "cuBLAS.s default|^skinny " "$OUT/inv_kernels.log" | while read -r l; do note "$l"; done
+  grep -E "cuBLAS.s default|^skinny |^sliced " "$OUT/inv_kernels.log" | while read -r l; do note "$l"; done
   timeout 300 "$BIN/cuda_engine" --include-ignored --nocapture batch_invariant > "$OUT/inv_engine.log" 2>&1 \
     && note "batch-invariant engine test: ok" \
     || { note "batch-invariant engine test: FAILED"; grep -B2 -A8 panicked "$OUT/inv_engine.log" | head -20 >> "$OUT/summary.txt"; status=1; }
@@ -146,17 +219,16 @@ if [ "$MODE" = invariant ]; then
   if [ -z "${SKIP_PD:-}" ]; then
     PD_BATCH_INVARIANT=1 PD_SETTINGS=cuda-ipc_16 PD_LONG=2000 pd_check
   fi
-  # Then the invariant products of few rows on the skinny kernels (4 and 8 stages), and with
-  # every kernel launched programmatically (pdl).
-  for flag in default --batch-invariant skinny4 skinny8 skinny8-pdl; do
+  # Then the o and down products cut into K slices of at most 1280 and 2560 columns
+  # (--cuda-tune invariant_slice_cols), at the short context.
+  for flag in default --batch-invariant slices1280 slices2560; do
     [ -n "${SKIP_BENCH:-}" ] && break
     for ctx in 16 1024; do
       args=()
       case $flag in
         --batch-invariant) args=("$flag") ;;
-        skinny*-pdl) [ "$ctx" = 16 ] || continue
-          args=(--batch-invariant --cuda-tune=invariant_skinny=1 --cuda-tune=programmatic_launch=1) ;;
-        skinny*) args=(--batch-invariant --cuda-tune=invariant_skinny=1 "--cuda-tune=skinny_stages=${flag#skinny}") ;;
+        slices*) [ "$ctx" = 16 ] || continue
+          args=(--batch-invariant "--cuda-tune=invariant_slice_cols=${flag#slices}") ;;
       esac
       # Where the invariant step's time goes (per op), at the longer context.
       [ "$flag" != default ] && [ "$ctx" = 1024 ] && args+=(--profile)
@@ -310,26 +382,7 @@ if [ "$MODE" = ipc ]; then
   cat "$OUT/summary.txt"; exit $status
 fi
 if [ "$MODE" = sweep ]; then
-  # The seed's experiment on this GPU: push and pull (cuda-ipc) and colocated, every engine on
-  # cuda:0, preset:qwen3-4b; figures and summary.csv in $OUT/sweep (copy them to docs/figures/gpu).
-  # SWEEP_DECODE_DEVICE=cuda:1 on the two-GPU machine: prefill on one GPU, decode on the other.
-  timeout 590 "$BIN/tandem" bench sweep --launch --model preset:qwen3-4b --modes "${SWEEP_MODES:-push,pull,colocated}" \
-    --prefill-device cuda:0 --decode-device "${SWEEP_DECODE_DEVICE:-cuda:0}" --colocated-device cuda:0 --num-kv-blocks 4096 \
-    --engine-arg=--kv-transport=cuda-ipc --input-lens "${SWEEP_INPUTS:-1024,4096,8192}" --qps "${SWEEP_QPS:-1,2,4,8}" \
-    --output-len 64 --num-prompts 16 --vocab-size 100000 --result-dir "$OUT/sweep" --plot > "$OUT/sweep.log" 2>&1 \
-    || { note "sweep failed"; tail -20 "$OUT/sweep.log"; status=1; }
-  tail -40 "$OUT/sweep.log"
-  # The table: median TTFT and TPOT per point, and for the disaggregated modes the median KV
-  # transfer and prefill hand-over -> KV applied at decode (push), with the transfer's share.
-  python3 - "$OUT/sweep/summary.csv" <<'PY' | tee -a "$OUT/summary.txt"
-import csv, sys
-rows = list(csv.DictReader(open(sys.argv[1])))
-print(f"{'mode':>9} {'in':>5} {'qps':>4} {'TTFT ms':>8} {'TPOT ms':>8} {'KV ms':>7} {'KV/TTFT':>7} {'handover->ready ms':>18}")
-for r in rows:
-    kv, h = r.get("median_kv_transfer_ms") or "", r.get("median_produced_to_ready_ms") or ""
-    share = f"{100 * float(kv) / float(r['median_ttft_ms']):.2f}%" if kv else ""
-    print(f"{r['mode']:>9} {r['input_len']:>5} {r['qps']:>4} {float(r['median_ttft_ms']):8.1f} {float(r['median_tpot_ms']):8.2f} {kv:>7} {share:>7} {h:>18}")
-PY
+  sweep
   exit $status
 fi
 if [ "$MODE" = ncu ]; then

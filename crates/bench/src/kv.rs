@@ -385,13 +385,16 @@ pub mod cuda_ipc {
         pub peer_block_size: usize,
         /// Contiguous runs a transfer's blocks are split into.
         pub runs: usize,
+        /// Destination sets in the peer's cache: 2 when another writer ([`PeerWriter`]) gets
+        /// a set of its own, so that what it lands is told apart from cuda-ipc's.
+        pub peer_sets: usize,
     }
 
     impl Default for IpcBenchConfig {
         fn default() -> Self {
             let layout = KvLayout { num_layers: 36, num_kv_heads: 8, head_dim: 128, block_size: 16, num_blocks: 0 };
             let sizes = [1usize << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30].to_vec();
-            Self { sizes, repeats: 5, layout, peer_block_size: 16, runs: 8 }
+            Self { sizes, repeats: 5, layout, peer_block_size: 16, runs: 8, peer_sets: 1 }
         }
     }
 
@@ -408,11 +411,48 @@ pub mod cuda_ipc {
             KvLayout { num_blocks: 2 * (n + self.runs + 1), ..self.layout }
         }
 
-        /// The peer's cache.
+        /// The peer's cache: [`Self::peer_sets`] sets of [`Self::peer_set_blocks`].
         pub fn peer_layout(&self) -> KvLayout {
             let l = KvLayout { block_size: self.peer_block_size, ..self.layout };
-            KvLayout { num_blocks: l.blocks_for(self.max_tokens()) + self.runs + 1, ..l }
+            KvLayout { num_blocks: self.peer_set_blocks() * self.peer_sets.max(1), ..l }
         }
+
+        /// Blocks of one destination set in the peer's cache.
+        pub fn peer_set_blocks(&self) -> usize {
+            let l = KvLayout { block_size: self.peer_block_size, ..self.layout };
+            l.blocks_for(self.max_tokens()) + self.runs + 1
+        }
+
+        /// Tokens of a transfer of `size` bytes.
+        pub fn tokens_of(&self, size: usize) -> usize {
+            size.div_ceil(self.layout.block_elems() / self.layout.block_size * 2)
+        }
+
+        /// Our blocks a transfer of `tokens` reads.
+        pub fn source_table(&self, tokens: usize) -> Vec<u32> {
+            table(self.layout.blocks_for(tokens), self.runs, 0)
+        }
+
+        /// The peer's blocks set `set` of a transfer of `tokens` writes.
+        pub fn peer_table(&self, tokens: usize, set: usize) -> Vec<u32> {
+            let l = KvLayout { block_size: self.peer_block_size, ..self.layout };
+            table(l.blocks_for(tokens), self.runs, set * self.peer_set_blocks())
+        }
+    }
+
+    /// A second way into the peer's cache, measured beside cuda-ipc on the same blocks
+    /// (`bench kv --transport nixl`): it writes into the peer's destination set 1.
+    pub trait PeerWriter {
+        /// What the column is called.
+        fn name(&self) -> &'static str;
+        /// Once, before any write: our cache, as `measure` allocated and filled it.
+        fn attach(&mut self, ours: &Arc<DeviceKvMemory>) -> Result<(), String>;
+        /// Writes tokens `0..tokens` of our `src` blocks into the peer's `dst` blocks and
+        /// returns once they have landed there.
+        fn write(&mut self, src: &[u32], dst: &[u32], tokens: usize) -> Result<(), String>;
+        /// Reads tokens `0..tokens` of the peer's `src` blocks into our `dst` blocks (a pull's
+        /// direction) and returns once they are here.
+        fn read(&mut self, src: &[u32], dst: &[u32], tokens: usize) -> Result<(), String>;
     }
 
     /// Block ids for `n` blocks in `runs` runs with one-block gaps, from `first`.
@@ -437,6 +477,10 @@ pub mod cuda_ipc {
         /// cuda-ipc as a push writes a prompt while its step runs: four layer groups, each
         /// queued behind its (here already complete) event, median GB/s.
         pub layer_groups_gb_s: f64,
+        /// The other writer ([`PeerWriter`]), if any: median GB/s, and its share of cuda-ipc's.
+        pub other: Option<(f64, f64)>,
+        /// Its reads of the same blocks back from the peer, median GB/s.
+        pub other_read_gb_s: Option<f64>,
     }
 
     /// The report.
@@ -448,6 +492,8 @@ pub mod cuda_ipc {
         pub block_sizes: (usize, usize),
         /// One row per size.
         pub rows: Vec<IpcRow>,
+        /// The other writer's name, if one was measured.
+        pub other: Option<String>,
     }
 
     impl std::fmt::Display for IpcReport {
@@ -457,13 +503,18 @@ pub mod cuda_ipc {
                 "cuda-ipc into a peer process ({}), blocks of {} -> {} tokens",
                 self.placement, self.block_sizes.0, self.block_sizes.1
             )?;
-            writeln!(
+            let other = self.other.as_deref().map(|n| (format!("{n} GB/s"), format!("{n}/ipc")));
+            write!(
                 f,
                 "{:>10} {:>7} {:>18} {:>16} {:>7} {:>22}",
                 "size", "copies", "device copy GB/s", "cuda-ipc GB/s", "ratio", "4 layer groups GB/s"
             )?;
+            match &other {
+                Some((rate, share)) => writeln!(f, " {rate:>12} {share:>10} {:>12}", "read GB/s")?,
+                None => writeln!(f)?,
+            }
             for r in &self.rows {
-                writeln!(
+                write!(
                     f,
                     "{:>9.1}M {:>7} {:>18.1} {:>16.1} {:>6.0}% {:>22.1}",
                     r.bytes as f64 / (1 << 20) as f64,
@@ -473,6 +524,15 @@ pub mod cuda_ipc {
                     r.ratio * 100.0,
                     r.layer_groups_gb_s
                 )?;
+                match r.other {
+                    Some((gb_s, share)) => writeln!(
+                        f,
+                        " {gb_s:>12.1} {:>9.0}% {:>12.1}",
+                        share * 100.0,
+                        r.other_read_gb_s.unwrap_or(f64::NAN)
+                    )?,
+                    None => writeln!(f)?,
+                }
             }
             Ok(())
         }
@@ -524,22 +584,45 @@ pub mod cuda_ipc {
     }
 
     /// The driving side: copies into the peer's exported cache, and the same copies inside our
-    /// own, for each size.
-    pub fn measure(dev: &CudaDevice, cfg: &IpcBenchConfig, export: &IpcExport) -> Result<IpcReport, String> {
+    /// own, for each size; and `other`'s writes into the peer's second set, when given. Our
+    /// cache holds seeded values, so what lands can be checked.
+    pub fn measure(
+        dev: &CudaDevice,
+        cfg: &IpcBenchConfig,
+        export: &IpcExport,
+        mut other: Option<&mut dyn PeerWriter>,
+    ) -> Result<IpcReport, String> {
         let l = cfg.layout();
         let cache = dev.zeros_exportable::<u16>(l.num_blocks * l.block_elems()).map_err(|e| e.to_string())?;
+        // Safety: the buffer just allocated, `l.num_blocks * l.block_elems()` bf16.
+        unsafe { tandem_compute::cuda::ops::preset_uniform(dev, cache.ptr(), cache.len() as u64, 0xb10c, 1.0) }
+            .and_then(|()| dev.synchronize())
+            .map_err(|e| e.to_string())?;
         let ours = dev.kv_memory(&cache, l).map_err(|e| e.to_string())?;
         let peer: PeerKvMemory = ours.open_peer(export, cfg.peer_layout())?;
-        let token_bytes = l.block_elems() / l.block_size * 2;
+        if let Some(w) = other.as_deref_mut() {
+            w.attach(&ours)?;
+        }
         let mut rows = Vec::new();
         for &size in &cfg.sizes {
-            let tokens = size.div_ceil(token_bytes);
-            let n_src = l.blocks_for(tokens);
-            let src = table(n_src, cfg.runs, 0);
-            let floor_dst = table(n_src, cfg.runs, l.num_blocks / 2);
-            let peer_dst = table(cfg.peer_layout().blocks_for(tokens), cfg.runs, 0);
-            let (mut floor, mut ipc, mut grouped, mut copies) = (Vec::new(), Vec::new(), Vec::new(), 0);
+            let tokens = cfg.tokens_of(size);
+            let src = cfg.source_table(tokens);
+            let floor_dst = table(src.len(), cfg.runs, l.num_blocks / 2);
+            let peer_dst = cfg.peer_table(tokens, 0);
+            let (mut floor, mut ipc, mut grouped, mut others, mut reads, mut copies) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), 0);
+            let bytes = (tokens * l.block_elems() / l.block_size * 2) as f64;
             for _ in 0..cfg.repeats.max(1) + 1 {
+                if let Some(w) = other.as_deref_mut() {
+                    let dst = cfg.peer_table(tokens, 1);
+                    let t = Instant::now();
+                    w.write(&src, &dst, tokens)?;
+                    others.push(bytes / t.elapsed().as_secs_f64() / 1e9);
+                    // And back, into the floor's half of our cache (rewritten below anyway).
+                    let t = Instant::now();
+                    w.read(&dst, &floor_dst, tokens)?;
+                    reads.push(bytes / t.elapsed().as_secs_f64() / 1e9);
+                }
                 let t = Instant::now();
                 let moved = ours.copy_within(&src, &floor_dst, tokens)?;
                 floor.push(moved as f64 / t.elapsed().as_secs_f64() / 1e9);
@@ -555,19 +638,24 @@ pub mod cuda_ipc {
             // The first round warms the mapping and the copy engines up.
             let (floor, ipc) = (median(floor[1..].to_vec()), median(ipc[1..].to_vec()));
             let layer_groups_gb_s = median(grouped[1..].to_vec());
+            let other = (!others.is_empty()).then(|| median(others[1..].to_vec())).map(|gb_s| (gb_s, gb_s / ipc));
+            let other_read_gb_s = (!reads.is_empty()).then(|| median(reads[1..].to_vec()));
             rows.push(IpcRow {
-                bytes: tokens * token_bytes,
+                bytes: tokens * l.block_elems() / l.block_size * 2,
                 copies,
                 device_copy_gb_s: floor,
                 cuda_ipc_gb_s: ipc,
                 ratio: ipc / floor,
                 layer_groups_gb_s,
+                other,
+                other_read_gb_s,
             });
         }
         Ok(IpcReport {
             placement: format!("{} -> {}", ours.describe(), peer.place()),
             block_sizes: (l.block_size, cfg.peer_block_size),
             rows,
+            other: other.map(|w| w.name().to_string()),
         })
     }
 }

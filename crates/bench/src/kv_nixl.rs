@@ -12,9 +12,9 @@
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use tandem_compute::kv_copy::{plan_kv_copy, run_kv_copy_on_host, KvCopy};
+use tandem_compute::kv_copy::{plan_kv_copy, run_kv_copy_on_host};
 use tandem_compute::KvCache;
-use tandem_kv::nixl::{NixlEndpoint, NixlPlace, NixlRegion, NixlRun};
+use tandem_kv::nixl::{NixlEndpoint, NixlPlace, NixlRegion, NixlRun, NixlScratch};
 use tandem_kv::KvMemory;
 
 use crate::kv::KvBenchConfig;
@@ -44,8 +44,8 @@ impl Side {
             }
         }
         let (addr, len) = cache.region().address_range();
-        let endpoint =
-            NixlEndpoint::open(name, NixlRegion { addr, len, place: NixlPlace::Dram }).map_err(|e| e.to_string())?;
+        let endpoint = NixlEndpoint::open(name, NixlRegion { addr, len, place: NixlPlace::Dram }, NixlScratch::host())
+            .map_err(|e| e.to_string())?;
         Ok(Self { cache, endpoint })
     }
 
@@ -144,13 +144,7 @@ pub fn measure(
     let table = cfg.table();
     let tokens = table.len() * layout.block_size;
     let plan = plan_kv_copy(&layout, &layout, 4, &table, &table, tokens)?;
-    let runs: Vec<NixlRun> = plan
-        .iter()
-        .map(|c| match *c {
-            KvCopy::Linear { src, dst, bytes } => Ok(NixlRun { local_offset: src, peer_offset: dst, len: bytes }),
-            KvCopy::Pitched { .. } => Err("equal block sizes give linear copies".to_string()),
-        })
-        .collect::<Result<_, _>>()?;
+    let runs = NixlRun::from_plan(&plan);
     let bytes: usize = runs.iter().map(|r| r.len).sum();
     let mut rates = Vec::new();
     for i in 0..cfg.repeats {
@@ -192,4 +186,156 @@ pub fn measure(
         memcpy_median_gb_s: memcpy_median,
         ratio: nixl_median / memcpy_median,
     })
+}
+
+/// `bench kv --transport nixl --device cuda:N`: NIXL WRITEs from this process's GPU cache into
+/// a peer process's (both registered as VRAM), measured beside cuda-ipc into the same peer
+/// cache in the same run ([`crate::kv::cuda_ipc::measure`] with this as its other writer).
+/// The peer ([`gpu::serve_peer`]) prints its cuda-ipc export and its NIXL endpoint, waits for
+/// every write's notification, then prints the digest of the last size's blocks as they
+/// landed in its second set, which [`gpu::NixlGpuWriter::check_landed`] compares with ours.
+pub mod gpu {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tandem_compute::cuda::{CudaDevice, DeviceKvMemory};
+    use tandem_compute::kv_copy::plan_kv_copy;
+    use tandem_kv::nixl::{NixlEndpoint, NixlPlace, NixlRegion, NixlRun, NixlScratch, PROBE_BYTES};
+
+    use super::{DRIVER_AGENT, PEER_AGENT};
+    use crate::kv::cuda_ipc::{self, IpcBenchConfig, PeerWriter};
+
+    /// How long one write or the wait for its notification may take.
+    const BOUND: Duration = Duration::from_secs(120);
+
+    /// Registers `memory` (a GPU cache) with a new NIXL agent `name`, with a scratch beside it
+    /// on the same GPU; its context is made current on this thread.
+    fn endpoint(name: &str, memory: &DeviceKvMemory) -> Result<NixlEndpoint, String> {
+        memory.bind().map_err(|e| e.to_string())?;
+        let place = NixlPlace::Vram(memory.ordinal() as u32);
+        let (addr, len) = memory.device_range();
+        let scratch = memory.scratch(PROBE_BYTES).map_err(|e| e.to_string())?;
+        let (s_addr, s_len) = scratch.range();
+        let scratch = NixlScratch::new(NixlRegion { addr: s_addr as usize, len: s_len, place }, Box::new(scratch));
+        NixlEndpoint::open(name, NixlRegion { addr: addr as usize, len, place }, scratch).map_err(|e| e.to_string())
+    }
+
+    /// How many writes the driver makes (and the peer waits for).
+    fn writes(cfg: &IpcBenchConfig) -> usize {
+        cfg.sizes.len() * (cfg.repeats.max(1) + 1)
+    }
+
+    /// The peer process: a cache on `dev` with two destination sets, exported for cuda-ipc and
+    /// registered with NIXL; prints both (two lines), waits for every NIXL write's
+    /// notification, then prints `digest HEX` of the last size's second set.
+    pub fn serve_peer(dev: &CudaDevice, cfg: &IpcBenchConfig, out: &mut dyn std::io::Write) -> Result<(), String> {
+        let (memory, export) = cuda_ipc::peer_cache(dev, cfg)?;
+        let ep = endpoint(PEER_AGENT, &memory)?;
+        let metadata = ep.metadata_hex().map_err(|e| e.to_string())?;
+        let r = ep.region();
+        writeln!(out, "{}", cuda_ipc::export_line(&export)).map_err(|e| e.to_string())?;
+        writeln!(out, "{PEER_AGENT} {} {} {} {metadata}", r.addr, r.len, memory.ordinal())
+            .map_err(|e| e.to_string())?;
+        out.flush().map_err(|e| e.to_string())?;
+        for i in 0..writes(cfg) {
+            ep.wait_notification(DRIVER_AGENT, format!("bench-{i}").as_bytes(), BOUND).map_err(|e| e.to_string())?;
+        }
+        let tokens = cfg.tokens_of(cfg.sizes.last().copied().unwrap_or(0));
+        let digest = memory.digest(&cfg.peer_table(tokens, 1), tokens)?;
+        writeln!(out, "digest {digest:016x}").map_err(|e| e.to_string())?;
+        out.flush().map_err(|e| e.to_string())
+    }
+
+    /// The driver's NIXL side, from the peer's second line.
+    pub struct NixlGpuWriter {
+        cfg: IpcBenchConfig,
+        peer_agent: String,
+        peer_region: NixlRegion,
+        peer_metadata: String,
+        endpoint: Option<NixlEndpoint>,
+        ours: Option<Arc<DeviceKvMemory>>,
+        sent: usize,
+        /// The last write's source blocks and tokens (what the peer's digest covers).
+        last: Option<(Vec<u32>, usize)>,
+    }
+
+    impl NixlGpuWriter {
+        /// Parses the peer's `AGENT ADDR LEN GPU METADATA` line.
+        pub fn new(cfg: &IpcBenchConfig, peer_line: &str) -> Result<Self, String> {
+            let parts: Vec<&str> = peer_line.split_whitespace().collect();
+            let [agent, addr, len, gpu, metadata] = parts[..] else {
+                return Err(format!("the peer said `{peer_line}`, not its NIXL endpoint"));
+            };
+            let number = |s: &str| s.parse::<usize>().map_err(|_| format!("bad number `{s}` in the peer's line"));
+            let place = NixlPlace::Vram(number(gpu)? as u32);
+            Ok(Self {
+                cfg: cfg.clone(),
+                peer_agent: agent.to_string(),
+                peer_region: NixlRegion { addr: number(addr)?, len: number(len)?, place },
+                peer_metadata: metadata.to_string(),
+                endpoint: None,
+                ours: None,
+                sent: 0,
+                last: None,
+            })
+        }
+
+        /// Checks the peer's `digest HEX` line against the digest of what we last wrote.
+        pub fn check_landed(&self, peer_line: &str) -> Result<(), String> {
+            let (Some(ours), Some((src, tokens))) = (&self.ours, &self.last) else {
+                return Err("nothing was written".into());
+            };
+            let want = format!("digest {:016x}", ours.digest(src, *tokens)?);
+            if peer_line.trim() != want {
+                return Err(format!(
+                    "the peer's blocks differ from what NIXL wrote: it says `{}`, ours is `{want}`",
+                    peer_line.trim()
+                ));
+            }
+            Ok(())
+        }
+    }
+
+    impl PeerWriter for NixlGpuWriter {
+        fn name(&self) -> &'static str {
+            "nixl"
+        }
+
+        fn attach(&mut self, ours: &Arc<DeviceKvMemory>) -> Result<(), String> {
+            let ep = endpoint(DRIVER_AGENT, ours)?;
+            let loaded = ep.add_peer_hex(&self.peer_metadata).map_err(|e| e.to_string())?;
+            if loaded != self.peer_agent {
+                return Err(format!("the peer's metadata names `{loaded}`, not `{}`", self.peer_agent));
+            }
+            self.endpoint = Some(ep);
+            self.ours = Some(ours.clone());
+            Ok(())
+        }
+
+        fn write(&mut self, src: &[u32], dst: &[u32], tokens: usize) -> Result<(), String> {
+            let (Some(ep), Some(ours)) = (&self.endpoint, &self.ours) else {
+                return Err("write before attach".into());
+            };
+            let plan = plan_kv_copy(ours.layout(), &self.cfg.peer_layout(), ours.elem_bytes(), src, dst, tokens)?;
+            let message = format!("bench-{}", self.sent);
+            ep.write(&self.peer_agent, self.peer_region, &NixlRun::from_plan(&plan), Some(message.as_bytes()), BOUND)
+                .map_err(|e| e.to_string())?;
+            self.sent += 1;
+            self.last = Some((src.to_vec(), tokens));
+            Ok(())
+        }
+
+        fn read(&mut self, src: &[u32], dst: &[u32], tokens: usize) -> Result<(), String> {
+            let (Some(ep), Some(ours)) = (&self.endpoint, &self.ours) else {
+                return Err("read before attach".into());
+            };
+            // The plan's source is the peer's blocks, its destination ours.
+            let plan = plan_kv_copy(&self.cfg.peer_layout(), ours.layout(), ours.elem_bytes(), src, dst, tokens)?;
+            let runs: Vec<NixlRun> = NixlRun::from_plan(&plan)
+                .into_iter()
+                .map(|r| NixlRun { local_offset: r.peer_offset, peer_offset: r.local_offset, len: r.len })
+                .collect();
+            ep.read(&self.peer_agent, self.peer_region, &runs, BOUND).map_err(|e| e.to_string())
+        }
+    }
 }

@@ -286,8 +286,26 @@ pub enum KvTransportArg {
     CudaIpc,
     /// NIXL one-sided WRITEs into the peer's registered KV memory, with a notification per
     /// transfer (UCX: RDMA, EFA, shared memory or TCP, whichever it finds). Needs a tandem built
-    /// with `--features nixl` and libnixl_capi.so on LD_LIBRARY_PATH; CPU engines so far.
+    /// with `--features nixl` and libnixl_capi.so on LD_LIBRARY_PATH. A GPU engine registers
+    /// its device cache (no host copy of it).
     Nixl,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NixlPullArg {
+    Auto,
+    Read,
+    Write,
+}
+
+impl NixlPullArg {
+    pub fn to_kv(self) -> tandem_kv::NixlPull {
+        match self {
+            NixlPullArg::Auto => tandem_kv::NixlPull::Auto,
+            NixlPullArg::Read => tandem_kv::NixlPull::Read,
+            NixlPullArg::Write => tandem_kv::NixlPull::Write,
+        }
+    }
 }
 
 impl KvTransportArg {
@@ -343,6 +361,12 @@ pub struct KvArgs {
     /// back to a software path silently when it finds no fast one). 0 accepts any rate.
     #[arg(long, default_value_t = 1.0)]
     pub kv_nixl_min_gb_s: f64,
+    /// nixl, pull: who moves the KV. auto: decode READs where the prefill engine's probe READ
+    /// from it runs at --kv-nixl-min-gb-s or more, else prefill WRITEs (UCX can serve READs of
+    /// GPU memory through TCP while WRITEs take NVLink); read or write forces one. Set on the
+    /// prefill engine, which decides per link.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub kv_nixl_pull: NixlPullArg,
     /// This engine's id on the KV side channel (default: role and port).
     #[arg(long)]
     pub engine_id: Option<String>,
@@ -837,13 +861,15 @@ pub struct BenchKvArgs {
     /// tcp: the TCP transport against raw loopback TCP (host memory, or with --device a GPU
     /// engine's cache and its host copy on each side); cuda-ipc: device copies into a peer
     /// process's GPU cache against the same copies inside one GPU; nixl: NIXL WRITEs into a
-    /// peer process's host KV memory against a host memcpy of the same copies.
+    /// peer process's host KV memory against a host memcpy of the same copies, or with
+    /// --device between two processes' GPU caches beside cuda-ipc (the cuda-ipc table plus a
+    /// nixl column).
     #[arg(long, value_enum, default_value = "tcp")]
     pub transport: BenchKvTransport,
     /// Size of the KV set moved per transfer (tcp, nixl), e.g. 256MiB.
     #[arg(long, default_value = "256MiB")]
     pub size: String,
-    /// cuda-ipc: sizes moved, one row each.
+    /// cuda-ipc, and nixl with --device: sizes moved, one row each.
     #[arg(long, value_delimiter = ',', default_value = "1MiB,16MiB,64MiB,256MiB,1GiB")]
     pub sizes: Vec<String>,
     /// The GPU of this (the writing) process. cuda-ipc: default cuda:0. tcp: both sides' KV
@@ -851,7 +877,7 @@ pub struct BenchKvArgs {
     /// page-locked host copy overlapping the socket, piece by piece); default: host memory.
     #[arg(long)]
     pub device: Option<String>,
-    /// cuda-ipc: the GPU of the peer process (default: the same as --device).
+    /// cuda-ipc, nixl: the GPU of the peer process (default: the same as --device).
     #[arg(long)]
     pub peer_device: Option<String>,
     /// cuda-ipc: tokens per block in the peer's cache (ours is 16; another size makes every
@@ -874,8 +900,9 @@ pub struct BenchKvArgs {
 pub enum BenchKvTransport {
     Tcp,
     CudaIpc,
-    /// NIXL WRITEs with a notification into a peer process's host KV memory, against a host
-    /// memcpy of the same copies (a tandem built with `--features nixl`).
+    /// NIXL WRITEs with a notification into a peer process's KV memory: host memory against
+    /// a host memcpy of the same copies, or with --device GPU memory beside cuda-ipc (a tandem
+    /// built with `--features nixl`).
     Nixl,
 }
 

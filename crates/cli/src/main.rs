@@ -246,6 +246,7 @@ fn kv_setup(k: &args::KvArgs, port: u16, fingerprint: &str) -> Result<Option<tan
             transport: k.kv_transport.to_kv(),
             verify: k.kv_verify,
             nixl_min_gb_s: k.kv_nixl_min_gb_s,
+            nixl_pull: k.kv_nixl_pull.to_kv(),
         },
         load_failure: match k.kv_load_failure {
             KvLoadFailureArg::Recompute => tandem_engine::KvLoadFailure::Recompute,
@@ -261,8 +262,9 @@ fn serve(a: ServeArgs) -> Result<()> {
         args::RoleArg::Decode => 8200,
     });
     // Prefill and decode on a GPU: tcp transfers go through a host copy of the KV cache;
-    // cuda-ipc writes the device caches directly.
-    let host_kv_bytes = if a.kv.role == args::RoleArg::Both || a.kv.kv_transport == args::KvTransportArg::CudaIpc {
+    // cuda-ipc and nixl move the device caches directly.
+    let direct = matches!(a.kv.kv_transport, args::KvTransportArg::CudaIpc | args::KvTransportArg::Nixl);
+    let host_kv_bytes = if a.kv.role == args::RoleArg::Both || direct {
         None
     } else {
         if !(a.kv.kv_host_gib.is_finite() && a.kv.kv_host_gib > 0.0) {
@@ -821,7 +823,7 @@ fn bench_kv_cuda_ipc(a: args::BenchKvArgs) -> Result<()> {
         tandem_bench::kv::cuda_ipc::parse_export_line(line.trim()).map_err(anyhow::Error::msg).and_then(|export| {
             eprintln!("... peer process {} on {peer_device} exported its cache; copying from {device}", child.id());
             let dev = open_gpu(&device)?;
-            tandem_bench::kv::cuda_ipc::measure(&dev, &cfg, &export).map_err(anyhow::Error::msg)
+            tandem_bench::kv::cuda_ipc::measure(&dev, &cfg, &export, None).map_err(anyhow::Error::msg)
         });
     drop(child.stdin.take());
     finish_bench_kv(child, report, a.json_out)
@@ -855,10 +857,10 @@ fn bench_kv_peer(a: args::BenchKvArgs) -> Result<()> {
 #[cfg(feature = "nixl")]
 fn bench_kv_nixl(a: args::BenchKvArgs) -> Result<()> {
     use std::io::BufRead;
-    let cfg = kv_bench_config(&a)?;
-    if cfg.device.is_some() {
-        bail!("bench kv --transport nixl measures host memory so far (no --device)");
+    if a.device.is_some() {
+        return bench_kv_nixl_gpu(a);
     }
+    let cfg = kv_bench_config(&a)?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut child = std::process::Command::new(exe)
         .args(["--log", "warn", "bench", "kv-peer", "--transport", "nixl", "--size", &a.size])
@@ -877,8 +879,55 @@ fn bench_kv_nixl(a: args::BenchKvArgs) -> Result<()> {
     finish_bench_kv(child, report, a.json_out)
 }
 
+/// `bench kv --transport nixl --device cuda:N`: NIXL WRITEs between two processes' GPU caches
+/// (VRAM), beside cuda-ipc into the same peer cache, in one run.
+#[cfg(feature = "nixl")]
+fn bench_kv_nixl_gpu(a: args::BenchKvArgs) -> Result<()> {
+    use std::io::BufRead;
+    use tandem_bench::kv_nixl::gpu::NixlGpuWriter;
+    let cfg = tandem_bench::kv::cuda_ipc::IpcBenchConfig { peer_sets: 2, ..ipc_bench_config(&a)? };
+    let device = a.device.clone().unwrap_or_else(|| "cuda:0".into());
+    let peer_device = a.peer_device.clone().unwrap_or_else(|| device.clone());
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let mut child = std::process::Command::new(exe)
+        .args(["--log", "warn", "bench", "kv-peer", "--transport", "nixl", "--device", &peer_device])
+        .args(["--sizes", &a.sizes.join(","), "--peer-block-size", &a.peer_block_size.to_string()])
+        .args(["--repeats", &a.repeats.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the peer process")?;
+    let mut lines = std::io::BufReader::new(child.stdout.take().context("peer stdout")?).lines();
+    let mut next = |what: &str| match lines.next() {
+        Some(Ok(line)) => Ok(line),
+        _ => Err(anyhow::anyhow!("the peer exited before {what}")),
+    };
+    let report = (|| {
+        let export = tandem_bench::kv::cuda_ipc::parse_export_line(next("exporting its cache")?.trim())
+            .map_err(anyhow::Error::msg)?;
+        let mut nixl = NixlGpuWriter::new(&cfg, &next("naming its NIXL endpoint")?).map_err(anyhow::Error::msg)?;
+        eprintln!("... peer process {} on {peer_device} ready (cuda-ipc and NIXL); writing from {device}", child.id());
+        let dev = open_gpu(&device)?;
+        let report =
+            tandem_bench::kv::cuda_ipc::measure(&dev, &cfg, &export, Some(&mut nixl)).map_err(anyhow::Error::msg)?;
+        nixl.check_landed(&next("reporting what NIXL landed")?).map_err(anyhow::Error::msg)?;
+        Ok(report)
+    })();
+    drop(child.stdin.take());
+    finish_bench_kv(child, report, a.json_out)
+}
+
 #[cfg(feature = "nixl")]
 fn bench_kv_nixl_peer(a: args::BenchKvArgs) -> Result<()> {
+    if let Some(device) = &a.device {
+        use std::io::Read;
+        let cfg = tandem_bench::kv::cuda_ipc::IpcBenchConfig { peer_sets: 2, ..ipc_bench_config(&a)? };
+        let dev = open_gpu(device)?;
+        tandem_bench::kv_nixl::gpu::serve_peer(&dev, &cfg, &mut std::io::stdout()).map_err(anyhow::Error::msg)?;
+        // Alive (its cache mapped by the driver) until the driver closes our stdin.
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        return Ok(());
+    }
     let cfg = kv_bench_config(&a)?;
     tandem_bench::kv_nixl::serve_peer(&cfg, &mut std::io::stdout()).map_err(anyhow::Error::msg)
 }

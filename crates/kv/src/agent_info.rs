@@ -77,6 +77,10 @@ pub enum TransportOffer {
         scratch_addr: u64,
         /// Bytes of the scratch memory.
         scratch_bytes: u64,
+        /// The CUDA ordinal (in the engine's process) of the GPU holding the KV and the
+        /// scratch memory; none for host memory.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gpu: Option<u32>,
     },
 }
 

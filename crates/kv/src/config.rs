@@ -43,9 +43,23 @@ pub enum KvTransport {
     /// Device-to-device copies only (no host copy of the KV cache is kept); a peer that cannot
     /// use them is refused at handshake, saying why.
     CudaIpc,
-    /// NIXL WRITEs into the peer's registered KV memory (builds with the `nixl` feature; CPU
-    /// engines so far); a peer that cannot use it is refused at handshake, saying why.
+    /// NIXL WRITEs into the peer's registered KV memory, host or GPU (builds with the `nixl`
+    /// feature); a peer that cannot use it is refused at handshake, saying why.
     Nixl,
+}
+
+/// Who moves a pull's KV over NIXL (`--kv-nixl-pull`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NixlPull {
+    /// Decode READs, where prefill's probe READ from decode at handshake runs at least
+    /// `--kv-nixl-min-gb-s`; otherwise prefill WRITEs (UCX may serve READs of GPU memory
+    /// through its TCP emulation while WRITEs take cuda_ipc: measured on one H200).
+    #[default]
+    Auto,
+    /// Decode READs prefill's blocks, as the seed system does.
+    Read,
+    /// Prefill WRITEs decode's blocks (with a notification), as in push.
+    Write,
 }
 
 impl KvTransport {
@@ -115,4 +129,6 @@ pub struct ConnectorConfig {
     /// `--kv-nixl-min-gb-s`: a nixl link whose probe write runs slower than this is refused at
     /// handshake, naming the rate (0: accept any).
     pub nixl_min_gb_s: f64,
+    /// `--kv-nixl-pull`: who moves a pull's KV over NIXL (prefill decides, per link).
+    pub nixl_pull: NixlPull,
 }

@@ -34,7 +34,7 @@ pub mod tcp;
 pub mod wire;
 
 pub use agent_info::{AgentInfo, Incompatible, KvMode, Role, TransportOffer};
-pub use config::{ConnectorConfig, FaultInjection, KvTransport};
+pub use config::{ConnectorConfig, FaultInjection, KvTransport, NixlPull};
 pub use connector::KvConnector;
 pub use connector::KvView;
 pub use error::KvError;

@@ -152,11 +152,55 @@ pub struct NixlRun {
     pub len: usize,
 }
 
+impl NixlRun {
+    /// A KV copy plan as runs: each copy's source in our region, its destination in the
+    /// peer's (a pitched copy one run per row).
+    pub fn from_plan(plan: &[tandem_compute::kv_copy::KvCopy]) -> Vec<NixlRun> {
+        use tandem_compute::kv_copy::KvCopy;
+        let mut runs = Vec::with_capacity(plan.len());
+        for copy in plan {
+            match *copy {
+                KvCopy::Linear { src, dst, bytes } => {
+                    runs.push(NixlRun { local_offset: src, peer_offset: dst, len: bytes })
+                }
+                KvCopy::Pitched { src, src_pitch, dst, dst_pitch, width, rows } => runs.extend((0..rows).map(|r| {
+                    NixlRun { local_offset: src + r * src_pitch, peer_offset: dst + r * dst_pitch, len: width }
+                })),
+            }
+        }
+        runs
+    }
+}
+
 /// How many notifications [`NixlEndpoint::wait_notification`] keeps for later waits.
 pub const MAX_SET_ASIDE: usize = 4096;
 
 /// Bytes of each endpoint's scratch memory, what a [`NixlEndpoint::probe`] writes.
 pub const PROBE_BYTES: usize = 16 << 20;
+
+/// The memory an endpoint's [`NixlEndpoint::probe`]s write: [`PROBE_BYTES`] in the KV's
+/// place (host memory for a host cache, the same GPU for a GPU cache), so that a probe takes
+/// the path the KV will.
+pub struct NixlScratch {
+    region: NixlRegion,
+    /// What keeps `region`'s memory alive.
+    _memory: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl NixlScratch {
+    /// Host memory of its own.
+    pub fn host() -> Self {
+        let memory = vec![0u8; PROBE_BYTES].into_boxed_slice();
+        let region = NixlRegion { addr: memory.as_ptr() as usize, len: memory.len(), place: NixlPlace::Dram };
+        Self { region, _memory: Box::new(memory) }
+    }
+
+    /// `region`, whose memory `memory` owns (a GPU allocation: it must not be stream-ordered
+    /// pool memory, which UCX cannot map).
+    pub fn new(region: NixlRegion, memory: Box<dyn std::any::Any + Send + Sync>) -> Self {
+        Self { region, _memory: memory }
+    }
+}
 
 /// One engine's NIXL agent with its KV region registered (see the module docs).
 pub struct NixlEndpoint {
@@ -164,7 +208,7 @@ pub struct NixlEndpoint {
     // the scratch memory after its registration.
     _registration: RegistrationHandle,
     _scratch_registration: RegistrationHandle,
-    scratch: Box<[u8]>,
+    scratch: NixlScratch,
     backend: Backend,
     agent: Agent,
     region: NixlRegion,
@@ -177,11 +221,12 @@ pub struct NixlEndpoint {
 
 impl NixlEndpoint {
     /// An agent named `name` (unique among the peers it will meet: the engine id) with a UCX
-    /// backend and `region` registered for remote access.
+    /// backend and `region` (and `scratch`) registered for remote access. For GPU memory the
+    /// GPU's CUDA context is current on this thread, and on every thread that moves it.
     ///
     /// The caller keeps `region`'s memory alive and in place for as long as the endpoint (and
     /// any peer's writes into it) may use it.
-    pub fn open(name: &str, region: NixlRegion) -> Result<Self, NixlFailure> {
+    pub fn open(name: &str, region: NixlRegion, scratch: NixlScratch) -> Result<Self, NixlFailure> {
         library_loads()?;
         let agent = call("create_agent", Agent::new(name))?;
         let (_, params) = call("get_plugin_params(UCX)", agent.get_plugin_params("UCX"))?;
@@ -189,9 +234,7 @@ impl NixlEndpoint {
         let mut args = call("opt_args", OptArgs::new())?;
         call("opt_args.add_backend", args.add_backend(&backend))?;
         let registration = call("register_memory", agent.register_memory(&region, Some(&args)))?;
-        let scratch = vec![0u8; PROBE_BYTES].into_boxed_slice();
-        let scratch_region = NixlRegion { addr: scratch.as_ptr() as usize, len: scratch.len(), place: NixlPlace::Dram };
-        let scratch_registration = call("register_memory", agent.register_memory(&scratch_region, Some(&args)))?;
+        let scratch_registration = call("register_memory", agent.register_memory(&scratch.region, Some(&args)))?;
         Ok(Self {
             _registration: registration,
             _scratch_registration: scratch_registration,
@@ -211,7 +254,7 @@ impl NixlEndpoint {
 
     /// Our scratch memory for [`Self::probe`]s (registered beside the KV; nobody reads it).
     pub fn scratch(&self) -> NixlRegion {
-        NixlRegion { addr: self.scratch.as_ptr() as usize, len: self.scratch.len(), place: NixlPlace::Dram }
+        self.scratch.region
     }
 
     /// What this link moves: [`PROBE_BYTES`] from our scratch into `peer`'s (`peer_scratch`),
@@ -219,12 +262,23 @@ impl NixlEndpoint {
     /// silently (UCX to its TCP emulation: 0.35 GB/s measured on a GPU machine), and this is
     /// how the connector notices before it moves any KV.
     pub fn probe(&self, peer: &str, peer_scratch: NixlRegion, bound: Duration) -> Result<f64, NixlFailure> {
-        let len = PROBE_BYTES.min(peer_scratch.len);
+        self.probe_op(XferOp::Write, peer, peer_scratch, bound)
+    }
+
+    /// [`Self::probe`] for READs from the peer's scratch into ours: what a pull moves at. UCX
+    /// picks its path per operation, and READs can fall back where WRITEs do not (measured on
+    /// one H200: GPU-memory WRITEs over cuda_ipc, READs over its TCP emulation).
+    pub fn probe_read(&self, peer: &str, peer_scratch: NixlRegion, bound: Duration) -> Result<f64, NixlFailure> {
+        self.probe_op(XferOp::Read, peer, peer_scratch, bound)
+    }
+
+    fn probe_op(&self, op: XferOp, peer: &str, peer_scratch: NixlRegion, bound: Duration) -> Result<f64, NixlFailure> {
+        let len = PROBE_BYTES.min(peer_scratch.len).min(self.scratch.region.len);
         let run = [NixlRun { local_offset: 0, peer_offset: 0, len }];
         let mut best = 0f64;
         for _ in 0..2 {
             let start = Instant::now();
-            self.transfer(XferOp::Write, self.scratch(), peer, peer_scratch, &run, None, bound)?;
+            self.transfer(op, self.scratch(), peer, peer_scratch, &run, None, bound)?;
             best = best.max(len as f64 / start.elapsed().as_secs_f64() / 1e9);
         }
         Ok(best)
@@ -294,6 +348,15 @@ impl NixlEndpoint {
         bound: Duration,
     ) -> Result<(), NixlFailure> {
         self.reap_overdue();
+        let runs: Vec<&NixlRun> = runs.iter().filter(|r| r.len > 0).collect();
+        if runs.is_empty() {
+            // Nothing left to move (a push whose parts all went ahead of it): the notification
+            // alone, which follows those parts, since each was complete before this call.
+            if let Some(message) = notification {
+                call("send_notification", self.agent.send_notification(peer, message, Some(&self.backend)))?;
+            }
+            return Ok(());
+        }
         let mut local = call("xfer_dlist", XferDescList::new(ours.mem_type()))?;
         let mut remote = call("xfer_dlist", XferDescList::new(peer_region.mem_type()))?;
         let mut bytes = 0;
@@ -311,14 +374,13 @@ impl NixlEndpoint {
         let req = call("create_xfer_req", self.agent.create_xfer_req(op, &local, &remote, peer, Some(&args)))?;
         let deadline = Instant::now() + bound;
         let mut done = !call("post_xfer_req", self.agent.post_xfer_req(&req, Some(&args)))?;
-        let mut pause = Duration::from_micros(20);
+        let mut poll = Poll::new();
         while !done {
             if Instant::now() >= deadline {
                 self.overdue.lock().unwrap_or_else(|p| p.into_inner()).push(req);
                 return Err(NixlFailure::Timeout { peer: peer.to_string(), bytes, bound });
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(1));
+            poll.pause();
             done = call("get_xfer_status", self.agent.get_xfer_status(&req))?.is_success();
         }
         Ok(())
@@ -353,6 +415,7 @@ impl NixlEndpoint {
     /// failed before its waiter came leaves its notification behind).
     pub fn wait_notification(&self, peer: &str, message: &[u8], bound: Duration) -> Result<(), NixlFailure> {
         let deadline = Instant::now() + bound;
+        let mut poll = Poll::new();
         loop {
             {
                 let mut aside = self.set_aside.lock().unwrap_or_else(|p| p.into_inner());
@@ -367,7 +430,33 @@ impl NixlEndpoint {
             if Instant::now() >= deadline {
                 return Err(NixlFailure::NoNotification { peer: peer.to_string(), bound });
             }
-            std::thread::sleep(Duration::from_micros(200));
+            poll.pause();
+        }
+    }
+}
+
+/// The pauses between polls of a transfer or a notification (each poll also drives UCX's
+/// progress): the first [`Poll::SPIN`] only yield, since a GPU-to-GPU transfer of a prompt's
+/// KV ends within a few hundred microseconds and a sleep's granularity would be most of it;
+/// then sleeps growing to a millisecond, so a long wait costs no core.
+struct Poll {
+    started: Instant,
+    sleep: Duration,
+}
+
+impl Poll {
+    const SPIN: Duration = Duration::from_millis(2);
+
+    fn new() -> Self {
+        Self { started: Instant::now(), sleep: Duration::from_micros(50) }
+    }
+
+    fn pause(&mut self) {
+        if self.started.elapsed() < Self::SPIN {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(self.sleep);
+            self.sleep = (self.sleep * 2).min(Duration::from_millis(1));
         }
     }
 }

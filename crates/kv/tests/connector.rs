@@ -37,6 +37,7 @@ fn config(role: Role, mode: KvMode) -> ConnectorConfig {
         transport: tandem_kv::KvTransport::Auto,
         verify: false,
         nixl_min_gb_s: 0.0,
+        nixl_pull: tandem_kv::NixlPull::Auto,
     }
 }
 

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use tandem_kv::nixl::{NixlEndpoint, NixlFailure, NixlPlace, NixlRegion, NixlRun};
+use tandem_kv::nixl::{NixlEndpoint, NixlFailure, NixlPlace, NixlRegion, NixlRun, NixlScratch};
 
 fn region(buf: &mut [u8]) -> NixlRegion {
     NixlRegion { addr: buf.as_mut_ptr() as usize, len: buf.len(), place: NixlPlace::Dram }
@@ -17,8 +17,9 @@ fn block_runs_written_over_nixl_land_byte_for_byte_with_a_notification() {
     const SIZE: usize = 1 << 20;
     let mut prefill_kv: Vec<u8> = (0..SIZE).map(|i| (i * 7 % 251) as u8).collect();
     let mut decode_kv = vec![0u8; SIZE];
-    let prefill = NixlEndpoint::open("test-prefill", region(&mut prefill_kv)).expect("NIXL should open");
-    let decode = NixlEndpoint::open("test-decode", region(&mut decode_kv)).unwrap();
+    let prefill =
+        NixlEndpoint::open("test-prefill", region(&mut prefill_kv), NixlScratch::host()).expect("NIXL should open");
+    let decode = NixlEndpoint::open("test-decode", region(&mut decode_kv), NixlScratch::host()).unwrap();
     let peer = prefill.add_peer(&decode.metadata().unwrap()).unwrap();
     assert_eq!(peer, "test-decode");
     // Loaded again, as a reconnect to the same peer does: accepted, and writes still land.
@@ -60,6 +61,11 @@ fn block_runs_written_over_nixl_land_byte_for_byte_with_a_notification() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(prefill.overdue_writes(), 0, "an overdue write NIXL finished is released");
+
+    // Nothing left to write (a push whose parts all went ahead): the notification alone
+    // arrives (NIXL refuses a transfer of no descriptors, which failed such pushes on a GPU).
+    prefill.write(&peer, decode.region(), &[], Some(b"transfer-empty"), Duration::from_secs(10)).unwrap();
+    decode.wait_notification("test-prefill", b"transfer-empty", Duration::from_secs(10)).unwrap();
 
     // A run past the peer's region is refused before anything moves.
     let past = [NixlRun { local_offset: 0, peer_offset: SIZE - 10, len: 20 }];

@@ -66,30 +66,33 @@ async fn push_and_pull_equal_colocated_token_for_token() {
 }
 
 /// NIXL (the `nixl` feature, the library from PyPI's nixl-cu13 wheel): CPU engines in push
-/// and pull, prefill writing decode's host KV with NIXL WRITEs and a notification per transfer,
+/// and pull, prefill writing decode's host KV with NIXL WRITEs and a notification per transfer
+/// (decode READing it in pull, or prefill writing it there too with `--kv-nixl-pull write`),
 /// give the colocated tokens, with equal and different block sizes and with a 130-token prompt
 /// pushed in parts as it is computed; `--kv-verify` digests agree, nothing fails, every block
 /// comes back.
 #[cfg(feature = "nixl")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn push_and_pull_over_nixl_equal_colocated_token_for_token() {
+    use tandem_kv::NixlPull;
     let http = reqwest::Client::new();
     let reqs = workload();
     let colocated = engine(None, 16, FaultInjection::default()).await;
     let want = run_all(&http, &colocated.url, &reqs).await;
-    for (mode, kv_mode, decode_block_size) in [
-        (TransferMode::Push, KvMode::Push, 16),
-        (TransferMode::Pull, KvMode::Pull, 16),
-        (TransferMode::Push, KvMode::Push, 8),
-        (TransferMode::Pull, KvMode::Pull, 8),
+    for (mode, kv_mode, decode_block_size, nixl_pull) in [
+        (TransferMode::Push, KvMode::Push, 16, NixlPull::Auto),
+        (TransferMode::Pull, KvMode::Pull, 16, NixlPull::Auto),
+        (TransferMode::Push, KvMode::Push, 8, NixlPull::Auto),
+        (TransferMode::Pull, KvMode::Pull, 8, NixlPull::Auto),
+        (TransferMode::Pull, KvMode::Pull, 8, NixlPull::Write),
     ] {
-        let k = Knobs { transport: tandem_kv::KvTransport::Nixl, ..Knobs::default() };
+        let k = Knobs { transport: tandem_kv::KvTransport::Nixl, nixl_pull, ..Knobs::default() };
         let p = engine_with(Some((Role::Prefill, kv_mode)), 16, k.clone()).await;
         let d = engine_with(Some((Role::Decode, kv_mode)), decode_block_size, k).await;
         let base = router(mode, &p, &d).await;
         let got = run_all(&http, &base, &reqs).await;
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g, w, "{mode:?} over nixl into {decode_block_size}-token blocks: request {i}");
+            assert_eq!(g, w, "{mode:?} ({nixl_pull:?}) over nixl into {decode_block_size}-token blocks: request {i}");
         }
         wait_idle(&[&p, &d]).await;
         let ds = kv_stats_until(&d, "50 transfers", |s| s.transfers_ok == 50).await;
@@ -116,29 +119,38 @@ async fn push_and_pull_over_nixl_equal_colocated_token_for_token() {
 }
 
 /// A lost NIXL notification costs the reader one I/O bound (5 s here), then the transfer
-/// fails and decode recomputes to the colocated tokens, every block back.
+/// fails and decode recomputes to the colocated tokens, every block back. In push, and in a
+/// pull prefill writes (`--kv-nixl-pull write`), whose decode so waits for the notification
+/// and does not read.
 #[cfg(feature = "nixl")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lost_nixl_notification_is_bounded_and_recompute_gives_the_same_tokens() {
     let http = reqwest::Client::new();
     let colocated = engine(None, 16, FaultInjection::default()).await;
-    let nixl = Knobs { transport: tandem_kv::KvTransport::Nixl, ..Knobs::default() };
-    let lost = FaultInjection { drop_nixl_notification: true, ..FaultInjection::default() };
-    let p = engine_with(Some((Role::Prefill, KvMode::Push)), 16, Knobs { faults: lost, ..nixl.clone() }).await;
-    let d = engine_with(
-        Some((Role::Decode, KvMode::Push)),
-        8,
-        Knobs { load_failure: tandem_engine::KvLoadFailure::Recompute, ..nixl },
-    )
-    .await;
-    let base = router(TransferMode::Push, &p, &d).await;
     let reqs: Vec<Value> = workload().into_iter().filter(|r| r["stream"] == false).take(2).collect();
-    let start = std::time::Instant::now();
     let want = run_all(&http, &colocated.url, &reqs).await;
-    assert_eq!(run_all(&http, &base, &reqs).await, want, "recompute must give the colocated tokens");
-    assert!(start.elapsed() < Duration::from_secs(20), "each lost notification costs one bounded wait");
-    kv_stats_until(&d, "2 failed transfers", |s| s.transfers_failed == 2).await;
-    wait_idle(&[&p, &d, &colocated]).await;
+    for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
+        let nixl = Knobs {
+            transport: tandem_kv::KvTransport::Nixl,
+            nixl_pull: tandem_kv::NixlPull::Write,
+            ..Knobs::default()
+        };
+        let lost = FaultInjection { drop_nixl_notification: true, ..FaultInjection::default() };
+        let p = engine_with(Some((Role::Prefill, kv_mode)), 16, Knobs { faults: lost, ..nixl.clone() }).await;
+        let d = engine_with(
+            Some((Role::Decode, kv_mode)),
+            8,
+            Knobs { load_failure: tandem_engine::KvLoadFailure::Recompute, ..nixl },
+        )
+        .await;
+        let base = router(mode, &p, &d).await;
+        let start = std::time::Instant::now();
+        assert_eq!(run_all(&http, &base, &reqs).await, want, "{mode:?}: recompute must give the colocated tokens");
+        assert!(start.elapsed() < Duration::from_secs(20), "{mode:?}: each lost notification costs one bounded wait");
+        kv_stats_until(&d, "2 failed transfers", |s| s.transfers_failed == 2).await;
+        wait_idle(&[&p, &d]).await;
+    }
+    wait_idle(&[&colocated]).await;
 }
 
 /// Engines that pipeline their steps, as GPU engines do by default (a step queued while the

@@ -7,11 +7,15 @@
 //! transport; prefill's `BlockData` grants the read (with the `--kv-verify` digest), keeping
 //! the lease at least the I/O timeout or the lease time, whichever is shorter, from then, and
 //! saying how long (`grant_us`); decode's READ must end within that of asking, so it never
-//! reads blocks a lease no longer holds.
+//! reads blocks a lease no longer holds. Where READs are slow (prefill's probe READ at handshake
+//! below `--kv-nixl-min-gb-s`, or `--kv-nixl-pull write`), prefill WRITEs a pull's blocks with a
+//! notification instead and grants no READ; decode then waits for the notification.
 //!
-//! So far for engines whose KV cache is host memory (CPU engines); a GPU engine's VRAM
-//! registration is issue 31's next step, and such an engine is refused at start, saying so.
-//! Without the `nixl` feature the flag fails at start, saying how to build it.
+//! A CPU engine registers its host KV memory; a GPU engine its device cache (VRAM, the one
+//! `cuMemAlloc` allocation cuda-ipc exports too: UCX cannot map stream-ordered pool memory),
+//! with a probe scratch on the same GPU, so the handshake's probe takes the KV's path. Every
+//! NIXL call on a GPU engine's memory runs with its CUDA context current on the calling
+//! thread. Without the `nixl` feature the flag fails at start, saying how to build it.
 
 use std::sync::Arc;
 
@@ -38,8 +42,14 @@ fn peer_offer(peer: &AgentInfo) -> Result<PeerOffer<'_>, String> {
     peer.transports
         .iter()
         .find_map(|t| match t {
-            TransportOffer::Nixl { agent, metadata, addr, bytes, scratch_addr, scratch_bytes } => {
-                Some(PeerOffer { agent, metadata, kv: (*addr, *bytes), scratch: (*scratch_addr, *scratch_bytes) })
+            TransportOffer::Nixl { agent, metadata, addr, bytes, scratch_addr, scratch_bytes, gpu } => {
+                Some(PeerOffer {
+                    agent,
+                    metadata,
+                    kv: (*addr, *bytes),
+                    scratch: (*scratch_addr, *scratch_bytes),
+                    gpu: *gpu,
+                })
             }
             _ => None,
         })
@@ -55,6 +65,8 @@ struct PeerOffer<'a> {
     kv: (u64, u64),
     /// Its probe scratch: address and bytes.
     scratch: (u64, u64),
+    /// The GPU (its ordinal there) holding both, if not host memory.
+    gpu: Option<u32>,
 }
 
 /// The NIXL message that says transfer `tid` has landed.
@@ -70,16 +82,16 @@ mod with_nixl {
     use std::time::{Duration, Instant};
 
     use tandem_compute::cuda::KvFences;
-    use tandem_compute::kv_copy::{plan_kv_copy, KvCopy};
+    use tandem_compute::kv_copy::plan_kv_copy;
     use tandem_compute::KvLayout;
     use tandem_core::TransferId;
 
     use super::super::push::PushDone;
     use super::super::transport::{answer_direct_read, report_direct_write, Transport};
     use super::super::{Conn, Shared};
-    use super::{landed_message, peer_offer};
-    use crate::nixl::{NixlEndpoint, NixlFailure, NixlPlace, NixlRegion, NixlRun};
-    use crate::{AgentInfo, ConnectorConfig, KvError, KvMemory, TransportOffer};
+    use super::{landed_message, peer_offer, PeerOffer};
+    use crate::nixl::{NixlEndpoint, NixlFailure, NixlPlace, NixlRegion, NixlRun, NixlScratch};
+    use crate::{AgentInfo, ConnectorConfig, KvError, KvMemory, NixlPull, TransportOffer};
 
     /// This engine's NIXL agent and the name peers know it by.
     pub(in super::super) struct EndpointImpl {
@@ -99,6 +111,10 @@ mod with_nixl {
                 bytes: region.len as u64,
                 scratch_addr: scratch.addr as u64,
                 scratch_bytes: scratch.len as u64,
+                gpu: match region.place {
+                    NixlPlace::Dram => None,
+                    NixlPlace::Vram(d) => Some(d),
+                },
             }
         }
     }
@@ -112,21 +128,35 @@ mod with_nixl {
         if cfg.transport != crate::KvTransport::Nixl {
             return Ok(None);
         }
-        if memory.device_cache().is_some() {
-            return Err(KvError::Unsupported(
-                "--kv-transport nixl works with engines whose KV cache is in host memory (CPU engines) so far; \
-                 registering a GPU cache with NIXL is not built yet"
-                    .into(),
-            ));
-        }
-        let (addr, len) = memory.host_region()?.address_range();
         let name = format!("{}@{epoch}", cfg.engine_id);
-        let region = NixlRegion { addr, len, place: NixlPlace::Dram };
-        let endpoint =
-            NixlEndpoint::open(&name, region).map_err(|e| KvError::Unsupported(format!("--kv-transport nixl: {e}")))?;
-        let metadata =
-            endpoint.metadata_hex().map_err(|e| KvError::Unsupported(format!("--kv-transport nixl: {e}")))?;
-        tracing::info!(agent = %name, bytes = len, "NIXL agent ready (UCX backend), KV memory registered");
+        let nixl_error = |e: NixlFailure| KvError::Unsupported(format!("--kv-transport nixl: {e}"));
+        let endpoint = match memory.device_cache() {
+            Some(dev) => {
+                // VRAM: the device cache and a scratch on its GPU, registered with the GPU's
+                // context current (UCX's CUDA transports work in it).
+                dev.bind().map_err(|e| KvError::Unsupported(e.to_string()))?;
+                let place = NixlPlace::Vram(dev.ordinal() as u32);
+                let (addr, len) = dev.device_range();
+                let region = NixlRegion { addr: addr as usize, len, place };
+                let scratch = dev.scratch(crate::nixl::PROBE_BYTES).map_err(|e| KvError::Unsupported(e.to_string()))?;
+                let (scratch_addr, scratch_len) = scratch.range();
+                let scratch_region = NixlRegion { addr: scratch_addr as usize, len: scratch_len, place };
+                NixlEndpoint::open(&name, region, NixlScratch::new(scratch_region, Box::new(scratch)))
+                    .map_err(nixl_error)?
+            }
+            None => {
+                let (addr, len) = memory.host_region()?.address_range();
+                let region = NixlRegion { addr, len, place: NixlPlace::Dram };
+                NixlEndpoint::open(&name, region, NixlScratch::host()).map_err(nixl_error)?
+            }
+        };
+        let region = endpoint.region();
+        let metadata = endpoint.metadata_hex().map_err(nixl_error)?;
+        let place = match region.place {
+            NixlPlace::Dram => "host memory".to_string(),
+            NixlPlace::Vram(d) => format!("GPU memory of cuda:{d}"),
+        };
+        tracing::info!(agent = %name, bytes = region.len, "NIXL agent ready (UCX backend), KV registered in {place}");
         Ok(Some(Arc::new(EndpointImpl { endpoint, name, metadata })))
     }
 
@@ -134,26 +164,20 @@ mod with_nixl {
     pub(in super::super) fn pick(ours: &Shared, peer: &AgentInfo) -> Result<Arc<dyn Transport>, String> {
         let ep = ours.nixl.clone().ok_or("this engine has no NIXL endpoint")?;
         let offer = peer_offer(peer)?;
+        bind_device(ours)?;
         let agent = offer.agent;
         let loaded = ep.endpoint.add_peer_hex(offer.metadata).map_err(|e| e.to_string())?;
         if loaded != agent {
             return Err(format!("the peer's NIXL metadata names agent `{loaded}`, its offer `{agent}`"));
         }
-        // The self-check: what this link moves, before any KV does.
-        let dram =
-            |(addr, len): (u64, u64)| NixlRegion { addr: addr as usize, len: len as usize, place: NixlPlace::Dram };
-        let gb_s = ep.endpoint.probe(agent, dram(offer.scratch), ours.cfg.timeouts.io).map_err(|e| e.to_string())?;
-        let floor = ours.cfg.nixl_min_gb_s;
-        if gb_s < floor {
-            return Err(format!(
-                "a {} MiB NIXL write to it ran at {gb_s:.2} GB/s, below --kv-nixl-min-gb-s {floor}: UCX may have \
-                 fallen back to a software path (UCX_LOG_LEVEL=info shows the transports it picked; UCX_TLS \
-                 chooses them)",
-                crate::nixl::PROBE_BYTES >> 20
-            ));
-        }
+        // The self-check: what this link moves, before any KV does (scratch to scratch, each
+        // in its KV's place).
+        let gb_s =
+            ep.endpoint.probe(agent, offer.region(offer.scratch), ours.cfg.timeouts.io).map_err(|e| e.to_string())?;
+        check_rate(ours, "write to", gb_s)?;
         tracing::info!(peer = %peer.engine_id, gb_s = format!("{gb_s:.2}"), "nixl link probed");
-        Ok(Arc::new(Nixl::new(ep, agent, dram(offer.kv), peer)))
+        let pull_by_write = pulls_written(ours, &ep, &offer)?;
+        Ok(Arc::new(Nixl::new(ep, agent, offer.region(offer.kv), peer, pull_by_write)))
     }
 
     /// The decode side: the nixl transport the acceptor picked, with the acceptor's metadata
@@ -168,8 +192,69 @@ mod with_nixl {
                 offer.agent
             )));
         }
-        let region = NixlRegion { addr: offer.kv.0 as usize, len: offer.kv.1 as usize, place: NixlPlace::Dram };
-        Ok(Arc::new(Nixl::new(ep, offer.agent, region, peer)))
+        bind_device(ours).map_err(KvError::Refused)?;
+        let pull_by_write = pulls_written(ours, &ep, &offer).map_err(KvError::Refused)?;
+        Ok(Arc::new(Nixl::new(ep, offer.agent, offer.region(offer.kv), peer, pull_by_write)))
+    }
+
+    /// The self-check's floor: a probe of `gb_s` below `--kv-nixl-min-gb-s` refuses the link.
+    fn check_rate(ours: &Shared, what: &str, gb_s: f64) -> Result<(), String> {
+        let floor = ours.cfg.nixl_min_gb_s;
+        if gb_s < floor {
+            return Err(format!(
+                "a {} MiB NIXL {what} the peer ran at {gb_s:.2} GB/s, below --kv-nixl-min-gb-s {floor}: UCX may \
+                 have fallen back to a software path (UCX_LOG_LEVEL=info shows the transports it picked; UCX_TLS \
+                 chooses them)",
+                crate::nixl::PROBE_BYTES >> 20
+            ));
+        }
+        Ok(())
+    }
+
+    /// Prefill, pull: whether this link's pulls are written by us instead of read by decode
+    /// (`--kv-nixl-pull`). UCX picks the path of a READ apart from a WRITE's, so `auto` probes
+    /// a READ from decode's scratch: one slower than `--kv-nixl-min-gb-s` makes us write.
+    fn pulls_written(ours: &Shared, ep: &EndpointImpl, offer: &PeerOffer<'_>) -> Result<bool, String> {
+        if ours.cfg.role != crate::Role::Prefill || ours.cfg.mode != crate::KvMode::Pull {
+            return Ok(false);
+        }
+        match ours.cfg.nixl_pull {
+            NixlPull::Read => Ok(false),
+            NixlPull::Write => Ok(true),
+            NixlPull::Auto => {
+                let gb_s = ep
+                    .endpoint
+                    .probe_read(offer.agent, offer.region(offer.scratch), ours.cfg.timeouts.io)
+                    .map_err(|e| e.to_string())?;
+                let floor = ours.cfg.nixl_min_gb_s;
+                let rate = format!("{gb_s:.2}");
+                if gb_s < floor {
+                    tracing::warn!(
+                        peer = offer.agent,
+                        gb_s = rate,
+                        "nixl READs run below --kv-nixl-min-gb-s {floor} on this link (UCX may have fallen back to \
+                         a software path for them): its pulls are written by this engine instead"
+                    );
+                    return Ok(true);
+                }
+                tracing::info!(peer = offer.agent, gb_s = rate, "nixl READs probed: decode reads its pulls");
+                Ok(false)
+            }
+        }
+    }
+
+    impl PeerOffer<'_> {
+        /// The peer's memory at `(addr, bytes)`, in its KV's place.
+        fn region(&self, (addr, len): (u64, u64)) -> NixlRegion {
+            let place = self.gpu.map_or(NixlPlace::Dram, NixlPlace::Vram);
+            NixlRegion { addr: addr as usize, len: len as usize, place }
+        }
+    }
+
+    /// Makes a GPU engine's CUDA context current on this (a connector) thread before a NIXL
+    /// call that moves its memory.
+    fn bind_device(shared: &Shared) -> Result<(), String> {
+        shared.memory.device_cache().map_or(Ok(()), |dev| dev.bind().map_err(|e| e.to_string()))
     }
 
     struct Nixl {
@@ -180,6 +265,9 @@ mod with_nixl {
         target: (NixlRegion, KvLayout),
         /// Decode, pull: the READs asked for, by transfer, until prefill grants them.
         reads: Mutex<HashMap<TransferId, ReadPlan>>,
+        /// Prefill, pull: we write the blocks decode asks for (and notify), granting no READ
+        /// ([`pulls_written`]).
+        pull_by_write: bool,
     }
 
     /// A pull read decode will make once prefill grants it (see [`Transport::plan_read`]).
@@ -196,7 +284,7 @@ mod with_nixl {
     }
 
     impl Nixl {
-        fn new(ep: Arc<EndpointImpl>, agent: &str, region: NixlRegion, peer: &AgentInfo) -> Self {
+        fn new(ep: Arc<EndpointImpl>, agent: &str, region: NixlRegion, peer: &AgentInfo, pull_by_write: bool) -> Self {
             let layout = KvLayout {
                 num_layers: peer.num_layers,
                 num_kv_heads: peer.num_kv_heads,
@@ -204,18 +292,19 @@ mod with_nixl {
                 block_size: peer.block_size,
                 num_blocks: peer.num_blocks,
             };
-            Self { ep, peer_agent: agent.to_string(), target: (region, layout), reads: Mutex::default() }
+            Self { ep, peer_agent: agent.to_string(), target: (region, layout), reads: Mutex::default(), pull_by_write }
         }
 
         /// Decode, pull: READs the planned transfer `tid` from prefill's blocks into ours,
         /// finished before the lease prefill granted could end.
         fn read(&self, shared: &Shared, plan: ReadPlan) -> Result<(), String> {
             let (region, layout) = &self.target;
-            let ours = shared.memory.host_region().map_err(|e| e.to_string())?;
+            let memory = &shared.memory;
             let copies =
-                plan_kv_copy(layout, ours.layout(), ours.dtype().bytes(), &plan.src, &plan.dst, plan.num_tokens)?;
+                plan_kv_copy(layout, &memory.layout(), memory.dtype().bytes(), &plan.src, &plan.dst, plan.num_tokens)?;
+            bind_device(shared)?;
             // The plan's source is prefill's memory (the peer), its destination ours.
-            let runs: Vec<NixlRun> = runs_of(&copies)
+            let runs: Vec<NixlRun> = NixlRun::from_plan(&copies)
                 .into_iter()
                 .map(|r| NixlRun { local_offset: r.peer_offset, peer_offset: r.local_offset, len: r.len })
                 .collect();
@@ -240,10 +329,11 @@ mod with_nixl {
             tid: Option<&TransferId>,
         ) -> Result<(), String> {
             let (region, layout) = &self.target;
-            let from = shared.memory.host_region().map_err(|e| e.to_string())?;
+            let from = &shared.memory;
             // Validates the peer's block list (ids inside its region, enough of them) first.
-            let plan = plan_kv_copy(from.layout(), layout, from.dtype().bytes(), src, dst, num_tokens)?;
-            let runs = runs_of(&plan);
+            let plan = plan_kv_copy(&from.layout(), layout, from.dtype().bytes(), src, dst, num_tokens)?;
+            bind_device(shared)?;
+            let runs = NixlRun::from_plan(&plan);
             let message = tid.filter(|_| !shared.cfg.faults.drop_nixl_notification).map(landed_message);
             let started = std::time::Instant::now();
             let bound = shared.cfg.timeouts.io;
@@ -265,22 +355,6 @@ mod with_nixl {
                 Err(e) => Err(e.to_string()),
             }
         }
-    }
-
-    /// A copy plan as NIXL runs: `local_offset` the plan's source, `peer_offset` its destination.
-    fn runs_of(plan: &[KvCopy]) -> Vec<NixlRun> {
-        let mut runs = Vec::with_capacity(plan.len());
-        for copy in plan {
-            match *copy {
-                KvCopy::Linear { src, dst, bytes } => {
-                    runs.push(NixlRun { local_offset: src, peer_offset: dst, len: bytes })
-                }
-                KvCopy::Pitched { src, src_pitch, dst, dst_pitch, width, rows } => runs.extend((0..rows).map(|r| {
-                    NixlRun { local_offset: src + r * src_pitch, peer_offset: dst + r * dst_pitch, len: width }
-                })),
-            }
-        }
-        runs
     }
 
     impl Transport for Nixl {
@@ -324,9 +398,15 @@ mod with_nixl {
             conn: &Conn,
             tid: &TransferId,
             src: &[u32],
-            _dst: &[u32],
+            dst: &[u32],
             num_tokens: usize,
         ) -> Result<(), KvError> {
+            if self.pull_by_write {
+                // As a push: the blocks and the notification, then the answer, granting no READ.
+                let started = Instant::now();
+                let copied = self.write(shared, src, dst, num_tokens, Some(tid));
+                return answer_direct_read(shared, conn, tid, started, (src, num_tokens), copied, 0);
+            }
             // Decode READs the blocks itself: the answer grants it, keeping the lease at least
             // `validity` from now, within which decode's READ must end, counted from before it
             // asked (`ReadPlan::asked`). Decode's own copy plan checks its blocks.
@@ -339,7 +419,11 @@ mod with_nixl {
         }
 
         fn granted(&self, tid: &TransferId, validity: Duration) {
-            if let Some(plan) = self.reads.lock().unwrap_or_else(|p| p.into_inner()).get_mut(tid) {
+            let mut reads = self.reads.lock().unwrap_or_else(|p| p.into_inner());
+            if validity.is_zero() {
+                // No READ granted: prefill wrote the blocks, and its notification says so.
+                reads.remove(tid);
+            } else if let Some(plan) = reads.get_mut(tid) {
                 plan.validity = validity;
             }
         }
@@ -362,7 +446,7 @@ mod with_nixl {
             if let Some(plan) = planned {
                 return self.read(shared, plan);
             }
-            // Push: prefill's write ended; its notification follows the data.
+            // Push, or a pull prefill wrote: its write ended; its notification follows the data.
             self.ep
                 .endpoint
                 .wait_notification(&self.peer_agent, &landed_message(tid), shared.cfg.timeouts.io)

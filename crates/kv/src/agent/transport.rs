@@ -513,7 +513,8 @@ impl Transport for Local {
 }
 
 /// Push over a direct transport: the copy into the peer's blocks has ended (`copied`); `Done`
-/// tells it so, with prefill's first token and how long the write took.
+/// tells it so, with prefill's first token and how long the write took; a failed copy is
+/// returned as the error once decode has been told.
 pub(super) fn report_direct_write(
     shared: &Shared,
     conn: &Conn,
@@ -521,6 +522,7 @@ pub(super) fn report_direct_write(
     done: PushDone,
     copied: Result<(), String>,
 ) -> Result<(), KvError> {
+    let failure = copied.as_ref().err().cloned();
     let status = match copied {
         Ok(()) => DoneStatus::Ok,
         Err(e) => DoneStatus::Failed(e),
@@ -536,7 +538,8 @@ pub(super) fn report_direct_write(
             digest: done.digest,
         })?;
     }
-    Ok(())
+    // Decode has been told; the writer counts and logs the failure too.
+    failure.map_or(Ok(()), |e| Err(KvError::Transfer(e)))
 }
 
 /// Pull over a direct transport: the copy (begun at `started`) of the lease's KV (`held`: its

@@ -32,6 +32,8 @@ pub struct Knobs {
     pub transport: tandem_kv::KvTransport,
     /// `--kv-nixl-min-gb-s`.
     pub nixl_min_gb_s: f64,
+    /// `--kv-nixl-pull`.
+    pub nixl_pull: tandem_kv::NixlPull,
     /// Async scheduling (pipelined steps), as GPU engines run by default.
     pub pipelined: bool,
     /// KV blocks in the pool (default: 3000 tokens' worth).
@@ -62,6 +64,7 @@ impl Default for Knobs {
             local: false,
             transport: tandem_kv::KvTransport::Auto,
             nixl_min_gb_s: 0.0,
+            nixl_pull: tandem_kv::NixlPull::Auto,
             pipelined: false,
             num_blocks: None,
             max_num_seqs: 64,
@@ -110,6 +113,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             transport: k.transport,
             verify: k.verify,
             nixl_min_gb_s: k.nixl_min_gb_s,
+            nixl_pull: k.nixl_pull,
         },
         load_failure: k.load_failure,
     });
