@@ -358,7 +358,8 @@ pub struct KvArgs {
     pub kv_transport: KvTransportArg,
     /// nixl: the writing engine probes each new link with a 16 MiB write before any KV moves and
     /// refuses the peer, naming the rate, when it runs slower than this many GB/s (UCX falls
-    /// back to a software path silently when it finds no fast one). 0 accepts any rate.
+    /// back to a software path silently when it finds no fast one). 0 accepts any rate. A pull
+    /// prefill engine probes a READ too (see --kv-nixl-pull).
     #[arg(long, default_value_t = 1.0)]
     pub kv_nixl_min_gb_s: f64,
     /// nixl, pull: who moves the KV. auto: decode READs where the prefill engine's probe READ

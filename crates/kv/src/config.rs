@@ -127,7 +127,8 @@ pub struct ConnectorConfig {
     /// checksummed.
     pub verify: bool,
     /// `--kv-nixl-min-gb-s`: a nixl link whose probe write runs slower than this is refused at
-    /// handshake, naming the rate (0: accept any).
+    /// handshake, naming the rate (0: accept any); a pull link whose probe READ does is served
+    /// by prefill's writes ([`NixlPull::Auto`]).
     pub nixl_min_gb_s: f64,
     /// `--kv-nixl-pull`: who moves a pull's KV over NIXL (prefill decides, per link).
     pub nixl_pull: NixlPull,
