@@ -220,13 +220,16 @@ if [ "$MODE" = invariant ]; then
     PD_BATCH_INVARIANT=1 PD_SETTINGS=cuda-ipc_16 PD_LONG=2000 pd_check
   fi
   # Then the o and down products cut into K slices of at most 1280 and 2560 columns
-  # (--cuda-tune invariant_slice_cols), at the short context.
-  for flag in default --batch-invariant slices1280 slices2560; do
+  # (--cuda-tune invariant_slice_cols), at the short context, on skinny kernels of 8 and of 2
+  # stages (more blocks an SM).
+  for flag in default --batch-invariant slices1280 slices2560 slices1280s2 slices2560s2; do
     [ -n "${SKIP_BENCH:-}" ] && break
     for ctx in 16 1024; do
       args=()
       case $flag in
         --batch-invariant) args=("$flag") ;;
+        slices*s2) [ "$ctx" = 16 ] || continue; cols=${flag#slices}
+          args=(--batch-invariant "--cuda-tune=invariant_slice_cols=${cols%s2}" --cuda-tune=skinny_stages=2) ;;
         slices*) [ "$ctx" = 16 ] || continue
           args=(--batch-invariant "--cuda-tune=invariant_slice_cols=${flag#slices}") ;;
       esac

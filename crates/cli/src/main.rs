@@ -857,7 +857,7 @@ fn bench_kv_peer(a: args::BenchKvArgs) -> Result<()> {
 #[cfg(feature = "nixl")]
 fn bench_kv_nixl(a: args::BenchKvArgs) -> Result<()> {
     use std::io::BufRead;
-    if a.device.is_some() {
+    if a.device.as_deref().is_some_and(|d| d != "cpu") {
         return bench_kv_nixl_gpu(a);
     }
     let cfg = kv_bench_config(&a)?;
@@ -919,7 +919,7 @@ fn bench_kv_nixl_gpu(a: args::BenchKvArgs) -> Result<()> {
 
 #[cfg(feature = "nixl")]
 fn bench_kv_nixl_peer(a: args::BenchKvArgs) -> Result<()> {
-    if let Some(device) = &a.device {
+    if let Some(device) = a.device.as_ref().filter(|d| *d != "cpu") {
         use std::io::Read;
         let cfg = tandem_bench::kv::cuda_ipc::IpcBenchConfig { peer_sets: 2, ..ipc_bench_config(&a)? };
         let dev = open_gpu(device)?;

@@ -1173,17 +1173,10 @@ fn sliced_invariant_products_do_not_depend_on_the_row_count() {
         let d_sum = dev.upload(&host_sum).unwrap();
         let reference = fold(ops::ResidualDelta::Bf16(d_sum.ptr()));
         assert!(folded == reference, "{k} by {n}: the residual add's fold of {slices} slices differs from their sum");
-        // One row's time, skinny and cuBLASLt (reported, not asserted).
-        let time_one_row = |skinny: bool| {
+        // One row's time, skinny at each stage count and unsliced cuBLASLt (reported, not
+        // asserted; each stage count on a device tuned for it, the one-row bits checked too).
+        let time = |dev: &CudaDevice, run: &dyn Fn()| {
             let reps = 50;
-            let run = || unsafe {
-                if skinny {
-                    let b = ops::SkinnyBuild::B8;
-                    ops::matmul_t_skinny(&dev, d_x.ptr(), d_w.ptr(), d_parts.ptr(), 1, n, k, true, slices, b).unwrap()
-                } else {
-                    ops::matmul_t_invariant(&dev, d_x.ptr(), d_w.ptr(), d_whole.ptr(), 1, n, k, false).unwrap()
-                }
-            };
             run();
             dev.synchronize().unwrap();
             let start = std::time::Instant::now();
@@ -1193,12 +1186,32 @@ fn sliced_invariant_products_do_not_depend_on_the_row_count() {
             dev.synchronize().unwrap();
             start.elapsed().as_secs_f64() * 1e6 / reps as f64
         };
-        let (sliced, unsliced) = (time_one_row(true), time_one_row(false));
         let gbs = |us: f64| (n * k * 2) as f64 / us / 1e3;
+        let mut rows = vec![];
+        for stages in ops::SKINNY_STAGES {
+            let sdev =
+                CudaDevice::open_tuned(0, CudaTuning { skinny_stages: stages, ..CudaTuning::default() }).unwrap();
+            sdev.enable_batch_invariant().unwrap();
+            let (s_x, s_w) = (sdev.upload(&x).unwrap(), sdev.upload(&w).unwrap());
+            let s_parts = sdev.zeros::<f32>(slices * n).unwrap();
+            let b = ops::SkinnyBuild::B8;
+            let run = || unsafe {
+                ops::matmul_t_skinny(&sdev, s_x.ptr(), s_w.ptr(), s_parts.ptr(), 1, n, k, true, slices, b).unwrap()
+            };
+            let us = time(&sdev, &run);
+            let got = sdev.read(&s_parts, slices * n).unwrap();
+            for s in 0..slices {
+                assert!(got[s * n..(s + 1) * n] == all[s * most * n..s * most * n + n], "{stages} stages, slice {s}");
+            }
+            rows.push(format!("{stages} stages {us:.1} us ({:.0} GB/s)", gbs(us)));
+        }
+        let unsliced = time(&dev, &|| unsafe {
+            ops::matmul_t_invariant(&dev, d_x.ptr(), d_w.ptr(), d_whole.ptr(), 1, n, k, false).unwrap()
+        });
         eprintln!(
-            "sliced {k} by {n} in {slices}: rows equal at every count; one row {sliced:.1} us ({:.0} GB/s), unsliced \
-             cuBLASLt {unsliced:.1} us ({:.0} GB/s)",
-            gbs(sliced),
+            "sliced {k} by {n} in {slices}: rows equal at every count; one row {}; unsliced cuBLASLt {unsliced:.1} us \
+             ({:.0} GB/s)",
+            rows.join(", "),
             gbs(unsliced)
         );
     }

@@ -128,6 +128,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "flash_range_combine",
     "ban_tokens",
     "sample_rows",
+    "gemm_skinny_b8_s2",
+    "gemm_skinny_b16_s2",
     "gemm_skinny_b8_s4",
     "gemm_skinny_b16_s4",
     "gemm_skinny_b8_s8",

@@ -35,8 +35,8 @@ pub struct CudaTuning {
     /// the model's weights, and by `cuda_kernels`); off: cuBLASLt at every row count. The same
     /// bits either way. Off by default: slower than cuBLASLt on an H200 (docs/PERFORMANCE.md).
     pub invariant_skinny: bool,
-    /// Stages of 256 columns each skinny block keeps in flight (4 or 8): more hide more memory
-    /// latency, fewer let more blocks share an SM. The same bits either way.
+    /// Stages of 256 columns each skinny block keeps in flight (2, 4 or 8): more hide more
+    /// memory latency, fewer let more blocks share an SM. The same bits either way.
     pub skinny_stages: usize,
     /// Batch-invariant o and down projections (the long-K products) are cut into slices of at
     /// most this many columns (`ops::invariant_slices`), whose partial products the residual
@@ -73,7 +73,7 @@ impl CudaTuning {
         ("tensor_core_projections", "0|1 (default 0)"),
         ("bulk_o_projection", "0|1 (default 1)"),
         ("invariant_skinny", "0|1 (default 0)"),
-        ("skinny_stages", "4|8 (default 8)"),
+        ("skinny_stages", "2|4|8 (default 8)"),
         ("invariant_slice_cols", "0 or a multiple of 64 (default 0)"),
     ];
 
@@ -104,7 +104,7 @@ impl CudaTuning {
             "bulk_o_projection" => self.bulk_o_projection = flag()?,
             "invariant_skinny" => self.invariant_skinny = flag()?,
             "skinny_stages" => {
-                self.skinny_stages = value.parse().ok().filter(|n| [4, 8].contains(n)).ok_or_else(bad)?;
+                self.skinny_stages = value.parse().ok().filter(|n| [2, 4, 8].contains(n)).ok_or_else(bad)?;
             }
             "invariant_slice_cols" => {
                 self.invariant_slice_cols =
@@ -187,6 +187,6 @@ mod tests {
         assert!(range.contains("0..=8"), "{range}");
         assert!(CudaTuning::from_settings(&["attention_early"]).unwrap_err().contains("KEY=VALUE"));
         assert!(CudaTuning::from_settings(&["attention_stages=3"]).is_err());
-        assert!(CudaTuning::from_settings(&["skinny_stages=6"]).unwrap_err().contains("4|8"));
+        assert!(CudaTuning::from_settings(&["skinny_stages=6"]).unwrap_err().contains("2|4|8"));
     }
 }

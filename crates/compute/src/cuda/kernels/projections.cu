@@ -722,6 +722,8 @@ __device__ __forceinline__ void gemm_skinny(const bf16* __restrict__ W, const bf
 #define GEMM_SKINNY_BODY(T16, STAGES)
 #endif
 #if KERNEL_GROUP(3)
+GEMM_SKINNY_KERNEL(gemm_skinny_b8_s2, 0, 2)
+GEMM_SKINNY_KERNEL(gemm_skinny_b16_s2, 1, 2)
 GEMM_SKINNY_KERNEL(gemm_skinny_b8_s4, 0, 4)
 GEMM_SKINNY_KERNEL(gemm_skinny_b16_s4, 1, 4)
 GEMM_SKINNY_KERNEL(gemm_skinny_b8_s8, 0, 8)

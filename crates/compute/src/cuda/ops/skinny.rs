@@ -30,6 +30,8 @@ impl SkinnyBuild {
     /// The kernel's name for `stages` stages in flight (one of [`SKINNY_STAGES`]).
     pub fn kernel(self, stages: usize) -> &'static str {
         match (self, stages) {
+            (Self::B8, 2) => "gemm_skinny_b8_s2",
+            (Self::B16, 2) => "gemm_skinny_b16_s2",
             (Self::B8, 4) => "gemm_skinny_b8_s4",
             (Self::B16, 4) => "gemm_skinny_b16_s4",
             (Self::B8, _) => "gemm_skinny_b8_s8",
@@ -47,7 +49,10 @@ impl SkinnyBuild {
 }
 
 /// The stage counts the skinny kernels are built for ([`crate::cuda::CudaTuning::skinny_stages`]).
-pub const SKINNY_STAGES: [usize; 2] = [4, 8];
+/// Two stages use a quarter of eight's shared memory, so four times the one-warp blocks fit an
+/// SM at once: for the many short blocks of a K-sliced product, where the time goes to waves of
+/// blocks rather than to memory in flight per block.
+pub const SKINNY_STAGES: [usize; 3] = [2, 4, 8];
 
 /// The padded row of the skinny product (SKINNY_ROW_BYTES in the source), and the weight rows
 /// of a block.
