@@ -200,25 +200,13 @@ pub mod gpu {
 
     use tandem_compute::cuda::{CudaDevice, DeviceKvMemory};
     use tandem_compute::kv_copy::plan_kv_copy;
-    use tandem_kv::nixl::{NixlEndpoint, NixlPlace, NixlRegion, NixlRun, NixlScratch, PROBE_BYTES};
+    use tandem_kv::nixl::{NixlEndpoint, NixlPlace, NixlRegion, NixlRun};
 
     use super::{DRIVER_AGENT, PEER_AGENT};
     use crate::kv::cuda_ipc::{self, IpcBenchConfig, PeerWriter};
 
     /// How long one write or the wait for its notification may take.
     const BOUND: Duration = Duration::from_secs(120);
-
-    /// Registers `memory` (a GPU cache) with a new NIXL agent `name`, with a scratch beside it
-    /// on the same GPU; its context is made current on this thread.
-    fn endpoint(name: &str, memory: &DeviceKvMemory) -> Result<NixlEndpoint, String> {
-        memory.bind().map_err(|e| e.to_string())?;
-        let place = NixlPlace::Vram(memory.ordinal() as u32);
-        let (addr, len) = memory.device_range();
-        let scratch = memory.scratch(PROBE_BYTES).map_err(|e| e.to_string())?;
-        let (s_addr, s_len) = scratch.range();
-        let scratch = NixlScratch::new(NixlRegion { addr: s_addr as usize, len: s_len, place }, Box::new(scratch));
-        NixlEndpoint::open(name, NixlRegion { addr: addr as usize, len, place }, scratch).map_err(|e| e.to_string())
-    }
 
     /// How many writes the driver makes (and the peer waits for).
     fn writes(cfg: &IpcBenchConfig) -> usize {
@@ -230,7 +218,7 @@ pub mod gpu {
     /// notification, then prints `digest HEX` of the last size's second set.
     pub fn serve_peer(dev: &CudaDevice, cfg: &IpcBenchConfig, out: &mut dyn std::io::Write) -> Result<(), String> {
         let (memory, export) = cuda_ipc::peer_cache(dev, cfg)?;
-        let ep = endpoint(PEER_AGENT, &memory)?;
+        let ep = NixlEndpoint::open_gpu(PEER_AGENT, &memory).map_err(|e| e.to_string())?;
         let metadata = ep.metadata_hex().map_err(|e| e.to_string())?;
         let r = ep.region();
         writeln!(out, "{}", cuda_ipc::export_line(&export)).map_err(|e| e.to_string())?;
@@ -302,7 +290,7 @@ pub mod gpu {
         }
 
         fn attach(&mut self, ours: &Arc<DeviceKvMemory>) -> Result<(), String> {
-            let ep = endpoint(DRIVER_AGENT, ours)?;
+            let ep = NixlEndpoint::open_gpu(DRIVER_AGENT, ours).map_err(|e| e.to_string())?;
             let loaded = ep.add_peer_hex(&self.peer_metadata).map_err(|e| e.to_string())?;
             if loaded != self.peer_agent {
                 return Err(format!("the peer's metadata names `{loaded}`, not `{}`", self.peer_agent));
@@ -331,11 +319,8 @@ pub mod gpu {
             };
             // The plan's source is the peer's blocks, its destination ours.
             let plan = plan_kv_copy(&self.cfg.peer_layout(), ours.layout(), ours.elem_bytes(), src, dst, tokens)?;
-            let runs: Vec<NixlRun> = NixlRun::from_plan(&plan)
-                .into_iter()
-                .map(|r| NixlRun { local_offset: r.peer_offset, peer_offset: r.local_offset, len: r.len })
-                .collect();
-            ep.read(&self.peer_agent, self.peer_region, &runs, BOUND).map_err(|e| e.to_string())
+            ep.read(&self.peer_agent, self.peer_region, &NixlRun::from_read_plan(&plan), BOUND)
+                .map_err(|e| e.to_string())
         }
     }
 }

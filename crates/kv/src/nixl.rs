@@ -170,6 +170,15 @@ impl NixlRun {
         }
         runs
     }
+
+    /// [`Self::from_plan`] for a READ: the plan's source is the peer's region, its destination
+    /// ours.
+    pub fn from_read_plan(plan: &[tandem_compute::kv_copy::KvCopy]) -> Vec<NixlRun> {
+        Self::from_plan(plan)
+            .into_iter()
+            .map(|r| NixlRun { local_offset: r.peer_offset, peer_offset: r.local_offset, len: r.len })
+            .collect()
+    }
 }
 
 /// How many notifications [`NixlEndpoint::wait_notification`] keeps for later waits.
@@ -247,6 +256,21 @@ impl NixlEndpoint {
         })
     }
 
+    /// [`Self::open`] over a GPU engine's KV cache (VRAM), with a scratch on the same GPU, and
+    /// the GPU's CUDA context made current on this thread. The caller keeps `memory` alive for
+    /// as long as the endpoint.
+    pub fn open_gpu(name: &str, memory: &tandem_compute::cuda::DeviceKvMemory) -> Result<Self, NixlFailure> {
+        let cuda = |e: tandem_compute::cuda::CudaError| NixlFailure::Call { call: "CUDA", error: e.to_string() };
+        memory.bind().map_err(cuda)?;
+        let place = NixlPlace::Vram(memory.ordinal() as u32);
+        let (addr, len) = memory.device_range();
+        let scratch = memory.scratch(PROBE_BYTES).map_err(cuda)?;
+        let (scratch_addr, scratch_len) = scratch.range();
+        let scratch_region = NixlRegion { addr: scratch_addr as usize, len: scratch_len, place };
+        let region = NixlRegion { addr: addr as usize, len, place };
+        Self::open(name, region, NixlScratch::new(scratch_region, Box::new(scratch)))
+    }
+
     /// Our region.
     pub fn region(&self) -> NixlRegion {
         self.region
@@ -310,7 +334,8 @@ impl NixlEndpoint {
 
     /// Writes `runs` from our region into `peer`'s region `peer_region`, then, when given,
     /// delivers `notification` to it (after the data); returns when the write is complete, or
-    /// fails after `bound`. Polls (with short sleeps), so it belongs on a thread that may wait.
+    /// fails after `bound`. Polls (yielding, then sleeping), so it belongs on a thread that may
+    /// wait.
     pub fn write(
         &self,
         peer: &str,

@@ -131,19 +131,9 @@ mod with_nixl {
         let name = format!("{}@{epoch}", cfg.engine_id);
         let nixl_error = |e: NixlFailure| KvError::Unsupported(format!("--kv-transport nixl: {e}"));
         let endpoint = match memory.device_cache() {
-            Some(dev) => {
-                // VRAM: the device cache and a scratch on its GPU, registered with the GPU's
-                // context current (UCX's CUDA transports work in it).
-                dev.bind().map_err(|e| KvError::Unsupported(e.to_string()))?;
-                let place = NixlPlace::Vram(dev.ordinal() as u32);
-                let (addr, len) = dev.device_range();
-                let region = NixlRegion { addr: addr as usize, len, place };
-                let scratch = dev.scratch(crate::nixl::PROBE_BYTES).map_err(|e| KvError::Unsupported(e.to_string()))?;
-                let (scratch_addr, scratch_len) = scratch.range();
-                let scratch_region = NixlRegion { addr: scratch_addr as usize, len: scratch_len, place };
-                NixlEndpoint::open(&name, region, NixlScratch::new(scratch_region, Box::new(scratch)))
-                    .map_err(nixl_error)?
-            }
+            // VRAM: the device cache and a scratch on its GPU, registered with the GPU's context
+            // current (UCX's CUDA transports work in it).
+            Some(dev) => NixlEndpoint::open_gpu(&name, dev).map_err(nixl_error)?,
             None => {
                 let (addr, len) = memory.host_region()?.address_range();
                 let region = NixlRegion { addr, len, place: NixlPlace::Dram };
@@ -304,10 +294,7 @@ mod with_nixl {
                 plan_kv_copy(layout, &memory.layout(), memory.dtype().bytes(), &plan.src, &plan.dst, plan.num_tokens)?;
             bind_device(shared)?;
             // The plan's source is prefill's memory (the peer), its destination ours.
-            let runs: Vec<NixlRun> = NixlRun::from_plan(&copies)
-                .into_iter()
-                .map(|r| NixlRun { local_offset: r.peer_offset, peer_offset: r.local_offset, len: r.len })
-                .collect();
+            let runs = NixlRun::from_read_plan(&copies);
             // Prefill holds the lease `validity` from its grant, which it sent after we asked.
             let safe_until = plan.asked + plan.validity;
             let bound = safe_until.saturating_duration_since(Instant::now());
