@@ -4,14 +4,17 @@ then a prefill engine, a decode engine and the router per setting (push and pull
 through each engine's host copy of its GPU KV cache, and over cuda-ipc, device to device, also
 with different block sizes on the two engines), all with `--device cuda:0`. Greedy answers
 through the router must equal the colocated engine's token for token (8 prompts one at a time, two
-with log-probabilities, which must agree within LOGPROB_TOLERANCE);
+with log-probabilities, which must agree within LOGPROB_TOLERANCE; $PD_ENGINE_ARGS adds arguments to
+both engines);
 then 50 mixed-length requests at once (equality reported; required with PD_BATCH_INVARIANT=1,
 where every engine runs --batch-invariant), after which both engines' KV blocks must be back to all free; then the time to
 the first token of a 4000-token prompt, median of 3, against colocated.
 
 Usage: pd_check.py TANDEM_BINARY OUT_DIR [MODEL]   (MODEL or $PD_MODEL, default preset:qwen3-0.6b;
 $PD_DEVICE=cpu tries it without a GPU, tcp settings only; $PD_SETTINGS=tcp keeps the settings whose name has
-"tcp"; $PD_NIXL=1 adds push and pull over NIXL, for a tandem built with --features nixl). Prints one
+"tcp"; $PD_NIXL=1 adds push and pull over NIXL, for a tandem built with --features nixl;
+$PD_HOSTS=NS:ADDR,NS:ADDR runs the prefill engine in the first network namespace and the decode
+engine in the second, listening on those addresses, as scripts/two_hosts.sh sets up). Prints one
 summary line per setting;
 exits 1 on a mismatch, a leak or an error. Logs: OUT_DIR/pd_*.log.
 """
@@ -35,13 +38,29 @@ common = ["--device", device, "--model", model, "--num-kv-blocks", "4096"]
 invariant = os.environ.get("PD_BATCH_INVARIANT") == "1"
 if invariant:
     common.append("--batch-invariant")
+# PD_ENGINE_ARGS: more arguments for the prefill and decode engines (split on spaces).
+engine_args = os.environ.get("PD_ENGINE_ARGS", "").split()
 procs = []
+# PD_HOSTS: prefill and decode as two hosts (network namespaces), each reached at its own address;
+# the colocated engine, the router and this script stay in the caller's namespace.
+hosts = [h.split(":") for h in os.environ.get("PD_HOSTS", "").split(",") if h]
+if hosts and len(hosts) != 2:
+    sys.exit("PD_HOSTS wants two NAMESPACE:ADDRESS pairs, prefill's then decode's")
 
 
-def start(name, args):
+def on_host(role):
+    """Command prefix and listening arguments for the prefill or decode engine, and its address."""
+    if not hosts:
+        return [], [], "127.0.0.1"
+    ns, addr = hosts[0 if role == "prefill" else 1]
+    return ["ip", "netns", "exec", ns], ["--host", addr, "--kv-host", addr], addr
+
+
+def start(name, args, prefix=()):
     log = open(os.path.join(out, f"pd_{name}.log"), "w")
     # The engines log each KV copy between the GPU cache and its host copy (its duration).
-    p = subprocess.Popen([exe, "--log", "info,tandem_model=debug"] + args, stdout=log, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(list(prefix) + [exe, "--log", "info,tandem_model=debug"] + args, stdout=log,
+                         stderr=subprocess.STDOUT)
     procs.append(p)
     return p
 
@@ -155,12 +174,13 @@ try:
     for n, (mode, transport, pbs, dbs) in enumerate(settings):
         base = 18400 + 100 * n
         name = f"{mode}_{transport}_{pbs}_{dbs}"
-        p, d, r = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}", f"http://127.0.0.1:{base + 2}"
+        (p_prefix, p_listen, p_addr), (d_prefix, d_listen, d_addr) = on_host("prefill"), on_host("decode")
+        p, d, r = f"http://{p_addr}:{base}", f"http://{d_addr}:{base + 1}", f"http://127.0.0.1:{base + 2}"
         kv = ["--kv-mode", mode, "--kv-transport", transport] + (["--kv-host-gib", "8"] if transport in ("tcp", "auto") else [])
         start(f"{name}_prefill", ["serve", "--role", "prefill", "--port", str(base), "--kv-port", str(base + 50),
-                                  "--block-size", str(pbs)] + kv + common)
+                                  "--block-size", str(pbs)] + p_listen + kv + common + engine_args, p_prefix)
         start(f"{name}_decode", ["serve", "--role", "decode", "--port", str(base + 1), "--kv-port", str(base + 51),
-                                 "--block-size", str(dbs)] + kv + common)
+                                 "--block-size", str(dbs)] + d_listen + kv + common + engine_args, d_prefix)
         wait_healthy(p)
         wait_healthy(d)
         start(f"{name}_router", ["router", "--mode", mode, "--prefill", p, "--decode", d, "--port", str(base + 2)])

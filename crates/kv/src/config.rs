@@ -26,9 +26,10 @@ pub struct FaultInjection {
     /// Every copy a tcp transfer makes between a GPU engine's device cache and its host copy
     /// fails, as a device error would (on a CPU engine the same points fail).
     pub fail_host_copies: bool,
-    /// The nixl writer sends no NIXL notification after its writes, as a lost one would: the
-    /// reader gives up on the transfer after its I/O bound.
-    pub drop_nixl_notification: bool,
+    /// The nixl writer sends no NIXL notification after the writes of its first this many
+    /// transfers on a connection, as a lost one would: the reader gives up on each after its I/O
+    /// bound (`u32::MAX`: every one).
+    pub drop_nixl_notifications: u32,
 }
 
 /// Which transports a connector may move KV bytes over.

@@ -135,7 +135,7 @@ async fn a_lost_nixl_notification_is_bounded_and_recompute_gives_the_same_tokens
             nixl_pull: tandem_kv::NixlPull::Write,
             ..Knobs::default()
         };
-        let lost = FaultInjection { drop_nixl_notification: true, ..FaultInjection::default() };
+        let lost = FaultInjection { drop_nixl_notifications: u32::MAX, ..FaultInjection::default() };
         let p = engine_with(Some((Role::Prefill, kv_mode)), 16, Knobs { faults: lost, ..nixl.clone() }).await;
         let d = engine_with(
             Some((Role::Decode, kv_mode)),
@@ -148,6 +148,52 @@ async fn a_lost_nixl_notification_is_bounded_and_recompute_gives_the_same_tokens
         assert_eq!(run_all(&http, &base, &reqs).await, want, "{mode:?}: recompute must give the colocated tokens");
         assert!(start.elapsed() < Duration::from_secs(20), "{mode:?}: each lost notification costs one bounded wait");
         kv_stats_until(&d, "2 failed transfers", |s| s.transfers_failed == 2).await;
+        wait_idle(&[&p, &d]).await;
+    }
+    wait_idle(&[&colocated]).await;
+}
+
+/// A NIXL notification lost for one transfer holds up no other transfer on the connection:
+/// decode lands each on a thread of its own, so a second request, sent while the first waits
+/// out its 5 s bound, is answered long before that bound ends (landed on the connection's
+/// reader, it queued behind the first). The first then recomputes to the colocated tokens.
+#[cfg(feature = "nixl")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_nixl_notification_holds_up_no_other_transfer() {
+    let http = reqwest::Client::new();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let reqs: Vec<Value> = workload().into_iter().filter(|r| r["stream"] == false).skip(2).take(2).collect();
+    let want = run_all(&http, &colocated.url, &reqs).await;
+    for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
+        let nixl = Knobs {
+            transport: tandem_kv::KvTransport::Nixl,
+            nixl_pull: tandem_kv::NixlPull::Write,
+            ..Knobs::default()
+        };
+        let first_lost = FaultInjection { drop_nixl_notifications: 1, ..FaultInjection::default() };
+        let p = engine_with(Some((Role::Prefill, kv_mode)), 16, Knobs { faults: first_lost, ..nixl.clone() }).await;
+        let d = engine_with(
+            Some((Role::Decode, kv_mode)),
+            16,
+            Knobs { load_failure: tandem_engine::KvLoadFailure::Recompute, ..nixl },
+        )
+        .await;
+        let base = router(mode, &p, &d).await;
+        let (h, b, first) = (http.clone(), base.clone(), reqs[..1].to_vec());
+        let lost = tokio::spawn(async move { run_all(&h, &b, &first).await });
+        // The first transfer's KV is written by now, its notification lost: decode waits.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert!(!lost.is_finished(), "{mode:?}: the first request must still wait for its notification");
+        let start = std::time::Instant::now();
+        let second = run_all(&http, &base, &reqs[1..]).await;
+        let waited = start.elapsed();
+        assert_eq!(second[0], want[1], "{mode:?}: the second request");
+        assert!(waited < Duration::from_millis(2000), "{mode:?}: the second request took {waited:?}");
+        assert_eq!(lost.await.unwrap()[0], want[0], "{mode:?}: recompute must give the colocated tokens");
+        let s =
+            kv_stats_until(&d, "1 failed and 1 landed transfer", |s| s.transfers_failed == 1 && s.transfers_ok == 1)
+                .await;
+        assert_eq!((s.transfers_failed, s.transfers_ok), (1, 1), "{mode:?}");
         wait_idle(&[&p, &d]).await;
     }
     wait_idle(&[&colocated]).await;

@@ -2,7 +2,9 @@
 //!
 //! Threads: one control thread (engine commands, deadlines, heartbeats), one accept thread,
 //! one reader thread per side-channel connection, a short-lived thread per new outgoing
-//! connection (connect and handshake, never on the control thread), and one per push write. All transfer state lives in [`Tables`]
+//! connection (connect and handshake, never on the control thread), one per push write, and
+//! on decode one per transfer landing over a transport that waits on the network for it (a NIXL
+//! notification or READ: [`land`]). All transfer state lives in [`Tables`]
 //! behind one mutex; it is never held across socket I/O. Bulk sends take the connection's
 //! writer lock, so frames on one connection never interleave.
 //!
@@ -743,11 +745,11 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
         // Prefill: a pull release; decode: a push completion.
         Message::Done { transfer_id, first_token, status, copy_us, produced_unix_us, digest, .. } => {
             if !pull::on_release(shared, &transfer_id, &status) {
-                push::on_done(
-                    shared,
-                    &transfer_id,
-                    push::DoneReport { first_token, status, copy_us, produced_unix_us, digest },
-                );
+                let report = push::DoneReport { first_token, status, copy_us, produced_unix_us, digest };
+                land(conn, shared, move |_, shared| {
+                    push::on_done(shared, &transfer_id, report);
+                    Ok(())
+                })?;
             }
         }
         Message::Failed { transfer_id, reason } => {
@@ -767,6 +769,39 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
         },
         other @ (Message::Handshake { .. } | Message::HandshakeOk { .. } | Message::HandshakeRefused { .. }) => {
             return Err(KvError::Protocol(format!("unexpected {other:?} after the handshake")));
+        }
+    }
+    Ok(())
+}
+
+/// Decode: runs `landing` (what follows a direct writer's word that it wrote a transfer: the
+/// landing's confirmation, a pull's READ, the report) on a thread of its own when the
+/// connection's transport waits on the network for it ([`Transport::landing_waits`]), so that
+/// a notification lost for one transfer, or a long READ, holds up no other transfer's message
+/// on the connection; else here, on the reader. Every wait inside is bounded; a landing that
+/// fails to answer the peer shuts the connection, as the reader would, so what rides on it fails
+/// at once.
+fn land<F>(conn: &Arc<Conn>, shared: &Arc<Shared>, landing: F) -> Result<(), KvError>
+where
+    F: FnOnce(&Arc<Conn>, &Arc<Shared>) -> Result<(), KvError> + Send + 'static,
+{
+    if !conn.transport.landing_waits() {
+        return landing(conn, shared);
+    }
+    // Taken by the thread, or back here if no thread could start.
+    let job = Arc::new(Mutex::new(Some(landing)));
+    let (theirs, c, s) = (job.clone(), conn.clone(), shared.clone());
+    let spawned = std::thread::Builder::new().name("tandem-kv-land".into()).spawn(move || {
+        let Some(landing) = theirs.lock().unwrap_or_else(|p| p.into_inner()).take() else { return };
+        if let Err(e) = landing(&c, &s) {
+            tracing::warn!(peer = %c.peer.engine_id, error = %e, "KV connection failed");
+            let _ = c.writer().shutdown(std::net::Shutdown::Both);
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "no thread for a KV landing: landing it on the connection's reader");
+        if let Some(landing) = job.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            return landing(conn, shared);
         }
     }
     Ok(())

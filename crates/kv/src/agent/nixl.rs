@@ -78,6 +78,7 @@ fn landed_message(tid: &TransferId) -> Vec<u8> {
 #[cfg(feature = "nixl")]
 mod with_nixl {
     use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
@@ -258,6 +259,8 @@ mod with_nixl {
         /// Prefill, pull: we write the blocks decode asks for (and notify), granting no READ
         /// ([`pulls_written`]).
         pull_by_write: bool,
+        /// Transfers whose final write this side has made (for the lost-notification fault).
+        notified: AtomicU32,
     }
 
     /// A pull read decode will make once prefill grants it (see [`Transport::plan_read`]).
@@ -282,7 +285,14 @@ mod with_nixl {
                 block_size: peer.block_size,
                 num_blocks: peer.num_blocks,
             };
-            Self { ep, peer_agent: agent.to_string(), target: (region, layout), reads: Mutex::default(), pull_by_write }
+            Self {
+                ep,
+                peer_agent: agent.to_string(),
+                target: (region, layout),
+                reads: Mutex::default(),
+                pull_by_write,
+                notified: AtomicU32::new(0),
+            }
         }
 
         /// Decode, pull: READs the planned transfer `tid` from prefill's blocks into ours,
@@ -321,7 +331,10 @@ mod with_nixl {
             let plan = plan_kv_copy(&from.layout(), layout, from.dtype().bytes(), src, dst, num_tokens)?;
             bind_device(shared)?;
             let runs = NixlRun::from_plan(&plan);
-            let message = tid.filter(|_| !shared.cfg.faults.drop_nixl_notification).map(landed_message);
+            let lost = |_: &&TransferId| {
+                self.notified.fetch_add(1, Ordering::Relaxed) < shared.cfg.faults.drop_nixl_notifications
+            };
+            let message = tid.filter(|tid| !lost(tid)).map(landed_message);
             let started = std::time::Instant::now();
             let bound = shared.cfg.timeouts.io;
             match self.ep.endpoint.write(&self.peer_agent, *region, &runs, message.as_deref(), bound) {
@@ -416,6 +429,10 @@ mod with_nixl {
         }
 
         fn reader_reads(&self) -> bool {
+            true
+        }
+
+        fn landing_waits(&self) -> bool {
             true
         }
 

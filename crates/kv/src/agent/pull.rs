@@ -163,8 +163,8 @@ pub(super) fn on_heartbeat(shared: &Shared, tids: Vec<TransferId>) {
 /// not.
 pub(super) fn on_block_data(
     stream: &mut TcpStream,
-    conn: &Conn,
-    shared: &Shared,
+    conn: &Arc<Conn>,
+    shared: &Arc<Shared>,
     tid: TransferId,
     data: Bulk,
     error: Option<String>,
@@ -173,7 +173,7 @@ pub(super) fn on_block_data(
     match (conn.transport.writes_directly(), direct) {
         (true, end) => {
             let end = end.unwrap_or(DirectEnd { copy_us: 0, digest: None, grant_us: 0 });
-            return on_direct_read_end(conn, shared, tid, error, end);
+            return super::land(conn, shared, move |conn, shared| on_direct_read_end(conn, shared, tid, error, end));
         }
         (false, Some(_)) => return Err(KvError::Protocol("a direct-copy answer on a tcp connection".into())),
         (false, None) => {}

@@ -93,6 +93,13 @@ pub(super) trait Transport: Send + Sync {
         Ok(())
     }
 
+    /// Whether [`Self::confirm_landed`] waits on the network (a NIXL notification, or the READ
+    /// itself): the reader then lands each transfer on a thread of its own, so that one slow or
+    /// lost landing holds up no other message on the connection.
+    fn landing_waits(&self) -> bool {
+        false
+    }
+
     /// Pull: answers the peer's read of our blocks `src` (held under a lease) into its blocks
     /// `dst` with `BlockData` (and, on tcp, the bytes).
     fn answer_read(

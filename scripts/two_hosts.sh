@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# P/D between two "hosts" on one machine: the prefill engine in network namespace tandem-p
+# (10.77.0.1), the decode engine in tandem-d (10.77.0.2), each with its own network stack,
+# joined by a bridge in this namespace (10.77.0.254), where the colocated engine, the router and
+# the client stay. Every byte of KV crosses veth links, as it would cross a NIC; NIXL's UCX is
+# held to TCP (UCX_TLS=tcp), since the namespaces still share the kernel's shared-memory paths a
+# real second host would not have. (No added delay: the kernels this was run on lack netem.)
+#
+# Usage (root; ip from iproute2):
+#   scripts/two_hosts.sh TANDEM_BINARY OUT_DIR [MODEL]     (MODEL default preset:tiny-qwen3)
+# Env: NIXL=1 adds the NIXL settings (a tandem built with --features nixl, NIXL's libraries on
+# LD_LIBRARY_PATH and NIXL_PLUGIN_DIR set); MIN_GB_S (below); PD_SETTINGS as pd_check.py.
+# Runs scripts/gpu/pd_check.py on CPU engines: greedy answers through the router must equal the
+# colocated engine's, KV blocks back to baseline, no transfer failed.
+set -euo pipefail
+exe=$(realpath "$1") out=$2 model=${3:-preset:tiny-qwen3}
+here=$(dirname "$(realpath "$0")")
+mkdir -p "$out"
+command -v ip >/dev/null || { echo "needs ip (Debian: iproute2)"; exit 2; }
+
+down() {
+  ip netns del tandem-p 2>/dev/null || true
+  ip netns del tandem-d 2>/dev/null || true
+  ip link del tandem-br 2>/dev/null || true
+}
+down
+trap down EXIT
+ip link add tandem-br type bridge
+ip addr add 10.77.0.254/24 dev tandem-br
+ip link set tandem-br up
+n=1
+for ns in tandem-p tandem-d; do
+  ip netns add $ns
+  ip link add $ns-eth type veth peer name $ns-br
+  ip link set $ns-eth netns $ns
+  ip link set $ns-br master tandem-br up
+  ip -n $ns addr add 10.77.0.$n/24 dev $ns-eth
+  ip -n $ns link set $ns-eth up
+  ip -n $ns link set lo up
+  n=$((n + 1))
+done
+# The link works before any engine starts: bash's /dev/tcp from tandem-p to a listener in tandem-d.
+ip netns exec tandem-d python3 -c 'import socket; s = socket.create_server(("10.77.0.2", 18999)); s.settimeout(10); s.accept()' &
+sleep 0.5
+ip netns exec tandem-p timeout 5 bash -c 'exec 3<>/dev/tcp/10.77.0.2/18999' || { echo "tandem-p cannot reach tandem-d"; exit 1; }
+wait
+
+export UCX_TLS=${UCX_TLS:-tcp} PD_DEVICE=cpu PD_HOSTS=tandem-p:10.77.0.1,tandem-d:10.77.0.2
+# UCX's TCP transport runs at about 1 GB/s over veth on a small machine, at the NIXL self-check's
+# default floor: MIN_GB_S (default 0.1) lowers it so that the run tests the path, not the rate.
+export PD_ENGINE_ARGS="--kv-nixl-min-gb-s ${MIN_GB_S:-0.1} ${PD_ENGINE_ARGS:-}"
+# The tiny presets' vocabulary: prompts keep their token ids below it.
+export PD_VOCAB=${PD_VOCAB:-256} PD_LONG=${PD_LONG:-1000} PD_NIXL=${NIXL:-0}
+echo "two hosts: prefill at 10.77.0.1 (tandem-p), decode at 10.77.0.2 (tandem-d), UCX_TLS=$UCX_TLS"
+python3 "$here/gpu/pd_check.py" "$exe" "$out" "$model"
