@@ -17,8 +17,8 @@
 use std::time::{Duration, Instant};
 
 use nixl_sys::{
-    Agent, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle, XferDescList,
-    XferOp, XferRequest, XferStatus,
+    Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, NotificationMap, OptArgs, RegistrationHandle,
+    ThreadSync, XferDescList, XferOp, XferRequest, XferStatus,
 };
 
 /// What went wrong with NIXL, in words for a log or a refused handshake.
@@ -237,7 +237,11 @@ impl NixlEndpoint {
     /// any peer's writes into it) may use it.
     pub fn open(name: &str, region: NixlRegion, scratch: NixlScratch) -> Result<Self, NixlFailure> {
         library_loads()?;
-        let agent = call("create_agent", Agent::new(name))?;
+        // The connector calls in from several threads at once (each connection's reader, the
+        // push writers, decode's landings), and NIXL's default synchronisation takes no locks:
+        // RW lets transfers run side by side and serialises what changes the agent's metadata.
+        let config = AgentConfig { thread_sync: ThreadSync::Rw, ..AgentConfig::default() };
+        let agent = call("create_agent", Agent::new_configured(name, &config))?;
         let (_, params) = call("get_plugin_params(UCX)", agent.get_plugin_params("UCX"))?;
         let backend = call("create_backend(UCX)", agent.create_backend("UCX", &params))?;
         let mut args = call("opt_args", OptArgs::new())?;
