@@ -2,7 +2,8 @@
 # P/D between two "hosts" on one machine: the prefill engine in network namespace tandem-p
 # (10.77.0.1), the decode engine in tandem-d (10.77.0.2), each with its own network stack,
 # joined by a bridge in this namespace (10.77.0.254), where the colocated engine, the router and
-# the client stay. Every byte of KV crosses veth links, as it would cross a NIC; NIXL's UCX is
+# the client stay. Each engine binds its KV side channel to 0.0.0.0 and advertises the address
+# of its default route (what `--kv-advertise-host` defaults to). Every byte of KV crosses veth links, as it would cross a NIC; NIXL's UCX is
 # held to TCP (UCX_TLS=tcp), since the namespaces still share the kernel's shared-memory paths a
 # real second host would not have. (No added delay: the kernels this was run on lack netem.)
 #
@@ -37,6 +38,9 @@ for ns in tandem-p tandem-d; do
   ip -n $ns addr add 10.77.0.$n/24 dev $ns-eth
   ip -n $ns link set $ns-eth up
   ip -n $ns link set lo up
+  # A default route, as a host has: the engines bind their side channels to 0.0.0.0 and advertise
+  # their address on it.
+  ip -n $ns route add default via 10.77.0.254
   n=$((n + 1))
 done
 # The link works before any engine starts: bash's /dev/tcp from tandem-p to a listener in tandem-d.

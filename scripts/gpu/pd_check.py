@@ -53,7 +53,8 @@ def on_host(role):
     if not hosts:
         return [], [], "127.0.0.1"
     ns, addr = hosts[0 if role == "prefill" else 1]
-    return ["ip", "netns", "exec", ns], ["--host", addr, "--kv-host", addr], addr
+    # The side channel on every interface: the engine advertises its address on its default route.
+    return ["ip", "netns", "exec", ns], ["--host", addr, "--kv-host", "0.0.0.0"], addr
 
 
 def start(name, args, prefix=()):

@@ -371,9 +371,15 @@ pub struct KvArgs {
     /// This engine's id on the KV side channel (default: role and port).
     #[arg(long)]
     pub engine_id: Option<String>,
-    /// Host the KV side channel binds and advertises.
+    /// Host the KV side channel binds (0.0.0.0: every interface, for peers on other hosts).
     #[arg(long, default_value = "127.0.0.1")]
     pub kv_host: String,
+    /// Host peers are told to reach the KV side channel at (it travels in kv_transfer_params
+    /// and the handshake). Default: --kv-host, or, when that is 0.0.0.0 or ::, this host's
+    /// address on its default route (logged at start); name it where that is not the address
+    /// the peers reach (several interfaces, NAT).
+    #[arg(long)]
+    pub kv_advertise_host: Option<String>,
     /// Port of the KV side channel (default: 5600 prefill, 5601 decode; 0 picks a free one).
     #[arg(long)]
     pub kv_port: Option<u16>,

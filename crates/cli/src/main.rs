@@ -228,8 +228,13 @@ fn kv_setup(k: &args::KvArgs, port: u16, fingerprint: &str) -> Result<Option<tan
                 KvModeArg::Push => tandem_kv::KvMode::Push,
                 KvModeArg::Pull => tandem_kv::KvMode::Pull,
             },
-            listen: format!("{}:{kv_port}", k.kv_host),
-            advertise_host: k.kv_host.clone(),
+            listen: tandem_kv::tcp::host_port(&k.kv_host, kv_port),
+            advertise_host: match &k.kv_advertise_host {
+                Some(host) => host.clone(),
+                None => tandem_kv::tcp::advertised_host(&k.kv_host).map_err(|e| {
+                    anyhow::anyhow!("--kv-host {e}: name the address peers reach with --kv-advertise-host")
+                })?,
+            },
             model_fingerprint: fingerprint.to_string(),
             timeouts: tandem_kv::tcp::Timeouts::default(),
             lease: secs(k.kv_lease_secs, "--kv-lease-secs")?,

@@ -9,7 +9,7 @@
 //! [`recv_staged`]), so those copies overlap the socket.
 
 use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpStream, ToSocketAddrs, UdpSocket};
 use std::time::Duration;
 
 use tandem_compute::KvRegion;
@@ -32,6 +32,41 @@ impl Default for Timeouts {
     fn default() -> Self {
         Self { connect: Duration::from_secs(5), io: Duration::from_secs(30) }
     }
+}
+
+/// `host:port`, with an IPv6 host in brackets.
+pub fn host_port(host: &str, port: u16) -> String {
+    match host.parse::<IpAddr>() {
+        Ok(IpAddr::V6(ip)) => format!("[{ip}]:{port}"),
+        _ => format!("{host}:{port}"),
+    }
+}
+
+/// The host peers are told to reach a side channel bound to `bind_host` at: `bind_host` itself,
+/// unless that is an unspecified address (`0.0.0.0`, `::`: every interface), which no peer can
+/// connect to; then this host's address on its default route (a UDP socket routed towards a
+/// documentation address, nothing sent), or an error saying to name one.
+pub fn advertised_host(bind_host: &str) -> Result<String, String> {
+    let probe: SocketAddr = match bind_host.trim_matches(['[', ']']).parse::<IpAddr>() {
+        Ok(IpAddr::V4(ip)) if ip.is_unspecified() => "192.0.2.1:9".parse().expect("an IPv4 socket address"),
+        Ok(IpAddr::V6(ip)) if ip.is_unspecified() => "[2001:db8::1]:9".parse().expect("an IPv6 socket address"),
+        _ => return Ok(bind_host.to_string()),
+    };
+    routed_address(probe)
+        .map(|ip| ip.to_string())
+        .map_err(|why| format!("{bind_host} listens on every address, but peers need one to connect to, and {why}"))
+}
+
+/// This host's address on the route towards `probe` (not loopback, not unspecified).
+fn routed_address(probe: SocketAddr) -> Result<IpAddr, String> {
+    let any: SocketAddr = if probe.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (Ipv6Addr::UNSPECIFIED, 0).into() };
+    let socket = UdpSocket::bind(any).map_err(|e| format!("no UDP socket could be opened to find it ({e})"))?;
+    socket.connect(probe).map_err(|e| format!("this host has no route to pick it from ({e})"))?;
+    let ip = socket.local_addr().map_err(|e| format!("its routed address is unknown ({e})"))?.ip();
+    if ip.is_loopback() || ip.is_unspecified() {
+        return Err(format!("the only route found leaves from {ip}"));
+    }
+    Ok(ip)
 }
 
 /// Opens a connection to `addr` with bounded connect, read and write times.
@@ -305,4 +340,35 @@ pub unsafe fn recv_staged(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_named_host_is_advertised_as_given_and_ipv6_gets_brackets() {
+        assert_eq!(advertised_host("10.0.0.7").unwrap(), "10.0.0.7");
+        assert_eq!(advertised_host("prefill-0.internal").unwrap(), "prefill-0.internal");
+        assert_eq!(host_port("::1", 5600), "[::1]:5600");
+        assert_eq!(host_port("10.0.0.7", 5600), "10.0.0.7:5600");
+        assert_eq!(host_port("prefill-0.internal", 5600), "prefill-0.internal:5600");
+    }
+
+    #[test]
+    fn an_unspecified_host_is_never_advertised() {
+        // Routed towards loopback, the only address found is loopback: refused, saying why.
+        let err = routed_address("127.0.0.1:9".parse().unwrap()).unwrap_err();
+        assert!(err.contains("127.0.0.1"), "{err}");
+        // Whatever this machine's routes, peers are never told 0.0.0.0 or loopback.
+        for any in ["0.0.0.0", "::", "[::]"] {
+            match advertised_host(any) {
+                Ok(host) => {
+                    let ip: IpAddr = host.parse().unwrap();
+                    assert!(!ip.is_unspecified() && !ip.is_loopback(), "{any}: {ip}");
+                }
+                Err(e) => assert!(e.contains("listens on every address"), "{any}: {e}"),
+            }
+        }
+    }
 }

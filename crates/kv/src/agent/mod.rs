@@ -230,7 +230,7 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
     let port = listener.local_addr()?.port();
     let l = memory.layout();
     let epoch = Epoch(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0));
-    let mut transports = vec![TransportOffer::Tcp { addr: format!("{}:{port}", cfg.advertise_host) }];
+    let mut transports = vec![TransportOffer::Tcp { addr: crate::tcp::host_port(&cfg.advertise_host, port) }];
     if cfg.local_transport {
         transports
             .push(TransportOffer::Local { process: std::process::id(), key: format!("{}@{}", cfg.engine_id, epoch.0) });
