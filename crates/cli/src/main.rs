@@ -21,13 +21,19 @@ use args::{BenchCommand, Cli, Command, EngineArgs, GenerateArgs, ModelArgs, Mode
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // While this is the only thread: an engine moving KV over NIXL has UCX log into a file the
+    // connector reads back (the transports UCX chose; its warnings, through tracing).
+    let ucx_log = match &cli.command {
+        Command::Serve(a) if matches!(a.kv.kv_transport, args::KvTransportArg::Nixl) => tandem_kv::ucx_log::redirect(),
+        _ => None,
+    };
     let filter =
         tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Colours only on a terminal, and never with NO_COLOR set (the no-color.org convention).
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none();
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
     let result = match cli.command {
-        Command::Serve(a) => serve(a),
+        Command::Serve(a) => serve(a, ucx_log.clone()),
         Command::Router(a) => router(a),
         Command::Up(a) => up::up(*a),
         Command::Generate(a) => generate(a),
@@ -40,6 +46,9 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::KvPeer(a)) => bench_kv_peer(a),
         Command::Bench(BenchCommand::Soak(a)) => soak::bench_soak(a),
     };
+    if let Some(path) = ucx_log {
+        let _ = std::fs::remove_file(path);
+    }
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -200,7 +209,12 @@ fn engine_config(e: &EngineArgs, model: &LoadedModel) -> Result<EngineConfig> {
 }
 
 /// The connector setup for `--role prefill|decode`, or `None` for colocated serving.
-fn kv_setup(k: &args::KvArgs, port: u16, fingerprint: &str) -> Result<Option<tandem_engine::KvSetup>> {
+fn kv_setup(
+    k: &args::KvArgs,
+    port: u16,
+    fingerprint: &str,
+    ucx_log: Option<std::path::PathBuf>,
+) -> Result<Option<tandem_engine::KvSetup>> {
     use args::{KvLoadFailureArg, KvModeArg, RoleArg};
     let role = match k.role {
         RoleArg::Both => return Ok(None),
@@ -252,6 +266,7 @@ fn kv_setup(k: &args::KvArgs, port: u16, fingerprint: &str) -> Result<Option<tan
             verify: k.kv_verify,
             nixl_min_gb_s: k.kv_nixl_min_gb_s,
             nixl_pull: k.kv_nixl_pull.to_kv(),
+            ucx_log,
         },
         load_failure: match k.kv_load_failure {
             KvLoadFailureArg::Recompute => tandem_engine::KvLoadFailure::Recompute,
@@ -260,7 +275,7 @@ fn kv_setup(k: &args::KvArgs, port: u16, fingerprint: &str) -> Result<Option<tan
     }))
 }
 
-fn serve(a: ServeArgs) -> Result<()> {
+fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result<()> {
     let port = a.port.unwrap_or(match a.kv.role {
         args::RoleArg::Both => 8000,
         args::RoleArg::Prefill => 8100,
@@ -278,7 +293,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         Some((a.kv.kv_host_gib * (1u64 << 30) as f64) as usize)
     };
     let parts = build_engine(&a.model, &a.engine, host_kv_bytes)?;
-    let kv = kv_setup(&a.kv, port, &parts.fingerprint)?;
+    let kv = kv_setup(&a.kv, port, &parts.fingerprint, ucx_log)?;
     let mut tokenizer = parts.tokenizer;
     if let Some(t) = &a.chat_template {
         let tok = tokenizer

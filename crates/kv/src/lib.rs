@@ -31,6 +31,7 @@ mod memory;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub mod tcp;
+pub mod ucx_log;
 pub mod wire;
 
 pub use agent_info::{AgentInfo, Incompatible, KvMode, Role, TransportOffer};

@@ -38,6 +38,7 @@ fn config(role: Role, mode: KvMode) -> ConnectorConfig {
         verify: false,
         nixl_min_gb_s: 0.0,
         nixl_pull: tandem_kv::NixlPull::Auto,
+        ucx_log: None,
     }
 }
 

@@ -375,6 +375,7 @@ fn control_loop(rx: mpsc::Receiver<Command>, shared: Arc<Shared>) {
         }
         if last_ping.elapsed() >= shared.cfg.liveness / 3 {
             ping(&shared);
+            nixl::relay_ucx_log(&shared.nixl);
             last_ping = Instant::now();
         }
     }

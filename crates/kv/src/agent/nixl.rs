@@ -31,6 +31,13 @@ pub(super) use without_nixl::*;
 /// This engine's NIXL endpoint, when `--kv-transport nixl` asked for one.
 pub(super) type Endpoint = Option<Arc<EndpointImpl>>;
 
+/// Relays what UCX has logged since the last look (its warnings, through tracing).
+pub(super) fn relay_ucx_log(endpoint: &Endpoint) {
+    if let Some(e) = endpoint {
+        e.relay_ucx_log();
+    }
+}
+
 /// The nixl offer of `endpoint`, for the handshake.
 pub(super) fn offer(endpoint: &Endpoint) -> Option<TransportOffer> {
     endpoint.as_ref().map(|e| e.offer())
@@ -92,6 +99,7 @@ mod with_nixl {
     use super::super::{Conn, Shared};
     use super::{landed_message, peer_offer, PeerOffer};
     use crate::nixl::{NixlEndpoint, NixlFailure, NixlPlace, NixlRegion, NixlRun, NixlScratch};
+    use crate::ucx_log::UcxLog;
     use crate::{AgentInfo, ConnectorConfig, KvError, KvMemory, NixlPull, TransportOffer};
 
     /// This engine's NIXL agent and the name peers know it by.
@@ -100,9 +108,24 @@ mod with_nixl {
         name: String,
         /// Our agent metadata, hex (read once: it covers every registration).
         metadata: String,
+        /// UCX's log, where it was redirected for us to read.
+        ucx_log: Option<UcxLog>,
     }
 
     impl EndpointImpl {
+        pub(super) fn relay_ucx_log(&self) {
+            self.transports();
+        }
+
+        /// The transports of the latest endpoint UCX configured (a link just probed: its
+        /// own), worded for a log line; relays UCX's warnings meanwhile.
+        fn transports(&self) -> String {
+            match &self.ucx_log {
+                Some(log) => log.read().unwrap_or_else(|| "not logged".into()),
+                None => "see UCX's own log (UCX_LOG_LEVEL=info)".into(),
+            }
+        }
+
         pub(super) fn offer(&self) -> TransportOffer {
             let (region, scratch) = (self.endpoint.region(), self.endpoint.scratch());
             TransportOffer::Nixl {
@@ -148,7 +171,8 @@ mod with_nixl {
             NixlPlace::Vram(d) => format!("GPU memory of cuda:{d}"),
         };
         tracing::info!(agent = %name, bytes = region.len, "NIXL agent ready (UCX backend), KV registered in {place}");
-        Ok(Some(Arc::new(EndpointImpl { endpoint, name, metadata })))
+        let ucx_log = cfg.ucx_log.as_deref().map(UcxLog::new);
+        Ok(Some(Arc::new(EndpointImpl { endpoint, name, metadata, ucx_log })))
     }
 
     /// Writing side: the nixl transport to `peer`, with its metadata loaded, or why not.
@@ -165,8 +189,9 @@ mod with_nixl {
         // in its KV's place).
         let gb_s =
             ep.endpoint.probe(agent, offer.region(offer.scratch), ours.cfg.timeouts.io).map_err(|e| e.to_string())?;
-        check_rate(ours, "write to", gb_s)?;
-        tracing::info!(peer = %peer.engine_id, gb_s = format!("{gb_s:.2}"), "nixl link probed");
+        let ucx = ep.transports();
+        check_rate(ours, "write to", gb_s, &ucx)?;
+        tracing::info!(peer = %peer.engine_id, gb_s = format!("{gb_s:.2}"), ucx, "nixl link probed");
         let pull_by_write = pulls_written(ours, &ep, &offer)?;
         Ok(Arc::new(Nixl::new(ep, agent, offer.region(offer.kv), peer, pull_by_write)))
     }
@@ -189,13 +214,12 @@ mod with_nixl {
     }
 
     /// The self-check's floor: a probe of `gb_s` below `--kv-nixl-min-gb-s` refuses the link.
-    fn check_rate(ours: &Shared, what: &str, gb_s: f64) -> Result<(), String> {
+    fn check_rate(ours: &Shared, what: &str, gb_s: f64, ucx: &str) -> Result<(), String> {
         let floor = ours.cfg.nixl_min_gb_s;
         if gb_s < floor {
             return Err(format!(
-                "a {} MiB NIXL {what} the peer ran at {gb_s:.2} GB/s, below --kv-nixl-min-gb-s {floor}: UCX may \
-                 have fallen back to a software path (UCX_LOG_LEVEL=info shows the transports it picked; UCX_TLS \
-                 chooses them)",
+                "a {} MiB NIXL {what} the peer ran at {gb_s:.2} GB/s (UCX: {ucx}), below --kv-nixl-min-gb-s {floor}: \
+                 UCX may have fallen back to a software path (UCX_TLS chooses its transports)",
                 crate::nixl::PROBE_BYTES >> 20
             ));
         }
@@ -219,16 +243,18 @@ mod with_nixl {
                     .map_err(|e| e.to_string())?;
                 let floor = ours.cfg.nixl_min_gb_s;
                 let rate = format!("{gb_s:.2}");
+                let ucx = ep.transports();
                 if gb_s < floor {
                     tracing::warn!(
                         peer = offer.agent,
                         gb_s = rate,
+                        ucx,
                         "nixl READs run below --kv-nixl-min-gb-s {floor} on this link (UCX may have fallen back to \
                          a software path for them): its pulls are written by this engine instead"
                     );
                     return Ok(true);
                 }
-                tracing::info!(peer = offer.agent, gb_s = rate, "nixl READs probed: decode reads its pulls");
+                tracing::info!(peer = offer.agent, gb_s = rate, ucx, "nixl READs probed: decode reads its pulls");
                 Ok(false)
             }
         }
@@ -472,6 +498,10 @@ mod without_nixl {
 
     impl EndpointImpl {
         pub(super) fn offer(&self) -> TransportOffer {
+            match *self {}
+        }
+
+        pub(super) fn relay_ucx_log(&self) {
             match *self {}
         }
     }

@@ -114,6 +114,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             verify: k.verify,
             nixl_min_gb_s: k.nixl_min_gb_s,
             nixl_pull: k.nixl_pull,
+            ucx_log: None,
         },
         load_failure: k.load_failure,
     });
