@@ -12,7 +12,8 @@
 # Env: NIXL=1 adds the NIXL settings (a tandem built with --features nixl, NIXL's libraries on
 # LD_LIBRARY_PATH and NIXL_PLUGIN_DIR set); MIN_GB_S (below); PD_SETTINGS as pd_check.py.
 # Runs scripts/gpu/pd_check.py on CPU engines: greedy answers through the router must equal the
-# colocated engine's, KV blocks back to baseline, no transfer failed.
+# colocated engine's, KV blocks back to baseline, no transfer failed. CHECK=partition runs
+# scripts/partition_check.py instead: the link between the two hosts cut under load, and healed.
 set -euo pipefail
 exe=$(realpath "$1") out=$2 model=${3:-preset:tiny-qwen3}
 here=$(dirname "$(realpath "$0")")
@@ -56,4 +57,8 @@ export PD_ENGINE_ARGS="--kv-nixl-min-gb-s ${MIN_GB_S:-0.1} ${PD_ENGINE_ARGS:-}"
 # The tiny presets' vocabulary: prompts keep their token ids below it.
 export PD_VOCAB=${PD_VOCAB:-256} PD_LONG=${PD_LONG:-1000} PD_NIXL=${NIXL:-0}
 echo "two hosts: prefill at 10.77.0.1 (tandem-p), decode at 10.77.0.2 (tandem-d), UCX_TLS=$UCX_TLS"
-python3 "$here/gpu/pd_check.py" "$exe" "$out" "$model"
+case "${CHECK:-pd}" in
+  pd) python3 "$here/gpu/pd_check.py" "$exe" "$out" "$model" ;;
+  partition) python3 "$here/partition_check.py" "$exe" "$out" "$model" ;;
+  *) echo "CHECK is pd or partition"; exit 2 ;;
+esac

@@ -21,11 +21,13 @@
 //!
 //! The router checks the fields it rewrites; prefill gets the client's fields as they are and
 //! validates them as decode will before computing anything. A failed prefill leg ends the
-//! request with its 4xx (a bad request) or a 502 naming the leg and the cause; a decode leg
-//! that fails after prefill has the prefill engine free the prompt's KV at once
-//! (`POST /kv/release`). A client disconnect drops both legs, which cancels them on both
-//! engines, and has prefill free KV it already computed the same way (a decode engine that had
-//! not yet registered for it or read it cannot tell prefill so).
+//! request with its 4xx (a bad request) or a 502 naming the leg and the cause. However a
+//! request ends, the router has the prefill engine free whatever KV it still holds for it
+//! (`POST /kv/release`; nothing, when decode took the KV): a decode leg that failed, a client
+//! disconnect (which drops both legs, cancelling them on both engines), or a decode engine that
+//! could not reach prefill's side channel and recomputed, none of which decode can tell
+//! prefill, would otherwise leave the blocks held until prefill's registration wait or lease
+//! ran out.
 //!
 //! Failover: a leg that never reached its engine (no connection: the engine is marked down
 //! until a check finds it again) or that its engine turned away before computing (429, at its

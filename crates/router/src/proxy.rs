@@ -470,36 +470,29 @@ impl Router {
     }
 
     /// A guard that has prefill engine `p` free the KV it holds for `transfer_id` when it
-    /// drops, unless [`ReleaseOnDrop::disarm`]ed first (the decode leg took the KV).
+    /// drops, as the request ends.
     fn release_on_drop(&self, p: &Backend, transfer_id: &str) -> ReleaseOnDrop {
-        ReleaseOnDrop { http: self.http.clone(), url: p.url.clone(), transfer_id: transfer_id.to_string(), armed: true }
+        ReleaseOnDrop { http: self.http.clone(), url: p.url.clone(), transfer_id: transfer_id.to_string() }
     }
 }
 
-/// Frees prefill's KV for a transfer the decode leg did not take: it failed, or the client
-/// went away first. A decode engine that never got as far as registering (push) or reading
-/// (pull) cannot say so to prefill, which would hold the prompt's blocks until its transfer
-/// timeout or lease ran out. Dropped armed, it posts `/kv/release` without making anyone wait
-/// for the answer; for a transfer that has already ended the engine finds nothing to free.
+/// Frees prefill's KV for a transfer when its request ends, however it ended. Where the decode
+/// engine took the KV, prefill has let it go already and finds nothing to free. But a decode
+/// leg may end without it: the leg failed, the client went away first, or decode could not
+/// reach prefill's KV side channel (a partitioned KV network; the router still reaches both)
+/// and recomputed the prompt. Decode cannot tell prefill so, and prefill would hold the
+/// prompt's blocks until its registration wait (push) or lease (pull) ran out: under load,
+/// long enough to fill its KV pool and stall every request behind it (measured: 23 s with
+/// two hosts cut apart for 35 s). The drop posts `/kv/release` without making anyone wait
+/// for the answer.
 struct ReleaseOnDrop {
     http: reqwest::Client,
     url: String,
     transfer_id: String,
-    armed: bool,
-}
-
-impl ReleaseOnDrop {
-    /// The decode leg's answer came whole: its engine took the KV, prefill has let it go.
-    fn disarm(mut self) {
-        self.armed = false;
-    }
 }
 
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
         // Dropped outside a runtime only when the router itself is going away.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         let req = self
@@ -908,7 +901,7 @@ async fn dispatch_to(
                 let d_guard = d.start();
                 let failed = match post(&d, Value::Object(db.clone())).send().await {
                     Ok(resp) if resp.status().is_success() => {
-                        let legs = Legs { _tasks: Vec::new(), release: Some(release) };
+                        let legs = Legs { _tasks: Vec::new(), _release: Some(release) };
                         return Ok(passthrough(resp, Some(d_guard), legs, r.abort.subscribe()));
                     }
                     Ok(resp) => leg_error("decode", &d, resp).await,
@@ -975,7 +968,7 @@ async fn dispatch_to(
             };
             let failed = match dresp {
                 Ok(resp) if resp.status().is_success() => {
-                    let legs = Legs { _tasks: vec![prefill_leg], release: Some(release) };
+                    let legs = Legs { _tasks: vec![prefill_leg], _release: Some(release) };
                     return Ok(passthrough(resp, Some(d_guard), legs, r.abort.subscribe()));
                 }
                 Ok(resp) => leg_error("decode", &d, resp).await,
@@ -1059,14 +1052,14 @@ impl<T> Drop for AbortOnDrop<T> {
 struct Legs {
     /// Legs still running (push's prefill leg), aborted if the body ends first.
     _tasks: Vec<AbortOnDrop<Result<(), LegError>>>,
-    /// Frees prefill's KV unless the body ends whole.
-    release: Option<ReleaseOnDrop>,
+    /// Has prefill free the KV it may still hold as the body ends.
+    _release: Option<ReleaseOnDrop>,
 }
 
 /// What the body of a passed-through response holds on to until it ends.
 struct Held {
     _in_flight: Option<InFlight>,
-    legs: Legs,
+    _legs: Legs,
 }
 
 /// The final SSE event of a stream the router ends during shutdown.
@@ -1093,10 +1086,10 @@ fn passthrough(
         }
     }
     let sse = resp.headers().get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    let held = Held { _in_flight: in_flight, legs };
+    let held = Held { _in_flight: in_flight, _legs: legs };
     let state = (Box::pin(resp.bytes_stream()), abort, Some(held));
     let body = futures::stream::unfold(state, move |(mut inner, mut abort, held)| async move {
-        let mut held = held?;
+        let held = held?;
         let next = tokio::select! {
             biased;
             item = inner.next() => Ok(item),
@@ -1104,13 +1097,8 @@ fn passthrough(
             a = abort.wait_for(|a| *a) => Err(a.is_ok()),
         };
         let aborted = match next {
-            Ok(None) => {
-                // The answer came whole: the decode engine took the KV.
-                if let Some(release) = held.legs.release.take() {
-                    release.disarm();
-                }
-                return None;
-            }
+            // The answer came whole; dropping `held` has prefill free anything it still holds.
+            Ok(None) => return None,
             Ok(Some(item)) => return Some((item, (inner, abort, Some(held)))),
             Err(aborted) => aborted,
         };

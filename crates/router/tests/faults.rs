@@ -229,6 +229,52 @@ async fn a_client_leaving_before_decode_took_the_kv_frees_prefills_blocks_at_onc
     }
 }
 
+/// A decode engine that cannot reach the prefill engine's side channel (the KV network cut
+/// between two hosts while the router still reaches both; here prefill advertises a loopback
+/// address nothing listens on) recomputes every prompt to the colocated tokens, and cannot tell
+/// prefill so; the router has prefill free the prompts' KV as each request ends, rather than
+/// hold it until its registration wait (push) or lease (pull) runs out, 30 s here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kv_no_decode_can_reach_is_freed_as_each_request_ends() {
+    let http = reqwest::Client::new();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let bodies: Vec<Value> =
+        (0..6).map(|i| json!({"prompt": prompt(40 + 30 * i, i), "max_tokens": 4, "temperature": 0})).collect();
+    let mut want = Vec::new();
+    for b in &bodies {
+        want.push(post(&http, &colocated.url, b.clone()).await.1["choices"][0]["token_ids"].clone());
+    }
+    for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
+        let long =
+            Knobs { transfer_timeout: Duration::from_secs(30), lease: Duration::from_secs(30), ..Knobs::default() };
+        let unreachable = Knobs { advertise_host: "127.0.0.2", ..long.clone() };
+        let p = engine_with(Some((Role::Prefill, kv_mode)), 16, unreachable).await;
+        let recompute = Knobs { load_failure: KvLoadFailure::Recompute, ..long };
+        let d = engine_with(Some((Role::Decode, kv_mode)), 16, recompute).await;
+        let base = router(mode, &p, &d).await;
+        for (b, w) in bodies.iter().zip(&want) {
+            let (status, v) = post(&http, &base, b.clone()).await;
+            assert_eq!(status, 200, "{mode:?}: {v}");
+            assert_eq!(&v["choices"][0]["token_ids"], w, "{mode:?}: recomputed at decode");
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            let s = p.state.engine.stats();
+            if s.running == 0 && s.waiting == 0 && s.free_blocks == s.total_blocks {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{mode:?}: prefill still holds KV 3 s after the last answer: {s:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let failed = d.state.engine.stats().kv.map(|k| k.transfers_failed);
+        assert_eq!(failed, Some(bodies.len() as u64), "{mode:?}: every transfer failed at decode");
+        assert_eq!(p.state.engine.stats().kv.map(|k| k.expired), Some(0), "{mode:?}: freed by expiry");
+        wait_idle(&[&p, &d]).await;
+        alive(&[&p, &d]);
+    }
+    wait_idle(&[&colocated]).await;
+}
+
 /// Past capacity, a request that cannot start within the prefill engine's `--max-queue-secs`
 /// ends with a 503 and `Retry-After` that the router passes on (no engine of the role is left
 /// to take it), within the bound plus a step, having cost no block; the request that was

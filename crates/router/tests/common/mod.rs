@@ -44,6 +44,9 @@ pub struct Knobs {
     pub max_queue_time: Option<Duration>,
     /// Generations the server answers at once before it answers 429 (0: no bound).
     pub max_in_flight: usize,
+    /// The host the side channel advertises (default 127.0.0.1, where it listens; another
+    /// loopback address, where nothing listens, makes it unreachable to peers).
+    pub advertise_host: &'static str,
     /// `--kv-verify`: checksums on every tcp bulk send (on by default: the P/D and fault tests
     /// run with it, so that KV corrupted on the way would fail them as a counted checksum
     /// failure, not as wrong tokens).
@@ -72,6 +75,7 @@ impl Default for Knobs {
             prefix_caching: true,
             max_in_flight: 0,
             verify: true,
+            advertise_host: "127.0.0.1",
         }
     }
 }
@@ -102,7 +106,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             role,
             mode,
             listen: "127.0.0.1:0".into(),
-            advertise_host: "127.0.0.1".into(),
+            advertise_host: k.advertise_host.into(),
             model_fingerprint: m.transformer.fingerprint(),
             timeouts: Timeouts { connect: Duration::from_secs(2), io: Duration::from_secs(5) },
             lease: k.lease,
