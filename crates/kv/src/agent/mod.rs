@@ -423,7 +423,9 @@ fn handle_command(shared: &Arc<Shared>, cmd: Command) {
         Command::Abandon { transfer_id, reason } => {
             let reg = {
                 let mut t = shared.tables();
-                t.produced.remove(&transfer_id);
+                if t.produced.remove(&transfer_id).is_some() && shared.cfg.mode == crate::KvMode::Pull {
+                    t.released.insert(transfer_id.clone(), Instant::now() + shared.cfg.lease);
+                }
                 t.computing.remove(&transfer_id);
                 t.registrations.remove(&transfer_id)
             };

@@ -134,7 +134,11 @@ pub(super) fn on_read_blocks(
 
 /// Prefill: decode released the lease of `tid` (its `Done`). Whether there was one.
 pub(super) fn on_release(shared: &Shared, tid: &TransferId, status: &DoneStatus) -> bool {
-    let released = shared.tables().produced.remove(tid).is_some();
+    let released = {
+        let mut t = shared.tables();
+        // Freed already on the router's word as the request ended: decode's word still counts.
+        t.produced.remove(tid).is_some() || t.released.remove(tid).is_some()
+    };
     if released {
         // Decode says whether the KV it read landed: a read that did not is a failed transfer
         // here too, not a completed one.
@@ -225,14 +229,17 @@ fn on_direct_read_end(
         error = check_direct(shared, &tid, end.digest).err();
     }
     let copy_us = end.copy_us;
-    let mut t = shared.tables();
     let outcome = match &error {
         None => DoneStatus::Ok,
         Some(why) => DoneStatus::Failed(why.clone()),
     };
+    // Release prefill's blocks whatever happened here (we will not read them again), before
+    // the engine hears: the lease has then ended at prefill, counted by decode's word, before
+    // the request can end and the router has prefill free what it still holds for it.
+    let released = conn.send(&release(tid.clone(), outcome));
+    let mut t = shared.tables();
     let Some(inc) = t.incoming.get_mut(&tid) else {
-        drop(t);
-        return conn.send(&release(tid, outcome));
+        return released;
     };
     inc.direct_write_reported(copy_us);
     let (bytes, regions) = super::push::direct_write_size(shared, inc);
@@ -250,9 +257,7 @@ fn on_direct_read_end(
             first_token,
         },
     });
-    drop(t);
-    // Release prefill's blocks whatever happened here: we will not read them again.
-    conn.send(&release(tid, outcome))
+    released
 }
 
 /// Decode: the message that releases prefill's lease on `tid` (its blocks go back).

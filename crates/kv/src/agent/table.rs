@@ -157,6 +157,10 @@ pub(super) struct Tables {
     /// remember that (the KV, once produced, is freed at once rather than kept for a
     /// registration or read that will not come).
     pub aborted: HashMap<TransferId, Instant>,
+    /// Prefill side, pull: leases the engine freed on the router's word as their requests
+    /// ended, until when to remember them: decode's own release may come after it (the two
+    /// travel different paths) and is counted then, not taken for an unknown transfer.
+    pub released: HashMap<TransferId, Instant>,
 }
 
 impl Tables {
@@ -241,6 +245,7 @@ impl Tables {
         let before = self.produced.len();
         self.produced.retain(|_, p| p.reading || p.deadline > now);
         self.aborted.retain(|_, until| *until > now);
+        self.released.retain(|_, until| *until > now);
         let gone: Vec<TransferId> =
             self.registrations.iter().filter(|(_, r)| r.deadline <= now).map(|(k, _)| k.clone()).collect();
         let registrations: Vec<(TransferId, Registration)> =
