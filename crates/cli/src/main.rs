@@ -24,7 +24,7 @@ fn main() -> ExitCode {
     // While this is the only thread: an engine moving KV over NIXL has UCX log into a file the
     // connector reads back (the transports UCX chose; its warnings, through tracing).
     let ucx_log = match &cli.command {
-        Command::Serve(a) if matches!(a.kv.kv_transport, args::KvTransportArg::Nixl) => tandem_kv::ucx_log::redirect(),
+        Command::Serve(a) if matches!(a.kv.kv_transport, args::KvTransportArg::Nixl) => redirect_ucx_log(),
         _ => None,
     };
     let filter =
@@ -56,6 +56,20 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Points UCX's log at a file of this process's own, at INFO level, unless the user chose
+/// either (`UCX_LOG_LEVEL`, `UCX_LOG_FILE`: UCX's own settings); the path for the connector to
+/// read it back from (`tandem_kv::ucx_log`). Called while `main` is the only thread, since it
+/// sets the environment UCX reads when NIXL creates its backend.
+fn redirect_ucx_log() -> Option<std::path::PathBuf> {
+    if std::env::var_os("UCX_LOG_LEVEL").is_some() || std::env::var_os("UCX_LOG_FILE").is_some() {
+        return None;
+    }
+    let path = std::env::temp_dir().join(format!("tandem-ucx-{}.log", std::process::id()));
+    std::env::set_var("UCX_LOG_LEVEL", "info");
+    std::env::set_var("UCX_LOG_FILE", &path);
+    Some(path)
 }
 
 fn load_model(m: &ModelArgs) -> Result<LoadedModel> {

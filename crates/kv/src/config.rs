@@ -133,7 +133,7 @@ pub struct ConnectorConfig {
     pub nixl_min_gb_s: f64,
     /// `--kv-nixl-pull`: who moves a pull's KV over NIXL (prefill decides, per link).
     pub nixl_pull: NixlPull,
-    /// nixl: where UCX's log was redirected ([`crate::ucx_log::redirect`]), for the connector
+    /// nixl: where UCX's log was redirected (by the binary, before any thread started), for the connector
     /// to read back the transports UCX chose and relay its warnings (`None`: UCX logs as its
     /// user set it).
     pub ucx_log: Option<std::path::PathBuf>,

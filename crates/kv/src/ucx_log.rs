@@ -1,27 +1,14 @@
 //! UCX's own log, read back (`--kv-transport nixl`). UCX says which transports it chose for an
 //! endpoint only in its log, at INFO level; so a serving process that uses NIXL, unless its user
-//! set `UCX_LOG_LEVEL` or `UCX_LOG_FILE`, has UCX log at INFO into a file of its own
-//! ([`redirect`]), and the connector reads it: the endpoint lines name the transports in the
+//! set `UCX_LOG_LEVEL` or `UCX_LOG_FILE`, has UCX log at INFO into a file of its own (the
+//! `tandem` binary sets that up before any thread starts, and names the file in
+//! `ConnectorConfig::ucx_log`), and the connector reads it: the endpoint lines name the transports in the
 //! NIXL self-check ("ran at 0.4 GB/s over intra-node rma_am(tcp/eth0) ..."), and UCX's
 //! warnings and errors, which would have gone to the terminal, go through tracing instead.
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-
-/// Points UCX's log at a file of this process's own, at INFO level, unless the user chose
-/// either; the path to read it back from. Call before any other thread starts: it sets the
-/// environment UCX reads when NIXL creates its backend.
-pub fn redirect() -> Option<PathBuf> {
-    if std::env::var_os("UCX_LOG_LEVEL").is_some() || std::env::var_os("UCX_LOG_FILE").is_some() {
-        return None;
-    }
-    let path = std::env::temp_dir().join(format!("tandem-ucx-{}.log", std::process::id()));
-    // Single-threaded still (the caller's promise), so nothing reads the environment meanwhile.
-    std::env::set_var("UCX_LOG_LEVEL", "info");
-    std::env::set_var("UCX_LOG_FILE", &path);
-    Some(path)
-}
 
 /// The reader of a redirected UCX log; removes the file when dropped.
 #[derive(Debug)]
@@ -84,7 +71,7 @@ pub enum UcxLine {
 }
 
 impl UcxLog {
-    /// Reads UCX's log at `path` (from [`redirect`]).
+    /// Reads UCX's log at `path`, where UCX was told to write it.
     pub fn new(path: &Path) -> Self {
         Self {
             path: path.to_path_buf(),

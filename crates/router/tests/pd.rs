@@ -118,6 +118,26 @@ async fn push_and_pull_over_nixl_equal_colocated_token_for_token() {
     assert!(p.state.engine.stats().kv.unwrap().peers_refused >= 1);
 }
 
+/// Prefill and decode over NIXL (a pull written by prefill, so its decode waits for the
+/// notification too), prefill sending no notification for its first `lost` transfers, decode
+/// (blocks of `decode_block_size` tokens) recomputing what does not land; and their router.
+#[cfg(feature = "nixl")]
+async fn nixl_pair_losing_notifications(
+    mode: TransferMode,
+    kv_mode: KvMode,
+    lost: u32,
+    decode_block_size: usize,
+) -> (Engine, Engine, String) {
+    let nixl =
+        Knobs { transport: tandem_kv::KvTransport::Nixl, nixl_pull: tandem_kv::NixlPull::Write, ..Knobs::default() };
+    let faults = FaultInjection { drop_nixl_notifications: lost, ..FaultInjection::default() };
+    let p = engine_with(Some((Role::Prefill, kv_mode)), 16, Knobs { faults, ..nixl.clone() }).await;
+    let recompute = Knobs { load_failure: tandem_engine::KvLoadFailure::Recompute, ..nixl };
+    let d = engine_with(Some((Role::Decode, kv_mode)), decode_block_size, recompute).await;
+    let base = router(mode, &p, &d).await;
+    (p, d, base)
+}
+
 /// A lost NIXL notification costs the reader one I/O bound (5 s here), then the transfer
 /// fails and decode recomputes to the colocated tokens, every block back. In push, and in a
 /// pull prefill writes (`--kv-nixl-pull write`), whose decode so waits for the notification
@@ -130,20 +150,7 @@ async fn a_lost_nixl_notification_is_bounded_and_recompute_gives_the_same_tokens
     let reqs: Vec<Value> = workload().into_iter().filter(|r| r["stream"] == false).take(2).collect();
     let want = run_all(&http, &colocated.url, &reqs).await;
     for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
-        let nixl = Knobs {
-            transport: tandem_kv::KvTransport::Nixl,
-            nixl_pull: tandem_kv::NixlPull::Write,
-            ..Knobs::default()
-        };
-        let lost = FaultInjection { drop_nixl_notifications: u32::MAX, ..FaultInjection::default() };
-        let p = engine_with(Some((Role::Prefill, kv_mode)), 16, Knobs { faults: lost, ..nixl.clone() }).await;
-        let d = engine_with(
-            Some((Role::Decode, kv_mode)),
-            8,
-            Knobs { load_failure: tandem_engine::KvLoadFailure::Recompute, ..nixl },
-        )
-        .await;
-        let base = router(mode, &p, &d).await;
+        let (p, d, base) = nixl_pair_losing_notifications(mode, kv_mode, u32::MAX, 8).await;
         let start = std::time::Instant::now();
         assert_eq!(run_all(&http, &base, &reqs).await, want, "{mode:?}: recompute must give the colocated tokens");
         assert!(start.elapsed() < Duration::from_secs(20), "{mode:?}: each lost notification costs one bounded wait");
@@ -165,20 +172,7 @@ async fn a_lost_nixl_notification_holds_up_no_other_transfer() {
     let reqs: Vec<Value> = workload().into_iter().filter(|r| r["stream"] == false).skip(2).take(2).collect();
     let want = run_all(&http, &colocated.url, &reqs).await;
     for (mode, kv_mode) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
-        let nixl = Knobs {
-            transport: tandem_kv::KvTransport::Nixl,
-            nixl_pull: tandem_kv::NixlPull::Write,
-            ..Knobs::default()
-        };
-        let first_lost = FaultInjection { drop_nixl_notifications: 1, ..FaultInjection::default() };
-        let p = engine_with(Some((Role::Prefill, kv_mode)), 16, Knobs { faults: first_lost, ..nixl.clone() }).await;
-        let d = engine_with(
-            Some((Role::Decode, kv_mode)),
-            16,
-            Knobs { load_failure: tandem_engine::KvLoadFailure::Recompute, ..nixl },
-        )
-        .await;
-        let base = router(mode, &p, &d).await;
+        let (p, d, base) = nixl_pair_losing_notifications(mode, kv_mode, 1, 16).await;
         let (h, b, first) = (http.clone(), base.clone(), reqs[..1].to_vec());
         let lost = tokio::spawn(async move { run_all(&h, &b, &first).await });
         // The first transfer's KV is written by now, its notification lost: decode waits.
