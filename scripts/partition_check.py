@@ -15,15 +15,16 @@ line per setting; exits 1 on a failed check. Logs: OUT/partition_*.log.
 Usage: partition_check.py TANDEM_BINARY OUT_DIR [MODEL]
 """
 import concurrent.futures
-import json
 import os
 import random
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+import engine_http  # noqa: E402  (beside pd_check.py)
+from engine_http import metric  # noqa: E402
 
 exe, out = sys.argv[1], sys.argv[2]
 model = sys.argv[3] if len(sys.argv) > 3 else "preset:tiny-qwen3"
@@ -43,47 +44,19 @@ def start(name, args, ns=None):
 
 
 def stop_all():
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-    procs.clear()
+    engine_http.stop_all(procs)
 
 
-def post(url, body, timeout=60):
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+def post(url, body):
+    """A completion's (status, answer); (None, why) for one unanswered within 60 s."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-    except Exception as e:  # a timeout: the request went unanswered
+        return engine_http.post(url, body, timeout=60)
+    except Exception as e:
         return None, str(e)
 
 
-def metric(url, name, label=None):
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name) and (label is None or f'"{label}"' in line):
-                return float(line.split()[-1])
-    return None
-
-
-def wait_healthy(url, secs=120):
-    deadline = time.time() + secs
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} never became healthy (see {out}/partition_*.log)")
+def wait_healthy(url):
+    engine_http.wait_healthy(url, f"{out}/partition_*.log", 120)
 
 
 def partition(on, check=True):

@@ -19,14 +19,13 @@ summary line per setting;
 exits 1 on a mismatch, a leak or an error. Logs: OUT_DIR/pd_*.log.
 """
 import concurrent.futures
-import json
 import os
-import re
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+
+import engine_http
+from engine_http import metric, post
 
 exe, out = sys.argv[1], sys.argv[2]
 model = sys.argv[3] if len(sys.argv) > 3 else os.environ.get("PD_MODEL", "preset:qwen3-0.6b")
@@ -66,24 +65,6 @@ def start(name, args, prefix=()):
     return p
 
 
-def post(url, body, timeout=120):
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-
-
-def metric(url, name, label=None):
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name) and (label is None or f'"{label}"' in line):
-                return float(line.split()[-1])
-    return None
-
-
 def ttft(url, prompt):
     """Seconds to the first token of `prompt` (max_tokens 1: the answer is the first token)."""
     times = []
@@ -97,27 +78,11 @@ def ttft(url, prompt):
 
 
 def wait_healthy(url, secs=180):
-    deadline = time.time() + secs
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} never became healthy (see {out}/pd_*.log)")
+    engine_http.wait_healthy(url, f"{out}/pd_*.log", secs)
 
 
 def stop_all():
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-    procs.clear()
+    engine_http.stop_all(procs)
 
 
 # Prompts of 1 to 300 tokens (several KV blocks, a partial last block), greedy, fixed length (two of them with log-probabilities).
