@@ -26,10 +26,8 @@ use serde::Serialize;
 use tandem_compute::cuda::{CudaDevice, DevBuf, PinnedRegion};
 use tandem_compute::{KvCache, KvDtype, KvLayout, KvRegion};
 use tandem_core::{EngineId, Epoch, TransferId};
-use tandem_kv::tcp::{
-    accept_handshake, configure, connect, handshake, recv_blocks, recv_staged, send_blocks, send_pieces, send_staged,
-    Destination, Picked, Timeouts,
-};
+use tandem_kv::channel::{accept_handshake, configure, connect, handshake, Picked, Timeouts};
+use tandem_kv::tcp::{recv_blocks, recv_staged, send_blocks, send_pieces, send_staged, Destination};
 use tandem_kv::wire::{read_message, write_message, Message};
 use tandem_kv::{AgentInfo, KvError, KvMemory, KvMode, Role, TransportOffer};
 

@@ -256,15 +256,15 @@ fn kv_setup(
                 KvModeArg::Push => tandem_kv::KvMode::Push,
                 KvModeArg::Pull => tandem_kv::KvMode::Pull,
             },
-            listen: tandem_kv::tcp::host_port(&k.kv_host, kv_port),
+            listen: tandem_kv::channel::host_port(&k.kv_host, kv_port),
             advertise_host: match &k.kv_advertise_host {
                 Some(host) => host.clone(),
-                None => tandem_kv::tcp::advertised_host(&k.kv_host).map_err(|e| {
+                None => tandem_kv::channel::advertised_host(&k.kv_host).map_err(|e| {
                     anyhow::anyhow!("--kv-host {e}: name the address peers reach with --kv-advertise-host")
                 })?,
             },
             model_fingerprint: fingerprint.to_string(),
-            timeouts: tandem_kv::tcp::Timeouts::default(),
+            timeouts: tandem_kv::channel::Timeouts::default(),
             lease: secs(k.kv_lease_secs, "--kv-lease-secs")?,
             transfer_timeout: secs(k.kv_transfer_timeout_secs, "--kv-transfer-timeout-secs")?,
             liveness: secs(k.kv_liveness_secs, "--kv-liveness-secs")?,

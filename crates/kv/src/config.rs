@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use tandem_core::EngineId;
 
-use crate::tcp::Timeouts;
-use crate::{KvMode, Role};
+use crate::agent_info::{KvMode, Role};
+use crate::channel::Timeouts;
 
 /// Fault injection for tests of the failure paths (off in production).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -31,7 +31,11 @@ use tandem_compute::cuda::KvFences;
 use tandem_core::{RemoteKv, RequestId, TransferId};
 
 use crate::agent::{self, Command};
-use crate::{AgentInfo, ConnectorConfig, ConnectorStats, EventSink, HeldBlocks, KvError, KvLink, KvMemory};
+use crate::agent_info::AgentInfo;
+use crate::config::ConnectorConfig;
+use crate::error::KvError;
+use crate::events::{ConnectorStats, EventSink, HeldBlocks, KvLink};
+use crate::memory::KvMemory;
 
 /// The engine's handle. Dropping it stops the control thread (connections close with it).
 pub struct KvConnector {

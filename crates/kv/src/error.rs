@@ -1,6 +1,6 @@
 //! Errors of the KV connector.
 
-use crate::Incompatible;
+use crate::agent_info::Incompatible;
 
 /// What can go wrong moving KV between engines. Every variant ends the transfer it concerns;
 /// none of them may take an engine down.

@@ -1,20 +1,18 @@
 //! The KV connector: how a prefill engine and a decode engine move a request's KV cache.
 //!
 //! # Brief overview
-//! This crate grows in layers. Present now:
-//! - [`wire`]: the side-channel messages (handshake, register, done, failed, heartbeat, abort,
-//!   bulk block data) and their length-prefixed framing, with a protocol version checked
-//!   first.
-//! - [`AgentInfo`]: what an engine tells a peer at handshake, and [`AgentInfo::check_pairing`],
-//!   which refuses incompatible peers naming the field that differs.
-//! - [`blocks`]: block lists as contiguous runs (a request's KV moves as a few large copies)
-//!   and the scatter between different block sizes.
-//! - [`tcp`]: bounded connect/read/write, the handshake, and block bytes straight between a
-//!   socket and the shared KV memory (`tandem_compute::KvRegion`).
-//!
-//! - [`KvConnector`]: the engine's handle (hooks in, events out) on the background agent
-//!   that owns all transfer state: push rendezvous in either order, pull leases with
-//!   heartbeats, deadlines on everything, dead-peer detection.
+//! [`KvConnector`] is the engine's handle (hooks in, events out) on a background agent that
+//! owns all transfer state: push rendezvous in either order, pull leases with heartbeats,
+//! deadlines on everything, dead-peer detection. The crate is built in layers that import only
+//! downward (README.md draws them):
+//! - [`KvConnector`] at the top edge, and the agent's threads under it, which own the sockets;
+//! - the two protocols, push and pull, as rules over the transfer table with no I/O of their
+//!   own, and the table itself (transfers, leases, deadlines, tombstones);
+//! - one `Transport` per connection at the bottom edge (tcp, local, cuda-ipc, nixl), which
+//!   moves block runs and knows nothing of transfers; [`tcp`] holds the socket data path;
+//! - [`channel`] (bounded sockets, the handshake), [`wire`] (messages and framing, with a
+//!   protocol version checked first), [`AgentInfo`] (what an engine says at handshake, and
+//!   [`AgentInfo::check_pairing`]), [`blocks`] (block runs, re-layout between block sizes).
 //!
 //! This crate never runs on the engine loop: the engine only enqueues work for the agent and
 //! receives its events on its own input channel.
@@ -23,6 +21,7 @@
 mod agent;
 mod agent_info;
 pub mod blocks;
+pub mod channel;
 mod config;
 mod connector;
 mod error;
@@ -30,9 +29,13 @@ mod events;
 mod memory;
 #[cfg(feature = "nixl")]
 pub mod nixl;
-pub mod tcp;
+mod protocol;
+mod table;
+mod transport;
 pub mod ucx_log;
 pub mod wire;
+
+pub use transport::tcp;
 
 pub use agent_info::{AgentInfo, Incompatible, KvMode, Role, TransportOffer};
 pub use config::{ConnectorConfig, FaultInjection, KvTransport, NixlPull};

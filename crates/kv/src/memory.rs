@@ -6,7 +6,7 @@ use tandem_compute::cuda::{DeviceKvMemory, HostCopies};
 use tandem_compute::kv_digest::kv_digest_host;
 use tandem_compute::{KvDtype, KvLayout, KvRegion};
 
-use crate::KvError;
+use crate::error::KvError;
 
 /// An engine's KV memory as its connector sees it: a host region (a CPU engine's cache
 /// itself, or a GPU engine's host copy, which the tcp and local transports move), a GPU

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use tandem_core::{EngineId, Epoch, TransferId};
 
 use crate::agent_info::AgentInfo;
-use crate::KvError;
+use crate::error::KvError;
 
 /// The side-channel protocol version.
 pub const PROTOCOL_VERSION: u32 = 7;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tandem_compute::{KvCache, KvLayout};
 use tandem_core::{EngineId, Epoch, RemoteKv, RequestId, TransferId};
-use tandem_kv::tcp::Timeouts;
+use tandem_kv::channel::Timeouts;
 use tandem_kv::{ConnectorConfig, ConnectorEvent, FaultInjection, KvConnector, KvFences, KvMode, Role};
 
 fn layout(bs: usize) -> KvLayout {

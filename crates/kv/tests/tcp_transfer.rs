@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use tandem_compute::{KvCache, KvLayout};
 use tandem_core::{EngineId, TransferId};
-use tandem_kv::tcp::{accept_handshake, connect, handshake, recv_blocks, send_blocks, Picked, Timeouts};
+use tandem_kv::channel::{accept_handshake, connect, handshake, Picked, Timeouts};
+use tandem_kv::tcp::{recv_blocks, send_blocks};
 use tandem_kv::wire::{read_message, write_message, Message};
 use tandem_kv::{AgentInfo, KvError, KvMode, Role};
 
@@ -74,7 +75,7 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
         // Decode side: accepts, checks the handshake, receives one write into its blocks.
         let decode = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
-            tandem_kv::tcp::configure(&s, Timeouts::default()).unwrap();
+            tandem_kv::channel::configure(&s, Timeouts::default()).unwrap();
             let (peer, _) = accept_handshake(&mut s, &d_info, |_| Ok(Picked::tcp())).unwrap();
             assert_eq!(peer.engine_id.0, "prefill-0");
             let cache = KvCache::new(layout(bs_d));

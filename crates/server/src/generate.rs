@@ -18,13 +18,6 @@ use tokio::sync::mpsc;
 use crate::protocol::*;
 use crate::{ApiError, AppState};
 
-/// Which OpenAI endpoint a request came through.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Api {
-    Completion,
-    Chat,
-}
-
 /// A validated request, ready for the engine.
 pub(crate) struct Prepared {
     api: Api,

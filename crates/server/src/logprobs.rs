@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value};
 use tandem_core::{TokenLogprobs, MAX_LOGPROBS};
 use tandem_model::TextTokenizer;
 
-use crate::generate::Api;
+use crate::protocol::Api;
 use crate::ApiError;
 
 /// How many alternatives a request asks log-probabilities for (`None`: none), from `logprobs`

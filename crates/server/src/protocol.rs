@@ -6,6 +6,15 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+/// Which OpenAI endpoint a request came through (the bodies and their logprobs differ).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Api {
+    /// `/v1/completions`.
+    Completion,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
 /// A completions prompt: text, token ids, or a one-element batch of either.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tandem_core::{EngineId, TransferMode};
 use tandem_engine::{EngineConfig, KvLoadFailure, KvSetup};
-use tandem_kv::tcp::Timeouts;
+use tandem_kv::channel::Timeouts;
 use tandem_kv::{ConnectorConfig, FaultInjection, KvMode, Role};
 use tandem_model::{LoadedModel, ModelSource, Preset};
 use tandem_router::{Router, RouterConfig};

@@ -1,20 +1,22 @@
 //! The transfer table: every transfer this engine takes part in, by transfer id, with its
 //! deadline: decode's waiting requests, prefill's registrations (push) and produced KV (push
-//! rendezvous, pull leases). It moves no bytes; the agent holds it behind one mutex, never
-//! across socket I/O.
+//! rendezvous, pull leases), and the tombstones of transfers given up or released. Data and
+//! the rules of its entries' lifetimes: no threads, no I/O. The agent holds it behind one
+//! mutex, never across socket I/O.
+//!
+//! Entries name their connection as an `L` (the agent's link; anything in tests) and a push
+//! registration its writer as a `W`, so that the table knows nothing of either.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tandem_core::{RequestId, TransferId};
 
-use super::Conn;
-use crate::{HeldBlocks, TransferTimeline};
+use crate::events::{HeldBlocks, TransferTimeline};
 
 /// Where a decode-side transfer's bytes stand.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Landing {
+pub(crate) enum Landing {
     /// Nothing written yet (or a write failed).
     Waiting,
     /// A bulk write into the blocks is in progress on a reader thread, or (`direct`) the peer
@@ -27,9 +29,10 @@ pub(super) enum Landing {
 }
 
 /// Decode side: a request waiting for its KV.
-pub(super) struct Incoming {
+pub(crate) struct Incoming<L> {
     pub request_id: RequestId,
-    pub conn: Option<Arc<Conn>>,
+    /// The connection to the prefill engine, once made.
+    pub conn: Option<L>,
     pub blocks: Vec<u32>,
     pub num_tokens: usize,
     pub deadline: Instant,
@@ -49,7 +52,7 @@ pub(super) struct Incoming {
     pub timeline: TransferTimeline,
 }
 
-impl Incoming {
+impl<L> Incoming<L> {
     pub fn since(&self) -> u64 {
         self.started.elapsed().as_micros() as u64
     }
@@ -67,8 +70,8 @@ impl Incoming {
 }
 
 /// Prefill side, push: decode's destination, waiting for the KV to be produced.
-pub(super) struct Registration {
-    pub conn: Arc<Conn>,
+pub(crate) struct Registration<L, W> {
+    pub conn: L,
     /// Decode's blocks from token `skip` on, and the tokens wanted after `skip`.
     pub blocks: Vec<u32>,
     pub num_tokens: usize,
@@ -76,12 +79,12 @@ pub(super) struct Registration {
     pub skip: usize,
     /// Direct transports: also the last moment a write may start (decode's deadline).
     pub deadline: Instant,
-    /// Direct transports: the writer of the parts computed so far (see `early`).
-    pub early: Option<super::early::EarlyWriter>,
+    /// Direct transports: the writer of the parts computed so far (`protocol::push`).
+    pub parts: Option<W>,
 }
 
 /// Prefill side: finished KV waiting for its registration (push) or its reader (pull lease).
-pub(super) struct Produced {
+pub(crate) struct Produced {
     pub held: HeldBlocks,
     pub blocks: Vec<u32>,
     pub num_tokens: usize,
@@ -95,9 +98,9 @@ pub(super) struct Produced {
     pub attempt: u32,
 }
 
-/// Prefill side, push: the latest report of a prompt still computing (see `early`), kept
+/// Prefill side, push: the latest report of a prompt still computing (`protocol::push`), kept
 /// until decode's registration comes (or the prompt ends, or `since` is too long ago).
-pub(super) struct Computing {
+pub(crate) struct Computing {
     /// The request's block table.
     pub blocks: Vec<u32>,
     /// Tokens whose KV the step wrote (or is writing: `fences`).
@@ -109,20 +112,8 @@ pub(super) struct Computing {
     pub since: Instant,
 }
 
-/// What a push rendezvous found.
-pub(super) enum Rendezvous {
-    /// Both halves are here: start the write.
-    Met(Registration, Produced),
-    /// Recorded; the other half has not come yet.
-    Waiting,
-    /// This half was already recorded under the id: the second is dropped.
-    Duplicate,
-    /// Decode gave the transfer up already: the produced KV is dropped (its blocks go back).
-    Aborted,
-}
-
 /// Why a write into a decode-side transfer's blocks cannot start.
-pub(super) enum NoWrite {
+pub(crate) enum NoWrite {
     /// No such transfer (late, finished or bogus).
     Unknown,
     /// Aborted, or the blocks or token count do not match.
@@ -130,7 +121,7 @@ pub(super) enum NoWrite {
 }
 
 /// What one expiry pass found.
-pub(super) struct Expired {
+pub(crate) struct Expired<L, W> {
     /// Prefill-side entries dropped.
     pub reclaimed: usize,
     /// Decode-side transfers past their deadline.
@@ -140,14 +131,14 @@ pub(super) struct Expired {
     pub late_in_flight: Vec<TransferId>,
     /// Prefill-side registrations dropped (a direct writer tells the decode engine, which
     /// otherwise holds its blocks until the grace has passed).
-    pub registrations: Vec<(TransferId, Registration)>,
+    pub registrations: Vec<(TransferId, Registration<L, W>)>,
 }
 
-#[derive(Default)]
-pub(super) struct Tables {
-    pub incoming: HashMap<TransferId, Incoming>,
+/// Every transfer, by id.
+pub(crate) struct Tables<L, W> {
+    pub incoming: HashMap<TransferId, Incoming<L>>,
     pub by_request: HashMap<RequestId, TransferId>,
-    pub registrations: HashMap<TransferId, Registration>,
+    pub registrations: HashMap<TransferId, Registration<L, W>>,
     pub produced: HashMap<TransferId, Produced>,
     /// Prefill side: push writes in progress (the rendezvous met; the write thread runs).
     pub pushing: HashSet<TransferId>,
@@ -163,46 +154,22 @@ pub(super) struct Tables {
     pub released: HashMap<TransferId, Instant>,
 }
 
-impl Tables {
-    /// Push, prefill side: produced KV meets decode's registration, in either order.
-    pub fn meet_produced(&mut self, tid: TransferId, produced: Produced) -> Rendezvous {
-        if self.produced.contains_key(&tid) {
-            return Rendezvous::Duplicate;
-        }
-        // The prompt is complete: the final write covers what its reports said.
-        self.computing.remove(&tid);
-        if self.aborted.remove(&tid).is_some() {
-            return Rendezvous::Aborted;
-        }
-        match self.registrations.remove(&tid) {
-            Some(reg) => {
-                self.pushing.insert(tid);
-                Rendezvous::Met(reg, produced)
-            }
-            None => {
-                self.produced.insert(tid, produced);
-                Rendezvous::Waiting
-            }
+impl<L, W> Default for Tables<L, W> {
+    fn default() -> Self {
+        Self {
+            incoming: HashMap::new(),
+            by_request: HashMap::new(),
+            registrations: HashMap::new(),
+            produced: HashMap::new(),
+            pushing: HashSet::new(),
+            computing: HashMap::new(),
+            aborted: HashMap::new(),
+            released: HashMap::new(),
         }
     }
+}
 
-    /// Push, prefill side: decode's registration meets the produced KV, in either order.
-    pub fn meet_registration(&mut self, tid: TransferId, reg: Registration) -> Rendezvous {
-        if self.registrations.contains_key(&tid) {
-            return Rendezvous::Duplicate;
-        }
-        match self.produced.remove(&tid) {
-            Some(produced) => {
-                self.pushing.insert(tid);
-                Rendezvous::Met(reg, produced)
-            }
-            None => {
-                self.registrations.insert(tid, reg);
-                Rendezvous::Waiting
-            }
-        }
-    }
-
+impl<L, W> Tables<L, W> {
     /// Decode side: marks `tid`'s blocks as being written, for `num_tokens` tokens (and, when
     /// the writer names them, exactly the blocks `dst`); returns the blocks to write.
     pub fn begin_write(
@@ -241,14 +208,14 @@ impl Tables {
     /// since a peer starts no write after the deadline and a device copy that started before
     /// it has long ended by then), or, aborted already, only once the grace has passed (their
     /// blocks are freed when they end).
-    pub fn expire(&mut self, now: Instant, grace: Duration) -> Expired {
+    pub fn expire(&mut self, now: Instant, grace: Duration) -> Expired<L, W> {
         let before = self.produced.len();
         self.produced.retain(|_, p| p.reading || p.deadline > now);
         self.aborted.retain(|_, until| *until > now);
         self.released.retain(|_, until| *until > now);
         let gone: Vec<TransferId> =
             self.registrations.iter().filter(|(_, r)| r.deadline <= now).map(|(k, _)| k.clone()).collect();
-        let registrations: Vec<(TransferId, Registration)> =
+        let registrations: Vec<(TransferId, Registration<L, W>)> =
             gone.into_iter().filter_map(|k| self.registrations.remove(&k).map(|r| (k, r))).collect();
         let reclaimed = before - self.produced.len() + registrations.len();
         let (mut late, mut late_in_flight) = (Vec::new(), Vec::new());
@@ -269,7 +236,9 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    fn incoming(deadline: Instant) -> Incoming {
+    type Table = Tables<(), ()>;
+
+    fn incoming(deadline: Instant) -> Incoming<()> {
         Incoming {
             request_id: RequestId::new("r"),
             conn: None,
@@ -302,7 +271,7 @@ mod tests {
     #[test]
     fn a_write_lands_once_and_an_abort_during_it_is_reported_at_its_end() {
         let tid = TransferId("t".into());
-        let mut t = Tables::default();
+        let mut t = Table::default();
         t.incoming.insert(tid.clone(), incoming(Instant::now() + Duration::from_secs(9)));
         assert!(matches!(t.begin_write(&TransferId("x".into()), 20, None), Err(NoWrite::Unknown)));
         assert!(matches!(t.begin_write(&tid, 19, None), Err(NoWrite::Refused)), "token count must match");
@@ -322,7 +291,7 @@ mod tests {
     #[test]
     fn expiry_spares_writes_and_reads_in_progress() {
         let past = Instant::now() - Duration::from_millis(1);
-        let mut t = Tables::default();
+        let mut t = Table::default();
         let (a, b) = (TransferId("a".into()), TransferId("b".into()));
         t.incoming.insert(a.clone(), incoming(past));
         t.incoming.insert(b.clone(), incoming(past));
@@ -340,7 +309,7 @@ mod tests {
     #[test]
     fn expiry_holds_a_direct_writers_blocks_through_the_grace() {
         let past = Instant::now() - Duration::from_millis(5);
-        let mut t = Tables::default();
+        let mut t = Table::default();
         let (c, d) = (TransferId("c".into()), TransferId("d".into()));
         t.incoming.insert(c.clone(), Incoming { direct: true, landing: Landing::Writing, ..incoming(past) });
         t.incoming.insert(d.clone(), Incoming { direct: true, landing: Landing::WritingAborted, ..incoming(past) });
@@ -348,22 +317,5 @@ mod tests {
         assert_eq!((within.late, within.late_in_flight), (vec![], vec![c.clone()]), "within the grace");
         t.incoming.remove(&c);
         assert_eq!(t.expire(Instant::now(), Duration::from_millis(1)).late, vec![d]);
-    }
-
-    #[test]
-    fn the_push_rendezvous_meets_in_either_order_and_drops_a_duplicate_half() {
-        let later = Instant::now() + Duration::from_secs(9);
-        let tid = TransferId("t".into());
-        let mut t = Tables::default();
-        assert!(matches!(t.meet_produced(tid.clone(), produced(later)), Rendezvous::Waiting));
-        assert!(matches!(t.meet_produced(tid.clone(), produced(later)), Rendezvous::Duplicate));
-        // Decode gave up on a transfer before its KV was produced: the KV is dropped on arrival.
-        let gone = TransferId("gone".into());
-        t.aborted.insert(gone.clone(), later);
-        assert!(matches!(t.meet_produced(gone.clone(), produced(later)), Rendezvous::Aborted));
-        assert!(!t.produced.contains_key(&gone) && !t.aborted.contains_key(&gone));
-        assert!(t.registrations.is_empty() && t.produced.len() == 1);
-        // A registration needs a connection; the other order is the same code from the other side.
-        assert!(t.produced.remove(&tid).is_some());
     }
 }

@@ -21,26 +21,41 @@ use std::sync::Arc;
 
 use tandem_core::TransferId;
 
-use crate::{AgentInfo, TransportOffer};
+use crate::agent_info::{AgentInfo, TransportOffer};
+use crate::config::NixlPull;
 
 #[cfg(feature = "nixl")]
-pub(super) use with_nixl::*;
+pub(crate) use with_nixl::*;
 #[cfg(not(feature = "nixl"))]
-pub(super) use without_nixl::*;
+pub(crate) use without_nixl::*;
 
 /// This engine's NIXL endpoint, when `--kv-transport nixl` asked for one.
-pub(super) type Endpoint = Option<Arc<EndpointImpl>>;
+pub(crate) type Endpoint = Option<Arc<EndpointImpl>>;
 
-/// Relays what UCX has logged since the last look (its warnings, through tracing).
-pub(super) fn relay_ucx_log(endpoint: &Endpoint) {
-    if let Some(e) = endpoint {
-        e.relay_ucx_log();
-    }
+/// This engine's NIXL endpoint and the rules its links follow.
+#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+pub(crate) struct NixlSetup {
+    pub endpoint: Endpoint,
+    /// `--kv-nixl-min-gb-s`: the probe's floor.
+    pub min_gb_s: f64,
+    /// `--kv-nixl-pull`.
+    pub pull: NixlPull,
+    /// This engine answers pulls (a prefill engine in pull mode): its links probe a READ.
+    pub answers_pulls: bool,
 }
 
-/// The nixl offer of `endpoint`, for the handshake.
-pub(super) fn offer(endpoint: &Endpoint) -> Option<TransportOffer> {
-    endpoint.as_ref().map(|e| e.offer())
+impl NixlSetup {
+    /// Relays what UCX has logged since the last look (its warnings, through tracing).
+    pub(crate) fn relay_ucx_log(&self) {
+        if let Some(e) = &self.endpoint {
+            e.relay_ucx_log();
+        }
+    }
+
+    /// The nixl offer of the endpoint, for the handshake.
+    pub(crate) fn offer(&self) -> Option<TransportOffer> {
+        self.endpoint.as_ref().map(|e| e.offer())
+    }
 }
 
 /// The peer's nixl offer, or why it has none.
@@ -94,16 +109,17 @@ mod with_nixl {
     use tandem_compute::KvLayout;
     use tandem_core::TransferId;
 
-    use super::super::push::PushDone;
-    use super::super::transport::{answer_direct_read, report_direct_write, Transport};
-    use super::super::{Conn, Shared};
-    use super::{landed_message, peer_offer, PeerOffer};
+    use super::super::{peer_layout, Announce, Ours, Runs, Transport, WriteError};
+    use super::{landed_message, peer_offer, NixlSetup, PeerOffer};
+    use crate::agent_info::{AgentInfo, TransportOffer};
+    use crate::config::{ConnectorConfig, NixlPull};
+    use crate::error::KvError;
+    use crate::memory::KvMemory;
     use crate::nixl::{NixlEndpoint, NixlFailure, NixlPlace, NixlRegion, NixlRun, NixlScratch};
     use crate::ucx_log::UcxLog;
-    use crate::{AgentInfo, ConnectorConfig, KvError, KvMemory, NixlPull, TransportOffer};
 
     /// This engine's NIXL agent and the name peers know it by.
-    pub(in super::super) struct EndpointImpl {
+    pub(crate) struct EndpointImpl {
         endpoint: NixlEndpoint,
         name: String,
         /// Our agent metadata, hex (read once: it covers every registration).
@@ -113,7 +129,7 @@ mod with_nixl {
     }
 
     impl EndpointImpl {
-        pub(super) fn relay_ucx_log(&self) {
+        pub(crate) fn relay_ucx_log(&self) {
             self.transports();
         }
 
@@ -126,7 +142,7 @@ mod with_nixl {
             }
         }
 
-        pub(super) fn offer(&self) -> TransportOffer {
+        pub(crate) fn offer(&self) -> TransportOffer {
             let (region, scratch) = (self.endpoint.region(), self.endpoint.scratch());
             TransportOffer::Nixl {
                 agent: self.name.clone(),
@@ -144,12 +160,8 @@ mod with_nixl {
     }
 
     /// Opens this engine's NIXL endpoint over its KV memory when `cfg` asks for nixl.
-    pub(in super::super) fn open(
-        cfg: &ConnectorConfig,
-        memory: &KvMemory,
-        epoch: u64,
-    ) -> Result<super::Endpoint, KvError> {
-        if cfg.transport != crate::KvTransport::Nixl {
+    pub(crate) fn open(cfg: &ConnectorConfig, memory: &KvMemory, epoch: u64) -> Result<super::Endpoint, KvError> {
+        if cfg.transport != crate::config::KvTransport::Nixl {
             return Ok(None);
         }
         let name = format!("{}@{epoch}", cfg.engine_id);
@@ -176,8 +188,8 @@ mod with_nixl {
     }
 
     /// Writing side: the nixl transport to `peer`, with its metadata loaded, or why not.
-    pub(in super::super) fn pick(ours: &Shared, peer: &AgentInfo) -> Result<Arc<dyn Transport>, String> {
-        let ep = ours.nixl.clone().ok_or("this engine has no NIXL endpoint")?;
+    pub(crate) fn pick(ours: &Ours, setup: &NixlSetup, peer: &AgentInfo) -> Result<Arc<dyn Transport>, String> {
+        let ep = setup.endpoint.clone().ok_or("this engine has no NIXL endpoint")?;
         let offer = peer_offer(peer)?;
         bind_device(ours)?;
         let agent = offer.agent;
@@ -188,18 +200,18 @@ mod with_nixl {
         // The self-check: what this link moves, before any KV does (scratch to scratch, each
         // in its KV's place).
         let gb_s =
-            ep.endpoint.probe(agent, offer.region(offer.scratch), ours.cfg.timeouts.io).map_err(|e| e.to_string())?;
+            ep.endpoint.probe(agent, offer.region(offer.scratch), ours.timeouts.io).map_err(|e| e.to_string())?;
         let ucx = ep.transports();
-        check_rate(ours, "write to", gb_s, &ucx)?;
+        check_rate(setup, "write to", gb_s, &ucx)?;
         tracing::info!(peer = %peer.engine_id, gb_s = format!("{gb_s:.2}"), ucx, "nixl link probed");
-        let pull_by_write = pulls_written(ours, &ep, &offer)?;
-        Ok(Arc::new(Nixl::new(ep, agent, offer.region(offer.kv), peer, pull_by_write)))
+        let pull_by_write = pulls_written(ours, setup, &ep, &offer)?;
+        Ok(Arc::new(Nixl::new(ours.clone(), ep, agent, offer.region(offer.kv), peer, pull_by_write)))
     }
 
     /// The decode side: the nixl transport the acceptor picked, with the acceptor's metadata
     /// loaded too, since in pull decode READs prefill's blocks itself.
-    pub(in super::super) fn accept(ours: &Shared, peer: &AgentInfo) -> Result<Arc<dyn Transport>, KvError> {
-        let ep = ours.nixl.clone().ok_or_else(|| KvError::Refused("this engine has no NIXL endpoint".into()))?;
+    pub(crate) fn accept(ours: &Ours, setup: &NixlSetup, peer: &AgentInfo) -> Result<Arc<dyn Transport>, KvError> {
+        let ep = setup.endpoint.clone().ok_or_else(|| KvError::Refused("this engine has no NIXL endpoint".into()))?;
         let offer = peer_offer(peer).map_err(KvError::Refused)?;
         let loaded = ep.endpoint.add_peer_hex(offer.metadata).map_err(|e| KvError::Refused(e.to_string()))?;
         if loaded != offer.agent {
@@ -209,13 +221,13 @@ mod with_nixl {
             )));
         }
         bind_device(ours).map_err(KvError::Refused)?;
-        let pull_by_write = pulls_written(ours, &ep, &offer).map_err(KvError::Refused)?;
-        Ok(Arc::new(Nixl::new(ep, offer.agent, offer.region(offer.kv), peer, pull_by_write)))
+        let pull_by_write = pulls_written(ours, setup, &ep, &offer).map_err(KvError::Refused)?;
+        Ok(Arc::new(Nixl::new(ours.clone(), ep, offer.agent, offer.region(offer.kv), peer, pull_by_write)))
     }
 
     /// The self-check's floor: a probe of `gb_s` below `--kv-nixl-min-gb-s` refuses the link.
-    fn check_rate(ours: &Shared, what: &str, gb_s: f64, ucx: &str) -> Result<(), String> {
-        let floor = ours.cfg.nixl_min_gb_s;
+    fn check_rate(setup: &NixlSetup, what: &str, gb_s: f64, ucx: &str) -> Result<(), String> {
+        let floor = setup.min_gb_s;
         if gb_s < floor {
             return Err(format!(
                 "a {} MiB NIXL {what} the peer ran at {gb_s:.2} GB/s (UCX: {ucx}), below --kv-nixl-min-gb-s {floor}: \
@@ -229,19 +241,19 @@ mod with_nixl {
     /// Prefill, pull: whether this link's pulls are written by us instead of read by decode
     /// (`--kv-nixl-pull`). UCX picks the path of a READ apart from a WRITE's, so `auto` probes
     /// a READ from decode's scratch: one slower than `--kv-nixl-min-gb-s` makes us write.
-    fn pulls_written(ours: &Shared, ep: &EndpointImpl, offer: &PeerOffer<'_>) -> Result<bool, String> {
-        if ours.cfg.role != crate::Role::Prefill || ours.cfg.mode != crate::KvMode::Pull {
+    fn pulls_written(ours: &Ours, setup: &NixlSetup, ep: &EndpointImpl, offer: &PeerOffer<'_>) -> Result<bool, String> {
+        if !setup.answers_pulls {
             return Ok(false);
         }
-        match ours.cfg.nixl_pull {
+        match setup.pull {
             NixlPull::Read => Ok(false),
             NixlPull::Write => Ok(true),
             NixlPull::Auto => {
                 let gb_s = ep
                     .endpoint
-                    .probe_read(offer.agent, offer.region(offer.scratch), ours.cfg.timeouts.io)
+                    .probe_read(offer.agent, offer.region(offer.scratch), ours.timeouts.io)
                     .map_err(|e| e.to_string())?;
-                let floor = ours.cfg.nixl_min_gb_s;
+                let floor = setup.min_gb_s;
                 let rate = format!("{gb_s:.2}");
                 let ucx = ep.transports();
                 if gb_s < floor {
@@ -270,11 +282,12 @@ mod with_nixl {
 
     /// Makes a GPU engine's CUDA context current on this (a connector) thread before a NIXL
     /// call that moves its memory.
-    fn bind_device(shared: &Shared) -> Result<(), String> {
-        shared.memory.device_cache().map_or(Ok(()), |dev| dev.bind().map_err(|e| e.to_string()))
+    fn bind_device(ours: &Ours) -> Result<(), String> {
+        ours.memory.device_cache().map_or(Ok(()), |dev| dev.bind().map_err(|e| e.to_string()))
     }
 
     struct Nixl {
+        ours: Ours,
         ep: Arc<EndpointImpl>,
         /// The peer's agent name (whom notifications come from, or go to).
         peer_agent: String,
@@ -303,15 +316,17 @@ mod with_nixl {
     }
 
     impl Nixl {
-        fn new(ep: Arc<EndpointImpl>, agent: &str, region: NixlRegion, peer: &AgentInfo, pull_by_write: bool) -> Self {
-            let layout = KvLayout {
-                num_layers: peer.num_layers,
-                num_kv_heads: peer.num_kv_heads,
-                head_dim: peer.head_dim,
-                block_size: peer.block_size,
-                num_blocks: peer.num_blocks,
-            };
+        fn new(
+            ours: Ours,
+            ep: Arc<EndpointImpl>,
+            agent: &str,
+            region: NixlRegion,
+            peer: &AgentInfo,
+            pull_by_write: bool,
+        ) -> Self {
+            let layout: KvLayout = peer_layout(peer);
             Self {
+                ours,
                 ep,
                 peer_agent: agent.to_string(),
                 target: (region, layout),
@@ -323,12 +338,12 @@ mod with_nixl {
 
         /// Decode, pull: READs the planned transfer `tid` from prefill's blocks into ours,
         /// finished before the lease prefill granted could end.
-        fn read(&self, shared: &Shared, plan: ReadPlan) -> Result<(), String> {
+        fn read(&self, plan: ReadPlan) -> Result<(), String> {
             let (region, layout) = &self.target;
-            let memory = &shared.memory;
+            let memory = &self.ours.memory;
             let copies =
                 plan_kv_copy(layout, &memory.layout(), memory.dtype().bytes(), &plan.src, &plan.dst, plan.num_tokens)?;
-            bind_device(shared)?;
+            bind_device(&self.ours)?;
             // The plan's source is prefill's memory (the peer), its destination ours.
             let runs = NixlRun::from_read_plan(&copies);
             // Prefill holds the lease `validity` from its grant, which it sent after we asked.
@@ -343,26 +358,20 @@ mod with_nixl {
 
         /// Writes tokens `0..num_tokens` of our blocks `src` into the peer's `dst`, then (given
         /// `tid`) the notification that says they landed.
-        fn write(
-            &self,
-            shared: &Shared,
-            src: &[u32],
-            dst: &[u32],
-            num_tokens: usize,
-            tid: Option<&TransferId>,
-        ) -> Result<(), String> {
+        fn copy(&self, runs: Runs<'_>, tid: Option<&TransferId>) -> Result<(), String> {
+            let Runs { src, dst, num_tokens } = runs;
             let (region, layout) = &self.target;
-            let from = &shared.memory;
+            let from = &self.ours.memory;
             // Validates the peer's block list (ids inside its region, enough of them) first.
             let plan = plan_kv_copy(&from.layout(), layout, from.dtype().bytes(), src, dst, num_tokens)?;
-            bind_device(shared)?;
+            bind_device(&self.ours)?;
             let runs = NixlRun::from_plan(&plan);
             let lost = |_: &&TransferId| {
-                self.notified.fetch_add(1, Ordering::Relaxed) < shared.cfg.faults.drop_nixl_notifications
+                self.notified.fetch_add(1, Ordering::Relaxed) < self.ours.faults.drop_nixl_notifications
             };
             let message = tid.filter(|tid| !lost(tid)).map(landed_message);
             let started = std::time::Instant::now();
-            let bound = shared.cfg.timeouts.io;
+            let bound = self.ours.timeouts.io;
             match self.ep.endpoint.write(&self.peer_agent, *region, &runs, message.as_deref(), bound) {
                 Ok(()) => {
                     tracing::debug!(runs = runs.len(), us = started.elapsed().as_micros() as u64, "nixl write done");
@@ -392,56 +401,22 @@ mod with_nixl {
             true
         }
 
-        fn write_part(
+        fn write(
             &self,
-            shared: &Shared,
-            src: &[u32],
-            dst: &[u32],
-            num_tokens: usize,
+            runs: Runs<'_>,
             fences: &KvFences,
-        ) -> Result<(), String> {
-            fences.wait()?;
-            // No notification: the final write's, after this one has completed, covers it.
-            self.write(shared, src, dst, num_tokens, None)
+            landed: Option<&TransferId>,
+            _out: &mut dyn Announce,
+        ) -> Result<(), WriteError> {
+            // A part of a prompt still computing goes once its whole step is done, and with no
+            // notification: the final write's, after the part has completed, covers it.
+            fences.wait().map_err(WriteError::Failed)?;
+            self.copy(runs, landed).map_err(WriteError::Failed)
         }
 
-        fn push(
-            &self,
-            shared: &Shared,
-            conn: &Conn,
-            tid: &TransferId,
-            src: &[u32],
-            dst: &[u32],
-            num_tokens: usize,
-            done: PushDone,
-        ) -> Result<(), KvError> {
-            report_direct_write(shared, conn, tid, done, self.write(shared, src, dst, num_tokens, Some(tid)))
-        }
-
-        fn answer_read(
-            &self,
-            shared: &Shared,
-            conn: &Conn,
-            tid: &TransferId,
-            src: &[u32],
-            dst: &[u32],
-            num_tokens: usize,
-        ) -> Result<(), KvError> {
-            if self.pull_by_write {
-                // As a push: the blocks and the notification, then the answer, granting no READ.
-                let started = Instant::now();
-                let copied = self.write(shared, src, dst, num_tokens, Some(tid));
-                return answer_direct_read(shared, conn, tid, started, (src, num_tokens), copied, 0);
-            }
-            // Decode READs the blocks itself: the answer grants it, keeping the lease at least
-            // `validity` from now, within which decode's READ must end, counted from before it
-            // asked (`ReadPlan::asked`). Decode's own copy plan checks its blocks.
-            let validity = shared.cfg.timeouts.io.min(shared.cfg.lease);
-            if let Some(p) = shared.tables().produced.get_mut(tid) {
-                p.deadline = p.deadline.max(Instant::now() + validity);
-            }
-            let grant_us = validity.as_micros() as u64;
-            answer_direct_read(shared, conn, tid, Instant::now(), (src, num_tokens), Ok(()), grant_us)
+        fn grants_reads(&self) -> bool {
+            // Where READs are slow, we write a pull's blocks (and notify), as in push.
+            !self.pull_by_write
         }
 
         fn granted(&self, tid: &TransferId, validity: Duration) {
@@ -470,16 +445,16 @@ mod with_nixl {
             reads.insert(tid.clone(), plan);
         }
 
-        fn confirm_landed(&self, shared: &Shared, tid: &TransferId) -> Result<(), String> {
+        fn confirm_landed(&self, tid: &TransferId) -> Result<(), String> {
             // Pull: prefill granted the read; the bytes are ours once our READ has completed.
             let planned = self.reads.lock().unwrap_or_else(|p| p.into_inner()).remove(tid);
             if let Some(plan) = planned {
-                return self.read(shared, plan);
+                return self.read(plan);
             }
             // Push, or a pull prefill wrote: its write ended; its notification follows the data.
             self.ep
                 .endpoint
-                .wait_notification(&self.peer_agent, &landed_message(tid), shared.cfg.timeouts.io)
+                .wait_notification(&self.peer_agent, &landed_message(tid), self.ours.timeouts.io)
                 .map_err(|e| e.to_string())
         }
     }
@@ -489,37 +464,40 @@ mod with_nixl {
 mod without_nixl {
     use std::sync::Arc;
 
-    use super::super::transport::Transport;
-    use super::super::Shared;
-    use crate::{AgentInfo, ConnectorConfig, KvError, KvMemory, TransportOffer};
+    use super::super::{Ours, Transport};
+    use super::NixlSetup;
+    use crate::agent_info::{AgentInfo, TransportOffer};
+    use crate::config::ConnectorConfig;
+    use crate::error::KvError;
+    use crate::memory::KvMemory;
 
     /// No NIXL in this build: never made.
-    pub(in super::super) enum EndpointImpl {}
+    pub(crate) enum EndpointImpl {}
 
     impl EndpointImpl {
-        pub(super) fn offer(&self) -> TransportOffer {
+        pub(crate) fn offer(&self) -> TransportOffer {
             match *self {}
         }
 
-        pub(super) fn relay_ucx_log(&self) {
+        pub(crate) fn relay_ucx_log(&self) {
             match *self {}
         }
     }
 
-    pub(in super::super) fn open(cfg: &ConnectorConfig, _: &KvMemory, _: u64) -> Result<super::Endpoint, KvError> {
+    pub(crate) fn open(cfg: &ConnectorConfig, _: &KvMemory, _: u64) -> Result<super::Endpoint, KvError> {
         match cfg.transport {
-            crate::KvTransport::Nixl => Err(KvError::Unsupported(
+            crate::config::KvTransport::Nixl => Err(KvError::Unsupported(
                 "--kv-transport nixl: this build has no NIXL (build tandem with `--features nixl`)".into(),
             )),
             _ => Ok(None),
         }
     }
 
-    pub(in super::super) fn pick(_: &Shared, _: &AgentInfo) -> Result<Arc<dyn Transport>, String> {
+    pub(crate) fn pick(_: &Ours, _: &NixlSetup, _: &AgentInfo) -> Result<Arc<dyn Transport>, String> {
         Err("this build has no NIXL".into())
     }
 
-    pub(in super::super) fn accept(_: &Shared, _: &AgentInfo) -> Result<Arc<dyn Transport>, KvError> {
+    pub(crate) fn accept(_: &Ours, _: &NixlSetup, _: &AgentInfo) -> Result<Arc<dyn Transport>, KvError> {
         Err(KvError::Refused("this build has no NIXL".into()))
     }
 }

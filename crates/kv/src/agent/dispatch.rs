@@ -1,0 +1,106 @@
+//! A connection's reader thread, once per connection: every message the peer sends, handed to
+//! the side of the protocol it is for, until the connection ends; then what rode on it ends.
+
+use std::net::TcpStream;
+use std::sync::Arc;
+
+use super::conn::Conn;
+use super::landing::{self, DirectEnd, DoneReport};
+use super::shared::{ended, Shared};
+use super::{decode, prefill};
+use crate::agent_info::Role;
+use crate::error::KvError;
+use crate::protocol::Wanted;
+use crate::transport::Bulk;
+use crate::wire::{read_message, Message};
+
+/// Reads `conn`'s messages from `stream` until it ends or breaks the protocol.
+pub(crate) fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
+    // Between messages a read waits up to the liveness bound (the peer pings every third of
+    // it, so silence that long means it is frozen or gone); bulk data is read under the I/O
+    // timeout once its header has arrived.
+    let idle = |s: &TcpStream, on: bool| {
+        let _ = s.set_read_timeout(Some(if on { shared.cfg.liveness } else { shared.cfg.timeouts.io }));
+    };
+    loop {
+        idle(&stream, true);
+        let msg = match read_message(&mut stream) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::info!(peer = %conn.peer.engine_id, error = %e, "KV connection closed");
+                break;
+            }
+        };
+        idle(&stream, false);
+        if let Err(e) = handle_message(&mut stream, &conn, &shared, msg) {
+            tracing::warn!(peer = %conn.peer.engine_id, error = %e, "KV connection failed");
+            break;
+        }
+    }
+    conn.close();
+    decode::connection_lost(&shared, &conn);
+}
+
+fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>, msg: Message) -> Result<(), KvError> {
+    match msg {
+        // ---- prefill side ----
+        Message::Register { transfer_id, epoch, block_ids, num_tokens, write_within_ms, skip_tokens, .. } => {
+            let wanted = Wanted { blocks: block_ids, num_tokens, skip: skip_tokens };
+            prefill::on_register(shared, conn, transfer_id, epoch, wanted, write_within_ms)?
+        }
+        Message::ReadBlocks { transfer_id, blocks, num_tokens, dst_blocks, write_within_ms, skip_tokens } => {
+            let lease = (blocks, num_tokens);
+            prefill::on_read_blocks(shared, conn, transfer_id, lease, dst_blocks, skip_tokens, write_within_ms)?
+        }
+        Message::Heartbeat { transfer_ids } => prefill::on_heartbeat(shared, transfer_ids),
+        Message::WriteAck { transfer_id, error } => prefill::on_write_ack(shared, &transfer_id, error),
+        Message::Abort { transfer_id } if shared.cfg.role == Role::Prefill => {
+            prefill::on_abort(shared, conn, transfer_id)?
+        }
+        // ---- decode side ----
+        Message::Abort { transfer_id } => {
+            let mut t = shared.tables();
+            shared.finish_incoming(&mut t, &transfer_id, |inc| ended(inc, "prefill aborted the transfer".into()));
+        }
+        Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes, checksum } => {
+            let bulk = Bulk { src_block_size, bytes, checksum };
+            landing::on_write_blocks(stream, conn, shared, transfer_id, (&blocks, num_tokens), bulk)?
+        }
+        Message::BlockData {
+            transfer_id,
+            src_block_size,
+            bytes,
+            error,
+            direct,
+            checksum,
+            copy_us,
+            digest,
+            grant_us,
+        } => {
+            let bulk = Bulk { src_block_size, bytes, checksum };
+            let direct = direct.then_some(DirectEnd { copy_us, digest, grant_us });
+            landing::on_block_data(stream, conn, shared, transfer_id, bulk, error, direct)?
+        }
+        // ---- either side ----
+        // Prefill: a pull release; decode: a push completion.
+        Message::Done { transfer_id, first_token, status, copy_us, produced_unix_us, digest, .. } => {
+            if !prefill::on_release(shared, &transfer_id, &status) {
+                let report = DoneReport { first_token, status, copy_us, produced_unix_us, digest };
+                landing::land(conn, shared, move |_, shared| {
+                    landing::on_done(shared, &transfer_id, report);
+                    Ok(())
+                })?;
+            }
+        }
+        Message::Failed { transfer_id, reason } => {
+            let mut t = shared.tables();
+            t.registrations.remove(&transfer_id);
+            t.produced.remove(&transfer_id);
+            shared.finish_incoming(&mut t, &transfer_id, |inc| ended(inc, reason));
+        }
+        other @ (Message::Handshake { .. } | Message::HandshakeOk { .. } | Message::HandshakeRefused { .. }) => {
+            return Err(KvError::Protocol(format!("unexpected {other:?} after the handshake")));
+        }
+    }
+    Ok(())
+}

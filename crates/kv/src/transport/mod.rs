@@ -1,0 +1,201 @@
+//! How a transfer's bytes move once the protocol has said where from and where to.
+//!
+//! One [`Transport`] per connection, picked at handshake ([`pick`]). A transport moves block
+//! runs between this engine's KV memory and the peer's, and knows nothing of transfers'
+//! states, leases or messages other than the bytes it is handed: the protocol (`crate::protocol`)
+//! decides what moves, the agent's threads call the transport and send the messages.
+//!
+//! Two families:
+//! - inline ([`tcp`]): the bytes ride the side channel right after the frame that announces
+//!   them ([`Announce`]); the reader takes them off its socket ([`Transport::receive`]) and
+//!   acknowledges the write.
+//! - direct ([`local`], [`cuda_ipc`], [`nixl`]): the writer puts the bytes straight into the
+//!   reader's memory, with nothing on the socket and no call into the reader's table; the reader
+//!   treats its blocks as being written from the moment it names them until the writer says the
+//!   write ended, and confirms the landing itself where the network can lose it (a NIXL
+//!   notification, [`Transport::confirm_landed`]).
+//!
+//! A new transport: an offer in `agent_info.rs`, a file here implementing [`Transport`], and
+//! its cases in `pick.rs`.
+
+pub(crate) mod cuda_ipc;
+pub(crate) mod local;
+pub(crate) mod nixl;
+pub(crate) mod pick;
+pub mod tcp;
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use tandem_compute::cuda::KvFences;
+use tandem_compute::KvLayout;
+use tandem_core::TransferId;
+
+use crate::agent_info::AgentInfo;
+use crate::channel::Timeouts;
+use crate::config::FaultInjection;
+use crate::error::KvError;
+use crate::memory::KvMemory;
+
+/// What every transport of an engine works with: its KV memory and the settings that shape a
+/// copy (checksums, injected faults, the I/O bound).
+#[derive(Clone)]
+pub(crate) struct Ours {
+    pub memory: KvMemory,
+    /// `--kv-verify`: inline bytes carry a CRC-32.
+    pub verify: bool,
+    pub faults: FaultInjection,
+    /// Bounds NIXL's waits.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub timeouts: Timeouts,
+}
+
+/// What one write moves: tokens `0..num_tokens` of the writer's blocks `src` into the reader's
+/// blocks `dst` (both in token order, each in its own engine's block size).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Runs<'a> {
+    pub src: &'a [u32],
+    pub dst: &'a [u32],
+    pub num_tokens: usize,
+}
+
+/// How an inline transport's bytes were announced on the side channel: in which block size,
+/// how many, and whether their checksum follows them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Bulk {
+    pub src_block_size: usize,
+    pub bytes: u64,
+    pub checksum: bool,
+}
+
+/// Where an inline transport's bytes go: the caller writes the frame that announces them (it
+/// knows the message; the transport knows how many bytes and whether a checksum follows) and
+/// hands back the stream they follow on, held for the caller's completion frame after them.
+pub(crate) trait Announce {
+    /// Writes the announcing frame; the bytes follow on the returned stream.
+    fn announce(&mut self, bulk: Bulk) -> Result<&mut dyn Write, KvError>;
+}
+
+/// For direct transports, which never announce bytes on the side channel.
+pub(crate) struct NoAnnounce;
+
+impl Announce for NoAnnounce {
+    fn announce(&mut self, _: Bulk) -> Result<&mut dyn Write, KvError> {
+        Err(KvError::Protocol("a direct transport announced bytes on the side channel".into()))
+    }
+}
+
+/// Why a write did not move its KV.
+#[derive(Debug)]
+pub(crate) enum WriteError {
+    /// Nothing reached the peer, or a copy into its memory failed: the connection is in step,
+    /// and the caller tells the peer in-band.
+    Failed(String),
+    /// The side channel broke mid-send (inline): the connection is done.
+    Channel(KvError),
+}
+
+impl From<KvError> for WriteError {
+    fn from(e: KvError) -> Self {
+        WriteError::Channel(e)
+    }
+}
+
+impl std::fmt::Display for WriteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WriteError::Failed(why) => f.write_str(why),
+            WriteError::Channel(e) => e.fmt(f),
+        }
+    }
+}
+
+/// Moves KV between this engine's blocks and one peer's.
+pub(crate) trait Transport: Send + Sync {
+    /// The offer's name, for logs and `/kv/info`.
+    fn name(&self) -> &'static str;
+
+    /// Whether the writer puts the bytes straight into the reader's memory (direct), rather than
+    /// on the side channel (inline).
+    fn writes_directly(&self) -> bool {
+        false
+    }
+
+    /// Whether the reader acknowledges each push write (`WriteAck`, inline): the writer counts
+    /// the write's outcome then, once the reader has checked the bytes.
+    fn acknowledges_writes(&self) -> bool {
+        false
+    }
+
+    /// Writer: moves `runs`, each group of layers once `fences` say it is final, and waits for
+    /// the copies. A direct transport copies into the peer's memory and, given `landed`, makes
+    /// the transfer's landing known to the peer's transport after the bytes (a NIXL
+    /// notification); an inline one puts the bytes on the side channel through `out`.
+    fn write(
+        &self,
+        runs: Runs<'_>,
+        fences: &KvFences,
+        landed: Option<&TransferId>,
+        out: &mut dyn Announce,
+    ) -> Result<(), WriteError>;
+
+    /// Reader, inline: takes the bytes `bulk` announced off `stream` into tokens
+    /// `0..num_tokens` of our blocks `dst` (a GPU engine's device cache included, before this
+    /// returns). `Corrupt` and `Transfer` errors leave the stream in step; others do not.
+    ///
+    /// # Safety
+    /// The caller owns `dst` exclusively while this runs (a transfer's destination, not yet
+    /// reported).
+    unsafe fn receive(&self, stream: &mut dyn Read, bulk: Bulk, dst: &[u32], num_tokens: usize) -> Result<(), KvError> {
+        let _ = (stream, bulk, dst, num_tokens);
+        Err(KvError::Protocol(format!("KV bytes on the side channel of a {} connection", self.name())))
+    }
+
+    /// Reader of a direct write: waits (bounded) until the bytes the writer says it wrote for
+    /// `tid` are known to be in our memory. Copies the writer waited for are (cuda-ipc, local);
+    /// a NIXL write is once its notification has arrived, a granted NIXL read once it ended.
+    fn confirm_landed(&self, _tid: &TransferId) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// Whether [`Self::confirm_landed`] waits on the network: the reader then lands each
+    /// transfer on a thread of its own, so that one slow or lost landing holds up no other
+    /// message on the connection.
+    fn landing_waits(&self) -> bool {
+        false
+    }
+
+    /// Pull, reader: whether it may move the bytes itself (NIXL READs) once the holder grants
+    /// the read, rather than the holder copying them before it answers.
+    fn reader_reads(&self) -> bool {
+        false
+    }
+
+    /// Pull, holder: whether it grants reads (the reader moves the bytes) instead of writing.
+    fn grants_reads(&self) -> bool {
+        false
+    }
+
+    /// Pull, reader, when [`Self::reader_reads`]: the read it is about to ask for, tokens
+    /// `0..num_tokens` of the holder's blocks `src` into our `dst` (both from the first block
+    /// the reader does not hold).
+    fn plan_read(&self, _tid: &TransferId, _src: Vec<u32>, _dst: Vec<u32>, _num_tokens: usize) {}
+
+    /// Pull, reader, when [`Self::reader_reads`]: the holder granted the read of `tid`, keeping
+    /// its lease for `validity` from its answer (zero: it wrote the blocks itself instead).
+    fn granted(&self, _tid: &TransferId, _validity: Duration) {}
+}
+
+/// The KV layout an engine describes in its handshake.
+pub(crate) fn peer_layout(peer: &AgentInfo) -> KvLayout {
+    KvLayout {
+        num_layers: peer.num_layers,
+        num_kv_heads: peer.num_kv_heads,
+        head_dim: peer.head_dim,
+        block_size: peer.block_size,
+        num_blocks: peer.num_blocks,
+    }
+}
+
+#[cfg(test)]
+mod tests;

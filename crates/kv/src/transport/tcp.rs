@@ -1,0 +1,326 @@
+//! The `tcp` transport: KV block bytes straight between a socket and the KV memory, on the
+//! side channel after the frame that announces them.
+//!
+//! Sending reads the sender's blocks piece by piece ([`pieces`]: the contiguous runs, cut to
+//! at most [`PIECE_BYTES`]) and writes them to the socket with no staging copy. Receiving
+//! reads straight into the destination blocks when both sides use the same block size, and
+//! through one staging buffer plus [`scatter_tokens`] when they differ. Around each piece a GPU
+//! engine's memory copies between its device cache and host copy ([`send_staged`],
+//! [`recv_staged`]), so those copies overlap the socket.
+
+use std::io::{Read, Write};
+
+use tandem_compute::KvRegion;
+
+use tandem_compute::cuda::KvFences;
+use tandem_core::TransferId;
+
+use super::{Announce, Bulk, Ours, Runs, Transport, WriteError};
+use crate::blocks::{coalesce, scatter_tokens, wire_bytes, BlockRun};
+use crate::error::KvError;
+use crate::memory::StagedSend;
+
+/// Bytes of the checksum that follows a bulk send's data when it is checksummed.
+pub const CHECKSUM_BYTES: u64 = 4;
+
+/// Bytes of KV a bulk transfer moves per piece at most. A GPU engine copies one piece
+/// between its device cache and its host copy while the piece before it is on the socket, so
+/// the copy hides behind the network but for one piece's worth.
+pub const PIECE_BYTES: usize = 8 << 20;
+
+/// The blocks `blocks` as a bulk transfer moves them: their contiguous runs, in order, each cut
+/// into pieces of at most [`PIECE_BYTES`] (at least one block).
+pub fn pieces(blocks: &[u32], block_bytes: usize) -> Vec<BlockRun> {
+    let most = (PIECE_BYTES / block_bytes.max(1)).max(1) as u32;
+    let mut out = Vec::new();
+    for run in coalesce(blocks) {
+        let mut start = run.start;
+        let end = run.start + run.len;
+        while start < end {
+            let len = most.min(end - start);
+            out.push(BlockRun { start, len });
+            start += len;
+        }
+    }
+    out
+}
+
+/// Writes the raw bytes of the blocks holding tokens `0..num_tokens` (whole blocks, in token
+/// order) to `w`, then, with `checksum`, the CRC-32 of those bytes (little-endian,
+/// [`CHECKSUM_BYTES`]). Returns the data bytes written ([`wire_bytes`]).
+///
+/// # Safety
+/// No other thread may write `blocks` while this runs (the caller holds them for the transfer).
+pub unsafe fn send_blocks(
+    w: &mut impl Write,
+    region: &KvRegion,
+    blocks: &[u32],
+    num_tokens: usize,
+    checksum: bool,
+) -> Result<u64, KvError> {
+    let pieces = send_pieces(region, blocks, num_tokens)?;
+    // Safety: passed on from the caller.
+    unsafe { send_staged(w, region, &pieces, num_tokens, checksum, &mut |_| Ok(())) }
+}
+
+/// The pieces [`send_staged`] sends for tokens `0..num_tokens` of `blocks`, or why they cannot
+/// be sent.
+pub fn send_pieces(region: &KvRegion, blocks: &[u32], num_tokens: usize) -> Result<Vec<BlockRun>, KvError> {
+    let needed = region.layout().blocks_for(num_tokens);
+    if blocks.len() < needed {
+        return Err(KvError::Protocol(format!("{num_tokens} tokens need {needed} blocks, {} given", blocks.len())));
+    }
+    Ok(pieces(&blocks[..needed], region.block_bytes()))
+}
+
+/// [`send_blocks`] of `pieces` (from [`send_pieces`]), calling `ready(i)` before piece `i`'s
+/// bytes are read from `region`: a GPU engine waits there for that piece's copy from its device
+/// cache, queued ahead.
+///
+/// # Safety
+/// As [`send_blocks`], for the pieces' blocks.
+pub unsafe fn send_staged(
+    w: &mut impl Write,
+    region: &KvRegion,
+    pieces: &[BlockRun],
+    num_tokens: usize,
+    checksum: bool,
+    ready: &mut dyn FnMut(usize) -> Result<(), KvError>,
+) -> Result<u64, KvError> {
+    let mut crc = crc32fast::Hasher::new();
+    for (i, piece) in pieces.iter().enumerate() {
+        ready(i)?;
+        // Safety: caller holds these blocks; nobody writes them meanwhile.
+        let data = unsafe { region.bytes(piece.start as usize, piece.len as usize) };
+        w.write_all(data)?;
+        if checksum {
+            crc.update(data);
+        }
+    }
+    if checksum {
+        w.write_all(&crc.finalize().to_le_bytes())?;
+    }
+    Ok(wire_bytes(region.layout(), region.dtype(), num_tokens))
+}
+
+/// Reads `bytes` raw bytes (the sender's layout, `src_block_size` tokens per block, tokens
+/// `0..num_tokens`) from `r` into the destination blocks; with `checksum`, then the sender's
+/// CRC-32 of them, which must match the bytes as they landed ([`KvError::Corrupt`] if not:
+/// the stream is still in step, but the blocks hold bad KV).
+///
+/// # Safety
+/// The caller must own `dst_blocks` exclusively while this runs.
+pub unsafe fn recv_blocks(
+    r: &mut impl Read,
+    bytes: u64,
+    src_block_size: usize,
+    region: &KvRegion,
+    dst_blocks: &[u32],
+    num_tokens: usize,
+    checksum: bool,
+) -> Result<(), KvError> {
+    let into = Destination { region, blocks: dst_blocks, num_tokens };
+    // Safety: passed on from the caller.
+    unsafe { recv_staged(r, bytes, src_block_size, into, checksum, &mut |_| Ok(())) }
+}
+
+/// Where a bulk receive lands: tokens `0..num_tokens` in `blocks` of `region`.
+#[derive(Clone, Copy)]
+pub struct Destination<'a> {
+    /// The receiver's KV memory.
+    pub region: &'a KvRegion,
+    /// The destination blocks, in token order.
+    pub blocks: &'a [u32],
+    /// Tokens that land.
+    pub num_tokens: usize,
+}
+
+/// [`recv_blocks`], calling `landed(run)` as each piece of the destination blocks has its
+/// bytes (before the checksum is checked): a GPU engine queues that piece's copy into its
+/// device cache there, while the next piece is still on the socket.
+///
+/// # Safety
+/// As [`recv_blocks`].
+pub unsafe fn recv_staged(
+    r: &mut impl Read,
+    bytes: u64,
+    src_block_size: usize,
+    into: Destination<'_>,
+    checksum: bool,
+    landed: &mut dyn FnMut(BlockRun) -> Result<(), KvError>,
+) -> Result<(), KvError> {
+    let Destination { region, blocks: dst_blocks, num_tokens } = into;
+    let dl = *region.layout();
+    if src_block_size == 0 {
+        return Err(KvError::Protocol("source block size 0".into()));
+    }
+    let src_layout = tandem_compute::KvLayout { block_size: src_block_size, ..dl };
+    let expected = wire_bytes(&src_layout, region.dtype(), num_tokens);
+    if bytes != expected {
+        return Err(KvError::Protocol(format!("{bytes} bytes announced for {num_tokens} tokens, expected {expected}")));
+    }
+    let needed = dl.blocks_for(num_tokens);
+    if dst_blocks.len() < needed || dst_blocks.iter().any(|&b| b as usize >= dl.num_blocks) {
+        return Err(KvError::Protocol(format!("destination blocks do not cover {num_tokens} tokens")));
+    }
+    let mut crc = crc32fast::Hasher::new();
+    if src_block_size == dl.block_size {
+        for piece in pieces(&dst_blocks[..needed], region.block_bytes()) {
+            // Safety: the caller owns the destination blocks exclusively.
+            let dst = unsafe { region.bytes_mut(piece.start as usize, piece.len as usize) };
+            r.read_exact(dst)?;
+            if checksum {
+                crc.update(dst);
+            }
+            landed(piece)?;
+        }
+    } else {
+        let mut staging = vec![0u8; bytes as usize];
+        r.read_exact(&mut staging)?;
+        if checksum {
+            crc.update(&staging);
+        }
+        // Safety: the caller owns the destination blocks exclusively.
+        unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens) };
+        for piece in pieces(&dst_blocks[..needed], region.block_bytes()) {
+            landed(piece)?;
+        }
+    }
+    if checksum {
+        let mut sent = [0u8; CHECKSUM_BYTES as usize];
+        r.read_exact(&mut sent)?;
+        let (sent, got) = (u32::from_le_bytes(sent), crc.finalize());
+        if sent != got {
+            return Err(KvError::Corrupt(format!(
+                "KV checksum mismatch: the sender's CRC-32 is {sent:08x}, the {bytes} bytes received give {got:08x}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Reads `bytes` from the stream and throws them away (data for a transfer the reader refuses).
+pub(crate) fn drain(stream: &mut dyn Read, mut bytes: u64) -> Result<(), KvError> {
+    let mut sink = vec![0u8; 1 << 20];
+    while bytes > 0 {
+        let n = bytes.min(sink.len() as u64) as usize;
+        stream.read_exact(&mut sink[..n])?;
+        bytes -= n as u64;
+    }
+    Ok(())
+}
+
+/// The bytes on the side channel, between the frame that announces them and the completion
+/// after them, straight between the socket and the host region (a GPU engine's host copy,
+/// staged piece by piece to and from its device cache on the connector's stream).
+pub(crate) struct Tcp {
+    ours: Ours,
+}
+
+impl Tcp {
+    pub(crate) fn new(ours: Ours) -> Self {
+        Self { ours }
+    }
+
+    /// [`KvMemory::stage_send`](crate::memory::KvMemory::stage_send), or its injected failure.
+    ///
+    /// # Safety
+    /// As `stage_send`.
+    unsafe fn stage_send(&self, pieces: &[BlockRun]) -> Result<StagedSend<'_>, KvError> {
+        if self.ours.faults.fail_host_copies {
+            return Err(KvError::Transfer("copying KV to the host copy failed: injected".into()));
+        }
+        // Safety: passed on from the caller.
+        unsafe { self.ours.memory.stage_send(pieces) }
+    }
+}
+
+impl Transport for Tcp {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn acknowledges_writes(&self) -> bool {
+        true
+    }
+
+    fn write(
+        &self,
+        runs: Runs<'_>,
+        _fences: &KvFences,
+        _landed: Option<&TransferId>,
+        out: &mut dyn Announce,
+    ) -> Result<(), WriteError> {
+        let Runs { src, num_tokens, .. } = runs;
+        let region = self.ours.memory.host_region().map_err(|e| WriteError::Failed(e.to_string()))?;
+        let pieces = send_pieces(region, src, num_tokens).map_err(|e| WriteError::Failed(e.to_string()))?;
+        // Safety: the caller holds the source blocks (produced KV, or a lease being read) for
+        // this call; the engine does not schedule them meanwhile.
+        let staged = unsafe { self.stage_send(&pieces) }.map_err(|e| WriteError::Failed(e.to_string()))?;
+        let (layout, checksum) = (region.layout(), self.ours.verify);
+        let bulk =
+            Bulk { src_block_size: layout.block_size, bytes: wire_bytes(layout, region.dtype(), num_tokens), checksum };
+        let w = out.announce(bulk)?;
+        let mut ready = |i| staged.ready(i);
+        // Safety: as above.
+        unsafe {
+            if self.ours.faults.corrupt_sends {
+                let mut w = FlipFirstBit { inner: w, flipped: false };
+                send_staged(&mut w, region, &pieces, num_tokens, checksum, &mut ready)?;
+            } else {
+                send_staged(&mut { w }, region, &pieces, num_tokens, checksum, &mut ready)?;
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn receive(&self, stream: &mut dyn Read, bulk: Bulk, dst: &[u32], num_tokens: usize) -> Result<(), KvError> {
+        let memory = &self.ours.memory;
+        let region = memory.host_region()?;
+        let mut load = memory.receiver()?;
+        let into = Destination { region, blocks: dst, num_tokens };
+        // A failed copy into the device cache fails the transfer, but the bytes are still read,
+        // so the connection stays in step.
+        let mut failed = None;
+        let mut landed = |run| {
+            let copied = match self.ours.faults.fail_host_copies {
+                true => Err(KvError::Transfer("copying KV into the device cache failed: injected".into())),
+                // Safety: passed on from the caller (which owns `dst` until it reports).
+                false => unsafe { load.landed(run) },
+            };
+            if let (Err(e), None) = (copied, &failed) {
+                failed = Some(e);
+            }
+            Ok(())
+        };
+        // Safety: as above.
+        unsafe { recv_staged(&mut { stream }, bulk.bytes, bulk.src_block_size, into, bulk.checksum, &mut landed)? };
+        match failed {
+            Some(e) => Err(e),
+            None => load.finish(),
+        }
+    }
+}
+
+/// Fault injection: a writer that flips the lowest bit of the first byte written through it.
+struct FlipFirstBit<'a> {
+    inner: &'a mut dyn Write,
+    flipped: bool,
+}
+
+impl Write for FlipFirstBit<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match buf.first() {
+            Some(&b) if !self.flipped => {
+                self.inner.write_all(&[b ^ 1])?;
+                self.flipped = true;
+                Ok(1)
+            }
+            _ => self.inner.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}

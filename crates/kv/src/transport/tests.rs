@@ -1,0 +1,149 @@
+//! Each transport alone: two engines' KV memories, a run of scattered blocks written from one
+//! into the other (equal and different block sizes), with no agent, table or protocol; what
+//! landed is checked token by token through the `--kv-verify` digest, which does not depend
+//! on the block size.
+
+use std::io::Read;
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+
+use tandem_compute::cuda::KvFences;
+use tandem_compute::kv_digest::kv_digest_host;
+use tandem_compute::{KvCache, KvLayout, KvRegion};
+
+use super::local::{self, Local};
+use super::tcp::Tcp;
+use super::{Announce, Bulk, NoAnnounce, Ours, Runs, Transport, WriteError};
+use crate::channel::Timeouts;
+use crate::config::FaultInjection;
+use crate::error::KvError;
+use crate::memory::KvMemory;
+
+fn layout(block_size: usize) -> KvLayout {
+    KvLayout { num_layers: 3, num_kv_heads: 2, head_dim: 8, block_size, num_blocks: 48 }
+}
+
+/// A CPU engine's cache of `block_size`-token blocks with `tokens` of KV in `table` (blocks
+/// scattered so that runs are short), or empty.
+fn engine(block_size: usize, tokens: usize, stride: u32, filled: bool) -> (Arc<KvRegion>, Vec<u32>) {
+    let l = layout(block_size);
+    let table: Vec<u32> = (0..l.blocks_for(tokens) as u32).map(|b| (b * stride + 1) % l.num_blocks as u32).collect();
+    let mut cache = KvCache::new(l);
+    if filled {
+        let plane = l.num_kv_heads * l.head_dim;
+        for t in 0..tokens {
+            for layer in 0..l.num_layers {
+                let k: Vec<f32> = (0..plane).map(|i| (t * 31 + layer * 7 + i) as f32).collect();
+                let v: Vec<f32> = (0..plane).map(|i| -((t * 17 + layer + i) as f32)).collect();
+                cache.write_token(layer, table[t / block_size] as usize, t % block_size, &k, &v);
+            }
+        }
+    }
+    (cache.region(), table)
+}
+
+fn ours(region: &Arc<KvRegion>, verify: bool, faults: FaultInjection) -> Ours {
+    Ours { memory: KvMemory::from(region.clone()), verify, faults, timeouts: Timeouts::default() }
+}
+
+/// Tokens `0..tokens` of `table` in `region`, digested.
+fn digest(region: &KvRegion, table: &[u32], tokens: usize) -> u64 {
+    // Safety: the test owns every block.
+    unsafe { kv_digest_host(region, table, tokens) }.unwrap()
+}
+
+/// An announcement as a 17-byte header on the socket (the side channel's frame, reduced to
+/// what the reader needs).
+struct ToSocket<'a>(&'a mut TcpStream);
+
+impl Announce for ToSocket<'_> {
+    fn announce(&mut self, bulk: Bulk) -> Result<&mut dyn std::io::Write, KvError> {
+        use std::io::Write;
+        let mut header = [0u8; 17];
+        header[..8].copy_from_slice(&(bulk.src_block_size as u64).to_le_bytes());
+        header[8..16].copy_from_slice(&bulk.bytes.to_le_bytes());
+        header[16] = bulk.checksum as u8;
+        self.0.write_all(&header)?;
+        Ok(self.0)
+    }
+}
+
+fn read_announcement(s: &mut TcpStream) -> Bulk {
+    let mut header = [0u8; 17];
+    s.read_exact(&mut header).unwrap();
+    let word = |i: usize| u64::from_le_bytes(header[i..i + 8].try_into().unwrap());
+    Bulk { src_block_size: word(0) as usize, bytes: word(8), checksum: header[16] == 1 }
+}
+
+/// Writes `tokens` of KV from a `from`-token-block engine to a `to`-token-block one over tcp;
+/// returns what the reader's `receive` said and the two digests.
+fn over_tcp(
+    from: usize,
+    to: usize,
+    tokens: usize,
+    verify: bool,
+    faults: FaultInjection,
+) -> (Result<(), KvError>, u64, u64) {
+    let (src, src_table) = engine(from, tokens, 5, true);
+    let (dst, dst_table) = engine(to, tokens, 7, false);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let reader = Tcp::new(ours(&dst, verify, FaultInjection::default()));
+    let dst_blocks = dst_table.clone();
+    let received = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let bulk = read_announcement(&mut s);
+        // Safety: the test owns every block of the reader's cache.
+        unsafe { reader.receive(&mut s, bulk, &dst_blocks, tokens) }
+    });
+    let writer = Tcp::new(ours(&src, verify, faults));
+    let mut s = TcpStream::connect(addr).unwrap();
+    let runs = Runs { src: &src_table, dst: &dst_table, num_tokens: tokens };
+    writer.write(runs, &KvFences::complete(), None, &mut ToSocket(&mut s)).unwrap();
+    let landed = received.join().unwrap();
+    (landed, digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens))
+}
+
+#[test]
+fn tcp_moves_block_runs_between_block_sizes() {
+    for (from, to, tokens, verify) in [(16, 16, 100, false), (16, 8, 77, true), (8, 16, 5, false), (4, 12, 61, true)] {
+        let (landed, sent, got) = over_tcp(from, to, tokens, verify, FaultInjection::default());
+        landed.unwrap();
+        assert_eq!(sent, got, "{tokens} tokens from {from}- into {to}-token blocks");
+    }
+}
+
+#[test]
+fn tcp_detects_a_flipped_bit_and_fails_before_announcing_when_staging_fails() {
+    let corrupt = FaultInjection { corrupt_sends: true, ..Default::default() };
+    let (landed, sent, got) = over_tcp(16, 8, 40, true, corrupt);
+    assert!(matches!(landed, Err(KvError::Corrupt(_))), "{landed:?}");
+    assert_ne!(sent, got);
+    // A copy that fails before any byte leaves: nothing is announced, the caller tells the peer.
+    let (src, table) = engine(16, 40, 5, true);
+    let failing = Tcp::new(ours(&src, false, FaultInjection { fail_host_copies: true, ..Default::default() }));
+    let runs = Runs { src: &table, dst: &table, num_tokens: 40 };
+    let written = failing.write(runs, &KvFences::complete(), None, &mut NoAnnounce);
+    assert!(matches!(written, Err(WriteError::Failed(ref e)) if e.contains("injected")), "{written:?}");
+}
+
+#[test]
+fn local_copies_block_runs_between_block_sizes_and_not_to_a_peer_gone() {
+    for (from, to, tokens) in [(16, 16, 100), (16, 8, 77), (8, 16, 5), (4, 12, 61)] {
+        let (src, src_table) = engine(from, tokens, 5, true);
+        let (dst, dst_table) = engine(to, tokens, 7, false);
+        let key = format!("local-test-{from}-{to}-{tokens}");
+        let peer = Arc::new(KvMemory::from(dst.clone()));
+        local::register(&key, &peer);
+        let writer = Local::new(ours(&src, false, FaultInjection::default()), local::find(&key).unwrap());
+        let runs = Runs { src: &src_table, dst: &dst_table, num_tokens: tokens };
+        writer.write(runs, &KvFences::complete(), None, &mut NoAnnounce).unwrap();
+        assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "{from} -> {to}");
+        // A block list that does not cover the tokens is refused before any copy.
+        let short = Runs { dst: &dst_table[..dst_table.len() - 1], ..runs };
+        assert!(writer.write(short, &KvFences::complete(), None, &mut NoAnnounce).is_err());
+        drop(peer);
+        let gone = writer.write(runs, &KvFences::complete(), None, &mut NoAnnounce);
+        assert!(matches!(gone, Err(WriteError::Failed(ref e)) if e.contains("gone")), "{gone:?}");
+    }
+}
