@@ -25,6 +25,8 @@
 #   tcp: `tandem bench kv --transport tcp --device cuda:0` (TCP_SIZES) and on host memory; sweep: `tandem bench sweep
 #   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
 #   SWEEP_QPS narrow it; SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU);
+#   ab: P/D with the new build, then bench kv (cuda-ipc, tcp) for gpu-bin/tandem-base and the new
+#   build alternately (AB_ROUNDS, TCP_SIZES; build with BASELINE=<rev>);
 #   prefix: issue 30's multi-turn TTFT by turn, conditional and 2P2D KV-aware routing, and the
 #   bytes of a 90% prefix hit (scripts/gpu/prefix_check.py, preset:qwen3-4b);
 #   pd: only disaggregated serving on the GPU (scripts/gpu/pd_check.py; also part of every mode
@@ -334,16 +336,17 @@ if [ "$MODE" = soak ]; then
 fi
 # The cuda-ipc transport's copies into another process's GPU cache, against the same copies
 # inside one GPU measured in the same run; same block size, then 16 -> 32 tokens a block.
-kv_bench() {
+kv_bench() {  # [EXE [TAG]]: another tandem binary (gpu-bin/tandem-base), its results tagged
+  local exe=${1:-$BIN/tandem} suffix=${2:+_$2}
   # With two GPUs, also into a peer process on the second one (over NVLink).
   peers=(cuda:0); [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && peers+=(cuda:1)
   for peer in "${peers[@]}"; do
     for pbs in 16 32; do
-      tag="${peer#cuda:}_$pbs"
-      timeout 150 "$BIN/tandem" bench kv --transport cuda-ipc --device cuda:0 --peer-device "$peer" \
+      tag="${peer#cuda:}_$pbs$suffix"
+      timeout 150 "$exe" bench kv --transport cuda-ipc --device cuda:0 --peer-device "$peer" \
         --peer-block-size "$pbs" --json-out "$OUT/bench_kv_ipc_$tag.json" > "$OUT/bench_kv_ipc_$tag.log" 2>&1 \
-        || { note "bench kv cuda-ipc (peer $peer, blocks $pbs) failed"; tail -5 "$OUT/bench_kv_ipc_$tag.log"; status=1; }
-      while read -r line; do note "$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_ipc_$tag.log")
+        || { note "bench kv cuda-ipc (peer $peer, blocks $pbs${2:+, $2}) failed"; tail -5 "$OUT/bench_kv_ipc_$tag.log"; status=1; }
+      while read -r line; do note "${2:+$2: }$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_ipc_$tag.log")
     done
   done
 }
@@ -351,19 +354,36 @@ kv_bench() {
 # copy -> device, the copies overlapping the socket piece by piece), against raw loopback TCP
 # and the same transfer with the copies not overlapped, measured in the same run; then the
 # host-memory transport as before.
-tcp_bench() {
+tcp_bench() {  # [EXE [TAG]] as kv_bench
+  local exe=${1:-$BIN/tandem} suffix=${2:+_$2}
   for size in ${TCP_SIZES:-64MiB 256MiB 1GiB}; do
-    timeout 120 "$BIN/tandem" bench kv --transport tcp --device cuda:0 --size "$size" \
-      --json-out "$OUT/bench_kv_tcp_gpu_$size.json" > "$OUT/bench_kv_tcp_gpu_$size.log" 2>&1 \
-      || { note "bench kv tcp --device cuda:0 --size $size failed"; tail -5 "$OUT/bench_kv_tcp_gpu_$size.log"; status=1; }
-    while read -r line; do note "$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_tcp_gpu_$size.log")
+    timeout 120 "$exe" bench kv --transport tcp --device cuda:0 --size "$size" \
+      --json-out "$OUT/bench_kv_tcp_gpu_$size$suffix.json" > "$OUT/bench_kv_tcp_gpu_$size$suffix.log" 2>&1 \
+      || { note "bench kv tcp --device cuda:0 --size $size${2:+ ($2)} failed"; tail -5 "$OUT/bench_kv_tcp_gpu_$size$suffix.log"; status=1; }
+    while read -r line; do note "${2:+$2: }$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_tcp_gpu_$size$suffix.log")
   done
-  timeout 120 "$BIN/tandem" bench kv --transport tcp --size 256MiB > "$OUT/bench_kv_tcp_host.log" 2>&1 \
-    || { note "bench kv tcp (host memory) failed"; status=1; }
-  while read -r line; do note "$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_tcp_host.log")
+  timeout 120 "$exe" bench kv --transport tcp --size 256MiB > "$OUT/bench_kv_tcp_host$suffix.log" 2>&1 \
+    || { note "bench kv tcp (host memory${2:+, $2}) failed"; status=1; }
+  while read -r line; do note "${2:+$2: }$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_tcp_host$suffix.log")
 }
 if [ "$MODE" = tcp ]; then
   tcp_bench; cat "$OUT/summary.txt"; exit $status
+fi
+# A change measured against the build before it in one call (issue 47: a restructuring must not
+# move the numbers): P/D answers with the new build, then the cuda-ipc and tcp transports'
+# benchmarks for gpu-bin/tandem-base (BASELINE=<rev> scripts/gpu/build.sh) and the new build,
+# alternating, AB_ROUNDS times (default 1; AB_SKIP_PD=1 leaves P/D out).
+if [ "$MODE" = ab ]; then
+  [ -x "$BIN/tandem-base" ] || { echo "no $BIN/tandem-base: BASELINE=<rev> scripts/gpu/build.sh"; exit 2; }
+  [ -n "${AB_SKIP_PD:-}" ] || pd_check
+  for round in $(seq 1 "${AB_ROUNDS:-1}"); do
+    for who in base new; do
+      exe=$BIN/tandem; [ "$who" = base ] && exe=$BIN/tandem-base
+      kv_bench "$exe" "$who$round"
+      tcp_bench "$exe" "$who$round"
+    done
+  done
+  cat "$OUT/summary.txt"; exit $status
 fi
 run_test() {  # TEST_BINARY [NAME_FILTER]
   if timeout 300 "$BIN/$1" --include-ignored --test-threads=1 --nocapture ${2:-} > "/tmp/test_$1.log" 2>&1; then

@@ -2,14 +2,68 @@
 //! binary, their logs prefixed with the role, all stopped together on Ctrl-C.
 
 use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use clap::Args;
 
-use crate::args::{KvModeArg, UpArgs};
+use crate::engine::{EngineArgs, ModelArgs};
+use crate::serve::{KvModeArg, KvTransportArg};
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Given to both engines.
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// push or pull.
+    #[arg(long, value_enum, default_value = "push")]
+    pub kv_mode: KvModeArg,
+    /// What the KV bytes travel over between the two engines: auto, tcp, cuda-ipc or nixl.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub kv_transport: KvTransportArg,
+    /// Check every KV transfer where it lands (see `tandem serve --help`).
+    #[arg(long)]
+    pub kv_verify: bool,
+    /// Conditional disaggregation: prompts decode would compute at most this many tokens of
+    /// (short ones, or a turn over a history decode holds) run on decode alone (see `tandem
+    /// router --help`).
+    #[arg(long)]
+    pub local_prefill_max_tokens: Option<usize>,
+    /// Router port (the OpenAI endpoint).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Prefill engine port.
+    #[arg(long, default_value_t = 8100)]
+    pub prefill_port: u16,
+    /// Decode engine port.
+    #[arg(long, default_value_t = 8200)]
+    pub decode_port: u16,
+    /// KV side-channel port of prefill (decode uses the next one).
+    #[arg(long, default_value_t = 5600)]
+    pub kv_port: u16,
+    /// Model name clients use.
+    #[arg(long, default_value = "tandem")]
+    pub served_model_name: String,
+    /// Seconds to wait for all three to become healthy.
+    #[arg(long, default_value_t = 120)]
+    pub ready_timeout_secs: u64,
+    /// Log filter for the three processes.
+    #[arg(long = "child-log", default_value = "info")]
+    pub log: String,
+    /// Once up, run a short sweep against the router (this mode; 2 request rates x 2 input
+    /// lengths), print the table and the figure paths, then stop.
+    #[arg(long)]
+    pub bench: bool,
+    /// Where `--bench` writes its results and figures.
+    #[arg(long, default_value = "results-up")]
+    pub bench_dir: PathBuf,
+}
 
 pub(crate) struct Role {
     name: &'static str,
@@ -120,7 +174,7 @@ pub fn up(a: UpArgs) -> Result<()> {
         }
         v
     };
-    let has_tokenizer = match crate::model_source(&a.model.model, a.model.model_seed)? {
+    let has_tokenizer = match crate::engine::model_source(&a.model.model, a.model.model_seed)? {
         tandem_model::ModelSource::Dir(dir) => dir.join("tokenizer.json").is_file(),
         _ => true,
     };
@@ -157,7 +211,7 @@ pub fn up(a: UpArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     std::thread::spawn(move || {
         // Ctrl-C in a terminal, or SIGTERM from a process manager.
-        rt.block_on(crate::stop_signal());
+        rt.block_on(crate::serve::stop_signal());
         flag.store(true, Ordering::SeqCst);
     });
 

@@ -3,15 +3,79 @@
 //! answer is wrong, a request is lost or a KV block leaks (the checks are in
 //! `tandem_bench::soak`).
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use clap::Args;
 use nix::sys::signal::Signal;
 
-use crate::args::SoakArgs;
 use crate::up::{self, Launch, Role};
+
+#[derive(Args, Debug, Clone)]
+pub struct SoakArgs {
+    /// Modes to soak, one after the other: push, pull.
+    #[arg(long, value_delimiter = ',', default_value = "push,pull")]
+    pub modes: Vec<String>,
+    /// Seconds of load per mode.
+    #[arg(long, default_value_t = 120.0)]
+    pub secs: f64,
+    /// Requests per second; by default --overload times the capacity measured first.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Load as a multiple of the measured capacity (without --rate).
+    #[arg(long, default_value_t = 2.0)]
+    pub overload: f64,
+    /// Fraction of requests the client abandons after up to 300 ms.
+    #[arg(long, default_value_t = 0.15)]
+    pub cancel_fraction: f64,
+    /// Every this many seconds, freeze the prefill or the decode engine (in turn) with SIGSTOP
+    /// for --freeze-secs, then let it go on (0: no freezes).
+    #[arg(long, default_value_t = 20.0)]
+    pub freeze_every_secs: f64,
+    /// How long a freeze lasts (longer than the engines' --kv-liveness-secs 1).
+    #[arg(long, default_value_t = 3.0)]
+    pub freeze_secs: f64,
+    /// A request with no answer after this many seconds counts as lost.
+    #[arg(long, default_value_t = 60.0)]
+    pub request_timeout_secs: f64,
+    /// The model.
+    #[arg(long, default_value = "preset:tiny-qwen3")]
+    pub model: String,
+    /// Router port; prefill +100, decode +200, KV +300/+301, the reference engine +400.
+    #[arg(long, default_value_t = 19000)]
+    pub base_port: u16,
+    /// KV cache blocks per engine (small, so that requests are preempted and recomputed).
+    #[arg(long, default_value_t = 512)]
+    pub num_kv_blocks: usize,
+    /// Token ids are drawn below this.
+    #[arg(long, default_value_t = 500)]
+    pub vocab_size: u32,
+    /// Write the reports as JSON here too.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Where every engine runs (the reference too): `cpu` or `cuda:N`. Answers are compared
+    /// with the reference's bit for bit, so a GPU soak needs --batch-invariant.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Every engine with --batch-invariant (see `tandem serve --help`).
+    #[arg(long)]
+    pub batch_invariant: bool,
+    /// The engines' and router's log filter (their output joins this command's), e.g. `warn`
+    /// to see why a request went wrong.
+    #[arg(long, default_value = "error")]
+    pub engine_log: String,
+    /// One more argument for the prefill and decode engines' `serve` (not the reference's),
+    /// e.g. --engine-arg=--kv-transport=tcp or --engine-arg=--async-scheduling=off to narrow
+    /// down where a wrong answer comes from (repeatable).
+    #[arg(long = "engine-arg", allow_hyphen_values = true)]
+    pub engine_args: Vec<String>,
+}
 
 /// Resident memory of process `pid`, MiB (0 where /proc cannot say).
 fn rss_mib(pid: u32) -> f64 {

@@ -1,0 +1,297 @@
+//! `tandem bench kv` and `bench kv-peer`: KV moved between two engines' caches by each
+//! transport, against its floor (raw loopback TCP, device copies) in the same run.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use crate::engine::{kernel_cache_dir, parse_bytes};
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchKvArgs {
+    /// tcp: the TCP transport against raw loopback TCP (host memory, or with --device a GPU
+    /// engine's cache and its host copy on each side); cuda-ipc: device copies into a peer
+    /// process's GPU cache against the same copies inside one GPU; nixl: NIXL WRITEs into a
+    /// peer process's host KV memory against a host memcpy of the same copies, or with
+    /// --device between two processes' GPU caches beside cuda-ipc (the cuda-ipc table plus a
+    /// nixl column).
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub transport: BenchKvTransport,
+    /// Size of the KV set moved per transfer (tcp, nixl), e.g. 256MiB.
+    #[arg(long, default_value = "256MiB")]
+    pub size: String,
+    /// cuda-ipc, and nixl with --device: sizes moved, one row each.
+    #[arg(long, value_delimiter = ',', default_value = "1MiB,16MiB,64MiB,256MiB,1GiB")]
+    pub sizes: Vec<String>,
+    /// The GPU of this (the writing) process. cuda-ipc: default cuda:0. tcp: both sides' KV
+    /// in this GPU's memory, moved as a GPU engine's connector moves it (copies to and from the
+    /// page-locked host copy overlapping the socket, piece by piece); default: host memory.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// cuda-ipc, nixl: the GPU of the peer process (default: the same as --device).
+    #[arg(long)]
+    pub peer_device: Option<String>,
+    /// cuda-ipc: tokens per block in the peer's cache (ours is 16; another size makes every
+    /// copy a pitched one, as between engines with different --block-size).
+    #[arg(long, default_value_t = 16)]
+    pub peer_block_size: usize,
+    /// Transfers of each kind (raw and KV); median and best are reported.
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// tcp: every transfer carries a CRC-32 of its bytes, checked where they land
+    /// (`--kv-verify`), to measure what verifying costs.
+    #[arg(long)]
+    pub verify: bool,
+    /// Write the report as JSON here too.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BenchKvTransport {
+    Tcp,
+    CudaIpc,
+    /// NIXL WRITEs with a notification into a peer process's KV memory: host memory against
+    /// a host memcpy of the same copies, or with --device GPU memory beside cuda-ipc (a tandem
+    /// built with `--features nixl`).
+    Nixl,
+}
+
+fn kv_bench_config(a: &BenchKvArgs) -> Result<tandem_bench::kv::KvBenchConfig> {
+    let bytes = parse_bytes(&a.size).map_err(anyhow::Error::msg)?;
+    if bytes == 0 {
+        bail!("--size must be more than 0 bytes");
+    }
+    let cfg = tandem_bench::kv::KvBenchConfig {
+        bytes,
+        repeats: a.repeats.max(1),
+        verify: a.verify,
+        kernel_cache: kernel_cache_dir(),
+        ..Default::default()
+    };
+    match a.device.as_deref().map(str::parse::<tandem_compute::cuda::DeviceSpec>) {
+        None | Some(Ok(tandem_compute::cuda::DeviceSpec::Cpu)) => Ok(cfg),
+        Some(Ok(tandem_compute::cuda::DeviceSpec::Cuda(n))) => Ok(cfg.on_gpu(n)),
+        Some(Err(e)) => bail!("--device: {e}"),
+    }
+}
+
+/// Starts the peer as a second process (this same binary), reads its port, measures, and
+/// waits for the peer to exit.
+pub(crate) fn bench_kv(a: BenchKvArgs) -> Result<()> {
+    use std::io::BufRead;
+    if a.transport == BenchKvTransport::CudaIpc {
+        return bench_kv_cuda_ipc(a);
+    }
+    if a.transport == BenchKvTransport::Nixl {
+        return bench_kv_nixl(a);
+    }
+    let cfg = kv_bench_config(&a)?;
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let mut child = std::process::Command::new(exe)
+        .args(["--log", "warn", "bench", "kv-peer", "--size", &a.size, "--repeats", &a.repeats.to_string()])
+        .args(a.device.as_ref().map(|d| ["--device", d.as_str()]).into_iter().flatten())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the peer process")?;
+    let stdout = child.stdout.take().context("peer stdout")?;
+    let mut line = String::new();
+    std::io::BufReader::new(stdout).read_line(&mut line).context("reading the peer's address")?;
+    let addr = line.trim().to_string();
+    eprintln!("... peer process {} listening on {addr}; moving {} x {} each way", child.id(), a.repeats, a.size);
+    let report = tandem_bench::kv::measure(&addr, &cfg).map_err(anyhow::Error::from);
+    finish_bench_kv(child, report, a.json_out)
+}
+
+/// Waits for the peer process, then prints the report (and writes it as JSON to `json_out`).
+fn finish_bench_kv<R: std::fmt::Display + serde::Serialize>(
+    mut peer: std::process::Child,
+    report: Result<R>,
+    json_out: Option<std::path::PathBuf>,
+) -> Result<()> {
+    let status = peer.wait().context("waiting for the peer")?;
+    let report = report?;
+    if !status.success() {
+        bail!("the peer process failed ({status})");
+    }
+    print!("{report}");
+    if let Some(path) = json_out {
+        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn ipc_bench_config(a: &BenchKvArgs) -> Result<tandem_bench::kv::cuda_ipc::IpcBenchConfig> {
+    let sizes = a.sizes.iter().map(|s| parse_bytes(s).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
+    if sizes.is_empty() || sizes.contains(&0) {
+        bail!("--sizes must list sizes of more than 0 bytes");
+    }
+    if a.peer_block_size == 0 {
+        bail!("--peer-block-size must be at least 1");
+    }
+    Ok(tandem_bench::kv::cuda_ipc::IpcBenchConfig {
+        sizes,
+        repeats: a.repeats.max(1),
+        peer_block_size: a.peer_block_size,
+        ..Default::default()
+    })
+}
+
+fn open_gpu(spec: &str) -> Result<tandem_compute::cuda::CudaDevice> {
+    match spec.parse::<tandem_compute::cuda::DeviceSpec>().map_err(anyhow::Error::msg)? {
+        tandem_compute::cuda::DeviceSpec::Cuda(n) => {
+            tandem_compute::cuda::CudaDevice::open_with(n, Default::default(), kernel_cache_dir().as_deref())
+                .with_context(|| format!("opening {spec}"))
+        }
+        tandem_compute::cuda::DeviceSpec::Cpu => bail!("{spec} is not a GPU (cuda:N)"),
+    }
+}
+
+/// cuda-ipc: the peer process allocates and exports its cache, prints the export, and lives
+/// until we close its stdin; we map it, copy into it, and compare with copies inside our GPU.
+fn bench_kv_cuda_ipc(a: BenchKvArgs) -> Result<()> {
+    use std::io::BufRead;
+    let cfg = ipc_bench_config(&a)?;
+    let device = a.device.clone().unwrap_or_else(|| "cuda:0".into());
+    let peer_device = a.peer_device.clone().unwrap_or_else(|| device.clone());
+    for spec in [&device, &peer_device] {
+        if !matches!(spec.parse(), Ok(tandem_compute::cuda::DeviceSpec::Cuda(_))) {
+            bail!("cuda-ipc moves GPU memory: give a GPU (cuda:N), not {spec}");
+        }
+    }
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let mut child = std::process::Command::new(exe)
+        .args(["--log", "warn", "bench", "kv-peer", "--transport", "cuda-ipc", "--device", &peer_device])
+        .args(["--sizes", &a.sizes.join(","), "--peer-block-size", &a.peer_block_size.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the peer process")?;
+    let stdout = child.stdout.take().context("peer stdout")?;
+    let mut line = String::new();
+    std::io::BufReader::new(stdout).read_line(&mut line).context("reading the peer's export")?;
+    let report =
+        tandem_bench::kv::cuda_ipc::parse_export_line(line.trim()).map_err(anyhow::Error::msg).and_then(|export| {
+            eprintln!("... peer process {} on {peer_device} exported its cache; copying from {device}", child.id());
+            let dev = open_gpu(&device)?;
+            tandem_bench::kv::cuda_ipc::measure(&dev, &cfg, &export, None).map_err(anyhow::Error::msg)
+        });
+    drop(child.stdin.take());
+    finish_bench_kv(child, report, a.json_out)
+}
+
+pub(crate) fn bench_kv_peer(a: BenchKvArgs) -> Result<()> {
+    if a.transport == BenchKvTransport::CudaIpc {
+        use std::io::Read;
+        let cfg = ipc_bench_config(&a)?;
+        let dev = open_gpu(a.device.as_deref().unwrap_or("cuda:0"))?;
+        let (_memory, export) = tandem_bench::kv::cuda_ipc::peer_cache(&dev, &cfg).map_err(anyhow::Error::msg)?;
+        println!("{}", tandem_bench::kv::cuda_ipc::export_line(&export));
+        std::io::stdout().flush()?;
+        // Alive (and the cache mapped) until the driving process closes our stdin.
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        return Ok(());
+    }
+    if a.transport == BenchKvTransport::Nixl {
+        return bench_kv_nixl_peer(a);
+    }
+    let cfg = kv_bench_config(&a)?;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("binding the peer listener")?;
+    println!("{}", listener.local_addr()?);
+    std::io::stdout().flush()?;
+    tandem_bench::kv::serve_peer(listener, &cfg)?;
+    Ok(())
+}
+
+/// `bench kv --transport nixl`: the peer is a second process (this binary) whose host KV
+/// memory NIXL writes into.
+#[cfg(feature = "nixl")]
+fn bench_kv_nixl(a: BenchKvArgs) -> Result<()> {
+    use std::io::BufRead;
+    if a.device.as_deref().is_some_and(|d| d != "cpu") {
+        return bench_kv_nixl_gpu(a);
+    }
+    let cfg = kv_bench_config(&a)?;
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let mut child = std::process::Command::new(exe)
+        .args(["--log", "warn", "bench", "kv-peer", "--transport", "nixl", "--size", &a.size])
+        .args(["--repeats", &a.repeats.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the peer process")?;
+    let mut lines = std::io::BufReader::new(child.stdout.take().context("peer stdout")?).lines();
+    let first = lines.next().context("the peer exited before naming its NIXL endpoint")??;
+    eprintln!("... peer process {} ready; {} NIXL writes of {}", child.id(), a.repeats, a.size);
+    let mut rest = || match lines.next() {
+        Some(Ok(line)) => Ok(line),
+        _ => Err("the peer exited before reporting what landed".to_string()),
+    };
+    let report = tandem_bench::kv_nixl::measure(&cfg, &first, &mut rest).map_err(anyhow::Error::msg);
+    finish_bench_kv(child, report, a.json_out)
+}
+
+#[cfg(not(feature = "nixl"))]
+fn bench_kv_nixl(_: BenchKvArgs) -> Result<()> {
+    bail!("this build has no NIXL (build tandem with `--features nixl`)")
+}
+
+/// `bench kv --transport nixl --device cuda:N`: NIXL WRITEs between two processes' GPU caches
+/// (VRAM), beside cuda-ipc into the same peer cache, in one run.
+#[cfg(feature = "nixl")]
+fn bench_kv_nixl_gpu(a: BenchKvArgs) -> Result<()> {
+    use std::io::BufRead;
+    use tandem_bench::kv_nixl::gpu::NixlGpuWriter;
+    let cfg = tandem_bench::kv::cuda_ipc::IpcBenchConfig { peer_sets: 2, ..ipc_bench_config(&a)? };
+    let device = a.device.clone().unwrap_or_else(|| "cuda:0".into());
+    let peer_device = a.peer_device.clone().unwrap_or_else(|| device.clone());
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let mut child = std::process::Command::new(exe)
+        .args(["--log", "warn", "bench", "kv-peer", "--transport", "nixl", "--device", &peer_device])
+        .args(["--sizes", &a.sizes.join(","), "--peer-block-size", &a.peer_block_size.to_string()])
+        .args(["--repeats", &a.repeats.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the peer process")?;
+    let mut lines = std::io::BufReader::new(child.stdout.take().context("peer stdout")?).lines();
+    let mut next = |what: &str| match lines.next() {
+        Some(Ok(line)) => Ok(line),
+        _ => Err(anyhow::anyhow!("the peer exited before {what}")),
+    };
+    let report = (|| {
+        let export = tandem_bench::kv::cuda_ipc::parse_export_line(next("exporting its cache")?.trim())
+            .map_err(anyhow::Error::msg)?;
+        let mut nixl = NixlGpuWriter::new(&cfg, &next("naming its NIXL endpoint")?).map_err(anyhow::Error::msg)?;
+        eprintln!("... peer process {} on {peer_device} ready (cuda-ipc and NIXL); writing from {device}", child.id());
+        let dev = open_gpu(&device)?;
+        let report =
+            tandem_bench::kv::cuda_ipc::measure(&dev, &cfg, &export, Some(&mut nixl)).map_err(anyhow::Error::msg)?;
+        nixl.check_landed(&next("reporting what NIXL landed")?).map_err(anyhow::Error::msg)?;
+        Ok(report)
+    })();
+    drop(child.stdin.take());
+    finish_bench_kv(child, report, a.json_out)
+}
+
+#[cfg(feature = "nixl")]
+fn bench_kv_nixl_peer(a: BenchKvArgs) -> Result<()> {
+    if let Some(device) = a.device.as_ref().filter(|d| *d != "cpu") {
+        use std::io::Read;
+        let cfg = tandem_bench::kv::cuda_ipc::IpcBenchConfig { peer_sets: 2, ..ipc_bench_config(&a)? };
+        let dev = open_gpu(device)?;
+        tandem_bench::kv_nixl::gpu::serve_peer(&dev, &cfg, &mut std::io::stdout()).map_err(anyhow::Error::msg)?;
+        // Alive (its cache mapped by the driver) until the driver closes our stdin.
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        return Ok(());
+    }
+    let cfg = kv_bench_config(&a)?;
+    tandem_bench::kv_nixl::serve_peer(&cfg, &mut std::io::stdout()).map_err(anyhow::Error::msg)
+}
+
+#[cfg(not(feature = "nixl"))]
+fn bench_kv_nixl_peer(a: BenchKvArgs) -> Result<()> {
+    bench_kv_nixl(a)
+}

@@ -1,0 +1,420 @@
+//! What every subcommand that runs an engine shares: the model and engine flags (`--model`,
+//! `--block-size`, `--device`, ...), resolved once into the engine's config, and building the
+//! engine itself on the CPU or a GPU.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use tandem_compute::cuda::DeviceSpec;
+use tandem_engine::EngineConfig;
+use tandem_model::{CudaModel, CudaOptions, LoadedModel, ModelRunner, ModelSource, ModelSpec};
+
+/// Which model to load.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Model")]
+pub struct ModelArgs {
+    /// A Hugging Face model directory (config.json + safetensors [+ tokenizer.json]), a GGUF
+    /// file (`*.gguf`: llama, qwen2 or qwen3; F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K,
+    /// kept quantized on the CPU, dequantized at load on a GPU), a Hugging Face Hub repository `ORG/NAME` (downloaded into the
+    /// shared Hugging Face cache, then used from there; HF_ENDPOINT, HF_TOKEN and HF_HOME as in
+    /// the Hugging Face tools) or `preset:NAME` for a built-in shape with seeded random weights
+    /// (see `tandem model list`).
+    #[arg(long, env = "TANDEM_MODEL", default_value = "preset:tiny-qwen3")]
+    pub model: String,
+    /// Weight seed for `preset:` models (same seed, same weights as `model init --seed`).
+    #[arg(long, env = "TANDEM_MODEL_SEED", default_value_t = 0)]
+    pub model_seed: u64,
+    /// Longest prompt + output to accept; defaults to the model's max_position_embeddings.
+    /// Lower it to shrink the RoPE table and reject long requests early.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+}
+
+/// How the engine is sized.
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Engine sizing")]
+pub struct EngineArgs {
+    /// Tokens per KV cache block. Smaller blocks waste less memory on partly filled blocks;
+    /// larger ones mean fewer, bigger KV transfers.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Memory for the KV cache, e.g. `512MiB`, `2GiB`. Ignored if --num-kv-blocks is given.
+    /// Pages are touched only as blocks are used.
+    #[arg(long, default_value = "1GiB")]
+    pub kv_cache_memory: String,
+    /// Exact number of KV blocks (overrides --kv-cache-memory).
+    #[arg(long)]
+    pub num_kv_blocks: Option<usize>,
+    /// Most requests running at once; more wait in the queue.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget of one engine step (prefill chunks plus decode tokens). Longer prompts are
+    /// prefilled in chunks of at most this many tokens, interleaved with decoding. Lower keeps
+    /// decode latency steady under long prompts; higher prefills faster.
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Seconds a request may wait in the queue without starting (a prompt not begun, a decode
+    /// leg whose KV load has not started); past that it ends with a 503 and Retry-After, having
+    /// cost nothing, so under overload a client learns in bounded time that it was not served
+    /// (the router sends it to another engine of the role if there is one). 0: no bound.
+    #[arg(long, default_value_t = 0.0)]
+    pub max_queue_secs: f64,
+    /// Keep each full block of computed KV (keyed by its tokens and every token before them)
+    /// until its memory is needed, so a prompt that begins as an earlier one did (a system
+    /// prompt, a chat's history) computes only the rest. Hits are counted in /metrics
+    /// (`tandem:prefix_cache_hits_total`).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub prefix_caching: Switch,
+    /// Where the model runs: `cpu` (f32), `cuda:N` (bf16 on GPU N; needs the NVIDIA driver
+    /// and the CUDA 13 cuBLAS and NVRTC libraries on LD_LIBRARY_PATH), or `auto` (GPU 0 if
+    /// CUDA works here, else CPU, saying which).
+    #[arg(help_heading = "Device", long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// GPU only: fraction of the GPU's memory this engine may use in total (weights,
+    /// activations and KV cache); the KV cache gets what is left. Ignored with --num-kv-blocks.
+    #[arg(help_heading = "Device", long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
+    /// GPU only: launch every kernel on every step instead of replaying decode steps from
+    /// CUDA graphs (slower; for debugging and comparison).
+    #[arg(help_heading = "Device", long)]
+    pub enforce_eager: bool,
+    /// Plan and submit each step before the previous step's tokens reach the host, so the GPU
+    /// goes from one step to the next without waiting for the engine thread. `auto`: on for
+    /// GPUs, off on CPU (where a step cannot overlap the host).
+    #[arg(help_heading = "Device", long, value_enum, default_value_t = AsyncScheduling::Auto)]
+    pub async_scheduling: AsyncScheduling,
+    /// GPU only: one kernel choice, `KEY=VALUE`, repeatable; the defaults are the fastest
+    /// measured on an H200. Keys: programmatic_launch=0|1 (0), attention_early=0|1 (1),
+    /// attention_stages=auto|1|2 (auto), bulk_early_rows=0..=8 (8), tensor_core_projections=0|1
+    /// (0), bulk_o_projection=0|1 (1).
+    #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
+    pub cuda_tune: Vec<String>,
+    /// Give every request the output it would get alone: run kernels whose arithmetic for one
+    /// sequence does not depend on the others in its step (on a GPU: matrix products that
+    /// split no reduction, one attention kernel for prompt and generated tokens, no fused
+    /// decode projections; slower, see docs/PERFORMANCE.md). The CPU engine is always so.
+    #[arg(help_heading = "Device", long)]
+    pub batch_invariant: bool,
+}
+
+impl ModelArgs {
+    /// The same settings as `serve` arguments (for the processes `up` starts).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = vec!["--model".into(), self.model.clone(), "--model-seed".into(), self.model_seed.to_string()];
+        if let Some(n) = self.max_model_len {
+            v.extend(["--max-model-len".into(), n.to_string()]);
+        }
+        v
+    }
+}
+
+impl EngineArgs {
+    /// `--max-queue-secs` as the engine takes it (`None`: no bound), or why it is unusable.
+    pub fn max_queue_time(&self) -> Result<Option<std::time::Duration>, String> {
+        match self.max_queue_secs {
+            0.0 => Ok(None),
+            s if s.is_finite() && s > 0.0 => Ok(Some(std::time::Duration::from_secs_f64(s))),
+            s => Err(format!("--max-queue-secs must be a positive number of seconds or 0 (no bound), not {s}")),
+        }
+    }
+}
+
+impl EngineArgs {
+    /// The same settings as `serve` arguments (for the processes `up` starts).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v: Vec<String> = [
+            ("--block-size", self.block_size.to_string()),
+            ("--kv-cache-memory", self.kv_cache_memory.clone()),
+            ("--max-num-seqs", self.max_num_seqs.to_string()),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens.to_string()),
+            ("--max-queue-secs", self.max_queue_secs.to_string()),
+            ("--prefix-caching", if self.prefix_caching == Switch::On { "on" } else { "off" }.to_string()),
+            ("--device", self.device.clone()),
+            ("--gpu-memory-utilization", self.gpu_memory_utilization.to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_string(), v])
+        .collect();
+        if let Some(n) = self.num_kv_blocks {
+            v.extend(["--num-kv-blocks".into(), n.to_string()]);
+        }
+        if self.enforce_eager {
+            v.push("--enforce-eager".into());
+        }
+        if self.batch_invariant {
+            v.push("--batch-invariant".into());
+        }
+        let sched = match self.async_scheduling {
+            AsyncScheduling::Auto => "auto",
+            AsyncScheduling::On => "on",
+            AsyncScheduling::Off => "off",
+        };
+        v.extend(["--async-scheduling".into(), sched.into()]);
+        for t in &self.cuda_tune {
+            v.extend(["--cuda-tune".into(), t.clone()]);
+        }
+        v
+    }
+}
+
+/// A feature on or off.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Switch {
+    On,
+    Off,
+}
+
+/// Whether the engine pipelines its steps (`--async-scheduling`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AsyncScheduling {
+    /// On for GPUs, off on CPU.
+    Auto,
+    /// Always (on CPU it only reorders the work; for tests).
+    On,
+    /// Never: each step waits for its tokens before the next is planned.
+    Off,
+}
+
+impl AsyncScheduling {
+    /// Whether to pipeline on a GPU (`gpu`) or the CPU.
+    pub fn enabled(self, gpu: bool) -> bool {
+        match self {
+            Self::Auto => gpu,
+            Self::On => true,
+            Self::Off => false,
+        }
+    }
+}
+
+/// One `--cuda-tune` setting, checked (the key known, the value in range).
+pub(crate) fn parse_cuda_tune(s: &str) -> Result<String, String> {
+    tandem_compute::cuda::CudaTuning::from_settings(&[s])?;
+    Ok(s.to_string())
+}
+
+/// Parses sizes like `512MiB`, `2GiB`, `1.5G`, `1000000` (bytes).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let value: f64 = num.trim().parse().map_err(|_| format!("`{s}` is not a size (try 512MiB or 2GiB)"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "kib" => 1024.0,
+        "m" | "mb" => 1e6,
+        "mib" => 1024.0 * 1024.0,
+        "g" | "gb" => 1e9,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => return Err(format!("unknown size unit `{other}` in `{s}`")),
+    };
+    if value.is_nan() || value < 0.0 {
+        return Err(format!("`{s}` is not a size"));
+    }
+    Ok((value * mult) as usize)
+}
+
+pub(crate) fn load_model(m: &ModelArgs) -> Result<LoadedModel> {
+    let source = model_source(&m.model, m.model_seed)?;
+    let t = Instant::now();
+    let model = LoadedModel::load(&source, m.max_model_len).with_context(|| format!("loading model `{}`", m.model))?;
+    let cfg = model.transformer.config();
+    tracing::info!(
+        model = %m.model,
+        architecture = cfg.architecture.hf_name(),
+        params_m = cfg.num_params() as f64 / 1e6,
+        tokenizer = model.tokenizer.is_some(),
+        max_model_len = model.max_model_len,
+        secs = t.elapsed().as_secs_f64(),
+        "model loaded"
+    );
+    if model.tokenizer.is_none() {
+        tracing::info!("no tokenizer.json: token-ids mode (prompts must be token id lists)");
+    }
+    Ok(model)
+}
+
+/// `--model`: a preset, a directory, a GGUF file, or a Hub repository fetched as the Hugging
+/// Face tools would: `HF_ENDPOINT` names a mirror, `HF_TOKEN` opens gated models (`HF_HOME`,
+/// the cache, hf-hub reads itself).
+pub(crate) fn model_source(spec: &str, seed: u64) -> anyhow::Result<ModelSource> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let hub = tandem_model::hub::HubConfig {
+        endpoint: var("HF_ENDPOINT"),
+        token: var("HF_TOKEN"),
+        cache_dir: None,
+        progress: true,
+    };
+    Ok(ModelSource::parse_or_fetch(spec, seed, &hub)?)
+}
+
+/// A model ready for an engine on the chosen device, with what the engine and server need.
+pub(crate) struct EngineParts {
+    pub model: tandem_engine::EngineModel,
+    pub tokenizer: Option<tandem_model::TextTokenizer>,
+    pub eos_token_ids: Vec<u32>,
+    pub max_model_len: usize,
+    pub generation_defaults: tandem_model::GenerationDefaults,
+    pub config: EngineConfig,
+    pub fingerprint: String,
+}
+
+/// `cpu`, `cuda:N`, or `auto` (GPU 0 when CUDA works here, else CPU, saying why).
+pub(crate) fn resolve_device(spec: &str) -> Result<DeviceSpec> {
+    if spec == "auto" {
+        return Ok(match tandem_compute::cuda::libraries_present() {
+            Ok(()) => DeviceSpec::Cuda(0),
+            Err(e) => {
+                tracing::warn!("--device auto: {e}; running on CPU");
+                DeviceSpec::Cpu
+            }
+        });
+    }
+    spec.parse().map_err(anyhow::Error::msg)
+}
+
+/// Loads the model onto `--device` and sizes the engine around it. `host_kv_bytes`: a GPU
+/// engine keeps a host copy of its KV cache of at most this size, for the KV connector.
+pub(crate) fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<usize>) -> Result<EngineParts> {
+    match resolve_device(&e.device)? {
+        DeviceSpec::Cpu => {
+            let model = load_model(m)?;
+            let config = engine_config(e, &model)?;
+            let fingerprint = model.transformer.fingerprint();
+            Ok(EngineParts {
+                model: model.transformer.into(),
+                tokenizer: model.tokenizer,
+                eos_token_ids: model.eos_token_ids,
+                max_model_len: model.max_model_len,
+                generation_defaults: model.generation_defaults.clone(),
+                config,
+                fingerprint,
+            })
+        }
+        DeviceSpec::Cuda(ordinal) => {
+            let source = model_source(&m.model, m.model_seed)?;
+            let spec =
+                ModelSpec::load(&source, m.max_model_len).with_context(|| format!("loading model `{}`", m.model))?;
+            if !(e.gpu_memory_utilization > 0.0 && e.gpu_memory_utilization <= 1.0) {
+                bail!("--gpu-memory-utilization must be in (0, 1]");
+            }
+            let opts = CudaOptions {
+                ordinal,
+                block_size: e.block_size,
+                max_tokens: e.max_num_batched_tokens,
+                max_seqs: e.max_num_seqs,
+                memory_utilization: e.gpu_memory_utilization,
+                num_blocks: e.num_kv_blocks,
+                cuda_graphs: !e.enforce_eager,
+                host_kv_bytes,
+                tuning: tuning(&e.cuda_tune)?,
+                batch_invariant: e.batch_invariant,
+                kernel_cache: kernel_cache_dir(),
+                ..CudaOptions::default()
+            };
+            let t = Instant::now();
+            let model =
+                CudaModel::load(&spec, &opts).with_context(|| format!("loading `{}` onto cuda:{ordinal}", m.model))?;
+            let config = EngineConfig {
+                block_size: e.block_size,
+                num_blocks: model.kv_layout().num_blocks,
+                max_num_seqs: e.max_num_seqs,
+                max_num_batched_tokens: e.max_num_batched_tokens,
+                async_scheduling: e.async_scheduling.enabled(true),
+                max_queue_time: e.max_queue_time().map_err(anyhow::Error::msg)?,
+                prefix_caching: e.prefix_caching == Switch::On,
+            };
+            config.validate().map_err(anyhow::Error::msg)?;
+            tracing::info!(
+                model = %m.model,
+                device = %model.describe(),
+                num_blocks = config.num_blocks,
+                kv_tokens = config.num_blocks * config.block_size,
+                secs = t.elapsed().as_secs_f64(),
+                "model ready on the GPU"
+            );
+            let fingerprint = model.fingerprint();
+            let runner: Box<dyn ModelRunner> = Box::new(model);
+            Ok(EngineParts {
+                model: runner.into(),
+                tokenizer: spec.tokenizer,
+                eos_token_ids: spec.eos_token_ids,
+                max_model_len: spec.max_model_len,
+                generation_defaults: spec.generation_defaults.clone(),
+                config,
+                fingerprint,
+            })
+        }
+    }
+}
+
+/// Resolves the engine's size: KV blocks from memory unless given exactly.
+fn engine_config(e: &EngineArgs, model: &LoadedModel) -> Result<EngineConfig> {
+    let per_token = model.transformer.config().kv_bytes_per_token_f32();
+    let num_blocks = match e.num_kv_blocks {
+        Some(n) => n,
+        None => {
+            let bytes = parse_bytes(&e.kv_cache_memory).map_err(anyhow::Error::msg)?;
+            EngineConfig::blocks_for_memory(bytes, e.block_size.max(1), per_token)
+        }
+    };
+    let cfg = EngineConfig {
+        block_size: e.block_size,
+        num_blocks,
+        max_num_seqs: e.max_num_seqs,
+        max_num_batched_tokens: e.max_num_batched_tokens,
+        async_scheduling: e.async_scheduling.enabled(false),
+        max_queue_time: e.max_queue_time().map_err(anyhow::Error::msg)?,
+        prefix_caching: e.prefix_caching == Switch::On,
+    };
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    tracing::info!(
+        block_size = cfg.block_size,
+        num_blocks = cfg.num_blocks,
+        kv_tokens = cfg.num_blocks * cfg.block_size,
+        kv_mib = (cfg.num_blocks * cfg.block_size * per_token) as f64 / (1 << 20) as f64,
+        "KV cache sized"
+    );
+    Ok(cfg)
+}
+
+/// The CUDA tuning of `--cuda-tune` settings (each checked when parsed).
+/// Where GPU engines keep their compiled kernels between starts: `$TANDEM_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/tandem`, else `~/.cache/tandem` (none: compiled at every start).
+pub(crate) fn kernel_cache_dir() -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    var("TANDEM_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("tandem")))
+        .or_else(|| var("HOME").map(|d| PathBuf::from(d).join(".cache/tandem")))
+}
+
+pub(crate) fn tuning(settings: &[String]) -> Result<tandem_compute::cuda::CudaTuning> {
+    tandem_compute::cuda::CudaTuning::from_settings(settings).map_err(anyhow::Error::msg)
+}
+
+/// A finite number of seconds, 0 or more.
+pub(crate) fn seconds(s: f64, name: &str) -> Result<std::time::Duration> {
+    if s.is_finite() && s >= 0.0 {
+        Ok(std::time::Duration::from_secs_f64(s))
+    } else {
+        bail!("{name} must be a number of seconds >= 0")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_bytes("1.5G"), Ok(1_500_000_000));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+    }
+}
