@@ -17,8 +17,10 @@ done
 if [ -n "${BASELINE:-}" ]; then
   rm -rf target/baseline-src
   git worktree add --force --detach target/baseline-src "$BASELINE"
-  (cd target/baseline-src && CARGO_TARGET_DIR="$PWD/../baseline-target" cargo build --release -p tandem)
-  cp target/baseline-target/release/tandem gpu-bin/tandem-base
+  # The same target directory: the dependencies are built once (the workspace's own crates build
+  # again from the other tree), which halves the baseline's build on 2 cores.
+  (cd target/baseline-src && CARGO_TARGET_DIR="$PWD/.." cargo build --release -p tandem)
+  cp target/release/tandem gpu-bin/tandem-base
   git worktree remove --force target/baseline-src
 fi
 strip gpu-bin/*  # line tables make them too large to carry (64 MiB)

@@ -98,6 +98,23 @@ pub(crate) struct Produced {
     pub attempt: u32,
 }
 
+#[cfg(test)]
+impl Produced {
+    /// 40 tokens of KV in blocks 1, 2 and 3, first token 7, held until `deadline`.
+    pub(crate) fn example(deadline: Instant) -> Self {
+        Produced {
+            held: Box::new(()),
+            blocks: vec![1, 2, 3],
+            num_tokens: 40,
+            first_token: 7,
+            produced_unix_us: 0,
+            deadline,
+            reading: false,
+            attempt: 0,
+        }
+    }
+}
+
 /// Prefill side, push: the latest report of a prompt still computing (`protocol::push`), kept
 /// until decode's registration comes (or the prompt ends, or `since` is too long ago).
 pub(crate) struct Computing {
@@ -118,6 +135,27 @@ pub(crate) enum NoWrite {
     Unknown,
     /// Aborted, or the blocks or token count do not match.
     Refused,
+}
+
+/// How a decode-side transfer the engine aborted ends.
+pub(crate) enum Aborted<L> {
+    /// No such request (never registered, or already over): nothing can write its blocks.
+    Unknown,
+    /// Removed now: its blocks come back; its connection, if any, is told.
+    Now(Incoming<L>),
+    /// A write into its blocks is running: it ends, and its blocks come back, when the write
+    /// does; its connection, if any, is told now.
+    AtWriteEnd(Option<L>),
+}
+
+/// How a decode-side transfer on a lost connection ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lost {
+    /// Nothing can write its blocks any more.
+    Failed,
+    /// A direct writer may still finish a copy into its blocks until `writes_until` (a device
+    /// copy needs no socket): the engine holds them until then and recomputes in others.
+    InFlight { writes_until: Instant },
 }
 
 /// What one expiry pass found.
@@ -170,6 +208,65 @@ impl<L, W> Default for Tables<L, W> {
 }
 
 impl<L, W> Tables<L, W> {
+    /// Decode side: removes `tid`'s entry and its request's index.
+    pub fn remove_incoming(&mut self, tid: &TransferId) -> Option<Incoming<L>> {
+        let inc = self.incoming.remove(tid)?;
+        self.by_request.remove(&inc.request_id);
+        Some(inc)
+    }
+
+    /// Decode side: the engine aborted `request_id`. Released at once unless a write into its
+    /// blocks is running (then when that write ends: the writer reports it).
+    pub fn abort(&mut self, request_id: &RequestId) -> Aborted<L>
+    where
+        L: Clone,
+    {
+        let Some(tid) = self.by_request.get(request_id).cloned() else { return Aborted::Unknown };
+        match self.incoming.get_mut(&tid) {
+            Some(inc) if inc.writing() => {
+                inc.landing = Landing::WritingAborted;
+                Aborted::AtWriteEnd(inc.conn.clone())
+            }
+            _ => self.remove_incoming(&tid).map_or(Aborted::Unknown, Aborted::Now),
+        }
+    }
+
+    /// The connection `on` picks was lost at `now`: every decode-side transfer waiting on it ends
+    /// now rather than at its deadline, a direct writer's possibly still in flight with its blocks
+    /// held for `grace` more (a frozen writer may resume and finish a copy it started); one the
+    /// engine aborted mid-write ends after that grace (by expiry). Prefill's registrations from
+    /// it are dropped. Returns the ended transfers and how each ended.
+    pub fn lose_connection(
+        &mut self,
+        on: impl Fn(&L) -> bool,
+        now: Instant,
+        grace: Duration,
+    ) -> Vec<(Incoming<L>, Lost)> {
+        let on_conn = |i: &Incoming<L>| i.conn.as_ref().is_some_and(&on);
+        for inc in self.incoming.values_mut().filter(|i| on_conn(i) && i.landing == Landing::WritingAborted) {
+            inc.deadline = inc.deadline.min(now);
+        }
+        let ended: Vec<TransferId> = self
+            .incoming
+            .iter()
+            .filter(|(_, i)| on_conn(i) && i.landing != Landing::WritingAborted)
+            .map(|(tid, _)| tid.clone())
+            .collect();
+        self.registrations.retain(|_, r| !on(&r.conn));
+        let lost = |inc: &Incoming<L>| match inc.direct && inc.writing() {
+            true => Lost::InFlight { writes_until: now + grace },
+            false => Lost::Failed,
+        };
+        let removed: Vec<Incoming<L>> = ended.iter().filter_map(|tid| self.remove_incoming(tid)).collect();
+        removed
+            .into_iter()
+            .map(|inc| {
+                let how = lost(&inc);
+                (inc, how)
+            })
+            .collect()
+    }
+
     /// Decode side: marks `tid`'s blocks as being written, for `num_tokens` tokens (and, when
     /// the writer names them, exactly the blocks `dst`); returns the blocks to write.
     pub fn begin_write(
@@ -238,7 +335,7 @@ mod tests {
 
     type Table = Tables<(), ()>;
 
-    fn incoming(deadline: Instant) -> Incoming<()> {
+    fn incoming<L>(deadline: Instant) -> Incoming<L> {
         Incoming {
             request_id: RequestId::new("r"),
             conn: None,
@@ -252,19 +349,6 @@ mod tests {
             failure: None,
             started: Instant::now(),
             timeline: TransferTimeline::default(),
-        }
-    }
-
-    fn produced(deadline: Instant) -> Produced {
-        Produced {
-            held: Box::new(()),
-            blocks: vec![1],
-            num_tokens: 20,
-            first_token: 7,
-            produced_unix_us: 0,
-            deadline,
-            reading: false,
-            attempt: 0,
         }
     }
 
@@ -288,6 +372,55 @@ mod tests {
         assert!(t.end_write(&tid, false, 0, 0));
     }
 
+    /// An abort releases at once what no write is landing in, and otherwise marks it so that
+    /// the write's end releases it; an unknown request is released as it is.
+    #[test]
+    fn an_abort_releases_at_once_unless_a_write_is_running_then_at_its_end() {
+        let later = Instant::now() + Duration::from_secs(9);
+        let mut t = Table::default();
+        let (a, b) = (TransferId("a".into()), TransferId("b".into()));
+        for (tid, request) in [(&a, "ra"), (&b, "rb")] {
+            t.incoming.insert(tid.clone(), Incoming { request_id: RequestId::new(request), ..incoming(later) });
+            t.by_request.insert(RequestId::new(request), tid.clone());
+        }
+        t.begin_write(&b, 20, None).ok().unwrap();
+        assert!(matches!(t.abort(&RequestId::new("ra")), Aborted::Now(inc) if inc.request_id == RequestId::new("ra")));
+        assert!(!t.incoming.contains_key(&a) && !t.by_request.contains_key(&RequestId::new("ra")));
+        assert!(matches!(t.abort(&RequestId::new("rb")), Aborted::AtWriteEnd(_)));
+        assert_eq!(t.incoming[&b].landing, Landing::WritingAborted, "held until the write ends");
+        assert!(t.end_write(&b, true, 0, 0), "the write's end says it was aborted");
+        assert!(matches!(t.abort(&RequestId::new("nobody")), Aborted::Unknown));
+    }
+
+    /// Connection 1 is lost: what waits on it fails, a direct write possibly in flight fails
+    /// with its blocks held through the grace, one aborted mid-write ends once the grace has
+    /// passed; connection 2's transfers and registrations are untouched.
+    #[test]
+    fn a_lost_connection_fails_what_waits_on_it_and_holds_what_a_direct_writer_may_write() {
+        let (now, grace) = (Instant::now(), Duration::from_secs(5));
+        let later = now + Duration::from_secs(60);
+        let on = |conn: u32, landing, direct| Incoming { conn: Some(conn), landing, direct, ..incoming(later) };
+        let mut t: Tables<u32, ()> = Tables::default();
+        let tid = |s: &str| TransferId(s.into());
+        t.incoming.insert(tid("waiting"), on(1, Landing::Waiting, false));
+        t.incoming.insert(tid("direct"), on(1, Landing::Writing, true));
+        t.incoming.insert(tid("aborted"), on(1, Landing::WritingAborted, true));
+        t.incoming.insert(tid("other"), on(2, Landing::Waiting, false));
+        for conn in [1, 2] {
+            let reg = Registration { conn, blocks: vec![1], num_tokens: 16, skip: 0, deadline: later, parts: None };
+            t.registrations.insert(tid(&format!("reg{conn}")), reg);
+        }
+        let mut lost: Vec<(usize, Lost)> =
+            t.lose_connection(|c| *c == 1, now, grace).into_iter().map(|(i, l)| (i.blocks.len(), l)).collect();
+        lost.sort_by_key(|(_, l)| matches!(l, Lost::Failed));
+        assert_eq!(lost, vec![(2, Lost::InFlight { writes_until: now + grace }), (2, Lost::Failed)]);
+        assert!(t.incoming.contains_key(&tid("other")) && t.registrations.contains_key(&tid("reg2")));
+        assert!(!t.registrations.contains_key(&tid("reg1")));
+        assert_eq!(t.incoming[&tid("aborted")].deadline, now, "ends by expiry, after the grace");
+        assert!(t.expire(now + grace / 2, grace).late.is_empty());
+        assert_eq!(t.expire(now + grace, grace).late, vec![tid("aborted")]);
+    }
+
     #[test]
     fn expiry_spares_writes_and_reads_in_progress() {
         let past = Instant::now() - Duration::from_millis(1);
@@ -296,8 +429,8 @@ mod tests {
         t.incoming.insert(a.clone(), incoming(past));
         t.incoming.insert(b.clone(), incoming(past));
         t.begin_write(&b, 20, None).ok().unwrap();
-        t.produced.insert(a.clone(), produced(past));
-        t.produced.insert(b.clone(), Produced { reading: true, ..produced(past) });
+        t.produced.insert(a.clone(), Produced::example(past));
+        t.produced.insert(b.clone(), Produced { reading: true, ..Produced::example(past) });
         let e = t.expire(Instant::now(), Duration::ZERO);
         assert_eq!((e.reclaimed, e.late), (1, vec![a.clone()]));
         assert!(t.produced.contains_key(&b) && !t.produced.contains_key(&a));

@@ -15,7 +15,7 @@ use crate::events::{ConnectorEvent, TransferTimeline};
 use crate::protocol::pull::{self, Lease};
 use crate::protocol::push::shared_run;
 use crate::protocol::Wanted;
-use crate::table::{Incoming, Landing};
+use crate::table::{Aborted, Incoming, Landing, Lost};
 use crate::wire::{write_message, Message};
 
 /// A transfer recorded and waiting for its request to go to the prefill engine at `peer`.
@@ -214,22 +214,26 @@ fn read(
 /// The engine cancelled the request waiting for its KV: released at once unless a write into
 /// its blocks is running (then when the write ends); prefill is told.
 pub(crate) fn abort(shared: &Shared, request_id: RequestId) {
-    let mut t = shared.tables();
-    let Some(tid) = t.by_request.get(&request_id).cloned() else {
-        // Never registered (or already over): nothing can write its blocks.
-        drop(t);
-        shared.emit(ConnectorEvent::Released { request_id });
-        return;
+    let (conn, tid) = {
+        let mut t = shared.tables();
+        let tid = t.by_request.get(&request_id).cloned();
+        match t.abort(&request_id) {
+            Aborted::Unknown => (None, None),
+            Aborted::Now(inc) => {
+                let conn = inc.conn.clone();
+                shared.emit(ConnectorEvent::Released { request_id: inc.request_id });
+                (conn, tid)
+            }
+            Aborted::AtWriteEnd(conn) => (conn, tid),
+        }
     };
-    let conn = t.incoming.get(&tid).and_then(|i| i.conn.clone());
-    match t.incoming.get_mut(&tid) {
-        // The writer releases when its write ends.
-        Some(i) if i.writing() => i.landing = Landing::WritingAborted,
-        _ => shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Released { request_id: inc.request_id }),
-    }
-    drop(t);
-    if let Some(c) = conn {
-        let _ = c.send(&Message::Abort { transfer_id: tid });
+    match (conn, tid) {
+        (Some(conn), Some(tid)) => {
+            let _ = conn.send(&Message::Abort { transfer_id: tid });
+        }
+        // Never registered (or already over): nothing can write its blocks.
+        (_, None) => shared.emit(ConnectorEvent::Released { request_id }),
+        (None, Some(_)) => {}
     }
 }
 
@@ -252,30 +256,16 @@ pub(crate) fn heartbeat(shared: &Shared) {
     }
 }
 
-/// `conn` is gone: everything waiting on it fails now rather than at its deadline. What the
-/// peer may be writing directly fails now too, its blocks held for the expiry grace (a frozen
-/// writer may resume and finish a copy it started); an aborted one ends after it.
+/// `conn` is gone: everything waiting on it ends now rather than at its deadline (see
+/// `Tables::lose_connection`).
 pub(crate) fn connection_lost(shared: &Shared, conn: &Arc<Conn>) {
     let mut t = shared.tables();
-    let now = Instant::now();
-    let on_conn = |i: &Incoming<Arc<Conn>>| i.conn.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn));
-    for inc in t.incoming.values_mut().filter(|i| on_conn(i) && i.landing == Landing::WritingAborted) {
-        inc.deadline = inc.deadline.min(now);
-    }
-    let writes_until = now + shared.cfg.timeouts.io;
     let reason = format!("connection to `{}` lost", conn.peer.engine_id);
-    let dead: Vec<(TransferId, bool)> = t
-        .incoming
-        .iter()
-        .filter(|(_, i)| on_conn(i) && i.landing != Landing::WritingAborted)
-        .map(|(k, i)| (k.clone(), i.direct && i.writing()))
-        .collect();
-    for (tid, in_flight) in dead {
-        let reason = reason.clone();
-        shared.finish_incoming(&mut t, &tid, |inc| match in_flight {
-            true => ConnectorEvent::FailedInFlight { request_id: inc.request_id, reason, writes_until },
-            false => ConnectorEvent::Failed { request_id: inc.request_id, reason },
+    for (inc, lost) in t.lose_connection(|c| Arc::ptr_eq(c, conn), Instant::now(), shared.cfg.timeouts.io) {
+        let (request_id, reason) = (inc.request_id, reason.clone());
+        shared.emit(match lost {
+            Lost::Failed => ConnectorEvent::Failed { request_id, reason },
+            Lost::InFlight { writes_until } => ConnectorEvent::FailedInFlight { request_id, reason, writes_until },
         });
     }
-    t.registrations.retain(|_, r| !Arc::ptr_eq(&r.conn, conn));
 }

@@ -103,8 +103,7 @@ impl Shared {
         tid: &TransferId,
         ev: impl FnOnce(Incoming<Arc<Conn>>) -> ConnectorEvent,
     ) {
-        if let Some(inc) = t.incoming.remove(tid) {
-            t.by_request.remove(&inc.request_id);
+        if let Some(inc) = t.remove_incoming(tid) {
             self.emit(ev(inc));
         }
     }

@@ -133,17 +133,7 @@ mod tests {
     type Table = Tables<(), ()>;
 
     fn lease(t: &mut Table, tid: &TransferId, deadline: Instant) {
-        let produced = Produced {
-            held: Box::new(()),
-            blocks: vec![1, 2, 3],
-            num_tokens: 40,
-            first_token: 7,
-            produced_unix_us: 0,
-            deadline,
-            reading: false,
-            attempt: 0,
-        };
-        t.produced.insert(tid.clone(), produced);
+        t.produced.insert(tid.clone(), Produced::example(deadline));
     }
 
     fn ask(blocks: &[u32], skip: usize) -> ReadAsk<'_> {

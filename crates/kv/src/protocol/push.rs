@@ -222,19 +222,6 @@ mod tests {
 
     type Table = Tables<(), ()>;
 
-    fn produced(deadline: Instant) -> Produced {
-        Produced {
-            held: Box::new(()),
-            blocks: vec![1, 2, 3],
-            num_tokens: 40,
-            first_token: 7,
-            produced_unix_us: 0,
-            deadline,
-            reading: false,
-            attempt: 0,
-        }
-    }
-
     fn registration(deadline: Instant) -> Registration<(), ()> {
         Registration { conn: (), blocks: vec![4, 5, 6], num_tokens: 40, skip: 0, deadline, parts: None }
     }
@@ -245,14 +232,14 @@ mod tests {
         let (a, b) = (TransferId("a".into()), TransferId("b".into()));
         let mut t = Table::default();
         // Produced first, then registered.
-        assert!(matches!(meet_produced(&mut t, a.clone(), produced(later)), Rendezvous::Waiting));
-        assert!(matches!(meet_produced(&mut t, a.clone(), produced(later)), Rendezvous::Duplicate));
+        assert!(matches!(meet_produced(&mut t, a.clone(), Produced::example(later)), Rendezvous::Waiting));
+        assert!(matches!(meet_produced(&mut t, a.clone(), Produced::example(later)), Rendezvous::Duplicate));
         assert!(matches!(meet_registration(&mut t, a.clone(), registration(later)), Rendezvous::Met(..)));
         assert!(t.pushing.contains(&a) && t.produced.is_empty());
         // Registered first, then produced.
         assert!(matches!(meet_registration(&mut t, b.clone(), registration(later)), Rendezvous::Waiting));
         assert!(matches!(meet_registration(&mut t, b.clone(), registration(later)), Rendezvous::Duplicate));
-        assert!(matches!(meet_produced(&mut t, b.clone(), produced(later)), Rendezvous::Met(..)));
+        assert!(matches!(meet_produced(&mut t, b.clone(), Produced::example(later)), Rendezvous::Met(..)));
         assert!(t.registrations.is_empty() && t.pushing.contains(&b));
     }
 
@@ -262,7 +249,7 @@ mod tests {
         let gone = TransferId("gone".into());
         let mut t = Table::default();
         t.aborted.insert(gone.clone(), later);
-        assert!(matches!(meet_produced(&mut t, gone.clone(), produced(later)), Rendezvous::Aborted));
+        assert!(matches!(meet_produced(&mut t, gone.clone(), Produced::example(later)), Rendezvous::Aborted));
         assert!(t.produced.is_empty() && t.aborted.is_empty() && t.pushing.is_empty());
     }
 

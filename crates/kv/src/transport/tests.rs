@@ -147,3 +147,90 @@ fn local_copies_block_runs_between_block_sizes_and_not_to_a_peer_gone() {
         assert!(matches!(gone, Err(WriteError::Failed(ref e)) if e.contains("gone")), "{gone:?}");
     }
 }
+
+/// NIXL alone (the `nixl` feature, with the library CI installs): an endpoint on each of two
+/// engines' host KV memory, the prefill side picking nixl for the decode side (with its probe)
+/// and the decode side accepting; a push WRITE of scattered runs between block sizes with its
+/// notification, which the reader's `confirm_landed` waits for; then a pull the reader READs
+/// itself once granted. What landed is checked by digest each time.
+#[cfg(feature = "nixl")]
+#[test]
+fn nixl_writes_and_reads_block_runs_between_block_sizes() {
+    use std::time::Duration;
+
+    use tandem_core::{EngineId, Epoch, TransferId};
+
+    use super::nixl::{self, NixlSetup};
+    use super::pick::Picker;
+    use crate::agent_info::{AgentInfo, KvMode, Role};
+    use crate::channel::Picked;
+    use crate::config::{ConnectorConfig, KvTransport, NixlPull};
+
+    let tokens = 77;
+    let (src, src_table) = engine(16, tokens, 5, true);
+    let (dst, dst_table) = engine(8, tokens, 7, false);
+    let side = |name: &str, role: Role, region: &Arc<KvRegion>, epoch: u64| {
+        let cfg = ConnectorConfig {
+            engine_id: EngineId(format!("transport-test-{name}")),
+            role,
+            mode: KvMode::Pull,
+            listen: "127.0.0.1:0".into(),
+            advertise_host: "127.0.0.1".into(),
+            model_fingerprint: "test".into(),
+            timeouts: Timeouts::default(),
+            lease: Duration::from_secs(30),
+            transfer_timeout: Duration::from_secs(30),
+            liveness: Duration::from_secs(10),
+            faults: FaultInjection::default(),
+            local_transport: false,
+            transport: KvTransport::Nixl,
+            verify: false,
+            nixl_min_gb_s: 0.0,
+            nixl_pull: NixlPull::Read,
+            ucx_log: None,
+        };
+        let memory = KvMemory::from(region.clone());
+        let endpoint = nixl::open(&cfg, &memory, epoch).expect("NIXL should open");
+        let setup = NixlSetup { endpoint, min_gb_s: 0.0, pull: NixlPull::Read, answers_pulls: role == Role::Prefill };
+        let info = AgentInfo::for_layout(
+            cfg.engine_id.clone(),
+            Epoch(epoch),
+            role,
+            KvMode::Pull,
+            "test".into(),
+            region.layout(),
+            region.dtype(),
+            setup.offer().into_iter().collect(),
+        );
+        // Short bounds: the last check waits one out.
+        let timeouts = Timeouts { connect: Duration::from_secs(2), io: Duration::from_secs(2) };
+        let ours = Ours { timeouts, ..ours(region, false, FaultInjection::default()) };
+        let picker = Picker { ours, policy: KvTransport::Nixl, local: false, nixl: setup };
+        (picker, info)
+    };
+    let (prefill, prefill_info) = side("prefill", Role::Prefill, &src, 1);
+    let (decode, decode_info) = side("decode", Role::Decode, &dst, 2);
+    let (writer, picked) = prefill.pick(&decode_info).expect("prefill picks nixl");
+    assert_eq!(picked, Picked { transport: "nixl".into(), note: None });
+    let reader = decode.accept(&prefill_info, &picked).expect("decode takes it");
+
+    // Push: prefill WRITEs decode's blocks, then its notification; decode confirms the landing.
+    let pushed = TransferId("pushed".into());
+    let runs = Runs { src: &src_table, dst: &dst_table, num_tokens: tokens };
+    writer.write(runs, &KvFences::complete(), Some(&pushed), &mut NoAnnounce).unwrap();
+    reader.confirm_landed(&pushed).unwrap();
+    assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "pushed");
+
+    // Pull: decode READs prefill's blocks itself once granted (into other blocks of its own).
+    assert!(writer.grants_reads(), "--kv-nixl-pull read: prefill grants the read");
+    let (_, read_into) = engine(8, tokens, 3, false);
+    let read_into: Vec<u32> = read_into.iter().map(|b| (b + 13) % 48).collect();
+    let pulled = TransferId("pulled".into());
+    reader.plan_read(&pulled, src_table.clone(), read_into.clone(), tokens);
+    reader.granted(&pulled, Duration::from_secs(10));
+    reader.confirm_landed(&pulled).unwrap();
+    assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &read_into, tokens), "pulled");
+    // A landing no write announced times out within its bound, as a lost notification would.
+    let none = TransferId("never-written".into());
+    assert!(reader.confirm_landed(&none).is_err());
+}
