@@ -19,6 +19,7 @@ summary line per setting;
 exits 1 on a mismatch, a leak or an error. Logs: OUT_DIR/pd_*.log.
 """
 import concurrent.futures
+import itertools
 import os
 import subprocess
 import sys
@@ -65,12 +66,20 @@ def start(name, args, prefix=()):
     return p
 
 
+# A first token for every long prompt sent, none twice in a run (below PD_VOCAB of them).
+fresh_starts = itertools.count(1)
+
+
 def ttft(url, prompt):
-    """Seconds to the first token of `prompt` (max_tokens 1: the answer is the first token)."""
+    """Seconds to the first token of `prompt` (max_tokens 1: the answer is the first token). Each
+    of the three tries changes the prompt's first token, so that no engine's prefix cache holds
+    any of it (the block keys chain from the first token) and every try computes and moves the
+    whole prompt's KV."""
     times = []
     for _ in range(3):
+        fresh = [(prompt[0] + next(fresh_starts)) % vocab] + prompt[1:]
         t0 = time.time()
-        code, r = post(url, {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
+        code, r = post(url, {"prompt": fresh, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
         if code != 200:
             raise RuntimeError(f"long prompt answered {code}: {r}")
         times.append(time.time() - t0)
