@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu/run.sh needs on the GPU machine (which has no Rust): the release
-# `tandem` binary and the GPU test executables, copied into gpu-bin/ (git-ignored; carry it).
+# `tandem` binary and the GPU test executables (the kernel, model and engine tests, and the KV
+# crate's unit tests as kv_transport), copied into gpu-bin/ (git-ignored; carry it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p tandem
@@ -12,6 +13,10 @@ for t in cuda_kernels cuda_model cuda_engine; do
   exe=$(grep -o "target/release/deps/$t-[0-9a-f]*" /tmp/gpu-build.log | tail -1)
   cp "$exe" "gpu-bin/$t"
 done
+# The KV crate's unit tests, whose GPU ones test each transport alone (cuda-ipc into a second
+# process): gpu-bin/kv_transport.
+cargo test --release --no-run -p tandem-kv --lib 2>&1 | tee /tmp/gpu-build-kv.log
+cp "$(grep -o "target/release/deps/tandem_kv-[0-9a-f]*" /tmp/gpu-build-kv.log | tail -1)" gpu-bin/kv_transport
 # BASELINE=<git rev>: also that revision's tandem, as gpu-bin/tandem-base, to measure against in
 # the same GPU call (`scripts/gpu/run.sh matrix "base:TANDEM_EXE=gpu-bin/tandem-base" "new:X=1"`).
 if [ -n "${BASELINE:-}" ]; then

@@ -19,7 +19,7 @@
 #   ncu-src KERNEL_REGEX "ARG ...": Nsight Compute's per-instruction warp stall samples of
 #   one launch of the matching kernel in a batch-1 decode, summarised by SASS basic block
 #   (scripts/gpu/ncu_hot.py; raw CSV in $OUT/ncu_src.csv): where its warps wait;
-#   ipc: kernel and engine tests, P/D over tcp and cuda-ipc (pd_check.py) and `tandem bench kv
+#   ipc: kernel, engine and kv_transport tests (cuda-ipc alone, into another process), P/D over tcp and cuda-ipc (pd_check.py) and `tandem bench kv
 #   --transport cuda-ipc` (also into cuda:1 when there are two GPUs) and the tcp benchmarks
 #   (SKIP_TCP=1 leaves those out);
 #   tcp: `tandem bench kv --transport tcp --device cuda:0` (TCP_SIZES) and on host memory; sweep: `tandem bench sweep
@@ -399,6 +399,7 @@ if [ "$MODE" = ipc ]; then
   # KERNEL_TESTS=NAME runs only the kernel tests matching NAME.
   [ -n "${SKIP_KERNEL_TESTS:-}" ] || run_test cuda_kernels "${KERNEL_TESTS:-}"
   run_test cuda_engine
+  run_test kv_transport  # each KV transport alone: cuda-ipc into another process
   pd_check
   kv_bench
   [ -n "${SKIP_TCP:-}" ] || tcp_bench
@@ -454,7 +455,7 @@ if [ "$MODE" = tune ]; then
   exit $status
 fi
 
-for t in cuda_kernels cuda_model cuda_engine; do
+for t in cuda_kernels cuda_model cuda_engine kv_transport; do
   if [ "$t" = cuda_model ]; then
     python3 scripts/gpu/make_hf_reference.py /tmp/hfref > "$OUT/hfref.log" 2>&1 || { note "make_hf_reference failed"; tail -20 "$OUT/hfref.log"; }
     export TANDEM_HF_REFERENCE=/tmp/hfref

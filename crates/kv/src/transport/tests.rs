@@ -234,3 +234,111 @@ fn nixl_writes_and_reads_block_runs_between_block_sizes() {
     let none = TransferId("never-written".into());
     assert!(reader.confirm_landed(&none).is_err());
 }
+
+/// cuda-ipc alone, on a GPU (ignored elsewhere; `scripts/gpu/run.sh pd` and `ipc` run it): this
+/// process writes scattered block runs of a seeded cache through the `CudaIpc` transport into a
+/// cache another process exported (this test binary again, as [`cuda_ipc_peer`]), from 16-token
+/// blocks into 16- and 32-token ones; the peer's digest of what landed equals ours, and a write
+/// with the corruption fault is caught by it.
+#[test]
+#[ignore = "needs a GPU"]
+fn cuda_ipc_writes_block_runs_into_another_process() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::{Command, Stdio};
+
+    use tandem_compute::cuda::{ops, CudaDevice};
+    use tandem_core::{EngineId, Epoch};
+
+    use super::cuda_ipc::{self, CudaIpc};
+    use crate::agent_info::{AgentInfo, KvMode, Role, TransportOffer};
+
+    let dev = CudaDevice::open(0).expect("a GPU");
+    let ours_layout = KvLayout { num_layers: 4, num_kv_heads: 2, head_dim: 64, block_size: 16, num_blocks: 64 };
+    let cache = dev.zeros_exportable::<u16>(ours_layout.num_blocks * ours_layout.block_elems()).unwrap();
+    // Safety: the buffer just allocated, that many bf16.
+    unsafe { ops::preset_uniform(&dev, cache.ptr(), cache.len() as u64, 0x1bc, 1.0) }.unwrap();
+    dev.synchronize().unwrap();
+    let device = dev.kv_memory(&cache, ours_layout).unwrap();
+    let memory = KvMemory::device(device.clone(), None).unwrap();
+    for peer_block in [16, 32] {
+        let mut peer = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "transport::tests::cuda_ipc_peer", "--include-ignored", "--nocapture"])
+            .env("TANDEM_KV_IPC_PEER", peer_block.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut said = BufReader::new(peer.stdout.take().unwrap()).lines().map_while(Result::ok);
+        // The test harness may print its own words before ours on a line.
+        let mut next = |tag: &str| said.find_map(|l| l.find(tag).map(|at| l[at + tag.len()..].to_string())).unwrap();
+        let export: Vec<String> = next("peer-export ").split_whitespace().map(str::to_string).collect();
+        let peer_layout = KvLayout { block_size: peer_block, ..ours_layout };
+        let offer = TransportOffer::CudaIpc {
+            host: cuda_ipc::host_id(),
+            process: peer.id(),
+            device: export[2].clone(),
+            handle: export[0].clone(),
+            bytes: export[1].parse().unwrap(),
+        };
+        let peer_info = AgentInfo::for_layout(
+            EngineId("ipc-peer".into()),
+            Epoch(1),
+            Role::Decode,
+            KvMode::Push,
+            "test".into(),
+            &peer_layout,
+            tandem_compute::KvDtype::Bf16,
+            vec![offer],
+        );
+        let ours = Ours {
+            memory: memory.clone(),
+            verify: false,
+            faults: FaultInjection::default(),
+            timeouts: Timeouts::default(),
+        };
+        let mut stdin = peer.stdin.take().unwrap();
+        for corrupt in [false, true] {
+            let faults = FaultInjection { corrupt_sends: corrupt, ..Default::default() };
+            let mapped = cuda_ipc::open(&ours, &peer_info).expect("the peer's cache maps");
+            let writer = CudaIpc::writer(Ours { faults, ..ours.clone() }, mapped);
+            let tokens = 150;
+            let src: Vec<u32> = (0..ours_layout.blocks_for(tokens) as u32).map(|b| (b * 5 + 2) % 64).collect();
+            let dst: Vec<u32> = (0..peer_layout.blocks_for(tokens) as u32).map(|b| (b * 7 + 3) % 64).collect();
+            let runs = Runs { src: &src, dst: &dst, num_tokens: tokens };
+            writer.write(runs, &KvFences::complete(), None, &mut NoAnnounce).unwrap();
+            let blocks: Vec<String> = dst.iter().map(u32::to_string).collect();
+            writeln!(stdin, "digest {tokens} {}", blocks.join(",")).unwrap();
+            let theirs: u64 = next("peer-digest ").parse().unwrap();
+            let ours_digest = device.digest(&src, tokens).unwrap();
+            assert_eq!(theirs == ours_digest, !corrupt, "{peer_block}-token blocks, corrupted: {corrupt}");
+        }
+        drop(stdin);
+        assert!(peer.wait().unwrap().success());
+    }
+}
+
+/// The other process of [`cuda_ipc_writes_block_runs_into_another_process`] (a no-op unless
+/// `TANDEM_KV_IPC_PEER` names its block size): exports a zeroed cache, then answers each
+/// `digest TOKENS BLOCKS` line on its input with the digest of those blocks.
+#[test]
+#[ignore = "the peer process of a GPU test"]
+fn cuda_ipc_peer() {
+    use std::io::BufRead;
+
+    use tandem_compute::cuda::CudaDevice;
+
+    let Some(block_size) = std::env::var("TANDEM_KV_IPC_PEER").ok().and_then(|b| b.parse().ok()) else { return };
+    let dev = CudaDevice::open(0).expect("a GPU");
+    let layout = KvLayout { num_layers: 4, num_kv_heads: 2, head_dim: 64, block_size, num_blocks: 64 };
+    let cache = dev.zeros_exportable::<u16>(layout.num_blocks * layout.block_elems()).unwrap();
+    let memory = dev.kv_memory(&cache, layout).unwrap();
+    let (handle, device) = memory.export().unwrap().to_hex();
+    println!("peer-export {handle} {} {device}", memory.export().unwrap().bytes);
+    for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        if let ["digest", tokens, blocks] = w[..] {
+            let blocks: Vec<u32> = blocks.split(',').map(|b| b.parse().unwrap()).collect();
+            println!("peer-digest {}", memory.digest(&blocks, tokens.parse().unwrap()).unwrap());
+        }
+    }
+}
