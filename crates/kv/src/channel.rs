@@ -4,6 +4,8 @@
 //!
 //! What the channel carries after the handshake is [`crate::wire`]'s; which transport is picked
 //! is `transport::pick`'s (the acceptor's `pick` closure here).
+//!
+//! Layer: under `transport`. Owns nothing past a call; calls `wire`, `agent_info` and `error`.
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpStream, ToSocketAddrs, UdpSocket};
 use std::time::Duration;

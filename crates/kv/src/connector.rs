@@ -23,6 +23,9 @@
 //! Timing rule: for a request given to `expect`, exactly one of `Ready`, `Failed`, `Refused`
 //! or `Released` is eventually sent, within the configured transfer timeout (plus one I/O
 //! timeout if a write was in flight). Until then its blocks belong to the connector.
+//!
+//! Layer: the top of the crate. Owns the engine's handle; calls `agent` (start, commands, the
+//! shared state's lookups) and takes the ground floor's types (config, events, memory, errors).
 
 use std::sync::mpsc;
 use std::sync::Arc;

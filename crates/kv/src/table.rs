@@ -6,6 +6,8 @@
 //!
 //! Entries name their connection as an `L` (the agent's link; anything in tests) and a push
 //! registration its writer as a `W`, so that the table knows nothing of either.
+//!
+//! Layer: under `protocol`. Owns the entries; calls only the ground floor (`events`).
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};

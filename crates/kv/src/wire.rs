@@ -18,6 +18,8 @@
 //!   `--kv-verify`); `AgentInfo.kv_verify`.
 //! - 6: `Done.digest` and `BlockData.digest` (`--kv-verify` over a direct transport: the
 //!   writer's digest of the KV it copied, which the reader checks against its blocks).
+//!
+//! Layer: the ground floor but for `agent_info` and `error`, which it calls.
 
 use std::io::{Read, Write};
 

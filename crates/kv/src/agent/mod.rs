@@ -14,6 +14,9 @@
 //! connection's reader), [`decode`] and [`landing`] (the decode engine's asking and receiving),
 //! [`prefill`] and [`push_writer`] (the prefill engine's), [`connections`] (handshakes),
 //! [`parts`], [`shared`], [`conn`].
+//!
+//! Layer: under `connector`. Owns the threads, the sockets and the transfer table's lock; calls
+//! `protocol`, `table`, `transport`, `channel`, `wire` and the ground floor, never `connector`.
 
 mod conn;
 mod connections;

@@ -3,6 +3,9 @@
 //! computes) and [`pull`] (prefill holds its blocks under a lease, decode reads them). Each file
 //! opens with its sequence (register, rendezvous, write or read, notify, release, fail); the
 //! agent's threads feed them what arrived and carry out what they decide.
+//!
+//! Layer: under `agent`. Owns no state of its own; calls `table` and `wire`'s types, never a
+//! socket, a thread or a transport.
 
 pub(crate) mod pull;
 pub(crate) mod push;

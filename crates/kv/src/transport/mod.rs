@@ -17,6 +17,10 @@
 //!
 //! A new transport: an offer in `agent_info.rs`, a file here implementing [`Transport`], and
 //! its cases in `pick.rs`.
+//!
+//! Layer: under `agent`, beside `protocol` (neither calls the other). Owns each connection's
+//! means of moving bytes (mapped peer memory, NIXL endpoints, the local registry); calls `channel`
+//! (its types), `memory`, `blocks`, `agent_info`, `config`, `error` and `tandem_compute`'s copies.
 
 pub(crate) mod cuda_ipc;
 pub(crate) mod local;
