@@ -10,7 +10,10 @@
 # Usage (root; ip from iproute2):
 #   scripts/two_hosts.sh TANDEM_BINARY OUT_DIR [MODEL]     (MODEL default preset:tiny-qwen3)
 # Env: NIXL=1 adds the NIXL settings (a tandem built with --features nixl, NIXL's libraries on
-# LD_LIBRARY_PATH and NIXL_PLUGIN_DIR set); MIN_GB_S (below); PD_SETTINGS as pd_check.py.
+# LD_LIBRARY_PATH and NIXL_PLUGIN_DIR set); MIN_GB_S (below); PD_SETTINGS as pd_check.py;
+# LINK_RATE (tc's rate syntax: 300mbit, 1gbit) holds each host's link to that rate both ways with
+# a token bucket (tc's tbf; netem, which would add delay, does not exist on these kernels), so
+# that one machine shows what a network between prefill and decode does.
 # Runs scripts/gpu/pd_check.py on CPU engines: greedy answers through the router must equal the
 # colocated engine's, KV blocks back to baseline, no transfer failed. CHECK=partition runs
 # scripts/partition_check.py instead: the link between the two hosts cut under load, and healed.
@@ -42,6 +45,11 @@ for ns in tandem-p tandem-d; do
   # A default route, as a host has: the engines bind their side channels to 0.0.0.0 and advertise
   # their address on it.
   ip -n $ns route add default via 10.77.0.254
+  if [ -n "${LINK_RATE:-}" ]; then
+    # Both ways: the host's egress in its namespace, and its ingress as the bridge port's egress.
+    ip netns exec $ns tc qdisc add dev $ns-eth root tbf rate "$LINK_RATE" burst 1mb latency 100ms
+    tc qdisc add dev $ns-br root tbf rate "$LINK_RATE" burst 1mb latency 100ms
+  fi
   n=$((n + 1))
 done
 # The link works before any engine starts: bash's /dev/tcp from tandem-p to a listener in tandem-d.
@@ -56,7 +64,7 @@ export UCX_TLS=${UCX_TLS:-tcp} PD_DEVICE=cpu PD_HOSTS=tandem-p:10.77.0.1,tandem-
 export PD_ENGINE_ARGS="--kv-nixl-min-gb-s ${MIN_GB_S:-0.1} ${PD_ENGINE_ARGS:-}"
 # The tiny presets' vocabulary: prompts keep their token ids below it.
 export PD_VOCAB=${PD_VOCAB:-256} PD_LONG=${PD_LONG:-1000} PD_NIXL=${NIXL:-0}
-echo "two hosts: prefill at 10.77.0.1 (tandem-p), decode at 10.77.0.2 (tandem-d), UCX_TLS=$UCX_TLS"
+echo "two hosts: prefill at 10.77.0.1 (tandem-p), decode at 10.77.0.2 (tandem-d), UCX_TLS=$UCX_TLS, link ${LINK_RATE:-unlimited}"
 case "${CHECK:-pd}" in
   pd) python3 "$here/gpu/pd_check.py" "$exe" "$out" "$model" ;;
   partition) python3 "$here/partition_check.py" "$exe" "$out" "$model" ;;
