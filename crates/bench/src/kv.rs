@@ -223,7 +223,7 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
             Err(e) => return Err(e),
         };
         match msg {
-            Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes, checksum } => {
+            Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes, checksum, .. } => {
                 let region = &side.region;
                 // Safety: this process's KV memory exists only for this benchmark; nothing else
                 // touches its blocks.
@@ -282,6 +282,8 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         blocks: table.clone(),
         src_block_size: layout.block_size,
         num_tokens: tokens,
+        from_token: 0,
+        last: true,
         bytes,
         checksum: cfg.verify,
     };

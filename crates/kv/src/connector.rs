@@ -7,7 +7,7 @@
 //!   its blocks passes to the connector, which frees them after the push write, or when the
 //!   pull lease ends (decode's release, or expiry).
 //! - [`KvConnector::computed`] (prefill, after each step of a remote-decode prompt that does
-//!   not finish it): the KV so far; a push over a direct transport writes it at once.
+//!   not finish it): the KV so far; a push writes its whole shared runs at once.
 //! - [`KvConnector::abort`] (decode, request cancelled while waiting for KV).
 //! - [`KvConnector::abandon`] (prefill, request cancelled before it produced KV, or produced
 //!   KV no decode engine will take: the router saw the decode leg fail).
@@ -85,9 +85,10 @@ impl KvConnector {
     /// Prefill: a step of a remote-decode prompt computes its KV up to `num_tokens` into
     /// `blocks` (the request's table), final once `fences` say so ([`KvFences::complete`]: the
     /// step is done), and no later step writes those tokens. `attempt` counts the request's
-    /// preemptions so far: KV reported under an earlier attempt is written again. With push
-    /// over a direct transport (cuda-ipc, local) the whole blocks of it go into decode's blocks
-    /// while the rest of the prompt (and, fenced, the rest of this step) computes.
+    /// preemptions so far: KV reported under an earlier attempt is written again. With push the
+    /// whole blocks of it go into decode's blocks while the rest of the prompt computes (over a
+    /// direct transport, fenced, while the rest of this step does too; over tcp once the step is
+    /// done).
     pub fn computed(
         &self,
         transfer_id: TransferId,

@@ -119,8 +119,8 @@ pub struct ConnectorStats {
     pub links_cuda_ipc: u64,
     /// Connections opened over nixl.
     pub links_nixl: u64,
-    /// Prefill, push over a direct transport: parts of a prompt's KV written into decode's
-    /// blocks while later chunks of the prompt were still being computed.
+    /// Prefill, push: parts of a prompt's KV written into decode's blocks (or sent on the side
+    /// channel) while later chunks of the prompt were still being computed.
     pub parts_early: u64,
 }
 

@@ -39,6 +39,10 @@ pub(crate) struct Incoming<L> {
     pub num_tokens: usize,
     pub deadline: Instant,
     pub landing: Landing,
+    /// Tokens from the first wanted one whose KV has landed (writes come in order: a push over
+    /// tcp in parts while the prompt computes), and where the write in progress ends.
+    pub landed_upto: usize,
+    pub writing_upto: usize,
     /// Pull: known from the params. Push: comes with `Done`.
     pub first_token: Option<u32>,
     /// Pull (decode reads) rather than push (prefill writes).
@@ -129,6 +133,23 @@ pub(crate) struct Computing {
     /// When each group of layers of the step has its KV in the cache.
     pub fences: tandem_compute::cuda::KvFences,
     pub since: Instant,
+}
+
+/// Which of a transfer's tokens one write moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct WriteSpan {
+    /// The first, counted from the first wanted token.
+    pub from: usize,
+    pub num_tokens: usize,
+    /// The transfer's last write: it must end at the last wanted token.
+    pub last: bool,
+}
+
+impl WriteSpan {
+    /// All `num_tokens` in one write.
+    pub(crate) fn whole(num_tokens: usize) -> Self {
+        Self { from: 0, num_tokens, last: true }
+    }
 }
 
 /// Why a write into a decode-side transfer's blocks cannot start.
@@ -269,34 +290,53 @@ impl<L, W> Tables<L, W> {
             .collect()
     }
 
-    /// Decode side: marks `tid`'s blocks as being written, for `num_tokens` tokens (and, when
-    /// the writer names them, exactly the blocks `dst`); returns the blocks to write.
+    /// Decode side: marks `tid`'s blocks as being written for `span` (from a whole
+    /// `block_size`-token block in: where the last write ended, or 0 to start over; the last
+    /// write ends at the last wanted token), exactly into the blocks `dst` when the writer names
+    /// them (they must be the registered ones from `span.from` on); returns the blocks to write.
     pub fn begin_write(
         &mut self,
         tid: &TransferId,
-        num_tokens: usize,
+        span: WriteSpan,
         dst: Option<&[u32]>,
+        block_size: usize,
     ) -> Result<Vec<u32>, NoWrite> {
+        let WriteSpan { from, num_tokens, last } = span;
         let inc = self.incoming.get_mut(tid).ok_or(NoWrite::Unknown)?;
         let open = matches!(inc.landing, Landing::Waiting | Landing::Landed);
-        if !open || inc.num_tokens != num_tokens || dst.is_some_and(|d| d != inc.blocks) {
+        let in_order = from == 0 || from == inc.landed_upto;
+        let end = from + num_tokens;
+        let fits = from.is_multiple_of(block_size.max(1)) && end <= inc.num_tokens && (!last || end == inc.num_tokens);
+        let ours = inc.blocks.get(from / block_size.max(1)..).unwrap_or_default();
+        if !open || !in_order || !fits || dst.is_some_and(|d| !ours.starts_with(d)) {
             return Err(NoWrite::Refused);
         }
+        if from == 0 {
+            // The first write, or the prompt computed again: what landed before is overwritten.
+            inc.landed_upto = 0;
+            inc.failure = None;
+            inc.timeline.data_start_us = inc.since();
+            (inc.timeline.bytes, inc.timeline.regions) = (0, 0);
+        }
         inc.landing = Landing::Writing;
-        inc.timeline.data_start_us = inc.since();
-        Ok(inc.blocks.clone())
+        inc.writing_upto = from + num_tokens;
+        Ok(dst.unwrap_or(ours).to_vec())
     }
 
     /// Decode side: the write into `tid`'s blocks ended (`landed`: the bytes are in place),
-    /// `bytes` over `regions` contiguous runs. Returns whether the request was aborted during
-    /// the write (the caller then releases it).
+    /// `bytes` over `regions` contiguous runs; the transfer's KV is `Landed` once every wanted
+    /// token's is. Returns whether the request was aborted during the write (the caller then
+    /// releases it).
     pub fn end_write(&mut self, tid: &TransferId, landed: bool, bytes: u64, regions: u32) -> bool {
         let Some(inc) = self.incoming.get_mut(tid) else { return false };
         let aborted = inc.landing == Landing::WritingAborted;
-        inc.landing = if landed { Landing::Landed } else { Landing::Waiting };
+        if landed {
+            inc.landed_upto = inc.writing_upto;
+        }
+        inc.landing = if inc.landed_upto == inc.num_tokens { Landing::Landed } else { Landing::Waiting };
         inc.timeline.data_end_us = inc.since();
-        inc.timeline.bytes = bytes;
-        inc.timeline.regions = regions;
+        inc.timeline.bytes += bytes;
+        inc.timeline.regions += regions;
         aborted
     }
 
@@ -345,6 +385,8 @@ mod tests {
             num_tokens: 20,
             deadline,
             landing: Landing::Waiting,
+            landed_upto: 0,
+            writing_upto: 20,
             first_token: None,
             pull: false,
             direct: false,
@@ -359,18 +401,30 @@ mod tests {
         let tid = TransferId("t".into());
         let mut t = Table::default();
         t.incoming.insert(tid.clone(), incoming(Instant::now() + Duration::from_secs(9)));
-        assert!(matches!(t.begin_write(&TransferId("x".into()), 20, None), Err(NoWrite::Unknown)));
-        assert!(matches!(t.begin_write(&tid, 19, None), Err(NoWrite::Refused)), "token count must match");
-        assert!(matches!(t.begin_write(&tid, 20, Some(&[4, 6])), Err(NoWrite::Refused)), "blocks must match");
-        assert_eq!(t.begin_write(&tid, 20, Some(&[4, 5])).ok(), Some(vec![4, 5]));
-        assert!(matches!(t.begin_write(&tid, 20, None), Err(NoWrite::Refused)), "one write at a time");
+        assert!(matches!(
+            t.begin_write(&TransferId("x".into()), WriteSpan::whole(20), None, 16),
+            Err(NoWrite::Unknown)
+        ));
+        assert!(
+            matches!(t.begin_write(&tid, WriteSpan::whole(19), None, 16), Err(NoWrite::Refused)),
+            "token count must match"
+        );
+        assert!(
+            matches!(t.begin_write(&tid, WriteSpan::whole(20), Some(&[4, 6]), 16), Err(NoWrite::Refused)),
+            "blocks must match"
+        );
+        assert_eq!(t.begin_write(&tid, WriteSpan::whole(20), Some(&[4, 5]), 16).ok(), Some(vec![4, 5]));
+        assert!(
+            matches!(t.begin_write(&tid, WriteSpan::whole(20), None, 16), Err(NoWrite::Refused)),
+            "one write at a time"
+        );
         assert!(!t.end_write(&tid, true, 100, 1));
         assert_eq!(t.incoming[&tid].landing, Landing::Landed);
         assert_eq!(t.incoming[&tid].timeline.bytes, 100);
         // Aborted while writing: the write's end says so, so the writer releases the request.
-        t.begin_write(&tid, 20, None).ok().unwrap();
+        t.begin_write(&tid, WriteSpan::whole(20), None, 16).ok().unwrap();
         t.incoming.get_mut(&tid).unwrap().landing = Landing::WritingAborted;
-        assert!(matches!(t.begin_write(&tid, 20, None), Err(NoWrite::Refused)));
+        assert!(matches!(t.begin_write(&tid, WriteSpan::whole(20), None, 16), Err(NoWrite::Refused)));
         assert!(t.end_write(&tid, false, 0, 0));
     }
 
@@ -385,7 +439,7 @@ mod tests {
             t.incoming.insert(tid.clone(), Incoming { request_id: RequestId::new(request), ..incoming(later) });
             t.by_request.insert(RequestId::new(request), tid.clone());
         }
-        t.begin_write(&b, 20, None).ok().unwrap();
+        t.begin_write(&b, WriteSpan::whole(20), None, 16).ok().unwrap();
         assert!(matches!(t.abort(&RequestId::new("ra")), Aborted::Now(inc) if inc.request_id == RequestId::new("ra")));
         assert!(!t.incoming.contains_key(&a) && !t.by_request.contains_key(&RequestId::new("ra")));
         assert!(matches!(t.abort(&RequestId::new("rb")), Aborted::AtWriteEnd(_)));
@@ -423,6 +477,36 @@ mod tests {
         assert_eq!(t.expire(now + grace, grace).late, vec![tid("aborted")]);
     }
 
+    /// A push over tcp lands in parts, in order: a part out of order or past the end is
+    /// refused, a restart from the first token (a preemption) overwrites, and the transfer is
+    /// `Landed` only once its last write has landed every wanted token.
+    #[test]
+    fn parts_land_in_order_and_the_transfer_lands_only_with_the_last() {
+        let tid = TransferId("t".into());
+        let mut t = Table::default();
+        t.incoming.insert(tid.clone(), incoming(Instant::now() + Duration::from_secs(9)));
+        let part = |from, num_tokens, last| WriteSpan { from, num_tokens, last };
+        // 20 tokens in blocks [4, 5] of 16: a part of 16, then the last 4.
+        assert!(matches!(t.begin_write(&tid, part(16, 4, true), None, 16), Err(NoWrite::Refused)), "out of order");
+        assert!(matches!(t.begin_write(&tid, part(8, 8, false), None, 16), Err(NoWrite::Refused)), "mid-block");
+        assert_eq!(t.begin_write(&tid, part(0, 16, false), Some(&[4]), 16).ok(), Some(vec![4]));
+        t.end_write(&tid, true, 100, 1);
+        assert_eq!((t.incoming[&tid].landing, t.incoming[&tid].landed_upto), (Landing::Waiting, 16));
+        assert!(matches!(t.begin_write(&tid, part(16, 8, true), None, 16), Err(NoWrite::Refused)), "past the end");
+        assert!(matches!(t.begin_write(&tid, part(16, 3, true), None, 16), Err(NoWrite::Refused)), "short of it");
+        // A part that does not land leaves the transfer where it was.
+        assert_eq!(t.begin_write(&tid, part(16, 4, true), None, 16).ok(), Some(vec![5]));
+        t.end_write(&tid, false, 0, 0);
+        assert_eq!((t.incoming[&tid].landing, t.incoming[&tid].landed_upto), (Landing::Waiting, 16));
+        // Computed again after a preemption: from the first token, over what landed.
+        t.begin_write(&tid, part(0, 16, false), None, 16).ok().unwrap();
+        t.end_write(&tid, true, 100, 1);
+        t.begin_write(&tid, part(16, 4, true), None, 16).ok().unwrap();
+        t.end_write(&tid, true, 25, 1);
+        assert_eq!(t.incoming[&tid].landing, Landing::Landed);
+        assert_eq!(t.incoming[&tid].timeline.bytes, 125, "counted from the restart");
+    }
+
     #[test]
     fn expiry_spares_writes_and_reads_in_progress() {
         let past = Instant::now() - Duration::from_millis(1);
@@ -430,7 +514,7 @@ mod tests {
         let (a, b) = (TransferId("a".into()), TransferId("b".into()));
         t.incoming.insert(a.clone(), incoming(past));
         t.incoming.insert(b.clone(), incoming(past));
-        t.begin_write(&b, 20, None).ok().unwrap();
+        t.begin_write(&b, WriteSpan::whole(20), None, 16).ok().unwrap();
         t.produced.insert(a.clone(), Produced::example(past));
         t.produced.insert(b.clone(), Produced { reading: true, ..Produced::example(past) });
         let e = t.expire(Instant::now(), Duration::ZERO);

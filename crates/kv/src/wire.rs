@@ -18,6 +18,8 @@
 //!   `--kv-verify`); `AgentInfo.kv_verify`.
 //! - 6: `Done.digest` and `BlockData.digest` (`--kv-verify` over a direct transport: the
 //!   writer's digest of the KV it copied, which the reader checks against its blocks).
+//! - 8: `WriteBlocks.from_token` and `.last`: a push over tcp writes a prompt's KV in parts while
+//!   it is computed, in order, the last write followed by `Done`; decode acknowledges the last.
 //!
 //! Layer: the ground floor but for `agent_info` and `error`, which it calls.
 
@@ -30,7 +32,7 @@ use crate::agent_info::AgentInfo;
 use crate::error::KvError;
 
 /// The side-channel protocol version.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Largest control frame accepted (a block-id list for a very long prompt fits easily).
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -137,12 +139,22 @@ pub enum Message {
     WriteBlocks {
         /// The attempt (the receiver checks the blocks are registered to it).
         transfer_id: TransferId,
-        /// Receiver's destination blocks, in token order.
+        /// Receiver's destination blocks for these tokens, in token order (its registered blocks
+        /// from the block holding `from_token` on).
         blocks: Vec<u32>,
         /// Tokens per block in the sender's layout of the bytes.
         src_block_size: usize,
-        /// Tokens covered.
+        /// Tokens covered, from `from_token`.
         num_tokens: usize,
+        /// Where these tokens start among the registered ones: a transfer's writes come in order,
+        /// each from where the one before ended (or from 0 again: the prompt was computed again
+        /// after a preemption), at a whole block on both sides.
+        #[serde(default)]
+        from_token: usize,
+        /// The transfer's last write (`Done` follows; the receiver acknowledges it); earlier ones
+        /// are parts of a prompt still being computed.
+        #[serde(default = "yes")]
+        last: bool,
         /// Raw bytes that follow.
         bytes: u64,
         /// The bytes are followed by their CRC-32 (4 bytes, little-endian).
@@ -201,6 +213,11 @@ pub enum Message {
         /// Why the write was refused, if it was.
         error: Option<String>,
     },
+}
+
+/// serde's default for fields that were always true before they existed.
+fn yes() -> bool {
+    true
 }
 
 /// Writes one frame.
@@ -274,6 +291,8 @@ mod tests {
                 blocks: vec![1],
                 src_block_size: 16,
                 num_tokens: 9,
+                from_token: 16,
+                last: false,
                 bytes: 64,
                 checksum: true,
             },

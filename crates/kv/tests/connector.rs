@@ -73,8 +73,13 @@ fn pair_over(local: bool, mode: KvMode, faults: FaultInjection, lease: Duration)
 /// Prefill and decode over the local transport (prefill copies into decode's blocks itself),
 /// prefill waiting `p_timeout` for registrations.
 fn local_pair(mode: KvMode, p_bs: usize, d_bs: usize, p_timeout: Duration) -> Pair {
-    let p_cfg = ConnectorConfig { local_transport: true, transfer_timeout: p_timeout, ..config(Role::Prefill, mode) };
-    pair_with(p_cfg, ConnectorConfig { local_transport: true, ..config(Role::Decode, mode) }, p_bs, d_bs)
+    pair_via(true, mode, p_bs, d_bs, p_timeout)
+}
+
+/// As [`local_pair`], over the local transport or (`local` false) tcp.
+fn pair_via(local: bool, mode: KvMode, p_bs: usize, d_bs: usize, p_timeout: Duration) -> Pair {
+    let p_cfg = ConnectorConfig { local_transport: local, transfer_timeout: p_timeout, ..config(Role::Prefill, mode) };
+    pair_with(p_cfg, ConnectorConfig { local_transport: local, ..config(Role::Decode, mode) }, p_bs, d_bs)
 }
 
 fn pair_with(p_cfg: ConnectorConfig, d_cfg: ConnectorConfig, p_bs: usize, d_bs: usize) -> Pair {
@@ -456,14 +461,20 @@ fn wait_until(what: &str, cond: impl Fn() -> bool) {
     }
 }
 
-/// A prompt computed in chunks goes into decode's blocks as it is computed (a direct
-/// writer): each reported step's whole shared runs of tokens (8 here: 4-token blocks into
-/// 8-token blocks) land before the prompt is complete, and the final write moves only the
-/// rest. KV changed in prefill's blocks after its part was written is not written again,
-/// which is how the test tells the final write started where the parts stopped.
+/// A prompt computed in chunks goes into decode's blocks as it is computed (copied by a direct
+/// writer, or sent over tcp): each reported step's whole shared runs of tokens (8 here: 4-token
+/// blocks into 8-token blocks) land before the prompt is complete, and the final write moves
+/// only the rest. KV changed in prefill's blocks after its part was written is not written
+/// again, which is how the test tells the final write started where the parts stopped.
 #[test]
 fn a_prompt_computed_in_chunks_lands_part_by_part_and_the_final_write_moves_only_the_rest() {
-    let mut p = local_pair(KvMode::Push, 4, 8, Duration::from_secs(3));
+    for local in [true, false] {
+        chunks_land_part_by_part(local);
+    }
+}
+
+fn chunks_land_part_by_part(local: bool) {
+    let mut p = pair_via(local, KvMode::Push, 4, 8, Duration::from_secs(3));
     let (tokens, blocks) = (37, p.d_blocks(37));
     let tid = TransferId("t1".into());
     p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens, 0);
@@ -486,7 +497,7 @@ fn a_prompt_computed_in_chunks_lands_part_by_part_and_the_final_write_moves_only
         assert_eq!(d_key(&p, &blocks, t, 1), written_key(t, 1), "token {t}");
     }
     let s = p.p.stats();
-    assert_eq!((s.parts_early, s.transfers_ok, s.transfers_failed), (2, 1, 0), "{s:?}");
+    assert_eq!((s.parts_early, s.transfers_ok, s.transfers_failed), (2, 1, 0), "local {local}: {s:?}");
 }
 
 /// A step reported before decode's registration reaches prefill (the two legs start at once,
@@ -495,7 +506,13 @@ fn a_prompt_computed_in_chunks_lands_part_by_part_and_the_final_write_moves_only
 /// dropped once the prompt ends.
 #[test]
 fn a_step_reported_before_the_registration_is_written_when_it_comes() {
-    let p = local_pair(KvMode::Push, 4, 8, Duration::from_secs(3));
+    for local in [true, false] {
+        written_when_registered(local);
+    }
+}
+
+fn written_when_registered(local: bool) {
+    let p = pair_via(local, KvMode::Push, 4, 8, Duration::from_secs(3));
     let (tokens, blocks) = (37, p.d_blocks(37));
     let tid = TransferId("t1".into());
     p.p.computed(tid.clone(), p.p_blocks(tokens), 30, 0, KvFences::complete());
@@ -524,8 +541,8 @@ fn a_step_reported_before_the_registration_is_written_when_it_comes() {
 /// final write, of another attempt starts over from the first token.
 #[test]
 fn kv_reported_before_a_preemption_is_written_again() {
-    for report_again in [false, true] {
-        let p = local_pair(KvMode::Push, 4, 8, Duration::from_secs(3));
+    for (report_again, local) in [(false, true), (true, true), (false, false), (true, false)] {
+        let p = pair_via(local, KvMode::Push, 4, 8, Duration::from_secs(3));
         let (tokens, blocks) = (37, p.d_blocks(37));
         let tid = TransferId("t1".into());
         p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens, 0);

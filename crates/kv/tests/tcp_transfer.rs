@@ -80,7 +80,7 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
             assert_eq!(peer.engine_id.0, "prefill-0");
             let cache = KvCache::new(layout(bs_d));
             match read_message(&mut s).unwrap() {
-                Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes, checksum } => {
+                Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes, checksum, .. } => {
                     assert_eq!(blocks, d_table2);
                     let region = cache.region();
                     // Safety: the test owns every block of this cache.
@@ -110,6 +110,8 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
                 blocks: d_table.clone(),
                 src_block_size: bs_p,
                 num_tokens: tokens,
+                from_token: 0,
+                last: true,
                 bytes,
                 checksum,
             },

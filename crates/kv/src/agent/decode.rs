@@ -84,6 +84,9 @@ pub(crate) fn expect(
         num_tokens,
         deadline,
         landing: Landing::Waiting,
+        landed_upto: 0,
+        // A direct writer's one write (which names no span) lands them all.
+        writing_upto: num_tokens,
         first_token,
         pull: lease.is_some(),
         direct: false,

@@ -11,6 +11,7 @@ use super::{decode, prefill};
 use crate::agent_info::Role;
 use crate::error::KvError;
 use crate::protocol::Wanted;
+use crate::table::WriteSpan;
 use crate::transport::Bulk;
 use crate::wire::{read_message, Message};
 
@@ -62,9 +63,10 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             let mut t = shared.tables();
             shared.finish_incoming(&mut t, &transfer_id, |inc| ended(inc, "prefill aborted the transfer".into()));
         }
-        Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes, checksum } => {
+        Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, from_token, last, bytes, checksum } => {
             let bulk = Bulk { src_block_size, bytes, checksum };
-            landing::on_write_blocks(stream, conn, shared, transfer_id, (&blocks, num_tokens), bulk)?
+            let span = WriteSpan { from: from_token, num_tokens, last };
+            landing::on_write_blocks(stream, conn, shared, transfer_id, (span, &blocks), bulk)?
         }
         Message::BlockData {
             transfer_id,

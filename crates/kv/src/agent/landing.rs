@@ -14,7 +14,7 @@ use crate::blocks::{coalesce, wire_bytes};
 use crate::error::KvError;
 use crate::events::{ConnectorEvent, TransferTimeline};
 use crate::protocol::push;
-use crate::table::{Incoming, Landing, NoWrite};
+use crate::table::{Incoming, Landing, NoWrite, WriteSpan};
 use crate::transport::tcp::{drain, CHECKSUM_BYTES};
 use crate::transport::Bulk;
 use crate::wire::{DoneStatus, Message};
@@ -52,32 +52,44 @@ where
     Ok(())
 }
 
-/// Push, inline: prefill's bytes for `tid` follow on `stream`; acknowledged either way.
+/// Push, inline: prefill's bytes for `span` of `tid` follow on `stream`. The transfer's last
+/// write is acknowledged either way, with why its KV did not all land if it did not (a part
+/// that failed before it); a part that fails is recorded for that, not acknowledged.
 pub(crate) fn on_write_blocks(
     stream: &mut TcpStream,
     conn: &Conn,
     shared: &Shared,
     tid: TransferId,
-    (blocks, num_tokens): (&[u32], usize),
+    (span, blocks): (WriteSpan, &[u32]),
     bulk: Bulk,
 ) -> Result<(), KvError> {
-    let result = receive(stream, conn, shared, &tid, Some(blocks), num_tokens, bulk)?;
-    conn.send(&Message::WriteAck { transfer_id: tid, error: result.err() })
+    let result = receive(stream, conn, shared, &tid, span, Some(blocks), bulk)?;
+    if let Err(why) = &result {
+        if let Some(inc) = shared.tables().incoming.get_mut(&tid) {
+            inc.failure.get_or_insert_with(|| why.clone());
+        }
+    }
+    if !span.last {
+        return Ok(());
+    }
+    let failure = shared.tables().incoming.get(&tid).and_then(|i| i.failure.clone());
+    conn.send(&Message::WriteAck { transfer_id: tid, error: result.err().or(failure) })
 }
 
-/// Inline: reads the announced bytes of `tid` from `stream` into its registered blocks
-/// (exactly `dst` when the sender names them), or drains them if the transfer is unknown,
-/// aborted or does not match. The inner result says whether the data landed; the outer one is
+/// Inline: reads the announced bytes of `span` of `tid` from `stream` into its registered
+/// blocks (exactly `dst` when the sender names them), or drains them if the transfer is unknown,
+/// aborted or the span does not follow what landed. The inner result says whether the data landed; the outer one is
 /// the connection's.
 fn receive(
     stream: &mut TcpStream,
     conn: &Conn,
     shared: &Shared,
     tid: &TransferId,
+    span: WriteSpan,
     dst: Option<&[u32]>,
-    num_tokens: usize,
     bulk: Bulk,
 ) -> Result<Result<(), String>, KvError> {
+    let num_tokens = span.num_tokens;
     let on_wire = bulk.bytes + if bulk.checksum { CHECKSUM_BYTES } else { 0 };
     if shared.cfg.verify && !bulk.checksum {
         // Pairing checks both ends agree on checksums; a peer that still sends none is not
@@ -89,7 +101,7 @@ fn receive(
         }
         return Ok(Err(reason));
     }
-    let begun = shared.tables().begin_write(tid, num_tokens, dst);
+    let begun = shared.tables().begin_write(tid, span, dst, shared.block_size());
     let blocks = match begun {
         Ok(blocks) => blocks,
         Err(why) => {
@@ -172,7 +184,7 @@ pub(crate) fn on_block_data(
         return Ok(());
     }
     let num_tokens = shared.tables().incoming.get(&tid).map(|i| i.num_tokens).unwrap_or(0);
-    let landed = receive(stream, conn, shared, &tid, None, num_tokens, bulk)?;
+    let landed = receive(stream, conn, shared, &tid, WriteSpan::whole(num_tokens), None, bulk)?;
     let failure = shared.tables().incoming.get_mut(&tid).and_then(|i| i.failure.take());
     // Release prefill's blocks whatever happened here: we will not read them again.
     let outcome = match (&landed, &failure) {

@@ -1,8 +1,9 @@
 //! Prefill's push writes, on threads of their own (never the engine's, never the reader's).
 //!
 //! Once the rendezvous has met, the KV goes to decode's registered blocks and `Done` follows
-//! ([`write_whole`]). Over a direct transport (cuda-ipc, local, nixl) a prompt still being
-//! computed goes in parts before that: the engine reports each step
+//! ([`write_whole`]). A prompt still being computed goes in parts before that (over a direct
+//! transport, copies into decode's memory; over tcp, bytes on the side channel, which decode
+//! lands in order): the engine reports each step
 //! ([`crate::connector::KvConnector::computed`]), a GPU engine as it submits the step with fences that say
 //! when each group of layers has written its KV (the copies wait for them on the device), a CPU
 //! engine once the step is done. Once decode's registration is here, every whole run of tokens
@@ -77,7 +78,7 @@ pub(crate) fn on_registered(shared: &Arc<Shared>, t: &mut super::shared::Tables,
 
 fn queue_part(shared: &Arc<Shared>, tid: &TransferId, reg: &mut Reg, report: Computing) {
     let Computing { blocks, upto, attempt, fences, .. } = report;
-    if !reg.conn.transport.writes_directly() || Instant::now() >= reg.deadline {
+    if Instant::now() >= reg.deadline {
         return;
     }
     let sizes = (shared.block_size(), reg.conn.peer.block_size);
@@ -206,7 +207,8 @@ fn run_writer(t: Target, jobs: mpsc::Receiver<Job>) {
                     }
                 };
                 let runs = Runs { src, dst, num_tokens: to - from };
-                match t.conn.transport.write(runs, &fences, None, &mut NoAnnounce) {
+                let mut frames = Frames::new(&t.conn, |bulk: Bulk| write_blocks(&t.tid, runs, from, false, bulk));
+                match t.conn.transport.write(runs, &fences, None, &mut frames) {
                     Ok(()) => bump(&t.shared.counters.parts_early, 1),
                     Err(e) => {
                         tracing::warn!(transfer_id = %t.tid, error = %e, "early KV part failed");
@@ -266,7 +268,7 @@ fn write_whole(
     std::thread::sleep(s.cfg.faults.slow_write);
     let done = PushDone { first_token, produced_unix_us, taken, digest: digest.ok().flatten() };
     let runs = Runs { src, dst, num_tokens: num_tokens - from };
-    let result = send(s, &reg.conn, &tid, runs, done);
+    let result = send(s, &reg.conn, &tid, (runs, from), done);
     s.tables().pushing.remove(&tid);
     // The bytes have left our memory (or the write failed): the blocks can go back.
     drop(held);
@@ -293,18 +295,17 @@ fn write_whole(
 /// token: after the bytes on the side channel (inline), or once the copies into decode's
 /// memory have completed, with how long they took (direct). A failed copy is returned as the
 /// error once decode has been told.
-fn send(s: &Shared, conn: &Conn, tid: &TransferId, runs: Runs<'_>, done: PushDone) -> Result<(), KvError> {
+fn send(
+    s: &Shared,
+    conn: &Conn,
+    tid: &TransferId,
+    (runs, from): (Runs<'_>, usize),
+    done: PushDone,
+) -> Result<(), KvError> {
     let transport = &conn.transport;
     let complete = KvFences::complete();
     if !transport.writes_directly() {
-        let mut frames = Frames::new(conn, |bulk: Bulk| Message::WriteBlocks {
-            transfer_id: tid.clone(),
-            blocks: runs.dst.to_vec(),
-            src_block_size: bulk.src_block_size,
-            num_tokens: runs.num_tokens,
-            bytes: bulk.bytes,
-            checksum: bulk.checksum,
-        });
+        let mut frames = Frames::new(conn, |bulk: Bulk| write_blocks(tid, runs, from, true, bulk));
         let copied = transport.write(runs, &complete, None, &mut frames);
         return finish_inline(s, tid, copied, done, &mut frames);
     }
@@ -320,6 +321,21 @@ fn send(s: &Shared, conn: &Conn, tid: &TransferId, runs: Runs<'_>, done: PushDon
     }
     // Decode has been told; the writer counts and logs the failure too.
     failure.map_or(Ok(()), |e| Err(KvError::Transfer(e)))
+}
+
+/// The frame announcing inline bytes of `runs`, tokens from `from` of the transfer (`last`: its
+/// final write, which `Done` follows).
+fn write_blocks(tid: &TransferId, runs: Runs<'_>, from: usize, last: bool, bulk: Bulk) -> Message {
+    Message::WriteBlocks {
+        transfer_id: tid.clone(),
+        blocks: runs.dst.to_vec(),
+        src_block_size: bulk.src_block_size,
+        num_tokens: runs.num_tokens,
+        from_token: from,
+        last,
+        bytes: bulk.bytes,
+        checksum: bulk.checksum,
+    }
 }
 
 /// Inline: `Done` after the bytes, on the writer still held; a write that failed before any

@@ -247,11 +247,14 @@ impl Transport for Tcp {
     fn write(
         &self,
         runs: Runs<'_>,
-        _fences: &KvFences,
+        fences: &KvFences,
         _landed: Option<&TransferId>,
         out: &mut dyn Announce,
     ) -> Result<(), WriteError> {
         let Runs { src, num_tokens, .. } = runs;
+        // A part of a prompt still computing: its whole step done (a GPU engine's copies to the
+        // host copy then read final KV).
+        fences.wait().map_err(WriteError::Failed)?;
         let region = self.ours.memory.host_region().map_err(|e| WriteError::Failed(e.to_string()))?;
         let pieces = send_pieces(region, src, num_tokens).map_err(|e| WriteError::Failed(e.to_string()))?;
         // Safety: the caller holds the source blocks (produced KV, or a lease being read) for
