@@ -13,7 +13,8 @@ the first token of a 4000-token prompt, median of 3, against colocated.
 Usage: pd_check.py TANDEM_BINARY OUT_DIR [MODEL]   (MODEL or $PD_MODEL, default preset:qwen3-0.6b;
 $PD_DEVICE=cpu tries it without a GPU, tcp settings only; $PD_SETTINGS=tcp keeps the settings whose name has
 "tcp"; $PD_NIXL=1 adds push and pull over NIXL, for a tandem built with --features nixl;
-$PD_HOSTS=NS:ADDR,NS:ADDR runs the prefill engine in the first network namespace and the decode
+$PD_PUSH_OVER_PULL=R fails the run unless push's long-prompt TTFT is at most R times pull's
+(for settings both ran with); $PD_HOSTS=NS:ADDR,NS:ADDR runs the prefill engine in the first network namespace and the decode
 engine in the second, listening on those addresses, as scripts/two_hosts.sh sets up). Prints one
 summary line per setting;
 exits 1 on a mismatch, a leak or an error. Logs: OUT_DIR/pd_*.log.
@@ -121,6 +122,8 @@ if device != "cpu":
 # library path), GPU engines registering their device caches.
 if os.environ.get("PD_NIXL") == "1":
     settings += [("push", "nixl", 16, 16), ("pull", "nixl", 16, 16), ("push", "nixl", 16, 32), ("pull", "nixl", 32, 16)]
+# The long prompt's TTFT per setting, for PD_PUSH_OVER_PULL.
+long_ttft = {}
 # PD_SETTINGS=tcp (or any text in the setting's name; several, comma-separated) keeps only the
 # matching settings.
 keep = os.environ.get("PD_SETTINGS", "").split(",")
@@ -213,7 +216,17 @@ try:
             print("   ", e)
         if errors:
             status = 1
+        long_ttft[name] = t_long
         stop_all()
+    # PD_PUSH_OVER_PULL=R: push's long-prompt TTFT must be at most R times pull's, for each
+    # transport and block sizes both ran with (a link slower than the prefill: push overlaps).
+    bound = os.environ.get("PD_PUSH_OVER_PULL")
+    for name, t_push in long_ttft.items():
+        t_pull = long_ttft.get(name.replace("push_", "pull_", 1))
+        if bound and name.startswith("push_") and t_pull:
+            ok = t_push <= float(bound) * t_pull
+            print(f"{name}: push / pull TTFT {t_push / t_pull:.2f} (at most {bound}): {'ok' if ok else 'FAILED'}")
+            status = status if ok else 1
 except Exception as e:  # a process that never came up, an unreachable port
     print(f"P/D on {device}: FAILED: {e}")
     status = 1
