@@ -756,3 +756,51 @@ fn a_frozen_peer_is_declared_dead_within_the_liveness_bound() {
     }
     assert!(frozen.elapsed() < Duration::from_millis(1500), "noticed after {:?}", frozen.elapsed());
 }
+
+/// Push over tcp in parts, with `--kv-verify` on both engines and every bulk send corrupted on
+/// the way: the first part's checksum fails where it lands, so the transfer fails (decode would
+/// recompute) instead of becoming ready on partial or bad KV, however the later parts and the
+/// final write go; prefill counts one failed transfer, from decode's acknowledgement.
+#[test]
+fn a_corrupted_part_over_tcp_fails_the_transfer_and_never_makes_it_ready() {
+    let corrupt = FaultInjection { corrupt_sends: true, ..FaultInjection::default() };
+    let p_cfg = ConnectorConfig { verify: true, faults: corrupt, ..config(Role::Prefill, KvMode::Push) };
+    let d_cfg = ConnectorConfig { verify: true, ..config(Role::Decode, KvMode::Push) };
+    let p = pair_with(p_cfg, d_cfg, 4, 8);
+    let (tokens, blocks) = (37, p.d_blocks(37));
+    let tid = TransferId("t1".into());
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks, tokens, 0);
+    std::thread::sleep(Duration::from_millis(150)); // the registration has reached prefill
+    p.p.computed(tid.clone(), p.p_blocks(tokens), 16, 0, KvFences::complete());
+    wait_until("the corrupted part", || p.d.stats().checksum_failures == 1);
+    p.p.computed(tid, p.p_blocks(tokens), 30, 0, KvFences::complete());
+    p.produce("t1", tokens);
+    match p.wait_event() {
+        ConnectorEvent::Failed { reason, .. } => assert!(reason.contains("checksum"), "{reason}"),
+        other => panic!("expected the transfer to fail, got {other:?}"),
+    }
+    p.wait_freed(1);
+    wait_until("prefill counting the failure", || p.p.stats().transfers_failed == 1);
+    assert_eq!(p.p.stats().transfers_ok, 0);
+}
+
+/// Push over tcp in parts: decode aborts after the first part landed, with more of the prompt
+/// still to come. The abort is released at once (no write was landing), and what prefill sends
+/// for the transfer after it is drained, never written into the blocks.
+#[test]
+fn an_abort_between_parts_over_tcp_is_released_and_nothing_lands_after() {
+    let p = pair_via(false, KvMode::Push, 4, 8, Duration::from_secs(3));
+    let (tokens, blocks) = (37, p.d_blocks(37));
+    let tid = TransferId("t1".into());
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens, 0);
+    std::thread::sleep(Duration::from_millis(150));
+    p.p.computed(tid.clone(), p.p_blocks(tokens), 8, 0, KvFences::complete());
+    wait_until("the first part landing", || (0..8).all(|t| d_key(&p, &blocks, t, 1) == written_key(t, 1)));
+    p.d.abort(RequestId::new("r1"));
+    assert!(matches!(p.wait_event(), ConnectorEvent::Released { .. }));
+    p.p.computed(tid, p.p_blocks(tokens), 30, 0, KvFences::complete());
+    p.produce("t1", tokens);
+    p.wait_freed(1);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(p.untouched(&blocks[1..]), "KV landed in the blocks after the abort");
+}
