@@ -262,8 +262,9 @@ fn cuda_ipc_writes_block_runs_into_another_process() {
     let memory = KvMemory::device(device.clone(), None).unwrap();
     for peer_block in [16, 32] {
         let mut peer = Command::new(std::env::current_exe().unwrap())
+            // The second filter matches no test: it tells the peer its block size.
             .args(["--exact", "transport::tests::cuda_ipc_peer", "--include-ignored", "--nocapture"])
-            .env("TANDEM_KV_IPC_PEER", peer_block.to_string())
+            .arg(format!("{PEER_BLOCK_ARG}{peer_block}"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -317,8 +318,12 @@ fn cuda_ipc_writes_block_runs_into_another_process() {
     }
 }
 
+/// How the GPU test tells its peer process (this binary again) the block size of its cache: a
+/// second test-name filter on its command line.
+const PEER_BLOCK_ARG: &str = "peer-block-size=";
+
 /// The other process of [`cuda_ipc_writes_block_runs_into_another_process`] (a no-op unless
-/// `TANDEM_KV_IPC_PEER` names its block size): exports a zeroed cache, then answers each
+/// its command line carries [`PEER_BLOCK_ARG`]): exports a zeroed cache, then answers each
 /// `digest TOKENS BLOCKS` line on its input with the digest of those blocks.
 #[test]
 #[ignore = "the peer process of a GPU test"]
@@ -327,7 +332,8 @@ fn cuda_ipc_peer() {
 
     use tandem_compute::cuda::CudaDevice;
 
-    let Some(block_size) = std::env::var("TANDEM_KV_IPC_PEER").ok().and_then(|b| b.parse().ok()) else { return };
+    let asked = std::env::args().find_map(|a| a.strip_prefix(PEER_BLOCK_ARG).and_then(|b| b.parse().ok()));
+    let Some(block_size) = asked else { return };
     let dev = CudaDevice::open(0).expect("a GPU");
     let layout = KvLayout { num_layers: 4, num_kv_heads: 2, head_dim: 64, block_size, num_blocks: 64 };
     let cache = dev.zeros_exportable::<u16>(layout.num_blocks * layout.block_elems()).unwrap();
