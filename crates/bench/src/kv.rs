@@ -233,9 +233,12 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
                             .and_then(|()| side.memory.load_from_host(&blocks))
                     } else {
                         let mut load = side.memory.receiver()?;
-                        let into = Destination { region, blocks: &blocks, num_tokens };
-                        recv_staged(&mut s, bytes, src_block_size, into, checksum, &mut |run| load.landed(run))
-                            .and_then(|()| load.finish())
+                        let into = Destination::all(region, &blocks, num_tokens);
+                        let all = into.layers.clone();
+                        recv_staged(&mut s, bytes, src_block_size, into, checksum, &mut |run| {
+                            load.landed(run, all.clone())
+                        })
+                        .and_then(|()| load.finish())
                     }
                 };
                 write_message(&mut s, &Message::WriteAck { transfer_id, error: result.err().map(|e| e.to_string()) })?;
@@ -284,6 +287,7 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         num_tokens: tokens,
         from_token: 0,
         last: true,
+        layers: None,
         bytes,
         checksum: cfg.verify,
     };
@@ -298,9 +302,10 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         let pieces = send_pieces(region, &table, tokens)?;
         // Safety (this and the sends below): this KV memory exists only for the benchmark;
         // nothing else touches its blocks.
-        let staged = unsafe { side.memory.stage_send(&pieces)? };
+        let all = 0..layout.num_layers;
+        let staged = unsafe { side.memory.stage_send(&pieces, all.clone())? };
         write_message(&mut s, &header(TransferId(format!("bench-{i}"))))?;
-        unsafe { send_staged(&mut s, region, &pieces, tokens, cfg.verify, &mut |i| staged.ready(i))? };
+        unsafe { send_staged(&mut s, region, (&pieces, all), tokens, cfg.verify, &mut |i| staged.ready(i))? };
         drop(staged);
         acked(&mut s)?;
         kv_rates.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);

@@ -5,7 +5,9 @@
 //! two sides use different block sizes, the receiver scatters the sender's layout into its own
 //! by token position ([`scatter_tokens`]).
 
+use std::ops::Range;
 pub use tandem_compute::{coalesce, BlockRun};
+
 use tandem_compute::{KvDtype, KvLayout, KvRegion};
 
 /// Bytes a sender with `layout` and `dtype` elements sends for `num_tokens` tokens: whole blocks.
@@ -13,24 +15,46 @@ pub fn wire_bytes(layout: &KvLayout, dtype: KvDtype, num_tokens: usize) -> u64 {
     (layout.blocks_for(num_tokens) * layout.block_elems() * dtype.bytes()) as u64
 }
 
-/// Copies the KV of tokens `0..num_tokens` from `src`, the raw bytes of whole blocks of
-/// `src_block_size` tokens in token order (the sender's layout, same layers/heads/head_dim and
-/// element type as `dst`), into the destination blocks `dst_blocks` of `dst`.
+/// Bytes a sender sends for `num_tokens` tokens of the layers `layers` only (a group of a
+/// step still computing): each whole block's slice of those layers, in block order. A group's
+/// bytes are whole blocks of [`group_layout`].
+pub fn group_wire_bytes(layout: &KvLayout, dtype: KvDtype, num_tokens: usize, layers: &Range<usize>) -> u64 {
+    wire_bytes(&group_layout(layout, layers), dtype, num_tokens)
+}
+
+/// `layout` cut to the layers `layers`: how a group's bytes are laid out on the wire.
+pub fn group_layout(layout: &KvLayout, layers: &Range<usize>) -> KvLayout {
+    KvLayout { num_layers: layers.len(), ..*layout }
+}
+
+/// Copies the KV of tokens `0..num_tokens` of the layers `layers` from `src`, the raw bytes of
+/// whole blocks of `src_block_size` tokens in token order (the sender's layout cut to those
+/// layers, [`group_layout`]; same heads/head_dim and element type as `dst`), into the
+/// destination blocks `dst_blocks` of `dst`.
 ///
 /// # Safety
 /// The caller must own `dst_blocks` exclusively (no other thread reads or writes them).
 ///
 /// # Panics
-/// If `src` or `dst_blocks` is too short for `num_tokens`.
-pub unsafe fn scatter_tokens(src: &[u8], src_block_size: usize, dst: &KvRegion, dst_blocks: &[u32], num_tokens: usize) {
+/// If `src` or `dst_blocks` is too short for `num_tokens`, or `layers` lies outside `dst`.
+pub unsafe fn scatter_tokens(
+    src: &[u8],
+    src_block_size: usize,
+    dst: &KvRegion,
+    dst_blocks: &[u32],
+    num_tokens: usize,
+    layers: Range<usize>,
+) {
     let dl = *dst.layout();
+    assert!(layers.end <= dl.num_layers, "layers outside the destination");
     let sl = KvLayout { block_size: src_block_size, num_blocks: num_tokens.div_ceil(src_block_size), ..dl };
+    let sl = group_layout(&sl, &layers);
     let eb = dst.dtype().bytes();
     assert!(src.len() >= sl.num_blocks * sl.block_elems() * eb, "source too short");
     assert!(dst_blocks.len() >= dl.blocks_for(num_tokens), "too few destination blocks");
     // Bytes of one token's row in a (layer, k|v, head) plane.
     let hd = dl.head_dim * eb;
-    for layer in 0..dl.num_layers {
+    for layer in layers.clone() {
         for kv in 0..2 {
             for head in 0..dl.num_kv_heads {
                 let mut t = 0;
@@ -38,7 +62,7 @@ pub unsafe fn scatter_tokens(src: &[u8], src_block_size: usize, dst: &KvRegion, 
                     let (sb, ss) = (t / sl.block_size, t % sl.block_size);
                     let (db, ds) = (t / dl.block_size, t % dl.block_size);
                     let n = (sl.block_size - ss).min(dl.block_size - ds).min(num_tokens - t);
-                    let s = sl.plane_offset(sb, layer, kv, head) * eb + ss * hd;
+                    let s = sl.plane_offset(sb, layer - layers.start, kv, head) * eb + ss * hd;
                     // Safety: the caller owns the destination blocks exclusively.
                     let block = unsafe { dst.bytes_mut(dst_blocks[db] as usize, 1) };
                     let d = dl.plane_offset_in_block(layer, kv, head) * eb + ds * hd;
@@ -78,7 +102,7 @@ pub unsafe fn copy_tokens(src: &KvRegion, src_blocks: &[u32], dst: &KvRegion, ds
             staging.extend_from_slice(unsafe { src.bytes(s as usize, 1) });
         }
         // Safety: the caller owns the destination blocks exclusively.
-        unsafe { scatter_tokens(&staging, sl.block_size, dst, dst_blocks, num_tokens) };
+        unsafe { scatter_tokens(&staging, sl.block_size, dst, dst_blocks, num_tokens, 0..dl.num_layers) };
     }
 }
 
@@ -111,7 +135,7 @@ mod tests {
             let region = src.region();
             // Safety: single-threaded test owns every block.
             let src_bytes = unsafe { region.bytes(0, src_table.len()) };
-            unsafe { scatter_tokens(src_bytes, src_bs, &dst.region(), &dst_table, tokens) };
+            unsafe { scatter_tokens(src_bytes, src_bs, &dst.region(), &dst_table, tokens, 0..2) };
             for t in 0..tokens {
                 for l in 0..2 {
                     for kv in 0..2 {

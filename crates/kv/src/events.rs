@@ -122,6 +122,9 @@ pub struct ConnectorStats {
     /// Prefill, push: parts of a prompt's KV written into decode's blocks (or sent on the side
     /// channel) while later chunks of the prompt were still being computed.
     pub parts_early: u64,
+    /// Decode, push over tcp: groups of layers that landed (a step's KV sent group by group
+    /// while its later layers computed), not counting writes of all layers.
+    pub groups_landed: u64,
 }
 
 /// Where the connector delivers its events, as they happen, from its own threads: the engine

@@ -1,5 +1,6 @@
 //! The KV memory a connector moves: where its bytes are, as each transport needs them.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use tandem_compute::cuda::{DeviceKvMemory, HostCopies};
@@ -92,23 +93,27 @@ impl KvMemory {
         let mut load = self.receiver()?;
         for run in crate::blocks::coalesce(blocks) {
             // Safety: passed on from the caller.
-            unsafe { load.landed(run)? };
+            unsafe { load.landed(run, 0..self.layout().num_layers)? };
         }
         load.finish()
     }
 
-    /// A tcp send's copies from the device cache: every piece queued at once on the
-    /// connector's transfer stream, each waited for just before it goes on the socket
-    /// ([`StagedSend::ready`]). Nothing is copied for a CPU engine.
+    /// A tcp send's copies from the device cache of `layers` of the pieces' blocks: every
+    /// piece queued at once on the connector's transfer stream, each waited for just before it
+    /// goes on the socket ([`StagedSend::ready`]). Nothing is copied for a CPU engine.
     ///
     /// # Safety
     /// As [`KvMemory::stage_to_host`], for the pieces' blocks, until the result is dropped.
-    pub unsafe fn stage_send(&self, pieces: &[crate::blocks::BlockRun]) -> Result<StagedSend<'_>, KvError> {
+    pub unsafe fn stage_send(
+        &self,
+        pieces: &[crate::blocks::BlockRun],
+        layers: Range<usize>,
+    ) -> Result<StagedSend<'_>, KvError> {
         let (Some(device), Some(host)) = (&self.device, &self.host) else { return Ok(StagedSend(None)) };
         let mut copies = device.host_copies(host).map_err(KvError::Transfer)?;
         for &piece in pieces {
             // Safety: passed on from the caller.
-            unsafe { copies.download(piece) }.map_err(KvError::Transfer)?;
+            unsafe { copies.download(piece, layers.clone()) }.map_err(KvError::Transfer)?;
         }
         Ok(StagedSend(Some(copies)))
     }
@@ -159,14 +164,15 @@ impl StagedSend<'_> {
 pub struct StagedReceive<'a>(Option<HostCopies<'a>>);
 
 impl StagedReceive<'_> {
-    /// Queues the copy of `run`, which has landed in the host copy, into the device cache.
+    /// Queues the copy of `layers` of `run`, which have landed in the host copy, into the
+    /// device cache.
     ///
     /// # Safety
     /// As [`KvMemory::load_from_host`], for `run`'s blocks, until [`StagedReceive::finish`].
-    pub unsafe fn landed(&mut self, run: crate::blocks::BlockRun) -> Result<(), KvError> {
+    pub unsafe fn landed(&mut self, run: crate::blocks::BlockRun, layers: Range<usize>) -> Result<(), KvError> {
         match &mut self.0 {
             // Safety: passed on from the caller.
-            Some(c) => unsafe { c.upload(run) }.map(drop).map_err(KvError::Transfer),
+            Some(c) => unsafe { c.upload(run, layers) }.map(drop).map_err(KvError::Transfer),
             None => Ok(()),
         }
     }

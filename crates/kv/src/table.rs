@@ -10,6 +10,7 @@
 //! Layer: under `protocol`. Owns the entries; calls only the ground floor (`events`).
 
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use tandem_core::{RequestId, TransferId};
@@ -43,6 +44,12 @@ pub(crate) struct Incoming<L> {
     /// tcp in parts while the prompt computes), and where the write in progress ends.
     pub landed_upto: usize,
     pub writing_upto: usize,
+    /// A span of tokens landing group of layers by group (a step still computing): where it
+    /// ends, and how many layers from the first have landed (`landed_upto` moves to its end
+    /// once the last group has).
+    pub partial: Option<(usize, usize)>,
+    /// The write in progress is a group that leaves layers from this one on still to come.
+    pub writing_group_end: Option<usize>,
     /// Pull: known from the params. Push: comes with `Done`.
     pub first_token: Option<u32>,
     /// Pull (decode reads) rather than push (prefill writes).
@@ -135,20 +142,25 @@ pub(crate) struct Computing {
     pub since: Instant,
 }
 
-/// Which of a transfer's tokens one write moves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which of a transfer's tokens, and of their layers, one write moves.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct WriteSpan {
     /// The first, counted from the first wanted token.
     pub from: usize,
     pub num_tokens: usize,
-    /// The transfer's last write: it must end at the last wanted token.
+    /// The transfer's last write: it must end at the last wanted token (and layer).
     pub last: bool,
+    /// The layers it carries: all of them (`0..num_layers`), or a group of a step still
+    /// computing, which follows the group before it over the same tokens.
+    pub layers: Range<usize>,
+    /// The layers there are.
+    pub num_layers: usize,
 }
 
 impl WriteSpan {
-    /// All `num_tokens` in one write.
-    pub(crate) fn whole(num_tokens: usize) -> Self {
-        Self { from: 0, num_tokens, last: true }
+    /// All `num_tokens` in one write, every layer of them.
+    pub(crate) fn whole(num_tokens: usize, num_layers: usize) -> Self {
+        Self { from: 0, num_tokens, last: true, layers: 0..num_layers, num_layers }
     }
 }
 
@@ -165,7 +177,7 @@ pub(crate) enum Aborted<L> {
     /// No such request (never registered, or already over): nothing can write its blocks.
     Unknown,
     /// Removed now: its blocks come back; its connection, if any, is told.
-    Now(Incoming<L>),
+    Now(Box<Incoming<L>>),
     /// A write into its blocks is running: it ends, and its blocks come back, when the write
     /// does; its connection, if any, is told now.
     AtWriteEnd(Option<L>),
@@ -250,7 +262,7 @@ impl<L, W> Tables<L, W> {
                 inc.landing = Landing::WritingAborted;
                 Aborted::AtWriteEnd(inc.conn.clone())
             }
-            _ => self.remove_incoming(&tid).map_or(Aborted::Unknown, Aborted::Now),
+            _ => self.remove_incoming(&tid).map_or(Aborted::Unknown, |inc| Aborted::Now(Box::new(inc))),
         }
     }
 
@@ -301,17 +313,26 @@ impl<L, W> Tables<L, W> {
         dst: Option<&[u32]>,
         block_size: usize,
     ) -> Result<Vec<u32>, NoWrite> {
-        let WriteSpan { from, num_tokens, last } = span;
+        let WriteSpan { from, num_tokens, last, layers, num_layers } = span;
         let inc = self.incoming.get_mut(tid).ok_or(NoWrite::Unknown)?;
         let open = matches!(inc.landing, Landing::Waiting | Landing::Landed);
-        let in_order = from == 0 || from == inc.landed_upto;
         let end = from + num_tokens;
+        // A span's first group (or all its layers) starts where the landed KV ends, or over it
+        // from the first token; a later group continues the span where its last group ended.
+        let in_order = match layers.start {
+            0 => from == 0 || from == inc.landed_upto,
+            l => from == inc.landed_upto && inc.partial == Some((end, l)),
+        };
+        let grouped = layers.start < layers.end && layers.end <= num_layers && (!last || layers.end == num_layers);
         let fits = from.is_multiple_of(block_size.max(1)) && end <= inc.num_tokens && (!last || end == inc.num_tokens);
         let ours = inc.blocks.get(from / block_size.max(1)..).unwrap_or_default();
-        if !open || !in_order || !fits || dst.is_some_and(|d| !ours.starts_with(d)) {
+        if !open || !in_order || !grouped || !fits || dst.is_some_and(|d| !ours.starts_with(d)) {
             return Err(NoWrite::Refused);
         }
-        if from == 0 {
+        if layers.start == 0 {
+            inc.partial = None;
+        }
+        if from == 0 && layers.start == 0 {
             // The first write, or the prompt computed again: what landed before is overwritten.
             inc.landed_upto = 0;
             inc.failure = None;
@@ -319,7 +340,8 @@ impl<L, W> Tables<L, W> {
             (inc.timeline.bytes, inc.timeline.regions) = (0, 0);
         }
         inc.landing = Landing::Writing;
-        inc.writing_upto = from + num_tokens;
+        inc.writing_upto = end;
+        inc.writing_group_end = (layers.end < num_layers).then_some(layers.end);
         Ok(dst.unwrap_or(ours).to_vec())
     }
 
@@ -330,8 +352,15 @@ impl<L, W> Tables<L, W> {
     pub fn end_write(&mut self, tid: &TransferId, landed: bool, bytes: u64, regions: u32) -> bool {
         let Some(inc) = self.incoming.get_mut(tid) else { return false };
         let aborted = inc.landing == Landing::WritingAborted;
-        if landed {
-            inc.landed_upto = inc.writing_upto;
+        match (landed, inc.writing_group_end.take()) {
+            // A group with more of its span's layers to come.
+            (true, Some(layers)) => inc.partial = Some((inc.writing_upto, layers)),
+            (true, None) => {
+                inc.landed_upto = inc.writing_upto;
+                inc.partial = None;
+            }
+            // What landed of the span is not all its layers; its later groups are refused.
+            (false, _) => inc.partial = None,
         }
         inc.landing = if inc.landed_upto == inc.num_tokens { Landing::Landed } else { Landing::Waiting };
         inc.timeline.data_end_us = inc.since();
@@ -387,6 +416,8 @@ mod tests {
             landing: Landing::Waiting,
             landed_upto: 0,
             writing_upto: 20,
+            partial: None,
+            writing_group_end: None,
             first_token: None,
             pull: false,
             direct: false,
@@ -402,29 +433,29 @@ mod tests {
         let mut t = Table::default();
         t.incoming.insert(tid.clone(), incoming(Instant::now() + Duration::from_secs(9)));
         assert!(matches!(
-            t.begin_write(&TransferId("x".into()), WriteSpan::whole(20), None, 16),
+            t.begin_write(&TransferId("x".into()), WriteSpan::whole(20, 2), None, 16),
             Err(NoWrite::Unknown)
         ));
         assert!(
-            matches!(t.begin_write(&tid, WriteSpan::whole(19), None, 16), Err(NoWrite::Refused)),
+            matches!(t.begin_write(&tid, WriteSpan::whole(19, 2), None, 16), Err(NoWrite::Refused)),
             "token count must match"
         );
         assert!(
-            matches!(t.begin_write(&tid, WriteSpan::whole(20), Some(&[4, 6]), 16), Err(NoWrite::Refused)),
+            matches!(t.begin_write(&tid, WriteSpan::whole(20, 2), Some(&[4, 6]), 16), Err(NoWrite::Refused)),
             "blocks must match"
         );
-        assert_eq!(t.begin_write(&tid, WriteSpan::whole(20), Some(&[4, 5]), 16).ok(), Some(vec![4, 5]));
+        assert_eq!(t.begin_write(&tid, WriteSpan::whole(20, 2), Some(&[4, 5]), 16).ok(), Some(vec![4, 5]));
         assert!(
-            matches!(t.begin_write(&tid, WriteSpan::whole(20), None, 16), Err(NoWrite::Refused)),
+            matches!(t.begin_write(&tid, WriteSpan::whole(20, 2), None, 16), Err(NoWrite::Refused)),
             "one write at a time"
         );
         assert!(!t.end_write(&tid, true, 100, 1));
         assert_eq!(t.incoming[&tid].landing, Landing::Landed);
         assert_eq!(t.incoming[&tid].timeline.bytes, 100);
         // Aborted while writing: the write's end says so, so the writer releases the request.
-        t.begin_write(&tid, WriteSpan::whole(20), None, 16).ok().unwrap();
+        t.begin_write(&tid, WriteSpan::whole(20, 2), None, 16).ok().unwrap();
         t.incoming.get_mut(&tid).unwrap().landing = Landing::WritingAborted;
-        assert!(matches!(t.begin_write(&tid, WriteSpan::whole(20), None, 16), Err(NoWrite::Refused)));
+        assert!(matches!(t.begin_write(&tid, WriteSpan::whole(20, 2), None, 16), Err(NoWrite::Refused)));
         assert!(t.end_write(&tid, false, 0, 0));
     }
 
@@ -439,7 +470,7 @@ mod tests {
             t.incoming.insert(tid.clone(), Incoming { request_id: RequestId::new(request), ..incoming(later) });
             t.by_request.insert(RequestId::new(request), tid.clone());
         }
-        t.begin_write(&b, WriteSpan::whole(20), None, 16).ok().unwrap();
+        t.begin_write(&b, WriteSpan::whole(20, 2), None, 16).ok().unwrap();
         assert!(matches!(t.abort(&RequestId::new("ra")), Aborted::Now(inc) if inc.request_id == RequestId::new("ra")));
         assert!(!t.incoming.contains_key(&a) && !t.by_request.contains_key(&RequestId::new("ra")));
         assert!(matches!(t.abort(&RequestId::new("rb")), Aborted::AtWriteEnd(_)));
@@ -485,7 +516,7 @@ mod tests {
         let tid = TransferId("t".into());
         let mut t = Table::default();
         t.incoming.insert(tid.clone(), incoming(Instant::now() + Duration::from_secs(9)));
-        let part = |from, num_tokens, last| WriteSpan { from, num_tokens, last };
+        let part = |from, num_tokens, last| WriteSpan { from, num_tokens, last, layers: 0..2, num_layers: 2 };
         // 20 tokens in blocks [4, 5] of 16: a part of 16, then the last 4.
         assert!(matches!(t.begin_write(&tid, part(16, 4, true), None, 16), Err(NoWrite::Refused)), "out of order");
         assert!(matches!(t.begin_write(&tid, part(8, 8, false), None, 16), Err(NoWrite::Refused)), "mid-block");
@@ -508,13 +539,51 @@ mod tests {
     }
 
     #[test]
+    fn a_spans_groups_of_layers_land_in_layer_order_and_its_tokens_count_with_the_last() {
+        let tid = TransferId("t".into());
+        let mut t = Table::default();
+        t.incoming.insert(tid.clone(), incoming(Instant::now() + Duration::from_secs(9)));
+        // 20 tokens of 3 layers in blocks [4, 5] of 16: tokens 0..16 in groups 0..1, 1..3.
+        let group =
+            |from, num_tokens, layers: Range<usize>, last| WriteSpan { from, num_tokens, last, layers, num_layers: 3 };
+        let refused = |t: &mut Table, span, why| {
+            assert!(matches!(t.begin_write(&tid, span, None, 16), Err(NoWrite::Refused)), "{why}");
+        };
+        refused(&mut t, group(0, 16, 1..3, false), "a later group before the first");
+        refused(&mut t, group(0, 16, 2..4, false), "past the last layer");
+        refused(&mut t, group(0, 20, 0..1, true), "a last write short of the last layer");
+        t.begin_write(&tid, group(0, 16, 0..1, false), None, 16).ok().unwrap();
+        t.end_write(&tid, true, 10, 1);
+        assert_eq!(t.incoming[&tid].landed_upto, 0, "one group is not the tokens' KV");
+        refused(&mut t, group(0, 16, 2..3, false), "a group skipped");
+        refused(&mut t, group(0, 8, 1..3, false), "another span");
+        refused(&mut t, group(16, 4, 0..3, true), "the next span before this one's groups");
+        t.begin_write(&tid, group(0, 16, 1..3, false), None, 16).ok().unwrap();
+        t.end_write(&tid, true, 20, 1);
+        assert_eq!((t.incoming[&tid].landed_upto, t.incoming[&tid].partial), (16, None));
+        // A group that does not land: the span's later groups are refused, and the span is
+        // written again from its first group (or the prompt from its first token).
+        t.begin_write(&tid, group(16, 4, 0..2, false), None, 16).ok().unwrap();
+        t.end_write(&tid, false, 0, 0);
+        refused(&mut t, group(16, 4, 2..3, true), "the rest of a span whose first group failed");
+        t.begin_write(&tid, group(16, 4, 0..3, true), None, 16).ok().unwrap();
+        t.end_write(&tid, true, 5, 1);
+        assert_eq!((t.incoming[&tid].landing, t.incoming[&tid].landed_upto), (Landing::Landed, 20));
+        // Computed again from the first token, group by group, over what landed.
+        t.incoming.get_mut(&tid).unwrap().landing = Landing::Waiting;
+        t.begin_write(&tid, group(0, 16, 0..2, false), None, 16).ok().unwrap();
+        t.end_write(&tid, true, 10, 1);
+        assert_eq!((t.incoming[&tid].landed_upto, t.incoming[&tid].partial), (0, Some((16, 2))));
+    }
+
+    #[test]
     fn expiry_spares_writes_and_reads_in_progress() {
         let past = Instant::now() - Duration::from_millis(1);
         let mut t = Table::default();
         let (a, b) = (TransferId("a".into()), TransferId("b".into()));
         t.incoming.insert(a.clone(), incoming(past));
         t.incoming.insert(b.clone(), incoming(past));
-        t.begin_write(&b, WriteSpan::whole(20), None, 16).ok().unwrap();
+        t.begin_write(&b, WriteSpan::whole(20, 2), None, 16).ok().unwrap();
         t.produced.insert(a.clone(), Produced::example(past));
         t.produced.insert(b.clone(), Produced { reading: true, ..Produced::example(past) });
         let e = t.expire(Instant::now(), Duration::ZERO);

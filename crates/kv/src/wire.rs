@@ -20,6 +20,7 @@
 //!   writer's digest of the KV it copied, which the reader checks against its blocks).
 //! - 8: `WriteBlocks.from_token` and `.last`: a push over tcp writes a prompt's KV in parts while
 //!   it is computed, in order, the last write followed by `Done`; decode acknowledges the last.
+//! - 9: `WriteBlocks.layers`: a part goes group of layers by group as its step computes them.
 //!
 //! Layer: the ground floor but for `agent_info` and `error`, which it calls.
 
@@ -32,7 +33,7 @@ use crate::agent_info::AgentInfo;
 use crate::error::KvError;
 
 /// The side-channel protocol version.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Largest control frame accepted (a block-id list for a very long prompt fits easily).
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -155,6 +156,11 @@ pub enum Message {
         /// are parts of a prompt still being computed.
         #[serde(default = "yes")]
         last: bool,
+        /// The layers `[start, end)` the bytes carry, when not all of them: a step still
+        /// computing goes group by group of layers, in layer order, each group of a span of
+        /// tokens after the one before it; the span's tokens have landed with its last group.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        layers: Option<[usize; 2]>,
         /// Raw bytes that follow.
         bytes: u64,
         /// The bytes are followed by their CRC-32 (4 bytes, little-endian).
@@ -293,6 +299,7 @@ mod tests {
                 num_tokens: 9,
                 from_token: 16,
                 last: false,
+                layers: Some([2, 4]),
                 bytes: 64,
                 checksum: true,
             },

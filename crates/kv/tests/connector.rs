@@ -806,3 +806,82 @@ fn an_abort_between_parts_over_tcp_is_released_and_nothing_lands_after() {
     std::thread::sleep(Duration::from_millis(200));
     assert!(p.untouched(&blocks[1..]), "KV landed in the blocks after the abort");
 }
+
+/// Two host fences for the pair's two layers, and the signals that set them.
+fn two_groups() -> (KvFences, tandem_compute::cuda::HostSignal, tandem_compute::cuda::HostSignal) {
+    use tandem_compute::cuda::HostFence;
+    let ((f0, s0), (f1, s1)) = (HostFence::pair(), HostFence::pair());
+    (KvFences::host(vec![(0..1, f0), (1..2, f1)]), s0, s1)
+}
+
+/// Push over tcp, a step still computing (a GPU engine reports it as it submits it): its KV goes
+/// group of layers by group, each once its fence says the group is written, and decode lands
+/// and counts the groups; the tokens count as landed with the last group, and the final write
+/// moves only the rest of the prompt.
+#[test]
+fn a_computing_step_goes_over_tcp_group_of_layers_by_group() {
+    let p = pair_via(false, KvMode::Push, 4, 8, Duration::from_secs(3));
+    let (tokens, blocks) = (37, p.d_blocks(37));
+    let tid = TransferId("t1".into());
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens, 0);
+    std::thread::sleep(Duration::from_millis(150)); // the registration has reached prefill
+    let (fences, first, second) = two_groups();
+    p.p.computed(tid.clone(), p.p_blocks(tokens), 32, 0, fences);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(p.untouched(&blocks), "KV went before its group's fence was set");
+    first.signal();
+    wait_until("layer 0 landing", || (0..32).all(|t| d_key(&p, &blocks, t, 0) == written_key(t, 0)));
+    std::thread::sleep(Duration::from_millis(50));
+    assert!((0..32).all(|t| d_key(&p, &blocks, t, 1) != written_key(t, 1)), "layer 1 went before its fence");
+    assert_eq!(p.d.stats().groups_landed, 1);
+    second.signal();
+    wait_until("the second group", || p.d.stats().groups_landed == 2);
+    assert!((0..32).all(|t| d_key(&p, &blocks, t, 1) == written_key(t, 1)));
+    assert!(p.untouched(&blocks[4..]), "tokens 32.. were written before the prompt was complete");
+    p.produce("t1", tokens);
+    assert_ready(p.wait_event(), "r1");
+    p.assert_landed(tokens, &blocks);
+    p.wait_freed(1);
+    wait_until("the write acknowledged", || p.p.stats().transfers_ok == 1);
+    assert_eq!((p.p.stats().parts_early, p.d.stats().groups_landed), (1, 2));
+}
+
+/// Faults on the group-by-group path: decode aborts with a group landed and the next still
+/// computing (released at once; the late group is drained, never written), and a group whose
+/// computing step gave it up (the transfer fails rather than answer from half the layers).
+/// Blocks come back on both sides.
+#[test]
+fn an_abort_between_groups_and_a_group_lost_end_the_transfer_cleanly() {
+    let p = pair_via(false, KvMode::Push, 4, 8, Duration::from_secs(3));
+    let (tokens, blocks) = (37, p.d_blocks(37));
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens, 0);
+    std::thread::sleep(Duration::from_millis(150));
+    let (fences, first, second) = two_groups();
+    p.p.computed(TransferId("t1".into()), p.p_blocks(tokens), 32, 0, fences);
+    first.signal();
+    wait_until("the first group", || p.d.stats().groups_landed == 1);
+    p.d.abort(RequestId::new("r1"));
+    assert!(matches!(p.wait_event(), ConnectorEvent::Released { .. }));
+    second.signal();
+    p.produce("t1", tokens);
+    p.wait_freed(1);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!((0..32).all(|t| d_key(&p, &blocks, t, 1) != written_key(t, 1)), "a group landed after the abort");
+    assert_eq!(p.d.stats().groups_landed, 1);
+
+    // The second group's step failed (its signal dropped unset): decode hears the transfer
+    // failed and recomputes; it never reports Ready on layer 0 alone.
+    p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), tokens, 0);
+    std::thread::sleep(Duration::from_millis(150));
+    let (fences, first, second) = two_groups();
+    p.p.computed(TransferId("t2".into()), p.p_blocks(tokens), 32, 0, fences);
+    first.signal();
+    wait_until("the first group of t2", || p.d.stats().groups_landed == 2);
+    drop(second);
+    p.produce("t2", tokens);
+    match p.wait_event() {
+        ConnectorEvent::Failed { reason, .. } => assert!(reason.contains("without writing"), "{reason}"),
+        other => panic!("expected the transfer to fail, got {other:?}"),
+    }
+    p.wait_freed(2);
+}

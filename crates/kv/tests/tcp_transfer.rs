@@ -112,6 +112,7 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
                 num_tokens: tokens,
                 from_token: 0,
                 last: true,
+                layers: None,
                 bytes,
                 checksum,
             },
@@ -203,11 +204,11 @@ fn staged_pieces_are_read_after_their_hook_and_reported_as_they_land() {
         Ok(())
     };
     // Safety (both calls): the test owns every block of both caches.
-    let bytes = unsafe { send_staged(&mut wire, &src, &p, tokens, true, &mut ready).unwrap() };
+    let bytes = unsafe { send_staged(&mut wire, &src, (&p, 0..8), tokens, true, &mut ready).unwrap() };
     assert_eq!(readied, [0, 1, 2, 3]);
     let dst_table: Vec<u32> = (10..31).collect();
     let mut landed = Vec::new();
-    let into = Destination { region: &dst, blocks: &dst_table, num_tokens: tokens };
+    let into = Destination::all(&dst, &dst_table, tokens);
     let mut report = |run| {
         landed.push(run);
         Ok(())
@@ -219,5 +220,21 @@ fn staged_pieces_are_read_after_their_hook_and_reported_as_they_land() {
         // Safety: the test owns every block of both caches.
         let (a, b) = unsafe { (src.bytes(*s as usize, 1), dst.bytes(*d as usize, 1)) };
         assert!(a == b && a.iter().any(|&x| x != 0), "block {s} -> {d}");
+    }
+    // A group of layers: each block's slice of layers 2..5 goes, and lands, alone.
+    let group_cache = KvCache::new(l);
+    let group = group_cache.region();
+    let mut wire = Vec::new();
+    let bytes = unsafe { send_staged(&mut wire, &src, (&p, 2..5), tokens, true, &mut |_| Ok(())).unwrap() };
+    assert_eq!(bytes, tandem_kv::blocks::group_wire_bytes(&l, src.dtype(), tokens, &(2..5)));
+    assert_eq!(wire.len() as u64, bytes + 4);
+    let into = Destination { layers: 2..5, ..Destination::all(&group, &dst_table, tokens) };
+    unsafe { recv_staged(&mut &wire[..], bytes, 64, into, true, &mut |_| Ok(())).unwrap() };
+    let layer_bytes = src.block_bytes() / 8;
+    for (s, d) in table.iter().zip(&dst_table) {
+        let (a, b) = unsafe { (src.bytes(*s as usize, 1), group.bytes(*d as usize, 1)) };
+        let slice = 2 * layer_bytes..5 * layer_bytes;
+        assert_eq!(a[slice.clone()], b[slice.clone()], "block {s} -> {d}: layers 2..5");
+        assert!(b[..slice.start].iter().chain(&b[slice.end..]).all(|&x| x == 0), "block {d}: other layers written");
     }
 }

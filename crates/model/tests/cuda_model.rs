@@ -400,13 +400,20 @@ fn host_kv_copy_moves_a_prompt_between_engines_bit_for_bit() {
         let mut into = to_dev.host_copies(&to).unwrap();
         // Safety (all copies here): both engines are idle on this thread; nothing else touches
         // their caches or host copies, and each piece is waited for before its bytes are used.
-        let pieces: Vec<usize> =
-            (0..used as usize).map(|b| unsafe { out.download(piece(p_table[b])) }.unwrap()).collect();
+        // Each block in two groups of layers (pitched copies, a slice of the block each), as a
+        // push over tcp moves a step's KV while later layers still compute.
+        let layers = from.layout().num_layers;
+        let groups = [0..layers / 2, layers / 2..layers];
+        let pieces: Vec<usize> = (0..used as usize)
+            .map(|b| groups.clone().map(|g| unsafe { out.download(piece(p_table[b]), g) }.unwrap())[1])
+            .collect();
         for (b, &i) in pieces.iter().enumerate() {
             out.wait(i).unwrap();
             let (src, dst) = unsafe { (from.bytes(p_table[b] as usize, 1), to.bytes_mut(d_table[b] as usize, 1)) };
             dst.copy_from_slice(src);
-            unsafe { into.upload(piece(d_table[b])) }.unwrap();
+            for g in groups.clone() {
+                unsafe { into.upload(piece(d_table[b]), g) }.unwrap();
+            }
         }
         into.wait_all().unwrap();
     }

@@ -9,6 +9,7 @@
 //! [`crate::kv_copy`], on this process's transfer stream: the engine's stream never waits on a
 //! transfer, and a transfer returns only once its copies have completed.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -401,9 +402,12 @@ impl DeviceKvMemory {
             None
         };
         let mut copies = 0;
-        for (layers, event) in fences.groups(self.layout.num_layers) {
-            if let Some(event) = event {
-                stream.wait(event).map_err(|e| failed(e.into()))?;
+        for (layers, fence) in fences.groups(self.layout.num_layers) {
+            match fence.map(|f| (f.event(), f)) {
+                Some((Some(event), _)) => stream.wait(event).map_err(|e| failed(e.into()))?,
+                // A group a host thread computes: queued once it is written.
+                Some((None, fence)) => fence.wait()?,
+                None => {}
             }
             match &tables {
                 Some(tables) => {
@@ -481,7 +485,7 @@ impl DeviceKvMemory {
         let mut copies = self.host_copies(host)?;
         for run in coalesce(blocks) {
             // Safety: passed on from the caller.
-            unsafe { copies.download(run)? };
+            unsafe { copies.download(run, 0..self.layout.num_layers)? };
         }
         copies.wait_all()
     }
@@ -615,35 +619,36 @@ pub struct HostCopies<'a> {
     events: Vec<CudaEvent>,
 }
 
+/// Which way a [`HostCopies`] copy goes.
+enum Direction {
+    ToHost,
+    ToDevice,
+}
+
 impl HostCopies<'_> {
-    /// Queues the copy of `run`'s blocks from the device cache into the host copy; returns its
-    /// piece number for [`HostCopies::wait`].
+    /// Queues the copy of layers `layers` of `run`'s blocks (all of them: one linear copy; a
+    /// group: one pitched copy, a slice of each block) from the device cache into the host
+    /// copy; returns its piece number for [`HostCopies::wait`].
     ///
     /// # Safety
     /// The caller holds `run`'s blocks on both sides until the piece has been waited for: their
     /// KV is computed (no step writes them) and nobody reads or writes them in the host copy.
-    pub unsafe fn download(&mut self, run: BlockRun) -> Result<usize, String> {
-        let (host, device, bytes) = self.span(run)?;
-        // Safety: the caller holds these blocks, which `span` found inside both caches; the
-        // piece's event, waited for before they are used or given back (at the latest on drop),
-        // ends the copy's use of them.
-        unsafe { sys::cuMemcpyDtoHAsync_v2(host.cast(), device, bytes, self.mem.stream.cu_stream()) }
-            .result()
+    pub unsafe fn download(&mut self, run: BlockRun, layers: Range<usize>) -> Result<usize, String> {
+        // Safety: passed on from the caller.
+        unsafe { self.queue(run, layers, Direction::ToHost) }
             .map_err(|e| format!("copying KV to the host copy failed: {e}"))?;
         self.mark()
     }
 
-    /// Queues the copy of `run`'s blocks from the host copy into the device cache; returns its
-    /// piece number for [`HostCopies::wait`].
+    /// Queues the copy of layers `layers` of `run`'s blocks from the host copy into the device
+    /// cache; returns its piece number for [`HostCopies::wait`].
     ///
     /// # Safety
     /// The caller holds `run`'s blocks on both sides until the piece has been waited for: no
     /// step reads or writes them on the device and nobody writes them in the host copy.
-    pub unsafe fn upload(&mut self, run: BlockRun) -> Result<usize, String> {
-        let (host, device, bytes) = self.span(run)?;
-        // Safety: as in `download`, the other way round.
-        unsafe { sys::cuMemcpyHtoDAsync_v2(device, host.cast_const().cast(), bytes, self.mem.stream.cu_stream()) }
-            .result()
+    pub unsafe fn upload(&mut self, run: BlockRun, layers: Range<usize>) -> Result<usize, String> {
+        // Safety: passed on from the caller.
+        unsafe { self.queue(run, layers, Direction::ToDevice) }
             .map_err(|e| format!("copying KV into the device cache failed: {e}"))?;
         self.mark()
     }
@@ -662,18 +667,64 @@ impl HostCopies<'_> {
         }
     }
 
-    /// `run` in the host copy and in the device cache, and its bytes; an error if it lies
-    /// outside the cache.
-    fn span(&self, run: BlockRun) -> Result<(*mut u8, sys::CUdeviceptr, usize), String> {
+    /// Queues the copy of `layers` of `run` one way; an error if either lies outside the cache.
+    ///
+    /// # Safety
+    /// As [`HostCopies::download`] and [`HostCopies::upload`].
+    unsafe fn queue(&self, run: BlockRun, layers: Range<usize>, way: Direction) -> Result<(), String> {
         let (first, count) = (run.start as usize, run.len as usize);
-        if first + count > self.mem.layout.num_blocks {
-            return Err(format!("blocks {first}+{count} are outside the cache"));
+        let l = &self.mem.layout;
+        if first + count > l.num_blocks || layers.start >= layers.end || layers.end > l.num_layers {
+            return Err(format!("blocks {first}+{count}, layers {layers:?} are outside the cache"));
         }
-        let block_bytes = self.mem.layout.block_elems() * self.mem.elem_bytes;
+        let block_bytes = l.block_elems() * self.mem.elem_bytes;
+        let layer_bytes = block_bytes / l.num_layers;
         // Safety: only the address is taken here (bounds checked by `bytes_mut`); the callers'
         // contracts cover the copies that use it.
         let host = unsafe { self.host.bytes_mut(first, count) }.as_mut_ptr();
-        Ok((host, self.mem.alloc.ptr + (first * block_bytes) as u64, count * block_bytes))
+        let device = self.mem.alloc.ptr + (first * block_bytes) as u64;
+        let stream = self.mem.stream.cu_stream();
+        // Safety: both spans lie inside their caches (checked above); the caller holds the
+        // blocks, and the piece's event, waited for before they are used or given back (at
+        // the latest on drop), ends the copy's use of them.
+        unsafe {
+            if layers.len() == l.num_layers {
+                let bytes = count * block_bytes;
+                return match way {
+                    Direction::ToHost => sys::cuMemcpyDtoHAsync_v2(host.cast(), device, bytes, stream),
+                    Direction::ToDevice => sys::cuMemcpyHtoDAsync_v2(device, host.cast_const().cast(), bytes, stream),
+                }
+                .result()
+                .map_err(|e| e.to_string());
+            }
+            // The group's slice of each block: `count` rows at the block's pitch.
+            let offset = layers.start * layer_bytes;
+            let (host_at, device_at) = (host.add(offset), device + offset as u64);
+            let (src_type, dst_type) = match way {
+                Direction::ToHost => (sys::CUmemorytype::CU_MEMORYTYPE_DEVICE, sys::CUmemorytype::CU_MEMORYTYPE_HOST),
+                Direction::ToDevice => (sys::CUmemorytype::CU_MEMORYTYPE_HOST, sys::CUmemorytype::CU_MEMORYTYPE_DEVICE),
+            };
+            let to_host = matches!(way, Direction::ToHost);
+            let p = sys::CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: src_type,
+                srcHost: if to_host { std::ptr::null() } else { host_at.cast_const().cast() },
+                srcDevice: if to_host { device_at } else { 0 },
+                srcArray: std::ptr::null_mut(),
+                srcPitch: block_bytes,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: dst_type,
+                dstHost: if to_host { host_at.cast() } else { std::ptr::null_mut() },
+                dstDevice: if to_host { 0 } else { device_at },
+                dstArray: std::ptr::null_mut(),
+                dstPitch: block_bytes,
+                WidthInBytes: layers.len() * layer_bytes,
+                Height: count,
+            };
+            sys::cuMemcpy2DAsync_v2(&p, stream).result().map_err(|e| e.to_string())
+        }
     }
 
     fn mark(&mut self) -> Result<usize, String> {

@@ -18,7 +18,7 @@ mod ipc;
 pub mod ops;
 mod tuning;
 
-pub use fences::KvFences;
+pub use fences::{HostFence, HostSignal, KvFence, KvFences};
 pub use ipc::{DeviceKvMemory, DeviceScratch, HostCopies, IpcExport, PeerKvMemory};
 pub use tuning::CudaTuning;
 

@@ -81,6 +81,9 @@ impl<'a, H: FnMut(Bulk) -> Message> Frames<'a, H> {
 
 impl<H: FnMut(Bulk) -> Message> Announce for Frames<'_, H> {
     fn announce(&mut self, bulk: Bulk) -> Result<&mut dyn std::io::Write, KvError> {
+        // A write of several announcements (groups of layers, each once its step has computed
+        // it) lets other frames through between them.
+        self.held = None;
         let mut w = self.conn.writer();
         write_message(&mut *w, &(self.header)(bulk))?;
         Ok(&mut **self.held.insert(w))

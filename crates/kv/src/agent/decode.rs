@@ -87,6 +87,8 @@ pub(crate) fn expect(
         landed_upto: 0,
         // A direct writer's one write (which names no span) lands them all.
         writing_upto: num_tokens,
+        partial: None,
+        writing_group_end: None,
         first_token,
         pull: lease.is_some(),
         direct: false,

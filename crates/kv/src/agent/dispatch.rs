@@ -63,9 +63,21 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             let mut t = shared.tables();
             shared.finish_incoming(&mut t, &transfer_id, |inc| ended(inc, "prefill aborted the transfer".into()));
         }
-        Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, from_token, last, bytes, checksum } => {
-            let bulk = Bulk { src_block_size, bytes, checksum };
-            let span = WriteSpan { from: from_token, num_tokens, last };
+        Message::WriteBlocks {
+            transfer_id,
+            blocks,
+            src_block_size,
+            num_tokens,
+            from_token,
+            last,
+            layers,
+            bytes,
+            checksum,
+        } => {
+            let num_layers = shared.memory.layout().num_layers;
+            let layers = layers.map_or(0..num_layers, |[start, end]| start..end);
+            let bulk = Bulk { src_block_size, bytes, checksum, layers: layers.clone() };
+            let span = WriteSpan { from: from_token, num_tokens, last, layers, num_layers };
             landing::on_write_blocks(stream, conn, shared, transfer_id, (span, &blocks), bulk)?
         }
         Message::BlockData {
@@ -79,7 +91,8 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             digest,
             grant_us,
         } => {
-            let bulk = Bulk { src_block_size, bytes, checksum };
+            let layers = 0..shared.memory.layout().num_layers;
+            let bulk = Bulk { src_block_size, bytes, checksum, layers };
             let direct = direct.then_some(DirectEnd { copy_us, digest, grant_us });
             landing::on_block_data(stream, conn, shared, transfer_id, bulk, error, direct)?
         }

@@ -63,13 +63,14 @@ pub(crate) fn on_write_blocks(
     (span, blocks): (WriteSpan, &[u32]),
     bulk: Bulk,
 ) -> Result<(), KvError> {
+    let last = span.last;
     let result = receive(stream, conn, shared, &tid, span, Some(blocks), bulk)?;
     if let Err(why) = &result {
         if let Some(inc) = shared.tables().incoming.get_mut(&tid) {
             inc.failure.get_or_insert_with(|| why.clone());
         }
     }
-    if !span.last {
+    if !last {
         return Ok(());
     }
     let failure = shared.tables().incoming.get(&tid).and_then(|i| i.failure.clone());
@@ -90,6 +91,8 @@ fn receive(
     bulk: Bulk,
 ) -> Result<Result<(), String>, KvError> {
     let num_tokens = span.num_tokens;
+    // A group of layers, not all of them: counted once it has landed.
+    let group = span.layers.len() < span.num_layers;
     let on_wire = bulk.bytes + if bulk.checksum { CHECKSUM_BYTES } else { 0 };
     if shared.cfg.verify && !bulk.checksum {
         // Pairing checks both ends agree on checksums; a peer that still sends none is not
@@ -114,16 +117,20 @@ fn receive(
     };
     // Safety: these blocks are registered to this transfer; the engine keeps them out of the
     // schedule until the connector reports, and an abort waits for the write to end.
+    let bytes = bulk.bytes;
     let result = unsafe { conn.transport.receive(stream, bulk, &blocks, num_tokens) };
     let used = shared.memory.layout().blocks_for(num_tokens).min(blocks.len());
     let regions = coalesce(&blocks[..used]).len() as u32;
     let mut t = shared.tables();
-    if t.end_write(tid, result.is_ok(), bulk.bytes, regions) {
+    if t.end_write(tid, result.is_ok(), bytes, regions) {
         shared.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Released { request_id: inc.request_id });
     }
     match result {
         Ok(()) => {
-            bump(&shared.counters.bytes_received, bulk.bytes);
+            if group {
+                bump(&shared.counters.groups_landed, 1);
+            }
+            bump(&shared.counters.bytes_received, bytes);
             Ok(Ok(()))
         }
         // The stream is still in step: the transfer fails, the connection stays.
@@ -184,7 +191,15 @@ pub(crate) fn on_block_data(
         return Ok(());
     }
     let num_tokens = shared.tables().incoming.get(&tid).map(|i| i.num_tokens).unwrap_or(0);
-    let landed = receive(stream, conn, shared, &tid, WriteSpan::whole(num_tokens), None, bulk)?;
+    let landed = receive(
+        stream,
+        conn,
+        shared,
+        &tid,
+        WriteSpan::whole(num_tokens, shared.memory.layout().num_layers),
+        None,
+        bulk,
+    )?;
     let failure = shared.tables().incoming.get_mut(&tid).and_then(|i| i.failure.take());
     // Release prefill's blocks whatever happened here: we will not read them again.
     let outcome = match (&landed, &failure) {

@@ -207,7 +207,9 @@ fn run_writer(t: Target, jobs: mpsc::Receiver<Job>) {
                     }
                 };
                 let runs = Runs { src, dst, num_tokens: to - from };
-                let mut frames = Frames::new(&t.conn, |bulk: Bulk| write_blocks(&t.tid, runs, from, false, bulk));
+                let num_layers = t.shared.memory.layout().num_layers;
+                let header = |bulk: Bulk| write_blocks(&t.tid, runs, (from, false), bulk, num_layers);
+                let mut frames = Frames::new(&t.conn, header);
                 match t.conn.transport.write(runs, &fences, None, &mut frames) {
                     Ok(()) => bump(&t.shared.counters.parts_early, 1),
                     Err(e) => {
@@ -305,7 +307,8 @@ fn send(
     let transport = &conn.transport;
     let complete = KvFences::complete();
     if !transport.writes_directly() {
-        let mut frames = Frames::new(conn, |bulk: Bulk| write_blocks(tid, runs, from, true, bulk));
+        let num_layers = s.memory.layout().num_layers;
+        let mut frames = Frames::new(conn, |bulk: Bulk| write_blocks(tid, runs, (from, true), bulk, num_layers));
         let copied = transport.write(runs, &complete, None, &mut frames);
         return finish_inline(s, tid, copied, done, &mut frames);
     }
@@ -324,8 +327,14 @@ fn send(
 }
 
 /// The frame announcing inline bytes of `runs`, tokens from `from` of the transfer (`last`: its
-/// final write, which `Done` follows).
-fn write_blocks(tid: &TransferId, runs: Runs<'_>, from: usize, last: bool, bulk: Bulk) -> Message {
+/// final write, which `Done` follows), of the layers `bulk` says (named when not all `num_layers`).
+fn write_blocks(
+    tid: &TransferId,
+    runs: Runs<'_>,
+    (from, last): (usize, bool),
+    bulk: Bulk,
+    num_layers: usize,
+) -> Message {
     Message::WriteBlocks {
         transfer_id: tid.clone(),
         blocks: runs.dst.to_vec(),
@@ -333,6 +342,7 @@ fn write_blocks(tid: &TransferId, runs: Runs<'_>, from: usize, last: bool, bulk:
         num_tokens: runs.num_tokens,
         from_token: from,
         last,
+        layers: (bulk.layers.len() < num_layers).then_some([bulk.layers.start, bulk.layers.end]),
         bytes: bulk.bytes,
         checksum: bulk.checksum,
     }

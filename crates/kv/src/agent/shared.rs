@@ -39,6 +39,7 @@ pub(crate) struct Counters {
     pub links_cuda_ipc: AtomicU64,
     pub links_nixl: AtomicU64,
     pub parts_early: AtomicU64,
+    pub groups_landed: AtomicU64,
 }
 
 pub(crate) fn bump(c: &AtomicU64, n: u64) {
@@ -160,6 +161,7 @@ impl Shared {
             links_cuda_ipc: g(&c.links_cuda_ipc),
             links_nixl: g(&c.links_nixl),
             parts_early: g(&c.parts_early),
+            groups_landed: g(&c.groups_landed),
         }
     }
 

@@ -64,12 +64,14 @@ pub(crate) struct Runs<'a> {
 }
 
 /// How an inline transport's bytes were announced on the side channel: in which block size,
-/// how many, and whether their checksum follows them.
-#[derive(Clone, Copy, Debug)]
+/// how many, whether their checksum follows them, and which layers they carry (all, or a
+/// group of a step still computing).
+#[derive(Clone, Debug)]
 pub(crate) struct Bulk {
     pub src_block_size: usize,
     pub bytes: u64,
     pub checksum: bool,
+    pub layers: std::ops::Range<usize>,
 }
 
 /// Where an inline transport's bytes go: the caller writes the frame that announces them (it

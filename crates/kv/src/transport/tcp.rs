@@ -9,14 +9,15 @@
 //! [`recv_staged`]), so those copies overlap the socket.
 
 use std::io::{Read, Write};
+use std::ops::Range;
 
-use tandem_compute::KvRegion;
+use tandem_compute::{KvLayout, KvRegion};
 
 use tandem_compute::cuda::KvFences;
 use tandem_core::TransferId;
 
 use super::{Announce, Bulk, Ours, Runs, Transport, WriteError};
-use crate::blocks::{coalesce, scatter_tokens, wire_bytes, BlockRun};
+use crate::blocks::{coalesce, group_wire_bytes, scatter_tokens, BlockRun};
 use crate::error::KvError;
 use crate::memory::StagedSend;
 
@@ -59,8 +60,9 @@ pub unsafe fn send_blocks(
     checksum: bool,
 ) -> Result<u64, KvError> {
     let pieces = send_pieces(region, blocks, num_tokens)?;
+    let all = 0..region.layout().num_layers;
     // Safety: passed on from the caller.
-    unsafe { send_staged(w, region, &pieces, num_tokens, checksum, &mut |_| Ok(())) }
+    unsafe { send_staged(w, region, (&pieces, all), num_tokens, checksum, &mut |_| Ok(())) }
 }
 
 /// The pieces [`send_staged`] sends for tokens `0..num_tokens` of `blocks`, or why they cannot
@@ -73,34 +75,61 @@ pub fn send_pieces(region: &KvRegion, blocks: &[u32], num_tokens: usize) -> Resu
     Ok(pieces(&blocks[..needed], region.block_bytes()))
 }
 
-/// [`send_blocks`] of `pieces` (from [`send_pieces`]), calling `ready(i)` before piece `i`'s
-/// bytes are read from `region`: a GPU engine waits there for that piece's copy from its device
-/// cache, queued ahead.
+/// [`send_blocks`] of the layers `what.1` of `what.0`'s pieces (from [`send_pieces`]; all the
+/// layers, or a group of them: then each block's slice of those layers, [`group_wire_bytes`]),
+/// calling `ready(i)` before piece `i`'s bytes are read from `region`: a GPU engine waits there
+/// for that piece's copy from its device cache, queued ahead.
 ///
 /// # Safety
 /// As [`send_blocks`], for the pieces' blocks.
 pub unsafe fn send_staged(
     w: &mut impl Write,
     region: &KvRegion,
-    pieces: &[BlockRun],
+    what: (&[BlockRun], Range<usize>),
     num_tokens: usize,
     checksum: bool,
     ready: &mut dyn FnMut(usize) -> Result<(), KvError>,
 ) -> Result<u64, KvError> {
+    let (pieces, layers) = what;
+    let layout = *region.layout();
     let mut crc = crc32fast::Hasher::new();
-    for (i, piece) in pieces.iter().enumerate() {
-        ready(i)?;
-        // Safety: caller holds these blocks; nobody writes them meanwhile.
-        let data = unsafe { region.bytes(piece.start as usize, piece.len as usize) };
+    let mut put = |w: &mut dyn Write, data: &[u8]| -> Result<(), KvError> {
         w.write_all(data)?;
         if checksum {
             crc.update(data);
         }
+        Ok(())
+    };
+    let slice = slice_of(&layout, region.block_bytes(), &layers)?;
+    // A group's slices are a block's bytes over the number of layers each: gathered into
+    // larger socket writes.
+    let mut out = std::io::BufWriter::with_capacity(if slice.len() < region.block_bytes() { 1 << 18 } else { 0 }, w);
+    for (i, piece) in pieces.iter().enumerate() {
+        ready(i)?;
+        if slice.len() == region.block_bytes() {
+            // Safety: caller holds these blocks; nobody writes them meanwhile.
+            put(&mut out, unsafe { region.bytes(piece.start as usize, piece.len as usize) })?;
+            continue;
+        }
+        for b in piece.start..piece.start + piece.len {
+            // Safety: as above.
+            put(&mut out, &unsafe { region.bytes(b as usize, 1) }[slice.clone()])?;
+        }
     }
     if checksum {
-        w.write_all(&crc.finalize().to_le_bytes())?;
+        out.write_all(&crc.finalize().to_le_bytes())?;
     }
-    Ok(wire_bytes(region.layout(), region.dtype(), num_tokens))
+    out.flush()?;
+    Ok(group_wire_bytes(&layout, region.dtype(), num_tokens, &layers))
+}
+
+/// The bytes of a block of `layout` (`block_bytes` long) that hold the layers `layers`.
+fn slice_of(layout: &KvLayout, block_bytes: usize, layers: &Range<usize>) -> Result<Range<usize>, KvError> {
+    if layers.is_empty() || layers.end > layout.num_layers {
+        return Err(KvError::Protocol(format!("layers {layers:?} of {}", layout.num_layers)));
+    }
+    let layer_bytes = block_bytes / layout.num_layers;
+    Ok(layers.start * layer_bytes..layers.end * layer_bytes)
 }
 
 /// Reads `bytes` raw bytes (the sender's layout, `src_block_size` tokens per block, tokens
@@ -119,13 +148,14 @@ pub unsafe fn recv_blocks(
     num_tokens: usize,
     checksum: bool,
 ) -> Result<(), KvError> {
-    let into = Destination { region, blocks: dst_blocks, num_tokens };
+    let into = Destination::all(region, dst_blocks, num_tokens);
     // Safety: passed on from the caller.
     unsafe { recv_staged(r, bytes, src_block_size, into, checksum, &mut |_| Ok(())) }
 }
 
-/// Where a bulk receive lands: tokens `0..num_tokens` in `blocks` of `region`.
-#[derive(Clone, Copy)]
+/// Where a bulk receive lands: tokens `0..num_tokens` of the layers `layers` in `blocks` of
+/// `region`.
+#[derive(Clone)]
 pub struct Destination<'a> {
     /// The receiver's KV memory.
     pub region: &'a KvRegion,
@@ -133,11 +163,21 @@ pub struct Destination<'a> {
     pub blocks: &'a [u32],
     /// Tokens that land.
     pub num_tokens: usize,
+    /// The layers whose KV the bytes carry (all of them, or a group of a step still computing).
+    pub layers: Range<usize>,
 }
 
-/// [`recv_blocks`], calling `landed(run)` as each piece of the destination blocks has its
-/// bytes (before the checksum is checked): a GPU engine queues that piece's copy into its
-/// device cache there, while the next piece is still on the socket.
+impl<'a> Destination<'a> {
+    /// All layers of tokens `0..num_tokens` in `blocks` of `region`.
+    pub fn all(region: &'a KvRegion, blocks: &'a [u32], num_tokens: usize) -> Self {
+        Self { region, blocks, num_tokens, layers: 0..region.layout().num_layers }
+    }
+}
+
+/// [`recv_blocks`] into `into` (a group of layers, or all), calling `landed(run)` as each piece
+/// of the destination blocks has its bytes (before the checksum is checked): a GPU engine
+/// queues that piece's copy into its device cache there, while the next piece is still on the
+/// socket.
 ///
 /// # Safety
 /// As [`recv_blocks`].
@@ -149,13 +189,14 @@ pub unsafe fn recv_staged(
     checksum: bool,
     landed: &mut dyn FnMut(BlockRun) -> Result<(), KvError>,
 ) -> Result<(), KvError> {
-    let Destination { region, blocks: dst_blocks, num_tokens } = into;
+    let Destination { region, blocks: dst_blocks, num_tokens, layers } = into;
     let dl = *region.layout();
     if src_block_size == 0 {
         return Err(KvError::Protocol("source block size 0".into()));
     }
+    let slice = slice_of(&dl, region.block_bytes(), &layers)?;
     let src_layout = tandem_compute::KvLayout { block_size: src_block_size, ..dl };
-    let expected = wire_bytes(&src_layout, region.dtype(), num_tokens);
+    let expected = group_wire_bytes(&src_layout, region.dtype(), num_tokens, &layers);
     if bytes != expected {
         return Err(KvError::Protocol(format!("{bytes} bytes announced for {num_tokens} tokens, expected {expected}")));
     }
@@ -165,14 +206,32 @@ pub unsafe fn recv_staged(
     }
     let mut crc = crc32fast::Hasher::new();
     if src_block_size == dl.block_size {
+        // A group's slices are read in larger socket reads, never past the announced bytes.
+        let cap = if slice.len() < region.block_bytes() { 1 << 18 } else { 0 };
+        let mut data = std::io::BufReader::with_capacity(cap, r.by_ref().take(bytes));
         for piece in pieces(&dst_blocks[..needed], region.block_bytes()) {
-            // Safety: the caller owns the destination blocks exclusively.
-            let dst = unsafe { region.bytes_mut(piece.start as usize, piece.len as usize) };
-            r.read_exact(dst)?;
-            if checksum {
-                crc.update(dst);
+            if slice.len() == region.block_bytes() {
+                // Safety: the caller owns the destination blocks exclusively.
+                let dst = unsafe { region.bytes_mut(piece.start as usize, piece.len as usize) };
+                data.read_exact(dst)?;
+                if checksum {
+                    crc.update(dst);
+                }
+            } else {
+                for b in piece.start..piece.start + piece.len {
+                    // Safety: as above.
+                    let dst = &mut unsafe { region.bytes_mut(b as usize, 1) }[slice.clone()];
+                    data.read_exact(dst)?;
+                    if checksum {
+                        crc.update(dst);
+                    }
+                }
             }
             landed(piece)?;
+        }
+        drop(data);
+        if checksum {
+            return check_crc(r, crc, bytes);
         }
     } else {
         let mut staging = vec![0u8; bytes as usize];
@@ -181,20 +240,26 @@ pub unsafe fn recv_staged(
             crc.update(&staging);
         }
         // Safety: the caller owns the destination blocks exclusively.
-        unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens) };
+        unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens, layers) };
         for piece in pieces(&dst_blocks[..needed], region.block_bytes()) {
             landed(piece)?;
         }
-    }
-    if checksum {
-        let mut sent = [0u8; CHECKSUM_BYTES as usize];
-        r.read_exact(&mut sent)?;
-        let (sent, got) = (u32::from_le_bytes(sent), crc.finalize());
-        if sent != got {
-            return Err(KvError::Corrupt(format!(
-                "KV checksum mismatch: the sender's CRC-32 is {sent:08x}, the {bytes} bytes received give {got:08x}"
-            )));
+        if checksum {
+            return check_crc(r, crc, bytes);
         }
+    }
+    Ok(())
+}
+
+/// Reads the sender's CRC-32 after `bytes` of data and checks it against `crc`, theirs as landed.
+fn check_crc(r: &mut impl Read, crc: crc32fast::Hasher, bytes: u64) -> Result<(), KvError> {
+    let mut sent = [0u8; CHECKSUM_BYTES as usize];
+    r.read_exact(&mut sent)?;
+    let (sent, got) = (u32::from_le_bytes(sent), crc.finalize());
+    if sent != got {
+        return Err(KvError::Corrupt(format!(
+            "KV checksum mismatch: the sender's CRC-32 is {sent:08x}, the {bytes} bytes received give {got:08x}"
+        )));
     }
     Ok(())
 }
@@ -226,12 +291,12 @@ impl Tcp {
     ///
     /// # Safety
     /// As `stage_send`.
-    unsafe fn stage_send(&self, pieces: &[BlockRun]) -> Result<StagedSend<'_>, KvError> {
+    unsafe fn stage_send(&self, pieces: &[BlockRun], layers: Range<usize>) -> Result<StagedSend<'_>, KvError> {
         if self.ours.faults.fail_host_copies {
             return Err(KvError::Transfer("copying KV to the host copy failed: injected".into()));
         }
         // Safety: passed on from the caller.
-        unsafe { self.ours.memory.stage_send(pieces) }
+        unsafe { self.ours.memory.stage_send(pieces, layers) }
     }
 }
 
@@ -252,26 +317,33 @@ impl Transport for Tcp {
         out: &mut dyn Announce,
     ) -> Result<(), WriteError> {
         let Runs { src, num_tokens, .. } = runs;
-        // A part of a prompt still computing: its whole step done (a GPU engine's copies to the
-        // host copy then read final KV).
-        fences.wait().map_err(WriteError::Failed)?;
         let region = self.ours.memory.host_region().map_err(|e| WriteError::Failed(e.to_string()))?;
         let pieces = send_pieces(region, src, num_tokens).map_err(|e| WriteError::Failed(e.to_string()))?;
-        // Safety: the caller holds the source blocks (produced KV, or a lease being read) for
-        // this call; the engine does not schedule them meanwhile.
-        let staged = unsafe { self.stage_send(&pieces) }.map_err(|e| WriteError::Failed(e.to_string()))?;
         let (layout, checksum) = (region.layout(), self.ours.verify);
-        let bulk =
-            Bulk { src_block_size: layout.block_size, bytes: wire_bytes(layout, region.dtype(), num_tokens), checksum };
-        let w = out.announce(bulk)?;
-        let mut ready = |i| staged.ready(i);
-        // Safety: as above.
-        unsafe {
-            if self.ours.faults.corrupt_sends {
-                let mut w = FlipFirstBit { inner: w, flipped: false };
-                send_staged(&mut w, region, &pieces, num_tokens, checksum, &mut ready)?;
-            } else {
-                send_staged(&mut { w }, region, &pieces, num_tokens, checksum, &mut ready)?;
+        // A step still computing goes group by group of layers, each as soon as its fence says
+        // its KV is written (a GPU engine's copy to the host copy then reads final KV), on the
+        // socket while later layers compute; KV already final goes as one write of all layers.
+        for (layers, fence) in fences.groups(layout.num_layers) {
+            if let Some(fence) = fence {
+                fence.wait().map_err(WriteError::Failed)?;
+            }
+            // Safety: the caller holds the source blocks (produced KV, or a lease being read)
+            // for this call; the engine does not schedule them meanwhile.
+            let staged =
+                unsafe { self.stage_send(&pieces, layers.clone()) }.map_err(|e| WriteError::Failed(e.to_string()))?;
+            let bytes = group_wire_bytes(layout, region.dtype(), num_tokens, &layers);
+            let bulk = Bulk { src_block_size: layout.block_size, bytes, checksum, layers: layers.clone() };
+            let w = out.announce(bulk)?;
+            let mut ready = |i| staged.ready(i);
+            let what = (&pieces[..], layers);
+            // Safety: as above.
+            unsafe {
+                if self.ours.faults.corrupt_sends {
+                    let mut w = FlipFirstBit { inner: w, flipped: false };
+                    send_staged(&mut w, region, what, num_tokens, checksum, &mut ready)?;
+                } else {
+                    send_staged(&mut { w }, region, what, num_tokens, checksum, &mut ready)?;
+                }
             }
         }
         Ok(())
@@ -281,7 +353,7 @@ impl Transport for Tcp {
         let memory = &self.ours.memory;
         let region = memory.host_region()?;
         let mut load = memory.receiver()?;
-        let into = Destination { region, blocks: dst, num_tokens };
+        let into = Destination { region, blocks: dst, num_tokens, layers: bulk.layers.clone() };
         // A failed copy into the device cache fails the transfer, but the bytes are still read,
         // so the connection stays in step.
         let mut failed = None;
@@ -289,7 +361,7 @@ impl Transport for Tcp {
             let copied = match self.ours.faults.fail_host_copies {
                 true => Err(KvError::Transfer("copying KV into the device cache failed: injected".into())),
                 // Safety: passed on from the caller (which owns `dst` until it reports).
-                false => unsafe { load.landed(run) },
+                false => unsafe { load.landed(run, bulk.layers.clone()) },
             };
             if let (Err(e), None) = (copied, &failed) {
                 failed = Some(e);

@@ -52,27 +52,31 @@ fn digest(region: &KvRegion, table: &[u32], tokens: usize) -> u64 {
     unsafe { kv_digest_host(region, table, tokens) }.unwrap()
 }
 
-/// An announcement as a 17-byte header on the socket (the side channel's frame, reduced to
+/// An announcement as a 33-byte header on the socket (the side channel's frame, reduced to
 /// what the reader needs).
 struct ToSocket<'a>(&'a mut TcpStream);
+
+const HEADER: usize = 33;
 
 impl Announce for ToSocket<'_> {
     fn announce(&mut self, bulk: Bulk) -> Result<&mut dyn std::io::Write, KvError> {
         use std::io::Write;
-        let mut header = [0u8; 17];
-        header[..8].copy_from_slice(&(bulk.src_block_size as u64).to_le_bytes());
-        header[8..16].copy_from_slice(&bulk.bytes.to_le_bytes());
-        header[16] = bulk.checksum as u8;
+        let mut header = [0u8; HEADER];
+        let words = [bulk.src_block_size as u64, bulk.bytes, bulk.layers.start as u64, bulk.layers.end as u64];
+        for (i, w) in words.iter().enumerate() {
+            header[i * 8..][..8].copy_from_slice(&w.to_le_bytes());
+        }
+        header[32] = bulk.checksum as u8;
         self.0.write_all(&header)?;
         Ok(self.0)
     }
 }
 
 fn read_announcement(s: &mut TcpStream) -> Bulk {
-    let mut header = [0u8; 17];
+    let mut header = [0u8; HEADER];
     s.read_exact(&mut header).unwrap();
-    let word = |i: usize| u64::from_le_bytes(header[i..i + 8].try_into().unwrap());
-    Bulk { src_block_size: word(0) as usize, bytes: word(8), checksum: header[16] == 1 }
+    let word = |i: usize| u64::from_le_bytes(header[i * 8..][..8].try_into().unwrap()) as usize;
+    Bulk { src_block_size: word(0), bytes: word(1) as u64, checksum: header[32] == 1, layers: word(2)..word(3) }
 }
 
 /// Writes `tokens` of KV from a `from`-token-block engine to a `to`-token-block one over tcp;
@@ -111,6 +115,57 @@ fn tcp_moves_block_runs_between_block_sizes() {
         landed.unwrap();
         assert_eq!(sent, got, "{tokens} tokens from {from}- into {to}-token blocks");
     }
+}
+
+/// A step still computing goes group of layers by group, each only once its fence is set, and
+/// lands group by group between block sizes; a group whose computing thread gave it up fails
+/// the write with the groups before it sent.
+#[test]
+fn tcp_sends_a_computing_step_group_by_group_as_its_fences_are_set() {
+    use std::time::Duration;
+    use tandem_compute::cuda::HostFence;
+    let tokens = 77;
+    let (src, src_table) = engine(16, tokens, 5, true);
+    let (dst, dst_table) = engine(8, tokens, 7, false);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (fences, mut signals): (Vec<_>, Vec<_>) = (0..3).map(|_| HostFence::pair()).unzip();
+    let groups = KvFences::host(fences.into_iter().enumerate().map(|(l, f)| (l..l + 1, f)).collect());
+    let writer = Tcp::new(ours(&src, true, FaultInjection::default()));
+    let (src_blocks, dst_blocks) = (src_table.clone(), dst_table.clone());
+    let written = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let runs = Runs { src: &src_blocks, dst: &dst_blocks, num_tokens: tokens };
+        writer.write(runs, &groups, None, &mut ToSocket(&mut s)).map_err(|e| e.to_string())
+    });
+    let (mut s, _) = listener.accept().unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let reader = Tcp::new(ours(&dst, true, FaultInjection::default()));
+    let nothing_yet =
+        |s: &mut TcpStream| matches!(s.peek(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+    for layer in 0..3 {
+        assert!(nothing_yet(&mut s), "group {layer} went before its fence was set");
+        signals.remove(0).signal();
+        let bulk = read_announcement(&mut s);
+        assert_eq!(bulk.layers, layer..layer + 1);
+        // Safety: the test owns every block of the reader's cache.
+        unsafe { reader.receive(&mut s, bulk, &dst_table, tokens) }.unwrap();
+    }
+    written.join().unwrap().unwrap();
+    assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens));
+
+    // The computing thread drops the second group's signal: the first group went, then the
+    // write fails (the caller tells the peer in-band).
+    let (fences, mut signals): (Vec<_>, Vec<_>) = (0..3).map(|_| HostFence::pair()).unzip();
+    let groups = KvFences::host(fences.into_iter().enumerate().map(|(l, f)| (l..l + 1, f)).collect());
+    let writer = Tcp::new(ours(&src, false, FaultInjection::default()));
+    let runs = Runs { src: &src_table, dst: &dst_table, num_tokens: tokens };
+    signals.remove(0).signal();
+    drop(signals);
+    let mut sink = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (_keep, _) = listener.accept().unwrap();
+    let result = writer.write(runs, &groups, None, &mut ToSocket(&mut sink));
+    assert!(matches!(result, Err(WriteError::Failed(ref e)) if e.contains("without writing")), "{result:?}");
 }
 
 #[test]
