@@ -18,7 +18,7 @@
 //! measured beside it.
 
 use std::io::{Read, Write};
-use std::net::TcpListener;
+use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -26,8 +26,11 @@ use serde::Serialize;
 use tandem_compute::cuda::{CudaDevice, DevBuf, PinnedRegion};
 use tandem_compute::{KvCache, KvDtype, KvLayout, KvRegion};
 use tandem_core::{EngineId, Epoch, TransferId};
-use tandem_kv::channel::{accept_handshake, configure, connect, handshake, Picked, Timeouts};
-use tandem_kv::tcp::{recv_blocks, recv_staged, send_blocks, send_pieces, send_staged, Destination};
+use tandem_kv::channel::{accept_handshake, configure, connect, handshake, read_hello, Hello, Picked, Timeouts};
+use tandem_kv::tcp::{
+    recv_blocks, recv_staged, recv_striped_blocks, send_blocks, send_pieces, send_staged, send_striped_staged,
+    Destination,
+};
 use tandem_kv::wire::{read_message, write_message, Message};
 use tandem_kv::{AgentInfo, KvError, KvMemory, KvMode, Role, TransportOffer};
 
@@ -50,12 +53,24 @@ pub struct KvBenchConfig {
     /// Where the GPU side keeps its compiled kernels between processes (see
     /// `CudaDevice::open_with`).
     pub kernel_cache: Option<std::path::PathBuf>,
+    /// TCP streams both the raw reference and the KV transport use (`--kv-tcp-streams`): the
+    /// raw set split evenly over them, the KV bytes striped as the connector stripes them.
+    pub streams: usize,
 }
 
 impl Default for KvBenchConfig {
     fn default() -> Self {
         let layout = KvLayout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, num_blocks: 0 };
-        Self { bytes: 256 << 20, repeats: 5, layout, runs: 8, verify: false, device: None, kernel_cache: None }
+        Self {
+            bytes: 256 << 20,
+            repeats: 5,
+            layout,
+            runs: 8,
+            verify: false,
+            device: None,
+            kernel_cache: None,
+            streams: 1,
+        }
     }
 }
 
@@ -90,7 +105,7 @@ impl KvBenchConfig {
     fn agent(&self, role: Role) -> AgentInfo {
         let name = EngineId(format!("bench-{role:?}").to_lowercase());
         let transports = vec![TransportOffer::Tcp { addr: "127.0.0.1:0".into() }];
-        AgentInfo::for_layout(
+        let info = AgentInfo::for_layout(
             name,
             Epoch(1),
             role,
@@ -99,7 +114,8 @@ impl KvBenchConfig {
             &self.pool_layout(),
             self.dtype(),
             transports,
-        )
+        );
+        AgentInfo { tcp_streams: self.streams.max(1), ..info }
     }
 
     /// Block ids split into `runs` contiguous runs with one-block gaps.
@@ -153,6 +169,8 @@ pub struct KvBenchReport {
     pub blocks: usize,
     /// Contiguous runs per transfer.
     pub runs: usize,
+    /// TCP streams, raw and KV alike.
+    pub streams: usize,
     /// Raw loopback TCP, best, GB/s.
     pub raw_best_gb_s: f64,
     /// Raw loopback TCP, median, GB/s.
@@ -178,7 +196,7 @@ impl std::fmt::Display for KvBenchReport {
             self.runs,
             self.memory
         )?;
-        writeln!(f, "{:<40} {:>10} {:>10}", "", "best GB/s", "median")?;
+        writeln!(f, "{:<40} {:>10} {:>10}", format!("{} TCP stream(s)", self.streams), "best GB/s", "median")?;
         writeln!(
             f,
             "{:<40} {:>10.2} {:>10.2}",
@@ -197,25 +215,51 @@ impl std::fmt::Display for KvBenchReport {
 pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvError> {
     let t = Timeouts::default();
     let side = Side::new(cfg)?;
-    let (mut raw, _) = listener.accept()?;
-    configure(&raw, t)?;
-    let mut buf = Vec::new();
-    loop {
-        let mut len = [0u8; 8];
-        if raw.read_exact(&mut len).is_err() {
-            break;
-        }
-        let len = u64::from_le_bytes(len) as usize;
-        if len == 0 {
-            break;
-        }
-        buf.resize(len, 0);
-        raw.read_exact(&mut buf)?;
-        raw.write_all(&[1])?;
-    }
+    let n = cfg.streams.max(1);
+    let raw: Vec<TcpStream> = (0..n).map(|_| listener.accept().map(|(s, _)| s)).collect::<Result<_, _>>()?;
+    // Each raw stream: a length, that many bytes into a buffer, an acknowledgement; until 0.
+    std::thread::scope(|scope| {
+        let readers: Vec<_> = raw
+            .into_iter()
+            .map(|mut raw| {
+                scope.spawn(move || -> Result<(), KvError> {
+                    configure(&raw, t)?;
+                    let mut buf = Vec::new();
+                    loop {
+                        let mut len = [0u8; 8];
+                        if raw.read_exact(&mut len).is_err() {
+                            return Ok(());
+                        }
+                        let len = u64::from_le_bytes(len) as usize;
+                        if len == 0 {
+                            return Ok(());
+                        }
+                        buf.resize(len, 0);
+                        raw.read_exact(&mut buf)?;
+                        raw.write_all(&[1])?;
+                    }
+                })
+            })
+            .collect();
+        readers
+            .into_iter()
+            .try_for_each(|r| r.join().unwrap_or_else(|_| Err(KvError::Protocol("raw reader panicked".into()))))
+    })?;
     let (mut s, _) = listener.accept()?;
     configure(&s, t)?;
-    accept_handshake(&mut s, &cfg.agent(Role::Decode), |_| Ok(Picked::tcp()))?;
+    // Several streams: the further ones join with the token the handshake hands out.
+    let token = (n > 1).then_some(1);
+    accept_handshake(&mut s, &cfg.agent(Role::Decode), |_| Ok(Picked { join_token: token, ..Picked::tcp() }))?;
+    let mut further: Vec<Option<TcpStream>> = (1..n).map(|_| None).collect();
+    for _ in 1..n {
+        let (mut joined, _) = listener.accept()?;
+        configure(&joined, t)?;
+        match read_hello(&mut joined)? {
+            Hello::Join { token: 1, index } if (1..n).contains(&index) => further[index - 1] = Some(joined),
+            other => return Err(KvError::Protocol(format!("bench peer expected a stream to join, got {other:?}"))),
+        }
+    }
+    let mut further: Vec<TcpStream> = further.into_iter().flatten().collect();
     loop {
         let msg = match read_message(&mut s) {
             Ok(m) => m,
@@ -223,7 +267,9 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
             Err(e) => return Err(e),
         };
         match msg {
-            Message::WriteBlocks { transfer_id, blocks, src_block_size, num_tokens, bytes, checksum, .. } => {
+            Message::WriteBlocks {
+                transfer_id, blocks, src_block_size, num_tokens, bytes, checksum, streams, ..
+            } => {
                 let region = &side.region;
                 // Safety: this process's KV memory exists only for this benchmark; nothing else
                 // touches its blocks.
@@ -231,6 +277,16 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
                     if transfer_id.0.starts_with(SERIAL) {
                         recv_blocks(&mut s, bytes, src_block_size, region, &blocks, num_tokens, checksum)
                             .and_then(|()| side.memory.load_from_host(&blocks))
+                    } else if streams > 1 {
+                        let mut load = side.memory.receiver()?;
+                        let into = Destination::all(region, &blocks, num_tokens);
+                        let all = into.layers.clone();
+                        let mut all_streams: Vec<&mut TcpStream> = vec![&mut s];
+                        all_streams.extend(further.iter_mut());
+                        recv_striped_blocks(&mut all_streams, bytes, src_block_size, into, checksum, &mut |run| {
+                            load.landed(run, all.clone())
+                        })
+                        .and_then(|()| load.finish())
                     } else {
                         let mut load = side.memory.receiver()?;
                         let into = Destination::all(region, &blocks, num_tokens);
@@ -262,25 +318,51 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
     let bytes = tandem_kv::blocks::wire_bytes(&layout, cfg.dtype(), tokens);
     let side = Side::new(cfg)?;
 
-    let mut raw = connect(addr, t)?;
+    let n = cfg.streams.max(1);
+    let mut raw: Vec<TcpStream> = (0..n).map(|_| connect(addr, t)).collect::<Result<_, _>>()?;
     let payload = vec![7u8; bytes as usize];
+    let share = (bytes as usize).div_ceil(n);
     let mut raw_rates = Vec::new();
     for _ in 0..cfg.repeats {
         let start = Instant::now();
-        raw.write_all(&bytes.to_le_bytes())?;
-        raw.write_all(&payload)?;
-        let mut ack = [0u8];
-        raw.read_exact(&mut ack)?;
+        // The set split evenly over the streams, each share sent and acknowledged on its own.
+        std::thread::scope(|scope| {
+            let sends: Vec<_> = raw
+                .iter_mut()
+                .zip(payload.chunks(share))
+                .map(|(raw, chunk)| {
+                    scope.spawn(move || -> Result<(), KvError> {
+                        raw.write_all(&(chunk.len() as u64).to_le_bytes())?;
+                        raw.write_all(chunk)?;
+                        raw.read_exact(&mut [0u8])?;
+                        Ok(())
+                    })
+                })
+                .collect();
+            sends
+                .into_iter()
+                .try_for_each(|s| s.join().unwrap_or_else(|_| Err(KvError::Protocol("raw sender panicked".into()))))
+        })?;
         raw_rates.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
     }
-    raw.write_all(&0u64.to_le_bytes())?;
+    for r in &mut raw {
+        r.write_all(&0u64.to_le_bytes())?;
+    }
     drop(raw);
     drop(payload);
 
     let region = &side.region;
     let mut s = connect(addr, t)?;
-    handshake(&mut s, &cfg.agent(Role::Prefill))?;
-    let header = |transfer_id| Message::WriteBlocks {
+    let (_, picked) = handshake(&mut s, &cfg.agent(Role::Prefill))?;
+    let mut further = Vec::new();
+    if let Some(token) = picked.join_token {
+        for index in 1..n {
+            let mut joined = connect(addr, t)?;
+            write_message(&mut joined, &Message::JoinStream { token, index })?;
+            further.push(joined);
+        }
+    }
+    let header = |transfer_id, streams| Message::WriteBlocks {
         transfer_id,
         blocks: table.clone(),
         src_block_size: layout.block_size,
@@ -288,6 +370,7 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         from_token: 0,
         last: true,
         layers: None,
+        streams,
         bytes,
         checksum: cfg.verify,
     };
@@ -304,15 +387,22 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         // nothing else touches its blocks.
         let all = 0..layout.num_layers;
         let staged = unsafe { side.memory.stage_send(&pieces, all.clone())? };
-        write_message(&mut s, &header(TransferId(format!("bench-{i}"))))?;
-        unsafe { send_staged(&mut s, region, (&pieces, all), tokens, cfg.verify, &mut |i| staged.ready(i))? };
+        write_message(&mut s, &header(TransferId(format!("bench-{i}")), further.len() + 1))?;
+        let mut ready = |i| staged.ready(i);
+        if further.is_empty() {
+            unsafe { send_staged(&mut s, region, (&pieces, all), tokens, cfg.verify, &mut ready)? };
+        } else {
+            let mut streams: Vec<&mut TcpStream> = vec![&mut s];
+            streams.extend(further.iter_mut());
+            unsafe { send_striped_staged(&mut streams, region, (&pieces, all), cfg.verify, &mut ready)? };
+        }
         drop(staged);
         acked(&mut s)?;
         kv_rates.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
         if cfg.device.is_some() {
             let start = Instant::now();
             unsafe { side.memory.stage_to_host(&table)? };
-            write_message(&mut s, &header(TransferId(format!("{SERIAL}{i}"))))?;
+            write_message(&mut s, &header(TransferId(format!("{SERIAL}{i}")), 1))?;
             unsafe { send_blocks(&mut s, region, &table, tokens, cfg.verify)? };
             acked(&mut s)?;
             serial_rates.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
@@ -330,6 +420,7 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         bytes,
         blocks: table.len(),
         runs: tandem_kv::blocks::coalesce(&table).len(),
+        streams: n,
         raw_best_gb_s: best(&raw_rates),
         raw_median_gb_s: raw_median,
         kv_best_gb_s: best(&kv_rates),
@@ -359,11 +450,13 @@ mod tests {
 
     #[test]
     fn small_run_completes_and_reports_sane_rates() {
-        let cfg = KvBenchConfig { bytes: 4 << 20, repeats: 2, ..Default::default() };
-        let r = measure_in_process(&cfg).unwrap();
-        assert_eq!(r.runs, r.blocks.min(8));
-        assert!(r.bytes >= 4 << 20);
-        assert!(r.raw_best_gb_s > 0.0 && r.kv_best_gb_s > 0.0);
+        for streams in [1, 3] {
+            let cfg = KvBenchConfig { bytes: 4 << 20, repeats: 2, streams, ..Default::default() };
+            let r = measure_in_process(&cfg).unwrap();
+            assert_eq!((r.runs, r.streams), (r.blocks.min(8), streams));
+            assert!(r.bytes >= 4 << 20);
+            assert!(r.raw_best_gb_s > 0.0 && r.kv_best_gb_s > 0.0);
+        }
     }
 }
 

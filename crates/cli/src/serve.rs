@@ -203,6 +203,11 @@ pub struct KvArgs {
     /// engines need it (a pair that differs is refused at handshake).
     #[arg(long)]
     pub kv_verify: bool,
+    /// TCP connections per peer over which KV sent over tcp is striped (a pair uses the smaller
+    /// of its two engines' counts). One TCP stream carries about 3 GB/s, less than a GPU
+    /// prefill produces KV; four carried about 10 GB/s on the H200 machine's loopback.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub kv_tcp_streams: u16,
     /// Test only: prefill drops push completion notifications (exercises the timeout path).
     #[arg(long, hide = true)]
     pub fault_drop_done: bool,
@@ -272,6 +277,7 @@ fn kv_setup(
             local_transport: false,
             transport: k.kv_transport.to_kv(),
             verify: k.kv_verify,
+            tcp_streams: k.kv_tcp_streams.into(),
             nixl_min_gb_s: k.kv_nixl_min_gb_s,
             nixl_pull: k.kv_nixl_pull.to_kv(),
             ucx_log,

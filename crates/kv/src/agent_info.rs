@@ -133,6 +133,14 @@ pub struct AgentInfo {
     /// Bulk sends carry checksums (`--kv-verify`); both ends of a pair must agree.
     #[serde(default)]
     pub kv_verify: bool,
+    /// TCP connections a pair's tcp transport stripes its bytes over (`--kv-tcp-streams`); a
+    /// pair uses the smaller of its two ends' counts.
+    #[serde(default = "one_stream")]
+    pub tcp_streams: usize,
+}
+
+fn one_stream() -> usize {
+    1
 }
 
 /// Why two engines cannot pair.
@@ -200,6 +208,7 @@ impl AgentInfo {
             num_blocks: layout.num_blocks,
             transports,
             kv_verify: false,
+            tcp_streams: 1,
         }
     }
 
@@ -277,6 +286,7 @@ impl AgentInfo {
             num_blocks: 100,
             transports: vec![TransportOffer::Tcp { addr: "127.0.0.1:5600".into() }],
             kv_verify: false,
+            tcp_streams: 1,
         }
     }
 }

@@ -94,9 +94,9 @@ pub fn configure(s: &TcpStream, t: Timeouts) -> Result<(), KvError> {
 pub fn handshake(stream: &mut TcpStream, ours: &AgentInfo) -> Result<(AgentInfo, Picked), KvError> {
     write_message(stream, &Message::Handshake { version: PROTOCOL_VERSION, info: ours.clone() })?;
     match read_message(stream)? {
-        Message::HandshakeOk { info, transport, note } => {
+        Message::HandshakeOk { info, transport, note, join_token } => {
             ours.check_pairing(&info)?;
-            Ok((info, Picked { transport, note }))
+            Ok((info, Picked { transport, note, join_token }))
         }
         Message::HandshakeRefused { reason } => Err(KvError::Refused(reason)),
         other => Err(KvError::Protocol(format!("expected a handshake reply, got {other:?}"))),
@@ -111,12 +111,43 @@ pub struct Picked {
     pub transport: String,
     /// Why not faster.
     pub note: Option<String>,
+    /// Over tcp with several streams: what the connecting side's further streams name when
+    /// they join ([`Message::JoinStream`]).
+    pub join_token: Option<u64>,
 }
 
 impl Picked {
     /// Plain tcp, nothing else considered.
     pub fn tcp() -> Self {
-        Self { transport: "tcp".into(), note: None }
+        Self::named("tcp", None)
+    }
+
+    /// The transport `name`, and why not a faster one.
+    pub fn named(name: &str, note: Option<String>) -> Self {
+        Self { transport: name.into(), note, join_token: None }
+    }
+}
+
+/// What a new connection to the side channel says first.
+#[derive(Debug)]
+pub enum Hello {
+    /// A peer's handshake: its protocol version and metadata.
+    Handshake(u32, AgentInfo),
+    /// A further stream of an open connection ([`Message::JoinStream`]).
+    Join {
+        /// The connection's join token.
+        token: u64,
+        /// Which stream, from 1.
+        index: usize,
+    },
+}
+
+/// Accepting side: the first frame of a new connection.
+pub fn read_hello(stream: &mut TcpStream) -> Result<Hello, KvError> {
+    match read_message(stream)? {
+        Message::Handshake { version, info } => Ok(Hello::Handshake(version, info)),
+        Message::JoinStream { token, index } => Ok(Hello::Join { token, index }),
+        other => Err(KvError::Protocol(format!("expected a handshake, got {other:?}"))),
     }
 }
 
@@ -127,10 +158,20 @@ pub fn accept_handshake(
     ours: &AgentInfo,
     pick: impl FnOnce(&AgentInfo) -> Result<Picked, String>,
 ) -> Result<(AgentInfo, Picked), KvError> {
-    let (version, info) = match read_message(stream)? {
-        Message::Handshake { version, info } => (version, info),
-        other => return Err(KvError::Protocol(format!("expected a handshake, got {other:?}"))),
-    };
+    match read_hello(stream)? {
+        Hello::Handshake(version, info) => answer_handshake(stream, (version, info), ours, pick),
+        Hello::Join { .. } => Err(KvError::Protocol("expected a handshake, got a stream joining".into())),
+    }
+}
+
+/// Accepting side: [`accept_handshake`] once the peer's handshake (`version`, `info`) has been
+/// read.
+pub fn answer_handshake(
+    stream: &mut TcpStream,
+    (version, info): (u32, AgentInfo),
+    ours: &AgentInfo,
+    pick: impl FnOnce(&AgentInfo) -> Result<Picked, String>,
+) -> Result<(AgentInfo, Picked), KvError> {
     let verdict = if version != PROTOCOL_VERSION {
         Err(KvError::Incompatible(crate::agent_info::Incompatible::Version {
             local: PROTOCOL_VERSION,
@@ -145,6 +186,7 @@ pub fn accept_handshake(
                 info: ours.clone(),
                 transport: picked.transport.clone(),
                 note: picked.note.clone(),
+                join_token: picked.join_token,
             };
             write_message(stream, &reply)?;
             Ok((info, picked))

@@ -30,6 +30,9 @@ pub struct FaultInjection {
     /// transfers on a connection, as a lost one would: the reader gives up on each after its I/O
     /// bound (`u32::MAX`: every one).
     pub drop_nixl_notifications: u32,
+    /// The engine's first send striped over several tcp streams shuts one of its connection's
+    /// further streams down first, as a dropped TCP connection would.
+    pub cut_a_stream: bool,
 }
 
 /// Which transports a connector may move KV bytes over.
@@ -127,6 +130,10 @@ pub struct ConnectorConfig {
     /// agree (checked at handshake). Direct copies (local, cuda-ipc) cross no socket and are not
     /// checksummed.
     pub verify: bool,
+    /// `--kv-tcp-streams`: TCP connections per peer that tcp bulk bytes are striped over (a
+    /// pair uses the smaller of its two ends' counts; 1: the side channel alone). One stream
+    /// tops out near 3 GB/s on a loopback; several keep up with a GPU's prefill.
+    pub tcp_streams: usize,
     /// `--kv-nixl-min-gb-s`: a nixl link whose probe write runs slower than this is refused at
     /// handshake, naming the rate (0: accept any); a pull link whose probe READ does is served
     /// by prefill's writes ([`NixlPull::Auto`]).

@@ -20,7 +20,9 @@
 //!   writer's digest of the KV it copied, which the reader checks against its blocks).
 //! - 8: `WriteBlocks.from_token` and `.last`: a push over tcp writes a prompt's KV in parts while
 //!   it is computed, in order, the last write followed by `Done`; decode acknowledges the last.
-//! - 9: `WriteBlocks.layers`: a part goes group of layers by group as its step computes them.
+//! - 9: `WriteBlocks.layers`: a part goes group of layers by group as its step computes them;
+//!   `AgentInfo.tcp_streams`, `HandshakeOk.join_token`, `JoinStream` and `.streams` on the bulk
+//!   frames: tcp bytes striped over several connections of one pair.
 //!
 //! Layer: the ground floor but for `agent_info` and `error`, which it calls.
 
@@ -66,6 +68,18 @@ pub enum Message {
         transport: String,
         /// Why a faster transport both ends offer is not used, if one is not.
         note: Option<String>,
+        /// Over tcp with several streams ([`AgentInfo::tcp_streams`] of both ends above 1): the
+        /// token the connecting side's other streams name in their [`Message::JoinStream`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        join_token: Option<u64>,
+    },
+    /// The first and only frame of a connection that joins an open one as a further stream
+    /// for its bulk bytes (`index` from 1; the connection itself is stream 0).
+    JoinStream {
+        /// The joined connection's `HandshakeOk.join_token`.
+        token: u64,
+        /// Which stream this is.
+        index: usize,
     },
     /// The accepting side refuses to pair; the reason names what differs.
     HandshakeRefused {
@@ -161,6 +175,10 @@ pub enum Message {
         /// tokens after the one before it; the span's tokens have landed with its last group.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         layers: Option<[usize; 2]>,
+        /// The connection's streams the bytes are striped over (1: all on this one), each
+        /// stream's share followed by its own CRC-32 when `checksum`.
+        #[serde(default = "one")]
+        streams: usize,
         /// Raw bytes that follow.
         bytes: u64,
         /// The bytes are followed by their CRC-32 (4 bytes, little-endian).
@@ -211,6 +229,9 @@ pub enum Message {
         /// the reader's read must end within it of asking.
         #[serde(default)]
         grant_us: u64,
+        /// As `WriteBlocks.streams`.
+        #[serde(default = "one")]
+        streams: usize,
     },
     /// Reply to `WriteBlocks`: the bytes were written (or why not).
     WriteAck {
@@ -224,6 +245,11 @@ pub enum Message {
 /// serde's default for fields that were always true before they existed.
 fn yes() -> bool {
     true
+}
+
+/// serde's default for counts that were always one before they existed.
+fn one() -> usize {
+    1
 }
 
 /// Writes one frame.
@@ -260,7 +286,13 @@ mod tests {
         let t = TransferId("t-1".into());
         let msgs = vec![
             Message::Handshake { version: PROTOCOL_VERSION, info: AgentInfo::example() },
-            Message::HandshakeOk { info: AgentInfo::example(), transport: "tcp".into(), note: Some("n".into()) },
+            Message::HandshakeOk {
+                info: AgentInfo::example(),
+                transport: "tcp".into(),
+                note: Some("n".into()),
+                join_token: Some(7),
+            },
+            Message::JoinStream { token: 7, index: 2 },
             Message::HandshakeRefused { reason: "no".into() },
             Message::Register {
                 transfer_id: t.clone(),
@@ -300,6 +332,7 @@ mod tests {
                 from_token: 16,
                 last: false,
                 layers: Some([2, 4]),
+                streams: 3,
                 bytes: 64,
                 checksum: true,
             },
@@ -321,6 +354,7 @@ mod tests {
                 copy_us: 3,
                 digest: None,
                 grant_us: 0,
+                streams: 1,
             },
             Message::WriteAck { transfer_id: t, error: None },
         ];
@@ -342,7 +376,12 @@ mod tests {
     fn mutated_frames_decode_or_fail_cleanly() {
         let t = TransferId("t-1".into());
         let msgs = [
-            Message::HandshakeOk { info: AgentInfo::example(), transport: "cuda-ipc".into(), note: None },
+            Message::HandshakeOk {
+                info: AgentInfo::example(),
+                transport: "cuda-ipc".into(),
+                note: None,
+                join_token: None,
+            },
             Message::ReadBlocks {
                 transfer_id: t.clone(),
                 blocks: vec![2, 3],
@@ -361,6 +400,7 @@ mod tests {
                 copy_us: 0,
                 digest: None,
                 grant_us: 0,
+                streams: 1,
             },
             Message::Done {
                 transfer_id: t,

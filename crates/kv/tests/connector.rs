@@ -36,6 +36,9 @@ fn config(role: Role, mode: KvMode) -> ConnectorConfig {
         local_transport: false,
         transport: tandem_kv::KvTransport::Auto,
         verify: false,
+        // Every tcp pair here stripes its bytes over three streams (the tests' KV is a few
+        // pages: each stream carries some).
+        tcp_streams: 3,
         nixl_min_gb_s: 0.0,
         nixl_pull: tandem_kv::NixlPull::Auto,
         ucx_log: None,
@@ -844,6 +847,8 @@ fn a_computing_step_goes_over_tcp_group_of_layers_by_group() {
     p.wait_freed(1);
     wait_until("the write acknowledged", || p.p.stats().transfers_ok == 1);
     assert_eq!((p.p.stats().parts_early, p.d.stats().groups_landed), (1, 2));
+    // The bytes went striped over the connection and the two further streams it opened.
+    assert_eq!((p.p.stats().streams_joined, p.d.stats().streams_joined), (2, 2));
 }
 
 /// Faults on the group-by-group path: decode aborts with a group landed and the next still
@@ -884,4 +889,30 @@ fn an_abort_between_groups_and_a_group_lost_end_the_transfer_cleanly() {
         other => panic!("expected the transfer to fail, got {other:?}"),
     }
     p.wait_freed(2);
+}
+
+/// Push over tcp striped over three streams: one of the connection's further streams is cut
+/// (as a dropped TCP connection would be) just before prefill's first send over them. The
+/// transfer fails at once on both ends rather than waiting out a bound (decode recomputes),
+/// prefill's blocks come back, and the next transfer opens a new connection and lands.
+#[test]
+fn a_stream_cut_under_a_striped_send_fails_the_transfer_at_once_and_the_next_one_lands() {
+    let p = pair(KvMode::Push, 4, 8, FaultInjection { cut_a_stream: true, ..Default::default() });
+    let (tokens, blocks) = (37, p.d_blocks(37));
+    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens, 0);
+    std::thread::sleep(Duration::from_millis(100));
+    let start = Instant::now();
+    p.produce("t1", tokens);
+    match p.wait_event() {
+        ConnectorEvent::Failed { .. } => {}
+        other => panic!("expected the transfer to fail, got {other:?}"),
+    }
+    assert!(start.elapsed() < Duration::from_secs(1), "failed only after {:?}", start.elapsed());
+    p.wait_freed(1);
+    p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), tokens, 0);
+    std::thread::sleep(Duration::from_millis(100));
+    p.produce("t2", tokens);
+    assert_ready(p.wait_event(), "r2");
+    p.assert_landed(tokens, &blocks);
+    assert_eq!(p.d.stats().streams_joined, 4, "decode opened a second connection's two streams");
 }

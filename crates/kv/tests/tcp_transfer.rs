@@ -113,6 +113,7 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
                 from_token: 0,
                 last: true,
                 layers: None,
+                streams: 1,
                 bytes,
                 checksum,
             },
@@ -237,4 +238,76 @@ fn staged_pieces_are_read_after_their_hook_and_reported_as_they_land() {
         assert_eq!(a[slice.clone()], b[slice.clone()], "block {s} -> {d}: layers 2..5");
         assert!(b[..slice.start].iter().chain(&b[slice.end..]).all(|&x| x == 0), "block {d}: other layers written");
     }
+}
+
+/// Bytes striped over several TCP streams land where a single stream would put them, whatever
+/// the streams' count and the segments' sizes; a flipped bit on one stream is caught by that
+/// stream's checksum, and a stream cut mid-send fails the receive rather than hang it.
+#[test]
+fn bytes_striped_over_several_streams_land_in_order_and_a_bad_stream_is_caught() {
+    use std::net::{TcpListener, TcpStream};
+    use tandem_kv::tcp::{recv_striped, send_striped, STRIPE_BYTES};
+    let streams = |n: usize| -> (Vec<TcpStream>, Vec<TcpStream>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let out: Vec<TcpStream> = (0..n).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let inn: Vec<TcpStream> = (0..n).map(|_| listener.accept().unwrap().0).collect();
+        for s in &inn {
+            s.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
+        }
+        (out, inn)
+    };
+    let data: Vec<u8> = (0..(5 * STRIPE_BYTES + 12345)).map(|i| (i * 7 % 251) as u8).collect();
+    // Segments of odd sizes, as a group's per-block slices are.
+    let cuts = [0, 1000, STRIPE_BYTES + 3, 3 * STRIPE_BYTES, data.len()];
+    let segments: Vec<&[u8]> = cuts.windows(2).map(|w| &data[w[0]..w[1]]).collect();
+    for n in [1, 3, 4, 8] {
+        let (mut out, mut inn) = streams(n);
+        let mut got = vec![0u8; data.len()];
+        let sent = std::thread::scope(|s| {
+            let sender = s.spawn(|| send_striped(&mut out, &segments, true).unwrap());
+            let (a, b) = got.split_at_mut(2 * STRIPE_BYTES + 7);
+            recv_striped(&mut inn, &mut [a, b], true).unwrap();
+            sender.join().unwrap()
+        });
+        assert_eq!(sent, data.len() as u64);
+        assert!(got == data, "{n} streams");
+    }
+    // A bit flipped on the second stream, after the sender's checksum.
+    struct FlipFirst(TcpStream, bool);
+    impl std::io::Write for FlipFirst {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            match (self.1, buf.first()) {
+                (false, Some(&b)) => {
+                    self.1 = true;
+                    self.0.write_all(&[b ^ 1]).map(|()| 1)
+                }
+                _ => self.0.write(buf),
+            }
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.0.flush()
+        }
+    }
+    let (out, mut inn) = streams(3);
+    let mut out: Vec<FlipFirst> = out.into_iter().enumerate().map(|(i, s)| FlipFirst(s, i != 1)).collect();
+    let mut got = vec![0u8; data.len()];
+    let received = std::thread::scope(|s| {
+        s.spawn(|| send_striped(&mut out, &[&data], true).unwrap());
+        recv_striped(&mut inn, &mut [&mut got], true)
+    });
+    assert!(matches!(received, Err(tandem_kv::KvError::Corrupt(ref e)) if e.contains("stream 1")), "{received:?}");
+    // One stream cut after its first stripe: the receive fails within its read bound.
+    let (mut out, mut inn) = streams(2);
+    let mut got = vec![0u8; data.len()];
+    let received = std::thread::scope(|s| {
+        s.spawn(|| {
+            use std::io::Write;
+            out[0].write_all(&data[..STRIPE_BYTES]).unwrap();
+            out[0].shutdown(std::net::Shutdown::Both).unwrap();
+            let _ = send_striped(&mut out[1..], &[&data[..STRIPE_BYTES]], false);
+        });
+        recv_striped(&mut inn, &mut [&mut got], false)
+    });
+    assert!(matches!(received, Err(ref e) if !matches!(e, tandem_kv::KvError::Corrupt(_))), "{received:?}");
 }

@@ -44,6 +44,10 @@ pub struct BenchKvArgs {
     /// (`--kv-verify`), to measure what verifying costs.
     #[arg(long)]
     pub verify: bool,
+    /// tcp: TCP streams the KV bytes are striped over (`--kv-tcp-streams`), against raw TCP
+    /// over as many streams (the set split evenly) in the same run.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub tcp_streams: u16,
     /// Write the report as JSON here too.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
@@ -69,6 +73,7 @@ fn kv_bench_config(a: &BenchKvArgs) -> Result<tandem_bench::kv::KvBenchConfig> {
         repeats: a.repeats.max(1),
         verify: a.verify,
         kernel_cache: kernel_cache_dir(),
+        streams: a.tcp_streams.into(),
         ..Default::default()
     };
     match a.device.as_deref().map(str::parse::<tandem_compute::cuda::DeviceSpec>) {
@@ -92,6 +97,7 @@ pub(crate) fn bench_kv(a: BenchKvArgs) -> Result<()> {
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut child = std::process::Command::new(exe)
         .args(["--log", "warn", "bench", "kv-peer", "--size", &a.size, "--repeats", &a.repeats.to_string()])
+        .args(["--tcp-streams", &a.tcp_streams.to_string()])
         .args(a.device.as_ref().map(|d| ["--device", d.as_str()]).into_iter().flatten())
         .stdout(std::process::Stdio::piped())
         .spawn()

@@ -3,7 +3,8 @@
 
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::agent_info::AgentInfo;
 use crate::error::KvError;
@@ -17,6 +18,8 @@ pub(crate) struct Conn {
     pub transport: Arc<dyn Transport>,
     /// Why a faster transport is not used, as the acceptor said.
     pub note: Option<String>,
+    /// The connection's further streams for bulk bytes (tcp, `--kv-tcp-streams` above 1).
+    pub data: Arc<DataStreams>,
 }
 
 impl Conn {
@@ -25,8 +28,9 @@ impl Conn {
         peer: AgentInfo,
         transport: Arc<dyn Transport>,
         note: Option<String>,
+        data: Arc<DataStreams>,
     ) -> Result<Self, KvError> {
-        Ok(Self { writer: Mutex::new(stream.try_clone()?), peer, alive: AtomicBool::new(true), transport, note })
+        Ok(Self { writer: Mutex::new(stream.try_clone()?), peer, alive: AtomicBool::new(true), transport, note, data })
     }
 
     pub(crate) fn send(&self, msg: &Message) -> Result<(), KvError> {
@@ -50,24 +54,121 @@ impl Conn {
         self.alive.load(Ordering::SeqCst)
     }
 
-    /// The reader saw the connection end: nothing more goes on it.
+    /// The reader saw the connection end: nothing more goes on it, nor on its further streams.
     pub(crate) fn close(&self) {
         self.alive.store(false, Ordering::SeqCst);
+        self.data.shut_down();
+    }
+}
+
+/// A connection's further TCP streams, over which its bulk bytes are striped with the
+/// connection itself as stream 0: the connecting side opens them right after the handshake,
+/// each announcing itself with [`Message::JoinStream`]; the accepting side attaches them as
+/// they come. Writes take them all at once (under the connection's writer); reads use clones.
+pub(crate) struct DataStreams {
+    /// Streams beyond the connection itself.
+    expected: usize,
+    /// How long a send waits for the accepting side's streams to join.
+    bound: Duration,
+    /// Fault injection (`cut_a_stream`): the next striped send shuts the last stream down first.
+    cut: AtomicBool,
+    joined: Mutex<Joined>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct Joined {
+    writers: Vec<Option<TcpStream>>,
+    readers: Vec<Option<TcpStream>>,
+    shut: bool,
+}
+
+impl DataStreams {
+    /// `expected` further streams, none attached yet; a send or receive waits at most `bound`
+    /// for them to join. `cut`: fault injection, the first striped send cuts one first.
+    pub(crate) fn expecting(expected: usize, bound: Duration, cut: bool) -> Arc<Self> {
+        let slots = || (0..expected).map(|_| None).collect();
+        let joined = Joined { writers: slots(), readers: slots(), shut: false };
+        let (cut, changed) = (AtomicBool::new(cut), Condvar::new());
+        Arc::new(Self { expected, bound, cut, joined: Mutex::new(joined), changed })
+    }
+
+    /// How many streams the connection's bulk bytes are striped over (itself included).
+    pub(crate) fn count(&self) -> usize {
+        self.expected + 1
+    }
+
+    fn joined(&self) -> MutexGuard<'_, Joined> {
+        self.joined.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Attaches `stream` as stream `index` (from 1).
+    pub(crate) fn attach(&self, index: usize, stream: TcpStream) -> Result<(), KvError> {
+        let reader = stream.try_clone()?;
+        let mut j = self.joined();
+        let open = !j.shut && index >= 1 && j.writers.get(index - 1).is_some_and(Option::is_none);
+        if !open {
+            return Err(KvError::Protocol(format!("stream {index} of {} joined twice or out of range", self.count())));
+        }
+        (j.writers[index - 1], j.readers[index - 1]) = (Some(stream), Some(reader));
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Waits (boundedly) until every stream has joined; an error if they have not or the
+    /// connection is closed.
+    fn wait_joined(&self) -> Result<MutexGuard<'_, Joined>, KvError> {
+        let deadline = Instant::now() + self.bound;
+        let mut j = self.joined();
+        loop {
+            if j.shut {
+                return Err(KvError::Transfer("the connection's streams are closed".into()));
+            }
+            if j.writers.iter().all(Option::is_some) {
+                return Ok(j);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(KvError::Transfer(format!(
+                    "the connection's {} further streams did not all join",
+                    self.expected
+                )));
+            }
+            j = self.changed.wait_timeout(j, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Clones of the further streams' read halves, once all have joined.
+    pub(crate) fn readers(&self) -> Result<Vec<TcpStream>, KvError> {
+        let j = self.wait_joined()?;
+        j.readers.iter().flatten().map(|s| s.try_clone().map_err(KvError::from)).collect()
+    }
+
+    /// Shuts every further stream down (the connection is done, or one of them broke).
+    pub(crate) fn shut_down(&self) {
+        let mut j = self.joined();
+        j.shut = true;
+        for s in j.writers.iter().flatten() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        self.changed.notify_all();
     }
 }
 
 /// A write's frames on a connection: the frame announcing inline bytes (built by `header` from
 /// what the transport says follows), the bytes, and the completion after them, all under one
-/// hold of the writer once the announcement is made, so nothing interleaves with them.
+/// hold of the writer (and of the further streams the bytes are striped over) once the
+/// announcement is made, so nothing interleaves with them.
 pub(crate) struct Frames<'a, H: FnMut(Bulk) -> Message> {
     conn: &'a Conn,
     header: H,
     held: Option<MutexGuard<'a, TcpStream>>,
+    data: Option<MutexGuard<'a, Joined>>,
 }
 
 impl<'a, H: FnMut(Bulk) -> Message> Frames<'a, H> {
     pub(crate) fn new(conn: &'a Conn, header: H) -> Self {
-        Self { conn, header, held: None }
+        Self { conn, header, held: None, data: None }
     }
 
     /// Sends `msg` after whatever was announced (on the writer still held, if it is).
@@ -80,12 +181,28 @@ impl<'a, H: FnMut(Bulk) -> Message> Frames<'a, H> {
 }
 
 impl<H: FnMut(Bulk) -> Message> Announce for Frames<'_, H> {
-    fn announce(&mut self, bulk: Bulk) -> Result<&mut dyn std::io::Write, KvError> {
+    fn announce(&mut self, mut bulk: Bulk) -> Result<Vec<&mut (dyn std::io::Write + Send)>, KvError> {
         // A write of several announcements (groups of layers, each once its step has computed
         // it) lets other frames through between them.
         self.held = None;
+        self.data = None;
+        let data = &self.conn.data;
+        if data.count() > 1 {
+            let joined = data.wait_joined()?;
+            if data.cut.swap(false, Ordering::SeqCst) {
+                if let Some(last) = joined.writers.iter().flatten().last() {
+                    let _ = last.shutdown(std::net::Shutdown::Both);
+                }
+            }
+            self.data = Some(joined);
+        }
+        bulk.streams = data.count();
         let mut w = self.conn.writer();
         write_message(&mut *w, &(self.header)(bulk))?;
-        Ok(&mut **self.held.insert(w))
+        let mut out: Vec<&mut (dyn std::io::Write + Send)> = vec![&mut **self.held.insert(w)];
+        if let Some(j) = &mut self.data {
+            out.extend(j.writers.iter_mut().flatten().map(|s| s as &mut (dyn std::io::Write + Send)));
+        }
+        Ok(out)
     }
 }

@@ -3,39 +3,66 @@
 //! the caller's (the agent's threads).
 
 use std::net::TcpStream;
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 
-use super::conn::Conn;
+use super::conn::{Conn, DataStreams};
 use super::shared::{bump, Shared};
 use crate::agent_info::AgentInfo;
-use crate::channel::{accept_handshake, configure, connect, handshake, Picked};
+use crate::channel::{answer_handshake, configure, connect, handshake, read_hello, Hello, Picked};
 use crate::error::KvError;
 use crate::protocol::push::shared_run;
 use crate::transport::Transport;
+use crate::wire::{write_message, Message};
 
-/// Accepting side: the handshake on a new `stream`, and the connection it made (its reader is
-/// the caller's to run); `None` when it failed or was refused (logged, counted).
+/// Accepting side: the first frame of a new `stream`: a peer's handshake, and the connection
+/// it made (its reader is the caller's to run), or a further stream joining an open connection
+/// (kept by it); `None` when there is no new connection to read (a stream joined, or the
+/// handshake failed or was refused: logged, counted).
 pub(crate) fn accept(shared: &Shared, stream: &mut TcpStream) -> Option<Arc<Conn>> {
     if let Err(e) = configure(stream, shared.cfg.timeouts) {
         tracing::warn!(error = %e, "KV connection setup failed");
         return None;
     }
+    let hello = match read_hello(stream) {
+        Ok(Hello::Handshake(version, info)) => (version, info),
+        Ok(Hello::Join { token, index }) => {
+            join(shared, token, index, stream);
+            return None;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "KV handshake refused");
+            return None;
+        }
+    };
     let mut transport = None;
-    let picked = accept_handshake(stream, &shared.info, |peer| {
-        let (t, picked) = shared.picker.pick(peer)?;
-        transport = Some(t);
+    let mut data = None;
+    let picked = answer_handshake(stream, hello, &shared.info, |peer| {
+        let (t, mut picked) = shared.picker.pick(peer)?;
+        let streams = pair_streams(shared, peer, &picked.transport);
+        let cut = streams > 1 && shared.cfg.faults.cut_a_stream && !shared.cut_a_stream.swap(true, Ordering::SeqCst);
+        let streams_of = DataStreams::expecting(streams - 1, shared.cfg.timeouts.connect, cut);
+        if streams > 1 {
+            // Registered before the reply goes, so no joining stream comes before it.
+            let token = join_token();
+            let mut joining = shared.joining.lock().unwrap_or_else(|p| p.into_inner());
+            joining.retain(|_, d| d.strong_count() > 0);
+            joining.insert(token, Arc::downgrade(&streams_of));
+            picked.join_token = Some(token);
+        }
+        (transport, data) = (Some(t), Some(streams_of));
         Ok(picked)
     });
-    match (picked, transport) {
-        (Ok((peer, picked)), Some(transport)) => {
-            tracing::info!(peer = %peer.engine_id, epoch = peer.epoch.0, transport = %picked.transport, note = picked.note.as_deref().unwrap_or(""), "KV peer connected");
-            new_conn(shared, stream, peer, transport, picked.note).ok()
+    match (picked, transport, data) {
+        (Ok((peer, picked)), Some(transport), Some(data)) => {
+            tracing::info!(peer = %peer.engine_id, epoch = peer.epoch.0, transport = %picked.transport, streams = data.count(), note = picked.note.as_deref().unwrap_or(""), "KV peer connected");
+            new_conn(shared, stream, (peer, transport, picked.note), data).ok()
         }
-        (Ok(_), None) => {
+        (Ok(_), _, _) => {
             tracing::warn!("KV handshake accepted without a transport");
             None
         }
-        (Err(e), _) => {
+        (Err(e), _, _) => {
             if matches!(e, KvError::Incompatible(_) | KvError::Refused(_)) {
                 bump(&shared.counters.peers_refused, 1);
             }
@@ -45,19 +72,68 @@ pub(crate) fn accept(shared: &Shared, stream: &mut TcpStream) -> Option<Arc<Conn
     }
 }
 
+/// A further stream of the connection whose join token is `token`, as its stream `index`.
+fn join(shared: &Shared, token: u64, index: usize, stream: &TcpStream) {
+    let data = shared.joining.lock().unwrap_or_else(|p| p.into_inner()).get(&token).and_then(Weak::upgrade);
+    let joined = match (data, stream.try_clone()) {
+        (Some(data), Ok(s)) => data.attach(index, s),
+        (None, _) => Err(KvError::Protocol("a stream joined no open connection".into())),
+        (_, Err(e)) => Err(e.into()),
+    };
+    match joined {
+        Ok(()) => bump(&shared.counters.streams_joined, 1),
+        Err(e) => {
+            tracing::warn!(error = %e, "a KV stream could not join its connection");
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// How many streams a connection to `peer` over `transport` stripes its bytes over: the
+/// smaller of the two ends' counts over tcp, else one.
+fn pair_streams(shared: &Shared, peer: &AgentInfo, transport: &str) -> usize {
+    match transport {
+        "tcp" => shared.info.tcp_streams.min(peer.tcp_streams).max(1),
+        _ => 1,
+    }
+}
+
+/// A fresh join token: a random number (std's hasher keys are random per process and call).
+fn join_token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish()
+}
+
 /// Connecting side: a new connection to `addr` (connect, handshake, the transport the
-/// acceptor picked), recorded as the one to use for it. Its reader is the caller's to run on
-/// the returned stream.
+/// acceptor picked, and its further streams when the pair stripes over several), recorded as
+/// the one to use for it. Its reader is the caller's to run on the returned stream.
 pub(crate) fn connect_to(shared: &Shared, addr: &str) -> Result<(Arc<Conn>, TcpStream), KvError> {
-    let mut stream = connect(addr, shared.cfg.timeouts)?;
+    let t = shared.cfg.timeouts;
+    let mut stream = connect(addr, t)?;
     let (peer, picked) = handshake(&mut stream, &shared.info)?;
     let transport = shared.picker.accept(&peer, &picked)?;
-    let Picked { transport: name, note } = picked;
-    match &note {
-        Some(note) => tracing::info!(peer = %peer.engine_id, transport = %name, %note, "KV peer connected"),
-        None => tracing::info!(peer = %peer.engine_id, transport = %name, "KV peer connected"),
+    let Picked { transport: name, note, join_token } = picked;
+    let streams = match join_token {
+        Some(_) => pair_streams(shared, &peer, &name),
+        None => 1,
+    };
+    let cut = streams > 1 && shared.cfg.faults.cut_a_stream && !shared.cut_a_stream.swap(true, Ordering::SeqCst);
+    let data = DataStreams::expecting(streams - 1, t.connect, cut);
+    if let Some(token) = join_token {
+        for index in 1..streams {
+            let mut s = connect(addr, t)?;
+            write_message(&mut s, &Message::JoinStream { token, index })?;
+            data.attach(index, s)?;
+            bump(&shared.counters.streams_joined, 1);
+        }
     }
-    let conn = new_conn(shared, &stream, peer, transport, note)?;
+    match &note {
+        Some(note) => tracing::info!(peer = %peer.engine_id, transport = %name, streams, %note, "KV peer connected"),
+        None => tracing::info!(peer = %peer.engine_id, transport = %name, streams, "KV peer connected"),
+    }
+    let conn = new_conn(shared, &stream, (peer, transport, note), data)?;
     shared.peers.lock().unwrap_or_else(|p| p.into_inner()).insert(addr.to_string(), conn.clone());
     Ok((conn, stream))
 }
@@ -66,9 +142,8 @@ pub(crate) fn connect_to(shared: &Shared, addr: &str) -> Result<(Arc<Conn>, TcpS
 fn new_conn(
     shared: &Shared,
     stream: &TcpStream,
-    peer: AgentInfo,
-    transport: Arc<dyn Transport>,
-    note: Option<String>,
+    (peer, transport, note): (AgentInfo, Arc<dyn Transport>, Option<String>),
+    data: Arc<DataStreams>,
 ) -> Result<Arc<Conn>, KvError> {
     let c = &shared.counters;
     bump(
@@ -80,7 +155,7 @@ fn new_conn(
         },
         1,
     );
-    let conn = Arc::new(Conn::new(stream, peer, transport, note)?);
+    let conn = Arc::new(Conn::new(stream, peer, transport, note, data)?);
     let mut links = shared.links.lock().unwrap_or_else(|p| p.into_inner());
     links.retain(|l| l.upgrade().is_some_and(|c| c.is_alive()));
     links.push(Arc::downgrade(&conn));

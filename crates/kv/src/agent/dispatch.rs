@@ -73,10 +73,11 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             layers,
             bytes,
             checksum,
+            streams,
         } => {
             let num_layers = shared.memory.layout().num_layers;
             let layers = layers.map_or(0..num_layers, |[start, end]| start..end);
-            let bulk = Bulk { src_block_size, bytes, checksum, layers: layers.clone() };
+            let bulk = Bulk { src_block_size, bytes, checksum, layers: layers.clone(), streams };
             let span = WriteSpan { from: from_token, num_tokens, last, layers, num_layers };
             landing::on_write_blocks(stream, conn, shared, transfer_id, (span, &blocks), bulk)?
         }
@@ -90,9 +91,10 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             copy_us,
             digest,
             grant_us,
+            streams,
         } => {
             let layers = 0..shared.memory.layout().num_layers;
-            let bulk = Bulk { src_block_size, bytes, checksum, layers };
+            let bulk = Bulk { src_block_size, bytes, checksum, layers, streams };
             let direct = direct.then_some(DirectEnd { copy_us, digest, grant_us });
             landing::on_block_data(stream, conn, shared, transfer_id, bulk, error, direct)?
         }
@@ -113,7 +115,10 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             t.produced.remove(&transfer_id);
             shared.finish_incoming(&mut t, &transfer_id, |inc| ended(inc, reason));
         }
-        other @ (Message::Handshake { .. } | Message::HandshakeOk { .. } | Message::HandshakeRefused { .. }) => {
+        other @ (Message::Handshake { .. }
+        | Message::HandshakeOk { .. }
+        | Message::HandshakeRefused { .. }
+        | Message::JoinStream { .. }) => {
             return Err(KvError::Protocol(format!("unexpected {other:?} after the handshake")));
         }
     }

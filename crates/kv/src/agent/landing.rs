@@ -3,6 +3,7 @@
 //! checked under `--kv-verify`), the completion that makes the request ready, and the release
 //! of prefill's lease (pull) before the engine hears.
 
+use std::io::Read;
 use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 
@@ -15,7 +16,7 @@ use crate::error::KvError;
 use crate::events::{ConnectorEvent, TransferTimeline};
 use crate::protocol::push;
 use crate::table::{Incoming, Landing, NoWrite, WriteSpan};
-use crate::transport::tcp::{drain, CHECKSUM_BYTES};
+use crate::transport::tcp::drain_striped;
 use crate::transport::Bulk;
 use crate::wire::{DoneStatus, Message};
 
@@ -93,11 +94,19 @@ fn receive(
     let num_tokens = span.num_tokens;
     // A group of layers, not all of them: counted once it has landed.
     let group = span.layers.len() < span.num_layers;
-    let on_wire = bulk.bytes + if bulk.checksum { CHECKSUM_BYTES } else { 0 };
+    // The bytes come on this stream, or striped over it and the connection's further ones.
+    let mut further = match bulk.streams {
+        1 => Vec::new(),
+        n if n == conn.data.count() => conn.data.readers()?,
+        n => return Err(KvError::Protocol(format!("bytes on {n} streams of a connection of {}", conn.data.count()))),
+    };
+    let mut streams: Vec<&mut (dyn Read + Send)> = Vec::with_capacity(bulk.streams);
+    streams.push(stream);
+    streams.extend(further.iter_mut().map(|s| s as &mut (dyn Read + Send)));
     if shared.cfg.verify && !bulk.checksum {
         // Pairing checks both ends agree on checksums; a peer that still sends none is not
         // trusted with our blocks, which it never touches: the completion reports why.
-        drain(stream, on_wire)?;
+        drain_striped(&mut streams, bulk.bytes, bulk.checksum)?;
         let reason = "the peer sent KV without the checksum --kv-verify asks for".to_string();
         if let Some(inc) = shared.tables().incoming.get_mut(tid) {
             inc.failure = Some(reason.clone());
@@ -111,14 +120,14 @@ fn receive(
             if matches!(why, NoWrite::Unknown) {
                 bump(&shared.counters.unknown_ids, 1);
             }
-            drain(stream, on_wire)?;
+            drain_striped(&mut streams, bulk.bytes, bulk.checksum)?;
             return Ok(Err(format!("transfer `{tid}` is unknown, aborted or does not match")));
         }
     };
     // Safety: these blocks are registered to this transfer; the engine keeps them out of the
     // schedule until the connector reports, and an abort waits for the write to end.
     let bytes = bulk.bytes;
-    let result = unsafe { conn.transport.receive(stream, bulk, &blocks, num_tokens) };
+    let result = unsafe { conn.transport.receive(&mut streams, bulk, &blocks, num_tokens) };
     let used = shared.memory.layout().blocks_for(num_tokens).min(blocks.len());
     let regions = coalesce(&blocks[..used]).len() as u32;
     let mut t = shared.tables();

@@ -34,6 +34,7 @@ pub(crate) use shared::Shared;
 
 use std::collections::HashMap;
 use std::net::TcpListener;
+use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -102,6 +103,7 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
     transports.extend(nixl.offer());
     let info = AgentInfo {
         kv_verify: cfg.verify,
+        tcp_streams: cfg.tcp_streams.max(1),
         ..AgentInfo::for_layout(
             cfg.engine_id.clone(),
             epoch,
@@ -127,6 +129,8 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
         events,
         counters: Counters::default(),
         picker,
+        joining: Mutex::new(HashMap::new()),
+        cut_a_stream: AtomicBool::new(false),
     });
     if let Some(TransportOffer::Local { key, .. }) =
         info.transports.iter().find(|t| matches!(t, TransportOffer::Local { .. }))

@@ -142,6 +142,7 @@ fn refused(shared: &Shared, tid: TransferId, reason: String, direct: bool) -> Me
         copy_us: 0,
         digest: None,
         grant_us: 0,
+        streams: 1,
     }
 }
 
@@ -179,6 +180,7 @@ fn answer_read(shared: &Shared, conn: &Conn, tid: &TransferId, runs: Runs<'_>) -
         copy_us: 0,
         digest: None,
         grant_us: 0,
+        streams: bulk.streams,
     });
     match transport.write(runs, &complete, None, &mut frames) {
         Ok(()) => Ok(true),
@@ -220,6 +222,7 @@ fn answer_direct_read(
         copy_us,
         digest,
         grant_us,
+        streams: 1,
     })
 }
 

@@ -345,6 +345,7 @@ fn write_blocks(
         layers: (bulk.layers.len() < num_layers).then_some([bulk.layers.start, bulk.layers.end]),
         bytes: bulk.bytes,
         checksum: bulk.checksum,
+        streams: bulk.streams,
     }
 }
 

@@ -3,13 +3,13 @@
 //! engine.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
 use tandem_core::TransferId;
 
-use super::conn::Conn;
+use super::conn::{Conn, DataStreams};
 use super::parts::PartsWriter;
 use crate::agent_info::AgentInfo;
 use crate::config::ConnectorConfig;
@@ -40,6 +40,7 @@ pub(crate) struct Counters {
     pub links_nixl: AtomicU64,
     pub parts_early: AtomicU64,
     pub groups_landed: AtomicU64,
+    pub streams_joined: AtomicU64,
 }
 
 pub(crate) fn bump(c: &AtomicU64, n: u64) {
@@ -62,6 +63,10 @@ pub(crate) struct Shared {
     pub counters: Counters,
     /// Picks each connection's transport (and holds the NIXL endpoint).
     pub picker: Picker,
+    /// Accepting side: the further streams still to join each tcp connection, by join token.
+    pub joining: Mutex<HashMap<u64, Weak<DataStreams>>>,
+    /// Fault injection: whether `cut_a_stream` has been handed to a connection already.
+    pub cut_a_stream: AtomicBool,
 }
 
 impl Shared {
@@ -162,6 +167,7 @@ impl Shared {
             links_nixl: g(&c.links_nixl),
             parts_early: g(&c.parts_early),
             groups_landed: g(&c.groups_landed),
+            streams_joined: g(&c.streams_joined),
         }
     }
 

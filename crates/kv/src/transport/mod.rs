@@ -72,21 +72,25 @@ pub(crate) struct Bulk {
     pub bytes: u64,
     pub checksum: bool,
     pub layers: std::ops::Range<usize>,
+    /// Streams the bytes are striped over (set by the announcement: the connection's count).
+    pub streams: usize,
 }
 
 /// Where an inline transport's bytes go: the caller writes the frame that announces them (it
-/// knows the message; the transport knows how many bytes and whether a checksum follows) and
-/// hands back the stream they follow on, held for the caller's completion frame after them.
+/// knows the message and the connection's streams; the transport knows how many bytes and
+/// whether a checksum follows) and hands back the streams they follow on, the one the frame
+/// went on first, striped over them all ([`tcp::send_striped`]) when there are several, held
+/// for the caller's completion frame after them.
 pub(crate) trait Announce {
-    /// Writes the announcing frame; the bytes follow on the returned stream.
-    fn announce(&mut self, bulk: Bulk) -> Result<&mut dyn Write, KvError>;
+    /// Writes the announcing frame; the bytes follow on the returned streams.
+    fn announce(&mut self, bulk: Bulk) -> Result<Vec<&mut (dyn Write + Send)>, KvError>;
 }
 
 /// For direct transports, which never announce bytes on the side channel.
 pub(crate) struct NoAnnounce;
 
 impl Announce for NoAnnounce {
-    fn announce(&mut self, _: Bulk) -> Result<&mut dyn Write, KvError> {
+    fn announce(&mut self, _: Bulk) -> Result<Vec<&mut (dyn Write + Send)>, KvError> {
         Err(KvError::Protocol("a direct transport announced bytes on the side channel".into()))
     }
 }
@@ -145,15 +149,22 @@ pub(crate) trait Transport: Send + Sync {
         out: &mut dyn Announce,
     ) -> Result<(), WriteError>;
 
-    /// Reader, inline: takes the bytes `bulk` announced off `stream` into tokens
-    /// `0..num_tokens` of our blocks `dst` (a GPU engine's device cache included, before this
-    /// returns). `Corrupt` and `Transfer` errors leave the stream in step; others do not.
+    /// Reader, inline: takes the bytes `bulk` announced off `streams` (the one the frame came
+    /// on first; `bulk.streams` of them) into tokens `0..num_tokens` of our blocks `dst` (a GPU
+    /// engine's device cache included, before this returns). `Corrupt` and `Transfer` errors
+    /// leave the streams in step; others do not.
     ///
     /// # Safety
     /// The caller owns `dst` exclusively while this runs (a transfer's destination, not yet
     /// reported).
-    unsafe fn receive(&self, stream: &mut dyn Read, bulk: Bulk, dst: &[u32], num_tokens: usize) -> Result<(), KvError> {
-        let _ = (stream, bulk, dst, num_tokens);
+    unsafe fn receive(
+        &self,
+        streams: &mut [&mut (dyn Read + Send)],
+        bulk: Bulk,
+        dst: &[u32],
+        num_tokens: usize,
+    ) -> Result<(), KvError> {
+        let _ = (streams, bulk, dst, num_tokens);
         Err(KvError::Protocol(format!("KV bytes on the side channel of a {} connection", self.name())))
     }
 

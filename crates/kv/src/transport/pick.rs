@@ -37,14 +37,14 @@ impl Picker {
             return match nixl::pick(&self.ours, &self.nixl, peer) {
                 Ok(t) => {
                     tracing::info!(peer = %peer.engine_id, "KV transport nixl: the peer's NIXL agent is loaded");
-                    Ok((t, Picked { transport: "nixl".into(), note: None }))
+                    Ok((t, Picked::named("nixl", None)))
                 }
                 Err(why) => Err(format!("--kv-transport nixl, but nixl cannot work with `{}`: {why}", peer.engine_id)),
             };
         }
         if let Some(peer_memory) = self.local_peer(peer) {
             let local = Local::new(self.ours.clone(), peer_memory);
-            return Ok((Arc::new(local), Picked { transport: "local".into(), note: None }));
+            return Ok((Arc::new(local), Picked::named("local", None)));
         }
         let ipc = match policy {
             KvTransport::Tcp => Err("--kv-transport tcp".to_string()),
@@ -54,7 +54,7 @@ impl Picker {
             Ok(mapped) => {
                 tracing::info!(peer = %peer.engine_id, place = mapped.place(), "KV transport cuda-ipc: the peer's GPU cache is mapped");
                 let writer = CudaIpc::writer(self.ours.clone(), mapped);
-                Ok((Arc::new(writer), Picked { transport: "cuda-ipc".into(), note: None }))
+                Ok((Arc::new(writer), Picked::named("cuda-ipc", None)))
             }
             Err(why) if policy == KvTransport::CudaIpc => {
                 Err(format!("--kv-transport cuda-ipc, but cuda-ipc cannot work with `{}`: {why}", peer.engine_id))
@@ -62,7 +62,7 @@ impl Picker {
             Err(why) => {
                 self.ours.memory.host_region().map_err(|e| e.to_string())?;
                 let note = (policy == KvTransport::Auto).then(|| format!("cuda-ipc not possible: {why}"));
-                Ok((Arc::new(Tcp::new(self.ours.clone())), Picked { transport: "tcp".into(), note }))
+                Ok((Arc::new(Tcp::new(self.ours.clone())), Picked::named("tcp", note)))
             }
         }
     }

@@ -7,6 +7,14 @@
 //! through one staging buffer plus [`scatter_tokens`] when they differ. Around each piece a GPU
 //! engine's memory copies between its device cache and host copy ([`send_staged`],
 //! [`recv_staged`]), so those copies overlap the socket.
+//!
+//! A step still computing (its [`KvFences`] not complete) goes group of layers by group: each
+//! group's slice of every block, announced as a write of its own once the group's fence is
+//! set, so the KV crosses the network while the step's later layers compute.
+//!
+//! A pair with several streams (`--kv-tcp-streams`) stripes each write's bytes over them
+//! ([`send_striped`], [`recv_striped`]): one TCP stream carries about 3 GB/s, less than a GPU's
+//! prefill produces KV.
 
 use std::io::{Read, Write};
 use std::ops::Range;
@@ -190,20 +198,8 @@ pub unsafe fn recv_staged(
     landed: &mut dyn FnMut(BlockRun) -> Result<(), KvError>,
 ) -> Result<(), KvError> {
     let Destination { region, blocks: dst_blocks, num_tokens, layers } = into;
-    let dl = *region.layout();
-    if src_block_size == 0 {
-        return Err(KvError::Protocol("source block size 0".into()));
-    }
+    let (dl, needed) = check_destination(region, bytes, src_block_size, dst_blocks, num_tokens, &layers)?;
     let slice = slice_of(&dl, region.block_bytes(), &layers)?;
-    let src_layout = tandem_compute::KvLayout { block_size: src_block_size, ..dl };
-    let expected = group_wire_bytes(&src_layout, region.dtype(), num_tokens, &layers);
-    if bytes != expected {
-        return Err(KvError::Protocol(format!("{bytes} bytes announced for {num_tokens} tokens, expected {expected}")));
-    }
-    let needed = dl.blocks_for(num_tokens);
-    if dst_blocks.len() < needed || dst_blocks.iter().any(|&b| b as usize >= dl.num_blocks) {
-        return Err(KvError::Protocol(format!("destination blocks do not cover {num_tokens} tokens")));
-    }
     let mut crc = crc32fast::Hasher::new();
     if src_block_size == dl.block_size {
         // A group's slices are read in larger socket reads, never past the announced bytes.
@@ -249,6 +245,34 @@ pub unsafe fn recv_staged(
         }
     }
     Ok(())
+}
+
+/// Checks an announced receive of `bytes` (the sender's `src_block_size`-token blocks of
+/// tokens `0..num_tokens`, layers `layers`) against its destination; returns the destination's
+/// layout and how many of `dst_blocks` the tokens use.
+fn check_destination(
+    region: &KvRegion,
+    bytes: u64,
+    src_block_size: usize,
+    dst_blocks: &[u32],
+    num_tokens: usize,
+    layers: &Range<usize>,
+) -> Result<(KvLayout, usize), KvError> {
+    let dl = *region.layout();
+    if src_block_size == 0 {
+        return Err(KvError::Protocol("source block size 0".into()));
+    }
+    slice_of(&dl, region.block_bytes(), layers)?;
+    let src_layout = KvLayout { block_size: src_block_size, ..dl };
+    let expected = group_wire_bytes(&src_layout, region.dtype(), num_tokens, layers);
+    if bytes != expected {
+        return Err(KvError::Protocol(format!("{bytes} bytes announced for {num_tokens} tokens, expected {expected}")));
+    }
+    let needed = dl.blocks_for(num_tokens);
+    if dst_blocks.len() < needed || dst_blocks.iter().any(|&b| b as usize >= dl.num_blocks) {
+        return Err(KvError::Protocol(format!("destination blocks do not cover {num_tokens} tokens")));
+    }
+    Ok((dl, needed))
 }
 
 /// Reads the sender's CRC-32 after `bytes` of data and checks it against `crc`, theirs as landed.
@@ -332,24 +356,36 @@ impl Transport for Tcp {
             let staged =
                 unsafe { self.stage_send(&pieces, layers.clone()) }.map_err(|e| WriteError::Failed(e.to_string()))?;
             let bytes = group_wire_bytes(layout, region.dtype(), num_tokens, &layers);
-            let bulk = Bulk { src_block_size: layout.block_size, bytes, checksum, layers: layers.clone() };
-            let w = out.announce(bulk)?;
-            let mut ready = |i| staged.ready(i);
-            let what = (&pieces[..], layers);
-            // Safety: as above.
-            unsafe {
-                if self.ours.faults.corrupt_sends {
-                    let mut w = FlipFirstBit { inner: w, flipped: false };
-                    send_staged(&mut w, region, what, num_tokens, checksum, &mut ready)?;
-                } else {
-                    send_staged(&mut { w }, region, what, num_tokens, checksum, &mut ready)?;
+            let bulk = Bulk { src_block_size: layout.block_size, bytes, checksum, layers: layers.clone(), streams: 1 };
+            let mut announced = out.announce(bulk)?.into_iter();
+            let Some(first) = announced.next() else { return Err(WriteError::Failed("no stream to send on".into())) };
+            // The injected corruption flips the first byte on the first stream; else it passes.
+            let mut first = FlipFirstBit { inner: first, flipped: !self.ours.faults.corrupt_sends };
+            let mut streams: Vec<&mut (dyn Write + Send)> = vec![&mut first];
+            streams.extend(announced);
+            match &mut streams[..] {
+                [w] => {
+                    let mut ready = |i| staged.ready(i);
+                    // Safety: as above.
+                    unsafe { send_staged(w, region, (&pieces[..], layers), num_tokens, checksum, &mut ready)? };
+                }
+                several => {
+                    let mut ready = |i| staged.ready(i);
+                    // Safety: as above.
+                    unsafe { send_striped_staged(several, region, (&pieces[..], layers), checksum, &mut ready)? };
                 }
             }
         }
         Ok(())
     }
 
-    unsafe fn receive(&self, stream: &mut dyn Read, bulk: Bulk, dst: &[u32], num_tokens: usize) -> Result<(), KvError> {
+    unsafe fn receive(
+        &self,
+        streams: &mut [&mut (dyn Read + Send)],
+        bulk: Bulk,
+        dst: &[u32],
+        num_tokens: usize,
+    ) -> Result<(), KvError> {
         let memory = &self.ours.memory;
         let region = memory.host_region()?;
         let mut load = memory.receiver()?;
@@ -368,8 +404,12 @@ impl Transport for Tcp {
             }
             Ok(())
         };
-        // Safety: as above.
-        unsafe { recv_staged(&mut { stream }, bulk.bytes, bulk.src_block_size, into, bulk.checksum, &mut landed)? };
+        let (bytes, from, checksum) = (bulk.bytes, bulk.src_block_size, bulk.checksum);
+        match streams {
+            // Safety (both): as above.
+            [stream] => unsafe { recv_staged(stream, bytes, from, into, checksum, &mut landed)? },
+            several => unsafe { recv_striped_blocks(several, bytes, from, into, checksum, &mut landed)? },
+        }
         match failed {
             Some(e) => Err(e),
             None => load.finish(),
@@ -379,7 +419,7 @@ impl Transport for Tcp {
 
 /// Fault injection: a writer that flips the lowest bit of the first byte written through it.
 struct FlipFirstBit<'a> {
-    inner: &'a mut dyn Write,
+    inner: &'a mut (dyn Write + Send),
     flipped: bool,
 }
 
@@ -398,4 +438,250 @@ impl Write for FlipFirstBit<'_> {
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush()
     }
+}
+
+/// Bytes of one stripe of a large bulk send over several streams ([`send_striped`]): stripe
+/// `i` of the bytes, in wire order, goes on stream `i % n`, so a receiver places each stripe by
+/// its offset alone. A send of less than `n` stripes is cut into `n` smaller ones (whole pages),
+/// so that every stream carries a share.
+pub const STRIPE_BYTES: usize = 1 << 20;
+
+/// The stripe size of `total` bytes over `n` streams: [`STRIPE_BYTES`], or less for a small send.
+pub fn stripe_bytes(total: usize, n: usize) -> usize {
+    total.div_ceil(n.max(1)).next_multiple_of(4096).clamp(4096, STRIPE_BYTES)
+}
+
+/// The stripes of `total` wire bytes that stream `k` of `n` carries, in order, as wire ranges.
+pub fn stripes_of(total: usize, k: usize, n: usize) -> impl Iterator<Item = Range<usize>> {
+    let stripe = stripe_bytes(total, n);
+    (k * stripe..total).step_by(n.max(1) * stripe).map(move |at| at..(at + stripe).min(total))
+}
+
+/// The parts of segments of lengths `lens` (the wire bytes in order, as consecutive pieces of
+/// memory) that the wire range `range` covers, each as (segment, range within it).
+fn spans_of(lens: &[usize], range: Range<usize>) -> Vec<(usize, Range<usize>)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for (i, &len) in lens.iter().enumerate() {
+        let (lo, hi) = (range.start.max(start), range.end.min(start + len));
+        if lo < hi {
+            out.push((i, lo - start..hi - start));
+        }
+        start += len;
+        if start >= range.end {
+            break;
+        }
+    }
+    out
+}
+
+/// Sends the wire bytes `segments` (in order) striped over `streams` ([`STRIPE_BYTES`]), one
+/// thread a stream, each stream's bytes followed by their CRC-32 when `checksum`. Returns the
+/// bytes sent.
+pub fn send_striped<W: Write + Send>(streams: &mut [W], segments: &[&[u8]], checksum: bool) -> Result<u64, KvError> {
+    let lens: Vec<usize> = segments.iter().map(|s| s.len()).collect();
+    let total: usize = lens.iter().sum();
+    let n = streams.len();
+    std::thread::scope(|scope| {
+        let sends: Vec<_> = streams
+            .iter_mut()
+            .enumerate()
+            .map(|(k, w)| {
+                let lens = &lens;
+                scope.spawn(move || -> Result<(), KvError> {
+                    let mut crc = crc32fast::Hasher::new();
+                    for stripe in stripes_of(total, k, n) {
+                        for (seg, within) in spans_of(lens, stripe) {
+                            let data = &segments[seg][within];
+                            w.write_all(data)?;
+                            if checksum {
+                                crc.update(data);
+                            }
+                        }
+                    }
+                    if checksum {
+                        w.write_all(&crc.finalize().to_le_bytes())?;
+                    }
+                    w.flush()?;
+                    Ok(())
+                })
+            })
+            .collect();
+        let panicked = || KvError::Transfer("a stream's sender panicked".into());
+        sends.into_iter().try_for_each(|s| s.join().unwrap_or_else(|_| Err(panicked())))
+    })?;
+    Ok(total as u64)
+}
+
+/// Receives wire bytes striped over `streams` (as [`send_striped`] sent them) straight into
+/// `segments` (where the wire bytes go, in order), one thread a stream; with `checksum`, each
+/// stream's CRC-32 must match what landed ([`KvError::Corrupt`] if not, after every stream
+/// has been read, so the streams stay in step). A broken stream's error comes first.
+pub fn recv_striped<R: Read + Send>(
+    streams: &mut [R],
+    segments: &mut [&mut [u8]],
+    checksum: bool,
+) -> Result<(), KvError> {
+    let lens: Vec<usize> = segments.iter().map(|s| s.len()).collect();
+    let total: usize = lens.iter().sum();
+    let n = streams.len();
+    // Each stream's thread writes only its own stripes: disjoint ranges of the segments.
+    let bases: Vec<SendPtr> = segments.iter_mut().map(|s| SendPtr(s.as_mut_ptr())).collect();
+    std::thread::scope(|scope| {
+        let reads: Vec<_> = streams
+            .iter_mut()
+            .enumerate()
+            .map(|(k, r)| {
+                let (lens, bases) = (&lens, &bases);
+                scope.spawn(move || -> Result<(), KvError> {
+                    let mut crc = crc32fast::Hasher::new();
+                    for stripe in stripes_of(total, k, n) {
+                        for (seg, within) in spans_of(lens, stripe) {
+                            // Safety: `within` lies inside segment `seg` (spans_of cuts it to
+                            // the segment's length), the segments are borrowed mutably for the
+                            // whole scope, and no two streams' stripes overlap, so this slice
+                            // is written by this thread alone.
+                            let dst = unsafe { std::slice::from_raw_parts_mut(bases[seg].0.add(within.start), within.len()) };
+                            r.read_exact(dst)?;
+                            if checksum {
+                                crc.update(dst);
+                            }
+                        }
+                    }
+                    if checksum {
+                        let mut sent = [0u8; CHECKSUM_BYTES as usize];
+                        r.read_exact(&mut sent)?;
+                        let (sent, got) = (u32::from_le_bytes(sent), crc.finalize());
+                        if sent != got {
+                            return Err(KvError::Corrupt(format!(
+                                "KV checksum mismatch on stream {k}: the sender's CRC-32 is {sent:08x}, the bytes received give {got:08x}"
+                            )));
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        let panicked = || KvError::Transfer("a stream's receiver panicked".into());
+        let errors: Vec<KvError> =
+            reads.into_iter().filter_map(|r| r.join().unwrap_or_else(|_| Err(panicked())).err()).collect();
+        // A broken stream first (the connection is done), then a corrupt one (still in step).
+        let (corrupt, broken): (Vec<_>, Vec<_>) = errors.into_iter().partition(|e| matches!(e, KvError::Corrupt(_)));
+        match broken.into_iter().chain(corrupt).next() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    })
+}
+
+/// A segment's base address, handed to the stream threads of [`recv_striped`].
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+
+// Safety: the pointer is only dereferenced for the disjoint stripes each thread owns, while
+// the segments it points into are mutably borrowed by `recv_striped`'s caller.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// Where the wire bytes of the layers `layers` of `pieces` lie in a region with `layout` and
+/// `block_bytes`-byte blocks, in wire order: each piece whole (its blocks, all their bytes), or
+/// each block's slice of those layers (one block, the slice's bytes in it).
+fn wire_spans(
+    layout: &KvLayout,
+    block_bytes: usize,
+    pieces: &[BlockRun],
+    layers: &Range<usize>,
+) -> Result<Vec<(BlockRun, Range<usize>)>, KvError> {
+    let slice = slice_of(layout, block_bytes, layers)?;
+    let mut out = Vec::new();
+    for &piece in pieces {
+        if slice.len() == block_bytes {
+            out.push((piece, 0..piece.len as usize * block_bytes));
+        } else {
+            out.extend((piece.start..piece.start + piece.len).map(|b| (BlockRun { start: b, len: 1 }, slice.clone())));
+        }
+    }
+    Ok(out)
+}
+
+/// The wire bytes of the layers `layers` of `pieces` in `region`, in wire order.
+///
+/// # Safety
+/// As [`send_blocks`], for the pieces' blocks, while the slices live.
+unsafe fn wire_segments<'a>(
+    region: &'a KvRegion,
+    pieces: &[BlockRun],
+    layers: &Range<usize>,
+) -> Result<Vec<&'a [u8]>, KvError> {
+    let spans = wire_spans(region.layout(), region.block_bytes(), pieces, layers)?;
+    // Safety: passed on from the caller.
+    Ok(spans
+        .into_iter()
+        .map(|(run, within)| &unsafe { region.bytes(run.start as usize, run.len as usize) }[within])
+        .collect())
+}
+
+/// [`send_staged`] striped over `streams` ([`send_striped`]): once every piece is `ready` (a
+/// GPU engine's copies to its host copy done), the layers `what.1` of `what.0`'s pieces go
+/// out over all the streams at once. Returns the data bytes sent.
+///
+/// # Safety
+/// As [`send_blocks`], for the pieces' blocks.
+pub unsafe fn send_striped_staged<W: Write + Send>(
+    streams: &mut [W],
+    region: &KvRegion,
+    what: (&[BlockRun], Range<usize>),
+    checksum: bool,
+    ready: &mut dyn FnMut(usize) -> Result<(), KvError>,
+) -> Result<u64, KvError> {
+    let (pieces, layers) = what;
+    (0..pieces.len()).try_for_each(&mut *ready)?;
+    // Safety: passed on from the caller.
+    let segments = unsafe { wire_segments(region, pieces, &layers) }?;
+    send_striped(streams, &segments, checksum)
+}
+
+/// [`recv_staged`] of bytes striped over `streams`: straight into the destination blocks when
+/// both sides use the same block size, else through one staging buffer; `landed` hears of
+/// every piece of the destination once all the bytes are in.
+///
+/// # Safety
+/// As [`recv_blocks`].
+pub unsafe fn recv_striped_blocks<R: Read + Send>(
+    streams: &mut [R],
+    bytes: u64,
+    src_block_size: usize,
+    into: Destination<'_>,
+    checksum: bool,
+    landed: &mut dyn FnMut(BlockRun) -> Result<(), KvError>,
+) -> Result<(), KvError> {
+    let Destination { region, blocks: dst_blocks, num_tokens, layers } = into;
+    let (dl, needed) = check_destination(region, bytes, src_block_size, dst_blocks, num_tokens, &layers)?;
+    let dst_pieces = pieces(&dst_blocks[..needed], region.block_bytes());
+    if src_block_size == dl.block_size {
+        let spans = wire_spans(&dl, region.block_bytes(), &dst_pieces, &layers)?;
+        // Safety: the caller owns the destination blocks exclusively; the spans are disjoint.
+        let mut segments: Vec<&mut [u8]> = spans
+            .into_iter()
+            .map(|(run, within)| &mut unsafe { region.bytes_mut(run.start as usize, run.len as usize) }[within])
+            .collect();
+        recv_striped(streams, &mut segments, checksum)?;
+    } else {
+        let mut staging = vec![0u8; bytes as usize];
+        recv_striped(streams, &mut [&mut staging[..]], checksum)?;
+        // Safety: the caller owns the destination blocks exclusively.
+        unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens, layers) };
+    }
+    dst_pieces.into_iter().try_for_each(landed)
+}
+
+/// Reads and throws away bytes striped over `streams` (data for a transfer the reader
+/// refuses), each stream's checksum too.
+pub(crate) fn drain_striped(streams: &mut [&mut (dyn Read + Send)], bytes: u64, checksum: bool) -> Result<(), KvError> {
+    let n = streams.len();
+    for (k, s) in streams.iter_mut().enumerate() {
+        let share: usize = stripes_of(bytes as usize, k, n).map(|r| r.len()).sum();
+        drain(*s, share as u64 + if checksum { CHECKSUM_BYTES } else { 0 })?;
+    }
+    Ok(())
 }

@@ -52,23 +52,23 @@ fn digest(region: &KvRegion, table: &[u32], tokens: usize) -> u64 {
     unsafe { kv_digest_host(region, table, tokens) }.unwrap()
 }
 
-/// An announcement as a 33-byte header on the socket (the side channel's frame, reduced to
-/// what the reader needs).
-struct ToSocket<'a>(&'a mut TcpStream);
+/// An announcement as a 41-byte header on the first socket (the side channel's frame, reduced
+/// to what the reader needs), the bytes striped over all of them.
+struct ToSocket<'a>(&'a mut [TcpStream]);
 
-const HEADER: usize = 33;
+const HEADER: usize = 41;
 
 impl Announce for ToSocket<'_> {
-    fn announce(&mut self, bulk: Bulk) -> Result<&mut dyn std::io::Write, KvError> {
+    fn announce(&mut self, bulk: Bulk) -> Result<Vec<&mut (dyn std::io::Write + Send)>, KvError> {
         use std::io::Write;
         let mut header = [0u8; HEADER];
-        let words = [bulk.src_block_size as u64, bulk.bytes, bulk.layers.start as u64, bulk.layers.end as u64];
+        let words = [bulk.src_block_size, bulk.bytes as usize, bulk.layers.start, bulk.layers.end, self.0.len()];
         for (i, w) in words.iter().enumerate() {
-            header[i * 8..][..8].copy_from_slice(&w.to_le_bytes());
+            header[i * 8..][..8].copy_from_slice(&(*w as u64).to_le_bytes());
         }
-        header[32] = bulk.checksum as u8;
-        self.0.write_all(&header)?;
-        Ok(self.0)
+        header[40] = bulk.checksum as u8;
+        self.0[0].write_all(&header)?;
+        Ok(self.0.iter_mut().map(|s| s as &mut (dyn Write + Send)).collect())
     }
 }
 
@@ -76,34 +76,48 @@ fn read_announcement(s: &mut TcpStream) -> Bulk {
     let mut header = [0u8; HEADER];
     s.read_exact(&mut header).unwrap();
     let word = |i: usize| u64::from_le_bytes(header[i * 8..][..8].try_into().unwrap()) as usize;
-    Bulk { src_block_size: word(0), bytes: word(1) as u64, checksum: header[32] == 1, layers: word(2)..word(3) }
+    let (layers, streams) = (word(2)..word(3), word(4));
+    Bulk { src_block_size: word(0), bytes: word(1) as u64, checksum: header[40] == 1, layers, streams }
+}
+
+/// `n` connected pairs of TCP streams: the writer's ends and the reader's.
+fn streams(n: usize) -> (Vec<TcpStream>, Vec<TcpStream>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let out: Vec<TcpStream> = (0..n).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    let inn: Vec<TcpStream> = (0..n).map(|_| listener.accept().unwrap().0).collect();
+    (out, inn)
+}
+
+/// What the reader's `receive` takes: its ends of the streams.
+fn readers(inn: &mut [TcpStream]) -> Vec<&mut (dyn Read + Send)> {
+    inn.iter_mut().map(|s| s as &mut (dyn Read + Send)).collect()
 }
 
 /// Writes `tokens` of KV from a `from`-token-block engine to a `to`-token-block one over tcp;
 /// returns what the reader's `receive` said and the two digests.
+/// Writes `tokens` of KV from a `from`-token-block engine to a `to`-token-block one over tcp,
+/// striped over `n` streams; returns what the reader's `receive` said and the two digests.
 fn over_tcp(
-    from: usize,
-    to: usize,
+    (from, to, n): (usize, usize, usize),
     tokens: usize,
     verify: bool,
     faults: FaultInjection,
 ) -> (Result<(), KvError>, u64, u64) {
     let (src, src_table) = engine(from, tokens, 5, true);
     let (dst, dst_table) = engine(to, tokens, 7, false);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
+    let (mut out, mut inn) = streams(n);
     let reader = Tcp::new(ours(&dst, verify, FaultInjection::default()));
     let dst_blocks = dst_table.clone();
     let received = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        let bulk = read_announcement(&mut s);
+        let bulk = read_announcement(&mut inn[0]);
+        assert_eq!(bulk.streams, n);
         // Safety: the test owns every block of the reader's cache.
-        unsafe { reader.receive(&mut s, bulk, &dst_blocks, tokens) }
+        unsafe { reader.receive(&mut readers(&mut inn), bulk, &dst_blocks, tokens) }
     });
     let writer = Tcp::new(ours(&src, verify, faults));
-    let mut s = TcpStream::connect(addr).unwrap();
     let runs = Runs { src: &src_table, dst: &dst_table, num_tokens: tokens };
-    writer.write(runs, &KvFences::complete(), None, &mut ToSocket(&mut s)).unwrap();
+    writer.write(runs, &KvFences::complete(), None, &mut ToSocket(&mut out)).unwrap();
     let landed = received.join().unwrap();
     (landed, digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens))
 }
@@ -111,9 +125,11 @@ fn over_tcp(
 #[test]
 fn tcp_moves_block_runs_between_block_sizes() {
     for (from, to, tokens, verify) in [(16, 16, 100, false), (16, 8, 77, true), (8, 16, 5, false), (4, 12, 61, true)] {
-        let (landed, sent, got) = over_tcp(from, to, tokens, verify, FaultInjection::default());
-        landed.unwrap();
-        assert_eq!(sent, got, "{tokens} tokens from {from}- into {to}-token blocks");
+        for n in [1, 3] {
+            let (landed, sent, got) = over_tcp((from, to, n), tokens, verify, FaultInjection::default());
+            landed.unwrap();
+            assert_eq!(sent, got, "{tokens} tokens from {from}- into {to}-token blocks over {n} streams");
+        }
     }
 }
 
@@ -126,44 +142,42 @@ fn tcp_sends_a_computing_step_group_by_group_as_its_fences_are_set() {
     use tandem_compute::cuda::HostFence;
     let tokens = 77;
     let (src, src_table) = engine(16, tokens, 5, true);
-    let (dst, dst_table) = engine(8, tokens, 7, false);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (fences, mut signals): (Vec<_>, Vec<_>) = (0..3).map(|_| HostFence::pair()).unzip();
-    let groups = KvFences::host(fences.into_iter().enumerate().map(|(l, f)| (l..l + 1, f)).collect());
-    let writer = Tcp::new(ours(&src, true, FaultInjection::default()));
-    let (src_blocks, dst_blocks) = (src_table.clone(), dst_table.clone());
-    let written = std::thread::spawn(move || {
-        let mut s = TcpStream::connect(addr).unwrap();
-        let runs = Runs { src: &src_blocks, dst: &dst_blocks, num_tokens: tokens };
-        writer.write(runs, &groups, None, &mut ToSocket(&mut s)).map_err(|e| e.to_string())
-    });
-    let (mut s, _) = listener.accept().unwrap();
-    s.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
-    let reader = Tcp::new(ours(&dst, true, FaultInjection::default()));
-    let nothing_yet =
-        |s: &mut TcpStream| matches!(s.peek(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
-    for layer in 0..3 {
-        assert!(nothing_yet(&mut s), "group {layer} went before its fence was set");
-        signals.remove(0).signal();
-        let bulk = read_announcement(&mut s);
-        assert_eq!(bulk.layers, layer..layer + 1);
-        // Safety: the test owns every block of the reader's cache.
-        unsafe { reader.receive(&mut s, bulk, &dst_table, tokens) }.unwrap();
+    for n in [1, 2] {
+        let (dst, dst_table) = engine(8, tokens, 7, false);
+        let (mut out, mut inn) = streams(n);
+        let (fences, mut signals): (Vec<_>, Vec<_>) = (0..3).map(|_| HostFence::pair()).unzip();
+        let groups = KvFences::host(fences.into_iter().enumerate().map(|(l, f)| (l..l + 1, f)).collect());
+        let writer = Tcp::new(ours(&src, true, FaultInjection::default()));
+        let (src_blocks, dst_blocks) = (src_table.clone(), dst_table.clone());
+        let written = std::thread::spawn(move || {
+            let runs = Runs { src: &src_blocks, dst: &dst_blocks, num_tokens: tokens };
+            writer.write(runs, &groups, None, &mut ToSocket(&mut out)).map_err(|e| e.to_string())
+        });
+        inn[0].set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        let reader = Tcp::new(ours(&dst, true, FaultInjection::default()));
+        let nothing_yet =
+            |s: &mut TcpStream| matches!(s.peek(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+        for layer in 0..3 {
+            assert!(nothing_yet(&mut inn[0]), "group {layer} went before its fence was set");
+            signals.remove(0).signal();
+            let bulk = read_announcement(&mut inn[0]);
+            assert_eq!(bulk.layers, layer..layer + 1);
+            // Safety: the test owns every block of the reader's cache.
+            unsafe { reader.receive(&mut readers(&mut inn), bulk, &dst_table, tokens) }.unwrap();
+        }
+        written.join().unwrap().unwrap();
+        assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "{n} streams");
     }
-    written.join().unwrap().unwrap();
-    assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens));
 
     // The computing thread drops the second group's signal: the first group went, then the
     // write fails (the caller tells the peer in-band).
     let (fences, mut signals): (Vec<_>, Vec<_>) = (0..3).map(|_| HostFence::pair()).unzip();
     let groups = KvFences::host(fences.into_iter().enumerate().map(|(l, f)| (l..l + 1, f)).collect());
     let writer = Tcp::new(ours(&src, false, FaultInjection::default()));
-    let runs = Runs { src: &src_table, dst: &dst_table, num_tokens: tokens };
+    let runs = Runs { src: &src_table, dst: &src_table, num_tokens: tokens };
     signals.remove(0).signal();
     drop(signals);
-    let mut sink = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-    let (_keep, _) = listener.accept().unwrap();
+    let (mut sink, _keep) = streams(1);
     let result = writer.write(runs, &groups, None, &mut ToSocket(&mut sink));
     assert!(matches!(result, Err(WriteError::Failed(ref e)) if e.contains("without writing")), "{result:?}");
 }
@@ -171,9 +185,11 @@ fn tcp_sends_a_computing_step_group_by_group_as_its_fences_are_set() {
 #[test]
 fn tcp_detects_a_flipped_bit_and_fails_before_announcing_when_staging_fails() {
     let corrupt = FaultInjection { corrupt_sends: true, ..Default::default() };
-    let (landed, sent, got) = over_tcp(16, 8, 40, true, corrupt);
-    assert!(matches!(landed, Err(KvError::Corrupt(_))), "{landed:?}");
-    assert_ne!(sent, got);
+    for n in [1, 2] {
+        let (landed, sent, got) = over_tcp((16, 8, n), 40, true, corrupt.clone());
+        assert!(matches!(landed, Err(KvError::Corrupt(_))), "{n} streams: {landed:?}");
+        assert_ne!(sent, got);
+    }
     // A copy that fails before any byte leaves: nothing is announced, the caller tells the peer.
     let (src, table) = engine(16, 40, 5, true);
     let failing = Tcp::new(ours(&src, false, FaultInjection { fail_host_copies: true, ..Default::default() }));
@@ -266,7 +282,7 @@ fn nixl_writes_and_reads_block_runs_between_block_sizes() {
     let (prefill, prefill_info) = side("prefill", Role::Prefill, &src, 1);
     let (decode, decode_info) = side("decode", Role::Decode, &dst, 2);
     let (writer, picked) = prefill.pick(&decode_info).expect("prefill picks nixl");
-    assert_eq!(picked, Picked { transport: "nixl".into(), note: None });
+    assert_eq!(picked, Picked::named("nixl", None));
     let reader = decode.accept(&prefill_info, &picked).expect("decode takes it");
 
     // Push: prefill WRITEs decode's blocks, then its notification; decode confirms the landing.

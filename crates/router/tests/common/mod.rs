@@ -32,6 +32,8 @@ pub struct Knobs {
     pub transport: tandem_kv::KvTransport,
     /// `--kv-nixl-min-gb-s`.
     pub nixl_min_gb_s: f64,
+    /// `--kv-tcp-streams` (default 2 here, so that every tcp pair stripes its bytes).
+    pub tcp_streams: usize,
     /// `--kv-nixl-pull`.
     pub nixl_pull: tandem_kv::NixlPull,
     /// Async scheduling (pipelined steps), as GPU engines run by default.
@@ -67,6 +69,7 @@ impl Default for Knobs {
             local: false,
             transport: tandem_kv::KvTransport::Auto,
             nixl_min_gb_s: 0.0,
+            tcp_streams: 2,
             nixl_pull: tandem_kv::NixlPull::Auto,
             pipelined: false,
             num_blocks: None,
@@ -116,6 +119,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             local_transport: k.local,
             transport: k.transport,
             verify: k.verify,
+            tcp_streams: k.tcp_streams,
             nixl_min_gb_s: k.nixl_min_gb_s,
             nixl_pull: k.nixl_pull,
             ucx_log: None,
