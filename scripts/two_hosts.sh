@@ -13,7 +13,10 @@
 # LD_LIBRARY_PATH and NIXL_PLUGIN_DIR set); MIN_GB_S (below); PD_SETTINGS as pd_check.py;
 # LINK_RATE (tc's rate syntax: 300mbit, 1gbit) holds each host's link to that rate both ways with
 # a token bucket (tc's tbf; netem, which would add delay, does not exist on these kernels), so
-# that one machine shows what a network between prefill and decode does.
+# that one machine shows what a network between prefill and decode does. LINK_RATES="50mbit
+# 100mbit ..." runs the check once per rate (results in OUT_DIR/link-RATE/) and draws the long
+# prompt's TTFT against the link's rate, push, pull and colocated (OUT_DIR/ttft_by_link.png,
+# `tandem bench plot --link`).
 # Runs scripts/gpu/pd_check.py on CPU engines: greedy answers through the router must equal the
 # colocated engine's, KV blocks back to baseline, no transfer failed. CHECK=partition runs
 # scripts/partition_check.py instead: the link between the two hosts cut under load, and healed.
@@ -45,13 +48,19 @@ for ns in tandem-p tandem-d; do
   # A default route, as a host has: the engines bind their side channels to 0.0.0.0 and advertise
   # their address on it.
   ip -n $ns route add default via 10.77.0.254
-  if [ -n "${LINK_RATE:-}" ]; then
-    # Both ways: the host's egress in its namespace, and its ingress as the bridge port's egress.
-    ip netns exec $ns tc qdisc add dev $ns-eth root tbf rate "$LINK_RATE" burst 1mb latency 100ms
-    tc qdisc add dev $ns-br root tbf rate "$LINK_RATE" burst 1mb latency 100ms
-  fi
   n=$((n + 1))
 done
+# Holds both hosts' links to rate $1 both ways: each host's egress in its namespace, and its
+# ingress as the bridge port's egress.
+set_rate() {
+  for ns in tandem-p tandem-d; do
+    ip netns exec $ns tc qdisc replace dev $ns-eth root tbf rate "$1" burst 1mb latency 100ms
+    tc qdisc replace dev $ns-br root tbf rate "$1" burst 1mb latency 100ms
+  done
+}
+if [ -n "${LINK_RATE:-}" ]; then
+  set_rate "$LINK_RATE"
+fi
 # The link works before any engine starts: bash's /dev/tcp from tandem-p to a listener in tandem-d.
 ip netns exec tandem-d python3 -c 'import socket; s = socket.create_server(("10.77.0.2", 18999)); s.settimeout(10); s.accept()' &
 sleep 0.5
@@ -65,6 +74,16 @@ export PD_ENGINE_ARGS="--kv-nixl-min-gb-s ${MIN_GB_S:-0.1} ${PD_ENGINE_ARGS:-}"
 # The tiny presets' vocabulary: prompts keep their token ids below it.
 export PD_VOCAB=${PD_VOCAB:-256} PD_LONG=${PD_LONG:-1000} PD_NIXL=${NIXL:-0}
 echo "two hosts: prefill at 10.77.0.1 (tandem-p), decode at 10.77.0.2 (tandem-d), UCX_TLS=$UCX_TLS, link ${LINK_RATE:-unlimited}"
+if [ -n "${LINK_RATES:-}" ]; then
+  status=0
+  for rate in $LINK_RATES; do
+    set_rate "$rate"
+    echo "== link $rate"
+    LINK_RATE=$rate python3 "$here/gpu/pd_check.py" "$exe" "$out/link-$rate" "$model" || status=1
+  done
+  "$exe" bench plot --link --results-dir "$out" || status=1
+  exit $status
+fi
 case "${CHECK:-pd}" in
   pd) python3 "$here/gpu/pd_check.py" "$exe" "$out" "$model" ;;
   partition) python3 "$here/partition_check.py" "$exe" "$out" "$model" ;;

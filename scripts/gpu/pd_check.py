@@ -21,6 +21,7 @@ exits 1 on a mismatch, a leak or an error. Logs: OUT_DIR/pd_*.log.
 """
 import concurrent.futures
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import engine_http
 from engine_http import metric, post
 
 exe, out = sys.argv[1], sys.argv[2]
+os.makedirs(out, exist_ok=True)
 model = sys.argv[3] if len(sys.argv) > 3 else os.environ.get("PD_MODEL", "preset:qwen3-0.6b")
 # Explicit KV sizes: the engines share the GPU, and each sizes its cache from what is free.
 device = os.environ.get("PD_DEVICE", "cuda:0")  # PD_DEVICE=cpu tries the script without a GPU
@@ -218,6 +220,11 @@ try:
             status = 1
         long_ttft[name] = t_long
         stop_all()
+    # The long prompt's TTFTs for figures (`tandem bench plot --link` over two_hosts.sh's
+    # LINK_RATES runs): colocated and each setting, with the link's rate when one was set.
+    with open(os.path.join(out, "ttft.json"), "w") as f:
+        json.dump({"prompt_tokens": len(long_prompt), "link": os.environ.get("LINK_RATE"),
+                   "ttft_ms": {"colocated": colocated_ttft * 1e3, **{k: v * 1e3 for k, v in long_ttft.items()}}}, f)
     # PD_PUSH_OVER_PULL=R: push's long-prompt TTFT must be at most R times pull's, for each
     # transport and block sizes both ran with (a link slower than the prefill: push overlaps).
     bound = os.environ.get("PD_PUSH_OVER_PULL")

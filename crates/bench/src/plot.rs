@@ -9,6 +9,8 @@
 //!
 //! - [`ttft_by_turn`]: multi-turn runs (`bench serve --dataset-name multi-turn`), the median
 //!   TTFT of each turn, one line per result file (say, KV-aware routing against round-robin).
+//! - [`ttft_by_link`]: P/D between two hosts at several link rates (`scripts/two_hosts.sh` with
+//!   `LINK_RATES`), the long prompt's TTFT against the rate, push, pull and colocated.
 //!
 //! All are written as PNG and SVG. Text uses the bundled DejaVu Sans, so figures look the same
 //! on any machine.
@@ -427,16 +429,44 @@ where
         .draw()
         .map_err(err)?;
     for (i, (label, ttfts)) in lines.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
         let points: Vec<(f64, f64)> =
             ttfts.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(t, &v)| (t as f64 + 1.0, v)).collect();
-        chart
-            .draw_series(LineSeries::new(points.clone(), color.stroke_width(3)))
-            .map_err(err)?
-            .label(label.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
-        chart.draw_series(points.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(err)?;
+        line_with_points(&mut chart, label, Palette99::pick(i).to_rgba(), points)?;
     }
+    legend_and_present(root, &mut chart)
+}
+
+/// One labelled line through `points`, each point marked.
+fn line_with_points<'a, DB: DrawingBackend + 'a, X, Y>(
+    chart: &mut ChartContext<'a, DB, Cartesian2d<X, Y>>,
+    label: &str,
+    color: RGBAColor,
+    points: Vec<(f64, f64)>,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+    X: Ranged<ValueType = f64>,
+    Y: Ranged<ValueType = f64>,
+{
+    chart
+        .draw_series(LineSeries::new(points.clone(), color.stroke_width(3)))
+        .map_err(err)?
+        .label(label)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3)));
+    chart.draw_series(points.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(err)?;
+    Ok(())
+}
+
+/// The lines' legend, top right, then the figure out.
+fn legend_and_present<'a, DB: DrawingBackend + 'a, X, Y>(
+    root: &DrawingArea<DB, Shift>,
+    chart: &mut ChartContext<'a, DB, Cartesian2d<X, Y>>,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+    X: Ranged<ValueType = f64>,
+    Y: Ranged<ValueType = f64>,
+{
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::UpperRight)
@@ -448,6 +478,20 @@ where
     root.present().map_err(err)
 }
 
+/// Draws a figure with `draw` as `<out_dir>/<name>.png` and `.svg`.
+fn png_and_svg(
+    out_dir: &Path,
+    name: &str,
+    draw: impl Fn(&DrawingArea<BitMapBackend<'_>, Shift>) -> Result<(), String>,
+    draw_svg: impl Fn(&DrawingArea<SVGBackend<'_>, Shift>) -> Result<(), String>,
+) -> Result<(PathBuf, PathBuf), String> {
+    std::fs::create_dir_all(out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
+    let (png, svg) = (out_dir.join(format!("{name}.png")), out_dir.join(format!("{name}.svg")));
+    draw(&BitMapBackend::new(&png, (1000, 620)).into_drawing_area())?;
+    draw_svg(&SVGBackend::new(&svg, (1000, 620)).into_drawing_area())?;
+    Ok((png, svg))
+}
+
 /// Draws the multi-turn figure as `<out_dir>/ttft_by_turn.png` and `.svg`. `Ok(None)` when no
 /// result in `dir` is a multi-turn run.
 pub fn ttft_by_turn(dir: &Path, out_dir: &Path) -> Result<Option<(PathBuf, PathBuf)>, String> {
@@ -456,16 +500,130 @@ pub fn ttft_by_turn(dir: &Path, out_dir: &Path) -> Result<Option<(PathBuf, PathB
     if lines.is_empty() {
         return Ok(None);
     }
-    std::fs::create_dir_all(out_dir).map_err(|e| format!("{}: {e}", out_dir.display()))?;
-    let (png, svg) = (out_dir.join("ttft_by_turn.png"), out_dir.join("ttft_by_turn.svg"));
-    draw_turns(&BitMapBackend::new(&png, (1000, 620)).into_drawing_area(), &lines)?;
-    draw_turns(&SVGBackend::new(&svg, (1000, 620)).into_drawing_area(), &lines)?;
-    Ok(Some((png, svg)))
+    png_and_svg(out_dir, "ttft_by_turn", |r| draw_turns(r, &lines), |r| draw_turns(r, &lines)).map(Some)
+}
+
+/// One link rate's long-prompt TTFTs (ms): the rate in Mbit/s, and each mode's.
+#[derive(Clone, Debug, PartialEq)]
+struct LinkPoint {
+    mbit_s: f64,
+    prompt_tokens: u64,
+    ttft_ms: Vec<(String, f64)>,
+}
+
+/// A tc rate (`50mbit`, `1gbit`, `800kbit`) in Mbit/s.
+fn rate_mbit_s(rate: &str) -> Option<f64> {
+    let r = rate.trim().to_ascii_lowercase();
+    let (num, scale) = [("gbit", 1e3), ("mbit", 1.0), ("kbit", 1e-3)]
+        .iter()
+        .find_map(|(suffix, scale)| r.strip_suffix(suffix).map(|n| (n.to_string(), *scale)))?;
+    num.parse::<f64>().ok().map(|n| n * scale)
+}
+
+/// The link runs under `dir`: every `*/ttft.json` that names a link rate, by rate. A mode's
+/// name is its setting's (`push_tcp_16_16` becomes `push`; several transports keep the name).
+fn link_points(dir: &Path) -> Result<Vec<LinkPoint>, String> {
+    let mut points = Vec::new();
+    for e in std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?.flatten() {
+        let Ok(text) = std::fs::read_to_string(e.path().join("ttft.json")) else { continue };
+        let json: Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", e))?;
+        let Some(mbit_s) = json.get("link").and_then(Value::as_str).and_then(rate_mbit_s) else { continue };
+        let Some(modes) = json.get("ttft_ms").and_then(Value::as_object) else { continue };
+        let tcp_only = modes.keys().filter(|k| k.contains('_')).all(|k| k.contains("_tcp_"));
+        let ttft_ms = modes
+            .iter()
+            .filter_map(|(k, v)| {
+                let name = if tcp_only { k.split('_').next().unwrap_or(k) } else { k.as_str() };
+                v.as_f64().map(|ms| (name.to_string(), ms))
+            })
+            .collect();
+        let prompt_tokens = json.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0);
+        points.push(LinkPoint { mbit_s, prompt_tokens, ttft_ms });
+    }
+    points.sort_by(|a, b| a.mbit_s.total_cmp(&b.mbit_s));
+    Ok(points)
+}
+
+fn draw_link<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, points: &[LinkPoint]) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE).map_err(err)?;
+    let mut modes: Vec<&str> = points.iter().flat_map(|p| p.ttft_ms.iter().map(|(m, _)| m.as_str())).collect();
+    modes.sort();
+    modes.dedup();
+    let (lo, hi) = (points.first().map_or(1.0, |p| p.mbit_s), points.last().map_or(10.0, |p| p.mbit_s));
+    let ymax = points.iter().flat_map(|p| p.ttft_ms.iter().map(|(_, v)| *v)).fold(0.0, f64::max) * 1.15;
+    let tokens = points.first().map_or(0, |p| p.prompt_tokens);
+    let mut chart = ChartBuilder::on(root)
+        .caption(format!("TTFT of a {tokens}-token prompt against the link's rate"), ("sans-serif", 26))
+        .margin(16)
+        .x_label_area_size(50)
+        .y_label_area_size(70)
+        // Labelled at the rates measured (a log axis's own labels crowd at its top end).
+        .build_cartesian_2d(
+            (lo * 0.8..hi * 1.25).log_scale().with_key_points(points.iter().map(|p| p.mbit_s).collect()),
+            0f64..ymax.max(1e-9),
+        )
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("link between prefill and decode (Mbit/s, each way)")
+        .y_desc("median TTFT (ms)")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .label_style(("sans-serif", 15))
+        .draw()
+        .map_err(err)?;
+    for mode in modes {
+        let line: Vec<(f64, f64)> = points
+            .iter()
+            .filter_map(|p| p.ttft_ms.iter().find(|(m, _)| m == mode).map(|(_, v)| (p.mbit_s, *v)))
+            .collect();
+        line_with_points(&mut chart, mode, mode_color(mode).to_rgba(), line)?;
+    }
+    legend_and_present(root, &mut chart)
+}
+
+/// Draws the long prompt's TTFT against the link's rate (`scripts/two_hosts.sh` with
+/// `LINK_RATES`: one `link-RATE/ttft.json` per rate under `dir`) as `<out_dir>/ttft_by_link.png`
+/// and `.svg`: where push stops hiding the transfer behind the prefill shows as push leaving
+/// colocated's line. `Ok(None)` when `dir` holds no such run.
+pub fn ttft_by_link(dir: &Path, out_dir: &Path) -> Result<Option<(PathBuf, PathBuf)>, String> {
+    font();
+    let points = link_points(dir)?;
+    if points.is_empty() {
+        return Ok(None);
+    }
+    png_and_svg(out_dir, "ttft_by_link", |r| draw_link(r, &points), |r| draw_link(r, &points)).map(Some)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn link_runs_draw_ttft_against_the_rate() {
+        assert_eq!(
+            (rate_mbit_s("50mbit"), rate_mbit_s("1gbit"), rate_mbit_s("800kbit")),
+            (Some(50.0), Some(1e3), Some(0.8))
+        );
+        assert_eq!(rate_mbit_s("fast"), None);
+        let dir = std::env::temp_dir().join(format!("tandem-link-plot-{}", std::process::id()));
+        for (rate, push) in [("150mbit", 234.0), ("50mbit", 703.0)] {
+            std::fs::create_dir_all(dir.join(format!("link-{rate}"))).unwrap();
+            let json = format!(
+                r#"{{"prompt_tokens": 2048, "link": "{rate}", "ttft_ms": {{"colocated": 180.0, "push_tcp_16_16": {push}, "pull_tcp_16_16": 379.0}}}}"#
+            );
+            std::fs::write(dir.join(format!("link-{rate}/ttft.json")), json).unwrap();
+        }
+        std::fs::create_dir_all(dir.join("other")).unwrap();
+        let points = link_points(&dir).unwrap();
+        assert_eq!(points.iter().map(|p| p.mbit_s).collect::<Vec<_>>(), [50.0, 150.0], "by rate, others skipped");
+        assert!(points[0].ttft_ms.contains(&("push".to_string(), 703.0)), "{:?}", points[0]);
+        let (png, _) = ttft_by_link(&dir, &dir).unwrap().unwrap();
+        assert!(std::fs::metadata(png).unwrap().len() > 1000);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn multi_turn_results_draw_one_line_each() {

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tandem_compute::cuda::HostSignal;
 use tandem_compute::{KvCache, KvLayout};
 use tandem_core::{EngineId, Epoch, RemoteKv, RequestId, TransferId};
 use tandem_kv::channel::Timeouts;
@@ -811,10 +812,24 @@ fn an_abort_between_parts_over_tcp_is_released_and_nothing_lands_after() {
 }
 
 /// Two host fences for the pair's two layers, and the signals that set them.
-fn two_groups() -> (KvFences, tandem_compute::cuda::HostSignal, tandem_compute::cuda::HostSignal) {
+fn two_groups() -> (KvFences, HostSignal, HostSignal) {
     use tandem_compute::cuda::HostFence;
     let ((f0, s0), (f1, s1)) = (HostFence::pair(), HostFence::pair());
     (KvFences::host(vec![(0..1, f0), (1..2, f1)]), s0, s1)
+}
+
+/// Decode registers `request` for `tid` (37 tokens); prefill reports a step of 32 of them in two
+/// groups of layers and the first group lands (decode's `groups_landed` reaching `landed`).
+/// Returns decode's blocks and the second group's signal.
+fn first_group_landed(p: &Pair, (request, tid): (&str, &str), landed: u64) -> (Vec<u32>, HostSignal) {
+    let (tokens, blocks) = (37, p.d_blocks(37));
+    p.d.expect(RequestId::new(request), push_source(p, tid), blocks.clone(), tokens, 0);
+    std::thread::sleep(Duration::from_millis(150)); // the registration has reached prefill
+    let (fences, first, second) = two_groups();
+    p.p.computed(TransferId(tid.into()), p.p_blocks(tokens), 32, 0, fences);
+    first.signal();
+    wait_until("the first group", || p.d.stats().groups_landed == landed);
+    (blocks, second)
 }
 
 /// Push over tcp, a step still computing (a GPU engine reports it as it submits it): its KV goes
@@ -858,13 +873,8 @@ fn a_computing_step_goes_over_tcp_group_of_layers_by_group() {
 #[test]
 fn an_abort_between_groups_and_a_group_lost_end_the_transfer_cleanly() {
     let p = pair_via(false, KvMode::Push, 4, 8, Duration::from_secs(3));
-    let (tokens, blocks) = (37, p.d_blocks(37));
-    p.d.expect(RequestId::new("r1"), push_source(&p, "t1"), blocks.clone(), tokens, 0);
-    std::thread::sleep(Duration::from_millis(150));
-    let (fences, first, second) = two_groups();
-    p.p.computed(TransferId("t1".into()), p.p_blocks(tokens), 32, 0, fences);
-    first.signal();
-    wait_until("the first group", || p.d.stats().groups_landed == 1);
+    let tokens = 37;
+    let (blocks, second) = first_group_landed(&p, ("r1", "t1"), 1);
     p.d.abort(RequestId::new("r1"));
     assert!(matches!(p.wait_event(), ConnectorEvent::Released { .. }));
     second.signal();
@@ -876,12 +886,7 @@ fn an_abort_between_groups_and_a_group_lost_end_the_transfer_cleanly() {
 
     // The second group's step failed (its signal dropped unset): decode hears the transfer
     // failed and recomputes; it never reports Ready on layer 0 alone.
-    p.d.expect(RequestId::new("r2"), push_source(&p, "t2"), blocks.clone(), tokens, 0);
-    std::thread::sleep(Duration::from_millis(150));
-    let (fences, first, second) = two_groups();
-    p.p.computed(TransferId("t2".into()), p.p_blocks(tokens), 32, 0, fences);
-    first.signal();
-    wait_until("the first group of t2", || p.d.stats().groups_landed == 2);
+    let (_, second) = first_group_landed(&p, ("r2", "t2"), 2);
     drop(second);
     p.produce("t2", tokens);
     match p.wait_event() {
@@ -915,4 +920,28 @@ fn a_stream_cut_under_a_striped_send_fails_the_transfer_at_once_and_the_next_one
     assert_ready(p.wait_event(), "r2");
     p.assert_landed(tokens, &blocks);
     assert_eq!(p.d.stats().streams_joined, 4, "decode opened a second connection's two streams");
+}
+
+/// A group late mid-stream: the step computing the second group of layers takes longer than
+/// decode waits for the transfer. Decode gives the transfer up at its deadline (it never waits
+/// on a fence), the late group is drained when it comes, never written, and blocks come back
+/// on both sides.
+#[test]
+fn a_group_later_than_decodes_deadline_is_given_up_and_never_lands() {
+    let p = pair_via(false, KvMode::Push, 4, 8, Duration::from_secs(3));
+    let tokens = 37;
+    let (blocks, second) = first_group_landed(&p, ("r1", "t1"), 1);
+    let start = Instant::now();
+    match p.wait_event() {
+        ConnectorEvent::Failed { .. } => {}
+        other => panic!("expected decode to give the transfer up, got {other:?}"),
+    }
+    // Decode's transfer timeout here is 800 ms from its request.
+    assert!(start.elapsed() < Duration::from_secs(2), "given up only after {:?}", start.elapsed());
+    second.signal();
+    p.produce("t1", tokens);
+    p.wait_freed(1);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!((0..32).all(|t| d_key(&p, &blocks, t, 1) != written_key(t, 1)), "the late group landed");
+    assert_eq!(p.d.stats().groups_landed, 1);
 }

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 
 #[derive(Args, Debug, Clone)]
@@ -20,10 +20,21 @@ pub struct PlotArgs {
     /// --dataset-name multi-turn` result file in the directory); no sweep figures.
     #[arg(long)]
     pub turns_only: bool,
+    /// Only the link figure: the long prompt's TTFT against the link's rate, push, pull and
+    /// colocated, from `scripts/two_hosts.sh` run with LINK_RATES (one `link-RATE/ttft.json`
+    /// per rate in the directory).
+    #[arg(long)]
+    pub link: bool,
 }
 
 pub(crate) fn bench_plot(a: PlotArgs) -> Result<()> {
     let out = a.out_dir.clone().unwrap_or_else(|| a.results_dir.clone());
+    if a.link {
+        let drawn = tandem_bench::plot::ttft_by_link(&a.results_dir, &out).map_err(anyhow::Error::msg)?;
+        let (png, svg) = drawn.with_context(|| format!("no link-RATE/ttft.json under {}", a.results_dir.display()))?;
+        println!("{}\n{}", png.display(), svg.display());
+        return Ok(());
+    }
     // Multi-turn results (bench serve --dataset-name multi-turn) draw their own figure.
     if let Some((png, svg)) = tandem_bench::plot::ttft_by_turn(&a.results_dir, &out).map_err(anyhow::Error::msg)? {
         println!("{}\n{}", png.display(), svg.display());

@@ -126,6 +126,7 @@ pub(crate) fn bench_sweep(a: SweepArgs) -> Result<()> {
             metric: vec!["ttft".into(), "tpot".into()],
             out_dir: None,
             turns_only: false,
+            link: false,
         })?;
     }
     Ok(())

@@ -26,6 +26,7 @@ pub(crate) mod cuda_ipc;
 pub(crate) mod local;
 pub(crate) mod nixl;
 pub(crate) mod pick;
+pub(crate) mod stripes;
 pub mod tcp;
 
 use std::io::{Read, Write};
