@@ -22,7 +22,8 @@
 #   ipc: kernel, engine and kv_transport tests (cuda-ipc alone, into another process), P/D over tcp and cuda-ipc (pd_check.py) and `tandem bench kv
 #   --transport cuda-ipc` (also into cuda:1 when there are two GPUs) and the tcp benchmarks
 #   (SKIP_TCP=1 leaves those out);
-#   tcp: `tandem bench kv --transport tcp --device cuda:0` (TCP_SIZES) and on host memory; sweep: `tandem bench sweep
+#   tcp: `tandem bench kv --transport tcp --device cuda:0` (TCP_SIZES, each over TCP_STREAMS streams,
+#   default "1 4") and on host memory; sweep: `tandem bench sweep
 #   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
 #   SWEEP_QPS narrow it; SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU);
 #   ab: P/D with the new build, then bench kv (cuda-ipc, tcp) for gpu-bin/tandem-base and the new
@@ -354,13 +355,17 @@ kv_bench() {  # [EXE [TAG]]: another tandem binary (gpu-bin/tandem-base), its re
 # copy -> device, the copies overlapping the socket piece by piece), against raw loopback TCP
 # and the same transfer with the copies not overlapped, measured in the same run; then the
 # host-memory transport as before.
-tcp_bench() {  # [EXE [TAG]] as kv_bench
+tcp_bench() {  # [EXE [TAG]] as kv_bench; TCP_STREAMS (default "1 4"): streams, each a run
   local exe=${1:-$BIN/tandem} suffix=${2:+_$2}
   for size in ${TCP_SIZES:-64MiB 256MiB 1GiB}; do
-    timeout 120 "$exe" bench kv --transport tcp --device cuda:0 --size "$size" \
-      --json-out "$OUT/bench_kv_tcp_gpu_$size$suffix.json" > "$OUT/bench_kv_tcp_gpu_$size$suffix.log" 2>&1 \
-      || { note "bench kv tcp --device cuda:0 --size $size${2:+ ($2)} failed"; tail -5 "$OUT/bench_kv_tcp_gpu_$size$suffix.log"; status=1; }
-    while read -r line; do note "${2:+$2: }$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_tcp_gpu_$size$suffix.log")
+    for n in ${TCP_STREAMS:-1 4}; do
+      # One stream passes no flag, so that a build from before --tcp-streams runs too.
+      local tag=${size}_s$n$suffix streams=(); [ "$n" = 1 ] || streams=(--tcp-streams "$n")
+      timeout 120 "$exe" bench kv --transport tcp --device cuda:0 --size "$size" "${streams[@]}" \
+        --json-out "$OUT/bench_kv_tcp_gpu_$tag.json" > "$OUT/bench_kv_tcp_gpu_$tag.log" 2>&1 \
+        || { note "bench kv tcp --device cuda:0 --size $size, $n streams${2:+ ($2)} failed"; tail -5 "$OUT/bench_kv_tcp_gpu_$tag.log"; status=1; }
+      while read -r line; do note "${2:+$2: }$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_tcp_gpu_$tag.log")
+    done
   done
   timeout 120 "$exe" bench kv --transport tcp --size 256MiB > "$OUT/bench_kv_tcp_host$suffix.log" 2>&1 \
     || { note "bench kv tcp (host memory${2:+, $2}) failed"; status=1; }

@@ -100,12 +100,13 @@ fn landed_message(tid: &TransferId) -> Vec<u8> {
 #[cfg(feature = "nixl")]
 mod with_nixl {
     use std::collections::HashMap;
+    use std::ops::Range;
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
     use tandem_compute::cuda::KvFences;
-    use tandem_compute::kv_copy::plan_kv_copy;
+    use tandem_compute::kv_copy::{plan_kv_copy, plan_kv_copy_layers};
     use tandem_compute::KvLayout;
     use tandem_core::TransferId;
 
@@ -356,14 +357,15 @@ mod with_nixl {
             Ok(())
         }
 
-        /// Writes tokens `0..num_tokens` of our blocks `src` into the peer's `dst`, then (given
-        /// `tid`) the notification that says they landed.
-        fn copy(&self, runs: Runs<'_>, tid: Option<&TransferId>) -> Result<(), String> {
+        /// Writes the layers `layers` of tokens `0..num_tokens` of our blocks `src` into the
+        /// peer's `dst`, then (given `tid`) the notification that says they landed.
+        fn copy(&self, runs: Runs<'_>, layers: Range<usize>, tid: Option<&TransferId>) -> Result<(), String> {
             let Runs { src, dst, num_tokens } = runs;
             let (region, layout) = &self.target;
             let from = &self.ours.memory;
+            let elem_bytes = from.dtype().bytes();
             // Validates the peer's block list (ids inside its region, enough of them) first.
-            let plan = plan_kv_copy(&from.layout(), layout, from.dtype().bytes(), src, dst, num_tokens)?;
+            let plan = plan_kv_copy_layers(&from.layout(), layout, elem_bytes, src, dst, num_tokens, layers)?;
             bind_device(&self.ours)?;
             let runs = NixlRun::from_plan(&plan);
             let lost = |_: &&TransferId| {
@@ -408,10 +410,18 @@ mod with_nixl {
             landed: Option<&TransferId>,
             _out: &mut dyn Announce,
         ) -> Result<(), WriteError> {
-            // A part of a prompt still computing goes once its whole step is done, and with no
-            // notification: the final write's, after the part has completed, covers it.
-            fences.wait().map_err(WriteError::Failed)?;
-            self.copy(runs, landed).map_err(WriteError::Failed)
+            // A step still computing goes group of layers by group, each WRITE posted once its
+            // fence says the group's KV is written; a part has no notification (the final
+            // write's, after it, covers it), and a write's notification follows its last group.
+            let num_layers = self.ours.memory.layout().num_layers;
+            for (layers, fence) in fences.groups(num_layers) {
+                if let Some(fence) = fence {
+                    fence.wait().map_err(WriteError::Failed)?;
+                }
+                let notify = landed.filter(|_| layers.end == num_layers);
+                self.copy(runs, layers, notify).map_err(WriteError::Failed)?;
+            }
+            Ok(())
         }
 
         fn grants_reads(&self) -> bool {

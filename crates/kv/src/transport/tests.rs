@@ -293,6 +293,19 @@ fn nixl_writes_and_reads_block_runs_between_block_sizes() {
     reader.confirm_landed(&pushed).unwrap();
     assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "pushed");
 
+    // A step still computing: one WRITE per group of layers, each once its fence is set, the
+    // notification after the last (here into other blocks of decode's).
+    let (_, grouped_into) = engine(8, tokens, 5, false);
+    let grouped_into: Vec<u32> = grouped_into.iter().map(|b| (b + 29) % 48).collect();
+    let (fences, signals): (Vec<_>, Vec<_>) = (0..2).map(|_| tandem_compute::cuda::HostFence::pair()).unzip();
+    let groups = KvFences::host(fences.into_iter().zip([0..1, 1..3]).map(|(f, l)| (l, f)).collect());
+    let grouped = TransferId("grouped".into());
+    signals.into_iter().for_each(|s| s.signal());
+    let runs = Runs { src: &src_table, dst: &grouped_into, num_tokens: tokens };
+    writer.write(runs, &groups, Some(&grouped), &mut NoAnnounce).unwrap();
+    reader.confirm_landed(&grouped).unwrap();
+    assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &grouped_into, tokens), "pushed in groups");
+
     // Pull: decode READs prefill's blocks itself once granted (into other blocks of its own).
     assert!(writer.grants_reads(), "--kv-nixl-pull read: prefill grants the read");
     let (_, read_into) = engine(8, tokens, 3, false);
