@@ -157,6 +157,9 @@ fn receive(
             Ok(Err(reason))
         }
         Err(e) => {
+            // The connection is done: closed before the engine hears of the failure, so that
+            // a request it sends at once goes over a new connection, not this broken one.
+            conn.close();
             let reason = format!("receiving KV: {e}");
             shared.finish_incoming(&mut t, tid, |inc| ConnectorEvent::Failed { request_id: inc.request_id, reason });
             Err(e)
