@@ -120,6 +120,8 @@ pub struct ServeConfig {
     pub slo: Option<Slo>,
     /// Show a progress bar.
     pub progress: bool,
+    /// Sent as `Authorization: Bearer` on every request (a server with `--api-key`).
+    pub api_key: Option<String>,
 }
 
 /// A finished run.
@@ -309,7 +311,14 @@ async fn send(http: &reqwest::Client, url: &str, body: &Value, fallback_prompt_l
 
 /// Runs the benchmark. `on_done` is called after each measured request (for a progress bar).
 pub async fn run(cfg: &ServeConfig) -> Result<ServeRun, String> {
-    let http = reqwest::Client::builder().build().map_err(|e| e.to_string())?;
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(key) = &cfg.api_key {
+        let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+            .map_err(|_| "the API key cannot go in an HTTP header".to_string())?;
+        value.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
+    let http = reqwest::Client::builder().default_headers(headers).build().map_err(|e| e.to_string())?;
     let base = cfg.base_url.trim_end_matches('/');
     let model = match &cfg.model {
         Some(m) => m.clone(),

@@ -31,6 +31,8 @@ pub struct SweepConfig {
     pub result_dir: PathBuf,
     /// Seed (each iteration adds its index).
     pub seed: u64,
+    /// Sent as `Authorization: Bearer` on every request.
+    pub api_key: Option<String>,
 }
 
 /// One point's file name (the sweep's naming contract; `bench plot` reads it back).
@@ -107,6 +109,7 @@ pub async fn run_mode(
                     percentiles: cfg.percentiles.clone(),
                     slo: None,
                     progress: false,
+                    api_key: cfg.api_key.clone(),
                 };
                 let r = run(&sc).await?;
                 let path = cfg.result_dir.join(point_file(mode, qps, input_len, cfg.output_len, iter));

@@ -48,6 +48,7 @@ fn config(base_url: String, dataset: Dataset, num_prompts: usize, request_rate: 
         percentiles: vec![50.0],
         slo: None,
         progress: false,
+        api_key: None,
     }
 }
 

@@ -3,6 +3,7 @@
 //! owns its arguments and its run function (`serve`, `router`, `up`, `generate`, `model`,
 //! `bench`), and `engine` holds what every engine-running one shares.
 
+mod auth;
 mod bench;
 mod engine;
 mod generate;

@@ -52,6 +52,10 @@ pub struct RouterArgs {
     /// an error (a second signal ends them at once).
     #[arg(long, default_value_t = 5.0)]
     pub shutdown_timeout_secs: f64,
+    /// Clients' keys; the router sends the first to its engines, so give engines that take
+    /// --api-key that key too.
+    #[command(flatten)]
+    pub auth: crate::auth::ApiKeyArgs,
 }
 
 pub(crate) fn router(a: RouterArgs) -> Result<()> {
@@ -61,7 +65,10 @@ pub(crate) fn router(a: RouterArgs) -> Result<()> {
     };
     let check_interval =
         seconds(a.check_interval_secs, "--check-interval-secs")?.max(std::time::Duration::from_millis(50));
+    let keys = a.auth.keys()?;
     let router = tandem_router::Router::new(tandem_router::RouterConfig {
+        api_keys: tandem_core::ApiKeys::new(&keys).context("--api-key")?,
+        engine_api_key: keys.first().cloned(),
         prefill_timeout: std::time::Duration::from_secs(a.prefill_timeout_secs),
         check_interval,
         local_prefill_max_tokens: a.local_prefill_max_tokens,

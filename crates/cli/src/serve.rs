@@ -41,6 +41,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE_OR_TEMPLATE")]
     pub chat_template: Option<String>,
     #[command(flatten)]
+    pub auth: crate::auth::ApiKeyArgs,
+    #[command(flatten)]
     pub kv: KvArgs,
 }
 
@@ -350,10 +352,15 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
     if !defaults.unsupported.is_empty() {
         tracing::warn!(fields = %defaults.unsupported.join(", "), "generation_config.json sets sampling fields tandem does not apply");
     }
+    let keys = a.auth.api_keys()?;
+    if !keys.required() && a.host != "127.0.0.1" && a.host != "localhost" && a.host != "::1" {
+        tracing::warn!(host = %a.host, "no --api-key: anyone who reaches this port can use the API");
+    }
     let state = Arc::new(
         tandem_server::AppState::new(engine, tokenizer, name.clone())
             .with_max_in_flight(max_in_flight)
-            .with_sampling_defaults(defaults),
+            .with_sampling_defaults(defaults)
+            .with_api_keys(keys),
     );
     let drain = seconds(a.shutdown_timeout_secs, "--shutdown-timeout-secs")?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;

@@ -63,6 +63,9 @@ pub struct UpArgs {
     /// Where `--bench` writes its results and figures.
     #[arg(long, default_value = "results-up")]
     pub bench_dir: PathBuf,
+    /// Keys the router and both engines take (the router's first one is what it sends them).
+    #[command(flatten)]
+    pub auth: crate::auth::ApiKeyArgs,
 }
 
 pub(crate) struct Role {
@@ -70,10 +73,17 @@ pub(crate) struct Role {
     child: Child,
 }
 
-/// Starts one child with its output streamed to ours, each line prefixed with `[name]`.
-fn start(name: &'static str, args: &[String]) -> Result<Role> {
+/// Starts one child with its output streamed to ours, each line prefixed with `[name]`; its
+/// TANDEM_API_KEY is `api_keys` (its --api-key keys, comma-separated: in its environment, not
+/// on a command line others can list), none when `None`.
+fn start(name: &'static str, args: &[String], api_keys: Option<&str>) -> Result<Role> {
     let exe = std::env::current_exe().context("locating the tandem binary")?;
-    let mut child = Command::new(exe)
+    let mut command = Command::new(exe);
+    match api_keys {
+        Some(keys) => command.env("TANDEM_API_KEY", keys),
+        None => command.env_remove("TANDEM_API_KEY"),
+    };
+    let mut child = command
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -216,7 +226,10 @@ pub fn up(a: UpArgs) -> Result<()> {
     });
 
     eprintln!("tandem up: model {}, {mode} mode: prefill {p_url}, decode {d_url}, router {r_url}", a.model.model);
-    let mut roles = vec![start("prefill", &p_args)?, start("decode", &d_args)?, start("router", &r_args)?];
+    let keys = a.auth.child_env()?;
+    let keys = keys.as_deref();
+    let mut roles =
+        vec![start("prefill", &p_args, keys)?, start("decode", &d_args, keys)?, start("router", &r_args, keys)?];
     let deadline = Instant::now() + Duration::from_secs(a.ready_timeout_secs);
     let mut ready = false;
     while !interrupted.load(Ordering::SeqCst) {
@@ -237,8 +250,10 @@ pub fn up(a: UpArgs) -> Result<()> {
             eprintln!();
             // A model without a tokenizer takes token ids only.
             let prompt = if has_tokenizer { "\"Once upon a time\"" } else { "[1, 2, 3, 4]" };
+            // With --api-key the request needs one (the shell's TANDEM_API_KEY, if that is where it came from).
+            let auth = if keys.is_some() { " -H \"Authorization: Bearer $TANDEM_API_KEY\"" } else { "" };
             eprintln!(
-                "  curl -s {r_url}/v1/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"{}\", \"prompt\": {prompt}, \"max_tokens\": 16}}'",
+                "  curl -s {r_url}/v1/completions -H 'content-type: application/json'{auth} \\\n    -d '{{\"model\": \"{}\", \"prompt\": {prompt}, \"max_tokens\": 16}}'",
                 a.served_model_name
             );
             if a.model.model.starts_with("preset:") {
@@ -279,6 +294,8 @@ pub(crate) struct Launch<'a> {
     pub num_kv_blocks: Option<usize>,
     /// Given to every engine's `serve` as they are.
     pub engine_args: &'a [String],
+    /// The key every process started takes (`--api-key`).
+    pub api_key: Option<&'a str>,
 }
 
 /// The processes of one sweep mode, started as `l` says. Returns the URL to load and the
@@ -300,15 +317,15 @@ pub(crate) fn launch_mode(mode: &str, l: &Launch<'_>) -> Result<(String, Vec<Rol
     };
     let mut roles = Vec::new();
     if mode == "colocated" {
-        roles.push(start("serve", &serve(base_port, l.colocated_device))?);
+        roles.push(start("serve", &serve(base_port, l.colocated_device), l.api_key)?);
     } else {
         let (pp, dp, kp) = (base_port + 100, base_port + 200, base_port + 300);
         let mut p = serve(pp, l.prefill_device);
         p.extend(["--role", "prefill", "--kv-mode", mode, "--kv-port", &kp.to_string()].map(String::from));
         let mut d = serve(dp, l.decode_device);
         d.extend(["--role", "decode", "--kv-mode", mode, "--kv-port", &(kp + 1).to_string()].map(String::from));
-        roles.push(start("prefill", &p)?);
-        roles.push(start("decode", &d)?);
+        roles.push(start("prefill", &p, l.api_key)?);
+        roles.push(start("decode", &d, l.api_key)?);
         let r: Vec<String> = ["--log", log, "router", "--mode", mode, "--prefill", &format!("http://{host}:{pp}")]
             .iter()
             .map(|s| s.to_string())
@@ -321,7 +338,7 @@ pub(crate) fn launch_mode(mode: &str, l: &Launch<'_>) -> Result<(String, Vec<Rol
                 base_port.to_string(),
             ])
             .collect();
-        roles.push(start("router", &r)?);
+        roles.push(start("router", &r, l.api_key)?);
     }
     let deadline = Instant::now() + Duration::from_secs(120);
     while !healthy(&url) {
@@ -350,6 +367,7 @@ fn short_bench(a: &UpArgs, mode: &str, url: &str) -> Result<()> {
         percentiles: vec![50.0, 90.0, 99.0],
         result_dir: a.bench_dir.clone(),
         seed: 0,
+        api_key: a.auth.keys()?.first().cloned(),
     };
     let _ = std::fs::remove_file(a.bench_dir.join("summary.csv"));
     eprintln!("\ntandem up --bench: {mode} sweep (request rates 2, 4 x input lengths 64, 256; 12 prompts each)");

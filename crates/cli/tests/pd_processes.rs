@@ -350,3 +350,46 @@ fn a_frozen_prefill_process_is_declared_dead_within_the_liveness_bound_and_trust
         metric_until(&http, u, "tandem:kv_blocks_used", |b| b == 0.0, "blocks not back");
     }
 }
+
+/// `--api-key` across processes: the engines read their key from TANDEM_API_KEY, the router
+/// its keys from a flag and a file, and sends the first to the engines. A client with either
+/// router key is answered; one without a key, or with a key only the file comments out, gets
+/// a 401; an engine asked directly without its key refuses too.
+#[test]
+fn api_keys_from_flags_files_and_the_environment_guard_every_process() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let (pp, pk, dp, dk, rp) = (free_port(), free_port(), free_port(), free_port(), free_port());
+    let engine = |role: &str, port: u16, kv_port: u16| {
+        let a = args(&format!("--log warn serve --role {role} --kv-mode push --port {port} --kv-port {kv_port}"));
+        let child = Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(a)
+            .env("TANDEM_API_KEY", "sk-one")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        Proc(child)
+    };
+    let (_p, _d) = (engine("prefill", pp, pk), engine("decode", dp, dk));
+    let file = std::env::temp_dir().join(format!("tandem-keys-{}", std::process::id()));
+    std::fs::write(&file, "# the router's second key\nsk-two\n# sk-three\n").unwrap();
+    let _r = tandem(&args(&format!(
+        "router --prefill http://127.0.0.1:{pp} --decode http://127.0.0.1:{dp} --port {rp} --api-key sk-one --api-key-file {}",
+        file.display()
+    )));
+    let r_url = format!("http://127.0.0.1:{rp}");
+    wait_healthy(&http, &r_url);
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": true});
+    let post = |url: &str, key: Option<&str>| {
+        let mut req = http.post(format!("{url}/v1/completions")).json(&body);
+        if let Some(k) = key {
+            req = req.bearer_auth(k);
+        }
+        req.send().unwrap().status().as_u16()
+    };
+    assert_eq!((post(&r_url, Some("sk-one")), post(&r_url, Some("sk-two"))), (200, 200));
+    assert_eq!((post(&r_url, None), post(&r_url, Some("sk-three"))), (401, 401));
+    let p_url = format!("http://127.0.0.1:{pp}");
+    assert_eq!((post(&p_url, None), post(&p_url, Some("sk-two"))), (401, 401), "the engine takes only its own key");
+    let _ = std::fs::remove_file(file);
+}

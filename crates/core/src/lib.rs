@@ -10,10 +10,12 @@
 //! `tandem` binary (wiring).
 #![deny(missing_docs)]
 
+mod api_keys;
 mod ids;
 mod kv_params;
 mod sampling;
 
+pub use api_keys::{ApiKeys, InvalidApiKey};
 pub use ids::{BlockId, EngineId, Epoch, RequestId, TransferId};
 pub use kv_params::{KvTransferParams, RemoteKv, TransferMode};
 pub use sampling::{FinishReason, InvalidSampling, SamplingParams, TokenLogprobs, MAX_LOGPROBS};

@@ -15,7 +15,7 @@ use axum::Json;
 use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
-use tandem_core::{KvTransferParams, TransferMode};
+use tandem_core::{ApiKeys, KvTransferParams, TransferMode};
 use tandem_kv::{AgentInfo, KvMode, Role};
 
 use crate::backend::{choose, Backend, BackendState, InFlight, KvEndpoint};
@@ -43,6 +43,11 @@ pub struct RouterConfig {
     /// With several engines of a role, send a prompt to the one whose prefix cache holds the
     /// most of it (load permitting); off: the least busy, round-robin among ties.
     pub kv_aware_routing: bool,
+    /// Keys clients must send (`Authorization: Bearer`) on `/v1/*`; none: open.
+    pub api_keys: ApiKeys,
+    /// The key the router sends on every request to its engines (engines that take
+    /// `--api-key` want one of theirs); `None`: none sent.
+    pub engine_api_key: Option<String>,
 }
 
 impl RouterConfig {
@@ -56,6 +61,8 @@ impl RouterConfig {
             check_interval: Duration::from_secs(2),
             local_prefill_max_tokens: None,
             kv_aware_routing: true,
+            api_keys: ApiKeys::default(),
+            engine_api_key: None,
         }
     }
 }
@@ -67,6 +74,9 @@ pub enum RouterError {
     /// No prefill or no decode backend was given.
     #[error("need at least one --prefill and one --decode URL")]
     NoBackends,
+    /// The key for the engines cannot go in an HTTP header.
+    #[error("the engines' API key must be printable ASCII without spaces")]
+    BadEngineKey,
     /// A backend did not become healthy in time.
     #[error("backend {url} not ready after {secs} s: {reason}")]
     NotReady {
@@ -141,6 +151,8 @@ pub struct Router {
     id_prefix: String,
     /// Set once by [`Router::abort_all`].
     abort: tokio::sync::watch::Sender<bool>,
+    /// Requests refused for want of an API key.
+    unauthorized: AtomicU64,
 }
 
 fn mode_name(m: TransferMode) -> &'static str {
@@ -184,19 +196,37 @@ pub(crate) fn describe(e: &reqwest::Error) -> String {
 }
 
 impl Router {
+    /// Requests refused so far for want of one of the router's API keys (also in `/health`).
+    pub fn refused_unauthorized(&self) -> u64 {
+        self.unauthorized.load(Ordering::Relaxed)
+    }
+
     /// A router over the configured backends (not yet checked; see [`Router::wait_ready`]).
     pub fn new(cfg: RouterConfig) -> Result<Self, RouterError> {
         if cfg.prefill.is_empty() || cfg.decode.is_empty() {
             return Err(RouterError::NoBackends);
         }
+        let mut engine_headers = reqwest::header::HeaderMap::new();
+        if let Some(key) = &cfg.engine_api_key {
+            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+                .map_err(|_| RouterError::BadEngineKey)?;
+            value.set_sensitive(true);
+            engine_headers.insert(reqwest::header::AUTHORIZATION, value);
+        }
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            .default_headers(engine_headers)
+            .build()
+            .unwrap_or_default();
         Ok(Self {
             prefill: Engines::new(&cfg.prefill, Role::Prefill),
             decode: Engines::new(&cfg.decode, Role::Decode),
-            http: reqwest::Client::builder().connect_timeout(Duration::from_secs(5)).build().unwrap_or_default(),
+            http,
             turn: AtomicUsize::new(0),
             next_transfer: AtomicU64::new(0),
             id_prefix: format!("{:08x}", rand::random::<u32>()),
             abort: tokio::sync::watch::Sender::new(false),
+            unauthorized: AtomicU64::new(0),
             cfg,
         })
     }
@@ -515,10 +545,13 @@ impl Drop for ReleaseOnDrop {
 
 /// The router's routes.
 pub fn app(router: Arc<Router>) -> axum::Router {
-    axum::Router::new()
+    let openai = axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(router.clone(), require_api_key));
+    axum::Router::new()
+        .merge(openai)
         .route("/health", get(health))
         .route("/admin/engines", get(list_engines).post(add_engine).delete(remove_engine))
         .with_state(router)
@@ -543,8 +576,26 @@ fn no_delay(tcp: &mut tokio::net::TcpStream) {
     }
 }
 
+/// Lets a request through to `/v1/*` only with one of the router's API keys.
+async fn require_api_key(
+    State(r): State<Arc<Router>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let header = req.headers().get(axum::http::header::AUTHORIZATION).map(|v| v.as_bytes());
+    if r.cfg.api_keys.allows(header) {
+        return next.run(req).await;
+    }
+    r.unauthorized.fetch_add(1, Ordering::Relaxed);
+    error(
+        StatusCode::UNAUTHORIZED,
+        "this router needs an API key: send `Authorization: Bearer <key>` with one of its --api-key keys",
+    )
+}
+
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
     let kind = match status.as_u16() {
+        401 => "AuthenticationError",
         400..=499 => "BadRequestError",
         503 => "ServiceUnavailableError",
         _ => "BadGatewayError",
@@ -597,10 +648,12 @@ async fn models(State(r): State<Arc<Router>>) -> Response {
 async fn health(State(r): State<Arc<Router>>) -> Response {
     r.check_all().await;
     let problems = r.problems();
+    let refused = r.refused_unauthorized();
     if problems.is_empty() {
-        (StatusCode::OK, Json(json!({"status": "ok"}))).into_response()
+        (StatusCode::OK, Json(json!({"status": "ok", "refused_unauthorized": refused}))).into_response()
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unavailable", "problems": problems}))).into_response()
+        let body = json!({"status": "unavailable", "problems": problems, "refused_unauthorized": refused});
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
     }
 }
 

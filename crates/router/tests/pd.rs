@@ -699,3 +699,43 @@ async fn engines_join_and_leave_a_running_router() {
     assert_eq!(status, 404);
     wait_idle(&[&p1, &p2, &d]).await;
 }
+
+/// API keys through P/D: engines and router take the same `--api-key`, and the router sends it
+/// on every request of its own (checks, both legs, releases). A client with the key gets the
+/// colocated answers; one without it, or with another, gets a 401 from the router (counted)
+/// and reaches no engine; an engine asked directly without the key refuses too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_api_keys_a_keyed_client_gets_colocated_answers_and_others_get_401() {
+    const KEY: &str = "sk-deployment-key";
+    let keyed = |key: &str| {
+        let mut h = reqwest::header::HeaderMap::new();
+        h.insert(reqwest::header::AUTHORIZATION, format!("Bearer {key}").parse().unwrap());
+        reqwest::Client::builder().default_headers(h).build().unwrap()
+    };
+    let reqs: Vec<Value> = workload().into_iter().take(9).collect();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let want = run_all(&reqwest::Client::new(), &colocated.url, &reqs).await;
+    let k = Knobs { api_key: Some(KEY), ..Knobs::default() };
+    let p = engine_with(Some((Role::Prefill, KvMode::Push)), 16, k.clone()).await;
+    let d = engine_with(Some((Role::Decode, KvMode::Push)), 8, k).await;
+    let cfg = tandem_router::RouterConfig {
+        api_keys: tandem_core::ApiKeys::new([KEY]).unwrap(),
+        engine_api_key: Some(KEY.into()),
+        ..tandem_router::RouterConfig::new(TransferMode::Push, vec![p.url.clone()], vec![d.url.clone()])
+    };
+    let (base, router) = serve_router(cfg).await;
+    assert_eq!(run_all(&keyed(KEY), &base, &reqs).await, want);
+    let body = serde_json::json!({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2});
+    for client in [reqwest::Client::new(), keyed("sk-other")] {
+        let r = client.post(format!("{base}/v1/completions")).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 401);
+        let err: Value = r.json().await.unwrap();
+        assert_eq!(err["error"]["type"], "AuthenticationError", "{err}");
+    }
+    assert_eq!(router.refused_unauthorized(), 2);
+    let direct = reqwest::Client::new().post(format!("{}/v1/completions", p.url)).json(&body).send().await.unwrap();
+    assert_eq!(direct.status(), 401, "an engine with --api-key refuses a request without it");
+    wait_idle(&[&p, &d]).await;
+    let ps = kv_stats_until(&p, "9 transfers", |s| s.transfers_ok == 9).await;
+    assert_eq!(ps.transfers_failed, 0, "{ps:?}");
+}

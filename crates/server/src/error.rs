@@ -55,6 +55,9 @@ pub enum ApiError {
         /// The bound.
         bound_ms: u64,
     },
+    /// The server takes API keys (`--api-key`) and the request has none of them (401).
+    #[error("this server needs an API key: send `Authorization: Bearer <key>` with one of its --api-key keys")]
+    Unauthorized,
 }
 
 impl ApiError {
@@ -84,6 +87,7 @@ impl ApiError {
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::QueueTimeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
         }
     }
 
@@ -97,6 +101,7 @@ impl ApiError {
             ApiError::Internal(_) => "InternalServerError",
             ApiError::Overloaded { .. } => "RateLimitError",
             ApiError::QueueTimeout { .. } => "ServiceUnavailableError",
+            ApiError::Unauthorized => "AuthenticationError",
         }
     }
 

@@ -42,7 +42,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde_json::json;
-use tandem_core::RequestId;
+use tandem_core::{ApiKeys, RequestId};
 use tandem_engine::EngineHandle;
 use tandem_model::TextTokenizer;
 
@@ -75,6 +75,8 @@ pub struct AppState {
     max_in_flight: usize,
     /// Set once by [`AppState::abort_all`]; every generation watches it.
     abort: tokio::sync::watch::Sender<bool>,
+    /// Keys the OpenAI routes (`/v1/*`, `/tokenize`, `/detokenize`) take; none: open.
+    api_keys: ApiKeys,
 }
 
 impl AppState {
@@ -93,7 +95,15 @@ impl AppState {
             in_flight: AtomicUsize::new(0),
             max_in_flight: 0,
             abort: tokio::sync::watch::Sender::new(false),
+            api_keys: ApiKeys::default(),
         }
+    }
+
+    /// The OpenAI routes answer only requests with one of `keys` as `Authorization: Bearer`
+    /// (401 otherwise); `/health`, `/metrics` and the KV endpoints stay as they are.
+    pub fn with_api_keys(mut self, keys: ApiKeys) -> Self {
+        self.api_keys = keys;
+        self
     }
 
     /// Answers at most `limit` generations at once (running and queued; 0: no bound): past it a
@@ -148,20 +158,38 @@ impl AppState {
 
 /// The API routes over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let openai = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
-        .route("/health", get(health))
-        .route("/metrics", get(metrics_text))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_api_key));
+    Router::new()
+        .merge(openai)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
         .route("/kv/info", get(kv_info))
         .route("/kv/release", post(kv_release))
         .route("/kv/prefix", post(kv_prefix))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::map_response(json_body_limit))
         .with_state(state)
+}
+
+/// Lets a request through to the OpenAI routes only with one of the server's API keys.
+async fn require_api_key(
+    State(state): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let header = req.headers().get(axum::http::header::AUTHORIZATION).map(|v| v.as_bytes());
+    if state.api_keys.allows(header) {
+        return next.run(req).await;
+    }
+    let refused = ApiError::Unauthorized;
+    state.metrics.record_error(refused.error_type());
+    refused.into_response()
 }
 
 /// Largest request body accepted: room for a token-id prompt of about a million tokens.

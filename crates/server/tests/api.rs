@@ -21,6 +21,15 @@ async fn start(num_blocks: usize, budget: usize) -> Server {
 }
 
 async fn start_with(num_blocks: usize, budget: usize, defaults: tandem_model::GenerationDefaults) -> Server {
+    start_keyed(num_blocks, budget, defaults, tandem_core::ApiKeys::default()).await
+}
+
+async fn start_keyed(
+    num_blocks: usize,
+    budget: usize,
+    defaults: tandem_model::GenerationDefaults,
+    keys: tandem_core::ApiKeys,
+) -> Server {
     let preset = Preset::find("tiny-qwen3").unwrap();
     let m = LoadedModel::load(&ModelSource::Preset { preset, seed: 0 }, None).unwrap();
     let cfg = EngineConfig {
@@ -33,8 +42,11 @@ async fn start_with(num_blocks: usize, budget: usize, defaults: tandem_model::Ge
         prefix_caching: true,
     };
     let engine = tandem_engine::spawn(m.transformer, m.eos_token_ids, m.max_model_len, cfg).unwrap();
-    let state =
-        Arc::new(AppState::new(engine, m.tokenizer.map(Arc::new), MODEL.into()).with_sampling_defaults(defaults));
+    let state = Arc::new(
+        AppState::new(engine, m.tokenizer.map(Arc::new), MODEL.into())
+            .with_sampling_defaults(defaults)
+            .with_api_keys(keys),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
@@ -725,6 +737,48 @@ async fn logprobs_in_completions_and_chat_whole_and_streamed() {
         assert_eq!(status, 400, "{bad}: {v}");
         let param = v["error"]["param"].as_str().unwrap_or("");
         assert!(param.contains("logprobs"), "{bad}: {v}");
+    }
+    s.wait_idle().await;
+}
+
+/// A server started with API keys answers the OpenAI routes only for a request carrying one of
+/// them: none, a wrong one, another scheme or a key's prefix gets a 401 in OpenAI's shape,
+/// counted in /metrics, with nothing run (no tokens generated, every block free); /health and
+/// /metrics stay open; either key works.
+#[tokio::test]
+async fn without_one_of_its_api_keys_a_request_is_refused_and_runs_nothing() {
+    let keys = tandem_core::ApiKeys::new(["sk-test-one", "sk-test-two"]).unwrap();
+    let s = start_keyed(200, 256, Default::default(), keys).await;
+    let body = json!({"prompt": "hello", "max_tokens": 2, "ignore_eos": true});
+    let refused =
+        [None, Some("Bearer sk-wrong"), Some("Basic sk-test-one"), Some("Bearer sk-test-on"), Some("sk-test-one")];
+    for auth in refused {
+        for (path, body) in [
+            ("/v1/completions", body.clone()),
+            ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}]})),
+            ("/tokenize", json!({"prompt": "hello"})),
+            ("/detokenize", json!({"tokens": [1, 2]})),
+        ] {
+            let mut req = s.http.post(format!("{}{path}", s.base)).json(&body);
+            if let Some(a) = auth {
+                req = req.header("authorization", a);
+            }
+            let r = req.send().await.unwrap();
+            assert_eq!(r.status(), 401, "{path} with {auth:?}");
+            let err: Value = r.json().await.unwrap();
+            assert_eq!(err["error"]["type"], "AuthenticationError", "{err}");
+            assert!(err["error"]["message"].as_str().unwrap().contains("--api-key"), "{err}");
+        }
+    }
+    let models = s.http.get(format!("{}/v1/models", s.base)).send().await.unwrap();
+    assert_eq!(models.status(), 401);
+    assert_eq!(s.http.get(format!("{}/health", s.base)).send().await.unwrap().status(), 200);
+    let metrics = s.http.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("tandem:request_errors_total{type=\"AuthenticationError\"} 21"), "{metrics}");
+    assert!(metrics.contains("tandem:generation_tokens_total 0"), "a refused request ran: {metrics}");
+    for key in ["sk-test-one", "sk-test-two"] {
+        let r = s.http.post(format!("{}/v1/completions", s.base)).bearer_auth(key).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{key}");
     }
     s.wait_idle().await;
 }

@@ -10,6 +10,9 @@ pub struct BenchServeArgs {
     /// Server base URL.
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     pub base_url: String,
+    /// Sent as `Authorization: Bearer KEY` (a server started with --api-key).
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     /// API path.
     #[arg(long, default_value = "/v1/completions")]
     pub endpoint: String,
@@ -164,6 +167,7 @@ pub(crate) fn bench_serve(a: BenchServeArgs) -> Result<()> {
         percentiles: a.percentiles.clone(),
         slo,
         progress: !a.no_progress,
+        api_key: a.api_key.clone(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     eprintln!(

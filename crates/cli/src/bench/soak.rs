@@ -153,6 +153,8 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
             colocated_device: &a.device,
             num_kv_blocks: Some(a.num_kv_blocks),
             engine_args: args,
+            // The soak's clients send no key: its engines take none.
+            api_key: None,
         }
     }
     eprintln!("bench soak: starting the reference engine ({} on {})", a.model, a.device);

@@ -10,6 +10,10 @@ use crate::up;
 
 #[derive(Args, Debug, Clone)]
 pub struct SweepArgs {
+    /// Sent as `Authorization: Bearer KEY` on every request (engines started with --api-key;
+    /// with --launch, the engines it starts are given it).
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     /// Modes to run: push, pull, colocated.
     #[arg(long, value_delimiter = ',', default_value = "push,pull,colocated")]
     pub modes: Vec<String>,
@@ -91,6 +95,7 @@ pub(crate) fn bench_sweep(a: SweepArgs) -> Result<()> {
         percentiles: vec![50.0, 90.0, 99.0],
         result_dir: a.result_dir.clone(),
         seed: a.seed,
+        api_key: a.api_key.clone(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     let total = a.modes.len() * a.qps.len() * a.input_lens.len() * cfg.iterations;
@@ -108,6 +113,7 @@ pub(crate) fn bench_sweep(a: SweepArgs) -> Result<()> {
                 colocated_device: &a.colocated_device,
                 num_kv_blocks: a.num_kv_blocks,
                 engine_args: &a.engine_args,
+                api_key: a.api_key.as_deref(),
             };
             let (u, p) = up::launch_mode(mode, &launch)?;
             (u, p)

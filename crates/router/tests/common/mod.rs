@@ -34,6 +34,8 @@ pub struct Knobs {
     pub nixl_min_gb_s: f64,
     /// `--kv-tcp-streams` (default 2 here, so that every tcp pair stripes its bytes).
     pub tcp_streams: usize,
+    /// `--api-key`: the engine's OpenAI routes want it.
+    pub api_key: Option<&'static str>,
     /// `--kv-nixl-pull`.
     pub nixl_pull: tandem_kv::NixlPull,
     /// Async scheduling (pipelined steps), as GPU engines run by default.
@@ -70,6 +72,7 @@ impl Default for Knobs {
             transport: tandem_kv::KvTransport::Auto,
             nixl_min_gb_s: 0.0,
             tcp_streams: 2,
+            api_key: None,
             nixl_pull: tandem_kv::NixlPull::Auto,
             pipelined: false,
             num_blocks: None,
@@ -134,8 +137,11 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
         kv,
     )
     .unwrap();
-    let state =
-        Arc::new(AppState::new(handle, m.tokenizer.map(Arc::new), "tiny".into()).with_max_in_flight(k.max_in_flight));
+    let state = Arc::new(
+        AppState::new(handle, m.tokenizer.map(Arc::new), "tiny".into())
+            .with_max_in_flight(k.max_in_flight)
+            .with_api_keys(tandem_core::ApiKeys::new(k.api_key).unwrap()),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
@@ -160,17 +166,23 @@ pub async fn router_with(
     local_prefill_max_tokens: Option<usize>,
 ) -> String {
     let urls = |es: &[&Engine]| es.iter().map(|e| e.url.clone()).collect();
-    let r = Router::new(RouterConfig {
+    let cfg = RouterConfig {
         prefill_timeout: Duration::from_secs(30),
         local_prefill_max_tokens,
         ..RouterConfig::new(mode, urls(prefill), urls(decode))
-    })
-    .unwrap();
+    };
+    serve_router(cfg).await.0
+}
+
+/// Starts a router with `cfg` once its engines are ready; its URL, and the router.
+pub async fn serve_router(cfg: RouterConfig) -> (String, Arc<Router>) {
+    let r = Router::new(cfg).unwrap();
     r.wait_ready(Duration::from_secs(10)).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(tandem_router::serve(listener, Arc::new(r), std::future::pending()));
-    url
+    let r = Arc::new(r);
+    tokio::spawn(tandem_router::serve(listener, r.clone(), std::future::pending()));
+    (url, r)
 }
 
 /// Mixed prompts: 1 token, shorter than a block, several blocks, longer than the step budget.
