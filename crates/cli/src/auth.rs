@@ -19,6 +19,10 @@ pub struct ApiKeyArgs {
     /// taken besides any --api-key.
     #[arg(long, value_name = "PATH")]
     pub api_key_file: Option<PathBuf>,
+    /// `serve`: /metrics answers only with one of the keys too (it names the model and shows
+    /// the load; open by default, as Prometheus scrapers expect).
+    #[arg(long)]
+    pub api_key_for_metrics: bool,
 }
 
 impl ApiKeyArgs {

@@ -66,6 +66,9 @@ pub(crate) fn router(a: RouterArgs) -> Result<()> {
     let check_interval =
         seconds(a.check_interval_secs, "--check-interval-secs")?.max(std::time::Duration::from_millis(50));
     let keys = a.auth.keys()?;
+    if a.auth.api_key_for_metrics {
+        anyhow::bail!("--api-key-for-metrics is for `serve`: the router has no /metrics");
+    }
     let router = tandem_router::Router::new(tandem_router::RouterConfig {
         api_keys: tandem_core::ApiKeys::new(&keys).context("--api-key")?,
         engine_api_key: keys.first().cloned(),

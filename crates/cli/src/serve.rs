@@ -353,6 +353,9 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
         tracing::warn!(fields = %defaults.unsupported.join(", "), "generation_config.json sets sampling fields tandem does not apply");
     }
     let keys = a.auth.api_keys()?;
+    if a.auth.api_key_for_metrics && !keys.required() {
+        anyhow::bail!("--api-key-for-metrics needs --api-key (or TANDEM_API_KEY)");
+    }
     if !keys.required() && a.host != "127.0.0.1" && a.host != "localhost" && a.host != "::1" {
         tracing::warn!(host = %a.host, "no --api-key: anyone who reaches this port can use the API");
     }
@@ -360,7 +363,8 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
         tandem_server::AppState::new(engine, tokenizer, name.clone())
             .with_max_in_flight(max_in_flight)
             .with_sampling_defaults(defaults)
-            .with_api_keys(keys),
+            .with_api_keys(keys)
+            .with_metrics_needing_key(a.auth.api_key_for_metrics),
     );
     let drain = seconds(a.shutdown_timeout_secs, "--shutdown-timeout-secs")?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;

@@ -182,6 +182,9 @@ pub fn up(a: UpArgs) -> Result<()> {
         if a.kv_verify {
             v.push("--kv-verify".into());
         }
+        if a.auth.api_key_for_metrics {
+            v.push("--api-key-for-metrics".into());
+        }
         v
     };
     let has_tokenizer = match crate::engine::model_source(&a.model.model, a.model.model_seed)? {

@@ -77,6 +77,8 @@ pub struct AppState {
     abort: tokio::sync::watch::Sender<bool>,
     /// Keys the OpenAI routes (`/v1/*`, `/tokenize`, `/detokenize`) take; none: open.
     api_keys: ApiKeys,
+    /// `/metrics` takes them too.
+    metrics_need_key: bool,
 }
 
 impl AppState {
@@ -96,6 +98,7 @@ impl AppState {
             max_in_flight: 0,
             abort: tokio::sync::watch::Sender::new(false),
             api_keys: ApiKeys::default(),
+            metrics_need_key: false,
         }
     }
 
@@ -103,6 +106,13 @@ impl AppState {
     /// (401 otherwise); `/health`, `/metrics` and the KV endpoints stay as they are.
     pub fn with_api_keys(mut self, keys: ApiKeys) -> Self {
         self.api_keys = keys;
+        self
+    }
+
+    /// `/metrics` answers only with one of the API keys too (it names the model and shows the
+    /// load; open by default, as Prometheus scrapers expect).
+    pub fn with_metrics_needing_key(mut self, on: bool) -> Self {
+        self.metrics_need_key = on;
         self
     }
 
@@ -158,17 +168,21 @@ impl AppState {
 
 /// The API routes over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
-    let openai = Router::new()
+    let keyed = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
-        .route("/detokenize", post(detokenize))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_api_key));
+        .route("/detokenize", post(detokenize));
+    let (keyed, open) = match state.metrics_need_key {
+        true => (keyed.route("/metrics", get(metrics_text)), Router::new()),
+        false => (keyed, Router::new().route("/metrics", get(metrics_text))),
+    };
+    let keyed = keyed.route_layer(axum::middleware::from_fn_with_state(state.clone(), require_api_key));
     Router::new()
-        .merge(openai)
+        .merge(keyed)
+        .merge(open)
         .route("/health", get(health))
-        .route("/metrics", get(metrics_text))
         .route("/kv/info", get(kv_info))
         .route("/kv/release", post(kv_release))
         .route("/kv/prefix", post(kv_prefix))

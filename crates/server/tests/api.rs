@@ -30,6 +30,16 @@ async fn start_keyed(
     defaults: tandem_model::GenerationDefaults,
     keys: tandem_core::ApiKeys,
 ) -> Server {
+    start_keyed_metrics(num_blocks, budget, defaults, keys, false).await
+}
+
+async fn start_keyed_metrics(
+    num_blocks: usize,
+    budget: usize,
+    defaults: tandem_model::GenerationDefaults,
+    keys: tandem_core::ApiKeys,
+    metrics_need_key: bool,
+) -> Server {
     let preset = Preset::find("tiny-qwen3").unwrap();
     let m = LoadedModel::load(&ModelSource::Preset { preset, seed: 0 }, None).unwrap();
     let cfg = EngineConfig {
@@ -45,7 +55,8 @@ async fn start_keyed(
     let state = Arc::new(
         AppState::new(engine, m.tokenizer.map(Arc::new), MODEL.into())
             .with_sampling_defaults(defaults)
-            .with_api_keys(keys),
+            .with_api_keys(keys)
+            .with_metrics_needing_key(metrics_need_key),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -781,4 +792,17 @@ async fn without_one_of_its_api_keys_a_request_is_refused_and_runs_nothing() {
         assert_eq!(r.status(), 200, "{key}");
     }
     s.wait_idle().await;
+    // Asked to, /metrics wants a key too; /health never does.
+    let keys = tandem_core::ApiKeys::new(["sk-test-one"]).unwrap();
+    let s = start_keyed_metrics(200, 256, Default::default(), keys, true).await;
+    let metrics = |key: Option<&str>| {
+        let req = s.http.get(format!("{}/metrics", s.base));
+        let req = match key {
+            Some(k) => req.bearer_auth(k),
+            None => req,
+        };
+        async move { req.send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!((metrics(None).await, metrics(Some("sk-test-one")).await), (401, 200));
+    assert_eq!(s.http.get(format!("{}/health", s.base)).send().await.unwrap().status(), 200);
 }

@@ -85,7 +85,12 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
     };
     let listener = TcpListener::bind(&cfg.listen)
         .map_err(|e| KvError::Unreachable { addr: cfg.listen.clone(), reason: format!("cannot listen: {e}") })?;
-    let port = listener.local_addr()?.port();
+    let bound = listener.local_addr()?;
+    let port = bound.port();
+    if !bound.ip().is_loopback() {
+        // Nothing on the side channel is authenticated yet: say so where it matters.
+        tracing::warn!(addr = %bound, "the KV side channel listens beyond this host without authentication: anyone who can reach this port can read and write this engine's KV; keep it on a network only the deployment reaches");
+    }
     let l = memory.layout();
     let epoch = Epoch(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0));
     let mut transports = vec![TransportOffer::Tcp { addr: crate::channel::host_port(&cfg.advertise_host, port) }];
