@@ -64,33 +64,39 @@ impl Conn {
 /// A connection's further TCP streams, over which its bulk bytes are striped with the
 /// connection itself as stream 0: the connecting side opens them right after the handshake,
 /// each announcing itself with [`Message::JoinStream`]; the accepting side attaches them as
-/// they come. Writes take them all at once (under the connection's writer); reads use clones.
+/// they come. A striped send holds the write halves (under the connection's writer); receives
+/// use clones of the read halves; closing shuts the sockets down through those clones, so it
+/// never waits for a send in progress (which then fails at once).
 pub(crate) struct DataStreams {
     /// Streams beyond the connection itself.
     expected: usize,
-    /// How long a send waits for the accepting side's streams to join.
+    /// How long a send or receive waits for the accepting side's streams to join.
     bound: Duration,
     /// Fault injection (`cut_a_stream`): the next striped send shuts the last stream down first.
     cut: AtomicBool,
-    joined: Mutex<Joined>,
+    /// The write halves, by stream (from 1), held whole by a striped send.
+    writers: Mutex<Vec<Option<TcpStream>>>,
+    /// The read halves and whether the connection is done: never held during I/O.
+    state: Mutex<Joined>,
     changed: Condvar,
 }
 
-#[derive(Default)]
 struct Joined {
-    writers: Vec<Option<TcpStream>>,
     readers: Vec<Option<TcpStream>>,
     shut: bool,
 }
+
+/// The write halves of a connection's further streams, held for one striped send.
+pub(crate) type Writers<'a> = MutexGuard<'a, Vec<Option<TcpStream>>>;
 
 impl DataStreams {
     /// `expected` further streams, none attached yet; a send or receive waits at most `bound`
     /// for them to join. `cut`: fault injection, the first striped send cuts one first.
     pub(crate) fn expecting(expected: usize, bound: Duration, cut: bool) -> Arc<Self> {
-        let slots = || (0..expected).map(|_| None).collect();
-        let joined = Joined { writers: slots(), readers: slots(), shut: false };
+        let slots = || (0..expected).map(|_| None).collect::<Vec<_>>();
         let (cut, changed) = (AtomicBool::new(cut), Condvar::new());
-        Arc::new(Self { expected, bound, cut, joined: Mutex::new(joined), changed })
+        let state = Mutex::new(Joined { readers: slots(), shut: false });
+        Arc::new(Self { expected, bound, cut, writers: Mutex::new(slots()), state, changed })
     }
 
     /// How many streams the connection's bulk bytes are striped over (itself included).
@@ -98,34 +104,36 @@ impl DataStreams {
         self.expected + 1
     }
 
-    fn joined(&self) -> MutexGuard<'_, Joined> {
-        self.joined.lock().unwrap_or_else(|p| p.into_inner())
+    fn state(&self) -> MutexGuard<'_, Joined> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Attaches `stream` as stream `index` (from 1).
     pub(crate) fn attach(&self, index: usize, stream: TcpStream) -> Result<(), KvError> {
         let reader = stream.try_clone()?;
-        let mut j = self.joined();
-        let open = !j.shut && index >= 1 && j.writers.get(index - 1).is_some_and(Option::is_none);
+        let mut st = self.state();
+        let open = !st.shut && index >= 1 && st.readers.get(index - 1).is_some_and(Option::is_none);
         if !open {
             return Err(KvError::Protocol(format!("stream {index} of {} joined twice or out of range", self.count())));
         }
-        (j.writers[index - 1], j.readers[index - 1]) = (Some(stream), Some(reader));
+        // No striped send holds the writers before every stream has joined.
+        self.writers.lock().unwrap_or_else(|p| p.into_inner())[index - 1] = Some(stream);
+        st.readers[index - 1] = Some(reader);
         self.changed.notify_all();
         Ok(())
     }
 
-    /// Waits (boundedly) until every stream has joined; an error if they have not or the
-    /// connection is closed.
+    /// Waits (boundedly) until every stream has joined; the state then, or an error if they
+    /// have not or the connection is closed.
     fn wait_joined(&self) -> Result<MutexGuard<'_, Joined>, KvError> {
         let deadline = Instant::now() + self.bound;
-        let mut j = self.joined();
+        let mut st = self.state();
         loop {
-            if j.shut {
+            if st.shut {
                 return Err(KvError::Transfer("the connection's streams are closed".into()));
             }
-            if j.writers.iter().all(Option::is_some) {
-                return Ok(j);
+            if st.readers.iter().all(Option::is_some) {
+                return Ok(st);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -134,21 +142,35 @@ impl DataStreams {
                     self.expected
                 )));
             }
-            j = self.changed.wait_timeout(j, left).unwrap_or_else(|p| p.into_inner()).0;
+            st = self.changed.wait_timeout(st, left).unwrap_or_else(|p| p.into_inner()).0;
         }
+    }
+
+    /// The write halves for a striped send, once every stream has joined (the fault, if
+    /// injected, cuts the last one first).
+    fn writers(&self) -> Result<Writers<'_>, KvError> {
+        drop(self.wait_joined()?);
+        let writers = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        if self.cut.swap(false, Ordering::SeqCst) {
+            if let Some(last) = writers.iter().flatten().last() {
+                let _ = last.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        Ok(writers)
     }
 
     /// Clones of the further streams' read halves, once all have joined.
     pub(crate) fn readers(&self) -> Result<Vec<TcpStream>, KvError> {
-        let j = self.wait_joined()?;
-        j.readers.iter().flatten().map(|s| s.try_clone().map_err(KvError::from)).collect()
+        let st = self.wait_joined()?;
+        st.readers.iter().flatten().map(|s| s.try_clone().map_err(KvError::from)).collect()
     }
 
-    /// Shuts every further stream down (the connection is done, or one of them broke).
+    /// Shuts every further stream down (the connection is done, or one of them broke): at
+    /// once, a send in progress on them failing.
     pub(crate) fn shut_down(&self) {
-        let mut j = self.joined();
-        j.shut = true;
-        for s in j.writers.iter().flatten() {
+        let mut st = self.state();
+        st.shut = true;
+        for s in st.readers.iter().flatten() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
         self.changed.notify_all();
@@ -163,7 +185,7 @@ pub(crate) struct Frames<'a, H: FnMut(Bulk) -> Message> {
     conn: &'a Conn,
     header: H,
     held: Option<MutexGuard<'a, TcpStream>>,
-    data: Option<MutexGuard<'a, Joined>>,
+    data: Option<Writers<'a>>,
 }
 
 impl<'a, H: FnMut(Bulk) -> Message> Frames<'a, H> {
@@ -188,20 +210,14 @@ impl<H: FnMut(Bulk) -> Message> Announce for Frames<'_, H> {
         self.data = None;
         let data = &self.conn.data;
         if data.count() > 1 {
-            let joined = data.wait_joined()?;
-            if data.cut.swap(false, Ordering::SeqCst) {
-                if let Some(last) = joined.writers.iter().flatten().last() {
-                    let _ = last.shutdown(std::net::Shutdown::Both);
-                }
-            }
-            self.data = Some(joined);
+            self.data = Some(data.writers()?);
         }
         bulk.streams = data.count();
         let mut w = self.conn.writer();
         write_message(&mut *w, &(self.header)(bulk))?;
         let mut out: Vec<&mut (dyn std::io::Write + Send)> = vec![&mut **self.held.insert(w)];
-        if let Some(j) = &mut self.data {
-            out.extend(j.writers.iter_mut().flatten().map(|s| s as &mut (dyn std::io::Write + Send)));
+        if let Some(writers) = &mut self.data {
+            out.extend(writers.iter_mut().flatten().map(|s| s as &mut (dyn std::io::Write + Send)));
         }
         Ok(out)
     }

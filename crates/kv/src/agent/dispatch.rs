@@ -18,10 +18,11 @@ use crate::wire::{read_message, Message};
 /// Reads `conn`'s messages from `stream` until it ends or breaks the protocol.
 pub(crate) fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
     // Between messages a read waits up to the liveness bound (the peer pings every third of
-    // it, so silence that long means it is frozen or gone); bulk data is read under the I/O
-    // timeout once its header has arrived.
+    // it, so silence that long means it is frozen or gone); bulk data, once its header has
+    // arrived, under the I/O timeout or that bound if shorter (a sender frozen mid-write is as
+    // dead as one frozen between messages).
     let idle = |s: &TcpStream, on: bool| {
-        let _ = s.set_read_timeout(Some(if on { shared.cfg.liveness } else { shared.cfg.timeouts.io }));
+        let _ = s.set_read_timeout(Some(if on { shared.cfg.liveness } else { bulk_read_bound(&shared) }));
     };
     loop {
         idle(&stream, true);
@@ -40,6 +41,11 @@ pub(crate) fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Sh
     }
     conn.close();
     decode::connection_lost(&shared, &conn);
+}
+
+/// The longest a bulk read may wait for its next bytes.
+pub(crate) fn bulk_read_bound(shared: &Shared) -> std::time::Duration {
+    shared.cfg.timeouts.io.min(shared.cfg.liveness)
 }
 
 fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>, msg: Message) -> Result<(), KvError> {

@@ -100,6 +100,9 @@ fn receive(
         n if n == conn.data.count() => conn.data.readers()?,
         n => return Err(KvError::Protocol(format!("bytes on {n} streams of a connection of {}", conn.data.count()))),
     };
+    for s in &further {
+        s.set_read_timeout(Some(super::dispatch::bulk_read_bound(shared)))?;
+    }
     let mut streams: Vec<&mut (dyn Read + Send)> = Vec::with_capacity(bulk.streams);
     streams.push(stream);
     streams.extend(further.iter_mut().map(|s| s as &mut (dyn Read + Send)));
