@@ -9,10 +9,23 @@ use common::free_port;
 
 #[test]
 fn up_serves_through_the_router_and_ctrl_c_stops_everything() {
+    up_serves(None);
+}
+
+/// With `--api-key`, all three processes take the key (the engines through their
+/// environment): a request without it is refused by the router and by an engine alike.
+#[test]
+fn up_with_an_api_key_guards_the_router_and_both_engines() {
+    up_serves(Some("sk-up-key"));
+}
+
+fn up_serves(key: Option<&str>) {
     let (port, pp, dp, kp) = (free_port(), free_port(), free_port(), free_port());
     let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(["up", "--child-log", "warn", "--port", &port.to_string(), "--prefill-port", &pp.to_string()])
         .args(["--decode-port", &dp.to_string(), "--kv-port", &kp.to_string()])
+        .args(key.map(|k| ["--api-key", k]).into_iter().flatten())
+        .env_remove("TANDEM_API_KEY")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -25,15 +38,23 @@ fn up_serves_through_the_router_and_ctrl_c_stops_everything() {
         assert!(Instant::now() < deadline, "tandem up never became healthy");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let v: serde_json::Value = http
-        .post(format!("{url}/v1/completions"))
-        .json(
-            &serde_json::json!({"model": "tandem", "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": true}),
-        )
+    let body =
+        serde_json::json!({"model": "tandem", "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": true});
+    let post = |base: &str, key: Option<&str>| {
+        let req = http.post(format!("{base}/v1/completions")).json(&body);
+        match key {
+            Some(k) => req.bearer_auth(k),
+            None => req,
+        }
         .send()
         .unwrap()
-        .json()
-        .unwrap();
+    };
+    if key.is_some() {
+        assert_eq!(post(&url, None).status(), 401, "the router let a request without the key in");
+        assert_eq!(post(&format!("http://127.0.0.1:{pp}"), None).status(), 401, "prefill took no key");
+        assert_eq!(post(&format!("http://127.0.0.1:{dp}"), None).status(), 401, "decode took no key");
+    }
+    let v: serde_json::Value = post(&url, key).json().unwrap();
     assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
     assert!(
         v["kv_timeline"]["transfer"]["bytes"].as_u64().unwrap() > 0,
