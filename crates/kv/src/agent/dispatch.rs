@@ -22,7 +22,7 @@ pub(crate) fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Sh
     // arrived, under the I/O timeout or that bound if shorter (a sender frozen mid-write is as
     // dead as one frozen between messages).
     let idle = |s: &TcpStream, on: bool| {
-        let _ = s.set_read_timeout(Some(if on { shared.cfg.liveness } else { bulk_read_bound(&shared) }));
+        let _ = s.set_read_timeout(Some(if on { shared.cfg.liveness } else { shared.bulk_read_bound() }));
     };
     loop {
         idle(&stream, true);
@@ -41,11 +41,6 @@ pub(crate) fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Sh
     }
     conn.close();
     decode::connection_lost(&shared, &conn);
-}
-
-/// The longest a bulk read may wait for its next bytes.
-pub(crate) fn bulk_read_bound(shared: &Shared) -> std::time::Duration {
-    shared.cfg.timeouts.io.min(shared.cfg.liveness)
 }
 
 fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>, msg: Message) -> Result<(), KvError> {

@@ -101,7 +101,7 @@ fn receive(
         n => return Err(KvError::Protocol(format!("bytes on {n} streams of a connection of {}", conn.data.count()))),
     };
     for s in &further {
-        s.set_read_timeout(Some(super::dispatch::bulk_read_bound(shared)))?;
+        s.set_read_timeout(Some(shared.bulk_read_bound()))?;
     }
     let mut streams: Vec<&mut (dyn Read + Send)> = Vec::with_capacity(bulk.streams);
     streams.push(stream);

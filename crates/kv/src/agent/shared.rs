@@ -76,6 +76,12 @@ impl Shared {
         self.tables.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The longest a bulk read may wait for its next bytes: the I/O timeout, or the liveness
+    /// bound if shorter (a peer frozen mid-write is as dead as one frozen between messages).
+    pub(crate) fn bulk_read_bound(&self) -> std::time::Duration {
+        self.cfg.timeouts.io.min(self.cfg.liveness)
+    }
+
     /// Tokens per block of this engine's cache.
     pub(crate) fn block_size(&self) -> usize {
         self.memory.layout().block_size
