@@ -7,7 +7,7 @@
 use std::io::{Read, Write};
 use std::ops::Range;
 
-use super::tcp::CHECKSUM_BYTES;
+use super::tcp::check_crc;
 use crate::error::KvError;
 
 /// Bytes of one stripe of a large bulk send over several streams ([`send_striped`]): stripe
@@ -111,7 +111,8 @@ pub fn recv_striped<R: Read + Send>(
                             // the segment's length), the segments are borrowed mutably for the
                             // whole scope, and no two streams' stripes overlap, so this slice
                             // is written by this thread alone.
-                            let dst = unsafe { std::slice::from_raw_parts_mut(bases[seg].0.add(within.start), within.len()) };
+                            let dst =
+                                unsafe { std::slice::from_raw_parts_mut(bases[seg].0.add(within.start), within.len()) };
                             r.read_exact(dst)?;
                             if checksum {
                                 crc.update(dst);
@@ -119,14 +120,7 @@ pub fn recv_striped<R: Read + Send>(
                         }
                     }
                     if checksum {
-                        let mut sent = [0u8; CHECKSUM_BYTES as usize];
-                        r.read_exact(&mut sent)?;
-                        let (sent, got) = (u32::from_le_bytes(sent), crc.finalize());
-                        if sent != got {
-                            return Err(KvError::Corrupt(format!(
-                                "KV checksum mismatch on stream {k}: the sender's CRC-32 is {sent:08x}, the bytes received give {got:08x}"
-                            )));
-                        }
+                        check_crc(r, crc, &format!("the bytes received on stream {k}"))?;
                     }
                     Ok(())
                 })

@@ -228,7 +228,7 @@ pub unsafe fn recv_staged(
         }
         drop(data);
         if checksum {
-            return check_crc(r, crc, bytes);
+            return check_crc(r, crc, &format!("the {bytes} bytes received"));
         }
     } else {
         let mut staging = vec![0u8; bytes as usize];
@@ -242,7 +242,7 @@ pub unsafe fn recv_staged(
             landed(piece)?;
         }
         if checksum {
-            return check_crc(r, crc, bytes);
+            return check_crc(r, crc, &format!("the {bytes} bytes received"));
         }
     }
     Ok(())
@@ -276,14 +276,15 @@ fn check_destination(
     Ok((dl, needed))
 }
 
-/// Reads the sender's CRC-32 after `bytes` of data and checks it against `crc`, theirs as landed.
-fn check_crc(r: &mut impl Read, crc: crc32fast::Hasher, bytes: u64) -> Result<(), KvError> {
+/// Reads the sender's CRC-32 after the data (`what` names it in the error) and checks it
+/// against `crc`, the data's as landed.
+pub(crate) fn check_crc(r: &mut impl Read, crc: crc32fast::Hasher, what: &str) -> Result<(), KvError> {
     let mut sent = [0u8; CHECKSUM_BYTES as usize];
     r.read_exact(&mut sent)?;
     let (sent, got) = (u32::from_le_bytes(sent), crc.finalize());
     if sent != got {
         return Err(KvError::Corrupt(format!(
-            "KV checksum mismatch: the sender's CRC-32 is {sent:08x}, the {bytes} bytes received give {got:08x}"
+            "KV checksum mismatch: the sender's CRC-32 is {sent:08x}, {what} give {got:08x}"
         )));
     }
     Ok(())
