@@ -74,6 +74,19 @@ export PD_ENGINE_ARGS="--kv-nixl-min-gb-s ${MIN_GB_S:-0.1} ${PD_ENGINE_ARGS:-}"
 # The tiny presets' vocabulary: prompts keep their token ids below it.
 export PD_VOCAB=${PD_VOCAB:-256} PD_LONG=${PD_LONG:-1000} PD_NIXL=${NIXL:-0}
 echo "two hosts: prefill at 10.77.0.1 (tandem-p), decode at 10.77.0.2 (tandem-d), UCX_TLS=$UCX_TLS, link ${LINK_RATE:-unlimited}"
+if [ "${CHECK:-pd}" = sweep ]; then
+  # `tandem bench sweep` with the engines in the two namespaces, push and pull at each of
+  # LINK_RATES (default: the link as it is) and colocated once: TTFT and TPOT per point, and
+  # with LINK_RATES the long prompt's TTFT against the rate (OUT_DIR/ttft_by_link.png).
+  # SWEEP_INPUTS (default PD_LONG), SWEEP_QPS (default 1), SWEEP_PROMPTS (default 4).
+  engine_args=()
+  for arg in $PD_ENGINE_ARGS; do engine_args+=("--engine-arg=$arg"); done
+  rates=(); [ -n "${LINK_RATES:-}" ] && rates=(--link-rates "${LINK_RATES// /,}")
+  "$exe" bench sweep --launch --model "$model" --prefill-netns tandem-p=10.77.0.1 --decode-netns tandem-d=10.77.0.2 \
+    "${rates[@]}" --input-lens "${SWEEP_INPUTS:-$PD_LONG}" --qps "${SWEEP_QPS:-1}" --num-prompts "${SWEEP_PROMPTS:-4}" \
+    --output-len 8 --vocab-size "$PD_VOCAB" --result-dir "$out" --plot "${engine_args[@]}"
+  exit $?
+fi
 if [ -n "${LINK_RATES:-}" ]; then
   status=0
   for rate in $LINK_RATES; do
@@ -87,5 +100,5 @@ fi
 case "${CHECK:-pd}" in
   pd) python3 "$here/gpu/pd_check.py" "$exe" "$out" "$model" ;;
   partition) python3 "$here/partition_check.py" "$exe" "$out" "$model" ;;
-  *) echo "CHECK is pd or partition"; exit 2 ;;
+  *) echo "CHECK is pd, partition or sweep"; exit 2 ;;
 esac

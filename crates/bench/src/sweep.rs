@@ -160,6 +160,44 @@ pub async fn run_mode(
     Ok(written)
 }
 
+/// Writes `<dir>/ttft.json` for one link rate's sweep (`bench sweep --link-rates`), the file
+/// `bench plot --link` reads: each mode's median TTFT at the longest prompt and the lowest
+/// request rate of `<dir>/summary.csv` (the mean over iterations), with the rate's name.
+pub fn write_link_ttft(dir: &Path, rate: &str) -> Result<PathBuf, String> {
+    let csv = dir.join("summary.csv");
+    let text = std::fs::read_to_string(&csv).map_err(|e| format!("{}: {e}", csv.display()))?;
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap_or_default().split(',').collect();
+    let column = |name: &str| {
+        header.iter().position(|h| *h == name).ok_or_else(|| format!("{}: no column {name}", csv.display()))
+    };
+    let (mode_c, qps_c, input_c, ttft_c) =
+        (column("mode")?, column("qps")?, column("input_len")?, column("median_ttft_ms")?);
+    let rows: Vec<(String, f64, usize, f64)> = lines
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split(',').collect();
+            let qps = f.get(qps_c)?.parse::<f64>().ok()?;
+            Some((f.get(mode_c)?.to_string(), qps, f.get(input_c)?.parse().ok()?, f.get(ttft_c)?.parse().ok()?))
+        })
+        .collect();
+    let longest = rows.iter().map(|r| r.2).max().ok_or_else(|| format!("{}: no points", csv.display()))?;
+    let slowest = rows.iter().filter(|r| r.2 == longest).map(|r| r.1).fold(f64::INFINITY, f64::min);
+    let mut ttft_ms = serde_json::Map::new();
+    let mut modes: Vec<&str> = rows.iter().map(|r| r.0.as_str()).collect();
+    modes.dedup();
+    for mode in modes {
+        let v: Vec<f64> =
+            rows.iter().filter(|r| r.0 == mode && r.2 == longest && r.1 == slowest).map(|r| r.3).collect();
+        if !v.is_empty() && !ttft_ms.contains_key(mode) {
+            ttft_ms.insert(mode.to_string(), serde_json::json!(v.iter().sum::<f64>() / v.len() as f64));
+        }
+    }
+    let json = serde_json::json!({"prompt_tokens": longest, "link": rate, "qps": slowest, "ttft_ms": ttft_ms});
+    let path = dir.join("ttft.json");
+    std::fs::write(&path, json.to_string()).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(path)
+}
+
 fn append(path: &Path, row: &str) -> Result<(), String> {
     use std::io::Write;
     let mut f = std::fs::OpenOptions::new().append(true).open(path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -175,5 +213,30 @@ mod tests {
         assert_eq!(point_file("push", 8.0, 16384, 128, 0), "push_qps8_in16384_out128_iter0.json");
         assert_eq!(point_file("pull", 0.5, 1024, 128, 2), "pull_qps0.5_in1024_out128_iter2.json");
         assert_eq!(point_file("colocated", f64::INFINITY, 1, 1, 0), "colocated_qpsinf_in1_out1_iter0.json");
+    }
+
+    #[test]
+    fn a_link_rate_is_summed_up_at_its_longest_prompt_and_lowest_rate() {
+        let dir = std::env::temp_dir().join(format!("tandem-link-ttft-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let row = |mode: &str, qps: &str, input: usize, iter: usize, ttft: f64| {
+            format!("{mode},{qps},{input},16,{iter},4,0,0,{ttft},0,0,0,0,0,0,0,,\n")
+        };
+        let mut csv = format!("{CSV_HEADER}\n");
+        for (mode, base) in [("push", 100.0), ("pull", 300.0), ("colocated", 90.0)] {
+            csv += &row(mode, "1", 256, 0, base / 4.0);
+            csv += &row(mode, "1", 1024, 0, base);
+            csv += &row(mode, "1", 1024, 1, base + 10.0);
+            csv += &row(mode, "4", 1024, 0, base * 3.0);
+        }
+        std::fs::write(dir.join("summary.csv"), csv).unwrap();
+        let path = write_link_ttft(&dir, "200mbit").unwrap();
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        assert_eq!(json["prompt_tokens"], 1024);
+        assert_eq!(json["link"], "200mbit");
+        assert_eq!(json["ttft_ms"]["push"], 105.0);
+        assert_eq!(json["ttft_ms"]["pull"], 305.0);
+        assert_eq!(json["ttft_ms"]["colocated"], 95.0);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -77,8 +77,21 @@ pub(crate) struct Role {
 /// TANDEM_API_KEY is `api_keys` (its --api-key keys, comma-separated: in its environment, not
 /// on a command line others can list), none when `None`.
 fn start(name: &'static str, args: &[String], api_keys: Option<&str>) -> Result<Role> {
+    start_in(None, name, args, api_keys)
+}
+
+/// As `start`, inside network namespace `netns` when one is given (`ip netns exec` execs the
+/// binary, so the child is the tandem process itself).
+fn start_in(netns: Option<&Netns>, name: &'static str, args: &[String], api_keys: Option<&str>) -> Result<Role> {
     let exe = std::env::current_exe().context("locating the tandem binary")?;
-    let mut command = Command::new(exe);
+    let mut command = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &ns.name]).arg(exe);
+            c
+        }
+        None => Command::new(exe),
+    };
     match api_keys {
         Some(keys) => command.env("TANDEM_API_KEY", keys),
         None => command.env_remove("TANDEM_API_KEY"),
@@ -299,6 +312,31 @@ pub(crate) struct Launch<'a> {
     pub engine_args: &'a [String],
     /// The key every process started takes (`--api-key`).
     pub api_key: Option<&'a str>,
+    /// The network namespaces the prefill and decode engines run in (another host each, on
+    /// this machine); `None`: this one, on loopback.
+    pub prefill_netns: Option<&'a Netns>,
+    pub decode_netns: Option<&'a Netns>,
+}
+
+/// A network namespace an engine runs in, as if on another host, and the address this
+/// namespace reaches it at (`tandem-p=10.77.0.1`, as `scripts/two_hosts.sh` makes them).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Netns {
+    pub name: String,
+    pub address: String,
+}
+
+impl std::str::FromStr for Netns {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once('=') {
+            Some((name, address)) if !name.is_empty() && !address.is_empty() => {
+                Ok(Netns { name: name.to_string(), address: address.to_string() })
+            }
+            _ => Err(format!("`{s}` is not NAMESPACE=ADDRESS (e.g. tandem-p=10.77.0.1)")),
+        }
+    }
 }
 
 /// The processes of one sweep mode, started as `l` says. Returns the URL to load and the
@@ -306,12 +344,20 @@ pub(crate) struct Launch<'a> {
 pub(crate) fn launch_mode(mode: &str, l: &Launch<'_>) -> Result<(String, Vec<Role>)> {
     let (host, base_port, log) = ("127.0.0.1", l.base_port, l.log);
     let url = format!("http://{host}:{base_port}");
-    let serve = |port: u16, device: &str| -> Vec<String> {
-        let mut v: Vec<String> = ["--log", log, "serve", "--model", l.model, "--device", device, "--host", host]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+    // An engine in a namespace of its own listens on all of its addresses (its KV side channel
+    // advertises the one on its default route) and is reached at its namespace's address.
+    let listen = |netns: Option<&Netns>| if netns.is_some() { "0.0.0.0" } else { host };
+    let reach = |netns: Option<&Netns>| netns.map_or(host, |ns| ns.address.as_str()).to_string();
+    let serve = |port: u16, device: &str, netns: Option<&Netns>| -> Vec<String> {
+        let mut v: Vec<String> =
+            ["--log", log, "serve", "--model", l.model, "--device", device, "--host", listen(netns)]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
         v.extend(["--port".into(), port.to_string(), "--served-model-name".into(), "tandem".into()]);
+        if netns.is_some() {
+            v.extend(["--kv-host".into(), "0.0.0.0".into()]);
+        }
         if let Some(n) = l.num_kv_blocks {
             v.extend(["--num-kv-blocks".into(), n.to_string()]);
         }
@@ -320,21 +366,22 @@ pub(crate) fn launch_mode(mode: &str, l: &Launch<'_>) -> Result<(String, Vec<Rol
     };
     let mut roles = Vec::new();
     if mode == "colocated" {
-        roles.push(start("serve", &serve(base_port, l.colocated_device), l.api_key)?);
+        roles.push(start("serve", &serve(base_port, l.colocated_device, None), l.api_key)?);
     } else {
         let (pp, dp, kp) = (base_port + 100, base_port + 200, base_port + 300);
-        let mut p = serve(pp, l.prefill_device);
+        let mut p = serve(pp, l.prefill_device, l.prefill_netns);
         p.extend(["--role", "prefill", "--kv-mode", mode, "--kv-port", &kp.to_string()].map(String::from));
-        let mut d = serve(dp, l.decode_device);
+        let mut d = serve(dp, l.decode_device, l.decode_netns);
         d.extend(["--role", "decode", "--kv-mode", mode, "--kv-port", &(kp + 1).to_string()].map(String::from));
-        roles.push(start("prefill", &p, l.api_key)?);
-        roles.push(start("decode", &d, l.api_key)?);
-        let r: Vec<String> = ["--log", log, "router", "--mode", mode, "--prefill", &format!("http://{host}:{pp}")]
+        roles.push(start_in(l.prefill_netns, "prefill", &p, l.api_key)?);
+        roles.push(start_in(l.decode_netns, "decode", &d, l.api_key)?);
+        let r: Vec<String> = ["--log", log, "router", "--mode", mode, "--prefill"]
             .iter()
             .map(|s| s.to_string())
             .chain([
+                format!("http://{}:{pp}", reach(l.prefill_netns)),
                 "--decode".to_string(),
-                format!("http://{host}:{dp}"),
+                format!("http://{}:{dp}", reach(l.decode_netns)),
                 "--host".into(),
                 host.into(),
                 "--port".into(),

@@ -3,6 +3,7 @@
 
 mod engine;
 mod kv;
+mod link;
 mod plot;
 mod serve;
 pub(crate) mod soak;
@@ -28,7 +29,7 @@ pub enum BenchCommand {
     Serve(Box<BenchServeArgs>),
     /// The P/D experiment: modes x request rates x input lengths, one vLLM-style JSON per point
     /// plus summary.csv, against given URLs or servers it launches itself (--launch).
-    Sweep(SweepArgs),
+    Sweep(Box<SweepArgs>),
     /// Figures from a sweep: the four-panel metric-vs-rate figure and the TTFT breakdown.
     Plot(PlotArgs),
     /// Throughput of a KV transport moving a KV set to another process: tcp against raw
@@ -51,7 +52,7 @@ pub(crate) fn run(c: BenchCommand) -> Result<()> {
         BenchCommand::Engine(a) => engine::bench_engine(a),
         BenchCommand::Kv(a) => kv::bench_kv(a),
         BenchCommand::Serve(a) => serve::bench_serve(*a),
-        BenchCommand::Sweep(a) => sweep::bench_sweep(a),
+        BenchCommand::Sweep(a) => sweep::bench_sweep(*a),
         BenchCommand::Plot(a) => plot::bench_plot(a),
         BenchCommand::KvPeer(a) => kv::bench_kv_peer(a),
         BenchCommand::Soak(a) => soak::bench_soak(a),

@@ -21,8 +21,8 @@ pub struct PlotArgs {
     #[arg(long)]
     pub turns_only: bool,
     /// Only the link figure: the long prompt's TTFT against the link's rate, push, pull and
-    /// colocated, from `scripts/two_hosts.sh` run with LINK_RATES (one `link-RATE/ttft.json`
-    /// per rate in the directory).
+    /// colocated, from `bench sweep --link-rates` or `scripts/two_hosts.sh` run with LINK_RATES
+    /// (one `link-RATE/ttft.json` per rate in the directory).
     #[arg(long)]
     pub link: bool,
 }

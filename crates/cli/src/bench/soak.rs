@@ -155,6 +155,8 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
             engine_args: args,
             // The soak's clients send no key: its engines take none.
             api_key: None,
+            prefill_netns: None,
+            decode_netns: None,
         }
     }
     eprintln!("bench soak: starting the reference engine ({} on {})", a.model, a.device);

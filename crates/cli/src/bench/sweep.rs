@@ -5,8 +5,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
+use crate::bench::link;
 use crate::bench::plot::{bench_plot, PlotArgs};
-use crate::up;
+use crate::up::{self, Netns};
 
 #[derive(Args, Debug, Clone)]
 pub struct SweepArgs {
@@ -64,6 +65,22 @@ pub struct SweepArgs {
     /// --engine-arg=--kv-transport=cuda-ipc (repeatable).
     #[arg(long = "engine-arg", allow_hyphen_values = true)]
     pub engine_args: Vec<String>,
+    /// With --launch: run the prefill engine in this network namespace, reached at this address
+    /// (NAMESPACE=ADDRESS, e.g. tandem-p=10.77.0.1 as scripts/two_hosts.sh makes it): another
+    /// host on this machine, its KV crossing a virtual link.
+    #[arg(long)]
+    pub prefill_netns: Option<Netns>,
+    /// With --launch: run the decode engine in this network namespace (as --prefill-netns).
+    #[arg(long)]
+    pub decode_netns: Option<Netns>,
+    /// With --prefill-netns and --decode-netns: run push and pull at each of these link rates
+    /// (tc's syntax: 50mbit, 1gbit), every link of both namespaces held to it with a token bucket
+    /// (tc tbf; each namespace's sending side, so both ways); colocated runs once. Each rate's
+    /// points go to RESULT_DIR/link-RATE/ with its ttft.json (the longest prompt at the lowest
+    /// request rate), and --plot draws TTFT against the rate (ttft_by_link.png): where push
+    /// stops hiding the transfer. Needs root and tc; the links are freed at the end.
+    #[arg(long, value_delimiter = ',')]
+    pub link_rates: Vec<String>,
     /// Without --launch: URL for each mode, e.g. push=http://127.0.0.1:8000 (repeatable).
     #[arg(long = "url", value_parser = parse_mode_url)]
     pub urls: Vec<(String, String)>,
@@ -97,43 +114,99 @@ pub(crate) fn bench_sweep(a: SweepArgs) -> Result<()> {
         seed: a.seed,
         api_key: a.api_key.clone(),
     };
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
-    let total = a.modes.len() * a.qps.len() * a.input_lens.len() * cfg.iterations;
-    eprintln!("bench sweep: {total} points ({} modes x {} rates x {} input lengths x {} iterations), {} prompts each, results in {}",
-        a.modes.len(), a.qps.len(), a.input_lens.len(), cfg.iterations, cfg.num_prompts, a.result_dir.display());
-    for mode in &a.modes {
-        let (url, mut procs) = if a.launch {
-            eprintln!("... starting {mode} servers ({})", a.model);
-            let launch = up::Launch {
-                model: &a.model,
-                base_port: a.base_port,
-                log: "warn",
-                prefill_device: &a.prefill_device,
-                decode_device: &a.decode_device,
-                colocated_device: &a.colocated_device,
-                num_kv_blocks: a.num_kv_blocks,
-                engine_args: &a.engine_args,
-                api_key: a.api_key.as_deref(),
-            };
-            let (u, p) = up::launch_mode(mode, &launch)?;
-            (u, p)
-        } else {
-            let url = a.urls.iter().find(|(m, _)| m == mode).map(|(_, u)| u.clone());
-            (url.with_context(|| format!("no --url {mode}=URL given (or use --launch)"))?, Vec::new())
-        };
-        let result = rt.block_on(tandem_bench::sweep::run_mode(&cfg, mode, &url, |line| eprintln!("{line}")));
-        up::stop_all(&mut procs, std::time::Duration::from_secs(10));
-        result.map_err(anyhow::Error::msg)?;
+    let namespaces: Vec<&Netns> = a.prefill_netns.iter().chain(a.decode_netns.iter()).collect();
+    if !namespaces.is_empty() && !a.launch {
+        bail!("--prefill-netns and --decode-netns place the engines --launch starts: add --launch");
     }
+    if !a.link_rates.is_empty() && namespaces.len() < 2 {
+        bail!("--link-rates holds the link between two namespaces: give --prefill-netns and --decode-netns");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    let rates: Vec<Option<&str>> =
+        if a.link_rates.is_empty() { vec![None] } else { a.link_rates.iter().map(|r| Some(r.as_str())).collect() };
+    let disaggregated = a.modes.iter().filter(|m| *m != "colocated").count();
+    let points_per_mode = a.qps.len() * a.input_lens.len() * cfg.iterations;
+    let total = (disaggregated * rates.len() + a.modes.len() - disaggregated) * points_per_mode;
+    eprintln!("bench sweep: {total} points ({} modes x {} rates x {} input lengths x {} iterations{}), {} prompts each, results in {}",
+        a.modes.len(), a.qps.len(), a.input_lens.len(), cfg.iterations,
+        if a.link_rates.is_empty() { String::new() } else { format!(", push and pull at {} link rates", rates.len()) },
+        cfg.num_prompts, a.result_dir.display());
+    let outcome = (|| -> Result<()> {
+        for mode in &a.modes {
+            let (url, mut procs) = if a.launch {
+                eprintln!("... starting {mode} servers ({})", a.model);
+                let launch = up::Launch {
+                    model: &a.model,
+                    base_port: a.base_port,
+                    log: "warn",
+                    prefill_device: &a.prefill_device,
+                    decode_device: &a.decode_device,
+                    colocated_device: &a.colocated_device,
+                    num_kv_blocks: a.num_kv_blocks,
+                    engine_args: &a.engine_args,
+                    api_key: a.api_key.as_deref(),
+                    prefill_netns: a.prefill_netns.as_ref(),
+                    decode_netns: a.decode_netns.as_ref(),
+                };
+                up::launch_mode(mode, &launch)?
+            } else {
+                let url = a.urls.iter().find(|(m, _)| m == mode).map(|(_, u)| u.clone());
+                (url.with_context(|| format!("no --url {mode}=URL given (or use --launch)"))?, Vec::new())
+            };
+            // Colocated crosses no link: it runs once, and each rate's results take its rows.
+            let mode_rates = if mode == "colocated" { &[None][..] } else { &rates[..] };
+            let mut result = Ok(Vec::new());
+            for (i, rate) in mode_rates.iter().enumerate() {
+                let mut cfg = cfg.clone();
+                // Each rate its own prompts: the engines stay up across rates, and decode's prefix
+                // cache would hold the last rate's.
+                cfg.seed += 1000 * i as u64;
+                if let Some(rate) = rate {
+                    link::hold(&namespaces, rate)?;
+                    eprintln!("... {mode} with the link held to {rate}");
+                    cfg.result_dir = a.result_dir.join(format!("link-{rate}"));
+                }
+                result = rt.block_on(tandem_bench::sweep::run_mode(&cfg, mode, &url, |line| eprintln!("{line}")));
+                if result.is_err() {
+                    break;
+                }
+            }
+            up::stop_all(&mut procs, std::time::Duration::from_secs(10));
+            result.map_err(anyhow::Error::msg)?;
+        }
+        Ok(())
+    })();
+    if !a.link_rates.is_empty() {
+        link::release(&namespaces);
+    }
+    outcome?;
     println!("{}", std::fs::read_to_string(a.result_dir.join("summary.csv")).unwrap_or_default());
+    for rate in rates.iter().flatten() {
+        let dir = a.result_dir.join(format!("link-{rate}"));
+        if a.modes.iter().any(|m| m == "colocated") {
+            link::take_colocated(&a.result_dir, &dir)?;
+        }
+        tandem_bench::sweep::write_link_ttft(&dir, rate).map_err(anyhow::Error::msg)?;
+        println!("link {rate}:\n{}", std::fs::read_to_string(dir.join("summary.csv")).unwrap_or_default());
+    }
     if a.plot {
-        bench_plot(PlotArgs {
-            results_dir: a.result_dir.clone(),
-            metric: vec!["ttft".into(), "tpot".into()],
-            out_dir: None,
-            turns_only: false,
-            link: false,
-        })?;
+        let plot = |dir: &std::path::Path, link: bool| {
+            bench_plot(PlotArgs {
+                results_dir: dir.to_path_buf(),
+                metric: vec!["ttft".into(), "tpot".into()],
+                out_dir: None,
+                turns_only: false,
+                link,
+            })
+        };
+        if a.link_rates.is_empty() {
+            plot(&a.result_dir, false)?;
+        } else {
+            for rate in &a.link_rates {
+                plot(&a.result_dir.join(format!("link-{rate}")), false)?;
+            }
+            plot(&a.result_dir, true)?;
+        }
     }
     Ok(())
 }
