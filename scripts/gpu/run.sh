@@ -25,7 +25,8 @@
 #   tcp: `tandem bench kv --transport tcp --device cuda:0` (TCP_SIZES, each over TCP_STREAMS streams,
 #   default "1 4") and on host memory; sweep: `tandem bench sweep
 #   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
-#   SWEEP_QPS narrow it; SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU);
+#   SWEEP_QPS narrow it; SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU; SWEEP_ENGINE_ARGS adds
+#   --engine-arg=... flags; SWEEP_DIR names its result folder under $OUT, default sweep);
 #   ab: P/D with the new build, then bench kv (cuda-ipc, tcp) for gpu-bin/tandem-base and the new
 #   build alternately (AB_ROUNDS, TCP_SIZES; build with BASELINE=<rev>);
 #   prefix: issue 30's multi-turn TTFT by turn, conditional and 2P2D KV-aware routing, and the
@@ -139,13 +140,13 @@ fi
 sweep() {
   timeout "${SWEEP_SECS:-590}" "$BIN/tandem" bench sweep --launch --model preset:qwen3-4b --modes "${SWEEP_MODES:-push,pull,colocated}" \
     --prefill-device cuda:0 --decode-device "${SWEEP_DECODE_DEVICE:-cuda:0}" --colocated-device cuda:0 --num-kv-blocks 4096 \
-    --engine-arg="--kv-transport=${SWEEP_TRANSPORT:-cuda-ipc}" --input-lens "${SWEEP_INPUTS:-1024,4096,8192}" --qps "${SWEEP_QPS:-1,2,4,8}" \
-    --output-len 64 --num-prompts 16 --vocab-size 100000 --result-dir "$OUT/sweep" --plot > "$OUT/sweep.log" 2>&1 \
-    || { note "sweep failed"; tail -20 "$OUT/sweep.log"; status=1; }
-  tail -40 "$OUT/sweep.log"
+    --engine-arg="--kv-transport=${SWEEP_TRANSPORT:-cuda-ipc}" ${SWEEP_ENGINE_ARGS:-} --input-lens "${SWEEP_INPUTS:-1024,4096,8192}" --qps "${SWEEP_QPS:-1,2,4,8}" \
+    --output-len 64 --num-prompts 16 --vocab-size 100000 --result-dir "$OUT/${SWEEP_DIR:-sweep}" --plot > "$OUT/${SWEEP_DIR:-sweep}.log" 2>&1 \
+    || { note "sweep failed"; tail -20 "$OUT/${SWEEP_DIR:-sweep}.log"; status=1; }
+  tail -40 "$OUT/${SWEEP_DIR:-sweep}.log"
   # The table: median TTFT and TPOT per point, and for the disaggregated modes the median KV
   # transfer and prefill hand-over -> KV applied at decode (push), with the transfer's share.
-  python3 - "$OUT/sweep/summary.csv" <<'PY' | tee -a "$OUT/summary.txt"
+  python3 - "$OUT/${SWEEP_DIR:-sweep}/summary.csv" <<'PY' | tee -a "$OUT/summary.txt"
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 print(f"{'mode':>9} {'in':>5} {'qps':>4} {'TTFT ms':>8} {'TPOT ms':>8} {'KV ms':>7} {'KV/TTFT':>7} {'handover->ready ms':>18}")

@@ -45,6 +45,12 @@ pub struct CudaTuning {
     /// (docs/PERFORMANCE.md). Changes the outputs' last bits (another order of sums); batch
     /// invariant either way.
     pub invariant_slice_cols: usize,
+    /// Groups of layers a prefill step's KV is fenced in (1 to 64, at most one a layer): a
+    /// connector moves each group's KV while the later layers compute, so after the last layer
+    /// only the last group is left to move; more groups make that smaller, each adding an event
+    /// and its copies. 8: on an H200 (Qwen3-4B, tcp) half of 4's wait after the last layer, and
+    /// the same over cuda-ipc (docs/PERFORMANCE.md). The same bits either way.
+    pub kv_fence_groups: usize,
 }
 
 impl Default for CudaTuning {
@@ -59,6 +65,7 @@ impl Default for CudaTuning {
             invariant_skinny: false,
             skinny_stages: 8,
             invariant_slice_cols: 0,
+            kv_fence_groups: 8,
         }
     }
 }
@@ -75,6 +82,7 @@ impl CudaTuning {
         ("invariant_skinny", "0|1 (default 0)"),
         ("skinny_stages", "2|4|8 (default 8)"),
         ("invariant_slice_cols", "0 or a multiple of 64 (default 0)"),
+        ("kv_fence_groups", "1..=64 (default 8)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -109,6 +117,9 @@ impl CudaTuning {
             "invariant_slice_cols" => {
                 self.invariant_slice_cols =
                     value.parse().ok().filter(|n: &usize| n.is_multiple_of(64)).ok_or_else(bad)?;
+            }
+            "kv_fence_groups" => {
+                self.kv_fence_groups = value.parse().ok().filter(|n| (1..=64).contains(n)).ok_or_else(bad)?;
             }
             _ => {
                 let keys: Vec<&str> = Self::KEYS.iter().map(|(k, _)| *k).collect();
@@ -163,6 +174,9 @@ impl fmt::Display for CudaTuning {
         if self.invariant_slice_cols != d.invariant_slice_cols {
             parts.push(format!("invariant_slice_cols={}", self.invariant_slice_cols));
         }
+        if self.kv_fence_groups != d.kv_fence_groups {
+            parts.push(format!("kv_fence_groups={}", self.kv_fence_groups));
+        }
         write!(f, "{}", parts.join(","))
     }
 }
@@ -188,5 +202,8 @@ mod tests {
         assert!(CudaTuning::from_settings(&["attention_early"]).unwrap_err().contains("KEY=VALUE"));
         assert!(CudaTuning::from_settings(&["attention_stages=3"]).is_err());
         assert!(CudaTuning::from_settings(&["skinny_stages=6"]).unwrap_err().contains("2|4|8"));
+        let groups = CudaTuning::from_settings(&["kv_fence_groups=12"]).unwrap();
+        assert_eq!((groups.kv_fence_groups, groups.to_string().as_str()), (12, "kv_fence_groups=12"));
+        assert!(CudaTuning::from_settings(&["kv_fence_groups=0"]).unwrap_err().contains("1..=64"));
     }
 }

@@ -21,8 +21,9 @@ use crate::ModelError;
 /// rows, writing the step's activations and the new tokens' keys and values. `counts`: the
 /// step's work counts (default: the prepared step's). With `allow_fused` off the step never
 /// takes the fused decode path (to compare the two). With `fences`, the plain (prefill) path
-/// records there when each group of [`KV_FENCE_GROUPS`] layers has written its KV; the fused
-/// decode path records none.
+/// records there when each group of layers has written its KV (`--cuda-tune kv_fence_groups`
+/// groups, default 8: each group's KV can be copied while the later layers compute, so only the
+/// last group's is left when the forward ends); the fused decode path records none.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
     dev: &CudaDevice,
@@ -48,12 +49,6 @@ pub(super) fn forward(
     // by was checked against the cache and tables when it was filled (see `Pass`).
     unsafe { pass.run(t, rows, counts, fused, fences) }
 }
-
-/// How many groups a step's layers are split into for [`KvFences`]: each group's KV can be
-/// copied while the later layers compute, so only the last group's copy is left when the
-/// forward ends (a quarter of the KV), and each copy stays large (a 1k-token prompt of
-/// Qwen3-4B: 38 MB).
-pub(super) const KV_FENCE_GROUPS: usize = 4;
 
 /// One forward's view of the model: what it reads (weights, metadata) and where it writes
 /// (activations, the cache), as the kernels take them, by device address.
@@ -93,7 +88,7 @@ impl Pass<'_> {
         let none = ResidualDelta::None;
         ops::add_rms_norm(dev, a.x.ptr(), none, 0, layers[0].input_norm.ptr(), a.normed.ptr(), t, h, eps)?;
         let prefill = self.step.prefill_seqs(counts);
-        let per_group = layers.len().div_ceil(KV_FENCE_GROUPS).max(1);
+        let per_group = layers.len().div_ceil(dev.tuning().kv_fence_groups).max(1);
         for (li, layer) in layers.iter().enumerate() {
             // The qkv bias is added by the RoPE kernel.
             self.matmul(a.normed.ptr(), layer.qkv.weight.ptr(), a.qkv.ptr(), t, layer.qkv.out_dim, h, false)?;
