@@ -249,13 +249,13 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
     configure(&s, t)?;
     // Several streams: the further ones join with the token the handshake hands out.
     let token = (n > 1).then_some(1);
-    accept_handshake(&mut s, &cfg.agent(Role::Decode), |_| Ok(Picked { join_token: token, ..Picked::tcp() }))?;
+    accept_handshake(&mut s, &cfg.agent(Role::Decode), None, |_, _| Ok(Picked { join_token: token, ..Picked::tcp() }))?;
     let mut further: Vec<Option<TcpStream>> = (1..n).map(|_| None).collect();
     for _ in 1..n {
         let (mut joined, _) = listener.accept()?;
         configure(&joined, t)?;
         match read_hello(&mut joined)? {
-            Hello::Join { token: 1, index } if (1..n).contains(&index) => further[index - 1] = Some(joined),
+            Hello::Join { token: 1, index, .. } if (1..n).contains(&index) => further[index - 1] = Some(joined),
             other => return Err(KvError::Protocol(format!("bench peer expected a stream to join, got {other:?}"))),
         }
     }
@@ -353,12 +353,12 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
 
     let region = &side.region;
     let mut s = connect(addr, t)?;
-    let (_, picked) = handshake(&mut s, &cfg.agent(Role::Prefill))?;
+    let (_, picked, _) = handshake(&mut s, &cfg.agent(Role::Prefill), None)?;
     let mut further = Vec::new();
     if let Some(token) = picked.join_token {
         for index in 1..n {
             let mut joined = connect(addr, t)?;
-            write_message(&mut joined, &Message::JoinStream { token, index })?;
+            write_message(&mut joined, &Message::JoinStream { token, index, proof: None })?;
             further.push(joined);
         }
     }

@@ -1,11 +1,12 @@
 //! `--api-key` and `--api-key-file` on `serve`, `router` and `up`; the environment's
-//! `TANDEM_API_KEY`, as vLLM reads `VLLM_API_KEY` (read here, in the binary only).
+//! `TANDEM_API_KEY`, as vLLM reads `VLLM_API_KEY` (read here, in the binary only); the
+//! deployment's `--cluster-secret-file` and the router's `--admin-key`.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use tandem_core::ApiKeys;
+use tandem_core::{ApiKeys, ClusterSecret};
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct ApiKeyArgs {
@@ -50,5 +51,43 @@ impl ApiKeyArgs {
     pub fn child_env(&self) -> Result<Option<String>> {
         let keys = self.keys()?;
         Ok((!keys.is_empty()).then(|| keys.join(",")))
+    }
+}
+
+#[derive(Args, Debug, Clone, Default)]
+pub struct ClusterSecretArgs {
+    /// A file holding the secret this deployment's router and engines share (at least 16
+    /// bytes; `openssl rand -hex 32 > secret`, readable by their user only). With it, KV peers
+    /// prove they hold it before any KV metadata is exchanged and every side-channel frame is
+    /// authenticated, an engine's /kv/* endpoints and the router's /admin/engines answer only
+    /// the deployment's own processes, and engines with another secret or none are refused.
+    #[arg(long, value_name = "PATH")]
+    pub cluster_secret_file: Option<PathBuf>,
+}
+
+impl ClusterSecretArgs {
+    /// The secret in the file, if one was named; an error naming the file if it cannot be read
+    /// or is too short. Warns when other users may read it.
+    pub fn load(&self) -> Result<Option<ClusterSecret>> {
+        let Some(path) = &self.cluster_secret_file else { return Ok(None) };
+        let text = std::fs::read(path).with_context(|| format!("reading --cluster-secret-file {}", path.display()))?;
+        let secret =
+            ClusterSecret::new(&text).map_err(|e| anyhow::anyhow!("--cluster-secret-file {}: {e}", path.display()))?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            if std::fs::metadata(path).map(|m| m.permissions().mode() & 0o077 != 0).unwrap_or(false) {
+                tracing::warn!(path = %path.display(), "the cluster secret file is readable by other users of this host (chmod 600 it)");
+            }
+        }
+        Ok(Some(secret))
+    }
+
+    /// The flag as given, for a child process (`tandem up`).
+    pub fn to_args(&self) -> Vec<String> {
+        self.cluster_secret_file
+            .iter()
+            .flat_map(|p| ["--cluster-secret-file".to_string(), p.display().to_string()])
+            .collect()
     }
 }

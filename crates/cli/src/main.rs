@@ -42,7 +42,7 @@ pub struct Cli {
 pub enum Command {
     /// Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /metrics, ...),
     /// colocated or as the prefill or decode half of a disaggregated pair.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// The proxy in front of prefill and decode engines (push or pull KV transfer).
     Router(RouterArgs),
     /// The whole disaggregated system on this machine: prefill (8100), decode (8200) and the
@@ -72,7 +72,7 @@ fn main() -> ExitCode {
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none();
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
     let result = match cli.command {
-        Command::Serve(a) => serve::serve(a, ucx_log.clone()),
+        Command::Serve(a) => serve::serve(*a, ucx_log.clone()),
         Command::Router(a) => router::router(a),
         Command::Up(a) => up::up(*a),
         Command::Generate(a) => generate::generate(a),

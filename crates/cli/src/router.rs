@@ -56,6 +56,16 @@ pub struct RouterArgs {
     /// --api-key that key too.
     #[command(flatten)]
     pub auth: crate::auth::ApiKeyArgs,
+    /// The secret shared with the engines: the router sends them its token (their /kv/*
+    /// endpoints want it) and takes it on /admin/engines.
+    #[command(flatten)]
+    pub cluster: crate::auth::ClusterSecretArgs,
+    /// /admin/engines (listing, adding and removing engines) answers only `Authorization:
+    /// Bearer KEY` with one of these keys (repeat or comma-separate), or the cluster token.
+    /// Neither this nor --cluster-secret-file: the admin endpoints are open to anyone who
+    /// reaches the port.
+    #[arg(long = "admin-key", value_name = "KEY", value_delimiter = ',')]
+    pub admin_key: Vec<String>,
 }
 
 pub(crate) fn router(a: RouterArgs) -> Result<()> {
@@ -76,6 +86,8 @@ pub(crate) fn router(a: RouterArgs) -> Result<()> {
         check_interval,
         local_prefill_max_tokens: a.local_prefill_max_tokens,
         kv_aware_routing: a.kv_aware_routing == Switch::On,
+        cluster_secret: a.cluster.load()?,
+        admin_keys: tandem_core::ApiKeys::new(&a.admin_key).context("--admin-key")?,
         ..tandem_router::RouterConfig::new(mode, a.prefill.clone(), a.decode.clone())
     })?;
     let drain = seconds(a.shutdown_timeout_secs, "--shutdown-timeout-secs")?;

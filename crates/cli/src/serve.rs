@@ -43,6 +43,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub auth: crate::auth::ApiKeyArgs,
     #[command(flatten)]
+    pub cluster: crate::auth::ClusterSecretArgs,
+    #[command(flatten)]
     pub kv: KvArgs,
 }
 
@@ -229,6 +231,7 @@ fn kv_setup(
     port: u16,
     fingerprint: &str,
     ucx_log: Option<std::path::PathBuf>,
+    cluster_secret: Option<tandem_core::ClusterSecret>,
 ) -> Result<Option<tandem_engine::KvSetup>> {
     use {KvLoadFailureArg, KvModeArg, RoleArg};
     let role = match k.role {
@@ -283,6 +286,7 @@ fn kv_setup(
             nixl_min_gb_s: k.kv_nixl_min_gb_s,
             nixl_pull: k.kv_nixl_pull.to_kv(),
             ucx_log,
+            cluster_secret,
         },
         load_failure: match k.kv_load_failure {
             KvLoadFailureArg::Recompute => tandem_engine::KvLoadFailure::Recompute,
@@ -309,7 +313,8 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
         Some((a.kv.kv_host_gib * (1u64 << 30) as f64) as usize)
     };
     let parts = build_engine(&a.model, &a.engine, host_kv_bytes)?;
-    let kv = kv_setup(&a.kv, port, &parts.fingerprint, ucx_log)?;
+    let cluster_secret = a.cluster.load()?;
+    let kv = kv_setup(&a.kv, port, &parts.fingerprint, ucx_log, cluster_secret.clone())?;
     let mut tokenizer = parts.tokenizer;
     if let Some(t) = &a.chat_template {
         let tok = tokenizer
@@ -364,7 +369,8 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
             .with_max_in_flight(max_in_flight)
             .with_sampling_defaults(defaults)
             .with_api_keys(keys)
-            .with_metrics_needing_key(a.auth.api_key_for_metrics),
+            .with_metrics_needing_key(a.auth.api_key_for_metrics)
+            .with_cluster_secret(cluster_secret),
     );
     let drain = seconds(a.shutdown_timeout_secs, "--shutdown-timeout-secs")?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;

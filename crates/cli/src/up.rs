@@ -66,6 +66,9 @@ pub struct UpArgs {
     /// Keys the router and both engines take (the router's first one is what it sends them).
     #[command(flatten)]
     pub auth: crate::auth::ApiKeyArgs,
+    /// Given to the router and both engines (see `tandem serve --help`).
+    #[command(flatten)]
+    pub cluster: crate::auth::ClusterSecretArgs,
 }
 
 pub(crate) struct Role {
@@ -198,6 +201,7 @@ pub fn up(a: UpArgs) -> Result<()> {
         if a.auth.api_key_for_metrics {
             v.push("--api-key-for-metrics".into());
         }
+        v.extend(a.cluster.to_args());
         v
     };
     let has_tokenizer = match crate::engine::model_source(&a.model.model, a.model.model_seed)? {
@@ -231,6 +235,9 @@ pub fn up(a: UpArgs) -> Result<()> {
     if let Some(n) = a.local_prefill_max_tokens {
         r_args.extend(["--local-prefill-max-tokens".into(), n.to_string()]);
     }
+    r_args.extend(a.cluster.to_args());
+    // Read here first, so a bad secret file stops `up` before any process starts.
+    a.cluster.load()?;
 
     let interrupted = Arc::new(AtomicBool::new(false));
     let flag = interrupted.clone();

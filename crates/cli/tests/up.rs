@@ -12,19 +12,25 @@ fn up_serves_through_the_router_and_ctrl_c_stops_everything() {
     up_serves(None);
 }
 
-/// With `--api-key`, all three processes take the key (the engines through their
-/// environment): a request without it is refused by the router and by an engine alike.
+/// With `--api-key` and `--cluster-secret-file`, all three processes take both (the engines the
+/// key through their environment): a request without the key is refused by the router and by
+/// an engine alike, an engine's /kv/* refuse a caller without the cluster token, and the KV
+/// still moves between the engines (their side channels proved the secret to each other).
 #[test]
-fn up_with_an_api_key_guards_the_router_and_both_engines() {
+fn up_with_an_api_key_and_a_cluster_secret_guards_the_router_and_both_engines() {
     up_serves(Some("sk-up-key"));
 }
 
 fn up_serves(key: Option<&str>) {
     let (port, pp, dp, kp) = (free_port(), free_port(), free_port(), free_port());
+    let secret_file = std::env::temp_dir().join(format!("tandem-up-secret-{}", std::process::id()));
+    std::fs::write(&secret_file, "0f1e2d3c4b5a69788796a5b4c3d2e1f0\n").unwrap();
+    let secret_args = ["--cluster-secret-file".to_string(), secret_file.display().to_string()];
     let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(["up", "--child-log", "warn", "--port", &port.to_string(), "--prefill-port", &pp.to_string()])
         .args(["--decode-port", &dp.to_string(), "--kv-port", &kp.to_string()])
         .args(key.map(|k| ["--api-key", k]).into_iter().flatten())
+        .args(key.map(|_| secret_args.clone()).into_iter().flatten())
         .env_remove("TANDEM_API_KEY")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -53,6 +59,8 @@ fn up_serves(key: Option<&str>) {
         assert_eq!(post(&url, None).status(), 401, "the router let a request without the key in");
         assert_eq!(post(&format!("http://127.0.0.1:{pp}"), None).status(), 401, "prefill took no key");
         assert_eq!(post(&format!("http://127.0.0.1:{dp}"), None).status(), 401, "decode took no key");
+        let info = http.get(format!("http://127.0.0.1:{pp}/kv/info")).send().unwrap();
+        assert_eq!(info.status(), 401, "prefill's /kv/info answered a caller without the cluster token");
     }
     let v: serde_json::Value = post(&url, key).json().unwrap();
     assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
@@ -70,6 +78,7 @@ fn up_serves(key: Option<&str>) {
         assert!(Instant::now() < deadline, "tandem up did not stop on Ctrl-C");
         std::thread::sleep(Duration::from_millis(50));
     }
+    let _ = std::fs::remove_file(&secret_file);
     // All three children are gone: their ports accept no connections.
     for p in [port, pp, dp, kp, kp + 1] {
         let deadline = Instant::now() + Duration::from_secs(5);

@@ -4,6 +4,8 @@
 
 use sha2::{Digest, Sha256};
 
+use crate::cluster_secret::{bearer_token, constant_time_eq};
+
 /// The API keys a server accepts; none: every caller is let in.
 #[derive(Clone, Default)]
 pub struct ApiKeys {
@@ -59,16 +61,6 @@ impl ApiKeys {
 
 fn digest(bytes: &[u8]) -> [u8; 32] {
     Sha256::digest(bytes).into()
-}
-
-/// The token of a `Bearer TOKEN` header value.
-fn bearer_token(header: &[u8]) -> Option<&[u8]> {
-    let (scheme, token) = header.split_at(header.iter().position(|&b| b == b' ')?);
-    scheme.eq_ignore_ascii_case(b"bearer").then(|| token.trim_ascii()).filter(|t| !t.is_empty())
-}
-
-fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[cfg(test)]

@@ -5,13 +5,22 @@
 //! What the channel carries after the handshake is [`crate::wire`]'s; which transport is picked
 //! is `transport::pick`'s (the acceptor's `pick` closure here).
 //!
-//! Layer: under `transport`. Owns nothing past a call; calls `wire`, `agent_info` and `error`.
+//! With a cluster secret the handshake is a mutual challenge-response ([`crate::seal`]): each
+//! side proves it holds the secret over both sides' fresh nonces and names before the other
+//! acts on anything it says, and the connection's later frames are authenticated.
+//!
+//! Layer: under `transport`. Owns nothing past a call; calls `wire`, `seal`, `agent_info` and
+//! `error`.
 
+use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpStream, ToSocketAddrs, UdpSocket};
 use std::time::Duration;
 
-use crate::agent_info::AgentInfo;
+use tandem_core::{hex, ClusterSecret};
+
+use crate::agent_info::{AgentInfo, Incompatible};
 use crate::error::KvError;
+use crate::seal::{fresh_nonce, parse_nonce, End, JoinKey, Nonce, Session, Transcript};
 use crate::wire::{read_message, write_message, Message, PROTOCOL_VERSION};
 
 /// Timeouts for the side channel. Every socket operation is bounded by one of these.
@@ -90,13 +99,63 @@ pub fn configure(s: &TcpStream, t: Timeouts) -> Result<(), KvError> {
     Ok(())
 }
 
-/// Connecting side: sends our info, returns the peer's once it accepts.
-pub fn handshake(stream: &mut TcpStream, ours: &AgentInfo) -> Result<(AgentInfo, Picked), KvError> {
-    write_message(stream, &Message::Handshake { version: PROTOCOL_VERSION, info: ours.clone() })?;
-    match read_message(stream)? {
+/// Connecting side: the handshake (`Hello`, the acceptor's `Challenge` checked, our
+/// `Handshake`), the peer's info and the transport it picked once it accepts, and the
+/// connection's frame keys. With a `secret` the acceptor must prove it holds the same one
+/// before we say anything about this engine; without one, an acceptor that wants a proof is
+/// refused here, saying so.
+pub fn handshake<S: Read + Write>(
+    stream: &mut S,
+    ours: &AgentInfo,
+    secret: Option<&ClusterSecret>,
+) -> Result<(AgentInfo, Picked, Session), KvError> {
+    let nonce = fresh_nonce()?;
+    let (engine_id, epoch) = (ours.engine_id.clone(), ours.epoch);
+    write_message(stream, &Message::Hello { version: PROTOCOL_VERSION, nonce: hex(&nonce), engine_id, epoch })?;
+    let (their_nonce, their_id, their_epoch, proof) = match read_message(stream)? {
+        Message::Challenge { nonce, engine_id, epoch, proof } => (parse_nonce(&nonce)?, engine_id, epoch, proof),
+        Message::HandshakeRefused { reason } => return Err(KvError::Refused(reason)),
+        other => return Err(KvError::Protocol(format!("expected a challenge, got {other:?}"))),
+    };
+    let transcript = Transcript {
+        connector_nonce: &nonce,
+        acceptor_nonce: &their_nonce,
+        connector: (&ours.engine_id.0, ours.epoch.0),
+        acceptor: (&their_id.0, their_epoch.0),
+    };
+    let (proof, mut session) = match (secret, proof) {
+        (Some(secret), Some(proof)) if transcript.check(secret, End::Acceptor, &proof) => {
+            (Some(transcript.proof(secret, End::Connector)), transcript.session(secret, End::Connector))
+        }
+        (Some(_), Some(_)) => {
+            return Err(KvError::Unauthenticated(format!(
+                "`{}` could not prove it holds this cluster's secret (another --cluster-secret-file?)",
+                their_id
+            )))
+        }
+        (Some(_), None) => {
+            return Err(KvError::Unauthenticated(format!(
+                "`{their_id}` has no cluster secret, and this engine takes peers only with one (--cluster-secret-file)"
+            )))
+        }
+        (None, Some(_)) => {
+            return Err(KvError::Unauthenticated(format!(
+            "`{their_id}` takes peers only with the cluster secret, and this engine has none (--cluster-secret-file)"
+        )))
+        }
+        (None, None) => (None, Session::plain()),
+    };
+    write_message(stream, &Message::Handshake { version: PROTOCOL_VERSION, info: ours.clone(), proof })?;
+    match session.opener.read(stream)? {
         Message::HandshakeOk { info, transport, note, join_token } => {
+            if (&info.engine_id, info.epoch) != (&their_id, their_epoch) {
+                return Err(KvError::Protocol(format!(
+                    "the peer challenged as `{their_id}` but says it is `{}`",
+                    info.engine_id
+                )));
+            }
             ours.check_pairing(&info)?;
-            Ok((info, Picked { transport, note, join_token }))
+            Ok((info, Picked { transport, note, join_token }, session))
         }
         Message::HandshakeRefused { reason } => Err(KvError::Refused(reason)),
         other => Err(KvError::Protocol(format!("expected a handshake reply, got {other:?}"))),
@@ -131,54 +190,129 @@ impl Picked {
 /// What a new connection to the side channel says first.
 #[derive(Debug)]
 pub enum Hello {
-    /// A peer's handshake: its protocol version and metadata.
-    Handshake(u32, AgentInfo),
+    /// A peer opening a connection.
+    Open(Opening),
     /// A further stream of an open connection ([`Message::JoinStream`]).
     Join {
         /// The connection's join token.
         token: u64,
         /// Which stream, from 1.
         index: usize,
+        /// Its proof, with a cluster secret.
+        proof: Option<String>,
     },
 }
 
-/// Accepting side: the first frame of a new connection.
-pub fn read_hello(stream: &mut TcpStream) -> Result<Hello, KvError> {
+/// A peer's `Hello`: its version, nonce and name.
+#[derive(Debug)]
+pub struct Opening {
+    version: u32,
+    nonce: Nonce,
+    engine_id: tandem_core::EngineId,
+    epoch: tandem_core::Epoch,
+}
+
+/// Accepting side: the first frame of a new connection. A peer of an older protocol that opens
+/// with its `Handshake` is told which version this engine speaks.
+pub fn read_hello<S: Read + Write>(stream: &mut S) -> Result<Hello, KvError> {
     match read_message(stream)? {
-        Message::Handshake { version, info } => Ok(Hello::Handshake(version, info)),
-        Message::JoinStream { token, index } => Ok(Hello::Join { token, index }),
+        Message::Hello { version, nonce, engine_id, epoch } => {
+            let opening = Opening { version, nonce: parse_nonce(&nonce)?, engine_id, epoch };
+            Ok(Hello::Open(opening))
+        }
+        Message::JoinStream { token, index, proof } => Ok(Hello::Join { token, index, proof }),
+        Message::Handshake { version, .. } => {
+            let e = KvError::Incompatible(Incompatible::Version { local: PROTOCOL_VERSION, remote: version });
+            let _ = write_message(stream, &Message::HandshakeRefused { reason: e.to_string() });
+            Err(e)
+        }
         other => Err(KvError::Protocol(format!("expected a handshake, got {other:?}"))),
     }
 }
 
-/// Accepting side: reads the peer's handshake, checks version and compatibility, asks `pick`
-/// for the connection's transport (an error refuses the peer, saying why), answers.
-pub fn accept_handshake(
-    stream: &mut TcpStream,
+/// Accepting side: [`read_hello`] and [`answer_handshake`] for a connection that must open.
+pub fn accept_handshake<S: Read + Write>(
+    stream: &mut S,
     ours: &AgentInfo,
-    pick: impl FnOnce(&AgentInfo) -> Result<Picked, String>,
-) -> Result<(AgentInfo, Picked), KvError> {
+    secret: Option<&ClusterSecret>,
+    pick: impl FnOnce(&AgentInfo, JoinKey) -> Result<Picked, String>,
+) -> Result<(AgentInfo, Picked, Session), KvError> {
     match read_hello(stream)? {
-        Hello::Handshake(version, info) => answer_handshake(stream, (version, info), ours, pick),
+        Hello::Open(opening) => answer_handshake(stream, opening, ours, secret, pick),
         Hello::Join { .. } => Err(KvError::Protocol("expected a handshake, got a stream joining".into())),
     }
 }
 
-/// Accepting side: [`accept_handshake`] once the peer's handshake (`version`, `info`) has been
-/// read.
-pub fn answer_handshake(
-    stream: &mut TcpStream,
-    (version, info): (u32, AgentInfo),
+/// Accepting side, once the peer's `Hello` is read: our `Challenge` (with our proof, with a
+/// secret), the peer's `Handshake` (its proof checked before its info is looked at), the
+/// version and pairing checks, `pick` for the connection's transport (given the key its
+/// further streams prove themselves with; an error refuses the peer, saying why), and the
+/// answer; the peer's info, the pick and the connection's keys.
+pub fn answer_handshake<S: Read + Write>(
+    stream: &mut S,
+    hello: Opening,
     ours: &AgentInfo,
-    pick: impl FnOnce(&AgentInfo) -> Result<Picked, String>,
-) -> Result<(AgentInfo, Picked), KvError> {
-    let verdict = if version != PROTOCOL_VERSION {
-        Err(KvError::Incompatible(crate::agent_info::Incompatible::Version {
-            local: PROTOCOL_VERSION,
-            remote: version,
-        }))
+    secret: Option<&ClusterSecret>,
+    pick: impl FnOnce(&AgentInfo, JoinKey) -> Result<Picked, String>,
+) -> Result<(AgentInfo, Picked, Session), KvError> {
+    let refuse = |stream: &mut S, e: KvError| {
+        let _ = write_message(stream, &Message::HandshakeRefused { reason: refusal(&e) });
+        Err(e)
+    };
+    if hello.version != PROTOCOL_VERSION {
+        let e = KvError::Incompatible(Incompatible::Version { local: PROTOCOL_VERSION, remote: hello.version });
+        return refuse(stream, e);
+    }
+    let nonce = fresh_nonce()?;
+    let transcript = Transcript {
+        connector_nonce: &hello.nonce,
+        acceptor_nonce: &nonce,
+        connector: (&hello.engine_id.0, hello.epoch.0),
+        acceptor: (&ours.engine_id.0, ours.epoch.0),
+    };
+    let challenge = Message::Challenge {
+        nonce: hex(&nonce),
+        engine_id: ours.engine_id.clone(),
+        epoch: ours.epoch,
+        proof: secret.map(|s| transcript.proof(s, End::Acceptor)),
+    };
+    write_message(stream, &challenge)?;
+    let answer = read_message(stream).map_err(|e| match secret {
+        // A peer asked to prove the secret that hangs up or goes quiet instead did not.
+        Some(_) => {
+            KvError::Unauthenticated(format!("`{}` left without proving the cluster secret ({e})", hello.engine_id))
+        }
+        None => e,
+    })?;
+    let (version, info, proof) = match answer {
+        Message::Handshake { version, info, proof } => (version, info, proof),
+        other => return Err(KvError::Protocol(format!("expected a handshake, got {other:?}"))),
+    };
+    let mut session = match (secret, proof.as_deref()) {
+        (Some(secret), Some(proof)) if transcript.check(secret, End::Connector, proof) => {
+            transcript.session(secret, End::Acceptor)
+        }
+        (Some(_), _) => {
+            let why =
+                format!("`{}` could not prove it holds this cluster's secret (--cluster-secret-file)", hello.engine_id);
+            return refuse(stream, KvError::Unauthenticated(why));
+        }
+        (None, Some(_)) => {
+            let why = format!("`{}` proves a cluster secret, and this engine has none", hello.engine_id);
+            return refuse(stream, KvError::Unauthenticated(why));
+        }
+        (None, None) => Session::plain(),
+    };
+    let verdict = if (&info.engine_id, info.epoch) != (&hello.engine_id, hello.epoch) {
+        let why = format!("the peer said hello as `{}` but says it is `{}`", hello.engine_id, info.engine_id);
+        Err(KvError::Protocol(why))
+    } else if version != PROTOCOL_VERSION {
+        Err(KvError::Incompatible(Incompatible::Version { local: PROTOCOL_VERSION, remote: version }))
     } else {
-        ours.check_pairing(&info).map_err(KvError::Incompatible).and_then(|()| pick(&info).map_err(KvError::Refused))
+        let join_key = session.join_key();
+        ours.check_pairing(&info)
+            .map_err(KvError::Incompatible)
+            .and_then(|()| pick(&info, join_key).map_err(KvError::Refused))
     };
     match verdict {
         Ok(picked) => {
@@ -188,18 +322,23 @@ pub fn answer_handshake(
                 note: picked.note.clone(),
                 join_token: picked.join_token,
             };
-            write_message(stream, &reply)?;
-            Ok((info, picked))
+            session.sealer.write(stream, &reply)?;
+            Ok((info, picked, session))
         }
         Err(e) => {
-            // The peer says "refused the handshake" itself (`KvError::Refused`): only the why.
-            let reason = match &e {
-                KvError::Refused(why) => why.clone(),
-                other => other.to_string(),
-            };
-            let _ = write_message(stream, &Message::HandshakeRefused { reason });
+            // Past the proofs: the refusal is sealed like any later frame.
+            let _ = session.sealer.write(stream, &Message::HandshakeRefused { reason: refusal(&e) });
             Err(e)
         }
+    }
+}
+
+/// What a refused peer is told: the peer says "refused the handshake" itself
+/// (`KvError::Refused`), so only the why.
+fn refusal(e: &KvError) -> String {
+    match e {
+        KvError::Refused(why) => why.clone(),
+        other => other.to_string(),
     }
 }
 

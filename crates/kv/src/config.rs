@@ -144,4 +144,8 @@ pub struct ConnectorConfig {
     /// to read back the transports UCX chose and relay its warnings (`None`: UCX logs as its
     /// user set it).
     pub ucx_log: Option<std::path::PathBuf>,
+    /// `--cluster-secret-file`: peers must prove they hold it (a mutual challenge-response at
+    /// handshake, then every frame authenticated, [`crate::seal`]); `None`: any peer that
+    /// reaches the side channel and pairs is taken.
+    pub cluster_secret: Option<tandem_core::ClusterSecret>,
 }

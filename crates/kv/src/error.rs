@@ -34,6 +34,11 @@ pub enum KvError {
     /// fails, and the connection stays usable.
     #[error("{0}")]
     Corrupt(String),
+    /// A peer or a frame failed authentication with the cluster secret (a handshake without
+    /// the secret or with another one, a replayed handshake, a forged or altered frame): the
+    /// connection ends.
+    #[error("KV peer not authenticated: {0}")]
+    Unauthenticated(String),
     /// A transfer failed on the peer's side.
     #[error("transfer failed: {0}")]
     Transfer(String),

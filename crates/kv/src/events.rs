@@ -128,6 +128,10 @@ pub struct ConnectorStats {
     /// Further TCP streams of tcp connections (`--kv-tcp-streams` above 1), opened or joined:
     /// bulk bytes are striped over a connection and its further streams.
     pub streams_joined: u64,
+    /// Peers, streams and frames refused for the cluster secret (`--cluster-secret-file`):
+    /// handshakes without it or with another, joins without the connection's proof, frames
+    /// whose tag did not check (each ends its connection).
+    pub auth_refused: u64,
 }
 
 /// Where the connector delivers its events, as they happen, from its own threads: the engine

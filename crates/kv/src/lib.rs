@@ -10,7 +10,8 @@
 //!   own, and the table itself (transfers, leases, deadlines, tombstones);
 //! - one `Transport` per connection at the bottom edge (tcp, local, cuda-ipc, nixl), which
 //!   moves block runs and knows nothing of transfers; [`tcp`] holds the socket data path;
-//! - [`channel`] (bounded sockets, the handshake), [`wire`] (messages and framing, with a
+//! - [`channel`] (bounded sockets, the handshake), [`seal`] (a cluster secret's
+//!   challenge-response and authenticated frames), [`wire`] (messages and framing, with a
 //!   protocol version checked first), [`AgentInfo`] (what an engine says at handshake, and
 //!   [`AgentInfo::check_pairing`]), [`blocks`] (block runs, re-layout between block sizes).
 //!
@@ -30,6 +31,7 @@ mod memory;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 mod protocol;
+pub mod seal;
 mod table;
 mod transport;
 pub mod ucx_log;

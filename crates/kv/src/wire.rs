@@ -23,6 +23,9 @@
 //! - 9: `WriteBlocks.layers`: a part goes group of layers by group as its step computes them;
 //!   `AgentInfo.tcp_streams`, `HandshakeOk.join_token`, `JoinStream` and `.streams` on the bulk
 //!   frames: tcp bytes striped over several connections of one pair.
+//! - 10: `Hello` and `Challenge` before `Handshake`, `.proof` on `Handshake` and `JoinStream`:
+//!   with a cluster secret a mutual challenge-response, then every frame authenticated
+//!   ([`crate::seal`]).
 //!
 //! Layer: the ground floor but for `agent_info` and `error`, which it calls.
 
@@ -35,7 +38,7 @@ use crate::agent_info::AgentInfo;
 use crate::error::KvError;
 
 /// The side-channel protocol version.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Largest control frame accepted (a block-id list for a very long prompt fits easily).
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -53,12 +56,43 @@ pub enum DoneStatus {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type")]
 pub enum Message {
-    /// Opens a connection: the connecting side's version and metadata.
+    /// Opens a connection, before anything about the engine is said: the connecting side's
+    /// version, a fresh nonce, and who it says it is (proved in its `Handshake`).
+    Hello {
+        /// Sender's [`PROTOCOL_VERSION`].
+        version: u32,
+        /// 32 random bytes, hex.
+        nonce: String,
+        /// The connecting engine.
+        engine_id: EngineId,
+        /// Its incarnation.
+        epoch: Epoch,
+    },
+    /// The accepting side's answer to `Hello`: its own nonce and name and, with a cluster
+    /// secret, its proof of it over both nonces and names (the connecting side checks it before
+    /// it says anything more).
+    Challenge {
+        /// 32 random bytes, hex.
+        nonce: String,
+        /// The accepting engine.
+        engine_id: EngineId,
+        /// Its incarnation.
+        epoch: Epoch,
+        /// HMAC of the cluster secret over both nonces and names, hex; none without a secret.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        proof: Option<String>,
+    },
+    /// The connecting side's metadata, after it checked the `Challenge`; with a cluster secret,
+    /// its own proof (under another label than the acceptor's, so neither can stand for the
+    /// other).
     Handshake {
         /// Sender's [`PROTOCOL_VERSION`].
         version: u32,
         /// Sender's metadata.
         info: AgentInfo,
+        /// HMAC of the cluster secret over both nonces and names, hex; none without a secret.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        proof: Option<String>,
     },
     /// The accepting side agrees and sends its own metadata.
     HandshakeOk {
@@ -80,6 +114,10 @@ pub enum Message {
         token: u64,
         /// Which stream this is.
         index: usize,
+        /// With a cluster secret: the HMAC of the token and index under the connection's
+        /// session key, hex (a token seen on the wire does not let a stranger join).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        proof: Option<String>,
     },
     /// The accepting side refuses to pair; the reason names what differs.
     HandshakeRefused {
@@ -254,18 +292,43 @@ fn one() -> usize {
 
 /// Writes one frame.
 pub fn write_message(w: &mut impl Write, msg: &Message) -> Result<(), KvError> {
-    let body = serde_json::to_vec(msg).map_err(|e| KvError::Protocol(format!("encoding {e}")))?;
-    if body.len() > MAX_FRAME_BYTES {
-        return Err(KvError::Protocol(format!("frame of {} bytes exceeds {MAX_FRAME_BYTES}", body.len())));
-    }
-    w.write_all(&(body.len() as u32).to_be_bytes())?;
-    w.write_all(&body)?;
-    Ok(())
+    write_frame(w, &encode(msg)?, None)
 }
 
 /// Reads one frame. The reader's own timeout bounds the wait; an oversized or malformed
 /// frame is a protocol error, never a panic.
 pub fn read_message(r: &mut impl Read) -> Result<Message, KvError> {
+    decode(&read_body(r)?)
+}
+
+/// A message's frame body (JSON), at most [`MAX_FRAME_BYTES`].
+pub(crate) fn encode(msg: &Message) -> Result<Vec<u8>, KvError> {
+    let body = serde_json::to_vec(msg).map_err(|e| KvError::Protocol(format!("encoding {e}")))?;
+    if body.len() > MAX_FRAME_BYTES {
+        return Err(KvError::Protocol(format!("frame of {} bytes exceeds {MAX_FRAME_BYTES}", body.len())));
+    }
+    Ok(body)
+}
+
+/// The message in a frame body.
+pub(crate) fn decode(body: &[u8]) -> Result<Message, KvError> {
+    serde_json::from_slice(body).map_err(|e| KvError::Protocol(format!("undecodable frame: {e}")))
+}
+
+/// Writes a frame (its length, `body`, and `tag` after it when the frame is authenticated) in
+/// one write, so a small frame leaves in one segment.
+pub(crate) fn write_frame(w: &mut impl Write, body: &[u8], tag: Option<&[u8]>) -> Result<(), KvError> {
+    let tag = tag.unwrap_or_default();
+    let mut frame = Vec::with_capacity(4 + body.len() + tag.len());
+    frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    frame.extend_from_slice(body);
+    frame.extend_from_slice(tag);
+    w.write_all(&frame)?;
+    Ok(())
+}
+
+/// Reads a frame's length and body (not a tag after it).
+pub(crate) fn read_body(r: &mut impl Read) -> Result<Vec<u8>, KvError> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len)?;
     let len = u32::from_be_bytes(len) as usize;
@@ -274,7 +337,7 @@ pub fn read_message(r: &mut impl Read) -> Result<Message, KvError> {
     }
     let mut body = vec![0u8; len];
     r.read_exact(&mut body)?;
-    serde_json::from_slice(&body).map_err(|e| KvError::Protocol(format!("undecodable frame: {e}")))
+    Ok(body)
 }
 
 #[cfg(test)]
@@ -285,14 +348,26 @@ mod tests {
     fn every_message_round_trips() {
         let t = TransferId("t-1".into());
         let msgs = vec![
-            Message::Handshake { version: PROTOCOL_VERSION, info: AgentInfo::example() },
+            Message::Hello {
+                version: PROTOCOL_VERSION,
+                nonce: "ab".into(),
+                engine_id: EngineId("p".into()),
+                epoch: Epoch(3),
+            },
+            Message::Challenge {
+                nonce: "cd".into(),
+                engine_id: EngineId("d".into()),
+                epoch: Epoch(4),
+                proof: Some("ef".into()),
+            },
+            Message::Handshake { version: PROTOCOL_VERSION, info: AgentInfo::example(), proof: None },
             Message::HandshakeOk {
                 info: AgentInfo::example(),
                 transport: "tcp".into(),
                 note: Some("n".into()),
                 join_token: Some(7),
             },
-            Message::JoinStream { token: 7, index: 2 },
+            Message::JoinStream { token: 7, index: 2, proof: Some("01".into()) },
             Message::HandshakeRefused { reason: "no".into() },
             Message::Register {
                 transfer_id: t.clone(),

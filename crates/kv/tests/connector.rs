@@ -43,6 +43,7 @@ fn config(role: Role, mode: KvMode) -> ConnectorConfig {
         nixl_min_gb_s: 0.0,
         nixl_pull: tandem_kv::NixlPull::Auto,
         ucx_log: None,
+        cluster_secret: None,
     }
 }
 
@@ -944,4 +945,97 @@ fn a_group_later_than_decodes_deadline_is_given_up_and_never_lands() {
     std::thread::sleep(Duration::from_millis(200));
     assert!((0..32).all(|t| d_key(&p, &blocks, t, 1) != written_key(t, 1)), "the late group landed");
     assert_eq!(p.d.stats().groups_landed, 1);
+}
+
+fn with_secret(cfg: ConnectorConfig, text: &str) -> ConnectorConfig {
+    ConnectorConfig { cluster_secret: Some(tandem_core::ClusterSecret::new(text.as_bytes()).unwrap()), ..cfg }
+}
+
+const SECRET: &str = "this deployment's cluster secret";
+
+#[test]
+fn with_one_cluster_secret_push_and_pull_land_and_with_different_ones_nothing_moves() {
+    for mode in [KvMode::Push, KvMode::Pull] {
+        let pair_secrets = |p_secret: Option<&str>, d_secret: Option<&str>| {
+            let (p_cfg, d_cfg) = (config(Role::Prefill, mode), config(Role::Decode, mode));
+            let p_cfg = ConnectorConfig {
+                transfer_timeout: Duration::from_millis(300),
+                lease: Duration::from_millis(300),
+                ..p_cfg
+            };
+            let p_cfg = p_secret.map_or(p_cfg.clone(), |s| with_secret(p_cfg, s));
+            let d_cfg = d_secret.map_or(d_cfg.clone(), |s| with_secret(d_cfg, s));
+            pair_with(p_cfg, d_cfg, 16, 8)
+        };
+        let source = |p: &Pair, tid: &str| match mode {
+            KvMode::Push => push_source(p, tid),
+            KvMode::Pull => pull_source(p, tid, p.p.info().epoch),
+        };
+        // The same secret: the KV lands over an authenticated connection and its streams.
+        let p = pair_secrets(Some(SECRET), Some(SECRET));
+        let blocks = p.d_blocks(40);
+        p.produce("t1", 40);
+        p.d.expect(RequestId::new("r1"), source(&p, "t1"), blocks.clone(), 40, 0);
+        assert_ready(p.wait_event(), "r1");
+        p.assert_landed(40, &blocks);
+        p.wait_freed(1);
+        assert_eq!((p.p.stats().auth_refused, p.d.stats().auth_refused), (0, 0));
+        assert_eq!(p.d.stats().streams_joined, 2, "both further streams proved themselves");
+        // Different secrets, or a secret on one side only: no KV moves, decode hears why (it
+        // recomputes), the refusal is counted, prefill's blocks come back.
+        for (p_secret, d_secret) in
+            [(Some(SECRET), Some("another deployment's secret")), (Some(SECRET), None), (None, Some(SECRET))]
+        {
+            let p = pair_secrets(p_secret, d_secret);
+            p.produce("t2", 40);
+            p.d.expect(RequestId::new("r2"), source(&p, "t2"), blocks.clone(), 40, 0);
+            match p.wait_event() {
+                ConnectorEvent::Failed { reason, .. } => {
+                    assert!(reason.contains("secret"), "{mode:?} {p_secret:?}/{d_secret:?}: {reason}")
+                }
+                other => panic!("{mode:?} {p_secret:?}/{d_secret:?}: expected a failure, got {other:?}"),
+            }
+            assert!(p.untouched(&blocks), "nothing landed");
+            p.wait_freed(1);
+            wait_until("the refusal counted", || p.p.stats().auth_refused + p.d.stats().auth_refused >= 1);
+            let (ps, ds) = (p.p.stats(), p.d.stats());
+            assert_eq!((ps.transfers_ok, ds.transfers_ok, ds.bytes_received), (0, 0, 0), "{ps:?} {ds:?}");
+        }
+    }
+}
+
+#[test]
+fn a_forged_frame_on_an_authenticated_connection_ends_it_and_changes_nothing() {
+    use tandem_kv::channel::{connect, handshake};
+    use tandem_kv::wire::{write_message, DoneStatus, Message};
+    let p_cfg = with_secret(config(Role::Prefill, KvMode::Pull), SECRET);
+    let p = pair_with(p_cfg, with_secret(config(Role::Decode, KvMode::Pull), SECRET), 16, 8);
+    p.produce("t1", 40);
+    // An authenticated connection (as a party on the path sees one), then frames whose tags
+    // are not this connection's: a release of the lease, and a forged read's answer.
+    let mut s = connect(&p.p_addr(), Timeouts::default()).unwrap();
+    let info = tandem_kv::AgentInfo { engine_id: EngineId("intruder".into()), tcp_streams: 1, ..p.d.info().clone() };
+    let (_, _, _session) =
+        handshake(&mut s, &info, Some(&tandem_core::ClusterSecret::new(SECRET.as_bytes()).unwrap())).unwrap();
+    let release = Message::Done {
+        transfer_id: TransferId("t1".into()),
+        rank: 0,
+        first_token: None,
+        status: DoneStatus::Ok,
+        copy_us: 0,
+        produced_unix_us: 0,
+        digest: None,
+    };
+    write_message(&mut s, &release).unwrap();
+    std::io::Write::write_all(&mut s, &[0u8; tandem_core::MAC_BYTES]).unwrap();
+    wait_until("the forged frame refused", || p.p.stats().auth_refused == 1);
+    // The connection is over: prefill reads nothing more from it.
+    let mut buf = [0u8; 1];
+    let ended = std::io::Read::read(&mut s, &mut buf);
+    assert!(matches!(ended, Ok(0) | Err(_)), "{ended:?}");
+    // The lease is still held: the real decode engine reads it.
+    let blocks = p.d_blocks(40);
+    p.d.expect(RequestId::new("r1"), pull_source(&p, "t1", p.p.info().epoch), blocks.clone(), 40, 0);
+    assert_ready(p.wait_event(), "r1");
+    p.assert_landed(40, &blocks);
 }

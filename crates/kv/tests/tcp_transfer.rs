@@ -76,7 +76,7 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
         let decode = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
             tandem_kv::channel::configure(&s, Timeouts::default()).unwrap();
-            let (peer, _) = accept_handshake(&mut s, &d_info, |_| Ok(Picked::tcp())).unwrap();
+            let (peer, _, _) = accept_handshake(&mut s, &d_info, None, |_, _| Ok(Picked::tcp())).unwrap();
             assert_eq!(peer.engine_id.0, "prefill-0");
             let cache = KvCache::new(layout(bs_d));
             match read_message(&mut s).unwrap() {
@@ -98,7 +98,7 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
         let p_table: Vec<u32> = (0..layout(bs_p).blocks_for(tokens) as u32).map(|b| (b * 3) % 64).collect();
         fill(&mut p_cache, &p_table, tokens);
         let mut s = connect(&addr, Timeouts::default()).unwrap();
-        let (peer, picked) = handshake(&mut s, &p_info).unwrap();
+        let (peer, picked, _) = handshake(&mut s, &p_info, None).unwrap();
         assert_eq!((peer.role, picked), (Role::Decode, Picked::tcp()));
         let region = p_cache.region();
         let bytes = tandem_kv::blocks::wire_bytes(region.layout(), region.dtype(), tokens);
@@ -149,10 +149,10 @@ fn incompatible_peers_are_refused_at_handshake_with_the_reason() {
     let addr = listener.local_addr().unwrap().to_string();
     let server = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        accept_handshake(&mut s, &d_info, |_| Ok(Picked::tcp())).unwrap_err().to_string()
+        accept_handshake(&mut s, &d_info, None, |_, _| Ok(Picked::tcp())).unwrap_err().to_string()
     });
     let mut s = connect(&addr, Timeouts::default()).unwrap();
-    let err = handshake(&mut s, &p_info).unwrap_err();
+    let err = handshake(&mut s, &p_info, None).unwrap_err();
     assert!(matches!(err, KvError::Refused(_)), "{err}");
     assert!(err.to_string().contains("kv_mode differs"), "{err}");
     assert!(server.join().unwrap().contains("kv_mode differs"));
@@ -165,7 +165,7 @@ fn a_silent_peer_times_out_within_the_bound_and_an_absent_one_is_unreachable() {
     let t = Timeouts { connect: Duration::from_millis(500), io: Duration::from_millis(200) };
     let mut s = connect(&addr, t).unwrap();
     let start = Instant::now();
-    let err = handshake(&mut s, &AgentInfo::example()).unwrap_err();
+    let err = handshake(&mut s, &AgentInfo::example(), None).unwrap_err();
     assert!(err.is_timeout(), "{err}");
     assert!(start.elapsed() < Duration::from_secs(2));
     drop(listener);
@@ -310,4 +310,166 @@ fn bytes_striped_over_several_streams_land_in_order_and_a_bad_stream_is_caught()
         recv_striped(&mut inn, &mut [&mut got], false)
     });
     assert!(matches!(received, Err(ref e) if !matches!(e, tandem_kv::KvError::Corrupt(_))), "{received:?}");
+}
+
+const SECRET: &str = "the secret of this cluster, 32 b";
+
+fn secret(text: &str) -> Option<tandem_core::ClusterSecret> {
+    Some(tandem_core::ClusterSecret::new(text.as_bytes()).unwrap())
+}
+
+type Accepted = Result<(AgentInfo, Picked, tandem_kv::seal::Session), KvError>;
+
+/// A decode engine's side channel accepting one connection with `acceptor_secret`, then
+/// `after` on what it accepted; `connector` runs on the connecting side's stream meanwhile.
+/// Both results.
+fn against_acceptor<A: Send + 'static, C: Send + 'static>(
+    acceptor_secret: Option<&'static str>,
+    after: impl FnOnce(&mut std::net::TcpStream, Accepted) -> A + Send + 'static,
+    connector: impl FnOnce(&mut std::net::TcpStream) -> C,
+) -> (A, C) {
+    let (_, d_info) = infos(16, 16);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let acceptor = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        tandem_kv::channel::configure(&s, Timeouts::default()).unwrap();
+        let secret = acceptor_secret.and_then(secret);
+        let accepted = accept_handshake(&mut s, &d_info, secret.as_ref(), |_, _| Ok(Picked::tcp()));
+        after(&mut s, accepted)
+    });
+    let mut s = connect(&addr, Timeouts::default()).unwrap();
+    let c = connector(&mut s);
+    drop(s);
+    (acceptor.join().unwrap(), c)
+}
+
+fn heartbeat(id: &str) -> Message {
+    Message::Heartbeat { transfer_ids: vec![TransferId(id.into())] }
+}
+
+#[test]
+fn with_one_secret_both_ends_prove_it_and_their_frames_are_authenticated() {
+    let (at_acceptor, at_connector) = against_acceptor(
+        Some(SECRET),
+        |s, accepted| {
+            let (peer, _, mut session) = accepted.unwrap();
+            assert!(session.authenticated());
+            let got = session.opener.read(s).unwrap();
+            session.sealer.write(s, &heartbeat("back")).unwrap();
+            (peer.engine_id.0, got)
+        },
+        |s| {
+            let (p_info, _) = infos(16, 16);
+            let (peer, _, mut session) = handshake(s, &p_info, secret(SECRET).as_ref()).unwrap();
+            session.sealer.write(s, &heartbeat("there")).unwrap();
+            (peer.engine_id.0, session.opener.read(s).unwrap())
+        },
+    );
+    assert_eq!(at_acceptor, ("prefill-0".to_string(), heartbeat("there")));
+    assert_eq!(at_connector, ("decode-0".to_string(), heartbeat("back")));
+}
+
+#[test]
+fn a_peer_without_the_secret_or_with_another_learns_nothing_and_is_refused() {
+    let (p_info, _) = infos(16, 16);
+    let accepted_err = |s: &mut std::net::TcpStream, a: Accepted| {
+        // Nothing else comes from a refused peer's side: the acceptor's socket is closed.
+        let _ = s;
+        a.map(|_| ()).unwrap_err()
+    };
+    // No secret at a side that requires one: the connector is told why, and says nothing of
+    // itself (no Handshake: the acceptor's read ends when it hangs up).
+    let (acceptor, connector) = against_acceptor(Some(SECRET), accepted_err, |s| handshake(s, &p_info, None));
+    let connector = connector.unwrap_err();
+    assert!(matches!(connector, KvError::Unauthenticated(_)), "{connector}");
+    assert!(connector.to_string().contains("has none"), "{connector}");
+    assert!(acceptor.to_string().contains("left without proving"), "{acceptor}");
+    // Another secret: the connector finds the acceptor's proof wrong and stops there.
+    let p2 = p_info.clone();
+    let (acceptor, connector) = against_acceptor(Some(SECRET), accepted_err, move |s| {
+        handshake(s, &p2, secret("another cluster's secret").as_ref())
+    });
+    assert!(connector.unwrap_err().to_string().contains("could not prove it holds this cluster's secret"));
+    assert!(matches!(acceptor, KvError::Unauthenticated(_)), "{acceptor}");
+    // An intruder that ignores the challenge and answers with a made-up proof, or none: refused
+    // before its info is looked at, with the reason.
+    for proof in [Some("00".repeat(32)), None] {
+        let p3 = p_info.clone();
+        let (acceptor, refusal) = against_acceptor(Some(SECRET), accepted_err, move |s| {
+            write_message(s, &hello(&p3)).unwrap();
+            assert!(matches!(read_message(s).unwrap(), Message::Challenge { proof: Some(_), .. }));
+            write_message(s, &Message::Handshake { version: tandem_kv::wire::PROTOCOL_VERSION, info: p3, proof })
+                .unwrap();
+            read_message(s).unwrap()
+        });
+        assert!(matches!(acceptor, KvError::Unauthenticated(_)), "{acceptor}");
+        assert!(
+            matches!(refusal, Message::HandshakeRefused { ref reason } if reason.contains("could not prove")),
+            "{refusal:?}"
+        );
+    }
+    // A secret on the connecting side only: it refuses an acceptor that proves none.
+    let p4 = p_info.clone();
+    let (_, connector) = against_acceptor(None, |_, a| a.is_ok(), move |s| handshake(s, &p4, secret(SECRET).as_ref()));
+    assert!(connector.unwrap_err().to_string().contains("has no cluster secret"));
+}
+
+fn hello(info: &AgentInfo) -> Message {
+    let nonce = "11".repeat(32);
+    Message::Hello {
+        version: tandem_kv::wire::PROTOCOL_VERSION,
+        nonce,
+        engine_id: info.engine_id.clone(),
+        epoch: info.epoch,
+    }
+}
+
+#[test]
+fn a_recorded_handshake_replayed_on_a_new_connection_is_refused() {
+    let (p_info, _) = infos(16, 16);
+    // A legitimate connector's frames, recorded on the way (its proof is over this
+    // connection's nonces).
+    let recorded = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let tape = recorded.clone();
+    let p1 = p_info.clone();
+    let (ok, _) = against_acceptor(
+        Some(SECRET),
+        |_, a| a.is_ok(),
+        move |s| {
+            let (nonce, engine_id, epoch) = ("22".repeat(32), p1.engine_id.clone(), p1.epoch);
+            let hello =
+                Message::Hello { version: tandem_kv::wire::PROTOCOL_VERSION, nonce: nonce.clone(), engine_id, epoch };
+            write_message(s, &hello).unwrap();
+            let Message::Challenge { nonce: theirs, engine_id, epoch, .. } = read_message(s).unwrap() else { panic!() };
+            // The proof a real connector makes, the way `handshake` makes it.
+            let n = |h: &str| tandem_kv::seal::parse_nonce(h).unwrap();
+            let (c, a) = (n(&nonce), n(&theirs));
+            let t = tandem_kv::seal::Transcript {
+                connector_nonce: &c,
+                acceptor_nonce: &a,
+                connector: (&p1.engine_id.0, p1.epoch.0),
+                acceptor: (&engine_id.0, epoch.0),
+            };
+            let proof = Some(t.proof(secret(SECRET).as_ref().unwrap(), tandem_kv::seal::End::Connector));
+            let handshake = Message::Handshake { version: tandem_kv::wire::PROTOCOL_VERSION, info: p1, proof };
+            write_message(s, &handshake).unwrap();
+            tape.lock().unwrap().extend([hello, handshake]);
+        },
+    );
+    assert!(ok, "the recorded connector was let in");
+    // Replayed word for word: the acceptor's fresh nonce makes the old proof worthless.
+    let replay = recorded.lock().unwrap().clone();
+    let (acceptor, refusal) = against_acceptor(
+        Some(SECRET),
+        |_, a| a.map(|_| ()).unwrap_err(),
+        move |s| {
+            write_message(s, &replay[0]).unwrap();
+            let _challenge = read_message(s).unwrap();
+            write_message(s, &replay[1]).unwrap();
+            read_message(s).unwrap()
+        },
+    );
+    assert!(matches!(acceptor, KvError::Unauthenticated(_)), "{acceptor}");
+    assert!(matches!(refusal, Message::HandshakeRefused { .. }), "{refusal:?}");
 }

@@ -48,6 +48,12 @@ pub struct RouterConfig {
     /// The key the router sends on every request to its engines (engines that take
     /// `--api-key` want one of theirs); `None`: none sent.
     pub engine_api_key: Option<String>,
+    /// The deployment's secret (`--cluster-secret-file`): its token goes to the engines on
+    /// every request (their `/kv/*` want it) and opens `/admin/engines`.
+    pub cluster_secret: Option<tandem_core::ClusterSecret>,
+    /// Keys that open `/admin/engines` as `Authorization: Bearer` (`--admin-key`). With neither
+    /// these nor a secret the admin endpoints are open.
+    pub admin_keys: ApiKeys,
 }
 
 impl RouterConfig {
@@ -63,6 +69,8 @@ impl RouterConfig {
             kv_aware_routing: true,
             api_keys: ApiKeys::default(),
             engine_api_key: None,
+            cluster_secret: None,
+            admin_keys: ApiKeys::default(),
         }
     }
 }
@@ -213,6 +221,12 @@ impl Router {
             value.set_sensitive(true);
             engine_headers.insert(reqwest::header::AUTHORIZATION, value);
         }
+        if let Some(secret) = &cfg.cluster_secret {
+            let mut value = reqwest::header::HeaderValue::from_str(&secret.http_token())
+                .expect("a hex token is a valid header value");
+            value.set_sensitive(true);
+            engine_headers.insert(tandem_core::CLUSTER_TOKEN_HEADER, value);
+        }
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))
             .default_headers(engine_headers)
@@ -286,6 +300,13 @@ impl Router {
                 "has no KV connector: start it with `tandem serve --role {wanted} --kv-mode {}`",
                 mode_name(self.cfg.mode)
             ));
+        }
+        if r.status() == StatusCode::UNAUTHORIZED {
+            // Not down: it will not answer this router until one of them is restarted.
+            return BackendState::Misconfigured(match self.cfg.cluster_secret {
+                Some(_) => "refuses this router's cluster token: it has another --cluster-secret-file".into(),
+                None => "takes only its deployment's cluster token: give the router its --cluster-secret-file".into(),
+            });
         }
         if !r.status().is_success() {
             return BackendState::Down(format!("/kv/info answers HTTP {}", r.status()));
@@ -553,7 +574,11 @@ pub fn app(router: Arc<Router>) -> axum::Router {
     axum::Router::new()
         .merge(openai)
         .route("/health", get(health))
-        .route("/admin/engines", get(list_engines).post(add_engine).delete(remove_engine))
+        .merge(
+            axum::Router::new()
+                .route("/admin/engines", get(list_engines).post(add_engine).delete(remove_engine))
+                .route_layer(axum::middleware::from_fn_with_state(router.clone(), require_admin)),
+        )
         .with_state(router)
 }
 
@@ -590,6 +615,30 @@ async fn require_api_key(
     error(
         StatusCode::UNAUTHORIZED,
         "this router needs an API key: send `Authorization: Bearer <key>` with one of its --api-key keys",
+    )
+}
+
+/// Lets a request through to `/admin/engines` only with the cluster secret's token or an admin
+/// key, when the router has either (else open, as before either existed).
+async fn require_admin(
+    State(r): State<Arc<Router>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let allowed = {
+        let (secret, keys) = (&r.cfg.cluster_secret, &r.cfg.admin_keys);
+        let header = |name: &str| req.headers().get(name).map(|v| v.as_bytes());
+        let open = secret.is_none() && !keys.required();
+        let by_secret = secret.as_ref().is_some_and(|s| s.allows_token(header(tandem_core::CLUSTER_TOKEN_HEADER)));
+        open || by_secret || (keys.required() && keys.allows(header(axum::http::header::AUTHORIZATION.as_str())))
+    };
+    if allowed {
+        return next.run(req).await;
+    }
+    r.unauthorized.fetch_add(1, Ordering::Relaxed);
+    error(
+        StatusCode::UNAUTHORIZED,
+        "the admin endpoints need `Authorization: Bearer <key>` with one of the router's --admin-key keys (or the cluster token)",
     )
 }
 

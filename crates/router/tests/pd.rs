@@ -739,3 +739,65 @@ async fn with_api_keys_a_keyed_client_gets_colocated_answers_and_others_get_401(
     let ps = kv_stats_until(&p, "9 transfers", |s| s.transfers_ok == 9).await;
     assert_eq!(ps.transfers_failed, 0, "{ps:?}");
 }
+
+/// A deployment with a cluster secret: engines and router share it, so push and pull answer as
+/// colocated does; an engine of another secret is refused by the router (it cannot read its
+/// /kv/info) and its KV never pairs; /kv/* and /admin/engines without the token (or the admin
+/// key) are refused, counted, and change nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_a_cluster_secret_pd_equals_colocated_and_strangers_reach_no_kv_or_admin_endpoint() {
+    const SECRET: &str = "this deployment's cluster secret";
+    let secret = || Some(tandem_core::ClusterSecret::new(SECRET.as_bytes()).unwrap());
+    let reqs: Vec<Value> = workload().into_iter().take(9).collect();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let want = run_all(&reqwest::Client::new(), &colocated.url, &reqs).await;
+    for (mode, kv) in [(TransferMode::Push, KvMode::Push), (TransferMode::Pull, KvMode::Pull)] {
+        let k = Knobs { cluster_secret: Some(SECRET), ..Knobs::default() };
+        let p = engine_with(Some((Role::Prefill, kv)), 16, k.clone()).await;
+        let d = engine_with(Some((Role::Decode, kv)), 8, k).await;
+        let cfg = tandem_router::RouterConfig {
+            cluster_secret: secret(),
+            admin_keys: tandem_core::ApiKeys::new(["sk-admin"]).unwrap(),
+            ..tandem_router::RouterConfig::new(mode, vec![p.url.clone()], vec![d.url.clone()])
+        };
+        let (base, router) = serve_router(cfg).await;
+        assert_eq!(run_all(&reqwest::Client::new(), &base, &reqs).await, want, "{mode:?}");
+        // Strangers: an engine's KV endpoints and the router's admin endpoints.
+        let http = reqwest::Client::new();
+        let release = serde_json::json!({"transfer_id": "t-0"});
+        let r = http.post(format!("{}/kv/release", p.url)).json(&release).send().await.unwrap();
+        assert_eq!(r.status(), 401);
+        assert_eq!(http.get(format!("{}/kv/info", d.url)).send().await.unwrap().status(), 401);
+        let wrong = http.get(format!("{}/kv/info", d.url)).header(tandem_core::CLUSTER_TOKEN_HEADER, "00").send().await;
+        assert_eq!(wrong.unwrap().status(), 401);
+        let token = secret().unwrap().http_token();
+        let ok = http.get(format!("{}/kv/info", d.url)).header(tandem_core::CLUSTER_TOKEN_HEADER, &token).send().await;
+        assert_eq!(ok.unwrap().status(), 200, "the deployment's own token opens it");
+        let add = serde_json::json!({"role": "decode", "url": colocated.url});
+        let r = http.post(format!("{base}/admin/engines")).json(&add).send().await.unwrap();
+        assert_eq!(r.status(), 401, "a stranger adds no engine");
+        let listed = http.get(format!("{base}/admin/engines")).bearer_auth("sk-admin").send().await.unwrap();
+        assert_eq!(listed.status(), 200);
+        let listed: Value = listed.json().await.unwrap();
+        assert_eq!(listed["decode"].as_array().map(Vec::len), Some(1), "{listed}");
+        assert_eq!(router.refused_unauthorized(), 1);
+        wait_idle(&[&p, &d]).await;
+        let ps = kv_stats_until(&p, "9 transfers", |s| s.transfers_ok == 9).await;
+        assert_eq!((ps.transfers_failed, ps.auth_refused), (0, 0), "{ps:?}");
+        // An engine of another deployment: the router cannot read its /kv/info, and its side
+        // channel and this prefill engine's refuse each other.
+        let other = Knobs { cluster_secret: Some("another deployment's secret"), ..Knobs::default() };
+        let stranger = engine_with(Some((Role::Decode, kv)), 8, other).await;
+        let r = http
+            .post(format!("{base}/admin/engines"))
+            .bearer_auth("sk-admin")
+            .json(&serde_json::json!({"role": "decode", "url": stranger.url}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let why: Value = r.json().await.unwrap();
+        assert!(why["error"]["message"].as_str().unwrap().contains("another --cluster-secret-file"), "{why}");
+        assert_eq!(run_all(&reqwest::Client::new(), &base, &reqs[..3]).await, want[..3], "{mode:?}");
+    }
+}

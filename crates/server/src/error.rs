@@ -58,6 +58,9 @@ pub enum ApiError {
     /// The server takes API keys (`--api-key`) and the request has none of them (401).
     #[error("this server needs an API key: send `Authorization: Bearer <key>` with one of its --api-key keys")]
     Unauthorized,
+    /// An internal endpoint (`/kv/*`) without the deployment's cluster token (401).
+    #[error("this endpoint is for the deployment's own router (--cluster-secret-file): the request carries no valid x-tandem-cluster-token")]
+    NotClusterMember,
 }
 
 impl ApiError {
@@ -87,7 +90,7 @@ impl ApiError {
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::QueueTimeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Unauthorized | ApiError::NotClusterMember => StatusCode::UNAUTHORIZED,
         }
     }
 
@@ -101,7 +104,7 @@ impl ApiError {
             ApiError::Internal(_) => "InternalServerError",
             ApiError::Overloaded { .. } => "RateLimitError",
             ApiError::QueueTimeout { .. } => "ServiceUnavailableError",
-            ApiError::Unauthorized => "AuthenticationError",
+            ApiError::Unauthorized | ApiError::NotClusterMember => "AuthenticationError",
         }
     }
 

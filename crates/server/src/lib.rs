@@ -79,6 +79,9 @@ pub struct AppState {
     api_keys: ApiKeys,
     /// `/metrics` takes them too.
     metrics_need_key: bool,
+    /// The deployment's secret: the KV endpoints (`/kv/*`) answer only its token
+    /// ([`tandem_core::CLUSTER_TOKEN_HEADER`]); none: open.
+    cluster_secret: Option<tandem_core::ClusterSecret>,
 }
 
 impl AppState {
@@ -99,7 +102,16 @@ impl AppState {
             abort: tokio::sync::watch::Sender::new(false),
             api_keys: ApiKeys::default(),
             metrics_need_key: false,
+            cluster_secret: None,
         }
+    }
+
+    /// The KV endpoints (`/kv/info`, `/kv/release`, `/kv/prefix`: what the router asks of an
+    /// engine) answer only requests carrying `secret`'s token in
+    /// [`tandem_core::CLUSTER_TOKEN_HEADER`] (401 otherwise, counted).
+    pub fn with_cluster_secret(mut self, secret: Option<tandem_core::ClusterSecret>) -> Self {
+        self.cluster_secret = secret;
+        self
     }
 
     /// The OpenAI routes answer only requests with one of `keys` as `Authorization: Bearer`
@@ -179,13 +191,16 @@ pub fn router(state: Arc<AppState>) -> Router {
         false => (keyed, Router::new().route("/metrics", get(metrics_text))),
     };
     let keyed = keyed.route_layer(axum::middleware::from_fn_with_state(state.clone(), require_api_key));
-    Router::new()
-        .merge(keyed)
-        .merge(open)
-        .route("/health", get(health))
+    let internal = Router::new()
         .route("/kv/info", get(kv_info))
         .route("/kv/release", post(kv_release))
         .route("/kv/prefix", post(kv_prefix))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), require_cluster_token));
+    Router::new()
+        .merge(keyed)
+        .merge(open)
+        .merge(internal)
+        .route("/health", get(health))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::map_response(json_body_limit))
         .with_state(state)
@@ -202,6 +217,22 @@ async fn require_api_key(
         return next.run(req).await;
     }
     let refused = ApiError::Unauthorized;
+    state.metrics.record_error(refused.error_type());
+    refused.into_response()
+}
+
+/// Lets a request through to the KV endpoints only with the cluster secret's token, when the
+/// engine has a secret.
+async fn require_cluster_token(
+    State(state): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(secret) = &state.cluster_secret else { return next.run(req).await };
+    if secret.allows_token(req.headers().get(tandem_core::CLUSTER_TOKEN_HEADER).map(|v| v.as_bytes())) {
+        return next.run(req).await;
+    }
+    let refused = ApiError::NotClusterMember;
     state.metrics.record_error(refused.error_type());
     refused.into_response()
 }

@@ -182,6 +182,7 @@ impl Metrics {
                 ("unknown_ids", kv.unknown_ids),
                 ("duplicate_ids", kv.duplicate_ids),
                 ("peers_refused", kv.peers_refused),
+                ("auth_refused", kv.auth_refused),
                 ("checksum_failures", kv.checksum_failures),
                 ("links_tcp", kv.links_tcp),
                 ("links_local", kv.links_local),

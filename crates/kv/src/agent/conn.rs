@@ -8,11 +8,12 @@ use std::time::{Duration, Instant};
 
 use crate::agent_info::AgentInfo;
 use crate::error::KvError;
+use crate::seal::{JoinKey, Sealer};
 use crate::transport::{Announce, Bulk, Transport};
-use crate::wire::{write_message, Message};
+use crate::wire::Message;
 
 pub(crate) struct Conn {
-    writer: Mutex<TcpStream>,
+    writer: Mutex<FrameWriter>,
     pub peer: AgentInfo,
     alive: AtomicBool,
     pub transport: Arc<dyn Transport>,
@@ -25,28 +26,30 @@ pub(crate) struct Conn {
 impl Conn {
     pub(crate) fn new(
         stream: &TcpStream,
+        sealer: Sealer,
         peer: AgentInfo,
         transport: Arc<dyn Transport>,
         note: Option<String>,
         data: Arc<DataStreams>,
     ) -> Result<Self, KvError> {
-        Ok(Self { writer: Mutex::new(stream.try_clone()?), peer, alive: AtomicBool::new(true), transport, note, data })
+        let writer = Mutex::new(FrameWriter { stream: stream.try_clone()?, sealer });
+        Ok(Self { writer, peer, alive: AtomicBool::new(true), transport, note, data })
     }
 
     pub(crate) fn send(&self, msg: &Message) -> Result<(), KvError> {
-        write_message(&mut *self.writer(), msg)
+        self.writer().send(msg)
     }
 
     /// Sends `msg` unless the writer is busy (a bulk send in progress: the peer hears from us
     /// anyway). For liveness heartbeats, which must not hold up the control thread.
     pub(crate) fn try_send(&self, msg: &Message) {
         if let Ok(mut w) = self.writer.try_lock() {
-            let _ = write_message(&mut *w, msg);
+            let _ = w.send(msg);
         }
     }
 
     /// The connection's writer: frames on one connection never interleave.
-    pub(crate) fn writer(&self) -> MutexGuard<'_, TcpStream> {
+    pub(crate) fn writer(&self) -> MutexGuard<'_, FrameWriter> {
         self.writer.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -58,6 +61,39 @@ impl Conn {
     pub(crate) fn close(&self) {
         self.alive.store(false, Ordering::SeqCst);
         self.data.shut_down();
+    }
+}
+
+/// The connection's socket for writing: frames go out sealed (tagged in sequence, with a
+/// cluster secret), the bulk bytes they announce as they are.
+pub(crate) struct FrameWriter {
+    stream: TcpStream,
+    sealer: Sealer,
+}
+
+impl FrameWriter {
+    /// Writes `msg` as the connection's next frame.
+    pub(crate) fn send(&mut self, msg: &Message) -> Result<(), KvError> {
+        self.sealer.write(&mut self.stream, msg)
+    }
+
+    /// Shuts the connection's socket down (both ways).
+    pub(crate) fn shutdown(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl std::io::Write for FrameWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.write(buf)
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        self.stream.write_all(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
     }
 }
 
@@ -74,6 +110,8 @@ pub(crate) struct DataStreams {
     bound: Duration,
     /// Fault injection (`cut_a_stream`): the next striped send shuts the last stream down first.
     cut: AtomicBool,
+    /// What a joining stream must prove (accepting side; with a cluster secret).
+    join_key: JoinKey,
     /// The write halves, by stream (from 1), held whole by a striped send.
     writers: Mutex<Vec<Option<TcpStream>>>,
     /// The read halves and whether the connection is done: never held during I/O.
@@ -91,12 +129,18 @@ pub(crate) type Writers<'a> = MutexGuard<'a, Vec<Option<TcpStream>>>;
 
 impl DataStreams {
     /// `expected` further streams, none attached yet; a send or receive waits at most `bound`
-    /// for them to join. `cut`: fault injection, the first striped send cuts one first.
-    pub(crate) fn expecting(expected: usize, bound: Duration, cut: bool) -> Arc<Self> {
+    /// for them to join, each proving itself under `join_key`. `cut`: fault injection, the
+    /// first striped send cuts one first.
+    pub(crate) fn expecting(expected: usize, bound: Duration, cut: bool, join_key: JoinKey) -> Arc<Self> {
         let slots = || (0..expected).map(|_| None).collect::<Vec<_>>();
         let (cut, changed) = (AtomicBool::new(cut), Condvar::new());
         let state = Mutex::new(Joined { readers: slots(), shut: false });
-        Arc::new(Self { expected, bound, cut, writers: Mutex::new(slots()), state, changed })
+        Arc::new(Self { expected, bound, cut, join_key, writers: Mutex::new(slots()), state, changed })
+    }
+
+    /// What a stream joining this connection must prove.
+    pub(crate) fn join_key(&self) -> JoinKey {
+        self.join_key
     }
 
     /// How many streams the connection's bulk bytes are striped over (itself included).
@@ -184,7 +228,7 @@ impl DataStreams {
 pub(crate) struct Frames<'a, H: FnMut(Bulk) -> Message> {
     conn: &'a Conn,
     header: H,
-    held: Option<MutexGuard<'a, TcpStream>>,
+    held: Option<MutexGuard<'a, FrameWriter>>,
     data: Option<Writers<'a>>,
 }
 
@@ -196,7 +240,7 @@ impl<'a, H: FnMut(Bulk) -> Message> Frames<'a, H> {
     /// Sends `msg` after whatever was announced (on the writer still held, if it is).
     pub(crate) fn send(&mut self, msg: &Message) -> Result<(), KvError> {
         match &mut self.held {
-            Some(w) => write_message(&mut **w, msg),
+            Some(w) => w.send(msg),
             None => self.conn.send(msg),
         }
     }
@@ -214,7 +258,7 @@ impl<H: FnMut(Bulk) -> Message> Announce for Frames<'_, H> {
         }
         bulk.streams = data.count();
         let mut w = self.conn.writer();
-        write_message(&mut *w, &(self.header)(bulk))?;
+        w.send(&(self.header)(bulk))?;
         let mut out: Vec<&mut (dyn std::io::Write + Send)> = vec![&mut **self.held.insert(w)];
         if let Some(writers) = &mut self.data {
             out.extend(writers.iter_mut().flatten().map(|s| s as &mut (dyn std::io::Write + Send)));

@@ -12,36 +12,38 @@ use crate::agent_info::AgentInfo;
 use crate::channel::{answer_handshake, configure, connect, handshake, read_hello, Hello, Picked};
 use crate::error::KvError;
 use crate::protocol::push::shared_run;
+use crate::seal::{Opener, Sealer, Session};
 use crate::transport::Transport;
 use crate::wire::{write_message, Message};
 
 /// Accepting side: the first frame of a new `stream`: a peer's handshake, and the connection
-/// it made (its reader is the caller's to run), or a further stream joining an open connection
-/// (kept by it); `None` when there is no new connection to read (a stream joined, or the
-/// handshake failed or was refused: logged, counted).
-pub(crate) fn accept(shared: &Shared, stream: &mut TcpStream) -> Option<Arc<Conn>> {
+/// it made with the reader of its frames (the caller's to run), or a further stream joining an
+/// open connection (kept by it); `None` when there is no new connection to read (a stream
+/// joined, or the handshake failed or was refused: logged, counted).
+pub(crate) fn accept(shared: &Shared, stream: &mut TcpStream) -> Option<(Arc<Conn>, Opener)> {
     if let Err(e) = configure(stream, shared.cfg.timeouts) {
         tracing::warn!(error = %e, "KV connection setup failed");
         return None;
     }
-    let hello = match read_hello(stream) {
-        Ok(Hello::Handshake(version, info)) => (version, info),
-        Ok(Hello::Join { token, index }) => {
-            join(shared, token, index, stream);
+    let opening = match read_hello(stream) {
+        Ok(Hello::Open(opening)) => opening,
+        Ok(Hello::Join { token, index, proof }) => {
+            join(shared, token, index, proof.as_deref(), stream);
             return None;
         }
         Err(e) => {
-            tracing::warn!(error = %e, "KV handshake refused");
+            refused(shared, &e);
             return None;
         }
     };
     let mut transport = None;
     let mut data = None;
-    let picked = answer_handshake(stream, hello, &shared.info, |peer| {
+    let secret = shared.cfg.cluster_secret.as_ref();
+    let picked = answer_handshake(stream, opening, &shared.info, secret, |peer, join_key| {
         let (t, mut picked) = shared.picker.pick(peer)?;
         let streams = pair_streams(shared, peer, &picked.transport);
         let cut = streams > 1 && shared.cfg.faults.cut_a_stream && !shared.cut_a_stream.swap(true, Ordering::SeqCst);
-        let streams_of = DataStreams::expecting(streams - 1, shared.cfg.timeouts.connect, cut);
+        let streams_of = DataStreams::expecting(streams - 1, shared.cfg.timeouts.connect, cut, join_key);
         if streams > 1 {
             // Registered before the reply goes, so no joining stream comes before it.
             let token = join_token();
@@ -54,28 +56,41 @@ pub(crate) fn accept(shared: &Shared, stream: &mut TcpStream) -> Option<Arc<Conn
         Ok(picked)
     });
     match (picked, transport, data) {
-        (Ok((peer, picked)), Some(transport), Some(data)) => {
+        (Ok((peer, picked, session)), Some(transport), Some(data)) => {
             tracing::info!(peer = %peer.engine_id, epoch = peer.epoch.0, transport = %picked.transport, streams = data.count(), note = picked.note.as_deref().unwrap_or(""), "KV peer connected");
-            new_conn(shared, stream, (peer, transport, picked.note), data).ok()
+            let Session { sealer, opener, .. } = session;
+            new_conn(shared, stream, sealer, (peer, transport, picked.note), data).ok().map(|c| (c, opener))
         }
         (Ok(_), _, _) => {
             tracing::warn!("KV handshake accepted without a transport");
             None
         }
         (Err(e), _, _) => {
-            if matches!(e, KvError::Incompatible(_) | KvError::Refused(_)) {
-                bump(&shared.counters.peers_refused, 1);
-            }
-            tracing::warn!(error = %e, "KV handshake refused");
+            refused(shared, &e);
             None
         }
     }
 }
 
-/// A further stream of the connection whose join token is `token`, as its stream `index`.
-fn join(shared: &Shared, token: u64, index: usize, stream: &TcpStream) {
+/// A handshake this engine refused or failed: counted by kind, logged.
+fn refused(shared: &Shared, e: &KvError) {
+    match e {
+        KvError::Incompatible(_) | KvError::Refused(_) => bump(&shared.counters.peers_refused, 1),
+        KvError::Unauthenticated(_) => bump(&shared.counters.auth_refused, 1),
+        _ => {}
+    }
+    tracing::warn!(error = %e, "KV handshake refused");
+}
+
+/// A further stream of the connection whose join token is `token`, as its stream `index`, if
+/// it proves it belongs to it.
+fn join(shared: &Shared, token: u64, index: usize, proof: Option<&str>, stream: &TcpStream) {
     let data = shared.joining.lock().unwrap_or_else(|p| p.into_inner()).get(&token).and_then(Weak::upgrade);
     let joined = match (data, stream.try_clone()) {
+        (Some(data), _) if !data.join_key().allows(token, index, proof) => {
+            bump(&shared.counters.auth_refused, 1);
+            Err(KvError::Unauthenticated(format!("stream {index} did not prove it belongs to its connection")))
+        }
         (Some(data), Ok(s)) => data.attach(index, s),
         (None, _) => Err(KvError::Protocol("a stream joined no open connection".into())),
         (_, Err(e)) => Err(e.into()),
@@ -108,11 +123,17 @@ fn join_token() -> u64 {
 
 /// Connecting side: a new connection to `addr` (connect, handshake, the transport the
 /// acceptor picked, and its further streams when the pair stripes over several), recorded as
-/// the one to use for it. Its reader is the caller's to run on the returned stream.
-pub(crate) fn connect_to(shared: &Shared, addr: &str) -> Result<(Arc<Conn>, TcpStream), KvError> {
+/// the one to use for it. Its reader is the caller's to run on the returned stream, with the
+/// returned opener.
+pub(crate) fn connect_to(shared: &Shared, addr: &str) -> Result<(Arc<Conn>, TcpStream, Opener), KvError> {
     let t = shared.cfg.timeouts;
     let mut stream = connect(addr, t)?;
-    let (peer, picked) = handshake(&mut stream, &shared.info)?;
+    let (peer, picked, session) = handshake(&mut stream, &shared.info, shared.cfg.cluster_secret.as_ref())
+        .inspect_err(|e| {
+            if matches!(e, KvError::Unauthenticated(_)) {
+                bump(&shared.counters.auth_refused, 1);
+            }
+        })?;
     let transport = shared.picker.accept(&peer, &picked)?;
     let Picked { transport: name, note, join_token } = picked;
     let streams = match join_token {
@@ -120,11 +141,12 @@ pub(crate) fn connect_to(shared: &Shared, addr: &str) -> Result<(Arc<Conn>, TcpS
         None => 1,
     };
     let cut = streams > 1 && shared.cfg.faults.cut_a_stream && !shared.cut_a_stream.swap(true, Ordering::SeqCst);
-    let data = DataStreams::expecting(streams - 1, t.connect, cut);
+    let data = DataStreams::expecting(streams - 1, t.connect, cut, session.join_key());
     if let Some(token) = join_token {
         for index in 1..streams {
             let mut s = connect(addr, t)?;
-            write_message(&mut s, &Message::JoinStream { token, index })?;
+            let proof = session.join_proof(token, index);
+            write_message(&mut s, &Message::JoinStream { token, index, proof })?;
             data.attach(index, s)?;
             bump(&shared.counters.streams_joined, 1);
         }
@@ -133,15 +155,17 @@ pub(crate) fn connect_to(shared: &Shared, addr: &str) -> Result<(Arc<Conn>, TcpS
         Some(note) => tracing::info!(peer = %peer.engine_id, transport = %name, streams, %note, "KV peer connected"),
         None => tracing::info!(peer = %peer.engine_id, transport = %name, streams, "KV peer connected"),
     }
-    let conn = new_conn(shared, &stream, (peer, transport, note), data)?;
+    let Session { sealer, opener, .. } = session;
+    let conn = new_conn(shared, &stream, sealer, (peer, transport, note), data)?;
     shared.peers.lock().unwrap_or_else(|p| p.into_inner()).insert(addr.to_string(), conn.clone());
-    Ok((conn, stream))
+    Ok((conn, stream, opener))
 }
 
 /// A connection to `peer` after its handshake, over the transport the acceptor picked.
 fn new_conn(
     shared: &Shared,
     stream: &TcpStream,
+    sealer: Sealer,
     (peer, transport, note): (AgentInfo, Arc<dyn Transport>, Option<String>),
     data: Arc<DataStreams>,
 ) -> Result<Arc<Conn>, KvError> {
@@ -155,7 +179,7 @@ fn new_conn(
         },
         1,
     );
-    let conn = Arc::new(Conn::new(stream, peer, transport, note, data)?);
+    let conn = Arc::new(Conn::new(stream, sealer, peer, transport, note, data)?);
     let mut links = shared.links.lock().unwrap_or_else(|p| p.into_inner());
     links.retain(|l| l.upgrade().is_some_and(|c| c.is_alive()));
     links.push(Arc::downgrade(&conn));

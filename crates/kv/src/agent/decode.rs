@@ -16,7 +16,7 @@ use crate::protocol::pull::{self, Lease};
 use crate::protocol::push::shared_run;
 use crate::protocol::Wanted;
 use crate::table::{Aborted, Incoming, Landing, Lost};
-use crate::wire::{write_message, Message};
+use crate::wire::Message;
 
 /// A transfer recorded and waiting for its request to go to the prefill engine at `peer`.
 pub(crate) struct Pending {
@@ -171,12 +171,12 @@ pub(crate) fn send_request(shared: &Shared, conn: Arc<Conn>, pending: Pending) {
                 // Aborted (or expired) while the connection was being made: the abort found no
                 // connection to tell, so tell prefill now, which frees what it holds or will
                 // produce under the id instead of keeping it for a registration that will not come.
-                let _ = write_message(&mut *w, &Message::Abort { transfer_id: tid });
+                let _ = w.send(&Message::Abort { transfer_id: tid });
                 return;
             }
         }
     }
-    let sent = write_message(&mut *w, &msg);
+    let sent = w.send(&msg);
     drop(w);
     match sent {
         Err(e) => fail(format!("sending to prefill engine: {e}")),

@@ -6,17 +6,19 @@ use std::sync::Arc;
 
 use super::conn::Conn;
 use super::landing::{self, DirectEnd, DoneReport};
-use super::shared::{ended, Shared};
+use super::shared::{bump, ended, Shared};
 use super::{decode, prefill};
 use crate::agent_info::Role;
 use crate::error::KvError;
 use crate::protocol::Wanted;
+use crate::seal::Opener;
 use crate::table::WriteSpan;
 use crate::transport::Bulk;
-use crate::wire::{read_message, Message};
+use crate::wire::Message;
 
-/// Reads `conn`'s messages from `stream` until it ends or breaks the protocol.
-pub(crate) fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Shared>) {
+/// Reads `conn`'s messages from `stream` (each opened by `opener`: checked against the
+/// cluster secret's session key, when there is one) until it ends or breaks the protocol.
+pub(crate) fn reader_loop(mut stream: TcpStream, mut opener: Opener, conn: Arc<Conn>, shared: Arc<Shared>) {
     // Between messages a read waits up to the liveness bound (the peer pings every third of
     // it, so silence that long means it is frozen or gone); bulk data, once its header has
     // arrived, under the I/O timeout or that bound if shorter (a sender frozen mid-write is as
@@ -26,8 +28,13 @@ pub(crate) fn reader_loop(mut stream: TcpStream, conn: Arc<Conn>, shared: Arc<Sh
     };
     loop {
         idle(&stream, true);
-        let msg = match read_message(&mut stream) {
+        let msg = match opener.read(&mut stream) {
             Ok(m) => m,
+            Err(e @ KvError::Unauthenticated(_)) => {
+                bump(&shared.counters.auth_refused, 1);
+                tracing::warn!(peer = %conn.peer.engine_id, error = %e, "KV connection closed: a frame failed authentication");
+                break;
+            }
             Err(e) => {
                 tracing::info!(peer = %conn.peer.engine_id, error = %e, "KV connection closed");
                 break;
@@ -116,7 +123,9 @@ fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>
             t.produced.remove(&transfer_id);
             shared.finish_incoming(&mut t, &transfer_id, |inc| ended(inc, reason));
         }
-        other @ (Message::Handshake { .. }
+        other @ (Message::Hello { .. }
+        | Message::Challenge { .. }
+        | Message::Handshake { .. }
         | Message::HandshakeOk { .. }
         | Message::HandshakeRefused { .. }
         | Message::JoinStream { .. }) => {

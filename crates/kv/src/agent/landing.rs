@@ -41,7 +41,7 @@ where
         let Some(landing) = theirs.lock().unwrap_or_else(|p| p.into_inner()).take() else { return };
         if let Err(e) = landing(&c, &s) {
             tracing::warn!(peer = %c.peer.engine_id, error = %e, "KV connection failed");
-            let _ = c.writer().shutdown(std::net::Shutdown::Both);
+            c.writer().shutdown();
         }
     });
     if let Err(e) = spawned {

@@ -87,9 +87,9 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
         .map_err(|e| KvError::Unreachable { addr: cfg.listen.clone(), reason: format!("cannot listen: {e}") })?;
     let bound = listener.local_addr()?;
     let port = bound.port();
-    if !bound.ip().is_loopback() {
-        // Nothing on the side channel is authenticated yet: say so where it matters.
-        tracing::warn!(addr = %bound, "the KV side channel listens beyond this host without authentication: anyone who can reach this port can read and write this engine's KV; keep it on a network only the deployment reaches");
+    if !bound.ip().is_loopback() && cfg.cluster_secret.is_none() {
+        // Without a secret nothing on the side channel is authenticated: say so where it matters.
+        tracing::warn!(addr = %bound, "the KV side channel listens beyond this host without a cluster secret: anyone who can reach this port can read and write this engine's KV; give every engine and the router --cluster-secret-file, or keep it on a network only the deployment reaches");
     }
     let l = memory.layout();
     let epoch = Epoch(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0));
@@ -156,8 +156,8 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let Ok(mut stream) = stream else { continue };
         let s = shared.clone();
         let _ = std::thread::Builder::new().name("tandem-kv-conn".into()).spawn(move || {
-            if let Some(conn) = connections::accept(&s, &mut stream) {
-                dispatch::reader_loop(stream, conn, s);
+            if let Some((conn, opener)) = connections::accept(&s, &mut stream) {
+                dispatch::reader_loop(stream, opener, conn, s);
             }
         });
     }
@@ -234,11 +234,11 @@ fn connect_for(shared: &Arc<Shared>, pending: &Pending) -> Option<Arc<conn::Conn
         return Some(conn);
     }
     match connections::connect_to(shared, addr) {
-        Ok((conn, stream)) => {
+        Ok((conn, stream, opener)) => {
             let (s, c) = (shared.clone(), conn.clone());
             let reader = std::thread::Builder::new()
                 .name("tandem-kv-conn".into())
-                .spawn(move || dispatch::reader_loop(stream, c, s));
+                .spawn(move || dispatch::reader_loop(stream, opener, c, s));
             match reader {
                 Ok(_) => Some(conn),
                 Err(e) => {

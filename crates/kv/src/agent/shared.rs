@@ -41,6 +41,7 @@ pub(crate) struct Counters {
     pub parts_early: AtomicU64,
     pub groups_landed: AtomicU64,
     pub streams_joined: AtomicU64,
+    pub auth_refused: AtomicU64,
 }
 
 pub(crate) fn bump(c: &AtomicU64, n: u64) {
@@ -174,6 +175,7 @@ impl Shared {
             parts_early: g(&c.parts_early),
             groups_landed: g(&c.groups_landed),
             streams_joined: g(&c.streams_joined),
+            auth_refused: g(&c.auth_refused),
         }
     }
 

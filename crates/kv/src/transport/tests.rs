@@ -260,6 +260,7 @@ fn nixl_writes_and_reads_block_runs_between_block_sizes() {
             nixl_min_gb_s: 0.0,
             nixl_pull: NixlPull::Read,
             ucx_log: None,
+            cluster_secret: None,
         };
         let memory = KvMemory::from(region.clone());
         let endpoint = nixl::open(&cfg, &memory, epoch).expect("NIXL should open");

@@ -36,6 +36,8 @@ pub struct Knobs {
     pub tcp_streams: usize,
     /// `--api-key`: the engine's OpenAI routes want it.
     pub api_key: Option<&'static str>,
+    /// `--cluster-secret-file`'s secret: KV peers and /kv/* callers must prove it.
+    pub cluster_secret: Option<&'static str>,
     /// `--kv-nixl-pull`.
     pub nixl_pull: tandem_kv::NixlPull,
     /// Async scheduling (pipelined steps), as GPU engines run by default.
@@ -73,6 +75,7 @@ impl Default for Knobs {
             nixl_min_gb_s: 0.0,
             tcp_streams: 2,
             api_key: None,
+            cluster_secret: None,
             nixl_pull: tandem_kv::NixlPull::Auto,
             pipelined: false,
             num_blocks: None,
@@ -126,6 +129,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             nixl_min_gb_s: k.nixl_min_gb_s,
             nixl_pull: k.nixl_pull,
             ucx_log: None,
+            cluster_secret: k.cluster_secret.map(|s| tandem_core::ClusterSecret::new(s.as_bytes()).unwrap()),
         },
         load_failure: k.load_failure,
     });
@@ -140,7 +144,8 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
     let state = Arc::new(
         AppState::new(handle, m.tokenizer.map(Arc::new), "tiny".into())
             .with_max_in_flight(k.max_in_flight)
-            .with_api_keys(tandem_core::ApiKeys::new(k.api_key).unwrap()),
+            .with_api_keys(tandem_core::ApiKeys::new(k.api_key).unwrap())
+            .with_cluster_secret(k.cluster_secret.map(|s| tandem_core::ClusterSecret::new(s.as_bytes()).unwrap())),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
