@@ -21,6 +21,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Instant;
+use tandem_kv::stream::KvStream;
 
 use serde::Serialize;
 use tandem_compute::cuda::{CudaDevice, DevBuf, PinnedRegion};
@@ -56,6 +57,9 @@ pub struct KvBenchConfig {
     /// TCP streams both the raw reference and the KV transport use (`--kv-tcp-streams`): the
     /// raw set split evenly over them, the KV bytes striped as the connector stripes them.
     pub streams: usize,
+    /// The KV transport's connection and streams over TLS (`--tls-cert`); the raw reference
+    /// stays plain TCP, so the ratio is TLS's cost against the wire's floor.
+    pub tls: Option<tandem_kv::stream::KvTls>,
 }
 
 impl Default for KvBenchConfig {
@@ -70,6 +74,7 @@ impl Default for KvBenchConfig {
             device: None,
             kernel_cache: None,
             streams: 1,
+            tls: None,
         }
     }
 }
@@ -171,6 +176,8 @@ pub struct KvBenchReport {
     pub runs: usize,
     /// TCP streams, raw and KV alike.
     pub streams: usize,
+    /// The KV transport ran over TLS (the raw reference did not).
+    pub tls: bool,
     /// Raw loopback TCP, best, GB/s.
     pub raw_best_gb_s: f64,
     /// Raw loopback TCP, median, GB/s.
@@ -202,7 +209,8 @@ impl std::fmt::Display for KvBenchReport {
             "{:<40} {:>10.2} {:>10.2}",
             "raw loopback TCP (reference)", self.raw_best_gb_s, self.raw_median_gb_s
         )?;
-        writeln!(f, "{:<40} {:>10.2} {:>10.2}", "tcp KV transport", self.kv_best_gb_s, self.kv_median_gb_s)?;
+        let kv = if self.tls { "tcp KV transport over TLS" } else { "tcp KV transport" };
+        writeln!(f, "{:<40} {:>10.2} {:>10.2}", kv, self.kv_best_gb_s, self.kv_median_gb_s)?;
         if let Some(serial) = self.kv_unpipelined_median_gb_s {
             writeln!(f, "{:<40} {:>10} {:>10.2}", "  copies not overlapped (before pieces)", "", serial)?;
         }
@@ -245,21 +253,23 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
             .into_iter()
             .try_for_each(|r| r.join().unwrap_or_else(|_| Err(KvError::Protocol("raw reader panicked".into()))))
     })?;
-    let (mut s, _) = listener.accept()?;
+    let (s, _) = listener.accept()?;
     configure(&s, t)?;
+    let mut s = KvStream::accept(s, cfg.tls.as_ref())?;
     // Several streams: the further ones join with the token the handshake hands out.
     let token = (n > 1).then_some(1);
     accept_handshake(&mut s, &cfg.agent(Role::Decode), None, |_, _| Ok(Picked { join_token: token, ..Picked::tcp() }))?;
-    let mut further: Vec<Option<TcpStream>> = (1..n).map(|_| None).collect();
+    let mut further: Vec<Option<KvStream>> = (1..n).map(|_| None).collect();
     for _ in 1..n {
-        let (mut joined, _) = listener.accept()?;
+        let (joined, _) = listener.accept()?;
         configure(&joined, t)?;
+        let mut joined = KvStream::accept(joined, cfg.tls.as_ref())?;
         match read_hello(&mut joined)? {
             Hello::Join { token: 1, index, .. } if (1..n).contains(&index) => further[index - 1] = Some(joined),
             other => return Err(KvError::Protocol(format!("bench peer expected a stream to join, got {other:?}"))),
         }
     }
-    let mut further: Vec<TcpStream> = further.into_iter().flatten().collect();
+    let mut further: Vec<KvStream> = further.into_iter().flatten().collect();
     loop {
         let msg = match read_message(&mut s) {
             Ok(m) => m,
@@ -281,7 +291,7 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
                         let mut load = side.memory.receiver()?;
                         let into = Destination::all(region, &blocks, num_tokens);
                         let all = into.layers.clone();
-                        let mut all_streams: Vec<&mut TcpStream> = vec![&mut s];
+                        let mut all_streams: Vec<&mut KvStream> = vec![&mut s];
                         all_streams.extend(further.iter_mut());
                         recv_striped_blocks(&mut all_streams, bytes, src_block_size, into, checksum, &mut |run| {
                             load.landed(run, all.clone())
@@ -352,12 +362,13 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
     drop(payload);
 
     let region = &side.region;
-    let mut s = connect(addr, t)?;
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    let mut s = KvStream::connect(connect(addr, t)?, cfg.tls.as_ref(), host)?;
     let (_, picked, _) = handshake(&mut s, &cfg.agent(Role::Prefill), None)?;
     let mut further = Vec::new();
     if let Some(token) = picked.join_token {
         for index in 1..n {
-            let mut joined = connect(addr, t)?;
+            let mut joined = KvStream::connect(connect(addr, t)?, cfg.tls.as_ref(), host)?;
             write_message(&mut joined, &Message::JoinStream { token, index, proof: None })?;
             further.push(joined);
         }
@@ -374,7 +385,7 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         bytes,
         checksum: cfg.verify,
     };
-    let acked = |s: &mut std::net::TcpStream| match read_message(s)? {
+    let acked = |s: &mut KvStream| match read_message(s)? {
         Message::WriteAck { error: None, .. } => Ok(()),
         Message::WriteAck { error: Some(e), .. } => Err(KvError::Transfer(e)),
         other => Err(KvError::Protocol(format!("expected WriteAck, got {other:?}"))),
@@ -392,7 +403,7 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         if further.is_empty() {
             unsafe { send_staged(&mut s, region, (&pieces, all), tokens, cfg.verify, &mut ready)? };
         } else {
-            let mut streams: Vec<&mut TcpStream> = vec![&mut s];
+            let mut streams: Vec<&mut KvStream> = vec![&mut s];
             streams.extend(further.iter_mut());
             unsafe { send_striped_staged(&mut streams, region, (&pieces, all), cfg.verify, &mut ready)? };
         }
@@ -421,6 +432,7 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         blocks: table.len(),
         runs: tandem_kv::blocks::coalesce(&table).len(),
         streams: n,
+        tls: cfg.tls.is_some(),
         raw_best_gb_s: best(&raw_rates),
         raw_median_gb_s: raw_median,
         kv_best_gb_s: best(&kv_rates),
@@ -428,6 +440,30 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         ratio: kv_median / raw_median,
         kv_unpipelined_median_gb_s: (!serial_rates.is_empty()).then(|| median(serial_rates)),
     })
+}
+
+/// Throwaway TLS material for `bench kv --tls`: a CA and a certificate it signed for
+/// 127.0.0.1, written to `dir` as `ca.pem`, `cert.pem` and `key.pem` (for the peer process).
+pub fn write_bench_certificates(dir: &std::path::Path) -> Result<(), String> {
+    let e = |e: rcgen::Error| e.to_string();
+    let ca_key = rcgen::KeyPair::generate().map_err(e)?;
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(e)?;
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).map_err(e)?;
+    let key = rcgen::KeyPair::generate().map_err(e)?;
+    let params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).map_err(e)?;
+    let cert = params.signed_by(&key, &ca, &ca_key).map_err(e)?;
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    for (name, pem) in [("ca.pem", ca.pem()), ("cert.pem", cert.pem()), ("key.pem", key.serialize_pem())] {
+        std::fs::write(dir.join(name), pem).map_err(|e| format!("{}: {e}", dir.join(name).display()))?;
+    }
+    Ok(())
+}
+
+/// The TLS material [`write_bench_certificates`] wrote to `dir`.
+pub fn read_bench_certificates(dir: &std::path::Path) -> Result<tandem_kv::stream::KvTls, String> {
+    let read = |name: &str| std::fs::read(dir.join(name)).map_err(|e| format!("{}: {e}", dir.join(name).display()));
+    tandem_kv::stream::KvTls::from_pem(&read("cert.pem")?, &read("key.pem")?, &read("ca.pem")?)
 }
 
 /// Used by tests: a small end-to-end run in one process with the peer on a thread.

@@ -91,3 +91,44 @@ impl ClusterSecretArgs {
             .collect()
     }
 }
+
+#[derive(Args, Debug, Clone, Default)]
+pub struct TlsArgs {
+    /// The KV side channel and its streams over TLS (rustls): this engine's certificate chain
+    /// (PEM), naming the host peers reach it at (--kv-advertise-host, an IP or DNS name). Needs
+    /// --tls-key and --tls-ca; every engine of the deployment must run with TLS. (The HTTP
+    /// ports take no TLS yet: put a TLS-terminating proxy in front of the router.)
+    #[arg(long, value_name = "PATH", requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// The CA (PEM) every peer's certificate must chain to; peers verify this engine's too.
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    pub tls_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// The TLS setup the flags name, if any; an error naming the file that is wrong.
+    pub fn load(&self) -> Result<Option<tandem_kv::stream::KvTls>> {
+        let (Some(cert), Some(key), Some(ca)) = (&self.tls_cert, &self.tls_key, &self.tls_ca) else { return Ok(None) };
+        let read =
+            |flag: &str, p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {flag} {}", p.display()));
+        let tls = tandem_kv::stream::KvTls::from_pem(
+            &read("--tls-cert", cert)?,
+            &read("--tls-key", key)?,
+            &read("--tls-ca", ca)?,
+        )
+        .map_err(|e| anyhow::anyhow!("--tls-cert/--tls-key/--tls-ca: {e}"))?;
+        Ok(Some(tls))
+    }
+
+    /// The flags as given, for a child process (`tandem up`).
+    pub fn to_args(&self) -> Vec<String> {
+        [("--tls-cert", &self.tls_cert), ("--tls-key", &self.tls_key), ("--tls-ca", &self.tls_ca)]
+            .into_iter()
+            .filter_map(|(flag, p)| p.as_ref().map(|p| [flag.to_string(), p.display().to_string()]))
+            .flatten()
+            .collect()
+    }
+}

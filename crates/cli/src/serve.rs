@@ -45,6 +45,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub cluster: crate::auth::ClusterSecretArgs,
     #[command(flatten)]
+    pub tls: crate::auth::TlsArgs,
+    #[command(flatten)]
     pub kv: KvArgs,
 }
 
@@ -232,6 +234,7 @@ fn kv_setup(
     fingerprint: &str,
     ucx_log: Option<std::path::PathBuf>,
     cluster_secret: Option<tandem_core::ClusterSecret>,
+    tls: Option<tandem_kv::stream::KvTls>,
 ) -> Result<Option<tandem_engine::KvSetup>> {
     use {KvLoadFailureArg, KvModeArg, RoleArg};
     let role = match k.role {
@@ -287,6 +290,7 @@ fn kv_setup(
             nixl_pull: k.kv_nixl_pull.to_kv(),
             ucx_log,
             cluster_secret,
+            tls,
         },
         load_failure: match k.kv_load_failure {
             KvLoadFailureArg::Recompute => tandem_engine::KvLoadFailure::Recompute,
@@ -314,7 +318,7 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
     };
     let parts = build_engine(&a.model, &a.engine, host_kv_bytes)?;
     let cluster_secret = a.cluster.load()?;
-    let kv = kv_setup(&a.kv, port, &parts.fingerprint, ucx_log, cluster_secret.clone())?;
+    let kv = kv_setup(&a.kv, port, &parts.fingerprint, ucx_log, cluster_secret.clone(), a.tls.load()?)?;
     let mut tokenizer = parts.tokenizer;
     if let Some(t) = &a.chat_template {
         let tok = tokenizer

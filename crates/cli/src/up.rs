@@ -69,6 +69,9 @@ pub struct UpArgs {
     /// Given to the router and both engines (see `tandem serve --help`).
     #[command(flatten)]
     pub cluster: crate::auth::ClusterSecretArgs,
+    /// Given to both engines (see `tandem serve --help`).
+    #[command(flatten)]
+    pub tls: crate::auth::TlsArgs,
 }
 
 pub(crate) struct Role {
@@ -202,6 +205,7 @@ pub fn up(a: UpArgs) -> Result<()> {
             v.push("--api-key-for-metrics".into());
         }
         v.extend(a.cluster.to_args());
+        v.extend(a.tls.to_args());
         v
     };
     let has_tokenizer = match crate::engine::model_source(&a.model.model, a.model.model_seed)? {
@@ -238,6 +242,7 @@ pub fn up(a: UpArgs) -> Result<()> {
     r_args.extend(a.cluster.to_args());
     // Read here first, so a bad secret file stops `up` before any process starts.
     a.cluster.load()?;
+    a.tls.load()?;
 
     let interrupted = Arc::new(AtomicBool::new(false));
     let flag = interrupted.clone();
@@ -319,6 +324,8 @@ pub(crate) struct Launch<'a> {
     pub engine_args: &'a [String],
     /// The key every process started takes (`--api-key`).
     pub api_key: Option<&'a str>,
+    /// `--cluster-secret-file` for every process started (engines and router).
+    pub cluster_secret_file: Option<&'a std::path::Path>,
     /// The network namespaces the prefill and decode engines run in (another host each, on
     /// this machine); `None`: this one, on loopback.
     pub prefill_netns: Option<&'a Netns>,
@@ -354,6 +361,11 @@ pub(crate) fn launch_mode(mode: &str, l: &Launch<'_>) -> Result<(String, Vec<Rol
     // An engine in a namespace of its own listens on all of its addresses (its KV side channel
     // advertises the one on its default route) and is reached at its namespace's address.
     let listen = |netns: Option<&Netns>| if netns.is_some() { "0.0.0.0" } else { host };
+    let secret: Vec<String> = l
+        .cluster_secret_file
+        .iter()
+        .flat_map(|p| ["--cluster-secret-file".to_string(), p.display().to_string()])
+        .collect();
     let reach = |netns: Option<&Netns>| netns.map_or(host, |ns| ns.address.as_str()).to_string();
     let serve = |port: u16, device: &str, netns: Option<&Netns>| -> Vec<String> {
         let mut v: Vec<String> =
@@ -369,6 +381,7 @@ pub(crate) fn launch_mode(mode: &str, l: &Launch<'_>) -> Result<(String, Vec<Rol
             v.extend(["--num-kv-blocks".into(), n.to_string()]);
         }
         v.extend(l.engine_args.iter().cloned());
+        v.extend(secret.iter().cloned());
         v
     };
     let mut roles = Vec::new();
@@ -394,6 +407,7 @@ pub(crate) fn launch_mode(mode: &str, l: &Launch<'_>) -> Result<(String, Vec<Rol
                 "--port".into(),
                 base_port.to_string(),
             ])
+            .chain(secret.iter().cloned())
             .collect();
         roles.push(start("router", &r, l.api_key)?);
     }

@@ -12,10 +12,11 @@ fn up_serves_through_the_router_and_ctrl_c_stops_everything() {
     up_serves(None);
 }
 
-/// With `--api-key` and `--cluster-secret-file`, all three processes take both (the engines the
-/// key through their environment): a request without the key is refused by the router and by
-/// an engine alike, an engine's /kv/* refuse a caller without the cluster token, and the KV
-/// still moves between the engines (their side channels proved the secret to each other).
+/// With `--api-key`, `--cluster-secret-file` and `--tls-cert`/`--tls-key`/`--tls-ca`, all three
+/// processes take them (the engines the key through their environment): a request without the
+/// key is refused by the router and by an engine alike, an engine's /kv/* refuse a caller
+/// without the cluster token, and the KV still moves between the engines (over TLS, their side
+/// channels having proved the secret to each other).
 #[test]
 fn up_with_an_api_key_and_a_cluster_secret_guards_the_router_and_both_engines() {
     up_serves(Some("sk-up-key"));
@@ -25,7 +26,8 @@ fn up_serves(key: Option<&str>) {
     let (port, pp, dp, kp) = (free_port(), free_port(), free_port(), free_port());
     let secret_file = std::env::temp_dir().join(format!("tandem-up-secret-{}", std::process::id()));
     std::fs::write(&secret_file, "0f1e2d3c4b5a69788796a5b4c3d2e1f0\n").unwrap();
-    let secret_args = ["--cluster-secret-file".to_string(), secret_file.display().to_string()];
+    let mut secret_args = vec!["--cluster-secret-file".to_string(), secret_file.display().to_string()];
+    secret_args.extend(tls_files(&secret_file.with_extension("tls")));
     let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(["up", "--child-log", "warn", "--port", &port.to_string(), "--prefill-port", &pp.to_string()])
         .args(["--decode-port", &dp.to_string(), "--kv-port", &kp.to_string()])
@@ -79,6 +81,7 @@ fn up_serves(key: Option<&str>) {
         std::thread::sleep(Duration::from_millis(50));
     }
     let _ = std::fs::remove_file(&secret_file);
+    let _ = std::fs::remove_dir_all(secret_file.with_extension("tls"));
     // All three children are gone: their ports accept no connections.
     for p in [port, pp, dp, kp, kp + 1] {
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -87,4 +90,26 @@ fn up_serves(key: Option<&str>) {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// A CA and an engine certificate for 127.0.0.1 in `dir`, as the `--tls-*` flags name them.
+fn tls_files(dir: &std::path::Path) -> Vec<String> {
+    std::fs::create_dir_all(dir).unwrap();
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert =
+        rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap().signed_by(&key, &ca, &ca_key).unwrap();
+    let mut args = Vec::new();
+    for (flag, name, pem) in [
+        ("--tls-cert", "cert.pem", cert.pem()),
+        ("--tls-key", "key.pem", key.serialize_pem()),
+        ("--tls-ca", "ca.pem", ca.pem()),
+    ] {
+        std::fs::write(dir.join(name), pem).unwrap();
+        args.extend([flag.to_string(), dir.join(name).display().to_string()]);
+    }
+    args
 }

@@ -148,4 +148,8 @@ pub struct ConnectorConfig {
     /// handshake, then every frame authenticated, [`crate::seal`]); `None`: any peer that
     /// reaches the side channel and pairs is taken.
     pub cluster_secret: Option<tandem_core::ClusterSecret>,
+    /// `--tls-cert`, `--tls-key`, `--tls-ca`: the side channel and its further streams run
+    /// over TLS, each end presenting its certificate and verifying the peer's against the CA;
+    /// `None`: plain TCP.
+    pub tls: Option<crate::stream::KvTls>,
 }

@@ -11,7 +11,7 @@
 //! - one `Transport` per connection at the bottom edge (tcp, local, cuda-ipc, nixl), which
 //!   moves block runs and knows nothing of transfers; [`tcp`] holds the socket data path;
 //! - [`channel`] (bounded sockets, the handshake), [`seal`] (a cluster secret's
-//!   challenge-response and authenticated frames), [`wire`] (messages and framing, with a
+//!   challenge-response and authenticated frames), [`stream`] (plain TCP or TLS), [`wire`] (messages and framing, with a
 //!   protocol version checked first), [`AgentInfo`] (what an engine says at handshake, and
 //!   [`AgentInfo::check_pairing`]), [`blocks`] (block runs, re-layout between block sizes).
 //!
@@ -32,6 +32,7 @@ mod memory;
 pub mod nixl;
 mod protocol;
 pub mod seal;
+pub mod stream;
 mod table;
 mod transport;
 pub mod ucx_log;

@@ -44,6 +44,7 @@ fn config(role: Role, mode: KvMode) -> ConnectorConfig {
         nixl_pull: tandem_kv::NixlPull::Auto,
         ucx_log: None,
         cluster_secret: None,
+        tls: None,
     }
 }
 
@@ -1038,4 +1039,58 @@ fn a_forged_frame_on_an_authenticated_connection_ends_it_and_changes_nothing() {
     p.d.expect(RequestId::new("r1"), pull_source(&p, "t1", p.p.info().epoch), blocks.clone(), 40, 0);
     assert_ready(p.wait_event(), "r1");
     p.assert_landed(40, &blocks);
+}
+
+/// A CA and an engine certificate it signed for 127.0.0.1, as `--tls-cert`, `--tls-key` and
+/// `--tls-ca` would give them.
+fn tls_of_a_new_ca() -> tandem_kv::stream::KvTls {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert =
+        rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap().signed_by(&key, &ca, &ca_key).unwrap();
+    tandem_kv::stream::KvTls::from_pem(cert.pem().as_bytes(), key.serialize_pem().as_bytes(), ca.pem().as_bytes())
+        .unwrap()
+}
+
+#[test]
+fn over_tls_push_and_pull_land_and_a_peer_without_it_or_of_another_ca_moves_nothing() {
+    let tls = tls_of_a_new_ca();
+    for mode in [KvMode::Push, KvMode::Pull] {
+        let pair_tls = |p_tls: Option<tandem_kv::stream::KvTls>, d_tls: Option<tandem_kv::stream::KvTls>| {
+            let p_cfg = ConnectorConfig {
+                transfer_timeout: Duration::from_millis(300),
+                lease: Duration::from_millis(300),
+                tls: p_tls,
+                ..config(Role::Prefill, mode)
+            };
+            pair_with(p_cfg, ConnectorConfig { tls: d_tls, ..config(Role::Decode, mode) }, 16, 8)
+        };
+        let source = |p: &Pair, tid: &str| match mode {
+            KvMode::Push => push_source(p, tid),
+            KvMode::Pull => pull_source(p, tid, p.p.info().epoch),
+        };
+        let p = pair_tls(Some(tls.clone()), Some(tls.clone()));
+        let blocks = p.d_blocks(40);
+        p.produce("t1", 40);
+        p.d.expect(RequestId::new("r1"), source(&p, "t1"), blocks.clone(), 40, 0);
+        assert_ready(p.wait_event(), "r1");
+        p.assert_landed(40, &blocks);
+        p.wait_freed(1);
+        assert_eq!(p.d.stats().streams_joined, 2, "both further streams over TLS too");
+        for (p_tls, d_tls) in
+            [(Some(tls.clone()), None), (None, Some(tls.clone())), (Some(tls.clone()), Some(tls_of_a_new_ca()))]
+        {
+            let with = (p_tls.is_some(), d_tls.is_some());
+            let p = pair_tls(p_tls, d_tls);
+            p.produce("t2", 40);
+            p.d.expect(RequestId::new("r2"), source(&p, "t2"), blocks.clone(), 40, 0);
+            assert!(matches!(p.wait_event(), ConnectorEvent::Failed { .. }), "{mode:?} {with:?}");
+            assert!(p.untouched(&blocks), "nothing landed");
+            p.wait_freed(1);
+            assert_eq!(p.d.stats().bytes_received, 0);
+        }
+    }
 }

@@ -48,6 +48,14 @@ pub struct BenchKvArgs {
     /// over as many streams (the set split evenly) in the same run.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub tcp_streams: u16,
+    /// tcp: the KV transport's connection and streams over TLS (rustls, with a throwaway CA and
+    /// certificate for 127.0.0.1 made for the run), against raw plain TCP in the same run: what
+    /// `--tls-cert` costs.
+    #[arg(long)]
+    pub tls: bool,
+    /// The peer process: where the driver wrote the run's TLS material.
+    #[arg(long, hide = true)]
+    pub tls_dir: Option<PathBuf>,
     /// Write the report as JSON here too.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
@@ -74,6 +82,10 @@ fn kv_bench_config(a: &BenchKvArgs) -> Result<tandem_bench::kv::KvBenchConfig> {
         verify: a.verify,
         kernel_cache: kernel_cache_dir(),
         streams: a.tcp_streams.into(),
+        tls: match &a.tls_dir {
+            Some(dir) => Some(tandem_bench::kv::read_bench_certificates(dir).map_err(anyhow::Error::msg)?),
+            None => None,
+        },
         ..Default::default()
     };
     match a.device.as_deref().map(str::parse::<tandem_compute::cuda::DeviceSpec>) {
@@ -93,11 +105,18 @@ pub(crate) fn bench_kv(a: BenchKvArgs) -> Result<()> {
     if a.transport == BenchKvTransport::Nixl {
         return bench_kv_nixl(a);
     }
+    let mut a = a;
+    if a.tls && a.tls_dir.is_none() {
+        let dir = std::env::temp_dir().join(format!("tandem-bench-kv-tls-{}", std::process::id()));
+        tandem_bench::kv::write_bench_certificates(&dir).map_err(anyhow::Error::msg)?;
+        a.tls_dir = Some(dir);
+    }
     let cfg = kv_bench_config(&a)?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut child = std::process::Command::new(exe)
         .args(["--log", "warn", "bench", "kv-peer", "--size", &a.size, "--repeats", &a.repeats.to_string()])
         .args(["--tcp-streams", &a.tcp_streams.to_string()])
+        .args(a.tls_dir.iter().flat_map(|d| ["--tls-dir".into(), d.display().to_string()]))
         .args(a.device.as_ref().map(|d| ["--device", d.as_str()]).into_iter().flatten())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -108,7 +127,11 @@ pub(crate) fn bench_kv(a: BenchKvArgs) -> Result<()> {
     let addr = line.trim().to_string();
     eprintln!("... peer process {} listening on {addr}; moving {} x {} each way", child.id(), a.repeats, a.size);
     let report = tandem_bench::kv::measure(&addr, &cfg).map_err(anyhow::Error::from);
-    finish_bench_kv(child, report, a.json_out)
+    let finished = finish_bench_kv(child, report, a.json_out);
+    if let Some(dir) = a.tls_dir.filter(|_| a.tls) {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    finished
 }
 
 /// Waits for the peer process, then prints the report (and writes it as JSON to `json_out`).

@@ -155,6 +155,7 @@ pub(crate) fn bench_soak(a: SoakArgs) -> Result<()> {
             engine_args: args,
             // The soak's clients send no key: its engines take none.
             api_key: None,
+            cluster_secret_file: None,
             prefill_netns: None,
             decode_netns: None,
         }

@@ -15,6 +15,10 @@ pub struct SweepArgs {
     /// with --launch, the engines it starts are given it).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// With --launch: every process started takes this --cluster-secret-file (its KV side
+    /// channels authenticated; see `tandem serve --help`).
+    #[arg(long, value_name = "PATH")]
+    pub cluster_secret_file: Option<PathBuf>,
     /// Modes to run: push, pull, colocated.
     #[arg(long, value_delimiter = ',', default_value = "push,pull,colocated")]
     pub modes: Vec<String>,
@@ -145,6 +149,7 @@ pub(crate) fn bench_sweep(a: SweepArgs) -> Result<()> {
                     num_kv_blocks: a.num_kv_blocks,
                     engine_args: &a.engine_args,
                     api_key: a.api_key.as_deref(),
+                    cluster_secret_file: a.cluster_secret_file.as_deref(),
                     prefill_netns: a.prefill_netns.as_ref(),
                     decode_netns: a.decode_netns.as_ref(),
                 };

@@ -1,7 +1,6 @@
 //! One side-channel connection (either direction), once per peer: its writer, the peer's
 //! handshake, the transport both ends agreed on, and whether it is still open.
 
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -9,6 +8,7 @@ use std::time::{Duration, Instant};
 use crate::agent_info::AgentInfo;
 use crate::error::KvError;
 use crate::seal::{JoinKey, Sealer};
+use crate::stream::KvStream;
 use crate::transport::{Announce, Bulk, Transport};
 use crate::wire::Message;
 
@@ -25,7 +25,7 @@ pub(crate) struct Conn {
 
 impl Conn {
     pub(crate) fn new(
-        stream: &TcpStream,
+        stream: &KvStream,
         sealer: Sealer,
         peer: AgentInfo,
         transport: Arc<dyn Transport>,
@@ -67,7 +67,7 @@ impl Conn {
 /// The connection's socket for writing: frames go out sealed (tagged in sequence, with a
 /// cluster secret), the bulk bytes they announce as they are.
 pub(crate) struct FrameWriter {
-    stream: TcpStream,
+    stream: KvStream,
     sealer: Sealer,
 }
 
@@ -79,7 +79,7 @@ impl FrameWriter {
 
     /// Shuts the connection's socket down (both ways).
     pub(crate) fn shutdown(&self) {
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.stream.shutdown();
     }
 }
 
@@ -113,19 +113,19 @@ pub(crate) struct DataStreams {
     /// What a joining stream must prove (accepting side; with a cluster secret).
     join_key: JoinKey,
     /// The write halves, by stream (from 1), held whole by a striped send.
-    writers: Mutex<Vec<Option<TcpStream>>>,
+    writers: Mutex<Vec<Option<KvStream>>>,
     /// The read halves and whether the connection is done: never held during I/O.
     state: Mutex<Joined>,
     changed: Condvar,
 }
 
 struct Joined {
-    readers: Vec<Option<TcpStream>>,
+    readers: Vec<Option<KvStream>>,
     shut: bool,
 }
 
 /// The write halves of a connection's further streams, held for one striped send.
-pub(crate) type Writers<'a> = MutexGuard<'a, Vec<Option<TcpStream>>>;
+pub(crate) type Writers<'a> = MutexGuard<'a, Vec<Option<KvStream>>>;
 
 impl DataStreams {
     /// `expected` further streams, none attached yet; a send or receive waits at most `bound`
@@ -153,7 +153,7 @@ impl DataStreams {
     }
 
     /// Attaches `stream` as stream `index` (from 1).
-    pub(crate) fn attach(&self, index: usize, stream: TcpStream) -> Result<(), KvError> {
+    pub(crate) fn attach(&self, index: usize, stream: KvStream) -> Result<(), KvError> {
         let reader = stream.try_clone()?;
         let mut st = self.state();
         let open = !st.shut && index >= 1 && st.readers.get(index - 1).is_some_and(Option::is_none);
@@ -197,14 +197,14 @@ impl DataStreams {
         let writers = self.writers.lock().unwrap_or_else(|p| p.into_inner());
         if self.cut.swap(false, Ordering::SeqCst) {
             if let Some(last) = writers.iter().flatten().last() {
-                let _ = last.shutdown(std::net::Shutdown::Both);
+                last.shutdown();
             }
         }
         Ok(writers)
     }
 
     /// Clones of the further streams' read halves, once all have joined.
-    pub(crate) fn readers(&self) -> Result<Vec<TcpStream>, KvError> {
+    pub(crate) fn readers(&self) -> Result<Vec<KvStream>, KvError> {
         let st = self.wait_joined()?;
         st.readers.iter().flatten().map(|s| s.try_clone().map_err(KvError::from)).collect()
     }
@@ -215,7 +215,7 @@ impl DataStreams {
         let mut st = self.state();
         st.shut = true;
         for s in st.readers.iter().flatten() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+            s.shutdown();
         }
         self.changed.notify_all();
     }

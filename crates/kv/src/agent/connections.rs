@@ -3,6 +3,8 @@
 //! the caller's (the agent's threads).
 
 use std::net::TcpStream;
+
+use crate::stream::KvStream;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
@@ -19,12 +21,21 @@ use crate::wire::{write_message, Message};
 /// Accepting side: the first frame of a new `stream`: a peer's handshake, and the connection
 /// it made with the reader of its frames (the caller's to run), or a further stream joining an
 /// open connection (kept by it); `None` when there is no new connection to read (a stream
-/// joined, or the handshake failed or was refused: logged, counted).
-pub(crate) fn accept(shared: &Shared, stream: &mut TcpStream) -> Option<(Arc<Conn>, Opener)> {
-    if let Err(e) = configure(stream, shared.cfg.timeouts) {
+/// joined, or the handshake failed or was refused: logged, counted). Over TLS when this
+/// engine has it: the TLS handshake comes first.
+pub(crate) fn accept(shared: &Shared, sock: TcpStream) -> Option<(Arc<Conn>, Opener, KvStream)> {
+    if let Err(e) = configure(&sock, shared.cfg.timeouts) {
         tracing::warn!(error = %e, "KV connection setup failed");
         return None;
     }
+    let mut stream = match KvStream::accept(sock, shared.cfg.tls.as_ref()) {
+        Ok(s) => s,
+        Err(e) => {
+            refused(shared, &e);
+            return None;
+        }
+    };
+    let stream = &mut stream;
     let opening = match read_hello(stream) {
         Ok(Hello::Open(opening)) => opening,
         Ok(Hello::Join { token, index, proof }) => {
@@ -57,9 +68,11 @@ pub(crate) fn accept(shared: &Shared, stream: &mut TcpStream) -> Option<(Arc<Con
     });
     match (picked, transport, data) {
         (Ok((peer, picked, session)), Some(transport), Some(data)) => {
-            tracing::info!(peer = %peer.engine_id, epoch = peer.epoch.0, transport = %picked.transport, streams = data.count(), note = picked.note.as_deref().unwrap_or(""), "KV peer connected");
+            tracing::info!(peer = %peer.engine_id, epoch = peer.epoch.0, transport = %picked.transport, streams = data.count(), tls = shared.cfg.tls.is_some(), authenticated = session.authenticated(), note = picked.note.as_deref().unwrap_or(""), "KV peer connected");
             let Session { sealer, opener, .. } = session;
-            new_conn(shared, stream, sealer, (peer, transport, picked.note), data).ok().map(|c| (c, opener))
+            let conn = new_conn(shared, stream, sealer, (peer, transport, picked.note), data).ok()?;
+            let reader = stream.try_clone().ok()?;
+            Some((conn, opener, reader))
         }
         (Ok(_), _, _) => {
             tracing::warn!("KV handshake accepted without a transport");
@@ -84,7 +97,7 @@ fn refused(shared: &Shared, e: &KvError) {
 
 /// A further stream of the connection whose join token is `token`, as its stream `index`, if
 /// it proves it belongs to it.
-fn join(shared: &Shared, token: u64, index: usize, proof: Option<&str>, stream: &TcpStream) {
+fn join(shared: &Shared, token: u64, index: usize, proof: Option<&str>, stream: &KvStream) {
     let data = shared.joining.lock().unwrap_or_else(|p| p.into_inner()).get(&token).and_then(Weak::upgrade);
     let joined = match (data, stream.try_clone()) {
         (Some(data), _) if !data.join_key().allows(token, index, proof) => {
@@ -99,9 +112,21 @@ fn join(shared: &Shared, token: u64, index: usize, proof: Option<&str>, stream: 
         Ok(()) => bump(&shared.counters.streams_joined, 1),
         Err(e) => {
             tracing::warn!(error = %e, "a KV stream could not join its connection");
-            let _ = stream.shutdown(std::net::Shutdown::Both);
+            stream.shutdown();
         }
     }
+}
+
+/// A new connection to `addr`, over TLS when this engine has it (the TLS handshake done:
+/// the peer's certificate names the host it was reached at, and chains to the CA).
+fn open(shared: &Shared, addr: &str) -> Result<KvStream, KvError> {
+    let sock = connect(addr, shared.cfg.timeouts)?;
+    let host = addr.rsplit_once(':').map_or(addr, |(host, _)| host);
+    KvStream::connect(sock, shared.cfg.tls.as_ref(), host).inspect_err(|e| {
+        if matches!(e, KvError::Unauthenticated(_)) {
+            bump(&shared.counters.auth_refused, 1);
+        }
+    })
 }
 
 /// How many streams a connection to `peer` over `transport` stripes its bytes over: the
@@ -125,9 +150,9 @@ fn join_token() -> u64 {
 /// acceptor picked, and its further streams when the pair stripes over several), recorded as
 /// the one to use for it. Its reader is the caller's to run on the returned stream, with the
 /// returned opener.
-pub(crate) fn connect_to(shared: &Shared, addr: &str) -> Result<(Arc<Conn>, TcpStream, Opener), KvError> {
+pub(crate) fn connect_to(shared: &Shared, addr: &str) -> Result<(Arc<Conn>, KvStream, Opener), KvError> {
     let t = shared.cfg.timeouts;
-    let mut stream = connect(addr, t)?;
+    let mut stream = open(shared, addr)?;
     let (peer, picked, session) = handshake(&mut stream, &shared.info, shared.cfg.cluster_secret.as_ref())
         .inspect_err(|e| {
             if matches!(e, KvError::Unauthenticated(_)) {
@@ -144,7 +169,7 @@ pub(crate) fn connect_to(shared: &Shared, addr: &str) -> Result<(Arc<Conn>, TcpS
     let data = DataStreams::expecting(streams - 1, t.connect, cut, session.join_key());
     if let Some(token) = join_token {
         for index in 1..streams {
-            let mut s = connect(addr, t)?;
+            let mut s = open(shared, addr)?;
             let proof = session.join_proof(token, index);
             write_message(&mut s, &Message::JoinStream { token, index, proof })?;
             data.attach(index, s)?;
@@ -164,7 +189,7 @@ pub(crate) fn connect_to(shared: &Shared, addr: &str) -> Result<(Arc<Conn>, TcpS
 /// A connection to `peer` after its handshake, over the transport the acceptor picked.
 fn new_conn(
     shared: &Shared,
-    stream: &TcpStream,
+    stream: &KvStream,
     sealer: Sealer,
     (peer, transport, note): (AgentInfo, Arc<dyn Transport>, Option<String>),
     data: Arc<DataStreams>,

@@ -1,7 +1,6 @@
 //! A connection's reader thread, once per connection: every message the peer sends, handed to
 //! the side of the protocol it is for, until the connection ends; then what rode on it ends.
 
-use std::net::TcpStream;
 use std::sync::Arc;
 
 use super::conn::Conn;
@@ -12,18 +11,19 @@ use crate::agent_info::Role;
 use crate::error::KvError;
 use crate::protocol::Wanted;
 use crate::seal::Opener;
+use crate::stream::KvStream;
 use crate::table::WriteSpan;
 use crate::transport::Bulk;
 use crate::wire::Message;
 
 /// Reads `conn`'s messages from `stream` (each opened by `opener`: checked against the
 /// cluster secret's session key, when there is one) until it ends or breaks the protocol.
-pub(crate) fn reader_loop(mut stream: TcpStream, mut opener: Opener, conn: Arc<Conn>, shared: Arc<Shared>) {
+pub(crate) fn reader_loop(mut stream: KvStream, mut opener: Opener, conn: Arc<Conn>, shared: Arc<Shared>) {
     // Between messages a read waits up to the liveness bound (the peer pings every third of
     // it, so silence that long means it is frozen or gone); bulk data, once its header has
     // arrived, under the I/O timeout or that bound if shorter (a sender frozen mid-write is as
     // dead as one frozen between messages).
-    let idle = |s: &TcpStream, on: bool| {
+    let idle = |s: &KvStream, on: bool| {
         let _ = s.set_read_timeout(Some(if on { shared.cfg.liveness } else { shared.bulk_read_bound() }));
     };
     loop {
@@ -50,7 +50,7 @@ pub(crate) fn reader_loop(mut stream: TcpStream, mut opener: Opener, conn: Arc<C
     decode::connection_lost(&shared, &conn);
 }
 
-fn handle_message(stream: &mut TcpStream, conn: &Arc<Conn>, shared: &Arc<Shared>, msg: Message) -> Result<(), KvError> {
+fn handle_message(stream: &mut KvStream, conn: &Arc<Conn>, shared: &Arc<Shared>, msg: Message) -> Result<(), KvError> {
     match msg {
         // ---- prefill side ----
         Message::Register { transfer_id, epoch, block_ids, num_tokens, write_within_ms, skip_tokens, .. } => {

@@ -4,7 +4,6 @@
 //! of prefill's lease (pull) before the engine hears.
 
 use std::io::Read;
-use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 
 use tandem_core::TransferId;
@@ -15,6 +14,7 @@ use crate::blocks::{coalesce, wire_bytes};
 use crate::error::KvError;
 use crate::events::{ConnectorEvent, TransferTimeline};
 use crate::protocol::push;
+use crate::stream::KvStream;
 use crate::table::{Incoming, Landing, NoWrite, WriteSpan};
 use crate::transport::tcp::drain_striped;
 use crate::transport::Bulk;
@@ -57,7 +57,7 @@ where
 /// write is acknowledged either way, with why its KV did not all land if it did not (a part
 /// that failed before it); a part that fails is recorded for that, not acknowledged.
 pub(crate) fn on_write_blocks(
-    stream: &mut TcpStream,
+    stream: &mut KvStream,
     conn: &Conn,
     shared: &Shared,
     tid: TransferId,
@@ -83,7 +83,7 @@ pub(crate) fn on_write_blocks(
 /// aborted or the span does not follow what landed. The inner result says whether the data landed; the outer one is
 /// the connection's.
 fn receive(
-    stream: &mut TcpStream,
+    stream: &mut KvStream,
     conn: &Conn,
     shared: &Shared,
     tid: &TransferId,
@@ -184,7 +184,7 @@ pub(crate) struct DirectEnd {
 /// Pull: prefill's answer to our read of `tid`: the bytes follow on `stream` (inline), were
 /// copied already (`direct`: with the copies' time), or an error says why not.
 pub(crate) fn on_block_data(
-    stream: &mut TcpStream,
+    stream: &mut KvStream,
     conn: &Arc<Conn>,
     shared: &Arc<Shared>,
     tid: TransferId,

@@ -153,10 +153,10 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
 
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     for stream in listener.incoming() {
-        let Ok(mut stream) = stream else { continue };
+        let Ok(stream) = stream else { continue };
         let s = shared.clone();
         let _ = std::thread::Builder::new().name("tandem-kv-conn".into()).spawn(move || {
-            if let Some((conn, opener)) = connections::accept(&s, &mut stream) {
+            if let Some((conn, opener, stream)) = connections::accept(&s, stream) {
                 dispatch::reader_loop(stream, opener, conn, s);
             }
         });

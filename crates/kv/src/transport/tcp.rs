@@ -57,7 +57,7 @@ pub fn pieces(blocks: &[u32], block_bytes: usize) -> Vec<BlockRun> {
 
 /// Writes the raw bytes of the blocks holding tokens `0..num_tokens` (whole blocks, in token
 /// order) to `w`, then, with `checksum`, the CRC-32 of those bytes (little-endian,
-/// [`CHECKSUM_BYTES`]). Returns the data bytes written ([`wire_bytes`]).
+/// [`CHECKSUM_BYTES`]). Returns the data bytes written ([`crate::blocks::wire_bytes`]).
 ///
 /// # Safety
 /// No other thread may write `blocks` while this runs (the caller holds them for the transfer).

@@ -261,6 +261,7 @@ fn nixl_writes_and_reads_block_runs_between_block_sizes() {
             nixl_pull: NixlPull::Read,
             ucx_log: None,
             cluster_secret: None,
+            tls: None,
         };
         let memory = KvMemory::from(region.clone());
         let endpoint = nixl::open(&cfg, &memory, epoch).expect("NIXL should open");

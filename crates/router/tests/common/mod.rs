@@ -130,6 +130,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             nixl_pull: k.nixl_pull,
             ucx_log: None,
             cluster_secret: k.cluster_secret.map(|s| tandem_core::ClusterSecret::new(s.as_bytes()).unwrap()),
+            tls: None,
         },
         load_failure: k.load_failure,
     });

@@ -1,0 +1,300 @@
+//! A side-channel connection's bytes: plain TCP, or TLS over it (`--tls-cert`, `--tls-key`,
+//! `--tls-ca`: both ends present a certificate of the deployment's CA and verify the other's).
+//!
+//! The agent reads a connection on one thread and writes it on others, so a TLS stream splits
+//! like a `TcpStream` does ([`KvStream::try_clone`]): the halves share the TLS state behind a
+//! lock held only to encrypt or decrypt, never across socket I/O, so a writer blocked on a full
+//! socket never holds up the reader (which is what lets the peer drain it). Only writers send
+//! TLS records; the reader never does.
+//!
+//! Layer: beside `channel`; calls `error`.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+
+use crate::error::KvError;
+
+/// TLS for a side channel: this engine's certificate and key, and the CA its peers' must chain
+/// to, as a client and as a server config.
+#[derive(Clone)]
+pub struct KvTls {
+    client: Arc<rustls::ClientConfig>,
+    server: Arc<rustls::ServerConfig>,
+}
+
+impl std::fmt::Debug for KvTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KvTls(..)")
+    }
+}
+
+impl KvTls {
+    /// From PEM: this engine's certificate chain, its private key, and the CA certificates a
+    /// peer's must chain to. An error says which part is wrong.
+    pub fn from_pem(cert_chain: &[u8], key: &[u8], ca: &[u8]) -> Result<Self, String> {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_chain)
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("the certificate: {e}"))?;
+        if certs.is_empty() {
+            return Err("the certificate file holds no certificate".into());
+        }
+        let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| format!("the private key: {e}"))?;
+        let mut roots = rustls::RootCertStore::empty();
+        for ca in CertificateDer::pem_slice_iter(ca) {
+            roots.add(ca.map_err(|e| format!("the CA: {e}"))?).map_err(|e| format!("the CA: {e}"))?;
+        }
+        if roots.is_empty() {
+            return Err("the CA file holds no certificate".into());
+        }
+        let roots = Arc::new(roots);
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+            .build()
+            .map_err(|e| format!("the CA: {e}"))?;
+        let server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(certs.clone(), key.clone_key())
+            .map_err(|e| format!("the certificate and key: {e}"))?;
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(certs, key)
+            .map_err(|e| format!("the certificate and key: {e}"))?;
+        Ok(Self { client: Arc::new(client), server: Arc::new(server) })
+    }
+}
+
+/// One connection's bytes, either way.
+pub enum KvStream {
+    /// No TLS.
+    Plain(TcpStream),
+    /// TLS over the socket, its state shared with the stream's clones.
+    Tls {
+        /// This half's clone of the socket.
+        sock: TcpStream,
+        /// The TLS state both halves use.
+        tls: Arc<Mutex<rustls::Connection>>,
+        /// Ciphertext this half read that the TLS state has not taken yet.
+        unfed: Unfed,
+        /// Records this half encrypted, to be written (kept, so that no write allocates).
+        records: Vec<u8>,
+    },
+}
+
+/// A reading half's ciphertext buffer: `bytes[start..end]` not yet given to the TLS state.
+pub struct Unfed {
+    bytes: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl Unfed {
+    fn new() -> Self {
+        Self { bytes: vec![0u8; 256 << 10].into_boxed_slice(), start: 0, end: 0 }
+    }
+}
+
+/// A TLS record's largest ciphertext (16 KiB of plaintext and its overhead).
+const ONE_RECORD: usize = (16 << 10) + 256;
+
+/// Plaintext handed to the TLS state at once by a write (and ciphertext read per socket read).
+const TLS_CHUNK: usize = 1 << 20;
+
+impl KvStream {
+    /// The connecting side of `sock` to `host` (whose certificate must name it), TLS when
+    /// `tls` is given: the TLS handshake, bounded by the socket's timeouts.
+    pub fn connect(sock: TcpStream, tls: Option<&KvTls>, host: &str) -> Result<Self, KvError> {
+        let Some(tls) = tls else { return Ok(KvStream::Plain(sock)) };
+        let name = ServerName::try_from(host.trim_matches(['[', ']']).to_string())
+            .map_err(|e| KvError::Unsupported(format!("`{host}` is no name a certificate can carry: {e}")))?;
+        let conn = rustls::ClientConnection::new(tls.client.clone(), name).map_err(tls_error)?;
+        Self::handshake(sock, conn.into())
+    }
+
+    /// The accepting side of `sock`, TLS when `tls` is given.
+    pub fn accept(sock: TcpStream, tls: Option<&KvTls>) -> Result<Self, KvError> {
+        let Some(tls) = tls else { return Ok(KvStream::Plain(sock)) };
+        let conn = rustls::ServerConnection::new(tls.server.clone()).map_err(tls_error)?;
+        Self::handshake(sock, conn.into())
+    }
+
+    fn handshake(mut sock: TcpStream, mut conn: rustls::Connection) -> Result<Self, KvError> {
+        conn.set_buffer_limit(Some(4 * TLS_CHUNK));
+        while conn.is_handshaking() {
+            conn.complete_io(&mut sock).map_err(|e| match e.kind() {
+                std::io::ErrorKind::InvalidData => KvError::Unauthenticated(format!("TLS handshake: {e}")),
+                _ => KvError::Io(e),
+            })?;
+        }
+        Ok(KvStream::Tls { sock, tls: Arc::new(Mutex::new(conn)), unfed: Unfed::new(), records: Vec::new() })
+    }
+
+    /// Another handle on the same connection (for another thread: one reads, one writes).
+    pub fn try_clone(&self) -> std::io::Result<Self> {
+        Ok(match self {
+            KvStream::Plain(s) => KvStream::Plain(s.try_clone()?),
+            KvStream::Tls { sock, tls, .. } => {
+                KvStream::Tls { sock: sock.try_clone()?, tls: tls.clone(), unfed: Unfed::new(), records: Vec::new() }
+            }
+        })
+    }
+
+    /// The socket underneath.
+    pub fn socket(&self) -> &TcpStream {
+        match self {
+            KvStream::Plain(s) | KvStream::Tls { sock: s, .. } => s,
+        }
+    }
+
+    /// Bounds each read.
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        self.socket().set_read_timeout(t)
+    }
+
+    /// Ends the connection both ways, for every handle on it (a read or write in progress on
+    /// another fails at once).
+    pub fn shutdown(&self) {
+        let _ = self.socket().shutdown(Shutdown::Both);
+    }
+}
+
+fn tls_error(e: rustls::Error) -> KvError {
+    KvError::Unsupported(format!("TLS: {e}"))
+}
+
+fn lock(tls: &Mutex<rustls::Connection>) -> MutexGuard<'_, rustls::Connection> {
+    tls.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Read for KvStream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let (sock, tls, unfed) = match self {
+            KvStream::Plain(s) => return s.read(buf),
+            KvStream::Tls { sock, tls, unfed, .. } => (sock, tls, unfed),
+        };
+        loop {
+            {
+                let mut c = lock(tls);
+                // Ciphertext read before, as far as rustls's plaintext buffer (16 KiB) takes it.
+                while unfed.start < unfed.end {
+                    // About one record at a time: rustls moves what it holds past the record it
+                    // decrypted to the front of its buffer, so feeding more costs copies.
+                    let mut rest = &unfed.bytes[unfed.start..unfed.end.min(unfed.start + ONE_RECORD)];
+                    match c.read_tls(&mut rest) {
+                        Ok(n) => unfed.start += n,
+                        // Its plaintext buffer is full: read that out first.
+                        Err(e) if e.kind() == std::io::ErrorKind::Other => break,
+                        Err(e) => return Err(e),
+                    }
+                    c.process_new_packets().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+                }
+                match c.reader().read(buf) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    done => return done,
+                }
+            }
+            if unfed.start < unfed.end {
+                continue;
+            }
+            // Nothing decrypted yet: wait for the socket without holding the state.
+            let n = sock.read(&mut unfed.bytes)?;
+            if n == 0 {
+                return Ok(0);
+            }
+            (unfed.start, unfed.end) = (0, n);
+        }
+    }
+}
+
+impl Write for KvStream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let (sock, tls, records) = match self {
+            KvStream::Plain(s) => return s.write(buf),
+            KvStream::Tls { sock, tls, records, .. } => (sock, tls, records),
+        };
+        // Encrypted under the lock, sent without it.
+        records.clear();
+        let n = {
+            let mut c = lock(tls);
+            let n = c.writer().write(&buf[..buf.len().min(TLS_CHUNK)])?;
+            while c.wants_write() {
+                c.write_tls(records)?;
+            }
+            n
+        };
+        sock.write_all(records)?;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn tls() -> KvTls {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = ca_params.self_signed(&ca_key).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+        let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+        KvTls::from_pem(cert.pem().as_bytes(), key.serialize_pem().as_bytes(), ca.pem().as_bytes()).unwrap()
+    }
+
+    /// Both ends write 8 MiB while their other halves read the peer's 8 MiB: a writer blocked
+    /// on a full socket must not keep its reader from draining (which would wedge both).
+    #[test]
+    fn split_tls_halves_move_bytes_both_ways_at_once_without_wedging() {
+        let tls = tls();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server_tls = tls.clone();
+        let server = std::thread::spawn(move || {
+            let (sock, _) = listener.accept().unwrap();
+            KvStream::accept(sock, Some(&server_tls)).unwrap()
+        });
+        let client = KvStream::connect(TcpStream::connect(addr).unwrap(), Some(&tls), "127.0.0.1").unwrap();
+        let server = server.join().unwrap();
+        let payload = |seed: u8| (0..8 << 20).map(|i| (i as u8).wrapping_mul(seed)).collect::<Vec<u8>>();
+        let start = std::time::Instant::now();
+        let ends: Vec<_> = [(client, 3u8, 5u8), (server, 5, 3)]
+            .into_iter()
+            .map(|(stream, ours, theirs)| {
+                let mut reader = stream.try_clone().unwrap();
+                let mut writer = stream;
+                let (sent, want) = (payload(ours), payload(theirs));
+                let w = std::thread::spawn(move || writer.write_all(&sent).unwrap());
+                let r = std::thread::spawn(move || {
+                    let mut got = vec![0u8; want.len()];
+                    reader.read_exact(&mut got).unwrap();
+                    assert!(got == want, "the bytes read are the bytes the peer wrote");
+                });
+                (w, r)
+            })
+            .collect();
+        for (w, r) in ends {
+            w.join().unwrap();
+            r.join().unwrap();
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
+    }
+
+    #[test]
+    fn bad_pem_is_refused_naming_the_part() {
+        assert!(KvTls::from_pem(b"", b"", b"").unwrap_err().contains("certificate"));
+    }
+}
