@@ -948,6 +948,14 @@ fn a_group_later_than_decodes_deadline_is_given_up_and_never_lands() {
     assert_eq!(p.d.stats().groups_landed, 1);
 }
 
+/// Where decode takes transfer `tid`'s KV from in `mode` (prefill's current epoch for pull).
+fn source_in(mode: KvMode, p: &Pair, tid: &str) -> RemoteKv {
+    match mode {
+        KvMode::Push => push_source(p, tid),
+        KvMode::Pull => pull_source(p, tid, p.p.info().epoch),
+    }
+}
+
 fn with_secret(cfg: ConnectorConfig, text: &str) -> ConnectorConfig {
     ConnectorConfig { cluster_secret: Some(tandem_core::ClusterSecret::new(text.as_bytes()).unwrap()), ..cfg }
 }
@@ -968,15 +976,11 @@ fn with_one_cluster_secret_push_and_pull_land_and_with_different_ones_nothing_mo
             let d_cfg = d_secret.map_or(d_cfg.clone(), |s| with_secret(d_cfg, s));
             pair_with(p_cfg, d_cfg, 16, 8)
         };
-        let source = |p: &Pair, tid: &str| match mode {
-            KvMode::Push => push_source(p, tid),
-            KvMode::Pull => pull_source(p, tid, p.p.info().epoch),
-        };
         // The same secret: the KV lands over an authenticated connection and its streams.
         let p = pair_secrets(Some(SECRET), Some(SECRET));
         let blocks = p.d_blocks(40);
         p.produce("t1", 40);
-        p.d.expect(RequestId::new("r1"), source(&p, "t1"), blocks.clone(), 40, 0);
+        p.d.expect(RequestId::new("r1"), source_in(mode, &p, "t1"), blocks.clone(), 40, 0);
         assert_ready(p.wait_event(), "r1");
         p.assert_landed(40, &blocks);
         p.wait_freed(1);
@@ -989,7 +993,7 @@ fn with_one_cluster_secret_push_and_pull_land_and_with_different_ones_nothing_mo
         {
             let p = pair_secrets(p_secret, d_secret);
             p.produce("t2", 40);
-            p.d.expect(RequestId::new("r2"), source(&p, "t2"), blocks.clone(), 40, 0);
+            p.d.expect(RequestId::new("r2"), source_in(mode, &p, "t2"), blocks.clone(), 40, 0);
             match p.wait_event() {
                 ConnectorEvent::Failed { reason, .. } => {
                     assert!(reason.contains("secret"), "{mode:?} {p_secret:?}/{d_secret:?}: {reason}")
@@ -1068,14 +1072,10 @@ fn over_tls_push_and_pull_land_and_a_peer_without_it_or_of_another_ca_moves_noth
             };
             pair_with(p_cfg, ConnectorConfig { tls: d_tls, ..config(Role::Decode, mode) }, 16, 8)
         };
-        let source = |p: &Pair, tid: &str| match mode {
-            KvMode::Push => push_source(p, tid),
-            KvMode::Pull => pull_source(p, tid, p.p.info().epoch),
-        };
         let p = pair_tls(Some(tls.clone()), Some(tls.clone()));
         let blocks = p.d_blocks(40);
         p.produce("t1", 40);
-        p.d.expect(RequestId::new("r1"), source(&p, "t1"), blocks.clone(), 40, 0);
+        p.d.expect(RequestId::new("r1"), source_in(mode, &p, "t1"), blocks.clone(), 40, 0);
         assert_ready(p.wait_event(), "r1");
         p.assert_landed(40, &blocks);
         p.wait_freed(1);
@@ -1086,7 +1086,7 @@ fn over_tls_push_and_pull_land_and_a_peer_without_it_or_of_another_ca_moves_noth
             let with = (p_tls.is_some(), d_tls.is_some());
             let p = pair_tls(p_tls, d_tls);
             p.produce("t2", 40);
-            p.d.expect(RequestId::new("r2"), source(&p, "t2"), blocks.clone(), 40, 0);
+            p.d.expect(RequestId::new("r2"), source_in(mode, &p, "t2"), blocks.clone(), 40, 0);
             assert!(matches!(p.wait_event(), ConnectorEvent::Failed { .. }), "{mode:?} {with:?}");
             assert!(p.untouched(&blocks), "nothing landed");
             p.wait_freed(1);

@@ -38,8 +38,11 @@
 //! been streamed, and a prefill that computed is not computed twice).
 #![deny(missing_docs)]
 
+mod admin;
 mod backend;
 mod proxy;
+mod routes;
 
 pub use backend::{Backend, BackendState, KvEndpoint};
-pub use proxy::{app, serve, Router, RouterConfig, RouterError};
+pub use proxy::{Router, RouterConfig, RouterError};
+pub use routes::{app, serve};

@@ -1,6 +1,5 @@
 //! The two-leg dispatch (see the crate docs for push vs pull).
 
-use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,8 +8,6 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::Json;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -110,7 +107,7 @@ pub enum RouterError {
 
 /// The engines of one role. The list changes while serving (`/admin/engines`); a request
 /// works on the list as it was when it started (a removed engine finishes what it has).
-struct Engines(std::sync::RwLock<Arc<Vec<Arc<Backend>>>>);
+pub(crate) struct Engines(std::sync::RwLock<Arc<Vec<Arc<Backend>>>>);
 
 impl Engines {
     fn new(urls: &[String], role: Role) -> Self {
@@ -118,12 +115,12 @@ impl Engines {
     }
 
     /// The engines now.
-    fn list(&self) -> Arc<Vec<Arc<Backend>>> {
+    pub(crate) fn list(&self) -> Arc<Vec<Arc<Backend>>> {
         self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Adds `b` unless an engine with its URL is in the list.
-    fn add(&self, b: Arc<Backend>) -> bool {
+    pub(crate) fn add(&self, b: Arc<Backend>) -> bool {
         let mut list = self.0.write().unwrap_or_else(|p| p.into_inner());
         if list.iter().any(|e| e.url == b.url) {
             return false;
@@ -135,7 +132,7 @@ impl Engines {
     }
 
     /// Takes the engine at `url` out (never the last one); whether it was there, and why not.
-    fn remove(&self, url: &str) -> Result<bool, String> {
+    pub(crate) fn remove(&self, url: &str) -> Result<bool, String> {
         let mut list = self.0.write().unwrap_or_else(|p| p.into_inner());
         if !list.iter().any(|e| e.url == url) {
             return Ok(false);
@@ -150,17 +147,17 @@ impl Engines {
 
 /// The router's state: backends, HTTP client, counters.
 pub struct Router {
-    cfg: RouterConfig,
+    pub(crate) cfg: RouterConfig,
     http: reqwest::Client,
-    prefill: Engines,
-    decode: Engines,
+    pub(crate) prefill: Engines,
+    pub(crate) decode: Engines,
     turn: AtomicUsize,
     next_transfer: AtomicU64,
     id_prefix: String,
     /// Set once by [`Router::abort_all`].
     abort: tokio::sync::watch::Sender<bool>,
-    /// Requests refused for want of an API key.
-    unauthorized: AtomicU64,
+    /// Requests refused for want of an API key (or, on the admin endpoints, an admin key).
+    pub(crate) unauthorized: AtomicU64,
 }
 
 fn mode_name(m: TransferMode) -> &'static str {
@@ -170,7 +167,7 @@ fn mode_name(m: TransferMode) -> &'static str {
     }
 }
 
-fn role_name(r: Role) -> &'static str {
+pub(crate) fn role_name(r: Role) -> &'static str {
     match r {
         Role::Prefill => "prefill",
         Role::Decode => "decode",
@@ -283,7 +280,7 @@ impl Router {
 
     /// Checks one engine: healthy, a KV connector in the role it was given as and the router's
     /// mode.
-    async fn probe(&self, b: &Backend) -> BackendState {
+    pub(crate) async fn probe(&self, b: &Backend) -> BackendState {
         let get = |path: &str| self.http.get(format!("{}{path}", b.url)).timeout(Duration::from_secs(5)).send();
         match get("/health").await {
             Ok(r) if r.status().is_success() => {}
@@ -400,7 +397,7 @@ impl Router {
     }
 
     /// Checks every engine again every `check_interval` until the returned guard drops.
-    fn spawn_checks(self: &Arc<Self>) -> AbortOnDrop<()> {
+    pub(crate) fn spawn_checks(self: &Arc<Self>) -> AbortOnDrop<()> {
         let r = self.clone();
         AbortOnDrop(tokio::spawn(async move {
             loop {
@@ -564,45 +561,8 @@ impl Drop for ReleaseOnDrop {
     }
 }
 
-/// The router's routes.
-pub fn app(router: Arc<Router>) -> axum::Router {
-    let openai = axum::Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route_layer(axum::middleware::from_fn_with_state(router.clone(), require_api_key));
-    axum::Router::new()
-        .merge(openai)
-        .route("/health", get(health))
-        .merge(
-            axum::Router::new()
-                .route("/admin/engines", get(list_engines).post(add_engine).delete(remove_engine))
-                .route_layer(axum::middleware::from_fn_with_state(router.clone(), require_admin)),
-        )
-        .with_state(router)
-}
-
-/// Serves the router on `listener` until `shutdown` resolves, checking the engines again
-/// every `check_interval` meanwhile.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    router: Arc<Router>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    let _checks = router.spawn_checks();
-    axum::serve(listener.tap_io(no_delay), app(router)).with_graceful_shutdown(shutdown).await
-}
-
-/// Streamed tokens are small writes: with Nagle's algorithm each waits for the client's
-/// delayed ACK of the one before (40 ms on Linux; measured on every routed stream).
-fn no_delay(tcp: &mut tokio::net::TcpStream) {
-    if let Err(e) = tcp.set_nodelay(true) {
-        tracing::warn!(error = %e, "could not set TCP_NODELAY; streamed tokens may wait on delayed ACKs");
-    }
-}
-
 /// Lets a request through to `/v1/*` only with one of the router's API keys.
-async fn require_api_key(
+pub(crate) async fn require_api_key(
     State(r): State<Arc<Router>>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
@@ -618,31 +578,7 @@ async fn require_api_key(
     )
 }
 
-/// Lets a request through to `/admin/engines` only with the cluster secret's token or an admin
-/// key, when the router has either (else open, as before either existed).
-async fn require_admin(
-    State(r): State<Arc<Router>>,
-    req: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let allowed = {
-        let (secret, keys) = (&r.cfg.cluster_secret, &r.cfg.admin_keys);
-        let header = |name: &str| req.headers().get(name).map(|v| v.as_bytes());
-        let open = secret.is_none() && !keys.required();
-        let by_secret = secret.as_ref().is_some_and(|s| s.allows_token(header(tandem_core::CLUSTER_TOKEN_HEADER)));
-        open || by_secret || (keys.required() && keys.allows(header(axum::http::header::AUTHORIZATION.as_str())))
-    };
-    if allowed {
-        return next.run(req).await;
-    }
-    r.unauthorized.fetch_add(1, Ordering::Relaxed);
-    error(
-        StatusCode::UNAUTHORIZED,
-        "the admin endpoints need `Authorization: Bearer <key>` with one of the router's --admin-key keys (or the cluster token)",
-    )
-}
-
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     let kind = match status.as_u16() {
         401 => "AuthenticationError",
         400..=499 => "BadRequestError",
@@ -653,19 +589,19 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
         .into_response()
 }
 
-fn bad_request(param: &str, message: impl Into<String>) -> Response {
+pub(crate) fn bad_request(param: &str, message: impl Into<String>) -> Response {
     let body = json!({"error": {"message": message.into(), "type": "BadRequestError", "param": param, "code": 400}});
     (StatusCode::BAD_REQUEST, Json(body)).into_response()
 }
 
 /// Cancel safety: dropping this future (client disconnect) drops both legs' requests, which
 /// the engines see as disconnects and cancel.
-async fn completions(State(r): State<Arc<Router>>, headers: HeaderMap, body: Bytes) -> Response {
+pub(crate) async fn completions(State(r): State<Arc<Router>>, headers: HeaderMap, body: Bytes) -> Response {
     dispatch_or_abort(r, "/v1/completions", headers, body).await
 }
 
 /// Cancel safety: as [`completions`].
-async fn chat_completions(State(r): State<Arc<Router>>, headers: HeaderMap, body: Bytes) -> Response {
+pub(crate) async fn chat_completions(State(r): State<Arc<Router>>, headers: HeaderMap, body: Bytes) -> Response {
     dispatch_or_abort(r, "/v1/chat/completions", headers, body).await
 }
 
@@ -681,7 +617,7 @@ async fn dispatch_or_abort(r: Arc<Router>, path: &'static str, headers: HeaderMa
     }
 }
 
-async fn models(State(r): State<Arc<Router>>) -> Response {
+pub(crate) async fn models(State(r): State<Arc<Router>>) -> Response {
     let decode = r.decode.list();
     let Some(d) = choose(&decode, 0, |_| true).or_else(|| decode.first().cloned()) else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "no decode engine");
@@ -694,7 +630,7 @@ async fn models(State(r): State<Arc<Router>>) -> Response {
 
 /// 200 when every engine is ready and every prefill/decode pair can exchange KV; otherwise
 /// 503 with what is wrong, so a misconfiguration shows where operators look.
-async fn health(State(r): State<Arc<Router>>) -> Response {
+pub(crate) async fn health(State(r): State<Arc<Router>>) -> Response {
     r.check_all().await;
     let problems = r.problems();
     let refused = r.refused_unauthorized();
@@ -814,91 +750,6 @@ const PREFIX_QUERY_TIMEOUT: Duration = Duration::from_millis(500);
 struct Preferred {
     prefill: Option<Arc<Backend>>,
     decode: Option<Arc<Backend>>,
-}
-
-/// `GET /admin/engines`: every engine by role, with its state and requests in flight.
-async fn list_engines(State(r): State<Arc<Router>>) -> Response {
-    let describe = |list: &[Arc<Backend>]| -> Vec<Value> {
-        list.iter()
-            .map(|b| {
-                let state = match b.state() {
-                    BackendState::Ready(_) => "ready".to_string(),
-                    BackendState::Unknown => "not checked yet".to_string(),
-                    BackendState::Down(why) => format!("down: {why}"),
-                    BackendState::Misconfigured(why) => format!("misconfigured: {why}"),
-                };
-                json!({"url": b.url, "state": state, "outstanding": b.outstanding()})
-            })
-            .collect()
-    };
-    Json(json!({"prefill": describe(&r.prefill.list()), "decode": describe(&r.decode.list())})).into_response()
-}
-
-/// `POST /admin/engines` `{"role": "prefill"|"decode", "url": ...}`: adds an engine while
-/// serving. It is checked at once: one that cannot serve the role (another mode, no KV side
-/// channel, a model its peers cannot pair with) is refused with the reason; one not up yet is
-/// added and taken into service when a check finds it ready.
-async fn add_engine(State(r): State<Arc<Router>>, body: Bytes) -> Response {
-    let v: Value = match serde_json::from_slice(&body) {
-        Ok(v) => v,
-        Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid request body (not valid JSON): {e}")),
-    };
-    let (role, engines) = match v["role"].as_str() {
-        Some("prefill") => (Role::Prefill, &r.prefill),
-        Some("decode") => (Role::Decode, &r.decode),
-        _ => return bad_request("role", "`role` must be \"prefill\" or \"decode\""),
-    };
-    let Some(url) = v["url"].as_str().filter(|u| u.starts_with("http://") || u.starts_with("https://")) else {
-        return bad_request("url", "`url` must be an engine's base URL, e.g. http://127.0.0.1:8100");
-    };
-    let b = Arc::new(Backend::new(url, role));
-    let state = r.probe(&b).await;
-    if let BackendState::Misconfigured(why) = &state {
-        return bad_request("url", format!("engine {} {why}", b.url));
-    }
-    if let BackendState::Ready(info) = &state {
-        let others = match role {
-            Role::Prefill => r.decode.list(),
-            _ => r.prefill.list(),
-        };
-        let unpairable = others.iter().find_map(|o| {
-            let other = o.info()?;
-            let check = if role == Role::Prefill { other.check_pairing(info) } else { info.check_pairing(&other) };
-            check.err().map(|e| format!("engine {} cannot pair with {}: {e}", b.url, o.url))
-        });
-        if let Some(why) = unpairable {
-            return bad_request("url", why);
-        }
-    }
-    b.set_state(state);
-    if !engines.add(b.clone()) {
-        return error(StatusCode::CONFLICT, format!("engine {} is already a {} engine here", b.url, role_name(role)));
-    }
-    tracing::info!(url = %b.url, role = role_name(role), "engine added");
-    list_engines(State(r)).await
-}
-
-/// `DELETE /admin/engines` `{"url": ...}`: takes an engine out of service; requests it is
-/// answering finish there. The last engine of a role stays (409).
-async fn remove_engine(State(r): State<Arc<Router>>, body: Bytes) -> Response {
-    let v: Value = match serde_json::from_slice(&body) {
-        Ok(v) => v,
-        Err(e) => return error(StatusCode::BAD_REQUEST, format!("invalid request body (not valid JSON): {e}")),
-    };
-    let Some(url) = v["url"].as_str() else { return bad_request("url", "`url` is required") };
-    let url = url.trim_end_matches('/');
-    let removed = match r.prefill.remove(url) {
-        Ok(false) => r.decode.remove(url),
-        other => other,
-    };
-    match removed {
-        Ok(true) => {
-            tracing::info!(%url, "engine removed");
-            list_engines(State(r)).await
-        }
-        Ok(false) => error(StatusCode::NOT_FOUND, format!("no engine {url} here")),
-        Err(why) => error(StatusCode::CONFLICT, why),
-    }
 }
 
 /// A request's own say on disaggregation: `kv_transfer_params: {"disaggregate": true|false}`.
@@ -1141,7 +992,7 @@ async fn leg_error(leg: &str, b: &Arc<Backend>, resp: reqwest::Response) -> LegE
 }
 
 /// Aborts a spawned task when dropped (a leg whose response is gone, the engine checks).
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+pub(crate) struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 
 impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
