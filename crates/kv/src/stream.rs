@@ -78,35 +78,69 @@ pub enum KvStream {
     Plain(TcpStream),
     /// TLS over the socket, its state shared with the stream's clones.
     Tls {
-        /// This half's clone of the socket.
+        /// This handle's clone of the socket.
         sock: TcpStream,
-        /// The TLS state both halves use.
-        tls: Arc<Mutex<rustls::Connection>>,
-        /// Ciphertext this half read that the TLS state has not taken yet.
-        unfed: Unfed,
-        /// Records this half encrypted, to be written (kept, so that no write allocates).
+        /// What every handle on the connection shares.
+        tls: Arc<Mutex<TlsState>>,
+        /// This handle's socket reads land here first (kept, so that no read allocates).
+        scratch: Vec<u8>,
+        /// Records this handle encrypted, to be written (kept, so that no write allocates).
         records: Vec<u8>,
     },
 }
 
-/// A reading half's ciphertext buffer: `bytes[start..end]` not yet given to the TLS state.
-pub struct Unfed {
-    bytes: Box<[u8]>,
-    start: usize,
-    end: usize,
+/// A TLS connection's state: rustls', and ciphertext read from the socket that rustls has not
+/// taken yet (its plaintext buffer holds 16 KiB). Shared, so that a reading handle dropped
+/// with ciphertext left over (a striped receive's clone) loses none of the stream.
+pub struct TlsState {
+    conn: rustls::Connection,
+    unfed: Vec<u8>,
+    unfed_at: usize,
 }
 
-impl Unfed {
-    fn new() -> Self {
-        Self { bytes: vec![0u8; 256 << 10].into_boxed_slice(), start: 0, end: 0 }
+impl TlsState {
+    /// Gives rustls `bytes` as far as its plaintext buffer takes them; how many it took.
+    fn feed(&mut self, mut bytes: &[u8]) -> std::io::Result<usize> {
+        let total = bytes.len();
+        while !bytes.is_empty() {
+            // About one record at a time: rustls moves what it holds past the record it
+            // decrypted to the front of its buffer, so feeding more costs copies.
+            let mut record = &bytes[..bytes.len().min(ONE_RECORD)];
+            let before = record.len();
+            match self.conn.read_tls(&mut record) {
+                Ok(0) => break,
+                Ok(_) => bytes = &bytes[before - record.len()..],
+                // Its plaintext buffer is full: that is read out first.
+                Err(e) if e.kind() == std::io::ErrorKind::Other => break,
+                Err(e) => return Err(e),
+            }
+            self.conn.process_new_packets().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        }
+        Ok(total - bytes.len())
+    }
+
+    /// Feeds what was left over from an earlier read.
+    fn feed_left_over(&mut self) -> std::io::Result<()> {
+        let unfed = std::mem::take(&mut self.unfed);
+        let taken = self.feed(&unfed[self.unfed_at..]);
+        self.unfed = unfed;
+        self.unfed_at += taken?;
+        if self.unfed_at == self.unfed.len() {
+            self.unfed.clear();
+            self.unfed_at = 0;
+        }
+        Ok(())
     }
 }
 
 /// A TLS record's largest ciphertext (16 KiB of plaintext and its overhead).
 const ONE_RECORD: usize = (16 << 10) + 256;
 
-/// Plaintext handed to the TLS state at once by a write (and ciphertext read per socket read).
+/// Plaintext handed to the TLS state at once by a write.
 const TLS_CHUNK: usize = 1 << 20;
+
+/// Ciphertext read from the socket at once.
+const SOCKET_READ: usize = 256 << 10;
 
 impl KvStream {
     /// The connecting side of `sock` to `host` (whose certificate must name it), TLS when
@@ -134,7 +168,8 @@ impl KvStream {
                 _ => KvError::Io(e),
             })?;
         }
-        Ok(KvStream::Tls { sock, tls: Arc::new(Mutex::new(conn)), unfed: Unfed::new(), records: Vec::new() })
+        let tls = Arc::new(Mutex::new(TlsState { conn, unfed: Vec::new(), unfed_at: 0 }));
+        Ok(KvStream::Tls { sock, tls, scratch: Vec::new(), records: Vec::new() })
     }
 
     /// Another handle on the same connection (for another thread: one reads, one writes).
@@ -142,7 +177,7 @@ impl KvStream {
         Ok(match self {
             KvStream::Plain(s) => KvStream::Plain(s.try_clone()?),
             KvStream::Tls { sock, tls, .. } => {
-                KvStream::Tls { sock: sock.try_clone()?, tls: tls.clone(), unfed: Unfed::new(), records: Vec::new() }
+                KvStream::Tls { sock: sock.try_clone()?, tls: tls.clone(), scratch: Vec::new(), records: Vec::new() }
             }
         })
     }
@@ -170,46 +205,43 @@ fn tls_error(e: rustls::Error) -> KvError {
     KvError::Unsupported(format!("TLS: {e}"))
 }
 
-fn lock(tls: &Mutex<rustls::Connection>) -> MutexGuard<'_, rustls::Connection> {
+fn lock(tls: &Mutex<TlsState>) -> MutexGuard<'_, TlsState> {
     tls.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Read for KvStream {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let (sock, tls, unfed) = match self {
+        let (sock, tls, scratch) = match self {
             KvStream::Plain(s) => return s.read(buf),
-            KvStream::Tls { sock, tls, unfed, .. } => (sock, tls, unfed),
+            KvStream::Tls { sock, tls, scratch, .. } => (sock, tls, scratch),
         };
         loop {
             {
-                let mut c = lock(tls);
-                // Ciphertext read before, as far as rustls's plaintext buffer (16 KiB) takes it.
-                while unfed.start < unfed.end {
-                    // About one record at a time: rustls moves what it holds past the record it
-                    // decrypted to the front of its buffer, so feeding more costs copies.
-                    let mut rest = &unfed.bytes[unfed.start..unfed.end.min(unfed.start + ONE_RECORD)];
-                    match c.read_tls(&mut rest) {
-                        Ok(n) => unfed.start += n,
-                        // Its plaintext buffer is full: read that out first.
-                        Err(e) if e.kind() == std::io::ErrorKind::Other => break,
-                        Err(e) => return Err(e),
-                    }
-                    c.process_new_packets().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-                }
-                match c.reader().read(buf) {
+                let mut st = lock(tls);
+                let left = st.unfed.len() - st.unfed_at;
+                st.feed_left_over()?;
+                match st.conn.reader().read(buf) {
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                     done => return done,
                 }
-            }
-            if unfed.start < unfed.end {
-                continue;
+                match st.unfed.len() - st.unfed_at {
+                    0 => {}
+                    now if now < left => continue,
+                    _ => {
+                        let e = "the TLS state takes no more bytes and gives none out";
+                        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e));
+                    }
+                }
             }
             // Nothing decrypted yet: wait for the socket without holding the state.
-            let n = sock.read(&mut unfed.bytes)?;
+            scratch.resize(SOCKET_READ, 0);
+            let n = sock.read(scratch)?;
             if n == 0 {
                 return Ok(0);
             }
-            (unfed.start, unfed.end) = (0, n);
+            let mut st = lock(tls);
+            let taken = st.feed(&scratch[..n])?;
+            st.unfed.extend_from_slice(&scratch[taken..n]);
         }
     }
 }
@@ -223,10 +255,10 @@ impl Write for KvStream {
         // Encrypted under the lock, sent without it.
         records.clear();
         let n = {
-            let mut c = lock(tls);
-            let n = c.writer().write(&buf[..buf.len().min(TLS_CHUNK)])?;
-            while c.wants_write() {
-                c.write_tls(records)?;
+            let mut st = lock(tls);
+            let n = st.conn.writer().write(&buf[..buf.len().min(TLS_CHUNK)])?;
+            while st.conn.wants_write() {
+                st.conn.write_tls(records)?;
             }
             n
         };
@@ -291,6 +323,34 @@ mod tests {
             r.join().unwrap();
         }
         assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
+    }
+
+    /// A reading handle dropped after part of what the peer sent (a striped receive's clone)
+    /// leaves the rest to the next handle: what one socket read took past its share is kept.
+    #[test]
+    fn a_reading_handle_dropped_midway_loses_none_of_the_stream() {
+        let tls = tls();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server_tls = tls.clone();
+        let server = std::thread::spawn(move || {
+            let (sock, _) = listener.accept().unwrap();
+            KvStream::accept(sock, Some(&server_tls)).unwrap()
+        });
+        let mut client = KvStream::connect(TcpStream::connect(addr).unwrap(), Some(&tls), "127.0.0.1").unwrap();
+        let server = server.join().unwrap();
+        server.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let sent: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        client.write_all(&sent).unwrap();
+        let mut got = Vec::new();
+        // Each share read through a handle of its own, dropped after it.
+        for share in [1usize, 70_000, 1 << 20, 3_000_000 - 1 - 70_000 - (1 << 20)] {
+            let mut handle = server.try_clone().unwrap();
+            let mut part = vec![0u8; share];
+            handle.read_exact(&mut part).unwrap();
+            got.extend(part);
+        }
+        assert!(got == sent, "the stream read through several handles is the stream sent");
     }
 
     #[test]
