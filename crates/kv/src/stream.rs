@@ -287,10 +287,8 @@ mod tests {
         KvTls::from_pem(cert.pem().as_bytes(), key.serialize_pem().as_bytes(), ca.pem().as_bytes()).unwrap()
     }
 
-    /// Both ends write 8 MiB while their other halves read the peer's 8 MiB: a writer blocked
-    /// on a full socket must not keep its reader from draining (which would wedge both).
-    #[test]
-    fn split_tls_halves_move_bytes_both_ways_at_once_without_wedging() {
+    /// Two ends of one TLS connection over loopback: the connecting one, the accepting one.
+    fn tls_pair() -> (KvStream, KvStream) {
         let tls = tls();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
@@ -300,7 +298,14 @@ mod tests {
             KvStream::accept(sock, Some(&server_tls)).unwrap()
         });
         let client = KvStream::connect(TcpStream::connect(addr).unwrap(), Some(&tls), "127.0.0.1").unwrap();
-        let server = server.join().unwrap();
+        (client, server.join().unwrap())
+    }
+
+    /// Both ends write 8 MiB while their other halves read the peer's 8 MiB: a writer blocked
+    /// on a full socket must not keep its reader from draining (which would wedge both).
+    #[test]
+    fn split_tls_halves_move_bytes_both_ways_at_once_without_wedging() {
+        let (client, server) = tls_pair();
         let payload = |seed: u8| (0..8 << 20).map(|i| (i as u8).wrapping_mul(seed)).collect::<Vec<u8>>();
         let start = std::time::Instant::now();
         let ends: Vec<_> = [(client, 3u8, 5u8), (server, 5, 3)]
@@ -329,16 +334,7 @@ mod tests {
     /// leaves the rest to the next handle: what one socket read took past its share is kept.
     #[test]
     fn a_reading_handle_dropped_midway_loses_none_of_the_stream() {
-        let tls = tls();
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server_tls = tls.clone();
-        let server = std::thread::spawn(move || {
-            let (sock, _) = listener.accept().unwrap();
-            KvStream::accept(sock, Some(&server_tls)).unwrap()
-        });
-        let mut client = KvStream::connect(TcpStream::connect(addr).unwrap(), Some(&tls), "127.0.0.1").unwrap();
-        let server = server.join().unwrap();
+        let (mut client, server) = tls_pair();
         server.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let sent: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
         client.write_all(&sent).unwrap();

@@ -948,6 +948,18 @@ fn a_group_later_than_decodes_deadline_is_given_up_and_never_lands() {
     assert_eq!(p.d.stats().groups_landed, 1);
 }
 
+/// One prompt's KV (transfer t1) produced and expected in `mode`: it lands, prefill's blocks come
+/// back; decode's blocks.
+fn lands_once(mode: KvMode, p: &Pair) -> Vec<u32> {
+    let blocks = p.d_blocks(40);
+    p.produce("t1", 40);
+    p.d.expect(RequestId::new("r1"), source_in(mode, p, "t1"), blocks.clone(), 40, 0);
+    assert_ready(p.wait_event(), "r1");
+    p.assert_landed(40, &blocks);
+    p.wait_freed(1);
+    blocks
+}
+
 /// Where decode takes transfer `tid`'s KV from in `mode` (prefill's current epoch for pull).
 fn source_in(mode: KvMode, p: &Pair, tid: &str) -> RemoteKv {
     match mode {
@@ -978,12 +990,7 @@ fn with_one_cluster_secret_push_and_pull_land_and_with_different_ones_nothing_mo
         };
         // The same secret: the KV lands over an authenticated connection and its streams.
         let p = pair_secrets(Some(SECRET), Some(SECRET));
-        let blocks = p.d_blocks(40);
-        p.produce("t1", 40);
-        p.d.expect(RequestId::new("r1"), source_in(mode, &p, "t1"), blocks.clone(), 40, 0);
-        assert_ready(p.wait_event(), "r1");
-        p.assert_landed(40, &blocks);
-        p.wait_freed(1);
+        let blocks = lands_once(mode, &p);
         assert_eq!((p.p.stats().auth_refused, p.d.stats().auth_refused), (0, 0));
         assert_eq!(p.d.stats().streams_joined, 2, "both further streams proved themselves");
         // Different secrets, or a secret on one side only: no KV moves, decode hears why (it
@@ -1073,12 +1080,7 @@ fn over_tls_push_and_pull_land_and_a_peer_without_it_or_of_another_ca_moves_noth
             pair_with(p_cfg, ConnectorConfig { tls: d_tls, ..config(Role::Decode, mode) }, 16, 8)
         };
         let p = pair_tls(Some(tls.clone()), Some(tls.clone()));
-        let blocks = p.d_blocks(40);
-        p.produce("t1", 40);
-        p.d.expect(RequestId::new("r1"), source_in(mode, &p, "t1"), blocks.clone(), 40, 0);
-        assert_ready(p.wait_event(), "r1");
-        p.assert_landed(40, &blocks);
-        p.wait_freed(1);
+        let blocks = lands_once(mode, &p);
         assert_eq!(p.d.stats().streams_joined, 2, "both further streams over TLS too");
         for (p_tls, d_tls) in
             [(Some(tls.clone()), None), (None, Some(tls.clone())), (Some(tls.clone()), Some(tls_of_a_new_ca()))]
