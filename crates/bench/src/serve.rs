@@ -122,6 +122,8 @@ pub struct ServeConfig {
     pub progress: bool,
     /// Sent as `Authorization: Bearer` on every request (a server with `--api-key`).
     pub api_key: Option<String>,
+    /// The CA (PEM) an `https://` server's certificate must chain to.
+    pub tls_ca: Option<Vec<u8>>,
 }
 
 /// A finished run.
@@ -318,7 +320,13 @@ pub async fn run(cfg: &ServeConfig) -> Result<ServeRun, String> {
         value.set_sensitive(true);
         headers.insert(reqwest::header::AUTHORIZATION, value);
     }
-    let http = reqwest::Client::builder().default_headers(headers).build().map_err(|e| e.to_string())?;
+    let mut http = reqwest::Client::builder().default_headers(headers);
+    if let Some(ca) = &cfg.tls_ca {
+        for cert in reqwest::Certificate::from_pem_bundle(ca).map_err(|e| format!("--tls-ca: {e}"))? {
+            http = http.add_root_certificate(cert);
+        }
+    }
+    let http = http.build().map_err(|e| e.to_string())?;
     let base = cfg.base_url.trim_end_matches('/');
     let model = match &cfg.model {
         Some(m) => m.clone(),

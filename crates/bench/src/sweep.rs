@@ -33,6 +33,8 @@ pub struct SweepConfig {
     pub seed: u64,
     /// Sent as `Authorization: Bearer` on every request.
     pub api_key: Option<String>,
+    /// The CA (PEM) `https://` servers' certificates must chain to.
+    pub tls_ca: Option<Vec<u8>>,
 }
 
 /// One point's file name (the sweep's naming contract; `bench plot` reads it back).
@@ -110,6 +112,7 @@ pub async fn run_mode(
                     slo: None,
                     progress: false,
                     api_key: cfg.api_key.clone(),
+                    tls_ca: cfg.tls_ca.clone(),
                 };
                 let r = run(&sc).await?;
                 let path = cfg.result_dir.join(point_file(mode, qps, input_len, cfg.output_len, iter));

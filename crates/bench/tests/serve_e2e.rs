@@ -25,7 +25,7 @@ async fn server(prefix_caching: bool) -> (String, Arc<tandem_server::AppState>) 
     let state = Arc::new(tandem_server::AppState::new(engine, m.tokenizer.map(Arc::new), "tiny".into()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base_url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
+    tokio::spawn(tandem_server::serve(listener, None, state.clone(), std::future::pending()));
     (base_url, state)
 }
 
@@ -49,6 +49,7 @@ fn config(base_url: String, dataset: Dataset, num_prompts: usize, request_rate: 
         slo: None,
         progress: false,
         api_key: None,
+        tls_ca: None,
     }
 }
 

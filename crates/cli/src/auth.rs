@@ -94,33 +94,44 @@ impl ClusterSecretArgs {
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct TlsArgs {
-    /// The KV side channel and its streams over TLS (rustls): this engine's certificate chain
-    /// (PEM), naming the host peers reach it at (--kv-advertise-host, an IP or DNS name). Needs
-    /// --tls-key and --tls-ca; every engine of the deployment must run with TLS. (The HTTP
-    /// ports take no TLS yet: put a TLS-terminating proxy in front of the router.)
+    /// TLS (rustls) on this engine's HTTP port (HTTPS) and on its KV side channel and streams:
+    /// this engine's certificate chain (PEM), naming the host clients and peers reach it at
+    /// (--kv-advertise-host and the router's URL for it, an IP or DNS name). Needs --tls-key
+    /// and --tls-ca; every engine of the deployment must run with TLS, and the router reaches
+    /// engines at https:// URLs, trusting --tls-ca.
     #[arg(long, value_name = "PATH", requires_all = ["tls_key", "tls_ca"])]
     pub tls_cert: Option<PathBuf>,
     /// The private key of --tls-cert (PEM).
     #[arg(long, value_name = "PATH", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
-    /// The CA (PEM) every peer's certificate must chain to; peers verify this engine's too.
+    /// The CA (PEM) every KV peer's certificate must chain to; peers verify this engine's too.
+    /// (HTTP clients present no certificate: API keys and the cluster token say who they are.)
     #[arg(long, value_name = "PATH", requires = "tls_cert")]
     pub tls_ca: Option<PathBuf>,
 }
 
+/// A server's TLS, as its flags name it.
+pub struct ServeTls {
+    /// The KV side channel's (mutual).
+    pub kv: tandem_kv::stream::KvTls,
+    /// The HTTP port's.
+    pub https: tandem_tls::HttpsConfig,
+}
+
+fn read_pem(flag: &str, path: &PathBuf) -> Result<Vec<u8>> {
+    std::fs::read(path).with_context(|| format!("reading {flag} {}", path.display()))
+}
+
 impl TlsArgs {
     /// The TLS setup the flags name, if any; an error naming the file that is wrong.
-    pub fn load(&self) -> Result<Option<tandem_kv::stream::KvTls>> {
+    pub fn load(&self) -> Result<Option<ServeTls>> {
         let (Some(cert), Some(key), Some(ca)) = (&self.tls_cert, &self.tls_key, &self.tls_ca) else { return Ok(None) };
-        let read =
-            |flag: &str, p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {flag} {}", p.display()));
-        let tls = tandem_kv::stream::KvTls::from_pem(
-            &read("--tls-cert", cert)?,
-            &read("--tls-key", key)?,
-            &read("--tls-ca", ca)?,
-        )
-        .map_err(|e| anyhow::anyhow!("--tls-cert/--tls-key/--tls-ca: {e}"))?;
-        Ok(Some(tls))
+        let (cert, key, ca) = (read_pem("--tls-cert", cert)?, read_pem("--tls-key", key)?, read_pem("--tls-ca", ca)?);
+        let kv = tandem_kv::stream::KvTls::from_pem(&cert, &key, &ca)
+            .map_err(|e| anyhow::anyhow!("--tls-cert/--tls-key/--tls-ca: {e}"))?;
+        let https =
+            tandem_tls::HttpsConfig::from_pem(&cert, &key).map_err(|e| anyhow::anyhow!("--tls-cert/--tls-key: {e}"))?;
+        Ok(Some(ServeTls { kv, https }))
     }
 
     /// The flags as given, for a child process (`tandem up`).
@@ -131,4 +142,50 @@ impl TlsArgs {
             .flatten()
             .collect()
     }
+
+    /// The CA's PEM, for a client of the servers these flags set up.
+    pub fn ca_pem(&self) -> Result<Option<Vec<u8>>> {
+        self.tls_ca.as_ref().map(|p| read_pem("--tls-ca", p)).transpose()
+    }
+}
+
+#[derive(Args, Debug, Clone, Default)]
+pub struct RouterTlsArgs {
+    /// Serve clients over HTTPS (rustls) with this certificate chain (PEM), naming the host
+    /// clients reach the router at. Needs --tls-key.
+    #[arg(long, value_name = "PATH", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// The CA (PEM) engines' HTTPS certificates must chain to: needed to reach engines at
+    /// https:// URLs (engines started with --tls-cert).
+    #[arg(long, value_name = "PATH")]
+    pub tls_ca: Option<PathBuf>,
+}
+
+impl RouterTlsArgs {
+    /// The HTTPS setup for the router's own port, if --tls-cert was given.
+    pub fn https(&self) -> Result<Option<tandem_tls::HttpsConfig>> {
+        let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else { return Ok(None) };
+        let https = tandem_tls::HttpsConfig::from_pem(&read_pem("--tls-cert", cert)?, &read_pem("--tls-key", key)?)
+            .map_err(|e| anyhow::anyhow!("--tls-cert/--tls-key: {e}"))?;
+        Ok(Some(https))
+    }
+
+    /// The engines' CA (PEM), if --tls-ca was given.
+    pub fn engine_ca(&self) -> Result<Option<Vec<u8>>> {
+        self.tls_ca.as_ref().map(|p| read_pem("--tls-ca", p)).transpose()
+    }
+}
+
+/// An HTTP client (blocking) that trusts `ca` (PEM) besides nothing else, for `https://` URLs.
+pub fn blocking_client(ca: Option<&[u8]>) -> Result<reqwest::blocking::Client> {
+    let mut builder = reqwest::blocking::Client::builder();
+    if let Some(ca) = ca {
+        for cert in reqwest::Certificate::from_pem_bundle(ca).context("--tls-ca")? {
+            builder = builder.add_root_certificate(cert);
+        }
+    }
+    builder.build().context("building the HTTP client")
 }

@@ -66,6 +66,8 @@ pub struct RouterArgs {
     /// reaches the port.
     #[arg(long = "admin-key", value_name = "KEY", value_delimiter = ',')]
     pub admin_key: Vec<String>,
+    #[command(flatten)]
+    pub tls: crate::auth::RouterTlsArgs,
 }
 
 pub(crate) fn router(a: RouterArgs) -> Result<()> {
@@ -88,8 +90,10 @@ pub(crate) fn router(a: RouterArgs) -> Result<()> {
         kv_aware_routing: a.kv_aware_routing == Switch::On,
         cluster_secret: a.cluster.load()?,
         admin_keys: tandem_core::ApiKeys::new(&a.admin_key).context("--admin-key")?,
+        engine_ca: a.tls.engine_ca()?,
         ..tandem_router::RouterConfig::new(mode, a.prefill.clone(), a.decode.clone())
     })?;
+    let https = a.tls.https()?;
     let drain = seconds(a.shutdown_timeout_secs, "--shutdown-timeout-secs")?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     let result = rt.block_on(async move {
@@ -100,10 +104,10 @@ pub(crate) fn router(a: RouterArgs) -> Result<()> {
         }
         let addr = format!("{}:{}", a.host, a.port);
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
-        tracing::info!(%addr, ?mode, "router ready (Ctrl-C to stop)");
+        tracing::info!(%addr, ?mode, tls = https.is_some(), "router ready (Ctrl-C to stop)");
         let router = Arc::new(router);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(tandem_router::serve(listener, router.clone(), async {
+        let server = tokio::spawn(tandem_router::serve(listener, https, router.clone(), async {
             let _ = stop_rx.await;
         }));
         let (r1, r2) = (router.clone(), router.clone());

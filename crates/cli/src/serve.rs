@@ -318,7 +318,9 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
     };
     let parts = build_engine(&a.model, &a.engine, host_kv_bytes)?;
     let cluster_secret = a.cluster.load()?;
-    let kv = kv_setup(&a.kv, port, &parts.fingerprint, ucx_log, cluster_secret.clone(), a.tls.load()?)?;
+    let tls = a.tls.load()?;
+    let kv =
+        kv_setup(&a.kv, port, &parts.fingerprint, ucx_log, cluster_secret.clone(), tls.as_ref().map(|t| t.kv.clone()))?;
     let mut tokenizer = parts.tokenizer;
     if let Some(t) = &a.chat_template {
         let tok = tokenizer
@@ -381,9 +383,10 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
     let result = rt.block_on(async move {
         let addr = format!("{}:{port}", a.host);
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
-        tracing::info!(%addr, model = %name, "serving the OpenAI API (Ctrl-C to stop)");
+        let https = tls.map(|t| t.https);
+        tracing::info!(%addr, model = %name, tls = https.is_some(), "serving the OpenAI API (Ctrl-C to stop)");
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(tandem_server::serve(listener, state.clone(), async {
+        let server = tokio::spawn(tandem_server::serve(listener, https, state.clone(), async {
             let _ = stop_rx.await;
         }));
         let (s1, s2) = (state.clone(), state.clone());

@@ -170,7 +170,11 @@ fn exited(roles: &mut [Role]) -> Option<(&'static str, String)> {
 }
 
 pub(crate) fn healthy(url: &str) -> bool {
-    matches!(reqwest::blocking::Client::new().get(format!("{url}/health")).timeout(Duration::from_secs(2)).send(), Ok(r) if r.status().is_success())
+    healthy_with(&reqwest::blocking::Client::new(), url)
+}
+
+fn healthy_with(http: &reqwest::blocking::Client, url: &str) -> bool {
+    matches!(http.get(format!("{url}/health")).timeout(Duration::from_secs(2)).send(), Ok(r) if r.status().is_success())
 }
 
 pub fn up(a: UpArgs) -> Result<()> {
@@ -216,10 +220,12 @@ pub fn up(a: UpArgs) -> Result<()> {
     p_args.extend(["--role".into(), "prefill".into(), "--kv-port".into(), a.kv_port.to_string()]);
     let mut d_args = common(a.decode_port);
     d_args.extend(["--role".into(), "decode".into(), "--kv-port".into(), (a.kv_port + 1).to_string()]);
+    // With --tls-cert every HTTP port is HTTPS too, the router's included.
+    let scheme = if a.tls.tls_cert.is_some() { "https" } else { "http" };
     let (p_url, d_url, r_url) = (
-        format!("http://{host}:{}", a.prefill_port),
-        format!("http://{host}:{}", a.decode_port),
-        format!("http://{host}:{}", a.port),
+        format!("{scheme}://{host}:{}", a.prefill_port),
+        format!("{scheme}://{host}:{}", a.decode_port),
+        format!("{scheme}://{host}:{}", a.port),
     );
     let mut r_args: Vec<String> = vec![
         "--log".into(),
@@ -240,9 +246,12 @@ pub fn up(a: UpArgs) -> Result<()> {
         r_args.extend(["--local-prefill-max-tokens".into(), n.to_string()]);
     }
     r_args.extend(a.cluster.to_args());
+    r_args.extend(a.tls.to_args());
     // Read here first, so a bad secret file stops `up` before any process starts.
     a.cluster.load()?;
     a.tls.load()?;
+    let ca = a.tls.ca_pem()?;
+    let http = crate::auth::blocking_client(ca.as_deref())?;
 
     let interrupted = Arc::new(AtomicBool::new(false));
     let flag = interrupted.clone();
@@ -268,7 +277,7 @@ pub fn up(a: UpArgs) -> Result<()> {
             }
             bail!("the {name} process exited during start-up ({status}; its log is above)");
         }
-        if !ready && healthy(&r_url) {
+        if !ready && healthy_with(&http, &r_url) {
             ready = true;
             eprintln!();
             eprintln!(
@@ -280,8 +289,9 @@ pub fn up(a: UpArgs) -> Result<()> {
             let prompt = if has_tokenizer { "\"Once upon a time\"" } else { "[1, 2, 3, 4]" };
             // With --api-key the request needs one (the shell's TANDEM_API_KEY, if that is where it came from).
             let auth = if keys.is_some() { " -H \"Authorization: Bearer $TANDEM_API_KEY\"" } else { "" };
+            let cacert = a.tls.tls_ca.as_ref().map(|p| format!(" --cacert {}", p.display())).unwrap_or_default();
             eprintln!(
-                "  curl -s {r_url}/v1/completions -H 'content-type: application/json'{auth} \\\n    -d '{{\"model\": \"{}\", \"prompt\": {prompt}, \"max_tokens\": 16}}'",
+                "  curl -s{cacert} {r_url}/v1/completions -H 'content-type: application/json'{auth} \\\n    -d '{{\"model\": \"{}\", \"prompt\": {prompt}, \"max_tokens\": 16}}'",
                 a.served_model_name
             );
             if a.model.model.starts_with("preset:") {
@@ -439,6 +449,7 @@ fn short_bench(a: &UpArgs, mode: &str, url: &str) -> Result<()> {
         result_dir: a.bench_dir.clone(),
         seed: 0,
         api_key: a.auth.keys()?.first().cloned(),
+        tls_ca: a.tls.ca_pem()?,
     };
     let _ = std::fs::remove_file(a.bench_dir.join("summary.csv"));
     eprintln!("\ntandem up --bench: {mode} sweep (request rates 2, 4 x input lengths 64, 256; 12 prompts each)");

@@ -13,10 +13,11 @@ fn up_serves_through_the_router_and_ctrl_c_stops_everything() {
 }
 
 /// With `--api-key`, `--cluster-secret-file` and `--tls-cert`/`--tls-key`/`--tls-ca`, all three
-/// processes take them (the engines the key through their environment): a request without the
-/// key is refused by the router and by an engine alike, an engine's /kv/* refuse a caller
-/// without the cluster token, and the KV still moves between the engines (over TLS, their side
-/// channels having proved the secret to each other).
+/// processes take them (the engines the key through their environment): every HTTP port speaks
+/// HTTPS only (a plain request gets no answer, a client without the CA refuses the
+/// certificate), a request without the key is refused by the router and by an engine alike,
+/// an engine's /kv/* refuse a caller without the cluster token, and the KV still moves between
+/// the engines (over TLS, their side channels having proved the secret to each other).
 #[test]
 fn up_with_an_api_key_and_a_cluster_secret_guards_the_router_and_both_engines() {
     up_serves(Some("sk-up-key"));
@@ -38,8 +39,15 @@ fn up_serves(key: Option<&str>) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
-    let url = format!("http://127.0.0.1:{port}");
+    let tls_dir = secret_file.with_extension("tls");
+    let mut http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(30));
+    if key.is_some() {
+        let ca = std::fs::read(tls_dir.join("ca.pem")).unwrap();
+        http = http.add_root_certificate(reqwest::Certificate::from_pem(&ca).unwrap());
+    }
+    let http = http.build().unwrap();
+    let scheme = if key.is_some() { "https" } else { "http" };
+    let url = format!("{scheme}://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(60);
     while !matches!(http.get(format!("{url}/health")).send(), Ok(r) if r.status().is_success()) {
         assert!(up.try_wait().unwrap().is_none(), "tandem up exited during start-up");
@@ -59,10 +67,16 @@ fn up_serves(key: Option<&str>) {
     };
     if key.is_some() {
         assert_eq!(post(&url, None).status(), 401, "the router let a request without the key in");
-        assert_eq!(post(&format!("http://127.0.0.1:{pp}"), None).status(), 401, "prefill took no key");
-        assert_eq!(post(&format!("http://127.0.0.1:{dp}"), None).status(), 401, "decode took no key");
-        let info = http.get(format!("http://127.0.0.1:{pp}/kv/info")).send().unwrap();
+        assert_eq!(post(&format!("https://127.0.0.1:{pp}"), None).status(), 401, "prefill took no key");
+        assert_eq!(post(&format!("https://127.0.0.1:{dp}"), None).status(), 401, "decode took no key");
+        let info = http.get(format!("https://127.0.0.1:{pp}/kv/info")).send().unwrap();
         assert_eq!(info.status(), 401, "prefill's /kv/info answered a caller without the cluster token");
+        for p in [port, pp, dp] {
+            let plain = http.get(format!("http://127.0.0.1:{p}/health")).send();
+            assert!(plain.is_err(), "port {p} answered plain HTTP: {plain:?}");
+            let untrusting = reqwest::blocking::Client::new().get(format!("https://127.0.0.1:{p}/health")).send();
+            assert!(untrusting.is_err(), "a client without the CA accepted port {p}'s certificate");
+        }
     }
     let v: serde_json::Value = post(&url, key).json().unwrap();
     assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
@@ -81,7 +95,7 @@ fn up_serves(key: Option<&str>) {
         std::thread::sleep(Duration::from_millis(50));
     }
     let _ = std::fs::remove_file(&secret_file);
-    let _ = std::fs::remove_dir_all(secret_file.with_extension("tls"));
+    let _ = std::fs::remove_dir_all(&tls_dir);
     // All three children are gone: their ports accept no connections.
     for p in [port, pp, dp, kp, kp + 1] {
         let deadline = Instant::now() + Duration::from_secs(5);

@@ -14,8 +14,7 @@ use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::ServerName;
 
 use crate::error::KvError;
 
@@ -37,22 +36,9 @@ impl KvTls {
     /// From PEM: this engine's certificate chain, its private key, and the CA certificates a
     /// peer's must chain to. An error says which part is wrong.
     pub fn from_pem(cert_chain: &[u8], key: &[u8], ca: &[u8]) -> Result<Self, String> {
-        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_chain)
-            .collect::<Result<_, _>>()
-            .map_err(|e| format!("the certificate: {e}"))?;
-        if certs.is_empty() {
-            return Err("the certificate file holds no certificate".into());
-        }
-        let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| format!("the private key: {e}"))?;
-        let mut roots = rustls::RootCertStore::empty();
-        for ca in CertificateDer::pem_slice_iter(ca) {
-            roots.add(ca.map_err(|e| format!("the CA: {e}"))?).map_err(|e| format!("the CA: {e}"))?;
-        }
-        if roots.is_empty() {
-            return Err("the CA file holds no certificate".into());
-        }
-        let roots = Arc::new(roots);
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let tandem_tls::Identity { certs, key } = tandem_tls::Identity::from_pem(cert_chain, key)?;
+        let roots = tandem_tls::roots_from_pem(ca)?;
+        let provider = tandem_tls::provider();
         let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
             .build()
             .map_err(|e| format!("the CA: {e}"))?;

@@ -74,6 +74,12 @@ pub(crate) async fn add_engine(State(r): State<Arc<Router>>, body: Bytes) -> Res
     let Some(url) = v["url"].as_str().filter(|u| u.starts_with("http://") || u.starts_with("https://")) else {
         return bad_request("url", "`url` must be an engine's base URL, e.g. http://127.0.0.1:8100");
     };
+    if url.starts_with("https://") && r.cfg.engine_ca.is_none() {
+        return bad_request(
+            "url",
+            format!("{url} is reached over https, and this router was given no --tls-ca to check it"),
+        );
+    }
     let b = Arc::new(Backend::new(url, role));
     let state = r.probe(&b).await;
     if let BackendState::Misconfigured(why) = &state {

@@ -51,6 +51,9 @@ pub struct RouterConfig {
     /// Keys that open `/admin/engines` as `Authorization: Bearer` (`--admin-key`). With neither
     /// these nor a secret the admin endpoints are open.
     pub admin_keys: ApiKeys,
+    /// The CA certificates (PEM, `--tls-ca`) an engine's HTTPS certificate must chain to;
+    /// `None`: engines are reached over plain HTTP only (an `https://` engine is refused).
+    pub engine_ca: Option<Vec<u8>>,
 }
 
 impl RouterConfig {
@@ -68,6 +71,7 @@ impl RouterConfig {
             engine_api_key: None,
             cluster_secret: None,
             admin_keys: ApiKeys::default(),
+            engine_ca: None,
         }
     }
 }
@@ -103,6 +107,12 @@ pub enum RouterError {
     /// A prefill and a decode engine cannot exchange KV (another model, dtype or KV shape).
     #[error("{0}")]
     Unpairable(String),
+    /// An engine is reached over HTTPS but no CA was given to check its certificate against.
+    #[error("engine {0} is reached over https: give the CA its certificate chains to (--tls-ca)")]
+    NoEngineCa(String),
+    /// The engines' CA could not be read.
+    #[error("--tls-ca: {0}")]
+    BadEngineCa(String),
 }
 
 /// The engines of one role. The list changes while serving (`/admin/engines`); a request
@@ -224,11 +234,22 @@ impl Router {
             value.set_sensitive(true);
             engine_headers.insert(tandem_core::CLUSTER_TOKEN_HEADER, value);
         }
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(5))
-            .default_headers(engine_headers)
-            .build()
-            .unwrap_or_default();
+        let mut http =
+            reqwest::Client::builder().connect_timeout(Duration::from_secs(5)).default_headers(engine_headers);
+        if let Some(url) = cfg.prefill.iter().chain(&cfg.decode).find(|u| u.starts_with("https://")) {
+            if cfg.engine_ca.is_none() {
+                return Err(RouterError::NoEngineCa(url.clone()));
+            }
+        }
+        if let Some(ca) = &cfg.engine_ca {
+            let certs =
+                reqwest::Certificate::from_pem_bundle(ca).map_err(|e| RouterError::BadEngineCa(e.to_string()))?;
+            if certs.is_empty() {
+                return Err(RouterError::BadEngineCa("the file holds no certificate".into()));
+            }
+            http = certs.into_iter().fold(http, |b, c| b.add_root_certificate(c));
+        }
+        let http = http.build().map_err(|e| RouterError::BadEngineCa(e.to_string()))?;
         Ok(Self {
             prefill: Engines::new(&cfg.prefill, Role::Prefill),
             decode: Engines::new(&cfg.decode, Role::Decode),

@@ -5,7 +5,6 @@ use std::future::Future;
 use std::sync::Arc;
 
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 
 use crate::admin;
 use crate::proxy::{chat_completions, completions, health, models, require_api_key, Router};
@@ -28,21 +27,14 @@ pub fn app(router: Arc<Router>) -> axum::Router {
         .with_state(router)
 }
 
-/// Serves the router on `listener` until `shutdown` resolves, checking the engines again
-/// every `check_interval` meanwhile.
+/// Serves the router on `listener` (over TLS when `tls` is given) until `shutdown` resolves,
+/// checking the engines again every `check_interval` meanwhile.
 pub async fn serve(
     listener: tokio::net::TcpListener,
+    tls: Option<tandem_tls::HttpsConfig>,
     router: Arc<Router>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let _checks = router.spawn_checks();
-    axum::serve(listener.tap_io(no_delay), app(router)).with_graceful_shutdown(shutdown).await
-}
-
-/// Streamed tokens are small writes: with Nagle's algorithm each waits for the client's
-/// delayed ACK of the one before (40 ms on Linux; measured on every routed stream).
-fn no_delay(tcp: &mut tokio::net::TcpStream) {
-    if let Err(e) = tcp.set_nodelay(true) {
-        tracing::warn!(error = %e, "could not set TCP_NODELAY; streamed tokens may wait on delayed ACKs");
-    }
+    tandem_tls::http::serve(listener, tls, app(router), shutdown).await
 }

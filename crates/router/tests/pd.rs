@@ -697,7 +697,25 @@ async fn engines_join_and_leave_a_running_router() {
     assert!(v["error"]["message"].as_str().unwrap().contains("pull"), "{v}");
     let (status, _) = admin(reqwest::Method::DELETE, serde_json::json!({"url": "http://127.0.0.1:1"})).await;
     assert_eq!(status, 404);
+    // An engine at an https:// URL, and this router has no CA to check its certificate with.
+    let (status, v) =
+        admin(reqwest::Method::POST, serde_json::json!({"role": "decode", "url": "https://127.0.0.1:1"})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--tls-ca"), "{v}");
     wait_idle(&[&p1, &p2, &d]).await;
+}
+
+/// A router reaches an https:// engine only trusting a CA (`--tls-ca`): without one, or with
+/// a file holding no certificate, it refuses to start and says why.
+#[test]
+fn an_https_engine_needs_a_ca_to_check_it_by() {
+    let cfg = |ca: Option<&[u8]>| tandem_router::RouterConfig {
+        engine_ca: ca.map(<[u8]>::to_vec),
+        ..tandem_router::RouterConfig::new(TransferMode::Push, vec!["https://p:1".into()], vec!["http://d:1".into()])
+    };
+    let refused = |ca| tandem_router::Router::new(cfg(ca)).err().expect("the router started").to_string();
+    assert!(refused(None).contains("https://p:1") && refused(None).contains("--tls-ca"), "{}", refused(None));
+    assert!(refused(Some(b"no certificate here")).contains("--tls-ca"), "{}", refused(Some(b"no pem")));
 }
 
 /// API keys through P/D: engines and router take the same `--api-key`, and the router sends it

@@ -37,7 +37,6 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
@@ -248,22 +247,14 @@ async fn json_body_limit(resp: Response) -> Response {
     resp
 }
 
-/// Serves the API on `listener` until `shutdown` resolves.
+/// Serves the API on `listener` until `shutdown` resolves, over TLS when `tls` is given.
 pub async fn serve(
     listener: tokio::net::TcpListener,
+    tls: Option<tandem_tls::HttpsConfig>,
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener.tap_io(no_delay), router(state)).with_graceful_shutdown(shutdown).await
-}
-
-/// Streamed tokens are small writes: with Nagle's algorithm each waits for the peer's
-/// delayed ACK of the one before (40 ms on Linux), which a router in front turned into 40 ms
-/// on a request's first token and between tokens.
-fn no_delay(tcp: &mut tokio::net::TcpStream) {
-    if let Err(e) = tcp.set_nodelay(true) {
-        tracing::warn!(error = %e, "could not set TCP_NODELAY; streamed tokens may wait on delayed ACKs");
-    }
+    tandem_tls::http::serve(listener, tls, router(state), shutdown).await
 }
 
 /// Parses a JSON body into `T`; malformed JSON or a wrongly typed field is a 400 that says so,

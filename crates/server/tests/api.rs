@@ -60,7 +60,7 @@ async fn start_keyed_metrics(
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
+    tokio::spawn(tandem_server::serve(listener, None, state.clone(), std::future::pending()));
     Server { base, state, http: reqwest::Client::new() }
 }
 
@@ -602,7 +602,7 @@ async fn past_its_bound_the_server_answers_429_with_retry_after() {
     let state = Arc::new(AppState::new(engine, m.tokenizer.map(Arc::new), MODEL.into()).with_max_in_flight(2));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
+    tokio::spawn(tandem_server::serve(listener, None, state.clone(), std::future::pending()));
     let http = reqwest::Client::new();
     let long = json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": true, "stream": true});
     // Two streams held open (their bodies unread): the bound is reached.

@@ -13,6 +13,10 @@ pub struct BenchServeArgs {
     /// Sent as `Authorization: Bearer KEY` (a server started with --api-key).
     #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// The CA (PEM) an https:// server's certificate must chain to (a server started with
+    /// --tls-cert).
+    #[arg(long, value_name = "PATH")]
+    pub tls_ca: Option<PathBuf>,
     /// API path.
     #[arg(long, default_value = "/v1/completions")]
     pub endpoint: String,
@@ -168,6 +172,11 @@ pub(crate) fn bench_serve(a: BenchServeArgs) -> Result<()> {
         slo,
         progress: !a.no_progress,
         api_key: a.api_key.clone(),
+        tls_ca: a
+            .tls_ca
+            .as_ref()
+            .map(|p| std::fs::read(p).with_context(|| format!("reading --tls-ca {}", p.display())))
+            .transpose()?,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     eprintln!(

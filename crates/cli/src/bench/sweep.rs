@@ -19,6 +19,10 @@ pub struct SweepArgs {
     /// channels authenticated; see `tandem serve --help`).
     #[arg(long, value_name = "PATH")]
     pub cluster_secret_file: Option<PathBuf>,
+    /// The CA (PEM) https:// servers' certificates must chain to (--url servers started with
+    /// --tls-cert).
+    #[arg(long, value_name = "PATH")]
+    pub tls_ca: Option<PathBuf>,
     /// Modes to run: push, pull, colocated.
     #[arg(long, value_delimiter = ',', default_value = "push,pull,colocated")]
     pub modes: Vec<String>,
@@ -117,6 +121,11 @@ pub(crate) fn bench_sweep(a: SweepArgs) -> Result<()> {
         result_dir: a.result_dir.clone(),
         seed: a.seed,
         api_key: a.api_key.clone(),
+        tls_ca: a
+            .tls_ca
+            .as_ref()
+            .map(|p| std::fs::read(p).with_context(|| format!("reading --tls-ca {}", p.display())))
+            .transpose()?,
     };
     let namespaces: Vec<&Netns> = a.prefill_netns.iter().chain(a.decode_netns.iter()).collect();
     if !namespaces.is_empty() && !a.launch {

@@ -176,10 +176,7 @@ pub(crate) fn connect_to(shared: &Shared, addr: &str) -> Result<(Arc<Conn>, KvSt
             bump(&shared.counters.streams_joined, 1);
         }
     }
-    match &note {
-        Some(note) => tracing::info!(peer = %peer.engine_id, transport = %name, streams, %note, "KV peer connected"),
-        None => tracing::info!(peer = %peer.engine_id, transport = %name, streams, "KV peer connected"),
-    }
+    tracing::info!(peer = %peer.engine_id, epoch = peer.epoch.0, transport = %name, streams, tls = shared.cfg.tls.is_some(), authenticated = session.authenticated(), note = note.as_deref().unwrap_or(""), "KV peer connected");
     let Session { sealer, opener, .. } = session;
     let conn = new_conn(shared, &stream, sealer, (peer, transport, note), data)?;
     shared.peers.lock().unwrap_or_else(|p| p.into_inner()).insert(addr.to_string(), conn.clone());

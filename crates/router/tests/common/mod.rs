@@ -150,7 +150,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(tandem_server::serve(listener, state.clone(), std::future::pending()));
+    tokio::spawn(tandem_server::serve(listener, None, state.clone(), std::future::pending()));
     Engine { url, state }
 }
 
@@ -187,7 +187,7 @@ pub async fn serve_router(cfg: RouterConfig) -> (String, Arc<Router>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let r = Arc::new(r);
-    tokio::spawn(tandem_router::serve(listener, r.clone(), std::future::pending()));
+    tokio::spawn(tandem_router::serve(listener, None, r.clone(), std::future::pending()));
     (url, r)
 }
 
