@@ -72,6 +72,10 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// End-of-sequence ids named by config.json.
     pub eos_token_ids: Vec<u32>,
+    /// The checkpoint's linear weights are FP8 (e4m3) with one scale per block of this many
+    /// `[rows, cols]` (`quantization_config.quant_method: fp8`, as Qwen and DeepSeek publish
+    /// them); `None`: plain floating point.
+    pub fp8_weight_block: Option<[usize; 2]>,
 }
 
 #[derive(Deserialize)]
@@ -95,6 +99,7 @@ struct HfConfig {
     hidden_act: Option<String>,
     use_sliding_window: Option<bool>,
     eos_token_id: Option<Value>,
+    quantization_config: Option<Value>,
 }
 
 impl ModelConfig {
@@ -161,6 +166,7 @@ impl ModelConfig {
             return Err(ModelError::UnsupportedConfig(format!("head_dim {head_dim} must be even")));
         }
         let (rope_theta, rope_scaling) = parse_rope(&hf)?;
+        let fp8_weight_block = hf.quantization_config.as_ref().map(parse_fp8).transpose()?;
         let attention_bias = hf.attention_bias.unwrap_or(false);
         let (qkv_bias, o_bias, qk_norm) = match architecture {
             Architecture::Qwen3 => (attention_bias, attention_bias, true),
@@ -186,6 +192,7 @@ impl ModelConfig {
             mlp_bias: hf.mlp_bias.unwrap_or(false),
             qk_norm,
             eos_token_ids: token_id_list(hf.eos_token_id.as_ref()),
+            fp8_weight_block,
         })
     }
 
@@ -228,6 +235,31 @@ pub(crate) fn token_id_list(v: Option<&Value>) -> Vec<u32> {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
         Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
         _ => Vec::new(),
+    }
+}
+
+/// `quantization_config`: block-scaled FP8 weights are read (dequantized at load); any other
+/// method is refused by name. Activations are computed in full precision either way, so a
+/// `static` activation scheme's input scales are not needed.
+fn parse_fp8(q: &Value) -> Result<[usize; 2], ModelError> {
+    let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("(none)");
+    if method != "fp8" {
+        return Err(ModelError::UnsupportedConfig(format!(
+            "quantization_config.quant_method `{method}`: tandem reads fp8 (block-scaled e4m3) checkpoints, and GGUF files"
+        )));
+    }
+    if let Some(fmt) = q.get("fmt").and_then(Value::as_str) {
+        if fmt != "e4m3" {
+            return Err(ModelError::UnsupportedConfig(format!("quantization_config.fmt `{fmt}` (only e4m3)")));
+        }
+    }
+    // transformers' FineGrainedFP8Config defaults to 128 x 128 blocks.
+    let Some(block) = q.get("weight_block_size") else { return Ok([128, 128]) };
+    match block.as_array().map(|a| a.iter().map(Value::as_u64).collect::<Vec<_>>()).as_deref() {
+        Some([Some(r), Some(c)]) if *r > 0 && *c > 0 => Ok([*r as usize, *c as usize]),
+        _ => Err(ModelError::UnsupportedConfig(format!(
+            "quantization_config.weight_block_size {block}: expected [rows, cols] of positive integers"
+        ))),
     }
 }
 
@@ -282,6 +314,34 @@ mod tests {
         assert_eq!(old, new);
         assert_eq!(old.rope_theta, 500000.0);
         assert!(matches!(old.rope_scaling, RopeScaling::Llama3 { .. }));
+    }
+
+    #[test]
+    fn fp8_quantization_is_read_and_other_methods_are_refused_by_name() {
+        let with = |q: &str| {
+            parse(&format!(r#"{{"architectures":["Qwen3ForCausalLM"], {BASE}, "quantization_config": {q}}}"#))
+        };
+        let published =
+            with(r#"{"quant_method":"fp8","fmt":"e4m3","activation_scheme":"dynamic","weight_block_size":[128,128]}"#);
+        assert_eq!(published.unwrap().fp8_weight_block, Some([128, 128]));
+        assert_eq!(
+            with(r#"{"quant_method":"fp8","weight_block_size":[64,32]}"#).unwrap().fp8_weight_block,
+            Some([64, 32])
+        );
+        assert_eq!(with(r#"{"quant_method":"fp8"}"#).unwrap().fp8_weight_block, Some([128, 128]));
+        assert_eq!(
+            parse(&format!(r#"{{"architectures":["Qwen3ForCausalLM"], {BASE}}}"#)).unwrap().fp8_weight_block,
+            None
+        );
+        for (q, named) in [
+            (r#"{"quant_method":"awq","bits":4}"#, "awq"),
+            (r#"{"quant_method":"fp8","fmt":"e5m2"}"#, "e5m2"),
+            (r#"{"quant_method":"fp8","weight_block_size":[128]}"#, "weight_block_size"),
+            (r#"{"quant_method":"fp8","weight_block_size":[0,128]}"#, "weight_block_size"),
+        ] {
+            let e = with(q).unwrap_err().to_string();
+            assert!(e.contains(named), "{q}: {e}");
+        }
     }
 
     #[test]

@@ -51,7 +51,7 @@ pub enum ModelError {
         found: Vec<usize>,
     },
     /// A tensor is stored in a dtype other than f32, bf16 or f16.
-    #[error("tensor `{name}` has unsupported dtype {dtype} (supported: F32, BF16, F16)")]
+    #[error("tensor `{name}` has unsupported dtype {dtype} (supported: F32, BF16, F16, F8_E4M3 with block scales)")]
     UnsupportedDtype {
         /// The HF tensor name.
         name: String,

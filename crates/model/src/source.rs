@@ -193,7 +193,11 @@ impl ModelSpec {
     pub fn host_weights(&self) -> Result<WeightMap, ModelError> {
         match &self.source {
             ModelSource::Preset { preset, seed } => Ok(preset.random_weights(*seed)),
-            ModelSource::Dir(dir) => WeightMap::load_dir(dir),
+            ModelSource::Dir(dir) => {
+                let mut weights = WeightMap::load_dir(dir)?;
+                weights.dequantize_fp8(self.config.fp8_weight_block)?;
+                Ok(weights)
+            }
             ModelSource::Gguf(path) => GgufFile::open(path)?.weights(),
         }
     }

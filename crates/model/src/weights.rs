@@ -1,7 +1,8 @@
-//! Named f32 tensors: read from safetensors files (single or sharded; f32, bf16, f16) or made
-//! by a preset, then taken one by one by the transformer builder.
+//! Named f32 tensors: read from safetensors files (single or sharded; f32, bf16, f16, and FP8
+//! e4m3 with block scales, dequantized) or made by a preset, then taken one by one by the
+//! transformer builder.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
@@ -25,6 +26,8 @@ pub struct WeightMap {
     tensors: HashMap<String, Tensor>,
     /// Matrices kept in a ggml block format (a GGUF file's, for the CPU engine).
     quantized: HashMap<String, QuantMatrix>,
+    /// Tensors read from FP8 (e4m3) and not yet multiplied by their block scales.
+    fp8_unscaled: BTreeSet<String>,
 }
 
 /// A weight matrix as the CPU engine holds it: f32, or in the block format it was stored in.
@@ -111,11 +114,71 @@ impl WeightMap {
         let st = SafeTensors::deserialize(&mmap)
             .map_err(|e| ModelError::Safetensors { path: path.to_path_buf(), message: e.to_string() })?;
         for (name, view) in st.tensors() {
+            if view.dtype() == Dtype::F8_E4M3 {
+                self.fp8_unscaled.insert(name.clone());
+            }
             let data = to_f32(&name, view.dtype(), view.data())?;
             self.insert(name, Tensor { shape: view.shape().to_vec(), data });
         }
         Ok(())
     }
+
+    /// Multiplies every FP8 weight `NAME` read by [`WeightMap::load_dir`] by its block scales
+    /// `NAME_scale_inv` (`[ceil(rows / block[0]), ceil(cols / block[1])]`, one per block, the
+    /// last row and column of blocks possibly partial), as `quantization_config` describes
+    /// them: afterwards the map holds the dequantized weights. An FP8 tensor without
+    /// `block` (no `quantization_config`) or without its scales is an error: unscaled it would
+    /// be wrong numbers.
+    pub fn dequantize_fp8(&mut self, block: Option<[usize; 2]>) -> Result<(), ModelError> {
+        let Some(first) = self.fp8_unscaled.first() else { return Ok(()) };
+        let Some([block_rows, block_cols]) = block else {
+            return Err(ModelError::UnsupportedConfig(format!(
+                "tensor `{first}` is FP8 but config.json has no quantization_config saying how it is scaled"
+            )));
+        };
+        for name in std::mem::take(&mut self.fp8_unscaled) {
+            let scale_name = format!("{name}_scale_inv");
+            let scales =
+                self.tensors.remove(&scale_name).ok_or(ModelError::MissingTensor { name: scale_name.clone() })?;
+            let weight = self.tensors.get_mut(&name).ok_or(ModelError::MissingTensor { name: name.clone() })?;
+            let [rows, cols] = weight.shape[..] else {
+                return Err(ModelError::UnsupportedConfig(format!(
+                    "FP8 tensor `{name}` has shape {:?}: block scales need a matrix",
+                    weight.shape
+                )));
+            };
+            let (scale_rows, scale_cols) = (rows.div_ceil(block_rows), cols.div_ceil(block_cols));
+            if scales.shape != [scale_rows, scale_cols] {
+                return Err(ModelError::ShapeMismatch {
+                    name: scale_name,
+                    expected: vec![scale_rows, scale_cols],
+                    found: scales.shape,
+                });
+            }
+            for (r, row) in weight.data.chunks_exact_mut(cols).enumerate() {
+                let row_scales = &scales.data[(r / block_rows) * scale_cols..][..scale_cols];
+                for (segment, scale) in row.chunks_mut(block_cols).zip(row_scales) {
+                    segment.iter_mut().for_each(|w| *w *= scale);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An FP8 e4m3 byte (`float8_e4m3fn`: 4 exponent bits biased by 7, 3 mantissa bits, no
+/// infinities, NaN where every exponent and mantissa bit is set) as f32, exactly.
+pub fn e4m3_to_f32(byte: u8) -> f32 {
+    let sign = if byte & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (exponent, mantissa) = (i32::from((byte >> 3) & 0xf), f32::from(byte & 0x7));
+    if exponent == 0xf && mantissa == 7.0 {
+        return f32::NAN;
+    }
+    let magnitude = match exponent {
+        0 => mantissa / 8.0 * 2f32.powi(-6),
+        e => (1.0 + mantissa / 8.0) * 2f32.powi(e - 7),
+    };
+    sign * magnitude
 }
 
 /// The safetensors files of a checkpoint directory.
@@ -146,6 +209,77 @@ fn to_f32(name: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>, ModelError
         Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
         Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
         Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::F8_E4M3 => {
+            let table: [f32; 256] = std::array::from_fn(|b| e4m3_to_f32(b as u8));
+            bytes.iter().map(|&b| table[usize::from(b)]).collect()
+        }
         other => return Err(ModelError::UnsupportedDtype { name: name.to_string(), dtype: format!("{other:?}") }),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e4m3_bytes_read_as_the_format_defines_them() {
+        for (byte, value) in [
+            (0x00, 0.0),
+            (0x38, 1.0),
+            (0x40, 2.0),
+            (0x3c, 1.5),
+            (0x7e, 448.0),
+            (0xfe, -448.0),
+            (0x08, 2f32.powi(-6)),
+            (0x01, 2f32.powi(-9)),
+            (0x07, 7.0 * 2f32.powi(-9)),
+            (0xb8, -1.0),
+            (0x30, 0.5),
+        ] {
+            assert_eq!(e4m3_to_f32(byte), value, "byte {byte:#04x}");
+        }
+        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+        assert_eq!(e4m3_to_f32(0x80).to_bits(), (-0.0f32).to_bits());
+        // Every other byte is a finite number, and the 126 positive ones increase strictly.
+        let positives: Vec<f32> = (0..0x7f).map(e4m3_to_f32).collect();
+        assert!(positives.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    /// A 5 x 7 FP8 matrix in 2 x 3 blocks (the last row and column of blocks partial): each
+    /// element is multiplied by its own block's scale, and the scales leave the map.
+    #[test]
+    fn block_scales_multiply_their_own_blocks_partial_ones_too() {
+        let mut map = WeightMap::new();
+        let (rows, cols) = (5, 7);
+        map.insert("w.weight", Tensor { shape: vec![rows, cols], data: vec![1.0; rows * cols] });
+        map.fp8_unscaled.insert("w.weight".into());
+        let scales: Vec<f32> = (0..9).map(|i| i as f32 + 1.0).collect();
+        map.insert("w.weight_scale_inv", Tensor { shape: vec![3, 3], data: scales.clone() });
+        map.dequantize_fp8(Some([2, 3])).unwrap();
+        let w = map.take("w.weight", &[rows, cols]).unwrap();
+        for r in 0..rows {
+            for c in 0..cols {
+                assert_eq!(w[r * cols + c], scales[(r / 2) * 3 + c / 3], "({r}, {c})");
+            }
+        }
+        assert!(!map.contains("w.weight_scale_inv"));
+    }
+
+    #[test]
+    fn fp8_without_its_scales_or_its_config_is_refused() {
+        let fp8 = || {
+            let mut map = WeightMap::new();
+            map.insert("w.weight", Tensor { shape: vec![4, 4], data: vec![1.0; 16] });
+            map.fp8_unscaled.insert("w.weight".into());
+            map
+        };
+        let e = fp8().dequantize_fp8(None).unwrap_err().to_string();
+        assert!(e.contains("w.weight") && e.contains("quantization_config"), "{e}");
+        let e = fp8().dequantize_fp8(Some([2, 2])).unwrap_err().to_string();
+        assert!(e.contains("w.weight_scale_inv"), "{e}");
+        let mut wrong = fp8();
+        wrong.insert("w.weight_scale_inv", Tensor { shape: vec![1, 1], data: vec![1.0] });
+        let e = wrong.dequantize_fp8(Some([2, 2])).unwrap_err().to_string();
+        assert!(e.contains("w.weight_scale_inv"), "{e}");
+    }
 }
