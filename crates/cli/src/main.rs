@@ -5,6 +5,7 @@
 
 mod auth;
 mod bench;
+mod discovery;
 mod engine;
 mod generate;
 mod model;

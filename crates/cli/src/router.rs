@@ -13,11 +13,13 @@ pub struct RouterArgs {
     /// push or pull (must match the engines).
     #[arg(long, value_enum, default_value = "push")]
     pub mode: KvModeArg,
-    /// Prefill engine base URLs, e.g. http://127.0.0.1:8100 (repeat or comma-separate).
-    #[arg(long, value_delimiter = ',', required = true)]
+    /// Prefill engine base URLs, e.g. http://127.0.0.1:8100 (repeat or comma-separate; none
+    /// needed with --discovery).
+    #[arg(long, value_delimiter = ',', required_unless_present = "discovery")]
     pub prefill: Vec<String>,
-    /// Decode engine base URLs, e.g. http://127.0.0.1:8200 (repeat or comma-separate).
-    #[arg(long, value_delimiter = ',', required = true)]
+    /// Decode engine base URLs, e.g. http://127.0.0.1:8200 (repeat or comma-separate; none
+    /// needed with --discovery).
+    #[arg(long, value_delimiter = ',', required_unless_present = "discovery")]
     pub decode: Vec<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
@@ -68,6 +70,8 @@ pub struct RouterArgs {
     pub admin_key: Vec<String>,
     #[command(flatten)]
     pub tls: crate::auth::RouterTlsArgs,
+    #[command(flatten)]
+    pub discovery: crate::discovery::DiscoveryArgs,
 }
 
 pub(crate) fn router(a: RouterArgs) -> Result<()> {
@@ -91,9 +95,11 @@ pub(crate) fn router(a: RouterArgs) -> Result<()> {
         cluster_secret: a.cluster.load()?,
         admin_keys: tandem_core::ApiKeys::new(&a.admin_key).context("--admin-key")?,
         engine_ca: a.tls.engine_ca()?,
+        discovered_engines: a.discovery.discovery.is_some(),
         ..tandem_router::RouterConfig::new(mode, a.prefill.clone(), a.decode.clone())
     })?;
     let https = a.tls.https()?;
+    let discovery = a.discovery.config()?;
     let drain = seconds(a.shutdown_timeout_secs, "--shutdown-timeout-secs")?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     let result = rt.block_on(async move {
@@ -106,13 +112,31 @@ pub(crate) fn router(a: RouterArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
         tracing::info!(%addr, ?mode, tls = https.is_some(), "router ready (Ctrl-C to stop)");
         let router = Arc::new(router);
+        let _following = match &discovery {
+            Some(cfg) => {
+                let health = Arc::new(tandem_discovery::DiscoveryHealth::default());
+                tracing::info!(endpoints = ?cfg.endpoints, prefix = %cfg.prefix, "following the engines registered in etcd");
+                let (membership, watching) = tandem_discovery::watch(cfg, health.clone())?;
+                Some((router.follow_membership(membership, health), AbortOnDrop(watching)))
+            }
+            None => None,
+        };
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(tandem_router::serve(listener, https, router.clone(), async {
             let _ = stop_rx.await;
         }));
         let (r1, r2) = (router.clone(), router.clone());
-        serve_until_signalled(server, stop_tx, drain, move || r1.in_flight(), move || r2.abort_all()).await
+        serve_until_signalled(server, stop_tx, async {}, drain, move || r1.in_flight(), move || r2.abort_all()).await
     });
     rt.shutdown_timeout(std::time::Duration::from_millis(100));
     result
+}
+
+/// Aborts the discovery watch when the router stops.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }

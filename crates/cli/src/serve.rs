@@ -47,6 +47,13 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub tls: crate::auth::TlsArgs,
     #[command(flatten)]
+    pub discovery: crate::discovery::DiscoveryArgs,
+    /// The URL routers reach this engine's HTTP API at, registered with --discovery. Default:
+    /// http(s)://HOST:PORT with HOST the address peers reach (--kv-advertise-host, or --host,
+    /// or this host's address on its default route when --host is 0.0.0.0 or ::).
+    #[arg(long, value_name = "URL")]
+    pub advertise_url: Option<String>,
+    #[command(flatten)]
     pub kv: KvArgs,
 }
 
@@ -235,6 +242,7 @@ fn kv_setup(
     ucx_log: Option<std::path::PathBuf>,
     cluster_secret: Option<tandem_core::ClusterSecret>,
     tls: Option<tandem_kv::stream::KvTls>,
+    unique_id_host: Option<&str>,
 ) -> Result<Option<tandem_engine::KvSetup>> {
     use {KvLoadFailureArg, KvModeArg, RoleArg};
     let role = match k.role {
@@ -255,9 +263,15 @@ fn kv_setup(
     }
     Ok(Some(tandem_engine::KvSetup {
         connector: tandem_kv::ConnectorConfig {
-            engine_id: tandem_core::EngineId(
-                k.engine_id.clone().unwrap_or_else(|| format!("{}-{port}", format!("{role:?}").to_lowercase())),
-            ),
+            // Registered with discovery, the id is a key every engine of the deployment must
+            // have its own of: the host joins the default.
+            engine_id: tandem_core::EngineId(k.engine_id.clone().unwrap_or_else(|| {
+                let role = format!("{role:?}").to_lowercase();
+                match unique_id_host {
+                    Some(host) => format!("{role}-{host}-{port}"),
+                    None => format!("{role}-{port}"),
+                }
+            })),
             role,
             mode: match k.kv_mode {
                 KvModeArg::Push => tandem_kv::KvMode::Push,
@@ -319,8 +333,22 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
     let parts = build_engine(&a.model, &a.engine, host_kv_bytes)?;
     let cluster_secret = a.cluster.load()?;
     let tls = a.tls.load()?;
-    let kv =
-        kv_setup(&a.kv, port, &parts.fingerprint, ucx_log, cluster_secret.clone(), tls.as_ref().map(|t| t.kv.clone()))?;
+    let discovery = a.discovery.config()?;
+    // Where routers and KV peers reach this engine (registered with --discovery).
+    let reach_host = match &a.kv.kv_advertise_host {
+        Some(h) => h.clone(),
+        None => tandem_kv::channel::advertised_host(&a.host)
+            .map_err(|e| anyhow::anyhow!("--host {e}: name the address routers reach with --advertise-url"))?,
+    };
+    let kv = kv_setup(
+        &a.kv,
+        port,
+        &parts.fingerprint,
+        ucx_log,
+        cluster_secret.clone(),
+        tls.as_ref().map(|t| t.kv.clone()),
+        discovery.as_ref().map(|_| reach_host.as_str()),
+    )?;
     let mut tokenizer = parts.tokenizer;
     if let Some(t) = &a.chat_template {
         let tok = tokenizer
@@ -343,6 +371,18 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
         tracing::info!(role = ?info.role, mode = ?info.kv_mode, engine_id = %info.engine_id, epoch = info.epoch.0, transports = ?info.transports, "KV side channel up");
     }
     let name = a.served_model_name.unwrap_or_else(|| a.model.model.clone());
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let http_url = a.advertise_url.clone().unwrap_or_else(|| {
+        let host = if reach_host.contains(':') { format!("[{reach_host}]") } else { reach_host.clone() };
+        format!("{scheme}://{host}:{port}")
+    });
+    let record = crate::discovery::engine_record(
+        engine.kv_info(),
+        format!("colocated-{reach_host}-{port}"),
+        &name,
+        &parts.fingerprint,
+        http_url,
+    );
     let max_in_flight = match a.max_queued_requests {
         0 => 0,
         n => n + a.engine.max_num_seqs,
@@ -389,8 +429,23 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
         let server = tokio::spawn(tandem_server::serve(listener, https, state.clone(), async {
             let _ = stop_rx.await;
         }));
+        // Registered once serving: a router that reads the key can reach the port.
+        let registration = match &discovery {
+            Some(cfg) => {
+                let health = std::sync::Arc::new(tandem_discovery::DiscoveryHealth::default());
+                tracing::info!(url = %record.http_url, engine_id = %record.engine_id, endpoints = ?cfg.endpoints, "registering with etcd");
+                Some(tandem_discovery::register(cfg, record, health)?)
+            }
+            None => None,
+        };
+        // Withdrawn before the drain: routers stop sending new requests while these finish.
+        let withdraw = async move {
+            if let Some(r) = registration {
+                r.withdraw(std::time::Duration::from_secs(3)).await;
+            }
+        };
         let (s1, s2) = (state.clone(), state.clone());
-        serve_until_signalled(server, stop_tx, drain, move || s1.in_flight(), move || s2.abort_all()).await
+        serve_until_signalled(server, stop_tx, withdraw, drain, move || s1.in_flight(), move || s2.abort_all()).await
     });
     // Threads still blocked in the runtime (none expected) must not hold the exit.
     rt.shutdown_timeout(std::time::Duration::from_millis(100));
@@ -418,6 +473,7 @@ pub(crate) async fn stop_signal() {
 pub(crate) async fn serve_until_signalled(
     mut server: tokio::task::JoinHandle<std::io::Result<()>>,
     stop: tokio::sync::oneshot::Sender<()>,
+    before_drain: impl std::future::Future<Output = ()>,
     drain: std::time::Duration,
     in_flight: impl Fn() -> usize,
     abort_all: impl FnOnce(),
@@ -426,6 +482,7 @@ pub(crate) async fn serve_until_signalled(
         r = &mut server => return r.context("the server task failed")?.context("serving"),
         _ = stop_signal() => {}
     }
+    before_drain.await;
     let _ = stop.send(());
     let n = in_flight();
     if n == 0 {

@@ -22,6 +22,8 @@ use serde::{Deserialize, Serialize};
 
 #[cfg(feature = "etcd")]
 mod etcd;
+#[cfg(feature = "etcd")]
+pub mod test_etcd;
 
 /// What an engine says of itself to routers.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

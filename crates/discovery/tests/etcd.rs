@@ -1,116 +1,18 @@
 //! Discovery against a real etcd (Debian's etcd-server; `.ci/run` installs it): engines
 //! registering, leaving on withdrawal and on a lapsed lease, a second engine under the same id,
 //! junk under the prefix, etcd stopped and started again, and a three-node cluster losing a node.
-//! Without an `etcd` binary these tests say so and pass, unless TANDEM_REQUIRE_ETCD is set.
+//! Without an `etcd` binary these tests say so and pass, unless TANDEM_REQUIRE_ETCD is set
+//! (`test_etcd`).
 
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tandem_discovery::test_etcd::EtcdCluster;
 use tandem_discovery::{register, watch, DiscoveryConfig, DiscoveryHealth, EngineRecord, Membership};
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// One etcd member on loopback, with its data in a directory of its own.
-struct Member {
-    name: String,
-    client: u16,
-    peer: u16,
-    dir: PathBuf,
-    cluster: String,
-    child: Option<Child>,
-}
-
-impl Member {
-    fn start(&mut self, new_cluster: bool) {
-        let child = Command::new("etcd")
-            .args(["--name", &self.name, "--data-dir"])
-            .arg(&self.dir)
-            .args(["--listen-client-urls", &format!("http://127.0.0.1:{}", self.client)])
-            .args(["--advertise-client-urls", &format!("http://127.0.0.1:{}", self.client)])
-            .args(["--listen-peer-urls", &format!("http://127.0.0.1:{}", self.peer)])
-            .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{}", self.peer)])
-            .args(["--initial-cluster", &self.cluster])
-            .args(["--initial-cluster-state", if new_cluster { "new" } else { "existing" }])
-            .args(["--heartbeat-interval", "100", "--election-timeout", "1000"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting etcd");
-        self.child = Some(child);
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Member {
-    fn drop(&mut self) {
-        self.stop();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// An etcd cluster of `n` members, started and answering; `None` (with a line saying why) when
-/// this machine has no etcd.
-async fn cluster(n: usize) -> Option<Vec<Member>> {
-    if Command::new("etcd").arg("--version").output().is_err() {
-        assert!(std::env::var_os("TANDEM_REQUIRE_ETCD").is_none(), "TANDEM_REQUIRE_ETCD is set but there is no etcd");
-        eprintln!("no etcd on this machine (Debian: apt-get install etcd-server): skipped");
-        return None;
-    }
-    let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
-    let initial: Vec<String> =
-        ports.iter().enumerate().map(|(i, (_, p))| format!("m{i}=http://127.0.0.1:{p}")).collect();
-    let mut members: Vec<Member> = ports
-        .iter()
-        .enumerate()
-        .map(|(i, &(client, peer))| Member {
-            name: format!("m{i}"),
-            client,
-            peer,
-            dir: std::env::temp_dir().join(format!("tandem-etcd-{}-{client}", std::process::id())),
-            cluster: initial.join(","),
-            child: None,
-        })
-        .collect();
-    for m in &mut members {
-        m.start(true);
-    }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let url = url_of(&members);
-    // Answering: a put goes through (a cluster has elected its leader).
-    let put = || async {
-        let mut c = etcd_client::Client::connect(endpoints(&url), None).await?;
-        c.put("/tandem-test/up", "1", None).await
-    };
-    while put().await.is_err() {
-        assert!(Instant::now() < deadline, "etcd did not come up within 20 s");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Some(members)
-}
-
-fn url_of(members: &[Member]) -> String {
-    let eps: Vec<String> = members.iter().map(|m| format!("127.0.0.1:{}", m.client)).collect();
-    format!("etcd://{}", eps.join(","))
-}
-
-fn endpoints(url: &str) -> Vec<String> {
-    url.trim_start_matches("etcd://").split(',').map(String::from).collect()
-}
-
-fn config(members: &[Member], lease_secs: u64) -> DiscoveryConfig {
-    let prefix = format!("/t{}", free_port());
-    DiscoveryConfig::parse(&url_of(members), &prefix, Duration::from_secs(lease_secs)).unwrap()
+fn config(etcd: &EtcdCluster, lease_secs: u64) -> DiscoveryConfig {
+    let prefix = format!("/t{}", std::process::id());
+    DiscoveryConfig::parse(&etcd.url(), &prefix, Duration::from_secs(lease_secs)).unwrap()
 }
 
 fn record(id: &str, url: &str) -> EngineRecord {
@@ -144,7 +46,7 @@ async fn until(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_come_and_go_withdrawn_at_once_and_killed_within_their_lease() {
-    let Some(etcd) = cluster(1).await else { return };
+    let Some(etcd) = EtcdCluster::start(1).await else { return };
     let cfg = config(&etcd, 2);
     let health = Arc::new(DiscoveryHealth::default());
     let (mut members, _watching) = watch(&cfg, health.clone()).unwrap();
@@ -169,7 +71,7 @@ async fn engines_come_and_go_withdrawn_at_once_and_killed_within_their_lease() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_engine_under_the_same_id_and_junk_keys_are_never_members() {
-    let Some(etcd) = cluster(1).await else { return };
+    let Some(etcd) = EtcdCluster::start(1).await else { return };
     let cfg = config(&etcd, 2);
     let (mut members, _watching) = watch(&cfg, Arc::new(DiscoveryHealth::default())).unwrap();
     let first = register(&cfg, record("dup", "http://10.0.0.1:8200"), Arc::new(DiscoveryHealth::default())).unwrap();
@@ -199,13 +101,13 @@ async fn a_second_engine_under_the_same_id_and_junk_keys_are_never_members() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_etcd_stopped_everyone_keeps_serving_and_it_converges_when_etcd_returns() {
-    let Some(mut etcd) = cluster(1).await else { return };
+    let Some(mut etcd) = EtcdCluster::start(1).await else { return };
     let cfg = config(&etcd, 2);
     let (watch_health, engine_health) = (Arc::new(DiscoveryHealth::default()), Arc::new(DiscoveryHealth::default()));
     let (mut members, _watching) = watch(&cfg, watch_health.clone()).unwrap();
     let _a = register(&cfg, record("a", "http://10.0.0.1:8200"), engine_health.clone()).unwrap();
     until(&mut members, Duration::from_secs(5), |m| m.contains_key("a")).await;
-    etcd[0].stop();
+    etcd.members[0].stop();
     let deadline = Instant::now() + Duration::from_secs(10);
     while watch_health.connected() || engine_health.connected() {
         assert!(Instant::now() < deadline, "nobody noticed etcd was gone");
@@ -214,7 +116,7 @@ async fn with_etcd_stopped_everyone_keeps_serving_and_it_converges_when_etcd_ret
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(members.borrow().as_ref().unwrap().contains_key("a"), "the router's view was lost with etcd");
     // A change while etcd was away (an engine that registers once it is back) arrives too.
-    etcd[0].start(false);
+    etcd.members[0].start(false);
     let back = Instant::now();
     let _b = register(&cfg, record("b", "http://10.0.0.2:8200"), Arc::new(DiscoveryHealth::default())).unwrap();
     until(&mut members, Duration::from_secs(10), |m| m.contains_key("a") && m.contains_key("b")).await;
@@ -228,12 +130,12 @@ async fn with_etcd_stopped_everyone_keeps_serving_and_it_converges_when_etcd_ret
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_three_member_cluster_losing_one_member_loses_nothing() {
-    let Some(mut etcd) = cluster(3).await else { return };
+    let Some(mut etcd) = EtcdCluster::start(3).await else { return };
     let cfg = config(&etcd, 3);
     let (mut members, _watching) = watch(&cfg, Arc::new(DiscoveryHealth::default())).unwrap();
     let _a = register(&cfg, record("a", "http://10.0.0.1:8200"), Arc::new(DiscoveryHealth::default())).unwrap();
     until(&mut members, Duration::from_secs(5), |m| m.contains_key("a")).await;
-    etcd[0].stop();
+    etcd.members[0].stop();
     let _b = register(&cfg, record("b", "http://10.0.0.2:8200"), Arc::new(DiscoveryHealth::default())).unwrap();
     until(&mut members, Duration::from_secs(15), |m| m.contains_key("a") && m.contains_key("b")).await;
     // Past a lease: a's keep-alives reach the remaining members.

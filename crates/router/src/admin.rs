@@ -39,6 +39,37 @@ pub(crate) async fn require_admin(
     )
 }
 
+impl Router {
+    /// Checks an engine about to join (from `/admin/engines` or discovery): its state now, or
+    /// why it cannot serve its role here (reached over https without a CA, another mode, no KV
+    /// side channel, a model its peers cannot pair with). One not up yet is no reason to refuse.
+    pub(crate) async fn vet(&self, b: &Backend) -> Result<BackendState, String> {
+        if b.url.starts_with("https://") && self.cfg.engine_ca.is_none() {
+            return Err(format!("{} is reached over https, and this router was given no --tls-ca to check it", b.url));
+        }
+        let state = self.probe(b).await;
+        if let BackendState::Misconfigured(why) = &state {
+            return Err(format!("engine {} {why}", b.url));
+        }
+        if let BackendState::Ready(info) = &state {
+            let others = match b.role {
+                Role::Prefill => self.decode.list(),
+                _ => self.prefill.list(),
+            };
+            let unpairable = others.iter().find_map(|o| {
+                let other = o.info()?;
+                let check =
+                    if b.role == Role::Prefill { other.check_pairing(info) } else { info.check_pairing(&other) };
+                check.err().map(|e| format!("engine {} cannot pair with {}: {e}", b.url, o.url))
+            });
+            if let Some(why) = unpairable {
+                return Err(why);
+            }
+        }
+        Ok(state)
+    }
+}
+
 /// `GET /admin/engines`: every engine by role, with its state and requests in flight.
 pub(crate) async fn list_engines(State(r): State<Arc<Router>>) -> Response {
     let describe = |list: &[Arc<Backend>]| -> Vec<Value> {
@@ -74,31 +105,11 @@ pub(crate) async fn add_engine(State(r): State<Arc<Router>>, body: Bytes) -> Res
     let Some(url) = v["url"].as_str().filter(|u| u.starts_with("http://") || u.starts_with("https://")) else {
         return bad_request("url", "`url` must be an engine's base URL, e.g. http://127.0.0.1:8100");
     };
-    if url.starts_with("https://") && r.cfg.engine_ca.is_none() {
-        return bad_request(
-            "url",
-            format!("{url} is reached over https, and this router was given no --tls-ca to check it"),
-        );
-    }
     let b = Arc::new(Backend::new(url, role));
-    let state = r.probe(&b).await;
-    if let BackendState::Misconfigured(why) = &state {
-        return bad_request("url", format!("engine {} {why}", b.url));
-    }
-    if let BackendState::Ready(info) = &state {
-        let others = match role {
-            Role::Prefill => r.decode.list(),
-            _ => r.prefill.list(),
-        };
-        let unpairable = others.iter().find_map(|o| {
-            let other = o.info()?;
-            let check = if role == Role::Prefill { other.check_pairing(info) } else { info.check_pairing(&other) };
-            check.err().map(|e| format!("engine {} cannot pair with {}: {e}", b.url, o.url))
-        });
-        if let Some(why) = unpairable {
-            return bad_request("url", why);
-        }
-    }
+    let state = match r.vet(&b).await {
+        Ok(state) => state,
+        Err(why) => return bad_request("url", why),
+    };
     b.set_state(state);
     if !engines.add(b.clone()) {
         return error(StatusCode::CONFLICT, format!("engine {} is already a {} engine here", b.url, role_name(role)));

@@ -40,9 +40,11 @@
 
 mod admin;
 mod backend;
+mod membership;
 mod proxy;
 mod routes;
 
 pub use backend::{Backend, BackendState, KvEndpoint};
+pub use membership::Following;
 pub use proxy::{Router, RouterConfig, RouterError};
 pub use routes::{app, serve};

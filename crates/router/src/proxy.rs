@@ -54,6 +54,10 @@ pub struct RouterConfig {
     /// The CA certificates (PEM, `--tls-ca`) an engine's HTTPS certificate must chain to;
     /// `None`: engines are reached over plain HTTP only (an `https://` engine is refused).
     pub engine_ca: Option<Vec<u8>>,
+    /// Engines come (also) from discovery ([`Router::follow_membership`]): the lists may start
+    /// empty, and an engine that leaves the membership leaves the router, the last of its role
+    /// too.
+    pub discovered_engines: bool,
 }
 
 impl RouterConfig {
@@ -72,6 +76,7 @@ impl RouterConfig {
             cluster_secret: None,
             admin_keys: ApiKeys::default(),
             engine_ca: None,
+            discovered_engines: false,
         }
     }
 }
@@ -141,6 +146,15 @@ impl Engines {
         true
     }
 
+    /// Takes the engine at `url` out, the last of its role too (it left the membership);
+    /// whether it was there.
+    pub(crate) fn remove_any(&self, url: &str) -> bool {
+        let mut list = self.0.write().unwrap_or_else(|p| p.into_inner());
+        let before = list.len();
+        *list = Arc::new(list.iter().filter(|e| e.url != url).cloned().collect());
+        list.len() != before
+    }
+
     /// Takes the engine at `url` out (never the last one); whether it was there, and why not.
     pub(crate) fn remove(&self, url: &str) -> Result<bool, String> {
         let mut list = self.0.write().unwrap_or_else(|p| p.into_inner());
@@ -166,6 +180,8 @@ pub struct Router {
     id_prefix: String,
     /// Set once by [`Router::abort_all`].
     abort: tokio::sync::watch::Sender<bool>,
+    /// How discovery is doing, when the router follows it (for `/health`).
+    pub(crate) discovery: std::sync::OnceLock<Arc<tandem_discovery::DiscoveryHealth>>,
     /// Requests refused for want of an API key (or, on the admin endpoints, an admin key).
     pub(crate) unauthorized: AtomicU64,
 }
@@ -218,7 +234,7 @@ impl Router {
 
     /// A router over the configured backends (not yet checked; see [`Router::wait_ready`]).
     pub fn new(cfg: RouterConfig) -> Result<Self, RouterError> {
-        if cfg.prefill.is_empty() || cfg.decode.is_empty() {
+        if (cfg.prefill.is_empty() || cfg.decode.is_empty()) && !cfg.discovered_engines {
             return Err(RouterError::NoBackends);
         }
         let mut engine_headers = reqwest::header::HeaderMap::new();
@@ -258,6 +274,7 @@ impl Router {
             next_transfer: AtomicU64::new(0),
             id_prefix: format!("{:08x}", rand::random::<u32>()),
             abort: tokio::sync::watch::Sender::new(false),
+            discovery: std::sync::OnceLock::new(),
             unauthorized: AtomicU64::new(0),
             cfg,
         })
@@ -403,16 +420,17 @@ impl Router {
 
     /// Everything that keeps requests from being served, in words (empty when all is well).
     pub fn problems(&self) -> Vec<String> {
-        let mut out: Vec<String> = self
-            .backends()
-            .iter()
-            .filter_map(|b| match b.state() {
-                BackendState::Down(r) => Some(format!("{} engine {} is down: {r}", role_name(b.role), b.url)),
-                BackendState::Misconfigured(r) => Some(format!("{} engine {} {r}", role_name(b.role), b.url)),
-                BackendState::Unknown => Some(format!("{} engine {} not checked yet", role_name(b.role), b.url)),
-                BackendState::Ready(_) => None,
-            })
+        let mut out: Vec<String> = [("prefill", self.prefill.list()), ("decode", self.decode.list())]
+            .into_iter()
+            .filter(|(_, list)| list.is_empty())
+            .map(|(role, _)| format!("no {role} engine (none registered yet)"))
             .collect();
+        out.extend(self.backends().iter().filter_map(|b| match b.state() {
+            BackendState::Down(r) => Some(format!("{} engine {} is down: {r}", role_name(b.role), b.url)),
+            BackendState::Misconfigured(r) => Some(format!("{} engine {} {r}", role_name(b.role), b.url)),
+            BackendState::Unknown => Some(format!("{} engine {} not checked yet", role_name(b.role), b.url)),
+            BackendState::Ready(_) => None,
+        }));
         out.extend(self.pair_problems());
         out
     }
@@ -655,10 +673,15 @@ pub(crate) async fn health(State(r): State<Arc<Router>>) -> Response {
     r.check_all().await;
     let problems = r.problems();
     let refused = r.refused_unauthorized();
+    let mut body = json!({"status": "ok", "refused_unauthorized": refused});
+    if let Some(d) = r.discovery.get() {
+        body["discovery"] = json!({"connected": d.connected(), "failures": d.failures(), "last_error": d.last_error()});
+    }
     if problems.is_empty() {
-        (StatusCode::OK, Json(json!({"status": "ok", "refused_unauthorized": refused}))).into_response()
+        (StatusCode::OK, Json(body)).into_response()
     } else {
-        let body = json!({"status": "unavailable", "problems": problems, "refused_unauthorized": refused});
+        body["status"] = json!("unavailable");
+        body["problems"] = json!(problems);
         (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
     }
 }
@@ -1013,7 +1036,7 @@ async fn leg_error(leg: &str, b: &Arc<Backend>, resp: reqwest::Response) -> LegE
 }
 
 /// Aborts a spawned task when dropped (a leg whose response is gone, the engine checks).
-pub(crate) struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+pub(crate) struct AbortOnDrop<T>(pub(crate) tokio::task::JoinHandle<T>);
 
 impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {

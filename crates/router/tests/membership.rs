@@ -1,0 +1,103 @@
+//! A router that takes its engines from a discovery membership (as `--discovery` feeds it from
+//! etcd): empty, it says so; engines that join serve colocated's answers at once; one that
+//! cannot serve its role here is never taken; one that leaves takes no new request.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::Value;
+use tandem_core::TransferMode;
+use tandem_discovery::{DiscoveryHealth, EngineRecord, Membership};
+use tandem_kv::{FaultInjection, KvMode, Role};
+use tandem_router::RouterConfig;
+
+fn record(id: &str, role: &str, e: &Engine) -> (String, EngineRecord) {
+    let r = EngineRecord {
+        engine_id: id.into(),
+        epoch: 1,
+        role: role.into(),
+        kv_mode: "push".into(),
+        model: "tiny".into(),
+        fingerprint: String::new(),
+        http_url: e.url.clone(),
+        kv_address: None,
+        transports: vec!["tcp".into()],
+        block_size: 16,
+        capacity_blocks: 0,
+    };
+    (id.to_string(), r)
+}
+
+async fn listed(http: &reqwest::Client, base: &str) -> (Vec<String>, Vec<String>) {
+    let v: Value = http.get(format!("{base}/admin/engines")).send().await.unwrap().json().await.unwrap();
+    let urls =
+        |role: &str| v[role].as_array().unwrap().iter().map(|e| e["url"].as_str().unwrap().to_string()).collect();
+    (urls("prefill"), urls("decode"))
+}
+
+async fn until_listed(http: &reqwest::Client, base: &str, want: (Vec<String>, Vec<String>)) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = listed(http, base).await;
+        if now == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "engines {now:?}, wanted {want:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn engines_join_and_leave_with_the_membership() {
+    let http = reqwest::Client::new();
+    let reqs: Vec<Value> = workload().into_iter().take(12).collect();
+    let colocated = engine(None, 16, FaultInjection::default()).await;
+    let want = run_all(&http, &colocated.url, &reqs).await;
+    let p = engine(Some((Role::Prefill, KvMode::Push)), 16, FaultInjection::default()).await;
+    let d1 = engine(Some((Role::Decode, KvMode::Push)), 8, FaultInjection::default()).await;
+    let d2 = engine(Some((Role::Decode, KvMode::Push)), 16, FaultInjection::default()).await;
+    let pull = engine(Some((Role::Prefill, KvMode::Pull)), 16, FaultInjection::default()).await;
+    let cfg = RouterConfig { discovered_engines: true, ..RouterConfig::new(TransferMode::Push, vec![], vec![]) };
+    let (base, router) = serve_router(cfg).await;
+    let (tx, rx) = tokio::sync::watch::channel::<Option<Membership>>(None);
+    let _following = router.follow_membership(rx, Arc::new(DiscoveryHealth::default()));
+
+    // Nobody registered yet: unavailable, saying so.
+    let health = http.get(format!("{base}/health")).send().await.unwrap();
+    assert_eq!(health.status(), 503);
+    let body: Value = health.json().await.unwrap();
+    assert!(body["problems"].to_string().contains("no prefill engine"), "{body}");
+    assert!(body["discovery"].is_object(), "{body}");
+
+    tx.send_replace(Some(BTreeMap::from([record("p", "prefill", &p), record("d1", "decode", &d1)])));
+    until_listed(&http, &base, (vec![p.url.clone()], vec![d1.url.clone()])).await;
+    assert_eq!(run_all(&http, &base, &reqs).await, want, "engines that joined answer as colocated");
+
+    // d2 joins; a pull engine registered as a prefill engine of this push router is refused.
+    tx.send_replace(Some(BTreeMap::from([
+        record("p", "prefill", &p),
+        record("d1", "decode", &d1),
+        record("d2", "decode", &d2),
+        record("pull", "prefill", &pull),
+    ])));
+    until_listed(&http, &base, (vec![p.url.clone()], vec![d1.url.clone(), d2.url.clone()])).await;
+
+    // d1 leaves (withdrawn, or its lease lapsed): no new request reaches it.
+    tx.send_replace(Some(BTreeMap::from([record("p", "prefill", &p), record("d2", "decode", &d2)])));
+    until_listed(&http, &base, (vec![p.url.clone()], vec![d2.url.clone()])).await;
+    wait_idle(&[&p, &d1, &d2]).await;
+    let d1_steps = d1.state.engine.stats().steps;
+    assert_eq!(run_all(&http, &base, &reqs).await, want);
+    assert_eq!(d1.state.engine.stats().steps, d1_steps, "an engine that left took a request");
+
+    // Everyone leaves: requests are refused, not hung.
+    tx.send_replace(Some(Membership::new()));
+    until_listed(&http, &base, (vec![], vec![])).await;
+    let r = http.post(format!("{base}/v1/completions")).json(&reqs[0]).send().await.unwrap();
+    assert_eq!(r.status(), 503, "{}", r.text().await.unwrap());
+    wait_idle(&[&p, &d2]).await;
+}
