@@ -433,6 +433,7 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
         let registration = match &discovery {
             Some(cfg) => {
                 let health = std::sync::Arc::new(tandem_discovery::DiscoveryHealth::default());
+                state.metrics.watch_discovery(health.clone());
                 tracing::info!(url = %record.http_url, engine_id = %record.engine_id, endpoints = ?cfg.endpoints, "registering with etcd");
                 Some(tandem_discovery::register(cfg, record, health)?)
             }

@@ -90,6 +90,10 @@ fn engines_found_through_etcd_serve_join_and_leave_across_processes() {
     assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
     assert!(v["kv_timeline"]["transfer"]["bytes"].as_u64().unwrap_or(0) > 0, "not disaggregated: {v}");
 
+    // The engines say they are registered.
+    let metrics = http.get(format!("{p_url}/metrics")).send().unwrap().text().unwrap();
+    assert!(metrics.contains("tandem:discovery_connected 1"), "{metrics}");
+
     // A second decode engine joins.
     let _decode2 = tandem(&format!("serve --role decode --kv-mode push --port {d2p} --kv-port {} {disc}", free_port()));
     until_listed(&http, &router, (&[&p_url], &[&d_url, &d2_url]), Duration::from_secs(60));

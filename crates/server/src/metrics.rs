@@ -29,6 +29,8 @@ pub struct Metrics {
     kv_wait: Histogram,
     kv_transfer: Histogram,
     kv_bytes: IntCounter,
+    /// `--discovery`: whether etcd answers and how often it did not (registered when set).
+    discovery: std::sync::OnceLock<(IntGauge, IntGauge, std::sync::Arc<tandem_discovery::DiscoveryHealth>)>,
 }
 
 const LATENCY_BUCKETS: &[f64] =
@@ -120,7 +122,25 @@ impl Metrics {
                 registry.register(Box::new(g.clone())).expect("each metric is registered once");
                 g
             },
+            discovery: std::sync::OnceLock::new(),
             registry,
+        }
+    }
+
+    /// Shows discovery's state (`--discovery`): `tandem:discovery_connected` (1 while etcd
+    /// answers) and `tandem:discovery_failures_total`.
+    pub fn watch_discovery(&self, health: std::sync::Arc<tandem_discovery::DiscoveryHealth>) {
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("metric definitions are static and valid");
+            self.registry.register(Box::new(g.clone())).map(|_| g)
+        };
+        let connected = gauge("tandem:discovery_connected", "1 while etcd answers this engine's registration, else 0.");
+        let failures = gauge(
+            "tandem:discovery_failures_total",
+            "Times etcd could not be reached or a registration session with it broke.",
+        );
+        if let (Ok(c), Ok(f)) = (connected, failures) {
+            let _ = self.discovery.set((c, f, health));
         }
     }
 
@@ -191,6 +211,10 @@ impl Metrics {
             ] {
                 self.kv.with_label_values(&[name]).set(v as i64);
             }
+        }
+        if let Some((connected, failures, health)) = self.discovery.get() {
+            connected.set(i64::from(health.connected()));
+            failures.set(health.failures() as i64);
         }
         let mut buf = Vec::new();
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
