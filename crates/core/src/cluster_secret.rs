@@ -56,6 +56,19 @@ impl ClusterSecret {
         hex(&self.mac("tandem internal http v1", &[]))
     }
 
+    /// An engine's answer to a router's `challenge` (`GET /kv/prove`): proof that it holds the
+    /// secret, asked before the router sends an engine it found (on its command line, through
+    /// `/admin/engines` or through discovery) its token or API key, so an engine that is not the
+    /// deployment's learns neither.
+    pub fn engine_proof(&self, challenge: &[u8]) -> String {
+        hex(&self.mac("tandem engine proof v1", &[challenge]))
+    }
+
+    /// Whether `proof` answers `challenge` ([`Self::engine_proof`]), in constant time.
+    pub fn check_engine_proof(&self, challenge: &[u8], proof: &[u8]) -> bool {
+        constant_time_eq(proof.trim_ascii(), self.engine_proof(challenge).as_bytes())
+    }
+
     /// Whether `header` (the [`CLUSTER_TOKEN_HEADER`] value) is [`Self::http_token`], compared
     /// in constant time.
     pub fn allows_token(&self, header: Option<&[u8]>) -> bool {
@@ -67,6 +80,9 @@ impl ClusterSecret {
 /// The header the deployment's own processes send the cluster token in (beside any API key in
 /// `Authorization`).
 pub const CLUSTER_TOKEN_HEADER: &str = "x-tandem-cluster-token";
+
+/// The header a router sends its fresh challenge to an engine in (`GET /kv/prove`).
+pub const CLUSTER_CHALLENGE_HEADER: &str = "x-tandem-cluster-challenge";
 
 /// HMAC-SHA256 under `key` of `label` and `parts`, each length-prefixed.
 pub fn keyed(key: &[u8], label: &str, parts: &[&[u8]]) -> Mac {

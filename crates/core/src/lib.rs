@@ -17,7 +17,9 @@ mod kv_params;
 mod sampling;
 
 pub use api_keys::{ApiKeys, InvalidApiKey};
-pub use cluster_secret::{constant_time_eq, hex, keyed, ClusterSecret, Mac, CLUSTER_TOKEN_HEADER, MAC_BYTES};
+pub use cluster_secret::{
+    constant_time_eq, hex, keyed, ClusterSecret, Mac, CLUSTER_CHALLENGE_HEADER, CLUSTER_TOKEN_HEADER, MAC_BYTES,
+};
 pub use ids::{BlockId, EngineId, Epoch, RequestId, TransferId};
 pub use kv_params::{KvTransferParams, RemoteKv, TransferMode};
 pub use sampling::{FinishReason, InvalidSampling, SamplingParams, TokenLogprobs, MAX_LOGPROBS};

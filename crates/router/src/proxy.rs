@@ -173,6 +173,8 @@ impl Engines {
 pub struct Router {
     pub(crate) cfg: RouterConfig,
     http: reqwest::Client,
+    /// Without the cluster token and API key: for `/kv/prove` (see [`Router::probe`]).
+    bare: reqwest::Client,
     pub(crate) prefill: Engines,
     pub(crate) decode: Engines,
     turn: AtomicUsize,
@@ -250,8 +252,11 @@ impl Router {
             value.set_sensitive(true);
             engine_headers.insert(tandem_core::CLUSTER_TOKEN_HEADER, value);
         }
+        // Two clients: one without the token and key, for the challenge an engine must answer
+        // before it is sent either.
         let mut http =
             reqwest::Client::builder().connect_timeout(Duration::from_secs(5)).default_headers(engine_headers);
+        let mut bare = reqwest::Client::builder().connect_timeout(Duration::from_secs(5));
         if let Some(url) = cfg.prefill.iter().chain(&cfg.decode).find(|u| u.starts_with("https://")) {
             if cfg.engine_ca.is_none() {
                 return Err(RouterError::NoEngineCa(url.clone()));
@@ -263,13 +268,16 @@ impl Router {
             if certs.is_empty() {
                 return Err(RouterError::BadEngineCa("the file holds no certificate".into()));
             }
-            http = certs.into_iter().fold(http, |b, c| b.add_root_certificate(c));
+            http = certs.iter().cloned().fold(http, |b, c| b.add_root_certificate(c));
+            bare = certs.into_iter().fold(bare, |b, c| b.add_root_certificate(c));
         }
         let http = http.build().map_err(|e| RouterError::BadEngineCa(e.to_string()))?;
+        let bare = bare.build().map_err(|e| RouterError::BadEngineCa(e.to_string()))?;
         Ok(Self {
             prefill: Engines::new(&cfg.prefill, Role::Prefill),
             decode: Engines::new(&cfg.decode, Role::Decode),
             http,
+            bare,
             turn: AtomicUsize::new(0),
             next_transfer: AtomicU64::new(0),
             id_prefix: format!("{:08x}", rand::random::<u32>()),
@@ -319,6 +327,13 @@ impl Router {
     /// Checks one engine: healthy, a KV connector in the role it was given as and the router's
     /// mode.
     pub(crate) async fn probe(&self, b: &Backend) -> BackendState {
+        if let Some(secret) = &self.cfg.cluster_secret {
+            // Before anything carrying the token or the API key goes to it: the engine proves
+            // it holds the secret (one found through discovery may be anybody's).
+            if let Err(state) = self.challenge(b, secret).await {
+                return state;
+            }
+        }
         let get = |path: &str| self.http.get(format!("{}{path}", b.url)).timeout(Duration::from_secs(5)).send();
         match get("/health").await {
             Ok(r) if r.status().is_success() => {}
@@ -373,6 +388,35 @@ impl Router {
             return BackendState::Misconfigured("offers no TCP KV side channel".into());
         }
         BackendState::Ready(Arc::new(info))
+    }
+
+    /// Asks engine `b` to prove it holds `secret` (`GET /kv/prove` with a fresh challenge,
+    /// sent without the token or an API key).
+    async fn challenge(&self, b: &Backend, secret: &tandem_core::ClusterSecret) -> Result<(), BackendState> {
+        let challenge = tandem_core::hex(&rand::random::<[u8; 32]>());
+        let resp = self
+            .bare
+            .get(format!("{}/kv/prove", b.url))
+            .header(tandem_core::CLUSTER_CHALLENGE_HEADER, &challenge)
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .map_err(|e| BackendState::Down(describe(&e)))?;
+        if resp.status() == StatusCode::NOT_FOUND {
+            return Err(BackendState::Misconfigured(
+                "has no --cluster-secret-file: it cannot prove it belongs to this deployment".into(),
+            ));
+        }
+        if !resp.status().is_success() {
+            return Err(BackendState::Down(format!("/kv/prove answers HTTP {}", resp.status())));
+        }
+        let proof: Value = resp.json().await.unwrap_or(Value::Null);
+        match proof["proof"].as_str() {
+            Some(p) if secret.check_engine_proof(challenge.as_bytes(), p.as_bytes()) => Ok(()),
+            _ => Err(BackendState::Misconfigured(
+                "cannot prove this deployment's cluster secret: it has another --cluster-secret-file".into(),
+            )),
+        }
     }
 
     /// Checks every engine (concurrently) and logs what changed.

@@ -101,3 +101,62 @@ async fn engines_join_and_leave_with_the_membership() {
     assert_eq!(r.status(), 503, "{}", r.text().await.unwrap());
     wait_idle(&[&p, &d2]).await;
 }
+
+/// An engine found through discovery may be anybody's. With a cluster secret the router asks
+/// it to prove the secret before anything else: a stranger (here a server that records every
+/// request) is never taken into service and never sees the cluster token or the API key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stranger_in_the_membership_learns_neither_the_token_nor_the_key() {
+    const SECRET: &str = "this deployment's cluster secret";
+    let seen = Arc::new(std::sync::Mutex::new(Vec::<(String, Vec<String>)>::new()));
+    let record_all = {
+        let seen = seen.clone();
+        move |req: axum::extract::Request| {
+            let seen = seen.clone();
+            async move {
+                let names = req.headers().keys().map(|k| k.as_str().to_string()).collect();
+                seen.lock().unwrap().push((req.uri().path().to_string(), names));
+                axum::Json(serde_json::json!({"proof": "00", "status": "ok"}))
+            }
+        }
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stranger_url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, axum::Router::new().fallback(record_all)).await });
+
+    let k = Knobs { cluster_secret: Some(SECRET), ..Knobs::default() };
+    let p = engine_with(Some((Role::Prefill, KvMode::Push)), 16, k.clone()).await;
+    let d = engine_with(Some((Role::Decode, KvMode::Push)), 16, k).await;
+    let cfg = RouterConfig {
+        discovered_engines: true,
+        cluster_secret: Some(tandem_core::ClusterSecret::new(SECRET.as_bytes()).unwrap()),
+        engine_api_key: Some("sk-engines".into()),
+        admin_keys: tandem_core::ApiKeys::new(["sk-admin"]).unwrap(),
+        ..RouterConfig::new(TransferMode::Push, vec![], vec![])
+    };
+    let (base, router) = serve_router(cfg).await;
+    let (tx, rx) = tokio::sync::watch::channel::<Option<Membership>>(None);
+    let _following = router.follow_membership(rx, Arc::new(DiscoveryHealth::default()));
+    let stranger = Engine { url: stranger_url.clone(), state: d.state.clone() };
+    tx.send_replace(Some(BTreeMap::from([
+        record("p", "prefill", &p),
+        record("d", "decode", &d),
+        record("stranger", "decode", &stranger),
+    ])));
+    let admin = reqwest::Client::builder()
+        .default_headers(reqwest::header::HeaderMap::from_iter([(
+            reqwest::header::AUTHORIZATION,
+            "Bearer sk-admin".parse().unwrap(),
+        )]))
+        .build()
+        .unwrap();
+    until_listed(&admin, &base, (vec![p.url.clone()], vec![d.url.clone()])).await;
+    // Vetted and refused: it was only challenged, without token or key.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let seen = seen.lock().unwrap().clone();
+    assert!(!seen.is_empty(), "the stranger was never asked");
+    for (path, headers) in &seen {
+        assert_eq!(path, "/kv/prove", "the stranger was asked more than to prove itself");
+        assert!(!headers.iter().any(|h| h == tandem_core::CLUSTER_TOKEN_HEADER || h == "authorization"), "{headers:?}");
+    }
+}

@@ -16,6 +16,7 @@
 //! | `GET /kv/info` | the KV side channel of a prefill or decode engine and its open connections with their transports (404 colocated) |
 //! | `POST /kv/release` | prefill: free the KV held for a transfer no decode will take |
 //! | `POST /kv/prefix` | how much of a completion's or chat's prompt the prefix cache holds (for routing) |
+//! | `GET /kv/prove` | with a cluster secret: the proof that answers a router's challenge (open: it reveals nothing) |
 //!
 //! Text lives here: prompts are tokenized and outputs detokenized (with stop strings) in the
 //! handlers; the engine sees only token ids. Errors are OpenAI-shaped JSON ([`ApiError`]).
@@ -199,6 +200,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(keyed)
         .merge(open)
         .merge(internal)
+        .route("/kv/prove", get(prove_membership))
         .route("/health", get(health))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::map_response(json_body_limit))
@@ -234,6 +236,22 @@ async fn require_cluster_token(
     let refused = ApiError::NotClusterMember;
     state.metrics.record_error(refused.error_type());
     refused.into_response()
+}
+
+/// `GET /kv/prove` with a challenge (8 to 128 bytes) in [`tandem_core::CLUSTER_CHALLENGE_HEADER`]:
+/// `{"proof": ...}`, the keyed hash of it that only a holder of the cluster secret can make; 404
+/// without a secret. Open to all: the answer serves only the challenger.
+async fn prove_membership(State(state): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Response {
+    let Some(secret) = &state.cluster_secret else {
+        return (StatusCode::NOT_FOUND, Json(json!({"error": "this engine has no --cluster-secret-file"})))
+            .into_response();
+    };
+    let challenge = headers.get(tandem_core::CLUSTER_CHALLENGE_HEADER).map(|v| v.as_bytes()).unwrap_or_default();
+    if !(8..=128).contains(&challenge.len()) {
+        return (StatusCode::BAD_REQUEST, Json(json!({"error": "a challenge of 8 to 128 bytes, please"})))
+            .into_response();
+    }
+    Json(json!({"proof": secret.engine_proof(challenge)})).into_response()
 }
 
 /// Largest request body accepted: room for a token-id prompt of about a million tokens.
