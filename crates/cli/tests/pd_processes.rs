@@ -1,8 +1,9 @@
 //! Disaggregated serving across separate processes (the `tandem` binary): prefill, decode and
 //! router as their own processes, KV over TCP. Push and pull equal a colocated process; a
 //! prefill process killed mid-prefill ends the request with a clear error within a bound while
-//! decode gets every block back; a decode process killed mid-request frees prefill's KV at once
-//! and the router sends everything after it to the other decode engine, then takes it back.
+//! decode gets every block back; a decode process killed mid-request frees prefill's KV at once,
+//! the router answers that request through the other decode engine and sends everything after
+//! it there, then takes the restarted one back.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -262,16 +263,11 @@ fn a_decode_process_killed_mid_request_frees_prefill_kv_and_the_router_fails_ove
         d[victim].0.kill().unwrap();
         d[victim].0.wait().ok();
         let (status, v, took) = client.join().unwrap();
-        match mode {
-            // The decode leg had begun on the killed engine: the request fails, naming it.
-            "push" => {
-                assert!(status >= 500, "{mode}: expected a 5xx, got {status}: {v}");
-                assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("decode")), "{v}");
-            }
-            // The decode leg starts after prefill: if the router had picked the killed engine,
-            // it cannot connect, and the other one reads the KV under the same lease.
-            _ => assert_eq!(status, 200, "{mode}: {v}"),
-        }
+        // Not streamed, nothing of the answer had reached the client: push tries the request
+        // again on a new pair (the live decode engine), and pull has the live one read the KV
+        // under the same lease. None is lost.
+        assert_eq!(status, 200, "{mode}: {v}");
+        assert_eq!(v["usage"]["completion_tokens"], 4, "{mode}: {v}");
         assert!(took < Duration::from_secs(30), "{mode}: bounded: {took:?}");
         // Prefill frees the prompt's KV at once (not after its 30 s lease or transfer timeout).
         metric_until(&http, &p_url, "tandem:kv_blocks_used", |b| b == 0.0, "prefill kept the dead decode's KV");

@@ -34,8 +34,11 @@
 //! `--max-queued-requests`) goes to another engine of that role, each engine at most once per
 //! request; pull keeps prefill's KV under its lease for the next decode engine, push starts a
 //! new pair. Only when no engine is left does the client get the error: a 429 keeps its
-//! `Retry-After`. A leg that failed after its engine took it is not retried (tokens may have
-//! been streamed, and a prefill that computed is not computed twice).
+//! `Retry-After`. A request that is not streamed is answered only once its decode engine's
+//! answer is whole, so a decode engine that dies before that (killed, its connection reset)
+//! fails only the attempt: the request goes to another pair. Other legs that failed after
+//! their engine took them are not retried (tokens may have been streamed, and a prefill that
+//! computed is not computed twice).
 #![deny(missing_docs)]
 
 mod admin;

@@ -870,13 +870,64 @@ async fn dispatch_local(
     }
     let d_guard = d.start();
     tracing::debug!(url = %d.url, "short uncached prompt: run on decode alone");
+    let streamed = is_streamed(orig);
     match req.send().await {
         Ok(resp) if resp.status().is_success() => {
-            Ok(passthrough(resp, Some(d_guard), Legs::default(), r.abort.subscribe()))
+            answer(resp, streamed, &d, Some(d_guard), Legs::default(), r.abort.subscribe()).await
         }
         Ok(resp) => Err(leg_error("decode", &d, resp).await),
+        Err(e) if !streamed => Err(decode_lost(&d, &e)),
         Err(e) => Err(leg_failed(&d, "decode", &e)),
     }
+}
+
+/// Whether the client asked for its answer streamed (`stream: true`).
+fn is_streamed(orig: &Map<String, Value>) -> bool {
+    orig.get("stream").and_then(Value::as_bool).unwrap_or(false)
+}
+
+/// The decode engine's answer for the client: streamed through as it comes, or, for a request
+/// that is not streamed, read whole first. A decode engine that dies before its whole answer
+/// is read (killed, its connection reset) then fails only this attempt: nothing reached the
+/// client yet, so the request goes to another pair ([`decode_lost`]) instead of being lost.
+async fn answer(
+    resp: reqwest::Response,
+    streamed: bool,
+    d: &Arc<Backend>,
+    in_flight: Option<InFlight>,
+    legs: Legs,
+    abort: tokio::sync::watch::Receiver<bool>,
+) -> Result<Response, LegError> {
+    if streamed {
+        return Ok(passthrough(resp, in_flight, legs, abort));
+    }
+    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::OK);
+    let headers: Vec<(&'static str, Vec<u8>)> = ["content-type", "x-request-id", "cache-control"]
+        .into_iter()
+        .filter_map(|name| resp.headers().get(name).map(|v| (name, v.as_bytes().to_vec())))
+        .collect();
+    let mut abort = abort;
+    let body = tokio::select! {
+        body = resp.bytes() => body.map_err(|e| decode_lost(d, &e))?,
+        _ = abort.wait_for(|a| *a) => return Err(error(StatusCode::SERVICE_UNAVAILABLE, "the router is shutting down").into()),
+    };
+    // The answer is whole: the legs' guards go (prefill frees anything it still holds).
+    drop((in_flight, legs));
+    let mut out = Response::builder().status(status);
+    for (name, value) in headers {
+        out = out.header(name, value);
+    }
+    Ok(out.body(Body::from(body)).unwrap_or_else(|e| error(StatusCode::BAD_GATEWAY, e.to_string())))
+}
+
+/// A decode engine that took a request not streamed and died before answering it whole: marked
+/// down until a check finds it again, and the request tried on another pair.
+fn decode_lost(d: &Arc<Backend>, e: &reqwest::Error) -> LegError {
+    let cause = describe(e);
+    tracing::warn!(url = %d.url, %cause, "decode engine lost a request before answering it; trying another pair");
+    d.set_state(BackendState::Down(cause.clone()));
+    let response = error(StatusCode::BAD_GATEWAY, format!("decode leg to {} failed: {cause}", d.url));
+    LegError { response, engine: Some(d.clone()) }
 }
 
 /// Why a leg gave no answer: the response for the client, and the engine to try another
@@ -938,14 +989,16 @@ async fn dispatch_to(
             // for another one, without computing the prompt again.
             let mut tried = Vec::new();
             let mut d = d;
+            let streamed = is_streamed(orig);
             loop {
                 let d_guard = d.start();
                 let failed = match post(&d, Value::Object(db.clone())).send().await {
                     Ok(resp) if resp.status().is_success() => {
                         let legs = Legs { _tasks: Vec::new(), _release: Some(release) };
-                        return Ok(passthrough(resp, Some(d_guard), legs, r.abort.subscribe()));
+                        return answer(resp, streamed, &d, Some(d_guard), legs, r.abort.subscribe()).await;
                     }
                     Ok(resp) => leg_error("decode", &d, resp).await,
+                    Err(e) if !streamed => decode_lost(&d, &e),
                     Err(e) => leg_failed(&d, "decode", &e),
                 };
                 let Some(engine) = failed.engine.clone() else { return Err(failed.response.into()) };
@@ -1007,12 +1060,14 @@ async fn dispatch_to(
                     _ => decode_leg.await,
                 },
             };
+            let streamed = is_streamed(orig);
             let failed = match dresp {
                 Ok(resp) if resp.status().is_success() => {
                     let legs = Legs { _tasks: vec![prefill_leg], _release: Some(release) };
-                    return Ok(passthrough(resp, Some(d_guard), legs, r.abort.subscribe()));
+                    return answer(resp, streamed, &d, Some(d_guard), legs, r.abort.subscribe()).await;
                 }
                 Ok(resp) => leg_error("decode", &d, resp).await,
+                Err(e) if !streamed => decode_lost(&d, &e),
                 Err(e) => leg_failed(&d, "decode", &e),
             };
             // No decode engine will register for this KV: dropping the prefill leg cancels a
