@@ -207,6 +207,57 @@ fn metric_until(http: &reqwest::blocking::Client, url: &str, name: &str, pred: i
     }
 }
 
+/// With another prefill engine to go to, a request whose prefill engine is killed mid-prefill
+/// is not lost: the router sends it to a new pair (nothing of it had reached the client).
+#[test]
+fn a_prefill_process_killed_mid_prefill_with_another_one_up_loses_no_request() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let (dp, dk, rp) = (free_port(), free_port(), free_port());
+    let p_ports: Vec<(u16, u16)> = (0..2).map(|_| (free_port(), free_port())).collect();
+    let mut p: Vec<Proc> = p_ports
+        .iter()
+        .map(|(pp, pk)| {
+            tandem(&args(&format!(
+                "serve --role prefill --kv-mode push --port {pp} --kv-port {pk} --max-num-batched-tokens 2"
+            )))
+        })
+        .collect();
+    let _d = tandem(&args(&format!("serve --role decode --kv-mode push --port {dp} --kv-port {dk}")));
+    let p_url: Vec<String> = p_ports.iter().map(|(pp, _)| format!("http://127.0.0.1:{pp}")).collect();
+    let _r = tandem(&args(&format!(
+        "router --mode push --prefill {} --decode http://127.0.0.1:{dp} --port {rp}",
+        p_url.join(",")
+    )));
+    let r_url = format!("http://127.0.0.1:{rp}");
+    wait_healthy(&http, &r_url);
+    let prompt: Vec<u32> = (0..2000).map(|j| (j % 500) as u32).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true});
+    let url = r_url.clone();
+    let client = std::thread::spawn(move || {
+        let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+        complete(&http, &url, &body)
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let victim = loop {
+        let busy = |u: &String| metric(&http, u, "tandem:num_requests_running") == Some(1.0);
+        if let Some(i) = p_url.iter().position(busy) {
+            break i;
+        }
+        assert!(Instant::now() < deadline, "the request never reached a prefill engine");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    p[victim].0.kill().unwrap();
+    p[victim].0.wait().ok();
+    let (status, v) = client.join().unwrap();
+    assert_eq!(status, 200, "the request was lost with its prefill engine: {v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    let other = &p_url[1 - victim];
+    assert!(
+        metric(&http, other, "tandem:request_success_total").unwrap_or(0.0) >= 1.0,
+        "the other prefill engine did not take it"
+    );
+}
+
 #[test]
 fn a_decode_process_killed_mid_request_frees_prefill_kv_and_the_router_fails_over_and_takes_it_back() {
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();

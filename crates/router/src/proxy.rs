@@ -876,7 +876,6 @@ async fn dispatch_local(
             answer(resp, streamed, &d, Some(d_guard), Legs::default(), r.abort.subscribe()).await
         }
         Ok(resp) => Err(leg_error("decode", &d, resp).await),
-        Err(e) if !streamed => Err(decode_lost(&d, &e)),
         Err(e) => Err(leg_failed(&d, "decode", &e)),
     }
 }
@@ -920,7 +919,7 @@ async fn answer(
     Ok(out.body(Body::from(body)).unwrap_or_else(|e| error(StatusCode::BAD_GATEWAY, e.to_string())))
 }
 
-/// A decode engine that took a request not streamed and died before answering it whole: marked
+/// A decode engine that took a request not streamed and died while its answer was read: marked
 /// down until a check finds it again, and the request tried on another pair.
 fn decode_lost(d: &Arc<Backend>, e: &reqwest::Error) -> LegError {
     let cause = describe(e);
@@ -998,7 +997,6 @@ async fn dispatch_to(
                         return answer(resp, streamed, &d, Some(d_guard), legs, r.abort.subscribe()).await;
                     }
                     Ok(resp) => leg_error("decode", &d, resp).await,
-                    Err(e) if !streamed => decode_lost(&d, &e),
                     Err(e) => leg_failed(&d, "decode", &e),
                 };
                 let Some(engine) = failed.engine.clone() else { return Err(failed.response.into()) };
@@ -1013,10 +1011,15 @@ async fn dispatch_to(
         }
         TransferMode::Push => {
             let d_guard = d.start();
+            // Tried as a last resort (down at its last check, or not checked yet): checked now,
+            // since it may have come back (a restart: its side channel has a new epoch).
+            if p.kv().is_none() {
+                p.set_state(r.probe(&p).await);
+            }
             let kv = p.kv().ok_or_else(|| {
                 error(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    format!("prefill engine {} has not been checked yet (its KV side channel is unknown)", p.url),
+                    format!("prefill engine {} is not ready (its KV side channel is unknown)", p.url),
                 )
             })?;
             let d_kv = KvTransferParams {
@@ -1067,7 +1070,6 @@ async fn dispatch_to(
                     return answer(resp, streamed, &d, Some(d_guard), legs, r.abort.subscribe()).await;
                 }
                 Ok(resp) => leg_error("decode", &d, resp).await,
-                Err(e) if !streamed => decode_lost(&d, &e),
                 Err(e) => leg_failed(&d, "decode", &e),
             };
             // No decode engine will register for this KV: dropping the prefill leg cancels a
@@ -1080,17 +1082,19 @@ async fn dispatch_to(
     }
 }
 
-/// A leg could not be sent or its answer did not come: a 502 naming the leg and the cause.
-/// An engine that cannot be reached is marked down until the next check finds it again, and
-/// the request, which never reached it, may go to another one.
+/// A leg could not be sent or its answer did not begin: a 502 naming the leg and the cause.
+/// Unless it timed out, the engine is marked down until the next check finds it again, and the
+/// request, none of whose answer reached the client, may go to another one.
 fn leg_failed(b: &Arc<Backend>, leg: &str, e: &reqwest::Error) -> LegError {
     let cause = describe(e);
     let response = error(StatusCode::BAD_GATEWAY, format!("{leg} leg to {} failed: {cause}", b.url));
-    if e.is_connect() {
-        b.set_state(BackendState::Down(cause));
-        return LegError { response, engine: Some(b.clone()) };
+    if e.is_timeout() {
+        return response.into();
     }
-    response.into()
+    // No answer began (no connection, or it broke before the response did: the engine died):
+    // nothing reached the client, so the request may go to another engine.
+    b.set_state(BackendState::Down(cause));
+    LegError { response, engine: Some(b.clone()) }
 }
 
 /// A leg answered with an error. A 4xx passes through (the client's request is at fault;
