@@ -12,8 +12,9 @@ use axum::Json;
 use serde_json::{json, Value};
 use tandem_kv::Role;
 
+use crate::answer::{bad_request, error};
 use crate::backend::{Backend, BackendState};
-use crate::proxy::{bad_request, error, role_name, Router};
+use crate::proxy::{role_name, Router};
 
 /// Lets a request through to `/admin/engines` only with the cluster secret's token or an admin
 /// key, when the router has either (else open, as before either existed).

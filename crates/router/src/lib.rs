@@ -42,6 +42,7 @@
 #![deny(missing_docs)]
 
 mod admin;
+mod answer;
 mod backend;
 mod membership;
 mod proxy;

@@ -14,8 +14,9 @@ use std::sync::Arc;
 use tandem_discovery::{DiscoveryHealth, Membership};
 use tandem_kv::Role;
 
+use crate::answer::AbortOnDrop;
 use crate::backend::{Backend, BackendState};
-use crate::proxy::{role_name, AbortOnDrop, Router};
+use crate::proxy::{role_name, Router};
 
 /// The router following a membership; it stops when this drops.
 pub struct Following(#[allow(dead_code)] AbortOnDrop<()>);
