@@ -3,7 +3,8 @@
 # (10.78.0.1-5) joined by a bridge in this namespace (10.78.0.254), where etcd, the two routers,
 # a colocated reference engine and the clients stay. Runs scripts/discovery_check.py: load
 # through both routers while a decode engine joins, one leaves gracefully, and a prefill and a
-# decode engine are killed and started again; no request may fail or be wrong.
+# decode engine are killed and started again, and etcd is stopped for 30 s (DISC_ETCD_PAUSE); no
+# request may fail or be wrong.
 #
 # Usage (root; ip from iproute2, etcd from Debian's etcd-server):
 #   scripts/discovery_hosts.sh TANDEM_BINARY OUT_DIR     (a tandem built with --features etcd)
@@ -45,4 +46,4 @@ etcd --name disc --data-dir "$out/etcd" --listen-client-urls http://10.78.0.254:
   > "$out/etcd.log" 2>&1 &
 etcd_pid=$!
 echo "five hosts (10.78.0.1-5), etcd at 10.78.0.254:23790"
-DISC_HOSTS=$(IFS=,; echo "${hosts[*]}") python3 "$here/discovery_check.py" "$exe" "$out" etcd://10.78.0.254:23790
+DISC_HOSTS=$(IFS=,; echo "${hosts[*]}") DISC_ETCD_PID=$etcd_pid python3 "$here/discovery_check.py" "$exe" "$out" etcd://10.78.0.254:23790

@@ -40,6 +40,7 @@ pub fn engine_record(
     model: &str,
     fingerprint: &str,
     http_url: String,
+    lease_secs: u64,
 ) -> EngineRecord {
     let role = |r: tandem_kv::Role| match r {
         tandem_kv::Role::Prefill => "prefill",
@@ -64,5 +65,6 @@ pub fn engine_record(
         transports: info.map(|i| i.transports.iter().map(|t| t.name().to_string()).collect()).unwrap_or_default(),
         block_size: info.map_or(0, |i| i.block_size),
         capacity_blocks: info.map_or(0, |i| i.num_blocks),
+        lease_secs,
     }
 }

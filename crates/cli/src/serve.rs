@@ -382,6 +382,7 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
         &name,
         &parts.fingerprint,
         http_url,
+        a.discovery.discovery_lease_secs,
     );
     let max_in_flight = match a.max_queued_requests {
         0 => 0,
@@ -439,8 +440,11 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
             }
             None => None,
         };
-        // Withdrawn before the drain: routers stop sending new requests while these finish.
+        // Withdrawn before the drain, and /health says "draining": routers stop sending new
+        // requests while these finish.
+        let draining = state.clone();
         let withdraw = async move {
+            draining.start_draining();
             if let Some(r) = registration {
                 r.withdraw(std::time::Duration::from_secs(3)).await;
             }

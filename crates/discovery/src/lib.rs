@@ -50,6 +50,15 @@ pub struct EngineRecord {
     pub block_size: usize,
     /// KV blocks in its pool.
     pub capacity_blocks: usize,
+    /// Its lease, seconds: how long its key outlives it. A router keeps an engine whose key
+    /// went while the engine still answers healthy for this long (etcd may expire every lease
+    /// at once after an outage), expecting it to register again.
+    #[serde(default = "default_lease_secs")]
+    pub lease_secs: u64,
+}
+
+fn default_lease_secs() -> u64 {
+    5
 }
 
 /// Every registered engine, by engine id.

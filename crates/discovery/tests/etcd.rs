@@ -28,6 +28,7 @@ fn record(id: &str, url: &str) -> EngineRecord {
         transports: vec!["tcp".into()],
         block_size: 16,
         capacity_blocks: 100,
+        lease_secs: 2,
     }
 }
 

@@ -28,6 +28,7 @@ fn record(id: &str, role: &str, e: &Engine) -> (String, EngineRecord) {
         transports: vec!["tcp".into()],
         block_size: 16,
         capacity_blocks: 0,
+        lease_secs: 1,
     };
     (id.to_string(), r)
 }
@@ -159,4 +160,52 @@ async fn a_stranger_in_the_membership_learns_neither_the_token_nor_the_key() {
         assert_eq!(path, "/kv/prove", "the stranger was asked more than to prove itself");
         assert!(!headers.iter().any(|h| h == tandem_core::CLUSTER_TOKEN_HEADER || h == "authorization"), "{headers:?}");
     }
+}
+
+/// A key can go while its engine is alive: etcd, after an outage, expires every lease it could
+/// not renew. An engine that still answers healthy is kept for its lease (it registers again
+/// meanwhile and never leaves); one that withdrew (draining) or is gone leaves at once; one
+/// whose key does not come back leaves after its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lapsed_key_of_a_healthy_engine_is_waited_for_a_withdrawn_one_is_not() {
+    let http = reqwest::Client::new();
+    let p = engine(Some((Role::Prefill, KvMode::Push)), 16, FaultInjection::default()).await;
+    let d1 = engine(Some((Role::Decode, KvMode::Push)), 16, FaultInjection::default()).await;
+    let d2 = engine(Some((Role::Decode, KvMode::Push)), 16, FaultInjection::default()).await;
+    let cfg = RouterConfig { discovered_engines: true, ..RouterConfig::new(TransferMode::Push, vec![], vec![]) };
+    let (base, router) = serve_router(cfg).await;
+    let (tx, rx) = tokio::sync::watch::channel::<Option<Membership>>(None);
+    let _following = router.follow_membership(rx, Arc::new(DiscoveryHealth::default()));
+    let all = || BTreeMap::from([record("p", "prefill", &p), record("d1", "decode", &d1), record("d2", "decode", &d2)]);
+    tx.send_replace(Some(all()));
+    until_listed(&http, &base, (vec![p.url.clone()], vec![d1.url.clone(), d2.url.clone()])).await;
+
+    // Every key lapses at once (etcd back from an outage) and comes back 300 ms later: nobody leaves.
+    tx.send_replace(Some(Membership::new()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(listed(&http, &base).await, (vec![p.url.clone()], vec![d1.url.clone(), d2.url.clone()]));
+    tx.send_replace(Some(all()));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        listed(&http, &base).await,
+        (vec![p.url.clone()], vec![d1.url.clone(), d2.url.clone()]),
+        "an engine whose key came back left"
+    );
+
+    // d1 withdraws as it starts to drain: it leaves at once, well inside its lease.
+    d1.state.start_draining();
+    let mut without_d1 = all();
+    without_d1.remove("d1");
+    tx.send_replace(Some(without_d1.clone()));
+    let start = Instant::now();
+    until_listed(&http, &base, (vec![p.url.clone()], vec![d2.url.clone()])).await;
+    assert!(start.elapsed() < Duration::from_millis(800), "a draining engine lingered {:?}", start.elapsed());
+
+    // d2's key goes and does not come back while d2 stays healthy: it leaves after its lease (1 s).
+    without_d1.remove("d2");
+    tx.send_replace(Some(without_d1));
+    let start = Instant::now();
+    until_listed(&http, &base, (vec![p.url.clone()], vec![])).await;
+    let took = start.elapsed();
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(3), "left after {took:?} (lease 1 s)");
 }

@@ -82,6 +82,9 @@ pub struct AppState {
     /// The deployment's secret: the KV endpoints (`/kv/*`) answer only its token
     /// ([`tandem_core::CLUSTER_TOKEN_HEADER`]); none: open.
     cluster_secret: Option<tandem_core::ClusterSecret>,
+    /// Set when the engine starts to shut down: `/health` answers 503 "draining" from then on,
+    /// so routers (and Kubernetes) send it nothing new while it finishes what it has.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 impl AppState {
@@ -98,6 +101,7 @@ impl AppState {
             next_id: AtomicU64::new(0),
             id_prefix: format!("{:08x}", rand::random::<u32>()),
             in_flight: AtomicUsize::new(0),
+            draining: std::sync::atomic::AtomicBool::new(false),
             max_in_flight: 0,
             abort: tokio::sync::watch::Sender::new(false),
             api_keys: ApiKeys::default(),
@@ -146,6 +150,12 @@ impl AppState {
     /// Generation requests being answered now (streams included).
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Marks the engine as shutting down (`/health` answers 503 "draining"); requests in
+    /// flight go on.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
     }
 
     /// Ends every generation now, for a bounded shutdown: a stream gets a final error chunk,
@@ -422,11 +432,13 @@ async fn kv_release(State(state): State<Arc<AppState>>, body: Bytes) -> Response
     record(&state, result)
 }
 
-async fn health(State(state): State<Arc<AppState>>) -> StatusCode {
-    if state.engine.is_alive() {
-        StatusCode::OK
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    if state.draining.load(Ordering::SeqCst) {
+        (StatusCode::SERVICE_UNAVAILABLE, "draining").into_response()
+    } else if state.engine.is_alive() {
+        StatusCode::OK.into_response()
     } else {
-        StatusCode::SERVICE_UNAVAILABLE
+        StatusCode::SERVICE_UNAVAILABLE.into_response()
     }
 }
 
