@@ -10,6 +10,11 @@ use std::time::{Duration, Instant};
 use tandem_discovery::test_etcd::EtcdCluster;
 use tandem_discovery::{register, watch, DiscoveryConfig, DiscoveryHealth, EngineRecord, Membership};
 
+/// CI sets TANDEM_REQUIRE_ETCD: there a missing etcd is a failure, not a skip.
+fn required() -> bool {
+    std::env::var_os("TANDEM_REQUIRE_ETCD").is_some()
+}
+
 fn config(etcd: &EtcdCluster, lease_secs: u64) -> DiscoveryConfig {
     let prefix = format!("/t{}", std::process::id());
     DiscoveryConfig::parse(&etcd.url(), &prefix, Duration::from_secs(lease_secs)).unwrap()
@@ -47,7 +52,7 @@ async fn until(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_come_and_go_withdrawn_at_once_and_killed_within_their_lease() {
-    let Some(etcd) = EtcdCluster::start(1).await else { return };
+    let Some(etcd) = EtcdCluster::start(1, required()).await else { return };
     let cfg = config(&etcd, 2);
     let health = Arc::new(DiscoveryHealth::default());
     let (mut members, _watching) = watch(&cfg, health.clone()).unwrap();
@@ -72,7 +77,7 @@ async fn engines_come_and_go_withdrawn_at_once_and_killed_within_their_lease() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_engine_under_the_same_id_and_junk_keys_are_never_members() {
-    let Some(etcd) = EtcdCluster::start(1).await else { return };
+    let Some(etcd) = EtcdCluster::start(1, required()).await else { return };
     let cfg = config(&etcd, 2);
     let (mut members, _watching) = watch(&cfg, Arc::new(DiscoveryHealth::default())).unwrap();
     let first = register(&cfg, record("dup", "http://10.0.0.1:8200"), Arc::new(DiscoveryHealth::default())).unwrap();
@@ -102,7 +107,7 @@ async fn a_second_engine_under_the_same_id_and_junk_keys_are_never_members() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_etcd_stopped_everyone_keeps_serving_and_it_converges_when_etcd_returns() {
-    let Some(mut etcd) = EtcdCluster::start(1).await else { return };
+    let Some(mut etcd) = EtcdCluster::start(1, required()).await else { return };
     let cfg = config(&etcd, 2);
     let (watch_health, engine_health) = (Arc::new(DiscoveryHealth::default()), Arc::new(DiscoveryHealth::default()));
     let (mut members, _watching) = watch(&cfg, watch_health.clone()).unwrap();
@@ -131,7 +136,7 @@ async fn with_etcd_stopped_everyone_keeps_serving_and_it_converges_when_etcd_ret
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_three_member_cluster_losing_one_member_loses_nothing() {
-    let Some(mut etcd) = EtcdCluster::start(3).await else { return };
+    let Some(mut etcd) = EtcdCluster::start(3, required()).await else { return };
     let cfg = config(&etcd, 3);
     let (mut members, _watching) = watch(&cfg, Arc::new(DiscoveryHealth::default())).unwrap();
     let _a = register(&cfg, record("a", "http://10.0.0.1:8200"), Arc::new(DiscoveryHealth::default())).unwrap();
