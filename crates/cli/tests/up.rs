@@ -25,24 +25,34 @@ fn up_with_an_api_key_and_a_cluster_secret_guards_the_router_and_both_engines() 
 
 fn up_serves(key: Option<&str>) {
     let (port, pp, dp, kp) = (free_port(), free_port(), free_port(), free_port());
-    let secret_file = std::env::temp_dir().join(format!("tandem-up-secret-{}", std::process::id()));
-    std::fs::write(&secret_file, "0f1e2d3c4b5a69788796a5b4c3d2e1f0\n").unwrap();
-    let mut secret_args = vec!["--cluster-secret-file".to_string(), secret_file.display().to_string()];
-    secret_args.extend(tls_files(&secret_file.with_extension("tls")));
+    // A directory of this test's own: the two tests run at once in one process, and neither may
+    // see (or remove) the other's secret and certificates.
+    let dir = std::env::temp_dir().join(format!("tandem-up-{}-{port}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut secret_args = Vec::new();
+    if key.is_some() {
+        let secret_file = dir.join("secret");
+        std::fs::write(&secret_file, "0f1e2d3c4b5a69788796a5b4c3d2e1f0\n").unwrap();
+        secret_args = vec!["--cluster-secret-file".to_string(), secret_file.display().to_string()];
+        secret_args.extend(tls_files(&dir));
+    }
+    // up's own log (and its children's, at warn), shown if it fails.
+    let log_path = dir.join("up.log");
     let mut up = Command::new(env!("CARGO_BIN_EXE_tandem"))
         .args(["up", "--child-log", "warn", "--port", &port.to_string(), "--prefill-port", &pp.to_string()])
         .args(["--decode-port", &dp.to_string(), "--kv-port", &kp.to_string()])
         .args(key.map(|k| ["--api-key", k]).into_iter().flatten())
-        .args(key.map(|_| secret_args.clone()).into_iter().flatten())
+        .args(secret_args)
         .env_remove("TANDEM_API_KEY")
+        .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap())
         .spawn()
         .unwrap();
-    let tls_dir = secret_file.with_extension("tls");
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
     let mut http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(30));
     if key.is_some() {
-        let ca = std::fs::read(tls_dir.join("ca.pem")).unwrap();
+        let ca = std::fs::read(dir.join("ca.pem")).unwrap();
         http = http.add_root_certificate(reqwest::Certificate::from_pem(&ca).unwrap());
     }
     let http = http.build().unwrap();
@@ -50,8 +60,10 @@ fn up_serves(key: Option<&str>) {
     let url = format!("{scheme}://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(60);
     while !matches!(http.get(format!("{url}/health")).send(), Ok(r) if r.status().is_success()) {
-        assert!(up.try_wait().unwrap().is_none(), "tandem up exited during start-up");
-        assert!(Instant::now() < deadline, "tandem up never became healthy");
+        if let Some(status) = up.try_wait().unwrap() {
+            panic!("tandem up exited during start-up ({status}); its log:\n{}", log());
+        }
+        assert!(Instant::now() < deadline, "tandem up never became healthy; its log:\n{}", log());
         std::thread::sleep(Duration::from_millis(100));
     }
     let body =
@@ -88,14 +100,13 @@ fn up_serves(key: Option<&str>) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if let Some(status) = up.try_wait().unwrap() {
-            assert!(status.success(), "tandem up exited with {status}");
+            assert!(status.success(), "tandem up exited with {status}; its log:\n{}", log());
             break;
         }
         assert!(Instant::now() < deadline, "tandem up did not stop on Ctrl-C");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let _ = std::fs::remove_file(&secret_file);
-    let _ = std::fs::remove_dir_all(&tls_dir);
+    let _ = std::fs::remove_dir_all(&dir);
     // All three children are gone: their ports accept no connections.
     for p in [port, pp, dp, kp, kp + 1] {
         let deadline = Instant::now() + Duration::from_secs(5);
