@@ -23,9 +23,9 @@
 #   --transport cuda-ipc` (also into cuda:1 when there are two GPUs) and the tcp benchmarks
 #   (SKIP_TCP=1 leaves those out);
 #   tcp: `tandem bench kv --transport tcp --device cuda:0` (TCP_SIZES, each over TCP_STREAMS streams,
-#   default "1 4") and on host memory; sweep: `tandem bench sweep
+#   default "1 4"; TCP_TLS=1 over TLS, and on host memory too) and on host memory; sweep: `tandem bench sweep
 #   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
-#   SWEEP_QPS narrow it; SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU; SWEEP_ENGINE_ARGS adds
+#   SWEEP_QPS narrow it, SWEEP_PROMPTS sets the requests a point (16); SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU; SWEEP_ENGINE_ARGS adds
 #   --engine-arg=... flags; SWEEP_DIR names its result folder under $OUT, default sweep);
 #   ab: P/D with the new build, then bench kv (cuda-ipc, tcp) for gpu-bin/tandem-base and the new
 #   build alternately (AB_ROUNDS, TCP_SIZES; build with BASELINE=<rev>);
@@ -141,7 +141,7 @@ sweep() {
   timeout "${SWEEP_SECS:-590}" "$BIN/tandem" bench sweep --launch --model preset:qwen3-4b --modes "${SWEEP_MODES:-push,pull,colocated}" \
     --prefill-device cuda:0 --decode-device "${SWEEP_DECODE_DEVICE:-cuda:0}" --colocated-device cuda:0 --num-kv-blocks 4096 \
     --engine-arg="--kv-transport=${SWEEP_TRANSPORT:-cuda-ipc}" ${SWEEP_ENGINE_ARGS:-} --input-lens "${SWEEP_INPUTS:-1024,4096,8192}" --qps "${SWEEP_QPS:-1,2,4,8}" \
-    --output-len 64 --num-prompts 16 --vocab-size 100000 --result-dir "$OUT/${SWEEP_DIR:-sweep}" --plot > "$OUT/${SWEEP_DIR:-sweep}.log" 2>&1 \
+    --output-len 64 --num-prompts "${SWEEP_PROMPTS:-16}" --vocab-size 100000 --result-dir "$OUT/${SWEEP_DIR:-sweep}" --plot > "$OUT/${SWEEP_DIR:-sweep}.log" 2>&1 \
     || { note "sweep failed"; tail -20 "$OUT/${SWEEP_DIR:-sweep}.log"; status=1; }
   tail -40 "$OUT/${SWEEP_DIR:-sweep}.log"
   # The table: median TTFT and TPOT per point, and for the disaggregated modes the median KV
@@ -362,11 +362,18 @@ tcp_bench() {  # [EXE [TAG]] as kv_bench; TCP_STREAMS (default "1 4"): streams, 
     for n in ${TCP_STREAMS:-1 4}; do
       # One stream passes no flag, so that a build from before --tcp-streams runs too.
       local tag=${size}_s$n$suffix streams=(); [ "$n" = 1 ] || streams=(--tcp-streams "$n")
+      [ -z "${TCP_TLS:-}" ] || { streams+=(--tls); tag=${tag}_tls; }
       timeout 120 "$exe" bench kv --transport tcp --device cuda:0 --size "$size" "${streams[@]}" \
         --json-out "$OUT/bench_kv_tcp_gpu_$tag.json" > "$OUT/bench_kv_tcp_gpu_$tag.log" 2>&1 \
         || { note "bench kv tcp --device cuda:0 --size $size, $n streams${2:+ ($2)} failed"; tail -5 "$OUT/bench_kv_tcp_gpu_$tag.log"; status=1; }
       while read -r line; do note "${2:+$2: }$line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_tcp_gpu_$tag.log")
     done
+  done
+  # TCP_TLS=1: every run over TLS, against raw TCP and the plain transport in the same run.
+  for n in ${TCP_TLS:+${TCP_STREAMS:-1 4}}; do
+    timeout 120 "$exe" bench kv --transport tcp --size 256MiB --tls --tcp-streams "$n" > "$OUT/bench_kv_tls_host_s$n$suffix.log" 2>&1 \
+      || { note "bench kv tcp --tls (host memory, $n streams) failed"; status=1; }
+    while read -r line; do note "tls host s$n: $line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_tls_host_s$n$suffix.log")
   done
   timeout 120 "$exe" bench kv --transport tcp --size 256MiB > "$OUT/bench_kv_tcp_host$suffix.log" 2>&1 \
     || { note "bench kv tcp (host memory${2:+, $2}) failed"; status=1; }

@@ -63,6 +63,8 @@ pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// API keys and the cluster token, not certificates, so the OpenAI SDK and curl connect as
 /// they are). HTTP/1.1 only, which is what the servers speak.
 #[derive(Clone)]
+// Read only by the `http` feature's listener.
+#[cfg_attr(not(feature = "http"), allow(dead_code))]
 pub struct HttpsConfig(pub(crate) Arc<rustls::ServerConfig>);
 
 impl std::fmt::Debug for HttpsConfig {
