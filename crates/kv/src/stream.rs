@@ -1,13 +1,15 @@
 //! A side-channel connection's bytes: plain TCP, or TLS over it (`--tls-cert`, `--tls-key`,
 //! `--tls-ca`: both ends present a certificate of the deployment's CA and verify the other's).
 //!
-//! The agent reads a connection on one thread and writes it on others, so a TLS stream splits
-//! like a `TcpStream` does ([`KvStream::try_clone`]): the halves share the TLS state behind a
-//! lock held only to encrypt or decrypt, never across socket I/O, so a writer blocked on a full
-//! socket never holds up the reader (which is what lets the peer drain it). Only writers send
-//! TLS records; the reader never does.
+//! rustls runs the handshake (TLS 1.3 only: both ends are tandem); then the connection's
+//! records go through [`crate::tls_records`], which encrypts and decrypts in place with the
+//! session's keys. The agent reads a connection on one thread and writes it on others, so a
+//! TLS stream splits like a `TcpStream` does ([`KvStream::try_clone`]): the two directions
+//! have separate state, each shared by the stream's handles behind a lock of its own, so a
+//! writer blocked on a full socket never holds up the reader (which is what lets the peer
+//! drain it).
 //!
-//! Layer: beside `channel`; calls `error`.
+//! Layer: beside `channel`; calls `error` and `tls_records`.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -17,6 +19,7 @@ use std::time::Duration;
 use rustls::pki_types::ServerName;
 
 use crate::error::KvError;
+use crate::tls_records::{RecordReader, RecordWriter};
 
 /// TLS for a side channel: this engine's certificate and key, and the CA its peers' must chain
 /// to, as a client and as a server config.
@@ -38,22 +41,39 @@ impl KvTls {
     pub fn from_pem(cert_chain: &[u8], key: &[u8], ca: &[u8]) -> Result<Self, String> {
         let tandem_tls::Identity { certs, key } = tandem_tls::Identity::from_pem(cert_chain, key)?;
         let roots = tandem_tls::roots_from_pem(ca)?;
-        let provider = tandem_tls::provider();
+        // TLS 1.3's suites only, AES-128-GCM first (the fastest here with AES-NI; all three
+        // are sound): the record layer after the handshake runs exactly these.
+        let mut provider = (*tandem_tls::provider()).clone();
+        provider.cipher_suites = [
+            rustls::CipherSuite::TLS13_AES_128_GCM_SHA256,
+            rustls::CipherSuite::TLS13_AES_256_GCM_SHA384,
+            rustls::CipherSuite::TLS13_CHACHA20_POLY1305_SHA256,
+        ]
+        .iter()
+        .filter_map(|want| provider.cipher_suites.iter().find(|s| s.suite() == *want).copied())
+        .collect();
+        let provider = Arc::new(provider);
+        let tls13: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
         let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
             .build()
             .map_err(|e| format!("the CA: {e}"))?;
-        let server = rustls::ServerConfig::builder_with_provider(provider.clone())
-            .with_safe_default_protocol_versions()
+        let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(tls13)
             .map_err(|e| e.to_string())?
             .with_client_cert_verifier(verifier)
             .with_single_cert(certs.clone(), key.clone_key())
             .map_err(|e| format!("the certificate and key: {e}"))?;
-        let client = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
+        // The handshake's last record is the client's Finished: no session tickets after it,
+        // so that nothing but the record layer's own records follows.
+        server.send_tls13_tickets = 0;
+        server.enable_secret_extraction = true;
+        let mut client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(tls13)
             .map_err(|e| e.to_string())?
             .with_root_certificates(roots)
             .with_client_auth_cert(certs, key)
             .map_err(|e| format!("the certificate and key: {e}"))?;
+        client.enable_secret_extraction = true;
         Ok(Self { client: Arc::new(client), server: Arc::new(server) })
     }
 }
@@ -62,74 +82,17 @@ impl KvTls {
 pub enum KvStream {
     /// No TLS.
     Plain(TcpStream),
-    /// TLS over the socket, its state shared with the stream's clones.
+    /// TLS over the socket; each direction's record state shared with the stream's clones.
     Tls {
         /// This handle's clone of the socket.
         sock: TcpStream,
-        /// What every handle on the connection shares.
-        tls: Arc<Mutex<TlsState>>,
-        /// This handle's socket reads land here first (kept, so that no read allocates).
-        scratch: Vec<u8>,
-        /// Records this handle encrypted, to be written (kept, so that no write allocates).
-        records: Vec<u8>,
+        /// What handles read: shared, so that a reading handle dropped with records left over
+        /// (a striped receive's clone) loses none of the stream.
+        rx: Arc<Mutex<RecordReader>>,
+        /// What handles write, in the order their records must go.
+        tx: Arc<Mutex<RecordWriter>>,
     },
 }
-
-/// A TLS connection's state: rustls', and ciphertext read from the socket that rustls has not
-/// taken yet (its plaintext buffer holds 16 KiB). Shared, so that a reading handle dropped
-/// with ciphertext left over (a striped receive's clone) loses none of the stream.
-pub struct TlsState {
-    conn: rustls::Connection,
-    unfed: Vec<u8>,
-    unfed_at: usize,
-}
-
-impl TlsState {
-    /// Gives rustls `bytes` as far as its plaintext buffer takes them; how many it took.
-    fn feed(&mut self, mut bytes: &[u8]) -> std::io::Result<usize> {
-        let total = bytes.len();
-        while !bytes.is_empty() {
-            // About one record at a time: rustls moves what it holds past the record it
-            // decrypted to the front of its buffer, so feeding more costs copies.
-            let mut record = &bytes[..bytes.len().min(ONE_RECORD)];
-            let before = record.len();
-            match self.conn.read_tls(&mut record) {
-                Ok(0) => break,
-                Ok(_) => bytes = &bytes[before - record.len()..],
-                // Its plaintext buffer is full: that is read out first.
-                Err(e) if e.kind() == std::io::ErrorKind::Other => break,
-                Err(e) => return Err(e),
-            }
-            self.conn.process_new_packets().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-        }
-        Ok(total - bytes.len())
-    }
-
-    /// Feeds what was left over from an earlier read.
-    fn feed_left_over(&mut self) -> std::io::Result<()> {
-        let unfed = std::mem::take(&mut self.unfed);
-        let taken = self.feed(&unfed[self.unfed_at..]);
-        self.unfed = unfed;
-        self.unfed_at += taken?;
-        if self.unfed_at == self.unfed.len() {
-            self.unfed.clear();
-            self.unfed_at = 0;
-        }
-        Ok(())
-    }
-}
-
-/// A TLS record's largest ciphertext (16 KiB of plaintext and its overhead).
-const ONE_RECORD: usize = (16 << 10) + 256;
-
-/// Plaintext handed to the TLS state at once by a write. rustls allocates each record it
-/// encrypts; kept below glibc's trim threshold (128 KiB) the records' memory is reused from one
-/// write to the next, where 1 MiB at once was handed back to the kernel and faulted in again
-/// each time (measured: 64 KiB carries 1.2-1.3x the bytes a second of 1 MiB).
-const TLS_CHUNK: usize = 64 << 10;
-
-/// Ciphertext read from the socket at once.
-const SOCKET_READ: usize = 256 << 10;
 
 impl KvStream {
     /// The connecting side of `sock` to `host` (whose certificate must name it), TLS when
@@ -149,25 +112,43 @@ impl KvStream {
         Self::handshake(sock, conn.into())
     }
 
+    /// Runs the handshake one record at a time, so that nothing past its last record is taken
+    /// from the socket (what follows belongs to the record layer), then takes the session's
+    /// keys from rustls.
     fn handshake(mut sock: TcpStream, mut conn: rustls::Connection) -> Result<Self, KvError> {
-        conn.set_buffer_limit(Some(4 * TLS_CHUNK));
-        while conn.is_handshaking() {
-            conn.complete_io(&mut sock).map_err(|e| match e.kind() {
-                std::io::ErrorKind::InvalidData => KvError::Unauthenticated(format!("TLS handshake: {e}")),
-                _ => KvError::Io(e),
-            })?;
+        let refused = |e: &dyn std::fmt::Display| KvError::Unauthenticated(format!("TLS handshake: {e}"));
+        let mut record = Vec::new();
+        loop {
+            while conn.wants_write() {
+                conn.write_tls(&mut sock)?;
+            }
+            if !conn.is_handshaking() {
+                break;
+            }
+            read_record(&mut sock, &mut record)?;
+            let mut rest = &record[..];
+            while !rest.is_empty() {
+                conn.read_tls(&mut rest)?;
+            }
+            if let Err(e) = conn.process_new_packets() {
+                // The alert that says why, for the peer's log.
+                let _ = conn.write_tls(&mut sock);
+                return Err(refused(&e));
+            }
         }
-        let tls = Arc::new(Mutex::new(TlsState { conn, unfed: Vec::new(), unfed_at: 0 }));
-        Ok(KvStream::Tls { sock, tls, scratch: Vec::new(), records: Vec::new() })
+        let secrets = conn.dangerous_extract_secrets().map_err(|e| refused(&e))?;
+        let (rx_seq, rx_secrets) = secrets.rx;
+        let (tx_seq, tx_secrets) = secrets.tx;
+        let rx = RecordReader::new(rx_seq, rx_secrets).map_err(|e| refused(&e))?;
+        let tx = RecordWriter::new(tx_seq, tx_secrets).map_err(|e| refused(&e))?;
+        Ok(KvStream::Tls { sock, rx: Arc::new(Mutex::new(rx)), tx: Arc::new(Mutex::new(tx)) })
     }
 
     /// Another handle on the same connection (for another thread: one reads, one writes).
     pub fn try_clone(&self) -> std::io::Result<Self> {
         Ok(match self {
             KvStream::Plain(s) => KvStream::Plain(s.try_clone()?),
-            KvStream::Tls { sock, tls, .. } => {
-                KvStream::Tls { sock: sock.try_clone()?, tls: tls.clone(), scratch: Vec::new(), records: Vec::new() }
-            }
+            KvStream::Tls { sock, rx, tx } => KvStream::Tls { sock: sock.try_clone()?, rx: rx.clone(), tx: tx.clone() },
         })
     }
 
@@ -194,65 +175,39 @@ fn tls_error(e: rustls::Error) -> KvError {
     KvError::Unsupported(format!("TLS: {e}"))
 }
 
-fn lock(tls: &Mutex<TlsState>) -> MutexGuard<'_, TlsState> {
-    tls.lock().unwrap_or_else(|p| p.into_inner())
+/// One TLS record of the handshake from `sock` into `record`: its header, then as many bytes as
+/// the header says.
+fn read_record(sock: &mut TcpStream, record: &mut Vec<u8>) -> Result<(), KvError> {
+    record.resize(5, 0);
+    sock.read_exact(record)?;
+    let len = u16::from_be_bytes([record[3], record[4]]) as usize;
+    if len > (1 << 14) + 256 {
+        return Err(KvError::Unauthenticated(format!("TLS handshake: a record of {len} bytes (not TLS)")));
+    }
+    record.resize(5 + len, 0);
+    sock.read_exact(&mut record[5..])?;
+    Ok(())
+}
+
+fn lock<T>(state: &Mutex<T>) -> MutexGuard<'_, T> {
+    state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Read for KvStream {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let (sock, tls, scratch) = match self {
-            KvStream::Plain(s) => return s.read(buf),
-            KvStream::Tls { sock, tls, scratch, .. } => (sock, tls, scratch),
-        };
-        loop {
-            {
-                let mut st = lock(tls);
-                let left = st.unfed.len() - st.unfed_at;
-                st.feed_left_over()?;
-                match st.conn.reader().read(buf) {
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    done => return done,
-                }
-                match st.unfed.len() - st.unfed_at {
-                    0 => {}
-                    now if now < left => continue,
-                    _ => {
-                        let e = "the TLS state takes no more bytes and gives none out";
-                        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e));
-                    }
-                }
-            }
-            // Nothing decrypted yet: wait for the socket without holding the state.
-            scratch.resize(SOCKET_READ, 0);
-            let n = sock.read(scratch)?;
-            if n == 0 {
-                return Ok(0);
-            }
-            let mut st = lock(tls);
-            let taken = st.feed(&scratch[..n])?;
-            st.unfed.extend_from_slice(&scratch[taken..n]);
+        match self {
+            KvStream::Plain(s) => s.read(buf),
+            KvStream::Tls { sock, rx, .. } => lock(rx).read(sock, buf),
         }
     }
 }
 
 impl Write for KvStream {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let (sock, tls, records) = match self {
-            KvStream::Plain(s) => return s.write(buf),
-            KvStream::Tls { sock, tls, records, .. } => (sock, tls, records),
-        };
-        // Encrypted under the lock, sent without it.
-        records.clear();
-        let n = {
-            let mut st = lock(tls);
-            let n = st.conn.writer().write(&buf[..buf.len().min(TLS_CHUNK)])?;
-            while st.conn.wants_write() {
-                st.conn.write_tls(records)?;
-            }
-            n
-        };
-        sock.write_all(records)?;
-        Ok(n)
+        match self {
+            KvStream::Plain(s) => s.write(buf),
+            KvStream::Tls { sock, tx, .. } => lock(tx).write(sock, buf),
+        }
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
@@ -336,6 +291,36 @@ mod tests {
             got.extend(part);
         }
         assert!(got == sent, "the stream read through several handles is the stream sent");
+    }
+
+    /// After the handshake the records are TLS 1.3's as rustls itself writes and reads them: a
+    /// peer that runs rustls all along (here the server) reads what this stream writes, and
+    /// this stream reads what it writes back.
+    #[test]
+    fn records_after_the_handshake_are_what_rustls_reads_and_writes() {
+        let tls = tls();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server_config = tls.server.clone();
+        let sent: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
+        let expect = sent.clone();
+        let server = std::thread::spawn(move || {
+            let (sock, _) = listener.accept().unwrap();
+            let conn = rustls::ServerConnection::new(server_config).unwrap();
+            let mut stream = rustls::StreamOwned::new(conn, sock);
+            let mut got = vec![0u8; expect.len()];
+            stream.read_exact(&mut got).unwrap();
+            assert!(got == expect, "rustls read the bytes the record layer wrote");
+            stream.write_all(b"and back").unwrap();
+            stream.flush().unwrap();
+        });
+        let mut client = KvStream::connect(TcpStream::connect(addr).unwrap(), Some(&tls), "127.0.0.1").unwrap();
+        client.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        client.write_all(&sent).unwrap();
+        let mut back = [0u8; 8];
+        client.read_exact(&mut back).unwrap();
+        assert_eq!(&back, b"and back");
+        server.join().unwrap();
     }
 
     #[test]

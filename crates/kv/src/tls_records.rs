@@ -1,0 +1,311 @@
+//! TLS 1.3's record layer for a side-channel stream once rustls has finished its handshake.
+//!
+//! rustls moves every byte through buffers of its own: a write copies the plaintext into a
+//! record it allocates and then into the caller's output, a read copies the ciphertext into its
+//! deframer and the plaintext out again. For the KV's gigabytes that was four copies a byte
+//! besides the socket's and the cipher's. Both ends of a side channel are tandem, so after the
+//! handshake each takes the session's traffic keys from rustls (`dangerous_extract_secrets`)
+//! and runs the record layer itself (RFC 8446, section 5.2): a write encrypts in place in one
+//! reused buffer and hands many records to the socket at once; a read takes what the socket
+//! has into one buffer, decrypts each record where it lies and copies the plaintext out once.
+//! On the wire nothing changes: these are the TLS 1.3 records rustls would have sent (a test
+//! has rustls read them).
+//!
+//! Layer: under `stream`; calls nothing of the crate's.
+
+use std::io::{self, Read, Write};
+
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM, AES_256_GCM, CHACHA20_POLY1305, NONCE_LEN};
+use rustls::ConnectionTrafficSecrets;
+
+/// A record's most plaintext (2^14 bytes).
+const MAX_PLAINTEXT: usize = 1 << 14;
+/// A record's header: type, legacy version, length.
+const HEADER: usize = 5;
+/// The AEAD tag (every TLS 1.3 suite's is 16 bytes).
+const TAG: usize = 16;
+/// The most ciphertext a record may carry (RFC 8446: 2^14 + 256).
+const MAX_CIPHERTEXT: usize = MAX_PLAINTEXT + 256;
+/// Plaintext a write encrypts and hands to the socket at once.
+const WRITE_BATCH: usize = 256 << 10;
+/// Ciphertext a read takes from the socket at once (and room for one more whole record).
+const READ_BUF: usize = (256 << 10) + HEADER + MAX_CIPHERTEXT;
+
+const APPLICATION_DATA: u8 = 23;
+const ALERT: u8 = 21;
+const HANDSHAKE: u8 = 22;
+
+/// One direction's key and sequence number.
+struct Keys {
+    key: LessSafeKey,
+    iv: [u8; NONCE_LEN],
+    seq: u64,
+}
+
+impl Keys {
+    fn new(seq: u64, secrets: ConnectionTrafficSecrets) -> Result<Self, String> {
+        let (algorithm, key, iv) = match &secrets {
+            ConnectionTrafficSecrets::Aes128Gcm { key, iv } => (&AES_128_GCM, key, iv),
+            ConnectionTrafficSecrets::Aes256Gcm { key, iv } => (&AES_256_GCM, key, iv),
+            ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (&CHACHA20_POLY1305, key, iv),
+            _ => return Err("the negotiated cipher suite is none this record layer runs".into()),
+        };
+        let key = UnboundKey::new(algorithm, key.as_ref()).map_err(|_| "a traffic key of the wrong length")?;
+        let iv = iv.as_ref().try_into().map_err(|_| "a traffic IV of the wrong length")?;
+        Ok(Self { key: LessSafeKey::new(key), iv, seq })
+    }
+
+    /// The next record's nonce: the IV XOR the sequence number (RFC 8446, section 5.3).
+    fn next_nonce(&mut self) -> Nonce {
+        let mut nonce = self.iv;
+        for (n, s) in nonce[NONCE_LEN - 8..].iter_mut().zip(self.seq.to_be_bytes()) {
+            *n ^= s;
+        }
+        self.seq += 1;
+        Nonce::assume_unique_for_key(nonce)
+    }
+}
+
+fn header(len: usize) -> [u8; HEADER] {
+    [APPLICATION_DATA, 3, 3, (len >> 8) as u8, len as u8]
+}
+
+fn invalid(why: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, why.to_string())
+}
+
+/// The sending direction.
+pub struct RecordWriter {
+    keys: Keys,
+    /// Records encrypted and not yet written (kept, so that no write allocates).
+    out: Vec<u8>,
+    /// A write failed midway: the peer's view of the sequence is lost, so nothing more goes.
+    broken: bool,
+}
+
+impl RecordWriter {
+    pub(crate) fn new(seq: u64, secrets: ConnectionTrafficSecrets) -> Result<Self, String> {
+        Ok(Self { keys: Keys::new(seq, secrets)?, out: Vec::new(), broken: false })
+    }
+
+    /// Encrypts up to [`WRITE_BATCH`] bytes of `data` into records and writes them all to
+    /// `sock`; how many bytes of `data` that was.
+    pub(crate) fn write(&mut self, sock: &mut impl Write, data: &[u8]) -> io::Result<usize> {
+        if self.broken {
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, "an earlier TLS write failed"));
+        }
+        let data = &data[..data.len().min(WRITE_BATCH)];
+        self.out.clear();
+        for piece in data.chunks(MAX_PLAINTEXT) {
+            let start = self.out.len();
+            let head = header(piece.len() + 1 + TAG);
+            self.out.extend_from_slice(&head);
+            self.out.extend_from_slice(piece);
+            self.out.push(APPLICATION_DATA);
+            let nonce = self.keys.next_nonce();
+            let tag = self
+                .keys
+                .key
+                .seal_in_place_separate_tag(nonce, Aad::from(head), &mut self.out[start + HEADER..])
+                .map_err(|_| invalid("TLS record encryption failed"))?;
+            self.out.extend_from_slice(tag.as_ref());
+        }
+        sock.write_all(&self.out).inspect_err(|_| self.broken = true)?;
+        Ok(data.len())
+    }
+}
+
+/// The receiving direction: ciphertext read from the socket and not yet given out.
+pub struct RecordReader {
+    keys: Keys,
+    buf: Vec<u8>,
+    /// The first byte of `buf` not yet opened as a record, and the end of what was read.
+    start: usize,
+    end: usize,
+    /// The opened record's plaintext not yet given out, within `buf`.
+    plain: (usize, usize),
+    /// The peer said close_notify.
+    closed: bool,
+}
+
+impl RecordReader {
+    pub(crate) fn new(seq: u64, secrets: ConnectionTrafficSecrets) -> Result<Self, String> {
+        Ok(Self { keys: Keys::new(seq, secrets)?, buf: Vec::new(), start: 0, end: 0, plain: (0, 0), closed: false })
+    }
+
+    /// Plaintext into `out`: what is decrypted already, else as many whole records as `out`
+    /// holds once the socket has brought one. Ok(0) only at the end of the stream.
+    pub(crate) fn read(&mut self, sock: &mut impl Read, out: &mut [u8]) -> io::Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        let mut given = 0;
+        loop {
+            let (from, to) = self.plain;
+            let n = (to - from).min(out.len() - given);
+            out[given..given + n].copy_from_slice(&self.buf[from..from + n]);
+            self.plain.0 += n;
+            given += n;
+            if given == out.len() {
+                return Ok(given);
+            }
+            if self.open_next()? {
+                continue;
+            }
+            // No whole record is left: return what was given rather than wait for more.
+            if given > 0 || self.closed {
+                return Ok(given);
+            }
+            self.fill(sock)?;
+        }
+    }
+
+    /// Reads what the socket has, after what is left of a partial record.
+    fn fill(&mut self, sock: &mut impl Read) -> io::Result<()> {
+        if self.buf.is_empty() {
+            self.buf = vec![0; READ_BUF];
+        }
+        // Nothing decrypted is left (only then does a read come here): move the partial record
+        // to the front.
+        self.buf.copy_within(self.start..self.end, 0);
+        self.end -= self.start;
+        self.start = 0;
+        self.plain = (0, 0);
+        let n = sock.read(&mut self.buf[self.end..])?;
+        if n == 0 {
+            return match self.end {
+                0 => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed without close_notify")),
+                _ => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the stream ended inside a TLS record")),
+            };
+        }
+        self.end += n;
+        Ok(())
+    }
+
+    /// Opens the next whole record in the buffer, if there is one: its plaintext becomes
+    /// `plain`. False when the buffer holds no whole record.
+    fn open_next(&mut self) -> io::Result<bool> {
+        if self.closed || self.end - self.start < HEADER {
+            return Ok(false);
+        }
+        let head: [u8; HEADER] = self.buf[self.start..self.start + HEADER].try_into().unwrap_or_default();
+        let len = u16::from_be_bytes([head[3], head[4]]) as usize;
+        if head[0] != APPLICATION_DATA || head[1] != 3 || !(TAG + 1..=MAX_CIPHERTEXT).contains(&len) {
+            return Err(invalid("not a TLS 1.3 application-data record"));
+        }
+        if self.end - self.start < HEADER + len {
+            return Ok(false);
+        }
+        let body = self.start + HEADER;
+        let nonce = self.keys.next_nonce();
+        let opened = self
+            .keys
+            .key
+            .open_in_place(nonce, Aad::from(head), &mut self.buf[body..body + len])
+            .map_err(|_| invalid("a TLS record failed authentication (altered, replayed or out of order)"))?;
+        // The inner plaintext: content, its type, then zeros of padding.
+        let Some(last) = opened.iter().rposition(|&b| b != 0) else {
+            return Err(invalid("a TLS record without a content type"));
+        };
+        let (kind, content) = (opened[last], last);
+        self.start = body + len;
+        match kind {
+            APPLICATION_DATA => self.plain = (body, body + content),
+            // close_notify (warning level 1, description 0) ends the stream; any other alert is
+            // the peer's error.
+            ALERT if content == 2 && self.buf[body + 1] == 0 => self.closed = true,
+            ALERT => return Err(invalid(&format!("the peer sent TLS alert {}", self.buf[body + 1]))),
+            HANDSHAKE => return Err(invalid("a TLS handshake message after the handshake (key update)")),
+            _ => return Err(invalid("a TLS record of an unknown content type")),
+        }
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustls::crypto::cipher::{AeadKey, Iv};
+
+    fn secrets(fill: u8) -> ConnectionTrafficSecrets {
+        let mut key = [fill; 32];
+        key[0] = 1;
+        ConnectionTrafficSecrets::Aes256Gcm { key: AeadKey::from(key), iv: Iv::new([fill ^ 0x5a; NONCE_LEN]) }
+    }
+
+    fn pair() -> (RecordWriter, RecordReader) {
+        (RecordWriter::new(7, secrets(3)).unwrap(), RecordReader::new(7, secrets(3)).unwrap())
+    }
+
+    fn read_all(reader: &mut RecordReader, mut wire: &[u8], want: usize, piece: usize) -> io::Result<Vec<u8>> {
+        let mut got = Vec::new();
+        let mut out = vec![0u8; piece];
+        while got.len() < want {
+            let n = reader.read(&mut wire, &mut out)?;
+            got.extend_from_slice(&out[..n]);
+        }
+        Ok(got)
+    }
+
+    /// Writes of every size come back whole, read in pieces smaller and larger than a record;
+    /// the wire holds records of at most 2^14 bytes of plaintext each.
+    #[test]
+    fn what_is_written_is_read_in_any_pieces() {
+        let (mut writer, mut reader) = pair();
+        let data: Vec<u8> = (0..700_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mut wire = Vec::new();
+        let mut at = 0;
+        for size in [0, 1, 100, 16384, 16385, 300_000, 700_000].into_iter().cycle() {
+            if at == data.len() {
+                break;
+            }
+            at += writer.write(&mut wire, &data[at..(at + size).min(data.len())]).unwrap();
+        }
+        let records = wire.len() - data.len();
+        assert!(records / (HEADER + 1 + TAG) >= data.len() / MAX_PLAINTEXT, "records of at most 2^14 bytes");
+        for piece in [1, 1000, 16384, 1 << 20] {
+            let (_, mut reader_again) = pair();
+            assert!(read_all(&mut reader_again, &wire, data.len(), piece).unwrap() == data, "piece {piece}");
+        }
+        assert!(read_all(&mut reader, &wire, data.len(), 4096).unwrap() == data);
+    }
+
+    /// A flipped bit anywhere in a record, a record dropped, two swapped, or another key: the
+    /// read fails and gives out none of the record's bytes.
+    #[test]
+    fn altered_dropped_or_reordered_records_are_refused() {
+        let (mut writer, _) = pair();
+        let data = vec![9u8; 3 * MAX_PLAINTEXT];
+        let mut wire = Vec::new();
+        writer.write(&mut wire, &data).unwrap();
+        let record = HEADER + MAX_PLAINTEXT + 1 + TAG;
+        let refused = |wire: &[u8]| {
+            let (_, mut reader) = pair();
+            let mut out = vec![0u8; 4 * MAX_PLAINTEXT];
+            let mut src = wire;
+            let r = reader.read(&mut src, &mut out);
+            assert!(matches!(&r, Err(e) if e.kind() == io::ErrorKind::InvalidData), "{r:?}");
+        };
+        for at in [HEADER, HEADER + 5000, record - 1] {
+            let mut bad = wire.clone();
+            bad[at] ^= 0x10;
+            refused(&bad);
+        }
+        refused(&wire[record..]);
+        let mut swapped = wire[record..2 * record].to_vec();
+        swapped.extend_from_slice(&wire[..record]);
+        refused(&swapped);
+        let mut other = RecordReader::new(7, secrets(4)).unwrap();
+        assert!(other.read(&mut &wire[..], &mut [0u8; 100]).is_err());
+    }
+
+    /// A stream that ends inside a record is an error, not a short read.
+    #[test]
+    fn a_stream_cut_inside_a_record_is_an_error() {
+        let (mut writer, mut reader) = pair();
+        let mut wire = Vec::new();
+        writer.write(&mut wire, &[1u8; 1000]).unwrap();
+        let r = reader.read(&mut &wire[..500], &mut [0u8; 2000]);
+        assert!(matches!(&r, Err(e) if e.kind() == io::ErrorKind::UnexpectedEof), "{r:?}");
+    }
+}
