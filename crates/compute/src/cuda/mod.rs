@@ -20,7 +20,7 @@ mod tuning;
 
 pub use fences::{HostFence, HostSignal, KvFence, KvFences};
 pub use ipc::{DeviceKvMemory, DeviceScratch, HostCopies, IpcExport, PeerKvMemory};
-pub use tuning::CudaTuning;
+pub use tuning::{kv_fence_ends, CudaTuning};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -51,6 +51,26 @@ pub struct CudaTuning {
     /// and its copies. 8: on an H200 (Qwen3-4B, tcp) half of 4's wait after the last layer, and
     /// the same over cuda-ipc (docs/PERFORMANCE.md). The same bits either way.
     pub kv_fence_groups: usize,
+    /// The last two of those groups are cut into halves, then halves of what is left, down to
+    /// one layer (Qwen3-4B, 8 groups: 5 x 6, 3, 2, 1): what is left to move after the last layer
+    /// then is what its last few layers wrote, while the first groups still start as early.
+    pub kv_fence_taper: bool,
+}
+
+/// Where the KV fences of a forward over `layers` layers fall: each group's end (exclusive),
+/// in layer order (see [`CudaTuning::kv_fence_groups`] and [`CudaTuning::kv_fence_taper`]).
+pub fn kv_fence_ends(layers: usize, groups: usize, taper: bool) -> Vec<usize> {
+    let per_group = layers.div_ceil(groups.max(1)).max(1);
+    let mut ends: Vec<usize> = (1..=layers).filter(|&l| l % per_group == 0 || l == layers).collect();
+    if taper && ends.len() > 1 {
+        ends.truncate(ends.len() - 2);
+        let mut at = ends.last().copied().unwrap_or(0);
+        while at < layers {
+            at += (layers - at).div_ceil(2);
+            ends.push(at);
+        }
+    }
+    ends
 }
 
 impl Default for CudaTuning {
@@ -66,6 +86,7 @@ impl Default for CudaTuning {
             skinny_stages: 8,
             invariant_slice_cols: 0,
             kv_fence_groups: 8,
+            kv_fence_taper: false,
         }
     }
 }
@@ -83,6 +104,7 @@ impl CudaTuning {
         ("skinny_stages", "2|4|8 (default 8)"),
         ("invariant_slice_cols", "0 or a multiple of 64 (default 0)"),
         ("kv_fence_groups", "1..=64 (default 8)"),
+        ("kv_fence_taper", "0|1 (default 0)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -121,6 +143,7 @@ impl CudaTuning {
             "kv_fence_groups" => {
                 self.kv_fence_groups = value.parse().ok().filter(|n| (1..=64).contains(n)).ok_or_else(bad)?;
             }
+            "kv_fence_taper" => self.kv_fence_taper = flag()?,
             _ => {
                 let keys: Vec<&str> = Self::KEYS.iter().map(|(k, _)| *k).collect();
                 return Err(format!("--cuda-tune {key}={value}: unknown key (known: {})", keys.join(", ")));
@@ -177,6 +200,9 @@ impl fmt::Display for CudaTuning {
         if self.kv_fence_groups != d.kv_fence_groups {
             parts.push(format!("kv_fence_groups={}", self.kv_fence_groups));
         }
+        if self.kv_fence_taper != d.kv_fence_taper {
+            parts.push(format!("kv_fence_taper={}", b(self.kv_fence_taper)));
+        }
         write!(f, "{}", parts.join(","))
     }
 }
@@ -205,5 +231,16 @@ mod tests {
         let groups = CudaTuning::from_settings(&["kv_fence_groups=12"]).unwrap();
         assert_eq!((groups.kv_fence_groups, groups.to_string().as_str()), (12, "kv_fence_groups=12"));
         assert!(CudaTuning::from_settings(&["kv_fence_groups=0"]).unwrap_err().contains("1..=64"));
+    }
+
+    #[test]
+    fn fences_fall_every_group_and_taper_toward_the_last_layer() {
+        assert_eq!(kv_fence_ends(36, 8, false), [5, 10, 15, 20, 25, 30, 35, 36]);
+        assert_eq!(kv_fence_ends(36, 8, true), [5, 10, 15, 20, 25, 30, 33, 35, 36]);
+        assert_eq!(kv_fence_ends(28, 8, true), [4, 8, 12, 16, 20, 24, 26, 27, 28]);
+        assert_eq!(kv_fence_ends(28, 8, false), [4, 8, 12, 16, 20, 24, 28]);
+        assert_eq!(kv_fence_ends(4, 1, false), [4]);
+        assert_eq!(kv_fence_ends(4, 1, true), [4]);
+        assert_eq!(kv_fence_ends(4, 64, true), [1, 2, 3, 4]);
     }
 }

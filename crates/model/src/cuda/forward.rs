@@ -8,7 +8,7 @@
 use tandem_compute::cuda::ops::{
     self, AttnShape, AttnSplit, Gemv, GemvBuild, GemvInput, GemvOutput, QkvRope, ResidualDelta,
 };
-use tandem_compute::cuda::{CudaDevice, CudaError, DevBuf, KvFences};
+use tandem_compute::cuda::{kv_fence_ends, CudaDevice, CudaError, DevBuf, KvFences};
 
 use super::kv_cache::DeviceKv;
 use super::plan::DecodePlan;
@@ -88,15 +88,18 @@ impl Pass<'_> {
         let none = ResidualDelta::None;
         ops::add_rms_norm(dev, a.x.ptr(), none, 0, layers[0].input_norm.ptr(), a.normed.ptr(), t, h, eps)?;
         let prefill = self.step.prefill_seqs(counts);
-        let per_group = layers.len().div_ceil(dev.tuning().kv_fence_groups).max(1);
+        let tuning = dev.tuning();
+        let fence_ends = kv_fence_ends(layers.len(), tuning.kv_fence_groups, tuning.kv_fence_taper);
+        let mut group_start = 0;
         for (li, layer) in layers.iter().enumerate() {
             // The qkv bias is added by the RoPE kernel.
             self.matmul(a.normed.ptr(), layer.qkv.weight.ptr(), a.qkv.ptr(), t, layer.qkv.out_dim, h, false)?;
             let shape = self.rope_and_row_attention(li, layer, t, counts, false)?;
             // The RoPE kernel wrote this layer's keys and values into the cache.
             if let Some(fences) = fences.as_deref_mut() {
-                if (li + 1) % per_group == 0 || li + 1 == layers.len() {
-                    fences.record(dev, li / per_group * per_group..li + 1)?;
+                if fence_ends.contains(&(li + 1)) {
+                    fences.record(dev, group_start..li + 1)?;
+                    group_start = li + 1;
                 }
             }
             let split = self.step.flash_split(counts);
