@@ -30,6 +30,11 @@ const MAX_CIPHERTEXT: usize = MAX_PLAINTEXT + 256;
 const WRITE_BATCH: usize = 256 << 10;
 /// Ciphertext a read takes from the socket at once (and room for one more whole record).
 const READ_BUF: usize = (256 << 10) + HEADER + MAX_CIPHERTEXT;
+/// Records one key may seal: AES-GCM's bound is 2^24.5 full records (RFC 8446, section 5.5),
+/// about 380 GB. TLS would renew the key with a KeyUpdate; this layer does not, and refuses to
+/// write past it instead, which fails that transfer (decode recomputes) and the connection, so
+/// the next transfer opens a new one with fresh keys.
+const RECORDS_PER_KEY: u64 = 1 << 24;
 
 const APPLICATION_DATA: u8 = 23;
 const ALERT: u8 = 21;
@@ -95,6 +100,10 @@ impl RecordWriter {
             return Err(io::Error::new(io::ErrorKind::BrokenPipe, "an earlier TLS write failed"));
         }
         let data = &data[..data.len().min(WRITE_BATCH)];
+        if self.keys.seq + data.len().div_ceil(MAX_PLAINTEXT) as u64 > RECORDS_PER_KEY {
+            self.broken = true;
+            return Err(io::Error::other("this connection's TLS key sealed all the records it may (RFC 8446, 5.5)"));
+        }
         self.out.clear();
         for piece in data.chunks(MAX_PLAINTEXT) {
             let start = self.out.len();
@@ -297,6 +306,18 @@ mod tests {
         refused(&swapped);
         let mut other = RecordReader::new(7, secrets(4)).unwrap();
         assert!(other.read(&mut &wire[..], &mut [0u8; 100]).is_err());
+    }
+
+    /// A key seals at most [`RECORDS_PER_KEY`] records; after that every write is refused.
+    #[test]
+    fn a_key_seals_no_more_than_its_records() {
+        let mut writer = RecordWriter::new(RECORDS_PER_KEY - 2, secrets(3)).unwrap();
+        let mut wire = Vec::new();
+        assert!(writer.write(&mut wire, &[1u8; 2 * MAX_PLAINTEXT]).unwrap() == 2 * MAX_PLAINTEXT);
+        assert!(writer.write(&mut wire, &[1u8; 1]).is_err());
+        let mut writer = RecordWriter::new(RECORDS_PER_KEY - 2, secrets(3)).unwrap();
+        assert!(writer.write(&mut wire, &[1u8; 2 * MAX_PLAINTEXT + 1]).is_err());
+        assert!(writer.write(&mut wire, &[1u8; 1]).is_err(), "a refused writer stays refused");
     }
 
     /// A stream that ends inside a record is an error, not a short read.
