@@ -32,7 +32,8 @@ fn tandem(args: &str) -> Proc {
     )
 }
 
-/// The router's engines by role, as `/admin/engines` lists them.
+/// The router's engines by role, as `/admin/engines` lists them (each list sorted: engines
+/// found together join in whichever order their checks end).
 fn listed(http: &reqwest::blocking::Client, router: &str) -> (Vec<String>, Vec<String>) {
     let Ok(r) = http.get(format!("{router}/admin/engines")).send() else { return Default::default() };
     let v: Value = r.json().unwrap_or(Value::Null);
@@ -40,15 +41,24 @@ fn listed(http: &reqwest::blocking::Client, router: &str) -> (Vec<String>, Vec<S
         v[role]
             .as_array()
             .map(|a| a.iter().filter_map(|e| e["url"].as_str().map(String::from)).collect())
+            .map(sorted)
             .unwrap_or_default()
     };
     (urls("prefill"), urls("decode"))
 }
 
+fn sorted(mut urls: Vec<String>) -> Vec<String> {
+    urls.sort();
+    urls
+}
+
 /// Waits until the router lists exactly these engines (bounded); how long it took.
 fn until_listed(http: &reqwest::blocking::Client, router: &str, want: (&[&str], &[&str]), bound: Duration) -> Duration {
     let start = Instant::now();
-    let want = (want.0.iter().map(|s| s.to_string()).collect(), want.1.iter().map(|s| s.to_string()).collect());
+    let want = (
+        sorted(want.0.iter().map(|s| s.to_string()).collect()),
+        sorted(want.1.iter().map(|s| s.to_string()).collect()),
+    );
     loop {
         let now = listed(http, router);
         if now == want {
