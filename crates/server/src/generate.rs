@@ -28,6 +28,8 @@ pub(crate) struct Prepared {
     stream: bool,
     include_usage: bool,
     remote: Option<RemoteKv>,
+    /// The prompt's last tokens that are output already (`resume_output_tokens`).
+    resumed: Vec<u32>,
 }
 
 pub(crate) fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
@@ -47,7 +49,24 @@ pub(crate) fn prepare_completion(
         return Err(ApiError::bad("echo", "echo is not supported: send the prompt's text along yourself"));
     }
     let prompt_ids = completion_prompt_ids(state, req.prompt)?;
-    prepare(state, Api::Completion, request_id, prompt_ids, req.sampling, Some(16))
+    let mut p = prepare(state, Api::Completion, request_id, prompt_ids, req.sampling, Some(16))?;
+    if let Some(n) = req.resume_output_tokens.filter(|&n| n != 0) {
+        let prompt_len = p.prompt_ids.len();
+        let n = usize::try_from(n).ok().filter(|&n| n < prompt_len).ok_or_else(|| {
+            ApiError::bad(
+                "resume_output_tokens",
+                format!("resume_output_tokens must be from 0 to the prompt's length less one ({prompt_len} tokens), got {n}"),
+            )
+        })?;
+        if p.params.logprobs.is_some() {
+            return Err(ApiError::bad(
+                "resume_output_tokens",
+                "a resumed request cannot ask for logprobs: the resumed tokens' were computed elsewhere",
+            ));
+        }
+        p.resumed = p.prompt_ids[prompt_len - n..].to_vec();
+    }
+    Ok(p)
 }
 
 /// A completion's prompt as token ids.
@@ -202,7 +221,7 @@ fn prepare(
             params.resolve(mode).map_err(|e| ApiError::bad("kv_transfer_params", e))?
         }
     };
-    Ok(Prepared { api, request_id, prompt_ids, params, stops, stream, include_usage, remote })
+    Ok(Prepared { api, request_id, prompt_ids, params, stops, stream, include_usage, remote, resumed: Vec::new() })
 }
 
 /// One step of output, after detokenizing and stop strings.
@@ -269,6 +288,8 @@ struct Generation {
     first_token: Option<Instant>,
     prompt_tokens: usize,
     output_tokens: usize,
+    /// Output tokens from before a resume, put in front of the first tokens the engine gives.
+    resumed: Vec<u32>,
     /// Prefill leg: where the prompt's KV went (for the response's `kv_transfer_params`).
     produced: Option<Produced>,
     /// Decode leg: how the prompt's KV arrived.
@@ -309,12 +330,16 @@ impl Generation {
             };
         }
         Some(match event {
-            Some(EngineEvent::Tokens { token_ids, finish, logprobs }) => {
+            Some(EngineEvent::Tokens { mut token_ids, finish, logprobs }) => {
                 if self.first_token.is_none() && !token_ids.is_empty() {
                     self.first_token = Some(Instant::now());
                 }
-                self.output_tokens += token_ids.len();
                 self.state.metrics.record_generated(token_ids.len());
+                if !self.resumed.is_empty() {
+                    // Detokenized and matched against the stops as if generated here.
+                    token_ids.splice(0..0, std::mem::take(&mut self.resumed));
+                }
+                self.output_tokens += token_ids.len();
                 let mut text = String::new();
                 let mut finish = finish;
                 if let Some(tok) = self.state.tokenizer.as_deref() {
@@ -413,7 +438,7 @@ pub(crate) async fn run(state: Arc<AppState>, p: Prepared) -> Result<Response, A
         return Err(ApiError::ShuttingDown);
     }
     let in_flight = InFlight::admit(state.clone())?;
-    let prompt_tokens = p.prompt_ids.len();
+    let prompt_tokens = p.prompt_ids.len() - p.resumed.len();
     let engine_stream = state.engine.submit(EngineRequest {
         id: p.request_id.clone(),
         prompt_token_ids: p.prompt_ids,
@@ -433,6 +458,7 @@ pub(crate) async fn run(state: Arc<AppState>, p: Prepared) -> Result<Response, A
         first_token: None,
         prompt_tokens,
         output_tokens: 0,
+        resumed: p.resumed,
         produced: None,
         kv_timeline: None,
     };

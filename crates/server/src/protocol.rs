@@ -96,6 +96,12 @@ pub struct CompletionRequest {
     pub prompt: Prompt,
     /// Echo the prompt before the completion (not supported: must be absent or false).
     pub echo: Option<bool>,
+    /// tandem: the prompt's last N tokens are this request's output so far, streamed by an
+    /// engine that failed (a router resuming the request elsewhere). The answer is the whole
+    /// output as one engine would have given it, those N tokens first: their text comes out
+    /// as it would have (characters split across the seam, stop strings reaching into it) and
+    /// usage counts them as completion tokens; `max_tokens` and `min_tokens` count new tokens.
+    pub resume_output_tokens: Option<i64>,
     /// Sampling and stopping.
     #[serde(flatten)]
     pub sampling: SamplingFields,

@@ -429,6 +429,72 @@ async fn the_last_incomplete_character_is_sent_when_generation_ends() {
     s.wait_idle().await;
 }
 
+/// A request resumed from its first k output tokens (`resume_output_tokens`, as a router sends
+/// it when the engine that streamed them failed) answers exactly as the whole request: the same
+/// token ids, the same text (the random preset splits characters across tokens, so the seam
+/// falls inside them), stop strings reaching back over the seam, and the same usage.
+#[tokio::test]
+async fn a_resumed_request_answers_as_the_whole_request_would() {
+    let s = start(500, 256).await;
+    let body = json!({"prompt": "the cat", "max_tokens": 20, "temperature": 0, "ignore_eos": true});
+    let (_, whole) = s.post("/v1/completions", body.clone()).await;
+    let ids = token_ids(&whole["choices"][0]["token_ids"]);
+    let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    let (_, tokenized) = s.post("/tokenize", json!({"prompt": "the cat"})).await;
+    let prompt = token_ids(&tokenized["tokens"]);
+    let resumed_body = |k: usize, max_tokens: usize| {
+        let mut b = body.clone();
+        b["prompt"] = json!([prompt.clone(), ids[..k].to_vec()].concat());
+        b["resume_output_tokens"] = json!(k);
+        b["max_tokens"] = json!(max_tokens);
+        b
+    };
+    for k in [1, 7, 19] {
+        let (status, v) = s.post("/v1/completions", resumed_body(k, 20 - k)).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(token_ids(&v["choices"][0]["token_ids"]), ids, "k = {k}");
+        assert_eq!(v["choices"][0]["text"], text, "k = {k}");
+        assert_eq!(v["usage"], whole["usage"], "k = {k}");
+        let mut streaming = resumed_body(k, 20 - k);
+        streaming["stream"] = json!(true);
+        let events = s.stream("/v1/completions", streaming).await;
+        assert_eq!(streamed_ids(&events), ids, "k = {k}, streamed");
+        let streamed: String = events
+            .iter()
+            .filter(|e| *e != "[DONE]")
+            .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].as_str().unwrap_or("").to_string())
+            .collect();
+        assert_eq!(streamed, text, "k = {k}, streamed");
+    }
+
+    // A stop string that begins in the resumed tokens' text ends the answer where the whole
+    // request's did.
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[6..9].iter().collect();
+    let mut with_stop = body.clone();
+    with_stop["stop"] = json!(stop);
+    let (_, stopped) = s.post("/v1/completions", with_stop.clone()).await;
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    let produced = token_ids(&stopped["choices"][0]["token_ids"]).len();
+    assert!(produced > 1, "the stop must come after the first token");
+    let mut resumed = resumed_body(produced - 1, 20 - (produced - 1));
+    resumed["stop"] = json!(stop);
+    let (_, v) = s.post("/v1/completions", resumed).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["choices"][0]["text"], stopped["choices"][0]["text"]);
+
+    for (bad, why) in [
+        (json!({"prompt": [1, 2, 3], "resume_output_tokens": 3}), "all of the prompt"),
+        (json!({"prompt": [1, 2, 3], "resume_output_tokens": -1}), "negative"),
+        (json!({"prompt": [1, 2, 3], "resume_output_tokens": 1, "logprobs": 2}), "logprobs"),
+    ] {
+        let (status, v) = s.post("/v1/completions", bad).await;
+        assert_eq!(status, 400, "{why}: {v}");
+        assert_eq!(v["error"]["param"], "resume_output_tokens", "{why}");
+    }
+    s.wait_idle().await;
+}
+
 #[tokio::test]
 async fn abort_all_ends_streams_with_an_error_and_frees_every_block() {
     let s = start(64, 256).await;
