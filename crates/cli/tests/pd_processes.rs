@@ -348,6 +348,109 @@ fn a_decode_process_killed_mid_request_frees_prefill_kv_and_the_router_fails_ove
     }
 }
 
+/// What a client read of a streamed completion: its token ids and text, error events, and
+/// whether `[DONE]` ended it.
+#[derive(Default)]
+struct Streamed {
+    ids: Vec<u64>,
+    text: String,
+    errors: Vec<String>,
+    done: bool,
+}
+
+/// Reads a streamed completion from `url`, saying on `first` once its first tokens came.
+fn read_stream(url: &str, body: &Value, first: std::sync::mpsc::Sender<()>) -> Streamed {
+    use std::io::BufRead;
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+    let resp = http.post(format!("{url}/v1/completions")).json(body).send().unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut got = Streamed::default();
+    for line in std::io::BufReader::new(resp).lines() {
+        let Some(data) = line.unwrap().strip_prefix("data: ").map(str::to_string) else { continue };
+        if data == "[DONE]" {
+            got.done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(&data).unwrap();
+        if v.get("error").is_some() {
+            got.errors.push(data);
+            continue;
+        }
+        for c in v["choices"].as_array().into_iter().flatten() {
+            got.ids.extend(c["token_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
+            got.text.push_str(c["text"].as_str().unwrap_or_default());
+        }
+        if !got.ids.is_empty() {
+            let _ = first.send(());
+        }
+    }
+    got
+}
+
+/// A streamed answer whose decode engine is killed after its first tokens goes on from the
+/// other decode engine: the client reads one whole answer, each token once and no error event,
+/// token for token and character for character what a live engine answers, and the router
+/// counts the resume. Both modes; blocks back everywhere.
+#[test]
+fn a_decode_process_killed_mid_stream_is_resumed_on_another_and_the_client_reads_one_whole_answer() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+    for mode in ["push", "pull"] {
+        let (pp, rp) = (free_port(), free_port());
+        let _p = tandem(&args(&format!("serve --role prefill --kv-mode {mode} --port {pp} --kv-port {}", free_port())));
+        let d_ports: Vec<u16> = (0..2).map(|_| free_port()).collect();
+        let mut d: Vec<Proc> = d_ports
+            .iter()
+            .map(|port| {
+                tandem(&args(&format!("serve --role decode --kv-mode {mode} --port {port} --kv-port {}", free_port())))
+            })
+            .collect();
+        let d_url: Vec<String> = d_ports.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
+        let _r = tandem(&args(&format!(
+            "router --mode {mode} --prefill http://127.0.0.1:{pp} --decode {} --port {rp} --check-interval-secs 0.5",
+            d_url.join(",")
+        )));
+        let (p_url, r_url) = (format!("http://127.0.0.1:{pp}"), format!("http://127.0.0.1:{rp}"));
+        wait_healthy(&http, &r_url);
+
+        // Long enough that the engine is killed while it is still generating.
+        let body = json!({"prompt": "once upon a time", "max_tokens": 3000, "temperature": 0, "ignore_eos": true});
+        let (status, want) = complete(&http, &d_url[0], &body);
+        assert_eq!(status, 200, "{mode}: {want}");
+        let mut streaming = body.clone();
+        streaming["stream"] = json!(true);
+        let (first_tx, first_rx) = std::sync::mpsc::channel();
+        let url = r_url.clone();
+        let client = std::thread::spawn(move || read_stream(&url, &streaming, first_tx));
+        first_rx.recv_timeout(Duration::from_secs(60)).expect("no first token");
+        let running = |u: &String| metric(&http, u, "tandem:num_requests_running") == Some(1.0);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let victim = loop {
+            if let Some(i) = d_url.iter().position(running) {
+                break i;
+            }
+            let now: Vec<_> = d_url.iter().map(|u| metric(&http, u, "tandem:num_requests_running")).collect();
+            assert!(Instant::now() < deadline, "{mode}: no decode engine runs it: {now:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        d[victim].0.kill().unwrap();
+        d[victim].0.wait().ok();
+        let got = client.join().unwrap();
+
+        assert!(got.errors.is_empty(), "{mode}: {:?}", got.errors);
+        assert!(got.done, "{mode}: the stream ended without [DONE]");
+        let want_ids: Vec<u64> =
+            want["choices"][0]["token_ids"].as_array().unwrap().iter().filter_map(Value::as_u64).collect();
+        assert_eq!(got.ids.len(), 3000, "{mode}");
+        assert!(got.ids == want_ids, "{mode}: the resumed answer differs from a live engine's");
+        assert_eq!(got.text, want["choices"][0]["text"].as_str().unwrap(), "{mode}");
+        let health: Value = http.get(format!("{r_url}/health")).send().unwrap().json().unwrap_or(Value::Null);
+        assert_eq!(health["resumed_streams"], 1, "{mode}: {health}");
+        let live = &d_url[1 - victim];
+        metric_until(&http, live, "tandem:kv_blocks_used", |b| b == 0.0, "decode kept blocks");
+        metric_until(&http, &p_url, "tandem:kv_blocks_used", |b| b == 0.0, "prefill kept blocks");
+    }
+}
+
 #[cfg(target_os = "linux")]
 #[test]
 fn a_frozen_prefill_process_is_declared_dead_within_the_liveness_bound_and_trusted_again_only_after_a_new_handshake() {

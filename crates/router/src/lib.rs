@@ -46,6 +46,7 @@ mod answer;
 mod backend;
 mod membership;
 mod proxy;
+mod resume;
 mod routes;
 
 pub use backend::{Backend, BackendState, KvEndpoint};

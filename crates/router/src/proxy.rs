@@ -18,6 +18,7 @@ use crate::answer::{
     ReleaseOnDrop,
 };
 use crate::backend::{choose, Backend, BackendState, KvEndpoint};
+use crate::resume;
 
 /// How the router runs.
 #[derive(Clone, Debug)]
@@ -174,7 +175,7 @@ impl Engines {
 /// The router's state: backends, HTTP client, counters.
 pub struct Router {
     pub(crate) cfg: RouterConfig,
-    http: reqwest::Client,
+    pub(crate) http: reqwest::Client,
     /// Without the cluster token and API key: for `/kv/prove` (see [`Router::probe`]).
     bare: reqwest::Client,
     pub(crate) prefill: Engines,
@@ -188,6 +189,8 @@ pub struct Router {
     pub(crate) discovery: std::sync::OnceLock<Arc<tandem_discovery::DiscoveryHealth>>,
     /// Requests refused for want of an API key (or, on the admin endpoints, an admin key).
     pub(crate) unauthorized: AtomicU64,
+    /// Streamed answers that broke off and went on from another engine (`crate::resume`).
+    pub(crate) resumed_streams: AtomicU64,
 }
 
 fn mode_name(m: TransferMode) -> &'static str {
@@ -209,6 +212,11 @@ impl Router {
     /// Requests refused so far for want of one of the router's API keys (also in `/health`).
     pub fn refused_unauthorized(&self) -> u64 {
         self.unauthorized.load(Ordering::Relaxed)
+    }
+
+    /// Whether [`Router::abort_all`] has ended every request (nothing is resumed then).
+    pub(crate) fn aborting(&self) -> bool {
+        *self.abort.borrow()
     }
 
     /// A router over the configured backends (not yet checked; see [`Router::wait_ready`]).
@@ -261,6 +269,7 @@ impl Router {
             abort: tokio::sync::watch::Sender::new(false),
             discovery: std::sync::OnceLock::new(),
             unauthorized: AtomicU64::new(0),
+            resumed_streams: AtomicU64::new(0),
             cfg,
         })
     }
@@ -641,7 +650,8 @@ pub(crate) async fn health(State(r): State<Arc<Router>>) -> Response {
     r.check_all().await;
     let problems = r.problems();
     let refused = r.refused_unauthorized();
-    let mut body = json!({"status": "ok", "refused_unauthorized": refused});
+    let resumed = r.resumed_streams.load(Ordering::Relaxed);
+    let mut body = json!({"status": "ok", "refused_unauthorized": refused, "resumed_streams": resumed});
     if let Some(d) = r.discovery.get() {
         body["discovery"] = json!({"connected": d.connected(), "failures": d.failures(), "last_error": d.last_error()});
     }
@@ -692,11 +702,27 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
     if let Err((param, message)) = check_body(&orig) {
         return bad_request(param, message);
     }
+    let resp = route(&r, path, &headers, &orig).await;
+    let sse = resp.headers().get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if resp.status().is_success() && sse && resume::resumable(path, &orig) {
+        return resume::wrap(r, path, headers, orig, resp);
+    }
+    resp
+}
+
+/// The request's legs on the engines it picks, each leg tried on another engine while none of
+/// its answer has reached the client.
+pub(crate) async fn route(
+    r: &Arc<Router>,
+    path: &'static str,
+    headers: &HeaderMap,
+    orig: &Map<String, Value>,
+) -> Response {
     let request_id = headers.get("x-request-id").cloned();
     // A leg that never reached its engine (no connection) or that the engine turned away
     // before computing anything (429) is tried again on another engine of that role, each
     // engine at most once: the client sees an error only when no engine is left.
-    let disaggregate = match disaggregate_override(&orig) {
+    let disaggregate = match disaggregate_override(orig) {
         Ok(d) => d,
         Err(message) => return bad_request("kv_transfer_params", message),
     };
@@ -705,7 +731,7 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
     loop {
         let (prefills, decodes) = (r.prefill.list(), r.decode.list());
         let ((prefill, _), (decode, decode_answers)) =
-            tokio::join!(r.best_cached(&prefills, &orig, &tried), r.best_cached(&decodes, &orig, &tried));
+            tokio::join!(r.best_cached(&prefills, orig, &tried), r.best_cached(&decodes, orig, &tried));
         let preferred = Preferred { prefill, decode };
         let (p, d) = match r.pick(&tried, preferred) {
             Ok(pair) => pair,
@@ -713,21 +739,21 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
         };
         let local = match (disaggregate, r.cfg.local_prefill_max_tokens) {
             (Some(d), _) => !d,
-            (None, Some(most)) if prompt_tokens_at_most(&orig).is_some_and(|n| n <= most) => true,
+            (None, Some(most)) if prompt_tokens_at_most(orig).is_some_and(|n| n <= most) => true,
             (None, Some(most)) => {
                 let known = decode_answers.iter().find(|(b, _)| Arc::ptr_eq(b, &d)).map(|(_, a)| *a);
                 let prefix = match known {
                     Some(answer) => Some(answer),
-                    None => r.prefix_on(&d, &orig).await,
+                    None => r.prefix_on(&d, orig).await,
                 };
                 prefix.is_some_and(|(n, cached)| n.saturating_sub(cached) <= most)
             }
             (None, None) => false,
         };
         let attempt = if local {
-            dispatch_local(&r, path, request_id.as_ref(), &orig, d).await
+            dispatch_local(r, path, request_id.as_ref(), orig, d).await
         } else {
-            dispatch_to(&r, path, request_id.as_ref(), &orig, p, d).await
+            dispatch_to(r, path, request_id.as_ref(), orig, p, d).await
         };
         match attempt {
             Ok(resp) => return resp,
