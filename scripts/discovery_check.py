@@ -2,7 +2,7 @@
 """Engines across hosts found through etcd, under load and churn (issue 52): two prefill and two
 decode engines in network namespaces of their own (scripts/discovery_hosts.sh makes them), etcd
 and two routers outside, every router told nothing but --discovery. Clients send greedy requests
-through both routers the whole time, each answer checked against a colocated engine's; meanwhile
+(half of them streamed) through both routers the whole time, each answer checked against a colocated engine's; meanwhile
 a third decode engine starts (it must take requests within 2 s of registering), one decode
 engine stops gracefully, one prefill and one decode engine are killed (-9) and started again.
 With DISC_ETCD_PID, etcd is then stopped (SIGSTOP: it answers nothing) for DISC_ETCD_PAUSE
@@ -192,13 +192,20 @@ try:
         raise SystemExit(status)
 
     def client(k):
+        # Half the clients stream: a streamed answer whose decode engine is killed mid-way is
+        # resumed by the router, one that is not is tried again whole.
         n = k
         while not stop.is_set():
             i = n % len(prompts)
             t0 = time.time()
-            s, text = http(f"{routers[n % 2]}/v1/completions", body(prompts[i]))
-            got = json.loads(text)["choices"][0]["token_ids"] if s == 200 else None
-            results.append({"t": t0, "status": s, "ok": got == want[i], "error": None if s == 200 else text[:300]})
+            if k % 2:
+                s, got, _ = stream(f"{routers[n % 2]}/v1/completions", body(prompts[i]))
+                text = "the stream ended with an error" if s != 200 else ""
+            else:
+                s, text = http(f"{routers[n % 2]}/v1/completions", body(prompts[i]))
+                got = json.loads(text)["choices"][0]["token_ids"] if s == 200 else None
+            results.append({"t": t0, "status": s, "ok": got == want[i], "streamed": bool(k % 2),
+                            "error": None if s == 200 else text[:300]})
             n += clients
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]

@@ -356,13 +356,16 @@ struct Streamed {
     text: String,
     errors: Vec<String>,
     done: bool,
+    /// A chat chunk carried token ids.
+    chat_ids: bool,
 }
 
-/// Reads a streamed completion from `url`, saying on `first` once its first tokens came.
-fn read_stream(url: &str, body: &Value, first: std::sync::mpsc::Sender<()>) -> Streamed {
+/// Reads a streamed completion or chat from `url` + `path`, saying on `first` once its first
+/// tokens came.
+fn read_stream(url: &str, path: &str, body: &Value, first: std::sync::mpsc::Sender<()>) -> Streamed {
     use std::io::BufRead;
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
-    let resp = http.post(format!("{url}/v1/completions")).json(body).send().unwrap();
+    let resp = http.post(format!("{url}{path}")).json(body).send().unwrap();
     assert_eq!(resp.status(), 200);
     let mut got = Streamed::default();
     for line in std::io::BufReader::new(resp).lines() {
@@ -378,7 +381,10 @@ fn read_stream(url: &str, body: &Value, first: std::sync::mpsc::Sender<()>) -> S
         }
         for c in v["choices"].as_array().into_iter().flatten() {
             got.ids.extend(c["token_ids"].as_array().into_iter().flatten().filter_map(Value::as_u64));
-            got.text.push_str(c["text"].as_str().unwrap_or_default());
+            got.text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or_default());
+            if c.get("token_ids").is_some() && c.get("delta").is_some() {
+                got.chat_ids = true;
+            }
         }
         if !got.ids.is_empty() {
             let _ = first.send(());
@@ -390,11 +396,11 @@ fn read_stream(url: &str, body: &Value, first: std::sync::mpsc::Sender<()>) -> S
 /// A streamed answer whose decode engine is killed after its first tokens goes on from the
 /// other decode engine: the client reads one whole answer, each token once and no error event,
 /// token for token and character for character what a live engine answers, and the router
-/// counts the resume. Both modes; blocks back everywhere.
+/// counts the resume. A completion over push, a chat over pull; blocks back everywhere.
 #[test]
 fn a_decode_process_killed_mid_stream_is_resumed_on_another_and_the_client_reads_one_whole_answer() {
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
-    for mode in ["push", "pull"] {
+    for (mode, path) in [("push", "/v1/completions"), ("pull", "/v1/chat/completions")] {
         let (pp, rp) = (free_port(), free_port());
         let _p = tandem(&args(&format!("serve --role prefill --kv-mode {mode} --port {pp} --kv-port {}", free_port())));
         let d_ports: Vec<u16> = (0..2).map(|_| free_port()).collect();
@@ -413,14 +419,23 @@ fn a_decode_process_killed_mid_stream_is_resumed_on_another_and_the_client_reads
         wait_healthy(&http, &r_url);
 
         // Long enough that the engine is killed while it is still generating.
-        let body = json!({"prompt": "once upon a time", "max_tokens": 3000, "temperature": 0, "ignore_eos": true});
-        let (status, want) = complete(&http, &d_url[0], &body);
-        assert_eq!(status, 200, "{mode}: {want}");
-        let mut streaming = body.clone();
-        streaming["stream"] = json!(true);
+        let mut body = json!({"max_tokens": 3000, "temperature": 0, "ignore_eos": true, "stream": true});
+        if path.contains("chat") {
+            body["messages"] = json!([{"role": "user", "content": "once upon a time"}]);
+            // Token ids the router asked for itself are taken out of the client's chunks.
+            let mut short = body.clone();
+            short["max_tokens"] = json!(4);
+            let plain = read_stream(&r_url, path, &short, std::sync::mpsc::channel().0);
+            assert!(plain.done && !plain.chat_ids, "{mode}: chat chunks carry ids nobody asked for");
+            body["return_token_ids"] = json!(true);
+        } else {
+            body["prompt"] = json!("once upon a time");
+        }
+        let want = read_stream(&d_url[0], path, &body, std::sync::mpsc::channel().0);
+        assert!(want.done && want.ids.len() == 3000, "{mode}: {:?}", want.errors);
         let (first_tx, first_rx) = std::sync::mpsc::channel();
-        let url = r_url.clone();
-        let client = std::thread::spawn(move || read_stream(&url, &streaming, first_tx));
+        let (url, b) = (r_url.clone(), body.clone());
+        let client = std::thread::spawn(move || read_stream(&url, path, &b, first_tx));
         first_rx.recv_timeout(Duration::from_secs(60)).expect("no first token");
         let running = |u: &String| metric(&http, u, "tandem:num_requests_running") == Some(1.0);
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -438,11 +453,9 @@ fn a_decode_process_killed_mid_stream_is_resumed_on_another_and_the_client_reads
 
         assert!(got.errors.is_empty(), "{mode}: {:?}", got.errors);
         assert!(got.done, "{mode}: the stream ended without [DONE]");
-        let want_ids: Vec<u64> =
-            want["choices"][0]["token_ids"].as_array().unwrap().iter().filter_map(Value::as_u64).collect();
         assert_eq!(got.ids.len(), 3000, "{mode}");
-        assert!(got.ids == want_ids, "{mode}: the resumed answer differs from a live engine's");
-        assert_eq!(got.text, want["choices"][0]["text"].as_str().unwrap(), "{mode}");
+        assert!(got.ids == want.ids, "{mode}: the resumed answer differs from a live engine's");
+        assert!(got.text == want.text, "{mode}: the resumed text differs from a live engine's");
         let health: Value = http.get(format!("{r_url}/health")).send().unwrap().json().unwrap_or(Value::Null);
         assert_eq!(health["resumed_streams"], 1, "{mode}: {health}");
         let live = &d_url[1 - victim];

@@ -702,10 +702,13 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
     if let Err((param, message)) = check_body(&orig) {
         return bad_request(param, message);
     }
+    let mut orig = orig;
+    let resumable = resume::resumable(path, &orig);
+    let strip_ids = resumable && resume::ask_token_ids(path, &mut orig);
     let resp = route(&r, path, &headers, &orig).await;
     let sse = resp.headers().get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    if resp.status().is_success() && sse && resume::resumable(path, &orig) {
-        return resume::wrap(r, path, headers, orig, resp);
+    if resp.status().is_success() && sse && resumable {
+        return resume::wrap(r, path, headers, orig, strip_ids, resp);
     }
     resp
 }

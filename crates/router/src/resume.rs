@@ -1,22 +1,20 @@
-//! A streamed completion whose engine dies mid-answer, resumed on another engine.
+//! A streamed answer whose engine dies mid-way, resumed on another engine.
 //!
 //! A request that is not streamed is simply tried again (nothing reached the client). A
 //! streamed one has sent tokens already, so the router keeps what it passed on, each chunk's
-//! `token_ids` and the characters of its text, and when the stream breaks before its last
-//! chunk (the connection reset, the engine's error event) it routes the request again with
-//! those tokens after the prompt and `resume_output_tokens` saying they are output: the engine
-//! that takes it answers the whole output as one engine would have (the held-back bytes of a
-//! split character, a stop string reaching back over the seam), and the router leaves out of
-//! its chunks the tokens and characters the client has, keeping the first answer's id. Greedy
-//! answers come out token for token as if nothing had failed; sampled ones go on with fresh
-//! randomness.
+//! token ids (chat chunks carry them when asked: the router asks) and the characters of its
+//! text, and when the stream breaks before its last chunk (the connection reset, the engine's
+//! error event) it routes the request again with those tokens as `resume_output_token_ids`:
+//! the engine that takes it answers the whole output as one engine would have (the held-back
+//! bytes of a split character, a stop string reaching back over the seam), and the router
+//! leaves out of its chunks the tokens and characters the client has, keeping the first
+//! answer's id. Greedy answers come out token for token as if nothing had failed; sampled ones
+//! go on with fresh randomness.
 //!
-//! Completions only (chat chunks carry no token ids), one choice, no logprobs (the resumed
-//! tokens' were computed by the engine that died).
+//! One choice, no logprobs (the resumed tokens' were computed by the engine that died).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::{Body, BodyDataStream};
 use axum::http::HeaderMap;
@@ -33,32 +31,22 @@ const MAX_RESUMES: usize = 3;
 
 /// Whether a request's stream can be resumed (see the module docs).
 pub(crate) fn resumable(path: &str, orig: &Map<String, Value>) -> bool {
-    let absent = |k: &str| orig.get(k).is_none_or(Value::is_null);
-    path == "/v1/completions"
+    let absent = |k: &str| orig.get(k).is_none_or(|v| v.is_null() || *v == Value::Bool(false));
+    matches!(path, "/v1/completions" | "/v1/chat/completions")
         && is_streamed(orig)
         && (absent("n") || orig.get("n").and_then(Value::as_i64) == Some(1))
         && absent("logprobs")
         && absent("echo")
-        && (prompt_ids(orig).is_some() || prompt_text(orig).is_some())
 }
 
-/// A completion's prompt as token ids, when it is given as ids.
-fn prompt_ids(orig: &Map<String, Value>) -> Option<Vec<u64>> {
-    let ids = match orig.get("prompt")? {
-        Value::Array(items) if items.len() == 1 && items[0].is_array() => items[0].as_array()?,
-        Value::Array(items) => items,
-        _ => return None,
-    };
-    ids.iter().map(Value::as_u64).collect()
-}
-
-/// A completion's prompt as text, when it is given as text.
-fn prompt_text(orig: &Map<String, Value>) -> Option<&str> {
-    match orig.get("prompt")? {
-        Value::String(s) => Some(s),
-        Value::Array(items) if items.len() == 1 => items[0].as_str(),
-        _ => None,
+/// Has a chat stream's chunks carry their token ids; whether the client had not asked (the
+/// router then takes them out again).
+pub(crate) fn ask_token_ids(path: &str, orig: &mut Map<String, Value>) -> bool {
+    if path != "/v1/chat/completions" || orig.get("return_token_ids") == Some(&Value::Bool(true)) {
+        return false;
     }
+    orig.insert("return_token_ids".into(), Value::Bool(true));
+    true
 }
 
 /// The stream `resp` (the first answer to `orig`) passed to the client, resumed on another
@@ -68,6 +56,7 @@ pub(crate) fn wrap(
     path: &'static str,
     headers: HeaderMap,
     orig: Map<String, Value>,
+    strip_ids: bool,
     resp: Response,
 ) -> Response {
     let (parts, body) = resp.into_parts();
@@ -85,6 +74,8 @@ pub(crate) fn wrap(
         skip_ids: 0,
         skip_chars: 0,
         rewrite: false,
+        strip_ids,
+        chat: path == "/v1/chat/completions",
         finished: false,
         resumes: 0,
     };
@@ -116,6 +107,9 @@ struct Resuming {
     skip_chars: usize,
     /// Chunks are rewritten (a resumed answer): ids kept, what the client has left out.
     rewrite: bool,
+    /// Chat chunks' token ids are taken out (the client did not ask for them).
+    strip_ids: bool,
+    chat: bool,
     /// A chunk with a finish reason went out: the answer is whole.
     finished: bool,
     resumes: usize,
@@ -208,7 +202,8 @@ impl Resuming {
         };
         let mut ids: Vec<u64> =
             choice.get("token_ids").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_u64).collect();
-        let mut text = choice.get("text").and_then(Value::as_str).unwrap_or_default().to_string();
+        let text = if self.chat { choice["delta"]["content"].as_str() } else { choice["text"].as_str() };
+        let mut text = text.unwrap_or_default().to_string();
         let finish = choice.get("finish_reason").is_some_and(|f| !f.is_null());
         if self.rewrite {
             let drop_ids = self.skip_ids.min(ids.len());
@@ -222,12 +217,25 @@ impl Resuming {
                 return Event::Pass(None);
             }
             choice["token_ids"] = json!(ids);
-            choice["text"] = json!(text);
+            if self.chat {
+                // The client had the assistant's role with the first answer's first chunk.
+                if let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) {
+                    delta.remove("role");
+                    delta.insert("content".into(), json!(text));
+                }
+            } else {
+                choice["text"] = json!(text);
+            }
+        }
+        if self.strip_ids {
+            if let Some(c) = choice.as_object_mut() {
+                c.remove("token_ids");
+            }
         }
         self.sent_ids.extend_from_slice(&ids);
         self.sent_chars += text.chars().count();
         self.finished |= finish;
-        Event::Pass(Some(if self.rewrite { sse(&Value::Object(chunk)) } else { raw() }))
+        Event::Pass(Some(if self.rewrite || self.strip_ids { sse(&Value::Object(chunk)) } else { raw() }))
     }
 
     /// Routes the request again after what the client has; Err when it cannot be.
@@ -237,7 +245,7 @@ impl Resuming {
         if self.finished || self.resumes == MAX_RESUMES || self.r.aborting() {
             return Err(());
         }
-        let Some(body) = continuation(&self.r, &self.orig, &self.sent_ids).await else { return Err(()) };
+        let Some(body) = continuation(&self.orig, self.chat, &self.sent_ids) else { return Err(()) };
         self.resumes += 1;
         let k = self.sent_ids.len();
         tracing::warn!(tokens = k, resume = self.resumes, "a streamed answer broke off; resuming it on another engine");
@@ -256,44 +264,26 @@ impl Resuming {
     }
 }
 
-/// The request that goes on from what the client has: the prompt and the output so far as
-/// the prompt, that output marked as such, the output's limits less what it has.
-async fn continuation(r: &Router, orig: &Map<String, Value>, sent_ids: &[u64]) -> Option<Map<String, Value>> {
-    let int = |k: &str| orig.get(k).and_then(Value::as_i64);
-    let resumed_before = int("resume_output_tokens").unwrap_or(0).max(0) as usize;
-    let mut prompt = match prompt_ids(orig) {
-        Some(ids) => ids,
-        None => tokenize(r, prompt_text(orig)?).await?,
-    };
-    prompt.truncate(prompt.len().checked_sub(resumed_before)?);
+/// The request that goes on from what the client has: that output after the prompt, marked as
+/// such, and the output's limits less what it has (a chat without a limit has the room its
+/// context leaves, as before).
+fn continuation(orig: &Map<String, Value>, chat: bool, sent_ids: &[u64]) -> Option<Map<String, Value>> {
+    let count = |k: &str| orig.get(k).and_then(Value::as_i64).map(|n| n.max(0) as usize);
+    let resumed_before = orig.get("resume_output_token_ids").and_then(Value::as_array).map_or(0, Vec::len);
     let k = sent_ids.len();
-    // As the engine's default for a completion.
-    let max_tokens = int("max_tokens").unwrap_or(16).max(1) as usize + resumed_before;
-    let left = max_tokens.checked_sub(k).filter(|&n| n > 0)?;
     let mut body = orig.clone();
-    prompt.extend_from_slice(sent_ids);
-    body.insert("prompt".into(), json!(prompt));
-    body.insert("resume_output_tokens".into(), json!(k));
-    body.insert("max_tokens".into(), json!(left));
-    if let Some(min) = int("min_tokens") {
-        body.insert("min_tokens".into(), json!((min.max(0) as usize + resumed_before).saturating_sub(k)));
+    body.insert("resume_output_token_ids".into(), json!(sent_ids));
+    let limit = ["max_completion_tokens", "max_tokens"].into_iter().find(|key| count(key).is_some());
+    // A completion's default limit is 16, as the engine's.
+    let max = limit.and_then(count).or((!chat).then_some(16));
+    if let Some(max) = max {
+        let left = (max + resumed_before).checked_sub(k).filter(|&n| n > 0)?;
+        body.insert(limit.unwrap_or("max_tokens").into(), json!(left));
+    }
+    if let Some(min) = count("min_tokens") {
+        body.insert("min_tokens".into(), json!((min + resumed_before).saturating_sub(k)));
     }
     Some(body)
-}
-
-/// A text prompt's token ids, from the first engine that answers (every engine of a
-/// deployment serves the same model).
-async fn tokenize(r: &Router, text: &str) -> Option<Vec<u64>> {
-    for engine in r.decode.list().iter().chain(r.prefill.list().iter()) {
-        let req = r.http.post(format!("{}/tokenize", engine.url)).json(&json!({"prompt": text}));
-        let Ok(resp) = req.timeout(Duration::from_secs(5)).send().await else { continue };
-        if let Ok(v) = resp.json::<Value>().await {
-            if let Some(ids) = v["tokens"].as_array().and_then(|t| t.iter().map(Value::as_u64).collect()) {
-                return Some(ids);
-            }
-        }
-    }
-    None
 }
 
 /// One SSE data event.

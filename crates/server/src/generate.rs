@@ -28,8 +28,10 @@ pub(crate) struct Prepared {
     stream: bool,
     include_usage: bool,
     remote: Option<RemoteKv>,
-    /// The prompt's last tokens that are output already (`resume_output_tokens`).
+    /// Output from before a resume (`resume_output_token_ids`), after the prompt in `prompt_ids`.
     resumed: Vec<u32>,
+    /// Chat chunks carry their token ids (`return_token_ids`).
+    return_token_ids: bool,
 }
 
 pub(crate) fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
@@ -49,24 +51,7 @@ pub(crate) fn prepare_completion(
         return Err(ApiError::bad("echo", "echo is not supported: send the prompt's text along yourself"));
     }
     let prompt_ids = completion_prompt_ids(state, req.prompt)?;
-    let mut p = prepare(state, Api::Completion, request_id, prompt_ids, req.sampling, Some(16))?;
-    if let Some(n) = req.resume_output_tokens.filter(|&n| n != 0) {
-        let prompt_len = p.prompt_ids.len();
-        let n = usize::try_from(n).ok().filter(|&n| n < prompt_len).ok_or_else(|| {
-            ApiError::bad(
-                "resume_output_tokens",
-                format!("resume_output_tokens must be from 0 to the prompt's length less one ({prompt_len} tokens), got {n}"),
-            )
-        })?;
-        if p.params.logprobs.is_some() {
-            return Err(ApiError::bad(
-                "resume_output_tokens",
-                "a resumed request cannot ask for logprobs: the resumed tokens' were computed elsewhere",
-            ));
-        }
-        p.resumed = p.prompt_ids[prompt_len - n..].to_vec();
-    }
-    Ok(p)
+    prepare(state, Api::Completion, request_id, prompt_ids, req.sampling, Some(16))
 }
 
 /// A completion's prompt as token ids.
@@ -138,11 +123,13 @@ fn prepare(
     state: &AppState,
     api: Api,
     request_id: RequestId,
-    prompt_ids: Vec<u32>,
+    mut prompt_ids: Vec<u32>,
     f: SamplingFields,
     default_max_tokens: Option<usize>,
 ) -> Result<Prepared, ApiError> {
     let defaults = &state.sampling_defaults;
+    let resumed = f.resume_output_token_ids.unwrap_or_default();
+    prompt_ids.extend_from_slice(&resumed);
     if let Some(n) = f.n {
         if n != 1 {
             return Err(ApiError::bad("n", format!("only n=1 is supported, got {n}")));
@@ -177,6 +164,12 @@ fn prepare(
         ));
     }
     let logprobs = crate::logprobs::requested(api, f.logprobs.as_ref(), f.top_logprobs)?;
+    if !resumed.is_empty() && logprobs.is_some() {
+        return Err(ApiError::bad(
+            "resume_output_token_ids",
+            "a resumed request cannot ask for logprobs: the resumed tokens' were computed elsewhere",
+        ));
+    }
     let params = SamplingParams {
         logprobs,
         temperature: f.temperature.or(defaults.temperature).unwrap_or(1.0) as f32,
@@ -221,7 +214,19 @@ fn prepare(
             params.resolve(mode).map_err(|e| ApiError::bad("kv_transfer_params", e))?
         }
     };
-    Ok(Prepared { api, request_id, prompt_ids, params, stops, stream, include_usage, remote, resumed: Vec::new() })
+    let return_token_ids = f.return_token_ids.unwrap_or(false);
+    Ok(Prepared {
+        api,
+        request_id,
+        prompt_ids,
+        params,
+        stops,
+        stream,
+        include_usage,
+        remote,
+        resumed,
+        return_token_ids,
+    })
 }
 
 /// One step of output, after detokenizing and stop strings.
@@ -470,6 +475,7 @@ pub(crate) async fn run(state: Arc<AppState>, p: Prepared) -> Result<Response, A
         },
         created: now_unix(),
         model: state.model_name.clone(),
+        return_token_ids: p.return_token_ids,
     };
     if p.stream {
         Ok(Sse::new(sse_events(gen, shape, p.include_usage)).into_response())
@@ -484,6 +490,8 @@ struct ChunkShape {
     id: String,
     created: u64,
     model: String,
+    /// Chat chunks carry their token ids.
+    return_token_ids: bool,
 }
 
 impl ChunkShape {
@@ -529,6 +537,7 @@ impl ChunkShape {
                     },
                     logprobs,
                     finish_reason,
+                    token_ids: self.return_token_ids.then(|| piece.token_ids.clone()),
                 }],
                 usage: None,
                 kv_timeline,

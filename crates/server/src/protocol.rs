@@ -78,6 +78,15 @@ pub struct SamplingFields {
     pub stream_options: Option<StreamOptions>,
     /// P/D transfer parameters (vLLM's field names); validated by the P/D roles.
     pub kv_transfer_params: Option<Value>,
+    /// tandem: this request's output so far, streamed by an engine that failed (a router
+    /// resuming the request elsewhere); they follow the prompt. The answer is the whole output
+    /// as one engine would have given it, these tokens first: their text comes out as it would
+    /// have (a character split across the seam, stop strings reaching into it) and usage counts
+    /// them as completion tokens; `max_tokens` and `min_tokens` count new tokens.
+    pub resume_output_token_ids: Option<Vec<u32>>,
+    /// Chat: each chunk's and choice's `token_ids` too (vLLM's `return_token_ids`; completions
+    /// always carry them).
+    pub return_token_ids: Option<bool>,
     /// Completions: log-probabilities of each token and this many alternatives (0-20); chat:
     /// whether to return log-probabilities (true/false).
     pub logprobs: Option<Value>,
@@ -96,12 +105,6 @@ pub struct CompletionRequest {
     pub prompt: Prompt,
     /// Echo the prompt before the completion (not supported: must be absent or false).
     pub echo: Option<bool>,
-    /// tandem: the prompt's last N tokens are this request's output so far, streamed by an
-    /// engine that failed (a router resuming the request elsewhere). The answer is the whole
-    /// output as one engine would have given it, those N tokens first: their text comes out
-    /// as it would have (characters split across the seam, stop strings reaching into it) and
-    /// usage counts them as completion tokens; `max_tokens` and `min_tokens` count new tokens.
-    pub resume_output_tokens: Option<i64>,
     /// Sampling and stopping.
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -318,6 +321,9 @@ pub struct ChatChunkChoice {
     pub logprobs: Option<Value>,
     /// Set on the last chunk.
     pub finish_reason: Option<String>,
+    /// This chunk's token ids, when asked for (`return_token_ids`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// `chat.completion.chunk` body.

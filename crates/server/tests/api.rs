@@ -429,10 +429,11 @@ async fn the_last_incomplete_character_is_sent_when_generation_ends() {
     s.wait_idle().await;
 }
 
-/// A request resumed from its first k output tokens (`resume_output_tokens`, as a router sends
-/// it when the engine that streamed them failed) answers exactly as the whole request: the same
-/// token ids, the same text (the random preset splits characters across tokens, so the seam
-/// falls inside them), stop strings reaching back over the seam, and the same usage.
+/// A request resumed from its first k output tokens (`resume_output_token_ids`, as a router
+/// sends it when the engine that streamed them failed) answers exactly as the whole request: the
+/// same token ids, the same text (the random preset splits characters across tokens, so the
+/// seam falls inside them), stop strings reaching back over the seam, and the same usage;
+/// completions and chat alike.
 #[tokio::test]
 async fn a_resumed_request_answers_as_the_whole_request_would() {
     let s = start(500, 256).await;
@@ -440,22 +441,19 @@ async fn a_resumed_request_answers_as_the_whole_request_would() {
     let (_, whole) = s.post("/v1/completions", body.clone()).await;
     let ids = token_ids(&whole["choices"][0]["token_ids"]);
     let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
-    let (_, tokenized) = s.post("/tokenize", json!({"prompt": "the cat"})).await;
-    let prompt = token_ids(&tokenized["tokens"]);
-    let resumed_body = |k: usize, max_tokens: usize| {
+    let resumed_body = |body: &Value, k: usize, max_tokens: usize| {
         let mut b = body.clone();
-        b["prompt"] = json!([prompt.clone(), ids[..k].to_vec()].concat());
-        b["resume_output_tokens"] = json!(k);
+        b["resume_output_token_ids"] = json!(ids[..k]);
         b["max_tokens"] = json!(max_tokens);
         b
     };
     for k in [1, 7, 19] {
-        let (status, v) = s.post("/v1/completions", resumed_body(k, 20 - k)).await;
+        let (status, v) = s.post("/v1/completions", resumed_body(&body, k, 20 - k)).await;
         assert_eq!(status, 200, "{v}");
         assert_eq!(token_ids(&v["choices"][0]["token_ids"]), ids, "k = {k}");
         assert_eq!(v["choices"][0]["text"], text, "k = {k}");
         assert_eq!(v["usage"], whole["usage"], "k = {k}");
-        let mut streaming = resumed_body(k, 20 - k);
+        let mut streaming = resumed_body(&body, k, 20 - k);
         streaming["stream"] = json!(true);
         let events = s.stream("/v1/completions", streaming).await;
         assert_eq!(streamed_ids(&events), ids, "k = {k}, streamed");
@@ -477,20 +475,42 @@ async fn a_resumed_request_answers_as_the_whole_request_would() {
     assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
     let produced = token_ids(&stopped["choices"][0]["token_ids"]).len();
     assert!(produced > 1, "the stop must come after the first token");
-    let mut resumed = resumed_body(produced - 1, 20 - (produced - 1));
-    resumed["stop"] = json!(stop);
-    let (_, v) = s.post("/v1/completions", resumed).await;
+    let (_, v) = s.post("/v1/completions", resumed_body(&with_stop, produced - 1, 20 - (produced - 1))).await;
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert_eq!(v["choices"][0]["text"], stopped["choices"][0]["text"]);
 
+    // Chat: with `return_token_ids` its chunks carry their ids, and a resumed chat streams the
+    // whole answer too.
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0,
+                      "ignore_eos": true, "stream": true, "return_token_ids": true});
+    let chat_text = |events: &[String]| -> String {
+        events
+            .iter()
+            .filter(|e| *e != "[DONE]")
+            .map(|e| {
+                serde_json::from_str::<Value>(e).unwrap()["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string()
+            })
+            .collect()
+    };
+    let events = s.stream("/v1/chat/completions", chat.clone()).await;
+    let chat_ids = streamed_ids(&events);
+    assert_eq!(chat_ids.len(), 12);
+    let mut resumed_chat = chat.clone();
+    resumed_chat["resume_output_token_ids"] = json!(chat_ids[..5]);
+    resumed_chat["max_tokens"] = json!(7);
+    let again = s.stream("/v1/chat/completions", resumed_chat).await;
+    assert_eq!(streamed_ids(&again), chat_ids);
+    assert_eq!(chat_text(&again), chat_text(&events));
+
     for (bad, why) in [
-        (json!({"prompt": [1, 2, 3], "resume_output_tokens": 3}), "all of the prompt"),
-        (json!({"prompt": [1, 2, 3], "resume_output_tokens": -1}), "negative"),
-        (json!({"prompt": [1, 2, 3], "resume_output_tokens": 1, "logprobs": 2}), "logprobs"),
+        (json!({"prompt": [1, 2, 3], "resume_output_token_ids": [-1]}), "negative"),
+        (json!({"prompt": [1, 2, 3], "resume_output_token_ids": [1], "logprobs": 2}), "logprobs"),
     ] {
         let (status, v) = s.post("/v1/completions", bad).await;
         assert_eq!(status, 400, "{why}: {v}");
-        assert_eq!(v["error"]["param"], "resume_output_tokens", "{why}");
     }
     s.wait_idle().await;
 }
