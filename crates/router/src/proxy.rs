@@ -175,7 +175,7 @@ impl Engines {
 /// The router's state: backends, HTTP client, counters.
 pub struct Router {
     pub(crate) cfg: RouterConfig,
-    pub(crate) http: reqwest::Client,
+    http: reqwest::Client,
     /// Without the cluster token and API key: for `/kv/prove` (see [`Router::probe`]).
     bare: reqwest::Client,
     pub(crate) prefill: Engines,
@@ -212,11 +212,6 @@ impl Router {
     /// Requests refused so far for want of one of the router's API keys (also in `/health`).
     pub fn refused_unauthorized(&self) -> u64 {
         self.unauthorized.load(Ordering::Relaxed)
-    }
-
-    /// Whether [`Router::abort_all`] has ended every request (nothing is resumed then).
-    pub(crate) fn aborting(&self) -> bool {
-        *self.abort.borrow()
     }
 
     /// A router over the configured backends (not yet checked; see [`Router::wait_ready`]).
@@ -711,6 +706,25 @@ async fn dispatch(r: Arc<Router>, path: &'static str, headers: HeaderMap, body: 
         return resume::wrap(r, path, headers, orig, strip_ids, resp);
     }
     resp
+}
+
+impl resume::Reroute for Router {
+    fn reroute(
+        self: Arc<Self>,
+        path: &'static str,
+        headers: HeaderMap,
+        body: Map<String, Value>,
+    ) -> futures::future::BoxFuture<'static, Response> {
+        Box::pin(async move { route(&self, path, &headers, &body).await })
+    }
+
+    fn shutting_down(&self) -> bool {
+        *self.abort.borrow()
+    }
+
+    fn count_resume(&self) {
+        self.resumed_streams.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// The request's legs on the engines it picks, each leg tried on another engine while none of

@@ -13,7 +13,6 @@
 //!
 //! One choice, no logprobs (the resumed tokens' were computed by the engine that died).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::body::{Body, BodyDataStream};
@@ -24,7 +23,22 @@ use futures::StreamExt;
 use serde_json::{json, Map, Value};
 
 use crate::answer::is_streamed;
-use crate::proxy::{route, Router};
+
+/// What a resumable stream needs of the router (implemented by `crate::proxy::Router`, which
+/// this module does not name, so that the dispatch can call it and not the other way round).
+pub(crate) trait Reroute: Send + Sync + 'static {
+    /// Routes a request, as the router routes a client's.
+    fn reroute(
+        self: Arc<Self>,
+        path: &'static str,
+        headers: HeaderMap,
+        body: Map<String, Value>,
+    ) -> futures::future::BoxFuture<'static, Response>;
+    /// The router is ending every request: nothing is resumed.
+    fn shutting_down(&self) -> bool;
+    /// Counts a resumed stream.
+    fn count_resume(&self);
+}
 
 /// Resumes of one request at most: an engine that fails every time is not the request's fault.
 const MAX_RESUMES: usize = 3;
@@ -52,7 +66,7 @@ pub(crate) fn ask_token_ids(path: &str, orig: &mut Map<String, Value>) -> bool {
 /// The stream `resp` (the first answer to `orig`) passed to the client, resumed on another
 /// engine if it breaks.
 pub(crate) fn wrap(
-    r: Arc<Router>,
+    r: Arc<dyn Reroute>,
     path: &'static str,
     headers: HeaderMap,
     orig: Map<String, Value>,
@@ -88,7 +102,7 @@ pub(crate) fn wrap(
 
 /// A resumable stream's state: what the client has, and the answer now streaming.
 struct Resuming {
-    r: Arc<Router>,
+    r: Arc<dyn Reroute>,
     path: &'static str,
     headers: HeaderMap,
     orig: Map<String, Value>,
@@ -242,20 +256,20 @@ impl Resuming {
     async fn resume(&mut self) -> Result<(), ()> {
         self.buf.clear();
         self.inner = None;
-        if self.finished || self.resumes == MAX_RESUMES || self.r.aborting() {
+        if self.finished || self.resumes == MAX_RESUMES || self.r.shutting_down() {
             return Err(());
         }
         let Some(body) = continuation(&self.orig, self.chat, &self.sent_ids) else { return Err(()) };
         self.resumes += 1;
         let k = self.sent_ids.len();
         tracing::warn!(tokens = k, resume = self.resumes, "a streamed answer broke off; resuming it on another engine");
-        let resp = route(&self.r, self.path, &self.headers, &body).await;
+        let resp = self.r.clone().reroute(self.path, self.headers.clone(), body).await;
         let sse = resp.headers().get("content-type").is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         if !resp.status().is_success() || !sse {
             tracing::warn!(status = %resp.status(), "the resumed request was not taken");
             return Err(());
         }
-        self.r.resumed_streams.fetch_add(1, Ordering::Relaxed);
+        self.r.count_resume();
         self.inner = Some(resp.into_body().into_data_stream());
         self.rewrite = true;
         self.skip_ids = k;
