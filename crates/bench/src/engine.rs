@@ -55,6 +55,8 @@ pub struct DecodeResult {
     pub median_step_ms: f64,
     /// Output tokens per second at the median step time.
     pub tokens_per_s: f64,
+    /// Bytes of weights a step read (the median step's).
+    pub weight_bytes: usize,
     /// Floor step time (weights / bandwidth), milliseconds.
     pub floor_step_ms: f64,
     /// floor / measured step time.
@@ -67,8 +69,12 @@ pub struct BenchModel {
     pub model: EngineModel,
     /// Its context limit.
     pub max_model_len: usize,
-    /// Bytes of weights one decode step reads.
+    /// Bytes of weights one decode step of one sequence reads.
     pub weight_bytes: usize,
+    /// Where the model leaves the bytes of weights each forward read, when they depend on the
+    /// batch (a mixture of experts reads the experts its tokens chose): each decode batch's
+    /// floor is then the median step's bytes, not `weight_bytes`.
+    pub weights_read: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
     /// Parameters.
     pub params: usize,
     /// Parameters in matrix products per token (everything but the embedding gather).
@@ -168,13 +174,13 @@ pub fn run(
     let weight_bytes = model.weight_bytes;
     let params = model.params;
     let bw = model.bandwidth;
-    let floor_s = weight_bytes as f64 / bw;
     let engine_cfg = engine_config(cfg);
     let prompt_len = cfg.decode_prompt_tokens.max(1);
     let decode_len = cfg.decode_steps + 4;
     let max_model_len = model.max_model_len;
     let (device, basis, gemm) = (model.device.clone(), model.bandwidth_basis.clone(), model.gemm_flops);
     let (matmul_params, attn_pair) = (model.matmul_params, model.attn_flops_per_pair);
+    let weights_read = model.weights_read.clone();
     let mut core = EngineCore::new(model.model, Vec::new(), max_model_len, &engine_cfg);
     let vocab = core.limits().vocab_size as u32;
     let prompt =
@@ -196,12 +202,14 @@ pub fn run(
         for _ in 0..3 {
             core.step();
         }
-        let mut times = Vec::new();
+        let (mut times, mut bytes) = (Vec::new(), Vec::new());
         for _ in 0..cfg.decode_steps {
             let t = Instant::now();
             let r = core.step();
             if r.num_seqs == batch && r.num_tokens == batch {
                 times.push(t.elapsed().as_secs_f64());
+                let read = weights_read.as_ref().map(|w| w.load(std::sync::atomic::Ordering::Relaxed));
+                bytes.push(read.unwrap_or(weight_bytes) as f64);
             }
         }
         while core.has_work() {
@@ -216,10 +224,13 @@ pub fn run(
             return Err(format!("decode at batch {batch}: no step ran the whole batch (too few KV blocks?)"));
         }
         let step = median(times);
+        let read = median(bytes);
+        let floor_s = read / bw;
         decode.push(DecodeResult {
             batch,
             median_step_ms: step * 1e3,
             tokens_per_s: batch as f64 / step,
+            weight_bytes: read as usize,
             floor_step_ms: floor_s * 1e3,
             fraction_of_floor: floor_s / step,
         });
@@ -299,16 +310,17 @@ impl std::fmt::Display for EngineBenchReport {
         writeln!(f, "decode sequences: {}-token prompts", self.decode_prompt_tokens)?;
         writeln!(
             f,
-            "{:<14} {:>12} {:>12} {:>14} {:>10}",
-            "decode batch", "step ms", "tokens/s", "floor step ms", "of floor"
+            "{:<14} {:>12} {:>12} {:>10} {:>14} {:>10}",
+            "decode batch", "step ms", "tokens/s", "MB read", "floor step ms", "of floor"
         )?;
         for d in &self.decode {
             writeln!(
                 f,
-                "{:<14} {:>12.3} {:>12.1} {:>14.3} {:>9.1}%",
+                "{:<14} {:>12.3} {:>12.1} {:>10.1} {:>14.3} {:>9.1}%",
                 d.batch,
                 d.median_step_ms,
                 d.tokens_per_s,
+                d.weight_bytes as f64 / 1e6,
                 d.floor_step_ms,
                 d.fraction_of_floor * 100.0
             )?;

@@ -66,6 +66,13 @@ pub(crate) fn model_command(c: ModelCommand) -> Result<()> {
                 "weight_bytes_f32": c.num_params() * 4,
                 "eos_token_ids": m.eos_token_ids,
                 "tokenizer": has_tokenizer,
+                "experts": c.moe.as_ref().map(|m| serde_json::json!({
+                    "num_experts": m.num_experts,
+                    "num_experts_per_tok": m.num_experts_per_tok,
+                    "moe_intermediate_size": m.moe_intermediate_size,
+                    "norm_topk_prob": m.norm_topk_prob,
+                    "sparse_layers": (0..c.num_layers).filter(|&l| m.is_sparse(l)).count(),
+                })),
             });
             println!("{}", serde_json::to_string_pretty(&info)?);
             Ok(())
@@ -74,7 +81,7 @@ pub(crate) fn model_command(c: ModelCommand) -> Result<()> {
             for p in PRESETS {
                 let params = tandem_model::ModelConfig::from_preset(p)?.num_params();
                 println!(
-                    "{:<14} {:>9.1}M  {:<18} {}",
+                    "{:<14} {:>9.1}M  {:<19} {}",
                     p.name,
                     params as f64 / 1e6,
                     p.architecture.hf_name(),

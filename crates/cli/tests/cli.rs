@@ -27,7 +27,7 @@ fn ids(v: &serde_json::Value) -> Vec<u64> {
 
 #[test]
 fn generate_matches_transformers_on_every_fixture_with_chunked_prefill() {
-    for name in ["qwen3", "qwen2", "llama"] {
+    for name in ["qwen3", "qwen2", "llama", "qwen3-moe", "qwen3-moe-fused"] {
         let dir = fixtures().join(name);
         let expected: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();

@@ -118,13 +118,10 @@ fn system(mode: &str, extra_p: &str, extra_d: &str) -> System {
     System { p, p_args, _d: d, _r: r, p_url, d_url, r_url }
 }
 
+/// A dense model and a mixture of experts (whose tokens' experts differ within one batch).
 #[test]
 fn push_and_pull_across_processes_equal_colocated() {
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-    let cp = free_port();
-    let _c = tandem(&args(&format!("serve --port {cp}")));
-    let c_url = format!("http://127.0.0.1:{cp}");
-    wait_healthy(&http, &c_url);
     // 50 mixed requests (1 token to several blocks, token ids and text, half streamed), all
     // in flight at once.
     let bodies: Vec<Value> = (0..50)
@@ -138,18 +135,25 @@ fn push_and_pull_across_processes_equal_colocated() {
             json!({"prompt": prompt, "max_tokens": 3 + i % 6, "temperature": 0, "ignore_eos": true, "stream": i % 2 == 0})
         })
         .collect();
-    let want = run_concurrently(&c_url, &bodies);
-    for mode in ["push", "pull"] {
-        let s = system(mode, "", "");
-        let got = run_concurrently(&s.r_url, &bodies);
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g, w, "{mode}: request {i}: {}", bodies[i]);
-        }
-        // Counters are published by the engine loop a moment after the transfer.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while metric(&http, &s.p_url, "tandem:kv_connector{counter=\"transfers_ok\"}") != Some(bodies.len() as f64) {
-            assert!(Instant::now() < deadline, "{mode}: prefill did not count {} transfers", bodies.len());
-            std::thread::sleep(Duration::from_millis(20));
+    for model in ["preset:tiny-qwen3", "preset:tiny-qwen3-moe"] {
+        let cp = free_port();
+        let _c = tandem(&args(&format!("serve --model {model} --port {cp}")));
+        let c_url = format!("http://127.0.0.1:{cp}");
+        wait_healthy(&http, &c_url);
+        let want = run_concurrently(&c_url, &bodies);
+        for mode in ["push", "pull"] {
+            let s = system(mode, &format!("--model {model}"), &format!("--model {model}"));
+            let got = run_concurrently(&s.r_url, &bodies);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g, w, "{model}, {mode}: request {i}: {}", bodies[i]);
+            }
+            // Counters are published by the engine loop a moment after the transfer.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while metric(&http, &s.p_url, "tandem:kv_connector{counter=\"transfers_ok\"}") != Some(bodies.len() as f64)
+            {
+                assert!(Instant::now() < deadline, "{model}, {mode}: prefill did not count {} transfers", bodies.len());
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
     }
 }

@@ -20,6 +20,9 @@ pub enum Architecture {
     Qwen2,
     /// `LlamaForCausalLM` (also SmolLM): optional biases, optional Llama 3 RoPE scaling.
     Llama,
+    /// `Qwen3MoeForCausalLM`: Qwen3's attention; the MLP of most layers a mixture of experts
+    /// ([`MoeConfig`]).
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -29,7 +32,35 @@ impl Architecture {
             Architecture::Qwen3 => "Qwen3ForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
             Architecture::Llama => "LlamaForCausalLM",
+            Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
+    }
+}
+
+/// A mixture-of-experts MLP (Qwen3-MoE): a router picks `num_experts_per_tok` of `num_experts`
+/// small MLPs per token and sums their outputs weighted by the router's probabilities.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MoeConfig {
+    /// Experts in each sparse layer.
+    pub num_experts: usize,
+    /// Experts each token goes through.
+    pub num_experts_per_tok: usize,
+    /// Each expert's inner width.
+    pub moe_intermediate_size: usize,
+    /// The chosen experts' probabilities are scaled to sum to one.
+    pub norm_topk_prob: bool,
+    /// Every this many layers is sparse (layer `i` when `(i + 1) % step == 0`).
+    pub decoder_sparse_step: usize,
+    /// Layers kept dense whatever the step.
+    pub mlp_only_layers: Vec<usize>,
+}
+
+impl MoeConfig {
+    /// Whether layer `layer`'s MLP is the mixture of experts (transformers' rule).
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        !self.mlp_only_layers.contains(&layer)
+            && self.num_experts > 0
+            && (layer + 1).is_multiple_of(self.decoder_sparse_step)
     }
 }
 
@@ -42,7 +73,7 @@ pub struct ModelConfig {
     pub vocab_size: usize,
     /// Residual stream width.
     pub hidden_size: usize,
-    /// MLP inner width.
+    /// MLP inner width (a mixture-of-experts model's dense layers).
     pub intermediate_size: usize,
     /// Decoder layers.
     pub num_layers: usize,
@@ -76,6 +107,8 @@ pub struct ModelConfig {
     /// `[rows, cols]` (`quantization_config.quant_method: fp8`, as Qwen and DeepSeek publish
     /// them); `None`: plain floating point.
     pub fp8_weight_block: Option<[usize; 2]>,
+    /// The mixture of experts of a sparse model's MLPs; `None`: every MLP is dense.
+    pub moe: Option<MoeConfig>,
 }
 
 #[derive(Deserialize)]
@@ -100,6 +133,14 @@ struct HfConfig {
     use_sliding_window: Option<bool>,
     eos_token_id: Option<Value>,
     quantization_config: Option<Value>,
+    /// transformers 5 writes `num_local_experts`, older configs (and the Hub's) `num_experts`.
+    #[serde(alias = "num_local_experts")]
+    num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
 }
 
 impl ModelConfig {
@@ -144,6 +185,7 @@ impl ModelConfig {
             "Qwen3ForCausalLM" => Architecture::Qwen3,
             "Qwen2ForCausalLM" => Architecture::Qwen2,
             "LlamaForCausalLM" => Architecture::Llama,
+            "Qwen3MoeForCausalLM" => Architecture::Qwen3Moe,
             _ => return Err(ModelError::UnsupportedArchitecture { name: arch_name }),
         };
         if let Some(act) = &hf.hidden_act {
@@ -168,8 +210,12 @@ impl ModelConfig {
         let (rope_theta, rope_scaling) = parse_rope(&hf)?;
         let fp8_weight_block = hf.quantization_config.as_ref().map(parse_fp8).transpose()?;
         let attention_bias = hf.attention_bias.unwrap_or(false);
+        let moe = match architecture {
+            Architecture::Qwen3Moe => Some(parse_moe(&hf)?),
+            _ => None,
+        };
         let (qkv_bias, o_bias, qk_norm) = match architecture {
-            Architecture::Qwen3 => (attention_bias, attention_bias, true),
+            Architecture::Qwen3 | Architecture::Qwen3Moe => (attention_bias, attention_bias, true),
             Architecture::Qwen2 => (true, false, false),
             Architecture::Llama => (attention_bias, attention_bias, false),
         };
@@ -193,7 +239,13 @@ impl ModelConfig {
             qk_norm,
             eos_token_ids: token_id_list(hf.eos_token_id.as_ref()),
             fp8_weight_block,
+            moe,
         })
+    }
+
+    /// Whether layer `layer`'s MLP is a mixture of experts.
+    pub fn is_sparse_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
     }
 
     /// Parameters in the checkpoint (tied embeddings counted once).
@@ -201,15 +253,30 @@ impl ModelConfig {
         let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
         let q = self.num_heads * self.head_dim;
         let kv = self.num_kv_heads * self.head_dim;
-        let mut layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h;
+        let mut layer = h * (q + 2 * kv) + q * h + 2 * h;
         if self.qk_norm {
             layer += 2 * self.head_dim;
         }
         if self.qkv_bias {
             layer += q + 2 * kv;
         }
+        let mlps: usize = (0..self.num_layers)
+            .map(|l| match &self.moe {
+                Some(m) if m.is_sparse(l) => m.num_experts * (3 * h * m.moe_intermediate_size + h),
+                _ => 3 * h * i,
+            })
+            .sum();
         let head = if self.tie_word_embeddings { 0 } else { v * h };
-        v * h + self.num_layers * layer + h + head
+        v * h + self.num_layers * layer + mlps + h + head
+    }
+
+    /// Parameters one token's forward multiplies by: all of a dense model's; of a mixture of
+    /// experts, the routers and `num_experts_per_tok` experts a layer in place of every expert.
+    pub fn active_params(&self) -> usize {
+        let Some(m) = &self.moe else { return self.num_params() };
+        let expert = 3 * self.hidden_size * m.moe_intermediate_size;
+        let sparse = (0..self.num_layers).filter(|&l| m.is_sparse(l)).count();
+        self.num_params() - sparse * (m.num_experts - m.num_experts_per_tok) * expert
     }
 
     /// KV cache bytes per token, stored as f32.
@@ -261,6 +328,32 @@ fn parse_fp8(q: &Value) -> Result<[usize; 2], ModelError> {
             "quantization_config.weight_block_size {block}: expected [rows, cols] of positive integers"
         ))),
     }
+}
+
+/// A Qwen3-MoE config's experts, with transformers' defaults for what it leaves out.
+fn parse_moe(hf: &HfConfig) -> Result<MoeConfig, ModelError> {
+    let moe = MoeConfig {
+        num_experts: hf.num_experts.unwrap_or(128),
+        num_experts_per_tok: hf.num_experts_per_tok.unwrap_or(8),
+        moe_intermediate_size: hf.moe_intermediate_size.unwrap_or(768),
+        norm_topk_prob: hf.norm_topk_prob.unwrap_or(false),
+        decoder_sparse_step: hf.decoder_sparse_step.unwrap_or(1),
+        mlp_only_layers: hf.mlp_only_layers.clone().unwrap_or_default(),
+    };
+    let bad = |what: String| Err(ModelError::UnsupportedConfig(what));
+    if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.num_experts {
+        return bad(format!(
+            "num_experts_per_tok {} with {} experts (need 1 to num_experts)",
+            moe.num_experts_per_tok, moe.num_experts
+        ));
+    }
+    if moe.decoder_sparse_step == 0 {
+        return bad("decoder_sparse_step 0 (must be at least 1)".into());
+    }
+    if moe.moe_intermediate_size == 0 {
+        return bad("moe_intermediate_size 0".into());
+    }
+    Ok(moe)
 }
 
 /// transformers 4.x writes `rope_theta` + `rope_scaling`; 5.x writes `rope_parameters`
@@ -356,6 +449,44 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.to_string().contains("yarn"), "{e}");
+    }
+
+    /// Qwen3-MoE's experts are read under both names the count goes by, with transformers'
+    /// rule for which layers are sparse; impossible routing is refused by name.
+    #[test]
+    fn moe_configs_are_read_in_both_spellings_and_checked() {
+        let moe = |fields: &str| {
+            parse(&format!(
+                r#"{{"architectures":["Qwen3MoeForCausalLM"], {BASE}, "moe_intermediate_size": 4,
+                "num_experts_per_tok": 2, {fields}}}"#
+            ))
+        };
+        let new = moe(r#""num_local_experts": 8, "norm_topk_prob": true, "mlp_only_layers": [0]"#).unwrap();
+        let old = moe(r#""num_experts": 8, "norm_topk_prob": true, "mlp_only_layers": [0]"#).unwrap();
+        assert_eq!(new, old);
+        let m = new.moe.clone().unwrap();
+        assert_eq!((m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size), (8, 2, 4));
+        assert!(m.norm_topk_prob && new.qk_norm && new.architecture == Architecture::Qwen3Moe);
+        assert!(!new.is_sparse_layer(0), "mlp_only_layers keeps layer 0 dense");
+        let stepped = moe(r#""num_experts": 8, "decoder_sparse_step": 2"#).unwrap();
+        let sparse: Vec<bool> = (0..4).map(|l| stepped.is_sparse_layer(l)).collect();
+        assert_eq!(sparse, [false, true, false, true]);
+        assert!(!stepped.moe.as_ref().unwrap().norm_topk_prob, "transformers' default");
+        let dense = parse(&format!(r#"{{"architectures":["Qwen3ForCausalLM"], {BASE}}}"#)).unwrap();
+        assert!(dense.moe.is_none() && !dense.is_sparse_layer(0));
+        // One sparse layer of 8 experts (3 matrices of 8 x 4 each and a router row) in place of
+        // the dense MLP (3 x 8 x 16).
+        let one_layer = moe(r#""num_experts": 8"#).unwrap();
+        assert_eq!(one_layer.num_params(), dense.num_params() - 3 * 8 * 16 + 8 * (3 * 8 * 4 + 8));
+        assert_eq!(one_layer.active_params(), one_layer.num_params() - 6 * 3 * 8 * 4, "2 of 8 experts");
+        assert_eq!(dense.active_params(), dense.num_params());
+        for (fields, named) in [
+            (r#""num_experts": 1"#, "num_experts_per_tok 2"),
+            (r#""num_experts": 8, "decoder_sparse_step": 0"#, "decoder_sparse_step"),
+        ] {
+            let e = moe(fields).unwrap_err().to_string();
+            assert!(e.contains(named), "{fields}: {e}");
+        }
     }
 
     #[test]

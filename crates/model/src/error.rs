@@ -26,7 +26,7 @@ pub enum ModelError {
         error: serde_json::Error,
     },
     /// `architectures` names a model tandem does not implement.
-    #[error("unsupported architecture `{name}` (supported: Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)")]
+    #[error("unsupported architecture `{name}` (supported: Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)")]
     UnsupportedArchitecture {
         /// The architecture from config.json.
         name: String,

@@ -50,6 +50,20 @@ pub struct Preset {
     pub tie_word_embeddings: bool,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f64,
+    /// A mixture of experts in every layer's MLP (Qwen3-MoE), in place of the dense one.
+    pub moe: Option<PresetMoe>,
+}
+
+/// A preset's experts: every layer sparse, the chosen experts' probabilities renormalised (as in
+/// Qwen3-30B-A3B).
+#[derive(Clone, Copy, Debug)]
+pub struct PresetMoe {
+    /// Experts in each layer.
+    pub num_experts: usize,
+    /// Experts each token goes through.
+    pub num_experts_per_tok: usize,
+    /// Each expert's inner width.
+    pub moe_intermediate_size: usize,
 }
 
 const fn qwen3(
@@ -76,6 +90,7 @@ const fn qwen3(
         rope_theta: 1_000_000.0,
         tie_word_embeddings: tie,
         rms_norm_eps: 1e-6,
+        moe: None,
     }
 }
 
@@ -96,6 +111,7 @@ pub const PRESETS: &[Preset] = &[
         rope_theta: 1_000_000.0,
         tie_word_embeddings: true,
         rms_norm_eps: 1e-6,
+        moe: None,
     },
     Preset {
         name: "tiny-llama",
@@ -112,6 +128,7 @@ pub const PRESETS: &[Preset] = &[
         rope_theta: 10_000.0,
         tie_word_embeddings: true,
         rms_norm_eps: 1e-5,
+        moe: None,
     },
     Preset {
         name: "tiny-qwen2",
@@ -128,6 +145,24 @@ pub const PRESETS: &[Preset] = &[
         rope_theta: 1_000_000.0,
         tie_word_embeddings: true,
         rms_norm_eps: 1e-6,
+        moe: None,
+    },
+    Preset {
+        name: "tiny-qwen3-moe",
+        description: "a few MB Qwen3-MoE (8 experts, 2 a token) for tests",
+        architecture: Architecture::Qwen3Moe,
+        vocab_size: 512,
+        hidden_size: 128,
+        intermediate_size: 384,
+        num_layers: 4,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 32,
+        max_position_embeddings: 4096,
+        rope_theta: 1_000_000.0,
+        tie_word_embeddings: true,
+        rms_norm_eps: 1e-6,
+        moe: Some(PresetMoe { num_experts: 8, num_experts_per_tok: 2, moe_intermediate_size: 96 }),
     },
     Preset {
         name: "smollm2-135m",
@@ -144,11 +179,29 @@ pub const PRESETS: &[Preset] = &[
         rope_theta: 100_000.0,
         tie_word_embeddings: true,
         rms_norm_eps: 1e-5,
+        moe: None,
     },
     qwen3("qwen3-0.6b", "the Qwen3-0.6B shape", 1024, 3072, 28, 16, true),
     qwen3("qwen3-1.7b", "the Qwen3-1.7B shape", 2048, 6144, 28, 16, true),
     qwen3("qwen3-4b", "the Qwen3-4B shape", 2560, 9728, 36, 32, true),
     qwen3("qwen3-8b", "the Qwen3-8B shape", 4096, 12_288, 36, 32, false),
+    Preset {
+        name: "qwen3-30b-a3b",
+        description: "the Qwen3-30B-A3B shape (128 experts, 8 a token)",
+        architecture: Architecture::Qwen3Moe,
+        vocab_size: 151_936,
+        hidden_size: 2048,
+        intermediate_size: 6144,
+        num_layers: 48,
+        num_heads: 32,
+        num_kv_heads: 4,
+        head_dim: 128,
+        max_position_embeddings: 40_960,
+        rope_theta: 1_000_000.0,
+        tie_word_embeddings: false,
+        rms_norm_eps: 1e-6,
+        moe: Some(PresetMoe { num_experts: 128, num_experts_per_tok: 8, moe_intermediate_size: 768 }),
+    },
     qwen3("qwen3-32b", "the Qwen3-32B shape", 5120, 25_600, 64, 64, false),
 ];
 
@@ -174,10 +227,26 @@ impl Preset {
 
     /// config.json contents.
     pub fn config_json(&self) -> Value {
+        let mut config = self.dense_config_json();
+        if let (Some(moe), Some(fields)) = (self.moe, config.as_object_mut()) {
+            fields.extend([
+                ("num_experts".to_string(), json!(moe.num_experts)),
+                ("num_experts_per_tok".to_string(), json!(moe.num_experts_per_tok)),
+                ("moe_intermediate_size".to_string(), json!(moe.moe_intermediate_size)),
+                ("norm_topk_prob".to_string(), json!(true)),
+                ("decoder_sparse_step".to_string(), json!(1)),
+                ("mlp_only_layers".to_string(), json!([])),
+            ]);
+        }
+        config
+    }
+
+    fn dense_config_json(&self) -> Value {
         let model_type = match self.architecture {
             Architecture::Qwen3 => "qwen3",
             Architecture::Qwen2 => "qwen2",
             Architecture::Llama => "llama",
+            Architecture::Qwen3Moe => "qwen3_moe",
         };
         json!({
             "architectures": [self.architecture.hf_name()],
@@ -241,11 +310,27 @@ impl Preset {
                 (format!("{p}.self_attn.k_proj.weight"), vec![kv, h], fan(h)),
                 (format!("{p}.self_attn.v_proj.weight"), vec![kv, h], fan(h)),
                 (format!("{p}.self_attn.o_proj.weight"), vec![h, q], fan(q)),
-                (format!("{p}.mlp.gate_proj.weight"), vec![i, h], fan(h)),
-                (format!("{p}.mlp.up_proj.weight"), vec![i, h], fan(h)),
-                (format!("{p}.mlp.down_proj.weight"), vec![h, i], fan(i)),
             ]);
-            if self.architecture == Architecture::Qwen3 {
+            match self.moe {
+                None => specs.extend([
+                    (format!("{p}.mlp.gate_proj.weight"), vec![i, h], fan(h)),
+                    (format!("{p}.mlp.up_proj.weight"), vec![i, h], fan(h)),
+                    (format!("{p}.mlp.down_proj.weight"), vec![h, i], fan(i)),
+                ]),
+                Some(moe) => {
+                    let (n, mi) = (moe.num_experts, moe.moe_intermediate_size);
+                    // Router logits a few units apart, so tokens spread over the experts.
+                    specs.push((format!("{p}.mlp.gate.weight"), vec![n, h], 3.0 * fan(h)));
+                    for e in 0..n {
+                        specs.extend([
+                            (format!("{p}.mlp.experts.{e}.gate_proj.weight"), vec![mi, h], fan(h)),
+                            (format!("{p}.mlp.experts.{e}.up_proj.weight"), vec![mi, h], fan(h)),
+                            (format!("{p}.mlp.experts.{e}.down_proj.weight"), vec![h, mi], fan(mi)),
+                        ]);
+                    }
+                }
+            }
+            if matches!(self.architecture, Architecture::Qwen3 | Architecture::Qwen3Moe) {
                 specs.push((format!("{p}.self_attn.q_norm.weight"), vec![hd], 0.0));
                 specs.push((format!("{p}.self_attn.k_norm.weight"), vec![hd], 0.0));
             }
@@ -447,6 +532,10 @@ mod tests {
         assert!((count("qwen3-4b") - 4.02).abs() < 0.03);
         assert!((count("qwen3-8b") - 8.19).abs() < 0.05);
         assert!((count("qwen3-32b") - 32.76).abs() < 0.1);
+        // Qwen3-30B-A3B: 30.5B in all.
+        assert!((count("qwen3-30b-a3b") - 30.53).abs() < 0.1, "{}", count("qwen3-30b-a3b"));
+        let active = crate::ModelConfig::from_preset(Preset::find("qwen3-30b-a3b").unwrap()).unwrap().active_params();
+        assert!((active as f64 / 1e9 - 3.35).abs() < 0.05, "3.3B active: {active}");
     }
 
     #[test]

@@ -1,7 +1,9 @@
-//! The decoder-only transformer shared by Qwen3, Qwen2 and Llama, run over a paged KV cache.
+//! The decoder-only transformer shared by Qwen3, Qwen3-MoE, Qwen2 and Llama, run over a paged KV
+//! cache.
 //!
-//! Follows transformers' `modeling_qwen3.py`, `modeling_qwen2.py` and `modeling_llama.py`
-//! (eager attention, f32): greedy outputs must match them token for token (fixtures/).
+//! Follows transformers' `modeling_qwen3.py`, `modeling_qwen3_moe.py`, `modeling_qwen2.py` and
+//! `modeling_llama.py` (eager attention, f32): greedy outputs must match them token for token
+//! (fixtures/).
 //!
 //! Weights are immutable (`&self`); all per-sequence state (the KV cache and each sequence's
 //! block table) is passed in. The model knows nothing about requests or scheduling.
@@ -55,6 +57,39 @@ struct Linear {
 }
 
 impl Linear {
+    /// Takes `{prefix}.{name}.weight` (and `.bias`) for each of `names` (a name and its rows),
+    /// stacked in that order.
+    fn load(
+        w: &mut WeightMap,
+        prefix: &str,
+        names: &[(&str, usize)],
+        in_dim: usize,
+        bias: bool,
+    ) -> Result<Self, ModelError> {
+        let mut parts = Vec::new();
+        let mut b = Vec::new();
+        for (n, rows) in names {
+            parts.push((w.take_matrix(&format!("{prefix}.{n}.weight"), *rows, in_dim)?, *rows));
+            if bias {
+                b.extend(w.take(&format!("{prefix}.{n}.bias"), &[*rows])?);
+            }
+        }
+        let out_dim = names.iter().map(|(_, r)| r).sum();
+        // f32 parts as one matrix: one pass over the input.
+        let f32_parts: Vec<&[f32]> = parts
+            .iter()
+            .filter_map(|(m, _)| match m {
+                Matrix::F32(v) => Some(&v[..]),
+                Matrix::Quant(_) => None,
+            })
+            .collect();
+        if parts.len() > 1 && f32_parts.len() == parts.len() {
+            let weight = WeightMemory::concat(&f32_parts);
+            parts = vec![(Matrix::F32(weight), out_dim)];
+        }
+        Ok(Linear { parts, bias: bias.then_some(b), out_dim, in_dim })
+    }
+
     /// `y = x · Wᵀ (+ bias)` for `tokens` rows of `x`, into `y` (resized; `part` is scratch
     /// for matrices kept in parts).
     fn forward_into(&self, x: &[f32], tokens: usize, y: &mut Vec<f32>, part: &mut Vec<f32>) {
@@ -132,9 +167,111 @@ struct Layer {
     k_norm: Option<Vec<f32>>,
     o: Linear,
     post_norm: Vec<f32>,
-    /// gate and up projections stacked: `[gate; up]`.
-    gate_up: Linear,
-    down: Linear,
+    mlp: Mlp,
+}
+
+/// A layer's MLP.
+enum Mlp {
+    /// gate and up projections stacked (`[gate; up]`), then down.
+    Dense { gate_up: Linear, down: Linear },
+    /// A mixture of experts.
+    Experts(Experts),
+}
+
+/// A sparse layer's router and experts (Qwen3-MoE).
+struct Experts {
+    /// `[num_experts, hidden]`: each expert's logit for a token.
+    router: Matrix,
+    /// Each expert's gate and up projections stacked (`[gate; up]`) and its down projection.
+    experts: Vec<(Linear, Linear)>,
+    /// Experts each token goes through.
+    top_k: usize,
+    /// The chosen experts' probabilities scaled to sum to one.
+    norm_topk_prob: bool,
+    /// Each expert's inner width.
+    inter: usize,
+}
+
+impl Experts {
+    /// The mixture's output for `t` rows of `x` (`hidden` wide) into `out`, as transformers
+    /// computes it: softmax over the router's logits, the `top_k` most probable experts
+    /// (renormalised when `norm_topk_prob`), each expert's MLP on the tokens that chose it times
+    /// the token's weight, summed into zeros in ascending expert order.
+    /// Returns how many experts ran.
+    fn forward_into(&self, x: &[f32], t: usize, hidden: usize, out: &mut Vec<f32>, s: &mut ExpertScratch) -> usize {
+        let n = self.experts.len();
+        resize(&mut s.logits, t * n);
+        matmul(x, t, &self.router, n, hidden, &mut s.logits);
+        for routes in s.routes.iter_mut() {
+            routes.clear();
+        }
+        s.routes.resize_with(n, Vec::new);
+        let mut order: Vec<usize> = Vec::with_capacity(n);
+        let mut probs = vec![0f32; n];
+        for (token, logits) in s.logits.chunks_exact(n).enumerate() {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for (p, &l) in probs.iter_mut().zip(logits) {
+                *p = (l - max).exp();
+                sum += *p;
+            }
+            for p in probs.iter_mut() {
+                *p /= sum;
+            }
+            order.clear();
+            order.extend(0..n);
+            // Most probable first; the lower index first among equals.
+            order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+            let chosen = &order[..self.top_k];
+            let total: f32 = if self.norm_topk_prob { chosen.iter().map(|&e| probs[e]).sum() } else { 1.0 };
+            for &e in chosen {
+                let weight = if self.norm_topk_prob { probs[e] / total } else { probs[e] };
+                s.routes[e].push((token, weight));
+            }
+        }
+        resize(out, t * hidden);
+        out.fill(0.0);
+        let mut ran = 0;
+        for ((gate_up, down), routes) in self.experts.iter().zip(&s.routes) {
+            if routes.is_empty() {
+                continue;
+            }
+            ran += 1;
+            let rows = routes.len();
+            resize(&mut s.input, rows * hidden);
+            for (dst, &(token, _)) in s.input.chunks_exact_mut(hidden).zip(routes) {
+                dst.copy_from_slice(&x[token * hidden..(token + 1) * hidden]);
+            }
+            gate_up.forward_into(&s.input, rows, &mut s.gate_up, &mut s.part);
+            resize(&mut s.act, rows * self.inter);
+            silu_mul(&s.gate_up, self.inter, &mut s.act);
+            down.forward_into(&s.act, rows, &mut s.output, &mut s.part);
+            for (y, &(token, weight)) in s.output.chunks_exact(hidden).zip(routes) {
+                for (o, &v) in out[token * hidden..(token + 1) * hidden].iter_mut().zip(y) {
+                    *o += v * weight;
+                }
+            }
+        }
+        ran
+    }
+
+    /// Bytes of one expert's weights.
+    fn expert_bytes(&self) -> usize {
+        self.experts.first().map_or(0, |(g, d)| g.bytes() + d.bytes())
+    }
+}
+
+/// A mixture's working buffers.
+#[derive(Default)]
+struct ExpertScratch {
+    logits: Vec<f32>,
+    /// Per expert, the (token, weight) pairs routed to it.
+    routes: Vec<Vec<(usize, f32)>>,
+    input: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    output: Vec<f32>,
+    part: Vec<f32>,
 }
 
 /// `v` with exactly `len` elements, keeping its allocation (the values are overwritten by
@@ -158,6 +295,7 @@ struct Scratch {
     gate_up: Vec<f32>,
     act: Vec<f32>,
     part: Vec<f32>,
+    experts: ExpertScratch,
 }
 
 /// A loaded model, ready to run forwards.
@@ -172,6 +310,9 @@ pub struct Transformer {
     /// Taken by one forward at a time (an engine runs one step at a time; a second caller
     /// waits for the first).
     scratch: std::sync::Mutex<Scratch>,
+    /// Bytes of weights the last forward read (a mixture of experts reads those its tokens
+    /// chose): the decode floor's numerator, which `bench engine` reads after each step.
+    weights_read: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Transformer {
@@ -185,42 +326,68 @@ impl Transformer {
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
-            let mut stacked = |names: &[(&str, usize)], in_dim: usize, bias: bool| -> Result<Linear, ModelError> {
-                let mut parts = Vec::new();
-                let mut b = Vec::new();
-                for (n, rows) in names {
-                    parts.push((w.take_matrix(&format!("{p}.{n}.weight"), *rows, in_dim)?, *rows));
-                    if bias {
-                        b.extend(w.take(&format!("{p}.{n}.bias"), &[*rows])?);
-                    }
-                }
-                let out_dim = names.iter().map(|(_, r)| r).sum();
-                // f32 parts as one matrix: one pass over the input.
-                let f32_parts: Vec<&[f32]> = parts
-                    .iter()
-                    .filter_map(|(m, _)| match m {
-                        Matrix::F32(v) => Some(&v[..]),
-                        Matrix::Quant(_) => None,
-                    })
-                    .collect();
-                if parts.len() > 1 && f32_parts.len() == parts.len() {
-                    let weight = WeightMemory::concat(&f32_parts);
-                    parts = vec![(Matrix::F32(weight), out_dim)];
-                }
-                Ok(Linear { parts, bias: bias.then_some(b), out_dim, in_dim })
+            let stacked = |w: &mut WeightMap, names: &[(&str, usize)], in_dim: usize, bias: bool| {
+                Linear::load(w, &p, names, in_dim, bias)
             };
             let qkv = stacked(
+                &mut w,
                 &[("self_attn.q_proj", q_dim), ("self_attn.k_proj", kv_dim), ("self_attn.v_proj", kv_dim)],
                 h,
                 cfg.qkv_bias,
             )?;
-            let o = stacked(&[("self_attn.o_proj", h)], q_dim, cfg.o_bias)?;
-            let gate_up = stacked(
-                &[("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)],
-                h,
-                cfg.mlp_bias,
-            )?;
-            let down = stacked(&[("mlp.down_proj", h)], cfg.intermediate_size, cfg.mlp_bias)?;
+            let o = stacked(&mut w, &[("self_attn.o_proj", h)], q_dim, cfg.o_bias)?;
+            let mlp = match &cfg.moe {
+                Some(moe) if moe.is_sparse(i) => {
+                    let (n, inter) = (moe.num_experts, moe.moe_intermediate_size);
+                    let router = w.take_matrix(&format!("{p}.mlp.gate.weight"), n, h)?;
+                    let stacked_gate_up = format!("{p}.mlp.experts.gate_up_proj");
+                    let experts = if w.contains(&stacked_gate_up) {
+                        // transformers 5's in-memory layout, all experts in one tensor each.
+                        let gate_up = w.take_stacked(&stacked_gate_up, n, 2 * inter, h)?;
+                        let down = w.take_stacked(&format!("{p}.mlp.experts.down_proj"), n, h, inter)?;
+                        let linear = |m: Vec<f32>, out_dim: usize, in_dim: usize| Linear {
+                            parts: vec![(Matrix::F32(WeightMemory::concat(&[&m])), out_dim)],
+                            bias: None,
+                            out_dim,
+                            in_dim,
+                        };
+                        gate_up
+                            .into_iter()
+                            .zip(down)
+                            .map(|(gu, d)| (linear(gu, 2 * inter, h), linear(d, h, inter)))
+                            .collect()
+                    } else {
+                        (0..n)
+                            .map(|e| {
+                                let x = format!("mlp.experts.{e}");
+                                let gate_up = stacked(
+                                    &mut w,
+                                    &[(&format!("{x}.gate_proj"), inter), (&format!("{x}.up_proj"), inter)],
+                                    h,
+                                    false,
+                                )?;
+                                Ok((gate_up, stacked(&mut w, &[(&format!("{x}.down_proj"), h)], inter, false)?))
+                            })
+                            .collect::<Result<Vec<_>, ModelError>>()?
+                    };
+                    Mlp::Experts(Experts {
+                        router,
+                        experts,
+                        top_k: moe.num_experts_per_tok,
+                        norm_topk_prob: moe.norm_topk_prob,
+                        inter,
+                    })
+                }
+                _ => Mlp::Dense {
+                    gate_up: stacked(
+                        &mut w,
+                        &[("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)],
+                        h,
+                        cfg.mlp_bias,
+                    )?,
+                    down: stacked(&mut w, &[("mlp.down_proj", h)], cfg.intermediate_size, cfg.mlp_bias)?,
+                },
+            };
             let (q_norm, k_norm) = if cfg.qk_norm {
                 (
                     Some(w.take(&format!("{p}.self_attn.q_norm.weight"), &[hd])?),
@@ -236,8 +403,7 @@ impl Transformer {
                 k_norm,
                 o,
                 post_norm: w.take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                gate_up,
-                down,
+                mlp,
             });
         }
         let norm = w.take("model.norm.weight", &[h])?;
@@ -247,7 +413,16 @@ impl Transformer {
             Some(w.take_matrix("lm_head.weight", cfg.vocab_size, h)?)
         };
         let rope = RopeTable::new(hd, cfg.rope_theta, cfg.rope_scaling, max_positions);
-        Ok(Self { cfg, embed, layers, norm, lm_head, rope, scratch: Default::default() })
+        Ok(Self {
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            scratch: Default::default(),
+            weights_read: Default::default(),
+        })
     }
 
     /// The model's shape.
@@ -299,19 +474,42 @@ impl Transformer {
         )
     }
 
-    /// Bytes of weights a forward reads (as held: f32, or a block format), the numerator of the
-    /// decode floor.
-    pub fn weight_bytes(&self) -> usize {
+    /// The bytes of weights each forward read, as it ends (shared: it stays readable after the
+    /// model is moved into an engine).
+    pub fn weights_read(&self) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+        self.weights_read.clone()
+    }
+
+    /// Bytes of the weights every forward reads whatever its tokens: all but the experts.
+    fn fixed_weight_bytes(&self) -> usize {
         let layer_bytes: usize = self
             .layers
             .iter()
             .map(|l| {
-                [&l.qkv, &l.o, &l.gate_up, &l.down].iter().map(|lin| lin.bytes()).sum::<usize>()
-                    + (l.input_norm.len() + l.post_norm.len()) * 4
+                let mlp = match &l.mlp {
+                    Mlp::Dense { gate_up, down } => gate_up.bytes() + down.bytes(),
+                    Mlp::Experts(e) => matrix_bytes(&e.router),
+                };
+                l.qkv.bytes() + l.o.bytes() + mlp + (l.input_norm.len() + l.post_norm.len()) * 4
             })
             .sum();
         let head = matrix_bytes(self.lm_head.as_ref().unwrap_or(&self.embed));
         layer_bytes + head + self.norm.len() * 4
+    }
+
+    /// Bytes of weights one token's forward reads (as held: f32, or a block format), the
+    /// numerator of the batch-1 decode floor: every weight of a dense model; of a mixture of
+    /// experts, the router and the `num_experts_per_tok` experts a token goes through.
+    pub fn weight_bytes(&self) -> usize {
+        let experts: usize = self
+            .layers
+            .iter()
+            .map(|l| match &l.mlp {
+                Mlp::Experts(e) => e.top_k * e.expert_bytes(),
+                Mlp::Dense { .. } => 0,
+            })
+            .sum();
+        self.fixed_weight_bytes() + experts
     }
 
     /// Runs one batched forward over `token_ids` (all sequences' tokens, concatenated) and
@@ -363,7 +561,7 @@ impl Transformer {
             Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
             Err(std::sync::TryLockError::WouldBlock) => None,
         };
-        let Scratch { x, normed, qkv, q, k, v, attn, proj, gate_up, act, part } = match guard.as_deref_mut() {
+        let Scratch { x, normed, qkv, q, k, v, attn, proj, gate_up, act, part, experts } = match guard.as_deref_mut() {
             Some(s) => s,
             None => &mut fresh,
         };
@@ -377,7 +575,7 @@ impl Transformer {
         resize(k, t * kv_dim);
         resize(v, t * kv_dim);
         resize(attn, t * q_dim);
-        resize(act, t * cfg.intermediate_size);
+        let mut expert_bytes_read = 0;
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(x, &layer.input_norm, cfg.rms_norm_eps, normed);
             layer.qkv.forward_into(normed, t, qkv, part);
@@ -400,9 +598,15 @@ impl Transformer {
             add_inplace(x, proj);
 
             rms_norm(x, &layer.post_norm, cfg.rms_norm_eps, normed);
-            layer.gate_up.forward_into(normed, t, gate_up, part);
-            silu_mul(gate_up, cfg.intermediate_size, act);
-            layer.down.forward_into(act, t, proj, part);
+            match &layer.mlp {
+                Mlp::Dense { gate_up: w_gate_up, down } => {
+                    w_gate_up.forward_into(normed, t, gate_up, part);
+                    resize(act, t * cfg.intermediate_size);
+                    silu_mul(gate_up, cfg.intermediate_size, act);
+                    down.forward_into(act, t, proj, part);
+                }
+                Mlp::Experts(e) => expert_bytes_read += e.forward_into(normed, t, h, proj, experts) * e.expert_bytes(),
+            }
             add_inplace(x, proj);
         }
 
@@ -421,6 +625,7 @@ impl Transformer {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0.0f32; picked.len() * cfg.vocab_size];
         matmul(&last_normed, picked.len(), head, cfg.vocab_size, h, &mut logits);
+        self.weights_read.store(self.fixed_weight_bytes() + expert_bytes_read, std::sync::atomic::Ordering::Relaxed);
         logits
     }
 }

@@ -89,6 +89,19 @@ impl WeightMap {
         Ok(t.data)
     }
 
+    /// Removes `name`, `count` matrices of `[rows, cols]` stacked in one tensor, and returns
+    /// them one by one.
+    pub fn take_stacked(
+        &mut self,
+        name: &str,
+        count: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let all = self.take(name, &[count, rows, cols])?;
+        Ok(all.chunks_exact(rows * cols).map(<[f32]>::to_vec).collect())
+    }
+
     /// Iterates over the tensors (name order unspecified).
     pub fn iter(&self) -> impl Iterator<Item = (&String, &Tensor)> {
         self.tensors.iter()

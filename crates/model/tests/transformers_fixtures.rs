@@ -43,7 +43,7 @@ fn greedy(model: &LoadedModel, prompt: &[u32], new_tokens: usize, block_size: us
 
 #[test]
 fn greedy_matches_transformers_for_every_fixture() {
-    for name in ["qwen3", "qwen2", "llama"] {
+    for name in ["qwen3", "qwen2", "llama", "qwen3-moe", "qwen3-moe-fused"] {
         let dir = fixtures().join(name);
         let model = LoadedModel::load(&ModelSource::Dir(dir.clone()), None).unwrap();
         assert!(model.tokenizer.is_none(), "fixtures run in token-ids mode");
@@ -258,4 +258,30 @@ fn fingerprints_tell_the_same_shape_with_other_weights_apart() {
     };
     assert_eq!(fp(0), fp(0));
     assert_ne!(fp(0), fp(7));
+}
+
+/// A mixture of experts reads the experts its tokens chose: one token, its `num_experts_per_tok`
+/// of each sparse layer (the batch-1 decode floor's bytes); forty tokens, more of them, at most
+/// all.
+#[test]
+fn a_mixture_of_experts_reads_the_experts_its_tokens_chose() {
+    let model = LoadedModel::load(&ModelSource::Dir(fixtures().join("qwen3-moe")), None).unwrap();
+    let t = &model.transformer;
+    let read = t.weights_read();
+    let forward = |tokens: usize| {
+        let mut kv = KvCache::new(t.kv_layout(16, 4));
+        let table = [0, 1, 2, 3];
+        let prompt: Vec<u32> = (0..tokens as u32).map(|i| 3 + i * 11 % 500).collect();
+        let seq = SeqBatch { token_start: 0, num_tokens: tokens, first_pos: 0, block_table: &table, want_logits: true };
+        t.forward(&prompt, &[seq], &mut kv);
+        read.load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let moe = t.config().moe.clone().unwrap();
+    let (h, inter) = (t.config().hidden_size, moe.moe_intermediate_size);
+    let expert = 3 * h * inter * 4;
+    let unchosen = (moe.num_experts - moe.num_experts_per_tok) * expert;
+    assert_eq!(forward(1), t.weight_bytes());
+    let many = forward(40);
+    // Two sparse layers: at most every expert of both.
+    assert!(many > t.weight_bytes() && many <= t.weight_bytes() + 2 * unchosen, "{many}");
 }

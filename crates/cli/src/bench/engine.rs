@@ -83,12 +83,13 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             let model = load_model(&margs)?;
             let c = model.transformer.config();
             let (params, matmul_params, pair) = (c.num_params(), matmul_params(c), attn_flops_per_pair(c));
-            let weight_bytes = model.transformer.weight_bytes();
+            let (weight_bytes, weights_read) = (model.transformer.weight_bytes(), model.transformer.weights_read());
             eprintln!("... measuring read bandwidth");
             tandem_bench::engine::BenchModel {
                 model: model.transformer.into(),
                 max_model_len: model.max_model_len,
                 weight_bytes,
+                weights_read: Some(weights_read),
                 params,
                 matmul_params,
                 attn_flops_per_pair: pair,
@@ -138,6 +139,7 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             tandem_bench::engine::BenchModel {
                 max_model_len: spec.max_model_len,
                 weight_bytes: model.weight_bytes(),
+                weights_read: None,
                 params: c.num_params(),
                 matmul_params: matmul_params(c),
                 attn_flops_per_pair: attn_flops_per_pair(c),
@@ -161,9 +163,11 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
 
 /// Parameters in the matrix products every prompt token goes through: the decoder layers (the
 /// embedding is a gather, and the output projection runs for the last token only).
+/// Parameters a token multiplies by (a mixture of experts: the experts it chose), less the
+/// embedding gather.
 fn matmul_params(c: &tandem_model::ModelConfig) -> usize {
     let embedding_matrices = if c.tie_word_embeddings { 1 } else { 2 };
-    c.num_params() - embedding_matrices * c.vocab_size * c.hidden_size
+    c.active_params() - embedding_matrices * c.vocab_size * c.hidden_size
 }
 
 /// Attention FLOPs per (query, key) pair: QK and PV, 2 each, per head and layer.

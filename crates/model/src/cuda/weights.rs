@@ -67,6 +67,12 @@ pub(super) struct Weights {
 impl Weights {
     /// The shapes the kernels take; an error names what does not fit.
     pub fn check_config(cfg: &ModelConfig) -> Result<(), ModelError> {
+        if cfg.moe.is_some() {
+            return Err(ModelError::UnsupportedConfig(format!(
+                "{} (a mixture of experts) does not run on CUDA yet; serve it with --device cpu",
+                cfg.architecture.hf_name()
+            )));
+        }
         if !cfg.hidden_size.is_multiple_of(4) {
             return Err(ModelError::UnsupportedConfig(format!(
                 "hidden size {} on CUDA (must be a multiple of 4)",
