@@ -362,6 +362,9 @@ struct Streamed {
     done: bool,
     /// A chat chunk carried token ids.
     chat_ids: bool,
+    /// Each token's log-probability entry (a completion's as [token, logprob, text offset, top
+    /// alternatives]; a chat's as it comes).
+    logprobs: Vec<Value>,
 }
 
 /// Reads a streamed completion or chat from `url` + `path`, saying on `first` once its first
@@ -389,6 +392,12 @@ fn read_stream(url: &str, path: &str, body: &Value, first: std::sync::mpsc::Send
             if c.get("token_ids").is_some() && c.get("delta").is_some() {
                 got.chat_ids = true;
             }
+            let lps = &c["logprobs"];
+            got.logprobs.extend(lps["content"].as_array().into_iter().flatten().cloned());
+            for (i, token) in lps["tokens"].as_array().into_iter().flatten().enumerate() {
+                let entry = |k: &str| lps[k][i].clone();
+                got.logprobs.push(json!([token, entry("token_logprobs"), entry("text_offset"), entry("top_logprobs")]));
+            }
         }
         if !got.ids.is_empty() {
             let _ = first.send(());
@@ -399,8 +408,9 @@ fn read_stream(url: &str, path: &str, body: &Value, first: std::sync::mpsc::Send
 
 /// A streamed answer whose decode engine is killed after its first tokens goes on from the
 /// other decode engine: the client reads one whole answer, each token once and no error event,
-/// token for token and character for character what a live engine answers, and the router
-/// counts the resume. A completion over push, a chat over pull; blocks back everywhere.
+/// token for token and character for character what a live engine answers, log-probabilities
+/// too, and the router counts the resume. A completion over push, a chat over pull; blocks back
+/// everywhere.
 #[test]
 fn a_decode_process_killed_mid_stream_is_resumed_on_another_and_the_client_reads_one_whole_answer() {
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
@@ -425,6 +435,8 @@ fn a_decode_process_killed_mid_stream_is_resumed_on_another_and_the_client_reads
         // Long enough that the engine is killed while it is still generating.
         let mut body = json!({"max_tokens": 3000, "temperature": 0, "ignore_eos": true, "stream": true});
         if path.contains("chat") {
+            body["logprobs"] = json!(true);
+            body["top_logprobs"] = json!(2);
             body["messages"] = json!([{"role": "user", "content": "once upon a time"}]);
             // Token ids the router asked for itself are taken out of the client's chunks.
             let mut short = body.clone();
@@ -434,6 +446,7 @@ fn a_decode_process_killed_mid_stream_is_resumed_on_another_and_the_client_reads
             body["return_token_ids"] = json!(true);
         } else {
             body["prompt"] = json!("once upon a time");
+            body["logprobs"] = json!(2);
         }
         let want = read_stream(&d_url[0], path, &body, std::sync::mpsc::channel().0);
         assert!(want.done && want.ids.len() == 3000, "{mode}: {:?}", want.errors);
@@ -460,6 +473,11 @@ fn a_decode_process_killed_mid_stream_is_resumed_on_another_and_the_client_reads
         assert_eq!(got.ids.len(), 3000, "{mode}");
         assert!(got.ids == want.ids, "{mode}: the resumed answer differs from a live engine's");
         assert!(got.text == want.text, "{mode}: the resumed text differs from a live engine's");
+        assert_eq!(want.logprobs.len(), 3000, "{mode}");
+        if let Some(i) = (0..3000).find(|&i| got.logprobs.get(i) != want.logprobs.get(i)) {
+            panic!("{mode}: logprobs differ at token {i}: {:?} vs {:?}", got.logprobs.get(i), want.logprobs[i]);
+        }
+        assert_eq!(got.logprobs.len(), 3000, "{mode}");
         let health: Value = http.get(format!("{r_url}/health")).send().unwrap().json().unwrap_or(Value::Null);
         assert_eq!(health["resumed_streams"], 1, "{mode}: {health}");
         let live = &d_url[1 - victim];

@@ -11,7 +11,8 @@
 //! answer's id. Greedy answers come out token for token as if nothing had failed; sampled ones
 //! go on with fresh randomness.
 //!
-//! One choice, no logprobs (the resumed tokens' were computed by the engine that died).
+//! One choice. Logprobs go on: the engine that takes the request gives the new tokens' only,
+//! their text offsets running on from what the client has.
 
 use std::sync::Arc;
 
@@ -49,7 +50,6 @@ pub(crate) fn resumable(path: &str, orig: &Map<String, Value>) -> bool {
     matches!(path, "/v1/completions" | "/v1/chat/completions")
         && is_streamed(orig)
         && (absent("n") || orig.get("n").and_then(Value::as_i64) == Some(1))
-        && absent("logprobs")
         && absent("echo")
 }
 

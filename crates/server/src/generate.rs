@@ -164,12 +164,6 @@ fn prepare(
         ));
     }
     let logprobs = crate::logprobs::requested(api, f.logprobs.as_ref(), f.top_logprobs)?;
-    if !resumed.is_empty() && logprobs.is_some() {
-        return Err(ApiError::bad(
-            "resume_output_token_ids",
-            "a resumed request cannot ask for logprobs: the resumed tokens' were computed elsewhere",
-        ));
-    }
     let params = SamplingParams {
         logprobs,
         temperature: f.temperature.or(defaults.temperature).unwrap_or(1.0) as f32,

@@ -65,7 +65,9 @@ pub(crate) fn requested(
 
 /// The `logprobs` object for `token_ids` (whose log-probabilities are `lps`), or `None` (JSON
 /// null) when the request asked for none. `text_offset` is where the completion's text so far
-/// ends (in characters); it moves past these tokens.
+/// ends (in characters); it moves past these tokens. Leading tokens without log-probabilities
+/// (a resumed request's earlier output, whose were computed by another engine, and which the
+/// router leaves out of what the client gets) have no entries; they only move the offset.
 pub(crate) fn to_json(
     api: Api,
     tokenizer: Option<&TextTokenizer>,
@@ -82,6 +84,8 @@ pub(crate) fn to_json(
     };
     // JSON has no -inf (a banned or impossible token): vLLM's stand-in.
     let finite = |lp: f32| if lp.is_finite() { lp } else { -9999.0 };
+    let (earlier, token_ids) = token_ids.split_at(token_ids.len().saturating_sub(lps.len()));
+    *text_offset += earlier.iter().map(|&id| text(id).chars().count()).sum::<usize>();
     let pairs = token_ids.iter().zip(lps);
     Some(match api {
         Api::Completion => {

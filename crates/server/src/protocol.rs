@@ -82,7 +82,8 @@ pub struct SamplingFields {
     /// resuming the request elsewhere); they follow the prompt. The answer is the whole output
     /// as one engine would have given it, these tokens first: their text comes out as it would
     /// have (a character split across the seam, stop strings reaching into it) and usage counts
-    /// them as completion tokens; `max_tokens` and `min_tokens` count new tokens.
+    /// them as completion tokens; `max_tokens` and `min_tokens` count new tokens. Logprobs, when
+    /// asked for, are the new tokens' only (their text offsets run on from these tokens').
     pub resume_output_token_ids: Option<Vec<u32>>,
     /// Chat: each chunk's and choice's `token_ids` too (vLLM's `return_token_ids`; completions
     /// always carry them).

@@ -505,13 +505,35 @@ async fn a_resumed_request_answers_as_the_whole_request_would() {
     assert_eq!(streamed_ids(&again), chat_ids);
     assert_eq!(chat_text(&again), chat_text(&events));
 
-    for (bad, why) in [
-        (json!({"prompt": [1, 2, 3], "resume_output_token_ids": [-1]}), "negative"),
-        (json!({"prompt": [1, 2, 3], "resume_output_token_ids": [1], "logprobs": 2}), "logprobs"),
-    ] {
-        let (status, v) = s.post("/v1/completions", bad).await;
-        assert_eq!(status, 400, "{why}: {v}");
+    // Logprobs: the new tokens' only, equal to the whole request's from the seam on, their text
+    // offsets running on from the resumed tokens'; streamed, the chunks' entries add up to the
+    // same.
+    let mut with_lps = body.clone();
+    with_lps["logprobs"] = json!(2);
+    let (_, whole_lps) = s.post("/v1/completions", with_lps.clone()).await;
+    let entries = |lps: &Value, key: &str| -> Vec<Value> { lps[key].as_array().unwrap().clone() };
+    let whole_lps = &whole_lps["choices"][0]["logprobs"];
+    for k in [1, 7] {
+        let (_, v) = s.post("/v1/completions", resumed_body(&with_lps, k, 20 - k)).await;
+        let mut streaming = resumed_body(&with_lps, k, 20 - k);
+        streaming["stream"] = json!(true);
+        let events = s.stream("/v1/completions", streaming).await;
+        for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            let want = entries(whole_lps, key)[k..].to_vec();
+            assert_eq!(entries(&v["choices"][0]["logprobs"], key), want, "k = {k}: {key}");
+            let streamed: Vec<Value> = events
+                .iter()
+                .filter(|e| *e != "[DONE]")
+                .map(|e| serde_json::from_str::<Value>(e).unwrap())
+                .filter(|c| !c["choices"][0]["logprobs"].is_null())
+                .flat_map(|c| entries(&c["choices"][0]["logprobs"], key))
+                .collect();
+            assert_eq!(streamed, want, "k = {k}, streamed: {key}");
+        }
     }
+
+    let (status, v) = s.post("/v1/completions", json!({"prompt": [1, 2, 3], "resume_output_token_ids": [-1]})).await;
+    assert_eq!(status, 400, "negative: {v}");
     s.wait_idle().await;
 }
 
