@@ -96,6 +96,13 @@ pub struct EngineArgs {
     /// decode projections; slower, see docs/PERFORMANCE.md). The CPU engine is always so.
     #[arg(help_heading = "Device", long)]
     pub batch_invariant: bool,
+    /// Split the model over N tensor-parallel ranks (on CPU, threads sharing the machine's
+    /// cores), each with its share of the attention heads, KV heads and MLP; their products'
+    /// sums go in one fixed order, so any N gives the tokens of 1. N is a power of two up to
+    /// the model's `reduction_groups` (`tandem model inspect`). CPU, colocated serving only so
+    /// far.
+    #[arg(help_heading = "Device", long, default_value_t = 1)]
+    pub tensor_parallel_size: usize,
 }
 
 impl ModelArgs {
@@ -132,6 +139,7 @@ impl EngineArgs {
             ("--prefix-caching", if self.prefix_caching == Switch::On { "on" } else { "off" }.to_string()),
             ("--device", self.device.clone()),
             ("--gpu-memory-utilization", self.gpu_memory_utilization.to_string()),
+            ("--tensor-parallel-size", self.tensor_parallel_size.to_string()),
         ]
         .into_iter()
         .flat_map(|(k, v)| [k.to_string(), v])
@@ -277,10 +285,17 @@ pub(crate) fn resolve_device(spec: &str) -> Result<DeviceSpec> {
 /// Loads the model onto `--device` and sizes the engine around it. `host_kv_bytes`: a GPU
 /// engine keeps a host copy of its KV cache of at most this size, for the KV connector.
 pub(crate) fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<usize>) -> Result<EngineParts> {
-    match resolve_device(&e.device)? {
+    let device = resolve_device(&e.device)?;
+    if e.tensor_parallel_size > 1 {
+        return match device {
+            DeviceSpec::Cpu => build_tensor_parallel(m, e),
+            DeviceSpec::Cuda(_) => bail!("--tensor-parallel-size {} runs on CPU only so far", e.tensor_parallel_size),
+        };
+    }
+    match device {
         DeviceSpec::Cpu => {
             let model = load_model(m)?;
-            let config = engine_config(e, &model)?;
+            let config = engine_config(e, model.transformer.config())?;
             let fingerprint = model.transformer.fingerprint();
             Ok(EngineParts {
                 model: model.transformer.into(),
@@ -350,8 +365,47 @@ pub(crate) fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<
 }
 
 /// Resolves the engine's size: KV blocks from memory unless given exactly.
-fn engine_config(e: &EngineArgs, model: &LoadedModel) -> Result<EngineConfig> {
-    let per_token = model.transformer.config().kv_bytes_per_token_f32();
+/// A CPU engine's model split over `--tensor-parallel-size` ranks.
+fn build_tensor_parallel(m: &ModelArgs, e: &EngineArgs) -> Result<EngineParts> {
+    let source = model_source(&m.model, m.model_seed)?;
+    let t = Instant::now();
+    let spec = ModelSpec::load(&source, m.max_model_len).with_context(|| format!("loading model `{}`", m.model))?;
+    let config = engine_config(e, &spec.config)?;
+    let weights = spec.cpu_weights().with_context(|| format!("loading model `{}`", m.model))?;
+    let size = e.tensor_parallel_size;
+    let tp = tandem_model::TpModel::load(
+        &spec.config,
+        weights,
+        spec.max_model_len,
+        size,
+        config.block_size,
+        config.num_blocks,
+    )
+    .with_context(|| format!("splitting `{}` over {size} ranks", m.model))?;
+    tracing::info!(
+        model = %m.model,
+        architecture = spec.config.architecture.hf_name(),
+        ranks = size,
+        tokenizer = spec.tokenizer.is_some(),
+        max_model_len = spec.max_model_len,
+        secs = t.elapsed().as_secs_f64(),
+        "model loaded, tensor parallel"
+    );
+    let fingerprint = tp.rank0().fingerprint();
+    let runner: Box<dyn tandem_model::ModelRunner> = Box::new(tandem_model::CpuRunner::tensor_parallel(tp));
+    Ok(EngineParts {
+        model: runner.into(),
+        tokenizer: spec.tokenizer,
+        eos_token_ids: spec.eos_token_ids,
+        max_model_len: spec.max_model_len,
+        generation_defaults: spec.generation_defaults,
+        config,
+        fingerprint,
+    })
+}
+
+fn engine_config(e: &EngineArgs, model: &tandem_model::ModelConfig) -> Result<EngineConfig> {
+    let per_token = model.kv_bytes_per_token_f32();
     let num_blocks = match e.num_kv_blocks {
         Some(n) => n,
         None => {

@@ -66,6 +66,7 @@ pub(crate) fn model_command(c: ModelCommand) -> Result<()> {
                 "weight_bytes_f32": c.num_params() * 4,
                 "eos_token_ids": m.eos_token_ids,
                 "tokenizer": has_tokenizer,
+                "reduction_groups": c.reduction_groups,
                 "experts": c.moe.as_ref().map(|m| serde_json::json!({
                     "num_experts": m.num_experts,
                     "num_experts_per_tok": m.num_experts_per_tok,

@@ -118,13 +118,10 @@ fn system(mode: &str, extra_p: &str, extra_d: &str) -> System {
     System { p, p_args, _d: d, _r: r, p_url, d_url, r_url }
 }
 
-/// A dense model and a mixture of experts (whose tokens' experts differ within one batch).
-#[test]
-fn push_and_pull_across_processes_equal_colocated() {
-    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-    // 50 mixed requests (1 token to several blocks, token ids and text, half streamed), all
-    // in flight at once.
-    let bodies: Vec<Value> = (0..50)
+/// 50 mixed requests (1 token to several blocks, token ids and text, half streamed), to send
+/// all at once.
+fn mixed_requests() -> Vec<Value> {
+    (0..50)
         .map(|i| {
             let n = [1usize, 5, 16, 17, 60, 130][i % 6];
             let prompt: Value = if i % 10 == 9 {
@@ -134,7 +131,45 @@ fn push_and_pull_across_processes_equal_colocated() {
             };
             json!({"prompt": prompt, "max_tokens": 3 + i % 6, "temperature": 0, "ignore_eos": true, "stream": i % 2 == 0})
         })
-        .collect();
+        .collect()
+}
+
+/// An engine over 2 and 4 tensor-parallel ranks answers the mixed requests, all at once, token
+/// for token as a one-rank engine does; as a prefill or decode engine it refuses to start,
+/// saying why.
+#[test]
+fn a_tensor_parallel_engine_answers_as_one_rank_does() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let bodies = mixed_requests();
+    let serve = |size: usize| {
+        let port = free_port();
+        let p = tandem(&args(&format!("serve --port {port} --tensor-parallel-size {size}")));
+        let url = format!("http://127.0.0.1:{port}");
+        wait_healthy(&http, &url);
+        (p, url)
+    };
+    let (_one, url) = serve(1);
+    let want = run_concurrently(&url, &bodies);
+    for size in [2, 4] {
+        let (_p, url) = serve(size);
+        let got = run_concurrently(&url, &bodies);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "{size} ranks: request {i}: {}", bodies[i]);
+        }
+    }
+    let refused = Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(args(&format!("serve --role prefill --tensor-parallel-size 2 --port {}", free_port())))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("colocated only"), "{stderr}");
+}
+
+/// A dense model and a mixture of experts (whose tokens' experts differ within one batch).
+#[test]
+fn push_and_pull_across_processes_equal_colocated() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let bodies = mixed_requests();
     for model in ["preset:tiny-qwen3", "preset:tiny-qwen3-moe"] {
         let cp = free_port();
         let _c = tandem(&args(&format!("serve --model {model} --port {cp}")));

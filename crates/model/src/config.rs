@@ -109,6 +109,11 @@ pub struct ModelConfig {
     pub fp8_weight_block: Option<[usize; 2]>,
     /// The mixture of experts of a sparse model's MLPs; `None`: every MLP is dense.
     pub moe: Option<MoeConfig>,
+    /// Parts the CPU engine sums the attention output and MLP down projections' inputs in (a
+    /// balanced tree of per-part products): the most tensor-parallel ranks the model splits over
+    /// with the same bits at every rank count (see `Transformer`). 1 for a GGUF file (its block
+    /// formats are kept whole) and for a mixture of experts.
+    pub reduction_groups: usize,
 }
 
 #[derive(Deserialize)]
@@ -239,6 +244,10 @@ impl ModelConfig {
             qk_norm,
             eos_token_ids: token_id_list(hf.eos_token_id.as_ref()),
             fp8_weight_block,
+            reduction_groups: match moe {
+                Some(_) => 1,
+                None => reduction_groups(hf.num_attention_heads, hf.intermediate_size),
+            },
             moe,
         })
     }
@@ -328,6 +337,12 @@ fn parse_fp8(q: &Value) -> Result<[usize; 2], ModelError> {
             "quantization_config.weight_block_size {block}: expected [rows, cols] of positive integers"
         ))),
     }
+}
+
+/// The most parts, a power of two up to 8, that split both the attention heads and the MLP's
+/// inner width evenly.
+fn reduction_groups(heads: usize, intermediate: usize) -> usize {
+    [8, 4, 2].into_iter().find(|g| heads.is_multiple_of(*g) && intermediate.is_multiple_of(*g)).unwrap_or(1)
 }
 
 /// A Qwen3-MoE config's experts, with transformers' defaults for what it leaves out.

@@ -40,6 +40,9 @@ pub enum ModelError {
         /// The HF tensor name.
         name: String,
     },
+    /// A tensor-parallel rank failed during a forward (the others stopped with it).
+    #[error("a tensor-parallel rank failed: {0}")]
+    Rank(String),
     /// A tensor has a different shape than config.json implies.
     #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
     ShapeMismatch {

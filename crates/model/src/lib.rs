@@ -26,10 +26,11 @@ mod presets;
 mod runner;
 mod source;
 mod tokenizer;
+mod tp;
 mod transformer;
 mod weights;
 
-pub use config::{Architecture, ModelConfig};
+pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use cuda::{CudaModel, CudaOptions};
 pub use detokenize::{IncrementalDetokenizer, StopMatcher, StopOutcome};
 pub use error::ModelError;
@@ -40,5 +41,6 @@ pub use runner::{
 };
 pub use source::{GenerationDefaults, LoadedModel, ModelSource, ModelSpec};
 pub use tokenizer::{ChatMessage, TextTokenizer};
-pub use transformer::{SeqBatch, Transformer};
+pub use tp::TpModel;
+pub use transformer::{SeqBatch, Shard, Transformer};
 pub use weights::{Tensor, WeightMap};

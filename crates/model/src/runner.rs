@@ -160,10 +160,10 @@ fn resolve_carried(token_ids: &[u32], previous: &[u32]) -> Result<Vec<u32>, Mode
 /// One step's log-probabilities, one entry per sample row (empty when no row asked).
 pub(crate) type RowLogprobs = Vec<Option<TokenLogprobs>>;
 
-/// The CPU backend: the f32 [`Transformer`] over a host [`KvCache`].
+/// The CPU backend: the f32 [`Transformer`] over a host [`KvCache`], or its tensor-parallel
+/// ranks, each over a cache of its KV heads.
 pub struct CpuRunner {
-    model: Transformer,
-    kv: KvCache,
+    model: CpuModel,
     /// Submitted steps' results, oldest first (a CPU step runs inside `submit`), with their
     /// rows' log-probabilities.
     pending: VecDeque<(Result<Vec<u32>, ModelError>, RowLogprobs)>,
@@ -175,44 +175,71 @@ pub struct CpuRunner {
     fence_kv: bool,
 }
 
+enum CpuModel {
+    Whole { model: Box<Transformer>, kv: KvCache },
+    Ranks(crate::tp::TpModel),
+}
+
+impl CpuModel {
+    fn transformer(&self) -> &Transformer {
+        match self {
+            CpuModel::Whole { model, .. } => model,
+            CpuModel::Ranks(tp) => tp.rank0(),
+        }
+    }
+}
+
 impl CpuRunner {
     /// Allocates a KV cache of `num_blocks` blocks of `block_size` tokens for `model`.
     pub fn new(model: Transformer, block_size: usize, num_blocks: usize) -> Self {
         let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
-        Self {
-            model,
-            kv,
-            pending: VecDeque::new(),
-            step_logprobs: Vec::new(),
-            last_sampled: Vec::new(),
-            fence_kv: false,
-        }
+        Self::with(CpuModel::Whole { model: Box::new(model), kv })
+    }
+
+    /// Runs `tp`'s ranks (their KV caches sized as [`crate::TpModel::load`] made them).
+    pub fn tensor_parallel(tp: crate::tp::TpModel) -> Self {
+        Self::with(CpuModel::Ranks(tp))
+    }
+
+    fn with(model: CpuModel) -> Self {
+        Self { model, pending: VecDeque::new(), step_logprobs: Vec::new(), last_sampled: Vec::new(), fence_kv: false }
     }
 }
 
 impl ModelRunner for CpuRunner {
     fn describe(&self) -> String {
-        "cpu (f32)".into()
+        match &self.model {
+            CpuModel::Whole { .. } => "cpu (f32)".into(),
+            CpuModel::Ranks(tp) => format!("cpu (f32), {} tensor-parallel ranks", tp.size()),
+        }
     }
 
     fn config(&self) -> &ModelConfig {
-        self.model.config()
+        self.model.transformer().config()
     }
 
     fn max_positions(&self) -> usize {
-        self.model.max_positions()
+        self.model.transformer().max_positions()
     }
 
     fn kv_layout(&self) -> KvLayout {
-        *self.kv.layout()
+        match &self.model {
+            CpuModel::Whole { kv, .. } => *kv.layout(),
+            CpuModel::Ranks(tp) => tp.kv_layout(),
+        }
     }
 
+    // Ranks' caches are one per rank; the KV connector moves one region, so a tensor-parallel
+    // engine serves colocated only (so far).
     fn kv_region(&self) -> Option<Arc<KvRegion>> {
-        Some(self.kv.region())
+        match &self.model {
+            CpuModel::Whole { kv, .. } => Some(kv.region()),
+            CpuModel::Ranks(_) => None,
+        }
     }
 
     fn fingerprint(&self) -> String {
-        self.model.fingerprint()
+        self.model.transformer().fingerprint()
     }
 
     fn execute(
@@ -221,8 +248,11 @@ impl ModelRunner for CpuRunner {
         seqs: &[SeqBatch<'_>],
         samples: &[SampleSpec],
     ) -> Result<Vec<u32>, ModelError> {
-        let mut logits = self.model.forward(token_ids, seqs, &mut self.kv);
-        let vocab = self.model.config().vocab_size;
+        let mut logits = match &mut self.model {
+            CpuModel::Whole { model, kv } => model.forward(token_ids, seqs, kv),
+            CpuModel::Ranks(tp) => tp.forward(token_ids, seqs)?,
+        };
+        let vocab = self.config().vocab_size;
         let mut logprobs = Vec::new();
         let wanted = samples.iter().any(|s| s.logprobs.is_some());
         let tokens = logits

@@ -150,7 +150,10 @@ impl ModelSpec {
             }
             ModelSource::Gguf(path) => {
                 let file = GgufFile::open(path)?;
-                let cfg = ModelConfig::from_value(&file.config_json()?)?;
+                let mut cfg = ModelConfig::from_value(&file.config_json()?)?;
+                // Its block formats are kept whole (a split product would need their blocks
+                // split), so the CPU engine sums each product in one part.
+                cfg.reduction_groups = 1;
                 // A file without tokenizer metadata runs in token-ids mode, as a directory
                 // without tokenizer.json does.
                 let tok = match file.tokenizer_json()? {

@@ -8,10 +8,12 @@
 //! Weights are immutable (`&self`); all per-sequence state (the KV cache and each sequence's
 //! block table) is passed in. The model knows nothing about requests or scheduling.
 
+use std::ops::Range;
 use tandem_compute::cpu::{
     add_inplace, apply_rope, matmul_t, matmul_t_quant, paged_attention, rms_norm, rms_norm_inplace, silu_mul, AttnSeq,
     RopeTable, WeightMemory,
 };
+
 use tandem_compute::{KvCache, KvLayout};
 
 use crate::config::ModelConfig;
@@ -66,16 +68,42 @@ impl Linear {
         in_dim: usize,
         bias: bool,
     ) -> Result<Self, ModelError> {
-        let mut parts = Vec::new();
+        let whole: Vec<(&str, usize, Range<usize>)> = names.iter().map(|&(n, rows)| (n, rows, 0..rows)).collect();
+        Self::load_rows(w, prefix, &whole, in_dim, bias, None)
+    }
+
+    /// As [`Linear::load`], keeping rows `range` of each (a tensor-parallel rank's); `sample`
+    /// gets the whole matrices first (the fingerprint's).
+    fn load_rows(
+        w: &mut WeightMap,
+        prefix: &str,
+        names: &[(&str, usize, Range<usize>)],
+        in_dim: usize,
+        bias: bool,
+        sample: Option<&mut Vec<f32>>,
+    ) -> Result<Self, ModelError> {
+        let mut whole = Vec::new();
         let mut b = Vec::new();
-        for (n, rows) in names {
-            parts.push((w.take_matrix(&format!("{prefix}.{n}.weight"), *rows, in_dim)?, *rows));
+        for (n, rows, range) in names {
+            whole.push((w.take_matrix(&format!("{prefix}.{n}.weight"), *rows, in_dim)?, *rows));
             if bias {
-                b.extend(w.take(&format!("{prefix}.{n}.bias"), &[*rows])?);
+                b.extend_from_slice(&w.take(&format!("{prefix}.{n}.bias"), &[*rows])?[range.clone()]);
             }
         }
-        let out_dim = names.iter().map(|(_, r)| r).sum();
-        // f32 parts as one matrix: one pass over the input.
+        if let Some(sample) = sample {
+            *sample = matrix_sample(&whole.iter().map(|(m, r)| (m, *r)).collect::<Vec<_>>(), in_dim);
+        }
+        let mut parts = Vec::new();
+        for ((m, _), (_, _, range)) in whole.into_iter().zip(names) {
+            parts.push((take_rows(m, in_dim, range.clone())?, range.len()));
+        }
+        Ok(Self::from_parts(parts, bias.then_some(b), in_dim))
+    }
+
+    /// Parts (each a matrix and its rows) stacked into one product; f32 parts as one matrix,
+    /// so that the input is read once.
+    fn from_parts(mut parts: Vec<(Matrix, usize)>, bias: Option<Vec<f32>>, in_dim: usize) -> Self {
+        let out_dim = parts.iter().map(|(_, r)| r).sum();
         let f32_parts: Vec<&[f32]> = parts
             .iter()
             .filter_map(|(m, _)| match m {
@@ -87,7 +115,7 @@ impl Linear {
             let weight = WeightMemory::concat(&f32_parts);
             parts = vec![(Matrix::F32(weight), out_dim)];
         }
-        Ok(Linear { parts, bias: bias.then_some(b), out_dim, in_dim })
+        Linear { parts, bias, out_dim, in_dim }
     }
 
     /// `y = x · Wᵀ (+ bias)` for `tokens` rows of `x`, into `y` (resized; `part` is scratch
@@ -158,6 +186,197 @@ fn matrix_sample(parts: &[(&Matrix, usize)], cols: usize) -> Vec<f32> {
         .collect()
 }
 
+/// A matrix's rows `range`, of `cols` columns (a block-format matrix only whole).
+fn take_rows(m: Matrix, cols: usize, range: Range<usize>) -> Result<Matrix, ModelError> {
+    match m {
+        Matrix::F32(w) if range.start == 0 && range.end * cols == w.len() => Ok(Matrix::F32(w)),
+        Matrix::F32(w) => Ok(Matrix::F32(WeightMemory::concat(&[&w[range.start * cols..range.end * cols]]))),
+        Matrix::Quant(q) if range.start == 0 && range.end == q.rows() => Ok(Matrix::Quant(q)),
+        Matrix::Quant(_) => Err(kept_whole()),
+    }
+}
+
+fn kept_whole() -> ModelError {
+    ModelError::UnsupportedConfig(
+        "tensor parallelism over weights kept in a GGUF block format (they are kept whole)".into(),
+    )
+}
+
+/// A row-parallel product (attention's output projection, the MLP's down projection): its
+/// input columns in equal groups (`ModelConfig::reduction_groups`), each group's product
+/// computed alone and the products summed pairwise, a balanced tree. A tensor-parallel rank
+/// holds a contiguous run of the groups and sums them the same way; the ranks' sums are then
+/// added in the tree's upper levels ([`tree_sum`]), so that any rank count gives the bits of
+/// one rank. The bias is added once, after the sum.
+struct SplitK {
+    /// This rank's groups, each `[out_dim, group_in]`.
+    groups: Vec<Matrix>,
+    group_in: usize,
+    out_dim: usize,
+    bias: Option<Vec<f32>>,
+}
+
+impl SplitK {
+    /// Matrix `m` (`[rows, cols]`) in `groups` column groups, keeping groups `keep`.
+    fn new(
+        m: Matrix,
+        rows: usize,
+        cols: usize,
+        groups: usize,
+        keep: Range<usize>,
+        bias: Option<Vec<f32>>,
+    ) -> Result<Self, ModelError> {
+        let group_in = cols / groups;
+        let kept = match m {
+            m if groups == 1 => vec![m],
+            Matrix::F32(w) => keep
+                .clone()
+                .map(|g| {
+                    let rows: Vec<&[f32]> =
+                        (0..rows).map(|r| &w[r * cols + g * group_in..r * cols + (g + 1) * group_in]).collect();
+                    Matrix::F32(WeightMemory::concat(&rows))
+                })
+                .collect(),
+            Matrix::Quant(_) => return Err(kept_whole()),
+        };
+        Ok(Self { groups: kept, group_in, out_dim: rows, bias })
+    }
+
+    /// This rank's sum of its groups' products for `t` rows of `x` (`[t, groups * group_in]`),
+    /// into `out`, without the bias.
+    fn forward_partial(&self, x: &[f32], t: usize, out: &mut Vec<f32>, s: &mut SplitScratch) {
+        resize(out, t * self.out_dim);
+        if let [w] = &self.groups[..] {
+            return matmul(x, t, w, self.out_dim, self.group_in, out);
+        }
+        let (n, gi) = (self.groups.len(), self.group_in);
+        s.partials.resize_with(n, Vec::new);
+        for (g, (w, partial)) in self.groups.iter().zip(s.partials.iter_mut()).enumerate() {
+            resize(&mut s.input, t * gi);
+            for (dst, row) in s.input.chunks_exact_mut(gi).zip(x.chunks_exact(n * gi)) {
+                dst.copy_from_slice(&row[g * gi..(g + 1) * gi]);
+            }
+            resize(partial, t * self.out_dim);
+            matmul(&s.input, t, w, self.out_dim, gi, partial);
+        }
+        tree_sum(&mut s.partials[..n]);
+        out.copy_from_slice(&s.partials[0]);
+    }
+
+    fn add_bias(&self, y: &mut [f32]) {
+        if let Some(b) = &self.bias {
+            for row in y.chunks_exact_mut(self.out_dim) {
+                add_inplace(row, b);
+            }
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.groups.iter().map(matrix_bytes).sum::<usize>() + self.bias.as_ref().map_or(0, |b| b.len() * 4)
+    }
+}
+
+/// Sums equal-length `parts` pairwise, a balanced tree (`parts.len()` a power of two), into
+/// `parts[0]`: `(p0 + p1) + (p2 + p3)` for four.
+pub(crate) fn tree_sum(parts: &mut [Vec<f32>]) {
+    let mut step = 1;
+    while step < parts.len() {
+        for i in (0..parts.len()).step_by(2 * step) {
+            let (left, right) = parts.split_at_mut(i + step);
+            add_inplace(&mut left[i], &right[0]);
+        }
+        step *= 2;
+    }
+}
+
+#[derive(Default)]
+struct SplitScratch {
+    input: Vec<f32>,
+    partials: Vec<Vec<f32>>,
+}
+
+/// The part of a model one instance holds: rank `rank` of `size` tensor-parallel ranks, each
+/// with its share of the attention heads (KV heads shared out, or repeated where there are
+/// fewer than ranks), of the MLP's inner width, and of the row-parallel products' groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    /// This rank, from 0.
+    pub rank: usize,
+    /// Ranks in all.
+    pub size: usize,
+}
+
+impl Shard {
+    /// The whole model, one rank.
+    pub const WHOLE: Shard = Shard { rank: 0, size: 1 };
+
+    /// Whether `cfg` splits over `size` ranks, saying why not.
+    pub fn check(size: usize, cfg: &ModelConfig) -> Result<(), ModelError> {
+        let bad = |why: String| Err(ModelError::UnsupportedConfig(format!("--tensor-parallel-size {size}: {why}")));
+        let g = cfg.reduction_groups;
+        match size {
+            0 => bad("at least 1".into()),
+            1 => Ok(()),
+            _ if cfg.moe.is_some() => bad("a mixture of experts does not split over ranks yet".into()),
+            _ if !size.is_power_of_two() || !g.is_multiple_of(size) => bad(format!(
+                "this model's sums split into {g} parts (its {} attention heads and MLP width {}; 1 for a GGUF file), so it runs on a power of two up to {g} ranks",
+                cfg.num_heads, cfg.intermediate_size
+            )),
+            _ if !(cfg.num_kv_heads.is_multiple_of(size) || size.is_multiple_of(cfg.num_kv_heads)) => bad(format!(
+                "its {} KV heads neither divide among the ranks nor repeat evenly over them",
+                cfg.num_kv_heads
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// This rank's query heads.
+    fn heads(&self, cfg: &ModelConfig) -> Range<usize> {
+        let per = cfg.num_heads / self.size;
+        self.rank * per..(self.rank + 1) * per
+    }
+
+    /// This rank's KV heads (one repeated on several ranks when there are fewer than ranks).
+    fn kv_heads(&self, cfg: &ModelConfig) -> Range<usize> {
+        let n = cfg.num_kv_heads;
+        if n >= self.size {
+            let per = n / self.size;
+            self.rank * per..(self.rank + 1) * per
+        } else {
+            let head = self.rank / (self.size / n);
+            head..head + 1
+        }
+    }
+
+    /// This rank's share of `len` (the MLP's inner width, the row-parallel groups).
+    fn share(&self, len: usize) -> Range<usize> {
+        let per = len / self.size;
+        self.rank * per..(self.rank + 1) * per
+    }
+}
+
+/// The fingerprint of a model whose embedding is `embed` and whose first layer's stacked q, k
+/// and v sample to `qkv_sample` ([`matrix_sample`]).
+fn fingerprint(c: &ModelConfig, embed: &Matrix, qkv_sample: &[f32]) -> String {
+    let mut h = 0xcbf29ce484222325u64;
+    let mut feed = |xs: &[f32]| {
+        for x in xs.iter().step_by((xs.len() / 4096).max(1)) {
+            h = (h ^ x.to_bits() as u64).wrapping_mul(0x100000001b3);
+        }
+    };
+    feed(&matrix_sample(&[(embed, c.vocab_size)], c.hidden_size));
+    feed(qkv_sample);
+    format!(
+        "{}/l{}h{}kv{}d{}v{}/{h:016x}",
+        c.architecture.hf_name(),
+        c.num_layers,
+        c.hidden_size,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size
+    )
+}
+
 /// One decoder layer's weights.
 struct Layer {
     input_norm: Vec<f32>,
@@ -165,7 +384,7 @@ struct Layer {
     qkv: Linear,
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
-    o: Linear,
+    o: SplitK,
     post_norm: Vec<f32>,
     mlp: Mlp,
 }
@@ -173,7 +392,7 @@ struct Layer {
 /// A layer's MLP.
 enum Mlp {
     /// gate and up projections stacked (`[gate; up]`), then down.
-    Dense { gate_up: Linear, down: Linear },
+    Dense { gate_up: Linear, down: SplitK },
     /// A mixture of experts.
     Experts(Experts),
 }
@@ -193,6 +412,37 @@ struct Experts {
 }
 
 impl Experts {
+    /// Layer `prefix`'s router and experts: one tensor each per expert (the Hub's layout), or
+    /// all experts stacked in one tensor each (transformers 5's in-memory layout).
+    fn load(w: &mut WeightMap, prefix: &str, moe: &crate::config::MoeConfig, h: usize) -> Result<Self, ModelError> {
+        let (n, inter) = (moe.num_experts, moe.moe_intermediate_size);
+        let router = w.take_matrix(&format!("{prefix}.mlp.gate.weight"), n, h)?;
+        let stacked_gate_up = format!("{prefix}.mlp.experts.gate_up_proj");
+        let experts = if w.contains(&stacked_gate_up) {
+            let gate_up = w.take_stacked(&stacked_gate_up, n, 2 * inter, h)?;
+            let down = w.take_stacked(&format!("{prefix}.mlp.experts.down_proj"), n, h, inter)?;
+            let linear = |m: Vec<f32>, rows: usize, in_dim: usize| {
+                Linear::from_parts(vec![(Matrix::F32(WeightMemory::concat(&[&m])), rows)], None, in_dim)
+            };
+            gate_up.into_iter().zip(down).map(|(gu, d)| (linear(gu, 2 * inter, h), linear(d, h, inter))).collect()
+        } else {
+            (0..n)
+                .map(|e| {
+                    let x = format!("mlp.experts.{e}");
+                    let gate_up = Linear::load(
+                        w,
+                        prefix,
+                        &[(&format!("{x}.gate_proj"), inter), (&format!("{x}.up_proj"), inter)],
+                        h,
+                        false,
+                    )?;
+                    Ok((gate_up, Linear::load(w, prefix, &[(&format!("{x}.down_proj"), h)], inter, false)?))
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?
+        };
+        Ok(Experts { router, experts, top_k: moe.num_experts_per_tok, norm_topk_prob: moe.norm_topk_prob, inter })
+    }
+
     /// The mixture's output for `t` rows of `x` (`hidden` wide) into `out`, as transformers
     /// computes it: softmax over the router's logits, the `top_k` most probable experts
     /// (renormalised when `norm_topk_prob`), each expert's MLP on the tokens that chose it times
@@ -296,6 +546,7 @@ struct Scratch {
     act: Vec<f32>,
     part: Vec<f32>,
     experts: ExpertScratch,
+    split: SplitScratch,
 }
 
 /// A loaded model, ready to run forwards.
@@ -313,80 +564,83 @@ pub struct Transformer {
     /// Bytes of weights the last forward read (a mixture of experts reads those its tokens
     /// chose): the decode floor's numerator, which `bench engine` reads after each step.
     weights_read: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// The whole model's (every rank's is the same).
+    fingerprint: String,
+    /// This rank's query heads, KV heads and MLP inner width.
+    local: LocalDims,
+    /// Only rank 0 computes logits.
+    computes_logits: bool,
+}
+
+/// What one tensor-parallel rank computes of a layer.
+#[derive(Clone, Copy, Debug)]
+struct LocalDims {
+    heads: usize,
+    kv_heads: usize,
+    inter: usize,
 }
 
 impl Transformer {
     /// Builds the model from HF-named tensors, checking every shape against `cfg`. `max_positions`
     /// bounds the RoPE table (the engine's max model length).
-    pub fn from_weights(cfg: ModelConfig, mut w: WeightMap, max_positions: usize) -> Result<Self, ModelError> {
+    pub fn from_weights(cfg: ModelConfig, w: WeightMap, max_positions: usize) -> Result<Self, ModelError> {
+        Self::from_weights_shard(cfg, w, max_positions, Shard::WHOLE)
+    }
+
+    /// As [`Transformer::from_weights`], keeping `shard`'s part of each layer (tensor
+    /// parallelism: the ranks' forwards, their row-parallel sums added by a reduce, give the
+    /// whole model's bits; see [`Transformer::forward_rank`]).
+    pub fn from_weights_shard(
+        cfg: ModelConfig,
+        mut w: WeightMap,
+        max_positions: usize,
+        shard: Shard,
+    ) -> Result<Self, ModelError> {
+        Shard::check(shard.size, &cfg)?;
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let q_dim = cfg.num_heads * hd;
         let kv_dim = cfg.num_kv_heads * hd;
+        let (heads, kv_heads, inter) = (shard.heads(&cfg), shard.kv_heads(&cfg), shard.share(cfg.intermediate_size));
+        let rows = |heads: &Range<usize>| heads.start * hd..heads.end * hd;
+        let groups = cfg.reduction_groups;
+        let kept_groups = shard.share(groups);
         let embed = w.take_matrix("model.embed_tokens.weight", cfg.vocab_size, h)?;
+        let mut qkv_sample = Vec::new();
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
-            let stacked = |w: &mut WeightMap, names: &[(&str, usize)], in_dim: usize, bias: bool| {
-                Linear::load(w, &p, names, in_dim, bias)
-            };
-            let qkv = stacked(
+            let qkv = Linear::load_rows(
                 &mut w,
-                &[("self_attn.q_proj", q_dim), ("self_attn.k_proj", kv_dim), ("self_attn.v_proj", kv_dim)],
+                &p,
+                &[
+                    ("self_attn.q_proj", q_dim, rows(&heads)),
+                    ("self_attn.k_proj", kv_dim, rows(&kv_heads)),
+                    ("self_attn.v_proj", kv_dim, rows(&kv_heads)),
+                ],
                 h,
                 cfg.qkv_bias,
+                (i == 0).then_some(&mut qkv_sample),
             )?;
-            let o = stacked(&mut w, &[("self_attn.o_proj", h)], q_dim, cfg.o_bias)?;
+            let o_bias = if cfg.o_bias { Some(w.take(&format!("{p}.self_attn.o_proj.bias"), &[h])?) } else { None };
+            let o = w.take_matrix(&format!("{p}.self_attn.o_proj.weight"), h, q_dim)?;
+            let o = SplitK::new(o, h, q_dim, groups, kept_groups.clone(), o_bias)?;
             let mlp = match &cfg.moe {
-                Some(moe) if moe.is_sparse(i) => {
-                    let (n, inter) = (moe.num_experts, moe.moe_intermediate_size);
-                    let router = w.take_matrix(&format!("{p}.mlp.gate.weight"), n, h)?;
-                    let stacked_gate_up = format!("{p}.mlp.experts.gate_up_proj");
-                    let experts = if w.contains(&stacked_gate_up) {
-                        // transformers 5's in-memory layout, all experts in one tensor each.
-                        let gate_up = w.take_stacked(&stacked_gate_up, n, 2 * inter, h)?;
-                        let down = w.take_stacked(&format!("{p}.mlp.experts.down_proj"), n, h, inter)?;
-                        let linear = |m: Vec<f32>, out_dim: usize, in_dim: usize| Linear {
-                            parts: vec![(Matrix::F32(WeightMemory::concat(&[&m])), out_dim)],
-                            bias: None,
-                            out_dim,
-                            in_dim,
-                        };
-                        gate_up
-                            .into_iter()
-                            .zip(down)
-                            .map(|(gu, d)| (linear(gu, 2 * inter, h), linear(d, h, inter)))
-                            .collect()
-                    } else {
-                        (0..n)
-                            .map(|e| {
-                                let x = format!("mlp.experts.{e}");
-                                let gate_up = stacked(
-                                    &mut w,
-                                    &[(&format!("{x}.gate_proj"), inter), (&format!("{x}.up_proj"), inter)],
-                                    h,
-                                    false,
-                                )?;
-                                Ok((gate_up, stacked(&mut w, &[(&format!("{x}.down_proj"), h)], inter, false)?))
-                            })
-                            .collect::<Result<Vec<_>, ModelError>>()?
-                    };
-                    Mlp::Experts(Experts {
-                        router,
-                        experts,
-                        top_k: moe.num_experts_per_tok,
-                        norm_topk_prob: moe.norm_topk_prob,
-                        inter,
-                    })
-                }
-                _ => Mlp::Dense {
-                    gate_up: stacked(
+                Some(moe) if moe.is_sparse(i) => Mlp::Experts(Experts::load(&mut w, &p, moe, h)?),
+                _ => {
+                    let i_dim = cfg.intermediate_size;
+                    let gate_up = Linear::load_rows(
                         &mut w,
-                        &[("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)],
+                        &p,
+                        &[("mlp.gate_proj", i_dim, inter.clone()), ("mlp.up_proj", i_dim, inter.clone())],
                         h,
                         cfg.mlp_bias,
-                    )?,
-                    down: stacked(&mut w, &[("mlp.down_proj", h)], cfg.intermediate_size, cfg.mlp_bias)?,
-                },
+                        None,
+                    )?;
+                    let bias =
+                        if cfg.mlp_bias { Some(w.take(&format!("{p}.mlp.down_proj.bias"), &[h])?) } else { None };
+                    let down = w.take_matrix(&format!("{p}.mlp.down_proj.weight"), h, i_dim)?;
+                    Mlp::Dense { gate_up, down: SplitK::new(down, h, i_dim, groups, kept_groups.clone(), bias)? }
+                }
             };
             let (q_norm, k_norm) = if cfg.qk_norm {
                 (
@@ -413,6 +667,8 @@ impl Transformer {
             Some(w.take_matrix("lm_head.weight", cfg.vocab_size, h)?)
         };
         let rope = RopeTable::new(hd, cfg.rope_theta, cfg.rope_scaling, max_positions);
+        let fingerprint = fingerprint(&cfg, &embed, &qkv_sample);
+        let local = LocalDims { heads: heads.len(), kv_heads: kv_heads.len(), inter: inter.len() };
         Ok(Self {
             cfg,
             embed,
@@ -422,6 +678,9 @@ impl Transformer {
             rope,
             scratch: Default::default(),
             weights_read: Default::default(),
+            fingerprint,
+            local,
+            computes_logits: shard.rank == 0,
         })
     }
 
@@ -439,7 +698,7 @@ impl Transformer {
     pub fn kv_layout(&self, block_size: usize, num_blocks: usize) -> KvLayout {
         KvLayout {
             num_layers: self.cfg.num_layers,
-            num_kv_heads: self.cfg.num_kv_heads,
+            num_kv_heads: self.local.kv_heads,
             head_dim: self.cfg.head_dim,
             block_size,
             num_blocks,
@@ -448,30 +707,9 @@ impl Transformer {
 
     /// Identifies these weights for KV compatibility checks: the architecture, the shape and a
     /// hash of a sample of the embedding and first layer. Engines whose KV would mean different
-    /// things get different fingerprints.
+    /// things get different fingerprints; every tensor-parallel rank's is the whole model's.
     pub fn fingerprint(&self) -> String {
-        let c = &self.cfg;
-        let mut h = 0xcbf29ce484222325u64;
-        let mut feed = |xs: &[f32]| {
-            for x in xs.iter().step_by((xs.len() / 4096).max(1)) {
-                h = (h ^ x.to_bits() as u64).wrapping_mul(0x100000001b3);
-            }
-        };
-        let (vocab, hidden) = (c.vocab_size, c.hidden_size);
-        feed(&matrix_sample(&[(&self.embed, vocab)], hidden));
-        if let Some(l) = self.layers.first() {
-            let parts: Vec<(&Matrix, usize)> = l.qkv.parts.iter().map(|(w, r)| (w, *r)).collect();
-            feed(&matrix_sample(&parts, hidden));
-        }
-        format!(
-            "{}/l{}h{}kv{}d{}v{}/{h:016x}",
-            c.architecture.hf_name(),
-            c.num_layers,
-            c.hidden_size,
-            c.num_kv_heads,
-            c.head_dim,
-            c.vocab_size
-        )
+        self.fingerprint.clone()
     }
 
     /// The bytes of weights each forward read, as it ends (shared: it stays readable after the
@@ -518,15 +756,34 @@ impl Transformer {
     /// Token ids must be `< vocab_size` and positions `< max_positions()`; the engine checks
     /// both when it admits a request.
     pub fn forward(&self, token_ids: &[u32], seqs: &[SeqBatch<'_>], kv: &mut KvCache) -> Vec<f32> {
+        self.forward_rank(token_ids, seqs, kv, &mut |_| {})
+    }
+
+    /// One tensor-parallel rank's forward over its KV cache: `reduce` turns this rank's sum of
+    /// each row-parallel product (twice a layer, `[tokens, hidden]`) into the ranks' total, in
+    /// [`tree_sum`]'s order over the ranks. Rank 0 returns the logits, the others nothing.
+    pub fn forward_rank(
+        &self,
+        token_ids: &[u32],
+        seqs: &[SeqBatch<'_>],
+        kv: &mut KvCache,
+        reduce: &mut (dyn FnMut(&mut [f32]) + Send),
+    ) -> Vec<f32> {
         // On a thread of the compute pool, so that each of the step's parallel loops (some 150
         // at batch 1) is forked from inside the pool instead of waking it from outside and
         // sleeping until it is done: at batch 1 that cost 2-3 ms of a 12 ms step.
-        rayon::scope(|_| self.forward_on_pool(token_ids, seqs, kv))
+        rayon::scope(|_| self.forward_on_pool(token_ids, seqs, kv, reduce))
     }
 
-    fn forward_on_pool(&self, token_ids: &[u32], seqs: &[SeqBatch<'_>], kv: &mut KvCache) -> Vec<f32> {
+    fn forward_on_pool(
+        &self,
+        token_ids: &[u32],
+        seqs: &[SeqBatch<'_>],
+        kv: &mut KvCache,
+        reduce: &mut (dyn FnMut(&mut [f32]) + Send),
+    ) -> Vec<f32> {
         let cfg = &self.cfg;
-        let (h, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
+        let (h, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, self.local.heads, self.local.kv_heads);
         let (q_dim, kv_dim) = (nh * hd, nkv * hd);
         let t = token_ids.len();
         let block_size = kv.layout().block_size;
@@ -561,10 +818,11 @@ impl Transformer {
             Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
             Err(std::sync::TryLockError::WouldBlock) => None,
         };
-        let Scratch { x, normed, qkv, q, k, v, attn, proj, gate_up, act, part, experts } = match guard.as_deref_mut() {
-            Some(s) => s,
-            None => &mut fresh,
-        };
+        let Scratch { x, normed, qkv, q, k, v, attn, proj, gate_up, act, part, experts, split } =
+            match guard.as_deref_mut() {
+                Some(s) => s,
+                None => &mut fresh,
+            };
         resize(x, t * h);
         for (row, &id) in x.chunks_exact_mut(h).zip(token_ids) {
             matrix_row(&self.embed, id as usize, h, row);
@@ -594,22 +852,30 @@ impl Transformer {
                 kv.write_token(li, block, slot, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim]);
             }
             paged_attention(q, nh, kv, li, &attn_seqs, scale, attn);
-            layer.o.forward_into(attn, t, proj, part);
+            layer.o.forward_partial(attn, t, proj, split);
+            reduce(proj);
+            layer.o.add_bias(proj);
             add_inplace(x, proj);
 
             rms_norm(x, &layer.post_norm, cfg.rms_norm_eps, normed);
             match &layer.mlp {
                 Mlp::Dense { gate_up: w_gate_up, down } => {
+                    let inter = self.local.inter;
                     w_gate_up.forward_into(normed, t, gate_up, part);
-                    resize(act, t * cfg.intermediate_size);
-                    silu_mul(gate_up, cfg.intermediate_size, act);
-                    down.forward_into(act, t, proj, part);
+                    resize(act, t * inter);
+                    silu_mul(gate_up, inter, act);
+                    down.forward_partial(act, t, proj, split);
+                    reduce(proj);
+                    down.add_bias(proj);
                 }
                 Mlp::Experts(e) => expert_bytes_read += e.forward_into(normed, t, h, proj, experts) * e.expert_bytes(),
             }
             add_inplace(x, proj);
         }
 
+        if !self.computes_logits {
+            return Vec::new();
+        }
         // Only the last token of sequences that sample needs the (large) output projection.
         let picked: Vec<usize> = seqs
             .iter()

@@ -21,7 +21,7 @@ pub struct Tensor {
 
 /// A bag of named tensors the transformer builder takes from. Taking moves the tensor out, so
 /// each weight is held once.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct WeightMap {
     tensors: HashMap<String, Tensor>,
     /// Matrices kept in a ggml block format (a GGUF file's, for the CPU engine).

@@ -441,7 +441,7 @@ fn a_gguf_on_the_gpu_gives_its_directorys_logits() {
     let a = tandem_model::ModelSpec::load(&ModelSource::Gguf(gguf.clone()), None).unwrap().config;
     let b = tandem_model::ModelSpec::load(&ModelSource::Dir(dir.clone()), None).unwrap().config;
     assert_eq!(
-        tandem_model::ModelConfig { eos_token_ids: vec![], ..b },
+        tandem_model::ModelConfig { eos_token_ids: vec![], reduction_groups: 1, ..b },
         tandem_model::ModelConfig { eos_token_ids: vec![], ..a }
     );
     if !cuda_usable() {

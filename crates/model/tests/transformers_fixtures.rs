@@ -171,7 +171,7 @@ fn qwen3_and_qwen2_ggufs_give_transformers_greedy_tokens() {
         let from_gguf = ModelSpec::load(&source, None).unwrap().config;
         let from_dir = ModelSpec::load(&ModelSource::Dir(fixtures().join(name)), None).unwrap().config;
         assert_eq!(from_gguf.eos_token_ids, Vec::<u32>::new());
-        assert_eq!(from_gguf, tandem_model::ModelConfig { eos_token_ids: vec![], ..from_dir });
+        assert_eq!(from_gguf, tandem_model::ModelConfig { eos_token_ids: vec![], reduction_groups: 1, ..from_dir });
         let (n, cases) = cases(&fixtures().join(name));
         for (prompt, want) in cases {
             assert_eq!(greedy(&model, &prompt, n, 16), want, "{name}: prompt of {} tokens", prompt.len());
