@@ -99,7 +99,8 @@ pub struct EngineArgs {
     /// Split the model over N tensor-parallel ranks (on CPU, threads sharing the machine's
     /// cores), each with its share of the attention heads, KV heads and MLP; their products'
     /// sums go in one fixed order, so any N gives the tokens of 1. N is a power of two up to
-    /// the model's `reduction_groups` (`tandem model inspect`). CPU, colocated serving only so
+    /// the model's `reduction_groups` (`tandem model inspect`); a prefill or decode engine's
+    /// ranks hold one KV head each at least, and pair with peers of any rank count. CPU only so
     /// far.
     #[arg(help_heading = "Device", long, default_value_t = 1)]
     pub tensor_parallel_size: usize,
@@ -365,6 +366,27 @@ pub(crate) fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<
 }
 
 /// Resolves the engine's size: KV blocks from memory unless given exactly.
+/// A prefill or decode engine moves its KV cache as one region laid out as a one-rank
+/// engine's: its tensor-parallel ranks must hold a KV head each at least (no head repeated over
+/// ranks). Checked on the model's shape alone, before its weights load.
+pub(crate) fn check_tensor_parallel_kv(m: &ModelArgs, e: &EngineArgs) -> Result<()> {
+    let size = e.tensor_parallel_size;
+    if size <= 1 {
+        return Ok(());
+    }
+    let source = model_source(&m.model, m.model_seed)?;
+    let shape =
+        ModelSpec::load_shape(&source, m.max_model_len).with_context(|| format!("reading model `{}`", m.model))?;
+    let kv_heads = shape.config.num_kv_heads;
+    if kv_heads < size {
+        bail!(
+            "--tensor-parallel-size {size} for a prefill or decode engine: `{}` has {kv_heads} KV heads, which would repeat over {size} ranks, and the KV connector moves each head from one rank; use at most {kv_heads} ranks (more serve colocated)",
+            m.model
+        );
+    }
+    Ok(())
+}
+
 /// A CPU engine's model split over `--tensor-parallel-size` ranks.
 fn build_tensor_parallel(m: &ModelArgs, e: &EngineArgs) -> Result<EngineParts> {
     let source = model_source(&m.model, m.model_seed)?;

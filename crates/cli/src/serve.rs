@@ -332,11 +332,8 @@ pub(crate) fn serve(a: ServeArgs, ucx_log: Option<std::path::PathBuf>) -> Result
         }
         Some((a.kv.kv_host_gib * (1u64 << 30) as f64) as usize)
     };
-    if a.kv.role != RoleArg::Both && a.engine.tensor_parallel_size > 1 {
-        bail!(
-            "--tensor-parallel-size {} serves colocated only so far (--role both): the KV connector moves one KV cache, and each rank has its own",
-            a.engine.tensor_parallel_size
-        );
+    if a.kv.role != RoleArg::Both {
+        crate::engine::check_tensor_parallel_kv(&a.model, &a.engine)?;
     }
     let parts = build_engine(&a.model, &a.engine, host_kv_bytes)?;
     let cluster_secret = a.cluster.load()?;

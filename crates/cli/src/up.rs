@@ -182,6 +182,7 @@ pub fn up(a: UpArgs) -> Result<()> {
         KvModeArg::Push => "push",
         KvModeArg::Pull => "pull",
     };
+    crate::engine::check_tensor_parallel_kv(&a.model, &a.engine)?;
     let host = "127.0.0.1";
     // Every port must be free now: a server already there would answer our health checks.
     for (port, what) in [

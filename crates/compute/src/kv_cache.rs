@@ -267,17 +267,34 @@ impl Drop for KvRegion {
 /// the blocks of scheduled requests only.
 pub struct KvCache {
     region: Arc<KvRegion>,
+    /// The region's KV heads this cache reads and writes (all of them, or a tensor-parallel
+    /// rank's), and its shape as its user sees it (those heads only).
+    first_head: usize,
+    view: KvLayout,
 }
 
 impl KvCache {
     /// Allocates a zeroed cache.
     pub fn new(layout: KvLayout) -> Self {
-        Self { region: Arc::new(KvRegion::new(layout, KvDtype::F32)) }
+        Self { region: Arc::new(KvRegion::new(layout, KvDtype::F32)), first_head: 0, view: layout }
     }
 
-    /// The cache's shape.
+    /// The KV heads `heads` of an f32 `region` that several caches share (tensor-parallel
+    /// ranks of one engine, each with its own heads): each reads and writes only its heads'
+    /// planes, so the views may be written from as many threads at once.
+    ///
+    /// # Panics
+    /// If `heads` lies outside the region or the region is not f32.
+    pub fn heads_of(region: Arc<KvRegion>, heads: std::ops::Range<usize>) -> Self {
+        let full = *region.layout();
+        assert!(heads.end <= full.num_kv_heads && !heads.is_empty(), "heads {heads:?} outside the region");
+        assert_eq!(region.dtype(), KvDtype::F32, "an engine's own cache is f32");
+        Self { region, first_head: heads.start, view: KvLayout { num_kv_heads: heads.len(), ..full } }
+    }
+
+    /// The cache's shape (of its heads).
     pub fn layout(&self) -> &KvLayout {
-        &self.region.layout
+        &self.view
     }
 
     /// The shared memory, for the KV connector.
@@ -292,8 +309,8 @@ impl KvCache {
     #[inline]
     pub fn plane(&self, block: usize, layer: usize, kv: usize, head: usize) -> &[f32] {
         let l = &self.region.layout;
-        assert!(block < l.num_blocks && layer < l.num_layers && kv < 2 && head < l.num_kv_heads);
-        let off = l.plane_offset(block, layer, kv, head);
+        assert!(block < l.num_blocks && layer < l.num_layers && kv < 2 && head < self.view.num_kv_heads);
+        let off = l.plane_offset(block, layer, kv, self.first_head + head);
         // Safety: in bounds (asserted); the block belongs to a running request, so the
         // connector thread is not writing it, and the engine writes only through `&mut self`.
         unsafe { std::slice::from_raw_parts(self.region.f32_ptr().add(off), l.head_plane()) }
@@ -303,13 +320,15 @@ impl KvCache {
     /// `num_kv_heads * head_dim` elements, head-major.
     pub fn write_token(&mut self, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32]) {
         let l = self.region.layout;
+        let heads = self.view.num_kv_heads;
         assert!(block < l.num_blocks && layer < l.num_layers && slot < l.block_size);
-        assert!(k.len() >= l.num_kv_heads * l.head_dim && v.len() >= l.num_kv_heads * l.head_dim);
-        for h in 0..l.num_kv_heads {
+        assert!(k.len() >= heads * l.head_dim && v.len() >= heads * l.head_dim);
+        for h in 0..heads {
             for (kv, src) in [(0, k), (1, v)] {
-                let dst = l.plane_offset(block, layer, kv, h) + slot * l.head_dim;
+                let dst = l.plane_offset(block, layer, kv, self.first_head + h) + slot * l.head_dim;
                 // Safety: in bounds (asserted above); the block belongs to a running request,
-                // so no other thread touches it, and `&mut self` excludes engine-side readers.
+                // so no other thread touches it, `&mut self` excludes engine-side readers, and
+                // caches sharing the region write other heads' planes.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         src[h * l.head_dim..].as_ptr(),
@@ -368,6 +387,24 @@ mod tests {
         // The connector's view of block 2 sees the same bytes.
         let b2 = unsafe { region.blocks(2, 1) };
         assert_eq!(b2[l.plane_offset_in_block(1, 0, 1) + 6], 3.0);
+    }
+
+    /// Two caches over one region's heads 0 and 1 write and read their own heads' planes only,
+    /// and the region holds both, as one cache of both heads would.
+    #[test]
+    fn head_views_of_one_region_keep_to_their_heads() {
+        let l = KvLayout { num_layers: 2, num_kv_heads: 2, head_dim: 2, block_size: 4, num_blocks: 3 };
+        let (mut whole, shared) = (KvCache::new(l), Arc::new(KvRegion::new(l, KvDtype::F32)));
+        let mut views = [KvCache::heads_of(shared.clone(), 0..1), KvCache::heads_of(shared.clone(), 1..2)];
+        assert_eq!(views[1].layout().num_kv_heads, 1);
+        whole.write_token(1, 2, 3, &[1.0, 2.0, 3.0, 4.0], &[5.0, 6.0, 7.0, 8.0]);
+        views[0].write_token(1, 2, 3, &[1.0, 2.0], &[5.0, 6.0]);
+        views[1].write_token(1, 2, 3, &[3.0, 4.0], &[7.0, 8.0]);
+        assert_eq!(&views[1].plane(2, 1, 0, 0)[6..8], &[3.0, 4.0]);
+        assert_eq!(&views[0].plane(2, 1, 1, 0)[6..8], &[5.0, 6.0]);
+        // Safety: single-threaded test; nothing writes while we read.
+        let (a, b) = unsafe { (whole.region().blocks(0, 3).to_vec(), shared.blocks(0, 3).to_vec()) };
+        assert_eq!(a, b);
     }
 
     #[test]

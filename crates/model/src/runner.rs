@@ -229,12 +229,12 @@ impl ModelRunner for CpuRunner {
         }
     }
 
-    // Ranks' caches are one per rank; the KV connector moves one region, so a tensor-parallel
-    // engine serves colocated only (so far).
+    // Tensor-parallel ranks whose heads share one region offer it whole (a one-rank engine's
+    // layout, so peers of any rank count pair with it); ranks that repeat heads offer none.
     fn kv_region(&self) -> Option<Arc<KvRegion>> {
         match &self.model {
             CpuModel::Whole { kv, .. } => Some(kv.region()),
-            CpuModel::Ranks(_) => None,
+            CpuModel::Ranks(tp) => tp.region(),
         }
     }
 

@@ -31,12 +31,16 @@ struct Rank {
 pub struct TpModel {
     ranks: Vec<Rank>,
     reduce: AllReduce,
+    /// The one KV region the ranks' caches are views of, each of its own heads, where every
+    /// KV head belongs to one rank; `None` where heads repeat over ranks (each keeps a copy).
+    shared: Option<std::sync::Arc<tandem_compute::KvRegion>>,
 }
 
 impl TpModel {
     /// Splits `weights` (the whole model's) over `size` ranks, each with a KV cache of
     /// `num_blocks` blocks of `block_size` tokens for its KV heads; the machine's cores are
-    /// shared out among the ranks' threads.
+    /// shared out among the ranks' threads. Where each KV head belongs to one rank, the caches
+    /// are views of one region laid out as a one-rank engine's ([`TpModel::region`]).
     pub fn load(
         cfg: &ModelConfig,
         weights: WeightMap,
@@ -48,13 +52,27 @@ impl TpModel {
         Shard::check(size, cfg)?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut ranks = Vec::with_capacity(size);
+        let whole = KvLayout {
+            num_layers: cfg.num_layers,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size,
+            num_blocks,
+        };
+        let shared = (cfg.num_kv_heads >= size).then(|| KvCache::new(whole).region());
         let mut weights = Some(weights);
         for rank in 0..size {
             // The last rank takes the map itself; the others a copy.
             let w = if rank + 1 == size { weights.take() } else { weights.clone() };
             let w = w.ok_or_else(|| ModelError::UnsupportedConfig("no weights".into()))?;
             let model = Transformer::from_weights_shard(cfg.clone(), w, max_positions, Shard { rank, size })?;
-            let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
+            let kv = match &shared {
+                Some(region) => {
+                    let per = cfg.num_kv_heads / size;
+                    KvCache::heads_of(region.clone(), rank * per..(rank + 1) * per)
+                }
+                None => KvCache::new(model.kv_layout(block_size, num_blocks)),
+            };
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads((cores / size).max(1))
                 .thread_name(move |i| format!("tp{rank}-{i}"))
@@ -62,7 +80,7 @@ impl TpModel {
                 .map_err(|e| ModelError::UnsupportedConfig(format!("rank {rank}'s threads: {e}")))?;
             ranks.push(Rank { model, kv, pool });
         }
-        Ok(Self { ranks, reduce: AllReduce::new(size) })
+        Ok(Self { ranks, reduce: AllReduce::new(size), shared })
     }
 
     /// Ranks.
@@ -80,9 +98,15 @@ impl TpModel {
         &self.ranks[0].model
     }
 
-    /// One rank's KV cache layout (its KV heads).
+    /// The KV cache's layout: the shared region's (every head), or one rank's own.
     pub fn kv_layout(&self) -> KvLayout {
-        *self.ranks[0].kv.layout()
+        self.shared.as_ref().map_or(*self.ranks[0].kv.layout(), |r| *r.layout())
+    }
+
+    /// The one KV region every rank's heads are in, laid out as a one-rank engine's cache (what
+    /// a KV connector moves); `None` where KV heads repeat over ranks.
+    pub fn region(&self) -> Option<std::sync::Arc<tandem_compute::KvRegion>> {
+        self.shared.clone()
     }
 
     /// Runs one batched forward on every rank at once; rank 0's logits (as
