@@ -17,6 +17,9 @@ use crate::transformer::{tree_sum, SeqBatch, Shard, Transformer};
 use crate::weights::WeightMap;
 use crate::ModelError;
 
+/// What a rank that stopped because another failed says.
+const OTHER_RANK: &str = "another rank failed";
+
 /// The longest one rank waits at a reduce for the others (a rank stuck longer has failed).
 const REDUCE_BOUND: Duration = Duration::from_secs(120);
 
@@ -34,6 +37,8 @@ pub struct TpModel {
     /// The one KV region the ranks' caches are views of, each of its own heads, where every
     /// KV head belongs to one rank; `None` where heads repeat over ranks (each keeps a copy).
     shared: Option<std::sync::Arc<tandem_compute::KvRegion>>,
+    /// Fault injection: (rank, reduce) at which that rank fails once, mid-forward.
+    fail_at: Option<(usize, usize)>,
 }
 
 impl TpModel {
@@ -80,7 +85,7 @@ impl TpModel {
                 .map_err(|e| ModelError::UnsupportedConfig(format!("rank {rank}'s threads: {e}")))?;
             ranks.push(Rank { model, kv, pool });
         }
-        Ok(Self { ranks, reduce: AllReduce::new(size), shared })
+        Ok(Self { ranks, reduce: AllReduce::new(size), shared, fail_at: None })
     }
 
     /// Ranks.
@@ -109,11 +114,19 @@ impl TpModel {
         self.shared.clone()
     }
 
+    /// Fault injection (tests): rank `rank` fails at its `reduce`-th all-reduce of the next
+    /// forward, mid-layer, as a rank that dies would; the others must end that forward with an
+    /// error rather than wait.
+    pub fn fail_rank_once(&mut self, rank: usize, reduce: usize) {
+        self.fail_at = Some((rank, reduce));
+    }
+
     /// Runs one batched forward on every rank at once; rank 0's logits (as
     /// [`Transformer::forward`] returns them). A rank that fails ends the others' waits.
     pub fn forward(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, ModelError> {
         self.reduce.reset();
         let reduce = &self.reduce;
+        let fail_at = self.fail_at.take();
         let results: Vec<Result<Vec<f32>, String>> = std::thread::scope(|scope| {
             let running: Vec<_> = self
                 .ranks
@@ -122,8 +135,13 @@ impl TpModel {
                 .map(|(r, rank)| {
                     scope.spawn(move || {
                         let Rank { model, kv, pool } = rank;
-                        let run =
-                            || pool.install(|| model.forward_rank(token_ids, seqs, kv, &mut |b| reduce.reduce(r, b)));
+                        let mut calls = 0;
+                        let mut hook = |b: &mut [f32]| {
+                            calls += 1;
+                            assert!(fail_at != Some((r, calls)), "rank {r} failed (injected)");
+                            reduce.reduce(r, b)
+                        };
+                        let run = || pool.install(|| model.forward_rank(token_ids, seqs, kv, &mut hook));
                         std::panic::catch_unwind(AssertUnwindSafe(run)).map_err(|e| {
                             reduce.fail();
                             panic_message(&e)
@@ -133,12 +151,12 @@ impl TpModel {
                 .collect();
             running.into_iter().map(|h| h.join().map_err(|e| panic_message(&e)).and_then(|r| r)).collect()
         });
-        let mut results = results.into_iter();
-        let logits = results.next().unwrap_or_else(|| Err("no rank".into()));
-        match results.find_map(Result::err).map_or(logits, Err) {
-            Ok(logits) => Ok(logits),
-            Err(why) => Err(ModelError::Rank(why)),
+        // The rank that failed first says why; the others only stopped for it.
+        let failures: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+        if let Some(first) = failures.iter().find(|why| !why.contains(OTHER_RANK)).or(failures.first()) {
+            return Err(ModelError::Rank((*first).clone()));
         }
+        results.into_iter().next().unwrap_or_else(|| Err("no rank".into())).map_err(ModelError::Rank)
     }
 }
 
@@ -194,7 +212,7 @@ impl AllReduce {
     /// Rank `rank`'s sum in `buf` becomes the total of every rank's.
     fn reduce(&self, rank: usize, buf: &mut [f32]) {
         let mut s = self.lock();
-        assert!(!s.failed, "another rank failed");
+        assert!(!s.failed, "{OTHER_RANK}");
         s.parts[rank].clear();
         s.parts[rank].extend_from_slice(buf);
         s.arrived += 1;
@@ -213,7 +231,7 @@ impl AllReduce {
                 assert!(!left.is_zero(), "the other ranks did not reach the reduce within {REDUCE_BOUND:?}");
                 s = self.turn.wait_timeout(s, left).unwrap_or_else(std::sync::PoisonError::into_inner).0;
             }
-            assert!(!s.failed, "another rank failed");
+            assert!(!s.failed, "{OTHER_RANK}");
         }
         buf.copy_from_slice(&s.total);
     }

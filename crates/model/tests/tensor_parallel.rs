@@ -78,3 +78,26 @@ fn shapes_that_cannot_split_are_refused_by_name() {
     assert!(e.contains("GGUF"), "{e}");
     assert!(Shard::check(1, &gguf).is_ok() && Shard::check(1, &moe).is_ok());
 }
+
+/// A rank that fails mid-forward (at its third all-reduce) ends that forward with an error
+/// naming it, at once, on every rank; the next forward runs whole and gives one rank's logits.
+#[test]
+fn a_rank_failing_mid_forward_fails_that_forward_at_once_and_the_next_one_runs() {
+    let spec =
+        ModelSpec::load(&ModelSource::Preset { preset: Preset::find("tiny-qwen3-tp").unwrap(), seed: 1 }, Some(64))
+            .unwrap();
+    let vocab = spec.config.vocab_size as u32;
+    let one = Transformer::from_weights(spec.config.clone(), spec.cpu_weights().unwrap(), 64).unwrap();
+    let mut kv = KvCache::new(one.kv_layout(BLOCK, BLOCKS));
+    let want = run(&mut |ids, seqs| one.forward(ids, seqs, &mut kv), vocab);
+    let mut tp = TpModel::load(&spec.config, spec.cpu_weights().unwrap(), 64, 4, BLOCK, BLOCKS).unwrap();
+    tp.fail_rank_once(2, 3);
+    let table: Vec<u32> = (0..BLOCKS as u32).collect();
+    let seq = SeqBatch { token_start: 0, num_tokens: 3, first_pos: 0, block_table: &table, want_logits: true };
+    let started = std::time::Instant::now();
+    let e = tp.forward(&[1, 2, 3], &[seq]).unwrap_err().to_string();
+    assert!(e.contains("rank 2 failed"), "{e}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
+    let got = run(&mut |ids, seqs| tp.forward(ids, seqs).unwrap(), vocab);
+    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "the next forwards give one rank's logits");
+}
