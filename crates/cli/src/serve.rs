@@ -302,6 +302,7 @@ fn kv_setup(
             transport: k.kv_transport.to_kv(),
             verify: k.kv_verify,
             tcp_streams: k.kv_tcp_streams.into(),
+            tp_size: 1,
             nixl_min_gb_s: k.kv_nixl_min_gb_s,
             nixl_pull: k.kv_nixl_pull.to_kv(),
             ucx_log,

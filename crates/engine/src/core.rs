@@ -327,7 +327,8 @@ impl EngineCore {
 
     /// Starts a KV connector over this engine's KV memory (prefill or decode role); its events
     /// go to `sink`, which hands them back through [`EngineCore::connector_event`].
-    pub fn attach_connector(&mut self, setup: KvSetup, sink: EventSink) -> Result<AgentInfo, KvError> {
+    pub fn attach_connector(&mut self, mut setup: KvSetup, sink: EventSink) -> Result<AgentInfo, KvError> {
+        setup.connector.tp_size = self.model.tensor_parallel_size() as u32;
         let memory = match (self.model.kv_device(), self.model.kv_region()) {
             (Some(device), host) => tandem_kv::KvMemory::device(device, host)?,
             (None, Some(host)) => host.into(),

@@ -109,7 +109,8 @@ pub struct AgentInfo {
     pub kv_mode: KvMode,
     /// Tensor-parallel rank of this agent.
     pub tp_rank: u32,
-    /// Tensor-parallel size of the engine.
+    /// Tensor-parallel size of the engine (any pairs with any: the connector moves every
+    /// rank's KV heads as one region).
     pub tp_size: u32,
     /// Identifies the weights (architecture, shape, a hash of the weights): KV from another
     /// model is garbage.
@@ -118,7 +119,7 @@ pub struct AgentInfo {
     pub dtype: String,
     /// Transformer layers.
     pub num_layers: usize,
-    /// KV heads per rank.
+    /// KV heads the connector moves (every rank's).
     pub num_kv_heads: usize,
     /// Elements per head.
     pub head_dim: usize,
@@ -252,9 +253,6 @@ impl AgentInfo {
             let on = |v: bool| if v { "on" } else { "off" }.to_string();
             return Err(mismatch("kv_verify", on(self.kv_verify), on(peer.kv_verify)));
         }
-        if self.tp_size != peer.tp_size {
-            return Err(mismatch("tp_size", self.tp_size.to_string(), peer.tp_size.to_string()));
-        }
         for (field, a, b) in [
             ("num_layers", self.num_layers, peer.num_layers),
             ("num_kv_heads", self.num_kv_heads, peer.num_kv_heads),
@@ -300,13 +298,13 @@ mod tests {
         let p = AgentInfo::example();
         let d = AgentInfo { engine_id: EngineId("decode-0".into()), role: Role::Decode, block_size: 8, ..p.clone() };
         assert_eq!(p.check_pairing(&d), Ok(()), "block sizes may differ");
+        assert_eq!(p.check_pairing(&AgentInfo { tp_size: 2, ..d.clone() }), Ok(()), "and tensor-parallel sizes");
         let cases: Vec<(AgentInfo, &str)> = vec![
             (AgentInfo { kv_mode: KvMode::Pull, ..d.clone() }, "kv_mode differs: push here, pull"),
             (AgentInfo { model_fingerprint: "other".into(), ..d.clone() }, "model_fingerprint differs"),
             (AgentInfo { dtype: "bf16".into(), ..d.clone() }, "dtype differs: f32 here, bf16"),
             (AgentInfo { num_layers: 5, ..d.clone() }, "num_layers differs: 4 here, 5"),
             (AgentInfo { head_dim: 64, ..d.clone() }, "head_dim differs"),
-            (AgentInfo { tp_size: 2, ..d.clone() }, "tp_size differs"),
             (AgentInfo { kv_verify: true, ..d.clone() }, "kv_verify differs: off here, on"),
             (AgentInfo { role: Role::Prefill, ..d.clone() }, "cannot pair"),
         ];

@@ -134,6 +134,10 @@ pub struct ConnectorConfig {
     /// pair uses the smaller of its two ends' counts; 1: the side channel alone). One stream
     /// tops out near 3 GB/s on a loopback; several keep up with a GPU's prefill.
     pub tcp_streams: usize,
+    /// Tensor-parallel ranks of the engine whose KV this connector moves, said at handshake.
+    /// The connector moves every rank's KV heads as one region laid out as a one-rank
+    /// engine's, so engines of any rank counts pair.
+    pub tp_size: u32,
     /// `--kv-nixl-min-gb-s`: a nixl link whose probe write runs slower than this is refused at
     /// handshake, naming the rate (0: accept any); a pull link whose probe READ does is served
     /// by prefill's writes ([`NixlPull::Auto`]).

@@ -114,6 +114,11 @@ pub trait ModelRunner: Send {
         Err(ModelError::Pipeline(format!("{} runs one step at a time", self.describe())))
     }
 
+    /// Tensor-parallel ranks the model runs on.
+    fn tensor_parallel_size(&self) -> usize {
+        1
+    }
+
     /// Whether this runner reports log-probabilities ([`SampleSpec::logprobs`]).
     fn supports_logprobs(&self) -> bool {
         false
@@ -240,6 +245,13 @@ impl ModelRunner for CpuRunner {
 
     fn fingerprint(&self) -> String {
         self.model.transformer().fingerprint()
+    }
+
+    fn tensor_parallel_size(&self) -> usize {
+        match &self.model {
+            CpuModel::Whole { .. } => 1,
+            CpuModel::Ranks(tp) => tp.size(),
+        }
     }
 
     fn execute(

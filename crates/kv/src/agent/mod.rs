@@ -109,6 +109,7 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
     let info = AgentInfo {
         kv_verify: cfg.verify,
         tcp_streams: cfg.tcp_streams.max(1),
+        tp_size: cfg.tp_size.max(1),
         ..AgentInfo::for_layout(
             cfg.engine_id.clone(),
             epoch,

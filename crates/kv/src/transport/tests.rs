@@ -257,6 +257,7 @@ fn nixl_writes_and_reads_block_runs_between_block_sizes() {
             transport: KvTransport::Nixl,
             verify: false,
             tcp_streams: 1,
+            tp_size: 1,
             nixl_min_gb_s: 0.0,
             nixl_pull: NixlPull::Read,
             ucx_log: None,
