@@ -19,8 +19,9 @@ pub struct EngineBenchConfig {
     pub decode_steps: usize,
     /// Prompt length of each decode sequence (the context its decode steps attend over).
     pub decode_prompt_tokens: usize,
-    /// Prompt length for the prefill measurement (one request, one step).
-    pub prefill_tokens: usize,
+    /// Prompt lengths for the prefill measurement (one request, one step, each length in
+    /// turn).
+    pub prefill_tokens: Vec<usize>,
     /// Prefill repetitions; the best is reported.
     pub prefill_repeats: usize,
     /// Bytes streamed to measure read bandwidth.
@@ -37,7 +38,7 @@ impl Default for EngineBenchConfig {
             decode_batches: vec![1, 16],
             decode_steps: 32,
             decode_prompt_tokens: 16,
-            prefill_tokens: 512,
+            prefill_tokens: vec![512],
             prefill_repeats: 3,
             bandwidth_bytes: 1 << 30,
             block_size: 16,
@@ -92,6 +93,23 @@ pub struct BenchModel {
     pub gemm_flops: Option<f64>,
 }
 
+/// One prefill length's measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct PrefillResult {
+    /// Prompt tokens.
+    pub tokens: usize,
+    /// Best time, milliseconds.
+    pub ms: f64,
+    /// Tokens per second.
+    pub tokens_per_s: f64,
+    /// FLOPs counting matrix-product params and causal attention.
+    pub flops: f64,
+    /// The causal attention's share of `flops`.
+    pub attention_flops: f64,
+    /// Time at the GEMM rate, milliseconds (GPU).
+    pub floor_ms: Option<f64>,
+}
+
 /// The whole report.
 #[derive(Clone, Debug, Serialize)]
 pub struct EngineBenchReport {
@@ -113,6 +131,9 @@ pub struct EngineBenchReport {
     pub decode_prompt_tokens: usize,
     /// Decode results by batch size.
     pub decode: Vec<DecodeResult>,
+    /// Every prefill length's measurement, in the order asked; the fields below are the
+    /// first's.
+    pub prefills: Vec<PrefillResult>,
     /// Prefill prompt length.
     pub prefill_tokens: usize,
     /// Best prefill time, milliseconds.
@@ -150,13 +171,13 @@ pub fn engine_config(cfg: &EngineBenchConfig) -> EngineConfig {
     let max_batch = cfg.decode_batches.iter().copied().max().unwrap_or(1);
     let decode_len = cfg.decode_steps + 4;
     let prompt = cfg.decode_prompt_tokens.max(1);
-    let num_blocks =
-        max_batch * (prompt + decode_len).div_ceil(cfg.block_size) + cfg.prefill_tokens.div_ceil(cfg.block_size) + 4;
+    let longest = cfg.prefill_tokens.iter().copied().max().unwrap_or(1);
+    let num_blocks = max_batch * (prompt + decode_len).div_ceil(cfg.block_size) + longest.div_ceil(cfg.block_size) + 4;
     EngineConfig {
         block_size: cfg.block_size,
         num_blocks,
         max_num_seqs: max_batch.max(1),
-        max_num_batched_tokens: cfg.prefill_tokens.max(max_batch * prompt),
+        max_num_batched_tokens: longest.max(max_batch * prompt),
         async_scheduling: cfg.async_scheduling,
         max_queue_time: None,
         prefix_caching: false,
@@ -236,29 +257,44 @@ pub fn run(
         });
     }
 
-    progress(&format!("prefill, {} tokens", cfg.prefill_tokens));
-    let mut best = f64::INFINITY;
-    for r in 0..cfg.prefill_repeats.max(1) {
-        let (tx, mut rx) = unbounded_channel();
-        let req = request(format!("p{r}"), prompt(1000 + r as u32, cfg.prefill_tokens), 1);
-        if let Err(e) = core.add_request(req, tx) {
-            return Err(format!("prefill: the engine refused a {}-token prompt: {e}", cfg.prefill_tokens));
+    let mut prefills = Vec::new();
+    for (i, &tokens) in cfg.prefill_tokens.iter().enumerate() {
+        progress(&format!("prefill, {tokens} tokens"));
+        let mut best = f64::INFINITY;
+        for r in 0..cfg.prefill_repeats.max(1) {
+            let (tx, mut rx) = unbounded_channel();
+            let req = request(format!("p{i}-{r}"), prompt(1000 + (i * 100 + r) as u32, tokens), 1);
+            if let Err(e) = core.add_request(req, tx) {
+                return Err(format!("prefill: the engine refused a {tokens}-token prompt: {e}"));
+            }
+            // Until the step that reports the prompt computed (pipelined, the first step only
+            // submits it).
+            let t = Instant::now();
+            while core.step().num_tokens == 0 && core.has_work() {}
+            best = best.min(t.elapsed().as_secs_f64());
+            while core.has_work() {
+                core.step();
+            }
+            if let Some(reason) = first_failure(&mut rx) {
+                return Err(format!("prefill of {tokens} tokens: the engine failed it: {reason}"));
+            }
         }
-        // Until the step that reports the prompt computed (pipelined, the first step only
-        // submits it).
-        let t = Instant::now();
-        while core.step().num_tokens == 0 && core.has_work() {}
-        best = best.min(t.elapsed().as_secs_f64());
-        while core.has_work() {
-            core.step();
-        }
-        if let Some(reason) = first_failure(&mut rx) {
-            return Err(format!("prefill of {} tokens: the engine failed it: {reason}", cfg.prefill_tokens));
-        }
+        let n = tokens as f64;
+        let attention_flops = attn_pair * n * (n + 1.0) / 2.0;
+        let flops = 2.0 * matmul_params as f64 * n + attention_flops;
+        prefills.push(PrefillResult {
+            tokens,
+            ms: best * 1e3,
+            tokens_per_s: n / best,
+            flops,
+            attention_flops,
+            floor_ms: gemm.map(|g| flops / g * 1e3),
+        });
     }
-    let n = cfg.prefill_tokens as f64;
-    let attention_flops = attn_pair * n * (n + 1.0) / 2.0;
-    let prefill_flops = 2.0 * matmul_params as f64 * n + attention_flops;
+    let first = prefills.first().cloned().ok_or("no prefill length to measure")?;
+    let (n, best) = (first.tokens as f64, first.ms / 1e3);
+    let attention_flops = first.attention_flops;
+    let prefill_flops = first.flops;
     Ok(EngineBenchReport {
         model: model_name.to_string(),
         weight_bytes,
@@ -269,10 +305,11 @@ pub fn run(
         threads: rayon_threads(),
         decode_prompt_tokens: prompt_len,
         decode,
-        prefill_tokens: cfg.prefill_tokens,
-        prefill_ms: best * 1e3,
-        prefill_tokens_per_s: cfg.prefill_tokens as f64 / best,
-        prefill_gflop_s: 2.0 * params as f64 * cfg.prefill_tokens as f64 / best / 1e9,
+        prefills,
+        prefill_tokens: first.tokens,
+        prefill_ms: first.ms,
+        prefill_tokens_per_s: first.tokens_per_s,
+        prefill_gflop_s: 2.0 * params as f64 * n / best / 1e9,
         prefill_flops,
         prefill_flops_all_params: 2.0 * params as f64 * n + attention_flops,
         gemm_tflop_s: gemm.map(|g| g / 1e12),
@@ -348,6 +385,29 @@ impl std::fmt::Display for EngineBenchReport {
                 loose_floor,
                 loose_floor / self.prefill_ms * 100.0
             )?;
+        }
+        if self.prefills.len() > 1 {
+            writeln!(
+                f,
+                "{:<16} {:>10} {:>12} {:>10} {:>10} {:>10} {:>9}",
+                "prefill tokens", "ms", "tokens/s", "TFLOP/s", "attention", "floor ms", "of floor"
+            )?;
+            for p in &self.prefills {
+                let floor = p.floor_ms.map_or(("-".to_string(), "-".to_string()), |fl| {
+                    (format!("{fl:.1}"), format!("{:.1}%", fl / p.ms * 100.0))
+                });
+                writeln!(
+                    f,
+                    "{:<16} {:>10.1} {:>12.0} {:>10.1} {:>9.0}% {:>10} {:>9}",
+                    p.tokens,
+                    p.ms,
+                    p.tokens_per_s,
+                    p.flops / (p.ms / 1e3) / 1e12,
+                    p.attention_flops / p.flops * 100.0,
+                    floor.0,
+                    floor.1
+                )?;
+            }
         }
         Ok(())
     }

@@ -29,9 +29,9 @@ pub struct BenchEngineArgs {
     /// random dataset uses 1024).
     #[arg(long, default_value_t = 16)]
     pub decode_prompt_tokens: usize,
-    /// Prompt length for the prefill measurement.
-    #[arg(long, default_value_t = 512)]
-    pub prefill_tokens: usize,
+    /// Prompt lengths for the prefill measurement, each in turn (e.g. 4096,16384,32768).
+    #[arg(long, value_delimiter = ',', default_value = "512")]
+    pub prefill_tokens: Vec<usize>,
     /// Write the report as JSON here too.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
@@ -124,14 +124,27 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             if a.profile {
                 let max_batch = engine_cfg.max_num_seqs;
                 let ctx = a.decode_prompt_tokens.max(64);
-                for (label, seqs, tokens, ctx) in [
+                let mut cases = vec![
                     (format!("decode, batch 1, context {ctx}"), 1, 1, ctx),
                     (format!("decode, batch {max_batch}, context {ctx}"), max_batch, 1, ctx),
-                    (format!("prefill of {} tokens", cfg.prefill_tokens), 1, cfg.prefill_tokens, 0),
-                ] {
+                ];
+                cases.extend(cfg.prefill_tokens.iter().map(|&n| (format!("prefill of {n} tokens"), 1, n, 0)));
+                let pair = attn_flops_per_pair(&spec.config);
+                for (label, seqs, tokens, ctx) in cases {
                     println!("device time per forward by op: {label}");
                     for (op, ms) in model.profile_ops(seqs, tokens, ctx, a.sweep_gemv_plans)? {
                         println!("  {op:<40} {ms:>10.3} ms");
+                        if seqs == 1 && tokens > 1 && op.starts_with("attention") {
+                            // A prefill's causal attention: its rate beside the GEMM's.
+                            let n = tokens as f64;
+                            let rate = pair * n * (n + 1.0) / 2.0 / (ms / 1e3);
+                            println!(
+                                "  {:<40} {:>10.1} TFLOP/s ({:.1}% of the GEMM rate)",
+                                "  attention's rate",
+                                rate / 1e12,
+                                rate / gemm * 100.0
+                            );
+                        }
                     }
                 }
             }
