@@ -8,10 +8,14 @@
 //! [`Transformer::forward`] runs one batch of tokens from many sequences, reading and writing
 //! keys and values in a `tandem_compute::KvCache` through each sequence's block table.
 //!
-//! Supported: Qwen3, Qwen2 and Llama (SmolLM too) with GQA, RoPE (plus Llama 3 scaling), tied
-//! embeddings, f32/bf16/f16 safetensors, single-file or sharded, and GGUF files (F32, F16, BF16,
-//! Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; dequantized at load). Anything else fails at load
-//! with a message naming what is unsupported ([`ModelError`]).
+//! Supported: Qwen3, Qwen3-MoE (CPU), Qwen2 and Llama (SmolLM too) with GQA, RoPE (plus Llama 3
+//! scaling), tied embeddings, f32/bf16/f16 and block-scaled FP8 safetensors, single-file or
+//! sharded, and GGUF files (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; dequantized at
+//! load). Anything else fails at load with a message naming what is unsupported
+//! ([`ModelError`]).
+//!
+//! On the CPU a model may also run as tensor-parallel ranks ([`TpModel`]; each rank a
+//! [`Transformer`] built for its [`Shard`]), giving one rank's bits.
 //!
 //! This crate owns no request state and does no scheduling: that is `tandem-engine`.
 #![deny(missing_docs)]
