@@ -761,7 +761,7 @@ impl Transformer {
 
     /// One tensor-parallel rank's forward over its KV cache: `reduce` turns this rank's sum of
     /// each row-parallel product (twice a layer, `[tokens, hidden]`) into the ranks' total, in
-    /// [`tree_sum`]'s order over the ranks. Rank 0 returns the logits, the others nothing.
+    /// the order of a balanced tree over the ranks. Rank 0 returns the logits, the others nothing.
     pub fn forward_rank(
         &self,
         token_ids: &[u32],
