@@ -9,7 +9,8 @@
 #   tune: kernel tests and the decode-projection plan sweep (bench engine --sweep-gemv-plans);
 #   matrix "label:SETTING ..." ...: kernel and model tests, then the decode step under each setting;
 #   a setting is exe=PATH (another tandem binary, e.g. gpu-bin/tandem-base), prompt=N (the decode
-#   sequences' prompt length), prefill=N (the prefill, and so the engine's batched-token limit),
+#   sequences' prompt length), prefill=N[,N...] (the prefill lengths, the longest also the
+#   engine's batched-token limit; issue 50: SKIP_TESTS=1 ... matrix "long:prefill=4096,16384,32768 profile"),
 #   profile (the step's kernel profile), or a `tandem bench engine` argument such as
 #   --cuda-tune=programmatic_launch=1 or --async-scheduling=off (SKIP_TESTS=1 skips the tests);
 #   ncu "label:ARG ..." ...: Nsight Compute on a batch-1 decode with those bench arguments (the first
@@ -92,10 +93,14 @@ if [ "$MODE" = matrix ]; then
         profile) extra+=(--profile) ;; *) extra+=("$w") ;;
       esac
     done
-    timeout 150 "$exe" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
+    timeout 300 "$exe" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
       --decode-steps 64 --decode-prompt-tokens "$prompt" --prefill-tokens "$prefill" "${extra[@]}" \
       > "$OUT/matrix_$label.log" 2>&1
     note "$label: $(grep -E '^(1|64) +[0-9]' "$OUT/matrix_$label.log" | tr -s ' ' | tr '\n' '|')$(grep -oE '^prefill [0-9]+ tokens: [0-9.]+ ms' "$OUT/matrix_$label.log")"
+    # Several prefill lengths (prefill=4096,16384,32768): each one's row, and with `profile`
+    # each prefill attention's own rate.
+    grep -E "^[0-9]{3,} +[0-9.]+ +[0-9]+ |attention's rate|^device time per forward by op: prefill" "$OUT/matrix_$label.log" \
+      | sed "s/^/  $label /" | tee -a "$OUT/summary.txt"
     grep -E "^ *fused|plan sweep: down" "$OUT/matrix_$label.log" | grep -v pipelined | sed "s/^/  $label /"
   done
   exit $status
