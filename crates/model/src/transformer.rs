@@ -10,8 +10,8 @@
 
 use std::ops::Range;
 use tandem_compute::cpu::{
-    add_inplace, apply_rope, matmul_t, matmul_t_quant, paged_attention, rms_norm, rms_norm_inplace, silu_mul, AttnSeq,
-    RopeTable, WeightMemory,
+    add_inplace, apply_rope, matmul_t, matmul_t_quant, matmul_t_segmented, paged_attention, rms_norm, rms_norm_inplace,
+    silu_mul, AttnSeq, RopeTable, WeightMemory,
 };
 
 use tandem_compute::{KvCache, KvLayout};
@@ -202,16 +202,19 @@ fn kept_whole() -> ModelError {
     )
 }
 
-/// A row-parallel product (attention's output projection, the MLP's down projection): its
-/// input columns in equal groups (`ModelConfig::reduction_groups`), each group's product
-/// computed alone and the products summed pairwise, a balanced tree. A tensor-parallel rank
-/// holds a contiguous run of the groups and sums them the same way; the ranks' sums are then
-/// added in the tree's upper levels ([`tree_sum`]), so that any rank count gives the bits of
-/// one rank. The bias is added once, after the sum.
+/// A row-parallel product (attention's output projection, the MLP's down projection): each dot
+/// product taken in the model's reduction groups along its input (`ModelConfig::
+/// reduction_groups`), the groups' parts summed pairwise, a balanced tree
+/// (`matmul_t_segmented`). A tensor-parallel rank holds a contiguous run of the groups' columns
+/// and sums its parts the same way; the ranks' sums are then added in the tree's upper levels
+/// ([`tree_sum`]), so that any rank count gives the bits of one rank. The bias is added once,
+/// after the sum.
 struct SplitK {
-    /// This rank's groups, each `[out_dim, group_in]`.
-    groups: Vec<Matrix>,
-    group_in: usize,
+    /// This rank's columns, `[out_dim, in_dim]`.
+    w: Matrix,
+    /// Reduction groups among them.
+    segments: usize,
+    in_dim: usize,
     out_dim: usize,
     bias: Option<Vec<f32>>,
 }
@@ -227,40 +230,27 @@ impl SplitK {
         bias: Option<Vec<f32>>,
     ) -> Result<Self, ModelError> {
         let group_in = cols / groups;
-        let kept = match m {
-            m if groups == 1 => vec![m],
-            Matrix::F32(w) => keep
-                .clone()
-                .map(|g| {
-                    let rows: Vec<&[f32]> =
-                        (0..rows).map(|r| &w[r * cols + g * group_in..r * cols + (g + 1) * group_in]).collect();
-                    Matrix::F32(WeightMemory::concat(&rows))
-                })
-                .collect(),
+        let (start, end) = (keep.start * group_in, keep.end * group_in);
+        let w = match m {
+            m if keep.len() == groups => m,
+            Matrix::F32(w) => {
+                let kept: Vec<&[f32]> = (0..rows).map(|r| &w[r * cols + start..r * cols + end]).collect();
+                Matrix::F32(WeightMemory::concat(&kept))
+            }
             Matrix::Quant(_) => return Err(kept_whole()),
         };
-        Ok(Self { groups: kept, group_in, out_dim: rows, bias })
+        Ok(Self { w, segments: keep.len(), in_dim: end - start, out_dim: rows, bias })
     }
 
-    /// This rank's sum of its groups' products for `t` rows of `x` (`[t, groups * group_in]`),
-    /// into `out`, without the bias.
-    fn forward_partial(&self, x: &[f32], t: usize, out: &mut Vec<f32>, s: &mut SplitScratch) {
+    /// This rank's sum of its groups' parts for `t` rows of `x` (`[t, in_dim]`), into `out`,
+    /// without the bias.
+    fn forward_partial(&self, x: &[f32], t: usize, out: &mut Vec<f32>) {
         resize(out, t * self.out_dim);
-        if let [w] = &self.groups[..] {
-            return matmul(x, t, w, self.out_dim, self.group_in, out);
+        match &self.w {
+            Matrix::F32(w) => matmul_t_segmented(x, t, w, self.out_dim, self.in_dim, self.segments, out),
+            // Block formats run whole (one group: see `kept_whole`).
+            Matrix::Quant(w) => matmul_t_quant(x, t, w, out),
         }
-        let (n, gi) = (self.groups.len(), self.group_in);
-        s.partials.resize_with(n, Vec::new);
-        for (g, (w, partial)) in self.groups.iter().zip(s.partials.iter_mut()).enumerate() {
-            resize(&mut s.input, t * gi);
-            for (dst, row) in s.input.chunks_exact_mut(gi).zip(x.chunks_exact(n * gi)) {
-                dst.copy_from_slice(&row[g * gi..(g + 1) * gi]);
-            }
-            resize(partial, t * self.out_dim);
-            matmul(&s.input, t, w, self.out_dim, gi, partial);
-        }
-        tree_sum(&mut s.partials[..n]);
-        out.copy_from_slice(&s.partials[0]);
     }
 
     fn add_bias(&self, y: &mut [f32]) {
@@ -272,7 +262,7 @@ impl SplitK {
     }
 
     fn bytes(&self) -> usize {
-        self.groups.iter().map(matrix_bytes).sum::<usize>() + self.bias.as_ref().map_or(0, |b| b.len() * 4)
+        matrix_bytes(&self.w) + self.bias.as_ref().map_or(0, |b| b.len() * 4)
     }
 }
 
@@ -287,12 +277,6 @@ pub(crate) fn tree_sum(parts: &mut [Vec<f32>]) {
         }
         step *= 2;
     }
-}
-
-#[derive(Default)]
-struct SplitScratch {
-    input: Vec<f32>,
-    partials: Vec<Vec<f32>>,
 }
 
 /// The part of a model one instance holds: rank `rank` of `size` tensor-parallel ranks, each
@@ -546,7 +530,6 @@ struct Scratch {
     act: Vec<f32>,
     part: Vec<f32>,
     experts: ExpertScratch,
-    split: SplitScratch,
 }
 
 /// A loaded model, ready to run forwards.
@@ -818,11 +801,10 @@ impl Transformer {
             Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
             Err(std::sync::TryLockError::WouldBlock) => None,
         };
-        let Scratch { x, normed, qkv, q, k, v, attn, proj, gate_up, act, part, experts, split } =
-            match guard.as_deref_mut() {
-                Some(s) => s,
-                None => &mut fresh,
-            };
+        let Scratch { x, normed, qkv, q, k, v, attn, proj, gate_up, act, part, experts } = match guard.as_deref_mut() {
+            Some(s) => s,
+            None => &mut fresh,
+        };
         resize(x, t * h);
         for (row, &id) in x.chunks_exact_mut(h).zip(token_ids) {
             matrix_row(&self.embed, id as usize, h, row);
@@ -852,7 +834,7 @@ impl Transformer {
                 kv.write_token(li, block, slot, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim]);
             }
             paged_attention(q, nh, kv, li, &attn_seqs, scale, attn);
-            layer.o.forward_partial(attn, t, proj, split);
+            layer.o.forward_partial(attn, t, proj);
             reduce(proj);
             layer.o.add_bias(proj);
             add_inplace(x, proj);
@@ -864,7 +846,7 @@ impl Transformer {
                     w_gate_up.forward_into(normed, t, gate_up, part);
                     resize(act, t * inter);
                     silu_mul(gate_up, inter, act);
-                    down.forward_partial(act, t, proj, split);
+                    down.forward_partial(act, t, proj);
                     reduce(proj);
                     down.add_bias(proj);
                 }

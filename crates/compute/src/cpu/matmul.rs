@@ -135,8 +135,44 @@ fn tail<M: MulAdd>(mut s: f32, w: &[f32], x: &[f32], from: usize, k: usize) -> f
     s
 }
 
+/// The most segments a dot product may be split into ([`matmul_t_segmented`]).
+pub const MAX_SEGMENTS: usize = 8;
+
+/// A tile of dot products each taken in `segments` equal parts along `k` (each part as
+/// [`Kernel::tile`] takes a whole dot product), the parts summed pairwise as a balanced tree:
+/// `(p0 + p1) + (p2 + p3)` for four. One segment is [`Kernel::tile`] itself.
+#[inline(always)]
+fn tile_segments<K: Kernel, const R: usize, const C: usize>(
+    w: [&[f32]; R],
+    x: [&[f32]; C],
+    k: usize,
+    segments: usize,
+) -> [[f32; C]; R] {
+    if segments == 1 {
+        return K::tile::<R, C>(w, x, k);
+    }
+    let seg = k / segments;
+    let mut parts = [[[0.0f32; C]; R]; MAX_SEGMENTS];
+    for (g, part) in parts[..segments].iter_mut().enumerate() {
+        *part = K::tile::<R, C>(w.map(|row| &row[g * seg..]), x.map(|row| &row[g * seg..]), seg);
+    }
+    let mut step = 1;
+    while step < segments {
+        for i in (0..segments).step_by(2 * step) {
+            let right = parts[i + step];
+            for (row, add) in parts[i].iter_mut().zip(&right) {
+                for (a, b) in row.iter_mut().zip(add) {
+                    *a += b;
+                }
+            }
+        }
+        step *= 2;
+    }
+    parts[0]
+}
+
 /// Computes rows `0..rows` of `w` (row `j` at `w[j * k..]`) against all `tokens` rows of `x`,
-/// writing `out[t * ld + j]`.
+/// writing `out[t * ld + j]`, each dot product in `segments` parts ([`tile_segments`]).
 ///
 /// Tokens go in blocks of 64 (their rows stay in L2); inside a block each group of `R` weight
 /// rows stays in L1 while every group of `C` tokens passes over it, so weights are streamed from
@@ -152,6 +188,7 @@ fn rows_block<K: Kernel, const R: usize, const C: usize, const R1: usize>(
     rows: usize,
     out: &mut [f32],
     ld: usize,
+    segments: usize,
 ) {
     const TOKEN_BLOCK: usize = 64;
     let wrow = |j: usize| &w[j * k..(j + 1) * k];
@@ -160,12 +197,12 @@ fn rows_block<K: Kernel, const R: usize, const C: usize, const R1: usize>(
         // One token (a batch-1 decode step): the weights streamed in groups of `R1` rows.
         let mut j = 0;
         while j + R1 <= rows {
-            let v = K::tile::<R1, 1>(std::array::from_fn(|r| wrow(j + r)), [xrow(0)], k);
+            let v = tile_segments::<K, R1, 1>(std::array::from_fn(|r| wrow(j + r)), [xrow(0)], k, segments);
             store(&v, out, ld, 0, j);
             j += R1;
         }
         while j < rows {
-            store(&K::tile::<1, 1>([wrow(j)], [xrow(0)], k), out, ld, 0, j);
+            store(&tile_segments::<K, 1, 1>([wrow(j)], [xrow(0)], k, segments), out, ld, 0, j);
             j += 1;
         }
         return;
@@ -180,21 +217,21 @@ fn rows_block<K: Kernel, const R: usize, const C: usize, const R1: usize>(
                 let ws: [&[f32]; R] = std::array::from_fn(|r| wrow(j + r));
                 let mut t = tb;
                 while t < groups_end {
-                    let v = K::tile::<R, C>(ws, std::array::from_fn(|c| xrow(t + c)), k);
+                    let v = tile_segments::<K, R, C>(ws, std::array::from_fn(|c| xrow(t + c)), k, segments);
                     store(&v, out, ld, t, j);
                     t += C;
                 }
-                leftover::<K, R>(ws, x, k, groups_end, te, out, ld, j);
+                leftover::<K, R>(ws, x, k, groups_end, te, out, ld, j, segments);
                 j += R;
             } else {
                 let ws = [wrow(j)];
                 let mut t = tb;
                 while t < groups_end {
-                    let v = K::tile::<1, C>(ws, std::array::from_fn(|c| xrow(t + c)), k);
+                    let v = tile_segments::<K, 1, C>(ws, std::array::from_fn(|c| xrow(t + c)), k, segments);
                     store(&v, out, ld, t, j);
                     t += C;
                 }
-                leftover::<K, 1>(ws, x, k, groups_end, te, out, ld, j);
+                leftover::<K, 1>(ws, x, k, groups_end, te, out, ld, j, segments);
                 j += 1;
             }
         }
@@ -214,13 +251,14 @@ fn leftover<K: Kernel, const R: usize>(
     out: &mut [f32],
     ld: usize,
     j: usize,
+    segments: usize,
 ) {
     let xrow = |t: usize| &x[t * k..(t + 1) * k];
     macro_rules! tiles {
         ($($n:literal)*) => {
             match t1 - t0 {
                 0 => {}
-                $($n => store(&K::tile::<R, $n>(ws, std::array::from_fn(|c| xrow(t0 + c)), k), out, ld, t0, j),)*
+                $($n => store(&tile_segments::<K, R, $n>(ws, std::array::from_fn(|c| xrow(t0 + c)), k, segments), out, ld, t0, j),)*
                 n => unreachable!("{n} leftover tokens"),
             }
         };
@@ -252,14 +290,31 @@ pub(super) fn run_rows_on(
     out: &mut [f32],
     ld: usize,
 ) {
+    run_rows_segmented(isa, x, tokens, w, k, rows, out, ld, 1)
+}
+
+/// [`run_rows_on`] with each dot product in `segments` parts ([`tile_segments`]).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn run_rows_segmented(
+    isa: Isa,
+    x: &[f32],
+    tokens: usize,
+    w: &[f32],
+    k: usize,
+    rows: usize,
+    out: &mut [f32],
+    ld: usize,
+    segments: usize,
+) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // Safety: callers pass `Isa::Avx512` only when `isa()` detected AVX-512F, AVX2 and FMA.
-        Isa::Avx512 => unsafe { x86::rows_avx512(x, tokens, w, k, rows, out, ld) },
+        Isa::Avx512 => unsafe { x86::rows_avx512(x, tokens, w, k, rows, out, ld, segments) },
         #[cfg(target_arch = "x86_64")]
         // Safety: callers pass `Isa::Avx2` only when `isa()` detected AVX2 and FMA (or more).
-        Isa::Avx2 => unsafe { x86::rows_avx2(x, tokens, w, k, rows, out, ld) },
-        _ => rows_block::<Portable, 2, 4, 4>(x, tokens, w, k, rows, out, ld),
+        Isa::Avx2 => unsafe { x86::rows_avx2(x, tokens, w, k, rows, out, ld, segments) },
+        _ => rows_block::<Portable, 2, 4, 4>(x, tokens, w, k, rows, out, ld, segments),
     }
 }
 
@@ -291,6 +346,22 @@ pub(super) fn rows_per_task(m: usize) -> usize {
 /// # Panics
 /// If a slice is shorter than its stated shape (a programming error, not a request error).
 pub fn matmul_t(x: &[f32], tokens: usize, w: &[f32], m: usize, k: usize, out: &mut [f32]) {
+    matmul_t_segmented(x, tokens, w, m, k, 1, out)
+}
+
+/// [`matmul_t`] with each dot product taken in `segments` equal parts along `k` (a power of two
+/// up to [`MAX_SEGMENTS`] dividing `k`), each part as [`matmul_t`] takes a whole one, the parts
+/// summed pairwise as a balanced tree. A tensor-parallel rank holding `k / n` of the columns
+/// computes `segments / n` parts so; adding the ranks' results in the tree's upper levels then
+/// gives these bits at any `n`.
+///
+/// # Panics
+/// If a slice is shorter than its stated shape, or `segments` is not such a count.
+pub fn matmul_t_segmented(x: &[f32], tokens: usize, w: &[f32], m: usize, k: usize, segments: usize, out: &mut [f32]) {
+    assert!(
+        segments.is_power_of_two() && segments <= MAX_SEGMENTS && k.is_multiple_of(segments),
+        "{segments} segments of {k}"
+    );
     assert!(x.len() >= tokens * k && w.len() >= m * k && out.len() >= tokens * m);
     if tokens == 0 || m == 0 {
         return;
@@ -305,12 +376,12 @@ pub fn matmul_t(x: &[f32], tokens: usize, w: &[f32], m: usize, k: usize, out: &m
         out[..tokens * m].par_chunks_mut(per_task * m).enumerate().for_each(|(i, part)| {
             let t0 = i * per_task;
             let n = part.len() / m;
-            run_rows_on(isa, &x[t0 * k..(t0 + n) * k], n, &w[..m * k], k, m, part, m)
+            run_rows_segmented(isa, &x[t0 * k..(t0 + n) * k], n, &w[..m * k], k, m, part, m, segments)
         });
         return;
     }
     for_row_tasks(tokens, m, out, |j0, rows, part| {
-        run_rows_on(isa, x, tokens, &w[j0 * k..(j0 + rows) * k], k, rows, part, rows)
+        run_rows_segmented(isa, x, tokens, &w[j0 * k..(j0 + rows) * k], k, rows, part, rows, segments)
     });
 }
 
@@ -389,6 +460,7 @@ pub(super) mod x86 {
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn rows_avx2(
         x: &[f32],
         tokens: usize,
@@ -397,8 +469,9 @@ pub(super) mod x86 {
         rows: usize,
         out: &mut [f32],
         ld: usize,
+        segments: usize,
     ) {
-        rows_block::<Avx2Fma, 2, 3, 4>(x, tokens, w, k, rows, out, ld)
+        rows_block::<Avx2Fma, 2, 3, 4>(x, tokens, w, k, rows, out, ld, segments)
     }
 
     /// [`rows_block`](super::rows_block) with the AVX-512 kernel: 4 rows x 4 tokens (16
@@ -407,6 +480,7 @@ pub(super) mod x86 {
     /// # Safety
     /// The CPU must support AVX-512F, AVX2 and FMA.
     #[target_feature(enable = "avx512f,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn rows_avx512(
         x: &[f32],
         tokens: usize,
@@ -415,8 +489,9 @@ pub(super) mod x86 {
         rows: usize,
         out: &mut [f32],
         ld: usize,
+        segments: usize,
     ) {
-        rows_block::<Avx512, 4, 4, 8>(x, tokens, w, k, rows, out, ld)
+        rows_block::<Avx512, 4, 4, 8>(x, tokens, w, k, rows, out, ld, segments)
     }
 
     /// `tile_avx2` compiled for its features, for tests.
@@ -688,6 +763,52 @@ mod tests {
                     let mut five = vec![0.0; 5 * m];
                     matmul_t(&x[first * k..(first + 5) * k], 5, &w, m, k, &mut five);
                     assert_eq!(&five[(t - first) * m..(t - first + 1) * m], &out[t * m..(t + 1) * m]);
+                }
+            }
+        }
+    }
+
+    /// A product in segments is the segments' own products (each `matmul_t` over its columns)
+    /// summed pairwise, bit for bit, for one token, a few, and a prefill's many; one segment
+    /// is `matmul_t`.
+    #[test]
+    fn segments_are_their_own_products_summed_as_a_tree() {
+        let mut s = 5u64;
+        for &(m, k) in &[(13usize, 64usize), (40, 256), (9, 8 * 37)] {
+            for tokens in [1, 5, 70] {
+                let x: Vec<f32> = (0..tokens * k).map(|_| lcg(&mut s)).collect();
+                let w: Vec<f32> = (0..m * k).map(|_| lcg(&mut s)).collect();
+                let mut whole = vec![0.0; tokens * m];
+                matmul_t(&x, tokens, &w, m, k, &mut whole);
+                let mut one = vec![0.0; tokens * m];
+                matmul_t_segmented(&x, tokens, &w, m, k, 1, &mut one);
+                assert_eq!(one, whole);
+                for segments in [2, 4, 8] {
+                    let seg = k / segments;
+                    let columns = |v: &[f32], rows: usize, g: usize| -> Vec<f32> {
+                        (0..rows).flat_map(|r| v[r * k + g * seg..r * k + (g + 1) * seg].to_vec()).collect()
+                    };
+                    let mut parts: Vec<Vec<f32>> = (0..segments)
+                        .map(|g| {
+                            let mut out = vec![0.0; tokens * m];
+                            matmul_t(&columns(&x, tokens, g), tokens, &columns(&w, m, g), m, seg, &mut out);
+                            out
+                        })
+                        .collect();
+                    let mut step = 1;
+                    while step < segments {
+                        for i in (0..segments).step_by(2 * step) {
+                            let right = parts[i + step].clone();
+                            parts[i].iter_mut().zip(&right).for_each(|(a, b)| *a += b);
+                        }
+                        step *= 2;
+                    }
+                    let mut got = vec![0.0; tokens * m];
+                    matmul_t_segmented(&x, tokens, &w, m, k, segments, &mut got);
+                    assert!(
+                        got.iter().zip(&parts[0]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "m={m} k={k} tokens={tokens} segments={segments}"
+                    );
                 }
             }
         }

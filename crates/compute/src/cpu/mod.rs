@@ -23,7 +23,7 @@ mod quant;
 mod rope;
 
 pub use attention::{paged_attention, AttnSeq};
-pub use matmul::matmul_t;
+pub use matmul::{matmul_t, matmul_t_segmented, MAX_SEGMENTS};
 pub use memory::{WeightElem, WeightMemory};
 pub use ops::{add_inplace, rms_norm, rms_norm_inplace, silu_mul};
 pub use quant::{dequantize_into, matmul_t_quant, QuantMatrix, QuantType};
