@@ -30,9 +30,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from make_fixtures import NEW_TOKENS, greedy, randomize
+
 MIN_MARGIN = 2e-3
 MIN_ROUTER_GAP = 1e-3
-NEW_TOKENS = 24
 VOCAB = 512
 PROMPT_LENS = [1, 5, 40, 100]
 
@@ -50,16 +51,6 @@ def specs():
         ("qwen3-moe-fused", Qwen3MoeConfig(num_hidden_layers=4, norm_topk_prob=False, mlp_only_layers=[],
                                            decoder_sparse_step=2, **common), torch.bfloat16, True),
     ]
-
-
-def randomize(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
 
 
 def fuse_experts(path, num_layers, num_experts):
@@ -101,20 +92,6 @@ class RouterGaps:
         logits = output[0].float()
         top = torch.topk(logits, self.top_k + 1, dim=-1).values
         self.smallest = min(self.smallest, float((top[:, -2] - top[:, -1]).min()))
-
-
-def greedy(model, prompt):
-    ids = list(prompt)
-    out, margins = [], []
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            top = torch.topk(logits, 2)
-            margins.append(float(top.values[0] - top.values[1]))
-            tok = int(top.indices[0])
-            out.append(tok)
-            ids.append(tok)
-    return out, margins
 
 
 def main():
