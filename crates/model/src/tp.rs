@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use tandem_compute::{KvCache, KvLayout};
 
 use crate::config::ModelConfig;
+use crate::error::ModelError;
 use crate::transformer::{tree_sum, SeqBatch, Shard, Transformer};
 use crate::weights::WeightMap;
-use crate::ModelError;
 
 /// What a rank that stopped because another failed says.
 const OTHER_RANK: &str = "another rank failed";
