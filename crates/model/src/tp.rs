@@ -10,11 +10,12 @@ use std::panic::AssertUnwindSafe;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use tandem_compute::cpu::add_inplace;
 use tandem_compute::{KvCache, KvLayout};
 
 use crate::config::ModelConfig;
 use crate::error::ModelError;
-use crate::transformer::{tree_sum, SeqBatch, Shard, Transformer};
+use crate::transformer::{SeqBatch, Shard, Transformer};
 use crate::weights::WeightMap;
 
 /// What a rank that stopped because another failed says.
@@ -157,6 +158,19 @@ impl TpModel {
             return Err(ModelError::Rank((*first).clone()));
         }
         results.into_iter().next().unwrap_or_else(|| Err("no rank".into())).map_err(ModelError::Rank)
+    }
+}
+
+/// Sums equal-length `parts` pairwise, a balanced tree (`parts.len()` a power of two), into
+/// `parts[0]`: `(p0 + p1) + (p2 + p3)` for four.
+fn tree_sum(parts: &mut [Vec<f32>]) {
+    let mut step = 1;
+    while step < parts.len() {
+        for i in (0..parts.len()).step_by(2 * step) {
+            let (left, right) = parts.split_at_mut(i + step);
+            add_inplace(&mut left[i], &right[0]);
+        }
+        step *= 2;
     }
 }
 

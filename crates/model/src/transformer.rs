@@ -207,8 +207,8 @@ fn kept_whole() -> ModelError {
 /// reduction_groups`), the groups' parts summed pairwise, a balanced tree
 /// (`matmul_t_segmented`). A tensor-parallel rank holds a contiguous run of the groups' columns
 /// and sums its parts the same way; the ranks' sums are then added in the tree's upper levels
-/// ([`tree_sum`]), so that any rank count gives the bits of one rank. The bias is added once,
-/// after the sum.
+/// (the all-reduce of `crate::tp`), so that any rank count gives the bits of one rank. The
+/// bias is added once, after the sum.
 struct SplitK {
     /// This rank's columns, `[out_dim, in_dim]`.
     w: Matrix,
@@ -263,19 +263,6 @@ impl SplitK {
 
     fn bytes(&self) -> usize {
         matrix_bytes(&self.w) + self.bias.as_ref().map_or(0, |b| b.len() * 4)
-    }
-}
-
-/// Sums equal-length `parts` pairwise, a balanced tree (`parts.len()` a power of two), into
-/// `parts[0]`: `(p0 + p1) + (p2 + p3)` for four.
-pub(crate) fn tree_sum(parts: &mut [Vec<f32>]) {
-    let mut step = 1;
-    while step < parts.len() {
-        for i in (0..parts.len()).step_by(2 * step) {
-            let (left, right) = parts.split_at_mut(i + step);
-            add_inplace(&mut left[i], &right[0]);
-        }
-        step *= 2;
     }
 }
 
