@@ -18,14 +18,44 @@ use crate::{DiscoveryConfig, DiscoveryHealth, EngineRecord, Membership, Registra
 /// Pause after a failed session: short at first, then up to this.
 const MAX_PAUSE: Duration = Duration::from_secs(2);
 
-async fn connect(cfg: &DiscoveryConfig) -> Result<Client, String> {
+/// A client pinned to one member that answers, trying them in turn from `*turn` (which is left
+/// naming the member it pinned). etcd's client spreads requests over every endpoint it is
+/// given, and a request sent to a member that is down fails there rather than going to another:
+/// with one member of three down a third of all calls would fail. So a session talks to one
+/// member; when that member goes, the session ends and the next one pins another (as etcd's
+/// own clients fail over).
+async fn connect(cfg: &DiscoveryConfig, turn: &mut usize) -> Result<Client, String> {
     let bound = cfg.lease_ttl.min(Duration::from_secs(5));
     let options = ConnectOptions::new()
         .with_connect_timeout(bound)
         .with_timeout(bound)
         .with_keep_alive(Duration::from_secs(1), bound)
         .with_keep_alive_while_idle(true);
-    Client::connect(&cfg.endpoints, Some(options)).await.map_err(|e| format!("connecting to {:?}: {e}", cfg.endpoints))
+    let members = cfg.endpoints.len();
+    let mut refused = Vec::with_capacity(members);
+    for i in 0..members {
+        let at = (*turn + i) % members;
+        let endpoint = &cfg.endpoints[at];
+        let answered = async {
+            let mut client = Client::connect([endpoint], Some(options.clone())).await?;
+            client.status().await.map(|_| client)
+        };
+        match tokio::time::timeout(bound, answered).await {
+            Ok(Ok(client)) => {
+                *turn = at;
+                return Ok(client);
+            }
+            Ok(Err(e)) => refused.push(format!("{endpoint}: {e}")),
+            Err(_) => refused.push(format!("{endpoint}: no answer within {bound:?}")),
+        }
+    }
+    Err(format!("no etcd member answered ({})", refused.join("; ")))
+}
+
+/// Where a process starts looking for a member: spread over the members, so that many engines
+/// do not all pin the first.
+fn first_turn() -> usize {
+    std::process::id() as usize
 }
 
 fn pause(after: Duration) -> Duration {
@@ -36,10 +66,12 @@ pub(crate) fn register(cfg: DiscoveryConfig, record: EngineRecord, health: Arc<D
     let (stop, mut stopped) = oneshot::channel::<oneshot::Sender<()>>();
     let task = tokio::spawn(async move {
         let mut wait = Duration::ZERO;
+        let mut turn = first_turn();
         loop {
-            match hold(&cfg, &record, &health, &mut stopped).await {
+            match hold(&cfg, &record, &health, &mut stopped, &mut turn).await {
                 Ok(()) => return,
                 Err(e) => {
+                    turn += 1;
                     if health.down(e.clone()) {
                         tracing::warn!(error = %e, "etcd: not registered; still serving, registering again when etcd answers");
                     } else {
@@ -69,10 +101,11 @@ async fn hold(
     record: &EngineRecord,
     health: &DiscoveryHealth,
     stopped: &mut oneshot::Receiver<oneshot::Sender<()>>,
+    turn: &mut usize,
 ) -> Result<(), String> {
     let key = cfg.key_of(&record.engine_id);
     let value = serde_json::to_vec(record).map_err(|e| e.to_string())?;
-    let mut client = connect(cfg).await?;
+    let mut client = connect(cfg, turn).await?;
     let ttl = cfg.lease_ttl.as_secs().max(1) as i64;
     let lease = client.lease_grant(ttl, None).await.map_err(|e| format!("granting a lease: {e}"))?.id();
     // The key is written only if it is free or was this engine's (an earlier lease of its own,
@@ -147,8 +180,10 @@ pub(crate) fn watch(
     let (tx, rx) = channel::channel(None);
     let task = tokio::spawn(async move {
         let mut wait = Duration::ZERO;
+        let mut turn = first_turn();
         loop {
-            let e = follow(&cfg, &tx, &health).await;
+            let e = follow(&cfg, &tx, &health, &mut turn).await;
+            turn += 1;
             let known = tx.borrow().as_ref().map_or(0, |m| m.len());
             if health.down(e.clone()) {
                 tracing::warn!(error = %e, engines = known, "etcd unreachable: keeping the last view of the engines");
@@ -162,9 +197,14 @@ pub(crate) fn watch(
 
 /// Reads every engine's key, then follows changes from that revision on; returns why it
 /// stopped.
-async fn follow(cfg: &DiscoveryConfig, tx: &channel::Sender<Option<Membership>>, health: &DiscoveryHealth) -> String {
+async fn follow(
+    cfg: &DiscoveryConfig,
+    tx: &channel::Sender<Option<Membership>>,
+    health: &DiscoveryHealth,
+    turn: &mut usize,
+) -> String {
     let prefix = cfg.engines_prefix();
-    let mut client = match connect(cfg).await {
+    let mut client = match connect(cfg, turn).await {
         Ok(c) => c,
         Err(e) => return e,
     };
