@@ -104,6 +104,10 @@ pub struct EngineArgs {
     /// far.
     #[arg(help_heading = "Device", long, default_value_t = 1)]
     pub tensor_parallel_size: usize,
+    /// Fault injection (tests): the last tensor-parallel rank fails mid-forward (at its first
+    /// all-reduce) in the engine's Nth forward, once, as a rank that dies would.
+    #[arg(long, hide = true, value_name = "N")]
+    pub fault_rank_fails_at_forward: Option<u64>,
 }
 
 impl ModelArgs {
@@ -293,6 +297,9 @@ pub(crate) fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<
             DeviceSpec::Cuda(_) => bail!("--tensor-parallel-size {} runs on CPU only so far", e.tensor_parallel_size),
         };
     }
+    if e.fault_rank_fails_at_forward.is_some() {
+        bail!("--fault-rank-fails-at-forward needs --tensor-parallel-size 2 or more");
+    }
     match device {
         DeviceSpec::Cpu => {
             let model = load_model(m)?;
@@ -395,7 +402,7 @@ fn build_tensor_parallel(m: &ModelArgs, e: &EngineArgs) -> Result<EngineParts> {
     let config = engine_config(e, &spec.config)?;
     let weights = spec.cpu_weights().with_context(|| format!("loading model `{}`", m.model))?;
     let size = e.tensor_parallel_size;
-    let tp = tandem_model::TpModel::load(
+    let mut tp = tandem_model::TpModel::load(
         &spec.config,
         weights,
         spec.max_model_len,
@@ -404,6 +411,9 @@ fn build_tensor_parallel(m: &ModelArgs, e: &EngineArgs) -> Result<EngineParts> {
         config.num_blocks,
     )
     .with_context(|| format!("splitting `{}` over {size} ranks", m.model))?;
+    if let Some(forward) = e.fault_rank_fails_at_forward {
+        tp.fail_rank_at(forward, size - 1, 1);
+    }
     tracing::info!(
         model = %m.model,
         architecture = spec.config.architecture.hf_name(),

@@ -38,8 +38,10 @@ pub struct TpModel {
     /// The one KV region the ranks' caches are views of, each of its own heads, where every
     /// KV head belongs to one rank; `None` where heads repeat over ranks (each keeps a copy).
     shared: Option<std::sync::Arc<tandem_compute::KvRegion>>,
-    /// Fault injection: (rank, reduce) at which that rank fails once, mid-forward.
-    fail_at: Option<(usize, usize)>,
+    /// Forwards run so far.
+    forwards: u64,
+    /// Fault injection: (forward, rank, reduce) at which that rank fails once, mid-forward.
+    fail_at: Option<(u64, usize, usize)>,
 }
 
 impl TpModel {
@@ -86,7 +88,7 @@ impl TpModel {
                 .map_err(|e| ModelError::UnsupportedConfig(format!("rank {rank}'s threads: {e}")))?;
             ranks.push(Rank { model, kv, pool });
         }
-        Ok(Self { ranks, reduce: AllReduce::new(size), shared, fail_at: None })
+        Ok(Self { ranks, reduce: AllReduce::new(size), shared, forwards: 0, fail_at: None })
     }
 
     /// Ranks.
@@ -119,7 +121,13 @@ impl TpModel {
     /// forward, mid-layer, as a rank that dies would; the others must end that forward with an
     /// error rather than wait.
     pub fn fail_rank_once(&mut self, rank: usize, reduce: usize) {
-        self.fail_at = Some((rank, reduce));
+        self.fail_rank_at(self.forwards + 1, rank, reduce);
+    }
+
+    /// Fault injection (tests, and `serve`'s hidden `--fault-rank-fails-at-forward`): as
+    /// [`TpModel::fail_rank_once`], at the `forward`-th forward from load (counting from 1).
+    pub fn fail_rank_at(&mut self, forward: u64, rank: usize, reduce: usize) {
+        self.fail_at = Some((forward, rank, reduce));
     }
 
     /// Runs one batched forward on every rank at once; rank 0's logits (as
@@ -127,7 +135,14 @@ impl TpModel {
     pub fn forward(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, ModelError> {
         self.reduce.reset();
         let reduce = &self.reduce;
-        let fail_at = self.fail_at.take();
+        self.forwards += 1;
+        let fail_at = match self.fail_at {
+            Some((forward, rank, call)) if forward == self.forwards => {
+                self.fail_at = None;
+                Some((rank, call))
+            }
+            _ => None,
+        };
         let results: Vec<Result<Vec<f32>, String>> = std::thread::scope(|scope| {
             let running: Vec<_> = self
                 .ranks
