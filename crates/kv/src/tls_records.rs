@@ -30,6 +30,9 @@ const MAX_CIPHERTEXT: usize = MAX_PLAINTEXT + 256;
 const WRITE_BATCH: usize = 256 << 10;
 /// Ciphertext a read takes from the socket at once (and room for one more whole record).
 const READ_BUF: usize = (256 << 10) + HEADER + MAX_CIPHERTEXT;
+/// Room in the caller's buffer from which a read takes the socket's bytes straight into it and
+/// decrypts them there, rather than through `RecordReader`'s own buffer (a copy less a byte).
+const DIRECT_MIN: usize = 4 * MAX_PLAINTEXT;
 /// Records one key may seal: AES-GCM's bound is 2^24.5 full records (RFC 8446, section 5.5),
 /// about 380 GB. TLS would renew the key with a KeyUpdate; this layer does not, and refuses to
 /// write past it instead, which fails that transfer (decode recomputes) and the connection, so
@@ -144,6 +147,12 @@ impl RecordReader {
 
     /// Plaintext into `out`: what is decrypted already, else as many whole records as `out`
     /// holds once the socket has brought one. Ok(0) only at the end of the stream.
+    ///
+    /// With room in `out` ([`DIRECT_MIN`]) and nothing buffered, the socket's bytes go straight
+    /// into `out` and each record is decrypted where it landed, its plaintext moved up against
+    /// the one before by the cipher itself (`open_within`): the KV's bytes are then never
+    /// copied out of a buffer of ours. A record the read cut short waits in our buffer, and only
+    /// its missing bytes are read before going direct again.
     pub(crate) fn read(&mut self, sock: &mut impl Read, out: &mut [u8]) -> io::Result<usize> {
         if out.is_empty() {
             return Ok(0);
@@ -165,12 +174,66 @@ impl RecordReader {
             if given > 0 || self.closed {
                 return Ok(given);
             }
-            self.fill(sock)?;
+            let room = out.len() - given >= DIRECT_MIN;
+            if room && self.start == self.end {
+                given += self.read_direct(sock, &mut out[given..])?;
+                continue;
+            }
+            // With room for going direct after it, read only the rest of the partial record.
+            let rest = if room { self.missing() } else { usize::MAX };
+            self.fill(sock, rest)?;
         }
     }
 
-    /// Reads what the socket has, after what is left of a partial record.
-    fn fill(&mut self, sock: &mut impl Read) -> io::Result<()> {
+    /// Bytes the partial record in the buffer still lacks (of its header, if that is partial).
+    fn missing(&self) -> usize {
+        let have = self.end - self.start;
+        if have < HEADER {
+            return HEADER - have;
+        }
+        let len = u16::from_be_bytes([self.buf[self.start + 3], self.buf[self.start + 4]]) as usize;
+        (HEADER + len).saturating_sub(have).max(1)
+    }
+
+    /// Reads what the socket has into `out` and decrypts every whole record there, the
+    /// plaintexts packed from `out`'s start; the partial record after them goes to our buffer.
+    /// How much plaintext that was (0 when the read brought no whole record).
+    fn read_direct(&mut self, sock: &mut impl Read, out: &mut [u8]) -> io::Result<usize> {
+        let n = sock.read(out)?;
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed without close_notify"));
+        }
+        let (mut at, mut plain) = (0, 0);
+        while !self.closed && n - at >= HEADER {
+            let head: [u8; HEADER] = out[at..at + HEADER].try_into().unwrap_or_default();
+            let len = record_len(&head)?;
+            if n - at < HEADER + len {
+                break;
+            }
+            let body = at + HEADER;
+            let nonce = self.keys.next_nonce();
+            let opened = self
+                .keys
+                .key
+                .open_within(nonce, Aad::from(head), &mut out[plain..body + len], body - plain..)
+                .map_err(|_| unauthentic())?;
+            let content = inner_content(opened, &mut self.closed)?;
+            plain += content;
+            at = body + len;
+        }
+        if self.buf.is_empty() {
+            self.buf = vec![0; READ_BUF];
+        }
+        // What follows close_notify is never read; a partial record waits for its rest.
+        let rest = if self.closed { 0 } else { n - at };
+        self.buf[..rest].copy_from_slice(&out[at..at + rest]);
+        (self.start, self.end, self.plain) = (0, rest, (0, 0));
+        Ok(plain)
+    }
+
+    /// Reads what the socket has (at most `limit` bytes), after what is left of a partial
+    /// record.
+    fn fill(&mut self, sock: &mut impl Read, limit: usize) -> io::Result<()> {
         if self.buf.is_empty() {
             self.buf = vec![0; READ_BUF];
         }
@@ -180,7 +243,8 @@ impl RecordReader {
         self.end -= self.start;
         self.start = 0;
         self.plain = (0, 0);
-        let n = sock.read(&mut self.buf[self.end..])?;
+        let until = self.end.saturating_add(limit).min(self.buf.len());
+        let n = sock.read(&mut self.buf[self.end..until])?;
         if n == 0 {
             return match self.end {
                 0 => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed without close_notify")),
@@ -198,10 +262,7 @@ impl RecordReader {
             return Ok(false);
         }
         let head: [u8; HEADER] = self.buf[self.start..self.start + HEADER].try_into().unwrap_or_default();
-        let len = u16::from_be_bytes([head[3], head[4]]) as usize;
-        if head[0] != APPLICATION_DATA || head[1] != 3 || !(TAG + 1..=MAX_CIPHERTEXT).contains(&len) {
-            return Err(invalid("not a TLS 1.3 application-data record"));
-        }
+        let len = record_len(&head)?;
         if self.end - self.start < HEADER + len {
             return Ok(false);
         }
@@ -211,23 +272,44 @@ impl RecordReader {
             .keys
             .key
             .open_in_place(nonce, Aad::from(head), &mut self.buf[body..body + len])
-            .map_err(|_| invalid("a TLS record failed authentication (altered, replayed or out of order)"))?;
-        // The inner plaintext: content, its type, then zeros of padding.
-        let Some(last) = opened.iter().rposition(|&b| b != 0) else {
-            return Err(invalid("a TLS record without a content type"));
-        };
-        let (kind, content) = (opened[last], last);
+            .map_err(|_| unauthentic())?;
+        let content = inner_content(opened, &mut self.closed)?;
         self.start = body + len;
-        match kind {
-            APPLICATION_DATA => self.plain = (body, body + content),
-            // close_notify (warning level 1, description 0) ends the stream; any other alert is
-            // the peer's error.
-            ALERT if content == 2 && self.buf[body + 1] == 0 => self.closed = true,
-            ALERT => return Err(invalid(&format!("the peer sent TLS alert {}", self.buf[body + 1]))),
-            HANDSHAKE => return Err(invalid("a TLS handshake message after the handshake (key update)")),
-            _ => return Err(invalid("a TLS record of an unknown content type")),
-        }
+        self.plain = (body, body + content);
         Ok(true)
+    }
+}
+
+/// A record header's ciphertext length, if the header is a TLS 1.3 application-data record's.
+fn record_len(head: &[u8; HEADER]) -> io::Result<usize> {
+    let len = u16::from_be_bytes([head[3], head[4]]) as usize;
+    if head[0] != APPLICATION_DATA || head[1] != 3 || !(TAG + 1..=MAX_CIPHERTEXT).contains(&len) {
+        return Err(invalid("not a TLS 1.3 application-data record"));
+    }
+    Ok(len)
+}
+
+fn unauthentic() -> io::Error {
+    invalid("a TLS record failed authentication (altered, replayed or out of order)")
+}
+
+/// An opened record's application data: how many of its first bytes are content (its inner
+/// plaintext is content, a content type, then zeros of padding). close_notify sets `closed` and
+/// carries none; any other alert, a handshake message or an unknown type is an error.
+fn inner_content(opened: &[u8], closed: &mut bool) -> io::Result<usize> {
+    let Some(last) = opened.iter().rposition(|&b| b != 0) else {
+        return Err(invalid("a TLS record without a content type"));
+    };
+    match opened[last] {
+        APPLICATION_DATA => Ok(last),
+        // close_notify (warning level 1, description 0) ends the stream.
+        ALERT if last == 2 && opened[1] == 0 => {
+            *closed = true;
+            Ok(0)
+        }
+        ALERT => Err(invalid(&format!("the peer sent TLS alert {}", opened.get(1).copied().unwrap_or(0)))),
+        HANDSHAKE => Err(invalid("a TLS handshake message after the handshake (key update)")),
+        _ => Err(invalid("a TLS record of an unknown content type")),
     }
 }
 
@@ -277,6 +359,49 @@ mod tests {
             assert!(read_all(&mut reader_again, &wire, data.len(), piece).unwrap() == data, "piece {piece}");
         }
         assert!(read_all(&mut reader, &wire, data.len(), 4096).unwrap() == data);
+    }
+
+    /// A socket that hands over at most a few bytes at a time, the sizes cycling: reads cut
+    /// records anywhere (in headers, bodies and tags).
+    struct Trickle<'a> {
+        wire: &'a [u8],
+        sizes: std::iter::Cycle<std::slice::Iter<'static, usize>>,
+    }
+
+    impl Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let n = (*self.sizes.next().unwrap_or(&1)).min(buf.len()).min(self.wire.len());
+            buf[..n].copy_from_slice(&self.wire[..n]);
+            self.wire = &self.wire[n..];
+            Ok(n)
+        }
+    }
+
+    /// Reads into room enough to go straight into the caller's buffer, from a socket that cuts
+    /// records anywhere, give the stream whole and in order, the direct reads and the buffered
+    /// ones taking turns.
+    #[test]
+    fn direct_reads_cut_anywhere_give_the_stream_whole() {
+        let (mut writer, _) = pair();
+        let data: Vec<u8> = (0..2_000_000u32).map(|i| (i * 31 % 253) as u8).collect();
+        let mut wire = Vec::new();
+        let mut at = 0;
+        while at < data.len() {
+            at += writer.write(&mut wire, &data[at..]).unwrap();
+        }
+        static SIZES: [usize; 7] = [1, 3, 7000, 16389, 40_000, 100_003, 300_000];
+        for piece in [DIRECT_MIN, 100_000, 1 << 20, 3 << 20] {
+            let (_, mut reader) = pair();
+            let mut sock = Trickle { wire: &wire, sizes: SIZES.iter().cycle() };
+            let mut got = Vec::new();
+            let mut out = vec![0u8; piece];
+            while got.len() < data.len() {
+                let n = reader.read(&mut sock, &mut out).unwrap();
+                assert!(n > 0);
+                got.extend_from_slice(&out[..n]);
+            }
+            assert!(got == data, "piece {piece}");
+        }
     }
 
     /// A flipped bit anywhere in a record, a record dropped, two swapped, or another key: the
