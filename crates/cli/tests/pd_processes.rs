@@ -195,13 +195,14 @@ fn prefill_and_decode_at_different_tensor_parallel_sizes_equal_colocated() {
     }
 }
 
-/// A tensor-parallel prefill engine one of whose ranks dies mid-prefill (as a rank that
-/// crashes would: mid-forward, at an all-reduce), with the first steps' KV already pushed
-/// to decode: no wrong answer, every block back on both engines, and the rank runs again at
-/// the next step, so the same prompt then answers as a colocated engine does (none of the
-/// failed step's KV is taken from the prefix cache).
+/// A tensor-parallel engine one of whose ranks dies (as a crashing rank would: mid-forward, at
+/// an all-reduce): prefill's mid-prefill, with the first steps' KV already pushed to decode, or
+/// decode's mid-decode, its KV landed. No wrong answer: the request ends with an error naming
+/// the rank; every block comes back on both engines; the rank runs again at the next step, so
+/// the same prompt then answers as a colocated engine does (none of the failed step's KV is
+/// taken from the prefix cache).
 #[test]
-fn a_tensor_parallel_rank_dying_mid_transfer_answers_nothing_wrong_and_frees_every_block() {
+fn a_tensor_parallel_rank_dying_mid_transfer_or_mid_decode_answers_nothing_wrong_and_frees_every_block() {
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     let model = "--model preset:tiny-qwen3-tp";
     let cp = free_port();
@@ -211,31 +212,34 @@ fn a_tensor_parallel_rank_dying_mid_transfer_answers_nothing_wrong_and_frees_eve
     let prompt: Vec<u32> = (0..300).map(|j| ((j * 7) % 500) as u32).collect();
     let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true});
     let (_, want) = complete(&http, &c_url, &body);
-    for mode in ["push", "pull"] {
-        // 32 tokens a step: the prompt takes 10 steps, the 4th of which loses a rank.
-        let s = system(
-            mode,
-            &format!("{model} --tensor-parallel-size 2 --max-num-batched-tokens 32 --fault-rank-fails-at-forward 4"),
-            &format!("{model} --tensor-parallel-size 2"),
-        );
+    // 32 tokens a step: prefill takes the prompt in 10 steps, the 4th of which loses a rank;
+    // decode loses one in its 3rd step of 5.
+    let ranks = format!("{model} --tensor-parallel-size 2 --max-num-batched-tokens 32");
+    for (mode, dies) in [("push", "prefill"), ("pull", "prefill"), ("push", "decode"), ("pull", "decode")] {
+        let (p, d) = match dies {
+            "prefill" => (format!("{ranks} --fault-rank-fails-at-forward 4"), ranks.clone()),
+            _ => (ranks.clone(), format!("{ranks} --fault-rank-fails-at-forward 3")),
+        };
+        let s = system(mode, &p, &d);
         let started = Instant::now();
         let (status, v) = complete(&http, &s.r_url, &body);
-        assert!(status >= 500, "{mode}: a prompt whose prefill lost a rank answered {status}: {v}");
+        let what = format!("{mode}, a {dies} rank died");
+        assert!(status >= 500, "{what}: answered {status}: {v}");
         let message = v["error"]["message"].as_str().unwrap_or_default();
-        assert!(message.contains("rank 1 failed"), "{mode}: the error says what failed: {v}");
-        assert!(started.elapsed() < Duration::from_secs(10), "{mode}: bounded: {:?}", started.elapsed());
+        assert!(message.contains("rank 1 failed"), "{what}: the error says what failed: {v}");
+        assert!(started.elapsed() < Duration::from_secs(10), "{what}: bounded: {:?}", started.elapsed());
         if mode == "push" {
-            // The steps before the failed one had pushed their KV.
+            // Prefill's steps before the failed one had pushed their KV (decode's: all of it).
             let received = metric(&http, &s.d_url, "tandem:kv_connector{counter=\"bytes_received\"}");
-            assert!(received.is_some_and(|b| b > 0.0), "no part of the prompt's KV had moved: {received:?}");
+            assert!(received.is_some_and(|b| b > 0.0), "{what}: no KV had moved: {received:?}");
         }
         // Within 20 s: before decode's 30 s transfer timeout would have freed them.
         for url in [&s.p_url, &s.d_url] {
             metric_until(&http, url, "tandem:kv_blocks_used", |b| b == 0.0, "an engine kept blocks");
         }
         let (status, v) = complete(&http, &s.r_url, &body);
-        assert_eq!(status, 200, "{mode}: after the rank failed: {v}");
-        assert_eq!(v["choices"][0]["token_ids"], want["choices"][0]["token_ids"], "{mode}: after the rank failed");
+        assert_eq!(status, 200, "{what}: the next request: {v}");
+        assert_eq!(v["choices"][0]["token_ids"], want["choices"][0]["token_ids"], "{what}: the next request");
         for url in [&s.p_url, &s.d_url] {
             metric_until(&http, url, "tandem:kv_blocks_used", |b| b == 0.0, "an engine kept blocks");
         }
