@@ -59,6 +59,18 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/nvidia/lib64:${LD_LIBRARY_PATH:-}
 export TANDEM_REQUIRE_CUDA=1 TANDEM_CACHE_DIR=/tmp/tandem-cache RUST_BACKTRACE=1
+# cudarc opens libnccl.so, NCCL installs libnccl.so.2: link it where the loader looks (the
+# one-rank NCCL test then must run: TANDEM_REQUIRE_NCCL).
+nccl=$(ls /usr/lib/x86_64-linux-gnu/libnccl.so.2 /usr/local/cuda*/targets/x86_64-linux/lib/libnccl.so.2 \
+  /usr/local/nvidia/lib64/libnccl.so.2 2>/dev/null | head -1)
+[ -n "$nccl" ] || nccl=$(python3 -c 'import glob, site
+print(next((f for p in site.getsitepackages() for f in glob.glob(p + "/nvidia/nccl/lib/libnccl.so*")), ""))' 2>/dev/null)
+if [ -n "$nccl" ] && [ -f "$nccl" ]; then
+  mkdir -p /tmp/nccl-lib && ln -sf "$nccl" /tmp/nccl-lib/libnccl.so
+  export LD_LIBRARY_PATH=/tmp/nccl-lib:$LD_LIBRARY_PATH TANDEM_REQUIRE_NCCL=1
+else
+  echo "no libnccl.so.2 found: the one-rank NCCL test will skip"
+fi
 BIN=${BIN:-gpu-bin}
 [ -x "$BIN/tandem" ] || { echo "no $BIN/tandem: run scripts/gpu/build.sh first and carry gpu-bin"; exit 2; }
 status=0

@@ -184,6 +184,68 @@ fn fused_decode_agrees_with_the_cublas_path() {
     }
 }
 
+/// The tensor-parallel path through NCCL at one rank (issue 54 item 5): the o and down products
+/// summed over a one-rank communicator (an identity) before the residual takes them, which one
+/// GPU can run. Prefill and decode logits equal the plain unfused path's bit for bit. Without
+/// libnccl the test says so and passes, unless `TANDEM_REQUIRE_NCCL=1` (scripts/gpu/run.sh).
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn the_nccl_all_reduce_path_at_one_rank_gives_the_plain_paths_logits() {
+    if !cuda_usable() {
+        return;
+    }
+    if !tandem_compute::cuda::Communicator::present() {
+        assert!(std::env::var("TANDEM_REQUIRE_NCCL").map_or(true, |v| v != "1"), "libnccl cannot be loaded");
+        eprintln!("skipping: no libnccl");
+        return;
+    }
+    for preset in ["tiny-qwen3", "qwen3-0.6b"] {
+        let source = ModelSource::parse(&format!("preset:{preset}"), 3).unwrap();
+        let spec = ModelSpec::load(&source, Some(1024)).unwrap();
+        let plain = CudaOptions { fused_decode: false, cuda_graphs: false, ..small_cache() };
+        let mut nccl = CudaModel::load(&spec, &CudaOptions { nccl_one_rank: true, ..plain.clone() }).unwrap();
+        let mut plain = CudaModel::load(&spec, &plain).unwrap();
+        let vocab = spec.config.vocab_size;
+        let tables: Vec<Vec<u32>> = (0..2u32).map(|s| (0..8).map(|b| s * 8 + b).collect()).collect();
+        let prompts: Vec<Vec<u32>> =
+            [37u32, 90].iter().map(|&n| (0..n).map(|i| (i * 131 + n) % vocab as u32).collect()).collect();
+        let prefill: Vec<SeqBatch<'_>> = prompts
+            .iter()
+            .scan(0, |start, p| {
+                let seq = SeqBatch {
+                    token_start: *start,
+                    num_tokens: p.len(),
+                    first_pos: 0,
+                    block_table: &tables[(*start > 0) as usize],
+                    want_logits: true,
+                };
+                *start += p.len();
+                Some(seq)
+            })
+            .collect();
+        let ids: Vec<u32> = prompts.concat();
+        let a = nccl.forward_logits(&ids, &prefill).unwrap();
+        let b = plain.forward_logits(&ids, &prefill).unwrap();
+        assert!(a == b, "{preset}: prefill logits differ through the one-rank all-reduce");
+        let mut next: Vec<u32> = (0..2).map(|s| argmax(&b[s * vocab..(s + 1) * vocab])).collect();
+        for step in 0..3 {
+            let decode: Vec<SeqBatch<'_>> = (0..2)
+                .map(|s| SeqBatch {
+                    token_start: s,
+                    num_tokens: 1,
+                    first_pos: prompts[s].len() + step,
+                    block_table: &tables[s],
+                    want_logits: true,
+                })
+                .collect();
+            let a = nccl.forward_logits(&next, &decode).unwrap();
+            let b = plain.forward_logits(&next, &decode).unwrap();
+            assert!(a == b, "{preset}: decode step {step} logits differ through the one-rank all-reduce");
+            next = (0..2).map(|s| argmax(&b[s * vocab..(s + 1) * vocab])).collect();
+        }
+    }
+}
+
 /// Log-probabilities on the GPU: a row that asks gets the log-softmax of the raw logits the
 /// sampler saw (before its bans), on the one-shot path and on two pipelined steps in flight at
 /// once (their logits staged in alternating slots); a row that does not ask gets none.

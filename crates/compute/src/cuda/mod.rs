@@ -15,11 +15,13 @@
 mod fences;
 mod invariant;
 mod ipc;
+mod nccl;
 pub mod ops;
 mod tuning;
 
 pub use fences::{HostFence, HostSignal, KvFence, KvFences};
 pub use ipc::{DeviceKvMemory, DeviceScratch, HostCopies, IpcExport, PeerKvMemory};
+pub use nccl::Communicator;
 pub use tuning::{kv_fence_ends, CudaTuning};
 
 use std::path::{Path, PathBuf};

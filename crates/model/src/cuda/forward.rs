@@ -8,7 +8,7 @@
 use tandem_compute::cuda::ops::{
     self, AttnShape, AttnSplit, Gemv, GemvBuild, GemvInput, GemvOutput, QkvRope, ResidualDelta,
 };
-use tandem_compute::cuda::{kv_fence_ends, CudaDevice, CudaError, DevBuf, KvFences};
+use tandem_compute::cuda::{kv_fence_ends, Communicator, CudaDevice, CudaError, DevBuf, KvFences};
 
 use super::kv_cache::DeviceKv;
 use super::plan::DecodePlan;
@@ -23,7 +23,8 @@ use crate::ModelError;
 /// takes the fused decode path (to compare the two). With `fences`, the plain (prefill) path
 /// records there when each group of layers has written its KV (`--cuda-tune kv_fence_groups`
 /// groups, default 8: each group's KV can be copied while the later layers compute, so only the
-/// last group's is left when the forward ends); the fused decode path records none.
+/// last group's is left when the forward ends); the fused decode path records none. With
+/// `comm`, the o and down products are summed over its ranks before the residual takes them.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
     dev: &CudaDevice,
@@ -32,8 +33,8 @@ pub(super) fn forward(
     plan: &DecodePlan,
     step: &mut StepBuffers,
     kv: &mut DeviceKv,
-    t: usize,
-    rows: usize,
+    comm: Option<&Communicator>,
+    (t, rows): (usize, usize),
     counts: Option<StepCounts>,
     allow_fused: bool,
     fences: Option<&mut KvFences>,
@@ -43,7 +44,7 @@ pub(super) fn forward(
     if t > step.max_tokens || rows > step.max_seqs {
         return Err(ModelError::Device(format!("a forward of {t} tokens and {rows} rows exceeds its buffers")));
     }
-    let pass = Pass { dev, cfg, w: weights, step, cache: &kv.cache, block_size: kv.layout.block_size };
+    let pass = Pass { dev, cfg, w: weights, step, cache: &kv.cache, block_size: kv.layout.block_size, comm };
     // Safety: the pass's buffers are the model's, alive for its life, sized at load for
     // `max_tokens` tokens and `max_seqs` rows (checked above); the metadata the kernels index
     // by was checked against the cache and tables when it was filled (see `Pass`).
@@ -65,6 +66,8 @@ pub(super) struct Pass<'a> {
     pub step: &'a StepBuffers,
     pub cache: &'a DevBuf<u16>,
     pub block_size: usize,
+    /// The tensor-parallel group the row-parallel products are summed over, if any.
+    pub comm: Option<&'a Communicator>,
 }
 
 impl Pass<'_> {
@@ -104,11 +107,11 @@ impl Pass<'_> {
             }
             let split = self.step.flash_split(counts);
             ops::flash_prefill(dev, a.q.ptr(), self.cache.ptr(), a.attn.ptr(), &prefill, &meta, &shape, split)?;
-            let attn_out = self.residual_projection(&layer.o, a.attn.ptr(), t)?;
+            let attn_out = self.all_reduce(self.residual_projection(&layer.o, a.attn.ptr(), t)?, t)?;
             ops::add_rms_norm(dev, a.x.ptr(), attn_out, 0, layer.post_norm.ptr(), a.normed.ptr(), t, h, eps)?;
             self.linear(&layer.gate_up, a.normed.ptr(), a.gate_up.ptr(), t)?;
             ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, cfg.intermediate_size)?;
-            let mlp_out = self.residual_projection(&layer.down, a.act.ptr(), t)?;
+            let mlp_out = self.all_reduce(self.residual_projection(&layer.down, a.act.ptr(), t)?, t)?;
             match layers.get(li + 1) {
                 Some(next) => {
                     ops::add_rms_norm(dev, a.x.ptr(), mlp_out, 0, next.input_norm.ptr(), a.normed.ptr(), t, h, eps)?
@@ -169,6 +172,21 @@ impl Pass<'_> {
         let proj = self.step.act.proj.ptr();
         self.linear(l, x, proj, t)?;
         Ok(ResidualDelta::Bf16(proj))
+    }
+
+    /// A row-parallel product's output for `t` tokens (this rank's partial sums) summed over
+    /// the tensor-parallel ranks, in place; as it is without tensor parallelism.
+    unsafe fn all_reduce(&self, delta: ResidualDelta, t: usize) -> Result<ResidualDelta, ModelError> {
+        let Some(comm) = self.comm else { return Ok(delta) };
+        match delta {
+            ResidualDelta::Bf16(ptr) => {
+                // Safety: `ptr` is the step's projection buffer, `t` rows of `hidden` wide
+                // (the `Pass` contract), alive for the model's life.
+                unsafe { comm.all_reduce_bf16(ptr, t * self.cfg.hidden_size) }?;
+                Ok(delta)
+            }
+            _ => Err(ModelError::Device("an all-reduce of a product summed in slices is not built".into())),
+        }
     }
 
     /// How many K slices a batch-invariant model cuts `l`'s product into (1 otherwise, and for

@@ -24,7 +24,7 @@ mod weights;
 
 use std::sync::Arc;
 
-use tandem_compute::cuda::{CudaDevice, CudaError, CudaTuning, KvFences};
+use tandem_compute::cuda::{Communicator, CudaDevice, CudaError, CudaTuning, KvFences};
 use tandem_compute::{KvLayout, KvRegion};
 use tandem_core::TokenLogprobs;
 
@@ -77,6 +77,11 @@ pub struct CudaOptions {
     /// A directory to keep the compiled kernels in between processes (`None`: compiled once
     /// per process).
     pub kernel_cache: Option<std::path::PathBuf>,
+    /// Run the all-reduces a tensor-parallel rank makes after its row-parallel products (o and
+    /// down) through a one-rank NCCL communicator, an identity: one GPU runs that code path
+    /// (tests; the steps then take no fused decode projections and no CUDA graphs, and it is
+    /// not combined with `batch_invariant`).
+    pub nccl_one_rank: bool,
 }
 
 impl Default for CudaOptions {
@@ -94,6 +99,7 @@ impl Default for CudaOptions {
             tuning: CudaTuning::default(),
             batch_invariant: false,
             kernel_cache: None,
+            nccl_one_rank: false,
         }
     }
 }
@@ -120,6 +126,8 @@ pub struct CudaModel {
     fences: Option<KvFences>,
     /// The log-probabilities of the step last read or collected, until taken.
     step_logprobs: RowLogprobs,
+    /// The tensor-parallel group the row-parallel products are summed over (`nccl_one_rank`).
+    comm: Option<Communicator>,
 }
 
 impl CudaModel {
@@ -131,13 +139,25 @@ impl CudaModel {
         let dev = CudaDevice::open_with(opts.ordinal, opts.tuning.clone(), opts.kernel_cache.as_deref())?;
         let cfg = spec.config.clone();
         let weights = Weights::load(&dev, spec)?;
+        let comm = match opts.nccl_one_rank {
+            true if opts.batch_invariant => {
+                return Err(ModelError::UnsupportedConfig(
+                    "batch-invariant steps sum their o and down products in slices, which the NCCL all-reduce does not take yet".into(),
+                ))
+            }
+            true => Some(Communicator::one_rank(&dev)?),
+            false => None,
+        };
         if opts.batch_invariant {
             dev.enable_batch_invariant()?;
             weights.verify_skinny(&dev, &cfg)?;
         }
         // The fused decode projections fold the norm and residual add in with other rounding
         // than the prefill path: a batch-invariant model runs every step unfused.
-        let plan = DecodePlan::choose(&dev, &cfg, opts.fused_decode && !opts.batch_invariant, dev.tuning());
+        // The fused decode projections add o and down into the residual inside the GEMV, where
+        // no all-reduce can come between.
+        let fused = opts.fused_decode && !opts.batch_invariant && comm.is_none();
+        let plan = DecodePlan::choose(&dev, &cfg, fused, dev.tuning());
         let step = StepBuffers::new(
             &dev,
             &cfg,
@@ -148,7 +168,7 @@ impl CudaModel {
             opts.batch_invariant,
         )?;
         let kv = DeviceKv::allocate(&dev, &cfg, opts)?;
-        let graphs = DecodeGraphs::new(opts.cuda_graphs, step.max_seqs, step.max_tokens);
+        let graphs = DecodeGraphs::new(opts.cuda_graphs && comm.is_none(), step.max_seqs, step.max_tokens);
         tracing::debug!(?plan, "decode plan");
         let mut model = Self {
             dev,
@@ -162,6 +182,7 @@ impl CudaModel {
             fence_kv: false,
             fences: None,
             step_logprobs: Vec::new(),
+            comm,
         };
         model.capture_decode_graphs()?;
         Ok(model)
@@ -201,8 +222,8 @@ impl CudaModel {
             &self.plan,
             &mut self.step,
             &mut self.kv,
-            t,
-            rows,
+            self.comm.as_ref(),
+            (t, rows),
             counts,
             allow_fused,
             fences,

@@ -69,6 +69,7 @@ impl CudaModel {
             step: &self.step,
             cache: &self.kv.cache,
             block_size: bs,
+            comm: self.comm.as_ref(),
         };
         // Safety: the pass is over the model's own buffers, filled above for a shape checked
         // against them (the `Pass` contract); every timed launch has run when this returns.
@@ -90,10 +91,10 @@ impl CudaModel {
         };
         let sum: f64 = out.iter().filter(path_ops).map(|(_, v)| v).sum();
         out.push(("sum of ops on this path".into(), sum));
-        let (dev, cfg, w, plan) = (&self.dev, &self.cfg, &self.weights, &self.plan);
+        let (dev, cfg, w, plan, comm) = (&self.dev, &self.cfg, &self.weights, &self.plan, self.comm.as_ref());
         let (step, kv) = (&mut self.step, &mut self.kv);
         let mut whole = |allow_fused: bool| -> Result<f64, ModelError> {
-            let mut run = || forward(dev, cfg, w, plan, step, kv, t, rows, None, allow_fused, None);
+            let mut run = || forward(dev, cfg, w, plan, step, kv, comm, (t, rows), None, allow_fused, None);
             run()?;
             let mut failed = None;
             let ms = dev.time_ms(|| {
