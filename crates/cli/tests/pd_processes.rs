@@ -246,6 +246,70 @@ fn a_tensor_parallel_rank_dying_mid_transfer_or_mid_decode_answers_nothing_wrong
     }
 }
 
+/// With another decode engine up, a request whose decode engine fails it (a tensor-parallel
+/// rank dies mid-decode; nothing of the answer had reached the client) is answered through the
+/// other one: every request answers as colocated, and the engine that failed one serves on.
+#[test]
+fn a_decode_engine_whose_rank_dies_hands_the_request_to_another() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let model = "--model preset:tiny-qwen3-tp";
+    let cp = free_port();
+    let _c = tandem(&args(&format!("serve {model} --port {cp}")));
+    let c_url = format!("http://127.0.0.1:{cp}");
+    wait_healthy(&http, &c_url);
+    let bodies: Vec<Value> = (0..4u32)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..40).map(|j| (j * 7 + i * 11) % 500).collect();
+            json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true})
+        })
+        .collect();
+    let want: Vec<Value> =
+        bodies.iter().map(|b| complete(&http, &c_url, b).1["choices"][0]["token_ids"].clone()).collect();
+    for mode in ["push", "pull"] {
+        let (pp, pk, rp) = (free_port(), free_port(), free_port());
+        let _p = tandem(&args(&format!("serve {model} --role prefill --kv-mode {mode} --port {pp} --kv-port {pk}")));
+        // The first engine's second rank dies in its third decode step.
+        let faults = ["--fault-rank-fails-at-forward 3", ""];
+        let d_urls: Vec<String> = faults.iter().map(|_| format!("http://127.0.0.1:{}", free_port())).collect();
+        let _d: Vec<Proc> = faults
+            .iter()
+            .zip(&d_urls)
+            .map(|(fault, url)| {
+                let port = url.rsplit(':').next().unwrap();
+                tandem(&args(&format!(
+                    "serve {model} --tensor-parallel-size 2 --role decode --kv-mode {mode} --port {port} --kv-port {} {fault}",
+                    free_port()
+                )))
+            })
+            .collect();
+        let _r = tandem(&args(&format!(
+            "router --mode {mode} --prefill http://127.0.0.1:{pp} --decode {} --port {rp}",
+            d_urls.join(",")
+        )));
+        let r_url = format!("http://127.0.0.1:{rp}");
+        wait_healthy(&http, &r_url);
+        for (i, body) in bodies.iter().enumerate() {
+            let (status, v) = complete(&http, &r_url, body);
+            assert_eq!(status, 200, "{mode}: request {i}: {v}");
+            assert_eq!(v["choices"][0]["token_ids"], want[i], "{mode}: request {i}");
+        }
+        let failed = metric(&http, &d_urls[0], "tandem:request_errors_total");
+        assert!(failed.is_some_and(|n| n >= 1.0), "{mode}: the faulty engine's rank never died: {failed:?}");
+        let served = metric(&http, &d_urls[0], "tandem:request_success_total").unwrap_or(0.0);
+        assert!(served >= 1.0, "{mode}: the engine that failed a request took none after it");
+        for url in &d_urls {
+            metric_until(&http, url, "tandem:kv_blocks_used", |b| b == 0.0, "a decode engine kept blocks");
+        }
+        metric_until(
+            &http,
+            &format!("http://127.0.0.1:{pp}"),
+            "tandem:kv_blocks_used",
+            |b| b == 0.0,
+            "prefill kept blocks",
+        );
+    }
+}
+
 /// A dense model and a mixture of experts (whose tokens' experts differ within one batch).
 #[test]
 fn push_and_pull_across_processes_equal_colocated() {

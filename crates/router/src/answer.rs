@@ -97,7 +97,8 @@ pub(crate) fn leg_failed(b: &Arc<Backend>, leg: &str, e: &reqwest::Error) -> Leg
 /// about `kv_transfer_params`, which the router wrote: that is a misconfiguration between
 /// router and engine, answered with a 502 that says so. A 503 with `Retry-After` (the request
 /// waited past the engine's `--max-queue-secs` without running) passes through like a 429.
-/// Anything else becomes a 502 naming the leg.
+/// Anything else becomes a 502 naming the leg; after a 500 (the engine failed the request) the
+/// request may go to another engine of the role.
 pub(crate) async fn leg_error(leg: &str, b: &Arc<Backend>, resp: reqwest::Response) -> LegError {
     let (status, url) = (resp.status(), &b.url);
     let retry_after = resp.headers().get("retry-after").cloned();
@@ -130,7 +131,14 @@ pub(crate) async fn leg_error(leg: &str, b: &Arc<Backend>, resp: reqwest::Respon
         response.headers_mut().insert("retry-after", retry_after);
         return LegError { response, engine: Some(b.clone()) };
     }
-    error(StatusCode::BAD_GATEWAY, format!("{leg} leg to {url} failed with HTTP {status}: {body}")).into()
+    let response = error(StatusCode::BAD_GATEWAY, format!("{leg} leg to {url} failed with HTTP {status}: {body}"));
+    // The engine failed the request before any of its answer (its model failed the step: a
+    // device error, a tensor-parallel rank that died): another engine of the role may answer
+    // it. The engine stays up: it failed this step, and serves the next.
+    if status == reqwest::StatusCode::INTERNAL_SERVER_ERROR {
+        return LegError { response, engine: Some(b.clone()) };
+    }
+    response.into()
 }
 
 /// Aborts a spawned task when dropped (a leg whose response is gone, the engine checks).

@@ -30,8 +30,9 @@
 //! ran out.
 //!
 //! Failover: a leg that never reached its engine (no connection: the engine is marked down
-//! until a check finds it again) or that its engine turned away before computing (429, at its
-//! `--max-queued-requests`) goes to another engine of that role, each engine at most once per
+//! until a check finds it again), that its engine turned away before computing (429, at its
+//! `--max-queued-requests`) or that its engine failed before answering any of it (500: its
+//! model failed the step) goes to another engine of that role, each engine at most once per
 //! request; pull keeps prefill's KV under its lease for the next decode engine, push starts a
 //! new pair. Only when no engine is left does the client get the error: a 429 keeps its
 //! `Retry-After`. A request that is not streamed is answered only once its decode engine's
