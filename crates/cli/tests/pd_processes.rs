@@ -247,8 +247,10 @@ fn a_tensor_parallel_rank_dying_mid_transfer_or_mid_decode_answers_nothing_wrong
 }
 
 /// With another decode engine up, a request whose decode engine fails it (a tensor-parallel
-/// rank dies mid-decode; nothing of the answer had reached the client) is answered through the
-/// other one: every request answers as colocated, and the engine that failed one serves on.
+/// rank dies mid-decode) is answered through the other one: not streamed, it is sent there
+/// again (nothing had reached the client); streamed, it goes on from there (the engine's error
+/// event ends the stream mid-way). Every request answers as colocated, the client reading one
+/// whole stream without an error event, and the engine that failed one serves on.
 #[test]
 fn a_decode_engine_whose_rank_dies_hands_the_request_to_another() {
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
@@ -257,15 +259,14 @@ fn a_decode_engine_whose_rank_dies_hands_the_request_to_another() {
     let _c = tandem(&args(&format!("serve {model} --port {cp}")));
     let c_url = format!("http://127.0.0.1:{cp}");
     wait_healthy(&http, &c_url);
-    let bodies: Vec<Value> = (0..4u32)
-        .map(|i| {
-            let prompt: Vec<u32> = (0..40).map(|j| (j * 7 + i * 11) % 500).collect();
-            json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true})
-        })
-        .collect();
+    let body = |i: u32, stream: bool| {
+        let prompt: Vec<u32> = (0..40).map(|j| (j * 7 + i * 11) % 500).collect();
+        json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true, "stream": stream})
+    };
     let want: Vec<Value> =
-        bodies.iter().map(|b| complete(&http, &c_url, b).1["choices"][0]["token_ids"].clone()).collect();
-    for mode in ["push", "pull"] {
+        (0..4).map(|i| complete(&http, &c_url, &body(i, false)).1["choices"][0]["token_ids"].clone()).collect();
+    for (mode, stream) in [("push", false), ("pull", false), ("push", true), ("pull", true)] {
+        let what = format!("{mode}{}", if stream { ", streamed" } else { "" });
         let (pp, pk, rp) = (free_port(), free_port(), free_port());
         let _p = tandem(&args(&format!("serve {model} --role prefill --kv-mode {mode} --port {pp} --kv-port {pk}")));
         // The first engine's second rank dies in its third decode step.
@@ -288,15 +289,22 @@ fn a_decode_engine_whose_rank_dies_hands_the_request_to_another() {
         )));
         let r_url = format!("http://127.0.0.1:{rp}");
         wait_healthy(&http, &r_url);
-        for (i, body) in bodies.iter().enumerate() {
-            let (status, v) = complete(&http, &r_url, body);
-            assert_eq!(status, 200, "{mode}: request {i}: {v}");
-            assert_eq!(v["choices"][0]["token_ids"], want[i], "{mode}: request {i}");
+        for (i, want) in want.iter().enumerate() {
+            let got = if stream {
+                let got = read_stream(&r_url, "/v1/completions", &body(i as u32, true), std::sync::mpsc::channel().0);
+                assert!(got.errors.is_empty() && got.done, "{what}: request {i}: {:?}", got.errors);
+                json!(got.ids)
+            } else {
+                let (status, v) = complete(&http, &r_url, &body(i as u32, false));
+                assert_eq!(status, 200, "{what}: request {i}: {v}");
+                v["choices"][0]["token_ids"].clone()
+            };
+            assert_eq!(&got, want, "{what}: request {i}");
         }
         let failed = metric(&http, &d_urls[0], "tandem:request_errors_total");
-        assert!(failed.is_some_and(|n| n >= 1.0), "{mode}: the faulty engine's rank never died: {failed:?}");
+        assert!(failed.is_some_and(|n| n >= 1.0), "{what}: the faulty engine's rank never died: {failed:?}");
         let served = metric(&http, &d_urls[0], "tandem:request_success_total").unwrap_or(0.0);
-        assert!(served >= 1.0, "{mode}: the engine that failed a request took none after it");
+        assert!(served >= 1.0, "{what}: the engine that failed a request took none after it");
         for url in &d_urls {
             metric_until(&http, url, "tandem:kv_blocks_used", |b| b == 0.0, "a decode engine kept blocks");
         }
