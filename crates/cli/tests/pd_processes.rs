@@ -318,6 +318,62 @@ fn a_decode_engine_whose_rank_dies_hands_the_request_to_another() {
     }
 }
 
+/// With another prefill engine up, a request whose prefill engine's rank dies mid-prefill is
+/// computed by the other one (push: a new pair; pull: the other engine's lease), answering as
+/// colocated; the engine that failed it serves on.
+#[test]
+fn a_prefill_engine_whose_rank_dies_hands_the_request_to_another() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let model = "--model preset:tiny-qwen3-tp";
+    let cp = free_port();
+    let _c = tandem(&args(&format!("serve {model} --port {cp}")));
+    let c_url = format!("http://127.0.0.1:{cp}");
+    wait_healthy(&http, &c_url);
+    let body = |i: u32| {
+        let prompt: Vec<u32> = (0..200).map(|j| (j * 7 + i * 11) % 500).collect();
+        json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true})
+    };
+    let want: Vec<Value> =
+        (0..4).map(|i| complete(&http, &c_url, &body(i)).1["choices"][0]["token_ids"].clone()).collect();
+    for mode in ["push", "pull"] {
+        // 32 tokens a step; the first engine's second rank dies in its fourth.
+        let faults = ["--fault-rank-fails-at-forward 4", ""];
+        let p_urls: Vec<String> = faults.iter().map(|_| format!("http://127.0.0.1:{}", free_port())).collect();
+        let _p: Vec<Proc> = faults
+            .iter()
+            .zip(&p_urls)
+            .map(|(fault, url)| {
+                let port = url.rsplit(':').next().unwrap();
+                tandem(&args(&format!(
+                    "serve {model} --tensor-parallel-size 2 --max-num-batched-tokens 32 --role prefill --kv-mode {mode} --port {port} --kv-port {} {fault}",
+                    free_port()
+                )))
+            })
+            .collect();
+        let (dp, rp) = (free_port(), free_port());
+        let _d = tandem(&args(&format!(
+            "serve {model} --role decode --kv-mode {mode} --port {dp} --kv-port {}",
+            free_port()
+        )));
+        let _r = tandem(&args(&format!(
+            "router --mode {mode} --prefill {} --decode http://127.0.0.1:{dp} --port {rp}",
+            p_urls.join(",")
+        )));
+        let r_url = format!("http://127.0.0.1:{rp}");
+        wait_healthy(&http, &r_url);
+        for (i, want) in want.iter().enumerate() {
+            let (status, v) = complete(&http, &r_url, &body(i as u32));
+            assert_eq!(status, 200, "{mode}: request {i}: {v}");
+            assert_eq!(&v["choices"][0]["token_ids"], want, "{mode}: request {i}");
+        }
+        let failed = metric(&http, &p_urls[0], "tandem:request_errors_total");
+        assert!(failed.is_some_and(|n| n >= 1.0), "{mode}: the faulty engine's rank never died: {failed:?}");
+        for url in p_urls.iter().chain([&format!("http://127.0.0.1:{dp}")]) {
+            metric_until(&http, url, "tandem:kv_blocks_used", |b| b == 0.0, "an engine kept blocks");
+        }
+    }
+}
+
 /// A dense model and a mixture of experts (whose tokens' experts differ within one batch).
 #[test]
 fn push_and_pull_across_processes_equal_colocated() {
