@@ -212,6 +212,10 @@ pub struct EngineCore {
     /// Push, pipelined: the runner fences each submitted step's KV writes, so prompt progress
     /// is reported as a step is submitted (with its fences) rather than once it is done.
     fence_kv: bool,
+    /// Push from a runner whose forward runs on this thread (a CPU engine's): each step's
+    /// layer-group fences are had before it runs, and its prompt progress reported with them,
+    /// so the connector sends the KV group by group while the forward computes.
+    fence_kv_ahead: bool,
     /// Numbers requests in arrival order, so a collected token never lands in a later
     /// request that reuses an ended one's id.
     next_serial: u64,
@@ -303,6 +307,7 @@ impl EngineCore {
             eos_token_ids,
             connector: None,
             fence_kv: false,
+            fence_kv_ahead: false,
             load_failure: KvLoadFailure::default(),
             quarantine: HashMap::new(),
             held_for_late_writes: Vec::new(),
@@ -347,7 +352,9 @@ impl EngineCore {
         let info = connector.info().clone();
         // A push writes a prompt's KV while it computes: a runner that can say when each step's
         // KV is final lets that start as the step is submitted rather than once it is done.
-        self.fence_kv = info.kv_mode == tandem_kv::KvMode::Push && self.pipelined && self.model.fence_kv_writes();
+        let push = info.kv_mode == tandem_kv::KvMode::Push;
+        self.fence_kv = push && self.pipelined && self.model.fence_kv_writes();
+        self.fence_kv_ahead = push && info.role != tandem_kv::Role::Decode && self.model.fence_kv_ahead();
         self.connector = Some(connector);
         self.load_failure = setup.load_failure;
         Ok(info)
@@ -526,7 +533,13 @@ impl EngineCore {
             if plan.chunks.is_empty() {
                 return StepReport::default();
             }
-            let progress = self.prompt_progress(&plan, false);
+            let progress = match self.kv_fences_ahead(&plan) {
+                Some(fences) => {
+                    self.report_progress(self.prompt_progress(&plan, true), &fences);
+                    Vec::new()
+                }
+                None => self.prompt_progress(&plan, false),
+            };
             return match self.execute(&plan) {
                 Ok(tokens) => {
                     let report = self.update(&plan, &tokens);
@@ -540,7 +553,12 @@ impl EngineCore {
             None
         } else {
             let (token_ids, seqs, samples) = self.model_inputs(&plan);
+            let ahead = self.kv_fences_ahead(&plan);
+            if let Some(fences) = &ahead {
+                self.report_progress(self.prompt_progress(&plan, true), fences);
+            }
             match self.model.submit(&token_ids, &seqs, &samples) {
+                Ok(()) if ahead.is_some() => Some(self.advance(plan)),
                 Ok(()) => {
                     let fences = if self.fence_kv { self.model.take_kv_fences() } else { None };
                     // Fenced, the step's KV becomes final layer group by layer group as it
@@ -606,6 +624,19 @@ impl EngineCore {
             }
             Err(e) => self.fail_batch(&done.plan, &e.to_string()),
         }
+    }
+
+    /// Push, from a runner that fences ahead: the fences the step about to run sets as it
+    /// writes its KV, when it computes a prompt whose KV goes to a decode engine.
+    fn kv_fences_ahead(&mut self, plan: &SchedulerOutput) -> Option<KvFences> {
+        let produces = |c: &crate::scheduler::ScheduledChunk| {
+            let req = self.scheduler.requests.get(&c.id);
+            matches!(req.and_then(|r| r.remote.as_ref()), Some(RemoteKv::Produce { .. }))
+        };
+        if !self.fence_kv_ahead || !plan.chunks.iter().any(produces) {
+            return None;
+        }
+        self.model.kv_fences_ahead()
     }
 
     /// Push: the prefill legs in `plan` whose chunk does not finish their prompt (a finished

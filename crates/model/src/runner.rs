@@ -9,7 +9,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use tandem_compute::cuda::KvFences;
+use tandem_compute::cuda::{kv_fence_ends, HostFence, HostSignal, KvFences};
 use tandem_compute::{KvCache, KvLayout, KvRegion};
 use tandem_core::TokenLogprobs;
 
@@ -142,6 +142,22 @@ pub trait ModelRunner: Send {
     fn take_kv_fences(&mut self) -> Option<KvFences> {
         None
     }
+
+    /// From now on, have the fences of each forward ready before it runs
+    /// ([`ModelRunner::kv_fences_ahead`]), for a runner whose forward runs inside `execute` or
+    /// `submit` (a CPU engine's, on the engine's thread): a KV connector told of them first sends
+    /// the step's KV layer group by layer group while the forward still computes. Returns
+    /// whether this runner can.
+    fn fence_kv_ahead(&mut self) -> bool {
+        false
+    }
+
+    /// After [`ModelRunner::fence_kv_ahead`]: the fences the next forward sets, layer group by
+    /// layer group in order, as it writes its KV (a forward that fails gives the rest up: their
+    /// waiters fail). `None` when this runner does not fence ahead.
+    fn kv_fences_ahead(&mut self) -> Option<KvFences> {
+        None
+    }
 }
 
 /// Checks that every carried token in `token_ids` names one of the previous step's
@@ -178,6 +194,10 @@ pub struct CpuRunner {
     last_sampled: Vec<u32>,
     /// Report submitted steps' KV as final ([`ModelRunner::fence_kv_writes`]).
     fence_kv: bool,
+    /// Hand out each forward's layer-group fences before it runs ([`ModelRunner::fence_kv_ahead`]).
+    fence_ahead: bool,
+    /// The next forward's signals: each group's last layer (exclusive end) and its signal.
+    ahead: Vec<(usize, HostSignal)>,
 }
 
 enum CpuModel {
@@ -207,7 +227,15 @@ impl CpuRunner {
     }
 
     fn with(model: CpuModel) -> Self {
-        Self { model, pending: VecDeque::new(), step_logprobs: Vec::new(), last_sampled: Vec::new(), fence_kv: false }
+        Self {
+            model,
+            pending: VecDeque::new(),
+            step_logprobs: Vec::new(),
+            last_sampled: Vec::new(),
+            fence_kv: false,
+            fence_ahead: false,
+            ahead: Vec::new(),
+        }
     }
 }
 
@@ -260,9 +288,17 @@ impl ModelRunner for CpuRunner {
         seqs: &[SeqBatch<'_>],
         samples: &[SampleSpec],
     ) -> Result<Vec<u32>, ModelError> {
+        // Each group's fence is set as the forward passes the group's last layer; those of a
+        // forward that fails are dropped unset, failing their waiters.
+        let mut signals = std::mem::take(&mut self.ahead).into_iter().peekable();
+        let mut mark = |layer: usize| {
+            while let Some((_, signal)) = signals.next_if(|(end, _)| layer + 1 >= *end) {
+                signal.signal();
+            }
+        };
         let mut logits = match &mut self.model {
-            CpuModel::Whole { model, kv } => model.forward(token_ids, seqs, kv),
-            CpuModel::Ranks(tp) => tp.forward(token_ids, seqs)?,
+            CpuModel::Whole { model, kv } => model.forward_with_kv_marks(token_ids, seqs, kv, &mut mark),
+            CpuModel::Ranks(tp) => tp.forward_with_kv_marks(token_ids, seqs, &mut mark)?,
         };
         let vocab = self.config().vocab_size;
         let mut logprobs = Vec::new();
@@ -325,6 +361,29 @@ impl ModelRunner for CpuRunner {
     // A CPU step has written its KV when `submit` returns.
     fn take_kv_fences(&mut self) -> Option<KvFences> {
         self.fence_kv.then(KvFences::complete)
+    }
+
+    fn fence_kv_ahead(&mut self) -> bool {
+        self.fence_ahead = true;
+        true
+    }
+
+    // Groups as a GPU engine's (eight, of equal layers): the forward signals each as it passes
+    // the group's last layer.
+    fn kv_fences_ahead(&mut self) -> Option<KvFences> {
+        if !self.fence_ahead {
+            return None;
+        }
+        let mut groups = Vec::new();
+        let mut start = 0;
+        self.ahead.clear();
+        for end in kv_fence_ends(self.config().num_layers, 8, false) {
+            let (fence, signal) = HostFence::pair();
+            groups.push((start..end, fence));
+            self.ahead.push((end, signal));
+            start = end;
+        }
+        Some(KvFences::host(groups))
     }
 }
 

@@ -133,7 +133,19 @@ impl TpModel {
     /// Runs one batched forward on every rank at once; rank 0's logits (as
     /// [`Transformer::forward`] returns them). A rank that fails ends the others' waits.
     pub fn forward(&mut self, token_ids: &[u32], seqs: &[SeqBatch<'_>]) -> Result<Vec<f32>, ModelError> {
+        self.forward_with_kv_marks(token_ids, seqs, &mut |_| {})
+    }
+
+    /// [`TpModel::forward`], calling `kv_written(layer)` as each layer's keys and values for
+    /// the step's tokens are in every rank's cache.
+    pub fn forward_with_kv_marks(
+        &mut self,
+        token_ids: &[u32],
+        seqs: &[SeqBatch<'_>],
+        kv_written: &mut (dyn FnMut(usize) + Send),
+    ) -> Result<Vec<f32>, ModelError> {
         self.reduce.reset();
+        let mut kv_written = Some(kv_written);
         let reduce = &self.reduce;
         self.forwards += 1;
         let fail_at = match self.fail_at {
@@ -149,6 +161,7 @@ impl TpModel {
                 .iter_mut()
                 .enumerate()
                 .map(|(r, rank)| {
+                    let mut marks = if r == 0 { kv_written.take() } else { None };
                     scope.spawn(move || {
                         let Rank { model, kv, pool } = rank;
                         let mut calls = 0;
@@ -157,7 +170,14 @@ impl TpModel {
                             assert!(fail_at != Some((r, calls)), "rank {r} failed (injected)");
                             reduce.reduce(r, b)
                         };
-                        let run = || pool.install(|| model.forward_rank(token_ids, seqs, kv, &mut hook));
+                        // Rank 0 passes a layer's first reduce only once every rank has
+                        // written that layer's KV: it tells.
+                        let mut written = |layer: usize| {
+                            if let Some(mark) = marks.as_mut() {
+                                mark(layer)
+                            }
+                        };
+                        let run = || pool.install(|| model.forward_rank(token_ids, seqs, kv, &mut hook, &mut written));
                         std::panic::catch_unwind(AssertUnwindSafe(run)).map_err(|e| {
                             reduce.fail();
                             panic_message(&e)
