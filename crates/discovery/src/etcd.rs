@@ -23,14 +23,20 @@ const MAX_PAUSE: Duration = Duration::from_secs(2);
 /// given, and a request sent to a member that is down fails there rather than going to another:
 /// with one member of three down a third of all calls would fail. So a session talks to one
 /// member; when that member goes, the session ends and the next one pins another (as etcd's
-/// own clients fail over).
+/// own clients fail over). Every call requires the member to have a leader: one cut off from
+/// the others' quorum refuses calls and cancels watches instead of serving a stale view
+/// silently, so the session moves on.
 async fn connect(cfg: &DiscoveryConfig, turn: &mut usize) -> Result<Client, String> {
     let bound = cfg.lease_ttl.min(Duration::from_secs(5));
+    // HTTP/2 pings no more often than every 10 s: etcd takes pings less than 5 s apart
+    // (`--grpc-keepalive-min-time`) as abuse and closes the connection, which broke an idle
+    // watch every few seconds when they went every second.
     let options = ConnectOptions::new()
         .with_connect_timeout(bound)
         .with_timeout(bound)
-        .with_keep_alive(Duration::from_secs(1), bound)
-        .with_keep_alive_while_idle(true);
+        .with_keep_alive(Duration::from_secs(10), bound)
+        .with_keep_alive_while_idle(true)
+        .with_require_leader(true);
     let members = cfg.endpoints.len();
     let mut refused = Vec::with_capacity(members);
     for i in 0..members {
@@ -106,6 +112,7 @@ async fn hold(
     let key = cfg.key_of(&record.engine_id);
     let value = serde_json::to_vec(record).map_err(|e| e.to_string())?;
     let mut client = connect(cfg, turn).await?;
+    health.pinned(&cfg.endpoints[*turn]);
     let ttl = cfg.lease_ttl.as_secs().max(1) as i64;
     let lease = client.lease_grant(ttl, None).await.map_err(|e| format!("granting a lease: {e}"))?.id();
     // The key is written only if it is free or was this engine's (an earlier lease of its own,
@@ -208,6 +215,7 @@ async fn follow(
         Ok(c) => c,
         Err(e) => return e,
     };
+    health.pinned(&cfg.endpoints[*turn]);
     let listing = match client.get(prefix.as_str(), Some(GetOptions::new().with_prefix())).await {
         Ok(l) => l,
         Err(e) => return format!("listing {prefix}: {e}"),

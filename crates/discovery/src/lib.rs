@@ -133,6 +133,7 @@ pub struct DiscoveryHealth {
     connected: AtomicBool,
     failures: AtomicU64,
     last_error: Mutex<String>,
+    member: Mutex<String>,
 }
 
 impl DiscoveryHealth {
@@ -149,6 +150,16 @@ impl DiscoveryHealth {
     /// The last thing that went wrong (empty if nothing has).
     pub fn last_error(&self) -> String {
         self.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The etcd member (`host:port`) the last session talked to (empty before the first).
+    pub fn member(&self) -> String {
+        self.member.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    fn pinned(&self, member: &str) {
+        *self.member.lock().unwrap_or_else(|p| p.into_inner()) = member.to_string();
     }
 
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]

@@ -167,3 +167,64 @@ async fn a_three_member_cluster_losing_one_member_loses_nothing() {
         "an engine could not register with one member of three down"
     );
 }
+
+/// A member cut off from the others' quorum (here: the other two stopped) is left at once,
+/// not followed silently: the router's watch and an engine's registration pinned to it see
+/// that it has no leader and say so (then keep their last view and keep trying), and when the
+/// quorum is back both are whole again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_without_a_leader_is_not_followed_silently() {
+    let Some(mut etcd) = EtcdCluster::start(3, required()).await else { return };
+    let cfg = config(&etcd, 3);
+    let (watch_health, engine_health) = (Arc::new(DiscoveryHealth::default()), Arc::new(DiscoveryHealth::default()));
+    let (mut members, _watching) = watch(&cfg, watch_health.clone()).unwrap();
+    let _a = register(&cfg, record("a", "http://10.0.0.1:8200"), engine_health.clone()).unwrap();
+    until(&mut members, Duration::from_secs(10), |m| m.contains_key("a")).await;
+    // The router's watch follows one member: the others stop (its quorum with them).
+    let endpoints = etcd.endpoints();
+    let pinned = endpoints.iter().position(|e| *e == watch_health.member()).expect("the watch names its member");
+    for (i, m) in etcd.members.iter_mut().enumerate() {
+        if i != pinned {
+            m.stop();
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while watch_health.connected() || engine_health.connected() {
+        assert!(
+            Instant::now() < deadline,
+            "a member without a leader was still followed: watch {}, engine {}",
+            watch_health.connected(),
+            engine_health.connected()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(members.borrow().as_ref().unwrap().contains_key("a"), "the router's last view was lost");
+    for (i, m) in etcd.members.iter_mut().enumerate() {
+        if i != pinned {
+            m.start(false);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !(watch_health.connected() && engine_health.connected()) {
+        assert!(Instant::now() < deadline, "not back once the quorum returned");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    until(&mut members, Duration::from_secs(10), |m| m.contains_key("a")).await;
+}
+
+/// A watch with nothing to report and an engine's registration stay connected while idle: 12 s,
+/// over twice the 5 s etcd wants between HTTP/2 pings (closer pings made it close an idle watch
+/// every few seconds, 4 times in 20 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sessions_stay_up() {
+    let Some(etcd) = EtcdCluster::start(1, required()).await else { return };
+    let cfg = config(&etcd, 10);
+    let (watch_health, engine_health) = (Arc::new(DiscoveryHealth::default()), Arc::new(DiscoveryHealth::default()));
+    let (mut members, _watching) = watch(&cfg, watch_health.clone()).unwrap();
+    let _a = register(&cfg, record("a", "http://10.0.0.1:8200"), engine_health.clone()).unwrap();
+    until(&mut members, Duration::from_secs(10), |m| m.contains_key("a")).await;
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    for (who, h) in [("watch", &watch_health), ("registration", &engine_health)] {
+        assert!(h.connected() && h.failures() == 0, "the idle {who} broke {} times: {}", h.failures(), h.last_error());
+    }
+}

@@ -648,7 +648,7 @@ pub(crate) async fn health(State(r): State<Arc<Router>>) -> Response {
     let resumed = r.resumed_streams.load(Ordering::Relaxed);
     let mut body = json!({"status": "ok", "refused_unauthorized": refused, "resumed_streams": resumed});
     if let Some(d) = r.discovery.get() {
-        body["discovery"] = json!({"connected": d.connected(), "failures": d.failures(), "last_error": d.last_error()});
+        body["discovery"] = json!({"connected": d.connected(), "member": d.member(), "failures": d.failures(), "last_error": d.last_error()});
     }
     if problems.is_empty() {
         (StatusCode::OK, Json(body)).into_response()
