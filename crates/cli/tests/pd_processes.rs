@@ -174,10 +174,7 @@ fn prefill_and_decode_at_different_tensor_parallel_sizes_equal_colocated() {
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     let bodies = mixed_requests();
     let model = "--model preset:tiny-qwen3-tp";
-    let cp = free_port();
-    let _c = tandem(&args(&format!("serve {model} --port {cp}")));
-    let c_url = format!("http://127.0.0.1:{cp}");
-    wait_healthy(&http, &c_url);
+    let (_c, c_url) = colocated(&http, model);
     let want = run_concurrently(&c_url, &bodies);
     for (mode, p_ranks, d_ranks) in [("push", 2, 1), ("pull", 1, 2), ("push", 4, 2), ("pull", 4, 2)] {
         let s = system(
@@ -189,9 +186,7 @@ fn prefill_and_decode_at_different_tensor_parallel_sizes_equal_colocated() {
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g, w, "{mode} {p_ranks} -> {d_ranks} ranks: request {i}: {}", bodies[i]);
         }
-        for url in [&s.p_url, &s.d_url] {
-            metric_until(&http, url, "tandem:kv_blocks_used", |b| b == 0.0, "an engine kept blocks");
-        }
+        blocks_back(&http, [&s.p_url, &s.d_url]);
     }
 }
 
@@ -205,10 +200,7 @@ fn prefill_and_decode_at_different_tensor_parallel_sizes_equal_colocated() {
 fn a_tensor_parallel_rank_dying_mid_transfer_or_mid_decode_answers_nothing_wrong_and_frees_every_block() {
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     let model = "--model preset:tiny-qwen3-tp";
-    let cp = free_port();
-    let _c = tandem(&args(&format!("serve {model} --port {cp}")));
-    let c_url = format!("http://127.0.0.1:{cp}");
-    wait_healthy(&http, &c_url);
+    let (_c, c_url) = colocated(&http, model);
     let prompt: Vec<u32> = (0..300).map(|j| ((j * 7) % 500) as u32).collect();
     let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true});
     let (_, want) = complete(&http, &c_url, &body);
@@ -234,15 +226,11 @@ fn a_tensor_parallel_rank_dying_mid_transfer_or_mid_decode_answers_nothing_wrong
             assert!(received.is_some_and(|b| b > 0.0), "{what}: no KV had moved: {received:?}");
         }
         // Within 20 s: before decode's 30 s transfer timeout would have freed them.
-        for url in [&s.p_url, &s.d_url] {
-            metric_until(&http, url, "tandem:kv_blocks_used", |b| b == 0.0, "an engine kept blocks");
-        }
+        blocks_back(&http, [&s.p_url, &s.d_url]);
         let (status, v) = complete(&http, &s.r_url, &body);
         assert_eq!(status, 200, "{what}: the next request: {v}");
         assert_eq!(v["choices"][0]["token_ids"], want["choices"][0]["token_ids"], "{what}: the next request");
-        for url in [&s.p_url, &s.d_url] {
-            metric_until(&http, url, "tandem:kv_blocks_used", |b| b == 0.0, "an engine kept blocks");
-        }
+        blocks_back(&http, [&s.p_url, &s.d_url]);
     }
 }
 
@@ -255,10 +243,7 @@ fn a_tensor_parallel_rank_dying_mid_transfer_or_mid_decode_answers_nothing_wrong
 fn a_decode_engine_whose_rank_dies_hands_the_request_to_another() {
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     let model = "--model preset:tiny-qwen3-tp";
-    let cp = free_port();
-    let _c = tandem(&args(&format!("serve {model} --port {cp}")));
-    let c_url = format!("http://127.0.0.1:{cp}");
-    wait_healthy(&http, &c_url);
+    let (_c, c_url) = colocated(&http, model);
     let body = |i: u32, stream: bool| {
         let prompt: Vec<u32> = (0..40).map(|j| (j * 7 + i * 11) % 500).collect();
         json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true, "stream": stream})
@@ -305,16 +290,7 @@ fn a_decode_engine_whose_rank_dies_hands_the_request_to_another() {
         assert!(failed.is_some_and(|n| n >= 1.0), "{what}: the faulty engine's rank never died: {failed:?}");
         let served = metric(&http, &d_urls[0], "tandem:request_success_total").unwrap_or(0.0);
         assert!(served >= 1.0, "{what}: the engine that failed a request took none after it");
-        for url in &d_urls {
-            metric_until(&http, url, "tandem:kv_blocks_used", |b| b == 0.0, "a decode engine kept blocks");
-        }
-        metric_until(
-            &http,
-            &format!("http://127.0.0.1:{pp}"),
-            "tandem:kv_blocks_used",
-            |b| b == 0.0,
-            "prefill kept blocks",
-        );
+        blocks_back(&http, d_urls.iter().chain([&format!("http://127.0.0.1:{pp}")]));
     }
 }
 
@@ -325,10 +301,7 @@ fn a_decode_engine_whose_rank_dies_hands_the_request_to_another() {
 fn a_prefill_engine_whose_rank_dies_hands_the_request_to_another() {
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     let model = "--model preset:tiny-qwen3-tp";
-    let cp = free_port();
-    let _c = tandem(&args(&format!("serve {model} --port {cp}")));
-    let c_url = format!("http://127.0.0.1:{cp}");
-    wait_healthy(&http, &c_url);
+    let (_c, c_url) = colocated(&http, model);
     let body = |i: u32| {
         let prompt: Vec<u32> = (0..200).map(|j| (j * 7 + i * 11) % 500).collect();
         json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true})
@@ -368,9 +341,7 @@ fn a_prefill_engine_whose_rank_dies_hands_the_request_to_another() {
         }
         let failed = metric(&http, &p_urls[0], "tandem:request_errors_total");
         assert!(failed.is_some_and(|n| n >= 1.0), "{mode}: the faulty engine's rank never died: {failed:?}");
-        for url in p_urls.iter().chain([&format!("http://127.0.0.1:{dp}")]) {
-            metric_until(&http, url, "tandem:kv_blocks_used", |b| b == 0.0, "an engine kept blocks");
-        }
+        blocks_back(&http, p_urls.iter().chain([&format!("http://127.0.0.1:{dp}")]));
     }
 }
 
@@ -380,10 +351,7 @@ fn push_and_pull_across_processes_equal_colocated() {
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
     let bodies = mixed_requests();
     for model in ["preset:tiny-qwen3", "preset:tiny-qwen3-moe"] {
-        let cp = free_port();
-        let _c = tandem(&args(&format!("serve --model {model} --port {cp}")));
-        let c_url = format!("http://127.0.0.1:{cp}");
-        wait_healthy(&http, &c_url);
+        let (_c, c_url) = colocated(&http, &format!("--model {model}"));
         let want = run_concurrently(&c_url, &bodies);
         for mode in ["push", "pull"] {
             let s = system(mode, &format!("--model {model}"), &format!("--model {model}"));
@@ -452,6 +420,22 @@ fn metric_until(http: &reqwest::blocking::Client, url: &str, name: &str, pred: i
     while !metric(http, url, name).is_some_and(&pred) {
         assert!(Instant::now() < deadline, "{url}: {what}");
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A colocated engine (`serve` with `args`), healthy: its process and URL.
+fn colocated(http: &reqwest::blocking::Client, args_: &str) -> (Proc, String) {
+    let port = free_port();
+    let p = tandem(&args(&format!("serve {args_} --port {port}")));
+    let url = format!("http://127.0.0.1:{port}");
+    wait_healthy(http, &url);
+    (p, url)
+}
+
+/// Waits (bounded) until none of the engines at `urls` holds a KV block.
+fn blocks_back<'a>(http: &reqwest::blocking::Client, urls: impl IntoIterator<Item = &'a String>) {
+    for url in urls {
+        metric_until(http, url, "tandem:kv_blocks_used", |b| b == 0.0, "an engine kept blocks");
     }
 }
 
