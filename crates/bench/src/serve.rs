@@ -145,6 +145,9 @@ const WORDS: &[&str] = &[
     "quiet", "north", "window", "paper", "music", "winter", "field",
 ];
 
+/// Mixed into the seed of the warm-up requests' draw, so they are not the measured ones.
+const WARMUP_SEED: u64 = 0x5741_524d_5550_0000;
+
 /// Draws the requests (deterministic for a seed).
 pub fn sample_requests(ds: &Dataset, n: usize, seed: u64) -> Result<Vec<SampledRequest>, String> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
@@ -354,7 +357,13 @@ pub async fn run(cfg: &ServeConfig) -> Result<ServeRun, String> {
         json!({"model": model, "prompt": r.prompt, "max_tokens": r.output_len, "ignore_eos": cfg.ignore_eos,
                "temperature": 0, "stream": true, "stream_options": {"include_usage": true}})
     };
-    for r in requests.iter().take(cfg.num_warmups) {
+    // Warm-up prompts of their own: one of the measured prompts sent first would find its KV in
+    // the prefix cache when measured, and measure no prefill.
+    let warmups = match cfg.num_warmups {
+        0 => Vec::new(),
+        n => sample_requests(&cfg.dataset, n, cfg.seed ^ WARMUP_SEED)?,
+    };
+    for r in &warmups {
         let o = send(&http, &url, &body(r), r.prompt_len).await;
         if !o.success {
             return Err(format!("warm-up request failed: {}", o.error));

@@ -29,12 +29,27 @@ pub struct SweepConfig {
     pub percentiles: Vec<f64>,
     /// Where results go.
     pub result_dir: PathBuf,
-    /// Seed (each iteration adds its index).
+    /// The first point's seed (see [`point_seed`]).
     pub seed: u64,
     /// Sent as `Authorization: Bearer` on every request.
     pub api_key: Option<String>,
     /// The CA (PEM) `https://` servers' certificates must chain to.
     pub tls_ca: Option<Vec<u8>>,
+}
+
+/// The seed of one point's prompts: a different one for every (input length, rate, iteration)
+/// of the grid, and the same for every mode. A mode's engines stay up across its points, so a
+/// point sending an earlier point's prompts would find their KV in the prefix cache and measure
+/// no prefill; every mode sends the same prompts, so push, pull and colocated are compared on
+/// the same work. Seeds run from `cfg.seed` to `cfg.seed + points(cfg) - 1`.
+pub fn point_seed(cfg: &SweepConfig, input_index: usize, qps_index: usize, iter: usize) -> u64 {
+    let point = (input_index * cfg.qps.len() + qps_index) * cfg.iterations + iter;
+    cfg.seed + point as u64
+}
+
+/// The points of the grid: one prompt set each.
+pub fn points(cfg: &SweepConfig) -> usize {
+    cfg.input_lens.len() * cfg.qps.len() * cfg.iterations
 }
 
 /// One point's file name (the sweep's naming contract; `bench plot` reads it back).
@@ -86,8 +101,8 @@ pub async fn run_mode(
         std::fs::write(&csv, format!("{CSV_HEADER}\n")).map_err(|e| format!("{}: {e}", csv.display()))?;
     }
     let mut written = Vec::new();
-    for &input_len in &cfg.input_lens {
-        for &qps in &cfg.qps {
+    for (input_index, &input_len) in cfg.input_lens.iter().enumerate() {
+        for (qps_index, &qps) in cfg.qps.iter().enumerate() {
             for iter in 0..cfg.iterations {
                 let sc = ServeConfig {
                     base_url: base_url.to_string(),
@@ -104,7 +119,7 @@ pub async fn run_mode(
                     num_prompts: cfg.num_prompts,
                     request_rate: qps,
                     burstiness: 1.0,
-                    seed: cfg.seed + iter as u64,
+                    seed: point_seed(cfg, input_index, qps_index, iter),
                     max_concurrency: None,
                     num_warmups: 1,
                     ignore_eos: true,

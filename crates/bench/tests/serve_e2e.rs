@@ -143,3 +143,34 @@ async fn sharegpt_conversations_go_turn_by_turn_with_the_servers_answers() {
     assert_eq!(messages[2]["content"], "and stones?");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A sweep's points and their warm-ups send no prompt twice: against one server with prefix
+/// caching on (a mode's engines stay up across its points) nothing is found cached, so each
+/// point measures whole prefills. The same grid again (the next mode's prompts) is found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweeps_points_and_warm_ups_send_no_prompt_twice() {
+    let (base_url, state) = server(true).await;
+    let dir = std::env::temp_dir().join(format!("tandem-sweep-seeds-{}", std::process::id()));
+    let cfg = tandem_bench::sweep::SweepConfig {
+        qps: vec![50.0, 100.0],
+        input_lens: vec![32, 48],
+        output_len: 2,
+        iterations: 2,
+        num_prompts: 4,
+        vocab_size: 500,
+        percentiles: vec![50.0],
+        result_dir: dir.clone(),
+        seed: 0,
+        api_key: None,
+        tls_ca: None,
+    };
+    tandem_bench::sweep::run_mode(&cfg, "colocated", &base_url, |_| {}).await.unwrap();
+    let stats = state.engine.stats();
+    assert_eq!(stats.prefix_hit_tokens, 0, "a point or a warm-up sent a prompt already sent: {stats:?}");
+    tandem_bench::sweep::run_mode(&cfg, "colocated", &base_url, |_| {}).await.unwrap();
+    // Each length's 16 measured prompts found the second time, all but their last block at least.
+    let (measured, block) = (2 * 2 * 4, 16);
+    let stats = state.engine.stats();
+    assert!(stats.prefix_hit_tokens >= measured * (32 - block) + measured * (48 - block), "{stats:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -172,9 +172,9 @@ pub(crate) fn bench_sweep(a: SweepArgs) -> Result<()> {
             let mut result = Ok(Vec::new());
             for (i, rate) in mode_rates.iter().enumerate() {
                 let mut cfg = cfg.clone();
-                // Each rate its own prompts: the engines stay up across rates, and decode's prefix
-                // cache would hold the last rate's.
-                cfg.seed += 1000 * i as u64;
+                // Each rate its own prompts, past the last rate's seeds: the engines stay up across
+                // rates, and decode's prefix cache would hold the last rate's.
+                cfg.seed += (i * tandem_bench::sweep::points(&cfg)) as u64;
                 if let Some(rate) = rate {
                     link::hold(&namespaces, rate)?;
                     eprintln!("... {mode} with the link held to {rate}");
