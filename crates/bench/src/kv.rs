@@ -27,6 +27,7 @@ use serde::Serialize;
 use tandem_compute::cuda::{CudaDevice, DevBuf, PinnedRegion};
 use tandem_compute::{KvCache, KvDtype, KvLayout, KvRegion};
 use tandem_core::{EngineId, Epoch, TransferId};
+use tandem_kv::blocks::KvSlice;
 use tandem_kv::channel::{accept_handshake, configure, connect, handshake, read_hello, Hello, Picked, Timeouts};
 use tandem_kv::tcp::{
     recv_blocks, recv_staged, recv_striped_blocks, send_blocks, send_pieces, send_staged, send_striped_staged,
@@ -290,7 +291,7 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
                     } else if streams > 1 {
                         let mut load = side.memory.receiver()?;
                         let into = Destination::all(region, &blocks, num_tokens);
-                        let all = into.layers.clone();
+                        let all = into.slice.layers.clone();
                         let mut all_streams: Vec<&mut KvStream> = vec![&mut s];
                         all_streams.extend(further.iter_mut());
                         recv_striped_blocks(&mut all_streams, bytes, src_block_size, into, checksum, &mut |run| {
@@ -300,7 +301,7 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
                     } else {
                         let mut load = side.memory.receiver()?;
                         let into = Destination::all(region, &blocks, num_tokens);
-                        let all = into.layers.clone();
+                        let all = into.slice.layers.clone();
                         recv_staged(&mut s, bytes, src_block_size, into, checksum, &mut |run| {
                             load.landed(run, all.clone())
                         })
@@ -381,6 +382,8 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         from_token: 0,
         last: true,
         layers: None,
+        rank: 0,
+        ranks: 1,
         streams,
         bytes,
         checksum: cfg.verify,
@@ -396,8 +399,8 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         let pieces = send_pieces(region, &table, tokens)?;
         // Safety (this and the sends below): this KV memory exists only for the benchmark;
         // nothing else touches its blocks.
-        let all = 0..layout.num_layers;
-        let staged = unsafe { side.memory.stage_send(&pieces, all.clone())? };
+        let all = KvSlice::all(&layout);
+        let staged = unsafe { side.memory.stage_send(&pieces, all.layers.clone())? };
         write_message(&mut s, &header(TransferId(format!("bench-{i}")), further.len() + 1))?;
         let mut ready = |i| staged.ready(i);
         if further.is_empty() {

@@ -226,6 +226,10 @@ pub struct KvArgs {
     /// Test only: prefill drops push completion notifications (exercises the timeout path).
     #[arg(long, hide = true)]
     pub fault_drop_done: bool,
+    /// Test only: a tensor-parallel prefill engine drops this rank's push completion
+    /// notifications (its other ranks' go), as a rank whose notice is lost.
+    #[arg(long, hide = true)]
+    pub fault_drop_done_of_rank: Option<u32>,
     /// Test only: prefill waits this long before each push write and pull read it answers
     /// (late writes into blocks decode gave up, reads past the lease).
     #[arg(long, hide = true, default_value_t = 0)]
@@ -293,6 +297,7 @@ fn kv_setup(
             liveness: secs(k.kv_liveness_secs, "--kv-liveness-secs")?,
             faults: tandem_kv::FaultInjection {
                 drop_done: k.fault_drop_done,
+                drop_done_of_rank: k.fault_drop_done_of_rank,
                 slow_write: std::time::Duration::from_millis(k.fault_slow_write_ms),
                 corrupt_sends: k.fault_corrupt_sends,
                 ..Default::default()

@@ -187,7 +187,46 @@ fn prefill_and_decode_at_different_tensor_parallel_sizes_equal_colocated() {
             assert_eq!(g, w, "{mode} {p_ranks} -> {d_ranks} ranks: request {i}: {}", bodies[i]);
         }
         blocks_back(&http, [&s.p_url, &s.d_url]);
+        if mode == "push" {
+            // Each of prefill's ranks wrote its own heads and said Done: decode counted them all.
+            let counter = |name: &str| metric(&http, &s.d_url, &format!("tandem:kv_connector{{counter=\"{name}\"}}"));
+            let (ok, notices) = (counter("transfers_ok").unwrap_or(0.0), counter("rank_notices").unwrap_or(0.0));
+            assert!(ok > 0.0 && notices == ok * p_ranks as f64, "{p_ranks} ranks: {ok} transfers, {notices} notices");
+        }
     }
+}
+
+/// A tensor-parallel prefill engine one of whose ranks' completion notices is lost: decode
+/// never starts a request on its other ranks' word alone (their KV heads landed, the lost
+/// rank's too, but not its notice). It waits within its transfer timeout, then recomputes
+/// the prompt: every answer equals colocated's, and every block comes back on both engines.
+#[test]
+fn a_prefill_ranks_lost_notice_leaves_decode_waiting_within_its_bound_then_recomputing() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let model = "--model preset:tiny-qwen3-tp";
+    let (_c, c_url) = colocated(&http, model);
+    let bodies: Vec<Value> = (0..4)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..40 + 30 * i).map(|j| ((j * 7 + i * 3) % 500) as u32).collect();
+            json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": true})
+        })
+        .collect();
+    let want = run_concurrently(&c_url, &bodies);
+    let s = system(
+        "push",
+        &format!("{model} --tensor-parallel-size 2 --fault-drop-done-of-rank 1"),
+        &format!("{model} --kv-transfer-timeout-secs 2"),
+    );
+    let started = Instant::now();
+    let got = run_concurrently(&s.r_url, &bodies);
+    let waited = started.elapsed();
+    assert_eq!(got, want, "recomputed answers equal colocated's");
+    assert!(waited >= Duration::from_secs(2) && waited < Duration::from_secs(20), "waited {waited:?}");
+    let counter = |name: &str| metric(&http, &s.d_url, &format!("tandem:kv_connector{{counter=\"{name}\"}}"));
+    assert_eq!(counter("transfers_ok"), Some(0.0), "no request started on part of its ranks' word");
+    assert_eq!(counter("rank_notices"), Some(4.0), "rank 0's notice of each request counted");
+    assert_eq!(counter("transfers_failed"), Some(4.0), "each transfer given up at its timeout");
+    blocks_back(&http, [&s.p_url, &s.d_url]);
 }
 
 /// A tensor-parallel engine one of whose ranks dies (as a crashing rank would: mid-forward, at

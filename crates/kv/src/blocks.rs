@@ -15,54 +15,120 @@ pub fn wire_bytes(layout: &KvLayout, dtype: KvDtype, num_tokens: usize) -> u64 {
     (layout.blocks_for(num_tokens) * layout.block_elems() * dtype.bytes()) as u64
 }
 
-/// Bytes a sender sends for `num_tokens` tokens of the layers `layers` only (a group of a
-/// step still computing): each whole block's slice of those layers, in block order. A group's
-/// bytes are whole blocks of [`group_layout`].
-pub fn group_wire_bytes(layout: &KvLayout, dtype: KvDtype, num_tokens: usize, layers: &Range<usize>) -> u64 {
-    wire_bytes(&group_layout(layout, layers), dtype, num_tokens)
+/// The part of every block a write carries: the layers `layers` of the KV heads `heads`. All of
+/// both for whole KV; a group of layers of a step still computing; one tensor-parallel rank's
+/// heads ([`KvSlice::of_rank`]). Its bytes go on the wire as whole blocks of the layout cut to
+/// it ([`KvSlice::layout`]): per layer, the keys of its heads, then their values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvSlice {
+    /// Layers `[start, end)`.
+    pub layers: Range<usize>,
+    /// KV heads `[start, end)`.
+    pub heads: Range<usize>,
 }
 
-/// `layout` cut to the layers `layers`: how a group's bytes are laid out on the wire.
-pub fn group_layout(layout: &KvLayout, layers: &Range<usize>) -> KvLayout {
-    KvLayout { num_layers: layers.len(), ..*layout }
+impl KvSlice {
+    /// Every layer and head of `layout`.
+    pub fn all(layout: &KvLayout) -> Self {
+        Self::of_layers(layout, 0..layout.num_layers)
+    }
+
+    /// Every head of the layers `layers`.
+    pub fn of_layers(layout: &KvLayout, layers: Range<usize>) -> Self {
+        Self { layers, heads: 0..layout.num_kv_heads }
+    }
+
+    /// Rank `rank` of `ranks`' share of the slice's layers: as many of `layout`'s heads as
+    /// every other rank, in rank order; or why the heads do not split so.
+    pub fn of_rank(mut self, layout: &KvLayout, rank: usize, ranks: usize) -> Result<Self, String> {
+        let heads = layout.num_kv_heads;
+        if ranks == 0 || rank >= ranks || !heads.is_multiple_of(ranks) {
+            return Err(format!("{heads} KV heads do not split into rank {rank} of {ranks}"));
+        }
+        let per = heads / ranks;
+        self.heads = rank * per..(rank + 1) * per;
+        Ok(self)
+    }
+
+    /// Whether the slice is a non-empty part of `layout`'s blocks.
+    pub fn check(&self, layout: &KvLayout) -> Result<(), String> {
+        let (layers, heads) = (&self.layers, &self.heads);
+        if layers.is_empty() || layers.end > layout.num_layers || heads.is_empty() || heads.end > layout.num_kv_heads {
+            return Err(format!(
+                "layers {layers:?} of {}, KV heads {heads:?} of {}",
+                layout.num_layers, layout.num_kv_heads
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the slice is every head of its layers.
+    pub fn all_heads(&self, layout: &KvLayout) -> bool {
+        self.heads.len() == layout.num_kv_heads
+    }
+
+    /// `layout` cut to the slice: how its bytes lie on the wire.
+    pub fn layout(&self, layout: &KvLayout) -> KvLayout {
+        KvLayout { num_layers: self.layers.len(), num_kv_heads: self.heads.len(), ..*layout }
+    }
+
+    /// Bytes a sender with `layout` and `dtype` elements sends of the slice for `num_tokens`
+    /// tokens: each whole block's part, in block order.
+    pub fn wire_bytes(&self, layout: &KvLayout, dtype: KvDtype, num_tokens: usize) -> u64 {
+        wire_bytes(&self.layout(layout), dtype, num_tokens)
+    }
+
+    /// The byte ranges of one block of `layout` (`elem` bytes an element) that hold the slice,
+    /// in the wire's order: one range when it has every head (its layers lie together), else
+    /// one per layer and K|V. Unchecked ([`KvSlice::check`]).
+    pub fn spans(&self, layout: &KvLayout, elem: usize) -> Vec<Range<usize>> {
+        let at = |layer: usize, kv: usize, head: usize| layout.plane_offset_in_block(layer, kv, head) * elem;
+        if self.all_heads(layout) {
+            let layers = at(self.layers.start, 0, 0)..at(self.layers.end, 0, 0);
+            return std::iter::once(layers).collect();
+        }
+        let heads = self.heads.clone();
+        self.layers.clone().flat_map(|l| (0..2).map(move |kv| at(l, kv, heads.start)..at(l, kv, heads.end))).collect()
+    }
 }
 
-/// Copies the KV of tokens `0..num_tokens` of the layers `layers` from `src`, the raw bytes of
-/// whole blocks of `src_block_size` tokens in token order (the sender's layout cut to those
-/// layers, [`group_layout`]; same heads/head_dim and element type as `dst`), into the
-/// destination blocks `dst_blocks` of `dst`.
+/// Copies the KV of tokens `0..num_tokens` of `slice` from `src`, the raw bytes of whole blocks
+/// of `src_block_size` tokens in token order (the sender's layout cut to the slice,
+/// [`KvSlice::layout`]; same head_dim and element type as `dst`), into the destination blocks
+/// `dst_blocks` of `dst`.
 ///
 /// # Safety
 /// The caller must own `dst_blocks` exclusively (no other thread reads or writes them).
 ///
 /// # Panics
-/// If `src` or `dst_blocks` is too short for `num_tokens`, or `layers` lies outside `dst`.
+/// If `src` or `dst_blocks` is too short for `num_tokens`, or `slice` lies outside `dst`.
 pub unsafe fn scatter_tokens(
     src: &[u8],
     src_block_size: usize,
     dst: &KvRegion,
     dst_blocks: &[u32],
     num_tokens: usize,
-    layers: Range<usize>,
+    slice: &KvSlice,
 ) {
     let dl = *dst.layout();
-    assert!(layers.end <= dl.num_layers, "layers outside the destination");
+    assert!(slice.check(&dl).is_ok(), "slice outside the destination");
     let sl = KvLayout { block_size: src_block_size, num_blocks: num_tokens.div_ceil(src_block_size), ..dl };
-    let sl = group_layout(&sl, &layers);
+    let sl = slice.layout(&sl);
     let eb = dst.dtype().bytes();
     assert!(src.len() >= sl.num_blocks * sl.block_elems() * eb, "source too short");
     assert!(dst_blocks.len() >= dl.blocks_for(num_tokens), "too few destination blocks");
     // Bytes of one token's row in a (layer, k|v, head) plane.
     let hd = dl.head_dim * eb;
-    for layer in layers.clone() {
+    let (l0, h0) = (slice.layers.start, slice.heads.start);
+    for layer in slice.layers.clone() {
         for kv in 0..2 {
-            for head in 0..dl.num_kv_heads {
+            for head in slice.heads.clone() {
                 let mut t = 0;
                 while t < num_tokens {
                     let (sb, ss) = (t / sl.block_size, t % sl.block_size);
                     let (db, ds) = (t / dl.block_size, t % dl.block_size);
                     let n = (sl.block_size - ss).min(dl.block_size - ds).min(num_tokens - t);
-                    let s = sl.plane_offset(sb, layer - layers.start, kv, head) * eb + ss * hd;
+                    let s = sl.plane_offset(sb, layer - l0, kv, head - h0) * eb + ss * hd;
                     // Safety: the caller owns the destination blocks exclusively.
                     let block = unsafe { dst.bytes_mut(dst_blocks[db] as usize, 1) };
                     let d = dl.plane_offset_in_block(layer, kv, head) * eb + ds * hd;
@@ -102,7 +168,7 @@ pub unsafe fn copy_tokens(src: &KvRegion, src_blocks: &[u32], dst: &KvRegion, ds
             staging.extend_from_slice(unsafe { src.bytes(s as usize, 1) });
         }
         // Safety: the caller owns the destination blocks exclusively.
-        unsafe { scatter_tokens(&staging, sl.block_size, dst, dst_blocks, num_tokens, 0..dl.num_layers) };
+        unsafe { scatter_tokens(&staging, sl.block_size, dst, dst_blocks, num_tokens, &KvSlice::all(&dl)) };
     }
 }
 
@@ -135,7 +201,7 @@ mod tests {
             let region = src.region();
             // Safety: single-threaded test owns every block.
             let src_bytes = unsafe { region.bytes(0, src_table.len()) };
-            unsafe { scatter_tokens(src_bytes, src_bs, &dst.region(), &dst_table, tokens, 0..2) };
+            unsafe { scatter_tokens(src_bytes, src_bs, &dst.region(), &dst_table, tokens, &KvSlice::all(&base)) };
             for t in 0..tokens {
                 for l in 0..2 {
                     for kv in 0..2 {

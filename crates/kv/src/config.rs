@@ -12,6 +12,9 @@ use crate::channel::Timeouts;
 pub struct FaultInjection {
     /// Prefill sends push data but never the completion notification.
     pub drop_done: bool,
+    /// A tensor-parallel prefill engine whose ranks each write their heads sends every rank's
+    /// push completion but this rank's, as a rank whose notification is lost.
+    pub drop_done_of_rank: Option<u32>,
     /// Prefill waits this long before each push write and each pull read it answers, as a slow
     /// link or copy engine would make it (the blocks stay held, and a lease being read stays
     /// alive, meanwhile).
@@ -135,8 +138,9 @@ pub struct ConnectorConfig {
     /// tops out near 3 GB/s on a loopback; several keep up with a GPU's prefill.
     pub tcp_streams: usize,
     /// Tensor-parallel ranks of the engine whose KV this connector moves, said at handshake.
-    /// The connector moves every rank's KV heads as one region laid out as a one-rank
-    /// engine's, so engines of any rank counts pair.
+    /// Every rank's KV heads lie in one region laid out as a one-rank engine's, so engines of
+    /// any rank counts pair; over tcp a push writes each rank's heads as writes of their own,
+    /// with a `Done` each, which decode counts.
     pub tp_size: u32,
     /// `--kv-nixl-min-gb-s`: a nixl link whose probe write runs slower than this is refused at
     /// handshake, naming the rate (0: accept any); a pull link whose probe READ does is served

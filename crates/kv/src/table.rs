@@ -40,14 +40,12 @@ pub(crate) struct Incoming<L> {
     pub num_tokens: usize,
     pub deadline: Instant,
     pub landing: Landing,
-    /// Tokens from the first wanted one whose KV has landed (writes come in order: a push over
-    /// tcp in parts while the prompt computes), and where the write in progress ends.
-    pub landed_upto: usize,
+    /// How far each of the writer's tensor-parallel ranks has landed its KV heads (one entry
+    /// for a writer of one rank, or one that writes every head at once).
+    pub ranks: Vec<RankLanding>,
+    /// Where the write in progress ends, and whose it is.
     pub writing_upto: usize,
-    /// A span of tokens landing group of layers by group (a step still computing): where it
-    /// ends, and how many layers from the first have landed (`landed_upto` moves to its end
-    /// once the last group has).
-    pub partial: Option<(usize, usize)>,
+    pub writing_rank: usize,
     /// The write in progress is a group that leaves layers from this one on still to come.
     pub writing_group_end: Option<usize>,
     /// Pull: known from the params. Push: comes with `Done`.
@@ -65,7 +63,53 @@ pub(crate) struct Incoming<L> {
     pub timeline: TransferTimeline,
 }
 
+/// Decode side: how far one of the writer's ranks has landed its KV (writes come in order: a
+/// push over tcp in parts while the prompt computes, each part group of layers by group while
+/// its step computes).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct RankLanding {
+    /// Tokens from the first wanted one whose KV (the rank's heads) has landed.
+    pub landed_upto: usize,
+    /// A span of tokens landing group of layers by group: where it ends, and how many layers
+    /// from the first have landed (`landed_upto` moves to its end once the last group has).
+    pub partial: Option<(usize, usize)>,
+    /// The rank's `Done` has come.
+    pub done: bool,
+}
+
+/// The most tensor-parallel ranks a writer may say it has.
+pub(crate) const MAX_RANKS: usize = 64;
+
 impl<L> Incoming<L> {
+    /// Tokens whose KV every rank has landed.
+    pub fn landed_upto(&self) -> usize {
+        self.ranks.iter().map(|r| r.landed_upto).min().unwrap_or(0)
+    }
+
+    /// The writer says it has `ranks` ranks: from its first word on, the entry follows that many
+    /// (a count that changes once something landed is refused).
+    fn expect_ranks(&mut self, ranks: usize) -> bool {
+        if self.ranks.len() == ranks {
+            return true;
+        }
+        let fresh = self.ranks.iter().all(|r| *r == RankLanding::default());
+        if !fresh || ranks == 0 || ranks > MAX_RANKS {
+            return false;
+        }
+        self.ranks = vec![RankLanding::default(); ranks];
+        true
+    }
+
+    /// Rank `rank` of `ranks` said `Done`: whether every rank has now, or why the word does
+    /// not fit the transfer.
+    pub fn rank_done(&mut self, rank: usize, ranks: usize) -> Result<bool, String> {
+        if !self.expect_ranks(ranks) || rank >= ranks {
+            return Err(format!("a completion from rank {rank} of {ranks}, where {} write", self.ranks.len()));
+        }
+        self.ranks[rank].done = true;
+        Ok(self.ranks.iter().all(|r| r.done))
+    }
+
     pub fn since(&self) -> u64 {
         self.started.elapsed().as_micros() as u64
     }
@@ -155,12 +199,15 @@ pub(crate) struct WriteSpan {
     pub layers: Range<usize>,
     /// The layers there are.
     pub num_layers: usize,
+    /// The writer's rank whose heads it carries, of its `ranks` (each lands in order on its own).
+    pub rank: usize,
+    pub ranks: usize,
 }
 
 impl WriteSpan {
-    /// All `num_tokens` in one write, every layer of them.
+    /// All `num_tokens` in one write, every layer and head of them.
     pub(crate) fn whole(num_tokens: usize, num_layers: usize) -> Self {
-        Self { from: 0, num_tokens, last: true, layers: 0..num_layers, num_layers }
+        Self { from: 0, num_tokens, last: true, layers: 0..num_layers, num_layers, rank: 0, ranks: 1 }
     }
 }
 
@@ -313,34 +360,44 @@ impl<L, W> Tables<L, W> {
         dst: Option<&[u32]>,
         block_size: usize,
     ) -> Result<Vec<u32>, NoWrite> {
-        let WriteSpan { from, num_tokens, last, layers, num_layers } = span;
+        let WriteSpan { from, num_tokens, last, layers, num_layers, rank, ranks } = span;
         let inc = self.incoming.get_mut(tid).ok_or(NoWrite::Unknown)?;
         let open = matches!(inc.landing, Landing::Waiting | Landing::Landed);
+        if !open || !inc.expect_ranks(ranks) || rank >= ranks {
+            return Err(NoWrite::Refused);
+        }
         let end = from + num_tokens;
-        // A span's first group (or all its layers) starts where the landed KV ends, or over it
-        // from the first token; a later group continues the span where its last group ended.
+        let r = &inc.ranks[rank];
+        // A span's first group (or all its layers) starts where the rank's landed KV ends, or
+        // over it from the first token; a later group continues the span where its last ended.
         let in_order = match layers.start {
-            0 => from == 0 || from == inc.landed_upto,
-            l => from == inc.landed_upto && inc.partial == Some((end, l)),
+            0 => from == 0 || from == r.landed_upto,
+            l => from == r.landed_upto && r.partial == Some((end, l)),
         };
         let grouped = layers.start < layers.end && layers.end <= num_layers && (!last || layers.end == num_layers);
         let fits = from.is_multiple_of(block_size.max(1)) && end <= inc.num_tokens && (!last || end == inc.num_tokens);
         let ours = inc.blocks.get(from / block_size.max(1)..).unwrap_or_default();
-        if !open || !in_order || !grouped || !fits || dst.is_some_and(|d| !ours.starts_with(d)) {
+        if !in_order || !grouped || !fits || dst.is_some_and(|d| !ours.starts_with(d)) {
             return Err(NoWrite::Refused);
         }
-        if layers.start == 0 {
-            inc.partial = None;
-        }
-        if from == 0 && layers.start == 0 {
-            // The first write, or the prompt computed again: what landed before is overwritten.
-            inc.landed_upto = 0;
+        if from == 0 && layers.start == 0 && rank == 0 {
+            // The first write, or the prompt computed again (its first rank's first write comes
+            // first): what landed before is overwritten.
+            inc.ranks.iter_mut().for_each(|r| *r = RankLanding::default());
             inc.failure = None;
             inc.timeline.data_start_us = inc.since();
             (inc.timeline.bytes, inc.timeline.regions) = (0, 0);
         }
+        let r = &mut inc.ranks[rank];
+        if layers.start == 0 {
+            r.partial = None;
+        }
+        if from == 0 && layers.start == 0 {
+            r.landed_upto = 0;
+        }
         inc.landing = Landing::Writing;
         inc.writing_upto = end;
+        inc.writing_rank = rank;
         inc.writing_group_end = (layers.end < num_layers).then_some(layers.end);
         Ok(dst.unwrap_or(ours).to_vec())
     }
@@ -352,17 +409,20 @@ impl<L, W> Tables<L, W> {
     pub fn end_write(&mut self, tid: &TransferId, landed: bool, bytes: u64, regions: u32) -> bool {
         let Some(inc) = self.incoming.get_mut(tid) else { return false };
         let aborted = inc.landing == Landing::WritingAborted;
-        match (landed, inc.writing_group_end.take()) {
-            // A group with more of its span's layers to come.
-            (true, Some(layers)) => inc.partial = Some((inc.writing_upto, layers)),
-            (true, None) => {
-                inc.landed_upto = inc.writing_upto;
-                inc.partial = None;
+        let (upto, group_end) = (inc.writing_upto, inc.writing_group_end.take());
+        if let Some(r) = inc.ranks.get_mut(inc.writing_rank) {
+            match (landed, group_end) {
+                // A group with more of its span's layers to come.
+                (true, Some(layers)) => r.partial = Some((upto, layers)),
+                (true, None) => {
+                    r.landed_upto = upto;
+                    r.partial = None;
+                }
+                // What landed of the span is not all its layers; its later groups are refused.
+                (false, _) => r.partial = None,
             }
-            // What landed of the span is not all its layers; its later groups are refused.
-            (false, _) => inc.partial = None,
         }
-        inc.landing = if inc.landed_upto == inc.num_tokens { Landing::Landed } else { Landing::Waiting };
+        inc.landing = if inc.landed_upto() == inc.num_tokens { Landing::Landed } else { Landing::Waiting };
         inc.timeline.data_end_us = inc.since();
         inc.timeline.bytes += bytes;
         inc.timeline.regions += regions;

@@ -26,6 +26,8 @@
 //! - 10: `Hello` and `Challenge` before `Handshake`, `.proof` on `Handshake` and `JoinStream`:
 //!   with a cluster secret a mutual challenge-response, then every frame authenticated
 //!   ([`crate::seal`]).
+//! - 11: `WriteBlocks.rank` and `.ranks`, `Done.ranks`: a tensor-parallel prefill engine's ranks
+//!   each write their own KV heads over tcp and each send a `Done`; decode counts them.
 //!
 //! Layer: the ground floor but for `agent_info` and `error`, which it calls.
 
@@ -38,7 +40,7 @@ use crate::agent_info::AgentInfo;
 use crate::error::KvError;
 
 /// The side-channel protocol version.
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// Largest control frame accepted (a block-id list for a very long prompt fits easily).
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -151,6 +153,10 @@ pub enum Message {
         transfer_id: TransferId,
         /// Producer tensor-parallel rank.
         rank: u32,
+        /// The producer's ranks that each send a `Done` for this transfer (each writes its own
+        /// KV heads, `WriteBlocks.rank`): decode's KV is complete once every one has.
+        #[serde(default = "one_rank")]
+        ranks: u32,
         /// The first token prefill sampled (push), so decode emits it without recomputing.
         first_token: Option<u32>,
         /// Outcome.
@@ -213,6 +219,14 @@ pub enum Message {
         /// tokens after the one before it; the span's tokens have landed with its last group.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         layers: Option<[usize; 2]>,
+        /// The writer's tensor-parallel rank whose KV heads the bytes carry (with `ranks` above 1:
+        /// rank `rank` of `ranks` holds the `rank`-th of `ranks` equal shares of the heads). Each
+        /// rank's writes come in order; the ranks' may interleave.
+        #[serde(default)]
+        rank: u32,
+        /// The writer's ranks (1: the bytes carry every head).
+        #[serde(default = "one_rank")]
+        ranks: u32,
         /// The connection's streams the bytes are striped over (1: all on this one), each
         /// stream's share followed by its own CRC-32 when `checksum`.
         #[serde(default = "one")]
@@ -287,6 +301,11 @@ fn yes() -> bool {
 
 /// serde's default for counts that were always one before they existed.
 fn one() -> usize {
+    1
+}
+
+/// serde's default for rank counts, one before tensor parallelism.
+fn one_rank() -> u32 {
     1
 }
 
@@ -381,6 +400,7 @@ mod tests {
             Message::Done {
                 transfer_id: t.clone(),
                 rank: 0,
+                ranks: 1,
                 first_token: Some(17),
                 status: DoneStatus::Ok,
                 copy_us: 0,
@@ -389,7 +409,8 @@ mod tests {
             },
             Message::Done {
                 transfer_id: t.clone(),
-                rank: 0,
+                rank: 1,
+                ranks: 2,
                 first_token: None,
                 status: DoneStatus::Failed("x".into()),
                 copy_us: 812,
@@ -407,6 +428,8 @@ mod tests {
                 from_token: 16,
                 last: false,
                 layers: Some([2, 4]),
+                rank: 1,
+                ranks: 4,
                 streams: 3,
                 bytes: 64,
                 checksum: true,
@@ -480,6 +503,7 @@ mod tests {
             Message::Done {
                 transfer_id: t,
                 rank: 0,
+                ranks: 1,
                 first_token: Some(17),
                 status: DoneStatus::Ok,
                 copy_us: 0,

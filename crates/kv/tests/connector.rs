@@ -1034,6 +1034,7 @@ fn a_forged_frame_on_an_authenticated_connection_ends_it_and_changes_nothing() {
     let release = Message::Done {
         transfer_id: TransferId("t1".into()),
         rank: 0,
+        ranks: 1,
         first_token: None,
         status: DoneStatus::Ok,
         copy_us: 0,

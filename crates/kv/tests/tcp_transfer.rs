@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use tandem_compute::{KvCache, KvLayout};
 use tandem_core::{EngineId, TransferId};
+use tandem_kv::blocks::KvSlice;
 use tandem_kv::channel::{accept_handshake, connect, handshake, Picked, Timeouts};
 use tandem_kv::tcp::{recv_blocks, send_blocks};
 use tandem_kv::wire::{read_message, write_message, Message};
@@ -113,6 +114,8 @@ fn block_writes_land_exactly_for_equal_and_different_block_sizes() {
                 from_token: 0,
                 last: true,
                 layers: None,
+                rank: 0,
+                ranks: 1,
                 streams: 1,
                 bytes,
                 checksum,
@@ -205,7 +208,7 @@ fn staged_pieces_are_read_after_their_hook_and_reported_as_they_land() {
         Ok(())
     };
     // Safety (both calls): the test owns every block of both caches.
-    let bytes = unsafe { send_staged(&mut wire, &src, (&p, 0..8), tokens, true, &mut ready).unwrap() };
+    let bytes = unsafe { send_staged(&mut wire, &src, (&p, KvSlice::all(&l)), tokens, true, &mut ready).unwrap() };
     assert_eq!(readied, [0, 1, 2, 3]);
     let dst_table: Vec<u32> = (10..31).collect();
     let mut landed = Vec::new();
@@ -226,10 +229,11 @@ fn staged_pieces_are_read_after_their_hook_and_reported_as_they_land() {
     let group_cache = KvCache::new(l);
     let group = group_cache.region();
     let mut wire = Vec::new();
-    let bytes = unsafe { send_staged(&mut wire, &src, (&p, 2..5), tokens, true, &mut |_| Ok(())).unwrap() };
-    assert_eq!(bytes, tandem_kv::blocks::group_wire_bytes(&l, src.dtype(), tokens, &(2..5)));
+    let layers = KvSlice::of_layers(&l, 2..5);
+    let bytes = unsafe { send_staged(&mut wire, &src, (&p, layers.clone()), tokens, true, &mut |_| Ok(())).unwrap() };
+    assert_eq!(bytes, layers.wire_bytes(&l, src.dtype(), tokens));
     assert_eq!(wire.len() as u64, bytes + 4);
-    let into = Destination { layers: 2..5, ..Destination::all(&group, &dst_table, tokens) };
+    let into = Destination { slice: layers, ..Destination::all(&group, &dst_table, tokens) };
     unsafe { recv_staged(&mut &wire[..], bytes, 64, into, true, &mut |_| Ok(())).unwrap() };
     let layer_bytes = src.block_bytes() / 8;
     for (s, d) in table.iter().zip(&dst_table) {

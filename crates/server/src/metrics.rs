@@ -115,7 +115,7 @@ impl Metrics {
             kv_bytes: counter("tandem:kv_load_bytes_total", "Decode legs: KV bytes received."),
             kv: {
                 let g = prometheus::IntGaugeVec::new(
-                    Opts::new("tandem:kv_connector", "KV connector counters (transfers, bytes, regions, expiries, unknown and duplicate ids, refused peers, checksum failures, connections by transport: links_tcp, links_local, links_cuda_ipc, links_nixl), by counter."),
+                    Opts::new("tandem:kv_connector", "KV connector counters (transfers, bytes, regions, expiries, unknown and duplicate ids, refused peers, checksum failures, connections by transport: links_tcp, links_local, links_cuda_ipc, links_nixl; rank_notices: tensor-parallel ranks' completions), by counter."),
                     &["counter"],
                 )
                 .expect("metric definitions are static and valid");
@@ -208,6 +208,7 @@ impl Metrics {
                 ("links_local", kv.links_local),
                 ("links_cuda_ipc", kv.links_cuda_ipc),
                 ("links_nixl", kv.links_nixl),
+                ("rank_notices", kv.rank_notices),
             ] {
                 self.kv.with_label_values(&[name]).set(v as i64);
             }

@@ -15,7 +15,7 @@ use crate::events::{ConnectorEvent, TransferTimeline};
 use crate::protocol::pull::{self, Lease};
 use crate::protocol::push::shared_run;
 use crate::protocol::Wanted;
-use crate::table::{Aborted, Incoming, Landing, Lost};
+use crate::table::{Aborted, Incoming, Landing, Lost, RankLanding};
 use crate::wire::Message;
 
 /// A transfer recorded and waiting for its request to go to the prefill engine at `peer`.
@@ -84,10 +84,10 @@ pub(crate) fn expect(
         num_tokens,
         deadline,
         landing: Landing::Waiting,
-        landed_upto: 0,
+        ranks: vec![RankLanding::default()],
         // A direct writer's one write (which names no span) lands them all.
         writing_upto: num_tokens,
-        partial: None,
+        writing_rank: 0,
         writing_group_end: None,
         first_token,
         pull: lease.is_some(),

@@ -8,6 +8,7 @@ use super::landing::{self, DirectEnd, DoneReport};
 use super::shared::{bump, ended, Shared};
 use super::{decode, prefill};
 use crate::agent_info::Role;
+use crate::blocks::KvSlice;
 use crate::error::KvError;
 use crate::protocol::Wanted;
 use crate::seal::Opener;
@@ -79,14 +80,24 @@ fn handle_message(stream: &mut KvStream, conn: &Arc<Conn>, shared: &Arc<Shared>,
             from_token,
             last,
             layers,
+            rank,
+            ranks,
             bytes,
             checksum,
             streams,
         } => {
-            let num_layers = shared.memory.layout().num_layers;
-            let layers = layers.map_or(0..num_layers, |[start, end]| start..end);
-            let bulk = Bulk { src_block_size, bytes, checksum, layers: layers.clone(), streams };
-            let span = WriteSpan { from: from_token, num_tokens, last, layers, num_layers };
+            let layout = shared.memory.layout();
+            let layers = layers.map_or(0..layout.num_layers, |[start, end]| start..end);
+            let (rank, ranks) = (rank as usize, ranks as usize);
+            let slice = match ranks {
+                1 => KvSlice::of_layers(&layout, layers.clone()),
+                _ => KvSlice::of_layers(&layout, layers.clone())
+                    .of_rank(&layout, rank, ranks)
+                    .map_err(KvError::Protocol)?,
+            };
+            let bulk = Bulk { src_block_size, bytes, checksum, slice, rank, ranks, streams };
+            let span =
+                WriteSpan { from: from_token, num_tokens, last, layers, num_layers: layout.num_layers, rank, ranks };
             landing::on_write_blocks(stream, conn, shared, transfer_id, (span, &blocks), bulk)?
         }
         Message::BlockData {
@@ -101,16 +112,17 @@ fn handle_message(stream: &mut KvStream, conn: &Arc<Conn>, shared: &Arc<Shared>,
             grant_us,
             streams,
         } => {
-            let layers = 0..shared.memory.layout().num_layers;
-            let bulk = Bulk { src_block_size, bytes, checksum, layers, streams };
+            let slice = KvSlice::all(&shared.memory.layout());
+            let bulk = Bulk { src_block_size, bytes, checksum, slice, rank: 0, ranks: 1, streams };
             let direct = direct.then_some(DirectEnd { copy_us, digest, grant_us });
             landing::on_block_data(stream, conn, shared, transfer_id, bulk, error, direct)?
         }
         // ---- either side ----
         // Prefill: a pull release; decode: a push completion.
-        Message::Done { transfer_id, first_token, status, copy_us, produced_unix_us, digest, .. } => {
+        Message::Done { transfer_id, rank, ranks, first_token, status, copy_us, produced_unix_us, digest } => {
             if !prefill::on_release(shared, &transfer_id, &status) {
-                let report = DoneReport { first_token, status, copy_us, produced_unix_us, digest };
+                let rank = (rank as usize, ranks as usize);
+                let report = DoneReport { rank, first_token, status, copy_us, produced_unix_us, digest };
                 landing::land(conn, shared, move |_, shared| {
                     landing::on_done(shared, &transfer_id, report);
                     Ok(())

@@ -278,6 +278,7 @@ fn release(tid: TransferId, status: DoneStatus) -> Message {
     Message::Done {
         transfer_id: tid,
         rank: 0,
+        ranks: 1,
         first_token: None,
         status,
         copy_us: 0,
@@ -289,6 +290,8 @@ fn release(tid: TransferId, status: DoneStatus) -> Message {
 /// What decode learns from a push's `Done`.
 #[derive(Clone, Debug)]
 pub(crate) struct DoneReport {
+    /// Which of the writer's ranks says it, of how many (each of which says `Done`).
+    pub rank: (usize, usize),
     /// Prefill's first token.
     pub first_token: Option<u32>,
     /// Outcome.
@@ -303,7 +306,22 @@ pub(crate) struct DoneReport {
 
 /// Push: prefill says the write of `tid` is complete (or failed).
 pub(crate) fn on_done(shared: &Shared, tid: &TransferId, done: DoneReport) {
-    let DoneReport { first_token, mut status, copy_us, produced_unix_us, digest } = done;
+    let DoneReport { rank: (rank, ranks), first_token, mut status, copy_us, produced_unix_us, digest } = done;
+    if ranks != 1 && status == DoneStatus::Ok {
+        // A tensor-parallel writer's ranks each say `Done`: the transfer goes on with the last
+        // of them (a failure ends it at once; a rank whose word is lost leaves it to its deadline).
+        let mut t = shared.tables();
+        let counted = t.incoming.get_mut(tid).filter(|i| !i.pull && !i.direct).map(|i| i.rank_done(rank, ranks));
+        if matches!(counted, Some(Ok(_))) {
+            bump(&shared.counters.rank_notices, 1);
+        }
+        match counted {
+            Some(Ok(false)) => return,
+            Some(Err(why)) => status = DoneStatus::Failed(why),
+            // The last rank's word, or one the path below refuses.
+            Some(Ok(true)) | None => {}
+        }
+    }
     let direct = shared.tables().incoming.get(tid).is_some_and(|i| i.direct && !i.pull);
     if direct && status == DoneStatus::Ok {
         // Before the table is locked again: the digest reads every block once.

@@ -116,7 +116,7 @@ pub(crate) fn on_read_blocks(
         }
     };
     // Decode holds the first `skip` tokens' KV: the rest is read.
-    let runs = Runs { src: &src, dst: &dst, num_tokens: num_tokens - skip };
+    let runs = Runs::whole(&src, &dst, num_tokens - skip);
     std::thread::sleep(shared.cfg.faults.slow_write);
     let sent = answer_read(shared, conn, &tid, runs);
     let failed_in_band = matches!(sent, Ok(false));

@@ -206,7 +206,8 @@ fn run_writer(t: Target, jobs: mpsc::Receiver<Job>) {
                         continue;
                     }
                 };
-                let runs = Runs { src, dst, num_tokens: to - from };
+                let ranks = t.shared.write_ranks(&*t.conn.transport);
+                let runs = Runs { src, dst, num_tokens: to - from, ranks };
                 let num_layers = t.shared.memory.layout().num_layers;
                 let header = |bulk: Bulk| write_blocks(&t.tid, runs, (from, false), bulk, num_layers);
                 let mut frames = Frames::new(&t.conn, header);
@@ -269,7 +270,7 @@ fn write_whole(
     };
     std::thread::sleep(s.cfg.faults.slow_write);
     let done = PushDone { first_token, produced_unix_us, taken, digest: digest.ok().flatten() };
-    let runs = Runs { src, dst, num_tokens: num_tokens - from };
+    let runs = Runs { src, dst, num_tokens: num_tokens - from, ranks: s.write_ranks(&**transport) };
     let result = send(s, &reg.conn, &tid, (runs, from), done);
     s.tables().pushing.remove(&tid);
     // The bytes have left our memory (or the write failed): the blocks can go back.
@@ -310,7 +311,7 @@ fn send(
         let num_layers = s.memory.layout().num_layers;
         let mut frames = Frames::new(conn, |bulk: Bulk| write_blocks(tid, runs, (from, true), bulk, num_layers));
         let copied = transport.write(runs, &complete, None, &mut frames);
-        return finish_inline(s, tid, copied, done, &mut frames);
+        return finish_inline(s, tid, copied, (done, runs.ranks), &mut frames);
     }
     let failure = match transport.write(runs, &complete, Some(tid), &mut NoAnnounce) {
         Ok(()) => None,
@@ -320,14 +321,15 @@ fn send(
     let status = failure.clone().map_or(DoneStatus::Ok, DoneStatus::Failed);
     if !s.cfg.faults.drop_done {
         let copy_us = done.taken.elapsed().as_micros() as u64;
-        conn.send(&done_message(tid, done, status, copy_us))?;
+        conn.send(&done_message(tid, done, status, copy_us, (0, 1)))?;
     }
     // Decode has been told; the writer counts and logs the failure too.
     failure.map_or(Ok(()), |e| Err(KvError::Transfer(e)))
 }
 
 /// The frame announcing inline bytes of `runs`, tokens from `from` of the transfer (`last`: its
-/// final write, which `Done` follows), of the layers `bulk` says (named when not all `num_layers`).
+/// final write, which `Done` follows: the last rank's announcement of it), of the layers and
+/// rank `bulk` says (the layers named when not all `num_layers`).
 fn write_blocks(
     tid: &TransferId,
     runs: Runs<'_>,
@@ -341,38 +343,46 @@ fn write_blocks(
         src_block_size: bulk.src_block_size,
         num_tokens: runs.num_tokens,
         from_token: from,
-        last,
-        layers: (bulk.layers.len() < num_layers).then_some([bulk.layers.start, bulk.layers.end]),
+        last: last && bulk.rank + 1 == bulk.ranks,
+        layers: (bulk.slice.layers.len() < num_layers).then_some([bulk.slice.layers.start, bulk.slice.layers.end]),
+        rank: bulk.rank as u32,
+        ranks: bulk.ranks as u32,
         bytes: bulk.bytes,
         checksum: bulk.checksum,
         streams: bulk.streams,
     }
 }
 
-/// Inline: `Done` after the bytes, on the writer still held; a write that failed before any
-/// byte went is told to decode at once (which recomputes or fails), the connection in step.
+/// Inline: `Done` after the bytes, one from each of the `ranks` that wrote their heads, on the
+/// writer still held; a write that failed before any byte went is told to decode at once
+/// (which recomputes or fails), the connection in step.
 fn finish_inline<H: FnMut(Bulk) -> Message>(
     s: &Shared,
     tid: &TransferId,
     copied: Result<(), WriteError>,
-    done: PushDone,
+    (done, ranks): (PushDone, usize),
     frames: &mut Frames<'_, H>,
 ) -> Result<(), KvError> {
+    let faults = &s.cfg.faults;
     match copied {
-        Ok(()) if s.cfg.faults.drop_done => Ok(()),
-        Ok(()) => frames.send(&done_message(tid, done, DoneStatus::Ok, 0)),
+        Ok(()) if faults.drop_done => Ok(()),
+        Ok(()) => (0..ranks)
+            .filter(|&rank| faults.drop_done_of_rank != Some(rank as u32))
+            .try_for_each(|rank| frames.send(&done_message(tid, done, DoneStatus::Ok, 0, (rank, ranks)))),
         Err(WriteError::Failed(e)) => {
-            frames.send(&done_message(tid, done, DoneStatus::Failed(e.clone()), 0))?;
+            frames.send(&done_message(tid, done, DoneStatus::Failed(e.clone()), 0, (0, ranks)))?;
             Err(KvError::Transfer(e))
         }
         Err(WriteError::Channel(e)) => Err(e),
     }
 }
 
-fn done_message(tid: &TransferId, done: PushDone, status: DoneStatus, copy_us: u64) -> Message {
+/// Rank `rank.0` of `rank.1`'s `Done`.
+fn done_message(tid: &TransferId, done: PushDone, status: DoneStatus, copy_us: u64, rank: (usize, usize)) -> Message {
     Message::Done {
         transfer_id: tid.clone(),
-        rank: 0,
+        rank: rank.0 as u32,
+        ranks: rank.1 as u32,
         first_token: Some(done.first_token),
         status,
         copy_us,

@@ -40,6 +40,7 @@ pub(crate) struct Counters {
     pub links_nixl: AtomicU64,
     pub parts_early: AtomicU64,
     pub groups_landed: AtomicU64,
+    pub rank_notices: AtomicU64,
     pub streams_joined: AtomicU64,
     pub auth_refused: AtomicU64,
 }
@@ -86,6 +87,17 @@ impl Shared {
     /// Tokens per block of this engine's cache.
     pub(crate) fn block_size(&self) -> usize {
         self.memory.layout().block_size
+    }
+
+    /// The writes a push over `transport` makes of each part: one per tensor-parallel rank, each
+    /// of its own KV heads, where the transport writes per rank and the heads split evenly;
+    /// else one of every head.
+    pub(crate) fn write_ranks(&self, transport: &dyn crate::transport::Transport) -> usize {
+        let ranks = self.cfg.tp_size.max(1) as usize;
+        match transport.writes_per_rank() && self.memory.layout().num_kv_heads.is_multiple_of(ranks) {
+            true => ranks,
+            false => 1,
+        }
     }
 
     pub(crate) fn emit(&self, ev: ConnectorEvent) {
@@ -174,6 +186,7 @@ impl Shared {
             links_nixl: g(&c.links_nixl),
             parts_early: g(&c.parts_early),
             groups_landed: g(&c.groups_landed),
+            rank_notices: g(&c.rank_notices),
             streams_joined: g(&c.streams_joined),
             auth_refused: g(&c.auth_refused),
         }

@@ -13,9 +13,9 @@ fn incoming<L>(deadline: Instant) -> Incoming<L> {
         num_tokens: 20,
         deadline,
         landing: Landing::Waiting,
-        landed_upto: 0,
+        ranks: vec![RankLanding::default()],
         writing_upto: 20,
-        partial: None,
+        writing_rank: 0,
         writing_group_end: None,
         first_token: None,
         pull: false,
@@ -112,19 +112,20 @@ fn parts_land_in_order_and_the_transfer_lands_only_with_the_last() {
     let tid = TransferId("t".into());
     let mut t = Table::default();
     t.incoming.insert(tid.clone(), incoming(Instant::now() + Duration::from_secs(9)));
-    let part = |from, num_tokens, last| WriteSpan { from, num_tokens, last, layers: 0..2, num_layers: 2 };
+    let part =
+        |from, num_tokens, last| WriteSpan { from, num_tokens, last, layers: 0..2, num_layers: 2, rank: 0, ranks: 1 };
     // 20 tokens in blocks [4, 5] of 16: a part of 16, then the last 4.
     assert!(matches!(t.begin_write(&tid, part(16, 4, true), None, 16), Err(NoWrite::Refused)), "out of order");
     assert!(matches!(t.begin_write(&tid, part(8, 8, false), None, 16), Err(NoWrite::Refused)), "mid-block");
     assert_eq!(t.begin_write(&tid, part(0, 16, false), Some(&[4]), 16).ok(), Some(vec![4]));
     t.end_write(&tid, true, 100, 1);
-    assert_eq!((t.incoming[&tid].landing, t.incoming[&tid].landed_upto), (Landing::Waiting, 16));
+    assert_eq!((t.incoming[&tid].landing, t.incoming[&tid].landed_upto()), (Landing::Waiting, 16));
     assert!(matches!(t.begin_write(&tid, part(16, 8, true), None, 16), Err(NoWrite::Refused)), "past the end");
     assert!(matches!(t.begin_write(&tid, part(16, 3, true), None, 16), Err(NoWrite::Refused)), "short of it");
     // A part that does not land leaves the transfer where it was.
     assert_eq!(t.begin_write(&tid, part(16, 4, true), None, 16).ok(), Some(vec![5]));
     t.end_write(&tid, false, 0, 0);
-    assert_eq!((t.incoming[&tid].landing, t.incoming[&tid].landed_upto), (Landing::Waiting, 16));
+    assert_eq!((t.incoming[&tid].landing, t.incoming[&tid].landed_upto()), (Landing::Waiting, 16));
     // Computed again after a preemption: from the first token, over what landed.
     t.begin_write(&tid, part(0, 16, false), None, 16).ok().unwrap();
     t.end_write(&tid, true, 100, 1);
@@ -140,8 +141,15 @@ fn a_spans_groups_of_layers_land_in_layer_order_and_its_tokens_count_with_the_la
     let mut t = Table::default();
     t.incoming.insert(tid.clone(), incoming(Instant::now() + Duration::from_secs(9)));
     // 20 tokens of 3 layers in blocks [4, 5] of 16: tokens 0..16 in groups 0..1, 1..3.
-    let group =
-        |from, num_tokens, layers: Range<usize>, last| WriteSpan { from, num_tokens, last, layers, num_layers: 3 };
+    let group = |from, num_tokens, layers: Range<usize>, last| WriteSpan {
+        from,
+        num_tokens,
+        last,
+        layers,
+        num_layers: 3,
+        rank: 0,
+        ranks: 1,
+    };
     let refused = |t: &mut Table, span, why| {
         assert!(matches!(t.begin_write(&tid, span, None, 16), Err(NoWrite::Refused)), "{why}");
     };
@@ -150,13 +158,13 @@ fn a_spans_groups_of_layers_land_in_layer_order_and_its_tokens_count_with_the_la
     refused(&mut t, group(0, 20, 0..1, true), "a last write short of the last layer");
     t.begin_write(&tid, group(0, 16, 0..1, false), None, 16).ok().unwrap();
     t.end_write(&tid, true, 10, 1);
-    assert_eq!(t.incoming[&tid].landed_upto, 0, "one group is not the tokens' KV");
+    assert_eq!(t.incoming[&tid].landed_upto(), 0, "one group is not the tokens' KV");
     refused(&mut t, group(0, 16, 2..3, false), "a group skipped");
     refused(&mut t, group(0, 8, 1..3, false), "another span");
     refused(&mut t, group(16, 4, 0..3, true), "the next span before this one's groups");
     t.begin_write(&tid, group(0, 16, 1..3, false), None, 16).ok().unwrap();
     t.end_write(&tid, true, 20, 1);
-    assert_eq!((t.incoming[&tid].landed_upto, t.incoming[&tid].partial), (16, None));
+    assert_eq!((t.incoming[&tid].landed_upto(), t.incoming[&tid].ranks[0].partial), (16, None));
     // A group that does not land: the span's later groups are refused, and the span is
     // written again from its first group (or the prompt from its first token).
     t.begin_write(&tid, group(16, 4, 0..2, false), None, 16).ok().unwrap();
@@ -164,12 +172,58 @@ fn a_spans_groups_of_layers_land_in_layer_order_and_its_tokens_count_with_the_la
     refused(&mut t, group(16, 4, 2..3, true), "the rest of a span whose first group failed");
     t.begin_write(&tid, group(16, 4, 0..3, true), None, 16).ok().unwrap();
     t.end_write(&tid, true, 5, 1);
-    assert_eq!((t.incoming[&tid].landing, t.incoming[&tid].landed_upto), (Landing::Landed, 20));
+    assert_eq!((t.incoming[&tid].landing, t.incoming[&tid].landed_upto()), (Landing::Landed, 20));
     // Computed again from the first token, group by group, over what landed.
     t.incoming.get_mut(&tid).unwrap().landing = Landing::Waiting;
     t.begin_write(&tid, group(0, 16, 0..2, false), None, 16).ok().unwrap();
     t.end_write(&tid, true, 10, 1);
-    assert_eq!((t.incoming[&tid].landed_upto, t.incoming[&tid].partial), (0, Some((16, 2))));
+    assert_eq!((t.incoming[&tid].landed_upto(), t.incoming[&tid].ranks[0].partial), (0, Some((16, 2))));
+}
+
+/// A tensor-parallel writer's ranks each land their heads in order, interleaved with the
+/// others': the tokens count once every rank has landed them, a rank count that changes midway
+/// is refused, and the KV is complete only with every rank's `Done`.
+#[test]
+fn each_ranks_heads_land_in_order_and_the_transfer_with_every_rank() {
+    let tid = TransferId("t".into());
+    let mut t = Table::default();
+    t.incoming.insert(tid.clone(), incoming(Instant::now() + Duration::from_secs(9)));
+    let slice = |from, num_tokens, layers: Range<usize>, last, rank| WriteSpan {
+        from,
+        num_tokens,
+        last,
+        layers,
+        num_layers: 2,
+        rank,
+        ranks: 2,
+    };
+    let refused = |t: &mut Table, span, why| {
+        assert!(matches!(t.begin_write(&tid, span, None, 16), Err(NoWrite::Refused)), "{why}");
+    };
+    refused(&mut t, WriteSpan { ranks: 0, ..slice(0, 16, 0..2, false, 0) }, "no ranks");
+    refused(&mut t, slice(0, 16, 0..2, false, 2), "a rank past the count");
+    // Tokens 0..16 group by group, rank 0 then rank 1 each group; then the last 4 tokens.
+    for (layers, rank) in [(0..1, 0), (0..1, 1), (1..2, 0)] {
+        t.begin_write(&tid, slice(0, 16, layers, false, rank), None, 16).ok().unwrap();
+        t.end_write(&tid, true, 10, 1);
+    }
+    assert_eq!(t.incoming[&tid].ranks[0].landed_upto, 16);
+    assert_eq!(t.incoming[&tid].landed_upto(), 0, "rank 1 has not landed its last group");
+    refused(&mut t, WriteSpan { ranks: 4, ..slice(0, 16, 1..2, false, 1) }, "the rank count changed");
+    refused(&mut t, slice(16, 4, 0..2, false, 1), "rank 1's next span before its last group");
+    t.begin_write(&tid, slice(0, 16, 1..2, false, 1), None, 16).ok().unwrap();
+    t.end_write(&tid, true, 10, 1);
+    assert_eq!(t.incoming[&tid].landed_upto(), 16);
+    t.begin_write(&tid, slice(16, 4, 0..2, false, 0), None, 16).ok().unwrap();
+    t.end_write(&tid, true, 5, 1);
+    assert_eq!(t.incoming[&tid].landing, Landing::Waiting, "rank 1's last tokens are still to come");
+    t.begin_write(&tid, slice(16, 4, 0..2, true, 1), None, 16).ok().unwrap();
+    t.end_write(&tid, true, 5, 1);
+    assert_eq!(t.incoming[&tid].landing, Landing::Landed);
+    let inc = t.incoming.get_mut(&tid).unwrap();
+    assert_eq!(inc.rank_done(1, 2), Ok(false), "rank 0's Done is still to come");
+    assert!(inc.rank_done(0, 3).is_err(), "a Done of another rank count");
+    assert_eq!(inc.rank_done(0, 2), Ok(true));
 }
 
 #[test]

@@ -26,7 +26,7 @@ impl CudaIpc {
     }
 
     fn copy(&self, runs: Runs<'_>, fences: &KvFences) -> Result<(), String> {
-        let Runs { src, dst, num_tokens } = runs;
+        let Runs { src, dst, num_tokens, .. } = runs;
         let peer = self.peer.as_ref().ok_or("this end of the connection is written to; it does not write")?;
         let dev = self.ours.memory.device_cache().ok_or("this engine has no device cache")?;
         // The KV in `src` is final once `fences` say so: the engine hands blocks over whole

@@ -43,7 +43,7 @@ impl Local {
     }
 
     fn copy(&self, runs: Runs<'_>) -> Result<(), String> {
-        let Runs { src, dst, num_tokens } = runs;
+        let Runs { src, dst, num_tokens, .. } = runs;
         let peer = self.peer.upgrade().ok_or("the peer engine is gone")?;
         let ours = &self.ours.memory;
         let from = ours.host_region().map_err(|e| e.to_string())?;

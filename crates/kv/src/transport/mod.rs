@@ -37,6 +37,7 @@ use tandem_compute::KvLayout;
 use tandem_core::TransferId;
 
 use crate::agent_info::AgentInfo;
+use crate::blocks::KvSlice;
 use crate::channel::Timeouts;
 use crate::config::FaultInjection;
 use crate::error::KvError;
@@ -62,17 +63,30 @@ pub(crate) struct Runs<'a> {
     pub src: &'a [u32],
     pub dst: &'a [u32],
     pub num_tokens: usize,
+    /// The writer's tensor-parallel ranks, each of which writes its own KV heads over an inline
+    /// transport ([`Transport::writes_per_rank`]); 1: every head at once.
+    pub ranks: usize,
+}
+
+impl<'a> Runs<'a> {
+    /// Every head at once.
+    pub fn whole(src: &'a [u32], dst: &'a [u32], num_tokens: usize) -> Self {
+        Self { src, dst, num_tokens, ranks: 1 }
+    }
 }
 
 /// How an inline transport's bytes were announced on the side channel: in which block size,
-/// how many, whether their checksum follows them, and which layers they carry (all, or a
-/// group of a step still computing).
+/// how many, whether their checksum follows them, which part of the blocks they carry (all; a
+/// group of layers of a step still computing; a rank's heads), and which of the writer's
+/// tensor-parallel ranks writes them.
 #[derive(Clone, Debug)]
 pub(crate) struct Bulk {
     pub src_block_size: usize,
     pub bytes: u64,
     pub checksum: bool,
-    pub layers: std::ops::Range<usize>,
+    pub slice: KvSlice,
+    pub rank: usize,
+    pub ranks: usize,
     /// Streams the bytes are striped over (set by the announcement: the connection's count).
     pub streams: usize,
 }
@@ -129,6 +143,12 @@ pub(crate) trait Transport: Send + Sync {
     /// Whether the writer puts the bytes straight into the reader's memory (direct), rather than
     /// on the side channel (inline).
     fn writes_directly(&self) -> bool {
+        false
+    }
+
+    /// Whether a tensor-parallel writer's ranks each write their own heads
+    /// ([`Runs::ranks`]), with a `Done` each; else one write moves every rank's heads.
+    fn writes_per_rank(&self) -> bool {
         false
     }
 

@@ -360,7 +360,7 @@ mod with_nixl {
         /// Writes the layers `layers` of tokens `0..num_tokens` of our blocks `src` into the
         /// peer's `dst`, then (given `tid`) the notification that says they landed.
         fn copy(&self, runs: Runs<'_>, layers: Range<usize>, tid: Option<&TransferId>) -> Result<(), String> {
-            let Runs { src, dst, num_tokens } = runs;
+            let Runs { src, dst, num_tokens, .. } = runs;
             let (region, layout) = &self.target;
             let from = &self.ours.memory;
             let elem_bytes = from.dtype().bytes();

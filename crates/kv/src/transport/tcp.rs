@@ -26,7 +26,7 @@ use tandem_core::TransferId;
 
 pub use super::stripes::{recv_striped, send_striped, stripe_bytes, stripes_of, STRIPE_BYTES};
 use super::{Announce, Bulk, Ours, Runs, Transport, WriteError};
-use crate::blocks::{coalesce, group_wire_bytes, scatter_tokens, BlockRun};
+use crate::blocks::{coalesce, scatter_tokens, BlockRun, KvSlice};
 use crate::error::KvError;
 use crate::memory::StagedSend;
 
@@ -69,7 +69,7 @@ pub unsafe fn send_blocks(
     checksum: bool,
 ) -> Result<u64, KvError> {
     let pieces = send_pieces(region, blocks, num_tokens)?;
-    let all = 0..region.layout().num_layers;
+    let all = KvSlice::all(region.layout());
     // Safety: passed on from the caller.
     unsafe { send_staged(w, region, (&pieces, all), num_tokens, checksum, &mut |_| Ok(())) }
 }
@@ -84,8 +84,8 @@ pub fn send_pieces(region: &KvRegion, blocks: &[u32], num_tokens: usize) -> Resu
     Ok(pieces(&blocks[..needed], region.block_bytes()))
 }
 
-/// [`send_blocks`] of the layers `what.1` of `what.0`'s pieces (from [`send_pieces`]; all the
-/// layers, or a group of them: then each block's slice of those layers, [`group_wire_bytes`]),
+/// [`send_blocks`] of the slice `what.1` of `what.0`'s pieces (from [`send_pieces`]; whole
+/// blocks, or a group of layers or a rank's heads: then each block's part, [`KvSlice`]),
 /// calling `ready(i)` before piece `i`'s bytes are read from `region`: a GPU engine waits there
 /// for that piece's copy from its device cache, queued ahead.
 ///
@@ -94,12 +94,12 @@ pub fn send_pieces(region: &KvRegion, blocks: &[u32], num_tokens: usize) -> Resu
 pub unsafe fn send_staged(
     w: &mut impl Write,
     region: &KvRegion,
-    what: (&[BlockRun], Range<usize>),
+    what: (&[BlockRun], KvSlice),
     num_tokens: usize,
     checksum: bool,
     ready: &mut dyn FnMut(usize) -> Result<(), KvError>,
 ) -> Result<u64, KvError> {
-    let (pieces, layers) = what;
+    let (pieces, slice) = what;
     let layout = *region.layout();
     let mut crc = crc32fast::Hasher::new();
     let mut put = |w: &mut dyn Write, data: &[u8]| -> Result<(), KvError> {
@@ -109,36 +109,42 @@ pub unsafe fn send_staged(
         }
         Ok(())
     };
-    let slice = slice_of(&layout, region.block_bytes(), &layers)?;
-    // A group's slices are a block's bytes over the number of layers each: gathered into
-    // larger socket writes.
-    let mut out = std::io::BufWriter::with_capacity(if slice.len() < region.block_bytes() { 1 << 18 } else { 0 }, w);
+    let spans = spans_of(region, &slice)?;
+    let whole = is_whole(region, &spans);
+    // A part's spans are a fraction of a block's bytes each: gathered into larger socket writes.
+    let mut out = std::io::BufWriter::with_capacity(if whole { 0 } else { 1 << 18 }, w);
     for (i, piece) in pieces.iter().enumerate() {
         ready(i)?;
-        if slice.len() == region.block_bytes() {
+        if whole {
             // Safety: caller holds these blocks; nobody writes them meanwhile.
             put(&mut out, unsafe { region.bytes(piece.start as usize, piece.len as usize) })?;
             continue;
         }
         for b in piece.start..piece.start + piece.len {
             // Safety: as above.
-            put(&mut out, &unsafe { region.bytes(b as usize, 1) }[slice.clone()])?;
+            let block = unsafe { region.bytes(b as usize, 1) };
+            for span in &spans {
+                put(&mut out, &block[span.clone()])?;
+            }
         }
     }
     if checksum {
         out.write_all(&crc.finalize().to_le_bytes())?;
     }
     out.flush()?;
-    Ok(group_wire_bytes(&layout, region.dtype(), num_tokens, &layers))
+    Ok(slice.wire_bytes(&layout, region.dtype(), num_tokens))
 }
 
-/// The bytes of a block of `layout` (`block_bytes` long) that hold the layers `layers`.
-fn slice_of(layout: &KvLayout, block_bytes: usize, layers: &Range<usize>) -> Result<Range<usize>, KvError> {
-    if layers.is_empty() || layers.end > layout.num_layers {
-        return Err(KvError::Protocol(format!("layers {layers:?} of {}", layout.num_layers)));
-    }
-    let layer_bytes = block_bytes / layout.num_layers;
-    Ok(layers.start * layer_bytes..layers.end * layer_bytes)
+/// The byte ranges of each block of `region` that hold `slice`, in wire order, or why the
+/// slice is not part of its blocks.
+fn spans_of(region: &KvRegion, slice: &KvSlice) -> Result<Vec<Range<usize>>, KvError> {
+    slice.check(region.layout()).map_err(KvError::Protocol)?;
+    Ok(slice.spans(region.layout(), region.dtype().bytes()))
+}
+
+/// Whether `spans` are every byte of a block of `region` (the slice is whole blocks).
+fn is_whole(region: &KvRegion, spans: &[Range<usize>]) -> bool {
+    matches!(spans, [only] if only.len() == region.block_bytes())
 }
 
 /// Reads `bytes` raw bytes (the sender's layout, `src_block_size` tokens per block, tokens
@@ -162,8 +168,7 @@ pub unsafe fn recv_blocks(
     unsafe { recv_staged(r, bytes, src_block_size, into, checksum, &mut |_| Ok(())) }
 }
 
-/// Where a bulk receive lands: tokens `0..num_tokens` of the layers `layers` in `blocks` of
-/// `region`.
+/// Where a bulk receive lands: tokens `0..num_tokens` of `slice` in `blocks` of `region`.
 #[derive(Clone)]
 pub struct Destination<'a> {
     /// The receiver's KV memory.
@@ -172,18 +177,19 @@ pub struct Destination<'a> {
     pub blocks: &'a [u32],
     /// Tokens that land.
     pub num_tokens: usize,
-    /// The layers whose KV the bytes carry (all of them, or a group of a step still computing).
-    pub layers: Range<usize>,
+    /// The part of the blocks the bytes carry (all of them; a group of layers of a step still
+    /// computing; a tensor-parallel rank's heads).
+    pub slice: KvSlice,
 }
 
 impl<'a> Destination<'a> {
-    /// All layers of tokens `0..num_tokens` in `blocks` of `region`.
+    /// Whole blocks: tokens `0..num_tokens` in `blocks` of `region`.
     pub fn all(region: &'a KvRegion, blocks: &'a [u32], num_tokens: usize) -> Self {
-        Self { region, blocks, num_tokens, layers: 0..region.layout().num_layers }
+        Self { region, blocks, num_tokens, slice: KvSlice::all(region.layout()) }
     }
 }
 
-/// [`recv_blocks`] into `into` (a group of layers, or all), calling `landed(run)` as each piece
+/// [`recv_blocks`] into `into` (whole blocks, or a slice of them), calling `landed(run)` as each piece
 /// of the destination blocks has its bytes (before the checksum is checked): a GPU engine
 /// queues that piece's copy into its device cache there, while the next piece is still on the
 /// socket.
@@ -198,16 +204,17 @@ pub unsafe fn recv_staged(
     checksum: bool,
     landed: &mut dyn FnMut(BlockRun) -> Result<(), KvError>,
 ) -> Result<(), KvError> {
-    let Destination { region, blocks: dst_blocks, num_tokens, layers } = into;
-    let (dl, needed) = check_destination(region, bytes, src_block_size, dst_blocks, num_tokens, &layers)?;
-    let slice = slice_of(&dl, region.block_bytes(), &layers)?;
+    let Destination { region, blocks: dst_blocks, num_tokens, slice } = into;
+    let (dl, needed) = check_destination(region, bytes, src_block_size, dst_blocks, num_tokens, &slice)?;
+    let spans = spans_of(region, &slice)?;
+    let whole = is_whole(region, &spans);
     let mut crc = crc32fast::Hasher::new();
     if src_block_size == dl.block_size {
-        // A group's slices are read in larger socket reads, never past the announced bytes.
-        let cap = if slice.len() < region.block_bytes() { 1 << 18 } else { 0 };
+        // A part's spans are read in larger socket reads, never past the announced bytes.
+        let cap = if whole { 0 } else { 1 << 18 };
         let mut data = std::io::BufReader::with_capacity(cap, r.by_ref().take(bytes));
         for piece in pieces(&dst_blocks[..needed], region.block_bytes()) {
-            if slice.len() == region.block_bytes() {
+            if whole {
                 // Safety: the caller owns the destination blocks exclusively.
                 let dst = unsafe { region.bytes_mut(piece.start as usize, piece.len as usize) };
                 data.read_exact(dst)?;
@@ -217,10 +224,13 @@ pub unsafe fn recv_staged(
             } else {
                 for b in piece.start..piece.start + piece.len {
                     // Safety: as above.
-                    let dst = &mut unsafe { region.bytes_mut(b as usize, 1) }[slice.clone()];
-                    data.read_exact(dst)?;
-                    if checksum {
-                        crc.update(dst);
+                    let block = unsafe { region.bytes_mut(b as usize, 1) };
+                    for span in &spans {
+                        let dst = &mut block[span.clone()];
+                        data.read_exact(dst)?;
+                        if checksum {
+                            crc.update(dst);
+                        }
                     }
                 }
             }
@@ -237,7 +247,7 @@ pub unsafe fn recv_staged(
             crc.update(&staging);
         }
         // Safety: the caller owns the destination blocks exclusively.
-        unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens, layers) };
+        unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens, &slice) };
         for piece in pieces(&dst_blocks[..needed], region.block_bytes()) {
             landed(piece)?;
         }
@@ -249,7 +259,7 @@ pub unsafe fn recv_staged(
 }
 
 /// Checks an announced receive of `bytes` (the sender's `src_block_size`-token blocks of
-/// tokens `0..num_tokens`, layers `layers`) against its destination; returns the destination's
+/// tokens `0..num_tokens`, of `slice`) against its destination; returns the destination's
 /// layout and how many of `dst_blocks` the tokens use.
 fn check_destination(
     region: &KvRegion,
@@ -257,15 +267,15 @@ fn check_destination(
     src_block_size: usize,
     dst_blocks: &[u32],
     num_tokens: usize,
-    layers: &Range<usize>,
+    slice: &KvSlice,
 ) -> Result<(KvLayout, usize), KvError> {
     let dl = *region.layout();
     if src_block_size == 0 {
         return Err(KvError::Protocol("source block size 0".into()));
     }
-    slice_of(&dl, region.block_bytes(), layers)?;
+    slice.check(&dl).map_err(KvError::Protocol)?;
     let src_layout = KvLayout { block_size: src_block_size, ..dl };
-    let expected = group_wire_bytes(&src_layout, region.dtype(), num_tokens, layers);
+    let expected = slice.wire_bytes(&src_layout, region.dtype(), num_tokens);
     if bytes != expected {
         return Err(KvError::Protocol(format!("{bytes} bytes announced for {num_tokens} tokens, expected {expected}")));
     }
@@ -324,6 +334,40 @@ impl Tcp {
         // Safety: passed on from the caller.
         unsafe { self.ours.memory.stage_send(pieces, layers) }
     }
+
+    /// Announces `what.1` of the pieces `what.0` as rank `rank.0` of `rank.1`'s write and sends
+    /// its bytes, each piece once `staged` has it in the host copy.
+    ///
+    /// # Safety
+    /// As [`send_staged`], for the pieces' blocks.
+    unsafe fn send_slice(
+        &self,
+        region: &KvRegion,
+        what: (&[BlockRun], KvSlice),
+        (rank, ranks): (usize, usize),
+        num_tokens: usize,
+        staged: &StagedSend<'_>,
+        out: &mut dyn Announce,
+    ) -> Result<(), WriteError> {
+        let (pieces, slice) = what;
+        let (layout, checksum) = (region.layout(), self.ours.verify);
+        let bytes = slice.wire_bytes(layout, region.dtype(), num_tokens);
+        let bulk =
+            Bulk { src_block_size: layout.block_size, bytes, checksum, slice: slice.clone(), rank, ranks, streams: 1 };
+        let mut announced = out.announce(bulk)?.into_iter();
+        let Some(first) = announced.next() else { return Err(WriteError::Failed("no stream to send on".into())) };
+        // The injected corruption flips the first byte on the first stream; else it passes.
+        let mut first = FlipFirstBit { inner: first, flipped: !self.ours.faults.corrupt_sends };
+        let mut streams: Vec<&mut (dyn Write + Send)> = vec![&mut first];
+        streams.extend(announced);
+        let mut ready = |i| staged.ready(i);
+        match &mut streams[..] {
+            // Safety (both): passed on from the caller.
+            [w] => unsafe { send_staged(w, region, (pieces, slice), num_tokens, checksum, &mut ready)? },
+            several => unsafe { send_striped_staged(several, region, (pieces, slice), checksum, &mut ready)? },
+        };
+        Ok(())
+    }
 }
 
 impl Transport for Tcp {
@@ -335,6 +379,10 @@ impl Transport for Tcp {
         true
     }
 
+    fn writes_per_rank(&self) -> bool {
+        true
+    }
+
     fn write(
         &self,
         runs: Runs<'_>,
@@ -342,13 +390,14 @@ impl Transport for Tcp {
         _landed: Option<&TransferId>,
         out: &mut dyn Announce,
     ) -> Result<(), WriteError> {
-        let Runs { src, num_tokens, .. } = runs;
+        let Runs { src, num_tokens, ranks, .. } = runs;
         let region = self.ours.memory.host_region().map_err(|e| WriteError::Failed(e.to_string()))?;
         let pieces = send_pieces(region, src, num_tokens).map_err(|e| WriteError::Failed(e.to_string()))?;
-        let (layout, checksum) = (region.layout(), self.ours.verify);
+        let layout = region.layout();
         // A step still computing goes group by group of layers, each as soon as its fence says
         // its KV is written (a GPU engine's copy to the host copy then reads final KV), on the
         // socket while later layers compute; KV already final goes as one write of all layers.
+        // A tensor-parallel engine's ranks each write their own heads of each group.
         for (layers, fence) in fences.groups(layout.num_layers) {
             if let Some(fence) = fence {
                 fence.wait().map_err(WriteError::Failed)?;
@@ -357,25 +406,14 @@ impl Transport for Tcp {
             // for this call; the engine does not schedule them meanwhile.
             let staged =
                 unsafe { self.stage_send(&pieces, layers.clone()) }.map_err(|e| WriteError::Failed(e.to_string()))?;
-            let bytes = group_wire_bytes(layout, region.dtype(), num_tokens, &layers);
-            let bulk = Bulk { src_block_size: layout.block_size, bytes, checksum, layers: layers.clone(), streams: 1 };
-            let mut announced = out.announce(bulk)?.into_iter();
-            let Some(first) = announced.next() else { return Err(WriteError::Failed("no stream to send on".into())) };
-            // The injected corruption flips the first byte on the first stream; else it passes.
-            let mut first = FlipFirstBit { inner: first, flipped: !self.ours.faults.corrupt_sends };
-            let mut streams: Vec<&mut (dyn Write + Send)> = vec![&mut first];
-            streams.extend(announced);
-            match &mut streams[..] {
-                [w] => {
-                    let mut ready = |i| staged.ready(i);
-                    // Safety: as above.
-                    unsafe { send_staged(w, region, (&pieces[..], layers), num_tokens, checksum, &mut ready)? };
-                }
-                several => {
-                    let mut ready = |i| staged.ready(i);
-                    // Safety: as above.
-                    unsafe { send_striped_staged(several, region, (&pieces[..], layers), checksum, &mut ready)? };
-                }
+            for rank in 0..ranks.max(1) {
+                let slice = KvSlice::of_layers(layout, layers.clone());
+                let slice = match ranks {
+                    0 | 1 => slice,
+                    _ => slice.of_rank(layout, rank, ranks).map_err(WriteError::Failed)?,
+                };
+                // Safety: as above.
+                unsafe { self.send_slice(region, (&pieces, slice), (rank, ranks.max(1)), num_tokens, &staged, out)? };
             }
         }
         Ok(())
@@ -391,7 +429,7 @@ impl Transport for Tcp {
         let memory = &self.ours.memory;
         let region = memory.host_region()?;
         let mut load = memory.receiver()?;
-        let into = Destination { region, blocks: dst, num_tokens, layers: bulk.layers.clone() };
+        let into = Destination { region, blocks: dst, num_tokens, slice: bulk.slice.clone() };
         // A failed copy into the device cache fails the transfer, but the bytes are still read,
         // so the connection stays in step.
         let mut failed = None;
@@ -399,7 +437,7 @@ impl Transport for Tcp {
             let copied = match self.ours.faults.fail_host_copies {
                 true => Err(KvError::Transfer("copying KV into the device cache failed: injected".into())),
                 // Safety: passed on from the caller (which owns `dst` until it reports).
-                false => unsafe { load.landed(run, bulk.layers.clone()) },
+                false => unsafe { load.landed(run, bulk.slice.layers.clone()) },
             };
             if let (Err(e), None) = (copied, &failed) {
                 failed = Some(e);
@@ -442,37 +480,52 @@ impl Write for FlipFirstBit<'_> {
     }
 }
 
-/// Where the wire bytes of the layers `layers` of `pieces` lie in a region with `layout` and
-/// `block_bytes`-byte blocks, in wire order: each piece whole (its blocks, all their bytes), or
-/// each block's slice of those layers (one block, the slice's bytes in it).
+/// Where the wire bytes of `slice` of `pieces` lie in `region`, in wire order: each piece whole
+/// (its blocks, all their bytes), or each block's spans of the slice (one block, a span's bytes
+/// in it).
 fn wire_spans(
-    layout: &KvLayout,
-    block_bytes: usize,
+    region: &KvRegion,
     pieces: &[BlockRun],
-    layers: &Range<usize>,
+    slice: &KvSlice,
 ) -> Result<Vec<(BlockRun, Range<usize>)>, KvError> {
-    let slice = slice_of(layout, block_bytes, layers)?;
+    let block_bytes = region.block_bytes();
+    let spans = spans_of(region, slice)?;
+    let whole = is_whole(region, &spans);
     let mut out = Vec::new();
     for &piece in pieces {
-        if slice.len() == block_bytes {
+        if whole {
             out.push((piece, 0..piece.len as usize * block_bytes));
-        } else {
-            out.extend((piece.start..piece.start + piece.len).map(|b| (BlockRun { start: b, len: 1 }, slice.clone())));
+            continue;
+        }
+        for b in piece.start..piece.start + piece.len {
+            out.extend(spans.iter().map(|span| (BlockRun { start: b, len: 1 }, span.clone())));
         }
     }
     Ok(out)
 }
 
-/// The wire bytes of the layers `layers` of `pieces` in `region`, in wire order.
+/// `block`'s bytes at `spans` (ascending and disjoint), as slices of their own.
+fn split_spans<'a>(mut block: &'a mut [u8], spans: &[Range<usize>]) -> Vec<&'a mut [u8]> {
+    let (mut out, mut at) = (Vec::with_capacity(spans.len()), 0);
+    for span in spans {
+        let (_, rest) = std::mem::take(&mut block).split_at_mut(span.start - at);
+        let (mine, rest) = rest.split_at_mut(span.len());
+        out.push(mine);
+        (block, at) = (rest, span.end);
+    }
+    out
+}
+
+/// The wire bytes of `slice` of `pieces` in `region`, in wire order.
 ///
 /// # Safety
 /// As [`send_blocks`], for the pieces' blocks, while the slices live.
 unsafe fn wire_segments<'a>(
     region: &'a KvRegion,
     pieces: &[BlockRun],
-    layers: &Range<usize>,
+    slice: &KvSlice,
 ) -> Result<Vec<&'a [u8]>, KvError> {
-    let spans = wire_spans(region.layout(), region.block_bytes(), pieces, layers)?;
+    let spans = wire_spans(region, pieces, slice)?;
     // Safety: passed on from the caller.
     Ok(spans
         .into_iter()
@@ -481,7 +534,7 @@ unsafe fn wire_segments<'a>(
 }
 
 /// [`send_staged`] striped over `streams` ([`send_striped`]): once every piece is `ready` (a
-/// GPU engine's copies to its host copy done), the layers `what.1` of `what.0`'s pieces go
+/// GPU engine's copies to its host copy done), the slice `what.1` of `what.0`'s pieces goes
 /// out over all the streams at once. Returns the data bytes sent.
 ///
 /// # Safety
@@ -489,14 +542,14 @@ unsafe fn wire_segments<'a>(
 pub unsafe fn send_striped_staged<W: Write + Send>(
     streams: &mut [W],
     region: &KvRegion,
-    what: (&[BlockRun], Range<usize>),
+    what: (&[BlockRun], KvSlice),
     checksum: bool,
     ready: &mut dyn FnMut(usize) -> Result<(), KvError>,
 ) -> Result<u64, KvError> {
-    let (pieces, layers) = what;
+    let (pieces, slice) = what;
     (0..pieces.len()).try_for_each(&mut *ready)?;
     // Safety: passed on from the caller.
-    let segments = unsafe { wire_segments(region, pieces, &layers) }?;
+    let segments = unsafe { wire_segments(region, pieces, &slice) }?;
     send_striped(streams, &segments, checksum)
 }
 
@@ -514,22 +567,30 @@ pub unsafe fn recv_striped_blocks<R: Read + Send>(
     checksum: bool,
     landed: &mut dyn FnMut(BlockRun) -> Result<(), KvError>,
 ) -> Result<(), KvError> {
-    let Destination { region, blocks: dst_blocks, num_tokens, layers } = into;
-    let (dl, needed) = check_destination(region, bytes, src_block_size, dst_blocks, num_tokens, &layers)?;
+    let Destination { region, blocks: dst_blocks, num_tokens, slice } = into;
+    let (dl, needed) = check_destination(region, bytes, src_block_size, dst_blocks, num_tokens, &slice)?;
     let dst_pieces = pieces(&dst_blocks[..needed], region.block_bytes());
     if src_block_size == dl.block_size {
-        let spans = wire_spans(&dl, region.block_bytes(), &dst_pieces, &layers)?;
-        // Safety: the caller owns the destination blocks exclusively; the spans are disjoint.
-        let mut segments: Vec<&mut [u8]> = spans
-            .into_iter()
-            .map(|(run, within)| &mut unsafe { region.bytes_mut(run.start as usize, run.len as usize) }[within])
-            .collect();
+        let spans = spans_of(region, &slice)?;
+        let whole = is_whole(region, &spans);
+        let mut segments: Vec<&mut [u8]> = Vec::new();
+        for piece in &dst_pieces {
+            // Safety: the caller owns the destination blocks exclusively; each block is taken
+            // once (the destination's blocks are distinct), its spans split apart.
+            if whole {
+                segments.push(unsafe { region.bytes_mut(piece.start as usize, piece.len as usize) });
+                continue;
+            }
+            for b in piece.start..piece.start + piece.len {
+                segments.extend(split_spans(unsafe { region.bytes_mut(b as usize, 1) }, &spans));
+            }
+        }
         recv_striped(streams, &mut segments, checksum)?;
     } else {
         let mut staging = vec![0u8; bytes as usize];
         recv_striped(streams, &mut [&mut staging[..]], checksum)?;
         // Safety: the caller owns the destination blocks exclusively.
-        unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens, layers) };
+        unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens, &slice) };
     }
     dst_pieces.into_iter().try_for_each(landed)
 }

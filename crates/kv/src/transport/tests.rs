@@ -14,6 +14,7 @@ use tandem_compute::{KvCache, KvLayout, KvRegion};
 use super::local::{self, Local};
 use super::tcp::Tcp;
 use super::{Announce, Bulk, NoAnnounce, Ours, Runs, Transport, WriteError};
+use crate::blocks::KvSlice;
 use crate::channel::Timeouts;
 use crate::config::FaultInjection;
 use crate::error::KvError;
@@ -56,17 +57,29 @@ fn digest(region: &KvRegion, table: &[u32], tokens: usize) -> u64 {
 /// to what the reader needs), the bytes striped over all of them.
 struct ToSocket<'a>(&'a mut [TcpStream]);
 
-const HEADER: usize = 41;
+const WORDS: usize = 9;
+const HEADER: usize = WORDS * 8 + 1;
 
 impl Announce for ToSocket<'_> {
     fn announce(&mut self, bulk: Bulk) -> Result<Vec<&mut (dyn std::io::Write + Send)>, KvError> {
         use std::io::Write;
         let mut header = [0u8; HEADER];
-        let words = [bulk.src_block_size, bulk.bytes as usize, bulk.layers.start, bulk.layers.end, self.0.len()];
+        let (layers, heads) = (&bulk.slice.layers, &bulk.slice.heads);
+        let words: [usize; WORDS] = [
+            bulk.src_block_size,
+            bulk.bytes as usize,
+            layers.start,
+            layers.end,
+            heads.start,
+            heads.end,
+            bulk.rank,
+            bulk.ranks,
+            self.0.len(),
+        ];
         for (i, w) in words.iter().enumerate() {
             header[i * 8..][..8].copy_from_slice(&(*w as u64).to_le_bytes());
         }
-        header[40] = bulk.checksum as u8;
+        header[WORDS * 8] = bulk.checksum as u8;
         self.0[0].write_all(&header)?;
         Ok(self.0.iter_mut().map(|s| s as &mut (dyn Write + Send)).collect())
     }
@@ -76,8 +89,9 @@ fn read_announcement(s: &mut TcpStream) -> Bulk {
     let mut header = [0u8; HEADER];
     s.read_exact(&mut header).unwrap();
     let word = |i: usize| u64::from_le_bytes(header[i * 8..][..8].try_into().unwrap()) as usize;
-    let (layers, streams) = (word(2)..word(3), word(4));
-    Bulk { src_block_size: word(0), bytes: word(1) as u64, checksum: header[40] == 1, layers, streams }
+    let slice = KvSlice { layers: word(2)..word(3), heads: word(4)..word(5) };
+    let (src_block_size, bytes, checksum) = (word(0), word(1) as u64, header[WORDS * 8] == 1);
+    Bulk { src_block_size, bytes, checksum, slice, rank: word(6), ranks: word(7), streams: word(8) }
 }
 
 /// `n` connected pairs of TCP streams: the writer's ends and the reader's.
@@ -116,7 +130,7 @@ fn over_tcp(
         unsafe { reader.receive(&mut readers(&mut inn), bulk, &dst_blocks, tokens) }
     });
     let writer = Tcp::new(ours(&src, verify, faults));
-    let runs = Runs { src: &src_table, dst: &dst_table, num_tokens: tokens };
+    let runs = Runs::whole(&src_table, &dst_table, tokens);
     writer.write(runs, &KvFences::complete(), None, &mut ToSocket(&mut out)).unwrap();
     let landed = received.join().unwrap();
     (landed, digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens))
@@ -150,7 +164,7 @@ fn tcp_sends_a_computing_step_group_by_group_as_its_fences_are_set() {
         let writer = Tcp::new(ours(&src, true, FaultInjection::default()));
         let (src_blocks, dst_blocks) = (src_table.clone(), dst_table.clone());
         let written = std::thread::spawn(move || {
-            let runs = Runs { src: &src_blocks, dst: &dst_blocks, num_tokens: tokens };
+            let runs = Runs::whole(&src_blocks, &dst_blocks, tokens);
             writer.write(runs, &groups, None, &mut ToSocket(&mut out)).map_err(|e| e.to_string())
         });
         inn[0].set_read_timeout(Some(Duration::from_millis(200))).unwrap();
@@ -161,7 +175,7 @@ fn tcp_sends_a_computing_step_group_by_group_as_its_fences_are_set() {
             assert!(nothing_yet(&mut inn[0]), "group {layer} went before its fence was set");
             signals.remove(0).signal();
             let bulk = read_announcement(&mut inn[0]);
-            assert_eq!(bulk.layers, layer..layer + 1);
+            assert_eq!(bulk.slice.layers, layer..layer + 1);
             // Safety: the test owns every block of the reader's cache.
             unsafe { reader.receive(&mut readers(&mut inn), bulk, &dst_table, tokens) }.unwrap();
         }
@@ -174,12 +188,58 @@ fn tcp_sends_a_computing_step_group_by_group_as_its_fences_are_set() {
     let (fences, mut signals): (Vec<_>, Vec<_>) = (0..3).map(|_| HostFence::pair()).unzip();
     let groups = KvFences::host(fences.into_iter().enumerate().map(|(l, f)| (l..l + 1, f)).collect());
     let writer = Tcp::new(ours(&src, false, FaultInjection::default()));
-    let runs = Runs { src: &src_table, dst: &src_table, num_tokens: tokens };
+    let runs = Runs::whole(&src_table, &src_table, tokens);
     signals.remove(0).signal();
     drop(signals);
     let (mut sink, _keep) = streams(1);
     let result = writer.write(runs, &groups, None, &mut ToSocket(&mut sink));
     assert!(matches!(result, Err(WriteError::Failed(ref e)) if e.contains("without writing")), "{result:?}");
+}
+
+/// A tensor-parallel writer's ranks each write their own heads of every group of layers, rank
+/// after rank within each group; between block sizes and over several streams the reader
+/// lands each, the other ranks' heads untouched until theirs come, and all of them make the
+/// whole KV.
+#[test]
+fn tcp_writes_each_ranks_heads_of_each_group_as_a_write_of_its_own() {
+    use tandem_compute::cuda::HostFence;
+    let tokens = 45;
+    let (src, src_table) = engine(16, tokens, 5, true);
+    for (to, n) in [(16, 1), (8, 3)] {
+        let (dst, dst_table) = engine(to, tokens, 7, false);
+        let (mut out, mut inn) = streams(n);
+        let (fences, signals): (Vec<_>, Vec<_>) = (0..3).map(|_| HostFence::pair()).unzip();
+        let groups = KvFences::host(fences.into_iter().enumerate().map(|(l, f)| (l..l + 1, f)).collect());
+        signals.into_iter().for_each(|s| s.signal());
+        let writer = Tcp::new(ours(&src, true, FaultInjection::default()));
+        let (src_blocks, dst_blocks) = (src_table.clone(), dst_table.clone());
+        let written = std::thread::spawn(move || {
+            let runs = Runs { ranks: 2, ..Runs::whole(&src_blocks, &dst_blocks, tokens) };
+            writer.write(runs, &groups, None, &mut ToSocket(&mut out)).map_err(|e| e.to_string())
+        });
+        let reader = Tcp::new(ours(&dst, true, FaultInjection::default()));
+        // A value of head 1 of the first token, layer 0 (keys), as the reader's blocks hold it.
+        let head1 = |region: &KvRegion, table: &[u32], block_size: usize| {
+            let l = layout(block_size);
+            // Safety: the writer and reader are done with these blocks when it is read.
+            let block: &[f32] = bytemuck::cast_slice(unsafe { region.bytes(table[0] as usize, 1) });
+            block[l.plane_offset_in_block(0, 0, 1)]
+        };
+        for (layer, rank) in (0..3).flat_map(|l| [(l, 0), (l, 1)]) {
+            let bulk = read_announcement(&mut inn[0]);
+            assert_eq!((bulk.slice.layers.clone(), bulk.slice.heads.clone()), (layer..layer + 1, rank..rank + 1));
+            assert_eq!((bulk.rank, bulk.ranks), (rank, 2));
+            // Safety: the test owns every block of the reader's cache.
+            unsafe { reader.receive(&mut readers(&mut inn), bulk, &dst_table, tokens) }.unwrap();
+            if (layer, rank) == (0, 0) {
+                assert_eq!(head1(&dst, &dst_table, to), 0.0, "rank 1's heads before rank 1 wrote them");
+            }
+        }
+        written.join().unwrap().unwrap();
+        assert_ne!(head1(&src, &src_table, 16), 0.0);
+        assert_eq!(head1(&dst, &dst_table, to), head1(&src, &src_table, 16));
+        assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "16 -> {to}, {n} streams");
+    }
 }
 
 #[test]
@@ -193,7 +253,7 @@ fn tcp_detects_a_flipped_bit_and_fails_before_announcing_when_staging_fails() {
     // A copy that fails before any byte leaves: nothing is announced, the caller tells the peer.
     let (src, table) = engine(16, 40, 5, true);
     let failing = Tcp::new(ours(&src, false, FaultInjection { fail_host_copies: true, ..Default::default() }));
-    let runs = Runs { src: &table, dst: &table, num_tokens: 40 };
+    let runs = Runs::whole(&table, &table, 40);
     let written = failing.write(runs, &KvFences::complete(), None, &mut NoAnnounce);
     assert!(matches!(written, Err(WriteError::Failed(ref e)) if e.contains("injected")), "{written:?}");
 }
@@ -207,7 +267,7 @@ fn local_copies_block_runs_between_block_sizes_and_not_to_a_peer_gone() {
         let peer = Arc::new(KvMemory::from(dst.clone()));
         local::register(&key, &peer);
         let writer = Local::new(ours(&src, false, FaultInjection::default()), local::find(&key).unwrap());
-        let runs = Runs { src: &src_table, dst: &dst_table, num_tokens: tokens };
+        let runs = Runs::whole(&src_table, &dst_table, tokens);
         writer.write(runs, &KvFences::complete(), None, &mut NoAnnounce).unwrap();
         assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "{from} -> {to}");
         // A block list that does not cover the tokens is refused before any copy.
@@ -291,7 +351,7 @@ fn nixl_writes_and_reads_block_runs_between_block_sizes() {
 
     // Push: prefill WRITEs decode's blocks, then its notification; decode confirms the landing.
     let pushed = TransferId("pushed".into());
-    let runs = Runs { src: &src_table, dst: &dst_table, num_tokens: tokens };
+    let runs = Runs::whole(&src_table, &dst_table, tokens);
     writer.write(runs, &KvFences::complete(), Some(&pushed), &mut NoAnnounce).unwrap();
     reader.confirm_landed(&pushed).unwrap();
     assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "pushed");
@@ -304,7 +364,7 @@ fn nixl_writes_and_reads_block_runs_between_block_sizes() {
     let groups = KvFences::host(fences.into_iter().zip([0..1, 1..3]).map(|(f, l)| (l, f)).collect());
     let grouped = TransferId("grouped".into());
     signals.into_iter().for_each(|s| s.signal());
-    let runs = Runs { src: &src_table, dst: &grouped_into, num_tokens: tokens };
+    let runs = Runs::whole(&src_table, &grouped_into, tokens);
     writer.write(runs, &groups, Some(&grouped), &mut NoAnnounce).unwrap();
     reader.confirm_landed(&grouped).unwrap();
     assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &grouped_into, tokens), "pushed in groups");
@@ -393,7 +453,7 @@ fn cuda_ipc_writes_block_runs_into_another_process() {
             let tokens = 150;
             let src: Vec<u32> = (0..ours_layout.blocks_for(tokens) as u32).map(|b| (b * 5 + 2) % 64).collect();
             let dst: Vec<u32> = (0..peer_layout.blocks_for(tokens) as u32).map(|b| (b * 7 + 3) % 64).collect();
-            let runs = Runs { src: &src, dst: &dst, num_tokens: tokens };
+            let runs = Runs::whole(&src, &dst, tokens);
             writer.write(runs, &KvFences::complete(), None, &mut NoAnnounce).unwrap();
             let blocks: Vec<String> = dst.iter().map(u32::to_string).collect();
             writeln!(stdin, "digest {tokens} {}", blocks.join(",")).unwrap();
