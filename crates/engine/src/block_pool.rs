@@ -190,7 +190,12 @@ impl BlockAllocation {
             return Err(NoFreeBlocks { needed: n, free: inner.num_free });
         }
         // `num_free` counts the live free-list entries, so each take finds one.
+        let start = self.blocks.len();
         self.blocks.extend((0..n).map_while(|_| inner.take_fresh()));
+        // In ascending order: a request's blocks, freed tail first, come back as the runs of
+        // consecutive blocks they were rather than descending one by one, so the KV they will
+        // hold moves in a few large copies (a transfer's regions), not one copy a block.
+        self.blocks[start..].sort_unstable();
         Ok(())
     }
 
@@ -286,6 +291,25 @@ impl Drop for BlockAllocation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A prompt's blocks after other requests came and went are still runs of consecutive
+    /// blocks (they were one block each, descending, before fresh blocks were sorted).
+    #[test]
+    fn fresh_blocks_come_as_ascending_runs_after_frees() {
+        let pool = BlockPool::new(64);
+        for _ in 0..3 {
+            let mut a = pool.empty_allocation();
+            a.grow(20).unwrap();
+            let mut b = pool.empty_allocation();
+            b.grow(30).unwrap();
+            drop(a);
+            drop(b);
+        }
+        let mut c = pool.empty_allocation();
+        c.grow(40).unwrap();
+        let runs = tandem_compute::coalesce(&c.table()).len();
+        assert!(runs <= 3, "40 blocks in {runs} runs: {:?}", c.table());
+    }
 
     #[test]
     fn allocations_return_blocks_on_drop_and_are_all_or_nothing() {
