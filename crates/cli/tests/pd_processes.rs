@@ -187,8 +187,9 @@ fn prefill_and_decode_at_different_tensor_parallel_sizes_equal_colocated() {
             assert_eq!(g, w, "{mode} {p_ranks} -> {d_ranks} ranks: request {i}: {}", bodies[i]);
         }
         blocks_back(&http, [&s.p_url, &s.d_url]);
-        if mode == "push" {
-            // Each of prefill's ranks wrote its own heads and said Done: decode counted them all.
+        if p_ranks > 1 {
+            // Each of prefill's ranks moved its own heads and said so (push: its Done; pull: its
+            // answer to the read): decode counted them all.
             let counter = |name: &str| metric(&http, &s.d_url, &format!("tandem:kv_connector{{counter=\"{name}\"}}"));
             let (ok, notices) = (counter("transfers_ok").unwrap_or(0.0), counter("rank_notices").unwrap_or(0.0));
             assert!(ok > 0.0 && notices == ok * p_ranks as f64, "{p_ranks} ranks: {ok} transfers, {notices} notices");

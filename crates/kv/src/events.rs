@@ -125,8 +125,9 @@ pub struct ConnectorStats {
     /// Decode, push over tcp: groups of layers that landed (a step's KV sent group by group
     /// while its later layers computed), not counting writes of all layers.
     pub groups_landed: u64,
-    /// Decode, push over tcp from a tensor-parallel prefill engine: completions (`Done`) of its
-    /// ranks, each of which wrote its own KV heads (a transfer counts one a rank).
+    /// Decode, over tcp from a tensor-parallel prefill engine: its ranks' completions (push:
+    /// each rank's `Done`) and answers (pull: each rank's `BlockData`), each rank having moved
+    /// its own KV heads (a transfer counts one a rank).
     pub rank_notices: u64,
     /// Further TCP streams of tcp connections (`--kv-tcp-streams` above 1), opened or joined:
     /// bulk bytes are striped over a connection and its further streams.

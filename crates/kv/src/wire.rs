@@ -26,8 +26,9 @@
 //! - 10: `Hello` and `Challenge` before `Handshake`, `.proof` on `Handshake` and `JoinStream`:
 //!   with a cluster secret a mutual challenge-response, then every frame authenticated
 //!   ([`crate::seal`]).
-//! - 11: `WriteBlocks.rank` and `.ranks`, `Done.ranks`: a tensor-parallel prefill engine's ranks
-//!   each write their own KV heads over tcp and each send a `Done`; decode counts them.
+//! - 11: `WriteBlocks.rank` and `.ranks`, `Done.ranks`, `BlockData.rank` and `.ranks`: a
+//!   tensor-parallel prefill engine's ranks each write (push) or answer a read of (pull) their own
+//!   KV heads over tcp, and each send a `Done` (push); decode counts them.
 //!
 //! Layer: the ground floor but for `agent_info` and `error`, which it calls.
 
@@ -284,6 +285,13 @@ pub enum Message {
         /// As `WriteBlocks.streams`.
         #[serde(default = "one")]
         streams: usize,
+        /// As `WriteBlocks.rank`: a tensor-parallel holder's ranks each answer with their own
+        /// heads; the read is whole once every rank's have landed.
+        #[serde(default)]
+        rank: u32,
+        /// As `WriteBlocks.ranks`.
+        #[serde(default = "one_rank")]
+        ranks: u32,
     },
     /// Reply to `WriteBlocks`: the bytes were written (or why not).
     WriteAck {
@@ -453,6 +461,8 @@ mod tests {
                 digest: None,
                 grant_us: 0,
                 streams: 1,
+                rank: 0,
+                ranks: 1,
             },
             Message::WriteAck { transfer_id: t, error: None },
         ];
@@ -499,6 +509,8 @@ mod tests {
                 digest: None,
                 grant_us: 0,
                 streams: 1,
+                rank: 0,
+                ranks: 1,
             },
             Message::Done {
                 transfer_id: t,

@@ -115,7 +115,7 @@ impl Metrics {
             kv_bytes: counter("tandem:kv_load_bytes_total", "Decode legs: KV bytes received."),
             kv: {
                 let g = prometheus::IntGaugeVec::new(
-                    Opts::new("tandem:kv_connector", "KV connector counters (transfers, bytes, regions, expiries, unknown and duplicate ids, refused peers, checksum failures, connections by transport: links_tcp, links_local, links_cuda_ipc, links_nixl; rank_notices: tensor-parallel ranks' completions), by counter."),
+                    Opts::new("tandem:kv_connector", "KV connector counters (transfers, bytes, regions, expiries, unknown and duplicate ids, refused peers, checksum failures, connections by transport: links_tcp, links_local, links_cuda_ipc, links_nixl; rank_notices: tensor-parallel ranks' completions and answers), by counter."),
                     &["counter"],
                 )
                 .expect("metric definitions are static and valid");

@@ -206,16 +206,20 @@ pub(crate) fn on_block_data(
         return Ok(());
     }
     let num_tokens = shared.tables().incoming.get(&tid).map(|i| i.num_tokens).unwrap_or(0);
-    let landed = receive(
-        stream,
-        conn,
-        shared,
-        &tid,
-        WriteSpan::whole(num_tokens, shared.memory.layout().num_layers),
-        None,
-        bulk,
-    )?;
+    let (rank, ranks) = (bulk.rank, bulk.ranks);
+    let whole = WriteSpan::whole(num_tokens, shared.memory.layout().num_layers);
+    let span = WriteSpan { rank, ranks, last: rank + 1 == ranks, ..whole };
+    let landed = receive(stream, conn, shared, &tid, span, None, bulk)?;
+    if ranks > 1 && landed.is_ok() {
+        bump(&shared.counters.rank_notices, 1);
+    }
     let failure = shared.tables().incoming.get_mut(&tid).and_then(|i| i.failure.take());
+    // A tensor-parallel holder's ranks each answer with their own heads: the read is whole, and
+    // the lease released, once every rank's have landed (or one failed, or the request ended).
+    let waiting = shared.tables().incoming.get(&tid).is_some_and(|i| i.landing != Landing::Landed);
+    if landed.is_ok() && failure.is_none() && waiting {
+        return Ok(());
+    }
     // Release prefill's blocks whatever happened here: we will not read them again.
     let outcome = match (&landed, &failure) {
         (Ok(()), None) => DoneStatus::Ok,

@@ -115,8 +115,10 @@ pub(crate) fn on_read_blocks(
             return conn.send(&refused(shared, tid, refusal.reason, direct));
         }
     };
-    // Decode holds the first `skip` tokens' KV: the rest is read.
-    let runs = Runs::whole(&src, &dst, num_tokens - skip);
+    // Decode holds the first `skip` tokens' KV: the rest is read (each rank's heads answered on
+    // their own where the transport writes per rank).
+    let ranks = shared.write_ranks(&*conn.transport);
+    let runs = Runs { ranks, ..Runs::whole(&src, &dst, num_tokens - skip) };
     std::thread::sleep(shared.cfg.faults.slow_write);
     let sent = answer_read(shared, conn, &tid, runs);
     let failed_in_band = matches!(sent, Ok(false));
@@ -143,6 +145,8 @@ fn refused(shared: &Shared, tid: TransferId, reason: String, direct: bool) -> Me
         digest: None,
         grant_us: 0,
         streams: 1,
+        rank: 0,
+        ranks: 1,
     }
 }
 
@@ -181,6 +185,8 @@ fn answer_read(shared: &Shared, conn: &Conn, tid: &TransferId, runs: Runs<'_>) -
         digest: None,
         grant_us: 0,
         streams: bulk.streams,
+        rank: bulk.rank as u32,
+        ranks: bulk.ranks as u32,
     });
     match transport.write(runs, &complete, None, &mut frames) {
         Ok(()) => Ok(true),
@@ -223,6 +229,8 @@ fn answer_direct_read(
         digest,
         grant_us,
         streams: 1,
+        rank: 0,
+        ranks: 1,
     })
 }
 
