@@ -197,6 +197,35 @@ fn prefill_and_decode_at_different_tensor_parallel_sizes_equal_colocated() {
     }
 }
 
+/// A tensor-parallel prefill engine whose ranks' KV arrives corrupted (`--kv-verify` on both
+/// engines, every send with a flipped bit): in both modes decode refuses the first rank's
+/// heads, recomputes, and answers as colocated; every block comes back on both engines, and
+/// prefill hears of each transfer's end once (a later rank's answer to a pull read that already
+/// ended is drained, not released again: prefill sees no message about a transfer it let go).
+#[test]
+fn a_tensor_parallel_prefill_engines_corrupted_kv_is_recomputed_in_both_modes() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let model = "--model preset:tiny-qwen3-tp";
+    let (_c, c_url) = colocated(&http, model);
+    let bodies: Vec<Value> = (0..4)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..30 + 20 * i).map(|j| ((j * 11 + i) % 500) as u32).collect();
+            json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true})
+        })
+        .collect();
+    let want = run_concurrently(&c_url, &bodies);
+    for mode in ["push", "pull"] {
+        let s = system(mode, &format!("{model} --tensor-parallel-size 2 --fault-corrupt-sends"), model);
+        let got = run_concurrently(&s.r_url, &bodies);
+        assert_eq!(got, want, "{mode}: recomputed answers equal colocated's");
+        let counter = |url: &str, name: &str| metric(&http, url, &format!("tandem:kv_connector{{counter=\"{name}\"}}"));
+        assert_eq!(counter(&s.d_url, "transfers_ok"), Some(0.0), "{mode}: no corrupted KV used");
+        assert!(counter(&s.d_url, "checksum_failures").is_some_and(|n| n >= 4.0), "{mode}");
+        assert_eq!(counter(&s.p_url, "unknown_ids"), Some(0.0), "{mode}: prefill heard of an ended transfer again");
+        blocks_back(&http, [&s.p_url, &s.d_url]);
+    }
+}
+
 /// A tensor-parallel prefill engine one of whose ranks' completion notices is lost: decode
 /// never starts a request on its other ranks' word alone (their KV heads landed, the lost
 /// rank's too, but not its notice). It waits within its transfer timeout, then recomputes

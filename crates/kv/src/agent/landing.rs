@@ -205,11 +205,16 @@ pub(crate) fn on_block_data(
         shared.finish_incoming(&mut t, &tid, |inc| ConnectorEvent::Failed { request_id: inc.request_id, reason });
         return Ok(());
     }
-    let num_tokens = shared.tables().incoming.get(&tid).map(|i| i.num_tokens).unwrap_or(0);
+    let num_tokens = shared.tables().incoming.get(&tid).map(|i| i.num_tokens);
     let (rank, ranks) = (bulk.rank, bulk.ranks);
-    let whole = WriteSpan::whole(num_tokens, shared.memory.layout().num_layers);
+    let whole = WriteSpan::whole(num_tokens.unwrap_or(0), shared.memory.layout().num_layers);
     let span = WriteSpan { rank, ranks, last: rank + 1 == ranks, ..whole };
     let landed = receive(stream, conn, shared, &tid, span, None, bulk)?;
+    if num_tokens.is_none() && rank > 0 {
+        // A later rank's answer to a read that ended on an earlier one's (which released the
+        // lease): its bytes are drained, nothing is left to release.
+        return Ok(());
+    }
     if ranks > 1 && landed.is_ok() {
         bump(&shared.counters.rank_notices, 1);
     }
