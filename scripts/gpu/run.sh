@@ -20,6 +20,8 @@
 #   ncu-src KERNEL_REGEX "ARG ...": Nsight Compute's per-instruction warp stall samples of
 #   one launch of the matching kernel in a batch-1 decode, summarised by SASS basic block
 #   (scripts/gpu/ncu_hot.py; raw CSV in $OUT/ncu_src.csv): where its warps wait;
+#   ncu-prefill [TOKENS]: the same two views of one launch of the prefill attention kernel
+#   (flash_prefill_hd128) on a TOKENS-token prompt (default 16384; issue 50);
 #   ipc: kernel, engine and kv_transport tests (cuda-ipc alone, into another process), P/D over tcp and cuda-ipc (pd_check.py) and `tandem bench kv
 #   --transport cuda-ipc` (also into cuda:1 when there are two GPUs) and the tcp benchmarks
 #   (SKIP_TCP=1 leaves those out);
@@ -459,6 +461,29 @@ if [ "$MODE" = ncu-src ]; then
   python3 scripts/gpu/ncu_hot.py "$OUT/ncu_src.csv" 25 | tee -a "$OUT/summary.txt"
   exit 0
 fi
+if [ "$MODE" = ncu-prefill ]; then
+  # Issue 50: where the prefill attention kernel's time goes on a long prompt (argument 2, default
+  # 16384 tokens): one launch of flash_prefill_hd128 (a middle layer of a measured prefill: the
+  # skip passes the decode prompts' and warm-up's launches whatever they are) through Nsight
+  # Compute, first its speed of light, occupancy and warp stall reasons (ncu_table.py), then its
+  # per-SASS-block stall samples (ncu_hot.py).
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 2; }
+  tokens=${2:-16384}
+  run_ncu() {  # OUTPUT NCU_ARGS...
+    local csv=$1; shift
+    timeout 280 "$NCU" --clock-control none -k "regex:^flash_prefill_hd128$" --launch-skip 54 --launch-count 1 "$@" --csv \
+      "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1 --decode-steps 2 \
+      --prefill-tokens "$tokens" > "$OUT/$csv" 2> "$OUT/$csv.err" || { note "ncu $csv failed"; tail -5 "$OUT/$csv.err"; status=1; }
+  }
+  run_ncu ncu_prefill.csv --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+    --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' --page details --print-units base
+  python3 scripts/gpu/ncu_table.py "$OUT/ncu_prefill.csv" | tee -a "$OUT/summary.txt"
+  run_ncu ncu_prefill_src.csv --section SourceCounters --section WarpStateStats --page source --print-source sass
+  python3 scripts/gpu/ncu_hot.py "$OUT/ncu_prefill_src.csv" 25 | tee -a "$OUT/summary.txt"
+  exit $status
+fi
 if [ "$MODE" = sanitize ]; then
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   [ -n "$SAN" ] || { echo "no compute-sanitizer on this machine"; exit 2; }
@@ -485,7 +510,32 @@ if [ "$MODE" = tune ]; then
   exit $status
 fi
 
-for t in cuda_kernels cuda_model cuda_engine kv_transport; do
+# Reports test binary $1's run (its exit status $2, its output in /tmp/test_$1.log).
+report_test() {
+  local t=$1 rc=$2
+  if [ "$rc" = 0 ]; then
+    note "test $t: ok"
+    # On a GPU nothing may skip: a skipped check would count as passed.
+    if grep -qi "skipp" "/tmp/test_$t.log"; then
+      note "test $t: FAILED (tests skipped on a GPU)"; status=1
+      grep -i "skipp" "/tmp/test_$t.log" | head -5 >> "$OUT/summary.txt"
+    fi
+  else
+    note "test $t: FAILED"; status=1
+    grep -B2 -A6 "panicked" "/tmp/test_$t.log" | head -30 >> "$OUT/summary.txt"
+  fi
+  cat "/tmp/test_$t.log" >> "$OUT/tests.log"
+}
+tests="cuda_kernels cuda_model cuda_engine kv_transport"
+if [ "$MODE" = quick ]; then
+  # The engine tests (the longest, about 260 s on the H200) run beside the others, so that
+  # quick, P/D included, fits one call.
+  ( timeout 300 "$BIN/cuda_engine" --include-ignored --test-threads=1 --nocapture > /tmp/test_cuda_engine.log 2>&1
+    echo $? > /tmp/test_cuda_engine.rc ) &
+  engine_tests=$!
+  tests="cuda_kernels cuda_model kv_transport"
+fi
+for t in $tests; do
   if [ "$t" = cuda_model ]; then
     python3 scripts/gpu/make_hf_reference.py /tmp/hfref > "$OUT/hfref.log" 2>&1 || { note "make_hf_reference failed"; tail -20 "$OUT/hfref.log"; }
     export TANDEM_HF_REFERENCE=/tmp/hfref
@@ -500,19 +550,13 @@ for t in cuda_kernels cuda_model cuda_engine kv_transport; do
     grep -h "^diagnostic transformers" "$OUT/hfref.log" | head -2 | while read -r line; do note "$line"; done
     cat /tmp/test_hf32.log >> "$OUT/tests.log"
   fi
-  if timeout 300 "$BIN/$t" --include-ignored --test-threads=1 --nocapture > /tmp/test_$t.log 2>&1; then
-    note "test $t: ok"
-    # On a GPU nothing may skip: a skipped check would count as passed.
-    if grep -qi "skipp" /tmp/test_$t.log; then
-      note "test $t: FAILED (tests skipped on a GPU)"; status=1
-      grep -i "skipp" /tmp/test_$t.log | head -5 >> "$OUT/summary.txt"
-    fi
-  else
-    note "test $t: FAILED"; status=1
-    grep -B2 -A6 "panicked" /tmp/test_$t.log | head -30 >> "$OUT/summary.txt"
-  fi
-  cat /tmp/test_$t.log >> "$OUT/tests.log"
+  timeout 300 "$BIN/$t" --include-ignored --test-threads=1 --nocapture > "/tmp/test_$t.log" 2>&1
+  report_test "$t" $?
 done
+if [ -n "${engine_tests:-}" ]; then
+  wait "$engine_tests"
+  report_test cuda_engine "$(cat /tmp/test_cuda_engine.rc 2>/dev/null || echo 1)"
+fi
 grep -h "^diagnostic" "$OUT/hfref.log" | head -8; grep -h "^diagnostic transformers" "$OUT/hfref.log"
 grep -h "relative error\|tokens equal\|diverged\|shapes checked\|prompts matched\|worst logits" "$OUT/tests.log" | tail -50
 
