@@ -177,6 +177,26 @@ mod tests {
     use super::*;
     use tandem_compute::KvCache;
 
+    /// A slice's spans are the bytes its wire layout says, in the block's order; ranks split the
+    /// heads evenly or not at all.
+    #[test]
+    fn slices_cut_blocks_into_their_layers_and_ranks_heads() {
+        let l = KvLayout { num_layers: 3, num_kv_heads: 4, head_dim: 2, block_size: 2, num_blocks: 1 };
+        let plane = l.head_plane() * 4; // bytes of one (layer, k|v, head) plane, f32
+        let all = KvSlice::all(&l);
+        assert_eq!(all.spans(&l, 4), vec![0..l.block_elems() * 4]);
+        assert_eq!(KvSlice::of_layers(&l, 1..3).spans(&l, 4), vec![8 * plane..24 * plane]);
+        let rank1 = KvSlice::of_layers(&l, 1..2).of_rank(&l, 1, 2).unwrap();
+        assert_eq!(rank1.heads, 2..4);
+        assert_eq!(rank1.spans(&l, 4), vec![10 * plane..12 * plane, 14 * plane..16 * plane]);
+        let bytes: usize = rank1.spans(&l, 4).iter().map(|s| s.len()).sum();
+        assert_eq!(bytes as u64, rank1.wire_bytes(&l, KvDtype::F32, 2));
+        assert!(all.clone().of_rank(&l, 0, 3).is_err(), "4 heads do not split into 3 ranks");
+        assert!(all.clone().of_rank(&l, 2, 2).is_err() && all.clone().of_rank(&l, 0, 0).is_err());
+        assert!(KvSlice { layers: 2..4, heads: 0..4 }.check(&l).is_err());
+        assert!(KvSlice { layers: 0..1, heads: 1..1 }.check(&l).is_err());
+    }
+
     /// Fills a source cache with a value unique to (token, layer, kv, head, d), moves it into a
     /// destination with another block size and scattered blocks, and checks every element.
     #[test]

@@ -201,6 +201,11 @@ fn each_ranks_heads_land_in_order_and_the_transfer_with_every_rank() {
         assert!(matches!(t.begin_write(&tid, span, None, 16), Err(NoWrite::Refused)), "{why}");
     };
     refused(&mut t, WriteSpan { ranks: 0, ..slice(0, 16, 0..2, false, 0) }, "no ranks");
+    refused(
+        &mut t,
+        WriteSpan { ranks: MAX_RANKS + 1, ..slice(0, 16, 0..2, false, 0) },
+        "more ranks than any engine has",
+    );
     refused(&mut t, slice(0, 16, 0..2, false, 2), "a rank past the count");
     // Tokens 0..16 group by group, rank 0 then rank 1 each group; then the last 4 tokens.
     for (layers, rank) in [(0..1, 0), (0..1, 1), (1..2, 0)] {
