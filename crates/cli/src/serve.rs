@@ -223,6 +223,12 @@ pub struct KvArgs {
     /// where four left 5.8.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub kv_tcp_streams: u16,
+    /// A GPU engine's push over tcp copies each group of layers of a step still computing from
+    /// the device cache to the host copy as soon as the step has written it, while the groups
+    /// before it are on the sockets (off: each group is copied once the one before has gone).
+    /// To be measured on a GPU before it becomes the default.
+    #[arg(long)]
+    pub kv_stage_ahead: bool,
     /// Test only: prefill drops push completion notifications (exercises the timeout path).
     #[arg(long, hide = true)]
     pub fault_drop_done: bool,
@@ -307,6 +313,7 @@ fn kv_setup(
             transport: k.kv_transport.to_kv(),
             verify: k.kv_verify,
             tcp_streams: k.kv_tcp_streams.into(),
+            stage_ahead: k.kv_stage_ahead,
             tp_size: 1,
             nixl_min_gb_s: k.kv_nixl_min_gb_s,
             nixl_pull: k.kv_nixl_pull.to_kv(),

@@ -137,6 +137,11 @@ pub struct ConnectorConfig {
     /// pair uses the smaller of its two ends' counts; 1: the side channel alone). One stream
     /// tops out near 3 GB/s on a loopback; several keep up with a GPU's prefill.
     pub tcp_streams: usize,
+    /// `--kv-stage-ahead`: a GPU engine's push over tcp queues the copies of every group of
+    /// layers of a step still computing to the host copy at once, each behind its group's fence
+    /// on the device, so that one group's copy overlaps the socket send of the group before it
+    /// (off: each group is copied once the one before has gone).
+    pub stage_ahead: bool,
     /// Tensor-parallel ranks of the engine whose KV this connector moves, said at handshake.
     /// Every rank's KV heads lie in one region laid out as a one-rank engine's, so engines of
     /// any rank counts pair; over tcp a push writes each rank's heads as writes of their own,

@@ -3,7 +3,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use tandem_compute::cuda::{DeviceKvMemory, HostCopies};
+use tandem_compute::cuda::{DeviceKvMemory, HostCopies, KvFence};
 use tandem_compute::kv_digest::kv_digest_host;
 use tandem_compute::{KvDtype, KvLayout, KvRegion};
 
@@ -114,6 +114,36 @@ impl KvMemory {
         for &piece in pieces {
             // Safety: passed on from the caller.
             unsafe { copies.download(piece, layers.clone()) }.map_err(KvError::Transfer)?;
+        }
+        Ok(StagedSend(Some(copies)))
+    }
+
+    /// [`KvMemory::stage_send`] of every group of layers of a step at once: each group's copies
+    /// queued behind its fence on the device, on a stream of their own, so that a group's copy
+    /// runs as soon as the step has written it, while the groups before it are on the socket.
+    /// Piece `i` of group `g` is `g * pieces.len() + i` for [`StagedSend::ready`]. A group whose
+    /// fence a host thread sets (never a GPU step's) is waited for here. Nothing is copied for a
+    /// CPU engine.
+    ///
+    /// # Safety
+    /// As [`KvMemory::stage_send`].
+    pub unsafe fn stage_send_ahead(
+        &self,
+        pieces: &[crate::blocks::BlockRun],
+        groups: &[(Range<usize>, Option<&KvFence>)],
+    ) -> Result<StagedSend<'_>, KvError> {
+        let (Some(device), Some(host)) = (&self.device, &self.host) else { return Ok(StagedSend(None)) };
+        let mut copies = device.host_copies_apart(host).map_err(KvError::Transfer)?;
+        for (layers, fence) in groups {
+            match fence.map(|f| (f.event(), f)) {
+                Some((Some(event), _)) => copies.after(event).map_err(KvError::Transfer)?,
+                Some((None, fence)) => fence.wait().map_err(KvError::Transfer)?,
+                None => {}
+            }
+            for &piece in pieces {
+                // Safety: passed on from the caller.
+                unsafe { copies.download(piece, layers.clone()) }.map_err(KvError::Transfer)?;
+            }
         }
         Ok(StagedSend(Some(copies)))
     }

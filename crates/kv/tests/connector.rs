@@ -40,6 +40,9 @@ fn config(role: Role, mode: KvMode) -> ConnectorConfig {
         // Every tcp pair here stripes its bytes over three streams (the tests' KV is a few
         // pages: each stream carries some).
         tcp_streams: 3,
+        // The sends' copies queued ahead (on a CPU engine: each group's host fence waited for
+        // in turn, as without it); router and process tests run the default.
+        stage_ahead: true,
         tp_size: 1,
         nixl_min_gb_s: 0.0,
         nixl_pull: tandem_kv::NixlPull::Auto,

@@ -499,7 +499,16 @@ impl DeviceKvMemory {
             return Err("the host copy's layout differs from the device cache's".into());
         }
         self.ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e}"))?;
-        Ok(HostCopies { mem: self, host, events: Vec::new() })
+        Ok(HostCopies { mem: self, host, stream: self.stream.clone(), events: Vec::new() })
+    }
+
+    /// [`DeviceKvMemory::host_copies`] on a stream of their own: copies that wait on the device
+    /// for a step still running ([`HostCopies::after`]) hold up no other transfer's copies, as
+    /// they would on the connector's shared stream.
+    pub fn host_copies_apart<'a>(&'a self, host: &'a KvRegion) -> Result<HostCopies<'a>, String> {
+        let mut copies = self.host_copies(host)?;
+        copies.stream = self.ctx.new_stream().map_err(|e| format!("creating a KV copy stream: {e}"))?;
+        Ok(copies)
     }
 
     /// Queues one `kv_scatter` launch on `stream` (a transfer stream) moving tokens `0..num_tokens` of
@@ -616,6 +625,8 @@ impl DeviceKvMemory {
 pub struct HostCopies<'a> {
     mem: &'a DeviceKvMemory,
     host: &'a KvRegion,
+    /// Where the copies are queued: the connector's stream, or one of their own.
+    stream: Arc<CudaStream>,
     events: Vec<CudaEvent>,
 }
 
@@ -653,6 +664,12 @@ impl HostCopies<'_> {
         self.mark()
     }
 
+    /// Copies queued from now on start, on the device, only once `event` (a step's mark that a
+    /// group of layers has written its KV) has completed; nothing waits on this thread.
+    pub fn after(&mut self, event: &CudaEvent) -> Result<(), String> {
+        self.stream.wait(event).map_err(|e| format!("queueing a KV copy behind a step: {e}"))
+    }
+
     /// Blocks (asleep) until piece `i` (and every piece before it) has been copied.
     pub fn wait(&self, i: usize) -> Result<(), String> {
         let event = self.events.get(i).ok_or_else(|| format!("no KV copy piece {i}"))?;
@@ -683,7 +700,7 @@ impl HostCopies<'_> {
         // contracts cover the copies that use it.
         let host = unsafe { self.host.bytes_mut(first, count) }.as_mut_ptr();
         let device = self.mem.alloc.ptr + (first * block_bytes) as u64;
-        let stream = self.mem.stream.cu_stream();
+        let stream = self.stream.cu_stream();
         // Safety: both spans lie inside their caches (checked above); the caller holds the
         // blocks, and the piece's event, waited for before they are used or given back (at
         // the latest on drop), ends the copy's use of them.
@@ -730,7 +747,7 @@ impl HostCopies<'_> {
     fn mark(&mut self) -> Result<usize, String> {
         let record = || -> Result<CudaEvent, CudaError> {
             let event = self.mem.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
-            event.record(&self.mem.stream)?;
+            event.record(&self.stream)?;
             Ok(event)
         };
         let event = record().map_err(|e| format!("recording a KV copy's event: {e}"))?;

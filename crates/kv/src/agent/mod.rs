@@ -121,7 +121,13 @@ pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -
             transports,
         )
     };
-    let ours = Ours { memory: memory.clone(), verify: cfg.verify, faults: cfg.faults.clone(), timeouts: cfg.timeouts };
+    let ours = Ours {
+        memory: memory.clone(),
+        verify: cfg.verify,
+        faults: cfg.faults.clone(),
+        stage_ahead: cfg.stage_ahead,
+        timeouts: cfg.timeouts,
+    };
     let picker = Picker { ours, policy: cfg.transport, local: cfg.local_transport, nixl };
     let (cmd_tx, cmd_rx) = mpsc::channel();
     let shared = Arc::new(Shared {

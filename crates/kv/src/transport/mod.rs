@@ -51,6 +51,9 @@ pub(crate) struct Ours {
     /// `--kv-verify`: inline bytes carry a CRC-32.
     pub verify: bool,
     pub faults: FaultInjection,
+    /// `--kv-stage-ahead`: a GPU engine's tcp sends queue every group of layers' copies to the
+    /// host copy at once, each behind its group's fence on the device.
+    pub stage_ahead: bool,
     /// Bounds NIXL's waits.
     #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
     pub timeouts: Timeouts,

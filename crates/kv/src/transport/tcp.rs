@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use tandem_compute::{KvLayout, KvRegion};
 
-use tandem_compute::cuda::KvFences;
+use tandem_compute::cuda::{KvFence, KvFences};
 use tandem_core::TransferId;
 
 pub use super::stripes::{recv_striped, send_striped, stripe_bytes, stripes_of, STRIPE_BYTES};
@@ -335,8 +335,25 @@ impl Tcp {
         unsafe { self.ours.memory.stage_send(pieces, layers) }
     }
 
+    /// [`KvMemory::stage_send_ahead`](crate::memory::KvMemory::stage_send_ahead), or its
+    /// injected failure.
+    ///
+    /// # Safety
+    /// As `stage_send_ahead`.
+    unsafe fn stage_send_ahead(
+        &self,
+        pieces: &[BlockRun],
+        groups: &[(Range<usize>, Option<&KvFence>)],
+    ) -> Result<StagedSend<'_>, KvError> {
+        if self.ours.faults.fail_host_copies {
+            return Err(KvError::Transfer("copying KV to the host copy failed: injected".into()));
+        }
+        // Safety: passed on from the caller.
+        unsafe { self.ours.memory.stage_send_ahead(pieces, groups) }
+    }
+
     /// Announces `what.1` of the pieces `what.0` as rank `rank.0` of `rank.1`'s write and sends
-    /// its bytes, each piece once `staged` has it in the host copy.
+    /// its bytes, each piece `i` once `ready(i)` says it is in the host copy.
     ///
     /// # Safety
     /// As [`send_staged`], for the pieces' blocks.
@@ -346,7 +363,7 @@ impl Tcp {
         what: (&[BlockRun], KvSlice),
         (rank, ranks): (usize, usize),
         num_tokens: usize,
-        staged: &StagedSend<'_>,
+        ready: &mut dyn FnMut(usize) -> Result<(), KvError>,
         out: &mut dyn Announce,
     ) -> Result<(), WriteError> {
         let (pieces, slice) = what;
@@ -360,11 +377,10 @@ impl Tcp {
         let mut first = FlipFirstBit { inner: first, flipped: !self.ours.faults.corrupt_sends };
         let mut streams: Vec<&mut (dyn Write + Send)> = vec![&mut first];
         streams.extend(announced);
-        let mut ready = |i| staged.ready(i);
         match &mut streams[..] {
             // Safety (both): passed on from the caller.
-            [w] => unsafe { send_staged(w, region, (pieces, slice), num_tokens, checksum, &mut ready)? },
-            several => unsafe { send_striped_staged(several, region, (pieces, slice), checksum, &mut ready)? },
+            [w] => unsafe { send_staged(w, region, (pieces, slice), num_tokens, checksum, ready)? },
+            several => unsafe { send_striped_staged(several, region, (pieces, slice), checksum, ready)? },
         };
         Ok(())
     }
@@ -394,26 +410,50 @@ impl Transport for Tcp {
         let region = self.ours.memory.host_region().map_err(|e| WriteError::Failed(e.to_string()))?;
         let pieces = send_pieces(region, src, num_tokens).map_err(|e| WriteError::Failed(e.to_string()))?;
         let layout = region.layout();
+        let failed = |e: KvError| WriteError::Failed(e.to_string());
         // A step still computing goes group by group of layers, each as soon as its fence says
         // its KV is written (a GPU engine's copy to the host copy then reads final KV), on the
         // socket while later layers compute; KV already final goes as one write of all layers.
         // A tensor-parallel engine's ranks each write their own heads of each group.
-        for (layers, fence) in fences.groups(layout.num_layers) {
-            if let Some(fence) = fence {
-                fence.wait().map_err(WriteError::Failed)?;
-            }
-            // Safety: the caller holds the source blocks (produced KV, or a lease being read)
-            // for this call; the engine does not schedule them meanwhile.
-            let staged =
-                unsafe { self.stage_send(&pieces, layers.clone()) }.map_err(|e| WriteError::Failed(e.to_string()))?;
+        let groups = fences.groups(layout.num_layers);
+        // `--kv-stage-ahead`: every group's copies to the host copy queued now, each behind its
+        // group's fence on the device, so a group is copied as soon as it is computed while the
+        // ones before it are on the socket (else each is copied once the one before has gone).
+        // Safety (this and the copies below): the caller holds the source blocks (produced KV,
+        // or a lease being read) for this call; the engine does not schedule them meanwhile.
+        let ahead = match self.ours.stage_ahead && !fences.is_complete() {
+            true => Some(unsafe { self.stage_send_ahead(&pieces, &groups) }.map_err(failed)?),
+            false => None,
+        };
+        for (g, (layers, fence)) in groups.iter().enumerate() {
+            let staged_here;
+            let (staged, first_piece) = match &ahead {
+                Some(all) => {
+                    // A device fence is waited for by the copies; a host thread's, here.
+                    if let Some(fence) = fence.filter(|f| f.event().is_none()) {
+                        fence.wait().map_err(WriteError::Failed)?;
+                    }
+                    (all, g * pieces.len())
+                }
+                None => {
+                    if let Some(fence) = fence {
+                        fence.wait().map_err(WriteError::Failed)?;
+                    }
+                    staged_here = unsafe { self.stage_send(&pieces, layers.clone()) }.map_err(failed)?;
+                    (&staged_here, 0)
+                }
+            };
             for rank in 0..ranks.max(1) {
                 let slice = KvSlice::of_layers(layout, layers.clone());
                 let slice = match ranks {
                     0 | 1 => slice,
                     _ => slice.of_rank(layout, rank, ranks).map_err(WriteError::Failed)?,
                 };
+                let mut ready = |i| staged.ready(first_piece + i);
                 // Safety: as above.
-                unsafe { self.send_slice(region, (&pieces, slice), (rank, ranks.max(1)), num_tokens, &staged, out)? };
+                unsafe {
+                    self.send_slice(region, (&pieces, slice), (rank, ranks.max(1)), num_tokens, &mut ready, out)?
+                };
             }
         }
         Ok(())

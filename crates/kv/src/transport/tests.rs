@@ -44,7 +44,7 @@ fn engine(block_size: usize, tokens: usize, stride: u32, filled: bool) -> (Arc<K
 }
 
 fn ours(region: &Arc<KvRegion>, verify: bool, faults: FaultInjection) -> Ours {
-    Ours { memory: KvMemory::from(region.clone()), verify, faults, timeouts: Timeouts::default() }
+    Ours { memory: KvMemory::from(region.clone()), verify, faults, stage_ahead: false, timeouts: Timeouts::default() }
 }
 
 /// Tokens `0..tokens` of `table` in `region`, digested.
@@ -148,20 +148,20 @@ fn tcp_moves_block_runs_between_block_sizes() {
 }
 
 /// A step still computing goes group of layers by group, each only once its fence is set, and
-/// lands group by group between block sizes; a group whose computing thread gave it up fails
-/// the write with the groups before it sent.
+/// lands group by group between block sizes (with the copies staged ahead or not); a group
+/// whose computing thread gave it up fails the write with the groups before it sent.
 #[test]
 fn tcp_sends_a_computing_step_group_by_group_as_its_fences_are_set() {
     use std::time::Duration;
     use tandem_compute::cuda::HostFence;
     let tokens = 77;
     let (src, src_table) = engine(16, tokens, 5, true);
-    for n in [1, 2] {
+    for (n, stage_ahead) in [(1, false), (2, false), (1, true), (2, true)] {
         let (dst, dst_table) = engine(8, tokens, 7, false);
         let (mut out, mut inn) = streams(n);
         let (fences, mut signals): (Vec<_>, Vec<_>) = (0..3).map(|_| HostFence::pair()).unzip();
         let groups = KvFences::host(fences.into_iter().enumerate().map(|(l, f)| (l..l + 1, f)).collect());
-        let writer = Tcp::new(ours(&src, true, FaultInjection::default()));
+        let writer = Tcp::new(Ours { stage_ahead, ..ours(&src, true, FaultInjection::default()) });
         let (src_blocks, dst_blocks) = (src_table.clone(), dst_table.clone());
         let written = std::thread::spawn(move || {
             let runs = Runs::whole(&src_blocks, &dst_blocks, tokens);
@@ -180,7 +180,7 @@ fn tcp_sends_a_computing_step_group_by_group_as_its_fences_are_set() {
             unsafe { reader.receive(&mut readers(&mut inn), bulk, &dst_table, tokens) }.unwrap();
         }
         written.join().unwrap().unwrap();
-        assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "{n} streams");
+        assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "{n} streams, {stage_ahead}");
     }
 
     // The computing thread drops the second group's signal: the first group went, then the
@@ -317,6 +317,7 @@ fn nixl_writes_and_reads_block_runs_between_block_sizes() {
             transport: KvTransport::Nixl,
             verify: false,
             tcp_streams: 1,
+            stage_ahead: false,
             tp_size: 1,
             nixl_min_gb_s: 0.0,
             nixl_pull: NixlPull::Read,
@@ -443,6 +444,7 @@ fn cuda_ipc_writes_block_runs_into_another_process() {
             memory: memory.clone(),
             verify: false,
             faults: FaultInjection::default(),
+            stage_ahead: false,
             timeouts: Timeouts::default(),
         };
         let mut stdin = peer.stdin.take().unwrap();

@@ -126,6 +126,7 @@ pub async fn start_engine(m: LoadedModel, role: Option<(Role, KvMode)>, block_si
             transport: k.transport,
             verify: k.verify,
             tcp_streams: k.tcp_streams,
+            stage_ahead: false,
             tp_size: 1,
             nixl_min_gb_s: k.nixl_min_gb_s,
             nixl_pull: k.nixl_pull,
