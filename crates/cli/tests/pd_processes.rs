@@ -89,6 +89,11 @@ fn metric(http: &reqwest::blocking::Client, url: &str, name: &str) -> Option<f64
     text.lines().find(|l| l.starts_with(name)).and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
+/// The engine's KV connector counter `name` (`tandem:kv_connector{counter="name"}`).
+fn kv_counter(http: &reqwest::blocking::Client, url: &str, name: &str) -> Option<f64> {
+    metric(http, url, &format!("tandem:kv_connector{{counter=\"{name}\"}}"))
+}
+
 struct System {
     p: Proc,
     p_args: Vec<String>,
@@ -190,7 +195,7 @@ fn prefill_and_decode_at_different_tensor_parallel_sizes_equal_colocated() {
         if p_ranks > 1 {
             // Each of prefill's ranks moved its own heads and said so (push: its Done; pull: its
             // answer to the read): decode counted them all.
-            let counter = |name: &str| metric(&http, &s.d_url, &format!("tandem:kv_connector{{counter=\"{name}\"}}"));
+            let counter = |name: &str| kv_counter(&http, &s.d_url, name);
             let (ok, notices) = (counter("transfers_ok").unwrap_or(0.0), counter("rank_notices").unwrap_or(0.0));
             assert!(ok > 0.0 && notices == ok * p_ranks as f64, "{p_ranks} ranks: {ok} transfers, {notices} notices");
         }
@@ -218,7 +223,7 @@ fn a_tensor_parallel_prefill_engines_corrupted_kv_is_recomputed_in_both_modes() 
         let s = system(mode, &format!("{model} --tensor-parallel-size 2 --fault-corrupt-sends"), model);
         let got = run_concurrently(&s.r_url, &bodies);
         assert_eq!(got, want, "{mode}: recomputed answers equal colocated's");
-        let counter = |url: &str, name: &str| metric(&http, url, &format!("tandem:kv_connector{{counter=\"{name}\"}}"));
+        let counter = |url: &str, name: &str| kv_counter(&http, url, name);
         assert_eq!(counter(&s.d_url, "transfers_ok"), Some(0.0), "{mode}: no corrupted KV used");
         assert!(counter(&s.d_url, "checksum_failures").is_some_and(|n| n >= 4.0), "{mode}");
         assert_eq!(counter(&s.p_url, "unknown_ids"), Some(0.0), "{mode}: prefill heard of an ended transfer again");
@@ -252,7 +257,7 @@ fn a_prefill_ranks_lost_notice_leaves_decode_waiting_within_its_bound_then_recom
     let waited = started.elapsed();
     assert_eq!(got, want, "recomputed answers equal colocated's");
     assert!(waited >= Duration::from_secs(2) && waited < Duration::from_secs(20), "waited {waited:?}");
-    let counter = |name: &str| metric(&http, &s.d_url, &format!("tandem:kv_connector{{counter=\"{name}\"}}"));
+    let counter = |name: &str| kv_counter(&http, &s.d_url, name);
     assert_eq!(counter("transfers_ok"), Some(0.0), "no request started on part of its ranks' word");
     assert_eq!(counter("rank_notices"), Some(4.0), "rank 0's notice of each request counted");
     assert_eq!(counter("transfers_failed"), Some(4.0), "each transfer given up at its timeout");
@@ -291,7 +296,7 @@ fn a_tensor_parallel_rank_dying_mid_transfer_or_mid_decode_answers_nothing_wrong
         assert!(started.elapsed() < Duration::from_secs(10), "{what}: bounded: {:?}", started.elapsed());
         if mode == "push" {
             // Prefill's steps before the failed one had pushed their KV (decode's: all of it).
-            let received = metric(&http, &s.d_url, "tandem:kv_connector{counter=\"bytes_received\"}");
+            let received = kv_counter(&http, &s.d_url, "bytes_received");
             assert!(received.is_some_and(|b| b > 0.0), "{what}: no KV had moved: {received:?}");
         }
         // Within 20 s: before decode's 30 s transfer timeout would have freed them.
@@ -430,8 +435,7 @@ fn push_and_pull_across_processes_equal_colocated() {
             }
             // Counters are published by the engine loop a moment after the transfer.
             let deadline = Instant::now() + Duration::from_secs(5);
-            while metric(&http, &s.p_url, "tandem:kv_connector{counter=\"transfers_ok\"}") != Some(bodies.len() as f64)
-            {
+            while kv_counter(&http, &s.p_url, "transfers_ok") != Some(bodies.len() as f64) {
                 assert!(Instant::now() < deadline, "{model}, {mode}: prefill did not count {} transfers", bodies.len());
                 std::thread::sleep(Duration::from_millis(20));
             }
