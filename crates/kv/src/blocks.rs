@@ -39,7 +39,8 @@ impl KvSlice {
     }
 
     /// Rank `rank` of `ranks`' share of the slice's layers: as many of `layout`'s heads as
-    /// every other rank, in rank order; or why the heads do not split so.
+    /// every other rank, in rank order (rank 0 of 1: every head); or why the heads do not split
+    /// so (a peer naming such a rank breaks the protocol).
     pub fn of_rank(mut self, layout: &KvLayout, rank: usize, ranks: usize) -> Result<Self, String> {
         let heads = layout.num_kv_heads;
         if ranks == 0 || rank >= ranks || !heads.is_multiple_of(ranks) {

@@ -89,7 +89,8 @@ fn handle_message(stream: &mut KvStream, conn: &Arc<Conn>, shared: &Arc<Shared>,
             let layout = shared.memory.layout();
             let layers = layers.map_or(0..layout.num_layers, |[start, end]| start..end);
             let (rank, ranks) = (rank as usize, ranks as usize);
-            let slice = rank_slice(KvSlice::of_layers(&layout, layers.clone()), &layout, (rank, ranks))?;
+            let slice =
+                KvSlice::of_layers(&layout, layers.clone()).of_rank(&layout, rank, ranks).map_err(KvError::Protocol)?;
             let bulk = Bulk { src_block_size, bytes, checksum, slice, rank, ranks, streams };
             let span =
                 WriteSpan { from: from_token, num_tokens, last, layers, num_layers: layout.num_layers, rank, ranks };
@@ -111,7 +112,7 @@ fn handle_message(stream: &mut KvStream, conn: &Arc<Conn>, shared: &Arc<Shared>,
         } => {
             let layout = shared.memory.layout();
             let (rank, ranks) = (rank as usize, ranks as usize);
-            let slice = rank_slice(KvSlice::all(&layout), &layout, (rank, ranks))?;
+            let slice = KvSlice::all(&layout).of_rank(&layout, rank, ranks).map_err(KvError::Protocol)?;
             let bulk = Bulk { src_block_size, bytes, checksum, slice, rank, ranks, streams };
             let direct = direct.then_some(DirectEnd { copy_us, digest, grant_us });
             landing::on_block_data(stream, conn, shared, transfer_id, bulk, error, direct)?
@@ -144,17 +145,4 @@ fn handle_message(stream: &mut KvStream, conn: &Arc<Conn>, shared: &Arc<Shared>,
         }
     }
     Ok(())
-}
-
-/// Rank `rank.0` of `rank.1`'s heads of `slice` (all of them for a writer of one rank); a rank
-/// the heads do not split into is the peer's protocol error.
-fn rank_slice(
-    slice: KvSlice,
-    layout: &tandem_compute::KvLayout,
-    (rank, ranks): (usize, usize),
-) -> Result<KvSlice, KvError> {
-    match ranks {
-        1 if rank == 0 => Ok(slice),
-        _ => slice.of_rank(layout, rank, ranks).map_err(KvError::Protocol),
-    }
 }

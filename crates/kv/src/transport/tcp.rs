@@ -407,6 +407,7 @@ impl Transport for Tcp {
         out: &mut dyn Announce,
     ) -> Result<(), WriteError> {
         let Runs { src, num_tokens, ranks, .. } = runs;
+        let ranks = ranks.max(1);
         let region = self.ours.memory.host_region().map_err(|e| WriteError::Failed(e.to_string()))?;
         let pieces = send_pieces(region, src, num_tokens).map_err(|e| WriteError::Failed(e.to_string()))?;
         let layout = region.layout();
@@ -443,17 +444,12 @@ impl Transport for Tcp {
                     (&staged_here, 0)
                 }
             };
-            for rank in 0..ranks.max(1) {
+            for rank in 0..ranks {
                 let slice = KvSlice::of_layers(layout, layers.clone());
-                let slice = match ranks {
-                    0 | 1 => slice,
-                    _ => slice.of_rank(layout, rank, ranks).map_err(WriteError::Failed)?,
-                };
+                let slice = slice.of_rank(layout, rank, ranks).map_err(WriteError::Failed)?;
                 let mut ready = |i| staged.ready(first_piece + i);
                 // Safety: as above.
-                unsafe {
-                    self.send_slice(region, (&pieces, slice), (rank, ranks.max(1)), num_tokens, &mut ready, out)?
-                };
+                unsafe { self.send_slice(region, (&pieces, slice), (rank, ranks), num_tokens, &mut ready, out)? };
             }
         }
         Ok(())
