@@ -26,12 +26,23 @@ here=$(dirname "$(realpath "$0")")
 mkdir -p "$out"
 command -v ip >/dev/null || { echo "needs ip (Debian: iproute2)"; exit 2; }
 
+# Deletes the hosts. A namespace is torn down by the kernel after `ip netns del` returns, with
+# the veth link it holds, so the root side of each link goes first (deleting a veth end deletes
+# its peer at once), and the next run waits (bounded) until none is left: a run right after
+# another met "File exists" making them.
 down() {
-  ip netns del tandem-p 2>/dev/null || true
-  ip netns del tandem-d 2>/dev/null || true
+  for ns in tandem-p tandem-d; do
+    ip link del $ns-br 2>/dev/null || true
+    ip netns del $ns 2>/dev/null || true
+  done
   ip link del tandem-br 2>/dev/null || true
 }
 down
+for _ in $(seq 50); do
+  ip link show tandem-p-br >/dev/null 2>&1 || ip link show tandem-d-br >/dev/null 2>&1 \
+    || ip link show tandem-br >/dev/null 2>&1 || break
+  sleep 0.1
+done
 trap down EXIT
 ip link add tandem-br type bridge
 ip addr add 10.77.0.254/24 dev tandem-br
