@@ -26,7 +26,8 @@
 #   --transport cuda-ipc` (also into cuda:1 when there are two GPUs) and the tcp benchmarks
 #   (SKIP_TCP=1 leaves those out);
 #   tcp: `tandem bench kv --transport tcp --device cuda:0` (TCP_SIZES, each over TCP_STREAMS streams,
-#   default "1 4"; TCP_TLS=1 over TLS, and on host memory too) and on host memory; sweep: `tandem bench sweep
+#   default "1 4"; TCP_TLS=1 over TLS, and on host memory too, TCP_TLS_PIPES="on off" with the
+#   connections' TLS threads and without) and on host memory; sweep: `tandem bench sweep
 #   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
 #   SWEEP_QPS narrow it, SWEEP_PROMPTS sets the requests a point (16); SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU; SWEEP_ENGINE_ARGS adds
 #   --engine-arg=... flags; SWEEP_DIR names its result folder under $OUT, default sweep);
@@ -389,10 +390,14 @@ tcp_bench() {  # [EXE [TAG]] as kv_bench; TCP_STREAMS (default "1 4"): streams, 
     done
   done
   # TCP_TLS=1: every run over TLS, against raw TCP and the plain transport in the same run.
+  # TCP_TLS_PIPES="on off": each host run with the connections' TLS threads and without.
   for n in ${TCP_TLS:+${TCP_STREAMS:-1 4}}; do
-    timeout 120 "$exe" bench kv --transport tcp --size 256MiB --tls --tcp-streams "$n" > "$OUT/bench_kv_tls_host_s$n$suffix.log" 2>&1 \
-      || { note "bench kv tcp --tls (host memory, $n streams) failed"; status=1; }
-    while read -r line; do note "tls host s$n: $line"; done < <(grep -v '^\.\.\.' "$OUT/bench_kv_tls_host_s$n$suffix.log")
+    for pipes in ${TCP_TLS_PIPES:-auto}; do
+      local log=$OUT/bench_kv_tls_host_s${n}_$pipes$suffix.log
+      timeout 120 "$exe" bench kv --transport tcp --size 256MiB --tls --tls-pipes "$pipes" --tcp-streams "$n" > "$log" 2>&1 \
+        || { note "bench kv tcp --tls (host memory, $n streams, pipes $pipes) failed"; status=1; }
+      while read -r line; do note "tls host s$n pipes $pipes: $line"; done < <(grep -v '^\.\.\.' "$log")
+    done
   done
   timeout 120 "$exe" bench kv --transport tcp --size 256MiB > "$OUT/bench_kv_tcp_host$suffix.log" 2>&1 \
     || { note "bench kv tcp (host memory${2:+, $2}) failed"; status=1; }

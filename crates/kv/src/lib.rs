@@ -34,6 +34,7 @@ mod protocol;
 pub mod seal;
 pub mod stream;
 mod table;
+mod tls_pipes;
 mod tls_records;
 mod transport;
 pub mod ucx_log;

@@ -11,12 +11,15 @@
 //! On the wire nothing changes: these are the TLS 1.3 records rustls would have sent (a test
 //! has rustls read them).
 //!
-//! Layer: under `stream`; calls nothing of the crate's.
+//! Layer: under `stream`; calls `tls_pipes`.
 
 use std::io::{self, Read, Write};
+use std::net::TcpStream;
 
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM, AES_256_GCM, CHACHA20_POLY1305, NONCE_LEN};
 use rustls::ConnectionTrafficSecrets;
+
+use crate::tls_pipes::{RecvPipe, SendPipe};
 
 /// A record's most plaintext (2^14 bytes).
 const MAX_PLAINTEXT: usize = 1 << 14;
@@ -33,6 +36,9 @@ const READ_BUF: usize = (256 << 10) + HEADER + MAX_CIPHERTEXT;
 /// Room in the caller's buffer from which a read takes the socket's bytes straight into it and
 /// decrypts them there, rather than through `RecordReader`'s own buffer (a copy less a byte).
 const DIRECT_MIN: usize = 4 * MAX_PLAINTEXT;
+/// A write or read at least this large starts the connection's pipe ([`crate::tls_pipes`]):
+/// the KV's bulk bytes, never a control frame.
+const PIPE_MIN: usize = 64 << 10;
 /// Records one key may seal: AES-GCM's bound is 2^24.5 full records (RFC 8446, section 5.5),
 /// about 380 GB. TLS would renew the key with a KeyUpdate; this layer does not, and refuses to
 /// write past it instead, which fails that transfer (decode recomputes) and the connection, so
@@ -89,15 +95,32 @@ pub struct RecordWriter {
     out: Vec<u8>,
     /// A write failed midway: the peer's view of the sequence is lost, so nothing more goes.
     broken: bool,
+    /// Once started ([`RecordWriter::pipe_to`]), every batch goes to the socket through it.
+    pipe: Option<SendPipe>,
 }
 
 impl RecordWriter {
     pub(crate) fn new(seq: u64, secrets: ConnectionTrafficSecrets) -> Result<Self, String> {
-        Ok(Self { keys: Keys::new(seq, secrets)?, out: Vec::new(), broken: false })
+        Ok(Self { keys: Keys::new(seq, secrets)?, out: Vec::new(), broken: false, pipe: None })
+    }
+
+    /// Whether a write of `len` bytes should start a pipe: a large one, none running yet.
+    pub(crate) fn wants_pipe(&self, len: usize) -> bool {
+        self.pipe.is_none() && !self.broken && len >= PIPE_MIN
+    }
+
+    /// From now on batches are written to `sock` by a thread while the next is sealed
+    /// ([`SendPipe`]); where no thread can start, writes stay serial.
+    pub(crate) fn pipe_to(&mut self, sock: &TcpStream) {
+        match SendPipe::start(sock) {
+            Ok(pipe) => self.pipe = Some(pipe),
+            Err(e) => tracing::debug!(error = %e, "no thread for a TLS stream's writes: they stay serial"),
+        }
     }
 
     /// Encrypts up to [`WRITE_BATCH`] bytes of `data` into records and writes them all to
-    /// `sock`; how many bytes of `data` that was.
+    /// `sock` (or hands them to the pipe's thread, which writes them in order); how many bytes
+    /// of `data` that was.
     pub(crate) fn write(&mut self, sock: &mut impl Write, data: &[u8]) -> io::Result<usize> {
         if self.broken {
             return Err(io::Error::new(io::ErrorKind::BrokenPipe, "an earlier TLS write failed"));
@@ -107,24 +130,52 @@ impl RecordWriter {
             self.broken = true;
             return Err(io::Error::other("this connection's TLS key sealed all the records it may (RFC 8446, 5.5)"));
         }
-        self.out.clear();
-        for piece in data.chunks(MAX_PLAINTEXT) {
-            let start = self.out.len();
-            let head = header(piece.len() + 1 + TAG);
-            self.out.extend_from_slice(&head);
-            self.out.extend_from_slice(piece);
-            self.out.push(APPLICATION_DATA);
-            let nonce = self.keys.next_nonce();
-            let tag = self
-                .keys
-                .key
-                .seal_in_place_separate_tag(nonce, Aad::from(head), &mut self.out[start + HEADER..])
-                .map_err(|_| invalid("TLS record encryption failed"))?;
-            self.out.extend_from_slice(tag.as_ref());
-        }
-        sock.write_all(&self.out).inspect_err(|_| self.broken = true)?;
+        let written = match &mut self.pipe {
+            None => {
+                self.out.clear();
+                seal(&mut self.keys, data, &mut self.out).and_then(|()| sock.write_all(&self.out))
+            }
+            Some(pipe) => pipe.buffer().and_then(|mut batch| {
+                seal(&mut self.keys, data, &mut batch)?;
+                pipe.send(batch)
+            }),
+        };
+        written.inspect_err(|_| self.broken = true)?;
         Ok(data.len())
     }
+
+    /// Whether a pipe carries the writes.
+    #[cfg(test)]
+    pub(crate) fn pipelined(&self) -> bool {
+        self.pipe.is_some()
+    }
+
+    /// Waits until every byte written is on the socket.
+    pub(crate) fn flush(&mut self) -> io::Result<()> {
+        match &mut self.pipe {
+            Some(pipe) => pipe.flush().inspect_err(|_| self.broken = true),
+            None => Ok(()),
+        }
+    }
+}
+
+/// `data` as TLS 1.3 records of at most [`MAX_PLAINTEXT`] bytes each, appended to `out`.
+fn seal(keys: &mut Keys, data: &[u8], out: &mut Vec<u8>) -> io::Result<()> {
+    out.reserve(data.len() + data.len().div_ceil(MAX_PLAINTEXT).max(1) * (HEADER + 1 + TAG));
+    for piece in data.chunks(MAX_PLAINTEXT) {
+        let start = out.len();
+        let head = header(piece.len() + 1 + TAG);
+        out.extend_from_slice(&head);
+        out.extend_from_slice(piece);
+        out.push(APPLICATION_DATA);
+        let nonce = keys.next_nonce();
+        let tag = keys
+            .key
+            .seal_in_place_separate_tag(nonce, Aad::from(head), &mut out[start + HEADER..])
+            .map_err(|_| invalid("TLS record encryption failed"))?;
+        out.extend_from_slice(tag.as_ref());
+    }
+    Ok(())
 }
 
 /// The receiving direction: ciphertext read from the socket and not yet given out.
@@ -138,11 +189,21 @@ pub struct RecordReader {
     plain: (usize, usize),
     /// The peer said close_notify.
     closed: bool,
+    /// Once started, the socket's bytes come through it, a batch of whole records at a time.
+    pipe: Option<RecvPipe>,
 }
 
 impl RecordReader {
     pub(crate) fn new(seq: u64, secrets: ConnectionTrafficSecrets) -> Result<Self, String> {
-        Ok(Self { keys: Keys::new(seq, secrets)?, buf: Vec::new(), start: 0, end: 0, plain: (0, 0), closed: false })
+        Ok(Self {
+            keys: Keys::new(seq, secrets)?,
+            buf: Vec::new(),
+            start: 0,
+            end: 0,
+            plain: (0, 0),
+            closed: false,
+            pipe: None,
+        })
     }
 
     /// Plaintext into `out`: what is decrypted already, else as many whole records as `out`
@@ -153,7 +214,17 @@ impl RecordReader {
     /// the one before by the cipher itself (`open_within`): the KV's bytes are then never
     /// copied out of a buffer of ours. A record the read cut short waits in our buffer, and only
     /// its missing bytes are read before going direct again.
-    pub(crate) fn read(&mut self, sock: &mut impl Read, out: &mut [u8]) -> io::Result<usize> {
+    ///
+    /// Given `pipe_source` (the socket `sock` reads), the first read with that room and no
+    /// partial record starts a [`RecvPipe`] on it: from then on a thread reads the socket ahead
+    /// and each record is decrypted in the batch that brought it while the thread reads the
+    /// next.
+    pub(crate) fn read(
+        &mut self,
+        sock: &mut impl Read,
+        pipe_source: Option<&TcpStream>,
+        out: &mut [u8],
+    ) -> io::Result<usize> {
         if out.is_empty() {
             return Ok(0);
         }
@@ -174,6 +245,23 @@ impl RecordReader {
             if given > 0 || self.closed {
                 return Ok(given);
             }
+            let room = out.len() - given >= PIPE_MIN.max(DIRECT_MIN);
+            if let (None, Some(source), true) = (&self.pipe, pipe_source, room && self.start == self.end) {
+                self.pipe = RecvPipe::start(source, READ_BUF, HEADER, header_len)
+                    .inspect_err(
+                        |e| tracing::debug!(error = %e, "no thread for a TLS stream's reads: they stay serial"),
+                    )
+                    .ok();
+            }
+            if let Some(pipe) = &mut self.pipe {
+                // Every record of the last batch is opened and given out (a batch holds whole
+                // records only): its buffer goes back.
+                let done = std::mem::take(&mut self.buf);
+                (self.start, self.end, self.plain) = (0, 0, (0, 0));
+                let (batch, len) = pipe.next(done)?;
+                (self.buf, self.end) = (batch, len);
+                continue;
+            }
             let room = out.len() - given >= DIRECT_MIN;
             if room && self.start == self.end {
                 given += self.read_direct(sock, &mut out[given..])?;
@@ -183,6 +271,12 @@ impl RecordReader {
             let rest = if room { self.missing() } else { usize::MAX };
             self.fill(sock, rest)?;
         }
+    }
+
+    /// Whether a pipe brings the reads.
+    #[cfg(test)]
+    pub(crate) fn pipelined(&self) -> bool {
+        self.pipe.is_some()
     }
 
     /// Bytes the partial record in the buffer still lacks (of its header, if that is partial).
@@ -280,6 +374,11 @@ impl RecordReader {
     }
 }
 
+/// [`record_len`] of a header given as a slice (of [`HEADER`] bytes), for the pipe's thread.
+fn header_len(head: &[u8]) -> io::Result<usize> {
+    record_len(&head.try_into().map_err(|_| invalid("a TLS record header cut short"))?)
+}
+
 /// A record header's ciphertext length, if the header is a TLS 1.3 application-data record's.
 fn record_len(head: &[u8; HEADER]) -> io::Result<usize> {
     let len = u16::from_be_bytes([head[3], head[4]]) as usize;
@@ -332,7 +431,7 @@ mod tests {
         let mut got = Vec::new();
         let mut out = vec![0u8; piece];
         while got.len() < want {
-            let n = reader.read(&mut wire, &mut out)?;
+            let n = reader.read(&mut wire, None, &mut out)?;
             got.extend_from_slice(&out[..n]);
         }
         Ok(got)
@@ -396,7 +495,7 @@ mod tests {
             let mut got = Vec::new();
             let mut out = vec![0u8; piece];
             while got.len() < data.len() {
-                let n = reader.read(&mut sock, &mut out).unwrap();
+                let n = reader.read(&mut sock, None, &mut out).unwrap();
                 assert!(n > 0);
                 got.extend_from_slice(&out[..n]);
             }
@@ -417,7 +516,7 @@ mod tests {
             let (_, mut reader) = pair();
             let mut out = vec![0u8; 4 * MAX_PLAINTEXT];
             let mut src = wire;
-            let r = reader.read(&mut src, &mut out);
+            let r = reader.read(&mut src, None, &mut out);
             assert!(matches!(&r, Err(e) if e.kind() == io::ErrorKind::InvalidData), "{r:?}");
         };
         for at in [HEADER, HEADER + 5000, record - 1] {
@@ -430,7 +529,7 @@ mod tests {
         swapped.extend_from_slice(&wire[..record]);
         refused(&swapped);
         let mut other = RecordReader::new(7, secrets(4)).unwrap();
-        assert!(other.read(&mut &wire[..], &mut [0u8; 100]).is_err());
+        assert!(other.read(&mut &wire[..], None, &mut [0u8; 100]).is_err());
     }
 
     /// A key seals at most [`RECORDS_PER_KEY`] records; after that every write is refused.
@@ -451,7 +550,7 @@ mod tests {
         let (mut writer, mut reader) = pair();
         let mut wire = Vec::new();
         writer.write(&mut wire, &[1u8; 1000]).unwrap();
-        let r = reader.read(&mut &wire[..500], &mut [0u8; 2000]);
+        let r = reader.read(&mut &wire[..500], None, &mut [0u8; 2000]);
         assert!(matches!(&r, Err(e) if e.kind() == io::ErrorKind::UnexpectedEof), "{r:?}");
     }
 }

@@ -53,12 +53,35 @@ pub struct BenchKvArgs {
     /// `--tls-cert` costs.
     #[arg(long)]
     pub tls: bool,
+    /// tcp over TLS: whether each connection's bulk bytes are written and read by threads of
+    /// its own while the cipher works (`auto`: as an engine does, on machines of 8 cores or
+    /// more), to measure what they give.
+    #[arg(long, value_enum, default_value_t = TlsPipes::Auto)]
+    pub tls_pipes: TlsPipes,
     /// The peer process: where the driver wrote the run's TLS material.
     #[arg(long, hide = true)]
     pub tls_dir: Option<PathBuf>,
     /// Write the report as JSON here too.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TlsPipes {
+    Auto,
+    On,
+    Off,
+}
+
+impl TlsPipes {
+    /// As `--tls-pipes` takes it (for the peer process).
+    fn as_arg(self) -> &'static str {
+        match self {
+            TlsPipes::Auto => "auto",
+            TlsPipes::On => "on",
+            TlsPipes::Off => "off",
+        }
+    }
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,7 +106,14 @@ fn kv_bench_config(a: &BenchKvArgs) -> Result<tandem_bench::kv::KvBenchConfig> {
         kernel_cache: kernel_cache_dir(),
         streams: a.tcp_streams.into(),
         tls: match &a.tls_dir {
-            Some(dir) => Some(tandem_bench::kv::read_bench_certificates(dir).map_err(anyhow::Error::msg)?),
+            Some(dir) => {
+                let tls = tandem_bench::kv::read_bench_certificates(dir).map_err(anyhow::Error::msg)?;
+                Some(match a.tls_pipes {
+                    TlsPipes::Auto => tls,
+                    TlsPipes::On => tls.with_pipes(true),
+                    TlsPipes::Off => tls.with_pipes(false),
+                })
+            }
             None => None,
         },
         ..Default::default()
@@ -117,6 +147,7 @@ pub(crate) fn bench_kv(a: BenchKvArgs) -> Result<()> {
         .args(["--log", "warn", "bench", "kv-peer", "--size", &a.size, "--repeats", &a.repeats.to_string()])
         .args(["--tcp-streams", &a.tcp_streams.to_string()])
         .args(a.tls_dir.iter().flat_map(|d| ["--tls-dir".into(), d.display().to_string()]))
+        .args(["--tls-pipes", a.tls_pipes.as_arg()])
         .args(a.device.as_ref().map(|d| ["--device", d.as_str()]).into_iter().flatten())
         .stdout(std::process::Stdio::piped())
         .spawn()
