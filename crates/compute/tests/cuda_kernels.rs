@@ -235,7 +235,18 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
                 "packed flash_prefill, {label}: token {t} differs from the per-head build"
             );
         }
-        eprintln!("{label}: flash ok ({err:.1e}), packed ({packed_err:.1e})");
+        // The Hopper build (warpgroup MMAs), where the GPU and the shape have it: the same
+        // work items, within the same bound of the reference.
+        let mut wgmma = String::new();
+        if ops::wgmma_prefill_takes(dev, &shape) {
+            dev.write(&mut d_out, 0, &poison).unwrap();
+            unsafe { ops::flash_prefill_wgmma(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &p, &meta, &shape).unwrap() };
+            let wg_out = dev.read(&d_out, poison.len()).unwrap();
+            let wg_err = rel_err(&wg_out, &in_prefill);
+            assert!(wg_err < 1e-2, "flash_prefill_wgmma, {label}: relative error {wg_err:.2e}");
+            wgmma = format!(", wgmma ({wg_err:.1e})");
+        }
+        eprintln!("{label}: flash ok ({err:.1e}), packed ({packed_err:.1e}){wgmma}");
     }
 }
 
@@ -278,6 +289,13 @@ fn attention_kernels_match_the_reference_over_many_shapes() {
         &Case { heads: 8, kv_heads: 2, head_dim: 128, block_size: 16, seqs: vec![(700, 0), (300, 513)] },
         &mut rng,
     );
+    // Longer prompts, chunks after cached prefixes of several lengths (off the 64-query and
+    // 128-key tiles), GQA groups of 2, 4 and 8, block sizes 16 and 32: the Hopper build's shapes.
+    for (heads, kv_heads, block_size) in [(8, 4, 16), (16, 4, 32), (16, 2, 16)] {
+        let seqs = vec![(1500, 0), (600, 900), (129, 127), (65, 2000), (1, 300)];
+        check_attention(&dev, &Case { heads, kv_heads, head_dim: 128, block_size, seqs }, &mut rng);
+        n += 1;
+    }
     eprintln!("{} shapes checked", n + 1);
 }
 

@@ -127,6 +127,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "flash_prefill_packed_hd128",
     "flash_prefill_split_hd64",
     "flash_prefill_split_hd128",
+    "flash_prefill_wgmma_hd128",
     "flash_range_combine",
     "ban_tokens",
     "sample_rows",
@@ -451,6 +452,8 @@ pub struct CudaDevice {
     tuning: CudaTuning,
     /// Hopper or later: programmatic dependent launch is available.
     pdl_capable: bool,
+    /// The kernels were compiled for sm_90a, so the warpgroup-MMA kernels run.
+    wgmma_capable: bool,
     /// The batch-invariant matrix products, once [`CudaDevice::enable_batch_invariant`] ran.
     invariant_gemm: std::sync::OnceLock<invariant::InvariantGemm>,
     /// The skinny kernels serve batch-invariant products of few rows: they gave cuBLASLt's bits
@@ -501,7 +504,9 @@ impl CudaDevice {
             }
         }
         let (major, minor) = ctx.compute_capability()?;
-        let arch = format!("sm_{major}{minor}");
+        // sm_90a (H100, H200) has the warpgroup MMAs (wgmma) the Hopper prefill kernel uses;
+        // its images run only on compute capability 9.0, as the cache's name by arch keeps them.
+        let arch = if (major, minor) == (9, 0) { "sm_90a".to_string() } else { format!("sm_{major}{minor}") };
         let name = ctx.name()?;
         let sm_count =
             ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
@@ -543,6 +548,7 @@ impl CudaDevice {
         ] {
             allow_smem(name, ops::flash_smem_bytes(hd) as usize)?;
         }
+        allow_smem("flash_prefill_wgmma_hd128", ops::WGMMA_PREFILL_SMEM_BYTES as usize)?;
         // The decode attention stages a chunk of keys and values (over 48 KiB for head size 256).
         for name in named("attention_rows_") {
             let e: usize = name.rsplit("_e").next().and_then(|e| e.parse().ok()).unwrap_or(8);
@@ -577,6 +583,7 @@ impl CudaDevice {
             };
             allow_smem(name, limit)?;
         }
+        let wgmma_capable = arch == "sm_90a";
         Ok(Self {
             ctx,
             stream,
@@ -593,6 +600,7 @@ impl CudaDevice {
             smem_per_sm,
             tuning: CudaTuning { programmatic_launch: major >= 9 && tuning.programmatic_launch, ..tuning },
             pdl_capable: major >= 9,
+            wgmma_capable,
             invariant_gemm: std::sync::OnceLock::new(),
             skinny_verified: std::sync::atomic::AtomicBool::new(false),
         })
@@ -701,6 +709,11 @@ impl CudaDevice {
     /// ask for it themselves.
     pub fn pdl_capable(&self) -> bool {
         self.pdl_capable
+    }
+
+    /// Whether the warpgroup-MMA (wgmma) kernels run here: a Hopper GPU (sm_90a images).
+    pub fn wgmma_capable(&self) -> bool {
+        self.wgmma_capable
     }
 
     /// Dynamic shared memory one decode-projection block may use, and shared memory per

@@ -942,8 +942,78 @@ pub fn flash_smem_bytes(head_dim: usize) -> u32 {
     (2 * 2 * 64 * (head_dim + 8) * 2) as u32
 }
 
+/// Dynamic shared memory of the Hopper prefill kernel (WG_SMEM_BYTES in kernels/attention.cu):
+/// Q of two heads' 64 rows, two stages of 128-key K and V tiles, 1024 bytes to align them.
+pub const WGMMA_PREFILL_SMEM_BYTES: u32 = 2 * 128 * 128 + 2 * 4 * 128 * 128 + 1024;
+
+/// Whether the Hopper prefill kernel ([`flash_prefill_wgmma`]) takes shape `s` on `dev`: an
+/// sm_90a GPU, head size 128, an even number of query heads per KV head (a block takes two).
+pub fn wgmma_prefill_takes(dev: &CudaDevice, s: &AttnShape) -> bool {
+    let group = s.num_heads / s.num_kv_heads.max(1);
+    dev.wgmma_capable() && s.head_dim == 128 && s.num_heads == group * s.num_kv_heads && group.is_multiple_of(2)
+}
+
 /// Rows of queries one prefill work item covers.
 pub const FLASH_ROWS: usize = 64;
+
+/// [`flash_prefill`]'s default build (not packed, not split) on Hopper's warpgroup MMAs, for the
+/// shapes [`wgmma_prefill_takes`]; the same work items. [`flash_prefill`] takes this kernel
+/// when tuned to ([`crate::cuda::CudaTuning::wgmma_prefill`]).
+///
+/// # Safety
+/// As [`flash_prefill`].
+pub unsafe fn flash_prefill_wgmma(
+    dev: &CudaDevice,
+    q: u64,
+    cache: u64,
+    out: u64,
+    p: &PrefillSeqs,
+    m: &AttnMeta,
+    s: &AttnShape,
+) -> Result<(), CudaError> {
+    if p.packed || !wgmma_prefill_takes(dev, s) {
+        return Err(CudaError::Unavailable(format!(
+            "the Hopper prefill kernel takes sm_90a GPUs, head size 128, an even number of query heads per \
+             KV head and the unpacked build: not {} heads over {} KV heads of {} on {}{}",
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            dev.describe(),
+            if p.packed { ", packed" } else { "" }
+        )));
+    }
+    if p.num_items == 0 {
+        return Ok(());
+    }
+    let scale_log2 = std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt();
+    let config = LaunchConfig {
+        grid_dim: (s.num_heads as u32 / 2, p.num_items as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: WGMMA_PREFILL_SMEM_BYTES,
+    };
+    launch!(
+        dev,
+        "flash_prefill_wgmma_hd128",
+        config,
+        q,
+        cache,
+        out,
+        p.work,
+        p.seq_tok,
+        p.seq_len,
+        p.seq_pos,
+        m.block_tables,
+        m.stride,
+        s.num_heads as i32,
+        s.num_kv_heads as i32,
+        s.layer as i32,
+        s.num_layers as i32,
+        s.block_size as i32,
+        scale_log2,
+        0u64,
+        0i32
+    )
+}
 
 /// Causal attention of prefill chunks over the paged cache with tensor cores.
 ///
@@ -969,6 +1039,9 @@ pub unsafe fn flash_prefill(
     }
     if split.is_some() && !p.packed {
         return Err(CudaError::Unavailable("split prefill attention is only built packed".into()));
+    }
+    if !p.packed && split.is_none() && dev.tuning().wgmma_prefill && wgmma_prefill_takes(dev, s) {
+        return flash_prefill_wgmma(dev, q, cache, out, p, m, s);
     }
     let name = match (s.head_dim, p.packed, split.is_some()) {
         (64, false, _) => "flash_prefill_hd64",

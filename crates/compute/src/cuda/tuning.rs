@@ -55,6 +55,11 @@ pub struct CudaTuning {
     /// one layer (Qwen3-4B, 8 groups: 5 x 6, 3, 2, 1): what is left to move after the last layer
     /// then is what its last few layers wrote, while the first groups still start as early.
     pub kv_fence_taper: bool,
+    /// Prefill attention on Hopper's warpgroup MMAs (`flash_prefill_wgmma_hd128`: sm_90a,
+    /// head size 128, an even number of query heads per KV head, not batch invariant) instead
+    /// of the mma.sync kernel. Off until measured and checked on a GPU. Another order of sums
+    /// (the outputs differ in the last bits).
+    pub wgmma_prefill: bool,
 }
 
 /// Where the KV fences of a forward over `layers` layers fall: each group's end (exclusive),
@@ -87,6 +92,7 @@ impl Default for CudaTuning {
             invariant_slice_cols: 0,
             kv_fence_groups: 8,
             kv_fence_taper: false,
+            wgmma_prefill: false,
         }
     }
 }
@@ -105,6 +111,7 @@ impl CudaTuning {
         ("invariant_slice_cols", "0 or a multiple of 64 (default 0)"),
         ("kv_fence_groups", "1..=64 (default 8)"),
         ("kv_fence_taper", "0|1 (default 0)"),
+        ("wgmma_prefill", "0|1 (default 0)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -144,6 +151,7 @@ impl CudaTuning {
                 self.kv_fence_groups = value.parse().ok().filter(|n| (1..=64).contains(n)).ok_or_else(bad)?;
             }
             "kv_fence_taper" => self.kv_fence_taper = flag()?,
+            "wgmma_prefill" => self.wgmma_prefill = flag()?,
             _ => {
                 let keys: Vec<&str> = Self::KEYS.iter().map(|(k, _)| *k).collect();
                 return Err(format!("--cuda-tune {key}={value}: unknown key (known: {})", keys.join(", ")));

@@ -771,6 +771,253 @@ FLASH_PREFILL(flash_prefill_packed_hd128, 128, true, false)
 FLASH_PREFILL(flash_prefill_split_hd64, 64, true, true)
 FLASH_PREFILL(flash_prefill_split_hd128, 128, true, true)
 
+// ---------------------------------------------------------------------------------------------
+// Prefill attention on Hopper's warpgroup MMAs (wgmma; sm_90a, head_dim 128, the default build:
+// not packed, not split). A block of two warpgroups takes one work item of flash_prefill's (64
+// consecutive queries of one sequence) for two query heads of one KV head, warpgroup w the head
+// 2 * blockIdx.x + w. Both read every K/V tile the block copies into shared memory, so a tile
+// serves 128 rows: half the tile traffic from L2 per product of a block of one head, which the
+// tensor cores would otherwise outrun.
+//
+// Q (both heads' rows) and two stages of 128-key K and V tiles sit in shared memory in the
+// layout wgmma reads with 128-byte swizzling: 64 bf16 of a row make 128 bytes, whose 16-byte
+// chunk c is stored at chunk c ^ (row % 8); a row's 128 head dims are two such atoms, each atom
+// all of the tile's rows (1024-byte aligned). S = Q K^T takes both from shared memory (K-major:
+// a key's dims are contiguous, as Q's are). P goes from S's accumulators straight into wgmma's
+// A registers (the accumulator and the A fragment layouts line up as mma.sync's do), and
+// O += P V reads V as an N-major operand (a key's dims contiguous along N), so nothing is
+// transposed. The softmax is flash_prefill's: log2 units, online, the diagonal tile masked.
+// Grid: (num_heads / 2, work items); the group size must be even. Block: 256.
+// Dynamic shared memory: WG_SMEM_BYTES.
+#define WG_KEYS 128
+// An atom: 128 rows of 128 bytes (Q: both heads' 64 rows; K and V: the tile's 128 keys).
+#define WG_ATOM_BYTES (128 * 128)
+#define WG_Q_BYTES (2 * WG_ATOM_BYTES)
+#define WG_STAGE_BYTES (4 * WG_ATOM_BYTES)
+// Q, two stages of K and V, and room to align the start to 1024 bytes.
+#define WG_SMEM_BYTES (WG_Q_BYTES + 2 * WG_STAGE_BYTES + 1024)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// A shared-memory matrix descriptor with 128-byte swizzling: start address, leading and
+// stride byte offsets (PTX ISA, "Matrix Descriptor Format"), each encoded as (x & 0x3FFFF) >> 4.
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 leading, u32 stride) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((leading & 0x3FFFF) >> 4) << 16) |
+           ((u64)((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// The compiler knows nothing of wgmma's asynchrony: this pins the 64 accumulators in place
+// around a batch (nothing reads or moves them across the fence).
+__device__ __forceinline__ void wg_pin(float* d) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// d (64 x 128, f32) = or += A (64 x 16, bf16, shared memory, K-major) x B (16 x 128, bf16, shared
+// memory, K-major).
+__device__ __forceinline__ void wg_mma_ss(float* d, u64 a, u64 b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(a), "l"(b), "r"(accumulate)
+                 : "memory");
+}
+// d (64 x 128, f32) += A (64 x 16, bf16, registers: a0..a3 as mma.sync's A fragment, per warp)
+// x B (16 x 128, bf16, shared memory, N-major).
+__device__ __forceinline__ void wg_mma_rs(float* d, const u32* a, u64 b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1)
+                 : "memory");
+}
+// 16 bytes from `src` (none past the context: src_bytes 0 zero-fills) to chunk `chunk` of row
+// `row` of the swizzled atom at shared address `atom`.
+__device__ __forceinline__ void wg_copy_chunk(u32 atom, int row, int chunk, const bf16* src, int src_bytes) {
+    u32 dst = atom + row * 128 + ((chunk ^ (row & 7)) << 4);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    flash_prefill_wgmma_hd128(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
+                              const int* seq_len, const int* seq_pos, const int* block_tables, const int* meta_stride,
+                              int num_heads, int num_kv_heads, int layer, int num_layers, int block_size,
+                              float scale_log2, float* part, int max_ranges) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int HD = 128;
+    PDL_ENTER();
+    extern __shared__ __align__(16) unsigned char wg_smem[];
+    u32 base = ((u32)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
+    u32 q_smem = base, stages = base + WG_Q_BYTES;
+    int group = num_heads / num_kv_heads;
+    int head0 = 2 * blockIdx.x, kh = head0 / group;
+    int seq = work[2 * blockIdx.y], q0 = work[2 * blockIdx.y + 1];
+    int n_q = seq_len[seq], first_pos = seq_pos[seq], tok0 = seq_tok[seq];
+    const int* table = block_tables + (u64)seq * meta_stride[0];
+    int last_row = min(q0 + 64, n_q) - 1;
+    int ctx = first_pos + last_row + 1;  // keys the item needs
+    int min_pos = first_pos + q0;        // the item's first query's position
+
+    // Copies: thread t takes row t / 2 of a tile, its head dims [64 (t % 2), 64 (t % 2) + 64)
+    // (one atom's row: 8 chunks).
+    int copy_row = threadIdx.x >> 1, copy_atom = threadIdx.x & 1;
+    {
+        int w = copy_row >> 6, r = copy_row & 63;
+        bool valid = q0 + r < n_q;
+        const bf16* src = valid ? q + ((u64)(tok0 + q0 + r) * num_heads + head0 + w) * HD + copy_atom * 64 : q;
+        for (int c = 0; c < 8; ++c)
+            wg_copy_chunk(q_smem + copy_atom * WG_ATOM_BYTES, copy_row, c, src + c * 8, valid ? 16 : 0);
+    }
+    auto load_tile = [&](int stage, int k0) {
+        int key = k0 + copy_row;
+        u32 k_atom = stages + stage * WG_STAGE_BYTES + copy_atom * WG_ATOM_BYTES;
+        u32 v_atom = k_atom + 2 * WG_ATOM_BYTES;
+        const bf16* ksrc = cache;
+        const bf16* vsrc = cache;
+        int bytes = 0;
+        if (key < ctx) {
+            int blk = table[key / block_size], slot = key % block_size;
+            ksrc = cache + kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, HD) + copy_atom * 64;
+            vsrc = cache + kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, HD) + copy_atom * 64;
+            bytes = 16;
+        }
+        for (int c = 0; c < 8; ++c) {
+            wg_copy_chunk(k_atom, copy_row, c, ksrc + (bytes ? c * 8 : 0), bytes);
+            wg_copy_chunk(v_atom, copy_row, c, vsrc + (bytes ? c * 8 : 0), bytes);
+        }
+    };
+    load_tile(0, 0);
+    asm volatile("cp.async.commit_group;\n" ::);
+
+    // This thread's rows of its warpgroup's 64: r0 and r0 + 8 (the accumulators' layout).
+    int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    int r0 = warp * 16 + g, r1 = r0 + 8;
+    int pos0 = first_pos + q0 + r0, pos1 = first_pos + q0 + r1;
+    float s[64], o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    u32 q_rows = q_smem + wg * 64 * 128;
+
+    for (int kt = 0, k0 = 0; k0 < ctx; ++kt, k0 += WG_KEYS) {
+        // This tile (and Q, the first time) landed; visible to the async proxy wgmma reads.
+        asm volatile("cp.async.wait_group 0;\n" ::);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        // The other stage was last read by the previous tile's products, which every
+        // warpgroup waited for before the barrier above.
+        if (k0 + WG_KEYS < ctx) load_tile((kt + 1) & 1, k0 + WG_KEYS);
+        asm volatile("cp.async.commit_group;\n" ::);
+        u32 k_tile = stages + (kt & 1) * WG_STAGE_BYTES, v_tile = k_tile + 2 * WG_ATOM_BYTES;
+
+        // S = Q K^T: 8 steps of 16 head dims, 4 in each atom (32 bytes apart).
+        wg_pin(s);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            u32 off = (kk >> 2) * WG_ATOM_BYTES + (kk & 3) * 32;
+            wg_mma_ss(s, wg_desc(q_rows + off, 16, 1024), wg_desc(k_tile + off, 16, 1024), kk > 0);
+        }
+        wg_commit();
+        wg_wait_all();
+        wg_pin(s);
+
+        // Mask (keys past a row's position: only tiles reaching past the item's first query)
+        // and the online softmax, in log2 units. s[4i + e]: row r0, key k0 + 8i + 2tq + e;
+        // s[4i + 2 + e]: row r1.
+        bool diagonal = k0 + WG_KEYS - 1 > min_pos;
+        float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int key = k0 + i * 8 + tq * 2 + e;
+                float a = s[4 * i + e] * scale_log2, b = s[4 * i + 2 + e] * scale_log2;
+                if (diagonal && key > pos0) a = NEG_INF;
+                if (diagonal && key > pos1) b = NEG_INF;
+                s[4 * i + e] = a;
+                s[4 * i + 2 + e] = b;
+                mx0 = fmaxf(mx0, a);
+                mx1 = fmaxf(mx1, b);
+            }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        // A row with no visible key yet keeps m = -inf; 0 as the base keeps exp2 at 0, not NaN.
+        float base0 = mn0 == NEG_INF ? 0.0f : mn0, base1 = mn1 == NEG_INF ? 0.0f : mn1;
+        float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
+        m0 = mn0;
+        m1 = mn1;
+        l0 *= alpha0;
+        l1 *= alpha1;
+        u32 p[8][4];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            float p0 = exp2f(s[4 * i] - base0), p1 = exp2f(s[4 * i + 1] - base0);
+            float p2 = exp2f(s[4 * i + 2] - base1), p3 = exp2f(s[4 * i + 3] - base1);
+            l0 += p0 + p1;
+            l1 += p2 + p3;
+            // Key chunk i's C fragment -> the A fragment of k-step i / 2.
+            p[i / 2][(i & 1) * 2 + 0] = pack_bf16x2(p0, p1);
+            p[i / 2][(i & 1) * 2 + 1] = pack_bf16x2(p2, p3);
+            o[4 * i] *= alpha0;
+            o[4 * i + 1] *= alpha0;
+            o[4 * i + 2] *= alpha1;
+            o[4 * i + 3] *= alpha1;
+        }
+
+        // O += P V: 8 steps of 16 keys (2048 bytes apart in each atom); the N-major operand's
+        // leading offset is the atom stride (head dims 64-127), its stride offset 8 keys.
+        wg_pin(o);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_KEYS / 16; ++kk)
+            wg_mma_rs(o, p[kk], wg_desc(v_tile + kk * 2048, WG_ATOM_BYTES, 1024));
+        wg_commit();
+        wg_wait_all();
+        wg_pin(o);
+    }
+
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    int h = head0 + wg;
+    bool valid0 = q0 + r0 < n_q, valid1 = q0 + r1 < n_q;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        int c = i * 8 + tq * 2;
+        if (valid0)
+            *reinterpret_cast<u32*>(out + ((u64)(tok0 + q0 + r0) * num_heads + h) * HD + c) =
+                pack_bf16x2(o[4 * i] * inv0, o[4 * i + 1] * inv0);
+        if (valid1)
+            *reinterpret_cast<u32*>(out + ((u64)(tok0 + q0 + r1) * num_heads + h) * HD + c) =
+                pack_bf16x2(o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+    }
+#endif
+}
+
 // Folds the key ranges flash_prefill_split_hd* left in `part` for every listed token t (all of
 // the step's: a split step is pure decode) and head, in range order, with range_fold's
 // arithmetic, and writes the normalised output as the unsplit packed build would.
