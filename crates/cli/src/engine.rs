@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use tandem_compute::cuda::DeviceSpec;
 use tandem_engine::EngineConfig;
-use tandem_model::{CudaModel, CudaOptions, LoadedModel, ModelRunner, ModelSource, ModelSpec};
+use tandem_model::{CudaModel, CudaOptions, LoadedModel, ModelRunner, ModelSource, ModelSpec, Quantization};
 
 /// Which model to load.
 #[derive(Args, Debug, Clone)]
@@ -29,6 +29,16 @@ pub struct ModelArgs {
     /// Lower it to shrink the RoPE table and reject long requests early.
     #[arg(long)]
     pub max_model_len: Option<usize>,
+    /// Round the weights at load. `fp8`: each decoder linear weight as FP8 e4m3 in 128 x 128
+    /// blocks with one scale each, as the published FP8 checkpoints (Qwen3-32B-FP8 and the like)
+    /// hold them, so the model computes what its FP8 checkpoint would. CPU only so far (the
+    /// rounded weights are kept as f32); an FP8 checkpoint is so already.
+    #[arg(long, value_parser = parse_quantization)]
+    pub quantization: Option<Quantization>,
+}
+
+fn parse_quantization(s: &str) -> Result<Quantization, String> {
+    s.parse()
 }
 
 /// How the engine is sized.
@@ -116,6 +126,9 @@ impl ModelArgs {
         let mut v = vec!["--model".into(), self.model.clone(), "--model-seed".into(), self.model_seed.to_string()];
         if let Some(n) = self.max_model_len {
             v.extend(["--max-model-len".into(), n.to_string()]);
+        }
+        if let Some(q) = self.quantization {
+            v.extend(["--quantization".into(), q.as_str().into()]);
         }
         v
     }
@@ -231,7 +244,10 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
 pub(crate) fn load_model(m: &ModelArgs) -> Result<LoadedModel> {
     let source = model_source(&m.model, m.model_seed)?;
     let t = Instant::now();
-    let model = LoadedModel::load(&source, m.max_model_len).with_context(|| format!("loading model `{}`", m.model))?;
+    let spec = ModelSpec::load(&source, m.max_model_len)
+        .and_then(|s| s.with_quantization(m.quantization))
+        .with_context(|| format!("loading model `{}`", m.model))?;
+    let model = LoadedModel::from_spec(spec).with_context(|| format!("loading model `{}`", m.model))?;
     let cfg = model.transformer.config();
     tracing::info!(
         model = %m.model,
@@ -316,6 +332,12 @@ pub(crate) fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<
             })
         }
         DeviceSpec::Cuda(ordinal) => {
+            if let Some(q) = m.quantization {
+                bail!(
+                    "--quantization {} runs on CPU only so far: the GPU's FP8 products are not built yet",
+                    q.as_str()
+                );
+            }
             let source = model_source(&m.model, m.model_seed)?;
             let spec =
                 ModelSpec::load(&source, m.max_model_len).with_context(|| format!("loading model `{}`", m.model))?;
@@ -398,7 +420,9 @@ pub(crate) fn check_tensor_parallel_kv(m: &ModelArgs, e: &EngineArgs) -> Result<
 fn build_tensor_parallel(m: &ModelArgs, e: &EngineArgs) -> Result<EngineParts> {
     let source = model_source(&m.model, m.model_seed)?;
     let t = Instant::now();
-    let spec = ModelSpec::load(&source, m.max_model_len).with_context(|| format!("loading model `{}`", m.model))?;
+    let spec = ModelSpec::load(&source, m.max_model_len)
+        .and_then(|s| s.with_quantization(m.quantization))
+        .with_context(|| format!("loading model `{}`", m.model))?;
     let config = engine_config(e, &spec.config)?;
     let weights = spec.cpu_weights().with_context(|| format!("loading model `{}`", m.model))?;
     let size = e.tensor_parallel_size;

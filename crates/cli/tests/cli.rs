@@ -129,6 +129,8 @@ fn bad_input_fails_with_a_message() {
         (&["bench", "kv", "--transport", "cuda-ipc", "--device", "cpu"], "give a GPU (cuda:N)"),
         (&["bench", "soak", "--device", "cuda:0"], "add --batch-invariant"),
         (&["serve", "--generation-config", "model"], "possible values: auto, vllm"),
+        (&["generate", "--prompt", "x", "--quantization", "int4"], "unknown quantization `int4` (known: fp8)"),
+        (&["generate", "--prompt", "x", "--quantization", "fp8", "--device", "cuda:0"], "runs on CPU only so far"),
         (
             &["bench", "engine", "--model", "preset:tiny-qwen3", "--batch", "1", "--decode-prompt-tokens", "5000"],
             "the engine refused a 5000-token prompt",
@@ -141,6 +143,27 @@ fn bad_input_fails_with_a_message() {
         assert!(err.contains(needle), "{args:?}: expected `{needle}` in: {err}");
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
+}
+
+/// `--quantization fp8` serves a full-precision checkpoint rounded to FP8 (the model crate checks
+/// the rounding's bits against ml_dtypes): it answers, chunked prefill and all.
+#[test]
+fn generate_runs_a_checkpoint_quantized_to_fp8_at_load() {
+    let dir = fixtures().join("qwen3");
+    let got = generate_json(&[
+        "--model",
+        dir.to_str().unwrap(),
+        "--quantization",
+        "fp8",
+        "--prompt-ids",
+        &(0..40).map(|i| ((i * 7 + 3) % 200).to_string()).collect::<Vec<_>>().join(","),
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--max-num-batched-tokens",
+        "16",
+    ]);
+    assert_eq!(ids(&got["token_ids"]).len(), 6);
 }
 
 /// `--model ORG/NAME` asks the Hub named by HF_ENDPOINT (the download itself is tested against a

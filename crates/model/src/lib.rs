@@ -43,7 +43,7 @@ pub use presets::{Preset, PRESETS};
 pub use runner::{
     carried_row, carried_token, sample, token_logprobs, CpuRunner, ModelRunner, SampleSpec, CARRIED_TOKEN,
 };
-pub use source::{GenerationDefaults, LoadedModel, ModelSource, ModelSpec};
+pub use source::{GenerationDefaults, LoadedModel, ModelSource, ModelSpec, Quantization};
 pub use tokenizer::{ChatMessage, TextTokenizer};
 pub use tp::TpModel;
 pub use transformer::{SeqBatch, Shard, Transformer};

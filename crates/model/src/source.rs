@@ -64,6 +64,40 @@ pub struct ModelSpec {
     pub max_model_len: usize,
     /// The sampling defaults the model's generation_config.json recommends.
     pub generation_defaults: GenerationDefaults,
+    /// How the weights are rounded at load ([`ModelSpec::with_quantization`]); `None`: as read.
+    pub quantization: Option<Quantization>,
+}
+
+/// A rounding of the weights at load (`--quantization`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quantization {
+    /// FP8 e4m3 in 128 x 128 blocks, each scaled by its largest magnitude over 448: the layout
+    /// of the published FP8 checkpoints (Qwen3-32B-FP8 and the like), rounded as they were made
+    /// ([`crate::WeightMap::quantize_fp8`]).
+    Fp8,
+}
+
+impl Quantization {
+    /// The block the published FP8 checkpoints use (`weight_block_size`).
+    pub const FP8_BLOCK: [usize; 2] = [128, 128];
+
+    /// Its name on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Quantization::Fp8 => "fp8",
+        }
+    }
+}
+
+impl std::str::FromStr for Quantization {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fp8" => Ok(Quantization::Fp8),
+            other => Err(format!("unknown quantization `{other}` (known: fp8)")),
+        }
+    }
 }
 
 /// Sampling defaults from a model's `generation_config.json`, as vLLM applies them (its
@@ -189,20 +223,46 @@ impl ModelSpec {
             eos_token_ids: eos,
             max_model_len,
             generation_defaults,
+            quantization: None,
         })
+    }
+
+    /// Rounds the weights at load as `quantization` says (`None`: as read). An FP8 checkpoint
+    /// is so already (its weights are kept as its scales give them); a GGUF file has block
+    /// formats of its own and is refused.
+    pub fn with_quantization(mut self, quantization: Option<Quantization>) -> Result<Self, ModelError> {
+        match (quantization, &self.source) {
+            (Some(Quantization::Fp8), ModelSource::Gguf(path)) => {
+                return Err(ModelError::UnsupportedConfig(format!(
+                    "--quantization fp8: {} is a GGUF file, whose block formats are its own; give a safetensors \
+                     checkpoint or a preset",
+                    path.display()
+                )))
+            }
+            (Some(Quantization::Fp8), _) if self.config.fp8_weight_block.is_some() => {
+                tracing::info!("--quantization fp8: the checkpoint is FP8 already; its weights are kept as stored");
+            }
+            _ => self.quantization = quantization,
+        }
+        Ok(self)
     }
 
     /// The weights as f32 on the host (read from disk, or generated for a preset).
     pub fn host_weights(&self) -> Result<WeightMap, ModelError> {
-        match &self.source {
-            ModelSource::Preset { preset, seed } => Ok(preset.random_weights(*seed)),
+        let mut weights = match &self.source {
+            ModelSource::Preset { preset, seed } => preset.random_weights(*seed),
             ModelSource::Dir(dir) => {
                 let mut weights = WeightMap::load_dir(dir)?;
                 weights.dequantize_fp8(self.config.fp8_weight_block)?;
-                Ok(weights)
+                weights
             }
-            ModelSource::Gguf(path) => GgufFile::open(path)?.weights(),
+            ModelSource::Gguf(path) => GgufFile::open(path)?.weights()?,
+        };
+        if self.quantization == Some(Quantization::Fp8) {
+            let names = weights.quantize_fp8(Quantization::FP8_BLOCK);
+            tracing::info!(tensors = names.len(), "weights rounded to FP8 (e4m3, 128 x 128 blocks)");
         }
+        Ok(weights)
     }
 
     /// The weights as the CPU engine holds them: [`ModelSpec::host_weights`], except that a

@@ -177,6 +177,76 @@ impl WeightMap {
         }
         Ok(())
     }
+
+    /// `--quantization fp8`: every decoder linear weight ([`is_fp8_linear`]) rounded as an FP8
+    /// checkpoint holds it, in blocks of `block` (rows, columns; the last ones may be partial):
+    /// a block's scale is its largest magnitude over 448 (e4m3's largest), each weight the e4m3
+    /// number nearest its quotient by the scale ([`f32_to_e4m3`]), and the map keeps their
+    /// product. That is how the published FP8 checkpoints were made (and
+    /// scripts/make_fp8_fixture.py makes one), so a model quantized here computes what its FP8
+    /// checkpoint would. Returns the names quantized, sorted.
+    pub fn quantize_fp8(&mut self, block: [usize; 2]) -> Vec<String> {
+        let [block_rows, block_cols] = block.map(|b| b.max(1));
+        let mut names: Vec<String> = self
+            .tensors
+            .iter()
+            .filter(|(name, t)| t.shape.len() == 2 && is_fp8_linear(name))
+            .map(|(name, _)| name.clone())
+            .collect();
+        names.sort();
+        for name in &names {
+            let Some(t) = self.tensors.get_mut(name) else { continue };
+            let cols = t.shape[1];
+            let rows = t.data.len() / cols.max(1);
+            for r0 in (0..rows).step_by(block_rows) {
+                for c0 in (0..cols).step_by(block_cols) {
+                    let (r1, c1) = ((r0 + block_rows).min(rows), (c0 + block_cols).min(cols));
+                    let cells = || (r0..r1).flat_map(move |r| (c0..c1).map(move |c| r * cols + c));
+                    let amax = cells().map(|i| t.data[i].abs()).fold(0.0f32, f32::max);
+                    // The scale as the checkpoints' makers compute it: in f64, then to f32.
+                    let scale = if amax > 0.0 { (f64::from(amax) / 448.0) as f32 } else { 1.0 };
+                    for i in cells() {
+                        t.data[i] = e4m3_to_f32(f32_to_e4m3(t.data[i] / scale)) * scale;
+                    }
+                }
+            }
+        }
+        names
+    }
+}
+
+/// Whether tensor `name` is a decoder layer's linear weight, which an FP8 checkpoint stores in
+/// FP8 (attention's q, k, v, o and the MLP's or each expert's gate, up, down): not embeddings,
+/// norms, the output head or a mixture's router.
+pub fn is_fp8_linear(name: &str) -> bool {
+    name.starts_with("model.layers.") && name.ends_with("_proj.weight")
+}
+
+/// The e4m3 byte nearest `x`, ties to the even byte (as ml_dtypes and the published FP8
+/// checkpoints round); magnitudes past 448, e4m3's largest, give +-448 (saturating, where
+/// ml_dtypes would give NaN from 464 up: [`WeightMap::quantize_fp8`]'s quotients never reach
+/// past 448 by more than a rounding), NaN gives NaN.
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    static POSITIVES: std::sync::OnceLock<[f32; 127]> = std::sync::OnceLock::new();
+    let values = POSITIVES.get_or_init(|| std::array::from_fn(|b| e4m3_to_f32(b as u8)));
+    if x.is_nan() {
+        return 0x7f;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs();
+    if a >= 448.0 {
+        return sign | 0x7e;
+    }
+    // values[below] <= a < values[below + 1]; both differences are exact (the two are within a
+    // factor of two of a, past the first step), so a tie is a tie.
+    let below = values.partition_point(|&v| v <= a) - 1;
+    let (down, up) = (a - values[below], values[below + 1] - a);
+    let byte = match down.partial_cmp(&up) {
+        Some(std::cmp::Ordering::Less) => below,
+        Some(std::cmp::Ordering::Greater) => below + 1,
+        _ => below + (below & 1),
+    };
+    sign | byte as u8
 }
 
 /// An FP8 e4m3 byte (`float8_e4m3fn`: 4 exponent bits biased by 7, 3 mantissa bits, no
@@ -276,6 +346,62 @@ mod tests {
             }
         }
         assert!(!map.contains("w.weight_scale_inv"));
+    }
+
+    /// Every finite e4m3 number rounds to its own byte, and a value between two neighbours to
+    /// the nearer one, a midpoint to the one with the even byte; past 448 saturates.
+    #[test]
+    fn f32_rounds_to_the_nearest_e4m3_ties_to_even() {
+        for byte in (0u8..=0xff).filter(|b| b & 0x7f != 0x7f) {
+            let v = e4m3_to_f32(byte);
+            let back = f32_to_e4m3(v);
+            assert!(back == byte || (v == 0.0 && back & 0x7f == 0), "{byte:#04x} -> {v} -> {back:#04x}");
+        }
+        for byte in 0u8..0x7e {
+            let (lo, hi) = (e4m3_to_f32(byte), e4m3_to_f32(byte + 1));
+            let mid = (lo + hi) / 2.0;
+            let even = if byte % 2 == 0 { byte } else { byte + 1 };
+            assert_eq!(f32_to_e4m3(mid), even, "midpoint of {byte:#04x} and the next");
+            assert_eq!(f32_to_e4m3(-mid), 0x80 | even);
+            assert_eq!(f32_to_e4m3(lo + (hi - lo) * 0.3), byte);
+            assert_eq!(f32_to_e4m3(lo + (hi - lo) * 0.7), byte + 1);
+        }
+        assert_eq!(f32_to_e4m3(460.0), 0x7e);
+        assert_eq!(f32_to_e4m3(-1e9), 0xfe);
+        assert_eq!(f32_to_e4m3(f32::NAN), 0x7f);
+    }
+
+    /// Quantizing takes the decoder's linear weights only, block by block (partial blocks
+    /// scaled by their own largest magnitude), and a weight already on the e4m3 grid of its
+    /// block's scale stays as it was.
+    #[test]
+    fn quantizing_rounds_each_block_of_the_linear_weights_alone() {
+        let mut map = WeightMap::new();
+        // 3 x 5 in 2 x 3 blocks: block (0, 0) holds 448 * 0.5 and exact grid points, block
+        // (0, 1) 7.0 (its own scale 7 / 448), the last row's blocks their own.
+        let data = vec![224.0, 1.0, 0.5, 7.0, 3.3, 16.0, 0.1, -2.0, 1.0, 1.0, 0.0, 0.0, 0.0, 5.0, 0.01];
+        map.insert("model.layers.0.mlp.up_proj.weight", Tensor { shape: vec![3, 5], data: data.clone() });
+        map.insert("model.embed_tokens.weight", Tensor { shape: vec![3, 5], data: data.clone() });
+        map.insert("model.layers.0.mlp.gate.weight", Tensor { shape: vec![3, 5], data: data.clone() });
+        let names = map.quantize_fp8([2, 3]);
+        assert_eq!(names, ["model.layers.0.mlp.up_proj.weight"]);
+        let q = map.take("model.layers.0.mlp.up_proj.weight", &[3, 5]).unwrap();
+        // Block (0, 0) has scale 0.5: 224, 1, 0.5, 16 are on the grid, -2 too; 0.1 / 0.5 = 0.2
+        // rounds to 0.203125 (13 / 64).
+        assert_eq!(&q[..3], &[224.0, 1.0, 0.5]);
+        assert_eq!(&q[5..8], &[16.0, 0.1015625, -2.0]);
+        // Block (0, 1): 7 is its largest, so it maps to 448 exactly; 3.3 -> 3.3 * 64 = 211.2,
+        // which rounds to 208 (the grid is 16 apart there): 3.25.
+        assert_eq!(q[3], 7.0);
+        assert_eq!(q[4], 3.25);
+        // The last row's blocks: (0, 0, 0) -> zeros, scale 1; (5.0, 0.01): 5 -> 448, 0.01 * 89.6
+        // = 0.896 -> 0.875 (the grid is 1/16 apart there) -> 0.875 / 89.6.
+        assert_eq!(&q[10..13], &[0.0, 0.0, 0.0]);
+        assert_eq!(q[13], 5.0);
+        let scale = (5.0f64 / 448.0) as f32;
+        assert_eq!(q[14], 0.875 * scale);
+        assert_eq!(map.take("model.embed_tokens.weight", &[3, 5]).unwrap(), data);
+        assert_eq!(map.take("model.layers.0.mlp.gate.weight", &[3, 5]).unwrap(), data);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use sha2::{Digest, Sha256};
-use tandem_model::{LoadedModel, ModelSource, ModelSpec};
+use tandem_model::{LoadedModel, ModelSource, ModelSpec, Quantization};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
@@ -40,6 +40,35 @@ fn fp8_weights_dequantize_to_the_bits_an_independent_implementation_gives() {
     }
 }
 
+/// `--quantization fp8` rounds a full-precision checkpoint as its FP8 checkpoint holds it: the
+/// qwen3 fixture quantized here in the fixture's 32 x 48 blocks gives, tensor for tensor, the
+/// bits ml_dtypes gave scripts/make_fp8_fixture.py (the same 21 tensors, nothing else touched).
+#[test]
+fn quantizing_at_load_gives_the_bits_of_the_published_fp8_layout() {
+    let expected = json(fixture("qwen3-fp8").join("dequantized.json"));
+    let digests = expected["sha256"].as_object().unwrap();
+    let mut weights = ModelSpec::load(&ModelSource::Dir(fixture("qwen3")), None).unwrap().host_weights().unwrap();
+    let untouched: Vec<(String, Vec<f32>)> = weights
+        .iter()
+        .filter(|(n, _)| !digests.contains_key(n.as_str()))
+        .map(|(n, t)| (n.clone(), t.data.clone()))
+        .collect();
+    let names = weights.quantize_fp8([32, 48]);
+    let mut want: Vec<&String> = digests.keys().collect();
+    want.sort();
+    assert_eq!(names.iter().collect::<Vec<_>>(), want, "the decoder's linear weights, and only they");
+    for (name, digest) in digests {
+        let (_, tensor) = weights.iter().find(|(n, _)| *n == name).unwrap();
+        let bytes: Vec<u8> = tensor.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let got: String = Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(&got, digest.as_str().unwrap(), "{name}");
+    }
+    for (name, data) in untouched {
+        let (_, t) = weights.iter().find(|(n, _)| **n == name).unwrap();
+        assert!(t.data == data, "{name} changed");
+    }
+}
+
 /// The FP8 model answers the source fixture's prompts close to the full-precision one (FP8 keeps
 /// 3 mantissa bits: a token may flip where two were close, so most, not all, first tokens agree).
 #[test]
@@ -61,6 +90,43 @@ fn the_fp8_model_serves_and_stays_close_to_full_precision() {
         assert!(ours.iter().all(|v| v.is_finite()));
     }
     assert!(same * 4 >= total * 3, "first tokens agree at {same} of {total} prompts");
+}
+
+/// `with_quantization(Fp8)` (what `--quantization fp8` asks) loads the full-precision fixture
+/// rounded in 128 x 128 blocks: its own fingerprint (a P/D peer without the rounding does not
+/// pair with it), logits close to full precision's; an FP8 checkpoint is left as stored.
+#[test]
+fn a_model_quantized_at_load_is_its_fp8_self() {
+    let spec = || ModelSpec::load(&ModelSource::Dir(fixture("qwen3")), None).unwrap();
+    let rounded = spec().with_quantization(Some(Quantization::Fp8)).unwrap();
+    let mut by_hand = spec().host_weights().unwrap();
+    by_hand.quantize_fp8(Quantization::FP8_BLOCK);
+    let loaded = rounded.host_weights().unwrap();
+    for (name, t) in by_hand.iter() {
+        let (_, ours) = loaded.iter().find(|(n, _)| *n == name).unwrap();
+        assert!(ours.data == t.data, "{name}");
+    }
+    let model = LoadedModel::from_spec(rounded).unwrap();
+    let full = LoadedModel::from_spec(spec()).unwrap();
+    assert_ne!(model.transformer.fingerprint(), full.transformer.fingerprint());
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 200).collect();
+    let (ours, theirs) = (first_token_logits(&model, &prompt), first_token_logits(&full, &prompt));
+    let err = ours.iter().zip(&theirs).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let scale = theirs.iter().map(|v| v.abs()).fold(0f32, f32::max);
+    assert!(err > 0.0 && err < 0.25 * scale, "logits off by {err} (largest {scale})");
+
+    let stored = ModelSpec::load(&ModelSource::Dir(fixture("qwen3-fp8")), None).unwrap();
+    let as_stored = stored.host_weights().unwrap();
+    let kept = ModelSpec::load(&ModelSource::Dir(fixture("qwen3-fp8")), None)
+        .unwrap()
+        .with_quantization(Some(Quantization::Fp8))
+        .unwrap()
+        .host_weights()
+        .unwrap();
+    for (name, t) in as_stored.iter() {
+        let (_, ours) = kept.iter().find(|(n, _)| *n == name).unwrap();
+        assert!(ours.data == t.data, "{name}: an FP8 checkpoint is kept as stored");
+    }
 }
 
 fn first_token_logits(model: &LoadedModel, prompt: &[u32]) -> Vec<f32> {

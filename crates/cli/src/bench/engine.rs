@@ -77,7 +77,7 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
         ..cfg
     };
     let engine_cfg = tandem_bench::engine::engine_config(&cfg);
-    let margs = ModelArgs { model: a.model.clone(), model_seed: a.model_seed, max_model_len: None };
+    let margs = ModelArgs { model: a.model.clone(), model_seed: a.model_seed, max_model_len: None, quantization: None };
     let bench_model = match device {
         DeviceSpec::Cpu => {
             let model = load_model(&margs)?;
