@@ -5,6 +5,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
+use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 use tandem_compute::cpu::{QuantMatrix, WeightMemory};
 
@@ -194,22 +195,24 @@ impl WeightMap {
             .map(|(name, _)| name.clone())
             .collect();
         names.sort();
+        let table: [f32; 256] = std::array::from_fn(|b| e4m3_to_f32(b as u8));
         for name in &names {
             let Some(t) = self.tensors.get_mut(name) else { continue };
-            let cols = t.shape[1];
-            let rows = t.data.len() / cols.max(1);
-            for r0 in (0..rows).step_by(block_rows) {
+            let cols = t.shape[1].max(1);
+            // Each band of block rows on a thread of its own (a 32B model's weights in seconds).
+            t.data.par_chunks_mut(block_rows * cols).for_each(|band| {
+                let rows = band.len() / cols;
                 for c0 in (0..cols).step_by(block_cols) {
-                    let (r1, c1) = ((r0 + block_rows).min(rows), (c0 + block_cols).min(cols));
-                    let cells = || (r0..r1).flat_map(move |r| (c0..c1).map(move |c| r * cols + c));
-                    let amax = cells().map(|i| t.data[i].abs()).fold(0.0f32, f32::max);
+                    let c1 = (c0 + block_cols).min(cols);
+                    let cells = || (0..rows).flat_map(move |r| (c0..c1).map(move |c| r * cols + c));
+                    let amax = cells().map(|i| band[i].abs()).fold(0.0f32, f32::max);
                     // The scale as the checkpoints' makers compute it: in f64, then to f32.
                     let scale = if amax > 0.0 { (f64::from(amax) / 448.0) as f32 } else { 1.0 };
                     for i in cells() {
-                        t.data[i] = e4m3_to_f32(f32_to_e4m3(t.data[i] / scale)) * scale;
+                        band[i] = table[usize::from(f32_to_e4m3(band[i] / scale))] * scale;
                     }
                 }
-            }
+            });
         }
         names
     }
@@ -227,8 +230,6 @@ pub fn is_fp8_linear(name: &str) -> bool {
 /// ml_dtypes would give NaN from 464 up: [`WeightMap::quantize_fp8`]'s quotients never reach
 /// past 448 by more than a rounding), NaN gives NaN.
 pub fn f32_to_e4m3(x: f32) -> u8 {
-    static POSITIVES: std::sync::OnceLock<[f32; 127]> = std::sync::OnceLock::new();
-    let values = POSITIVES.get_or_init(|| std::array::from_fn(|b| e4m3_to_f32(b as u8)));
     if x.is_nan() {
         return 0x7f;
     }
@@ -237,14 +238,15 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     if a >= 448.0 {
         return sign | 0x7e;
     }
-    // values[below] <= a < values[below + 1]; both differences are exact (the two are within a
-    // factor of two of a, past the first step), so a tie is a tie.
-    let below = values.partition_point(|&v| v <= a) - 1;
-    let (down, up) = (a - values[below], values[below + 1] - a);
-    let byte = match down.partial_cmp(&up) {
-        Some(std::cmp::Ordering::Less) => below,
-        Some(std::cmp::Ordering::Greater) => below + 1,
-        _ => below + (below & 1),
+    // Scaled by a power of two (exact), the e4m3 grid around `a` is the integers: below 2^-6
+    // the subnormals' steps of 2^-9 (8 rounds up into the first normal, byte 8), above it 8
+    // steps a binade (16 carries into the next binade's exponent).
+    let byte = if a < 2f32.powi(-6) {
+        (a * 512.0).round_ties_even() as u32
+    } else {
+        let e = ((a.to_bits() >> 23) & 0xff) as i32 - 127;
+        let steps = (a * 2f32.powi(3 - e)).round_ties_even() as u32;
+        (((e + 7) as u32) << 3) + steps - 8
     };
     sign | byte as u8
 }
@@ -346,6 +348,40 @@ mod tests {
             }
         }
         assert!(!map.contains("w.weight_scale_inv"));
+    }
+
+    /// The e4m3 byte nearest `x` (finite, below 448) by search over every positive e4m3 value,
+    /// ties to the even byte: the definition, against which the arithmetic is checked.
+    fn nearest_by_search(x: f32) -> u8 {
+        let values: Vec<f32> = (0..0x7f).map(e4m3_to_f32).collect();
+        let a = x.abs();
+        let below = values.partition_point(|&v| v <= a) - 1;
+        // Exact differences: the neighbours are within a factor of two of `a` past the first step.
+        let (down, up) = (a - values[below], values[below + 1] - a);
+        let byte = if down < up {
+            below
+        } else if up < down {
+            below + 1
+        } else {
+            below + (below & 1)
+        };
+        (if x.is_sign_negative() { 0x80 } else { 0 }) | byte as u8
+    }
+
+    /// The arithmetic rounding agrees with the search on values spread over every binade e4m3
+    /// has, subnormals and the binade below them included.
+    #[test]
+    fn e4m3_rounding_agrees_with_a_search_of_the_grid() {
+        let mut state = 0x9e3779b97f4a7c15u64;
+        for _ in 0..200_000 {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let unit = (state >> 40) as f32 / (1u64 << 24) as f32;
+            let exponent = ((state >> 8) % 20) as i32 - 11;
+            let x = (1.0 + unit) * 2f32.powi(exponent) * if state & 1 == 0 { 1.0 } else { -1.0 };
+            if x.abs() < 448.0 {
+                assert_eq!(f32_to_e4m3(x), nearest_by_search(x), "{x:e}");
+            }
+        }
     }
 
     /// Every finite e4m3 number rounds to its own byte, and a value between two neighbours to
