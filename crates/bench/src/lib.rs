@@ -10,6 +10,7 @@
 #![deny(missing_docs)]
 
 pub mod engine;
+pub mod fidelity;
 pub mod kv;
 #[cfg(feature = "nixl")]
 pub mod kv_nixl;

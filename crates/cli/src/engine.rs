@@ -97,7 +97,9 @@ pub struct EngineArgs {
     /// GPU only: one kernel choice, `KEY=VALUE`, repeatable; the defaults are the fastest
     /// measured on an H200. Keys: programmatic_launch=0|1 (0), attention_early=0|1 (1),
     /// attention_stages=auto|1|2 (auto), bulk_early_rows=0..=8 (8), tensor_core_projections=0|1
-    /// (0), bulk_o_projection=0|1 (1).
+    /// (0), bulk_o_projection=0|1 (1), invariant_skinny=0|1 (0), skinny_stages=2|4|8 (8),
+    /// invariant_slice_cols=0|N*64 (0), kv_fence_groups=1..=64 (8), kv_fence_taper=0|1 (0),
+    /// wgmma_prefill=0|1 (0: the Hopper prefill attention, not yet measured).
     #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
     pub cuda_tune: Vec<String>,
     /// Give every request the output it would get alone: run kernels whose arithmetic for one
@@ -517,6 +519,21 @@ pub(crate) fn seconds(s: f64, name: &str) -> Result<std::time::Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--help` names every key `--cuda-tune` takes (the list is written by hand).
+    #[test]
+    fn cuda_tune_help_names_every_key() {
+        use clap::CommandFactory;
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            engine: EngineArgs,
+        }
+        let help = Flags::command().render_long_help().to_string();
+        for (key, _) in tandem_compute::cuda::CudaTuning::KEYS {
+            assert!(help.contains(&format!("{key}=")), "--cuda-tune's help does not name {key}");
+        }
+    }
 
     #[test]
     fn sizes_parse() {

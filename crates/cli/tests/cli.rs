@@ -166,6 +166,19 @@ fn generate_runs_a_checkpoint_quantized_to_fp8_at_load() {
     assert_eq!(ids(&got["token_ids"]).len(), 6);
 }
 
+/// `bench fidelity` compares the rounded model with the one as read and says how close they stay.
+#[test]
+fn bench_fidelity_reports_how_close_fp8_stays() {
+    let out = tandem()
+        .args(["bench", "fidelity", "--model", "preset:tiny-qwen3", "--quantization", "fp8"])
+        .args(["--num-prompts", "2", "--prompt-len", "8", "--output-len", "5"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("of 10 positions") && text.contains("mean |difference|"), "{text}");
+}
+
 /// `--model ORG/NAME` asks the Hub named by HF_ENDPOINT (the download itself is tested against a
 /// local hub in the model crate): one that cannot be reached fails at once with a message that
 /// names it and what to do instead.

@@ -2,6 +2,7 @@
 //! module per benchmark, each owning its arguments.
 
 mod engine;
+mod fidelity;
 mod kv;
 mod link;
 mod plot;
@@ -13,6 +14,7 @@ use anyhow::Result;
 use clap::Subcommand;
 
 use crate::bench::engine::BenchEngineArgs;
+use crate::bench::fidelity::BenchFidelityArgs;
 use crate::bench::kv::BenchKvArgs;
 use crate::bench::plot::PlotArgs;
 use crate::bench::serve::BenchServeArgs;
@@ -44,6 +46,10 @@ pub enum BenchCommand {
     /// against a colocated engine's, and the run fails if one is wrong, one is lost, or a KV
     /// block leaks.
     Soak(SoakArgs),
+    /// A model with rounded weights (`--quantization fp8`) against the same model as read: how
+    /// often greedy decoding picks the same token, where each prompt first diverges, and how
+    /// far the log-probabilities move (CPU).
+    Fidelity(BenchFidelityArgs),
 }
 
 /// Runs one benchmark.
@@ -56,5 +62,6 @@ pub(crate) fn run(c: BenchCommand) -> Result<()> {
         BenchCommand::Plot(a) => plot::bench_plot(a),
         BenchCommand::KvPeer(a) => kv::bench_kv_peer(a),
         BenchCommand::Soak(a) => soak::bench_soak(a),
+        BenchCommand::Fidelity(a) => fidelity::bench_fidelity(a),
     }
 }

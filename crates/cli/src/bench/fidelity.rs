@@ -1,0 +1,71 @@
+//! `tandem bench fidelity`: a model with rounded weights (`--quantization`) against the same
+//! model as read, on the CPU (the comparison is in `tandem_bench::fidelity`).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use tandem_model::{LoadedModel, ModelSpec, Quantization};
+
+use crate::engine::model_source;
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchFidelityArgs {
+    /// The model (as `serve --model` takes it), both as read (the reference) and rounded.
+    #[arg(long, default_value = "preset:tiny-qwen3")]
+    pub model: String,
+    /// Weight seed for `preset:` models.
+    #[arg(long, default_value_t = 0)]
+    pub model_seed: u64,
+    /// The rounding the candidate gets (`fp8`: as `serve --quantization fp8`).
+    #[arg(long, value_parser = |s: &str| s.parse::<Quantization>())]
+    pub quantization: Quantization,
+    /// Prompts, random token ids.
+    #[arg(long, default_value_t = 16)]
+    pub num_prompts: usize,
+    /// Tokens of each prompt.
+    #[arg(long, default_value_t = 64)]
+    pub prompt_len: usize,
+    /// Tokens the reference generates after each prompt: the positions compared.
+    #[arg(long, default_value_t = 64)]
+    pub output_len: usize,
+    /// Seeds the prompts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the report as JSON here too.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+}
+
+pub(crate) fn bench_fidelity(a: BenchFidelityArgs) -> Result<()> {
+    let source = model_source(&a.model, a.model_seed)?;
+    let max_len = Some(a.prompt_len.max(1) + a.output_len);
+    let load = |q: Option<Quantization>| -> Result<LoadedModel> {
+        let spec = ModelSpec::load(&source, max_len).and_then(|s| s.with_quantization(q))?;
+        Ok(LoadedModel::from_spec(spec)?)
+    };
+    let reference = load(None).with_context(|| format!("loading `{}`", a.model))?;
+    let candidate = load(Some(a.quantization))
+        .with_context(|| format!("loading `{}` with {}", a.model, a.quantization.as_str()))?;
+    eprintln!(
+        "... {} prompts of {} tokens, {} output tokens each: `{}` as read against {}",
+        a.num_prompts,
+        a.prompt_len,
+        a.output_len,
+        a.model,
+        a.quantization.as_str()
+    );
+    let cfg = tandem_bench::fidelity::FidelityConfig {
+        num_prompts: a.num_prompts,
+        prompt_len: a.prompt_len,
+        output_len: a.output_len,
+        seed: a.seed,
+    };
+    let report = tandem_bench::fidelity::compare(&reference.transformer, &candidate.transformer, &cfg);
+    println!("{report}");
+    if let Some(path) = a.json_out {
+        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
