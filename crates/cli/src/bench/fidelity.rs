@@ -21,14 +21,14 @@ pub struct BenchFidelityArgs {
     #[arg(long, value_parser = |s: &str| s.parse::<Quantization>())]
     pub quantization: Quantization,
     /// Prompts, random token ids.
-    #[arg(long, default_value_t = 16)]
-    pub num_prompts: usize,
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
+    pub num_prompts: u16,
     /// Tokens of each prompt.
-    #[arg(long, default_value_t = 64)]
-    pub prompt_len: usize,
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub prompt_len: u32,
     /// Tokens the reference generates after each prompt: the positions compared.
-    #[arg(long, default_value_t = 64)]
-    pub output_len: usize,
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub output_len: u32,
     /// Seeds the prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -39,7 +39,8 @@ pub struct BenchFidelityArgs {
 
 pub(crate) fn bench_fidelity(a: BenchFidelityArgs) -> Result<()> {
     let source = model_source(&a.model, a.model_seed)?;
-    let max_len = Some(a.prompt_len.max(1) + a.output_len);
+    let (num_prompts, prompt_len, output_len) = (a.num_prompts as usize, a.prompt_len as usize, a.output_len as usize);
+    let max_len = Some(prompt_len + output_len);
     let load = |q: Option<Quantization>| -> Result<LoadedModel> {
         let spec = ModelSpec::load(&source, max_len).and_then(|s| s.with_quantization(q))?;
         Ok(LoadedModel::from_spec(spec)?)
@@ -48,19 +49,11 @@ pub(crate) fn bench_fidelity(a: BenchFidelityArgs) -> Result<()> {
     let candidate = load(Some(a.quantization))
         .with_context(|| format!("loading `{}` with {}", a.model, a.quantization.as_str()))?;
     eprintln!(
-        "... {} prompts of {} tokens, {} output tokens each: `{}` as read against {}",
-        a.num_prompts,
-        a.prompt_len,
-        a.output_len,
+        "... {num_prompts} prompts of {prompt_len} tokens, {output_len} output tokens each: `{}` as read against {}",
         a.model,
         a.quantization.as_str()
     );
-    let cfg = tandem_bench::fidelity::FidelityConfig {
-        num_prompts: a.num_prompts,
-        prompt_len: a.prompt_len,
-        output_len: a.output_len,
-        seed: a.seed,
-    };
+    let cfg = tandem_bench::fidelity::FidelityConfig { num_prompts, prompt_len, output_len, seed: a.seed };
     let report = tandem_bench::fidelity::compare(&reference.transformer, &candidate.transformer, &cfg);
     println!("{report}");
     if let Some(path) = a.json_out {
