@@ -1,0 +1,224 @@
+//! Prefill attention over the paged cache on tensor cores: the mma.sync builds (default,
+//! packed for batch-invariant serving, split for long decode contexts) and the Hopper build on
+//! warpgroup MMAs; the kernels are in kernels/attention.cu.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{cfg, launch_programmatic, AttnMeta, AttnShape, RawArg};
+use crate::cuda::{CudaDevice, CudaError};
+
+/// Whether the tensor-core prefill kernel takes this head size.
+pub fn flash_supported(head_dim: usize) -> bool {
+    matches!(head_dim, 64 | 128)
+}
+
+/// Sequence tables for the prefill kernel.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillSeqs {
+    /// `[2 * items]` (sequence, first query of the 64-query tile).
+    pub work: u64,
+    /// Work items.
+    pub num_items: usize,
+    /// `[seq]` first token in the batch.
+    pub seq_tok: u64,
+    /// `[seq]` tokens in the batch.
+    pub seq_len: u64,
+    /// `[seq]` position of the first token.
+    pub seq_pos: u64,
+    /// The packed build (batch-invariant serving): work items of [`flash_packed_tokens`]
+    /// tokens, one block per KV head and its group of query heads.
+    pub packed: bool,
+}
+
+/// Keys per range of the packed prefill kernel's softmax (FA_RANGE in kernels/attention.cu):
+/// each range's sums start afresh and ranges fold in key order, so a long context's ranges
+/// may be worked by separate blocks ([`FlashSplit`]) with the same result.
+pub const FLASH_RANGE_KEYS: usize = 256;
+
+/// Key ranges ([`FLASH_RANGE_KEYS`]) of the packed prefill kernel spread over blocks: for
+/// decode steps of a few tokens with long contexts, where one block per KV head walking the
+/// whole context leaves the device idle. Only for steps whose work items are one token each.
+#[derive(Clone, Copy, Debug)]
+pub struct FlashSplit {
+    /// `[tokens][heads][max_ranges][head_dim + 2]` f32 scratch ([`flash_split_floats`]).
+    pub part: u64,
+    /// Blocks per work item and KV head (the launch's grid z); block z takes ranges z, z +
+    /// blocks, ...
+    pub blocks: usize,
+    /// Ranges the scratch holds per token and head: at least every token's context / 256.
+    pub max_ranges: usize,
+}
+
+/// f32 elements of [`FlashSplit::part`] for `tokens` tokens with contexts up to `max_positions`.
+pub fn flash_split_floats(tokens: usize, num_heads: usize, head_dim: usize, max_positions: usize) -> usize {
+    tokens * num_heads * max_positions.div_ceil(FLASH_RANGE_KEYS) * (head_dim + 2)
+}
+
+/// Tokens one work item of the packed prefill kernel covers: its 64 rows hold that many
+/// tokens' worth of a KV head's query heads (`group` = query heads per KV head, at most 64).
+pub fn flash_packed_tokens(group: usize) -> usize {
+    (FLASH_ROWS / group.max(1)).max(1)
+}
+
+/// Dynamic shared memory of the prefill kernel for `head_dim` (FLASH_SMEM_BYTES in kernels/attention.cu).
+pub fn flash_smem_bytes(head_dim: usize) -> u32 {
+    (2 * 2 * 64 * (head_dim + 8) * 2) as u32
+}
+
+/// Dynamic shared memory of the Hopper prefill kernel (WG_SMEM_BYTES in kernels/attention.cu):
+/// Q of two heads' 64 rows, two stages of 128-key K and V tiles, 1024 bytes to align them.
+pub const WGMMA_PREFILL_SMEM_BYTES: u32 = 2 * 128 * 128 + 2 * 4 * 128 * 128 + 1024;
+
+/// Whether the Hopper prefill kernel ([`flash_prefill_wgmma`]) takes shape `s` on `dev`: an
+/// sm_90a GPU, head size 128, an even number of query heads per KV head (a block takes two).
+pub fn wgmma_prefill_takes(dev: &CudaDevice, s: &AttnShape) -> bool {
+    let group = s.num_heads / s.num_kv_heads.max(1);
+    dev.wgmma_capable() && s.head_dim == 128 && s.num_heads == group * s.num_kv_heads && group.is_multiple_of(2)
+}
+
+/// Rows of queries one prefill work item covers.
+pub const FLASH_ROWS: usize = 64;
+
+/// [`flash_prefill`]'s default build (not packed, not split) on Hopper's warpgroup MMAs, for the
+/// shapes [`wgmma_prefill_takes`]; the same work items. [`flash_prefill`] takes this kernel
+/// when tuned to ([`crate::cuda::CudaTuning::wgmma_prefill`]).
+///
+/// # Safety
+/// As [`flash_prefill`].
+pub unsafe fn flash_prefill_wgmma(
+    dev: &CudaDevice,
+    q: u64,
+    cache: u64,
+    out: u64,
+    p: &PrefillSeqs,
+    m: &AttnMeta,
+    s: &AttnShape,
+) -> Result<(), CudaError> {
+    if p.packed || !wgmma_prefill_takes(dev, s) {
+        return Err(CudaError::Unavailable(format!(
+            "the Hopper prefill kernel takes sm_90a GPUs, head size 128, an even number of query heads per \
+             KV head and the unpacked build: not {} heads over {} KV heads of {} on {}{}",
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            dev.describe(),
+            if p.packed { ", packed" } else { "" }
+        )));
+    }
+    if p.num_items == 0 {
+        return Ok(());
+    }
+    let config = LaunchConfig {
+        grid_dim: (s.num_heads as u32 / 2, p.num_items as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: WGMMA_PREFILL_SMEM_BYTES,
+    };
+    launch_flash(dev, "flash_prefill_wgmma_hd128", config, (q, cache, out), p, m, s, (0, 0))
+}
+
+/// Launches prefill kernel `name` (every build takes the same arguments) over `qco` (q, cache,
+/// out), with `split` (part, max_ranges) for the split build.
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_flash(
+    dev: &CudaDevice,
+    name: &str,
+    config: LaunchConfig,
+    qco: (u64, u64, u64),
+    p: &PrefillSeqs,
+    m: &AttnMeta,
+    s: &AttnShape,
+    split: (u64, usize),
+) -> Result<(), CudaError> {
+    let (q, cache, out) = qco;
+    let scale_log2 = std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt();
+    launch!(
+        dev,
+        name,
+        config,
+        q,
+        cache,
+        out,
+        p.work,
+        p.seq_tok,
+        p.seq_len,
+        p.seq_pos,
+        m.block_tables,
+        m.stride,
+        s.num_heads as i32,
+        s.num_kv_heads as i32,
+        s.layer as i32,
+        s.num_layers as i32,
+        s.block_size as i32,
+        scale_log2,
+        split.0,
+        split.1 as i32
+    )
+}
+
+/// Causal attention of prefill chunks over the paged cache with tensor cores.
+///
+/// # Safety
+/// See the module docs; `q` and `out` hold every token of the work items' sequences
+/// (`[t, heads, head_dim]`), `seqs`' arrays `num_items` work items and their sequences, and `m`'s
+/// tables blocks in `cache` (as `s` describes it) up to each query's position. With `split`
+/// (packed, one token per work item, the step's tokens `0..items`), `split.part` holds
+/// [`flash_split_floats`] for those tokens and every context fits `split.max_ranges` ranges.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn flash_prefill(
+    dev: &CudaDevice,
+    q: u64,
+    cache: u64,
+    out: u64,
+    p: &PrefillSeqs,
+    m: &AttnMeta,
+    s: &AttnShape,
+    split: Option<FlashSplit>,
+) -> Result<(), CudaError> {
+    if p.num_items == 0 {
+        return Ok(());
+    }
+    if split.is_some() && !p.packed {
+        return Err(CudaError::Unavailable("split prefill attention is only built packed".into()));
+    }
+    if !p.packed && split.is_none() && dev.tuning().wgmma_prefill && wgmma_prefill_takes(dev, s) {
+        return flash_prefill_wgmma(dev, q, cache, out, p, m, s);
+    }
+    let name = match (s.head_dim, p.packed, split.is_some()) {
+        (64, false, _) => "flash_prefill_hd64",
+        (128, false, _) => "flash_prefill_hd128",
+        (64, true, false) => "flash_prefill_packed_hd64",
+        (128, true, false) => "flash_prefill_packed_hd128",
+        (64, true, true) => "flash_prefill_split_hd64",
+        (128, true, true) => "flash_prefill_split_hd128",
+        (d, ..) => panic!("flash_prefill called for head_dim {d}; check flash_supported first"),
+    };
+    if p.packed && s.num_heads / s.num_kv_heads.max(1) > FLASH_ROWS {
+        return Err(CudaError::Unavailable(format!(
+            "packed prefill attention takes at most {FLASH_ROWS} query heads per KV head, not {}",
+            s.num_heads / s.num_kv_heads.max(1)
+        )));
+    }
+    let blocks_x = if p.packed { s.num_kv_heads } else { s.num_heads };
+    let (part, blocks_z, max_ranges) = split.map_or((0, 1, 0), |f| (f.part, f.blocks.max(1), f.max_ranges));
+    let config = LaunchConfig {
+        grid_dim: (blocks_x as u32, p.num_items as u32, blocks_z as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: flash_smem_bytes(s.head_dim),
+    };
+    launch_flash(dev, name, config, (q, cache, out), p, m, s, (part, max_ranges))?;
+    if split.is_some() {
+        // One token per work item: the step's tokens are 0..items.
+        launch!(
+            dev,
+            "flash_range_combine",
+            cfg((p.num_items as u32, s.num_heads as u32), s.head_dim as u32),
+            part,
+            out,
+            m.positions,
+            s.num_heads as i32,
+            s.head_dim as i32,
+            max_ranges as i32
+        )?;
+    }
+    Ok(())
+}
