@@ -497,6 +497,29 @@ mod tests {
             assert!(r.raw_best_gb_s > 0.0 && r.kv_best_gb_s > 0.0);
         }
     }
+
+    /// The tcp transport over TLS, its connections' bulk bytes through their threads
+    /// (`tls_pipes`) or not, on one stream and striped: every transfer's CRC checks where it
+    /// lands (a byte lost, doubled or reordered by a pipe fails the run).
+    #[test]
+    fn tls_runs_with_and_without_the_connections_threads_land_every_byte() {
+        let dir = std::env::temp_dir().join(format!("tandem-bench-kv-tls-test-{}", std::process::id()));
+        write_bench_certificates(&dir).unwrap();
+        for (streams, pipes) in [(1, true), (3, true), (2, false)] {
+            let tls = read_bench_certificates(&dir).unwrap().with_pipes(pipes);
+            let cfg = KvBenchConfig {
+                bytes: 8 << 20,
+                repeats: 2,
+                streams,
+                verify: true,
+                tls: Some(tls),
+                ..Default::default()
+            };
+            let r = measure_in_process(&cfg).unwrap_or_else(|e| panic!("{streams} streams, pipes {pipes}: {e}"));
+            assert!(r.tls && r.bytes >= 8 << 20 && r.kv_best_gb_s > 0.0);
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }
 
 /// `tandem bench kv --transport cuda-ipc`: the cuda-ipc transport's device copies into a peer
