@@ -8,10 +8,13 @@
 use tandem_compute::cuda::ops::{
     self, AttnMeta, AttnShape, Gemv, GemvBuild, GemvInput, GemvOutput, GemvPlan, PrefillSeqs, QkvRope, FLASH_ROWS,
 };
-use tandem_compute::cuda::{CudaDevice, CudaTuning};
+use tandem_compute::cuda::{CudaDevice, CudaTuning, WgmmaPrefill};
 
+/// The GPU, its prefill attention the mma.sync kernel (which the packed build must equal bit for
+/// bit); the Hopper builds are called by name.
 fn device() -> Option<CudaDevice> {
-    match CudaDevice::open_with(0, Default::default(), kernel_cache().as_deref()) {
+    let tuning = CudaTuning { wgmma_prefill: WgmmaPrefill::Off, ..CudaTuning::default() };
+    match CudaDevice::open_with(0, tuning, kernel_cache().as_deref()) {
         Ok(d) => Some(d),
         Err(e) => {
             assert!(std::env::var("TANDEM_REQUIRE_CUDA").map_or(true, |v| v != "1"), "no usable GPU: {e}");
@@ -238,13 +241,49 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
         // The Hopper build (warpgroup MMAs), where the GPU and the shape have it: the same
         // work items, within the same bound of the reference.
         let mut wgmma = String::new();
-        if ops::wgmma_prefill_takes(dev, &shape) {
+        for build in [WgmmaPrefill::Lockstep, WgmmaPrefill::Specialized] {
+            if !ops::wgmma_prefill_takes(dev, &shape) {
+                break;
+            }
             dev.write(&mut d_out, 0, &poison).unwrap();
-            unsafe { ops::flash_prefill_wgmma(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &p, &meta, &shape).unwrap() };
+            unsafe {
+                ops::flash_prefill_wgmma(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &p, &meta, &shape, build).unwrap()
+            };
             let wg_out = dev.read(&d_out, poison.len()).unwrap();
+            // Where a wrong layout shows: error by head parity, by row of the 64-row item (8
+            // rows a bucket) and by head dim (8 a bucket), printed before the bound is checked.
+            let (mut by_head, mut by_row, mut by_dim) = ([[0f64; 2]; 2], [[0f64; 2]; 8], [[0f64; 2]; 16]);
+            let mut not_finite = 0;
+            for t in (0..total_tokens).filter(|&t| in_prefill(t)) {
+                let row = (positions[t] as usize - case.seqs[tok_seq[t] as usize].1) % FLASH_ROWS;
+                for h in 0..nh {
+                    for d in 0..hd {
+                        let i = (t * nh + h) * hd + d;
+                        let o = f32_of(wg_out[i]) as f64;
+                        if !o.is_finite() {
+                            not_finite += 1;
+                            continue;
+                        }
+                        let (e, r) = ((o - reference[i]).powi(2), reference[i].powi(2));
+                        for b in [&mut by_head[h % 2], &mut by_row[row * 8 / FLASH_ROWS], &mut by_dim[d / 8]] {
+                            b[0] += e;
+                            b[1] += r;
+                        }
+                    }
+                }
+            }
+            let rel = |b: &[[f64; 2]]| {
+                b.iter().map(|[e, r]| format!("{:.0e}", (e / r.max(1e-30)).sqrt())).collect::<Vec<_>>()
+            };
+            eprintln!(
+                "wgmma {build:?} {label}: not finite {not_finite}; by head parity {:?}; by row/8 {:?}; by dim/8 {:?}",
+                rel(&by_head),
+                rel(&by_row),
+                rel(&by_dim)
+            );
             let wg_err = rel_err(&wg_out, &in_prefill);
-            assert!(wg_err < 1e-2, "flash_prefill_wgmma, {label}: relative error {wg_err:.2e}");
-            wgmma = format!(", wgmma ({wg_err:.1e})");
+            assert!(wg_err < 1e-2, "flash_prefill_wgmma {build:?}, {label}: relative error {wg_err:.2e}");
+            wgmma += &format!(", wgmma {build:?} ({wg_err:.1e})");
         }
         eprintln!("{label}: flash ok ({err:.1e}), packed ({packed_err:.1e}){wgmma}");
     }

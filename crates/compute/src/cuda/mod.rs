@@ -22,7 +22,7 @@ mod tuning;
 pub use fences::{HostFence, HostSignal, KvFence, KvFences};
 pub use ipc::{DeviceKvMemory, DeviceScratch, HostCopies, IpcExport, PeerKvMemory};
 pub use nccl::Communicator;
-pub use tuning::{kv_fence_ends, CudaTuning};
+pub use tuning::{kv_fence_ends, CudaTuning, WgmmaPrefill};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -128,6 +128,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "flash_prefill_split_hd64",
     "flash_prefill_split_hd128",
     "flash_prefill_wgmma_hd128",
+    "flash_prefill_wgmma_ws_hd128",
     "flash_range_combine",
     "ban_tokens",
     "sample_rows",
@@ -549,6 +550,7 @@ impl CudaDevice {
             allow_smem(name, ops::flash_smem_bytes(hd) as usize)?;
         }
         allow_smem("flash_prefill_wgmma_hd128", ops::WGMMA_PREFILL_SMEM_BYTES as usize)?;
+        allow_smem("flash_prefill_wgmma_ws_hd128", ops::WGMMA_WS_PREFILL_SMEM_BYTES as usize)?;
         // The decode attention stages a chunk of keys and values (over 48 KiB for head size 256).
         for name in named("attention_rows_") {
             let e: usize = name.rsplit("_e").next().and_then(|e| e.parse().ok()).unwrap_or(8);

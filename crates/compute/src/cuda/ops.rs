@@ -176,6 +176,7 @@ mod prefill;
 pub use prefill::{
     flash_packed_tokens, flash_prefill, flash_prefill_wgmma, flash_smem_bytes, flash_split_floats, flash_supported,
     wgmma_prefill_takes, FlashSplit, PrefillSeqs, FLASH_RANGE_KEYS, FLASH_ROWS, WGMMA_PREFILL_SMEM_BYTES,
+    WGMMA_WS_PREFILL_SMEM_BYTES,
 };
 mod skinny;
 pub use skinny::{

@@ -55,11 +55,25 @@ pub struct CudaTuning {
     /// one layer (Qwen3-4B, 8 groups: 5 x 6, 3, 2, 1): what is left to move after the last layer
     /// then is what its last few layers wrote, while the first groups still start as early.
     pub kv_fence_taper: bool,
-    /// Prefill attention on Hopper's warpgroup MMAs (`flash_prefill_wgmma_hd128`: sm_90a,
-    /// head size 128, an even number of query heads per KV head, not batch invariant) instead
-    /// of the mma.sync kernel. Off until measured and checked on a GPU. Another order of sums
-    /// (the outputs differ in the last bits).
-    pub wgmma_prefill: bool,
+    /// Which prefill attention runs where Hopper's warpgroup MMAs take the shape (sm_90a, head
+    /// size 128, an even number of query heads per KV head, not batch invariant). The builds
+    /// sum in other orders (the outputs differ in the last bits).
+    pub wgmma_prefill: WgmmaPrefill,
+}
+
+/// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WgmmaPrefill {
+    /// 0: the mma.sync kernel every GPU runs.
+    Off,
+    /// 1: `flash_prefill_wgmma_hd128`, two warpgroups (two query heads of one KV head) that copy
+    /// each K/V tile together and then multiply it: on an H100, 1.8-1.9x the mma.sync kernel's
+    /// rate at 4k-32k tokens (docs/PERFORMANCE.md).
+    Lockstep,
+    /// 2: `flash_prefill_wgmma_ws_hd128`, the same products with warps specialised: producer
+    /// warps fill a ring of three K/V stages while the two warpgroups take turns at the tensor
+    /// cores, one's softmax under the other's products.
+    Specialized,
 }
 
 /// Where the KV fences of a forward over `layers` layers fall: each group's end (exclusive),
@@ -92,7 +106,7 @@ impl Default for CudaTuning {
             invariant_slice_cols: 0,
             kv_fence_groups: 8,
             kv_fence_taper: false,
-            wgmma_prefill: false,
+            wgmma_prefill: WgmmaPrefill::Lockstep,
         }
     }
 }
@@ -111,7 +125,7 @@ impl CudaTuning {
         ("invariant_slice_cols", "0 or a multiple of 64 (default 0)"),
         ("kv_fence_groups", "1..=64 (default 8)"),
         ("kv_fence_taper", "0|1 (default 0)"),
-        ("wgmma_prefill", "0|1 (default 0)"),
+        ("wgmma_prefill", "0|1|2 (default 1)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -151,7 +165,14 @@ impl CudaTuning {
                 self.kv_fence_groups = value.parse().ok().filter(|n| (1..=64).contains(n)).ok_or_else(bad)?;
             }
             "kv_fence_taper" => self.kv_fence_taper = flag()?,
-            "wgmma_prefill" => self.wgmma_prefill = flag()?,
+            "wgmma_prefill" => {
+                self.wgmma_prefill = match value {
+                    "0" => WgmmaPrefill::Off,
+                    "1" => WgmmaPrefill::Lockstep,
+                    "2" => WgmmaPrefill::Specialized,
+                    _ => return Err(bad()),
+                }
+            }
             _ => {
                 let keys: Vec<&str> = Self::KEYS.iter().map(|(k, _)| *k).collect();
                 return Err(format!("--cuda-tune {key}={value}: unknown key (known: {})", keys.join(", ")));

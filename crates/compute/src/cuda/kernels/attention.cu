@@ -853,6 +853,129 @@ __device__ __forceinline__ void wg_copy_chunk(u32 atom, int row, int chunk, cons
     u32 dst = atom + row * 128 + ((chunk ^ (row & 7)) << 4);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// This warpgroup's rows of a 64-query work item: r0 = 16 warp + lane / 4 and r0 + 8 (the
+// accumulators' layout), their positions, and their online softmax's running max and sum.
+struct WgRows {
+    int pos0, pos1;
+    float m0, m1, l0, l1;
+};
+// S (64 x 128 keys) = Q K^T, issued as 8 steps of 16 head dims, 4 in each atom (32 bytes apart);
+// wg_scores_wait waits for it.
+__device__ __forceinline__ void wg_scores_issue(float* s, u32 q_rows, u32 k_tile) {
+    wg_pin(s);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        u32 off = (kk >> 2) * WG_ATOM_BYTES + (kk & 3) * 32;
+        wg_mma_ss(s, wg_desc(q_rows + off, 16, 1024), wg_desc(k_tile + off, 16, 1024), kk > 0);
+    }
+    wg_commit();
+}
+__device__ __forceinline__ void wg_scores_wait(float* s) {
+    wg_wait_all();
+    wg_pin(s);
+}
+// The mask (keys past a row's position: only tiles reaching past the item's first query, at
+// min_pos) and the online softmax of S in log2 units, then O += P V over the tile's 128 keys at
+// k0 (V at v_tile), waited for. s[4i + e]: row r0, key k0 + 8i + 2tq + e; s[4i + 2 + e]: row r1.
+__device__ __forceinline__ void wg_softmax_pv(float* s, float* o, WgRows& r, int k0, int min_pos, float scale_log2,
+                                              u32 v_tile, int tq) {
+    bool diagonal = k0 + WG_KEYS - 1 > min_pos;
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            int key = k0 + i * 8 + tq * 2 + e;
+            float a = s[4 * i + e] * scale_log2, b = s[4 * i + 2 + e] * scale_log2;
+            if (diagonal && key > r.pos0) a = NEG_INF;
+            if (diagonal && key > r.pos1) b = NEG_INF;
+            s[4 * i + e] = a;
+            s[4 * i + 2 + e] = b;
+            mx0 = fmaxf(mx0, a);
+            mx1 = fmaxf(mx1, b);
+        }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    float mn0 = fmaxf(r.m0, mx0), mn1 = fmaxf(r.m1, mx1);
+    // A row with no visible key yet keeps m = -inf; 0 as the base keeps exp2 at 0, not NaN.
+    float base0 = mn0 == NEG_INF ? 0.0f : mn0, base1 = mn1 == NEG_INF ? 0.0f : mn1;
+    float alpha0 = exp2f(r.m0 - base0), alpha1 = exp2f(r.m1 - base1);
+    r.m0 = mn0;
+    r.m1 = mn1;
+    r.l0 *= alpha0;
+    r.l1 *= alpha1;
+    u32 p[8][4];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        float p0 = exp2f(s[4 * i] - base0), p1 = exp2f(s[4 * i + 1] - base0);
+        float p2 = exp2f(s[4 * i + 2] - base1), p3 = exp2f(s[4 * i + 3] - base1);
+        r.l0 += p0 + p1;
+        r.l1 += p2 + p3;
+        // Key chunk i's C fragment -> the A fragment of k-step i / 2.
+        p[i / 2][(i & 1) * 2 + 0] = pack_bf16x2(p0, p1);
+        p[i / 2][(i & 1) * 2 + 1] = pack_bf16x2(p2, p3);
+        o[4 * i] *= alpha0;
+        o[4 * i + 1] *= alpha0;
+        o[4 * i + 2] *= alpha1;
+        o[4 * i + 3] *= alpha1;
+    }
+    // O += P V: 8 steps of 16 keys (2048 bytes apart in each atom); the N-major operand's
+    // leading offset is the atom stride (head dims 64-127), its stride offset 8 keys.
+    wg_pin(o);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < WG_KEYS / 16; ++kk) wg_mma_rs(o, p[kk], wg_desc(v_tile + kk * 2048, WG_ATOM_BYTES, 1024));
+    wg_commit();
+    wg_wait_all();
+    wg_pin(o);
+}
+// O's rows normalised, as bf16, to head h of the item's tokens (those of the sequence's n_q).
+__device__ __forceinline__ void wg_store(bf16* out, const float* o, WgRows& r, int tok0, int q0, int n_q, int r0,
+                                         int h, int num_heads, int tq) {
+    float l0 = r.l0, l1 = r.l1;
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    int r1 = r0 + 8;
+    bool valid0 = q0 + r0 < n_q, valid1 = q0 + r1 < n_q;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        int c = i * 8 + tq * 2;
+        if (valid0)
+            *reinterpret_cast<u32*>(out + ((u64)(tok0 + q0 + r0) * num_heads + h) * 128 + c) =
+                pack_bf16x2(o[4 * i] * inv0, o[4 * i + 1] * inv0);
+        if (valid1)
+            *reinterpret_cast<u32*>(out + ((u64)(tok0 + q0 + r1) * num_heads + h) * 128 + c) =
+                pack_bf16x2(o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+    }
+}
+// mbarriers (shared memory, this block): init, arrive, the wait for a phase's parity, and the
+// arrive that cp.async fires once this thread's earlier copies landed (noinc: counted in init).
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_copies(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Named barriers among the two consumer warpgroups (256 threads): wait for ours, arrive on the other's.
+__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 #endif
 
 extern "C" __global__ void __launch_bounds__(256, 1)
@@ -906,14 +1029,12 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     load_tile(0, 0);
     asm volatile("cp.async.commit_group;\n" ::);
 
-    // This thread's rows of its warpgroup's 64: r0 and r0 + 8 (the accumulators' layout).
-    int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-    int r0 = warp * 16 + g, r1 = r0 + 8;
-    int pos0 = first_pos + q0 + r0, pos1 = first_pos + q0 + r1;
+    int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tq = lane & 3;
+    int r0 = warp * 16 + (lane >> 2);
+    WgRows rows{first_pos + q0 + r0, first_pos + q0 + r0 + 8, NEG_INF, NEG_INF, 0.0f, 0.0f};
     float s[64], o[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.0f;
-    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
     u32 q_rows = q_smem + wg * 64 * 128;
 
     for (int kt = 0, k0 = 0; k0 < ctx; ++kt, k0 += WG_KEYS) {
@@ -925,96 +1046,120 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         // warpgroup waited for before the barrier above.
         if (k0 + WG_KEYS < ctx) load_tile((kt + 1) & 1, k0 + WG_KEYS);
         asm volatile("cp.async.commit_group;\n" ::);
-        u32 k_tile = stages + (kt & 1) * WG_STAGE_BYTES, v_tile = k_tile + 2 * WG_ATOM_BYTES;
+        u32 k_tile = stages + (kt & 1) * WG_STAGE_BYTES;
+        wg_scores_issue(s, q_rows, k_tile);
+        wg_scores_wait(s);
+        wg_softmax_pv(s, o, rows, k0, min_pos, scale_log2, k_tile + 2 * WG_ATOM_BYTES, tq);
+    }
+    wg_store(out, o, rows, tok0, q0, n_q, r0, head0 + wg, num_heads, tq);
+#endif
+}
 
-        // S = Q K^T: 8 steps of 16 head dims, 4 in each atom (32 bytes apart).
-        wg_pin(s);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            u32 off = (kk >> 2) * WG_ATOM_BYTES + (kk & 3) * 32;
-            wg_mma_ss(s, wg_desc(q_rows + off, 16, 1024), wg_desc(k_tile + off, 16, 1024), kk > 0);
+// The same item and heads with warps specialised: two warpgroups of consumers (the products and
+// the softmax, as above, one query head each) and two producer warps that copy Q and then every
+// K/V tile into a ring of three stages, ahead of the consumers. A stage's full barrier completes
+// once the producers' copies into it landed (cp.async's own arrivals), its empty barrier once
+// every consumer warp's products that read it are done. The consumers take turns at the tensor
+// cores (two named barriers): one issues its S = Q K^T while the other runs its softmax, so the
+// exponentials of one hide behind the products of the other, which the lockstep build above
+// leaves idle. Grid: as above. Block: 320 (consumers 0-255, producers 256-319).
+// Dynamic shared memory: WG_WS_SMEM_BYTES.
+#define WG_WS_STAGES 3
+#define WG_WS_SMEM_BYTES (WG_Q_BYTES + WG_WS_STAGES * WG_STAGE_BYTES + 1024 + 64)
+extern "C" __global__ void __launch_bounds__(320, 1)
+    flash_prefill_wgmma_ws_hd128(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
+                                 const int* seq_len, const int* seq_pos, const int* block_tables,
+                                 const int* meta_stride, int num_heads, int num_kv_heads, int layer, int num_layers,
+                                 int block_size, float scale_log2, float* part, int max_ranges) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int HD = 128;
+    PDL_ENTER();
+    extern __shared__ __align__(16) unsigned char wg_smem[];
+    u32 base = ((u32)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
+    u32 q_smem = base, stages = base + WG_Q_BYTES;
+    // Barriers after the stages: full[3], empty[3].
+    u32 full_bar = stages + WG_WS_STAGES * WG_STAGE_BYTES, empty_bar = full_bar + 8 * WG_WS_STAGES;
+    int group = num_heads / num_kv_heads;
+    int head0 = 2 * blockIdx.x, kh = head0 / group;
+    int seq = work[2 * blockIdx.y], q0 = work[2 * blockIdx.y + 1];
+    int n_q = seq_len[seq], first_pos = seq_pos[seq], tok0 = seq_tok[seq];
+    const int* table = block_tables + (u64)seq * meta_stride[0];
+    int last_row = min(q0 + 64, n_q) - 1;
+    int ctx = first_pos + last_row + 1;  // keys the item needs
+    int min_pos = first_pos + q0;        // the item's first query's position
+    int tiles = (ctx + WG_KEYS - 1) / WG_KEYS;
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < WG_WS_STAGES; ++st) {
+            mbar_init(full_bar + 8 * st, 64);   // one cp.async arrival per producer thread
+            mbar_init(empty_bar + 8 * st, 8);   // one per consumer warp
         }
-        wg_commit();
-        wg_wait_all();
-        wg_pin(s);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
 
-        // Mask (keys past a row's position: only tiles reaching past the item's first query)
-        // and the online softmax, in log2 units. s[4i + e]: row r0, key k0 + 8i + 2tq + e;
-        // s[4i + 2 + e]: row r1.
-        bool diagonal = k0 + WG_KEYS - 1 > min_pos;
-        float mx0 = NEG_INF, mx1 = NEG_INF;
+    if (threadIdx.x >= 256) {
+        // Producers: thread p copies 16-byte chunk p % 16 (head dims 8 (p % 16) ...) of rows
+        // p / 16, p / 16 + 4, ...: a warp's copy is two whole 256-byte rows.
+        int p = threadIdx.x - 256, chunk = p & 15, atom = chunk >> 3, c = chunk & 7, row0 = p >> 4;
+        for (int row = row0; row < 128; row += 4) {
+            int w = row >> 6, r = row & 63;
+            bool valid = q0 + r < n_q;
+            const bf16* src = valid ? q + ((u64)(tok0 + q0 + r) * num_heads + head0 + w) * HD + chunk * 8 : q;
+            wg_copy_chunk(q_smem + atom * WG_ATOM_BYTES, row, c, src, valid ? 16 : 0);
+        }
+        const u64 v_past_k = (u64)num_kv_heads * block_size * HD;  // V's place past K's
+        for (int kt = 0; kt < tiles; ++kt) {
+            int st = kt % WG_WS_STAGES, k0 = kt * WG_KEYS;
+            // This thread's 32 rows' blocks first, unconditionally (keys clamped to the
+            // context) so that the loads go out together, while the stage may still be read:
+            // loads under branches would be waited for one by one.
+            int blk[WG_KEYS / 4];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
+            for (int j = 0; j < WG_KEYS / 4; ++j) blk[j] = table[min(k0 + row0 + 4 * j, ctx - 1) / block_size];
+            // The stage's previous tile (kt - 3) was read by every consumer warp.
+            if (kt >= WG_WS_STAGES) mbar_wait(empty_bar + 8 * st, (kt / WG_WS_STAGES - 1) & 1);
+            u32 k_atom = stages + st * WG_STAGE_BYTES + atom * WG_ATOM_BYTES, v_atom = k_atom + 2 * WG_ATOM_BYTES;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                int key = k0 + i * 8 + tq * 2 + e;
-                float a = s[4 * i + e] * scale_log2, b = s[4 * i + 2 + e] * scale_log2;
-                if (diagonal && key > pos0) a = NEG_INF;
-                if (diagonal && key > pos1) b = NEG_INF;
-                s[4 * i + e] = a;
-                s[4 * i + 2 + e] = b;
-                mx0 = fmaxf(mx0, a);
-                mx1 = fmaxf(mx1, b);
+            for (int j = 0; j < WG_KEYS / 4; ++j) {
+                int key = k0 + row0 + 4 * j;
+                bool valid = key < ctx;
+                const bf16* ksrc = cache + (valid ? kv_offset(blk[j], key % block_size, layer, 0, kh, num_layers,
+                                                              num_kv_heads, block_size, HD) + chunk * 8
+                                                  : 0);
+                wg_copy_chunk(k_atom, row0 + 4 * j, c, ksrc, valid ? 16 : 0);
+                wg_copy_chunk(v_atom, row0 + 4 * j, c, ksrc + (valid ? v_past_k : 0), valid ? 16 : 0);
             }
+            // Q's copies too, the first time: the arrival tracks all of this thread's.
+            mbar_arrive_copies(full_bar + 8 * st);
         }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        // A row with no visible key yet keeps m = -inf; 0 as the base keeps exp2 at 0, not NaN.
-        float base0 = mn0 == NEG_INF ? 0.0f : mn0, base1 = mn1 == NEG_INF ? 0.0f : mn1;
-        float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
-        m0 = mn0;
-        m1 = mn1;
-        l0 *= alpha0;
-        l1 *= alpha1;
-        u32 p[8][4];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            float p0 = exp2f(s[4 * i] - base0), p1 = exp2f(s[4 * i + 1] - base0);
-            float p2 = exp2f(s[4 * i + 2] - base1), p3 = exp2f(s[4 * i + 3] - base1);
-            l0 += p0 + p1;
-            l1 += p2 + p3;
-            // Key chunk i's C fragment -> the A fragment of k-step i / 2.
-            p[i / 2][(i & 1) * 2 + 0] = pack_bf16x2(p0, p1);
-            p[i / 2][(i & 1) * 2 + 1] = pack_bf16x2(p2, p3);
-            o[4 * i] *= alpha0;
-            o[4 * i + 1] *= alpha0;
-            o[4 * i + 2] *= alpha1;
-            o[4 * i + 3] *= alpha1;
-        }
-
-        // O += P V: 8 steps of 16 keys (2048 bytes apart in each atom); the N-major operand's
-        // leading offset is the atom stride (head dims 64-127), its stride offset 8 keys.
-        wg_pin(o);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < WG_KEYS / 16; ++kk)
-            wg_mma_rs(o, p[kk], wg_desc(v_tile + kk * 2048, WG_ATOM_BYTES, 1024));
-        wg_commit();
-        wg_wait_all();
-        wg_pin(o);
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
     }
 
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-    int h = head0 + wg;
-    bool valid0 = q0 + r0 < n_q, valid1 = q0 + r1 < n_q;
+    int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tq = lane & 3;
+    int r0 = warp * 16 + (lane >> 2);
+    WgRows rows{first_pos + q0 + r0, first_pos + q0 + r0 + 8, NEG_INF, NEG_INF, 0.0f, 0.0f};
+    float s[64], o[64];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        int c = i * 8 + tq * 2;
-        if (valid0)
-            *reinterpret_cast<u32*>(out + ((u64)(tok0 + q0 + r0) * num_heads + h) * HD + c) =
-                pack_bf16x2(o[4 * i] * inv0, o[4 * i + 1] * inv0);
-        if (valid1)
-            *reinterpret_cast<u32*>(out + ((u64)(tok0 + q0 + r1) * num_heads + h) * HD + c) =
-                pack_bf16x2(o[4 * i + 2] * inv1, o[4 * i + 3] * inv1);
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    u32 q_rows = q_smem + wg * 64 * 128;
+    // Turns at the tensor cores: warpgroup w waits on barrier 1 + w, then lets the other go.
+    // Warpgroup 0 goes first; warpgroup 1 skips its last arrival, which nobody would wait for.
+    if (wg == 1) named_arrive(1);
+    for (int kt = 0; kt < tiles; ++kt) {
+        int st = kt % WG_WS_STAGES;
+        mbar_wait(full_bar + 8 * st, (kt / WG_WS_STAGES) & 1);
+        // The copies landed (generic proxy); wgmma reads through the async proxy.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        u32 k_tile = stages + st * WG_STAGE_BYTES;
+        named_sync(1 + wg);
+        wg_scores_issue(s, q_rows, k_tile);
+        if (wg == 0 || kt + 1 < tiles) named_arrive(2 - wg);
+        wg_scores_wait(s);
+        wg_softmax_pv(s, o, rows, kt * WG_KEYS, min_pos, scale_log2, k_tile + 2 * WG_ATOM_BYTES, tq);
+        if (lane == 0) mbar_arrive(empty_bar + 8 * st);
     }
+    wg_store(out, o, rows, tok0, q0, n_q, r0, head0 + wg, num_heads, tq);
 #endif
 }
 

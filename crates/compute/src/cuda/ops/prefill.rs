@@ -5,7 +5,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{cfg, launch_programmatic, AttnMeta, AttnShape, RawArg};
-use crate::cuda::{CudaDevice, CudaError};
+use crate::cuda::{CudaDevice, CudaError, WgmmaPrefill};
 
 /// Whether the tensor-core prefill kernel takes this head size.
 pub fn flash_supported(head_dim: usize) -> bool {
@@ -69,6 +69,10 @@ pub fn flash_smem_bytes(head_dim: usize) -> u32 {
 /// Q of two heads' 64 rows, two stages of 128-key K and V tiles, 1024 bytes to align them.
 pub const WGMMA_PREFILL_SMEM_BYTES: u32 = 2 * 128 * 128 + 2 * 4 * 128 * 128 + 1024;
 
+/// Dynamic shared memory of the warp-specialised Hopper prefill kernel (WG_WS_SMEM_BYTES):
+/// Q, three stages, 1024 bytes to align them, its six barriers.
+pub const WGMMA_WS_PREFILL_SMEM_BYTES: u32 = 2 * 128 * 128 + 3 * 4 * 128 * 128 + 1024 + 64;
+
 /// Whether the Hopper prefill kernel ([`flash_prefill_wgmma`]) takes shape `s` on `dev`: an
 /// sm_90a GPU, head size 128, an even number of query heads per KV head (a block takes two).
 pub fn wgmma_prefill_takes(dev: &CudaDevice, s: &AttnShape) -> bool {
@@ -80,11 +84,13 @@ pub fn wgmma_prefill_takes(dev: &CudaDevice, s: &AttnShape) -> bool {
 pub const FLASH_ROWS: usize = 64;
 
 /// [`flash_prefill`]'s default build (not packed, not split) on Hopper's warpgroup MMAs, for the
-/// shapes [`wgmma_prefill_takes`]; the same work items. [`flash_prefill`] takes this kernel
-/// when tuned to ([`crate::cuda::CudaTuning::wgmma_prefill`]).
+/// shapes [`wgmma_prefill_takes`]; the same work items; `build` one of the two
+/// ([`WgmmaPrefill::Lockstep`] or [`WgmmaPrefill::Specialized`]). [`flash_prefill`] takes it
+/// as tuned ([`crate::cuda::CudaTuning::wgmma_prefill`]).
 ///
 /// # Safety
 /// As [`flash_prefill`].
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn flash_prefill_wgmma(
     dev: &CudaDevice,
     q: u64,
@@ -93,8 +99,9 @@ pub unsafe fn flash_prefill_wgmma(
     p: &PrefillSeqs,
     m: &AttnMeta,
     s: &AttnShape,
+    build: WgmmaPrefill,
 ) -> Result<(), CudaError> {
-    if p.packed || !wgmma_prefill_takes(dev, s) {
+    if p.packed || !wgmma_prefill_takes(dev, s) || build == WgmmaPrefill::Off {
         return Err(CudaError::Unavailable(format!(
             "the Hopper prefill kernel takes sm_90a GPUs, head size 128, an even number of query heads per \
              KV head and the unpacked build: not {} heads over {} KV heads of {} on {}{}",
@@ -108,12 +115,16 @@ pub unsafe fn flash_prefill_wgmma(
     if p.num_items == 0 {
         return Ok(());
     }
+    let (name, threads, smem) = match build {
+        WgmmaPrefill::Specialized => ("flash_prefill_wgmma_ws_hd128", 320, WGMMA_WS_PREFILL_SMEM_BYTES),
+        _ => ("flash_prefill_wgmma_hd128", 256, WGMMA_PREFILL_SMEM_BYTES),
+    };
     let config = LaunchConfig {
         grid_dim: (s.num_heads as u32 / 2, p.num_items as u32, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: WGMMA_PREFILL_SMEM_BYTES,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem,
     };
-    launch_flash(dev, "flash_prefill_wgmma_hd128", config, (q, cache, out), p, m, s, (0, 0))
+    launch_flash(dev, name, config, (q, cache, out), p, m, s, (0, 0))
 }
 
 /// Launches prefill kernel `name` (every build takes the same arguments) over `qco` (q, cache,
@@ -180,8 +191,9 @@ pub unsafe fn flash_prefill(
     if split.is_some() && !p.packed {
         return Err(CudaError::Unavailable("split prefill attention is only built packed".into()));
     }
-    if !p.packed && split.is_none() && dev.tuning().wgmma_prefill && wgmma_prefill_takes(dev, s) {
-        return flash_prefill_wgmma(dev, q, cache, out, p, m, s);
+    let build = dev.tuning().wgmma_prefill;
+    if !p.packed && split.is_none() && build != WgmmaPrefill::Off && wgmma_prefill_takes(dev, s) {
+        return flash_prefill_wgmma(dev, q, cache, out, p, m, s, build);
     }
     let name = match (s.head_dim, p.packed, split.is_some()) {
         (64, false, _) => "flash_prefill_hd64",
