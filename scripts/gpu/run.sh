@@ -20,8 +20,14 @@
 #   ncu-src KERNEL_REGEX "ARG ...": Nsight Compute's per-instruction warp stall samples of
 #   one launch of the matching kernel in a batch-1 decode, summarised by SASS basic block
 #   (scripts/gpu/ncu_hot.py; raw CSV in $OUT/ncu_src.csv): where its warps wait;
+#   prefill: issue 50 in one call: the attention kernels against the reference (every prefill
+#   build), bench engine's long prefills under each build (PREFILL_BUILDS, default "0 1 2" of
+#   --cuda-tune wgmma_prefill; PREFILL_TOKENS, default 4096,16384), then ncu-prefill on the
+#   default build (SKIP_NCU=1 leaves it out);
 #   ncu-prefill [TOKENS]: the same two views of one launch of the prefill attention kernel
-#   (flash_prefill_hd128) on a TOKENS-token prompt (default 16384; issue 50);
+#   (NCU_PREFILL_KERNEL, default flash_prefill_wgmma_hd128, Hopper's default; NCU_PREFILL_ARGS adds
+#   bench engine arguments, e.g. "--cuda-tune=wgmma_prefill=2" with flash_prefill_wgmma_ws_hd128)
+#   on a TOKENS-token prompt (default 16384; issue 50);
 #   ipc: kernel, engine and kv_transport tests (cuda-ipc alone, into another process), P/D over tcp and cuda-ipc (pd_check.py) and `tandem bench kv
 #   --transport cuda-ipc` (also into cuda:1 when there are two GPUs) and the tcp benchmarks
 #   (SKIP_TCP=1 leaves those out);
@@ -89,6 +95,28 @@ trap pack EXIT
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 
 MODE=${1:-full}
+if [ "$MODE" = prefill ]; then
+  timeout 150 "$BIN/cuda_kernels" --include-ignored --test-threads=1 --nocapture attention_kernels_match \
+    > "$OUT/tests_attention.log" 2>&1 && note "attention kernels against the reference: ok" \
+    || { note "attention kernels against the reference: FAILED"; grep -A6 "panicked" "$OUT/tests_attention.log" | head -20; status=1; }
+  grep "^wgmma" "$OUT/tests_attention.log" | tail -2 | cut -c1-240
+  specs=()
+  for build in ${PREFILL_BUILDS:-0 1 2}; do
+    specs+=("build$build:prefill=${PREFILL_TOKENS:-4096,16384} profile --cuda-tune=wgmma_prefill=$build")
+  done
+  OUT="$OUT/matrix" SKIP_TESTS=1 "$0" matrix "${specs[@]}" > /dev/null 2>&1 || status=1
+  grep -E "^==|rate|^  build[0-9] [0-9]" "$OUT/matrix/summary.txt" | tee -a "$OUT/summary.txt"
+  # Only the top summary.txt stays out of results.tgz (pack deletes the rest once packed).
+  mv "$OUT/matrix/summary.txt" "$OUT/matrix/summary_matrix.txt"
+  if [ -z "${SKIP_NCU:-}" ]; then
+    OUT="$OUT/ncu" "$0" ncu-prefill "${PREFILL_NCU_TOKENS:-16384}" > /dev/null 2>&1 || status=1
+    if [ -f "$OUT/ncu/summary.txt" ]; then
+      tee -a "$OUT/summary.txt" < "$OUT/ncu/summary.txt"
+      mv "$OUT/ncu/summary.txt" "$OUT/ncu/summary_ncu.txt"
+    fi
+  fi
+  exit $status
+fi
 if [ "$MODE" = matrix ]; then
   # Decode step under several settings in one call: each further argument is
   # "label:SETTING SETTING ..." (see the top of this file).
@@ -468,7 +496,7 @@ if [ "$MODE" = ncu-src ]; then
 fi
 if [ "$MODE" = ncu-prefill ]; then
   # Issue 50: where the prefill attention kernel's time goes on a long prompt (argument 2, default
-  # 16384 tokens): one launch of flash_prefill_hd128 (a middle layer of a measured prefill: the
+  # 16384 tokens): one launch of NCU_PREFILL_KERNEL (a middle layer of a measured prefill: the
   # skip passes the decode prompts' and warm-up's launches whatever they are) through Nsight
   # Compute, first its speed of light, occupancy and warp stall reasons (ncu_table.py), then its
   # per-SASS-block stall samples (ncu_hot.py).
@@ -477,9 +505,11 @@ if [ "$MODE" = ncu-prefill ]; then
   tokens=${2:-16384}
   run_ncu() {  # OUTPUT NCU_ARGS...
     local csv=$1; shift
-    timeout 280 "$NCU" --clock-control none -k "regex:^flash_prefill_hd128$" --launch-skip 54 --launch-count 1 "$@" --csv \
-      "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1 --decode-steps 2 \
-      --prefill-tokens "$tokens" > "$OUT/$csv" 2> "$OUT/$csv.err" || { note "ncu $csv failed"; tail -5 "$OUT/$csv.err"; status=1; }
+    # shellcheck disable=SC2086  # NCU_PREFILL_ARGS splits into words
+    timeout 280 "$NCU" --clock-control none -k "regex:^${NCU_PREFILL_KERNEL:-flash_prefill_wgmma_hd128}$" --launch-skip 54 \
+      --launch-count 1 "$@" --csv "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1 \
+      --decode-steps 2 --prefill-tokens "$tokens" ${NCU_PREFILL_ARGS:-} > "$OUT/$csv" 2> "$OUT/$csv.err" \
+      || { note "ncu $csv failed"; tail -5 "$OUT/$csv.err"; status=1; }
   }
   run_ncu ncu_prefill.csv --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
     --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis \
