@@ -76,6 +76,19 @@ pub enum WgmmaPrefill {
     Specialized,
 }
 
+impl WgmmaPrefill {
+    const ALL: [WgmmaPrefill; 3] = [WgmmaPrefill::Off, WgmmaPrefill::Lockstep, WgmmaPrefill::Specialized];
+
+    /// Its `--cuda-tune wgmma_prefill` value.
+    pub fn value(self) -> &'static str {
+        match self {
+            WgmmaPrefill::Off => "0",
+            WgmmaPrefill::Lockstep => "1",
+            WgmmaPrefill::Specialized => "2",
+        }
+    }
+}
+
 /// Where the KV fences of a forward over `layers` layers fall: each group's end (exclusive),
 /// in layer order (see [`CudaTuning::kv_fence_groups`] and [`CudaTuning::kv_fence_taper`]).
 pub fn kv_fence_ends(layers: usize, groups: usize, taper: bool) -> Vec<usize> {
@@ -166,12 +179,7 @@ impl CudaTuning {
             }
             "kv_fence_taper" => self.kv_fence_taper = flag()?,
             "wgmma_prefill" => {
-                self.wgmma_prefill = match value {
-                    "0" => WgmmaPrefill::Off,
-                    "1" => WgmmaPrefill::Lockstep,
-                    "2" => WgmmaPrefill::Specialized,
-                    _ => return Err(bad()),
-                }
+                self.wgmma_prefill = WgmmaPrefill::ALL.into_iter().find(|b| b.value() == value).ok_or_else(bad)?
             }
             _ => {
                 let keys: Vec<&str> = Self::KEYS.iter().map(|(k, _)| *k).collect();
@@ -232,6 +240,9 @@ impl fmt::Display for CudaTuning {
         if self.kv_fence_taper != d.kv_fence_taper {
             parts.push(format!("kv_fence_taper={}", b(self.kv_fence_taper)));
         }
+        if self.wgmma_prefill != d.wgmma_prefill {
+            parts.push(format!("wgmma_prefill={}", self.wgmma_prefill.value()));
+        }
         write!(f, "{}", parts.join(","))
     }
 }
@@ -260,6 +271,13 @@ mod tests {
         let groups = CudaTuning::from_settings(&["kv_fence_groups=12"]).unwrap();
         assert_eq!((groups.kv_fence_groups, groups.to_string().as_str()), (12, "kv_fence_groups=12"));
         assert!(CudaTuning::from_settings(&["kv_fence_groups=0"]).unwrap_err().contains("1..=64"));
+        // Every prefill build by its value, printed back (the bench's record of what ran).
+        for (value, build) in [("0", WgmmaPrefill::Off), ("2", WgmmaPrefill::Specialized)] {
+            let t = CudaTuning::from_settings(&[&format!("wgmma_prefill={value}")]).unwrap();
+            assert_eq!((t.wgmma_prefill, t.to_string()), (build, format!("wgmma_prefill={value}")));
+        }
+        assert_eq!(CudaTuning::from_settings(&["wgmma_prefill=1"]).unwrap(), CudaTuning::default());
+        assert!(CudaTuning::from_settings(&["wgmma_prefill=3"]).unwrap_err().contains("0|1|2"));
     }
 
     #[test]

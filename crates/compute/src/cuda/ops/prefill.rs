@@ -101,7 +101,10 @@ pub unsafe fn flash_prefill_wgmma(
     s: &AttnShape,
     build: WgmmaPrefill,
 ) -> Result<(), CudaError> {
-    if p.packed || !wgmma_prefill_takes(dev, s) || build == WgmmaPrefill::Off {
+    if build == WgmmaPrefill::Off {
+        return Err(CudaError::Unavailable("wgmma_prefill=0 names no Hopper prefill build".into()));
+    }
+    if p.packed || !wgmma_prefill_takes(dev, s) {
         return Err(CudaError::Unavailable(format!(
             "the Hopper prefill kernel takes sm_90a GPUs, head size 128, an even number of query heads per \
              KV head and the unpacked build: not {} heads over {} KV heads of {} on {}{}",
