@@ -61,7 +61,7 @@ pub struct CudaTuning {
     pub wgmma_prefill: WgmmaPrefill,
 }
 
-/// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2`).
+/// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2|3`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WgmmaPrefill {
     /// 0: the mma.sync kernel every GPU runs.
@@ -74,10 +74,15 @@ pub enum WgmmaPrefill {
     /// warps fill a ring of three K/V stages while the two warpgroups take turns at the tensor
     /// cores, one's softmax under the other's products.
     Specialized,
+    /// 3: `flash_prefill_wgmma_pp_hd128`, FlashAttention-3's layout: a producer warpgroup, and
+    /// consumer turns that issue both products of a step (S of tile k, P V of tile k - 1), each
+    /// warpgroup's softmax under its own P V and the other's products; longest items first.
+    PingPong,
 }
 
 impl WgmmaPrefill {
-    const ALL: [WgmmaPrefill; 3] = [WgmmaPrefill::Off, WgmmaPrefill::Lockstep, WgmmaPrefill::Specialized];
+    const ALL: [WgmmaPrefill; 4] =
+        [WgmmaPrefill::Off, WgmmaPrefill::Lockstep, WgmmaPrefill::Specialized, WgmmaPrefill::PingPong];
 
     /// Its `--cuda-tune wgmma_prefill` value.
     pub fn value(self) -> &'static str {
@@ -85,6 +90,7 @@ impl WgmmaPrefill {
             WgmmaPrefill::Off => "0",
             WgmmaPrefill::Lockstep => "1",
             WgmmaPrefill::Specialized => "2",
+            WgmmaPrefill::PingPong => "3",
         }
     }
 }
@@ -138,7 +144,7 @@ impl CudaTuning {
         ("invariant_slice_cols", "0 or a multiple of 64 (default 0)"),
         ("kv_fence_groups", "1..=64 (default 8)"),
         ("kv_fence_taper", "0|1 (default 0)"),
-        ("wgmma_prefill", "0|1|2 (default 1)"),
+        ("wgmma_prefill", "0|1|2|3 (default 1)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -272,12 +278,14 @@ mod tests {
         assert_eq!((groups.kv_fence_groups, groups.to_string().as_str()), (12, "kv_fence_groups=12"));
         assert!(CudaTuning::from_settings(&["kv_fence_groups=0"]).unwrap_err().contains("1..=64"));
         // Every prefill build by its value, printed back (the bench's record of what ran).
-        for (value, build) in [("0", WgmmaPrefill::Off), ("2", WgmmaPrefill::Specialized)] {
+        for (value, build) in
+            [("0", WgmmaPrefill::Off), ("2", WgmmaPrefill::Specialized), ("3", WgmmaPrefill::PingPong)]
+        {
             let t = CudaTuning::from_settings(&[&format!("wgmma_prefill={value}")]).unwrap();
             assert_eq!((t.wgmma_prefill, t.to_string()), (build, format!("wgmma_prefill={value}")));
         }
         assert_eq!(CudaTuning::from_settings(&["wgmma_prefill=1"]).unwrap(), CudaTuning::default());
-        assert!(CudaTuning::from_settings(&["wgmma_prefill=3"]).unwrap_err().contains("0|1|2"));
+        assert!(CudaTuning::from_settings(&["wgmma_prefill=4"]).unwrap_err().contains("0|1|2|3"));
     }
 
     #[test]

@@ -876,10 +876,11 @@ __device__ __forceinline__ void wg_scores_wait(float* s) {
     wg_pin(s);
 }
 // The mask (keys past a row's position: only tiles reaching past the item's first query, at
-// min_pos) and the online softmax of S in log2 units, then O += P V over the tile's 128 keys at
-// k0 (V at v_tile), waited for. s[4i + e]: row r0, key k0 + 8i + 2tq + e; s[4i + 2 + e]: row r1.
-__device__ __forceinline__ void wg_softmax_pv(float* s, float* o, WgRows& r, int k0, int min_pos, float scale_log2,
-                                              u32 v_tile, int tq) {
+// min_pos) and the online softmax of S (64 x 128 keys at k0) in log2 units: S's entries become
+// their exponentials, the rows' running max and sum move on, alpha0/1 come back (what O's rows
+// are to be scaled by). s[4i + e]: row r0, key k0 + 8i + 2tq + e; s[4i + 2 + e]: row r1.
+__device__ __forceinline__ void wg_softmax(float* s, WgRows& r, int k0, int min_pos, float scale_log2, int tq,
+                                           float& alpha0, float& alpha1) {
     bool diagonal = k0 + WG_KEYS - 1 > min_pos;
     float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
@@ -903,35 +904,65 @@ __device__ __forceinline__ void wg_softmax_pv(float* s, float* o, WgRows& r, int
     float mn0 = fmaxf(r.m0, mx0), mn1 = fmaxf(r.m1, mx1);
     // A row with no visible key yet keeps m = -inf; 0 as the base keeps exp2 at 0, not NaN.
     float base0 = mn0 == NEG_INF ? 0.0f : mn0, base1 = mn1 == NEG_INF ? 0.0f : mn1;
-    float alpha0 = exp2f(r.m0 - base0), alpha1 = exp2f(r.m1 - base1);
+    alpha0 = exp2f(r.m0 - base0);
+    alpha1 = exp2f(r.m1 - base1);
     r.m0 = mn0;
     r.m1 = mn1;
     r.l0 *= alpha0;
     r.l1 *= alpha1;
-    u32 p[8][4];
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         float p0 = exp2f(s[4 * i] - base0), p1 = exp2f(s[4 * i + 1] - base0);
         float p2 = exp2f(s[4 * i + 2] - base1), p3 = exp2f(s[4 * i + 3] - base1);
         r.l0 += p0 + p1;
         r.l1 += p2 + p3;
-        // Key chunk i's C fragment -> the A fragment of k-step i / 2.
-        p[i / 2][(i & 1) * 2 + 0] = pack_bf16x2(p0, p1);
-        p[i / 2][(i & 1) * 2 + 1] = pack_bf16x2(p2, p3);
+        s[4 * i] = p0;
+        s[4 * i + 1] = p1;
+        s[4 * i + 2] = p2;
+        s[4 * i + 3] = p3;
+    }
+}
+// O's rows scaled by alpha, and P (wg_softmax's exponentials) as bf16 in wgmma's A fragments:
+// key chunk i's C fragment is the A fragment of k-step i / 2 (the layouts line up).
+__device__ __forceinline__ void wg_rescale_pack(const float* s, float* o, u32 (*p)[4], float alpha0, float alpha1) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        p[i / 2][(i & 1) * 2 + 0] = pack_bf16x2(s[4 * i], s[4 * i + 1]);
+        p[i / 2][(i & 1) * 2 + 1] = pack_bf16x2(s[4 * i + 2], s[4 * i + 3]);
         o[4 * i] *= alpha0;
         o[4 * i + 1] *= alpha0;
         o[4 * i + 2] *= alpha1;
         o[4 * i + 3] *= alpha1;
     }
-    // O += P V: 8 steps of 16 keys (2048 bytes apart in each atom); the N-major operand's
-    // leading offset is the atom stride (head dims 64-127), its stride offset 8 keys.
+}
+// O += P V issued (one commit group): 8 steps of 16 keys (2048 bytes apart in each atom); the
+// N-major operand's leading offset is the atom stride (head dims 64-127), its stride offset 8
+// keys. P's registers are read while the products run: they stay as they are until waited for.
+__device__ __forceinline__ void wg_pv_issue(float* o, u32 (*p)[4], u32 v_tile) {
     wg_pin(o);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < WG_KEYS / 16; ++kk) wg_mma_rs(o, p[kk], wg_desc(v_tile + kk * 2048, WG_ATOM_BYTES, 1024));
     wg_commit();
+}
+// P's registers held until here (wgmma read them after the instructions that named them).
+__device__ __forceinline__ void wg_pin_p(u32 (*p)[4]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(p[i][j])::"memory");
+}
+// The softmax of S then O += P V over the tile's 128 keys at k0 (V at v_tile), waited for.
+__device__ __forceinline__ void wg_softmax_pv(float* s, float* o, WgRows& r, int k0, int min_pos, float scale_log2,
+                                              u32 v_tile, int tq) {
+    float alpha0, alpha1;
+    wg_softmax(s, r, k0, min_pos, scale_log2, tq, alpha0, alpha1);
+    u32 p[8][4];
+    wg_rescale_pack(s, o, p, alpha0, alpha1);
+    wg_pv_issue(o, p, v_tile);
     wg_wait_all();
     wg_pin(o);
+    wg_pin_p(p);
 }
 // O's rows normalised, as bf16, to head h of the item's tokens (those of the sequence's n_q).
 __device__ __forceinline__ void wg_store(bf16* out, const float* o, WgRows& r, int tok0, int q0, int n_q, int r0,
@@ -1055,6 +1086,90 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 #endif
 }
 
+// The warp-specialised builds keep a ring of three K/V stages (WG_WS_SMEM_BYTES: Q, the
+// stages, room to align them, their six barriers).
+#define WG_WS_STAGES 3
+#define WG_WS_SMEM_BYTES (WG_Q_BYTES + WG_WS_STAGES * WG_STAGE_BYTES + 1024 + 64)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// A work item of the warp-specialised builds: its sequence's queries q0.. (n_q of them from
+// token tok0), the keys it needs (ctx, in tiles of WG_KEYS), its first query's position, the
+// sequence's block table, and the block's two query heads (head0, head0 + 1) of KV head kh.
+struct WgItem {
+    int q0, n_q, tok0, ctx, tiles, min_pos, head0, kh;
+    const int* table;
+};
+__device__ __forceinline__ WgItem wg_item(const int* work, int item, const int* seq_tok, const int* seq_len,
+                                          const int* seq_pos, const int* block_tables, const int* meta_stride,
+                                          int num_heads, int num_kv_heads) {
+    WgItem it;
+    int seq = work[2 * item];
+    it.q0 = work[2 * item + 1];
+    it.n_q = seq_len[seq];
+    it.tok0 = seq_tok[seq];
+    it.min_pos = seq_pos[seq] + it.q0;
+    it.ctx = seq_pos[seq] + min(it.q0 + 64, it.n_q);
+    it.tiles = (it.ctx + WG_KEYS - 1) / WG_KEYS;
+    it.head0 = 2 * blockIdx.x;
+    it.kh = it.head0 / (num_heads / num_kv_heads);
+    it.table = block_tables + (u64)seq * meta_stride[0];
+    return it;
+}
+// The ring's barriers: a stage's full barrier counts one cp.async arrival per producer thread,
+// its empty barrier one arrival per consumer warp.
+__device__ __forceinline__ void wg_ring_init(u32 full_bar, u32 empty_bar, int producers) {
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < WG_WS_STAGES; ++st) {
+            mbar_init(full_bar + 8 * st, producers);
+            mbar_init(empty_bar + 8 * st, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+}
+// The producers (P threads, p = 0..P-1): Q, then every K/V tile into the ring, each stage once
+// its previous tile was released. Thread p copies 16-byte chunk p % 16 (head dims 8 (p % 16) ...)
+// of rows p / 16, p / 16 + P / 16, ...: a warp's copy is two whole 256-byte rows.
+template <int P>
+__device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* q, const bf16* cache, u32 q_smem,
+                                           u32 stages, u32 full_bar, u32 empty_bar, int num_heads, int num_kv_heads,
+                                           int layer, int num_layers, int block_size) {
+    constexpr int HD = 128, STEP = P / 16, ROWS = WG_KEYS / STEP;
+    int chunk = p & 15, atom = chunk >> 3, c = chunk & 7, row0 = p >> 4;
+    for (int row = row0; row < 128; row += STEP) {
+        int w = row >> 6, r = row & 63;
+        bool valid = it.q0 + r < it.n_q;
+        const bf16* src = valid ? q + ((u64)(it.tok0 + it.q0 + r) * num_heads + it.head0 + w) * HD + chunk * 8 : q;
+        wg_copy_chunk(q_smem + atom * WG_ATOM_BYTES, row, c, src, valid ? 16 : 0);
+    }
+    const u64 v_past_k = (u64)num_kv_heads * block_size * HD;  // V's place past K's
+    for (int kt = 0; kt < it.tiles; ++kt) {
+        int st = kt % WG_WS_STAGES, k0 = kt * WG_KEYS;
+        // This thread's rows' blocks first, unconditionally (keys clamped to the context) so
+        // that the loads go out together, while the stage may still be read: loads under
+        // branches would be waited for one by one.
+        int blk[ROWS];
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) blk[j] = it.table[min(k0 + row0 + STEP * j, it.ctx - 1) / block_size];
+        // The stage's previous tile (kt - 3) was released by every consumer warp.
+        if (kt >= WG_WS_STAGES) mbar_wait(empty_bar + 8 * st, (kt / WG_WS_STAGES - 1) & 1);
+        u32 k_atom = stages + st * WG_STAGE_BYTES + atom * WG_ATOM_BYTES, v_atom = k_atom + 2 * WG_ATOM_BYTES;
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) {
+            int key = k0 + row0 + STEP * j;
+            bool valid = key < it.ctx;
+            const bf16* ksrc = cache + (valid ? kv_offset(blk[j], key % block_size, layer, 0, it.kh, num_layers,
+                                                          num_kv_heads, block_size, HD) + chunk * 8
+                                              : 0);
+            wg_copy_chunk(k_atom, row0 + STEP * j, c, ksrc, valid ? 16 : 0);
+            wg_copy_chunk(v_atom, row0 + STEP * j, c, ksrc + (valid ? v_past_k : 0), valid ? 16 : 0);
+        }
+        // Q's copies too, the first time: the arrival tracks all of this thread's.
+        mbar_arrive_copies(full_bar + 8 * st);
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+#endif
+
 // The same item and heads with warps specialised: two warpgroups of consumers (the products and
 // the softmax, as above, one query head each) and two producer warps that copy Q and then every
 // K/V tile into a ring of three stages, ahead of the consumers. A stage's full barrier completes
@@ -1064,81 +1179,31 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 // exponentials of one hide behind the products of the other, which the lockstep build above
 // leaves idle. Grid: as above. Block: 320 (consumers 0-255, producers 256-319).
 // Dynamic shared memory: WG_WS_SMEM_BYTES.
-#define WG_WS_STAGES 3
-#define WG_WS_SMEM_BYTES (WG_Q_BYTES + WG_WS_STAGES * WG_STAGE_BYTES + 1024 + 64)
 extern "C" __global__ void __launch_bounds__(320, 1)
     flash_prefill_wgmma_ws_hd128(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
                                  const int* seq_len, const int* seq_pos, const int* block_tables,
                                  const int* meta_stride, int num_heads, int num_kv_heads, int layer, int num_layers,
                                  int block_size, float scale_log2, float* part, int max_ranges) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int HD = 128;
     PDL_ENTER();
     extern __shared__ __align__(16) unsigned char wg_smem[];
     u32 base = ((u32)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
     u32 q_smem = base, stages = base + WG_Q_BYTES;
     // Barriers after the stages: full[3], empty[3].
     u32 full_bar = stages + WG_WS_STAGES * WG_STAGE_BYTES, empty_bar = full_bar + 8 * WG_WS_STAGES;
-    int group = num_heads / num_kv_heads;
-    int head0 = 2 * blockIdx.x, kh = head0 / group;
-    int seq = work[2 * blockIdx.y], q0 = work[2 * blockIdx.y + 1];
-    int n_q = seq_len[seq], first_pos = seq_pos[seq], tok0 = seq_tok[seq];
-    const int* table = block_tables + (u64)seq * meta_stride[0];
-    int last_row = min(q0 + 64, n_q) - 1;
-    int ctx = first_pos + last_row + 1;  // keys the item needs
-    int min_pos = first_pos + q0;        // the item's first query's position
-    int tiles = (ctx + WG_KEYS - 1) / WG_KEYS;
-    if (threadIdx.x == 0) {
-        for (int st = 0; st < WG_WS_STAGES; ++st) {
-            mbar_init(full_bar + 8 * st, 64);   // one cp.async arrival per producer thread
-            mbar_init(empty_bar + 8 * st, 8);   // one per consumer warp
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
+    WgItem it = wg_item(work, blockIdx.y, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads,
+                        num_kv_heads);
+    wg_ring_init(full_bar, empty_bar, 64);
 
     if (threadIdx.x >= 256) {
-        // Producers: thread p copies 16-byte chunk p % 16 (head dims 8 (p % 16) ...) of rows
-        // p / 16, p / 16 + 4, ...: a warp's copy is two whole 256-byte rows.
-        int p = threadIdx.x - 256, chunk = p & 15, atom = chunk >> 3, c = chunk & 7, row0 = p >> 4;
-        for (int row = row0; row < 128; row += 4) {
-            int w = row >> 6, r = row & 63;
-            bool valid = q0 + r < n_q;
-            const bf16* src = valid ? q + ((u64)(tok0 + q0 + r) * num_heads + head0 + w) * HD + chunk * 8 : q;
-            wg_copy_chunk(q_smem + atom * WG_ATOM_BYTES, row, c, src, valid ? 16 : 0);
-        }
-        const u64 v_past_k = (u64)num_kv_heads * block_size * HD;  // V's place past K's
-        for (int kt = 0; kt < tiles; ++kt) {
-            int st = kt % WG_WS_STAGES, k0 = kt * WG_KEYS;
-            // This thread's 32 rows' blocks first, unconditionally (keys clamped to the
-            // context) so that the loads go out together, while the stage may still be read:
-            // loads under branches would be waited for one by one.
-            int blk[WG_KEYS / 4];
-#pragma unroll
-            for (int j = 0; j < WG_KEYS / 4; ++j) blk[j] = table[min(k0 + row0 + 4 * j, ctx - 1) / block_size];
-            // The stage's previous tile (kt - 3) was read by every consumer warp.
-            if (kt >= WG_WS_STAGES) mbar_wait(empty_bar + 8 * st, (kt / WG_WS_STAGES - 1) & 1);
-            u32 k_atom = stages + st * WG_STAGE_BYTES + atom * WG_ATOM_BYTES, v_atom = k_atom + 2 * WG_ATOM_BYTES;
-#pragma unroll
-            for (int j = 0; j < WG_KEYS / 4; ++j) {
-                int key = k0 + row0 + 4 * j;
-                bool valid = key < ctx;
-                const bf16* ksrc = cache + (valid ? kv_offset(blk[j], key % block_size, layer, 0, kh, num_layers,
-                                                              num_kv_heads, block_size, HD) + chunk * 8
-                                                  : 0);
-                wg_copy_chunk(k_atom, row0 + 4 * j, c, ksrc, valid ? 16 : 0);
-                wg_copy_chunk(v_atom, row0 + 4 * j, c, ksrc + (valid ? v_past_k : 0), valid ? 16 : 0);
-            }
-            // Q's copies too, the first time: the arrival tracks all of this thread's.
-            mbar_arrive_copies(full_bar + 8 * st);
-        }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        wg_produce<64>(threadIdx.x - 256, it, q, cache, q_smem, stages, full_bar, empty_bar, num_heads, num_kv_heads,
+                       layer, num_layers, block_size);
         return;
     }
 
     int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tq = lane & 3;
     int r0 = warp * 16 + (lane >> 2);
-    WgRows rows{first_pos + q0 + r0, first_pos + q0 + r0 + 8, NEG_INF, NEG_INF, 0.0f, 0.0f};
+    WgRows rows{it.min_pos + r0, it.min_pos + r0 + 8, NEG_INF, NEG_INF, 0.0f, 0.0f};
     float s[64], o[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.0f;
@@ -1146,7 +1211,7 @@ extern "C" __global__ void __launch_bounds__(320, 1)
     // Turns at the tensor cores: warpgroup w waits on barrier 1 + w, then lets the other go.
     // Warpgroup 0 goes first; warpgroup 1 skips its last arrival, which nobody would wait for.
     if (wg == 1) named_arrive(1);
-    for (int kt = 0; kt < tiles; ++kt) {
+    for (int kt = 0; kt < it.tiles; ++kt) {
         int st = kt % WG_WS_STAGES;
         mbar_wait(full_bar + 8 * st, (kt / WG_WS_STAGES) & 1);
         // The copies landed (generic proxy); wgmma reads through the async proxy.
@@ -1154,12 +1219,96 @@ extern "C" __global__ void __launch_bounds__(320, 1)
         u32 k_tile = stages + st * WG_STAGE_BYTES;
         named_sync(1 + wg);
         wg_scores_issue(s, q_rows, k_tile);
-        if (wg == 0 || kt + 1 < tiles) named_arrive(2 - wg);
+        if (wg == 0 || kt + 1 < it.tiles) named_arrive(2 - wg);
         wg_scores_wait(s);
-        wg_softmax_pv(s, o, rows, kt * WG_KEYS, min_pos, scale_log2, k_tile + 2 * WG_ATOM_BYTES, tq);
+        wg_softmax_pv(s, o, rows, kt * WG_KEYS, it.min_pos, scale_log2, k_tile + 2 * WG_ATOM_BYTES, tq);
         if (lane == 0) mbar_arrive(empty_bar + 8 * st);
     }
-    wg_store(out, o, rows, tok0, q0, n_q, r0, head0 + wg, num_heads, tq);
+    wg_store(out, o, rows, it.tok0, it.q0, it.n_q, r0, it.head0 + wg, num_heads, tq);
+#endif
+}
+
+// The warp-specialised build as FlashAttention-3 lays it out: a producer warpgroup (its
+// registers handed to the consumers: setmaxnreg) and two consumer warpgroups whose turn at the
+// tensor cores issues both products of a step, S = Q K^T of tile kt and O += P V of tile kt - 1,
+// so the other warpgroup's softmax runs under them; within a warpgroup the softmax of tile kt
+// runs while its P V of tile kt - 1 is still in the tensor cores (O is rescaled once that is
+// done). A stage is released after its P V. The work items run longest first (the grid's last
+// row first), so that the shortest ones fill the tail. Grid: as above. Block: 384 (consumers
+// 0-255, producers 256-383). Dynamic shared memory: WG_WS_SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_prefill_wgmma_pp_hd128(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
+                                 const int* seq_len, const int* seq_pos, const int* block_tables,
+                                 const int* meta_stride, int num_heads, int num_kv_heads, int layer, int num_layers,
+                                 int block_size, float scale_log2, float* part, int max_ranges) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    PDL_ENTER();
+    extern __shared__ __align__(16) unsigned char wg_smem[];
+    u32 base = ((u32)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
+    u32 q_smem = base, stages = base + WG_Q_BYTES;
+    u32 full_bar = stages + WG_WS_STAGES * WG_STAGE_BYTES, empty_bar = full_bar + 8 * WG_WS_STAGES;
+    WgItem it = wg_item(work, gridDim.y - 1 - blockIdx.y, seq_tok, seq_len, seq_pos, block_tables, meta_stride,
+                        num_heads, num_kv_heads);
+    wg_ring_init(full_bar, empty_bar, 128);
+
+    // 384 threads start with 168 registers each; the producers keep 56, the consumers take 224.
+    if (threadIdx.x >= 256) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+        wg_produce<128>(threadIdx.x - 256, it, q, cache, q_smem, stages, full_bar, empty_bar, num_heads,
+                        num_kv_heads, layer, num_layers, block_size);
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+
+    int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tq = lane & 3;
+    int r0 = warp * 16 + (lane >> 2);
+    WgRows rows{it.min_pos + r0, it.min_pos + r0 + 8, NEG_INF, NEG_INF, 0.0f, 0.0f};
+    float s[64], o[64], alpha0, alpha1;
+    u32 p[8][4];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    u32 q_rows = q_smem + wg * 64 * 128;
+    auto k_tile = [&](int kt) { return stages + (kt % WG_WS_STAGES) * WG_STAGE_BYTES; };
+    auto v_tile = [&](int kt) { return k_tile(kt) + 2 * WG_ATOM_BYTES; };
+    auto landed = [&](int kt) {
+        mbar_wait(full_bar + 8 * (kt % WG_WS_STAGES), (kt / WG_WS_STAGES) & 1);
+        // The copies landed (generic proxy); wgmma reads through the async proxy.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    };
+    // Turns: warpgroup w waits on barrier 1 + w, issues, then lets the other go. Each takes
+    // tiles + 1 turns (S of tile 0; S of kt with P V of kt - 1; the last P V); warpgroup 0 goes
+    // first, and warpgroup 1 skips its last arrival, which nobody would wait for.
+    if (wg == 1) named_arrive(1);
+    landed(0);
+    named_sync(1 + wg);
+    wg_scores_issue(s, q_rows, k_tile(0));
+    named_arrive(2 - wg);
+    wg_scores_wait(s);
+    wg_softmax(s, rows, 0, it.min_pos, scale_log2, tq, alpha0, alpha1);
+    wg_rescale_pack(s, o, p, alpha0, alpha1);
+    for (int kt = 1; kt < it.tiles; ++kt) {
+        landed(kt);
+        named_sync(1 + wg);
+        wg_scores_issue(s, q_rows, k_tile(kt));
+        wg_pv_issue(o, p, v_tile(kt - 1));
+        named_arrive(2 - wg);
+        // S of tile kt is the older of the two groups in flight.
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        wg_pin(s);
+        wg_softmax(s, rows, kt * WG_KEYS, it.min_pos, scale_log2, tq, alpha0, alpha1);
+        wg_wait_all();
+        wg_pin(o);
+        wg_pin_p(p);
+        if (lane == 0) mbar_arrive(empty_bar + 8 * ((kt - 1) % WG_WS_STAGES));
+        wg_rescale_pack(s, o, p, alpha0, alpha1);
+    }
+    named_sync(1 + wg);
+    wg_pv_issue(o, p, v_tile(it.tiles - 1));
+    if (wg == 0) named_arrive(2);
+    wg_wait_all();
+    wg_pin(o);
+    wg_pin_p(p);
+    wg_store(out, o, rows, it.tok0, it.q0, it.n_q, r0, it.head0 + wg, num_heads, tq);
 #endif
 }
 
