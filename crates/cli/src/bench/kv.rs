@@ -55,7 +55,7 @@ pub struct BenchKvArgs {
     pub tls: bool,
     /// tcp over TLS: whether each connection's bulk bytes are written and read by threads of
     /// its own while the cipher works (`auto`: as an engine does, on machines of 8 cores or
-    /// more), to measure what they give.
+    /// more and 4 for each stream), to measure what they give.
     #[arg(long, value_enum, default_value_t = TlsPipes::Auto)]
     pub tls_pipes: TlsPipes,
     /// The peer process: where the driver wrote the run's TLS material.
@@ -109,7 +109,7 @@ fn kv_bench_config(a: &BenchKvArgs) -> Result<tandem_bench::kv::KvBenchConfig> {
             Some(dir) => {
                 let tls = tandem_bench::kv::read_bench_certificates(dir).map_err(anyhow::Error::msg)?;
                 Some(match a.tls_pipes {
-                    TlsPipes::Auto => tls,
+                    TlsPipes::Auto => tls.for_streams(a.tcp_streams.into()),
                     TlsPipes::On => tls.with_pipes(true),
                     TlsPipes::Off => tls.with_pipes(false),
                 })

@@ -63,7 +63,9 @@ pub(crate) enum Command {
 
 pub(crate) type Started = (mpsc::Sender<Command>, AgentInfo, Arc<Shared>);
 
-pub(crate) fn start(cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -> Result<Started, KvError> {
+pub(crate) fn start(mut cfg: ConnectorConfig, memory: KvMemory, events: EventSink) -> Result<Started, KvError> {
+    // TLS pipes, unless set, as this engine's stream count makes them pay.
+    cfg.tls = cfg.tls.map(|tls| tls.for_streams(cfg.tcp_streams));
     let ipc_offer = match (cfg.transport, memory.device_cache()) {
         (KvTransport::Tcp | KvTransport::Nixl, _) => None,
         (KvTransport::CudaIpc, None) => {
