@@ -128,7 +128,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "flash_prefill_split_hd64",
     "flash_prefill_split_hd128",
     "flash_prefill_wgmma_hd128",
-    "flash_prefill_wgmma_ws_hd128",
     "flash_prefill_wgmma_pp_hd128",
     "flash_range_combine",
     "ban_tokens",
@@ -551,7 +550,6 @@ impl CudaDevice {
             allow_smem(name, ops::flash_smem_bytes(hd) as usize)?;
         }
         allow_smem("flash_prefill_wgmma_hd128", ops::WGMMA_PREFILL_SMEM_BYTES as usize)?;
-        allow_smem("flash_prefill_wgmma_ws_hd128", ops::WGMMA_WS_PREFILL_SMEM_BYTES as usize)?;
         allow_smem("flash_prefill_wgmma_pp_hd128", ops::WGMMA_WS_PREFILL_SMEM_BYTES as usize)?;
         // The decode attention stages a chunk of keys and values (over 48 KiB for head size 256).
         for name in named("attention_rows_") {

@@ -61,7 +61,7 @@ pub struct CudaTuning {
     pub wgmma_prefill: WgmmaPrefill,
 }
 
-/// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2|3`).
+/// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WgmmaPrefill {
     /// 0: the mma.sync kernel every GPU runs.
@@ -70,27 +70,22 @@ pub enum WgmmaPrefill {
     /// each K/V tile together and then multiply it: on an H100, 1.8-1.9x the mma.sync kernel's
     /// rate at 4k-32k tokens (docs/PERFORMANCE.md).
     Lockstep,
-    /// 2: `flash_prefill_wgmma_ws_hd128`, the same products with warps specialised: producer
-    /// warps fill a ring of three K/V stages while the two warpgroups take turns at the tensor
-    /// cores, one's softmax under the other's products.
-    Specialized,
-    /// 3: `flash_prefill_wgmma_pp_hd128`, FlashAttention-3's layout: a producer warpgroup, and
-    /// consumer turns that issue both products of a step (S of tile k, P V of tile k - 1), each
-    /// warpgroup's softmax under its own P V and the other's products; longest items first.
+    /// 2: `flash_prefill_wgmma_pp_hd128`, FlashAttention-3's layout: a producer warpgroup fills
+    /// a ring of three K/V stages; the two consumer warpgroups take turns issuing both products
+    /// of a step (S of tile k, P V of tile k - 1), each one's softmax under its own P V and the
+    /// other's products; longest items first. On an H100 1.2-1.3x the lockstep build's rate.
     PingPong,
 }
 
 impl WgmmaPrefill {
-    const ALL: [WgmmaPrefill; 4] =
-        [WgmmaPrefill::Off, WgmmaPrefill::Lockstep, WgmmaPrefill::Specialized, WgmmaPrefill::PingPong];
+    const ALL: [WgmmaPrefill; 3] = [WgmmaPrefill::Off, WgmmaPrefill::Lockstep, WgmmaPrefill::PingPong];
 
     /// Its `--cuda-tune wgmma_prefill` value.
     pub fn value(self) -> &'static str {
         match self {
             WgmmaPrefill::Off => "0",
             WgmmaPrefill::Lockstep => "1",
-            WgmmaPrefill::Specialized => "2",
-            WgmmaPrefill::PingPong => "3",
+            WgmmaPrefill::PingPong => "2",
         }
     }
 }
@@ -125,7 +120,7 @@ impl Default for CudaTuning {
             invariant_slice_cols: 0,
             kv_fence_groups: 8,
             kv_fence_taper: false,
-            wgmma_prefill: WgmmaPrefill::Lockstep,
+            wgmma_prefill: WgmmaPrefill::PingPong,
         }
     }
 }
@@ -144,7 +139,7 @@ impl CudaTuning {
         ("invariant_slice_cols", "0 or a multiple of 64 (default 0)"),
         ("kv_fence_groups", "1..=64 (default 8)"),
         ("kv_fence_taper", "0|1 (default 0)"),
-        ("wgmma_prefill", "0|1|2|3 (default 1)"),
+        ("wgmma_prefill", "0|1|2 (default 2)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -278,14 +273,12 @@ mod tests {
         assert_eq!((groups.kv_fence_groups, groups.to_string().as_str()), (12, "kv_fence_groups=12"));
         assert!(CudaTuning::from_settings(&["kv_fence_groups=0"]).unwrap_err().contains("1..=64"));
         // Every prefill build by its value, printed back (the bench's record of what ran).
-        for (value, build) in
-            [("0", WgmmaPrefill::Off), ("2", WgmmaPrefill::Specialized), ("3", WgmmaPrefill::PingPong)]
-        {
+        for (value, build) in [("0", WgmmaPrefill::Off), ("1", WgmmaPrefill::Lockstep)] {
             let t = CudaTuning::from_settings(&[&format!("wgmma_prefill={value}")]).unwrap();
             assert_eq!((t.wgmma_prefill, t.to_string()), (build, format!("wgmma_prefill={value}")));
         }
-        assert_eq!(CudaTuning::from_settings(&["wgmma_prefill=1"]).unwrap(), CudaTuning::default());
-        assert!(CudaTuning::from_settings(&["wgmma_prefill=4"]).unwrap_err().contains("0|1|2|3"));
+        assert_eq!(CudaTuning::from_settings(&["wgmma_prefill=2"]).unwrap(), CudaTuning::default());
+        assert!(CudaTuning::from_settings(&["wgmma_prefill=3"]).unwrap_err().contains("0|1|2"));
     }
 
     #[test]

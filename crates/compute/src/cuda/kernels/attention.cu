@@ -1086,12 +1086,12 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 #endif
 }
 
-// The warp-specialised builds keep a ring of three K/V stages (WG_WS_SMEM_BYTES: Q, the
+// The warp-specialised build keeps a ring of three K/V stages (WG_WS_SMEM_BYTES: Q, the
 // stages, room to align them, their six barriers).
 #define WG_WS_STAGES 3
 #define WG_WS_SMEM_BYTES (WG_Q_BYTES + WG_WS_STAGES * WG_STAGE_BYTES + 1024 + 64)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// A work item of the warp-specialised builds: its sequence's queries q0.. (n_q of them from
+// A work item of the warp-specialised build: its sequence's queries q0.. (n_q of them from
 // token tok0), the keys it needs (ctx, in tiles of WG_KEYS), its first query's position, the
 // sequence's block table, and the block's two query heads (head0, head0 + 1) of KV head kh.
 struct WgItem {
@@ -1128,7 +1128,9 @@ __device__ __forceinline__ void wg_ring_init(u32 full_bar, u32 empty_bar, int pr
 }
 // The producers (P threads, p = 0..P-1): Q, then every K/V tile into the ring, each stage once
 // its previous tile was released. Thread p copies 16-byte chunk p % 16 (head dims 8 (p % 16) ...)
-// of rows p / 16, p / 16 + P / 16, ...: a warp's copy is two whole 256-byte rows.
+// of rows p / 16, p / 16 + P / 16, ...: a warp's copy is two whole 256-byte rows. Keys map to
+// blocks by shifts where the block size is a power of two (every default; a division costs
+// some twenty instructions a row, which kept the consumers waiting).
 template <int P>
 __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* q, const bf16* cache, u32 q_smem,
                                            u32 stages, u32 full_bar, u32 empty_bar, int num_heads, int num_kv_heads,
@@ -1141,7 +1143,12 @@ __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* 
         const bf16* src = valid ? q + ((u64)(it.tok0 + it.q0 + r) * num_heads + it.head0 + w) * HD + chunk * 8 : q;
         wg_copy_chunk(q_smem + atom * WG_ATOM_BYTES, row, c, src, valid ? 16 : 0);
     }
-    const u64 v_past_k = (u64)num_kv_heads * block_size * HD;  // V's place past K's
+    // A key's K at block_stride * block + slot * HD + first, its V v_past_k further.
+    const u64 block_stride = kv_offset(1, 0, 0, 0, 0, num_layers, num_kv_heads, block_size, HD);
+    const u64 first = kv_offset(0, 0, layer, 0, it.kh, num_layers, num_kv_heads, block_size, HD) + chunk * 8;
+    const u64 v_past_k = (u64)num_kv_heads * block_size * HD;
+    const bool pow2 = (block_size & (block_size - 1)) == 0;
+    const int shift = __ffs(block_size) - 1;
     for (int kt = 0; kt < it.tiles; ++kt) {
         int st = kt % WG_WS_STAGES, k0 = kt * WG_KEYS;
         // This thread's rows' blocks first, unconditionally (keys clamped to the context) so
@@ -1149,7 +1156,10 @@ __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* 
         // branches would be waited for one by one.
         int blk[ROWS];
 #pragma unroll
-        for (int j = 0; j < ROWS; ++j) blk[j] = it.table[min(k0 + row0 + STEP * j, it.ctx - 1) / block_size];
+        for (int j = 0; j < ROWS; ++j) {
+            int key = min(k0 + row0 + STEP * j, it.ctx - 1);
+            blk[j] = it.table[pow2 ? key >> shift : key / block_size];
+        }
         // The stage's previous tile (kt - 3) was released by every consumer warp.
         if (kt >= WG_WS_STAGES) mbar_wait(empty_bar + 8 * st, (kt / WG_WS_STAGES - 1) & 1);
         u32 k_atom = stages + st * WG_STAGE_BYTES + atom * WG_ATOM_BYTES, v_atom = k_atom + 2 * WG_ATOM_BYTES;
@@ -1157,9 +1167,8 @@ __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* 
         for (int j = 0; j < ROWS; ++j) {
             int key = k0 + row0 + STEP * j;
             bool valid = key < it.ctx;
-            const bf16* ksrc = cache + (valid ? kv_offset(blk[j], key % block_size, layer, 0, it.kh, num_layers,
-                                                          num_kv_heads, block_size, HD) + chunk * 8
-                                              : 0);
+            int slot = pow2 ? key & (block_size - 1) : key % block_size;
+            const bf16* ksrc = cache + (valid ? block_stride * blk[j] + (u64)slot * HD + first : 0);
             wg_copy_chunk(k_atom, row0 + STEP * j, c, ksrc, valid ? 16 : 0);
             wg_copy_chunk(v_atom, row0 + STEP * j, c, ksrc + (valid ? v_past_k : 0), valid ? 16 : 0);
         }
@@ -1169,64 +1178,6 @@ __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* 
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 #endif
-
-// The same item and heads with warps specialised: two warpgroups of consumers (the products and
-// the softmax, as above, one query head each) and two producer warps that copy Q and then every
-// K/V tile into a ring of three stages, ahead of the consumers. A stage's full barrier completes
-// once the producers' copies into it landed (cp.async's own arrivals), its empty barrier once
-// every consumer warp's products that read it are done. The consumers take turns at the tensor
-// cores (two named barriers): one issues its S = Q K^T while the other runs its softmax, so the
-// exponentials of one hide behind the products of the other, which the lockstep build above
-// leaves idle. Grid: as above. Block: 320 (consumers 0-255, producers 256-319).
-// Dynamic shared memory: WG_WS_SMEM_BYTES.
-extern "C" __global__ void __launch_bounds__(320, 1)
-    flash_prefill_wgmma_ws_hd128(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
-                                 const int* seq_len, const int* seq_pos, const int* block_tables,
-                                 const int* meta_stride, int num_heads, int num_kv_heads, int layer, int num_layers,
-                                 int block_size, float scale_log2, float* part, int max_ranges) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    PDL_ENTER();
-    extern __shared__ __align__(16) unsigned char wg_smem[];
-    u32 base = ((u32)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
-    u32 q_smem = base, stages = base + WG_Q_BYTES;
-    // Barriers after the stages: full[3], empty[3].
-    u32 full_bar = stages + WG_WS_STAGES * WG_STAGE_BYTES, empty_bar = full_bar + 8 * WG_WS_STAGES;
-    WgItem it = wg_item(work, blockIdx.y, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads,
-                        num_kv_heads);
-    wg_ring_init(full_bar, empty_bar, 64);
-
-    if (threadIdx.x >= 256) {
-        wg_produce<64>(threadIdx.x - 256, it, q, cache, q_smem, stages, full_bar, empty_bar, num_heads, num_kv_heads,
-                       layer, num_layers, block_size);
-        return;
-    }
-
-    int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tq = lane & 3;
-    int r0 = warp * 16 + (lane >> 2);
-    WgRows rows{it.min_pos + r0, it.min_pos + r0 + 8, NEG_INF, NEG_INF, 0.0f, 0.0f};
-    float s[64], o[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
-    u32 q_rows = q_smem + wg * 64 * 128;
-    // Turns at the tensor cores: warpgroup w waits on barrier 1 + w, then lets the other go.
-    // Warpgroup 0 goes first; warpgroup 1 skips its last arrival, which nobody would wait for.
-    if (wg == 1) named_arrive(1);
-    for (int kt = 0; kt < it.tiles; ++kt) {
-        int st = kt % WG_WS_STAGES;
-        mbar_wait(full_bar + 8 * st, (kt / WG_WS_STAGES) & 1);
-        // The copies landed (generic proxy); wgmma reads through the async proxy.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        u32 k_tile = stages + st * WG_STAGE_BYTES;
-        named_sync(1 + wg);
-        wg_scores_issue(s, q_rows, k_tile);
-        if (wg == 0 || kt + 1 < it.tiles) named_arrive(2 - wg);
-        wg_scores_wait(s);
-        wg_softmax_pv(s, o, rows, kt * WG_KEYS, it.min_pos, scale_log2, k_tile + 2 * WG_ATOM_BYTES, tq);
-        if (lane == 0) mbar_arrive(empty_bar + 8 * st);
-    }
-    wg_store(out, o, rows, it.tok0, it.q0, it.n_q, r0, it.head0 + wg, num_heads, tq);
-#endif
-}
 
 // The warp-specialised build as FlashAttention-3 lays it out: a producer warpgroup (its
 // registers handed to the consumers: setmaxnreg) and two consumer warpgroups whose turn at the

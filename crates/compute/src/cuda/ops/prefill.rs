@@ -69,7 +69,7 @@ pub fn flash_smem_bytes(head_dim: usize) -> u32 {
 /// Q of two heads' 64 rows, two stages of 128-key K and V tiles, 1024 bytes to align them.
 pub const WGMMA_PREFILL_SMEM_BYTES: u32 = 2 * 128 * 128 + 2 * 4 * 128 * 128 + 1024;
 
-/// Dynamic shared memory of the warp-specialised Hopper prefill kernels (WG_WS_SMEM_BYTES):
+/// Dynamic shared memory of the warp-specialised Hopper prefill kernel (WG_WS_SMEM_BYTES):
 /// Q, three stages, 1024 bytes to align them, its six barriers.
 pub const WGMMA_WS_PREFILL_SMEM_BYTES: u32 = 2 * 128 * 128 + 3 * 4 * 128 * 128 + 1024 + 64;
 
@@ -85,7 +85,7 @@ pub const FLASH_ROWS: usize = 64;
 
 /// [`flash_prefill`]'s default build (not packed, not split) on Hopper's warpgroup MMAs, for the
 /// shapes [`wgmma_prefill_takes`]; the same work items; `build` one of the Hopper builds
-/// ([`WgmmaPrefill::Lockstep`], `Specialized`, `PingPong`). [`flash_prefill`] takes it
+/// ([`WgmmaPrefill::Lockstep`] or [`WgmmaPrefill::PingPong`]). [`flash_prefill`] takes it
 /// as tuned ([`crate::cuda::CudaTuning::wgmma_prefill`]).
 ///
 /// # Safety
@@ -119,9 +119,8 @@ pub unsafe fn flash_prefill_wgmma(
         return Ok(());
     }
     let (name, threads, smem) = match build {
-        WgmmaPrefill::Specialized => ("flash_prefill_wgmma_ws_hd128", 320, WGMMA_WS_PREFILL_SMEM_BYTES),
         WgmmaPrefill::PingPong => ("flash_prefill_wgmma_pp_hd128", 384, WGMMA_WS_PREFILL_SMEM_BYTES),
-        _ => ("flash_prefill_wgmma_hd128", 256, WGMMA_PREFILL_SMEM_BYTES),
+        WgmmaPrefill::Lockstep | WgmmaPrefill::Off => ("flash_prefill_wgmma_hd128", 256, WGMMA_PREFILL_SMEM_BYTES),
     };
     let config = LaunchConfig {
         grid_dim: (s.num_heads as u32 / 2, p.num_items as u32, 1),
