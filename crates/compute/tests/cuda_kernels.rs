@@ -68,9 +68,24 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
         ids.swap(i, (rng.next() % (i as u64 + 1)) as usize);
     }
     let block_elems = num_layers * 2 * nkv * bs * hd;
-    let cache: Vec<u16> = (0..num_blocks * block_elems).map(|_| bf16(rng.uniform())).collect();
+    let mut cache: Vec<u16> = (0..num_blocks * block_elems).map(|_| bf16(rng.uniform())).collect();
     let q: Vec<u16> = (0..total_tokens * nh * hd).map(|_| bf16(rng.uniform() * 2.0)).collect();
     let width = blocks_per_seq.iter().copied().max().unwrap_or(1);
+    // The slots past each sequence's context in its last block hold NaN: no kernel may read
+    // them (a key past the context scored -inf still multiplies its V row by 0, and 0 x NaN is
+    // NaN), as a reused block's stale slots would show.
+    let mut first_block = 0;
+    for (si, &(n, p)) in case.seqs.iter().enumerate() {
+        let last = ids[first_block + blocks_per_seq[si] - 1] as usize;
+        let used = n + p - (blocks_per_seq[si] - 1) * bs;
+        for slot in used..bs {
+            for plane in 0..num_layers * 2 * nkv {
+                let at = last * block_elems + plane * bs * hd + slot * hd;
+                cache[at..at + hd].fill(0x7FC0);
+            }
+        }
+        first_block += blocks_per_seq[si];
+    }
     let mut tables = vec![0i32; case.seqs.len() * width];
     let mut next = 0;
     let (mut positions, mut tok_seq, mut seq_tok, mut seq_len, mut seq_pos, mut work) =
@@ -137,7 +152,8 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
         block_tables: d_tables.ptr(),
         stride: d_stride.ptr(),
     };
-    let shape = AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, layer, num_layers, block_size: bs };
+    let shape =
+        AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, layer, num_layers, block_size: bs, num_blocks };
     let poison = vec![bf16(f32::NAN); total_tokens * nh * hd];
     let rel_err = |out: &[u16], only: &dyn Fn(usize) -> bool| -> f64 {
         let (mut num, mut den) = (0.0f64, 0.0f64);
@@ -243,7 +259,7 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
         // The Hopper build (warpgroup MMAs), where the GPU and the shape have it: the same
         // work items, within the same bound of the reference.
         let mut wgmma = String::new();
-        for build in [WgmmaPrefill::Lockstep, WgmmaPrefill::PingPong] {
+        for build in [WgmmaPrefill::Lockstep, WgmmaPrefill::PingPong, WgmmaPrefill::PingPongTma] {
             if !ops::wgmma_prefill_takes(dev, &shape) {
                 break;
             }
@@ -331,8 +347,10 @@ fn attention_kernels_match_the_reference_over_many_shapes() {
         &mut rng,
     );
     // Longer prompts, chunks after cached prefixes of several lengths (off the 64-query and
-    // 128-key tiles), GQA groups of 2, 4 and 8, block sizes 16 and 32: the Hopper build's shapes.
-    for (heads, kv_heads, block_size) in [(8, 4, 16), (16, 4, 32), (16, 2, 16)] {
+    // 128-key tiles), GQA groups of 2, 4 and 8, block sizes 8 to 256: the Hopper build's shapes
+    // (with the TMA unit, boxes of a whole block of 8, 16 or 32 keys, and 128 keys of a block
+    // of 256).
+    for (heads, kv_heads, block_size) in [(8, 4, 16), (16, 4, 32), (16, 2, 16), (8, 2, 8), (8, 2, 256)] {
         let seqs = vec![(1500, 0), (600, 900), (129, 127), (65, 2000), (1, 300)];
         check_attention(&dev, &Case { heads, kv_heads, head_dim: 128, block_size, seqs }, &mut rng);
         n += 1;
@@ -406,7 +424,15 @@ fn decode_attention_with_fused_rope_equals_the_two_kernels() {
                 block_tables: d_tables.ptr(),
                 stride: d_stride.ptr(),
             };
-            let shape = AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, layer, num_layers, block_size: bs };
+            let shape = AttnShape {
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+                layer,
+                num_layers,
+                block_size: bs,
+                num_blocks,
+            };
             let d_part = dev.upload(&vec![0f32; ops::attention_split_floats(tokens, nh, hd, 4)]).unwrap();
             let run = |fused: bool, split: bool| {
                 let d_cache = dev.upload(&cache).unwrap();
@@ -995,7 +1021,8 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
         // The query of each position, whatever batch it rides in.
         let q_at: Vec<u16> = (0..len * nh * hd).map(|_| bf16(rng.uniform() * 2.0)).collect();
         let d_cache = dev.upload(&cache).unwrap();
-        let shape = AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, layer, num_layers, block_size: bs };
+        let shape =
+            AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, layer, num_layers, block_size: bs, num_blocks };
         let per_item = ops::flash_packed_tokens(nh / nkv);
         // Runs one batch of (tokens, first position) sequences of the same prompt; returns
         // each batch token's (position, output row).

@@ -90,9 +90,28 @@ fn launch_programmatic(
     cfg: LaunchConfig,
     args: &[[u8; 8]],
 ) -> Result<(), CudaError> {
-    use cudarc::driver::sys;
     let mut values = args.to_vec();
     let mut params: Vec<*mut std::ffi::c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+    // Safety: one pointer per kernel parameter, in the kernel's order (the launch! macro passes
+    // the same arguments the safe path would), each to 8 live bytes whose first bytes are the
+    // value.
+    unsafe { launch_params(dev, f, cfg, &mut params, true) }
+}
+
+/// Launches `f` with `params` (one pointer per kernel parameter, to its bytes), with
+/// programmatic stream serialization allowed where `programmatic`.
+///
+/// # Safety
+/// `params` holds one pointer per parameter of `f`, in order, each to as many live bytes as the
+/// parameter's size holding its value.
+unsafe fn launch_params(
+    dev: &CudaDevice,
+    f: &cudarc::driver::CudaFunction,
+    cfg: LaunchConfig,
+    params: &mut [*mut std::ffi::c_void],
+    programmatic: bool,
+) -> Result<(), CudaError> {
+    use cudarc::driver::sys;
     // Safety: all-zero bytes are a valid launch attribute (id 0 is CU_LAUNCH_ATTRIBUTE_IGNORE,
     // the value a plain C union of integers).
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -108,12 +127,11 @@ fn launch_programmatic(
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: dev.stream().cu_stream(),
         attrs: &mut attr,
-        numAttrs: 1,
+        numAttrs: programmatic as u32,
     };
     dev.stream().context().bind_to_thread()?;
-    // Safety: `params` holds one pointer per kernel parameter, in the kernel's order (the
-    // launch! macro passes the same arguments the safe path would), each to 8 live bytes whose
-    // first bytes are the value; `config` and `attr` outlive the call, which copies them.
+    // Safety: `params` as the caller promises; `config` and `attr` outlive the call, which
+    // copies them.
     unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()? };
     Ok(())
 }
@@ -629,6 +647,8 @@ pub struct AttnShape {
     pub num_layers: usize,
     /// Tokens per block.
     pub block_size: usize,
+    /// Blocks in the cache (the bounds of the TMA unit's view of it).
+    pub num_blocks: usize,
 }
 
 /// Split key ranges for [`attention_rows`] (see `attn_splits` in kernels/attention.cu): a token with a

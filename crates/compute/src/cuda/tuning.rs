@@ -61,7 +61,7 @@ pub struct CudaTuning {
     pub wgmma_prefill: WgmmaPrefill,
 }
 
-/// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2`).
+/// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2|3`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WgmmaPrefill {
     /// 0: the mma.sync kernel every GPU runs.
@@ -71,14 +71,22 @@ pub enum WgmmaPrefill {
     /// rate at 4k-32k tokens (docs/PERFORMANCE.md).
     Lockstep,
     /// 2: `flash_prefill_wgmma_pp_hd128`, FlashAttention-3's layout: a producer warpgroup fills
-    /// a ring of three K/V stages; the two consumer warpgroups take turns issuing both products
-    /// of a step (S of tile k, P V of tile k - 1), each one's softmax under its own P V and the
-    /// other's products; longest items first. On an H100 1.2-1.3x the lockstep build's rate.
+    /// a ring of three K/V stages with its copies; the two consumer warpgroups take turns
+    /// issuing both products of a step (S of tile k, P V of tile k - 1), each one's softmax
+    /// under its own P V and the other's products; longest items first. On an H100 1.3-1.7x the
+    /// lockstep build's rate at 4k-32k tokens.
     PingPong,
+    /// 3 (default): `flash_prefill_wgmma_tma_hd128`, the ping-pong build whose K/V tiles the
+    /// TMA unit brings (four boxes a cache block, issued by one warp) instead of the producers'
+    /// copies, but for each item's tile reaching past its context. On an H100 1.1-1.2x build
+    /// 2's rate at 16k-32k tokens (506 TFLOP/s at 16k). Block sizes that are not a power of two
+    /// of at least 8 get build 2.
+    PingPongTma,
 }
 
 impl WgmmaPrefill {
-    const ALL: [WgmmaPrefill; 3] = [WgmmaPrefill::Off, WgmmaPrefill::Lockstep, WgmmaPrefill::PingPong];
+    const ALL: [WgmmaPrefill; 4] =
+        [WgmmaPrefill::Off, WgmmaPrefill::Lockstep, WgmmaPrefill::PingPong, WgmmaPrefill::PingPongTma];
 
     /// Its `--cuda-tune wgmma_prefill` value.
     pub fn value(self) -> &'static str {
@@ -86,6 +94,7 @@ impl WgmmaPrefill {
             WgmmaPrefill::Off => "0",
             WgmmaPrefill::Lockstep => "1",
             WgmmaPrefill::PingPong => "2",
+            WgmmaPrefill::PingPongTma => "3",
         }
     }
 }
@@ -120,7 +129,7 @@ impl Default for CudaTuning {
             invariant_slice_cols: 0,
             kv_fence_groups: 8,
             kv_fence_taper: false,
-            wgmma_prefill: WgmmaPrefill::PingPong,
+            wgmma_prefill: WgmmaPrefill::PingPongTma,
         }
     }
 }
@@ -139,7 +148,7 @@ impl CudaTuning {
         ("invariant_slice_cols", "0 or a multiple of 64 (default 0)"),
         ("kv_fence_groups", "1..=64 (default 8)"),
         ("kv_fence_taper", "0|1 (default 0)"),
-        ("wgmma_prefill", "0|1|2 (default 2)"),
+        ("wgmma_prefill", "0|1|2|3 (default 3)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -273,12 +282,12 @@ mod tests {
         assert_eq!((groups.kv_fence_groups, groups.to_string().as_str()), (12, "kv_fence_groups=12"));
         assert!(CudaTuning::from_settings(&["kv_fence_groups=0"]).unwrap_err().contains("1..=64"));
         // Every prefill build by its value, printed back (the bench's record of what ran).
-        for (value, build) in [("0", WgmmaPrefill::Off), ("1", WgmmaPrefill::Lockstep)] {
+        for (value, build) in [("0", WgmmaPrefill::Off), ("1", WgmmaPrefill::Lockstep), ("2", WgmmaPrefill::PingPong)] {
             let t = CudaTuning::from_settings(&[&format!("wgmma_prefill={value}")]).unwrap();
             assert_eq!((t.wgmma_prefill, t.to_string()), (build, format!("wgmma_prefill={value}")));
         }
-        assert_eq!(CudaTuning::from_settings(&["wgmma_prefill=2"]).unwrap(), CudaTuning::default());
-        assert!(CudaTuning::from_settings(&["wgmma_prefill=3"]).unwrap_err().contains("0|1|2"));
+        assert_eq!(CudaTuning::from_settings(&["wgmma_prefill=3"]).unwrap(), CudaTuning::default());
+        assert!(CudaTuning::from_settings(&["wgmma_prefill=4"]).unwrap_err().contains("0|1|2|3"));
     }
 
     #[test]

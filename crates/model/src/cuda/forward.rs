@@ -215,6 +215,8 @@ impl Pass<'_> {
             layer,
             num_layers: self.cfg.num_layers,
             block_size: self.block_size,
+            num_blocks: self.cache.len()
+                / (2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.block_size * self.cfg.head_dim).max(1),
         }
     }
 

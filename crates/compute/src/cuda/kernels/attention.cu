@@ -878,30 +878,33 @@ __device__ __forceinline__ void wg_scores_wait(float* s) {
 // The mask (keys past a row's position: only tiles reaching past the item's first query, at
 // min_pos) and the online softmax of S (64 x 128 keys at k0) in log2 units: S's entries become
 // their exponentials, the rows' running max and sum move on, alpha0/1 come back (what O's rows
-// are to be scaled by). s[4i + e]: row r0, key k0 + 8i + 2tq + e; s[4i + 2 + e]: row r1.
+// are to be scaled by). The maxima are taken of the raw scores (scaling by a positive factor
+// keeps them where they are) so that each exponent is one FFMA, s * scale - max.
+// s[4i + e]: row r0, key k0 + 8i + 2tq + e; s[4i + 2 + e]: row r1.
 __device__ __forceinline__ void wg_softmax(float* s, WgRows& r, int k0, int min_pos, float scale_log2, int tq,
                                            float& alpha0, float& alpha1) {
-    bool diagonal = k0 + WG_KEYS - 1 > min_pos;
+    if (k0 + WG_KEYS - 1 > min_pos) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int key = k0 + i * 8 + tq * 2 + e;
+                if (key > r.pos0) s[4 * i + e] = NEG_INF;
+                if (key > r.pos1) s[4 * i + 2 + e] = NEG_INF;
+            }
+        }
+    }
     float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            int key = k0 + i * 8 + tq * 2 + e;
-            float a = s[4 * i + e] * scale_log2, b = s[4 * i + 2 + e] * scale_log2;
-            if (diagonal && key > r.pos0) a = NEG_INF;
-            if (diagonal && key > r.pos1) b = NEG_INF;
-            s[4 * i + e] = a;
-            s[4 * i + 2 + e] = b;
-            mx0 = fmaxf(mx0, a);
-            mx1 = fmaxf(mx1, b);
-        }
+        mx0 = fmaxf(mx0, fmaxf(s[4 * i], s[4 * i + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * i + 2], s[4 * i + 3]));
     }
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    float mn0 = fmaxf(r.m0, mx0), mn1 = fmaxf(r.m1, mx1);
+    float mn0 = fmaxf(r.m0, mx0 * scale_log2), mn1 = fmaxf(r.m1, mx1 * scale_log2);
     // A row with no visible key yet keeps m = -inf; 0 as the base keeps exp2 at 0, not NaN.
     float base0 = mn0 == NEG_INF ? 0.0f : mn0, base1 = mn1 == NEG_INF ? 0.0f : mn1;
     alpha0 = exp2f(r.m0 - base0);
@@ -912,8 +915,8 @@ __device__ __forceinline__ void wg_softmax(float* s, WgRows& r, int k0, int min_
     r.l1 *= alpha1;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-        float p0 = exp2f(s[4 * i] - base0), p1 = exp2f(s[4 * i + 1] - base0);
-        float p2 = exp2f(s[4 * i + 2] - base1), p3 = exp2f(s[4 * i + 3] - base1);
+        float p0 = exp2f(fmaf(s[4 * i], scale_log2, -base0)), p1 = exp2f(fmaf(s[4 * i + 1], scale_log2, -base0));
+        float p2 = exp2f(fmaf(s[4 * i + 2], scale_log2, -base1)), p3 = exp2f(fmaf(s[4 * i + 3], scale_log2, -base1));
         r.l0 += p0 + p1;
         r.l1 += p2 + p3;
         s[4 * i] = p0;
@@ -1090,6 +1093,12 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 // stages, room to align them, their six barriers).
 #define WG_WS_STAGES 3
 #define WG_WS_SMEM_BYTES (WG_Q_BYTES + WG_WS_STAGES * WG_STAGE_BYTES + 1024 + 64)
+// A TMA tensor map (the driver's CUtensorMap, cuTensorMapEncodeTiled) of the paged cache: a
+// 5-D tensor (head dim, slot, kv * KV heads + KV head, layer, block) of bf16, boxes of 64 head
+// dims (one 128-byte swizzled atom row) by min(block size, 128) slots.
+struct __align__(64) TmaMap {
+    unsigned long long opaque[16];
+};
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // A work item of the warp-specialised build: its sequence's queries q0.. (n_q of them from
 // token tok0), the keys it needs (ctx, in tiles of WG_KEYS), its first query's position, the
@@ -1126,15 +1135,34 @@ __device__ __forceinline__ void wg_ring_init(u32 full_bar, u32 empty_bar, int pr
     }
     __syncthreads();
 }
+// Registers a transfer of `bytes` more on the barrier (its phase completes once they landed).
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One box of the cache's tensor map at coordinates (dim, slot, kv * KV heads + KV head, layer,
+// block) to shared address dst by the TMA unit, its bytes counted on bar.
+__device__ __forceinline__ void tma_load_kv(u32 dst, const TmaMap* map, int dim, int slot, int plane, int layer,
+                                            int block, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+        "%5, %6}], [%7];\n" ::"r"(dst),
+        "l"(map), "r"(dim), "r"(slot), "r"(plane), "r"(layer), "r"(block), "r"(bar)
+        : "memory");
+}
 // The producers (P threads, p = 0..P-1): Q, then every K/V tile into the ring, each stage once
 // its previous tile was released. Thread p copies 16-byte chunk p % 16 (head dims 8 (p % 16) ...)
 // of rows p / 16, p / 16 + P / 16, ...: a warp's copy is two whole 256-byte rows. Keys map to
 // blocks by shifts where the block size is a power of two (every default; a division costs
 // some twenty instructions a row, which kept the consumers waiting).
-template <int P>
+// With TMA (a power-of-two block size of at least 8, the map of `map`), a tile whose keys are
+// all in the context is instead 4 boxes a block (K and V, two atoms each), lane j of the first
+// warp issuing block j's; the tile that reaches past the context stays with the copies, which
+// fill keys past it with zeros (the boxes would bring the block's stale slots, and a NaN there
+// times P's 0 is NaN).
+template <int P, bool TMA>
 __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* q, const bf16* cache, u32 q_smem,
                                            u32 stages, u32 full_bar, u32 empty_bar, int num_heads, int num_kv_heads,
-                                           int layer, int num_layers, int block_size) {
+                                           int layer, int num_layers, int block_size, const TmaMap* map) {
     constexpr int HD = 128, STEP = P / 16, ROWS = WG_KEYS / STEP;
     int chunk = p & 15, atom = chunk >> 3, c = chunk & 7, row0 = p >> 4;
     for (int row = row0; row < 128; row += STEP) {
@@ -1149,30 +1177,56 @@ __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* 
     const u64 v_past_k = (u64)num_kv_heads * block_size * HD;
     const bool pow2 = (block_size & (block_size - 1)) == 0;
     const int shift = __ffs(block_size) - 1;
+    // TMA: keys a box (and lane) takes, and boxes a tile.
+    const int box_rows = min(block_size, WG_KEYS), boxes = WG_KEYS / box_rows;
     for (int kt = 0; kt < it.tiles; ++kt) {
         int st = kt % WG_WS_STAGES, k0 = kt * WG_KEYS;
+        bool bulk = TMA && k0 + WG_KEYS <= it.ctx;
         // This thread's rows' blocks first, unconditionally (keys clamped to the context) so
         // that the loads go out together, while the stage may still be read: loads under
         // branches would be waited for one by one.
         int blk[ROWS];
+        if (bulk) {
+            blk[0] = p < boxes ? it.table[(k0 + p * box_rows) >> shift] : 0;
+        } else {
 #pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-            int key = min(k0 + row0 + STEP * j, it.ctx - 1);
-            blk[j] = it.table[pow2 ? key >> shift : key / block_size];
+            for (int j = 0; j < ROWS; ++j) {
+                int key = min(k0 + row0 + STEP * j, it.ctx - 1);
+                blk[j] = it.table[pow2 ? key >> shift : key / block_size];
+            }
         }
         // The stage's previous tile (kt - 3) was released by every consumer warp.
         if (kt >= WG_WS_STAGES) mbar_wait(empty_bar + 8 * st, (kt / WG_WS_STAGES - 1) & 1);
-        u32 k_atom = stages + st * WG_STAGE_BYTES + atom * WG_ATOM_BYTES, v_atom = k_atom + 2 * WG_ATOM_BYTES;
+        u32 stage = stages + st * WG_STAGE_BYTES;
+        if (bulk) {
+            if (p < 32) {
+                if (p == 0) mbar_expect_tx(full_bar + 8 * st, WG_STAGE_BYTES);
+                __syncwarp();
+                if (p < boxes) {
+                    int slot = (k0 + p * box_rows) & (block_size - 1);
+                    u32 dst = stage + p * box_rows * 128;
 #pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-            int key = k0 + row0 + STEP * j;
-            bool valid = key < it.ctx;
-            int slot = pow2 ? key & (block_size - 1) : key % block_size;
-            const bf16* ksrc = cache + (valid ? block_stride * blk[j] + (u64)slot * HD + first : 0);
-            wg_copy_chunk(k_atom, row0 + STEP * j, c, ksrc, valid ? 16 : 0);
-            wg_copy_chunk(v_atom, row0 + STEP * j, c, ksrc + (valid ? v_past_k : 0), valid ? 16 : 0);
+                    for (int kv = 0; kv < 2; ++kv)
+#pragma unroll
+                        for (int a = 0; a < 2; ++a)
+                            tma_load_kv(dst + (2 * kv + a) * WG_ATOM_BYTES, map, 64 * a, slot, kv * num_kv_heads + it.kh,
+                                        layer, blk[0], full_bar + 8 * st);
+                }
+            }
+        } else {
+            u32 k_atom = stage + atom * WG_ATOM_BYTES, v_atom = k_atom + 2 * WG_ATOM_BYTES;
+#pragma unroll
+            for (int j = 0; j < ROWS; ++j) {
+                int key = k0 + row0 + STEP * j;
+                bool valid = key < it.ctx;
+                int slot = pow2 ? key & (block_size - 1) : key % block_size;
+                const bf16* ksrc = cache + (valid ? block_stride * blk[j] + (u64)slot * HD + first : 0);
+                wg_copy_chunk(k_atom, row0 + STEP * j, c, ksrc, valid ? 16 : 0);
+                wg_copy_chunk(v_atom, row0 + STEP * j, c, ksrc + (valid ? v_past_k : 0), valid ? 16 : 0);
+            }
         }
-        // Q's copies too, the first time: the arrival tracks all of this thread's.
+        // Every producer thread arrives, once its copies (Q's too, the first time) landed; a
+        // TMA tile's phase also waits for the boxes' bytes.
         mbar_arrive_copies(full_bar + 8 * st);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -1187,12 +1241,12 @@ __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* 
 // done). A stage is released after its P V. The work items run longest first (the grid's last
 // row first), so that the shortest ones fill the tail. Grid: as above. Block: 384 (consumers
 // 0-255, producers 256-383). Dynamic shared memory: WG_WS_SMEM_BYTES.
-extern "C" __global__ void __launch_bounds__(384, 1)
-    flash_prefill_wgmma_pp_hd128(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
-                                 const int* seq_len, const int* seq_pos, const int* block_tables,
-                                 const int* meta_stride, int num_heads, int num_kv_heads, int layer, int num_layers,
-                                 int block_size, float scale_log2, float* part, int max_ranges) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <bool TMA>
+__device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
+                                      const int* seq_len, const int* seq_pos, const int* block_tables,
+                                      const int* meta_stride, int num_heads, int num_kv_heads, int layer,
+                                      int num_layers, int block_size, float scale_log2, const TmaMap* map) {
     PDL_ENTER();
     extern __shared__ __align__(16) unsigned char wg_smem[];
     u32 base = ((u32)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
@@ -1205,8 +1259,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     // 384 threads start with 168 registers each; the producers keep 56, the consumers take 224.
     if (threadIdx.x >= 256) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-        wg_produce<128>(threadIdx.x - 256, it, q, cache, q_smem, stages, full_bar, empty_bar, num_heads,
-                        num_kv_heads, layer, num_layers, block_size);
+        wg_produce<128, TMA>(threadIdx.x - 256, it, q, cache, q_smem, stages, full_bar, empty_bar, num_heads,
+                        num_kv_heads, layer, num_layers, block_size, map);
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
@@ -1260,6 +1314,25 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     wg_pin(o);
     wg_pin_p(p);
     wg_store(out, o, rows, it.tok0, it.q0, it.n_q, r0, it.head0 + wg, num_heads, tq);
+}
+#endif
+#define WG_PP_ARGS                                                                                              \
+    const bf16 *q, const bf16 *cache, bf16 *out, const int *work, const int *seq_tok, const int *seq_len,      \
+        const int *seq_pos, const int *block_tables, const int *meta_stride, int num_heads, int num_kv_heads,  \
+        int layer, int num_layers, int block_size, float scale_log2, float *part, int max_ranges
+extern "C" __global__ void __launch_bounds__(384, 1) flash_prefill_wgmma_pp_hd128(WG_PP_ARGS) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    wg_pp<false>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads, num_kv_heads,
+                 layer, num_layers, block_size, scale_log2, nullptr);
+#endif
+}
+// The same with the K/V tiles brought by the TMA unit (see wg_produce): kv_map describes the
+// cache (a kernel parameter, so that the TMA unit reads it from the parameter space).
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_prefill_wgmma_tma_hd128(WG_PP_ARGS, const __grid_constant__ TmaMap kv_map) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    wg_pp<true>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads, num_kv_heads,
+                layer, num_layers, block_size, scale_log2, &kv_map);
 #endif
 }
 

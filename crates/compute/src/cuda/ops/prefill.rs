@@ -4,7 +4,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::{cfg, launch_programmatic, AttnMeta, AttnShape, RawArg};
+use super::{cfg, launch_params, launch_programmatic, AttnMeta, AttnShape, RawArg};
 use crate::cuda::{CudaDevice, CudaError, WgmmaPrefill};
 
 /// Whether the tensor-core prefill kernel takes this head size.
@@ -69,8 +69,8 @@ pub fn flash_smem_bytes(head_dim: usize) -> u32 {
 /// Q of two heads' 64 rows, two stages of 128-key K and V tiles, 1024 bytes to align them.
 pub const WGMMA_PREFILL_SMEM_BYTES: u32 = 2 * 128 * 128 + 2 * 4 * 128 * 128 + 1024;
 
-/// Dynamic shared memory of the warp-specialised Hopper prefill kernel (WG_WS_SMEM_BYTES):
-/// Q, three stages, 1024 bytes to align them, its six barriers.
+/// Dynamic shared memory of the warp-specialised Hopper prefill kernels (WG_WS_SMEM_BYTES):
+/// Q, three stages, 1024 bytes to align them, their six barriers.
 pub const WGMMA_WS_PREFILL_SMEM_BYTES: u32 = 2 * 128 * 128 + 3 * 4 * 128 * 128 + 1024 + 64;
 
 /// Whether the Hopper prefill kernel ([`flash_prefill_wgmma`]) takes shape `s` on `dev`: an
@@ -85,7 +85,7 @@ pub const FLASH_ROWS: usize = 64;
 
 /// [`flash_prefill`]'s default build (not packed, not split) on Hopper's warpgroup MMAs, for the
 /// shapes [`wgmma_prefill_takes`]; the same work items; `build` one of the Hopper builds
-/// ([`WgmmaPrefill::Lockstep`] or [`WgmmaPrefill::PingPong`]). [`flash_prefill`] takes it
+/// ([`WgmmaPrefill::Lockstep`], [`WgmmaPrefill::PingPong`] or [`WgmmaPrefill::PingPongTma`]). [`flash_prefill`] takes it
 /// as tuned ([`crate::cuda::CudaTuning::wgmma_prefill`]).
 ///
 /// # Safety
@@ -118,8 +118,13 @@ pub unsafe fn flash_prefill_wgmma(
     if p.num_items == 0 {
         return Ok(());
     }
+    // The TMA unit's boxes are whole blocks (or 128 keys of one) at 1024-byte aligned places.
+    let tma = build == WgmmaPrefill::PingPongTma && s.block_size.is_power_of_two() && s.block_size >= 8;
     let (name, threads, smem) = match build {
-        WgmmaPrefill::PingPong => ("flash_prefill_wgmma_pp_hd128", 384, WGMMA_WS_PREFILL_SMEM_BYTES),
+        WgmmaPrefill::PingPongTma if tma => ("flash_prefill_wgmma_tma_hd128", 384, WGMMA_WS_PREFILL_SMEM_BYTES),
+        WgmmaPrefill::PingPong | WgmmaPrefill::PingPongTma => {
+            ("flash_prefill_wgmma_pp_hd128", 384, WGMMA_WS_PREFILL_SMEM_BYTES)
+        }
         WgmmaPrefill::Lockstep | WgmmaPrefill::Off => ("flash_prefill_wgmma_hd128", 256, WGMMA_PREFILL_SMEM_BYTES),
     };
     let config = LaunchConfig {
@@ -127,7 +132,70 @@ pub unsafe fn flash_prefill_wgmma(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
     };
-    launch_flash(dev, name, config, (q, cache, out), p, m, s, (0, 0))
+    if !tma {
+        return launch_flash(dev, name, config, (q, cache, out), p, m, s, (0, 0));
+    }
+    let mut map = cache_tensor_map(cache, s)?;
+    let scale_log2 = std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt();
+    let mut values = [
+        q.raw(),
+        cache.raw(),
+        out.raw(),
+        p.work.raw(),
+        p.seq_tok.raw(),
+        p.seq_len.raw(),
+        p.seq_pos.raw(),
+        m.block_tables.raw(),
+        m.stride.raw(),
+        (s.num_heads as i32).raw(),
+        (s.num_kv_heads as i32).raw(),
+        (s.layer as i32).raw(),
+        (s.num_layers as i32).raw(),
+        (s.block_size as i32).raw(),
+        scale_log2.raw(),
+        0u64.raw(),
+        0i32.raw(),
+    ];
+    let mut params: Vec<*mut std::ffi::c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+    params.push((&mut map as *mut cudarc::driver::sys::CUtensorMap).cast());
+    let f = dev.kernels().get(name);
+    // Safety: the kernel's parameters are launch_flash's, in its order, then the tensor map
+    // (128 bytes, passed by value); every pointer is to a live value of the parameter's size.
+    unsafe { launch_params(dev, f, config, &mut params, dev.programmatic_launch()) }
+}
+
+/// The TMA unit's view of layer-major paged cache `cache` (`s` describes it): a 5-D bf16 tensor
+/// (head dim, slot, kv * KV heads + KV head, layer, block), read in boxes of 64 head dims (128
+/// bytes, swizzled as the Hopper kernels lay tiles out) by `min(block size, 128)` slots.
+fn cache_tensor_map(cache: u64, s: &AttnShape) -> Result<cudarc::driver::sys::CUtensorMap, CudaError> {
+    use cudarc::driver::sys;
+    let (hd, bs, kvh, layers) = (s.head_dim as u64, s.block_size as u64, s.num_kv_heads as u64, s.num_layers as u64);
+    let dims: [u64; 5] = [hd, bs, 2 * kvh, layers, s.num_blocks as u64];
+    // Bytes between consecutive indices of dimensions 1-4 (dimension 0 is contiguous).
+    let strides: [u64; 4] = [hd * 2, bs * hd * 2, 2 * kvh * bs * hd * 2, layers * 2 * kvh * bs * hd * 2];
+    let boxes: [u32; 5] = [64, s.block_size.min(128) as u32, 1, 1, 1];
+    let element_strides = [1u32; 5];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // Safety: every array holds the rank's (5) entries, strides rank - 1; the map is written in
+    // place; `cache` is the device address of the cache these dimensions describe.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            5,
+            cache as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()?
+    };
+    Ok(map)
 }
 
 /// Launches prefill kernel `name` (every build takes the same arguments) over `qco` (q, cache,
