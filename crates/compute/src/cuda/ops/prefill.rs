@@ -169,11 +169,7 @@ pub unsafe fn flash_prefill_wgmma(
 /// bytes, swizzled as the Hopper kernels lay tiles out) by `min(block size, 128)` slots.
 fn cache_tensor_map(cache: u64, s: &AttnShape) -> Result<cudarc::driver::sys::CUtensorMap, CudaError> {
     use cudarc::driver::sys;
-    let (hd, bs, kvh, layers) = (s.head_dim as u64, s.block_size as u64, s.num_kv_heads as u64, s.num_layers as u64);
-    let dims: [u64; 5] = [hd, bs, 2 * kvh, layers, s.num_blocks as u64];
-    // Bytes between consecutive indices of dimensions 1-4 (dimension 0 is contiguous).
-    let strides: [u64; 4] = [hd * 2, bs * hd * 2, 2 * kvh * bs * hd * 2, layers * 2 * kvh * bs * hd * 2];
-    let boxes: [u32; 5] = [64, s.block_size.min(128) as u32, 1, 1, 1];
+    let (dims, strides, boxes) = cache_tensor_shape(s);
     let element_strides = [1u32; 5];
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     // Safety: every array holds the rank's (5) entries, strides rank - 1; the map is written in
@@ -196,6 +192,15 @@ fn cache_tensor_map(cache: u64, s: &AttnShape) -> Result<cudarc::driver::sys::CU
         .result()?
     };
     Ok(map)
+}
+
+/// [`cache_tensor_map`]'s dimensions (head dim, slot, kv * KV heads + KV head, layer, block),
+/// the byte strides of dimensions 1-4 (dimension 0 is contiguous) and the box.
+fn cache_tensor_shape(s: &AttnShape) -> ([u64; 5], [u64; 4], [u32; 5]) {
+    let (hd, bs, kvh, layers) = (s.head_dim as u64, s.block_size as u64, s.num_kv_heads as u64, s.num_layers as u64);
+    let dims = [hd, bs, 2 * kvh, layers, s.num_blocks as u64];
+    let strides = [hd * 2, bs * hd * 2, 2 * kvh * bs * hd * 2, layers * 2 * kvh * bs * hd * 2];
+    (dims, strides, [64, s.block_size.min(128) as u32, 1, 1, 1])
 }
 
 /// Launches prefill kernel `name` (every build takes the same arguments) over `qco` (q, cache,
@@ -304,4 +309,47 @@ pub unsafe fn flash_prefill(
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_cache::KvLayout;
+
+    #[test]
+    fn the_tma_view_of_the_cache_addresses_the_elements_the_layout_puts_there() {
+        for (layers, kvh, bs, blocks) in [(36, 8, 16, 40), (2, 2, 256, 5), (28, 4, 8, 9)] {
+            let s = AttnShape {
+                num_heads: 4 * kvh,
+                num_kv_heads: kvh,
+                head_dim: 128,
+                layer: 0,
+                num_layers: layers,
+                block_size: bs,
+                num_blocks: blocks,
+            };
+            let layout =
+                KvLayout { num_layers: layers, num_kv_heads: kvh, head_dim: 128, block_size: bs, num_blocks: blocks };
+            let (dims, strides, boxes) = cache_tensor_shape(&s);
+            // The last element of the whole cache, and a spread of others.
+            for (block, layer, kv, head, slot, d) in [
+                (blocks - 1, layers - 1, 1, kvh - 1, bs - 1, 127),
+                (3 % blocks, 1, 0, kvh / 2, bs / 2, 64),
+                (0, 0, 1, 0, 0, 5),
+            ] {
+                let coords = [d, slot, kv * kvh + head, layer, block].map(|c| c as u64);
+                assert!(coords.iter().zip(dims).all(|(c, n)| *c < n), "{coords:?} within {dims:?}");
+                let bytes = coords[0] * 2 + coords[1..].iter().zip(strides).map(|(c, st)| c * st).sum::<u64>();
+                let elem = layout.plane_offset(block, layer, kv, head) + slot * 128 + d;
+                assert_eq!(
+                    bytes,
+                    2 * elem as u64,
+                    "block {block} layer {layer} kv {kv} head {head} slot {slot} dim {d}"
+                );
+            }
+            // A box is one 128-byte swizzle row of head dims by a whole block (or 128 keys of one).
+            assert_eq!((boxes[0] * 2, boxes[1]), (128, bs.min(128) as u32));
+            assert_eq!(dims.iter().product::<u64>() * 2, (layout.num_blocks * layout.block_elems() * 2) as u64);
+        }
+    }
 }
