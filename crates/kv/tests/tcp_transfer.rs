@@ -316,6 +316,119 @@ fn bytes_striped_over_several_streams_land_in_order_and_a_bad_stream_is_caught()
     assert!(matches!(received, Err(ref e) if !matches!(e, tandem_kv::KvError::Corrupt(_))), "{received:?}");
 }
 
+/// Striped bytes move piece by piece: a stream sends a stripe once the pieces under it are
+/// ready (a GPU engine's copies to its host copy), and the receiver hears of each piece as soon
+/// as its stripes have landed. Here the sender's second piece becomes ready only once the
+/// receiver has been told of the first, which deadlocks (and fails the bounded waits) if either
+/// end waits for the whole send; a piece that fails stops the send with its error.
+#[test]
+fn striped_bytes_go_out_as_their_pieces_are_ready_and_are_told_as_they_land() {
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Condvar, Mutex};
+    use std::time::Duration;
+    use tandem_kv::tcp::{recv_striped_as_landed, send_striped_as_ready, STRIPE_BYTES};
+    let streams = |n: usize| -> (Vec<TcpStream>, Vec<TcpStream>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let out: Vec<TcpStream> = (0..n).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let inn: Vec<TcpStream> = (0..n).map(|_| listener.accept().unwrap().0).collect();
+        for s in &inn {
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        }
+        (out, inn)
+    };
+    let data: Vec<u8> = (0..6 * STRIPE_BYTES).map(|i| (i * 13 % 251) as u8).collect();
+    // Segments of odd sizes on both ends, pieces ending where segments do (as a group's blocks
+    // do), neither on a stripe's bounds.
+    let segments: Vec<&[u8]> = data.chunks(STRIPE_BYTES / 2 + 7).collect();
+    let lens: Vec<usize> = segments.iter().map(|s| s.len()).collect();
+    let starts: Vec<usize> = lens.iter().scan(0, |at, len| Some(std::mem::replace(at, *at + len))).collect();
+    let ends = [starts[5], starts[9], data.len()];
+    // Pieces the receiver has been told of, and bytes the sender has made ready.
+    let told = (Mutex::new(0usize), Condvar::new());
+    let ready_upto = AtomicUsize::new(0);
+    let wait_told = |piece: usize| {
+        let (lock, cond) = &told;
+        let guard = lock.lock().unwrap();
+        let (guard, timeout) = cond.wait_timeout_while(guard, Duration::from_secs(5), |n| *n < piece).unwrap();
+        assert!(!timeout.timed_out(), "piece {piece} waits for the receiver to hear of piece {}", piece - 1);
+        drop(guard);
+    };
+    let segment = |i: usize| {
+        assert!(starts[i] + lens[i] <= ready_upto.load(Ordering::SeqCst), "segment {i} read before it was ready");
+        segments[i]
+    };
+    let (mut out, mut inn) = streams(4);
+    let mut got = vec![0u8; data.len()];
+    let (sent, received) = std::thread::scope(|s| {
+        let sender = s.spawn(|| {
+            let mut ready = |i: usize| {
+                if i > 0 {
+                    wait_told(i);
+                }
+                ready_upto.store(ends[i], Ordering::SeqCst);
+                Ok(())
+            };
+            send_striped_as_ready(&mut out, (&lens, &segment), true, (&ends, &mut ready))
+        });
+        let mut landed = |i: usize| {
+            let (lock, cond) = &told;
+            let mut n = lock.lock().unwrap();
+            assert_eq!(*n, i, "pieces are told in order, once each");
+            *n += 1;
+            cond.notify_all();
+            Ok(())
+        };
+        let mut into: Vec<&mut [u8]> = got.chunks_mut(STRIPE_BYTES / 2 + 7).collect();
+        let received = recv_striped_as_landed(&mut inn, &mut into, true, (&ends, &mut landed));
+        (sender.join().unwrap(), received)
+    });
+    assert_eq!(sent.unwrap(), data.len() as u64);
+    received.unwrap();
+    assert!(got == data);
+    assert_eq!(*told.0.lock().unwrap(), 3);
+
+    // The second piece's copy fails (once the receiver has heard of the first): the send stops
+    // with that error, no byte past the first piece goes out, and the receiver, told of the
+    // first piece only, fails within its bound.
+    let (mut out, mut inn) = streams(4);
+    ready_upto.store(0, Ordering::SeqCst);
+    *told.0.lock().unwrap() = 0;
+    let told_of = Mutex::new(Vec::new());
+    let mut got = vec![0u8; data.len()];
+    let (sent, received) = std::thread::scope(|s| {
+        let sender = s.spawn(|| {
+            let mut ready = |i: usize| match i {
+                0 => {
+                    ready_upto.store(ends[0], Ordering::SeqCst);
+                    Ok(())
+                }
+                _ => {
+                    wait_told(1);
+                    Err(tandem_kv::KvError::Transfer("copying KV to the host copy failed".into()))
+                }
+            };
+            let sent = send_striped_as_ready(&mut out, (&lens, &segment), false, (&ends, &mut ready));
+            drop(out);
+            sent
+        });
+        let mut landed = |i: usize| {
+            told_of.lock().unwrap().push(i);
+            let (lock, cond) = &told;
+            *lock.lock().unwrap() += 1;
+            cond.notify_all();
+            Ok(())
+        };
+        let mut into: Vec<&mut [u8]> = got.chunks_mut(STRIPE_BYTES / 2 + 7).collect();
+        let received = recv_striped_as_landed(&mut inn, &mut into, false, (&ends, &mut landed));
+        (sender.join().unwrap(), received)
+    });
+    assert!(matches!(sent, Err(tandem_kv::KvError::Transfer(ref e)) if e.contains("host copy")), "{sent:?}");
+    assert!(received.is_err());
+    assert_eq!(*told_of.lock().unwrap(), [0]);
+}
+
 const SECRET: &str = "the secret of this cluster, 32 b";
 
 fn secret(text: &str) -> Option<tandem_core::ClusterSecret> {

@@ -47,6 +47,15 @@ impl KvFence {
             KvFence::Host(fence) => fence.wait(),
         }
     }
+
+    /// Whether the group's KV is final already, without waiting (a device error reads as not
+    /// yet: [`KvFence::wait`] reports it).
+    pub fn is_set(&self) -> bool {
+        match self {
+            KvFence::Device(event) => event.is_complete(),
+            KvFence::Host(fence) => fence.is_set(),
+        }
+    }
 }
 
 /// A mark a host thread sets once a group of layers has written its KV
@@ -86,6 +95,13 @@ impl HostFence {
                 }
             }
         }
+    }
+}
+
+impl HostFence {
+    /// Whether the group's KV is written (not waiting).
+    pub fn is_set(&self) -> bool {
+        *self.0 .0.lock().unwrap_or_else(|p| p.into_inner()) == HostState::Set
     }
 }
 

@@ -24,7 +24,9 @@ use tandem_compute::{KvLayout, KvRegion};
 use tandem_compute::cuda::{KvFence, KvFences};
 use tandem_core::TransferId;
 
-pub use super::stripes::{recv_striped, send_striped, stripe_bytes, stripes_of, STRIPE_BYTES};
+pub use super::stripes::{
+    recv_striped, recv_striped_as_landed, send_striped, send_striped_as_ready, stripe_bytes, stripes_of, STRIPE_BYTES,
+};
 use super::{Announce, Bulk, Ours, Runs, Transport, WriteError};
 use crate::blocks::{coalesce, scatter_tokens, BlockRun, KvSlice};
 use crate::error::KvError;
@@ -426,7 +428,9 @@ impl Transport for Tcp {
             true => Some(unsafe { self.stage_send_ahead(&pieces, &groups) }.map_err(failed)?),
             false => None,
         };
-        for (g, (layers, fence)) in groups.iter().enumerate() {
+        let mut g = 0;
+        while g < groups.len() {
+            let (mut layers, fence) = (groups[g].0.clone(), groups[g].1);
             let staged_here;
             let (staged, first_piece) = match &ahead {
                 Some(all) => {
@@ -440,10 +444,21 @@ impl Transport for Tcp {
                     if let Some(fence) = fence {
                         fence.wait().map_err(WriteError::Failed)?;
                     }
+                    // The groups the step has computed meanwhile go with this one, as one
+                    // write: where the network fell behind the step, one copy and one
+                    // announcement instead of several, and no pause between them.
+                    while let Some((next, Some(f))) = groups.get(g + 1) {
+                        if !f.is_set() {
+                            break;
+                        }
+                        layers.end = next.end;
+                        g += 1;
+                    }
                     staged_here = unsafe { self.stage_send(&pieces, layers.clone()) }.map_err(failed)?;
                     (&staged_here, 0)
                 }
             };
+            g += 1;
             for rank in 0..ranks {
                 let slice = KvSlice::of_layers(layout, layers.clone());
                 let slice = slice.of_rank(layout, rank, ranks).map_err(WriteError::Failed)?;
@@ -552,26 +567,23 @@ fn split_spans<'a>(mut block: &'a mut [u8], spans: &[Range<usize>]) -> Vec<&'a m
     out
 }
 
-/// The wire bytes of `slice` of `pieces` in `region`, in wire order.
-///
-/// # Safety
-/// As [`send_blocks`], for the pieces' blocks, while the slices live.
-unsafe fn wire_segments<'a>(
-    region: &'a KvRegion,
-    pieces: &[BlockRun],
-    slice: &KvSlice,
-) -> Result<Vec<&'a [u8]>, KvError> {
-    let spans = wire_spans(region, pieces, slice)?;
-    // Safety: passed on from the caller.
-    Ok(spans
-        .into_iter()
-        .map(|(run, within)| &unsafe { region.bytes(run.start as usize, run.len as usize) }[within])
+/// Where each of `pieces` ends among the wire bytes of `slice` of them (every block of a piece
+/// carries the same bytes of the slice).
+fn piece_ends(region: &KvRegion, pieces: &[BlockRun], slice: &KvSlice) -> Result<Vec<usize>, KvError> {
+    let per_block: usize = spans_of(region, slice)?.iter().map(|span| span.len()).sum();
+    Ok(pieces
+        .iter()
+        .scan(0, |end, piece| {
+            *end += piece.len as usize * per_block;
+            Some(*end)
+        })
         .collect())
 }
 
-/// [`send_staged`] striped over `streams` ([`send_striped`]): once every piece is `ready` (a
-/// GPU engine's copies to its host copy done), the slice `what.1` of `what.0`'s pieces goes
-/// out over all the streams at once. Returns the data bytes sent.
+/// [`send_staged`] striped over `streams` ([`send_striped_as_ready`]): the slice `what.1` of
+/// `what.0`'s pieces goes out over all the streams, each stripe as soon as the pieces under it
+/// are `ready` (a GPU engine's copies to its host copy, waited for in order here while the
+/// streams send). Returns the data bytes sent.
 ///
 /// # Safety
 /// As [`send_blocks`], for the pieces' blocks.
@@ -583,15 +595,23 @@ pub unsafe fn send_striped_staged<W: Write + Send>(
     ready: &mut dyn FnMut(usize) -> Result<(), KvError>,
 ) -> Result<u64, KvError> {
     let (pieces, slice) = what;
-    (0..pieces.len()).try_for_each(&mut *ready)?;
-    // Safety: passed on from the caller.
-    let segments = unsafe { wire_segments(region, pieces, &slice) }?;
-    send_striped(streams, &segments, checksum)
+    let spans = wire_spans(region, pieces, &slice)?;
+    let lens: Vec<usize> = spans.iter().map(|(_, within)| within.len()).collect();
+    let ends = piece_ends(region, pieces, &slice)?;
+    let segment = |i: usize| {
+        let (run, within) = &spans[i];
+        // Safety: passed on from the caller; the streams read a segment only once the pieces
+        // under it are ready (their copies to the host copy have completed).
+        let bytes = unsafe { region.bytes(run.start as usize, run.len as usize) };
+        &bytes[within.clone()]
+    };
+    send_striped_as_ready(streams, (&lens, &segment), checksum, (&ends, ready))
 }
 
 /// [`recv_staged`] of bytes striped over `streams`: straight into the destination blocks when
-/// both sides use the same block size, else through one staging buffer; `landed` hears of
-/// every piece of the destination once all the bytes are in.
+/// both sides use the same block size, `landed` hearing of each piece of the destination as
+/// soon as its bytes are in (while the streams read on); else through one staging buffer,
+/// `landed` hearing of every piece once all the bytes are in.
 ///
 /// # Safety
 /// As [`recv_blocks`].
@@ -621,13 +641,13 @@ pub unsafe fn recv_striped_blocks<R: Read + Send>(
                 segments.extend(split_spans(unsafe { region.bytes_mut(b as usize, 1) }, &spans));
             }
         }
-        recv_striped(streams, &mut segments, checksum)?;
-    } else {
-        let mut staging = vec![0u8; bytes as usize];
-        recv_striped(streams, &mut [&mut staging[..]], checksum)?;
-        // Safety: the caller owns the destination blocks exclusively.
-        unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens, &slice) };
+        let ends = piece_ends(region, &dst_pieces, &slice)?;
+        return recv_striped_as_landed(streams, &mut segments, checksum, (&ends, &mut |i| landed(dst_pieces[i])));
     }
+    let mut staging = vec![0u8; bytes as usize];
+    recv_striped(streams, &mut [&mut staging[..]], checksum)?;
+    // Safety: the caller owns the destination blocks exclusively.
+    unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens, &slice) };
     dst_pieces.into_iter().try_for_each(landed)
 }
 

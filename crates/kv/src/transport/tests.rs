@@ -148,8 +148,9 @@ fn tcp_moves_block_runs_between_block_sizes() {
 }
 
 /// A step still computing goes group of layers by group, each only once its fence is set, and
-/// lands group by group between block sizes (with the copies staged ahead or not); a group
-/// whose computing thread gave it up fails the write with the groups before it sent.
+/// lands group by group between block sizes (with the copies staged ahead or not); groups set
+/// while an earlier one waited go with it as one write; a group whose computing thread gave it
+/// up fails the write with the groups before it sent.
 #[test]
 fn tcp_sends_a_computing_step_group_by_group_as_its_fences_are_set() {
     use std::time::Duration;
@@ -183,6 +184,34 @@ fn tcp_sends_a_computing_step_group_by_group_as_its_fences_are_set() {
         assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "{n} streams, {stage_ahead}");
     }
 
+    // Groups computed while an earlier one waited go with it as one write: the third group's
+    // fence is set before the second's, so the second and third go together.
+    let (dst, dst_table) = engine(8, tokens, 7, false);
+    let (mut out, mut inn) = streams(2);
+    let (fences, mut signals): (Vec<_>, Vec<_>) = (0..3).map(|_| HostFence::pair()).unzip();
+    let groups = KvFences::host(fences.into_iter().enumerate().map(|(l, f)| (l..l + 1, f)).collect());
+    let writer = Tcp::new(ours(&src, true, FaultInjection::default()));
+    let (src_blocks, dst_blocks) = (src_table.clone(), dst_table.clone());
+    let written = std::thread::spawn(move || {
+        let runs = Runs::whole(&src_blocks, &dst_blocks, tokens);
+        writer.write(runs, &groups, None, &mut ToSocket(&mut out)).map_err(|e| e.to_string())
+    });
+    let reader = Tcp::new(ours(&dst, true, FaultInjection::default()));
+    signals.remove(0).signal();
+    for (layers, set_next) in [(0..1, true), (1..3, false)] {
+        let bulk = read_announcement(&mut inn[0]);
+        assert_eq!(bulk.slice.layers, layers);
+        if set_next {
+            let second = signals.remove(0);
+            signals.remove(0).signal();
+            second.signal();
+        }
+        // Safety: the test owns every block of the reader's cache.
+        unsafe { reader.receive(&mut readers(&mut inn), bulk, &dst_table, tokens) }.unwrap();
+    }
+    written.join().unwrap().unwrap();
+    assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "merged groups");
+
     // The computing thread drops the second group's signal: the first group went, then the
     // write fails (the caller tells the peer in-band).
     let (fences, mut signals): (Vec<_>, Vec<_>) = (0..3).map(|_| HostFence::pair()).unzip();
@@ -210,7 +239,10 @@ fn tcp_writes_each_ranks_heads_of_each_group_as_a_write_of_its_own() {
         let (mut out, mut inn) = streams(n);
         let (fences, signals): (Vec<_>, Vec<_>) = (0..3).map(|_| HostFence::pair()).unzip();
         let groups = KvFences::host(fences.into_iter().enumerate().map(|(l, f)| (l..l + 1, f)).collect());
-        signals.into_iter().for_each(|s| s.signal());
+        // Each group's fence set once the one before has landed (set at once, they would go as
+        // one write).
+        let mut signals = signals.into_iter();
+        signals.next().unwrap().signal();
         let writer = Tcp::new(ours(&src, true, FaultInjection::default()));
         let (src_blocks, dst_blocks) = (src_table.clone(), dst_table.clone());
         let written = std::thread::spawn(move || {
@@ -233,6 +265,11 @@ fn tcp_writes_each_ranks_heads_of_each_group_as_a_write_of_its_own() {
             unsafe { reader.receive(&mut readers(&mut inn), bulk, &dst_table, tokens) }.unwrap();
             if (layer, rank) == (0, 0) {
                 assert_eq!(head1(&dst, &dst_table, to), 0.0, "rank 1's heads before rank 1 wrote them");
+            }
+            if rank == 1 {
+                if let Some(next) = signals.next() {
+                    next.signal();
+                }
             }
         }
         written.join().unwrap().unwrap();
