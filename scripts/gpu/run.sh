@@ -36,7 +36,8 @@
 #   default "1 4"; TCP_TLS=1 over TLS, and on host memory too, TCP_TLS_PIPES="on off" with the
 #   connections' TLS threads and without) and on host memory; sweep: `tandem bench sweep
 #   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
-#   SWEEP_QPS narrow it, SWEEP_PROMPTS sets the requests a point (16); SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU; SWEEP_ENGINE_ARGS adds
+#   SWEEP_QPS narrow it, SWEEP_PROMPTS sets the requests a point (16); SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU;
+#   SWEEP_KV_BLOCKS each engine's cache blocks (4096); SWEEP_MPS=1 under CUDA MPS; SWEEP_ENGINE_ARGS adds
 #   --engine-arg=... flags; SWEEP_DIR names its result folder under $OUT, default sweep);
 #   ab: P/D with the new build, then bench kv (cuda-ipc, tcp) for gpu-bin/tandem-base and the new
 #   build alternately (AB_ROUNDS, TCP_SIZES; build with BASELINE=<rev>);
@@ -53,6 +54,7 @@
 #   faults [LABEL ...]: issue 28's faults 1-4 and corruption on the GPU path, one soak each (push and
 #   pull over cuda-ipc, --batch-invariant; late-writes, frozen-peer, expired-lease, dropped-done,
 #   corrupt; FAULT_SECS per mode), each line with both engines' KV transfer counters;
+#   tests [BINARY ...]: only those GPU test binaries (default cuda_model and cuda_engine);
 #   sanitize [TOOL [TEST_FILTER]]: the kernel tests (those matching TEST_FILTER) under
 #   compute-sanitizer's TOOL (memcheck, the default; racecheck, initcheck, synccheck).
 #
@@ -190,12 +192,28 @@ fi
 # preset:qwen3-4b, KV over SWEEP_TRANSPORT (default cuda-ipc); figures and summary.csv in
 # $OUT/sweep (copy them to docs/figures/gpu). SWEEP_DECODE_DEVICE=cuda:1 on the two-GPU machine:
 # prefill on one GPU, decode on the other.
+# SWEEP_KV_BLOCKS sizes every engine's cache (default 4096 blocks: three engines fit one GPU;
+# the modes run one at a time, so two engines of 8192 fit too). SWEEP_MPS=1 runs the engines
+# under CUDA MPS (a daemon of this call's own, stopped at the end): prefill's and decode's
+# kernels then share the GPU's SMs at once instead of taking turns in time slices, which is
+# nearer two GPUs' behaviour under load.
 sweep() {
+  local mps_dir=""
+  if [ -n "${SWEEP_MPS:-}" ]; then
+    mps_dir=/tmp/tandem-mps
+    mkdir -p "$mps_dir/pipe" "$mps_dir/log"
+    export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
+    if nvidia-cuda-mps-control -d; then note "sweep under CUDA MPS"; else note "CUDA MPS did not start: sweeping without it"; mps_dir=""; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; fi
+  fi
   timeout "${SWEEP_SECS:-590}" "$BIN/tandem" bench sweep --launch --model preset:qwen3-4b --modes "${SWEEP_MODES:-push,pull,colocated}" \
-    --prefill-device cuda:0 --decode-device "${SWEEP_DECODE_DEVICE:-cuda:0}" --colocated-device cuda:0 --num-kv-blocks 4096 \
+    --prefill-device cuda:0 --decode-device "${SWEEP_DECODE_DEVICE:-cuda:0}" --colocated-device cuda:0 --num-kv-blocks "${SWEEP_KV_BLOCKS:-4096}" \
     --engine-arg="--kv-transport=${SWEEP_TRANSPORT:-cuda-ipc}" ${SWEEP_ENGINE_ARGS:-} --input-lens "${SWEEP_INPUTS:-1024,4096,8192}" --qps "${SWEEP_QPS:-1,2,4,8}" \
     --output-len 64 --num-prompts "${SWEEP_PROMPTS:-16}" --vocab-size 100000 --result-dir "$OUT/${SWEEP_DIR:-sweep}" --plot > "$OUT/${SWEEP_DIR:-sweep}.log" 2>&1 \
     || { note "sweep failed"; tail -20 "$OUT/${SWEEP_DIR:-sweep}.log"; status=1; }
+  if [ -n "$mps_dir" ]; then
+    echo quit | nvidia-cuda-mps-control; cp "$mps_dir/log/control.log" "$OUT/${SWEEP_DIR:-sweep}_mps.log" 2>/dev/null
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
   tail -40 "$OUT/${SWEEP_DIR:-sweep}.log"
   # The table: median TTFT and TPOT per point, and for the disaggregated modes the median KV
   # transfer and prefill hand-over -> KV applied at decode (push), with the transfer's share.
@@ -473,6 +491,12 @@ if [ "$MODE" = ipc ]; then
   pd_check
   kv_bench
   [ -n "${SKIP_TCP:-}" ] || tcp_bench
+  cat "$OUT/summary.txt"; exit $status
+fi
+if [ "$MODE" = tests ]; then
+  # tests [BINARY ...]: only those GPU test binaries (default cuda_model cuda_engine).
+  shift
+  for t in "${@:-cuda_model cuda_engine}"; do for b in $t; do run_test "$b"; done; done
   cat "$OUT/summary.txt"; exit $status
 fi
 if [ "$MODE" = sweep ]; then

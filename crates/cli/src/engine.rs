@@ -98,7 +98,7 @@ pub struct EngineArgs {
     /// measured on an H200. Keys: programmatic_launch=0|1 (0), attention_early=0|1 (1),
     /// attention_stages=auto|1|2 (auto), bulk_early_rows=0..=8 (8), tensor_core_projections=0|1
     /// (0), bulk_o_projection=0|1 (1), invariant_skinny=0|1 (0), skinny_stages=2|4|8 (8),
-    /// invariant_slice_cols=0|N*64 (0), kv_fence_groups=1..=64 (8), kv_fence_taper=0|1 (0),
+    /// invariant_slice_cols=0|N*64 (0), kv_fence_groups=1..=64 (8), kv_fence_taper=0|1 (1),
     /// wgmma_prefill=0|1|2|3 (3: the Hopper prefill attention, warp specialised, K/V by the TMA
     /// unit; 2 the same with copies; 1 its lockstep build; 0 the mma.sync kernel).
     #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
