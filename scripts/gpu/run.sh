@@ -220,11 +220,12 @@ sweep() {
   python3 - "$OUT/${SWEEP_DIR:-sweep}/summary.csv" <<'PY' | tee -a "$OUT/summary.txt"
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
-print(f"{'mode':>9} {'in':>5} {'qps':>4} {'TTFT ms':>8} {'TPOT ms':>8} {'KV ms':>7} {'KV/TTFT':>7} {'handover->ready ms':>18}")
+print(f"{'mode':>9} {'in':>5} {'qps':>4} {'TTFT ms':>8} {'TPOT ms':>8} {'KV ms':>7} {'KV/TTFT':>7} {'handover->ready ms':>18} {'of it backlog':>13}")
 for r in rows:
     kv, h = r.get("median_kv_transfer_ms") or "", r.get("median_produced_to_ready_ms") or ""
+    b = r.get("median_handover_backlog_ms") or ""
     share = f"{100 * float(kv) / float(r['median_ttft_ms']):.2f}%" if kv else ""
-    print(f"{r['mode']:>9} {r['input_len']:>5} {r['qps']:>4} {float(r['median_ttft_ms']):8.1f} {float(r['median_tpot_ms']):8.2f} {kv:>7} {share:>7} {h:>18}")
+    print(f"{r['mode']:>9} {r['input_len']:>5} {r['qps']:>4} {float(r['median_ttft_ms']):8.1f} {float(r['median_tpot_ms']):8.2f} {kv:>7} {share:>7} {h:>18} {b:>13}")
 PY
 }
 # Issue 31 on this GPU (BIN=gpu-nixl, from `NIXL=1 scripts/gpu/build.sh`): NIXL between two

@@ -68,12 +68,13 @@ fn fmt_qps(q: f64) -> String {
 }
 
 /// The CSV header of `summary.csv`.
-pub const CSV_HEADER: &str = "mode,qps,input_len,output_len,iter,completed,failed,mean_ttft_ms,median_ttft_ms,p99_ttft_ms,mean_tpot_ms,median_tpot_ms,p99_tpot_ms,mean_itl_ms,mean_e2el_ms,output_throughput,median_kv_transfer_ms,median_produced_to_ready_ms";
+pub const CSV_HEADER: &str = "mode,qps,input_len,output_len,iter,completed,failed,mean_ttft_ms,median_ttft_ms,p99_ttft_ms,mean_tpot_ms,median_tpot_ms,p99_tpot_ms,mean_itl_ms,mean_e2el_ms,output_throughput,median_kv_transfer_ms,median_produced_to_ready_ms,median_handover_backlog_ms";
 
-/// Disaggregated points: the median KV transfer (first byte to last, or a direct write's copies)
-/// and the median from prefill handing the KV over to decode applying it (push, one host), in
-/// ms, from the decode engine's per-request timelines; `None` where no request carries them.
-fn kv_medians(outcomes: &[crate::metrics::RequestOutcome]) -> (Option<f64>, Option<f64>) {
+/// Disaggregated points, in ms, from the decode engine's per-request timelines (`None` where no
+/// request carries them): the median KV transfer (first byte to last, or a direct write's
+/// copies), the median from prefill handing the KV over to decode applying it (push, one host),
+/// and of that the median time prefill's writer was still sending earlier steps' KV.
+fn kv_medians(outcomes: &[crate::metrics::RequestOutcome]) -> KvMedians {
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         (!v.is_empty()).then(|| crate::metrics::percentile(&v, 50.0))
@@ -83,8 +84,20 @@ fn kv_medians(outcomes: &[crate::metrics::RequestOutcome]) -> (Option<f64>, Opti
     let transfer = timelines()
         .filter_map(|t| Some(ms(&t["transfer"]["data_end_us"])? - ms(&t["transfer"]["data_start_us"])?))
         .collect();
-    let handover = timelines().filter_map(|t| ms(&t["produced_to_ready_us"])).collect();
-    (median(transfer), median(handover))
+    let handover: Vec<f64> = timelines().filter_map(|t| ms(&t["produced_to_ready_us"])).collect();
+    // Only where the hand-over was timed (push): a pull's timeline carries a 0.
+    let backlog = match handover.is_empty() {
+        true => Vec::new(),
+        false => timelines().filter_map(|t| ms(&t["transfer"]["handover_backlog_us"])).collect(),
+    };
+    KvMedians { transfer: median(transfer), handover: median(handover), backlog: median(backlog) }
+}
+
+/// [`kv_medians`]'s three.
+struct KvMedians {
+    transfer: Option<f64>,
+    handover: Option<f64>,
+    backlog: Option<f64>,
 }
 
 /// Runs every point of the grid for one mode against `base_url`, writing each result, and
@@ -137,10 +150,10 @@ pub async fn run_mode(
                 let p = |stat: &crate::metrics::Stat| {
                     stat.percentiles.iter().find(|(q, _)| *q == 99.0).map(|x| x.1).unwrap_or(0.0)
                 };
-                let (kv_transfer, handover) = kv_medians(&r.outcomes);
+                let KvMedians { transfer: kv_transfer, handover, backlog } = kv_medians(&r.outcomes);
                 let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
                 let row = format!(
-                    "{mode},{},{input_len},{},{iter},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{}\n",
+                    "{mode},{},{input_len},{},{iter},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{},{}\n",
                     fmt_qps(qps),
                     cfg.output_len,
                     s.completed,
@@ -155,7 +168,8 @@ pub async fn run_mode(
                     s.e2el.mean,
                     s.output_throughput,
                     opt(kv_transfer),
-                    opt(handover)
+                    opt(handover),
+                    opt(backlog)
                 );
                 append(&csv, &row)?;
                 progress(&format!(
@@ -166,7 +180,10 @@ pub async fn run_mode(
                     s.ttft.median,
                     s.tpot.median,
                     match (kv_transfer, handover) {
-                        (Some(t), Some(h)) => format!(", KV transfer {t:.2} ms, handed over -> ready {h:.2} ms"),
+                        (Some(t), Some(h)) => format!(
+                            ", KV transfer {t:.2} ms, handed over -> ready {h:.2} ms (still sending earlier steps' KV {:.2})",
+                            backlog.unwrap_or(0.0)
+                        ),
                         (Some(t), None) => format!(", KV transfer {t:.2} ms"),
                         _ => String::new(),
                     }
@@ -238,7 +255,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tandem-link-ttft-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let row = |mode: &str, qps: &str, input: usize, iter: usize, ttft: f64| {
-            format!("{mode},{qps},{input},16,{iter},4,0,0,{ttft},0,0,0,0,0,0,0,,\n")
+            format!("{mode},{qps},{input},16,{iter},4,0,0,{ttft},0,0,0,0,0,0,0,,,\n")
         };
         let mut csv = format!("{CSV_HEADER}\n");
         for (mode, base) in [("push", 100.0), ("pull", 300.0), ("colocated", 90.0)] {

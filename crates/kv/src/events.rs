@@ -74,6 +74,11 @@ pub struct TransferTimeline {
     /// prefill's last step -> KV ready at decode.
     #[serde(default)]
     pub produced_unix_us: u64,
+    /// Push: of the wait from that hand-over to the KV being ready, how long prefill's writer
+    /// was still sending what earlier steps had computed (the rest is the final write, its
+    /// completion and this engine's copies).
+    #[serde(default)]
+    pub handover_backlog_us: u64,
 }
 
 /// One open side-channel connection and the transport its bytes take (for `/kv/info`).

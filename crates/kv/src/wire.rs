@@ -172,6 +172,11 @@ pub enum Message {
         /// the reader measures from it to the KV being ready for its engine.
         #[serde(default)]
         produced_unix_us: u64,
+        /// Push: how long the writer was still sending what the prompt's steps had computed
+        /// before the hand-over, from the hand-over on, in microseconds (0: nothing was left).
+        /// The reader's timeline splits the wait after prefill's last step with it.
+        #[serde(default)]
+        backlog_us: u64,
         /// A direct write under `--kv-verify`: the writer's digest of the KV it copied
         /// (`tandem_compute::kv_digest`), which the reader checks against its blocks.
         #[serde(default)]
@@ -413,6 +418,7 @@ mod tests {
                 status: DoneStatus::Ok,
                 copy_us: 0,
                 produced_unix_us: 0,
+                backlog_us: 0,
                 digest: None,
             },
             Message::Done {
@@ -423,6 +429,7 @@ mod tests {
                 status: DoneStatus::Failed("x".into()),
                 copy_us: 812,
                 produced_unix_us: 1_790_000_000_000_000,
+                backlog_us: 2_950,
                 digest: Some(0xdead_beef_0123_4567),
             },
             Message::Failed { transfer_id: t.clone(), reason: "r".into() },
@@ -520,6 +527,7 @@ mod tests {
                 status: DoneStatus::Ok,
                 copy_us: 0,
                 produced_unix_us: 0,
+                backlog_us: 0,
                 digest: None,
             },
         ];

@@ -873,6 +873,39 @@ fn a_computing_step_goes_over_tcp_group_of_layers_by_group() {
     assert_eq!((p.p.stats().streams_joined, p.d.stats().streams_joined), (2, 2));
 }
 
+/// Decode's timeline of a push says how long after prefill's hand-over its writer was still
+/// sending what the prompt's steps had computed: here the second group's fence is set 0.3 s
+/// after the hand-over, so that much at least; a prompt whose groups all went before the
+/// hand-over leaves next to nothing.
+#[test]
+fn a_push_timeline_counts_what_was_still_going_out_after_the_hand_over() {
+    let p = pair_via(false, KvMode::Push, 4, 8, Duration::from_secs(3));
+    let ready_backlog = |p: &Pair, request: &str| match p.wait_event() {
+        ConnectorEvent::Ready { request_id, timeline, .. } if request_id == RequestId::new(request) => {
+            timeline.handover_backlog_us
+        }
+        other => panic!("expected Ready for {request}, got {other:?}"),
+    };
+    let (blocks, second) = first_group_landed(&p, ("r1", "t1"), 1);
+    p.produce("t1", 37);
+    std::thread::sleep(Duration::from_millis(300));
+    second.signal();
+    let backlog = ready_backlog(&p, "r1");
+    assert!(backlog >= 300_000, "the second group went 0.3 s after the hand-over: backlog {backlog} us");
+    p.assert_landed(37, &blocks);
+    p.wait_freed(1);
+
+    // r1's two groups landed: r2's are the third and fourth.
+    let (blocks, second) = first_group_landed(&p, ("r2", "t2"), 3);
+    second.signal();
+    wait_until("the second group", || p.d.stats().groups_landed == 4);
+    p.produce("t2", 37);
+    let backlog = ready_backlog(&p, "r2");
+    assert!(backlog < 100_000, "every group went before the hand-over: backlog {backlog} us");
+    p.assert_landed(37, &blocks);
+    p.wait_freed(2);
+}
+
 /// Faults on the group-by-group path: decode aborts with a group landed and the next still
 /// computing (released at once; the late group is drained, never written), and a group whose
 /// computing step gave it up (the transfer fails rather than answer from half the layers).
@@ -1042,6 +1075,7 @@ fn a_forged_frame_on_an_authenticated_connection_ends_it_and_changes_nothing() {
         status: DoneStatus::Ok,
         copy_us: 0,
         produced_unix_us: 0,
+        backlog_us: 0,
         digest: None,
     };
     write_message(&mut s, &release).unwrap();

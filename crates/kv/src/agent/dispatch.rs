@@ -119,10 +119,20 @@ fn handle_message(stream: &mut KvStream, conn: &Arc<Conn>, shared: &Arc<Shared>,
         }
         // ---- either side ----
         // Prefill: a pull release; decode: a push completion.
-        Message::Done { transfer_id, rank, ranks, first_token, status, copy_us, produced_unix_us, digest } => {
+        Message::Done {
+            transfer_id,
+            rank,
+            ranks,
+            first_token,
+            status,
+            copy_us,
+            produced_unix_us,
+            backlog_us,
+            digest,
+        } => {
             if !prefill::on_release(shared, &transfer_id, &status) {
                 let rank = (rank as usize, ranks as usize);
-                let report = DoneReport { rank, first_token, status, copy_us, produced_unix_us, digest };
+                let report = DoneReport { rank, first_token, status, copy_us, produced_unix_us, backlog_us, digest };
                 landing::land(conn, shared, move |_, shared| {
                     landing::on_done(shared, &transfer_id, report);
                     Ok(())

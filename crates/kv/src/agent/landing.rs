@@ -292,6 +292,7 @@ fn release(tid: TransferId, status: DoneStatus) -> Message {
         status,
         copy_us: 0,
         produced_unix_us: 0,
+        backlog_us: 0,
         digest: None,
     }
 }
@@ -309,13 +310,16 @@ pub(crate) struct DoneReport {
     pub copy_us: u64,
     /// When prefill handed the KV over (0: unknown).
     pub produced_unix_us: u64,
+    /// How long the writer still sent earlier steps' KV after the hand-over.
+    pub backlog_us: u64,
     /// A direct write under `--kv-verify`: the writer's digest of what it copied.
     pub digest: Option<u64>,
 }
 
 /// Push: prefill says the write of `tid` is complete (or failed).
 pub(crate) fn on_done(shared: &Shared, tid: &TransferId, done: DoneReport) {
-    let DoneReport { rank: (rank, ranks), first_token, mut status, copy_us, produced_unix_us, digest } = done;
+    let DoneReport { rank: (rank, ranks), first_token, mut status, copy_us, produced_unix_us, backlog_us, digest } =
+        done;
     if ranks != 1 && status == DoneStatus::Ok {
         // A tensor-parallel writer's ranks each say `Done`: the transfer goes on with the last
         // of them (a failure ends it at once; a rank whose word is lost leaves it to its deadline).
@@ -362,6 +366,7 @@ pub(crate) fn on_done(shared: &Shared, tid: &TransferId, done: DoneReport) {
     }
     let Some(inc) = t.incoming.get_mut(tid) else { return };
     inc.timeline.produced_unix_us = produced_unix_us;
+    inc.timeline.handover_backlog_us = backlog_us;
     inc.first_token = first_token;
     let landed = inc.landing == Landing::Landed;
     let failure = inc.failure.take();

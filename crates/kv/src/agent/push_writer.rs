@@ -45,6 +45,8 @@ struct PushDone {
     produced_unix_us: u64,
     /// When the writing thread took the transfer on (a direct write's copy time counts from here).
     taken: Instant,
+    /// How long the parts queued before the hand-over still ran after it.
+    backlog_us: u64,
     /// A direct write under `--kv-verify`: the digest of the whole prompt's KV it copies.
     digest: Option<u64>,
 }
@@ -138,7 +140,7 @@ fn spawn_whole(shared: &Arc<Shared>, tid: TransferId, reg: Reg, produced: Produc
     let s = shared.clone();
     let spawned = std::thread::Builder::new()
         .name("tandem-kv-push".into())
-        .spawn(move || write_whole(&s, tid, reg, produced, 0, None, taken));
+        .spawn(move || write_whole(&s, tid, reg, produced, 0, None, (taken, std::time::Duration::ZERO)));
     if let Err(e) = spawned {
         tracing::error!(error = %e, "cannot start a KV push thread");
     }
@@ -220,7 +222,8 @@ fn run_writer(t: Target, jobs: mpsc::Receiver<Job>) {
                 }
             }
             Job::Finish { reg, produced, from, taken } => {
-                write_whole(&t.shared, t.tid.clone(), reg, produced, from, failed.take(), taken);
+                let backlog = taken.elapsed();
+                write_whole(&t.shared, t.tid.clone(), reg, produced, from, failed.take(), (taken, backlog));
                 return;
             }
             Job::Notify(msg) => {
@@ -234,8 +237,9 @@ fn run_writer(t: Target, jobs: mpsc::Receiver<Job>) {
 /// Prefill: writes the produced KV from token `from` on (the parts before it are in place)
 /// into the registered blocks, sends `Done`, then frees the blocks; or, with `failed` (an
 /// early part did not land), fails the transfer. Runs on a writer thread, never the engine's.
-/// `taken`: when the rendezvous met (the write's time, which `Done` reports, counts from
-/// there, including any part still being copied).
+/// `taken.0`: when the rendezvous met (the write's time, which `Done` reports, counts from
+/// there, including any part still being copied); `taken.1`: how long the parts queued before
+/// it ran on after it.
 fn write_whole(
     s: &Arc<Shared>,
     tid: TransferId,
@@ -243,7 +247,7 @@ fn write_whole(
     produced: Produced,
     from: usize,
     failed: Option<String>,
-    taken: Instant,
+    (taken, backlog): (Instant, std::time::Duration),
 ) {
     let Produced { held, blocks, num_tokens, first_token, produced_unix_us, .. } = produced;
     let layout = s.memory.layout();
@@ -269,7 +273,8 @@ fn write_whole(
         }
     };
     std::thread::sleep(s.cfg.faults.slow_write);
-    let done = PushDone { first_token, produced_unix_us, taken, digest: digest.ok().flatten() };
+    let backlog_us = backlog.as_micros() as u64;
+    let done = PushDone { first_token, produced_unix_us, taken, backlog_us, digest: digest.ok().flatten() };
     let runs = Runs { src, dst, num_tokens: num_tokens - from, ranks: s.write_ranks(&**transport) };
     let result = send(s, &reg.conn, &tid, (runs, from), done);
     s.tables().pushing.remove(&tid);
@@ -387,6 +392,7 @@ fn done_message(tid: &TransferId, done: PushDone, status: DoneStatus, copy_us: u
         status,
         copy_us,
         produced_unix_us: done.produced_unix_us,
+        backlog_us: done.backlog_us,
         digest: done.digest,
     }
 }
