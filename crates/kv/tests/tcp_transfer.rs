@@ -244,29 +244,33 @@ fn staged_pieces_are_read_after_their_hook_and_reported_as_they_land() {
     }
 }
 
+/// `n` loopback TCP connections: their sending ends and their receiving ends, which wait at
+/// most 2 s for a read.
+fn loopback_streams(n: usize) -> (Vec<std::net::TcpStream>, Vec<std::net::TcpStream>) {
+    use std::net::{TcpListener, TcpStream};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let out: Vec<TcpStream> = (0..n).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    let inn: Vec<TcpStream> = (0..n).map(|_| listener.accept().unwrap().0).collect();
+    for s in &inn {
+        s.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
+    }
+    (out, inn)
+}
+
 /// Bytes striped over several TCP streams land where a single stream would put them, whatever
 /// the streams' count and the segments' sizes; a flipped bit on one stream is caught by that
 /// stream's checksum, and a stream cut mid-send fails the receive rather than hang it.
 #[test]
 fn bytes_striped_over_several_streams_land_in_order_and_a_bad_stream_is_caught() {
-    use std::net::{TcpListener, TcpStream};
+    use std::net::TcpStream;
     use tandem_kv::tcp::{recv_striped, send_striped, STRIPE_BYTES};
-    let streams = |n: usize| -> (Vec<TcpStream>, Vec<TcpStream>) {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let out: Vec<TcpStream> = (0..n).map(|_| TcpStream::connect(addr).unwrap()).collect();
-        let inn: Vec<TcpStream> = (0..n).map(|_| listener.accept().unwrap().0).collect();
-        for s in &inn {
-            s.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
-        }
-        (out, inn)
-    };
     let data: Vec<u8> = (0..(5 * STRIPE_BYTES + 12345)).map(|i| (i * 7 % 251) as u8).collect();
     // Segments of odd sizes, as a group's per-block slices are.
     let cuts = [0, 1000, STRIPE_BYTES + 3, 3 * STRIPE_BYTES, data.len()];
     let segments: Vec<&[u8]> = cuts.windows(2).map(|w| &data[w[0]..w[1]]).collect();
     for n in [1, 3, 4, 8] {
-        let (mut out, mut inn) = streams(n);
+        let (mut out, mut inn) = loopback_streams(n);
         let mut got = vec![0u8; data.len()];
         let sent = std::thread::scope(|s| {
             let sender = s.spawn(|| send_striped(&mut out, &segments, true).unwrap());
@@ -293,7 +297,7 @@ fn bytes_striped_over_several_streams_land_in_order_and_a_bad_stream_is_caught()
             self.0.flush()
         }
     }
-    let (out, mut inn) = streams(3);
+    let (out, mut inn) = loopback_streams(3);
     let mut out: Vec<FlipFirst> = out.into_iter().enumerate().map(|(i, s)| FlipFirst(s, i != 1)).collect();
     let mut got = vec![0u8; data.len()];
     let received = std::thread::scope(|s| {
@@ -302,7 +306,7 @@ fn bytes_striped_over_several_streams_land_in_order_and_a_bad_stream_is_caught()
     });
     assert!(matches!(received, Err(tandem_kv::KvError::Corrupt(ref e)) if e.contains("stream 1")), "{received:?}");
     // One stream cut after its first stripe: the receive fails within its read bound.
-    let (mut out, mut inn) = streams(2);
+    let (mut out, mut inn) = loopback_streams(2);
     let mut got = vec![0u8; data.len()];
     let received = std::thread::scope(|s| {
         s.spawn(|| {
@@ -323,21 +327,10 @@ fn bytes_striped_over_several_streams_land_in_order_and_a_bad_stream_is_caught()
 /// end waits for the whole send; a piece that fails stops the send with its error.
 #[test]
 fn striped_bytes_go_out_as_their_pieces_are_ready_and_are_told_as_they_land() {
-    use std::net::{TcpListener, TcpStream};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{Condvar, Mutex};
     use std::time::Duration;
     use tandem_kv::tcp::{recv_striped_as_landed, send_striped_as_ready, STRIPE_BYTES};
-    let streams = |n: usize| -> (Vec<TcpStream>, Vec<TcpStream>) {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let out: Vec<TcpStream> = (0..n).map(|_| TcpStream::connect(addr).unwrap()).collect();
-        let inn: Vec<TcpStream> = (0..n).map(|_| listener.accept().unwrap().0).collect();
-        for s in &inn {
-            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-        }
-        (out, inn)
-    };
     let data: Vec<u8> = (0..6 * STRIPE_BYTES).map(|i| (i * 13 % 251) as u8).collect();
     // Segments of odd sizes on both ends, pieces ending where segments do (as a group's blocks
     // do), neither on a stripe's bounds.
@@ -359,7 +352,7 @@ fn striped_bytes_go_out_as_their_pieces_are_ready_and_are_told_as_they_land() {
         assert!(starts[i] + lens[i] <= ready_upto.load(Ordering::SeqCst), "segment {i} read before it was ready");
         segments[i]
     };
-    let (mut out, mut inn) = streams(4);
+    let (mut out, mut inn) = loopback_streams(4);
     let mut got = vec![0u8; data.len()];
     let (sent, received) = std::thread::scope(|s| {
         let sender = s.spawn(|| {
@@ -392,7 +385,7 @@ fn striped_bytes_go_out_as_their_pieces_are_ready_and_are_told_as_they_land() {
     // The second piece's copy fails (once the receiver has heard of the first): the send stops
     // with that error, no byte past the first piece goes out, and the receiver, told of the
     // first piece only, fails within its bound.
-    let (mut out, mut inn) = streams(4);
+    let (mut out, mut inn) = loopback_streams(4);
     ready_upto.store(0, Ordering::SeqCst);
     *told.0.lock().unwrap() = 0;
     let told_of = Mutex::new(Vec::new());
