@@ -253,10 +253,13 @@ impl<H: FnMut(Bulk) -> Message> Announce for Frames<'_, H> {
         self.held = None;
         self.data = None;
         let data = &self.conn.data;
-        if data.count() > 1 {
+        // Nothing to stripe (a push's final write when the parts carried every token): the
+        // announcement alone, with no stream threads at either end.
+        let striped = data.count() > 1 && bulk.bytes > 0;
+        if striped {
             self.data = Some(data.writers()?);
         }
-        bulk.streams = data.count();
+        bulk.streams = if striped { data.count() } else { 1 };
         let mut w = self.conn.writer();
         w.send(&(self.header)(bulk))?;
         let mut out: Vec<&mut (dyn std::io::Write + Send)> = vec![&mut **self.held.insert(w)];
@@ -264,5 +267,78 @@ impl<H: FnMut(Bulk) -> Message> Announce for Frames<'_, H> {
             out.extend(writers.iter_mut().flatten().map(|s| s as &mut (dyn std::io::Write + Send)));
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{TcpListener, TcpStream};
+
+    use tandem_compute::{KvCache, KvLayout};
+
+    use super::*;
+    use crate::agent_info::{KvMode, Role};
+    use crate::blocks::KvSlice;
+    use crate::channel::Timeouts;
+    use crate::config::FaultInjection;
+    use crate::memory::KvMemory;
+    use crate::seal::Session;
+    use crate::transport::tcp::Tcp;
+    use crate::transport::Ours;
+    use crate::wire::read_message;
+
+    /// A connection of three streams whose two further ones never join (a send waiting for
+    /// them gives up after 300 ms), and the peer's end of the connection itself.
+    fn stranded() -> (Conn, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let theirs = listener.accept().unwrap().0;
+        let layout = KvLayout { num_layers: 2, num_kv_heads: 1, head_dim: 8, block_size: 4, num_blocks: 4 };
+        let memory = KvMemory::from(KvCache::new(layout).region());
+        let faults = FaultInjection::default();
+        let tcp = Tcp::new(Ours { memory, verify: false, faults, stage_ahead: false, timeouts: Timeouts::default() });
+        let data = DataStreams::expecting(2, Duration::from_millis(300), false, Session::plain().join_key());
+        let (id, epoch) = (tandem_core::EngineId("peer".into()), tandem_core::Epoch(1));
+        let info = AgentInfo::for_layout(
+            id,
+            epoch,
+            Role::Decode,
+            KvMode::Push,
+            String::new(),
+            &layout,
+            tandem_compute::KvDtype::F32,
+            Vec::new(),
+        );
+        let info = AgentInfo { tcp_streams: 3, ..info };
+        let conn = Conn::new(&KvStream::Plain(ours), Session::plain().sealer, info, Arc::new(tcp), None, data);
+        (conn.unwrap(), theirs)
+    }
+
+    fn bulk(bytes: u64) -> Bulk {
+        let slice = KvSlice { layers: 0..2, heads: 0..1 };
+        Bulk { src_block_size: 4, bytes, checksum: false, slice, rank: 0, ranks: 1, streams: 1 }
+    }
+
+    fn announcement(bulk: Bulk) -> Message {
+        Message::WriteAck {
+            transfer_id: tandem_core::TransferId(format!("{} bytes on {}", bulk.bytes, bulk.streams)),
+            error: None,
+        }
+    }
+
+    #[test]
+    fn a_write_of_no_bytes_is_announced_on_the_connection_alone() {
+        let (conn, mut peer) = stranded();
+        let mut frames = Frames::new(&conn, announcement);
+        // No stream thread, and no wait for the further streams: the push's final write when
+        // its parts carried every token costs one frame.
+        let at = Instant::now();
+        assert_eq!(frames.announce(bulk(0)).unwrap().len(), 1);
+        assert!(at.elapsed() < Duration::from_millis(200), "{:?}", at.elapsed());
+        let Message::WriteAck { transfer_id, .. } = read_message(&mut peer).unwrap() else { panic!("not the header") };
+        assert_eq!(transfer_id.0, "0 bytes on 1");
+        // Bytes are striped over every stream, so they wait for the streams to join.
+        let striped = frames.announce(bulk(4096)).map(|w| w.len());
+        assert!(matches!(&striped, Err(KvError::Transfer(why)) if why.contains("did not all join")), "{striped:?}");
     }
 }
