@@ -38,7 +38,8 @@
 #   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
 #   SWEEP_QPS narrow it, SWEEP_PROMPTS sets the requests a point (16); SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU;
 #   SWEEP_KV_BLOCKS each engine's cache blocks (4096); SWEEP_MPS=1 under CUDA MPS; SWEEP_ENGINE_ARGS adds
-#   --engine-arg=... flags; SWEEP_DIR names its result folder under $OUT, default sweep);
+#   --engine-arg=... flags or other sweep options (`--engine-log warn,tandem_kv=debug`: each push
+#   group's times, for scripts/gpu/push_tail.py); SWEEP_DIR names its result folder under $OUT);
 #   ab: P/D with the new build, then bench kv (cuda-ipc, tcp) for gpu-bin/tandem-base and the new
 #   build alternately (AB_ROUNDS, TCP_SIZES; build with BASELINE=<rev>);
 #   prefix: issue 30's multi-turn TTFT by turn, conditional and 2P2D KV-aware routing, and the

@@ -121,7 +121,8 @@ impl KvMemory {
     /// [`KvMemory::stage_send`] of every group of layers of a step at once: each group's copies
     /// queued behind its fence on the device, on a stream of their own, so that a group's copy
     /// runs as soon as the step has written it, while the groups before it are on the socket.
-    /// Piece `i` of group `g` is `g * pieces.len() + i` for [`StagedSend::ready`]. A group whose
+    /// Group `g` moves in `pieces[g]`; its piece `i` is number `i` plus the pieces of the groups
+    /// before it for [`StagedSend::ready`]. A group whose
     /// fence a host thread sets (never a GPU step's) is waited for here. Nothing is copied for a
     /// CPU engine.
     ///
@@ -129,12 +130,12 @@ impl KvMemory {
     /// As [`KvMemory::stage_send`].
     pub unsafe fn stage_send_ahead(
         &self,
-        pieces: &[crate::blocks::BlockRun],
+        pieces: &[Vec<crate::blocks::BlockRun>],
         groups: &[(Range<usize>, Option<&KvFence>)],
     ) -> Result<StagedSend<'_>, KvError> {
         let (Some(device), Some(host)) = (&self.device, &self.host) else { return Ok(StagedSend(None)) };
         let mut copies = device.host_copies_apart(host).map_err(KvError::Transfer)?;
-        for (layers, fence) in groups {
+        for ((layers, fence), pieces) in groups.iter().zip(pieces) {
             match fence.map(|f| (f.event(), f)) {
                 Some((Some(event), _)) => copies.after(event).map_err(KvError::Transfer)?,
                 Some((None, fence)) => fence.wait().map_err(KvError::Transfer)?,

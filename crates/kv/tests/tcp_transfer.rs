@@ -183,7 +183,7 @@ fn a_silent_peer_times_out_within_the_bound_and_an_absent_one_is_unreachable() {
 #[test]
 fn staged_pieces_are_read_after_their_hook_and_reported_as_they_land() {
     use tandem_kv::blocks::BlockRun;
-    use tandem_kv::tcp::{pieces, recv_staged, send_pieces, send_staged, Destination, PIECE_BYTES};
+    use tandem_kv::tcp::{pieces, recv_staged, send_pieces, send_staged, slice_pieces, Destination, PIECE_BYTES};
     // Blocks of 1 MiB, so a piece holds 8 of them.
     let l = KvLayout { num_layers: 8, num_kv_heads: 4, head_dim: 64, block_size: 64, num_blocks: 40 };
     let (src_cache, dst_cache) = (KvCache::new(l), KvCache::new(l));
@@ -233,8 +233,24 @@ fn staged_pieces_are_read_after_their_hook_and_reported_as_they_land() {
     let bytes = unsafe { send_staged(&mut wire, &src, (&p, layers.clone()), tokens, true, &mut |_| Ok(())).unwrap() };
     assert_eq!(bytes, layers.wire_bytes(&l, src.dtype(), tokens));
     assert_eq!(wire.len() as u64, bytes + 4);
-    let into = Destination { slice: layers, ..Destination::all(&group, &dst_table, tokens) };
-    unsafe { recv_staged(&mut &wire[..], bytes, 64, into, true, &mut |_| Ok(())).unwrap() };
+    let into = Destination { slice: layers.clone(), ..Destination::all(&group, &dst_table, tokens) };
+    let mut group_landed = Vec::new();
+    let mut report = |run: BlockRun| {
+        group_landed.push(run.len);
+        Ok(())
+    };
+    unsafe { recv_staged(&mut &wire[..], bytes, 64, into, true, &mut report).unwrap() };
+    // Pieces by the group's bytes, a quarter of them each (5 blocks of 3/8 MiB), not by whole
+    // blocks' (8 a piece): a few copies to wait for, each overlapping the socket.
+    assert_eq!(group_landed, [5, 5, 5, 5, 1]);
+    let lens = |slice: KvSlice| slice_pieces(&src, &table, &slice).unwrap().iter().map(|r| r.len).collect::<Vec<_>>();
+    assert_eq!(lens(layers.clone()), [5, 5, 5, 4, 2], "runs are cut where they end");
+    // One layer's slice (1/8 MiB a block): pieces of 1 MiB at least, so 8 blocks.
+    assert_eq!(lens(KvSlice::of_layers(&l, 7..8)), [8, 8, 3, 2]);
+    // A large transfer: pieces of at most PIECE_BYTES.
+    let many: Vec<u32> = (0..40).collect();
+    let whole = slice_pieces(&src, &many, &KvSlice::all(&l)).unwrap();
+    assert_eq!(whole.iter().map(|r| r.len).collect::<Vec<_>>(), [8, 8, 8, 8, 8]);
     let layer_bytes = src.block_bytes() / 8;
     for (s, d) in table.iter().zip(&dst_table) {
         let (a, b) = unsafe { (src.bytes(*s as usize, 1), group.bytes(*d as usize, 1)) };

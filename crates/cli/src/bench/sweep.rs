@@ -73,6 +73,11 @@ pub struct SweepArgs {
     /// --engine-arg=--kv-transport=cuda-ipc (repeatable).
     #[arg(long = "engine-arg", allow_hyphen_values = true)]
     pub engine_args: Vec<String>,
+    /// With --launch: the log filter of the processes it starts, whose lines come out here
+    /// (e.g. `warn,tandem_kv=debug`: each push group's hand-over, sends and landings, with
+    /// their times, for scripts/gpu/push_tail.py).
+    #[arg(long, default_value = "warn")]
+    pub engine_log: String,
     /// With --launch: run the prefill engine in this network namespace, reached at this address
     /// (NAMESPACE=ADDRESS, e.g. tandem-p=10.77.0.1 as scripts/two_hosts.sh makes it): another
     /// host on this machine, its KV crossing a virtual link.
@@ -151,7 +156,7 @@ pub(crate) fn bench_sweep(a: SweepArgs) -> Result<()> {
                 let launch = up::Launch {
                     model: &a.model,
                     base_port: a.base_port,
-                    log: "warn",
+                    log: &a.engine_log,
                     prefill_device: &a.prefill_device,
                     decode_device: &a.decode_device,
                     colocated_device: &a.colocated_device,

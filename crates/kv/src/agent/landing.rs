@@ -116,6 +116,7 @@ fn receive(
         }
         return Ok(Err(reason));
     }
+    let _span = tracing::debug_span!("kv_land", transfer_id = %tid).entered();
     let begun = shared.tables().begin_write(tid, span, dst, shared.block_size());
     let blocks = match begun {
         Ok(blocks) => blocks,

@@ -108,6 +108,7 @@ fn queue_part(shared: &Arc<Shared>, tid: &TransferId, reg: &mut Reg, report: Com
 /// already queued when there are any (else on a thread of its own).
 pub(crate) fn finish(shared: &Arc<Shared>, tid: TransferId, mut reg: Reg, mut produced: Produced) {
     let taken = Instant::now();
+    tracing::debug!(transfer_id = %tid, "KV handed over");
     push::skip_cached(&mut produced, reg.skip, shared.block_size());
     match reg.parts.take() {
         Some(writer) => {
@@ -179,6 +180,7 @@ struct Target {
 /// The writer thread: parts in order, then the finish or the notice; ends when the
 /// registration is gone (its sender dropped) and nothing is queued.
 fn run_writer(t: Target, jobs: mpsc::Receiver<Job>) {
+    let _span = tracing::debug_span!("kv_push", transfer_id = %t.tid).entered();
     let ours = t.shared.block_size();
     let theirs = t.conn.peer.block_size.max(1);
     // Why a part did not land: the final write then fails the transfer instead of sending it.
@@ -249,6 +251,7 @@ fn write_whole(
     failed: Option<String>,
     (taken, backlog): (Instant, std::time::Duration),
 ) {
+    let _span = tracing::debug_span!("kv_push", transfer_id = %tid).entered();
     let Produced { held, blocks, num_tokens, first_token, produced_unix_us, .. } = produced;
     let layout = s.memory.layout();
     let transport = &reg.conn.transport;

@@ -43,7 +43,12 @@ pub const PIECE_BYTES: usize = 8 << 20;
 /// The blocks `blocks` as a bulk transfer moves them: their contiguous runs, in order, each cut
 /// into pieces of at most [`PIECE_BYTES`] (at least one block).
 pub fn pieces(blocks: &[u32], block_bytes: usize) -> Vec<BlockRun> {
-    let most = (PIECE_BYTES / block_bytes.max(1)).max(1) as u32;
+    pieces_of_at_most(blocks, block_bytes, PIECE_BYTES)
+}
+
+/// [`pieces`] of at most `piece_bytes` (at least one block), `block_bytes` moving per block.
+fn pieces_of_at_most(blocks: &[u32], block_bytes: usize, piece_bytes: usize) -> Vec<BlockRun> {
+    let most = (piece_bytes / block_bytes.max(1)).max(1) as u32;
     let mut out = Vec::new();
     for run in coalesce(blocks) {
         let mut start = run.start;
@@ -85,6 +90,25 @@ pub fn send_pieces(region: &KvRegion, blocks: &[u32], num_tokens: usize) -> Resu
     }
     Ok(pieces(&blocks[..needed], region.block_bytes()))
 }
+
+/// The pieces a bulk transfer of `slice` of `blocks` moves, by the slice's bytes: about
+/// [`PIPELINE_PIECES`] of them, none under [`MIN_PIECE_BYTES`] nor over [`PIECE_BYTES`]. Each
+/// piece costs the sender a wait for its copy to the host copy and the receiver a copy of its
+/// own, so a group of a few layers goes in few (by whole blocks, a one-layer group of a 1k
+/// prompt went in 22 pieces of 0.2 MB, each send a chain of waits); and in more than one, so
+/// that its copies at both ends overlap the socket (in one piece, a group's copy to the host,
+/// its bytes and its copy to the device ran one after the other).
+pub fn slice_pieces(region: &KvRegion, blocks: &[u32], slice: &KvSlice) -> Result<Vec<BlockRun>, KvError> {
+    let per_block: usize = spans_of(region, slice)?.iter().map(|span| span.len()).sum();
+    let piece = (blocks.len() * per_block / PIPELINE_PIECES).clamp(MIN_PIECE_BYTES, PIECE_BYTES);
+    Ok(pieces_of_at_most(blocks, per_block, piece))
+}
+
+/// Pieces [`slice_pieces`] aims for in a transfer.
+pub const PIPELINE_PIECES: usize = 4;
+
+/// The least bytes [`slice_pieces`] puts in a piece (but the transfer's last).
+pub const MIN_PIECE_BYTES: usize = 1 << 20;
 
 /// [`send_blocks`] of the slice `what.1` of `what.0`'s pieces (from [`send_pieces`]; whole
 /// blocks, or a group of layers or a rank's heads: then each block's part, [`KvSlice`]),
@@ -215,7 +239,7 @@ pub unsafe fn recv_staged(
         // A part's spans are read in larger socket reads, never past the announced bytes.
         let cap = if whole { 0 } else { 1 << 18 };
         let mut data = std::io::BufReader::with_capacity(cap, r.by_ref().take(bytes));
-        for piece in pieces(&dst_blocks[..needed], region.block_bytes()) {
+        for piece in slice_pieces(region, &dst_blocks[..needed], &slice)? {
             if whole {
                 // Safety: the caller owns the destination blocks exclusively.
                 let dst = unsafe { region.bytes_mut(piece.start as usize, piece.len as usize) };
@@ -250,7 +274,7 @@ pub unsafe fn recv_staged(
         }
         // Safety: the caller owns the destination blocks exclusively.
         unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens, &slice) };
-        for piece in pieces(&dst_blocks[..needed], region.block_bytes()) {
+        for piece in slice_pieces(region, &dst_blocks[..needed], &slice)? {
             landed(piece)?;
         }
         if checksum {
@@ -344,7 +368,7 @@ impl Tcp {
     /// As `stage_send_ahead`.
     unsafe fn stage_send_ahead(
         &self,
-        pieces: &[BlockRun],
+        pieces: &[Vec<BlockRun>],
         groups: &[(Range<usize>, Option<&KvFence>)],
     ) -> Result<StagedSend<'_>, KvError> {
         if self.ours.faults.fail_host_copies {
@@ -411,9 +435,20 @@ impl Transport for Tcp {
         let Runs { src, num_tokens, ranks, .. } = runs;
         let ranks = ranks.max(1);
         let region = self.ours.memory.host_region().map_err(|e| WriteError::Failed(e.to_string()))?;
-        let pieces = send_pieces(region, src, num_tokens).map_err(|e| WriteError::Failed(e.to_string()))?;
         let layout = region.layout();
         let failed = |e: KvError| WriteError::Failed(e.to_string());
+        let blocks = match src.get(..layout.blocks_for(num_tokens)) {
+            Some(blocks) => blocks,
+            None => {
+                return Err(failed(KvError::Protocol(format!(
+                    "{num_tokens} tokens need more than {} blocks",
+                    src.len()
+                ))))
+            }
+        };
+        // Each group (or merged run of groups) in pieces of its own bytes.
+        let pieces_of =
+            |layers: &Range<usize>| slice_pieces(region, blocks, &KvSlice::of_layers(layout, layers.clone()));
         // A step still computing goes group by group of layers, each as soon as its fence says
         // its KV is written (a GPU engine's copy to the host copy then reads final KV), on the
         // socket while later layers compute; KV already final goes as one write of all layers.
@@ -425,20 +460,25 @@ impl Transport for Tcp {
         // Safety (this and the copies below): the caller holds the source blocks (produced KV,
         // or a lease being read) for this call; the engine does not schedule them meanwhile.
         let ahead = match self.ours.stage_ahead && !fences.is_complete() {
-            true => Some(unsafe { self.stage_send_ahead(&pieces, &groups) }.map_err(failed)?),
+            true => {
+                let pieces = groups.iter().map(|(layers, _)| pieces_of(layers)).collect::<Result<Vec<_>, _>>();
+                let pieces = pieces.map_err(failed)?;
+                let staged = unsafe { self.stage_send_ahead(&pieces, &groups) }.map_err(failed)?;
+                Some((staged, pieces))
+            }
             false => None,
         };
         let mut g = 0;
         while g < groups.len() {
             let (mut layers, fence) = (groups[g].0.clone(), groups[g].1);
-            let staged_here;
-            let (staged, first_piece) = match &ahead {
-                Some(all) => {
+            let (staged_here, pieces_here);
+            let (staged, pieces, first_piece) = match &ahead {
+                Some((all, pieces)) => {
                     // A device fence is waited for by the copies; a host thread's, here.
                     if let Some(fence) = fence.filter(|f| f.event().is_none()) {
                         fence.wait().map_err(WriteError::Failed)?;
                     }
-                    (all, g * pieces.len())
+                    (all, &pieces[g], pieces[..g].iter().map(Vec::len).sum())
                 }
                 None => {
                     if let Some(fence) = fence {
@@ -454,18 +494,22 @@ impl Transport for Tcp {
                         layers.end = next.end;
                         g += 1;
                     }
-                    staged_here = unsafe { self.stage_send(&pieces, layers.clone()) }.map_err(failed)?;
-                    (&staged_here, 0)
+                    pieces_here = pieces_of(&layers).map_err(failed)?;
+                    staged_here = unsafe { self.stage_send(&pieces_here, layers.clone()) }.map_err(failed)?;
+                    (&staged_here, &pieces_here, 0)
                 }
             };
             g += 1;
+            // Timed at debug level: how far the socket trails the step (scripts/gpu/push_tail.py).
+            tracing::debug!(layers = ?layers, "KV group computed");
             for rank in 0..ranks {
                 let slice = KvSlice::of_layers(layout, layers.clone());
                 let slice = slice.of_rank(layout, rank, ranks).map_err(WriteError::Failed)?;
                 let mut ready = |i| staged.ready(first_piece + i);
                 // Safety: as above.
-                unsafe { self.send_slice(region, (&pieces, slice), (rank, ranks), num_tokens, &mut ready, out)? };
+                unsafe { self.send_slice(region, (pieces, slice), (rank, ranks), num_tokens, &mut ready, out)? };
             }
+            tracing::debug!(layers = ?layers, "KV group sent");
         }
         Ok(())
     }
@@ -496,15 +540,19 @@ impl Transport for Tcp {
             Ok(())
         };
         let (bytes, from, checksum) = (bulk.bytes, bulk.src_block_size, bulk.checksum);
+        let layers = bulk.slice.layers.clone();
+        tracing::debug!(?layers, bytes, "KV group announced");
         match streams {
             // Safety (both): as above.
             [stream] => unsafe { recv_staged(stream, bytes, from, into, checksum, &mut landed)? },
             several => unsafe { recv_striped_blocks(several, bytes, from, into, checksum, &mut landed)? },
         }
-        match failed {
+        let landed = match failed {
             Some(e) => Err(e),
             None => load.finish(),
-        }
+        };
+        tracing::debug!(?layers, ok = landed.is_ok(), "KV group landed");
+        landed
     }
 }
 
@@ -625,7 +673,7 @@ pub unsafe fn recv_striped_blocks<R: Read + Send>(
 ) -> Result<(), KvError> {
     let Destination { region, blocks: dst_blocks, num_tokens, slice } = into;
     let (dl, needed) = check_destination(region, bytes, src_block_size, dst_blocks, num_tokens, &slice)?;
-    let dst_pieces = pieces(&dst_blocks[..needed], region.block_bytes());
+    let dst_pieces = slice_pieces(region, &dst_blocks[..needed], &slice)?;
     if src_block_size == dl.block_size {
         let spans = spans_of(region, &slice)?;
         let whole = is_whole(region, &spans);
