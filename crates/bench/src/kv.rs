@@ -30,7 +30,7 @@ use tandem_core::{EngineId, Epoch, TransferId};
 use tandem_kv::blocks::KvSlice;
 use tandem_kv::channel::{accept_handshake, configure, connect, handshake, read_hello, Hello, Picked, Timeouts};
 use tandem_kv::tcp::{
-    recv_blocks, recv_staged, recv_striped_blocks, send_blocks, send_pieces, send_staged, send_striped_staged,
+    recv_blocks, recv_staged, recv_striped_blocks, send_blocks, send_pieces, send_staged, send_striped_staged, Crew,
     Destination,
 };
 use tandem_kv::wire::{read_message, write_message, Message};
@@ -271,6 +271,8 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
         }
     }
     let mut further: Vec<KvStream> = further.into_iter().flatten().collect();
+    // The stream threads kept across the transfers, as a connection keeps them.
+    let crew = Crew::kept(further.len() + 1, "bench-kv-recv");
     loop {
         let msg = match read_message(&mut s) {
             Ok(m) => m,
@@ -294,10 +296,9 @@ pub fn serve_peer(listener: TcpListener, cfg: &KvBenchConfig) -> Result<(), KvEr
                         let all = into.slice.layers.clone();
                         let mut all_streams: Vec<&mut KvStream> = vec![&mut s];
                         all_streams.extend(further.iter_mut());
-                        recv_striped_blocks(&mut all_streams, bytes, src_block_size, into, checksum, &mut |run| {
-                            load.landed(run, all.clone())
-                        })
-                        .and_then(|()| load.finish())
+                        let mut landed = |run| load.landed(run, all.clone());
+                        recv_striped_blocks(&mut all_streams, bytes, src_block_size, into, checksum, &mut landed, &crew)
+                            .and_then(|()| load.finish())
                     } else {
                         let mut load = side.memory.receiver()?;
                         let into = Destination::all(region, &blocks, num_tokens);
@@ -394,6 +395,7 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         other => Err(KvError::Protocol(format!("expected WriteAck, got {other:?}"))),
     };
     let (mut kv_rates, mut serial_rates) = (Vec::new(), Vec::new());
+    let crew = Crew::kept(further.len() + 1, "bench-kv-send");
     for i in 0..cfg.repeats {
         let start = Instant::now();
         let pieces = send_pieces(region, &table, tokens)?;
@@ -408,7 +410,7 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         } else {
             let mut streams: Vec<&mut KvStream> = vec![&mut s];
             streams.extend(further.iter_mut());
-            unsafe { send_striped_staged(&mut streams, region, (&pieces, all), cfg.verify, &mut ready)? };
+            unsafe { send_striped_staged(&mut streams, region, (&pieces, all), cfg.verify, &mut ready, &crew)? };
         }
         drop(staged);
         acked(&mut s)?;

@@ -220,7 +220,8 @@ pub struct KvArgs {
     /// of its two engines' counts). One TCP stream carries about 3 GB/s, less than a GPU
     /// prefill produces KV (Qwen3-4B on an H200: 9 GB/s at 1k tokens); eight carried 16 GB/s
     /// on the H200 machine's loopback, and left a 1k prompt's push 3.5 ms after its last layer
-    /// where four left 5.8.
+    /// where four left 5.8. Each stream is a connection, and a thread kept for each way the
+    /// connection's KV goes.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub kv_tcp_streams: u16,
     /// A GPU engine's push over tcp copies each group of layers of a step still computing from

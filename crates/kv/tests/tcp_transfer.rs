@@ -341,8 +341,19 @@ fn bytes_striped_over_several_streams_land_in_order_and_a_bad_stream_is_caught()
 /// as its stripes have landed. Here the sender's second piece becomes ready only once the
 /// receiver has been told of the first, which deadlocks (and fails the bounded waits) if either
 /// end waits for the whole send; a piece that fails stops the send with its error.
+/// Both with threads started per send and receive and with a connection's kept ones (twice:
+/// kept threads that saw a send fail carry the next).
 #[test]
 fn striped_bytes_go_out_as_their_pieces_are_ready_and_are_told_as_they_land() {
+    use tandem_kv::tcp::{Crew, FRESH};
+    striped_pieces_with(&FRESH, &FRESH);
+    let (send, recv) = (Crew::kept(4, "test-send"), Crew::kept(4, "test-recv"));
+    assert!(matches!((&send, &recv), (Crew::Kept(_), Crew::Kept(_))));
+    striped_pieces_with(&send, &recv);
+    striped_pieces_with(&send, &recv);
+}
+
+fn striped_pieces_with(send_crew: &tandem_kv::tcp::Crew, recv_crew: &tandem_kv::tcp::Crew) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{Condvar, Mutex};
     use std::time::Duration;
@@ -379,7 +390,7 @@ fn striped_bytes_go_out_as_their_pieces_are_ready_and_are_told_as_they_land() {
                 ready_upto.store(ends[i], Ordering::SeqCst);
                 Ok(())
             };
-            send_striped_as_ready(&mut out, (&lens, &segment), true, (&ends, &mut ready))
+            send_striped_as_ready(&mut out, (&lens, &segment), true, (&ends, &mut ready), send_crew)
         });
         let mut landed = |i: usize| {
             let (lock, cond) = &told;
@@ -390,7 +401,7 @@ fn striped_bytes_go_out_as_their_pieces_are_ready_and_are_told_as_they_land() {
             Ok(())
         };
         let mut into: Vec<&mut [u8]> = got.chunks_mut(STRIPE_BYTES / 2 + 7).collect();
-        let received = recv_striped_as_landed(&mut inn, &mut into, true, (&ends, &mut landed));
+        let received = recv_striped_as_landed(&mut inn, &mut into, true, (&ends, &mut landed), recv_crew);
         (sender.join().unwrap(), received)
     });
     assert_eq!(sent.unwrap(), data.len() as u64);
@@ -418,7 +429,7 @@ fn striped_bytes_go_out_as_their_pieces_are_ready_and_are_told_as_they_land() {
                     Err(tandem_kv::KvError::Transfer("copying KV to the host copy failed".into()))
                 }
             };
-            let sent = send_striped_as_ready(&mut out, (&lens, &segment), false, (&ends, &mut ready));
+            let sent = send_striped_as_ready(&mut out, (&lens, &segment), false, (&ends, &mut ready), send_crew);
             drop(out);
             sent
         });
@@ -430,7 +441,7 @@ fn striped_bytes_go_out_as_their_pieces_are_ready_and_are_told_as_they_land() {
             Ok(())
         };
         let mut into: Vec<&mut [u8]> = got.chunks_mut(STRIPE_BYTES / 2 + 7).collect();
-        let received = recv_striped_as_landed(&mut inn, &mut into, false, (&ends, &mut landed));
+        let received = recv_striped_as_landed(&mut inn, &mut into, false, (&ends, &mut landed), recv_crew);
         (sender.join().unwrap(), received)
     });
     assert!(matches!(sent, Err(tandem_kv::KvError::Transfer(ref e)) if e.contains("host copy")), "{sent:?}");

@@ -2,14 +2,15 @@
 //! handshake, the transport both ends agreed on, and whether it is still open.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::agent_info::AgentInfo;
 use crate::error::KvError;
 use crate::seal::{JoinKey, Sealer};
 use crate::stream::KvStream;
-use crate::transport::{Announce, Bulk, Transport};
+use crate::transport::stripes::Crew;
+use crate::transport::{Announce, Announced, Bulk, Transport};
 use crate::wire::Message;
 
 pub(crate) struct Conn {
@@ -117,6 +118,10 @@ pub(crate) struct DataStreams {
     /// The read halves and whether the connection is done: never held during I/O.
     state: Mutex<Joined>,
     changed: Condvar,
+    /// The threads that carry a striped send (one at a time: the writers are held through it)
+    /// and a striped receive (one at a time: the connection's reader runs it), kept from the
+    /// first of each for the connection's life.
+    crews: [OnceLock<Crew>; 2],
 }
 
 struct Joined {
@@ -135,7 +140,18 @@ impl DataStreams {
         let slots = || (0..expected).map(|_| None).collect::<Vec<_>>();
         let (cut, changed) = (AtomicBool::new(cut), Condvar::new());
         let state = Mutex::new(Joined { readers: slots(), shut: false });
-        Arc::new(Self { expected, bound, cut, join_key, writers: Mutex::new(slots()), state, changed })
+        let crews = [OnceLock::new(), OnceLock::new()];
+        Arc::new(Self { expected, bound, cut, join_key, writers: Mutex::new(slots()), state, changed, crews })
+    }
+
+    /// The threads of this connection's striped sends.
+    pub(crate) fn send_crew(&self) -> &Crew {
+        self.crews[0].get_or_init(|| Crew::kept(self.count(), "tandem-kv-send"))
+    }
+
+    /// The threads of this connection's striped receives.
+    pub(crate) fn recv_crew(&self) -> &Crew {
+        self.crews[1].get_or_init(|| Crew::kept(self.count(), "tandem-kv-recv"))
     }
 
     /// What a stream joining this connection must prove.
@@ -247,7 +263,7 @@ impl<'a, H: FnMut(Bulk) -> Message> Frames<'a, H> {
 }
 
 impl<H: FnMut(Bulk) -> Message> Announce for Frames<'_, H> {
-    fn announce(&mut self, mut bulk: Bulk) -> Result<Vec<&mut (dyn std::io::Write + Send)>, KvError> {
+    fn announce(&mut self, mut bulk: Bulk) -> Result<Announced<'_>, KvError> {
         // A write of several announcements (groups of layers, each once its step has computed
         // it) lets other frames through between them.
         self.held = None;
@@ -266,7 +282,7 @@ impl<H: FnMut(Bulk) -> Message> Announce for Frames<'_, H> {
         if let Some(writers) = &mut self.data {
             out.extend(writers.iter_mut().flatten().map(|s| s as &mut (dyn std::io::Write + Send)));
         }
-        Ok(out)
+        Ok((out, data.send_crew()))
     }
 }
 
@@ -333,12 +349,12 @@ mod tests {
         // No stream thread, and no wait for the further streams: the push's final write when
         // its parts carried every token costs one frame.
         let at = Instant::now();
-        assert_eq!(frames.announce(bulk(0)).unwrap().len(), 1);
+        assert_eq!(frames.announce(bulk(0)).unwrap().0.len(), 1);
         assert!(at.elapsed() < Duration::from_millis(200), "{:?}", at.elapsed());
         let Message::WriteAck { transfer_id, .. } = read_message(&mut peer).unwrap() else { panic!("not the header") };
         assert_eq!(transfer_id.0, "0 bytes on 1");
         // Bytes are striped over every stream, so they wait for the streams to join.
-        let striped = frames.announce(bulk(4096)).map(|w| w.len());
+        let striped = frames.announce(bulk(4096)).map(|(w, _)| w.len());
         assert!(matches!(&striped, Err(KvError::Transfer(why)) if why.contains("did not all join")), "{striped:?}");
     }
 }

@@ -16,7 +16,7 @@ use crate::events::{ConnectorEvent, TransferTimeline};
 use crate::protocol::push;
 use crate::stream::KvStream;
 use crate::table::{Incoming, Landing, NoWrite, WriteSpan};
-use crate::transport::tcp::drain_striped;
+use crate::transport::tcp::{drain_striped, FRESH};
 use crate::transport::Bulk;
 use crate::wire::{DoneStatus, Message};
 
@@ -131,7 +131,8 @@ fn receive(
     // Safety: these blocks are registered to this transfer; the engine keeps them out of the
     // schedule until the connector reports, and an abort waits for the write to end.
     let bytes = bulk.bytes;
-    let result = unsafe { conn.transport.receive(&mut streams, bulk, &blocks, num_tokens) };
+    let crew = if bulk.streams > 1 { conn.data.recv_crew() } else { &FRESH };
+    let result = unsafe { conn.transport.receive((&mut streams, crew), bulk, &blocks, num_tokens) };
     let used = shared.memory.layout().blocks_for(num_tokens).min(blocks.len());
     let regions = coalesce(&blocks[..used]).len() as u32;
     let mut t = shared.tables();

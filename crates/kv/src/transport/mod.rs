@@ -100,15 +100,19 @@ pub(crate) struct Bulk {
 /// went on first, striped over them all ([`tcp::send_striped`]) when there are several, held
 /// for the caller's completion frame after them.
 pub(crate) trait Announce {
-    /// Writes the announcing frame; the bytes follow on the returned streams.
-    fn announce(&mut self, bulk: Bulk) -> Result<Vec<&mut (dyn Write + Send)>, KvError>;
+    /// Writes the announcing frame; the bytes follow on the returned streams, each (when there
+    /// are several) on a thread of the returned crew.
+    fn announce(&mut self, bulk: Bulk) -> Result<Announced<'_>, KvError>;
 }
+
+/// The streams an announced write's bytes go on, and the threads that carry them.
+pub(crate) type Announced<'a> = (Vec<&'a mut (dyn Write + Send)>, &'a stripes::Crew);
 
 /// For direct transports, which never announce bytes on the side channel.
 pub(crate) struct NoAnnounce;
 
 impl Announce for NoAnnounce {
-    fn announce(&mut self, _: Bulk) -> Result<Vec<&mut (dyn Write + Send)>, KvError> {
+    fn announce(&mut self, _: Bulk) -> Result<Announced<'_>, KvError> {
         Err(KvError::Protocol("a direct transport announced bytes on the side channel".into()))
     }
 }
@@ -173,17 +177,18 @@ pub(crate) trait Transport: Send + Sync {
         out: &mut dyn Announce,
     ) -> Result<(), WriteError>;
 
-    /// Reader, inline: takes the bytes `bulk` announced off `streams` (the one the frame came
-    /// on first; `bulk.streams` of them) into tokens `0..num_tokens` of our blocks `dst` (a GPU
-    /// engine's device cache included, before this returns). `Corrupt` and `Transfer` errors
-    /// leave the streams in step; others do not.
+    /// Reader, inline: takes the bytes `bulk` announced off `streams.0` (the one the frame came
+    /// on first; `bulk.streams` of them, each when there are several on a thread of the crew
+    /// `streams.1`) into tokens `0..num_tokens` of our blocks `dst` (a GPU engine's device cache
+    /// included, before this returns). `Corrupt` and `Transfer` errors leave the streams in
+    /// step; others do not.
     ///
     /// # Safety
     /// The caller owns `dst` exclusively while this runs (a transfer's destination, not yet
     /// reported).
     unsafe fn receive(
         &self,
-        streams: &mut [&mut (dyn Read + Send)],
+        streams: (&mut [&mut (dyn Read + Send)], &stripes::Crew),
         bulk: Bulk,
         dst: &[u32],
         num_tokens: usize,

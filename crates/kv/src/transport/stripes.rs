@@ -1,8 +1,9 @@
 //! Bytes striped over several TCP streams of one connection (`--kv-tcp-streams`): stripe `i`
-//! of a send's bytes, in wire order, goes on stream `i % n`, each stream on a thread of its own,
-//! so a pair's transfer runs at several streams' rate (one loopback stream carries about 3
-//! GB/s, four about 9 on the H200 machine). Only offsets and lengths are shared: the sender's
-//! and receiver's memory layouts are theirs ([`super::tcp`] maps them to wire order).
+//! of a send's bytes, in wire order, goes on stream `i % n`, each stream on a thread of its own
+//! (a connection's [`Crew`], kept from one send to the next), so a pair's transfer runs at
+//! several streams' rate (one loopback stream carries about 3 GB/s, four about 9 on the H200
+//! machine). Only offsets and lengths are shared: the sender's and receiver's memory layouts
+//! are theirs ([`super::tcp`] maps them to wire order).
 //!
 //! A GPU engine's bytes pass through its host copy piece by piece, so both ends work in
 //! pieces: the sender's streams put a piece's bytes on the wire as soon as it has reached the
@@ -26,6 +27,65 @@ pub const STRIPE_BYTES: usize = 1 << 20;
 
 /// How often a thread waiting for another's progress looks again, besides being woken.
 const RECHECK: Duration = Duration::from_secs(1);
+
+/// The threads that carry a striped send's or receive's streams, one a stream.
+pub enum Crew {
+    /// Started for each call and ended with it.
+    Fresh,
+    /// Kept for a connection's life ([`Crew::kept`]): starting a thread a stream for every send
+    /// and every receive cost 0.12 ms a side on a 16-core host (0.28 ms on 2 cores), on every
+    /// group of layers a push writes, the last one included.
+    Kept(rayon::ThreadPool),
+}
+
+/// A crew that starts its threads for each call (tests, benches, a connection whose kept
+/// crew could not start).
+pub static FRESH: Crew = Crew::Fresh;
+
+impl Crew {
+    /// `n` threads kept until the crew drops, named `name-K`; [`Crew::Fresh`] if they cannot
+    /// start.
+    pub fn kept(n: usize, name: &'static str) -> Crew {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).thread_name(move |k| format!("{name}-{k}"));
+        match pool.build() {
+            Ok(pool) => Crew::Kept(pool),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot keep threads for a connection's streams: starting them per send");
+                Crew::Fresh
+            }
+        }
+    }
+
+    /// Runs each of `jobs` on a thread of its own and `main` on this one meanwhile; once all
+    /// have ended, each job's result (`None` where it panicked). A panic in `main` comes out
+    /// here once the jobs have ended (`main` must make them end).
+    fn run<'env, T: Send + 'env, J: FnOnce() -> T + Send + 'env>(
+        &self,
+        jobs: Vec<J>,
+        main: impl FnOnce(),
+    ) -> Vec<Option<T>> {
+        match self {
+            Crew::Fresh => std::thread::scope(|scope| {
+                let running: Vec<_> = jobs.into_iter().map(|job| scope.spawn(job)).collect();
+                main();
+                running.into_iter().map(|job| job.join().ok()).collect()
+            }),
+            Crew::Kept(pool) => {
+                let results: Vec<Mutex<Option<T>>> = jobs.iter().map(|_| Mutex::new(None)).collect();
+                pool.in_place_scope(|scope| {
+                    for (job, result) in jobs.into_iter().zip(&results) {
+                        scope.spawn(move |_| {
+                            let ended = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).ok();
+                            *result.lock().unwrap_or_else(|p| p.into_inner()) = ended;
+                        });
+                    }
+                    main();
+                });
+                results.into_iter().map(|r| r.into_inner().unwrap_or_else(|p| p.into_inner())).collect()
+            }
+        }
+    }
+}
 
 /// The stripe size of `total` bytes over `n` streams: [`STRIPE_BYTES`], or less for a small send.
 pub fn stripe_bytes(total: usize, n: usize) -> usize {
@@ -62,7 +122,7 @@ fn spans_of(lens: &[usize], range: Range<usize>) -> Vec<(usize, Range<usize>)> {
 pub fn send_striped<W: Write + Send>(streams: &mut [W], segments: &[&[u8]], checksum: bool) -> Result<u64, KvError> {
     let lens: Vec<usize> = segments.iter().map(|s| s.len()).collect();
     let total = lens.iter().sum();
-    send_striped_as_ready(streams, (&lens, &|i| segments[i]), checksum, (&[total], &mut |_| Ok(())))
+    send_striped_as_ready(streams, (&lens, &|i| segments[i]), checksum, (&[total], &mut |_| Ok(())), &FRESH)
 }
 
 /// [`send_striped`] of bytes that become ready piece by piece: `pieces.0[i]` is the wire
@@ -71,12 +131,14 @@ pub fn send_striped<W: Write + Send>(streams: &mut [W], segments: &[&[u8]], chec
 /// copy). This thread waits for the pieces in order while the streams send, each stream a
 /// segment's share of a stripe as soon as its piece is ready. The segments are given as their
 /// lengths and a function returning segment `i`'s bytes, called only once they are ready. A
-/// piece that fails stops every stream before its next bytes, and its error is returned.
+/// piece that fails stops every stream before its next bytes, and its error is returned. The
+/// streams' threads are `crew`'s.
 pub fn send_striped_as_ready<'a, W: Write + Send>(
     streams: &mut [W],
     (lens, segment): (&[usize], &(dyn Fn(usize) -> &'a [u8] + Sync)),
     checksum: bool,
     (ends, ready): (&[usize], &mut dyn FnMut(usize) -> Result<(), KvError>),
+    crew: &Crew,
 ) -> Result<u64, KvError> {
     let total: usize = lens.iter().sum();
     if ends.last().is_some_and(|&end| end != total) || ends.windows(2).any(|w| w[0] > w[1]) {
@@ -84,38 +146,38 @@ pub fn send_striped_as_ready<'a, W: Write + Send>(
     }
     let n = streams.len();
     let gate = Gate::new(if ends.is_empty() { total } else { 0 });
-    std::thread::scope(|scope| {
-        let sends: Vec<_> = streams
-            .iter_mut()
-            .enumerate()
-            .map(|(k, w)| {
-                let gate = &gate;
-                scope.spawn(move || -> Result<(), KvError> {
-                    let mut crc = crc32fast::Hasher::new();
-                    for stripe in stripes_of(total, k, n) {
-                        let mut at = stripe.start;
-                        for (seg, within) in spans_of(lens, stripe) {
-                            // A span lies inside one segment, so inside one piece.
-                            at += within.len();
-                            gate.wait_for(at)?;
-                            let data = &segment(seg)[within];
-                            w.write_all(data)?;
-                            if checksum {
-                                crc.update(data);
-                            }
+    let gate = &gate;
+    let sends: Vec<_> = streams
+        .iter_mut()
+        .enumerate()
+        .map(|(k, w)| {
+            move || -> Result<(), KvError> {
+                let mut crc = crc32fast::Hasher::new();
+                for stripe in stripes_of(total, k, n) {
+                    let mut at = stripe.start;
+                    for (seg, within) in spans_of(lens, stripe) {
+                        // A span lies inside one segment, so inside one piece.
+                        at += within.len();
+                        gate.wait_for(at)?;
+                        let data = &segment(seg)[within];
+                        w.write_all(data)?;
+                        if checksum {
+                            crc.update(data);
                         }
                     }
-                    if checksum {
-                        w.write_all(&crc.finalize().to_le_bytes())?;
-                    }
-                    w.flush()?;
-                    Ok(())
-                })
-            })
-            .collect();
+                }
+                if checksum {
+                    w.write_all(&crc.finalize().to_le_bytes())?;
+                }
+                w.flush()?;
+                Ok(())
+            }
+        })
+        .collect();
+    let mut failed = None;
+    let sent = crew.run(sends, || {
         // Shuts the gate if this thread unwinds, so that no stream waits on it for ever.
-        let opener = Opener(&gate);
-        let mut failed = None;
+        let opener = Opener(gate);
         for (i, &end) in ends.iter().enumerate() {
             match ready(i) {
                 Ok(()) => opener.0.open_to(end),
@@ -126,14 +188,13 @@ pub fn send_striped_as_ready<'a, W: Write + Send>(
                 }
             }
         }
-        drop(opener);
-        let panicked = || KvError::Transfer("a stream's sender panicked".into());
-        let sent = sends.into_iter().map(|s| s.join().unwrap_or_else(|_| Err(panicked()))).collect::<Vec<_>>();
-        match failed {
-            Some(e) => Err(e),
-            None => sent.into_iter().collect::<Result<(), _>>(),
-        }
-    })?;
+    });
+    let panicked = || KvError::Transfer("a stream's sender panicked".into());
+    let sent = sent.into_iter().map(|s| s.unwrap_or_else(|| Err(panicked()))).collect::<Vec<_>>();
+    match failed {
+        Some(e) => return Err(e),
+        None => sent.into_iter().collect::<Result<(), _>>()?,
+    }
     Ok(total as u64)
 }
 
@@ -199,19 +260,21 @@ pub fn recv_striped<R: Read + Send>(
     segments: &mut [&mut [u8]],
     checksum: bool,
 ) -> Result<(), KvError> {
-    recv_striped_as_landed(streams, segments, checksum, (&[], &mut |_| Ok(())))
+    recv_striped_as_landed(streams, segments, checksum, (&[], &mut |_| Ok(())), &FRESH)
 }
 
 /// [`recv_striped`], telling `pieces.1(i)` as soon as every byte of piece `i` (wire bytes up to
 /// `pieces.0[i]`, ascending, each at a segment's end) has landed, while the streams read on: a GPU engine queues that
 /// piece's copy into its device cache there. Pieces are told in order, before the checksums
 /// are checked, and not at all past a stream that broke. The first error `pieces.1` returns
-/// stops the telling, and is returned once every stream has been read.
+/// stops the telling, and is returned once every stream has been read. The streams' threads
+/// are `crew`'s.
 pub fn recv_striped_as_landed<R: Read + Send>(
     streams: &mut [R],
     segments: &mut [&mut [u8]],
     checksum: bool,
     (ends, landed): (&[usize], &mut dyn FnMut(usize) -> Result<(), KvError>),
+    crew: &Crew,
 ) -> Result<(), KvError> {
     let lens: Vec<usize> = segments.iter().map(|s| s.len()).collect();
     let total: usize = lens.iter().sum();
@@ -220,44 +283,45 @@ pub fn recv_striped_as_landed<R: Read + Send>(
     let progress = Progress::new(n, stripe, total);
     // Each stream's thread writes only its own stripes: disjoint ranges of the segments.
     let bases: Vec<SendPtr> = segments.iter_mut().map(|s| SendPtr(s.as_mut_ptr())).collect();
-    std::thread::scope(|scope| {
-        let reads: Vec<_> = streams
-            .iter_mut()
-            .enumerate()
-            .map(|(k, r)| {
-                let (lens, bases, progress) = (&lens, &bases, &progress);
-                scope.spawn(move || -> Result<(), KvError> {
-                    // Counts this stream out however it ends, a panic too.
-                    let _ended = Ended(progress);
-                    let mut crc = crc32fast::Hasher::new();
-                    for range in stripes_of(total, k, n) {
-                        let mut at = range.start;
-                        for (seg, within) in spans_of(lens, range.clone()) {
-                            at += within.len();
-                            // Safety: `within` lies inside segment `seg` (spans_of cuts it to
-                            // the segment's length), the segments are borrowed mutably for the
-                            // whole scope, and no two streams' stripes overlap, so this slice
-                            // is written by this thread alone.
-                            let dst =
-                                unsafe { std::slice::from_raw_parts_mut(bases[seg].0.add(within.start), within.len()) };
-                            r.read_exact(dst).inspect_err(|_| progress.broken())?;
-                            if checksum {
-                                crc.update(dst);
-                            }
-                            // Past a stripe's end, the stream's next byte is its next stripe's.
-                            let next = if at == range.end { (range.start + n * stripe).min(total) } else { at };
-                            progress.read_to(k, next);
+    let (lens, bases, progress) = (&lens, &bases, &progress);
+    let reads: Vec<_> = streams
+        .iter_mut()
+        .enumerate()
+        .map(|(k, r)| {
+            move || -> Result<(), KvError> {
+                // Counts this stream out however it ends, a panic too.
+                let _ended = Ended(progress);
+                let mut crc = crc32fast::Hasher::new();
+                for range in stripes_of(total, k, n) {
+                    let mut at = range.start;
+                    for (seg, within) in spans_of(lens, range.clone()) {
+                        at += within.len();
+                        // Safety: `within` lies inside segment `seg` (spans_of cuts it to the
+                        // segment's length), the segments are borrowed mutably until every
+                        // stream has ended, and no two streams' stripes overlap, so this slice
+                        // is written by this thread alone.
+                        let dst =
+                            unsafe { std::slice::from_raw_parts_mut(bases[seg].0.add(within.start), within.len()) };
+                        r.read_exact(dst).inspect_err(|_| progress.broken())?;
+                        if checksum {
+                            crc.update(dst);
                         }
+                        // Past a stripe's end, the stream's next byte is its next stripe's.
+                        let next = if at == range.end { (range.start + n * stripe).min(total) } else { at };
+                        progress.read_to(k, next);
                     }
-                    if checksum {
-                        check_crc(r, crc, &format!("the bytes received on stream {k}"))?;
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        // Tell each piece as the stripes over it land, until every stream has ended.
-        let (mut told, mut refused, mut seen) = (0, None, 0);
+                }
+                if checksum {
+                    check_crc(r, crc, &format!("the bytes received on stream {k}"))?;
+                }
+                Ok(())
+            }
+        })
+        .collect();
+    // Tell each piece as the stripes over it land, until every stream has ended.
+    let mut refused = None;
+    let read = crew.run(reads, || {
+        let (mut told, mut seen) = (0, 0);
         loop {
             let (landed_bytes, ended) = progress.wait_change(&mut seen, total);
             while refused.is_none() && told < ends.len() && ends[told] <= landed_bytes {
@@ -268,16 +332,15 @@ pub fn recv_striped_as_landed<R: Read + Send>(
                 break;
             }
         }
-        let panicked = || KvError::Transfer("a stream's receiver panicked".into());
-        let errors: Vec<KvError> =
-            reads.into_iter().filter_map(|r| r.join().unwrap_or_else(|_| Err(panicked())).err()).collect();
-        // A broken stream first (the connection is done), then a corrupt one (still in step).
-        let (corrupt, broken): (Vec<_>, Vec<_>) = errors.into_iter().partition(|e| matches!(e, KvError::Corrupt(_)));
-        match broken.into_iter().chain(corrupt).chain(refused).next() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    })
+    });
+    let panicked = || KvError::Transfer("a stream's receiver panicked".into());
+    let errors: Vec<KvError> = read.into_iter().filter_map(|r| r.unwrap_or_else(|| Err(panicked())).err()).collect();
+    // A broken stream first (the connection is done), then a corrupt one (still in step).
+    let (corrupt, broken): (Vec<_>, Vec<_>) = errors.into_iter().partition(|e| matches!(e, KvError::Corrupt(_)));
+    match broken.into_iter().chain(corrupt).chain(refused).next() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// How far a striped receive's streams have read, for the thread that tells the pieces.

@@ -25,7 +25,8 @@ use tandem_compute::cuda::{KvFence, KvFences};
 use tandem_core::TransferId;
 
 pub use super::stripes::{
-    recv_striped, recv_striped_as_landed, send_striped, send_striped_as_ready, stripe_bytes, stripes_of, STRIPE_BYTES,
+    recv_striped, recv_striped_as_landed, send_striped, send_striped_as_ready, stripe_bytes, stripes_of, Crew, FRESH,
+    STRIPE_BYTES,
 };
 use super::{Announce, Bulk, Ours, Runs, Transport, WriteError};
 use crate::blocks::{coalesce, scatter_tokens, BlockRun, KvSlice};
@@ -397,7 +398,8 @@ impl Tcp {
         let bytes = slice.wire_bytes(layout, region.dtype(), num_tokens);
         let bulk =
             Bulk { src_block_size: layout.block_size, bytes, checksum, slice: slice.clone(), rank, ranks, streams: 1 };
-        let mut announced = out.announce(bulk)?.into_iter();
+        let (announced, crew) = out.announce(bulk)?;
+        let mut announced = announced.into_iter();
         let Some(first) = announced.next() else { return Err(WriteError::Failed("no stream to send on".into())) };
         // The injected corruption flips the first byte on the first stream; else it passes.
         let mut first = FlipFirstBit { inner: first, flipped: !self.ours.faults.corrupt_sends };
@@ -406,7 +408,7 @@ impl Tcp {
         match &mut streams[..] {
             // Safety (both): passed on from the caller.
             [w] => unsafe { send_staged(w, region, (pieces, slice), num_tokens, checksum, ready)? },
-            several => unsafe { send_striped_staged(several, region, (pieces, slice), checksum, ready)? },
+            several => unsafe { send_striped_staged(several, region, (pieces, slice), checksum, ready, crew)? },
         };
         Ok(())
     }
@@ -516,7 +518,7 @@ impl Transport for Tcp {
 
     unsafe fn receive(
         &self,
-        streams: &mut [&mut (dyn Read + Send)],
+        (streams, crew): (&mut [&mut (dyn Read + Send)], &Crew),
         bulk: Bulk,
         dst: &[u32],
         num_tokens: usize,
@@ -545,7 +547,7 @@ impl Transport for Tcp {
         match streams {
             // Safety (both): as above.
             [stream] => unsafe { recv_staged(stream, bytes, from, into, checksum, &mut landed)? },
-            several => unsafe { recv_striped_blocks(several, bytes, from, into, checksum, &mut landed)? },
+            several => unsafe { recv_striped_blocks(several, bytes, from, into, checksum, &mut landed, crew)? },
         }
         let landed = match failed {
             Some(e) => Err(e),
@@ -628,10 +630,10 @@ fn piece_ends(region: &KvRegion, pieces: &[BlockRun], slice: &KvSlice) -> Result
         .collect())
 }
 
-/// [`send_staged`] striped over `streams` ([`send_striped_as_ready`]): the slice `what.1` of
-/// `what.0`'s pieces goes out over all the streams, each stripe as soon as the pieces under it
-/// are `ready` (a GPU engine's copies to its host copy, waited for in order here while the
-/// streams send). Returns the data bytes sent.
+/// [`send_staged`] striped over `streams` ([`send_striped_as_ready`], on `crew`'s threads):
+/// the slice `what.1` of `what.0`'s pieces goes out over all the streams, each stream's share
+/// of a piece as soon as that piece is `ready` (a GPU engine's copy to its host copy, waited
+/// for in order here while the streams send). Returns the data bytes sent.
 ///
 /// # Safety
 /// As [`send_blocks`], for the pieces' blocks.
@@ -641,6 +643,7 @@ pub unsafe fn send_striped_staged<W: Write + Send>(
     what: (&[BlockRun], KvSlice),
     checksum: bool,
     ready: &mut dyn FnMut(usize) -> Result<(), KvError>,
+    crew: &Crew,
 ) -> Result<u64, KvError> {
     let (pieces, slice) = what;
     let spans = wire_spans(region, pieces, &slice)?;
@@ -653,13 +656,13 @@ pub unsafe fn send_striped_staged<W: Write + Send>(
         let bytes = unsafe { region.bytes(run.start as usize, run.len as usize) };
         &bytes[within.clone()]
     };
-    send_striped_as_ready(streams, (&lens, &segment), checksum, (&ends, ready))
+    send_striped_as_ready(streams, (&lens, &segment), checksum, (&ends, ready), crew)
 }
 
-/// [`recv_staged`] of bytes striped over `streams`: straight into the destination blocks when
-/// both sides use the same block size, `landed` hearing of each piece of the destination as
-/// soon as its bytes are in (while the streams read on); else through one staging buffer,
-/// `landed` hearing of every piece once all the bytes are in.
+/// [`recv_staged`] of bytes striped over `streams` (on `crew`'s threads): straight into the
+/// destination blocks when both sides use the same block size, `landed` hearing of each piece
+/// of the destination as soon as its bytes are in (while the streams read on); else through one
+/// staging buffer, `landed` hearing of every piece once all the bytes are in.
 ///
 /// # Safety
 /// As [`recv_blocks`].
@@ -670,6 +673,7 @@ pub unsafe fn recv_striped_blocks<R: Read + Send>(
     into: Destination<'_>,
     checksum: bool,
     landed: &mut dyn FnMut(BlockRun) -> Result<(), KvError>,
+    crew: &Crew,
 ) -> Result<(), KvError> {
     let Destination { region, blocks: dst_blocks, num_tokens, slice } = into;
     let (dl, needed) = check_destination(region, bytes, src_block_size, dst_blocks, num_tokens, &slice)?;
@@ -690,10 +694,11 @@ pub unsafe fn recv_striped_blocks<R: Read + Send>(
             }
         }
         let ends = piece_ends(region, &dst_pieces, &slice)?;
-        return recv_striped_as_landed(streams, &mut segments, checksum, (&ends, &mut |i| landed(dst_pieces[i])));
+        let mut tell = |i: usize| landed(dst_pieces[i]);
+        return recv_striped_as_landed(streams, &mut segments, checksum, (&ends, &mut tell), crew);
     }
     let mut staging = vec![0u8; bytes as usize];
-    recv_striped(streams, &mut [&mut staging[..]], checksum)?;
+    recv_striped_as_landed(streams, &mut [&mut staging[..]], checksum, (&[], &mut |_| Ok(())), crew)?;
     // Safety: the caller owns the destination blocks exclusively.
     unsafe { scatter_tokens(&staging, src_block_size, region, dst_blocks, num_tokens, &slice) };
     dst_pieces.into_iter().try_for_each(landed)

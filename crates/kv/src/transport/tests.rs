@@ -12,8 +12,9 @@ use tandem_compute::kv_digest::kv_digest_host;
 use tandem_compute::{KvCache, KvLayout, KvRegion};
 
 use super::local::{self, Local};
+use super::stripes::FRESH;
 use super::tcp::Tcp;
-use super::{Announce, Bulk, NoAnnounce, Ours, Runs, Transport, WriteError};
+use super::{Announce, Announced, Bulk, NoAnnounce, Ours, Runs, Transport, WriteError};
 use crate::blocks::KvSlice;
 use crate::channel::Timeouts;
 use crate::config::FaultInjection;
@@ -61,7 +62,7 @@ const WORDS: usize = 9;
 const HEADER: usize = WORDS * 8 + 1;
 
 impl Announce for ToSocket<'_> {
-    fn announce(&mut self, bulk: Bulk) -> Result<Vec<&mut (dyn std::io::Write + Send)>, KvError> {
+    fn announce(&mut self, bulk: Bulk) -> Result<Announced<'_>, KvError> {
         use std::io::Write;
         let mut header = [0u8; HEADER];
         let (layers, heads) = (&bulk.slice.layers, &bulk.slice.heads);
@@ -81,7 +82,7 @@ impl Announce for ToSocket<'_> {
         }
         header[WORDS * 8] = bulk.checksum as u8;
         self.0[0].write_all(&header)?;
-        Ok(self.0.iter_mut().map(|s| s as &mut (dyn Write + Send)).collect())
+        Ok((self.0.iter_mut().map(|s| s as &mut (dyn Write + Send)).collect(), &FRESH))
     }
 }
 
@@ -127,7 +128,7 @@ fn over_tcp(
         let bulk = read_announcement(&mut inn[0]);
         assert_eq!(bulk.streams, n);
         // Safety: the test owns every block of the reader's cache.
-        unsafe { reader.receive(&mut readers(&mut inn), bulk, &dst_blocks, tokens) }
+        unsafe { reader.receive((&mut readers(&mut inn), &FRESH), bulk, &dst_blocks, tokens) }
     });
     let writer = Tcp::new(ours(&src, verify, faults));
     let runs = Runs::whole(&src_table, &dst_table, tokens);
@@ -178,7 +179,7 @@ fn tcp_sends_a_computing_step_group_by_group_as_its_fences_are_set() {
             let bulk = read_announcement(&mut inn[0]);
             assert_eq!(bulk.slice.layers, layer..layer + 1);
             // Safety: the test owns every block of the reader's cache.
-            unsafe { reader.receive(&mut readers(&mut inn), bulk, &dst_table, tokens) }.unwrap();
+            unsafe { reader.receive((&mut readers(&mut inn), &FRESH), bulk, &dst_table, tokens) }.unwrap();
         }
         written.join().unwrap().unwrap();
         assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "{n} streams, {stage_ahead}");
@@ -207,7 +208,7 @@ fn tcp_sends_a_computing_step_group_by_group_as_its_fences_are_set() {
             second.signal();
         }
         // Safety: the test owns every block of the reader's cache.
-        unsafe { reader.receive(&mut readers(&mut inn), bulk, &dst_table, tokens) }.unwrap();
+        unsafe { reader.receive((&mut readers(&mut inn), &FRESH), bulk, &dst_table, tokens) }.unwrap();
     }
     written.join().unwrap().unwrap();
     assert_eq!(digest(&src, &src_table, tokens), digest(&dst, &dst_table, tokens), "merged groups");
@@ -262,7 +263,7 @@ fn tcp_writes_each_ranks_heads_of_each_group_as_a_write_of_its_own() {
             assert_eq!((bulk.slice.layers.clone(), bulk.slice.heads.clone()), (layer..layer + 1, rank..rank + 1));
             assert_eq!((bulk.rank, bulk.ranks), (rank, 2));
             // Safety: the test owns every block of the reader's cache.
-            unsafe { reader.receive(&mut readers(&mut inn), bulk, &dst_table, tokens) }.unwrap();
+            unsafe { reader.receive((&mut readers(&mut inn), &FRESH), bulk, &dst_table, tokens) }.unwrap();
             if (layer, rank) == (0, 0) {
                 assert_eq!(head1(&dst, &dst_table, to), 0.0, "rank 1's heads before rank 1 wrote them");
             }
