@@ -9,11 +9,11 @@ folder:
   done             decode's last write ended -> prefill's `Done` made it ready (connector)
   apply            the connector's `Ready` -> the engine applied it (a step in flight finishing)
 
-With --log SWEEP_LOG (a sweep run with `--engine-log warn,tandem_kv=debug`), also each layer
-group's way from its fence to decode, per point, in ms from the hand-over (median over the
-point's transfers): computed (prefill's writer saw the group's fence), sent (its bytes all in
+With --log SWEEP_LOG (a sweep run with `--engine-log warn,tandem_kv=debug`), also each write's
+way from its fence to decode for the point's median transfer, in ms from the hand-over:
+computed (prefill's writer saw the group's fence and queued its copies), sent (its bytes all in
 prefill's sockets), announced and landed (decode began reading it; its bytes are in the device
-cache). A group merged with the next one shows as their union.
+cache). Groups merged into one write show as their union.
 
 usage: push_tail.py RESULT_DIR [--log SWEEP_LOG]
 """
@@ -52,41 +52,59 @@ def main(result_dir):
 
 
 def groups(log):
-    """Per sweep point (in the log's order), each transfer's events: {(event, layers): seconds}."""
-    points, transfers = [], defaultdict(dict)
+    """Per sweep point (in the log's order), each transfer's events in order: [(event, layers, s)]."""
+    points, transfers = [], defaultdict(list)
     for line in open(log, errors="replace"):
         m = PROGRESS.match(line)
         if m:
             points.append((f"qps{m[1]}_in{m[2]}", transfers))
-            transfers = defaultdict(dict)
+            transfers = defaultdict(list)
             continue
         m = LINE.match(line)
-        if not m:
-            continue
-        t = datetime.fromisoformat(m[2]).timestamp()
-        event = m[3].replace("KV group ", "")
-        transfers[TRANSFER.search(line)[1]].setdefault((event, m[4]), t)
+        if m:
+            t = datetime.fromisoformat(m[2]).timestamp()
+            transfers[TRANSFER.search(line)[1]].append((m[3].replace("KV group ", ""), m[4], t))
     return points
 
 
+def writes(events):
+    """A transfer's writes in order, each {event: ms from the hand-over} with its layers: the
+    n-th computed, sent, announced and landed are the n-th write's (both ends go in order)."""
+    handover = next((t for e, _, t in events if e == "KV handed over"), None)
+    if handover is None:
+        return None
+    by_event = defaultdict(list)
+    for e, layers, t in events:
+        if layers is not None:
+            by_event[e].append((layers, (t - handover) * 1000))
+    n = max((len(v) for v in by_event.values()), default=0)
+    rows = []
+    for i in range(n):
+        row = {e: v[i][1] for e, v in by_event.items() if i < len(v)}
+        row["layers"] = next(v[i][0] for v in by_event.values() if i < len(v))
+        rows.append(row)
+    return rows
+
+
 def main_log(log):
+    """Each point's transfers by when their last write landed, and the median one write by write."""
     order = ["computed", "sent", "announced", "landed"]
     for point, transfers in groups(log):
-        rel = defaultdict(list)
-        for events in transfers.values():
-            handover = events.get(("KV handed over", None))
-            if handover is None:
-                continue
-            for (event, layers), t in events.items():
-                if layers is not None:
-                    rel[layers, event].append((t - handover) * 1000)
-        layer_sets = sorted({l for l, _ in rel}, key=lambda l: [int(x) for x in l.split("..")])
-        print(f"\n{point}: {len(transfers)} transfers, ms from the hand-over (median)")
-        print(f"{'layers':>8} {'n':>3} " + " ".join(f"{e:>9}" for e in order))
-        for l in layer_sets:
-            n = max(len(rel[l, e]) for e in order)
-            cells = [f"{statistics.median(rel[l, e]):>9.2f}" if rel[l, e] else f"{'':>9}" for e in order]
-            print(f"{l:>8} {n:>3} " + " ".join(cells))
+        done = []
+        for tid, events in transfers.items():
+            rows = writes(events)
+            if rows:
+                done.append((max(r.get("landed", float("-inf")) for r in rows), tid, rows))
+        if not done:
+            continue
+        done.sort()
+        print(f"\n{point}: last write landed, ms after the hand-over, per transfer: "
+              + " ".join(f"{d:.1f}" for d, _, _ in done))
+        last, tid, rows = done[len(done) // 2]
+        print(f"the median ({tid}), write by write:")
+        print(f"{'layers':>8} " + " ".join(f"{e:>9}" for e in order))
+        for r in rows:
+            print(f"{r['layers']:>8} " + " ".join(f"{r[e]:>9.2f}" if e in r else f"{'':>9}" for e in order))
 
 
 if __name__ == "__main__":
