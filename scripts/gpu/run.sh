@@ -34,7 +34,8 @@
 #   (SKIP_TCP=1 leaves those out);
 #   tcp: `tandem bench kv --transport tcp --device cuda:0` (TCP_SIZES, each over TCP_STREAMS streams,
 #   default "1 4"; TCP_TLS=1 over TLS, and on host memory too, TCP_TLS_PIPES="on off" with the
-#   connections' TLS threads and without) and on host memory; sweep: `tandem bench sweep
+#   connections' TLS threads and without; TCP_SPLIT=1 each end on half the cores, as two hosts,
+#   `--split-cpus`) and on host memory; sweep: `tandem bench sweep
 #   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
 #   SWEEP_QPS narrow it, SWEEP_PROMPTS sets the requests a point (16); SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU;
 #   SWEEP_KV_BLOCKS each engine's cache blocks (4096); SWEEP_MPS=1 under CUDA MPS; SWEEP_ENGINE_ARGS adds
@@ -436,6 +437,7 @@ tcp_bench() {  # [EXE [TAG]] as kv_bench; TCP_STREAMS (default "1 4"): streams, 
       # One stream passes no flag, so that a build from before --tcp-streams runs too.
       local tag=${size}_s$n$suffix streams=(); [ "$n" = 1 ] || streams=(--tcp-streams "$n")
       [ -z "${TCP_TLS:-}" ] || { streams+=(--tls); tag=${tag}_tls; }
+      [ -z "${TCP_SPLIT:-}" ] || { streams+=(--split-cpus); tag=${tag}_split; }
       timeout 120 "$exe" bench kv --transport tcp --device cuda:0 --size "$size" "${streams[@]}" \
         --json-out "$OUT/bench_kv_tcp_gpu_$tag.json" > "$OUT/bench_kv_tcp_gpu_$tag.log" 2>&1 \
         || { note "bench kv tcp --device cuda:0 --size $size, $n streams${2:+ ($2)} failed"; tail -5 "$OUT/bench_kv_tcp_gpu_$tag.log"; status=1; }
@@ -447,7 +449,8 @@ tcp_bench() {  # [EXE [TAG]] as kv_bench; TCP_STREAMS (default "1 4"): streams, 
   for n in ${TCP_TLS:+${TCP_STREAMS:-1 4}}; do
     for pipes in ${TCP_TLS_PIPES:-auto}; do
       local log=$OUT/bench_kv_tls_host_s${n}_$pipes$suffix.log
-      timeout 120 "$exe" bench kv --transport tcp --size 256MiB --tls --tls-pipes "$pipes" --tcp-streams "$n" > "$log" 2>&1 \
+      timeout 120 "$exe" bench kv --transport tcp --size 256MiB --tls --tls-pipes "$pipes" --tcp-streams "$n" \
+        ${TCP_SPLIT:+--split-cpus} > "$log" 2>&1 \
         || { note "bench kv tcp --tls (host memory, $n streams, pipes $pipes) failed"; status=1; }
       while read -r line; do note "tls host s$n pipes $pipes: $line"; done < <(grep -v '^\.\.\.' "$log")
     done

@@ -61,9 +61,51 @@ pub struct BenchKvArgs {
     /// The peer process: where the driver wrote the run's TLS material.
     #[arg(long, hide = true)]
     pub tls_dir: Option<PathBuf>,
+    /// tcp: this process on the first half of the CPUs it may use and the peer on the other
+    /// half (through `taskset`), as two hosts would each have their own cores: on one host both
+    /// ends' copies (and with --tls both ends' ciphers) otherwise share them.
+    #[arg(long)]
+    pub split_cpus: bool,
     /// Write the report as JSON here too.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
+}
+
+/// The CPUs this process may run on (Linux: `Cpus_allowed_list` of /proc/self/status).
+fn allowed_cpus() -> Result<Vec<usize>> {
+    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .context("/proc/self/status has no Cpus_allowed_list")?;
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        let (lo, hi): (usize, usize) = (lo.parse()?, hi.parse()?);
+        cpus.extend(lo..=hi);
+    }
+    Ok(cpus)
+}
+
+/// `--split-cpus`: moves this process (every thread, and what it starts later) onto the first
+/// half of its CPUs; returns the other half, as `taskset -c` takes it, for the peer.
+fn split_cpus() -> Result<String> {
+    let cpus = allowed_cpus()?;
+    if cpus.len() < 2 {
+        bail!("--split-cpus needs at least 2 CPUs; this process may use {}", cpus.len());
+    }
+    let list = |c: &[usize]| c.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    let (ours, theirs) = cpus.split_at(cpus.len() / 2);
+    let pinned = std::process::Command::new("taskset")
+        .args(["-a", "-p", "-c", &list(ours), &std::process::id().to_string()])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .context("running taskset (util-linux) for --split-cpus")?;
+    if !pinned.success() {
+        bail!("taskset could not pin this process to CPUs {} ({pinned})", list(ours));
+    }
+    eprintln!("... this process on CPUs {}, the peer on {} (--split-cpus)", list(ours), list(theirs));
+    Ok(list(theirs))
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,6 +171,9 @@ fn kv_bench_config(a: &BenchKvArgs) -> Result<tandem_bench::kv::KvBenchConfig> {
 /// waits for the peer to exit.
 pub(crate) fn bench_kv(a: BenchKvArgs) -> Result<()> {
     use std::io::BufRead;
+    if a.split_cpus && a.transport != BenchKvTransport::Tcp {
+        bail!("--split-cpus is for --transport tcp (the other transports' copies are the devices' or UCX's)");
+    }
     if a.transport == BenchKvTransport::CudaIpc {
         return bench_kv_cuda_ipc(a);
     }
@@ -143,7 +188,15 @@ pub(crate) fn bench_kv(a: BenchKvArgs) -> Result<()> {
     }
     let cfg = kv_bench_config(&a)?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
-    let mut child = std::process::Command::new(exe)
+    let mut peer = match a.split_cpus {
+        true => {
+            let mut c = std::process::Command::new("taskset");
+            c.args(["-c", &split_cpus()?]).arg(exe);
+            c
+        }
+        false => std::process::Command::new(exe),
+    };
+    let mut child = peer
         .args(["--log", "warn", "bench", "kv-peer", "--size", &a.size, "--repeats", &a.repeats.to_string()])
         .args(["--tcp-streams", &a.tcp_streams.to_string()])
         .args(a.tls_dir.iter().flat_map(|d| ["--tls-dir".into(), d.display().to_string()]))
