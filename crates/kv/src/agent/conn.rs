@@ -9,7 +9,7 @@ use crate::agent_info::AgentInfo;
 use crate::error::KvError;
 use crate::seal::{JoinKey, Sealer};
 use crate::stream::KvStream;
-use crate::transport::stripes::Crew;
+use crate::transport::stripes::{Crew, FRESH};
 use crate::transport::{Announce, Announced, Bulk, Transport};
 use crate::wire::Message;
 
@@ -282,7 +282,8 @@ impl<H: FnMut(Bulk) -> Message> Announce for Frames<'_, H> {
         if let Some(writers) = &mut self.data {
             out.extend(writers.iter_mut().flatten().map(|s| s as &mut (dyn std::io::Write + Send)));
         }
-        Ok((out, data.send_crew()))
+        // A connection that never stripes (one stream, or nothing to send) keeps no threads.
+        Ok((out, if striped { data.send_crew() } else { &FRESH }))
     }
 }
 

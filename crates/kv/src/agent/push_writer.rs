@@ -139,9 +139,10 @@ pub(crate) fn notify(reg: Reg, msg: Message) {
 
 fn spawn_whole(shared: &Arc<Shared>, tid: TransferId, reg: Reg, produced: Produced, taken: Instant) {
     let s = shared.clone();
-    let spawned = std::thread::Builder::new()
-        .name("tandem-kv-push".into())
-        .spawn(move || write_whole(&s, tid, reg, produced, 0, None, (taken, std::time::Duration::ZERO)));
+    let spawned = std::thread::Builder::new().name("tandem-kv-push".into()).spawn(move || {
+        let _span = tracing::debug_span!("kv_push", transfer_id = %tid).entered();
+        write_whole(&s, tid, reg, produced, 0, None, (taken, std::time::Duration::ZERO))
+    });
     if let Err(e) = spawned {
         tracing::error!(error = %e, "cannot start a KV push thread");
     }
@@ -251,7 +252,6 @@ fn write_whole(
     failed: Option<String>,
     (taken, backlog): (Instant, std::time::Duration),
 ) {
-    let _span = tracing::debug_span!("kv_push", transfer_id = %tid).entered();
     let Produced { held, blocks, num_tokens, first_token, produced_unix_us, .. } = produced;
     let layout = s.memory.layout();
     let transport = &reg.conn.transport;
