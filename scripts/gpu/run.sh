@@ -48,9 +48,12 @@
 #   pd: only disaggregated serving on the GPU (scripts/gpu/pd_check.py; also part of every mode
 #   that runs the tests);
 #   invariant: --batch-invariant's kernel and engine tests, P/D with it (SKIP_PD=1 leaves that
-#   out), and bench engine with and without it (SKIP_BENCH=1 leaves that out); invariant-serve: bench serve with and without
+#   out), and bench engine with and without it (SKIP_BENCH=1 leaves that out; INV_BENCH names
+#   the settings, e.g. "default --batch-invariant wgmma"); invariant-serve: bench serve with and without
 #   it, then the GPU soak with it (SOAK_SECS per mode, default 60; ENGINE_TEST=1 runs the
 #   engine's batch-invariance test first);
+#   serve-long: colocated TTFT of 16k-token prompts at 1 req/s, the Hopper prefill attention against
+#   the mma.sync one (SERVE_IN, SERVE_PROMPTS, SERVE_RATE, SERVE_OUT; issue 50);
 #   soak "label:ARG ..." ...: the GPU soak (push; SOAK_MODES, SOAK_SECS) under each set of `bench soak`
 #   arguments, with the engines' warnings in $OUT/soak_LABEL.log;
 #   faults [LABEL ...]: issue 28's faults 1-4 and corruption on the GPU path, one soak each (push and
@@ -297,22 +300,24 @@ if [ "$MODE" = invariant ]; then
   if [ -z "${SKIP_PD:-}" ]; then
     PD_BATCH_INVARIANT=1 PD_SETTINGS=cuda-ipc_16 PD_LONG=2000 pd_check
   fi
-  # Then the o and down products cut into K slices of at most 1280 and 2560 columns
-  # (--cuda-tune invariant_slice_cols), at the short context, on skinny kernels of 8 and of 2
-  # stages (more blocks an SM).
-  for flag in default --batch-invariant slices1280 slices2560 slices1280s2 slices2560s2; do
+  # Then (INV_BENCH, default all of these) wgmma: the invariant build with its attention on
+  # Hopper's warpgroup MMAs (invariant_wgmma=1); the o and down products cut into K
+  # slices of at most 1280 and 2560 columns (--cuda-tune invariant_slice_cols), at the short
+  # context, on skinny kernels of 8 and of 2 stages (more blocks an SM).
+  for flag in ${INV_BENCH:-default --batch-invariant wgmma slices1280 slices2560 slices1280s2 slices2560s2}; do
     [ -n "${SKIP_BENCH:-}" ] && break
     for ctx in 16 1024; do
       args=()
       case $flag in
         --batch-invariant) args=("$flag") ;;
+        wgmma) args=(--batch-invariant --cuda-tune=invariant_wgmma=1) ;;
         slices*s2) [ "$ctx" = 16 ] || continue; cols=${flag#slices}
           args=(--batch-invariant "--cuda-tune=invariant_slice_cols=${cols%s2}" --cuda-tune=skinny_stages=2) ;;
         slices*) [ "$ctx" = 16 ] || continue
           args=(--batch-invariant "--cuda-tune=invariant_slice_cols=${flag#slices}") ;;
       esac
-      # Where the invariant step's time goes (per op), at the longer context.
-      [ "$flag" != default ] && [ "$ctx" = 1024 ] && args+=(--profile)
+      # Where each step's time goes (per op).
+      args+=(--profile)
       log="$OUT/inv_bench_${flag#--}_$ctx.log"
       timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 --decode-steps 32 \
         --decode-prompt-tokens "$ctx" --prefill-tokens 4096 "${args[@]}" > "$log" 2>&1 \
@@ -320,6 +325,46 @@ if [ "$MODE" = invariant ]; then
         || { note "bench engine $flag context $ctx failed"; tail -8 "$log" >> "$OUT/summary.txt"; status=1; }
     done
   done
+  cat "$OUT/summary.txt"; exit $status
+fi
+# One `tandem serve` on preset:qwen3-4b (cuda:0) with the further arguments, then `tandem bench
+# serve` against it: SERVE_PROMPTS (200) prompts of SERVE_IN (1024) random tokens at SERVE_RATE
+# (8) req/s, SERVE_OUT (128) out; a line of its medians in the summary.
+serve_bench() {  # label, then serve arguments
+  local label=$1; shift
+  local prompts=${SERVE_PROMPTS:-200} rate=${SERVE_RATE:-8} len=${SERVE_IN:-1024} out=${SERVE_OUT:-128}
+  "$BIN/tandem" serve --device cuda:0 --model preset:qwen3-4b --port 18500 \
+    --max-model-len "$(( len + out > 4096 ? len + out : 4096 ))" "$@" > "$OUT/serve_$label.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 240); do
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:18500/health', timeout=1)" \
+      2>/dev/null && break
+    sleep 0.5
+  done
+  timeout 240 "$BIN/tandem" bench serve --base-url http://127.0.0.1:18500 --num-prompts "$prompts" \
+    --request-rate "$rate" --random-input-len "$len" --random-output-len "$out" --seed 1 --no-progress \
+    --save-result --result-dir "$OUT" --result-filename "serve_$label.json" > "$OUT/bench_serve_$label.log" 2>&1 \
+    || { note "bench serve $label failed"; tail -5 "$OUT/bench_serve_$label.log" >> "$OUT/summary.txt"; status=1; }
+  kill "$pid"; wait "$pid" 2>/dev/null
+  python3 - "$OUT/serve_$label.json" "$label" "$prompts" "$len" "$rate" "$out" >> "$OUT/summary.txt" <<'PY'
+import json, sys
+label, prompts, length, rate, out = sys.argv[2:]
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"== serve {label}: no result ({e})"); sys.exit(0)
+print(f"== serve {label}: {prompts} prompts of {length} tokens at {rate} req/s, {out} out: TTFT median "
+      f"{r['median_ttft_ms']:.1f} p99 {r['p99_ttft_ms']:.1f} ms, TPOT median {r['median_tpot_ms']:.2f} p99 "
+      f"{r['p99_tpot_ms']:.2f} ms, E2EL median {r['median_e2el_ms']:.0f} ms, output {r['output_throughput']:.0f} tok/s")
+PY
+}
+# Issue 50's end-to-end row: colocated TTFT of long prompts (SERVE_IN, default 16384; 16 at 1
+# req/s, 64 out) with the Hopper prefill attention (the default) and with the mma.sync kernel
+# of other GPUs (--cuda-tune wgmma_prefill=0), one engine at a time.
+if [ "$MODE" = serve-long ]; then
+  export SERVE_IN=${SERVE_IN:-16384} SERVE_PROMPTS=${SERVE_PROMPTS:-16} SERVE_RATE=${SERVE_RATE:-1} SERVE_OUT=${SERVE_OUT:-64}
+  serve_bench hopper
+  serve_bench mma --cuda-tune wgmma_prefill=0
   cat "$OUT/summary.txt"; exit $status
 fi
 # End to end with and without --batch-invariant (`tandem bench serve` against one engine on
@@ -332,32 +377,6 @@ if [ "$MODE" = invariant-serve ]; then
       || { note "batch-invariant engine test: FAILED"; grep -B2 -A8 panicked "$OUT/inv_engine.log" | head -20 >> "$OUT/summary.txt"; status=1; }
     grep -E "without --batch-invariant|preemptions" "$OUT/inv_engine.log" | while read -r l; do note "$l"; done
   fi
-  serve_bench() {  # label, then serve arguments
-    local label=$1; shift
-    "$BIN/tandem" serve --device cuda:0 --model preset:qwen3-4b --port 18500 --max-model-len 4096 "$@" \
-      > "$OUT/serve_$label.log" 2>&1 &
-    local pid=$!
-    for _ in $(seq 240); do
-      python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:18500/health', timeout=1)" \
-        2>/dev/null && break
-      sleep 0.5
-    done
-    timeout 200 "$BIN/tandem" bench serve --base-url http://127.0.0.1:18500 --num-prompts 200 --request-rate 8 \
-      --random-input-len 1024 --random-output-len 128 --seed 1 --no-progress --save-result --result-dir "$OUT" \
-      --result-filename "serve_$label.json" > "$OUT/bench_serve_$label.log" 2>&1 \
-      || { note "bench serve $label failed"; tail -5 "$OUT/bench_serve_$label.log" >> "$OUT/summary.txt"; status=1; }
-    kill "$pid"; wait "$pid" 2>/dev/null
-    python3 - "$OUT/serve_$label.json" "$label" >> "$OUT/summary.txt" <<'PY'
-import json, sys
-try:
-    r = json.load(open(sys.argv[1]))
-except Exception as e:
-    print(f"== serve {sys.argv[2]}: no result ({e})"); sys.exit(0)
-print(f"== serve {sys.argv[2]}: 200 prompts of 1024 tokens at 8 req/s, 128 out: TTFT median {r['median_ttft_ms']:.1f} "
-      f"p99 {r['p99_ttft_ms']:.1f} ms, TPOT median {r['median_tpot_ms']:.2f} p99 {r['p99_tpot_ms']:.2f} ms, "
-      f"E2EL median {r['median_e2el_ms']:.0f} ms, output {r['output_throughput']:.0f} tok/s")
-PY
-  }
   serve_bench default
   serve_bench invariant --batch-invariant
   timeout 330 "$BIN/tandem" bench soak --device cuda:0 --batch-invariant --model preset:qwen3-0.6b \

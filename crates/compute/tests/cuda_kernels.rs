@@ -230,13 +230,14 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
 
         // The packed build (batch-invariant serving) takes every token, one-token sequences
         // too, and gives each query the per-head build's bits.
-        let per_item = ops::flash_packed_tokens(nh / nkv);
-        let packed_work: Vec<i32> = case
-            .seqs
-            .iter()
-            .enumerate()
-            .flat_map(|(si, &(n, _))| (0..n).step_by(per_item).flat_map(move |q0| [si as i32, q0 as i32]))
-            .collect();
+        let items_of = |per_item: usize| -> Vec<i32> {
+            case.seqs
+                .iter()
+                .enumerate()
+                .flat_map(|(si, &(n, _))| (0..n).step_by(per_item).flat_map(move |q0| [si as i32, q0 as i32]))
+                .collect()
+        };
+        let packed_work = items_of(ops::flash_packed_tokens(nh / nkv, false));
         let d_packed_work = dev.upload(&packed_work).unwrap();
         let packed = PrefillSeqs { work: d_packed_work.ptr(), num_items: packed_work.len() / 2, packed: true, ..p };
         dev.write(&mut d_out, 0, &poison).unwrap();
@@ -259,6 +260,7 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
         // The Hopper build (warpgroup MMAs), where the GPU and the shape have it: the same
         // work items, within the same bound of the reference.
         let mut wgmma = String::new();
+        let mut tma_out = None;
         for build in [WgmmaPrefill::Lockstep, WgmmaPrefill::PingPong, WgmmaPrefill::PingPongTma] {
             if !ops::wgmma_prefill_takes(dev, &shape) {
                 break;
@@ -302,6 +304,42 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
             let wg_err = rel_err(&wg_out, &in_prefill);
             assert!(wg_err < 1e-2, "flash_prefill_wgmma {build:?}, {label}: relative error {wg_err:.2e}");
             wgmma += &format!(", wgmma {build:?} ({wg_err:.1e})");
+            tma_out = Some(wg_out);
+        }
+        // The Hopper packed build (batch-invariant serving) takes every token in items of 128
+        // rows, within the bound of the reference; within the first key range it does the
+        // default Hopper build's arithmetic, so those tokens get its bits.
+        if dev.wgmma_capable() && hd == 128 && nh / nkv <= 2 * FLASH_ROWS {
+            let work = items_of(ops::flash_packed_tokens(nh / nkv, true));
+            let d_work = dev.upload(&work).unwrap();
+            let hopper = PrefillSeqs { work: d_work.ptr(), num_items: work.len() / 2, packed: true, ..p };
+            dev.write(&mut d_out, 0, &poison).unwrap();
+            unsafe {
+                ops::flash_prefill_wgmma_packed(
+                    dev,
+                    d_q.ptr(),
+                    d_cache.ptr(),
+                    d_out.ptr(),
+                    &hopper,
+                    &meta,
+                    &shape,
+                    None,
+                )
+                .unwrap()
+            };
+            let hopper_out = dev.read(&d_out, poison.len()).unwrap();
+            let hopper_err = rel_err(&hopper_out, &|_| true);
+            assert!(hopper_err < 1e-2, "packed flash_prefill_wgmma, {label}: relative error {hopper_err:.2e}");
+            if let Some(tma_out) = &tma_out {
+                for t in (0..total_tokens).filter(|&t| in_prefill(t) && one_range(t)) {
+                    let row = t * nh * hd..(t + 1) * nh * hd;
+                    assert!(
+                        hopper_out[row.clone()] == tma_out[row],
+                        "packed flash_prefill_wgmma, {label}: token {t} differs from the default Hopper build"
+                    );
+                }
+            }
+            wgmma += &format!(", wgmma packed ({hopper_err:.1e})");
         }
         eprintln!("{label}: flash ok ({err:.1e}), packed ({packed_err:.1e}){wgmma}");
     }
@@ -1005,96 +1043,113 @@ fn kv_copies_between_block_sizes_land_every_token_where_the_table_says() {
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
-    let Some(dev) = device() else { return };
-    let mut rng = Lcg(11);
-    for (nh, nkv, hd) in [(32, 8, 128), (16, 8, 128), (8, 1, 64), (12, 4, 64)] {
-        // Three key ranges of the packed kernel's softmax, the last one partial.
-        let (bs, len, num_layers, layer): (usize, usize, usize, usize) = (16, 700, 2, 1);
-        let num_blocks = len.div_ceil(bs) + 2;
-        let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
-        for i in (1..ids.len()).rev() {
-            ids.swap(i, (rng.next() % (i as u64 + 1)) as usize);
-        }
-        let table: Vec<i32> = ids[..len.div_ceil(bs)].to_vec();
-        let block_elems = num_layers * 2 * nkv * bs * hd;
-        let cache: Vec<u16> = (0..num_blocks * block_elems).map(|_| bf16(rng.uniform())).collect();
-        // The query of each position, whatever batch it rides in.
-        let q_at: Vec<u16> = (0..len * nh * hd).map(|_| bf16(rng.uniform() * 2.0)).collect();
-        let d_cache = dev.upload(&cache).unwrap();
-        let shape =
-            AttnShape { num_heads: nh, num_kv_heads: nkv, head_dim: hd, layer, num_layers, block_size: bs, num_blocks };
-        let per_item = ops::flash_packed_tokens(nh / nkv);
-        // Runs one batch of (tokens, first position) sequences of the same prompt; returns
-        // each batch token's (position, output row).
-        let max_ranges = len.div_ceil(ops::FLASH_RANGE_KEYS);
-        let d_part = dev.zeros::<f32>(ops::flash_split_floats(16, nh, hd, len)).unwrap();
-        // `split`: the key ranges over that many blocks (one-token sequences only).
-        let run = |seqs: &[(usize, usize)], split: Option<usize>| -> Vec<(usize, Vec<u16>)> {
-            let (mut q, mut positions, mut tok_seq, mut seq_tok, mut seq_len, mut seq_pos, mut work, mut tables) =
-                (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
-            for (si, &(n, p)) in seqs.iter().enumerate() {
-                seq_tok.push(positions.len() as i32);
-                seq_len.push(n as i32);
-                seq_pos.push(p as i32);
-                tables.extend_from_slice(&table);
-                for k in 0..n {
-                    positions.push((p + k) as i32);
-                    tok_seq.push(si as i32);
-                    q.extend_from_slice(&q_at[(p + k) * nh * hd..(p + k + 1) * nh * hd]);
-                }
-                for q0 in (0..n).step_by(per_item).rev() {
-                    work.extend([si as i32, q0 as i32]);
-                }
+    let Some(mma_sync) = device() else { return };
+    // The mma.sync packed build, and on a Hopper GPU the warpgroup-MMA one.
+    let mut devices = vec![mma_sync];
+    if devices[0].wgmma_capable() {
+        let tuning = CudaTuning { invariant_wgmma: true, ..CudaTuning::default() };
+        devices.push(CudaDevice::open_with(0, tuning, kernel_cache().as_deref()).unwrap());
+    }
+    for dev in &devices {
+        let mut rng = Lcg(11);
+        for (nh, nkv, hd) in [(32, 8, 128), (16, 8, 128), (8, 1, 64), (12, 4, 64), (24, 2, 128)] {
+            let hopper = ops::wgmma_packed_takes(dev, nh, nkv, hd);
+            // Three key ranges of the packed kernel's softmax, the last one partial.
+            let (bs, len, num_layers, layer): (usize, usize, usize, usize) = (16, 700, 2, 1);
+            let num_blocks = len.div_ceil(bs) + 2;
+            let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+            for i in (1..ids.len()).rev() {
+                ids.swap(i, (rng.next() % (i as u64 + 1)) as usize);
             }
-            let t = positions.len();
-            let up = |v: &[i32]| dev.upload(v).unwrap();
-            let (d_pos, d_ts, d_tab, d_stride) = (up(&positions), up(&tok_seq), up(&tables), up(&[table.len() as i32]));
-            let (d_st, d_sl, d_sp, d_work) = (up(&seq_tok), up(&seq_len), up(&seq_pos), up(&work));
-            let d_q = dev.upload(&q).unwrap();
-            let d_out = dev.upload(&vec![bf16(f32::NAN); t * nh * hd]).unwrap();
-            let meta = AttnMeta {
-                positions: d_pos.ptr(),
-                tok_seq: d_ts.ptr(),
-                block_tables: d_tab.ptr(),
-                stride: d_stride.ptr(),
+            let table: Vec<i32> = ids[..len.div_ceil(bs)].to_vec();
+            let block_elems = num_layers * 2 * nkv * bs * hd;
+            let cache: Vec<u16> = (0..num_blocks * block_elems).map(|_| bf16(rng.uniform())).collect();
+            // The query of each position, whatever batch it rides in.
+            let q_at: Vec<u16> = (0..len * nh * hd).map(|_| bf16(rng.uniform() * 2.0)).collect();
+            let d_cache = dev.upload(&cache).unwrap();
+            let shape = AttnShape {
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+                layer,
+                num_layers,
+                block_size: bs,
+                num_blocks,
             };
-            let p = PrefillSeqs {
-                work: d_work.ptr(),
-                num_items: work.len() / 2,
-                seq_tok: d_st.ptr(),
-                seq_len: d_sl.ptr(),
-                seq_pos: d_sp.ptr(),
-                packed: true,
+            let per_item = ops::flash_packed_tokens(nh / nkv, hopper);
+            // Runs one batch of (tokens, first position) sequences of the same prompt; returns
+            // each batch token's (position, output row).
+            let max_ranges = len.div_ceil(ops::FLASH_RANGE_KEYS);
+            let d_part = dev.zeros::<f32>(ops::flash_split_floats(16, nh, hd, len)).unwrap();
+            // `split`: the key ranges over that many blocks (one-token sequences only).
+            let run = |seqs: &[(usize, usize)], split: Option<usize>| -> Vec<(usize, Vec<u16>)> {
+                let (mut q, mut positions, mut tok_seq, mut seq_tok, mut seq_len, mut seq_pos, mut work, mut tables) =
+                    (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+                for (si, &(n, p)) in seqs.iter().enumerate() {
+                    seq_tok.push(positions.len() as i32);
+                    seq_len.push(n as i32);
+                    seq_pos.push(p as i32);
+                    tables.extend_from_slice(&table);
+                    for k in 0..n {
+                        positions.push((p + k) as i32);
+                        tok_seq.push(si as i32);
+                        q.extend_from_slice(&q_at[(p + k) * nh * hd..(p + k + 1) * nh * hd]);
+                    }
+                    for q0 in (0..n).step_by(per_item).rev() {
+                        work.extend([si as i32, q0 as i32]);
+                    }
+                }
+                let t = positions.len();
+                let up = |v: &[i32]| dev.upload(v).unwrap();
+                let (d_pos, d_ts, d_tab, d_stride) =
+                    (up(&positions), up(&tok_seq), up(&tables), up(&[table.len() as i32]));
+                let (d_st, d_sl, d_sp, d_work) = (up(&seq_tok), up(&seq_len), up(&seq_pos), up(&work));
+                let d_q = dev.upload(&q).unwrap();
+                let d_out = dev.upload(&vec![bf16(f32::NAN); t * nh * hd]).unwrap();
+                let meta = AttnMeta {
+                    positions: d_pos.ptr(),
+                    tok_seq: d_ts.ptr(),
+                    block_tables: d_tab.ptr(),
+                    stride: d_stride.ptr(),
+                };
+                let p = PrefillSeqs {
+                    work: d_work.ptr(),
+                    num_items: work.len() / 2,
+                    seq_tok: d_st.ptr(),
+                    seq_len: d_sl.ptr(),
+                    seq_pos: d_sp.ptr(),
+                    packed: true,
+                };
+                let split = split.map(|blocks| ops::FlashSplit { part: d_part.ptr(), blocks, max_ranges });
+                unsafe {
+                    ops::flash_prefill(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &p, &meta, &shape, split).unwrap()
+                };
+                let out = dev.read(&d_out, t * nh * hd).unwrap();
+                (0..t).map(|i| (positions[i] as usize, out[i * nh * hd..(i + 1) * nh * hd].to_vec())).collect()
             };
-            let split = split.map(|blocks| ops::FlashSplit { part: d_part.ptr(), blocks, max_ranges });
-            unsafe {
-                ops::flash_prefill(&dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &p, &meta, &shape, split).unwrap()
-            };
-            let out = dev.read(&d_out, t * nh * hd).unwrap();
-            (0..t).map(|i| (positions[i] as usize, out[i * nh * hd..(i + 1) * nh * hd].to_vec())).collect()
-        };
-        let whole = run(&[(len, 0)], None);
-        let decode: Vec<(usize, usize)> =
-            [0, 15, 16, 63, 64, 255, 256, 300, 511, 512, 699].iter().map(|&p| (1, p)).collect();
-        let mixed: Vec<(usize, usize)> = decode.iter().copied().chain([(37, 480), (5, 3)]).rev().collect();
-        let variants = [
-            (vec![(100, 0), (600, 100)], None),
-            (vec![(64, 0), (1, 64), (635, 65)], None),
-            (vec![(256, 0), (444, 256)], None),
-            (decode.clone(), None),
-            (mixed, None),
-            // A decode step's ranges over 1, 2 and 16 blocks per KV head.
-            (decode.clone(), Some(1)),
-            (decode.clone(), Some(2)),
-            (decode, Some(16)),
-        ];
-        for (variant, split) in variants {
-            for (pos, row) in run(&variant, split) {
-                assert!(row.iter().all(|v| f32_of(*v).is_finite()), "heads {nh}/{nkv}: position {pos} not written");
-                assert!(
+            let whole = run(&[(len, 0)], None);
+            let decode: Vec<(usize, usize)> =
+                [0, 15, 16, 63, 64, 255, 256, 300, 511, 512, 699].iter().map(|&p| (1, p)).collect();
+            let mixed: Vec<(usize, usize)> = decode.iter().copied().chain([(37, 480), (5, 3)]).rev().collect();
+            let variants = [
+                (vec![(100, 0), (600, 100)], None),
+                (vec![(64, 0), (1, 64), (635, 65)], None),
+                (vec![(256, 0), (444, 256)], None),
+                (decode.clone(), None),
+                (mixed, None),
+                // A decode step's ranges over 1, 2 and 16 blocks per KV head.
+                (decode.clone(), Some(1)),
+                (decode.clone(), Some(2)),
+                (decode, Some(16)),
+            ];
+            for (variant, split) in variants {
+                for (pos, row) in run(&variant, split) {
+                    assert!(row.iter().all(|v| f32_of(*v).is_finite()), "heads {nh}/{nkv}: position {pos} not written");
+                    assert!(
                     row == whole[pos].1,
-                    "heads {nh}/{nkv} head_dim {hd}: position {pos} in batch {variant:?} (split {split:?}) differs from the whole prompt's"
+                    "heads {nh}/{nkv} head_dim {hd} (Hopper build: {hopper}): position {pos} in batch {variant:?} (split {split:?}) differs from the whole prompt's"
                 );
+                }
             }
         }
     }

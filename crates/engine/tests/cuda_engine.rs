@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 
+use tandem_compute::cuda::CudaTuning;
 use tandem_core::{RequestId, SamplingParams};
 use tandem_engine::{EngineConfig, EngineCore, EngineEvent, EngineRequest};
 use tandem_model::{CudaModel, CudaOptions, ModelRunner, ModelSource, ModelSpec};
@@ -30,6 +31,11 @@ fn engine_with(graphs: bool, pipelined: bool) -> Option<EngineCore> {
 }
 
 fn engine_of(cfg: EngineConfig, graphs: bool, batch_invariant: bool) -> Option<EngineCore> {
+    engine_tuned(cfg, graphs, batch_invariant, CudaTuning::default())
+}
+
+/// [`engine_of`] with `tuning`.
+fn engine_tuned(cfg: EngineConfig, graphs: bool, batch_invariant: bool, tuning: CudaTuning) -> Option<EngineCore> {
     if let Err(e) = tandem_compute::cuda::CudaDevice::open_with(0, Default::default(), kernel_cache().as_deref()) {
         assert!(std::env::var("TANDEM_REQUIRE_CUDA").map_or(true, |v| v != "1"), "no usable GPU: {e}");
         eprintln!("skipping: {e}");
@@ -44,6 +50,7 @@ fn engine_of(cfg: EngineConfig, graphs: bool, batch_invariant: bool) -> Option<E
         num_blocks: Some(cfg.num_blocks),
         cuda_graphs: graphs,
         batch_invariant,
+        tuning,
         ..CudaOptions::default()
     };
     let model: Box<dyn ModelRunner> = Box::new(CudaModel::load(&spec, &opts).unwrap());
@@ -197,52 +204,72 @@ fn batch_invariant_requests_get_their_answer_alone_whatever_shares_the_batch() {
         })
         .collect();
     let reversed: Vec<_> = requests.iter().rev().cloned().collect();
-    let Some(mut chunked) = engine_of(cfg(512), true, true) else { return };
-    let alone = run_in_groups(&mut chunked, &requests, 1);
-    for (label, got) in [
-        ("64 at a time, chunked prefill", run_in_groups(&mut chunked, &requests, 64)),
-        ("24 at a time, reversed, chunked prefill", run_in_groups(&mut chunked, &reversed, 24)),
-    ] {
-        let moved: Vec<usize> = (0..64).filter(|i| got[i] != alone[i]).collect();
-        assert!(moved.is_empty(), "{label}: requests {moved:?} differ from their answers alone");
+    // The mma.sync attention every GPU runs, and on a Hopper GPU the warpgroup-MMA build.
+    let hopper = tandem_compute::cuda::CudaDevice::open_with(0, Default::default(), kernel_cache().as_deref())
+        .is_ok_and(|d| d.wgmma_capable());
+    let mut tunings = vec![CudaTuning::default()];
+    if hopper {
+        tunings.push(CudaTuning { invariant_wgmma: true, ..CudaTuning::default() });
     }
-    drop(chunked);
-    let Some(mut whole) = engine_of(cfg(4096), true, true) else { return };
-    for (label, got) in [
-        ("alone, whole prompts", run_in_groups(&mut whole, &requests, 1)),
-        ("64 at a time, whole prompts", run_in_groups(&mut whole, &requests, 64)),
-        ("24 at a time, reversed, whole prompts, eager", {
-            drop(whole);
-            let Some(mut eager) = engine_of(cfg(4096), false, true) else { return };
-            run_in_groups(&mut eager, &reversed, 24)
-        }),
-    ] {
+    for tuning in tunings {
+        eprintln!("batch-invariant attention on warpgroup MMAs: {}", tuning.invariant_wgmma);
+        let Some(mut chunked) = engine_tuned(cfg(512), true, true, tuning.clone()) else { return };
+        let alone = run_in_groups(&mut chunked, &requests, 1);
+        for (label, got) in [
+            ("64 at a time, chunked prefill", run_in_groups(&mut chunked, &requests, 64)),
+            ("24 at a time, reversed, chunked prefill", run_in_groups(&mut chunked, &reversed, 24)),
+        ] {
+            let moved: Vec<usize> = (0..64).filter(|i| got[i] != alone[i]).collect();
+            assert!(moved.is_empty(), "{label}: requests {moved:?} differ from their answers alone");
+        }
+        drop(chunked);
+        let Some(mut whole) = engine_tuned(cfg(4096), true, true, tuning.clone()) else { return };
+        for (label, got) in [
+            ("alone, whole prompts", run_in_groups(&mut whole, &requests, 1)),
+            ("64 at a time, whole prompts", run_in_groups(&mut whole, &requests, 64)),
+            ("24 at a time, reversed, whole prompts, eager", {
+                drop(whole);
+                let Some(mut eager) = engine_tuned(cfg(4096), false, true, tuning.clone()) else { return };
+                run_in_groups(&mut eager, &reversed, 24)
+            }),
+        ] {
+            let moved: Vec<usize> = (0..64).filter(|i| got[i] != alone[i]).collect();
+            assert!(
+                moved.is_empty(),
+                "{label}: requests {moved:?} differ from their answers alone with chunked prefill"
+            );
+        }
+        // Prefix reuse gives the bits of the prompt computed whole: with prefix caching every
+        // request runs again over its own cached blocks (all but its last token), and then 24 at a
+        // time, in another order.
+        let Some(mut cached) =
+            engine_tuned(EngineConfig { prefix_caching: true, ..cfg(512) }, true, true, tuning.clone())
+        else {
+            return;
+        };
+        for (label, got) in [
+            ("prefix caching, nothing cached yet", run_in_groups(&mut cached, &requests, 1)),
+            ("prefix caching, from the cache", run_in_groups(&mut cached, &requests, 1)),
+            ("prefix caching, 24 at a time, reversed", run_in_groups(&mut cached, &reversed, 24)),
+        ] {
+            let moved: Vec<usize> = (0..64).filter(|i| got[i] != alone[i]).collect();
+            assert!(moved.is_empty(), "{label}: requests {moved:?} differ from their answers alone");
+        }
+        assert!(cached.prefix_cache().0.hit_tokens > 0, "nothing came from the cache");
+        drop(cached);
+        // A KV pool too small for all 64: requests are preempted and recomputed (their generated
+        // tokens then go through prefill chunks) and still get their tokens.
+        let Some(mut small) = engine_tuned(EngineConfig { num_blocks: 200, ..cfg(512) }, true, true, tuning.clone())
+        else {
+            return;
+        };
+        let got = run_in_groups(&mut small, &requests, 64);
+        assert!(small.num_preemptions() > 0, "the small pool preempted nothing");
         let moved: Vec<usize> = (0..64).filter(|i| got[i] != alone[i]).collect();
-        assert!(moved.is_empty(), "{label}: requests {moved:?} differ from their answers alone with chunked prefill");
+        assert!(moved.is_empty(), "preempted and recomputed: requests {moved:?} differ from their answers alone");
+        eprintln!("batch-invariant with {} preemptions: 64 of 64 equal alone", small.num_preemptions());
+        drop(small);
     }
-    // Prefix reuse gives the bits of the prompt computed whole: with prefix caching every
-    // request runs again over its own cached blocks (all but its last token), and then 24 at a
-    // time, in another order.
-    let Some(mut cached) = engine_of(EngineConfig { prefix_caching: true, ..cfg(512) }, true, true) else { return };
-    for (label, got) in [
-        ("prefix caching, nothing cached yet", run_in_groups(&mut cached, &requests, 1)),
-        ("prefix caching, from the cache", run_in_groups(&mut cached, &requests, 1)),
-        ("prefix caching, 24 at a time, reversed", run_in_groups(&mut cached, &reversed, 24)),
-    ] {
-        let moved: Vec<usize> = (0..64).filter(|i| got[i] != alone[i]).collect();
-        assert!(moved.is_empty(), "{label}: requests {moved:?} differ from their answers alone");
-    }
-    assert!(cached.prefix_cache().0.hit_tokens > 0, "nothing came from the cache");
-    drop(cached);
-    // A KV pool too small for all 64: requests are preempted and recomputed (their generated
-    // tokens then go through prefill chunks) and still get their tokens.
-    let Some(mut small) = engine_of(EngineConfig { num_blocks: 200, ..cfg(512) }, true, true) else { return };
-    let got = run_in_groups(&mut small, &requests, 64);
-    assert!(small.num_preemptions() > 0, "the small pool preempted nothing");
-    let moved: Vec<usize> = (0..64).filter(|i| got[i] != alone[i]).collect();
-    assert!(moved.is_empty(), "preempted and recomputed: requests {moved:?} differ from their answers alone");
-    eprintln!("batch-invariant with {} preemptions: 64 of 64 equal alone", small.num_preemptions());
-    drop(small);
     let Some(mut default) = engine_of(cfg(512), true, false) else { return };
     let default_alone = run_in_groups(&mut default, &requests, 1);
     let together = run_in_groups(&mut default, &requests, 64);

@@ -130,6 +130,10 @@ pub const KERNEL_NAMES: &[&str] = &[
     "flash_prefill_wgmma_hd128",
     "flash_prefill_wgmma_pp_hd128",
     "flash_prefill_wgmma_tma_hd128",
+    "flash_prefill_wgmma_packed_hd128",
+    "flash_prefill_wgmma_packed_tma_hd128",
+    "flash_prefill_wgmma_split_hd128",
+    "flash_prefill_wgmma_split_tma_hd128",
     "flash_range_combine",
     "ban_tokens",
     "sample_rows",
@@ -553,6 +557,12 @@ impl CudaDevice {
         allow_smem("flash_prefill_wgmma_hd128", ops::WGMMA_PREFILL_SMEM_BYTES as usize)?;
         allow_smem("flash_prefill_wgmma_pp_hd128", ops::WGMMA_WS_PREFILL_SMEM_BYTES as usize)?;
         allow_smem("flash_prefill_wgmma_tma_hd128", ops::WGMMA_WS_PREFILL_SMEM_BYTES as usize)?;
+        for name in ["flash_prefill_wgmma_packed_hd128", "flash_prefill_wgmma_packed_tma_hd128"] {
+            allow_smem(name, ops::WGMMA_PACKED_PREFILL_SMEM_BYTES as usize)?;
+        }
+        for name in ["flash_prefill_wgmma_split_hd128", "flash_prefill_wgmma_split_tma_hd128"] {
+            allow_smem(name, ops::WGMMA_WS_PREFILL_SMEM_BYTES as usize)?;
+        }
         // The decode attention stages a chunk of keys and values (over 48 KiB for head size 256).
         for name in named("attention_rows_") {
             let e: usize = name.rsplit("_e").next().and_then(|e| e.parse().ok()).unwrap_or(8);

@@ -61,6 +61,11 @@ pub struct CudaTuning {
     /// size 128, an even number of query heads per KV head, not batch invariant). The builds
     /// sum in other orders (the outputs differ in the last bits).
     pub wgmma_prefill: WgmmaPrefill,
+    /// Batch-invariant attention on Hopper's warpgroup MMAs (`flash_prefill_wgmma_packed_*`:
+    /// the packed build's key ranges on the ping-pong kernel) where the Hopper prefill runs
+    /// (`wgmma_prefill` not 0); off: the mma.sync packed kernel every GPU runs. Other bits than
+    /// the mma.sync build's (batch invariant either way).
+    pub invariant_wgmma: bool,
 }
 
 /// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2|3`).
@@ -132,6 +137,7 @@ impl Default for CudaTuning {
             kv_fence_groups: 8,
             kv_fence_taper: true,
             wgmma_prefill: WgmmaPrefill::PingPongTma,
+            invariant_wgmma: false,
         }
     }
 }
@@ -151,6 +157,7 @@ impl CudaTuning {
         ("kv_fence_groups", "1..=64 (default 8)"),
         ("kv_fence_taper", "0|1 (default 1)"),
         ("wgmma_prefill", "0|1|2|3 (default 3)"),
+        ("invariant_wgmma", "0|1 (default 0)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -190,6 +197,7 @@ impl CudaTuning {
                 self.kv_fence_groups = value.parse().ok().filter(|n| (1..=64).contains(n)).ok_or_else(bad)?;
             }
             "kv_fence_taper" => self.kv_fence_taper = flag()?,
+            "invariant_wgmma" => self.invariant_wgmma = flag()?,
             "wgmma_prefill" => {
                 self.wgmma_prefill = WgmmaPrefill::ALL.into_iter().find(|b| b.value() == value).ok_or_else(bad)?
             }

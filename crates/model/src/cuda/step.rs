@@ -68,7 +68,8 @@ impl StepBuffers {
                 cfg.head_dim
             )));
         }
-        let packed = batch_invariant.then(|| ops::flash_packed_tokens(cfg.num_heads / cfg.num_kv_heads.max(1)));
+        let hopper = ops::wgmma_packed_takes(dev, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let packed = batch_invariant.then(|| ops::flash_packed_tokens(cfg.num_heads / cfg.num_kv_heads.max(1), hopper));
         let tokens_per_item = packed.unwrap_or(FLASH_ROWS);
         let (t, h, i) = (max_tokens, cfg.hidden_size, cfg.intermediate_size);
         let (q_dim, kv_dim) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
@@ -492,8 +493,9 @@ struct MetaLimits {
     table_width: usize,
     /// Whether multi-token chunks go to the tensor-core prefill kernel (else the row kernel).
     flash: bool,
-    /// Batch-invariant serving: every token goes to the packed prefill kernel, in work items
-    /// of this many tokens ([`ops::flash_packed_tokens`]); none to the row kernel.
+    /// Batch-invariant serving: every token goes to the packed prefill kernel (the Hopper build
+    /// where it applies, [`ops::wgmma_packed_takes`]), in work items of this many tokens
+    /// ([`ops::flash_packed_tokens`]); none to the row kernel.
     packed: Option<usize>,
 }
 
@@ -716,8 +718,10 @@ mod tests {
 
     #[test]
     fn batch_invariant_steps_send_every_token_to_the_packed_prefill_kernel() {
-        // Four query heads per KV head: 16 tokens a work item.
-        let per_item = ops::flash_packed_tokens(4);
+        // Four query heads per KV head: 16 tokens a work item (32 in the Hopper build's 128 rows).
+        assert_eq!(ops::flash_packed_tokens(4, true), 32);
+        assert_eq!(ops::flash_packed_tokens(64, true), 2);
+        let per_item = ops::flash_packed_tokens(4, false);
         assert_eq!(per_item, 16);
         let packed = MetaLimits { packed: Some(per_item), ..limits(true) };
         let m = MetaLayout::new(256, 8, per_item);

@@ -1100,13 +1100,19 @@ struct __align__(64) TmaMap {
     unsigned long long opaque[16];
 };
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// A work item of the warp-specialised build: its sequence's queries q0.. (n_q of them from
-// token tok0), the keys it needs (ctx, in tiles of WG_KEYS), its first query's position, the
-// sequence's block table, and the block's two query heads (head0, head0 + 1) of KV head kh.
+// A work item of the warp-specialised builds: its sequence's queries q0.. (n_q of them from
+// token tok0, the first at position first_pos), the keys it needs (ctx, in tiles of WG_KEYS:
+// `tiles` of them for this block), its first query's position, the sequence's block table, and
+// KV head kh with its query heads from head0. The default build takes 64 queries of the block's
+// two query heads head0, head0 + 1; the packed builds (batch-invariant) 128 / group tokens of
+// every query head of the KV head, row R the token q0 + R / group and head head0 + R % group
+// (rows from `rows` on hold none). The split build takes key ranges z, z + gridDim.z, ... of
+// FA_RANGE keys (two tiles): `tiles` counts those of its ranges that reach into the context.
 struct WgItem {
-    int q0, n_q, tok0, ctx, tiles, min_pos, head0, kh;
+    int q0, n_q, tok0, ctx, tiles, min_pos, head0, kh, first_pos, group, rows;
     const int* table;
 };
+template <bool PACKED, bool SPLIT>
 __device__ __forceinline__ WgItem wg_item(const int* work, int item, const int* seq_tok, const int* seq_len,
                                           const int* seq_pos, const int* block_tables, const int* meta_stride,
                                           int num_heads, int num_kv_heads) {
@@ -1115,19 +1121,60 @@ __device__ __forceinline__ WgItem wg_item(const int* work, int item, const int* 
     it.q0 = work[2 * item + 1];
     it.n_q = seq_len[seq];
     it.tok0 = seq_tok[seq];
-    it.min_pos = seq_pos[seq] + it.q0;
-    it.ctx = seq_pos[seq] + min(it.q0 + 64, it.n_q);
+    it.first_pos = seq_pos[seq];
+    it.min_pos = it.first_pos + it.q0;
+    it.group = num_heads / num_kv_heads;
+    if constexpr (PACKED) {
+        int tokens = max(128 / it.group, 1);
+        it.rows = min(tokens * it.group, 128);
+        it.kh = blockIdx.x;
+        it.head0 = it.kh * it.group;
+        it.ctx = it.first_pos + min(it.q0 + tokens, it.n_q);
+    } else {
+        it.rows = 128;
+        it.head0 = 2 * blockIdx.x;
+        it.kh = it.head0 / it.group;
+        it.ctx = it.first_pos + min(it.q0 + 64, it.n_q);
+    }
     it.tiles = (it.ctx + WG_KEYS - 1) / WG_KEYS;
-    it.head0 = 2 * blockIdx.x;
-    it.kh = it.head0 / (num_heads / num_kv_heads);
+    if constexpr (SPLIT) {
+        int ranges = (it.ctx + FA_RANGE - 1) / FA_RANGE, z = blockIdx.z;
+        if (z >= ranges) {
+            it.tiles = 0;
+        } else {
+            int mine = (ranges - 1 - z) / gridDim.z + 1, last = z + (mine - 1) * gridDim.z;
+            it.tiles = 2 * (mine - 1) + (it.ctx - last * FA_RANGE > WG_KEYS ? 2 : 1);
+        }
+    }
     it.table = block_tables + (u64)seq * meta_stride[0];
     return it;
 }
+// The first key of this block's tile kt: tiles from key 0, or (SPLIT) the two tiles of each of
+// its ranges in turn.
+template <bool SPLIT>
+__device__ __forceinline__ int wg_tile_key(int kt) {
+    if constexpr (SPLIT) return (blockIdx.z + (kt >> 1) * gridDim.z) * FA_RANGE + (kt & 1) * WG_KEYS;
+    return kt * WG_KEYS;
+}
+// Row R (0-127) of the block's item: its token in the sequence and its query head; whether it
+// holds a query.
+template <bool PACKED>
+__device__ __forceinline__ bool wg_row(const WgItem& it, int R, int& tok, int& head) {
+    if constexpr (PACKED) {
+        tok = it.q0 + R / it.group;
+        head = it.head0 + R % it.group;
+        return R < it.rows && tok < it.n_q;
+    }
+    tok = it.q0 + (R & 63);
+    head = it.head0 + (R >> 6);
+    return tok < it.n_q;
+}
 // The ring's barriers: a stage's full barrier counts one cp.async arrival per producer thread,
 // its empty barrier one arrival per consumer warp.
+template <int STAGES>
 __device__ __forceinline__ void wg_ring_init(u32 full_bar, u32 empty_bar, int producers) {
     if (threadIdx.x == 0) {
-        for (int st = 0; st < WG_WS_STAGES; ++st) {
+        for (int st = 0; st < STAGES; ++st) {
             mbar_init(full_bar + 8 * st, producers);
             mbar_init(empty_bar + 8 * st, 8);
         }
@@ -1159,16 +1206,24 @@ __device__ __forceinline__ void tma_load_kv(u32 dst, const TmaMap* map, int dim,
 // warp issuing block j's; the tile that reaches past the context stays with the copies, which
 // fill keys past it with zeros (the boxes would bring the block's stale slots, and a NaN there
 // times P's 0 is NaN).
-template <int P, bool TMA>
+template <int P, bool TMA, bool PACKED, bool SPLIT, int STAGES>
 __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* q, const bf16* cache, u32 q_smem,
                                            u32 stages, u32 full_bar, u32 empty_bar, int num_heads, int num_kv_heads,
                                            int layer, int num_layers, int block_size, const TmaMap* map) {
     constexpr int HD = 128, STEP = P / 16, ROWS = WG_KEYS / STEP;
     int chunk = p & 15, atom = chunk >> 3, c = chunk & 7, row0 = p >> 4;
     for (int row = row0; row < 128; row += STEP) {
-        int w = row >> 6, r = row & 63;
-        bool valid = it.q0 + r < it.n_q;
-        const bf16* src = valid ? q + ((u64)(it.tok0 + it.q0 + r) * num_heads + it.head0 + w) * HD + chunk * 8 : q;
+        int tok, head;
+        bool valid;
+        if constexpr (PACKED) {
+            valid = wg_row<true>(it, row, tok, head);
+        } else {
+            int w = row >> 6, r = row & 63;
+            valid = it.q0 + r < it.n_q;
+            tok = it.q0 + r;
+            head = it.head0 + w;
+        }
+        const bf16* src = valid ? q + ((u64)(it.tok0 + tok) * num_heads + head) * HD + chunk * 8 : q;
         wg_copy_chunk(q_smem + atom * WG_ATOM_BYTES, row, c, src, valid ? 16 : 0);
     }
     // A key's K at block_stride * block + slot * HD + first, its V v_past_k further.
@@ -1180,7 +1235,7 @@ __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* 
     // TMA: keys a box (and lane) takes, and boxes a tile.
     const int box_rows = min(block_size, WG_KEYS), boxes = WG_KEYS / box_rows;
     for (int kt = 0; kt < it.tiles; ++kt) {
-        int st = kt % WG_WS_STAGES, k0 = kt * WG_KEYS;
+        int st = kt % STAGES, k0 = wg_tile_key<SPLIT>(kt);
         bool bulk = TMA && k0 + WG_KEYS <= it.ctx;
         // This thread's rows' blocks first, unconditionally (keys clamped to the context) so
         // that the loads go out together, while the stage may still be read: loads under
@@ -1195,8 +1250,8 @@ __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* 
                 blk[j] = it.table[pow2 ? key >> shift : key / block_size];
             }
         }
-        // The stage's previous tile (kt - 3) was released by every consumer warp.
-        if (kt >= WG_WS_STAGES) mbar_wait(empty_bar + 8 * st, (kt / WG_WS_STAGES - 1) & 1);
+        // The stage's previous tile (kt - STAGES) was released by every consumer warp.
+        if (kt >= STAGES) mbar_wait(empty_bar + 8 * st, (kt / STAGES - 1) & 1);
         u32 stage = stages + st * WG_STAGE_BYTES;
         if (bulk) {
             if (p < 32) {
@@ -1241,42 +1296,117 @@ __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* 
 // done). A stage is released after its P V. The work items run longest first (the grid's last
 // row first), so that the shortest ones fill the tail. Grid: as above. Block: 384 (consumers
 // 0-255, producers 256-383). Dynamic shared memory: WG_WS_SMEM_BYTES.
+//
+// KIND 1 and 2 are the packed builds of batch-invariant serving (see WgItem; grid (KV heads,
+// work items[, blocks a split item])): the packed mma.sync build's scheme on these tensor
+// cores. The softmax goes by ranges of FA_RANGE keys (two tiles), each started afresh (O, max
+// and sum) and folded in key order with range_fold's arithmetic: KIND 1 into a running sum
+// that, the registers being full, is kept in shared memory (WG_ACC_BYTES, in place of a third
+// stage); KIND 2 (split) leaves each range's state in `part` for flash_range_combine, which
+// folds them the same way. A row's result then depends only on its query, position and keys,
+// so a token gives the same bits in a prefill chunk, as a decode token, split or not.
+#define WG_INV_STAGES 2
+#define WG_ACC_BYTES (2 * 128 * 64 * 4)
+#define WG_INV_SMEM_BYTES (WG_Q_BYTES + WG_INV_STAGES * WG_STAGE_BYTES + WG_ACC_BYTES + 1024 + 64)
+static_assert(FA_RANGE == 2 * WG_KEYS, "a range is two Hopper tiles");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <bool TMA>
+template <bool TMA, int KIND>
 __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
                                       const int* seq_len, const int* seq_pos, const int* block_tables,
                                       const int* meta_stride, int num_heads, int num_kv_heads, int layer,
-                                      int num_layers, int block_size, float scale_log2, const TmaMap* map) {
+                                      int num_layers, int block_size, float scale_log2, float* part, int max_ranges,
+                                      const TmaMap* map) {
+    constexpr bool PACKED = KIND != 0, SPLIT = KIND == 2, RANGED = KIND == 1;
+    constexpr int STAGES = RANGED ? WG_INV_STAGES : WG_WS_STAGES;
     PDL_ENTER();
     extern __shared__ __align__(16) unsigned char wg_smem[];
     u32 base = ((u32)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
     u32 q_smem = base, stages = base + WG_Q_BYTES;
-    u32 full_bar = stages + WG_WS_STAGES * WG_STAGE_BYTES, empty_bar = full_bar + 8 * WG_WS_STAGES;
-    WgItem it = wg_item(work, gridDim.y - 1 - blockIdx.y, seq_tok, seq_len, seq_pos, block_tables, meta_stride,
-                        num_heads, num_kv_heads);
-    wg_ring_init(full_bar, empty_bar, 128);
+    u32 acc_smem = stages + STAGES * WG_STAGE_BYTES;
+    u32 full_bar = acc_smem + (RANGED ? WG_ACC_BYTES : 0), empty_bar = full_bar + 8 * STAGES;
+    WgItem it = wg_item<PACKED, SPLIT>(work, gridDim.y - 1 - blockIdx.y, seq_tok, seq_len, seq_pos, block_tables,
+                                       meta_stride, num_heads, num_kv_heads);
+    // A split block whose ranges all lie past the context: nothing to do (the whole block).
+    if (SPLIT && it.tiles == 0) return;
+    wg_ring_init<STAGES>(full_bar, empty_bar, 128);
 
     // 384 threads start with 168 registers each; the producers keep 56, the consumers take 224.
     if (threadIdx.x >= 256) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-        wg_produce<128, TMA>(threadIdx.x - 256, it, q, cache, q_smem, stages, full_bar, empty_bar, num_heads,
-                        num_kv_heads, layer, num_layers, block_size, map);
+        wg_produce<128, TMA, PACKED, SPLIT, STAGES>(threadIdx.x - 256, it, q, cache, q_smem, stages, full_bar,
+                                                    empty_bar, num_heads, num_kv_heads, layer, num_layers,
+                                                    block_size, map);
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
 
     int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, tq = lane & 3;
     int r0 = warp * 16 + (lane >> 2);
-    WgRows rows{it.min_pos + r0, it.min_pos + r0 + 8, NEG_INF, NEG_INF, 0.0f, 0.0f};
+    // This thread's two rows (the accumulators' rows r0 and r0 + 8 of its warpgroup's 64).
+    int tok0 = 0, head0 = 0, tok1 = 0, head1 = 0;
+    bool valid0 = false, valid1 = false;
+    if constexpr (PACKED) {
+        valid0 = wg_row<true>(it, 64 * wg + r0, tok0, head0);
+        valid1 = wg_row<true>(it, 64 * wg + r0 + 8, tok1, head1);
+    }
+    WgRows rows{PACKED ? it.first_pos + tok0 : it.min_pos + r0, PACKED ? it.first_pos + tok1 : it.min_pos + r0 + 8,
+                NEG_INF, NEG_INF, 0.0f, 0.0f};
     float s[64], o[64], alpha0, alpha1;
     u32 p[8][4];
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    // RANGED: the folded ranges: per row the max and sum, and O's entry i at acc[128 i] (this
+    // thread's own column of its warpgroup's 64 x 128 floats: no bank conflicts, no barrier).
+    float M0 = NEG_INF, M1 = NEG_INF, L0 = 0.0f, L1 = 0.0f;
+    float* acc = reinterpret_cast<float*>(wg_smem + (acc_smem - (u32)__cvta_generic_to_shared(wg_smem))) +
+                 wg * 128 * 64 + (threadIdx.x & 127);
+    if constexpr (RANGED) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[128 * i] = 0.0f;
+    }
+    // The range that ended with tile kt (its state m, l, O in o): its sums whole over the quad,
+    // then folded (RANGED) or stored (SPLIT).
+    auto end_range = [&](float m0, float l0, float m1, float l1, int kt) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        if constexpr (SPLIT) {
+            int rg = wg_tile_key<true>(kt) / FA_RANGE;
+            float* p0 = part + (((u64)(it.tok0 + tok0) * num_heads + head0) * max_ranges + rg) * (128 + 2);
+            float* p1 = part + (((u64)(it.tok0 + tok1) * num_heads + head1) * max_ranges + rg) * (128 + 2);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                int c = i * 8 + tq * 2;
+                if (valid0) *reinterpret_cast<float2*>(p0 + 2 + c) = make_float2(o[4 * i], o[4 * i + 1]);
+                if (valid1) *reinterpret_cast<float2*>(p1 + 2 + c) = make_float2(o[4 * i + 2], o[4 * i + 3]);
+            }
+            if (tq == 0) {
+                if (valid0) *reinterpret_cast<float2*>(p0) = make_float2(m0, l0);
+                if (valid1) *reinterpret_cast<float2*>(p1) = make_float2(m1, l1);
+            }
+        } else if constexpr (RANGED) {
+            // A range without a visible key for a row leaves the row as it was.
+            float a0 = 1.0f, b0 = 0.0f, a1 = 1.0f, b1 = 0.0f;
+            bool fold0 = m0 != NEG_INF, fold1 = m1 != NEG_INF;
+            if (fold0) range_fold(M0, L0, m0, l0, a0, b0);
+            if (fold1) range_fold(M1, L1, m1, l1, a1, b1);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (fold0) acc[128 * (4 * i + e)] = range_scale(acc[128 * (4 * i + e)], a0, o[4 * i + e], b0);
+                    if (fold1)
+                        acc[128 * (4 * i + 2 + e)] = range_scale(acc[128 * (4 * i + 2 + e)], a1, o[4 * i + 2 + e], b1);
+                }
+            }
+        }
+    };
     u32 q_rows = q_smem + wg * 64 * 128;
-    auto k_tile = [&](int kt) { return stages + (kt % WG_WS_STAGES) * WG_STAGE_BYTES; };
+    auto k_tile = [&](int kt) { return stages + (kt % STAGES) * WG_STAGE_BYTES; };
     auto v_tile = [&](int kt) { return k_tile(kt) + 2 * WG_ATOM_BYTES; };
     auto landed = [&](int kt) {
-        mbar_wait(full_bar + 8 * (kt % WG_WS_STAGES), (kt / WG_WS_STAGES) & 1);
+        mbar_wait(full_bar + 8 * (kt % STAGES), (kt / STAGES) & 1);
         // The copies landed (generic proxy); wgmma reads through the async proxy.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     };
@@ -1289,7 +1419,7 @@ __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* ou
     wg_scores_issue(s, q_rows, k_tile(0));
     named_arrive(2 - wg);
     wg_scores_wait(s);
-    wg_softmax(s, rows, 0, it.min_pos, scale_log2, tq, alpha0, alpha1);
+    wg_softmax(s, rows, wg_tile_key<SPLIT>(0), it.min_pos, scale_log2, tq, alpha0, alpha1);
     wg_rescale_pack(s, o, p, alpha0, alpha1);
     for (int kt = 1; kt < it.tiles; ++kt) {
         landed(kt);
@@ -1300,11 +1430,24 @@ __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* ou
         // S of tile kt is the older of the two groups in flight.
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         wg_pin(s);
-        wg_softmax(s, rows, kt * WG_KEYS, it.min_pos, scale_log2, tq, alpha0, alpha1);
+        // Packed: an even tile starts a range, its softmax afresh (alpha is then 0).
+        bool fresh = PACKED && (kt & 1) == 0;
+        float m0 = rows.m0, l0 = rows.l0, m1 = rows.m1, l1 = rows.l1;
+        if (fresh) {
+            rows.m0 = rows.m1 = NEG_INF;
+            rows.l0 = rows.l1 = 0.0f;
+        }
+        wg_softmax(s, rows, wg_tile_key<SPLIT>(kt), it.min_pos, scale_log2, tq, alpha0, alpha1);
         wg_wait_all();
         wg_pin(o);
         wg_pin_p(p);
-        if (lane == 0) mbar_arrive(empty_bar + 8 * ((kt - 1) % WG_WS_STAGES));
+        if (lane == 0) mbar_arrive(empty_bar + 8 * ((kt - 1) % STAGES));
+        if (fresh) {
+            // O holds the ended range whole (its last P V was just waited for).
+            end_range(m0, l0, m1, l1, kt - 1);
+#pragma unroll
+            for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+        }
         wg_rescale_pack(s, o, p, alpha0, alpha1);
     }
     named_sync(1 + wg);
@@ -1313,17 +1456,39 @@ __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* ou
     wg_wait_all();
     wg_pin(o);
     wg_pin_p(p);
-    wg_store(out, o, rows, it.tok0, it.q0, it.n_q, r0, it.head0 + wg, num_heads, tq);
+    if constexpr (!PACKED) {
+        wg_store(out, o, rows, it.tok0, it.q0, it.n_q, r0, it.head0 + wg, num_heads, tq);
+    } else {
+        end_range(rows.m0, rows.l0, rows.m1, rows.l1, it.tiles - 1);
+        if constexpr (RANGED) {
+            // The normalised rows, as flash_range_combine writes them.
+            float inv0 = L0 > 0.0f ? 1.0f / L0 : 0.0f, inv1 = L1 > 0.0f ? 1.0f / L1 : 0.0f;
+            bf16* out0 = out + ((u64)(it.tok0 + tok0) * num_heads + head0) * 128;
+            bf16* out1 = out + ((u64)(it.tok0 + tok1) * num_heads + head1) * 128;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                int c = i * 8 + tq * 2;
+                if (valid0)
+                    *reinterpret_cast<u32*>(out0 + c) =
+                        pack_bf16x2(acc[128 * (4 * i)] * inv0, acc[128 * (4 * i + 1)] * inv0);
+                if (valid1)
+                    *reinterpret_cast<u32*>(out1 + c) =
+                        pack_bf16x2(acc[128 * (4 * i + 2)] * inv1, acc[128 * (4 * i + 3)] * inv1);
+            }
+        }
+    }
 }
 #endif
 #define WG_PP_ARGS                                                                                              \
     const bf16 *q, const bf16 *cache, bf16 *out, const int *work, const int *seq_tok, const int *seq_len,      \
         const int *seq_pos, const int *block_tables, const int *meta_stride, int num_heads, int num_kv_heads,  \
         int layer, int num_layers, int block_size, float scale_log2, float *part, int max_ranges
+#define WG_PP_CALL(TMA, KIND, MAP)                                                                              \
+    wg_pp<TMA, KIND>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads,      \
+                     num_kv_heads, layer, num_layers, block_size, scale_log2, part, max_ranges, MAP)
 extern "C" __global__ void __launch_bounds__(384, 1) flash_prefill_wgmma_pp_hd128(WG_PP_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    wg_pp<false>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads, num_kv_heads,
-                 layer, num_layers, block_size, scale_log2, nullptr);
+    WG_PP_CALL(false, 0, nullptr);
 #endif
 }
 // The same with the K/V tiles brought by the TMA unit (see wg_produce): kv_map describes the
@@ -1331,8 +1496,31 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_prefill_wgmma_pp_hd12
 extern "C" __global__ void __launch_bounds__(384, 1)
     flash_prefill_wgmma_tma_hd128(WG_PP_ARGS, const __grid_constant__ TmaMap kv_map) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    wg_pp<true>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads, num_kv_heads,
-                layer, num_layers, block_size, scale_log2, &kv_map);
+    WG_PP_CALL(true, 0, &kv_map);
+#endif
+}
+// The packed builds (batch-invariant serving): ranges folded in the block, or (split) stored;
+// each with the producers' copies and with the TMA unit.
+extern "C" __global__ void __launch_bounds__(384, 1) flash_prefill_wgmma_packed_hd128(WG_PP_ARGS) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    WG_PP_CALL(false, 1, nullptr);
+#endif
+}
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_prefill_wgmma_packed_tma_hd128(WG_PP_ARGS, const __grid_constant__ TmaMap kv_map) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    WG_PP_CALL(true, 1, &kv_map);
+#endif
+}
+extern "C" __global__ void __launch_bounds__(384, 1) flash_prefill_wgmma_split_hd128(WG_PP_ARGS) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    WG_PP_CALL(false, 2, nullptr);
+#endif
+}
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_prefill_wgmma_split_tma_hd128(WG_PP_ARGS, const __grid_constant__ TmaMap kv_map) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    WG_PP_CALL(true, 2, &kv_map);
 #endif
 }
 

@@ -1,6 +1,7 @@
 //! Prefill attention over the paged cache on tensor cores: the mma.sync builds (default,
-//! packed for batch-invariant serving, split for long decode contexts) and the Hopper build on
-//! warpgroup MMAs; the kernels are in kernels/attention.cu.
+//! packed for batch-invariant serving, split for long decode contexts) and the Hopper builds on
+//! warpgroup MMAs (default, and packed and split as well); the kernels are in
+//! kernels/attention.cu.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
@@ -54,10 +55,27 @@ pub fn flash_split_floats(tokens: usize, num_heads: usize, head_dim: usize, max_
     tokens * num_heads * max_positions.div_ceil(FLASH_RANGE_KEYS) * (head_dim + 2)
 }
 
-/// Tokens one work item of the packed prefill kernel covers: its 64 rows hold that many
-/// tokens' worth of a KV head's query heads (`group` = query heads per KV head, at most 64).
-pub fn flash_packed_tokens(group: usize) -> usize {
-    (FLASH_ROWS / group.max(1)).max(1)
+/// Tokens one work item of the packed prefill kernel covers: its rows (64, or 128 in the Hopper
+/// build, `hopper`: [`wgmma_packed_takes`]) hold that many tokens' worth of a KV head's query
+/// heads (`group` = query heads per KV head, at most the rows).
+pub fn flash_packed_tokens(group: usize, hopper: bool) -> usize {
+    let rows = if hopper { 2 * FLASH_ROWS } else { FLASH_ROWS };
+    (rows / group.max(1)).max(1)
+}
+
+/// Whether the packed prefill attention (batch-invariant serving) runs on Hopper's warpgroup
+/// MMAs for this model on `dev` ([`flash_prefill_wgmma_packed`]): an sm_90a GPU tuned so
+/// (`invariant_wgmma`, with the Hopper prefill not tuned off), head size 128, at most 128 query
+/// heads per KV head. Its work items then hold [`flash_packed_tokens`]`(group, true)` tokens.
+pub fn wgmma_packed_takes(dev: &CudaDevice, num_heads: usize, num_kv_heads: usize, head_dim: usize) -> bool {
+    let group = num_heads / num_kv_heads.max(1);
+    dev.wgmma_capable()
+        && dev.tuning().invariant_wgmma
+        && dev.tuning().wgmma_prefill != WgmmaPrefill::Off
+        && head_dim == 128
+        && num_kv_heads > 0
+        && num_heads == group * num_kv_heads
+        && group <= 2 * FLASH_ROWS
 }
 
 /// Dynamic shared memory of the prefill kernel for `head_dim` (FLASH_SMEM_BYTES in kernels/attention.cu).
@@ -72,6 +90,10 @@ pub const WGMMA_PREFILL_SMEM_BYTES: u32 = 2 * 128 * 128 + 2 * 4 * 128 * 128 + 10
 /// Dynamic shared memory of the warp-specialised Hopper prefill kernels (WG_WS_SMEM_BYTES):
 /// Q, three stages, 1024 bytes to align them, their six barriers.
 pub const WGMMA_WS_PREFILL_SMEM_BYTES: u32 = 2 * 128 * 128 + 3 * 4 * 128 * 128 + 1024 + 64;
+
+/// Dynamic shared memory of the packed Hopper prefill kernel (WG_INV_SMEM_BYTES): Q, two stages,
+/// the folded ranges' f32 sums of both warpgroups' rows, 1024 bytes to align them, the barriers.
+pub const WGMMA_PACKED_PREFILL_SMEM_BYTES: u32 = 2 * 128 * 128 + 2 * 4 * 128 * 128 + 2 * 128 * 64 * 4 + 1024 + 64;
 
 /// Whether the Hopper prefill kernel ([`flash_prefill_wgmma`]) takes shape `s` on `dev`: an
 /// sm_90a GPU, head size 128, an even number of query heads per KV head (a block takes two).
@@ -132,9 +154,87 @@ pub unsafe fn flash_prefill_wgmma(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
     };
-    if !tma {
-        return launch_flash(dev, name, config, (q, cache, out), p, m, s, (0, 0));
+    launch_wgmma(dev, name, config, (q, cache, out), p, m, s, (0, 0), tma)
+}
+
+/// The packed prefill attention (batch-invariant serving) on Hopper's warpgroup MMAs, for the
+/// models [`wgmma_packed_takes`]: work items of [`flash_packed_tokens`]`(group, true)` tokens,
+/// one block per KV head and item (and per `split.blocks`, with a split); the same results as
+/// however the tokens are batched, not the mma.sync packed build's bits. [`flash_prefill`] takes
+/// it where it applies.
+///
+/// # Safety
+/// As [`flash_prefill`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn flash_prefill_wgmma_packed(
+    dev: &CudaDevice,
+    q: u64,
+    cache: u64,
+    out: u64,
+    p: &PrefillSeqs,
+    m: &AttnMeta,
+    s: &AttnShape,
+    split: Option<FlashSplit>,
+) -> Result<(), CudaError> {
+    if !p.packed || !dev.wgmma_capable() || s.head_dim != 128 || s.num_kv_heads == 0 {
+        return Err(CudaError::Unavailable(format!(
+            "the packed Hopper prefill kernel takes sm_90a GPUs, head size 128 and packed work items: not head size \
+             {} on {}{}",
+            s.head_dim,
+            dev.describe(),
+            if p.packed { "" } else { ", unpacked" }
+        )));
     }
+    let group = s.num_heads / s.num_kv_heads;
+    if s.num_heads != group * s.num_kv_heads || group > 2 * FLASH_ROWS {
+        return Err(CudaError::Unavailable(format!(
+            "the packed Hopper prefill kernel takes at most {} query heads per KV head, not {} over {}",
+            2 * FLASH_ROWS,
+            s.num_heads,
+            s.num_kv_heads
+        )));
+    }
+    if p.num_items == 0 {
+        return Ok(());
+    }
+    let tma = s.block_size.is_power_of_two() && s.block_size >= 8;
+    let (name, smem) = match (split.is_some(), tma) {
+        (false, false) => ("flash_prefill_wgmma_packed_hd128", WGMMA_PACKED_PREFILL_SMEM_BYTES),
+        (false, true) => ("flash_prefill_wgmma_packed_tma_hd128", WGMMA_PACKED_PREFILL_SMEM_BYTES),
+        (true, false) => ("flash_prefill_wgmma_split_hd128", WGMMA_WS_PREFILL_SMEM_BYTES),
+        (true, true) => ("flash_prefill_wgmma_split_tma_hd128", WGMMA_WS_PREFILL_SMEM_BYTES),
+    };
+    let (part, blocks_z, max_ranges) = split.map_or((0, 1, 0), |f| (f.part, f.blocks.max(1), f.max_ranges));
+    let config = LaunchConfig {
+        grid_dim: (s.num_kv_heads as u32, p.num_items as u32, blocks_z as u32),
+        block_dim: (384, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    launch_wgmma(dev, name, config, (q, cache, out), p, m, s, (part, max_ranges), tma)?;
+    if split.is_some() {
+        combine_ranges(dev, part, out, p, m, s, max_ranges)?;
+    }
+    Ok(())
+}
+
+/// Launches Hopper prefill kernel `name` with launch_flash's arguments and, with `tma`, the
+/// cache's tensor map after them.
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_wgmma(
+    dev: &CudaDevice,
+    name: &str,
+    config: LaunchConfig,
+    qco: (u64, u64, u64),
+    p: &PrefillSeqs,
+    m: &AttnMeta,
+    s: &AttnShape,
+    split: (u64, usize),
+    tma: bool,
+) -> Result<(), CudaError> {
+    if !tma {
+        return launch_flash(dev, name, config, qco, p, m, s, split);
+    }
+    let (q, cache, out) = qco;
     let mut map = cache_tensor_map(cache, s)?;
     let scale_log2 = std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt();
     let mut values = [
@@ -153,8 +253,8 @@ pub unsafe fn flash_prefill_wgmma(
         (s.num_layers as i32).raw(),
         (s.block_size as i32).raw(),
         scale_log2.raw(),
-        0u64.raw(),
-        0i32.raw(),
+        split.0.raw(),
+        (split.1 as i32).raw(),
     ];
     let mut params: Vec<*mut std::ffi::c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
     params.push((&mut map as *mut cudarc::driver::sys::CUtensorMap).cast());
@@ -162,6 +262,30 @@ pub unsafe fn flash_prefill_wgmma(
     // Safety: the kernel's parameters are launch_flash's, in its order, then the tensor map
     // (128 bytes, passed by value); every pointer is to a live value of the parameter's size.
     unsafe { launch_params(dev, f, config, &mut params, dev.programmatic_launch()) }
+}
+
+/// Folds the key ranges a split prefill launch left in `part` (one token per work item: the
+/// step's tokens are 0..items) into `out`.
+unsafe fn combine_ranges(
+    dev: &CudaDevice,
+    part: u64,
+    out: u64,
+    p: &PrefillSeqs,
+    m: &AttnMeta,
+    s: &AttnShape,
+    max_ranges: usize,
+) -> Result<(), CudaError> {
+    launch!(
+        dev,
+        "flash_range_combine",
+        cfg((p.num_items as u32, s.num_heads as u32), s.head_dim as u32),
+        part,
+        out,
+        m.positions,
+        s.num_heads as i32,
+        s.head_dim as i32,
+        max_ranges as i32
+    )
 }
 
 /// The TMA unit's view of layer-major paged cache `cache` (`s` describes it): a 5-D bf16 tensor
@@ -271,6 +395,9 @@ pub unsafe fn flash_prefill(
     if !p.packed && split.is_none() && build != WgmmaPrefill::Off && wgmma_prefill_takes(dev, s) {
         return flash_prefill_wgmma(dev, q, cache, out, p, m, s, build);
     }
+    if p.packed && wgmma_packed_takes(dev, s.num_heads, s.num_kv_heads, s.head_dim) {
+        return flash_prefill_wgmma_packed(dev, q, cache, out, p, m, s, split);
+    }
     let name = match (s.head_dim, p.packed, split.is_some()) {
         (64, false, _) => "flash_prefill_hd64",
         (128, false, _) => "flash_prefill_hd128",
@@ -295,18 +422,7 @@ pub unsafe fn flash_prefill(
     };
     launch_flash(dev, name, config, (q, cache, out), p, m, s, (part, max_ranges))?;
     if split.is_some() {
-        // One token per work item: the step's tokens are 0..items.
-        launch!(
-            dev,
-            "flash_range_combine",
-            cfg((p.num_items as u32, s.num_heads as u32), s.head_dim as u32),
-            part,
-            out,
-            m.positions,
-            s.num_heads as i32,
-            s.head_dim as i32,
-            max_ranges as i32
-        )?;
+        combine_ranges(dev, part, out, p, m, s, max_ranges)?;
     }
     Ok(())
 }
