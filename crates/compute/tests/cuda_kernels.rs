@@ -331,7 +331,8 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
             let hopper_err = rel_err(&hopper_out, &|_| true);
             assert!(hopper_err < 1e-2, "packed flash_prefill_wgmma, {label}: relative error {hopper_err:.2e}");
             if let Some(tma_out) = &tma_out {
-                for t in (0..total_tokens).filter(|&t| in_prefill(t) && one_range(t)) {
+                let one_hopper_range = |t: usize| (positions[t] as usize) < ops::WGMMA_RANGE_KEYS;
+                for t in (0..total_tokens).filter(|&t| in_prefill(t) && one_hopper_range(t)) {
                     let row = t * nh * hd..(t + 1) * nh * hd;
                     assert!(
                         hopper_out[row.clone()] == tma_out[row],
@@ -1054,8 +1055,10 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
         let mut rng = Lcg(11);
         for (nh, nkv, hd) in [(32, 8, 128), (16, 8, 128), (8, 1, 64), (12, 4, 64), (24, 2, 128)] {
             let hopper = ops::wgmma_packed_takes(dev, nh, nkv, hd);
-            // Three key ranges of the packed kernel's softmax, the last one partial.
-            let (bs, len, num_layers, layer): (usize, usize, usize, usize) = (16, 700, 2, 1);
+            // Three key ranges of the packed kernel's softmax (256 keys, or 1024 in the Hopper
+            // build), the last one partial.
+            let rk = ops::flash_range_keys(hopper);
+            let (bs, len, num_layers, layer): (usize, usize, usize, usize) = (16, rk * 2 + rk * 11 / 16, 2, 1);
             let num_blocks = len.div_ceil(bs) + 2;
             let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
             for i in (1..ids.len()).rev() {
@@ -1079,7 +1082,7 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
             let per_item = ops::flash_packed_tokens(nh / nkv, hopper);
             // Runs one batch of (tokens, first position) sequences of the same prompt; returns
             // each batch token's (position, output row).
-            let max_ranges = len.div_ceil(ops::FLASH_RANGE_KEYS);
+            let max_ranges = len.div_ceil(rk);
             let d_part = dev.zeros::<f32>(ops::flash_split_floats(16, nh, hd, len)).unwrap();
             // `split`: the key ranges over that many blocks (one-token sequences only).
             let run = |seqs: &[(usize, usize)], split: Option<usize>| -> Vec<(usize, Vec<u16>)> {
@@ -1129,12 +1132,12 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
             };
             let whole = run(&[(len, 0)], None);
             let decode: Vec<(usize, usize)> =
-                [0, 15, 16, 63, 64, 255, 256, 300, 511, 512, 699].iter().map(|&p| (1, p)).collect();
-            let mixed: Vec<(usize, usize)> = decode.iter().copied().chain([(37, 480), (5, 3)]).rev().collect();
+                [0, 15, 16, 63, 64, rk - 1, rk, rk + 44, 2 * rk - 1, 2 * rk, len - 1].iter().map(|&p| (1, p)).collect();
+            let mixed: Vec<(usize, usize)> = decode.iter().copied().chain([(37, 2 * rk - 32), (5, 3)]).rev().collect();
             let variants = [
-                (vec![(100, 0), (600, 100)], None),
-                (vec![(64, 0), (1, 64), (635, 65)], None),
-                (vec![(256, 0), (444, 256)], None),
+                (vec![(100, 0), (len - 100, 100)], None),
+                (vec![(64, 0), (1, 64), (len - 65, 65)], None),
+                (vec![(rk, 0), (len - rk, rk)], None),
                 (decode.clone(), None),
                 (mixed, None),
                 // A decode step's ranges over 1, 2 and 16 blocks per KV head.

@@ -192,10 +192,10 @@ pub use invariant::{invariant_slices, matmul_t_invariant, matmul_t_invariant_sli
 
 mod prefill;
 pub use prefill::{
-    flash_packed_tokens, flash_prefill, flash_prefill_wgmma, flash_prefill_wgmma_packed, flash_smem_bytes,
-    flash_split_floats, flash_supported, wgmma_packed_takes, wgmma_prefill_takes, FlashSplit, PrefillSeqs,
-    FLASH_RANGE_KEYS, FLASH_ROWS, WGMMA_PACKED_PREFILL_SMEM_BYTES, WGMMA_PREFILL_SMEM_BYTES,
-    WGMMA_WS_PREFILL_SMEM_BYTES,
+    flash_packed_tokens, flash_prefill, flash_prefill_wgmma, flash_prefill_wgmma_packed, flash_range_keys,
+    flash_smem_bytes, flash_split_floats, flash_supported, wgmma_packed_takes, wgmma_prefill_takes, FlashSplit,
+    PrefillSeqs, FLASH_RANGE_KEYS, FLASH_ROWS, WGMMA_PACKED_PREFILL_SMEM_BYTES, WGMMA_PREFILL_SMEM_BYTES,
+    WGMMA_RANGE_KEYS, WGMMA_WS_PREFILL_SMEM_BYTES,
 };
 mod skinny;
 pub use skinny::{

@@ -122,7 +122,14 @@ impl StepBuffers {
             pending: VecDeque::new(),
             last_rows: 0,
             counts: StepCounts::default(),
-            limits: MetaLimits { block_size, max_positions, table_width, flash, packed },
+            limits: MetaLimits {
+                block_size,
+                max_positions,
+                table_width,
+                flash,
+                packed,
+                range_keys: ops::flash_range_keys(hopper),
+            },
             max_tokens,
             max_seqs,
         })
@@ -240,7 +247,7 @@ impl StepBuffers {
         (self.batch_invariant() && counts.split).then(|| ops::FlashSplit {
             part: self.act.attn_part.ptr(),
             blocks: attention_split_most(counts.work),
-            max_ranges: self.limits.max_positions.div_ceil(ops::FLASH_RANGE_KEYS),
+            max_ranges: self.limits.max_positions.div_ceil(self.limits.range_keys),
         })
     }
 
@@ -497,6 +504,9 @@ struct MetaLimits {
     /// where it applies, [`ops::wgmma_packed_takes`]), in work items of this many tokens
     /// ([`ops::flash_packed_tokens`]); none to the row kernel.
     packed: Option<usize>,
+    /// Keys per softmax range of that packed kernel ([`ops::flash_range_keys`]): a decode step
+    /// splits a context of more.
+    range_keys: usize,
 }
 
 /// Puts the sampling parameters of `samples` (row r: top-k, then temperature, top-p and the
@@ -607,7 +617,7 @@ fn build_meta(
         // Spread the packed kernel's key ranges over blocks on a decode step of a few tokens
         // when a context has two ranges or more (the same result either way).
         let longest = (0..padded_tokens.max(token_ids.len())).map(|t| hm[m.positions + t] as usize + 1).max();
-        one_token_each && attention_split_most(n_work) > 1 && longest.is_some_and(|ctx| ctx > ops::FLASH_RANGE_KEYS)
+        one_token_each && attention_split_most(n_work) > 1 && longest.is_some_and(|ctx| ctx > limits.range_keys)
     } else {
         // Split the row attention when a listed token's context is long enough to take two ranges.
         let longest = (0..n_decode).map(|i| hm[m.positions + hm[m.decode_list + i] as usize] as usize + 1).max();
@@ -645,7 +655,14 @@ mod tests {
     use super::*;
 
     fn limits(flash: bool) -> MetaLimits {
-        MetaLimits { block_size: 4, max_positions: 1000, table_width: 64, flash, packed: None }
+        MetaLimits {
+            block_size: 4,
+            max_positions: 1000,
+            table_width: 64,
+            flash,
+            packed: None,
+            range_keys: ops::FLASH_RANGE_KEYS,
+        }
     }
 
     #[test]
@@ -796,7 +813,14 @@ mod tests {
         let m = MetaLayout::new(64, 32, FLASH_ROWS);
         let mut header = vec![0; m.tables];
         let table: Vec<u32> = (0..100).collect();
-        let limits = MetaLimits { block_size: 4, max_positions: 1000, table_width: 100, flash: true, packed: None };
+        let limits = MetaLimits {
+            block_size: 4,
+            max_positions: 1000,
+            table_width: 100,
+            flash: true,
+            packed: None,
+            range_keys: ops::FLASH_RANGE_KEYS,
+        };
         let step = |header: &mut Vec<i32>, pos: usize, seqs_n: usize| {
             let seqs: Vec<SeqBatch<'_>> = (0..seqs_n)
                 .map(|i| SeqBatch {

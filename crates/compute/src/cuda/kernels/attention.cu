@@ -790,6 +790,10 @@ FLASH_PREFILL(flash_prefill_split_hd128, 128, true, true)
 // Grid: (num_heads / 2, work items); the group size must be even. Block: 256.
 // Dynamic shared memory: WG_SMEM_BYTES.
 #define WG_KEYS 128
+// The packed Hopper builds' softmax ranges (see wg_pp): eight tiles, so that the fold through
+// shared memory comes once in eight tiles.
+#define WG_RANGE_TILES 8
+#define WG_RANGE (WG_RANGE_TILES * WG_KEYS)
 // An atom: 128 rows of 128 bytes (Q: both heads' 64 rows; K and V: the tile's 128 keys).
 #define WG_ATOM_BYTES (128 * 128)
 #define WG_Q_BYTES (2 * WG_ATOM_BYTES)
@@ -1107,7 +1111,7 @@ struct __align__(64) TmaMap {
 // two query heads head0, head0 + 1; the packed builds (batch-invariant) 128 / group tokens of
 // every query head of the KV head, row R the token q0 + R / group and head head0 + R % group
 // (rows from `rows` on hold none). The split build takes key ranges z, z + gridDim.z, ... of
-// FA_RANGE keys (two tiles): `tiles` counts those of its ranges that reach into the context.
+// WG_RANGE keys: `tiles` counts those of its ranges' tiles that reach into the context.
 struct WgItem {
     int q0, n_q, tok0, ctx, tiles, min_pos, head0, kh, first_pos, group, rows;
     const int* table;
@@ -1138,22 +1142,23 @@ __device__ __forceinline__ WgItem wg_item(const int* work, int item, const int* 
     }
     it.tiles = (it.ctx + WG_KEYS - 1) / WG_KEYS;
     if constexpr (SPLIT) {
-        int ranges = (it.ctx + FA_RANGE - 1) / FA_RANGE, z = blockIdx.z;
+        int ranges = (it.ctx + WG_RANGE - 1) / WG_RANGE, z = blockIdx.z;
         if (z >= ranges) {
             it.tiles = 0;
         } else {
             int mine = (ranges - 1 - z) / gridDim.z + 1, last = z + (mine - 1) * gridDim.z;
-            it.tiles = 2 * (mine - 1) + (it.ctx - last * FA_RANGE > WG_KEYS ? 2 : 1);
+            it.tiles = WG_RANGE_TILES * (mine - 1) + (it.ctx - last * WG_RANGE + WG_KEYS - 1) / WG_KEYS;
         }
     }
     it.table = block_tables + (u64)seq * meta_stride[0];
     return it;
 }
-// The first key of this block's tile kt: tiles from key 0, or (SPLIT) the two tiles of each of
-// its ranges in turn.
+// The first key of this block's tile kt: tiles from key 0, or (SPLIT) the tiles of each of its
+// ranges in turn.
 template <bool SPLIT>
 __device__ __forceinline__ int wg_tile_key(int kt) {
-    if constexpr (SPLIT) return (blockIdx.z + (kt >> 1) * gridDim.z) * FA_RANGE + (kt & 1) * WG_KEYS;
+    if constexpr (SPLIT)
+        return (blockIdx.z + (kt / WG_RANGE_TILES) * gridDim.z) * WG_RANGE + (kt % WG_RANGE_TILES) * WG_KEYS;
     return kt * WG_KEYS;
 }
 // Row R (0-127) of the block's item: its token in the sequence and its query head; whether it
@@ -1299,16 +1304,15 @@ __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* 
 //
 // KIND 1 and 2 are the packed builds of batch-invariant serving (see WgItem; grid (KV heads,
 // work items[, blocks a split item])): the packed mma.sync build's scheme on these tensor
-// cores. The softmax goes by ranges of FA_RANGE keys (two tiles), each started afresh (O, max
-// and sum) and folded in key order with range_fold's arithmetic: KIND 1 into a running sum
-// that, the registers being full, is kept in shared memory (WG_ACC_BYTES, in place of a third
-// stage); KIND 2 (split) leaves each range's state in `part` for flash_range_combine, which
-// folds them the same way. A row's result then depends only on its query, position and keys,
+// cores. The softmax goes by ranges of WG_RANGE keys, each started afresh (O, max and sum) and
+// folded in key order with range_fold's arithmetic: KIND 1 into a running sum that, the
+// registers being full, is kept in shared memory (WG_ACC_BYTES, in place of a third stage);
+// KIND 2 (split) leaves each range's state in `part` for flash_range_combine, which folds them
+// the same way. A row's result then depends only on its query, position and keys,
 // so a token gives the same bits in a prefill chunk, as a decode token, split or not.
 #define WG_INV_STAGES 2
 #define WG_ACC_BYTES (2 * 128 * 64 * 4)
 #define WG_INV_SMEM_BYTES (WG_Q_BYTES + WG_INV_STAGES * WG_STAGE_BYTES + WG_ACC_BYTES + 1024 + 64)
-static_assert(FA_RANGE == 2 * WG_KEYS, "a range is two Hopper tiles");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 template <bool TMA, int KIND>
 __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* out, const int* work, const int* seq_tok,
@@ -1355,14 +1359,15 @@ __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* ou
     u32 p[8][4];
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.0f;
-    // RANGED: the folded ranges: per row the max and sum, and O's entry i at acc[128 i] (this
-    // thread's own column of its warpgroup's 64 x 128 floats: no bank conflicts, no barrier).
+    // RANGED: the folded ranges: per row the max and sum, and O's entries 4j..4j + 3 at acc[128 j]
+    // (this thread's own 16-byte column of its warpgroup's 64 x 128 floats: no bank conflicts,
+    // no barrier).
     float M0 = NEG_INF, M1 = NEG_INF, L0 = 0.0f, L1 = 0.0f;
-    float* acc = reinterpret_cast<float*>(wg_smem + (acc_smem - (u32)__cvta_generic_to_shared(wg_smem))) +
-                 wg * 128 * 64 + (threadIdx.x & 127);
+    float4* acc = reinterpret_cast<float4*>(wg_smem + (acc_smem - (u32)__cvta_generic_to_shared(wg_smem))) +
+                  wg * 128 * 16 + (threadIdx.x & 127);
     if constexpr (RANGED) {
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[128 * i] = 0.0f;
+        for (int j = 0; j < 16; ++j) acc[128 * j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     // The range that ended with tile kt (its state m, l, O in o): its sums whole over the quad,
     // then folded (RANGED) or stored (SPLIT).
@@ -1372,7 +1377,7 @@ __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* ou
         l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
         if constexpr (SPLIT) {
-            int rg = wg_tile_key<true>(kt) / FA_RANGE;
+            int rg = wg_tile_key<true>(kt) / WG_RANGE;
             float* p0 = part + (((u64)(it.tok0 + tok0) * num_heads + head0) * max_ranges + rg) * (128 + 2);
             float* p1 = part + (((u64)(it.tok0 + tok1) * num_heads + head1) * max_ranges + rg) * (128 + 2);
 #pragma unroll
@@ -1392,13 +1397,17 @@ __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* ou
             if (fold0) range_fold(M0, L0, m0, l0, a0, b0);
             if (fold1) range_fold(M1, L1, m1, l1, a1, b1);
 #pragma unroll
-            for (int i = 0; i < 16; ++i) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    if (fold0) acc[128 * (4 * i + e)] = range_scale(acc[128 * (4 * i + e)], a0, o[4 * i + e], b0);
-                    if (fold1)
-                        acc[128 * (4 * i + 2 + e)] = range_scale(acc[128 * (4 * i + 2 + e)], a1, o[4 * i + 2 + e], b1);
+            for (int j = 0; j < 16; ++j) {
+                float4 v = acc[128 * j];
+                if (fold0) {
+                    v.x = range_scale(v.x, a0, o[4 * j], b0);
+                    v.y = range_scale(v.y, a0, o[4 * j + 1], b0);
                 }
+                if (fold1) {
+                    v.z = range_scale(v.z, a1, o[4 * j + 2], b1);
+                    v.w = range_scale(v.w, a1, o[4 * j + 3], b1);
+                }
+                acc[128 * j] = v;
             }
         }
     };
@@ -1430,8 +1439,8 @@ __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* ou
         // S of tile kt is the older of the two groups in flight.
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
         wg_pin(s);
-        // Packed: an even tile starts a range, its softmax afresh (alpha is then 0).
-        bool fresh = PACKED && (kt & 1) == 0;
+        // Packed: every WG_RANGE_TILES-th tile starts a range, its softmax afresh (alpha is then 0).
+        bool fresh = PACKED && kt % WG_RANGE_TILES == 0;
         float m0 = rows.m0, l0 = rows.l0, m1 = rows.m1, l1 = rows.l1;
         if (fresh) {
             rows.m0 = rows.m1 = NEG_INF;
@@ -1466,14 +1475,11 @@ __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* ou
             bf16* out0 = out + ((u64)(it.tok0 + tok0) * num_heads + head0) * 128;
             bf16* out1 = out + ((u64)(it.tok0 + tok1) * num_heads + head1) * 128;
 #pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                int c = i * 8 + tq * 2;
-                if (valid0)
-                    *reinterpret_cast<u32*>(out0 + c) =
-                        pack_bf16x2(acc[128 * (4 * i)] * inv0, acc[128 * (4 * i + 1)] * inv0);
-                if (valid1)
-                    *reinterpret_cast<u32*>(out1 + c) =
-                        pack_bf16x2(acc[128 * (4 * i + 2)] * inv1, acc[128 * (4 * i + 3)] * inv1);
+            for (int j = 0; j < 16; ++j) {
+                int c = j * 8 + tq * 2;
+                float4 v = acc[128 * j];
+                if (valid0) *reinterpret_cast<u32*>(out0 + c) = pack_bf16x2(v.x * inv0, v.y * inv0);
+                if (valid1) *reinterpret_cast<u32*>(out1 + c) = pack_bf16x2(v.z * inv1, v.w * inv1);
             }
         }
     }
@@ -1524,15 +1530,16 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Folds the key ranges flash_prefill_split_hd* left in `part` for every listed token t (all of
-// the step's: a split step is pure decode) and head, in range order, with range_fold's
-// arithmetic, and writes the normalised output as the unsplit packed build would.
+// Folds the key ranges (of range_keys keys: FA_RANGE, or WG_RANGE for the Hopper build) a split
+// build left in `part` for every listed token t (all of the step's: a split step is pure
+// decode) and head, in range order, with range_fold's arithmetic, and writes the normalised
+// output as the unsplit packed build would.
 // Grid: (tokens, heads). Block: head_dim.
 extern "C" __global__ void flash_range_combine(const float* part, bf16* out, const int* positions, int num_heads,
-                                               int head_dim, int max_ranges) {
+                                               int head_dim, int max_ranges, int range_keys) {
     PDL_ENTER();
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
-    int ranges = (positions[t] + FA_RANGE) / FA_RANGE;
+    int ranges = (positions[t] + range_keys) / range_keys;
     const float* p = part + ((u64)t * num_heads + h) * max_ranges * (head_dim + 2);
     float M = NEG_INF, L = 0.0f, acc = 0.0f;
     for (int r = 0; r < ranges; ++r, p += head_dim + 2) {

@@ -36,6 +36,21 @@ pub struct PrefillSeqs {
 /// may be worked by separate blocks ([`FlashSplit`]) with the same result.
 pub const FLASH_RANGE_KEYS: usize = 256;
 
+/// Keys per range of the packed Hopper build (WG_RANGE: eight 128-key tiles, so that its fold
+/// through shared memory comes once in eight tiles).
+pub const WGMMA_RANGE_KEYS: usize = 1024;
+
+/// Keys per softmax range of the packed build that serves a model: the Hopper build's
+/// ([`wgmma_packed_takes`]) or the mma.sync one's. A split decode step's ranges
+/// ([`FlashSplit::max_ranges`]) count in these.
+pub fn flash_range_keys(hopper: bool) -> usize {
+    if hopper {
+        WGMMA_RANGE_KEYS
+    } else {
+        FLASH_RANGE_KEYS
+    }
+}
+
 /// Key ranges ([`FLASH_RANGE_KEYS`]) of the packed prefill kernel spread over blocks: for
 /// decode steps of a few tokens with long contexts, where one block per KV head walking the
 /// whole context leaves the device idle. Only for steps whose work items are one token each.
@@ -46,7 +61,8 @@ pub struct FlashSplit {
     /// Blocks per work item and KV head (the launch's grid z); block z takes ranges z, z +
     /// blocks, ...
     pub blocks: usize,
-    /// Ranges the scratch holds per token and head: at least every token's context / 256.
+    /// Ranges the scratch holds per token and head: at least every token's context over the
+    /// build's range ([`flash_range_keys`]).
     pub max_ranges: usize,
 }
 
@@ -212,7 +228,7 @@ pub unsafe fn flash_prefill_wgmma_packed(
     };
     launch_wgmma(dev, name, config, (q, cache, out), p, m, s, (part, max_ranges), tma)?;
     if split.is_some() {
-        combine_ranges(dev, part, out, p, m, s, max_ranges)?;
+        combine_ranges(dev, part, out, p, m, s, (max_ranges, WGMMA_RANGE_KEYS))?;
     }
     Ok(())
 }
@@ -264,8 +280,8 @@ unsafe fn launch_wgmma(
     unsafe { launch_params(dev, f, config, &mut params, dev.programmatic_launch()) }
 }
 
-/// Folds the key ranges a split prefill launch left in `part` (one token per work item: the
-/// step's tokens are 0..items) into `out`.
+/// Folds the key ranges (`ranges`: the most a token has, and keys a range) a split prefill
+/// launch left in `part` (one token per work item: the step's tokens are 0..items) into `out`.
 unsafe fn combine_ranges(
     dev: &CudaDevice,
     part: u64,
@@ -273,8 +289,9 @@ unsafe fn combine_ranges(
     p: &PrefillSeqs,
     m: &AttnMeta,
     s: &AttnShape,
-    max_ranges: usize,
+    ranges: (usize, usize),
 ) -> Result<(), CudaError> {
+    let (max_ranges, range_keys) = ranges;
     launch!(
         dev,
         "flash_range_combine",
@@ -284,7 +301,8 @@ unsafe fn combine_ranges(
         m.positions,
         s.num_heads as i32,
         s.head_dim as i32,
-        max_ranges as i32
+        max_ranges as i32,
+        range_keys as i32
     )
 }
 
@@ -422,7 +440,7 @@ pub unsafe fn flash_prefill(
     };
     launch_flash(dev, name, config, (q, cache, out), p, m, s, (part, max_ranges))?;
     if split.is_some() {
-        combine_ranges(dev, part, out, p, m, s, max_ranges)?;
+        combine_ranges(dev, part, out, p, m, s, (max_ranges, FLASH_RANGE_KEYS))?;
     }
     Ok(())
 }
