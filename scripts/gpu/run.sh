@@ -301,7 +301,9 @@ if [ "$MODE" = invariant ]; then
     PD_BATCH_INVARIANT=1 PD_SETTINGS=cuda-ipc_16 PD_LONG=2000 pd_check
   fi
   # Then (INV_BENCH, default all of these) wgmma: the invariant build with its attention on
-  # Hopper's warpgroup MMAs (invariant_wgmma=1); the o and down products cut into K
+  # Hopper's warpgroup MMAs (invariant_wgmma=1; wgmma-wide: decode tokens in its 128-row items
+  # too, invariant_narrow=0; wgmma-shared: its range sums in shared memory and two stages,
+  # invariant_fold_l2=0); the o and down products cut into K
   # slices of at most 1280 and 2560 columns (--cuda-tune invariant_slice_cols), at the short
   # context, on skinny kernels of 8 and of 2 stages (more blocks an SM).
   for flag in ${INV_BENCH:-default --batch-invariant wgmma slices1280 slices2560 slices1280s2 slices2560s2}; do
@@ -311,6 +313,8 @@ if [ "$MODE" = invariant ]; then
       case $flag in
         --batch-invariant) args=("$flag") ;;
         wgmma) args=(--batch-invariant --cuda-tune=invariant_wgmma=1) ;;
+        wgmma-wide) args=(--batch-invariant --cuda-tune=invariant_wgmma=1 --cuda-tune=invariant_narrow=0) ;;
+        wgmma-shared) args=(--batch-invariant --cuda-tune=invariant_wgmma=1 --cuda-tune=invariant_fold_l2=0) ;;
         slices*s2) [ "$ctx" = 16 ] || continue; cols=${flag#slices}
           args=(--batch-invariant "--cuda-tune=invariant_slice_cols=${cols%s2}" --cuda-tune=skinny_stages=2) ;;
         slices*) [ "$ctx" = 16 ] || continue

@@ -101,7 +101,9 @@ pub struct EngineArgs {
     /// invariant_slice_cols=0|N*64 (0), kv_fence_groups=1..=64 (8), kv_fence_taper=0|1 (1),
     /// wgmma_prefill=0|1|2|3 (3: the Hopper prefill attention, warp specialised, K/V by the TMA
     /// unit; 2 the same with copies; 1 its lockstep build; 0 the mma.sync kernel),
-    /// invariant_wgmma=0|1 (0; 1: --batch-invariant's attention on the Hopper kernel).
+    /// invariant_wgmma=0|1 (0; 1: --batch-invariant's attention on the Hopper kernel),
+    /// invariant_narrow=0|1 (1: with it, decode tokens on a kernel of 16-row items, same bits),
+    /// invariant_fold_l2=0|1 (1: with it, its range sums in L2 and three K/V stages).
     #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
     pub cuda_tune: Vec<String>,
     /// Give every request the output it would get alone: run kernels whose arithmetic for one

@@ -221,6 +221,8 @@ fn check_attention(dev: &CudaDevice, case: &Case, rng: &mut Lcg) {
             seq_len: d_sl.ptr(),
             seq_pos: d_sp.ptr(),
             packed: false,
+            narrow: 0,
+            fold_scratch: 0,
         };
         unsafe { ops::flash_prefill(dev, d_q.ptr(), d_cache.ptr(), d_out.ptr(), &p, &meta, &shape, None).unwrap() };
         let out = dev.read(&d_out, poison.len()).unwrap();
@@ -1045,13 +1047,26 @@ fn kv_copies_between_block_sizes_land_every_token_where_the_table_says() {
 #[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
     let Some(mma_sync) = device() else { return };
-    // The mma.sync packed build, and on a Hopper GPU the warpgroup-MMA one.
+    // The mma.sync packed build, and on a Hopper GPU the warpgroup-MMA one: its decode tokens in
+    // narrow work items, its range sums in shared memory; and (invariant_narrow off) in 128-row
+    // ones, the sums in global memory (invariant_fold_l2). Both Hopper devices give the same bits.
     let mut devices = vec![mma_sync];
     if devices[0].wgmma_capable() {
-        let tuning = CudaTuning { invariant_wgmma: true, ..CudaTuning::default() };
-        devices.push(CudaDevice::open_with(0, tuning, kernel_cache().as_deref()).unwrap());
+        for invariant_narrow in [true, false] {
+            let tuning = CudaTuning {
+                invariant_wgmma: true,
+                invariant_narrow,
+                invariant_fold_l2: !invariant_narrow,
+                ..CudaTuning::default()
+            };
+            devices.push(CudaDevice::open_with(0, tuning, kernel_cache().as_deref()).unwrap());
+        }
     }
+    // The first Hopper device's whole-prompt outputs, by shape.
+    let mut hopper_wholes = std::collections::HashMap::new();
     for dev in &devices {
+        let fold_scratch =
+            dev.tuning().invariant_fold_l2.then(|| dev.zeros::<f32>(ops::WGMMA_FOLD_SCRATCH_FLOATS).unwrap());
         let mut rng = Lcg(11);
         for (nh, nkv, hd) in [(32, 8, 128), (16, 8, 128), (8, 1, 64), (12, 4, 64), (24, 2, 128)] {
             let hopper = ops::wgmma_packed_takes(dev, nh, nkv, hd);
@@ -1080,6 +1095,8 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
                 num_blocks,
             };
             let per_item = ops::flash_packed_tokens(nh / nkv, hopper);
+            // Sequences of at most this many tokens are narrow work items, listed last.
+            let narrow_tokens = ops::narrow_tokens(dev, nh, nkv, hd);
             // Runs one batch of (tokens, first position) sequences of the same prompt; returns
             // each batch token's (position, output row).
             let max_ranges = len.div_ceil(rk);
@@ -1088,6 +1105,7 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
             let run = |seqs: &[(usize, usize)], split: Option<usize>| -> Vec<(usize, Vec<u16>)> {
                 let (mut q, mut positions, mut tok_seq, mut seq_tok, mut seq_len, mut seq_pos, mut work, mut tables) =
                     (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+                let mut narrow = vec![];
                 for (si, &(n, p)) in seqs.iter().enumerate() {
                     seq_tok.push(positions.len() as i32);
                     seq_len.push(n as i32);
@@ -1098,10 +1116,16 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
                         tok_seq.push(si as i32);
                         q.extend_from_slice(&q_at[(p + k) * nh * hd..(p + k + 1) * nh * hd]);
                     }
+                    if (1..=narrow_tokens).contains(&n) {
+                        narrow.extend([si as i32, 0]);
+                        continue;
+                    }
                     for q0 in (0..n).step_by(per_item).rev() {
                         work.extend([si as i32, q0 as i32]);
                     }
                 }
+                let narrow_items = narrow.len() / 2;
+                work.extend(narrow);
                 let t = positions.len();
                 let up = |v: &[i32]| dev.upload(v).unwrap();
                 let (d_pos, d_ts, d_tab, d_stride) =
@@ -1122,6 +1146,8 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
                     seq_len: d_sl.ptr(),
                     seq_pos: d_sp.ptr(),
                     packed: true,
+                    narrow: narrow_items,
+                    fold_scratch: fold_scratch.as_ref().map_or(0, |f| f.ptr()),
                 };
                 let split = split.map(|blocks| ops::FlashSplit { part: d_part.ptr(), blocks, max_ranges });
                 unsafe {
@@ -1131,6 +1157,10 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
                 (0..t).map(|i| (positions[i] as usize, out[i * nh * hd..(i + 1) * nh * hd].to_vec())).collect()
             };
             let whole = run(&[(len, 0)], None);
+            if hopper {
+                let first = hopper_wholes.entry((nh, nkv, hd)).or_insert_with(|| whole.clone());
+                assert!(*first == whole, "heads {nh}/{nkv}: the Hopper builds (shared or global fold) give other bits");
+            }
             let decode: Vec<(usize, usize)> =
                 [0, 15, 16, 63, 64, rk - 1, rk, rk + 44, 2 * rk - 1, 2 * rk, len - 1].iter().map(|&p| (1, p)).collect();
             let mixed: Vec<(usize, usize)> = decode.iter().copied().chain([(37, 2 * rk - 32), (5, 3)]).rev().collect();
@@ -1140,6 +1170,8 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
                 (vec![(rk, 0), (len - rk, rk)], None),
                 (decode.clone(), None),
                 (mixed, None),
+                // Short runs of tokens (narrow work items of several tokens where the group is small).
+                (vec![(3, 200), (4, rk + 7), (2, 2 * rk + 1)], None),
                 // A decode step's ranges over 1, 2 and 16 blocks per KV head.
                 (decode.clone(), Some(1)),
                 (decode.clone(), Some(2)),
@@ -1150,7 +1182,7 @@ fn packed_attention_gives_a_query_the_same_bits_however_it_is_batched() {
                     assert!(row.iter().all(|v| f32_of(*v).is_finite()), "heads {nh}/{nkv}: position {pos} not written");
                     assert!(
                     row == whole[pos].1,
-                    "heads {nh}/{nkv} head_dim {hd} (Hopper build: {hopper}): position {pos} in batch {variant:?} (split {split:?}) differs from the whole prompt's"
+                    "heads {nh}/{nkv} head_dim {hd} (Hopper build: {hopper}, narrow up to {narrow_tokens} tokens): position {pos} in batch {variant:?} (split {split:?}) differs from the whole prompt's"
                 );
                 }
             }

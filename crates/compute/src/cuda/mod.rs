@@ -132,8 +132,12 @@ pub const KERNEL_NAMES: &[&str] = &[
     "flash_prefill_wgmma_tma_hd128",
     "flash_prefill_wgmma_packed_hd128",
     "flash_prefill_wgmma_packed_tma_hd128",
+    "flash_prefill_wgmma_packed3_hd128",
+    "flash_prefill_wgmma_packed3_tma_hd128",
     "flash_prefill_wgmma_split_hd128",
     "flash_prefill_wgmma_split_tma_hd128",
+    "flash_decode_narrow_hd128",
+    "flash_decode_narrow_split_hd128",
     "flash_range_combine",
     "ban_tokens",
     "sample_rows",
@@ -560,8 +564,16 @@ impl CudaDevice {
         for name in ["flash_prefill_wgmma_packed_hd128", "flash_prefill_wgmma_packed_tma_hd128"] {
             allow_smem(name, ops::WGMMA_PACKED_PREFILL_SMEM_BYTES as usize)?;
         }
-        for name in ["flash_prefill_wgmma_split_hd128", "flash_prefill_wgmma_split_tma_hd128"] {
+        for name in [
+            "flash_prefill_wgmma_split_hd128",
+            "flash_prefill_wgmma_split_tma_hd128",
+            "flash_prefill_wgmma_packed3_hd128",
+            "flash_prefill_wgmma_packed3_tma_hd128",
+        ] {
             allow_smem(name, ops::WGMMA_WS_PREFILL_SMEM_BYTES as usize)?;
+        }
+        for name in ["flash_decode_narrow_hd128", "flash_decode_narrow_split_hd128"] {
+            allow_smem(name, ops::narrow_smem_bytes(2) as usize)?;
         }
         // The decode attention stages a chunk of keys and values (over 48 KiB for head size 256).
         for name in named("attention_rows_") {

@@ -192,10 +192,11 @@ pub use invariant::{invariant_slices, matmul_t_invariant, matmul_t_invariant_sli
 
 mod prefill;
 pub use prefill::{
-    flash_packed_tokens, flash_prefill, flash_prefill_wgmma, flash_prefill_wgmma_packed, flash_range_keys,
-    flash_smem_bytes, flash_split_floats, flash_supported, wgmma_packed_takes, wgmma_prefill_takes, FlashSplit,
-    PrefillSeqs, FLASH_RANGE_KEYS, FLASH_ROWS, WGMMA_PACKED_PREFILL_SMEM_BYTES, WGMMA_PREFILL_SMEM_BYTES,
-    WGMMA_RANGE_KEYS, WGMMA_WS_PREFILL_SMEM_BYTES,
+    flash_packed_tokens, flash_prefill, flash_prefill_narrow_rope, flash_prefill_wgmma, flash_prefill_wgmma_packed,
+    flash_range_keys, flash_smem_bytes, flash_split_floats, flash_supported, narrow_smem_bytes, narrow_tokens,
+    wgmma_packed_takes, wgmma_prefill_takes, FlashSplit, PrefillSeqs, FLASH_RANGE_KEYS, FLASH_ROWS, NARROW_ROWS,
+    WGMMA_FOLD_SCRATCH_FLOATS, WGMMA_PACKED_PREFILL_SMEM_BYTES, WGMMA_PREFILL_SMEM_BYTES, WGMMA_RANGE_KEYS,
+    WGMMA_WS_PREFILL_SMEM_BYTES,
 };
 mod skinny;
 pub use skinny::{
@@ -671,8 +672,9 @@ pub fn attention_split_floats(tokens: usize, num_heads: usize, head_dim: usize, 
     tokens * num_heads * most * (head_dim + 2)
 }
 
-/// Inputs of the fused q/k-norm + RoPE + cache-write kernel.
-#[derive(Clone, Copy, Debug)]
+/// Inputs of the fused q/k-norm + RoPE + cache-write kernel (all zero: none, where a kernel
+/// takes it optionally).
+#[derive(Clone, Copy, Debug, Default)]
 pub struct QkvRope {
     /// `[t, (heads + 2 kv_heads) * head_dim]` bf16.
     pub qkv: u64,
@@ -796,20 +798,7 @@ pub unsafe fn attention_rows(
         }
         _ => 1,
     };
-    let none = QkvRope {
-        qkv: 0,
-        bias: 0,
-        q_norm: 0,
-        k_norm: 0,
-        cos: 0,
-        sin: 0,
-        positions: 0,
-        slots: 0,
-        q_out: 0,
-        cache: 0,
-        eps: 0.0,
-    };
-    let r = rope.unwrap_or(&none);
+    let r = rope.copied().unwrap_or_default();
     let scale = 1.0 / (s.head_dim as f32).sqrt();
     let name = format!("attention_rows_g{g}_e{e}");
     let (part, most, split_keys) = split.map_or((0, 1, 0), |sp| (sp.part, sp.most.max(1), sp.split_keys.max(1)));

@@ -94,10 +94,22 @@ impl Pass<'_> {
         let tuning = dev.tuning();
         let fence_ends = kv_fence_ends(layers.len(), tuning.kv_fence_groups, tuning.kv_fence_taper);
         let mut group_start = 0;
+        // A batch-invariant step of narrow work items only (decode): their attention kernel does
+        // the RoPE kernel's work too. Not where fences mark when a layer's KV is written (the
+        // attention would write it after the mark).
+        let narrow_rope = self.step.narrow_decode()
+            && fences.is_none()
+            && counts.decode == 0
+            && counts.work > 0
+            && counts.narrow == counts.work;
         for (li, layer) in layers.iter().enumerate() {
             // The qkv bias is added by the RoPE kernel.
             self.matmul(a.normed.ptr(), layer.qkv.weight.ptr(), a.qkv.ptr(), t, layer.qkv.out_dim, h, false)?;
-            let shape = self.rope_and_row_attention(li, layer, t, counts, false)?;
+            let shape = if narrow_rope {
+                self.attn_shape(li)
+            } else {
+                self.rope_and_row_attention(li, layer, t, counts, false)?
+            };
             // The RoPE kernel wrote this layer's keys and values into the cache.
             if let Some(fences) = fences.as_deref_mut() {
                 if fence_ends.contains(&(li + 1)) {
@@ -106,7 +118,12 @@ impl Pass<'_> {
                 }
             }
             let split = self.step.flash_split(counts);
-            ops::flash_prefill(dev, a.q.ptr(), self.cache.ptr(), a.attn.ptr(), &prefill, &meta, &shape, split)?;
+            if narrow_rope {
+                let rope = self.rope_args(layer);
+                ops::flash_prefill_narrow_rope(dev, &rope, a.attn.ptr(), &prefill, &meta, &shape, split)?;
+            } else {
+                ops::flash_prefill(dev, a.q.ptr(), self.cache.ptr(), a.attn.ptr(), &prefill, &meta, &shape, split)?;
+            }
             let attn_out = self.all_reduce(self.residual_projection(&layer.o, a.attn.ptr(), t)?, t)?;
             ops::add_rms_norm(dev, a.x.ptr(), attn_out, 0, layer.post_norm.ptr(), a.normed.ptr(), t, h, eps)?;
             self.linear(&layer.gate_up, a.normed.ptr(), a.gate_up.ptr(), t)?;

@@ -257,9 +257,11 @@ impl CudaModel {
         }
         // A batch-invariant step's tokens are each a packed prefill work item.
         let counts = if self.step.batch_invariant() {
-            StepCounts { decode: 0, work: bucket, one_token_each: true, split }
+            // As build_meta: a split step has no narrow items.
+            let narrow = if self.step.narrow_decode() && !split { bucket } else { 0 };
+            StepCounts { decode: 0, work: bucket, narrow, one_token_each: true, split }
         } else {
-            StepCounts { decode: bucket, work: 0, one_token_each: true, split }
+            StepCounts { decode: bucket, work: 0, narrow: 0, one_token_each: true, split }
         };
         let graph_layout = self.step.graph_layout(bucket);
         let step_layout = std::mem::replace(&mut self.step.layout, graph_layout);

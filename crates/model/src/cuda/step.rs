@@ -45,6 +45,9 @@ pub(super) struct StepBuffers {
     limits: MetaLimits,
     pub max_tokens: usize,
     pub max_seqs: usize,
+    /// The packed Hopper build keeps its folded sums in `act.attn_part`
+    /// ([`ops::PrefillSeqs::fold_scratch`]).
+    fold_l2: bool,
 }
 
 impl StepBuffers {
@@ -70,6 +73,10 @@ impl StepBuffers {
         }
         let hopper = ops::wgmma_packed_takes(dev, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let packed = batch_invariant.then(|| ops::flash_packed_tokens(cfg.num_heads / cfg.num_kv_heads.max(1), hopper));
+        let narrow =
+            if batch_invariant { ops::narrow_tokens(dev, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) } else { 0 };
+        // The Hopper build's folded sums in attn_part (tuned so): it is sized for them too.
+        let fold_l2 = batch_invariant && hopper && dev.tuning().invariant_fold_l2;
         let tokens_per_item = packed.unwrap_or(FLASH_ROWS);
         let (t, h, i) = (max_tokens, cfg.hidden_size, cfg.intermediate_size);
         let (q_dim, kv_dim) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
@@ -100,7 +107,8 @@ impl StepBuffers {
             })?,
             attn_part: dev.zeros(if batch_invariant {
                 // Split steps have at most 8 tokens (see `attention_split_most`).
-                ops::flash_split_floats(8, cfg.num_heads, cfg.head_dim, max_positions)
+                let split = ops::flash_split_floats(8, cfg.num_heads, cfg.head_dim, max_positions);
+                split.max(if fold_l2 { ops::WGMMA_FOLD_SCRATCH_FLOATS } else { 0 })
             } else {
                 ops::attention_split_floats(16, cfg.num_heads, cfg.head_dim, 1)
             })?,
@@ -128,10 +136,12 @@ impl StepBuffers {
                 table_width,
                 flash,
                 packed,
+                narrow,
                 range_keys: ops::flash_range_keys(hopper),
             },
             max_tokens,
             max_seqs,
+            fold_l2,
         })
     }
 
@@ -233,7 +243,14 @@ impl StepBuffers {
             seq_len: self.at(m.seq_len),
             seq_pos: self.at(m.seq_pos),
             packed: self.limits.packed.is_some(),
+            narrow: counts.narrow,
+            fold_scratch: if self.fold_l2 { self.act.attn_part.ptr() } else { 0 },
         }
+    }
+
+    /// Whether a decode step's tokens are narrow work items ([`ops::narrow_tokens`]).
+    pub fn narrow_decode(&self) -> bool {
+        self.limits.narrow > 0
     }
 
     /// Whether every token's attention runs in the packed prefill kernel (batch-invariant
@@ -504,6 +521,9 @@ struct MetaLimits {
     /// where it applies, [`ops::wgmma_packed_takes`]), in work items of this many tokens
     /// ([`ops::flash_packed_tokens`]); none to the row kernel.
     packed: Option<usize>,
+    /// With `packed`: a sequence of at most this many tokens (at least one) is one narrow work
+    /// item ([`ops::narrow_tokens`]), listed after the others; 0: none is.
+    narrow: usize,
     /// Keys per softmax range of that packed kernel ([`ops::flash_range_keys`]): a decode step
     /// splits a context of more.
     range_keys: usize,
@@ -545,6 +565,9 @@ fn build_meta(
     let mut n_decode = 0;
     let mut n_work = 0;
     let mut n_rows = 0;
+    // Narrow work items (sequences), listed after the others.
+    let mut narrow_items = Vec::new();
+    let is_narrow = |tokens: usize| (1..=limits.narrow).contains(&tokens);
     for (si, s) in seqs.iter().enumerate() {
         if s.token_start + s.num_tokens > token_ids.len() {
             return Err(ModelError::Device(format!("sequence {si} runs past the batch's {} tokens", token_ids.len())));
@@ -566,7 +589,9 @@ fn build_meta(
             hm[m.slots + t] = (s.block_table[pos / bs] as usize * bs + pos % bs) as i32;
             hm[m.tok_seq + t] = si as i32;
         }
-        if let Some(per_item) = limits.packed {
+        if limits.packed.is_some() && is_narrow(s.num_tokens) {
+            narrow_items.push(si);
+        } else if let Some(per_item) = limits.packed {
             for q0 in (0..s.num_tokens).step_by(per_item).rev() {
                 hm[m.work + 2 * n_work] = si as i32;
                 hm[m.work + 2 * n_work + 1] = q0 as i32;
@@ -602,15 +627,25 @@ fn build_meta(
             hm[m.seq_tok + t] = t as i32;
             hm[m.seq_len + t] = 1;
             hm[m.seq_pos + t] = 0;
-            hm[m.work + 2 * n_work] = t as i32;
-            hm[m.work + 2 * n_work + 1] = 0;
-            n_work += 1;
+            if is_narrow(1) {
+                narrow_items.push(t);
+            } else {
+                hm[m.work + 2 * n_work] = t as i32;
+                hm[m.work + 2 * n_work + 1] = 0;
+                n_work += 1;
+            }
         } else {
             hm[m.decode_list + n_decode] = t as i32;
             n_decode += 1;
         }
         hm[m.rows + n_rows] = t as i32;
         n_rows += 1;
+    }
+    let narrow = narrow_items.len();
+    for seq in narrow_items {
+        hm[m.work + 2 * n_work] = seq as i32;
+        hm[m.work + 2 * n_work + 1] = 0;
+        n_work += 1;
     }
     let one_token_each = seqs.iter().all(|s| s.num_tokens <= 1);
     let split = if limits.packed.is_some() {
@@ -623,7 +658,12 @@ fn build_meta(
         let longest = (0..n_decode).map(|i| hm[m.positions + hm[m.decode_list + i] as usize] as usize + 1).max();
         attention_split_most(n_decode) > 1 && longest.is_some_and(|ctx| ctx > SPLIT_KEYS)
     };
-    Ok((tables, StepCounts { decode: n_decode, work: n_work, one_token_each, split }))
+    // A split step (a few tokens with long contexts) gives its items to the Hopper kernel's split
+    // build, the same bits: the narrow kernel walks a range's eight tiles in one block, which
+    // measured slower there (H100, batch 1 at a 1024-token context: 5.50 ms a step, against
+    // 4.60 with 128-row items).
+    let narrow = if split { 0 } else { narrow };
+    Ok((tables, StepCounts { decode: n_decode, work: n_work, narrow, one_token_each, split }))
 }
 
 /// Counts of the last prepared step.
@@ -633,6 +673,9 @@ pub(super) struct StepCounts {
     pub decode: usize,
     /// Work items for the tensor-core prefill kernel.
     pub work: usize,
+    /// Of those, the narrow ones at the end of the list ([`ops::narrow_tokens`]); none on a
+    /// split step.
+    pub narrow: usize,
     /// Every sequence brings at most one token (a pure decode step).
     pub one_token_each: bool,
     /// The row-wise attention splits long contexts over several blocks ([`attention_split_most`]).
@@ -661,6 +704,7 @@ mod tests {
             table_width: 64,
             flash,
             packed: None,
+            narrow: 0,
             range_keys: ops::FLASH_RANGE_KEYS,
         }
     }
@@ -770,6 +814,49 @@ mod tests {
     }
 
     #[test]
+    fn short_sequences_are_narrow_work_items_listed_after_the_others() {
+        // The Hopper build's 32 tokens an item; sequences of at most 4 tokens (16 rows of a
+        // group of 4) go to the narrow kernel, after the 128-row items.
+        let hopper = MetaLimits { packed: Some(32), narrow: 4, ..limits(true) };
+        let m = MetaLayout::new(256, 8, 32);
+        let mut header = vec![0; m.tables];
+        let (t0, t1) = (vec![7u32, 3], (0..19).collect::<Vec<u32>>());
+        let ids: Vec<u32> = (0..80).collect();
+        let seqs = [
+            SeqBatch { token_start: 0, num_tokens: 1, first_pos: 5, block_table: &t0, want_logits: true },
+            SeqBatch { token_start: 1, num_tokens: 70, first_pos: 6, block_table: &t1, want_logits: true },
+            SeqBatch { token_start: 71, num_tokens: 4, first_pos: 2, block_table: &t0, want_logits: true },
+            SeqBatch { token_start: 75, num_tokens: 5, first_pos: 0, block_table: &t0, want_logits: true },
+        ];
+        let (_, counts) = build_meta(&m, &mut header, &hopper, &ids, &seqs, ids.len(), 4).unwrap();
+        let items: Vec<(i32, i32)> =
+            (0..counts.work).map(|i| (header[m.work + 2 * i], header[m.work + 2 * i + 1])).collect();
+        assert_eq!(items, [(1, 64), (1, 32), (1, 0), (3, 0), (0, 0), (2, 0)]);
+        assert_eq!((counts.work, counts.narrow, counts.decode), (6, 2, 0));
+        // A decode graph's step: every row (padding too) a narrow item.
+        let g = MetaLayout::new(4, 8, 32);
+        let mut header = vec![i32::MIN; g.tables];
+        let (_, counts) = build_meta(&g, &mut header, &hopper, &[3], &seqs[..1], 4, 4).unwrap();
+        assert_eq!((counts.work, counts.narrow), (4, 4));
+        let items: Vec<(i32, i32)> = (0..4).map(|i| (header[g.work + 2 * i], header[g.work + 2 * i + 1])).collect();
+        assert_eq!(items, [(0, 0), (1, 0), (2, 0), (3, 0)]);
+        // A split step (a decode token past the first range) gives them to the 128-row kernel.
+        let g = MetaLayout::new(4, 8, 32);
+        let mut header = vec![0; g.tables];
+        let long: Vec<u32> = (0..60).collect();
+        let decode =
+            [SeqBatch { token_start: 0, num_tokens: 1, first_pos: 200, block_table: &long, want_logits: true }];
+        let short_ranges = MetaLimits { range_keys: 128, ..hopper };
+        let (_, counts) = build_meta(&g, &mut header, &short_ranges, &[3], &decode, 1, 1).unwrap();
+        assert_eq!((counts.work, counts.narrow, counts.split), (1, 0, true));
+        // Without the narrow kernel, none is narrow.
+        let wide = MetaLimits { narrow: 0, ..hopper };
+        let mut header = vec![0; m.tables];
+        let (_, counts) = build_meta(&m, &mut header, &wide, &ids, &seqs, ids.len(), 4).unwrap();
+        assert_eq!((counts.work, counts.narrow), (6, 0));
+    }
+
+    #[test]
     fn a_decode_graph_step_defines_everything_its_graph_reads() {
         // A bucket's layout is shared with other steps' leftovers (other layouts write other
         // offsets of the same buffer): a graph step must set every entry its kernels read.
@@ -819,6 +906,7 @@ mod tests {
             table_width: 100,
             flash: true,
             packed: None,
+            narrow: 0,
             range_keys: ops::FLASH_RANGE_KEYS,
         };
         let step = |header: &mut Vec<i32>, pos: usize, seqs_n: usize| {

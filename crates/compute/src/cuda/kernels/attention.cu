@@ -915,14 +915,15 @@ __device__ __forceinline__ void wg_softmax(float* s, WgRows& r, int k0, int min_
     alpha1 = exp2f(r.m1 - base1);
     r.m0 = mn0;
     r.m1 = mn1;
-    r.l0 *= alpha0;
-    r.l1 *= alpha1;
+    // The sums' rounding is pinned (no FMA left to the compiler), as wn_decode repeats it.
+    r.l0 = __fmul_rn(r.l0, alpha0);
+    r.l1 = __fmul_rn(r.l1, alpha1);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         float p0 = exp2f(fmaf(s[4 * i], scale_log2, -base0)), p1 = exp2f(fmaf(s[4 * i + 1], scale_log2, -base0));
         float p2 = exp2f(fmaf(s[4 * i + 2], scale_log2, -base1)), p3 = exp2f(fmaf(s[4 * i + 3], scale_log2, -base1));
-        r.l0 += p0 + p1;
-        r.l1 += p2 + p3;
+        r.l0 = __fadd_rn(r.l0, __fadd_rn(p0, p1));
+        r.l1 = __fadd_rn(r.l1, __fadd_rn(p2, p3));
         s[4 * i] = p0;
         s[4 * i + 1] = p1;
         s[4 * i + 2] = p2;
@@ -1146,8 +1147,11 @@ __device__ __forceinline__ WgItem wg_item(const int* work, int item, const int* 
         if (z >= ranges) {
             it.tiles = 0;
         } else {
+            // Whole ranges, then the last of this block's: the context's last (partial) range,
+            // or a whole one.
             int mine = (ranges - 1 - z) / gridDim.z + 1, last = z + (mine - 1) * gridDim.z;
-            it.tiles = WG_RANGE_TILES * (mine - 1) + (it.ctx - last * WG_RANGE + WG_KEYS - 1) / WG_KEYS;
+            it.tiles = WG_RANGE_TILES * (mine - 1) +
+                       min(WG_RANGE_TILES, (it.ctx - last * WG_RANGE + WG_KEYS - 1) / WG_KEYS);
         }
     }
     it.table = block_tables + (u64)seq * meta_stride[0];
@@ -1310,6 +1314,11 @@ __device__ __forceinline__ void wg_produce(int p, const WgItem& it, const bf16* 
 // KIND 2 (split) leaves each range's state in `part` for flash_range_combine, which folds them
 // the same way. A row's result then depends only on its query, position and keys,
 // so a token gives the same bits in a prefill chunk, as a decode token, split or not.
+// KIND 3 is KIND 1 with the running sum in global memory (`part`: WG_FOLD_SLOTS slots of
+// WG_ACC_BYTES, the block's the one of the SM it runs on: one such block fits an SM), so that
+// three stages fit as in the default build; the fold's reads and writes go to L2 once in eight
+// tiles. The same arithmetic, the same bits.
+#define WG_FOLD_SLOTS 256
 #define WG_INV_STAGES 2
 #define WG_ACC_BYTES (2 * 128 * 64 * 4)
 #define WG_INV_SMEM_BYTES (WG_Q_BYTES + WG_INV_STAGES * WG_STAGE_BYTES + WG_ACC_BYTES + 1024 + 64)
@@ -1320,14 +1329,15 @@ __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* ou
                                       const int* meta_stride, int num_heads, int num_kv_heads, int layer,
                                       int num_layers, int block_size, float scale_log2, float* part, int max_ranges,
                                       const TmaMap* map) {
-    constexpr bool PACKED = KIND != 0, SPLIT = KIND == 2, RANGED = KIND == 1;
-    constexpr int STAGES = RANGED ? WG_INV_STAGES : WG_WS_STAGES;
+    constexpr bool PACKED = KIND != 0, SPLIT = KIND == 2, RANGED = KIND == 1 || KIND == 3;
+    constexpr bool SHARED_ACC = KIND == 1;
+    constexpr int STAGES = SHARED_ACC ? WG_INV_STAGES : WG_WS_STAGES;
     PDL_ENTER();
     extern __shared__ __align__(16) unsigned char wg_smem[];
     u32 base = ((u32)__cvta_generic_to_shared(wg_smem) + 1023u) & ~1023u;
     u32 q_smem = base, stages = base + WG_Q_BYTES;
     u32 acc_smem = stages + STAGES * WG_STAGE_BYTES;
-    u32 full_bar = acc_smem + (RANGED ? WG_ACC_BYTES : 0), empty_bar = full_bar + 8 * STAGES;
+    u32 full_bar = acc_smem + (SHARED_ACC ? WG_ACC_BYTES : 0), empty_bar = full_bar + 8 * STAGES;
     WgItem it = wg_item<PACKED, SPLIT>(work, gridDim.y - 1 - blockIdx.y, seq_tok, seq_len, seq_pos, block_tables,
                                        meta_stride, num_heads, num_kv_heads);
     // A split block whose ranges all lie past the context: nothing to do (the whole block).
@@ -1363,8 +1373,13 @@ __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* ou
     // (this thread's own 16-byte column of its warpgroup's 64 x 128 floats: no bank conflicts,
     // no barrier).
     float M0 = NEG_INF, M1 = NEG_INF, L0 = 0.0f, L1 = 0.0f;
-    float4* acc = reinterpret_cast<float4*>(wg_smem + (acc_smem - (u32)__cvta_generic_to_shared(wg_smem))) +
-                  wg * 128 * 16 + (threadIdx.x & 127);
+    float4* acc = reinterpret_cast<float4*>(wg_smem + (acc_smem - (u32)__cvta_generic_to_shared(wg_smem)));
+    if constexpr (RANGED && !SHARED_ACC) {
+        u32 smid;
+        asm("mov.u32 %0, %%smid;" : "=r"(smid));
+        acc = reinterpret_cast<float4*>(part) + (u64)(smid % WG_FOLD_SLOTS) * (WG_ACC_BYTES / 16);
+    }
+    acc += wg * 128 * 16 + (threadIdx.x & 127);
     if constexpr (RANGED) {
 #pragma unroll
         for (int j = 0; j < 16; ++j) acc[128 * j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -1518,6 +1533,17 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     WG_PP_CALL(true, 1, &kv_map);
 #endif
 }
+extern "C" __global__ void __launch_bounds__(384, 1) flash_prefill_wgmma_packed3_hd128(WG_PP_ARGS) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    WG_PP_CALL(false, 3, nullptr);
+#endif
+}
+extern "C" __global__ void __launch_bounds__(384, 1)
+    flash_prefill_wgmma_packed3_tma_hd128(WG_PP_ARGS, const __grid_constant__ TmaMap kv_map) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    WG_PP_CALL(true, 3, &kv_map);
+#endif
+}
 extern "C" __global__ void __launch_bounds__(384, 1) flash_prefill_wgmma_split_hd128(WG_PP_ARGS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     WG_PP_CALL(false, 2, nullptr);
@@ -1529,6 +1555,326 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     WG_PP_CALL(true, 2, &kv_map);
 #endif
 }
+
+// ---------------------------------------------------------------------------------------------
+// Narrow work items of the packed Hopper build (batch-invariant decode): the bits of
+// flash_prefill_wgmma_packed_* (and _split_*) for items of at most 16 rows (16 / group tokens of
+// every query head of a KV head: a decode token's), on mma.sync, where the Hopper kernel's 128-row
+// items would leave most of its rows empty. Its arithmetic is the Hopper build's step by step:
+// 128-key tiles, S's k16 chains over the head dims in ascending order, the tile's max of the raw
+// scores, each exponent one FFMA, every lane's sum over the keys the accumulator layout gives it
+// (keys 8i + 2tq + e of the tile, added pair by pair in ascending i) kept per lane until a range
+// ends, P as bf16 and O's k16 chains over the keys in ascending order, ranges of WG_RANGE keys
+// folded with range_fold (or left in `part`, SPLIT, for flash_range_combine). mma.sync's k16
+// products give wgmma's bits (the skinny products rest on the same), and k16 chunks whose keys
+// are all masked add exact zeros, so they are skipped.
+//
+// A block of WN_WARPS warps takes one item and KV head: warp w computes S for keys 16w..16w + 15
+// of the tile and O for head dims 16w..16w + 15; the tile's row maxima, P and the pairs' sums go
+// through shared memory, and every warp runs each row's sum chain itself (the same bits in all).
+// K and V of a tile land in one stage (K first: S starts while V is still coming). Launched with
+// shared memory for two stages (a grid of few blocks: a decode step of few tokens), the block
+// copies the next tile while it works on this one; with one, two blocks fit an SM and take
+// turns. With `rope.qkv` set (a step whose every item is narrow), the block first does
+// qkv_rope_cache's work for its item's tokens, its query heads and its KV head (rope_head, the
+// same arithmetic): the queries to `q`, the keys and values to the cache (every split block writes
+// the same bytes, each before it reads them). Grid: (KV heads, items, split blocks). Block: 256.
+#define WN_WARPS 8
+#define WN_STRIDE (128 + 8)
+#define WN_TILE (WG_KEYS * WN_STRIDE)
+// P (16 rows of the tile's keys), the warps' row maxima, the pairs' sums; then the stages' K and V.
+#define WN_FIXED_BYTES (16 * WN_STRIDE * 2 + WN_WARPS * 16 * 4 + 16 * 4 * 16 * 4)
+#define WN_STAGE_BYTES (2 * WN_TILE * 2)
+template <bool SPLIT>
+__device__ __forceinline__ void wn_decode(bf16* q, bf16* cache, bf16* out, const int* work, const int* seq_tok,
+                                          const int* seq_len, const int* seq_pos, const int* block_tables,
+                                          const int* meta_stride, int num_heads, int num_kv_heads, int layer,
+                                          int num_layers, int block_size, float scale_log2, float* part,
+                                          int max_ranges, RopeIn rope) {
+    extern __shared__ __align__(16) unsigned char wn_smem[];
+    bf16* p_tile = reinterpret_cast<bf16*>(wn_smem);
+    float* row_max = reinterpret_cast<float*>(p_tile + 16 * WN_STRIDE);  // [warp][row]
+    float* pair_sums = row_max + WN_WARPS * 16;                          // [row][tq][i]
+    bf16* stages = reinterpret_cast<bf16*>(wn_smem + WN_FIXED_BYTES);    // [stage][K, V][key][dim]
+    u32 dynamic_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem));
+    const bool two = dynamic_smem >= WN_FIXED_BYTES + 2 * WN_STAGE_BYTES;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    int mi = lane >> 3, lr = lane & 7;
+    int seq = work[2 * blockIdx.y], q0 = work[2 * blockIdx.y + 1];
+    int n_q = seq_len[seq], first_pos = seq_pos[seq], tok_base = seq_tok[seq];
+    int group = num_heads / num_kv_heads, kh = blockIdx.x;
+    int tokens = max(16 / group, 1);
+    int rows = min(tokens * group, 16);
+    int ctx = first_pos + min(q0 + tokens, n_q);
+    const int* table = block_tables + (u64)seq * meta_stride[0];
+    // This lane's rows g and g + 8 (as the Hopper build's row R: token q0 + R / group, head
+    // kh * group + R % group).
+    int tok_a = q0 + g / group, head_a = kh * group + g % group;
+    int tok_b = q0 + (g + 8) / group, head_b = kh * group + (g + 8) % group;
+    bool valid_a = g < rows && tok_a < n_q, valid_b = g + 8 < rows && tok_b < n_q;
+    int pos_a = first_pos + tok_a, pos_b = first_pos + tok_b;
+    int range = SPLIT ? blockIdx.z : 0;
+    int k_first = range * WG_RANGE;
+    if (k_first >= ctx) return;  // the whole block: no barrier is reached
+    if (rope.qkv) {
+        // Task i: token q0 + i / (group + 2) of the item, its query head, key head or value head.
+        int n_tok = min(tokens, n_q - q0);
+        for (int task = warp; task < n_tok * (group + 2); task += WN_WARPS) {
+            int j = task / (group + 2), r = task % (group + 2), t = tok_base + q0 + j;
+            int h = r < group ? kh * group + r : num_heads + (r - group) * num_kv_heads + kh;
+            float v[8];
+            rope_head(rope.qkv, rope.bias, rope.q_norm, rope.k_norm, rope.cos_t, rope.sin_t, t, h,
+                      first_pos + q0 + j, num_heads, num_kv_heads, 128, rope.eps, v);
+            int slot = rope.slots[t];
+            if (r < group)
+                store_e(q + ((u64)t * num_heads + h) * 128 + lane * 4, v, 4);
+            else if (slot >= 0)
+                store_e(cache + kv_offset(slot / block_size, slot % block_size, layer, r - group, kh, num_layers,
+                                          num_kv_heads, block_size, 128) +
+                            lane * 4,
+                        v, 4);
+        }
+        // The block's own writes, seen by all its threads (the copies below read through L2).
+        __threadfence_block();
+        __syncthreads();
+    }
+
+    u32 qf[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        int c = kk * 16 + tq * 2;
+        const bf16* qa = q + ((u64)(tok_base + tok_a) * num_heads + head_a) * 128;
+        const bf16* qb = q + ((u64)(tok_base + tok_b) * num_heads + head_b) * 128;
+        qf[kk][0] = valid_a ? *reinterpret_cast<const u32*>(qa + c) : 0u;
+        qf[kk][1] = valid_b ? *reinterpret_cast<const u32*>(qb + c) : 0u;
+        qf[kk][2] = valid_a ? *reinterpret_cast<const u32*>(qa + c + 8) : 0u;
+        qf[kk][3] = valid_b ? *reinterpret_cast<const u32*>(qb + c + 8) : 0u;
+    }
+    // This warp's O (head dims 16 warp + 8j + 2tq + e: o[j][e] row a, o[j][2 + e] row b) and the
+    // range's softmax state; acc, M, L: the folded ranges.
+    float o[2][4], acc[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[j][e] = acc[j][e] = 0.0f;
+    float m_a = NEG_INF, m_b = NEG_INF, l_a = 0.0f, l_b = 0.0f;
+    float M_a = NEG_INF, M_b = NEG_INF, L_a = 0.0f, L_b = 0.0f;
+
+    // K, then V, of the tile at k0 into `stage` (keys up to the context rounded up to 16, those
+    // past it zero): two commit groups.
+    auto load_tile = [&](int stage, int k0) {
+        int n = min(WG_KEYS, (ctx - k0 + 15) & ~15);
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+            bf16* dst = stages + (2 * stage + kv) * WN_TILE;
+            for (int c = threadIdx.x; c < n * 16; c += blockDim.x) {
+                int r = c >> 4, chunk = (c & 15) * 8, key = k0 + r;
+                const bf16* src = cache;
+                int bytes = 0;
+                if (key < ctx) {
+                    int blk = table[key / block_size], slot = key % block_size;
+                    src = cache + kv_offset(blk, slot, layer, kv, kh, num_layers, num_kv_heads, block_size, 128) + chunk;
+                    bytes = 16;
+                }
+                u32 d = (u32)__cvta_generic_to_shared(&dst[r * WN_STRIDE + chunk]);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+            }
+            asm volatile("cp.async.commit_group;\n" ::);
+        }
+    };
+    // The range that just ended (its m, l per lane, O in o): sums whole over the quad, then
+    // folded (or, SPLIT, stored as range rg), and the state reset.
+    auto end_range = [&](int rg) {
+        float la = l_a, lb = l_b;
+        la += __shfl_xor_sync(0xffffffffu, la, 1);
+        la += __shfl_xor_sync(0xffffffffu, la, 2);
+        lb += __shfl_xor_sync(0xffffffffu, lb, 1);
+        lb += __shfl_xor_sync(0xffffffffu, lb, 2);
+        if constexpr (SPLIT) {
+            float* pa = part + (((u64)(tok_base + tok_a) * num_heads + head_a) * max_ranges + rg) * (128 + 2);
+            float* pb = part + (((u64)(tok_base + tok_b) * num_heads + head_b) * max_ranges + rg) * (128 + 2);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                int c = warp * 16 + j * 8 + tq * 2;
+                if (valid_a) *reinterpret_cast<float2*>(pa + 2 + c) = make_float2(o[j][0], o[j][1]);
+                if (valid_b) *reinterpret_cast<float2*>(pb + 2 + c) = make_float2(o[j][2], o[j][3]);
+            }
+            if (warp == 0 && tq == 0) {
+                if (valid_a) *reinterpret_cast<float2*>(pa) = make_float2(m_a, la);
+                if (valid_b) *reinterpret_cast<float2*>(pb) = make_float2(m_b, lb);
+            }
+        } else {
+            float aa = 1.0f, ba = 0.0f, ab = 1.0f, bb = 0.0f;
+            bool fold_a = m_a != NEG_INF, fold_b = m_b != NEG_INF;
+            if (fold_a) range_fold(M_a, L_a, m_a, la, aa, ba);
+            if (fold_b) range_fold(M_b, L_b, m_b, lb, ab, bb);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                if (fold_a) {
+                    acc[j][0] = range_scale(acc[j][0], aa, o[j][0], ba);
+                    acc[j][1] = range_scale(acc[j][1], aa, o[j][1], ba);
+                }
+                if (fold_b) {
+                    acc[j][2] = range_scale(acc[j][2], ab, o[j][2], bb);
+                    acc[j][3] = range_scale(acc[j][3], ab, o[j][3], bb);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[j][e] = 0.0f;
+        m_a = m_b = NEG_INF;
+        l_a = l_b = 0.0f;
+    };
+
+    // The tile after k0: the next of its range, else (SPLIT) the first of this block's next range.
+    auto next_key = [&](int k0) {
+        int k = k0 + WG_KEYS;
+        if (SPLIT && k % WG_RANGE == 0) k += (gridDim.z - 1) * WG_RANGE;
+        return k;
+    };
+    if (two) load_tile(0, k_first);
+    for (int kt = 0, k0 = k_first; k0 < ctx; ++kt) {
+        int next = next_key(k0), stage = two ? kt & 1 : 0;
+        const bf16* ks = stages + 2 * stage * WN_TILE;
+        const bf16* vs = ks + WN_TILE;
+        // With two stages the next tile's copy goes out now (two more groups in flight).
+        bool ahead = two && next < ctx;
+        if (ahead) load_tile(stage ^ 1, next);
+        if (!two) load_tile(0, k0);
+        int keys = min(WG_KEYS, ctx - k0);
+        // K landed (V may still be coming).
+        if (ahead)
+            asm volatile("cp.async.wait_group 3;\n" ::);
+        else
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        __syncthreads();
+        // S for this warp's 16 keys (none past the context: all masked, not computed).
+        float s[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        if (warp * 16 < keys) {
+#pragma unroll
+            for (int kk = 0; kk < 8; ++kk) {
+                u32 b[4];
+                ldmatrix_x4(b, &ks[(warp * 16 + (mi >> 1) * 8 + lr) * WN_STRIDE + kk * 16 + (mi & 1) * 8]);
+                mma_bf16(s[0], qf[kk], b[0], b[1]);
+                mma_bf16(s[1], qf[kk], b[2], b[3]);
+            }
+        }
+        float mx_a = NEG_INF, mx_b = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int key = k0 + warp * 16 + j * 8 + tq * 2 + e;
+                if (key > pos_a) s[j][e] = NEG_INF;
+                if (key > pos_b) s[j][2 + e] = NEG_INF;
+                mx_a = fmaxf(mx_a, s[j][e]);
+                mx_b = fmaxf(mx_b, s[j][2 + e]);
+            }
+        }
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+        if (tq == 0) {
+            row_max[warp * 16 + g] = mx_a;
+            row_max[warp * 16 + g + 8] = mx_b;
+        }
+        __syncthreads();
+        mx_a = row_max[g];
+        mx_b = row_max[g + 8];
+#pragma unroll
+        for (int w = 1; w < WN_WARPS; ++w) {
+            mx_a = fmaxf(mx_a, row_max[w * 16 + g]);
+            mx_b = fmaxf(mx_b, row_max[w * 16 + g + 8]);
+        }
+        // wg_softmax's arithmetic.
+        float mn_a = fmaxf(m_a, mx_a * scale_log2), mn_b = fmaxf(m_b, mx_b * scale_log2);
+        float base_a = mn_a == NEG_INF ? 0.0f : mn_a, base_b = mn_b == NEG_INF ? 0.0f : mn_b;
+        float alpha_a = exp2f(m_a - base_a), alpha_b = exp2f(m_b - base_b);
+        m_a = mn_a;
+        m_b = mn_b;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            float p0 = exp2f(fmaf(s[j][0], scale_log2, -base_a)), p1 = exp2f(fmaf(s[j][1], scale_log2, -base_a));
+            float p2 = exp2f(fmaf(s[j][2], scale_log2, -base_b)), p3 = exp2f(fmaf(s[j][3], scale_log2, -base_b));
+            int i = warp * 2 + j;  // the Hopper build's key chunk of 8
+            pair_sums[(g * 4 + tq) * 16 + i] = __fadd_rn(p0, p1);
+            pair_sums[((g + 8) * 4 + tq) * 16 + i] = __fadd_rn(p2, p3);
+            int c = warp * 16 + j * 8 + tq * 2;
+            *reinterpret_cast<u32*>(&p_tile[g * WN_STRIDE + c]) = pack_bf16x2(p0, p1);
+            *reinterpret_cast<u32*>(&p_tile[(g + 8) * WN_STRIDE + c]) = pack_bf16x2(p2, p3);
+        }
+        if (ahead)
+            asm volatile("cp.async.wait_group 2;\n" ::);
+        else
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        __syncthreads();
+        // Every warp's copy of each row's sum chain, in the Hopper build's order.
+        l_a = __fmul_rn(l_a, alpha_a);
+        l_b = __fmul_rn(l_b, alpha_b);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            l_a = __fadd_rn(l_a, pair_sums[(g * 4 + tq) * 16 + i]);
+            l_b = __fadd_rn(l_b, pair_sums[((g + 8) * 4 + tq) * 16 + i]);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            o[j][0] *= alpha_a;
+            o[j][1] *= alpha_a;
+            o[j][2] *= alpha_b;
+            o[j][3] *= alpha_b;
+        }
+        // O += P V over the tile's key chunks of 16 that hold a visible key, for this warp's dims.
+        for (int kk = 0; kk < (keys + 15) / 16; ++kk) {
+            u32 a[4], b[4];
+            ldmatrix_x4(a, &p_tile[((mi & 1) * 8 + lr) * WN_STRIDE + kk * 16 + (mi >> 1) * 8]);
+            ldmatrix_x4_trans(b, &vs[(kk * 16 + (mi & 1) * 8 + lr) * WN_STRIDE + (warp * 2 + (mi >> 1)) * 8]);
+            mma_bf16(o[0], a, b[0], b[1]);
+            mma_bf16(o[1], a, b[2], b[3]);
+        }
+        // A range ends here if another of this block's follows (the last ends after the loop).
+        if ((k0 + WG_KEYS) % WG_RANGE == 0 && next < ctx) {
+            end_range(range);
+            range += SPLIT ? gridDim.z : 1;
+        }
+        k0 = next;
+        // Every warp is done with the tile and P before the next overwrites them.
+        __syncthreads();
+    }
+    end_range(range);
+    if constexpr (!SPLIT) {
+        float inv_a = L_a > 0.0f ? 1.0f / L_a : 0.0f, inv_b = L_b > 0.0f ? 1.0f / L_b : 0.0f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            int c = warp * 16 + j * 8 + tq * 2;
+            if (valid_a)
+                *reinterpret_cast<u32*>(out + ((u64)(tok_base + tok_a) * num_heads + head_a) * 128 + c) =
+                    pack_bf16x2(acc[j][0] * inv_a, acc[j][1] * inv_a);
+            if (valid_b)
+                *reinterpret_cast<u32*>(out + ((u64)(tok_base + tok_b) * num_heads + head_b) * 128 + c) =
+                    pack_bf16x2(acc[j][2] * inv_b, acc[j][3] * inv_b);
+        }
+    }
+}
+// The prefill builds' arguments (q and cache writable: the fused RoPE writes them), then RopeIn's.
+#define WN_ARGS                                                                                                  \
+    bf16 *q, bf16 *cache, bf16 *out, const int *work, const int *seq_tok, const int *seq_len, const int *seq_pos, \
+        const int *block_tables, const int *meta_stride, int num_heads, int num_kv_heads, int layer,             \
+        int num_layers, int block_size, float scale_log2, float *part, int max_ranges, const bf16 *qkv,           \
+        const bf16 *qkv_bias, const bf16 *q_norm, const bf16 *k_norm, const float *cos_t, const float *sin_t,    \
+        const int *slots, float eps
+#define WN_CALL(SPLIT)                                                                                          \
+    PDL_ENTER();                                                                                                \
+    RopeIn rope = {qkv, qkv_bias, q_norm, k_norm, cos_t, sin_t, slots, eps};                                    \
+    wn_decode<SPLIT>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads,      \
+                     num_kv_heads, layer, num_layers, block_size, scale_log2, part, max_ranges, rope)
+extern "C" __global__ void __launch_bounds__(256) flash_decode_narrow_hd128(WN_ARGS) { WN_CALL(false); }
+extern "C" __global__ void __launch_bounds__(256) flash_decode_narrow_split_hd128(WN_ARGS) { WN_CALL(true); }
 
 // Folds the key ranges (of range_keys keys: FA_RANGE, or WG_RANGE for the Hopper build) a split
 // build left in `part` for every listed token t (all of the step's: a split step is pure

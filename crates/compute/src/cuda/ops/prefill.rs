@@ -5,7 +5,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::{cfg, launch_params, launch_programmatic, AttnMeta, AttnShape, RawArg};
+use super::{cfg, launch_params, launch_programmatic, AttnMeta, AttnShape, QkvRope, RawArg};
 use crate::cuda::{CudaDevice, CudaError, WgmmaPrefill};
 
 /// Whether the tensor-core prefill kernel takes this head size.
@@ -29,7 +29,19 @@ pub struct PrefillSeqs {
     /// The packed build (batch-invariant serving): work items of [`flash_packed_tokens`]
     /// tokens, one block per KV head and its group of query heads.
     pub packed: bool,
+    /// The last `narrow` work items are narrow ones (each a whole sequence of at most
+    /// [`narrow_tokens`] tokens, from its first): the packed Hopper build gives them to its
+    /// narrow kernel. 0 where [`narrow_tokens`] is.
+    pub narrow: usize,
+    /// Device scratch of [`WGMMA_FOLD_SCRATCH_FLOATS`] f32 where the packed Hopper build keeps
+    /// its folded ranges' sums (then three K/V stages fit, as in the default build); 0: in shared
+    /// memory, with two. The same bits either way.
+    pub fold_scratch: u64,
 }
+
+/// f32 elements of [`PrefillSeqs::fold_scratch`]: a slot of two warpgroups' 64 x 128 sums for
+/// each SM a block may run on (WG_FOLD_SLOTS, more than any Hopper GPU's SM ids).
+pub const WGMMA_FOLD_SCRATCH_FLOATS: usize = 256 * 2 * 128 * 64;
 
 /// Keys per range of the packed prefill kernel's softmax (FA_RANGE in kernels/attention.cu):
 /// each range's sums start afresh and ranges fold in key order, so a long context's ranges
@@ -92,6 +104,30 @@ pub fn wgmma_packed_takes(dev: &CudaDevice, num_heads: usize, num_kv_heads: usiz
         && num_kv_heads > 0
         && num_heads == group * num_kv_heads
         && group <= 2 * FLASH_ROWS
+}
+
+/// Rows of a narrow work item of the packed Hopper build ([`narrow_tokens`]).
+pub const NARROW_ROWS: usize = 16;
+
+/// Tokens a sequence may bring to a step and still be one narrow work item of the packed Hopper
+/// build (`16 / group`: a decode token's query heads, and a few tokens' with small groups): its
+/// narrow kernel gives them the 128-row kernel's bits on mma.sync with a sixteenth of the rows,
+/// where a decode token would fill a few of the 128. Where [`wgmma_packed_takes`], the group is at
+/// most 16 and `invariant_narrow` is tuned on; else 0 (no item is narrow).
+pub fn narrow_tokens(dev: &CudaDevice, num_heads: usize, num_kv_heads: usize, head_dim: usize) -> usize {
+    let group = num_heads / num_kv_heads.max(1);
+    if wgmma_packed_takes(dev, num_heads, num_kv_heads, head_dim) && dev.tuning().invariant_narrow {
+        NARROW_ROWS / group.max(1)
+    } else {
+        0
+    }
+}
+
+/// Dynamic shared memory of the narrow kernel with `stages` stages (WN_FIXED_BYTES + stages x
+/// WN_STAGE_BYTES in kernels/attention.cu): P of a tile's 16 rows, the warps' row maxima and the
+/// pairs' sums, then per stage a 128-key K and V tile (rows padded to 136).
+pub fn narrow_smem_bytes(stages: u32) -> u32 {
+    16 * 136 * 2 + 8 * 16 * 4 + 16 * 4 * 16 * 4 + stages * 2 * 128 * 136 * 2
 }
 
 /// Dynamic shared memory of the prefill kernel for `head_dim` (FLASH_SMEM_BYTES in kernels/attention.cu).
@@ -213,24 +249,112 @@ pub unsafe fn flash_prefill_wgmma_packed(
     if p.num_items == 0 {
         return Ok(());
     }
-    let tma = s.block_size.is_power_of_two() && s.block_size >= 8;
-    let (name, smem) = match (split.is_some(), tma) {
-        (false, false) => ("flash_prefill_wgmma_packed_hd128", WGMMA_PACKED_PREFILL_SMEM_BYTES),
-        (false, true) => ("flash_prefill_wgmma_packed_tma_hd128", WGMMA_PACKED_PREFILL_SMEM_BYTES),
-        (true, false) => ("flash_prefill_wgmma_split_hd128", WGMMA_WS_PREFILL_SMEM_BYTES),
-        (true, true) => ("flash_prefill_wgmma_split_tma_hd128", WGMMA_WS_PREFILL_SMEM_BYTES),
-    };
+    let narrow = p.narrow.min(p.num_items);
+    let wide = p.num_items - narrow;
+    if narrow > 0 && group > NARROW_ROWS {
+        return Err(CudaError::Unavailable(format!(
+            "narrow work items take at most {NARROW_ROWS} query heads per KV head, not {group}"
+        )));
+    }
     let (part, blocks_z, max_ranges) = split.map_or((0, 1, 0), |f| (f.part, f.blocks.max(1), f.max_ranges));
-    let config = LaunchConfig {
-        grid_dim: (s.num_kv_heads as u32, p.num_items as u32, blocks_z as u32),
-        block_dim: (384, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    launch_wgmma(dev, name, config, (q, cache, out), p, m, s, (part, max_ranges), tma)?;
+    if wide > 0 {
+        let tma = s.block_size.is_power_of_two() && s.block_size >= 8;
+        let fold_l2 = split.is_none() && p.fold_scratch != 0;
+        let (name, smem) = match (split.is_some(), fold_l2, tma) {
+            (false, false, false) => ("flash_prefill_wgmma_packed_hd128", WGMMA_PACKED_PREFILL_SMEM_BYTES),
+            (false, false, true) => ("flash_prefill_wgmma_packed_tma_hd128", WGMMA_PACKED_PREFILL_SMEM_BYTES),
+            (false, true, false) => ("flash_prefill_wgmma_packed3_hd128", WGMMA_WS_PREFILL_SMEM_BYTES),
+            (false, true, true) => ("flash_prefill_wgmma_packed3_tma_hd128", WGMMA_WS_PREFILL_SMEM_BYTES),
+            (true, _, false) => ("flash_prefill_wgmma_split_hd128", WGMMA_WS_PREFILL_SMEM_BYTES),
+            (true, _, true) => ("flash_prefill_wgmma_split_tma_hd128", WGMMA_WS_PREFILL_SMEM_BYTES),
+        };
+        // The build that folds in global memory takes its scratch where the split one takes part.
+        let part_arg = if fold_l2 { (p.fold_scratch, 0) } else { (part, max_ranges) };
+        let config = LaunchConfig {
+            grid_dim: (s.num_kv_heads as u32, wide as u32, blocks_z as u32),
+            block_dim: (384, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let wide_items = PrefillSeqs { num_items: wide, narrow: 0, ..*p };
+        launch_wgmma(dev, name, config, (q, cache, out), &wide_items, m, s, part_arg, tma)?;
+    }
+    if narrow > 0 {
+        // Each work item is two i32s.
+        let narrow_items = PrefillSeqs { work: p.work + 8 * wide as u64, num_items: narrow, ..*p };
+        launch_narrow(dev, (q, cache, out), &narrow_items, m, s, split, None)?;
+    }
     if split.is_some() {
         combine_ranges(dev, part, out, p, m, s, (max_ranges, WGMMA_RANGE_KEYS))?;
     }
     Ok(())
+}
+
+/// The packed Hopper build's attention for a step whose every work item is narrow (`p.narrow ==
+/// p.num_items`: a decode step) with `rope`'s work ([`super::qkv_rope_cache`] for the items'
+/// tokens) done in the same kernel: one launch a layer instead of two, the same bits. The
+/// queries go to `rope.q_out` and the keys and values to `rope.cache` as qkv_rope_cache would
+/// write them, then attention reads them from there.
+///
+/// # Safety
+/// As [`flash_prefill`] (with `rope.q_out` and `rope.cache` as its `q` and `cache`) and
+/// [`super::qkv_rope_cache`] for the step's tokens.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn flash_prefill_narrow_rope(
+    dev: &CudaDevice,
+    rope: &QkvRope,
+    out: u64,
+    p: &PrefillSeqs,
+    m: &AttnMeta,
+    s: &AttnShape,
+    split: Option<FlashSplit>,
+) -> Result<(), CudaError> {
+    let group = s.num_heads / s.num_kv_heads.max(1);
+    if !p.packed || p.narrow != p.num_items || narrow_tokens(dev, s.num_heads, s.num_kv_heads, s.head_dim) == 0 {
+        return Err(CudaError::Unavailable(format!(
+            "the narrow kernel with RoPE takes steps of narrow work items only (the packed Hopper build, at most \
+             {NARROW_ROWS} query heads per KV head: not {group}, head size {}), not {} of {} items",
+            s.head_dim, p.narrow, p.num_items
+        )));
+    }
+    if p.num_items == 0 {
+        return Ok(());
+    }
+    launch_narrow(dev, (rope.q_out, rope.cache, out), p, m, s, split, Some(rope))?;
+    if let Some(f) = split {
+        combine_ranges(dev, f.part, out, p, m, s, (f.max_ranges, WGMMA_RANGE_KEYS))?;
+    }
+    Ok(())
+}
+
+/// Launches the narrow kernel over `p`'s items (all narrow), its ranges split as `split` says
+/// (their combine is the caller's), with `rope`'s work first where given.
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_narrow(
+    dev: &CudaDevice,
+    qco: (u64, u64, u64),
+    p: &PrefillSeqs,
+    m: &AttnMeta,
+    s: &AttnShape,
+    split: Option<FlashSplit>,
+    rope: Option<&QkvRope>,
+) -> Result<(), CudaError> {
+    let name = if split.is_some() { "flash_decode_narrow_split_hd128" } else { "flash_decode_narrow_hd128" };
+    let (part, blocks_z, max_ranges) = split.map_or((0, 1, 0), |f| (f.part, f.blocks.max(1), f.max_ranges));
+    // A grid of no more blocks than SMs (a decode step of few tokens) gives each block two
+    // stages, so it copies the next tile while it works; a larger one fits two blocks an SM
+    // with one stage each.
+    let blocks = s.num_kv_heads * p.num_items * blocks_z;
+    let stages = if blocks <= dev.sm_count() as usize { 2 } else { 1 };
+    let config = LaunchConfig {
+        grid_dim: (s.num_kv_heads as u32, p.num_items as u32, blocks_z as u32),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: narrow_smem_bytes(stages),
+    };
+    let r = rope.copied().unwrap_or_default();
+    let mut args = flash_args(qco, p, m, s, (part, max_ranges));
+    args.extend([r.qkv.raw(), r.bias.raw(), r.q_norm.raw(), r.k_norm.raw(), r.cos.raw(), r.sin.raw(), r.slots.raw()]);
+    args.push(r.eps.raw());
+    launch_args(dev, name, config, args, None)
 }
 
 /// Launches Hopper prefill kernel `name` with launch_flash's arguments and, with `tma`, the
@@ -247,37 +371,8 @@ unsafe fn launch_wgmma(
     split: (u64, usize),
     tma: bool,
 ) -> Result<(), CudaError> {
-    if !tma {
-        return launch_flash(dev, name, config, qco, p, m, s, split);
-    }
-    let (q, cache, out) = qco;
-    let mut map = cache_tensor_map(cache, s)?;
-    let scale_log2 = std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt();
-    let mut values = [
-        q.raw(),
-        cache.raw(),
-        out.raw(),
-        p.work.raw(),
-        p.seq_tok.raw(),
-        p.seq_len.raw(),
-        p.seq_pos.raw(),
-        m.block_tables.raw(),
-        m.stride.raw(),
-        (s.num_heads as i32).raw(),
-        (s.num_kv_heads as i32).raw(),
-        (s.layer as i32).raw(),
-        (s.num_layers as i32).raw(),
-        (s.block_size as i32).raw(),
-        scale_log2.raw(),
-        split.0.raw(),
-        (split.1 as i32).raw(),
-    ];
-    let mut params: Vec<*mut std::ffi::c_void> = values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
-    params.push((&mut map as *mut cudarc::driver::sys::CUtensorMap).cast());
-    let f = dev.kernels().get(name);
-    // Safety: the kernel's parameters are launch_flash's, in its order, then the tensor map
-    // (128 bytes, passed by value); every pointer is to a live value of the parameter's size.
-    unsafe { launch_params(dev, f, config, &mut params, dev.programmatic_launch()) }
+    let mut map = if tma { Some(cache_tensor_map(qco.1, s)?) } else { None };
+    launch_args(dev, name, config, flash_args(qco, p, m, s, split), map.as_mut())
 }
 
 /// Folds the key ranges (`ranges`: the most a token has, and keys a range) a split prefill
@@ -358,30 +453,58 @@ unsafe fn launch_flash(
     s: &AttnShape,
     split: (u64, usize),
 ) -> Result<(), CudaError> {
+    launch_args(dev, name, config, flash_args(qco, p, m, s, split), None)
+}
+
+/// The arguments every prefill build takes, in order (WG_PP_ARGS in kernels/attention.cu), as
+/// the driver copies them: q, cache, out, the work items and sequences, the tables, the shape,
+/// the softmax scale (log2 units) and `split` (part, max_ranges).
+fn flash_args(qco: (u64, u64, u64), p: &PrefillSeqs, m: &AttnMeta, s: &AttnShape, split: (u64, usize)) -> Vec<[u8; 8]> {
     let (q, cache, out) = qco;
     let scale_log2 = std::f32::consts::LOG2_E / (s.head_dim as f32).sqrt();
-    launch!(
-        dev,
-        name,
-        config,
-        q,
-        cache,
-        out,
-        p.work,
-        p.seq_tok,
-        p.seq_len,
-        p.seq_pos,
-        m.block_tables,
-        m.stride,
-        s.num_heads as i32,
-        s.num_kv_heads as i32,
-        s.layer as i32,
-        s.num_layers as i32,
-        s.block_size as i32,
-        scale_log2,
-        split.0,
-        split.1 as i32
-    )
+    vec![
+        q.raw(),
+        cache.raw(),
+        out.raw(),
+        p.work.raw(),
+        p.seq_tok.raw(),
+        p.seq_len.raw(),
+        p.seq_pos.raw(),
+        m.block_tables.raw(),
+        m.stride.raw(),
+        (s.num_heads as i32).raw(),
+        (s.num_kv_heads as i32).raw(),
+        (s.layer as i32).raw(),
+        (s.num_layers as i32).raw(),
+        (s.block_size as i32).raw(),
+        scale_log2.raw(),
+        split.0.raw(),
+        (split.1 as i32).raw(),
+    ]
+}
+
+/// Launches kernel `name` with `args` (one per parameter, in its order) and, with `map`, a TMA
+/// tensor map passed by value after them; with programmatic dependent launch where the device
+/// launches so.
+///
+/// # Safety
+/// `args` (and `map`) are the kernel's parameters in its order and sizes, every address in them
+/// valid for the launch (the prefill entry points' contract).
+unsafe fn launch_args(
+    dev: &CudaDevice,
+    name: &str,
+    config: LaunchConfig,
+    mut args: Vec<[u8; 8]>,
+    map: Option<&mut cudarc::driver::sys::CUtensorMap>,
+) -> Result<(), CudaError> {
+    let mut params: Vec<*mut std::ffi::c_void> = args.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+    if let Some(map) = map {
+        params.push((map as *mut cudarc::driver::sys::CUtensorMap).cast());
+    }
+    let f = dev.kernels().get(name);
+    // Safety: one pointer per kernel parameter, in order: 8 live bytes whose first bytes are the
+    // value (4-byte parameters read the first four), then the tensor map (128 bytes, by value).
+    unsafe { launch_params(dev, f, config, &mut params, dev.programmatic_launch()) }
 }
 
 /// Causal attention of prefill chunks over the paged cache with tensor cores.
