@@ -231,12 +231,12 @@ async fn decode_answers_carry_the_transfer_timeline_and_metrics_count_it() {
     let t = &v["kv_timeline"];
     // 40 tokens in 16-token blocks: 3 blocks, whole blocks on the wire. One contiguous
     // region a write: the whole prompt in one, or (decode registered while the step ran) the
-    // first two blocks group of layers by group (4 layers, a group each) and the last with the
-    // first token.
+    // first two blocks in up to four group writes (4 layers, a group each; the groups computed
+    // before decode registered may go together: CI saw three) and the last with the first token.
     let block_bytes = 4 * 2 * 2 * 16 * 32 * 4;
     assert_eq!(t["transfer"]["bytes"], 3 * block_bytes, "{v}");
     let regions = t["transfer"]["regions"].as_u64();
-    assert!(matches!(regions, Some(1) | Some(5)), "{v}");
+    assert!(matches!(regions, Some(1..=5)), "{v}");
     assert!(t["ready_us"].as_u64().unwrap() >= t["transfer"]["ready_us"].as_u64().unwrap(), "{v}");
     // From prefill handing the KV over to decode applying it, by the engines' clocks (one host).
     let handover = t["produced_to_ready_us"].as_u64().unwrap_or_else(|| panic!("no hand-over time: {v}"));
