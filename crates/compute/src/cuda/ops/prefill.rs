@@ -206,7 +206,7 @@ pub unsafe fn flash_prefill_wgmma(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
     };
-    launch_wgmma(dev, name, config, (q, cache, out), p, m, s, (0, 0), tma)
+    launch_prefill(dev, name, config, (q, cache, out), p, m, s, (0, 0), tma)
 }
 
 /// The packed prefill attention (batch-invariant serving) on Hopper's warpgroup MMAs, for the
@@ -276,7 +276,7 @@ pub unsafe fn flash_prefill_wgmma_packed(
             shared_mem_bytes: smem,
         };
         let wide_items = PrefillSeqs { num_items: wide, narrow: 0, ..*p };
-        launch_wgmma(dev, name, config, (q, cache, out), &wide_items, m, s, part_arg, tma)?;
+        launch_prefill(dev, name, config, (q, cache, out), &wide_items, m, s, part_arg, tma)?;
     }
     if narrow > 0 {
         // Each work item is two i32s.
@@ -357,10 +357,11 @@ unsafe fn launch_narrow(
     launch_args(dev, name, config, args, None)
 }
 
-/// Launches Hopper prefill kernel `name` with launch_flash's arguments and, with `tma`, the
+/// Launches prefill kernel `name` over `qco` (q, cache, out) with the arguments every build
+/// takes ([`flash_args`]; `split`: part, max_ranges) and, with `tma` (Hopper builds), the
 /// cache's tensor map after them.
 #[allow(clippy::too_many_arguments)]
-unsafe fn launch_wgmma(
+unsafe fn launch_prefill(
     dev: &CudaDevice,
     name: &str,
     config: LaunchConfig,
@@ -438,22 +439,6 @@ fn cache_tensor_shape(s: &AttnShape) -> ([u64; 5], [u64; 4], [u32; 5]) {
     let dims = [hd, bs, 2 * kvh, layers, s.num_blocks as u64];
     let strides = [hd * 2, bs * hd * 2, 2 * kvh * bs * hd * 2, layers * 2 * kvh * bs * hd * 2];
     (dims, strides, [64, s.block_size.min(128) as u32, 1, 1, 1])
-}
-
-/// Launches prefill kernel `name` (every build takes the same arguments) over `qco` (q, cache,
-/// out), with `split` (part, max_ranges) for the split build.
-#[allow(clippy::too_many_arguments)]
-unsafe fn launch_flash(
-    dev: &CudaDevice,
-    name: &str,
-    config: LaunchConfig,
-    qco: (u64, u64, u64),
-    p: &PrefillSeqs,
-    m: &AttnMeta,
-    s: &AttnShape,
-    split: (u64, usize),
-) -> Result<(), CudaError> {
-    launch_args(dev, name, config, flash_args(qco, p, m, s, split), None)
 }
 
 /// The arguments every prefill build takes, in order (WG_PP_ARGS in kernels/attention.cu), as
@@ -561,7 +546,7 @@ pub unsafe fn flash_prefill(
         block_dim: (128, 1, 1),
         shared_mem_bytes: flash_smem_bytes(s.head_dim),
     };
-    launch_flash(dev, name, config, (q, cache, out), p, m, s, (part, max_ranges))?;
+    launch_prefill(dev, name, config, (q, cache, out), p, m, s, (part, max_ranges), false)?;
     if split.is_some() {
         combine_ranges(dev, part, out, p, m, s, (max_ranges, FLASH_RANGE_KEYS))?;
     }
