@@ -288,15 +288,17 @@ fi
 # cuda-ipc with every engine --batch-invariant (the burst must equal colocated one at a time),
 # then the flag's cost: bench engine on qwen3-4b with and without it.
 if [ "$MODE" = invariant ]; then
-  timeout 240 "$BIN/cuda_kernels" --include-ignored --test-threads=1 --nocapture packed_attention invariant_matmul \
-    sliced_invariant ${SKINNY_TEST:+skinny_invariant} attention_kernels > "$OUT/inv_kernels.log" 2>&1 \
-    && note "invariant kernel tests: ok" \
-    || { note "invariant kernel tests: FAILED"; grep -B2 -A8 panicked "$OUT/inv_kernels.log" | head -30 >> "$OUT/summary.txt"; status=1; }
-  grep -E "cuBLAS.s default|^skinny |^sliced " "$OUT/inv_kernels.log" | while read -r l; do note "$l"; done
-  timeout 300 "$BIN/cuda_engine" --include-ignored --nocapture batch_invariant > "$OUT/inv_engine.log" 2>&1 \
-    && note "batch-invariant engine test: ok" \
-    || { note "batch-invariant engine test: FAILED"; grep -B2 -A8 panicked "$OUT/inv_engine.log" | head -20 >> "$OUT/summary.txt"; status=1; }
-  grep -E "without --batch-invariant|preemptions" "$OUT/inv_engine.log" | while read -r l; do note "$l"; done
+  if [ -z "${SKIP_TESTS:-}" ]; then
+    timeout 240 "$BIN/cuda_kernels" --include-ignored --test-threads=1 --nocapture packed_attention invariant_matmul \
+      sliced_invariant skinny_norm ${SKINNY_TEST:+skinny_invariant} attention_kernels > "$OUT/inv_kernels.log" 2>&1 \
+      && note "invariant kernel tests: ok" \
+      || { note "invariant kernel tests: FAILED"; grep -B2 -A8 panicked "$OUT/inv_kernels.log" | head -30 >> "$OUT/summary.txt"; status=1; }
+    grep -E "cuBLAS.s default|^skinny |^sliced " "$OUT/inv_kernels.log" | while read -r l; do note "$l"; done
+    timeout 300 "$BIN/cuda_engine" --include-ignored --nocapture batch_invariant > "$OUT/inv_engine.log" 2>&1 \
+      && note "batch-invariant engine test: ok" \
+      || { note "batch-invariant engine test: FAILED"; grep -B2 -A8 panicked "$OUT/inv_engine.log" | head -20 >> "$OUT/summary.txt"; status=1; }
+    grep -E "without --batch-invariant|preemptions" "$OUT/inv_engine.log" | while read -r l; do note "$l"; done
+  fi
   if [ -z "${SKIP_PD:-}" ]; then
     PD_BATCH_INVARIANT=1 PD_SETTINGS=cuda-ipc_16 PD_LONG=2000 pd_check
   fi
@@ -305,7 +307,9 @@ if [ "$MODE" = invariant ]; then
   # too, invariant_narrow=0; wgmma-shared: its range sums in shared memory and two stages,
   # invariant_fold_l2=0); the o and down products cut into K
   # slices of at most 1280 and 2560 columns (--cuda-tune invariant_slice_cols), at the short
-  # context, on skinny kernels of 8 and of 2 stages (more blocks an SM).
+  # context, on skinny kernels of 8 and of 2 stages (more blocks an SM); skinny2|4|8: wgmma
+  # with the few-row products on the skinny kernels of that many stages (short context); fused:
+  # wgmma with the norms of few-token steps inside the products (fusedSxG: that build).
   for flag in ${INV_BENCH:-default --batch-invariant wgmma slices1280 slices2560 slices1280s2 slices2560s2}; do
     [ -n "${SKIP_BENCH:-}" ] && break
     for ctx in 16 1024; do
@@ -315,6 +319,13 @@ if [ "$MODE" = invariant ]; then
         wgmma) args=(--batch-invariant --cuda-tune=invariant_wgmma=1) ;;
         wgmma-wide) args=(--batch-invariant --cuda-tune=invariant_wgmma=1 --cuda-tune=invariant_narrow=0) ;;
         wgmma-shared) args=(--batch-invariant --cuda-tune=invariant_wgmma=1 --cuda-tune=invariant_fold_l2=0) ;;
+        fused) args=(--batch-invariant --cuda-tune=invariant_wgmma=1 --cuda-tune=invariant_fused_norm=1) ;;
+        fused[0-9]x[0-9]) [ "$ctx" = 16 ] || continue
+          args=(--batch-invariant --cuda-tune=invariant_wgmma=1 --cuda-tune=invariant_fused_norm=1
+            "--cuda-tune=fused_norm_build=${flag#fused}") ;;
+        skinny[248]) [ "$ctx" = 16 ] || continue
+          args=(--batch-invariant --cuda-tune=invariant_wgmma=1 --cuda-tune=invariant_skinny=1
+            "--cuda-tune=skinny_stages=${flag#skinny}") ;;
         slices*s2) [ "$ctx" = 16 ] || continue; cols=${flag#slices}
           args=(--batch-invariant "--cuda-tune=invariant_slice_cols=${cols%s2}" --cuda-tune=skinny_stages=2) ;;
         slices*) [ "$ctx" = 16 ] || continue

@@ -1282,6 +1282,116 @@ fn skinny_invariant_products_give_the_bits_of_the_many_row_product() {
     assert_eq!(differing, 0, "invariant products of at most 16 rows differ from the many-row product's bits");
 }
 
+/// The fused residual add + RMSNorm (+ SiLU) batch-invariant products of at most 8 rows
+/// (`matmul_t_skinny_norm`, Hopper's warpgroup MMAs) give the unfused path's bits
+/// (`add_rms_norm_b128`, cuBLASLt's product, `silu_mul`) on Qwen3-0.6B/4B/32B's qkv and gate/up
+/// shapes at every row count and every build (`verify_skinny_norm` runs the model's
+/// comparison too), and the comparison sees a change of epsilon. One row's time is reported
+/// beside the unfused kernels'.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn skinny_norm_products_give_the_bits_of_the_unfused_path() {
+    let Some(dev) = device() else { return };
+    if !dev.wgmma_capable() {
+        eprintln!("skinny norm: needs a Hopper GPU (sm_90a)");
+        return;
+    }
+    dev.enable_batch_invariant().unwrap();
+    let mut rng = Lcg(23);
+    let shapes: [(usize, usize, ops::SkinnyNormOutput); 5] = [
+        (4096, 1024, ops::SkinnyNormOutput::Product),
+        (6144, 1024, ops::SkinnyNormOutput::SiluMul),
+        (6144, 2560, ops::SkinnyNormOutput::Product),
+        (19456, 2560, ops::SkinnyNormOutput::SiluMul),
+        (10240, 5120, ops::SkinnyNormOutput::Product),
+    ];
+    let eps = 1e-6;
+    for (n, k, output) in shapes {
+        let w: Vec<u16> = (0..n * k).map(|_| bf16(rng.uniform() * 0.05)).collect();
+        let norm: Vec<u16> = (0..k).map(|_| bf16(1.0 + rng.uniform() * 0.5)).collect();
+        let (d_w, d_norm) = (dev.upload(&w).unwrap(), dev.upload(&norm).unwrap());
+        let shape = ops::SkinnyNormShape { weight: d_w.ptr(), n, k, norm_weight: d_norm.ptr(), eps, output };
+        let why = unsafe { ops::verify_skinny_norm(&dev, &[shape]).unwrap() };
+        assert_eq!(why, None, "{k} by {n} ({output:?})");
+        // Every row count against the unfused path of 8 rows.
+        let most = ops::SKINNY_NORM_MAX_TOKENS;
+        let silu = output == ops::SkinnyNormOutput::SiluMul;
+        let out_cols = if silu { n / 2 } else { n };
+        let x: Vec<f32> = (0..most * k).map(|_| f32_of(bf16(rng.uniform() * 3.0))).collect();
+        let delta: Vec<u16> = (0..most * k).map(|_| bf16(rng.uniform())).collect();
+        let (d_x, d_delta, d_sum) = (dev.upload(&x).unwrap(), dev.upload(&delta).unwrap(), dev.upload(&x).unwrap());
+        let d_normed = dev.zeros::<u16>(most * k).unwrap();
+        let d_prod = dev.zeros::<u16>(most * n).unwrap();
+        let d_act = dev.zeros::<u16>(most * out_cols).unwrap();
+        let unfused = |rows: usize| unsafe {
+            let delta = ops::ResidualDelta::Bf16(d_delta.ptr());
+            ops::add_rms_norm_b128(&dev, d_sum.ptr(), delta, 0, d_norm.ptr(), d_normed.ptr(), rows, k, eps).unwrap();
+            ops::matmul_t_invariant(&dev, d_normed.ptr(), d_w.ptr(), d_prod.ptr(), rows, n, k, false).unwrap();
+            if silu {
+                ops::silu_mul(&dev, d_prod.ptr(), d_act.ptr(), rows, n / 2).unwrap();
+            }
+        };
+        unfused(most);
+        let want = dev.read(if silu { &d_act } else { &d_prod }, most * out_cols).unwrap();
+        let want_sum = dev.read(&d_sum, most * k).unwrap();
+        let d_out = dev.zeros::<u16>(most * out_cols).unwrap();
+        let d_out_sum = dev.zeros::<f32>(most * k).unwrap();
+        let product = |eps: f32| ops::NormedProduct {
+            weight: d_w.ptr(),
+            n,
+            k,
+            x: d_x.ptr(),
+            delta: d_delta.ptr(),
+            x_out: d_out_sum.ptr(),
+            norm_weight: d_norm.ptr(),
+            eps,
+            y: d_out.ptr(),
+            output,
+        };
+        let run = |t: usize, build: (usize, usize), eps: f32| unsafe {
+            ops::matmul_t_skinny_norm_built(&dev, &product(eps), t, build).unwrap()
+        };
+        let mut times = vec![];
+        for build in ops::SKINNY_NORM_BUILDS {
+            for t in 1..=most {
+                run(t, build, eps);
+                let got = dev.read(&d_out, t * out_cols).unwrap();
+                let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+                assert_eq!(wrong, 0, "build {build:?}, {t} rows, {k} by {n} ({output:?}): {wrong} outputs differ");
+                let sum = dev.read(&d_out_sum, t * k).unwrap();
+                assert!(sum.iter().zip(&want_sum).all(|(a, b)| a.to_bits() == b.to_bits()), "{t} rows: the sum");
+            }
+            // What one row costs (reported, not asserted).
+            let us = time_us(&dev, &|| run(1, build, eps));
+            times.push(format!("{}x{} {us:.1} us", build.0, build.1));
+        }
+        // The comparison sees a change in the last bits: another epsilon moves some outputs.
+        run(1, ops::SKINNY_NORM_BUILDS[0], 1e-2);
+        let moved = dev.read(&d_out, out_cols).unwrap().iter().zip(&want).filter(|(a, b)| a != b).count();
+        assert!(moved > 0, "an epsilon of 1e-2 gave the outputs of 1e-6");
+        let unfused_us = time_us(&dev, &|| unfused(1));
+        eprintln!(
+            "skinny norm {k} by {n} ({output:?}): equal at 1-{most} rows; one row {} against {unfused_us:.1} us \
+             unfused ({:.0} MB of weights)",
+            times.join(", "),
+            (n * k * 2) as f64 / 1e6
+        );
+    }
+}
+
+/// Mean wall time of `f` over 50 runs after one warm-up, in microseconds.
+fn time_us(dev: &CudaDevice, f: &dyn Fn()) -> f64 {
+    let reps = 50;
+    f();
+    dev.synchronize().unwrap();
+    let start = std::time::Instant::now();
+    for _ in 0..reps {
+        f();
+    }
+    dev.synchronize().unwrap();
+    start.elapsed().as_secs_f64() * 1e6 / reps as f64
+}
+
 /// The K-sliced batch-invariant products of the long-K projections (o and down of Qwen3-0.6B
 /// and 4B, cut into slices of at most 1280 columns): every slice's rows are the same bits for
 /// every row count, on cuBLASLt's strided batch and (at 16 rows or fewer, once `verify_skinny`

@@ -204,15 +204,18 @@ fn batch_invariant_requests_get_their_answer_alone_whatever_shares_the_batch() {
         })
         .collect();
     let reversed: Vec<_> = requests.iter().rev().cloned().collect();
-    // The mma.sync attention every GPU runs, and on a Hopper GPU the warpgroup-MMA build.
+    // The mma.sync attention every GPU runs, and on a Hopper GPU the warpgroup-MMA build, alone
+    // and with the norms of steps of few tokens inside their products.
     let hopper = tandem_compute::cuda::CudaDevice::open_with(0, Default::default(), kernel_cache().as_deref())
         .is_ok_and(|d| d.wgmma_capable());
-    let mut tunings = vec![CudaTuning::default()];
+    let mut tunings = vec![];
     if hopper {
+        tunings.push(CudaTuning { invariant_wgmma: true, invariant_fused_norm: true, ..CudaTuning::default() });
         tunings.push(CudaTuning { invariant_wgmma: true, ..CudaTuning::default() });
     }
+    tunings.push(CudaTuning::default());
     for tuning in tunings {
-        eprintln!("batch-invariant attention on warpgroup MMAs: {}", tuning.invariant_wgmma);
+        eprintln!("batch-invariant, tuned: {tuning}");
         let Some(mut chunked) = engine_tuned(cfg(512), true, true, tuning.clone()) else { return };
         let alone = run_in_groups(&mut chunked, &requests, 1);
         for (label, got) in [

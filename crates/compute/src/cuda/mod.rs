@@ -53,6 +53,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "kv_digest",
     "embed_gather",
     "add_rms_norm",
+    "add_rms_norm_b128",
     "silu_mul",
     "interleave_rows",
     "attention_combine",
@@ -147,6 +148,10 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemm_skinny_b16_s4",
     "gemm_skinny_b8_s8",
     "gemm_skinny_b16_s8",
+    "gemm_wg_norm_s4",
+    "gemm_wg_norm_s8",
+    "gemm_wg_norm_s4_g2",
+    "gemm_wg_norm_s3_g2",
 ];
 
 /// A host KV region page-locked for device copies ([`CudaDevice::pin_region`]).
@@ -469,6 +474,9 @@ pub struct CudaDevice {
     /// The skinny kernels serve batch-invariant products of few rows: they gave cuBLASLt's bits
     /// on this GPU for the weights they serve ([`ops::verify_skinny`]).
     skinny_verified: std::sync::atomic::AtomicBool,
+    /// The fused norm + skinny products gave the unfused path's bits on this GPU
+    /// ([`ops::verify_skinny_norm`]).
+    skinny_norm_verified: std::sync::atomic::AtomicBool,
 }
 
 // Safety: the device is used from one thread at a time (the engine thread owns its model);
@@ -599,6 +607,11 @@ impl CudaDevice {
                 allow_smem(build.kernel(stages), ops::skinny_smem_bytes(build.max_tokens(), stages))?;
             }
         }
+        // The normed rows of the widest K the norm takes, and the ring of weight stages.
+        for build in ops::SKINNY_NORM_BUILDS {
+            let most = ops::skinny_norm_smem_bytes(ops::SKINNY_NORM_MAX_K, build);
+            allow_smem(ops::skinny_norm_kernel(build), most.min(smem_block_optin.saturating_sub(2048)))?;
+        }
         for name in named("gemv_") {
             let limit = if name.ends_with("_mma") {
                 gemv_mma_smem
@@ -629,6 +642,7 @@ impl CudaDevice {
             wgmma_capable,
             invariant_gemm: std::sync::OnceLock::new(),
             skinny_verified: std::sync::atomic::AtomicBool::new(false),
+            skinny_norm_verified: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -724,6 +738,17 @@ impl CudaDevice {
 
     pub(crate) fn set_skinny_verified(&self, verified: bool) {
         self.skinny_verified.store(verified, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether batch-invariant steps of few tokens fold their norms into the products
+    /// (`ops::matmul_t_skinny_norm`): tuned so ([`CudaTuning::invariant_fused_norm`]) and
+    /// verified on this GPU ([`ops::verify_skinny_norm`]).
+    pub fn invariant_fused_norm(&self) -> bool {
+        self.tuning.invariant_fused_norm && self.skinny_norm_verified.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_skinny_norm_verified(&self, verified: bool) {
+        self.skinny_norm_verified.store(verified, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The kernel choices this device was opened with.

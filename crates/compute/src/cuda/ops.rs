@@ -200,8 +200,10 @@ pub use prefill::{
 };
 mod skinny;
 pub use skinny::{
-    matmul_t_skinny, skinny_smem_bytes, skinny_takes, verify_skinny, SkinnyBuild, SkinnyShape, SKINNY_MAX_TOKENS,
-    SKINNY_STAGES,
+    matmul_t_skinny, matmul_t_skinny_norm, matmul_t_skinny_norm_built, skinny_norm_kernel, skinny_norm_smem_bytes,
+    skinny_norm_takes, skinny_smem_bytes, skinny_takes, verify_skinny, verify_skinny_norm, NormedProduct, SkinnyBuild,
+    SkinnyNormOutput, SkinnyNormShape, SkinnyShape, SKINNY_MAX_TOKENS, SKINNY_NORM_BUILDS, SKINNY_NORM_MAX_K,
+    SKINNY_NORM_MAX_TOKENS, SKINNY_STAGES,
 };
 
 /// Fills `n` bf16 elements at `out` with the seeded uniform values of `preset_uniform`.
@@ -307,6 +309,42 @@ pub unsafe fn add_rms_norm(
         hidden as i32,
         eps
     )
+}
+
+/// [`add_rms_norm`] in the order of sums [`matmul_t_skinny_norm`] repeats in its prologue (no
+/// K-sliced deltas): the norms of a batch-invariant model whose steps of few tokens fold them
+/// into their products ([`CudaDevice::invariant_fused_norm`]), so both give the same bits.
+///
+/// # Safety
+/// As [`add_rms_norm`]; `hidden` at most [`SKINNY_NORM_MAX_K`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn add_rms_norm_b128(
+    dev: &CudaDevice,
+    x: u64,
+    delta: ResidualDelta,
+    rows: u64,
+    w: u64,
+    out: u64,
+    num_rows: usize,
+    hidden: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    let delta = match delta {
+        ResidualDelta::None => 0,
+        ResidualDelta::Bf16(ptr) => ptr,
+        ResidualDelta::Parts { .. } => {
+            return Err(CudaError::Unavailable("the batch-invariant norm does not take K-sliced products".into()))
+        }
+    };
+    if hidden > SKINNY_NORM_MAX_K || !hidden.is_multiple_of(4) {
+        return Err(CudaError::Unavailable(format!(
+            "the batch-invariant norm takes hidden sizes up to {SKINNY_NORM_MAX_K} (a multiple of 4), not {hidden}"
+        )));
+    }
+    if num_rows == 0 {
+        return Ok(());
+    }
+    launch!(dev, "add_rms_norm_b128", cfg((num_rows as u32, 1), 128), x, delta, rows, w, out, hidden as i32, eps)
 }
 
 /// `out[t, i] = silu(gu[t, 2i]) * gu[t, 2i + 1]` (`inter` even): gate/up rows interleaved, as

@@ -76,6 +76,17 @@ pub struct CudaTuning {
     /// memory, with two. The same bits either way. On (the default): prefill of 4096 tokens
     /// (qwen3-4b, H100) 61.1 ms against 66.0, the default build's 61.1.
     pub invariant_fold_l2: bool,
+    /// Batch-invariant steps of at most 8 tokens add the residual and take the RMSNorm inside
+    /// their qkv and gate/up products, and SiLU in the gate/up product's epilogue
+    /// (`ops::matmul_t_skinny_norm`, on Hopper's warpgroup MMAs: three launches a layer fewer),
+    /// once verified at load to give the unfused path's bits; every norm of the model then sums
+    /// in that kernel's order (`ops::add_rms_norm_b128`). Batch invariant either way (the last
+    /// bits differ between on and off).
+    pub invariant_fused_norm: bool,
+    /// The build of those fused products, (stages, warpgroups a block) of
+    /// `ops::SKINNY_NORM_BUILDS`; None: chosen by shape (`ops::matmul_t_skinny_norm`). The same
+    /// bits either way.
+    pub fused_norm_build: Option<(usize, usize)>,
 }
 
 /// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2|3`).
@@ -150,6 +161,8 @@ impl Default for CudaTuning {
             invariant_wgmma: false,
             invariant_narrow: true,
             invariant_fold_l2: true,
+            invariant_fused_norm: false,
+            fused_norm_build: None,
         }
     }
 }
@@ -172,6 +185,8 @@ impl CudaTuning {
         ("invariant_wgmma", "0|1 (default 0)"),
         ("invariant_narrow", "0|1 (default 1)"),
         ("invariant_fold_l2", "0|1 (default 1)"),
+        ("invariant_fused_norm", "0|1 (default 0)"),
+        ("fused_norm_build", "auto|4x1|8x1|4x2|3x2 (default auto)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -214,6 +229,17 @@ impl CudaTuning {
             "invariant_wgmma" => self.invariant_wgmma = flag()?,
             "invariant_narrow" => self.invariant_narrow = flag()?,
             "invariant_fold_l2" => self.invariant_fold_l2 = flag()?,
+            "invariant_fused_norm" => self.invariant_fused_norm = flag()?,
+            "fused_norm_build" => {
+                self.fused_norm_build = match value {
+                    "auto" => None,
+                    "4x1" => Some((4, 1)),
+                    "8x1" => Some((8, 1)),
+                    "4x2" => Some((4, 2)),
+                    "3x2" => Some((3, 2)),
+                    _ => return Err(bad()),
+                }
+            }
             "wgmma_prefill" => {
                 self.wgmma_prefill = WgmmaPrefill::ALL.into_iter().find(|b| b.value() == value).ok_or_else(bad)?
             }
@@ -279,6 +305,19 @@ impl fmt::Display for CudaTuning {
         if self.wgmma_prefill != d.wgmma_prefill {
             parts.push(format!("wgmma_prefill={}", self.wgmma_prefill.value()));
         }
+        for (key, on, default) in [
+            ("invariant_wgmma", self.invariant_wgmma, d.invariant_wgmma),
+            ("invariant_narrow", self.invariant_narrow, d.invariant_narrow),
+            ("invariant_fold_l2", self.invariant_fold_l2, d.invariant_fold_l2),
+            ("invariant_fused_norm", self.invariant_fused_norm, d.invariant_fused_norm),
+        ] {
+            if on != default {
+                parts.push(format!("{key}={}", b(on)));
+            }
+        }
+        if let Some((stages, groups)) = self.fused_norm_build {
+            parts.push(format!("fused_norm_build={stages}x{groups}"));
+        }
         write!(f, "{}", parts.join(","))
     }
 }
@@ -304,6 +343,11 @@ mod tests {
         assert!(CudaTuning::from_settings(&["attention_early"]).unwrap_err().contains("KEY=VALUE"));
         assert!(CudaTuning::from_settings(&["attention_stages=3"]).is_err());
         assert!(CudaTuning::from_settings(&["skinny_stages=6"]).unwrap_err().contains("2|4|8"));
+        let fused = CudaTuning::from_settings(&["invariant_wgmma=1", "invariant_fused_norm=1", "fused_norm_build=4x2"])
+            .unwrap();
+        assert_eq!(fused.to_string(), "invariant_wgmma=1,invariant_fused_norm=1,fused_norm_build=4x2");
+        assert!(CudaTuning::from_settings(&["fused_norm_build=5x1"]).unwrap_err().contains("4x1|8x1"));
+        assert_eq!(CudaTuning::from_settings(&fused.to_string().split(',').collect::<Vec<_>>()).unwrap(), fused);
         let groups = CudaTuning::from_settings(&["kv_fence_groups=12"]).unwrap();
         assert_eq!((groups.kv_fence_groups, groups.to_string().as_str()), (12, "kv_fence_groups=12"));
         assert!(CudaTuning::from_settings(&["kv_fence_groups=0"]).unwrap_err().contains("1..=64"));

@@ -6,7 +6,7 @@
 //! so a decode step of a given size can be captured once as a CUDA graph and replayed.
 
 use tandem_compute::cuda::ops::{
-    self, AttnShape, AttnSplit, Gemv, GemvBuild, GemvInput, GemvOutput, QkvRope, ResidualDelta,
+    self, AttnShape, AttnSplit, Gemv, GemvBuild, GemvInput, GemvOutput, QkvRope, ResidualDelta, SkinnyNormOutput,
 };
 use tandem_compute::cuda::{kv_fence_ends, Communicator, CudaDevice, CudaError, DevBuf, KvFences};
 
@@ -81,15 +81,20 @@ impl Pass<'_> {
     ) -> Result<(), ModelError> {
         let (dev, cfg, a, m) = (self.dev, self.cfg, &self.step.act, self.step.layout);
         let h = cfg.hidden_size;
-        let eps = cfg.rms_norm_eps;
         ops::embed_gather(dev, self.w.embed.ptr(), self.step.at(m.tokens), a.tokens.ptr(), a.x.ptr(), t, h)?;
         if let Some((projections, o_projection)) = fused {
             return self.decode_layers(t, rows, counts, projections, o_projection);
         }
         let meta = self.step.attn_meta();
         let layers = &self.w.layers;
-        let none = ResidualDelta::None;
-        ops::add_rms_norm(dev, a.x.ptr(), none, 0, layers[0].input_norm.ptr(), a.normed.ptr(), t, h, eps)?;
+        // A batch-invariant step of few tokens adds the residual and takes the norm inside its
+        // qkv and gate/up products (SiLU too), which write the residual's sum to the other
+        // buffer: `resid` is where it is now, `pending` the down product not yet added to it.
+        let fuse_norms = self.fuse_norms(t);
+        let (mut resid, mut spare, mut pending) = (a.x.ptr(), a.x_alt.ptr(), 0u64);
+        if !fuse_norms {
+            self.add_norm(resid, ResidualDelta::None, 0, layers[0].input_norm.ptr(), a.normed.ptr(), t)?;
+        }
         let prefill = self.step.prefill_seqs(counts);
         let tuning = dev.tuning();
         let fence_ends = kv_fence_ends(layers.len(), tuning.kv_fence_groups, tuning.kv_fence_taper);
@@ -104,7 +109,13 @@ impl Pass<'_> {
             && counts.narrow == counts.work;
         for (li, layer) in layers.iter().enumerate() {
             // The qkv bias is added by the RoPE kernel.
-            self.matmul(a.normed.ptr(), layer.qkv.weight.ptr(), a.qkv.ptr(), t, layer.qkv.out_dim, h, false)?;
+            if fuse_norms {
+                let out = SkinnyNormOutput::Product;
+                self.normed_product(&layer.qkv, &layer.input_norm, resid, pending, spare, a.qkv.ptr(), out, t)?;
+                std::mem::swap(&mut resid, &mut spare);
+            } else {
+                self.matmul(a.normed.ptr(), layer.qkv.weight.ptr(), a.qkv.ptr(), t, layer.qkv.out_dim, h, false)?;
+            }
             let shape = if narrow_rope {
                 self.attn_shape(li)
             } else {
@@ -125,31 +136,86 @@ impl Pass<'_> {
                 ops::flash_prefill(dev, a.q.ptr(), self.cache.ptr(), a.attn.ptr(), &prefill, &meta, &shape, split)?;
             }
             let attn_out = self.all_reduce(self.residual_projection(&layer.o, a.attn.ptr(), t)?, t)?;
-            ops::add_rms_norm(dev, a.x.ptr(), attn_out, 0, layer.post_norm.ptr(), a.normed.ptr(), t, h, eps)?;
-            self.linear(&layer.gate_up, a.normed.ptr(), a.gate_up.ptr(), t)?;
-            ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, cfg.intermediate_size)?;
-            let mlp_out = self.all_reduce(self.residual_projection(&layer.down, a.act.ptr(), t)?, t)?;
-            match layers.get(li + 1) {
-                Some(next) => {
-                    ops::add_rms_norm(dev, a.x.ptr(), mlp_out, 0, next.input_norm.ptr(), a.normed.ptr(), t, h, eps)?
+            match attn_out {
+                ResidualDelta::Bf16(delta) if fuse_norms => {
+                    let out = SkinnyNormOutput::SiluMul;
+                    self.normed_product(&layer.gate_up, &layer.post_norm, resid, delta, spare, a.act.ptr(), out, t)?;
+                    std::mem::swap(&mut resid, &mut spare);
                 }
+                _ => {
+                    self.add_norm(resid, attn_out, 0, layer.post_norm.ptr(), a.normed.ptr(), t)?;
+                    self.linear(&layer.gate_up, a.normed.ptr(), a.gate_up.ptr(), t)?;
+                    ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, cfg.intermediate_size)?;
+                }
+            }
+            let mlp_out = self.all_reduce(self.residual_projection(&layer.down, a.act.ptr(), t)?, t)?;
+            match (layers.get(li + 1), mlp_out) {
+                (Some(_), ResidualDelta::Bf16(delta)) if fuse_norms => pending = delta,
+                (Some(next), _) => self.add_norm(resid, mlp_out, 0, next.input_norm.ptr(), a.normed.ptr(), t)?,
                 // Only the rows that sample need the last residual add, the final norm and
                 // the (large) output projection.
-                None => ops::add_rms_norm(
-                    dev,
-                    a.x.ptr(),
-                    mlp_out,
-                    self.step.at(m.rows),
-                    self.w.norm.ptr(),
-                    a.last.ptr(),
-                    rows,
-                    h,
-                    eps,
-                )?,
+                (None, _) => {
+                    self.add_norm(resid, mlp_out, self.step.at(m.rows), self.w.norm.ptr(), a.last.ptr(), rows)?
+                }
             }
         }
         self.matmul(a.last.ptr(), self.w.head().ptr(), a.logits.ptr(), rows, cfg.vocab_size, h, true)?;
         Ok(())
+    }
+
+    /// Whether a step of `t` tokens folds its norms into the qkv and gate/up products
+    /// ([`ops::matmul_t_skinny_norm`]): batch invariant, tuned so and verified on this GPU, few
+    /// enough tokens, and o and down products the residual takes as one bf16 delta.
+    pub fn fuse_norms(&self, t: usize) -> bool {
+        let l = &self.w.layers[0];
+        self.invariant_norms()
+            && t <= ops::SKINNY_NORM_MAX_TOKENS
+            && self.comm.is_none()
+            && self.slices(&l.o) == 1
+            && self.slices(&l.down) == 1
+            && l.gate_up.bias.is_none()
+    }
+
+    /// `lin`'s product of `rms_norm(x + delta)` (by `norm`'s weight) for `t` tokens in one kernel
+    /// ([`ops::matmul_t_skinny_norm`]), `x + delta` written to `x_out`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn normed_product(
+        &self,
+        lin: &Linear,
+        norm: &DevBuf<u16>,
+        x: u64,
+        delta: u64,
+        x_out: u64,
+        y: u64,
+        output: SkinnyNormOutput,
+        t: usize,
+    ) -> Result<(), CudaError> {
+        let (weight, n, k, norm_weight, eps) =
+            (lin.weight.ptr(), lin.out_dim, lin.in_dim, norm.ptr(), self.cfg.rms_norm_eps);
+        let p = ops::NormedProduct { weight, n, k, x, delta, x_out, norm_weight, eps, y, output };
+        ops::matmul_t_skinny_norm(self.dev, &p, t)
+    }
+
+    /// Whether every norm sums in [`ops::matmul_t_skinny_norm`]'s order
+    /// ([`ops::add_rms_norm_b128`]), so steps with and without the fused products agree.
+    fn invariant_norms(&self) -> bool {
+        self.step.batch_invariant() && self.dev.invariant_fused_norm()
+    }
+
+    /// `out[r] = rms_norm(x[rows[r]] + delta) * w` for `num_rows` rows ([`ops::add_rms_norm`]),
+    /// in the batch-invariant order where the fused products are on.
+    pub unsafe fn add_norm(
+        &self,
+        x: u64,
+        delta: ResidualDelta,
+        rows: u64,
+        w: u64,
+        out: u64,
+        num_rows: usize,
+    ) -> Result<(), CudaError> {
+        let (h, eps) = (self.cfg.hidden_size, self.cfg.rms_norm_eps);
+        let norm = if self.invariant_norms() { ops::add_rms_norm_b128 } else { ops::add_rms_norm };
+        norm(self.dev, x, delta, rows, w, out, num_rows, h, eps)
     }
 
     /// `y = x · wᵀ` through cuBLAS (cuBLASLt products that split no reduction when batch

@@ -1,11 +1,11 @@
 //! Measurement only (the `profile` feature, for `tandem bench engine --profile`): device time
 //! per op of one forward.
 
-use tandem_compute::cuda::ops::{self, Gemv, GemvBuild, GemvPlan, ResidualDelta};
-use tandem_compute::cuda::CudaError;
+use tandem_compute::cuda::ops::{self, Gemv, GemvBuild, GemvPlan, ResidualDelta, SkinnyNormOutput};
+use tandem_compute::cuda::{CudaError, DevBuf};
 
 use super::forward::{forward, Pass};
-use super::weights::Layer;
+use super::weights::{Layer, Linear};
 use super::CudaModel;
 use crate::transformer::SeqBatch;
 use crate::ModelError;
@@ -144,7 +144,6 @@ unsafe fn op_times(
     let counts = step.counts;
     let layers = cfg.num_layers as f64;
     let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
-    let eps = cfg.rms_norm_eps;
     let meta = step.attn_meta();
     let cache = pass.cache.ptr();
     let l0 = &w.layers[0];
@@ -213,10 +212,7 @@ unsafe fn op_times(
         ("o projection".into(), time_layers(&|l| pass.residual_projection(&l.o, a.attn.ptr(), t).map(|_| ()))?),
         (
             "residual add + RMSNorm (x2)".into(),
-            2.0 * layers
-                * time(&|| {
-                    ops::add_rms_norm(dev, a.x.ptr(), mlp_out, 0, l0.post_norm.ptr(), a.normed.ptr(), t, h, eps)
-                })?,
+            2.0 * layers * time(&|| pass.add_norm(a.x.ptr(), mlp_out, 0, l0.post_norm.ptr(), a.normed.ptr(), t))?,
         ),
         (
             "gate/up projection".into(),
@@ -229,6 +225,20 @@ unsafe fn op_times(
             time(&|| matmul(a.last.ptr(), w.head().ptr(), a.logits.ptr(), rows, cfg.vocab_size, h, true))?,
         ),
     ];
+    if pass.fuse_norms(t) {
+        // What this step runs instead of the norms, the qkv and gate/up products and SiLU.
+        let fused_norm = |lin: &Linear, norm: &DevBuf<u16>, y: u64, output: SkinnyNormOutput| {
+            pass.normed_product(lin, norm, a.x.ptr(), a.proj.ptr(), a.x_alt.ptr(), y, output, t)
+        };
+        out.push((
+            "fused: residual add + RMSNorm + qkv projection (batch invariant)".into(),
+            time_layers(&|l| fused_norm(&l.qkv, &l.input_norm, a.qkv.ptr(), SkinnyNormOutput::Product))?,
+        ));
+        out.push((
+            "fused: residual add + RMSNorm + gate/up projection + SiLU x up (batch invariant)".into(),
+            time_layers(&|l| fused_norm(&l.gate_up, &l.post_norm, a.act.ptr(), SkinnyNormOutput::SiluMul))?,
+        ));
+    }
     let Some((_, o_projection)) = fused else { return Ok(out) };
     // The decode path this step takes: cuBLAS and the separate norm / SiLU kernels above are
     // replaced by the fused projections below (and, on one-token-per-sequence steps, RoPE +

@@ -82,6 +82,7 @@ impl StepBuffers {
         let (q_dim, kv_dim) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
         let act = Activations {
             x: dev.zeros(t * h)?,
+            x_alt: dev.zeros(if batch_invariant { ops::SKINNY_NORM_MAX_TOKENS.min(t) * h } else { 1 })?,
             normed: dev.zeros(t * h)?,
             qkv: dev.zeros(t * (q_dim + 2 * kv_dim))?,
             q: dev.zeros(t * q_dim)?,
@@ -422,6 +423,10 @@ struct PendingStep {
 /// Per-step activations, sized for `max_tokens` tokens and `max_seqs` sequences.
 pub(super) struct Activations {
     pub x: DevBuf<f32>,
+    /// The residual stream's other buffer for a batch-invariant step whose products take the
+    /// norms in (`ops::matmul_t_skinny_norm` writes the sum elsewhere than it reads):
+    /// [`ops::SKINNY_NORM_MAX_TOKENS`] rows.
+    pub x_alt: DevBuf<f32>,
     pub normed: DevBuf<u16>,
     pub qkv: DevBuf<u16>,
     pub q: DevBuf<u16>,

@@ -217,19 +217,58 @@ impl Weights {
                 slices: 1,
             });
         }
-        if shapes.is_empty() {
-            return Ok(());
+        if !shapes.is_empty() {
+            // Safety: every address is a live weight buffer of its [n, k] bf16 shape.
+            match unsafe { ops::verify_skinny(dev, &shapes)? } {
+                None => tracing::info!(
+                    "batch-invariant products of up to {} rows on the skinny kernels",
+                    ops::SKINNY_MAX_TOKENS
+                ),
+                Some(why) => tracing::warn!(
+                    "batch-invariant products go to cuBLASLt at every row count (slower decode at small \
+                     batches): the skinny kernels are off, {why}"
+                ),
+            }
         }
-        // Safety: every address is a live weight buffer of its [n, k] bf16 shape.
-        match unsafe { ops::verify_skinny(dev, &shapes)? } {
+        if dev.tuning().invariant_fused_norm {
+            self.verify_fused_norms(dev, cfg)?;
+        }
+        Ok(())
+    }
+
+    /// Lets batch-invariant steps of few tokens fold their norms into the qkv and gate/up
+    /// products (`invariant_fused_norm`) if the fused kernel gives the unfused path's bits for
+    /// the first layer's (every layer has the first's shapes); warns saying why not otherwise.
+    fn verify_fused_norms(&self, dev: &CudaDevice, cfg: &ModelConfig) -> Result<(), ModelError> {
+        let Some(l) = self.layers.first() else { return Ok(()) };
+        let sliced = l.o.invariant_slices(dev) > 1 || l.down.invariant_slices(dev) > 1;
+        let why = if sliced {
+            Some("the o or down product is cut into K slices (invariant_slice_cols)".to_string())
+        } else if l.gate_up.bias.is_some() {
+            Some("the gate/up product has a bias".to_string())
+        } else {
+            let eps = cfg.rms_norm_eps;
+            let shape = |lin: &Linear, norm: &DevBuf<u16>, output| ops::SkinnyNormShape {
+                weight: lin.weight.ptr(),
+                n: lin.out_dim,
+                k: lin.in_dim,
+                norm_weight: norm.ptr(),
+                eps,
+                output,
+            };
+            let shapes = [
+                shape(&l.qkv, &l.input_norm, ops::SkinnyNormOutput::Product),
+                shape(&l.gate_up, &l.post_norm, ops::SkinnyNormOutput::SiluMul),
+            ];
+            // Safety: every address is a live weight buffer of its shape.
+            unsafe { ops::verify_skinny_norm(dev, &shapes)? }
+        };
+        match why {
             None => tracing::info!(
-                "batch-invariant products of up to {} rows on the skinny kernels",
-                ops::SKINNY_MAX_TOKENS
+                "batch-invariant steps of up to {} tokens take their norms inside the qkv and gate/up products",
+                ops::SKINNY_NORM_MAX_TOKENS
             ),
-            Some(why) => tracing::warn!(
-                "batch-invariant products go to cuBLASLt at every row count (slower decode at small \
-                 batches): the skinny kernels are off, {why}"
-            ),
+            Some(why) => tracing::warn!("invariant_fused_norm is off: {why}"),
         }
         Ok(())
     }

@@ -802,15 +802,6 @@ FLASH_PREFILL(flash_prefill_split_hd128, 128, true, true)
 #define WG_SMEM_BYTES (WG_Q_BYTES + 2 * WG_STAGE_BYTES + 1024)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// A shared-memory matrix descriptor with 128-byte swizzling: start address, leading and
-// stride byte offsets (PTX ISA, "Matrix Descriptor Format"), each encoded as (x & 0x3FFFF) >> 4.
-__device__ __forceinline__ u64 wg_desc(u32 addr, u32 leading, u32 stride) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((leading & 0x3FFFF) >> 4) << 16) |
-           ((u64)((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // The compiler knows nothing of wgmma's asynchrony: this pins the 64 accumulators in place
 // around a batch (nothing reads or moves them across the fence).
 __device__ __forceinline__ void wg_pin(float* d) {

@@ -159,3 +159,17 @@ __device__ __forceinline__ void ldmatrix_x4(u32* r, const bf16* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
+
+// Warpgroup-MMA (wgmma, sm_90a) primitives: the Hopper prefill attention and the fused
+// batch-invariant products (gemm_wg_norm).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// A shared-memory matrix descriptor with 128-byte swizzling: start address, leading and
+// stride byte offsets (PTX ISA, "Matrix Descriptor Format"), each encoded as (x & 0x3FFFF) >> 4.
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 leading, u32 stride) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((leading & 0x3FFFF) >> 4) << 16) |
+           ((u64)((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+#endif

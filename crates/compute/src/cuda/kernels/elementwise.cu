@@ -117,11 +117,15 @@ __device__ __forceinline__ u32 norm_pack(float x0, float x1, float inv, u32 w2) 
                        round_bf16(x1 * inv) * __uint_as_float(w2 & 0xffff0000u));
 }
 
+// bf16(silu(g)) * u, before its rounding, for a gate and an up value (each a bf16 value): the
+// one definition silu_mul and the fused batch-invariant gate/up product (gemm_skinny_norm) share.
+__device__ __forceinline__ float silu_mul_one(float g, float u) { return round_bf16(g / (1.0f + expf(-g))) * u; }
+
 // bf16(bf16(silu(g)) * u) for two elements of gate and up, each packed as two bf16 in a u32.
 __device__ __forceinline__ u32 silu_mul_pack(u32 g2, u32 u2) {
     float g0 = __uint_as_float(g2 << 16), g1 = __uint_as_float(g2 & 0xffff0000u);
     float u0 = __uint_as_float(u2 << 16), u1 = __uint_as_float(u2 & 0xffff0000u);
-    return pack_bf16x2(round_bf16(g0 / (1.0f + expf(-g0))) * u0, round_bf16(g1 / (1.0f + expf(-g1))) * u1);
+    return pack_bf16x2(silu_mul_one(g0, u0), silu_mul_one(g1, u1));
 }
 
 // The residual stream plus a delta, in bf16.
@@ -192,6 +196,93 @@ extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const float
                 make_uint2(norm_pack(v.x, v.y, inv, wv.x), norm_pack(v.z, v.w, inv, wv.y));
         }
     }
+}
+#endif
+
+// The batch-invariant residual add + RMSNorm of one row by a block of NORM_THREADS threads, in
+// one order of sums that add_rms_norm_b128 and the fused prologue of gemm_wg_norm share (so
+// their bits agree whichever serves a row): h = x + delta rounded as the residual stream (no
+// delta: h = x), written to x_out if given; thread i takes the 4-element pieces i, i + 128, ...
+// and adds their squares one by one (pinned: no contraction choice may differ between the two
+// kernels), then the xor butterfly in each warp, then the warps' sums in warp order; out(i, v)
+// takes elements i..i+3 of bf16(bf16(h * inv) * w) as four packed bf16. Every thread of the
+// block calls it (threads past NORM_THREADS only meet its barriers); hidden % 4 == 0,
+// hidden <= 4 * NORM_THREADS * NORM_PIECES. `scratch`: NORM_THREADS / 32 floats.
+#define NORM_THREADS 128
+#define NORM_PIECES 16
+template <class Out>
+__device__ __forceinline__ void block_add_rms_norm_row(const float* x, const bf16* delta, float* x_out, const bf16* w,
+                                                       Out out, int hidden, float eps, float* scratch) {
+    int tid = threadIdx.x;
+    bool active = tid < NORM_THREADS;
+    float4 v[NORM_PIECES];
+    uint2 d[NORM_PIECES];
+    // Every load first, then the stores: x_out may be x, so a store between two loads would
+    // keep the next load from starting before it (one memory round trip a piece).
+#pragma unroll
+    for (int p = 0; p < NORM_PIECES; ++p) {
+        int i = (tid + p * NORM_THREADS) * 4;
+        v[p] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        d[p] = make_uint2(0u, 0u);
+        if (active && i < hidden) {
+            v[p] = *reinterpret_cast<const float4*>(x + i);
+            if (delta) d[p] = *reinterpret_cast<const uint2*>(delta + i);
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int p = 0; p < NORM_PIECES; ++p) {
+        int i = (tid + p * NORM_THREADS) * 4;
+        if (active && i < hidden) {
+            if (delta) {
+                v[p].x = residual_add(v[p].x, __uint_as_float(d[p].x << 16));
+                v[p].y = residual_add(v[p].y, __uint_as_float(d[p].x & 0xffff0000u));
+                v[p].z = residual_add(v[p].z, __uint_as_float(d[p].y << 16));
+                v[p].w = residual_add(v[p].w, __uint_as_float(d[p].y & 0xffff0000u));
+            }
+            if (x_out) *reinterpret_cast<float4*>(x_out + i) = v[p];
+        }
+        ss = __fmaf_rn(v[p].x, v[p].x, ss);
+        ss = __fmaf_rn(v[p].y, v[p].y, ss);
+        ss = __fmaf_rn(v[p].z, v[p].z, ss);
+        ss = __fmaf_rn(v[p].w, v[p].w, ss);
+    }
+    ss = warp_sum(ss);
+    __syncthreads();
+    if (active && (tid & 31) == 0) scratch[tid >> 5] = ss;
+    __syncthreads();
+    float total = scratch[0];
+#pragma unroll
+    for (int j = 1; j < NORM_THREADS / 32; ++j) total = __fadd_rn(total, scratch[j]);
+    float inv = rsqrtf(total / (float)hidden + eps);
+#pragma unroll
+    for (int p = 0; p < NORM_PIECES; ++p) {
+        int i = (tid + p * NORM_THREADS) * 4;
+        if (active && i < hidden) {
+            uint2 wv = *reinterpret_cast<const uint2*>(w + i);
+            out(i, make_uint2(norm_pack(v[p].x, v[p].y, inv, wv.x), norm_pack(v[p].z, v[p].w, inv, wv.y)));
+        }
+    }
+}
+
+// A normed row's destination in global memory: contiguous bf16.
+struct NormToGlobal {
+    bf16* row;
+    __device__ __forceinline__ void operator()(int i, uint2 v) const { *reinterpret_cast<uint2*>(row + i) = v; }
+};
+
+// add_rms_norm (bf16 deltas or none) in the batch-invariant order of block_add_rms_norm_row:
+// the norms of a batch-invariant model whose few-row steps fold them into gemm_wg_norm.
+// Grid: output rows. Block: NORM_THREADS.
+#if KERNEL_GROUP(0)
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    add_rms_norm_b128(float* x, const bf16* delta, const int* rows, const bf16* w, bf16* out, int hidden, float eps) {
+    PDL_ENTER();
+    __shared__ float scratch[NORM_THREADS / 32];
+    int r = blockIdx.x;
+    u64 row = (u64)(rows ? rows[r] : r) * hidden;
+    block_add_rms_norm_row(x + row, delta ? delta + row : 0, delta ? x + row : 0, w, NormToGlobal{out + (u64)r * hidden},
+                           hidden, eps, scratch);
 }
 #endif
 

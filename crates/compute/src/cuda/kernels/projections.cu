@@ -729,3 +729,147 @@ GEMM_SKINNY_KERNEL(gemm_skinny_b16_s4, 1, 4)
 GEMM_SKINNY_KERNEL(gemm_skinny_b8_s8, 0, 8)
 GEMM_SKINNY_KERNEL(gemm_skinny_b16_s8, 1, 8)
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// The residual add + RMSNorm in front of a batch-invariant product of at most 8 rows, in one
+// kernel (`--batch-invariant`, invariant_fused_norm): y = rms_norm(x + delta) · Wᵀ with the bits
+// of add_rms_norm_b128 followed by the unsplit product that serves every other row count
+// (cuBLASLt's), so a decode step of few tokens saves the norm's launch and, with `silu`, silu_mul's.
+// A block is GROUPS warpgroups of 64 weight rows each. It first makes the t normed rows in shared
+// memory (which its warpgroups share)
+// by its first 128 threads (block_add_rms_norm_row: the same code and order as
+// add_rms_norm_b128; block 0 also writes
+// x + delta to x_out, which must not be x: the other blocks still read x), then sums every output
+// in one chain of wgmma m64n8k16 steps over K, 16 columns at a time in ascending order: the
+// weights as A, the tokens as B (rows past t zero), both K-major with 128-byte swizzling (chunk c
+// of a row's 128-byte piece at c ^ (row % 8), atoms 1024-byte aligned), the order cuBLASLt's
+// kernels sum in (verify_skinny_norm checks the bits on each GPU before the model uses it). The
+// weights stream through each warpgroup's ring of STAGES stages of 64 columns (8 KB) by 16-byte
+// copies, the first ones issued before the programmatic-launch wait (nothing writes the
+// weights). `silu`: W's rows are gate/up interleaved (interleave_rows) and y is silu_mul's
+// [t, N / 2]; else the bf16 product [t, N]. N % (64 GROUPS) == 0, K % 64 == 0,
+// K <= 4 * NORM_THREADS * NORM_PIECES. Grid: N / (64 GROUPS). Block: 128 GROUPS.
+// Dynamic shared memory: 1024 + K * 16 + GROUPS * STAGES * 8192.
+#define WGN_ROWS 64
+#define WGN_STAGE_BYTES (WGN_ROWS * 128)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// d (64 weight rows x 8 tokens, f32) += A (64 x 16) x B (16 x 8), both K-major in shared memory.
+__device__ __forceinline__ void wgn_mma(float (&d)[4], u64 a, u64 b) {
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, 1, 1;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "l"(a), "l"(b)
+                 : "memory");
+}
+
+// Stage s's 64 columns of the block's 64 weight rows into the swizzled tile at `slot`: four
+// 16-byte copies a thread, eight threads a row.
+__device__ __forceinline__ void wgn_copy(u32 slot, const bf16* W, int n0, int K, int s) {
+#pragma unroll
+    for (int j = threadIdx.x & 127; j < WGN_ROWS * 8; j += 128) {
+        int row = j >> 3, chunk = j & 7;
+        const bf16* src = W + (u64)(n0 + row) * K + s * 64 + chunk * 8;
+        u32 dst = slot + row * 128 + ((chunk ^ (row & 7)) << 4);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+    }
+}
+
+// A normed row's destination: token row m of the swizzled B tiles at `tokens` (an atom of 8
+// rows x 64 columns every 1024 bytes).
+struct NormToSwizzled {
+    u32 tokens;
+    int m;
+    __device__ __forceinline__ void operator()(int i, uint2 v) const {
+        u32 at = tokens + (i >> 6) * 1024 + m * 128 + ((((i & 63) >> 3) ^ (m & 7)) << 4) + (i & 7) * 2;
+        asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(at), "r"(v.x), "r"(v.y) : "memory");
+    }
+};
+
+template <int STAGES, int GROUPS>
+__device__ __forceinline__ void gemm_wg_norm(const bf16* __restrict__ W, const float* x, const bf16* delta,
+                                             float* x_out, const bf16* norm_w, float eps, bf16* Y, int N, int K,
+                                             int t, int silu) {
+    extern __shared__ __align__(1024) unsigned char wgn_smem[];
+    __shared__ float scratch[NORM_THREADS / 32];
+    u32 tokens = ((u32)__cvta_generic_to_shared(wgn_smem) + 1023) & ~1023u;
+    int group = threadIdx.x >> 7, stages = K / 64, n0 = (blockIdx.x * GROUPS + group) * WGN_ROWS;
+    u32 ring = tokens + stages * 1024 + group * STAGES * WGN_STAGE_BYTES;
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < stages) wgn_copy(ring + s * WGN_STAGE_BYTES, W, n0, K, s);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+    // The token rows past t stay zero.
+    for (u32 o = threadIdx.x * 16; o < (u32)stages * 1024; o += GROUPS * 128 * 16)
+        asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(tokens + o), "r"(0u) : "memory");
+    PDL_ENTER();
+    for (int m = 0; m < t; ++m) {
+        u64 row = (u64)m * K;
+        block_add_rms_norm_row(x + row, delta ? delta + row : 0, blockIdx.x == 0 && x_out ? x_out + row : 0, norm_w,
+                               NormToSwizzled{tokens, m}, K, eps, scratch);
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < stages; ++s) {
+        // Stage s's copies (this thread's, then everyone's) are in, and visible to wgmma.
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        // The warpgroup's own barrier (1 + group; 0 is __syncthreads').
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + group) : "memory");
+        wg_fence();
+        u32 a = ring + (s % STAGES) * WGN_STAGE_BYTES, b = tokens + s * 1024;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgn_mma(d, wg_desc(a + kk * 32, 16, 1024), wg_desc(b + kk * 32, 16, 1024));
+        wg_commit();
+        // Stage s - 1's products are done: its slot takes stage s + STAGES - 1.
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        int next = s + STAGES - 1;
+        if (next < stages) wgn_copy(ring + (next % STAGES) * WGN_STAGE_BYTES, W, n0, K, next);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+    wg_wait_all();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    // d: weight rows r (d[0], d[1]) and r + 8 (d[2], d[3]) by tokens c and c + 1.
+    int lane = threadIdx.x & 31, r = 16 * ((threadIdx.x >> 5) & 3) + (lane >> 2), c = 2 * (lane & 3);
+    if (silu) {
+        // Gate row 2i and up row 2i + 1 sit in lanes four apart.
+        float up[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) up[e] = __shfl_xor_sync(0xffffffffu, d[e], 4);
+        if ((lane >> 2) & 1) return;
+        int inter = N / 2;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int m = c + (e & 1), i = (n0 + r + (e >> 1) * 8) / 2;
+            if (m < t) Y[(u64)m * inter + i] = f2bf(silu_mul_one(round_bf16(d[e]), round_bf16(up[e])));
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int m = c + (e & 1), n = n0 + r + (e >> 1) * 8;
+            if (m < t) Y[(u64)m * N + n] = f2bf(d[e]);
+        }
+    }
+}
+#endif
+
+#define GEMM_WG_NORM_KERNEL(NAME, STAGES, GROUPS)                                                            \
+    extern "C" __global__ void __launch_bounds__(128 * GROUPS)                                               \
+        NAME(const bf16* W, const float* x, const bf16* delta, float* x_out, const bf16* norm_w, float eps,  \
+             bf16* Y, int N, int K, int t, int silu) {                                                       \
+        GEMM_WG_NORM_BODY(STAGES, GROUPS);                                                                   \
+    }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GEMM_WG_NORM_BODY(STAGES, GROUPS) \
+    gemm_wg_norm<STAGES, GROUPS>(W, x, delta, x_out, norm_w, eps, Y, N, K, t, silu)
+#else
+#define GEMM_WG_NORM_BODY(STAGES, GROUPS)
+#endif
+#if KERNEL_GROUP(3)
+GEMM_WG_NORM_KERNEL(gemm_wg_norm_s4, 4, 1)
+GEMM_WG_NORM_KERNEL(gemm_wg_norm_s8, 8, 1)
+GEMM_WG_NORM_KERNEL(gemm_wg_norm_s4_g2, 4, 2)
+GEMM_WG_NORM_KERNEL(gemm_wg_norm_s3_g2, 3, 2)
+#endif

@@ -1,6 +1,7 @@
-//! The skinny build of the batch-invariant product (`gemm_skinny` in kernels/projections.cu):
-//! 1-16 rows on our own tensor-core chains, which give cuBLASLt's bits (checked at load by
-//! [`verify_skinny`]); docs/PERFORMANCE.md has what they cost beside cuBLASLt.
+//! The skinny builds of the batch-invariant product (kernels/projections.cu): `gemm_skinny`,
+//! 1-16 rows on our own mma.sync chains, and `gemm_wg_norm`, 1-8 rows with the residual add and
+//! RMSNorm in front (and SiLU behind) on wgmma chains; both give cuBLASLt's bits (checked at load
+//! by [`verify_skinny`] and [`verify_skinny_norm`]); docs/PERFORMANCE.md has what they cost.
 
 use cudarc::driver::PushKernelArg;
 
@@ -107,6 +108,150 @@ pub unsafe fn matmul_t_skinny(
         slices as i32)
 }
 
+/// Most rows [`matmul_t_skinny_norm`] takes (its tokens are the 8 columns of a wgmma tile).
+pub const SKINNY_NORM_MAX_TOKENS: usize = 8;
+
+/// Widest K (hidden size) [`matmul_t_skinny_norm`]'s norm takes (NORM_THREADS x NORM_PIECES x 4).
+pub const SKINNY_NORM_MAX_K: usize = 8192;
+
+/// The builds of `gemm_wg_norm`: (stages, warpgroups a block), each warpgroup 64 weight rows
+/// with a ring of that many 64-column stages (8 KB), the block's warpgroups sharing its normed
+/// rows.
+pub const SKINNY_NORM_BUILDS: [(usize, usize); 4] = [(4, 1), (8, 1), (4, 2), (3, 2)];
+
+/// Weight rows of one `gemm_wg_norm` warpgroup.
+const SKINNY_NORM_ROWS: usize = 64;
+
+/// The `gemm_wg_norm` kernel of a build (one of [`SKINNY_NORM_BUILDS`]).
+pub fn skinny_norm_kernel((stages, groups): (usize, usize)) -> &'static str {
+    match (stages, groups) {
+        (8, _) => "gemm_wg_norm_s8",
+        (3, _) => "gemm_wg_norm_s3_g2",
+        (_, 2) => "gemm_wg_norm_s4_g2",
+        _ => "gemm_wg_norm_s4",
+    }
+}
+
+/// Dynamic shared memory of a `gemm_wg_norm` block: room to align to 1024 bytes, the tokens'
+/// swizzled tiles (8 rows of `k` bf16) and each warpgroup's ring of weight stages.
+pub fn skinny_norm_smem_bytes(k: usize, (stages, groups): (usize, usize)) -> usize {
+    1024 + k * 16 + groups * stages * SKINNY_NORM_ROWS * 128
+}
+
+/// The build `gemm_wg_norm` runs a product of `n` output rows and `k` columns with: the tuned
+/// one, or of those whose blocks all fit the GPU at once (else the fewest waves), the one with
+/// the most weight bytes in flight, the fewer warpgroups a block on a tie.
+fn skinny_norm_build(dev: &CudaDevice, n: usize, k: usize) -> (usize, usize) {
+    if let Some(build) = dev.tuning().fused_norm_build {
+        if n.is_multiple_of(SKINNY_NORM_ROWS * build.1) {
+            return build;
+        }
+    }
+    let (_, smem_per_sm) = dev.gemv_smem();
+    let sms = dev.sm_count() as usize;
+    let score = |&(stages, groups): &(usize, usize)| {
+        let blocks = n / (SKINNY_NORM_ROWS * groups);
+        // 1 KB a block the driver keeps, and the kernel's static scratch.
+        let per_sm = (smem_per_sm / (skinny_norm_smem_bytes(k, (stages, groups)) + 2048)).max(1);
+        let waves = blocks.div_ceil(per_sm * sms);
+        let in_flight = blocks.min(per_sm * sms) * groups * (stages - 1);
+        (std::cmp::Reverse(waves), in_flight, std::cmp::Reverse(groups))
+    };
+    SKINNY_NORM_BUILDS
+        .into_iter()
+        .filter(|&(_, groups)| n.is_multiple_of(SKINNY_NORM_ROWS * groups))
+        .max_by_key(score)
+        .unwrap_or((4, 1))
+}
+
+/// What [`matmul_t_skinny_norm`] writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SkinnyNormOutput {
+    /// The bf16 product `[t, n]`.
+    Product,
+    /// [`super::silu_mul`] of the product, whose rows are gate/up interleaved: `[t, n / 2]`.
+    SiluMul,
+}
+
+/// A product [`matmul_t_skinny_norm`] computes: its weight, the residual rows and delta in
+/// front of it, the norm, and where the output goes.
+#[derive(Clone, Copy, Debug)]
+pub struct NormedProduct {
+    /// `[n, k]` bf16.
+    pub weight: u64,
+    /// Output columns (rows of the weight; a multiple of 64).
+    pub n: usize,
+    /// Input columns (the hidden size).
+    pub k: usize,
+    /// The residual rows, `[t, k]` f32.
+    pub x: u64,
+    /// The bf16 delta `[t, k]` added to them first (0: none).
+    pub delta: u64,
+    /// Where `x + delta` goes, `[t, k]` f32, not `x` (0: nowhere).
+    pub x_out: u64,
+    /// The norm's weight, `k` bf16.
+    pub norm_weight: u64,
+    /// The norm's epsilon.
+    pub eps: f32,
+    /// The output: `[t, n]` bf16, or `[t, n / 2]` with [`SkinnyNormOutput::SiluMul`].
+    pub y: u64,
+    /// What is written.
+    pub output: SkinnyNormOutput,
+}
+
+/// The residual add + RMSNorm in front of a batch-invariant product of at most
+/// [`SKINNY_NORM_MAX_TOKENS`] rows, in one kernel (`gemm_wg_norm`, Hopper's warpgroup MMAs):
+/// `y = rms_norm(x + delta) · wᵀ` (or its [`SkinnyNormOutput::SiluMul`]) with the bits of
+/// [`super::add_rms_norm_b128`] followed by [`super::matmul_t_invariant`] (and
+/// [`super::silu_mul`]), `x + delta` written to `x_out`. A decode step of few tokens so saves a
+/// launch a norm, and SiLU's. The bits rest on the kernel's chain agreeing with cuBLASLt's
+/// ([`verify_skinny_norm`] checks the whole on this GPU).
+///
+/// # Safety
+/// Every buffer of `p` holds what [`NormedProduct`] says for `t` rows, 16-byte aligned, all of
+/// the device's context.
+pub unsafe fn matmul_t_skinny_norm(dev: &CudaDevice, p: &NormedProduct, t: usize) -> Result<(), CudaError> {
+    // Safety: the caller's contract.
+    unsafe { matmul_t_skinny_norm_built(dev, p, t, skinny_norm_build(dev, p.n, p.k)) }
+}
+
+/// [`matmul_t_skinny_norm`] on `build` (one of [`SKINNY_NORM_BUILDS`]).
+///
+/// # Safety
+/// As [`matmul_t_skinny_norm`].
+pub unsafe fn matmul_t_skinny_norm_built(
+    dev: &CudaDevice,
+    p: &NormedProduct,
+    t: usize,
+    build: (usize, usize),
+) -> Result<(), CudaError> {
+    let &NormedProduct { weight, n, k, x, delta, x_out, norm_weight, eps, y, output } = p;
+    if t == 0 || n == 0 {
+        return Ok(());
+    }
+    if !skinny_norm_takes(dev, t, n, k) || !n.is_multiple_of(SKINNY_NORM_ROWS * build.1) || (x_out != 0 && x_out == x) {
+        return Err(CudaError::Unavailable(format!(
+            "the fused norm and product takes 1-{SKINNY_NORM_MAX_TOKENS} rows of K a multiple of 64 up to \
+             {SKINNY_NORM_MAX_K}, N a multiple of 64, on a Hopper GPU, writing the sum elsewhere: not {t} x {k} by {n}"
+        )));
+    }
+    let mut config = cfg(((n / (SKINNY_NORM_ROWS * build.1)) as u32, 1), 128 * build.1 as u32);
+    config.shared_mem_bytes = skinny_norm_smem_bytes(k, build) as u32;
+    let silu = (output == SkinnyNormOutput::SiluMul) as i32;
+    launch!(@with true; dev, skinny_norm_kernel(build), config, weight, x, delta, x_out, norm_weight, eps, y,
+        n as i32, k as i32, t as i32, silu)
+}
+
+/// Whether [`matmul_t_skinny_norm`] takes `t` rows of a `[n, k]` product on `dev`.
+pub fn skinny_norm_takes(dev: &CudaDevice, t: usize, n: usize, k: usize) -> bool {
+    dev.wgmma_capable()
+        && (1..=SKINNY_NORM_MAX_TOKENS).contains(&t)
+        && k > 0
+        && k.is_multiple_of(64)
+        && k <= SKINNY_NORM_MAX_K
+        && n.is_multiple_of(SKINNY_NORM_ROWS)
+}
+
 /// A weight matrix the skinny kernels must agree on with cuBLASLt before they serve it
 /// ([`verify_skinny`]).
 #[derive(Clone, Copy, Debug)]
@@ -175,5 +320,96 @@ pub unsafe fn verify_skinny(dev: &CudaDevice, shapes: &[SkinnyShape]) -> Result<
         }
     }
     dev.set_skinny_verified(true);
+    Ok(None)
+}
+
+/// A product [`matmul_t_skinny_norm`] serves, checked by [`verify_skinny_norm`].
+#[derive(Clone, Copy, Debug)]
+pub struct SkinnyNormShape {
+    /// `[n, k]` bf16 on the device, 256-byte aligned.
+    pub weight: u64,
+    /// Output columns (rows of the weight).
+    pub n: usize,
+    /// Input columns (the hidden size).
+    pub k: usize,
+    /// The norm's weight: `k` bf16.
+    pub norm_weight: u64,
+    /// The model's RMSNorm epsilon.
+    pub eps: f32,
+    /// What is written.
+    pub output: SkinnyNormOutput,
+}
+
+/// Checks on this GPU that [`matmul_t_skinny_norm`] gives the unfused path's bits for each
+/// shape (seeded residual rows and deltas: [`super::add_rms_norm_b128`], then cuBLASLt's product
+/// of 64 rows, then [`super::silu_mul`] where asked, against the fused kernel at 1, 2 and 8 rows,
+/// both the output and the residual sum) and lets batch-invariant steps of few tokens use it if
+/// every one agrees ([`CudaDevice::invariant_fused_norm`]). Returns why not, if not. Needs
+/// [`CudaDevice::enable_batch_invariant`].
+///
+/// # Safety
+/// Each shape's weight holds `[n, k]` bf16 and its norm weight `k` bf16 on this device, 256-byte
+/// aligned.
+pub unsafe fn verify_skinny_norm(dev: &CudaDevice, shapes: &[SkinnyNormShape]) -> Result<Option<String>, CudaError> {
+    const MANY: usize = 64;
+    dev.set_skinny_norm_verified(false);
+    for &SkinnyNormShape { weight, n, k, norm_weight, eps, output } in shapes {
+        if !skinny_norm_takes(dev, 1, n, k) {
+            return Ok(Some(format!("it does not take a {k} by {n} product on this GPU")));
+        }
+        let out_cols = if output == SkinnyNormOutput::SiluMul { n / 2 } else { n };
+        // Residual rows and deltas: seeded values, each a bf16 value (as the residual stream is).
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64 ^ (n * 131 + k) as u64;
+        let mut next = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            f32::from_bits(((((seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0).to_bits()) & 0xffff_0000)
+        };
+        let x_host: Vec<f32> = (0..MANY * k).map(|_| next()).collect();
+        let delta_host: Vec<u16> = (0..MANY * k).map(|_| (next().to_bits() >> 16) as u16).collect();
+        let x = dev.upload(&x_host)?;
+        let delta = dev.upload(&delta_host)?;
+        let summed = dev.upload(&x_host)?;
+        let normed = dev.zeros::<u16>(MANY * k)?;
+        let product = dev.zeros::<u16>(MANY * n)?;
+        let act = dev.zeros::<u16>(MANY * out_cols)?;
+        let fused = dev.zeros::<u16>(SKINNY_NORM_MAX_TOKENS * out_cols)?;
+        let fused_sum = dev.zeros::<f32>(SKINNY_NORM_MAX_TOKENS * k)?;
+        // Safety: every buffer was sized above for these shapes; the weights per the contract.
+        unsafe {
+            let delta = super::ResidualDelta::Bf16(delta.ptr());
+            super::add_rms_norm_b128(dev, summed.ptr(), delta, 0, norm_weight, normed.ptr(), MANY, k, eps)?;
+            super::matmul_t_invariant(dev, normed.ptr(), weight, product.ptr(), MANY, n, k, false)?;
+            if output == SkinnyNormOutput::SiluMul {
+                super::silu_mul(dev, product.ptr(), act.ptr(), MANY, n / 2)?;
+            }
+        }
+        let want = dev.read(if output == SkinnyNormOutput::SiluMul { &act } else { &product }, MANY * out_cols)?;
+        let want_sum = dev.read(&summed, MANY * k)?;
+        for t in [1, 2, SKINNY_NORM_MAX_TOKENS] {
+            let product = NormedProduct {
+                weight,
+                n,
+                k,
+                x: x.ptr(),
+                delta: delta.ptr(),
+                x_out: fused_sum.ptr(),
+                norm_weight,
+                eps,
+                y: fused.ptr(),
+                output,
+            };
+            // Safety: as above.
+            unsafe { matmul_t_skinny_norm(dev, &product, t)? };
+            let got = dev.read(&fused, t * out_cols)?;
+            let got_sum = dev.read(&fused_sum, t * k)?;
+            if got[..] != want[..t * out_cols] {
+                return Ok(Some(format!("it differs from the unfused path at {t} rows x {k} by {n} ({output:?})")));
+            }
+            if got_sum.iter().zip(&want_sum[..t * k]).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                return Ok(Some(format!("its residual sum differs from add_rms_norm_b128's at {t} rows x {k}")));
+            }
+        }
+    }
+    dev.set_skinny_norm_verified(true);
     Ok(None)
 }
