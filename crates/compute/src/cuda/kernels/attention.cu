@@ -1498,54 +1498,26 @@ __device__ __forceinline__ void wg_pp(const bf16* q, const bf16* cache, bf16* ou
 #define WG_PP_CALL(TMA, KIND, MAP)                                                                              \
     wg_pp<TMA, KIND>(q, cache, out, work, seq_tok, seq_len, seq_pos, block_tables, meta_stride, num_heads,      \
                      num_kv_heads, layer, num_layers, block_size, scale_log2, part, max_ranges, MAP)
-extern "C" __global__ void __launch_bounds__(384, 1) flash_prefill_wgmma_pp_hd128(WG_PP_ARGS) {
+// Each build twice: NAME with the producers' copies, TMA_NAME with the K/V tiles brought by the
+// TMA unit (see wg_produce; kv_map describes the cache, a kernel parameter so that the TMA unit
+// reads it from the parameter space).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    WG_PP_CALL(false, 0, nullptr);
+#define WG_PP_BODY(TMA, KIND, MAP) WG_PP_CALL(TMA, KIND, MAP)
+#else
+#define WG_PP_BODY(TMA, KIND, MAP)
 #endif
-}
-// The same with the K/V tiles brought by the TMA unit (see wg_produce): kv_map describes the
-// cache (a kernel parameter, so that the TMA unit reads it from the parameter space).
-extern "C" __global__ void __launch_bounds__(384, 1)
-    flash_prefill_wgmma_tma_hd128(WG_PP_ARGS, const __grid_constant__ TmaMap kv_map) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    WG_PP_CALL(true, 0, &kv_map);
-#endif
-}
-// The packed builds (batch-invariant serving): ranges folded in the block, or (split) stored;
-// each with the producers' copies and with the TMA unit.
-extern "C" __global__ void __launch_bounds__(384, 1) flash_prefill_wgmma_packed_hd128(WG_PP_ARGS) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    WG_PP_CALL(false, 1, nullptr);
-#endif
-}
-extern "C" __global__ void __launch_bounds__(384, 1)
-    flash_prefill_wgmma_packed_tma_hd128(WG_PP_ARGS, const __grid_constant__ TmaMap kv_map) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    WG_PP_CALL(true, 1, &kv_map);
-#endif
-}
-extern "C" __global__ void __launch_bounds__(384, 1) flash_prefill_wgmma_packed3_hd128(WG_PP_ARGS) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    WG_PP_CALL(false, 3, nullptr);
-#endif
-}
-extern "C" __global__ void __launch_bounds__(384, 1)
-    flash_prefill_wgmma_packed3_tma_hd128(WG_PP_ARGS, const __grid_constant__ TmaMap kv_map) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    WG_PP_CALL(true, 3, &kv_map);
-#endif
-}
-extern "C" __global__ void __launch_bounds__(384, 1) flash_prefill_wgmma_split_hd128(WG_PP_ARGS) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    WG_PP_CALL(false, 2, nullptr);
-#endif
-}
-extern "C" __global__ void __launch_bounds__(384, 1)
-    flash_prefill_wgmma_split_tma_hd128(WG_PP_ARGS, const __grid_constant__ TmaMap kv_map) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    WG_PP_CALL(true, 2, &kv_map);
-#endif
-}
+#define WG_PP_KERNELS(NAME, TMA_NAME, KIND)                                                                    \
+    extern "C" __global__ void __launch_bounds__(384, 1) NAME(WG_PP_ARGS) { WG_PP_BODY(false, KIND, nullptr); } \
+    extern "C" __global__ void __launch_bounds__(384, 1)                                                       \
+        TMA_NAME(WG_PP_ARGS, const __grid_constant__ TmaMap kv_map) {                                          \
+        WG_PP_BODY(true, KIND, &kv_map);                                                                       \
+    }
+// KIND 0: the default build. The packed builds (batch-invariant serving): 1, ranges folded in
+// the block; 3, folded with their sums in L2; 2 (split), stored for flash_range_combine.
+WG_PP_KERNELS(flash_prefill_wgmma_pp_hd128, flash_prefill_wgmma_tma_hd128, 0)
+WG_PP_KERNELS(flash_prefill_wgmma_packed_hd128, flash_prefill_wgmma_packed_tma_hd128, 1)
+WG_PP_KERNELS(flash_prefill_wgmma_packed3_hd128, flash_prefill_wgmma_packed3_tma_hd128, 3)
+WG_PP_KERNELS(flash_prefill_wgmma_split_hd128, flash_prefill_wgmma_split_tma_hd128, 2)
 
 // ---------------------------------------------------------------------------------------------
 // Narrow work items of the packed Hopper build (batch-invariant decode): the bits of
