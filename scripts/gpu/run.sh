@@ -290,7 +290,7 @@ fi
 if [ "$MODE" = invariant ]; then
   if [ -z "${SKIP_TESTS:-}" ]; then
     timeout 240 "$BIN/cuda_kernels" --include-ignored --test-threads=1 --nocapture packed_attention invariant_matmul \
-      sliced_invariant skinny_norm ${SKINNY_TEST:+skinny_invariant} attention_kernels > "$OUT/inv_kernels.log" 2>&1 \
+      sliced_invariant skinny_norm skinny_wg ${SKINNY_TEST:+skinny_invariant} attention_kernels > "$OUT/inv_kernels.log" 2>&1 \
       && note "invariant kernel tests: ok" \
       || { note "invariant kernel tests: FAILED"; grep -B2 -A8 panicked "$OUT/inv_kernels.log" | head -30 >> "$OUT/summary.txt"; status=1; }
     grep -E "cuBLAS.s default|^skinny |^sliced " "$OUT/inv_kernels.log" | while read -r l; do note "$l"; done
@@ -309,7 +309,8 @@ if [ "$MODE" = invariant ]; then
   # slices of at most 1280 and 2560 columns (--cuda-tune invariant_slice_cols), at the short
   # context, on skinny kernels of 8 and of 2 stages (more blocks an SM); skinny2|4|8: wgmma
   # with the few-row products on the skinny kernels of that many stages (short context); fused:
-  # wgmma with the norms of few-token steps inside the products (fusedSxG: that build).
+  # wgmma with the norms of few-token steps inside the products and their other products on
+  # the same chains (fusedSxG: that norm build; fusedwgS: the others with S stages).
   for flag in ${INV_BENCH:-default --batch-invariant wgmma slices1280 slices2560 slices1280s2 slices2560s2}; do
     [ -n "${SKIP_BENCH:-}" ] && break
     for ctx in 16 1024; do
@@ -320,6 +321,9 @@ if [ "$MODE" = invariant ]; then
         wgmma-wide) args=(--batch-invariant --cuda-tune=invariant_wgmma=1 --cuda-tune=invariant_narrow=0) ;;
         wgmma-shared) args=(--batch-invariant --cuda-tune=invariant_wgmma=1 --cuda-tune=invariant_fold_l2=0) ;;
         fused) args=(--batch-invariant --cuda-tune=invariant_wgmma=1 --cuda-tune=invariant_fused_norm=1) ;;
+        fusedwg*) [ "$ctx" = 16 ] || continue
+          args=(--batch-invariant --cuda-tune=invariant_wgmma=1 --cuda-tune=invariant_fused_norm=1
+            "--cuda-tune=wg_product_stages=${flag#fusedwg}") ;;
         fused[0-9]x[0-9]) [ "$ctx" = 16 ] || continue
           args=(--batch-invariant --cuda-tune=invariant_wgmma=1 --cuda-tune=invariant_fused_norm=1
             "--cuda-tune=fused_norm_build=${flag#fused}") ;;

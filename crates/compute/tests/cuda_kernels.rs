@@ -1311,7 +1311,7 @@ fn skinny_norm_products_give_the_bits_of_the_unfused_path() {
         let norm: Vec<u16> = (0..k).map(|_| bf16(1.0 + rng.uniform() * 0.5)).collect();
         let (d_w, d_norm) = (dev.upload(&w).unwrap(), dev.upload(&norm).unwrap());
         let shape = ops::SkinnyNormShape { weight: d_w.ptr(), n, k, norm_weight: d_norm.ptr(), eps, output };
-        let why = unsafe { ops::verify_skinny_norm(&dev, &[shape]).unwrap() };
+        let why = unsafe { ops::verify_skinny_norm(&dev, &[shape], &[]).unwrap() };
         assert_eq!(why, None, "{k} by {n} ({output:?})");
         // Every row count against the unfused path of 8 rows.
         let most = ops::SKINNY_NORM_MAX_TOKENS;
@@ -1373,6 +1373,64 @@ fn skinny_norm_products_give_the_bits_of_the_unfused_path() {
         eprintln!(
             "skinny norm {k} by {n} ({output:?}): equal at 1-{most} rows; one row {} against {unfused_us:.1} us \
              unfused ({:.0} MB of weights)",
+            times.join(", "),
+            (n * k * 2) as f64 / 1e6
+        );
+    }
+}
+
+/// The batch-invariant product of 1-8 rows without a norm on wgmma chains (`gemm_wg`, the o,
+/// down and head products of `invariant_fused_norm`) gives cuBLASLt's bits on Qwen3 shapes at
+/// every row count and stage count, bf16 and f32 out (`verify_skinny_norm` runs the model's
+/// comparison too); one row's time is reported beside cuBLASLt's.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn skinny_wg_products_give_cublaslts_bits() {
+    let Some(dev) = device() else { return };
+    if !dev.wgmma_capable() {
+        eprintln!("skinny wg: needs a Hopper GPU (sm_90a)");
+        return;
+    }
+    dev.enable_batch_invariant().unwrap();
+    let mut rng = Lcg(29);
+    // o and down of Qwen3-4B, down of Qwen3-0.6B and 32B, a head-like f32 product.
+    let shapes: [(usize, usize, bool); 5] =
+        [(2560, 4096, false), (2560, 9728, false), (1024, 3072, false), (5120, 25600, false), (32768, 2560, true)];
+    const MANY: usize = 64;
+    for (n, k, f32_out) in shapes {
+        let w: Vec<u16> = (0..n * k).map(|_| bf16(rng.uniform() * 0.05)).collect();
+        let x: Vec<u16> = (0..MANY * k).map(|_| bf16(rng.uniform())).collect();
+        let (d_w, d_x) = (dev.upload(&w).unwrap(), dev.upload(&x).unwrap());
+        let shape = ops::SkinnyShape { weight: d_w.ptr(), n, k, f32_out, slices: 1 };
+        let why = unsafe { ops::verify_skinny_norm(&dev, &[], &[shape]).unwrap() };
+        assert_eq!(why, None, "{k} by {n}");
+        let elem = if f32_out { 4 } else { 2 };
+        let d_want = dev.zeros::<u8>(MANY * n * elem).unwrap();
+        let d_got = dev.zeros::<u8>(8 * n * elem).unwrap();
+        // cuBLASLt at 64 rows (the skinny kernels take at most 8).
+        unsafe { ops::matmul_t_invariant(&dev, d_x.ptr(), d_w.ptr(), d_want.ptr(), MANY, n, k, f32_out).unwrap() };
+        let want = dev.read(&d_want, MANY * n * elem).unwrap();
+        let run = |t: usize, stages: usize| unsafe {
+            ops::matmul_t_skinny_wg_built(&dev, d_x.ptr(), d_w.ptr(), d_got.ptr(), t, n, k, f32_out, stages).unwrap()
+        };
+        let mut times = vec![];
+        for stages in ops::SKINNY_WG_STAGES {
+            for t in 1..=8 {
+                run(t, stages);
+                let got = dev.read(&d_got, t * n * elem).unwrap();
+                let wrong = got.chunks(elem).zip(want.chunks(elem)).filter(|(a, b)| a != b).count();
+                assert_eq!(wrong, 0, "{stages} stages, {t} rows, {k} by {n}: {wrong} outputs differ");
+            }
+            // What one row costs (reported, not asserted).
+            let us = time_us(&dev, &|| run(1, stages));
+            times.push(format!("{stages} stages {us:.1} us"));
+        }
+        // cuBLASLt's 64 rows read the same weight bytes (at one row the verified kernel serves).
+        let cublaslt_us = time_us(&dev, &|| unsafe {
+            ops::matmul_t_invariant(&dev, d_x.ptr(), d_w.ptr(), d_want.ptr(), MANY, n, k, f32_out).unwrap()
+        });
+        eprintln!(
+            "skinny wg {k} by {n}: equal at 1-8 rows; one row {} ({:.0} MB of weights; cuBLASLt 64 rows {cublaslt_us:.1} us)",
             times.join(", "),
             (n * k * 2) as f64 / 1e6
         );

@@ -152,6 +152,9 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemm_wg_norm_s8",
     "gemm_wg_norm_s4_g2",
     "gemm_wg_norm_s3_g2",
+    "gemm_wg_s8",
+    "gemm_wg_s16",
+    "gemm_wg_s24",
 ];
 
 /// A host KV region page-locked for device copies ([`CudaDevice::pin_region`]).
@@ -608,6 +611,9 @@ impl CudaDevice {
             }
         }
         // The normed rows of the widest K the norm takes, and the ring of weight stages.
+        for stages in ops::SKINNY_WG_STAGES {
+            allow_smem(ops::skinny_wg_kernel(stages), ops::skinny_wg_smem_bytes(stages).min(smem_block_optin))?;
+        }
         for build in ops::SKINNY_NORM_BUILDS {
             let most = ops::skinny_norm_smem_bytes(ops::SKINNY_NORM_MAX_K, build);
             allow_smem(ops::skinny_norm_kernel(build), most.min(smem_block_optin.saturating_sub(2048)))?;
@@ -741,7 +747,8 @@ impl CudaDevice {
     }
 
     /// Whether batch-invariant steps of few tokens fold their norms into the products
-    /// (`ops::matmul_t_skinny_norm`): tuned so ([`CudaTuning::invariant_fused_norm`]) and
+    /// (`ops::matmul_t_skinny_norm`) and run the others on the same chains
+    /// (`ops::matmul_t_skinny_wg`): tuned so ([`CudaTuning::invariant_fused_norm`]) and
     /// verified on this GPU ([`ops::verify_skinny_norm`]).
     pub fn invariant_fused_norm(&self) -> bool {
         self.tuning.invariant_fused_norm && self.skinny_norm_verified.load(std::sync::atomic::Ordering::Relaxed)

@@ -79,14 +79,19 @@ pub struct CudaTuning {
     /// Batch-invariant steps of at most 8 tokens add the residual and take the RMSNorm inside
     /// their qkv and gate/up products, and SiLU in the gate/up product's epilogue
     /// (`ops::matmul_t_skinny_norm`, on Hopper's warpgroup MMAs: three launches a layer fewer),
-    /// once verified at load to give the unfused path's bits; every norm of the model then sums
-    /// in that kernel's order (`ops::add_rms_norm_b128`). Batch invariant either way (the last
-    /// bits differ between on and off).
+    /// and run their other products (o, down, the head) on the same chains without the norm
+    /// (`ops::matmul_t_skinny_wg`), once verified at load to give the unfused path's bits;
+    /// every norm of the model then sums in that kernel's order (`ops::add_rms_norm_b128`).
+    /// Batch invariant either way (the last bits differ between on and off).
     pub invariant_fused_norm: bool,
     /// The build of those fused products, (stages, warpgroups a block) of
     /// `ops::SKINNY_NORM_BUILDS`; None: chosen by shape (`ops::matmul_t_skinny_norm`). The same
     /// bits either way.
     pub fused_norm_build: Option<(usize, usize)>,
+    /// The stages in flight of those products without a norm (one of
+    /// `ops::SKINNY_WG_STAGES`); None: chosen by shape (`ops::matmul_t_skinny_wg`). The same
+    /// bits either way.
+    pub wg_product_stages: Option<usize>,
 }
 
 /// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2|3`).
@@ -163,6 +168,7 @@ impl Default for CudaTuning {
             invariant_fold_l2: true,
             invariant_fused_norm: false,
             fused_norm_build: None,
+            wg_product_stages: None,
         }
     }
 }
@@ -187,6 +193,7 @@ impl CudaTuning {
         ("invariant_fold_l2", "0|1 (default 1)"),
         ("invariant_fused_norm", "0|1 (default 0)"),
         ("fused_norm_build", "auto|4x1|8x1|4x2|3x2 (default auto)"),
+        ("wg_product_stages", "auto|8|16|24 (default auto)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -238,6 +245,12 @@ impl CudaTuning {
                     "4x2" => Some((4, 2)),
                     "3x2" => Some((3, 2)),
                     _ => return Err(bad()),
+                }
+            }
+            "wg_product_stages" => {
+                self.wg_product_stages = match value {
+                    "auto" => None,
+                    _ => Some(value.parse().ok().filter(|n| [8, 16, 24].contains(n)).ok_or_else(bad)?),
                 }
             }
             "wgmma_prefill" => {
@@ -318,6 +331,9 @@ impl fmt::Display for CudaTuning {
         if let Some((stages, groups)) = self.fused_norm_build {
             parts.push(format!("fused_norm_build={stages}x{groups}"));
         }
+        if let Some(stages) = self.wg_product_stages {
+            parts.push(format!("wg_product_stages={stages}"));
+        }
         write!(f, "{}", parts.join(","))
     }
 }
@@ -347,6 +363,10 @@ mod tests {
             .unwrap();
         assert_eq!(fused.to_string(), "invariant_wgmma=1,invariant_fused_norm=1,fused_norm_build=4x2");
         assert!(CudaTuning::from_settings(&["fused_norm_build=5x1"]).unwrap_err().contains("4x1|8x1"));
+        let wg = CudaTuning::from_settings(&["wg_product_stages=16"]).unwrap();
+        assert_eq!(wg.wg_product_stages, Some(16));
+        assert_eq!(wg.to_string(), "wg_product_stages=16");
+        assert!(CudaTuning::from_settings(&["wg_product_stages=12"]).unwrap_err().contains("8|16|24"));
         assert_eq!(CudaTuning::from_settings(&fused.to_string().split(',').collect::<Vec<_>>()).unwrap(), fused);
         let groups = CudaTuning::from_settings(&["kv_fence_groups=12"]).unwrap();
         assert_eq!((groups.kv_fence_groups, groups.to_string().as_str()), (12, "kv_fence_groups=12"));

@@ -260,12 +260,29 @@ impl Weights {
                 shape(&l.qkv, &l.input_norm, ops::SkinnyNormOutput::Product),
                 shape(&l.gate_up, &l.post_norm, ops::SkinnyNormOutput::SiluMul),
             ];
+            // Every product of such a step goes to the plain kernel where no norm is fused.
+            let plain = |lin: &Linear| ops::SkinnyShape {
+                weight: lin.weight.ptr(),
+                n: lin.out_dim,
+                k: lin.in_dim,
+                f32_out: false,
+                slices: 1,
+            };
+            let head = ops::SkinnyShape {
+                weight: self.head().ptr(),
+                n: cfg.vocab_size,
+                k: cfg.hidden_size,
+                f32_out: true,
+                slices: 1,
+            };
+            let plain = [plain(&l.qkv), plain(&l.o), plain(&l.gate_up), plain(&l.down), head];
             // Safety: every address is a live weight buffer of its shape.
-            unsafe { ops::verify_skinny_norm(dev, &shapes)? }
+            unsafe { ops::verify_skinny_norm(dev, &shapes, &plain)? }
         };
         match why {
             None => tracing::info!(
-                "batch-invariant steps of up to {} tokens take their norms inside the qkv and gate/up products",
+                "batch-invariant steps of up to {} tokens take their norms inside the qkv and gate/up products \
+                 and run every product on wgmma chains",
                 ops::SKINNY_NORM_MAX_TOKENS
             ),
             Some(why) => tracing::warn!("invariant_fused_norm is off: {why}"),

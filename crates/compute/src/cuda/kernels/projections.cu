@@ -822,8 +822,10 @@ __device__ __forceinline__ void gemm_wg_norm(const bf16* __restrict__ W, const f
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgn_mma(d, wg_desc(a + kk * 32, 16, 1024), wg_desc(b + kk * 32, 16, 1024));
         wg_commit();
-        // Stage s - 1's products are done: its slot takes stage s + STAGES - 1.
+        // Stage s - 1's products are done in this warp, and after the barrier in every warp of
+        // the warpgroup (each waits for its own): its slot takes stage s + STAGES - 1.
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + group) : "memory");
         int next = s + STAGES - 1;
         if (next < stages) wgn_copy(ring + (next % STAGES) * WGN_STAGE_BYTES, W, n0, K, next);
         asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -873,3 +875,124 @@ GEMM_WG_NORM_KERNEL(gemm_wg_norm_s8, 8, 1)
 GEMM_WG_NORM_KERNEL(gemm_wg_norm_s4_g2, 4, 2)
 GEMM_WG_NORM_KERNEL(gemm_wg_norm_s3_g2, 3, 2)
 #endif
+
+// ---------------------------------------------------------------------------------------------
+// The batch-invariant product of at most 8 rows without a norm in front (o, down and the head
+// of such steps, invariant_fused_norm): y = x · Wᵀ with the bits of the unsplit product that
+// serves every other row count, in gemm_wg_norm's chain (the weights as A, the tokens as B, one
+// wgmma m64n8k16 step per 16 columns in ascending order). One warpgroup a block, 64 weight
+// rows; the o and down products have few such blocks (Qwen3-4B: 40), so each keeps a deep ring
+// of STAGES stages in flight, a stage the weights' 64 columns (8 KB) and the tokens' (1 KB; rows
+// past t zero), all by 16-byte copies. The weights of the first STAGES - 1 stages are asked for
+// before the programmatic-launch wait (nothing writes them), the tokens of those stages by
+// plain loads right after it (the previous kernel wrote them; one round trip), and later
+// stages' tokens with their weights. N % 64 == 0, K % 64 == 0. Grid: N / 64. Block: 128.
+// Dynamic shared memory: 1024 + STAGES * 9216.
+#define WGP_STAGE_BYTES (WGN_STAGE_BYTES + 1024)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Stage s's 64 columns of token row m (of t) into the swizzled 8-row tile at `tile`.
+__device__ __forceinline__ void wgp_copy_tokens(u32 tile, const bf16* X, int K, int t, int s) {
+    int j = threadIdx.x;
+    if (j < t * 8) {
+        int m = j >> 3, chunk = j & 7;
+        u32 dst = tile + m * 128 + ((chunk ^ m) << 4);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(X + (u64)m * K + s * 64 + chunk * 8)
+                     : "memory");
+    }
+}
+
+template <int STAGES>
+__device__ __forceinline__ void gemm_wg(const bf16* __restrict__ W, const bf16* X, void* Y, int N, int K, int t,
+                                        int f32_out) {
+    extern __shared__ __align__(1024) unsigned char wgp_smem[];
+    u32 ring = ((u32)__cvta_generic_to_shared(wgp_smem) + 1023) & ~1023u;
+    int stages = K / 64, n0 = blockIdx.x * WGN_ROWS;
+    // A stage's slot: the weights' tile, then the tokens'.
+    auto weights = [&](int s) { return ring + (s % STAGES) * WGP_STAGE_BYTES; };
+    auto tokens = [&](int s) { return weights(s) + WGN_STAGE_BYTES; };
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < stages) wgn_copy(weights(s), W, n0, K, s);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+    // The token rows past t stay zero in every slot.
+    for (int i = threadIdx.x; i < STAGES * 64; i += 128) {
+        int slot = i >> 6, row = (i >> 3) & 7;
+        if (row >= t)
+            asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(tokens(slot) + (i & 63) * 16), "r"(0u)
+                         : "memory");
+    }
+    PDL_ENTER();
+    {
+        // The first stages' tokens: every load first, then every store (one round trip).
+        constexpr int PER_THREAD = ((STAGES - 1) * 64 + 127) / 128;
+        uint4 v[PER_THREAD];
+        int first = min(STAGES - 1, stages) * 64;
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            int j = threadIdx.x + i * 128, s = j >> 6, m = (j >> 3) & 7, chunk = j & 7;
+            if (j < first && m < t) v[i] = *reinterpret_cast<const uint4*>(X + (u64)m * K + s * 64 + chunk * 8);
+        }
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            int j = threadIdx.x + i * 128, s = j >> 6, m = (j >> 3) & 7, chunk = j & 7;
+            if (j < first && m < t)
+                asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(tokens(s) + m * 128 + ((chunk ^ m) << 4)),
+                             "r"(v[i].x), "r"(v[i].y), "r"(v[i].z), "r"(v[i].w)
+                             : "memory");
+        }
+    }
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < stages; ++s) {
+        // Stage s's copies (this thread's, then everyone's) are in, and visible to wgmma.
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        wg_fence();
+        u32 a = weights(s), b = tokens(s);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgn_mma(d, wg_desc(a + kk * 32, 16, 1024), wg_desc(b + kk * 32, 16, 1024));
+        wg_commit();
+        // Stage s - 1's products are done in this warp, and after the barrier in every warp
+        // (each waits for its own): its slot takes stage s + STAGES - 1.
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        __syncthreads();
+        int next = s + STAGES - 1;
+        if (next < stages) {
+            wgn_copy(weights(next), W, n0, K, next);
+            wgp_copy_tokens(tokens(next), X, K, t, next);
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+    wg_wait_all();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    // d: weight rows r (d[0], d[1]) and r + 8 (d[2], d[3]) by tokens c and c + 1.
+    int lane = threadIdx.x & 31, r = 16 * (threadIdx.x >> 5) + (lane >> 2), c = 2 * (lane & 3);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        int m = c + (e & 1);
+        u64 i = (u64)m * N + n0 + r + (e >> 1) * 8;
+        if (m >= t) continue;
+        if (f32_out) reinterpret_cast<float*>(Y)[i] = d[e];
+        else reinterpret_cast<bf16*>(Y)[i] = f2bf(d[e]);
+    }
+}
+#endif
+
+#define GEMM_WG_KERNEL(NAME, STAGES)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128) NAME(const bf16* W, const bf16* X, void* Y, int N, int K, \
+                                                           int t, int f32_out) {                        \
+        GEMM_WG_BODY(STAGES);                                                                           \
+    }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GEMM_WG_BODY(STAGES) gemm_wg<STAGES>(W, X, Y, N, K, t, f32_out)
+#else
+#define GEMM_WG_BODY(STAGES)
+#endif
+#if KERNEL_GROUP(3)
+GEMM_WG_KERNEL(gemm_wg_s8, 8)
+GEMM_WG_KERNEL(gemm_wg_s16, 16)
+GEMM_WG_KERNEL(gemm_wg_s24, 24)
+#endif
+

@@ -6,7 +6,7 @@
 use cudarc::driver::PushKernelArg;
 
 use super::{cfg, launch_programmatic, matmul_t_invariant, matmul_t_invariant_sliced, preset_uniform, RawArg};
-use crate::cuda::{CudaDevice, CudaError};
+use crate::cuda::{CudaDevice, CudaError, DevBuf};
 
 /// Most rows the skinny build of the batch-invariant product takes.
 pub const SKINNY_MAX_TOKENS: usize = 16;
@@ -252,6 +252,104 @@ pub fn skinny_norm_takes(dev: &CudaDevice, t: usize, n: usize, k: usize) -> bool
         && n.is_multiple_of(SKINNY_NORM_ROWS)
 }
 
+/// The stage counts `gemm_wg` is built for: each stage 64 columns of a block's 64 weight rows
+/// (8 KB) and of the tokens (1 KB).
+pub const SKINNY_WG_STAGES: [usize; 3] = [8, 16, 24];
+
+/// The `gemm_wg` kernel of `stages` (one of [`SKINNY_WG_STAGES`]).
+pub fn skinny_wg_kernel(stages: usize) -> &'static str {
+    match stages {
+        24 => "gemm_wg_s24",
+        16 => "gemm_wg_s16",
+        _ => "gemm_wg_s8",
+    }
+}
+
+/// Dynamic shared memory of a `gemm_wg` block: room to align to 1024 bytes, and the ring.
+pub fn skinny_wg_smem_bytes(stages: usize) -> usize {
+    1024 + stages * (SKINNY_NORM_ROWS * 128 + 1024)
+}
+
+/// The stages `gemm_wg` runs a product of `n` output rows with: the tuned count, or of those
+/// whose blocks all fit the GPU at once (else the fewest waves), the one with the most weight
+/// bytes in flight. A product of few blocks (o and down: 40 for Qwen3-4B) so gets the deepest
+/// ring, one block an SM; a wide one (the head) the shallow ring, three blocks an SM.
+fn skinny_wg_stages(dev: &CudaDevice, n: usize) -> usize {
+    if let Some(stages) = dev.tuning().wg_product_stages {
+        return stages;
+    }
+    let (_, smem_per_sm) = dev.gemv_smem();
+    let (sms, blocks) = (dev.sm_count() as usize, n / SKINNY_NORM_ROWS);
+    let score = |&stages: &usize| {
+        // 1 KB a block the driver keeps.
+        let per_sm = (smem_per_sm / (skinny_wg_smem_bytes(stages) + 1024)).max(1);
+        let waves = blocks.div_ceil(per_sm * sms);
+        (std::cmp::Reverse(waves), blocks.min(per_sm * sms) * (stages - 1))
+    };
+    SKINNY_WG_STAGES.into_iter().max_by_key(score).unwrap_or(8)
+}
+
+/// Whether [`matmul_t_skinny_wg`] takes `t` rows of a `[n, k]` product on `dev`.
+pub fn skinny_wg_takes(dev: &CudaDevice, t: usize, n: usize, k: usize) -> bool {
+    dev.wgmma_capable()
+        && (1..=SKINNY_NORM_MAX_TOKENS).contains(&t)
+        && k > 0
+        && k.is_multiple_of(64)
+        && n.is_multiple_of(SKINNY_NORM_ROWS)
+}
+
+/// [`super::matmul_t_invariant`] for at most [`SKINNY_NORM_MAX_TOKENS`] rows on
+/// [`matmul_t_skinny_norm`]'s chains without its norm (`gemm_wg`): the bits of cuBLASLt's
+/// product (as [`verify_skinny_norm`] checks on this GPU), launched after the previous kernel's
+/// start with the weights already streaming, where cuBLASLt's launch waits for its end.
+///
+/// # Safety
+/// As [`super::matmul_t`]; every address is 16-byte aligned.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul_t_skinny_wg(
+    dev: &CudaDevice,
+    x: u64,
+    w: u64,
+    y: u64,
+    t: usize,
+    n: usize,
+    k: usize,
+    f32_out: bool,
+) -> Result<(), CudaError> {
+    // Safety: the caller's contract.
+    unsafe { matmul_t_skinny_wg_built(dev, x, w, y, t, n, k, f32_out, skinny_wg_stages(dev, n)) }
+}
+
+/// [`matmul_t_skinny_wg`] with `stages` in flight (one of [`SKINNY_WG_STAGES`]).
+///
+/// # Safety
+/// As [`matmul_t_skinny_wg`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul_t_skinny_wg_built(
+    dev: &CudaDevice,
+    x: u64,
+    w: u64,
+    y: u64,
+    t: usize,
+    n: usize,
+    k: usize,
+    f32_out: bool,
+    stages: usize,
+) -> Result<(), CudaError> {
+    if t == 0 || n == 0 {
+        return Ok(());
+    }
+    if !skinny_wg_takes(dev, t, n, k) || !SKINNY_WG_STAGES.contains(&stages) {
+        return Err(CudaError::Unavailable(format!(
+            "the wgmma skinny product takes 1-{SKINNY_NORM_MAX_TOKENS} rows of K a multiple of 64, N a multiple of \
+             64, on a Hopper GPU: not {t} x {k} by {n}"
+        )));
+    }
+    let mut config = cfg(((n / SKINNY_NORM_ROWS) as u32, 1), 128);
+    config.shared_mem_bytes = skinny_wg_smem_bytes(stages) as u32;
+    launch!(@with true; dev, skinny_wg_kernel(stages), config, w, x, y, n as i32, k as i32, t as i32, f32_out as i32)
+}
+
 /// A weight matrix the skinny kernels must agree on with cuBLASLt before they serve it
 /// ([`verify_skinny`]).
 #[derive(Clone, Copy, Debug)]
@@ -279,37 +377,27 @@ pub struct SkinnyShape {
 /// # Safety
 /// Each shape's weight holds `[n, k]` bf16 on this device, 256-byte aligned.
 pub unsafe fn verify_skinny(dev: &CudaDevice, shapes: &[SkinnyShape]) -> Result<Option<String>, CudaError> {
-    const MANY: usize = 64;
     dev.set_skinny_verified(false);
     if !dev.pdl_capable() {
         return Ok(Some("they need a Hopper or later GPU (bulk copies)".into()));
     }
-    for &SkinnyShape { weight: w, n, k, f32_out, slices } in shapes {
+    for &shape in shapes {
+        let SkinnyShape { weight: w, n, k, slices, .. } = shape;
         let slices = slices.max(1);
         if !k.is_multiple_of(slices) || !skinny_takes(1, k / slices) {
             continue;
         }
-        let f32_out = f32_out || slices > 1;
+        // Safety: the shape's weight per the contract.
+        let (x, reference) = unsafe { cublaslt_reference(dev, shape)? };
+        let f32_out = shape.f32_out || slices > 1;
         let elem = if f32_out { 4 } else { 2 };
-        let x = dev.zeros::<u16>(MANY * k)?;
-        let many = dev.zeros::<u8>(slices * MANY * n * elem)?;
         let few = dev.zeros::<u8>(slices * SKINNY_MAX_TOKENS * n * elem)?;
-        // Safety: the buffers were sized above for these shapes; `w` per the contract.
-        unsafe {
-            preset_uniform(dev, x.ptr(), (MANY * k) as u64, 0x5eed ^ (n * 31 + k) as u64, 1.0)?;
-            if slices > 1 {
-                matmul_t_invariant_sliced(dev, x.ptr(), w, many.ptr(), MANY, n, k, slices)?;
-            } else {
-                matmul_t_invariant(dev, x.ptr(), w, many.ptr(), MANY, n, k, f32_out)?;
-            }
-        }
-        let reference = dev.read(&many, slices * MANY * n * elem)?;
         for t in [1, 8, 9, 16] {
             let build = if t <= 8 { SkinnyBuild::B8 } else { SkinnyBuild::B16 };
-            // Safety: as above.
+            // Safety: `x` holds REFERENCE_ROWS rows of k and `few` was sized for 16 rows.
             unsafe { matmul_t_skinny(dev, x.ptr(), w, few.ptr(), t, n, k, f32_out, slices, build)? };
             let got = dev.read(&few, slices * t * n * elem)?;
-            let (row_bytes, want_stride) = (t * n * elem, MANY * n * elem);
+            let (row_bytes, want_stride) = (t * n * elem, REFERENCE_ROWS * n * elem);
             for s in 0..slices {
                 if got[s * row_bytes..(s + 1) * row_bytes] != reference[s * want_stride..s * want_stride + row_bytes] {
                     return Ok(Some(format!(
@@ -321,6 +409,33 @@ pub unsafe fn verify_skinny(dev: &CudaDevice, shapes: &[SkinnyShape]) -> Result<
     }
     dev.set_skinny_verified(true);
     Ok(None)
+}
+
+/// Rows of the cuBLASLt products the skinny kernels are checked against.
+const REFERENCE_ROWS: usize = 64;
+
+/// A seeded input of [`REFERENCE_ROWS`] rows for `shape` and cuBLASLt's batch-invariant product
+/// of it (sliced as the shape says; f32 where it says or when sliced), as bytes.
+///
+/// # Safety
+/// The shape's weight holds `[n, k]` bf16 on this device, 256-byte aligned.
+unsafe fn cublaslt_reference(dev: &CudaDevice, shape: SkinnyShape) -> Result<(DevBuf<u16>, Vec<u8>), CudaError> {
+    let SkinnyShape { weight: w, n, k, f32_out, slices } = shape;
+    let slices = slices.max(1);
+    let elem = if f32_out || slices > 1 { 4 } else { 2 };
+    let x = dev.zeros::<u16>(REFERENCE_ROWS * k)?;
+    let product = dev.zeros::<u8>(slices * REFERENCE_ROWS * n * elem)?;
+    // Safety: the buffers were sized above for this shape; `w` per the contract.
+    unsafe {
+        preset_uniform(dev, x.ptr(), (REFERENCE_ROWS * k) as u64, 0x5eed ^ (n * 31 + k) as u64, 1.0)?;
+        if slices > 1 {
+            matmul_t_invariant_sliced(dev, x.ptr(), w, product.ptr(), REFERENCE_ROWS, n, k, slices)?;
+        } else {
+            matmul_t_invariant(dev, x.ptr(), w, product.ptr(), REFERENCE_ROWS, n, k, f32_out)?;
+        }
+    }
+    let bytes = dev.read(&product, slices * REFERENCE_ROWS * n * elem)?;
+    Ok((x, bytes))
 }
 
 /// A product [`matmul_t_skinny_norm`] serves, checked by [`verify_skinny_norm`].
@@ -343,16 +458,39 @@ pub struct SkinnyNormShape {
 /// Checks on this GPU that [`matmul_t_skinny_norm`] gives the unfused path's bits for each
 /// shape (seeded residual rows and deltas: [`super::add_rms_norm_b128`], then cuBLASLt's product
 /// of 64 rows, then [`super::silu_mul`] where asked, against the fused kernel at 1, 2 and 8 rows,
-/// both the output and the residual sum) and lets batch-invariant steps of few tokens use it if
-/// every one agrees ([`CudaDevice::invariant_fused_norm`]). Returns why not, if not. Needs
+/// both the output and the residual sum), and [`matmul_t_skinny_wg`] cuBLASLt's for each of
+/// `plain` (unsliced) at 1, 2 and 8 rows, and lets batch-invariant steps of few tokens use them
+/// if every one agrees ([`CudaDevice::invariant_fused_norm`]). Returns why not, if not. Needs
 /// [`CudaDevice::enable_batch_invariant`].
 ///
 /// # Safety
 /// Each shape's weight holds `[n, k]` bf16 and its norm weight `k` bf16 on this device, 256-byte
 /// aligned.
-pub unsafe fn verify_skinny_norm(dev: &CudaDevice, shapes: &[SkinnyNormShape]) -> Result<Option<String>, CudaError> {
-    const MANY: usize = 64;
+pub unsafe fn verify_skinny_norm(
+    dev: &CudaDevice,
+    shapes: &[SkinnyNormShape],
+    plain: &[SkinnyShape],
+) -> Result<Option<String>, CudaError> {
+    const MANY: usize = REFERENCE_ROWS;
     dev.set_skinny_norm_verified(false);
+    for &shape in plain {
+        let SkinnyShape { weight, n, k, f32_out, .. } = shape;
+        if !skinny_wg_takes(dev, 1, n, k) {
+            // cuBLASLt keeps it.
+            continue;
+        }
+        // Safety: the shape's weight per the contract.
+        let (x, reference) = unsafe { cublaslt_reference(dev, SkinnyShape { slices: 1, ..shape })? };
+        let elem = if f32_out { 4 } else { 2 };
+        let few = dev.zeros::<u8>(SKINNY_NORM_MAX_TOKENS * n * elem)?;
+        for t in [1, 2, SKINNY_NORM_MAX_TOKENS] {
+            // Safety: `x` holds REFERENCE_ROWS rows of k; `few` was sized for 8 rows.
+            unsafe { matmul_t_skinny_wg(dev, x.ptr(), weight, few.ptr(), t, n, k, f32_out)? };
+            if dev.read(&few, t * n * elem)?[..] != reference[..t * n * elem] {
+                return Ok(Some(format!("the wgmma product differs from cuBLASLt's bits at {t} rows x {k} by {n}")));
+            }
+        }
+    }
     for &SkinnyNormShape { weight, n, k, norm_weight, eps, output } in shapes {
         if !skinny_norm_takes(dev, 1, n, k) {
             return Ok(Some(format!("it does not take a {k} by {n} product on this GPU")));
