@@ -24,6 +24,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod fp8;
 mod kv_cache;
 pub mod kv_copy;
 pub mod kv_digest;

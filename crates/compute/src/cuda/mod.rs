@@ -40,6 +40,8 @@ pub const KERNEL_SOURCE: &str = concat!(
     "\n",
     include_str!("kernels/projections.cu"),
     "\n",
+    include_str!("kernels/fp8.cu"),
+    "\n",
     include_str!("kernels/attention.cu"),
     "\n",
     include_str!("kernels/sampling.cu"),
@@ -155,6 +157,10 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemm_wg_s8",
     "gemm_wg_s16",
     "gemm_wg_s24",
+    "fp8_quantize",
+    "fp8_dequantize",
+    "gemv_fp8_t8",
+    "gemv_fp8_t16",
 ];
 
 /// A host KV region page-locked for device copies ([`CudaDevice::pin_region`]).

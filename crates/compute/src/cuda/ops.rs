@@ -198,6 +198,8 @@ pub use prefill::{
     WGMMA_FOLD_SCRATCH_FLOATS, WGMMA_PACKED_PREFILL_SMEM_BYTES, WGMMA_PREFILL_SMEM_BYTES, WGMMA_RANGE_KEYS,
     WGMMA_WS_PREFILL_SMEM_BYTES,
 };
+mod fp8;
+pub use fp8::{dequantize_fp8, fp8_gemv_takes, matmul_t_fp8, quantize_fp8, Fp8Matrix, FP8_BLOCK, FP8_GEMV_MAX_TOKENS};
 mod skinny;
 pub use skinny::{
     matmul_t_skinny, matmul_t_skinny_norm, matmul_t_skinny_norm_built, matmul_t_skinny_wg, matmul_t_skinny_wg_built,
