@@ -130,7 +130,10 @@ fn bad_input_fails_with_a_message() {
         (&["bench", "soak", "--device", "cuda:0"], "add --batch-invariant"),
         (&["serve", "--generation-config", "model"], "possible values: auto, vllm"),
         (&["generate", "--prompt", "x", "--quantization", "int4"], "unknown quantization `int4` (known: fp8)"),
-        (&["generate", "--prompt", "x", "--quantization", "fp8", "--device", "cuda:0"], "runs on CPU only so far"),
+        (
+            &["generate", "--prompt", "x", "--quantization", "fp8", "--device", "cuda:0", "--batch-invariant"],
+            "--batch-invariant with --quantization on a GPU is not built yet",
+        ),
         (
             &["bench", "engine", "--model", "preset:tiny-qwen3", "--batch", "1", "--decode-prompt-tokens", "5000"],
             "the engine refused a 5000-token prompt",

@@ -247,9 +247,20 @@ impl ModelSpec {
         Ok(self)
     }
 
-    /// The weights as f32 on the host (read from disk, or generated for a preset).
+    /// The weights as f32 on the host (read from disk, or generated for a preset), rounded as
+    /// [`ModelSpec::quantization`] says.
     pub fn host_weights(&self) -> Result<WeightMap, ModelError> {
-        let mut weights = match &self.source {
+        let mut weights = self.host_weights_as_read()?;
+        if self.quantization == Some(Quantization::Fp8) {
+            let names = weights.quantize_fp8(Quantization::FP8_BLOCK);
+            tracing::info!(tensors = names.len(), "weights rounded to FP8 (e4m3, 128 x 128 blocks)");
+        }
+        Ok(weights)
+    }
+
+    /// [`ModelSpec::host_weights`] before any `--quantization` (an FP8 checkpoint's dequantized).
+    pub fn host_weights_as_read(&self) -> Result<WeightMap, ModelError> {
+        Ok(match &self.source {
             ModelSource::Preset { preset, seed } => preset.random_weights(*seed),
             ModelSource::Dir(dir) => {
                 let mut weights = WeightMap::load_dir(dir)?;
@@ -257,12 +268,7 @@ impl ModelSpec {
                 weights
             }
             ModelSource::Gguf(path) => GgufFile::open(path)?.weights()?,
-        };
-        if self.quantization == Some(Quantization::Fp8) {
-            let names = weights.quantize_fp8(Quantization::FP8_BLOCK);
-            tracing::info!(tensors = names.len(), "weights rounded to FP8 (e4m3, 128 x 128 blocks)");
-        }
-        Ok(weights)
+        })
     }
 
     /// The weights as the CPU engine holds them: [`ModelSpec::host_weights`], except that a

@@ -114,7 +114,7 @@ impl Pass<'_> {
                 self.normed_product(&layer.qkv, &layer.input_norm, resid, pending, spare, a.qkv.ptr(), out, t)?;
                 std::mem::swap(&mut resid, &mut spare);
             } else {
-                self.matmul(a.normed.ptr(), layer.qkv.weight.ptr(), a.qkv.ptr(), t, layer.qkv.out_dim, h, false)?;
+                self.product(&layer.qkv, a.normed.ptr(), a.qkv.ptr(), t)?;
             }
             let shape = if narrow_rope {
                 self.attn_shape(li)
@@ -282,8 +282,18 @@ impl Pass<'_> {
         }
     }
 
+    /// `y = x · lᵀ` (bf16) for `t` tokens, without `l`'s bias: its bf16 weight through
+    /// [`Pass::matmul`], or its FP8 one ([`ops::matmul_t_fp8`]: up to 16 rows from its bytes,
+    /// more through the model's bf16 scratch).
+    pub unsafe fn product(&self, l: &Linear, x: u64, y: u64, t: usize) -> Result<(), CudaError> {
+        match l.fp8_matrix() {
+            Some(m) => ops::matmul_t_fp8(self.dev, x, m, y, t, false, self.w.fp8_scratch()),
+            None => self.matmul(x, l.weight.ptr(), y, t, l.out_dim, l.in_dim, false),
+        }
+    }
+
     unsafe fn linear(&self, l: &Linear, x: u64, y: u64, t: usize) -> Result<(), CudaError> {
-        self.matmul(x, l.weight.ptr(), y, t, l.out_dim, l.in_dim, false)?;
+        self.product(l, x, y, t)?;
         if let Some(b) = &l.bias {
             ops::add_bias(self.dev, y, b.ptr(), t, l.out_dim, false)?;
         }

@@ -169,10 +169,7 @@ unsafe fn op_times(
             "embedding gather".into(),
             time(&|| ops::embed_gather(dev, w.embed.ptr(), step.at(m.tokens), a.tokens.ptr(), a.x.ptr(), t, h))?,
         ),
-        (
-            "qkv projection".into(),
-            time_layers(&|l| matmul(a.normed.ptr(), l.qkv.weight.ptr(), a.qkv.ptr(), t, l.qkv.out_dim, h, false))?,
-        ),
+        ("qkv projection".into(), time_layers(&|l| pass.product(&l.qkv, a.normed.ptr(), a.qkv.ptr(), t))?),
         ("q/k norm + RoPE + KV write".into(), layers * time(&|| ops::qkv_rope_cache(dev, &rope, &shape, t))?),
         (
             "attention (row kernel)".into(),
@@ -214,10 +211,7 @@ unsafe fn op_times(
             "residual add + RMSNorm (x2)".into(),
             2.0 * layers * time(&|| pass.add_norm(a.x.ptr(), mlp_out, 0, l0.post_norm.ptr(), a.normed.ptr(), t))?,
         ),
-        (
-            "gate/up projection".into(),
-            time_layers(&|l| matmul(a.normed.ptr(), l.gate_up.weight.ptr(), a.gate_up.ptr(), t, 2 * inter, h, false))?,
-        ),
+        ("gate/up projection".into(), time_layers(&|l| pass.product(&l.gate_up, a.normed.ptr(), a.gate_up.ptr(), t))?),
         ("SiLU x up".into(), layers * time(&|| ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, inter))?),
         ("down projection".into(), time_layers(&|l| pass.residual_projection(&l.down, a.act.ptr(), t).map(|_| ()))?),
         (

@@ -9,18 +9,61 @@ use tandem_compute::cuda::{ops, CudaDevice, DevBuf};
 
 use crate::config::ModelConfig;
 use crate::presets::{tensor_stream, uniform_amplitude};
-use crate::source::{ModelSource, ModelSpec};
+use crate::source::{ModelSource, ModelSpec, Quantization};
 use crate::ModelError;
 
-/// A `[out, in]` bf16 weight with an optional bias.
+/// A `[out, in]` bf16 or FP8 weight with an optional bias.
 pub(super) struct Linear {
+    /// The bf16 weight (one unused element when the weight is [`Linear::fp8`]).
     pub weight: DevBuf<u16>,
+    /// The weight in FP8 (`--quantization fp8`): e4m3 bytes and a scale per row and 128 columns.
+    pub fp8: Option<Fp8Weight>,
     pub bias: Option<DevBuf<u16>>,
     pub out_dim: usize,
     pub in_dim: usize,
 }
 
+/// An FP8 weight's buffers ([`ops::Fp8Matrix`]).
+pub(super) struct Fp8Weight {
+    pub q: DevBuf<u8>,
+    pub scales: DevBuf<f32>,
+}
+
 impl Linear {
+    /// The FP8 weight as the kernels take it, if the weight is FP8.
+    pub fn fp8_matrix(&self) -> Option<ops::Fp8Matrix> {
+        let f = self.fp8.as_ref()?;
+        Some(ops::Fp8Matrix { q: f.q.ptr(), scales: f.scales.ptr(), n: self.out_dim, k: self.in_dim })
+    }
+
+    /// The weight quantized to FP8 on the device as an FP8 checkpoint holds it
+    /// ([`ops::quantize_fp8`]), each stacked part of `parts` rows on its own (its 128 x 128
+    /// blocks start at its first row, as in the part's own checkpoint tensor); the bf16 weight
+    /// is freed.
+    fn into_fp8(self, dev: &CudaDevice, parts: &[usize]) -> Result<Self, ModelError> {
+        let (n, k) = (self.out_dim, self.in_dim);
+        let kb = ops::Fp8Matrix::scale_cols(k);
+        let (q, scales) = (dev.zeros::<u8>(n * k)?, dev.zeros::<f32>(n * kb)?);
+        let mut row = 0;
+        for &rows in parts {
+            let part = ops::Fp8Matrix { q: q.ptr_at(row * k), scales: scales.ptr_at(row * kb), n: rows, k };
+            // Safety: the part's rows lie within both buffers (the parts sum to `n`), and the bf16
+            // weight holds them; it is freed only after the synchronize below.
+            unsafe { ops::quantize_fp8(dev, self.weight.ptr_at(row * k), part)? };
+            row += rows;
+        }
+        dev.synchronize()?;
+        Ok(Self { weight: dev.zeros(0)?, fp8: Some(Fp8Weight { q, scales }), ..self })
+    }
+
+    /// Bytes of weight one product reads.
+    fn bytes(&self) -> usize {
+        match &self.fp8 {
+            Some(_) => self.out_dim * self.in_dim + self.out_dim * ops::Fp8Matrix::scale_cols(self.in_dim) * 4,
+            None => self.out_dim * self.in_dim * 2,
+        }
+    }
+
     /// The bias's address, or 0 without one (the kernels' convention).
     pub fn bias_ptr(&self) -> u64 {
         self.bias.as_ref().map_or(0, DevBuf::ptr)
@@ -62,9 +105,22 @@ pub(super) struct Weights {
     pub bytes: usize,
     /// Names the weights for the KV handshake: architecture, shape and a hash of the embedding.
     pub fingerprint: String,
+    /// With FP8 decoder weights: room for the largest one in bf16, for products of more rows
+    /// than [`ops::FP8_GEMV_MAX_TOKENS`] ([`ops::matmul_t_fp8`]).
+    pub fp8_scratch: Option<DevBuf<u16>>,
 }
 
 impl Weights {
+    /// Whether the decoder's linear weights are FP8.
+    pub fn fp8(&self) -> bool {
+        self.fp8_scratch.is_some()
+    }
+
+    /// The bf16 scratch of FP8 products of many rows (0 without FP8 weights).
+    pub fn fp8_scratch(&self) -> u64 {
+        self.fp8_scratch.as_ref().map_or(0, DevBuf::ptr)
+    }
+
     /// The shapes the kernels take; an error names what does not fit.
     pub fn check_config(cfg: &ModelConfig) -> Result<(), ModelError> {
         if cfg.moe.is_some() {
@@ -100,6 +156,9 @@ impl Weights {
         let cfg = &spec.config;
         Self::check_config(cfg)?;
         let started = std::time::Instant::now();
+        // `--quantization fp8`: the decoder's linear weights are quantized here, on the device,
+        // from the weights as read (not the host's rounding of them).
+        let fp8 = spec.quantization == Some(Quantization::Fp8);
         let mut builder = WeightBuilder::new(dev, spec)?;
         let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
         let (q_dim, kv_dim) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
@@ -119,7 +178,10 @@ impl Weights {
                 } else {
                     None
                 };
-                Ok::<_, ModelError>(Linear { weight, bias, out_dim: rows.iter().sum(), in_dim })
+                let l = Linear { weight, fp8: None, bias, out_dim: rows.iter().sum(), in_dim };
+                let l = if fp8 { l.into_fp8(dev, &rows)? } else { l };
+                b.bytes = b.bytes + l.bytes() - l.out_dim * l.in_dim * 2;
+                Ok::<_, ModelError>(l)
             };
             let qkv = linear(
                 &mut builder,
@@ -160,6 +222,13 @@ impl Weights {
         };
         let bytes = builder.bytes;
         drop(builder);
+        let fp8_scratch = match fp8 {
+            true => {
+                let linears = layers.iter().flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]);
+                Some(dev.zeros::<u16>(linears.map(|l| l.out_dim * l.in_dim).max().unwrap_or(0))?)
+            }
+            false => None,
+        };
         tracing::info!(
             device = %dev.describe(),
             weights_gib = format!("{:.2}", bytes as f64 / (1u64 << 30) as f64),
@@ -167,7 +236,7 @@ impl Weights {
             "weights on the GPU"
         );
         let rope = RopeTable::new(hd, cfg.rope_theta, cfg.rope_scaling, spec.max_model_len);
-        let fingerprint = fingerprint(dev, cfg, &embed)?;
+        let fingerprint = fingerprint(dev, cfg, &embed, if fp8 { "fp8" } else { "bf16" })?;
         Ok(Self {
             embed,
             layers,
@@ -177,6 +246,7 @@ impl Weights {
             rope_sin: dev.upload(rope.sin())?,
             bytes,
             fingerprint,
+            fp8_scratch,
         })
     }
 
@@ -291,16 +361,17 @@ impl Weights {
     }
 }
 
-/// `arch/shape/bf16-hash`: a hash of every 16th of the embedding's first 64 Ki values, so that
-/// two engines serving different weights of the same shape refuse to pair.
-fn fingerprint(dev: &CudaDevice, cfg: &ModelConfig, embed: &DevBuf<u16>) -> Result<String, ModelError> {
+/// `arch/shape/dtype-hash`: a hash of every 16th of the embedding's first 64 Ki values, so that
+/// two engines serving different weights of the same shape refuse to pair (`dtype`, the decoder
+/// weights' bf16 or fp8: so do a model and its FP8 rounding).
+fn fingerprint(dev: &CudaDevice, cfg: &ModelConfig, embed: &DevBuf<u16>, dtype: &str) -> Result<String, ModelError> {
     let sample = dev.read(embed, embed.len().min(1 << 16))?;
     let mut hsh = 0xcbf29ce484222325u64;
     for x in sample.iter().step_by(16) {
         hsh = (hsh ^ *x as u64).wrapping_mul(0x100000001b3);
     }
     Ok(format!(
-        "{}/l{}h{}kv{}d{}v{}/bf16-{hsh:016x}",
+        "{}/l{}h{}kv{}d{}v{}/{dtype}-{hsh:016x}",
         cfg.architecture.hf_name(),
         cfg.num_layers,
         cfg.hidden_size,
@@ -313,22 +384,44 @@ fn fingerprint(dev: &CudaDevice, cfg: &ModelConfig, embed: &DevBuf<u16>) -> Resu
 /// `l` (gate rows, then up rows) with its rows (and bias) interleaved: gate row i, up row i, ...
 /// so that a decode projection's warp holds both and applies SiLU-and-multiply itself.
 fn interleave_gate_up(dev: &CudaDevice, l: Linear) -> Result<Linear, ModelError> {
-    let half = l.out_dim / 2;
-    let weight = dev.zeros::<u16>(l.out_dim * l.in_dim)?;
-    // Safety: source and destination both hold out_dim rows of in_dim (or 1) elements; `l`
-    // lives until the copies are done (synchronized below).
-    unsafe { ops::interleave_rows(dev, l.weight.ptr(), weight.ptr(), half, l.in_dim)? };
+    let (half, k) = (l.out_dim / 2, l.in_dim);
+    // Rows of `cols` bf16-sized elements from `src` into `dst`.
+    let interleave = |src: u64, dst: u64, cols: usize| -> Result<(), ModelError> {
+        // Safety: source and destination both hold out_dim rows of `cols` bf16-sized elements
+        // (the callers' buffers below); the source lives until the copies are done
+        // (synchronized below).
+        unsafe { ops::interleave_rows(dev, src, dst, half, cols)? };
+        Ok(())
+    };
+    let (weight, fp8) = match &l.fp8 {
+        // FP8 rows (k bytes, k even) and their scales (f32) as pairs of bf16-sized elements.
+        Some(f) if k.is_multiple_of(2) => {
+            let kb = ops::Fp8Matrix::scale_cols(k);
+            let (q, scales) = (dev.zeros::<u8>(l.out_dim * k)?, dev.zeros::<f32>(l.out_dim * kb)?);
+            interleave(f.q.ptr(), q.ptr(), k / 2)?;
+            interleave(f.scales.ptr(), scales.ptr(), 2 * kb)?;
+            (dev.zeros::<u16>(0)?, Some(Fp8Weight { q, scales }))
+        }
+        Some(_) => {
+            return Err(ModelError::UnsupportedConfig(format!("FP8 gate/up weights of an odd hidden size ({k})")))
+        }
+        None => {
+            let weight = dev.zeros::<u16>(l.out_dim * k)?;
+            interleave(l.weight.ptr(), weight.ptr(), k)?;
+            (weight, None)
+        }
+    };
     let bias = match &l.bias {
         Some(b) => {
             let out = dev.zeros::<u16>(l.out_dim)?;
-            unsafe { ops::interleave_rows(dev, b.ptr(), out.ptr(), half, 1)? };
+            interleave(b.ptr(), out.ptr(), 1)?;
             Some(out)
         }
         None => None,
     };
     // The copies are queued on the device's stream; finish them before `l`'s buffers go.
     dev.synchronize()?;
-    Ok(Linear { weight, bias, out_dim: l.out_dim, in_dim: l.in_dim })
+    Ok(Linear { weight, fp8, bias, out_dim: l.out_dim, in_dim: l.in_dim })
 }
 
 fn to_bf16_bits(xs: &[f32]) -> Vec<u16> {
@@ -351,8 +444,9 @@ impl<'a> WeightBuilder<'a> {
                 let stds = preset.tensor_specs().into_iter().map(|(n, _, std)| (n, std)).collect();
                 Ok(Self { dev, preset: Some((*seed, stds)), host: None, bytes: 0 })
             }
+            // As read: `--quantization fp8` is done on the device (`Linear::into_fp8`).
             ModelSource::Dir(_) | ModelSource::Gguf(_) => {
-                Ok(Self { dev, preset: None, host: Some(spec.host_weights()?), bytes: 0 })
+                Ok(Self { dev, preset: None, host: Some(spec.host_weights_as_read()?), bytes: 0 })
             }
         }
     }

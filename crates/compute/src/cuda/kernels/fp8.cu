@@ -65,6 +65,8 @@ extern "C" __global__ void __launch_bounds__(256)
     __shared__ float partial[8];
     int r0 = blockIdx.x * FP8_BLOCK, c0 = blockIdx.y * FP8_BLOCK;
     int rows = min(FP8_BLOCK, N - r0), cols = min(FP8_BLOCK, K - c0), cells = rows * cols;
+    // The previous kernel may be the one writing w.
+    PDL_ENTER();
     float amax = 0.0f;
     for (int i = threadIdx.x; i < cells; i += blockDim.x)
         amax = fmaxf(amax, fabsf(bf2f(w[(u64)(r0 + i / cols) * K + c0 + i % cols])));
@@ -83,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // w[n, k] = bf16(e4m3(q[n, k]) * scale[n, k / 128]) for an [N, K] weight, K % 8 == 0: eight
-// weights a thread. Grid: ceil(N * K / 2048). Block: 256.
+// weights a thread (a product of many rows reads w, a scratch buffer, through cuBLAS). Grid: ceil(N * K / 2048). Block: 256.
 extern "C" __global__ void __launch_bounds__(256)
     fp8_dequantize(const unsigned char* __restrict__ q, const float* __restrict__ scales, bf16* __restrict__ w, int N,
                    int K) {
@@ -93,6 +95,9 @@ extern "C" __global__ void __launch_bounds__(256)
     int k = (int)(i % K), kb = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     float scale = scales[n * kb + k / FP8_BLOCK];
     uint2 raw = *reinterpret_cast<const uint2*>(q + i);
+    // The weight's bytes are never written; w (a scratch buffer) may still be read by an
+    // earlier kernel until the wait.
+    PDL_ENTER();
     u32 out[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
