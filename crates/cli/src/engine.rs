@@ -108,8 +108,8 @@ pub struct EngineArgs {
     /// invariant_narrow=0|1 (1: with it, decode tokens on a kernel of 16-row items, same bits),
     /// invariant_fold_l2=0|1 (1: with it, its range sums in L2 and three K/V stages),
     /// invariant_fused_norm=0|1 (0; 1: --batch-invariant steps of up to 8 tokens take the
-    /// residual add, RMSNorm and SiLU inside their qkv and gate/up products, and their o, down
-    /// and head products on the same wgmma chains),
+    /// residual add, RMSNorm and SiLU inside their qkv and gate/up products, and their head
+    /// product on the same wgmma chains),
     /// fused_norm_build=auto|4x1|8x1|4x2|3x2 (auto: their stages x warpgroups by shape),
     /// wg_product_stages=auto|8|16|24 (auto: the others' stages in flight by shape).
     #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]

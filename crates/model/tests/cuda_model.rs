@@ -65,14 +65,21 @@ fn compare_with_cpu_as(
         ..CudaOptions::default()
     };
     let mut gpu = CudaModel::load(&spec, &opts).unwrap();
-    let mut rounded = WeightMap::new();
-    for (name, t) in spec.host_weights_as_read().unwrap().iter() {
-        let mut t = t.clone();
-        t.data.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
-        rounded.insert(name.clone(), t);
-    }
+    let round = |map: &WeightMap| {
+        let mut out = WeightMap::new();
+        for (name, t) in map.iter() {
+            let mut t = t.clone();
+            t.data.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
+            out.insert(name.clone(), t);
+        }
+        out
+    };
+    let mut rounded = round(&spec.host_weights_as_read().unwrap());
     if quantization == Some(Quantization::Fp8) {
+        // Then rounded to bf16 again, as the GPU's bf16 copy of an FP8 weight holds it (the
+        // products of many rows; those of few read the bytes, within this rounding of them).
         rounded.quantize_fp8(Quantization::FP8_BLOCK);
+        rounded = round(&rounded);
     }
     let cpu = Transformer::from_weights(spec.config.clone(), rounded, 1024).unwrap();
     let mut kv = KvCache::new(cpu.kv_layout(block_size, num_blocks));

@@ -204,9 +204,9 @@ mod skinny;
 pub use skinny::{
     matmul_t_skinny, matmul_t_skinny_norm, matmul_t_skinny_norm_built, matmul_t_skinny_wg, matmul_t_skinny_wg_built,
     skinny_norm_kernel, skinny_norm_smem_bytes, skinny_norm_takes, skinny_smem_bytes, skinny_takes, skinny_wg_kernel,
-    skinny_wg_smem_bytes, skinny_wg_takes, verify_skinny, verify_skinny_norm, NormedProduct, SkinnyBuild,
-    SkinnyNormOutput, SkinnyNormShape, SkinnyShape, SKINNY_MAX_TOKENS, SKINNY_NORM_BUILDS, SKINNY_NORM_MAX_K,
-    SKINNY_NORM_MAX_TOKENS, SKINNY_STAGES, SKINNY_WG_STAGES,
+    skinny_wg_serves, skinny_wg_smem_bytes, skinny_wg_takes, verify_skinny, verify_skinny_norm, NormedProduct,
+    SkinnyBuild, SkinnyNormOutput, SkinnyNormShape, SkinnyShape, SKINNY_MAX_TOKENS, SKINNY_NORM_BUILDS,
+    SKINNY_NORM_MAX_K, SKINNY_NORM_MAX_TOKENS, SKINNY_STAGES, SKINNY_WG_STAGES,
 };
 
 /// Fills `n` bf16 elements at `out` with the seeded uniform values of `preset_uniform`.

@@ -79,8 +79,9 @@ pub struct CudaTuning {
     /// Batch-invariant steps of at most 8 tokens add the residual and take the RMSNorm inside
     /// their qkv and gate/up products, and SiLU in the gate/up product's epilogue
     /// (`ops::matmul_t_skinny_norm`, on Hopper's warpgroup MMAs: three launches a layer fewer),
-    /// and run their other products (o, down, the head) on the same chains without the norm
-    /// (`ops::matmul_t_skinny_wg`), once verified at load to give the unfused path's bits;
+    /// and run their other products wide enough to fill the GPU (the head) on the same chains
+    /// without the norm (`ops::matmul_t_skinny_wg`), once verified at load to give the unfused
+    /// path's bits;
     /// every norm of the model then sums in that kernel's order (`ops::add_rms_norm_b128`).
     /// Batch invariant either way (the last bits differ between on and off).
     pub invariant_fused_norm: bool,

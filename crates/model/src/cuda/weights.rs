@@ -330,7 +330,8 @@ impl Weights {
                 shape(&l.qkv, &l.input_norm, ops::SkinnyNormOutput::Product),
                 shape(&l.gate_up, &l.post_norm, ops::SkinnyNormOutput::SiluMul),
             ];
-            // Every product of such a step goes to the plain kernel where no norm is fused.
+            // The products of such a step without a norm in front, where the plain kernel serves
+            // them (ops::skinny_wg_serves: the wide ones).
             let plain = |lin: &Linear| ops::SkinnyShape {
                 weight: lin.weight.ptr(),
                 n: lin.out_dim,
@@ -351,8 +352,7 @@ impl Weights {
         };
         match why {
             None => tracing::info!(
-                "batch-invariant steps of up to {} tokens take their norms inside the qkv and gate/up products \
-                 and run every product on wgmma chains",
+                "batch-invariant steps of up to {} tokens take their norms inside the qkv and gate/up products",
                 ops::SKINNY_NORM_MAX_TOKENS
             ),
             Some(why) => tracing::warn!("invariant_fused_norm is off: {why}"),

@@ -2,7 +2,7 @@
 //! (`cuda/invariant.rs`) or, for few rows, the skinny kernels ([`super::skinny`]), unsliced or
 //! with K cut into slices fixed by the shape.
 
-use super::skinny::{matmul_t_skinny, matmul_t_skinny_wg, skinny_takes, skinny_wg_takes, SkinnyBuild};
+use super::skinny::{matmul_t_skinny, matmul_t_skinny_wg, skinny_takes, skinny_wg_serves, SkinnyBuild};
 use crate::cuda::{CudaDevice, CudaError};
 
 /// [`super::matmul_t`] whose every row is the same whatever `t` is (see `cuda/invariant.rs`):
@@ -23,7 +23,7 @@ pub unsafe fn matmul_t_invariant(
     k: usize,
     f32_out: bool,
 ) -> Result<(), CudaError> {
-    if dev.invariant_fused_norm() && skinny_wg_takes(dev, t, n, k) {
+    if dev.invariant_fused_norm() && skinny_wg_serves(dev, t, n, k) {
         // Safety: the caller's contract (256-byte alignment implies the kernel's 16).
         return unsafe { matmul_t_skinny_wg(dev, x, w, y, t, n, k, f32_out) };
     }

@@ -289,6 +289,15 @@ fn skinny_wg_stages(dev: &CudaDevice, n: usize) -> usize {
     SKINNY_WG_STAGES.into_iter().max_by_key(score).unwrap_or(8)
 }
 
+/// Whether the batch-invariant products of `t` rows of a `[n, k]` weight go to
+/// [`matmul_t_skinny_wg`] (once verified): where it takes them and its 64-row blocks fill every
+/// SM at least once. A narrower product (Qwen3-4B's o and down: 40 blocks) is one long chain of
+/// dependent steps a block, each slower than in cuBLASLt's kernel (H200: o 0.464 against 0.367
+/// ms a step, down 1.077 against 0.654; docs/PERFORMANCE.md), so cuBLASLt keeps those.
+pub fn skinny_wg_serves(dev: &CudaDevice, t: usize, n: usize, k: usize) -> bool {
+    skinny_wg_takes(dev, t, n, k) && n / SKINNY_NORM_ROWS >= dev.sm_count() as usize
+}
+
 /// Whether [`matmul_t_skinny_wg`] takes `t` rows of a `[n, k]` product on `dev`.
 pub fn skinny_wg_takes(dev: &CudaDevice, t: usize, n: usize, k: usize) -> bool {
     dev.wgmma_capable()
@@ -475,7 +484,7 @@ pub unsafe fn verify_skinny_norm(
     dev.set_skinny_norm_verified(false);
     for &shape in plain {
         let SkinnyShape { weight, n, k, f32_out, .. } = shape;
-        if !skinny_wg_takes(dev, 1, n, k) {
+        if !skinny_wg_serves(dev, 1, n, k) {
             // cuBLASLt keeps it.
             continue;
         }
