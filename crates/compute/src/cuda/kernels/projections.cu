@@ -786,6 +786,16 @@ struct NormToSwizzled {
     }
 };
 
+// Stages of products a wgmma ring leaves queued while it refills slots (its chain is one
+// accumulator, so only the tensor core's queue hides the refills and barriers between stages):
+// two where the ring is deep enough, one otherwise. The ring then runs STAGES - queue stages
+// ahead of the products.
+template <int STAGES>
+struct WgRing {
+    static constexpr int queue = STAGES >= 8 ? 2 : 1;
+    static constexpr int ahead = STAGES - queue;
+};
+
 template <int STAGES, int GROUPS>
 __device__ __forceinline__ void gemm_wg_norm(const bf16* __restrict__ W, const float* x, const bf16* delta,
                                              float* x_out, const bf16* norm_w, float eps, bf16* Y, int N, int K,
@@ -795,7 +805,8 @@ __device__ __forceinline__ void gemm_wg_norm(const bf16* __restrict__ W, const f
     u32 tokens = ((u32)__cvta_generic_to_shared(wgn_smem) + 1023) & ~1023u;
     int group = threadIdx.x >> 7, stages = K / 64, n0 = (blockIdx.x * GROUPS + group) * WGN_ROWS;
     u32 ring = tokens + stages * 1024 + group * STAGES * WGN_STAGE_BYTES;
-    for (int s = 0; s < STAGES - 1; ++s) {
+    constexpr int AHEAD = WgRing<STAGES>::ahead, QUEUE = WgRing<STAGES>::queue;
+    for (int s = 0; s < AHEAD; ++s) {
         if (s < stages) wgn_copy(ring + s * WGN_STAGE_BYTES, W, n0, K, s);
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
@@ -813,7 +824,7 @@ __device__ __forceinline__ void gemm_wg_norm(const bf16* __restrict__ W, const f
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int s = 0; s < stages; ++s) {
         // Stage s's copies (this thread's, then everyone's) are in, and visible to wgmma.
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(AHEAD - 1) : "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         // The warpgroup's own barrier (1 + group; 0 is __syncthreads').
         asm volatile("bar.sync %0, 128;\n" ::"r"(1 + group) : "memory");
@@ -822,11 +833,11 @@ __device__ __forceinline__ void gemm_wg_norm(const bf16* __restrict__ W, const f
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgn_mma(d, wg_desc(a + kk * 32, 16, 1024), wg_desc(b + kk * 32, 16, 1024));
         wg_commit();
-        // Stage s - 1's products are done in this warp, and after the barrier in every warp of
-        // the warpgroup (each waits for its own): its slot takes stage s + STAGES - 1.
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        // Stage s - QUEUE's products are done in this warp, and after the barrier in every warp
+        // of the warpgroup (each waits for its own): its slot takes stage s + AHEAD.
+        asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(QUEUE) : "memory");
         asm volatile("bar.sync %0, 128;\n" ::"r"(1 + group) : "memory");
-        int next = s + STAGES - 1;
+        int next = s + AHEAD;
         if (next < stages) wgn_copy(ring + (next % STAGES) * WGN_STAGE_BYTES, W, n0, K, next);
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
@@ -883,7 +894,7 @@ GEMM_WG_NORM_KERNEL(gemm_wg_norm_s3_g2, 3, 2)
 // wgmma m64n8k16 step per 16 columns in ascending order). One warpgroup a block, 64 weight
 // rows; the o and down products have few such blocks (Qwen3-4B: 40), so each keeps a deep ring
 // of STAGES stages in flight, a stage the weights' 64 columns (8 KB) and the tokens' (1 KB; rows
-// past t zero), all by 16-byte copies. The weights of the first STAGES - 1 stages are asked for
+// past t zero), all by 16-byte copies. The weights of the first stages (WgRing) are asked for
 // before the programmatic-launch wait (nothing writes them), the tokens of those stages by
 // plain loads right after it (the previous kernel wrote them; one round trip), and later
 // stages' tokens with their weights. N % 64 == 0, K % 64 == 0. Grid: N / 64. Block: 128.
@@ -911,7 +922,8 @@ __device__ __forceinline__ void gemm_wg(const bf16* __restrict__ W, const bf16* 
     // A stage's slot: the weights' tile, then the tokens'.
     auto weights = [&](int s) { return ring + (s % STAGES) * WGP_STAGE_BYTES; };
     auto tokens = [&](int s) { return weights(s) + WGN_STAGE_BYTES; };
-    for (int s = 0; s < STAGES - 1; ++s) {
+    constexpr int AHEAD = WgRing<STAGES>::ahead, QUEUE = WgRing<STAGES>::queue;
+    for (int s = 0; s < AHEAD; ++s) {
         if (s < stages) wgn_copy(weights(s), W, n0, K, s);
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
@@ -925,9 +937,9 @@ __device__ __forceinline__ void gemm_wg(const bf16* __restrict__ W, const bf16* 
     PDL_ENTER();
     {
         // The first stages' tokens: every load first, then every store (one round trip).
-        constexpr int PER_THREAD = ((STAGES - 1) * 64 + 127) / 128;
+        constexpr int PER_THREAD = (AHEAD * 64 + 127) / 128;
         uint4 v[PER_THREAD];
-        int first = min(STAGES - 1, stages) * 64;
+        int first = min(AHEAD, stages) * 64;
 #pragma unroll
         for (int i = 0; i < PER_THREAD; ++i) {
             int j = threadIdx.x + i * 128, s = j >> 6, m = (j >> 3) & 7, chunk = j & 7;
@@ -945,7 +957,7 @@ __device__ __forceinline__ void gemm_wg(const bf16* __restrict__ W, const bf16* 
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int s = 0; s < stages; ++s) {
         // Stage s's copies (this thread's, then everyone's) are in, and visible to wgmma.
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(AHEAD - 1) : "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
         wg_fence();
@@ -953,11 +965,11 @@ __device__ __forceinline__ void gemm_wg(const bf16* __restrict__ W, const bf16* 
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) wgn_mma(d, wg_desc(a + kk * 32, 16, 1024), wg_desc(b + kk * 32, 16, 1024));
         wg_commit();
-        // Stage s - 1's products are done in this warp, and after the barrier in every warp
-        // (each waits for its own): its slot takes stage s + STAGES - 1.
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        // Stage s - QUEUE's products are done in this warp, and after the barrier in every warp
+        // (each waits for its own): its slot takes stage s + AHEAD.
+        asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(QUEUE) : "memory");
         __syncthreads();
-        int next = s + STAGES - 1;
+        int next = s + AHEAD;
         if (next < stages) {
             wgn_copy(weights(next), W, n0, K, next);
             wgp_copy_tokens(tokens(next), X, K, t, next);

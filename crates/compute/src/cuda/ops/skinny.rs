@@ -119,6 +119,13 @@ pub const SKINNY_NORM_MAX_K: usize = 8192;
 /// rows.
 pub const SKINNY_NORM_BUILDS: [(usize, usize); 4] = [(4, 1), (8, 1), (4, 2), (3, 2)];
 
+/// Stages a wgmma ring of `stages` slots keeps in flight ahead of its products (`WgRing` in
+/// kernels/projections.cu: two stages of products stay queued where the ring has at least 8
+/// slots, one otherwise).
+fn wg_ring_ahead(stages: usize) -> usize {
+    stages - if stages >= 8 { 2 } else { 1 }
+}
+
 /// Weight rows of one `gemm_wg_norm` warpgroup.
 const SKINNY_NORM_ROWS: usize = 64;
 
@@ -154,7 +161,7 @@ fn skinny_norm_build(dev: &CudaDevice, n: usize, k: usize) -> (usize, usize) {
         // 1 KB a block the driver keeps, and the kernel's static scratch.
         let per_sm = (smem_per_sm / (skinny_norm_smem_bytes(k, (stages, groups)) + 2048)).max(1);
         let waves = blocks.div_ceil(per_sm * sms);
-        let in_flight = blocks.min(per_sm * sms) * groups * (stages - 1);
+        let in_flight = blocks.min(per_sm * sms) * groups * wg_ring_ahead(stages);
         (std::cmp::Reverse(waves), in_flight, std::cmp::Reverse(groups))
     };
     SKINNY_NORM_BUILDS
@@ -284,7 +291,7 @@ fn skinny_wg_stages(dev: &CudaDevice, n: usize) -> usize {
         // 1 KB a block the driver keeps.
         let per_sm = (smem_per_sm / (skinny_wg_smem_bytes(stages) + 1024)).max(1);
         let waves = blocks.div_ceil(per_sm * sms);
-        (std::cmp::Reverse(waves), blocks.min(per_sm * sms) * (stages - 1))
+        (std::cmp::Reverse(waves), blocks.min(per_sm * sms) * wg_ring_ahead(stages))
     };
     SKINNY_WG_STAGES.into_iter().max_by_key(score).unwrap_or(8)
 }
