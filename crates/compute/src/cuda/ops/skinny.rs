@@ -251,12 +251,8 @@ pub unsafe fn matmul_t_skinny_norm_built(
 
 /// Whether [`matmul_t_skinny_norm`] takes `t` rows of a `[n, k]` product on `dev`.
 pub fn skinny_norm_takes(dev: &CudaDevice, t: usize, n: usize, k: usize) -> bool {
-    dev.wgmma_capable()
-        && (1..=SKINNY_NORM_MAX_TOKENS).contains(&t)
-        && k > 0
-        && k.is_multiple_of(64)
-        && k <= SKINNY_NORM_MAX_K
-        && n.is_multiple_of(SKINNY_NORM_ROWS)
+    // The same chain as the plain product's, and a norm of at most SKINNY_NORM_MAX_K in front.
+    skinny_wg_takes(dev, t, n, k) && k <= SKINNY_NORM_MAX_K
 }
 
 /// The stage counts `gemm_wg` is built for: each stage 64 columns of a block's 64 weight rows
