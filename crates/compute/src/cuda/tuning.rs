@@ -90,8 +90,8 @@ pub struct CudaTuning {
     /// bits either way.
     pub fused_norm_build: Option<(usize, usize)>,
     /// The stages in flight of those products without a norm (one of
-    /// `ops::SKINNY_WG_STAGES`); None: chosen by shape (`ops::matmul_t_skinny_wg`). The same
-    /// bits either way.
+    /// `ops::SKINNY_WG_STAGES`), which then serve the narrow ones too (o and down); None:
+    /// chosen by shape, the wide products only (`ops::skinny_wg_serves`). The same bits either way.
     pub wg_product_stages: Option<usize>,
 }
 

@@ -296,9 +296,11 @@ fn skinny_wg_stages(dev: &CudaDevice, n: usize) -> usize {
 /// [`matmul_t_skinny_wg`] (once verified): where it takes them and its 64-row blocks fill every
 /// SM at least once. A narrower product (Qwen3-4B's o and down: 40 blocks) is one long chain of
 /// dependent steps a block, each slower than in cuBLASLt's kernel (H200: o 0.464 against 0.367
-/// ms a step, down 1.077 against 0.654; docs/PERFORMANCE.md), so cuBLASLt keeps those.
+/// ms a step, down 1.077 against 0.654; docs/PERFORMANCE.md), so cuBLASLt keeps those, unless
+/// `--cuda-tune wg_product_stages` names a ring (to measure the narrow products).
 pub fn skinny_wg_serves(dev: &CudaDevice, t: usize, n: usize, k: usize) -> bool {
-    skinny_wg_takes(dev, t, n, k) && n / SKINNY_NORM_ROWS >= dev.sm_count() as usize
+    skinny_wg_takes(dev, t, n, k)
+        && (dev.tuning().wg_product_stages.is_some() || n / SKINNY_NORM_ROWS >= dev.sm_count() as usize)
 }
 
 /// Whether [`matmul_t_skinny_wg`] takes `t` rows of a `[n, k]` product on `dev`.
