@@ -1,5 +1,6 @@
 //! `tandem bench fidelity`: how close a model's answers stay to a reference's (the same
-//! checkpoint with FP8-rounded weights against full precision, say). Each prompt is answered
+//! checkpoint with FP8-rounded weights, or over an FP8 KV cache, against full precision, say).
+//! Each prompt is answered
 //! greedily by the reference; the candidate is fed the reference's tokens (teacher forcing) and
 //! at every position the two are compared: whether the candidate's greedy choice is the
 //! reference's token, where a prompt first diverges (the first such miss: greedy decoding of the
@@ -8,7 +9,7 @@
 
 use std::fmt;
 
-use tandem_compute::KvCache;
+use tandem_compute::{KvCache, KvDtype};
 use tandem_model::{SeqBatch, Transformer};
 
 /// What to run.
@@ -22,6 +23,8 @@ pub struct FidelityConfig {
     pub output_len: usize,
     /// Seeds the prompts.
     pub seed: u64,
+    /// The candidate's KV cache (the reference's is f32): f32, or FP8 e4m3.
+    pub candidate_kv: KvDtype,
 }
 
 /// What it found.
@@ -63,10 +66,10 @@ struct Runner<'a> {
 }
 
 impl<'a> Runner<'a> {
-    fn new(model: &'a Transformer, prompts: usize, tokens: usize) -> Self {
+    fn new(model: &'a Transformer, prompts: usize, tokens: usize, kv: KvDtype) -> Self {
         const BLOCK: usize = 16;
         let per_seq = tokens.div_ceil(BLOCK);
-        let kv = KvCache::new(model.kv_layout(BLOCK, prompts * per_seq));
+        let kv = KvCache::of(model.kv_layout(BLOCK, prompts * per_seq), kv);
         let tables = (0..prompts).map(|p| ((p * per_seq) as u32..((p + 1) * per_seq) as u32).collect()).collect();
         Self { model, kv, tables }
     }
@@ -114,7 +117,9 @@ pub fn compare(reference: &Transformer, candidate: &Transformer, cfg: &FidelityC
     let prompts: Vec<Vec<u32>> =
         (0..cfg.num_prompts).map(|_| (0..cfg.prompt_len.max(1)).map(|_| next()).collect()).collect();
     let total = cfg.prompt_len.max(1) + cfg.output_len;
-    let (mut r, mut c) = (Runner::new(reference, prompts.len(), total), Runner::new(candidate, prompts.len(), total));
+    let n = prompts.len();
+    let (mut r, mut c) =
+        (Runner::new(reference, n, total, KvDtype::F32), Runner::new(candidate, n, total, cfg.candidate_kv));
     let (mut r_rows, mut c_rows) = (r.step(&prompts, 0), c.step(&prompts, 0));
     let mut report = FidelityReport {
         positions: 0,
@@ -161,7 +166,8 @@ mod tests {
     /// diverges at once at some prompts and its log-probabilities differ.
     #[test]
     fn a_model_agrees_with_itself_and_not_with_another() {
-        let cfg = FidelityConfig { num_prompts: 3, prompt_len: 20, output_len: 12, seed: 5 };
+        let cfg =
+            FidelityConfig { num_prompts: 3, prompt_len: 20, output_len: 12, seed: 5, candidate_kv: KvDtype::F32 };
         let (a, b) = (preset(1), preset(2));
         let same = compare(&a.transformer, &a.transformer, &cfg);
         assert_eq!((same.positions, same.same_greedy), (36, 36));
@@ -171,5 +177,18 @@ mod tests {
         assert!(other.same_greedy < other.positions, "{other:?}");
         assert!(other.first_divergence.iter().any(Option::is_some));
         assert!(other.mean_abs_logprob_diff > 0.0);
+    }
+
+    /// The same weights over an FP8 KV cache: the log-probabilities move (every key and value
+    /// is rounded), but by far less than other weights move them.
+    #[test]
+    fn an_fp8_kv_cache_moves_the_answers_a_little() {
+        let cfg =
+            FidelityConfig { num_prompts: 3, prompt_len: 20, output_len: 12, seed: 5, candidate_kv: KvDtype::F32 };
+        let (a, b) = (preset(1), preset(2));
+        let other = compare(&a.transformer, &b.transformer, &cfg);
+        let fp8 = compare(&a.transformer, &a.transformer, &FidelityConfig { candidate_kv: KvDtype::Fp8E4m3, ..cfg });
+        assert!(fp8.max_abs_logprob_diff > 0.0, "{fp8:?}");
+        assert!(fp8.mean_abs_logprob_diff < other.mean_abs_logprob_diff / 10.0, "{fp8:?} against {other:?}");
     }
 }

@@ -59,6 +59,15 @@ pub struct EngineArgs {
     /// Exact number of KV blocks (overrides --kv-cache-memory).
     #[arg(long)]
     pub num_kv_blocks: Option<usize>,
+    /// Element type of the KV cache. `auto`: the model's compute type (f32 on CPU, bf16 on a
+    /// GPU). `fp8` (or `fp8_e4m3`): FP8 e4m3, one byte an element, so --kv-cache-memory holds
+    /// four times the tokens of f32 and a KV transfer moves a quarter of the bytes; each key
+    /// and value is rounded to e4m3 (scale 1, as vLLM's `fp8` without calibrated scales), which
+    /// moves answers a little (`tandem bench fidelity --kv-cache-dtype fp8` measures how much).
+    /// A prefill and a decode engine must agree: the KV handshake refuses a pair that differ,
+    /// naming the field (the router will not pair them). CPU only so far.
+    #[arg(long, value_enum, default_value_t = KvCacheDtype::Auto)]
+    pub kv_cache_dtype: KvCacheDtype,
     /// Most requests running at once; more wait in the queue.
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
@@ -111,7 +120,8 @@ pub struct EngineArgs {
     /// residual add, RMSNorm and SiLU inside their qkv and gate/up products, and their head
     /// product on the same wgmma chains),
     /// fused_norm_build=auto|4x1|8x1|4x2|3x2 (auto: their stages x warpgroups by shape),
-    /// wg_product_stages=auto|8|16|24 (auto: the others' stages in flight by shape).
+    /// wg_product_stages=auto|8|16|24 (auto: the others' stages in flight by shape, the wide
+    /// ones only; a number: that ring for o and down too).
     #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
     pub cuda_tune: Vec<String>,
     /// Give every request the output it would get alone: run kernels whose arithmetic for one
@@ -179,6 +189,9 @@ impl EngineArgs {
         if let Some(n) = self.num_kv_blocks {
             v.extend(["--num-kv-blocks".into(), n.to_string()]);
         }
+        if self.kv_cache_dtype == KvCacheDtype::Fp8 {
+            v.extend(["--kv-cache-dtype".into(), "fp8".into()]);
+        }
         if self.enforce_eager {
             v.push("--enforce-eager".into());
         }
@@ -195,6 +208,26 @@ impl EngineArgs {
             v.extend(["--cuda-tune".into(), t.clone()]);
         }
         v
+    }
+}
+
+/// The KV cache's element type (`--kv-cache-dtype`, vLLM's names).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    /// The model's compute type: f32 on CPU, bf16 on a GPU.
+    Auto,
+    /// FP8 e4m3.
+    #[value(alias = "fp8_e4m3")]
+    Fp8,
+}
+
+impl KvCacheDtype {
+    /// The element type of a CPU engine's cache.
+    pub fn on_cpu(self) -> tandem_compute::KvDtype {
+        match self {
+            Self::Auto => tandem_compute::KvDtype::F32,
+            Self::Fp8 => tandem_compute::KvDtype::Fp8E4m3,
+        }
     }
 }
 
@@ -335,8 +368,14 @@ pub(crate) fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<
             let model = load_model(m)?;
             let config = engine_config(e, model.transformer.config())?;
             let fingerprint = model.transformer.fingerprint();
+            let runner: Box<dyn ModelRunner> = Box::new(tandem_model::CpuRunner::with_kv_dtype(
+                model.transformer,
+                config.block_size,
+                config.num_blocks,
+                e.kv_cache_dtype.on_cpu(),
+            ));
             Ok(EngineParts {
-                model: model.transformer.into(),
+                model: runner.into(),
                 tokenizer: model.tokenizer,
                 eos_token_ids: model.eos_token_ids,
                 max_model_len: model.max_model_len,
@@ -348,6 +387,9 @@ pub(crate) fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<
         DeviceSpec::Cuda(ordinal) => {
             if m.quantization.is_some() && e.batch_invariant {
                 bail!("--batch-invariant with --quantization on a GPU is not built yet");
+            }
+            if e.kv_cache_dtype == KvCacheDtype::Fp8 {
+                bail!("--kv-cache-dtype fp8 on a GPU is not built yet (its attention kernels read bf16 KV); it runs with --device cpu");
             }
             let source = model_source(&m.model, m.model_seed)?;
             let spec = ModelSpec::load(&source, m.max_model_len)
@@ -443,8 +485,8 @@ fn build_tensor_parallel(m: &ModelArgs, e: &EngineArgs) -> Result<EngineParts> {
         weights,
         spec.max_model_len,
         size,
-        config.block_size,
-        config.num_blocks,
+        (config.block_size, config.num_blocks),
+        e.kv_cache_dtype.on_cpu(),
     )
     .with_context(|| format!("splitting `{}` over {size} ranks", m.model))?;
     if let Some(forward) = e.fault_rank_fails_at_forward {
@@ -472,8 +514,10 @@ fn build_tensor_parallel(m: &ModelArgs, e: &EngineArgs) -> Result<EngineParts> {
     })
 }
 
+/// A CPU engine's size: its KV blocks of `--kv-cache-dtype` from `--kv-cache-memory` unless
+/// given exactly.
 fn engine_config(e: &EngineArgs, model: &tandem_model::ModelConfig) -> Result<EngineConfig> {
-    let per_token = model.kv_bytes_per_token_f32();
+    let per_token = model.kv_bytes_per_token_f32() / 4 * e.kv_cache_dtype.on_cpu().bytes();
     let num_blocks = match e.num_kv_blocks {
         Some(n) => n,
         None => {
@@ -495,6 +539,7 @@ fn engine_config(e: &EngineArgs, model: &tandem_model::ModelConfig) -> Result<En
         block_size = cfg.block_size,
         num_blocks = cfg.num_blocks,
         kv_tokens = cfg.num_blocks * cfg.block_size,
+        kv_dtype = e.kv_cache_dtype.on_cpu().name(),
         kv_mib = (cfg.num_blocks * cfg.block_size * per_token) as f64 / (1 << 20) as f64,
         "KV cache sized"
     );

@@ -180,6 +180,16 @@ fn bench_fidelity_reports_how_close_fp8_stays() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("of 10 positions") && text.contains("mean |difference|"), "{text}");
+    let out = tandem()
+        .args(["bench", "fidelity", "--model", "preset:tiny-qwen3", "--kv-cache-dtype", "fp8"])
+        .args(["--num-prompts", "2", "--prompt-len", "8", "--output-len", "5"])
+        .output()
+        .unwrap();
+    let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && err.contains("fp8_e4m3 KV cache") && text.contains("of 10 positions"), "{err}");
+    let out = tandem().args(["bench", "fidelity", "--model", "preset:tiny-qwen3"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("nothing to compare"), "{err}");
 }
 
 /// `--model ORG/NAME` asks the Hub named by HF_ENDPOINT (the download itself is tested against a

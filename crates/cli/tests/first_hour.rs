@@ -188,6 +188,11 @@ fn misconfigured_engines_are_refused_at_start_and_taken_out_of_service_naming_wh
     let (r, _) = router("push", &p, &d_other, Stdio::piped());
     let log = stderr_of(r, Duration::from_secs(30));
     assert!(log.contains("cannot pair") && log.contains("model_fingerprint differs"), "{log}");
+    // An FP8 KV cache on decode only: refused, naming the field and both types.
+    let d_fp8 = engine("decode", "push", "--kv-cache-dtype fp8");
+    let (r, _) = router("push", &p, &d_fp8, Stdio::piped());
+    let log = stderr_of(r, Duration::from_secs(30));
+    assert!(log.contains("cannot pair") && log.contains("dtype differs") && log.contains("fp8_e4m3"), "{log}");
     // The same decode engine asked directly: it fails the request and counts the refusal
     // instead of silently recomputing under its own model.
     let kv_port: u64 = {

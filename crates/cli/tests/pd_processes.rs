@@ -443,6 +443,44 @@ fn push_and_pull_across_processes_equal_colocated() {
     }
 }
 
+/// FP8 KV caches (`--kv-cache-dtype fp8`) on both engines: push, and pull from a prefill engine
+/// of two tensor-parallel ranks, answer the mixed requests (all at once) as an FP8 colocated
+/// engine does and give every block back; push moves a quarter of the bytes an f32 pair moves
+/// for the same requests.
+#[test]
+fn fp8_kv_caches_answer_as_an_fp8_colocated_engine_and_move_a_quarter_of_the_bytes() {
+    let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+    let bodies = mixed_requests();
+    let fp8 = "--kv-cache-dtype fp8";
+    let (_c, c_url) = colocated(&http, fp8);
+    let want = run_concurrently(&c_url, &bodies);
+    // Decode's received bytes, once it has counted every transfer.
+    let received = |s: &System| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while kv_counter(&http, &s.d_url, "transfers_ok") != Some(bodies.len() as f64) {
+            assert!(Instant::now() < deadline, "decode did not count {} transfers", bodies.len());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        kv_counter(&http, &s.d_url, "bytes_received").unwrap_or(0.0)
+    };
+    let mut fp8_bytes = 0.0;
+    for (mode, p_extra) in [("push", fp8.to_string()), ("pull", format!("{fp8} --tensor-parallel-size 2"))] {
+        let s = system(mode, &p_extra, fp8);
+        let got = run_concurrently(&s.r_url, &bodies);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "{mode}: request {i}: {}", bodies[i]);
+        }
+        blocks_back(&http, [&s.p_url, &s.d_url]);
+        if mode == "push" {
+            fp8_bytes = received(&s);
+        }
+    }
+    let s = system("push", "", "");
+    run_concurrently(&s.r_url, &bodies);
+    let f32_bytes = received(&s);
+    assert!(fp8_bytes > 0.0 && fp8_bytes * 4.0 == f32_bytes, "fp8 moved {fp8_bytes} bytes, f32 {f32_bytes}");
+}
+
 #[test]
 fn a_prefill_process_killed_mid_prefill_ends_the_request_and_frees_decode_blocks() {
     let http = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();

@@ -14,8 +14,9 @@
 //! gets slices of the block runs it names ([`KvRegion::blocks`]). The `unsafe` lives in this
 //! module only.
 
+use std::borrow::Cow;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 /// Shape of a paged KV cache. Block `b` occupies
 /// `[b * block_elems, (b + 1) * block_elems)` and inside it the order is
@@ -74,14 +75,28 @@ impl KvLayout {
 }
 
 /// Element type of a [`KvRegion`]: `f32` for the CPU engine's cache, `bf16` for the host copy
-/// of a GPU engine's cache (the GPU keeps bf16, and the copy moves its bytes unchanged).
+/// of a GPU engine's cache (the GPU keeps bf16, and the copy moves its bytes unchanged), FP8
+/// e4m3 for either with `--kv-cache-dtype fp8`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvDtype {
     /// 4-byte floats.
     F32,
     /// bfloat16, 2 bytes.
     Bf16,
+    /// FP8 e4m3 (`float8_e4m3fn`), one byte: each key and value element rounded to the nearest
+    /// e4m3 number of itself divided by [`KV_FP8_SCALE`] (saturating at 448), as vLLM's `fp8`
+    /// KV cache holds them without calibrated scales.
+    Fp8E4m3,
 }
+
+/// What an FP8 KV cache's bytes are multiplied by to give the keys and values: 1, the scale
+/// vLLM's `fp8` KV cache uses where a checkpoint brings none (every engine of a deployment
+/// must agree on it, so it is fixed rather than measured).
+pub const KV_FP8_SCALE: f32 = 1.0;
+
+/// Every e4m3 byte's value times [`KV_FP8_SCALE`], for reading an FP8 cache.
+static FP8_VALUES: LazyLock<[f32; 256]> =
+    LazyLock::new(|| std::array::from_fn(|b| crate::fp8::e4m3_to_f32(b as u8) * KV_FP8_SCALE));
 
 impl KvDtype {
     /// Bytes per element.
@@ -89,6 +104,7 @@ impl KvDtype {
         match self {
             KvDtype::F32 => 4,
             KvDtype::Bf16 => 2,
+            KvDtype::Fp8E4m3 => 1,
         }
     }
 
@@ -97,6 +113,7 @@ impl KvDtype {
         match self {
             KvDtype::F32 => "f32",
             KvDtype::Bf16 => "bf16",
+            KvDtype::Fp8E4m3 => "fp8_e4m3",
         }
     }
 }
@@ -129,7 +146,7 @@ pub fn coalesce(blocks: &[u32]) -> Vec<BlockRun> {
 pub struct KvRegion {
     layout: KvLayout,
     dtype: KvDtype,
-    /// 4-byte words (so `f32` and `bf16` elements are aligned), `words` of them.
+    /// 4-byte words (so every element type is aligned), `words` of them.
     ptr: NonNull<u32>,
     words: usize,
 }
@@ -274,22 +291,37 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Allocates a zeroed cache.
+    /// Allocates a zeroed f32 cache.
     pub fn new(layout: KvLayout) -> Self {
-        Self { region: Arc::new(KvRegion::new(layout, KvDtype::F32)), first_head: 0, view: layout }
+        Self::of(layout, KvDtype::F32)
     }
 
-    /// The KV heads `heads` of an f32 `region` that several caches share (tensor-parallel
-    /// ranks of one engine, each with its own heads): each reads and writes only its heads'
-    /// planes, so the views may be written from as many threads at once.
+    /// Allocates a zeroed cache of `dtype` elements: f32, or FP8 e4m3 (a quarter of the bytes;
+    /// each value written is rounded so, [`KvDtype::Fp8E4m3`]).
     ///
     /// # Panics
-    /// If `heads` lies outside the region or the region is not f32.
+    /// If `dtype` is bf16 (only a GPU cache's host copy holds bf16; [`KvRegion::host_copy`]).
+    pub fn of(layout: KvLayout, dtype: KvDtype) -> Self {
+        assert_ne!(dtype, KvDtype::Bf16, "an engine's own cache on the host is f32 or fp8");
+        Self { region: Arc::new(KvRegion::new(layout, dtype)), first_head: 0, view: layout }
+    }
+
+    /// The KV heads `heads` of an f32 or fp8 `region` that several caches share
+    /// (tensor-parallel ranks of one engine, each with its own heads): each reads and writes
+    /// only its heads' planes, so the views may be written from as many threads at once.
+    ///
+    /// # Panics
+    /// If `heads` lies outside the region or the region is bf16.
     pub fn heads_of(region: Arc<KvRegion>, heads: std::ops::Range<usize>) -> Self {
         let full = *region.layout();
         assert!(heads.end <= full.num_kv_heads && !heads.is_empty(), "heads {heads:?} outside the region");
-        assert_eq!(region.dtype(), KvDtype::F32, "an engine's own cache is f32");
+        assert_ne!(region.dtype(), KvDtype::Bf16, "an engine's own cache on the host is f32 or fp8");
         Self { region, first_head: heads.start, view: KvLayout { num_kv_heads: heads.len(), ..full } }
+    }
+
+    /// The cache's element type.
+    pub fn dtype(&self) -> KvDtype {
+        self.region.dtype
     }
 
     /// The cache's shape (of its heads).
@@ -302,40 +334,61 @@ impl KvCache {
         self.region.clone()
     }
 
-    /// One `(block, layer, kv, head)` plane: `block_size` slots of `head_dim`.
+    /// One `(block, layer, kv, head)` plane: `block_size` slots of `head_dim`, as f32 (an FP8
+    /// cache's decoded into a copy).
     ///
     /// The engine calls this only for blocks in the block tables of requests it is running,
     /// which the connector does not touch (module docs).
     #[inline]
-    pub fn plane(&self, block: usize, layer: usize, kv: usize, head: usize) -> &[f32] {
+    pub fn plane(&self, block: usize, layer: usize, kv: usize, head: usize) -> Cow<'_, [f32]> {
         let l = &self.region.layout;
         assert!(block < l.num_blocks && layer < l.num_layers && kv < 2 && head < self.view.num_kv_heads);
         let off = l.plane_offset(block, layer, kv, self.first_head + head);
-        // Safety: in bounds (asserted); the block belongs to a running request, so the
-        // connector thread is not writing it, and the engine writes only through `&mut self`.
-        unsafe { std::slice::from_raw_parts(self.region.f32_ptr().add(off), l.head_plane()) }
+        let base = self.region.ptr.as_ptr();
+        match self.region.dtype {
+            // Safety: in bounds (asserted; f32 elements at 4-byte words); the block belongs to a
+            // running request, so the connector thread is not writing it, and the engine writes
+            // only through `&mut self`.
+            KvDtype::F32 => {
+                Cow::Borrowed(unsafe { std::slice::from_raw_parts((base as *const f32).add(off), l.head_plane()) })
+            }
+            KvDtype::Fp8E4m3 => {
+                // Safety: as above, one byte an element.
+                let bytes = unsafe { std::slice::from_raw_parts((base as *const u8).add(off), l.head_plane()) };
+                Cow::Owned(bytes.iter().map(|&b| FP8_VALUES[b as usize]).collect())
+            }
+            KvDtype::Bf16 => unreachable!("an engine's own cache is never bf16 (KvCache::of)"),
+        }
     }
 
-    /// Stores one token's keys and values for `layer` at `(block, slot)`. `k` and `v` hold
-    /// `num_kv_heads * head_dim` elements, head-major.
+    /// Stores one token's keys and values for `layer` at `(block, slot)` (in an FP8 cache
+    /// rounded to e4m3, [`KvDtype::Fp8E4m3`]). `k` and `v` hold `num_kv_heads * head_dim`
+    /// elements, head-major.
     pub fn write_token(&mut self, layer: usize, block: usize, slot: usize, k: &[f32], v: &[f32]) {
         let l = self.region.layout;
-        let heads = self.view.num_kv_heads;
+        let (heads, dim) = (self.view.num_kv_heads, l.head_dim);
         assert!(block < l.num_blocks && layer < l.num_layers && slot < l.block_size);
-        assert!(k.len() >= heads * l.head_dim && v.len() >= heads * l.head_dim);
+        assert!(k.len() >= heads * dim && v.len() >= heads * dim);
+        let base = self.region.ptr.as_ptr();
         for h in 0..heads {
             for (kv, src) in [(0, k), (1, v)] {
-                let dst = l.plane_offset(block, layer, kv, self.first_head + h) + slot * l.head_dim;
-                // Safety: in bounds (asserted above); the block belongs to a running request,
-                // so no other thread touches it, `&mut self` excludes engine-side readers, and
-                // caches sharing the region write other heads' planes.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src[h * l.head_dim..].as_ptr(),
-                        self.region.f32_ptr().add(dst),
-                        l.head_dim,
-                    )
-                };
+                let dst = l.plane_offset(block, layer, kv, self.first_head + h) + slot * dim;
+                let src = &src[h * dim..(h + 1) * dim];
+                // Safety (both arms): in bounds (asserted above); the block belongs to a running
+                // request, so no other thread touches it, `&mut self` excludes engine-side
+                // readers, and caches sharing the region write other heads' planes.
+                match self.region.dtype {
+                    KvDtype::F32 => unsafe {
+                        std::ptr::copy_nonoverlapping(src.as_ptr(), (base as *mut f32).add(dst), dim)
+                    },
+                    KvDtype::Fp8E4m3 => {
+                        let out = unsafe { std::slice::from_raw_parts_mut((base as *mut u8).add(dst), dim) };
+                        for (o, &x) in out.iter_mut().zip(src) {
+                            *o = crate::fp8::f32_to_e4m3(x / KV_FP8_SCALE);
+                        }
+                    }
+                    KvDtype::Bf16 => unreachable!("an engine's own cache is never bf16 (KvCache::of)"),
+                }
             }
         }
     }
@@ -405,6 +458,28 @@ mod tests {
         // Safety: single-threaded test; nothing writes while we read.
         let (a, b) = unsafe { (whole.region().blocks(0, 3).to_vec(), shared.blocks(0, 3).to_vec()) };
         assert_eq!(a, b);
+    }
+
+    /// An FP8 cache holds a byte an element, each the nearest e4m3 number (saturating at 448),
+    /// and reads back as those numbers; its region's bytes are those e4m3 bytes.
+    #[test]
+    fn an_fp8_cache_rounds_each_value_to_e4m3() {
+        let l = KvLayout { num_layers: 2, num_kv_heads: 2, head_dim: 4, block_size: 4, num_blocks: 3 };
+        let mut c = KvCache::of(l, KvDtype::Fp8E4m3);
+        assert_eq!((c.dtype(), c.region().block_bytes()), (KvDtype::Fp8E4m3, l.block_elems()));
+        let k = [0.1f32, -1.0, 3.3, 1000.0, 0.0, 2.0f32.powi(-9), -448.0, 17.0];
+        let v = [0.5f32; 8];
+        c.write_token(1, 2, 3, &k, &v);
+        let want: Vec<f32> = [0.1015625, -1.0, 3.25, 448.0].to_vec();
+        assert_eq!(&c.plane(2, 1, 0, 0)[12..16], &want[..]);
+        assert_eq!(&c.plane(2, 1, 0, 1)[12..16], &[0.0, 2.0f32.powi(-9), -448.0, 16.0]);
+        assert_eq!(&c.plane(2, 1, 1, 1)[12..16], &[0.5; 4]);
+        let region = c.region();
+        // Safety: single-threaded test; nothing writes while we read.
+        let bytes = unsafe { region.bytes(2, 1) };
+        let at = l.plane_offset_in_block(1, 0, 0) + 12;
+        assert_eq!(&bytes[at..at + 4], &[crate::fp8::f32_to_e4m3(0.1), 0xb8, 0x45, 0x7e]);
+        assert_eq!(bytes.iter().filter(|&&b| b != 0).count(), 15, "only the token's 16 values, one of them 0");
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! every element, of `mix(index * GOLDEN ^ bits)`: `index` is the element's position in the
 //! canonical order (block row `p` = (layer, K|V, KV head) as in [`KvLayout`], then token, then
 //! element: `(p * num_tokens + t) * head_dim + e`), `bits` its bit pattern (an `f32`'s 32 bits, a
-//! bf16's 16), and `mix` the SplitMix64 finaliser. A sum commutes, so the GPU adds its terms
+//! bf16's 16, an e4m3's 8), and `mix` the SplitMix64 finaliser. A sum commutes, so the GPU adds its terms
 //! in any order (`kv_digest` in `kernels/elementwise.cu` defines the same digest); the index
 //! in every term makes KV that lands in the wrong slot count as much as a flipped bit.
 
@@ -55,6 +55,7 @@ pub unsafe fn kv_digest_host(region: &KvRegion, blocks: &[u32], num_tokens: usiz
                     let bits = match region.dtype() {
                         KvDtype::F32 => u32::from_le_bytes([x[0], x[1], x[2], x[3]]) as u64,
                         KvDtype::Bf16 => u16::from_le_bytes([x[0], x[1]]) as u64,
+                        KvDtype::Fp8E4m3 => x[0] as u64,
                     };
                     sum = sum.wrapping_add(term(first + e as u64, bits));
                 }

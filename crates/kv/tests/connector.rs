@@ -452,9 +452,9 @@ fn a_push_timeline_shows_a_direct_writers_copy_and_when_prefill_handed_the_kv_ov
 }
 
 /// Decode's key for head 1 of `token` in layer `l` (its registered `blocks`).
-fn d_key<'a>(p: &'a Pair, blocks: &[u32], token: usize, l: usize) -> &'a [f32] {
+fn d_key(p: &Pair, blocks: &[u32], token: usize, l: usize) -> Vec<f32> {
     let db = p.d_cache.layout().block_size;
-    &p.d_cache.plane(blocks[token / db] as usize, l, 0, 1)[(token % db) * 8..][..8]
+    p.d_cache.plane(blocks[token / db] as usize, l, 0, 1)[(token % db) * 8..][..8].to_vec()
 }
 
 /// The key `pair_with` wrote for head 1 of `token` in layer `l`.

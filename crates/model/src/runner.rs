@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use tandem_compute::cuda::{kv_fence_ends, HostFence, HostSignal, KvFences};
-use tandem_compute::{KvCache, KvLayout, KvRegion};
+use tandem_compute::{KvCache, KvDtype, KvLayout, KvRegion};
 use tandem_core::TokenLogprobs;
 
 use crate::config::ModelConfig;
@@ -215,9 +215,18 @@ impl CpuModel {
 }
 
 impl CpuRunner {
-    /// Allocates a KV cache of `num_blocks` blocks of `block_size` tokens for `model`.
+    /// Allocates an f32 KV cache of `num_blocks` blocks of `block_size` tokens for `model`.
     pub fn new(model: Transformer, block_size: usize, num_blocks: usize) -> Self {
-        let kv = KvCache::new(model.kv_layout(block_size, num_blocks));
+        Self::with_kv_dtype(model, block_size, num_blocks, KvDtype::F32)
+    }
+
+    /// [`CpuRunner::new`] with a KV cache of `dtype`: f32, or FP8 e4m3 (`--kv-cache-dtype fp8`:
+    /// a quarter of the bytes a block, every key and value rounded so; [`KvCache::of`]).
+    ///
+    /// # Panics
+    /// If `dtype` is bf16 (a GPU cache's type).
+    pub fn with_kv_dtype(model: Transformer, block_size: usize, num_blocks: usize, dtype: KvDtype) -> Self {
+        let kv = KvCache::of(model.kv_layout(block_size, num_blocks), dtype);
         Self::with(CpuModel::Whole { model: Box::new(model), kv })
     }
 

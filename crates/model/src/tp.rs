@@ -11,7 +11,7 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use tandem_compute::cpu::add_inplace;
-use tandem_compute::{KvCache, KvLayout};
+use tandem_compute::{KvCache, KvDtype, KvLayout};
 
 use crate::config::ModelConfig;
 use crate::error::ModelError;
@@ -46,16 +46,17 @@ pub struct TpModel {
 
 impl TpModel {
     /// Splits `weights` (the whole model's) over `size` ranks, each with a KV cache of
-    /// `num_blocks` blocks of `block_size` tokens for its KV heads; the machine's cores are
-    /// shared out among the ranks' threads. Where each KV head belongs to one rank, the caches
-    /// are views of one region laid out as a one-rank engine's ([`TpModel::region`]).
+    /// `num_blocks` blocks of `block_size` tokens of `kv_dtype` (f32 or FP8 e4m3) for its KV
+    /// heads; the machine's cores are shared out among the ranks' threads. Where each KV head
+    /// belongs to one rank, the caches are views of one region laid out as a one-rank engine's
+    /// ([`TpModel::region`]).
     pub fn load(
         cfg: &ModelConfig,
         weights: WeightMap,
         max_positions: usize,
         size: usize,
-        block_size: usize,
-        num_blocks: usize,
+        (block_size, num_blocks): (usize, usize),
+        kv_dtype: KvDtype,
     ) -> Result<Self, ModelError> {
         Shard::check(size, cfg)?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -67,7 +68,10 @@ impl TpModel {
             block_size,
             num_blocks,
         };
-        let shared = (cfg.num_kv_heads >= size).then(|| KvCache::new(whole).region());
+        if kv_dtype == KvDtype::Bf16 {
+            return Err(ModelError::UnsupportedConfig("a CPU engine's KV cache is f32 or fp8, not bf16".into()));
+        }
+        let shared = (cfg.num_kv_heads >= size).then(|| KvCache::of(whole, kv_dtype).region());
         let mut weights = Some(weights);
         for rank in 0..size {
             // The last rank takes the map itself; the others a copy.
@@ -79,7 +83,7 @@ impl TpModel {
                     let per = cfg.num_kv_heads / size;
                     KvCache::heads_of(region.clone(), rank * per..(rank + 1) * per)
                 }
-                None => KvCache::new(model.kv_layout(block_size, num_blocks)),
+                None => KvCache::of(model.kv_layout(block_size, num_blocks), kv_dtype),
             };
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads((cores / size).max(1))

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use tandem_compute::KvCache;
+use tandem_compute::{KvCache, KvDtype};
 use tandem_model::{ModelSource, ModelSpec, Preset, SeqBatch, Shard, TpModel, Transformer};
 
 fn fixtures() -> PathBuf {
@@ -35,6 +35,8 @@ fn run(forward: &mut Forward<'_>, vocab: u32) -> Vec<f32> {
     all
 }
 
+/// With an f32 and with an FP8 KV cache (the ranks' views of one region round their heads as
+/// one cache of every head does).
 #[test]
 fn two_four_and_eight_ranks_give_one_ranks_logits_bit_for_bit() {
     let sources = [
@@ -46,16 +48,19 @@ fn two_four_and_eight_ranks_give_one_ranks_logits_bit_for_bit() {
         let spec = ModelSpec::load(&source, Some(64)).unwrap();
         let vocab = spec.config.vocab_size as u32;
         let one = Transformer::from_weights(spec.config.clone(), spec.cpu_weights().unwrap(), 64).unwrap();
-        let mut kv = KvCache::new(one.kv_layout(BLOCK, BLOCKS));
-        let want = run(&mut |ids, seqs| one.forward(ids, seqs, &mut kv), vocab);
-        for size in sizes {
-            let mut tp = TpModel::load(&spec.config, spec.cpu_weights().unwrap(), 64, size, BLOCK, BLOCKS).unwrap();
-            assert_eq!(tp.size(), size);
-            assert_eq!(tp.rank0().fingerprint(), one.fingerprint(), "{source:?}: every rank names the whole model");
-            let got = run(&mut |ids, seqs| tp.forward(ids, seqs).unwrap(), vocab);
-            assert_eq!(got.len(), want.len());
-            let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
-            assert_eq!(differ, 0, "{source:?} over {size} ranks: {differ} logits differ");
+        for dtype in [KvDtype::F32, KvDtype::Fp8E4m3] {
+            let mut kv = KvCache::of(one.kv_layout(BLOCK, BLOCKS), dtype);
+            let want = run(&mut |ids, seqs| one.forward(ids, seqs, &mut kv), vocab);
+            for &size in &sizes {
+                let weights = spec.cpu_weights().unwrap();
+                let mut tp = TpModel::load(&spec.config, weights, 64, size, (BLOCK, BLOCKS), dtype).unwrap();
+                assert_eq!(tp.size(), size);
+                assert_eq!(tp.rank0().fingerprint(), one.fingerprint(), "{source:?}: every rank names the whole model");
+                let got = run(&mut |ids, seqs| tp.forward(ids, seqs).unwrap(), vocab);
+                assert_eq!(got.len(), want.len());
+                let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                assert_eq!(differ, 0, "{source:?} over {size} ranks, {dtype:?} KV: {differ} logits differ");
+            }
         }
     }
 }
@@ -90,7 +95,8 @@ fn a_rank_failing_mid_forward_fails_that_forward_at_once_and_the_next_one_runs()
     let one = Transformer::from_weights(spec.config.clone(), spec.cpu_weights().unwrap(), 64).unwrap();
     let mut kv = KvCache::new(one.kv_layout(BLOCK, BLOCKS));
     let want = run(&mut |ids, seqs| one.forward(ids, seqs, &mut kv), vocab);
-    let mut tp = TpModel::load(&spec.config, spec.cpu_weights().unwrap(), 64, 4, BLOCK, BLOCKS).unwrap();
+    let weights = spec.cpu_weights().unwrap();
+    let mut tp = TpModel::load(&spec.config, weights, 64, 4, (BLOCK, BLOCKS), KvDtype::F32).unwrap();
     tp.fail_rank_once(2, 3);
     let table: Vec<u32> = (0..BLOCKS as u32).collect();
     let seq = SeqBatch { token_start: 0, num_tokens: 3, first_pos: 0, block_table: &table, want_logits: true };

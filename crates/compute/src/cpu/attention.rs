@@ -131,8 +131,8 @@ fn attend_rows(
         }
         totals[qi] = math::sum(row);
     }
-    let planes: Vec<&[f32]> =
-        blocks.iter().map(|&b| keys.cache.plane(b as usize, keys.layer, 1, keys.kv_head)).collect();
+    let planes: Vec<_> = blocks.iter().map(|&b| keys.cache.plane(b as usize, keys.layer, 1, keys.kv_head)).collect();
+    let planes: Vec<&[f32]> = planes.iter().map(|p| &**p).collect();
     let rows: Vec<&[f32]> = scores.chunks_exact(n).collect();
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 && (hd == 64 || hd == 128) {
