@@ -8,7 +8,8 @@
 #   pd_check over cuda-ipc only, so that it fits one call);
 #   tune: kernel tests and the decode-projection plan sweep (bench engine --sweep-gemv-plans);
 #   matrix "label:SETTING ..." ...: kernel and model tests, then the decode step under each setting;
-#   a setting is exe=PATH (another tandem binary, e.g. gpu-bin/tandem-base), prompt=N (the decode
+#   a setting is exe=PATH (another tandem binary, e.g. gpu-bin/tandem-base), model=M (default
+#   preset:qwen3-4b), prompt=N (the decode
 #   sequences' prompt length), prefill=N[,N...] (the prefill lengths, the longest also the
 #   engine's batched-token limit; issue 50: SKIP_TESTS=1 ... matrix "long:prefill=4096,16384,32768 profile"),
 #   profile (the step's kernel profile), or a `tandem bench engine` argument such as
@@ -140,15 +141,16 @@ if [ "$MODE" = matrix ]; then
   done
   for spec in "$@"; do
     label=${spec%%:*}
-    exe=$BIN/tandem prompt=16 prefill=512 extra=()
+    exe=$BIN/tandem prompt=16 prefill=512 model=preset:qwen3-4b extra=()
     # shellcheck disable=SC2086  # the settings split into words
     for w in ${spec#*:}; do
       case $w in
         exe=*) exe=${w#exe=} ;; prompt=*) prompt=${w#prompt=} ;; prefill=*) prefill=${w#prefill=} ;;
+        model=*) model=${w#model=} ;;
         profile) extra+=(--profile) ;; *) extra+=("$w") ;;
       esac
     done
-    timeout 300 "$exe" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,64 \
+    timeout 300 "$exe" bench engine --device cuda:0 --model "$model" --batch 1,64 \
       --decode-steps 64 --decode-prompt-tokens "$prompt" --prefill-tokens "$prefill" "${extra[@]}" \
       > "$OUT/matrix_$label.log" 2>&1
     note "$label: $(grep -E '^(1|64) +[0-9]' "$OUT/matrix_$label.log" | tr -s ' ' | tr '\n' '|')$(grep -oE '^prefill [0-9]+ tokens: [0-9.]+ ms' "$OUT/matrix_$label.log")"

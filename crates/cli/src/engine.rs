@@ -121,7 +121,9 @@ pub struct EngineArgs {
     /// product on the same wgmma chains),
     /// fused_norm_build=auto|4x1|8x1|4x2|3x2 (auto: their stages x warpgroups by shape),
     /// wg_product_stages=auto|8|16|24 (auto: the others' stages in flight by shape, the wide
-    /// ones only; a number: that ring for o and down too).
+    /// ones only; a number: that ring for o and down too), fp8_block_gemm=0|1 (0; 1: with
+    /// --quantization fp8, prefill products with FP8 activations on cuBLASLt's block-scaled
+    /// GEMM).
     #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
     pub cuda_tune: Vec<String>,
     /// Give every request the output it would get alone: run kernels whose arithmetic for one

@@ -19,6 +19,9 @@ pub struct BenchEngineArgs {
     /// Weight seed for presets.
     #[arg(long, default_value_t = 0)]
     pub model_seed: u64,
+    /// Round the weights at load (`fp8`: as `serve --quantization fp8`).
+    #[arg(long, value_parser = |s: &str| s.parse::<tandem_model::Quantization>())]
+    pub quantization: Option<tandem_model::Quantization>,
     /// Decode batch sizes.
     #[arg(long, value_delimiter = ',', default_value = "1,16")]
     pub batch: Vec<usize>,
@@ -77,7 +80,12 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
         ..cfg
     };
     let engine_cfg = tandem_bench::engine::engine_config(&cfg);
-    let margs = ModelArgs { model: a.model.clone(), model_seed: a.model_seed, max_model_len: None, quantization: None };
+    let margs = ModelArgs {
+        model: a.model.clone(),
+        model_seed: a.model_seed,
+        max_model_len: None,
+        quantization: a.quantization,
+    };
     let bench_model = match device {
         DeviceSpec::Cpu => {
             let model = load_model(&margs)?;
@@ -101,7 +109,7 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
         }
         DeviceSpec::Cuda(ordinal) => {
             let source = model_source(&a.model, a.model_seed)?;
-            let spec = ModelSpec::load(&source, None)?;
+            let spec = ModelSpec::load(&source, None)?.with_quantization(a.quantization)?;
             let opts = CudaOptions {
                 ordinal,
                 block_size: engine_cfg.block_size,

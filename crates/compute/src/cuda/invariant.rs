@@ -43,11 +43,12 @@ struct PlanKey {
     slices: usize,
 }
 
-struct Plan {
-    w: sys::cublasLtMatrixLayout_t,
-    x: sys::cublasLtMatrixLayout_t,
-    y: sys::cublasLtMatrixLayout_t,
-    algo: sys::cublasLtMatmulAlgo_t,
+/// A product's layouts (weight, activations, output) and the algorithm chosen for them.
+pub(crate) struct Plan {
+    pub w: sys::cublasLtMatrixLayout_t,
+    pub x: sys::cublasLtMatrixLayout_t,
+    pub y: sys::cublasLtMatrixLayout_t,
+    pub algo: sys::cublasLtMatmulAlgo_t,
 }
 
 /// Plans kept before the cache starts over (prefill chunk sizes vary; a few thousand shapes
@@ -254,7 +255,7 @@ impl InvariantGemm {
 impl Plan {
     /// # Safety
     /// The layouts are not used again.
-    unsafe fn destroy(self) {
+    pub(crate) unsafe fn destroy(self) {
         // Safety: per the function's contract.
         unsafe { destroy_layouts([self.w, self.x, self.y]) }
     }
@@ -262,7 +263,7 @@ impl Plan {
 
 /// # Safety
 /// The layouts are not used again.
-unsafe fn destroy_layouts(layouts: [sys::cublasLtMatrixLayout_t; 3]) {
+pub(crate) unsafe fn destroy_layouts(layouts: [sys::cublasLtMatrixLayout_t; 3]) {
     for layout in layouts {
         // Safety: per the function's contract. An error here would only leak a descriptor.
         let _ = unsafe { lt::destroy_matrix_layout(layout) };

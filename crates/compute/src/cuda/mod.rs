@@ -13,6 +13,7 @@
 //! owns its buffers for its whole life and synchronizes before it returns results).
 
 mod fences;
+mod fp8_gemm;
 mod invariant;
 mod ipc;
 mod nccl;
@@ -20,6 +21,7 @@ pub mod ops;
 mod tuning;
 
 pub use fences::{HostFence, HostSignal, KvFence, KvFences};
+pub use fp8_gemm::fp8_act_scale_ld;
 pub use ipc::{DeviceKvMemory, DeviceScratch, HostCopies, IpcExport, PeerKvMemory};
 pub use nccl::Communicator;
 pub use tuning::{kv_fence_ends, CudaTuning, WgmmaPrefill};
@@ -159,8 +161,11 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemm_wg_s24",
     "fp8_quantize",
     "fp8_dequantize",
+    "fp8_quantize_rows",
     "gemv_fp8_t8",
     "gemv_fp8_t16",
+    "gemv_fp8_t8_k4",
+    "gemv_fp8_t16_k4",
 ];
 
 /// A host KV region page-locked for device copies ([`CudaDevice::pin_region`]).
@@ -480,6 +485,8 @@ pub struct CudaDevice {
     wgmma_capable: bool,
     /// The batch-invariant matrix products, once [`CudaDevice::enable_batch_invariant`] ran.
     invariant_gemm: std::sync::OnceLock<invariant::InvariantGemm>,
+    /// The FP8 block-scaled products, once [`CudaDevice::enable_fp8_gemm`] ran.
+    fp8_gemm: std::sync::OnceLock<fp8_gemm::Fp8Gemm>,
     /// The skinny kernels serve batch-invariant products of few rows: they gave cuBLASLt's bits
     /// on this GPU for the weights they serve ([`ops::verify_skinny`]).
     skinny_verified: std::sync::atomic::AtomicBool,
@@ -653,6 +660,7 @@ impl CudaDevice {
             pdl_capable: major >= 9,
             wgmma_capable,
             invariant_gemm: std::sync::OnceLock::new(),
+            fp8_gemm: std::sync::OnceLock::new(),
             skinny_verified: std::sync::atomic::AtomicBool::new(false),
             skinny_norm_verified: std::sync::atomic::AtomicBool::new(false),
         })
@@ -734,6 +742,22 @@ impl CudaDevice {
 
     pub(crate) fn invariant_gemm(&self) -> Option<&invariant::InvariantGemm> {
         self.invariant_gemm.get()
+    }
+
+    /// Makes FP8 products of many rows on cuBLASLt's block-scaled GEMM available
+    /// ([`ops::matmul_t_fp8`]): loads cuBLASLt and its workspace (32 MiB); fails with what is
+    /// missing (a GPU without the scale modes fails later, at the first product's plan).
+    pub fn enable_fp8_gemm(&self) -> Result<(), CudaError> {
+        if self.fp8_gemm.get().is_none() {
+            self.ctx.bind_to_thread()?;
+            let gemm = fp8_gemm::Fp8Gemm::new(self.zeros::<u8>(fp8_gemm::Fp8Gemm::workspace_bytes())?)?;
+            let _ = self.fp8_gemm.set(gemm);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn fp8_gemm(&self) -> Option<&fp8_gemm::Fp8Gemm> {
+        self.fp8_gemm.get()
     }
 
     /// Whether batch-invariant products of few rows go to the skinny kernels: tuned so

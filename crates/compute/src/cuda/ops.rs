@@ -199,7 +199,10 @@ pub use prefill::{
     WGMMA_WS_PREFILL_SMEM_BYTES,
 };
 mod fp8;
-pub use fp8::{dequantize_fp8, fp8_gemv_takes, matmul_t_fp8, quantize_fp8, Fp8Matrix, FP8_BLOCK, FP8_GEMV_MAX_TOKENS};
+pub use fp8::{
+    dequantize_fp8, fp8_block_gemm_takes, fp8_gemv_takes, matmul_t_fp8, quantize_fp8, quantize_fp8_rows, Fp8Matrix,
+    Fp8Scratch, FP8_BLOCK, FP8_GEMV_MAX_TOKENS,
+};
 mod skinny;
 pub use skinny::{
     matmul_t_skinny, matmul_t_skinny_norm, matmul_t_skinny_norm_built, matmul_t_skinny_wg, matmul_t_skinny_wg_built,
@@ -351,16 +354,25 @@ pub unsafe fn add_rms_norm_b128(
 }
 
 /// `out[t, i] = silu(gu[t, 2i]) * gu[t, 2i + 1]` (`inter` even): gate/up rows interleaved, as
-/// [`interleave_rows`] lays out the weight.
+/// [`interleave_rows`] lays out the weight; or with `stacked`, `silu(gu[t, i]) * gu[t, inter +
+/// i]` (the gate rows, then the up rows).
 ///
 /// # Safety
 /// See the module docs; `gu` holds `[tokens, 2 * inter]` bf16, `out` `[tokens, inter]`.
-pub unsafe fn silu_mul(dev: &CudaDevice, gu: u64, out: u64, tokens: usize, inter: usize) -> Result<(), CudaError> {
+pub unsafe fn silu_mul(
+    dev: &CudaDevice,
+    gu: u64,
+    out: u64,
+    tokens: usize,
+    inter: usize,
+    stacked: bool,
+) -> Result<(), CudaError> {
     if tokens == 0 {
         return Ok(());
     }
     assert!(inter.is_multiple_of(2), "intermediate size {inter} must be even");
-    launch!(dev, "silu_mul", cfg((tokens as u32, inter.div_ceil(512) as u32), 256), gu, out, inter as i32)
+    let grid = (tokens as u32, inter.div_ceil(512) as u32);
+    launch!(dev, "silu_mul", cfg(grid, 256), gu, out, inter as i32, stacked as i32)
 }
 
 /// `dst` row `2i` = `src` row `i`, row `2i + 1` = `src` row `half + i` (`2 * half` rows of `cols`

@@ -93,6 +93,11 @@ pub struct CudaTuning {
     /// `ops::SKINNY_WG_STAGES`), which then serve the narrow ones too (o and down); None:
     /// chosen by shape, the wide products only (`ops::skinny_wg_serves`). The same bits either way.
     pub wg_product_stages: Option<usize>,
+    /// FP8 weights' products of more than 16 rows (prefill) with the activations quantized to
+    /// FP8 too (one scale per row and 128 columns) on cuBLASLt's block-scaled GEMM, at FP8
+    /// tensor-core rate; off: through a bf16 copy of the weight and cuBLAS. Changes the outputs
+    /// (the activations are rounded to e4m3). Off until measured.
+    pub fp8_block_gemm: bool,
 }
 
 /// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2|3`).
@@ -170,6 +175,7 @@ impl Default for CudaTuning {
             invariant_fused_norm: false,
             fused_norm_build: None,
             wg_product_stages: None,
+            fp8_block_gemm: false,
         }
     }
 }
@@ -195,6 +201,7 @@ impl CudaTuning {
         ("invariant_fused_norm", "0|1 (default 0)"),
         ("fused_norm_build", "auto|4x1|8x1|4x2|3x2 (default auto)"),
         ("wg_product_stages", "auto|8|16|24 (default auto)"),
+        ("fp8_block_gemm", "0|1 (default 0)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -254,6 +261,7 @@ impl CudaTuning {
                     _ => Some(value.parse().ok().filter(|n| [8, 16, 24].contains(n)).ok_or_else(bad)?),
                 }
             }
+            "fp8_block_gemm" => self.fp8_block_gemm = flag()?,
             "wgmma_prefill" => {
                 self.wgmma_prefill = WgmmaPrefill::ALL.into_iter().find(|b| b.value() == value).ok_or_else(bad)?
             }
@@ -334,6 +342,9 @@ impl fmt::Display for CudaTuning {
         }
         if let Some(stages) = self.wg_product_stages {
             parts.push(format!("wg_product_stages={stages}"));
+        }
+        if self.fp8_block_gemm != d.fp8_block_gemm {
+            parts.push(format!("fp8_block_gemm={}", b(self.fp8_block_gemm)));
         }
         write!(f, "{}", parts.join(","))
     }

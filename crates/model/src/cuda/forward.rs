@@ -145,7 +145,8 @@ impl Pass<'_> {
                 _ => {
                     self.add_norm(resid, attn_out, 0, layer.post_norm.ptr(), a.normed.ptr(), t)?;
                     self.linear(&layer.gate_up, a.normed.ptr(), a.gate_up.ptr(), t)?;
-                    ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, cfg.intermediate_size)?;
+                    let stacked = self.w.gate_up_stacked();
+                    ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, cfg.intermediate_size, stacked)?;
                 }
             }
             let mlp_out = self.all_reduce(self.residual_projection(&layer.down, a.act.ptr(), t)?, t)?;
@@ -287,7 +288,7 @@ impl Pass<'_> {
     /// more through the model's bf16 scratch).
     pub unsafe fn product(&self, l: &Linear, x: u64, y: u64, t: usize) -> Result<(), CudaError> {
         match l.fp8_matrix() {
-            Some(m) => ops::matmul_t_fp8(self.dev, x, m, y, t, false, self.w.fp8_scratch()),
+            Some(m) => ops::matmul_t_fp8(self.dev, x, m, y, t, false, &self.w.fp8_scratch()),
             None => self.matmul(x, l.weight.ptr(), y, t, l.out_dim, l.in_dim, false),
         }
     }

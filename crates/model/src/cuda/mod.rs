@@ -138,7 +138,12 @@ impl CudaModel {
         Weights::check_config(&spec.config)?;
         let dev = CudaDevice::open_with(opts.ordinal, opts.tuning.clone(), opts.kernel_cache.as_deref())?;
         let cfg = spec.config.clone();
-        let weights = Weights::load(&dev, spec)?;
+        let mut weights = Weights::load(&dev, spec)?;
+        if weights.fp8() && dev.tuning().fp8_block_gemm {
+            if let Err(e) = weights.enable_fp8_block_gemm(&dev, opts.max_tokens) {
+                tracing::warn!("fp8_block_gemm is off: {e}");
+            }
+        }
         if weights.fp8() && opts.batch_invariant {
             return Err(ModelError::UnsupportedConfig(
                 "--batch-invariant with FP8 weights on the GPU is not built yet (their products sum in another order)"

@@ -143,7 +143,7 @@ unsafe fn op_times(
     let (a, m) = (&step.act, step.layout);
     let counts = step.counts;
     let layers = cfg.num_layers as f64;
-    let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
+    let (h, inter, stacked) = (cfg.hidden_size, cfg.intermediate_size, w.gate_up_stacked());
     let meta = step.attn_meta();
     let cache = pass.cache.ptr();
     let l0 = &w.layers[0];
@@ -212,7 +212,7 @@ unsafe fn op_times(
             2.0 * layers * time(&|| pass.add_norm(a.x.ptr(), mlp_out, 0, l0.post_norm.ptr(), a.normed.ptr(), t))?,
         ),
         ("gate/up projection".into(), time_layers(&|l| pass.product(&l.gate_up, a.normed.ptr(), a.gate_up.ptr(), t))?),
-        ("SiLU x up".into(), layers * time(&|| ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, inter))?),
+        ("SiLU x up".into(), layers * time(&|| ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, inter, stacked))?),
         ("down projection".into(), time_layers(&|l| pass.residual_projection(&l.down, a.act.ptr(), t).map(|_| ()))?),
         (
             "output projection".into(),

@@ -1,6 +1,7 @@
 //! The model's weights on the device: uploaded (or generated, for a preset) once at load and
-//! never written again. Q/k/v and gate/up are stacked row-wise, as on the CPU backend; gate/up
-//! rows are then interleaved for the fused decode projection.
+//! never written again. Q/k/v and gate/up are stacked row-wise, as on the CPU backend; bf16
+//! gate/up rows are then interleaved for the fused decode projection (FP8 ones stay stacked,
+//! so that their 128 x 128 blocks keep one scale each).
 
 use std::collections::HashMap;
 
@@ -27,13 +28,16 @@ pub(super) struct Linear {
 pub(super) struct Fp8Weight {
     pub q: DevBuf<u8>,
     pub scales: DevBuf<f32>,
+    /// One scale per 128 x 128 block, where every stacked part starts on a block's first row.
+    pub block_scales: Option<DevBuf<f32>>,
 }
 
 impl Linear {
     /// The FP8 weight as the kernels take it, if the weight is FP8.
     pub fn fp8_matrix(&self) -> Option<ops::Fp8Matrix> {
         let f = self.fp8.as_ref()?;
-        Some(ops::Fp8Matrix { q: f.q.ptr(), scales: f.scales.ptr(), n: self.out_dim, k: self.in_dim })
+        let block_scales = f.block_scales.as_ref().map_or(0, DevBuf::ptr);
+        Some(ops::Fp8Matrix { q: f.q.ptr(), scales: f.scales.ptr(), block_scales, n: self.out_dim, k: self.in_dim })
     }
 
     /// The weight quantized to FP8 on the device as an FP8 checkpoint holds it
@@ -46,14 +50,25 @@ impl Linear {
         let (q, scales) = (dev.zeros::<u8>(n * k)?, dev.zeros::<f32>(n * kb)?);
         let mut row = 0;
         for &rows in parts {
-            let part = ops::Fp8Matrix { q: q.ptr_at(row * k), scales: scales.ptr_at(row * kb), n: rows, k };
+            let part =
+                ops::Fp8Matrix { q: q.ptr_at(row * k), scales: scales.ptr_at(row * kb), block_scales: 0, n: rows, k };
             // Safety: the part's rows lie within both buffers (the parts sum to `n`), and the bf16
             // weight holds them; it is freed only after the synchronize below.
             unsafe { ops::quantize_fp8(dev, self.weight.ptr_at(row * k), part)? };
             row += rows;
         }
         dev.synchronize()?;
-        Ok(Self { weight: dev.zeros(0)?, fp8: Some(Fp8Weight { q, scales }), ..self })
+        // Every part's 128-row blocks start on the matrix's: each block's rows share one scale,
+        // which the block-scaled GEMM reads once a block.
+        let block_scales = match parts.iter().all(|p| p.is_multiple_of(ops::FP8_BLOCK)) {
+            true => {
+                let rows = dev.read(&scales, n * kb)?;
+                let blocks: Vec<f32> = rows.chunks(kb).step_by(ops::FP8_BLOCK).flatten().copied().collect();
+                Some(dev.upload(&blocks)?)
+            }
+            false => None,
+        };
+        Ok(Self { weight: dev.zeros(0)?, fp8: Some(Fp8Weight { q, scales, block_scales }), ..self })
     }
 
     /// Bytes of weight one product reads.
@@ -87,7 +102,7 @@ pub(super) struct Layer {
     pub k_norm: Option<DevBuf<u16>>,
     pub o: Linear,
     pub post_norm: DevBuf<u16>,
-    /// Gate and up rows interleaved ([`ops::interleave_rows`]).
+    /// Gate and up rows interleaved ([`ops::interleave_rows`]); FP8 ones stacked (gate, then up).
     pub gate_up: Linear,
     pub down: Linear,
 }
@@ -108,6 +123,9 @@ pub(super) struct Weights {
     /// With FP8 decoder weights: room for the largest one in bf16, for products of more rows
     /// than [`ops::FP8_GEMV_MAX_TOKENS`] ([`ops::matmul_t_fp8`]).
     pub fp8_scratch: Option<DevBuf<u16>>,
+    /// With the block-scaled FP8 GEMM enabled ([`Weights::enable_fp8_block_gemm`]): room for a
+    /// step's activations as e4m3 bytes and their scales, and its rows and columns.
+    pub fp8_acts: Option<(DevBuf<u8>, DevBuf<f32>, usize, usize)>,
 }
 
 impl Weights {
@@ -116,9 +134,32 @@ impl Weights {
         self.fp8_scratch.is_some()
     }
 
-    /// The bf16 scratch of FP8 products of many rows (0 without FP8 weights).
-    pub fn fp8_scratch(&self) -> u64 {
-        self.fp8_scratch.as_ref().map_or(0, DevBuf::ptr)
+    /// Where FP8 products of many rows work (zeros without FP8 weights).
+    pub fn fp8_scratch(&self) -> ops::Fp8Scratch {
+        let weight = self.fp8_scratch.as_ref().map_or(0, DevBuf::ptr);
+        match &self.fp8_acts {
+            Some((q, scales, tokens, cols)) => {
+                ops::Fp8Scratch { weight, acts: q.ptr(), act_scales: scales.ptr(), tokens: *tokens, cols: *cols }
+            }
+            None => ops::Fp8Scratch { weight, ..Default::default() },
+        }
+    }
+
+    /// Whether gate/up's product is stacked (gate, then up: FP8 weights) rather than interleaved.
+    pub fn gate_up_stacked(&self) -> bool {
+        self.fp8()
+    }
+
+    /// FP8 products of more than [`ops::FP8_GEMV_MAX_TOKENS`] rows, up to `max_tokens`, with FP8
+    /// activations on cuBLASLt's block-scaled GEMM (`--cuda-tune fp8_block_gemm=1`): loads it
+    /// and allocates the activations' room. Products without block scales keep the bf16 copy.
+    pub fn enable_fp8_block_gemm(&mut self, dev: &CudaDevice, max_tokens: usize) -> Result<(), ModelError> {
+        dev.enable_fp8_gemm()?;
+        let cols = self.layers.iter().flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down]).map(|l| l.in_dim).max();
+        let cols = cols.unwrap_or(0);
+        let scales = ops::Fp8Scratch::act_scale_bytes(max_tokens, cols) / 4;
+        self.fp8_acts = Some((dev.zeros::<u8>(max_tokens * cols)?, dev.zeros::<f32>(scales)?, max_tokens, cols));
+        Ok(())
     }
 
     /// The shapes the kernels take; an error names what does not fit.
@@ -190,10 +231,8 @@ impl Weights {
                 cfg.qkv_bias,
             )?;
             let o = linear(&mut builder, &[("self_attn.o_proj", h)], q_dim, cfg.o_bias)?;
-            let gate_up = interleave_gate_up(
-                dev,
-                linear(&mut builder, &[("mlp.gate_proj", i), ("mlp.up_proj", i)], h, cfg.mlp_bias)?,
-            )?;
+            let gate_up = linear(&mut builder, &[("mlp.gate_proj", i), ("mlp.up_proj", i)], h, cfg.mlp_bias)?;
+            let gate_up = if fp8 { gate_up } else { interleave_gate_up(dev, gate_up)? };
             let down = linear(&mut builder, &[("mlp.down_proj", h)], i, cfg.mlp_bias)?;
             let (q_norm, k_norm) = if cfg.qk_norm {
                 (
@@ -247,6 +286,7 @@ impl Weights {
             bytes,
             fingerprint,
             fp8_scratch,
+            fp8_acts: None,
         })
     }
 
@@ -381,36 +421,20 @@ fn fingerprint(dev: &CudaDevice, cfg: &ModelConfig, embed: &DevBuf<u16>, dtype: 
     ))
 }
 
-/// `l` (gate rows, then up rows) with its rows (and bias) interleaved: gate row i, up row i, ...
-/// so that a decode projection's warp holds both and applies SiLU-and-multiply itself.
+/// `l` (bf16 gate rows, then up rows) with its rows (and bias) interleaved: gate row i, up row
+/// i, ... so that a decode projection's warp holds both and applies SiLU-and-multiply itself.
 fn interleave_gate_up(dev: &CudaDevice, l: Linear) -> Result<Linear, ModelError> {
     let (half, k) = (l.out_dim / 2, l.in_dim);
-    // Rows of `cols` bf16-sized elements from `src` into `dst`.
+    // Rows of `cols` bf16 elements from `src` into `dst`.
     let interleave = |src: u64, dst: u64, cols: usize| -> Result<(), ModelError> {
-        // Safety: source and destination both hold out_dim rows of `cols` bf16-sized elements
-        // (the callers' buffers below); the source lives until the copies are done
-        // (synchronized below).
+        // Safety: source and destination both hold out_dim rows of `cols` bf16 elements (the
+        // callers' buffers below); the source lives until the copies are done (synchronized
+        // below).
         unsafe { ops::interleave_rows(dev, src, dst, half, cols)? };
         Ok(())
     };
-    let (weight, fp8) = match &l.fp8 {
-        // FP8 rows (k bytes, k even) and their scales (f32) as pairs of bf16-sized elements.
-        Some(f) if k.is_multiple_of(2) => {
-            let kb = ops::Fp8Matrix::scale_cols(k);
-            let (q, scales) = (dev.zeros::<u8>(l.out_dim * k)?, dev.zeros::<f32>(l.out_dim * kb)?);
-            interleave(f.q.ptr(), q.ptr(), k / 2)?;
-            interleave(f.scales.ptr(), scales.ptr(), 2 * kb)?;
-            (dev.zeros::<u16>(0)?, Some(Fp8Weight { q, scales }))
-        }
-        Some(_) => {
-            return Err(ModelError::UnsupportedConfig(format!("FP8 gate/up weights of an odd hidden size ({k})")))
-        }
-        None => {
-            let weight = dev.zeros::<u16>(l.out_dim * k)?;
-            interleave(l.weight.ptr(), weight.ptr(), k)?;
-            (weight, None)
-        }
-    };
+    let weight = dev.zeros::<u16>(l.out_dim * k)?;
+    interleave(l.weight.ptr(), weight.ptr(), k)?;
     let bias = match &l.bias {
         Some(b) => {
             let out = dev.zeros::<u16>(l.out_dim)?;
@@ -421,7 +445,7 @@ fn interleave_gate_up(dev: &CudaDevice, l: Linear) -> Result<Linear, ModelError>
     };
     // The copies are queued on the device's stream; finish them before `l`'s buffers go.
     dev.synchronize()?;
-    Ok(Linear { weight, fp8, bias, out_dim: l.out_dim, in_dim: l.in_dim })
+    Ok(Linear { weight, fp8: None, bias, out_dim: l.out_dim, in_dim: l.in_dim })
 }
 
 fn to_bf16_bits(xs: &[f32]) -> Vec<u16> {

@@ -287,18 +287,26 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 #endif
 
 // out[t, i] = silu(gu[t, 2i]) * gu[t, 2i + 1]: the gate/up projection's rows come interleaved
-// (gate row i, then up row i; see `interleave_rows`). Two outputs per thread (inter is even).
-// Grid: (ceil(inter / 512), tokens). Block: 256.
+// (gate row i, then up row i; see `interleave_rows`), or with `stacked`
+// silu(gu[t, i]) * gu[t, inter + i] (the gate rows, then the up rows: FP8 weights). Two
+// outputs per thread (inter is even). Grid: (tokens, ceil(inter / 512)). Block: 256.
 #if KERNEL_GROUP(0)
-extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter) {
+extern "C" __global__ void silu_mul(const bf16* gu, bf16* out, int inter, int stacked) {
     PDL_ENTER();
     // Tokens on grid x: a long prefill chunk has more tokens than grid y allows (65535).
     int t = blockIdx.x;
     int i = (blockIdx.y * blockDim.x + threadIdx.x) * 2;
     if (i >= inter) return;
-    // gate i, up i, gate i + 1, up i + 1.
-    uint2 v = *reinterpret_cast<const uint2*>(gu + (u64)t * 2 * inter + 2 * i);
-    u32 g2 = (v.x & 0xffffu) | (v.y << 16), u2 = (v.x >> 16) | (v.y & 0xffff0000u);
+    const bf16* row = gu + (u64)t * 2 * inter;
+    u32 g2, u2;
+    if (stacked) {
+        g2 = *reinterpret_cast<const u32*>(row + i);
+        u2 = *reinterpret_cast<const u32*>(row + inter + i);
+    } else {
+        // gate i, up i, gate i + 1, up i + 1.
+        uint2 v = *reinterpret_cast<const uint2*>(row + 2 * i);
+        g2 = (v.x & 0xffffu) | (v.y << 16), u2 = (v.x >> 16) | (v.y & 0xffff0000u);
+    }
     *reinterpret_cast<u32*>(out + (u64)t * inter + i) = silu_mul_pack(g2, u2);
 }
 #endif

@@ -109,6 +109,35 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 #endif
 
+// The activations of an FP8 product of many rows (ops::matmul_t_fp8 on cuBLASLt's block-scaled
+// GEMM): each row's 128-column blocks of bf16 x [t, K] (K % 128 == 0) scaled by their largest
+// magnitude over 448 (in f64, then f32; 1 for an all-zero block) and rounded to the nearest e4m3
+// of each quotient, as fp8_quantize does a weight's 128 x 128 blocks. Writes q [t, K] and the
+// scales block-major ([K / 128][ld], ld >= t: the token-major vectors cuBLASLt's VEC128 scaling
+// reads). One warp a (row, block), four values a lane. Grid: (t, ceil(K / 128 / 8)). Block: 256.
+#if KERNEL_GROUP(5)
+extern "C" __global__ void __launch_bounds__(256)
+    fp8_quantize_rows(const bf16* __restrict__ x, unsigned char* __restrict__ q, float* __restrict__ scales, int t,
+                      int K, int ld) {
+    int m = blockIdx.x, b = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    // The previous kernel writes x.
+    PDL_ENTER();
+    if (b >= K / FP8_BLOCK) return;
+    u64 at = (u64)m * K + b * FP8_BLOCK + lane * 4;
+    uint2 raw = *reinterpret_cast<const uint2*>(x + at);
+    float v[4] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u), __uint_as_float(raw.y << 16),
+                  __uint_as_float(raw.y & 0xffff0000u)};
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    amax = warp_max(amax);
+    float scale = amax > 0.0f ? (float)((double)amax / 448.0) : 1.0f;
+    u32 word = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) word |= f32_to_e4m3(__fdiv_rn(v[j], scale)) << (8 * j);
+    *reinterpret_cast<u32*>(q + at) = word;
+    if (lane == 0) scales[(u64)b * ld + m] = scale;
+}
+#endif
+
 // y[m, n] = sum_k x[m, k] * w[n, k] for m < t <= 8 * TILES rows of bf16 x [t, K] and an FP8
 // weight (q, scales), K % 128 == 0: the decode product, reading one byte a weight. A warp owns
 // 16 weight rows (an m16n8k16 A tile; the tokens are B, 8 a tile) and walks K 128 columns at a
@@ -116,16 +145,22 @@ extern "C" __global__ void __launch_bounds__(256)
 // 16c..16c+15 of each 64-column half, which an mma step takes as its k = 2c, 2c + 1, 2c + 8,
 // 2c + 9 (the same permutation of a step's columns for A and B, so the sum is the product's);
 // each 128-column block's f32 sums are scaled once into the accumulators. FP8_AHEAD blocks are
-// read ahead of their use (the first before the programmatic-launch wait). Out: bf16 [t, N], or f32 with f32_out. Block: 128 (4 warps, 64 rows).
-// Grid: ceil(N / 64).
+// read ahead of their use (the first before the programmatic-launch wait). Out: bf16 [t, N], or
+// f32 with f32_out. Block: 128 (4 warps). SPLIT 1: each warp its own 16 rows over all of K (64
+// rows a block; grid ceil(N / 64)); SPLIT 4, for products of few rows (o, down: too few warps
+// otherwise to stream the weight): the 4 warps share 16 rows, warp w taking the 128-column
+// blocks w, w + 4, ..., their sums added in warp order at the end (grid ceil(N / 16)).
 #define FP8_AHEAD 2
-template <int TILES>
+template <int TILES, int SPLIT>
 __device__ __forceinline__ void gemv_fp8(const unsigned char* __restrict__ q, const float* __restrict__ scales,
                                          const bf16* __restrict__ x, void* y, int N, int K, int t, int f32_out) {
-    int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    int n0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * 16;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    int n0 = SPLIT == 1 ? (blockIdx.x * 4 + warp) * 16 : blockIdx.x * 16;
+    // With SPLIT > 1 every warp of the block has the same n0: all return or none.
     if (n0 >= N) return;
-    int kb = K / FP8_BLOCK;
+    // This warp's 128-column blocks: part, part + SPLIT, ... (mine of them).
+    int kb = K / FP8_BLOCK, part = SPLIT == 1 ? 0 : warp;
+    int mine = kb > part ? (kb - part + SPLIT - 1) / SPLIT : 0;
     // Rows past N read row N - 1 (never stored).
     const unsigned char* row_lo = q + (u64)min(n0 + g, N - 1) * K + 16 * c;
     const unsigned char* row_hi = q + (u64)min(n0 + g + 8, N - 1) * K + 16 * c;
@@ -134,7 +169,8 @@ __device__ __forceinline__ void gemv_fp8(const unsigned char* __restrict__ q, co
     float acc[TILES][4] = {};
     // A block's bytes: [half][row lo / hi].
     uint4 wq[FP8_AHEAD][2][2];
-    auto load = [&](int slot, int b) {
+    auto load = [&](int slot, int j) {
+        int b = part + j * SPLIT;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             wq[slot][h][0] = ld_stream(reinterpret_cast<const bf16*>(row_lo + b * FP8_BLOCK + h * 64));
@@ -143,13 +179,13 @@ __device__ __forceinline__ void gemv_fp8(const unsigned char* __restrict__ q, co
     };
 #pragma unroll
     for (int s = 0; s < FP8_AHEAD; ++s)
-        if (s < kb) load(s, s);
+        if (s < mine) load(s, s);
     PDL_ENTER();
-    for (int b0 = 0; b0 < kb; b0 += FP8_AHEAD) {
+    for (int j0 = 0; j0 < mine; j0 += FP8_AHEAD) {
 #pragma unroll
         for (int s = 0; s < FP8_AHEAD; ++s) {
-            int b = b0 + s;
-            if (b >= kb) break;
+            int j = j0 + s, b = part + j * SPLIT;
+            if (j >= mine) break;
             float part[TILES][4] = {};
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -179,7 +215,7 @@ __device__ __forceinline__ void gemv_fp8(const unsigned char* __restrict__ q, co
                 }
             }
             // The slot takes the block FP8_AHEAD on.
-            if (b + FP8_AHEAD < kb) load(s, b + FP8_AHEAD);
+            if (j + FP8_AHEAD < mine) load(s, j + FP8_AHEAD);
             float s_lo = scale_lo[b], s_hi = scale_hi[b];
 #pragma unroll
             for (int tile = 0; tile < TILES; ++tile) {
@@ -189,6 +225,21 @@ __device__ __forceinline__ void gemv_fp8(const unsigned char* __restrict__ q, co
                 acc[tile][3] = fmaf(part[tile][3], s_hi, acc[tile][3]);
             }
         }
+    }
+    if (SPLIT > 1) {
+        // Warp 0 adds the others' sums to its own, in warp order.
+        __shared__ float sums[SPLIT][TILES][4][32];
+#pragma unroll
+        for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sums[warp][tile][e][lane] = acc[tile][e];
+        __syncthreads();
+        if (warp != 0) return;
+#pragma unroll
+        for (int tile = 0; tile < TILES; ++tile)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                for (int w = 1; w < SPLIT; ++w) acc[tile][e] += sums[w][tile][e][lane];
     }
     // acc[tile]: rows n0 + g (e 0, 1) and n0 + g + 8 (e 2, 3) by tokens 8 tile + 2c, + 1.
 #pragma unroll
@@ -203,13 +254,14 @@ __device__ __forceinline__ void gemv_fp8(const unsigned char* __restrict__ q, co
         }
 }
 
-#define GEMV_FP8_KERNEL(NAME, TILES)                                                                              \
+#define GEMV_FP8_KERNEL(NAME, TILES, SPLIT)                                                                       \
     extern "C" __global__ void __launch_bounds__(128)                                                             \
         NAME(const unsigned char* q, const float* scales, const bf16* x, void* y, int N, int K, int t, int f32_out) { \
-        GEMV_FP8_BODY(TILES);                                                                                     \
+        gemv_fp8<TILES, SPLIT>(q, scales, x, y, N, K, t, f32_out);                                                \
     }
-#define GEMV_FP8_BODY(TILES) gemv_fp8<TILES>(q, scales, x, y, N, K, t, f32_out)
 #if KERNEL_GROUP(5)
-GEMV_FP8_KERNEL(gemv_fp8_t8, 1)
-GEMV_FP8_KERNEL(gemv_fp8_t16, 2)
+GEMV_FP8_KERNEL(gemv_fp8_t8, 1, 1)
+GEMV_FP8_KERNEL(gemv_fp8_t16, 2, 1)
+GEMV_FP8_KERNEL(gemv_fp8_t8_k4, 1, 4)
+GEMV_FP8_KERNEL(gemv_fp8_t16_k4, 2, 4)
 #endif

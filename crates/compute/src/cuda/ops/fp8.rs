@@ -1,10 +1,13 @@
 //! FP8 weights on the device (issue 51; kernels/fp8.cu): a `[n, k]` matrix as e4m3 bytes and f32
 //! scales, one per row and 128 columns, quantized at load as the FP8 checkpoints are made and
-//! multiplied by decode steps at one byte a weight.
+//! multiplied by decode steps at one byte a weight; products of many rows through a bf16 copy,
+//! or (`--cuda-tune fp8_block_gemm=1`) with their activations in FP8 too, on cuBLASLt's
+//! block-scaled GEMM (`cuda/fp8_gemm.rs`).
 
 use cudarc::driver::PushKernelArg;
 
 use super::{cfg, launch_programmatic, matmul_t, RawArg};
+use crate::cuda::fp8_gemm::fp8_act_scale_ld;
 use crate::cuda::{CudaDevice, CudaError};
 
 /// Columns (and rows) a scale covers where a checkpoint's 128 x 128 blocks are quantized.
@@ -21,6 +24,9 @@ pub struct Fp8Matrix {
     pub q: u64,
     /// The row scales.
     pub scales: u64,
+    /// The same scales one per 128 x 128 block, `[n / 128, k / 128]`, where every block's rows
+    /// share theirs (the block-scaled GEMM's weight scales); 0: none.
+    pub block_scales: u64,
     /// Rows.
     pub n: usize,
     /// Columns.
@@ -69,13 +75,73 @@ pub fn fp8_gemv_takes(t: usize, k: usize) -> bool {
     (1..=FP8_GEMV_MAX_TOKENS).contains(&t) && k > 0 && k.is_multiple_of(FP8_BLOCK)
 }
 
-/// `y = x · wᵀ` for bf16 rows `x` (`[t, m.k]`) and the FP8 weight `m`, into bf16 or f32 `y`
-/// (`[t, m.n]`): up to [`FP8_GEMV_MAX_TOKENS`] rows on `gemv_fp8` (one byte read a weight, each
-/// 128-column block's sum scaled once), more through a bf16 copy of the weight in `scratch`
-/// (`m.n * m.k` bf16; 0 where the caller knows `t` is few) and cuBLAS.
+/// Where FP8 products of many rows work ([`matmul_t_fp8`]); a zero address: none.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Fp8Scratch {
+    /// Room for the largest weight in bf16, for products through a bf16 copy.
+    pub weight: u64,
+    /// Room for `tokens x cols` activations as e4m3 bytes, for the block-scaled GEMM.
+    pub acts: u64,
+    /// Room for their scales: `cols / 128` blocks of [`fp8_act_scale_ld`]`(tokens)` f32.
+    pub act_scales: u64,
+    /// Rows `acts` holds.
+    pub tokens: usize,
+    /// Columns `acts` holds.
+    pub cols: usize,
+}
+
+impl Fp8Scratch {
+    /// Bytes of activation scales for `tokens` rows of `cols` columns.
+    pub fn act_scale_bytes(tokens: usize, cols: usize) -> usize {
+        cols.div_ceil(FP8_BLOCK) * fp8_act_scale_ld(tokens) * 4
+    }
+}
+
+/// Whether [`matmul_t_fp8`] multiplies `t` rows by `m` on cuBLASLt's block-scaled GEMM: more
+/// rows than the bytes' own kernel takes, the GEMM enabled on `dev`
+/// ([`CudaDevice::enable_fp8_gemm`]), block scales, a shape it takes and room in `scratch`.
+pub fn fp8_block_gemm_takes(dev: &CudaDevice, m: &Fp8Matrix, t: usize, scratch: &Fp8Scratch) -> bool {
+    t > FP8_GEMV_MAX_TOKENS
+        && dev.fp8_gemm().is_some()
+        && m.block_scales != 0
+        && m.k.is_multiple_of(FP8_BLOCK)
+        && (m.k / FP8_BLOCK).is_multiple_of(4)
+        && m.n.is_multiple_of(FP8_BLOCK)
+        && scratch.acts != 0
+        && t <= scratch.tokens
+        && m.k <= scratch.cols
+}
+
+/// Quantizes bf16 activations `x` (`[t, k]`, `k % 128 == 0`) to e4m3 bytes `q` (`[t, k]`) and
+/// scales (`[k / 128][ld]`), one per row and 128 columns (`fp8_quantize_rows`).
 ///
 /// # Safety
-/// As [`matmul_t`]; `x` and `y` 16-byte aligned.
+/// See the module docs of `ops`; the buffers hold those shapes; `x` 8-byte aligned.
+pub unsafe fn quantize_fp8_rows(
+    dev: &CudaDevice,
+    x: u64,
+    (q, scales, ld): (u64, u64, usize),
+    t: usize,
+    k: usize,
+) -> Result<(), CudaError> {
+    if !k.is_multiple_of(FP8_BLOCK) || ld < t {
+        return Err(CudaError::Unavailable(format!("FP8 activations of {k} columns, {t} rows in {ld}")));
+    }
+    if t == 0 {
+        return Ok(());
+    }
+    let grid = (t as u32, (k / FP8_BLOCK).div_ceil(8) as u32);
+    launch!(dev, "fp8_quantize_rows", cfg(grid, 256), x, q, scales, t as i32, k as i32, ld as i32)
+}
+
+/// `y = x · wᵀ` for bf16 rows `x` (`[t, m.k]`) and the FP8 weight `m`, into bf16 or f32 `y`
+/// (`[t, m.n]`): up to [`FP8_GEMV_MAX_TOKENS`] rows on `gemv_fp8` (one byte read a weight, each
+/// 128-column block's sum scaled once); more with the activations quantized to FP8 (per row and
+/// 128 columns) on cuBLASLt's block-scaled GEMM where [`fp8_block_gemm_takes`], else through a
+/// bf16 copy of the weight in `scratch.weight` and cuBLAS.
+///
+/// # Safety
+/// As [`matmul_t`]; `x` and `y` 16-byte aligned; `scratch`'s buffers hold what it says.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn matmul_t_fp8(
     dev: &CudaDevice,
@@ -84,14 +150,22 @@ pub unsafe fn matmul_t_fp8(
     y: u64,
     t: usize,
     f32_out: bool,
-    scratch: u64,
+    scratch: &Fp8Scratch,
 ) -> Result<(), CudaError> {
     if t == 0 || m.n == 0 {
         return Ok(());
     }
     if fp8_gemv_takes(t, m.k) {
-        let name = if t <= 8 { "gemv_fp8_t8" } else { "gemv_fp8_t16" };
-        let blocks = m.n.div_ceil(64) as u32;
+        // A warp each 16 rows where that fills the GPU twice; else four warps share them, each
+        // a quarter of K.
+        let split = m.n.div_ceil(64) < 2 * dev.sm_count() as usize;
+        let (name, rows) = match (t <= 8, split) {
+            (true, false) => ("gemv_fp8_t8", 64),
+            (false, false) => ("gemv_fp8_t16", 64),
+            (true, true) => ("gemv_fp8_t8_k4", 16),
+            (false, true) => ("gemv_fp8_t16_k4", 16),
+        };
+        let blocks = m.n.div_ceil(rows) as u32;
         return launch!(
             dev,
             name,
@@ -106,7 +180,22 @@ pub unsafe fn matmul_t_fp8(
             f32_out as i32
         );
     }
-    if scratch == 0 {
+    if let (true, Some(gemm)) = (fp8_block_gemm_takes(dev, &m, t, scratch), dev.fp8_gemm()) {
+        let ld = fp8_act_scale_ld(t);
+        // Safety: the caller's contract covers `x`, `y` and the scratch, which holds t x k
+        // (checked above); the device's stream and context are current for cuBLASLt.
+        let queued = unsafe {
+            quantize_fp8_rows(dev, x, (scratch.acts, scratch.act_scales, ld), t, m.k)?;
+            dev.stream().context().bind_to_thread()?;
+            let stream = dev.stream().cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
+            gemm.matmul(stream, (m.q, m.block_scales), (scratch.acts, scratch.act_scales), y, (t, m.n, m.k), f32_out)
+        };
+        // A shape cuBLASLt has no kernel for goes through the bf16 copy.
+        if queued.is_ok() || scratch.weight == 0 {
+            return queued;
+        }
+    }
+    if scratch.weight == 0 {
         return Err(CudaError::Unavailable(format!(
             "an FP8 product of {t} rows by {} columns needs a bf16 copy of its weight, and none was given",
             m.k
@@ -114,7 +203,7 @@ pub unsafe fn matmul_t_fp8(
     }
     // Safety: the caller's contract covers `scratch` and the product's buffers.
     unsafe {
-        dequantize_fp8(dev, m, scratch)?;
-        matmul_t(dev, x, scratch, y, t, m.n, m.k, f32_out)
+        dequantize_fp8(dev, m, scratch.weight)?;
+        matmul_t(dev, x, scratch.weight, y, t, m.n, m.k, f32_out)
     }
 }

@@ -532,7 +532,7 @@ pub unsafe fn verify_skinny_norm(
             super::add_rms_norm_b128(dev, summed.ptr(), delta, 0, norm_weight, normed.ptr(), MANY, k, eps)?;
             super::matmul_t_invariant(dev, normed.ptr(), weight, product.ptr(), MANY, n, k, false)?;
             if output == SkinnyNormOutput::SiluMul {
-                super::silu_mul(dev, product.ptr(), act.ptr(), MANY, n / 2)?;
+                super::silu_mul(dev, product.ptr(), act.ptr(), MANY, n / 2, false)?;
             }
         }
         let want = dev.read(if output == SkinnyNormOutput::SiluMul { &act } else { &product }, MANY * out_cols)?;
