@@ -158,9 +158,9 @@ __device__ __forceinline__ void gemv_fp8(const unsigned char* __restrict__ q, co
     int n0 = SPLIT == 1 ? (blockIdx.x * 4 + warp) * 16 : blockIdx.x * 16;
     // With SPLIT > 1 every warp of the block has the same n0: all return or none.
     if (n0 >= N) return;
-    // This warp's 128-column blocks: part, part + SPLIT, ... (mine of them).
-    int kb = K / FP8_BLOCK, part = SPLIT == 1 ? 0 : warp;
-    int mine = kb > part ? (kb - part + SPLIT - 1) / SPLIT : 0;
+    // This warp's 128-column blocks: first, first + SPLIT, ... (mine of them).
+    int kb = K / FP8_BLOCK, first = SPLIT == 1 ? 0 : warp;
+    int mine = kb > first ? (kb - first + SPLIT - 1) / SPLIT : 0;
     // Rows past N read row N - 1 (never stored).
     const unsigned char* row_lo = q + (u64)min(n0 + g, N - 1) * K + 16 * c;
     const unsigned char* row_hi = q + (u64)min(n0 + g + 8, N - 1) * K + 16 * c;
@@ -170,7 +170,7 @@ __device__ __forceinline__ void gemv_fp8(const unsigned char* __restrict__ q, co
     // A block's bytes: [half][row lo / hi].
     uint4 wq[FP8_AHEAD][2][2];
     auto load = [&](int slot, int j) {
-        int b = part + j * SPLIT;
+        int b = first + j * SPLIT;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             wq[slot][h][0] = ld_stream(reinterpret_cast<const bf16*>(row_lo + b * FP8_BLOCK + h * 64));
@@ -184,7 +184,7 @@ __device__ __forceinline__ void gemv_fp8(const unsigned char* __restrict__ q, co
     for (int j0 = 0; j0 < mine; j0 += FP8_AHEAD) {
 #pragma unroll
         for (int s = 0; s < FP8_AHEAD; ++s) {
-            int j = j0 + s, b = part + j * SPLIT;
+            int j = j0 + s, b = first + j * SPLIT;
             if (j >= mine) break;
             float part[TILES][4] = {};
 #pragma unroll
