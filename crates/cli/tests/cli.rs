@@ -135,6 +135,11 @@ fn bad_input_fails_with_a_message() {
             "--batch-invariant with --quantization on a GPU is not built yet",
         ),
         (
+            &["generate", "--prompt", "x", "--kv-cache-dtype", "fp8", "--device", "cuda:0"],
+            "--kv-cache-dtype fp8 on a GPU is not built yet",
+        ),
+        (&["generate", "--prompt", "x", "--kv-cache-dtype", "fp8_e5m2"], "possible values: auto, fp8"),
+        (
             &["bench", "engine", "--model", "preset:tiny-qwen3", "--batch", "1", "--decode-prompt-tokens", "5000"],
             "the engine refused a 5000-token prompt",
         ),
