@@ -164,31 +164,10 @@ impl Fp8Gemm {
                 "cuBLASLt has no block-scaled FP8 product for {t} x {k} by {n}"
             )));
         };
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        // Safety: the caller's contract covers the buffers, the plan's layouts describe them;
-        // alpha and beta are host scalars alive for the call; the workspace is this object's
-        // and holds WORKSPACE_BYTES.
-        unsafe {
-            lt::matmul(
-                self.handle,
-                self.desc,
-                (&alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                w as *const _,
-                p.w,
-                x as *const _,
-                p.x,
-                y as *const _,
-                p.y,
-                y as *mut _,
-                p.y,
-                &p.algo,
-                self.workspace.ptr() as *mut _,
-                WORKSPACE_BYTES,
-                stream,
-            )
-            .map_err(blas)
-        }
+        let workspace = (self.workspace.ptr(), WORKSPACE_BYTES);
+        // Safety: the caller's contract covers the buffers, the plan's layouts describe them; the
+        // workspace is this object's and holds WORKSPACE_BYTES.
+        unsafe { p.queue(self.handle, self.desc, (w, x, y), workspace, stream) }.map_err(blas)
     }
 
     fn plan(&self, key: PlanKey) -> Result<Plan, CudaError> {

@@ -151,31 +151,9 @@ impl InvariantGemm {
             plans.insert(key, plan);
         }
         let Some(p) = plans.get(&key) else { unreachable!("inserted above") };
-        let (alpha, beta) = (1.0f32, 0.0f32);
         // Safety: the caller's contract covers the buffers; the plan's layouts describe them
-        // (made for this key); alpha and beta are host scalars alive for the call; no
-        // workspace, as the plan's algorithm was chosen for none.
-        unsafe {
-            lt::matmul(
-                self.handle,
-                self.desc,
-                (&alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                w as *const _,
-                p.w,
-                x as *const _,
-                p.x,
-                y as *const _,
-                p.y,
-                y as *mut _,
-                p.y,
-                &p.algo,
-                std::ptr::null_mut(),
-                0,
-                stream,
-            )
-            .map_err(blas)
-        }
+        // (made for this key); no workspace, as the plan's algorithm was chosen for none.
+        unsafe { p.queue(self.handle, self.desc, (w, x, y), (0, 0), stream) }.map_err(blas)
     }
 
     fn plan(&self, key: PlanKey) -> Result<Plan, CudaError> {
@@ -253,6 +231,45 @@ impl InvariantGemm {
 }
 
 impl Plan {
+    /// Queues `y = op(w) · x` (alpha 1, beta 0) under `desc` with this plan's layouts and
+    /// algorithm, on `stream`.
+    ///
+    /// # Safety
+    /// `w`, `x` and `y` are live device buffers of the stream's context (current on this thread)
+    /// that the plan's layouts describe; `workspace` holds `workspace_bytes` (0 and 0: none, which
+    /// the plan's algorithm was chosen for); `handle` and `desc` are the plan's maker's.
+    pub(crate) unsafe fn queue(
+        &self,
+        handle: sys::cublasLtHandle_t,
+        desc: sys::cublasLtMatmulDesc_t,
+        (w, x, y): (u64, u64, u64),
+        (workspace, workspace_bytes): (u64, usize),
+        stream: sys::cudaStream_t,
+    ) -> Result<(), lt::CublasError> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Safety: per the function's contract; alpha and beta are host scalars alive for the call.
+        unsafe {
+            lt::matmul(
+                handle,
+                desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                w as *const _,
+                self.w,
+                x as *const _,
+                self.x,
+                y as *const _,
+                self.y,
+                y as *mut _,
+                self.y,
+                &self.algo,
+                workspace as *mut _,
+                workspace_bytes,
+                stream,
+            )
+        }
+    }
+
     /// # Safety
     /// The layouts are not used again.
     pub(crate) unsafe fn destroy(self) {
