@@ -7,6 +7,8 @@
 #   bench: tests and tandem bench; quick: tests (without the f32 transformers diagnostic, and
 #   pd_check over cuda-ipc only, so that it fits one call);
 #   tune: kernel tests and the decode-projection plan sweep (bench engine --sweep-gemv-plans);
+#   fp8: issue 51's FP8 kernel and model tests, then qwen3-4b bf16 / fp8 / fp8 + fp8_block_gemm
+#   and qwen3-32b fp8 + fp8_block_gemm (FP8_32B=0 leaves it out) in bench engine;
 #   matrix "label:SETTING ..." ...: kernel and model tests, then the decode step under each setting;
 #   a setting is exe=PATH (another tandem binary, e.g. gpu-bin/tandem-base), model=M (default
 #   preset:qwen3-4b), prompt=N (the decode
@@ -128,6 +130,27 @@ if [ "$MODE" = prefill ]; then
       mv "$OUT/ncu/summary.txt" "$OUT/ncu/summary_ncu.txt"
     fi
   fi
+  exit $status
+fi
+# FP8 weights (issue 51) in one call: the FP8 kernel tests (quantization, gemv_fp8 and its K-split
+# build, the block-scaled GEMM against the exact dequantized product and which row counts have
+# a cuBLASLt kernel) and the model test (the GPU against the CPU's FP8 rounding, also with
+# fp8_block_gemm=1), then qwen3-4b bf16 / fp8 / fp8 + fp8_block_gemm (with --profile) and
+# qwen3-32b fp8 + fp8_block_gemm (FP8_32B=0 leaves that out), prefill of 8192.
+if [ "$MODE" = fp8 ]; then
+  timeout 200 "$BIN/cuda_kernels" --include-ignored --test-threads=1 --nocapture fp8_ gate_up_interleave \
+    > "$OUT/fp8_kernels.log" 2>&1 && note "fp8 kernel tests: ok" \
+    || { note "fp8 kernel tests: FAILED"; grep -B2 -A8 panicked "$OUT/fp8_kernels.log" | head -30 >> "$OUT/summary.txt"; status=1; }
+  grep -E "^fp8" "$OUT/fp8_kernels.log" | while read -r l; do note "$l"; done
+  timeout 200 "$BIN/cuda_model" --include-ignored --nocapture fp8_weights > "$OUT/fp8_model.log" 2>&1 \
+    && note "fp8 model test: ok" || { note "fp8 model test: FAILED"; status=1; }
+  grep -E "step [0-9]" "$OUT/fp8_model.log" | while read -r l; do note "$l"; done
+  specs=("bf16:prefill=8192" "fp8:prefill=8192 profile --quantization=fp8"
+    "fp8gemm:prefill=8192 profile --quantization=fp8 --cuda-tune=fp8_block_gemm=1")
+  [ "${FP8_32B:-1}" = 0 ] || specs+=("fp8gemm32:prefill=8192 model=preset:qwen3-32b --quantization=fp8 --cuda-tune=fp8_block_gemm=1")
+  OUT="$OUT/matrix" SKIP_TESTS=1 "$0" matrix "${specs[@]}" > /dev/null 2>&1 || status=1
+  grep -E "^==" "$OUT/matrix/summary.txt" | tee -a "$OUT/summary.txt"
+  mv "$OUT/matrix/summary.txt" "$OUT/matrix/summary_matrix.txt"
   exit $status
 fi
 if [ "$MODE" = matrix ]; then
