@@ -18,7 +18,7 @@ use std::sync::Mutex;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 
-use super::invariant::{destroy_layouts, Plan};
+use super::invariant::{destroy_layouts, lt_setup, set_desc, set_pref, Plan};
 use super::{CudaError, DevBuf};
 
 /// cuBLASLt with the FP8 block-scaled descriptor, its workspace and the plans made with it.
@@ -61,20 +61,6 @@ pub fn fp8_act_scale_ld(t: usize) -> usize {
     t.div_ceil(4) * 4
 }
 
-/// Sets attribute `attr` of `desc` to `value`.
-///
-/// # Safety
-/// `desc` is a live descriptor and `T` the type the cuBLASLt documentation gives `attr`.
-unsafe fn set_desc<T>(
-    desc: sys::cublasLtMatmulDesc_t,
-    attr: sys::cublasLtMatmulDescAttributes_t,
-    value: &T,
-) -> Result<(), CudaError> {
-    // Safety: per the function's contract; `value` is alive for the call.
-    unsafe { lt::set_matmul_desc_attribute(desc, attr, (value as *const T).cast(), std::mem::size_of::<T>()) }
-        .map_err(blas)
-}
-
 impl Fp8Gemm {
     /// Loads cuBLASLt and sets up the FP8 block-scaled product (f32 accumulation); `workspace`
     /// is allocated on the device's context, current on this thread.
@@ -83,10 +69,7 @@ impl Fp8Gemm {
         if !unsafe { sys::is_culib_present() } {
             return Err(CudaError::Unavailable("cannot load libcublasLt, which FP8 products of many rows use".into()));
         }
-        let handle = lt::create_handle().map_err(blas)?;
-        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
-            .map_err(blas)?;
-        let pref = lt::create_matmul_pref().map_err(blas)?;
+        let (handle, desc, pref) = lt_setup().map_err(blas)?;
         let gemm = Self { handle, desc, pref, workspace, plans: Mutex::new(HashMap::new()) };
         let trans = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
         let block = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as i32;
@@ -96,16 +79,11 @@ impl Fp8Gemm {
         // Safety: the descriptor and preference were made above; each attribute gets the type
         // the cuBLASLt documentation gives it (cublasOperation_t, int32 scale modes, uint64).
         unsafe {
-            set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &trans)?;
-            set_desc(desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &block)?;
-            set_desc(desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vector)?;
-            lt::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&workspace as *const u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-            .map_err(blas)?;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &trans).map_err(blas)?;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &block).map_err(blas)?;
+            set_desc(desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vector).map_err(blas)?;
+            let max_workspace = sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES;
+            set_pref(pref, max_workspace, &workspace).map_err(blas)?;
         }
         Ok(gemm)
     }
@@ -143,8 +121,8 @@ impl Fp8Gemm {
         // Safety: the descriptor is this object's; the attributes are device pointers (the
         // caller's), read when a product is planned or queued, both under the lock.
         unsafe {
-            set_desc(self.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scales)?;
-            set_desc(self.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scales)?;
+            set_desc(self.desc, D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scales).map_err(blas)?;
+            set_desc(self.desc, D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scales).map_err(blas)?;
         }
         if !plans.contains_key(&key) {
             if plans.len() >= MAX_PLANS {

@@ -59,6 +59,41 @@ fn blas(e: lt::CublasError) -> CudaError {
     CudaError::Unavailable(format!("cuBLASLt: {e}"))
 }
 
+/// A cuBLASLt handle, a matmul descriptor of f32 accumulation and scaling, and a preference:
+/// what the batch-invariant and the FP8 block-scaled products each start from.
+pub(crate) fn lt_setup(
+) -> Result<(sys::cublasLtHandle_t, sys::cublasLtMatmulDesc_t, sys::cublasLtMatmulPreference_t), lt::CublasError> {
+    let handle = lt::create_handle()?;
+    let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
+    Ok((handle, desc, lt::create_matmul_pref()?))
+}
+
+/// Sets attribute `attr` of matmul descriptor `desc` to `value`.
+///
+/// # Safety
+/// `desc` is a live descriptor and `T` the type the cuBLASLt documentation gives `attr`.
+pub(crate) unsafe fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> Result<(), lt::CublasError> {
+    // Safety: per the function's contract; `value` is alive for the call.
+    unsafe { lt::set_matmul_desc_attribute(desc, attr, (value as *const T).cast(), std::mem::size_of::<T>()) }
+}
+
+/// Sets attribute `attr` of preference `pref` to `value`.
+///
+/// # Safety
+/// `pref` is a live preference and `T` the type the cuBLASLt documentation gives `attr`.
+pub(crate) unsafe fn set_pref<T>(
+    pref: sys::cublasLtMatmulPreference_t,
+    attr: sys::cublasLtMatmulPreferenceAttributes_t,
+    value: &T,
+) -> Result<(), lt::CublasError> {
+    // Safety: per the function's contract; `value` is alive for the call.
+    unsafe { lt::set_matmul_pref_attribute(pref, attr, (value as *const T).cast(), std::mem::size_of::<T>()) }
+}
+
 impl InvariantGemm {
     /// Loads cuBLASLt and sets up `y[t, n] = x[t, k] · w[n, k]ᵀ` (bf16 inputs, f32 accumulation).
     pub fn new() -> Result<Self, CudaError> {
@@ -69,39 +104,19 @@ impl InvariantGemm {
                     .into(),
             ));
         }
-        let handle = lt::create_handle().map_err(blas)?;
-        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
-            .map_err(blas)?;
-        let pref = lt::create_matmul_pref().map_err(blas)?;
+        let (handle, desc, pref) = lt_setup().map_err(blas)?;
         // Column-major view, as in `ops::matmul_t`: yᵀ (n x t) = op(w) (w stored k x n,
         // transposed) times xᵀ (k x t).
         let trans_w = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
         let none = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
         let workspace = 0u64;
-        // Safety: each attribute gets a value of the type and size the cuBLASLt documentation
-        // gives for it, alive for the call.
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        // Safety: the descriptor and preference were made above; each attribute gets a value of
+        // the type the cuBLASLt documentation gives for it (cublasOperation_t, uint32, uint64).
         unsafe {
-            lt::set_matmul_desc_attribute(
-                desc,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                (&trans_w as *const cudarc::cublas::sys::cublasOperation_t).cast(),
-                std::mem::size_of::<cudarc::cublas::sys::cublasOperation_t>(),
-            )
-            .map_err(blas)?;
-            lt::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                (&none as *const u32).cast(),
-                std::mem::size_of::<u32>(),
-            )
-            .map_err(blas)?;
-            lt::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&workspace as *const u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-            .map_err(blas)?;
+            set_desc(desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &trans_w).map_err(blas)?;
+            set_pref(pref, P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &none).map_err(blas)?;
+            set_pref(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace).map_err(blas)?;
         }
         Ok(Self { handle, desc, pref, plans: Mutex::new(HashMap::new()) })
     }
