@@ -11,7 +11,8 @@ where every engine runs --batch-invariant), after which both engines' KV blocks 
 the first token of a 4000-token prompt, median of 3, against colocated.
 
 Usage: pd_check.py TANDEM_BINARY OUT_DIR [MODEL]   (MODEL or $PD_MODEL, default preset:qwen3-0.6b;
-$PD_DEVICE=cpu tries it without a GPU, tcp settings only; $PD_SETTINGS=tcp keeps the settings whose name has
+$PD_DEVICE=cpu tries it without a GPU, tcp settings only; $PD_KV_DTYPE=fp8 gives every engine an FP8 KV
+cache; $PD_SETTINGS=tcp keeps the settings whose name has
 "tcp"; $PD_NIXL=1 adds push and pull over NIXL, for a tandem built with --features nixl;
 $PD_PUSH_OVER_PULL=R fails the run unless push's long-prompt TTFT past colocated's is at most R
 times pull's (for settings both ran with); $PD_HOSTS=NS:ADDR,NS:ADDR runs the prefill engine in the first network namespace and the decode
@@ -41,6 +42,10 @@ common = ["--device", device, "--model", model, "--num-kv-blocks", "4096"]
 invariant = os.environ.get("PD_BATCH_INVARIANT") == "1"
 if invariant:
     common.append("--batch-invariant")
+# PD_KV_DTYPE=fp8: every engine, the colocated one too, with --kv-cache-dtype fp8 (the KV moves
+# as its e4m3 bytes, half of bf16's).
+if os.environ.get("PD_KV_DTYPE"):
+    common += ["--kv-cache-dtype", os.environ["PD_KV_DTYPE"]]
 # PD_ENGINE_ARGS: more arguments for the prefill and decode engines (split on spaces).
 engine_args = os.environ.get("PD_ENGINE_ARGS", "").split()
 procs = []

@@ -7,8 +7,10 @@
 #   bench: tests and tandem bench; quick: tests (without the f32 transformers diagnostic, and
 #   pd_check over cuda-ipc only, so that it fits one call);
 #   tune: kernel tests and the decode-projection plan sweep (bench engine --sweep-gemv-plans);
-#   fp8: issue 51's FP8 kernel and model tests, then qwen3-4b bf16 / fp8 / fp8 + fp8_block_gemm
-#   and qwen3-32b fp8 + fp8_block_gemm (FP8_32B=0 leaves it out) in bench engine;
+#   fp8: issue 51's FP8 kernel and model tests, then qwen3-4b bf16 / fp8 / fp8 unfused decode /
+#   fp8 prefill through a bf16 copy and qwen3-32b fp8 and bf16 (FP8_32B=0 leaves them out) in
+#   bench engine, then decode at a 32k context over bf16 and FP8 KV caches and P/D with FP8
+#   caches (FP8_KV=0 leaves those out);
 #   matrix "label:SETTING ..." ...: kernel and model tests, then the decode step under each setting;
 #   a setting is exe=PATH (another tandem binary, e.g. gpu-bin/tandem-base), model=M (default
 #   preset:qwen3-4b), prompt=N (the decode
@@ -132,25 +134,53 @@ if [ "$MODE" = prefill ]; then
   fi
   exit $status
 fi
-# FP8 weights (issue 51) in one call: the FP8 kernel tests (quantization, gemv_fp8 and its K-split
-# build, the block-scaled GEMM against the exact dequantized product and which row counts have
-# a cuBLASLt kernel) and the model test (the GPU against the CPU's FP8 rounding, also with
-# fp8_block_gemm=1), then qwen3-4b bf16 / fp8 / fp8 + fp8_block_gemm (with --profile) and
-# qwen3-32b fp8 + fp8_block_gemm (FP8_32B=0 leaves that out), prefill of 8192.
+# Disaggregated serving on the GPU, as separate processes (prefill, decode, router; KV through
+# each engine's host copy of its GPU cache), against a colocated engine, push and pull.
+pd_check() {
+  local rc=0
+  timeout 400 python3 scripts/gpu/pd_check.py "$BIN/tandem" "$OUT" > "$OUT/pd.log" 2>&1 || { status=1; rc=1; }
+  while read -r line; do note "$line"; done < "$OUT/pd.log"
+  return $rc
+}
+# FP8 (issue 51) in one call: the FP8 kernel tests (quantization, gemv_fp8 and its K-split build,
+# the block-scaled GEMM against the exact dequantized product and which row counts have a
+# cuBLASLt kernel, the fused FP8 decode projections against the dequantized reference) and the
+# model tests (the GPU against the CPU's FP8 rounding: weights fused and unfused, W8A8 prefill;
+# the FP8 KV cache, fused and unfused decode), then bench engine: qwen3-4b bf16 / fp8 (the
+# defaults, with --profile) / fp8 with unfused decode / fp8 prefill through the bf16 copy, and
+# qwen3-32b fp8 (profiled) and bf16 (FP8_32B=0 leaves them out; FP8_BENCH=quick keeps fp8 and
+# fp8_32 only), prefill of 8192; then the FP8 KV cache (FP8_KV=0 leaves it out): decode at a
+# KV_CONTEXT-token context (default 32768, batch 1 and 8) over bf16 and FP8 caches, and P/D with
+# every engine's cache FP8 (FP8KV_PD_SETTINGS, default push over cuda-ipc and pull over tcp)
+# against an FP8 colocated engine.
 if [ "$MODE" = fp8 ]; then
   timeout 200 "$BIN/cuda_kernels" --include-ignored --test-threads=1 --nocapture fp8_ gate_up_interleave \
     > "$OUT/fp8_kernels.log" 2>&1 && note "fp8 kernel tests: ok" \
     || { note "fp8 kernel tests: FAILED"; grep -B2 -A8 panicked "$OUT/fp8_kernels.log" | head -30 >> "$OUT/summary.txt"; status=1; }
   grep -E "^fp8" "$OUT/fp8_kernels.log" | while read -r l; do note "$l"; done
-  timeout 200 "$BIN/cuda_model" --include-ignored --nocapture fp8_weights > "$OUT/fp8_model.log" 2>&1 \
-    && note "fp8 model test: ok" || { note "fp8 model test: FAILED"; status=1; }
+  timeout 300 "$BIN/cuda_model" --include-ignored --nocapture fp8_ > "$OUT/fp8_model.log" 2>&1 \
+    && note "fp8 model tests: ok" \
+    || { note "fp8 model tests: FAILED"; grep -B2 -A8 panicked "$OUT/fp8_model.log" | head -30 >> "$OUT/summary.txt"; status=1; }
   grep -E "step [0-9]" "$OUT/fp8_model.log" | while read -r l; do note "$l"; done
   specs=("bf16:prefill=8192" "fp8:prefill=8192 profile --quantization=fp8"
-    "fp8gemm:prefill=8192 profile --quantization=fp8 --cuda-tune=fp8_block_gemm=1")
-  [ "${FP8_32B:-1}" = 0 ] || specs+=("fp8gemm32:prefill=8192 model=preset:qwen3-32b --quantization=fp8 --cuda-tune=fp8_block_gemm=1")
+    "fp8_unfused:prefill=8192 --quantization=fp8 --cuda-tune=fp8_fused_decode=0"
+    "fp8_copy:prefill=8192 --quantization=fp8 --cuda-tune=fp8_block_gemm=0")
+  [ "${FP8_BENCH:-}" = quick ] && specs=("fp8:prefill=8192 profile --quantization=fp8")
+  [ "${FP8_32B:-1}" = 0 ] || specs+=("fp8_32:prefill=8192 profile model=preset:qwen3-32b --quantization=fp8")
+  [ "${FP8_32B:-1}" = 0 ] || [ "${FP8_BENCH:-}" = quick ] || specs+=("bf16_32:prefill=8192 model=preset:qwen3-32b")
   OUT="$OUT/matrix" SKIP_TESTS=1 "$0" matrix "${specs[@]}" > /dev/null 2>&1 || status=1
   grep -E "^==" "$OUT/matrix/summary.txt" | tee -a "$OUT/summary.txt"
   mv "$OUT/matrix/summary.txt" "$OUT/matrix/summary_matrix.txt"
+  if [ "${FP8_KV:-1}" != 0 ]; then
+    for kv in auto fp8; do
+      timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model preset:qwen3-4b --batch 1,8 --decode-steps 32 \
+        --decode-prompt-tokens "${KV_CONTEXT:-32768}" --prefill-tokens 8192 --kv-cache-dtype "$kv" > "$OUT/kv_$kv.log" 2>&1 \
+        || status=1
+      note "kv $kv, context ${KV_CONTEXT:-32768}: $(grep -E '^(1|8) +[0-9]' "$OUT/kv_$kv.log" | tr -s ' ' | tr '\n' '|')$(grep -oE '^prefill [0-9]+ tokens: [0-9.]+ ms' "$OUT/kv_$kv.log")"
+      grep -E "KV cache on the GPU|Error|error" "$OUT/kv_$kv.log" | head -3 | while read -r l; do note "  $l"; done
+    done
+    PD_KV_DTYPE=fp8 PD_SETTINGS="${FP8KV_PD_SETTINGS:-push_cuda-ipc_16_16,pull_tcp}" PD_LONG=2000 pd_check
+  fi
   exit $status
 fi
 if [ "$MODE" = matrix ]; then
@@ -201,14 +231,6 @@ ncu_decode() {
     || { note "ncu $label failed"; tail -5 "$OUT/ncu_$label.err"; tail -5 "$OUT/ncu_$label.csv"; return 1; }
   note "ncu $label:"
   python3 scripts/gpu/ncu_table.py "$OUT/ncu_$label.csv" | tee -a "$OUT/summary.txt"
-}
-# Disaggregated serving on the GPU, as separate processes (prefill, decode, router; KV through
-# each engine's host copy of its GPU cache), against a colocated engine, push and pull.
-pd_check() {
-  local rc=0
-  timeout 400 python3 scripts/gpu/pd_check.py "$BIN/tandem" "$OUT" > "$OUT/pd.log" 2>&1 || { status=1; rc=1; }
-  while read -r line; do note "$line"; done < "$OUT/pd.log"
-  return $rc
 }
 if [ "$MODE" = prefix ]; then
   # Issue 30 on this GPU: multi-turn TTFT by turn (colocated with and without prefix caching,

@@ -156,7 +156,7 @@ impl Side {
         let gpu = |e: tandem_compute::cuda::CudaError| KvError::Unsupported(format!("cuda:{ordinal}: {e}"));
         let dev = CudaDevice::open_with(ordinal, Default::default(), cfg.kernel_cache.as_deref()).map_err(gpu)?;
         let cache = dev.zeros_exportable::<u16>(layout.num_blocks * layout.block_elems()).map_err(gpu)?;
-        let device = dev.kv_memory(&cache, layout).map_err(gpu)?;
+        let device = dev.kv_memory(&cache, layout, KvDtype::Bf16).map_err(gpu)?;
         let region = KvRegion::host_copy(layout, KvDtype::Bf16);
         let pinned = dev.pin_region(&region).map_err(gpu)?;
         let memory = KvMemory::device(device, Some(region.clone()))?;
@@ -721,7 +721,7 @@ pub mod cuda_ipc {
     pub fn peer_cache(dev: &CudaDevice, cfg: &IpcBenchConfig) -> Result<(Arc<DeviceKvMemory>, IpcExport), String> {
         let l = cfg.peer_layout();
         let cache = dev.zeros_exportable::<u16>(l.num_blocks * l.block_elems()).map_err(|e| e.to_string())?;
-        let mem = dev.kv_memory(&cache, l).map_err(|e| e.to_string())?;
+        let mem = dev.kv_memory(&cache, l, tandem_compute::KvDtype::Bf16).map_err(|e| e.to_string())?;
         let export = mem.export().map_err(|e| e.to_string())?;
         // The buffer's allocation lives on in `mem`.
         drop(cache);
@@ -760,7 +760,7 @@ pub mod cuda_ipc {
         unsafe { tandem_compute::cuda::ops::preset_uniform(dev, cache.ptr(), cache.len() as u64, 0xb10c, 1.0) }
             .and_then(|()| dev.synchronize())
             .map_err(|e| e.to_string())?;
-        let ours = dev.kv_memory(&cache, l).map_err(|e| e.to_string())?;
+        let ours = dev.kv_memory(&cache, l, tandem_compute::KvDtype::Bf16).map_err(|e| e.to_string())?;
         let peer: PeerKvMemory = ours.open_peer(export, cfg.peer_layout())?;
         if let Some(w) = other.as_deref_mut() {
             w.attach(&ours)?;

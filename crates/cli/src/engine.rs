@@ -65,7 +65,8 @@ pub struct EngineArgs {
     /// and value is rounded to e4m3 (scale 1, as vLLM's `fp8` without calibrated scales), which
     /// moves answers a little (`tandem bench fidelity --kv-cache-dtype fp8` measures how much).
     /// A prefill and a decode engine must agree: the KV handshake refuses a pair that differ,
-    /// naming the field (the router will not pair them). CPU only so far.
+    /// naming the field (the router will not pair them). On a GPU: head sizes 64 and 128, and
+    /// not with --batch-invariant yet; half the bytes of bf16.
     #[arg(long, value_enum, default_value_t = KvCacheDtype::Auto)]
     pub kv_cache_dtype: KvCacheDtype,
     /// Most requests running at once; more wait in the queue.
@@ -121,9 +122,10 @@ pub struct EngineArgs {
     /// product on the same wgmma chains),
     /// fused_norm_build=auto|4x1|8x1|4x2|3x2 (auto: their stages x warpgroups by shape),
     /// wg_product_stages=auto|8|16|24 (auto: the others' stages in flight by shape, the wide
-    /// ones only; a number: that ring for o and down too), fp8_block_gemm=0|1 (0; 1: with
+    /// ones only; a number: that ring for o and down too), fp8_block_gemm=0|1 (1: with
     /// --quantization fp8, prefill products with FP8 activations on cuBLASLt's block-scaled
-    /// GEMM).
+    /// GEMM; 0: through a bf16 copy of the weight), fp8_fused_decode=0|1 (1: FP8 decode steps
+    /// on the fused FP8 GEMVs).
     #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
     pub cuda_tune: Vec<String>,
     /// Give every request the output it would get alone: run kernels whose arithmetic for one
@@ -228,6 +230,14 @@ impl KvCacheDtype {
     pub fn on_cpu(self) -> tandem_compute::KvDtype {
         match self {
             Self::Auto => tandem_compute::KvDtype::F32,
+            Self::Fp8 => tandem_compute::KvDtype::Fp8E4m3,
+        }
+    }
+
+    /// The element type of a GPU engine's cache.
+    pub fn on_gpu(self) -> tandem_compute::KvDtype {
+        match self {
+            Self::Auto => tandem_compute::KvDtype::Bf16,
             Self::Fp8 => tandem_compute::KvDtype::Fp8E4m3,
         }
     }
@@ -390,8 +400,8 @@ pub(crate) fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<
             if m.quantization.is_some() && e.batch_invariant {
                 bail!("--batch-invariant with --quantization on a GPU is not built yet");
             }
-            if e.kv_cache_dtype == KvCacheDtype::Fp8 {
-                bail!("--kv-cache-dtype fp8 on a GPU is not built yet (its attention kernels read bf16 KV); it runs with --device cpu");
+            if e.kv_cache_dtype == KvCacheDtype::Fp8 && e.batch_invariant {
+                bail!("--kv-cache-dtype fp8 with --batch-invariant on a GPU is not built yet (its attention kernels read bf16 KV)");
             }
             let source = model_source(&m.model, m.model_seed)?;
             let spec = ModelSpec::load(&source, m.max_model_len)
@@ -412,6 +422,7 @@ pub(crate) fn build_engine(m: &ModelArgs, e: &EngineArgs, host_kv_bytes: Option<
                 tuning: tuning(&e.cuda_tune)?,
                 batch_invariant: e.batch_invariant,
                 kernel_cache: kernel_cache_dir(),
+                kv_dtype: e.kv_cache_dtype.on_gpu(),
                 ..CudaOptions::default()
             };
             let t = Instant::now();

@@ -135,8 +135,8 @@ fn bad_input_fails_with_a_message() {
             "--batch-invariant with --quantization on a GPU is not built yet",
         ),
         (
-            &["generate", "--prompt", "x", "--kv-cache-dtype", "fp8", "--device", "cuda:0"],
-            "--kv-cache-dtype fp8 on a GPU is not built yet",
+            &["generate", "--prompt", "x", "--kv-cache-dtype", "fp8", "--device", "cuda:0", "--batch-invariant"],
+            "--kv-cache-dtype fp8 with --batch-invariant on a GPU is not built yet",
         ),
         (&["generate", "--prompt", "x", "--kv-cache-dtype", "fp8_e5m2"], "possible values: auto, fp8"),
         (

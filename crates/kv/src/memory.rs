@@ -26,15 +26,16 @@ impl From<Arc<KvRegion>> for KvMemory {
 
 impl KvMemory {
     /// A GPU engine's memory: its device cache and, when the tcp transport may be used, the
-    /// host copy of it (same layout, bf16).
+    /// host copy of it (same layout and element type: bf16, or FP8 bytes).
     pub fn device(device: Arc<DeviceKvMemory>, host: Option<Arc<KvRegion>>) -> Result<Self, KvError> {
         if let Some(h) = &host {
-            if h.layout() != device.layout() || h.dtype() != KvDtype::Bf16 {
+            if h.layout() != device.layout() || h.dtype() != device.dtype() {
                 return Err(KvError::Unsupported(format!(
-                    "the host KV copy ({:?}, {}) does not match the device cache ({:?}, bf16)",
+                    "the host KV copy ({:?}, {}) does not match the device cache ({:?}, {})",
                     h.layout(),
                     h.dtype().name(),
-                    device.layout()
+                    device.layout(),
+                    device.dtype().name()
                 )));
             }
         }
@@ -52,9 +53,10 @@ impl KvMemory {
 
     /// The element type moved.
     pub fn dtype(&self) -> KvDtype {
-        match &self.host {
-            Some(h) => h.dtype(),
-            None => KvDtype::Bf16,
+        match (&self.host, &self.device) {
+            (Some(h), _) => h.dtype(),
+            (None, Some(d)) => d.dtype(),
+            (None, None) => unreachable!("a KvMemory has a host region or a device cache"),
         }
     }
 

@@ -2,7 +2,7 @@
 //! Ignored by `cargo test`: they need a GPU. scripts/gpu/run.sh runs them
 //! with `--include-ignored`, where a missing GPU fails the test (`TANDEM_REQUIRE_CUDA=1`).
 
-use tandem_compute::KvCache;
+use tandem_compute::{KvCache, KvDtype};
 use tandem_model::{
     carried_token, token_logprobs, CudaModel, CudaOptions, ModelRunner, ModelSource, ModelSpec, Quantization,
     SampleSpec, SeqBatch, Transformer, WeightMap,
@@ -44,6 +44,20 @@ fn compare_with_cpu(preset: &str, prompt_len: usize, chunk: usize, tolerance: f6
     compare_with_cpu_as(preset, prompt_len, chunk, tolerance, None, &[])
 }
 
+/// [`compare_with_cpu_as`] with the weights as read and the GPU's KV cache in `kv_dtype`
+/// against the CPU's in the same rounding (FP8: both write each key and value as the e4m3
+/// nearest it), decode steps on the fused path or not.
+fn compare_with_cpu_kv(
+    preset: &str,
+    (prompt_len, chunk): (usize, usize),
+    tolerance: f64,
+    kv_dtype: KvDtype,
+    fused: bool,
+) {
+    let cpu_kv = if kv_dtype == KvDtype::Bf16 { KvDtype::F32 } else { kv_dtype };
+    compare(preset, prompt_len, chunk, tolerance, None, &[], (kv_dtype, cpu_kv), fused)
+}
+
 /// [`compare_with_cpu`] with the weights rounded at load as `quantization` says: on the GPU
 /// from its bf16 weights (FP8: bytes and scales), on the CPU from the same bf16 values.
 fn compare_with_cpu_as(
@@ -53,6 +67,20 @@ fn compare_with_cpu_as(
     tolerance: f64,
     quantization: Option<Quantization>,
     tuning: &[&str],
+) {
+    compare(preset, prompt_len, chunk, tolerance, quantization, tuning, (KvDtype::Bf16, KvDtype::F32), true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn compare(
+    preset: &str,
+    prompt_len: usize,
+    chunk: usize,
+    tolerance: f64,
+    quantization: Option<Quantization>,
+    tuning: &[&str],
+    (gpu_kv, cpu_kv): (KvDtype, KvDtype),
+    fused_decode: bool,
 ) {
     let source = ModelSource::parse(&format!("preset:{preset}"), 3).unwrap();
     let spec = ModelSpec::load(&source, Some(1024)).unwrap().with_quantization(quantization).unwrap();
@@ -64,6 +92,8 @@ fn compare_with_cpu_as(
         max_seqs: 8,
         num_blocks: Some(num_blocks),
         tuning: tandem_compute::cuda::CudaTuning::from_settings(tuning).unwrap(),
+        kv_dtype: gpu_kv,
+        fused_decode,
         ..CudaOptions::default()
     };
     let mut gpu = CudaModel::load(&spec, &opts).unwrap();
@@ -84,7 +114,7 @@ fn compare_with_cpu_as(
         rounded = round(&rounded);
     }
     let cpu = Transformer::from_weights(spec.config.clone(), rounded, 1024).unwrap();
-    let mut kv = KvCache::new(cpu.kv_layout(block_size, num_blocks));
+    let mut kv = KvCache::of(cpu.kv_layout(block_size, num_blocks), cpu_kv);
     let vocab = spec.config.vocab_size as u32;
     let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let table: Vec<u32> = (0..20).map(|i| (i * 3 + 1) % num_blocks as u32).collect();
@@ -98,7 +128,9 @@ fn compare_with_cpu_as(
         let want = cpu.forward(ids, &[seq], &mut kv);
         let got = gpu.forward_logits(ids, &[seq]).unwrap();
         let err = rel_err(&got, &want);
-        eprintln!("{preset}{tuning:?} step {i} ({n} tokens at {pos}): logits relative error {err:.2e}");
+        let kv = if gpu_kv == KvDtype::Bf16 { String::new() } else { format!(" {} KV", gpu_kv.name()) };
+        let unfused = if fused_decode { "" } else { " unfused" };
+        eprintln!("{preset}{tuning:?}{kv}{unfused} step {i} ({n} tokens at {pos}): logits relative error {err:.2e}");
         assert!(err < tolerance, "{preset} step {i}: relative error {err:.2e}");
         pos += n;
         if pos >= tokens.len() {
@@ -139,9 +171,11 @@ fn logits_agree_with_the_cpu_backend_qwen3_head_dim_128() {
 /// device) against the CPU engine's FP8 rounding of the same bf16 weights: the same numbers, so
 /// the logits agree as closely as bf16's do. Chunks of 25 and 15 tokens and decode steps take
 /// both of its products (more than 16 rows through a bf16 copy, fewer from the bytes; the tiny
-/// model's widths under 128 always through the copy). With `fp8_block_gemm=1` the chunk of 140
-/// has its activations rounded to FP8 too (W8A8, cuBLASLt's block-scaled GEMM), which the CPU
-/// does not do: a looser bound, whose measure is printed.
+/// model's widths under 128 always through the copy); its decode steps run on the fused FP8
+/// GEMVs, and with `fp8_fused_decode=0` on the separate products. By default
+/// (`fp8_block_gemm=1`) the chunk of 140 has its activations rounded to FP8 too (W8A8,
+/// cuBLASLt's block-scaled GEMM), which the CPU does not do: a looser bound, whose measure is
+/// printed.
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn fp8_weights_agree_with_the_cpu_backends_fp8_rounding() {
@@ -151,8 +185,32 @@ fn fp8_weights_agree_with_the_cpu_backends_fp8_rounding() {
     // The tiny model's widths under 128 take the bf16 copy at every step: bf16's noise, which
     // its FP8 weights' spread makes a little larger (1.2e-2 measured) than bf16 weights' (1e-2).
     compare_with_cpu_as("tiny-qwen3", 40, 25, 2e-2, Some(Quantization::Fp8), &[]);
-    compare_with_cpu_as("qwen3-0.6b", 150, 140, 3e-2, Some(Quantization::Fp8), &[]);
-    compare_with_cpu_as("qwen3-0.6b", 150, 140, 1.5e-1, Some(Quantization::Fp8), &["fp8_block_gemm=1"]);
+    compare_with_cpu_as("qwen3-0.6b", 150, 140, 3e-2, Some(Quantization::Fp8), &["fp8_block_gemm=0"]);
+    compare_with_cpu_as(
+        "qwen3-0.6b",
+        150,
+        140,
+        3e-2,
+        Some(Quantization::Fp8),
+        &["fp8_block_gemm=0", "fp8_fused_decode=0"],
+    );
+    compare_with_cpu_as("qwen3-0.6b", 150, 140, 1.5e-1, Some(Quantization::Fp8), &[]);
+}
+
+/// `--kv-cache-dtype fp8` on the GPU (keys and values as e4m3 bytes: written by the RoPE kernel
+/// or the fused decode attention, read by the row kernel directly and by the prefill kernels
+/// through the one-layer bf16 shadow) against the CPU engine's FP8 cache: a chunk of 140, a
+/// chunk of 10 over those 140 cached tokens (the shadow's context), decode steps fused and
+/// unfused. Both round the same keys and values (the GPU's in bf16 first), so the logits agree
+/// about as closely as with bf16 caches.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn fp8_kv_cache_agrees_with_the_cpu_backends_fp8_cache() {
+    if !cuda_usable() {
+        return;
+    }
+    compare_with_cpu_kv("qwen3-0.6b", (150, 140), 4e-2, KvDtype::Fp8E4m3, true);
+    compare_with_cpu_kv("qwen3-0.6b", (150, 140), 4e-2, KvDtype::Fp8E4m3, false);
 }
 
 /// Options for comparing two builds of a small model: 32 cache blocks of 16 tokens, steps of

@@ -64,6 +64,10 @@ pub struct BenchEngineArgs {
     /// Batch-invariant kernels (see `tandem serve --help`), to measure what they cost.
     #[arg(long)]
     pub batch_invariant: bool,
+    /// GPU only: the KV cache's element type (`fp8`: as `serve --kv-cache-dtype fp8`; decode
+    /// at a long --decode-prompt-tokens shows what reading half the bytes gives).
+    #[arg(long, value_enum, default_value_t = crate::engine::KvCacheDtype::Auto)]
+    pub kv_cache_dtype: crate::engine::KvCacheDtype,
 }
 
 pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
@@ -88,6 +92,11 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
     };
     let bench_model = match device {
         DeviceSpec::Cpu => {
+            if a.kv_cache_dtype != crate::engine::KvCacheDtype::Auto {
+                anyhow::bail!(
+                    "bench engine --kv-cache-dtype is for GPU engines (a CPU engine's fp8 cache: bench fidelity)"
+                );
+            }
             let model = load_model(&margs)?;
             let c = model.transformer.config();
             let (params, matmul_params, pair) = (c.num_params(), matmul_params(c), attn_flops_per_pair(c));
@@ -120,6 +129,7 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
                 tuning: tuning(&a.cuda_tune)?,
                 batch_invariant: a.batch_invariant,
                 kernel_cache: kernel_cache_dir(),
+                kv_dtype: a.kv_cache_dtype.on_gpu(),
                 ..CudaOptions::default()
             };
             eprintln!("... building {} on cuda:{ordinal}", a.model);

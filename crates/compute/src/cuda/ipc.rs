@@ -20,7 +20,7 @@ use cudarc::driver::{
 use super::{oom, Backing, CudaDevice, CudaError, DevBuf, KvFences};
 use crate::kv_copy::{plan_kv_copy, plan_kv_copy_layers, KvCopy};
 use crate::kv_digest::check_blocks;
-use crate::{coalesce, BlockRun, KvLayout, KvRegion};
+use crate::{coalesce, BlockRun, KvDtype, KvLayout, KvRegion};
 
 /// One `cuMemAlloc` allocation, freed with its last holder.
 pub(crate) struct ExportableAlloc {
@@ -90,12 +90,18 @@ impl CudaDevice {
     }
 
     /// The KV cache `cache` (from [`CudaDevice::zeros_exportable`], laid out as `layout` in
-    /// bf16) as the KV connector uses it, with a transfer stream of its own.
-    pub fn kv_memory(&self, cache: &DevBuf<u16>, layout: KvLayout) -> Result<Arc<DeviceKvMemory>, CudaError> {
+    /// `dtype`: bf16, or FP8 e4m3 bytes) as the KV connector uses it, with a transfer stream of
+    /// its own.
+    pub fn kv_memory(
+        &self,
+        cache: &DevBuf<u16>,
+        layout: KvLayout,
+        dtype: KvDtype,
+    ) -> Result<Arc<DeviceKvMemory>, CudaError> {
         let alloc = cache.exportable().ok_or_else(|| {
             CudaError::Unavailable("the KV cache was not allocated exportable (zeros_exportable)".into())
         })?;
-        if layout.num_blocks * layout.block_elems() * 2 > alloc.bytes {
+        if layout.num_blocks * layout.block_elems() * dtype.bytes() > alloc.bytes {
             return Err(CudaError::Unavailable("the KV layout is larger than its allocation".into()));
         }
         let stream = self.ctx.new_stream()?;
@@ -103,7 +109,7 @@ impl CudaDevice {
             ctx: self.ctx.clone(),
             alloc: alloc.clone(),
             layout,
-            elem_bytes: 2,
+            dtype,
             stream,
             scatter: self.kernels().get("kv_scatter").clone(),
             digest: self.kernels().get("kv_digest").clone(),
@@ -117,7 +123,7 @@ pub struct DeviceKvMemory {
     ctx: Arc<CudaContext>,
     alloc: Arc<ExportableAlloc>,
     layout: KvLayout,
-    elem_bytes: usize,
+    dtype: KvDtype,
     /// The connector's own stream: its copies neither wait behind nor hold up engine steps.
     stream: Arc<CudaStream>,
     /// The `kv_scatter` kernel: one launch for a copy between different block sizes.
@@ -148,6 +154,8 @@ pub struct PeerKvMemory {
     ctx: Arc<CudaContext>,
     ptr: sys::CUdeviceptr,
     layout: KvLayout,
+    /// Bytes per element (the handshake made the peer's dtype ours).
+    elem_bytes: usize,
     /// Where it lives, for logs: `the same GPU` or `cuda:N`.
     place: String,
 }
@@ -174,7 +182,7 @@ impl PeerKvMemory {
             return Err(format!("block {block} is outside the peer's {} blocks", self.layout.num_blocks));
         }
         self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-        let at = self.ptr + block as u64 * (self.layout.block_elems() * 2) as u64;
+        let at = self.ptr + block as u64 * (self.layout.block_elems() * self.elem_bytes) as u64;
         let mut byte = [0u8; 1];
         // Safety: `at` is the first byte of a block inside the peer's mapped cache (checked
         // above); both copies touch that one byte.
@@ -200,9 +208,14 @@ impl DeviceKvMemory {
         &self.layout
     }
 
-    /// Bytes per element (bf16: 2).
+    /// Bytes per element (bf16: 2, FP8: 1).
     pub fn elem_bytes(&self) -> usize {
-        self.elem_bytes
+        self.dtype.bytes()
+    }
+
+    /// The cache's element type.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     /// `cuda:N`.
@@ -259,7 +272,7 @@ impl DeviceKvMemory {
     /// why it cannot be used: its GPU is not visible here, the two GPUs have no peer access, or
     /// the driver refused the handle (another host, another container's IPC namespace).
     pub fn open_peer(&self, export: &IpcExport, layout: KvLayout) -> Result<PeerKvMemory, String> {
-        let needed = layout.num_blocks * layout.block_elems() * self.elem_bytes;
+        let needed = layout.num_blocks * layout.block_elems() * self.elem_bytes();
         if needed > export.bytes {
             return Err(format!("the peer's KV layout needs {needed} bytes but it exports {}", export.bytes));
         }
@@ -287,7 +300,7 @@ impl DeviceKvMemory {
         unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, handle, flags) }
             .result()
             .map_err(|e| format!("the driver refused the peer's IPC handle ({e:?})"))?;
-        Ok(PeerKvMemory { ctx: self.ctx.clone(), ptr, layout, place })
+        Ok(PeerKvMemory { ctx: self.ctx.clone(), ptr, layout, elem_bytes: self.elem_bytes(), place })
     }
 
     /// This process's ordinal of the GPU with `uuid`.
@@ -370,13 +383,13 @@ impl DeviceKvMemory {
     ) -> Result<(usize, usize), String> {
         let (dst_layout, dst_base) = dst;
         // Validates the block lists (a peer's data) and keeps every copy inside both caches.
-        let whole = plan_kv_copy(&self.layout, dst_layout, self.elem_bytes, src_blocks, dst_blocks, num_tokens)?;
+        let whole = plan_kv_copy(&self.layout, dst_layout, self.elem_bytes(), src_blocks, dst_blocks, num_tokens)?;
         let bytes = whole.iter().map(KvCopy::bytes).sum();
         if num_tokens == 0 {
             // Nothing left (the parts written while the prompt computed covered it all).
             return Ok((0, 0));
         }
-        let token_bytes = self.layout.head_dim * self.elem_bytes;
+        let token_bytes = self.layout.head_dim * self.elem_bytes();
         // One kernel launch a group moves rows of whole 16-byte vectors between any block
         // sizes; the copy engine's pitched copies of a group of layers ran at half its rate.
         let scattered = token_bytes.is_multiple_of(16)
@@ -423,7 +436,7 @@ impl DeviceKvMemory {
                         group = plan_kv_copy_layers(
                             &self.layout,
                             dst_layout,
-                            self.elem_bytes,
+                            self.elem_bytes(),
                             src_blocks,
                             dst_blocks,
                             num_tokens,
@@ -452,7 +465,13 @@ impl DeviceKvMemory {
             return Ok(0); // no element: the empty sum (and an empty grid is not a launch)
         }
         let too_big = |n: usize| u32::try_from(n).map_err(|_| format!("{n} is too large for a KV digest"));
-        let args = [too_big(num_tokens)?, too_big(planes)?, too_big(l.head_dim)?, too_big(l.block_size)?];
+        let args = [
+            too_big(num_tokens)?,
+            too_big(planes)?,
+            too_big(l.head_dim)?,
+            too_big(l.block_size)?,
+            too_big(self.elem_bytes())?,
+        ];
         too_big(per_plane)?;
         let failed = |e: CudaError| format!("KV digest failed: {e:?}");
         self.ctx.bind_to_thread().map_err(|e| failed(e.into()))?;
@@ -465,10 +484,11 @@ impl DeviceKvMemory {
             shared_mem_bytes: 0,
         };
         let mut b = stream.launch_builder(&self.digest);
-        b.arg(&self.alloc.ptr).arg(&table).arg(&args[0]).arg(&args[1]).arg(&args[2]).arg(&args[3]).arg(&mut sum);
+        b.arg(&self.alloc.ptr).arg(&table).arg(&args[0]).arg(&args[1]).arg(&args[2]).arg(&args[3]).arg(&args[4]);
+        b.arg(&mut sum);
         // Safety: the arguments match kv_digest's signature; `check_blocks` kept every block id
         // inside the cache and the table covers the tokens, so every element read lies inside
-        // the allocation (bf16, `layout`); `sum` is one u64 the kernel adds into; the copy
+        // the allocation (`layout` in `dtype`); `sum` is one u64 the kernel adds into; the copy
         // below waits for the launch before either buffer drops.
         unsafe { b.launch(cfg) }.map_err(|e| failed(e.into()))?;
         let host = stream.clone_dtoh(&sum).map_err(|e| failed(e.into()))?;
@@ -495,7 +515,7 @@ impl DeviceKvMemory {
     /// transfer stream. The KV connector's tcp transport uses them to move one piece on the
     /// socket while the next one copies.
     pub fn host_copies<'a>(&'a self, host: &'a KvRegion) -> Result<HostCopies<'a>, String> {
-        if host.layout() != &self.layout || host.dtype().bytes() != self.elem_bytes {
+        if host.layout() != &self.layout || host.dtype() != self.dtype {
             return Err("the host copy's layout differs from the device cache's".into());
         }
         self.ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e}"))?;
@@ -534,7 +554,7 @@ impl DeviceKvMemory {
                 l.num_layers
             )));
         }
-        let token_vecs = l.head_dim * self.elem_bytes / 16;
+        let token_vecs = l.head_dim * self.elem_bytes() / 16;
         let per_plane = num_tokens * token_vecs;
         if per_plane == 0 {
             return Ok(()); // an empty grid is not a launch
@@ -694,7 +714,7 @@ impl HostCopies<'_> {
         if first + count > l.num_blocks || layers.start >= layers.end || layers.end > l.num_layers {
             return Err(format!("blocks {first}+{count}, layers {layers:?} are outside the cache"));
         }
-        let block_bytes = l.block_elems() * self.mem.elem_bytes;
+        let block_bytes = l.block_elems() * self.mem.elem_bytes();
         let layer_bytes = block_bytes / l.num_layers;
         // Safety: only the address is taken here (bounds checked by `bytes_mut`); the callers'
         // contracts cover the copies that use it.

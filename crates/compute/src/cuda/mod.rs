@@ -126,6 +126,15 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attention_rows_g4_e4",
     "attention_rows_g8_e2",
     "attention_rows_g8_e4",
+    "attention_rows_g1_e2_fp8",
+    "attention_rows_g1_e4_fp8",
+    "attention_rows_g2_e2_fp8",
+    "attention_rows_g2_e4_fp8",
+    "attention_rows_g4_e2_fp8",
+    "attention_rows_g4_e4_fp8",
+    "attention_rows_g8_e2_fp8",
+    "attention_rows_g8_e4_fp8",
+    "kv_fp8_shadow",
     "flash_prefill_hd64",
     "flash_prefill_hd128",
     "flash_prefill_packed_hd64",
@@ -162,6 +171,22 @@ pub const KERNEL_NAMES: &[&str] = &[
     "fp8_quantize",
     "fp8_dequantize",
     "fp8_quantize_rows",
+    "gemv_norm_bf16_m1_fp8",
+    "gemv_norm_bf16_m2_fp8",
+    "gemv_norm_bf16_m4_fp8",
+    "gemv_norm_bf16_m8_fp8",
+    "gemv_norm_f32_m1_fp8",
+    "gemv_norm_f32_m2_fp8",
+    "gemv_norm_f32_m4_fp8",
+    "gemv_norm_f32_m8_fp8",
+    "gemv_norm_silu_m1_fp8",
+    "gemv_norm_silu_m2_fp8",
+    "gemv_norm_silu_m4_fp8",
+    "gemv_norm_silu_m8_fp8",
+    "gemv_bf16_add_m1_fp8",
+    "gemv_bf16_add_m2_fp8",
+    "gemv_bf16_add_m4_fp8",
+    "gemv_bf16_add_m8_fp8",
     "gemv_fp8_t8",
     "gemv_fp8_t16",
     "gemv_fp8_t8_k4",
@@ -601,15 +626,16 @@ impl CudaDevice {
         }
         // The decode attention stages a chunk of keys and values (over 48 KiB for head size 256).
         for name in named("attention_rows_") {
-            let e: usize = name.rsplit("_e").next().and_then(|e| e.parse().ok()).unwrap_or(8);
+            let e: usize = name.trim_end_matches("_fp8").rsplit("_e").next().and_then(|e| e.parse().ok()).unwrap_or(8);
             allow_smem(name, ops::attention_rows_smem_bytes(32 * e, ops::attention_max_stages(32 * e)) as usize)?;
         }
         // The decode projections stage their input rows in shared memory (M x K bf16); the
-        // tensor-core build's partial sums take more static shared memory.
+        // tensor-core builds' partial sums (`_mma`, and the FP8 weights' `_fp8`) take more static shared memory.
         // (Their static part as the compiler laid it out, at least GEMV_STATIC_SMEM, which
         // the plans count per block: setting a kernel's limit past what is left fails.)
         let mut gemv_static = ops::GEMV_STATIC_SMEM;
-        for name in named("gemv_").filter(|n| !n.ends_with("_mma") && !n.starts_with("gemv_bulk")) {
+        let tensor_core_build = |n: &str| n.ends_with("_mma") || n.ends_with("_fp8");
+        for name in named("gemv_").filter(|n| !tensor_core_build(n) && !n.starts_with("gemv_bulk")) {
             gemv_static = gemv_static.max(funcs[name].shared_size_bytes()?.max(0) as usize);
         }
         let gemv_smem = smem_block_optin.saturating_sub(gemv_static);
@@ -632,7 +658,7 @@ impl CudaDevice {
             allow_smem(ops::skinny_norm_kernel(build), most.min(smem_block_optin.saturating_sub(2048)))?;
         }
         for name in named("gemv_") {
-            let limit = if name.ends_with("_mma") {
+            let limit = if tensor_core_build(name) {
                 gemv_mma_smem
             } else if name.starts_with("gemv_bulk") {
                 gemv_bulk_smem

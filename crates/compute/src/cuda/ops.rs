@@ -504,12 +504,16 @@ pub struct GemvPlan {
 
 /// One decode projection: `y[m] = x[m] · wᵀ` for up to [`GEMV_MAX_TOKENS`] rows, with the input
 /// formed by `input` and the result stored by `output`, plus an optional bf16 bias. `weight`
-/// is `[n, k]` bf16, `k % 8 == 0`. Supported pairs: norm -> bf16, norm -> f32, norm -> SiLU of
-/// row pairs (`n` even), bf16 -> residual add.
+/// is `[n, k]` bf16, `k % 8 == 0`, or with `scales` an FP8 weight ([`Fp8Matrix`]'s bytes and
+/// row scales, `k % 64 == 0`; always the tensor-core build, whatever the plan's). Supported
+/// pairs: norm -> bf16, norm -> f32, norm -> SiLU of row pairs (`n` even: bf16 gate/up rows
+/// interleaved, FP8 ones stacked), bf16 -> residual add.
 #[derive(Clone, Copy, Debug)]
 pub struct Gemv {
-    /// `[n, k]` bf16 weight.
+    /// `[n, k]` bf16 weight, or FP8 bytes with `scales`.
     pub weight: u64,
+    /// An FP8 weight's row scales `[n, ceil(k / 128)]` f32; 0 for a bf16 weight.
+    pub scales: u64,
     /// Output rows.
     pub n: usize,
     /// Input length.
@@ -530,10 +534,16 @@ impl Gemv {
     /// `tokens` rows of their kinds (a norm's residual rows as its row list names them), `bias` (if
     /// non-zero) `n` bf16.
     pub unsafe fn launch_with(&self, dev: &CudaDevice, tokens: usize, plan: GemvPlan) -> Result<(), CudaError> {
-        let Gemv { weight: w, n, k, input, output, bias } = *self;
+        let Gemv { weight: w, scales, n, k, input, output, bias } = *self;
         if tokens == 0 {
             return Ok(());
         }
+        let fp8 = scales != 0;
+        if fp8 && !k.is_multiple_of(64) {
+            return Err(CudaError::Unavailable(format!("FP8 decode projection of {k} columns (needs k % 64 == 0)")));
+        }
+        // An FP8 weight has one build, the tensor-core one (its own grid unless one is given).
+        let plan = if fp8 && plan.build != GemvBuild::Mma { gemv_plan_fp8(dev, n, k, tokens) } else { plan };
         if plan.build == GemvBuild::Bulk {
             return self.launch_bulk(dev, tokens);
         }
@@ -566,11 +576,31 @@ impl Gemv {
             shared_mem_bytes: smem as u32,
         };
         let suffix = match plan.build {
+            _ if fp8 => "_fp8",
             GemvBuild::Plain | GemvBuild::Bulk => "",
             GemvBuild::Pipelined => "_pipe",
             GemvBuild::Mma => "_mma",
         };
         let name = format!("{kind}_m{m}{suffix}");
+        if fp8 {
+            return launch!(
+                dev,
+                name.as_str(),
+                config,
+                w,
+                scales,
+                n as i32,
+                k as i32,
+                plan.ksplit as i32,
+                x,
+                rows,
+                weight,
+                eps,
+                y,
+                bias,
+                tokens as i32
+            );
+        }
         launch!(
             dev,
             name.as_str(),
@@ -592,7 +622,7 @@ impl Gemv {
     /// [`GemvBuild::Bulk`]: one block per [`GEMV_BULK_ROWS`] rows, launched with programmatic
     /// dependent launch.
     fn launch_bulk(&self, dev: &CudaDevice, tokens: usize) -> Result<(), CudaError> {
-        let Gemv { weight: w, n, k, input, output, bias } = *self;
+        let Gemv { weight: w, n, k, input, output, bias, .. } = *self;
         let (GemvInput::Bf16(x), GemvOutput::AddTo(y)) = (input, output) else {
             return Err(CudaError::Unavailable(format!("no bulk decode projection for {input:?} -> {output:?}")));
         };
@@ -631,6 +661,20 @@ pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: Gem
         GemvBuild::Bulk => (8, n.div_ceil(GEMV_BULK_ROWS)),
     };
     GemvPlan { build, ksplit, blocks }
+}
+
+/// The plan of an FP8 weight's decode projection (the `_fp8` kernels, the tensor-core build):
+/// K split over the fewest warps that leave each at most 512 columns (one batch of loads, see
+/// kernels/fp8.cu; up to 8), 16-row tiles, blocks up to one wave (two per multiprocessor by
+/// the launch bounds, fewer if the input rows fill shared memory) looping over tiles. The
+/// split depends on the shape alone, so a row's sums do not depend on the token count.
+pub fn gemv_plan_fp8(dev: &CudaDevice, n: usize, k: usize, tokens: usize) -> GemvPlan {
+    let (_, per_sm) = dev.gemv_smem();
+    let ksplit = [1, 2, 4, 8].into_iter().find(|s| k.div_ceil(*s) <= 512).unwrap_or(8);
+    let tiles = n.div_ceil(8 / ksplit * 16);
+    let smem = tokens.max(1).next_power_of_two() * k * 2;
+    let slots = dev.sm_count() as usize * (per_sm / (smem + GEMV_MMA_STATIC_SMEM + 1024)).clamp(1, 2);
+    GemvPlan { build: GemvBuild::Mma, ksplit, blocks: tiles.min(slots).max(1) }
 }
 
 /// (K split, blocks) of the tensor-core build: warps own 16 rows, K split over the most warps
@@ -704,6 +748,9 @@ pub struct AttnShape {
     pub block_size: usize,
     /// Blocks in the cache (the bounds of the TMA unit's view of it).
     pub num_blocks: usize,
+    /// The cache holds e4m3 bytes (`--kv-cache-dtype fp8`; offsets count bytes), which the RoPE
+    /// write and the row kernel take; the prefill kernels read bf16 only ([`kv_fp8_shadow`]).
+    pub kv_fp8: bool,
 }
 
 /// Split key ranges for [`attention_rows`] (see `attn_splits` in kernels/attention.cu): a token with a
@@ -785,7 +832,8 @@ pub unsafe fn qkv_rope_cache(dev: &CudaDevice, a: &QkvRope, s: &AttnShape, token
         s.layer as i32,
         s.num_layers as i32,
         s.block_size as i32,
-        a.eps
+        a.eps,
+        s.kv_fp8 as i32
     )
 }
 
@@ -853,7 +901,10 @@ pub unsafe fn attention_rows(
     };
     let r = rope.copied().unwrap_or_default();
     let scale = 1.0 / (s.head_dim as f32).sqrt();
-    let name = format!("attention_rows_g{g}_e{e}");
+    if s.kv_fp8 && ![2, 4].contains(&e) {
+        return Err(CudaError::Unavailable(format!("attention over an FP8 KV cache of head size {}", s.head_dim)));
+    }
+    let name = format!("attention_rows_g{g}_e{e}{}", if s.kv_fp8 { "_fp8" } else { "" });
     let (part, most, split_keys) = split.map_or((0, 1, 0), |sp| (sp.part, sp.most.max(1), sp.split_keys.max(1)));
     let (_, smem_per_sm) = dev.gemv_smem();
     let blocks = count * (s.num_heads / g);
@@ -910,6 +961,51 @@ pub unsafe fn attention_rows(
         s.head_dim as i32,
         most as i32,
         split_keys as i32
+    )
+}
+
+/// Dequantizes the keys and values of layer `s.layer` that the prefill work items of `p` read
+/// from the FP8 cache `cache` into `shadow`, one layer's bf16 cache over the same blocks (the
+/// shape of `s` with one layer), for the prefill attention kernels, which read bf16: each
+/// item's own tokens and each sequence's context cached before the step (see
+/// kernels/attention.cu). The values are the cache's, exactly.
+///
+/// # Safety
+/// See the module docs; `cache` is the FP8 cache `s` describes, `shadow` holds
+/// `s.num_blocks * 2 * s.num_kv_heads * s.block_size * s.head_dim` bf16, and `m`'s tables hold
+/// every listed sequence's blocks up to its last token.
+pub unsafe fn kv_fp8_shadow(
+    dev: &CudaDevice,
+    cache: u64,
+    shadow: u64,
+    p: &PrefillSeqs,
+    m: &AttnMeta,
+    s: &AttnShape,
+) -> Result<(), CudaError> {
+    if p.num_items == 0 {
+        return Ok(());
+    }
+    if p.packed || !s.head_dim.is_multiple_of(8) {
+        return Err(CudaError::Unavailable(
+            "an FP8 KV cache's prefill copy takes unpacked items, head_dim % 8 == 0".into(),
+        ));
+    }
+    launch!(
+        dev,
+        "kv_fp8_shadow",
+        cfg((p.num_items as u32, 64), 256),
+        cache,
+        shadow,
+        p.work,
+        p.seq_len,
+        p.seq_pos,
+        m.block_tables,
+        m.stride,
+        s.layer as i32,
+        s.num_layers as i32,
+        s.num_kv_heads as i32,
+        s.head_dim as i32,
+        s.block_size as i32
     )
 }
 

@@ -445,7 +445,7 @@ fn cuda_ipc_writes_block_runs_into_another_process() {
     // Safety: the buffer just allocated, that many bf16.
     unsafe { ops::preset_uniform(&dev, cache.ptr(), cache.len() as u64, 0x1bc, 1.0) }.unwrap();
     dev.synchronize().unwrap();
-    let device = dev.kv_memory(&cache, ours_layout).unwrap();
+    let device = dev.kv_memory(&cache, ours_layout, tandem_compute::KvDtype::Bf16).unwrap();
     let memory = KvMemory::device(device.clone(), None).unwrap();
     for peer_block in [16, 32] {
         let mut peer = Command::new(std::env::current_exe().unwrap())
@@ -525,7 +525,7 @@ fn cuda_ipc_peer() {
     let dev = CudaDevice::open(0).expect("a GPU");
     let layout = KvLayout { num_layers: 4, num_kv_heads: 2, head_dim: 64, block_size, num_blocks: 64 };
     let cache = dev.zeros_exportable::<u16>(layout.num_blocks * layout.block_elems()).unwrap();
-    let memory = dev.kv_memory(&cache, layout).unwrap();
+    let memory = dev.kv_memory(&cache, layout, tandem_compute::KvDtype::Bf16).unwrap();
     let (handle, device) = memory.export().unwrap().to_hex();
     println!("peer-export {handle} {} {device}", memory.export().unwrap().bytes);
     for line in std::io::stdin().lock().lines().map_while(Result::ok) {

@@ -6,9 +6,11 @@
 //! so a decode step of a given size can be captured once as a CUDA graph and replayed.
 
 use tandem_compute::cuda::ops::{
-    self, AttnShape, AttnSplit, Gemv, GemvBuild, GemvInput, GemvOutput, QkvRope, ResidualDelta, SkinnyNormOutput,
+    self, AttnShape, AttnSplit, FlashSplit, Gemv, GemvBuild, GemvInput, GemvOutput, PrefillSeqs, QkvRope,
+    ResidualDelta, SkinnyNormOutput,
 };
 use tandem_compute::cuda::{kv_fence_ends, Communicator, CudaDevice, CudaError, DevBuf, KvFences};
+use tandem_compute::KvDtype;
 
 use super::kv_cache::DeviceKv;
 use super::plan::DecodePlan;
@@ -44,7 +46,7 @@ pub(super) fn forward(
     if t > step.max_tokens || rows > step.max_seqs {
         return Err(ModelError::Device(format!("a forward of {t} tokens and {rows} rows exceeds its buffers")));
     }
-    let pass = Pass { dev, cfg, w: weights, step, cache: &kv.cache, block_size: kv.layout.block_size, comm };
+    let pass = Pass { dev, cfg, w: weights, step, kv, comm };
     // Safety: the pass's buffers are the model's, alive for its life, sized at load for
     // `max_tokens` tokens and `max_seqs` rows (checked above); the metadata the kernels index
     // by was checked against the cache and tables when it was filled (see `Pass`).
@@ -64,8 +66,7 @@ pub(super) struct Pass<'a> {
     pub cfg: &'a ModelConfig,
     pub w: &'a Weights,
     pub step: &'a StepBuffers,
-    pub cache: &'a DevBuf<u16>,
-    pub block_size: usize,
+    pub kv: &'a DeviceKv,
     /// The tensor-parallel group the row-parallel products are summed over, if any.
     pub comm: Option<&'a Communicator>,
 }
@@ -133,7 +134,7 @@ impl Pass<'_> {
                 let rope = self.rope_args(layer);
                 ops::flash_prefill_narrow_rope(dev, &rope, a.attn.ptr(), &prefill, &meta, &shape, split)?;
             } else {
-                ops::flash_prefill(dev, a.q.ptr(), self.cache.ptr(), a.attn.ptr(), &prefill, &meta, &shape, split)?;
+                self.prefill_attention(&prefill, &shape, split)?;
             }
             let attn_out = self.all_reduce(self.residual_projection(&layer.o, a.attn.ptr(), t)?, t)?;
             match attn_out {
@@ -308,10 +309,31 @@ impl Pass<'_> {
             head_dim: self.cfg.head_dim,
             layer,
             num_layers: self.cfg.num_layers,
-            block_size: self.block_size,
-            num_blocks: self.cache.len()
-                / (2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.block_size * self.cfg.head_dim).max(1),
+            block_size: self.kv.layout.block_size,
+            num_blocks: self.kv.layout.num_blocks,
+            kv_fp8: self.kv.dtype == KvDtype::Fp8E4m3,
         }
+    }
+
+    /// The prefill attention of `prefill`'s work items for the layer `shape` describes: over
+    /// the cache, or over an FP8 cache's bf16 shadow, into which the keys and values the items
+    /// read are dequantized first ([`ops::kv_fp8_shadow`]).
+    pub unsafe fn prefill_attention(
+        &self,
+        prefill: &PrefillSeqs,
+        shape: &AttnShape,
+        split: Option<FlashSplit>,
+    ) -> Result<(), CudaError> {
+        let a = &self.step.act;
+        let meta = self.step.attn_meta();
+        let (cache, shape) = match &self.kv.shadow {
+            Some(shadow) if shape.kv_fp8 => {
+                ops::kv_fp8_shadow(self.dev, self.kv.cache.ptr(), shadow.ptr(), prefill, &meta, shape)?;
+                (shadow.ptr(), AttnShape { layer: 0, num_layers: 1, kv_fp8: false, ..*shape })
+            }
+            _ => (self.kv.cache.ptr(), *shape),
+        };
+        ops::flash_prefill(self.dev, a.q.ptr(), cache, a.attn.ptr(), prefill, &meta, &shape, split)
     }
 
     /// Arguments of the fused q/k-norm + RoPE + cache-write kernel for `layer`.
@@ -327,7 +349,7 @@ impl Pass<'_> {
             positions: self.step.at(m.positions),
             slots: self.step.at(m.slots),
             q_out: self.step.act.q.ptr(),
-            cache: self.cache.ptr(),
+            cache: self.kv.cache.ptr(),
             eps: self.cfg.rms_norm_eps,
         }
     }
@@ -359,7 +381,7 @@ impl Pass<'_> {
         ops::attention_rows(
             self.dev,
             a.q.ptr(),
-            self.cache.ptr(),
+            self.kv.cache.ptr(),
             a.attn.ptr(),
             &self.step.attn_meta(),
             self.step.at(self.step.layout.decode_list),
@@ -418,7 +440,8 @@ impl Pass<'_> {
         let (qkv, o, gate_up, down) = (&layer.qkv, &layer.o, &layer.gate_up, &layer.down);
         [
             Gemv {
-                weight: qkv.weight.ptr(),
+                weight: qkv.gemv_weight().0,
+                scales: qkv.gemv_weight().1,
                 n: qkv.out_dim,
                 k: h,
                 input: self.residual_norm(&layer.input_norm, 0),
@@ -426,7 +449,8 @@ impl Pass<'_> {
                 bias: 0,
             },
             Gemv {
-                weight: o.weight.ptr(),
+                weight: o.gemv_weight().0,
+                scales: o.gemv_weight().1,
                 n: h,
                 k: o.in_dim,
                 input: GemvInput::Bf16(a.attn.ptr()),
@@ -434,7 +458,8 @@ impl Pass<'_> {
                 bias: o.bias_ptr(),
             },
             Gemv {
-                weight: gate_up.weight.ptr(),
+                weight: gate_up.gemv_weight().0,
+                scales: gate_up.gemv_weight().1,
                 n: gate_up.out_dim,
                 k: h,
                 input: self.residual_norm(&layer.post_norm, 0),
@@ -442,7 +467,8 @@ impl Pass<'_> {
                 bias: gate_up.bias_ptr(),
             },
             Gemv {
-                weight: down.weight.ptr(),
+                weight: down.gemv_weight().0,
+                scales: down.gemv_weight().1,
                 n: h,
                 k: down.in_dim,
                 input: GemvInput::Bf16(a.act.ptr()),
@@ -456,6 +482,7 @@ impl Pass<'_> {
     pub fn head_projection(&self) -> Gemv {
         Gemv {
             weight: self.w.head().ptr(),
+            scales: 0,
             n: self.cfg.vocab_size,
             k: self.cfg.hidden_size,
             input: self.residual_norm(&self.w.norm, self.step.at(self.step.layout.rows)),

@@ -1,4 +1,5 @@
-//! The device KV cache, block-major as on the CPU (`tandem_compute::KvLayout`), in memory a
+//! The device KV cache, block-major as on the CPU (`tandem_compute::KvLayout`), bf16 or FP8
+//! e4m3 (with a one-layer bf16 shadow for the prefill attention), in memory a
 //! peer process can map (the cuda-ipc transport), and its page-locked host copy for the KV
 //! connector's tcp transport. It owns the cache's memory for the model's life;
 //! forwards write it, and the connector reads and writes blocks (through
@@ -17,11 +18,17 @@ use crate::ModelError;
 const RESERVE_BYTES: usize = 512 << 20;
 
 pub(super) struct DeviceKv {
+    /// The cache's memory: bf16 elements, or (FP8) two e4m3 bytes to each u16.
     pub cache: DevBuf<u16>,
     pub layout: KvLayout,
+    /// bf16, or FP8 e4m3 (`--kv-cache-dtype fp8`).
+    pub dtype: KvDtype,
+    /// With an FP8 cache: one layer's bf16 copy over the same blocks, where each layer's
+    /// prefill attention reads the keys and values its step needs (`ops::kv_fp8_shadow`).
+    pub shadow: Option<DevBuf<u16>>,
     /// The cache as the KV connector's direct transports (cuda-ipc) see it.
     pub memory: Arc<DeviceKvMemory>,
-    /// The KV connector's host copy of the cache (P/D roles): the same bf16 bytes.
+    /// The KV connector's host copy of the cache (P/D roles): the same bytes.
     host: Option<Arc<KvRegion>>,
     /// `host` page-locked while the cache lives.
     _host_pinned: Option<PinnedRegion>,
@@ -31,14 +38,18 @@ impl DeviceKv {
     /// Allocates the cache: `opts.num_blocks`, or what `opts.memory_utilization` leaves after
     /// everything allocated so far (weights, activations), capped by the host copy's size.
     pub fn allocate(dev: &CudaDevice, cfg: &ModelConfig, opts: &CudaOptions) -> Result<Self, ModelError> {
-        let block_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * opts.block_size * 2;
+        let dtype = opts.kv_dtype;
+        let layer_elems = 2 * cfg.num_kv_heads * cfg.head_dim * opts.block_size;
+        let block_bytes = cfg.num_layers * layer_elems * dtype.bytes();
+        // An FP8 cache's blocks each have a bf16 layer in the shadow too.
+        let shadow_bytes = if dtype == KvDtype::Fp8E4m3 { layer_elems * 2 } else { 0 };
         let num_blocks = match opts.num_blocks {
             Some(n) => n,
             None => {
                 let (free, total) = dev.memory()?;
                 let used = total - free;
                 let budget = (total as f64 * opts.memory_utilization) as usize;
-                budget.saturating_sub(used + RESERVE_BYTES) / block_bytes.max(1)
+                budget.saturating_sub(used + RESERVE_BYTES) / (block_bytes + shadow_bytes).max(1)
             }
         };
         if num_blocks == 0 {
@@ -68,17 +79,22 @@ impl DeviceKv {
             num_blocks,
         };
         // One allocation of its own, so a peer engine in another process can map it (cuda-ipc).
-        let cache = dev.zeros_exportable::<u16>(num_blocks * layout.block_elems())?;
-        let memory = dev.kv_memory(&cache, layout)?;
-        let host = opts.host_kv_bytes.map(|_| KvRegion::host_copy(layout, KvDtype::Bf16));
+        let cache = dev.zeros_exportable::<u16>((num_blocks * block_bytes).div_ceil(2))?;
+        let memory = dev.kv_memory(&cache, layout, dtype)?;
+        let shadow = match shadow_bytes {
+            0 => None,
+            bytes => Some(dev.zeros::<u16>(num_blocks * bytes / 2)?),
+        };
+        let host = opts.host_kv_bytes.map(|_| KvRegion::host_copy(layout, dtype));
         let host_pinned = host.as_ref().and_then(|region| pin(dev, region));
         tracing::info!(
             num_blocks,
             kv_tokens = num_blocks * opts.block_size,
             kv_gib = format!("{:.2}", (num_blocks * block_bytes) as f64 / (1u64 << 30) as f64),
+            dtype = dtype.name(),
             "KV cache on the GPU"
         );
-        Ok(Self { cache, layout, memory, host, _host_pinned: host_pinned })
+        Ok(Self { cache, layout, dtype, shadow, memory, host, _host_pinned: host_pinned })
     }
 
     /// The host copy the connector moves, if this cache has one.

@@ -25,7 +25,7 @@ mod weights;
 use std::sync::Arc;
 
 use tandem_compute::cuda::{Communicator, CudaDevice, CudaError, CudaTuning, KvFences};
-use tandem_compute::{KvLayout, KvRegion};
+use tandem_compute::{KvDtype, KvLayout, KvRegion};
 use tandem_core::TokenLogprobs;
 
 use self::forward::forward;
@@ -82,6 +82,9 @@ pub struct CudaOptions {
     /// (tests; the steps then take no fused decode projections and no CUDA graphs, and it is
     /// not combined with `batch_invariant`).
     pub nccl_one_rank: bool,
+    /// The KV cache's element type: bf16, or FP8 e4m3 (`--kv-cache-dtype fp8`: half the bytes
+    /// a token's KV takes and a transfer moves; head sizes 64 and 128, not batch invariant).
+    pub kv_dtype: KvDtype,
 }
 
 impl Default for CudaOptions {
@@ -100,7 +103,26 @@ impl Default for CudaOptions {
             batch_invariant: false,
             kernel_cache: None,
             nccl_one_rank: false,
+            kv_dtype: KvDtype::Bf16,
         }
+    }
+}
+
+/// Whether the GPU builds `opts.kv_dtype`'s cache for `cfg`: bf16 always; FP8 for head sizes 64
+/// and 128 (the row kernel's FP8 builds), without batch invariance (whose kernels read bf16).
+fn check_kv_dtype(cfg: &ModelConfig, opts: &CudaOptions) -> Result<(), ModelError> {
+    match opts.kv_dtype {
+        KvDtype::Bf16 => Ok(()),
+        KvDtype::Fp8E4m3 if opts.batch_invariant => Err(ModelError::UnsupportedConfig(
+            "--kv-cache-dtype fp8 with --batch-invariant on a GPU is not built yet (its attention kernels read bf16 KV)"
+                .into(),
+        )),
+        KvDtype::Fp8E4m3 if ![64, 128].contains(&cfg.head_dim) => Err(ModelError::UnsupportedConfig(format!(
+            "--kv-cache-dtype fp8 on a GPU takes head sizes 64 and 128, not {}",
+            cfg.head_dim
+        ))),
+        KvDtype::Fp8E4m3 => Ok(()),
+        other => Err(ModelError::UnsupportedConfig(format!("a GPU KV cache holds bf16 or fp8, not {}", other.name()))),
     }
 }
 
@@ -136,6 +158,7 @@ impl CudaModel {
     /// activations are allocated and the KV cache takes what `memory_utilization` leaves.
     pub fn load(spec: &ModelSpec, opts: &CudaOptions) -> Result<Self, ModelError> {
         Weights::check_config(&spec.config)?;
+        check_kv_dtype(&spec.config, opts)?;
         let dev = CudaDevice::open_with(opts.ordinal, opts.tuning.clone(), opts.kernel_cache.as_deref())?;
         let cfg = spec.config.clone();
         let mut weights = Weights::load(&dev, spec)?;
@@ -167,9 +190,10 @@ impl CudaModel {
         // than the prefill path: a batch-invariant model runs every step unfused.
         // The fused decode projections add o and down into the residual inside the GEMV, where
         // no all-reduce can come between.
-        // And they read bf16 weights: FP8 ones go through their own products.
-        let fused = opts.fused_decode && !opts.batch_invariant && comm.is_none() && !weights.fp8();
-        let plan = DecodePlan::choose(&dev, &cfg, fused, dev.tuning());
+        // FP8 weights have their own build of them (`fp8_fused_decode`).
+        let fp8_unfused = weights.fp8() && !dev.tuning().fp8_fused_decode;
+        let fused = opts.fused_decode && !opts.batch_invariant && comm.is_none() && !fp8_unfused;
+        let plan = DecodePlan::choose(&dev, &cfg, fused, weights.fp8(), dev.tuning());
         let step = StepBuffers::new(
             &dev,
             &cfg,

@@ -20,10 +20,12 @@ pub(super) enum DecodePlan {
 
 impl DecodePlan {
     /// The plan for `cfg` on `dev`: fused unless `fused_decode` is off or the shape does not
-    /// fit the fused kernels (8-element loads, up to 8 input rows in shared memory).
-    pub fn choose(dev: &CudaDevice, cfg: &ModelConfig, fused_decode: bool, tuning: &CudaTuning) -> Self {
+    /// fit the fused kernels (8-element loads, 64-column pieces for `fp8` weights, up to 8
+    /// input rows in shared memory).
+    pub fn choose(dev: &CudaDevice, cfg: &ModelConfig, fused_decode: bool, fp8: bool, tuning: &CudaTuning) -> Self {
         let (h, q_dim, i) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size);
-        if !fused_decode || ![h, q_dim, i].iter().all(|d| d.is_multiple_of(8)) {
+        let align = if fp8 { 64 } else { 8 };
+        if !fused_decode || ![h, q_dim, i].iter().all(|d| d.is_multiple_of(align)) {
             return Self::Unfused;
         }
         let max_tokens = ops::gemv_max_tokens(dev, h.max(q_dim).max(i));

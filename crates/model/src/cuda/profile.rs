@@ -67,8 +67,7 @@ impl CudaModel {
             cfg: &self.cfg,
             w: &self.weights,
             step: &self.step,
-            cache: &self.kv.cache,
-            block_size: bs,
+            kv: &self.kv,
             comm: self.comm.as_ref(),
         };
         // Safety: the pass is over the model's own buffers, filled above for a shape checked
@@ -145,7 +144,7 @@ unsafe fn op_times(
     let layers = cfg.num_layers as f64;
     let (h, inter, stacked) = (cfg.hidden_size, cfg.intermediate_size, w.gate_up_stacked());
     let meta = step.attn_meta();
-    let cache = pass.cache.ptr();
+    let cache = pass.kv.cache.ptr();
     let l0 = &w.layers[0];
     let shape = pass.attn_shape(0);
     let rope = pass.rope_args(l0);
@@ -192,19 +191,8 @@ unsafe fn op_times(
         ),
         (
             "attention (tensor-core prefill)".into(),
-            layers
-                * time(&|| {
-                    ops::flash_prefill(
-                        dev,
-                        a.q.ptr(),
-                        cache,
-                        a.attn.ptr(),
-                        &prefill,
-                        &meta,
-                        &shape,
-                        step.flash_split(counts),
-                    )
-                })?,
+            // (Over an FP8 cache, with its dequantization into the shadow.)
+            layers * time(&|| pass.prefill_attention(&prefill, &shape, step.flash_split(counts)))?,
         ),
         ("o projection".into(), time_layers(&|l| pass.residual_projection(&l.o, a.attn.ptr(), t).map(|_| ()))?),
         (

@@ -79,6 +79,15 @@ impl Linear {
         }
     }
 
+    /// The weight as a decode projection ([`ops::Gemv`]) takes it: (bf16 weight, 0) or (FP8
+    /// bytes, row scales).
+    pub fn gemv_weight(&self) -> (u64, u64) {
+        match &self.fp8 {
+            Some(f) => (f.q.ptr(), f.scales.ptr()),
+            None => (self.weight.ptr(), 0),
+        }
+    }
+
     /// The bias's address, or 0 without one (the kernels' convention).
     pub fn bias_ptr(&self) -> u64 {
         self.bias.as_ref().map_or(0, DevBuf::ptr)

@@ -48,6 +48,42 @@ __device__ __forceinline__ void store_e(bf16* p, const float* v, int e) {
     }
 }
 
+// An FP8 KV cache (`--kv-cache-dtype fp8`): each key and value the e4m3 byte nearest it (scale
+// 1, as vLLM's fp8 cache without calibrated scales; the CPU's KvCache::write_token), read back
+// exactly. Stores E values' bytes at p and leaves v holding what the cache now holds.
+__device__ __forceinline__ void store_e_fp8(unsigned char* p, float* v, int e) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        if (i < e) {
+            u32 b = f32_to_e4m3(v[i]);
+            p[i] = (unsigned char)b;
+            v[i] = e4m3_to_f32(b);
+        }
+    }
+}
+
+// Loads E (1 to 8) consecutive e4m3 values, with one access when E is 2, 4 or 8.
+__device__ __forceinline__ void load_e_fp8(const unsigned char* p, float* v, int e) {
+    auto two = [](u32 pair, float* out) {
+        u32 bf = e4m3x2_to_bf16x2(pair);
+        out[0] = __uint_as_float(bf << 16);
+        out[1] = __uint_as_float(bf & 0xffff0000u);
+    };
+    if (e == 8) {
+        uint2 u = *reinterpret_cast<const uint2*>(p);
+        two(u.x & 0xffffu, v), two(u.x >> 16, v + 2), two(u.y & 0xffffu, v + 4), two(u.y >> 16, v + 6);
+    } else if (e == 4) {
+        u32 u = *reinterpret_cast<const u32*>(p);
+        two(u & 0xffffu, v), two(u >> 16, v + 2);
+    } else if (e == 2) {
+        two(*reinterpret_cast<const unsigned short*>(p), v);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (i < e) v[i] = e4m3_to_f32(p[i]);
+    }
+}
+
 // Head h of token t (at position pos) from the qkv projection's output, warp-cooperatively:
 // bias added, RMSNorm'd (q and k heads, where the model has q/k norms) and rotated (q and k
 // heads); lane l ends with elements [l * E, l * E + E) in v, E = head_dim / 32.
@@ -103,7 +139,7 @@ extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias,
                                           const bf16* k_norm, const float* cos_t, const float* sin_t,
                                           const int* positions, const int* slots, bf16* q_out, bf16* cache,
                                           int num_heads, int num_kv_heads, int head_dim, int layer,
-                                          int num_layers, int block_size, float eps) {
+                                          int num_layers, int block_size, float eps, int kv_fp8) {
     PDL_ENTER();
     int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int h = blockIdx.y * 4 + warp;
@@ -118,9 +154,11 @@ extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias,
     } else if (slot >= 0) {
         int kv = h < num_heads + num_kv_heads ? 0 : 1;
         int kh = h - num_heads - kv * num_kv_heads;
-        store_e(cache + kv_offset(slot / block_size, slot % block_size, layer, kv, kh, num_layers, num_kv_heads,
-                                  block_size, head_dim) + base,
-                v, E);
+        u64 at = kv_offset(slot / block_size, slot % block_size, layer, kv, kh, num_layers, num_kv_heads, block_size,
+                           head_dim) + base;
+        // (An FP8 cache's offsets count bytes: one a value.)
+        if (kv_fp8) store_e_fp8(reinterpret_cast<unsigned char*>(cache) + at, v, E);
+        else store_e(cache + at, v, E);
     }
 }
 #endif
@@ -181,13 +219,18 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem));
 }
 
-template <int G, int E>
+template <int G, int E, bool FP8>
 __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16* out, const int* positions,
                                                const int* tok_seq, const int* block_tables, const int* meta_stride,
                                                const int* token_list, int num_heads, int num_kv_heads, int layer,
                                                int num_layers, int block_size, float scale, RopeIn rope, float* part,
                                                int split_keys, bool wait_after_first_keys) {
-    constexpr int HD = 32 * E, STRIDE = ATTN_STRIDE(HD);
+    constexpr int HD = 32 * E;
+    // A staged key or value row: HD bf16 (FP8: bytes) and 16 bytes of padding.
+    constexpr int ROW_BYTES = FP8 ? HD + 16 : ATTN_STRIDE(HD) * 2;
+    // The cache's bytes (an FP8 cache's offsets count bytes, a bf16 one's elements).
+    unsigned char* cache_bytes = reinterpret_cast<unsigned char*>(cache);
+    constexpr int EB = FP8 ? 1 : 2;
     // The block's listed token, head group and key split.
     const int bx = blockIdx.x, by = blockIdx.y, bz = blockIdx.z;
     const int nthreads = blockDim.x;
@@ -196,7 +239,7 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem));
     const int stages = HD <= 128 && dynamic_smem >= 2 * ATTN_STAGE_BYTES(HD) ? 2 : 1;
     // Buffer b: keys at kbuf(b), values ATTN_CHUNK rows further.
-    auto kbuf = [&](int b) { return reinterpret_cast<bf16*>(attn_smem) + b * 2 * ATTN_CHUNK * STRIDE; };
+    auto kbuf = [&](int b) { return attn_smem + b * 2 * ATTN_CHUNK * ROW_BYTES; };
     // Scaled queries; reused at the end to add up the warps' partial outputs.
     __shared__ float qs[G][HD];
     __shared__ float ps[G][ATTN_CHUNK];
@@ -221,17 +264,19 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     // launch writes it; the block has it in new_kv).
     int cached = fused ? min(k1, ctx - 1) : k1;
     auto stage = [&](int start, int b) {
-        bf16* ks = kbuf(b);
-        bf16* vs = ks + ATTN_CHUNK * STRIDE;
+        unsigned char* ks = kbuf(b);
+        unsigned char* vs = ks + ATTN_CHUNK * ROW_BYTES;
         int n = min(ATTN_CHUNK, cached - start);
-        for (int c = tid; c < n * (HD / 8); c += nthreads) {
-            int r = c / (HD / 8), part = (c % (HD / 8)) * 8;
+        // 16-byte copies a row.
+        constexpr int PARTS = HD * EB / 16;
+        for (int c = tid; c < n * PARTS; c += nthreads) {
+            int r = c / PARTS, part = (c % PARTS) * 16;
             int key = start + r;
             int blk = table[key / block_size], slot = key % block_size;
-            cp_async16(ks + r * STRIDE + part,
-                       cache + kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, HD) + part);
-            cp_async16(vs + r * STRIDE + part,
-                       cache + kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, HD) + part);
+            u64 k_at = kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, HD) * EB;
+            u64 v_at = kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, HD) * EB;
+            cp_async16(ks + r * ROW_BYTES + part, cache_bytes + k_at + part);
+            cp_async16(vs + r * ROW_BYTES + part, cache_bytes + v_at + part);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
@@ -253,12 +298,20 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
                 for (int e = 0; e < E; ++e) qs[task][lane * E + e] = round_bf16(v[e]) * scale;
             } else {
                 int kv = task - G;
+                // The group's first block writes the cache; every block keeps what it holds.
+                bool writer = slot >= 0 && h0 % group == 0 && bz == 0;
+                u64 at = writer ? kv_offset(slot / block_size, slot % block_size, layer, kv, kh, num_layers,
+                                            num_kv_heads, block_size, HD) + lane * E
+                                : 0;
+                if (FP8) {
+                    if (writer) store_e_fp8(cache_bytes + at, v, E);
+                    else
+#pragma unroll
+                        for (int e = 0; e < E; ++e) v[e] = e4m3_to_f32(f32_to_e4m3(v[e]));
+                } else if (writer) {
+                    store_e(cache + at, v, E);
+                }
                 store_e(&new_kv[kv][lane * E], v, E);
-                if (slot >= 0 && h0 % group == 0 && bz == 0)
-                    store_e(cache + kv_offset(slot / block_size, slot % block_size, layer, kv, kh, num_layers,
-                                              num_kv_heads, block_size, HD) +
-                                lane * E,
-                            v, E);
             }
         }
     } else {
@@ -279,21 +332,24 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     for (int start = k0, chunk = 0; start < k1; start += ATTN_CHUNK, ++chunk) {
         int n = min(ATTN_CHUNK, k1 - start);
         int b = stages == 2 ? chunk & 1 : 0;
-        const bf16* ks = kbuf(b);
-        const bf16* vs = ks + ATTN_CHUNK * STRIDE;
+        const unsigned char* ks = kbuf(b);
+        const unsigned char* vs = ks + ATTN_CHUNK * ROW_BYTES;
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         __syncthreads();
         // The other buffer was last read before the barrier that ended the previous chunk.
         if (stages == 2 && start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK, b ^ 1);
         if (tid < n) {
-            const bf16* k = fused && start + tid == ctx - 1 ? new_kv[0] : ks + tid * STRIDE;
+            bool own = fused && start + tid == ctx - 1;
+            const unsigned char* row = ks + tid * ROW_BYTES;
+            const bf16* k = own ? new_kv[0] : reinterpret_cast<const bf16*>(row);
             float dot[G];
 #pragma unroll
             for (int g = 0; g < G; ++g) dot[g] = 0.0f;
 #pragma unroll
             for (int c = 0; c < HD / 8; ++c) {
                 float kf[8];
-                unpack8(*reinterpret_cast<const uint4*>(k + c * 8), kf);
+                if (FP8 && !own) load_e_fp8(row + c * 8, kf, 8);
+                else unpack8(*reinterpret_cast<const uint4*>(k + c * 8), kf);
 #pragma unroll
                 for (int g = 0; g < G; ++g)
 #pragma unroll
@@ -333,9 +389,11 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         // P.V: warp w takes keys w, w + 4, ...
 #pragma unroll 4
         for (int j = warp; j < n; j += ATTN_WARPS) {
-            const bf16* v = fused && start + j == ctx - 1 ? new_kv[1] : vs + j * STRIDE;
+            bool own = fused && start + j == ctx - 1;
+            const unsigned char* row = vs + j * ROW_BYTES;
             float vf[8];
-            load_e(v + lane * E, vf, E);
+            if (FP8 && !own) load_e_fp8(row + lane * E, vf, E);
+            else load_e((own ? new_kv[1] : reinterpret_cast<const bf16*>(row)) + lane * E, vf, E);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 float p = ps[g][j];
@@ -372,6 +430,41 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     }
 }
 
+// An FP8 cache's keys and values of layer `layer` that a step's prefill work items read,
+// dequantized into `shadow` (the prefill attention kernels read bf16): one layer's bf16 cache
+// with the same blocks, [block][k|v][kv_head][slot][head_dim]. Item (sequence s, first query
+// q0 of its 64) takes its own queries' tokens, and a sequence's first item (q0 == 0) also the
+// context cached before this step, so every key an item attends is in the shadow once the
+// launch is done. The values are the cache's exactly (every e4m3 number is a bf16 number).
+// Grid: (items, any). Block: 256; eight values a thread.
+#if KERNEL_GROUP(0)
+extern "C" __global__ void kv_fp8_shadow(const unsigned char* cache, bf16* shadow, const int* work, const int* seq_len,
+                                         const int* seq_pos, const int* block_tables, const int* meta_stride,
+                                         int layer, int num_layers, int num_kv_heads, int head_dim, int block_size) {
+    // The previous kernel writes this step's keys and values into the cache.
+    PDL_ENTER();
+    int s = work[2 * blockIdx.x], q0 = work[2 * blockIdx.x + 1];
+    int pos0 = seq_pos[s];
+    int k0 = q0 == 0 ? 0 : pos0 + q0, k1 = pos0 + min(q0 + 64, seq_len[s]);
+    const int* table = block_tables + (u64)s * meta_stride[0];
+    int vecs = head_dim / 8, planes = 2 * num_kv_heads;
+    u64 total = (u64)max(k1 - k0, 0) * planes * vecs;
+    for (u64 i = (u64)blockIdx.y * blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.y * blockDim.x) {
+        int v = (int)(i % vecs);
+        u64 r = i / vecs;
+        int plane = (int)(r % planes), key = k0 + (int)(r / planes);
+        int blk = table[key / block_size], slot = key % block_size;
+        int kv = plane / num_kv_heads, kh = plane % num_kv_heads;
+        u64 from = kv_offset(blk, slot, layer, kv, kh, num_layers, num_kv_heads, block_size, head_dim) + v * 8;
+        uint2 raw = *reinterpret_cast<const uint2*>(cache + from);
+        uint4 out = make_uint4(e4m3x2_to_bf16x2(raw.x & 0xffffu), e4m3x2_to_bf16x2(raw.x >> 16),
+                               e4m3x2_to_bf16x2(raw.y & 0xffffu), e4m3x2_to_bf16x2(raw.y >> 16));
+        *reinterpret_cast<uint4*>(shadow + kv_offset(blk, slot, 0, kv, kh, 1, num_kv_heads, block_size, head_dim) +
+                                  v * 8) = out;
+    }
+}
+#endif
+
 // Merges split attention partials (see attn_splits) in split order: out = sum_s acc_s w_s /
 // sum_s l_s w_s with w_s = exp(m_s - max m). With one split, w = 1 and this is the unsplit
 // kernel's out = acc * (1 / l), bit for bit. Grid: (listed tokens, heads). Block: head_dim.
@@ -398,8 +491,8 @@ extern "C" __global__ void attention_combine(const float* part, bf16* out, const
 }
 #endif
 
-#define ATTENTION_ROWS(G, E)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(128) attention_rows_g##G##_e##E(                                \
+#define ATTENTION_ROWS_BUILD(NAME, G, E, FP8)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                       \
         const bf16* q, bf16* cache, bf16* out, const int* positions, const int* tok_seq, const int* block_tables, \
         const int* meta_stride, const int* token_list, int num_heads, int num_kv_heads, int layer, int num_layers, \
         int block_size, float scale, const bf16* qkv, const bf16* qkv_bias, const bf16* q_norm, const bf16* k_norm, \
@@ -407,10 +500,13 @@ extern "C" __global__ void attention_combine(const float* part, bf16* out, const
         /* Fused steps wait on the previous kernel inside, after the first cached keys. */                      \
         if (!qkv) PDL_ENTER();                                                                                   \
         RopeIn rope = {qkv, qkv_bias, q_norm, k_norm, cos_t, sin_t, slots, eps};                                 \
-        attention_rows<G, E>(q, cache, out, positions, tok_seq, block_tables, meta_stride, token_list, num_heads, \
-                             num_kv_heads, layer, num_layers, block_size, scale, rope, part, split_keys,         \
-                             qkv != nullptr);                                                                    \
+        attention_rows<G, E, FP8>(q, cache, out, positions, tok_seq, block_tables, meta_stride, token_list,     \
+                                  num_heads, num_kv_heads, layer, num_layers, block_size, scale, rope, part,    \
+                                  split_keys, qkv != nullptr);                                                  \
     }
+#define ATTENTION_ROWS(G, E) ATTENTION_ROWS_BUILD(attention_rows_g##G##_e##E, G, E, false)
+// Over an FP8 cache (`--kv-cache-dtype fp8`): head sizes 64 and 128.
+#define ATTENTION_ROWS_FP8(G, E) ATTENTION_ROWS_BUILD(attention_rows_g##G##_e##E##_fp8, G, E, true)
 #define ATTENTION_ROWS_ALL_E(G)                                                                                \
     ATTENTION_ROWS(G, 1) ATTENTION_ROWS(G, 2) ATTENTION_ROWS(G, 3) ATTENTION_ROWS(G, 4) ATTENTION_ROWS(G, 5) \
     ATTENTION_ROWS(G, 6) ATTENTION_ROWS(G, 7) ATTENTION_ROWS(G, 8)
@@ -419,6 +515,10 @@ extern "C" __global__ void attention_combine(const float* part, bf16* out, const
 ATTENTION_ROWS_ALL_E(1)
 ATTENTION_ROWS(2, 2) ATTENTION_ROWS(2, 4) ATTENTION_ROWS(4, 2) ATTENTION_ROWS(4, 4) ATTENTION_ROWS(8, 2)
 ATTENTION_ROWS(8, 4)
+#endif
+#if KERNEL_GROUP(4)
+ATTENTION_ROWS_FP8(1, 2) ATTENTION_ROWS_FP8(1, 4) ATTENTION_ROWS_FP8(2, 2) ATTENTION_ROWS_FP8(2, 4)
+ATTENTION_ROWS_FP8(4, 2) ATTENTION_ROWS_FP8(4, 4) ATTENTION_ROWS_FP8(8, 2) ATTENTION_ROWS_FP8(8, 4)
 #endif
 
 // Prefill attention with tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash

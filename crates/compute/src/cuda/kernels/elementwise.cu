@@ -71,8 +71,8 @@ __device__ __forceinline__ u64 kv_digest_mix(u64 z) {
     return z ^ (z >> 31);
 }
 
-extern "C" __global__ void kv_digest(const unsigned short* cache, const u32* table, u32 num_tokens, u32 planes,
-                                     u32 head_dim, u32 block_size, unsigned long long* out) {
+extern "C" __global__ void kv_digest(const void* cache, const u32* table, u32 num_tokens, u32 planes,
+                                     u32 head_dim, u32 block_size, u32 elem_bytes, unsigned long long* out) {
     u32 per_plane = num_tokens * head_dim;
     u64 acc = 0;
     for (u32 p = blockIdx.y; p < planes; p += gridDim.y) {
@@ -80,7 +80,10 @@ extern "C" __global__ void kv_digest(const unsigned short* cache, const u32* tab
             u32 t = i / head_dim, e = i - t * head_dim;
             u64 at = (((u64)table[t / block_size] * planes + p) * block_size + t % block_size) * head_dim + e;
             u64 index = (u64)p * per_plane + i;
-            acc += kv_digest_mix(index * 0x9E3779B97F4A7C15ull ^ (u64)cache[at]);
+            // An element's bits: bf16 (2 bytes) or FP8 (1).
+            u64 bits = elem_bytes == 1 ? (u64) reinterpret_cast<const unsigned char*>(cache)[at]
+                                       : (u64) reinterpret_cast<const unsigned short*>(cache)[at];
+            acc += kv_digest_mix(index * 0x9E3779B97F4A7C15ull ^ bits);
         }
     }
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);

@@ -265,3 +265,179 @@ GEMV_FP8_KERNEL(gemv_fp8_t16, 2, 1)
 GEMV_FP8_KERNEL(gemv_fp8_t8_k4, 1, 4)
 GEMV_FP8_KERNEL(gemv_fp8_t16_k4, 2, 4)
 #endif
+
+// The fused decode projection of an FP8 weight (`ops::Gemv` with row scales): gemv_mma's
+// structure (a warp owns a 16-row A tile, up to 8 tokens' inputs from shared memory as B, K
+// split over ksplit warps, the bf16 kernels' prologues and epilogues) reading one byte a
+// weight. Per 64-column piece a lane loads 16 bytes of rows g and g + 8 (columns taken as in
+// gemv_fp8: four mma steps), and the piece's sums are scaled by its two rows' scales (a piece
+// lies inside one 128-column block) into two accumulators taken in turn, added in order at the
+// end. A warp loads FP8_PIECES pieces (512 columns: a whole K slice of most products, with
+// ops::gemv_plan's split) at once: its first batch before the programmatic-launch wait, its
+// next tile's while the current one's sums are reduced and stored, so the memory streams
+// through the prologue and the epilogues (at one byte a weight, a tile's bytes are few).
+// OUT_SILU reads gate/up stacked as FP8 weights keep them (gate rows [0, N / 2), up rows
+// [N / 2, N)): a tile's rows g are gate rows j0 + g and its rows g + 8 the matching up rows,
+// so each lane holds both halves of its outputs. K % 64 == 0. Block: 256. Dynamic shared
+// memory: M * K * 2 bytes.
+#define FP8_PIECES 8
+template <int OUT>
+__device__ __forceinline__ void gemv_fp8_store(void* out, const bf16* bias, int N, int row, int m, int mcount,
+                                               float v, float up) {
+    if (OUT != OUT_SILU) {
+        gemv_store<OUT>(out, bias, N, row, m, mcount, v);
+        return;
+    }
+    int half = N / 2;
+    if (row >= half || m >= mcount) return;
+    if (bias) {
+        v += bf2f(bias[row]);
+        up += bf2f(bias[half + row]);
+    }
+    reinterpret_cast<bf16*>(out)[(u64)m * half + row] = (bf16)(silu_mul_pack(f2bf(v), f2bf(up)) & 0xffffu);
+}
+
+template <int M, int IN, int OUT>
+__device__ __forceinline__ void gemv_mma_fp8(const unsigned char* __restrict__ W, const float* __restrict__ scales,
+                                             int N, int K, int ksplit, const void* in, const int* rows,
+                                             const bf16* norm_w, float eps, void* out, const bf16* bias,
+                                             int mcount) {
+    extern __shared__ __align__(16) unsigned char gemv_smem[];
+    __shared__ float scratch[32];
+    __shared__ float partial[8][MMA_ROWS][8];
+    bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+    int groups = 8 / ksplit, grp = warp / ksplit, slice = warp % ksplit;
+    int kbc = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    // Slices of whole 64-column pieces.
+    int slice_len = (K / 64 + ksplit - 1) / ksplit * 64;
+    int k_begin = slice * slice_len, k_end = min(K, k_begin + slice_len);
+    // A tile's output rows: 16 (OUT_SILU: 8 outputs from 8 gate and 8 up rows).
+    constexpr int TILE_OUT = OUT == OUT_SILU ? 8 : MMA_ROWS;
+    int outs = OUT == OUT_SILU ? N / 2 : N;
+    int tiles = (outs + TILE_OUT - 1) / TILE_OUT;
+    // Weight rows of tile `tile` for this lane (rows past the end read the last one; never stored).
+    auto rows_of = [&](int tile, int& lo, int& hi) {
+        if (OUT == OUT_SILU) {
+            lo = min(tile * 8 + g, outs - 1);
+            hi = outs + lo;
+        } else {
+            lo = min(tile * 16 + g, N - 1);
+            hi = min(tile * 16 + g + 8, N - 1);
+        }
+    };
+    uint4 wlo[FP8_PIECES], whi[FP8_PIECES];
+    float slo[FP8_PIECES], shi[FP8_PIECES];
+    auto load = [&](int tile, int k0) {
+        int lo, hi;
+        rows_of(tile, lo, hi);
+#pragma unroll
+        for (int u = 0; u < FP8_PIECES; ++u) {
+            int k = k0 + u * 64 + q * 16;
+            if (k < k_end) {
+                wlo[u] = ld_stream(reinterpret_cast<const bf16*>(W + (u64)lo * K + k));
+                whi[u] = ld_stream(reinterpret_cast<const bf16*>(W + (u64)hi * K + k));
+                slo[u] = __ldg(scales + (u64)lo * kbc + k / FP8_BLOCK);
+                shi[u] = __ldg(scales + (u64)hi * kbc + k / FP8_BLOCK);
+            } else {
+                wlo[u] = whi[u] = make_uint4(0, 0, 0, 0);
+                slo[u] = shi[u] = 0.0f;
+            }
+        }
+    };
+    int stride = gridDim.x * groups;
+    int first = blockIdx.x * groups;
+    // Weights are never written: the first batch streams while the previous kernel ends.
+    if (first < tiles) load(first + grp, k_begin);
+    PDL_ENTER();
+    for (int m = 0; m < M; ++m) gemv_prologue<IN>(xs + (u64)m * K, K, in, rows, norm_w, eps, m, mcount, scratch);
+    __syncthreads();
+    const bf16* xrow = xs + (u64)(g < M ? g : 0) * K;
+    bool loaded = true;
+    for (int tile0 = first; tile0 < tiles; tile0 += stride) {
+        int tile = tile0 + grp;
+        float acc[2][4];
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[u][e] = 0.0f;
+        for (int k0 = k_begin; k0 < k_end; k0 += 64 * FP8_PIECES) {
+            if (!loaded) load(tile, k0);
+            loaded = false;
+#pragma unroll
+            for (int u = 0; u < FP8_PIECES; ++u) {
+                int k = k0 + u * 64 + q * 16;
+                uint4 x0 = make_uint4(0, 0, 0, 0), x1 = make_uint4(0, 0, 0, 0);
+                if (g < M && k < k_end) {
+                    x0 = *reinterpret_cast<const uint4*>(xrow + k);
+                    x1 = *reinterpret_cast<const uint4*>(xrow + k + 8);
+                }
+                const u32 xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+                const u32 lw[4] = {wlo[u].x, wlo[u].y, wlo[u].z, wlo[u].w};
+                const u32 hw[4] = {whi[u].x, whi[u].y, whi[u].z, whi[u].w};
+                float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int step = 0; step < 4; ++step) {
+                    u32 a[4] = {e4m3x2_to_bf16x2(lw[step] & 0xffffu), e4m3x2_to_bf16x2(hw[step] & 0xffffu),
+                                e4m3x2_to_bf16x2(lw[step] >> 16), e4m3x2_to_bf16x2(hw[step] >> 16)};
+                    mma_bf16(part, a, xw[2 * step], xw[2 * step + 1]);
+                }
+                acc[u & 1][0] = fmaf(part[0], slo[u], acc[u & 1][0]);
+                acc[u & 1][1] = fmaf(part[1], slo[u], acc[u & 1][1]);
+                acc[u & 1][2] = fmaf(part[2], shi[u], acc[u & 1][2]);
+                acc[u & 1][3] = fmaf(part[3], shi[u], acc[u & 1][3]);
+            }
+            // The slice's last batch is in the accumulators: the registers take the next
+            // tile's first batch while this one's sums are reduced and stored.
+            if (k0 + 64 * FP8_PIECES >= k_end && tile0 + stride < tiles) {
+                load(tile + stride, k_begin);
+                loaded = true;
+            }
+        }
+        float d[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) d[e] = acc[0][e] + acc[1][e];
+        // d: A rows g (0, 1) and g + 8 (2, 3) by tokens 2q and 2q + 1.
+        if (ksplit == 1) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                if (OUT == OUT_SILU) {
+                    gemv_fp8_store<OUT>(out, bias, N, tile * 8 + g, 2 * q + i, mcount, d[i], d[2 + i]);
+                } else {
+                    gemv_fp8_store<OUT>(out, bias, N, tile * 16 + g, 2 * q + i, mcount, d[i], 0.0f);
+                    gemv_fp8_store<OUT>(out, bias, N, tile * 16 + g + 8, 2 * q + i, mcount, d[2 + i], 0.0f);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) partial[warp][g + (i / 2) * 8][2 * q + i % 2] = d[i];
+            __syncthreads();
+            for (int i = tid; i < groups * TILE_OUT * M; i += blockDim.x) {
+                int gg = i / (TILE_OUT * M), r = (i / M) % TILE_OUT, m = i % M;
+                float v = 0.0f, up = 0.0f;
+                for (int sl = 0; sl < ksplit; ++sl) {
+                    v += partial[gg * ksplit + sl][r][m];
+                    if (OUT == OUT_SILU) up += partial[gg * ksplit + sl][r + 8][m];
+                }
+                gemv_fp8_store<OUT>(out, bias, N, (tile0 + gg) * TILE_OUT + r, m, mcount, v, up);
+            }
+            __syncthreads();
+        }
+    }
+}
+
+#define GEMV_FP8_FUSED_KERNEL(NAME, M, IN, OUT)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256, 2) NAME##_m##M##_fp8(                                     \
+        const unsigned char* W, const float* scales, int N, int K, int ksplit, const void* in, const int* rows,  \
+        const bf16* norm_w, float eps, void* out, const bf16* bias, int mcount) {                                \
+        gemv_mma_fp8<M, IN, OUT>(W, scales, N, K, ksplit, in, rows, norm_w, eps, out, bias, mcount);            \
+    }
+#define GEMV_FP8_FUSED_ALL_M(NAME, IN, OUT)                                         \
+    GEMV_FP8_FUSED_KERNEL(NAME, 1, IN, OUT) GEMV_FP8_FUSED_KERNEL(NAME, 2, IN, OUT) \
+    GEMV_FP8_FUSED_KERNEL(NAME, 4, IN, OUT) GEMV_FP8_FUSED_KERNEL(NAME, 8, IN, OUT)
+#if KERNEL_GROUP(1)
+GEMV_FP8_FUSED_ALL_M(gemv_norm_bf16, IN_NORM, OUT_BF16)
+GEMV_FP8_FUSED_ALL_M(gemv_norm_f32, IN_NORM, OUT_F32)
+GEMV_FP8_FUSED_ALL_M(gemv_norm_silu, IN_NORM, OUT_SILU)
+GEMV_FP8_FUSED_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
+#endif

@@ -309,6 +309,9 @@ pub unsafe fn flash_prefill_narrow_rope(
     split: Option<FlashSplit>,
 ) -> Result<(), CudaError> {
     let group = s.num_heads / s.num_kv_heads.max(1);
+    if s.kv_fp8 {
+        return Err(CudaError::Unavailable("the narrow kernel reads and writes a bf16 cache, not FP8".into()));
+    }
     if !p.packed || p.narrow != p.num_items || narrow_tokens(dev, s.num_heads, s.num_kv_heads, s.head_dim) == 0 {
         return Err(CudaError::Unavailable(format!(
             "the narrow kernel with RoPE takes steps of narrow work items only (the packed Hopper build, at most \
@@ -514,6 +517,9 @@ pub unsafe fn flash_prefill(
     if p.num_items == 0 {
         return Ok(());
     }
+    if s.kv_fp8 {
+        return Err(CudaError::Unavailable("the prefill attention reads a bf16 cache (FP8: kv_fp8_shadow's)".into()));
+    }
     if split.is_some() && !p.packed {
         return Err(CudaError::Unavailable("split prefill attention is only built packed".into()));
     }
@@ -569,6 +575,7 @@ mod tests {
                 num_layers: layers,
                 block_size: bs,
                 num_blocks: blocks,
+                kv_fp8: false,
             };
             let layout =
                 KvLayout { num_layers: layers, num_kv_heads: kvh, head_dim: 128, block_size: bs, num_blocks: blocks };
