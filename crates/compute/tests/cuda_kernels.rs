@@ -933,7 +933,7 @@ fn fp8_decode_projections_match_the_dequantized_reference() {
             _ => &[(37, 64), (3001, 1024), (40, 2048), (20011, 256), (41, 5120), (21, 9728)],
         };
         let plans: [&dyn Fn(usize, usize, usize) -> GemvPlan; 4] = [
-            &|n, k, tokens| ops::gemv_plan_fp8(&dev, n, k, tokens),
+            &|n, k, tokens| ops::gemv_plan(&dev, n, k, tokens, GemvBuild::Mma),
             &|_, _, _| GemvPlan { build: GemvBuild::Mma, ksplit: 2, blocks: 3 },
             &|_, _, _| GemvPlan { build: GemvBuild::Mma, ksplit: 8, blocks: 1 },
             &|_, _, _| GemvPlan { build: GemvBuild::Mma, ksplit: 1, blocks: 2 },
@@ -977,7 +977,7 @@ fn fp8_decode_projections_match_the_dequantized_reference() {
         let us = |g: Gemv, build| {
             time_us(&dev, &|| unsafe { g.launch_with(&dev, 1, ops::gemv_plan(&dev, n, k, 1, build)).unwrap() })
         };
-        // (A plan of another build gives the FP8 weight its own, `ops::gemv_plan_fp8`.)
+        // (A plan of another build gives the FP8 weight the tensor-core build's.)
         let (fp8_us, bf16_us) = (us(fp8_g, GemvBuild::Plain), us(bf16_g, build));
         eprintln!(
             "fp8 fused {name} {k} by {n}: one row {fp8_us:.1} us ({:.0} GB/s), bf16 fused {bf16_us:.1} us ({:.0} GB/s)",

@@ -201,16 +201,20 @@ fn fp8_weights_agree_with_the_cpu_backends_fp8_rounding() {
 /// or the fused decode attention, read by the row kernel directly and by the prefill kernels
 /// through the one-layer bf16 shadow) against the CPU engine's FP8 cache: a chunk of 140, a
 /// chunk of 10 over those 140 cached tokens (the shadow's context), decode steps fused and
-/// unfused. Both round the same keys and values (the GPU's in bf16 first), so the logits agree
-/// about as closely as with bf16 caches.
+/// unfused. Both round each key and value to e4m3, but the GPU's keys and values are bf16
+/// before they are rounded, and bf16's differences move some of them to the neighbouring e4m3
+/// value (an e4m3 step is 16 bf16 steps): on the CPU alone, rounding them to bf16 first moves
+/// qwen3-0.6b's logits by 4.7e-2 relative (FP8 against f32 caches: 6.8e-2), and the GPU is
+/// 5.4e-2 off the CPU at the first chunk (H100). Hence 1e-1: a key or value misread (a wrong
+/// byte, a stale or missing shadow block) moves them by far more.
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn fp8_kv_cache_agrees_with_the_cpu_backends_fp8_cache() {
     if !cuda_usable() {
         return;
     }
-    compare_with_cpu_kv("qwen3-0.6b", (150, 140), 4e-2, KvDtype::Fp8E4m3, true);
-    compare_with_cpu_kv("qwen3-0.6b", (150, 140), 4e-2, KvDtype::Fp8E4m3, false);
+    compare_with_cpu_kv("qwen3-0.6b", (150, 140), 1e-1, KvDtype::Fp8E4m3, true);
+    compare_with_cpu_kv("qwen3-0.6b", (150, 140), 1e-1, KvDtype::Fp8E4m3, false);
 }
 
 /// Options for comparing two builds of a small model: 32 cache blocks of 16 tokens, steps of

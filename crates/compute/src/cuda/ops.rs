@@ -542,8 +542,9 @@ impl Gemv {
         if fp8 && !k.is_multiple_of(64) {
             return Err(CudaError::Unavailable(format!("FP8 decode projection of {k} columns (needs k % 64 == 0)")));
         }
-        // An FP8 weight has one build, the tensor-core one (its own grid unless one is given).
-        let plan = if fp8 && plan.build != GemvBuild::Mma { gemv_plan_fp8(dev, n, k, tokens) } else { plan };
+        // An FP8 weight has one build, the tensor-core one (its grid unless one is given).
+        let plan =
+            if fp8 && plan.build != GemvBuild::Mma { gemv_plan(dev, n, k, tokens, GemvBuild::Mma) } else { plan };
         if plan.build == GemvBuild::Bulk {
             return self.launch_bulk(dev, tokens);
         }
@@ -661,20 +662,6 @@ pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: Gem
         GemvBuild::Bulk => (8, n.div_ceil(GEMV_BULK_ROWS)),
     };
     GemvPlan { build, ksplit, blocks }
-}
-
-/// The plan of an FP8 weight's decode projection (the `_fp8` kernels, the tensor-core build):
-/// K split over the fewest warps that leave each at most 512 columns (one batch of loads, see
-/// kernels/fp8.cu; up to 8), 16-row tiles, blocks up to one wave (two per multiprocessor by
-/// the launch bounds, fewer if the input rows fill shared memory) looping over tiles. The
-/// split depends on the shape alone, so a row's sums do not depend on the token count.
-pub fn gemv_plan_fp8(dev: &CudaDevice, n: usize, k: usize, tokens: usize) -> GemvPlan {
-    let (_, per_sm) = dev.gemv_smem();
-    let ksplit = [1, 2, 4, 8].into_iter().find(|s| k.div_ceil(*s) <= 512).unwrap_or(8);
-    let tiles = n.div_ceil(8 / ksplit * 16);
-    let smem = tokens.max(1).next_power_of_two() * k * 2;
-    let slots = dev.sm_count() as usize * (per_sm / (smem + GEMV_MMA_STATIC_SMEM + 1024)).clamp(1, 2);
-    GemvPlan { build: GemvBuild::Mma, ksplit, blocks: tiles.min(slots).max(1) }
 }
 
 /// (K split, blocks) of the tensor-core build: warps own 16 rows, K split over the most warps

@@ -64,11 +64,7 @@ __device__ __forceinline__ void store_e_fp8(unsigned char* p, float* v, int e) {
 
 // Loads E (1 to 8) consecutive e4m3 values, with one access when E is 2, 4 or 8.
 __device__ __forceinline__ void load_e_fp8(const unsigned char* p, float* v, int e) {
-    auto two = [](u32 pair, float* out) {
-        u32 bf = e4m3x2_to_bf16x2(pair);
-        out[0] = __uint_as_float(bf << 16);
-        out[1] = __uint_as_float(bf & 0xffff0000u);
-    };
+    auto two = [](u32 pair, float* out) { e4m3x2_to_f32x2(pair, out); };
     if (e == 8) {
         uint2 u = *reinterpret_cast<const uint2*>(p);
         two(u.x & 0xffffu, v), two(u.x >> 16, v + 2), two(u.y & 0xffffu, v + 4), two(u.y >> 16, v + 6);
