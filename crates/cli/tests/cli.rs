@@ -128,6 +128,7 @@ fn bad_input_fails_with_a_message() {
         ),
         (&["bench", "kv", "--transport", "cuda-ipc", "--device", "cpu"], "give a GPU (cuda:N)"),
         (&["bench", "soak", "--device", "cuda:0"], "add --batch-invariant"),
+        (&["bench", "engine", "--kv-cache-dtype", "fp8"], "bench engine --kv-cache-dtype is for GPU engines"),
         (&["serve", "--generation-config", "model"], "possible values: auto, vllm"),
         (&["generate", "--prompt", "x", "--quantization", "int4"], "unknown quantization `int4` (known: fp8)"),
         (
