@@ -41,11 +41,12 @@
 #   default "1 4"; TCP_TLS=1 over TLS, and on host memory too, TCP_TLS_PIPES="on off" with the
 #   connections' TLS threads and without; TCP_SPLIT=1 each end on half the cores, as two hosts,
 #   `--split-cpus`) and on host memory; sweep: `tandem bench sweep
-#   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODES, SWEEP_INPUTS,
+#   --launch` on cuda:0 (push and pull over cuda-ipc, colocated; SWEEP_MODEL (preset:qwen3-4b), SWEEP_MODES, SWEEP_INPUTS,
 #   SWEEP_QPS narrow it, SWEEP_PROMPTS sets the requests a point (16); SWEEP_DECODE_DEVICE=cuda:1 puts decode on the second GPU;
 #   SWEEP_KV_BLOCKS each engine's cache blocks (4096); SWEEP_MPS=1 under CUDA MPS; SWEEP_ENGINE_ARGS adds
 #   --engine-arg=... flags or other sweep options (`--engine-log warn,tandem_kv=debug`: each push
 #   group's times, for scripts/gpu/push_tail.py); SWEEP_DIR names its result folder under $OUT);
+#   seed: issue 51's qwen3-32b, FP8 weights and KV, swept as sweep does (SWEEP_TRANSPORT=tcp too);
 #   ab: P/D with the new build, then bench kv (cuda-ipc, tcp) for gpu-bin/tandem-base and the new
 #   build alternately (AB_ROUNDS, TCP_SIZES; build with BASELINE=<rev>);
 #   prefix: issue 30's multi-turn TTFT by turn, conditional and 2P2D KV-aware routing, and the
@@ -257,7 +258,7 @@ sweep() {
     export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
     if nvidia-cuda-mps-control -d; then note "sweep under CUDA MPS"; else note "CUDA MPS did not start: sweeping without it"; mps_dir=""; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; fi
   fi
-  timeout "${SWEEP_SECS:-590}" "$BIN/tandem" bench sweep --launch --model preset:qwen3-4b --modes "${SWEEP_MODES:-push,pull,colocated}" \
+  timeout "${SWEEP_SECS:-590}" "$BIN/tandem" bench sweep --launch --model "${SWEEP_MODEL:-preset:qwen3-4b}" --modes "${SWEEP_MODES:-push,pull,colocated}" \
     --prefill-device cuda:0 --decode-device "${SWEEP_DECODE_DEVICE:-cuda:0}" --colocated-device cuda:0 --num-kv-blocks "${SWEEP_KV_BLOCKS:-4096}" \
     --engine-arg="--kv-transport=${SWEEP_TRANSPORT:-cuda-ipc}" ${SWEEP_ENGINE_ARGS:-} --input-lens "${SWEEP_INPUTS:-1024,4096,8192}" --qps "${SWEEP_QPS:-1,2,4,8}" \
     --output-len 64 --num-prompts "${SWEEP_PROMPTS:-16}" --vocab-size 100000 --result-dir "$OUT/${SWEEP_DIR:-sweep}" --plot > "$OUT/${SWEEP_DIR:-sweep}.log" 2>&1 \
@@ -591,6 +592,16 @@ if [ "$MODE" = tests ]; then
 fi
 if [ "$MODE" = sweep ]; then
   sweep
+  exit $status
+fi
+# Issue 51's seed model disaggregated on one H200 (needs_h200): qwen3-32b with FP8 weights and
+# FP8 KV caches as prefill, decode and router on cuda:0 beside a colocated engine, 4k / 8k / 16k
+# prompts at 1 / 2 / 4 req/s, KV over SWEEP_TRANSPORT (cuda-ipc; run again with tcp), 8
+# requests a point, 8192 blocks (four 16k prompts and their answers) an engine.
+if [ "$MODE" = seed ]; then
+  SWEEP_MODEL=preset:qwen3-32b SWEEP_INPUTS=${SWEEP_INPUTS:-4096,8192,16384} SWEEP_QPS=${SWEEP_QPS:-1,2,4} \
+    SWEEP_PROMPTS=${SWEEP_PROMPTS:-8} SWEEP_KV_BLOCKS=${SWEEP_KV_BLOCKS:-8192} SWEEP_DIR=seed_${SWEEP_TRANSPORT:-cuda-ipc} \
+    SWEEP_ENGINE_ARGS="--engine-arg=--quantization=fp8 --engine-arg=--kv-cache-dtype=fp8 ${SWEEP_ENGINE_ARGS:-}" sweep
   exit $status
 fi
 if [ "$MODE" = ncu ]; then
