@@ -438,43 +438,23 @@ impl Pass<'_> {
         let h = self.cfg.hidden_size;
         let residual = GemvOutput::AddTo(a.x.ptr());
         let (qkv, o, gate_up, down) = (&layer.qkv, &layer.o, &layer.gate_up, &layer.down);
+        // `l`'s product (bf16, or FP8 bytes and scales) of `k` columns into `n` rows.
+        let of = |l: &Linear, n: usize, k: usize, input: GemvInput, output: GemvOutput, bias: u64| {
+            let (weight, scales) = l.gemv_weight();
+            Gemv { weight, scales, n, k, input, output, bias }
+        };
         [
-            Gemv {
-                weight: qkv.gemv_weight().0,
-                scales: qkv.gemv_weight().1,
-                n: qkv.out_dim,
-                k: h,
-                input: self.residual_norm(&layer.input_norm, 0),
-                output: GemvOutput::Bf16(a.qkv.ptr()),
-                bias: 0,
-            },
-            Gemv {
-                weight: o.gemv_weight().0,
-                scales: o.gemv_weight().1,
-                n: h,
-                k: o.in_dim,
-                input: GemvInput::Bf16(a.attn.ptr()),
-                output: residual,
-                bias: o.bias_ptr(),
-            },
-            Gemv {
-                weight: gate_up.gemv_weight().0,
-                scales: gate_up.gemv_weight().1,
-                n: gate_up.out_dim,
-                k: h,
-                input: self.residual_norm(&layer.post_norm, 0),
-                output: GemvOutput::SiluMul(a.act.ptr()),
-                bias: gate_up.bias_ptr(),
-            },
-            Gemv {
-                weight: down.gemv_weight().0,
-                scales: down.gemv_weight().1,
-                n: h,
-                k: down.in_dim,
-                input: GemvInput::Bf16(a.act.ptr()),
-                output: residual,
-                bias: down.bias_ptr(),
-            },
+            of(qkv, qkv.out_dim, h, self.residual_norm(&layer.input_norm, 0), GemvOutput::Bf16(a.qkv.ptr()), 0),
+            of(o, h, o.in_dim, GemvInput::Bf16(a.attn.ptr()), residual, o.bias_ptr()),
+            of(
+                gate_up,
+                gate_up.out_dim,
+                h,
+                self.residual_norm(&layer.post_norm, 0),
+                GemvOutput::SiluMul(a.act.ptr()),
+                gate_up.bias_ptr(),
+            ),
+            of(down, h, down.in_dim, GemvInput::Bf16(a.act.ptr()), residual, down.bias_ptr()),
         ]
     }
 
