@@ -46,6 +46,9 @@
 #   SWEEP_KV_BLOCKS each engine's cache blocks (4096); SWEEP_MPS=1 under CUDA MPS; SWEEP_ENGINE_ARGS adds
 #   --engine-arg=... flags or other sweep options (`--engine-log warn,tandem_kv=debug`: each push
 #   group's times, for scripts/gpu/push_tail.py); SWEEP_DIR names its result folder under $OUT);
+#   longctx ["label:ARG ..." ...]: decode at a long context (LONGCTX_CONTEXT, LONGCTX_BATCH,
+#   LONGCTX_MODEL) over bf16 and FP8 caches under each set of bench engine arguments, after the
+#   attention kernel and model tests (see the mode below);
 #   seed: issue 51's qwen3-32b, FP8 weights and KV, swept as sweep does (SWEEP_TRANSPORT=tcp too);
 #   ab: P/D with the new build, then bench kv (cuda-ipc, tcp) for gpu-bin/tandem-base and the new
 #   build alternately (AB_ROUNDS, TCP_SIZES; build with BASELINE=<rev>);
@@ -154,6 +157,42 @@ pd_check() {
 # KV_CONTEXT-token context (default 32768, batch 1 and 8) over bf16 and FP8 caches, and P/D with
 # every engine's cache FP8 (FP8KV_PD_SETTINGS, default push over cuda-ipc and pull over tcp)
 # against an FP8 colocated engine.
+# Long-context decode (the row attention's split ranges and GQA groups; issue 51's FP8 KV
+# target) in one call: the attention kernel tests (the row kernel against the reference over
+# bf16 and FP8 caches, split and unsplit, and with the fused RoPE) and the model tests at split
+# contexts (SKIP_TESTS=1 leaves them out), then bench engine at LONGCTX_CONTEXT tokens of
+# context (16384) for batches LONGCTX_BATCH (1,8,16) over bf16 and FP8 caches under each
+# further argument "label:ARG ..." (bench engine arguments; default: old = one head a block
+# over at most 16 ranges, the builds before, and new = the defaults, profiled).
+if [ "$MODE" = longctx ]; then
+  shift
+  if [ -z "${SKIP_TESTS:-}" ]; then
+    timeout 240 "$BIN/cuda_kernels" --include-ignored --test-threads=1 attention fp8_ > "$OUT/lc_kernels.log" 2>&1 \
+      && note "kernel tests (attention, fp8_): ok" \
+      || { note "kernel tests: FAILED"; grep -B2 -A8 panicked "$OUT/lc_kernels.log" | head -30 >> "$OUT/summary.txt"; status=1; }
+    timeout 240 "$BIN/cuda_model" --include-ignored --nocapture logits_agree fp8_kv > "$OUT/lc_model.log" 2>&1 \
+      && note "model tests (logits_agree, fp8_kv): ok" \
+      || { note "model tests: FAILED"; grep -B2 -A8 panicked "$OUT/lc_model.log" | head -30 >> "$OUT/summary.txt"; status=1; }
+    grep -E "split_keys.*step [2-4]|fp8 KV.*step 4" "$OUT/lc_model.log" | while read -r l; do note "$l"; done
+  fi
+  [ $# -gt 0 ] || set -- "old:--cuda-tune=attention_split_group=0 --cuda-tune=attention_split_ranges=16" "new:--profile"
+  ctx=${LONGCTX_CONTEXT:-16384} batches=${LONGCTX_BATCH:-1,8,16}
+  rows="^(${batches//,/|}) +[0-9]"
+  for spec in "$@"; do
+    label=${spec%%:*}
+    for kv in auto fp8; do
+      # shellcheck disable=SC2086  # the arguments split into words
+      timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model "${LONGCTX_MODEL:-preset:qwen3-4b}" \
+        --batch "$batches" --decode-steps 32 --decode-prompt-tokens "$ctx" --prefill-tokens 512 \
+        --kv-cache-dtype "$kv" ${spec#*:} > "$OUT/lc_${label}_$kv.log" 2>&1 || status=1
+      note "$label $kv ctx $ctx: $(grep -E "$rows" "$OUT/lc_${label}_$kv.log" | tr -s ' ' | tr '\n' '|')"
+      grep -E "Error|error" "$OUT/lc_${label}_$kv.log" | head -3 | while read -r l; do note "  $l"; done
+      grep -E "^device time per forward by op: decode|^  (attention \(row|fused: q/k)" "$OUT/lc_${label}_$kv.log" \
+        | sed "s/^/  $label $kv /" | tee -a "$OUT/summary.txt"
+    done
+  done
+  exit $status
+fi
 if [ "$MODE" = fp8 ]; then
   timeout 200 "$BIN/cuda_kernels" --include-ignored --test-threads=1 --nocapture fp8_ gate_up_interleave \
     > "$OUT/fp8_kernels.log" 2>&1 && note "fp8 kernel tests: ok" \
@@ -564,8 +603,9 @@ if [ "$MODE" = ab ]; then
   done
   cat "$OUT/summary.txt"; exit $status
 fi
-run_test() {  # TEST_BINARY [NAME_FILTER]
-  if timeout 300 "$BIN/$1" --include-ignored --test-threads=1 --nocapture ${2:-} > "/tmp/test_$1.log" 2>&1; then
+run_test() {  # TEST_BINARY [NAME_FILTER]; TEST_TIMEOUT seconds each (300; cuda_engine's
+  # batch-invariance test alone takes longer: TEST_TIMEOUT=560 run.sh tests cuda_engine)
+  if timeout "${TEST_TIMEOUT:-300}" "$BIN/$1" --include-ignored --test-threads=1 --nocapture ${2:-} > "/tmp/test_$1.log" 2>&1; then
     note "test $1: ok"
   else
     note "test $1: FAILED"; status=1

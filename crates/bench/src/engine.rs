@@ -58,7 +58,10 @@ pub struct DecodeResult {
     pub tokens_per_s: f64,
     /// Bytes of weights a step read (the median step's).
     pub weight_bytes: usize,
-    /// Floor step time (weights / bandwidth), milliseconds.
+    /// Bytes of cached keys and values a step read (every sequence's context, at the middle
+    /// of the timed steps).
+    pub kv_bytes: usize,
+    /// Floor step time ((weights + KV) / bandwidth), milliseconds.
     pub floor_step_ms: f64,
     /// floor / measured step time.
     pub fraction_of_floor: f64,
@@ -76,6 +79,9 @@ pub struct BenchModel {
     /// batch (a mixture of experts reads the experts its tokens chose): each decode batch's
     /// floor is then the median step's bytes, not `weight_bytes`.
     pub weights_read: Option<std::sync::Arc<std::sync::atomic::AtomicUsize>>,
+    /// Bytes of keys and values one cached token holds over every layer, as the cache stores
+    /// them (what attention reads per token of context).
+    pub kv_bytes_per_token: usize,
     /// Parameters.
     pub params: usize,
     /// Parameters in matrix products per token (everything but the embedding gather).
@@ -193,6 +199,7 @@ pub fn run(
     mut progress: impl FnMut(&str),
 ) -> Result<EngineBenchReport, String> {
     let weight_bytes = model.weight_bytes;
+    let kv_per_token = model.kv_bytes_per_token;
     let params = model.params;
     let bw = model.bandwidth;
     let engine_cfg = engine_config(cfg);
@@ -246,12 +253,15 @@ pub fn run(
         }
         let step = median(times);
         let read = median(bytes);
-        let floor_s = read / bw;
+        // The timed steps' contexts: the prompt, the warm-up tokens, half the timed ones.
+        let kv_read = batch * (prompt_len + 3 + cfg.decode_steps / 2) * kv_per_token;
+        let floor_s = (read + kv_read as f64) / bw;
         decode.push(DecodeResult {
             batch,
             median_step_ms: step * 1e3,
             tokens_per_s: batch as f64 / step,
             weight_bytes: read as usize,
+            kv_bytes: kv_read,
             floor_step_ms: floor_s * 1e3,
             fraction_of_floor: floor_s / step,
         });
@@ -357,7 +367,7 @@ impl std::fmt::Display for EngineBenchReport {
                 d.batch,
                 d.median_step_ms,
                 d.tokens_per_s,
-                d.weight_bytes as f64 / 1e6,
+                (d.weight_bytes + d.kv_bytes) as f64 / 1e6,
                 d.floor_step_ms,
                 d.fraction_of_floor * 100.0
             )?;

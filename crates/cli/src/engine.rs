@@ -109,7 +109,11 @@ pub struct EngineArgs {
     pub async_scheduling: AsyncScheduling,
     /// GPU only: one kernel choice, `KEY=VALUE`, repeatable; the defaults are the fastest
     /// measured on an H200. Keys: programmatic_launch=0|1 (0), attention_early=0|1 (1),
-    /// attention_stages=auto|1|2 (auto), bulk_early_rows=0..=8 (8), tensor_core_projections=0|1
+    /// attention_stages=auto|1|2 (auto), attention_split_group=0|1 (1: decode attention over
+    /// long contexts reads each KV head once for its whole GQA group), attention_split_ranges=
+    /// 1..=128 (32: key ranges a batch-1 decode splits its context into, halved per doubling of
+    /// the batch), attention_split_keys=N*64 (256: keys of a range), attention_mma=0|1 (1: those
+    /// split launches on tensor cores), bulk_early_rows=0..=8 (8), tensor_core_projections=0|1
     /// (0), bulk_o_projection=0|1 (1), invariant_skinny=0|1 (0), skinny_stages=2|4|8 (8),
     /// invariant_slice_cols=0|N*64 (0), kv_fence_groups=1..=64 (8), kv_fence_taper=0|1 (1),
     /// wgmma_prefill=0|1|2|3 (3: the Hopper prefill attention, warp specialised, K/V by the TMA

@@ -18,7 +18,12 @@ fn engine(graphs: bool) -> Option<EngineCore> {
 }
 
 fn engine_with(graphs: bool, pipelined: bool) -> Option<EngineCore> {
-    let cfg = EngineConfig {
+    engine_of(small_engine(pipelined), graphs, false)
+}
+
+/// 256 blocks of 16 tokens, steps of up to 512 tokens and 16 sequences.
+fn small_engine(pipelined: bool) -> EngineConfig {
+    EngineConfig {
         block_size: 16,
         num_blocks: 256,
         max_num_seqs: 16,
@@ -26,8 +31,7 @@ fn engine_with(graphs: bool, pipelined: bool) -> Option<EngineCore> {
         async_scheduling: pipelined,
         max_queue_time: None,
         prefix_caching: false,
-    };
-    engine_of(cfg, graphs, false)
+    }
 }
 
 fn engine_of(cfg: EngineConfig, graphs: bool, batch_invariant: bool) -> Option<EngineCore> {
@@ -95,6 +99,15 @@ fn graph_replay_equals_eager_launches_and_seeds_repeat() {
     let s2 = run(&mut graphs, seeded);
     assert_eq!(s1, s2, "same seeds, same tokens");
     assert_ne!(s1, a.iter().map(|(i, t)| (*i, t[..12.min(t.len())].to_vec())).collect::<HashMap<_, _>>());
+
+    // Decode contexts split into ranges of 64 keys (as contexts past 256 keys are by default):
+    // the split graphs (whole GQA groups on the tensor-core attention, RoPE in its own kernel)
+    // against the same launches made one by one.
+    let tuning = CudaTuning { attention_split_keys: 64, ..CudaTuning::default() };
+    let Some(mut split_graphs) = engine_tuned(small_engine(false), true, false, tuning.clone()) else { return };
+    let Some(mut split_eager) = engine_tuned(small_engine(false), false, false, tuning) else { return };
+    let a = run(&mut split_graphs, greedy);
+    assert_eq!(a, run(&mut split_eager, greedy), "CUDA graph replay of split steps changed greedy tokens");
 }
 
 #[test]

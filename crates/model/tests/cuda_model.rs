@@ -53,9 +53,10 @@ fn compare_with_cpu_kv(
     tolerance: f64,
     kv_dtype: KvDtype,
     fused: bool,
+    tuning: &[&str],
 ) {
     let cpu_kv = if kv_dtype == KvDtype::Bf16 { KvDtype::F32 } else { kv_dtype };
-    compare(preset, prompt_len, chunk, tolerance, None, &[], (kv_dtype, cpu_kv), fused)
+    compare(preset, prompt_len, chunk, tolerance, None, tuning, (kv_dtype, cpu_kv), fused)
 }
 
 /// [`compare_with_cpu`] with the weights rounded at load as `quantization` says: on the GPU
@@ -165,6 +166,9 @@ fn logits_agree_with_the_cpu_backend_qwen3_head_dim_128() {
     // 28 layers of a bf16 residual stream and bf16 activations accumulate to about 1.9e-2 here,
     // so this deeper check allows 3e-2; the small Qwen3 above holds 1e-2.
     compare_with_cpu("qwen3-0.6b", 150, 90, 3e-2);
+    // Its decode contexts split into ranges of 64 keys, each block scoring a whole GQA group
+    // (what contexts past 256 keys take by default).
+    compare_with_cpu_as("qwen3-0.6b", 150, 90, 3e-2, None, &["attention_split_keys=64"]);
 }
 
 /// `--quantization fp8` on the GPU (decoder weights as e4m3 bytes and scales, quantized on the
@@ -213,8 +217,10 @@ fn fp8_kv_cache_agrees_with_the_cpu_backends_fp8_cache() {
     if !cuda_usable() {
         return;
     }
-    compare_with_cpu_kv("qwen3-0.6b", (150, 140), 1e-1, KvDtype::Fp8E4m3, true);
-    compare_with_cpu_kv("qwen3-0.6b", (150, 140), 1e-1, KvDtype::Fp8E4m3, false);
+    compare_with_cpu_kv("qwen3-0.6b", (150, 140), 1e-1, KvDtype::Fp8E4m3, true, &[]);
+    compare_with_cpu_kv("qwen3-0.6b", (150, 140), 1e-1, KvDtype::Fp8E4m3, false, &[]);
+    // Decode contexts split into ranges of 64 keys, a block per GQA group (as long contexts).
+    compare_with_cpu_kv("qwen3-0.6b", (150, 140), 1e-1, KvDtype::Fp8E4m3, true, &["attention_split_keys=64"]);
 }
 
 /// Options for comparing two builds of a small model: 32 cache blocks of 16 tokens, steps of

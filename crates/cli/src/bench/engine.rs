@@ -102,10 +102,12 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             let (params, matmul_params, pair) = (c.num_params(), matmul_params(c), attn_flops_per_pair(c));
             let (weight_bytes, weights_read) = (model.transformer.weight_bytes(), model.transformer.weights_read());
             eprintln!("... measuring read bandwidth");
+            let kv_bytes_per_token = kv_bytes_per_token(c, crate::engine::KvCacheDtype::Auto.on_cpu().bytes());
             tandem_bench::engine::BenchModel {
                 model: model.transformer.into(),
                 max_model_len: model.max_model_len,
                 weight_bytes,
+                kv_bytes_per_token,
                 weights_read: Some(weights_read),
                 params,
                 matmul_params,
@@ -178,6 +180,7 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             tandem_bench::engine::BenchModel {
                 max_model_len: spec.max_model_len,
                 weight_bytes: model.weight_bytes(),
+                kv_bytes_per_token: kv_bytes_per_token(c, a.kv_cache_dtype.on_gpu().bytes()),
                 weights_read: None,
                 params: c.num_params(),
                 matmul_params: matmul_params(c),
@@ -212,4 +215,9 @@ fn matmul_params(c: &tandem_model::ModelConfig) -> usize {
 /// Attention FLOPs per (query, key) pair: QK and PV, 2 each, per head and layer.
 fn attn_flops_per_pair(c: &tandem_model::ModelConfig) -> f64 {
     4.0 * (c.num_layers * c.num_heads * c.head_dim) as f64
+}
+
+/// Bytes of keys and values one cached token holds over every layer, `elem_bytes` each.
+fn kv_bytes_per_token(c: &tandem_model::ModelConfig, elem_bytes: usize) -> usize {
+    2 * c.num_layers * c.num_kv_heads * c.head_dim * elem_bytes
 }

@@ -134,6 +134,22 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attention_rows_g4_e4_fp8",
     "attention_rows_g8_e2_fp8",
     "attention_rows_g8_e4_fp8",
+    "attention_mma_g1_hd64",
+    "attention_mma_g1_hd128",
+    "attention_mma_g2_hd64",
+    "attention_mma_g2_hd128",
+    "attention_mma_g4_hd64",
+    "attention_mma_g4_hd128",
+    "attention_mma_g8_hd64",
+    "attention_mma_g8_hd128",
+    "attention_mma_g1_hd64_fp8",
+    "attention_mma_g1_hd128_fp8",
+    "attention_mma_g2_hd64_fp8",
+    "attention_mma_g2_hd128_fp8",
+    "attention_mma_g4_hd64_fp8",
+    "attention_mma_g4_hd128_fp8",
+    "attention_mma_g8_hd64_fp8",
+    "attention_mma_g8_hd128_fp8",
     "kv_fp8_shadow",
     "flash_prefill_hd64",
     "flash_prefill_hd128",
@@ -628,6 +644,10 @@ impl CudaDevice {
         for name in named("attention_rows_") {
             let e: usize = name.trim_end_matches("_fp8").rsplit("_e").next().and_then(|e| e.parse().ok()).unwrap_or(8);
             allow_smem(name, ops::attention_rows_smem_bytes(32 * e, ops::attention_max_stages(32 * e)) as usize)?;
+        }
+        for name in named("attention_mma_") {
+            let hd = if name.contains("_hd64") { 64 } else { 128 };
+            allow_smem(name, ops::attention_mma_smem_bytes(hd, name.ends_with("_fp8")) as usize)?;
         }
         // The decode projections stage their input rows in shared memory (M x K bf16); the
         // tensor-core builds' partial sums (`_mma`, and the FP8 weights' `_fp8`) take more static shared memory.

@@ -838,12 +838,20 @@ pub struct AttnMeta {
 }
 
 /// Query heads one block of the row kernel scores together: the whole GQA group (keys and
-/// values read once per group) when there are blocks enough to fill the device, else one (more,
-/// lighter blocks: a small decode batch is latency bound). Always divides the group, at most 8.
+/// values read once per group) when there are blocks enough to fill the device or the launch
+/// splits long contexts into ranges (`group_split`: `CudaTuning::attention_split_group`; the
+/// ranges then make the blocks), else one (more, lighter blocks: a small decode batch over
+/// short contexts is latency bound). Always divides the group, at most 8.
 /// (Compiled for head sizes 64 and 128; other sizes always take one head per block.)
-fn attention_heads_per_block(sm_count: usize, tokens: usize, num_heads: usize, num_kv_heads: usize) -> usize {
+fn attention_heads_per_block(
+    sm_count: usize,
+    tokens: usize,
+    num_heads: usize,
+    num_kv_heads: usize,
+    group_split: bool,
+) -> usize {
     let group = num_heads / num_kv_heads.max(1);
-    if tokens * num_kv_heads < 2 * sm_count {
+    if !group_split && tokens * num_kv_heads < 2 * sm_count {
         return 1;
     }
     [8, 4, 2, 1].into_iter().find(|g| group.is_multiple_of(*g)).unwrap_or(1)
@@ -880,28 +888,35 @@ pub unsafe fn attention_rows(
     }
     let e = s.head_dim / 32;
     assert!(s.head_dim.is_multiple_of(32) && (1..=8).contains(&e), "head_dim {} not supported", s.head_dim);
+    let group_split = split.is_some() && dev.tuning().attention_split_group;
     let g = match e {
-        2 | 4 if rope.is_none() => {
-            attention_heads_per_block(dev.sm_count() as usize, count, s.num_heads, s.num_kv_heads)
+        2 | 4 if rope.is_none() || group_split => {
+            attention_heads_per_block(dev.sm_count() as usize, count, s.num_heads, s.num_kv_heads, group_split)
         }
         _ => 1,
     };
-    let r = rope.copied().unwrap_or_default();
     let scale = 1.0 / (s.head_dim as f32).sqrt();
     if s.kv_fp8 && ![2, 4].contains(&e) {
         return Err(CudaError::Unavailable(format!("attention over an FP8 KV cache of head size {}", s.head_dim)));
     }
-    let name = format!("attention_rows_g{g}_e{e}{}", if s.kv_fp8 { "_fp8" } else { "" });
     let (part, most, split_keys) = split.map_or((0, 1, 0), |sp| (sp.part, sp.most.max(1), sp.split_keys.max(1)));
-    let (_, smem_per_sm) = dev.gemv_smem();
-    let blocks = count * (s.num_heads / g);
-    let stages =
-        attention_stages(dev.sm_count() as usize, smem_per_sm, blocks, s.head_dim, dev.tuning().attention_stages);
+    let fp8 = if s.kv_fp8 { "_fp8" } else { "" };
+    // The tensor-core build takes the row kernel's arguments (its RoPE inputs null).
+    let (name, shared_mem_bytes) = if rope.is_none() && attention_mma_takes(dev, s, split.is_some()) {
+        (format!("attention_mma_g{g}_hd{}{fp8}", s.head_dim), attention_mma_smem_bytes(s.head_dim, s.kv_fp8))
+    } else {
+        let (_, smem_per_sm) = dev.gemv_smem();
+        let blocks = count * (s.num_heads / g);
+        let stages =
+            attention_stages(dev.sm_count() as usize, smem_per_sm, blocks, s.head_dim, dev.tuning().attention_stages);
+        (format!("attention_rows_g{g}_e{e}{fp8}"), attention_rows_smem_bytes(s.head_dim, stages))
+    };
     let config = LaunchConfig {
         grid_dim: (count as u32, (s.num_heads / g) as u32, most as u32),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: attention_rows_smem_bytes(s.head_dim, stages),
+        shared_mem_bytes,
     };
+    let r = rope.copied().unwrap_or_default();
     // With `rope` the kernel copies its first cached keys before waiting on the qkv projection:
     // launched with programmatic dependent launch, that happens while the projection runs.
     launch!(@with rope.is_some() && dev.pdl_capable() && dev.tuning().attention_early;
@@ -949,6 +964,22 @@ pub unsafe fn attention_rows(
         most as i32,
         split_keys as i32
     )
+}
+
+/// Whether [`attention_rows`] takes the tensor-core build (`attention_mma_*` in
+/// kernels/attention.cu) for a launch over `s` without fused RoPE: launches that split long
+/// contexts (`split`) with whole GQA groups a block, head sizes 64 and 128, unless tuned off
+/// (`CudaTuning::attention_mma`). A decode step that would take it leaves RoPE to its own kernel.
+pub fn attention_mma_takes(dev: &CudaDevice, s: &AttnShape, split: bool) -> bool {
+    let t = dev.tuning();
+    split && t.attention_split_group && t.attention_mma && matches!(s.head_dim, 64 | 128)
+}
+
+/// Dynamic shared memory of the tensor-core decode attention (ATTN_MMA_SMEM_BYTES in
+/// kernels/attention.cu: a ring of 64-key chunks, four for FP8 caches and two for bf16).
+pub fn attention_mma_smem_bytes(head_dim: usize, fp8: bool) -> u32 {
+    let (stages, row_bytes) = if fp8 { (4, head_dim + 16) } else { (2, (head_dim + 8) * 2) };
+    (stages * 2 * 64 * row_bytes) as u32
 }
 
 /// Dequantizes the keys and values of layer `s.layer` that the prefill work items of `p` read

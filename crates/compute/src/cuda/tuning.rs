@@ -19,6 +19,23 @@ pub struct CudaTuning {
     pub attention_early: bool,
     /// Chunk buffers of the decode attention (1 or 2); `None`: chosen per launch by occupancy.
     pub attention_stages: Option<usize>,
+    /// Decode attention over long contexts (split into key ranges, `attention_split_ranges`)
+    /// reads each KV head once for its whole GQA group (one block scores every query head of
+    /// the group); off: one block per query head, each reading the keys and values again. The
+    /// same arithmetic per head either way (the outputs are equal).
+    pub attention_split_group: bool,
+    /// Key ranges a split decode attention launch may cut its tokens' contexts into, in all
+    /// (a power of two from 1 to 128): a batch of `b` sequences cuts each context into at most
+    /// this / `b` (rounded up to a power of two) ranges; 1 never splits. More ranges spread a
+    /// small batch's long contexts over more blocks. Changes the order of the sums (the
+    /// outputs differ in the last bits).
+    pub attention_split_ranges: usize,
+    /// Keys of a split range before a context gets another (a multiple of 64).
+    pub attention_split_keys: usize,
+    /// Split decode attention with whole GQA groups a block (head sizes 64 and 128) on tensor
+    /// cores (`attention_mma_*`; RoPE then in its own kernel); off: the row kernel. Other bits
+    /// (P rounded to bf16, or to f16 over an FP8 cache).
+    pub attention_mma: bool,
     /// Weight rows of each bulk o-projection block copied before it waits on the attention
     /// (0 to 8; the rest after).
     pub bulk_early_rows: usize,
@@ -166,6 +183,10 @@ impl Default for CudaTuning {
             programmatic_launch: false,
             attention_early: true,
             attention_stages: None,
+            attention_split_group: true,
+            attention_split_ranges: 32,
+            attention_split_keys: 256,
+            attention_mma: true,
             bulk_early_rows: 8,
             tensor_core_projections: false,
             bulk_o_projection: true,
@@ -193,6 +214,10 @@ impl CudaTuning {
         ("programmatic_launch", "0|1 (default 0)"),
         ("attention_early", "0|1 (default 1)"),
         ("attention_stages", "auto|1|2 (default auto)"),
+        ("attention_split_group", "0|1 (default 1)"),
+        ("attention_split_ranges", "1|2|4|..|128 (default 32)"),
+        ("attention_split_keys", "a multiple of 64 (default 256)"),
+        ("attention_mma", "0|1 (default 1)"),
         ("bulk_early_rows", "0..=8 (default 8)"),
         ("tensor_core_projections", "0|1 (default 0)"),
         ("bulk_o_projection", "0|1 (default 1)"),
@@ -231,6 +256,16 @@ impl CudaTuning {
                     "2" => Some(2),
                     _ => return Err(bad()),
                 }
+            }
+            "attention_split_group" => self.attention_split_group = flag()?,
+            "attention_mma" => self.attention_mma = flag()?,
+            "attention_split_ranges" => {
+                self.attention_split_ranges =
+                    value.parse().ok().filter(|n: &usize| n.is_power_of_two() && *n <= 128).ok_or_else(bad)?;
+            }
+            "attention_split_keys" => {
+                self.attention_split_keys =
+                    value.parse().ok().filter(|n: &usize| *n > 0 && n.is_multiple_of(64)).ok_or_else(bad)?;
             }
             "bulk_early_rows" => {
                 self.bulk_early_rows = value.parse().ok().filter(|&n| n <= 8).ok_or_else(bad)?;
@@ -308,6 +343,18 @@ impl fmt::Display for CudaTuning {
         }
         if let Some(n) = self.attention_stages {
             parts.push(format!("attention_stages={n}"));
+        }
+        if self.attention_split_group != d.attention_split_group {
+            parts.push(format!("attention_split_group={}", b(self.attention_split_group)));
+        }
+        if self.attention_split_ranges != d.attention_split_ranges {
+            parts.push(format!("attention_split_ranges={}", self.attention_split_ranges));
+        }
+        if self.attention_split_keys != d.attention_split_keys {
+            parts.push(format!("attention_split_keys={}", self.attention_split_keys));
+        }
+        if self.attention_mma != d.attention_mma {
+            parts.push(format!("attention_mma={}", b(self.attention_mma)));
         }
         if self.bulk_early_rows != d.bulk_early_rows {
             parts.push(format!("bulk_early_rows={}", self.bulk_early_rows));

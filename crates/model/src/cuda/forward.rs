@@ -6,15 +6,15 @@
 //! so a decode step of a given size can be captured once as a CUDA graph and replayed.
 
 use tandem_compute::cuda::ops::{
-    self, AttnShape, AttnSplit, FlashSplit, Gemv, GemvBuild, GemvInput, GemvOutput, PrefillSeqs, QkvRope,
-    ResidualDelta, SkinnyNormOutput,
+    self, AttnShape, FlashSplit, Gemv, GemvBuild, GemvInput, GemvOutput, PrefillSeqs, QkvRope, ResidualDelta,
+    SkinnyNormOutput,
 };
 use tandem_compute::cuda::{kv_fence_ends, Communicator, CudaDevice, CudaError, DevBuf, KvFences};
 use tandem_compute::KvDtype;
 
 use super::kv_cache::DeviceKv;
 use super::plan::DecodePlan;
-use super::step::{attention_split_most, StepBuffers, StepCounts, SPLIT_KEYS};
+use super::step::{StepBuffers, StepCounts};
 use super::weights::{Layer, Linear, Weights};
 use crate::config::ModelConfig;
 use crate::ModelError;
@@ -369,15 +369,15 @@ impl Pass<'_> {
         let a = &self.step.act;
         let shape = self.attn_shape(li);
         let rope = self.rope_args(layer);
-        let fuse_rope = fuse_rope && counts.one_token_each && counts.work == 0;
+        let split = self.step.row_split(counts);
+        // Long contexts go to the tensor-core build, which leaves RoPE to its own kernel.
+        let fuse_rope = fuse_rope
+            && counts.one_token_each
+            && counts.work == 0
+            && !ops::attention_mma_takes(self.dev, &shape, split.is_some());
         if !fuse_rope {
             ops::qkv_rope_cache(self.dev, &rope, &shape, t)?;
         }
-        let split = counts.split.then(|| AttnSplit {
-            part: a.attn_part.ptr(),
-            most: attention_split_most(counts.decode),
-            split_keys: SPLIT_KEYS,
-        });
         ops::attention_rows(
             self.dev,
             a.q.ptr(),

@@ -32,7 +32,7 @@ use self::forward::forward;
 use self::graphs::DecodeGraphs;
 use self::kv_cache::DeviceKv;
 use self::plan::DecodePlan;
-use self::step::{attention_split_most, StepBuffers, StepCounts};
+use self::step::{StepBuffers, StepCounts};
 use self::weights::Weights;
 use crate::config::ModelConfig;
 use crate::runner::{check_carried, ModelRunner, RowLogprobs, SampleSpec};
@@ -278,7 +278,7 @@ impl CudaModel {
         let buckets = self.graphs.buckets();
         for &bucket in &buckets {
             self.capture_graph(bucket, false)?;
-            if attention_split_most(bucket) > 1 {
+            if self.step.splits_at(bucket) {
                 self.capture_graph(bucket, true)?;
             }
         }

@@ -185,7 +185,7 @@ unsafe fn op_times(
                         counts.decode,
                         &shape,
                         None,
-                        None,
+                        step.row_split(counts),
                     )
                 })?,
         ),
@@ -235,7 +235,8 @@ unsafe fn op_times(
     if counts.one_token_each {
         let fused_rope = || {
             let (list, n) = (step.at(m.decode_list), counts.decode);
-            ops::attention_rows(dev, 0, cache, a.attn.ptr(), &meta, list, n, &shape, Some(&rope), None)
+            let split = step.row_split(counts);
+            ops::attention_rows(dev, 0, cache, a.attn.ptr(), &meta, list, n, &shape, Some(&rope), split)
         };
         out.push(("fused: q/k norm + RoPE + KV write + attention".into(), layers * time(&fused_rope)?));
     }

@@ -111,7 +111,7 @@ impl StepBuffers {
                 let split = ops::flash_split_floats(8, cfg.num_heads, cfg.head_dim, max_positions);
                 split.max(if fold_l2 { ops::WGMMA_FOLD_SCRATCH_FLOATS } else { 0 })
             } else {
-                ops::attention_split_floats(16, cfg.num_heads, cfg.head_dim, 1)
+                ops::attention_split_floats(RowSplit::of(dev).ranges, cfg.num_heads, cfg.head_dim, 1)
             })?,
         };
         let table_width = max_positions.div_ceil(block_size).max(1);
@@ -139,6 +139,7 @@ impl StepBuffers {
                 packed,
                 narrow,
                 range_keys: ops::flash_range_keys(hopper),
+                row_split: RowSplit::of(dev),
             },
             max_tokens,
             max_seqs,
@@ -258,6 +259,25 @@ impl StepBuffers {
     /// serving: one kernel, so a token's result does not depend on how it was batched).
     pub fn batch_invariant(&self) -> bool {
         self.limits.packed.is_some()
+    }
+
+    /// The row kernel's key ranges spread over blocks, on steps `counts` marks split.
+    pub fn row_split(&self, counts: StepCounts) -> Option<ops::AttnSplit> {
+        (!self.batch_invariant() && counts.split).then(|| ops::AttnSplit {
+            part: self.act.attn_part.ptr(),
+            most: self.limits.row_split.most(counts.decode),
+            split_keys: self.limits.row_split.keys,
+        })
+    }
+
+    /// Whether a decode step of `bucket` sequences may split its contexts (and so has a split
+    /// CUDA graph beside the plain one).
+    pub fn splits_at(&self, bucket: usize) -> bool {
+        if self.batch_invariant() {
+            attention_split_most(bucket) > 1
+        } else {
+            self.limits.row_split.most(bucket) > 1
+        }
     }
 
     /// The packed kernel's key ranges spread over blocks, on steps `counts` marks split.
@@ -532,6 +552,34 @@ struct MetaLimits {
     /// Keys per softmax range of that packed kernel ([`ops::flash_range_keys`]): a decode step
     /// splits a context of more.
     range_keys: usize,
+    /// How the row kernel splits long contexts (not batch invariant).
+    row_split: RowSplit,
+}
+
+/// How the row attention kernel cuts long decode contexts into key ranges worked by separate
+/// blocks (`--cuda-tune attention_split_ranges`, `attention_split_keys`): for long contexts at
+/// small batches, where a block per head walking the whole context leaves the device idle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct RowSplit {
+    /// Ranges a launch may cut its tokens' contexts into, in all.
+    pub ranges: usize,
+    /// Keys per range before a context gets another; a step splits once a context is longer.
+    pub keys: usize,
+}
+
+impl RowSplit {
+    /// The device's tuning of it.
+    pub fn of(dev: &CudaDevice) -> Self {
+        let t = dev.tuning();
+        Self { ranges: t.attention_split_ranges.max(1), keys: t.attention_split_keys.max(1) }
+    }
+
+    /// Most key ranges per token for a launch over `decode` tokens: `ranges` over the power of
+    /// two at or above `decode`, so a CUDA-graph step (padded to its bucket) and the same step
+    /// launched kernel by kernel agree; at least one.
+    pub fn most(&self, decode: usize) -> usize {
+        (self.ranges / decode.max(1).next_power_of_two()).max(1)
+    }
 }
 
 /// Puts the sampling parameters of `samples` (row r: top-k, then temperature, top-p and the
@@ -661,7 +709,7 @@ fn build_meta(
     } else {
         // Split the row attention when a listed token's context is long enough to take two ranges.
         let longest = (0..n_decode).map(|i| hm[m.positions + hm[m.decode_list + i] as usize] as usize + 1).max();
-        attention_split_most(n_decode) > 1 && longest.is_some_and(|ctx| ctx > SPLIT_KEYS)
+        limits.row_split.most(n_decode) > 1 && longest.is_some_and(|ctx| ctx > limits.row_split.keys)
     };
     // A split step (a few tokens with long contexts) gives its items to the Hopper kernel's split
     // build, the same bits: the narrow kernel walks a range's eight tiles in one block, which
@@ -683,17 +731,15 @@ pub(super) struct StepCounts {
     pub narrow: usize,
     /// Every sequence brings at most one token (a pure decode step).
     pub one_token_each: bool,
-    /// The row-wise attention splits long contexts over several blocks ([`attention_split_most`]).
+    /// The row-wise attention splits long contexts over several blocks ([`RowSplit`]; batch
+    /// invariant: the packed kernel, [`attention_split_most`]).
     pub split: bool,
 }
 
-/// Keys per range of a split decode attention before a token's context gets another range.
-pub(super) const SPLIT_KEYS: usize = 256;
-
-/// Most key ranges per token for a row-attention launch over `decode` tokens: enough blocks
-/// for about 16 ranges' worth per head in all, so batch 1 splits up to 16 ways and batches of
-/// 16 or more not at all. Taken on the power of two at or above `decode`, so a CUDA-graph
-/// step (padded to its bucket) and the same step launched kernel by kernel agree.
+/// Most key ranges per token for a batch-invariant (packed kernel) launch over `decode`
+/// tokens: enough blocks for about 16 ranges' worth per head in all, so batch 1 splits up to 16
+/// ways and batches of 16 or more not at all. Taken on the power of two at or above `decode`,
+/// so a CUDA-graph step (padded to its bucket) and the same step launched kernel by kernel agree.
 pub(super) fn attention_split_most(decode: usize) -> usize {
     (16 / decode.max(1).next_power_of_two()).max(1)
 }
@@ -711,6 +757,7 @@ mod tests {
             packed: None,
             narrow: 0,
             range_keys: ops::FLASH_RANGE_KEYS,
+            row_split: RowSplit { ranges: 32, keys: 256 },
         }
     }
 
@@ -913,7 +960,9 @@ mod tests {
             packed: None,
             narrow: 0,
             range_keys: ops::FLASH_RANGE_KEYS,
+            row_split: RowSplit { ranges: 32, keys: 256 },
         };
+        let keys = limits.row_split.keys;
         let step = |header: &mut Vec<i32>, pos: usize, seqs_n: usize| {
             let seqs: Vec<SeqBatch<'_>> = (0..seqs_n)
                 .map(|i| SeqBatch {
@@ -927,12 +976,17 @@ mod tests {
             let ids = vec![1u32; seqs_n];
             build_meta(&m, header, &limits, &ids, &seqs, seqs_n, seqs_n).unwrap().1
         };
-        // Context SPLIT_KEYS (position SPLIT_KEYS - 1) fits one range; one more key takes two.
-        assert!(!step(&mut header, SPLIT_KEYS - 1, 1).split);
-        assert!(step(&mut header, SPLIT_KEYS, 1).split);
-        assert!(step(&mut header, SPLIT_KEYS, 8).split);
-        // From 16 sequences on, one block per head is already plenty.
-        assert!(!step(&mut header, SPLIT_KEYS, 16).split);
+        // A context of `keys` (position keys - 1) fits one range; one more key takes two.
+        assert!(!step(&mut header, keys - 1, 1).split);
+        assert!(step(&mut header, keys, 1).split);
+        assert!(step(&mut header, keys, 16).split);
+        // From 32 sequences on (32 ranges in all), one range per context.
+        assert!(!step(&mut header, keys, 32).split);
+        assert_eq!(
+            [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64].map(|b| limits.row_split.most(b)),
+            [32, 16, 8, 8, 4, 4, 2, 2, 1, 1, 1]
+        );
+        // The batch-invariant kernel's own count.
         assert_eq!(
             (1..=16).map(attention_split_most).collect::<Vec<_>>(),
             [16, 8, 4, 4, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1]

@@ -168,13 +168,16 @@ extern "C" __global__ void qkv_rope_cache(const bf16* qkv, const bf16* qkv_bias,
 
 
 // Decode attention (and the fallback for any shape): one block per query token and G query
-// heads of one GQA group (G = the whole group when there are many tokens, so keys and values
-// are read once per group; G = 1 at small batches, so more blocks share the work). Keys go in
+// heads of one GQA group (G = the whole group when there are many tokens or the launch splits
+// long contexts into ranges, so keys and values are read once per group; G = 1 at small
+// batches over short contexts, so more blocks share the work; split launches of head sizes 64
+// and 128 without fused RoPE take attention_rows_mma below). Keys go in
 // chunks of ATTN_CHUNK with an online softmax. A decode step is latency bound, so the kernel
 // keeps its memory round trips few: a chunk's keys and values are copied into shared memory
 // together (cp.async; the first chunk's before anything else, so the copy overlaps the query's
-// own loads), then thread j scores key j from shared memory (rows padded by 16 bytes: no bank
-// conflicts), one warp per head keeps that head's softmax state, and for P.V the four warps
+// own loads), then thread j scores key j % 64 from shared memory (rows padded by 16 bytes: no
+// bank conflicts; with G >= 2, threads 64-127 take the second half of the heads), one warp per
+// head keeps that head's softmax state, and for P.V the four warps
 // take every fourth key (lane l holds output dimensions [l * E, l * E + E)); their partial
 // sums are added in warp order at the end (a fixed order, so results do not vary from run to
 // run). Head size and G are template parameters: no predicated-off work. Launched with shared
@@ -208,6 +211,18 @@ struct RopeIn {
 // depend on its neighbours; with one split the merge gives the unsplit kernel's values.
 __device__ __forceinline__ int attn_splits(int ctx, int most, int split_keys) {
     return max(1, min(most, (ctx + split_keys - 1) / split_keys));
+}
+
+// The keys [k0, k1) of a context of `ctx` this block (along z) takes: all of them unsplit,
+// else its range; false for a block past the token's ranges (it exits).
+__device__ __forceinline__ bool attn_block_range(int ctx, bool split, int split_keys, int& k0, int& k1) {
+    k0 = 0, k1 = ctx;
+    if (!split) return true;
+    int splits = attn_splits(ctx, gridDim.z, split_keys), len = (ctx + splits - 1) / splits;
+    if ((int)blockIdx.z >= splits) return false;
+    k0 = blockIdx.z * len;
+    k1 = min(ctx, k0 + len);
+    return true;
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -247,13 +262,8 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int ctx = positions[t] + 1;
     // This block's keys: [k0, k1).
-    int k0 = 0, k1 = ctx;
-    if (part) {
-        int splits = attn_splits(ctx, gridDim.z, split_keys), len = (ctx + splits - 1) / splits;
-        if ((int)bz >= splits) return;
-        k0 = bz * len;
-        k1 = min(ctx, k0 + len);
-    }
+    int k0, k1;
+    if (!attn_block_range(ctx, part != nullptr, split_keys, k0, k1)) return;
     const int* table = block_tables + (u64)tok_seq[t] * meta_stride[0];
     bool fused = rope.qkv != nullptr;
     // Keys read from the cache: all of the range, but for the new token's when fused (this
@@ -334,25 +344,29 @@ __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16*
         __syncthreads();
         // The other buffer was last read before the barrier that ended the previous chunk.
         if (stages == 2 && start + ATTN_CHUNK < cached) stage(start + ATTN_CHUNK, b ^ 1);
-        if (tid < n) {
-            bool own = fused && start + tid == ctx - 1;
-            const unsigned char* row = ks + tid * ROW_BYTES;
+        // Thread tid scores key tid % 64 against SG of the heads: all of them when G is 1 (two
+        // warps work), else the first or the second half (all four).
+        constexpr int SG = G >= 2 ? G / 2 : 1;
+        const int key = tid & (ATTN_CHUNK - 1), g0 = G >= 2 ? (tid / ATTN_CHUNK) * SG : 0;
+        if (key < n && (G >= 2 || tid < ATTN_CHUNK)) {
+            bool own = fused && start + key == ctx - 1;
+            const unsigned char* row = ks + key * ROW_BYTES;
             const bf16* k = own ? new_kv[0] : reinterpret_cast<const bf16*>(row);
-            float dot[G];
+            float dot[SG];
 #pragma unroll
-            for (int g = 0; g < G; ++g) dot[g] = 0.0f;
+            for (int g = 0; g < SG; ++g) dot[g] = 0.0f;
 #pragma unroll
             for (int c = 0; c < HD / 8; ++c) {
                 float kf[8];
                 if (FP8 && !own) load_e_fp8(row + c * 8, kf, 8);
                 else unpack8(*reinterpret_cast<const uint4*>(k + c * 8), kf);
 #pragma unroll
-                for (int g = 0; g < G; ++g)
+                for (int g = 0; g < SG; ++g)
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) dot[g] = fmaf(qs[g][c * 8 + j], kf[j], dot[g]);
+                    for (int j = 0; j < 8; ++j) dot[g] = fmaf(qs[g0 + g][c * 8 + j], kf[j], dot[g]);
             }
 #pragma unroll
-            for (int g = 0; g < G; ++g) ps[g][tid] = dot[g];
+            for (int g = 0; g < SG; ++g) ps[g0 + g][key] = dot[g];
         }
         __syncthreads();
         // Softmax bookkeeping: warp w for heads w, w + 4.
@@ -485,6 +499,301 @@ extern "C" __global__ void attention_combine(const float* part, bf16* out, const
     float inv = l > 0.0f ? 1.0f / l : 0.0f;
     out[((u64)t * num_heads + h) * head_dim + d] = f2bf(sum * inv);
 }
+#endif
+
+// Decode attention over long contexts on tensor cores (mma.sync m16n8k16), for the launches
+// that split contexts into key ranges with a whole GQA group a block (ops::attention_rows
+// chooses it; no fused RoPE): one block per (listed token, G query heads, key range), as the
+// row kernel's grid. The four warps each take their own 16 keys of every 64-key chunk and keep
+// their own online softmax over them, so a chunk costs one barrier (the staging ring's) where
+// the row kernel has four, and the warps' states merge at the end in warp order. Scores
+// S = Q K^T take the heads as A's rows (rows G..15 zero) and 8 keys a B tile; the outputs are
+// computed transposed, O^T = V^T P^T, with head dims as A's rows and the heads as B's
+// columns, so S's accumulators are P^T's B fragments as they stand, and a lane's A fragments of
+// V come from 4 consecutive dims of four key rows (one load each): in each 32-dim slice, tile
+// a holds dims 4g and 4g + 1 in rows g and g + 8, tile b dims 4g + 2 and 4g + 3. Over FP8
+// caches QK's reduction dims are permuted likewise (lane t's k pairs are dims 4t..4t+3 of a
+// 16-dim step, in Q's fragments and K's alike), so a K fragment is one 4-byte load; bf16 K
+// fragments are mma.sync's own pairs (two 4-byte loads, no bank conflicts). bf16 caches multiply
+// in bf16 (P rounded to bf16, as the prefill kernels); FP8 caches convert e4m3 pairs to f16
+// pairs exactly (one instruction from sm_89) and multiply in f16 (queries and P rounded to
+// f16). Grid: (tokens, heads / G, most ranges). Block: 128. Dynamic shared memory:
+// ATTN_MMA_SMEM_BYTES (a ring of ATTN_MMA_STAGES chunks; reused for the warps' merge).
+#define ATTN_MMA_STAGES(FP8) ((FP8) ? 4 : 2)
+#define ATTN_MMA_ROW_BYTES(HD, FP8) ((FP8) ? (HD) + 16 : ((HD) + 8) * 2)
+#define ATTN_MMA_SMEM_BYTES(HD, FP8) (ATTN_MMA_STAGES(FP8) * 2 * ATTN_CHUNK * ATTN_MMA_ROW_BYTES(HD, FP8))
+
+__device__ __forceinline__ void mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// lo in the low half, hi in the high half, each rounded to the nearest f16.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Two e4m3 bytes (the low byte first) as an f16 pair, exactly (every e4m3 number is an f16
+// number).
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"((unsigned short)(two & 0xffffu)));
+    return h2;
+#else
+    return pack_f16x2(e4m3_to_f32(two & 0xffu), e4m3_to_f32((two >> 8) & 0xffu));
+#endif
+}
+
+template <int G, int HD, bool FP8>
+__device__ __forceinline__ void attention_rows_mma(const bf16* q, const bf16* cache, bf16* out,
+                                                   const int* positions, const int* tok_seq,
+                                                   const int* block_tables, const int* meta_stride,
+                                                   const int* token_list, int num_heads, int num_kv_heads, int layer,
+                                                   int num_layers, int block_size, float scale, float* part,
+                                                   int split_keys) {
+    constexpr int EB = FP8 ? 1 : 2;
+    constexpr int ROW = ATTN_MMA_ROW_BYTES(HD, FP8);
+    constexpr int STAGES = ATTN_MMA_STAGES(FP8);
+    constexpr int KSTEPS = HD / 16, SLICES = HD / 32;
+    static_assert(G <= 8, "a block's heads are the 8 columns of a B tile");
+    extern __shared__ __align__(16) unsigned char attn_smem[];
+    const unsigned char* cache_bytes = reinterpret_cast<const unsigned char*>(cache);
+    const int bx = blockIdx.x, bz = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int tok = token_list ? token_list[bx] : bx;
+    const int h0 = blockIdx.y * G, kh = h0 / (num_heads / num_kv_heads);
+    const int ctx = positions[tok] + 1;
+    int k0, k1;
+    if (!attn_block_range(ctx, part != nullptr, split_keys, k0, k1)) return;
+    const int* table = block_tables + (u64)tok_seq[tok] * meta_stride[0];
+    auto kbuf = [&](int b) { return attn_smem + b * 2 * ATTN_CHUNK * ROW; };
+    // Copies keys [start, start + 64) of the range into buffer b (values at rows past the range
+    // zeroed: a masked key's P is 0, and 0 x NaN would not be), then commits a group (empty
+    // past the range, so the ring's count of groups stays right).
+    auto stage = [&](int start, int b) {
+        if (start < k1) {
+            unsigned char* ks = kbuf(b);
+            unsigned char* vs = ks + ATTN_CHUNK * ROW;
+            int n = min(ATTN_CHUNK, k1 - start);
+            constexpr int PARTS = HD * EB / 16;
+            for (int c = tid; c < ATTN_CHUNK * PARTS; c += 128) {
+                int r = c / PARTS, off = (c % PARTS) * 16;
+                if (r < n) {
+                    int key = start + r;
+                    int blk = table[key / block_size], slot = key % block_size;
+                    u64 k_at = kv_offset(blk, slot, layer, 0, kh, num_layers, num_kv_heads, block_size, HD) * EB;
+                    u64 v_at = kv_offset(blk, slot, layer, 1, kh, num_layers, num_kv_heads, block_size, HD) * EB;
+                    cp_async16(ks + r * ROW + off, cache_bytes + k_at + off);
+                    cp_async16(vs + r * ROW + off, cache_bytes + v_at + off);
+                } else {
+                    *reinterpret_cast<uint4*>(vs + r * ROW + off) = make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    for (int s = 0; s < STAGES - 1; ++s) stage(k0 + s * ATTN_CHUNK, s);
+    // Q as A fragments: row g is head h0 + g (zero past G); k-step s's pairs (a0, a2) are dims
+    // 16 s + 4 t, + 1 and 16 s + 4 t + 2, + 3 over FP8 caches, else 16 s + 2 t, + 1 and
+    // 16 s + 2 t + 8, + 9; rows g + 8 (a1, a3) are zero.
+    u32 qa[KSTEPS][2];
+    const bf16* q_row = q + ((u64)tok * num_heads + h0 + min(g, G - 1)) * HD;
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) {
+        if (FP8) {
+            uint2 w = *reinterpret_cast<const uint2*>(q_row + 16 * s + 4 * t);
+            qa[s][0] = pack_f16x2(bf2f((bf16)(w.x & 0xffffu)), bf2f((bf16)(w.x >> 16)));
+            qa[s][1] = pack_f16x2(bf2f((bf16)(w.y & 0xffffu)), bf2f((bf16)(w.y >> 16)));
+        } else {
+            qa[s][0] = *reinterpret_cast<const u32*>(q_row + 16 * s + 2 * t);
+            qa[s][1] = *reinterpret_cast<const u32*>(q_row + 16 * s + 2 * t + 8);
+        }
+        if (g >= G) qa[s][0] = qa[s][1] = 0u;
+    }
+    // Head g's running max (the same in lanes 4g..4g+3) and this lane's part of its sum; the
+    // outputs O^T: [slice][tile a|b][fragment], fragments 0 and 2 head 2t, 1 and 3 head 2t + 1.
+    float m_run = NEG_INF, l_run = 0.0f;
+    float acc[SLICES][2][4];
+#pragma unroll
+    for (int sl = 0; sl < SLICES; ++sl)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[sl][i / 4][i % 4] = 0.0f;
+    const int kb = warp * 16;
+    int chunk = 0;
+    for (int start = k0; start < k1; start += ATTN_CHUNK, ++chunk) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");
+        __syncthreads();
+        // The buffer this refills was last read in the previous chunk, before the barrier.
+        stage(start + (STAGES - 1) * ATTN_CHUNK, (chunk + STAGES - 1) % STAGES);
+        if (start + kb >= k1) continue;  // warp-uniform: none of this warp's keys is in range
+        const unsigned char* ks = kbuf(chunk % STAGES);
+        const unsigned char* vs = ks + ATTN_CHUNK * ROW;
+        float sc[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sc[nt][i] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < KSTEPS; ++s) {
+            u32 a[4] = {qa[s][0], 0u, qa[s][1], 0u};
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const unsigned char* row = ks + (kb + nt * 8 + g) * ROW;
+                if (FP8) {
+                    u32 w = *reinterpret_cast<const u32*>(row + 16 * s + 4 * t);
+                    mma_f16(sc[nt], a, e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
+                } else {
+                    const u32* k = reinterpret_cast<const u32*>(row) + 8 * s + t;
+                    mma_bf16(sc[nt], a, k[0], k[4]);
+                }
+            }
+        }
+        // This lane's scores of head g: keys kb + 2t, + 1 (tile 0) and kb + 8 + 2t, + 1 (tile 1).
+        float p[4];
+        float mx = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int key = start + kb + (i / 2) * 8 + 2 * t + (i % 2);
+            p[i] = key < k1 ? sc[i / 2][i % 2] * scale : NEG_INF;
+            mx = fmaxf(mx, p[i]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        float m_new = fmaxf(m_run, mx);
+        float m_use = m_new == NEG_INF ? 0.0f : m_new;
+        float alpha = __expf(m_run - m_use);
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            p[i] = __expf(p[i] - m_use);
+            sum += p[i];
+        }
+        l_run = l_run * alpha + sum;
+        m_run = m_new;
+        // This lane's outputs are heads 2t and 2t + 1: their factors from lanes 8t and 8t + 4.
+        float alpha_a = __shfl_sync(0xffffffffu, alpha, 8 * t), alpha_b = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+        for (int sl = 0; sl < SLICES; ++sl)
+#pragma unroll
+            for (int tile = 0; tile < 2; ++tile) {
+                acc[sl][tile][0] *= alpha_a;
+                acc[sl][tile][1] *= alpha_b;
+                acc[sl][tile][2] *= alpha_a;
+                acc[sl][tile][3] *= alpha_b;
+            }
+        // P^T as B: keys 2t, 2t + 1 and 2t + 8, 2t + 9 of head g.
+        u32 pb0 = FP8 ? pack_f16x2(p[0], p[1]) : pack_bf16x2(p[0], p[1]);
+        u32 pb1 = FP8 ? pack_f16x2(p[2], p[3]) : pack_bf16x2(p[2], p[3]);
+#pragma unroll
+        for (int sl = 0; sl < SLICES; ++sl) {
+            // Keys 2t, 2t + 1, 2t + 8, 2t + 9 of the warp's 16, dims 32 sl + 4g .. + 3.
+            const unsigned char* v = vs + (kb + 2 * t) * ROW + (32 * sl + 4 * g) * EB;
+            u32 ta[4], tb[4];
+            if (FP8) {
+                u32 w0 = *reinterpret_cast<const u32*>(v), w1 = *reinterpret_cast<const u32*>(v + ROW);
+                u32 w2 = *reinterpret_cast<const u32*>(v + 8 * ROW), w3 = *reinterpret_cast<const u32*>(v + 9 * ROW);
+                // Byte pairs (key 2t, key 2t + 1) of one dim: x = dims 4g, 4g + 1, y = 4g + 2, 4g + 3.
+                u32 x01 = __byte_perm(w0, w1, 0x5140), y01 = __byte_perm(w0, w1, 0x7362);
+                u32 x23 = __byte_perm(w2, w3, 0x5140), y23 = __byte_perm(w2, w3, 0x7362);
+                ta[0] = e4m3x2_to_f16x2(x01), ta[1] = e4m3x2_to_f16x2(x01 >> 16);
+                ta[2] = e4m3x2_to_f16x2(x23), ta[3] = e4m3x2_to_f16x2(x23 >> 16);
+                tb[0] = e4m3x2_to_f16x2(y01), tb[1] = e4m3x2_to_f16x2(y01 >> 16);
+                tb[2] = e4m3x2_to_f16x2(y23), tb[3] = e4m3x2_to_f16x2(y23 >> 16);
+                mma_f16(acc[sl][0], ta, pb0, pb1);
+                mma_f16(acc[sl][1], tb, pb0, pb1);
+            } else {
+                uint2 w0 = *reinterpret_cast<const uint2*>(v), w1 = *reinterpret_cast<const uint2*>(v + ROW);
+                uint2 w2 = *reinterpret_cast<const uint2*>(v + 8 * ROW);
+                uint2 w3 = *reinterpret_cast<const uint2*>(v + 9 * ROW);
+                // bf16 pairs (key 2t, key 2t + 1) of one dim.
+                ta[0] = __byte_perm(w0.x, w1.x, 0x5410), ta[1] = __byte_perm(w0.x, w1.x, 0x7632);
+                ta[2] = __byte_perm(w2.x, w3.x, 0x5410), ta[3] = __byte_perm(w2.x, w3.x, 0x7632);
+                tb[0] = __byte_perm(w0.y, w1.y, 0x5410), tb[1] = __byte_perm(w0.y, w1.y, 0x7632);
+                tb[2] = __byte_perm(w2.y, w3.y, 0x5410), tb[3] = __byte_perm(w2.y, w3.y, 0x7632);
+                mma_bf16(acc[sl][0], ta, pb0, pb1);
+                mma_bf16(acc[sl][1], tb, pb0, pb1);
+            }
+        }
+    }
+    // Merge the warps: each leaves (m, l) per head and its outputs in shared memory (the ring,
+    // idle once every copy has landed), then each thread takes outputs (head, dim) in turn.
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(attn_smem);  // [warp][8 heads][HD]
+    float* red_m = red + 4 * 8 * HD;                   // [warp][8 heads]
+    float* red_l = red_m + 4 * 8;
+    if (t == 0) {
+        red_m[warp * 8 + g] = m_run;
+        red_l[warp * 8 + g] = l_run;
+    }
+#pragma unroll
+    for (int sl = 0; sl < SLICES; ++sl)
+#pragma unroll
+        for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                int dim = 32 * sl + 4 * g + 2 * tile + i / 2, head = 2 * t + i % 2;
+                red[(warp * 8 + head) * HD + dim] = acc[sl][tile][i];
+            }
+    __syncthreads();
+    for (int i = tid; i < G * HD; i += 128) {
+        int h = i / HD, d = i % HD;
+        float m = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) m = fmaxf(m, red_m[w * 8 + h]);
+        float o = 0.0f, l = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            float mw = red_m[w * 8 + h];
+            float f = mw == NEG_INF ? 0.0f : __expf(mw - m);
+            o += red[(w * 8 + h) * HD + d] * f;
+            l += red_l[w * 8 + h] * f;
+        }
+        if (part) {
+            float* pp = part + (((u64)bx * num_heads + h0 + h) * gridDim.z + bz) * (HD + 2);
+            if (d == 0) {
+                pp[0] = m;
+                pp[1] = l;
+            }
+            pp[2 + d] = o;
+        } else {
+            float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            out[((u64)tok * num_heads + h0 + h) * HD + d] = f2bf(o * inv);
+        }
+    }
+}
+
+// The row kernel's parameters (one launch site): the RoPE inputs are null (not fused).
+#define ATTENTION_MMA_BUILD(NAME, G, HD, FP8)                                                                     \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                       \
+        const bf16* q, const bf16* cache, bf16* out, const int* positions, const int* tok_seq, const int* block_tables, \
+        const int* meta_stride, const int* token_list, int num_heads, int num_kv_heads, int layer, int num_layers, \
+        int block_size, float scale, const bf16*, const bf16*, const bf16*, const bf16*, const float*, const float*, \
+        const int*, float, float* part, int split_keys) {                                                        \
+        PDL_ENTER();                                                                                              \
+        attention_rows_mma<G, HD, FP8>(q, cache, out, positions, tok_seq, block_tables, meta_stride, token_list, \
+                                       num_heads, num_kv_heads, layer, num_layers, block_size, scale, part,     \
+                                       split_keys);                                                              \
+    }
+#define ATTENTION_MMA(G)                                             \
+    ATTENTION_MMA_BUILD(attention_mma_g##G##_hd64, G, 64, false)     \
+    ATTENTION_MMA_BUILD(attention_mma_g##G##_hd128, G, 128, false)
+#define ATTENTION_MMA_FP8(G)                                            \
+    ATTENTION_MMA_BUILD(attention_mma_g##G##_hd64_fp8, G, 64, true)     \
+    ATTENTION_MMA_BUILD(attention_mma_g##G##_hd128_fp8, G, 128, true)
+#if KERNEL_GROUP(3)
+ATTENTION_MMA(1) ATTENTION_MMA(2) ATTENTION_MMA(4) ATTENTION_MMA(8)
+#endif
+#if KERNEL_GROUP(4)
+ATTENTION_MMA_FP8(1) ATTENTION_MMA_FP8(2) ATTENTION_MMA_FP8(4) ATTENTION_MMA_FP8(8)
 #endif
 
 #define ATTENTION_ROWS_BUILD(NAME, G, E, FP8)                                                                    \
