@@ -422,3 +422,46 @@ impl std::fmt::Display for EngineBenchReport {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_model::{LoadedModel, ModelSource};
+
+    /// A decode batch's floor counts the weights and every sequence's cached keys and values
+    /// (at the middle of the timed steps), over the bandwidth given.
+    #[test]
+    fn the_decode_floor_counts_the_kv_each_step_reads() {
+        let loaded = LoadedModel::load(&ModelSource::parse("preset:tiny-qwen3", 1).unwrap(), Some(256)).unwrap();
+        let c = loaded.transformer.config().clone();
+        let kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4;
+        let weight_bytes = loaded.transformer.weight_bytes();
+        let model = BenchModel {
+            model: loaded.transformer.into(),
+            max_model_len: loaded.max_model_len,
+            weight_bytes,
+            weights_read: None,
+            kv_bytes_per_token: kv_per_token,
+            params: c.num_params(),
+            matmul_params: c.num_params(),
+            attn_flops_per_pair: 1.0,
+            device: "cpu".into(),
+            bandwidth: 1e9,
+            bandwidth_basis: "given".into(),
+            gemm_flops: None,
+        };
+        let cfg = EngineBenchConfig {
+            decode_batches: vec![2],
+            decode_steps: 4,
+            decode_prompt_tokens: 40,
+            prefill_tokens: vec![8],
+            prefill_repeats: 1,
+            ..EngineBenchConfig::default()
+        };
+        let report = run("tiny", model, &cfg, |_| {}).unwrap();
+        let d = &report.decode[0];
+        assert_eq!(d.kv_bytes, 2 * (40 + 3 + 2) * kv_per_token);
+        let floor_ms = (weight_bytes + d.kv_bytes) as f64 / 1e9 * 1e3;
+        assert!((d.floor_step_ms - floor_ms).abs() < 1e-9, "{} against {floor_ms}", d.floor_step_ms);
+    }
+}
