@@ -624,6 +624,35 @@ if [ "$MODE" = ipc ]; then
   [ -n "${SKIP_TCP:-}" ] || tcp_bench
   cat "$OUT/summary.txt"; exit $status
 fi
+if [ "$MODE" = fp8-builds ]; then
+  # fp8-builds [BUILD ...]: the FP8 weights' fused decode projection builds (--cuda-tune
+  # fp8_gemv_build): the kernel test (every build against the reference, one row's time on
+  # Qwen3-4B's and Qwen3-32B's products; cuBLASLt's block-scaled candidates, fp8_gemm_algo, timed
+  # on Qwen3-32B's), then bench engine on FP8_MODEL (preset:qwen3-32b) at
+  # batch 1 and 8 under each build (default 0 1 2 3; SKIP_TESTS=1 skips the test; FP8_PROFILE=1
+  # first profiles batch 64 and a prefill of 8192).
+  shift
+  if [ -z "${SKIP_TESTS:-}" ]; then
+    TEST_TIMEOUT=${TEST_TIMEOUT:-400} run_test cuda_kernels "fp8_decode_projections fp8_block_gemm_candidates"
+    grep -E "^fp8 (fused|build|gemm)|shapes checked" /tmp/test_cuda_kernels.log | tee -a "$OUT/summary.txt"
+  fi
+  # FP8_PROFILE=1: where batch 64 and a prefill of 8192 spend their time (default build).
+  if [ -n "${FP8_PROFILE:-}" ]; then
+    timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model "${FP8_MODEL:-preset:qwen3-32b}" --quantization fp8 \
+      --batch 64 --decode-steps 16 --prefill-tokens 8192 --profile > "$OUT/fp8_profile.log" 2>&1 || status=1
+    note "fp8 profile: $(grep -E '^64 +[0-9]' "$OUT/fp8_profile.log" | tr -s ' ')$(grep -oE '^prefill [0-9]+ tokens: [0-9.]+ ms' "$OUT/fp8_profile.log")"
+  fi
+  for b in "${@:-0 1 2 3}"; do
+    for build in $b; do
+      timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model "${FP8_MODEL:-preset:qwen3-32b}" --quantization fp8 \
+        --batch 1,8 --decode-steps 32 --prefill-tokens 256 --cuda-tune "fp8_gemv_build=$build" \
+        > "$OUT/fp8_build$build.log" 2>&1 || status=1
+      note "fp8 build $build: $(grep -E '^(1|8) +[0-9]' "$OUT/fp8_build$build.log" | tr -s ' ' | tr '\n' '|')"
+      grep -E "Error|error" "$OUT/fp8_build$build.log" | head -3 | while read -r l; do note "  $l"; done
+    done
+  done
+  exit $status
+fi
 if [ "$MODE" = tests ]; then
   # tests [BINARY ...]: only those GPU test binaries (default cuda_model cuda_engine).
   shift

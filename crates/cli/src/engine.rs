@@ -129,7 +129,10 @@ pub struct EngineArgs {
     /// ones only; a number: that ring for o and down too), fp8_block_gemm=0|1 (1: with
     /// --quantization fp8, prefill products with FP8 activations on cuBLASLt's block-scaled
     /// GEMM; 0: through a bf16 copy of the weight), fp8_fused_decode=0|1 (1: FP8 decode steps
-    /// on the fused FP8 GEMVs).
+    /// on the fused FP8 GEMVs), fp8_gemv_build=0|1|2|3 (1: those GEMVs on f16 MMAs, one e4m3
+    /// conversion a pair; 0 on bf16 MMAs, the same bits; 2 with two steps of weights in flight;
+    /// 3 in tiles of 8 weight rows),
+    /// fp8_gemm_algo=0..=7 (0: cuBLASLt's first candidate for the block-scaled products).
     #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
     pub cuda_tune: Vec<String>,
     /// Give every request the output it would get alone: run kernels whose arithmetic for one

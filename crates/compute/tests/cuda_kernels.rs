@@ -974,45 +974,86 @@ fn decode_projection_kernels_match_the_reference() {
 }
 
 /// The fused decode projections of FP8 weights (`Gemv` with row scales: the `_fp8` kernels,
-/// issue 51) against the exact dequantized weight: every input and output kind (SiLU over
-/// stacked gate/up rows), K split over warps (partials through shared memory) and not, few
-/// blocks looping over many row tiles, N not a multiple of a tile, 1-8 tokens; row 0's result
-/// the same whatever the token count. Reports one row's time on Qwen3-4B's gate/up and o beside
-/// the bf16 fused projection's.
+/// issue 51) against the exact dequantized weight, in every build (`fp8_gemv_build`): every
+/// input and output kind (SiLU over stacked gate/up rows), K split over warps (partials through
+/// shared memory) and not, few blocks looping over many row tiles, N not a multiple of a tile,
+/// 1-8 tokens; row 0's result the same whatever the token count; build 1 (f16) gives build 0's
+/// (bf16) bits; the f16 builds keep inputs past f16's range. Reports each build's time on
+/// Qwen3-4B's and Qwen3-32B's products beside the bf16 fused projection's.
 #[test]
 #[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn fp8_decode_projections_match_the_dequantized_reference() {
-    let Some(dev) = device() else { return };
+    let Some(first) = device() else { return };
+    let builds: Vec<(u8, CudaDevice)> = (0..ops::FP8_GEMV_BUILDS.len() as u8)
+        .map(|build| {
+            let tuning = CudaTuning { fp8_gemv_build: build, ..first.tuning().clone() };
+            (build, CudaDevice::open_with(0, tuning, kernel_cache().as_deref()).unwrap())
+        })
+        .collect();
+    drop(first);
     let mut n_checked = 0;
-    for mode in [GemvMode::NormToBf16, GemvMode::NormToF32, GemvMode::Bf16ToResidual, GemvMode::NormToSilu] {
-        let shapes: &[(usize, usize)] = match mode {
-            GemvMode::Bf16ToResidual => &[(64, 64), (1024, 1024), (2048, 2048)],
-            GemvMode::NormToSilu => &[(38, 64), (3002, 1024), (40, 2048), (20012, 256), (42, 5120), (22, 9728)],
-            _ => &[(37, 64), (3001, 1024), (40, 2048), (20011, 256), (41, 5120), (21, 9728)],
-        };
-        let plans: [&dyn Fn(usize, usize, usize) -> GemvPlan; 4] = [
-            &|n, k, tokens| ops::gemv_plan(&dev, n, k, tokens, GemvBuild::Mma),
-            &|_, _, _| GemvPlan { build: GemvBuild::Mma, ksplit: 2, blocks: 3 },
-            &|_, _, _| GemvPlan { build: GemvBuild::Mma, ksplit: 8, blocks: 1 },
-            &|_, _, _| GemvPlan { build: GemvBuild::Mma, ksplit: 1, blocks: 2 },
-        ];
-        for plan in plans {
-            for &(n, k) in shapes {
-                for tokens in [1, 2, 3, 8] {
-                    let (many, one) = (plan(n, k, tokens), plan(n, k, 1));
-                    let first = check_gemv(&dev, mode, many, n, k, tokens, &mut Lcg(17 + n as u64), true);
-                    let alone = check_gemv(&dev, mode, one, n, k, 1, &mut Lcg(17 + n as u64), true);
-                    if many.ksplit == one.ksplit {
-                        assert_eq!(first[0], alone[0], "{mode:?} n {n} k {k}: row 0 changed with {tokens} rows");
+    let mut bf16_build: Vec<Vec<Vec<f64>>> = Vec::new();
+    for (build, dev) in &builds {
+        let mut results = Vec::new();
+        for mode in [GemvMode::NormToBf16, GemvMode::NormToF32, GemvMode::Bf16ToResidual, GemvMode::NormToSilu] {
+            let shapes: &[(usize, usize)] = match mode {
+                GemvMode::Bf16ToResidual => &[(64, 64), (1024, 1024), (2048, 2048)],
+                GemvMode::NormToSilu => &[(38, 64), (3002, 1024), (40, 2048), (20012, 256), (42, 5120), (22, 9728)],
+                _ => &[(37, 64), (3001, 1024), (40, 2048), (20011, 256), (41, 5120), (21, 9728)],
+            };
+            let plans: [&dyn Fn(usize, usize, usize) -> GemvPlan; 4] = [
+                &|n, k, tokens| ops::gemv_plan(dev, n, k, tokens, GemvBuild::Mma),
+                &|_, _, _| GemvPlan { build: GemvBuild::Mma, ksplit: 2, blocks: 3 },
+                &|_, _, _| GemvPlan { build: GemvBuild::Mma, ksplit: 8, blocks: 1 },
+                &|_, _, _| GemvPlan { build: GemvBuild::Mma, ksplit: 1, blocks: 2 },
+            ];
+            for plan in plans {
+                for &(n, k) in shapes {
+                    for tokens in [1, 2, 3, 8] {
+                        let (many, one) = (plan(n, k, tokens), plan(n, k, 1));
+                        let got = check_gemv(dev, mode, many, n, k, tokens, &mut Lcg(17 + n as u64), true);
+                        let alone = check_gemv(dev, mode, one, n, k, 1, &mut Lcg(17 + n as u64), true);
+                        if many.ksplit == one.ksplit {
+                            assert_eq!(
+                                got[0], alone[0],
+                                "build {build} {mode:?} n {n} k {k}: row 0 changed with {tokens} rows"
+                            );
+                        }
+                        results.push(got);
+                        n_checked += 1;
                     }
-                    n_checked += 1;
                 }
             }
         }
+        match build {
+            0 => bf16_build = results,
+            // The f16 build, step for step the bf16 one's: products exact either way, the
+            // inputs' power-of-two scale undone exactly, so the same bits.
+            1 => {
+                let (mut equal, mut all) = (0, 0);
+                for (a, b) in bf16_build.iter().flatten().flatten().zip(results.iter().flatten().flatten()) {
+                    all += 1;
+                    equal += usize::from(a.to_bits() == b.to_bits());
+                }
+                eprintln!("fp8 build 1 against build 0: {equal} of {all} outputs equal");
+                assert_eq!(equal, all, "the f16 build's outputs differ from the bf16 build's");
+            }
+            _ => {}
+        }
+        fp8_inputs_past_f16_range(dev, *build);
     }
     eprintln!("{n_checked} FP8 decode projection shapes checked");
-    // One row's time, Qwen3-4B's gate/up (SiLU) and o (residual add), FP8 against bf16.
-    for (name, n, k) in [("gate/up", 19456, 2560), ("o", 2560, 4096)] {
+    // One row's time: Qwen3-4B's gate/up (SiLU) and o (residual add), Qwen3-32B's qkv, gate/up,
+    // o and down, each FP8 build against bf16.
+    let dev = &builds[0].1;
+    for (name, n, k) in [
+        ("4b gate/up", 19456, 2560),
+        ("4b o", 2560, 4096),
+        ("32b qkv", 10240, 5120),
+        ("32b gate/up", 51200, 5120),
+        ("32b o", 5120, 8192),
+        ("32b down", 5120, 25600),
+    ] {
         let kb = ops::Fp8Matrix::scale_cols(k);
         let (w, q) = (dev.zeros::<u16>(n * k).unwrap(), dev.zeros::<u8>(n * k).unwrap());
         let scales = dev.upload(&vec![1.0f32; n * kb]).unwrap();
@@ -1023,25 +1064,96 @@ fn fp8_decode_projections_match_the_dequantized_reference() {
         );
         let norm_w = dev.upload(&vec![bf16(1.0); k]).unwrap();
         let (input, output) = match name {
-            "o" => (GemvInput::Bf16(x.ptr()), GemvOutput::AddTo(res.ptr())),
-            _ => (
+            _ if name.ends_with(" o") || name.ends_with("down") => {
+                (GemvInput::Bf16(x.ptr()), GemvOutput::AddTo(res.ptr()))
+            }
+            _ if name.ends_with("gate/up") => (
                 GemvInput::Norm { residual: res.ptr(), rows: 0, weight: norm_w.ptr(), eps: 1e-6 },
                 GemvOutput::SiluMul(y.ptr()),
             ),
+            _ => (
+                GemvInput::Norm { residual: res.ptr(), rows: 0, weight: norm_w.ptr(), eps: 1e-6 },
+                GemvOutput::Bf16(y.ptr()),
+            ),
         };
-        let build = if name == "o" { GemvBuild::Bulk } else { GemvBuild::Plain };
+        let build = if matches!(input, GemvInput::Bf16(_)) && ops::gemv_bulk_supported(dev, k, 1) {
+            GemvBuild::Bulk
+        } else {
+            GemvBuild::Plain
+        };
         let bf16_g = Gemv { weight: w.ptr(), scales: 0, n, k, input, output, bias: 0 };
         let fp8_g = Gemv { weight: q.ptr(), scales: scales.ptr(), ..bf16_g };
-        let us = |g: Gemv, build| {
-            time_us(&dev, &|| unsafe { g.launch_with(&dev, 1, ops::gemv_plan(&dev, n, k, 1, build)).unwrap() })
+        let us = |dev: &CudaDevice, g: Gemv, build| {
+            time_us(dev, &|| unsafe { g.launch_with(dev, 1, ops::gemv_plan(dev, n, k, 1, build)).unwrap() })
         };
-        // (A plan of another build gives the FP8 weight the tensor-core build's.)
-        let (fp8_us, bf16_us) = (us(fp8_g, GemvBuild::Plain), us(bf16_g, build));
-        eprintln!(
-            "fp8 fused {name} {k} by {n}: one row {fp8_us:.1} us ({:.0} GB/s), bf16 fused {bf16_us:.1} us ({:.0} GB/s)",
-            (n * k) as f64 / fp8_us / 1e3,
+        let bf16_us = us(dev, bf16_g, build);
+        let mut line = format!(
+            "fp8 fused {name} {k} by {n}: one row bf16 {bf16_us:.1} us ({:.0} GB/s)",
             (n * k * 2) as f64 / bf16_us / 1e3
         );
+        // (A plan of another build gives the FP8 weight the tensor-core build's.)
+        for (b, d) in &builds {
+            let t = us(d, fp8_g, GemvBuild::Plain);
+            line += &format!(", fp8 build {b} {t:.1} us ({:.0} GB/s)", (n * k) as f64 / t / 1e3);
+        }
+        eprintln!("{line}");
+    }
+}
+
+/// An FP8 product over inputs far past f16's range (1e6) and far below it (1e-6): the f16
+/// builds scale each row into f16 by a power of two, so the result is the reference's as for
+/// any input.
+fn fp8_inputs_past_f16_range(dev: &CudaDevice, build: u8) {
+    let (n, k, tokens) = (48, 1024, 3);
+    let mut rng = Lcg(99);
+    let w: Vec<u16> = (0..n * k).map(|_| bf16(rng.uniform() * 0.05)).collect();
+    let kb = ops::Fp8Matrix::scale_cols(k);
+    let d_w = dev.upload(&w).unwrap();
+    let (d_q, d_scales) = (dev.zeros::<u8>(n * k).unwrap(), dev.zeros::<f32>(n * kb).unwrap());
+    let m = ops::Fp8Matrix { q: d_q.ptr(), scales: d_scales.ptr(), block_scales: 0, n, k };
+    unsafe { ops::quantize_fp8(dev, d_w.ptr(), m).unwrap() };
+    let (q, scales) = (dev.read(&d_q, n * k).unwrap(), dev.read(&d_scales, n * kb).unwrap());
+    // Token 0 around 1e6, token 1 around 1e-6, token 2 both (1e-6 where a 1e6 input would
+    // leave it below f16's reach: its share of the sum is below f32's rounding anyway).
+    let x: Vec<u16> = (0..tokens * k)
+        .map(|i| {
+            let big = match i / k {
+                0 => true,
+                1 => false,
+                _ => i % 7 == 0,
+            };
+            bf16(rng.uniform() * if big { 1e6 } else { 1e-6 })
+        })
+        .collect();
+    let d_x = dev.upload(&x).unwrap();
+    let d_res = dev.zeros::<f32>(tokens * n).unwrap();
+    let g = Gemv {
+        weight: d_q.ptr(),
+        scales: d_scales.ptr(),
+        n,
+        k,
+        input: GemvInput::Bf16(d_x.ptr()),
+        output: GemvOutput::AddTo(d_res.ptr()),
+        bias: 0,
+    };
+    unsafe { g.launch_with(dev, tokens, ops::gemv_plan(dev, n, k, tokens, GemvBuild::Mma)).unwrap() };
+    let got = dev.read(&d_res, tokens * n).unwrap();
+    for t in 0..tokens {
+        for j in 0..n {
+            let terms = (0..k).map(|i| {
+                let wv = f64::from(e4m3_to_f32(q[j * k + i])) * f64::from(scales[j * kb + i / 128]);
+                wv * f64::from(f32_of(x[t * k + i]))
+            });
+            let (dot, size): (f64, f64) = terms.fold((0.0, 0.0), |(d, s), v| (d + v, s + v.abs()));
+            // The residual add rounds the sum to bf16 (8 bits); an input lost to f16's range
+            // would miss by far more.
+            let err = (f64::from(got[t * n + j]) - dot).abs();
+            assert!(
+                err <= dot.abs() / 256.0 + 1e-5 * size,
+                "build {build} token {t} row {j}: {} against {dot} (sum of magnitudes {size})",
+                got[t * n + j]
+            );
+        }
     }
 }
 
@@ -1824,6 +1936,79 @@ fn fp8_block_gemm_multiplies_quantized_activations_by_block_scaled_weights() {
             tflops(fp8_us),
             tflops(bf16_us)
         );
+    }
+}
+
+/// cuBLASLt's heuristic candidates for the block-scaled FP8 product (`fp8_gemm_algo`) on
+/// Qwen3-32B's products at a batch of 64 tokens and a prefill of 8192: each candidate's time
+/// (the activations' quantization included) beside bf16 cuBLAS on the dequantized weight, and
+/// its outputs those of candidate 0 within f32 rounding.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn fp8_block_gemm_candidates_timed() {
+    let Some(first) = device() else { return };
+    let candidates: Vec<CudaDevice> = (0..8u8)
+        .map(|algo| {
+            let tuning = CudaTuning { fp8_gemm_algo: algo, ..first.tuning().clone() };
+            let dev = CudaDevice::open_with(0, tuning, kernel_cache().as_deref()).unwrap();
+            dev.enable_fp8_gemm().unwrap();
+            dev
+        })
+        .collect();
+    drop(first);
+    let mut rng = Lcg(61);
+    for (name, n, k) in [("qkv", 10240, 5120), ("o", 5120, 8192), ("gate/up", 51200, 5120), ("down", 5120, 25600)] {
+        for t in [64, 8192] {
+            // Every buffer lives on candidate 0's context; the others (the same GPU) read them.
+            let dev = &candidates[0];
+            let kb = k / 128;
+            // e4m3 bytes of either sign below 2 (no NaN), scales near 1.
+            let q: Vec<u8> = (0..n * k).map(|_| (rng.next() as u8) & 0xb7).collect();
+            let block_scales: Vec<f32> = (0..(n / 128) * kb).map(|_| 1.0 + rng.uniform() * 0.5).collect();
+            let row_scales: Vec<f32> = (0..n * kb).map(|i| block_scales[(i / kb / 128) * kb + i % kb]).collect();
+            let (d_q, d_rs, d_bs) =
+                (dev.upload(&q).unwrap(), dev.upload(&row_scales).unwrap(), dev.upload(&block_scales).unwrap());
+            let m = ops::Fp8Matrix { q: d_q.ptr(), scales: d_rs.ptr(), block_scales: d_bs.ptr(), n, k };
+            let x: Vec<u16> = (0..t * k).map(|_| bf16(rng.uniform())).collect();
+            let d_x = dev.upload(&x).unwrap();
+            let d_acts = dev.zeros::<u8>(t * k).unwrap();
+            let d_act_scales = dev.zeros::<u8>(ops::Fp8Scratch::act_scale_bytes(t, k)).unwrap();
+            let scratch =
+                ops::Fp8Scratch { weight: 0, acts: d_acts.ptr(), act_scales: d_act_scales.ptr(), tokens: t, cols: k };
+            let (d_y, d_deq) = (dev.zeros::<f32>(t * n).unwrap(), dev.zeros::<u16>(n * k).unwrap());
+            unsafe { ops::dequantize_fp8(dev, m, d_deq.ptr()).unwrap() };
+            let bf16_us = time_us(dev, &|| unsafe {
+                ops::matmul_t(dev, d_x.ptr(), d_deq.ptr(), d_y.ptr(), t, n, k, false).unwrap()
+            });
+            let tflops = |us: f64| 2.0 * (t * n * k) as f64 / us / 1e6;
+            let mut line = format!(
+                "fp8 gemm candidates, 32b {name} {k} by {n}, {t} rows: bf16 {bf16_us:.1} us ({:.0} TFLOP/s);",
+                tflops(bf16_us)
+            );
+            let mut reference: Option<Vec<f32>> = None;
+            for (algo, cand) in candidates.iter().enumerate() {
+                if unsafe { ops::matmul_t_fp8(cand, d_x.ptr(), m, d_y.ptr(), t, true, &scratch) }.is_err() {
+                    line += &format!(" {algo}: none;");
+                    continue;
+                }
+                let got = cand.read(&d_y, t * n).unwrap();
+                let worst = match &reference {
+                    None => 0.0f32,
+                    // Against the largest output: sums in another order differ by f32 roundings.
+                    Some(r) => {
+                        let largest = r.iter().map(|a| a.abs()).fold(0.0f32, f32::max).max(1e-30);
+                        r.iter().zip(&got).map(|(a, b)| (a - b).abs() / largest).fold(0.0f32, f32::max)
+                    }
+                };
+                assert!(worst < 1e-4, "{name} at {t} rows: candidate {algo} differs from candidate 0 by {worst:e}");
+                reference.get_or_insert(got);
+                let us = time_us(cand, &|| unsafe {
+                    ops::matmul_t_fp8(cand, d_x.ptr(), m, d_y.ptr(), t, false, &scratch).unwrap()
+                });
+                line += &format!(" {algo}: {us:.1} us ({:.0});", tflops(us));
+            }
+            eprintln!("{line}");
+        }
     }
 }
 

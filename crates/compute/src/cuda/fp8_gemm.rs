@@ -30,6 +30,9 @@ pub(crate) struct Fp8Gemm {
     /// Plans by shape (`None`: cuBLASLt has none for it); the lock also covers the
     /// descriptor's scale pointers, set per call.
     plans: Mutex<HashMap<PlanKey, Option<Plan>>>,
+    /// Which of cuBLASLt's heuristic candidates a plan takes (0: its first; past the last: the
+    /// last), `CudaTuning::fp8_gemm_algo`.
+    candidate: usize,
 }
 
 // Safety: used from the owning device's thread one call at a time (the lock above), and
@@ -63,14 +66,15 @@ pub fn fp8_act_scale_ld(t: usize) -> usize {
 
 impl Fp8Gemm {
     /// Loads cuBLASLt and sets up the FP8 block-scaled product (f32 accumulation); `workspace`
-    /// is allocated on the device's context, current on this thread.
-    pub fn new(workspace: DevBuf<u8>) -> Result<Self, CudaError> {
+    /// is allocated on the device's context, current on this thread; plans take cuBLASLt's
+    /// heuristic candidate `candidate` (0: the first).
+    pub fn new(workspace: DevBuf<u8>, candidate: usize) -> Result<Self, CudaError> {
         // Safety: only tries to dlopen the library.
         if !unsafe { sys::is_culib_present() } {
             return Err(CudaError::Unavailable("cannot load libcublasLt, which FP8 products of many rows use".into()));
         }
         let (handle, desc, pref) = lt_setup().map_err(blas)?;
-        let gemm = Self { handle, desc, pref, workspace, plans: Mutex::new(HashMap::new()) };
+        let gemm = Self { handle, desc, pref, workspace, plans: Mutex::new(HashMap::new()), candidate };
         let trans = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
         let block = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F as i32;
         let vector = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as i32;
@@ -156,16 +160,54 @@ impl Fp8Gemm {
         let x = lt::create_matrix_layout(fp8, k as u64, t as u64, k as i64).map_err(blas)?;
         let y = lt::create_matrix_layout(out, n as u64, t as u64, n as i64).map_err(blas)?;
         // Safety: the descriptors were created above and by `new`, alive for the call.
-        match unsafe { lt::get_matmul_algo_heuristic(self.handle, self.desc, w, x, y, y, self.pref) } {
-            Ok(h) => Ok(Plan { w, x, y, algo: h.algo }),
-            Err(e) => {
+        match unsafe { self.candidates(w, x, y) } {
+            Ok(found) if !found.is_empty() => {
+                let algo = found[self.candidate.min(found.len() - 1)].algo;
+                Ok(Plan { w, x, y, algo })
+            }
+            found => {
                 // Safety: made above, used by nothing else.
                 unsafe { destroy_layouts([w, x, y]) };
+                let why = found.err().map_or("none found".to_string(), |e| e.to_string());
                 Err(CudaError::Unavailable(format!(
-                    "cuBLASLt has no block-scaled FP8 product for {t} x {k} by {n} on this GPU: {e}"
+                    "cuBLASLt has no block-scaled FP8 product for {t} x {k} by {n} on this GPU: {why}"
                 )))
             }
         }
+    }
+
+    /// cuBLASLt's heuristic candidates for a product of these layouts, best first (up to 8).
+    ///
+    /// # Safety
+    /// The layouts are live; so are this object's descriptors.
+    unsafe fn candidates(
+        &self,
+        w: sys::cublasLtMatrixLayout_t,
+        x: sys::cublasLtMatrixLayout_t,
+        y: sys::cublasLtMatrixLayout_t,
+    ) -> Result<Vec<sys::cublasLtMatmulHeuristicResult_t>, lt::CublasError> {
+        const MOST: usize = 8;
+        // Safety: plain C structs, valid when zeroed; cuBLASLt fills the first `count`.
+        let mut found: [sys::cublasLtMatmulHeuristicResult_t; MOST] = unsafe { std::mem::zeroed() };
+        let mut count = 0;
+        // Safety: per the function's contract; `found` holds MOST results.
+        unsafe {
+            sys::cublasLtMatmulAlgoGetHeuristic(
+                self.handle,
+                self.desc,
+                w,
+                x,
+                y,
+                y,
+                self.pref,
+                MOST as i32,
+                found.as_mut_ptr(),
+                &mut count,
+            )
+            .result()?;
+        }
+        let usable = found.into_iter().take(count.clamp(0, MOST as i32) as usize);
+        Ok(usable.filter(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).collect())
     }
 }
 

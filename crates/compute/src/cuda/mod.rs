@@ -622,7 +622,8 @@ impl CudaDevice {
     pub fn enable_fp8_gemm(&self) -> Result<(), CudaError> {
         if self.fp8_gemm.get().is_none() {
             self.ctx.bind_to_thread()?;
-            let gemm = fp8_gemm::Fp8Gemm::new(self.zeros::<u8>(fp8_gemm::Fp8Gemm::workspace_bytes())?)?;
+            let workspace = self.zeros::<u8>(fp8_gemm::Fp8Gemm::workspace_bytes())?;
+            let gemm = fp8_gemm::Fp8Gemm::new(workspace, usize::from(self.tuning.fp8_gemm_algo))?;
             let _ = self.fp8_gemm.set(gemm);
         }
         Ok(())

@@ -438,6 +438,17 @@ pub fn gemv_bulk_supported(dev: &CudaDevice, k: usize, tokens: usize) -> bool {
 /// Most tokens the decode-projection kernels take in one launch.
 pub const GEMV_MAX_TOKENS: usize = 8;
 
+/// The builds of the FP8 weights' fused decode projection (`--cuda-tune fp8_gemv_build`,
+/// kernels/fp8.cu): each one's kernel-name suffix, the blocks an SM its launch bounds allow and
+/// the weight rows of a warp's tile.
+pub const FP8_GEMV_BUILDS: [(&str, usize, usize); 4] =
+    [("_fp8", 3, 16), ("_h_fp8", 2, 16), ("_p_fp8", 2, 16), ("_n_fp8", 2, 8)];
+
+/// The FP8 fused decode projection build `dev` is tuned to.
+fn fp8_gemv_build(dev: &CudaDevice) -> (&'static str, usize, usize) {
+    FP8_GEMV_BUILDS[usize::from(dev.tuning().fp8_gemv_build).min(FP8_GEMV_BUILDS.len() - 1)]
+}
+
 /// Where a decode projection's input rows come from.
 #[derive(Clone, Copy, Debug)]
 pub enum GemvInput {
@@ -547,9 +558,25 @@ impl Gemv {
         if fp8 && !k.is_multiple_of(64) {
             return Err(CudaError::Unavailable(format!("FP8 decode projection of {k} columns (needs k % 64 == 0)")));
         }
-        // An FP8 weight has one build, the tensor-core one (its grid unless one is given).
-        let plan =
-            if fp8 && plan.build != GemvBuild::Mma { gemv_plan(dev, n, k, tokens, GemvBuild::Mma) } else { plan };
+        // An FP8 weight has one build, the tensor-core one (its grid unless one is given), with no
+        // more blocks than its launch bounds keep resident at once.
+        let plan = if fp8 {
+            let sms = dev.sm_count() as usize;
+            let (_, per_sm) = dev.gemv_smem();
+            let (_, most, tile_rows) = fp8_gemv_build(dev);
+            let mut plan = if plan.build != GemvBuild::Mma {
+                GemvPlan { build: GemvBuild::Mma, ksplit: 0, blocks: 0 }
+            } else {
+                plan
+            };
+            if plan.ksplit == 0 {
+                (plan.ksplit, plan.blocks) = mma_grid(sms, per_sm, n, k, tokens, (most, tile_rows));
+            }
+            plan.blocks = plan.blocks.min(sms * most);
+            plan
+        } else {
+            plan
+        };
         if plan.build == GemvBuild::Bulk {
             return self.launch_bulk(dev, tokens);
         }
@@ -582,7 +609,7 @@ impl Gemv {
             shared_mem_bytes: smem as u32,
         };
         let suffix = match plan.build {
-            _ if fp8 => "_fp8",
+            _ if fp8 => fp8_gemv_build(dev).0,
             GemvBuild::Plain | GemvBuild::Bulk => "",
             GemvBuild::Pipelined => "_pipe",
             GemvBuild::Mma => "_mma",
@@ -663,7 +690,7 @@ pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: Gem
     let (ksplit, blocks) = match build {
         GemvBuild::Plain => plain_grid(sms, per_sm, n, k, tokens),
         GemvBuild::Pipelined => gemv_grid(sms, per_sm, tokens.max(1).next_power_of_two() * k * 2, n, k),
-        GemvBuild::Mma => mma_grid(sms, per_sm, n, k, tokens),
+        GemvBuild::Mma => mma_grid(sms, per_sm, n, k, tokens, (3, 16)),
         GemvBuild::Bulk => (8, n.div_ceil(GEMV_BULK_ROWS)),
     };
     GemvPlan { build, ksplit, blocks }
@@ -671,13 +698,20 @@ pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: Gem
 
 /// (K split, blocks) of the tensor-core build: warps own 16 rows, K split over the most warps
 /// (up to 8) that leave each at least 256 columns (chosen as for one token, like the plain
-/// build), blocks up to one wave (three per multiprocessor by the launch bounds, fewer if the
-/// input rows fill shared memory), looping over row groups. Untuned.
-fn mma_grid(sms: usize, per_sm: usize, n: usize, k: usize, tokens: usize) -> (usize, usize) {
+/// build), blocks up to one wave (`most` per multiprocessor by the launch bounds, fewer if the
+/// input rows fill shared memory), looping over row groups of `tile_rows` a warp. Untuned.
+fn mma_grid(
+    sms: usize,
+    per_sm: usize,
+    n: usize,
+    k: usize,
+    tokens: usize,
+    (most, tile_rows): (usize, usize),
+) -> (usize, usize) {
     let ksplit = [8, 4, 2, 1].into_iter().find(|s| k / s >= 256).unwrap_or(1);
-    let row_groups = n.div_ceil(8 / ksplit * 16);
+    let row_groups = n.div_ceil(8 / ksplit * tile_rows);
     let smem = tokens.max(1).next_power_of_two() * k * 2;
-    let slots = sms * (per_sm / (smem + GEMV_MMA_STATIC_SMEM + 1024)).clamp(1, 3);
+    let slots = sms * (per_sm / (smem + GEMV_MMA_STATIC_SMEM + 1024)).clamp(1, most);
     (ksplit, row_groups.min(slots).max(1))
 }
 
@@ -851,16 +885,22 @@ mod tests {
         let (sms, smem_sm) = (132, 233_472);
         for &(n, k) in &[(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (151_936, 2560), (37, 64), (40, 2048)]
         {
-            let (split1, _) = mma_grid(sms, smem_sm, n, k, 1);
-            for tokens in 1..=8 {
-                let (split, blocks) = mma_grid(sms, smem_sm, n, k, tokens);
-                assert_eq!(split, split1, "{n}x{k}: the split changed at {tokens} tokens");
-                assert!(k / split >= 256 || split == 1, "{n}x{k}: slices of {} columns", k / split);
-                assert!(blocks >= 1 && blocks <= sms * 3, "{n}x{k} at {tokens}: {blocks} blocks");
-                assert!(blocks <= n.div_ceil(8 / split * 16), "{n}x{k}: {blocks} blocks, some without rows");
+            for (most, rows) in [(2, 16), (3, 16), (2, 8)] {
+                let (split1, _) = mma_grid(sms, smem_sm, n, k, 1, (most, rows));
+                for tokens in 1..=8 {
+                    let (split, blocks) = mma_grid(sms, smem_sm, n, k, tokens, (most, rows));
+                    assert_eq!(split, split1, "{n}x{k}: the split changed at {tokens} tokens");
+                    assert!(k / split >= 256 || split == 1, "{n}x{k}: slices of {} columns", k / split);
+                    assert!(blocks >= 1 && blocks <= sms * most, "{n}x{k} at {tokens}: {blocks} blocks");
+                    assert!(blocks <= n.div_ceil(8 / split * rows), "{n}x{k}: {blocks} blocks, some without rows");
+                }
             }
         }
         // Qwen3-4B's o projection: 4096 columns over 8 warps, 16 rows each; 160 blocks.
-        assert_eq!(mma_grid(sms, smem_sm, 2560, 4096, 1), (8, 160));
+        assert_eq!(mma_grid(sms, smem_sm, 2560, 4096, 1, (3, 16)), (8, 160));
+        // Qwen3-32B's gate/up under two blocks an SM: one wave; its down in 8-row tiles: 640
+        // of them over 264 blocks.
+        assert_eq!(mma_grid(sms, smem_sm, 51200, 5120, 1, (2, 16)), (8, 264));
+        assert_eq!(mma_grid(sms, smem_sm, 5120, 25600, 1, (2, 8)), (8, 264));
     }
 }

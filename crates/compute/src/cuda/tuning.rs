@@ -121,6 +121,18 @@ pub struct CudaTuning {
     /// RMSNorm, SiLU and residual add folded into FP8 tensor-core GEMVs, `_fp8` kernels); off:
     /// separate products ([`super::ops::matmul_t_fp8`]) and norm kernels.
     pub fp8_fused_decode: bool,
+    /// The build of those fused FP8 products, an index into `ops::FP8_GEMV_BUILDS`
+    /// (kernels/fp8.cu): 0 converts each e4m3 pair to a bf16 pair through f32 and multiplies in
+    /// bf16, three blocks an SM; 1 converts to f16 pairs in one instruction and multiplies in
+    /// f16 (the inputs scaled into f16 by a power of two per row: the same sums, bit for bit),
+    /// two blocks an SM; 2 as 1 with two steps of weights in flight a warp (other sums); 3
+    /// tiles of 8 weight rows instead of 16 (products of few rows spread evenly). On an H100,
+    /// Qwen3-32B's decode step at batch 1: 15.738 / 13.783 / 13.928 ms (3: not yet measured).
+    pub fp8_gemv_build: u8,
+    /// Which of cuBLASLt's heuristic candidates (best first, up to 8) the block-scaled FP8
+    /// products take: 0, the first, unless measured otherwise (`cuda_kernels`'
+    /// `fp8_block_gemm` test times each).
+    pub fp8_gemm_algo: u8,
 }
 
 /// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2|3`).
@@ -204,6 +216,8 @@ impl Default for CudaTuning {
             wg_product_stages: None,
             fp8_block_gemm: true,
             fp8_fused_decode: true,
+            fp8_gemv_build: 1,
+            fp8_gemm_algo: 0,
         }
     }
 }
@@ -235,6 +249,8 @@ impl CudaTuning {
         ("wg_product_stages", "auto|8|16|24 (default auto)"),
         ("fp8_block_gemm", "0|1 (default 1)"),
         ("fp8_fused_decode", "0|1 (default 1)"),
+        ("fp8_gemv_build", "0|1|2|3 (default 1)"),
+        ("fp8_gemm_algo", "0..=7 (default 0)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -306,6 +322,12 @@ impl CudaTuning {
             }
             "fp8_block_gemm" => self.fp8_block_gemm = flag()?,
             "fp8_fused_decode" => self.fp8_fused_decode = flag()?,
+            "fp8_gemm_algo" => {
+                self.fp8_gemm_algo = value.parse().ok().filter(|b| *b <= 7).ok_or_else(bad)?;
+            }
+            "fp8_gemv_build" => {
+                self.fp8_gemv_build = value.parse().ok().filter(|b| *b <= 3).ok_or_else(bad)?;
+            }
             "wgmma_prefill" => {
                 self.wgmma_prefill = WgmmaPrefill::ALL.into_iter().find(|b| b.value() == value).ok_or_else(bad)?
             }
@@ -407,6 +429,12 @@ impl fmt::Display for CudaTuning {
                 parts.push(format!("{key}={}", b(on)));
             }
         }
+        if self.fp8_gemm_algo != d.fp8_gemm_algo {
+            parts.push(format!("fp8_gemm_algo={}", self.fp8_gemm_algo));
+        }
+        if self.fp8_gemv_build != d.fp8_gemv_build {
+            parts.push(format!("fp8_gemv_build={}", self.fp8_gemv_build));
+        }
         write!(f, "{}", parts.join(","))
     }
 }
@@ -441,6 +469,9 @@ mod tests {
         assert_eq!(wg.to_string(), "wg_product_stages=16");
         assert!(CudaTuning::from_settings(&["wg_product_stages=12"]).unwrap_err().contains("8|16|24"));
         assert_eq!(CudaTuning::from_settings(&fused.to_string().split(',').collect::<Vec<_>>()).unwrap(), fused);
+        let fp8 = CudaTuning::from_settings(&["fp8_gemv_build=2"]).unwrap();
+        assert_eq!((fp8.fp8_gemv_build, fp8.to_string().as_str()), (2, "fp8_gemv_build=2"));
+        assert!(CudaTuning::from_settings(&["fp8_gemv_build=4"]).unwrap_err().contains("0|1|2|3"));
         let groups = CudaTuning::from_settings(&["kv_fence_groups=12"]).unwrap();
         assert_eq!((groups.kv_fence_groups, groups.to_string().as_str()), (12, "kv_fence_groups=12"));
         assert!(CudaTuning::from_settings(&["kv_fence_groups=0"]).unwrap_err().contains("1..=64"));

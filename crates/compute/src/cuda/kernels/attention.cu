@@ -523,33 +523,6 @@ extern "C" __global__ void attention_combine(const float* part, bf16* out, const
 #define ATTN_MMA_ROW_BYTES(HD, FP8) ((FP8) ? (HD) + 16 : ((HD) + 8) * 2)
 #define ATTN_MMA_SMEM_BYTES(HD, FP8) (ATTN_MMA_STAGES(FP8) * 2 * ATTN_CHUNK * ATTN_MMA_ROW_BYTES(HD, FP8))
 
-__device__ __forceinline__ void mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// lo in the low half, hi in the high half, each rounded to the nearest f16.
-__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// Two e4m3 bytes (the low byte first) as an f16 pair, exactly (every e4m3 number is an f16
-// number).
-__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    u32 h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"((unsigned short)(two & 0xffffu)));
-    return h2;
-#else
-    return pack_f16x2(e4m3_to_f32(two & 0xffu), e4m3_to_f32((two >> 8) & 0xffu));
-#endif
-}
-
 template <int G, int HD, bool FP8>
 __device__ __forceinline__ void attention_rows_mma(const bf16* q, const bf16* cache, bf16* out,
                                                    const int* positions, const int* tok_seq,

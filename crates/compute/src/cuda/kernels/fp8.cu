@@ -31,6 +31,18 @@ __device__ __forceinline__ u32 e4m3x2_to_bf16x2(u32 two) {
     return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);
 }
 
+// Two e4m3 bytes (the low byte first) as an f16 pair, exactly (every e4m3 number is an f16
+// number).
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"((unsigned short)(two & 0xffffu)));
+    return h2;
+#else
+    return pack_f16x2(e4m3_to_f32(two & 0xffu), e4m3_to_f32((two >> 8) & 0xffu));
+#endif
+}
+
 // Two e4m3 bytes (the low byte first) as f32, exactly, without the bf16 packing.
 __device__ __forceinline__ void e4m3x2_to_f32x2(u32 two, float* out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -284,15 +296,26 @@ GEMV_FP8_KERNEL(gemv_fp8_t16_k4, 2, 4)
 // split over ksplit warps, the bf16 kernels' prologues and epilogues) reading one byte a
 // weight. Per 64-column piece a lane loads 16 bytes of rows g and g + 8 (columns taken as in
 // gemv_fp8: four mma steps), and the piece's sums are scaled by its two rows' scales (a piece
-// lies inside one 128-column block) into FP8_PIECES independent accumulators, added in order
-// at the end. The first batch of weights goes out before the programmatic-launch wait. (A
-// build that loaded 512-column slices at once, and the next tile's during the epilogue, under
-// launch bounds of two blocks an SM, measured slower on an H100: gate/up 44.4 against 31.6 us.)
+// lies inside one 128-column block) into PIECES independent accumulators, added in order at
+// the end. A warp's work is a run of steps of PIECES pieces (its slice of K, tile after tile);
+// STAGES steps' weights are in flight at once, the first ones issued before the
+// programmatic-launch wait.
+//
+// F16: the weights' e4m3 pairs become f16 pairs in one conversion each (every e4m3 number is
+// an f16 number) and the products run on f16 MMAs. The input rows (bf16, as the prologue
+// rounds them) are scaled into f16 by a power of two per row that puts the row's largest
+// magnitude in [2^14, 2^15), and the sums scaled back by its inverse: products are exact in
+// f32 either way, so the sums are the bf16 build's, but for inputs below 2^-28 of their row's
+// largest (f16 subnormals). Without F16 each e4m3 pair goes through f32 to a bf16 pair.
+// (A build that loaded 512-column slices at once, and the next tile's during the epilogue,
+// under launch bounds of two blocks an SM, measured slower on an H100: gate/up 44.4 against
+// 31.6 us.) NARROW (F16 only) swaps the roles: the tokens are A's rows (8 of its 16 zero), 8
+// weight rows B's columns, one row a lane (16 bytes a piece); a warp's tile is 8 rows, each
+// lane's sums those of rows 2q and 2q + 1 for token g, scaled by their scales.
 // OUT_SILU reads gate/up stacked as FP8 weights keep them (gate rows [0, N / 2), up rows
-// [N / 2, N)): a tile's rows g are gate rows j0 + g and its rows g + 8 the matching up rows,
-// so each lane holds both halves of its outputs. K % 64 == 0. Block: 256. Dynamic shared
-// memory: M * K * 2 bytes.
-#define FP8_PIECES 4
+// [N / 2, N)): a wide tile's rows g are gate rows j0 + g and its rows g + 8 the matching up
+// rows, a NARROW tile's columns 2i and 2i + 1 gate and up rows j0 + i, so each lane holds both
+// halves of its outputs. K % 64 == 0. Block: 256. Dynamic shared memory: M * K * 2 bytes.
 template <int OUT>
 __device__ __forceinline__ void gemv_fp8_store(void* out, const bf16* bias, int N, int row, int m, int mcount,
                                                float v, float up) {
@@ -309,75 +332,144 @@ __device__ __forceinline__ void gemv_fp8_store(void* out, const bf16* bias, int 
     reinterpret_cast<bf16*>(out)[(u64)m * half + row] = (bf16)(silu_mul_pack(f2bf(v), f2bf(up)) & 0xffffu);
 }
 
-template <int M, int IN, int OUT>
+// Scales the M bf16 rows of K at xs, in place, into f16 rows times 2^s (s per row, clamped to
+// +-100: an all-zero row gets 2^100, harmlessly) and writes 2^-s for row m at unscale[m]
+// (1 for rows M..7). Every thread of the block calls it; it ends with a barrier.
+template <int M>
+__device__ __forceinline__ void gemv_rows_to_f16(bf16* xs, int K, float (*amax_of_warp)[MMA_ROWS][8],
+                                                 float* unscale) {
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float amax[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        amax[m] = 0.0f;
+        for (int i = tid * 8; i < K; i += blockDim.x * 8) {
+            uint4 v = *reinterpret_cast<const uint4*>(xs + (u64)m * K + i);
+            u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                amax[m] = fmaxf(amax[m], fmaxf(fabsf(__uint_as_float(w[j] << 16)),
+                                               fabsf(__uint_as_float(w[j] & 0xffff0000u))));
+        }
+        amax[m] = warp_max(amax[m]);
+        if (lane == 0) amax_of_warp[warp][0][m] = amax[m];
+    }
+    __syncthreads();
+    int warps = blockDim.x >> 5;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        float a = 0.0f;
+        for (int w = 0; w < warps; ++w) a = fmaxf(a, amax_of_warp[w][0][m]);
+        // a in [2^e, 2^(e + 1)): a * 2^(14 - e) in [2^14, 2^15).
+        int e = (int)((__float_as_uint(a) >> 23) & 0xffu) - 127;
+        int s = min(100, max(-100, 14 - e));
+        float up = __uint_as_float((u32)(127 + s) << 23);
+        if (tid == 0) unscale[m] = __uint_as_float((u32)(127 - s) << 23);
+        for (int i = tid * 8; i < K; i += blockDim.x * 8) {
+            uint4* at = reinterpret_cast<uint4*>(xs + (u64)m * K + i);
+            uint4 v = *at;
+            u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                w[j] = pack_f16x2(__uint_as_float(w[j] << 16) * up, __uint_as_float(w[j] & 0xffff0000u) * up);
+            *at = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+    if (tid >= M && tid < 8) unscale[tid] = 1.0f;
+    __syncthreads();
+}
+
+template <int M, int IN, int OUT, bool F16, int PIECES, int STAGES, bool NARROW>
 __device__ __forceinline__ void gemv_mma_fp8(const unsigned char* __restrict__ W, const float* __restrict__ scales,
                                              int N, int K, int ksplit, const void* in, const int* rows,
                                              const bf16* norm_w, float eps, void* out, const bf16* bias,
                                              int mcount) {
     extern __shared__ __align__(16) unsigned char gemv_smem[];
+    // scratch: the norm's block sums ([0, 8)), then (F16) each token's unscale ([16, 24)).
     __shared__ float scratch[32];
     __shared__ float partial[8][MMA_ROWS][8];
     bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
     int groups = 8 / ksplit, grp = warp / ksplit, slice = warp % ksplit;
     int kbc = (K + FP8_BLOCK - 1) / FP8_BLOCK;
-    // Slices of whole 64-column pieces.
+    // Slices of whole 64-column pieces, each walked in steps of PIECES pieces (the last step's
+    // pieces past the slice read nothing and add zero).
+    constexpr int STEP = 64 * PIECES;
     int slice_len = (K / 64 + ksplit - 1) / ksplit * 64;
     int k_begin = slice * slice_len, k_end = min(K, k_begin + slice_len);
-    // A tile's output rows: 16 (OUT_SILU: 8 outputs from 8 gate and 8 up rows).
-    constexpr int TILE_OUT = OUT == OUT_SILU ? 8 : MMA_ROWS;
+    int steps_per_tile = (slice_len + STEP - 1) / STEP;
+    // A tile's output rows: 16 (OUT_SILU: 8 outputs from 8 gate and 8 up rows); NARROW: 8 (4).
+    constexpr int TILE_ROWS = NARROW ? 8 : MMA_ROWS;
+    constexpr int TILE_OUT = OUT == OUT_SILU ? TILE_ROWS / 2 : TILE_ROWS;
     int outs = OUT == OUT_SILU ? N / 2 : N;
     int tiles = (outs + TILE_OUT - 1) / TILE_OUT;
-    // Weight rows of tile `tile` for this lane (rows past the end read the last one; never stored).
-    auto rows_of = [&](int tile, int& lo, int& hi) {
-        if (OUT == OUT_SILU) {
-            lo = min(tile * 8 + g, outs - 1);
-            hi = outs + lo;
-        } else {
-            lo = min(tile * 16 + g, N - 1);
-            hi = min(tile * 16 + g + 8, N - 1);
-        }
+    // The block's groups take tiles first + grp, first + grp + stride, ...: the same number of
+    // rounds for every warp of the block (a tile past the end reads the last rows and stores
+    // nothing), so the barriers of the K-split merge line up.
+    int stride = gridDim.x * groups, first = blockIdx.x * groups;
+    int rounds = first < tiles ? (tiles - first + stride - 1) / stride : 0;
+    int total = rounds * steps_per_tile;
+    // Weight row `n` of tile `tile` (rows past the end read the last one; never stored). Wide
+    // tiles: the A rows, OUT_SILU's gate rows first (n < 8) then the matching up rows. NARROW
+    // tiles: the B columns, OUT_SILU's gate and up rows alternating (n = 2i, 2i + 1: output i).
+    auto row_of = [&](int tile, int n) {
+        if (OUT != OUT_SILU) return min(tile * TILE_ROWS + n, N - 1);
+        int half = NARROW ? n & 1 : n >= 8, out_row = min(tile * TILE_OUT + (NARROW ? n >> 1 : n & 7), outs - 1);
+        return half ? outs + out_row : out_row;
     };
-    uint4 wlo[FP8_PIECES], whi[FP8_PIECES];
-    float slo[FP8_PIECES], shi[FP8_PIECES];
-    auto load = [&](int tile, int k0) {
-        int lo, hi;
-        rows_of(tile, lo, hi);
+    // This lane's weight rows (wide: A rows g and g + 8; NARROW: B column g, one row) and the
+    // rows its sums belong to, whose scales it applies (wide: the same; NARROW: 2q and 2q + 1).
+    auto rows_of = [&](int tile, int& lo, int& hi, int& scale_lo, int& scale_hi) {
+        lo = row_of(tile, g);
+        hi = NARROW ? lo : row_of(tile, g + 8);
+        scale_lo = NARROW ? row_of(tile, 2 * q) : lo;
+        scale_hi = NARROW ? row_of(tile, 2 * q + 1) : hi;
+    };
+    uint4 wlo[STAGES][PIECES], whi[STAGES][PIECES];
+    float slo[STAGES][PIECES], shi[STAGES][PIECES];
+    auto load = [&](int slot, int s) {
+        int lo, hi, scale_lo, scale_hi;
+        rows_of(first + grp + s / steps_per_tile * stride, lo, hi, scale_lo, scale_hi);
+        int k0 = k_begin + s % steps_per_tile * STEP;
 #pragma unroll
-        for (int u = 0; u < FP8_PIECES; ++u) {
+        for (int u = 0; u < PIECES; ++u) {
             int k = k0 + u * 64 + q * 16;
             if (k < k_end) {
-                wlo[u] = ld_stream(reinterpret_cast<const bf16*>(W + (u64)lo * K + k));
-                whi[u] = ld_stream(reinterpret_cast<const bf16*>(W + (u64)hi * K + k));
-                slo[u] = __ldg(scales + (u64)lo * kbc + k / FP8_BLOCK);
-                shi[u] = __ldg(scales + (u64)hi * kbc + k / FP8_BLOCK);
+                wlo[slot][u] = ld_stream(reinterpret_cast<const bf16*>(W + (u64)lo * K + k));
+                whi[slot][u] = NARROW ? make_uint4(0, 0, 0, 0)
+                                      : ld_stream(reinterpret_cast<const bf16*>(W + (u64)hi * K + k));
+                slo[slot][u] = __ldg(scales + (u64)scale_lo * kbc + k / FP8_BLOCK);
+                shi[slot][u] = __ldg(scales + (u64)scale_hi * kbc + k / FP8_BLOCK);
             } else {
-                wlo[u] = whi[u] = make_uint4(0, 0, 0, 0);
-                slo[u] = shi[u] = 0.0f;
+                wlo[slot][u] = whi[slot][u] = make_uint4(0, 0, 0, 0);
+                slo[slot][u] = shi[slot][u] = 0.0f;
             }
         }
     };
-    int stride = gridDim.x * groups;
-    int first = blockIdx.x * groups;
-    // Weights are never written: the first batch streams while the previous kernel ends.
-    if (first < tiles) load(first + grp, k_begin);
+    // Weights are never written: the first steps stream while the previous kernel ends.
+#pragma unroll
+    for (int st = 0; st < STAGES; ++st)
+        if (st < total) load(st, st);
     PDL_ENTER();
     for (int m = 0; m < M; ++m) gemv_prologue<IN>(xs + (u64)m * K, K, in, rows, norm_w, eps, m, mcount, scratch);
     __syncthreads();
+    float* unscale = scratch + 16;
+    if (F16) gemv_rows_to_f16<M>(xs, K, partial, unscale);
     const bf16* xrow = xs + (u64)(g < M ? g : 0) * K;
-    bool loaded = true;
-    for (int tile0 = first; tile0 < tiles; tile0 += stride) {
-        int tile = tile0 + grp;
-        float acc[FP8_PIECES][4];
+    float acc[PIECES][4];
 #pragma unroll
-        for (int u = 0; u < FP8_PIECES; ++u)
+    for (int u = 0; u < PIECES; ++u)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[u][e] = 0.0f;
-        for (int k0 = k_begin; k0 < k_end; k0 += 64 * FP8_PIECES) {
-            if (!loaded) load(tile, k0);
-            loaded = false;
+        for (int e = 0; e < 4; ++e) acc[u][e] = 0.0f;
+    for (int s0 = 0; s0 < total; s0 += STAGES) {
 #pragma unroll
-            for (int u = 0; u < FP8_PIECES; ++u) {
+        for (int st = 0; st < STAGES; ++st) {
+            int s = s0 + st;
+            // `total` is the block's: all its warps leave together.
+            if (s >= total) break;
+            int k0 = k_begin + s % steps_per_tile * STEP;
+#pragma unroll
+            for (int u = 0; u < PIECES; ++u) {
                 int k = k0 + u * 64 + q * 16;
                 uint4 x0 = make_uint4(0, 0, 0, 0), x1 = make_uint4(0, 0, 0, 0);
                 if (g < M && k < k_end) {
@@ -385,69 +477,127 @@ __device__ __forceinline__ void gemv_mma_fp8(const unsigned char* __restrict__ W
                     x1 = *reinterpret_cast<const uint4*>(xrow + k + 8);
                 }
                 const u32 xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-                const u32 lw[4] = {wlo[u].x, wlo[u].y, wlo[u].z, wlo[u].w};
-                const u32 hw[4] = {whi[u].x, whi[u].y, whi[u].z, whi[u].w};
+                const u32 lw[4] = {wlo[st][u].x, wlo[st][u].y, wlo[st][u].z, wlo[st][u].w};
+                const u32 hw[4] = {whi[st][u].x, whi[st][u].y, whi[st][u].z, whi[st][u].w};
                 float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                 for (int step = 0; step < 4; ++step) {
-                    u32 a[4] = {e4m3x2_to_bf16x2(lw[step] & 0xffffu), e4m3x2_to_bf16x2(hw[step] & 0xffffu),
-                                e4m3x2_to_bf16x2(lw[step] >> 16), e4m3x2_to_bf16x2(hw[step] >> 16)};
-                    mma_bf16(part, a, xw[2 * step], xw[2 * step + 1]);
+                    if (NARROW) {
+                        // The tokens are A (rows g; rows g + 8 zero), this lane's weight row B.
+                        const u32 a[4] = {xw[2 * step], 0u, xw[2 * step + 1], 0u};
+                        mma_f16(part, a, e4m3x2_to_f16x2(lw[step]), e4m3x2_to_f16x2(lw[step] >> 16));
+                    } else if (F16) {
+                        u32 a[4] = {e4m3x2_to_f16x2(lw[step]), e4m3x2_to_f16x2(hw[step]),
+                                    e4m3x2_to_f16x2(lw[step] >> 16), e4m3x2_to_f16x2(hw[step] >> 16)};
+                        mma_f16(part, a, xw[2 * step], xw[2 * step + 1]);
+                    } else {
+                        u32 a[4] = {e4m3x2_to_bf16x2(lw[step] & 0xffffu), e4m3x2_to_bf16x2(hw[step] & 0xffffu),
+                                    e4m3x2_to_bf16x2(lw[step] >> 16), e4m3x2_to_bf16x2(hw[step] >> 16)};
+                        mma_bf16(part, a, xw[2 * step], xw[2 * step + 1]);
+                    }
                 }
-                acc[u][0] = fmaf(part[0], slo[u], acc[u][0]);
-                acc[u][1] = fmaf(part[1], slo[u], acc[u][1]);
-                acc[u][2] = fmaf(part[2], shi[u], acc[u][2]);
-                acc[u][3] = fmaf(part[3], shi[u], acc[u][3]);
+                // NARROW: rows 2q (part 0) and 2q + 1 (part 1) by token g; parts 2 and 3 are the
+                // zero rows'.
+                acc[u][0] = fmaf(part[0], slo[st][u], acc[u][0]);
+                acc[u][1] = fmaf(part[1], NARROW ? shi[st][u] : slo[st][u], acc[u][1]);
+                if (!NARROW) {
+                    acc[u][2] = fmaf(part[2], shi[st][u], acc[u][2]);
+                    acc[u][3] = fmaf(part[3], shi[st][u], acc[u][3]);
+                }
             }
-        }
-        float d[4];
+            // The slot takes the step STAGES on.
+            if (s + STAGES < total) load(st, s + STAGES);
+            if (s % steps_per_tile != steps_per_tile - 1) continue;
+            // The tile's last step: its sums leave.
+            int tile0 = first + s / steps_per_tile * stride, tile = tile0 + grp;
+            float d[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            d[e] = acc[0][e];
+            for (int e = 0; e < 4; ++e) {
+                d[e] = acc[0][e];
 #pragma unroll
-            for (int u = 1; u < FP8_PIECES; ++u) d[e] += acc[u][e];
-        }
-        // d: A rows g (0, 1) and g + 8 (2, 3) by tokens 2q and 2q + 1.
-        if (ksplit == 1) {
+                for (int u = 1; u < PIECES; ++u) d[e] += acc[u][e];
+                // The token's scale undone (exact: a power of two): wide, token 2q + (e & 1);
+                // NARROW, token g (e 0, 1; 2 and 3 are the zero rows').
+                if (F16) d[e] *= unscale[NARROW ? g : 2 * q + (e & 1)];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
+                for (int u = 0; u < PIECES; ++u) acc[u][e] = 0.0f;
+            }
+            // Wide: d is A rows g (0, 1) and g + 8 (2, 3) by tokens 2q and 2q + 1. NARROW: token
+            // g by B columns 2q (0) and 2q + 1 (1).
+            if (NARROW && ksplit == 1) {
                 if (OUT == OUT_SILU) {
-                    gemv_fp8_store<OUT>(out, bias, N, tile * 8 + g, 2 * q + i, mcount, d[i], d[2 + i]);
+                    gemv_fp8_store<OUT>(out, bias, N, tile * TILE_OUT + q, g, mcount, d[0], d[1]);
                 } else {
-                    gemv_fp8_store<OUT>(out, bias, N, tile * 16 + g, 2 * q + i, mcount, d[i], 0.0f);
-                    gemv_fp8_store<OUT>(out, bias, N, tile * 16 + g + 8, 2 * q + i, mcount, d[2 + i], 0.0f);
+                    gemv_fp8_store<OUT>(out, bias, N, tile * TILE_ROWS + 2 * q, g, mcount, d[0], 0.0f);
+                    gemv_fp8_store<OUT>(out, bias, N, tile * TILE_ROWS + 2 * q + 1, g, mcount, d[1], 0.0f);
                 }
-            }
-        } else {
+            } else if (ksplit == 1) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) partial[warp][g + (i / 2) * 8][2 * q + i % 2] = d[i];
-            __syncthreads();
-            for (int i = tid; i < groups * TILE_OUT * M; i += blockDim.x) {
-                int gg = i / (TILE_OUT * M), r = (i / M) % TILE_OUT, m = i % M;
-                float v = 0.0f, up = 0.0f;
-                for (int sl = 0; sl < ksplit; ++sl) {
-                    v += partial[gg * ksplit + sl][r][m];
-                    if (OUT == OUT_SILU) up += partial[gg * ksplit + sl][r + 8][m];
+                for (int i = 0; i < 2; ++i) {
+                    if (OUT == OUT_SILU) {
+                        gemv_fp8_store<OUT>(out, bias, N, tile * 8 + g, 2 * q + i, mcount, d[i], d[2 + i]);
+                    } else {
+                        gemv_fp8_store<OUT>(out, bias, N, tile * 16 + g, 2 * q + i, mcount, d[i], 0.0f);
+                        gemv_fp8_store<OUT>(out, bias, N, tile * 16 + g + 8, 2 * q + i, mcount, d[2 + i], 0.0f);
+                    }
                 }
-                gemv_fp8_store<OUT>(out, bias, N, (tile0 + gg) * TILE_OUT + r, m, mcount, v, up);
+            } else {
+                // partial[warp][tile row][token]; an output's gate and up rows (OUT_SILU) at
+                // r and r + 8 (wide) or 2r and 2r + 1 (NARROW).
+                if (NARROW) {
+                    if (g < M) partial[warp][2 * q][g] = d[0], partial[warp][2 * q + 1][g] = d[1];
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) partial[warp][g + (i / 2) * 8][2 * q + i % 2] = d[i];
+                }
+                __syncthreads();
+                for (int i = tid; i < groups * TILE_OUT * M; i += blockDim.x) {
+                    int gg = i / (TILE_OUT * M), r = (i / M) % TILE_OUT, m = i % M;
+                    int gate_row = OUT != OUT_SILU ? r : NARROW ? 2 * r : r;
+                    int up_row = NARROW ? 2 * r + 1 : r + 8;
+                    float v = 0.0f, up = 0.0f;
+                    for (int sl = 0; sl < ksplit; ++sl) {
+                        v += partial[gg * ksplit + sl][gate_row][m];
+                        if (OUT == OUT_SILU) up += partial[gg * ksplit + sl][up_row][m];
+                    }
+                    gemv_fp8_store<OUT>(out, bias, N, (tile0 + gg) * TILE_OUT + r, m, mcount, v, up);
+                }
+                __syncthreads();
             }
-            __syncthreads();
         }
     }
 }
 
-#define GEMV_FP8_FUSED_KERNEL(NAME, M, IN, OUT)                                                                  \
-    extern "C" __global__ void __launch_bounds__(256, 3) NAME##_m##M##_fp8(                                     \
+// The builds (`--cuda-tune fp8_gemv_build`, ops::FP8_GEMV_BUILDS): 0 `_fp8` bf16 MMAs, steps of
+// 4 pieces one at a time, three blocks an SM (spills a few registers); 1 `_h_fp8` the same sums
+// on f16 MMAs under two blocks an SM (no spills; on an H100, Qwen3-32B's decode step 0.88x
+// build 0's); 2 `_p_fp8` f16, steps of 2 pieces, 2 in flight, two blocks an SM; 3 `_n_fp8`
+// NARROW: tiles of 8 weight rows (twice as many tiles, so that products of few rows, Qwen3-32B's
+// o and down at 320 wide tiles, spread evenly over the SMs), steps of 8 pieces of one row.
+#define GEMV_FP8_FUSED_KERNEL(NAME, SUFFIX, M, IN, OUT, F16, PIECES, STAGES, BLOCKS, NARROW)                   \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS) NAME##_m##M##SUFFIX(                              \
         const unsigned char* W, const float* scales, int N, int K, int ksplit, const void* in, const int* rows,  \
         const bf16* norm_w, float eps, void* out, const bf16* bias, int mcount) {                                \
-        gemv_mma_fp8<M, IN, OUT>(W, scales, N, K, ksplit, in, rows, norm_w, eps, out, bias, mcount);            \
+        gemv_mma_fp8<M, IN, OUT, F16, PIECES, STAGES, NARROW>(W, scales, N, K, ksplit, in, rows, norm_w, eps,     \
+                                                              out, bias, mcount);                                \
     }
-#define GEMV_FP8_FUSED_ALL_M(NAME, IN, OUT)                                         \
-    GEMV_FP8_FUSED_KERNEL(NAME, 1, IN, OUT) GEMV_FP8_FUSED_KERNEL(NAME, 2, IN, OUT) \
-    GEMV_FP8_FUSED_KERNEL(NAME, 4, IN, OUT) GEMV_FP8_FUSED_KERNEL(NAME, 8, IN, OUT)
+#define GEMV_FP8_FUSED_ALL_M(NAME, SUFFIX, IN, OUT, ...)            \
+    GEMV_FP8_FUSED_KERNEL(NAME, SUFFIX, 1, IN, OUT, __VA_ARGS__)    \
+    GEMV_FP8_FUSED_KERNEL(NAME, SUFFIX, 2, IN, OUT, __VA_ARGS__)    \
+    GEMV_FP8_FUSED_KERNEL(NAME, SUFFIX, 4, IN, OUT, __VA_ARGS__)    \
+    GEMV_FP8_FUSED_KERNEL(NAME, SUFFIX, 8, IN, OUT, __VA_ARGS__)
+#define GEMV_FP8_FUSED_KINDS(SUFFIX, ...)                                       \
+    GEMV_FP8_FUSED_ALL_M(gemv_norm_bf16, SUFFIX, IN_NORM, OUT_BF16, __VA_ARGS__) \
+    GEMV_FP8_FUSED_ALL_M(gemv_norm_f32, SUFFIX, IN_NORM, OUT_F32, __VA_ARGS__)   \
+    GEMV_FP8_FUSED_ALL_M(gemv_norm_silu, SUFFIX, IN_NORM, OUT_SILU, __VA_ARGS__) \
+    GEMV_FP8_FUSED_ALL_M(gemv_bf16_add, SUFFIX, IN_BF16, OUT_ADD, __VA_ARGS__)
 #if KERNEL_GROUP(1)
-GEMV_FP8_FUSED_ALL_M(gemv_norm_bf16, IN_NORM, OUT_BF16)
-GEMV_FP8_FUSED_ALL_M(gemv_norm_f32, IN_NORM, OUT_F32)
-GEMV_FP8_FUSED_ALL_M(gemv_norm_silu, IN_NORM, OUT_SILU)
-GEMV_FP8_FUSED_ALL_M(gemv_bf16_add, IN_BF16, OUT_ADD)
+GEMV_FP8_FUSED_KINDS(_fp8, false, 4, 1, 3, false)
+#endif
+#if KERNEL_GROUP(5)
+GEMV_FP8_FUSED_KINDS(_h_fp8, true, 4, 1, 2, false)
+GEMV_FP8_FUSED_KINDS(_p_fp8, true, 2, 2, 2, false)
+#endif
+#if KERNEL_GROUP(0)
+GEMV_FP8_FUSED_KINDS(_n_fp8, true, 8, 1, 2, true)
 #endif
