@@ -630,17 +630,21 @@ if [ "$MODE" = fp8-builds ]; then
   # Qwen3-4B's and Qwen3-32B's products; cuBLASLt's block-scaled candidates, fp8_gemm_algo, timed
   # on Qwen3-32B's), then bench engine on FP8_MODEL (preset:qwen3-32b) at
   # batch 1 and 8 under each build (default 0 1 2 3; SKIP_TESTS=1 skips the test; FP8_PROFILE=1
-  # first profiles batch 64 and a prefill of 8192).
+  # first profiles batch 64 and a prefill of 8192, with and without fp8_fused_act).
   shift
   if [ -z "${SKIP_TESTS:-}" ]; then
-    TEST_TIMEOUT=${TEST_TIMEOUT:-400} run_test cuda_kernels "fp8_decode_projections fp8_block_gemm_candidates"
+    TEST_TIMEOUT=${TEST_TIMEOUT:-400} run_test cuda_kernels "fp8_decode_projections fp8_block_gemm_candidates silu_mul_rounded"
     grep -E "^fp8 (fused|build|gemm)|shapes checked" /tmp/test_cuda_kernels.log | tee -a "$OUT/summary.txt"
   fi
-  # FP8_PROFILE=1: where batch 64 and a prefill of 8192 spend their time (default build).
+  # FP8_PROFILE=1: where batch 64 and a prefill of 8192 spend their time (defaults), then the
+  # same with SiLU rounding down's input (fp8_fused_act=1).
   if [ -n "${FP8_PROFILE:-}" ]; then
-    timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model "${FP8_MODEL:-preset:qwen3-32b}" --quantization fp8 \
-      --batch 64 --decode-steps 16 --prefill-tokens 8192 --profile > "$OUT/fp8_profile.log" 2>&1 || status=1
-    note "fp8 profile: $(grep -E '^64 +[0-9]' "$OUT/fp8_profile.log" | tr -s ' ')$(grep -oE '^prefill [0-9]+ tokens: [0-9.]+ ms' "$OUT/fp8_profile.log")"
+    for act in 0 1; do
+      timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model "${FP8_MODEL:-preset:qwen3-32b}" --quantization fp8 \
+        --batch 64 --decode-steps 16 --prefill-tokens 8192 --profile --cuda-tune "fp8_fused_act=$act" \
+        > "$OUT/fp8_profile_act$act.log" 2>&1 || status=1
+      note "fp8 profile, fp8_fused_act=$act: $(grep -E '^64 +[0-9]' "$OUT/fp8_profile_act$act.log" | tr -s ' ')$(grep -oE '^prefill [0-9]+ tokens: [0-9.]+ ms' "$OUT/fp8_profile_act$act.log")"
+    done
   fi
   for b in "${@:-0 1 2 3}"; do
     for build in $b; do

@@ -1939,6 +1939,51 @@ fn fp8_block_gemm_multiplies_quantized_activations_by_block_scaled_weights() {
     }
 }
 
+/// SiLU-and-multiply rounded to e4m3 in one kernel (`silu_mul_fp8_rows`, down's input over
+/// FP8 weights with `fp8_fused_act`) gives the bytes and scales of `silu_mul` then
+/// `quantize_fp8_rows`, bit for bit: gate/up stacked and interleaved, 1 to 300 rows, a width
+/// of one 128-column block and Qwen3-4B's 9728 (76 blocks: a partial last grid column).
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn silu_mul_rounded_to_fp8_in_one_kernel_equals_the_two() {
+    let Some(dev) = device() else { return };
+    let mut rng = Lcg(71);
+    for inter in [128, 9728] {
+        for t in [1, 17, 300] {
+            for stacked in [true, false] {
+                // Blocks of very different sizes, so that their scales differ.
+                let gu: Vec<u16> = (0..t * 2 * inter)
+                    .map(|i| bf16(rng.uniform() * if (i / 128) % 5 == 0 { 30.0 } else { 2.0 }))
+                    .collect();
+                let d_gu = dev.upload(&gu).unwrap();
+                let ld = tandem_compute::cuda::fp8_act_scale_ld(t);
+                let scale_bytes = ops::Fp8Scratch::act_scale_bytes(t, inter);
+                let (d_act, d_q2, d_s2) = (
+                    dev.zeros::<u16>(t * inter).unwrap(),
+                    dev.zeros::<u8>(t * inter).unwrap(),
+                    dev.zeros::<u8>(scale_bytes).unwrap(),
+                );
+                let (d_q1, d_s1) = (dev.zeros::<u8>(t * inter).unwrap(), dev.zeros::<u8>(scale_bytes).unwrap());
+                unsafe {
+                    ops::silu_mul(&dev, d_gu.ptr(), d_act.ptr(), t, inter, stacked).unwrap();
+                    ops::quantize_fp8_rows(&dev, d_act.ptr(), (d_q2.ptr(), d_s2.ptr(), ld), t, inter).unwrap();
+                    ops::silu_mul_fp8_rows(&dev, d_gu.ptr(), (d_q1.ptr(), d_s1.ptr(), ld), t, inter, stacked).unwrap();
+                }
+                let what = format!("{t} rows of {inter}, stacked {stacked}");
+                assert_eq!(dev.read(&d_q1, t * inter).unwrap(), dev.read(&d_q2, t * inter).unwrap(), "{what}: bytes");
+                let (s1, s2) = (dev.read(&d_s1, scale_bytes).unwrap(), dev.read(&d_s2, scale_bytes).unwrap());
+                // Each block's scales over the rows (the padding past t is not written).
+                for b in 0..inter / 128 {
+                    let rows = b * ld * 4..(b * ld + t) * 4;
+                    assert_eq!(s1[rows.clone()], s2[rows], "{what}: block {b}'s scales");
+                }
+            }
+        }
+    }
+    let bad = unsafe { ops::silu_mul_fp8_rows(&dev, 0, (0, 0, 4), 1, 100, true) };
+    assert!(bad.is_err(), "a width that is not whole 128-column blocks is refused");
+}
+
 /// cuBLASLt's heuristic candidates for the block-scaled FP8 product (`fp8_gemm_algo`) on
 /// Qwen3-32B's products at a batch of 64 tokens and a prefill of 8192: each candidate's time
 /// (the activations' quantization included) beside bf16 cuBLAS on the dequantized weight, and

@@ -200,8 +200,8 @@ pub use prefill::{
 };
 mod fp8;
 pub use fp8::{
-    dequantize_fp8, fp8_block_gemm_takes, fp8_gemv_takes, matmul_t_fp8, quantize_fp8, quantize_fp8_rows, Fp8Matrix,
-    Fp8Scratch, FP8_BLOCK, FP8_GEMV_MAX_TOKENS,
+    dequantize_fp8, fp8_block_gemm_takes, fp8_gemv_takes, matmul_t_fp8, matmul_t_fp8_rounded, quantize_fp8,
+    quantize_fp8_rows, silu_mul_fp8_rows, Fp8Matrix, Fp8Scratch, FP8_BLOCK, FP8_GEMV_MAX_TOKENS,
 };
 mod skinny;
 pub use skinny::{

@@ -133,6 +133,11 @@ pub struct CudaTuning {
     /// products take: 0, the first, unless measured otherwise (`cuda_kernels`'
     /// `fp8_block_gemm` test times each).
     pub fp8_gemm_algo: u8,
+    /// Steps of many rows over FP8 weights round SiLU-and-multiply's output to e4m3 in the
+    /// same kernel (`ops::silu_mul_fp8_rows`: the bytes and scales of `silu_mul` then
+    /// `fp8_quantize_rows`, without the bf16 rows between them) for down's block-scaled
+    /// product. Off until measured.
+    pub fp8_fused_act: bool,
 }
 
 /// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2|3`).
@@ -218,6 +223,7 @@ impl Default for CudaTuning {
             fp8_fused_decode: true,
             fp8_gemv_build: 1,
             fp8_gemm_algo: 0,
+            fp8_fused_act: false,
         }
     }
 }
@@ -251,6 +257,7 @@ impl CudaTuning {
         ("fp8_fused_decode", "0|1 (default 1)"),
         ("fp8_gemv_build", "0|1|2|3 (default 1)"),
         ("fp8_gemm_algo", "0..=7 (default 0)"),
+        ("fp8_fused_act", "0|1 (default 0)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -322,6 +329,7 @@ impl CudaTuning {
             }
             "fp8_block_gemm" => self.fp8_block_gemm = flag()?,
             "fp8_fused_decode" => self.fp8_fused_decode = flag()?,
+            "fp8_fused_act" => self.fp8_fused_act = flag()?,
             "fp8_gemm_algo" => {
                 self.fp8_gemm_algo = value.parse().ok().filter(|b| *b <= 7).ok_or_else(bad)?;
             }
@@ -424,6 +432,7 @@ impl fmt::Display for CudaTuning {
         for (key, on, default) in [
             ("fp8_block_gemm", self.fp8_block_gemm, d.fp8_block_gemm),
             ("fp8_fused_decode", self.fp8_fused_decode, d.fp8_fused_decode),
+            ("fp8_fused_act", self.fp8_fused_act, d.fp8_fused_act),
         ] {
             if on != default {
                 parts.push(format!("{key}={}", b(on)));
@@ -469,6 +478,8 @@ mod tests {
         assert_eq!(wg.to_string(), "wg_product_stages=16");
         assert!(CudaTuning::from_settings(&["wg_product_stages=12"]).unwrap_err().contains("8|16|24"));
         assert_eq!(CudaTuning::from_settings(&fused.to_string().split(',').collect::<Vec<_>>()).unwrap(), fused);
+        let act = CudaTuning::from_settings(&["fp8_fused_act=1"]).unwrap();
+        assert_eq!((act.fp8_fused_act, act.to_string().as_str()), (true, "fp8_fused_act=1"));
         let fp8 = CudaTuning::from_settings(&["fp8_gemv_build=2"]).unwrap();
         assert_eq!((fp8.fp8_gemv_build, fp8.to_string().as_str()), (2, "fp8_gemv_build=2"));
         assert!(CudaTuning::from_settings(&["fp8_gemv_build=4"]).unwrap_err().contains("0|1|2|3"));

@@ -9,7 +9,7 @@ use tandem_compute::cuda::ops::{
     self, AttnShape, FlashSplit, Gemv, GemvBuild, GemvInput, GemvOutput, PrefillSeqs, QkvRope, ResidualDelta,
     SkinnyNormOutput,
 };
-use tandem_compute::cuda::{kv_fence_ends, Communicator, CudaDevice, CudaError, DevBuf, KvFences};
+use tandem_compute::cuda::{fp8_act_scale_ld, kv_fence_ends, Communicator, CudaDevice, CudaError, DevBuf, KvFences};
 use tandem_compute::KvDtype;
 
 use super::kv_cache::DeviceKv;
@@ -137,6 +137,8 @@ impl Pass<'_> {
                 self.prefill_attention(&prefill, &shape, split)?;
             }
             let attn_out = self.all_reduce(self.residual_projection(&layer.o, a.attn.ptr(), t)?, t)?;
+            // Down's product, where SiLU already fed it (FP8 weights, `fp8_fused_act`).
+            let mut down = None;
             match attn_out {
                 ResidualDelta::Bf16(delta) if fuse_norms => {
                     let out = SkinnyNormOutput::SiluMul;
@@ -146,11 +148,18 @@ impl Pass<'_> {
                 _ => {
                     self.add_norm(resid, attn_out, 0, layer.post_norm.ptr(), a.normed.ptr(), t)?;
                     self.linear(&layer.gate_up, a.normed.ptr(), a.gate_up.ptr(), t)?;
-                    let stacked = self.w.gate_up_stacked();
-                    ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, cfg.intermediate_size, stacked)?;
+                    down = self.fp8_silu_down(&layer.down, t)?;
+                    if down.is_none() {
+                        let stacked = self.w.gate_up_stacked();
+                        ops::silu_mul(dev, a.gate_up.ptr(), a.act.ptr(), t, cfg.intermediate_size, stacked)?;
+                    }
                 }
             }
-            let mlp_out = self.all_reduce(self.residual_projection(&layer.down, a.act.ptr(), t)?, t)?;
+            let mlp_out = match down {
+                Some(delta) => delta,
+                None => self.residual_projection(&layer.down, a.act.ptr(), t)?,
+            };
+            let mlp_out = self.all_reduce(mlp_out, t)?;
             match (layers.get(li + 1), mlp_out) {
                 (Some(_), ResidualDelta::Bf16(delta)) if fuse_norms => pending = delta,
                 (Some(next), _) => self.add_norm(resid, mlp_out, 0, next.input_norm.ptr(), a.normed.ptr(), t)?,
@@ -257,6 +266,35 @@ impl Pass<'_> {
         let proj = self.step.act.proj.ptr();
         self.linear(l, x, proj, t)?;
         Ok(ResidualDelta::Bf16(proj))
+    }
+
+    /// Down's product for `t` tokens from the step's gate/up rows, with SiLU-and-multiply
+    /// rounding its output straight to e4m3 for the block-scaled GEMM
+    /// ([`ops::silu_mul_fp8_rows`], the bits of SiLU then [`ops::quantize_fp8_rows`]): where
+    /// `fp8_fused_act` is on, down's weight is FP8, the GEMM takes the shape and one slice
+    /// serves. None (nothing to add, the bf16 path to run) otherwise, or where cuBLASLt has no
+    /// kernel for it.
+    pub unsafe fn fp8_silu_down(&self, down: &Linear, t: usize) -> Result<Option<ResidualDelta>, CudaError> {
+        let (dev, inter, a) = (self.dev, self.cfg.intermediate_size, &self.step.act);
+        let scratch = self.w.fp8_scratch();
+        let Some(m) = down.fp8_matrix() else { return Ok(None) };
+        if !dev.tuning().fp8_fused_act
+            || self.slices(down) > 1
+            || !inter.is_multiple_of(ops::FP8_BLOCK)
+            || !ops::fp8_block_gemm_takes(dev, &m, t, &scratch)
+        {
+            return Ok(None);
+        }
+        let rounded = (scratch.acts, scratch.act_scales, fp8_act_scale_ld(t));
+        ops::silu_mul_fp8_rows(dev, a.gate_up.ptr(), rounded, t, inter, self.w.gate_up_stacked())?;
+        let proj = a.proj.ptr();
+        if ops::matmul_t_fp8_rounded(dev, &scratch, m, (proj, false), t).is_err() {
+            return Ok(None);
+        }
+        if let Some(b) = &down.bias {
+            ops::add_bias(dev, proj, b.ptr(), t, down.out_dim, false)?;
+        }
+        Ok(Some(ResidualDelta::Bf16(proj)))
     }
 
     /// A row-parallel product's output for `t` tokens (this rank's partial sums) summed over

@@ -221,6 +221,13 @@ unsafe fn op_times(
             time_layers(&|l| fused_norm(&l.gate_up, &l.post_norm, a.act.ptr(), SkinnyNormOutput::SiluMul))?,
         ));
     }
+    if dev.tuning().fp8_fused_act && l0.down.fp8_matrix().is_some() {
+        // What this step runs instead of SiLU and the down projection, where it takes it.
+        out.push((
+            "fused: SiLU x up rounded to FP8 + down projection (fp8_fused_act)".into(),
+            time_layers(&|l| pass.fp8_silu_down(&l.down, t).map(|_| ()))?,
+        ));
+    }
     let Some((_, o_projection)) = fused else { return Ok(out) };
     // The decode path this step takes: cuBLAS and the separate norm / SiLU kernels above are
     // replaced by the fused projections below (and, on one-token-per-sequence steps, RoPE +

@@ -134,6 +134,21 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 #endif
 
+// A warp's 128-column block of activations rounded to e4m3, four values a lane (the lane's
+// columns 4 lane .. 4 lane + 3): the block scaled by its largest magnitude over 448 (in f64,
+// then f32; 1 for an all-zero block), each value the nearest e4m3 of its quotient. Writes the
+// lane's four bytes at q and, from lane 0, the block's scale at scale.
+__device__ __forceinline__ void fp8_round_block(const float* v, unsigned char* q, float* scale, int lane) {
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    amax = warp_max(amax);
+    float s = amax > 0.0f ? (float)((double)amax / 448.0) : 1.0f;
+    u32 word = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) word |= f32_to_e4m3(__fdiv_rn(v[j], s)) << (8 * j);
+    *reinterpret_cast<u32*>(q) = word;
+    if (lane == 0) *scale = s;
+}
+
 // The activations of an FP8 product of many rows (ops::matmul_t_fp8 on cuBLASLt's block-scaled
 // GEMM): each row's 128-column blocks of bf16 x [t, K] (K % 128 == 0) scaled by their largest
 // magnitude over 448 (in f64, then f32; 1 for an all-zero block) and rounded to the nearest e4m3
@@ -152,14 +167,39 @@ extern "C" __global__ void __launch_bounds__(256)
     uint2 raw = *reinterpret_cast<const uint2*>(x + at);
     float v[4] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xffff0000u), __uint_as_float(raw.y << 16),
                   __uint_as_float(raw.y & 0xffff0000u)};
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-    amax = warp_max(amax);
-    float scale = amax > 0.0f ? (float)((double)amax / 448.0) : 1.0f;
-    u32 word = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) word |= f32_to_e4m3(__fdiv_rn(v[j], scale)) << (8 * j);
-    *reinterpret_cast<u32*>(q + at) = word;
-    if (lane == 0) scales[(u64)b * ld + m] = scale;
+    fp8_round_block(v, q + at, scales + (u64)b * ld + m, lane);
+}
+#endif
+
+// SiLU-and-multiply of gate/up rows (silu_mul's layouts: stacked, or gate and up interleaved)
+// with the result rounded to e4m3 as fp8_quantize_rows rounds activations: the bytes and
+// scales those two kernels give, without the bf16 rows between them (down's input in a step of
+// many rows over FP8 weights). inter % 128 == 0. One warp a (row, 128-column block), four
+// outputs a lane, as fp8_quantize_rows. Grid: (t, ceil(inter / 128 / 8)). Block: 256.
+#if KERNEL_GROUP(5)
+extern "C" __global__ void __launch_bounds__(256)
+    silu_mul_fp8_rows(const bf16* __restrict__ gu, unsigned char* __restrict__ q, float* __restrict__ scales,
+                      int t, int inter, int stacked, int ld) {
+    int m = blockIdx.x, b = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    // The previous kernel writes gu.
+    PDL_ENTER();
+    if (b >= inter / FP8_BLOCK) return;
+    int i = b * FP8_BLOCK + lane * 4;
+    const bf16* row = gu + (u64)m * 2 * inter;
+    u32 gate[2], up[2];
+    if (stacked) {
+        uint2 gv = *reinterpret_cast<const uint2*>(row + i), uv = *reinterpret_cast<const uint2*>(row + inter + i);
+        gate[0] = gv.x, gate[1] = gv.y, up[0] = uv.x, up[1] = uv.y;
+    } else {
+        // gate i, up i, gate i + 1, up i + 1, ...
+        uint4 v = *reinterpret_cast<const uint4*>(row + 2 * i);
+        gate[0] = (v.x & 0xffffu) | (v.y << 16), up[0] = (v.x >> 16) | (v.y & 0xffff0000u);
+        gate[1] = (v.z & 0xffffu) | (v.w << 16), up[1] = (v.z >> 16) | (v.w & 0xffff0000u);
+    }
+    u32 act[2] = {silu_mul_pack(gate[0], up[0]), silu_mul_pack(gate[1], up[1])};
+    float v[4] = {__uint_as_float(act[0] << 16), __uint_as_float(act[0] & 0xffff0000u), __uint_as_float(act[1] << 16),
+                  __uint_as_float(act[1] & 0xffff0000u)};
+    fp8_round_block(v, q + (u64)m * inter + i, scales + (u64)b * ld + m, lane);
 }
 #endif
 

@@ -4,7 +4,7 @@
 //! or (`--cuda-tune fp8_block_gemm=1`) with their activations in FP8 too, on cuBLASLt's
 //! block-scaled GEMM (`cuda/fp8_gemm.rs`).
 
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{cfg, launch_programmatic, matmul_t, RawArg};
 use crate::cuda::fp8_gemm::fp8_act_scale_ld;
@@ -124,14 +124,64 @@ pub unsafe fn quantize_fp8_rows(
     t: usize,
     k: usize,
 ) -> Result<(), CudaError> {
+    let Some(grid) = rounded_rows_grid("FP8 activations", t, k, ld)? else { return Ok(()) };
+    launch!(dev, "fp8_quantize_rows", grid, x, q, scales, t as i32, k as i32, ld as i32)
+}
+
+/// The launch of a warp a (row, 128-column block) over `t` rows of `k` columns rounded to e4m3
+/// with their scales' leading dimension `ld`; None for no rows; an error naming `what` for a
+/// shape that is not whole blocks or scales that do not hold the rows.
+fn rounded_rows_grid(what: &str, t: usize, k: usize, ld: usize) -> Result<Option<LaunchConfig>, CudaError> {
     if !k.is_multiple_of(FP8_BLOCK) || ld < t {
-        return Err(CudaError::Unavailable(format!("FP8 activations of {k} columns, {t} rows in {ld}")));
+        return Err(CudaError::Unavailable(format!("{what} of {k} columns, {t} rows in {ld}")));
     }
-    if t == 0 {
-        return Ok(());
+    Ok((t > 0).then(|| cfg((t as u32, (k / FP8_BLOCK).div_ceil(8) as u32), 256)))
+}
+
+/// SiLU-and-multiply of `t` gate/up rows `gu` (`[t, 2 * inter]` bf16 in
+/// [`super::silu_mul`]'s layouts) rounded to e4m3 as [`quantize_fp8_rows`] rounds activations:
+/// the bytes `q` (`[t, inter]`) and scales (`[inter / 128][ld]`) those two give, without the
+/// bf16 rows (`silu_mul_fp8_rows`).
+///
+/// # Safety
+/// See the module docs of `ops`; the buffers hold those shapes; `inter % 128 == 0`.
+pub unsafe fn silu_mul_fp8_rows(
+    dev: &CudaDevice,
+    gu: u64,
+    (q, scales, ld): (u64, u64, usize),
+    t: usize,
+    inter: usize,
+    stacked: bool,
+) -> Result<(), CudaError> {
+    let Some(grid) = rounded_rows_grid("FP8 SiLU rows", t, inter, ld)? else { return Ok(()) };
+    launch!(dev, "silu_mul_fp8_rows", grid, gu, q, scales, t as i32, inter as i32, stacked as i32, ld as i32)
+}
+
+/// `y = x · wᵀ` on cuBLASLt's block-scaled GEMM for activations already rounded to e4m3 in
+/// `scratch` ([`quantize_fp8_rows`]' or [`silu_mul_fp8_rows`]' bytes and scales, leading
+/// dimension [`fp8_act_scale_ld`]`(t)`); an error where [`fp8_block_gemm_takes`] does not or
+/// cuBLASLt has no kernel for the shape (nothing is queued then).
+///
+/// # Safety
+/// As [`matmul_t`]; `y` (f32 with `f32_out`, else bf16) 16-byte aligned; `scratch` holds `t`
+/// rounded rows of `m.k`.
+pub unsafe fn matmul_t_fp8_rounded(
+    dev: &CudaDevice,
+    scratch: &Fp8Scratch,
+    m: Fp8Matrix,
+    (y, f32_out): (u64, bool),
+    t: usize,
+) -> Result<(), CudaError> {
+    let (true, Some(gemm)) = (fp8_block_gemm_takes(dev, &m, t, scratch), dev.fp8_gemm()) else {
+        return Err(CudaError::Unavailable(format!("no block-scaled FP8 product of {t} rows by {} columns here", m.k)));
+    };
+    // Safety: the caller's contract covers `y` and the scratch, which holds t x k (checked
+    // above); the device's stream and context are current for cuBLASLt.
+    unsafe {
+        dev.stream().context().bind_to_thread()?;
+        let stream = dev.stream().cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
+        gemm.matmul(stream, (m.q, m.block_scales), (scratch.acts, scratch.act_scales), y, (t, m.n, m.k), f32_out)
     }
-    let grid = (t as u32, (k / FP8_BLOCK).div_ceil(8) as u32);
-    launch!(dev, "fp8_quantize_rows", cfg(grid, 256), x, q, scales, t as i32, k as i32, ld as i32)
 }
 
 /// `y = x · wᵀ` for bf16 rows `x` (`[t, m.k]`) and the FP8 weight `m`, into bf16 or f32 `y`
@@ -180,15 +230,13 @@ pub unsafe fn matmul_t_fp8(
             f32_out as i32
         );
     }
-    if let (true, Some(gemm)) = (fp8_block_gemm_takes(dev, &m, t, scratch), dev.fp8_gemm()) {
+    if fp8_block_gemm_takes(dev, &m, t, scratch) && dev.fp8_gemm().is_some() {
         let ld = fp8_act_scale_ld(t);
         // Safety: the caller's contract covers `x`, `y` and the scratch, which holds t x k
-        // (checked above); the device's stream and context are current for cuBLASLt.
+        // (checked by fp8_block_gemm_takes).
         let queued = unsafe {
             quantize_fp8_rows(dev, x, (scratch.acts, scratch.act_scales, ld), t, m.k)?;
-            dev.stream().context().bind_to_thread()?;
-            let stream = dev.stream().cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
-            gemm.matmul(stream, (m.q, m.block_scales), (scratch.acts, scratch.act_scales), y, (t, m.n, m.k), f32_out)
+            matmul_t_fp8_rounded(dev, scratch, m, (y, f32_out), t)
         };
         // A shape cuBLASLt has no kernel for goes through the bf16 copy.
         if queued.is_ok() || scratch.weight == 0 {
