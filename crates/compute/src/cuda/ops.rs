@@ -561,19 +561,13 @@ impl Gemv {
         // An FP8 weight has one build, the tensor-core one (its grid unless one is given), with no
         // more blocks than its launch bounds keep resident at once.
         let plan = if fp8 {
-            let sms = dev.sm_count() as usize;
-            let (_, per_sm) = dev.gemv_smem();
+            let (sms, (_, per_sm)) = (dev.sm_count() as usize, dev.gemv_smem());
             let (_, most, tile_rows) = fp8_gemv_build(dev);
-            let mut plan = if plan.build != GemvBuild::Mma {
-                GemvPlan { build: GemvBuild::Mma, ksplit: 0, blocks: 0 }
-            } else {
-                plan
+            let (ksplit, blocks) = match plan.build {
+                GemvBuild::Mma => (plan.ksplit, plan.blocks),
+                _ => mma_grid(sms, per_sm, n, k, tokens, (most, tile_rows)),
             };
-            if plan.ksplit == 0 {
-                (plan.ksplit, plan.blocks) = mma_grid(sms, per_sm, n, k, tokens, (most, tile_rows));
-            }
-            plan.blocks = plan.blocks.min(sms * most);
-            plan
+            GemvPlan { build: GemvBuild::Mma, ksplit, blocks: blocks.min(sms * most) }
         } else {
             plan
         };
