@@ -49,6 +49,7 @@
 #   longctx ["label:ARG ..." ...]: decode at a long context (LONGCTX_CONTEXT, LONGCTX_BATCH,
 #   LONGCTX_MODEL) over bf16 and FP8 caches under each set of bench engine arguments, after the
 #   attention kernel and model tests (see the mode below);
+#   kv-fp8: the KV of KV_TOKENS tokens over tcp between GPU caches, bf16 then FP8 (issue 51);
 #   seed: issue 51's qwen3-32b, FP8 weights and KV, swept as sweep does (SWEEP_TRANSPORT=tcp too);
 #   ab: P/D with the new build, then bench kv (cuda-ipc, tcp) for gpu-bin/tandem-base and the new
 #   build alternately (AB_ROUNDS, TCP_SIZES; build with BASELINE=<rev>);
@@ -587,6 +588,20 @@ tcp_bench() {  # [EXE [TAG]] as kv_bench; TCP_STREAMS (default "1 4"): streams, 
 if [ "$MODE" = tcp ]; then
   tcp_bench; cat "$OUT/summary.txt"; exit $status
 fi
+# kv-fp8: issue 51's FP8 KV transfer target: the KV of KV_TOKENS (16384) tokens of Qwen3-4B's
+# shape between two GPU caches over tcp, bf16 then FP8 in one run, over each of TCP_STREAMS.
+kv_fp8() {
+  for n in ${TCP_STREAMS:-1 8}; do
+    local log=$OUT/bench_kv_fp8_s$n.log
+    timeout 180 "$BIN/tandem" bench kv --transport tcp --device cuda:0 --tokens "${KV_TOKENS:-16384}" \
+      --kv-cache-dtype auto,fp8 --tcp-streams "$n" --json-out "$OUT/bench_kv_fp8_s$n.json" > "$log" 2>&1 \
+      || { note "bench kv --kv-cache-dtype auto,fp8 ($n streams) failed"; tail -5 "$log"; status=1; }
+    while read -r line; do note "kv fp8 s$n: $line"; done < <(grep -E '^(KV set|tcp KV|transport|fp8)' "$log")
+  done
+}
+if [ "$MODE" = kv-fp8 ]; then
+  kv_fp8; cat "$OUT/summary.txt"; exit $status
+fi
 # A change measured against the build before it in one call (issue 47: a restructuring must not
 # move the numbers): P/D answers with the new build, then the cuda-ipc and tcp transports'
 # benchmarks for gpu-bin/tandem-base (BASELINE=<rev> scripts/gpu/build.sh) and the new build,
@@ -628,23 +643,34 @@ if [ "$MODE" = fp8-builds ]; then
   # fp8-builds [BUILD ...]: the FP8 weights' fused decode projection builds (--cuda-tune
   # fp8_gemv_build): the kernel test (every build against the reference, one row's time on
   # Qwen3-4B's and Qwen3-32B's products; cuBLASLt's block-scaled candidates, fp8_gemm_algo, timed
-  # on Qwen3-32B's), then bench engine on FP8_MODEL (preset:qwen3-32b) at
-  # batch 1 and 8 under each build (default 0 1 2 3; SKIP_TESTS=1 skips the test; FP8_PROFILE=1
-  # first profiles batch 64 and a prefill of 8192, with and without fp8_fused_act).
+  # on Qwen3-32B's; the fused rounding kernels; FP8_KERNEL_TESTS names others), then bench engine
+  # on FP8_MODEL (preset:qwen3-32b) at batch 1 and 8 under each build (default 0 1 2 3;
+  # SKIP_TESTS=1 skips the tests; FP8_PROFILE=1 first profiles batch 64 and a prefill of 8192
+  # under each of FP8_PROFILE_TUNES (default: the defaults, then fp8_fused_act and _norm 0);
+  # FP8_BF16=1 adds the bf16 model's batch 1 / 64 and prefill in the same call).
   shift
   if [ -z "${SKIP_TESTS:-}" ]; then
-    TEST_TIMEOUT=${TEST_TIMEOUT:-400} run_test cuda_kernels "fp8_decode_projections fp8_block_gemm_candidates silu_mul_rounded"
+    TEST_TIMEOUT=${TEST_TIMEOUT:-400} run_test cuda_kernels "${FP8_KERNEL_TESTS:-fp8_decode_projections fp8_block_gemm_candidates silu_mul_rounded add_rms_norm_rounded}"
     grep -E "^fp8 (fused|build|gemm)|shapes checked" /tmp/test_cuda_kernels.log | tee -a "$OUT/summary.txt"
   fi
-  # FP8_PROFILE=1: where batch 64 and a prefill of 8192 spend their time (defaults), then the
-  # same with SiLU rounding down's input (fp8_fused_act=1).
+  # FP8_PROFILE=1: where batch 64 and a prefill of 8192 spend their time under each of
+  # FP8_PROFILE_TUNES (each a comma-separated list of --cuda-tune KEY=VALUE; default: the
+  # defaults, then SiLU and the norms rounding their outputs to FP8 in kernels of their own).
   if [ -n "${FP8_PROFILE:-}" ]; then
-    for act in 0 1; do
+    for tunes in ${FP8_PROFILE_TUNES:-fp8_fused_act=1 fp8_fused_act=0,fp8_fused_norm=0}; do
+      local_args=(); for kv in ${tunes//,/ }; do local_args+=(--cuda-tune "$kv"); done
+      log=$OUT/fp8_profile_${tunes//[=,]/_}.log
       timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model "${FP8_MODEL:-preset:qwen3-32b}" --quantization fp8 \
-        --batch 64 --decode-steps 16 --prefill-tokens 8192 --profile --cuda-tune "fp8_fused_act=$act" \
-        > "$OUT/fp8_profile_act$act.log" 2>&1 || status=1
-      note "fp8 profile, fp8_fused_act=$act: $(grep -E '^64 +[0-9]' "$OUT/fp8_profile_act$act.log" | tr -s ' ')$(grep -oE '^prefill [0-9]+ tokens: [0-9.]+ ms' "$OUT/fp8_profile_act$act.log")"
+        --batch 64 --decode-steps 16 --prefill-tokens 8192 --profile "${local_args[@]}" > "$log" 2>&1 || status=1
+      note "fp8 profile, $tunes: $(grep -E '^64 +[0-9]' "$log" | tr -s ' ')$(grep -oE '^prefill [0-9]+ tokens: [0-9.]+ ms' "$log")"
     done
+  fi
+  # FP8_BF16=1: the bf16 model's batch 1 and 64 steps and prefill of 8192 in the same call, for
+  # the issue's ratios from one run.
+  if [ -n "${FP8_BF16:-}" ]; then
+    timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model "${FP8_MODEL:-preset:qwen3-32b}" \
+      --batch 1,64 --decode-steps 16 --prefill-tokens 8192 > "$OUT/bf16_baseline.log" 2>&1 || status=1
+    note "bf16 baseline: $(grep -E '^(1|64) +[0-9]' "$OUT/bf16_baseline.log" | tr -s ' ' | tr '\n' '|')$(grep -oE '^prefill [0-9]+ tokens: [0-9.]+ ms' "$OUT/bf16_baseline.log")"
   fi
   for b in "${@:-0 1 2 3}"; do
     for build in $b; do

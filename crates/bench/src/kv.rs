@@ -39,8 +39,14 @@ use tandem_kv::{AgentInfo, KvError, KvMemory, KvMode, Role, TransportOffer};
 /// What to move.
 #[derive(Clone, Debug)]
 pub struct KvBenchConfig {
-    /// Bytes of KV per transfer (rounded up to whole blocks).
+    /// Bytes of KV per transfer (rounded up to whole blocks), unless `tokens` is given.
     pub bytes: usize,
+    /// Tokens of KV per transfer instead of `bytes` (rounded up to whole blocks): the bytes
+    /// then follow the element type, so bf16 and FP8 caches move the same prompt.
+    pub tokens: Option<usize>,
+    /// Each side's cache element type (`--kv-cache-dtype`); `None` for the memory's own: f32
+    /// in host memory (a CPU engine's cache), bf16 on a GPU. FP8 on either; bf16 only on a GPU.
+    pub cache_dtype: Option<KvDtype>,
     /// Transfers of each kind; the best and the median are reported.
     pub repeats: usize,
     /// The KV shape (defaults to SmolLM2-135M's: 30 layers, 3 KV heads, head dim 64).
@@ -68,6 +74,8 @@ impl Default for KvBenchConfig {
         let layout = KvLayout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, num_blocks: 0 };
         Self {
             bytes: 256 << 20,
+            tokens: None,
+            cache_dtype: None,
             repeats: 5,
             layout,
             runs: 8,
@@ -91,16 +99,30 @@ impl KvBenchConfig {
         Self { layout, device: Some(device), ..self }
     }
 
-    fn dtype(&self) -> KvDtype {
-        if self.device.is_some() {
-            KvDtype::Bf16
-        } else {
-            KvDtype::F32
+    /// The caches' element type.
+    pub fn dtype(&self) -> KvDtype {
+        match (self.cache_dtype, self.device) {
+            (Some(dtype), _) => dtype,
+            (None, Some(_)) => KvDtype::Bf16,
+            (None, None) => KvDtype::F32,
+        }
+    }
+
+    /// An error for a cache the memory cannot hold: bf16 lives only in a GPU cache (a CPU
+    /// engine's is f32 or FP8), f32 only in host memory.
+    pub fn check(&self) -> Result<(), String> {
+        match (self.dtype(), self.device) {
+            (KvDtype::Bf16, None) => Err("a bf16 cache needs --device cuda:N (host memory holds f32 or fp8)".into()),
+            (KvDtype::F32, Some(_)) => Err("a GPU cache is bf16 or fp8, not f32".into()),
+            _ => Ok(()),
         }
     }
 
     fn blocks(&self) -> usize {
-        self.bytes.div_ceil(self.layout.block_elems() * self.dtype().bytes())
+        match self.tokens {
+            Some(tokens) => tokens.div_ceil(self.layout.block_size).max(1),
+            None => self.bytes.div_ceil(self.layout.block_elems() * self.dtype().bytes()),
+        }
     }
 
     /// The layout with enough blocks for the transfer plus the gaps between runs.
@@ -144,8 +166,10 @@ struct Side {
 impl Side {
     fn new(cfg: &KvBenchConfig) -> Result<Self, KvError> {
         let layout = cfg.pool_layout();
+        cfg.check().map_err(KvError::Unsupported)?;
+        let dtype = cfg.dtype();
         let Some(ordinal) = cfg.device else {
-            let mut cache = KvCache::new(layout);
+            let mut cache = KvCache::of(layout, dtype);
             for (i, &b) in cfg.table().iter().enumerate() {
                 let k = vec![i as f32; layout.num_kv_heads * layout.head_dim];
                 cache.write_token(0, b as usize, 0, &k, &k);
@@ -155,9 +179,10 @@ impl Side {
         };
         let gpu = |e: tandem_compute::cuda::CudaError| KvError::Unsupported(format!("cuda:{ordinal}: {e}"));
         let dev = CudaDevice::open_with(ordinal, Default::default(), cfg.kernel_cache.as_deref()).map_err(gpu)?;
-        let cache = dev.zeros_exportable::<u16>(layout.num_blocks * layout.block_elems()).map_err(gpu)?;
-        let device = dev.kv_memory(&cache, layout, KvDtype::Bf16).map_err(gpu)?;
-        let region = KvRegion::host_copy(layout, KvDtype::Bf16);
+        let words = (layout.num_blocks * layout.block_elems() * dtype.bytes()).div_ceil(2);
+        let cache = dev.zeros_exportable::<u16>(words).map_err(gpu)?;
+        let device = dev.kv_memory(&cache, layout, dtype).map_err(gpu)?;
+        let region = KvRegion::host_copy(layout, dtype);
         let pinned = dev.pin_region(&region).map_err(gpu)?;
         let memory = KvMemory::device(device, Some(region.clone()))?;
         Ok(Self { region, memory, _cpu: None, _gpu: Some((dev, cache, pinned)) })
@@ -169,8 +194,14 @@ impl Side {
 pub struct KvBenchReport {
     /// Where each side's KV lives.
     pub memory: String,
+    /// The caches' element type.
+    pub dtype: String,
     /// Bytes per transfer.
     pub bytes: u64,
+    /// Tokens per transfer (whole blocks).
+    pub tokens: usize,
+    /// Bytes a token of KV takes (every layer's keys and values).
+    pub bytes_per_token: u64,
     /// Blocks per transfer.
     pub blocks: usize,
     /// Contiguous runs per transfer.
@@ -187,6 +218,8 @@ pub struct KvBenchReport {
     pub kv_best_gb_s: f64,
     /// KV transport, median, GB/s.
     pub kv_median_gb_s: f64,
+    /// KV transport, median time a transfer, ms.
+    pub kv_median_ms: f64,
     /// kv_median / raw_median.
     pub ratio: f64,
     /// GPU: the same transfers with the copies to and from the host copy not overlapped with
@@ -198,9 +231,12 @@ impl std::fmt::Display for KvBenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "KV set: {:.1} MiB in {} blocks, {} contiguous runs, {}, peer in another process",
+            "KV set: {:.1} MiB in {} blocks ({} tokens of {} bytes, {}), {} contiguous runs, {}, peer in another process",
             self.bytes as f64 / (1 << 20) as f64,
             self.blocks,
+            self.tokens,
+            self.bytes_per_token,
+            self.dtype,
             self.runs,
             self.memory
         )?;
@@ -215,7 +251,12 @@ impl std::fmt::Display for KvBenchReport {
         if let Some(serial) = self.kv_unpipelined_median_gb_s {
             writeln!(f, "{:<40} {:>10} {:>10.2}", "  copies not overlapped (before pieces)", "", serial)?;
         }
-        writeln!(f, "transport / raw (median): {:.0}%", self.ratio * 100.0)?;
+        writeln!(
+            f,
+            "transport / raw (median): {:.0}%; a transfer {:.2} ms (median)",
+            self.ratio * 100.0,
+            self.kv_median_ms
+        )?;
         writeln!(f, "(the raw figure is one unframed send of the whole set: a reference, not an upper bound)")
     }
 }
@@ -427,13 +468,17 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
     drop(s);
     let best = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
     let (raw_median, kv_median) = (median(raw_rates.clone()), median(kv_rates.clone()));
+    let dtype = cfg.dtype().name();
     let memory = match cfg.device {
-        Some(n) => format!("each side a cuda:{n} cache with a page-locked host copy (bf16)"),
-        None => "host memory (f32)".into(),
+        Some(n) => format!("each side a cuda:{n} cache with a page-locked host copy"),
+        None => "host memory".into(),
     };
     Ok(KvBenchReport {
         memory,
+        dtype: dtype.into(),
         bytes,
+        tokens,
+        bytes_per_token: bytes / tokens.max(1) as u64,
         blocks: table.len(),
         runs: tandem_kv::blocks::coalesce(&table).len(),
         streams: n,
@@ -442,6 +487,7 @@ pub fn measure(addr: &str, cfg: &KvBenchConfig) -> Result<KvBenchReport, KvError
         raw_median_gb_s: raw_median,
         kv_best_gb_s: best(&kv_rates),
         kv_median_gb_s: kv_median,
+        kv_median_ms: bytes as f64 / kv_median / 1e6,
         ratio: kv_median / raw_median,
         kv_unpipelined_median_gb_s: (!serial_rates.is_empty()).then(|| median(serial_rates)),
     })
@@ -498,6 +544,25 @@ mod tests {
             assert!(r.bytes >= 4 << 20);
             assert!(r.raw_best_gb_s > 0.0 && r.kv_best_gb_s > 0.0);
         }
+    }
+
+    /// `--tokens` with `--kv-cache-dtype fp8`: the same blocks a prompt, a quarter of an f32
+    /// cache's bytes a token, every byte landing (CRC checked) on the peer's FP8 cache.
+    #[test]
+    fn an_fp8_cache_moves_the_same_tokens_in_a_quarter_of_f32s_bytes() {
+        let run = |cache_dtype| {
+            let cfg = KvBenchConfig { tokens: Some(1000), cache_dtype, repeats: 2, verify: true, ..Default::default() };
+            measure_in_process(&cfg).unwrap()
+        };
+        let (f32, fp8) = (run(None), run(Some(KvDtype::Fp8E4m3)));
+        assert_eq!((f32.tokens, fp8.tokens, fp8.blocks), (1008, 1008, 63), "1000 tokens in 16-token blocks");
+        assert_eq!((f32.dtype.as_str(), fp8.dtype.as_str()), ("f32", "fp8_e4m3"));
+        // 30 layers x K and V x 3 heads x 64 dims.
+        assert_eq!((f32.bytes_per_token, fp8.bytes_per_token), (4 * 11520, 11520));
+        assert_eq!(fp8.bytes, 1008 * 11520);
+        assert!(fp8.kv_median_ms > 0.0 && fp8.kv_median_ms.is_finite());
+        let bf16_on_host = KvBenchConfig { cache_dtype: Some(KvDtype::Bf16), ..Default::default() };
+        assert!(bf16_on_host.check().is_err() && measure_in_process(&bf16_on_host).is_err());
     }
 
     /// The tcp transport over TLS, its connections' bulk bytes through their threads

@@ -133,7 +133,9 @@ pub struct EngineArgs {
     /// conversion a pair; 0 on bf16 MMAs, the same bits; 2 with two steps of weights in flight;
     /// 3 in tiles of 8 weight rows),
     /// fp8_gemm_algo=0..=7 (0: cuBLASLt's first candidate for the block-scaled products),
-    /// fp8_fused_act=0|1 (0; 1: SiLU x up rounds its output to FP8 for down in the same kernel).
+    /// fp8_fused_act=0|1 (1: SiLU x up rounds its output to FP8 for down in the same kernel),
+    /// fp8_fused_norm=0|1 (1: the norms before qkv and gate/up round their output to FP8 in
+    /// the same kernel).
     #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
     pub cuda_tune: Vec<String>,
     /// Give every request the output it would get alone: run kernels whose arithmetic for one

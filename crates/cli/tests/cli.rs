@@ -127,6 +127,11 @@ fn bad_input_fails_with_a_message() {
             "--kv-transport cuda-ipc needs an engine whose KV cache is on a GPU",
         ),
         (&["bench", "kv", "--transport", "cuda-ipc", "--device", "cpu"], "give a GPU (cuda:N)"),
+        (
+            &["bench", "kv", "--transport", "cuda-ipc", "--tokens", "1024"],
+            "--tokens and --kv-cache-dtype are for --transport tcp",
+        ),
+        (&["bench", "kv", "--kv-cache-dtype", "fp16"], "possible values: auto, fp8"),
         (&["bench", "soak", "--device", "cuda:0"], "add --batch-invariant"),
         (&["bench", "engine", "--kv-cache-dtype", "fp8"], "bench engine --kv-cache-dtype is for GPU engines"),
         (&["serve", "--generation-config", "model"], "possible values: auto, vllm"),

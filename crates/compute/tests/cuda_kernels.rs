@@ -1984,6 +1984,64 @@ fn silu_mul_rounded_to_fp8_in_one_kernel_equals_the_two() {
     assert!(bad.is_err(), "a width that is not whole 128-column blocks is refused");
 }
 
+/// The residual add + RMSNorm rounded to e4m3 in one kernel (`add_rms_norm_fp8_rows`, qkv's
+/// and gate/up's input over FP8 weights with `fp8_fused_norm`) gives the bytes and scales of
+/// `add_rms_norm` then `quantize_fp8_rows` and the same residual, bit for bit: without a delta,
+/// with a bf16 delta and with f32 partial products, 1 to 300 rows, a width of one 128-column
+/// block, Qwen3-32B's 5120 and 10240 (1024 threads a row).
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn add_rms_norm_rounded_to_fp8_in_one_kernel_equals_the_two() {
+    let Some(dev) = device() else { return };
+    let mut rng = Lcg(73);
+    for hidden in [128, 5120, 10240] {
+        for t in [1, 17, 300] {
+            // Blocks of very different sizes, so that their scales differ.
+            let x0: Vec<f32> =
+                (0..t * hidden).map(|i| rng.uniform() * if (i / 128) % 3 == 0 { 40.0 } else { 1.0 }).collect();
+            let delta: Vec<u16> = (0..t * hidden).map(|_| bf16(rng.uniform())).collect();
+            let parts: Vec<f32> = (0..3 * t * hidden).map(|_| rng.uniform()).collect();
+            let norm_w: Vec<u16> = (0..hidden).map(|_| bf16(1.0 + rng.uniform() * 0.1)).collect();
+            let (d_delta, d_parts, d_w) =
+                (dev.upload(&delta).unwrap(), dev.upload(&parts).unwrap(), dev.upload(&norm_w).unwrap());
+            let ld = tandem_compute::cuda::fp8_act_scale_ld(t);
+            let scale_bytes = ops::Fp8Scratch::act_scale_bytes(t, hidden);
+            let deltas = [
+                ("no delta", ops::ResidualDelta::None),
+                ("a bf16 delta", ops::ResidualDelta::Bf16(d_delta.ptr())),
+                ("3 partial products", ops::ResidualDelta::Parts { ptr: d_parts.ptr(), slices: 3, stride: t * hidden }),
+            ];
+            for (kind, delta) in deltas {
+                let (d_x1, d_x2) = (dev.upload(&x0).unwrap(), dev.upload(&x0).unwrap());
+                let d_normed = dev.zeros::<u16>(t * hidden).unwrap();
+                let (d_q1, d_s1) = (dev.zeros::<u8>(t * hidden).unwrap(), dev.zeros::<u8>(scale_bytes).unwrap());
+                let (d_q2, d_s2) = (dev.zeros::<u8>(t * hidden).unwrap(), dev.zeros::<u8>(scale_bytes).unwrap());
+                unsafe {
+                    ops::add_rms_norm(&dev, d_x2.ptr(), delta, 0, d_w.ptr(), d_normed.ptr(), t, hidden, 1e-6).unwrap();
+                    ops::quantize_fp8_rows(&dev, d_normed.ptr(), (d_q2.ptr(), d_s2.ptr(), ld), t, hidden).unwrap();
+                    let into = (d_q1.ptr(), d_s1.ptr(), ld);
+                    ops::add_rms_norm_fp8_rows(&dev, d_x1.ptr(), delta, d_w.ptr(), into, t, hidden, 1e-6).unwrap();
+                }
+                let what = format!("{t} rows of {hidden}, {kind}");
+                assert_eq!(
+                    dev.read(&d_x1, t * hidden).unwrap(),
+                    dev.read(&d_x2, t * hidden).unwrap(),
+                    "{what}: residual"
+                );
+                assert_eq!(dev.read(&d_q1, t * hidden).unwrap(), dev.read(&d_q2, t * hidden).unwrap(), "{what}: bytes");
+                let (s1, s2) = (dev.read(&d_s1, scale_bytes).unwrap(), dev.read(&d_s2, scale_bytes).unwrap());
+                // Each block's scales over the rows (the padding past t is not written).
+                for b in 0..hidden / 128 {
+                    let rows = b * ld * 4..(b * ld + t) * 4;
+                    assert_eq!(s1[rows.clone()], s2[rows], "{what}: block {b}'s scales");
+                }
+            }
+        }
+    }
+    let bad = unsafe { ops::add_rms_norm_fp8_rows(&dev, 0, ops::ResidualDelta::None, 0, (0, 0, 4), 1, 100, 1e-6) };
+    assert!(bad.is_err(), "a width that is not whole 128-column blocks is refused");
+}
+
 /// cuBLASLt's heuristic candidates for the block-scaled FP8 product (`fp8_gemm_algo`) on
 /// Qwen3-32B's products at a batch of 64 tokens and a prefill of 8192: each candidate's time
 /// (the activations' quantization included) beside bf16 cuBLAS on the dequantized weight, and

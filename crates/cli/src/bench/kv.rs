@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::engine::{kernel_cache_dir, parse_bytes};
+use crate::engine::{kernel_cache_dir, parse_bytes, KvCacheDtype};
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchKvArgs {
@@ -22,6 +22,15 @@ pub struct BenchKvArgs {
     /// Size of the KV set moved per transfer (tcp, nixl), e.g. 256MiB.
     #[arg(long, default_value = "256MiB")]
     pub size: String,
+    /// tcp: the KV of this many tokens per transfer instead of --size, so that caches of
+    /// different element types (--kv-cache-dtype) move the same prompt.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub tokens: Option<u64>,
+    /// tcp: each side's cache element type, one run each, compared in the last line (e.g.
+    /// `auto,fp8` with --tokens: what an FP8 cache saves a transfer). auto: f32 in host
+    /// memory (a CPU engine's cache), bf16 with --device.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
+    pub kv_cache_dtype: Vec<KvCacheDtype>,
     /// cuda-ipc, and nixl with --device: sizes moved, one row each.
     #[arg(long, value_delimiter = ',', default_value = "1MiB,16MiB,64MiB,256MiB,1GiB")]
     pub sizes: Vec<String>,
@@ -136,13 +145,16 @@ pub enum BenchKvTransport {
     Nixl,
 }
 
-fn kv_bench_config(a: &BenchKvArgs) -> Result<tandem_bench::kv::KvBenchConfig> {
+/// The configuration of a tcp (or nixl) run with caches of `dtype`.
+fn kv_bench_config(a: &BenchKvArgs, dtype: KvCacheDtype) -> Result<tandem_bench::kv::KvBenchConfig> {
     let bytes = parse_bytes(&a.size).map_err(anyhow::Error::msg)?;
     if bytes == 0 {
         bail!("--size must be more than 0 bytes");
     }
     let cfg = tandem_bench::kv::KvBenchConfig {
         bytes,
+        tokens: a.tokens.map(|t| t as usize),
+        cache_dtype: (dtype == KvCacheDtype::Fp8).then_some(tandem_compute::KvDtype::Fp8E4m3),
         repeats: a.repeats.max(1),
         verify: a.verify,
         kernel_cache: kernel_cache_dir(),
@@ -170,9 +182,11 @@ fn kv_bench_config(a: &BenchKvArgs) -> Result<tandem_bench::kv::KvBenchConfig> {
 /// Starts the peer as a second process (this same binary), reads its port, measures, and
 /// waits for the peer to exit.
 pub(crate) fn bench_kv(a: BenchKvArgs) -> Result<()> {
-    use std::io::BufRead;
     if a.split_cpus && a.transport != BenchKvTransport::Tcp {
         bail!("--split-cpus is for --transport tcp (the other transports' copies are the devices' or UCX's)");
+    }
+    if a.transport != BenchKvTransport::Tcp && (a.tokens.is_some() || a.kv_cache_dtype != [KvCacheDtype::Auto]) {
+        bail!("--tokens and --kv-cache-dtype are for --transport tcp (the others move bf16 bytes by --sizes)");
     }
     if a.transport == BenchKvTransport::CudaIpc {
         return bench_kv_cuda_ipc(a);
@@ -186,19 +200,77 @@ pub(crate) fn bench_kv(a: BenchKvArgs) -> Result<()> {
         tandem_bench::kv::write_bench_certificates(&dir).map_err(anyhow::Error::msg)?;
         a.tls_dir = Some(dir);
     }
-    let cfg = kv_bench_config(&a)?;
+    let peer_cpus = if a.split_cpus { Some(split_cpus()?) } else { None };
+    let mut reports = Vec::new();
+    let mut failed = None;
+    for &dtype in &a.kv_cache_dtype {
+        match bench_kv_tcp_run(&a, dtype, peer_cpus.as_deref()) {
+            Ok(report) => {
+                print!("{report}");
+                reports.push(report);
+            }
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    if let Some(dir) = a.tls_dir.as_ref().filter(|_| a.tls) {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    if let [first, rest @ ..] = &reports[..] {
+        for r in rest {
+            println!(
+                "{} against {}: {:.2}x the bytes a token, a transfer of {} tokens {:.2}x the time (median)",
+                r.dtype,
+                first.dtype,
+                r.bytes_per_token as f64 / first.bytes_per_token as f64,
+                r.tokens,
+                (r.kv_median_ms / r.tokens as f64) / (first.kv_median_ms / first.tokens as f64),
+            );
+        }
+    }
+    if let Some(path) = &a.json_out {
+        // One run: its report, as before; several: a list of them.
+        let json = match &reports[..] {
+            [one] => serde_json::to_string_pretty(one)?,
+            all => serde_json::to_string_pretty(all)?,
+        };
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// One tcp run with caches of `dtype`: a peer process (on `peer_cpus` when given), measured,
+/// then waited for.
+fn bench_kv_tcp_run(
+    a: &BenchKvArgs,
+    dtype: KvCacheDtype,
+    peer_cpus: Option<&str>,
+) -> Result<tandem_bench::kv::KvBenchReport> {
+    use std::io::BufRead;
+    let cfg = kv_bench_config(a, dtype)?;
+    cfg.check().map_err(anyhow::Error::msg)?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
-    let mut peer = match a.split_cpus {
-        true => {
+    let mut peer = match peer_cpus {
+        Some(cpus) => {
             let mut c = std::process::Command::new("taskset");
-            c.args(["-c", &split_cpus()?]).arg(exe);
+            c.args(["-c", cpus]).arg(exe);
             c
         }
-        false => std::process::Command::new(exe),
+        None => std::process::Command::new(exe),
+    };
+    let dtype_arg = match dtype {
+        KvCacheDtype::Auto => "auto",
+        KvCacheDtype::Fp8 => "fp8",
     };
     let mut child = peer
         .args(["--log", "warn", "bench", "kv-peer", "--size", &a.size, "--repeats", &a.repeats.to_string()])
-        .args(["--tcp-streams", &a.tcp_streams.to_string()])
+        .args(["--tcp-streams", &a.tcp_streams.to_string(), "--kv-cache-dtype", dtype_arg])
+        .args(a.tokens.map(|t| ["--tokens".to_string(), t.to_string()]).into_iter().flatten())
         .args(a.tls_dir.iter().flat_map(|d| ["--tls-dir".into(), d.display().to_string()]))
         .args(["--tls-pipes", a.tls_pipes.as_arg()])
         .args(a.device.as_ref().map(|d| ["--device", d.as_str()]).into_iter().flatten())
@@ -209,13 +281,26 @@ pub(crate) fn bench_kv(a: BenchKvArgs) -> Result<()> {
     let mut line = String::new();
     std::io::BufReader::new(stdout).read_line(&mut line).context("reading the peer's address")?;
     let addr = line.trim().to_string();
-    eprintln!("... peer process {} listening on {addr}; moving {} x {} each way", child.id(), a.repeats, a.size);
+    let what = match a.tokens {
+        Some(t) => format!("{t} tokens of {} KV", cfg.dtype().name()),
+        None => a.size.clone(),
+    };
+    eprintln!("... peer process {} listening on {addr}; moving {} x {what} each way", child.id(), a.repeats);
     let report = tandem_bench::kv::measure(&addr, &cfg).map_err(anyhow::Error::from);
-    let finished = finish_bench_kv(child, report, a.json_out);
-    if let Some(dir) = a.tls_dir.filter(|_| a.tls) {
-        let _ = std::fs::remove_dir_all(dir);
+    let status = child.wait().context("waiting for the peer")?;
+    let report = report?;
+    if !status.success() {
+        bail!("the peer process failed ({status})");
     }
-    finished
+    Ok(report)
+}
+
+/// One cache element type for the transports and the peer process, which run one at a time.
+fn one_dtype(a: &BenchKvArgs) -> Result<KvCacheDtype> {
+    match a.kv_cache_dtype[..] {
+        [one] => Ok(one),
+        _ => bail!("--kv-cache-dtype takes one type here (several only for bench kv --transport tcp)"),
+    }
 }
 
 /// Waits for the peer process, then prints the report (and writes it as JSON to `json_out`).
@@ -311,7 +396,7 @@ pub(crate) fn bench_kv_peer(a: BenchKvArgs) -> Result<()> {
     if a.transport == BenchKvTransport::Nixl {
         return bench_kv_nixl_peer(a);
     }
-    let cfg = kv_bench_config(&a)?;
+    let cfg = kv_bench_config(&a, one_dtype(&a)?)?;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").context("binding the peer listener")?;
     println!("{}", listener.local_addr()?);
     std::io::stdout().flush()?;
@@ -327,7 +412,7 @@ fn bench_kv_nixl(a: BenchKvArgs) -> Result<()> {
     if a.device.as_deref().is_some_and(|d| d != "cpu") {
         return bench_kv_nixl_gpu(a);
     }
-    let cfg = kv_bench_config(&a)?;
+    let cfg = kv_bench_config(&a, one_dtype(&a)?)?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let mut child = std::process::Command::new(exe)
         .args(["--log", "warn", "bench", "kv-peer", "--transport", "nixl", "--size", &a.size])
@@ -400,7 +485,7 @@ fn bench_kv_nixl_peer(a: BenchKvArgs) -> Result<()> {
         let _ = std::io::stdin().read_to_end(&mut Vec::new());
         return Ok(());
     }
-    let cfg = kv_bench_config(&a)?;
+    let cfg = kv_bench_config(&a, one_dtype(&a)?)?;
     tandem_bench::kv_nixl::serve_peer(&cfg, &mut std::io::stdout()).map_err(anyhow::Error::msg)
 }
 

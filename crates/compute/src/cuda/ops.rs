@@ -200,8 +200,8 @@ pub use prefill::{
 };
 mod fp8;
 pub use fp8::{
-    dequantize_fp8, fp8_block_gemm_takes, fp8_gemv_takes, matmul_t_fp8, matmul_t_fp8_rounded, quantize_fp8,
-    quantize_fp8_rows, silu_mul_fp8_rows, Fp8Matrix, Fp8Scratch, FP8_BLOCK, FP8_GEMV_MAX_TOKENS,
+    add_rms_norm_fp8_rows, dequantize_fp8, fp8_block_gemm_takes, fp8_gemv_takes, matmul_t_fp8, matmul_t_fp8_rounded,
+    quantize_fp8, quantize_fp8_rows, silu_mul_fp8_rows, Fp8Matrix, Fp8Scratch, FP8_BLOCK, FP8_GEMV_MAX_TOKENS,
 };
 mod skinny;
 pub use skinny::{
@@ -272,6 +272,18 @@ pub enum ResidualDelta {
     },
 }
 
+impl ResidualDelta {
+    /// The norm kernels' arguments for it: the bf16 rows (0 for none), and the partial
+    /// products, their count and stride (0, 1, 0 for none).
+    fn kernel_args(self) -> (u64, (u64, i32, u64)) {
+        match self {
+            ResidualDelta::None => (0, (0, 1, 0)),
+            ResidualDelta::Bf16(ptr) => (ptr, (0, 1, 0)),
+            ResidualDelta::Parts { ptr, slices, stride } => (0, (ptr, slices as i32, stride as u64)),
+        }
+    }
+}
+
 /// `out[r] = rms_norm(x[rows[r]]) * w` for `num_rows` rows (rows = 0: row r itself), after
 /// `x += delta` (rounded to bf16 like the residual stream).
 ///
@@ -300,11 +312,7 @@ pub unsafe fn add_rms_norm(
         hidden <= 1024 * 32 && hidden.is_multiple_of(4),
         "hidden size {hidden} is not supported by the norm kernel"
     );
-    let (bf16, (parts, slices, stride)) = match delta {
-        ResidualDelta::None => (0u64, (0u64, 1i32, 0u64)),
-        ResidualDelta::Bf16(ptr) => (ptr, (0, 1, 0)),
-        ResidualDelta::Parts { ptr, slices, stride } => (0, (ptr, slices as i32, stride as u64)),
-    };
+    let (bf16, (parts, slices, stride)) = delta.kernel_args();
     launch!(
         dev,
         "add_rms_norm",

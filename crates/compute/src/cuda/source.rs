@@ -155,6 +155,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "fp8_dequantize",
     "fp8_quantize_rows",
     "silu_mul_fp8_rows",
+    "add_rms_norm_fp8_rows",
     "gemv_norm_bf16_m1_fp8",
     "gemv_norm_bf16_m2_fp8",
     "gemv_norm_bf16_m4_fp8",

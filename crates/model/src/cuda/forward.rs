@@ -53,6 +53,15 @@ pub(super) fn forward(
     unsafe { pass.run(t, rows, counts, fused, fences) }
 }
 
+/// Where the input of a qkv or gate/up product is ([`Pass::norm_for`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum NormedRows {
+    /// bf16 rows in the step's `act.normed`.
+    Bf16,
+    /// Rows rounded to e4m3 with their block scales in the FP8 scratch (`fp8_fused_norm`).
+    Fp8,
+}
+
 /// One forward's view of the model: what it reads (weights, metadata) and where it writes
 /// (activations, the cache), as the kernels take them, by device address.
 ///
@@ -93,8 +102,10 @@ impl Pass<'_> {
         // buffer: `resid` is where it is now, `pending` the down product not yet added to it.
         let fuse_norms = self.fuse_norms(t);
         let (mut resid, mut spare, mut pending) = (a.x.ptr(), a.x_alt.ptr(), 0u64);
+        // Where the next qkv or gate/up product finds its input (`Pass::norm_for`).
+        let mut normed = NormedRows::Bf16;
         if !fuse_norms {
-            self.add_norm(resid, ResidualDelta::None, 0, layers[0].input_norm.ptr(), a.normed.ptr(), t)?;
+            normed = self.norm_for(&layers[0].qkv, resid, ResidualDelta::None, layers[0].input_norm.ptr(), t)?;
         }
         let prefill = self.step.prefill_seqs(counts);
         let tuning = dev.tuning();
@@ -115,7 +126,8 @@ impl Pass<'_> {
                 self.normed_product(&layer.qkv, &layer.input_norm, resid, pending, spare, a.qkv.ptr(), out, t)?;
                 std::mem::swap(&mut resid, &mut spare);
             } else {
-                self.product(&layer.qkv, a.normed.ptr(), a.qkv.ptr(), t)?;
+                let norm = (resid, layer.input_norm.ptr());
+                self.product_of_normed(&layer.qkv, normed, norm, a.qkv.ptr(), t)?;
             }
             let shape = if narrow_rope {
                 self.attn_shape(li)
@@ -146,8 +158,12 @@ impl Pass<'_> {
                     std::mem::swap(&mut resid, &mut spare);
                 }
                 _ => {
-                    self.add_norm(resid, attn_out, 0, layer.post_norm.ptr(), a.normed.ptr(), t)?;
-                    self.linear(&layer.gate_up, a.normed.ptr(), a.gate_up.ptr(), t)?;
+                    normed = self.norm_for(&layer.gate_up, resid, attn_out, layer.post_norm.ptr(), t)?;
+                    let norm = (resid, layer.post_norm.ptr());
+                    self.product_of_normed(&layer.gate_up, normed, norm, a.gate_up.ptr(), t)?;
+                    if let Some(b) = &layer.gate_up.bias {
+                        ops::add_bias(dev, a.gate_up.ptr(), b.ptr(), t, layer.gate_up.out_dim, false)?;
+                    }
                     down = self.fp8_silu_down(&layer.down, t)?;
                     if down.is_none() {
                         let stacked = self.w.gate_up_stacked();
@@ -162,7 +178,7 @@ impl Pass<'_> {
             let mlp_out = self.all_reduce(mlp_out, t)?;
             match (layers.get(li + 1), mlp_out) {
                 (Some(_), ResidualDelta::Bf16(delta)) if fuse_norms => pending = delta,
-                (Some(next), _) => self.add_norm(resid, mlp_out, 0, next.input_norm.ptr(), a.normed.ptr(), t)?,
+                (Some(next), _) => normed = self.norm_for(&next.qkv, resid, mlp_out, next.input_norm.ptr(), t)?,
                 // Only the rows that sample need the last residual add, the final norm and
                 // the (large) output projection.
                 (None, _) => {
@@ -227,6 +243,57 @@ impl Pass<'_> {
         let (h, eps) = (self.cfg.hidden_size, self.cfg.rms_norm_eps);
         let norm = if self.invariant_norms() { ops::add_rms_norm_b128 } else { ops::add_rms_norm };
         norm(self.dev, x, delta, rows, w, out, num_rows, h, eps)
+    }
+
+    /// `rms_norm(x + delta) * w` of the step's `t` rows as the input of `next`'s product: rounded
+    /// to e4m3 in the same kernel ([`ops::add_rms_norm_fp8_rows`], into the FP8 scratch) where
+    /// `fp8_fused_norm` is on and `next`'s block-scaled FP8 GEMM takes the rows, else as bf16
+    /// rows in `act.normed`. Either way `x` holds `x + delta` after it.
+    pub(super) unsafe fn norm_for(
+        &self,
+        next: &Linear,
+        x: u64,
+        delta: ResidualDelta,
+        w: u64,
+        t: usize,
+    ) -> Result<NormedRows, CudaError> {
+        let (dev, scratch) = (self.dev, self.w.fp8_scratch());
+        let rounded = next.fp8_matrix().is_some_and(|m| {
+            dev.tuning().fp8_fused_norm
+                && !self.step.batch_invariant()
+                && self.slices(next) == 1
+                && ops::fp8_block_gemm_takes(dev, &m, t, &scratch)
+        });
+        if rounded {
+            let (h, eps) = (self.cfg.hidden_size, self.cfg.rms_norm_eps);
+            let into = (scratch.acts, scratch.act_scales, fp8_act_scale_ld(t));
+            ops::add_rms_norm_fp8_rows(dev, x, delta, w, into, t, h, eps)?;
+            return Ok(NormedRows::Fp8);
+        }
+        self.add_norm(x, delta, 0, w, self.step.act.normed.ptr(), t)?;
+        Ok(NormedRows::Bf16)
+    }
+
+    /// `y = rows · lᵀ` (without `l`'s bias) of the rows [`Pass::norm_for`] made for it: from
+    /// the e4m3 rows in the FP8 scratch, or `act.normed`. Where cuBLASLt turns the rounded rows
+    /// down after all, the bf16 rows are made again from the residual and the norm's weight
+    /// (`norm`: `x`, which already holds the delta, and `w`).
+    pub(super) unsafe fn product_of_normed(
+        &self,
+        l: &Linear,
+        rows: NormedRows,
+        (x, w): (u64, u64),
+        y: u64,
+        t: usize,
+    ) -> Result<(), CudaError> {
+        let normed = self.step.act.normed.ptr();
+        if let (NormedRows::Fp8, Some(m)) = (rows, l.fp8_matrix()) {
+            if ops::matmul_t_fp8_rounded(self.dev, &self.w.fp8_scratch(), m, (y, false), t).is_ok() {
+                return Ok(());
+            }
+            self.add_norm(x, ResidualDelta::None, 0, w, normed, t)?;
+        }
+        self.product(l, normed, y, t)
     }
 
     /// `y = x · wᵀ` through cuBLAS (cuBLASLt products that split no reduction when batch

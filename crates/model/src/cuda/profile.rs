@@ -221,6 +221,17 @@ unsafe fn op_times(
             time_layers(&|l| fused_norm(&l.gate_up, &l.post_norm, a.act.ptr(), SkinnyNormOutput::SiluMul))?,
         ));
     }
+    if dev.tuning().fp8_fused_norm && l0.gate_up.fp8_matrix().is_some() {
+        // What this step runs instead of a norm and the gate/up product, where it takes it
+        // (the norm before qkv likewise).
+        out.push((
+            "fused: residual add + RMSNorm rounded to FP8 + gate/up projection (fp8_fused_norm)".into(),
+            time_layers(&|l| {
+                let rows = pass.norm_for(&l.gate_up, a.x.ptr(), mlp_out, l.post_norm.ptr(), t)?;
+                pass.product_of_normed(&l.gate_up, rows, (a.x.ptr(), l.post_norm.ptr()), a.gate_up.ptr(), t)
+            })?,
+        ));
+    }
     if dev.tuning().fp8_fused_act && l0.down.fp8_matrix().is_some() {
         // What this step runs instead of SiLU and the down projection, where it takes it.
         out.push((

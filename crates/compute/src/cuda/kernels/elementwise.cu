@@ -134,23 +134,17 @@ __device__ __forceinline__ u32 silu_mul_pack(u32 g2, u32 u2) {
 // The residual stream plus a delta, in bf16.
 __device__ __forceinline__ float residual_add(float x, float delta) { return round_bf16(x + round_bf16(delta)); }
 
-// out[r] = rms_norm(x[rows[r]]) * w, rows == null meaning r itself. If `delta` is given,
-// x[row] += delta[row] first (the residual add fused in front of the norm) and written back.
-// Deltas (attention and MLP outputs) are bf16, as transformers' projections return them.
-// Grid: output rows. Block: 256 (hidden <= 256 * 32), 1024 beyond; hidden % 4 == 0.
-// Or, with `parts` (and no `delta`), the delta is the sum of `slices` f32 partial products
-// [slice, rows of the product, hidden] `part_stride` floats apart, added in slice order and
-// then rounded to bf16: the K-sliced batch-invariant projections (gemm_skinny's `slices`).
-#if KERNEL_GROUP(0)
-extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const float* parts, int slices, u64 part_stride,
-                                        const int* rows, const bf16* w, bf16* out, int hidden, float eps) {
-    PDL_ENTER();
+// The residual add and RMSNorm of one row (xr: the row's residual, updated in place where a
+// delta is given; dr / pr its bf16 delta or f32 partial products) by a block of up to 1024
+// threads, weighted by w: hands out(i, pair) each thread's next four outputs, columns i .. i + 3
+// as two packed bf16 pairs, for i < hidden. A warp's threads hold 128 consecutive columns a
+// step (from a multiple of 128, lane l columns 4l .. 4l + 3), so with hidden % 128 == 0 every
+// lane of a warp calls `out` at the same steps. add_rms_norm's code and order of sums, which its
+// FP8 twin shares.
+template <class Out>
+__device__ __forceinline__ void add_rms_norm_row(float* xr, const bf16* dr, const float* pr, int slices,
+                                                 u64 part_stride, const bf16* w, int hidden, float eps, Out out) {
     __shared__ float scratch[32];
-    int r = blockIdx.x;
-    int row = rows ? rows[r] : r;
-    float* xr = x + (u64)row * hidden;
-    const bf16* dr = delta ? delta + (u64)row * hidden : 0;
-    const float* pr = parts ? parts + (u64)row * hidden : 0;
     // Four elements per thread per step (hidden % 4 == 0) with 16-byte accesses; a fixed trip
     // count keeps the row in registers (hidden <= 32 * blockDim).
     float4 vals[8];
@@ -195,10 +189,29 @@ extern "C" __global__ void add_rms_norm(float* x, const bf16* delta, const float
         if (i < hidden) {
             uint2 wv = *reinterpret_cast<const uint2*>(w + i);
             float4 v = vals[n];
-            *reinterpret_cast<uint2*>(out + (u64)r * hidden + i) =
-                make_uint2(norm_pack(v.x, v.y, inv, wv.x), norm_pack(v.z, v.w, inv, wv.y));
+            out(i, make_uint2(norm_pack(v.x, v.y, inv, wv.x), norm_pack(v.z, v.w, inv, wv.y)));
         }
     }
+}
+
+// out[r] = rms_norm(x[rows[r]]) * w, rows == null meaning r itself. If `delta` is given,
+// x[row] += delta[row] first (the residual add fused in front of the norm) and written back.
+// Deltas (attention and MLP outputs) are bf16, as transformers' projections return them.
+// Grid: output rows. Block: 256 (hidden <= 256 * 32), 1024 beyond (launch bounds of 1024: left
+// free, ptxas gave it 70 registers, too many for a block of 1024); hidden % 4 == 0.
+// Or, with `parts` (and no `delta`), the delta is the sum of `slices` f32 partial products
+// [slice, rows of the product, hidden] `part_stride` floats apart, added in slice order and
+// then rounded to bf16: the K-sliced batch-invariant projections (gemm_skinny's `slices`).
+#if KERNEL_GROUP(0)
+extern "C" __global__ void __launch_bounds__(1024) add_rms_norm(float* x, const bf16* delta, const float* parts, int slices, u64 part_stride,
+                                        const int* rows, const bf16* w, bf16* out, int hidden, float eps) {
+    PDL_ENTER();
+    int r = blockIdx.x;
+    int row = rows ? rows[r] : r;
+    bf16* out_row = out + (u64)r * hidden;
+    add_rms_norm_row(x + (u64)row * hidden, delta ? delta + (u64)row * hidden : 0, parts ? parts + (u64)row * hidden : 0,
+                     slices, part_stride, w, hidden, eps,
+                     [&](int i, uint2 pair) { *reinterpret_cast<uint2*>(out_row + i) = pair; });
 }
 #endif
 

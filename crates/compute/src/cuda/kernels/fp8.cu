@@ -203,6 +203,28 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 #endif
 
+// add_rms_norm (its code and order of sums, rows r themselves) with each output row rounded to
+// e4m3 as fp8_quantize_rows rounds activations: the bytes q [t, hidden] and scales
+// ([hidden / 128][ld]) of those two kernels, without the bf16 rows between them (the input of
+// qkv and gate/up in a step of many rows over FP8 weights). hidden % 128 == 0: each warp-step of
+// the norm holds one 128-column block, four columns a lane, fp8_round_block's layout. Grid: t
+// rows. Block: 256 (hidden <= 256 * 32), 1024 beyond.
+#if KERNEL_GROUP(5)
+extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_fp8_rows(float* x, const bf16* delta, const float* parts, int slices,
+                                                 u64 part_stride, const bf16* w, unsigned char* q, float* scales,
+                                                 int ld, int hidden, float eps) {
+    PDL_ENTER();
+    int r = blockIdx.x, lane = threadIdx.x & 31;
+    u64 at = (u64)r * hidden;
+    add_rms_norm_row(x + at, delta ? delta + at : 0, parts ? parts + at : 0, slices, part_stride, w, hidden, eps,
+                     [&](int i, uint2 pair) {
+                         float v[4] = {__uint_as_float(pair.x << 16), __uint_as_float(pair.x & 0xffff0000u),
+                                       __uint_as_float(pair.y << 16), __uint_as_float(pair.y & 0xffff0000u)};
+                         fp8_round_block(v, q + at + i, scales + (u64)(i / FP8_BLOCK) * ld + r, lane);
+                     });
+}
+#endif
+
 // y[m, n] = sum_k x[m, k] * w[n, k] for m < t <= 8 * TILES rows of bf16 x [t, K] and an FP8
 // weight (q, scales), K % 128 == 0: the decode product, reading one byte a weight. A warp owns
 // 16 weight rows (an m16n8k16 A tile; the tokens are B, 8 a tile) and walks K 128 columns at a
@@ -613,7 +635,9 @@ __device__ __forceinline__ void gemv_mma_fp8(const unsigned char* __restrict__ W
 // on f16 MMAs under two blocks an SM (no spills; on an H100, Qwen3-32B's decode step 0.88x
 // build 0's); 2 `_p_fp8` f16, steps of 2 pieces, 2 in flight, two blocks an SM; 3 `_n_fp8`
 // NARROW: tiles of 8 weight rows (twice as many tiles, so that products of few rows, Qwen3-32B's
-// o and down at 320 wide tiles, spread evenly over the SMs), steps of 8 pieces of one row.
+// o and down at 320 wide tiles, spread evenly over the SMs), steps of 8 pieces of one row:
+// measured slower (Qwen3-32B's decode step 16.329 ms against build 1's 13.8; its o and down no
+// faster, its gate/up at 2051 GB/s against 2832), kept as a comparison.
 #define GEMV_FP8_FUSED_KERNEL(NAME, SUFFIX, M, IN, OUT, F16, PIECES, STAGES, BLOCKS, NARROW)                   \
     extern "C" __global__ void __launch_bounds__(256, BLOCKS) NAME##_m##M##SUFFIX(                              \
         const unsigned char* W, const float* scales, int N, int K, int ksplit, const void* in, const int* rows,  \

@@ -6,7 +6,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::{cfg, launch_programmatic, matmul_t, RawArg};
+use super::{cfg, launch_programmatic, matmul_t, RawArg, ResidualDelta};
 use crate::cuda::fp8_gemm::fp8_act_scale_ld;
 use crate::cuda::{CudaDevice, CudaError};
 
@@ -155,6 +155,52 @@ pub unsafe fn silu_mul_fp8_rows(
 ) -> Result<(), CudaError> {
     let Some(grid) = rounded_rows_grid("FP8 SiLU rows", t, inter, ld)? else { return Ok(()) };
     launch!(dev, "silu_mul_fp8_rows", grid, gu, q, scales, t as i32, inter as i32, stacked as i32, ld as i32)
+}
+
+/// [`super::add_rms_norm`] of rows `0..t` (`x += delta`, then `rms_norm(x) * w`) with each
+/// output row rounded to e4m3 as [`quantize_fp8_rows`] rounds activations: the bytes `q`
+/// (`[t, hidden]`) and scales (`[hidden / 128][ld]`) those two give, without the bf16 rows
+/// (`add_rms_norm_fp8_rows`): the input of a block-scaled FP8 product.
+///
+/// # Safety
+/// As [`super::add_rms_norm`] (rows `0..t`); the buffers hold those shapes.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn add_rms_norm_fp8_rows(
+    dev: &CudaDevice,
+    x: u64,
+    delta: ResidualDelta,
+    w: u64,
+    (q, scales, ld): (u64, u64, usize),
+    t: usize,
+    hidden: usize,
+    eps: f32,
+) -> Result<(), CudaError> {
+    if rounded_rows_grid("FP8 normed rows", t, hidden, ld)?.is_none() {
+        return Ok(());
+    }
+    if hidden > 1024 * 32 {
+        return Err(CudaError::Unavailable(format!("hidden size {hidden} is not supported by the norm kernel")));
+    }
+    // Each thread keeps up to 32 values of its row in registers (as add_rms_norm).
+    let block = if hidden <= 256 * 32 { 256 } else { 1024 };
+    let (bf16, (parts, slices, stride)) = delta.kernel_args();
+    let grid = cfg((t as u32, 1), block);
+    launch!(
+        dev,
+        "add_rms_norm_fp8_rows",
+        grid,
+        x,
+        bf16,
+        parts,
+        slices,
+        stride,
+        w,
+        q,
+        scales,
+        ld as i32,
+        hidden as i32,
+        eps
+    )
 }
 
 /// `y = x · wᵀ` on cuBLASLt's block-scaled GEMM for activations already rounded to e4m3 in
