@@ -701,7 +701,10 @@ pub fn gemv_plan(dev: &CudaDevice, n: usize, k: usize, tokens: usize, build: Gem
 /// (K split, blocks) of the tensor-core build: warps own 16 rows, K split over the most warps
 /// (up to 8) that leave each at least 256 columns (chosen as for one token, like the plain
 /// build), blocks up to one wave (`most` per multiprocessor by the launch bounds, fewer if the
-/// input rows fill shared memory), looping over row groups of `tile_rows` a warp. Untuned.
+/// input rows fill shared memory), looping over row groups of `tile_rows` a warp, the groups
+/// shared evenly: as many rounds as that wave needs, then as few blocks as give every block that
+/// many (a ragged last round ran on a fraction of the device: Qwen3-32B's o and down, 320 groups
+/// over 264 blocks, ran their second round on 56).
 fn mma_grid(
     sms: usize,
     per_sm: usize,
@@ -714,7 +717,8 @@ fn mma_grid(
     let row_groups = n.div_ceil(8 / ksplit * tile_rows);
     let smem = tokens.max(1).next_power_of_two() * k * 2;
     let slots = sms * (per_sm / (smem + GEMV_MMA_STATIC_SMEM + 1024)).clamp(1, most);
-    (ksplit, row_groups.min(slots).max(1))
+    let rounds = row_groups.div_ceil(slots).max(1);
+    (ksplit, row_groups.div_ceil(rounds).max(1))
 }
 
 /// (K split, blocks) of the plain build; see [`gemv_plan`].
@@ -894,15 +898,21 @@ mod tests {
                     assert_eq!(split, split1, "{n}x{k}: the split changed at {tokens} tokens");
                     assert!(k / split >= 256 || split == 1, "{n}x{k}: slices of {} columns", k / split);
                     assert!(blocks >= 1 && blocks <= sms * most, "{n}x{k} at {tokens}: {blocks} blocks");
-                    assert!(blocks <= n.div_ceil(8 / split * rows), "{n}x{k}: {blocks} blocks, some without rows");
+                    let groups = n.div_ceil(8 / split * rows);
+                    assert!(blocks <= groups, "{n}x{k}: {blocks} blocks, some without rows");
+                    // Every block the same number of rounds, or one fewer.
+                    let rounds = groups.div_ceil(blocks);
+                    assert!(groups > (rounds - 1) * blocks, "{n}x{k}: a block without a last round's group");
                 }
             }
         }
         // Qwen3-4B's o projection: 4096 columns over 8 warps, 16 rows each; 160 blocks.
         assert_eq!(mma_grid(sms, smem_sm, 2560, 4096, 1, (3, 16)), (8, 160));
-        // Qwen3-32B's gate/up under two blocks an SM: one wave; its down in 8-row tiles: 640
-        // of them over 264 blocks.
-        assert_eq!(mma_grid(sms, smem_sm, 51200, 5120, 1, (2, 16)), (8, 264));
-        assert_eq!(mma_grid(sms, smem_sm, 5120, 25600, 1, (2, 8)), (8, 264));
+        // Qwen3-32B under two blocks an SM (264 slots): gate/up's 3200 row groups in 13 rounds
+        // of 247 blocks; o and down, 320 groups, in 2 of 160; down in 8-row tiles, 640, in 3
+        // of 214.
+        assert_eq!(mma_grid(sms, smem_sm, 51200, 5120, 1, (2, 16)), (8, 247));
+        assert_eq!(mma_grid(sms, smem_sm, 5120, 25600, 1, (2, 16)), (8, 160));
+        assert_eq!(mma_grid(sms, smem_sm, 5120, 25600, 1, (2, 8)), (8, 214));
     }
 }
