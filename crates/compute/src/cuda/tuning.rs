@@ -128,7 +128,8 @@ pub struct CudaTuning {
     /// two blocks an SM; 2 as 1 with two steps of weights in flight a warp (other sums); 3
     /// tiles of 8 weight rows instead of 16 (products of few rows spread evenly). On an H100,
     /// Qwen3-32B's decode step at batch 1: 15.738 / 13.783 / 13.928 / 16.329 ms (3 another call:
-    /// its gate/up read at 2051 GB/s against build 1's 2832, its o and down no faster).
+    /// its gate/up read at 2051 GB/s against build 1's 2832, its o and down no faster); with
+    /// the row groups shared evenly over the blocks (`ops::mma_grid`), 1 / 2: 13.253 / 13.530.
     pub fp8_gemv_build: u8,
     /// Which of cuBLASLt's heuristic candidates (best first, up to 8) the block-scaled FP8
     /// products take: 0, the first, unless measured otherwise (`cuda_kernels`'
