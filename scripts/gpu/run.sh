@@ -618,9 +618,9 @@ if [ "$MODE" = ab ]; then
   done
   cat "$OUT/summary.txt"; exit $status
 fi
-run_test() {  # TEST_BINARY [NAME_FILTER]; TEST_TIMEOUT seconds each (300; cuda_engine's
+run_test() {  # TEST_BINARY [NAME_FILTER]; TEST_TIMEOUT seconds each (420: cuda_model takes ~360; cuda_engine's
   # batch-invariance test alone takes longer: TEST_TIMEOUT=560 run.sh tests cuda_engine)
-  if timeout "${TEST_TIMEOUT:-300}" "$BIN/$1" --include-ignored --test-threads=1 --nocapture ${2:-} > "/tmp/test_$1.log" 2>&1; then
+  if timeout "${TEST_TIMEOUT:-420}" "$BIN/$1" --include-ignored --test-threads=1 --nocapture ${2:-} > "/tmp/test_$1.log" 2>&1; then
     note "test $1: ok"
   else
     note "test $1: FAILED"; status=1
