@@ -50,6 +50,8 @@
 #   LONGCTX_MODEL) over bf16 and FP8 caches under each set of bench engine arguments, after the
 #   attention kernel and model tests (see the mode below);
 #   kv-fp8: the KV of KV_TOKENS tokens over tcp between GPU caches, bf16 then FP8 (issue 51);
+#   fp8-skinny: steps of 17-64 rows over FP8 weights on the skinny product against cuBLASLt and
+#   bf16 (issue 51's batch 64; see the mode below);
 #   seed: issue 51's qwen3-32b, FP8 weights and KV, swept as sweep does (SWEEP_TRANSPORT=tcp too);
 #   ab: P/D with the new build, then bench kv (cuda-ipc, tcp) for gpu-bin/tandem-base and the new
 #   build alternately (AB_ROUNDS, TCP_SIZES; build with BASELINE=<rev>);
@@ -638,6 +640,30 @@ if [ "$MODE" = ipc ]; then
   kv_bench
   [ -n "${SKIP_TCP:-}" ] || tcp_bench
   cat "$OUT/summary.txt"; exit $status
+fi
+# fp8-skinny: issue 51's steps of 17-64 rows on the skinny FP8 product (--cuda-tune fp8_skinny):
+# its kernel test (timed beside cuBLASLt on Qwen3-32B's shapes; SKIP_TESTS=1 skips it), then bench
+# engine on FP8_MODEL (preset:qwen3-32b) at SKINNY_BATCHES (24,64) in bf16, in FP8 on cuBLASLt and
+# in FP8 on the skinny product, in the same call (the issue's ratios); SKINNY_PROFILE=1 adds where
+# batch 64 spends its time on the skinny product.
+if [ "$MODE" = fp8-skinny ]; then
+  if [ -z "${SKIP_TESTS:-}" ]; then
+    run_test cuda_kernels fp8_skinny
+    grep -E "^fp8 skinny" /tmp/test_cuda_kernels.log | tee -a "$OUT/summary.txt"
+  fi
+  for run in "bf16:" "fp8:--quantization fp8" "fp8_skinny:--quantization fp8 --cuda-tune fp8_skinny=1"; do
+    label=${run%%:*}
+    # shellcheck disable=SC2086  # the arguments split into words
+    timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model "${FP8_MODEL:-preset:qwen3-32b}" ${run#*:} \
+      --batch "${SKINNY_BATCHES:-24,64}" --decode-steps 16 --prefill-tokens 256 > "$OUT/skinny_$label.log" 2>&1 || status=1
+    note "$label: $(grep -E '^[0-9]+ +[0-9]' "$OUT/skinny_$label.log" | tr -s ' ' | tr '\n' '|')"
+  done
+  if [ -n "${SKINNY_PROFILE:-}" ]; then
+    timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model "${FP8_MODEL:-preset:qwen3-32b}" --quantization fp8 \
+      --cuda-tune fp8_skinny=1 --batch 64 --decode-steps 16 --prefill-tokens 256 --profile > "$OUT/skinny_profile.log" 2>&1 || status=1
+    grep -A18 "decode, batch 64" "$OUT/skinny_profile.log" | tee -a "$OUT/summary.txt"
+  fi
+  exit $status
 fi
 if [ "$MODE" = fp8-builds ]; then
   # fp8-builds [BUILD ...]: the FP8 weights' fused decode projection builds (--cuda-tune

@@ -1939,6 +1939,129 @@ fn fp8_block_gemm_multiplies_quantized_activations_by_block_scaled_weights() {
     }
 }
 
+/// The skinny FP8 product (`fp8_skinny`, `gemm_fp8_skinny`: 17-64 rows already rounded to e4m3
+/// by FP8 weights on e4m3 MMAs) against the host's sum of the same e4m3 operands times their
+/// scales (1e-3 of the sum of magnitudes, as the block-scaled GEMM's test: a block's scale
+/// misread, a permuted column or a lost K slice is off by its whole share): each of its three
+/// kernels (up to 32, 48, 64 rows; partial token tiles), rows not a whole block group (200), bf16
+/// output the f32 output rounded, and K slices whose parts sum to the product. On Qwen3-32B's
+/// shapes at 64 rows its time is reported beside cuBLASLt's block-scaled GEMM on the same bytes.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn fp8_skinny_product_sums_the_block_scaled_terms() {
+    let Some(plain) = device() else { return };
+    let dev =
+        CudaDevice::open_with(0, CudaTuning { fp8_skinny: true, ..plain.tuning().clone() }, kernel_cache().as_deref())
+            .unwrap();
+    dev.enable_fp8_gemm().unwrap();
+    plain.enable_fp8_gemm().unwrap();
+    if !dev.fp8_mma_capable() {
+        eprintln!("skipping: no e4m3 tensor-core MMA on this GPU");
+        return;
+    }
+    let mut rng = Lcg(71);
+    // A small one with a partial row group, then Qwen3-32B's o, qkv, down and gate/up.
+    for (name, n, k) in [
+        ("small", 200usize, 384usize),
+        ("o", 5120, 8192),
+        ("qkv", 10240, 5120),
+        ("down", 5120, 25600),
+        ("gate/up", 51200, 5120),
+    ] {
+        let kb = k / 128;
+        // e4m3 bytes of either sign below 2 (no NaN), row scales that differ by block.
+        let q: Vec<u8> = (0..n * k).map(|_| (rng.next() as u8) & 0xb7).collect();
+        let block_scales: Vec<f32> = (0..n.div_ceil(128) * kb).map(|_| 1.0 + rng.uniform() * 0.5).collect();
+        let row_scales: Vec<f32> = (0..n * kb).map(|i| block_scales[(i / kb / 128) * kb + i % kb]).collect();
+        let (d_q, d_rs, d_bs) =
+            (dev.upload(&q).unwrap(), dev.upload(&row_scales).unwrap(), dev.upload(&block_scales).unwrap());
+        let m = ops::Fp8Matrix { q: d_q.ptr(), scales: d_rs.ptr(), block_scales: d_bs.ptr(), n, k };
+        let most = 64;
+        let d_acts = dev.zeros::<u8>(most * k).unwrap();
+        let d_act_scales = dev.zeros::<u8>(ops::Fp8Scratch::act_scale_bytes(most, k)).unwrap();
+        let scratch =
+            ops::Fp8Scratch { weight: 0, acts: d_acts.ptr(), act_scales: d_act_scales.ptr(), tokens: most, cols: k };
+        // Activations whose 128-column blocks differ elevenfold, so that their scales differ.
+        let x: Vec<u16> = (0..most * k)
+            .map(|i| {
+                let big = ((i / k) * 7 + (i % k) / 128) % 3 == 0;
+                bf16((rng.uniform() - 0.5) * if big { 11.0 } else { 1.0 })
+            })
+            .collect();
+        let d_x = dev.upload(&x).unwrap();
+        let most_slices = ops::FP8_SKINNY_MAX_SLICES;
+        let d_out = dev.zeros::<f32>(most_slices * most * n).unwrap();
+        let d_bf16 = dev.zeros::<u16>(most * n).unwrap();
+        let weight = |i: usize| f64::from(e4m3_to_f32(q[i])) * f64::from(row_scales[(i / k) * kb + (i % k) / 128]);
+        let sampled = if n * k > 1 << 24 { 97 } else { 1 };
+        for t in [17, 24, 33, 48, 64] {
+            if n > 1000 && t != 64 && t != 33 {
+                continue;
+            }
+            let ld = tandem_compute::cuda::fp8_act_scale_ld(t);
+            unsafe { ops::quantize_fp8_rows(&dev, d_x.ptr(), (d_acts.ptr(), d_act_scales.ptr(), ld), t, k).unwrap() };
+            let (aq, as_bytes) = (dev.read(&d_acts, t * k).unwrap(), dev.read(&d_act_scales, kb * ld * 4).unwrap());
+            let act_scales: Vec<f32> =
+                as_bytes.chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let act = |i: usize| f64::from(e4m3_to_f32(aq[i])) * f64::from(act_scales[((i % k) / 128) * ld + i / k]);
+            let reference: Vec<(usize, f64, f64)> = (0..t * n / sampled)
+                .into_par_iter()
+                .map(|j| {
+                    let i = j * sampled;
+                    let (row, col) = (i / n, i % n);
+                    let terms = (0..k).map(|c| weight(col * k + c) * act(row * k + c));
+                    let (sum, mag) = terms.fold((0.0, 0.0), |(s, a), v| (s + v, a + v.abs()));
+                    (i, sum, mag)
+                })
+                .collect();
+            let off = |got: &dyn Fn(usize) -> f64| {
+                reference.iter().map(|&(i, sum, mag)| (got(i) - sum).abs() / (mag + 1e-30)).fold(0.0, f64::max)
+            };
+            let default_slices = ops::fp8_skinny_slices(&dev, &m);
+            for slices in [1, 3, default_slices, most_slices] {
+                unsafe { ops::matmul_t_fp8_skinny(&dev, &scratch, m, (d_out.ptr(), true), t, slices).unwrap() };
+                let parts = dev.read(&d_out, slices * t * n).unwrap();
+                // The parts added in slice order, as the residual add sums them.
+                let sum = |i: usize| f64::from((0..slices).fold(0.0f32, |s, p| s + parts[p * t * n + i]));
+                let worst = off(&sum);
+                assert!(worst < 1e-3, "{name} {n} x {k}, {t} rows, {slices} slices: off by {worst:e}");
+            }
+            unsafe { ops::matmul_t_fp8_skinny(&dev, &scratch, m, (d_bf16.ptr(), false), t, 1).unwrap() };
+            let rounded = dev.read(&d_bf16, t * n).unwrap();
+            unsafe { ops::matmul_t_fp8_skinny(&dev, &scratch, m, (d_out.ptr(), true), t, 1).unwrap() };
+            let got_one = dev.read(&d_out, t * n).unwrap();
+            for (i, (&r, &f)) in rounded.iter().zip(&got_one).enumerate() {
+                assert!((f32_of(r) - f).abs() <= bf16_step(f), "{name}, {t} rows: bf16 output {i}");
+            }
+            // The engine's path: matmul_t_fp8_rounded takes the skinny product where it is on.
+            if n % 128 == 0 {
+                unsafe { ops::matmul_t_fp8_rounded(&dev, &scratch, m, (d_out.ptr(), true), t).unwrap() };
+                let routed = dev.read(&d_out, t * n).unwrap();
+                assert_eq!(routed, got_one, "{name}, {t} rows: matmul_t_fp8_rounded is the skinny product");
+            }
+            if t != 64 || n % 128 != 0 {
+                continue;
+            }
+            let skinny_us = time_us(&dev, &|| unsafe {
+                ops::matmul_t_fp8_skinny(&dev, &scratch, m, (d_bf16.ptr(), false), t, 1).unwrap()
+            });
+            let sliced_us = time_us(&dev, &|| unsafe {
+                ops::matmul_t_fp8_skinny(&dev, &scratch, m, (d_out.ptr(), true), t, default_slices).unwrap()
+            });
+            let cublaslt_us = time_us(&plain, &|| unsafe {
+                ops::matmul_t_fp8_rounded(&plain, &scratch, m, (d_bf16.ptr(), false), t).unwrap()
+            });
+            let gbs = |us: f64| (n * k) as f64 / us / 1e3;
+            eprintln!(
+                "fp8 skinny {name} {k} by {n}, 64 rows: {skinny_us:.1} us ({:.0} GB/s of weights), {default_slices} slices {sliced_us:.1} us ({:.0}), cuBLASLt {cublaslt_us:.1} us ({:.0})",
+                gbs(skinny_us),
+                gbs(sliced_us),
+                gbs(cublaslt_us)
+            );
+        }
+    }
+}
+
 /// SiLU-and-multiply rounded to e4m3 in one kernel (`silu_mul_fp8_rows`, down's input over
 /// FP8 weights with `fp8_fused_act`) gives the bytes and scales of `silu_mul` then
 /// `quantize_fp8_rows`, bit for bit: gate/up stacked and interleaved, 1 to 300 rows, a width

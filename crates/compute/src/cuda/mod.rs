@@ -348,6 +348,8 @@ pub struct CudaDevice {
     tuning: CudaTuning,
     /// Hopper or later: programmatic dependent launch is available.
     pdl_capable: bool,
+    /// Ada or later: the tensor cores multiply e4m3 bytes (`mma` of kind e4m3).
+    fp8_mma_capable: bool,
     /// The kernels were compiled for sm_90a, so the warpgroup-MMA kernels run.
     wgmma_capable: bool,
     /// The batch-invariant matrix products, once [`CudaDevice::enable_batch_invariant`] ran.
@@ -530,6 +532,7 @@ impl CudaDevice {
             smem_per_sm,
             tuning: CudaTuning { programmatic_launch: major >= 9 && tuning.programmatic_launch, ..tuning },
             pdl_capable: major >= 9,
+            fp8_mma_capable: (major, minor) >= (8, 9),
             wgmma_capable,
             invariant_gemm: std::sync::OnceLock::new(),
             fp8_gemm: std::sync::OnceLock::new(),
@@ -670,6 +673,12 @@ impl CudaDevice {
     /// ask for it themselves.
     pub fn pdl_capable(&self) -> bool {
         self.pdl_capable
+    }
+
+    /// Whether the tensor cores here multiply e4m3 bytes (Ada and later): the skinny FP8
+    /// product ([`ops::matmul_t_fp8_skinny`]) runs.
+    pub fn fp8_mma_capable(&self) -> bool {
+        self.fp8_mma_capable
     }
 
     /// Whether the warpgroup-MMA (wgmma) kernels run here: a Hopper GPU (sm_90a images).

@@ -223,5 +223,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemv_fp8_t8",
     "gemv_fp8_t16",
     "gemv_fp8_t8_k4",
+    "gemm_fp8_skinny_t32",
+    "gemm_fp8_skinny_t48",
+    "gemm_fp8_skinny_t64",
     "gemv_fp8_t16_k4",
 ];

@@ -146,6 +146,12 @@ pub struct CudaTuning {
     /// On: Qwen3-32B's prefill of 8192 tokens 656.2 ms against 663.1 with `fp8_fused_act`
     /// alone (H100).
     pub fp8_fused_norm: bool,
+    /// Steps of 17 to 64 rows over FP8 weights multiply their FP8-rounded activations on
+    /// `gemm_fp8_skinny` (e4m3 tensor-core MMAs, a block for every multiprocessor, the
+    /// residual's products cut in K slices it sums; `ops::matmul_t_fp8_skinny`) instead of
+    /// cuBLASLt's block-scaled GEMM, whose tiles leave most of the GPU idle on products of few
+    /// rows. Off until measured.
+    pub fp8_skinny: bool,
 }
 
 /// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2|3`).
@@ -233,6 +239,7 @@ impl Default for CudaTuning {
             fp8_gemm_algo: 0,
             fp8_fused_act: true,
             fp8_fused_norm: true,
+            fp8_skinny: false,
         }
     }
 }
@@ -268,6 +275,7 @@ impl CudaTuning {
         ("fp8_gemm_algo", "0..=7 (default 0)"),
         ("fp8_fused_act", "0|1 (default 1)"),
         ("fp8_fused_norm", "0|1 (default 1)"),
+        ("fp8_skinny", "0|1 (default 0)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -341,6 +349,7 @@ impl CudaTuning {
             "fp8_fused_decode" => self.fp8_fused_decode = flag()?,
             "fp8_fused_act" => self.fp8_fused_act = flag()?,
             "fp8_fused_norm" => self.fp8_fused_norm = flag()?,
+            "fp8_skinny" => self.fp8_skinny = flag()?,
             "fp8_gemm_algo" => {
                 self.fp8_gemm_algo = value.parse().ok().filter(|b| *b <= 7).ok_or_else(bad)?;
             }
@@ -445,6 +454,7 @@ impl fmt::Display for CudaTuning {
             ("fp8_fused_decode", self.fp8_fused_decode, d.fp8_fused_decode),
             ("fp8_fused_act", self.fp8_fused_act, d.fp8_fused_act),
             ("fp8_fused_norm", self.fp8_fused_norm, d.fp8_fused_norm),
+            ("fp8_skinny", self.fp8_skinny, d.fp8_skinny),
         ] {
             if on != default {
                 parts.push(format!("{key}={}", b(on)));

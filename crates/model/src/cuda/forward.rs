@@ -330,9 +330,46 @@ impl Pass<'_> {
             ops::matmul_t_invariant_sliced(self.dev, x, l.weight.ptr(), parts, t, l.out_dim, l.in_dim, slices)?;
             return Ok(ResidualDelta::Parts { ptr: parts, slices, stride: t * l.out_dim });
         }
+        if let Some((m, slices)) = self.fp8_skinny_parts(l, t) {
+            let scratch = self.w.fp8_scratch();
+            ops::quantize_fp8_rows(self.dev, x, (scratch.acts, scratch.act_scales, fp8_act_scale_ld(t)), t, m.k)?;
+            return self.fp8_skinny_into_parts(l, m, slices, t);
+        }
         let proj = self.step.act.proj.ptr();
         self.linear(l, x, proj, t)?;
         Ok(ResidualDelta::Bf16(proj))
+    }
+
+    /// Whether a residual's projection `l` (o, down) of `t` rows goes to the skinny FP8 product
+    /// in K slices (`fp8_skinny`, [`ops::fp8_skinny_slices`] > 1), the residual add summing its
+    /// parts: its FP8 weight and slices. Not with a bias (the parts' sum adds none), nor across
+    /// tensor-parallel ranks (no all-reduce of parts), nor batch invariant.
+    fn fp8_skinny_parts(&self, l: &Linear, t: usize) -> Option<(ops::Fp8Matrix, usize)> {
+        let m = l.fp8_matrix()?;
+        let dev = self.dev;
+        let slices = ops::fp8_skinny_slices(dev, &m);
+        let usable = l.bias.is_none()
+            && self.comm.is_none()
+            && !self.step.batch_invariant()
+            && slices > 1
+            && self.step.act.parts.len() >= slices * t * l.out_dim
+            && ops::fp8_skinny_takes(dev, &m, t)
+            && ops::fp8_block_gemm_takes(dev, &m, t, &self.w.fp8_scratch());
+        usable.then_some((m, slices))
+    }
+
+    /// `l`'s product ([`Pass::fp8_skinny_parts`] chose it) of the `t` rows rounded to e4m3 in the
+    /// FP8 scratch, as `slices` f32 parts in `act.parts` for the residual add to sum.
+    unsafe fn fp8_skinny_into_parts(
+        &self,
+        l: &Linear,
+        m: ops::Fp8Matrix,
+        slices: usize,
+        t: usize,
+    ) -> Result<ResidualDelta, CudaError> {
+        let parts = self.step.act.parts.ptr();
+        ops::matmul_t_fp8_skinny(self.dev, &self.w.fp8_scratch(), m, (parts, true), t, slices)?;
+        Ok(ResidualDelta::Parts { ptr: parts, slices, stride: t * l.out_dim })
     }
 
     /// Down's product for `t` tokens from the step's gate/up rows, with SiLU-and-multiply
@@ -354,6 +391,9 @@ impl Pass<'_> {
         }
         let rounded = (scratch.acts, scratch.act_scales, fp8_act_scale_ld(t));
         ops::silu_mul_fp8_rows(dev, a.gate_up.ptr(), rounded, t, inter, self.w.gate_up_stacked())?;
+        if let Some((m, slices)) = self.fp8_skinny_parts(down, t) {
+            return self.fp8_skinny_into_parts(down, m, slices, t).map(Some);
+        }
         let proj = a.proj.ptr();
         if ops::matmul_t_fp8_rounded(dev, &scratch, m, (proj, false), t).is_err() {
             return Ok(None);

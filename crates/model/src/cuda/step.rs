@@ -103,6 +103,9 @@ impl StepBuffers {
                 } else {
                     1
                 }
+            } else if dev.tuning().fp8_skinny {
+                // Steps of up to 64 rows over FP8 weights: o's and down's K slices.
+                ops::FP8_SKINNY_MAX_TOKENS.min(t) * h * ops::FP8_SKINNY_MAX_SLICES
             } else {
                 1
             })?,

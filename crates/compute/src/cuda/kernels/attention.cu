@@ -225,11 +225,6 @@ __device__ __forceinline__ bool attn_block_range(int ctx, bool split, int split_
     return true;
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    u32 d = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem));
-}
-
 template <int G, int E, bool FP8>
 __device__ __forceinline__ void attention_rows(const bf16* q, bf16* cache, bf16* out, const int* positions,
                                                const int* tok_seq, const int* block_tables, const int* meta_stride,

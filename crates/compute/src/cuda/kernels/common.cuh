@@ -121,6 +121,13 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 }
 #endif
 
+// 16 bytes from global memory to shared memory by cp.async (L2 only), landing when this
+// thread's groups are waited for (cp.async.commit_group / wait_group).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    u32 d = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gmem));
+}
+
 // Sum over the block; every thread gets the result. `scratch` holds 32 floats.
 __device__ float block_sum(float v, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;

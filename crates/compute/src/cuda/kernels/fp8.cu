@@ -353,6 +353,182 @@ GEMV_FP8_KERNEL(gemv_fp8_t8_k4, 1, 4)
 GEMV_FP8_KERNEL(gemv_fp8_t16_k4, 2, 4)
 #endif
 
+// y = x · wᵀ for 17 to 64 rows of activations already rounded to e4m3 (the bytes xq [t, K] and
+// block-major scales [K / 128][ld] that fp8_quantize_rows and the kernels rounding into FP8
+// write for the block-scaled GEMM) and an FP8 weight (q [N, K], row scales [N, K / 128]):
+// y[m, n] = sum over 128-column blocks b of (sum_k xq[m, k] q[n, k]) * xs[b][m] * ws[n, b], the
+// block-scaled GEMM's numbers (its sums in another order), on m16n8k32 e4m3 MMAs that take the
+// bytes as they are. For steps of a few dozen tokens, where cuBLASLt's tiles leave most of the
+// GPU idle on products of few rows (Qwen3-32B's o and down at 64 rows: 40 tiles).
+//
+// A warp owns 16 weight rows (A), a block 8 warps (SKINNY_ROWS rows) and all the tokens (B, 8 a
+// tile, TILES tiles); the block's items are (row group, K slice) pairs blockIdx.x, + gridDim.x,
+// ... (the host gives every block the same number, `rounds`), each slice `slice_len` blocks of
+// 128 columns (the last slice's steps past K add nothing). Per 128-column step a lane holds 32
+// bytes of rows g and g + 8 (columns 32c..32c+31) and reads 32 bytes of token 8j + g's from
+// shared memory: MMA step q takes bytes 8q..8q+7 of both as its k = 4c..4c+3, 16+4c..16+4c+3
+// (the same permutation for A and B). The weights stream into registers SKINNY_AHEAD steps
+// ahead (the first before the programmatic-launch wait); the activations' bytes and scales into
+// a ring of SKINNY_AHEAD + 1 shared-memory stages by cp.async, one barrier a step. Out: with
+// slices > 1 the f32 sums of slice s at y + s * t * N ([t, N] each, the residual add sums them in
+// order); else [t, N] bf16, or f32 with f32_out. Block: 256.
+#define SKINNY_ROWS 128
+#define SKINNY_AHEAD 3
+// A token's 128 bytes in shared memory, padded: lanes (g, c) read 16 bytes at 144 g + 32 c
+// (+ 16), no two of a quarter-warp in the same banks.
+#define SKINNY_PITCH 144
+
+__device__ __forceinline__ void mma_e4m3(float* d, const u32* a, u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    // No FP8 MMA before Ada: the host never launches these kernels there.
+    __trap();
+#endif
+}
+
+template <int TILES>
+__device__ __forceinline__ void gemm_fp8_skinny(const unsigned char* __restrict__ W, const float* __restrict__ wscales,
+                                                const unsigned char* __restrict__ xq, const float* __restrict__ xscales,
+                                                int ld, void* y, int N, int K, int t, int slices, int rounds,
+                                                int f32_out) {
+    constexpr int M = TILES * 8, STAGES = SKINNY_AHEAD + 1;
+    __shared__ __align__(16) unsigned char xs[STAGES][M][SKINNY_PITCH];
+    __shared__ __align__(16) float xsc[STAGES][M];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    int kb = K / FP8_BLOCK, slice_len = (kb + slices - 1) / slices;
+    int items = (N + SKINNY_ROWS - 1) / SKINNY_ROWS * slices, total = rounds * slice_len;
+    // Step s's item, and its 128-column block (-1: none, past K or past the items; the same
+    // for every thread of the block).
+    auto item_of = [&](int s) { return (int)blockIdx.x + s / slice_len * (int)gridDim.x; };
+    auto block_of = [&](int s) {
+        int item = item_of(s), b = item % slices * slice_len + s % slice_len;
+        return item < items && b < kb ? b : -1;
+    };
+    uint4 w[SKINNY_AHEAD][4];
+    float ws[SKINNY_AHEAD][2];
+    auto load_weights = [&](int slot, int s) {
+        int b = block_of(s);
+        if (b < 0) return;
+        int n0 = item_of(s) / slices * SKINNY_ROWS + warp * 16;
+        // Rows past N read row N - 1 (never stored).
+        int lo = min(n0 + g, N - 1), hi = min(n0 + g + 8, N - 1);
+        const unsigned char* at_lo = W + (u64)lo * K + b * FP8_BLOCK + 32 * c;
+        const unsigned char* at_hi = W + (u64)hi * K + b * FP8_BLOCK + 32 * c;
+        w[slot][0] = ld_stream(reinterpret_cast<const bf16*>(at_lo));
+        w[slot][1] = ld_stream(reinterpret_cast<const bf16*>(at_lo + 16));
+        w[slot][2] = ld_stream(reinterpret_cast<const bf16*>(at_hi));
+        w[slot][3] = ld_stream(reinterpret_cast<const bf16*>(at_hi + 16));
+        ws[slot][0] = __ldg(wscales + (u64)lo * kb + b);
+        ws[slot][1] = __ldg(wscales + (u64)hi * kb + b);
+    };
+    // Step s's activations into stage s % STAGES: every thread commits a group, empty or not,
+    // so that waiting for all but the newest SKINNY_AHEAD - 1 finds step s's landed.
+    auto load_acts = [&](int s) {
+        int b = s < total ? block_of(s) : -1;
+        if (b >= 0) {
+            int stage = s % STAGES;
+            // Tokens past t read token t - 1 (never stored).
+            for (int i = tid; i < M * 8; i += blockDim.x) {
+                int m = i >> 3, part = i & 7;
+                cp_async16(&xs[stage][m][part * 16], xq + (u64)min(m, t - 1) * K + b * FP8_BLOCK + part * 16);
+            }
+            // ld (t rounded up to 4) <= M scales; those of tokens ld..M - 1 are never stored.
+            if (tid * 4 < ld) cp_async16(&xsc[stage][tid * 4], xscales + (u64)b * ld + tid * 4);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+#pragma unroll
+    for (int s = 0; s < SKINNY_AHEAD; ++s)
+        if (s < total) load_weights(s, s);
+    PDL_ENTER();
+#pragma unroll
+    for (int s = 0; s < SKINNY_AHEAD; ++s) load_acts(s);
+    float acc[TILES][4];
+#pragma unroll
+    for (int j = 0; j < TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    for (int s0 = 0; s0 < total; s0 += SKINNY_AHEAD) {
+#pragma unroll
+        for (int st = 0; st < SKINNY_AHEAD; ++st) {
+            int s = s0 + st;
+            // `total` is the block's: all its threads leave together.
+            if (s >= total) break;
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(SKINNY_AHEAD - 1) : "memory");
+            // Step s's stage is everyone's; step s - 1's is free for step s + SKINNY_AHEAD.
+            __syncthreads();
+            load_acts(s + SKINNY_AHEAD);
+            if (block_of(s) >= 0) {
+                const int stage = s % STAGES;
+                const u32 lo[8] = {w[st][0].x, w[st][0].y, w[st][0].z, w[st][0].w,
+                                   w[st][1].x, w[st][1].y, w[st][1].z, w[st][1].w};
+                const u32 hi[8] = {w[st][2].x, w[st][2].y, w[st][2].z, w[st][2].w,
+                                   w[st][3].x, w[st][3].y, w[st][3].z, w[st][3].w};
+                const float s_lo = ws[st][0], s_hi = ws[st][1];
+#pragma unroll
+                for (int j = 0; j < TILES; ++j) {
+                    const unsigned char* at = &xs[stage][j * 8 + g][32 * c];
+                    const uint4 x0 = *reinterpret_cast<const uint4*>(at), x1 = *reinterpret_cast<const uint4*>(at + 16);
+                    const u32 xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+                    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const u32 a[4] = {lo[2 * q], hi[2 * q], lo[2 * q + 1], hi[2 * q + 1]};
+                        mma_e4m3(part, a, xw[2 * q], xw[2 * q + 1]);
+                    }
+                    // part: rows g (0, 1) and g + 8 (2, 3) by tokens 8j + 2c (0, 2) and + 1.
+                    const float t0 = xsc[stage][j * 8 + 2 * c], t1 = xsc[stage][j * 8 + 2 * c + 1];
+                    acc[j][0] = fmaf(part[0], s_lo * t0, acc[j][0]);
+                    acc[j][1] = fmaf(part[1], s_lo * t1, acc[j][1]);
+                    acc[j][2] = fmaf(part[2], s_hi * t0, acc[j][2]);
+                    acc[j][3] = fmaf(part[3], s_hi * t1, acc[j][3]);
+                }
+            }
+            // The slot takes the step SKINNY_AHEAD on.
+            if (s + SKINNY_AHEAD < total) load_weights(st, s + SKINNY_AHEAD);
+            if (s % slice_len != slice_len - 1) continue;
+            // The item's last step: its sums leave.
+            int item = item_of(s);
+            if (item < items) {
+                int n0 = item / slices * SKINNY_ROWS + warp * 16, slice = item % slices;
+#pragma unroll
+                for (int j = 0; j < TILES; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        int n = n0 + g + (e >> 1) * 8, m = j * 8 + 2 * c + (e & 1);
+                        if (n >= N || m >= t) continue;
+                        u64 i = (u64)m * N + n;
+                        if (slices > 1) reinterpret_cast<float*>(y)[(u64)slice * t * N + i] = acc[j][e];
+                        else if (f32_out) reinterpret_cast<float*>(y)[i] = acc[j][e];
+                        else reinterpret_cast<bf16*>(y)[i] = f2bf(acc[j][e]);
+                    }
+            }
+#pragma unroll
+            for (int j = 0; j < TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+        }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+#define GEMM_FP8_SKINNY_KERNEL(NAME, TILES)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                        \
+        NAME(const unsigned char* W, const float* wscales, const unsigned char* xq, const float* xscales, int ld, \
+             void* y, int N, int K, int t, int slices, int rounds, int f32_out) {                               \
+        gemm_fp8_skinny<TILES>(W, wscales, xq, xscales, ld, y, N, K, t, slices, rounds, f32_out);               \
+    }
+#if KERNEL_GROUP(5)
+GEMM_FP8_SKINNY_KERNEL(gemm_fp8_skinny_t32, 4)
+GEMM_FP8_SKINNY_KERNEL(gemm_fp8_skinny_t48, 6)
+GEMM_FP8_SKINNY_KERNEL(gemm_fp8_skinny_t64, 8)
+#endif
+
 // The fused decode projection of an FP8 weight (`ops::Gemv` with row scales): gemv_mma's
 // structure (a warp owns a 16-row A tile, up to 8 tokens' inputs from shared memory as B, K
 // split over ksplit warps, the bf16 kernels' prologues and epilogues) reading one byte a

@@ -218,6 +218,10 @@ pub unsafe fn matmul_t_fp8_rounded(
     (y, f32_out): (u64, bool),
     t: usize,
 ) -> Result<(), CudaError> {
+    if fp8_skinny_takes(dev, &m, t) && fp8_block_gemm_takes(dev, &m, t, scratch) {
+        // Safety: the caller's contract, as below.
+        return unsafe { matmul_t_fp8_skinny(dev, scratch, m, (y, f32_out), t, 1) };
+    }
     let (true, Some(gemm)) = (fp8_block_gemm_takes(dev, &m, t, scratch), dev.fp8_gemm()) else {
         return Err(CudaError::Unavailable(format!("no block-scaled FP8 product of {t} rows by {} columns here", m.k)));
     };
@@ -228,6 +232,87 @@ pub unsafe fn matmul_t_fp8_rounded(
         let stream = dev.stream().cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
         gemm.matmul(stream, (m.q, m.block_scales), (scratch.acts, scratch.act_scales), y, (t, m.n, m.k), f32_out)
     }
+}
+
+/// Most rows [`matmul_t_fp8_skinny`] takes.
+pub const FP8_SKINNY_MAX_TOKENS: usize = 64;
+
+/// Most K slices [`fp8_skinny_slices`] cuts a product into.
+pub const FP8_SKINNY_MAX_SLICES: usize = 8;
+
+/// Weight rows a block of `gemm_fp8_skinny` owns (8 warps of 16).
+const FP8_SKINNY_ROWS: usize = 128;
+
+/// Whether [`matmul_t_fp8_skinny`] multiplies `t` rows by `m` here: `fp8_skinny` tuned on, more
+/// rows than the decode products take and at most [`FP8_SKINNY_MAX_TOKENS`], whole 128-column
+/// blocks, and tensor cores that multiply e4m3 bytes.
+pub fn fp8_skinny_takes(dev: &CudaDevice, m: &Fp8Matrix, t: usize) -> bool {
+    dev.tuning().fp8_skinny
+        && dev.fp8_mma_capable()
+        && (FP8_GEMV_MAX_TOKENS + 1..=FP8_SKINNY_MAX_TOKENS).contains(&t)
+        && m.n > 0
+        && m.k > 0
+        && m.k.is_multiple_of(FP8_BLOCK)
+}
+
+/// The K slices [`matmul_t_fp8_skinny`] cuts `m`'s product into where its caller sums f32 parts
+/// (a residual's projection): as many as keep a block (128 rows by one slice) for every
+/// multiprocessor, at most 8 and one 128-column block a slice; 1 where the rows alone fill the
+/// GPU. Qwen3-32B's o and down on an H100: 40 row groups by 3 slices.
+pub fn fp8_skinny_slices(dev: &CudaDevice, m: &Fp8Matrix) -> usize {
+    let groups = m.n.div_ceil(FP8_SKINNY_ROWS).max(1);
+    (dev.sm_count() as usize / groups).clamp(1, FP8_SKINNY_MAX_SLICES).min((m.k / FP8_BLOCK).max(1))
+}
+
+/// `y = x · wᵀ` on `gemm_fp8_skinny` for `t` rows already rounded to e4m3 in `scratch` (as
+/// [`matmul_t_fp8_rounded`] takes them) by `m`: the block-scaled GEMM's sums on e4m3
+/// tensor-core MMAs, a block of 128 weight rows by one K slice for every multiprocessor
+/// (`rounds` items each where there are more). One slice: `y` is `[t, m.n]`, bf16 or f32 with
+/// `f32_out`; more: `y` holds `slices` f32 `[t, m.n]` parts, `t * m.n` floats apart, whose sum
+/// in slice order is the product (a [`super::ResidualDelta::Parts`]). An error, nothing queued,
+/// where [`fp8_skinny_takes`] does not or `scratch` does not hold the rows.
+///
+/// # Safety
+/// As [`matmul_t_fp8_rounded`]; `y` holds `slices * t * m.n` f32 with more than one slice.
+pub unsafe fn matmul_t_fp8_skinny(
+    dev: &CudaDevice,
+    scratch: &Fp8Scratch,
+    m: Fp8Matrix,
+    (y, f32_out): (u64, bool),
+    t: usize,
+    slices: usize,
+) -> Result<(), CudaError> {
+    if !fp8_skinny_takes(dev, &m, t) || scratch.acts == 0 || t > scratch.tokens || m.k > scratch.cols || slices == 0 {
+        return Err(CudaError::Unavailable(format!("no skinny FP8 product of {t} rows by {} columns here", m.k)));
+    }
+    let name = match t {
+        ..=32 => "gemm_fp8_skinny_t32",
+        33..=48 => "gemm_fp8_skinny_t48",
+        _ => "gemm_fp8_skinny_t64",
+    };
+    // One block a multiprocessor (the launch bounds: 223 registers a thread), the items
+    // shared evenly: as many rounds as that wave needs, then as few blocks as give each that
+    // many.
+    let items = m.n.div_ceil(FP8_SKINNY_ROWS) * slices;
+    let rounds = items.div_ceil(dev.sm_count().max(1) as usize);
+    let blocks = items.div_ceil(rounds) as u32;
+    launch!(
+        dev,
+        name,
+        cfg((blocks, 1), 256),
+        m.q,
+        m.scales,
+        scratch.acts,
+        scratch.act_scales,
+        fp8_act_scale_ld(t) as i32,
+        y,
+        m.n as i32,
+        m.k as i32,
+        t as i32,
+        slices as i32,
+        rounds as i32,
+        f32_out as i32
+    )
 }
 
 /// `y = x · wᵀ` for bf16 rows `x` (`[t, m.k]`) and the FP8 weight `m`, into bf16 or f32 `y`
