@@ -286,8 +286,12 @@ fn bench_kv_tcp_run(
         None => a.size.clone(),
     };
     eprintln!("... peer process {} listening on {addr}; moving {} x {what} each way", child.id(), a.repeats);
-    let report = tandem_bench::kv::measure(&addr, &cfg).map_err(anyhow::Error::from);
-    let status = child.wait().context("waiting for the peer")?;
+    wait_peer(child, tandem_bench::kv::measure(&addr, &cfg).map_err(anyhow::Error::from))
+}
+
+/// Waits for the peer process, then gives the report: its error first, else the peer's failure.
+fn wait_peer<R>(mut peer: std::process::Child, report: Result<R>) -> Result<R> {
+    let status = peer.wait().context("waiting for the peer")?;
     let report = report?;
     if !status.success() {
         bail!("the peer process failed ({status})");
@@ -305,15 +309,11 @@ fn one_dtype(a: &BenchKvArgs) -> Result<KvCacheDtype> {
 
 /// Waits for the peer process, then prints the report (and writes it as JSON to `json_out`).
 fn finish_bench_kv<R: std::fmt::Display + serde::Serialize>(
-    mut peer: std::process::Child,
+    peer: std::process::Child,
     report: Result<R>,
     json_out: Option<std::path::PathBuf>,
 ) -> Result<()> {
-    let status = peer.wait().context("waiting for the peer")?;
-    let report = report?;
-    if !status.success() {
-        bail!("the peer process failed ({status})");
-    }
+    let report = wait_peer(peer, report)?;
     print!("{report}");
     if let Some(path) = json_out {
         std::fs::write(&path, serde_json::to_string_pretty(&report)?)
