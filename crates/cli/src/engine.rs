@@ -136,7 +136,7 @@ pub struct EngineArgs {
     /// fp8_fused_act=0|1 (1: SiLU x up rounds its output to FP8 for down in the same kernel),
     /// fp8_fused_norm=0|1 (1: the norms before qkv and gate/up round their output to FP8 in
     /// the same kernel), fp8_skinny=0|1 (1: steps of 17-64 rows over FP8 weights on a
-    /// hand-written e4m3 tensor-core product instead of cuBLASLt's; 0 until measured).
+    /// hand-written e4m3 tensor-core product instead of cuBLASLt's; measured slower on Hopper).
     #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
     pub cuda_tune: Vec<String>,
     /// Give every request the output it would get alone: run kernels whose arithmetic for one
