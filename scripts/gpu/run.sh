@@ -644,15 +644,16 @@ fi
 # fp8-skinny: issue 51's steps of 17-64 rows on the skinny FP8 product (--cuda-tune fp8_skinny):
 # its kernel test (timed beside cuBLASLt on Qwen3-32B's shapes; SKIP_TESTS=1 skips it), then bench
 # engine on FP8_MODEL (preset:qwen3-32b) at SKINNY_BATCHES (24,64) in bf16, in FP8 on cuBLASLt and
-# in FP8 on the skinny product, in the same call (the issue's ratios); SKINNY_PROFILE=1 adds where
-# batch 64 spends its time on the skinny product (with a prefill of 8192, whose cache holds the
-# 64 sequences: 256 tokens' does not).
+# in FP8 on each skinny build (1 e4m3 mma.sync, 2 warpgroup MMAs), in the same call (the issue's
+# ratios); SKINNY_PROFILE=1 adds where batch 64 spends its time on build SKINNY_BUILD (2; with a
+# prefill of 8192, whose cache holds the 64 sequences: 256 tokens' does not).
 if [ "$MODE" = fp8-skinny ]; then
   if [ -z "${SKIP_TESTS:-}" ]; then
     run_test cuda_kernels fp8_skinny
     grep -E "^fp8 skinny" /tmp/test_cuda_kernels.log | tee -a "$OUT/summary.txt"
   fi
-  for run in "bf16:" "fp8:--quantization fp8" "fp8_skinny:--quantization fp8 --cuda-tune fp8_skinny=1"; do
+  for run in "bf16:" "fp8:--quantization fp8" "fp8_mma:--quantization fp8 --cuda-tune fp8_skinny=1" \
+    "fp8_wg:--quantization fp8 --cuda-tune fp8_skinny=2"; do
     label=${run%%:*}
     # shellcheck disable=SC2086  # the arguments split into words
     timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model "${FP8_MODEL:-preset:qwen3-32b}" ${run#*:} \
@@ -661,7 +662,8 @@ if [ "$MODE" = fp8-skinny ]; then
   done
   if [ -n "${SKINNY_PROFILE:-}" ]; then
     timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model "${FP8_MODEL:-preset:qwen3-32b}" --quantization fp8 \
-      --cuda-tune fp8_skinny=1 --batch 64 --decode-steps 16 --prefill-tokens 8192 --profile > "$OUT/skinny_profile.log" 2>&1 || status=1
+      --cuda-tune "fp8_skinny=${SKINNY_BUILD:-2}" --batch 64 --decode-steps 16 --prefill-tokens 8192 --profile \
+      > "$OUT/skinny_profile.log" 2>&1 || status=1
     grep -A18 "decode, batch 64" "$OUT/skinny_profile.log" | tee -a "$OUT/summary.txt"
   fi
   exit $status

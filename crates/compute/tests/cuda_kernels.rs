@@ -1950,15 +1950,23 @@ fn fp8_block_gemm_multiplies_quantized_activations_by_block_scaled_weights() {
 #[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
 fn fp8_skinny_product_sums_the_block_scaled_terms() {
     let Some(plain) = device() else { return };
-    let dev =
-        CudaDevice::open_with(0, CudaTuning { fp8_skinny: true, ..plain.tuning().clone() }, kernel_cache().as_deref())
-            .unwrap();
-    dev.enable_fp8_gemm().unwrap();
     plain.enable_fp8_gemm().unwrap();
-    if !dev.fp8_mma_capable() {
-        eprintln!("skipping: no e4m3 tensor-core MMA on this GPU");
-        return;
+    for build in [1u8, 2] {
+        let tuning = CudaTuning { fp8_skinny: build, ..plain.tuning().clone() };
+        let dev = CudaDevice::open_with(0, tuning, kernel_cache().as_deref()).unwrap();
+        dev.enable_fp8_gemm().unwrap();
+        let runs = if build == 1 { dev.fp8_mma_capable() } else { dev.wgmma_capable() };
+        if !runs {
+            eprintln!("fp8 skinny build {build}: not on this GPU");
+            continue;
+        }
+        check_fp8_skinny(&plain, &dev, build);
     }
+}
+
+/// [`fp8_skinny_product_sums_the_block_scaled_terms`] for the skinny build `dev` is tuned to;
+/// `plain` runs cuBLASLt's product.
+fn check_fp8_skinny(plain: &CudaDevice, dev: &CudaDevice, build: u8) {
     let mut rng = Lcg(71);
     // A small one with a partial row group, then Qwen3-32B's o, qkv, down and gate/up.
     for (name, n, k) in [
@@ -1999,7 +2007,7 @@ fn fp8_skinny_product_sums_the_block_scaled_terms() {
                 continue;
             }
             let ld = tandem_compute::cuda::fp8_act_scale_ld(t);
-            unsafe { ops::quantize_fp8_rows(&dev, d_x.ptr(), (d_acts.ptr(), d_act_scales.ptr(), ld), t, k).unwrap() };
+            unsafe { ops::quantize_fp8_rows(dev, d_x.ptr(), (d_acts.ptr(), d_act_scales.ptr(), ld), t, k).unwrap() };
             let (aq, as_bytes) = (dev.read(&d_acts, t * k).unwrap(), dev.read(&d_act_scales, kb * ld * 4).unwrap());
             let act_scales: Vec<f32> =
                 as_bytes.chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
@@ -2017,43 +2025,43 @@ fn fp8_skinny_product_sums_the_block_scaled_terms() {
             let off = |got: &dyn Fn(usize) -> f64| {
                 reference.iter().map(|&(i, sum, mag)| (got(i) - sum).abs() / (mag + 1e-30)).fold(0.0, f64::max)
             };
-            let default_slices = ops::fp8_skinny_slices(&dev, &m);
+            let default_slices = ops::fp8_skinny_slices(dev, &m);
             for slices in [1, 3, default_slices, most_slices] {
-                unsafe { ops::matmul_t_fp8_skinny(&dev, &scratch, m, (d_out.ptr(), true), t, slices).unwrap() };
+                unsafe { ops::matmul_t_fp8_skinny(dev, &scratch, m, (d_out.ptr(), true), t, slices).unwrap() };
                 let parts = dev.read(&d_out, slices * t * n).unwrap();
                 // The parts added in slice order, as the residual add sums them.
                 let sum = |i: usize| f64::from((0..slices).fold(0.0f32, |s, p| s + parts[p * t * n + i]));
                 let worst = off(&sum);
-                assert!(worst < 1e-3, "{name} {n} x {k}, {t} rows, {slices} slices: off by {worst:e}");
+                assert!(worst < 1e-3, "build {build}, {name} {n} x {k}, {t} rows, {slices} slices: off by {worst:e}");
             }
-            unsafe { ops::matmul_t_fp8_skinny(&dev, &scratch, m, (d_bf16.ptr(), false), t, 1).unwrap() };
+            unsafe { ops::matmul_t_fp8_skinny(dev, &scratch, m, (d_bf16.ptr(), false), t, 1).unwrap() };
             let rounded = dev.read(&d_bf16, t * n).unwrap();
-            unsafe { ops::matmul_t_fp8_skinny(&dev, &scratch, m, (d_out.ptr(), true), t, 1).unwrap() };
+            unsafe { ops::matmul_t_fp8_skinny(dev, &scratch, m, (d_out.ptr(), true), t, 1).unwrap() };
             let got_one = dev.read(&d_out, t * n).unwrap();
             for (i, (&r, &f)) in rounded.iter().zip(&got_one).enumerate() {
                 assert!((f32_of(r) - f).abs() <= bf16_step(f), "{name}, {t} rows: bf16 output {i}");
             }
             // The engine's path: matmul_t_fp8_rounded takes the skinny product where it is on.
             if n % 128 == 0 {
-                unsafe { ops::matmul_t_fp8_rounded(&dev, &scratch, m, (d_out.ptr(), true), t).unwrap() };
+                unsafe { ops::matmul_t_fp8_rounded(dev, &scratch, m, (d_out.ptr(), true), t).unwrap() };
                 let routed = dev.read(&d_out, t * n).unwrap();
                 assert_eq!(routed, got_one, "{name}, {t} rows: matmul_t_fp8_rounded is the skinny product");
             }
             if t != 64 || n % 128 != 0 {
                 continue;
             }
-            let skinny_us = time_us(&dev, &|| unsafe {
-                ops::matmul_t_fp8_skinny(&dev, &scratch, m, (d_bf16.ptr(), false), t, 1).unwrap()
+            let skinny_us = time_us(dev, &|| unsafe {
+                ops::matmul_t_fp8_skinny(dev, &scratch, m, (d_bf16.ptr(), false), t, 1).unwrap()
             });
-            let sliced_us = time_us(&dev, &|| unsafe {
-                ops::matmul_t_fp8_skinny(&dev, &scratch, m, (d_out.ptr(), true), t, default_slices).unwrap()
+            let sliced_us = time_us(dev, &|| unsafe {
+                ops::matmul_t_fp8_skinny(dev, &scratch, m, (d_out.ptr(), true), t, default_slices).unwrap()
             });
-            let cublaslt_us = time_us(&plain, &|| unsafe {
-                ops::matmul_t_fp8_rounded(&plain, &scratch, m, (d_bf16.ptr(), false), t).unwrap()
+            let cublaslt_us = time_us(plain, &|| unsafe {
+                ops::matmul_t_fp8_rounded(plain, &scratch, m, (d_bf16.ptr(), false), t).unwrap()
             });
             let gbs = |us: f64| (n * k) as f64 / us / 1e3;
             eprintln!(
-                "fp8 skinny {name} {k} by {n}, 64 rows: {skinny_us:.1} us ({:.0} GB/s of weights), {default_slices} slices {sliced_us:.1} us ({:.0}), cuBLASLt {cublaslt_us:.1} us ({:.0})",
+                "fp8 skinny build {build} {name} {k} by {n}, 64 rows: {skinny_us:.1} us ({:.0} GB/s of weights), {default_slices} slices {sliced_us:.1} us ({:.0}), cuBLASLt {cublaslt_us:.1} us ({:.0})",
                 gbs(skinny_us),
                 gbs(sliced_us),
                 gbs(cublaslt_us)

@@ -203,6 +203,7 @@ pub use fp8::{
     add_rms_norm_fp8_rows, dequantize_fp8, fp8_block_gemm_takes, fp8_gemv_takes, fp8_skinny_slices, fp8_skinny_takes,
     matmul_t_fp8, matmul_t_fp8_rounded, matmul_t_fp8_skinny, quantize_fp8, quantize_fp8_rows, silu_mul_fp8_rows,
     Fp8Matrix, Fp8Scratch, FP8_BLOCK, FP8_GEMV_MAX_TOKENS, FP8_SKINNY_MAX_SLICES, FP8_SKINNY_MAX_TOKENS,
+    FP8_WG_SMEM_BYTES,
 };
 mod skinny;
 pub use skinny::{

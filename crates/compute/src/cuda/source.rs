@@ -226,5 +226,6 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemm_fp8_skinny_t32",
     "gemm_fp8_skinny_t48",
     "gemm_fp8_skinny_t64",
+    "gemm_fp8_wg",
     "gemv_fp8_t16_k4",
 ];

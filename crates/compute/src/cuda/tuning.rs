@@ -146,16 +146,17 @@ pub struct CudaTuning {
     /// On: Qwen3-32B's prefill of 8192 tokens 656.2 ms against 663.1 with `fp8_fused_act`
     /// alone (H100).
     pub fp8_fused_norm: bool,
-    /// Steps of 17 to 64 rows over FP8 weights multiply their FP8-rounded activations on
-    /// `gemm_fp8_skinny` (e4m3 tensor-core MMAs, a block for every multiprocessor, the
-    /// residual's products cut in K slices it sums; `ops::matmul_t_fp8_skinny`) instead of
-    /// cuBLASLt's block-scaled GEMM, whose tiles leave most of the GPU idle on products of few
-    /// rows. Measured slower on an H100 (Qwen3-32B at 64 rows: qkv 69.6 us against cuBLASLt's
-    /// 24.7, down in 3 slices 115.4 against 57.9, gate/up 261.9 against 99.3; the decode step
-    /// 33.8 ms against 16.1): Hopper has no e4m3 `mma.sync`, ptxas lowers each to conversions of
-    /// both operands to f16 (`F2FP.F16.E4M3.UNPACK_B`) and two f16 MMAs. Kept off, as the
-    /// comparison (and the tested host path) for a build on the warpgroup FP8 MMAs.
-    pub fp8_skinny: bool,
+    /// Steps of 17 to 64 rows over FP8 weights multiply their FP8-rounded activations on a
+    /// hand-written product instead of cuBLASLt's block-scaled GEMM, whose tiles leave most of
+    /// the GPU idle on products of few rows (`ops::matmul_t_fp8_skinny`: a block for every
+    /// multiprocessor, the residual's products cut in K slices it sums). 0: cuBLASLt. 1:
+    /// `gemm_fp8_skinny`, e4m3 `mma.sync`: measured slower on an H100 (Qwen3-32B at 64 rows: qkv
+    /// 69.6 us against cuBLASLt's 24.7, down in 3 slices 115.4 against 57.9, gate/up 261.9
+    /// against 99.3; the decode step 33.8 ms against 16.1), as Hopper has no e4m3 `mma.sync`:
+    /// ptxas lowers each to conversions of both operands to f16 (`F2FP.F16.E4M3.UNPACK_B`) and
+    /// two f16 MMAs; kept as the comparison. 2: `gemm_fp8_wg`, Hopper's warpgroup FP8 MMAs
+    /// (native `QGMMA`), not yet run on a GPU.
+    pub fp8_skinny: u8,
 }
 
 /// The prefill attention builds on Hopper's warpgroup MMAs (`--cuda-tune wgmma_prefill=0|1|2|3`).
@@ -243,7 +244,7 @@ impl Default for CudaTuning {
             fp8_gemm_algo: 0,
             fp8_fused_act: true,
             fp8_fused_norm: true,
-            fp8_skinny: false,
+            fp8_skinny: 0,
         }
     }
 }
@@ -279,7 +280,7 @@ impl CudaTuning {
         ("fp8_gemm_algo", "0..=7 (default 0)"),
         ("fp8_fused_act", "0|1 (default 1)"),
         ("fp8_fused_norm", "0|1 (default 1)"),
-        ("fp8_skinny", "0|1 (default 0)"),
+        ("fp8_skinny", "0|1|2 (default 0)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -353,7 +354,9 @@ impl CudaTuning {
             "fp8_fused_decode" => self.fp8_fused_decode = flag()?,
             "fp8_fused_act" => self.fp8_fused_act = flag()?,
             "fp8_fused_norm" => self.fp8_fused_norm = flag()?,
-            "fp8_skinny" => self.fp8_skinny = flag()?,
+            "fp8_skinny" => {
+                self.fp8_skinny = value.parse().ok().filter(|b| *b <= 2).ok_or_else(bad)?;
+            }
             "fp8_gemm_algo" => {
                 self.fp8_gemm_algo = value.parse().ok().filter(|b| *b <= 7).ok_or_else(bad)?;
             }
@@ -458,7 +461,6 @@ impl fmt::Display for CudaTuning {
             ("fp8_fused_decode", self.fp8_fused_decode, d.fp8_fused_decode),
             ("fp8_fused_act", self.fp8_fused_act, d.fp8_fused_act),
             ("fp8_fused_norm", self.fp8_fused_norm, d.fp8_fused_norm),
-            ("fp8_skinny", self.fp8_skinny, d.fp8_skinny),
         ] {
             if on != default {
                 parts.push(format!("{key}={}", b(on)));
@@ -466,6 +468,9 @@ impl fmt::Display for CudaTuning {
         }
         if self.fp8_gemm_algo != d.fp8_gemm_algo {
             parts.push(format!("fp8_gemm_algo={}", self.fp8_gemm_algo));
+        }
+        if self.fp8_skinny != d.fp8_skinny {
+            parts.push(format!("fp8_skinny={}", self.fp8_skinny));
         }
         if self.fp8_gemv_build != d.fp8_gemv_build {
             parts.push(format!("fp8_gemv_build={}", self.fp8_gemv_build));

@@ -103,7 +103,7 @@ impl StepBuffers {
                 } else {
                     1
                 }
-            } else if dev.tuning().fp8_skinny {
+            } else if dev.tuning().fp8_skinny != 0 {
                 // Steps of up to 64 rows over FP8 weights: o's and down's K slices.
                 ops::FP8_SKINNY_MAX_TOKENS.min(t) * h * ops::FP8_SKINNY_MAX_SLICES
             } else {

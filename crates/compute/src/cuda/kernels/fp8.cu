@@ -532,6 +532,162 @@ GEMM_FP8_SKINNY_KERNEL(gemm_fp8_skinny_t48, 6)
 GEMM_FP8_SKINNY_KERNEL(gemm_fp8_skinny_t64, 8)
 #endif
 
+// gemm_fp8_skinny's product (its arguments, items and outputs) on Hopper's warpgroup FP8 MMAs
+// (`fp8_skinny=2`), which take the e4m3 bytes natively: a block is two warpgroups of 64 weight
+// rows (A) by all 64 token rows (B; rows past t read row t - 1, never stored), both K-major in
+// shared memory with 128-byte swizzling as gemm_wg keeps them (chunk c of a row's 128 bytes at
+// c ^ (row % 8), 1024-byte atoms), so one 128-byte row is one 128-column scale block and its
+// four wgmma m64n64k32 steps advance 32 bytes each. Each step (128 columns) goes into fresh
+// accumulators that are then scaled by their weight row's and token's scales into the sums (the
+// block-scaled GEMM's order of operations). Weights, tokens and token scales stream through a
+// ring of FP8_WG_STAGES stages by cp.async (the weights of the first stages before the
+// programmatic-launch wait), one barrier a step. Block: 256. Dynamic shared memory:
+// 1024 + FP8_WG_STAGES * FP8_WG_STAGE_BYTES (ops::FP8_WG_SMEM_BYTES). Not yet run on a GPU.
+#define FP8_WG_STAGES 6
+#define FP8_WG_STAGE_BYTES 25600
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// d (64 weight rows x 64 tokens, f32) = (acc ? d : 0) + A (64 x 32 e4m3) x B (32 x 64 e4m3).
+__device__ __forceinline__ void fp8_wg_mma(float (&d)[32], u64 a, u64 b, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "%32, %33, p, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(a), "l"(b), "r"(acc)
+                 : "memory");
+}
+
+__device__ __forceinline__ void gemm_fp8_wg_body(const unsigned char* __restrict__ W, const float* __restrict__ wscales,
+                                            const unsigned char* __restrict__ xq, const float* __restrict__ xscales,
+                                            int ld, void* y, int N, int K, int t, int slices, int rounds,
+                                            int f32_out) {
+    extern __shared__ __align__(1024) unsigned char fp8_wg_smem[];
+    u32 ring = ((u32)__cvta_generic_to_shared(fp8_wg_smem) + 1023) & ~1023u;
+    const unsigned char* ring_ptr = fp8_wg_smem + (ring - (u32)__cvta_generic_to_shared(fp8_wg_smem));
+    int tid = threadIdx.x, group = tid >> 7, lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, c = lane & 3;
+    int kb = K / FP8_BLOCK, slice_len = (kb + slices - 1) / slices;
+    int items = (N + SKINNY_ROWS - 1) / SKINNY_ROWS * slices, total = rounds * slice_len;
+    constexpr int AHEAD = FP8_WG_STAGES - 1;
+    // A stage: the two warpgroups' weight tiles (8 KB each), the tokens' (8 KB), their scales.
+    auto weights = [&](int s, int grp) { return ring + (s % FP8_WG_STAGES) * FP8_WG_STAGE_BYTES + grp * 8192; };
+    auto tokens = [&](int s) { return ring + (s % FP8_WG_STAGES) * FP8_WG_STAGE_BYTES + 16384; };
+    auto token_scales = [&](int s) {
+        return reinterpret_cast<const float*>(ring_ptr + (s % FP8_WG_STAGES) * FP8_WG_STAGE_BYTES + 24576);
+    };
+    auto item_of = [&](int s) { return (int)blockIdx.x + s / slice_len * (int)gridDim.x; };
+    auto block_of = [&](int s) {
+        int item = item_of(s), b = item % slices * slice_len + s % slice_len;
+        return s < total && item < items && b < kb ? b : -1;
+    };
+    auto copy16 = [](u32 dst, const void* src) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+    };
+    // Step s's 128 weight rows (rows past N read row N - 1), four 16-byte copies a thread.
+    auto copy_weights = [&](int s) {
+        int b = block_of(s);
+        if (b < 0) return;
+        int n0 = item_of(s) / slices * SKINNY_ROWS;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int j = tid + i * 256, row = j >> 3, chunk = j & 7, r = row & 63;
+            const unsigned char* src = W + (u64)min(n0 + row, N - 1) * K + b * FP8_BLOCK + chunk * 16;
+            copy16(weights(s, row >> 6) + r * 128 + ((chunk ^ (r & 7)) << 4), src);
+        }
+    };
+    // Step s's 64 token rows and their scales (ld of them; those past ld are never stored).
+    auto copy_tokens = [&](int s) {
+        int b = block_of(s);
+        if (b < 0) return;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            int j = tid + i * 256, m = j >> 3, chunk = j & 7;
+            copy16(tokens(s) + m * 128 + ((chunk ^ (m & 7)) << 4), xq + (u64)min(m, t - 1) * K + b * FP8_BLOCK + chunk * 16);
+        }
+        if (tid * 4 < ld) copy16(ring + (s % FP8_WG_STAGES) * FP8_WG_STAGE_BYTES + 24576 + tid * 16, xscales + (u64)b * ld + tid * 4);
+    };
+    for (int s = 0; s < AHEAD; ++s) copy_weights(s);
+    PDL_ENTER();
+    // Group s holds stage s's tokens (and, for group 0, the first stages' weights).
+    for (int s = 0; s < AHEAD; ++s) {
+        copy_tokens(s);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+    // This thread's weight rows (of the warpgroup's 64): 16 warp + g and + 8.
+    int row_lo = group * 64 + warp * 16 + g;
+    float acc[32], d[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = d[i] = 0.0f;
+    for (int s = 0; s < total; ++s) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(AHEAD - 1) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        // Stage s is everyone's; stage s - 1's slot (every warpgroup waited for its products)
+        // takes step s + AHEAD.
+        __syncthreads();
+        copy_weights(s + AHEAD);
+        copy_tokens(s + AHEAD);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        int b = block_of(s);
+        if (b >= 0) {
+            int n0 = item_of(s) / slices * SKINNY_ROWS;
+            float s_lo = __ldg(wscales + (u64)min(n0 + row_lo, N - 1) * kb + b);
+            float s_hi = __ldg(wscales + (u64)min(n0 + row_lo + 8, N - 1) * kb + b);
+            wg_fence();
+            u32 a = weights(s, group), bt = tokens(s);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) fp8_wg_mma(d, wg_desc(a + kk * 32, 16, 1024), wg_desc(bt + kk * 32, 16, 1024), kk);
+            wg_commit();
+            wg_wait_all();
+#pragma unroll
+            for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+            const float* ts = token_scales(s);
+            // d[4j + e]: weight row lo (e 0, 1) or lo + 8 (e 2, 3) by token 8j + 2c + (e & 1).
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                float t0 = ts[8 * j + 2 * c], t1 = ts[8 * j + 2 * c + 1];
+                acc[4 * j] = fmaf(d[4 * j], s_lo * t0, acc[4 * j]);
+                acc[4 * j + 1] = fmaf(d[4 * j + 1], s_lo * t1, acc[4 * j + 1]);
+                acc[4 * j + 2] = fmaf(d[4 * j + 2], s_hi * t0, acc[4 * j + 2]);
+                acc[4 * j + 3] = fmaf(d[4 * j + 3], s_hi * t1, acc[4 * j + 3]);
+            }
+        }
+        if (s % slice_len != slice_len - 1) continue;
+        // The item's last step: its sums leave.
+        int item = item_of(s);
+        if (item < items) {
+            int n0 = item / slices * SKINNY_ROWS + row_lo, slice = item % slices;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                int n = n0 + ((i >> 1) & 1) * 8, m = 8 * (i >> 2) + 2 * c + (i & 1);
+                if (n >= N || m >= t) continue;
+                u64 at = (u64)m * N + n;
+                if (slices > 1) reinterpret_cast<float*>(y)[(u64)slice * t * N + at] = acc[i];
+                else if (f32_out) reinterpret_cast<float*>(y)[at] = acc[i];
+                else reinterpret_cast<bf16*>(y)[at] = f2bf(acc[i]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+#define GEMM_FP8_WG_BODY gemm_fp8_wg_body(W, wscales, xq, xscales, ld, y, N, K, t, slices, rounds, f32_out)
+#else
+#define GEMM_FP8_WG_BODY
+#endif
+#if KERNEL_GROUP(3)
+extern "C" __global__ void __launch_bounds__(256, 1)
+    gemm_fp8_wg(const unsigned char* W, const float* wscales, const unsigned char* xq, const float* xscales, int ld,
+                void* y, int N, int K, int t, int slices, int rounds, int f32_out) {
+    GEMM_FP8_WG_BODY;
+}
+#endif
+
 // The fused decode projection of an FP8 weight (`ops::Gemv` with row scales): gemv_mma's
 // structure (a warp owns a 16-row A tile, up to 8 tokens' inputs from shared memory as B, K
 // split over ksplit warps, the bf16 kernels' prologues and epilogues) reading one byte a

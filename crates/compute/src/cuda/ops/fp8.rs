@@ -240,15 +240,25 @@ pub const FP8_SKINNY_MAX_TOKENS: usize = 64;
 /// Most K slices [`fp8_skinny_slices`] cuts a product into.
 pub const FP8_SKINNY_MAX_SLICES: usize = 8;
 
+/// Dynamic shared memory of `gemm_fp8_wg` (`fp8_skinny=2`): its 1024-byte alignment and a ring
+/// of 6 stages of 25600 bytes (two warpgroups' 64 weight rows, 64 token rows, their scales, 128
+/// columns each).
+pub const FP8_WG_SMEM_BYTES: usize = 1024 + 6 * 25600;
+
 /// Weight rows a block of `gemm_fp8_skinny` owns (8 warps of 16).
 const FP8_SKINNY_ROWS: usize = 128;
 
-/// Whether [`matmul_t_fp8_skinny`] multiplies `t` rows by `m` here: `fp8_skinny` tuned on, more
-/// rows than the decode products take and at most [`FP8_SKINNY_MAX_TOKENS`], whole 128-column
-/// blocks, and tensor cores that multiply e4m3 bytes.
+/// Whether [`matmul_t_fp8_skinny`] multiplies `t` rows by `m` here: `fp8_skinny` tuned to a
+/// build this GPU runs (1: tensor cores that multiply e4m3 bytes, Ada and later; 2: Hopper's
+/// warpgroup MMAs), more rows than the decode products take and at most
+/// [`FP8_SKINNY_MAX_TOKENS`], whole 128-column blocks.
 pub fn fp8_skinny_takes(dev: &CudaDevice, m: &Fp8Matrix, t: usize) -> bool {
-    dev.tuning().fp8_skinny
-        && dev.fp8_mma_capable()
+    let built_here = match dev.tuning().fp8_skinny {
+        1 => dev.fp8_mma_capable(),
+        2 => dev.wgmma_capable(),
+        _ => false,
+    };
+    built_here
         && (FP8_GEMV_MAX_TOKENS + 1..=FP8_SKINNY_MAX_TOKENS).contains(&t)
         && m.n > 0
         && m.k > 0
@@ -285,10 +295,11 @@ pub unsafe fn matmul_t_fp8_skinny(
     if !fp8_skinny_takes(dev, &m, t) || scratch.acts == 0 || t > scratch.tokens || m.k > scratch.cols || slices == 0 {
         return Err(CudaError::Unavailable(format!("no skinny FP8 product of {t} rows by {} columns here", m.k)));
     }
-    let name = match t {
-        ..=32 => "gemm_fp8_skinny_t32",
-        33..=48 => "gemm_fp8_skinny_t48",
-        _ => "gemm_fp8_skinny_t64",
+    let (name, smem) = match (dev.tuning().fp8_skinny, t) {
+        (2, _) => ("gemm_fp8_wg", FP8_WG_SMEM_BYTES),
+        (_, ..=32) => ("gemm_fp8_skinny_t32", 0),
+        (_, 33..=48) => ("gemm_fp8_skinny_t48", 0),
+        _ => ("gemm_fp8_skinny_t64", 0),
     };
     // One block a multiprocessor (the launch bounds: 223 registers a thread), the items
     // shared evenly: as many rounds as that wave needs, then as few blocks as give each that
@@ -296,10 +307,12 @@ pub unsafe fn matmul_t_fp8_skinny(
     let items = m.n.div_ceil(FP8_SKINNY_ROWS) * slices;
     let rounds = items.div_ceil(dev.sm_count().max(1) as usize);
     let blocks = items.div_ceil(rounds) as u32;
+    let mut config = cfg((blocks, 1), 256);
+    config.shared_mem_bytes = smem as u32;
     launch!(
         dev,
         name,
-        cfg((blocks, 1), 256),
+        config,
         m.q,
         m.scales,
         scratch.acts,
