@@ -70,6 +70,11 @@ pub struct BenchEngineArgs {
     pub kv_cache_dtype: crate::engine::KvCacheDtype,
 }
 
+/// The context --profile's decode cases run at, for sequences of `decode_prompt_tokens`.
+fn profile_ctx(decode_prompt_tokens: usize) -> usize {
+    decode_prompt_tokens.max(64)
+}
+
 pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
     let cfg = tandem_bench::engine::EngineBenchConfig {
         decode_batches: a.batch,
@@ -83,7 +88,13 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
         async_scheduling: a.async_scheduling.enabled(matches!(device, DeviceSpec::Cuda(_))),
         ..cfg
     };
-    let engine_cfg = tandem_bench::engine::engine_config(&cfg);
+    let mut engine_cfg = tandem_bench::engine::engine_config(&cfg);
+    // --profile's decode cases run every sequence at a context of at least 64 (`profile_ctx`),
+    // longer than a short benchmark's own sequences: their blocks too.
+    if a.profile {
+        let per_seq = (profile_ctx(a.decode_prompt_tokens) + 1).div_ceil(engine_cfg.block_size);
+        engine_cfg.num_blocks = engine_cfg.num_blocks.max(engine_cfg.max_num_seqs * per_seq + 4);
+    }
     let margs = ModelArgs {
         model: a.model.clone(),
         model_seed: a.model_seed,
@@ -143,7 +154,7 @@ pub(crate) fn bench_engine(a: BenchEngineArgs) -> Result<()> {
             let mut model = model;
             if a.profile {
                 let max_batch = engine_cfg.max_num_seqs;
-                let ctx = a.decode_prompt_tokens.max(64);
+                let ctx = profile_ctx(a.decode_prompt_tokens);
                 let mut cases = vec![
                     (format!("decode, batch 1, context {ctx}"), 1, 1, ctx),
                     (format!("decode, batch {max_batch}, context {ctx}"), max_batch, 1, ctx),
