@@ -1865,13 +1865,7 @@ fn fp8_block_gemm_multiplies_quantized_activations_by_block_scaled_weights() {
         let d_act_scales = dev.zeros::<u8>(ops::Fp8Scratch::act_scale_bytes(most, k)).unwrap();
         let scratch =
             ops::Fp8Scratch { weight: 0, acts: d_acts.ptr(), act_scales: d_act_scales.ptr(), tokens: most, cols: k };
-        // Activations whose 128-column blocks differ elevenfold, so that their scales differ.
-        let x: Vec<u16> = (0..most * k)
-            .map(|i| {
-                let big = ((i / k) * 7 + (i % k) / 128) % 3 == 0;
-                bf16((rng.uniform() - 0.5) * if big { 11.0 } else { 1.0 })
-            })
-            .collect();
+        let x = activations_of_varied_blocks(&mut rng, most, k);
         let d_x = dev.upload(&x).unwrap();
         let (d_f32, d_bf16) = (dev.zeros::<f32>(most * n).unwrap(), dev.zeros::<u16>(most * n).unwrap());
         // Row counts cuBLASLt has no kernel for (the engine's products of them take the bf16
@@ -1939,6 +1933,17 @@ fn fp8_block_gemm_multiplies_quantized_activations_by_block_scaled_weights() {
     }
 }
 
+/// `rows` bf16 activation rows of `k` columns whose 128-column blocks differ elevenfold in
+/// magnitude, so that their FP8 scales differ.
+fn activations_of_varied_blocks(rng: &mut Lcg, rows: usize, k: usize) -> Vec<u16> {
+    (0..rows * k)
+        .map(|i| {
+            let big = ((i / k) * 7 + (i % k) / 128).is_multiple_of(3);
+            bf16((rng.uniform() - 0.5) * if big { 11.0 } else { 1.0 })
+        })
+        .collect()
+}
+
 /// The skinny FP8 product (`fp8_skinny`, `gemm_fp8_skinny`: 17-64 rows already rounded to e4m3
 /// by FP8 weights on e4m3 MMAs) against the host's sum of the same e4m3 operands times their
 /// scales (1e-3 of the sum of magnitudes, as the block-scaled GEMM's test: a block's scale
@@ -1989,13 +1994,7 @@ fn check_fp8_skinny(plain: &CudaDevice, dev: &CudaDevice, build: u8) {
         let d_act_scales = dev.zeros::<u8>(ops::Fp8Scratch::act_scale_bytes(most, k)).unwrap();
         let scratch =
             ops::Fp8Scratch { weight: 0, acts: d_acts.ptr(), act_scales: d_act_scales.ptr(), tokens: most, cols: k };
-        // Activations whose 128-column blocks differ elevenfold, so that their scales differ.
-        let x: Vec<u16> = (0..most * k)
-            .map(|i| {
-                let big = ((i / k) * 7 + (i % k) / 128) % 3 == 0;
-                bf16((rng.uniform() - 0.5) * if big { 11.0 } else { 1.0 })
-            })
-            .collect();
+        let x = activations_of_varied_blocks(&mut rng, most, k);
         let d_x = dev.upload(&x).unwrap();
         let most_slices = ops::FP8_SKINNY_MAX_SLICES;
         let d_out = dev.zeros::<f32>(most_slices * most * n).unwrap();
