@@ -645,7 +645,7 @@ fi
 # its kernel test (timed beside cuBLASLt on Qwen3-32B's shapes; SKIP_TESTS=1 skips it), then bench
 # engine on FP8_MODEL (preset:qwen3-32b) at SKINNY_BATCHES (24,64) in bf16, in FP8 on cuBLASLt and
 # in FP8 on each skinny build (1 e4m3 mma.sync, 2 warpgroup MMAs), in the same call (the issue's
-# ratios); SKINNY_PROFILE=1 adds where batch 64 spends its time on build SKINNY_BUILD (2; with a
+# ratios; SKINNY_RUNS picks among bf16,fp8,fp8_mma,fp8_wg,fp8_wg3); SKINNY_PROFILE=1 adds where batch 64 spends its time on build SKINNY_BUILD (2; with a
 # prefill of 8192, whose cache holds the 64 sequences: 256 tokens' does not).
 if [ "$MODE" = fp8-skinny ]; then
   if [ -z "${SKIP_TESTS:-}" ]; then
@@ -653,8 +653,10 @@ if [ "$MODE" = fp8-skinny ]; then
     grep -E "^fp8 skinny" /tmp/test_cuda_kernels.log | tee -a "$OUT/summary.txt"
   fi
   for run in "bf16:" "fp8:--quantization fp8" "fp8_mma:--quantization fp8 --cuda-tune fp8_skinny=1" \
-    "fp8_wg:--quantization fp8 --cuda-tune fp8_skinny=2"; do
+    "fp8_wg:--quantization fp8 --cuda-tune fp8_skinny=2" \
+    "fp8_wg3:--quantization fp8 --cuda-tune fp8_skinny=3"; do
     label=${run%%:*}
+    case ",${SKINNY_RUNS:-bf16,fp8,fp8_mma,fp8_wg,fp8_wg3}," in *",$label,"*) ;; *) continue ;; esac
     # shellcheck disable=SC2086  # the arguments split into words
     timeout 300 "$BIN/tandem" bench engine --device cuda:0 --model "${FP8_MODEL:-preset:qwen3-32b}" ${run#*:} \
       --batch "${SKINNY_BATCHES:-24,64}" --decode-steps 16 --prefill-tokens 256 > "$OUT/skinny_$label.log" 2>&1 || status=1

@@ -135,9 +135,9 @@ pub struct EngineArgs {
     /// fp8_gemm_algo=0..=7 (0: cuBLASLt's first candidate for the block-scaled products),
     /// fp8_fused_act=0|1 (1: SiLU x up rounds its output to FP8 for down in the same kernel),
     /// fp8_fused_norm=0|1 (1: the norms before qkv and gate/up round their output to FP8 in
-    /// the same kernel), fp8_skinny=0|1|2 (steps of 17-64 rows over FP8 weights on a
+    /// the same kernel), fp8_skinny=0|1|2|3 (steps of 17-64 rows over FP8 weights on a
     /// hand-written product instead of cuBLASLt's: 1 on e4m3 mma.sync, measured slower on
-    /// Hopper; 2 on Hopper's warpgroup FP8 MMAs).
+    /// Hopper; 2 on Hopper's warpgroup FP8 MMAs; 3 the same, its MMAs overlapped).
     #[arg(help_heading = "Device", long = "cuda-tune", value_name = "KEY=VALUE", value_parser = parse_cuda_tune)]
     pub cuda_tune: Vec<String>,
     /// Give every request the output it would get alone: run kernels whose arithmetic for one

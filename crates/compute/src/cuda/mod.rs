@@ -501,7 +501,9 @@ impl CudaDevice {
         for stages in ops::SKINNY_WG_STAGES {
             allow_smem(ops::skinny_wg_kernel(stages), ops::skinny_wg_smem_bytes(stages).min(smem_block_optin))?;
         }
-        allow_smem("gemm_fp8_wg", ops::FP8_WG_SMEM_BYTES.min(smem_block_optin))?;
+        for name in ["gemm_fp8_wg", "gemm_fp8_wg_t32", "gemm_fp8_wg_t64"] {
+            allow_smem(name, ops::FP8_WG_SMEM_BYTES.min(smem_block_optin))?;
+        }
         for build in ops::SKINNY_NORM_BUILDS {
             let most = ops::skinny_norm_smem_bytes(ops::SKINNY_NORM_MAX_K, build);
             allow_smem(ops::skinny_norm_kernel(build), most.min(smem_block_optin.saturating_sub(2048)))?;

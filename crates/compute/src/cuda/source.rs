@@ -227,5 +227,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemm_fp8_skinny_t48",
     "gemm_fp8_skinny_t64",
     "gemm_fp8_wg",
+    "gemm_fp8_wg_t32",
+    "gemm_fp8_wg_t64",
     "gemv_fp8_t16_k4",
 ];

@@ -155,7 +155,9 @@ pub struct CudaTuning {
     /// against 99.3; the decode step 33.8 ms against 16.1), as Hopper has no e4m3 `mma.sync`:
     /// ptxas lowers each to conversions of both operands to f16 (`F2FP.F16.E4M3.UNPACK_B`) and
     /// two f16 MMAs; kept as the comparison. 2: `gemm_fp8_wg`, Hopper's warpgroup FP8 MMAs
-    /// (native `QGMMA`), not yet run on a GPU.
+    /// (native `QGMMA`; H100: right, 1.3-1.7x cuBLASLt's time before its weight scales came
+    /// through the ring). 3: the same with a step's MMAs running while the previous step's
+    /// are scaled, and 32-token tiles up to 32 rows (`gemm_fp8_wg_t32` / `_t64`).
     pub fp8_skinny: u8,
 }
 
@@ -280,7 +282,7 @@ impl CudaTuning {
         ("fp8_gemm_algo", "0..=7 (default 0)"),
         ("fp8_fused_act", "0|1 (default 1)"),
         ("fp8_fused_norm", "0|1 (default 1)"),
-        ("fp8_skinny", "0|1|2 (default 0)"),
+        ("fp8_skinny", "0|1|2|3 (default 0)"),
     ];
 
     /// Sets `key` to `value`; the error names the key and what it takes.
@@ -355,7 +357,7 @@ impl CudaTuning {
             "fp8_fused_act" => self.fp8_fused_act = flag()?,
             "fp8_fused_norm" => self.fp8_fused_norm = flag()?,
             "fp8_skinny" => {
-                self.fp8_skinny = value.parse().ok().filter(|b| *b <= 2).ok_or_else(bad)?;
+                self.fp8_skinny = value.parse().ok().filter(|b| *b <= 3).ok_or_else(bad)?;
             }
             "fp8_gemm_algo" => {
                 self.fp8_gemm_algo = value.parse().ok().filter(|b| *b <= 7).ok_or_else(bad)?;

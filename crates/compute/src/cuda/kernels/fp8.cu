@@ -541,8 +541,9 @@ GEMM_FP8_SKINNY_KERNEL(gemm_fp8_skinny_t64, 8)
 // accumulators that are then scaled by their weight row's and token's scales into the sums (the
 // block-scaled GEMM's order of operations). Weights, tokens and token scales stream through a
 // ring of FP8_WG_STAGES stages by cp.async (the weights of the first stages before the
-// programmatic-launch wait), one barrier a step. Block: 256. Dynamic shared memory:
-// 1024 + FP8_WG_STAGES * FP8_WG_STAGE_BYTES (ops::FP8_WG_SMEM_BYTES). Not yet run on a GPU.
+// programmatic-launch wait), one barrier a step; the weight rows' scales come the same way.
+// Block: 256. Dynamic shared memory: 1024 + FP8_WG_STAGES * FP8_WG_STAGE_BYTES
+// (ops::FP8_WG_SMEM_BYTES).
 #define FP8_WG_STAGES 6
 #define FP8_WG_STAGE_BYTES 25600
 
@@ -580,6 +581,8 @@ __device__ __forceinline__ void gemm_fp8_wg_body(const unsigned char* __restrict
     auto token_scales = [&](int s) {
         return reinterpret_cast<const float*>(ring_ptr + (s % FP8_WG_STAGES) * FP8_WG_STAGE_BYTES + 24576);
     };
+    // The 128 weight rows' scales of the step's block, after the tokens' 64.
+    auto weight_scales = [&](int s) { return ring + (s % FP8_WG_STAGES) * FP8_WG_STAGE_BYTES + 24576 + 256; };
     auto item_of = [&](int s) { return (int)blockIdx.x + s / slice_len * (int)gridDim.x; };
     auto block_of = [&](int s) {
         int item = item_of(s), b = item % slices * slice_len + s % slice_len;
@@ -598,6 +601,12 @@ __device__ __forceinline__ void gemm_fp8_wg_body(const unsigned char* __restrict
             int j = tid + i * 256, row = j >> 3, chunk = j & 7, r = row & 63;
             const unsigned char* src = W + (u64)min(n0 + row, N - 1) * K + b * FP8_BLOCK + chunk * 16;
             copy16(weights(s, row >> 6) + r * 128 + ((chunk ^ (r & 7)) << 4), src);
+        }
+        // Their scales ride the ring too: a load waited on each step stalls the whole block for
+        // a round trip to memory that is saturated by the weights' stream.
+        if (tid < SKINNY_ROWS) {
+            const float* src = wscales + (u64)min(n0 + tid, N - 1) * kb + b;
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(weight_scales(s) + tid * 4), "l"(src) : "memory");
         }
     };
     // Step s's 64 token rows and their scales (ld of them; those past ld are never stored).
@@ -634,9 +643,8 @@ __device__ __forceinline__ void gemm_fp8_wg_body(const unsigned char* __restrict
         asm volatile("cp.async.commit_group;\n" ::: "memory");
         int b = block_of(s);
         if (b >= 0) {
-            int n0 = item_of(s) / slices * SKINNY_ROWS;
-            float s_lo = __ldg(wscales + (u64)min(n0 + row_lo, N - 1) * kb + b);
-            float s_hi = __ldg(wscales + (u64)min(n0 + row_lo + 8, N - 1) * kb + b);
+            const float* ws = reinterpret_cast<const float*>(ring_ptr + (weight_scales(s) - ring));
+            float s_lo = ws[row_lo], s_hi = ws[row_lo + 8];
             wg_fence();
             u32 a = weights(s, group), bt = tokens(s);
 #pragma unroll
@@ -677,8 +685,169 @@ __device__ __forceinline__ void gemm_fp8_wg_body(const unsigned char* __restrict
     asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 #define GEMM_FP8_WG_BODY gemm_fp8_wg_body(W, wscales, xq, xscales, ld, y, N, K, t, slices, rounds, f32_out)
+
+// d (64 weight rows x 32 tokens, f32) = (acc ? d : 0) + A (64 x 32 e4m3) x B (32 x 32 e4m3).
+__device__ __forceinline__ void fp8_wg_mma(float (&d)[16], u64 a, u64 b, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                 "%16, %17, p, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+                   "+f"(d[15])
+                 : "l"(a), "l"(b), "r"(acc)
+                 : "memory");
+}
+
+// `fp8_skinny=3`: gemm_fp8_wg's product with its MMAs off the critical path. Two sets of
+// accumulators take turns: step s's MMAs run while step s - 1's are scaled into the sums, so a
+// step costs its barrier and copies plus the larger of the two, not their sum; the ring runs
+// FP8_WG_STAGES - 2 steps ahead, so the slot a step's copies fill is that of step s - 2, whose
+// MMAs every warpgroup waited for before the barrier. TOK token rows (32 where t <= 32: half the
+// MMA work and token bytes, wgmma m64n32k32; else 64). Same stage layout as gemm_fp8_wg.
+template <int TOK>
+__device__ __forceinline__ void gemm_fp8_wg_pipe(const unsigned char* __restrict__ W,
+                                                 const float* __restrict__ wscales,
+                                                 const unsigned char* __restrict__ xq,
+                                                 const float* __restrict__ xscales, int ld, void* y, int N, int K,
+                                                 int t, int slices, int rounds, int f32_out) {
+    constexpr int DN = TOK / 2;  // accumulators a thread: 64 x TOK over 128 threads
+    constexpr int AHEAD = FP8_WG_STAGES - 2;
+    extern __shared__ __align__(1024) unsigned char fp8_wg_smem[];
+    u32 ring = ((u32)__cvta_generic_to_shared(fp8_wg_smem) + 1023) & ~1023u;
+    const unsigned char* ring_ptr = fp8_wg_smem + (ring - (u32)__cvta_generic_to_shared(fp8_wg_smem));
+    int tid = threadIdx.x, group = tid >> 7, lane = tid & 31, warp = (tid >> 5) & 3, c = lane & 3;
+    int kb = K / FP8_BLOCK, slice_len = (kb + slices - 1) / slices;
+    int items = (N + SKINNY_ROWS - 1) / SKINNY_ROWS * slices, total = rounds * slice_len;
+    auto stage = [&](int s) { return (u32)((s % FP8_WG_STAGES) * FP8_WG_STAGE_BYTES); };
+    auto item_of = [&](int s) { return (int)blockIdx.x + s / slice_len * (int)gridDim.x; };
+    auto block_of = [&](int s) {
+        int item = item_of(s), b = item % slices * slice_len + s % slice_len;
+        return s < total && item < items && b < kb ? b : -1;
+    };
+    auto copy16 = [](u32 dst, const void* src) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+    };
+    auto copy_weights = [&](int s) {
+        int b = block_of(s);
+        if (b < 0) return;
+        int n0 = item_of(s) / slices * SKINNY_ROWS;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int j = tid + i * 256, row = j >> 3, chunk = j & 7, r = row & 63;
+            const unsigned char* src = W + (u64)min(n0 + row, N - 1) * K + b * FP8_BLOCK + chunk * 16;
+            copy16(ring + stage(s) + (row >> 6) * 8192 + r * 128 + ((chunk ^ (r & 7)) << 4), src);
+        }
+        if (tid < SKINNY_ROWS) {
+            const float* src = wscales + (u64)min(n0 + tid, N - 1) * kb + b;
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(ring + stage(s) + 24832 + tid * 4),
+                         "l"(src)
+                         : "memory");
+        }
+    };
+    auto copy_tokens = [&](int s) {
+        int b = block_of(s);
+        if (b < 0) return;
+#pragma unroll
+        for (int i = 0; i < TOK / 32; ++i) {
+            int j = tid + i * 256, m = j >> 3, chunk = j & 7;
+            copy16(ring + stage(s) + 16384 + m * 128 + ((chunk ^ (m & 7)) << 4),
+                   xq + (u64)min(m, t - 1) * K + b * FP8_BLOCK + chunk * 16);
+        }
+        if (tid * 4 < ld) copy16(ring + stage(s) + 24576 + tid * 16, xscales + (u64)b * ld + tid * 4);
+    };
+    for (int s = 0; s < AHEAD; ++s) copy_weights(s);
+    PDL_ENTER();
+    for (int s = 0; s < AHEAD; ++s) {
+        copy_tokens(s);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+    int row_lo = group * 64 + warp * 16 + (lane >> 2);
+    float acc[DN], d0[DN], d1[DN];
+#pragma unroll
+    for (int i = 0; i < DN; ++i) acc[i] = d0[i] = d1[i] = 0.0f;
+    // Step p's products (in `prev`, its MMAs waited for) into the sums; the item's last step
+    // sends them out.
+    auto sum_step = [&](int p, float (&prev)[DN]) {
+#pragma unroll
+        for (int i = 0; i < DN; ++i) asm volatile("" : "+f"(prev[i])::"memory");
+        if (block_of(p) >= 0) {
+            const float* ts = reinterpret_cast<const float*>(ring_ptr + stage(p) + 24576);
+            const float* ws = reinterpret_cast<const float*>(ring_ptr + stage(p) + 24832);
+            float s_lo = ws[row_lo], s_hi = ws[row_lo + 8];
+            // prev[4j + e]: weight row lo (e 0, 1) or lo + 8 (e 2, 3) by token 8j + 2c + (e & 1).
+#pragma unroll
+            for (int j = 0; j < DN / 4; ++j) {
+                float t0 = ts[8 * j + 2 * c], t1 = ts[8 * j + 2 * c + 1];
+                acc[4 * j] = fmaf(prev[4 * j], s_lo * t0, acc[4 * j]);
+                acc[4 * j + 1] = fmaf(prev[4 * j + 1], s_lo * t1, acc[4 * j + 1]);
+                acc[4 * j + 2] = fmaf(prev[4 * j + 2], s_hi * t0, acc[4 * j + 2]);
+                acc[4 * j + 3] = fmaf(prev[4 * j + 3], s_hi * t1, acc[4 * j + 3]);
+            }
+        }
+        if (p % slice_len != slice_len - 1) return;
+        int item = item_of(p);
+        if (item < items) {
+            int n0 = item / slices * SKINNY_ROWS + row_lo, slice = item % slices;
+#pragma unroll
+            for (int i = 0; i < DN; ++i) {
+                int n = n0 + ((i >> 1) & 1) * 8, m = 8 * (i >> 2) + 2 * c + (i & 1);
+                if (n >= N || m >= t) continue;
+                u64 at = (u64)m * N + n;
+                if (slices > 1) reinterpret_cast<float*>(y)[(u64)slice * t * N + at] = acc[i];
+                else if (f32_out) reinterpret_cast<float*>(y)[at] = acc[i];
+                else reinterpret_cast<bf16*>(y)[at] = f2bf(acc[i]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < DN; ++i) acc[i] = 0.0f;
+    };
+    // Step s: its MMAs into `cur`, then step s - 1's products (in `prev`) into the sums. The MMAs
+    // run whether or not the step has a block (its stage's bytes are then stale and its products
+    // unused): accumulators written on some paths only would be copied between registers while
+    // an MMA writes them, and ptxas would wait for every MMA to keep that safe.
+    auto mma_step = [&](int s, float (&cur)[DN]) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(AHEAD - 1) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        copy_weights(s + AHEAD);
+        copy_tokens(s + AHEAD);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        wg_fence();
+        u32 a = ring + stage(s) + group * 8192, bt = ring + stage(s) + 16384;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            fp8_wg_mma(cur, wg_desc(a + kk * 32, 16, 1024), wg_desc(bt + kk * 32, 16, 1024), kk);
+        wg_commit();
+    };
+    auto step = [&](int s, float (&cur)[DN], float (&prev)[DN]) {
+        mma_step(s, cur);
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        sum_step(s - 1, prev);
+    };
+    if (total > 0) {
+        mma_step(0, d0);
+        int s = 1;
+        for (; s + 1 < total; s += 2) {
+            step(s, d1, d0);
+            step(s + 1, d0, d1);
+        }
+        if (s < total) {
+            step(s, d1, d0);
+            wg_wait_all();
+            sum_step(s, d1);
+        } else {
+            wg_wait_all();
+            sum_step(s - 1, d0);
+        }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+#define GEMM_FP8_WG_PIPE_BODY(TOK) \
+    gemm_fp8_wg_pipe<TOK>(W, wscales, xq, xscales, ld, y, N, K, t, slices, rounds, f32_out)
 #else
 #define GEMM_FP8_WG_BODY
+#define GEMM_FP8_WG_PIPE_BODY(TOK)
 #endif
 #if KERNEL_GROUP(3)
 extern "C" __global__ void __launch_bounds__(256, 1)
@@ -686,6 +855,14 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                 void* y, int N, int K, int t, int slices, int rounds, int f32_out) {
     GEMM_FP8_WG_BODY;
 }
+#define GEMM_FP8_WG_PIPE_KERNEL(NAME, TOK)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                        \
+        NAME(const unsigned char* W, const float* wscales, const unsigned char* xq, const float* xscales, int ld, \
+             void* y, int N, int K, int t, int slices, int rounds, int f32_out) {                               \
+        GEMM_FP8_WG_PIPE_BODY(TOK);                                                                             \
+    }
+GEMM_FP8_WG_PIPE_KERNEL(gemm_fp8_wg_t32, 32)
+GEMM_FP8_WG_PIPE_KERNEL(gemm_fp8_wg_t64, 64)
 #endif
 
 // The fused decode projection of an FP8 weight (`ops::Gemv` with row scales): gemv_mma's

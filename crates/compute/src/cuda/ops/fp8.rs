@@ -240,7 +240,7 @@ pub const FP8_SKINNY_MAX_TOKENS: usize = 64;
 /// Most K slices [`fp8_skinny_slices`] cuts a product into.
 pub const FP8_SKINNY_MAX_SLICES: usize = 8;
 
-/// Dynamic shared memory of `gemm_fp8_wg` (`fp8_skinny=2`): its 1024-byte alignment and a ring
+/// Dynamic shared memory of `gemm_fp8_wg` and `gemm_fp8_wg_t32` / `_t64` (`fp8_skinny=2`, `3`): its 1024-byte alignment and a ring
 /// of 6 stages of 25600 bytes (two warpgroups' 64 weight rows, 64 token rows, their scales, 128
 /// columns each).
 pub const FP8_WG_SMEM_BYTES: usize = 1024 + 6 * 25600;
@@ -255,7 +255,7 @@ const FP8_SKINNY_ROWS: usize = 128;
 pub fn fp8_skinny_takes(dev: &CudaDevice, m: &Fp8Matrix, t: usize) -> bool {
     let built_here = match dev.tuning().fp8_skinny {
         1 => dev.fp8_mma_capable(),
-        2 => dev.wgmma_capable(),
+        2 | 3 => dev.wgmma_capable(),
         _ => false,
     };
     built_here
@@ -297,6 +297,8 @@ pub unsafe fn matmul_t_fp8_skinny(
     }
     let (name, smem) = match (dev.tuning().fp8_skinny, t) {
         (2, _) => ("gemm_fp8_wg", FP8_WG_SMEM_BYTES),
+        (3, ..=32) => ("gemm_fp8_wg_t32", FP8_WG_SMEM_BYTES),
+        (3, _) => ("gemm_fp8_wg_t64", FP8_WG_SMEM_BYTES),
         (_, ..=32) => ("gemm_fp8_skinny_t32", 0),
         (_, 33..=48) => ("gemm_fp8_skinny_t48", 0),
         _ => ("gemm_fp8_skinny_t64", 0),
