@@ -2443,3 +2443,154 @@ fn invariant_matmul_rows_do_not_depend_on_the_row_count() {
 fn kernel_cache() -> Option<std::path::PathBuf> {
     std::env::var_os("TANDEM_CACHE_DIR").map(std::path::PathBuf::from)
 }
+
+/// A mixture of experts' kernels against the host (`ops::moe_*`, the CPU engine's rules): the
+/// chosen experts and their weights (softmax, the most probable first, the lower index among
+/// equal logits, renormalised or not), the grouping (each expert's entries in entry order, every
+/// entry's place), each expert's products over its entries only (from the tokens' rows and from
+/// grouped rows; bf16 and f32 out), and each token's outputs summed in ascending expert order.
+/// Expert counts that are not a power of two, tokens whose entries pass one 1024-entry chunk.
+#[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu/run.sh runs it with --include-ignored)"]
+fn moe_kernels_route_group_and_combine_as_the_host_does() {
+    let Some(dev) = device() else { return };
+    let mut rng = Lcg(53);
+    for (experts, top_k, t, norm) in [(8usize, 2usize, 1usize, true), (60, 4, 5, false), (128, 8, 200, true)] {
+        // Logits with exact ties (a few values repeat) and spread enough that the device's expf
+        // cannot reorder distinct ones.
+        let logits: Vec<f32> = (0..t * experts).map(|_| (rng.next() % 97) as f32 * 0.05).collect();
+        let d_logits = dev.upload(&logits).unwrap();
+        let (d_ids, d_weights) = (dev.zeros::<i32>(t * top_k).unwrap(), dev.zeros::<f32>(t * top_k).unwrap());
+        unsafe {
+            ops::moe_route(&dev, d_logits.ptr(), (d_ids.ptr(), d_weights.ptr()), t, experts, top_k, norm).unwrap()
+        };
+        let (ids, weights) = (dev.read(&d_ids, t * top_k).unwrap(), dev.read(&d_weights, t * top_k).unwrap());
+        for token in 0..t {
+            let l = &logits[token * experts..][..experts];
+            let most = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = l.iter().map(|&v| f64::from(v - most).exp()).sum();
+            let prob = |e: usize| f64::from(l[e] - most).exp() / sum;
+            let mut order: Vec<usize> = (0..experts).collect();
+            order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+            let chosen = &order[..top_k];
+            let total: f64 = if norm { chosen.iter().map(|&e| prob(e)).sum() } else { 1.0 };
+            for (slot, &e) in chosen.iter().enumerate() {
+                let i = token * top_k + slot;
+                assert_eq!(ids[i] as usize, e, "{experts} experts, token {token} slot {slot}");
+                let want = prob(e) / total;
+                assert!(
+                    (f64::from(weights[i]) - want).abs() <= 1e-5 * want.max(1e-3),
+                    "token {token} slot {slot} weight"
+                );
+            }
+        }
+        // Grouping: each expert's entries in entry order.
+        let n = t * top_k;
+        let (d_offsets, d_order, d_where) =
+            (dev.zeros::<i32>(experts + 1).unwrap(), dev.zeros::<i32>(n).unwrap(), dev.zeros::<i32>(n).unwrap());
+        unsafe {
+            ops::moe_group(&dev, d_ids.ptr(), (d_offsets.ptr(), d_order.ptr(), d_where.ptr()), n, experts).unwrap()
+        };
+        let (offsets, order, where_at) = (
+            dev.read(&d_offsets, experts + 1).unwrap(),
+            dev.read(&d_order, n).unwrap(),
+            dev.read(&d_where, n).unwrap(),
+        );
+        let mut want_order = Vec::with_capacity(n);
+        let mut want_offsets = vec![0i32];
+        for e in 0..experts {
+            want_order.extend((0..n).filter(|&i| ids[i] as usize == e).map(|i| i as i32));
+            want_offsets.push(want_order.len() as i32);
+        }
+        assert_eq!(offsets, want_offsets, "{experts} experts: offsets");
+        assert_eq!(order, want_order, "{experts} experts: order");
+        for (p, &i) in order.iter().enumerate() {
+            assert_eq!(where_at[i as usize], p as i32, "entry {i}'s place");
+        }
+        // The experts' products: [n_rows, k] per expert, from the tokens' rows, then from grouped rows.
+        let (rows_out, k) = (24usize, 64usize);
+        let w: Vec<u16> = (0..experts * rows_out * k).map(|_| bf16(rng.uniform())).collect();
+        let x: Vec<u16> = (0..t * k).map(|_| bf16(rng.uniform())).collect();
+        let (d_w, d_x) = (dev.upload(&w).unwrap(), dev.upload(&x).unwrap());
+        let d_y = dev.zeros::<u16>(n * rows_out).unwrap();
+        let by_token = ops::MoeRows::ByToken { top_k };
+        let groups = (d_offsets.ptr(), d_order.ptr());
+        unsafe {
+            ops::moe_expert_rows(
+                &dev,
+                d_w.ptr(),
+                (rows_out, k),
+                experts,
+                (d_x.ptr(), by_token),
+                groups,
+                (d_y.ptr(), false),
+            )
+            .unwrap()
+        };
+        let y = dev.read(&d_y, n * rows_out).unwrap();
+        let dot = |e: usize, r: usize, xs: &[u16]| -> f32 {
+            (0..k).map(|c| f32_of(w[(e * rows_out + r) * k + c]) * f32_of(xs[c])).sum()
+        };
+        for (p, &i) in order.iter().enumerate() {
+            let (token, e) = (i as usize / top_k, ids[i as usize] as usize);
+            for r in 0..rows_out {
+                let want = dot(e, r, &x[token * k..][..k]);
+                let got = f32_of(y[p * rows_out + r]);
+                assert!(
+                    (got - want).abs() <= bf16_step(want) + 1e-4,
+                    "expert {e}, place {p}, row {r}: {got} vs {want}"
+                );
+            }
+        }
+        // Grouped inputs (as SiLU leaves them), f32 out: row p of `y` is place p's input.
+        let d_y32 = dev.zeros::<f32>(n * rows_out).unwrap();
+        let k2 = rows_out; // 24: a multiple of 8
+        let w2: Vec<u16> = (0..experts * rows_out * k2).map(|_| bf16(rng.uniform())).collect();
+        let d_w2 = dev.upload(&w2).unwrap();
+        unsafe {
+            let grouped = (d_y.ptr(), ops::MoeRows::Grouped);
+            ops::moe_expert_rows(&dev, d_w2.ptr(), (rows_out, k2), experts, grouped, groups, (d_y32.ptr(), true))
+                .unwrap()
+        };
+        let y32 = dev.read(&d_y32, n * rows_out).unwrap();
+        for (p, &i) in order.iter().enumerate() {
+            let e = ids[i as usize] as usize;
+            for r in 0..rows_out {
+                let want: f64 = (0..k2)
+                    .map(|c| {
+                        f64::from(f32_of(w2[(e * rows_out + r) * k2 + c])) * f64::from(f32_of(y[p * rows_out + c]))
+                    })
+                    .sum();
+                let mag: f64 = (0..k2)
+                    .map(|c| {
+                        (f64::from(f32_of(w2[(e * rows_out + r) * k2 + c])) * f64::from(f32_of(y[p * rows_out + c])))
+                            .abs()
+                    })
+                    .sum();
+                assert!(
+                    (f64::from(y32[p * rows_out + r]) - want).abs() <= 1e-5 * mag + 1e-6,
+                    "grouped place {p} row {r}"
+                );
+            }
+        }
+        // Each token's outputs weighted and summed in ascending expert order.
+        let d_out = dev.zeros::<f32>(t * rows_out).unwrap();
+        unsafe {
+            let routes = (d_where.ptr(), d_ids.ptr(), d_weights.ptr());
+            ops::moe_combine(&dev, d_y32.ptr(), routes, d_out.ptr(), t, top_k, rows_out).unwrap()
+        };
+        let out = dev.read(&d_out, t * rows_out).unwrap();
+        for token in 0..t {
+            let mut slots: Vec<usize> = (0..top_k).collect();
+            slots.sort_by_key(|&s| ids[token * top_k + s]);
+            for c in 0..rows_out {
+                let want = slots.iter().fold(0.0f32, |acc, &s| {
+                    let i = token * top_k + s;
+                    acc + y32[where_at[i] as usize * rows_out + c] * weights[i]
+                });
+                let got = out[token * rows_out + c];
+                assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "token {token} column {c}: {got} vs {want}");
+            }
+        }
+    }
+}

@@ -213,6 +213,8 @@ pub use skinny::{
     SkinnyBuild, SkinnyNormOutput, SkinnyNormShape, SkinnyShape, SKINNY_MAX_TOKENS, SKINNY_NORM_BUILDS,
     SKINNY_NORM_MAX_K, SKINNY_NORM_MAX_TOKENS, SKINNY_STAGES, SKINNY_WG_STAGES,
 };
+mod moe;
+pub use moe::{moe_combine, moe_expert_rows, moe_group, moe_route, MoeRows, MOE_MAX_EXPERTS, MOE_MAX_TOP_K};
 mod attention;
 pub use attention::{
     attention_max_stages, attention_mma_smem_bytes, attention_mma_takes, attention_rows, attention_rows_smem_bytes,

@@ -14,6 +14,8 @@ pub const KERNEL_SOURCE: &str = concat!(
     include_str!("kernels/attention.cu"),
     "\n",
     include_str!("kernels/sampling.cu"),
+    "\n",
+    include_str!("kernels/moe.cu"),
 );
 
 /// Every kernel the source defines (the loader checks each one is present).
@@ -230,4 +232,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "gemm_fp8_wg_t32",
     "gemm_fp8_wg_t64",
     "gemv_fp8_t16_k4",
+    "moe_route",
+    "moe_group",
+    "moe_expert_rows",
+    "moe_combine",
 ];
