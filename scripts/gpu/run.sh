@@ -71,7 +71,7 @@
 #   faults [LABEL ...]: issue 28's faults 1-4 and corruption on the GPU path, one soak each (push and
 #   pull over cuda-ipc, --batch-invariant; late-writes, frozen-peer, expired-lease, dropped-done,
 #   corrupt; FAULT_SECS per mode), each line with both engines' KV transfer counters;
-#   tests [BINARY ...]: only those GPU test binaries (default cuda_model and cuda_engine);
+#   tests [BINARY ...]: only those GPU test binaries (default cuda_model and cuda_engine; TEST_FILTER);
 #   sanitize [TOOL [TEST_FILTER]]: the kernel tests (those matching TEST_FILTER) under
 #   compute-sanitizer's TOOL (memcheck, the default; racecheck, initcheck, synccheck).
 #
@@ -715,9 +715,10 @@ if [ "$MODE" = fp8-builds ]; then
   exit $status
 fi
 if [ "$MODE" = tests ]; then
-  # tests [BINARY ...]: only those GPU test binaries (default cuda_model cuda_engine).
+  # tests [BINARY ...]: only those GPU test binaries (default cuda_model cuda_engine); TEST_FILTER
+  # keeps the tests whose names contain it (`TEST_FILTER=moe run.sh tests cuda_kernels`).
   shift
-  for t in "${@:-cuda_model cuda_engine}"; do for b in $t; do run_test "$b"; done; done
+  for t in "${@:-cuda_model cuda_engine}"; do for b in $t; do run_test "$b" "${TEST_FILTER:-}"; done; done
   cat "$OUT/summary.txt"; exit $status
 fi
 if [ "$MODE" = sweep ]; then
